@@ -1,0 +1,40 @@
+# Kiln: `make build CONFIG=tiny-llama-fp8.yaml` and `make test` are all a fresh machine needs.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+CONFIG ?= tiny-llama-fp8.yaml
+ARGS ?=
+
+PY := $(VENV)/bin/python
+KILN := $(VENV)/bin/kiln
+STAMP := $(VENV)/.kiln-installed
+
+.PHONY: venv build serve test bench lint clean-venv
+
+# The pinned PyTorch goes in first, so nothing that depends on torch can pull a different (multi-GB) build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[serve,dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+build: venv
+	$(KILN) build $(CONFIG) $(ARGS)
+
+serve: venv
+	$(KILN) serve $(CONFIG) $(ARGS)
+
+test: venv
+	$(VENV)/bin/pytest -q $(ARGS)
+
+bench: venv
+	$(KILN) bench $(CONFIG) $(ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+clean-venv:
+	rm -rf $(VENV)

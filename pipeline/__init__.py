@@ -1,0 +1,1 @@
+"""The pipeline: config, stage graph and the kiln CLI."""

@@ -1,0 +1,54 @@
+"""Choose the backend and the device a build targets, and say why."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from runtime.errors import KilnError
+
+
+class BackendUnavailableError(KilnError):
+    """The requested backend cannot run on this machine."""
+
+
+TRTLLM_INSTALL_HINT = (
+    "install TensorRT-LLM 1.2.x on a GPU machine: pip install 'tensorrt-llm>=1.2,<1.3' "
+    "--extra-index-url https://pypi.nvidia.com (see docs/tensorrt-llm.md), or use --backend native"
+)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The backend and device in force, and the reason they were chosen."""
+
+    backend: str
+    device: str
+    reason: str
+
+
+def trtllm_available() -> bool:
+    """True when the ``tensorrt_llm`` package is importable (without importing it: that is slow)."""
+    return importlib.util.find_spec("tensorrt_llm") is not None
+
+
+def choose_backend(requested: str, device: str) -> BackendChoice:
+    """Resolve ``auto`` for backend and device; never fails (availability is checked by :func:`require`)."""
+    has_cuda = torch.cuda.is_available()
+    resolved_device = ("cuda" if has_cuda else "cpu") if device == "auto" else device
+    if requested != "auto":
+        return BackendChoice(requested, resolved_device, f"backend {requested} requested")
+    if trtllm_available() and has_cuda:
+        return BackendChoice("trtllm", "cuda", "auto: tensorrt_llm is installed and a GPU is present")
+    why = "tensorrt_llm is not installed" if not trtllm_available() else "no CUDA GPU is present"
+    return BackendChoice("native", resolved_device, f"auto: {why}, so Kiln's native engine")
+
+
+def require(choice: BackendChoice) -> None:
+    """Raise a clear error when the chosen backend or device cannot run here."""
+    if choice.device == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailableError("build.device is cuda but no CUDA GPU is visible; use device: auto or cpu")
+    if choice.backend == "trtllm" and not trtllm_available():
+        raise BackendUnavailableError(f"backend trtllm needs TensorRT-LLM, which is not installed; {TRTLLM_INSTALL_HINT}")

@@ -1,0 +1,64 @@
+"""The ``kiln`` command line."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pipeline.config import load_config
+from pipeline.console import friendly_errors, print_json, stage_progress, stdout
+
+app = typer.Typer(help="Kiln: a Hugging Face checkpoint to a quantized, cached, served engine.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+ConfigArg = Annotated[str, typer.Argument(help="A config file, or a name under configs/ (tiny-llama-fp8.yaml).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")]
+
+
+@app.command()
+@friendly_errors
+def build(
+    config: ConfigArg,
+    backend: Annotated[str | None, typer.Option(help="auto, native or trtllm (default: the config's).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even when the cache has the outputs.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and key; run nothing.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Quantize, build, publish and smoke-test an engine, skipping what the cache already has."""
+    from pipeline import runner
+    from pipeline.summary import print_plan, print_result
+
+    if backend not in (None, "auto", "native", "trtllm"):
+        raise typer.BadParameter(f"--backend must be auto, native or trtllm, not {backend!r}")
+    ctx = runner.prepare(config, backend=backend, force=force, dry_run=dry_run)
+    decisions = runner.decide(ctx)
+    if dry_run:
+        plan = runner.plan_json(ctx, decisions)
+        print_json(plan) if json_out else print_plan(plan)
+        return
+    with stage_progress(enabled=not json_out) as progress:
+        result = runner.run(ctx, decisions, progress)
+    print_json(result) if json_out else print_result(result)
+
+
+@config_app.command("show")
+@friendly_errors
+def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
+    """Print the resolved config: every field, defaults filled in, paths made absolute."""
+    loaded = load_config(config)
+    data = loaded.config.model_dump(mode="json")
+    if json_out:
+        print_json(data)
+        return
+    import yaml
+
+    stdout.print(f"# {loaded.path}", highlight=False)
+    stdout.print(yaml.safe_dump(data, sort_keys=False), highlight=False, end="")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

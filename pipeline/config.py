@@ -1,0 +1,187 @@
+"""The Kiln config file: schema (pydantic, strict), loading, and errors that name file, line and field."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+
+from calibration.recipe import QuantizeRecipe
+from pipeline.yaml_source import ConfigError, line_of, load_yaml_with_lines
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS_DIR = REPO_ROOT / "configs"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelSection(_Section):
+    """Where the checkpoint comes from and the dtype the engine computes in."""
+
+    path: str = Field(description="A local directory (relative to the config file) or a Hugging Face model id.")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    revision: str | None = Field(None, description="Hub revision when path is a model id.")
+    allow_download: bool = Field(False, description="Fetch from the hub when the model is not on disk.")
+
+
+class BuildSection(_Section):
+    """Engine build plan. Only the semantic fields enter the engine cache key."""
+
+    backend: Literal["auto", "native", "trtllm"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_batch_size: PositiveInt = 8
+    max_input_len: PositiveInt = 1024
+    max_seq_len: PositiveInt = 2048
+    max_num_tokens: PositiveInt = 2048
+    tokens_per_block: PositiveInt = 16
+    tp_size: PositiveInt = 1
+    pp_size: PositiveInt = 1
+    workers: PositiveInt = Field(1, description="Parallel build workers (not part of the cache key).")
+    timeout_s: PositiveInt = Field(7200, description="Build timeout in seconds (not part of the cache key).")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> BuildSection:
+        if self.max_input_len > self.max_seq_len:
+            raise ValueError(
+                f"max_input_len ({self.max_input_len}) must not exceed max_seq_len ({self.max_seq_len})"
+            )
+        if self.tokens_per_block & (self.tokens_per_block - 1):
+            raise ValueError(f"tokens_per_block ({self.tokens_per_block}) must be a power of two")
+        return self
+
+    def semantic(self) -> dict:
+        """The fields that change what the engine computes or how it is laid out (the cache key's part)."""
+        return self.model_dump(exclude={"backend", "device", "workers", "timeout_s", "log_level"})
+
+
+class CacheSection(_Section):
+    """The engine cache; ``$KILN_CACHE`` overrides ``dir``."""
+
+    dir: str = "~/.cache/kiln"
+    max_size_gb: float = Field(100.0, gt=0)
+    max_entries: PositiveInt = 64
+    verify_on_load: Literal["size", "hash"] = "size"
+
+    def root(self) -> Path:
+        """The cache root in force: ``$KILN_CACHE`` when set, else ``dir``."""
+        return Path(os.environ.get("KILN_CACHE") or self.dir).expanduser().resolve()
+
+
+class ServeSection(_Section):
+    """The OpenAI-compatible server."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: str | None = None
+    max_queue: PositiveInt = 256
+
+
+class SmokeSection(_Section):
+    """What the smoke stage generates after loading the engine."""
+
+    prompt: str = "Once upon a time"
+    max_tokens: PositiveInt = 16
+
+
+class KilnConfig(_Section):
+    """A whole Kiln config file."""
+
+    model: ModelSection
+    quantize: QuantizeRecipe = Field(default_factory=QuantizeRecipe)
+    build: BuildSection = Field(default_factory=BuildSection)
+    cache: CacheSection = Field(default_factory=CacheSection)
+    serve: ServeSection = Field(default_factory=ServeSection)
+    smoke: SmokeSection = Field(default_factory=SmokeSection)
+
+
+class LoadedConfig(BaseModel):
+    """A validated config and where it came from."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    path: Path
+    config: KilnConfig
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """A path as given, or a bare name (``tiny-llama-fp8.yaml``, ``tiny-llama-fp8``) under ``configs/``."""
+    path = Path(name_or_path)
+    if path.exists() or path.parent != Path("."):
+        return path.resolve()
+    for candidate in (CONFIGS_DIR / path, CONFIGS_DIR / f"{path}.yaml"):
+        if candidate.exists():
+            return candidate
+    return path.resolve()
+
+
+def load_config(name_or_path: str | Path) -> LoadedConfig:
+    """Read and validate a config; raise ConfigError naming ``file:line: field`` on the first problem."""
+    path = resolve_config_path(name_or_path)
+    data, lines = load_yaml_with_lines(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with a 'model' section at the top level")
+    _absolutise_paths(data, path.parent)
+    try:
+        config = KilnConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path, lines)) from None
+    return LoadedConfig(path=path, config=config)
+
+
+def _absolutise_paths(data: dict, base: Path) -> None:
+    """Make relative local paths absolute against the config file's folder (hub ids and keywords stay)."""
+    model = data.get("model")
+    if isinstance(model, dict) and isinstance(model.get("path"), str):
+        candidate = base / model["path"]
+        if model["path"].startswith((".", "/", "~")) or candidate.exists():
+            model["path"] = str(candidate.expanduser().resolve())
+    quantize = data.get("quantize")
+    if isinstance(quantize, dict):
+        for field in ("dataset", "heldout"):
+            value = quantize.get(field)
+            if isinstance(value, str) and value != "bundled" and not value.startswith("hf:"):
+                quantize[field] = str((base / value).expanduser().resolve())
+    cache = data.get("cache")
+    if isinstance(cache, dict) and isinstance(cache.get("dir"), str) and not cache["dir"].startswith(("/", "~")):
+        cache["dir"] = str((base / cache["dir"]).resolve())
+
+
+def _describe(exc: ValidationError, path: Path, lines: dict[tuple[str, ...], int]) -> str:
+    """One line per problem: ``file:line: field: message``."""
+    messages = []
+    for error in exc.errors():
+        loc = tuple(str(part) for part in error["loc"])
+        if error["type"] == "value_error":
+            loc = _narrow_to_field(loc, error["msg"].removeprefix("Value error, "), lines)
+        field = ".".join(loc) or "(top level)"
+        line = line_of(lines, loc)
+        where = f"{path}:{line}" if line else str(path)
+        kind = error["type"]
+        if kind == "extra_forbidden":
+            section = ".".join(loc[:-1]) or "the top level"
+            text = f"unknown key '{loc[-1]}' in {section}; check the spelling against docs/config.md"
+        elif kind == "missing":
+            text = "is required"
+        else:
+            text = error["msg"].removeprefix("Value error, ")
+            if "input" in error and kind not in ("value_error", "assertion_error"):
+                text += f" (got {error['input']!r})"
+        if kind == "value_error" and loc and text.startswith(loc[-1] + " "):
+            messages.append(f"{where}: {'.'.join(loc[:-1])}.{text}")  # the message already starts with the field
+        else:
+            messages.append(f"{where}: {field}: {text}")
+    return "\n".join(messages)
+
+
+def _narrow_to_field(loc: tuple[str, ...], message: str, lines: dict[tuple[str, ...], int]) -> tuple[str, ...]:
+    """A section-level check names its field first (``max_input_len (…) must …``): point at that field's line."""
+    first_word = message.split(" ", 1)[0]
+    return (*loc, first_word) if (*loc, first_word) in lines else loc

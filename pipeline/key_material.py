@@ -1,0 +1,41 @@
+"""What the quantized-checkpoint key and the engine key are made of (canonical JSON, hashed by engines.cache)."""
+
+from __future__ import annotations
+
+from calibration.recipe import QuantizeRecipe
+from calibration.quantize import recipe_material
+from pipeline.backend import BackendChoice
+from pipeline.config import KilnConfig
+from runtime.engine_format import ENGINE_FORMAT_VERSION
+from runtime.fingerprint import machine_fingerprint
+
+KEY_SCHEMA = 1
+
+
+def quantized_material(checkpoint_hash: str, recipe: QuantizeRecipe) -> dict:
+    """Key material of a quantized checkpoint: the input's content and the effective recipe, nothing else."""
+    return {"key_schema": KEY_SCHEMA, "kind": "quantized", "checkpoint": checkpoint_hash,
+            "recipe": recipe_material(recipe)}
+
+
+def engine_material(checkpoint_hash: str, quantized_key: str | None, config: KilnConfig, choice: BackendChoice) -> dict:
+    """Key material of an engine: checkpoint, recipe, semantic build options, backend, toolchain, hardware."""
+    machine = machine_fingerprint(choice.device)
+    return {
+        "key_schema": KEY_SCHEMA,
+        "kind": "engine",
+        "checkpoint": checkpoint_hash,
+        "quantization": {"recipe": recipe_material(config.quantize), "quantized_key": quantized_key},
+        "model_dtype": config.model.dtype,
+        "build": config.build.semantic(),
+        "backend": choice.backend,
+        "engine_format_version": ENGINE_FORMAT_VERSION,
+        "toolchain": {name: machine.get(name) for name in ("torch", "triton", "cuda")},
+        "hardware": {
+            "device": machine["device"],
+            "gpu_name": machine.get("gpu_name"),
+            "compute_capability": machine.get("compute_capability"),
+            "tp_size": config.build.tp_size,
+            "pp_size": config.build.pp_size,
+        },
+    }

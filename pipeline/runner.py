@@ -1,0 +1,112 @@
+"""Plan and run ``kiln build``: resolve inputs, decide each stage, run what is not up to date."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from engines.cache import EngineCache, checkpoint_hash
+from pipeline.backend import choose_backend, require
+from pipeline.config import LoadedConfig, load_config
+from pipeline.model_source import find_model, resolve_model
+from pipeline.stages import BuildContext, BuildStage, Decision, PublishStage, QuantizeStage, SmokeStage
+
+ProgressFactory = Callable[[str], Callable[[str, float], None]]
+
+GB = 1024**3
+
+
+def open_cache(loaded: LoadedConfig, *, create: bool) -> EngineCache | None:
+    """The engine cache the config names; None when it does not exist yet and ``create`` is false."""
+    section = loaded.config.cache
+    root = section.root()
+    if not create and not (root / "v1").is_dir():
+        return None
+    return EngineCache.open(root, max_size_bytes=int(section.max_size_gb * GB), max_entries=section.max_entries,
+                            verify_on_load=section.verify_on_load)
+
+
+def _hash_checkpoint(model_dir: Path, cache: EngineCache | None) -> str:
+    memo = cache.root / "v1" / "hashmemo.sqlite" if cache else None
+    return checkpoint_hash(model_dir, memo_path=memo)
+
+
+def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bool) -> BuildContext:
+    """Resolve config, backend, model and keys. A dry run tolerates a missing model; a real run does not."""
+    loaded = load_config(config)
+    choice = choose_backend(backend or loaded.config.build.backend, loaded.config.build.device)
+    if dry_run:
+        model_dir = find_model(loaded.config.model)
+        cache = open_cache(loaded, create=False)
+    else:
+        model_dir = resolve_model(loaded.config.model)
+        require(choice)
+        cache = open_cache(loaded, create=True)
+    ckpt = _hash_checkpoint(model_dir, cache) if model_dir else None
+    ctx = BuildContext(loaded=loaded, choice=choice, cache=cache, model_dir=model_dir, checkpoint_hash=ckpt,
+                       force=force)
+    ctx.compute_keys()
+    return ctx
+
+
+def decide(ctx: BuildContext) -> list[tuple[object, Decision]]:
+    """The stage list with the runner's decision for each."""
+    quantize, build, publish, smoke = QuantizeStage(), BuildStage(), PublishStage(), SmokeStage()
+    if ctx.cache is None and ctx.checkpoint_hash is not None:  # dry run against a cache that does not exist yet
+        q = (Decision("quantize", "skip", "format none: the checkpoint is used as it is")
+             if ctx.config.quantize.format == "none" else Decision("quantize", "run", "cache miss (new: empty cache)"))
+        b = Decision("build", "run", "cache miss (new: empty cache)")
+    else:
+        q, b = quantize.decide(ctx), build.decide(ctx)
+    if ctx.model_dir is None:
+        missing = f"model files not found for model.path {ctx.config.model.path}"
+        q = Decision("quantize", q.action, f"{missing}; {q.reason}") if q.action == "run" else q
+        b = Decision("build", "run", f"{missing}; the engine key cannot be computed")
+    return [(quantize, q), (build, b), (publish, publish.decide(ctx, b)), (smoke, smoke.decide(ctx))]
+
+
+def plan_json(ctx: BuildContext, decisions: list[tuple[object, Decision]]) -> dict:
+    """The plan as printed by ``--dry-run --json``."""
+    return {
+        "config": str(ctx.loaded.path),
+        "backend": ctx.choice.backend,
+        "backend_reason": ctx.choice.reason,
+        "device": ctx.choice.device,
+        "stages": [d.to_json() for _, d in decisions],
+        "engine_key": ctx.engine_key,
+        "quantized_key": ctx.quantized_key,
+        "key_material": ctx.material,
+    }
+
+
+def run(ctx: BuildContext, decisions: list[tuple[object, Decision]], progress: ProgressFactory | None = None) -> dict:
+    """Run the stages in order and return the plan plus the run's results."""
+    timings: dict[str, float] = {}
+    for stage, decision in decisions:
+        report = progress(stage.name) if progress else (lambda *_: None)
+        start = time.perf_counter()
+        if decision.action == "run":
+            stage.run(ctx, report)
+        else:
+            stage.on_skip(ctx)
+        report("done", 1.0)
+        timings[stage.name] = round(time.perf_counter() - start, 3)
+    result = plan_json(ctx, decisions)
+    result.update({
+        "engine_dir": str(ctx.engine_dir.resolve()),
+        "cache": {"hit": ctx.cache_hit, "reason": ctx.cache_reason},
+        "load_ms": round(ctx.load_ms, 2) if ctx.load_ms is not None else None,
+        "build_seconds": round(ctx.build_seconds, 3),
+        "stage_seconds": timings,
+        "quantization": _quantization_summary(ctx),
+        "sample": ctx.sample,
+    })
+    return result
+
+
+def _quantization_summary(ctx: BuildContext) -> dict | None:
+    report = ctx.calibration
+    if not report:
+        return None
+    return {key: report.get(key) for key in ("format", "converged", "gate", "fallback_from", "samples_used")}

@@ -1,0 +1,231 @@
+"""The stages of ``kiln build``: quantize → build → publish → smoke.
+
+Each stage declares its inputs (key material), its output (a cache entry or a measurement) and a fingerprint (the
+key of that output). The runner, not the stage, decides whether to run it, and always says why.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from engines.cache import EngineCache, engine_key
+from pipeline.backend import BackendChoice
+from pipeline.config import LoadedConfig
+from pipeline.key_material import engine_material, quantized_material
+
+Action = Literal["run", "skip"]
+ProgressFn = "Callable[[str, float], None]"
+
+
+@dataclass
+class Decision:
+    """What the runner will do with a stage, and why."""
+
+    name: str
+    action: Action
+    reason: str
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "action": self.action, "reason": self.reason, **self.extra}
+
+
+@dataclass
+class BuildContext:
+    """Everything the stages share: inputs resolved up front, outputs filled in as stages run."""
+
+    loaded: LoadedConfig
+    choice: BackendChoice
+    cache: EngineCache | None
+    model_dir: Path | None
+    checkpoint_hash: str | None
+    force: bool = False
+    quantized_key: str | None = None
+    engine_key: str | None = None
+    material: dict | None = None
+    checkpoint_dir: Path | None = None
+    calibration: dict | None = None
+    engine_dir: Path | None = None
+    cache_hit: bool = False
+    cache_reason: str = ""
+    build_seconds: float = 0.0
+    load_ms: float | None = None
+    sample: dict | None = None
+
+    @property
+    def config(self):
+        return self.loaded.config
+
+    def compute_keys(self) -> None:
+        """Fill in the quantized and engine keys from the inputs (needs the checkpoint hash)."""
+        if self.checkpoint_hash is None:
+            return
+        if self.config.quantize.format != "none":
+            self.quantized_key = engine_key(quantized_material(self.checkpoint_hash, self.config.quantize))
+        self.material = engine_material(self.checkpoint_hash, self.quantized_key, self.config, self.choice)
+        self.engine_key = engine_key(self.material)
+
+
+class QuantizeStage:
+    """Calibrate, gate and export the checkpoint (content-addressed in the cache's ``quantized/`` part)."""
+
+    name = "quantize"
+
+    def fingerprint(self, ctx: BuildContext) -> str | None:
+        return ctx.quantized_key
+
+    def decide(self, ctx: BuildContext) -> Decision:
+        fmt = ctx.config.quantize.format
+        if fmt == "none":
+            return Decision(self.name, "skip", "format none: the checkpoint is used as it is")
+        if ctx.checkpoint_hash is None:
+            return Decision(self.name, "run", "model files are not on disk, so nothing can be looked up")
+        if ctx.force:
+            return Decision(self.name, "run", "--force")
+        lookup = ctx.cache.quantized.lookup(ctx.quantized_key, record=False)
+        if lookup.hit:
+            return Decision(self.name, "skip", f"{fmt} checkpoint {ctx.quantized_key[:12]} is in the cache")
+        return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe in the cache ({lookup.reason})")
+
+    def run(self, ctx: BuildContext, progress) -> None:
+        from calibration.quantize import quantize_checkpoint
+
+        material = quantized_material(ctx.checkpoint_hash, ctx.config.quantize)
+        describe = {"model": ctx.model_dir.name, "format": ctx.config.quantize.format, "backend": "-", "gpu": "-"}
+
+        def build(tmp: Path) -> dict:
+            report = quantize_checkpoint(ctx.model_dir, ctx.config.quantize, tmp, device=ctx.choice.device,
+                                         dtype="float32" if ctx.choice.device == "cpu" else ctx.config.model.dtype,
+                                         progress=progress)
+            return {"calibration": _report_summary(report)}
+
+        result = ctx.cache.quantized.get_or_build(ctx.quantized_key, material, build, force=ctx.force,
+                                                   describe=describe, on_wait=lambda msg: progress(msg, 0.0))
+        self.adopt(ctx, result.payload_dir)
+
+    def adopt(self, ctx: BuildContext, payload_dir: Path) -> None:
+        """Point the context at a stored quantized checkpoint (after a run, or on a hit)."""
+        ctx.checkpoint_dir = payload_dir / "hf"
+        ctx.calibration = json.loads((payload_dir / "calibration_report.json").read_text())
+
+    def on_skip(self, ctx: BuildContext) -> None:
+        if ctx.config.quantize.format == "none":
+            ctx.checkpoint_dir = ctx.model_dir
+            return
+        lookup = ctx.cache.quantized.lookup(ctx.quantized_key)
+        self.adopt(ctx, lookup.entry_dir / "checkpoint")
+
+
+class BuildStage:
+    """Build the engine from the (quantized) checkpoint into a temporary folder of the cache."""
+
+    name = "build"
+
+    def fingerprint(self, ctx: BuildContext) -> str | None:
+        return ctx.engine_key
+
+    def decide(self, ctx: BuildContext) -> Decision:
+        if ctx.engine_key is None:
+            return Decision(self.name, "run", "model files are not on disk, so the engine key cannot be computed")
+        if ctx.force:
+            return Decision(self.name, "run", "--force")
+        lookup = ctx.cache.entries.lookup(ctx.engine_key, ctx.material, record=False)
+        if lookup.hit:
+            return Decision(self.name, "skip", f"engine {ctx.engine_key[:12]} is in the cache")
+        return Decision(self.name, "run", f"cache miss ({lookup.reason})")
+
+    def run(self, ctx: BuildContext, progress) -> None:
+        from engines.native_builder import build_native_engine
+
+        cfg = ctx.config
+        plan = {**cfg.build.semantic(), "kv_cache_dtype": _kv_dtype(ctx)}
+        for name in ("tp_size", "pp_size"):
+            plan.pop(name)
+        describe = {"model": ctx.model_dir.name, "format": _shipped_format(ctx), "backend": ctx.choice.backend,
+                    "gpu": ctx.material["hardware"]["gpu_name"] or "cpu"}
+
+        def build(tmp: Path) -> dict:
+            progress("building native engine", 0.0)
+            engine = build_native_engine(ctx.checkpoint_dir, tmp, plan, cfg.model.dtype, device=ctx.choice.device)
+            return {"engine": {"format": engine["format"], "quantization": engine["quantization"]},
+                    "calibration": _report_summary(ctx.calibration) if ctx.calibration else None}
+
+        result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
+                                                 describe=describe, on_wait=lambda msg: progress(msg, 0.0))
+        ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = result.payload_dir, result.hit, result.reason
+        ctx.build_seconds = result.build_seconds
+
+    def on_skip(self, ctx: BuildContext) -> None:
+        lookup = ctx.cache.entries.lookup(ctx.engine_key, ctx.material)
+        if not lookup.hit:  # vanished or found corrupt since the plan was made: build after all
+            self.run(ctx, lambda *_: None)
+            return
+        ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = lookup.entry_dir / "engine", True, "hit"
+
+
+class PublishStage:
+    """Make the new engine visible under its final path: the store's fsync-manifest-rename, checked here."""
+
+    name = "publish"
+
+    def fingerprint(self, ctx: BuildContext) -> str | None:
+        return ctx.engine_key
+
+    def decide(self, ctx: BuildContext, build: Decision) -> Decision:
+        if build.action == "skip":
+            return Decision(self.name, "skip", "the engine is already published in the cache")
+        return Decision(self.name, "run", "publish the new engine atomically (manifest last, one rename)")
+
+    def run(self, ctx: BuildContext, progress) -> None:
+        manifest = ctx.engine_dir.parent / "manifest.json"
+        if not manifest.is_file():
+            raise RuntimeError(f"engine {ctx.engine_key} has no manifest after publishing: {manifest}")
+
+    def on_skip(self, ctx: BuildContext) -> None:
+        return None
+
+
+class SmokeStage:
+    """Load the engine through ``runtime`` (timing the load) and generate a few tokens."""
+
+    name = "smoke"
+
+    def fingerprint(self, ctx: BuildContext) -> str | None:
+        return None
+
+    def decide(self, ctx: BuildContext) -> Decision:
+        return Decision(self.name, "run", "always: loads the engine and generates a few tokens")
+
+    def run(self, ctx: BuildContext, progress) -> None:
+        from runtime import LLM, SamplingParams
+
+        smoke = ctx.config.smoke
+        progress("loading engine", 0.0)
+        start = time.perf_counter()
+        llm = LLM.load(ctx.engine_dir, device=ctx.choice.device)
+        ctx.load_ms = (time.perf_counter() - start) * 1000
+        ctx.cache.record_load(ctx.engine_key, ctx.load_ms)
+        try:
+            progress("generating", 0.5)
+            out = llm.generate([smoke.prompt], SamplingParams(max_tokens=smoke.max_tokens, temperature=0.0))[0]
+        finally:
+            llm.close()
+        ctx.sample = {"prompt": smoke.prompt, "text": out.text, "tokens": len(out.token_ids)}
+
+
+def _kv_dtype(ctx: BuildContext) -> str:
+    return "fp8" if ctx.config.quantize.kv_cache_dtype == "fp8" else ctx.config.model.dtype
+
+
+def _shipped_format(ctx: BuildContext) -> str:
+    return (ctx.calibration or {}).get("format", ctx.config.quantize.format)
+
+
+def _report_summary(report: dict) -> dict:
+    """The part of a calibration report that belongs in build records and summaries."""
+    keys = ("format", "converged", "gate", "fallback_from", "samples_used")
+    return {k: report.get(k) for k in keys}

@@ -1,0 +1,55 @@
+"""The short human summary printed at the end of ``kiln build`` and ``kiln build --dry-run``."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from pipeline.console import stdout
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_plan(plan: dict) -> None:
+    """Stages with their action and reason, the backend and the key."""
+    table = Table(box=None, show_header=True, header_style="bold")
+    for column in ("stage", "action", "reason"):
+        table.add_column(column)
+    for stage in plan["stages"]:
+        style = "green" if stage["action"] == "skip" else "yellow"
+        table.add_row(stage["name"], f"[{style}]{stage['action']}[/]", stage["reason"])
+    stdout.print(table)
+    stdout.print(f"backend   {plan['backend']} on {plan['device']} ({plan['backend_reason']})", highlight=False)
+    stdout.print(f"engine    {plan['engine_key'] or '- (unknown until the model is on disk)'}", highlight=False)
+
+
+def print_result(result: dict) -> None:
+    """Plan, quantization verdict and gate figures, cache hit or miss, load latency and the sample."""
+    print_plan(result)
+    quant = result.get("quantization")
+    if quant:
+        verdict = "converged" if quant.get("converged") else "not converged"
+        gate = quant.get("gate") or {}
+        gate_text = "passed" if gate.get("passed") else "FAILED"
+        shipped = quant.get("format")
+        fallback = f" (fell back from {quant['fallback_from']})" if quant.get("fallback_from") else ""
+        stdout.print(
+            f"quantize  {shipped}{fallback}: {verdict}; gate {gate_text}: "
+            f"ppl +{_fmt(_pct(gate.get('ppl_increase')), '.2f')}%, KL {_fmt(gate.get('kl'), '.4f')}, "
+            f"top-1 {_fmt(_pct(gate.get('top1_agreement')), '.1f')}%",
+            highlight=False,
+        )
+    cache = result["cache"]
+    hit = "[green]hit[/]" if cache["hit"] else f"[yellow]miss[/] ({cache['reason']})"
+    saved = f", {result['build_seconds']:.1f} s of build saved" if cache["hit"] and result.get("build_seconds") else ""
+    stdout.print(f"cache     {hit}{saved}")
+    stdout.print(f"engine    {result['engine_dir']}", highlight=False)
+    stdout.print(f"load      {_fmt(result['load_ms'], '.1f')} ms")
+    sample = result.get("sample")
+    if sample:
+        stdout.print(f"sample    {sample['prompt']!r} → {sample['text']!r}", highlight=False)
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else value * 100

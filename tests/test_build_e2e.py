@@ -1,0 +1,126 @@
+"""``kiln build`` end to end on the tiny bundled model, through the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "models" / "tiny-llama"
+
+
+def kiln(*args: str, cache: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "KILN_CACHE": str(cache), "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, cwd=REPO,
+                          env=environment, timeout=600)
+
+
+def build_json(config: str, cache: Path, *extra: str) -> dict:
+    proc = kiln("build", config, "--json", *extra, cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kiln-cache")
+
+
+@pytest.mark.slow
+def test_dry_run_prints_plan_key_and_material_without_running(cache):
+    proc = kiln("build", "configs/tiny-llama-fp8.yaml", "--dry-run", "--json", cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert [s["name"] for s in plan["stages"]] == ["quantize", "build", "publish", "smoke"]
+    assert all(s["action"] in ("run", "skip") and s["reason"] for s in plan["stages"])
+    assert len(plan["engine_key"]) == 64 and int(plan["engine_key"], 16) >= 0
+    assert plan["backend"] == "native"
+    material = plan["key_material"]
+    assert material["checkpoint"] and material["build"]["max_seq_len"] == 512
+    assert material["hardware"]["device"] in ("cpu", "cuda")
+    assert not (cache / "v1" / "entries").exists() or not any((cache / "v1" / "entries").iterdir())
+
+
+@pytest.mark.slow
+def test_dry_run_works_without_model_files(tmp_path):
+    config = tmp_path / "absent.yaml"
+    config.write_text("model:\n  path: ./no-such-model\nquantize:\n  format: fp8\n")
+    proc = kiln("build", str(config), "--dry-run", "--json", cache=tmp_path / "cache")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["engine_key"] is None
+    assert "not found" in plan["stages"][1]["reason"]
+
+
+@pytest.mark.slow
+def test_fp8_build_runs_every_stage_then_hits_the_cache(cache):
+    first = build_json("configs/tiny-llama-fp8.yaml", cache)
+    assert Path(first["engine_dir"]).is_absolute() and (Path(first["engine_dir"]) / "engine.json").is_file()
+    assert first["cache"]["hit"] is False
+    assert first["quantization"]["format"] == "fp8" and first["quantization"]["gate"]["passed"]
+    assert first["sample"]["tokens"] > 0 and first["load_ms"] > 0
+
+    second = build_json("configs/tiny-llama-fp8.yaml", cache)
+    actions = {s["name"]: s["action"] for s in second["stages"]}
+    assert actions == {"quantize": "skip", "build": "skip", "publish": "skip", "smoke": "run"}
+    assert second["cache"] == {"hit": True, "reason": "hit"}
+    assert second["engine_key"] == first["engine_key"] and second["load_ms"] > 0
+    assert second["sample"]["text"] == first["sample"]["text"]
+
+
+@pytest.mark.slow
+def test_bf16_engine_generates_what_transformers_generates(cache):
+    from runtime import LLM, SamplingParams
+
+    result = build_json("configs/tiny-llama-bf16.yaml", cache)
+    assert {s["name"]: s["action"] for s in result["stages"]}["quantize"] == "skip"
+    prompt = "Monday, Tuesday,"
+    llm = LLM.load(result["engine_dir"], device="cpu")
+    try:
+        ours = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0].token_ids
+    finally:
+        llm.close()
+    assert ours == _transformers_greedy(prompt, 24)
+
+
+def _transformers_greedy(prompt: str, max_new_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=tokenizer.pad_token_id)
+    generated = out[0, ids.shape[1]:].tolist()
+    eos = tokenizer.eos_token_id
+    return generated[: generated.index(eos) + 1] if eos in generated else generated
+
+
+@pytest.mark.slow
+def test_missing_model_fails_fast_with_one_clear_line_and_writes_nothing(tmp_path):
+    cache = tmp_path / "cache"
+    proc = kiln("build", "llama3-8b-fp8.yaml", cache=cache, env={"HF_HOME": str(tmp_path / "hf"),
+                                                                  "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert "meta-llama/Meta-Llama-3-8B-Instruct" in proc.stderr and "not on disk" in proc.stderr
+    assert not cache.exists()
+
+
+@pytest.mark.slow
+def test_config_errors_exit_non_zero_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: ../models/tiny-llama\nbuild:\n  max_batch_size: many\n")
+    proc = kiln("build", str(bad), cache=tmp_path / "cache")
+    assert proc.returncode == 2
+    assert "bad.yaml:4: build.max_batch_size" in proc.stderr and "Traceback" not in proc.stderr
+    missing = kiln("build", "no-such-config.yaml", cache=tmp_path / "cache")
+    assert missing.returncode == 2 and "config file not found" in missing.stderr
+    assert not (tmp_path / "cache").exists()

@@ -1,0 +1,80 @@
+"""Config validation: good files load; bad ones name file, line and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import CONFIGS_DIR, ConfigError, load_config, resolve_config_path
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kiln.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path):
+    assert load_config(path).config.model.path
+
+
+def test_bare_name_resolves_under_configs():
+    assert resolve_config_path("tiny-llama-fp8.yaml") == CONFIGS_DIR / "tiny-llama-fp8.yaml"
+    assert resolve_config_path("tiny-llama-fp8") == CONFIGS_DIR / "tiny-llama-fp8.yaml"
+
+
+def test_defaults_fill_every_section_but_the_model(tmp_path):
+    config = load_config(write(tmp_path, "model:\n  path: org/some-model\n")).config
+    assert config.model.dtype == "bfloat16"
+    assert config.quantize.format == "none"
+    assert config.build.backend == "auto"
+    assert config.serve.host == "127.0.0.1"
+
+
+def test_relative_model_path_is_taken_from_the_config_folder(tmp_path):
+    config = load_config(write(tmp_path, "model:\n  path: ./weights\n")).config
+    assert config.model.path == str((tmp_path / "weights").resolve())
+
+
+def test_unknown_key_names_file_line_and_field(tmp_path):
+    path = write(tmp_path, "model:\n  path: org/m\nbuild:\n  max_batch_size: 4\n  max_bach_size: 8\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}:5: build.max_bach_size: unknown key 'max_bach_size'")
+
+
+def test_wrong_type_names_the_field_and_value(tmp_path):
+    path = write(tmp_path, "model:\n  path: org/m\nbuild:\n  max_seq_len: lots\n")
+    with pytest.raises(ConfigError, match=r"kiln.yaml:4: build.max_seq_len: .*integer.*'lots'"):
+        load_config(path)
+
+
+def test_impossible_lengths_point_at_the_offending_field(tmp_path):
+    path = write(tmp_path, "model:\n  path: org/m\nbuild:\n  max_seq_len: 8192\n  max_input_len: 16384\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}:5: build.max_input_len (16384) must not exceed max_seq_len (8192)"
+
+
+def test_bad_dtype_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r":3: model.dtype: .*'bfloat16'.*'int3'"):
+        load_config(write(tmp_path, "model:\n  path: org/m\n  dtype: int3\n"))
+
+
+def test_missing_model_section_is_required(tmp_path):
+    with pytest.raises(ConfigError, match=r"kiln.yaml:1: model: is required"):
+        load_config(write(tmp_path, "build:\n  max_batch_size: 4\n"))
+
+
+def test_missing_file_and_bad_yaml_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"kiln.yaml:2: not valid YAML"):
+        load_config(write(tmp_path, "model:\n  path: [unclosed\n"))
+
+
+def test_unknown_quantize_key_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r":4: quantize.formatt: unknown key"):
+        load_config(write(tmp_path, "model:\n  path: org/m\nquantize:\n  formatt: fp8\n"))
