@@ -174,8 +174,10 @@ def _describe(exc: ValidationError, path: Path, lines: dict[tuple[str, ...], int
             text = error["msg"].removeprefix("Value error, ")
             if "input" in error and kind not in ("value_error", "assertion_error"):
                 text += f" (got {error['input']!r})"
-        if kind == "value_error" and loc and text.startswith(loc[-1] + " "):
-            messages.append(f"{where}: {'.'.join(loc[:-1])}.{text}")  # the message already starts with the field
+        section = ".".join(loc[:-1])
+        if kind == "value_error" and loc and text.startswith((f"{loc[-1]} ", f"{section}.{loc[-1]} ")):
+            text = text.removeprefix(f"{section}.")  # the message already starts with the field
+            messages.append(f"{where}: {section}.{text}")
         else:
             messages.append(f"{where}: {field}: {text}")
     return "\n".join(messages)
@@ -183,5 +185,5 @@ def _describe(exc: ValidationError, path: Path, lines: dict[tuple[str, ...], int
 
 def _narrow_to_field(loc: tuple[str, ...], message: str, lines: dict[tuple[str, ...], int]) -> tuple[str, ...]:
     """A section-level check names its field first (``max_input_len (…) must …``): point at that field's line."""
-    first_word = message.split(" ", 1)[0]
-    return (*loc, first_word) if (*loc, first_word) in lines else loc
+    field = message.split(" ", 1)[0].split(".")[-1]
+    return (*loc, field) if (*loc, field) in lines else loc

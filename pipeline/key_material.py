@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from calibration.recipe import QuantizeRecipe
-from calibration.quantize import recipe_material
+from calibration.recipe import QuantizeRecipe, recipe_material
 from pipeline.backend import BackendChoice
 from pipeline.config import KilnConfig
 from runtime.engine_format import ENGINE_FORMAT_VERSION
