@@ -51,4 +51,6 @@ def require(choice: BackendChoice) -> None:
     if choice.device == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailableError("build.device is cuda but no CUDA GPU is visible; use device: auto or cpu")
     if choice.backend == "trtllm" and not trtllm_available():
-        raise BackendUnavailableError(f"backend trtllm needs TensorRT-LLM, which is not installed; {TRTLLM_INSTALL_HINT}")
+        raise BackendUnavailableError(
+            f"backend trtllm needs TensorRT-LLM, which is not installed; {TRTLLM_INSTALL_HINT}"
+        )

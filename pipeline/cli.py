@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from pipeline.cache_commands import cache_app, print_explain
 from pipeline.config import load_config
 from pipeline.console import friendly_errors, print_json, stage_progress, stdout
 
@@ -13,6 +14,7 @@ app = typer.Typer(help="Kiln: a Hugging Face checkpoint to a quantized, cached, 
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+app.add_typer(cache_app, name="cache")
 
 ConfigArg = Annotated[str, typer.Argument(help="A config file, or a name under configs/ (tiny-llama-fp8.yaml).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")]
@@ -57,6 +59,23 @@ def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
 
     stdout.print(f"# {loaded.path}", highlight=False)
     stdout.print(yaml.safe_dump(data, sort_keys=False), highlight=False, end="")
+
+
+@cache_app.command("explain")
+@friendly_errors
+def cache_explain(config: ConfigArg, json_out: JsonOpt = False) -> None:
+    """Which fields of CONFIG's engine key material differ from the nearest cached engine (DVC-style)."""
+    from engines.cache import inspect as cache_inspect
+    from pipeline import runner
+
+    ctx = runner.prepare(config, backend=None, force=False, dry_run=True)
+    if ctx.material is None:
+        raise runner.ModelNotFoundError(f"model files not found for model.path {ctx.config.model.path}; "
+                                        "the key material needs the checkpoint's content hash")
+    if ctx.cache is None:
+        print_explain({"nearest_key": None, "differences": [], "created": None}, json_out)
+        return
+    print_explain(cache_inspect.explain(ctx.cache, ctx.material), json_out)
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from pipeline.stages import BuildContext, BuildStage, Decision, PublishStage, Qu
 
 ProgressFactory = Callable[[str], Callable[[str, float], None]]
 
-GB = 1024**3
+GB = 10**9  # the CLI's "50GB" is 10^9 bytes too
 
 
 def open_cache(loaded: LoadedConfig, *, create: bool) -> EngineCache | None:
@@ -28,8 +28,7 @@ def open_cache(loaded: LoadedConfig, *, create: bool) -> EngineCache | None:
 
 
 def _hash_checkpoint(model_dir: Path, cache: EngineCache | None) -> str:
-    memo = cache.root / "v1" / "hashmemo.sqlite" if cache else None
-    return checkpoint_hash(model_dir, memo_path=memo)
+    return checkpoint_hash(model_dir, memo_path=cache.root / "v1" / "hashmemo.sqlite" if cache else None)
 
 
 def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bool) -> BuildContext:

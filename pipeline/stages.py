@@ -18,7 +18,6 @@ from pipeline.config import LoadedConfig
 from pipeline.key_material import engine_material, quantized_material
 
 Action = Literal["run", "skip"]
-ProgressFn = "Callable[[str, float], None]"
 
 
 @dataclass
@@ -89,7 +88,7 @@ class QuantizeStage:
         lookup = ctx.cache.quantized.lookup(ctx.quantized_key, record=False)
         if lookup.hit:
             return Decision(self.name, "skip", f"{fmt} checkpoint {ctx.quantized_key[:12]} is in the cache")
-        return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe in the cache ({lookup.reason})")
+        return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe ({lookup.reason})")
 
     def run(self, ctx: BuildContext, progress) -> None:
         from calibration.quantize import quantize_checkpoint

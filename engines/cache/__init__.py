@@ -1,0 +1,26 @@
+"""The hash-keyed engine cache: keys, content-addressed stores, locks, eviction, statistics, verification."""
+
+from engines.cache.engine_cache import EngineCache, read_limits
+from engines.cache.errors import (
+    CacheCorruptError,
+    CacheEntryGoneError,
+    CacheEntryInUseError,
+    CacheEntryNotFoundError,
+    CacheUsageError,
+    CheckpointHashError,
+    InvalidCacheKeyError,
+)
+from engines.cache.hashing import checkpoint_files, checkpoint_hash, file_sha256
+from engines.cache.in_use import EntryHold, hold_entry, is_held
+from engines.cache.keys import canonical_json, engine_key, material_diff, validate_key
+from engines.cache.stats import StatsDB
+from engines.cache.store import CacheResult, ContentStore, LookupResult, VerifyResult
+from runtime.cache_layout import default_cache_root
+
+__all__ = [
+    "CacheCorruptError", "CacheEntryGoneError", "CacheEntryInUseError", "CacheEntryNotFoundError", "CacheResult",
+    "CacheUsageError", "CheckpointHashError", "ContentStore", "EngineCache", "EntryHold", "InvalidCacheKeyError",
+    "LookupResult", "StatsDB", "VerifyResult", "canonical_json", "checkpoint_files", "checkpoint_hash",
+    "default_cache_root", "engine_key", "file_sha256", "hold_entry", "is_held", "material_diff", "read_limits",
+    "validate_key",
+]

@@ -1,0 +1,84 @@
+"""The engine cache of one root: its two stores, its statistics, its limits and their enforcement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engines.cache.errors import CacheEntryNotFoundError
+from engines.cache.eviction import EvictionReport, evict
+from engines.cache.keys import validate_key
+from engines.cache.layout import ensure_layout, write_atomic
+from engines.cache.stats import StatsDB
+from engines.cache.store import ContentStore, VerifyOnLoad
+
+LIMITS_FILE = "limits.json"
+
+
+class EngineCache:
+    """``entries`` holds engines (payload ``engine/``), ``quantized`` holds quantized checkpoints (``checkpoint/``).
+
+    Limits (``max_size_bytes``, ``max_entries``) bound the whole root and are enforced before every build and
+    after every publish; ``open`` records them in ``v1/limits.json`` so inspection commands can report them."""
+
+    def __init__(self, root: Path, *, max_size_bytes: int | None, max_entries: int | None,
+                 verify_on_load: VerifyOnLoad) -> None:
+        self.root = Path(root)
+        self.v1 = ensure_layout(self.root)
+        self.max_size_bytes = max_size_bytes
+        self.max_entries = max_entries
+        self.stats = StatsDB(self.v1 / "stats.db")
+        self.entries = ContentStore(self.v1, "entries", "engine", self.stats, label="engine",
+                                    verify_on_load=verify_on_load, enforce_limits=self._enforce_limits)
+        self.quantized = ContentStore(self.v1, "quantized", "checkpoint", self.stats, label="quantized checkpoint",
+                                      verify_on_load=verify_on_load, enforce_limits=self._enforce_limits)
+
+    @classmethod
+    def open(cls, root: Path, *, max_size_bytes: int | None = None, max_entries: int | None = None,
+             verify_on_load: VerifyOnLoad = "size") -> EngineCache:
+        """Open (creating if needed) the cache at ``root`` with these limits, and record the limits."""
+        cache = cls(root, max_size_bytes=max_size_bytes, max_entries=max_entries, verify_on_load=verify_on_load)
+        limits = {"max_size_bytes": max_size_bytes, "max_entries": max_entries}
+        if read_limits(cache.root) != limits:
+            write_atomic(cache.v1 / LIMITS_FILE, json.dumps(limits).encode())
+        return cache
+
+    @classmethod
+    def open_configured(cls, root: Path) -> EngineCache:
+        """Open the cache with the limits its last configured ``open`` recorded (for inspection commands)."""
+        return cls(root, verify_on_load="size", **read_limits(Path(root)))
+
+    @property
+    def stores(self) -> dict[str, ContentStore]:
+        return {"entries": self.entries, "quantized": self.quantized}
+
+    def find(self, key: str) -> ContentStore:
+        """The store that holds ``key`` (validated); CacheEntryNotFoundError when none does."""
+        validate_key(key)
+        for store in self.stores.values():
+            if store.entry_dir(key).is_dir():
+                return store
+        raise CacheEntryNotFoundError(f"cache key {key}: no entry under {self.root}; see `kiln cache ls`")
+
+    def record_load(self, key: str, ms: float) -> None:
+        """Record that a runtime loaded engine ``key`` in ``ms`` milliseconds (and count it as a use)."""
+        self.entries.touch(key)
+        self.stats.record_load("entries", key, ms)
+
+    def evict(self, *, protect: frozenset[tuple[str, str]] = frozenset(), incoming: int = 0) -> EvictionReport:
+        """Enforce the limits now: least recently used entries first, never one in use or in ``protect``."""
+        return evict(self.stores, max_size_bytes=self.max_size_bytes, max_entries=self.max_entries,
+                     incoming=incoming, protect=protect)
+
+    def _enforce_limits(self, store: ContentStore, key: str, incoming: int) -> None:
+        if self.max_size_bytes is not None or self.max_entries is not None:
+            self.evict(protect=frozenset({(store.name, key)}), incoming=incoming)
+
+
+def read_limits(root: Path) -> dict:
+    """The limits recorded under ``root`` (both None when never configured)."""
+    try:
+        data = json.loads((Path(root) / "v1" / LIMITS_FILE).read_bytes())
+        return {"max_size_bytes": data.get("max_size_bytes"), "max_entries": data.get("max_entries")}
+    except (OSError, ValueError, AttributeError):
+        return {"max_size_bytes": None, "max_entries": None}

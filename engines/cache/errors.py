@@ -1,0 +1,35 @@
+"""Errors of the engine cache that a user can cause (bad key, missing or busy entry, corrupt entry)."""
+
+from __future__ import annotations
+
+from runtime.cache_layout import InvalidCacheKeyError
+from runtime.errors import KilnError
+
+__all__ = ["CacheCorruptError", "CacheEntryGoneError", "CacheEntryInUseError", "CacheEntryNotFoundError",
+           "CacheUsageError", "CheckpointHashError", "InvalidCacheKeyError"]
+
+
+class CacheEntryNotFoundError(KilnError):
+    """No entry with this key in any store of the cache."""
+
+
+class CacheEntryInUseError(KilnError):
+    """The entry is loaded by a live process, so it cannot be removed now."""
+
+
+class CacheEntryGoneError(KilnError):
+    """The entry was removed (evicted, pruned, replaced) while a process was about to use it."""
+
+
+class CacheCorruptError(KilnError):
+    """A cache entry whose files do not match its manifest."""
+
+    exit_code = 3
+
+
+class CacheUsageError(KilnError):
+    """A malformed argument to a cache command (size, duration, time)."""
+
+
+class CheckpointHashError(KilnError):
+    """A checkpoint directory that cannot be content-hashed (missing, no safetensors weights, pickle only)."""

@@ -1,0 +1,44 @@
+"""Cache keys: sha256 of canonical JSON key material, and validation of keys before they touch a path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from runtime.cache_layout import InvalidCacheKeyError, is_cache_key
+
+
+def canonical_json(obj: object) -> bytes:
+    """UTF-8 JSON with sorted keys and no whitespace; NaN/Infinity and non-JSON types are refused."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def engine_key(material: dict) -> str:
+    """The cache key of some key material: sha256 hex of its canonical JSON."""
+    return hashlib.sha256(canonical_json(material)).hexdigest()
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is 64 lowercase hex characters, else raise InvalidCacheKeyError naming it."""
+    if not isinstance(key, str) or not is_cache_key(key):
+        raise InvalidCacheKeyError(f"cache key {key!r} is not 64 lowercase hex digits: copy it from `kiln cache ls`")
+    return key
+
+
+def material_diff(a: object, b: object, prefix: str = "") -> list[str]:
+    """Dotted paths of the fields that differ between two pieces of key material (``build.max_seq_len``)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        paths: list[str] = []
+        for name in sorted(set(a) | set(b), key=str):
+            path = f"{prefix}.{name}" if prefix else str(name)
+            if name not in a or name not in b:
+                paths.append(path)
+            else:
+                paths.extend(material_diff(a[name], b[name], path))
+        return paths
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        paths = []
+        for index, (x, y) in enumerate(zip(a, b, strict=True)):
+            paths.extend(material_diff(x, y, f"{prefix}[{index}]"))
+        return paths
+    return [] if canonical_json(a) == canonical_json(b) else [prefix or "(root)"]

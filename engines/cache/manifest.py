@@ -1,0 +1,104 @@
+"""An entry's manifest: the payload's files with sizes and sha256, sealed last; checks of files against it.
+
+manifest.json = {"manifest_version": 1, "store", "key", "material" (the key material), "describe" (display
+fields), "payload" (folder name), "files": [{"path", "size", "sha256"}], "total_bytes", "created" (UTC ISO),
+"build_seconds", "build" (the builder's record), "builder": {"host", "pid"}}. The last use is the mtime of the
+entry's ``last_used`` file, so a hit never rewrites the manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path, PurePosixPath
+
+from engines.cache.hashing import file_sha256
+from engines.cache.layout import MANIFEST, dir_size, fsync_dir
+
+MANIFEST_VERSION = 1
+
+
+def seal_payload(payload: Path) -> list[dict]:
+    """fsync every file and folder of a finished build and list its files; symlinks and special files are refused."""
+    regular, odd = payload_files(payload)
+    if odd:
+        raise ValueError(f"{odd[0]}: a cache payload holds regular files and folders only")
+    files = []
+    for path in regular:
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        files.append({"path": path.relative_to(payload).as_posix(), "size": path.stat().st_size,
+                      "sha256": file_sha256(path)})
+    for dirpath, _, _ in os.walk(payload):
+        fsync_dir(Path(dirpath))
+    return files
+
+
+def file_problems(entry: Path, payload_name: str, manifest: dict, *, rehash: bool,
+                  first_only: bool = False) -> list[str]:
+    """Listed files that are missing, of the wrong size or (with ``rehash``) of the wrong sha256, each named by path.
+
+    A path that is absolute or climbs out of the payload is a problem and is never touched."""
+    files = manifest.get("files")
+    if not isinstance(files, list):
+        return [f"{entry / MANIFEST}: no file list"]
+    problems: list[str] = []
+    for item in files:
+        rel = item.get("path") if isinstance(item, dict) else None
+        if not _safe_relpath(rel):
+            problems.append(f"{entry / MANIFEST}: unsafe file path {rel!r}")
+        else:
+            problems.extend(_problem_of(entry / payload_name / rel, item, rehash))
+        if problems and first_only:
+            break
+    return problems
+
+
+def stray_files(entry: Path, payload_name: str, manifest: dict) -> list[str]:
+    """Files in the payload that the manifest does not list, and anything that is not a regular file."""
+    payload = entry / payload_name
+    listed = {item.get("path") for item in manifest.get("files", []) if isinstance(item, dict)}
+    regular, odd = payload_files(payload)
+    return ([f"{path}: not in the manifest" for path in regular if path.relative_to(payload).as_posix() not in listed]
+            + [f"{path}: not a regular file" for path in odd])
+
+
+def payload_files(root: Path) -> tuple[list[Path], list[Path]]:
+    """The regular files under ``root`` (sorted) and anything else there (symlinks, devices, sockets)."""
+    regular, odd = [], []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            if path.is_symlink() or not (path.is_dir() or path.is_file()):
+                odd.append(path)
+            elif path.is_file():
+                regular.append(path)
+    return sorted(regular), sorted(odd)
+
+
+def entry_size(entry: Path) -> int:
+    """Bytes of an entry's payload as its manifest records them (measured on disk when it cannot be read)."""
+    try:
+        return int(json.loads((entry / MANIFEST).read_bytes())["total_bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return dir_size(entry)
+
+
+def _problem_of(path: Path, item: dict, rehash: bool) -> list[str]:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return [f"{path}: missing"]
+    if not os.path.isfile(path) or os.path.islink(path):
+        return [f"{path}: not a regular file"]
+    if st.st_size != item.get("size"):
+        return [f"{path}: {st.st_size} bytes, manifest says {item.get('size')}"]
+    if rehash and file_sha256(path) != item.get("sha256"):
+        return [f"{path}: sha256 differs from the manifest (content changed)"]
+    return []
+
+
+def _safe_relpath(rel: object) -> bool:
+    if not isinstance(rel, str) or not rel or "\\" in rel:
+        return False
+    path = PurePosixPath(rel)
+    return not path.is_absolute() and all(part not in ("..", ".", "") for part in rel.split("/"))

@@ -1,0 +1,125 @@
+"""The cache's statistics: every lookup, load, store, eviction and verification, in SQLite (WAL) at v1/stats.db.
+
+Any number of processes append events; ``summary`` aggregates them. Keys that were ever published are kept in a
+separate table (not cleared by ``zero``), so a lookup that finds no entry for such a key says ``evicted``, not
+``new``."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from engines.cache.db import connect
+
+MISS_REASONS = ("new", "evicted", "corrupt", "incompatible")
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY, ts REAL NOT NULL, event TEXT NOT NULL, "
+    "store TEXT NOT NULL, key TEXT, outcome TEXT, value REAL, bytes INTEGER, detail TEXT)",
+    "CREATE INDEX IF NOT EXISTS events_by_event ON events (event, ts)",
+    "CREATE TABLE IF NOT EXISTS published (store TEXT NOT NULL, key TEXT NOT NULL, ts REAL NOT NULL, "
+    "PRIMARY KEY (store, key))",
+)
+
+
+def percentile(sorted_values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile of an ascending list (None when empty)."""
+    if not sorted_values:
+        return None
+    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+class StatsDB:
+    """Append-only event log of one cache root, safe for concurrent writers."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with connect(self.path) as db:
+            for statement in _SCHEMA:
+                db.execute(statement)
+
+    def _append(self, event: str, store: str, key: str | None = None, outcome: str | None = None,
+                value: float | None = None, size: int | None = None, detail: str | None = None) -> None:
+        with connect(self.path) as db:
+            db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes, detail) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       (time.time(), event, store, key, outcome, value, size, detail))
+
+    def record_lookup(self, store: str, key: str, reason: str, build_seconds_saved: float = 0.0) -> None:
+        """One lookup: ``reason`` is ``hit`` or a miss reason; a hit saves the entry's recorded build time."""
+        self._append("lookup", store, key, reason, build_seconds_saved if reason == "hit" else None)
+
+    def record_load(self, store: str, key: str, ms: float) -> None:
+        """One load of an entry by a runtime, with its latency."""
+        self._append("load", store, key, "ok", ms)
+
+    def record_store(self, store: str, key: str, size: int, build_seconds: float) -> None:
+        """A newly published entry (its key is remembered as once published)."""
+        now = time.time()
+        with connect(self.path) as db:
+            db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       (now, "store", store, key, "ok", build_seconds, size))
+            db.execute("INSERT OR IGNORE INTO published VALUES (?, ?, ?)", (store, key, now))
+
+    def record_removal(self, store: str, key: str, size: int, why: str) -> None:
+        """An entry removed by eviction, prune or rm (``why``); counted under evictions."""
+        self._append("evict", store, key, why, size=size)
+
+    def record_verify(self, store: str, key: str, ok: bool, detail: str | None = None) -> None:
+        """A full re-hash of an entry and its verdict."""
+        self._append("verify", store, key, "ok" if ok else "corrupt", detail=detail)
+
+    def record_quarantine(self, store: str, key: str, detail: str) -> None:
+        """A corrupt entry moved aside to v1/quarantine."""
+        self._append("quarantine", store, key, "corrupt", detail=detail)
+
+    def was_published(self, store: str, key: str) -> bool:
+        """Whether an entry for this key was ever published here (so its absence means it was removed)."""
+        with connect(self.path) as db:
+            return db.execute("SELECT 1 FROM published WHERE store=? AND key=?", (store, key)).fetchone() is not None
+
+    def hits_by_key(self) -> dict[tuple[str, str], int]:
+        """Hit counts per (store, key) since the last ``zero``."""
+        with connect(self.path) as db:
+            rows = db.execute("SELECT store, key, COUNT(*) FROM events WHERE event='lookup' AND outcome='hit' "
+                              "GROUP BY store, key").fetchall()
+        return {(store, key): count for store, key, count in rows}
+
+    def zero(self) -> None:
+        """Forget all events (the record of published keys stays)."""
+        with connect(self.path) as db:
+            db.execute("DELETE FROM events")
+
+    def summary(self, store: str, since: float | None = None) -> dict:
+        """Lookups, hits, misses by reason, hit rate, load latency, build time saved and evictions of one store."""
+        since = since if since is not None else float("-inf")
+        with connect(self.path) as db:
+            lookups = dict(db.execute("SELECT outcome, COUNT(*) FROM events WHERE event='lookup' AND store=? "
+                                      "AND ts>=? GROUP BY outcome", (store, since)).fetchall())
+            saved = db.execute("SELECT COALESCE(SUM(value), 0) FROM events WHERE event='lookup' AND store=? "
+                               "AND outcome='hit' AND ts>=?", (store, since)).fetchone()[0]
+            loads = [row[0] for row in db.execute("SELECT value FROM events WHERE event='load' AND store=? AND ts>=? "
+                                                  "ORDER BY value", (store, since))]
+            evictions = db.execute("SELECT COUNT(*) FROM events WHERE event='evict' AND store=? AND ts>=?",
+                                   (store, since)).fetchone()[0]
+            builds = db.execute("SELECT COUNT(*), COALESCE(SUM(value), 0) FROM events WHERE event='store' "
+                                "AND store=? AND ts>=?", (store, since)).fetchone()
+        hits = lookups.get("hit", 0)
+        misses_by_reason = {reason: lookups.get(reason, 0) for reason in MISS_REASONS}
+        total = hits + sum(misses_by_reason.values())
+        return {
+            "lookups": total,
+            "hits": hits,
+            "misses": total - hits,
+            "hit_rate": hits / total if total else None,
+            "misses_by_reason": misses_by_reason,
+            "load_ms": {"count": len(loads), "p50": percentile(loads, 50), "p95": percentile(loads, 95),
+                        "p99": percentile(loads, 99), "max": loads[-1] if loads else None},
+            "build_seconds_saved": round(float(saved), 3),
+            "builds": builds[0],
+            "build_seconds": round(float(builds[1]), 3),
+            "evictions": evictions,
+        }

@@ -1,0 +1,398 @@
+"""A content-addressed store of built artefacts: lookup with miss reasons, one builder per key, atomic publish.
+
+A build writes into ``v1/tmp/``; its files are fsync'ed, the manifest (key material, per-file sha256 and sizes,
+build record) is written last, and one ``rename`` makes the entry visible. The per-key lock only avoids duplicate
+work: a reader never sees a half-written entry because nothing but a complete one is ever renamed into place."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from filelock import FileLock, Timeout
+
+from engines.cache.errors import CacheCorruptError, CacheEntryInUseError, CacheEntryNotFoundError
+from engines.cache.in_use import delete_unless_held, take_out
+from engines.cache.keys import canonical_json, engine_key, material_diff, validate_key
+from engines.cache.layout import CORRUPT_MARK, IN_USE_LOCK, LAST_USED, MANIFEST, fsync_dir, write_atomic
+from engines.cache.manifest import MANIFEST_VERSION, entry_size, file_problems, seal_payload, stray_files
+from engines.cache.stats import StatsDB
+from engines.cache.units import iso_utc
+from runtime.cache_layout import entry_dir as layout_entry_dir
+from runtime.cache_layout import is_cache_key
+
+WAIT_NOTE_EVERY_S = 30.0
+
+VerifyOnLoad = Literal["size", "hash"]
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """What a lookup found: ``reason`` is ``hit``, ``new``, ``evicted``, ``corrupt`` or ``incompatible``."""
+
+    hit: bool
+    reason: str
+    entry_dir: Path
+    detail: str = ""
+    manifest: dict | None = None
+
+
+@dataclass(frozen=True)
+class CacheResult:
+    """The outcome of ``get_or_build``: where the entry and its payload are, and how it got there."""
+
+    key: str
+    entry_dir: Path
+    payload_dir: Path
+    hit: bool
+    reason: str
+    build_seconds: float
+    waited: bool
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """A full re-hash of one entry: ``problems`` names each bad file (empty when the entry is intact)."""
+
+    store: str
+    key: str
+    entry_dir: Path
+    files_checked: int
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class ContentStore:
+    """One store of a cache root (``entries`` for engines, ``quantized`` for quantized checkpoints)."""
+
+    def __init__(self, v1: Path, name: str, payload_name: str, stats: StatsDB, *, label: str | None = None,
+                 verify_on_load: VerifyOnLoad = "size",
+                 enforce_limits: Callable[[ContentStore, str, int], None] | None = None) -> None:
+        self.v1 = v1
+        self.name = name
+        self.label = label or name
+        self.payload_name = payload_name
+        self.dir = v1 / name
+        self.stats = stats
+        self.verify_on_load = verify_on_load
+        self._enforce_limits = enforce_limits
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    # -- paths -------------------------------------------------------------------------------------------------
+
+    def entry_dir(self, key: str) -> Path:
+        """``<store>/<key[:2]>/<key>``; the key is validated first."""
+        return layout_entry_dir(self.v1.parent, validate_key(key), self.name)
+
+    def payload_dir(self, key: str) -> Path:
+        return self.entry_dir(key) / self.payload_name
+
+    def lock_path(self, key: str) -> Path:
+        prefix = "" if self.name == "entries" else f"{self.name}-"
+        return self.v1 / "locks" / f"{prefix}{validate_key(key)}.lock"
+
+    def list_keys(self) -> list[str]:
+        """Keys of the published entries (sorted)."""
+        found = []
+        for shard in self.dir.iterdir() if self.dir.is_dir() else ():
+            for entry in shard.iterdir() if shard.is_dir() else ():
+                if entry.name.startswith(shard.name) and is_cache_key(entry.name):
+                    found.append(entry.name)
+        return sorted(found)
+
+    def read_manifest(self, key: str) -> dict:
+        """The manifest of a published entry: CacheEntryNotFoundError without an entry, CacheCorruptError when the
+        entry's manifest is missing or unreadable."""
+        entry = self.entry_dir(key)
+        if not entry.is_dir():
+            raise CacheEntryNotFoundError(f"cache key {key}: no {self.label} entry; see `kiln cache ls`")
+        try:
+            manifest = json.loads((entry / MANIFEST).read_bytes())
+        except (OSError, ValueError):
+            manifest = None
+        if not isinstance(manifest, dict):
+            raise CacheCorruptError(f"cache key {key}: {entry / MANIFEST} is missing or unreadable; remove the entry "
+                                    f"with `kiln cache rm {key}`")
+        return manifest
+
+    # -- lookup ------------------------------------------------------------------------------------------------
+
+    def lookup(self, key: str, material: dict | None = None, *, record: bool = True) -> LookupResult:
+        """Check an entry without building; records the lookup and, on a hit, its last use (``record=False``: no
+        side effects, for planning)."""
+        if not record:
+            return self._check(key, material)
+        found = self._find(key, material)
+        self.stats.record_lookup(self.name, key, found.reason, _build_seconds(found.manifest) if found.hit else 0.0)
+        return found
+
+    def _find(self, key: str, material: dict | None) -> LookupResult:
+        """``_check``, and on a hit record the use (an entry that vanished meanwhile is looked up again)."""
+        found = self._check(key, material)
+        if found.hit and not self._touch(found.entry_dir):
+            return self._check(key, material)
+        return found
+
+    def _check(self, key: str, material: dict | None) -> LookupResult:
+        """Is the entry there, compatible and complete (every file at its recorded size, or hash)? No side effects."""
+        entry = self.entry_dir(key)
+        if not entry.is_dir():
+            return LookupResult(False, "evicted" if self.stats.was_published(self.name, key) else "new", entry)
+        try:
+            manifest = json.loads((entry / MANIFEST).read_bytes())
+        except FileNotFoundError:
+            return LookupResult(False, "corrupt", entry, f"{entry}: {MANIFEST} is missing")
+        except ValueError:
+            return LookupResult(False, "corrupt", entry, f"{entry}: {MANIFEST} is not valid JSON")
+        if not isinstance(manifest, dict) or manifest.get("manifest_version") != MANIFEST_VERSION \
+                or manifest.get("store") != self.name:
+            version = manifest.get("manifest_version") if isinstance(manifest, dict) else None
+            return LookupResult(False, "incompatible", entry,
+                                f"{entry}: manifest version {version!r}, this Kiln reads {MANIFEST_VERSION}")
+        if manifest.get("key") != key:
+            return LookupResult(False, "corrupt", entry, f"{entry}: manifest names key {manifest.get('key')!r}")
+        stored = manifest.get("material")
+        if material is not None and canonical_json(material) != canonical_json(stored):
+            return LookupResult(False, "incompatible", entry, f"{entry}: stored key material differs", manifest)
+        if material is None and (not isinstance(stored, dict) or engine_key(stored) != key):
+            return LookupResult(False, "incompatible", entry, f"{entry}: stored key material does not hash to the key",
+                                manifest)
+        if (entry / CORRUPT_MARK).exists():
+            return LookupResult(False, "corrupt", entry, f"{entry}: marked corrupt by `kiln cache verify`", manifest)
+        problems = file_problems(entry, self.payload_name, manifest, rehash=self.verify_on_load == "hash",
+                                 first_only=True)
+        if problems:
+            return LookupResult(False, "corrupt", entry, problems[0], manifest)
+        return LookupResult(True, "hit", entry, "", manifest)
+
+    # -- build -------------------------------------------------------------------------------------------------
+
+    def get_or_build(self, key: str, material: dict, build: Callable[[Path], dict], *, force: bool = False,
+                     describe: dict | None = None, on_wait: Callable[[str], None] | None = None) -> CacheResult:
+        """Return the entry for ``key``, building it with ``build(tmp_payload_dir) -> build record`` on a miss.
+
+        Concurrent callers for one key build once: the others wait on the key's lock (``on_wait`` is told) and then
+        hit. ``force`` rebuilds and atomically replaces an existing entry. One lookup is recorded per call.
+        A hit's ``build_seconds`` is the build time it saved."""
+        if validate_key(key) != engine_key(material):
+            raise ValueError(f"cache key {key} is not the key of the material given with it (engine_key(material))")
+        if not force:
+            found = self._find(key, material)
+            if found.hit:
+                return self._hit(key, found, waited=False)
+        with self._key_lock(key, on_wait) as waited:
+            found = self._check(key, material) if force else self._find(key, material)
+            if found.hit and not force:
+                return self._hit(key, found, waited)
+            self.sweep(own_key=key)
+            if not force:
+                self.stats.record_lookup(self.name, key, found.reason)
+            if found.reason == "corrupt":
+                self.quarantine(key, found.detail)
+            if self._enforce_limits is not None:
+                self._enforce_limits(self, key, 1)
+            entry_dir, seconds = self._build_and_publish(key, material, build, describe or {})
+            if self._enforce_limits is not None:
+                self._enforce_limits(self, key, 0)
+        return CacheResult(key, entry_dir, entry_dir / self.payload_name, False, "forced" if force else found.reason,
+                           seconds, waited)
+
+    def _hit(self, key: str, found: LookupResult, waited: bool) -> CacheResult:
+        saved = _build_seconds(found.manifest)
+        self.stats.record_lookup(self.name, key, "hit", saved)
+        return CacheResult(key, found.entry_dir, found.entry_dir / self.payload_name, True, "hit", saved, waited)
+
+    @contextmanager
+    def _key_lock(self, key: str, on_wait: Callable[[str], None] | None) -> Iterator[bool]:
+        """Hold the key's build lock; say so through ``on_wait`` while another process holds it."""
+        lock = FileLock(self.lock_path(key))
+        waited = False
+        started = time.monotonic()
+        while True:
+            try:
+                lock.acquire(timeout=0 if not waited else WAIT_NOTE_EVERY_S)
+                break
+            except Timeout:
+                if on_wait is not None:
+                    elapsed = f" ({time.monotonic() - started:.0f} s so far)" if waited else ""
+                    on_wait(f"another process is building {self.label} {key[:12]}; waiting for it{elapsed}")
+                waited = True
+        try:
+            yield waited
+        finally:
+            lock.release()
+
+    def _build_and_publish(self, key: str, material: dict, build: Callable[[Path], dict],
+                           describe: dict) -> tuple[Path, float]:
+        tmp = self.v1 / "tmp" / f"{self.name}.{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        payload = tmp / self.payload_name
+        payload.mkdir(parents=True)
+        try:
+            started = time.monotonic()
+            record = build(payload)
+            seconds = round(time.monotonic() - started, 3)
+            manifest = self._seal(tmp, key, material, record, describe, seconds)
+            entry_dir = self._publish(tmp, key)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.stats.record_store(self.name, key, manifest["total_bytes"], seconds)
+        return entry_dir, seconds
+
+    def _seal(self, tmp: Path, key: str, material: dict, record: dict, describe: dict, seconds: float) -> dict:
+        """fsync every payload file, then write the manifest last; returns the manifest."""
+        files = seal_payload(tmp / self.payload_name)
+        manifest = {
+            "manifest_version": MANIFEST_VERSION,
+            "store": self.name,
+            "key": key,
+            "material": material,
+            "describe": describe,
+            "payload": self.payload_name,
+            "files": files,
+            "total_bytes": sum(item["size"] for item in files),
+            "created": _utc_now(),
+            "build_seconds": seconds,
+            "build": record,
+            "builder": {"host": socket.gethostname(), "pid": os.getpid()},
+        }
+        (tmp / IN_USE_LOCK).touch()
+        (tmp / LAST_USED).touch()
+        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+        return manifest
+
+    def _publish(self, tmp: Path, key: str) -> Path:
+        """One rename makes the sealed build visible; an existing entry is taken out first (forced rebuild)."""
+        final = self.entry_dir(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if final.exists():
+            trash = self._trash_path(key)
+            if take_out(final, trash, even_if_held=True) == "moved":
+                delete_unless_held(trash)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+        fsync_dir(tmp.parent)
+        return final
+
+    # -- housekeeping ------------------------------------------------------------------------------------------
+
+    def quarantine(self, key: str, detail: str) -> Path | None:
+        """Move a corrupt entry to ``v1/quarantine/`` (kept for inspection until prune); records why."""
+        target = self.v1 / "quarantine" / f"{self.name}.{key}.{datetime.now(UTC):%Y%m%dT%H%M%S%fZ}"
+        if take_out(self.entry_dir(key), target, even_if_held=True) != "moved":
+            return None
+        write_atomic(target / "quarantine_reason.txt", (detail + "\n").encode())
+        self.stats.record_quarantine(self.name, key, detail)
+        return target
+
+    def remove(self, key: str, why: str = "removed") -> int:
+        """Remove an entry nobody holds; returns the bytes freed. Raises when absent or in use."""
+        outcome, size = self.try_remove(key, why)
+        if outcome == "in_use":
+            raise CacheEntryInUseError(f"cache key {key}: loaded by a running process; stop it, then retry")
+        if outcome == "gone":
+            raise CacheEntryNotFoundError(f"cache key {key}: no {self.label} entry; see `kiln cache ls`")
+        return size
+
+    def try_remove(self, key: str, why: str) -> tuple[str, int]:
+        """Take an entry out unless a process holds it: (``moved``|``in_use``|``gone``, bytes freed)."""
+        entry = self.entry_dir(key)
+        size = entry_size(entry)
+        trash = self._trash_path(key)
+        outcome = take_out(entry, trash)
+        if outcome == "moved":
+            self.stats.record_removal(self.name, key, size, why)
+            delete_unless_held(trash)
+        return outcome, size if outcome == "moved" else 0
+
+    def sweep(self, own_key: str | None = None) -> list[Path]:
+        """Delete this store's stale temporary dirs (their key's build lock is free) and unheld trash.
+
+        ``own_key`` is a key whose build lock this process holds: its leftover temporaries are stale too."""
+        removed = []
+        for path in sorted((self.v1 / "tmp").iterdir()):
+            parts = path.name.split(".")
+            if len(parts) == 4 and parts[0] == self.name and is_cache_key(parts[1]):
+                if parts[1] == own_key or self._lock_is_free(parts[1]):
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+            elif len(parts) == 4 and parts[0] == "trash" and parts[1] == self.name and delete_unless_held(path):
+                removed.append(path)
+        return removed
+
+    def _lock_is_free(self, key: str) -> bool:
+        lock = FileLock(self.lock_path(key))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return False
+        lock.release()
+        return True
+
+    def _trash_path(self, key: str) -> Path:
+        return self.v1 / "tmp" / f"trash.{self.name}.{key}.{uuid.uuid4().hex[:8]}"
+
+    def _touch(self, entry_dir: Path) -> bool:
+        """Record a use of the entry (for LRU); False when the entry vanished meanwhile."""
+        try:
+            os.utime(entry_dir / LAST_USED)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def touch(self, key: str) -> bool:
+        """Record a use of the entry ``key`` (a load), for LRU eviction."""
+        return self._touch(self.entry_dir(key))
+
+    def nearest(self, material: dict) -> tuple[str | None, list[str]]:
+        """The entry whose stored key material differs from ``material`` in the fewest fields, and those fields
+        as dotted paths (``(None, [])`` when the store is empty). An exact match has no differing fields."""
+        best: tuple[str | None, list[str]] = (None, [])
+        for key in self.list_keys():
+            try:
+                stored = json.loads((self.entry_dir(key) / MANIFEST).read_bytes())["material"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            diff = material_diff(stored, material)
+            if best[0] is None or len(diff) < len(best[1]):
+                best = (key, diff)
+        return best
+
+    # -- verification ------------------------------------------------------------------------------------------
+
+    def verify(self, key: str) -> VerifyResult:
+        """Re-hash every file of an entry against its manifest; a corrupt entry is marked so lookups rebuild it."""
+        entry = self.entry_dir(key)
+        try:
+            manifest = self.read_manifest(key)
+        except CacheCorruptError as exc:
+            self.stats.record_verify(self.name, key, False, str(exc))
+            return VerifyResult(self.name, key, entry, 0, [str(exc)])
+        problems = (file_problems(entry, self.payload_name, manifest, rehash=True)
+                    + stray_files(entry, self.payload_name, manifest))
+        if problems:
+            write_atomic(entry / CORRUPT_MARK, json.dumps({"verified": _utc_now(), "problems": problems}).encode())
+        self.stats.record_verify(self.name, key, not problems, "; ".join(problems) or None)
+        return VerifyResult(self.name, key, entry, len(manifest.get("files", [])), problems)
+
+
+def _build_seconds(manifest: dict | None) -> float:
+    value = (manifest or {}).get("build_seconds", 0.0)
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _utc_now() -> str:
+    return iso_utc(time.time())

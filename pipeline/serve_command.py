@@ -1,0 +1,165 @@
+"""``kiln serve CONFIG | ENGINE_DIR | KEY``: build a config through the cache (a hit is instant), then serve the
+engine over the OpenAI-compatible HTTP API until SIGTERM."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from pipeline.console import friendly_errors, stage_progress, stderr
+from runtime.cache_layout import default_cache_root, entry_engine_dir, is_cache_key
+from runtime.errors import KilnError
+
+if TYPE_CHECKING:
+    from runtime.llm import LLM
+    from runtime.server import ServerSettings, ServerThread
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_QUEUE = 256
+
+
+class ServeExtraMissingError(KilnError):
+    """The serve extra (fastapi, uvicorn, prometheus-client, jinja2) is not installed."""
+
+
+@dataclass
+class ServeTarget:
+    """An engine ready to load, with what the config (if any) says about serving it."""
+
+    engine_dir: Path
+    model_name: str
+    device: str | None = None
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    max_queue: int = DEFAULT_MAX_QUEUE
+    engine_cache: dict = field(default_factory=dict)
+    record_load: Callable[[float], None] | None = None
+
+    def loader(self, num_kv_blocks: int | None = None) -> Callable[[], LLM]:
+        """Loads the engine (recording the load with the cache, when it came from one)."""
+
+        def load() -> LLM:
+            from runtime.llm import LLM
+
+            llm = LLM.load(self.engine_dir, device=self.device, num_kv_blocks=num_kv_blocks)
+            if self.record_load is not None:
+                self.record_load(llm.load_ms)
+            return llm
+
+        return load
+
+    def settings(self, *, api_key: str | None = None, max_queue: int | None = None,
+                 model_name: str | None = None) -> ServerSettings:
+        from runtime.server import ServerSettings
+
+        return ServerSettings(model_name=model_name or self.model_name, api_key=api_key or self.api_key,
+                              max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache)
+
+
+def resolve_target(target: str, *, backend: str | None = None, progress: bool = True) -> ServeTarget:
+    """An engine directory, a cache key, or a config (built through the cache first; a hit runs nothing)."""
+    path = Path(target).expanduser()
+    if (path / "engine.json").is_file():
+        name = path.parent.name if path.name == "engine" else path.name
+        return ServeTarget(engine_dir=path.resolve(), model_name=name[:12] if is_cache_key(name) else name)
+    if is_cache_key(target):
+        return _cache_key_target(target)
+    if path.is_dir():
+        raise KilnError(f"{target}: a directory without engine.json: pass an engine directory (the one `kiln build` "
+                        f"printed), a cache key, or a config")
+    return _config_target(target, backend=backend, progress=progress)
+
+
+def _cache_key_target(key: str) -> ServeTarget:
+    from engines.cache import EngineCache
+
+    engine_dir = entry_engine_dir(None, key)
+    if not (engine_dir / "engine.json").is_file():
+        raise KilnError(f"cache key {key} has no engine under {default_cache_root()}: see `kiln cache ls`, or set "
+                        f"$KILN_CACHE to the cache that holds it")
+    cache = EngineCache.open_configured(default_cache_root())
+    hit_rate = cache.stats.summary("entries")["hit_rate"]
+    return ServeTarget(engine_dir=engine_dir, model_name=key[:12], engine_cache={"hit": True, "hit_rate": hit_rate,
+                                                                                   "key": key},
+                       record_load=lambda ms: cache.record_load(key, ms))
+
+
+def _config_target(config: str, *, backend: str | None, progress: bool) -> ServeTarget:
+    from pipeline import runner
+
+    ctx = runner.prepare(config, backend=backend, force=False, dry_run=False)
+    if ctx.choice.backend != "native":
+        raise KilnError(f"{ctx.loaded.path}: kiln serve runs native engines but this config resolves to the "
+                        f"{ctx.choice.backend} backend: pass --backend native or set build.backend: native")
+    decisions = [(stage, decision) for stage, decision in runner.decide(ctx) if stage.name != "smoke"]
+    with stage_progress(enabled=progress) as bars:
+        runner.run(ctx, decisions, bars)
+    section = ctx.config.serve
+    hit_rate = ctx.cache.stats.summary("entries")["hit_rate"]
+    key = ctx.engine_key
+    return ServeTarget(engine_dir=ctx.engine_dir, model_name=ctx.loaded.path.stem, device=ctx.choice.device,
+                       host=section.host, port=section.port, api_key=section.api_key, max_queue=section.max_queue,
+                       engine_cache={"hit": ctx.cache_hit, "hit_rate": hit_rate, "key": key},
+                       record_load=lambda ms: ctx.cache.record_load(key, ms))
+
+
+def require_serve_extra() -> None:
+    """Raise a clear error when the server's dependencies are missing."""
+    try:
+        import fastapi  # noqa: F401
+        import jinja2  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise ServeExtraMissingError(f"serving needs the serve extra ({exc.name} is missing): pip install "
+                                     f"'kiln[serve]'") from None
+
+
+@friendly_errors
+def serve(
+    target: Annotated[str, typer.Argument(help="A config (built through the cache first), an engine directory, or "
+                                               "a cache key.")],
+    host: Annotated[str | None, typer.Option(help="Interface to listen on (default: the config's serve.host, "
+                                                  "else 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(min=0, max=65535, help="Port (default: the config's serve.port, else "
+                                                                    "8000; 0 picks a free one).")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="KILN_API_KEY",
+                                                help="Require 'Authorization: Bearer KEY' on /v1/ routes.")] = None,
+    max_queue: Annotated[int | None, typer.Option(min=1, help="Requests that may wait beyond the engine's batch "
+                                                              "before new ones get 503 (default 256).")] = None,
+    model_name: Annotated[str | None, typer.Option(help="Model id clients send (default: the config's name).")] = None,
+    backend: Annotated[str | None, typer.Option(help="Build backend for a config (serving needs native).")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the engine's).")] = None,
+    num_kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV pool size in blocks (default: from free "
+                                                                  "memory).")] = None,
+    shutdown_timeout: Annotated[float, typer.Option(min=0, help="Seconds in-flight requests get to finish after "
+                                                                "SIGTERM.")] = 30.0,
+) -> None:
+    """Serve an engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /health,
+    /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
+    require_serve_extra()
+    from runtime.server import create_app, run_server
+
+    resolved = resolve_target(target, backend=backend)
+    if device is not None:
+        resolved.device = device
+    settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name)
+    app = create_app(resolved.loader(num_kv_blocks), resolved.engine_dir, settings)
+    bind_host = host or resolved.host
+    bind_port = resolved.port if port is None else port
+    if bind_host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        stderr.print(f"[yellow]warning:[/] listening on {bind_host} without an API key: anyone who can reach this "
+                     f"port can use the engine (pass --api-key)", highlight=False)
+
+    def announce(thread: ServerThread) -> None:
+        stderr.print(f"serving {settings.model_name} ({resolved.engine_dir}) on {thread.url}: /v1/completions, "
+                     f"/v1/chat/completions, /health, /metrics; SIGTERM or Ctrl-C drains and stops",
+                     highlight=False, soft_wrap=True)
+
+    run_server(app, bind_host, bind_port, shutdown_timeout_s=shutdown_timeout, on_started=announce)

@@ -1,0 +1,160 @@
+"""``kiln cache`` commands: tables for people, --json for machines, exit 3 naming a corrupt file."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from engines.cache import EngineCache, engine_key
+from engines.cache.inspect import explain
+from engines.cache.layout import LAST_USED
+from pipeline.cache_commands import cache_app
+
+runner = CliRunner()
+
+
+def material(name: str) -> dict:
+    return {"key_schema": 1, "kind": "engine", "model": name, "build": {"max_seq_len": 2048}}
+
+
+def add(cache: EngineCache, name: str, size: int = 1000, days_ago: float = 0.0) -> str:
+    key = engine_key(material(name))
+
+    def build(out: Path) -> dict:
+        (out / "engine.json").write_text("{}")
+        (out / "rank0.safetensors").write_bytes(b"\1" * size)
+        return {"engine": {"format": "kiln-native"}}
+
+    result = cache.entries.get_or_build(key, material(name), build,
+                                        describe={"model": name, "format": "fp8", "backend": "native", "gpu": "cpu"})
+    when = time.time() - days_ago * 86400
+    os.utime(result.entry_dir / LAST_USED, (when, when))
+    return key
+
+
+def kiln_cache(root: Path, *args: str):
+    return runner.invoke(cache_app, [*args, "--cache-dir", str(root)])
+
+
+@pytest.fixture
+def cache(tmp_path) -> EngineCache:
+    return EngineCache.open(tmp_path / "cache", max_size_bytes=10**9, max_entries=10)
+
+
+def test_ls_lists_entries_most_recently_used_first(cache):
+    old = add(cache, "old-model", days_ago=3)
+    new = add(cache, "new-model")
+    result = kiln_cache(cache.root, "ls", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [r["key"] for r in rows] == [new, old]
+    assert {k: rows[0][k] for k in ("model", "format", "backend", "gpu", "size_bytes", "hits")} == \
+        {"model": "new-model", "format": "fp8", "backend": "native", "gpu": "cpu", "size_bytes": 1002, "hits": 0}
+    table = kiln_cache(cache.root, "ls")
+    assert table.exit_code == 0
+    assert new in table.stdout and "new-model" in table.stdout and "3 days ago" in table.stdout
+    assert "2 entries" in table.stderr
+
+
+def test_show_prints_material_files_and_build_record(cache):
+    key = add(cache, "tiny")
+    data = json.loads(kiln_cache(cache.root, "show", key, "--json").stdout)
+    assert data["material"] == material("tiny")
+    assert [f["path"] for f in data["files"]] == ["engine.json", "rank0.safetensors"]
+    assert data["build"] == {"engine": {"format": "kiln-native"}} and data["in_use"] is False
+    human = kiln_cache(cache.root, "show", key)
+    assert human.exit_code == 0 and "rank0.safetensors" in human.stdout and "key material" in human.stdout
+
+
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "abc123", "G" * 64, "AB" * 32])
+@pytest.mark.parametrize("command", ["show", "rm", "verify"])
+def test_malformed_keys_are_refused_with_a_clear_message(cache, command, bad):
+    result = kiln_cache(cache.root, command, bad)
+    assert result.exit_code == 2
+    assert "64 lowercase hex" in result.stderr and "Traceback" not in result.output
+
+
+def test_unknown_key_says_so(cache):
+    result = kiln_cache(cache.root, "show", "0" * 64)
+    assert result.exit_code == 2 and "no entry" in result.stderr
+
+
+def test_stats_json_has_the_documented_fields(cache):
+    key = add(cache, "tiny")
+    cache.entries.lookup(key, material("tiny"))
+    cache.record_load(key, 12.0)
+    data = json.loads(kiln_cache(cache.root, "stats", "--json").stdout)
+    expected = {"lookups", "hits", "misses", "hit_rate", "misses_by_reason", "load_ms", "build_seconds_saved",
+                "size_bytes", "max_size_bytes", "entries", "evictions"}
+    assert expected <= data.keys()
+    assert (data["lookups"], data["hits"], data["hit_rate"], data["entries"]) == (2, 1, 0.5, 1)
+    assert data["load_ms"] == {"count": 1, "p50": 12.0, "p95": 12.0, "p99": 12.0, "max": 12.0}
+    assert data["max_size_bytes"] == 10**9 and data["size_bytes"] == 1002
+    human = kiln_cache(cache.root, "stats")
+    assert "50.0% hit rate" in human.stdout and "12.0 ms" in human.stdout
+    assert json.loads(kiln_cache(cache.root, "stats", "--since", "1h", "--json").stdout)["lookups"] == 2
+    zeroed = kiln_cache(cache.root, "stats", "--zero", "--json")
+    assert json.loads(zeroed.stdout)["lookups"] == 0 and "zeroed" in zeroed.stderr
+    assert kiln_cache(cache.root, "stats", "--since", "yesterday").exit_code == 2
+
+
+def test_verify_exits_3_naming_the_flipped_file(cache):
+    good = add(cache, "good")
+    bad = add(cache, "bad")
+    assert kiln_cache(cache.root, "verify", "--all").exit_code == 0
+    weights = cache.entries.payload_dir(bad) / "rank0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[7] ^= 0x01
+    weights.write_bytes(bytes(data))
+    result = kiln_cache(cache.root, "verify", "--all")
+    assert result.exit_code == 3
+    assert str(weights) in result.stderr and bad in result.stderr and good not in result.stderr
+    assert "CORRUPT" in result.stdout
+    single = kiln_cache(cache.root, "verify", bad, "--json")
+    assert single.exit_code == 3 and json.loads(single.stdout)[0]["ok"] is False
+    assert kiln_cache(cache.root, "verify", good).exit_code == 0
+    assert kiln_cache(cache.root, "verify").exit_code == 2
+
+
+def test_prune_older_than_with_dry_run(cache):
+    old = add(cache, "old", days_ago=40)
+    recent = add(cache, "recent", days_ago=2)
+    dry = json.loads(kiln_cache(cache.root, "prune", "--older-than", "30d", "--dry-run", "--json").stdout)
+    assert [r["key"] for r in dry["removed"]] == [old] and dry["dry_run"]
+    assert cache.entries.list_keys() == sorted([old, recent])
+    done = kiln_cache(cache.root, "prune", "--older-than", "30d")
+    assert done.exit_code == 0 and f"removed {old}" in done.stdout
+    assert cache.entries.list_keys() == [recent]
+
+
+def test_prune_max_size_removes_least_recently_used_first(cache):
+    a = add(cache, "a", days_ago=3)
+    b = add(cache, "b", days_ago=2)
+    c = add(cache, "c", days_ago=1)
+    report = json.loads(kiln_cache(cache.root, "prune", "--max-size", "2.1kB", "--json").stdout)
+    assert [r["key"] for r in report["removed"]] == [a] and report["freed_bytes"] == 1002
+    assert cache.entries.list_keys() == sorted([b, c])
+    assert kiln_cache(cache.root, "prune", "--max-size", "lots").exit_code == 2
+
+
+def test_rm_removes_one_entry_and_its_next_lookup_is_evicted(cache):
+    key = add(cache, "tiny")
+    result = kiln_cache(cache.root, "rm", key)
+    assert result.exit_code == 0 and "removed" in result.stdout
+    assert cache.entries.lookup(key, material("tiny")).reason == "evicted"
+    assert kiln_cache(cache.root, "rm", key).exit_code == 2
+
+
+def test_explain_names_the_fields_that_differ_from_the_nearest_entry(cache):
+    key = add(cache, "tiny")
+    changed = material("tiny")
+    changed["build"]["max_seq_len"] = 4096
+    report = explain(cache, changed)
+    assert report["nearest_key"] == key
+    assert report["differences"] == [{"field": "build.max_seq_len", "entry": 2048, "config": 4096}]
+    assert explain(cache, material("tiny"))["differences"] == []

@@ -1,0 +1,133 @@
+"""Eviction: least recently used first, bounded by entries and size, never an entry a process holds."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from engines.cache import CacheEntryGoneError, CacheEntryInUseError, EngineCache, engine_key, hold_entry, is_held
+from engines.cache.layout import LAST_USED
+
+
+def material(name: str) -> dict:
+    return {"key_schema": 1, "kind": "engine", "model": name}
+
+
+def build_of(size: int):
+    def build(out: Path) -> dict:
+        (out / "rank0.safetensors").write_bytes(b"\0" * size)
+        return {}
+    return build
+
+
+def add(cache: EngineCache, name: str, size: int = 1000, last_used: float | None = None) -> str:
+    """Publish an entry for ``name`` and set its recorded last use (seconds since the epoch)."""
+    key = engine_key(material(name))
+    result = cache.entries.get_or_build(key, material(name), build_of(size))
+    if last_used is not None:
+        os.utime(result.entry_dir / LAST_USED, (last_used, last_used))
+    return key
+
+
+def names(cache: EngineCache) -> set[str]:
+    return {cache.entries.read_manifest(key)["material"]["model"] for key in cache.entries.list_keys()}
+
+
+def test_least_recently_used_entry_goes_first_not_the_oldest_created(tmp_path):
+    cache = EngineCache.open(tmp_path / "c", max_entries=3)
+    now = time.time()
+    a = add(cache, "a", last_used=now - 100)  # created first, used recently
+    add(cache, "b", last_used=now - 300)
+    add(cache, "c", last_used=now - 200)
+    cache.entries.lookup(a, material("a"))  # a hit records a use
+    add(cache, "d")
+    assert names(cache) == {"a", "c", "d"}
+    add(cache, "e")
+    assert names(cache) == {"a", "d", "e"}
+    assert cache.entries.lookup(engine_key(material("b")), material("b")).reason == "evicted"
+    assert cache.stats.summary("entries")["evictions"] == 2
+
+
+def test_an_entry_held_by_a_process_is_never_evicted(tmp_path):
+    cache = EngineCache.open(tmp_path / "c", max_entries=2)
+    now = time.time()
+    a = add(cache, "a", last_used=now - 300)
+    add(cache, "b", last_used=now - 200)
+    with hold_entry(cache.entries.entry_dir(a)) as hold:
+        assert is_held(hold.entry_dir)
+        add(cache, "c")
+        assert names(cache) == {"a", "c"}
+        with pytest.raises(CacheEntryInUseError):
+            cache.entries.remove(a)
+    assert not is_held(cache.entries.entry_dir(a))
+    cache.entries.remove(a)
+
+
+def test_size_bound_is_kept_after_publishing_and_spares_the_new_entry(tmp_path):
+    cache = EngineCache.open(tmp_path / "c", max_size_bytes=2500)
+    now = time.time()
+    add(cache, "a", last_used=now - 300)
+    add(cache, "b", last_used=now - 200)
+    add(cache, "c")
+    assert names(cache) == {"b", "c"}
+    add(cache, "big", size=5000)
+    assert names(cache) == {"big"}
+
+
+def test_limits_are_checked_before_a_build_starts(tmp_path):
+    cache = EngineCache.open(tmp_path / "c", max_entries=1)
+    a = add(cache, "a")
+    seen = []
+
+    def build(out: Path) -> dict:
+        seen.append(cache.entries.entry_dir(a).exists())
+        (out / "x").write_bytes(b"x")
+        return {}
+
+    cache.entries.get_or_build(engine_key(material("b")), material("b"), build)
+    assert seen == [False]
+
+
+def test_holding_an_evicted_entry_fails_clearly(tmp_path):
+    cache = EngineCache.open(tmp_path / "c")
+    a = add(cache, "a")
+    entry = cache.entries.entry_dir(a)
+    cache.entries.remove(a)
+    with pytest.raises(CacheEntryGoneError, match="build it again"):
+        hold_entry(entry)
+
+
+def test_a_forced_rebuild_of_a_held_entry_keeps_the_old_files_until_released(tmp_path):
+    cache = EngineCache.open(tmp_path / "c")
+    a = add(cache, "a")
+    hold = hold_entry(cache.entries.entry_dir(a))
+    cache.entries.get_or_build(a, material("a"), build_of(10), force=True)
+    trash = list((cache.v1 / "tmp").glob("trash.entries.*"))
+    assert len(trash) == 1 and (trash[0] / "engine" / "rank0.safetensors").stat().st_size == 1000
+    hold.release()
+    cache.entries.sweep()
+    assert list((cache.v1 / "tmp").iterdir()) == []
+
+
+def test_an_entry_loaded_by_another_live_process_is_never_evicted(tmp_path):
+    import subprocess
+    import sys
+
+    cache = EngineCache.open(tmp_path / "c", max_entries=1)
+    a = add(cache, "a")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from engines.cache import hold_entry; h = hold_entry(sys.argv[1]); "
+         "print('held', flush=True); time.sleep(60)", str(cache.entries.entry_dir(a))],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        add(cache, "b")
+        assert names(cache) == {"a", "b"}
+    finally:
+        holder.kill()
+        holder.wait()
+    add(cache, "c")
+    assert names(cache) == {"c"}

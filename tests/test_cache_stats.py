@@ -1,0 +1,64 @@
+"""Cache statistics: counts from every lookup and load, latency percentiles, --since and --zero."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engines.cache import StatsDB
+from engines.cache.stats import percentile
+
+KEY = "ab" * 32
+
+
+@pytest.fixture
+def stats(tmp_path) -> StatsDB:
+    return StatsDB(tmp_path / "stats.db")
+
+
+def test_percentiles_are_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert (percentile(values, 50), percentile(values, 95), percentile(values, 99)) == (50.0, 95.0, 99.0)
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+
+
+def test_load_latency_summary(stats):
+    for ms in [30.0, 10.0, 20.0, 40.0, 1000.0]:
+        stats.record_load("entries", KEY, ms)
+    load = stats.summary("entries")["load_ms"]
+    assert load == {"count": 5, "p50": 30.0, "p95": 1000.0, "p99": 1000.0, "max": 1000.0}
+
+
+def test_hits_misses_and_build_time_saved(stats):
+    stats.record_lookup("entries", KEY, "new")
+    stats.record_store("entries", KEY, 100, 42.0)
+    stats.record_lookup("entries", KEY, "hit", 42.0)
+    stats.record_lookup("entries", KEY, "hit", 42.0)
+    stats.record_lookup("entries", KEY, "corrupt")
+    stats.record_lookup("quantized", KEY, "new")
+    summary = stats.summary("entries")
+    assert (summary["lookups"], summary["hits"], summary["misses"]) == (4, 2, 2)
+    assert summary["hit_rate"] == 0.5
+    assert summary["misses_by_reason"] == {"new": 1, "evicted": 0, "corrupt": 1, "incompatible": 0}
+    assert summary["build_seconds_saved"] == 84.0
+    assert stats.hits_by_key() == {("entries", KEY): 2}
+
+
+def test_since_and_zero(stats):
+    stats.record_lookup("entries", KEY, "new")
+    assert stats.summary("entries", since=time.time() + 60)["lookups"] == 0
+    assert stats.summary("entries", since=time.time() - 60)["lookups"] == 1
+    stats.record_store("entries", KEY, 100, 1.0)
+    stats.record_removal("entries", KEY, 100, "evicted")
+    assert stats.summary("entries")["evictions"] == 1
+    stats.zero()
+    assert (stats.summary("entries")["lookups"], stats.summary("entries")["evictions"]) == (0, 0)
+    assert stats.was_published("entries", KEY)  # so a later miss still says "evicted", not "new"
+    assert not stats.was_published("quantized", KEY)
+
+
+def test_empty_stats_have_no_rate(stats):
+    summary = stats.summary("entries")
+    assert (summary["lookups"], summary["hit_rate"], summary["load_ms"]["p50"]) == (0, None, None)

@@ -1,0 +1,229 @@
+"""The content store: miss reasons, atomic publish, corrupt entries quarantined and rebuilt, forced rebuilds."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from engines.cache import CacheEntryNotFoundError, EngineCache, InvalidCacheKeyError, engine_key
+from runtime.cache_layout import entry_engine_dir
+
+
+def material(n: int = 0) -> dict:
+    return {"key_schema": 1, "kind": "engine", "checkpoint": f"{n:064x}", "backend": "native"}
+
+
+class FakeBuild:
+    """A build that writes a small engine and counts its calls."""
+
+    def __init__(self, size: int = 1000) -> None:
+        self.calls = 0
+        self.size = size
+
+    def __call__(self, out: Path) -> dict:
+        self.calls += 1
+        (out / "engine.json").write_text(json.dumps({"format": "kiln-native", "build": self.calls}))
+        (out / "weights").mkdir()
+        (out / "weights" / "rank0.safetensors").write_bytes(os.urandom(self.size))
+        return {"engine": {"format": "kiln-native"}, "call": self.calls}
+
+
+@pytest.fixture
+def cache(tmp_path) -> EngineCache:
+    return EngineCache.open(tmp_path / "cache")
+
+
+def test_first_lookup_is_new_then_build_publishes_a_complete_entry(cache):
+    m, build = material(), FakeBuild()
+    key = engine_key(m)
+    assert cache.entries.lookup(key, m).reason == "new"
+    result = cache.entries.get_or_build(key, m, build, describe={"model": "tiny"})
+    assert (result.hit, result.reason, build.calls) == (False, "new", 1)
+    assert result.payload_dir == entry_engine_dir(cache.root, key)
+    manifest = json.loads((result.entry_dir / "manifest.json").read_text())
+    assert manifest["material"] == m and manifest["key"] == key and manifest["describe"] == {"model": "tiny"}
+    assert [f["path"] for f in manifest["files"]] == ["engine.json", "weights/rank0.safetensors"]
+    assert manifest["files"][1]["size"] == 1000 and len(manifest["files"][1]["sha256"]) == 64
+    assert manifest["build"] == {"engine": {"format": "kiln-native"}, "call": 1}
+    assert (cache.root / "CACHEDIR.TAG").read_bytes().startswith(b"Signature: 8a477f597d28d172789f06886806bc55")
+    assert list((cache.v1 / "tmp").iterdir()) == []
+
+
+def test_second_get_or_build_hits_without_building(cache):
+    m, build = material(), FakeBuild()
+    key = engine_key(m)
+    cache.entries.get_or_build(key, m, build)
+    again = cache.entries.get_or_build(key, m, build)
+    assert (again.hit, again.reason, again.waited, build.calls) == (True, "hit", False, 1)
+    summary = cache.stats.summary("entries")
+    assert (summary["lookups"], summary["hits"], summary["misses_by_reason"]["new"]) == (2, 1, 1)
+
+
+def test_planning_lookup_records_nothing(cache):
+    m = material()
+    cache.entries.lookup(engine_key(m), m, record=False)
+    assert cache.stats.summary("entries")["lookups"] == 0
+
+
+def test_failed_build_leaves_no_entry_and_no_temporary(cache):
+    m = material()
+
+    def broken(out: Path) -> dict:
+        (out / "half.bin").write_bytes(b"x")
+        raise RuntimeError("builder crashed")
+
+    with pytest.raises(RuntimeError):
+        cache.entries.get_or_build(engine_key(m), m, broken)
+    assert not cache.entries.entry_dir(engine_key(m)).exists()
+    assert list((cache.v1 / "tmp").iterdir()) == []
+    assert cache.entries.get_or_build(engine_key(m), m, FakeBuild()).reason == "new"
+
+
+def test_a_payload_symlink_is_refused(cache, tmp_path):
+    m = material()
+
+    def linking(out: Path) -> dict:
+        (out / "link").symlink_to(tmp_path)
+        return {}
+
+    with pytest.raises(ValueError, match="regular files"):
+        cache.entries.get_or_build(engine_key(m), m, linking)
+    assert not cache.entries.entry_dir(engine_key(m)).exists()
+
+
+def test_truncated_file_is_a_corrupt_miss_then_quarantined_and_rebuilt(cache):
+    m, build = material(), FakeBuild()
+    key = engine_key(m)
+    first = cache.entries.get_or_build(key, m, build)
+    weights = first.payload_dir / "weights" / "rank0.safetensors"
+    weights.write_bytes(weights.read_bytes()[:10])
+    looked = cache.entries.lookup(key, m, record=False)
+    assert (looked.reason, "rank0.safetensors" in looked.detail) == ("corrupt", True)
+    rebuilt = cache.entries.get_or_build(key, m, build)
+    assert (rebuilt.hit, rebuilt.reason, build.calls) == (False, "corrupt", 2)
+    assert weights.stat().st_size == 1000
+    quarantined = list((cache.v1 / "quarantine").iterdir())
+    assert len(quarantined) == 1 and "rank0.safetensors" in (quarantined[0] / "quarantine_reason.txt").read_text()
+    assert cache.stats.summary("entries")["misses_by_reason"]["corrupt"] == 1
+    assert cache.entries.get_or_build(key, m, build).hit
+
+
+def test_missing_manifest_is_corrupt(cache):
+    m = material()
+    key = engine_key(m)
+    cache.entries.get_or_build(key, m, FakeBuild())
+    (cache.entries.entry_dir(key) / "manifest.json").unlink()
+    assert cache.entries.lookup(key, m, record=False).reason == "corrupt"
+
+
+def test_manifest_of_another_version_or_material_is_incompatible(cache):
+    m = material()
+    key = engine_key(m)
+    cache.entries.get_or_build(key, m, FakeBuild())
+    assert cache.entries.lookup(key, material(1), record=False).reason == "incompatible"
+    manifest_path = cache.entries.entry_dir(key) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "manifest_version": 99}))
+    assert cache.entries.lookup(key, m, record=False).reason == "incompatible"
+    result = cache.entries.get_or_build(key, m, FakeBuild())
+    assert (result.reason, result.hit) == ("incompatible", False)
+    assert cache.entries.lookup(key, m, record=False).hit
+
+
+def test_manifest_with_an_escaping_path_is_corrupt_and_never_followed(cache):
+    m = material()
+    key = engine_key(m)
+    cache.entries.get_or_build(key, m, FakeBuild())
+    manifest_path = cache.entries.entry_dir(key) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"].append({"path": "../../../../etc/passwd", "size": 1, "sha256": "0" * 64})
+    manifest_path.write_text(json.dumps(manifest))
+    found = cache.entries.lookup(key, m, record=False)
+    assert found.reason == "corrupt" and "unsafe file path" in found.detail
+
+
+def test_removed_entry_misses_as_evicted(cache):
+    m = material()
+    key = engine_key(m)
+    cache.entries.get_or_build(key, m, FakeBuild())
+    cache.entries.remove(key)
+    assert cache.entries.lookup(key, m).reason == "evicted"
+    assert cache.entries.get_or_build(key, m, FakeBuild()).reason == "evicted"
+    assert cache.entries.lookup(key, m).reason == "hit"
+
+
+def test_force_rebuilds_and_replaces_atomically(cache):
+    m, build = material(), FakeBuild()
+    key = engine_key(m)
+    cache.entries.get_or_build(key, m, build)
+    forced = cache.entries.get_or_build(key, m, build, force=True)
+    assert (forced.hit, forced.reason, build.calls) == (False, "forced", 2)
+    assert json.loads((forced.payload_dir / "engine.json").read_text())["build"] == 2
+    assert [p.name.split(".")[0] for p in (cache.v1 / "tmp").iterdir()] == []
+
+
+def test_hash_verification_on_load_catches_a_same_size_change(tmp_path):
+    cache = EngineCache.open(tmp_path / "cache", verify_on_load="hash")
+    m = material()
+    key = engine_key(m)
+    result = cache.entries.get_or_build(key, m, FakeBuild())
+    weights = result.payload_dir / "weights" / "rank0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[0] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert cache.entries.lookup(key, m, record=False).reason == "corrupt"
+    assert EngineCache.open(tmp_path / "cache").entries.lookup(key, m, record=False).hit  # size check only
+
+
+def test_verify_names_the_flipped_file_and_marks_the_entry_for_rebuild(cache):
+    m, build = material(), FakeBuild()
+    key = engine_key(m)
+    result = cache.entries.get_or_build(key, m, build)
+    assert cache.entries.verify(key).ok
+    weights = result.payload_dir / "weights" / "rank0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[500] ^= 0x10
+    weights.write_bytes(bytes(data))
+    verdict = cache.entries.verify(key)
+    assert not verdict.ok and str(weights) in verdict.problems[0]
+    assert cache.entries.get_or_build(key, m, build).reason == "corrupt"
+    assert cache.entries.verify(key).ok
+
+
+def test_quantized_store_uses_its_own_folder_payload_and_lock(cache):
+    m = {"key_schema": 1, "kind": "quantized", "checkpoint": "0" * 64}
+    key = engine_key(m)
+    result = cache.quantized.get_or_build(key, m, FakeBuild())
+    assert result.payload_dir == cache.v1 / "quantized" / key[:2] / key / "checkpoint"
+    assert cache.quantized.lock_path(key).name == f"quantized-{key}.lock"
+    assert cache.find(key) is cache.quantized
+
+
+def test_a_key_that_is_not_the_materials_key_is_a_programming_error(cache):
+    with pytest.raises(ValueError, match="not the key of the material"):
+        cache.entries.get_or_build(engine_key(material(1)), material(2), FakeBuild())
+
+
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "a" * 63, "A" * 64])
+def test_store_refuses_malformed_keys_before_touching_a_path(cache, bad):
+    with pytest.raises(InvalidCacheKeyError):
+        cache.entries.get_or_build(bad, material(), FakeBuild())
+    with pytest.raises(InvalidCacheKeyError):
+        cache.find(bad)
+    assert not (cache.root.parent / "etc").exists()
+
+
+def test_an_entry_without_a_manifest_can_be_verified_and_removed(cache):
+    m = material()
+    key = engine_key(m)
+    cache.entries.get_or_build(key, m, FakeBuild())
+    (cache.entries.entry_dir(key) / "manifest.json").unlink()
+    verdict = cache.entries.verify(key)
+    assert not verdict.ok and "manifest.json is missing" in verdict.problems[0]
+    cache.entries.remove(key)
+    assert not cache.entries.entry_dir(key).exists()
+    with pytest.raises(CacheEntryNotFoundError):
+        cache.entries.remove(key)
