@@ -1,0 +1,1 @@
+"""Engine builders (native, TensorRT-LLM) and the hash-keyed engine cache."""

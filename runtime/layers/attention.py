@@ -1,0 +1,74 @@
+"""Paged attention: store the new tokens' K/V into the block caches, then attend through each block table.
+
+``paged_attention_reference`` is the plain PyTorch implementation (the CPU path and the oracle for GPU kernels).
+Caches are [num_blocks, block_size, num_kv_heads, head_dim]; an FP8 cache holds ``x / scale`` in float8_e4m3fn.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.attention_metadata import AttentionMetadata
+from runtime.kv_cache import KVCache
+from runtime.layers.linear import fp8_quantize
+
+
+class PagedAttention(nn.Module):
+    """Causal GQA attention over the paged KV cache; owns the FP8 KV scales when the cache is FP8."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, fp8_kv_cache: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+        k_cache, v_cache = kv_cache
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Write K/V of the new tokens at their flat slots, quantizing with the scales when the cache is FP8."""
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        flat = cache.view(-1, *cache.shape[2:])
+        if cache.dtype == torch.float8_e4m3fn:
+            flat.view(torch.uint8)[slot_mapping] = fp8_quantize(x, scale).view(torch.uint8)
+        else:
+            flat[slot_mapping] = x.to(cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+    """The first ``seq_len`` cached positions of one sequence, [seq_len, num_kv_heads, head_dim] in ``dtype``."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    x = cache[block_table[:num_blocks].long()].reshape(-1, *cache.shape[2:])[:seq_len]
+    if cache.dtype == torch.float8_e4m3fn:
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of every new token over its sequence's cached K/V (the new tokens already stored)."""
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    for i, seq_len in enumerate(meta.seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len, k_scale, q.dtype)
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len, v_scale, q.dtype)
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,147 @@
+"""Linear layers, one class per weight format; ``forward`` is one call, the CPU reference is a sibling function.
+
+Runtime weight layouts (``rank0.safetensors``, per module prefix):
+
+- ``Linear``: ``weight`` [out, in] in the engine dtype.
+- ``Fp8Linear`` (modelopt FP8, static per-tensor scales): ``weight`` float8_e4m3fn [out, in], ``weight_scale``
+  float32 [out] (per output channel, so fused QKV / gate-up keep each member's per-tensor scale exactly),
+  ``input_scale`` float32 [] (static). ``y = (fp8(clamp(x / input_scale)) * input_scale) @ (weight * weight_scale)^T``,
+  which is modelopt's fake-quantized numerics.
+- ``Int4AwqLinear`` (modelopt W4A16_AWQ): ``qweight`` uint8 [out, in // 2] packed along the *input* dim: byte j of
+  row n holds input columns 2j (low nibble) and 2j + 1 (high nibble) as ``q + 8`` (q in -8..7), so a kernel streams
+  each output row contiguously along K; ``scales`` float32 [out, in // group_size]; ``pre_quant_scale`` float32
+  [in] (AWQ smoothing factor, ones where modelopt folded it into the preceding norm).
+  ``y = (x * pre_quant_scale) @ (q * scales[:, k // group_size])^T``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
+
+
+class Linear(nn.Module):
+    """Dense linear without bias, weight in the engine dtype."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Fp8Linear(nn.Module):
+    """FP8 (e4m3) weight with per-output-channel scale, activations quantized with a static per-tensor scale."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
+        self.register_buffer("input_scale", torch.ones((), dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_scaled_mm(x, self.weight):
+            return fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale)
+        return fp8_linear_reference(x, self.weight, self.weight_scale, self.input_scale)
+
+
+class Int4AwqLinear(nn.Module):
+    """INT4 weight, symmetric per-group scales along the input dim, AWQ pre-quant scale on the activations."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int) -> None:
+        super().__init__()
+        if in_features % group_size or in_features % 2:
+            raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
+        self.group_size = group_size
+        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.ones(out_features, in_features // group_size, dtype=torch.float32))
+        self.register_buffer("pre_quant_scale", torch.ones(in_features, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_awq_linear_reference(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size)
+
+
+def make_linear(fmt: str, in_features: int, out_features: int, dtype: torch.dtype, group_size: int | None) -> nn.Module:
+    """The linear module of quantization format ``fmt`` ("none", "fp8" or "int4_awq")."""
+    if fmt == "none":
+        return Linear(in_features, out_features, dtype)
+    if fmt == "fp8":
+        return Fp8Linear(in_features, out_features)
+    if fmt == "int4_awq":
+        return Int4AwqLinear(in_features, out_features, group_size)
+    raise ValueError(f"unknown linear format {fmt!r}")
+
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``fp8_e4m3(clamp(x / scale, ±448))``, computed in float32."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         input_scale: torch.Tensor) -> torch.Tensor:
+    """Dequantize both operands to ``x.dtype`` and multiply: modelopt's fake-quantized FP8 linear."""
+    x_deq = (fp8_quantize(x, input_scale).float() * input_scale).to(x.dtype)
+    w_deq = (weight.float() * weight_scale[:, None]).to(x.dtype)
+    return F.linear(x_deq, w_deq)
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         input_scale: torch.Tensor) -> torch.Tensor:
+    """FP8 tensor-core GEMM (CUDA, compute capability >= 8.9), scales applied in the epilogue.
+
+    bfloat16 output uses rowwise scaling (scale_a [M, 1], scale_b [1, N]); other dtypes take a float32 tensorwise
+    GEMM and apply the per-channel weight scale afterwards, since rowwise scaling only produces bfloat16.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    x_q = fp8_quantize(x2, input_scale)
+    if x.dtype == torch.bfloat16:
+        scale_a = input_scale.reshape(1, 1).expand(x_q.shape[0], 1).contiguous()
+        out = torch._scaled_mm(x_q, weight.t(), scale_a=scale_a, scale_b=weight_scale.reshape(1, -1),
+                               out_dtype=torch.bfloat16)
+    else:
+        out = torch._scaled_mm(x_q, weight.t(), scale_a=input_scale, scale_b=input_scale.new_ones(()),
+                               out_dtype=torch.float32)
+        out = (out * weight_scale).to(x.dtype)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``fp8_linear_scaled_mm`` can run: a CUDA device with FP8 tensor cores and 16-aligned K and N."""
+    return (x.is_cuda and x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0 and x.numel() > 0
+            and _has_fp8_tensor_cores(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache
+def _has_fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack int values -8..7 [out, in] into uint8 [out, in // 2] along the input dim (low nibble = even column)."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_int4``: int8 [out, in] with values -8..7."""
+    low = (qweight & 0x0F).to(torch.int8) - 8
+    high = (qweight >> 4).to(torch.int8) - 8
+    return torch.stack([low, high], dim=-1).reshape(qweight.shape[0], -1)
+
+
+def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 weight [out, in] that modelopt's fake quantization used."""
+    return unpack_int4(qweight).float() * scales.repeat_interleave(group_size, dim=1)
+
+
+def int4_awq_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                              pre_quant_scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Dequantize the weight to ``x.dtype`` and multiply: modelopt's fake-quantized W4A16 AWQ linear."""
+    x = x * pre_quant_scale.to(x.dtype)
+    return F.linear(x, int4_dequantize(qweight, scales, group_size).to(x.dtype))

@@ -1,0 +1,184 @@
+"""Test helpers: small seeded random Hugging Face Llama checkpoints on disk, and a greedy driver for LlamaModel."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+
+from runtime.attention_metadata import AttentionMetadata
+from runtime.engine_format import EngineConfig
+from runtime.kv_cache import allocate_kv_cache
+from runtime.model.llama import LlamaModel
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+def make_llama_config(*, hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2,
+                      num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None, vocab_size: int = 96,
+                      tie_word_embeddings: bool = False, rope_scaling: dict[str, Any] | None = None,
+                      rope_theta: float = 10000.0, max_position_embeddings: int = 256):
+    """A transformers LlamaConfig for a tiny model (``rope_scaling`` e.g. ``LLAMA3_ROPE``)."""
+    from transformers import LlamaConfig
+
+    rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling:
+        rope_parameters = {**rope_scaling, "rope_theta": rope_theta}
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, rope_parameters=rope_parameters, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, architectures=["LlamaForCausalLM"],
+    )
+
+
+def make_llama_model(seed: int = 0, std: float = 0.15, **config_kwargs: Any):
+    """A float32 ``LlamaForCausalLM`` with seeded random weights (norm weights around 1, linears N(0, std))."""
+    from transformers import LlamaForCausalLM
+
+    config = make_llama_config(**config_kwargs)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=generator))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=generator))
+    return model
+
+
+def make_llama_checkpoint(path: Path, seed: int = 0, **config_kwargs: Any) -> Path:
+    """Save a seeded random tiny Llama (see ``make_llama_model``) with a word-level tokenizer at ``path``."""
+    model = make_llama_model(seed, **config_kwargs)
+    model.save_pretrained(path)
+    write_tokenizer(path, model.config.vocab_size)
+    return path
+
+
+def make_fp8_checkpoint(path: Path, seed: int = 0, fp8_kv_cache: bool = False, **config_kwargs: Any) -> Path:
+    """A tiny Llama in modelopt's unified FP8 layout, written without modelopt (static per-tensor scales)."""
+    from safetensors.torch import save_file
+
+    make_llama_checkpoint(path, seed, **config_kwargs)
+    tensors = load_file(path / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        module = name.removesuffix(".weight")
+        scale = tensors[name].abs().max() / 448
+        tensors[name] = (tensors[name] / scale).to(torch.float8_e4m3fn)
+        tensors[f"{module}.weight_scale"] = scale
+        tensors[f"{module}.input_scale"] = 0.01 + 0.02 * torch.rand((), generator=generator)
+        if fp8_kv_cache and module.endswith(("k_proj", "v_proj")):
+            kind = module[-6]
+            tensors[f"{module}.{kind}_scale"] = 0.005 + 0.01 * torch.rand((), generator=generator)
+    layers = {".".join(n.split(".")[:3]) for n in tensors if n.startswith("model.layers.")}
+    for layer in layers:  # modelopt calibrates the linears that read one input to one input scale
+        for first, *rest in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj",
+                                                                                            "mlp.up_proj")):
+            for other in rest:
+                tensors[f"{layer}.{other}.input_scale"] = tensors[f"{layer}.{first}.input_scale"].clone()
+    save_file(tensors, path / "model.safetensors")
+    quant = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8" if fp8_kv_cache else None,
+             "exclude_modules": ["lm_head", "model.embed_tokens"]}
+    (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}))
+    return path
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over tokens ``t0 .. t{vocab_size-1}`` (tokenizer.json + tokenizer_config.json)."""
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t1", "eos_token": "t2",
+                                                            "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Copy the tokenizer files of checkpoint ``src`` into ``dst`` (modelopt's export writes none)."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, dst / name)
+
+
+def tiny_plan(**overrides: Any) -> dict[str, Any]:
+    """A build plan for tiny CPU engines."""
+    plan = {"max_batch_size": 4, "max_input_len": 48, "max_seq_len": 64, "max_num_tokens": 64,
+            "tokens_per_block": 4, "kv_cache_dtype": "auto"}
+    return {**plan, **overrides}
+
+
+class PagedRunner:
+    """Drives a LlamaModel over a batch of prompts with hand-built metadata: one flat prefill, then decodes."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, num_seqs: int, device: str = "cpu") -> None:
+        self.model, self.device = model, device
+        self.block_size = config.plan.tokens_per_block
+        self.blocks_per_seq = -(-config.plan.max_seq_len // self.block_size)
+        # block 0 stays unused so a table padded with 0 can never alias live data
+        self.kv_caches = allocate_kv_cache(config, 1 + num_seqs * self.blocks_per_seq, device)
+        self.block_tables = [list(range(1 + i * self.blocks_per_seq, 1 + (i + 1) * self.blocks_per_seq))
+                             for i in range(num_seqs)]
+
+    @torch.inference_mode()
+    def step(self, new_tokens: list[list[int]], seq_lens: list[int]) -> torch.Tensor:
+        """Run the new tokens of every sequence (whose total lengths become ``seq_lens``); last-token logits."""
+        query_lens = [len(t) for t in new_tokens]
+        meta = AttentionMetadata.build(query_lens, seq_lens, self.block_tables, self.block_size, self.device)
+        positions = [p for q, s in zip(query_lens, seq_lens, strict=True) for p in range(s - q, s)]
+        input_ids = torch.tensor([t for tokens in new_tokens for t in tokens], device=self.device)
+        hidden = self.model(input_ids, torch.tensor(positions, device=self.device), meta, self.kv_caches)
+        return self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
+
+    def all_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Logits of every prompt position from one flat prefill, one [len, vocab] tensor per prompt."""
+        query_lens = [len(p) for p in prompts]
+        meta = AttentionMetadata.build(query_lens, query_lens, self.block_tables, self.block_size, self.device)
+        positions = [p for q in query_lens for p in range(q)]
+        input_ids = torch.tensor([t for p in prompts for t in p], device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, torch.tensor(positions, device=self.device), meta, self.kv_caches)
+            logits = self.model.compute_logits(hidden)
+        return list(logits.split(query_lens))
+
+    def greedy(self, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Greedy continuation of every prompt: generated tokens per prompt, last-token logits per step."""
+        seq_lens = [len(p) for p in prompts]
+        logits = self.step(prompts, seq_lens)
+        history, generated = [logits], [[] for _ in prompts]
+        for _ in range(steps - 1):
+            next_tokens = logits.argmax(-1).tolist()
+            for out, token in zip(generated, next_tokens, strict=True):
+                out.append(token)
+            seq_lens = [n + 1 for n in seq_lens]
+            logits = self.step([[t] for t in next_tokens], seq_lens)
+            history.append(logits)
+        for out, token in zip(generated, logits.argmax(-1).tolist(), strict=True):
+            out.append(token)
+        return generated, history
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Reference greedy decoding with a transformers model, recomputing the full sequence each step."""
+    generated, history = [], []
+    for prompt in prompts:
+        ids, logits_per_step = list(prompt), []
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            logits_per_step.append(logits)
+            ids.append(int(logits.argmax()))
+        generated.append(ids[len(prompt):])
+        history.append(torch.stack(logits_per_step))
+    return generated, [torch.stack([h[step] for h in history]) for step in range(steps)]

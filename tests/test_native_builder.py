@@ -1,0 +1,167 @@
+"""Native engine builder: engine.json contract, runtime weight layout, plan validation, fingerprint checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from engines import native_plan
+from engines.native_builder import build_native_engine
+from runtime.engine_format import ENGINE_FORMAT_VERSION, EngineConfig
+from runtime.errors import EngineFormatError, FingerprintMismatchError, KilnError
+from runtime.fingerprint import check_fingerprint, machine_fingerprint
+from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from runtime.model.llama import LlamaModel
+from tests.model_factories import make_llama_checkpoint, make_llama_model, tiny_plan, write_tokenizer
+
+ARCHITECTURE_KEYS = {"type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
+                     "max_position_embeddings", "bos_token_id", "eos_token_ids"}
+H200 = {"device": "cuda", "gpu_name": "NVIDIA H200", "compute_capability": "9.0", "torch": "2.13",
+        "triton": "3.5.0", "cuda": "12.8"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_llama_checkpoint(tmp_path_factory.mktemp("hf"), hidden_size=64, num_heads=4, num_kv_heads=2)
+
+
+def build(checkpoint, tmp_path, plan=None, dtype="float32", name="engine"):
+    out = tmp_path / name
+    out.mkdir()
+    return build_native_engine(checkpoint, out, plan or tiny_plan(), dtype), out
+
+
+def test_engine_json_has_every_contract_key(checkpoint, tmp_path):
+    engine, out = build(checkpoint, tmp_path)
+    on_disk = json.loads((out / "engine.json").read_text())
+    assert on_disk == engine
+    assert engine["format"] == "kiln-native" and engine["format_version"] == ENGINE_FORMAT_VERSION
+    assert engine["architecture"].keys() >= ARCHITECTURE_KEYS
+    assert engine["architecture"]["eos_token_ids"] == [2]
+    assert engine["dtype"] == "float32"
+    assert engine["quantization"].keys() >= {"format", "group_size", "kv_cache_dtype", "exclude_modules"}
+    assert engine["plan"] == {**tiny_plan(), "kv_cache_dtype": "float32"}
+    assert engine["fingerprint"] == machine_fingerprint("cpu")
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
+
+
+def test_weights_are_fused_in_runtime_layout(checkpoint, tmp_path):
+    _, out = build(checkpoint, tmp_path, dtype="bfloat16")
+    with safe_open(str(out / "rank0.safetensors"), "pt") as f:
+        qkv = f.get_tensor("layers.0.self_attn.qkv_proj.weight")
+        gate_up = f.get_tensor("layers.1.mlp.gate_up_proj.weight")
+        names = list(f.keys())
+    assert not any("q_proj" in name or "gate_proj" in name for name in names)
+    assert qkv.shape == (64 + 2 * 2 * 16, 64) and qkv.dtype == torch.bfloat16
+    assert gate_up.shape == (2 * 128, 64)
+
+
+def test_kv_cache_that_does_not_fit_is_refused_with_the_count_that_fits(checkpoint, tmp_path, monkeypatch):
+    config = EngineConfig.from_dict(build(checkpoint, tmp_path, name="fits")[0])
+    per_seq = kv_bytes_per_block(config) * (64 // 4)
+    monkeypatch.setattr(native_plan, "memory_budget_bytes", lambda device, weight_bytes: 3 * per_seq + 1)
+    out = tmp_path / "engine"
+    out.mkdir()
+    with pytest.raises(KilnError, match=r"3 sequence\(s\) of 64 tokens fit; lower build.max_batch_size to 3 or "
+                                        r"build.max_seq_len to 48"):
+        build_native_engine(checkpoint, out, tiny_plan(max_batch_size=4), "float32")
+    assert list(out.iterdir()) == []
+
+
+def test_non_llama_architecture_is_refused(tmp_path):
+    checkpoint = make_llama_checkpoint(tmp_path / "hf")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(KilnError, match="architecture 'GPT2LMHeadModel' is not supported by the native backend "
+                                        r"\(supported: LlamaForCausalLM, MistralForCausalLM\)"):
+        build(checkpoint, tmp_path)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(max_input_len=80, max_seq_len=64), r"build.max_input_len \(80\) must not exceed build.max_seq_len \(64\)"),
+    (dict(max_seq_len=512, max_input_len=64), r"exceeds the model's max_position_embeddings \(256\)"),
+    (dict(tokens_per_block=6), r"build.tokens_per_block \(6\) must be a power of two"),
+    (dict(max_batch_size=0), r"build.max_batch_size must be a positive integer"),
+    (dict(kv_cache_dtype="fp8"), r"needs a checkpoint with FP8 KV cache scales"),
+    (dict(max_beams=2), r"unknown build plan key\(s\) max_beams"),
+])
+def test_impossible_plans_are_refused(checkpoint, tmp_path, overrides, message):
+    with pytest.raises(KilnError, match=message):
+        build(checkpoint, tmp_path, tiny_plan(**overrides))
+
+
+def test_token_budget_below_max_input_len_is_allowed_for_chunked_prefill(checkpoint, tmp_path):
+    engine, _ = build(checkpoint, tmp_path, tiny_plan(max_num_tokens=16, max_input_len=48))
+    assert engine["plan"]["max_num_tokens"] == 16
+
+
+def test_older_rope_scaling_and_generation_config_eos_ids_are_read(tmp_path):
+    checkpoint = make_llama_checkpoint(tmp_path / "hf")
+    config = json.loads((checkpoint / "config.json").read_text())
+    del config["rope_parameters"]
+    config.update(rope_theta=500000.0, eos_token_id=[2, 5], rope_scaling={
+        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32})
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    arch = build(checkpoint, tmp_path)[0]["architecture"]
+    assert arch["rope_theta"] == 500000.0 and arch["rope_scaling"]["rope_type"] == "llama3"
+    assert arch["eos_token_ids"] == [7, 2, 5]
+
+
+def test_kv_cache_allocation_matches_bytes_per_block(checkpoint, tmp_path):
+    config = EngineConfig.from_dict(build(checkpoint, tmp_path)[0])
+    caches = allocate_kv_cache(config, num_blocks=3, device="cpu")
+    assert len(caches) == 2 and caches[0][0].shape == (3, 4, 2, 16)
+    assert sum(k.nbytes + v.nbytes for k, v in caches) == 3 * kv_bytes_per_block(config)
+
+
+def test_foreign_or_outdated_engine_json_is_refused(checkpoint, tmp_path):
+    engine, out = build(checkpoint, tmp_path)
+    (out / "engine.json").write_text(json.dumps({**engine, "format_version": ENGINE_FORMAT_VERSION + 1}))
+    with pytest.raises(EngineFormatError, match="rebuild the engine"):
+        EngineConfig.load(out)
+    (out / "engine.json").write_text(json.dumps({**engine, "format": "trtllm"}))
+    with pytest.raises(EngineFormatError, match="not a kiln native engine"):
+        EngineConfig.load(out)
+
+
+def test_fingerprint_mismatch_names_each_differing_field():
+    cpu = machine_fingerprint("cpu")
+    with pytest.raises(FingerprintMismatchError) as e:
+        check_fingerprint(H200, {**cpu, "torch": "2.12"})
+    message = str(e.value)
+    assert "engine built for NVIDIA H200 (sm 9.0), this machine has cpu" in message
+    assert "engine built with torch 2.13, this machine has torch 2.12" in message
+    assert "engine built with triton 3.5.0, this machine has no triton" in message
+
+
+def test_fingerprint_of_the_same_machine_passes():
+    check_fingerprint(machine_fingerprint("cpu"), machine_fingerprint("cpu"))
+    check_fingerprint(H200, {**H200, "cuda": "12.9"})  # the CUDA runtime version alone is not a mismatch
+
+
+def test_sharded_checkpoint_builds_the_same_weights(checkpoint, tmp_path):
+    sharded = tmp_path / "sharded"
+    make_llama_model(hidden_size=64, num_heads=4, num_kv_heads=2).save_pretrained(sharded, max_shard_size="40KB")
+    write_tokenizer(sharded, 96)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    _, single_dir = build(checkpoint, tmp_path, name="single")
+    _, sharded_dir = build(sharded, tmp_path, name="from-shards")
+    single, from_shards = (load_file(d / "rank0.safetensors") for d in (single_dir, sharded_dir))
+    assert single.keys() == from_shards.keys()
+    assert all(torch.equal(single[k], from_shards[k]) for k in single)
+
+
+def test_engine_whose_weights_do_not_match_engine_json_is_refused(checkpoint, tmp_path):
+    _, out = build(checkpoint, tmp_path)
+    weights = load_file(out / "rank0.safetensors")
+    del weights["layers.1.mlp.down_proj.weight"]
+    save_file(weights, out / "rank0.safetensors")
+    with pytest.raises(EngineFormatError, match=r"missing \['layers.1.mlp.down_proj.weight'\]"):
+        LlamaModel.from_engine(out, EngineConfig.load(out), "cpu")

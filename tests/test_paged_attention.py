@@ -1,0 +1,112 @@
+"""Paged attention reference against dense causal attention, for a mixed flat batch over shuffled blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.attention_metadata import AttentionMetadata
+from runtime.layers.attention import PagedAttention, store_kv
+from runtime.layers.linear import fp8_quantize
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 16, 4, 32
+# (cached tokens before this step, new tokens this step): a fresh prefill, a chunked prefill continuing a cached
+# prefix, and two decodes.
+SEQUENCES = [(0, 7), (5, 6), (9, 1), (14, 1)]
+
+
+def dense_causal_attention(q, k, v, q_start):
+    """q [q_len, H, D] at positions q_start.., k/v [seq_len, KVH, D]: plain softmax(q k^T / sqrt(D)) v with GQA."""
+    k = k.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+    v = v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
+    q_pos = torch.arange(q_start, q_start + q.shape[0])[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
+
+
+def shuffled_block_tables(generator):
+    free = (torch.randperm(NUM_BLOCKS - 1, generator=generator) + 1).tolist()  # block 0 is the padding block
+    tables = []
+    for cached, new in SEQUENCES:
+        n = -(-(cached + new) // BLOCK_SIZE)
+        tables.append([free.pop() for _ in range(n)])
+    return tables
+
+
+def run_mixed_batch(fp8: bool):
+    generator = torch.Generator().manual_seed(0)
+    kv_dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=kv_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    attn = PagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, fp8_kv_cache=fp8)
+    if fp8:
+        attn.k_scale.fill_(0.02)
+        attn.v_scale.fill_(0.01)
+    tables = shuffled_block_tables(generator)
+    keys = [torch.randn(c + n, NUM_KV_HEADS, HEAD_DIM, generator=generator) for c, n in SEQUENCES]
+    values = [torch.randn(c + n, NUM_KV_HEADS, HEAD_DIM, generator=generator) for c, n in SEQUENCES]
+    queries = [torch.randn(n, NUM_HEADS, HEAD_DIM, generator=generator) for _, n in SEQUENCES]
+
+    # earlier steps: the cached prefixes are already in the cache
+    cached = [(i, c) for i, (c, _) in enumerate(SEQUENCES) if c]
+    prefix = AttentionMetadata.build([c for _, c in cached], [c for _, c in cached], [tables[i] for i, _ in cached],
+                                     BLOCK_SIZE)
+    store_kv(torch.cat([keys[i][:c] for i, c in cached]), torch.cat([values[i][:c] for i, c in cached]),
+             k_cache, v_cache, prefix.slot_mapping, attn.k_scale, attn.v_scale)
+
+    meta = AttentionMetadata.build([n for _, n in SEQUENCES], [c + n for c, n in SEQUENCES], tables, BLOCK_SIZE)
+    out = attn(torch.cat(queries), torch.cat([k[c:] for k, (c, _) in zip(keys, SEQUENCES, strict=True)]),
+               torch.cat([v[c:] for v, (c, _) in zip(values, SEQUENCES, strict=True)]), meta, (k_cache, v_cache))
+    if fp8:  # the reference sees what an FP8 cache can hold
+        keys = [fp8_quantize(k, attn.k_scale).float() * attn.k_scale for k in keys]
+        values = [fp8_quantize(v, attn.v_scale).float() * attn.v_scale for v in values]
+    expected = [dense_causal_attention(q, k, v, c)
+                for q, k, v, (c, _) in zip(queries, keys, values, SEQUENCES, strict=True)]
+    return out, torch.cat(expected)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float32-cache", "fp8-cache"])
+def test_mixed_batch_matches_dense_causal_attention(fp8):
+    out, expected = run_mixed_batch(fp8)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_slot_mapping_follows_the_block_table():
+    meta = AttentionMetadata.build([3, 1], [6, 5], [[7, 2], [4, 9]], block_size=4)
+    # sequence 0 writes positions 3, 4, 5 -> block 7 offset 3, block 2 offsets 0 and 1; sequence 1 writes position 4
+    assert meta.slot_mapping.tolist() == [31, 8, 9, 36]
+    assert meta.query_start_loc.tolist() == [0, 3, 4]
+    assert meta.seq_lens.tolist() == [6, 5]
+    assert (meta.max_query_len, meta.max_seq_len) == (3, 6)
+
+
+def test_fp8_cache_stores_values_divided_by_the_scale():
+    k_cache = torch.zeros(2, 4, 1, 2, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.tensor([[[0.5, -1.0]]])
+    store_kv(k, 2 * k, k_cache, v_cache, torch.tensor([5]), torch.tensor(0.25), torch.tensor(0.5))
+    assert k_cache[1, 1].float().tolist() == [[2.0, -4.0]]
+    assert v_cache[1, 1].float().tolist() == [[2.0, -4.0]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_paged_attention_on_gpu_matches_cpu():
+    generator = torch.Generator().manual_seed(0)
+    tables = shuffled_block_tables(generator)
+    k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    total_new = sum(n for _, n in SEQUENCES)
+    q = torch.randn(total_new, NUM_HEADS, HEAD_DIM, generator=generator)
+    k = torch.randn(total_new, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    v = torch.randn(total_new, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    attn = PagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, fp8_kv_cache=False)
+    outputs = []
+    for device in ("cpu", "cuda"):
+        meta = AttentionMetadata.build([n for _, n in SEQUENCES], [c + n for c, n in SEQUENCES], tables, BLOCK_SIZE,
+                                       device)
+        caches = (k_cache.clone().to(device), v_cache.clone().to(device))
+        outputs.append(attn.to(device)(q.to(device), k.to(device), v.to(device), meta, caches).cpu())
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-3, atol=1e-3)
