@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import KilnError
+from runtime.trtllm_adapter import trtllm_versions
+
+SUPPORTED_TRTLLM = "1.2."
 
 
 class BackendUnavailableError(KilnError):
@@ -30,8 +33,10 @@ class BackendChoice:
 
 
 def trtllm_available() -> bool:
-    """True when the ``tensorrt_llm`` package is importable (without importing it: that is slow)."""
-    return importlib.util.find_spec("tensorrt_llm") is not None
+    """True when TensorRT-LLM 1.2.x is installed (checked from package metadata, without importing it: that is slow)."""
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        return False
+    return (trtllm_versions()["tensorrt_llm"] or "").startswith(SUPPORTED_TRTLLM)
 
 
 def choose_backend(requested: str, device: str) -> BackendChoice:
@@ -42,7 +47,7 @@ def choose_backend(requested: str, device: str) -> BackendChoice:
         return BackendChoice(requested, resolved_device, f"backend {requested} requested")
     if trtllm_available() and has_cuda:
         return BackendChoice("trtllm", "cuda", "auto: tensorrt_llm is installed and a GPU is present")
-    why = "tensorrt_llm is not installed" if not trtllm_available() else "no CUDA GPU is present"
+    why = "TensorRT-LLM 1.2.x is not installed" if not trtllm_available() else "no CUDA GPU is present"
     return BackendChoice("native", resolved_device, f"auto: {why}, so Kiln's native engine")
 
 
@@ -54,3 +59,5 @@ def require(choice: BackendChoice) -> None:
         raise BackendUnavailableError(
             f"backend trtllm needs TensorRT-LLM, which is not installed; {TRTLLM_INSTALL_HINT}"
         )
+    if choice.backend == "trtllm" and not torch.cuda.is_available():
+        raise BackendUnavailableError("backend trtllm needs a CUDA GPU and none is visible; use --backend native")

@@ -28,6 +28,19 @@ class ModelSection(_Section):
     allow_download: bool = Field(False, description="Fetch from the hub when the model is not on disk.")
 
 
+class TrtllmSection(_Section):
+    """TensorRT-LLM engine features (backend trtllm). The defaults are what in-flight batching with KV block reuse
+    needs; turning one off is refused before any build, saying why."""
+
+    kv_cache_type: Literal["paged", "continuous", "disabled"] = "paged"
+    remove_input_padding: bool = True
+    gpt_attention_plugin: Literal["auto", "float16", "bfloat16", "float32", "disable"] = "auto"
+    gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"] | None = Field(
+        None, description="None: chosen from quantize.format (auto; FP8: disable, or fp8 for max_batch_size <= 4).")
+    context_fmha: bool = True
+    use_paged_context_fmha: bool = True
+
+
 class BuildSection(_Section):
     """Engine build plan. Only the semantic fields enter the engine cache key."""
 
@@ -43,6 +56,7 @@ class BuildSection(_Section):
     workers: PositiveInt = Field(1, description="Parallel build workers (not part of the cache key).")
     timeout_s: PositiveInt = Field(7200, description="Build timeout in seconds (not part of the cache key).")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    trtllm: TrtllmSection = Field(default_factory=TrtllmSection)
 
     @model_validator(mode="after")
     def _check_lengths(self) -> BuildSection:

@@ -7,6 +7,8 @@ from pipeline.backend import BackendChoice
 from pipeline.config import KilnConfig
 from runtime.engine_format import ENGINE_FORMAT_VERSION
 from runtime.fingerprint import machine_fingerprint
+from runtime.trtllm_adapter import ENGINE_FORMAT_VERSION as TRTLLM_ENGINE_FORMAT_VERSION
+from runtime.trtllm_adapter import trtllm_machine_fingerprint
 
 KEY_SCHEMA = 1
 
@@ -19,7 +21,14 @@ def quantized_material(checkpoint_hash: str, recipe: QuantizeRecipe) -> dict:
 
 def engine_material(checkpoint_hash: str, quantized_key: str | None, config: KilnConfig, choice: BackendChoice) -> dict:
     """Key material of an engine: checkpoint, recipe, semantic build options, backend, toolchain, hardware."""
-    machine = machine_fingerprint(choice.device)
+    if choice.backend == "trtllm":
+        machine = trtllm_machine_fingerprint()
+        toolchain = {name: machine.get(name) for name in ("tensorrt_llm", "tensorrt", "cuda")}
+        format_version = TRTLLM_ENGINE_FORMAT_VERSION
+    else:
+        machine = machine_fingerprint(choice.device)
+        toolchain = {name: machine.get(name) for name in ("torch", "triton", "cuda")}
+        format_version = ENGINE_FORMAT_VERSION
     return {
         "key_schema": KEY_SCHEMA,
         "kind": "engine",
@@ -28,8 +37,8 @@ def engine_material(checkpoint_hash: str, quantized_key: str | None, config: Kil
         "model_dtype": config.model.dtype,
         "build": config.build.semantic(),
         "backend": choice.backend,
-        "engine_format_version": ENGINE_FORMAT_VERSION,
-        "toolchain": {name: machine.get(name) for name in ("torch", "triton", "cuda")},
+        "engine_format_version": format_version,
+        "toolchain": toolchain,
         "hardware": {
             "device": machine["device"],
             "gpu_name": machine.get("gpu_name"),

@@ -10,7 +10,15 @@ from engines.cache import EngineCache, checkpoint_hash
 from pipeline.backend import choose_backend, require
 from pipeline.config import LoadedConfig, load_config
 from pipeline.model_source import find_model, resolve_model
-from pipeline.stages import BuildContext, BuildStage, Decision, PublishStage, QuantizeStage, SmokeStage
+from pipeline.stages import (
+    BuildContext,
+    BuildStage,
+    Decision,
+    PublishStage,
+    QuantizeStage,
+    SmokeStage,
+    trtllm_plan_extra,
+)
 
 ProgressFactory = Callable[[str], Callable[[str, float], None]]
 
@@ -39,8 +47,8 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
         model_dir = find_model(loaded.config.model)
         cache = open_cache(loaded, create=False)
     else:
-        model_dir = resolve_model(loaded.config.model)
         require(choice)
+        model_dir = resolve_model(loaded.config.model)
         cache = open_cache(loaded, create=True)
     ckpt = _hash_checkpoint(model_dir, cache) if model_dir else None
     ctx = BuildContext(loaded=loaded, choice=choice, cache=cache, model_dir=model_dir, checkpoint_hash=ckpt,
@@ -52,16 +60,18 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
 def decide(ctx: BuildContext) -> list[tuple[object, Decision]]:
     """The stage list with the runner's decision for each."""
     quantize, build, publish, smoke = QuantizeStage(), BuildStage(), PublishStage(), SmokeStage()
-    if ctx.cache is None and ctx.checkpoint_hash is not None:  # dry run against a cache that does not exist yet
-        q = (Decision("quantize", "skip", "format none: the checkpoint is used as it is")
-             if ctx.config.quantize.format == "none" else Decision("quantize", "run", "cache miss (new: empty cache)"))
-        b = Decision("build", "run", "cache miss (new: empty cache)")
-    else:
-        q, b = quantize.decide(ctx), build.decide(ctx)
+    quantizes = ctx.config.quantize.format != "none"
     if ctx.model_dir is None:
         missing = f"model files not found for model.path {ctx.config.model.path}"
-        q = Decision("quantize", q.action, f"{missing}; {q.reason}") if q.action == "run" else q
+        q = Decision("quantize", "run", f"{missing}; nothing to look up") if quantizes else quantize.decide(ctx)
         b = Decision("build", "run", f"{missing}; the engine key cannot be computed")
+    elif ctx.cache is None:  # a dry run against a cache that does not exist yet
+        q = Decision("quantize", "run", "cache miss (new: the cache is empty)") if quantizes else quantize.decide(ctx)
+        b = Decision("build", "run", "cache miss (new: the cache is empty)")
+    else:
+        q, b = quantize.decide(ctx), build.decide(ctx)
+    if ctx.choice.backend == "trtllm":
+        b.extra.update(trtllm_plan_extra(ctx))
     return [(quantize, q), (build, b), (publish, publish.decide(ctx, b)), (smoke, smoke.decide(ctx))]
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from engines.cache import EngineCache, engine_key
+from engines.cache import EngineCache, engine_key, hold_entry
 from pipeline.backend import BackendChoice
 from pipeline.config import LoadedConfig
 from pipeline.key_material import engine_material, quantized_material
@@ -81,8 +82,6 @@ class QuantizeStage:
         fmt = ctx.config.quantize.format
         if fmt == "none":
             return Decision(self.name, "skip", "format none: the checkpoint is used as it is")
-        if ctx.checkpoint_hash is None:
-            return Decision(self.name, "run", "model files are not on disk, so nothing can be looked up")
         if ctx.force:
             return Decision(self.name, "run", "--force")
         lookup = ctx.cache.quantized.lookup(ctx.quantized_key, record=False)
@@ -128,8 +127,6 @@ class BuildStage:
         return ctx.engine_key
 
     def decide(self, ctx: BuildContext) -> Decision:
-        if ctx.engine_key is None:
-            return Decision(self.name, "run", "model files are not on disk, so the engine key cannot be computed")
         if ctx.force:
             return Decision(self.name, "run", "--force")
         lookup = ctx.cache.entries.lookup(ctx.engine_key, ctx.material, record=False)
@@ -138,6 +135,9 @@ class BuildStage:
         return Decision(self.name, "run", f"cache miss ({lookup.reason})")
 
     def run(self, ctx: BuildContext, progress) -> None:
+        if ctx.choice.backend == "trtllm":
+            self._run_trtllm(ctx, progress)
+            return
         from engines.native_builder import build_native_engine
 
         cfg = ctx.config
@@ -149,9 +149,29 @@ class BuildStage:
 
         def build(tmp: Path) -> dict:
             progress("building native engine", 0.0)
-            engine = build_native_engine(ctx.checkpoint_dir, tmp, plan, cfg.model.dtype, device=ctx.choice.device)
+            source = ctx.checkpoint_dir.parent  # a quantized cache entry's payload: keep it from being evicted
+            with hold_entry(source.parent) if ctx.checkpoint_dir != ctx.model_dir else nullcontext():
+                engine = build_native_engine(ctx.checkpoint_dir, tmp, plan, cfg.model.dtype, device=ctx.choice.device)
             return {"engine": {"format": engine["format"], "quantization": engine["quantization"]},
                     "calibration": _report_summary(ctx.calibration) if ctx.calibration else None}
+
+        result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
+                                                 describe=describe, on_wait=lambda msg: progress(msg, 0.0))
+        ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = result.payload_dir, result.hit, result.reason
+        ctx.build_seconds = result.build_seconds
+
+    def _run_trtllm(self, ctx: BuildContext, progress) -> None:
+        from engines.trtllm_builder import build_trtllm_engine
+
+        inputs = trtllm_inputs(ctx)
+        describe = {"model": ctx.model_dir.name, "format": inputs["quant_format"], "backend": "trtllm",
+                    "gpu": inputs["fingerprint"].get("gpu_name") or "cpu"}
+
+        def build(tmp: Path) -> dict:
+            progress("running trtllm-build", 0.0)
+            record = build_trtllm_engine(tmp, timeout_s=ctx.config.build.timeout_s, **inputs)
+            return {"engine": {"format": "kiln-trtllm", "quantization": {"format": inputs["quant_format"]}},
+                    "trtllm": record, "calibration": _report_summary(ctx.calibration) if ctx.calibration else None}
 
         result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
                                                  describe=describe, on_wait=lambda msg: progress(msg, 0.0))
@@ -204,16 +224,50 @@ class SmokeStage:
 
         smoke = ctx.config.smoke
         progress("loading engine", 0.0)
-        start = time.perf_counter()
-        llm = LLM.load(ctx.engine_dir, device=ctx.choice.device)
-        ctx.load_ms = (time.perf_counter() - start) * 1000
-        ctx.cache.record_load(ctx.engine_key, ctx.load_ms)
-        try:
-            progress("generating", 0.5)
-            out = llm.generate([smoke.prompt], SamplingParams(max_tokens=smoke.max_tokens, temperature=0.0))[0]
-        finally:
-            llm.close()
+        with hold_entry(ctx.engine_dir.parent):  # no eviction while this process has the engine loaded
+            start = time.perf_counter()
+            llm = LLM.load(ctx.engine_dir, device=ctx.choice.device)
+            ctx.load_ms = (time.perf_counter() - start) * 1000
+            ctx.cache.record_load(ctx.engine_key, ctx.load_ms)
+            try:
+                progress("generating", 0.5)
+                out = llm.generate([smoke.prompt], SamplingParams(max_tokens=smoke.max_tokens, temperature=0.0))[0]
+            finally:
+                llm.close()
         ctx.sample = {"prompt": smoke.prompt, "text": out.text, "tokens": len(out.token_ids)}
+
+
+def trtllm_inputs(ctx: BuildContext) -> dict:
+    """The TensorRT-LLM builder's inputs: options from the config, the checkpoints, the timing cache."""
+    from engines.trtllm_command import timing_cache_path
+    from engines.trtllm_options import TrtllmBuildOptions
+    from runtime.cache_layout import entry_dir
+    from runtime.trtllm_adapter import trtllm_machine_fingerprint
+
+    cfg = ctx.config
+    fingerprint = trtllm_machine_fingerprint()
+    quant_format = _shipped_format(ctx)
+    hf_dir, trtllm_checkpoint = ctx.model_dir, None
+    if quant_format != "none":
+        payload = None
+        if ctx.checkpoint_dir is not None:
+            payload = ctx.checkpoint_dir.parent
+        elif ctx.quantized_key:
+            payload = entry_dir(cfg.cache.root(), ctx.quantized_key, "quantized") / "checkpoint"
+        hf_dir, trtllm_checkpoint = (payload / "hf", payload / "trtllm") if payload else (None, None)
+    return {"options": TrtllmBuildOptions.from_config(cfg.build.model_dump()), "quant_format": quant_format,
+            "kv_cache_dtype": cfg.quantize.kv_cache_dtype, "model_dtype": cfg.model.dtype, "fingerprint": fingerprint,
+            "timing_cache": timing_cache_path(cfg.cache.root(), fingerprint), "hf_dir": hf_dir,
+            "trtllm_checkpoint_dir": trtllm_checkpoint}
+
+
+def trtllm_plan_extra(ctx: BuildContext) -> dict:
+    """Dry-run fields of the build stage (the exact trtllm-build argv); raises TrtllmPreflightError when refused."""
+    from engines.trtllm_builder import plan_trtllm_build
+
+    inputs = trtllm_inputs(ctx)
+    plan = plan_trtllm_build(inputs.pop("options"), **inputs)
+    return {k: v for k, v in plan.items() if v is not None}
 
 
 def _kv_dtype(ctx: BuildContext) -> str:

@@ -1,0 +1,52 @@
+"""``kiln build --backend trtllm --dry-run`` on a machine without TensorRT-LLM: the plan, and refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def kiln(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KILN_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO),
+           "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=120)
+
+
+def test_dry_run_shows_every_inflight_batching_prerequisite(tmp_path):
+    proc = kiln("build", "llama3-8b-fp8.yaml", "--backend", "trtllm", "--dry-run", "--json", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    build = json.loads(proc.stdout)["stages"][1]
+    argv = " ".join(build["command"])
+    assert build["command"][0] == "trtllm-build"
+    for flag in ("--kv_cache_type paged", "--remove_input_padding enable", "--gpt_attention_plugin auto",
+                 "--use_paged_context_fmha enable", "--max_num_tokens 8192", "--tokens_per_block 32"):
+        assert flag in argv
+
+
+def test_paged_kv_cache_off_is_refused_before_building_naming_inflight_batching(tmp_path):
+    config = tmp_path / "continuous.yaml"
+    original = (REPO / "configs" / "llama3-8b-fp8.yaml").read_text()
+    config.write_text(original.replace("  tokens_per_block: 32\n",
+                                       "  tokens_per_block: 32\n  trtllm:\n    kv_cache_type: continuous\n"))
+    proc = kiln("build", str(config), "--backend", "trtllm", "--dry-run", tmp_path=tmp_path)
+    assert proc.returncode == 2
+    assert "in-flight batching" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_real_build_without_tensorrt_llm_says_how_to_install_it(tmp_path):
+    proc = kiln("build", "tiny-llama-fp8.yaml", "--backend", "trtllm", tmp_path=tmp_path)
+    assert proc.returncode == 2
+    assert "TensorRT-LLM" in proc.stderr and "1.2" in proc.stderr and "pip install" in proc.stderr
+    assert not (tmp_path / "cache").exists()
+
+
+def test_auto_backend_picks_native_here_and_says_why(tmp_path):
+    proc = kiln("build", "llama3-8b-fp8.yaml", "--dry-run", "--json", tmp_path=tmp_path)
+    plan = json.loads(proc.stdout)
+    assert plan["backend"] == "native" and "not installed" in plan["backend_reason"]

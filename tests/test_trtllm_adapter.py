@@ -1,0 +1,298 @@
+"""The TensorRT-LLM runtime adapter behind Kiln's LLM API, against a fake executor made from the recorded 1.2.1 names.
+
+The fake `tensorrt_llm.bindings.executor` has only the classes, keywords, methods and enum values recorded in
+engines/trtllm_contract, so an adapter that used anything else would fail here. Its executor streams scripted
+tokens: 10, 11, 12, ... for each request, stopping at `end_id` when the script reaches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import types
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import runtime.trtllm_adapter as adapter
+from engines.trtllm_contract import load_contract
+from runtime.errors import EngineFormatError, FingerprintMismatchError
+from runtime.llm import LLM
+from runtime.sampling_params import SamplingParams
+from runtime.trtllm_adapter import TrtllmEngine, TrtllmEngineInfo, TrtllmRequestError, TrtllmUnavailableError
+
+RECORDED = load_contract()["python"]["tensorrt_llm.bindings.executor"]
+H200 = {"device": "cuda", "gpu_name": "NVIDIA H200", "compute_capability": "9.0", "cuda": "12.9",
+        "tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48"}
+EOS = 1
+WORDS = ["<unk>", "</s>", "the", "cat", "sat", "on", "mat", "and", "dog", "ran", "a", "b", "c", "d", "e", "f"]
+
+
+class _Enum:
+    def __init__(self, enum: str, name: str) -> None:
+        self.name, self.enum = name, enum
+
+    def __repr__(self) -> str:
+        return f"{self.enum}.{self.name}"
+
+
+def _strict_class(name: str) -> type:
+    """A class whose constructor accepts only the recorded keyword names."""
+    allowed = set(RECORDED[name]["kwargs"])
+
+    def __init__(self, **kwargs):
+        unknown = set(kwargs) - allowed
+        assert not unknown, f"{name} has no keyword {sorted(unknown)} in TensorRT-LLM 1.2.1"
+        self.__dict__.update(kwargs)
+
+    return type(name, (), {"__init__": __init__})
+
+
+class _Result:
+    __slots__ = tuple(RECORDED["Result"]["attributes"])
+
+
+class _Response:
+    __slots__ = ("request_id", "client_id", "error_msg", "result")
+
+    def __init__(self, request_id, result=None, error_msg=None):
+        self.request_id, self.result, self.error_msg, self.client_id = request_id, result, error_msg, None
+
+    def has_error(self):
+        return self.error_msg is not None
+
+
+class FakeExecutor:
+    """Streams one scripted token per request per `await_responses`, with only the recorded methods."""
+
+    instances: list[FakeExecutor] = []
+    step_s = 0.001  # the time one engine iteration takes
+
+    def __init__(self, model_path, model_type, executor_config):
+        self.model_path, self.model_type, self.config = model_path, model_type, executor_config
+        self.requests, self.cancelled, self.active, self.shut_down = {}, [], {}, False
+        self.fail_ids: set[int] = set()
+        FakeExecutor.instances.append(self)
+
+    def enqueue_request(self, request):
+        request_id = len(self.requests) + 100
+        self.requests[request_id] = request
+        self.active[request_id] = 0
+        return request_id
+
+    def await_responses(self, timeout=None):
+        assert isinstance(timeout, timedelta)
+        time.sleep(self.step_s)
+        responses = []
+        for request_id, produced in list(self.active.items()):
+            request = self.requests[request_id]
+            if request_id in self.fail_ids:
+                del self.active[request_id]
+                responses.append(_Response(request_id, error_msg="CUDA error: out of memory"))
+                continue
+            token = 10 + produced if produced < 5 else EOS
+            reason = None
+            if request.end_id is not None and token == request.end_id:
+                reason = "END_ID"
+            elif produced + 1 >= request.max_tokens:
+                reason = "LENGTH"
+            result = _Result()
+            result.output_token_ids = [[token]]
+            result.is_final = reason is not None
+            result.finish_reasons = [_Enum("FinishReason", reason or "NOT_FINISHED")]
+            self.active[request_id] = produced + 1
+            if reason:
+                del self.active[request_id]
+            responses.append(_Response(request_id, result))
+        return responses
+
+    def cancel_request(self, id):  # noqa: A002 - the recorded keyword name
+        self.cancelled.append(id)
+        self.active.pop(id, None)
+
+    def shutdown(self):
+        self.shut_down = True
+
+
+def fake_executor_module() -> types.ModuleType:
+    module = types.ModuleType("tensorrt_llm.bindings.executor")
+    for name, spec in RECORDED.items():
+        if "values" in spec:
+            setattr(module, name, types.SimpleNamespace(**{v: _Enum(name, v) for v in spec["values"]}))
+        elif "kwargs" in spec:
+            setattr(module, name, _strict_class(name))
+    methods = set(RECORDED["Executor"]["methods"])
+    assert {m for m in vars(FakeExecutor) if not m.startswith("_") and callable(getattr(FakeExecutor, m))} <= methods
+    module.Executor = FakeExecutor
+    return module
+
+
+@pytest.fixture
+def trtllm(monkeypatch) -> types.ModuleType:
+    """The fake TensorRT-LLM 1.2.1 on an H200, installed where the adapter imports it from."""
+    module = fake_executor_module()
+    package = types.ModuleType("tensorrt_llm")
+    package.bindings = types.ModuleType("tensorrt_llm.bindings")
+    package.bindings.executor = module
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", package)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings", package.bindings)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings.executor", module)
+    monkeypatch.setattr(adapter, "_version", lambda dist: {"tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48"}.get(dist))
+    monkeypatch.setattr(adapter, "trtllm_machine_fingerprint", lambda: dict(H200))
+    FakeExecutor.instances.clear()
+    return module
+
+
+@pytest.fixture
+def engine_dir(tmp_path: Path) -> Path:
+    """A TensorRT-LLM engine folder as the builder leaves it (the engine files themselves are never read here)."""
+    path = tmp_path / "engine"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "rank0.engine").write_bytes(b"engine")
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    TrtllmEngineInfo(plan={"max_batch_size": 8, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 128,
+                           "tokens_per_block": 32, "kv_cache_dtype": "fp8"},
+                     quantization={"format": "fp8", "kv_cache_dtype": "fp8"}, fingerprint=dict(H200),
+                     eos_token_ids=[EOS], vocab_size=len(WORDS)).save(path)
+    return path
+
+
+def test_generate_through_the_llm_api_streams_tokens_until_the_engines_eos(trtllm, engine_dir):
+    with LLM(TrtllmEngine(engine_dir)) as llm:
+        out = llm.generate("the cat", SamplingParams(max_tokens=20, temperature=0))[0]
+    assert out.prompt_token_ids == [2, 3]
+    assert out.token_ids == [10, 11, 12, 13, 14, EOS]
+    assert out.text == " a b c d e"  # WordLevel decoding puts a space between words
+    assert out.finish_reason == "stop"
+    request = FakeExecutor.instances[0].requests[100]
+    assert request.input_token_ids == [2, 3] and request.max_tokens == 20 and request.streaming is True
+    assert request.end_id == EOS and request.stop_words == [[EOS]]
+    assert request.sampling_config.top_k == 1 and request.output_config.exclude_input_from_output is True
+    assert FakeExecutor.instances[0].cancelled == []
+
+
+def test_the_executor_is_configured_for_inflight_batching_with_kv_block_reuse(trtllm, engine_dir):
+    engine = TrtllmEngine(engine_dir, num_kv_blocks=10)
+    executor = FakeExecutor.instances[0]
+    assert executor.model_path == engine_dir and executor.model_type.name == "DECODER_ONLY"
+    config = executor.config
+    assert config.batching_type.name == "INFLIGHT" and config.enable_chunked_context is True
+    assert config.kv_cache_config.enable_block_reuse is True and config.kv_cache_config.max_tokens == 320
+    assert config.scheduler_config.capacity_scheduler_policy.name == "GUARANTEED_NO_EVICT"
+    engine.close()
+    assert executor.shut_down
+
+
+def test_max_tokens_ends_with_length_and_sampling_parameters_are_translated(trtllm, engine_dir):
+    with LLM(TrtllmEngine(engine_dir)) as llm:
+        params = SamplingParams(max_tokens=3, temperature=0.7, top_k=5, top_p=0.9, seed=7)
+        out = llm.generate([[2, 3, 4]], params)[0]
+    assert (out.token_ids, out.finish_reason) == ([10, 11, 12], "length")
+    sampling = FakeExecutor.instances[0].requests[100].sampling_config
+    assert (sampling.top_k, sampling.top_p, sampling.temperature, sampling.seed) == (5, 0.9, 0.7, 7)
+
+
+def test_a_stop_string_finishes_the_request_and_cancels_it_in_the_executor(trtllm, engine_dir):
+    with LLM(TrtllmEngine(engine_dir)) as llm:
+        out = llm.generate("the", SamplingParams(max_tokens=20, temperature=0, stop=["c"]))[0]
+    assert out.finish_reason == "stop" and out.text == " a b "
+    assert FakeExecutor.instances[0].cancelled == [100]
+
+
+def test_ignore_eos_sends_no_end_id(trtllm, engine_dir):
+    with LLM(TrtllmEngine(engine_dir)) as llm:
+        out = llm.generate("the", SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and out.token_ids == [10, 11, 12, 13, 14, EOS, EOS]
+    request = FakeExecutor.instances[0].requests[100]
+    assert request.end_id is None and request.stop_words is None
+
+
+def test_stream_yields_deltas_and_closing_it_early_aborts_in_the_executor(trtllm, engine_dir, monkeypatch):
+    monkeypatch.setattr(FakeExecutor, "step_s", 0.05)
+    async def take_two(llm):
+        deltas = []
+        async for delta in llm.stream("the cat", SamplingParams(max_tokens=20, temperature=0)):
+            deltas.append(delta)
+            if len(deltas) == 2:
+                break
+        return deltas
+
+    with LLM(TrtllmEngine(engine_dir)) as llm:
+        deltas = asyncio.run(take_two(llm))
+        assert [d.token_ids for d in deltas] == [[10], [11]]
+        deadline = time.monotonic() + 5
+        while not FakeExecutor.instances[0].cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert FakeExecutor.instances[0].cancelled == [100]
+
+
+def test_an_executor_error_fails_only_that_request_and_is_reported_in_stats(trtllm, engine_dir):
+    engine = TrtllmEngine(engine_dir)
+    FakeExecutor.instances[0].fail_ids.add(100)
+    engine.add_request(engine.make_request("r1", [2, 3], SamplingParams(max_tokens=4)))
+    engine.add_request(engine.make_request("r2", [2, 3], SamplingParams(max_tokens=4)))
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({d.request_id: d.output for d in engine.step() if d.finished})
+    assert finished["r1"].finish_reason == "abort" and finished["r2"].finish_reason == "length"
+    assert engine.stats_snapshot()["recent_errors"] == ["r1: CUDA error: out of memory"]
+
+
+def test_requests_that_do_not_fit_the_engine_are_refused_before_the_executor(trtllm, engine_dir):
+    engine = TrtllmEngine(engine_dir)
+    with pytest.raises(TrtllmRequestError, match="max_input_len 64"):
+        engine.make_request("r", [2] * 65, SamplingParams(max_tokens=1))
+    with pytest.raises(TrtllmRequestError, match="not ints in"):
+        engine.make_request("r", [2, 99], SamplingParams())
+    assert FakeExecutor.instances[0].requests == {}
+
+
+def test_an_engine_built_for_another_toolchain_or_gpu_is_refused_naming_each_difference(trtllm, engine_dir,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(adapter, "trtllm_machine_fingerprint",
+                        lambda: {**H200, "tensorrt_llm": "1.2.0", "compute_capability": "8.9", "gpu_name": "L40S"})
+    with pytest.raises(FingerprintMismatchError) as info:
+        TrtllmEngine(engine_dir)
+    message = str(info.value)
+    assert "tensorrt_llm '1.2.1' at build time, '1.2.0' here" in message
+    assert "compute_capability '9.0' at build time, '8.9' here" in message
+    assert "gpu_name 'NVIDIA H200' at build time, 'L40S' here" in message
+    assert FakeExecutor.instances == []
+
+
+def test_without_a_gpu_or_without_tensorrt_llm_loading_says_what_to_do(trtllm, engine_dir, monkeypatch):
+    with pytest.raises(TrtllmUnavailableError, match="CUDA GPUs only"):
+        TrtllmEngine(engine_dir, device="cpu")
+    monkeypatch.setattr(adapter, "_version", lambda dist: None)
+    with pytest.raises(TrtllmUnavailableError, match=r"pip install 'tensorrt-llm>=1.2,<1.3'"):
+        TrtllmEngine(engine_dir)
+    monkeypatch.setattr(adapter, "_version", lambda dist: "1.3.0rc5")
+    with pytest.raises(TrtllmUnavailableError, match="supports 1.2.x only"):
+        TrtllmEngine(engine_dir)
+    monkeypatch.setattr(adapter, "_version", lambda dist: "1.2.1")
+    monkeypatch.setattr(adapter, "trtllm_machine_fingerprint", lambda: {**H200, "device": "cpu"})
+    with pytest.raises(TrtllmUnavailableError, match="no CUDA GPU is visible"):
+        TrtllmEngine(engine_dir)
+
+
+def test_a_native_engine_folder_is_not_taken_for_a_tensorrt_llm_engine(tmp_path):
+    (tmp_path / "engine.json").write_text("{}")
+    assert not adapter.is_trtllm_engine(tmp_path)
+    with pytest.raises(EngineFormatError, match="not a Kiln TensorRT-LLM engine"):
+        TrtllmEngineInfo.load(tmp_path)
+
+
+def test_importing_runtime_and_the_adapter_does_not_import_tensorrt_llm():
+    code = "import runtime, runtime.trtllm_adapter, sys; print('tensorrt_llm' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == ["False", "False"]
