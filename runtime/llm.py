@@ -1,0 +1,248 @@
+"""The public API: one background engine thread serving any number of threads and asyncio tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+import uuid
+from collections import abc
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.cache_layout import entry_engine_dir, is_cache_key
+from runtime.errors import EngineFormatError, KilnError
+from runtime.llm_engine import LLMEngine
+from runtime.outputs import RequestOutput, StreamDelta
+from runtime.sampling_params import SamplingParams
+from runtime.sequence import Sequence
+from runtime.trtllm_adapter import TrtllmEngine, is_trtllm_engine
+
+Prompt = str | list[int]
+
+
+class EngineClosedError(KilnError):
+    """The LLM was closed, or its engine thread stopped on an error, before the request finished."""
+
+
+def resolve_engine_dir(engine_dir_or_cache_key: str | Path, cache_root: str | Path | None = None) -> Path:
+    """An engine directory as given, or the engine of a cache entry when given its 64-hex key."""
+    path = Path(engine_dir_or_cache_key).expanduser()
+    if path.is_dir():
+        return path
+    if is_cache_key(str(engine_dir_or_cache_key)):
+        engine_dir = entry_engine_dir(cache_root, str(engine_dir_or_cache_key))
+        if engine_dir.is_dir():
+            return engine_dir
+        raise EngineFormatError(f"cache key {engine_dir_or_cache_key} has no engine at {engine_dir}: build it "
+                                f"with `kiln build`, or pass the right cache_root")
+    raise EngineFormatError(f"{engine_dir_or_cache_key}: neither an engine directory nor a 64-hex cache key: "
+                            f"pass the directory `kiln build` printed, or its cache key")
+
+
+@dataclass
+class _Sink:
+    """Where a request's deltas and final output go; called on the engine thread."""
+
+    future: Future = field(default_factory=Future)
+    on_delta: Callable[[StreamDelta | BaseException], None] | None = None
+
+
+class LLM:
+    """Load an engine and serve it: `generate`, `generate_async`, `stream`, `submit`/`result`, `abort`, `stats`.
+
+    All callers share one engine thread, so requests from many threads and event loops are batched together.
+    """
+
+    def __init__(self, engine: LLMEngine, load_ms: float = 0.0) -> None:
+        self.engine = engine
+        self.load_ms = load_ms
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}
+        self._results: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(cls, engine_dir_or_cache_key: str | Path, *, device: str | torch.device | None = None,
+             num_kv_blocks: int | None = None, cache_root: str | Path | None = None) -> LLM:
+        """Load an engine directory or cache entry; `device` defaults to the engine's (CUDA if built for it and
+        present, else CPU); `num_kv_blocks` overrides the KV pool size. `load_ms` records how long this took."""
+        start = time.perf_counter()
+        engine_dir = resolve_engine_dir(engine_dir_or_cache_key, cache_root)
+        backend = TrtllmEngine if is_trtllm_engine(engine_dir) else LLMEngine
+        engine = backend(engine_dir, device=device, num_kv_blocks=num_kv_blocks)
+        return cls(engine, load_ms=(time.perf_counter() - start) * 1000)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def generate(self, prompts: Prompt | abc.Sequence[Prompt],
+                 params: SamplingParams | abc.Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Complete each prompt (text or token ids); blocks until all are done. Outputs follow the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"generate got {len(prompts)} prompts but {len(params)} SamplingParams: pass one, or "
+                             f"one per prompt")
+        seqs = [self.engine.make_request(uuid.uuid4().hex, p, sp) for p, sp in zip(prompts, params, strict=True)]
+        try:
+            futures = [self._enqueue(seq, _Sink()) for seq in seqs]
+            return [f.result() for f in futures]
+        except BaseException:
+            for seq in seqs:
+                self.abort(seq.request_id)
+            raise
+
+    async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
+        """Complete one prompt without blocking the event loop; cancelling the task aborts the request."""
+        seq = self.engine.make_request(uuid.uuid4().hex, prompt, params or SamplingParams())
+        future = self._enqueue(seq, _Sink())
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.abort(seq.request_id)
+            raise
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+        """Yield what each step adds (text and token ids) until the request finishes; closing the generator
+        early aborts the request."""
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        seq = self.engine.make_request(uuid.uuid4().hex, prompt, params or SamplingParams())
+        self._enqueue(seq, _Sink(on_delta=lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d)))
+        finished = False
+        try:
+            while not finished:
+                delta = await deltas.get()
+                if isinstance(delta, BaseException):
+                    finished = True
+                    raise delta
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.abort(seq.request_id)
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> str:
+        """Queue a request and return its id at once; collect it with `result(request_id)`."""
+        seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, params or SamplingParams())
+        future = self._enqueue(seq, _Sink())
+        with self._lock:
+            self._results[seq.request_id] = future
+        return seq.request_id
+
+    def result(self, request_id: str, timeout: float | None = None) -> RequestOutput:
+        """Wait for a submitted request (finish_reason "abort" if it was aborted); each id can be collected once."""
+        with self._lock:
+            future = self._results.pop(request_id, None)
+        if future is None:
+            raise KeyError(f"no submitted request {request_id!r} awaits collection")
+        return future.result(timeout)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; its waiter gets what was generated, with finish_reason "abort"."""
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> dict:
+        """Step, KV-pool, prefix-cache, preemption and request-latency statistics, plus `load_ms`."""
+        return {"load_ms": self.load_ms, **self.engine.stats_snapshot()}
+
+    def close(self) -> None:
+        """Stop the engine thread; requests still in flight fail with EngineClosedError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._commands.put(("close", None))
+        self._thread.join()
+        self._fail_all(EngineClosedError("the LLM was closed before this request finished"))
+        if hasattr(self.engine, "close"):
+            self.engine.close()
+
+    def _enqueue(self, seq: Sequence, sink: _Sink) -> Future:
+        with self._lock:
+            if self._closed or self._error is not None:
+                raise EngineClosedError(f"the LLM is closed{f' (engine error: {self._error})' if self._error else ''}:"
+                                        f" load it again")
+            if seq.request_id in self._sinks or seq.request_id in self._results:
+                raise ValueError(f"request id {seq.request_id!r} is already in use: pick a unique id")
+            self._sinks[seq.request_id] = sink
+        self._commands.put(("add", seq))
+        return sink.future
+
+    def _run(self) -> None:
+        try:
+            while self._handle_commands(block=not self.engine.has_unfinished()):
+                if self.engine.has_unfinished():
+                    for delta in self.engine.step():
+                        self._deliver(delta)
+        except BaseException as e:  # a bug in the engine: fail every waiter rather than hang it
+            with self._lock:
+                self._error = e
+            self._fail_all(EngineClosedError(f"engine thread stopped: {type(e).__name__}: {e}"))
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued adds and aborts; False once asked to close."""
+        while True:
+            try:
+                kind, arg = self._commands.get() if block else self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "close":
+                return False
+            if kind == "add":
+                try:
+                    self.engine.add_request(arg)
+                except KilnError as e:
+                    self._fail(arg.request_id, e)
+            elif (delta := self.engine.abort_request(arg)) is not None:
+                self._deliver(delta)
+
+    def _deliver(self, delta: StreamDelta) -> None:
+        with self._lock:
+            sink = self._sinks.pop(delta.request_id) if delta.finished else self._sinks.get(delta.request_id)
+        if sink is None:
+            return
+        if sink.on_delta is not None:
+            try:
+                sink.on_delta(delta)
+            except RuntimeError:  # the caller's event loop is gone: nobody is listening any more
+                self._commands.put(("abort", delta.request_id))
+        if delta.finished:
+            sink.future.set_result(delta.output)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        with self._lock:
+            sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            self._notify_failure(sink, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            sinks, self._sinks = list(self._sinks.values()), {}
+        for sink in sinks:
+            self._notify_failure(sink, error)
+
+    @staticmethod
+    def _notify_failure(sink: _Sink, error: BaseException) -> None:
+        if sink.on_delta is not None:
+            with contextlib.suppress(RuntimeError):  # the caller's event loop is gone
+                sink.on_delta(error)
+        if not sink.future.done():
+            sink.future.set_exception(error)

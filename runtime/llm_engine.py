@@ -1,0 +1,149 @@
+"""The step loop: schedule, run the model, postprocess sampled tokens, emit what each request gained."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.block_manager import BlockManager
+from runtime.engine_format import EngineConfig
+from runtime.errors import KilnError
+from runtime.fingerprint import check_fingerprint, machine_fingerprint
+from runtime.model_runner import ModelRunner
+from runtime.outputs import RequestMetrics, RequestOutput, StreamDelta
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.sequence import Sequence
+from runtime.stats import EngineStats, StepStats
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class InvalidRequestError(KilnError, ValueError):
+    """A request that is malformed for this engine (bad token ids, text without a tokenizer)."""
+
+
+def resolve_device(device: str | torch.device | None, config: EngineConfig) -> torch.device:
+    """The requested device, else CUDA when the engine was built for CUDA and one is present, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    cuda = config.fingerprint.get("device") == "cuda" and torch.cuda.is_available()
+    return torch.device("cuda" if cuda else "cpu")
+
+
+class LLMEngine:
+    """Single-threaded core: requests in, one step at a time, deltas out. `LLM` drives it from a thread."""
+
+    def __init__(self, engine_dir: Path, *, device: str | torch.device | None = None,
+                 num_kv_blocks: int | None = None) -> None:
+        engine_dir = Path(engine_dir)
+        self.config = EngineConfig.load(engine_dir)
+        self.device = resolve_device(device, self.config)
+        check_fingerprint(self.config.fingerprint, machine_fingerprint(str(self.device)))
+        self.tokenizer = Tokenizer.from_dir(engine_dir) if (engine_dir / "tokenizer.json").is_file() else None
+        self.model_runner = ModelRunner(engine_dir, self.config, self.device, num_kv_blocks)
+        plan = self.config.plan
+        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=plan.max_batch_size,
+                                                   max_num_batched_tokens=plan.max_num_tokens,
+                                                   max_seq_len=plan.max_seq_len, max_input_len=plan.max_input_len),
+                                   self.block_manager)
+        self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
+        self.stats = EngineStats()
+        self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Tokenize and validate a request without touching engine state (safe from any thread)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer.json: pass the prompt as token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab_size = self.config.architecture.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids {bad[:5]} are not ints in [0, {vocab_size}): "
+                                          f"tokenize with this engine's tokenizer")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer and this engine has no tokenizer.json: use "
+                                      "stop_token_ids")
+        self.scheduler.check_request(len(token_ids), params.max_tokens)
+        return Sequence(request_id, token_ids, params)
+
+    def add_request(self, seq: Sequence) -> None:
+        if seq.request_id in self._requests:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use: pick a unique id")
+        self.scheduler.add(seq)
+        detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+        self._requests[seq.request_id] = (seq, detokenizer)
+
+    def abort_request(self, request_id: str) -> StreamDelta | None:
+        """Finish a request with reason "abort", freeing its blocks; None if it is not (or no longer) here."""
+        if request_id not in self._requests:
+            return None
+        seq, _ = self._requests[request_id]
+        self.scheduler.finish(seq, "abort")
+        return self._emit(seq, [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StreamDelta]:
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        sampled = self.model_runner.execute(out) if out.scheduled else {}
+        self.scheduler.update_computed(out)
+        deltas = [self._postprocess(seq, token_id) for seq, token_id in sampled.items()]
+        self._record_step(out, len(sampled), time.perf_counter() - start)
+        return deltas
+
+    def _postprocess(self, seq: Sequence, token_id: int) -> StreamDelta:
+        """Append the sampled token and finish the sequence on a stop token, a stop string or max_tokens."""
+        _, detokenizer = self._requests[seq.request_id]
+        seq.append_token(token_id)
+        params = seq.params
+        stop_token = token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)
+        if stop_token or (detokenizer is not None and detokenizer.add_token(token_id) is not None):
+            self.scheduler.finish(seq, "stop")
+        elif seq.num_completion_tokens >= params.max_tokens:
+            self.scheduler.finish(seq, "length")
+        return self._emit(seq, [token_id])
+
+    def _emit(self, seq: Sequence, new_token_ids: list[int]) -> StreamDelta:
+        _, detokenizer = self._requests[seq.request_id]
+        finished = seq.is_finished
+        delta = StreamDelta(seq.request_id, detokenizer.take_delta(finished) if detokenizer else "", new_token_ids,
+                            finished, seq.finish_reason)
+        if finished:
+            del self._requests[seq.request_id]
+            self.stats.record_finished(seq)
+            delta.output = RequestOutput(seq.request_id, seq.prompt_token_ids, detokenizer.text if detokenizer else "",
+                                         seq.completion_token_ids, seq.finish_reason, RequestMetrics.from_sequence(seq))
+        return delta
+
+    def _record_step(self, out: SchedulerOutput, num_sampled: int, duration_s: float) -> None:
+        bm = self.block_manager
+        self.stats.record_step(StepStats(
+            step=self.stats.num_steps, num_seqs=len(out.scheduled), num_batched_tokens=out.num_batched_tokens,
+            num_prefill_seqs=out.num_prefill_seqs, num_decode_seqs=out.num_decode_seqs,
+            num_preempted=out.num_preempted, num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
+            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens, duration_s=duration_s), num_sampled)
+
+    def stats_snapshot(self) -> dict:
+        """Engine counters and latency summaries, KV pool and prefix-cache state (safe from any thread)."""
+        bm = self.block_manager
+        queried = bm.prefix_cache_queried_tokens
+        return {
+            **self.stats.snapshot(),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "kv_cache": {"num_blocks": bm.num_blocks, "block_size": bm.block_size, "used_blocks": bm.num_used_blocks,
+                         "free_blocks": bm.num_free_blocks},
+            "prefix_cache": {"queried_tokens": queried, "hit_tokens": bm.prefix_cache_hit_tokens,
+                             "hit_blocks": bm.prefix_cache_hit_blocks,
+                             "hit_rate": bm.prefix_cache_hit_tokens / queried if queried else 0.0},
+        }

@@ -1,0 +1,86 @@
+"""Runs one scheduled step on the model: flat batch metadata, forward, logits of the last tokens, sampling."""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from pathlib import Path
+
+import torch
+
+from runtime.attention_metadata import AttentionMetadata
+from runtime.engine_format import EngineConfig
+from runtime.errors import KilnError
+from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from runtime.model.llama import LlamaModel
+from runtime.sampler import Sampler
+from runtime.scheduler import SchedulerOutput
+from runtime.sequence import Sequence
+
+# On CUDA the KV pool takes the memory left after the weights, an activation reserve and this share of the GPU kept
+# free, up to GPU_KV_MAX_PLAN_MULTIPLE times what max_batch_size full-length sequences need (the excess serves the
+# prefix cache; the cap keeps a small model on a large GPU from holding millions of blocks).
+GPU_KV_MEMORY_FRACTION = 0.9
+GPU_KV_MAX_PLAN_MULTIPLE = 4
+# On CPU the KV pool holds max_batch_size full-length sequences, at most this many bytes.
+CPU_KV_MAX_BYTES = 2 << 30
+
+
+class InsufficientKVMemoryError(KilnError):
+    """The KV pool cannot hold even one sequence of the engine's max_seq_len."""
+
+
+class ModelRunner:
+    """Owns the model weights and the paged KV pool on one device, and executes scheduler outputs on them."""
+
+    def __init__(self, engine_dir: Path, config: EngineConfig, device: torch.device,
+                 num_kv_blocks: int | None = None) -> None:
+        self.config = config
+        self.device = device
+        self.block_size = config.plan.tokens_per_block
+        self.model = LlamaModel.from_engine(Path(engine_dir), config, device, config.torch_dtype)
+        self.num_kv_blocks = num_kv_blocks or self._default_num_kv_blocks()
+        min_blocks = -(-config.plan.max_seq_len // self.block_size)
+        if self.num_kv_blocks < min_blocks:
+            raise InsufficientKVMemoryError(
+                f"KV pool of {self.num_kv_blocks} blocks cannot hold one sequence of max_seq_len "
+                f"{config.plan.max_seq_len} ({min_blocks} blocks of {self.block_size} tokens): free memory, pass a "
+                f"larger num_kv_blocks, or rebuild with a smaller max_seq_len")
+        self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, device)
+        self.sampler = Sampler()
+
+    def _default_num_kv_blocks(self) -> int:
+        plan, arch = self.config.plan, self.config.architecture
+        block_bytes = kv_bytes_per_block(self.config)
+        plan_blocks = plan.max_batch_size * -(-plan.max_seq_len // self.block_size)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            hidden_width = 4 * arch.hidden_size + 3 * arch.intermediate_size
+            activations = 4 * plan.max_num_tokens * hidden_width + 8 * plan.max_batch_size * arch.vocab_size
+            usable = free - (1 - GPU_KV_MEMORY_FRACTION) * total - 2 * activations
+            return max(0, min(int(usable // block_bytes), GPU_KV_MAX_PLAN_MULTIPLE * plan_blocks))
+        return min(plan_blocks, CPU_KV_MAX_BYTES // block_bytes)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[Sequence, int]:
+        """Run the scheduled tokens; return the sampled token of every sequence whose step reached its last token
+        (a prefill chunk that stops short of the end of the prompt samples nothing)."""
+        seqs = list(out.scheduled)
+        query_lens = list(out.scheduled.values())
+        input_ids, positions, seq_lens = [], [], []
+        for seq, query_len in zip(seqs, query_lens, strict=True):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start:start + query_len])
+            positions.extend(range(start, start + query_len))
+            seq_lens.append(start + query_len)
+        meta = AttentionMetadata.build(query_lens, seq_lens, [seq.block_table for seq in seqs], self.block_size,
+                                       self.device)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                            torch.tensor(positions, dtype=torch.long, device=self.device), meta, self.kv_caches)
+        rows = [i for i, seq in enumerate(seqs) if seq_lens[i] == seq.num_tokens]
+        if not rows:
+            return {}
+        ends = list(accumulate(query_lens))
+        last_token_index = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[last_token_index])
+        sample_seqs = [seqs[i] for i in rows]
+        return dict(zip(sample_seqs, self.sampler(logits, sample_seqs), strict=True))

@@ -1,0 +1,61 @@
+"""What a request gives back: the final output, the streamed deltas, and latency metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.sequence import Sequence
+
+
+@dataclass
+class RequestMetrics:
+    """Latencies in seconds, on the `time.monotonic()` clock."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_generated_tokens: int
+    num_preemptions: int
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence) -> RequestMetrics:
+        return cls(arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+                   finished_time=seq.finished_time, num_prompt_tokens=seq.num_prompt_tokens,
+                   num_cached_tokens=seq.num_cached_tokens, num_generated_tokens=seq.num_completion_tokens,
+                   num_preemptions=seq.num_preemptions, inter_token_latencies=list(seq.inter_token_latencies))
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: completion text and token ids (a stop token is in `token_ids`, never in `text`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    metrics: RequestMetrics
+    finished: bool = True
+
+
+@dataclass
+class StreamDelta:
+    """What one step added to a request; the last delta has `finished` set and carries the whole `output`."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    output: RequestOutput | None = None

@@ -1,0 +1,99 @@
+"""A request's state as the scheduler, block manager and model runner see it."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token ids (prompt then completion), how many of them have KV in the cache, and where that KV lives.
+
+    `num_computed_tokens` counts tokens whose KV is written (by this sequence or found in the prefix cache);
+    `num_cached_tokens` is the part of it that came from the prefix cache at the last admission. `seq_id` grows with
+    arrival, so it orders sequences first come, first served.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.inter_token_latencies: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(request_id={self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_decode(self) -> bool:
+        """True when the only token without KV is the last sampled one (one token per step from here on)."""
+        return self.num_completion_tokens > 0 and self.num_computed_tokens == self.num_tokens - 1
+
+    def append_token(self, token_id: int, now: float | None = None) -> None:
+        """Add a sampled token and record its latency."""
+        now = time.monotonic() if now is None else now
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.inter_token_latencies.append(now - self.last_token_time)
+        self.last_token_time = now
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: str, now: float | None = None) -> None:
+        """Mark the sequence finished ("stop", "length" or "abort")."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finished_time = time.monotonic() if now is None else now

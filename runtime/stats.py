@@ -1,0 +1,98 @@
+"""Engine counters, a bounded ring of recent steps and recent request latencies, summarised on demand."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from runtime.sequence import Sequence
+
+
+@dataclass
+class StepStats:
+    """One engine step."""
+
+    step: int
+    num_seqs: int
+    num_batched_tokens: int
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    num_preempted: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_cache_hit_tokens: int
+    duration_s: float
+    timestamp: float = field(default_factory=time.time)
+
+
+def summarize(values: list[float], scale: float = 1.0) -> dict:
+    """count, mean, p50, p95, p99 and max of `values` times `scale` (empty: count 0 only)."""
+    if not values:
+        return {"count": 0}
+    ordered = sorted(v * scale for v in values)
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+    return {"count": len(ordered), "mean": statistics.fmean(ordered), "p50": pct(50), "p95": pct(95),
+            "p99": pct(99), "max": ordered[-1]}
+
+
+class EngineStats:
+    """Written by the engine thread, read from any thread."""
+
+    def __init__(self, history: int = 256, latency_history: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self.recent_steps: deque[StepStats] = deque(maxlen=history)
+        self._ttft: deque[float] = deque(maxlen=latency_history)
+        self._itl: deque[float] = deque(maxlen=latency_history)
+        self._e2e: deque[float] = deque(maxlen=latency_history)
+        self.num_steps = 0
+        self.num_mixed_steps = 0
+        self.num_batched_tokens = 0
+        self.num_preemptions = 0
+        self.num_generated_tokens = 0
+        self.num_finished = {"stop": 0, "length": 0, "abort": 0}
+
+    def record_step(self, step: StepStats, num_generated_tokens: int) -> None:
+        with self._lock:
+            self.recent_steps.append(step)
+            self.num_steps += 1
+            self.num_mixed_steps += bool(step.num_prefill_seqs and step.num_decode_seqs)
+            self.num_batched_tokens += step.num_batched_tokens
+            self.num_preemptions += step.num_preempted
+            self.num_generated_tokens += num_generated_tokens
+
+    def record_finished(self, seq: Sequence) -> None:
+        with self._lock:
+            self.num_finished[seq.finish_reason] += 1
+            if seq.first_token_time is not None:
+                self._ttft.append(seq.first_token_time - seq.arrival_time)
+                self._e2e.append(seq.finished_time - seq.arrival_time)
+            self._itl.extend(seq.inter_token_latencies)
+
+    def snapshot(self) -> dict:
+        """Counters, a summary of the recent steps, and TTFT / ITL / end-to-end latency summaries in ms."""
+        with self._lock:
+            steps = list(self.recent_steps)
+            return {
+                "num_steps": self.num_steps,
+                "num_mixed_steps": self.num_mixed_steps,
+                "num_batched_tokens": self.num_batched_tokens,
+                "num_generated_tokens": self.num_generated_tokens,
+                "num_preemptions": self.num_preemptions,
+                "requests_finished": dict(self.num_finished),
+                "recent_steps": {
+                    "batch_size": summarize([s.num_seqs for s in steps]),
+                    "batched_tokens": summarize([s.num_batched_tokens for s in steps]),
+                    "duration_ms": summarize([s.duration_s for s in steps], 1000),
+                    "steps": [asdict(s) for s in steps],
+                },
+                "ttft_ms": summarize(list(self._ttft), 1000),
+                "itl_ms": summarize(list(self._itl), 1000),
+                "e2e_ms": summarize(list(self._e2e), 1000),
+            }

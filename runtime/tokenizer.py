@@ -1,0 +1,95 @@
+"""Text in and out: a `tokenizers.Tokenizer` wrapper, incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tokenizers
+
+from runtime.errors import EngineFormatError
+
+# Prompt tokens kept as context when decoding the first completion tokens (spaces and merged bytes depend on it).
+_CONTEXT_TOKENS = 6
+
+
+def _token_content(token: str | dict | None) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+class Tokenizer:
+    """Encodes prompts as the checkpoint's own tokenizer does (including BOS) and decodes token ids."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, bos_token_id: int | None = None) -> None:
+        self._tokenizer = tokenizer
+        self.bos_token_id = bos_token_id
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> Tokenizer:
+        """Load `tokenizer.json` (and `tokenizer_config.json` for `add_bos_token`) from an engine directory."""
+        path = Path(directory) / "tokenizer.json"
+        if not path.is_file():
+            raise EngineFormatError(f"{path}: tokenizer.json is missing: rebuild the engine from a checkpoint that "
+                                    f"has one, or pass prompts as token ids")
+        tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        config_path = Path(directory) / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        bos = _token_content(config.get("bos_token"))
+        bos_token_id = tokenizer.token_to_id(bos) if config.get("add_bos_token") and bos else None
+        return cls(tokenizer, bos_token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=True).ids
+        if self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """A request's completion text, grown one token at a time, cut before the first stop string.
+
+    Each token decodes only a short window (vLLM's prefix/read offsets), so a step costs the same at token 10 and
+    token 10,000; a token that ends inside a multi-byte character waits for the next one. While stop strings are
+    set, the last `len(longest stop) - 1` characters are held back from streaming until they cannot start one.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
+        self._tokenizer = tokenizer
+        self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._tokens)
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._num_streamed_chars = 0
+        self.text = ""
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append a token's text; return the stop string it completed (the text then ends before it), else None."""
+        self._tokens.append(token_id)
+        prefix_text = self._tokenizer.decode(self._tokens[self._prefix_offset:self._read_offset])
+        new_text = self._tokenizer.decode(self._tokens[self._prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return None
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        search_from = max(0, len(self.text) - self._hold)
+        self.text += new_text[len(prefix_text):]
+        matches = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) != -1]
+        if not matches:
+            return None
+        index, stop = min(matches)
+        self.text = self.text[:index]
+        return stop
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not streamed yet; before the end, minus the tail that could still begin a stop string."""
+        end = len(self.text) if finished else max(self._num_streamed_chars, len(self.text) - self._hold)
+        delta = self.text[self._num_streamed_chars:end]
+        self._num_streamed_chars = end
+        return delta

@@ -1,0 +1,110 @@
+"""Paged KV block allocation, reference counts and prefix caching."""
+
+from __future__ import annotations
+
+from runtime.block_manager import BlockManager
+from runtime.sampling_params import SamplingParams
+from runtime.sequence import Sequence
+
+BLOCK = 4
+
+
+def seq(token_ids: list[int]) -> Sequence:
+    return Sequence("r", token_ids, SamplingParams(max_tokens=4))
+
+
+def admit(bm: BlockManager, s: Sequence) -> bool:
+    """Allocate the whole uncached remainder of `s` and mark it computed, as one prefill step would."""
+    computed = bm.get_computed_blocks(s)
+    if not bm.allocate(s, computed, s.num_tokens - len(computed) * BLOCK):
+        return False
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_full_blocks(s)
+    return True
+
+
+def test_allocate_then_free_returns_every_block():
+    bm = BlockManager(num_blocks=8, block_size=BLOCK)
+    s = seq(list(range(10)))
+    assert admit(bm, s)
+    assert len(s.block_table) == 3 and bm.num_free_blocks == 5
+    bm.free(s)
+    assert bm.num_free_blocks == 8 and s.block_table == [] and s.num_computed_tokens == 0
+
+
+def test_request_with_the_same_prefix_reuses_full_blocks_and_counts_hits():
+    bm = BlockManager(num_blocks=8, block_size=BLOCK)
+    first = seq(list(range(10)))
+    admit(bm, first)
+    second = seq(list(range(8)) + [99, 98, 97])
+    assert admit(bm, second)
+    assert second.block_table[:2] == first.block_table[:2]
+    assert second.block_table[2] != first.block_table[2]
+    assert second.num_cached_tokens == 8
+    assert (bm.prefix_cache_hit_blocks, bm.prefix_cache_hit_tokens) == (2, 8)
+    assert [bm.blocks[b].ref_count for b in second.block_table] == [2, 2, 1]
+
+
+def test_freed_blocks_stay_cached_until_handed_out_again():
+    bm = BlockManager(num_blocks=4, block_size=BLOCK)
+    first = seq(list(range(9)))
+    admit(bm, first)
+    bm.free(first)
+    again = seq(list(range(9)))
+    assert admit(bm, again)
+    assert again.num_cached_tokens == 8 and bm.num_used_blocks == 3
+
+
+def test_prefix_hit_leaves_the_last_token_to_compute():
+    bm = BlockManager(num_blocks=8, block_size=BLOCK)
+    admit(bm, seq(list(range(8))))
+    same = seq(list(range(8)))
+    assert admit(bm, same)
+    assert same.num_cached_tokens == 4
+
+
+def test_block_hash_chains_over_the_previous_blocks():
+    bm = BlockManager(num_blocks=8, block_size=BLOCK)
+    admit(bm, seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    other_start = seq([0, 0, 0, 0, 5, 6, 7, 8, 9])
+    admit(bm, other_start)
+    assert other_start.num_cached_tokens == 0
+
+
+def test_shared_block_is_freed_when_its_last_reference_drops():
+    bm = BlockManager(num_blocks=8, block_size=BLOCK)
+    first, second = seq(list(range(9))), seq(list(range(9)))
+    admit(bm, first)
+    admit(bm, second)
+    bm.free(first)
+    assert bm.num_used_blocks == 3
+    bm.free(second)
+    assert bm.num_used_blocks == 0
+
+
+def test_failed_allocation_changes_nothing():
+    bm = BlockManager(num_blocks=3, block_size=BLOCK)
+    big = seq(list(range(13)))
+    assert not admit(bm, big)
+    assert bm.num_free_blocks == 3 and big.block_table == [] and bm.prefix_cache_queried_tokens == 0
+
+
+def test_append_slots_grows_a_block_table_one_block_at_a_time():
+    bm = BlockManager(num_blocks=2, block_size=BLOCK)
+    s = seq([1, 2, 3])
+    assert bm.allocate(s, [], 3)
+    s.num_computed_tokens = 3
+    assert bm.append_slots(s, 1) and len(s.block_table) == 1
+    s.num_computed_tokens = 4
+    assert bm.append_slots(s, 4) and len(s.block_table) == 2
+    s.num_computed_tokens = 8
+    assert not bm.append_slots(s, 1) and len(s.block_table) == 2
+
+
+def test_reused_free_block_forgets_its_old_hash():
+    bm = BlockManager(num_blocks=2, block_size=BLOCK)
+    first = seq(list(range(5)))
+    admit(bm, first)
+    bm.free(first)
+    admit(bm, seq([7] * 8))
+    assert bm.get_computed_blocks(seq(list(range(5)))) == []

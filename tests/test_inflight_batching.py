@@ -1,0 +1,129 @@
+"""In-flight batching end to end: joining a running batch, concurrency, preemption, prefix caching, chunking."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from engines.native_builder import build_native_engine
+from runtime import LLM, SamplingParams
+from runtime.llm_engine import LLMEngine
+from tests.model_factories import make_llama_checkpoint, tiny_plan
+
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_prompts(count: int, seed: int, min_len: int = 2, max_len: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 96) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_llama_checkpoint(tmp_path_factory.mktemp("native") / "checkpoint", seed=1)
+
+
+def build(checkpoint, tmp_path_factory, **plan):
+    engine_dir = tmp_path_factory.mktemp("engine")
+    build_native_engine(checkpoint, engine_dir, tiny_plan(**plan), "float32")
+    return engine_dir
+
+
+@pytest.fixture(scope="module")
+def engine_dir(checkpoint, tmp_path_factory):
+    return build(checkpoint, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def solo(engine_dir):
+    """Each prompt's tokens when it runs alone on a fresh engine."""
+    cache: dict[tuple, list[int]] = {}
+
+    def run(prompt: list[int]) -> list[int]:
+        if tuple(prompt) not in cache:
+            with LLM.load(engine_dir) as llm:
+                cache[tuple(prompt)] = llm.generate([prompt], PARAMS)[0].token_ids
+        return cache[tuple(prompt)]
+
+    return run
+
+
+def test_request_arriving_during_decode_joins_the_running_batch(engine_dir, solo):
+    engine = LLMEngine(engine_dir)
+    first, second = random_prompts(2, seed=2, min_len=8)
+    engine.add_request(engine.make_request("first", first, PARAMS))
+    outputs = {}
+    for step in range(200):
+        if step == 3:
+            engine.add_request(engine.make_request("second", second, PARAMS))
+        outputs.update((d.request_id, d.output) for d in engine.step() if d.finished)
+        if not engine.has_unfinished():
+            break
+    steps = list(engine.stats.recent_steps)
+    assert steps[3].num_decode_seqs == 1 and steps[3].num_prefill_seqs == 1
+    assert engine.stats.num_mixed_steps >= 1
+    assert outputs["first"].token_ids == solo(first) and outputs["second"].token_ids == solo(second)
+
+
+def test_concurrent_thread_requests_give_exactly_their_solo_results(engine_dir, solo):
+    prompts = random_prompts(8, seed=3)
+    expected = [solo(p) for p in prompts]
+    results: list[list[int] | None] = [None] * len(prompts)
+    barrier = threading.Barrier(len(prompts))
+
+    with LLM.load(engine_dir) as llm:
+        def worker(i: int) -> None:
+            barrier.wait()
+            results[i] = llm.generate([prompts[i]], PARAMS)[0].token_ids
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert llm.stats()["recent_steps"]["batch_size"]["max"] > 1
+    assert results == expected
+
+
+def test_small_kv_pool_preempts_and_every_request_still_matches_its_solo_run(engine_dir, solo):
+    prompts = random_prompts(4, seed=4, min_len=20, max_len=30)
+    with LLM.load(engine_dir, num_kv_blocks=20) as llm:
+        outputs = llm.generate(prompts, PARAMS)
+        stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert [o.token_ids for o in outputs] == [solo(p) for p in prompts]
+    assert sum(o.metrics.num_preemptions for o in outputs) == stats["num_preemptions"]
+
+
+def test_shared_prefix_is_served_from_cached_blocks(engine_dir, solo):
+    prefix = random_prompts(1, seed=5, min_len=17, max_len=17)[0]
+    first, second = prefix + [10, 11, 12], prefix + [20, 21]
+    with LLM.load(engine_dir) as llm:
+        out_first = llm.generate([first], PARAMS)[0]
+        out_second = llm.generate([second], PARAMS)[0]
+        prefix_cache = llm.stats()["prefix_cache"]
+    assert out_first.metrics.num_cached_tokens == 0
+    assert out_second.metrics.num_cached_tokens == 16
+    assert prefix_cache["hit_tokens"] == 16 and prefix_cache["hit_blocks"] == 4
+    assert out_first.token_ids == solo(first) and out_second.token_ids == solo(second)
+
+
+def test_prompt_longer_than_the_token_budget_is_prefilled_in_chunks(checkpoint, tmp_path_factory, solo):
+    prompt = random_prompts(1, seed=6, min_len=40, max_len=40)[0]
+    with LLM.load(build(checkpoint, tmp_path_factory, max_num_tokens=12)) as llm:
+        output = llm.generate([prompt], PARAMS)[0]
+        steps = llm.stats()["recent_steps"]["steps"]
+    assert [s["num_batched_tokens"] for s in steps[:4]] == [12, 12, 12, 4]
+    assert all(s["num_batched_tokens"] <= 12 for s in steps)
+    assert output.token_ids == solo(prompt)

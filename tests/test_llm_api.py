@@ -1,0 +1,167 @@
+"""The public runtime API: generate, stream, submit/result, abort, stats, loading by path or cache key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from engines.native_builder import build_native_engine
+from runtime import LLM, KilnError, SamplingParams
+from runtime.errors import EngineFormatError, FingerprintMismatchError
+from runtime.llm import EngineClosedError
+from runtime.scheduler import RequestTooLongError
+from tests.model_factories import make_llama_checkpoint, make_llama_model, tiny_plan
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], list(range(30, 55))]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native")
+    make_llama_checkpoint(root / "checkpoint", seed=0)
+    (root / "engine").mkdir()
+    build_native_engine(root / "checkpoint", root / "engine", tiny_plan(max_seq_len=256), "float32")
+    return root / "engine"
+
+
+@pytest.fixture(scope="module")
+def llm(engine_dir):
+    with LLM.load(engine_dir) as llm:
+        yield llm
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def all_blocks_free(llm: LLM) -> bool:
+    kv = llm.stats()["kv_cache"]
+    return kv["free_blocks"] == kv["num_blocks"]
+
+
+@torch.inference_mode()
+def test_greedy_tokens_match_transformers_generate_for_single_and_batched_prompts(llm):
+    hf = make_llama_model(seed=0)
+    expected = []
+    for prompt in PROMPTS:
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
+        expected.append(out[0, len(prompt):].tolist())
+    assert llm.generate(PROMPTS[1], GREEDY)[0].token_ids == expected[1]
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_text_prompt_round_trips_through_the_engine_tokenizer(llm):
+    out = llm.generate("t5 t6 t7", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert out.prompt_token_ids == [5, 6, 7]
+    assert out.token_ids == llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6,
+                                                                     ignore_eos=True))[0].token_ids
+    assert out.text == "".join(f" t{t}" for t in out.token_ids)
+    assert out.finish_reason == "length"
+
+
+def test_stream_deltas_concatenate_to_the_final_text(llm):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["t19 t20 t99"])
+
+    async def collect():
+        return [delta async for delta in llm.stream(PROMPTS[1], params)]
+
+    deltas = asyncio.run(collect())
+    final = deltas[-1].output
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert "".join(d.text for d in deltas) == final.text
+    assert [t for d in deltas for t in d.token_ids] == final.token_ids
+    assert final.token_ids == llm.generate([PROMPTS[1]], params)[0].token_ids
+
+
+def test_closing_a_stream_early_aborts_the_request_and_frees_its_blocks(llm):
+    async def take_two():
+        stream = llm.stream(PROMPTS[2], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        deltas = [await anext(stream), await anext(stream)]
+        await stream.aclose()
+        return deltas
+
+    aborted_before = llm.stats()["requests_finished"]["abort"]
+    assert len(asyncio.run(take_two())) == 2
+    wait_until(lambda: llm.stats()["requests_finished"]["abort"] == aborted_before + 1)
+    assert all_blocks_free(llm)
+
+
+def test_aborted_request_frees_all_of_its_blocks(llm):
+    request_id = llm.submit(PROMPTS[2], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    wait_until(lambda: llm.stats()["kv_cache"]["used_blocks"] > 0)
+    llm.abort(request_id)
+    out = llm.result(request_id, timeout=10)
+    assert out.finish_reason == "abort" and len(out.token_ids) < 200
+    assert all_blocks_free(llm)
+
+
+def test_concurrent_asyncio_requests_match_generate(llm):
+    async def run_all():
+        return await asyncio.gather(*(llm.generate_async(p, GREEDY) for p in PROMPTS))
+
+    assert [o.token_ids for o in asyncio.run(run_all())] == [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_too_long_request_is_rejected_with_the_numbers(llm):
+    with pytest.raises(RequestTooLongError, match=r"max_input_len is 48"):
+        llm.generate([list(range(3, 60))], GREEDY)
+    with pytest.raises(KilnError, match=r"\(40 tokens\) \+ max_tokens \(230\) = 270 exceeds .* max_seq_len \(256\)"):
+        llm.submit(list(range(3, 43)), SamplingParams(max_tokens=230))
+    with pytest.raises(ValueError, match="not ints in"):
+        llm.generate([[5, 100000]], GREEDY)
+
+
+def test_stats_report_steps_kv_blocks_and_request_latencies(llm):
+    llm.generate(PROMPTS, GREEDY)
+    stats = llm.stats()
+    assert stats["load_ms"] > 0 and stats["num_steps"] > 0
+    assert stats["ttft_ms"]["count"] >= 3 and stats["itl_ms"]["p50"] > 0
+    assert stats["kv_cache"]["num_blocks"] == 4 * 256 // 4
+    assert stats["recent_steps"]["steps"][-1]["num_seqs"] >= 1
+    metrics = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0].metrics
+    assert metrics.time_to_first_token > 0 and len(metrics.inter_token_latencies) == 4
+    assert metrics.num_prompt_tokens == 3 and metrics.num_generated_tokens == 5
+
+
+def test_engine_loads_from_a_cache_key(engine_dir, tmp_path):
+    key = "ab" + "0" * 62
+    shutil.copytree(engine_dir, tmp_path / "v1" / "entries" / "ab" / key / "engine")
+    with LLM.load(key, cache_root=tmp_path) as llm:
+        assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids
+    with pytest.raises(EngineFormatError, match="has no engine"):
+        LLM.load("cd" + "0" * 62, cache_root=tmp_path)
+    with pytest.raises(EngineFormatError, match="neither an engine directory nor"):
+        LLM.load(tmp_path / "missing")
+
+
+def test_engine_built_for_another_toolchain_is_refused(engine_dir, tmp_path):
+    copy = shutil.copytree(engine_dir, tmp_path / "engine")
+    config = json.loads((copy / "engine.json").read_text())
+    config["fingerprint"]["torch"] = "1.0"
+    (copy / "engine.json").write_text(json.dumps(config))
+    with pytest.raises(FingerprintMismatchError, match="torch 1.0"):
+        LLM.load(copy)
+
+
+def test_closed_llm_refuses_new_requests(engine_dir):
+    llm = LLM.load(engine_dir)
+    llm.close()
+    with pytest.raises(EngineClosedError):
+        llm.generate(PROMPTS[0], GREEDY)

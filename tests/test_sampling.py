@@ -1,0 +1,157 @@
+"""Sampling parameters, the sampler, incremental detokenization and the stop conditions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.native_builder import build_native_engine
+from runtime import LLM, SamplingParams
+from runtime.sampler import Sampler, apply_top_k_top_p
+from runtime.sequence import Sequence
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.model_factories import make_llama_checkpoint, tiny_plan
+
+PROMPT = [5, 17, 33, 8, 61, 12]
+TINY_LLAMA = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native")
+    make_llama_checkpoint(root / "checkpoint", seed=2)
+    (root / "engine").mkdir()
+    build_native_engine(root / "checkpoint", root / "engine", tiny_plan(), "float32")
+    with LLM.load(root / "engine") as llm:
+        yield llm
+
+
+def greedy(llm: LLM, max_tokens: int = 16) -> list[int]:
+    return llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("temperature", -0.5, "temperature must be a number >= 0"),
+    ("top_k", -3, "top_k must be an int >= 1, or 0/-1"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+    ("max_tokens", 0, "max_tokens must be an int >= 1"),
+    ("seed", 1.5, "seed must be an int or None"),
+    ("stop", [""], "stop must be non-empty strings"),
+    ("stop_token_ids", [-1], "stop_token_ids must be token ids >= 0"),
+])
+def test_sampling_params_reject_bad_values_with_a_clear_message(field, value, words):
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(**{field: value})
+
+
+def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
+    logits = torch.log(torch.tensor([0.05, 0.5, 0.15, 0.3]))
+    assert torch.isinf(apply_top_k_top_p(logits, 2, 1.0)).tolist() == [True, False, True, False]
+    assert torch.isinf(apply_top_k_top_p(logits, 0, 0.7)).tolist() == [True, False, True, False]
+    assert torch.isinf(apply_top_k_top_p(logits, 0, 0.85)).tolist() == [True, False, False, False]
+    assert not torch.isinf(apply_top_k_top_p(logits, -1, 1.0)).any()
+
+
+def test_seeded_sampler_rows_do_not_depend_on_the_rest_of_the_batch():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+
+    def seqs() -> list[Sequence]:
+        return [Sequence(str(i), [1], SamplingParams(temperature=1.0, seed=i)) for i in range(3)]
+
+    sampler = Sampler()
+    batch, alone = seqs(), seqs()
+    batched = [sampler(logits, batch) for _ in range(5)]
+    solo = [sampler(logits[2:], alone[2:]) for _ in range(5)]
+    assert [row[2] for row in batched] == [row[0] for row in solo]
+
+
+def test_top_k_one_equals_greedy(llm):
+    sampled = llm.generate([PROMPT], SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=16,
+                                                    ignore_eos=True))[0]
+    assert sampled.token_ids == greedy(llm)
+
+
+def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([PROMPT], params)[0].token_ids
+    others = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True) for s in (1, 2)]
+    batched = llm.generate([[9, 9, 9], PROMPT, list(range(3, 30))], [others[0], params, others[1]])
+    assert batched[1].token_ids == alone
+    assert llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=8, max_tokens=16,
+                                                 ignore_eos=True))[0].token_ids != alone
+
+
+def test_stop_token_id_ends_the_request_and_keeps_the_token_out_of_the_text(llm):
+    reference = greedy(llm)
+    stop_id = reference[5]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == reference[:reference.index(stop_id) + 1]
+    assert out.text == "".join(f" t{t}" for t in out.token_ids[:-1])
+
+
+def test_stop_string_across_tokens_cuts_the_text_before_it(llm):
+    reference = greedy(llm)
+    stop = f"t{reference[3]} t{reference[4]}"
+    full_text = "".join(f" t{t}" for t in reference)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, stop=["never seen", stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full_text[:full_text.index(stop)]
+    assert out.token_ids == reference[:len(out.token_ids)] and len(out.token_ids) <= 5
+
+
+def test_max_tokens_ends_the_request_with_reason_length(llm):
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 7
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer() -> Tokenizer:
+    """The bundled tiny model's byte-level BPE: multi-byte characters split across tokens."""
+    return Tokenizer.from_dir(TINY_LLAMA)
+
+
+def test_tokenizer_encodes_and_decodes_like_transformers(tiny_tokenizer):
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(TINY_LLAMA)
+    for text in ["The kiln fires the clay.", "  two spaces, naïve café 🔥", "1200 °C\nnext line"]:
+        ids = reference(text)["input_ids"]
+        assert tiny_tokenizer.encode(text) == ids
+        assert tiny_tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+
+
+def test_incremental_detokenization_matches_decoding_everything(tiny_tokenizer):
+    prompt = tiny_tokenizer.encode("the kiln")
+    completion = tiny_tokenizer.encode(" fires at 1200 °C: naïve 🔥 crème")
+    detokenizer = IncrementalDetokenizer(tiny_tokenizer, prompt, stop=[])
+    streamed = ""
+    for token_id in completion:
+        assert detokenizer.add_token(token_id) is None
+        streamed += detokenizer.take_delta(finished=False)
+    streamed += detokenizer.take_delta(finished=True)
+    assert detokenizer.text == streamed == " fires at 1200 °C: naïve 🔥 crème"
+
+
+def test_streamed_text_never_shows_a_stop_string(tiny_tokenizer):
+    prompt = tiny_tokenizer.encode("the kiln")
+    detokenizer = IncrementalDetokenizer(tiny_tokenizer, prompt, stop=["°C", "zzz"])
+    streamed, stopped = "", None
+    for token_id in tiny_tokenizer.encode(" fires at 1200 °C and cools"):
+        stopped = detokenizer.add_token(token_id)
+        streamed += detokenizer.take_delta(finished=stopped is not None)
+        assert "°" not in streamed
+        if stopped:
+            break
+    assert stopped == "°C" and streamed == detokenizer.text == " fires at 1200 "

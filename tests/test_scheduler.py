@@ -1,0 +1,131 @@
+"""In-flight batching policy, checked without a model: a fake step marks tokens computed and samples token 0."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.block_manager import BlockManager
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import RequestTooLongError, Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.sequence import Sequence, SequenceStatus
+
+BLOCK = 4
+
+
+def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
+                   max_seq_len: int = 64) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             max_seq_len=max_seq_len, max_input_len=max_seq_len)
+    return Scheduler(config, BlockManager(num_blocks, BLOCK))
+
+
+def request(num_prompt: int, max_tokens: int = 4, first_token: int = 1) -> Sequence:
+    return Sequence(f"r{first_token}", list(range(first_token, first_token + num_prompt)),
+                    SamplingParams(max_tokens=max_tokens))
+
+
+def fake_step(scheduler: Scheduler) -> SchedulerOutput:
+    """One engine step without a model: every sequence that reached its last token samples token 0."""
+    out = scheduler.schedule()
+    finishing = [seq for seq, n in out.scheduled.items() if seq.num_computed_tokens + n == seq.num_tokens]
+    scheduler.update_computed(out)
+    for seq in finishing:
+        seq.append_token(0)
+        if seq.num_completion_tokens >= seq.params.max_tokens:
+            scheduler.finish(seq, "length")
+    return out
+
+
+def test_running_decodes_come_first_and_new_prefills_fill_the_rest_of_the_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    old = request(6, max_tokens=10)
+    scheduler.add(old)
+    fake_step(scheduler)
+    new = request(20, first_token=100)
+    scheduler.add(new)
+    out = fake_step(scheduler)
+    assert out.scheduled == {old: 1, new: 9}
+    assert (out.num_decode_seqs, out.num_prefill_seqs) == (1, 1)
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    seq = request(20)
+    scheduler.add(seq)
+    chunks = [fake_step(scheduler).scheduled[seq] for _ in range(3)]
+    assert chunks == [8, 8, 4]
+    assert seq.num_completion_tokens == 1
+
+
+def test_waiting_requests_are_admitted_in_arrival_order_without_skipping_the_head():
+    scheduler = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
+    first, big, small = request(12, first_token=1), request(16, first_token=50), request(2, first_token=90)
+    for seq in (first, big, small):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert list(out.scheduled) == [first]
+    assert list(scheduler.waiting) == [big, small]
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    scheduler = make_scheduler(max_num_seqs=2)
+    seqs = [request(3, first_token=10 * i) for i in range(1, 4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert list(out.scheduled) == seqs[:2] and scheduler.waiting[0] is seqs[2]
+
+
+def test_preemption_evicts_the_latest_arrival_and_requeues_it_first():
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=64, max_seq_len=16)
+    early, late = request(7, max_tokens=8, first_token=1), request(7, max_tokens=8, first_token=50)
+    scheduler.add(early)
+    scheduler.add(late)
+    fake_step(scheduler)
+    fake_step(scheduler)
+    assert scheduler.block_manager.num_free_blocks == 0 and early.num_computed_tokens == 8
+    out = fake_step(scheduler)
+    assert out.num_preempted == 1 and list(out.scheduled) == [early]
+    assert late.status is SequenceStatus.WAITING and scheduler.waiting[0] is late
+    assert late.block_table == [] and late.num_computed_tokens == 0 and late.num_preemptions == 1
+
+
+def test_every_request_finishes_under_block_pressure():
+    rng = random.Random(0)
+    scheduler = make_scheduler(num_blocks=12, max_num_seqs=6, max_num_batched_tokens=16, max_seq_len=40)
+    pending = [request(rng.randint(1, 24), max_tokens=rng.randint(1, 12), first_token=100 * i) for i in range(30)]
+    everyone = list(pending)
+    steps = 0
+    while pending or scheduler.has_unfinished():
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                scheduler.add(pending.pop(0))
+        fake_step(scheduler)
+        steps += 1
+        assert steps < 2000, "a request starved"
+    assert all(s.finish_reason == "length" and s.num_completion_tokens == s.params.max_tokens for s in everyone)
+    assert scheduler.num_preemptions > 0
+    assert scheduler.block_manager.num_free_blocks == 12
+
+
+@pytest.mark.parametrize(("num_prompt", "max_tokens", "num_blocks", "words"), [
+    (0, 4, 64, "empty"),
+    (70, 1, 64, "max_input_len"),
+    (60, 10, 64, r"max_seq_len \(64\)"),
+    (20, 10, 4, "needs 8 KV blocks but the pool has 4"),
+])
+def test_request_that_can_never_fit_is_rejected_at_add(num_prompt, max_tokens, num_blocks, words):
+    scheduler = make_scheduler(num_blocks=num_blocks)
+    with pytest.raises(RequestTooLongError, match=words):
+        scheduler.add(request(num_prompt, max_tokens=max_tokens))
+    assert not scheduler.has_unfinished()
+
+
+def test_finishing_a_waiting_request_removes_it():
+    scheduler = make_scheduler()
+    seq = request(5)
+    scheduler.add(seq)
+    scheduler.finish(seq, "abort")
+    assert not scheduler.has_unfinished() and seq.finish_reason == "abort"
