@@ -68,9 +68,10 @@ class BuildSection(_Section):
             raise ValueError(f"tokens_per_block ({self.tokens_per_block}) must be a power of two")
         return self
 
-    def semantic(self) -> dict:
+    def semantic(self, backend: str) -> dict:
         """The fields that change what the engine computes or how it is laid out (the cache key's part)."""
-        return self.model_dump(exclude={"backend", "device", "workers", "timeout_s", "log_level"})
+        excluded = {"backend", "device", "workers", "timeout_s", "log_level"}
+        return self.model_dump(exclude=excluded if backend == "trtllm" else excluded | {"trtllm"})
 
 
 class CacheSection(_Section):

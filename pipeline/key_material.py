@@ -35,7 +35,7 @@ def engine_material(checkpoint_hash: str, quantized_key: str | None, config: Kil
         "checkpoint": checkpoint_hash,
         "quantization": {"recipe": recipe_material(config.quantize), "quantized_key": quantized_key},
         "model_dtype": config.model.dtype,
-        "build": config.build.semantic(),
+        "build": config.build.semantic(choice.backend),
         "backend": choice.backend,
         "engine_format_version": format_version,
         "toolchain": toolchain,

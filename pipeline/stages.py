@@ -19,6 +19,7 @@ from pipeline.config import LoadedConfig
 from pipeline.key_material import engine_material, quantized_material
 
 Action = Literal["run", "skip"]
+NATIVE_PLAN_FIELDS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block")
 
 
 @dataclass
@@ -141,9 +142,7 @@ class BuildStage:
         from engines.native_builder import build_native_engine
 
         cfg = ctx.config
-        plan = {**cfg.build.semantic(), "kv_cache_dtype": _kv_dtype(ctx)}
-        for name in ("tp_size", "pp_size"):
-            plan.pop(name)
+        plan = {name: getattr(cfg.build, name) for name in NATIVE_PLAN_FIELDS} | {"kv_cache_dtype": _kv_dtype(ctx)}
         describe = {"model": ctx.model_dir.name, "format": _shipped_format(ctx), "backend": ctx.choice.backend,
                     "gpu": ctx.material["hardware"]["gpu_name"] or "cpu"}
 
