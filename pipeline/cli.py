@@ -9,6 +9,8 @@ import typer
 from pipeline.cache_commands import cache_app, print_explain
 from pipeline.config import load_config
 from pipeline.console import friendly_errors, print_json, stage_progress, stdout
+from pipeline.loadtest import loadtest
+from pipeline.serve_command import serve
 
 app = typer.Typer(help="Kiln: a Hugging Face checkpoint to a quantized, cached, served engine.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
@@ -76,6 +78,10 @@ def cache_explain(config: ConfigArg, json_out: JsonOpt = False) -> None:
         print_explain({"nearest_key": None, "differences": [], "created": None}, json_out)
         return
     print_explain(cache_inspect.explain(ctx.cache, ctx.material), json_out)
+
+
+app.command()(serve)
+app.command()(loadtest)
 
 
 def main() -> None:

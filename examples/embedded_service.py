@@ -1,0 +1,144 @@
+"""Embed Kiln's runtime in your own Python service: an async web app and a background worker share one engine.
+
+    python examples/embedded_service.py ENGINE_DIR_OR_CACHE_KEY            # serve on 127.0.0.1:8080 until Ctrl-C
+    python examples/embedded_service.py ENGINE_DIR_OR_CACHE_KEY --self-test  # run a few calls of each kind, exit
+
+One `LLM` is loaded per process. Its engine thread batches every caller's requests together (in-flight
+batching), whether they come from asyncio handlers (`generate_async`, `stream`) or from plain threads
+(`generate`, `submit`/`result`). Needs the serve extra for FastAPI and uvicorn; the runtime itself does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import queue
+import threading
+from concurrent.futures import Future
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from runtime import LLM, SamplingParams
+
+
+class Worker:
+    """A thread that drains a job queue in batches with the blocking API: `llm.generate` on up to 8 prompts."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.jobs: queue.Queue[tuple[str, Future] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="summary-worker", daemon=True)
+        self.thread.start()
+
+    def submit(self, text: str) -> Future:
+        future: Future = Future()
+        self.jobs.put((text, future))
+        return future
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        params = SamplingParams(temperature=0, max_tokens=16)
+        while (job := self.jobs.get()) is not None:
+            batch = [job]
+            while len(batch) < 8 and not self.jobs.empty() and (job := self.jobs.get()) is not None:
+                batch.append(job)
+            outputs = self.llm.generate([f"Summary of: {text}\n" for text, _ in batch], params)
+            for (_, future), out in zip(batch, outputs, strict=True):
+                future.set_result(out.text)
+            if job is None:
+                break
+
+
+class Ask(BaseModel):
+    question: str
+    max_tokens: int = 32
+
+
+def make_app(llm: LLM, worker: Worker) -> FastAPI:
+    """Your service's own routes; every one of them reaches the same engine."""
+    app = FastAPI(title="an app that embeds Kiln")
+
+    @app.post("/ask")
+    async def ask(body: Ask) -> dict:
+        # Awaiting does not block the event loop; a cancelled handler aborts its request.
+        out = await llm.generate_async(body.question, SamplingParams(temperature=0, max_tokens=body.max_tokens))
+        return {"answer": out.text, "tokens": len(out.token_ids), "ttft_s": out.metrics.time_to_first_token}
+
+    @app.post("/ask/stream")
+    async def ask_stream(body: Ask) -> StreamingResponse:
+        async def text():
+            # Leaving this loop early (the client went away) closes the stream, which aborts the request.
+            async for delta in llm.stream(body.question, SamplingParams(temperature=0, max_tokens=body.max_tokens)):
+                yield delta.text
+
+        return StreamingResponse(text(), media_type="text/plain")
+
+    @app.post("/summarize")
+    async def summarize(body: Ask) -> dict:
+        # Hand the job to the thread-based worker and await its future without blocking the loop.
+        return {"summary": await asyncio.wrap_future(worker.submit(body.question))}
+
+    @app.get("/engine")
+    async def engine() -> dict:
+        stats = llm.stats()
+        return {"load_ms": stats["load_ms"], "kv_cache": stats["kv_cache"], "running": stats["num_running"]}
+
+    return app
+
+
+def self_test(app: FastAPI, worker: Worker) -> None:
+    """Start the app on a free loopback port, call each route alongside direct worker jobs, print, stop."""
+    import httpx
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        thread.join(0.02)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    direct = [worker.submit(f"direct job {i}") for i in range(3)]
+
+    async def calls() -> list:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(
+                client.post("/ask", json={"question": "Once upon a time", "max_tokens": 8}),
+                client.post("/ask/stream", json={"question": "Monday, Tuesday,", "max_tokens": 8}),
+                client.post("/summarize", json={"question": "the runtime batches every caller"}),
+                client.get("/engine"))
+
+    for response in asyncio.run(calls()):
+        response.raise_for_status()
+        print(response.request.url.path, "->", response.text[:120])
+    for future in direct:
+        print("worker ->", repr(future.result(timeout=120)))
+    server.should_exit = True
+    thread.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("engine", help="an engine directory or a cache key")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--self-test", action="store_true", help="call every route once, print, and exit")
+    args = parser.parse_args()
+
+    with LLM.load(args.engine) as llm:  # one engine for the whole process; closed on the way out
+        worker = Worker(llm)
+        app = make_app(llm, worker)
+        try:
+            if args.self_test:
+                self_test(app, worker)
+            else:
+                uvicorn.run(app, host="127.0.0.1", port=args.port)
+        finally:
+            worker.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The FastAPI app: OpenAI-compatible routes, /health, /metrics, API-key check, engine loading in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from runtime.llm import LLM
+from runtime.server.completions import create_chat_completion, create_completion
+from runtime.server.errors import APIError, error_response, install_error_handlers
+from runtime.server.generation import RETRY_AFTER_S, ServedModel
+from runtime.server.metrics import RequestCountMiddleware, ServerMetrics
+from runtime.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+
+logger = logging.getLogger("kiln.server")
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 503)}
+_STREAMING = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                    "description": "JSON, or server-sent events ending in `data: [DONE]` when `stream` is true"}}
+
+
+@dataclass
+class ServerSettings:
+    """How the server presents the engine: its model id, API key, queue bound and engine-cache facts."""
+
+    model_name: str
+    api_key: str | None = None
+    max_queue: int = 256
+    engine_cache: dict = field(default_factory=dict)  # {"hit": bool, "hit_rate": float, "key": str}, when known
+
+
+class ServerState:
+    """What the routes share: the served model once loaded, a load error, and whether the server is draining."""
+
+    def __init__(self) -> None:
+        self.model: ServedModel | None = None
+        self.load_error: BaseException | None = None
+        self.draining = False
+        self.on_fatal: Callable[[], None] | None = None  # set by the runner: stop serving (the load failed)
+        self.created = int(time.time())
+
+    def require_model(self) -> ServedModel:
+        if self.draining:
+            raise APIError(503, "the server is shutting down: retry against another replica",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        if self.model is None:
+            message = (f"the engine failed to load: {self.load_error}" if self.load_error
+                       else f"the engine is still loading: retry after {RETRY_AFTER_S} s")
+            raise APIError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return self.model
+
+
+class APIKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on /v1/ routes; /health and /metrics stay open for probes."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            header = dict(scope["headers"]).get(b"authorization")
+            if header is None or not hmac.compare_digest(header, self.expected):
+                message = ("Missing API key: send it as 'Authorization: Bearer <key>'" if header is None else
+                           "Incorrect API key provided: send the key the server was started with")
+                error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerSettings) -> FastAPI:
+    """The server over `llm`: an `LLM` the caller owns (ready at once), or a loader the app calls in the background
+    at startup (/health answers 503 until it returns) and whose `LLM` it closes at shutdown."""
+    state = ServerState()
+
+    def attach(loaded: LLM) -> None:
+        state.model = ServedModel(loaded, settings.model_name, Path(engine_dir), settings.max_queue)
+
+    async def load() -> None:
+        try:
+            attach(await asyncio.to_thread(llm))
+            logger.info("engine loaded: serving %s", settings.model_name)
+        except Exception as exc:
+            state.load_error = exc
+            logger.error("the engine failed to load: %s", exc)
+            if state.on_fatal is not None:
+                state.on_fatal()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loading = None
+        if isinstance(llm, LLM):
+            attach(llm)
+        else:
+            loading = asyncio.create_task(load())
+        yield
+        if loading is not None:
+            await loading
+            if state.model is not None:
+                await asyncio.to_thread(state.model.llm.close)
+
+    app = FastAPI(title="Kiln", version="1", lifespan=lifespan,
+                  description="OpenAI-compatible completions and chat completions over a Kiln engine.")
+    app.state.server = state
+    metrics = ServerMetrics(lambda: state.model.llm.stats() if state.model else None, lambda: settings.engine_cache)
+    install_error_handlers(app)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(RequestCountMiddleware, metrics=metrics)
+    served = Depends(lambda: state.require_model())
+
+    @app.get("/health", responses={503: {"description": "loading, draining, or the load failed"}})
+    async def health() -> JSONResponse:
+        """200 once the engine is loaded and the server takes requests; 503 before, while draining, or on error."""
+        if state.model is not None and not state.draining:
+            return JSONResponse({"status": "ok", "model": settings.model_name})
+        status = "error" if state.load_error else "draining" if state.draining else "loading"
+        body = {"status": status, **({"message": str(state.load_error)} if state.load_error else {})}
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text exposition."""
+        payload, content_type = metrics.exposition()
+        return Response(payload, media_type=content_type)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def list_models(model: ServedModel = served) -> ModelList:
+        return ModelList(data=[ModelCard(id=model.name, created=state.created)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def retrieve_model(model_id: str, model: ServedModel = served) -> ModelCard:
+        if model_id != model.name:
+            raise APIError(404, f"The model '{model_id}' does not exist: this server serves '{model.name}'",
+                           param="model", code="model_not_found")
+        return ModelCard(id=model.name, created=state.created)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, **_STREAMING})
+    async def completions(body: CompletionRequest, request: Request, model: ServedModel = served) -> object:
+        return await create_completion(model, body, metrics, request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, **_STREAMING})
+    async def chat_completions(body: ChatCompletionRequest, request: Request, model: ServedModel = served) -> object:
+        return await create_chat_completion(model, body, metrics, request)
+
+    return app

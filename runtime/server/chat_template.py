@@ -1,0 +1,89 @@
+"""The checkpoint's own chat template, rendered the way Hugging Face tokenizers render it (sandboxed Jinja)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from runtime.errors import KilnError
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(KilnError):
+    """Messages the template refuses (it raised), or a template that does not render."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _token_text(token: Any) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+class ChatTemplate:
+    """Turns OpenAI chat messages into the prompt text the model was trained on."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
+        self._template = _environment().from_string(source)
+        self.special_tokens = special_tokens
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> ChatTemplate | None:
+        """The template of an engine or checkpoint directory (`chat_template.jinja`, else `tokenizer_config.json`'s
+        `chat_template`); None when it has none."""
+        directory = Path(directory)
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        jinja_path = directory / "chat_template.jinja"
+        source = jinja_path.read_text() if jinja_path.is_file() else config.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if not isinstance(source, str) or not source:
+            return None
+        special = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name)))}
+        try:
+            return cls(source, special)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(f"{directory}: the chat template does not parse ({exc}): fix chat_template in "
+                                    f"tokenizer_config.json") from None
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ({"role", "content"} dicts); ChatTemplateError when the template
+        refuses them."""
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                         documents=None, **self.special_tokens)
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError) as exc:
+            raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from None

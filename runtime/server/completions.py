@@ -1,0 +1,232 @@
+"""/v1/completions and /v1/chat/completions: a request becomes jobs; their deltas become a response or SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from runtime.errors import KilnError
+from runtime.outputs import RequestOutput, StreamDelta
+from runtime.server.chat_template import ChatTemplateError
+from runtime.server.errors import APIError, error_body
+from runtime.server.generation import Job, ServedModel, sampling_params
+from runtime.server.metrics import ServerMetrics
+from runtime.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    SamplingFields,
+    Usage,
+)
+
+logger = logging.getLogger("kiln.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the response
+
+
+def _jobs(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int]) -> list[Job]:
+    """`n` jobs per prompt, in OpenAI's choice order (prompt-major)."""
+    return [Job(ids, sampling_params(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+                                     stop=req.stop or [], max_tokens=limit, ignore_eos=req.ignore_eos, index=choice))
+            for ids, limit in zip(prompts, max_tokens, strict=True) for choice in range(req.n)]
+
+
+def _usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> Usage:
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    completion_tokens = sum(len(out.token_ids) for out in outputs)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
+                   request: Request) -> list[RequestOutput] | None:
+    """Every job's output, or None when the client disconnected first (its jobs are then aborted)."""
+    outputs: list[RequestOutput | None] = [None] * len(jobs)
+
+    async def run() -> None:
+        async with contextlib.aclosing(model.generate(jobs)) as deltas:
+            async for index, delta in deltas:
+                if delta.finished:
+                    outputs[index] = delta.output
+                    metrics.observe(delta.output)
+
+    runner, watcher = asyncio.create_task(run()), asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not runner.done():
+            runner.cancel()  # aborts every job still running
+    if runner not in done:
+        return None
+    try:
+        runner.result()
+    except KilnError as exc:  # the engine stopped under this request
+        raise APIError(500, f"generation failed: {exc}") from None
+    return outputs
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that always release the request's admission and abort its jobs, however the stream
+    ends (finished, client gone, server shutting down)."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+            await self.body_iterator.aclose()
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
+               render: Callable[[int, StreamDelta], dict | None], usage_chunk: Callable[[Usage], dict] | None,
+               prelude: list[dict]) -> AsyncIterator[str]:
+    """The SSE body: prelude chunks, a chunk per delta, the usage chunk if asked for, then [DONE]."""
+    outputs: list[RequestOutput] = []
+    for chunk in prelude:
+        yield _event(chunk)
+    try:
+        async with contextlib.aclosing(model.generate(jobs)) as deltas:
+            async for index, delta in deltas:
+                if delta.finished:
+                    outputs.append(delta.output)
+                    metrics.observe(delta.output)
+                if (chunk := render(index, delta)) is not None:
+                    yield _event(chunk)
+    except Exception as exc:  # the engine stopped (closed, or a bug in it): tell the client in the stream
+        logger.error("stream failed: %s: %s", type(exc).__name__, exc)
+        yield _event(error_body(500, f"generation failed: {exc}"))
+    else:
+        if usage_chunk is not None:
+            yield _event(usage_chunk(_usage(prompts, outputs)))
+    yield "data: [DONE]\n\n"
+
+
+async def _respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prompts: list[list[int]],
+                   metrics: ServerMetrics, request: Request, *, build: Callable[[list[RequestOutput], Usage], object],
+                   render: Callable[[int, StreamDelta], dict | None], usage_chunk: Callable[[Usage], dict],
+                   prelude: list[dict]) -> object:
+    release = model.admission.reserve(len(jobs))
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        body = _sse(model, jobs, metrics, prompts, render, usage_chunk if include_usage else None, prelude)
+        return _EventStream(body, release)
+    try:
+        outputs = await _collect(model, jobs, metrics, request)
+    finally:
+        release()
+    if outputs is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return build(outputs, _usage(prompts, outputs))
+
+
+def _as_prompt_list(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _check_model(model: ServedModel, requested: str | None) -> None:
+    if requested is not None and requested != model.name:
+        raise APIError(404, f"The model '{requested}' does not exist: this server serves '{model.name}' "
+                            f"(see /v1/models)", param="model", code="model_not_found")
+
+
+async def create_completion(model: ServedModel, req: CompletionRequest, metrics: ServerMetrics,
+                            request: Request) -> object:
+    """Handle POST /v1/completions."""
+    _check_model(model, req.model)
+    prompts = [model.tokenize(p, "prompt") for p in _as_prompt_list(req.prompt)]
+    limits = [model.max_tokens(len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
+              for ids in prompts]
+    jobs = _jobs(req, prompts, limits)
+    model.check(jobs, "prompt")
+    request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(choices: list[dict], usage: Usage | None = None) -> dict:
+        return {"id": request_id, "object": "text_completion", "created": created, "model": model.name,
+                "choices": choices, "usage": usage.model_dump() if usage else None}
+
+    def render(index: int, delta: StreamDelta) -> dict | None:
+        if not delta.text and not delta.finished:
+            return None
+        return chunk([{"index": index, "text": delta.text, "logprobs": None,
+                       "finish_reason": delta.finish_reason if delta.finished else None}])
+
+    def build(outputs: list[RequestOutput], usage: Usage) -> CompletionResponse:
+        choices = [CompletionChoice(index=i, text=out.text, finish_reason=out.finish_reason)
+                   for i, out in enumerate(outputs)]
+        return CompletionResponse(id=request_id, created=created, model=model.name, choices=choices, usage=usage)
+
+    return await _respond(model, req, jobs, prompts, metrics, request, build=build, render=render,
+                          usage_chunk=lambda usage: chunk([], usage), prelude=[])
+
+
+async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest, metrics: ServerMetrics,
+                                 request: Request) -> object:
+    """Handle POST /v1/chat/completions."""
+    _check_model(model, req.model)
+    if model.chat_template is None:
+        raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template in its "
+                       f"tokenizer_config.json: use /v1/completions", param="messages")
+    messages = [{"role": m.role, "content": m.content or "", **({"name": m.name} if m.name else {})}
+                for m in req.messages]
+    try:
+        text = model.chat_template.render(messages)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    prompt = model.encode_chat(text)
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
+    jobs = _jobs(req, [prompt], [limit])
+    model.check(jobs, "messages")
+    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(choices: list[dict], usage: Usage | None = None) -> dict:
+        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model.name,
+                "choices": choices, "usage": usage.model_dump() if usage else None}
+
+    def render(index: int, delta: StreamDelta) -> dict | None:
+        if delta.finished:
+            content = {"content": delta.text} if delta.text else {}
+            return chunk([{"index": index, "delta": content, "logprobs": None, "finish_reason": delta.finish_reason}])
+        if not delta.text:
+            return None
+        return chunk([{"index": index, "delta": {"content": delta.text}, "logprobs": None, "finish_reason": None}])
+
+    def build(outputs: list[RequestOutput], usage: Usage) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)
+                   for i, out in enumerate(outputs)]
+        return ChatCompletionResponse(id=request_id, created=created, model=model.name, choices=choices, usage=usage)
+
+    prelude = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None}]) for i in range(len(jobs))]
+    return await _respond(model, req, jobs, [prompt], metrics, request, build=build, render=render,
+                          usage_chunk=lambda usage: chunk([], usage), prelude=prelude)

@@ -1,0 +1,85 @@
+"""OpenAI-style error bodies (`{"error": {"message", "type", "param", "code"}}`) for every failure the server sends."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+logger = logging.getLogger("kiln.server")
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 503: "server_overloaded"}
+
+
+class APIError(Exception):
+    """A request the server refuses; becomes an OpenAI-style error response."""
+
+    def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status_code, "server_error"), "param": param,
+                      "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error.status_code, error.message, error.param, error.code),
+                        status_code=error.status_code, headers=error.headers)
+
+
+def describe_validation_error(exc: RequestValidationError) -> APIError:
+    """The first problem of a request body as a 400 that names the field (`messages[0].role`)."""
+    error = exc.errors()[0]
+    loc = [part for part in error.get("loc", ()) if part != "body"]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    kind = error.get("type", "")
+    if kind == "json_invalid":
+        detail = error.get("ctx", {}).get("error", "JSON decode error")
+        where = f" at character {loc[-1]}" if loc else ""
+        return APIError(400, f"request body is not valid JSON ({detail}{where}): send a JSON object")
+    if not loc:
+        body = error.get("input")
+        if kind == "missing":
+            return APIError(400, "request body is missing: send a JSON object with the request's fields")
+        if isinstance(body, bytes | str):
+            return APIError(400, "request body must be JSON sent with 'Content-Type: application/json'")
+        return APIError(400, f"request body must be a JSON object, not {type(body).__name__}")
+    if kind == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+    if kind == "missing":
+        return APIError(400, f"'{param}' is a required property", param=param)
+    message = error.get("msg", "is invalid").removeprefix("Value error, ")
+    return APIError(400, f"Invalid value for '{param}': {message[0].lower()}{message[1:]}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error response, including FastAPI's own (422, 404, 405) and bugs (500), gets the OpenAI shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(describe_validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}"), status_code=500)

@@ -1,0 +1,171 @@
+"""The loaded engine as the HTTP layer sees it: prompts to token ids, limits, admission, and merged streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.errors import KilnError
+from runtime.llm import LLM
+from runtime.outputs import StreamDelta
+from runtime.sampling_params import SamplingParams
+from runtime.server.chat_template import ChatTemplate, ChatTemplateError
+from runtime.server.errors import APIError
+
+RETRY_AFTER_S = 1
+GREEDY_BELOW = 1e-5  # temperatures this small would overflow the logits; treat them as greedy, as vLLM does
+
+
+@dataclass
+class Job:
+    """One sequence to generate: a prompt's token ids and how to sample it."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of this engine."""
+
+    max_input_len: int
+    max_seq_len: int
+    max_batch_size: int
+
+    @classmethod
+    def of(cls, llm: LLM) -> Limits:
+        plan = llm.engine.config.plan
+        block_manager = llm.engine.block_manager
+        pool_tokens = block_manager.num_blocks * block_manager.block_size
+        return cls(max_input_len=plan.max_input_len, max_seq_len=min(plan.max_seq_len, pool_tokens),
+                   max_batch_size=plan.max_batch_size)
+
+
+class Admission:
+    """A bounded count of sequences in the engine (running plus queued): beyond it, 503 with Retry-After."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.outstanding = 0
+
+    def reserve(self, num_seqs: int) -> Callable[[], None]:
+        """Take `num_seqs` places, or raise a 503; returns the (idempotent) release."""
+        if num_seqs > self.capacity:
+            raise APIError(400, f"this request needs {num_seqs} sequences but the server holds at most "
+                                f"{self.capacity}: lower n or send fewer prompts", param="n")
+        if self.outstanding + num_seqs > self.capacity:
+            raise APIError(503, f"the server is at capacity ({self.outstanding} of {self.capacity} sequences "
+                                f"running or queued): retry after {RETRY_AFTER_S} s",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.outstanding += num_seqs
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.outstanding -= num_seqs
+
+        return release
+
+
+class ServedModel:
+    """One loaded engine under one model name, shared by every HTTP request."""
+
+    def __init__(self, llm: LLM, name: str, engine_dir: Path, max_queue: int) -> None:
+        self.llm = llm
+        self.name = name
+        self.tokenizer = llm.engine.tokenizer
+        self.limits = Limits.of(llm)
+        try:
+            self.chat_template, self.chat_template_problem = ChatTemplate.from_dir(engine_dir), None
+        except ChatTemplateError as exc:  # completions still work; chat requests say why they cannot
+            self.chat_template, self.chat_template_problem = None, str(exc)
+        self.admission = Admission(self.limits.max_batch_size + max_queue)
+
+    def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
+        """Token ids of a text prompt (or the ids as given), checked against the engine's input limit."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise APIError(400, "this engine has no tokenizer: send the prompt as token ids", param=param)
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise APIError(400, f"'{param}' is empty after tokenization: send some text", param=param)
+        if len(ids) > self.limits.max_input_len:
+            raise APIError(400, f"'{param}' has {len(ids)} tokens but this engine accepts at most "
+                                f"{self.limits.max_input_len} (max_input_len): shorten it", param=param)
+        return ids
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of a rendered chat prompt, without doubling a BOS that the template already wrote."""
+        ids = self.tokenize(text, "messages")
+        bos = self.chat_template.bos_token if self.chat_template else None
+        if bos and text.startswith(bos) and len(ids) > 1 and ids[0] == ids[1]:
+            ids = ids[1:]
+        return ids
+
+    def max_tokens(self, prompt_len: int, requested: int | None, default: int | None, param: str) -> int:
+        """`requested`, else `default`, else what is left of the context, checked against the engine's limit."""
+        room = self.limits.max_seq_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room to generate in this engine's "
+                                f"{self.limits.max_seq_len}-token context: shorten it", param=param)
+        if requested is None:
+            return min(default, room) if default is not None else room
+        if requested > room:
+            raise APIError(400, f"'{param}' is {requested} but the prompt ({prompt_len} tokens) leaves room for at "
+                                f"most {room} in this engine's {self.limits.max_seq_len}-token context: lower "
+                                f"{param} or shorten the prompt", param=param)
+        return requested
+
+    def check(self, jobs: list[Job], param: str) -> None:
+        """Let the engine validate each job (token ids in its vocabulary, KV pool large enough) before any runs."""
+        for job in jobs:
+            try:
+                self.llm.engine.make_request(uuid.uuid4().hex, job.prompt_token_ids, job.params)
+            except KilnError as exc:
+                raise APIError(400, str(exc), param=param) from None
+
+    async def generate(self, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """Run the jobs concurrently and yield `(job index, delta)` as each step lands; closing this generator
+        (or cancelling its consumer) aborts every job still running, freeing its KV blocks."""
+        queue: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
+
+        async def pump(index: int, job: Job) -> None:
+            try:
+                async with contextlib.aclosing(self.llm.stream(job.prompt_token_ids, job.params)) as stream:
+                    async for delta in stream:
+                        queue.put_nowait((index, delta))
+            except Exception as exc:  # surfaces to the consumer below
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+        remaining = len(jobs)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                remaining -= item.finished
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+def sampling_params(*, temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
+                    stop: list[str], max_tokens: int, ignore_eos: bool, index: int) -> SamplingParams:
+    """Runtime sampling parameters of choice `index` (a seeded request gives choice i the seed + i)."""
+    temperature = 1.0 if temperature is None else temperature
+    if temperature < GREEDY_BELOW or top_p == 0:
+        temperature = 0.0
+    if seed is not None:
+        seed = (seed + index + 2**63) % 2**64 - 2**63
+    return SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=top_k or 0,
+                          max_tokens=max_tokens, seed=seed, stop=stop, ignore_eos=ignore_eos)

@@ -1,0 +1,114 @@
+"""Prometheus metrics: server counters and latency histograms, plus engine gauges read from `llm.stats()` per scrape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from runtime.outputs import RequestOutput
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class _EngineCollector:
+    """Engine state at scrape time: queue, running requests, KV pool, prefix cache, preemptions, load."""
+
+    def __init__(self, stats: Callable[[], dict | None], engine_cache: Callable[[], dict]) -> None:
+        self._stats = stats
+        self._engine_cache = engine_cache
+
+    def collect(self) -> Iterator[Metric]:
+        info = self._engine_cache()
+        if info.get("hit_rate") is not None:
+            yield GaugeMetricFamily("kiln_engine_cache_hit_rate", "Hit rate of the engine cache's lookups",
+                                    value=info["hit_rate"])
+        if info.get("hit") is not None:
+            yield GaugeMetricFamily("kiln_engine_cache_hit", "1 when the served engine came from the cache",
+                                    value=float(info["hit"]))
+        stats = self._stats()
+        if stats is None:  # the engine is still loading
+            return
+        yield GaugeMetricFamily("kiln_engine_load_seconds", "Time the runtime took to load the served engine",
+                                value=stats["load_ms"] / 1000)
+        yield GaugeMetricFamily("kiln_queue_depth", "Requests waiting for the engine to schedule them",
+                                value=stats["num_waiting"])
+        yield GaugeMetricFamily("kiln_running_requests", "Requests the engine is running", value=stats["num_running"])
+        yield GaugeMetricFamily("kiln_kv_blocks_used", "KV cache blocks held by requests",
+                                value=stats["kv_cache"]["used_blocks"])
+        yield GaugeMetricFamily("kiln_kv_blocks_free", "KV cache blocks free",
+                                value=stats["kv_cache"]["free_blocks"])
+        yield GaugeMetricFamily("kiln_prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache",
+                                value=stats["prefix_cache"]["hit_rate"])
+        yield CounterMetricFamily("kiln_preemptions", "Requests preempted when KV blocks ran out",
+                                  value=stats["num_preemptions"])
+        yield CounterMetricFamily("kiln_engine_steps", "Engine steps run", value=stats["num_steps"])
+
+
+class ServerMetrics:
+    """One registry per app, so several apps (tests, embedders) never collide in prometheus-client's global one."""
+
+    def __init__(self, stats: Callable[[], dict | None], engine_cache: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kiln_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=self.registry)
+        self.time_to_first_token = Histogram("kiln_time_to_first_token_seconds",
+                                             "From arrival at the engine to the first generated token",
+                                             buckets=TTFT_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram("kiln_inter_token_latency_seconds", "Between consecutive tokens",
+                                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("kiln_generation_tokens", "Tokens generated for finished requests",
+                                         registry=self.registry)
+        self.registry.register(_EngineCollector(stats, engine_cache))
+
+    def observe(self, output: RequestOutput) -> None:
+        """Record a finished request's latencies and token counts."""
+        metrics = output.metrics
+        if metrics.time_to_first_token is not None:
+            self.time_to_first_token.observe(metrics.time_to_first_token)
+        for latency in metrics.inter_token_latencies:
+            self.inter_token_latency.observe(latency)
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(len(output.token_ids))
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text exposition format and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def endpoint_label(path: str) -> str:
+    """A bounded label for a request path (unknown paths share one label, so scanners cannot blow up cardinality)."""
+    if path in ENDPOINTS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+class RequestCountMiddleware:
+    """Counts every HTTP response by endpoint and status code (a response that never started counts as 500)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_recording(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_recording)
+        finally:
+            self.metrics.requests.labels(endpoint_label(scope["path"]), str(status)).inc()

@@ -1,0 +1,102 @@
+"""Run the app under uvicorn: in a background thread (tests, embedding, load tests) or in the foreground until
+SIGTERM/SIGINT, which stop accepting, let in-flight requests finish within a bounded time, and return normally."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from runtime.errors import KilnError
+
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+class ServerStartError(KilnError):
+    """The server could not start (port in use, engine failed to load)."""
+
+
+class ServerThread:
+    """uvicorn serving `app` on `host:port` (port 0: any free one) in a daemon thread, until `stop()`."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
+                 shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, log_level: str = "warning") -> None:
+        self.app = app
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                timeout_graceful_shutdown=shutdown_timeout_s, access_log=False)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="kiln-http", daemon=True)
+        app.state.server.on_fatal = self.stop_accepting
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        host = self.server.config.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    def start(self) -> ServerThread:
+        """Start serving and return once the socket listens (the engine may still be loading)."""
+        self._thread.start()
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise ServerStartError(f"the server did not start on {self.server.config.host}:"
+                                       f"{self.server.config.port} (see the log above): is the port in use?")
+            self._thread.join(0.02)
+        return self
+
+    def stop_accepting(self) -> None:
+        """Begin a graceful shutdown: /health and new requests answer 503, in-flight requests finish."""
+        self.app.state.server.draining = True
+        self.server.should_exit = True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the server thread to end; True when it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Shut down gracefully and wait."""
+        self.stop_accepting()
+        self.wait()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def run_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+               on_started: Callable[[ServerThread], None] | None = None) -> None:
+    """Serve in the foreground until SIGTERM or SIGINT (a second SIGINT forces), then drain and return. Signals are
+    handled when called from the main thread; elsewhere, stop it with the `ServerThread` given to `on_started`.
+
+    Raises ServerStartError when the server cannot start or the engine fails to load."""
+    thread = ServerThread(app, host, port, shutdown_timeout_s=shutdown_timeout_s, log_level="info")
+
+    def on_signal(signum: int, _: FrameType | None) -> None:
+        if thread.server.should_exit and signum == signal.SIGINT:
+            thread.server.force_exit = True
+        thread.stop_accepting()
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if in_main_thread else {}
+    try:
+        thread.start()
+        if on_started is not None:
+            on_started(thread)
+        while not thread.wait(0.25):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    error = app.state.server.load_error
+    if error is not None:
+        raise ServerStartError(f"the engine failed to load: {error}")

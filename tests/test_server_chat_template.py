@@ -1,0 +1,60 @@
+"""Chat templates render as Hugging Face renders them, and refuse what the template refuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime.server.chat_template import ChatTemplate, ChatTemplateError
+
+ALTERNATING = ("{{ bos_token }}{% for m in messages %}"
+               "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+               "{% endif %}[{{ m['role'] }}] {{ m['content'] | trim }}\n"
+               "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def write_config(directory, **config) -> None:
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, **config}))
+
+
+def test_template_renders_messages_with_special_tokens_and_generation_prompt(tmp_path):
+    write_config(tmp_path, chat_template=ALTERNATING)
+    template = ChatTemplate.from_dir(tmp_path)
+    messages = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "bye"}]
+    assert template.render(messages) == "<s>[user] hi\n[assistant] hello\n[user] bye\n[assistant]"
+    assert template.bos_token == "<s>"
+
+
+def test_template_refusal_becomes_a_chat_template_error(tmp_path):
+    write_config(tmp_path, chat_template=ALTERNATING)
+    with pytest.raises(ChatTemplateError, match="must alternate"):
+        ChatTemplate.from_dir(tmp_path).render([{"role": "assistant", "content": "first"}])
+
+
+def test_chat_template_jinja_file_wins_over_the_config(tmp_path):
+    write_config(tmp_path, chat_template="from config")
+    (tmp_path / "chat_template.jinja").write_text("from file")
+    assert ChatTemplate.from_dir(tmp_path).render([]) == "from file"
+
+
+def test_named_templates_use_the_default_one(tmp_path):
+    write_config(tmp_path, chat_template=[{"name": "tool_use", "template": "tools"},
+                                          {"name": "default", "template": "plain"}])
+    assert ChatTemplate.from_dir(tmp_path).render([]) == "plain"
+
+
+def test_no_template_is_none_and_a_broken_one_says_where(tmp_path):
+    write_config(tmp_path)
+    assert ChatTemplate.from_dir(tmp_path) is None
+    write_config(tmp_path, chat_template="{% for m in messages %}")
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        ChatTemplate.from_dir(tmp_path)
+
+
+def test_the_sandbox_blocks_attribute_escapes(tmp_path):
+    write_config(tmp_path, chat_template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate.from_dir(tmp_path).render([])

@@ -1,0 +1,175 @@
+"""Bad input gets OpenAI-style 400s naming the field, a wrong key 401, a full queue 503 with Retry-After, and
+/health tells loading, ready and failed apart."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import openai
+import pytest
+
+from runtime import LLM, KilnError
+from runtime.server import ServerSettings, ServerStartError, ServerThread, create_app, run_server
+from runtime.server.errors import APIError
+from runtime.server.generation import Admission
+from tests.test_server_support import engine_idle, tiny_engine, wait_until
+
+MODEL = "tiny"
+LONG_TEXT = "word " * 200  # well over the test engine's max_input_len of 64 tokens
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM.load(tiny_engine()) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def http(llm):
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL))
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        yield http
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None, *words: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    for word in words:
+        assert word in error["message"], error["message"]
+    return error
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"prompt": "hi", "max_tokens": "5"}, "max_tokens", ["integer"]),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ["greater than or equal to 1"]),
+    ({"prompt": "hi", "max_tokens": -3}, "max_tokens", ["greater than or equal to 1"]),
+    ({"prompt": "hi", "max_tokens": 100_000}, "max_tokens", ["leaves room for at most"]),
+    ({"prompt": ""}, "prompt", ["empty"]),
+    ({"prompt": []}, "prompt", ["non-empty"]),
+    ({"prompt": LONG_TEXT}, "prompt", ["max_input_len"]),
+    ({"prompt": [5, 999_999]}, "prompt", ["999999"]),
+    ({"max_tokens": 5}, "prompt", ["required"]),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature", ["number"]),
+    ({"prompt": "hi", "temperature": 3}, "temperature", ["less than or equal to 2"]),
+    ({"prompt": "hi", "stream": "yes"}, "stream", ["boolean"]),
+    ({"prompt": "hi", "stop": [""]}, "stop", ["non-empty"]),
+    ({"prompt": "hi", "n": 0}, "n", ["greater than or equal to 1"]),
+    ({"prompt": "hi", "tools": []}, "tools", ["Unrecognized request argument"]),
+    ({"prompt": "hi", "logprobs": 2}, "logprobs", ["not supported"]),
+])
+def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, words):
+    error = assert_error(http.post("/v1/completions", json=body), 400, param, *words)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"messages": []}, "messages", ["at least 1"]),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", ["'user'"]),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", ["string"]),
+    ({"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages", ["max_input_len"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100_000}, "max_completion_tokens",
+     ["leaves room"]),
+])
+def test_bad_chat_requests_get_a_400_naming_the_field(http, body, param, words):
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param, *words)
+
+
+def test_malformed_json_and_non_object_bodies_get_a_400(http):
+    headers = {"Content-Type": "application/json"}
+    assert_error(http.post("/v1/completions", content=b'{"prompt": ', headers=headers), 400, None, "not valid JSON")
+    assert_error(http.post("/v1/completions", content=b"[1, 2]", headers=headers), 400, None, "JSON object")
+    assert_error(http.post("/v1/completions", content=b"prompt=hi"), 400, None, "application/json")
+    assert_error(http.post("/v1/completions"), 400, None, "missing")
+
+
+def test_unknown_model_is_a_404_and_unknown_route_keeps_the_error_shape(http):
+    error = assert_error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"}), 404, "model",
+                         "gpt-4", MODEL)
+    assert error["code"] == "model_not_found"
+    assert_error(http.get("/v1/nothing-here"), 404, None)
+
+
+def test_the_openai_client_raises_bad_request_for_a_too_long_prompt(http):
+    with openai.OpenAI(base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0) as client, \
+            pytest.raises(openai.BadRequestError, match="max_input_len"):
+        client.completions.create(model=MODEL, prompt=LONG_TEXT, max_tokens=4)
+
+
+def test_wrong_or_missing_api_key_gets_a_401_and_probes_stay_open(llm):
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL, api_key="sekret"))
+    with ServerThread(app) as server:
+        missing = httpx.post(f"{server.url}/v1/completions", json={"prompt": "{bad json"})
+        assert_error(missing, 401, None, "Missing API key")
+        assert missing.headers["WWW-Authenticate"] == "Bearer"
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0) as client, \
+                pytest.raises(openai.AuthenticationError, match="Incorrect API key"):
+            client.models.list()
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="sekret", max_retries=0) as client:
+            assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_admission_refuses_beyond_capacity_until_places_are_released():
+    admission = Admission(capacity=3)
+    release_two = admission.reserve(2)
+    admission.reserve(1)
+    with pytest.raises(APIError) as full:
+        admission.reserve(1)
+    assert full.value.status_code == 503 and full.value.headers == {"Retry-After": "1"}
+    release_two()
+    release_two()  # idempotent
+    assert admission.outstanding == 1
+    admission.reserve(2)
+    with pytest.raises(APIError) as too_big:
+        admission.reserve(4)
+    assert too_big.value.status_code == 400 and too_big.value.param == "n"
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_never_backs_up(llm):
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL, max_queue=2))  # 16 running + 2 queued
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True}
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(40)))
+
+    with ServerThread(app) as server:
+        responses = asyncio.run(main())
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) == {200, 503} and statuses.count(200) >= 18
+    refused = next(r for r in responses if r.status_code == 503)
+    assert refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["type"] == "server_overloaded"
+    wait_until(lambda: engine_idle(llm))
+
+
+def test_health_is_503_while_the_engine_loads_then_200():
+    release = threading.Event()
+
+    def slow_load() -> LLM:
+        release.wait(10)
+        return LLM.load(tiny_engine())
+
+    app = create_app(slow_load, tiny_engine(), ServerSettings(model_name=MODEL))
+    with ServerThread(app) as server:
+        loading = httpx.get(f"{server.url}/health")
+        assert loading.status_code == 503 and loading.json()["status"] == "loading"
+        refused = httpx.get(f"{server.url}/v1/models")
+        assert_error(refused, 503, None, "still loading")
+        assert refused.headers["Retry-After"] == "1"
+        release.set()
+        wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200)
+
+
+def test_an_engine_that_fails_to_load_stops_the_server_with_its_message():
+    def broken_load() -> LLM:
+        raise KilnError("engine.json is corrupt")
+
+    app = create_app(broken_load, tiny_engine(), ServerSettings(model_name=MODEL))
+    with pytest.raises(ServerStartError, match="engine.json is corrupt"):
+        run_server(app, "127.0.0.1", 0, shutdown_timeout_s=1)

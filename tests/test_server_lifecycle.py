@@ -1,0 +1,93 @@
+"""`kiln serve`: what it serves (engine directory, cache key, config built through the cache) and how it stops
+(SIGTERM drains in-flight streams, refuses new work, exits 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from pipeline.serve_command import resolve_target
+from runtime.errors import KilnError
+from tests.test_server_support import REPO, tiny_engine, wait_until
+
+
+def test_an_engine_directory_is_served_under_its_folder_name():
+    target = resolve_target(str(tiny_engine()))
+    assert target.engine_dir == tiny_engine() and target.model_name == tiny_engine().parent.name
+    assert target.host == "127.0.0.1" and target.port == 8000 and target.api_key is None
+
+
+def test_a_directory_without_an_engine_and_an_unknown_key_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(KilnError, match="without engine.json"):
+        resolve_target(str(tmp_path))
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(KilnError, match="has no engine"):
+        resolve_target("ab" * 32)
+
+
+def test_a_config_is_built_through_the_cache_once_then_hits(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    config = tmp_path / "tiny-served.yaml"
+    config.write_text(f"model:\n  path: {tiny_engine().parent / 'checkpoint'}\n  dtype: float32\n"
+                      f"quantize:\n  format: none\nbuild:\n  backend: native\n  device: cpu\n  max_batch_size: 4\n"
+                      f"  max_input_len: 32\n  max_seq_len: 64\n  max_num_tokens: 64\n  tokens_per_block: 4\n"
+                      f"serve:\n  port: 8123\n  max_queue: 7\n")
+    first = resolve_target(str(config), progress=False)
+    second = resolve_target(str(config), progress=False)
+    assert first.engine_cache["hit"] is False and second.engine_cache["hit"] is True
+    assert second.engine_dir == first.engine_dir and (second.engine_dir / "engine.json").is_file()
+    assert second.model_name == "tiny-served" and second.port == 8123 and second.max_queue == 7
+    assert second.engine_cache["hit_rate"] is not None
+
+
+def _read_lines(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+
+
+def test_sigterm_finishes_the_in_flight_stream_refuses_new_work_and_exits_0():
+    code = ("import sys; from pipeline.serve_command import serve; "
+            "serve(sys.argv[1], port=0, model_name='tiny', shutdown_timeout=30.0)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_engine())], cwd=REPO, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_lines, args=(proc.stderr, lines), daemon=True).start()
+    try:
+        url = None
+        while url is None:
+            line = lines.get(timeout=60)
+            if line.startswith("serving tiny"):
+                url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, timeout=60)
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions",
+                                                                          json=body) as response:
+            events = response.iter_lines()
+            next(line for line in events if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: _refused(url), timeout=10)
+            rest = [line[6:] for line in events if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["usage"]["completion_tokens"] == 200
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _refused(url: str) -> bool:
+    """New work is refused: the port no longer accepts, or /health says the server is draining."""
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 503
+    except httpx.TransportError:
+        return True

@@ -1,0 +1,181 @@
+"""The server through the official openai client on loopback: completions, chat, streaming, many concurrent streams,
+clients that disconnect, and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from runtime import LLM
+from runtime.server import ServerSettings, ServerThread, create_app
+from runtime.server.chat_template import ChatTemplate
+from tests.test_server_support import engine_idle, tiny_engine, wait_until
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM.load(tiny_engine()) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL, max_queue=256))
+    with ServerThread(app) as server:
+        yield server
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def test_completion_returns_text_usage_and_length_finish(client):
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=7, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.object == "text_completion" and out.model == MODEL
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text
+    assert out.usage.completion_tokens == 7
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 7
+
+
+def test_greedy_completion_matches_the_embedded_runtime(client, llm):
+    from runtime import SamplingParams
+
+    expected = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == expected.text
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_distinct_choices(client):
+    def ask():
+        return client.completions.create(model=MODEL, prompt="The cat", max_tokens=8, temperature=1.0, seed=1234, n=3,
+                                         extra_body={"ignore_eos": True})
+
+    first, second = ask(), ask()
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert len({c.text for c in first.choices}) > 1
+    assert first.usage.completion_tokens == 24
+
+
+def test_batched_prompts_and_token_id_prompts_are_accepted(client):
+    out = client.completions.create(model=MODEL, prompt=["One", "Two"], max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert len(out.choices) == 2 and out.usage.completion_tokens == 6
+    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[3:6]
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == full[:full.index(stop)]
+
+
+def test_chat_completion_uses_the_chat_template(client, llm):
+    from runtime import SamplingParams
+
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
+                                         max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    prompt = ChatTemplate.from_dir(tiny_engine()).render([{"role": "user", "content": "Hi there"}])
+    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert out.choices[0].message.content == expected.text
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_streamed_completion_concatenates_to_the_unstreamed_text(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=9, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+
+
+def test_streamed_chat_starts_with_the_role_and_ends_with_usage(client):
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                            max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_200_concurrent_streams_all_complete_and_free_every_block(server, llm):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str | None]:
+        stream = await client.completions.create(model=MODEL, prompt=f"Story {i}:", max_tokens=3, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        tokens, finish = 0, None
+        async for chunk in stream:
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+        return tokens, finish
+
+    async def main() -> list[tuple[int, str | None]]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    results = asyncio.run(main())
+    assert results == [(3, "length")] * 200
+    wait_until(lambda: engine_idle(llm))
+
+
+def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks(server, llm):
+    aborted_before = llm.stats()["requests_finished"]["abort"]
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 180, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/completions",
+                                                                            json=body) as response:
+        assert response.status_code == 200
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert llm.stats()["num_running"] == 1
+    wait_until(lambda: engine_idle(llm))
+    assert llm.stats()["requests_finished"]["abort"] == aborted_before + 1
+
+
+def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(server, llm):
+    aborted_before = llm.stats()["requests_finished"]["abort"]
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 240, "n": 16, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    wait_until(lambda: engine_idle(llm))
+    assert llm.stats()["requests_finished"]["abort"] == aborted_before + 16
+    assert 'status="499"' in httpx.get(f"{server.url}/metrics").text
+
+
+def test_metrics_expose_requests_latencies_queue_and_kv_blocks(server, client):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("kiln_requests_total{endpoint=\"/v1/completions\",status=\"200\"}",
+                 "kiln_time_to_first_token_seconds_bucket", "kiln_inter_token_latency_seconds_bucket",
+                 "kiln_queue_depth", "kiln_running_requests", "kiln_kv_blocks_used", "kiln_kv_blocks_free",
+                 "kiln_prefix_cache_hit_rate", "kiln_engine_load_seconds"):
+        assert name in text, name
+
+
+def test_health_is_ok_once_the_engine_is_loaded(server):
+    response = httpx.get(f"{server.url}/health")
+    assert response.status_code == 200 and response.json()["status"] == "ok"
