@@ -48,6 +48,23 @@ def build(
     print_json(result) if json_out else print_result(result)
 
 
+@app.command()
+@friendly_errors
+def quantize(
+    config: ConfigArg,
+    force: Annotated[bool, typer.Option("--force", help="Recalibrate even when the cache has the checkpoint.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run the quantize stage alone: calibration rounds, convergence verdict, accuracy gate, fallback."""
+    from pipeline import runner
+    from pipeline.summary import print_quantize
+
+    ctx = runner.prepare(config, backend=None, force=force, dry_run=False)
+    with stage_progress(enabled=not json_out) as progress:
+        result = runner.quantize_only(ctx, progress)
+    print_json(result) if json_out else print_quantize(result)
+
+
 @config_app.command("show")
 @friendly_errors
 def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:

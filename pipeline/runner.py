@@ -114,6 +114,34 @@ def run(ctx: BuildContext, decisions: list[tuple[object, Decision]], progress: P
     return result
 
 
+def quantize_only(ctx: BuildContext, progress: ProgressFactory | None = None) -> dict:
+    """Run (or reuse) the quantize stage alone; the ``kiln quantize --json`` object."""
+    stage = QuantizeStage()
+    decision = stage.decide(ctx)
+    report = progress(stage.name) if progress else (lambda *_: None)
+    if decision.action == "run":
+        stage.run(ctx, report)
+    else:
+        stage.on_skip(ctx)
+    report("done", 1.0)
+    calibration = ctx.calibration or {}
+    return {
+        "config": str(ctx.loaded.path),
+        "action": decision.action,
+        "reason": decision.reason,
+        "format": calibration.get("format", ctx.config.quantize.format),
+        "converged": calibration.get("converged", True),
+        "rounds": [{k: r.get(k) for k in ("samples", "max_rel_change", "kl", "top1_agreement", "output_mae")}
+                   for r in calibration.get("rounds", [])],
+        "gate": calibration.get("gate"),
+        "fallback_from": calibration.get("fallback_from"),
+        "summary": calibration.get("summary"),
+        "quantized_key": ctx.quantized_key,
+        "checkpoint_dir": str(ctx.checkpoint_dir),
+        "checkpoint_hash": checkpoint_hash(ctx.checkpoint_dir),
+    }
+
+
 def _quantization_summary(ctx: BuildContext) -> dict | None:
     report = ctx.calibration
     if not report:

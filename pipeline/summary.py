@@ -53,3 +53,29 @@ def print_result(result: dict) -> None:
 
 def _pct(value: float | None) -> float | None:
     return None if value is None else value * 100
+
+
+def print_quantize(result: dict) -> None:
+    """The rounds table, the verdict and the gate figures of ``kiln quantize``."""
+    table = Table(box=None, show_header=True, header_style="bold")
+    for column in ("round", "samples", "max change", "KL", "top-1"):
+        table.add_column(column, justify="right")
+    for index, row in enumerate(result["rounds"], start=1):
+        table.add_row(str(index), str(row["samples"]), f"{_fmt(_pct(row['max_rel_change']), '.2f')}%",
+                      _fmt(row["kl"], ".5f"), f"{_fmt(_pct(row['top1_agreement']), '.1f')}%")
+    if result["rounds"]:
+        stdout.print(table)
+    verdict = "converged" if result["converged"] else "not converged"
+    fallback = f" (fell back from {result['fallback_from']})" if result.get("fallback_from") else ""
+    action = "ran" if result["action"] == "run" else "skipped"
+    stdout.print(f"stage     {action}: {result['reason']}", highlight=False)
+    stdout.print(f"format    {result['format']}{fallback}: {verdict}", highlight=False)
+    if result.get("summary"):
+        stdout.print(f"          {result['summary']}", highlight=False)
+    gate = result.get("gate")
+    if gate:
+        stdout.print(f"gate      {'passed' if gate.get('passed') else 'FAILED'}: ppl "
+                     f"+{_fmt(_pct(gate.get('ppl_increase')), '.2f')}%, KL {_fmt(gate.get('kl'), '.4f')}, "
+                     f"top-1 {_fmt(_pct(gate.get('top1_agreement')), '.1f')}%", highlight=False)
+    stdout.print(f"checkpoint {result['checkpoint_dir']} (content hash {result['checkpoint_hash'][:16]}…)",
+                 highlight=False)
