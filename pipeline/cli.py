@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from pipeline.bench import bench
 from pipeline.cache_commands import cache_app, print_explain
 from pipeline.config import load_config
 from pipeline.console import friendly_errors, print_json, stage_progress, stdout
@@ -99,6 +100,7 @@ def cache_explain(config: ConfigArg, json_out: JsonOpt = False) -> None:
 
 app.command()(serve)
 app.command()(loadtest)
+app.command()(bench)
 
 
 def main() -> None:

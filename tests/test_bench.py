@@ -1,0 +1,162 @@
+"""`kiln bench`: Kiln against transformers and the bandwidth floor, on the tiny config and tiny random architectures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from pipeline.bench import bench
+from pipeline.bench_floor import decode_step_bytes, nominal_gbs, tensor_bytes
+
+FIGURES = ("output_tokens_per_s", "decode_tokens_per_s_batch1", "ttft_ms", "load_ms")
+SMALL = ["--prompts", "4", "--input-len", "16", "--output-len", "6"]
+
+
+def cli() -> typer.Typer:
+    app = typer.Typer(pretty_exceptions_enable=False)
+    app.command()(bench)
+    app.command("noop")(lambda: None)  # a second command keeps `bench` a subcommand, as under `kiln`
+    return app
+
+
+def run_bench(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(cli(), ["bench", *args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def bench_json(*args: str) -> dict:
+    code, out, err = run_bench(*args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def write_architecture(path: Path, **overrides) -> Path:
+    arch = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+            "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 512, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", **overrides}
+    path.write_text(json.dumps(arch))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def kiln_cache(tmp_path_factory, monkeypatch) -> Path:
+    cache = tmp_path_factory.getbasetemp() / "bench-cache"  # shared by the module's tests: builds are cache hits
+    monkeypatch.setenv("KILN_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="module")
+def config_report(tmp_path_factory) -> dict:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KILN_CACHE", str(tmp_path_factory.getbasetemp() / "bench-cache"))
+        return bench_json("tiny-llama-bf16.yaml", *SMALL, "--peer", "transformers", "--bandwidth-gbs", "20")
+
+
+def test_json_reports_positive_kiln_and_peer_figures(config_report):
+    for side in ("kiln", "peer"):
+        for key in FIGURES:
+            assert config_report[side][key] > 0, (side, key)
+    assert config_report["kiln"]["output_tokens"] == config_report["peer"]["output_tokens"] == 4 * 6
+    assert config_report["peer"]["dtype"] == "float32" and config_report["peer"]["attn_implementation"] == "sdpa"
+    assert config_report["config"].endswith("configs/tiny-llama-bf16.yaml") and config_report["target_kind"] == "config"
+    assert config_report["gpu"] is None and config_report["device"] == "cpu"
+    assert (config_report["prompts"], config_report["input_len"], config_report["output_len"]) == (4, 16, 6)
+
+
+def test_speedup_vs_peer_is_kiln_throughput_over_peer_throughput(config_report):
+    kiln, peer = config_report["kiln"], config_report["peer"]
+    assert config_report["speedup_basis"] == "output_tokens_per_s"
+    assert config_report["speedup_vs_peer"] == pytest.approx(kiln["output_tokens_per_s"] / peer["output_tokens_per_s"],
+                                                             rel=1e-3)
+    assert config_report["speedups"]["ttft_ms"] == pytest.approx(peer["ttft_ms"] / kiln["ttft_ms"], rel=1e-3)
+
+
+def test_floor_fraction_is_computed_from_the_stated_bandwidth(config_report):
+    floor = config_report["floor"]
+    assert floor["bandwidth_gbs"] == 20 and floor["bandwidth_source"] == "--bandwidth-gbs"
+    engine_dir = Path(config_report["kiln"]["engine_dir"])
+    sizes = tensor_bytes(engine_dir / "rank0.safetensors")
+    assert floor["weight_bytes"] == sum(sizes.values()) - sizes["embed_tokens.weight"]
+    # tiny Llama: 4 layers, 2 KV heads of 32, bf16 KV; mean decode context 16 + 6 / 2
+    assert floor["kv_bytes_per_token"] == 2 * 4 * 2 * 32 * 2 and floor["mean_context_len"] == 19
+    expected_floor = 20e9 / (floor["weight_bytes"] + floor["kv_bytes_per_token"] * 19)
+    assert config_report["floor_tokens_per_s_batch1"] == pytest.approx(expected_floor, rel=1e-4)
+    assert config_report["floor_fraction_batch1"] == pytest.approx(
+        config_report["kiln"]["decode_tokens_per_s_batch1"] / expected_floor, rel=1e-3)
+
+
+def test_architecture_file_is_benchmarked_with_random_weights_and_cached(tmp_path, kiln_cache):
+    arch = write_architecture(tmp_path / "tiny-arch.json")
+    first = bench_json(str(arch), *SMALL, "--batch-1", "--peer", "transformers", "--bandwidth-gbs", "10")
+    assert first["target_kind"] == "architecture" and first["batch_1_only"]
+    assert Path(first["config"]).is_relative_to(kiln_cache / "bench")
+    assert "random bf16 weights (seed 0)" in first["kiln"]["quantization"]
+    assert first["kiln"]["output_tokens_per_s"] is None and first["peer"]["output_tokens_per_s"] is None
+    assert first["speedup_basis"] == "decode_tokens_per_s_batch1"
+    assert first["speedup_vs_peer"] == pytest.approx(
+        first["kiln"]["decode_tokens_per_s_batch1"] / first["peer"]["decode_tokens_per_s_batch1"], rel=1e-3)
+    assert first["floor"]["embedding_bytes_excluded"] == 512 * 128 * 2
+    again = bench_json(str(arch), *SMALL, "--batch-1", "--bandwidth-gbs", "10")
+    assert again["kiln"]["cache_hit"] and again["kiln"]["engine_key"] == first["kiln"]["engine_key"]
+    assert again["peer"] is None and again["speedup_vs_peer"] is None
+
+
+def test_fp8_architecture_builds_from_a_modelopt_max_calibrated_checkpoint(tmp_path):
+    arch = write_architecture(tmp_path / "tiny-fp8.json", tie_word_embeddings=True)
+    report = bench_json(str(arch), *SMALL, "--batch-1", "--format", "fp8", "--bandwidth-gbs", "10")
+    assert report["kiln"]["quantization"].startswith("fp8") and "max calibration" in report["kiln"]["quantization"]
+    step = decode_step_bytes(Path(report["kiln"]["engine_dir"]), 16, 6)
+    assert step["embedding_bytes_excluded"] == 0  # tied: the embedding is the LM head, streamed every step
+
+
+def test_human_output_is_a_table_with_the_peer_ratio_and_the_floor(config_report, capsys):
+    from pipeline.bench_report import print_report
+
+    print_report(config_report)
+    out = capsys.readouterr().out
+    assert "kiln advantage" in out and "batch-1 decode tokens/s" in out and "floor:" in out
+    assert f"{config_report['floor_fraction_batch1']:.1%}" in out
+
+
+@pytest.mark.parametrize("target", ["no-such-config.yaml", "README.md"])
+def test_bad_target_gives_one_line_and_exit_2(target):
+    code, out, err = run_bench(target, "--json")
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_file_without_architectures_is_refused(tmp_path):
+    (tmp_path / "x.json").write_text('{"hidden_size": 8}')
+    code, _, err = run_bench(str(tmp_path / "x.json"))
+    assert code == 2 and "no 'architectures' entry" in err
+
+
+def test_config_too_short_for_the_run_is_refused_naming_the_field():
+    code, _, err = run_bench("tiny-llama-bf16.yaml", "--input-len", "300")
+    assert code == 2 and "build.max_input_len (256)" in err
+
+
+def test_8b_architecture_is_refused_on_a_cpu_only_machine(monkeypatch, kiln_cache):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run_bench("configs/models/llama3-8b.json")
+    assert code == 2 and "8.0B parameters is too big" in err and "--allow-large" in err
+    assert not (kiln_cache / "bench" / "checkpoints").exists() or not any(
+        p.name.startswith("llama3-8b") for p in (kiln_cache / "bench" / "checkpoints").iterdir())
+
+
+def test_nominal_bandwidth_of_known_gpus():
+    assert nominal_gbs("NVIDIA H200") == 4300 and nominal_gbs("NVIDIA H100 80GB HBM3") == 3350
+    assert nominal_gbs("NVIDIA A10G") is None
+
+
+def test_unknown_peer_is_a_usage_error():
+    code, out, err = run_bench("tiny-llama-bf16.yaml", "--peer", "vllm")
+    assert code == 2 and out == "" and "--peer transformers" in err
