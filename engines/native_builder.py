@@ -22,6 +22,8 @@ from runtime.engine_format import (
 from runtime.errors import KilnError
 from runtime.fingerprint import machine_fingerprint
 
+# transformers 5 saves a tokenizer's chat template here rather than in tokenizer_config.json; the server reads it first.
+
 
 def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: str, device: str = "cpu") -> dict:
     """Convert an HF checkpoint (plain, or modelopt's unified FP8 / W4A16_AWQ export, detected from
@@ -45,7 +47,8 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: 
         raise KilnError(f"{checkpoint_dir / 'config.json'}: sliding_window {sliding_window} is shorter than "
                         f"build.max_seq_len {build_plan.max_seq_len}; the native backend has no sliding-window "
                         "attention, lower build.max_seq_len")
-    tokenizer_files = [checkpoint_dir / name for name in TOKENIZER_FILES if (checkpoint_dir / name).is_file()]
+    tokenizer_files = [checkpoint_dir / name for name in TOKENIZER_FILES
+                       if (checkpoint_dir / name).is_file()]
     if not (checkpoint_dir / "tokenizer.json").is_file():
         raise KilnError(f"{checkpoint_dir}: no tokenizer.json; the native runtime needs a fast tokenizer file "
                         "(save the tokenizer with save_pretrained)")

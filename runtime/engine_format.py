@@ -20,7 +20,8 @@ ENGINE_FORMAT = "kiln-native"
 ENGINE_FORMAT_VERSION = 1
 ENGINE_JSON = "engine.json"
 WEIGHTS_FILE = "rank0.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}

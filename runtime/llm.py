@@ -10,7 +10,7 @@ import time
 import uuid
 from collections import abc
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,10 +18,12 @@ import torch
 
 from runtime.cache_layout import entry_engine_dir, is_cache_key
 from runtime.errors import EngineFormatError, KilnError
-from runtime.llm_engine import LLMEngine
+from runtime.limits import EngineLimits
+from runtime.llm_engine import LLMEngine, RequestFailure
 from runtime.outputs import RequestOutput, StreamDelta
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
+from runtime.tokenizer import Tokenizer
 from runtime.trtllm_adapter import TrtllmEngine, is_trtllm_engine
 
 Prompt = str | list[int]
@@ -55,7 +57,8 @@ class _Sink:
 
 
 class LLM:
-    """Load an engine and serve it: `generate`, `generate_async`, `stream`, `submit`/`result`, `abort`, `stats`.
+    """Load an engine and serve it: `generate`, `generate_async`, `stream`, `submit`/`result`, `abort`, `stats`;
+    `tokenizer`, `limits` and `check` describe what it accepts.
 
     All callers share one engine thread, so requests from many threads and event loops are batched together.
     """
@@ -82,6 +85,22 @@ class LLM:
         backend = TrtllmEngine if is_trtllm_engine(engine_dir) else LLMEngine
         engine = backend(engine_dir, device=device, num_kv_blocks=num_kv_blocks)
         return cls(engine, load_ms=(time.perf_counter() - start) * 1000)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The engine's tokenizer (None when the engine has no tokenizer.json and takes token ids only)."""
+        return self.engine.tokenizer
+
+    @property
+    def limits(self) -> EngineLimits:
+        """What one request may ask: max_input_len, max_seq_len, max_batch_size, max_num_tokens, kv_pool_tokens."""
+        return self.engine.limits
+
+    def check(self, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        """Raise what `submit` would raise for this request (RequestTooLongError, InvalidRequestError,
+        EngineClosedError, ...), without submitting it."""
+        self._check_open()
+        self.engine.make_request(uuid.uuid4().hex, prompt, params or SamplingParams())
 
     def __enter__(self) -> LLM:
         return self
@@ -174,11 +193,14 @@ class LLM:
         if hasattr(self.engine, "close"):
             self.engine.close()
 
+    def _check_open(self) -> None:
+        if self._closed or self._error is not None:
+            raise EngineClosedError(f"the LLM is closed{f' (engine error: {self._error})' if self._error else ''}: "
+                                    f"load it again")
+
     def _enqueue(self, seq: Sequence, sink: _Sink) -> Future:
         with self._lock:
-            if self._closed or self._error is not None:
-                raise EngineClosedError(f"the LLM is closed{f' (engine error: {self._error})' if self._error else ''}:"
-                                        f" load it again")
+            self._check_open()
             if seq.request_id in self._sinks or seq.request_id in self._results:
                 raise ValueError(f"request id {seq.request_id!r} is already in use: pick a unique id")
             self._sinks[seq.request_id] = sink
@@ -189,8 +211,11 @@ class LLM:
         try:
             while self._handle_commands(block=not self.engine.has_unfinished()):
                 if self.engine.has_unfinished():
-                    for delta in self.engine.step():
-                        self._deliver(delta)
+                    for result in self.engine.step():
+                        if isinstance(result, RequestFailure):
+                            self._fail(result.request_id, result.error)
+                        else:
+                            self._deliver(result)
         except BaseException as e:  # a bug in the engine: fail every waiter rather than hang it
             with self._lock:
                 self._error = e
@@ -225,7 +250,8 @@ class LLM:
             except RuntimeError:  # the caller's event loop is gone: nobody is listening any more
                 self._commands.put(("abort", delta.request_id))
         if delta.finished:
-            sink.future.set_result(delta.output)
+            with contextlib.suppress(InvalidStateError):  # the caller cancelled its future (an asyncio task was)
+                sink.future.set_result(delta.output)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         with self._lock:
@@ -244,5 +270,5 @@ class LLM:
         if sink.on_delta is not None:
             with contextlib.suppress(RuntimeError):  # the caller's event loop is gone
                 sink.on_delta(error)
-        if not sink.future.done():
+        with contextlib.suppress(InvalidStateError):  # already cancelled by its caller
             sink.future.set_exception(error)

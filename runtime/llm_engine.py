@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,17 +13,33 @@ from runtime.block_manager import BlockManager
 from runtime.engine_format import EngineConfig
 from runtime.errors import KilnError
 from runtime.fingerprint import check_fingerprint, machine_fingerprint
+from runtime.limits import EngineLimits
 from runtime.model_runner import ModelRunner
 from runtime.outputs import RequestMetrics, RequestOutput, StreamDelta
+from runtime.sampler import SamplingError
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.sequence import Sequence
 from runtime.stats import EngineStats, StepStats
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
+logger = logging.getLogger("kiln.runtime")
+
 
 class InvalidRequestError(KilnError, ValueError):
     """A request that is malformed for this engine (bad token ids, text without a tokenizer)."""
+
+
+class RequestFailedError(KilnError):
+    """One request failed inside a step (a bug, logged with its traceback); the engine serves the others."""
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """What `step` returns for a request that failed on its own: it is finished and its KV blocks are freed."""
+
+    request_id: str
+    error: KilnError
 
 
 def resolve_device(device: str | torch.device | None, config: EngineConfig) -> torch.device:
@@ -49,6 +67,9 @@ class LLMEngine:
                                                    max_num_batched_tokens=plan.max_num_tokens,
                                                    max_seq_len=plan.max_seq_len, max_input_len=plan.max_input_len),
                                    self.block_manager)
+        self.limits = EngineLimits(max_input_len=plan.max_input_len, max_seq_len=plan.max_seq_len,
+                                   max_batch_size=plan.max_batch_size, max_num_tokens=plan.max_num_tokens,
+                                   kv_pool_tokens=self.block_manager.num_blocks * plan.tokens_per_block)
         self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
         self.stats = EngineStats()
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
@@ -91,16 +112,38 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[StreamDelta]:
+    def step(self) -> list[StreamDelta | RequestFailure]:
+        """One step: what each sampled request gained, or why it failed (the others are unaffected)."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         sampled = self.model_runner.execute(out) if out.scheduled else {}
         self.scheduler.update_computed(out)
-        deltas = [self._postprocess(seq, token_id) for seq, token_id in sampled.items()]
+        results = [self._postprocess(seq, token_id) for seq, token_id in sampled.items()]
         self._record_step(out, len(sampled), time.perf_counter() - start)
-        return deltas
+        return results
 
-    def _postprocess(self, seq: Sequence, token_id: int) -> StreamDelta:
+    def _postprocess(self, seq: Sequence, token_id: int | SamplingError) -> StreamDelta | RequestFailure:
+        """The request's delta, or its failure when its token could not be sampled or postprocessing raised."""
+        if isinstance(token_id, SamplingError):
+            return self._fail(seq, token_id)
+        try:
+            return self._append_token(seq, token_id)
+        except Exception as e:  # a bug: fail this request loudly, keep serving the others
+            logger.error("request %s failed while postprocessing token %d", seq.request_id, token_id, exc_info=e)
+            error = RequestFailedError(f"request {seq.request_id} failed in the engine ({type(e).__name__}: {e}); "
+                                       f"other requests are unaffected: report this as a bug")
+            error.__cause__ = e
+            return self._fail(seq, error)
+
+    def _fail(self, seq: Sequence, error: KilnError) -> RequestFailure:
+        """Finish a failed request with reason "abort" and free its blocks."""
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+        if self._requests.pop(seq.request_id, None) is not None:
+            self.stats.record_finished(seq)
+        return RequestFailure(seq.request_id, error)
+
+    def _append_token(self, seq: Sequence, token_id: int) -> StreamDelta:
         """Append the sampled token and finish the sequence on a stop token, a stop string or max_tokens."""
         _, detokenizer = self._requests[seq.request_id]
         seq.append_token(token_id)

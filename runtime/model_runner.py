@@ -12,7 +12,7 @@ from runtime.engine_format import EngineConfig
 from runtime.errors import KilnError
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from runtime.model.llama import LlamaModel
-from runtime.sampler import Sampler
+from runtime.sampler import Sampler, SamplingError
 from runtime.scheduler import SchedulerOutput
 from runtime.sequence import Sequence
 
@@ -61,9 +61,10 @@ class ModelRunner:
         return min(plan_blocks, CPU_KV_MAX_BYTES // block_bytes)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[Sequence, int]:
+    def execute(self, out: SchedulerOutput) -> dict[Sequence, int | SamplingError]:
         """Run the scheduled tokens; return the sampled token of every sequence whose step reached its last token
-        (a prefill chunk that stops short of the end of the prompt samples nothing)."""
+        (a prefill chunk that stops short of the end of the prompt samples nothing), or the SamplingError of one
+        that could not be sampled."""
         seqs = list(out.scheduled)
         query_lens = list(out.scheduled.values())
         input_ids, positions, seq_lens = [], [], []

@@ -6,8 +6,14 @@ import random
 
 import torch
 
+from runtime.errors import KilnError
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
+
+
+class SamplingError(KilnError):
+    """One request's next token could not be sampled (non-finite probabilities, a seed torch refuses); only that
+    request fails."""
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -32,16 +38,27 @@ def request_generator(params: SamplingParams, device: torch.device) -> torch.Gen
 
 
 class Sampler:
-    """Samples one token per row of `logits` (float32 [num_seqs, vocab]) for the matching sequence."""
+    """Samples one token per row of `logits` (float32 [num_seqs, vocab]) for the matching sequence.
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    A row that cannot be sampled gets a SamplingError in place of its token, so that only its request fails.
+    """
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | SamplingError]:
         tokens = logits.argmax(dim=-1)
+        failed: dict[int, SamplingError] = {}
         for row, seq in enumerate(seqs):
             params = seq.params
             if params.greedy:
                 continue
-            if seq.generator is None:
-                seq.generator = request_generator(params, logits.device)
-            filtered = apply_top_k_top_p(logits[row] / params.temperature, params.top_k, params.top_p)
-            tokens[row] = torch.multinomial(filtered.softmax(-1), 1, generator=seq.generator)[0]
-        return tokens.tolist()
+            try:  # multinomial checks its input on the host (CPU and CUDA alike) and raises RuntimeError
+                if seq.generator is None:
+                    seq.generator = request_generator(params, logits.device)
+                filtered = apply_top_k_top_p(logits[row] / params.temperature, params.top_k, params.top_p)
+                tokens[row] = torch.multinomial(filtered.softmax(-1), 1, generator=seq.generator)[0]
+            except (RuntimeError, ValueError) as e:
+                failed[row] = SamplingError(f"request {seq.request_id}: no token could be sampled "
+                                            f"({type(e).__name__}: {e})")
+        sampled: list[int | SamplingError] = tokens.tolist()
+        for row, error in failed.items():
+            sampled[row] = error
+        return sampled

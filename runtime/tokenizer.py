@@ -42,9 +42,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tokenizer.encode(text, add_special_tokens=True).ids
-        if self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the tokenizer's special tokens (BOS) unless `add_special_tokens` is False, as
+        for a rendered chat template that writes them itself. Special tokens written in `text` are always parsed."""
+        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
 

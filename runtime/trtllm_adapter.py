@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import EngineFormatError, FingerprintMismatchError, KilnError
+from runtime.limits import EngineLimits
 from runtime.outputs import RequestMetrics, RequestOutput, StreamDelta
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
@@ -164,6 +165,7 @@ class TrtllmEngine:
                                          f"serve it with trtllm-serve, or build with tp_size 1 and pp_size 1")
         self.tokenizer = Tokenizer.from_dir(engine_dir) if (engine_dir / "tokenizer.json").is_file() else None
         self.plan = self.info.plan
+        self.limits = EngineLimits.from_plan(self.plan)  # the executor sizes its KV pool itself
         self.eos_token_ids = frozenset(self.info.eos_token_ids)
         self.stats = EngineStats()
         self._poll = timedelta(milliseconds=poll_ms)

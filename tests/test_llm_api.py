@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import time
@@ -13,8 +14,12 @@ import torch
 from engines.native_builder import build_native_engine
 from runtime import LLM, KilnError, SamplingParams
 from runtime.errors import EngineFormatError, FingerprintMismatchError
+from runtime.limits import EngineLimits
 from runtime.llm import EngineClosedError
+from runtime.llm_engine import InvalidRequestError, RequestFailedError
+from runtime.sampler import SamplingError
 from runtime.scheduler import RequestTooLongError
+from runtime.tokenizer import IncrementalDetokenizer
 from tests.model_factories import make_llama_checkpoint, make_llama_model, tiny_plan
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -128,6 +133,78 @@ def test_too_long_request_is_rejected_with_the_numbers(llm):
         llm.generate([[5, 100000]], GREEDY)
 
 
+def test_tokenizer_limits_and_check_describe_what_the_engine_accepts(llm):
+    assert llm.tokenizer.encode("t5 t6 t7") == [5, 6, 7]
+    assert llm.limits == EngineLimits(max_input_len=48, max_seq_len=256, max_batch_size=4, max_num_tokens=64,
+                                      kv_pool_tokens=256 * 4)
+    assert llm.limits.max_request_tokens == 256
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        llm.limits.max_seq_len = 1024
+    finished_before = sum(llm.stats()["requests_finished"].values())
+    assert llm.check("t5 t6 t7", SamplingParams(max_tokens=200)) is None
+    with pytest.raises(RequestTooLongError, match=r"max_input_len is 48"):
+        llm.check(list(range(3, 60)))
+    with pytest.raises(RequestTooLongError, match=r"\(3 tokens\) \+ max_tokens \(254\) = 257 exceeds"):
+        llm.check([5, 6, 7], SamplingParams(max_tokens=254))
+    with pytest.raises(InvalidRequestError, match="not ints in"):
+        llm.check([5, 100000])
+    assert sum(llm.stats()["requests_finished"].values()) == finished_before
+    assert llm.stats()["num_waiting"] == 0 and all_blocks_free(llm)
+
+
+def test_a_tiny_temperature_samples_greedily_instead_of_stopping_the_engine(llm):
+    tiny = llm.generate(PROMPTS[0], SamplingParams(temperature=1e-300, max_tokens=12))[0]
+    assert tiny.token_ids == llm.generate(PROMPTS[0], GREEDY)[0].token_ids
+
+
+def test_a_request_that_cannot_be_sampled_fails_alone_and_the_engine_keeps_serving(llm):
+    expected = llm.generate(PROMPTS[1], GREEDY)[0].token_ids
+    bad_params = SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True)
+    bad_params.seed = 2**70  # set after validation: torch refuses it when the request's generator is made
+    bad, good = llm.submit(PROMPTS[0], bad_params), llm.submit(PROMPTS[1], GREEDY)
+    with pytest.raises(SamplingError, match="no token could be sampled"):
+        llm.result(bad, timeout=10)
+    assert llm.result(good, timeout=10).token_ids == expected
+    assert all_blocks_free(llm)
+    assert llm.generate(PROMPTS[1], GREEDY)[0].token_ids == expected
+
+
+def test_an_error_while_postprocessing_one_request_fails_only_that_request(llm, monkeypatch):
+    expected = llm.generate(PROMPTS[1], GREEDY)[0].token_ids
+    add_token = IncrementalDetokenizer.add_token
+
+    def broken_for_boom(self, token_id):
+        if "boom" in self._stop:
+            raise ZeroDivisionError("a bug")
+        return add_token(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_token", broken_for_boom)
+    bad = llm.submit(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, stop=["boom"]))
+    good = llm.submit(PROMPTS[1], GREEDY)
+    with pytest.raises(RequestFailedError, match="ZeroDivisionError: a bug") as failure:
+        llm.result(bad, timeout=10)
+    assert isinstance(failure.value.__cause__, ZeroDivisionError)
+    assert llm.result(good, timeout=10).token_ids == expected
+    assert all_blocks_free(llm)
+
+
+def test_cancelling_a_generate_async_task_aborts_it_and_the_engine_keeps_serving(llm):
+    async def cancel_midway():
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        task = asyncio.create_task(llm.generate_async(PROMPTS[2], params))
+        while llm.stats()["kv_cache"]["used_blocks"] == 0:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    aborted_before = llm.stats()["requests_finished"]["abort"]
+    asyncio.run(cancel_midway())
+    wait_until(lambda: llm.stats()["requests_finished"]["abort"] == aborted_before + 1)
+    assert all_blocks_free(llm)
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids
+
+
 def test_stats_report_steps_kv_blocks_and_request_latencies(llm):
     llm.generate(PROMPTS, GREEDY)
     stats = llm.stats()
@@ -165,3 +242,5 @@ def test_closed_llm_refuses_new_requests(engine_dir):
     llm.close()
     with pytest.raises(EngineClosedError):
         llm.generate(PROMPTS[0], GREEDY)
+    with pytest.raises(EngineClosedError):
+        llm.check(PROMPTS[0], GREEDY)

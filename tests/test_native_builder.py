@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -48,6 +49,14 @@ def test_engine_json_has_every_contract_key(checkpoint, tmp_path):
     assert engine["plan"] == {**tiny_plan(), "kv_cache_dtype": "float32"}
     assert engine["fingerprint"] == machine_fingerprint("cpu")
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
+
+
+def test_a_chat_template_jinja_file_is_copied_into_the_engine(checkpoint, tmp_path):
+    source = shutil.copytree(checkpoint, tmp_path / "hf")
+    template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    (source / "chat_template.jinja").write_text(template)
+    _, out = build(source, tmp_path)
+    assert (out / "chat_template.jinja").read_text() == template
 
 
 def test_weights_are_fused_in_runtime_layout(checkpoint, tmp_path):

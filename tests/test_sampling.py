@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 from engines.native_builder import build_native_engine
 from runtime import LLM, SamplingParams
-from runtime.sampler import Sampler, apply_top_k_top_p
+from runtime.sampler import Sampler, SamplingError, apply_top_k_top_p
 from runtime.sequence import Sequence
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.model_factories import make_llama_checkpoint, tiny_plan
@@ -41,12 +43,16 @@ def greedy(llm: LLM, max_tokens: int = 16) -> list[int]:
 
 
 @pytest.mark.parametrize(("field", "value", "words"), [
-    ("temperature", -0.5, "temperature must be a number >= 0"),
+    ("temperature", -0.5, "temperature must be a finite number >= 0"),
+    ("temperature", float("nan"), "temperature must be a finite number >= 0"),
+    ("temperature", float("inf"), "temperature must be a finite number >= 0"),
     ("top_k", -3, "top_k must be an int >= 1, or 0/-1"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
     ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
     ("max_tokens", 0, "max_tokens must be an int >= 1"),
     ("seed", 1.5, "seed must be an int or None"),
+    ("seed", 2**64, r"seed must be in \[0, 2\*\*64 - 1\]"),
+    ("seed", -1, r"seed must be in \[0, 2\*\*64 - 1\]"),
     ("stop", [""], "stop must be non-empty strings"),
     ("stop_token_ids", [-1], "stop_token_ids must be token ids >= 0"),
 ])
@@ -74,6 +80,36 @@ def test_seeded_sampler_rows_do_not_depend_on_the_rest_of_the_batch():
     batched = [sampler(logits, batch) for _ in range(5)]
     solo = [sampler(logits[2:], alone[2:]) for _ in range(5)]
     assert [row[2] for row in batched] == [row[0] for row in solo]
+
+
+def test_the_largest_seed_is_accepted_and_reproducible():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+
+    def sample() -> list[int]:
+        seq = Sequence("big", [1], SamplingParams(temperature=1.0, seed=2**64 - 1))
+        return [Sampler()(logits, [seq])[0] for _ in range(4)]
+
+    assert sample() == sample()
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    seqs = [Sequence(str(i), [1], SamplingParams(temperature=t, seed=i)) for i, t in enumerate((1e-300, 5e-324, 1e-6))]
+    assert all(seq.params.greedy for seq in seqs)
+    assert Sampler()(logits, seqs) == logits.argmax(-1).tolist()
+
+
+def test_a_row_that_cannot_be_sampled_gets_a_sampling_error_and_the_others_their_tokens():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = float("nan")
+
+    def seqs() -> list[Sequence]:
+        return [Sequence(str(i), [1], SamplingParams(temperature=1.0, seed=i)) for i in range(3)]
+
+    sampled = Sampler()(logits, seqs())
+    assert isinstance(sampled[1], SamplingError) and "request 1: no token could be sampled" in str(sampled[1])
+    alone = seqs()
+    assert [sampled[0], sampled[2]] == [Sampler()(logits[[i]], [alone[i]])[0] for i in (0, 2)]
 
 
 def test_top_k_one_equals_greedy(llm):
@@ -130,6 +166,17 @@ def test_tokenizer_encodes_and_decodes_like_transformers(tiny_tokenizer):
         ids = reference(text)["input_ids"]
         assert tiny_tokenizer.encode(text) == ids
         assert tiny_tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+
+
+def test_encoding_without_special_tokens_leaves_bos_to_the_text(tmp_path):
+    shutil.copyfile(TINY_LLAMA / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<s>"}))
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    bos = tokenizer.bos_token_id
+    body = tokenizer.encode("Hello there", add_special_tokens=False)
+    assert bos is not None and bos not in body
+    assert tokenizer.encode("Hello there") == [bos, *body]
+    assert tokenizer.encode("<s>Hello there", add_special_tokens=False) == [bos, *body]  # a chat template's BOS
 
 
 def test_incremental_detokenization_matches_decoding_everything(tiny_tokenizer):

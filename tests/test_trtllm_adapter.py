@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import runtime.trtllm_adapter as adapter
 from engines.trtllm_contract import load_contract
 from runtime.errors import EngineFormatError, FingerprintMismatchError
+from runtime.limits import EngineLimits
 from runtime.llm import LLM
 from runtime.sampling_params import SamplingParams
 from runtime.trtllm_adapter import TrtllmEngine, TrtllmEngineInfo, TrtllmRequestError, TrtllmUnavailableError
@@ -245,6 +246,17 @@ def test_an_executor_error_fails_only_that_request_and_is_reported_in_stats(trtl
         finished.update({d.request_id: d.output for d in engine.step() if d.finished})
     assert finished["r1"].finish_reason == "abort" and finished["r2"].finish_reason == "length"
     assert engine.stats_snapshot()["recent_errors"] == ["r1: CUDA error: out of memory"]
+
+
+def test_the_llm_api_describes_the_engine_through_tokenizer_limits_and_check(trtllm, engine_dir):
+    with LLM(TrtllmEngine(engine_dir)) as llm:
+        assert llm.tokenizer.encode("the cat") == [2, 3]
+        assert llm.limits == EngineLimits(max_input_len=64, max_seq_len=128, max_batch_size=8, max_num_tokens=128)
+        assert llm.limits.max_request_tokens == 128
+        llm.check("the cat", SamplingParams(max_tokens=100))
+        with pytest.raises(TrtllmRequestError, match="max_input_len 64"):
+            llm.check([2] * 65)
+    assert FakeExecutor.instances[0].requests == {}
 
 
 def test_requests_that_do_not_fit_the_engine_are_refused_before_the_executor(trtllm, engine_dir):

@@ -60,6 +60,7 @@ class ChatTemplate:
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         jinja_path = directory / "chat_template.jinja"
+        origin = jinja_path.name if jinja_path.is_file() else "chat_template in tokenizer_config.json"
         source = jinja_path.read_text() if jinja_path.is_file() else config.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -70,8 +71,7 @@ class ChatTemplate:
         try:
             return cls(source, special)
         except jinja2.TemplateSyntaxError as exc:
-            raise ChatTemplateError(f"{directory}: the chat template does not parse ({exc}): fix chat_template in "
-                                    f"tokenizer_config.json") from None
+            raise ChatTemplateError(f"{directory}: the chat template does not parse ({exc}): fix {origin}") from None
 
     @property
     def bos_token(self) -> str | None:

@@ -194,15 +194,15 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     """Handle POST /v1/chat/completions."""
     _check_model(model, req.model)
     if model.chat_template is None:
-        raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template in its "
-                       f"tokenizer_config.json: use /v1/completions", param="messages")
+        raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template (neither "
+                       f"chat_template.jinja nor tokenizer_config.json has one): use /v1/completions", param="messages")
     messages = [{"role": m.role, "content": m.content or "", **({"name": m.name} if m.name else {})}
                 for m in req.messages]
     try:
         text = model.chat_template.render(messages)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
-    prompt = model.encode_chat(text)
+    prompt = model.tokenize(text, "messages", add_special_tokens=False)  # the template writes BOS itself, as in HF
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
     jobs = _jobs(req, [prompt], [limit])

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import KilnError
-from runtime.llm import LLM
+from runtime.llm import LLM, EngineClosedError
 from runtime.outputs import StreamDelta
 from runtime.sampling_params import SamplingParams
 from runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from runtime.server.errors import APIError
 
 RETRY_AFTER_S = 1
-GREEDY_BELOW = 1e-5  # temperatures this small would overflow the logits; treat them as greedy, as vLLM does
 
 
 @dataclass
@@ -26,23 +24,6 @@ class Job:
 
     prompt_token_ids: list[int]
     params: SamplingParams
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask of this engine."""
-
-    max_input_len: int
-    max_seq_len: int
-    max_batch_size: int
-
-    @classmethod
-    def of(cls, llm: LLM) -> Limits:
-        plan = llm.engine.config.plan
-        block_manager = llm.engine.block_manager
-        pool_tokens = block_manager.num_blocks * block_manager.block_size
-        return cls(max_input_len=plan.max_input_len, max_seq_len=min(plan.max_seq_len, pool_tokens),
-                   max_batch_size=plan.max_batch_size)
 
 
 class Admission:
@@ -79,20 +60,20 @@ class ServedModel:
     def __init__(self, llm: LLM, name: str, engine_dir: Path, max_queue: int) -> None:
         self.llm = llm
         self.name = name
-        self.tokenizer = llm.engine.tokenizer
-        self.limits = Limits.of(llm)
+        self.tokenizer = llm.tokenizer
+        self.limits = llm.limits
         try:
             self.chat_template, self.chat_template_problem = ChatTemplate.from_dir(engine_dir), None
         except ChatTemplateError as exc:  # completions still work; chat requests say why they cannot
             self.chat_template, self.chat_template_problem = None, str(exc)
         self.admission = Admission(self.limits.max_batch_size + max_queue)
 
-    def tokenize(self, prompt: str | list[int], param: str) -> list[int]:
+    def tokenize(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt (or the ids as given), checked against the engine's input limit."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise APIError(400, "this engine has no tokenizer: send the prompt as token ids", param=param)
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
         if not ids:
@@ -102,25 +83,18 @@ class ServedModel:
                                 f"{self.limits.max_input_len} (max_input_len): shorten it", param=param)
         return ids
 
-    def encode_chat(self, text: str) -> list[int]:
-        """Token ids of a rendered chat prompt, without doubling a BOS that the template already wrote."""
-        ids = self.tokenize(text, "messages")
-        bos = self.chat_template.bos_token if self.chat_template else None
-        if bos and text.startswith(bos) and len(ids) > 1 and ids[0] == ids[1]:
-            ids = ids[1:]
-        return ids
-
     def max_tokens(self, prompt_len: int, requested: int | None, default: int | None, param: str) -> int:
         """`requested`, else `default`, else what is left of the context, checked against the engine's limit."""
-        room = self.limits.max_seq_len - prompt_len
+        context = self.limits.max_request_tokens
+        room = context - prompt_len
         if room < 1:
             raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room to generate in this engine's "
-                                f"{self.limits.max_seq_len}-token context: shorten it", param=param)
+                                f"{context}-token context: shorten it", param=param)
         if requested is None:
             return min(default, room) if default is not None else room
         if requested > room:
             raise APIError(400, f"'{param}' is {requested} but the prompt ({prompt_len} tokens) leaves room for at "
-                                f"most {room} in this engine's {self.limits.max_seq_len}-token context: lower "
+                                f"most {room} in this engine's {context}-token context: lower "
                                 f"{param} or shorten the prompt", param=param)
         return requested
 
@@ -128,7 +102,10 @@ class ServedModel:
         """Let the engine validate each job (token ids in its vocabulary, KV pool large enough) before any runs."""
         for job in jobs:
             try:
-                self.llm.engine.make_request(uuid.uuid4().hex, job.prompt_token_ids, job.params)
+                self.llm.check(job.prompt_token_ids, job.params)
+            except EngineClosedError as exc:  # not the request's fault: send it elsewhere
+                raise APIError(503, f"the engine is not serving ({exc}): retry against another replica",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
             except KilnError as exc:
                 raise APIError(400, str(exc), param=param) from None
 
@@ -161,11 +138,12 @@ class ServedModel:
 
 def sampling_params(*, temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
                     stop: list[str], max_tokens: int, ignore_eos: bool, index: int) -> SamplingParams:
-    """Runtime sampling parameters of choice `index` (a seeded request gives choice i the seed + i)."""
+    """Runtime sampling parameters of choice `index` (a seeded request gives choice i the seed + i, as an unsigned
+    64-bit seed: OpenAI's seed is signed, and -1 seeds what 2**64 - 1 does)."""
     temperature = 1.0 if temperature is None else temperature
-    if temperature < GREEDY_BELOW or top_p == 0:
+    if top_p == 0:
         temperature = 0.0
     if seed is not None:
-        seed = (seed + index + 2**63) % 2**64 - 2**63
+        seed = (seed + index) % 2**64
     return SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=top_k or 0,
                           max_tokens=max_tokens, seed=seed, stop=stop, ignore_eos=ignore_eos)
