@@ -13,10 +13,11 @@ from runtime.trtllm_adapter import trtllm_machine_fingerprint
 KEY_SCHEMA = 1
 
 
-def quantized_material(checkpoint_hash: str, recipe: QuantizeRecipe) -> dict:
-    """Key material of a quantized checkpoint: the input's content and the effective recipe, nothing else."""
+def quantized_material(checkpoint_hash: str, recipe: QuantizeRecipe, device: str, compute_dtype: str) -> dict:
+    """Key material of a quantized checkpoint: the input's content, the effective recipe, and where it is calibrated
+    (CPU float32 and GPU bf16 calibration give different bytes); build options never enter it."""
     return {"key_schema": KEY_SCHEMA, "kind": "quantized", "checkpoint": checkpoint_hash,
-            "recipe": recipe_material(recipe)}
+            "recipe": recipe_material(recipe), "calibration": {"device": device, "compute_dtype": compute_dtype}}
 
 
 def engine_material(checkpoint_hash: str, quantized_key: str | None, config: KilnConfig, choice: BackendChoice) -> dict:

@@ -61,12 +61,21 @@ class BuildContext:
     def config(self):
         return self.loaded.config
 
+    @property
+    def calibration_dtype(self) -> str:
+        """The compute dtype of calibration: float32 on CPU, the model dtype on a GPU."""
+        return "float32" if self.choice.device == "cpu" else self.config.model.dtype
+
+    def quantized_material(self) -> dict:
+        return quantized_material(self.checkpoint_hash, self.config.quantize, self.choice.device,
+                                  self.calibration_dtype)
+
     def compute_keys(self) -> None:
         """Fill in the quantized and engine keys from the inputs (needs the checkpoint hash)."""
         if self.checkpoint_hash is None:
             return
         if self.config.quantize.format != "none":
-            self.quantized_key = engine_key(quantized_material(self.checkpoint_hash, self.config.quantize))
+            self.quantized_key = engine_key(self.quantized_material())
         self.material = engine_material(self.checkpoint_hash, self.quantized_key, self.config, self.choice)
         self.engine_key = engine_key(self.material)
 
@@ -93,13 +102,12 @@ class QuantizeStage:
     def run(self, ctx: BuildContext, progress) -> None:
         from calibration.quantize import quantize_checkpoint
 
-        material = quantized_material(ctx.checkpoint_hash, ctx.config.quantize)
+        material = ctx.quantized_material()
         describe = {"model": ctx.model_dir.name, "format": ctx.config.quantize.format, "backend": "-", "gpu": "-"}
 
         def build(tmp: Path) -> dict:
             report = quantize_checkpoint(ctx.model_dir, ctx.config.quantize, tmp, device=ctx.choice.device,
-                                         dtype="float32" if ctx.choice.device == "cpu" else ctx.config.model.dtype,
-                                         progress=progress)
+                                         dtype=ctx.calibration_dtype, progress=progress)
             return {"calibration": _report_summary(report)}
 
         result = ctx.cache.quantized.get_or_build(ctx.quantized_key, material, build, force=ctx.force,

@@ -1,0 +1,96 @@
+"""Calibration and held-out samples: documents shuffled from a seed, tokenized, packed into rows of seq_len tokens.
+
+Each document is encoded with the model's tokenizer (its own special tokens) and followed by the end-of-sequence
+token; the stream is cut into rows of exactly seq_len tokens, so no padding or attention mask is needed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from calibration.errors import CalibrationError
+from calibration.recipe import QuantizeRecipe
+from calibration.sources import read_documents, resolve_source, source_sha256
+
+ENCODE_BATCH = 64
+
+
+@dataclass
+class CalibrationData:
+    """Token rows for calibration ([num_samples, seq_len]) and for the held-out checks ([heldout_samples, seq_len])."""
+
+    calibration: torch.Tensor
+    heldout: torch.Tensor
+    calibration_sha256: str
+    heldout_sha256: str
+
+    def rounds(self, round_samples: int) -> list[torch.Tensor]:
+        """The calibration rows split into rounds of round_samples (the last round may be shorter)."""
+        return list(self.calibration.split(round_samples))
+
+
+def load_calibration_data(recipe: QuantizeRecipe, tokenizer, dataset_root: Path | None = None) -> CalibrationData:
+    """Read, shuffle (seeded), tokenize and pack the recipe's calibration and held-out text."""
+    source = resolve_source(recipe.dataset, "calibration", dataset_root)
+    docs = _shuffled(read_documents(source, recipe.text_field), recipe.seed)
+    heldout_tokens = recipe.heldout_samples * recipe.seq_len
+    if recipe.heldout != "bundled" and recipe.heldout == recipe.dataset:
+        used = _docs_covering(list(reversed(docs)), tokenizer, heldout_tokens)
+        heldout_docs, docs = docs[len(docs) - used:], docs[: len(docs) - used]
+        heldout_label = f"{source.field} '{source.spec}' (held-out split)"
+    else:
+        heldout_source = resolve_source(recipe.heldout, "heldout", dataset_root)
+        heldout_docs = _shuffled(read_documents(heldout_source, recipe.text_field), recipe.seed)
+        heldout_label = f"{heldout_source.field} '{heldout_source.spec}'"
+    calibration = _pack(docs, tokenizer, recipe.seq_len, recipe.num_samples, f"{source.field} '{source.spec}'",
+                        "num_samples")
+    heldout = _pack(heldout_docs, tokenizer, recipe.seq_len, recipe.heldout_samples, heldout_label,
+                    "heldout_samples")
+    return CalibrationData(
+        calibration=calibration,
+        heldout=heldout,
+        calibration_sha256=source_sha256(recipe.dataset, "calibration", dataset_root),
+        heldout_sha256=source_sha256(recipe.heldout, "heldout", dataset_root),
+    )
+
+
+def _shuffled(docs: list[str], seed: int) -> list[str]:
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    return [docs[i] for i in order]
+
+
+def _encoded(docs: list[str], tokenizer) -> Iterator[list[int]]:
+    """Token ids of each document followed by the end-of-sequence token, encoded in batches."""
+    eos = tokenizer.eos_token_id
+    for start in range(0, len(docs), ENCODE_BATCH):
+        for ids in tokenizer(docs[start: start + ENCODE_BATCH], add_special_tokens=True, verbose=False)["input_ids"]:
+            yield ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+
+def _docs_covering(docs: list[str], tokenizer, tokens: int) -> int:
+    """How many leading documents it takes to hold `tokens` tokens (all of them if they never do)."""
+    total = 0
+    for count, ids in enumerate(_encoded(docs, tokenizer), 1):
+        total += len(ids)
+        if total >= tokens:
+            return count
+    return len(docs)
+
+
+def _pack(docs: list[str], tokenizer, seq_len: int, rows: int, label: str, budget: str) -> torch.Tensor:
+    """The first `rows` rows of seq_len tokens from the documents' concatenated token stream."""
+    stream: list[int] = []
+    for ids in _encoded(docs, tokenizer):
+        stream.extend(ids)
+        if len(stream) >= rows * seq_len:
+            return torch.tensor(stream[: rows * seq_len], dtype=torch.long).view(rows, seq_len)
+    raise CalibrationError(
+        f"{label} gives {len(stream) // seq_len} samples of {seq_len} tokens, fewer than quantize.{budget}="
+        f"{rows}; lower quantize.{budget} or quantize.seq_len, or add text"
+    )

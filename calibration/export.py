@@ -1,0 +1,109 @@
+"""Writing the checkpoint that ships: the Hugging Face unified checkpoint (native engine) and the TensorRT-LLM
+checkpoint (config.json + rank0.safetensors, trtllm backend), both through modelopt's exporters."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from calibration.errors import CalibrationError
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
+    from modelopt.torch.export.model_utils import get_model_type
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+
+
+def checkpoint_dtype(model_dir: Path) -> torch.dtype:
+    """The dtype the checkpoint was saved in (config.json `dtype` or `torch_dtype`), float32 when unstated."""
+    config = json.loads((model_dir / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, name)
+
+
+def copy_checkpoint(model_dir: Path, out: Path) -> None:
+    """Copy an unquantized checkpoint as it is: config, safetensors weights (and index), tokenizer files."""
+    out.mkdir(parents=True)
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and (path.name == "config.json" or path.name in TOKENIZER_FILES
+                               or path.name.endswith((".safetensors", ".safetensors.index.json"))):
+            shutil.copy2(path, out / path.name)
+
+
+def export_hf(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtype) -> None:
+    """modelopt's unified Hugging Face checkpoint plus the tokenizer files of the input checkpoint; the layers that
+    stay unquantized (embeddings, norms, lm_head) are stored in the checkpoint's own dtype, scales in float32."""
+    try:
+        export_hf_checkpoint(model, export_dir=out)
+    except Exception as exc:
+        raise CalibrationError(f"{model_dir}: modelopt cannot export the quantized model as a Hugging Face checkpoint "
+                               f"({type(exc).__name__}: {exc}); try another quantize.format") from exc
+    _store_unquantized_as(out, dtype)
+    copy_tokenizer_files(model_dir, out)
+
+
+def _store_unquantized_as(out: Path, dtype: torch.dtype) -> None:
+    """Rewrite float32 tensors that are not scales in `dtype`, and say so in config.json (and the shard index)."""
+    total = 0
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(path)
+        for name, tensor in tensors.items():
+            if tensor.dtype == torch.float32 and not name.endswith("scale"):
+                tensors[name] = tensor.to(dtype)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        save_file(tensors, path, metadata={"format": "pt"})
+    index_path = out / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        index.setdefault("metadata", {})["total_size"] = total
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def copy_tokenizer_files(model_dir: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, out / name)
+
+
+def export_trtllm(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtype) -> None:
+    """modelopt's TensorRT-LLM checkpoint (tensor parallel 1), with the rotary settings of the HF config filled in
+    (modelopt 0.47 misses them under transformers 5, where rope_theta moved into rope_parameters)."""
+    decoder = get_model_type(model)
+    if decoder is None:
+        raise CalibrationError(f"{model_dir}: modelopt has no TensorRT-LLM decoder type for {type(model).__name__}; "
+                               "use a Llama-family checkpoint")
+    try:
+        export_tensorrt_llm_checkpoint(model, decoder, dtype=dtype, export_dir=out, inference_tensor_parallel=1)
+    except Exception as exc:
+        raise CalibrationError(f"{model_dir}: modelopt cannot export a TensorRT-LLM checkpoint ({type(exc).__name__}: "
+                               f"{exc}); try another quantize.format") from exc
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(_rotary_settings(model.config))
+    config_path.write_text(json.dumps(config, indent=4) + "\n")
+
+
+def _rotary_settings(hf_config) -> dict:
+    """TensorRT-LLM's rotary_base / rotary_scaling from an HF config (transformers 4 or 5 layout)."""
+    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = rope.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    settings: dict = {"rotary_base": float(theta)}
+    kind = rope.pop("rope_type", None) or rope.pop("type", None)
+    if kind and kind != "default":
+        settings["rotary_scaling"] = {"type": kind, **rope}
+    return settings

@@ -1,0 +1,42 @@
+"""The accuracy gate: held-out perplexity increase, KL and top-1 agreement against thresholds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from calibration.metrics import HeldoutMetrics
+
+
+@dataclass(frozen=True)
+class GateResult:
+    passed: bool
+    metrics: HeldoutMetrics
+    thresholds: dict[str, float]
+    failures: list[str]
+
+    def as_dict(self) -> dict:
+        return {
+            "passed": self.passed,
+            "ppl_increase": self.metrics.ppl_increase,
+            "kl": self.metrics.kl,
+            "top1_agreement": self.metrics.top1_agreement,
+            "ppl": self.metrics.ppl,
+            "reference_ppl": self.metrics.reference_ppl,
+            "output_mae": self.metrics.output_mae,
+            "thresholds": dict(self.thresholds),
+            "failures": list(self.failures),
+        }
+
+
+def check_gate(metrics: HeldoutMetrics, thresholds: dict[str, float]) -> GateResult:
+    """Pass when the perplexity increase and KL are at most, and the top-1 agreement at least, their thresholds."""
+    failures = []
+    if metrics.ppl_increase > thresholds["max_ppl_increase"]:
+        failures.append(f"ppl +{metrics.ppl_increase:.2%} > max_ppl_increase {thresholds['max_ppl_increase']:.2%}")
+    if metrics.kl > thresholds["max_kl"]:
+        failures.append(f"KL {metrics.kl:.4g} > max_kl {thresholds['max_kl']:.4g}")
+    if metrics.top1_agreement < thresholds["min_top1_agreement"]:
+        failures.append(
+            f"top-1 {metrics.top1_agreement:.2%} < min_top1_agreement {thresholds['min_top1_agreement']:.2%}"
+        )
+    return GateResult(passed=not failures, metrics=metrics, thresholds=thresholds, failures=failures)

@@ -1,0 +1,122 @@
+"""The `quantize:` section of a Kiln config, and the key material that identifies a quantized checkpoint."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from calibration.sources import source_sha256
+
+Format = Literal["none", "fp8", "int4_awq"]
+
+# Per-format gate defaults, justified in docs/quantization.md: about two to three times the held-out damage that
+# goes with the published Llama-3.1-8B MMLU losses (FP8 1.5 %, INT4-AWQ 5.7 %), as perplexity increase, KL, top-1.
+GATE_DEFAULTS: dict[str, dict[str, float]] = {
+    "fp8": {"max_ppl_increase": 0.02, "max_kl": 0.02, "min_top1_agreement": 0.94},
+    "int4_awq": {"max_ppl_increase": 0.08, "max_kl": 0.08, "min_top1_agreement": 0.88},
+}
+
+# Bump when a change in calibration/ changes the bytes of a quantized checkpoint for the same inputs.
+MATERIAL_VERSION = 1
+
+
+class GateThresholds(BaseModel):
+    """Accuracy gate on held-out data; a field left out takes the default of the format being gated."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_ppl_increase: float | None = Field(None, ge=0, description="relative perplexity increase, 0.03 = 3 %")
+    max_kl: float | None = Field(None, ge=0, description="mean KL(reference || quantized) per token, nats")
+    min_top1_agreement: float | None = Field(None, ge=0, le=1, description="share of tokens with the same argmax")
+
+    def for_format(self, fmt: str) -> dict[str, float]:
+        """The thresholds that apply to `fmt` (explicit values win over the format's defaults)."""
+        resolved = dict(GATE_DEFAULTS[fmt])
+        resolved.update({k: v for k, v in self.model_dump().items() if v is not None})
+        return resolved
+
+
+class QuantizeRecipe(BaseModel):
+    """How to quantize, calibrate, gate and fall back. Defaults suit the tiny model on CPU and are sane for 8B."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Format = "none"
+    algorithm: Literal["awq_lite", "awq_clip", "awq_full"] = "awq_lite"
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    dataset: str = "bundled"
+    text_field: str = "text"
+    heldout: str = "bundled"
+    num_samples: int = Field(64, ge=1)
+    round_samples: int = Field(8, ge=1)
+    heldout_samples: int = Field(32, ge=1)
+    seq_len: int = Field(128, ge=2)
+    batch_size: int | Literal["auto"] = "auto"
+    seed: int = Field(0, ge=0)
+    tolerance: float = Field(0.1, gt=0)
+    patience: int = Field(2, ge=1)
+    on_failure: Literal["fail", "warn"] = "fail"
+    gate: GateThresholds = GateThresholds()
+    fallback: list[Format] = []
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> QuantizeRecipe:
+        if isinstance(self.batch_size, int) and self.batch_size < 1:
+            raise ValueError(f"quantize.batch_size ({self.batch_size}) must be a positive integer or 'auto'")
+        if self.round_samples > self.num_samples:
+            raise ValueError(
+                f"quantize.round_samples ({self.round_samples}) must not exceed quantize.num_samples "
+                f"({self.num_samples})"
+            )
+        if self.format in self.fallback:
+            raise ValueError(f"quantize.fallback must not contain the primary format '{self.format}'")
+        repeated = sorted({f for f in self.fallback if self.fallback.count(f) > 1})
+        if repeated:
+            raise ValueError(f"quantize.fallback repeats {', '.join(repeated)}; list each format once")
+        if "none" in self.chain[:-1]:
+            raise ValueError("quantize.fallback: 'none' always passes the gate, so it can only come last")
+        if self.format == "none" and self.kv_cache_dtype == "fp8":
+            raise ValueError("quantize.kv_cache_dtype 'fp8' needs quantize.format fp8 or int4_awq, not 'none'")
+        return self
+
+    @property
+    def chain(self) -> list[str]:
+        """The formats to try, in order: the primary format, then the fallback chain."""
+        return [self.format, *self.fallback]
+
+
+def recipe_material(recipe: QuantizeRecipe, dataset_root: Path | None = None) -> dict:
+    """The effective recipe as cache-key material: content hashes of the data instead of paths, versions included.
+
+    Options that cannot change the quantized checkpoint are left out, so a change to them never recalibrates.
+    """
+    material: dict = {"material_version": MATERIAL_VERSION, "format": recipe.format}
+    if recipe.format == "none":
+        return material
+    calibrated = [f for f in recipe.chain if f != "none"]
+    material.update(
+        {
+            "kv_cache_dtype": recipe.kv_cache_dtype,
+            "algorithm": recipe.algorithm if "int4_awq" in calibrated else None,
+            "dataset_sha256": source_sha256(recipe.dataset, "calibration", dataset_root),
+            "heldout_sha256": source_sha256(recipe.heldout, "heldout", dataset_root),
+            "heldout_split_from_dataset": recipe.heldout != "bundled" and recipe.heldout == recipe.dataset,
+            "text_field": recipe.text_field,
+            "num_samples": recipe.num_samples,
+            "round_samples": recipe.round_samples,
+            "heldout_samples": recipe.heldout_samples,
+            "seq_len": recipe.seq_len,
+            "batch_size": recipe.batch_size,
+            "seed": recipe.seed,
+            "tolerance": recipe.tolerance,
+            "patience": recipe.patience,
+            "on_failure": recipe.on_failure,
+            "gate": {f: recipe.gate.for_format(f) for f in calibrated},
+            "fallback": list(recipe.fallback),
+            "modelopt": version("nvidia-modelopt"),
+        }
+    )
+    return material

@@ -1,0 +1,154 @@
+"""Where calibration and held-out text comes from: the bundled set, local files or folders, a Hugging Face dataset.
+
+A source spec is "bundled", a path (a .txt, .jsonl or .parquet file, or a folder of them), or
+"hf:<name>[:<config>[:<split>]]" (the dataset repo's data files of that config folder and split, fetched into the
+Hugging Face cache). Parquet needs pyarrow. This module resolves a spec to files, reads their documents and hashes
+their bytes; it imports no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from calibration.errors import CalibrationError
+
+BUNDLED_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny"
+BUNDLED_FILES = {"calibration": "calibration.jsonl", "heldout": "heldout.jsonl"}
+TEXT_SUFFIXES = (".jsonl", ".txt", ".parquet")
+
+Role = Literal["calibration", "heldout"]
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """A resolved source: the config field it came from, the spec as written, and its files in reading order."""
+
+    field: str
+    spec: str
+    root: Path
+    files: tuple[Path, ...]
+
+
+def _field(role: Role) -> str:
+    return "quantize.dataset" if role == "calibration" else "quantize.heldout"
+
+
+def resolve_source(spec: str, role: Role, dataset_root: Path | None = None) -> TextSource:
+    """Resolve a spec to its text files; raise CalibrationError when there are none."""
+    field = _field(role)
+    if spec == "bundled":
+        path = BUNDLED_DIR / BUNDLED_FILES[role]
+        if not path.is_file():
+            raise CalibrationError(f"{field}: the bundled set {path} is missing; regenerate it with "
+                                   f"tools/train_tiny_llama.py --data-only or point {field} at your own text")
+        return TextSource(field, spec, path.parent, (path,))
+    path = _download_hf(spec, field) if spec.startswith("hf:") else Path(spec).expanduser()
+    if not path.is_absolute():
+        path = (dataset_root or Path.cwd()) / path
+    if not path.exists():
+        raise CalibrationError(f"{field}: {path} does not exist; point it at a .jsonl, .txt or .parquet file, a "
+                               "folder of them, 'hf:<name>' or 'bundled'")
+    if path.is_file():
+        return TextSource(field, spec, path.parent, (path,))
+    files = tuple(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES))
+    if not files:
+        raise CalibrationError(f"{field}: folder {path} holds no .jsonl, .txt or .parquet files; add text files or "
+                               f"point {field} at a file")
+    return TextSource(field, spec, path, files)
+
+
+def _download_hf(spec: str, field: str) -> Path:
+    """Fetch the data files of a Hugging Face dataset repo (its <config>/ folder, files starting with <split>)."""
+    from huggingface_hub import snapshot_download
+
+    name, _, rest = spec[len("hf:"):].partition(":")
+    config, _, split = rest.partition(":")
+    prefix = (f"{config}/" if config else "") + split
+    try:
+        local = snapshot_download(repo_id=name, repo_type="dataset",
+                                  allow_patterns=[f"{prefix}*{suffix}" for suffix in TEXT_SUFFIXES])
+    except Exception as exc:  # the hub raises many kinds: offline, not found, gated, network
+        raise CalibrationError(f"{field}: cannot fetch Hugging Face dataset '{name}' ({type(exc).__name__}); "
+                               "check the name and the network, or download it and give a local path") from exc
+    path = Path(local) / config if config else Path(local)
+    if not path.is_dir() or not any(p.suffix in TEXT_SUFFIXES for p in path.rglob("*")):
+        raise CalibrationError(f"{field}: Hugging Face dataset '{spec[3:]}' has no .jsonl, .txt or .parquet files "
+                               "there; check the config and split names")
+    return path
+
+
+def source_sha256(spec: str, role: Role, dataset_root: Path | None = None) -> str:
+    """sha256 over the bytes of the source's files (and, for a folder, their relative names, in reading order)."""
+    source = resolve_source(spec, role, dataset_root)
+    if len(source.files) == 1 and source.files[0].parent == source.root:
+        return _file_sha256(source.files[0])
+    digest = hashlib.sha256()
+    for path in source.files:
+        digest.update(f"{path.relative_to(source.root).as_posix()}\0{_file_sha256(path)}\n".encode())
+    return digest.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_documents(source: TextSource, text_field: str) -> list[str]:
+    """The non-empty documents of a source: one per JSONL line or parquet row, one per paragraph of .txt.
+    The bundled set always keeps its text in the field "text"."""
+    text_field = "text" if source.spec == "bundled" else text_field
+    docs: list[str] = []
+    for path in source.files:
+        if path.suffix == ".jsonl":
+            docs.extend(_read_jsonl(path, text_field, source.field))
+        elif path.suffix == ".parquet":
+            docs.extend(_read_parquet(path, text_field, source.field))
+        else:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            docs.extend(p.strip() for p in re.split(r"\n\s*\n", text) if p.strip())
+    if not docs:
+        names = ", ".join(str(p) for p in source.files[:3])
+        raise CalibrationError(f"{source.field}: {names} holds no text documents; add text or choose another source")
+    return docs
+
+
+def _read_jsonl(path: Path, text_field: str, field: str) -> list[str]:
+    docs = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CalibrationError(f"{field}: {path}:{number} is not valid JSON ({exc.msg}); fix or remove the "
+                                       "line") from exc
+            text = record.get(text_field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise CalibrationError(f"{field}: {path}:{number} has no string field '{text_field}'; set "
+                                       "quantize.text_field to the field that holds the text")
+            if text.strip():
+                docs.append(text)
+    return docs
+
+
+def _read_parquet(path: Path, text_field: str, field: str) -> list[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CalibrationError(f"{field}: {path} is parquet, which needs pyarrow; pip install pyarrow, or convert the "
+                               "data to JSONL") from None
+    schema = pq.read_schema(path)
+    if text_field not in schema.names:
+        raise CalibrationError(f"{field}: {path} has no column '{text_field}' (columns: {', '.join(schema.names)}); "
+                               "set quantize.text_field to the text column")
+    texts = pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
+    return [t for t in texts if isinstance(t, str) and t.strip()]

@@ -1,0 +1,105 @@
+"""The convergence monitor, and what a run does when the sample budget runs out before calibration settles."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from calibration import CalibrationError
+from calibration.convergence import ConvergenceMonitor, change
+from calibration.quantize import quantize_checkpoint
+from tests.calibration_factories import make_checkpoint, one_torch_thread, small_recipe
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "model")
+
+
+def test_monitor_converges_after_patience_rounds_under_tolerance():
+    monitor = ConvergenceMonitor(tolerance=0.05, patience=2)
+    rounds = [{"a": torch.tensor(1.0), "b": torch.tensor([1.0, 2.0])},
+              {"a": torch.tensor(1.5), "b": torch.tensor([1.0, 2.01])},
+              {"a": torch.tensor(1.52), "b": torch.tensor([1.0, 2.01])},
+              {"a": torch.tensor(1.53), "b": torch.tensor([1.0, 2.01])}]
+    assert monitor.observe(rounds[0]) == (None, None)
+    assert monitor.unsettled() == [("a", None), ("b", None)]  # nothing measured yet
+    assert monitor.observe(rounds[1]) == (pytest.approx(0.5), "a")
+    assert not monitor.converged and monitor.unsettled() == [("a", pytest.approx(0.5))]
+    monitor.observe(rounds[2])
+    assert not monitor.converged and monitor.unsettled() == [("a", pytest.approx(0.5))]
+    monitor.observe(rounds[3])
+    assert monitor.converged and monitor.unsettled() == []
+
+
+def test_alpha_flip_between_near_equal_search_losses_is_a_small_change():
+    previous = torch.tensor([3.0, 1.000, 1.001, 5.0])  # alpha 1 chosen
+    near_tie = torch.tensor([3.0, 1.002, 1.000, 5.0])  # alpha 2 chosen now, alpha 1 only 0.2 % worse
+    moved = torch.tensor([3.0, 2.000, 1.000, 5.0])  # alpha 1 is now twice as bad
+    assert change("x.awq_lite.search_loss", previous, near_tie) == pytest.approx(0.002, rel=1e-4)
+    assert change("x.awq_lite.search_loss", previous, moved) == pytest.approx(1.0)
+    assert change("x.input_quantizer", torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.5])) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
+def test_budget_too_small_fails_naming_unsettled_quantizers_and_writes_nothing(checkpoint, tmp_path, fmt):
+    recipe = small_recipe(format=fmt, num_samples=8, round_samples=4, tolerance=1e-6, patience=2)
+    with pytest.raises(CalibrationError) as failure:
+        quantize_checkpoint(checkpoint, recipe, tmp_path)
+    message = str(failure.value)
+    assert "did not converge within quantize.num_samples=8 (2 rounds of 4" in message
+    assert "model.layers." in message and "recent change" in message and "on_failure: warn" in message
+    assert "\n" not in message and failure.value.exit_code == 4
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_too_few_rounds_for_the_patience_is_named_even_when_nothing_moves(checkpoint, tmp_path):
+    recipe = small_recipe(format="fp8", num_samples=8, round_samples=4, tolerance=10.0, patience=2)
+    with pytest.raises(CalibrationError, match=r"every statistic is under the tolerance, but not yet for 2 rounds "
+                                               r"\(patience 2 needs at least 3 rounds\)"):
+        quantize_checkpoint(checkpoint, recipe, tmp_path / "out")
+
+
+def test_on_failure_warn_ships_and_says_not_converged(checkpoint, tmp_path):
+    recipe = small_recipe(format="fp8", num_samples=8, round_samples=4, tolerance=1e-6, patience=2,
+                          on_failure="warn")
+    report = quantize_checkpoint(checkpoint, recipe, tmp_path)
+    assert report["converged"] is False and report["verdict"] == "not converged"
+    assert "not converged" in report["summary"] and report["format"] == "fp8"
+    assert report["unsettled"] and all(u["statistic"].startswith(("model.layers.", "heldout.kl"))
+                                       for u in report["unsettled"])
+    assert json.loads((tmp_path / "calibration_report.json").read_text())["converged"] is False
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_fp8_rounds_accumulate_to_the_same_amax_as_one_pass(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    import calibration.modelopt_quantize as mq
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    rows = torch.randint(0, model.config.vocab_size, (6, 16), generator=torch.Generator().manual_seed(0))
+    config = mq.quant_config("fp8", "awq_lite", "auto")
+
+    def forward(m, r):
+        with torch.no_grad():
+            m(input_ids=r)
+
+    rounds = mq.MaxRounds(model, config)
+    with mq.quiet([]):
+        for k in range(3):
+            _, by_rounds = rounds.calibrate(list(rows.split(2)), k, forward)
+        at_once = copy.deepcopy(model)
+        mq.mtq.quantize(at_once, config, lambda m: forward(m, rows))
+    one_pass = mq.amax_snapshot(at_once)
+    assert by_rounds.keys() == one_pass.keys() and len(one_pass) > 10
+    assert all(torch.equal(by_rounds[name], one_pass[name]) for name in one_pass)

@@ -1,0 +1,93 @@
+"""Calibration data: sources, seeded sampling, the held-out split, and clear errors for bad data."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from calibration import CalibrationError, QuantizeRecipe
+from calibration.datasets import load_calibration_data
+from calibration.sources import read_documents, resolve_source
+from tests.calibration_factories import corpus, write_jsonl, write_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def recipe(dataset, heldout=None, **fields) -> QuantizeRecipe:
+    values = {"format": "fp8", "dataset": str(dataset), "heldout": str(heldout or dataset), "seq_len": 16,
+              "num_samples": 8, "round_samples": 4, "heldout_samples": 2}
+    return QuantizeRecipe(**(values | fields))
+
+
+def test_same_seed_gives_the_same_samples_and_another_seed_others(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "c.jsonl", corpus(60))
+    first = load_calibration_data(recipe(data, "bundled"), tokenizer)
+    again = load_calibration_data(recipe(data, "bundled"), tokenizer)
+    other = load_calibration_data(recipe(data, "bundled", seed=1), tokenizer)
+    assert first.calibration.shape == (8, 16) and first.heldout.shape == (2, 16)
+    assert torch.equal(first.calibration, again.calibration) and torch.equal(first.heldout, again.heldout)
+    assert not torch.equal(first.calibration, other.calibration)
+    assert [len(r) for r in first.rounds(3)] == [3, 3, 2]
+
+
+def test_heldout_split_from_the_dataset_never_shares_a_document(tmp_path, tokenizer):
+    docs = [f"document number {i} says " + " ".join(["hello world"] * 12) for i in range(40)]
+    data = write_jsonl(tmp_path / "c.jsonl", docs)
+    split = load_calibration_data(recipe(data, heldout_samples=4), tokenizer)
+
+    def numbers(rows):
+        return {int(n) for row in rows for n in re.findall(r"number (\d+)", tokenizer.decode(row))}
+
+    assert numbers(split.heldout) and numbers(split.calibration)
+    assert not numbers(split.heldout) & numbers(split.calibration)
+
+
+def test_folders_and_text_files_are_read_in_sorted_order_by_paragraph(tmp_path):
+    (tmp_path / "b.txt").write_text("second file first paragraph\n\nsecond paragraph\n")
+    write_jsonl(tmp_path / "a.jsonl", ["from jsonl"])
+    (tmp_path / "ignored.csv").write_text("x,y\n")
+    docs = read_documents(resolve_source(str(tmp_path), "calibration"), "text")
+    assert docs == ["from jsonl", "second file first paragraph", "second paragraph"]
+
+
+def test_missing_dataset_is_named_with_a_fix(tmp_path, tokenizer):
+    with pytest.raises(CalibrationError, match=r"quantize.dataset: .*missing.jsonl does not exist; point it"):
+        load_calibration_data(recipe(tmp_path / "missing.jsonl"), tokenizer)
+
+
+def test_empty_dataset_is_rejected(tmp_path, tokenizer):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(CalibrationError, match="holds no text documents"):
+        load_calibration_data(recipe(tmp_path / "empty.jsonl"), tokenizer)
+
+
+def test_dataset_smaller_than_the_budget_says_how_many_samples_it_gives(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "small.jsonl", corpus(2))
+    with pytest.raises(CalibrationError, match=r"gives \d+ samples of 16 tokens, fewer than quantize.num_samples=500"):
+        load_calibration_data(recipe(data, "bundled", num_samples=500), tokenizer)
+
+
+def test_jsonl_without_the_text_field_points_at_text_field(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "c.jsonl", corpus(5), field="article")
+    with pytest.raises(CalibrationError, match=r"c.jsonl:1 has no string field 'text'; set quantize.text_field"):
+        load_calibration_data(recipe(data), tokenizer)
+    assert load_calibration_data(recipe(data, "bundled", text_field="article", num_samples=2, round_samples=2),
+                                 tokenizer).calibration.shape == (2, 16)
+
+
+def test_unreachable_hub_dataset_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CalibrationError, match="cannot fetch Hugging Face dataset 'nobody/nothing'"):
+        resolve_source("hf:nobody/nothing:cfg", "calibration")

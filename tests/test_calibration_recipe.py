@@ -1,0 +1,76 @@
+"""The `quantize:` recipe: defaults, validation messages that name the field, and cache-key material."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from pydantic import ValidationError
+
+from calibration import QuantizeRecipe, recipe_material
+from calibration.recipe import GATE_DEFAULTS
+from tests.calibration_factories import corpus, write_jsonl
+
+
+def test_recipe_needs_no_fields_and_defaults_to_no_quantization():
+    recipe = QuantizeRecipe()
+    assert recipe.format == "none" and recipe.on_failure == "fail" and recipe.fallback == []
+    assert recipe.round_samples <= recipe.num_samples and recipe.patience >= 1
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"round_samples": 64, "num_samples": 32}, "quantize.round_samples"),
+    ({"patience": 0}, "patience"),
+    ({"num_samples": -1}, "num_samples"),
+    ({"tolerance": 0}, "tolerance"),
+    ({"batch_size": 0}, "quantize.batch_size"),
+    ({"format": "fp8", "fallback": ["fp8"]}, "primary format"),
+    ({"format": "int4_awq", "fallback": ["fp8", "fp8"]}, "repeats fp8"),
+    ({"format": "int4_awq", "fallback": ["none", "fp8"]}, "only come last"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"gate": {"min_top1_agreement": 1.5}}, "min_top1_agreement"),
+    ({"gate": {"max_kl": -0.1}}, "max_kl"),
+    ({"rounds": 3}, "rounds"),
+])
+def test_impossible_values_are_rejected_naming_the_field(fields, named):
+    with pytest.raises(ValidationError, match=named):
+        QuantizeRecipe(**fields)
+
+
+def test_gate_thresholds_default_per_format_and_explicit_values_win():
+    gate = QuantizeRecipe(format="int4_awq", gate={"max_kl": 0.5}).gate
+    assert gate.for_format("fp8") == {**GATE_DEFAULTS["fp8"], "max_kl": 0.5}
+    assert gate.for_format("int4_awq")["max_ppl_increase"] == GATE_DEFAULTS["int4_awq"]["max_ppl_increase"]
+    assert GATE_DEFAULTS["fp8"]["max_ppl_increase"] < GATE_DEFAULTS["int4_awq"]["max_ppl_increase"]
+
+
+def test_material_holds_content_hashes_not_paths(tmp_path):
+    data = write_jsonl(tmp_path / "a" / "calib.jsonl", corpus(20))
+    material = recipe_material(QuantizeRecipe(format="fp8", dataset=str(data)))
+    assert str(tmp_path) not in repr(material)
+    assert len(material["dataset_sha256"]) == 64 and material["modelopt"]
+
+    moved = tmp_path / "b" / "renamed.jsonl"
+    moved.parent.mkdir()
+    shutil.copy(data, moved)
+    assert recipe_material(QuantizeRecipe(format="fp8", dataset=str(moved))) == material
+
+    write_jsonl(moved, corpus(21))
+    changed = recipe_material(QuantizeRecipe(format="fp8", dataset=str(moved)))
+    assert changed["dataset_sha256"] != material["dataset_sha256"]
+
+
+def test_material_changes_with_what_changes_the_checkpoint_only(tmp_path):
+    base = recipe_material(QuantizeRecipe(format="int4_awq"))
+    assert recipe_material(QuantizeRecipe(format="int4_awq", seed=1)) != base
+    assert recipe_material(QuantizeRecipe(format="int4_awq", algorithm="awq_clip")) != base
+    assert recipe_material(QuantizeRecipe(format="fp8", algorithm="awq_clip")) == recipe_material(
+        QuantizeRecipe(format="fp8"))
+    assert recipe_material(QuantizeRecipe(format="none", dataset="/nowhere")) == {"material_version": 1,
+                                                                                 "format": "none"}
+
+
+def test_relative_dataset_paths_resolve_against_the_dataset_root(tmp_path):
+    write_jsonl(tmp_path / "calib.jsonl", corpus(5))
+    material = recipe_material(QuantizeRecipe(format="fp8", dataset="calib.jsonl"), dataset_root=tmp_path)
+    assert len(material["dataset_sha256"]) == 64
