@@ -34,36 +34,41 @@ def build(config: str) -> dict:
     return runner.run(ctx, runner.decide(ctx))
 
 
-def reference(prompts: list[str], tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """transformers' eager bf16 greedy tokens and last-position prompt logits on the GPU."""
+def reference(prompts: list[str], tokens: int) -> tuple[list[list[int]], dict[str, list[torch.Tensor]]]:
+    """transformers' eager greedy tokens (bf16) and prompt logits at every position (bf16 and float32), on the GPU."""
     tokenizer = AutoTokenizer.from_pretrained(TINY)
-    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
-    outs, logits = [], []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids.cuda()
-            logits.append(model(ids).logits[0, -1].float().cpu())
-            gen = model.generate(ids, max_new_tokens=tokens, do_sample=False, eos_token_id=None,
-                                 pad_token_id=tokenizer.pad_token_id)
-            outs.append(gen[0, ids.shape[1]:].tolist())
+    outs, logits = [], {"bfloat16": [], "float32": []}
+    for dtype in (torch.bfloat16, torch.float32):
+        model = AutoModelForCausalLM.from_pretrained(TINY, dtype=dtype, attn_implementation="eager").cuda().eval()
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = tokenizer(prompt, return_tensors="pt").input_ids.cuda()
+                logits[str(dtype).removeprefix("torch.")].append(model(ids).logits[0].float().cpu())
+                if dtype == torch.bfloat16:
+                    gen = model.generate(ids, max_new_tokens=tokens, do_sample=False, eos_token_id=None,
+                                         pad_token_id=tokenizer.pad_token_id)
+                    outs.append(gen[0, ids.shape[1]:].tolist())
     return outs, logits
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).norm() / ref.norm())
 
 
 @torch.inference_mode()
 def engine_logits(llm: LLM, prompt: str) -> torch.Tensor:
-    """The engine model's last-position logits for a prompt: one prefill into a scratch KV cache."""
-    engine = llm.engine
-    runner_ = engine.model_runner
-    ids = engine.tokenizer.encode(prompt)
+    """The engine model's logits at every prompt position: one prefill into a scratch KV cache."""
+    runner_ = llm.engine.model_runner
+    ids = llm.tokenizer.encode(prompt)
     blocks = -(-len(ids) // runner_.block_size)
     kv = allocate_kv_cache(runner_.config, blocks, runner_.device)
     meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], runner_.block_size, runner_.device)
     device = runner_.device
     hidden = runner_.model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), meta, kv)
-    return runner_.model.compute_logits(hidden[-1:])[0].float().cpu()
+    return runner_.model.compute_logits(hidden).float().cpu()
 
 
-def check(config: str, tokens: int, ref_tokens: list[list[int]], ref_logits: list[torch.Tensor]) -> dict:
+def check(config: str, tokens: int, ref_tokens: list[list[int]], ref_logits: dict[str, list[torch.Tensor]]) -> dict:
     first = build(config)
     second = build(config)
     llm = LLM.load(first["engine_dir"], device="cuda")
@@ -73,8 +78,10 @@ def check(config: str, tokens: int, ref_tokens: list[list[int]], ref_logits: lis
         outs = llm.generate(PROMPTS, params)
         seconds = time.perf_counter() - start
         same = [o.token_ids[:tokens] == r[:tokens] for o, r in zip(outs, ref_tokens, strict=True)]
-        rel = [float((engine_logits(llm, p) - ref).norm() / ref.norm())
-               for p, ref in zip(PROMPTS, ref_logits, strict=True)]
+        ours = [engine_logits(llm, p) for p in PROMPTS]
+        rel = {name: [rel_err(o, r) for o, r in zip(ours, refs, strict=True)] for name, refs in ref_logits.items()}
+        rel["transformers_bf16_vs_float32"] = [rel_err(b, f) for b, f in
+                                               zip(ref_logits["bfloat16"], ref_logits["float32"], strict=True)]
     finally:
         llm.close()
     return {"config": config, "identical_greedy": same, "logits_rel_err": rel,
@@ -94,10 +101,13 @@ def main() -> None:
                "checks": [check(c, args.tokens, ref_tokens, ref_logits)
                           for c in ("configs/tiny-llama-bf16.yaml", "configs/tiny-llama-fp8.yaml")]}
     args.out.write_text(json.dumps(results, indent=2))
-    print(f"{'config':34} {'greedy==hf':>10} {'max rel err':>11} {'load cold/cached ms':>20}")
+    print("logits relative error (max over prompts, all positions): engine vs transformers bf16 / float32, and "
+          "transformers bf16 vs float32")
+    print(f"{'config':30} {'greedy==hf':>10} {'vs bf16':>9} {'vs fp32':>9} {'hf bf16':>9} {'load cold/cached ms':>20}")
     for c in results["checks"]:
-        rel = max(c["logits_rel_err"])
-        print(f"{c['config']:34} {sum(c['identical_greedy'])}/{len(PROMPTS):>8} {rel:11.2e} "
+        rel = {k: max(v) for k, v in c["logits_rel_err"].items()}
+        print(f"{c['config']:30} {sum(c['identical_greedy'])}/{len(PROMPTS):>8} {rel['bfloat16']:9.2e} "
+              f"{rel['float32']:9.2e} {rel['transformers_bf16_vs_float32']:9.2e} "
               f"{c['load_ms_cold']:9.1f}/{c['load_ms_cached']:.1f}")
 
 
