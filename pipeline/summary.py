@@ -36,13 +36,13 @@ def print_result(result: dict) -> None:
         fallback = f" (fell back from {quant['fallback_from']})" if quant.get("fallback_from") else ""
         stdout.print(
             f"quantize  {shipped}{fallback}: {verdict}; gate {gate_text}: "
-            f"ppl +{_fmt(_pct(gate.get('ppl_increase')), '.2f')}%, KL {_fmt(gate.get('kl'), '.4f')}, "
+            f"ppl {_fmt(_pct(gate.get('ppl_increase')), '+.2f')}%, KL {_fmt(gate.get('kl'), '.2g')}, "
             f"top-1 {_fmt(_pct(gate.get('top1_agreement')), '.1f')}%",
             highlight=False,
         )
     cache = result["cache"]
     hit = "[green]hit[/]" if cache["hit"] else f"[yellow]miss[/] ({cache['reason']})"
-    saved = f", {result['build_seconds']:.1f} s of build saved" if cache["hit"] and result.get("build_seconds") else ""
+    saved = f", {result['build_seconds']:.2f} s of build saved" if cache["hit"] and result.get("build_seconds") else ""
     stdout.print(f"cache     {hit}{saved}")
     stdout.print(f"engine    {result['engine_dir']}", highlight=False)
     stdout.print(f"load      {_fmt(result['load_ms'], '.1f')} ms")
@@ -75,7 +75,7 @@ def print_quantize(result: dict) -> None:
     gate = result.get("gate")
     if gate:
         stdout.print(f"gate      {'passed' if gate.get('passed') else 'FAILED'}: ppl "
-                     f"+{_fmt(_pct(gate.get('ppl_increase')), '.2f')}%, KL {_fmt(gate.get('kl'), '.4f')}, "
+                     f"{_fmt(_pct(gate.get('ppl_increase')), '+.2f')}%, KL {_fmt(gate.get('kl'), '.2g')}, "
                      f"top-1 {_fmt(_pct(gate.get('top1_agreement')), '.1f')}%", highlight=False)
     stdout.print(f"checkpoint {result['checkpoint_dir']} (content hash {result['checkpoint_hash'][:16]}…)",
                  highlight=False)
