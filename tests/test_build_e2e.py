@@ -124,3 +124,22 @@ def test_config_errors_exit_non_zero_without_traceback(tmp_path):
     missing = kiln("build", "no-such-config.yaml", cache=tmp_path / "cache")
     assert missing.returncode == 2 and "config file not found" in missing.stderr
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
+def test_four_builds_started_together_build_once_and_three_hit(tmp_path):
+    cache = tmp_path / "cache"
+    environment = {**os.environ, "KILN_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-m", "pipeline", "build", "configs/tiny-llama-fp8.yaml", "--json"],
+                              cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out))
+    assert sorted(r["cache"]["hit"] for r in results) == [False, True, True, True]
+    assert len({r["engine_key"] for r in results}) == 1 and len({r["engine_dir"] for r in results}) == 1
+    stats = json.loads(kiln("cache", "stats", "--json", cache=cache).stdout)
+    assert (stats["lookups"], stats["hits"], stats["misses"], stats["entries"]) == (4, 3, 1, 2)
+    assert stats["load_ms"]["count"] == 4

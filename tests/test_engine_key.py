@@ -1,0 +1,89 @@
+"""The engine key changes with everything that changes the engine, and with nothing else."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline import key_material, runner
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "models" / "tiny-llama"
+
+BASE = """model:
+  path: {model}
+  dtype: bfloat16
+quantize:
+  format: fp8
+build:
+  max_seq_len: 512
+  max_input_len: 256
+  log_level: info
+  workers: 1
+cache:
+  dir: {cache}
+"""
+
+
+@pytest.fixture
+def model_copy(tmp_path) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(TINY, model)
+    return model
+
+
+def engine_key(tmp_path: Path, model: Path, *, edit=lambda text: text, name: str = "kiln.yaml") -> str:
+    config = tmp_path / name
+    config.write_text(edit(BASE.format(model=model, cache=tmp_path / "cache")))
+    key = runner.prepare(config, backend="native", force=False, dry_run=True).engine_key
+    assert key is not None and len(key) == 64
+    return key
+
+
+def test_same_inputs_give_the_same_key(tmp_path, model_copy):
+    assert engine_key(tmp_path, model_copy) == engine_key(tmp_path, model_copy)
+
+
+def test_key_changes_when_one_weight_byte_changes(tmp_path, model_copy):
+    before = engine_key(tmp_path, model_copy)
+    weights = model_copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert engine_key(tmp_path, model_copy) != before
+
+
+@pytest.mark.parametrize("old,new", [
+    ("format: fp8", "format: int4_awq"),        # the recipe's format
+    ("format: fp8", "format: fp8\n  seed: 7"),  # the recipe's seed
+    ("dtype: bfloat16", "dtype: float16"),      # the model dtype
+    ("max_seq_len: 512", "max_seq_len: 1024"),  # a semantic build option
+])
+def test_key_changes_with_recipe_and_semantic_build_options(tmp_path, model_copy, old, new):
+    assert engine_key(tmp_path, model_copy) != engine_key(tmp_path, model_copy, edit=lambda t: t.replace(old, new))
+
+
+@pytest.mark.parametrize("old,new", [
+    ("log_level: info", "log_level: debug"),
+    ("workers: 1", "workers: 8"),
+    ("cache:\n  dir: ", "cache:\n  max_entries: 3\n  dir: "),
+])
+def test_key_ignores_log_level_workers_and_cache_settings(tmp_path, model_copy, old, new):
+    assert engine_key(tmp_path, model_copy) == engine_key(tmp_path, model_copy, edit=lambda t: t.replace(old, new))
+
+
+def test_key_ignores_where_the_checkpoint_and_config_live(tmp_path, model_copy):
+    moved = tmp_path / "elsewhere" / "model"
+    shutil.copytree(model_copy, moved)
+    assert engine_key(tmp_path, model_copy) == engine_key(tmp_path, moved, name="other-name.yaml")
+
+
+@pytest.mark.parametrize("field,value", [("torch", "9.9"), ("triton", "9.9.9"), ("gpu_name", "NVIDIA H200"),
+                                         ("compute_capability", "9.0")])
+def test_key_changes_with_toolchain_and_gpu(tmp_path, model_copy, monkeypatch, field, value):
+    before = engine_key(tmp_path, model_copy)
+    real = key_material.machine_fingerprint
+    monkeypatch.setattr(key_material, "machine_fingerprint", lambda device: {**real(device), field: value})
+    assert engine_key(tmp_path, model_copy) != before
