@@ -4,6 +4,7 @@ clients that disconnect, and /metrics."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -155,7 +156,14 @@ def test_200_concurrent_streams_all_complete_and_free_every_block(server, llm):
     wait_until(lambda: engine_idle(llm))
 
 
-def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks(server, llm):
+def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks(server, llm, monkeypatch):
+    step = llm.engine.step
+
+    def slow_step():  # 180 tokens take over a second, so the request is surely still running at the disconnect
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
     aborted_before = llm.stats()["requests_finished"]["abort"]
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 180, "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/completions",
