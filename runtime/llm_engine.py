@@ -15,7 +15,7 @@ from runtime.errors import KilnError
 from runtime.fingerprint import check_fingerprint, machine_fingerprint
 from runtime.limits import EngineLimits
 from runtime.model_runner import ModelRunner
-from runtime.outputs import RequestMetrics, RequestOutput, StreamDelta
+from runtime.outputs import StreamDelta, step_delta
 from runtime.sampler import SamplingError
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -157,15 +157,10 @@ class LLMEngine:
 
     def _emit(self, seq: Sequence, new_token_ids: list[int]) -> StreamDelta:
         _, detokenizer = self._requests[seq.request_id]
-        finished = seq.is_finished
-        delta = StreamDelta(seq.request_id, detokenizer.take_delta(finished) if detokenizer else "", new_token_ids,
-                            finished, seq.finish_reason)
-        if finished:
+        if seq.is_finished:
             del self._requests[seq.request_id]
             self.stats.record_finished(seq)
-            delta.output = RequestOutput(seq.request_id, seq.prompt_token_ids, detokenizer.text if detokenizer else "",
-                                         seq.completion_token_ids, seq.finish_reason, RequestMetrics.from_sequence(seq))
-        return delta
+        return step_delta(seq, detokenizer, new_token_ids)
 
     def _record_step(self, out: SchedulerOutput, num_sampled: int, duration_s: float) -> None:
         bm = self.block_manager

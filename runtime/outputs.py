@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from runtime.sequence import Sequence
+from runtime.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -59,3 +60,14 @@ class StreamDelta:
     finished: bool = False
     finish_reason: str | None = None
     output: RequestOutput | None = None
+
+
+def step_delta(seq: Sequence, detokenizer: IncrementalDetokenizer | None, new_token_ids: list[int]) -> StreamDelta:
+    """The delta one step emits for ``seq``; once it has finished, with the whole RequestOutput attached."""
+    finished = seq.is_finished
+    delta = StreamDelta(seq.request_id, detokenizer.take_delta(finished) if detokenizer else "", new_token_ids,
+                        finished, seq.finish_reason)
+    if finished:
+        delta.output = RequestOutput(seq.request_id, seq.prompt_token_ids, detokenizer.text if detokenizer else "",
+                                     seq.completion_token_ids, seq.finish_reason, RequestMetrics.from_sequence(seq))
+    return delta

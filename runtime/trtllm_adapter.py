@@ -21,7 +21,7 @@ from typing import Any
 
 from runtime.errors import EngineFormatError, FingerprintMismatchError, KilnError
 from runtime.limits import EngineLimits
-from runtime.outputs import RequestMetrics, RequestOutput, StreamDelta
+from runtime.outputs import StreamDelta, step_delta
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
 from runtime.stats import EngineStats
@@ -292,16 +292,11 @@ class TrtllmEngine:
         return self._emit(state, new_tokens)
 
     def _emit(self, state: _Request, new_tokens: list[int]) -> StreamDelta:
-        seq, detokenizer = state.seq, state.detokenizer
-        finished = seq.is_finished
-        delta = StreamDelta(seq.request_id, detokenizer.take_delta(finished) if detokenizer else "", new_tokens,
-                            finished, seq.finish_reason)
-        if finished:
+        seq = state.seq
+        if seq.is_finished:
             del self._requests[seq.request_id]
             self.stats.record_finished(seq)
-            delta.output = RequestOutput(seq.request_id, seq.prompt_token_ids, detokenizer.text if detokenizer else "",
-                                         seq.completion_token_ids, seq.finish_reason, RequestMetrics.from_sequence(seq))
-        return delta
+        return step_delta(seq, state.detokenizer, new_tokens)
 
     def stats_snapshot(self) -> dict:
         """Request counters and latency summaries; the executor's own statistics stay in TensorRT-LLM."""

@@ -6,7 +6,6 @@ import random
 import threading
 
 import pytest
-import torch
 
 from engines.native_builder import build_native_engine
 from runtime import LLM, SamplingParams
@@ -16,12 +15,7 @@ from tests.model_factories import make_llama_checkpoint, tiny_plan
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_prompts(count: int, seed: int, min_len: int = 2, max_len: int = 40) -> list[list[int]]:

@@ -20,12 +20,7 @@ PROMPT = [5, 17, 33, 8, 61, 12]
 TINY_LLAMA = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
