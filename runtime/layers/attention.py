@@ -2,9 +2,13 @@
 
 ``paged_attention_reference`` is the plain PyTorch implementation (the CPU path and the oracle for GPU kernels).
 Caches are [num_blocks, block_size, num_kv_heads, head_dim]; an FP8 cache holds ``x / scale`` in float8_e4m3fn.
+On a CUDA device, ``KILN_ATTENTION_BACKEND=triton`` switches to the Triton kernels of ``runtime.kernels`` (opt-in
+until they are verified on a GPU); the default is this reference.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +17,12 @@ from torch import nn
 from runtime.attention_metadata import AttentionMetadata
 from runtime.kv_cache import KVCache
 from runtime.layers.linear import fp8_quantize
+
+ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKEND = os.environ.get("KILN_ATTENTION_BACKEND", "torch")
+if ATTENTION_BACKEND not in ATTENTION_BACKENDS:
+    raise ValueError(f"KILN_ATTENTION_BACKEND={ATTENTION_BACKEND!r} is not one of {', '.join(ATTENTION_BACKENDS)}; "
+                     "unset it for the default (torch)")
 
 
 class PagedAttention(nn.Module):
@@ -29,6 +39,11 @@ class PagedAttention(nn.Module):
                 kv_cache: KVCache) -> torch.Tensor:
         """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
         k_cache, v_cache = kv_cache
+        if ATTENTION_BACKEND == "triton" and q.is_cuda:
+            from runtime.kernels import kv_store, paged_attention  # imports triton: only on this path
+
+            kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            return paged_attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
 

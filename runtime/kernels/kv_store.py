@@ -1,0 +1,69 @@
+"""Store the new tokens' K/V into the paged caches: the Triton twin of ``runtime.layers.attention.store_kv``.
+
+One program per token writes its K and V rows at ``slot_mapping[t]`` (flat slot = block * block_size + offset); a
+negative slot is a padding token and writes nothing. An FP8 cache gets ``fp8_e4m3(clamp(x / scale, ±448))``,
+rounded to nearest-even exactly as torch does, so the stored bytes equal the reference's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def round_to_e4m3(y):
+    """Round float32 ``y`` (|y| <= 448) to the nearest float8_e4m3fn value, ties to even, staying in float32.
+
+    Done in float32 arithmetic so that the final cast is exact: triton's interpreter rounds some ties wrongly.
+    """
+    exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp_exponent = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; below 2**-6 the subnormal step is 2**-9
+    ulp = ((ulp_exponent + 127) << 23).to(tl.float32, bitcast=True)
+    inverse_ulp = ((127 - ulp_exponent) << 23).to(tl.float32, bitcast=True)  # powers of two: both products exact
+    magic = 12582912.0  # 1.5 * 2**23: adding and removing it rounds |t| < 2**22 to an integer, ties to even
+    return ((y * inverse_ulp + magic) - magic) * ulp
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
+                     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_c_slot, stride_c_head,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr, FP8: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    k = tl.load(k_ptr + token * stride_k_tok + heads * stride_k_head + dims, mask=mask)
+    v = tl.load(v_ptr + token * stride_v_tok + heads * stride_v_head + dims, mask=mask)
+    cache_offs = slot * stride_c_slot + heads * stride_c_head + dims
+    if FP8:
+        # div_rn: IEEE division like torch's (a plain `/` compiles to an approximate division on GPU)
+        k = round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0))
+        v = round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0))
+    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Write K/V [num_tokens, num_kv_heads, head_dim] at their flat slots; same contract as the reference."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("store_kv: an FP8 KV cache needs k_scale and v_scale")
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), FP8=fp8)

@@ -1,0 +1,260 @@
+"""Paged attention in Triton: the GPU twin of ``runtime.layers.attention.paged_attention_reference``.
+
+Two kernels over the same paged caches ([num_blocks, block_size, num_kv_heads, head_dim], FP8 read as x * scale):
+
+- ``paged_attention_varlen``: any flat batch (prefill, chunked prefill, prefix-cache hits, decode). Token t of
+  sequence i sits at position ``seq_lens[i] - q_len_i + t`` and attends causally. One program per (query tile of a
+  sequence, KV head); its rows are the tile's tokens times the KV head's GQA group, so each K/V tile is read once for
+  the whole group. Online softmax in float32, K/V gathered through the block table token by token.
+- ``paged_attention_decode``: every q_len == 1 (flash-decoding). The context is cut into partitions of
+  ``partition_size`` tokens; one program per (sequence, KV head, partition) writes a partial max, sum and
+  unnormalised output, and a second kernel combines the partitions of each (sequence, head).
+
+Every length is read from device tensors: the grids are bounded by ``meta.max_query_len`` / ``meta.max_seq_len``,
+host ints the metadata already carries, so no launch synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.attention_metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+DECODE_PARTITION_SIZE = 512
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, scale_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head, stride_c_block,
+                  stride_c_tok, stride_c_head, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """Tokens ``offs_n`` of one sequence for one KV head, gathered through its block table: [BLOCK_D, BLOCK_N]."""
+    block = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    offs = block * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
+    x = tl.load(cache_ptr + offs[None, :] + dims[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+    if FP8:
+        return (x.to(tl.float32) * tl.load(scale_ptr)).to(DTYPE)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+                   k_scale_ptr, v_scale_ptr, scale_log2, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+                   stride_c_block, stride_c_tok, stride_c_head, stride_bt,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
+    TOKENS: tl.constexpr = BLOCK_M // GROUP  # query tokens per program; each brings its GROUP heads as rows
+    q_tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * TOKENS >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile * TOKENS + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < TOKENS * GROUP) & (tok < q_len)
+    pos = context + tok
+    dims = tl.arange(0, BLOCK_D)
+    d_mask = dims < HEAD_DIM
+    q_tok = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite, so a fully masked row never makes NaN
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    kv_end = tl.minimum(seq_len, context + tl.minimum(q_len, (q_tile + 1) * TOKENS))  # causal: last row's position
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head,
+                          stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, FP8, q.dtype)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.trans(_load_kv_tile(v_cache_ptr, v_scale_ptr, block_table_row, offs_n, n_mask, dims, d_mask,
+                                   kv_head, stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, FP8, q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+                             query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
+                             scale_log2, stride_q_tok, stride_q_head, stride_c_block, stride_c_tok, stride_c_head,
+                             stride_bt, num_heads, max_partitions,
+                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                             PARTITION_SIZE: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = part * PARTITION_SIZE
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + PARTITION_SIZE, seq_len)
+
+    rows = tl.arange(0, BLOCK_G)
+    head = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    d_mask = dims < HEAD_DIM
+    q_tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q = tl.load(q_ptr + q_tok * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):  # the one query is the last position: every cached token is visible
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head,
+                          stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, FP8, q.dtype)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.trans(_load_kv_tile(v_cache_ptr, v_scale_ptr, block_table_row, offs_n, n_mask, dims, d_mask,
+                                   kv_head, stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, FP8, q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    part_idx = (seq.to(tl.int64) * num_heads + head) * max_partitions + part  # [BLOCK_G]
+    tl.store(part_m_ptr + part_idx, m_i, mask=row_mask)
+    tl.store(part_l_ptr + part_idx, l_i, mask=row_mask)
+    tl.store(part_acc_ptr + part_idx[:, None] * HEAD_DIM + dims[None, :], acc,
+             mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, query_start_loc_ptr, seq_lens_ptr,
+                          stride_o_tok, stride_o_head, num_heads, max_partitions,
+                          HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PARTITION_SIZE: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_parts = tl.cdiv(seq_len, PARTITION_SIZE)
+    parts = tl.arange(0, BLOCK_P)
+    p_mask = parts < num_parts
+    dims = tl.arange(0, BLOCK_D)
+    d_mask = dims < HEAD_DIM
+    base = (seq.to(tl.int64) * num_heads + head) * max_partitions
+    m = tl.load(part_m_ptr + base + parts, mask=p_mask, other=float("-inf"))
+    part_sum = tl.load(part_l_ptr + base + parts, mask=p_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :],
+                  mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+    weight = tl.exp2(m - tl.max(m, 0))  # masked partitions: exp2(-inf) = 0
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(part_sum * weight, 0)
+    q_tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + q_tok * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+           v_scale: torch.Tensor | None) -> bool:
+    """Validate the layout the kernels assume; return whether the cache is FP8."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"paged_attention: num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads})")
+    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_attention: q needs a unit last stride and the caches must be contiguous")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("paged_attention: an FP8 KV cache needs k_scale and v_scale")
+    return fp8
+
+
+def _precision(q: torch.Tensor) -> str:
+    return "ieee" if q.dtype == torch.float32 else "tf32"  # no TF32 rounding for a float32 model
+
+
+def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+    """Causal paged attention of any flat batch: q [T, num_heads, head_dim] -> [T, num_heads, head_dim].
+
+    ``out`` (optional, preallocated, same shape and dtype as q) is written in full; ``block_m`` rows per program
+    (query tokens times the GQA group) and ``block_n`` KV tokens per tile are powers of two, at least 16.
+    """
+    fp8 = _check(q, k_cache, v_cache, k_scale, v_scale)
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    block_m = max(block_m, triton.next_power_of_2(group), 16)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    num_seqs = meta.seq_lens.shape[0]
+    grid = (triton.cdiv(meta.max_query_len, block_m // group), num_seqs, num_kv_heads)
+    _varlen_kernel[grid](
+        q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        k_scale if fp8 else q, v_scale if fp8 else q, scale * LOG2E, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        meta.block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_N=max(block_n, 16), BLOCK_D=max(triton.next_power_of_2(head_dim), 16), FP8=fp8,
+        PRECISION=_precision(q), num_warps=4, num_stages=2)
+    return out
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None, partition_size: int = DECODE_PARTITION_SIZE,
+                           block_n: int = 64) -> torch.Tensor:
+    """Split-KV decode (one new token per sequence): q [num_seqs, num_heads, head_dim] -> same shape.
+
+    ``out`` as for the varlen kernel. ``partition_size`` must be a power of two, at least 16; the partial
+    results live in float32 scratch of num_seqs * num_heads * cdiv(meta.max_seq_len, partition_size) * (head_dim + 2)
+    elements.
+    """
+    fp8 = _check(q, k_cache, v_cache, k_scale, v_scale)
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_seqs = meta.seq_lens.shape[0]
+    max_partitions = triton.cdiv(meta.max_seq_len, partition_size)
+    block_n = min(block_n, partition_size)
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    part_m = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(num_seqs, num_heads, max_partitions, head_dim, dtype=torch.float32, device=q.device)
+    _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
+        q, k_cache, v_cache, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        k_scale if fp8 else q, v_scale if fp8 else q, scale * LOG2E, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0), num_heads,
+        max_partitions, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
+        PARTITION_SIZE=partition_size, FP8=fp8, PRECISION=_precision(q), num_warps=4, num_stages=2)
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, out.stride(0), out.stride(1),
+        num_heads, max_partitions, HEAD_DIM=head_dim, BLOCK_P=max(triton.next_power_of_2(max_partitions), 2),
+        BLOCK_D=block_d, PARTITION_SIZE=partition_size, num_warps=4)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ``paged_attention_reference``: split-KV decode when every q_len is 1, else varlen."""
+    if meta.max_query_len == 1:
+        return paged_attention_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale)

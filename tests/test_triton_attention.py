@@ -1,0 +1,153 @@
+"""Triton paged attention and KV store against the PyTorch reference: on CPU through triton's interpreter, and on a
+CUDA GPU (``-m gpu``) in bf16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first import of triton
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from runtime.attention_metadata import AttentionMetadata  # noqa: E402
+from runtime.kernels import kv_store  # noqa: E402
+from runtime.kernels.paged_attention import (  # noqa: E402
+    paged_attention,
+    paged_attention_decode,
+    paged_attention_varlen,
+)
+from runtime.layers.attention import paged_attention_reference, store_kv  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton.runtime import interpreter
+
+    _patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor_for_numpy2(tensor, scope):
+        """triton 3.6's interpreter turns scalars (1-element arrays) into loop bounds with ``int(array)``, which
+        NumPy >= 2.4 refuses; use ``.item()`` instead."""
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor_for_numpy2
+
+NUM_KV_HEADS, NUM_BLOCKS = 2, 48
+# (cached tokens before this step, new tokens this step): a fresh prefill, a chunked prefill continuing a cached
+# prefix, and decodes.
+MIXED = [(0, 21), (37, 18), (40, 1), (5, 1)]
+# decode contexts: shorter than one partition of 32, exactly one, and spanning several
+DECODE_SEQ_LENS = [1, 7, 32, 33, 100, 150]
+
+
+@pytest.fixture(params=[
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+])
+def device(request):
+    return request.param
+
+
+def model_dtype(device):
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def tolerance(device):
+    return {"rtol": 2e-5, "atol": 2e-5} if device == "cpu" else {"rtol": 1e-2, "atol": 1e-2}
+
+
+def random_batch(seqs, group, head_dim, block_size, device, fp8=False, seed=0):
+    """Random caches (every slot filled, so a read outside a context shows), shuffled block tables, metadata and a
+    q that is a strided view, as the model's qkv split gives it."""
+    generator = torch.Generator().manual_seed(seed)
+    dtype = model_dtype(device)
+    shape = (NUM_BLOCKS, block_size, NUM_KV_HEADS, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    k_scale = v_scale = None
+    if fp8:
+        k_scale, v_scale = torch.tensor(0.02, device=device), torch.tensor(0.01, device=device)
+        k_cache, v_cache = (k_cache / 0.02).to(torch.float8_e4m3fn), (v_cache / 0.01).to(torch.float8_e4m3fn)
+    else:
+        k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    free = (torch.randperm(NUM_BLOCKS - 1, generator=generator) + 1).tolist()  # block 0 is the padding block
+    tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in seqs]
+    meta = AttentionMetadata.build([n for _, n in seqs], [c + n for c, n in seqs], tables, block_size, device)
+    num_tokens, num_heads = sum(n for _, n in seqs), NUM_KV_HEADS * group
+    qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim, generator=generator).to(dtype)
+    q = qkv.to(device)[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    return q, k_cache.to(device), v_cache.to(device), meta, k_scale, v_scale
+
+
+def poisoned(q):
+    return torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block_size"),
+                         [(1, 64, 16), (2, 128, 32), (4, 64, 32), (4, 128, 16)])
+def test_varlen_kernel_matches_reference_on_a_mixed_batch(device, group, head_dim, block_size):
+    q, k_cache, v_cache, meta, _, _ = random_batch(MIXED, group, head_dim, block_size, device)
+    scale = head_dim**-0.5
+    out = paged_attention_varlen(q, k_cache, v_cache, meta, scale, out=poisoned(q), block_m=16, block_n=16)
+    torch.testing.assert_close(out, paged_attention_reference(q, k_cache, v_cache, meta, scale), **tolerance(device))
+
+
+def test_varlen_kernel_reads_an_fp8_cache_through_its_scales(device):
+    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch(MIXED, 2, 64, 16, device, fp8=True)
+    out = paged_attention_varlen(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q))
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
+    torch.testing.assert_close(out, expected, **tolerance(device))
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(1, 128, 16), (2, 64, 32), (4, 64, 16)])
+def test_split_kv_decode_matches_reference_within_and_across_partitions(device, group, head_dim, block_size):
+    q, k_cache, v_cache, meta, _, _ = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], group, head_dim,
+                                                   block_size, device)
+    scale = head_dim**-0.5
+    out = paged_attention_decode(q, k_cache, v_cache, meta, scale, out=poisoned(q), partition_size=32, block_n=16)
+    torch.testing.assert_close(out, paged_attention_reference(q, k_cache, v_cache, meta, scale), **tolerance(device))
+
+
+def test_split_kv_decode_reads_an_fp8_cache_through_its_scales(device):
+    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 4, 64, 32,
+                                                               device, fp8=True)
+    out = paged_attention_decode(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q),
+                                 partition_size=64)
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
+    torch.testing.assert_close(out, expected, **tolerance(device))
+
+
+@pytest.mark.parametrize("seqs", [MIXED, [(n - 1, 1) for n in DECODE_SEQ_LENS]], ids=["mixed", "decode"])
+def test_dispatcher_has_the_reference_contract(device, seqs):
+    q, k_cache, v_cache, meta, _, _ = random_batch(seqs, 2, 64, 16, device)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out, paged_attention_reference(q, k_cache, v_cache, meta, 0.125), **tolerance(device))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
+def test_kv_store_kernel_writes_the_same_bytes_as_store_kv(device, fp8):
+    generator = torch.Generator().manual_seed(1)
+    dtype = model_dtype(device)
+    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch(MIXED, 1, 64, 16, device, fp8=fp8)
+    k = (torch.randn(q.shape[0], NUM_KV_HEADS, 64, generator=generator) * 3).to(dtype).to(device)
+    v = (torch.randn(q.shape[0], NUM_KV_HEADS, 64, generator=generator) * 3).to(dtype).to(device)
+    if fp8:  # values that sit exactly on rounding ties and at the ±448 clamp
+        k[0, 0, :4] = torch.tensor([0.02 * 17.0, 0.02 * 19.0, 0.02 * 500.0, -0.02 * 0.0068359375])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    store_kv(k, v, expected_k, expected_v, meta.slot_mapping, k_scale, v_scale)
+    kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
+
+
+def test_kv_store_kernel_skips_padding_slots(device):
+    k_cache = torch.zeros(4, 16, NUM_KV_HEADS, 64, dtype=model_dtype(device), device=device)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.ones(3, NUM_KV_HEADS, 64, dtype=k_cache.dtype, device=device)
+    kv_store.store_kv(k, k, k_cache, v_cache, torch.tensor([17, -1, 3], device=device))
+    written = k_cache.view(-1, NUM_KV_HEADS, 64)[:, 0, 0]
+    assert written.nonzero().flatten().tolist() == [3, 17]
