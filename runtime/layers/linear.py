@@ -17,12 +17,20 @@ Runtime weight layouts (``rank0.safetensors``, per module prefix):
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
+# Opt-in weight-streaming Triton kernels (runtime/kernels) for small batches: KILN_LINEAR_BACKEND=triton uses them
+# when a call has at most KILN_LINEAR_MAX_M tokens; larger calls keep the GEMM path. tools/bench_linears.py measures
+# the crossover M per shape on the GPU.
+LINEAR_BACKEND = os.environ.get("KILN_LINEAR_BACKEND", "torch")
+LINEAR_MAX_M = int(os.environ.get("KILN_LINEAR_MAX_M", "16"))
+if LINEAR_BACKEND not in ("torch", "triton"):
+    raise ValueError(f"KILN_LINEAR_BACKEND={LINEAR_BACKEND!r}: must be 'torch' or 'triton'; unset it for 'torch'")
 
 
 class Linear(nn.Module):
@@ -46,6 +54,10 @@ class Fp8Linear(nn.Module):
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_streaming_kernel(x):
+            from runtime.kernels.fp8_gemv import fp8_gemv
+
+            return fp8_gemv(x, self.weight, self.weight_scale, self.input_scale)
         if use_scaled_mm(x, self.weight):
             return fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale)
         return fp8_linear_reference(x, self.weight, self.weight_scale, self.input_scale)
@@ -64,6 +76,10 @@ class Int4AwqLinear(nn.Module):
         self.register_buffer("pre_quant_scale", torch.ones(in_features, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_streaming_kernel(x):
+            from runtime.kernels.int4_gemv import int4_awq_gemv
+
+            return int4_awq_gemv(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size)
         return int4_awq_linear_reference(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size)
 
 
@@ -115,6 +131,11 @@ def use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``fp8_linear_scaled_mm`` can run: a CUDA device with FP8 tensor cores and 16-aligned K and N."""
     return (x.is_cuda and x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0 and x.numel() > 0
             and _has_fp8_tensor_cores(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+def use_streaming_kernel(x: torch.Tensor) -> bool:
+    """Whether a quantized linear takes its Triton weight-streaming kernel: opted in, CUDA, 1..LINEAR_MAX_M tokens."""
+    return LINEAR_BACKEND == "triton" and x.is_cuda and 0 < x.numel() // x.shape[-1] <= LINEAR_MAX_M
 
 
 @functools.cache

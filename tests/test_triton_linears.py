@@ -1,0 +1,231 @@
+"""Weight-streaming Triton linears (FP8, INT4-AWQ) against the CPU references in runtime/layers/linear.py.
+
+The CPU tests run the kernels in Triton's interpreter on float32 activations: both sides accumulate in float32, so
+they agree to float32 summation-order error. The GPU tests take bfloat16 activations, where the reference rounds
+its dequantized operands to bfloat16 and the kernels keep them exact, so they compare at 1e-2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first import of triton (as in test_triton_attention.py)
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from runtime.kernels.fp8_gemv import fp8_gemv  # noqa: E402
+from runtime.kernels.int4_gemv import int4_awq_gemv  # noqa: E402
+from runtime.layers.linear import (  # noqa: E402
+    fp8_linear_reference,
+    fp8_quantize,
+    int4_awq_linear_reference,
+    pack_int4,
+)
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+CPU_REL_TOL = 1e-5  # max |kernel - reference| / max |reference|, float32 accumulation on both sides
+GPU_REL_TOL = 1e-2  # bfloat16 activations and output
+gpu = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(),
+                         reason="needs a CUDA GPU and TRITON_INTERPRET=0")
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")
+
+
+def _fp8_operands(m, n, k, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 2.0
+    weight = (torch.randn(n, k, generator=g) * 100.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+    weight_scale = torch.rand(n, generator=g) * 0.01 + 0.001
+    input_scale = torch.tensor(0.02)  # |x| / 0.02 exceeds 448 in the tails: the clamp is exercised
+    return [t.to(device) for t in (x, weight, weight_scale, input_scale)]
+
+
+def _int4_operands(m, n, k, group_size, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    qweight = pack_int4(torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8))
+    scales = torch.rand(n, k // group_size, generator=g) * 0.02 + 0.001
+    pre_quant_scale = torch.rand(k, generator=g) + 0.5
+    return [t.to(device) for t in (x, qweight, scales, pre_quant_scale)]
+
+
+def _rel_err(out, ref):
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def _poisoned_empty(monkeypatch, module):
+    """Make the kernel's output buffer start as NaN, so an element it never writes fails the comparison."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        return real_empty(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(module.torch, "empty", nan_empty)
+
+
+@interpreted
+@pytest.mark.parametrize("m,n,k", [(1, 384, 256), (3, 256, 384), (16, 384, 128), (20, 128, 256)])
+def test_fp8_gemv_matches_the_fake_quantized_reference(monkeypatch, m, n, k):
+    import runtime.kernels.fp8_gemv as mod
+
+    _poisoned_empty(monkeypatch, mod)
+    x, weight, weight_scale, input_scale = _fp8_operands(m, n, k, seed=m * 1000 + n + k)
+    out = fp8_gemv(x, weight, weight_scale, input_scale)
+    ref = fp8_linear_reference(x, weight, weight_scale, input_scale)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < CPU_REL_TOL
+
+
+@interpreted
+def test_fp8_gemv_quantizes_activations_exactly_like_the_runtime():
+    # Identity weight: y = fp8(x / s) * s, so every rounding, tie, subnormal and clamp must agree bit for bit.
+    k = 256
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat([torch.randn(k // 2, generator=g) * 8.0, torch.randn(k // 2, generator=g) * 0.001])
+    x[:8] = torch.tensor([1e3, -1e3, 0.0, -0.0, 7.5, 8.5, 9.5, 0.5 * 2.0 ** -9])  # clamp, ties to even, subnormal
+    x = x[None, :]
+    input_scale = torch.tensor(1.0)
+    eye = torch.eye(k).to(torch.float8_e4m3fn)
+    out = fp8_gemv(x, eye, torch.ones(k), input_scale)
+    assert torch.equal(out, fp8_quantize(x, input_scale).float() * input_scale)
+
+
+@interpreted
+def test_fp8_gemv_decodes_every_e4m3_weight_value():
+    # Each of the 254 finite E4M3 bytes (0x7F / 0xFF are NaN) as one weight column, activation 1.0.
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    k = 256
+    weight = torch.zeros(2, k, dtype=torch.uint8)
+    weight[0, :codes.numel()] = codes
+    weight = weight.view(torch.float8_e4m3fn)
+    x = torch.zeros(codes.numel(), k)
+    x[torch.arange(codes.numel()), torch.arange(codes.numel())] = 1.0
+    out = fp8_gemv(x, weight, torch.ones(2), torch.tensor(1.0))
+    assert torch.equal(out[:, 0], codes.view(torch.float8_e4m3fn).float())
+
+
+@interpreted
+def test_fp8_gemv_keeps_leading_dims():
+    x, weight, weight_scale, input_scale = _fp8_operands(6, 128, 128, seed=3)
+    out = fp8_gemv(x.reshape(2, 3, 128), weight, weight_scale, input_scale)
+    assert out.shape == (2, 3, 128)
+    assert _rel_err(out.reshape(6, 128), fp8_linear_reference(x, weight, weight_scale, input_scale)) < CPU_REL_TOL
+
+
+@interpreted
+@pytest.mark.parametrize("m,n,k,group_size", [(1, 384, 256, 128), (3, 256, 384, 128), (16, 384, 256, 64),
+                                              (20, 128, 256, 128)])
+def test_int4_awq_gemv_matches_the_fake_quantized_reference(monkeypatch, m, n, k, group_size):
+    import runtime.kernels.int4_gemv as mod
+
+    _poisoned_empty(monkeypatch, mod)
+    x, qweight, scales, pre_quant_scale = _int4_operands(m, n, k, group_size, seed=m * 1000 + n + k)
+    out = int4_awq_gemv(x, qweight, scales, pre_quant_scale, group_size)
+    ref = int4_awq_linear_reference(x, qweight, scales, pre_quant_scale, group_size)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < CPU_REL_TOL
+
+
+@interpreted
+def test_int4_awq_gemv_reads_low_nibble_as_the_even_column():
+    # One nonzero weight at input column 1 (a high nibble): only x[1] may reach the output.
+    k, group_size = 128, 128
+    q = torch.zeros(16, k, dtype=torch.int8)
+    q[0, 1] = 7
+    q[1, 0] = -8
+    x = torch.zeros(1, k)
+    x[0, 1] = 1.0
+    out = int4_awq_gemv(x, pack_int4(q), torch.ones(16, 1), torch.ones(k), group_size)
+    assert out[0, 0].item() == 7.0 and out[0, 1].item() == 0.0
+
+
+def test_int4_awq_gemv_rejects_a_mismatched_layout():
+    x, qweight, scales, pre_quant_scale = _int4_operands(1, 128, 256, 128, seed=0)
+    with pytest.raises(ValueError, match="scales must be"):
+        int4_awq_gemv(x, qweight, scales[:, :1], pre_quant_scale, 128)
+
+
+GPU_SHAPES = [(1, 6144, 4096), (3, 4096, 4096), (16, 384, 4096), (16, 28672, 4096), (1, 4096, 14336),
+              (64, 384, 256)]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+def test_fp8_gemv_matches_the_reference_on_gpu(monkeypatch, m, n, k):
+    import runtime.kernels.fp8_gemv as mod
+
+    _poisoned_empty(monkeypatch, mod)
+    x, weight, weight_scale, input_scale = _fp8_operands(m, n, k, seed=n + k, device="cuda")
+    x = x.bfloat16()
+    out = fp8_gemv(x, weight, weight_scale, input_scale)
+    ref = fp8_linear_reference(x, weight, weight_scale, input_scale)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert _rel_err(out, ref) < GPU_REL_TOL
+    eye = torch.eye(k, device="cuda").to(torch.float8_e4m3fn)  # activation quantization bit for bit
+    exact = fp8_gemv(x[:1].float(), eye, torch.ones(k, device="cuda"), input_scale)
+    assert torch.equal(exact, fp8_quantize(x[:1].float(), input_scale).float() * input_scale)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+def test_int4_awq_gemv_matches_the_reference_on_gpu(monkeypatch, m, n, k):
+    import runtime.kernels.int4_gemv as mod
+
+    _poisoned_empty(monkeypatch, mod)
+    x, qweight, scales, pre_quant_scale = _int4_operands(m, n, k, 128, seed=n + k, device="cuda")
+    x = x.bfloat16()
+    out = int4_awq_gemv(x, qweight, scales, pre_quant_scale, 128)
+    ref = int4_awq_linear_reference(x, qweight, scales, pre_quant_scale, 128)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert _rel_err(out, ref) < GPU_REL_TOL
+
+
+def test_bench_linears_imports_and_shows_help_without_a_gpu(capsys):
+    from tools import bench_linears
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_linears.main(["--help"])
+    assert exit_info.value.code == 0 and "--m" in capsys.readouterr().out
+    assert bench_linears.weight_bytes("triton_int4", 4096, 4096) == 4096 * 2048 + 4 * 4096 * 32
+
+
+def test_bench_linears_table_names_the_crossover(capsys):
+    from tools import bench_linears
+
+    rows = [{"shape": "o", "k": 4096, "n": 4096, "m": m, "us": {me: 10.0 for me in bench_linears.METHODS},
+             "tb_per_s": {me: 1.0 for me in bench_linears.METHODS}} for m in (1, 16, 64)]
+    rows[2]["us"]["scaled_mm_static"] = 5.0
+    crossovers = {"o": {"fp8_vs_scaled_mm_static": bench_linears.crossover(rows, "o", "triton_fp8", "scaled_mm_static"),
+                        "int4_vs_bf16_matmul": bench_linears.crossover(rows, "o", "triton_int4", "bf16_matmul")}}
+    assert crossovers["o"] == {"fp8_vs_scaled_mm_static": 64, "int4_vs_bf16_matmul": None}
+    bench_linears.print_table(rows, crossovers, "test GPU")
+    out = capsys.readouterr().out
+    assert "fp8 vs _scaled_mm static:    64" in out and " 23%)" in out
+
+
+@gpu
+@pytest.mark.gpu
+def test_quantized_linears_take_the_streaming_kernels_when_opted_in(monkeypatch):
+    from runtime.layers import linear
+
+    if not hasattr(linear, "use_streaming_kernel"):
+        pytest.skip("runtime/layers/linear.py is not wired to the Triton kernels yet")
+    monkeypatch.setattr(linear, "LINEAR_BACKEND", "triton")
+    x, weight, weight_scale, input_scale = _fp8_operands(2, 384, 512, seed=5, device="cuda")
+    fp8 = linear.Fp8Linear(512, 384).cuda()
+    fp8.weight.copy_(weight), fp8.weight_scale.copy_(weight_scale), fp8.input_scale.copy_(input_scale)
+    x = x.bfloat16()
+    assert linear.use_streaming_kernel(x) and not linear.use_streaming_kernel(x.cpu())
+    assert _rel_err(fp8(x), fp8_linear_reference(x, weight, weight_scale, input_scale)) < GPU_REL_TOL
+    x, qweight, scales, pre_quant_scale = _int4_operands(2, 384, 512, 128, seed=5, device="cuda")
+    int4 = linear.Int4AwqLinear(512, 384, 128).cuda()
+    int4.qweight.copy_(qweight), int4.scales.copy_(scales), int4.pre_quant_scale.copy_(pre_quant_scale)
+    x = x.bfloat16()
+    ref = int4_awq_linear_reference(x, qweight, scales, pre_quant_scale, 128)
+    assert _rel_err(int4(x), ref) < GPU_REL_TOL
