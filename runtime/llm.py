@@ -207,6 +207,12 @@ class LLM:
         self._commands.put(("add", seq))
         return sink.future
 
+    @property
+    def engine_error(self) -> str | None:
+        """Why the engine thread stopped, or None while it serves (a health check reads this)."""
+        with self._lock:
+            return None if self._error is None else f"{type(self._error).__name__}: {self._error}"
+
     def _run(self) -> None:
         try:
             while self._handle_commands(block=not self.engine.has_unfinished()):

@@ -91,3 +91,23 @@ def _refused(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 503
     except httpx.TransportError:
         return True
+
+
+def test_health_turns_503_naming_the_error_when_the_engine_thread_dies():
+    from runtime import LLM, SamplingParams
+    from runtime.server import ServerSettings, ServerThread, create_app
+
+    with LLM.load(tiny_engine()) as llm:
+
+        def broken_step():
+            raise RuntimeError("simulated device failure")
+
+        with ServerThread(create_app(llm, tiny_engine(), ServerSettings(model_name="tiny"))) as server:
+            assert httpx.get(f"{server.url}/health").status_code == 200
+            llm.engine.step = broken_step
+            with pytest.raises(KilnError):
+                llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+            response = httpx.get(f"{server.url}/health")
+            assert response.status_code == 503
+            assert response.json()["status"] == "error"
+            assert "simulated device failure" in response.json()["message"]

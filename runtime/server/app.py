@@ -131,10 +131,12 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     @app.get("/health", responses={503: {"description": "loading, draining, or the load failed"}})
     async def health() -> JSONResponse:
         """200 once the engine is loaded and the server takes requests; 503 before, while draining, or on error."""
-        if state.model is not None and not state.draining:
+        engine_error = state.model.llm.engine_error if state.model is not None else None
+        if state.model is not None and not state.draining and engine_error is None:
             return JSONResponse({"status": "ok", "model": settings.model_name})
-        status = "error" if state.load_error else "draining" if state.draining else "loading"
-        body = {"status": status, **({"message": str(state.load_error)} if state.load_error else {})}
+        error = state.load_error or engine_error
+        status = "error" if error else "draining" if state.draining else "loading"
+        body = {"status": status, **({"message": str(error)} if error else {})}
         return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
