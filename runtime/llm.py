@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.cache_layout import entry_engine_dir, is_cache_key
+from runtime.cache_layout import EntryHold, entry_engine_dir, hold_if_cached, is_cache_key
 from runtime.errors import EngineFormatError, KilnError
 from runtime.limits import EngineLimits
 from runtime.llm_engine import LLMEngine, RequestFailure
@@ -63,9 +63,10 @@ class LLM:
     All callers share one engine thread, so requests from many threads and event loops are batched together.
     """
 
-    def __init__(self, engine: LLMEngine, load_ms: float = 0.0) -> None:
+    def __init__(self, engine: LLMEngine, load_ms: float = 0.0, hold: EntryHold | None = None) -> None:
         self.engine = engine
         self.load_ms = load_ms
+        self._hold = hold
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
         self._results: dict[str, Future] = {}
@@ -82,9 +83,15 @@ class LLM:
         present, else CPU); `num_kv_blocks` overrides the KV pool size. `load_ms` records how long this took."""
         start = time.perf_counter()
         engine_dir = resolve_engine_dir(engine_dir_or_cache_key, cache_root)
-        backend = TrtllmEngine if is_trtllm_engine(engine_dir) else LLMEngine
-        engine = backend(engine_dir, device=device, num_kv_blocks=num_kv_blocks)
-        return cls(engine, load_ms=(time.perf_counter() - start) * 1000)
+        hold = hold_if_cached(engine_dir)  # a cached engine is not evicted while this LLM has it loaded
+        try:
+            backend = TrtllmEngine if is_trtllm_engine(engine_dir) else LLMEngine
+            engine = backend(engine_dir, device=device, num_kv_blocks=num_kv_blocks)
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
+        return cls(engine, load_ms=(time.perf_counter() - start) * 1000, hold=hold)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -192,6 +199,8 @@ class LLM:
         self._fail_all(EngineClosedError("the LLM was closed before this request finished"))
         if hasattr(self.engine, "close"):
             self.engine.close()
+        if self._hold is not None:
+            self._hold.release()
 
     def _check_open(self) -> None:
         if self._closed or self._error is not None:

@@ -143,3 +143,20 @@ def test_four_builds_started_together_build_once_and_three_hit(tmp_path):
     stats = json.loads(kiln("cache", "stats", "--json", cache=cache).stdout)
     assert (stats["lookups"], stats["hits"], stats["misses"], stats["entries"]) == (4, 3, 1, 2)
     assert stats["load_ms"]["count"] == 4
+
+
+@pytest.mark.slow
+def test_an_engine_loaded_through_the_runtime_is_never_evicted(cache):
+    from engines.cache import EngineCache, is_held
+    from runtime import LLM
+
+    result = build_json("configs/tiny-llama-fp8.yaml", cache)
+    entry = Path(result["engine_dir"]).parent
+    llm = LLM.load(result["engine_key"], cache_root=cache, device="cpu")
+    try:
+        assert is_held(entry)
+        report = EngineCache.open(cache, max_entries=1).evict()
+        assert entry.is_dir() and (entry / "manifest.json").is_file(), report
+    finally:
+        llm.close()
+    assert not is_held(entry)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.cache_layout import InvalidCacheKeyError
+from runtime.cache_layout import CacheEntryGoneError, InvalidCacheKeyError
 from runtime.errors import KilnError
 
 __all__ = ["CacheCorruptError", "CacheEntryGoneError", "CacheEntryInUseError", "CacheEntryNotFoundError",
@@ -15,10 +15,6 @@ class CacheEntryNotFoundError(KilnError):
 
 class CacheEntryInUseError(KilnError):
     """The entry is loaded by a live process, so it cannot be removed now."""
-
-
-class CacheEntryGoneError(KilnError):
-    """The entry was removed (evicted, pruned, replaced) while a process was about to use it."""
 
 
 class CacheCorruptError(KilnError):

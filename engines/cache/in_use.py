@@ -1,4 +1,5 @@
-"""In-use protection: a process that has an entry loaded holds a shared flock on ``<entry>/in_use.lock``.
+"""In-use protection: a process that has an entry loaded holds a shared flock on ``<entry>/in_use.lock``
+(``runtime.cache_layout.EntryHold``, which the runtime takes when it loads an engine from the cache).
 
 Removal (eviction, prune, rm) takes the lock exclusively without blocking and renames the entry away while holding
 it, so an entry some live process holds is never removed, and a holder never ends up holding a removed entry."""
@@ -10,46 +11,9 @@ import os
 import shutil
 from pathlib import Path
 
-from engines.cache.errors import CacheEntryGoneError
-from engines.cache.layout import IN_USE_LOCK
+from runtime.cache_layout import IN_USE_LOCK, EntryHold, hold_entry
 
-
-class EntryHold:
-    """A shared hold on a cache entry; release it (or leave the ``with`` block) when the entry is unloaded."""
-
-    def __init__(self, entry_dir: Path) -> None:
-        self.entry_dir = Path(entry_dir)
-        lock = self.entry_dir / IN_USE_LOCK
-        try:
-            self._fd: int | None = os.open(lock, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CacheEntryGoneError(f"cache entry {self.entry_dir}: not there (evicted or removed); "
-                                      "build it again") from None
-        fcntl.flock(self._fd, fcntl.LOCK_SH)
-        try:
-            still_there = os.stat(lock).st_ino == os.fstat(self._fd).st_ino
-        except FileNotFoundError:
-            still_there = False
-        if not still_there:
-            self.release()
-            raise CacheEntryGoneError(f"cache entry {self.entry_dir}: removed while being opened; build it again")
-
-    def release(self) -> None:
-        """Let the entry be evicted again."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> EntryHold:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def hold_entry(entry_dir: Path) -> EntryHold:
-    """Hold a cache entry (the directory holding manifest.json) so no eviction removes it while it is loaded."""
-    return EntryHold(entry_dir)
+__all__ = ["EntryHold", "delete_unless_held", "hold_entry", "is_held", "take_out"]
 
 
 def is_held(entry_dir: Path) -> bool:

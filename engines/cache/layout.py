@@ -19,7 +19,6 @@ from pathlib import Path
 from runtime.cache_layout import LAYOUT_VERSION
 
 MANIFEST = "manifest.json"
-IN_USE_LOCK = "in_use.lock"
 LAST_USED = "last_used"
 CORRUPT_MARK = "corrupt.json"
 CACHEDIR_TAG = (b"Signature: 8a477f597d28d172789f06886806bc55\n"
