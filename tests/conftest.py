@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through triton's interpreter. This must be set before anything imports triton
+    # (modelopt does, at import), since triton decides at decoration time whether a kernel is interpreted.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")
