@@ -19,8 +19,8 @@ import torch
 from runtime.cache_layout import EntryHold, entry_engine_dir, hold_if_cached, is_cache_key
 from runtime.errors import EngineFormatError, KilnError
 from runtime.limits import EngineLimits
-from runtime.llm_engine import LLMEngine, RequestFailure
-from runtime.outputs import RequestOutput, StreamDelta
+from runtime.llm_engine import LLMEngine
+from runtime.outputs import RequestFailure, RequestOutput, StreamDelta
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
 from runtime.tokenizer import Tokenizer

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,7 +14,7 @@ from runtime.errors import KilnError
 from runtime.fingerprint import check_fingerprint, machine_fingerprint
 from runtime.limits import EngineLimits
 from runtime.model_runner import ModelRunner
-from runtime.outputs import StreamDelta, step_delta
+from runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta
 from runtime.sampler import SamplingError
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -28,18 +27,6 @@ logger = logging.getLogger("kiln.runtime")
 
 class InvalidRequestError(KilnError, ValueError):
     """A request that is malformed for this engine (bad token ids, text without a tokenizer)."""
-
-
-class RequestFailedError(KilnError):
-    """One request failed inside a step (a bug, logged with its traceback); the engine serves the others."""
-
-
-@dataclass(frozen=True)
-class RequestFailure:
-    """What `step` returns for a request that failed on its own: it is finished and its KV blocks are freed."""
-
-    request_id: str
-    error: KilnError
 
 
 def resolve_device(device: str | torch.device | None, config: EngineConfig) -> torch.device:

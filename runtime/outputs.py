@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.errors import KilnError
 from runtime.sequence import Sequence
 from runtime.tokenizer import IncrementalDetokenizer
 
@@ -71,3 +72,16 @@ def step_delta(seq: Sequence, detokenizer: IncrementalDetokenizer | None, new_to
         delta.output = RequestOutput(seq.request_id, seq.prompt_token_ids, detokenizer.text if detokenizer else "",
                                      seq.completion_token_ids, seq.finish_reason, RequestMetrics.from_sequence(seq))
     return delta
+
+
+class RequestFailedError(KilnError):
+    """One request failed inside a step (an engine bug, or an error the TensorRT-LLM executor reported for it);
+    the engine serves the others."""
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """What a step returns for a request that failed on its own: it is finished and its resources are freed."""
+
+    request_id: str
+    error: KilnError

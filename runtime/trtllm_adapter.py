@@ -21,7 +21,7 @@ from typing import Any
 
 from runtime.errors import EngineFormatError, FingerprintMismatchError, KilnError
 from runtime.limits import EngineLimits
-from runtime.outputs import StreamDelta, step_delta
+from runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
 from runtime.stats import EngineStats
@@ -242,7 +242,7 @@ class TrtllmEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def step(self) -> list[StreamDelta]:
+    def step(self) -> list[StreamDelta | RequestFailure]:
         """Collect what the executor produced since the last call (waits up to `poll_ms` for it)."""
         deltas = []
         for response in self.executor.await_responses(timeout=self._poll):
@@ -251,11 +251,13 @@ class TrtllmEngine:
                 deltas.append(self._on_response(self._requests[request_id], response))
         return deltas
 
-    def _on_response(self, state: _Request, response: Any) -> StreamDelta:
+    def _on_response(self, state: _Request, response: Any) -> StreamDelta | RequestFailure:
         seq = state.seq
         if response.has_error():
             self._errors.append(f"{seq.request_id}: {response.error_msg}")
-            return self._finish(state, "abort", [], executor_done=True)
+            self._finish(state, "abort", [], executor_done=True)
+            return RequestFailure(seq.request_id, RequestFailedError(
+                f"request {seq.request_id} failed in the TensorRT-LLM executor: {response.error_msg}"))
         result = response.result
         new_tokens = []
         for token_id in (result.output_token_ids or [[]])[0]:

@@ -16,7 +16,8 @@ from runtime import LLM, KilnError, SamplingParams
 from runtime.errors import EngineFormatError, FingerprintMismatchError
 from runtime.limits import EngineLimits
 from runtime.llm import EngineClosedError
-from runtime.llm_engine import InvalidRequestError, RequestFailedError
+from runtime.llm_engine import InvalidRequestError
+from runtime.outputs import RequestFailedError
 from runtime.sampler import SamplingError
 from runtime.scheduler import RequestTooLongError
 from runtime.tokenizer import IncrementalDetokenizer

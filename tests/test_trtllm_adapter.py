@@ -24,6 +24,7 @@ from engines.trtllm_contract import load_contract
 from runtime.errors import EngineFormatError, FingerprintMismatchError
 from runtime.limits import EngineLimits
 from runtime.llm import LLM
+from runtime.outputs import RequestFailedError, RequestFailure
 from runtime.sampling_params import SamplingParams
 from runtime.trtllm_adapter import TrtllmEngine, TrtllmEngineInfo, TrtllmRequestError, TrtllmUnavailableError
 
@@ -241,11 +242,24 @@ def test_an_executor_error_fails_only_that_request_and_is_reported_in_stats(trtl
     FakeExecutor.instances[0].fail_ids.add(100)
     engine.add_request(engine.make_request("r1", [2, 3], SamplingParams(max_tokens=4)))
     engine.add_request(engine.make_request("r2", [2, 3], SamplingParams(max_tokens=4)))
-    finished = {}
+    finished, failed = {}, {}
     while engine.has_unfinished():
-        finished.update({d.request_id: d.output for d in engine.step() if d.finished})
-    assert finished["r1"].finish_reason == "abort" and finished["r2"].finish_reason == "length"
+        for result in engine.step():
+            if isinstance(result, RequestFailure):
+                failed[result.request_id] = result.error
+            elif result.finished:
+                finished[result.request_id] = result.output
+    assert list(failed) == ["r1"] and "CUDA error: out of memory" in str(failed["r1"])
+    assert finished["r2"].finish_reason == "length"
     assert engine.stats_snapshot()["recent_errors"] == ["r1: CUDA error: out of memory"]
+
+
+def test_the_waiter_of_a_request_the_executor_failed_gets_the_error(trtllm, engine_dir):
+    with LLM(TrtllmEngine(engine_dir)) as llm:
+        FakeExecutor.instances[0].fail_ids.add(100)
+        with pytest.raises(RequestFailedError, match="CUDA error: out of memory"):
+            llm.generate([[2, 3]], SamplingParams(max_tokens=4))
+        assert llm.generate([[2, 3]], SamplingParams(max_tokens=4))[0].finish_reason == "length"
 
 
 def test_the_llm_api_describes_the_engine_through_tokenizer_limits_and_check(trtllm, engine_dir):

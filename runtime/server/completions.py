@@ -53,8 +53,11 @@ def _usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> Usage:
 
 
 async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    """Return once the client has gone (the body was read already, so nothing else arrives)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,

@@ -93,7 +93,7 @@ def run_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float 
         if on_started is not None:
             on_started(thread)
         while not thread.wait(0.25):
-            pass
+            continue  # wake regularly so the main thread can take SIGTERM / SIGINT
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
