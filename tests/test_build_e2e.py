@@ -160,3 +160,14 @@ def test_an_engine_loaded_through_the_runtime_is_never_evicted(cache):
     finally:
         llm.close()
     assert not is_held(entry)
+
+
+@pytest.mark.slow
+def test_cache_explain_names_the_fields_that_differ_from_the_nearest_entry(cache):
+    build_json("configs/tiny-llama-fp8.yaml", cache)
+    same = json.loads(kiln("cache", "explain", "configs/tiny-llama-fp8.yaml", "--json", cache=cache).stdout)
+    assert same["nearest_key"] and same["differences"] == []
+    other = json.loads(kiln("cache", "explain", "configs/tiny-llama-int4-awq.yaml", "--json", cache=cache).stdout)
+    fields = {d["field"]: d for d in other["differences"]}
+    assert fields["quantization.recipe.format"]["config"] == "int4_awq"
+    assert "build.max_seq_len" not in fields

@@ -154,8 +154,11 @@ def explain(cache: EngineCache, material: dict, store: str = "entries") -> dict:
     }
 
 
+ABSENT = "(absent)"
+
+
 def _at(material: object, path: str) -> object:
-    """The value at a dotted path from ``material_diff`` (``a.b[2].c``); None where it is absent."""
+    """The value at a dotted path from ``material_diff`` (``a.b[2].c``); ``ABSENT`` where the field is missing."""
     node = material
     for part in path.replace("[", ".[").split("."):
         if part.startswith("[") and isinstance(node, list):
@@ -163,5 +166,5 @@ def _at(material: object, path: str) -> object:
         elif isinstance(node, dict) and part in node:
             node = node[part]
         else:
-            return None
+            return ABSENT
     return node
