@@ -72,7 +72,10 @@ def decide(ctx: BuildContext) -> list[tuple[object, Decision]]:
         q, b = quantize.decide(ctx), build.decide(ctx)
     if ctx.choice.backend == "trtllm":
         b.extra.update(trtllm_plan_extra(ctx))
-    return [(quantize, q), (build, b), (publish, publish.decide(ctx, b)), (smoke, smoke.decide(ctx))]
+    plan = [(quantize, q), (build, b), (publish, publish.decide(ctx, b)), (smoke, smoke.decide(ctx))]
+    for stage, decision in plan:
+        decision.extra.update(fingerprint=stage.fingerprint(ctx), inputs=list(stage.inputs), outputs=stage.outputs)
+    return plan
 
 
 def plan_json(ctx: BuildContext, decisions: list[tuple[object, Decision]]) -> dict:

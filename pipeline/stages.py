@@ -15,7 +15,7 @@ from typing import Literal
 
 from engines.cache import EngineCache, engine_key, hold_entry
 from pipeline.backend import BackendChoice
-from pipeline.config import LoadedConfig
+from pipeline.config import KilnConfig, LoadedConfig
 from pipeline.key_material import engine_material, quantized_material
 
 Action = Literal["run", "skip"]
@@ -58,7 +58,7 @@ class BuildContext:
     sample: dict | None = None
 
     @property
-    def config(self):
+    def config(self) -> KilnConfig:
         return self.loaded.config
 
     @property
@@ -84,6 +84,8 @@ class QuantizeStage:
     """Calibrate, gate and export the checkpoint (content-addressed in the cache's ``quantized/`` part)."""
 
     name = "quantize"
+    inputs = ("checkpoint content hash", "quantize recipe (incl. calibration data hashes)", "calibration device")
+    outputs = "v1/quantized/<key>/checkpoint (hf/, trtllm/, calibration report)"
 
     def fingerprint(self, ctx: BuildContext) -> str | None:
         return ctx.quantized_key
@@ -136,6 +138,8 @@ class BuildStage:
     """Build the engine from the (quantized) checkpoint into a temporary folder of the cache."""
 
     name = "build"
+    inputs = ("engine key material: checkpoint, recipe, semantic build options, backend, toolchain, hardware",)
+    outputs = "v1/tmp/<build> (the engine directory, not yet visible)"
 
     def fingerprint(self, ctx: BuildContext) -> str | None:
         return ctx.engine_key
@@ -203,6 +207,8 @@ class PublishStage:
     """Make the new engine visible under its final path: the store's fsync-manifest-rename, checked here."""
 
     name = "publish"
+    inputs = ("the built engine directory",)
+    outputs = "v1/entries/<key>/ (manifest last, one rename)"
 
     def fingerprint(self, ctx: BuildContext) -> str | None:
         return ctx.engine_key
@@ -225,6 +231,8 @@ class SmokeStage:
     """Load the engine through ``runtime`` (timing the load) and generate a few tokens."""
 
     name = "smoke"
+    inputs = ("the published engine",)
+    outputs = "load latency (recorded in the cache stats) and a sample generation"
 
     def fingerprint(self, ctx: BuildContext) -> str | None:
         return None
