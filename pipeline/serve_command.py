@@ -13,6 +13,7 @@ import typer
 from pipeline.console import friendly_errors, stage_progress, stderr
 from runtime.cache_layout import default_cache_root, entry_engine_dir, is_cache_key
 from runtime.errors import KilnError
+from runtime.trtllm_adapter import is_trtllm_engine
 
 if TYPE_CHECKING:
     from runtime.llm import LLM
@@ -65,13 +66,13 @@ class ServeTarget:
 def resolve_target(target: str, *, backend: str | None = None, progress: bool = True) -> ServeTarget:
     """An engine directory, a cache key, or a config (built through the cache first; a hit runs nothing)."""
     path = Path(target).expanduser()
-    if (path / "engine.json").is_file():
+    if (path / "engine.json").is_file() or is_trtllm_engine(path):
         name = path.parent.name if path.name == "engine" else path.name
         return ServeTarget(engine_dir=path.resolve(), model_name=name[:12] if is_cache_key(name) else name)
     if is_cache_key(target):
         return _cache_key_target(target)
     if path.is_dir():
-        raise KilnError(f"{target}: a directory without engine.json: pass an engine directory (the one `kiln build` "
+        raise KilnError(f"{target}: not an engine directory: pass an engine directory (the one `kiln build` "
                         f"printed), a cache key, or a config")
     return _config_target(target, backend=backend, progress=progress)
 
@@ -94,9 +95,6 @@ def _config_target(config: str, *, backend: str | None, progress: bool) -> Serve
     from pipeline import runner
 
     ctx = runner.prepare(config, backend=backend, force=False, dry_run=False)
-    if ctx.choice.backend != "native":
-        raise KilnError(f"{ctx.loaded.path}: kiln serve runs native engines but this config resolves to the "
-                        f"{ctx.choice.backend} backend: pass --backend native or set build.backend: native")
     decisions = [(stage, decision) for stage, decision in runner.decide(ctx) if stage.name != "smoke"]
     with stage_progress(enabled=progress) as bars:
         runner.run(ctx, decisions, bars)
@@ -134,7 +132,7 @@ def serve(
     max_queue: Annotated[int | None, typer.Option(min=1, help="Requests that may wait beyond the engine's batch "
                                                               "before new ones get 503 (default 256).")] = None,
     model_name: Annotated[str | None, typer.Option(help="Model id clients send (default: the config's name).")] = None,
-    backend: Annotated[str | None, typer.Option(help="Build backend for a config (serving needs native).")] = None,
+    backend: Annotated[str | None, typer.Option(help="Build backend for a config: auto, native or trtllm.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the engine's).")] = None,
     num_kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV pool size in blocks (default: from free "
                                                                   "memory).")] = None,

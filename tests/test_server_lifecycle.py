@@ -26,8 +26,18 @@ def test_an_engine_directory_is_served_under_its_folder_name():
     assert target.host == "127.0.0.1" and target.port == 8000 and target.api_key is None
 
 
+def test_a_tensorrt_llm_engine_directory_is_served_like_a_native_one(tmp_path):
+    from runtime.trtllm_adapter import TRTLLM_ENGINE_JSON
+
+    engine = tmp_path / "llama-trt"
+    engine.mkdir()
+    (engine / TRTLLM_ENGINE_JSON).write_text("{}")
+    target = resolve_target(str(engine))
+    assert target.engine_dir == engine.resolve() and target.model_name == "llama-trt"
+
+
 def test_a_directory_without_an_engine_and_an_unknown_key_are_refused(tmp_path, monkeypatch):
-    with pytest.raises(KilnError, match="without engine.json"):
+    with pytest.raises(KilnError, match="not an engine directory"):
         resolve_target(str(tmp_path))
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
     with pytest.raises(KilnError, match="has no engine"):
