@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from runtime.attention_metadata import AttentionMetadata
+from runtime.decode_graphs import maybe_capture_decode_graphs
 from runtime.engine_format import EngineConfig
 from runtime.errors import KilnError
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
@@ -47,6 +48,7 @@ class ModelRunner:
                 f"larger num_kv_blocks, or rebuild with a smaller max_seq_len")
         self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, device)
         self.sampler = Sampler()
+        self.decode_graphs = maybe_capture_decode_graphs(self.model, self.kv_caches, config, device)  # opt-in
 
     def _default_num_kv_blocks(self) -> int:
         plan, arch = self.config.plan, self.config.architecture
@@ -75,13 +77,21 @@ class ModelRunner:
             seq_lens.append(start + query_len)
         meta = AttentionMetadata.build(query_lens, seq_lens, [seq.block_table for seq in seqs], self.block_size,
                                        self.device)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                            torch.tensor(positions, dtype=torch.long, device=self.device), meta, self.kv_caches)
+        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if self.decode_graphs is not None and self.decode_graphs.fits(query_lens):
+            last_logits = self.decode_graphs.run(input_ids_t, positions_t, meta)  # one row per sequence
+            hidden = None
+        else:
+            hidden = self.model(input_ids_t, positions_t, meta, self.kv_caches)
         rows = [i for i, seq in enumerate(seqs) if seq_lens[i] == seq.num_tokens]
         if not rows:
             return {}
-        ends = list(accumulate(query_lens))
-        last_token_index = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[last_token_index])
+        if hidden is None:
+            logits = last_logits[rows]
+        else:
+            ends = list(accumulate(query_lens))
+            last_token_index = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[last_token_index])
         sample_seqs = [seqs[i] for i in rows]
         return dict(zip(sample_seqs, self.sampler(logits, sample_seqs), strict=True))

@@ -13,6 +13,26 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _let_the_interpreter_take_numpy2_loop_bounds() -> None:
+    """triton 3.6's interpreter turns scalars (1-element arrays) into loop bounds with ``int(array)``, which
+    NumPy >= 2.4 refuses; use ``.item()`` instead."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def patch_for_numpy2(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patch_for_numpy2
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _let_the_interpreter_take_numpy2_loop_bounds()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Run a module's model tests on one torch thread: on a small shared machine more threads are slower."""

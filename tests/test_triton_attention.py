@@ -22,19 +22,6 @@ from runtime.kernels.paged_attention import (  # noqa: E402
 )
 from runtime.layers.attention import paged_attention_reference, store_kv  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton.runtime import interpreter
-
-    _patch_lang_tensor = interpreter._patch_lang_tensor
-
-    def _patch_lang_tensor_for_numpy2(tensor, scope):
-        """triton 3.6's interpreter turns scalars (1-element arrays) into loop bounds with ``int(array)``, which
-        NumPy >= 2.4 refuses; use ``.item()`` instead."""
-        _patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    interpreter._patch_lang_tensor = _patch_lang_tensor_for_numpy2
-
 NUM_KV_HEADS, NUM_BLOCKS = 2, 48
 # (cached tokens before this step, new tokens this step): a fresh prefill, a chunked prefill continuing a cached
 # prefix, and decodes.

@@ -1,0 +1,193 @@
+"""Decode CUDA graphs: the padded static-buffer forward against the eager reference (on CPU through triton's
+interpreter, ``capture=False``), bucket choice, opt-in switches; captured graphs on a CUDA GPU (``-m gpu``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first import of triton
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from engines.native_builder import build_native_engine  # noqa: E402
+from runtime import LLM, SamplingParams  # noqa: E402
+from runtime.attention_metadata import AttentionMetadata  # noqa: E402
+from runtime.decode_graphs import CudaGraphsConfigError, DecodeGraphRunner, decode_batch_sizes  # noqa: E402
+from runtime.engine_format import EngineConfig  # noqa: E402
+from runtime.kernels import kv_store, paged_attention  # noqa: E402
+from runtime.layers import attention  # noqa: E402
+from runtime.model_runner import ModelRunner  # noqa: E402
+from tests.model_factories import make_llama_checkpoint, tiny_plan  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_BATCH, MAX_SEQ_LEN, BLOCK = 8, 64, 4
+BLOCKS_PER_SEQ = MAX_SEQ_LEN // BLOCK
+PROMPT_LENS = [5, 13, 2, 9, 20]
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(params=[
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")),
+    pytest.param("cuda", marks=GPU),
+])
+def device(request):
+    return torch.device(request.param)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graphs")
+    make_llama_checkpoint(root / "checkpoint", seed=0)
+    (root / "engine").mkdir()
+    build_native_engine(root / "checkpoint", root / "engine",
+                        tiny_plan(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ_LEN, tokens_per_block=BLOCK),
+                        "float32", device="cuda" if torch.cuda.is_available() else "cpu")
+    return root / "engine"
+
+
+@contextlib.contextmanager
+def triton_attention_on(device: torch.device):
+    """Route PagedAttention through the Triton kernels, as ``KILN_ATTENTION_BACKEND=triton`` does on CUDA; on CPU
+    (where that switch does not apply) by pointing its reference functions at the interpreted kernels."""
+    if device.type == "cuda":
+        with mock.patch.object(attention, "ATTENTION_BACKEND", "triton"):
+            yield
+        return
+    with (mock.patch.object(attention, "store_kv", kv_store.store_kv),
+          mock.patch.object(attention, "paged_attention_reference", paged_attention.paged_attention)):
+        yield
+
+
+def load_runner(engine_dir, device: torch.device, num_seqs: int) -> ModelRunner:
+    """A ModelRunner whose pool has an unused block 0 (what padding rows read) and a spare last block."""
+    return ModelRunner(engine_dir, EngineConfig.load(engine_dir), device, num_kv_blocks=2 + num_seqs * BLOCKS_PER_SEQ)
+
+
+def block_tables(num_seqs: int) -> list[list[int]]:
+    return [list(range(1 + i * BLOCKS_PER_SEQ, 1 + (i + 1) * BLOCKS_PER_SEQ)) for i in range(num_seqs)]
+
+
+@torch.inference_mode()
+def eager_logits(runner: ModelRunner, kv_caches, new_tokens: list[list[int]], seq_lens: list[int]) -> torch.Tensor:
+    """Last-token logits of one step on the eager reference path."""
+    query_lens = [len(t) for t in new_tokens]
+    meta = AttentionMetadata.build(query_lens, seq_lens, block_tables(len(seq_lens)), BLOCK, runner.device)
+    positions = [p for q, s in zip(query_lens, seq_lens, strict=True) for p in range(s - q, s)]
+    ids = torch.tensor([t for tokens in new_tokens for t in tokens], device=runner.device)
+    hidden = runner.model(ids, torch.tensor(positions, device=runner.device), meta, kv_caches)
+    return runner.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
+
+
+@torch.inference_mode()
+def graph_logits(graphs: DecodeGraphRunner, tokens: list[int], seq_lens: list[int]) -> torch.Tensor:
+    n = len(tokens)
+    meta = AttentionMetadata.build([1] * n, seq_lens, block_tables(n), BLOCK, graphs.device)
+    positions = torch.tensor([s - 1 for s in seq_lens], device=graphs.device)
+    return graphs.run(torch.tensor(tokens, device=graphs.device), positions, meta).clone()
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 5])
+def test_padded_decode_matches_eager_reference_and_leaves_other_blocks_untouched(engine_dir, device, num_seqs):
+    runner = load_runner(engine_dir, device, num_seqs)
+    generator = torch.Generator().manual_seed(num_seqs)
+    prompts = [torch.randint(3, 96, (n,), generator=generator).tolist() for n in PROMPT_LENS[:num_seqs]]
+    seq_lens = [len(p) for p in prompts]
+    logits = eager_logits(runner, runner.kv_caches, prompts, seq_lens)
+    graph_caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    with triton_attention_on(device):
+        graphs = DecodeGraphRunner(runner.model, graph_caches, runner.config, device,
+                                   batch_sizes=decode_batch_sizes(MAX_BATCH), capture=device.type == "cuda")
+    assert graphs.bucket(num_seqs) == {1: 1, 3: 4, 5: 8}[num_seqs]
+    tol = {"rtol": 1e-4, "atol": 1e-4} if device.type == "cpu" else {"rtol": 2e-3, "atol": 2e-3}
+    for _ in range(3):
+        tokens = logits.argmax(-1).tolist()
+        seq_lens = [n + 1 for n in seq_lens]
+        logits = eager_logits(runner, runner.kv_caches, [[t] for t in tokens], seq_lens)
+        with triton_attention_on(device):
+            got = graph_logits(graphs, tokens, seq_lens)
+        assert got.shape == logits.shape
+        torch.testing.assert_close(got, logits, **tol)
+        assert got.argmax(-1).tolist() == logits.argmax(-1).tolist()
+    for (k, v), (gk, gv) in zip(runner.kv_caches, graph_caches, strict=True):
+        torch.testing.assert_close(gk, k, **tol)  # padding rows stored nothing anywhere
+        torch.testing.assert_close(gv, v, **tol)
+        for cache in (gk, gv):
+            assert not cache[0].any() and not cache[-1].any()  # block 0 (read by padding), the spare last block
+
+
+def test_buckets_are_powers_of_two_up_to_the_plan_batch_and_a_step_takes_the_smallest_that_fits(engine_dir):
+    assert decode_batch_sizes(8) == (1, 2, 4, 8)
+    assert decode_batch_sizes(6) == (1, 2, 4, 6)
+    assert decode_batch_sizes(1) == (1,)
+    graphs = DecodeGraphRunner(load_runner(engine_dir, torch.device("cpu"), 1).model, [], EngineConfig.load(engine_dir),
+                               torch.device("cpu"), capture=False)
+    assert graphs.batch_sizes == (1, 2, 4, 8)
+    assert [graphs.bucket(n) for n in (1, 2, 3, 4, 5, 8)] == [1, 2, 4, 4, 8, 8]
+    with pytest.raises(ValueError, match="largest decode graph bucket"):
+        graphs.bucket(9)
+    assert graphs.fits([1, 1, 1]) and graphs.fits([1] * 8)
+    assert not graphs.fits([]) and not graphs.fits([1, 2]) and not graphs.fits([1] * 9)
+
+
+def test_cuda_graphs_without_the_triton_attention_backend_are_refused(engine_dir, monkeypatch):
+    monkeypatch.setattr(attention, "ATTENTION_BACKEND", "torch")
+    monkeypatch.setenv("KILN_CUDA_GRAPHS", "1")
+    with pytest.raises(CudaGraphsConfigError, match="KILN_CUDA_GRAPHS=1 needs KILN_ATTENTION_BACKEND=triton"):
+        load_runner(engine_dir, torch.device("cpu"), 1)
+    monkeypatch.setenv("KILN_CUDA_GRAPHS", "yes")
+    with pytest.raises(CudaGraphsConfigError, match="must be 0 or 1"):
+        load_runner(engine_dir, torch.device("cpu"), 1)
+
+
+def test_cuda_graphs_are_off_by_default_and_ignored_on_cpu(engine_dir, monkeypatch):
+    monkeypatch.delenv("KILN_CUDA_GRAPHS", raising=False)
+    assert load_runner(engine_dir, torch.device("cpu"), 1).decode_graphs is None
+    monkeypatch.setenv("KILN_CUDA_GRAPHS", "1")
+    monkeypatch.setattr(attention, "ATTENTION_BACKEND", "triton")
+    assert load_runner(engine_dir, torch.device("cpu"), 1).decode_graphs is None
+
+
+PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [30, 31, 32, 33, 34]]
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")
+def test_model_runner_routes_pure_decode_steps_through_the_padded_buffers(engine_dir, monkeypatch):
+    monkeypatch.delenv("KILN_CUDA_GRAPHS", raising=False)
+    device = torch.device("cpu")
+    with LLM.load(engine_dir, device="cpu") as llm:
+        expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        runner = llm.engine.model_runner
+        graphs = DecodeGraphRunner(runner.model, runner.kv_caches, runner.config, device, capture=False)
+        batch_sizes = []
+
+        def run(input_ids, positions, meta, run=graphs.run):
+            batch_sizes.append(input_ids.shape[0])
+            with triton_attention_on(device):
+                return run(input_ids, positions, meta)
+
+        graphs.run = run
+        runner.decode_graphs = graphs
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert batch_sizes and set(batch_sizes) <= {1, 2, 3}  # decodes only; prefills stayed eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_llm_with_cuda_graphs_serves_the_tokens_of_the_default_path(engine_dir, monkeypatch):
+    prompts = PROMPTS + [list(range(40, 40 + n)) for n in (2, 7, 11, 4, 16)]  # 8 requests: buckets up to 8
+    with LLM.load(engine_dir, device="cuda") as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    monkeypatch.setenv("KILN_CUDA_GRAPHS", "1")
+    monkeypatch.setattr(attention, "ATTENTION_BACKEND", "triton")
+    with LLM.load(engine_dir, device="cuda") as llm:
+        graphs = llm.engine.model_runner.decode_graphs
+        assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        assert [o.token_ids for o in llm.generate(prompts[:3], GREEDY)] == expected[:3]
