@@ -171,3 +171,16 @@ def test_cache_explain_names_the_fields_that_differ_from_the_nearest_entry(cache
     fields = {d["field"]: d for d in other["differences"]}
     assert fields["quantization.recipe.format"]["config"] == "int4_awq"
     assert "build.max_seq_len" not in fields
+
+
+@pytest.mark.slow
+def test_kiln_quantize_json_has_the_rounds_the_gate_and_a_stable_checkpoint_hash(cache):
+    first = kiln("quantize", "configs/tiny-llama-fp8.yaml", "--json", cache=cache)
+    assert first.returncode == 0, first.stderr
+    report = json.loads(first.stdout)
+    assert report["format"] == "fp8" and report["converged"] is True and report["fallback_from"] is None
+    assert report["rounds"] and {"samples", "max_rel_change", "kl", "top1_agreement"} <= set(report["rounds"][0])
+    assert {"passed", "ppl_increase", "kl", "top1_agreement"} <= set(report["gate"]) and report["gate"]["passed"]
+    again = json.loads(kiln("quantize", "configs/tiny-llama-fp8.yaml", "--json", cache=cache).stdout)
+    assert again["action"] == "skip" and again["checkpoint_hash"] == report["checkpoint_hash"]
+    assert len(report["checkpoint_hash"]) == 64
