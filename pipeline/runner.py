@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engines.cache import EngineCache, checkpoint_hash
+from engines.native_builder import preflight_native_plan
 from pipeline.backend import choose_backend, require
 from pipeline.config import LoadedConfig, load_config
 from pipeline.model_source import find_model, resolve_model
@@ -17,6 +18,7 @@ from pipeline.stages import (
     PublishStage,
     QuantizeStage,
     SmokeStage,
+    native_plan,
     trtllm_plan_extra,
 )
 
@@ -49,6 +51,8 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
     else:
         require(choice)
         model_dir = resolve_model(loaded.config.model)
+        if choice.backend == "native":
+            preflight_native_plan(model_dir, native_plan(loaded.config), loaded.config.model.dtype)
         cache = open_cache(loaded, create=True)
     ckpt = _hash_checkpoint(model_dir, cache) if model_dir else None
     ctx = BuildContext(loaded=loaded, choice=choice, cache=cache, model_dir=model_dir, checkpoint_hash=ckpt,

@@ -159,7 +159,7 @@ class BuildStage:
         from engines.native_builder import build_native_engine
 
         cfg = ctx.config
-        plan = {name: getattr(cfg.build, name) for name in NATIVE_PLAN_FIELDS} | {"kv_cache_dtype": _kv_dtype(ctx)}
+        plan = native_plan(cfg) | {"kv_cache_dtype": _kv_dtype(ctx)}
         describe = {"model": ctx.model_dir.name, "format": _shipped_format(ctx), "backend": ctx.choice.backend,
                     "gpu": ctx.material["hardware"]["gpu_name"] or "cpu"}
 
@@ -256,6 +256,11 @@ class SmokeStage:
             finally:
                 llm.close()
         ctx.sample = {"prompt": smoke.prompt, "text": out.text, "tokens": len(out.token_ids)}
+
+
+def native_plan(config: KilnConfig) -> dict:
+    """The native builder's plan from the config's build section (the KV dtype is added at build time)."""
+    return {name: getattr(config.build, name) for name in NATIVE_PLAN_FIELDS}
 
 
 def trtllm_inputs(ctx: BuildContext) -> dict:

@@ -184,3 +184,30 @@ def test_kiln_quantize_json_has_the_rounds_the_gate_and_a_stable_checkpoint_hash
     again = json.loads(kiln("quantize", "configs/tiny-llama-fp8.yaml", "--json", cache=cache).stdout)
     assert again["action"] == "skip" and again["checkpoint_hash"] == report["checkpoint_hash"]
     assert len(report["checkpoint_hash"]) == 64
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_failure", ["fail", "warn"])
+def test_a_budget_too_small_to_converge_fails_or_warns_naming_the_unsettled_quantizers(tmp_path, on_failure):
+    config = tmp_path / "small-budget.yaml"
+    config.write_text(f"model:\n  path: {TINY}\nquantize:\n  format: fp8\n  num_samples: 16\n  round_samples: 8\n"
+                      f"  tolerance: 0.0001\n  on_failure: {on_failure}\nbuild:\n  max_input_len: 256\n"
+                      "  max_seq_len: 512\n")
+    proc = kiln("build", str(config), cache=tmp_path / "cache")
+    if on_failure == "fail":
+        assert proc.returncode == 4 and "Traceback" not in proc.stderr
+        assert "did not converge" in proc.stderr and "quantizer" in proc.stderr
+        assert not list((tmp_path / "cache" / "v1" / "entries").glob("*/*"))
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert "not converged" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_plan_the_model_cannot_hold_fails_before_any_stage_runs(tmp_path):
+    config = tmp_path / "too-long.yaml"
+    config.write_text(f"model:\n  path: {TINY}\nquantize:\n  format: fp8\nbuild:\n  max_seq_len: 4096\n")
+    proc = kiln("build", str(config), cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "max_seq_len (4096) exceeds the model's max_position_embeddings (512)" in proc.stderr
+    assert not (tmp_path / "cache").exists()
