@@ -153,4 +153,5 @@ def _quantization_summary(ctx: BuildContext) -> dict | None:
     report = ctx.calibration
     if not report:
         return None
-    return {key: report.get(key) for key in ("format", "converged", "gate", "fallback_from", "samples_used")}
+    keys = ("format", "converged", "gate", "fallback_from", "samples_used", "unsettled")
+    return {key: report.get(key) for key in keys}

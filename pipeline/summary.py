@@ -40,6 +40,11 @@ def print_result(result: dict) -> None:
             f"top-1 {_fmt(_pct(gate.get('top1_agreement')), '.1f')}%",
             highlight=False,
         )
+        unsettled = quant.get("unsettled") or []
+        if not quant.get("converged") and unsettled:
+            named = ", ".join(f"{u['statistic']} ({_fmt(_pct(u['recent_change']), '.1f')}%)" for u in unsettled[:3])
+            more = f" and {len(unsettled) - 3} more" if len(unsettled) > 3 else ""
+            stdout.print(f"          still moving: {named}{more}", highlight=False)
     cache = result["cache"]
     hit = "[green]hit[/]" if cache["hit"] else f"[yellow]miss[/] ({cache['reason']})"
     saved = f", {result['build_seconds']:.2f} s of build saved" if cache["hit"] and result.get("build_seconds") else ""
