@@ -3,12 +3,10 @@ corpora and recipes small enough to calibrate in a second on a CPU."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import random
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -20,21 +18,6 @@ TINY_MODEL = REPO / "models" / "tiny-llama"
 BUNDLED_CALIBRATION = REPO / "data" / "tiny" / "calibration.jsonl"
 WORDS = ["the", "cat", "sat", "on", "a", "red", "mat", "and", "saw", "one", "blue", "bird", "fly", "over", "hills",
          "while", "two", "dogs", "ran", "to", "school", "Monday", "Mia", "Tom", "counting", "seven", "eight", "nine"]
-
-
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Run torch on one thread: on a shared 2-core machine two spinning threads make small ops many times slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-def tiny_model_ready() -> bool:
-    return (TINY_MODEL / "model.safetensors").is_file() and (TINY_MODEL / "config.json").is_file()
 
 
 def corpus(num_docs: int, seed: int = 0) -> list[str]:

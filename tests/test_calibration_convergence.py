@@ -11,13 +11,9 @@ import torch
 from calibration import CalibrationError
 from calibration.convergence import ConvergenceMonitor, change
 from calibration.quantize import quantize_checkpoint
-from tests.calibration_factories import make_checkpoint, one_torch_thread, small_recipe
+from tests.calibration_factories import make_checkpoint, small_recipe
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,12 @@ from calibration.quantize import quantize_checkpoint
 from tests.calibration_factories import (
     corpus,
     make_checkpoint,
-    one_torch_thread,
     small_recipe,
     tree_sha256,
     write_jsonl,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

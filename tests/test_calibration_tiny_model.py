@@ -6,16 +6,14 @@ import pytest
 
 from calibration import QuantizeRecipe
 from calibration.quantize import quantize_checkpoint
-from tests.calibration_factories import TINY_MODEL, one_torch_thread, tiny_model_ready
+from tests.calibration_factories import TINY_MODEL
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not tiny_model_ready(), reason="models/tiny-llama is not trained yet")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
 def test_tiny_model_converges_and_passes_the_default_gate(tmp_path, fmt):
-    with one_torch_thread():
-        report = quantize_checkpoint(TINY_MODEL, QuantizeRecipe(format=fmt), tmp_path)
+    report = quantize_checkpoint(TINY_MODEL, QuantizeRecipe(format=fmt), tmp_path)
     assert report["format"] == fmt and report["converged"] is True and report["gate"]["passed"] is True
     assert report["samples_used"] <= QuantizeRecipe().num_samples
     changes = [r["max_rel_change"] for r in report["rounds"][1:]]
