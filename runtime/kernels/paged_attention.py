@@ -39,6 +39,17 @@ def _load_kv_tile(cache_ptr, scale_ptr, block_table_row, offs_n, n_mask, dims, d
 
 
 @triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """Fold one tile of masked, log2-scaled scores ``s`` and its values ``v`` into the running max, sum and output."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
                    k_scale_ptr, v_scale_ptr, scale_log2, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
                    stride_c_block, stride_c_tok, stride_c_head, stride_bt,
@@ -78,14 +89,9 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
                           stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, FP8, q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
         s = tl.where(n_mask[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.trans(_load_kv_tile(v_cache_ptr, v_scale_ptr, block_table_row, offs_n, n_mask, dims, d_mask,
                                    kv_head, stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, FP8, q.dtype))
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
@@ -129,14 +135,9 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
                           stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, FP8, q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.trans(_load_kv_tile(v_cache_ptr, v_scale_ptr, block_table_row, offs_n, n_mask, dims, d_mask,
                                    kv_head, stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, FP8, q.dtype))
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     part_idx = (seq.to(tl.int64) * num_heads + head) * max_partitions + part  # [BLOCK_G]
     tl.store(part_m_ptr + part_idx, m_i, mask=row_mask)
