@@ -39,7 +39,6 @@ def _progress(message: str) -> None:
 def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | None, peer_attn: str,
               fmt: str | None, bandwidth_gbs: float | None, allow_large: bool, seed: int) -> dict:
     """Build (or find) the engine, measure it and the peer, and return the report."""
-    from engines.cache import hold_entry
     from runtime.engine_format import EngineConfig
 
     resolved = resolve_target(target)
@@ -50,9 +49,8 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
     device = ctx.choice.device
     workload = Workload.make(engine.architecture.vocab_size, prompts=plan.prompts, input_len=plan.input_len,
                              output_len=plan.output_len, seed=seed)
-    with hold_entry(ctx.engine_dir.parent):  # no eviction while the engine is loaded
-        kiln = measure_kiln(ctx.engine_dir, workload, device=device, batch_1_only=batch_1_only,
-                            on_loaded=lambda ms: ctx.cache.record_load(ctx.engine_key, ms), progress=_progress)
+    kiln = measure_kiln(ctx.engine_dir, workload, device=device, batch_1_only=batch_1_only,
+                        on_loaded=lambda ms: ctx.cache.record_load(ctx.engine_key, ms), progress=_progress)
     gc.collect()  # the closed engine's KV pool and weights, before the peer loads
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -245,16 +245,15 @@ class SmokeStage:
 
         smoke = ctx.config.smoke
         progress("loading engine", 0.0)
-        with hold_entry(ctx.engine_dir.parent):  # no eviction while this process has the engine loaded
-            start = time.perf_counter()
-            llm = LLM.load(ctx.engine_dir, device=ctx.choice.device)
-            ctx.load_ms = (time.perf_counter() - start) * 1000
-            ctx.cache.record_load(ctx.engine_key, ctx.load_ms)
-            try:
-                progress("generating", 0.5)
-                out = llm.generate([smoke.prompt], SamplingParams(max_tokens=smoke.max_tokens, temperature=0.0))[0]
-            finally:
-                llm.close()
+        start = time.perf_counter()
+        llm = LLM.load(ctx.engine_dir, device=ctx.choice.device)  # holds the cache entry until closed
+        ctx.load_ms = (time.perf_counter() - start) * 1000
+        ctx.cache.record_load(ctx.engine_key, ctx.load_ms)
+        try:
+            progress("generating", 0.5)
+            out = llm.generate([smoke.prompt], SamplingParams(max_tokens=smoke.max_tokens, temperature=0.0))[0]
+        finally:
+            llm.close()
         ctx.sample = {"prompt": smoke.prompt, "text": out.text, "tokens": len(out.token_ids)}
 
 
