@@ -19,6 +19,7 @@ from pipeline.stages import (
     QuantizeStage,
     SmokeStage,
     native_plan,
+    report_summary,
     trtllm_plan_extra,
 )
 
@@ -38,7 +39,7 @@ def open_cache(loaded: LoadedConfig, *, create: bool) -> EngineCache | None:
 
 
 def _hash_checkpoint(model_dir: Path, cache: EngineCache | None) -> str:
-    return checkpoint_hash(model_dir, memo_path=cache.root / "v1" / "hashmemo.sqlite" if cache else None)
+    return checkpoint_hash(model_dir, memo_path=cache.hash_memo_path if cache else None)
 
 
 def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bool) -> BuildContext:
@@ -98,16 +99,7 @@ def plan_json(ctx: BuildContext, decisions: list[tuple[object, Decision]]) -> di
 
 def run(ctx: BuildContext, decisions: list[tuple[object, Decision]], progress: ProgressFactory | None = None) -> dict:
     """Run the stages in order and return the plan plus the run's results."""
-    timings: dict[str, float] = {}
-    for stage, decision in decisions:
-        report = progress(stage.name) if progress else (lambda *_: None)
-        start = time.perf_counter()
-        if decision.action == "run":
-            stage.run(ctx, report)
-        else:
-            stage.on_skip(ctx)
-        report("done", 1.0)
-        timings[stage.name] = round(time.perf_counter() - start, 3)
+    timings = {stage.name: _execute(stage, decision, ctx, progress) for stage, decision in decisions}
     result = plan_json(ctx, decisions)
     result.update({
         "engine_dir": str(ctx.engine_dir.resolve()),
@@ -115,7 +107,7 @@ def run(ctx: BuildContext, decisions: list[tuple[object, Decision]], progress: P
         "load_ms": round(ctx.load_ms, 2) if ctx.load_ms is not None else None,
         "build_seconds": round(ctx.build_seconds, 3),
         "stage_seconds": timings,
-        "quantization": _quantization_summary(ctx),
+        "quantization": report_summary(ctx.calibration) if ctx.calibration else None,
         "sample": ctx.sample,
     })
     return result
@@ -125,12 +117,7 @@ def quantize_only(ctx: BuildContext, progress: ProgressFactory | None = None) ->
     """Run (or reuse) the quantize stage alone; the ``kiln quantize --json`` object."""
     stage = QuantizeStage()
     decision = stage.decide(ctx)
-    report = progress(stage.name) if progress else (lambda *_: None)
-    if decision.action == "run":
-        stage.run(ctx, report)
-    else:
-        stage.on_skip(ctx)
-    report("done", 1.0)
+    _execute(stage, decision, ctx, progress)
     calibration = ctx.calibration or {}
     return {
         "config": str(ctx.loaded.path),
@@ -149,9 +136,13 @@ def quantize_only(ctx: BuildContext, progress: ProgressFactory | None = None) ->
     }
 
 
-def _quantization_summary(ctx: BuildContext) -> dict | None:
-    report = ctx.calibration
-    if not report:
-        return None
-    keys = ("format", "converged", "gate", "fallback_from", "samples_used", "unsettled")
-    return {key: report.get(key) for key in keys}
+def _execute(stage, decision: Decision, ctx: BuildContext, progress: ProgressFactory | None) -> float:
+    """Run a stage or adopt its cached outputs, as decided; returns the seconds it took."""
+    report = progress(stage.name) if progress else (lambda *_: None)
+    start = time.perf_counter()
+    if decision.action == "run":
+        stage.run(ctx, report)
+    else:
+        stage.on_skip(ctx)
+    report("done", 1.0)
+    return round(time.perf_counter() - start, 3)

@@ -115,7 +115,7 @@ class QuantizeStage:
         def build(tmp: Path) -> dict:
             report = quantize_checkpoint(ctx.model_dir, ctx.config.quantize, tmp, device=ctx.choice.device,
                                          dtype=ctx.calibration_dtype, progress=progress)
-            return {"calibration": _report_summary(report)}
+            return {"calibration": report_summary(report)}
 
         result = ctx.cache.quantized.get_or_build(ctx.quantized_key, material, build, force=ctx.force,
                                                    describe=describe, on_wait=lambda msg: progress(msg, 0.0))
@@ -169,7 +169,7 @@ class BuildStage:
             with hold_entry(source.parent) if ctx.checkpoint_dir != ctx.model_dir else nullcontext():
                 engine = build_native_engine(ctx.checkpoint_dir, tmp, plan, cfg.model.dtype, device=ctx.choice.device)
             return {"engine": {"format": engine["format"], "quantization": engine["quantization"]},
-                    "calibration": _report_summary(ctx.calibration) if ctx.calibration else None}
+                    "calibration": report_summary(ctx.calibration) if ctx.calibration else None}
 
         result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
                                                  describe=describe, on_wait=lambda msg: progress(msg, 0.0))
@@ -187,7 +187,7 @@ class BuildStage:
             progress("running trtllm-build", 0.0)
             record = build_trtllm_engine(tmp, timeout_s=ctx.config.build.timeout_s, **inputs)
             return {"engine": {"format": "kiln-trtllm", "quantization": {"format": inputs["quant_format"]}},
-                    "trtllm": record, "calibration": _report_summary(ctx.calibration) if ctx.calibration else None}
+                    "trtllm": record, "calibration": report_summary(ctx.calibration) if ctx.calibration else None}
 
         result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
                                                  describe=describe, on_wait=lambda msg: progress(msg, 0.0))
@@ -303,7 +303,7 @@ def _shipped_format(ctx: BuildContext) -> str:
     return (ctx.calibration or {}).get("format", ctx.config.quantize.format)
 
 
-def _report_summary(report: dict) -> dict:
+def report_summary(report: dict) -> dict:
     """The part of a calibration report that belongs in build records and summaries."""
-    keys = ("format", "converged", "gate", "fallback_from", "samples_used")
+    keys = ("format", "converged", "gate", "fallback_from", "samples_used", "unsettled")
     return {k: report.get(k) for k in keys}

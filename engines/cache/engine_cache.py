@@ -11,6 +11,7 @@ from engines.cache.keys import validate_key
 from engines.cache.layout import ensure_layout, write_atomic
 from engines.cache.stats import StatsDB
 from engines.cache.store import ContentStore, VerifyOnLoad
+from runtime.cache_layout import LAYOUT_VERSION
 
 LIMITS_FILE = "limits.json"
 
@@ -47,6 +48,11 @@ class EngineCache:
     def open_configured(cls, root: Path) -> EngineCache:
         """Open the cache with the limits its last configured ``open`` recorded (for inspection commands)."""
         return cls(root, verify_on_load="size", **read_limits(Path(root)))
+
+    @property
+    def hash_memo_path(self) -> Path:
+        """Where checkpoint content hashes are memoised per (path, size, mtime, inode)."""
+        return self.root / LAYOUT_VERSION / "hashmemo.sqlite"
 
     @property
     def stores(self) -> dict[str, ContentStore]:
