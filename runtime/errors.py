@@ -13,3 +13,7 @@ class EngineFormatError(KilnError):
 
 class FingerprintMismatchError(KilnError):
     """An engine built for another GPU or toolchain; the message says what differs."""
+
+
+class InvalidRequestError(KilnError, ValueError):
+    """A request that is malformed for this engine (bad token ids, text without a tokenizer)."""

@@ -10,7 +10,7 @@ import torch
 
 from runtime.block_manager import BlockManager
 from runtime.engine_format import EngineConfig
-from runtime.errors import KilnError
+from runtime.errors import InvalidRequestError, KilnError
 from runtime.fingerprint import check_fingerprint, machine_fingerprint
 from runtime.limits import EngineLimits
 from runtime.model_runner import ModelRunner
@@ -20,13 +20,9 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.sequence import Sequence
 from runtime.stats import EngineStats, StepStats
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt
 
 logger = logging.getLogger("kiln.runtime")
-
-
-class InvalidRequestError(KilnError, ValueError):
-    """A request that is malformed for this engine (bad token ids, text without a tokenizer)."""
 
 
 def resolve_device(device: str | torch.device | None, config: EngineConfig) -> torch.device:
@@ -63,20 +59,7 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching engine state (safe from any thread)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer.json: pass the prompt as token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-            vocab_size = self.config.architecture.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids {bad[:5]} are not ints in [0, {vocab_size}): "
-                                          f"tokenize with this engine's tokenizer")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer and this engine has no tokenizer.json: use "
-                                      "stop_token_ids")
+        token_ids = encode_prompt(prompt, self.tokenizer, self.config.architecture.vocab_size, bool(params.stop))
         self.scheduler.check_request(len(token_ids), params.max_tokens)
         return Sequence(request_id, token_ids, params)
 

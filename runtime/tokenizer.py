@@ -7,7 +7,7 @@ from pathlib import Path
 
 import tokenizers
 
-from runtime.errors import EngineFormatError
+from runtime.errors import EngineFormatError, InvalidRequestError
 
 # Prompt tokens kept as context when decoding the first completion tokens (spaces and merged bytes depend on it).
 _CONTEXT_TOKENS = 6
@@ -95,3 +95,21 @@ class IncrementalDetokenizer:
         delta = self.text[self._num_streamed_chars:end]
         self._num_streamed_chars = end
         return delta
+
+
+def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int, has_stop_strings: bool,
+                  error: type[InvalidRequestError] = InvalidRequestError) -> list[int]:
+    """A prompt's token ids: text through the tokenizer, or ids checked against the vocabulary; raises ``error``."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise error("this engine has no tokenizer.json: pass the prompt as token ids")
+        token_ids = tokenizer.encode(prompt)
+    else:
+        token_ids = list(prompt)
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+        if bad:
+            raise error(f"prompt token ids {bad[:5]} are not ints in [0, {vocab_size}): tokenize with this engine's "
+                        "tokenizer")
+    if has_stop_strings and tokenizer is None:
+        raise error("stop strings need a tokenizer and this engine has no tokenizer.json: use stop_token_ids")
+    return token_ids

@@ -19,13 +19,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import EngineFormatError, FingerprintMismatchError, KilnError
+from runtime.errors import EngineFormatError, FingerprintMismatchError, InvalidRequestError, KilnError
 from runtime.limits import EngineLimits
 from runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
 from runtime.stats import EngineStats
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt
 
 TRTLLM_ENGINE_JSON = "kiln_trtllm.json"
 ENGINE_FORMAT = "kiln-trtllm"
@@ -43,7 +43,7 @@ class TrtllmUnavailableError(KilnError):
     """TensorRT-LLM is not installed, is not 1.2.x, or there is no GPU to run its engine on."""
 
 
-class TrtllmRequestError(KilnError, ValueError):
+class TrtllmRequestError(InvalidRequestError):
     """A request this engine cannot take (bad token ids, too long, text without a tokenizer)."""
 
 
@@ -186,20 +186,7 @@ class TrtllmEngine:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching the executor (safe from any thread)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise TrtllmRequestError("this engine has no tokenizer.json: pass the prompt as token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-            vocab = self.info.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise TrtllmRequestError(f"prompt token ids {bad[:5]} are not ints in [0, {vocab}): tokenize with "
-                                         f"this engine's tokenizer")
-        if params.stop and self.tokenizer is None:
-            raise TrtllmRequestError("stop strings need a tokenizer and this engine has no tokenizer.json: use "
-                                     "stop_token_ids")
+        token_ids = encode_prompt(prompt, self.tokenizer, self.info.vocab_size, bool(params.stop), TrtllmRequestError)
         if not token_ids:
             raise TrtllmRequestError("the prompt is empty: pass at least one token")
         max_input, max_seq = self.plan["max_input_len"], self.plan["max_seq_len"]
