@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from engines.cache import StatsDB
 from engines.cache.stats import percentile
+
+REPO = Path(__file__).resolve().parents[1]
 
 KEY = "ab" * 32
 
@@ -62,3 +67,16 @@ def test_since_and_zero(stats):
 def test_empty_stats_have_no_rate(stats):
     summary = stats.summary("entries")
     assert (summary["lookups"], summary["hit_rate"], summary["load_ms"]["p50"]) == (0, None, None)
+
+
+def test_many_processes_opening_a_new_stats_database_together_all_succeed(tmp_path):
+    go = tmp_path / "go"
+    script = ("import sys, time; from pathlib import Path; from engines.cache.stats import StatsDB\n"
+              "while not Path(sys.argv[2]).exists(): time.sleep(0.001)\n"
+              "StatsDB(Path(sys.argv[1]))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "stats.db"), str(go)], cwd=REPO,
+                              stderr=subprocess.PIPE, text=True) for _ in range(12)]
+    time.sleep(2)  # every process started and waiting: they open the new database at the same instant
+    go.touch()
+    errors = [p.communicate(timeout=60)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 12, errors
