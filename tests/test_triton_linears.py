@@ -94,6 +94,20 @@ def test_fp8_gemv_quantizes_activations_exactly_like_the_runtime():
 
 
 @interpreted
+def test_quantize_fp8_writes_the_bytes_of_the_torch_quantizer():
+    from runtime.kernels.fp8_quant import quantize_fp8
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.cat([torch.randn(3, 700, generator=g) * 8.0, torch.randn(3, 700, generator=g) * 0.001], dim=1)
+    x[0, :7] = torch.tensor([1e3, -1e3, 0.0, -0.0, 7.5, 8.5, 0.5 * 2.0 ** -9])  # clamp, signed zero, ties, subnormal
+    scale = torch.tensor(0.5)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = quantize_fp8(x.to(dtype)[:, ::1], scale)
+        assert out.dtype == torch.float8_e4m3fn and out.shape == (3, 1400)
+        assert torch.equal(out.view(torch.uint8), fp8_quantize(x.to(dtype), scale).view(torch.uint8))
+
+
+@interpreted
 def test_fp8_gemv_decodes_every_e4m3_weight_value():
     # Each of the 254 finite E4M3 bytes (0x7F / 0xFF are NaN) as one weight column, activation 1.0.
     codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
@@ -211,17 +225,17 @@ def test_bench_linears_table_names_the_crossover(capsys):
 
 @gpu
 @pytest.mark.gpu
-def test_quantized_linears_take_the_streaming_kernels_when_opted_in(monkeypatch):
+def test_quantized_linears_take_the_streaming_kernels_on_cuda(monkeypatch):
+    from runtime import kernel_config
     from runtime.layers import linear
 
-    if not hasattr(linear, "use_streaming_kernel"):
-        pytest.skip("runtime/layers/linear.py is not wired to the Triton kernels yet")
-    monkeypatch.setattr(linear, "LINEAR_BACKEND", "triton")
+    monkeypatch.setattr(kernel_config, "KERNELS", "triton")
     x, weight, weight_scale, input_scale = _fp8_operands(2, 384, 512, seed=5, device="cuda")
     fp8 = linear.Fp8Linear(512, 384).cuda()
     fp8.weight.copy_(weight), fp8.weight_scale.copy_(weight_scale), fp8.input_scale.copy_(input_scale)
     x = x.bfloat16()
-    assert linear.use_streaming_kernel(x) and not linear.use_streaming_kernel(x.cpu())
+    assert linear.use_streaming_kernel(x, 16) and not linear.use_streaming_kernel(x.cpu(), 16)
+    assert not linear.use_streaming_kernel(x, 1)  # 2 tokens above a limit of 1: the GEMM path
     assert _rel_err(fp8(x), fp8_linear_reference(x, weight, weight_scale, input_scale)) < GPU_REL_TOL
     x, qweight, scales, pre_quant_scale = _int4_operands(2, 384, 512, 128, seed=5, device="cuda")
     int4 = linear.Int4AwqLinear(512, 384, 128).cuda()

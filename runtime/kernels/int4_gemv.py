@@ -2,10 +2,11 @@
 
 The layout is ``runtime.layers.linear``'s: ``qweight`` uint8 [N, K // 2], byte j of row n holds input columns 2j
 (low nibble) and 2j + 1 (high nibble) as ``q + 8``; ``scales`` float32 [N, K // group_size]; ``pre_quant_scale``
-float32 [K]. Each program owns ``BLOCK_N`` output rows and walks K in ``BLOCK_K`` chunks (a multiple of the group
-size): it loads the packed bytes once, splits the nibbles in registers, dequantizes them with their group's scale
-and multiplies them against the even and odd activation columns of all M rows, accumulating in float32. The
-dequantized weight is rounded to the activation dtype before a ``tl.dot``, as ``int4_awq_linear_reference`` does.
+float32 [K]. The activation is multiplied by ``pre_quant_scale`` first (in its dtype, as the reference does). Each
+program owns ``BLOCK_N`` output rows and walks K in ``BLOCK_K`` chunks (a multiple of the group size): it loads the
+packed bytes and the chunk's group scales once and splits the nibbles in registers. M = 1 sums ``q * x`` per group
+and multiplies each group's sum by its scale once; larger M dequantizes the tile, rounds it to the activation dtype
+(as ``int4_awq_linear_reference`` does) and runs ``tl.dot`` against the even and odd activation columns.
 """
 
 from __future__ import annotations
@@ -16,55 +17,64 @@ import triton.language as tl
 
 
 @triton.jit
-def _int4_awq_gemv_kernel(x_ptr, qw_ptr, scales_ptr, pqs_ptr, y_ptr, M, N, K: tl.constexpr,
+def _int4_awq_gemv_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, M, N, K: tl.constexpr,
                           stride_xm, stride_qn, stride_sn, stride_ym,
                           GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
     HALF_K: tl.constexpr = BLOCK_K // 2
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_j = tl.arange(0, HALF_K)  # byte j of the chunk: input columns 2j and 2j + 1
+    offs_g = tl.arange(0, GROUPS)
     mask_n = offs_n < N
     mask_m = offs_m < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + 2 * offs_j  # even input columns
         mask_k = cols < K
-        mask_w = mask_n[:, None] & mask_k[None, :]
-        packed = tl.load(qw_ptr + offs_n[:, None] * stride_qn + (k0 // 2 + offs_j)[None, :], mask=mask_w, other=0x88)
-        # Columns 2j and 2j + 1 share a group (the group size is even): the scale is a broadcast load from cache.
-        scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + (cols // GROUP_SIZE)[None, :], mask=mask_w,
-                        other=0.0)
-        w_even = ((packed & 0x0F).to(tl.int32) - 8).to(tl.float32) * scale
-        w_odd = ((packed >> 4).to(tl.int32) - 8).to(tl.float32) * scale
-        mask_x = mask_m[:, None] & mask_k[None, :]
+        packed = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn + (k0 // 2 + offs_j)[None, :],
+                         mask=mask_n[:, None] & mask_k[None, :], other=0x88)
+        q_even = (packed & 0x0F).to(tl.float32) - 8.0
+        q_odd = (packed >> 4).to(tl.float32) - 8.0
+        groups = k0 // GROUP_SIZE + offs_g
+        scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + groups[None, :],
+                        mask=mask_n[:, None] & (groups < K // GROUP_SIZE)[None, :], other=0.0)  # [BLOCK_N, GROUPS]
         x_row = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
+        mask_x = mask_m[:, None] & mask_k[None, :]
         x_even = tl.load(x_row, mask=mask_x, other=0.0)
         x_odd = tl.load(x_row + 1, mask=mask_x, other=0.0)
-        # x * pre_quant_scale in the activation dtype, as the reference does.
-        x_even = x_even * tl.load(pqs_ptr + cols, mask=mask_k, other=0.0).to(x_even.dtype)[None, :]
-        x_odd = x_odd * tl.load(pqs_ptr + cols + 1, mask=mask_k, other=0.0).to(x_odd.dtype)[None, :]
         if BLOCK_M == 1:
-            acc += tl.sum(w_even * x_even.to(tl.float32) + w_odd * x_odd.to(tl.float32), axis=1)[None, :]
-        elif tl.float32 == DOT_DTYPE:
-            acc = tl.dot(x_even.to(tl.float32), tl.trans(w_even), acc, input_precision="ieee")
-            acc = tl.dot(x_odd.to(tl.float32), tl.trans(w_odd), acc, input_precision="ieee")
+            # sum_k q_k s_g x_k = sum_g s_g sum_{k in g} q_k x_k: one scale multiply per group
+            prod = q_even * x_even.to(tl.float32) + q_odd * x_odd.to(tl.float32)  # [BLOCK_N, HALF_K]
+            per_group = tl.sum(tl.reshape(prod, [BLOCK_N, GROUPS, GROUP_SIZE // 2]), axis=2)
+            acc += tl.sum(per_group * scale, axis=1)[None, :]
         else:
-            acc = tl.dot(x_even.to(DOT_DTYPE), tl.trans(w_even.to(DOT_DTYPE)), acc)
-            acc = tl.dot(x_odd.to(DOT_DTYPE), tl.trans(w_odd.to(DOT_DTYPE)), acc)
+            s = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, GROUP_SIZE // 2]), [BLOCK_N, HALF_K])
+            w_even = q_even * s
+            w_odd = q_odd * s
+            if tl.float32 == DOT_DTYPE:
+                acc = tl.dot(x_even.to(tl.float32), tl.trans(w_even), acc, input_precision="ieee")
+                acc = tl.dot(x_odd.to(tl.float32), tl.trans(w_odd), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x_even.to(DOT_DTYPE), tl.trans(w_even.to(DOT_DTYPE)), acc)
+                acc = tl.dot(x_odd.to(DOT_DTYPE), tl.trans(w_odd.to(DOT_DTYPE)), acc)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def int4_gemv_config(m: int, n: int, k: int, group_size: int) -> dict:
-    """Launch parameters: a row-reduction for M = 1, a 16-row ``tl.dot`` tile otherwise. Untuned on a GPU yet."""
-    block_n = 16 if n <= 8192 else 32
-    block_k = group_size * max(1, 512 // group_size) if m == 1 else group_size * max(1, 256 // group_size)
+    """Launch parameters: a row reduction for M = 1 (the fastest of a sweep on an H200 inside CUDA graphs,
+    tools/tune_gemv.py), a 16-row ``tl.dot`` tile otherwise."""
     if m == 1:
-        return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=16, BLOCK_N=max(block_n, 32), BLOCK_K=block_k, num_warps=4, num_stages=3)
+        block_k = group_size * max(1, 256 // group_size)
+        if n >= 16384:
+            return dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=block_k, num_warps=8, num_stages=4)
+        return dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=block_k, num_warps=8, num_stages=2)
+    block_k = group_size * max(1, 256 // group_size)
+    return dict(BLOCK_M=16, BLOCK_N=64 if n >= 16384 else 32, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
 def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pre_quant_scale: torch.Tensor,
@@ -84,7 +94,7 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         x2 = x2.contiguous()
     qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     scales = scales if scales.stride(-1) == 1 else scales.contiguous()
-    pre_quant_scale = pre_quant_scale.contiguous()
+    x2 = x2 * pre_quant_scale.to(x.dtype)  # in the activation dtype, as the reference does
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -97,7 +107,7 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     dot_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(x.dtype, tl.float32) if x.is_cuda \
         else tl.float32
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
-    _int4_awq_gemv_kernel[grid](x2, qweight, scales, pre_quant_scale, y, m, n, k,
+    _int4_awq_gemv_kernel[grid](x2, qweight, scales, y, m, n, k,
                                 x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
                                 GROUP_SIZE=group_size, DOT_DTYPE=dot_dtype, **cfg)
     return y.reshape(*x.shape[:-1], n)

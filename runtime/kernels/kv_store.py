@@ -11,21 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-
-
-@triton.jit
-def round_to_e4m3(y):
-    """Round float32 ``y`` (|y| <= 448) to the nearest float8_e4m3fn value, ties to even, staying in float32.
-
-    Done in float32 arithmetic so that the final cast is exact: triton's interpreter rounds some ties wrongly.
-    """
-    exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    ulp_exponent = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; below 2**-6 the subnormal step is 2**-9
-    ulp = ((ulp_exponent + 127) << 23).to(tl.float32, bitcast=True)
-    inverse_ulp = ((127 - ulp_exponent) << 23).to(tl.float32, bitcast=True)  # powers of two: both products exact
-    magic = 12582912.0  # 1.5 * 2**23: adding and removing it rounds |t| < 2**22 to an integer, ties to even
-    return ((y * inverse_ulp + magic) - magic) * ulp
+from runtime.kernels.rounding import FP8_MAX, round_to_e4m3
 
 
 @triton.jit
@@ -45,8 +31,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k
     cache_offs = slot * stride_c_slot + heads * stride_c_head + dims
     if FP8:
         # div_rn: IEEE division like torch's (a plain `/` compiles to an approximate division on GPU)
-        k = round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0))
-        v = round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0))
+        k = round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX))
+        v = round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX))
     tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

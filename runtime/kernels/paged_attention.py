@@ -7,7 +7,8 @@ Two kernels over the same paged caches ([num_blocks, block_size, num_kv_heads, h
   sequence, KV head); its rows are the tile's tokens times the KV head's GQA group, so each K/V tile is read once for
   the whole group. Online softmax in float32, K/V gathered through the block table token by token.
 - ``paged_attention_decode``: every q_len == 1 (flash-decoding). The context is cut into partitions of
-  ``partition_size`` tokens; one program per (sequence, KV head, partition) writes a partial max, sum and
+  ``partition_size`` tokens (64 to 512, smaller when few sequences would leave SMs idle); one program per
+  (sequence, KV head, partition) writes a partial max, sum and
   unnormalised output, and a second kernel combines the partitions of each (sequence, head).
 
 Every length is read from device tensors: the grids are bounded by ``meta.max_query_len`` / ``meta.max_seq_len``,
@@ -16,6 +17,8 @@ host ints the metadata already carries, so no launch synchronises with the host.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +26,8 @@ import triton.language as tl
 from runtime.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
-DECODE_PARTITION_SIZE = 512
+# Split-KV decode partitions hold 64..512 tokens, sized so that the grid gives each SM a few programs.
+MIN_PARTITION_SIZE, MAX_PARTITION_SIZE, PROGRAMS_PER_SM = 64, 512, 4
 
 
 @triton.jit
@@ -218,11 +222,12 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, partition_size: int = DECODE_PARTITION_SIZE,
+                           out: torch.Tensor | None = None, partition_size: int | None = None,
                            block_n: int = 64) -> torch.Tensor:
     """Split-KV decode (one new token per sequence): q [num_seqs, num_heads, head_dim] -> same shape.
 
-    ``out`` as for the varlen kernel. ``partition_size`` must be a power of two, at least 16; the partial
+    ``out`` as for the varlen kernel. ``partition_size`` (default: ``decode_partition_size``) must be a power of
+    two, at least 16; the partial
     results live in float32 scratch of num_seqs * num_heads * cdiv(meta.max_seq_len, partition_size) * (head_dim + 2)
     elements.
     """
@@ -231,6 +236,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     num_seqs = meta.seq_lens.shape[0]
+    partition_size = partition_size or decode_partition_size(num_seqs, num_kv_heads, meta.max_seq_len, q.device)
     max_partitions = triton.cdiv(meta.max_seq_len, partition_size)
     block_n = min(block_n, partition_size)
     block_d = max(triton.next_power_of_2(head_dim), 16)
@@ -250,6 +256,19 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_heads, max_partitions, HEAD_DIM=head_dim, BLOCK_P=max(triton.next_power_of_2(max_partitions), 2),
         BLOCK_D=block_d, PARTITION_SIZE=partition_size, num_warps=4)
     return out
+
+
+def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Tokens per split-KV partition: about PROGRAMS_PER_SM programs per SM over a context of ``max_seq_len``."""
+    tokens_per_program = num_seqs * num_kv_heads * max_seq_len // (PROGRAMS_PER_SM * _num_sms(device))
+    return min(MAX_PARTITION_SIZE, max(MIN_PARTITION_SIZE, triton.next_power_of_2(max(tokens_per_program, 1))))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: any size is correct
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

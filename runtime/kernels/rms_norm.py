@@ -1,0 +1,69 @@
+"""RMSNorm with the residual add folded in: the Triton twin of ``runtime.layers.norm.RMSNorm.forward``.
+
+One program per token row holds the whole row (``BLOCK = next_power_of_2(hidden_size)``, up to 8192 and beyond)
+in registers, so the row is read once, reduced once and written once: with a residual, ``x + residual`` is rounded
+to the model dtype and written out as the new residual, then normalised in float32, rounded to the model dtype and
+scaled by ``weight``, the product rounded again, exactly the roundings the PyTorch layer makes. The only numerical
+difference is the order of the float32 sum of squares (and, on a GPU, the approximate ``rsqrt`` of each side, and
+PyTorch's CUDA mean multiplying by ``1 / hidden`` where this kernel divides, as PyTorch's CPU mean does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.kernels.rounding import SUPPORTED_DTYPES, round_to_dtype
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, eps, stride_x, stride_r,
+                     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = round_to_dtype(x + residual, dtype)
+        tl.store(new_residual_ptr + row * HIDDEN + cols, x.to(dtype), mask=mask)
+    variance = tl.math.div_rn(tl.sum(x * x, axis=0), HIDDEN)
+    h = round_to_dtype(x * tl.math.rsqrt(variance + eps), dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * HIDDEN + cols, round_to_dtype(weight * h, dtype).to(dtype), mask=mask)
+
+
+def _num_warps(block: int) -> int:
+    """Enough threads that each holds a few dozen elements of the row. Untuned on a GPU yet."""
+    return 4 if block < 2048 else 8 if block < 8192 else 16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``weight * x / rms(x)`` over the last dim of x [..., hidden] (float32/float16/bfloat16); ``weight``
+    [hidden] has x's dtype. With ``residual`` (x's shape and dtype), first ``x = x + residual`` and return
+    ``(out, new_residual)``, the new residual a fresh tensor: neither input is written.
+    """
+    hidden = x.shape[-1]
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"rms_norm: x must be float32, float16 or bfloat16, got {x.dtype}")
+    if weight.shape != (hidden,) or weight.dtype != x.dtype:
+        raise ValueError(f"rms_norm: weight must be {x.dtype} [{hidden}], got {weight.dtype} {list(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"rms_norm: residual must be {x.dtype} {list(x.shape)}, got {residual.dtype} "
+                         f"{list(residual.shape)}")
+    x2 = x.reshape(-1, hidden)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    r2 = x2 if residual is None else residual.reshape(-1, hidden)
+    r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    weight = weight if weight.stride(0) == 1 else weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, out if new_residual is None else new_residual, eps, x2.stride(0), r2.stride(0),
+            HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block))
+    return out if new_residual is None else (out, new_residual)

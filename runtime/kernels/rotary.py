@@ -1,0 +1,87 @@
+"""Rotary position embedding of q and k in one launch: the Triton twin of ``runtime.layers.rotary.RotaryEmbedding``.
+
+One program per token reads its position's row of the float32 ``cos_sin_cache`` ([max_position, head_dim] =
+cat(cos, sin)) once, rounds it to the model dtype as the layer does, and rotates every q head and every k head of
+the token (GPT-NeoX half rotation: ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin``). Each product and each sum
+is rounded to the model dtype, as the separate PyTorch ops round them, so the result is bit-identical to the layer.
+q and k may be strided views (the split of a fused qkv projection); the outputs are new contiguous tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.kernels.rounding import SUPPORTED_DTYPES, round_to_dtype
+
+
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, token, cos, sin, stride_tok, stride_head,
+                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate the ``NUM_HEADS`` heads of one token; ``cos`` and ``sin`` are [1, BLOCK_HALF] in float32."""
+    dtype = out_ptr.dtype.element_ty
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < NUM_HEADS) & (dims < HALF)
+    x1_ptrs = x_ptr + token * stride_tok + heads * stride_head + dims
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = round_to_dtype(round_to_dtype(x1 * cos, dtype) - round_to_dtype(x2 * sin, dtype), dtype)
+    out2 = round_to_dtype(round_to_dtype(x2 * cos, dtype) + round_to_dtype(x1 * sin, dtype), dtype)
+    out_ptrs = out_ptr + token * (NUM_HEADS * 2 * HALF) + heads * (2 * HALF) + dims
+    tl.store(out_ptrs, out1.to(dtype), mask=mask)
+    tl.store(out_ptrs + HALF, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr, stride_q_tok, stride_q_head,
+                   stride_k_tok, stride_k_head, stride_cache,
+                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)
+    cos_ptrs = cos_sin_ptr + position * stride_cache + dims
+    dtype = q_out_ptr.dtype.element_ty
+    cos = round_to_dtype(tl.load(cos_ptrs, mask=dims < HALF, other=0.0).to(tl.float32), dtype)[None, :]
+    sin = round_to_dtype(tl.load(cos_ptrs + HALF, mask=dims < HALF, other=0.0).to(tl.float32), dtype)[None, :]
+    _rotate_heads(q_ptr, q_out_ptr, token, cos, sin, stride_q_tok, stride_q_head, NUM_HEADS, HALF, BLOCK_H,
+                  BLOCK_HALF)
+    _rotate_heads(k_ptr, k_out_ptr, token, cos, sin, stride_k_tok, stride_k_head, NUM_KV_HEADS, HALF, BLOCK_KV_H,
+                  BLOCK_HALF)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] (same float dtype, any token and head
+    strides) by ``positions`` [T] through ``cos_sin_cache`` [max_position, head_dim]. Returns new contiguous
+    ``(q_out, k_out)``; positions are not bounds-checked.
+    """
+    if q.dim() != 3 or k.dim() != 3 or positions.dim() != 1 or positions.is_floating_point():
+        raise ValueError(f"apply_rotary: q and k must be [T, heads, head_dim] and positions integer [T], got q "
+                         f"{list(q.shape)}, k {list(k.shape)}, positions {positions.dtype} {list(positions.shape)}")
+    num_tokens, num_heads, head_dim = q.shape
+    if k.shape[0] != num_tokens or positions.shape[0] != num_tokens:
+        raise ValueError(f"apply_rotary: q, k and positions must have the same number of tokens, got "
+                         f"{num_tokens}, {k.shape[0]} and {positions.shape[0]}")
+    if k.shape[2] != head_dim or head_dim % 2 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"apply_rotary: q, k and cos_sin_cache must share an even head_dim, got q {head_dim}, "
+                         f"k {k.shape[2]}, cos_sin_cache {list(cos_sin_cache.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype:
+        raise ValueError(f"apply_rotary: q and k must share a dtype among float32, float16 and bfloat16, got "
+                         f"{q.dtype} and {k.dtype}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos_sin_cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens:
+        num_kv_heads, half = k.shape[1], head_dim // 2
+        # No fused multiply-add: in float32 it would skip the rounding of the products that the layer makes.
+        _rotary_kernel[(num_tokens,)](
+            positions, q, k, cos_sin_cache, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos_sin_cache.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
+            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, enable_fp_fusion=False)
+    return q_out, k_out

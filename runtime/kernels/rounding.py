@@ -1,0 +1,40 @@
+"""Exact roundings shared by the Triton kernels: float32 to the model dtype, and to FP8 (E4M3) for activations and KV.
+
+Both are done in integer/float32 arithmetic rather than by a cast, so they are exact in Triton's interpreter too
+(it truncates float32 to bfloat16 and rounds some FP8 ties wrongly) and a later cast is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)  # a global read inside a kernel must be a constexpr
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def round_to_dtype(x, DTYPE: tl.constexpr):
+    """Round float32 ``x`` to the nearest ``DTYPE`` value (ties to even), staying in float32; NaN stays NaN."""
+    if tl.bfloat16 == DTYPE:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)  # carries into the upper half when above the midpoint or a tie
+        return tl.where(x == x, ((bits >> 16) << 16).to(tl.float32, bitcast=True), x)  # a NaN could carry to -0
+    elif tl.float16 == DTYPE:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def round_to_e4m3(y):
+    """Round float32 ``y`` (|y| <= 448) to the nearest float8_e4m3fn value, ties to even, staying in float32."""
+    exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp_exponent = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; below 2**-6 the subnormal step is 2**-9
+    ulp = ((ulp_exponent + 127) << 23).to(tl.float32, bitcast=True)
+    inverse_ulp = ((127 - ulp_exponent) << 23).to(tl.float32, bitcast=True)  # powers of two: both products exact
+    magic = 12582912.0  # 1.5 * 2**23: adding and removing it rounds |t| < 2**22 to an integer, ties to even
+    rounded = ((y * inverse_ulp + magic) - magic) * ulp
+    sign = y.to(tl.int32, bitcast=True) & -2147483648  # keep y's sign where it rounds to zero (-0, as torch)
+    return (rounded.to(tl.int32, bitcast=True) & 0x7FFFFFFF | sign).to(tl.float32, bitcast=True)

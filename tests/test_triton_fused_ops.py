@@ -1,0 +1,176 @@
+"""The fused elementwise Triton kernels of the decoder layer (RMSNorm with residual, rotary, SiLU-and-mul) against
+the PyTorch layers they replace: on CPU through triton's interpreter, and on a CUDA GPU (``-m gpu``).
+
+Both sides do the same float32 operations and round to the model dtype in the same places, so they are compared
+bit for bit wherever they also share the math functions. The exceptions are named where they are asserted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first import of triton
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from runtime import kernel_config  # noqa: E402
+from runtime.kernels.rms_norm import rms_norm  # noqa: E402
+from runtime.kernels.rotary import apply_rotary  # noqa: E402
+from runtime.kernels.silu_mul import silu_and_mul  # noqa: E402
+from runtime.layers.activation import SiluAndMul  # noqa: E402
+from runtime.layers.norm import RMSNorm  # noqa: E402
+from runtime.layers.rotary import RotaryEmbedding  # noqa: E402
+
+EPS = 1e-5
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 256}  # short, so that positions below 1024 reach the ramp
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+
+
+@pytest.fixture(params=[
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")),
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+])
+def device(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def layers_run_pytorch(monkeypatch):
+    """The layers call these kernels on CUDA tensors: make them run their PyTorch code, the reference."""
+    monkeypatch.setattr(kernel_config, "KERNELS", "torch")
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Make every output buffer the kernels allocate start as NaN, so an element they never write shows."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: real_empty(*args, **kwargs).fill_(float("nan")))
+
+
+def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest |out - ref| in units in the last place of ref's dtype at ref's magnitude."""
+    magnitude = ref.double().abs().clamp_min(torch.finfo(ref.dtype).tiny)
+    spacing = torch.finfo(ref.dtype).eps * torch.exp2(torch.floor(torch.log2(magnitude)))
+    return ((out.double() - ref.double()).abs() / spacing).max().item()
+
+
+def on_a_grid(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    """Multiples of 1/64 below 1.5 in magnitude. They and their pairwise sums are exact in bfloat16, and the squares
+    of those sums (multiples of 2**-12 below 9) add up exactly in float32 over a few hundred columns, in any order:
+    the kernel's tree reduction and torch's sum of squares then agree, and only the rsqrt can differ."""
+    return torch.randint(-96, 97, shape, generator=generator) / 64
+
+
+def outputs(result: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return result if isinstance(result, tuple) else (result, None)
+
+
+@DTYPES
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_matches_the_layer(device, poisoned_outputs, dtype, with_residual):
+    num_tokens, hidden = 5, 320  # not a power of two: the row's tail lanes are masked
+    generator = torch.Generator().manual_seed(0)
+    x = on_a_grid(num_tokens, hidden, generator=generator).to(dtype).to(device)
+    residual = on_a_grid(num_tokens, hidden, generator=generator).to(dtype).to(device) if with_residual else None
+    x_before, residual_before = x.clone(), None if residual is None else residual.clone()
+    unit = RMSNorm(hidden, EPS, dtype).to(device)  # weight 1: its output is x normalized and rounded
+    layer = RMSNorm(hidden, EPS, dtype).to(device)
+    layer.weight.copy_(torch.randn(hidden, generator=generator))
+
+    normalized, new_residual = outputs(rms_norm(x, unit.weight, EPS, residual))
+    out, _ = outputs(rms_norm(x, layer.weight, EPS, residual))
+    expected_normalized, expected_residual = outputs(unit(x, residual))
+    # The interpreter's rsqrt is 1 / sqrt in float32, as in torch's CPU kernel: bit for bit. On a GPU both sides
+    # take an approximate rsqrt (and torch's mean multiplies by 1 / hidden): at most 1 ulp of a bfloat16 output;
+    # in float32, where x * rsqrt is not rounded further, an ulp of rsqrt can become 2 ulps of the output.
+    assert ulps(normalized, expected_normalized) <= (0 if device == "cpu" else 1 if dtype == torch.bfloat16 else 2)
+    assert torch.equal(out, layer.weight * normalized)  # the weight product is rounded as torch rounds it
+    if device == "cpu":
+        assert torch.equal(out, outputs(layer(x, residual))[0])
+    if with_residual:
+        assert torch.equal(new_residual, expected_residual)
+        assert torch.equal(residual, residual_before)
+    assert torch.equal(x, x_before)
+
+
+@DTYPES
+@pytest.mark.parametrize(("head_dim", "scaling"), [(64, None), (128, LLAMA3_SCALING), (80, LLAMA3_SCALING)],
+                         ids=["default", "llama3", "llama3-head-dim-80"])
+def test_rotary_matches_the_layer_on_views_of_a_fused_qkv(device, poisoned_outputs, dtype, head_dim, scaling):
+    num_tokens, num_heads, num_kv_heads = 7, 6, 2  # head counts that are not powers of two: masked rows
+    generator = torch.Generator().manual_seed(head_dim)
+    rope = RotaryEmbedding(head_dim, 1024, 500000.0, scaling).to(device)
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator) * 4).to(dtype)
+    qkv = qkv.to(device)
+    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.tensor([0, 1023, 5, 700, 300, 5, 64], device=device)
+    qkv_before = qkv.clone()
+
+    q_out, k_out = apply_rotary(positions, q, k, rope.cos_sin_cache)
+
+    expected_q, expected_k = rope(positions, q, k)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert torch.equal(q_out, expected_q) and torch.equal(k_out, expected_k)
+    assert torch.equal(qkv, qkv_before)
+
+
+@DTYPES
+def test_silu_and_mul_matches_the_layer(device, poisoned_outputs, dtype):
+    inter_size = 1500  # two column blocks of 1024, the second partly masked
+    generator = torch.Generator().manual_seed(2)
+    x = (torch.randn(5, 2 * inter_size, generator=generator) * 3).to(dtype).to(device)
+
+    out = silu_and_mul(x)
+
+    expected = SiluAndMul()(x)
+    if device == "cpu" and dtype == torch.float32:
+        # NumPy's exp (the interpreter's) and torch's vectorised CPU exp are each off by an ulp or two of float32.
+        assert ulps(out, expected) <= 8
+    else:  # the two exps agree after rounding to bfloat16 (for every gate: the next test); on a GPU both sides
+        # call libdevice's expf
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's, as the interpreter meets infinities and NaNs
+def test_silu_and_mul_matches_the_layer_for_every_bfloat16_gate(device):
+    gate = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    # Every gate, infinities and NaNs included, but those so small that silu(gate) would be subnormal: the
+    # interpreter's float32 -> bfloat16 cast mishandles subnormals.
+    gate = gate[~(gate.abs() < 2.0**-100) | (gate == 0)]
+    up = (torch.rand(gate.numel(), generator=torch.Generator().manual_seed(3)) + 0.5).to(torch.bfloat16)
+    x = torch.cat([gate, up])[None, :].to(device)
+    torch.testing.assert_close(silu_and_mul(x), SiluAndMul()(x), rtol=0, atol=0, equal_nan=True)
+
+
+def test_kernels_keep_leading_dims_and_take_an_empty_batch(device):
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(4)).to(device)
+    assert torch.equal(rms_norm(x, torch.ones(64, device=device), EPS).reshape(6, 64),
+                       rms_norm(x.reshape(6, 64), torch.ones(64, device=device), EPS))
+    assert silu_and_mul(x).shape == (2, 3, 32)
+    empty = torch.empty(0, 64, device=device)
+    out, new_residual = rms_norm(empty, torch.ones(64, device=device), EPS, empty)
+    assert out.shape == new_residual.shape == (0, 64) and silu_and_mul(empty).shape == (0, 32)
+    q_out, k_out = apply_rotary(torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, 4, 64, device=device),
+                                torch.empty(0, 2, 64, device=device), torch.ones(8, 64, device=device))
+    assert q_out.shape == (0, 4, 64) and k_out.shape == (0, 2, 64)
+
+
+def test_kernels_reject_inputs_they_cannot_handle():
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weight must be torch.bfloat16 \[64\]"):
+        rms_norm(x, torch.ones(64), EPS)
+    with pytest.raises(ValueError, match="residual must be"):
+        rms_norm(x, torch.ones(64, dtype=torch.bfloat16), EPS, x[:, :32])
+    q, k = torch.randn(3, 4, 64, dtype=torch.bfloat16), torch.randn(3, 2, 64)
+    with pytest.raises(ValueError, match="q and k must share a dtype"):
+        apply_rotary(torch.arange(3), q, k, torch.ones(8, 64))
+    with pytest.raises(ValueError, match="same number of tokens"):
+        apply_rotary(torch.arange(2), q, k.bfloat16(), torch.ones(8, 64))
+    with pytest.raises(ValueError, match="even last dim"):
+        silu_and_mul(x[:, :63])
