@@ -6,29 +6,24 @@ real rows are copied into static buffers, rows ``n..bs`` are padding (token 0 at
 of its logits are returned. Every bucket's metadata carries the plan's ``max_seq_len`` as its bound, so the split-KV
 decode grid is the same at every replay; programs past a sequence's length return at once.
 
-Graphs need the Triton attention kernels (the reference attention reads lengths on the host), so capture is opt-in:
-``KILN_CUDA_GRAPHS=1`` together with ``KILN_ATTENTION_BACKEND=triton``, on CUDA. ``capture=False`` runs the same
-padded forward eagerly (how the CPU tests check the padding).
+Graphs need the Triton kernels (the reference attention reads lengths on the host): they are captured on CUDA unless
+``KILN_CUDA_GRAPHS=0`` or ``KILN_KERNELS=torch`` (``runtime.kernel_config``). ``capture=False`` runs the same padded
+forward eagerly (how the CPU tests check the padding).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from runtime import kernel_config
 from runtime.attention_metadata import AttentionMetadata
 from runtime.engine_format import EngineConfig
-from runtime.errors import KilnError
 from runtime.kv_cache import KVCache
 from runtime.model.llama import LlamaModel
 
 logger = logging.getLogger("kiln.runtime")
-
-
-class CudaGraphsConfigError(KilnError):
-    """KILN_CUDA_GRAPHS is set to something that cannot run."""
 
 
 def decode_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -38,23 +33,6 @@ def decode_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
         sizes.append(bs)
         bs *= 2
     return (*sizes, max_batch_size)
-
-
-def cuda_graphs_requested() -> bool:
-    """Whether ``KILN_CUDA_GRAPHS=1``; refuses a value other than 0/1 and graphs without the Triton attention."""
-    value = os.environ.get("KILN_CUDA_GRAPHS", "0")
-    if value not in ("0", "1"):
-        raise CudaGraphsConfigError(f"KILN_CUDA_GRAPHS={value!r} must be 0 or 1; unset it for eager decode")
-    if value == "0":
-        return False
-    from runtime.layers import attention  # read at call time: the backend is chosen when that module is imported
-
-    if attention.ATTENTION_BACKEND != "triton":
-        raise CudaGraphsConfigError(
-            f"KILN_CUDA_GRAPHS=1 needs KILN_ATTENTION_BACKEND=triton (it is {attention.ATTENTION_BACKEND!r}; the "
-            "reference attention reads lengths on the host and cannot be captured): set "
-            "KILN_ATTENTION_BACKEND=triton, or unset KILN_CUDA_GRAPHS")
-    return True
 
 
 class DecodeGraphRunner:
@@ -68,14 +46,21 @@ class DecodeGraphRunner:
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise ValueError(f"decode graph batch sizes must be positive, got {self.batch_sizes}")
         self.max_batch_size = max_bs = self.batch_sizes[-1]
-        blocks_per_seq = -(-plan.max_seq_len // plan.tokens_per_block)
-        with torch.device(self.device):
-            self.input_ids = torch.zeros(max_bs, dtype=torch.long)
-            self.positions = torch.zeros(max_bs, dtype=torch.long)
-            self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64)
-            self.seq_lens = torch.ones(max_bs, dtype=torch.int32)
-            self.block_tables = torch.zeros(max_bs, blocks_per_seq, dtype=torch.int32)
-            self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32)
+        self.block_size = plan.tokens_per_block
+        blocks_per_seq = -(-plan.max_seq_len // self.block_size)
+        # The step's metadata is written into two pinned host buffers and reaches the device in two copies:
+        # int64 rows (token ids, positions, KV slots) and int32 (context lengths, then the block tables).
+        pinned = self.device.type == "cuda"
+        self.host_i64 = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pinned)
+        self.host_i32 = torch.zeros(max_bs * (1 + blocks_per_seq), dtype=torch.int32, pin_memory=pinned)
+        self.dev_i64 = torch.zeros(3, max_bs, dtype=torch.int64, device=self.device)
+        self.dev_i32 = torch.zeros(max_bs * (1 + blocks_per_seq), dtype=torch.int32, device=self.device)
+        self.input_ids, self.positions, self.slot_mapping = self.dev_i64
+        self.seq_lens = self.dev_i32[:max_bs]
+        self.block_tables = self.dev_i32[max_bs:].view(max_bs, blocks_per_seq)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
         self.metas = {
             bs: AttentionMetadata(slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
                                   seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
@@ -98,29 +83,38 @@ class DecodeGraphRunner:
         """Whether a step with these query lengths is a pure decode that a bucket holds."""
         return 0 < len(query_lens) <= self.max_batch_size and all(q == 1 for q in query_lens)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Float32 logits [n, vocab] of a decode step of n sequences (one token each); K/V stored as usual.
+    def run(self, token_ids: list[int], positions: list[int], seq_lens: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor:
+        """Float32 logits [n, vocab] of a decode step of n sequences (token ``token_ids[i]`` at ``positions[i]``,
+        context ``seq_lens[i]`` tokens including it); K/V stored as usual.
 
         On the graph path the result is a view of the bucket's output buffer, valid until the next ``run``.
         """
-        n = input_ids.shape[0]
+        n = len(token_ids)
         bs = self.bucket(n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        width = min(meta.block_tables.shape[1], self.block_tables.shape[1])  # seq_len <= max_seq_len: enough
-        self.block_tables[:bs].zero_()
-        self.block_tables[:n, :width].copy_(meta.block_tables[:, :width])
-        if n < bs:  # padding rows: store nothing, attend to one token of block 0
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.slot_mapping[n:bs].fill_(-1)
-            self.seq_lens[n:bs].fill_(1)
+        self._stage(token_ids, positions, seq_lens, block_tables, bs)
         if bs in self.graphs:
             self.graphs[bs].replay()
             return self.logits[bs][:n]
         return self._forward(bs)[:n]
+
+    def _stage(self, token_ids: list[int], positions: list[int], seq_lens: list[int], block_tables: list[list[int]],
+               bs: int) -> None:
+        """Write the step into the host buffers (rows n..bs are padding: token 0 at position 0, KV slot -1 so
+        nothing is stored, context 1 read from block 0) and copy them to the static device buffers."""
+        n = len(token_ids)
+        max_bs, block = self.max_batch_size, self.block_size
+        i64, i32 = self.host_i64.numpy(), self.host_i32.numpy()
+        tables = i32[max_bs:].reshape(max_bs, -1)
+        i64[:, n:bs] = ((0,), (0,), (-1,))
+        i32[n:bs] = 1
+        tables[:bs] = 0
+        for i, (pos, table) in enumerate(zip(positions, block_tables, strict=True)):
+            i64[0, i], i64[1, i], i64[2, i] = token_ids[i], pos, table[pos // block] * block + pos % block
+            tables[i, :len(table)] = table[:tables.shape[1]]  # seq_len <= max_seq_len: the table fits
+        i32[:n] = seq_lens
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)  # the host buffers are rewritten only after the step's
+        self.dev_i32.copy_(self.host_i32, non_blocking=True)  # tokens reached the host, so the copies are done
 
     def _forward(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.metas[bs], self.kv_caches)
@@ -152,11 +146,8 @@ class DecodeGraphRunner:
 
 def maybe_capture_decode_graphs(model: LlamaModel, kv_caches: list[KVCache], config: EngineConfig,
                                 device: torch.device) -> DecodeGraphRunner | None:
-    """The captured decode graphs when ``KILN_CUDA_GRAPHS=1`` on a CUDA device, else None (eager decode)."""
-    if not cuda_graphs_requested():
-        return None
-    if device.type != "cuda":
-        logger.info("KILN_CUDA_GRAPHS=1 ignored on %s: decode runs eagerly", device)
+    """The captured decode graphs on a CUDA device with graphs enabled (``runtime.kernel_config``), else None."""
+    if device.type != "cuda" or not kernel_config.cuda_graphs_enabled():
         return None
     runner = DecodeGraphRunner(model, kv_caches, config, device)
     logger.info("captured decode CUDA graphs for batch sizes %s", ", ".join(map(str, runner.batch_sizes)))

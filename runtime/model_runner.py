@@ -75,23 +75,19 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:start + query_len])
             positions.extend(range(start, start + query_len))
             seq_lens.append(start + query_len)
-        meta = AttentionMetadata.build(query_lens, seq_lens, [seq.block_table for seq in seqs], self.block_size,
-                                       self.device)
-        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        if self.decode_graphs is not None and self.decode_graphs.fits(query_lens):
-            last_logits = self.decode_graphs.run(input_ids_t, positions_t, meta)  # one row per sequence
-            hidden = None
-        else:
-            hidden = self.model(input_ids_t, positions_t, meta, self.kv_caches)
         rows = [i for i, seq in enumerate(seqs) if seq_lens[i] == seq.num_tokens]
-        if not rows:
-            return {}
-        if hidden is None:
-            logits = last_logits[rows]
+        block_tables = [seq.block_table for seq in seqs]
+        if self.decode_graphs is not None and self.decode_graphs.fits(query_lens):
+            logits = self.decode_graphs.run(input_ids, positions, seq_lens, block_tables)  # one row per sequence
+            logits = logits[rows] if len(rows) < len(seqs) else logits
         else:
+            meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                                torch.tensor(positions, dtype=torch.long, device=self.device), meta, self.kv_caches)
+            if not rows:
+                return {}
             ends = list(accumulate(query_lens))
             last_token_index = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden[last_token_index])
         sample_seqs = [seqs[i] for i in rows]
-        return dict(zip(sample_seqs, self.sampler(logits, sample_seqs), strict=True))
+        return dict(zip(sample_seqs, self.sampler(logits, sample_seqs), strict=True)) if rows else {}

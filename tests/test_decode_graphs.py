@@ -1,9 +1,10 @@
 """Decode CUDA graphs: the padded static-buffer forward against the eager reference (on CPU through triton's
-interpreter, ``capture=False``), bucket choice, opt-in switches; captured graphs on a CUDA GPU (``-m gpu``)."""
+interpreter, ``capture=False``), bucket choice, the switches; captured graphs on a CUDA GPU (``-m gpu``)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from unittest import mock
 
@@ -15,10 +16,11 @@ if not torch.cuda.is_available():  # must precede the first import of triton
 pytest.importorskip("triton")
 
 from engines.native_builder import build_native_engine  # noqa: E402
-from runtime import LLM, SamplingParams  # noqa: E402
+from runtime import LLM, SamplingParams, kernel_config  # noqa: E402
 from runtime.attention_metadata import AttentionMetadata  # noqa: E402
-from runtime.decode_graphs import CudaGraphsConfigError, DecodeGraphRunner, decode_batch_sizes  # noqa: E402
+from runtime.decode_graphs import DecodeGraphRunner, decode_batch_sizes  # noqa: E402
 from runtime.engine_format import EngineConfig  # noqa: E402
+from runtime.errors import KilnError  # noqa: E402
 from runtime.kernels import kv_store, paged_attention  # noqa: E402
 from runtime.layers import attention  # noqa: E402
 from runtime.model_runner import ModelRunner  # noqa: E402
@@ -53,10 +55,10 @@ def engine_dir(tmp_path_factory):
 
 @contextlib.contextmanager
 def triton_attention_on(device: torch.device):
-    """Route PagedAttention through the Triton kernels, as ``KILN_ATTENTION_BACKEND=triton`` does on CUDA; on CPU
-    (where that switch does not apply) by pointing its reference functions at the interpreted kernels."""
+    """Route PagedAttention through the Triton kernels, as ``KILN_KERNELS=triton`` does on CUDA; on CPU (where that
+    switch does not apply) by pointing its reference functions at the interpreted kernels."""
     if device.type == "cuda":
-        with mock.patch.object(attention, "ATTENTION_BACKEND", "triton"):
+        with mock.patch.object(kernel_config, "KERNELS", "triton"):
             yield
         return
     with (mock.patch.object(attention, "store_kv", kv_store.store_kv),
@@ -86,10 +88,7 @@ def eager_logits(runner: ModelRunner, kv_caches, new_tokens: list[list[int]], se
 
 @torch.inference_mode()
 def graph_logits(graphs: DecodeGraphRunner, tokens: list[int], seq_lens: list[int]) -> torch.Tensor:
-    n = len(tokens)
-    meta = AttentionMetadata.build([1] * n, seq_lens, block_tables(n), BLOCK, graphs.device)
-    positions = torch.tensor([s - 1 for s in seq_lens], device=graphs.device)
-    return graphs.run(torch.tensor(tokens, device=graphs.device), positions, meta).clone()
+    return graphs.run(tokens, [s - 1 for s in seq_lens], seq_lens, block_tables(len(tokens))).clone()
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3, 5])
@@ -135,22 +134,39 @@ def test_buckets_are_powers_of_two_up_to_the_plan_batch_and_a_step_takes_the_sma
     assert not graphs.fits([]) and not graphs.fits([1, 2]) and not graphs.fits([1] * 9)
 
 
-def test_cuda_graphs_without_the_triton_attention_backend_are_refused(engine_dir, monkeypatch):
-    monkeypatch.setattr(attention, "ATTENTION_BACKEND", "torch")
-    monkeypatch.setenv("KILN_CUDA_GRAPHS", "1")
-    with pytest.raises(CudaGraphsConfigError, match="KILN_CUDA_GRAPHS=1 needs KILN_ATTENTION_BACKEND=triton"):
-        load_runner(engine_dir, torch.device("cpu"), 1)
-    monkeypatch.setenv("KILN_CUDA_GRAPHS", "yes")
-    with pytest.raises(CudaGraphsConfigError, match="must be 0 or 1"):
-        load_runner(engine_dir, torch.device("cpu"), 1)
+@pytest.fixture
+def reload_kernel_config(monkeypatch):
+    """Re-read the KILN_* variables set by the test; the module is restored from the real environment after it."""
+    yield lambda: importlib.reload(kernel_config)
+    monkeypatch.undo()
+    importlib.reload(kernel_config)
 
 
-def test_cuda_graphs_are_off_by_default_and_ignored_on_cpu(engine_dir, monkeypatch):
-    monkeypatch.delenv("KILN_CUDA_GRAPHS", raising=False)
-    assert load_runner(engine_dir, torch.device("cpu"), 1).decode_graphs is None
+def test_cuda_graphs_need_the_triton_kernels_and_bad_values_are_refused(monkeypatch, reload_kernel_config):
+    monkeypatch.setenv("KILN_KERNELS", "torch")
     monkeypatch.setenv("KILN_CUDA_GRAPHS", "1")
-    monkeypatch.setattr(attention, "ATTENTION_BACKEND", "triton")
+    reload_kernel_config()
+    with pytest.raises(kernel_config.KernelConfigError, match="KILN_CUDA_GRAPHS=1 needs KILN_KERNELS=triton"):
+        kernel_config.cuda_graphs_enabled()
+    monkeypatch.delenv("KILN_CUDA_GRAPHS")
+    assert not reload_kernel_config().cuda_graphs_enabled()  # the default stays eager with the torch kernels
+    for name, value, problem in [("KILN_CUDA_GRAPHS", "yes", "must be one of 0, 1"),
+                                 ("KILN_KERNELS", "cuda", "must be one of triton, torch"),
+                                 ("KILN_LINEAR_MAX_M", "0", "must be a positive integer")]:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(KilnError, match=f"{name}={value!r} {problem}"):  # reload makes a new error class
+            reload_kernel_config()
+        monkeypatch.delenv(name)
+
+
+def test_cuda_graphs_are_on_by_default_and_never_on_cpu(engine_dir, monkeypatch, reload_kernel_config):
+    for name in ("KILN_KERNELS", "KILN_CUDA_GRAPHS", "KILN_LINEAR_MAX_M"):
+        monkeypatch.delenv(name, raising=False)
+    config = reload_kernel_config()
+    assert config.KERNELS == "triton" and config.LINEAR_MAX_M is None and config.cuda_graphs_enabled()
     assert load_runner(engine_dir, torch.device("cpu"), 1).decode_graphs is None
+    monkeypatch.setenv("KILN_CUDA_GRAPHS", "0")
+    assert not reload_kernel_config().cuda_graphs_enabled()
 
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [30, 31, 32, 33, 34]]
@@ -158,8 +174,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")
-def test_model_runner_routes_pure_decode_steps_through_the_padded_buffers(engine_dir, monkeypatch):
-    monkeypatch.delenv("KILN_CUDA_GRAPHS", raising=False)
+def test_model_runner_routes_pure_decode_steps_through_the_padded_buffers(engine_dir):
     device = torch.device("cpu")
     with LLM.load(engine_dir, device="cpu") as llm:
         expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
@@ -167,10 +182,10 @@ def test_model_runner_routes_pure_decode_steps_through_the_padded_buffers(engine
         graphs = DecodeGraphRunner(runner.model, runner.kv_caches, runner.config, device, capture=False)
         batch_sizes = []
 
-        def run(input_ids, positions, meta, run=graphs.run):
-            batch_sizes.append(input_ids.shape[0])
+        def run(token_ids, *args, run=graphs.run):
+            batch_sizes.append(len(token_ids))
             with triton_attention_on(device):
-                return run(input_ids, positions, meta)
+                return run(token_ids, *args)
 
         graphs.run = run
         runner.decode_graphs = graphs
@@ -180,12 +195,13 @@ def test_model_runner_routes_pure_decode_steps_through_the_padded_buffers(engine
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_llm_with_cuda_graphs_serves_the_tokens_of_the_default_path(engine_dir, monkeypatch):
+def test_llm_with_cuda_graphs_serves_the_tokens_of_the_torch_reference_path(engine_dir, monkeypatch):
     prompts = PROMPTS + [list(range(40, 40 + n)) for n in (2, 7, 11, 4, 16)]  # 8 requests: buckets up to 8
-    with LLM.load(engine_dir, device="cuda") as llm:
+    with mock.patch.object(kernel_config, "KERNELS", "torch"), LLM.load(engine_dir, device="cuda") as llm:
+        assert llm.engine.model_runner.decode_graphs is None
         expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    monkeypatch.setenv("KILN_CUDA_GRAPHS", "1")
-    monkeypatch.setattr(attention, "ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(kernel_config, "KERNELS", "triton")
+    monkeypatch.setattr(kernel_config, "CUDA_GRAPHS_SETTING", None)
     with LLM.load(engine_dir, device="cuda") as llm:
         graphs = llm.engine.model_runner.decode_graphs
         assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]

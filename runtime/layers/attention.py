@@ -2,27 +2,20 @@
 
 ``paged_attention_reference`` is the plain PyTorch implementation (the CPU path and the oracle for GPU kernels).
 Caches are [num_blocks, block_size, num_kv_heads, head_dim]; an FP8 cache holds ``x / scale`` in float8_e4m3fn.
-On a CUDA device, ``KILN_ATTENTION_BACKEND=triton`` switches to the Triton kernels of ``runtime.kernels`` (opt-in
-until they are verified on a GPU); the default is this reference.
+On a CUDA device the Triton kernels of ``runtime.kernels`` run instead, unless ``KILN_KERNELS=torch``
+(``runtime.kernel_config``).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime import kernel_config
 from runtime.attention_metadata import AttentionMetadata
 from runtime.kv_cache import KVCache
 from runtime.layers.linear import fp8_quantize
-
-ATTENTION_BACKENDS = ("torch", "triton")
-ATTENTION_BACKEND = os.environ.get("KILN_ATTENTION_BACKEND", "torch")
-if ATTENTION_BACKEND not in ATTENTION_BACKENDS:
-    raise ValueError(f"KILN_ATTENTION_BACKEND={ATTENTION_BACKEND!r} is not one of {', '.join(ATTENTION_BACKENDS)}; "
-                     "unset it for the default (torch)")
 
 
 class PagedAttention(nn.Module):
@@ -39,7 +32,7 @@ class PagedAttention(nn.Module):
                 kv_cache: KVCache) -> torch.Tensor:
         """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
         k_cache, v_cache = kv_cache
-        if ATTENTION_BACKEND == "triton" and q.is_cuda:
+        if kernel_config.use_triton(q):
             from runtime.kernels import kv_store, paged_attention  # imports triton: only on this path
 
             kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)

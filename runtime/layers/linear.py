@@ -17,22 +17,16 @@ Runtime weight layouts (``rank0.safetensors``, per module prefix):
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime import kernel_config
+
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
-# Opt-in weight-streaming Triton kernels (runtime/kernels) for small batches: KILN_LINEAR_BACKEND=triton uses them
-# when a call has at most KILN_LINEAR_MAX_M tokens; larger calls keep the GEMM path. tools/bench_linears.py measures
-# the crossover M per shape on the GPU.
-LINEAR_BACKEND = os.environ.get("KILN_LINEAR_BACKEND", "torch")
-LINEAR_MAX_M = int(os.environ.get("KILN_LINEAR_MAX_M", "16"))
-if LINEAR_BACKEND not in ("torch", "triton"):
-    raise ValueError(f"KILN_LINEAR_BACKEND={LINEAR_BACKEND!r}: must be 'torch' or 'triton'; unset it for 'torch'")
-
-
+# The INT4 streaming kernel serves up to this many tokens; above, the weight is dequantized for a GEMM.
+INT4_STREAMING_MAX_M = 16
 class Linear(nn.Module):
     """Dense linear without bias, weight in the engine dtype."""
 
@@ -54,7 +48,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_streaming_kernel(x):
+        if use_streaming_kernel(x, fp8_streaming_max_m(self.weight.shape[1])):
             from runtime.kernels.fp8_gemv import fp8_gemv
 
             return fp8_gemv(x, self.weight, self.weight_scale, self.input_scale)
@@ -76,7 +70,7 @@ class Int4AwqLinear(nn.Module):
         self.register_buffer("pre_quant_scale", torch.ones(in_features, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_streaming_kernel(x):
+        if use_streaming_kernel(x, INT4_STREAMING_MAX_M):
             from runtime.kernels.int4_gemv import int4_awq_gemv
 
             return int4_awq_gemv(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size)
@@ -115,7 +109,12 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     GEMM and apply the per-channel weight scale afterwards, since rowwise scaling only produces bfloat16.
     """
     x2 = x.reshape(-1, x.shape[-1])
-    x_q = fp8_quantize(x2, input_scale)
+    if kernel_config.use_triton(x):
+        from runtime.kernels.fp8_quant import quantize_fp8
+
+        x_q = quantize_fp8(x2, input_scale)  # one kernel instead of four
+    else:
+        x_q = fp8_quantize(x2, input_scale)
     if x.dtype == torch.bfloat16:
         scale_a = input_scale.reshape(1, 1).expand(x_q.shape[0], 1).contiguous()
         out = torch._scaled_mm(x_q, weight.t(), scale_a=scale_a, scale_b=weight_scale.reshape(1, -1),
@@ -133,9 +132,17 @@ def use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and _has_fp8_tensor_cores(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
-def use_streaming_kernel(x: torch.Tensor) -> bool:
-    """Whether a quantized linear takes its Triton weight-streaming kernel: opted in, CUDA, 1..LINEAR_MAX_M tokens."""
-    return LINEAR_BACKEND == "triton" and x.is_cuda and 0 < x.numel() // x.shape[-1] <= LINEAR_MAX_M
+def use_streaming_kernel(x: torch.Tensor, max_m: int) -> bool:
+    """Whether a quantized linear takes its Triton weight-streaming kernel: Triton kernels on and 1..max_m tokens
+    (``KILN_LINEAR_MAX_M`` overrides ``max_m``; ``runtime.kernel_config``)."""
+    limit = kernel_config.LINEAR_MAX_M or max_m
+    return kernel_config.use_triton(x) and 0 < x.numel() // x.shape[-1] <= limit
+
+
+def fp8_streaming_max_m(in_features: int) -> int:
+    """The largest M at which the FP8 streaming kernel beats ``torch._scaled_mm``, measured on an H200 for the
+    Llama-3-8B shapes (tools/bench_linears.py): up to 16 tokens (32 ties) at 4096 input features, up to 4 at 14336."""
+    return 16 if in_features <= 8192 else 4
 
 
 @functools.cache

@@ -1,9 +1,15 @@
-"""RMSNorm with the residual add folded in, matching Hugging Face Llama numerics (normalise in float32)."""
+"""RMSNorm with the residual add folded in, matching Hugging Face Llama numerics (normalise in float32).
+
+On CUDA one Triton kernel does the add and the norm (``runtime.kernels.rms_norm``, same numerics) unless
+``KILN_KERNELS=torch``.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from runtime import kernel_config
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +22,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if kernel_config.use_triton(x):
+            from runtime.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
