@@ -1,0 +1,187 @@
+"""Time the native model's steps on one CUDA GPU without building an engine: an architecture file's shapes
+(Llama-3-8B by default), random weights made on the device in each format, through the runtime's own code path
+(the kernels ``runtime.kernel_config`` selects, decode CUDA graphs).
+
+For each format it prints, per decode batch size, the step time of a graph replay including the copy of the
+step's metadata (every sequence at ``--context`` tokens), the tokens/s that implies, and the fraction of the
+bandwidth floor (weights read once plus the KV of every sequence, at ``--bandwidth-gbs``); the time of one
+``--prefill``-token prefill (eager, logits of the last position); and with ``--profile`` the kernels of one eager
+batch-1 decode step by GPU time. Weights are random, so only the times mean anything.
+
+    PYTHONPATH=. python tools/bench_step.py [--formats fp8,none,int4_awq] [--batch 1,8,64,256] [--context 1024]
+                                            [--prefill 1000] [--profile] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engines.native_checkpoint import read_architecture
+from runtime.attention_metadata import AttentionMetadata
+from runtime.decode_graphs import DecodeGraphRunner
+from runtime.engine_format import BuildPlan, EngineConfig, QuantizationConfig
+from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from runtime.model.llama import LlamaModel
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = 32
+RANDOM_SCALES = {"weight_scale": 0.02 / 64, "input_scale": 0.05, "scales": 0.002, "pre_quant_scale": 1.0,
+                 "k_scale": 1.0, "v_scale": 1.0}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default=str(REPO / "configs/models/llama3-8b.json"), help="architecture file")
+    parser.add_argument("--formats", default="fp8,none,int4_awq", help="comma-separated: fp8, none (bf16), int4_awq")
+    parser.add_argument("--batch", default="1,8,64,256", help="decode batch sizes (default 1,8,64,256)")
+    parser.add_argument("--context", type=int, default=1024, help="context tokens of every decoding sequence")
+    parser.add_argument("--prefill", type=int, default=1000, help="tokens of the timed prefill (0: skip)")
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (default 20)")
+    parser.add_argument("--bandwidth-gbs", type=float, default=4300.0, help="bandwidth of the floor (H200: 4300)")
+    parser.add_argument("--profile", action="store_true", help="print the kernels of an eager batch-1 decode step")
+    parser.add_argument("--json", help="also write the results to this file")
+    return parser.parse_args(argv)
+
+
+def engine_config(arch_file: Path, fmt: str, max_batch: int, max_seq_len: int, max_num_tokens: int) -> EngineConfig:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(arch_file.read_text())
+        arch, _ = read_architecture(Path(tmp))
+    quant = QuantizationConfig(format=fmt, group_size=128 if fmt == "int4_awq" else None)
+    plan = BuildPlan(max_batch_size=max_batch, max_input_len=max_num_tokens, max_seq_len=max_seq_len,
+                     max_num_tokens=max_num_tokens, tokens_per_block=BLOCK, kv_cache_dtype="bfloat16")
+    return EngineConfig(architecture=arch, dtype="bfloat16", quantization=quant, plan=plan, fingerprint={})
+
+
+@torch.no_grad()
+def randomize(model: LlamaModel, seed: int = 0) -> int:
+    """Fill every weight with seeded random values of its format; returns the bytes a decode step streams."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    streamed = 0
+    for name, tensor in model.state_dict().items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in RANDOM_SCALES:
+            tensor.fill_(RANDOM_SCALES[leaf])
+        elif tensor.dtype == torch.uint8:
+            tensor.copy_(torch.randint(0, 256, tensor.shape, generator=generator, device="cuda", dtype=torch.uint8))
+        elif tensor.dtype == torch.float8_e4m3fn:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator, device="cuda").mul_(64).clamp_(-448, 448))
+        elif name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        else:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator, device="cuda").mul_(0.02))
+        if not name.startswith("embed_tokens"):
+            streamed += tensor.numel() * tensor.element_size()
+    return streamed
+
+
+Step = tuple[list[int], list[int], list[int], list[list[int]]]
+
+
+def decode_step(batch: int, context: int, blocks_per_seq: int) -> Step:
+    """One decode token per sequence at position ``context``; sequence i owns blocks 1 + i * blocks_per_seq ...:
+    token ids, positions, context lengths and block tables, as the model runner passes them."""
+    tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)]
+    return [(7 * i) % 1000 for i in range(batch)], [context] * batch, [context + 1] * batch, tables
+
+
+def eager_inputs(step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    token_ids, positions, seq_lens, tables = step
+    meta = AttentionMetadata.build([1] * len(token_ids), seq_lens, tables, BLOCK, "cuda")
+    return torch.tensor(token_ids, device="cuda"), torch.tensor(positions, device="cuda"), meta
+
+
+def time_ms(fn, repeats: int) -> float:
+    """Median milliseconds of ``fn`` by CUDA events, after two warm-up calls."""
+    fn(), fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict:
+    max_seq_len = -(-max(args.context + 1, args.prefill) // BLOCK) * BLOCK
+    config = engine_config(Path(args.arch), fmt, max(batches), max_seq_len, max(args.prefill, max(batches)))
+    with torch.device("cuda"):
+        model = LlamaModel(config, torch.bfloat16).eval()
+    streamed = randomize(model)
+    blocks_per_seq = max_seq_len // BLOCK
+    kv_caches = allocate_kv_cache(config, 1 + max(batches) * blocks_per_seq, "cuda")
+    kv_per_token = kv_bytes_per_block(config) // BLOCK
+    result = {"format": fmt, "weight_bytes": streamed, "decode": [], "prefill_ms": None}
+    with torch.inference_mode():
+        for batch in batches:
+            step = decode_step(batch, args.context, blocks_per_seq)
+            graphs = DecodeGraphRunner(model, kv_caches, config, torch.device("cuda"), batch_sizes=(batch,))
+            step_ms = time_ms(lambda g=graphs, a=step: g.run(*a), args.steps)
+            replay_ms = time_ms(graphs.graphs[batch].replay, args.steps)
+            eager = eager_inputs(step)
+            eager_ms = time_ms(lambda a=eager: forward_logits(model, kv_caches, *a), 5)
+            floor_ms = (streamed + batch * (args.context + 1) * kv_per_token) / (args.bandwidth_gbs * 1e6)
+            row = {"batch": batch, "step_ms": step_ms, "replay_ms": replay_ms, "eager_ms": eager_ms,
+                   "tokens_per_s": batch * 1e3 / step_ms, "floor_ms": floor_ms, "floor_fraction": floor_ms / step_ms}
+            result["decode"].append(row)
+            print(f"{fmt:<9} decode b{batch:<4} step {step_ms:7.3f} ms (replay {replay_ms:7.3f}, eager "
+                  f"{eager_ms:7.3f})  {row['tokens_per_s']:9.1f} tok/s  floor {floor_ms:6.3f} ms = "
+                  f"{100 * row['floor_fraction']:4.1f}%", flush=True)
+        if args.prefill:
+            tables = [list(range(1, 1 + blocks_per_seq))]
+            meta = AttentionMetadata.build([args.prefill], [args.prefill], tables, BLOCK, "cuda")
+            ids = torch.randint(0, 1000, (args.prefill,), device="cuda")
+            pos = torch.arange(args.prefill, device="cuda")
+            result["prefill_ms"] = time_ms(lambda: forward_logits(model, kv_caches, ids, pos, meta, last_only=True), 5)
+            print(f"{fmt:<9} prefill {args.prefill} tokens: {result['prefill_ms']:.2f} ms", flush=True)
+        if args.profile:
+            print_profile(model, kv_caches, blocks_per_seq, args.context)
+    return result
+
+
+def forward_logits(model: LlamaModel, kv_caches, input_ids: torch.Tensor, positions: torch.Tensor,
+                   meta: AttentionMetadata, last_only: bool = False) -> torch.Tensor:
+    hidden = model(input_ids, positions, meta, kv_caches)
+    return model.compute_logits(hidden[-1:] if last_only else hidden)
+
+
+def print_profile(model: LlamaModel, kv_caches, blocks_per_seq: int, context: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    input_ids, positions, meta = eager_inputs(decode_step(1, context, blocks_per_seq))
+    model.compute_logits(model(input_ids, positions, meta, kv_caches))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.compute_logits(model(input_ids, positions, meta, kv_caches))
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_step: no CUDA GPU; run it on the GPU machine", file=sys.stderr)
+        return 2
+    batches = sorted(int(b) for b in args.batch.split(","))
+    results = []
+    for fmt in args.formats.split(","):
+        results.append(bench_format(args, fmt, batches))
+        torch.cuda.empty_cache()  # the format's model and KV pool are gone once bench_format returns
+    if args.json:
+        Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "context": args.context,
+                                               "prefill_tokens": args.prefill, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

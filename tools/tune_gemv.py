@@ -1,0 +1,87 @@
+"""Sweep the launch parameters of the weight-streaming FP8 and INT4-AWQ kernels on one CUDA GPU.
+
+For each Llama-3-8B linear shape (see ``tools/bench_linears.py``) and token count M, times every configuration of a
+small grid inside a CUDA graph (``bench_linears.graph_time_us``: no launch cost, each call on another copy of the
+weights so L2 never holds them) and prints the fastest, with its weight
+bandwidth against the H200's ~4.3 TB/s. The winners become the table in ``fp8_gemv_config`` / ``int4_gemv_config``.
+
+    PYTHONPATH=. python tools/tune_gemv.py [--m 1,4,16] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+from bench_linears import GROUP_SIZE, PEAK_BANDWIDTH, SHAPES, WEIGHT_COPIES, graph_time_us, make_operands, weight_bytes
+
+ROW_GRID = dict(BLOCK_N=[8, 16, 32], BLOCK_K=[256, 512, 1024], num_warps=[4, 8], num_stages=[2, 4])
+DOT_GRID = dict(BLOCK_N=[32, 64], BLOCK_K=[128, 256], num_warps=[4], num_stages=[3, 4])
+
+
+def configs(m: int) -> list[dict]:
+    """The grid for M tokens: a row reduction at M = 1, a 16-row ``tl.dot`` tile above."""
+    grid = ROW_GRID if m == 1 else DOT_GRID
+    block_m = 1 if m == 1 else 16
+    return [dict(zip(grid, values, strict=True), BLOCK_M=block_m) for values in itertools.product(*grid.values())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--m", default="1,4,16", help="comma-separated token counts (default 1,4,16)")
+    parser.add_argument("--kernels", default="fp8,int4", help="comma-separated subset of fp8,int4")
+    parser.add_argument("--rep", type=int, default=20, help="do_bench measuring time per config in ms (default 20)")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    import torch
+
+    from runtime.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config
+    from runtime.kernels.int4_gemv import int4_awq_gemv, int4_gemv_config
+
+    if not torch.cuda.is_available():
+        print("tune_gemv: no CUDA GPU; run it on the GPU machine", file=sys.stderr)
+        return 2
+    results = []
+    for (name, k, n), m, kernel in itertools.product(SHAPES, map(int, args.m.split(",")), args.kernels.split(",")):
+        copies = [make_operands(k, n, seed) for seed in range(WEIGHT_COPIES)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        if kernel == "fp8":
+            default = fp8_gemv_config(m, n, k)
+            nbytes = weight_bytes("triton_fp8", k, n)
+
+            def calls(cfg, x=x, copies=copies):
+                return [lambda o=o: fp8_gemv(x, o["w_fp8"], o["weight_scale"], o["input_scale"], config=cfg)
+                        for o in copies]
+        else:
+            default = int4_gemv_config(m, n, k, GROUP_SIZE)
+            nbytes = weight_bytes("triton_int4", k, n)
+
+            def calls(cfg, x=x, copies=copies):
+                return [lambda o=o: int4_awq_gemv(x, o["qweight"], o["scales"], o["pre_quant_scale"], GROUP_SIZE,
+                                                  config=cfg) for o in copies]
+        timed = []
+        for cfg in configs(m):
+            if kernel == "int4" and cfg["BLOCK_K"] % GROUP_SIZE:
+                continue
+            try:
+                timed.append((graph_time_us(calls(cfg), args.rep), cfg))
+            except Exception as e:  # noqa: BLE001 - a config the compiler refuses (e.g. out of shared memory)
+                print(f"  skip {cfg}: {type(e).__name__}", file=sys.stderr)
+        default_us = graph_time_us(calls(default), args.rep)
+        best_us, best = min(timed, key=lambda t: t[0])
+        row = {"kernel": kernel, "shape": name, "k": k, "n": n, "m": m, "best": best, "best_us": best_us,
+               "best_tb_per_s": nbytes / best_us / 1e6, "default": default, "default_us": default_us}
+        results.append(row)
+        print(f"{kernel:<5} {name:<8} M={m:<3} best {row['best_us']:7.1f} us ({row['best_tb_per_s']:4.2f} TB/s, "
+              f"{row['best_tb_per_s'] * 1e14 / PEAK_BANDWIDTH:3.0f}%)  default {row['default_us']:7.1f} us  {best}",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
