@@ -5,8 +5,9 @@
 For each format it prints, per decode batch size, the step time of a graph replay including the copy of the
 step's metadata (every sequence at ``--context`` tokens), the tokens/s that implies, and the fraction of the
 bandwidth floor (weights read once plus the KV of every sequence, at ``--bandwidth-gbs``); the time of one
-``--prefill``-token prefill (eager, logits of the last position); and with ``--profile`` the kernels of one eager
-batch-1 decode step by GPU time. Weights are random, so only the times mean anything.
+``--prefill``-token prefill (eager, logits of the last position); and with ``--profile`` the kernels by GPU time of
+one eager decode step at the smallest and at the largest batch size, and of the prefill. Weights are random, so only
+the times mean anything.
 
     PYTHONPATH=. python tools/bench_step.py [--formats fp8,none,int4_awq] [--batch 1,8,64,256] [--context 1024]
                                             [--prefill 1000] [--profile] [--json OUT]
@@ -45,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefill", type=int, default=1000, help="tokens of the timed prefill (0: skip)")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (default 20)")
     parser.add_argument("--bandwidth-gbs", type=float, default=4300.0, help="bandwidth of the floor (H200: 4300)")
-    parser.add_argument("--profile", action="store_true", help="print the kernels of an eager batch-1 decode step")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the kernels of the smallest and largest decode steps and of the prefill")
     parser.add_argument("--json", help="also write the results to this file")
     return parser.parse_args(argv)
 
@@ -137,15 +139,24 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
             print(f"{fmt:<9} decode b{batch:<4} step {step_ms:7.3f} ms (replay {replay_ms:7.3f}, eager "
                   f"{eager_ms:7.3f})  {row['tokens_per_s']:9.1f} tok/s  floor {floor_ms:6.3f} ms = "
                   f"{100 * row['floor_fraction']:4.1f}%", flush=True)
+        if args.profile:
+            for batch in sorted({batches[0], batches[-1]}):
+                inputs = eager_inputs(decode_step(batch, args.context, blocks_per_seq))
+                print_profile(f"{fmt} eager decode step, batch {batch}", lambda a=inputs: forward_logits(
+                    model, kv_caches, *a))
         if args.prefill:
             tables = [list(range(1, 1 + blocks_per_seq))]
             meta = AttentionMetadata.build([args.prefill], [args.prefill], tables, BLOCK, "cuda")
             ids = torch.randint(0, 1000, (args.prefill,), device="cuda")
             pos = torch.arange(args.prefill, device="cuda")
-            result["prefill_ms"] = time_ms(lambda: forward_logits(model, kv_caches, ids, pos, meta, last_only=True), 5)
+
+            def prefill() -> torch.Tensor:
+                return forward_logits(model, kv_caches, ids, pos, meta, last_only=True)
+
+            result["prefill_ms"] = time_ms(prefill, 5)
             print(f"{fmt:<9} prefill {args.prefill} tokens: {result['prefill_ms']:.2f} ms", flush=True)
-        if args.profile:
-            print_profile(model, kv_caches, blocks_per_seq, args.context)
+            if args.profile:
+                print_profile(f"{fmt} prefill of {args.prefill} tokens", prefill)
     return result
 
 
@@ -155,16 +166,17 @@ def forward_logits(model: LlamaModel, kv_caches, input_ids: torch.Tensor, positi
     return model.compute_logits(hidden[-1:] if last_only else hidden)
 
 
-def print_profile(model: LlamaModel, kv_caches, blocks_per_seq: int, context: int) -> None:
+def print_profile(title: str, step) -> None:
+    """The kernels of one call of ``step`` by GPU time (after one warm call)."""
     from torch.profiler import ProfilerActivity, profile
 
-    input_ids, positions, meta = eager_inputs(decode_step(1, context, blocks_per_seq))
-    model.compute_logits(model(input_ids, positions, meta, kv_caches))
+    step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model.compute_logits(model(input_ids, positions, meta, kv_caches))
+        step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(f"-- {title}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
 
 
 def main(argv: list[str] | None = None) -> int:
