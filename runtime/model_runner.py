@@ -48,7 +48,7 @@ class ModelRunner:
                 f"larger num_kv_blocks, or rebuild with a smaller max_seq_len")
         self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, device)
         self.sampler = Sampler()
-        self.decode_graphs = maybe_capture_decode_graphs(self.model, self.kv_caches, config, device)  # opt-in
+        self.decode_graphs = maybe_capture_decode_graphs(self.model, self.kv_caches, config, device)  # None on CPU
 
     def _default_num_kv_blocks(self) -> int:
         plan, arch = self.config.plan, self.config.architecture
