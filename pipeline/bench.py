@@ -33,6 +33,8 @@ def bench(
     peer_attn: Annotated[str, typer.Option(help="The peer's attention: sdpa or eager.")] = "sdpa",
     fmt: Annotated[str | None, typer.Option("--format", help="none or fp8, for an architecture file (a config's "
                                                              "quantize.format decides otherwise).")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto or fp8: with --format fp8, also "
+                                                "calibrate an FP8 KV cache (halves the KV bytes).")] = "auto",
     bandwidth_gbs: Annotated[float | None, typer.Option("--bandwidth-gbs", min=0.001, help="Memory bandwidth for "
                              "the floor, GB/s (default: 4300 on an H200, 3350 on an H100, else measured).")] = None,
     allow_large: Annotated[bool, typer.Option("--allow-large", help="Benchmark a large architecture on a CPU-only "
@@ -47,10 +49,16 @@ def bench(
         raise typer.BadParameter(f"--peer-attn {peer_attn!r} is not sdpa or eager")
     if fmt not in (None, "none", "fp8"):
         raise typer.BadParameter(f"--format {fmt!r} is not none or fp8")
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise typer.BadParameter(f"--kv-cache-dtype {kv_cache_dtype!r} is not auto or fp8")
+    if kv_cache_dtype == "fp8" and fmt != "fp8":
+        raise typer.BadParameter("--kv-cache-dtype fp8 needs --format fp8 (an FP8 KV cache is calibrated with the "
+                                 "FP8 weights)")
     from pipeline.bench_run import BenchPlan, run_bench  # torch and the runtime load only when a bench runs
 
     report = run_bench(target, BenchPlan(prompts, input_len, output_len), batch_1_only=batch_1, peer=peer,
-                       peer_attn=peer_attn, fmt=fmt, bandwidth_gbs=bandwidth_gbs, allow_large=allow_large, seed=seed)
+                       peer_attn=peer_attn, fmt=fmt, kv_cache_dtype=kv_cache_dtype, bandwidth_gbs=bandwidth_gbs,
+                       allow_large=allow_large, seed=seed)
     print_json(report) if json_out else print_report(report)
 
 

@@ -37,13 +37,14 @@ def _progress(message: str) -> None:
 
 
 def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | None, peer_attn: str,
-              fmt: str | None, bandwidth_gbs: float | None, allow_large: bool, seed: int) -> dict:
+              fmt: str | None, bandwidth_gbs: float | None, allow_large: bool, seed: int,
+              kv_cache_dtype: str = "auto") -> dict:
     """Build (or find) the engine, measure it and the peer, and return the report."""
     from runtime.engine_format import EngineConfig
 
     resolved = resolve_target(target)
-    config_path, peer_checkpoint, weights_note = _bench_config(resolved, plan, fmt=fmt, allow_large=allow_large,
-                                                               seed=seed)
+    config_path, peer_checkpoint, weights_note = _bench_config(resolved, plan, fmt=fmt, kv_cache_dtype=kv_cache_dtype,
+                                                               allow_large=allow_large, seed=seed)
     ctx, build = _build_engine(config_path)
     engine = EngineConfig.load(ctx.engine_dir)
     device = ctx.choice.device
@@ -91,7 +92,7 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
     }
 
 
-def _bench_config(resolved: Target, plan: BenchPlan, *, fmt: str | None, allow_large: bool,
+def _bench_config(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
                   seed: int) -> tuple[Path, Path | None, str | None]:
     """The config to build, the peer's checkpoint when it is not the config's model, and what the weights are."""
     if resolved.kind == "config":
@@ -108,8 +109,10 @@ def _bench_config(resolved: Target, plan: BenchPlan, *, fmt: str | None, allow_l
     note = f"random bf16 weights (seed {seed}) for {resolved.path.name}"
     checkpoint = hf_dir
     if fmt == "fp8":
-        checkpoint = fp8_checkpoint(hf_dir, device=device, seed=seed, progress=_progress)
-        note += (f", quantized to FP8 by modelopt max calibration on {FP8_CALIB_BATCHES} random batches of "
+        checkpoint = fp8_checkpoint(hf_dir, device=device, seed=seed, kv_cache_dtype=kv_cache_dtype,
+                                    progress=_progress)
+        kv = ", FP8 KV cache" if kv_cache_dtype == "fp8" else ""
+        note += (f", quantized to FP8{kv} by modelopt max calibration on {FP8_CALIB_BATCHES} random batches of "
                  f"{FP8_CALIB_ROWS}x{FP8_CALIB_LEN} token ids (no convergence rounds, no accuracy gate)")
     return bench_config(checkpoint, plan, arch, note), hf_dir, note
 

@@ -154,9 +154,11 @@ def random_checkpoint(arch_path: Path, cfg: dict, *, seed: int, device: str, pro
     return final
 
 
-def fp8_checkpoint(hf_dir: Path, *, device: str, seed: int, progress: Progress) -> Path:
-    """``hf_dir`` quantized to FP8 by modelopt (max calibration over random token batches), next to it."""
-    final = hf_dir.parent / f"fp8-max-random{FP8_CALIB_BATCHES}x{FP8_CALIB_ROWS}x{FP8_CALIB_LEN}"
+def fp8_checkpoint(hf_dir: Path, *, device: str, seed: int, progress: Progress, kv_cache_dtype: str = "auto") -> Path:
+    """``hf_dir`` quantized to FP8 by modelopt (max calibration over random token batches), next to it; with
+    ``kv_cache_dtype`` fp8 the KV cache is calibrated to FP8 too."""
+    kv = "-kvfp8" if kv_cache_dtype == "fp8" else ""
+    final = hf_dir.parent / f"fp8-max-random{FP8_CALIB_BATCHES}x{FP8_CALIB_ROWS}x{FP8_CALIB_LEN}{kv}"
     if (final / "hf_quant_config.json").is_file():
         return final
     progress(f"quantizing to FP8 with modelopt (max calibration on {FP8_CALIB_BATCHES} random token batches)")
@@ -179,7 +181,7 @@ def fp8_checkpoint(hf_dir: Path, *, device: str, seed: int, progress: Progress) 
 
     with _publishing(final) as tmp, quiet([]):
         tmp.rmdir()  # modelopt's exporter creates it
-        mtq.quantize(model, quant_config("fp8", "awq_lite", "auto"), forward_loop)
+        mtq.quantize(model, quant_config("fp8", "awq_lite", kv_cache_dtype), forward_loop)
         export_hf(model, hf_dir, tmp, torch.bfloat16)
     del model
     gc.collect()  # the quantized copy leaves the GPU before the engine is built and loaded

@@ -296,7 +296,11 @@ def trtllm_plan_extra(ctx: BuildContext) -> dict:
 
 
 def _kv_dtype(ctx: BuildContext) -> str:
-    return "fp8" if ctx.config.quantize.kv_cache_dtype == "fp8" else ctx.config.model.dtype
+    """fp8 when the recipe calibrates an FP8 KV cache; for a checkpoint built as it is (format none), whatever it
+    carries (FP8 when it has KV scales, as modelopt exports them); else the model dtype."""
+    if ctx.config.quantize.kv_cache_dtype == "fp8":
+        return "fp8"
+    return "auto" if ctx.config.quantize.format == "none" else ctx.config.model.dtype
 
 
 def _shipped_format(ctx: BuildContext) -> str:

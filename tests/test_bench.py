@@ -115,6 +115,11 @@ def test_fp8_architecture_builds_from_a_modelopt_max_calibrated_checkpoint(tmp_p
     assert report["kiln"]["quantization"].startswith("fp8") and "max calibration" in report["kiln"]["quantization"]
     step = decode_step_bytes(Path(report["kiln"]["engine_dir"]), 16, 6)
     assert step["embedding_bytes_excluded"] == 0  # tied: the embedding is the LM head, streamed every step
+    fp8_kv = bench_json(str(arch), *SMALL, "--batch-1", "--format", "fp8", "--kv-cache-dtype", "fp8",
+                        "--bandwidth-gbs", "10")
+    assert "FP8 KV cache" in fp8_kv["kiln"]["quantization"]
+    assert fp8_kv["kiln"]["engine_key"] != report["kiln"]["engine_key"]
+    assert fp8_kv["floor"]["kv_bytes_per_token"] * 2 == report["floor"]["kv_bytes_per_token"]  # 1 byte, not 2
 
 
 def test_human_output_is_a_table_with_the_peer_ratio_and_the_floor(config_report, capsys):
@@ -155,6 +160,11 @@ def test_8b_architecture_is_refused_on_a_cpu_only_machine(monkeypatch, kiln_cach
 def test_nominal_bandwidth_of_known_gpus():
     assert nominal_gbs("NVIDIA H200") == 4300 and nominal_gbs("NVIDIA H100 80GB HBM3") == 3350
     assert nominal_gbs("NVIDIA A10G") is None
+
+
+def test_fp8_kv_cache_without_fp8_weights_is_a_usage_error():
+    code, out, err = run_bench("configs/models/llama3-8b.json", "--kv-cache-dtype", "fp8")
+    assert code == 2 and out == "" and "--kv-cache-dtype fp8 needs --format fp8" in err
 
 
 def test_unknown_peer_is_a_usage_error():
