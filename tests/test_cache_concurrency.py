@@ -58,10 +58,10 @@ print(json.dumps({"hit": result.hit, "reason": result.reason, "waited": result.w
 
 
 def run_worker(tmp_path: Path, mode: str) -> subprocess.Popen:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    """Start a worker; its source goes on the command line, not in a shared file that the next ``run_worker`` would
+    rewrite (a worker that read it while it was truncated ran an empty script and exited 0 without output)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, str(script), str(tmp_path / "cache"), mode, str(tmp_path / "builds"),
+    return subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / "cache"), mode, str(tmp_path / "builds"),
                              json.dumps(MATERIAL)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
