@@ -17,15 +17,16 @@ import sys
 
 from bench_linears import GROUP_SIZE, PEAK_BANDWIDTH, SHAPES, WEIGHT_COPIES, graph_time_us, make_operands, weight_bytes
 
-ROW_GRID = dict(BLOCK_N=[8, 16, 32], BLOCK_K=[256, 512, 1024], num_warps=[4, 8], num_stages=[2, 4])
-DOT_GRID = dict(BLOCK_N=[32, 64], BLOCK_K=[128, 256], num_warps=[4], num_stages=[3, 4])
+FP8_ROW_GRID = dict(BLOCK_M=[1], BLOCK_N=[4, 8, 16], BLOCK_K=[512, 1024], num_warps=[4, 8], num_stages=[2, 4])
+INT4_ROW_GRID = dict(BLOCK_N=[4, 8, 16], GROUPS=[4, 8], num_warps=[4, 8], num_stages=[3])
+DOT_GRID = dict(BLOCK_M=[16], BLOCK_N=[32, 64], BLOCK_K=[128, 256], num_warps=[4], num_stages=[3, 4])
 
 
-def configs(m: int) -> list[dict]:
-    """The grid for M tokens: a row reduction at M = 1, a 16-row ``tl.dot`` tile above."""
-    grid = ROW_GRID if m == 1 else DOT_GRID
-    block_m = 1 if m == 1 else 16
-    return [dict(zip(grid, values, strict=True), BLOCK_M=block_m) for values in itertools.product(*grid.values())]
+def configs(kernel: str, m: int) -> list[dict]:
+    """The grid of ``kernel`` (fp8 or int4) for M tokens: its row reduction at M = 1, a 16-row ``tl.dot`` tile
+    above."""
+    grid = DOT_GRID if m > 1 else FP8_ROW_GRID if kernel == "fp8" else INT4_ROW_GRID
+    return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 return [lambda o=o: int4_awq_gemv(x, o["qweight"], o["scales"], o["pre_quant_scale"], GROUP_SIZE,
                                                   config=cfg) for o in copies]
         timed = []
-        for cfg in configs(m):
-            if kernel == "int4" and cfg["BLOCK_K"] % GROUP_SIZE:
-                continue
+        for cfg in configs(kernel, m):
             try:
                 timed.append((graph_time_us(calls(cfg), args.rep), cfg))
             except Exception as e:  # noqa: BLE001 - a config the compiler refuses (e.g. out of shared memory)

@@ -17,6 +17,35 @@ import triton.language as tl
 
 
 @triton.jit
+def _int4_awq_gemv_row_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, N, K: tl.constexpr, stride_qn, stride_sn,
+                              GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """M = 1: each step covers GROUPS whole groups of BLOCK_N rows, as a [BLOCK_N, GROUPS, GROUP_SIZE // 2] tile of
+    packed bytes; ``sum_k q_k s_g x_k = sum_g s_g sum_{k in g} q_k x_k``, so each group's sum takes its scale once."""
+    HALF_GROUP: tl.constexpr = GROUP_SIZE // 2
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, GROUPS)
+    offs_j = tl.arange(0, HALF_GROUP)
+    mask_n = offs_n < N
+    byte = offs_g[:, None] * HALF_GROUP + offs_j[None, :]  # [GROUPS, HALF_GROUP]: byte of the step's chunk
+    qw_rows = qw_ptr + offs_n.to(tl.int64)[:, None, None] * stride_qn
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, GROUPS * GROUP_SIZE):
+        groups = k0 // GROUP_SIZE + offs_g
+        mask_g = groups < K // GROUP_SIZE
+        packed = tl.load(qw_rows + (k0 // 2 + byte)[None, :, :], mask=mask_n[:, None, None] & mask_g[None, :, None],
+                         other=0x88)
+        x_even = tl.load(x_ptr + k0 + 2 * byte, mask=mask_g[:, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + k0 + 2 * byte + 1, mask=mask_g[:, None], other=0.0).to(tl.float32)
+        q_even = (packed & 0x0F).to(tl.float32) - 8.0
+        q_odd = (packed >> 4).to(tl.float32) - 8.0
+        per_group = tl.sum(q_even * x_even[None, :, :] + q_odd * x_odd[None, :, :], axis=2)  # [BLOCK_N, GROUPS]
+        scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + groups[None, :],
+                        mask=mask_n[:, None] & mask_g[None, :], other=0.0)
+        acc += tl.sum(per_group * scale, axis=1)
+    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _int4_awq_gemv_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, M, N, K: tl.constexpr,
                           stride_xm, stride_qn, stride_sn, stride_ym,
                           GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -46,35 +75,25 @@ def _int4_awq_gemv_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, M, N, K: tl.constexp
         mask_x = mask_m[:, None] & mask_k[None, :]
         x_even = tl.load(x_row, mask=mask_x, other=0.0)
         x_odd = tl.load(x_row + 1, mask=mask_x, other=0.0)
-        if BLOCK_M == 1:
-            # sum_k q_k s_g x_k = sum_g s_g sum_{k in g} q_k x_k: one scale multiply per group
-            prod = q_even * x_even.to(tl.float32) + q_odd * x_odd.to(tl.float32)  # [BLOCK_N, HALF_K]
-            per_group = tl.sum(tl.reshape(prod, [BLOCK_N, GROUPS, GROUP_SIZE // 2]), axis=2)
-            acc += tl.sum(per_group * scale, axis=1)[None, :]
+        s = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, GROUP_SIZE // 2]), [BLOCK_N, HALF_K])
+        w_even = q_even * s
+        w_odd = q_odd * s
+        if tl.float32 == DOT_DTYPE:
+            acc = tl.dot(x_even.to(tl.float32), tl.trans(w_even), acc, input_precision="ieee")
+            acc = tl.dot(x_odd.to(tl.float32), tl.trans(w_odd), acc, input_precision="ieee")
         else:
-            s = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, GROUP_SIZE // 2]), [BLOCK_N, HALF_K])
-            w_even = q_even * s
-            w_odd = q_odd * s
-            if tl.float32 == DOT_DTYPE:
-                acc = tl.dot(x_even.to(tl.float32), tl.trans(w_even), acc, input_precision="ieee")
-                acc = tl.dot(x_odd.to(tl.float32), tl.trans(w_odd), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x_even.to(DOT_DTYPE), tl.trans(w_even.to(DOT_DTYPE)), acc)
-                acc = tl.dot(x_odd.to(DOT_DTYPE), tl.trans(w_odd.to(DOT_DTYPE)), acc)
+            acc = tl.dot(x_even.to(DOT_DTYPE), tl.trans(w_even.to(DOT_DTYPE)), acc)
+            acc = tl.dot(x_odd.to(DOT_DTYPE), tl.trans(w_odd.to(DOT_DTYPE)), acc)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def int4_gemv_config(m: int, n: int, k: int, group_size: int) -> dict:
-    """Launch parameters: a row reduction for M = 1 (the fastest of a sweep on an H200 inside CUDA graphs,
-    tools/tune_gemv.py), a 16-row ``tl.dot`` tile otherwise."""
+    """Launch parameters: for M = 1, BLOCK_N rows of GROUPS whole groups per step; above, a 16-row ``tl.dot`` tile."""
     if m == 1:
-        block_k = group_size * max(1, 256 // group_size)
-        if n >= 16384:
-            return dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=block_k, num_warps=8, num_stages=4)
-        return dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=block_k, num_warps=8, num_stages=2)
-    block_k = group_size * max(1, 256 // group_size)
-    return dict(BLOCK_M=16, BLOCK_N=64 if n >= 16384 else 32, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        return dict(BLOCK_N=8, GROUPS=max(1, 1024 // group_size), num_warps=4, num_stages=3)
+    return dict(BLOCK_M=16, BLOCK_N=64 if n >= 16384 else 32, BLOCK_K=group_size * max(1, 256 // group_size),
+                num_warps=4, num_stages=3)
 
 
 def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pre_quant_scale: torch.Tensor,
@@ -100,6 +119,10 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
     cfg = dict(config or int4_gemv_config(m, n, k, group_size))
+    if m == 1:
+        _int4_awq_gemv_row_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+            x2, qweight, scales, y, n, k, qweight.stride(0), scales.stride(0), GROUP_SIZE=group_size, **cfg)
+        return y.reshape(*x.shape[:-1], n)
     if cfg["BLOCK_K"] % group_size:
         raise ValueError(f"int4_awq_gemv: BLOCK_K {cfg['BLOCK_K']} must be a multiple of group_size {group_size}")
     # q * scale rounded to the activation dtype, as the reference does; float32 dots are IEEE (no TF32), and the
