@@ -30,13 +30,9 @@ MIXED = [(0, 21), (37, 18), (40, 1), (5, 1)]
 DECODE_SEQ_LENS = [1, 7, 32, 33, 100, 150]
 
 
-@pytest.fixture(params=[
-    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")),
-    pytest.param("cuda", marks=[pytest.mark.gpu,
-                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
-])
-def device(request):
-    return request.param
+@pytest.fixture
+def device(kernel_device: str) -> str:
+    return kernel_device
 
 
 def model_dtype(device):
