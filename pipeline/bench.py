@@ -31,10 +31,10 @@ def bench(
                                                             "(skip the offline run).")] = False,
     peer: Annotated[str | None, typer.Option(help="Also measure the same model in this peer: transformers.")] = None,
     peer_attn: Annotated[str, typer.Option(help="The peer's attention: sdpa or eager.")] = "sdpa",
-    fmt: Annotated[str | None, typer.Option("--format", help="none or fp8, for an architecture file (a config's "
-                                                             "quantize.format decides otherwise).")] = None,
-    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto or fp8: with --format fp8, also "
-                                                "calibrate an FP8 KV cache (halves the KV bytes).")] = "auto",
+    fmt: Annotated[str | None, typer.Option("--format", help="none, fp8 or int4_awq, for an architecture file (a "
+                                                             "config's quantize.format decides otherwise).")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto or fp8: with a quantized --format, "
+                                                "also calibrate an FP8 KV cache (halves the KV bytes).")] = "auto",
     bandwidth_gbs: Annotated[float | None, typer.Option("--bandwidth-gbs", min=0.001, help="Memory bandwidth for "
                              "the floor, GB/s (default: 4300 on an H200, 3350 on an H100, else measured).")] = None,
     allow_large: Annotated[bool, typer.Option("--allow-large", help="Benchmark a large architecture on a CPU-only "
@@ -47,13 +47,13 @@ def bench(
         raise typer.BadParameter(f"--peer {peer!r} is not supported; use --peer transformers, or leave it out")
     if peer_attn not in ("sdpa", "eager"):
         raise typer.BadParameter(f"--peer-attn {peer_attn!r} is not sdpa or eager")
-    if fmt not in (None, "none", "fp8"):
-        raise typer.BadParameter(f"--format {fmt!r} is not none or fp8")
+    if fmt not in (None, "none", "fp8", "int4_awq"):
+        raise typer.BadParameter(f"--format {fmt!r} is not none, fp8 or int4_awq")
     if kv_cache_dtype not in ("auto", "fp8"):
         raise typer.BadParameter(f"--kv-cache-dtype {kv_cache_dtype!r} is not auto or fp8")
-    if kv_cache_dtype == "fp8" and fmt != "fp8":
-        raise typer.BadParameter("--kv-cache-dtype fp8 needs --format fp8 (an FP8 KV cache is calibrated with the "
-                                 "FP8 weights)")
+    if kv_cache_dtype == "fp8" and fmt not in ("fp8", "int4_awq"):
+        raise typer.BadParameter("--kv-cache-dtype fp8 needs --format fp8 or int4_awq (an FP8 KV cache is calibrated "
+                                 "with the quantized weights)")
     from pipeline.bench_run import BenchPlan, run_bench  # torch and the runtime load only when a bench runs
 
     report = run_bench(target, BenchPlan(prompts, input_len, output_len), batch_1_only=batch_1, peer=peer,

@@ -13,16 +13,17 @@ from pipeline.bench_floor import decode_step_bytes, floor_tokens_per_s, resolve_
 from pipeline.bench_kiln import Workload, measure_kiln
 from pipeline.bench_report import speedups
 from pipeline.bench_target import (
-    FP8_CALIB_BATCHES,
-    FP8_CALIB_LEN,
-    FP8_CALIB_ROWS,
+    CALIB_BATCHES,
+    CALIB_LEN,
+    CALIB_METHODS,
+    CALIB_ROWS,
     BenchPlan,
     BenchTargetError,
     Target,
     bench_config,
     check_config_holds,
     check_fits_machine,
-    fp8_checkpoint,
+    quantized_checkpoint,
     random_checkpoint,
     read_architecture_file,
     resolve_target,
@@ -108,12 +109,12 @@ def _bench_config(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_cach
     hf_dir = random_checkpoint(resolved.path, arch, seed=seed, device=device, progress=_progress)
     note = f"random bf16 weights (seed {seed}) for {resolved.path.name}"
     checkpoint = hf_dir
-    if fmt == "fp8":
-        checkpoint = fp8_checkpoint(hf_dir, device=device, seed=seed, kv_cache_dtype=kv_cache_dtype,
-                                    progress=_progress)
-        kv = ", FP8 KV cache" if kv_cache_dtype == "fp8" else ""
-        note += (f", quantized to FP8{kv} by modelopt max calibration on {FP8_CALIB_BATCHES} random batches of "
-                 f"{FP8_CALIB_ROWS}x{FP8_CALIB_LEN} token ids (no convergence rounds, no accuracy gate)")
+    if fmt in CALIB_METHODS:
+        checkpoint = quantized_checkpoint(hf_dir, fmt, device=device, seed=seed, kv_cache_dtype=kv_cache_dtype,
+                                          progress=_progress)
+        kv = " with an FP8 KV cache" if kv_cache_dtype == "fp8" else ""
+        note += (f", quantized to {fmt}{kv} by modelopt ({CALIB_METHODS[fmt]}) on {CALIB_BATCHES} random batches of "
+                 f"{CALIB_ROWS}x{CALIB_LEN} token ids (no convergence rounds, no accuracy gate)")
     return bench_config(checkpoint, plan, arch, note), hf_dir, note
 
 

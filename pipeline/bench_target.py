@@ -2,9 +2,10 @@
 
 An architecture file (a Hugging Face ``config.json``, e.g. ``configs/models/llama3-8b.json``) becomes a seeded
 random-weight bf16 checkpoint under ``<cache root>/bench/`` (written once, to a temporary folder, then renamed), with
-a word-level tokenizer over its whole vocabulary, and a generated config whose build plan fits the run. FP8 quantizes
-that checkpoint with modelopt's FP8 max calibration on a few batches of random token ids: no convergence rounds and
-no accuracy gate (there is no accuracy to keep in random weights), and the output says so.
+a word-level tokenizer over its whole vocabulary, and a generated config whose build plan fits the run. ``--format
+fp8`` / ``int4_awq`` quantize that checkpoint with modelopt (FP8 max calibration, INT4 AWQ-lite) on a few batches of
+random token ids: no convergence rounds and no accuracy gate (there is no accuracy to keep in random weights), and
+the output says so.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ ARCH_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_a
 CPU_MAX_PARAMS = 2 * 10**9  # above this a CPU-only machine is refused without --allow-large
 SHARD_BYTES = 2 * 10**9
 CHECKPOINT_VERSION = 1  # bump when the random checkpoint's bytes change for the same inputs
-FP8_CALIB_BATCHES, FP8_CALIB_ROWS, FP8_CALIB_LEN = 4, 4, 128
+CALIB_BATCHES, CALIB_ROWS, CALIB_LEN = 4, 4, 128  # the random token batches that calibrate a quantized checkpoint
+CALIB_METHODS = {"fp8": "max", "int4_awq": "awq_lite"}  # modelopt's algorithm per format
 MAX_BENCH_BATCH = 256  # the generated plan's max_batch_size: all --prompts in flight, up to this
 MAX_NUM_TOKENS = 8192  # the generated plan's token budget per step (at least --input-len)
 BLOCK = 16
@@ -154,14 +156,17 @@ def random_checkpoint(arch_path: Path, cfg: dict, *, seed: int, device: str, pro
     return final
 
 
-def fp8_checkpoint(hf_dir: Path, *, device: str, seed: int, progress: Progress, kv_cache_dtype: str = "auto") -> Path:
-    """``hf_dir`` quantized to FP8 by modelopt (max calibration over random token batches), next to it; with
+def quantized_checkpoint(hf_dir: Path, fmt: str, *, device: str, seed: int, progress: Progress,
+                         kv_cache_dtype: str = "auto") -> Path:
+    """``hf_dir`` quantized to ``fmt`` (fp8 or int4_awq) by modelopt over random token batches, next to it; with
     ``kv_cache_dtype`` fp8 the KV cache is calibrated to FP8 too."""
+    method = CALIB_METHODS[fmt]
     kv = "-kvfp8" if kv_cache_dtype == "fp8" else ""
-    final = hf_dir.parent / f"fp8-max-random{FP8_CALIB_BATCHES}x{FP8_CALIB_ROWS}x{FP8_CALIB_LEN}{kv}"
+    final = hf_dir.parent / f"{fmt.replace('_', '-')}-{method.replace('_', '-')}-random{CALIB_BATCHES}x{CALIB_ROWS}" \
+        f"x{CALIB_LEN}{kv}"
     if (final / "hf_quant_config.json").is_file():
         return final
-    progress(f"quantizing to FP8 with modelopt (max calibration on {FP8_CALIB_BATCHES} random token batches)")
+    progress(f"quantizing to {fmt} with modelopt ({method} on {CALIB_BATCHES} random token batches)")
     from transformers import AutoModelForCausalLM
 
     from calibration.export import export_hf
@@ -171,8 +176,7 @@ def fp8_checkpoint(hf_dir: Path, *, device: str, seed: int, progress: Progress, 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(seed + 1)
-    batches = [torch.randint(0, vocab, (FP8_CALIB_ROWS, FP8_CALIB_LEN), generator=generator)
-               for _ in range(FP8_CALIB_BATCHES)]
+    batches = [torch.randint(0, vocab, (CALIB_ROWS, CALIB_LEN), generator=generator) for _ in range(CALIB_BATCHES)]
 
     def forward_loop(m) -> None:
         with torch.no_grad():
@@ -181,7 +185,7 @@ def fp8_checkpoint(hf_dir: Path, *, device: str, seed: int, progress: Progress, 
 
     with _publishing(final) as tmp, quiet([]):
         tmp.rmdir()  # modelopt's exporter creates it
-        mtq.quantize(model, quant_config("fp8", "awq_lite", kv_cache_dtype), forward_loop)
+        mtq.quantize(model, quant_config(fmt, "awq_lite", kv_cache_dtype), forward_loop)
         export_hf(model, hf_dir, tmp, torch.bfloat16)
     del model
     gc.collect()  # the quantized copy leaves the GPU before the engine is built and loaded

@@ -112,14 +112,23 @@ def test_architecture_file_is_benchmarked_with_random_weights_and_cached(tmp_pat
 def test_fp8_architecture_builds_from_a_modelopt_max_calibrated_checkpoint(tmp_path):
     arch = write_architecture(tmp_path / "tiny-fp8.json", tie_word_embeddings=True)
     report = bench_json(str(arch), *SMALL, "--batch-1", "--format", "fp8", "--bandwidth-gbs", "10")
-    assert report["kiln"]["quantization"].startswith("fp8") and "max calibration" in report["kiln"]["quantization"]
+    assert report["kiln"]["quantization"].startswith("fp8") and "modelopt (max)" in report["kiln"]["quantization"]
     step = decode_step_bytes(Path(report["kiln"]["engine_dir"]), 16, 6)
     assert step["embedding_bytes_excluded"] == 0  # tied: the embedding is the LM head, streamed every step
     fp8_kv = bench_json(str(arch), *SMALL, "--batch-1", "--format", "fp8", "--kv-cache-dtype", "fp8",
                         "--bandwidth-gbs", "10")
-    assert "FP8 KV cache" in fp8_kv["kiln"]["quantization"]
+    assert "with an FP8 KV cache" in fp8_kv["kiln"]["quantization"]
     assert fp8_kv["kiln"]["engine_key"] != report["kiln"]["engine_key"]
     assert fp8_kv["floor"]["kv_bytes_per_token"] * 2 == report["floor"]["kv_bytes_per_token"]  # 1 byte, not 2
+
+
+def test_int4_architecture_builds_from_a_modelopt_awq_checkpoint(tmp_path):
+    arch = write_architecture(tmp_path / "tiny-int4.json")  # 128 and 256 input features: whole INT4 blocks
+    report = bench_json(str(arch), *SMALL, "--batch-1", "--format", "int4_awq", "--bandwidth-gbs", "10")
+    assert report["kiln"]["quantization"].startswith("int4_awq") and "(awq_lite)" in report["kiln"]["quantization"]
+    engine = json.loads((Path(report["kiln"]["engine_dir"]) / "engine.json").read_text())
+    assert engine["quantization"]["format"] == "int4_awq" and engine["quantization"]["group_size"] == 128
+    assert report["kiln"]["decode_tokens_per_s_batch1"] > 0
 
 
 def test_human_output_is_a_table_with_the_peer_ratio_and_the_floor(config_report, capsys):
@@ -164,7 +173,7 @@ def test_nominal_bandwidth_of_known_gpus():
 
 def test_fp8_kv_cache_without_fp8_weights_is_a_usage_error():
     code, out, err = run_bench("configs/models/llama3-8b.json", "--kv-cache-dtype", "fp8")
-    assert code == 2 and out == "" and "--kv-cache-dtype fp8 needs --format fp8" in err
+    assert code == 2 and out == "" and "--kv-cache-dtype fp8 needs --format fp8 or int4_awq" in err
 
 
 def test_unknown_peer_is_a_usage_error():
