@@ -169,6 +169,14 @@ def int4_gemv_launches(m: int) -> None:
         mod.int4_awq_gemv(activations(m, in_features), qweight, scales, pre_quant_scale, GROUP_SIZE)
 
 
+def int4_dequant_launches() -> None:
+    mod = kernels_module("int4_dequant")
+    for in_features, out_features in LINEARS.values():  # the large-batch INT4 path: dequantize, then cuBLAS
+        qweight = gpu(torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        mod.int4_dequantize(qweight, gpu(torch.empty(out_features, in_features // GROUP_SIZE)), GROUP_SIZE,
+                            torch.bfloat16)
+
+
 def fp8_quant_launches() -> None:
     mod = kernels_module("fp8_quant")
     mod.quantize_fp8(activations(512, HIDDEN), gpu(torch.tensor(0.02)))  # a prefill's, for torch._scaled_mm
@@ -204,6 +212,7 @@ CASES: dict[str, Callable[[], None]] = {
     "int4_awq_gemv-m1": lambda: int4_gemv_launches(1),
     "int4_awq_gemv-m3": lambda: int4_gemv_launches(3),
     f"int4_awq_gemv-m{LINEAR_MAX_M}": lambda: int4_gemv_launches(LINEAR_MAX_M),
+    "int4_dequant": int4_dequant_launches,
     "fp8_quant": fp8_quant_launches,
     "rms_norm": rms_norm_launches,
     "rotary": rotary_launches,

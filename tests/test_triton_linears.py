@@ -22,6 +22,7 @@ from runtime.layers.linear import (  # noqa: E402
     fp8_linear_reference,
     fp8_quantize,
     int4_awq_linear_reference,
+    int4_dequantize,
     pack_int4,
 )
 
@@ -145,6 +146,28 @@ def test_int4_awq_gemv_matches_the_fake_quantized_reference(monkeypatch, m, n, k
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n,k,group_size", [(40, 512, 128), (16, 384, 64)])  # edge tiles in both dims
+def test_int4_dequantize_kernel_writes_the_reference_weight_bit_for_bit(monkeypatch, dtype, n, k, group_size):
+    import runtime.kernels.int4_dequant as mod
+
+    _poisoned_empty(monkeypatch, mod)
+    _, qweight, scales, _ = _int4_operands(1, n, k, group_size, seed=n + k)
+    out = mod.int4_dequantize(qweight, scales, group_size, dtype)
+    assert out.dtype == dtype and torch.equal(out, int4_dequantize(qweight, scales, group_size).to(dtype))
+
+
+@gpu
+@pytest.mark.gpu
+def test_int4_dequantize_kernel_writes_the_reference_weight_bit_for_bit_on_gpu():
+    from runtime.kernels.int4_dequant import int4_dequantize as dequantize_kernel
+
+    _, qweight, scales, _ = _int4_operands(1, 4096 + 8, 1024, 128, seed=3, device="cuda")
+    out = dequantize_kernel(qweight, scales, 128, torch.bfloat16)
+    assert torch.equal(out, int4_dequantize(qweight, scales, 128).to(torch.bfloat16))
+
+
+@interpreted
 def test_int4_awq_gemv_reads_low_nibble_as_the_even_column():
     # One nonzero weight at input column 1 (a high nibble): only x[1] may reach the output.
     k, group_size = 128, 128
@@ -243,3 +266,6 @@ def test_quantized_linears_take_the_streaming_kernels_on_cuda(monkeypatch):
     x = x.bfloat16()
     ref = int4_awq_linear_reference(x, qweight, scales, pre_quant_scale, 128)
     assert _rel_err(int4(x), ref) < GPU_REL_TOL
+    x_large = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)  # above the streaming limit: dequant + GEMM
+    ref = int4_awq_linear_reference(x_large, qweight, scales, pre_quant_scale, 128)
+    assert _rel_err(int4(x_large), ref) < GPU_REL_TOL

@@ -25,7 +25,8 @@ from torch import nn
 from runtime import kernel_config
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
-# The INT4 streaming kernel serves up to this many tokens; above, the weight is dequantized for a GEMM.
+# The INT4 streaming kernel serves up to this many tokens; above, the weight is dequantized for a GEMM (on CUDA by
+# one Triton kernel, runtime.kernels.int4_dequant).
 INT4_STREAMING_MAX_M = 16
 class Linear(nn.Module):
     """Dense linear without bias, weight in the engine dtype."""
@@ -74,6 +75,11 @@ class Int4AwqLinear(nn.Module):
             from runtime.kernels.int4_gemv import int4_awq_gemv
 
             return int4_awq_gemv(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size)
+        if kernel_config.use_triton(x):  # dequantize once, in one pass, then a cuBLAS GEMM
+            from runtime.kernels.int4_dequant import int4_dequantize as int4_dequantize_kernel
+
+            weight = int4_dequantize_kernel(self.qweight, self.scales, self.group_size, x.dtype)
+            return F.linear(x * self.pre_quant_scale.to(x.dtype), weight)
         return int4_awq_linear_reference(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size)
 
 
