@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import json
 import shutil
-import time
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from runtime.sampler import SamplingError
 from runtime.scheduler import RequestTooLongError
 from runtime.tokenizer import IncrementalDetokenizer
 from tests.model_factories import make_llama_checkpoint, make_llama_model, tiny_plan
+from tests.test_server_support import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], list(range(30, 55))]
@@ -43,13 +43,6 @@ def engine_dir(tmp_path_factory):
 def llm(engine_dir):
     with LLM.load(engine_dir) as llm:
         yield llm
-
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 def all_blocks_free(llm: LLM) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -162,6 +163,13 @@ def _check_model(model: ServedModel, requested: str | None) -> None:
                             f"(see /v1/models)", param="model", code="model_not_found")
 
 
+def _stream_chunk(request_id: str, object_name: str, created: int, model_name: str, choices: list[dict],
+                  usage: Usage | None = None) -> dict:
+    """One SSE chunk of a streamed response."""
+    return {"id": request_id, "object": object_name, "created": created, "model": model_name, "choices": choices,
+            "usage": usage.model_dump() if usage else None}
+
+
 async def create_completion(model: ServedModel, req: CompletionRequest, metrics: ServerMetrics,
                             request: Request) -> object:
     """Handle POST /v1/completions."""
@@ -172,10 +180,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
     jobs = _jobs(req, prompts, limits)
     model.check(jobs, "prompt")
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-    def chunk(choices: list[dict], usage: Usage | None = None) -> dict:
-        return {"id": request_id, "object": "text_completion", "created": created, "model": model.name,
-                "choices": choices, "usage": usage.model_dump() if usage else None}
+    chunk = functools.partial(_stream_chunk, request_id, "text_completion", created, model.name)
 
     def render(index: int, delta: StreamDelta) -> dict | None:
         if not delta.text and not delta.finished:
@@ -211,10 +216,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     jobs = _jobs(req, [prompt], [limit])
     model.check(jobs, "messages")
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-    def chunk(choices: list[dict], usage: Usage | None = None) -> dict:
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model.name,
-                "choices": choices, "usage": usage.model_dump() if usage else None}
+    chunk = functools.partial(_stream_chunk, request_id, "chat.completion.chunk", created, model.name)
 
     def render(index: int, delta: StreamDelta) -> dict | None:
         if delta.finished:
