@@ -28,6 +28,8 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 # The INT4 streaming kernel serves up to this many tokens; above, the weight is dequantized for a GEMM (on CUDA by
 # one Triton kernel, runtime.kernels.int4_dequant).
 INT4_STREAMING_MAX_M = 16
+
+
 class Linear(nn.Module):
     """Dense linear without bias, weight in the engine dtype."""
 
@@ -47,9 +49,10 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32))
+        self.streaming_max_m = fp8_streaming_max_m(in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_streaming_kernel(x, fp8_streaming_max_m(self.weight.shape[1])):
+        if use_streaming_kernel(x, self.streaming_max_m):
             from runtime.kernels.fp8_gemv import fp8_gemv
 
             return fp8_gemv(x, self.weight, self.weight_scale, self.input_scale)
