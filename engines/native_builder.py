@@ -78,7 +78,6 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: 
     return config.to_dict()
 
 
-
 def preflight_native_plan(checkpoint_dir: Path, plan: dict, dtype: str) -> None:
     """Check a build plan against the checkpoint's architecture before any stage runs (reads config.json only), so
     a plan the model cannot hold fails in seconds rather than after calibration."""

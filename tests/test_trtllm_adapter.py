@@ -220,6 +220,7 @@ def test_ignore_eos_sends_no_end_id(trtllm, engine_dir):
 
 def test_stream_yields_deltas_and_closing_it_early_aborts_in_the_executor(trtllm, engine_dir, monkeypatch):
     monkeypatch.setattr(FakeExecutor, "step_s", 0.05)
+
     async def take_two(llm):
         deltas = []
         async for delta in llm.stream("the cat", SamplingParams(max_tokens=20, temperature=0)):
