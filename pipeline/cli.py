@@ -87,11 +87,12 @@ def cache_explain(config: ConfigArg, json_out: JsonOpt = False) -> None:
     """Which fields of CONFIG's engine key material differ from the nearest cached engine (DVC-style)."""
     from engines.cache import inspect as cache_inspect
     from pipeline import runner
+    from pipeline.model_source import ModelNotFoundError
 
     ctx = runner.prepare(config, backend=None, force=False, dry_run=True)
     if ctx.material is None:
-        raise runner.ModelNotFoundError(f"model files not found for model.path {ctx.config.model.path}; "
-                                        "the key material needs the checkpoint's content hash")
+        raise ModelNotFoundError(f"model files not found for model.path {ctx.config.model.path}; "
+                                 "the key material needs the checkpoint's content hash")
     if ctx.cache is None:
         print_explain({"nearest_key": None, "differences": [], "created": None}, json_out)
         return

@@ -112,6 +112,10 @@ def test_missing_model_fails_fast_with_one_clear_line_and_writes_nothing(tmp_pat
     assert "Traceback" not in proc.stderr
     assert "meta-llama/Meta-Llama-3-8B-Instruct" in proc.stderr and "not on disk" in proc.stderr
     assert not cache.exists()
+    explain = kiln("cache", "explain", "llama3-8b-fp8.yaml", cache=cache, env={"HF_HOME": str(tmp_path / "hf"),
+                                                                               "HF_HUB_OFFLINE": "1"})
+    assert explain.returncode == 2 and "Traceback" not in explain.stderr
+    assert "model files not found" in explain.stderr
 
 
 @pytest.mark.slow
