@@ -15,16 +15,16 @@ from pathlib import Path
 
 import torch
 
+from pipeline.bench_common import sync
 from runtime.engine_format import WEIGHTS_FILE, EngineConfig
 from runtime.errors import KilnError
+from runtime.kv_cache import kv_bytes_per_block
 
 GB = 10**9
 # Device-to-device copy rates (bytes read + written per second) used when the GPU is recognised; anything else is
 # measured. 4.3 TB/s is what an H200 copies (DESIGN.md, "Performance method"); 3.35 TB/s is the H100 SXM figure.
 NOMINAL_COPY_GBS = {"H200": 4300.0, "H100": 3350.0}
 EMBEDDING = "embed_tokens.weight"
-SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-                     "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 class BenchFloorError(KilnError):
@@ -58,9 +58,7 @@ def tensor_bytes(weights_file: Path) -> dict[str, int]:
 
 def kv_bytes_per_token(config: EngineConfig) -> int:
     """K and V bytes of one token across all layers, in the engine's KV cache dtype."""
-    arch = config.architecture
-    elem = torch.empty((), dtype=config.kv_cache_torch_dtype).element_size()
-    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * elem
+    return kv_bytes_per_block(config) // config.plan.tokens_per_block
 
 
 def decode_step_bytes(engine_dir: Path, input_len: int, output_len: int) -> dict:
@@ -112,14 +110,9 @@ def measure_copy_gbs(device: str, nbytes: int = 256 * 2**20, repeats: int = 5) -
     dst.copy_(src)  # first touch: page faults and allocation are not bandwidth
     best = float("inf")
     for _ in range(repeats):
-        _sync(dev)
+        sync(dev)
         start = time.perf_counter()
         dst.copy_(src)
-        _sync(dev)
+        sync(dev)
         best = min(best, time.perf_counter() - start)
     return round(2 * src.numel() * 4 / best / GB, 1)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.bench_common import rate
+
 TTFT_REPEATS = 5
 BATCH1_REPEATS = 3
 WARMUP_PROMPTS = 8
@@ -64,7 +66,7 @@ def measure_kiln(engine_dir: Path, workload: Workload, *, device: str | None, ba
         decode = []
         for prompt in workload.batch1:
             metrics = llm.generate([prompt], params(workload.output_len))[0].metrics
-            decode.append(_rate(metrics.num_generated_tokens - 1, metrics.finished_time - metrics.first_token_time))
+            decode.append(rate(metrics.num_generated_tokens - 1, metrics.finished_time - metrics.first_token_time))
         result = {
             "output_tokens_per_s": None,
             "decode_tokens_per_s_batch1": statistics.median(decode),
@@ -77,13 +79,9 @@ def measure_kiln(engine_dir: Path, workload: Workload, *, device: str | None, ba
             start = time.perf_counter()
             outputs = llm.generate(workload.prompts, params(workload.output_len))
             elapsed = time.perf_counter() - start
-            result["output_tokens_per_s"] = _rate(sum(len(o.token_ids) for o in outputs), elapsed)
+            result["output_tokens_per_s"] = rate(sum(len(o.token_ids) for o in outputs), elapsed)
             result["output_tokens"] = sum(len(o.token_ids) for o in outputs)
             result["offline_s"] = round(elapsed, 4)
         return result
     finally:
         llm.close()
-
-
-def _rate(tokens: int, seconds: float) -> float:
-    return round(tokens / seconds, 2) if seconds > 0 else float("inf")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.bench_common import free_memory, rate, sync
 from pipeline.bench_kiln import Workload
 from runtime.errors import KilnError
 
@@ -61,7 +62,7 @@ def measure_transformers(checkpoint_dir: Path, workload: Workload, *, device: st
         for prompt in workload.batch1:
             clock = _TokenClock()
             generated = peer.generate([prompt], workload.output_len, streamer=clock)
-            decode.append(_rate(generated - 1, clock.times[-1] - clock.times[1]))
+            decode.append(rate(generated - 1, clock.times[-1] - clock.times[1]))
         result = {
             "output_tokens_per_s": None,
             "decode_tokens_per_s_batch1": statistics.median(decode),
@@ -101,12 +102,12 @@ class _Peer:
                 warnings.simplefilter("ignore")
                 # resolved (its modeling module imported) before the clock starts, as Kiln's runtime is imported
                 model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(checkpoint_dir))]
-                _sync(dev)
+                sync(dev)
                 start = time.perf_counter()
                 model = model_class.from_pretrained(checkpoint_dir, dtype=dtype,
                                                     attn_implementation=attn_implementation)
                 model = model.to(dev).eval()
-                _sync(dev)
+                sync(dev)
         except (OSError, ValueError, KeyError, ImportError) as e:
             raise PeerError(f"transformers cannot load {checkpoint_dir} ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
@@ -123,12 +124,12 @@ class _Peer:
             warnings.simplefilter("ignore")
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
                                       streamer=streamer)
-        _sync(self.device)
+        sync(self.device)
         return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
     def close(self) -> None:
         self.model = None
-        _free(self.device)
+        free_memory(self.device)
 
 
 def _offline(peer: _Peer, workload: Workload, progress) -> dict:
@@ -141,11 +142,11 @@ def _offline(peer: _Peer, workload: Workload, progress) -> dict:
             tokens = sum(peer.generate(workload.prompts[i:i + batch], workload.output_len)
                          for i in range(0, len(workload.prompts), batch))
             elapsed = time.perf_counter() - start
-            return {"output_tokens_per_s": _rate(tokens, elapsed), "output_tokens": tokens,
+            return {"output_tokens_per_s": rate(tokens, elapsed), "output_tokens": tokens,
                     "offline_s": round(elapsed, 4), "batch_size": batch}
         except OOM_ERRORS:
             pass  # leave the except block first, so the failed batch's tensors can be freed
-        _free(peer.device)
+        free_memory(peer.device)
         if batch == 1:
             raise PeerError("transformers runs out of memory even at batch size 1")
         batch //= 2
@@ -153,20 +154,3 @@ def _offline(peer: _Peer, workload: Workload, progress) -> dict:
 
 def _first(eos) -> int | None:
     return eos[0] if isinstance(eos, list) and eos else eos
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _free(dev: torch.device) -> None:
-    import gc
-
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _rate(tokens: int, seconds: float) -> float:
-    return round(tokens / seconds, 2) if seconds > 0 else float("inf")

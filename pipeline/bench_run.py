@@ -3,12 +3,12 @@ the floor, and assemble the report (its shape is in docs/performance.md)."""
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 
 import torch
 
+from pipeline.bench_common import free_memory
 from pipeline.bench_floor import decode_step_bytes, floor_tokens_per_s, resolve_bandwidth
 from pipeline.bench_kiln import Workload, measure_kiln
 from pipeline.bench_report import speedups
@@ -53,9 +53,7 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
                              output_len=plan.output_len, seed=seed)
     kiln = measure_kiln(ctx.engine_dir, workload, device=device, batch_1_only=batch_1_only,
                         on_loaded=lambda ms: ctx.cache.record_load(ctx.engine_key, ms), progress=_progress)
-    gc.collect()  # the closed engine's KV pool and weights, before the peer loads
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)  # the closed engine's KV pool and weights, before the peer loads
     kiln.update(backend="native", quantization=_quantization(engine, ctx, weights_note), **build)
 
     peer_report = None

@@ -10,7 +10,6 @@ the output says so.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from engines.cache.layout import write_atomic
+from pipeline.bench_common import free_memory
 from pipeline.config import CONFIGS_DIR, CacheSection, load_config
 from runtime.errors import KilnError
 
@@ -188,9 +189,7 @@ def quantized_checkpoint(hf_dir: Path, fmt: str, *, device: str, seed: int, prog
         mtq.quantize(model, quant_config(fmt, "awq_lite", kv_cache_dtype), forward_loop)
         export_hf(model, hf_dir, tmp, torch.bfloat16)
     del model
-    gc.collect()  # the quantized copy leaves the GPU before the engine is built and loaded
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)  # the quantized copy leaves the GPU before the engine is built and loaded
     return final
 
 
@@ -215,9 +214,7 @@ def bench_config(checkpoint_dir: Path, plan: BenchPlan, cfg: dict, note: str) ->
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     path = checkpoint_dir.parent / f"bench-{checkpoint_dir.name}-{digest}.yaml"
     if not path.is_file():
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_atomic(path, text.encode())
     return path
 
 

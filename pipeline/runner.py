@@ -132,7 +132,7 @@ def quantize_only(ctx: BuildContext, progress: ProgressFactory | None = None) ->
         "summary": calibration.get("summary"),
         "quantized_key": ctx.quantized_key,
         "checkpoint_dir": str(ctx.checkpoint_dir),
-        "checkpoint_hash": checkpoint_hash(ctx.checkpoint_dir),
+        "checkpoint_hash": _hash_checkpoint(ctx.checkpoint_dir, ctx.cache),
     }
 
 
