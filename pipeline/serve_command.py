@@ -66,7 +66,7 @@ class ServeTarget:
 def resolve_target(target: str, *, backend: str | None = None, progress: bool = True) -> ServeTarget:
     """An engine directory, a cache key, or a config (built through the cache first; a hit runs nothing)."""
     path = Path(target).expanduser()
-    if (path / "engine.json").is_file() or is_trtllm_engine(path):
+    if _is_engine_dir(path):
         name = path.parent.name if path.name == "engine" else path.name
         return ServeTarget(engine_dir=path.resolve(), model_name=name[:12] if is_cache_key(name) else name)
     if is_cache_key(target):
@@ -77,11 +77,16 @@ def resolve_target(target: str, *, backend: str | None = None, progress: bool = 
     return _config_target(target, backend=backend, progress=progress)
 
 
+def _is_engine_dir(path: Path) -> bool:
+    """A native engine (engine.json) or a TensorRT-LLM one."""
+    return (path / "engine.json").is_file() or is_trtllm_engine(path)
+
+
 def _cache_key_target(key: str) -> ServeTarget:
     from engines.cache import EngineCache
 
     engine_dir = entry_engine_dir(None, key)
-    if not (engine_dir / "engine.json").is_file():
+    if not _is_engine_dir(engine_dir):
         raise KilnError(f"cache key {key} has no engine under {default_cache_root()}: see `kiln cache ls`, or set "
                         f"$KILN_CACHE to the cache that holds it")
     cache = EngineCache.open_configured(default_cache_root())
