@@ -7,7 +7,7 @@ with quant_algo "FP8" or "W4A16_AWQ") are understood. Weights are read from safe
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ class SourceQuantization:
     format: str = "none"
     group_size: int | None = None
     fp8_kv_cache: bool = False
-    exclude_modules: list[str] = field(default_factory=list)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -108,7 +107,7 @@ def read_quantization(checkpoint_dir: Path, cfg: dict[str, Any]) -> SourceQuanti
     group_size = section.get("group_size", 128) if algo == "W4A16_AWQ" else None
     if algo == "W4A16_AWQ" and section.get("has_zero_point"):
         raise KilnError(f"{source}: W4A16_AWQ with zero points is not supported; export symmetric AWQ")
-    return SourceQuantization(QUANT_ALGOS[algo], group_size, kv_algo == "FP8", list(section.get("exclude_modules", [])))
+    return SourceQuantization(QUANT_ALGOS[algo], group_size, kv_algo == "FP8")
 
 
 class CheckpointTensors:
@@ -138,6 +137,13 @@ class CheckpointTensors:
         self.used.add(name)
         with _open(self._files[name]) as f:
             return f.get_tensor(name)
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype of ``name`` ("BF16", "F8_E4M3", "U8", ...), read from the header alone."""
+        if name not in self._files:
+            raise KilnError(f"checkpoint has no tensor {name!r}; the checkpoint is incomplete or not Llama-shaped")
+        with _open(self._files[name]) as f:
+            return f.get_slice(name).get_dtype()
 
     def skip(self, name: str) -> None:
         """Mark ``name`` as deliberately not converted."""

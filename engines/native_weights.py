@@ -84,12 +84,12 @@ def _group_format(tensors: CheckpointTensors, names: list[str]) -> str:
 def _module_format(tensors: CheckpointTensors, name: str) -> str:
     if f"{name}.weight_scale" not in tensors:
         return "none"
-    weight = tensors.get(f"{name}.weight")
-    if weight.dtype == torch.float8_e4m3fn:
+    dtype = tensors.dtype(f"{name}.weight")  # the header only: the weight itself is read once, when fused
+    if dtype == "F8_E4M3":
         return "fp8"
-    if weight.dtype == torch.uint8:
+    if dtype == "U8":
         return "int4_awq"
-    raise KilnError(f"{name}.weight has dtype {weight.dtype} with a weight_scale; not an FP8 or INT4-AWQ export")
+    raise KilnError(f"{name}.weight has dtype {dtype} with a weight_scale; not an FP8 or INT4-AWQ export")
 
 
 def _dense(tensors: CheckpointTensors, name: str, dtype: torch.dtype) -> torch.Tensor:
