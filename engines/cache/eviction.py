@@ -4,7 +4,6 @@ An entry that a live process holds (see ``in_use``) is never removed; it is repo
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterable
@@ -12,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.cache.in_use import is_held
-from engines.cache.layout import LAST_USED, MANIFEST
-from engines.cache.manifest import entry_size
+from engines.cache.layout import LAST_USED
+from engines.cache.manifest import entry_size, read_manifest
 from engines.cache.store import ContentStore
 
 
@@ -53,13 +52,9 @@ def entry_info(store: ContentStore, key: str) -> EntryInfo | None:
             last_used = os.stat(entry).st_mtime
         except FileNotFoundError:
             return None
-    try:
-        manifest = json.loads((entry / MANIFEST).read_bytes())
-    except (OSError, ValueError):
-        manifest = {}
-    manifest = manifest if isinstance(manifest, dict) else {}
+    manifest = read_manifest(entry) or {}
     describe = manifest.get("describe") if isinstance(manifest.get("describe"), dict) else {}
-    return EntryInfo(store.name, key, entry, entry_size(entry), last_used, manifest.get("created"), describe)
+    return EntryInfo(store.name, key, entry, entry_size(entry, manifest), last_used, manifest.get("created"), describe)
 
 
 def list_entries(stores: Iterable[ContentStore]) -> list[EntryInfo]:

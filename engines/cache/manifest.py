@@ -75,11 +75,22 @@ def payload_files(root: Path) -> tuple[list[Path], list[Path]]:
     return sorted(regular), sorted(odd)
 
 
-def entry_size(entry: Path) -> int:
-    """Bytes of an entry's payload as its manifest records them (measured on disk when it cannot be read)."""
+def read_manifest(entry: Path) -> dict | None:
+    """The entry's parsed manifest; None when it is missing, unreadable or not a JSON object."""
     try:
-        return int(json.loads((entry / MANIFEST).read_bytes())["total_bytes"])
-    except (OSError, ValueError, KeyError, TypeError):
+        manifest = json.loads((entry / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def entry_size(entry: Path, manifest: dict | None = None) -> int:
+    """Bytes of an entry's payload as its manifest records them (measured on disk when it cannot be read); pass the
+    manifest when it is already parsed."""
+    manifest = read_manifest(entry) if manifest is None else manifest
+    try:
+        return int(manifest["total_bytes"])
+    except (KeyError, TypeError, ValueError):
         return dir_size(entry)
 
 
