@@ -64,14 +64,16 @@ class Fp8Linear(nn.Module):
 class Int4AwqLinear(nn.Module):
     """INT4 weight, symmetric per-group scales along the input dim, AWQ pre-quant scale on the activations."""
 
-    def __init__(self, in_features: int, out_features: int, group_size: int) -> None:
+    def __init__(self, in_features: int, out_features: int, group_size: int,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if in_features % group_size or in_features % 2:
             raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
         self.group_size = group_size
         self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.ones(out_features, in_features // group_size, dtype=torch.float32))
-        self.register_buffer("pre_quant_scale", torch.ones(in_features, dtype=torch.float32))
+        # held in the activation dtype (rounded once when loaded), as every forward multiplies by it in that dtype
+        self.register_buffer("pre_quant_scale", torch.ones(in_features, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_streaming_kernel(x, INT4_STREAMING_MAX_M):
@@ -93,7 +95,7 @@ def make_linear(fmt: str, in_features: int, out_features: int, dtype: torch.dtyp
     if fmt == "fp8":
         return Fp8Linear(in_features, out_features)
     if fmt == "int4_awq":
-        return Int4AwqLinear(in_features, out_features, group_size)
+        return Int4AwqLinear(in_features, out_features, group_size, dtype)
     raise ValueError(f"unknown linear format {fmt!r}")
 
 
