@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.rounding import FP8_MAX, round_to_e4m3
+from runtime.kernels.rounding import quantize_e4m3
 
 BLOCK = 1024
 
@@ -20,8 +20,8 @@ def _quantize_fp8_kernel(x_ptr, scale_ptr, out_ptr, n_cols, stride_x, stride_o, 
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    y = round_to_e4m3(tl.clamp(tl.math.div_rn(x, tl.load(scale_ptr)), -FP8_MAX, FP8_MAX))
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    y = quantize_e4m3(x, tl.load(scale_ptr))
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.rounding import FP8_MAX, round_to_e4m3
+from runtime.kernels.rounding import quantize_e4m3
 
 
 @triton.jit
@@ -30,9 +30,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k
     v = tl.load(v_ptr + token * stride_v_tok + heads * stride_v_head + dims, mask=mask)
     cache_offs = slot * stride_c_slot + heads * stride_c_head + dims
     if FP8:
-        # div_rn: IEEE division like torch's (a plain `/` compiles to an approximate division on GPU)
-        k = round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX))
-        v = round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX))
+        k = quantize_e4m3(k, tl.load(k_scale_ptr))
+        v = quantize_e4m3(v, tl.load(v_scale_ptr))
     tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

@@ -38,3 +38,11 @@ def round_to_e4m3(y):
     rounded = ((y * inverse_ulp + magic) - magic) * ulp
     sign = y.to(tl.int32, bitcast=True) & -2147483648  # keep y's sign where it rounds to zero (-0, as torch)
     return (rounded.to(tl.int32, bitcast=True) & 0x7FFFFFFF | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize_e4m3(x, scale):
+    """``fp8_e4m3(clamp(x / scale, ±448))`` as exact float32 values: IEEE division (a plain ``/`` compiles to an
+    approximate one on a GPU), the clamp, then round to nearest even; the bytes ``runtime.layers.linear.fp8_quantize``
+    writes, once cast."""
+    return round_to_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX))
