@@ -31,9 +31,8 @@ class BlockManager:
     are shared by reference count; a block is free when no sequence refers to it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[bytes, int] = {}
@@ -67,8 +66,6 @@ class BlockManager:
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Block ids already holding this sequence's leading full blocks. At least one token is always left to
         compute, since the last prompt token must run through the model to give logits."""
-        if not self.enable_prefix_caching:
-            return []
         hits = []
         for i in range((seq.num_tokens - 1) // self.block_size):
             block_id = self.hash_to_block_id.get(self.block_hash(seq, i))
@@ -109,8 +106,6 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the hashes of blocks that became full of computed tokens, so later requests can reuse them."""
-        if not self.enable_prefix_caching:
-            return
         for i in reversed(range(seq.num_computed_tokens // self.block_size)):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is not None:
