@@ -197,8 +197,7 @@ class LLM:
         self._commands.put(("close", None))
         self._thread.join()
         self._fail_all(EngineClosedError("the LLM was closed before this request finished"))
-        if hasattr(self.engine, "close"):
-            self.engine.close()
+        self.engine.close()
         if self._hold is not None:
             self._hold.release()
 

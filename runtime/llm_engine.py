@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -50,12 +51,14 @@ class LLMEngine:
                                                    max_num_batched_tokens=plan.max_num_tokens,
                                                    max_seq_len=plan.max_seq_len, max_input_len=plan.max_input_len),
                                    self.block_manager)
-        self.limits = EngineLimits(max_input_len=plan.max_input_len, max_seq_len=plan.max_seq_len,
-                                   max_batch_size=plan.max_batch_size, max_num_tokens=plan.max_num_tokens,
-                                   kv_pool_tokens=self.block_manager.num_blocks * plan.tokens_per_block)
+        self.limits = EngineLimits.from_plan(asdict(plan),
+                                             kv_pool_tokens=self.block_manager.num_blocks * plan.tokens_per_block)
         self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
         self.stats = EngineStats()
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
+
+    def close(self) -> None:
+        """Nothing to release beyond what garbage collection frees (the engine interface TensorRT-LLM's needs)."""
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching engine state (safe from any thread)."""

@@ -13,7 +13,8 @@ from runtime.errors import EngineFormatError, InvalidRequestError
 _CONTEXT_TOKENS = 6
 
 
-def _token_content(token: str | dict | None) -> str | None:
+def special_token_text(token: str | dict | None) -> str | None:
+    """A special token's text as tokenizer_config.json writes it: a string, or an AddedToken dict's ``content``."""
     return token.get("content") if isinstance(token, dict) else token
 
 
@@ -34,7 +35,7 @@ class Tokenizer:
         tokenizer = tokenizers.Tokenizer.from_file(str(path))
         config_path = Path(directory) / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        bos = _token_content(config.get("bos_token"))
+        bos = special_token_text(config.get("bos_token"))
         bos_token_id = tokenizer.token_to_id(bos) if config.get("add_bos_token") and bos else None
         return cls(tokenizer, bos_token_id)
 

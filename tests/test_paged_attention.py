@@ -40,7 +40,7 @@ def run_mixed_batch(fp8: bool):
     kv_dtype = torch.float8_e4m3fn if fp8 else torch.float32
     k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=kv_dtype)
     v_cache = torch.zeros_like(k_cache)
-    attn = PagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, fp8_kv_cache=fp8)
+    attn = PagedAttention(HEAD_DIM, fp8_kv_cache=fp8)
     if fp8:
         attn.k_scale.fill_(0.02)
         attn.v_scale.fill_(0.01)
@@ -102,7 +102,7 @@ def test_paged_attention_on_gpu_matches_cpu():
     q = torch.randn(total_new, NUM_HEADS, HEAD_DIM, generator=generator)
     k = torch.randn(total_new, NUM_KV_HEADS, HEAD_DIM, generator=generator)
     v = torch.randn(total_new, NUM_KV_HEADS, HEAD_DIM, generator=generator)
-    attn = PagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, fp8_kv_cache=False)
+    attn = PagedAttention(HEAD_DIM, fp8_kv_cache=False)
     outputs = []
     for device in ("cpu", "cuda"):
         meta = AttentionMetadata.build([n for _, n in SEQUENCES], [c + n for c, n in SEQUENCES], tables, BLOCK_SIZE,

@@ -21,9 +21,8 @@ from runtime.layers.linear import fp8_quantize
 class PagedAttention(nn.Module):
     """Causal GQA attention over the paged KV cache; owns the FP8 KV scales when the cache is FP8."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, fp8_kv_cache: bool) -> None:
+    def __init__(self, head_dim: int, fp8_kv_cache: bool) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)

@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = linear(f"{prefix}.o_proj", self.q_size, arch.hidden_size)
         self.rotary_emb = rotary
         fp8_kv = config.kv_cache_torch_dtype == torch.float8_e4m3fn
-        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, fp8_kv)
+        self.attn = PagedAttention(arch.head_dim, fp8_kv)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:

@@ -12,6 +12,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from runtime.errors import KilnError
+from runtime.tokenizer import special_token_text
 
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -41,10 +42,6 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def _token_text(token: Any) -> str | None:
-    return token.get("content") if isinstance(token, dict) else token
-
-
 class ChatTemplate:
     """Turns OpenAI chat messages into the prompt text the model was trained on."""
 
@@ -67,7 +64,7 @@ class ChatTemplate:
             source = named.get("default")
         if not isinstance(source, str) or not source:
             return None
-        special = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name)))}
+        special = {name: text for name in _SPECIAL_TOKENS if (text := special_token_text(config.get(name)))}
         try:
             return cls(source, special)
         except jinja2.TemplateSyntaxError as exc:
