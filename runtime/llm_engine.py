@@ -15,7 +15,7 @@ from runtime.errors import InvalidRequestError, KilnError
 from runtime.fingerprint import check_fingerprint, machine_fingerprint
 from runtime.limits import EngineLimits
 from runtime.model_runner import ModelRunner
-from runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta
+from runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta, stop_reason
 from runtime.sampler import SamplingError
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -43,7 +43,7 @@ class LLMEngine:
         self.config = EngineConfig.load(engine_dir)
         self.device = resolve_device(device, self.config)
         check_fingerprint(self.config.fingerprint, machine_fingerprint(str(self.device)))
-        self.tokenizer = Tokenizer.from_dir(engine_dir) if (engine_dir / "tokenizer.json").is_file() else None
+        self.tokenizer = Tokenizer.from_dir(engine_dir)
         self.model_runner = ModelRunner(engine_dir, self.config, self.device, num_kv_blocks)
         plan = self.config.plan
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block)
@@ -120,12 +120,8 @@ class LLMEngine:
         """Append the sampled token and finish the sequence on a stop token, a stop string or max_tokens."""
         _, detokenizer = self._requests[seq.request_id]
         seq.append_token(token_id)
-        params = seq.params
-        stop_token = token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)
-        if stop_token or (detokenizer is not None and detokenizer.add_token(token_id) is not None):
-            self.scheduler.finish(seq, "stop")
-        elif seq.num_completion_tokens >= params.max_tokens:
-            self.scheduler.finish(seq, "length")
+        if (reason := stop_reason(seq, token_id, detokenizer, self.eos_token_ids)) is not None:
+            self.scheduler.finish(seq, reason)
         return self._emit(seq, [token_id])
 
     def _emit(self, seq: Sequence, new_token_ids: list[int]) -> StreamDelta:

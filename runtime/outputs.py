@@ -85,3 +85,16 @@ class RequestFailure:
 
     request_id: str
     error: KilnError
+
+
+def stop_reason(seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None,
+                eos_token_ids: frozenset[int]) -> str | None:
+    """Why ``seq`` finishes with ``token_id`` just appended: "stop" on a stop token, on EOS (unless ``ignore_eos``)
+    or on a stop string the detokenizer completes, "length" at ``max_tokens``; None while it goes on. Both engines
+    apply this one rule."""
+    params = seq.params
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        return "stop"
+    if detokenizer is not None and detokenizer.add_token(token_id) is not None:
+        return "stop"
+    return "length" if seq.num_completion_tokens >= params.max_tokens else None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import tokenizers
 
-from runtime.errors import EngineFormatError, InvalidRequestError
+from runtime.errors import InvalidRequestError
 
 # Prompt tokens kept as context when decoding the first completion tokens (spaces and merged bytes depend on it).
 _CONTEXT_TOKENS = 6
@@ -26,12 +26,12 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
 
     @classmethod
-    def from_dir(cls, directory: Path) -> Tokenizer:
-        """Load `tokenizer.json` (and `tokenizer_config.json` for `add_bos_token`) from an engine directory."""
+    def from_dir(cls, directory: Path) -> Tokenizer | None:
+        """Load `tokenizer.json` (and `tokenizer_config.json` for `add_bos_token`) from an engine directory; None when
+        it has no tokenizer (its prompts are then token ids)."""
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
-            raise EngineFormatError(f"{path}: tokenizer.json is missing: rebuild the engine from a checkpoint that "
-                                    f"has one, or pass prompts as token ids")
+            return None
         tokenizer = tokenizers.Tokenizer.from_file(str(path))
         config_path = Path(directory) / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}

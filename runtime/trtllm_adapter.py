@@ -21,7 +21,7 @@ from typing import Any
 
 from runtime.errors import EngineFormatError, FingerprintMismatchError, InvalidRequestError, KilnError
 from runtime.limits import EngineLimits
-from runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta
+from runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta, stop_reason
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
 from runtime.stats import EngineStats
@@ -163,7 +163,7 @@ class TrtllmEngine:
             raise TrtllmUnavailableError(f"{engine_dir}: a tp_size {self.info.tp_size} x pp_size {self.info.pp_size} "
                                          f"engine needs one MPI process per GPU, which Kiln's adapter does not start; "
                                          f"serve it with trtllm-serve, or build with tp_size 1 and pp_size 1")
-        self.tokenizer = Tokenizer.from_dir(engine_dir) if (engine_dir / "tokenizer.json").is_file() else None
+        self.tokenizer = Tokenizer.from_dir(engine_dir)
         self.plan = self.info.plan
         self.limits = EngineLimits.from_plan(self.plan)  # the executor sizes its KV pool itself
         self.eos_token_ids = frozenset(self.info.eos_token_ids)
@@ -250,7 +250,7 @@ class TrtllmEngine:
         for token_id in (result.output_token_ids or [[]])[0]:
             new_tokens.append(token_id)
             seq.append_token(token_id)
-            reason = self._stop_reason(state, token_id)
+            reason = stop_reason(seq, token_id, state.detokenizer, self.eos_token_ids)
             if reason is not None:
                 return self._finish(state, reason, new_tokens, executor_done=result.is_final)
         if result.is_final:
@@ -258,14 +258,6 @@ class TrtllmEngine:
             reason = FINISH_REASONS.get(names[0] if names else "", "stop")
             return self._finish(state, reason, new_tokens, executor_done=True)
         return self._emit(state, new_tokens)
-
-    def _stop_reason(self, state: _Request, token_id: int) -> str | None:
-        params, seq = state.seq.params, state.seq
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            return "stop"
-        if state.detokenizer is not None and state.detokenizer.add_token(token_id) is not None:
-            return "stop"
-        return "length" if seq.num_completion_tokens >= params.max_tokens else None
 
     def abort_request(self, request_id: str) -> StreamDelta | None:
         """Cancel a request in the executor and finish it with reason "abort"; None if it is not here."""
