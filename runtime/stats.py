@@ -77,22 +77,21 @@ class EngineStats:
 
     def snapshot(self) -> dict:
         """Counters, a summary of the recent steps, and TTFT / ITL / end-to-end latency summaries in ms."""
-        with self._lock:
-            steps = list(self.recent_steps)
-            return {
-                "num_steps": self.num_steps,
-                "num_mixed_steps": self.num_mixed_steps,
-                "num_batched_tokens": self.num_batched_tokens,
-                "num_generated_tokens": self.num_generated_tokens,
-                "num_preemptions": self.num_preemptions,
-                "requests_finished": dict(self.num_finished),
-                "recent_steps": {
-                    "batch_size": summarize([s.num_seqs for s in steps]),
-                    "batched_tokens": summarize([s.num_batched_tokens for s in steps]),
-                    "duration_ms": summarize([s.duration_s for s in steps], 1000),
-                    "steps": [asdict(s) for s in steps],
-                },
-                "ttft_ms": summarize(list(self._ttft), 1000),
-                "itl_ms": summarize(list(self._itl), 1000),
-                "e2e_ms": summarize(list(self._e2e), 1000),
-            }
+        with self._lock:  # copy under the lock the engine step takes; summarise after releasing it
+            steps, ttft, itl, e2e = list(self.recent_steps), list(self._ttft), list(self._itl), list(self._e2e)
+            counters = {"num_steps": self.num_steps, "num_mixed_steps": self.num_mixed_steps,
+                        "num_batched_tokens": self.num_batched_tokens,
+                        "num_generated_tokens": self.num_generated_tokens, "num_preemptions": self.num_preemptions,
+                        "requests_finished": dict(self.num_finished)}
+        return {
+            **counters,
+            "recent_steps": {
+                "batch_size": summarize([s.num_seqs for s in steps]),
+                "batched_tokens": summarize([s.num_batched_tokens for s in steps]),
+                "duration_ms": summarize([s.duration_s for s in steps], 1000),
+                "steps": [asdict(s) for s in steps],
+            },
+            "ttft_ms": summarize(ttft, 1000),
+            "itl_ms": summarize(itl, 1000),
+            "e2e_ms": summarize(e2e, 1000),
+        }

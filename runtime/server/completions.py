@@ -178,7 +178,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
     limits = [model.max_tokens(len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
               for ids in prompts]
     jobs = _jobs(req, prompts, limits)
-    model.check(jobs, "prompt")
+    model.check(jobs[::req.n], "prompt")  # one job per prompt: a prompt's n choices differ only in their seed
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     chunk = functools.partial(_stream_chunk, request_id, "text_completion", created, model.name)
 
@@ -214,7 +214,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
     jobs = _jobs(req, [prompt], [limit])
-    model.check(jobs, "messages")
+    model.check(jobs[::req.n], "messages")
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     chunk = functools.partial(_stream_chunk, request_id, "chat.completion.chunk", created, model.name)
 
