@@ -61,23 +61,22 @@ def build_trtllm_engine(out_dir: Path, options: TrtllmBuildOptions, *, hf_dir: P
     converted first. `hf_dir` also supplies the tokenizer and EOS ids. `fingerprint` is the build machine's
     `trtllm_machine_fingerprint()`; `timeout_s` bounds conversion and build together."""
     deadline = time.monotonic() + timeout_s
-    scratch = out_dir / SCRATCH_DIR
-    record: dict[str, Any] = {"backend": "trtllm", "options": options.to_dict(), "convert": None}
-    checkpoint_config = _read_json(trtllm_checkpoint_dir / "config.json") if trtllm_checkpoint_dir else None
-    record["warnings"] = preflight(options, quant_format, kv_cache_dtype, fingerprint, checkpoint_config)
-    if trtllm_checkpoint_dir is None:
-        if quant_format != "none":
-            raise TrtllmBuildError(f"quantize.format {quant_format} needs the quantize stage's TensorRT-LLM "
-                                   f"checkpoint, and none was given; run the quantize stage first")
-        trtllm_checkpoint_dir = scratch / "checkpoint"
-        argv = convert_command(hf_dir, trtllm_checkpoint_dir, options, dtype=model_dtype, python=python)
-        record["convert"] = _run(argv, "convert-checkpoint", out_dir, deadline, timeout_s, env, timing_cache).to_dict()
-    argv = trtllm_build_command(trtllm_checkpoint_dir, out_dir, options, quant_format=quant_format,
-                                kv_cache_dtype=kv_cache_dtype, timing_cache=timing_cache, executable=executable)
-    record["build"] = _run(argv, "trtllm-build", out_dir, deadline, timeout_s, env, timing_cache).to_dict()
+    if trtllm_checkpoint_dir is None and quant_format != "none":
+        raise TrtllmBuildError(f"quantize.format {quant_format} needs the quantize stage's TensorRT-LLM "
+                               f"checkpoint, and none was given; run the quantize stage first")
+    plan = plan_trtllm_build(options, quant_format=quant_format, kv_cache_dtype=kv_cache_dtype,
+                             model_dtype=model_dtype, fingerprint=fingerprint, timing_cache=timing_cache,
+                             hf_dir=hf_dir, trtllm_checkpoint_dir=trtllm_checkpoint_dir, out_dir=out_dir,
+                             executable=executable, python=python)  # the same argv the dry run prints
+    record: dict[str, Any] = {"backend": "trtllm", "options": options.to_dict(), "convert": None,
+                              "warnings": plan["preflight_warnings"]}
+    if plan["convert_command"] is not None:
+        record["convert"] = _run(plan["convert_command"], "convert-checkpoint", out_dir, deadline, timeout_s, env,
+                                 timing_cache).to_dict()
+    record["build"] = _run(plan["command"], "trtllm-build", out_dir, deadline, timeout_s, env, timing_cache).to_dict()
     _check_engine_files(out_dir, options, record["build"])
     record["timing_cache"] = _adopt_timing_cache(out_dir / NEW_TIMING_CACHE, timing_cache)
-    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.rmtree(out_dir / SCRATCH_DIR, ignore_errors=True)
     _write_engine_info(out_dir, options, hf_dir, quant_format, kv_cache_dtype, fingerprint, record)
     return record
 
