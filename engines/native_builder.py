@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -14,15 +13,13 @@ from engines.native_weights import convert_weights
 from runtime.engine_format import (
     DTYPES,
     ENGINE_FORMAT,
-    TOKENIZER_FILES,
     WEIGHTS_FILE,
     EngineConfig,
     QuantizationConfig,
+    copy_tokenizer_files,
 )
 from runtime.errors import KilnError
 from runtime.fingerprint import machine_fingerprint
-
-# transformers 5 saves a tokenizer's chat template here rather than in tokenizer_config.json; the server reads it first.
 
 
 def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: str, device: str = "cpu") -> dict:
@@ -47,8 +44,6 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: 
         raise KilnError(f"{checkpoint_dir / 'config.json'}: sliding_window {sliding_window} is shorter than "
                         f"build.max_seq_len {build_plan.max_seq_len}; the native backend has no sliding-window "
                         "attention, lower build.max_seq_len")
-    tokenizer_files = [checkpoint_dir / name for name in TOKENIZER_FILES
-                       if (checkpoint_dir / name).is_file()]
     if not (checkpoint_dir / "tokenizer.json").is_file():
         raise KilnError(f"{checkpoint_dir}: no tokenizer.json; the native runtime needs a fast tokenizer file "
                         "(save the tokenizer with save_pretrained)")
@@ -72,8 +67,7 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: 
 
     save_file({name: t.contiguous() for name, t in weights.items()}, str(out_dir / WEIGHTS_FILE),
               metadata={"format": ENGINE_FORMAT})
-    for path in tokenizer_files:
-        shutil.copyfile(path, out_dir / path.name)
+    copy_tokenizer_files(checkpoint_dir, out_dir)
     config.save(out_dir)
     return config.to_dict()
 

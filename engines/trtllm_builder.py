@@ -20,7 +20,7 @@ from engines.trtllm_command import BUILD_DIR_PLACEHOLDER, NEW_TIMING_CACHE, conv
 from engines.trtllm_options import TrtllmBuildOptions
 from engines.trtllm_preflight import preflight
 from engines.trtllm_subprocess import ProcessRecord, TrtllmBuildError, run_logged
-from runtime.engine_format import TOKENIZER_FILES
+from runtime.engine_format import copy_tokenizer_files
 from runtime.trtllm_adapter import TrtllmEngineInfo
 
 LOG_DIR = "logs"
@@ -125,9 +125,7 @@ def _adopt_timing_cache(new_cache: Path, timing_cache: Path) -> str | None:
 
 def _write_engine_info(out_dir: Path, options: TrtllmBuildOptions, hf_dir: Path, quant_format: str,
                        kv_cache_dtype: str, fingerprint: dict[str, Any], record: dict[str, Any]) -> None:
-    for name in TOKENIZER_FILES:
-        if (hf_dir / name).is_file():
-            shutil.copyfile(hf_dir / name, out_dir / name)
+    copy_tokenizer_files(hf_dir, out_dir)
     hf_config = _read_json(hf_dir / "config.json") or {}
     generation = _read_json(hf_dir / "generation_config.json") or {}
     plan = {k: getattr(options, k) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",

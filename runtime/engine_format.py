@@ -8,6 +8,7 @@ fingerprint of the machine the engine was built for. Weights in ``rank0.safetens
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ ENGINE_FORMAT = "kiln-native"
 ENGINE_FORMAT_VERSION = 1
 ENGINE_JSON = "engine.json"
 WEIGHTS_FILE = "rank0.safetensors"
+# chat_template.jinja: transformers 5 saves a tokenizer's chat template there rather than in tokenizer_config.json;
+# the server reads it first.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 
@@ -185,3 +188,10 @@ def _section(cls: type, data: dict[str, Any], key: str) -> Any:
         return cls(**{k: v for k, v in section.items() if k in known})
     except TypeError as e:
         raise EngineFormatError(f"{key}: {e}") from None
+
+
+def copy_tokenizer_files(source_dir: Path, engine_dir: Path) -> None:
+    """Copy the TOKENIZER_FILES that ``source_dir`` (a Hugging Face checkpoint) has into an engine directory."""
+    for name in TOKENIZER_FILES:
+        if (source_dir / name).is_file():
+            shutil.copyfile(source_dir / name, engine_dir / name)
