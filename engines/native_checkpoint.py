@@ -49,7 +49,11 @@ def read_architecture(checkpoint_dir: Path) -> tuple[LlamaArchitecture, dict[str
         raise KilnError(f"{checkpoint_dir}: no config.json; point the build at a Hugging Face checkpoint directory")
     cfg = read_json(path)
     gen_path = checkpoint_dir / "generation_config.json"
-    gen = read_json(gen_path) if gen_path.is_file() else {}
+    return parse_architecture(cfg, read_json(gen_path) if gen_path.is_file() else {}, path), cfg
+
+
+def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> LlamaArchitecture:
+    """The Llama architecture of a parsed config.json (``path`` names it in errors) and generation_config.json."""
     archs = cfg.get("architectures") or []
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise KilnError(f"{path}: architecture {archs[0] if archs else None!r} is not supported by the native backend "
@@ -71,7 +75,7 @@ def read_architecture(checkpoint_dir: Path) -> tuple[LlamaArchitecture, dict[str
     head_dim = cfg.get("head_dim") or hidden // num_heads
     rope_theta, rope_scaling = _rope(cfg, path)
     _check_rope(head_dim, rope_theta, rope_scaling, path)
-    arch = LlamaArchitecture(
+    return LlamaArchitecture(
         vocab_size=_int(cfg, "vocab_size", path),
         hidden_size=hidden,
         intermediate_size=_int(cfg, "intermediate_size", path),
@@ -87,7 +91,6 @@ def read_architecture(checkpoint_dir: Path) -> tuple[LlamaArchitecture, dict[str
         bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
         eos_token_ids=_eos_ids(gen.get("eos_token_id"), cfg.get("eos_token_id")),
     )
-    return arch, cfg
 
 
 def read_quantization(checkpoint_dir: Path, cfg: dict[str, Any]) -> SourceQuantization:

@@ -19,12 +19,11 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from engines.native_checkpoint import read_architecture
+from engines.native_checkpoint import parse_architecture, read_json
 from runtime.attention_metadata import AttentionMetadata
 from runtime.decode_graphs import DecodeGraphRunner
 from runtime.engine_format import BuildPlan, EngineConfig, QuantizationConfig
@@ -53,9 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def engine_config(arch_file: Path, fmt: str, max_batch: int, max_seq_len: int, max_num_tokens: int) -> EngineConfig:
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(arch_file.read_text())
-        arch, _ = read_architecture(Path(tmp))
+    arch = parse_architecture(read_json(arch_file), {}, arch_file)
     quant = QuantizationConfig(format=fmt, group_size=128 if fmt == "int4_awq" else None)
     plan = BuildPlan(max_batch_size=max_batch, max_input_len=max_num_tokens, max_seq_len=max_seq_len,
                      max_num_tokens=max_num_tokens, tokens_per_block=BLOCK, kv_cache_dtype="bfloat16")
