@@ -83,6 +83,7 @@ class QuantizeStage:
     """Calibrate, gate and export the checkpoint (content-addressed in the cache's ``quantized/`` part)."""
 
     name = "quantize"
+    planned_hit = None  # the LookupResult of a hit that decide found
     inputs = ("checkpoint content hash", "quantize recipe (incl. calibration data hashes)", "calibration device")
     outputs = "v1/quantized/<key>/checkpoint (hf/, trtllm/, calibration report)"
 
@@ -97,6 +98,7 @@ class QuantizeStage:
             return Decision(self.name, "run", "--force")
         lookup = ctx.cache.quantized.lookup(ctx.quantized_key, record=False)
         if lookup.hit:
+            self.planned_hit = lookup  # on_skip takes it up without checking the entry again
             return Decision(self.name, "skip", f"{fmt} checkpoint {ctx.quantized_key[:12]} is in the cache")
         return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe ({lookup.reason})")
 
@@ -129,7 +131,7 @@ class QuantizeStage:
         if ctx.config.quantize.format == "none":
             ctx.checkpoint_dir = ctx.model_dir
             return
-        lookup = ctx.cache.quantized.lookup(ctx.quantized_key)
+        lookup = ctx.cache.quantized.record_hit(self.planned_hit, ctx.quantized_key)
         self.adopt(ctx, lookup.entry_dir / "checkpoint")
 
 
@@ -137,6 +139,7 @@ class BuildStage:
     """Build the engine from the (quantized) checkpoint into a temporary folder of the cache."""
 
     name = "build"
+    planned_hit = None  # the LookupResult of a hit that decide found
     inputs = ("engine key material: checkpoint, recipe, semantic build options, backend, toolchain, hardware",)
     outputs = "v1/tmp/<build> (the engine directory, not yet visible)"
 
@@ -148,6 +151,7 @@ class BuildStage:
             return Decision(self.name, "run", "--force")
         lookup = ctx.cache.entries.lookup(ctx.engine_key, ctx.material, record=False)
         if lookup.hit:
+            self.planned_hit = lookup  # on_skip takes it up without checking the entry again
             return Decision(self.name, "skip", f"engine {ctx.engine_key[:12]} is in the cache")
         return Decision(self.name, "run", f"cache miss ({lookup.reason})")
 
@@ -194,8 +198,8 @@ class BuildStage:
         ctx.build_seconds = result.build_seconds
 
     def on_skip(self, ctx: BuildContext) -> None:
-        lookup = ctx.cache.entries.lookup(ctx.engine_key, ctx.material)
-        if not lookup.hit:  # vanished or found corrupt since the plan was made: build after all
+        lookup = ctx.cache.entries.record_hit(self.planned_hit, ctx.engine_key, ctx.material)
+        if not lookup.hit:  # vanished since the plan was made: build after all
             self.run(ctx, lambda *_: None)
             return
         ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = lookup.entry_dir / "engine", True, "hit"

@@ -139,6 +139,14 @@ class ContentStore:
         self.stats.record_lookup(self.name, key, found.reason, _build_seconds(found.manifest) if found.hit else 0.0)
         return found
 
+    def record_hit(self, found: LookupResult, key: str, material: dict | None = None) -> LookupResult:
+        """Take up a hit that a planning lookup (``record=False``) found: record its use and the lookup, without
+        checking the entry's files a second time; an entry that vanished meanwhile is looked up again."""
+        if not self._touch(found.entry_dir):
+            return self.lookup(key, material)
+        self.stats.record_lookup(self.name, key, "hit", _build_seconds(found.manifest))
+        return found
+
     def _find(self, key: str, material: dict | None) -> LookupResult:
         """``_check``, and on a hit record the use (an entry that vanished meanwhile is looked up again)."""
         found = self._check(key, material)
