@@ -15,7 +15,7 @@ import torch
 
 from calibration.errors import CalibrationError
 from calibration.recipe import QuantizeRecipe
-from calibration.sources import read_documents, resolve_source, source_sha256
+from calibration.sources import read_documents, resolve_source, source_digest
 
 ENCODE_BATCH = 64
 
@@ -43,6 +43,7 @@ def load_calibration_data(recipe: QuantizeRecipe, tokenizer, dataset_root: Path 
         used = _docs_covering(list(reversed(docs)), tokenizer, heldout_tokens)
         heldout_docs, docs = docs[len(docs) - used:], docs[: len(docs) - used]
         heldout_label = f"{source.field} '{source.spec}' (held-out split)"
+        heldout_source = source
     else:
         heldout_source = resolve_source(recipe.heldout, "heldout", dataset_root)
         heldout_docs = _shuffled(read_documents(heldout_source, recipe.text_field), recipe.seed)
@@ -54,8 +55,8 @@ def load_calibration_data(recipe: QuantizeRecipe, tokenizer, dataset_root: Path 
     return CalibrationData(
         calibration=calibration,
         heldout=heldout,
-        calibration_sha256=source_sha256(recipe.dataset, "calibration", dataset_root),
-        heldout_sha256=source_sha256(recipe.heldout, "heldout", dataset_root),
+        calibration_sha256=source_digest(source),
+        heldout_sha256=source_digest(heldout_source),
     )
 
 

@@ -84,7 +84,11 @@ def _download_hf(spec: str, field: str) -> Path:
 
 def source_sha256(spec: str, role: Role, dataset_root: Path | None = None) -> str:
     """sha256 over the bytes of the source's files (and, for a folder, their relative names, in reading order)."""
-    source = resolve_source(spec, role, dataset_root)
+    return source_digest(resolve_source(spec, role, dataset_root))
+
+
+def source_digest(source: TextSource) -> str:
+    """``source_sha256`` of a source already resolved."""
     if len(source.files) == 1 and source.files[0].parent == source.root:
         return _file_sha256(source.files[0])
     digest = hashlib.sha256()

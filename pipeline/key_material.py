@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from calibration.recipe import QuantizeRecipe, recipe_material
 from pipeline.backend import BackendChoice
 from pipeline.config import KilnConfig
 from runtime.engine_format import ENGINE_FORMAT_VERSION
@@ -13,15 +12,18 @@ from runtime.trtllm_adapter import trtllm_machine_fingerprint
 KEY_SCHEMA = 1
 
 
-def quantized_material(checkpoint_hash: str, recipe: QuantizeRecipe, device: str, compute_dtype: str) -> dict:
-    """Key material of a quantized checkpoint: the input's content, the effective recipe, and where it is calibrated
-    (CPU float32 and GPU bf16 calibration give different bytes); build options never enter it."""
-    return {"key_schema": KEY_SCHEMA, "kind": "quantized", "checkpoint": checkpoint_hash,
-            "recipe": recipe_material(recipe), "calibration": {"device": device, "compute_dtype": compute_dtype}}
+def quantized_material(checkpoint_hash: str, recipe: dict, device: str, compute_dtype: str) -> dict:
+    """Key material of a quantized checkpoint: the input's content, the effective recipe (``recipe_material``), and
+    where it is calibrated (CPU float32 and GPU bf16 calibration give different bytes); build options never enter
+    it."""
+    return {"key_schema": KEY_SCHEMA, "kind": "quantized", "checkpoint": checkpoint_hash, "recipe": recipe,
+            "calibration": {"device": device, "compute_dtype": compute_dtype}}
 
 
-def engine_material(checkpoint_hash: str, quantized_key: str | None, config: KilnConfig, choice: BackendChoice) -> dict:
-    """Key material of an engine: checkpoint, recipe, semantic build options, backend, toolchain, hardware."""
+def engine_material(checkpoint_hash: str, quantized_key: str | None, config: KilnConfig, choice: BackendChoice,
+                    recipe: dict) -> dict:
+    """Key material of an engine: checkpoint, recipe (``recipe_material``), semantic build options, backend,
+    toolchain, hardware."""
     if choice.backend == "trtllm":
         machine = trtllm_machine_fingerprint()
         toolchain = {name: machine.get(name) for name in ("tensorrt_llm", "tensorrt", "cuda")}
@@ -34,7 +36,7 @@ def engine_material(checkpoint_hash: str, quantized_key: str | None, config: Kil
         "key_schema": KEY_SCHEMA,
         "kind": "engine",
         "checkpoint": checkpoint_hash,
-        "quantization": {"recipe": recipe_material(config.quantize), "quantized_key": quantized_key},
+        "quantization": {"recipe": recipe, "quantized_key": quantized_key},
         "model_dtype": config.model.dtype,
         "build": config.build.semantic(choice.backend),
         "backend": choice.backend,

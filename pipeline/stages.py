@@ -6,12 +6,14 @@ key of that output). The runner, not the stage, decides whether to run it, and a
 
 from __future__ import annotations
 
+import functools
 import json
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from calibration.recipe import recipe_material
 from engines.cache import EngineCache, engine_key, hold_entry
 from pipeline.backend import BackendChoice
 from pipeline.config import KilnConfig, LoadedConfig
@@ -65,8 +67,13 @@ class BuildContext:
         """The compute dtype of calibration: float32 on CPU, the model dtype on a GPU."""
         return "float32" if self.choice.device == "cpu" else self.config.model.dtype
 
+    @functools.cached_property
+    def recipe_material(self) -> dict:
+        """The effective quantize recipe (its data hashed once per build)."""
+        return recipe_material(self.config.quantize)
+
     def quantized_material(self) -> dict:
-        return quantized_material(self.checkpoint_hash, self.config.quantize, self.choice.device,
+        return quantized_material(self.checkpoint_hash, self.recipe_material, self.choice.device,
                                   self.calibration_dtype)
 
     def compute_keys(self) -> None:
@@ -75,7 +82,8 @@ class BuildContext:
             return
         if self.config.quantize.format != "none":
             self.quantized_key = engine_key(self.quantized_material())
-        self.material = engine_material(self.checkpoint_hash, self.quantized_key, self.config, self.choice)
+        self.material = engine_material(self.checkpoint_hash, self.quantized_key, self.config, self.choice,
+                                        self.recipe_material)
         self.engine_key = engine_key(self.material)
 
 
