@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
 from runtime.errors import KilnError
-from runtime.trtllm_adapter import trtllm_versions
-
-SUPPORTED_TRTLLM = "1.2."
+from runtime.trtllm_adapter import INSTALL_HINT, is_supported_trtllm, trtllm_versions
 
 
 class BackendUnavailableError(KilnError):
     """The requested backend cannot run on this machine."""
 
 
-TRTLLM_INSTALL_HINT = (
-    "install TensorRT-LLM 1.2.x on a GPU machine: pip install 'tensorrt-llm>=1.2,<1.3' "
-    "--extra-index-url https://pypi.nvidia.com (see docs/tensorrt-llm.md), or use --backend native"
-)
+TRTLLM_INSTALL_HINT = f"{INSTALL_HINT}, or use --backend native"
 
 
 @dataclass(frozen=True)
@@ -34,9 +28,8 @@ class BackendChoice:
 
 def trtllm_available() -> bool:
     """True when TensorRT-LLM 1.2.x is installed (checked from package metadata, without importing it: that is slow)."""
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        return False
-    return (trtllm_versions()["tensorrt_llm"] or "").startswith(SUPPORTED_TRTLLM)
+    version = trtllm_versions()["tensorrt_llm"]
+    return version is not None and is_supported_trtllm(version)
 
 
 def choose_backend(requested: str, device: str) -> BackendChoice:
@@ -45,9 +38,10 @@ def choose_backend(requested: str, device: str) -> BackendChoice:
     resolved_device = ("cuda" if has_cuda else "cpu") if device == "auto" else device
     if requested != "auto":
         return BackendChoice(requested, resolved_device, f"backend {requested} requested")
-    if trtllm_available() and has_cuda:
+    has_trtllm = trtllm_available()
+    if has_trtllm and has_cuda:
         return BackendChoice("trtllm", "cuda", "auto: tensorrt_llm is installed and a GPU is present")
-    why = "TensorRT-LLM 1.2.x is not installed" if not trtllm_available() else "no CUDA GPU is present"
+    why = "TensorRT-LLM 1.2.x is not installed" if not has_trtllm else "no CUDA GPU is present"
     return BackendChoice("native", resolved_device, f"auto: {why}, so Kiln's native engine")
 
 

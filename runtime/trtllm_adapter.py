@@ -125,12 +125,17 @@ def check_trtllm_fingerprint(engine_fp: dict[str, Any], machine_fp: dict[str, An
                                        f"{'; '.join(differences)}; rebuild it here with `kiln build --backend trtllm`")
 
 
+def is_supported_trtllm(version: str) -> bool:
+    """Whether a TensorRT-LLM version string is a supported release (1.2.x)."""
+    return tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) == SUPPORTED_TRTLLM
+
+
 def import_executor_module() -> Any:
     """`tensorrt_llm.bindings.executor`, after checking the installed version is 1.2.x."""
     version = _version("tensorrt_llm")
     if version is None:
         raise TrtllmUnavailableError(f"this engine needs TensorRT-LLM, which is not installed; {INSTALL_HINT}")
-    if tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) != SUPPORTED_TRTLLM:
+    if not is_supported_trtllm(version):
         raise TrtllmUnavailableError(f"TensorRT-LLM {version} is installed but Kiln supports 1.2.x only (the TensorRT "
                                      f"engine path left TensorRT-LLM after 1.3.0rc20); {INSTALL_HINT}")
     try:
