@@ -122,8 +122,7 @@ def _build_engine(config_path: Path):
 
     _progress(f"building {config_path.name} through the engine cache (a hit is instant)")
     ctx = runner.prepare(str(config_path), backend="native", force=False, dry_run=False)
-    decisions = [(stage, d) for stage, d in runner.decide(ctx) if d.name != "smoke"]  # bench loads it itself
-    result = runner.run(ctx, decisions, None)
+    result = runner.run(ctx, runner.decide(ctx, smoke=False), None)  # bench loads the engine itself
     return ctx, {"engine_dir": result["engine_dir"], "engine_key": ctx.engine_key,
                  "cache_hit": result["cache"]["hit"], "build_s": result["build_seconds"]}
 

@@ -62,9 +62,10 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
     return ctx
 
 
-def decide(ctx: BuildContext) -> list[tuple[object, Decision]]:
-    """The stage list with the runner's decision for each."""
-    quantize, build, publish, smoke = QuantizeStage(), BuildStage(), PublishStage(), SmokeStage()
+def decide(ctx: BuildContext, *, smoke: bool = True) -> list[tuple[object, Decision]]:
+    """The stage list with the runner's decision for each; ``smoke=False`` leaves out the smoke stage (for a caller
+    that loads the engine itself)."""
+    quantize, build, publish, smoke_stage = QuantizeStage(), BuildStage(), PublishStage(), SmokeStage()
     quantizes = ctx.config.quantize.format != "none"
     if ctx.model_dir is None:
         missing = f"model files not found for model.path {ctx.config.model.path}"
@@ -77,7 +78,9 @@ def decide(ctx: BuildContext) -> list[tuple[object, Decision]]:
         q, b = quantize.decide(ctx), build.decide(ctx)
     if ctx.choice.backend == "trtllm":
         b.extra.update(trtllm_plan_extra(ctx))
-    plan = [(quantize, q), (build, b), (publish, publish.decide(ctx, b)), (smoke, smoke.decide(ctx))]
+    plan = [(quantize, q), (build, b), (publish, publish.decide(ctx, b))]
+    if smoke:
+        plan.append((smoke_stage, smoke_stage.decide(ctx)))
     for stage, decision in plan:
         decision.extra.update(fingerprint=stage.fingerprint(ctx), inputs=list(stage.inputs), outputs=stage.outputs)
     return plan

@@ -100,7 +100,7 @@ def _config_target(config: str, *, backend: str | None, progress: bool) -> Serve
     from pipeline import runner
 
     ctx = runner.prepare(config, backend=backend, force=False, dry_run=False)
-    decisions = [(stage, decision) for stage, decision in runner.decide(ctx) if stage.name != "smoke"]
+    decisions = runner.decide(ctx, smoke=False)
     with stage_progress(enabled=progress) as bars:
         runner.run(ctx, decisions, bars)
     section = ctx.config.serve
