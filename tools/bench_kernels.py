@@ -15,7 +15,9 @@ import functools
 import json
 import sys
 
-PEAK_BANDWIDTH = 4.3e12  # bytes/s, H200 HBM3e
+from pipeline.bench_floor import NOMINAL_COPY_GBS
+
+PEAK_BANDWIDTH = NOMINAL_COPY_GBS["H200"] * 1e9  # bytes/s: what an H200 copies, the floor kiln bench uses
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 32
 # (name, query_lens, seq_lens)
 CASES = [(f"decode b{b} ctx{c // 1024}k", [1] * b, [c] * b) for b in (1, 16, 64) for c in (1024, 4096)]

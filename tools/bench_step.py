@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from engines.native_checkpoint import parse_architecture, read_json
+from pipeline.bench_floor import NOMINAL_COPY_GBS
 from runtime.attention_metadata import AttentionMetadata
 from runtime.decode_graphs import DecodeGraphRunner
 from runtime.engine_format import BuildPlan, EngineConfig, QuantizationConfig
@@ -44,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=1024, help="context tokens of every decoding sequence")
     parser.add_argument("--prefill", type=int, default=1000, help="tokens of the timed prefill (0: skip)")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (default 20)")
-    parser.add_argument("--bandwidth-gbs", type=float, default=4300.0, help="bandwidth of the floor (H200: 4300)")
+    parser.add_argument("--bandwidth-gbs", type=float, default=NOMINAL_COPY_GBS["H200"],
+                        help="bandwidth of the floor, GB/s (default: an H200's)")
     parser.add_argument("--profile", action="store_true",
                         help="print the kernels of the smallest and largest decode steps and of the prefill")
     parser.add_argument("--json", help="also write the results to this file")
