@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from pipeline.config import ServeSection
 from pipeline.console import friendly_errors, stage_progress, stderr
 from runtime.cache_layout import default_cache_root, entry_engine_dir, is_cache_key
 from runtime.errors import KilnError
@@ -19,9 +20,7 @@ if TYPE_CHECKING:
     from runtime.llm import LLM
     from runtime.server import ServerSettings, ServerThread
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
-DEFAULT_MAX_QUEUE = 256
+_SERVE_DEFAULTS = ServeSection()  # an engine served without a config gets a config's serve defaults
 
 
 class ServeExtraMissingError(KilnError):
@@ -35,10 +34,10 @@ class ServeTarget:
     engine_dir: Path
     model_name: str
     device: str | None = None
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
+    host: str = _SERVE_DEFAULTS.host
+    port: int = _SERVE_DEFAULTS.port
     api_key: str | None = None
-    max_queue: int = DEFAULT_MAX_QUEUE
+    max_queue: int = _SERVE_DEFAULTS.max_queue
     engine_cache: dict = field(default_factory=dict)
     record_load: Callable[[float], None] | None = None
 
