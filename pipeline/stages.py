@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,15 +165,22 @@ class BuildStage:
         return Decision(self.name, "run", f"cache miss ({lookup.reason})")
 
     def run(self, ctx: BuildContext, progress) -> None:
-        if ctx.choice.backend == "trtllm":
-            self._run_trtllm(ctx, progress)
-            return
+        trtllm = ctx.choice.backend == "trtllm"
+        build = self._trtllm_build(ctx, progress) if trtllm else self._native_build(ctx, progress)
+        describe = {"model": ctx.model_dir.name, "format": _shipped_format(ctx), "backend": ctx.choice.backend,
+                    "gpu": ctx.material["hardware"]["gpu_name"] or "cpu"}
+        result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
+                                                 describe=describe, on_wait=lambda msg: progress(msg, 0.0))
+        ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = result.payload_dir, result.hit, result.reason
+        ctx.build_seconds = result.build_seconds
+
+    @staticmethod
+    def _native_build(ctx: BuildContext, progress) -> Callable[[Path], dict]:
+        """The native backend's build into a temporary folder; returns its build record."""
         from engines.native_builder import build_native_engine
 
         cfg = ctx.config
         plan = native_plan(cfg) | {"kv_cache_dtype": _kv_dtype(ctx)}
-        describe = {"model": ctx.model_dir.name, "format": _shipped_format(ctx), "backend": ctx.choice.backend,
-                    "gpu": ctx.material["hardware"]["gpu_name"] or "cpu"}
 
         def build(tmp: Path) -> dict:
             progress("building native engine", 0.0)
@@ -182,17 +190,14 @@ class BuildStage:
             return {"engine": {"format": engine["format"], "quantization": engine["quantization"]},
                     "calibration": report_summary(ctx.calibration) if ctx.calibration else None}
 
-        result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
-                                                 describe=describe, on_wait=lambda msg: progress(msg, 0.0))
-        ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = result.payload_dir, result.hit, result.reason
-        ctx.build_seconds = result.build_seconds
+        return build
 
-    def _run_trtllm(self, ctx: BuildContext, progress) -> None:
+    @staticmethod
+    def _trtllm_build(ctx: BuildContext, progress) -> Callable[[Path], dict]:
+        """The TensorRT-LLM build (checkpoint conversion when needed, then trtllm-build); returns its build record."""
         from engines.trtllm_builder import build_trtllm_engine
 
         inputs = trtllm_inputs(ctx)
-        describe = {"model": ctx.model_dir.name, "format": inputs["quant_format"], "backend": "trtllm",
-                    "gpu": inputs["fingerprint"].get("gpu_name") or "cpu"}
 
         def build(tmp: Path) -> dict:
             progress("running trtllm-build", 0.0)
@@ -200,10 +205,7 @@ class BuildStage:
             return {"engine": {"format": "kiln-trtllm", "quantization": {"format": inputs["quant_format"]}},
                     "trtllm": record, "calibration": report_summary(ctx.calibration) if ctx.calibration else None}
 
-        result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
-                                                 describe=describe, on_wait=lambda msg: progress(msg, 0.0))
-        ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = result.payload_dir, result.hit, result.reason
-        ctx.build_seconds = result.build_seconds
+        return build
 
     def on_skip(self, ctx: BuildContext) -> None:
         lookup = ctx.cache.entries.record_hit(self.planned_hit, ctx.engine_key, ctx.material)
