@@ -121,10 +121,6 @@ class LoadedConfig(BaseModel):
     path: Path
     config: KilnConfig
 
-    @property
-    def name(self) -> str:
-        return self.path.name
-
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
     """A path as given, or a bare name (``tiny-llama-fp8.yaml``, ``tiny-llama-fp8``) under ``configs/``."""

@@ -30,16 +30,10 @@ def print_result(result: dict) -> None:
     quant = result.get("quantization")
     if quant:
         verdict = "converged" if quant.get("converged") else "not converged"
-        gate = quant.get("gate") or {}
-        gate_text = "passed" if gate.get("passed") else "FAILED"
         shipped = quant.get("format")
         fallback = f" (fell back from {quant['fallback_from']})" if quant.get("fallback_from") else ""
-        stdout.print(
-            f"quantize  {shipped}{fallback}: {verdict}; gate {gate_text}: "
-            f"ppl {_fmt(_pct(gate.get('ppl_increase')), '+.2f')}%, KL {_fmt(gate.get('kl'), '.2g')}, "
-            f"top-1 {_fmt(_pct(gate.get('top1_agreement')), '.1f')}%",
-            highlight=False,
-        )
+        stdout.print(f"quantize  {shipped}{fallback}: {verdict}; gate {_gate_text(quant.get('gate') or {})}",
+                     highlight=False)
         unsettled = quant.get("unsettled") or []
         if not quant.get("converged") and unsettled:
             named = ", ".join(f"{u['statistic']} ({_fmt(_pct(u['recent_change']), '.1f')}%)" for u in unsettled[:3])
@@ -79,8 +73,12 @@ def print_quantize(result: dict) -> None:
         stdout.print(f"          {result['summary']}", highlight=False)
     gate = result.get("gate")
     if gate:
-        stdout.print(f"gate      {'passed' if gate.get('passed') else 'FAILED'}: ppl "
-                     f"{_fmt(_pct(gate.get('ppl_increase')), '+.2f')}%, KL {_fmt(gate.get('kl'), '.2g')}, "
-                     f"top-1 {_fmt(_pct(gate.get('top1_agreement')), '.1f')}%", highlight=False)
+        stdout.print(f"gate      {_gate_text(gate)}", highlight=False)
     stdout.print(f"checkpoint {result['checkpoint_dir']} (content hash {result['checkpoint_hash'][:16]}…)",
                  highlight=False)
+
+
+def _gate_text(gate: dict) -> str:
+    """``passed: ppl +0.02%, KL 4.6e-05, top-1 99.5%`` (FAILED when it failed)."""
+    return (f"{'passed' if gate.get('passed') else 'FAILED'}: ppl {_fmt(_pct(gate.get('ppl_increase')), '+.2f')}%, "
+            f"KL {_fmt(gate.get('kl'), '.2g')}, top-1 {_fmt(_pct(gate.get('top1_agreement')), '.1f')}%")
