@@ -43,7 +43,7 @@ from calibration.modelopt_quantize import (
 )
 from calibration.plot import plot_curves
 from calibration.recipe import QuantizeRecipe, recipe_material
-from calibration.report import Attempt, RoundRecord, build_report, unsettled_text, write_report
+from calibration.report import Attempt, RoundRecord, build_report, outcomes_text, unsettled_text, write_report
 
 Progress = Callable[[str, float], None]
 
@@ -199,7 +199,7 @@ class _Stage:
                                    f"({type(exc).__name__}: {detail}); try another quantize.format") from exc
 
     def _fallback_reason(self, failed: list[Attempt]) -> str:
-        return "fallback after " + "; ".join(f"{a.format} {a.outcome}" for a in failed)
+        return "fallback after " + outcomes_text(failed)
 
     def _not_converged_message(self, attempt: Attempt, data: CalibrationData) -> str:
         recipe = self.recipe
@@ -216,9 +216,8 @@ class _Stage:
                 "quantize.on_failure: warn")
 
     def _gate_failed_message(self, attempts: list[Attempt]) -> str:
-        tried = "; ".join(f"{a.format} {a.outcome}" for a in attempts)
         return (f"quantize: no format passed the accuracy gate on {self.recipe.heldout_samples} held-out samples "
-                f"({tried}); relax quantize.gate or add a format (e.g. none) to quantize.fallback")
+                f"({outcomes_text(attempts)}); relax quantize.gate or add a format (e.g. none) to quantize.fallback")
 
     def _ship_quantized(self, attempts: list[Attempt], data: CalibrationData, runner: BatchRunner,
                         model: nn.Module, exported_form: nn.Module) -> dict:

@@ -96,8 +96,13 @@ def summary_line(shipped: Attempt, attempts: list[Attempt], tolerance: float) ->
                      f"top-1 {g.metrics.top1_agreement:.2%})")
     failed = [a for a in attempts if a is not shipped]
     if failed:
-        parts.append("after fallback: " + "; ".join(f"{a.format} {a.outcome}" for a in failed))
+        parts.append("after fallback: " + outcomes_text(failed))
     return " ".join(parts)
+
+
+def outcomes_text(attempts: list[Attempt]) -> str:
+    """``fp8 failed the gate: ...; int4_awq passed`` for the attempts, in order."""
+    return "; ".join(f"{a.format} {a.outcome}" for a in attempts)
 
 
 def build_report(attempts: list[Attempt], requested: str, context: dict, tolerance: float) -> dict:
