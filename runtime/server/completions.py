@@ -66,12 +66,17 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
     """Every job's output, or None when the client disconnected first (its jobs are then aborted)."""
     outputs: list[RequestOutput | None] = [None] * len(jobs)
 
-    async def run() -> None:
-        async with contextlib.aclosing(model.generate(jobs)) as deltas:
-            async for index, delta in deltas:
-                if delta.finished:
-                    outputs[index] = delta.output
-                    metrics.observe(delta.output)
+    async def one(index: int, job: Job) -> None:
+        outputs[index] = output = await model.llm.generate_async(job.prompt_token_ids, job.params)
+        metrics.observe(output)
+
+    async def run() -> None:  # only the final outputs: no per-token hop through the event loop
+        tasks = [asyncio.create_task(one(i, job)) for i, job in enumerate(jobs)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()  # a failed or cancelled run aborts the jobs still running
 
     runner, watcher = asyncio.create_task(run()), asyncio.create_task(_wait_for_disconnect(request))
     try:
