@@ -43,11 +43,11 @@ def tolerance(device):
     return {"rtol": 2e-5, "atol": 2e-5} if device == "cpu" else {"rtol": 1e-2, "atol": 1e-2}
 
 
-def random_batch(seqs, group, head_dim, block_size, device, fp8=False, seed=0):
+def random_batch(seqs, group, head_dim, block_size, device, fp8=False, seed=0, dtype=None):
     """Random caches (every slot filled, so a read outside a context shows), shuffled block tables, metadata and a
     q that is a strided view, as the model's qkv split gives it."""
     generator = torch.Generator().manual_seed(seed)
-    dtype = model_dtype(device)
+    dtype = dtype or model_dtype(device)
     shape = (NUM_BLOCKS, block_size, NUM_KV_HEADS, head_dim)
     k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
     k_scale = v_scale = None
@@ -78,11 +78,20 @@ def test_varlen_kernel_matches_reference_on_a_mixed_batch(device, group, head_di
     torch.testing.assert_close(out, paged_attention_reference(q, k_cache, v_cache, meta, scale), **tolerance(device))
 
 
-def test_varlen_kernel_reads_an_fp8_cache_through_its_scales(device):
-    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch(MIXED, 2, 64, 16, device, fp8=True)
+# A 16-bit model attends an FP8 cache in float16 with the scales folded into scores and output: bf16 on the CPU too.
+FP8_CACHE_DTYPES = pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["model-dtype", "bf16"])
+
+
+def fp8_tolerance(device, dtype):
+    return tolerance(device) if dtype is None else {"rtol": 1e-2, "atol": 1e-2}
+
+
+@FP8_CACHE_DTYPES
+def test_varlen_kernel_reads_an_fp8_cache_through_its_scales(device, dtype):
+    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch(MIXED, 2, 64, 16, device, fp8=True, dtype=dtype)
     out = paged_attention_varlen(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q))
     expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
-    torch.testing.assert_close(out, expected, **tolerance(device))
+    torch.testing.assert_close(out, expected, **fp8_tolerance(device, dtype))
 
 
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(1, 128, 16), (2, 64, 32), (4, 64, 16)])
@@ -94,13 +103,14 @@ def test_split_kv_decode_matches_reference_within_and_across_partitions(device, 
     torch.testing.assert_close(out, paged_attention_reference(q, k_cache, v_cache, meta, scale), **tolerance(device))
 
 
-def test_split_kv_decode_reads_an_fp8_cache_through_its_scales(device):
+@FP8_CACHE_DTYPES
+def test_split_kv_decode_reads_an_fp8_cache_through_its_scales(device, dtype):
     q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 4, 64, 32,
-                                                               device, fp8=True)
+                                                               device, fp8=True, dtype=dtype)
     out = paged_attention_decode(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q),
                                  partition_size=64)
     expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
-    torch.testing.assert_close(out, expected, **tolerance(device))
+    torch.testing.assert_close(out, expected, **fp8_tolerance(device, dtype))
 
 
 @pytest.mark.parametrize("seqs", [MIXED, [(n - 1, 1) for n in DECODE_SEQ_LENS]], ids=["mixed", "decode"])

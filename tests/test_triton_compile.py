@@ -133,7 +133,7 @@ def paged_attention_launches(fp8: bool) -> None:
     scale = HEAD_DIM**-0.5
     # The dispatcher, as the attention layer calls it. A mixed batch (prefill, chunked prefill, decode) takes the
     # varlen kernel; all-decode batches the split-KV one, whose partition size (a constexpr) follows the work per SM:
-    # 512 for a full batch, 128 for one 8192-token context, and 64 with the most partitions, so the widest reduce,
+    # 1024 for a full batch, 128 for one 8192-token context, and 64 with the most partitions, so the widest reduce,
     # for one context just past 4096 tokens.
     for seqs in ([(0, 21), (37, 18), (40, 1)], [(2047, 1)] * 64, [(MAX_SEQ_LEN - 1, 1)], [(4099, 1)]):
         q = qkv_views(sum(new for _, new in seqs))[0]

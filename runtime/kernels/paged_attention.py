@@ -1,13 +1,15 @@
 """Paged attention in Triton: the GPU twin of ``runtime.layers.attention.paged_attention_reference``.
 
-Two kernels over the same paged caches ([num_blocks, block_size, num_kv_heads, head_dim], FP8 read as x * scale):
+Two kernels over the same paged caches ([num_blocks, block_size, num_kv_heads, head_dim]). An FP8 cache is read
+as it is stored: its elements convert exactly to float16 (one instruction per pair on sm_89+) and the two scales
+are applied once per tile, ``k_scale`` to the scores and ``v_scale`` to the output, instead of per element.
 
 - ``paged_attention_varlen``: any flat batch (prefill, chunked prefill, prefix-cache hits, decode). Token t of
   sequence i sits at position ``seq_lens[i] - q_len_i + t`` and attends causally. One program per (query tile of a
   sequence, KV head); its rows are the tile's tokens times the KV head's GQA group, so each K/V tile is read once for
   the whole group. Online softmax in float32, K/V gathered through the block table token by token.
 - ``paged_attention_decode``: every q_len == 1 (flash-decoding). The context is cut into partitions of
-  ``partition_size`` tokens (64 to 512, smaller when few sequences would leave SMs idle); one program per
+  ``partition_size`` tokens (64 to 1024, smaller when few sequences would leave SMs idle); one program per
   (sequence, KV head, partition) writes a partial max, sum and
   unnormalised output, and a second kernel combines the partitions of each (sequence, head).
 
@@ -26,20 +28,43 @@ import triton.language as tl
 from runtime.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
-# Split-KV decode partitions hold 64..512 tokens, sized so that the grid gives each SM a few programs.
-MIN_PARTITION_SIZE, MAX_PARTITION_SIZE, PROGRAMS_PER_SM = 64, 512, 4
+# Split-KV decode partitions hold 64..1024 tokens, sized so that the grid gives each SM a few programs.
+# KV tokens per tile and pipeline stages by cache dtype (model dtype, FP8), the fastest of tools/tune_attention.py on
+# an H200 at batch 256 over 1k-2k contexts, and for a 1k-token prefill.
+DECODE_TILES = {False: dict(block_n=64, num_stages=3), True: dict(block_n=128, num_stages=2)}
+VARLEN_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=128, num_stages=3)}
+MIN_PARTITION_SIZE, MAX_PARTITION_SIZE, PROGRAMS_PER_SM = 64, 1024, 4
 
 
 @triton.jit
-def _load_kv_tile(cache_ptr, scale_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head, stride_c_block,
-                  stride_c_tok, stride_c_head, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr):
-    """Tokens ``offs_n`` of one sequence for one KV head, gathered through its block table: [BLOCK_D, BLOCK_N]."""
+def _load_kv_tile(cache_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head, stride_c_block,
+                  stride_c_tok, stride_c_head, BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr):
+    """Tokens ``offs_n`` of one sequence for one KV head, gathered through its block table: [BLOCK_D, BLOCK_N],
+    unscaled, in the compute dtype."""
     block = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     offs = block * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
     x = tl.load(cache_ptr + offs[None, :] + dims[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-    if FP8:
-        return (x.to(tl.float32) * tl.load(scale_ptr)).to(DTYPE)
     return x.to(DTYPE)
+
+
+@triton.jit
+def _load_q(q_ptrs, mask, FP16: tl.constexpr):
+    """The query rows in the compute dtype: float16 against an FP8 cache (clamped to its range), else as stored."""
+    q = tl.load(q_ptrs, mask=mask, other=0.0)
+    if FP16:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
+def _kv_scales(k_scale_ptr, v_scale_ptr, scale_log2, FP8: tl.constexpr):
+    """The factor of the raw q.k products (softmax scale in log2 units, times k_scale) and of the output."""
+    qk_scale = scale_log2
+    out_scale = 1.0
+    if FP8:
+        qk_scale = scale_log2 * tl.load(k_scale_ptr)
+        out_scale = tl.load(v_scale_ptr)
+    return qk_scale, out_scale
 
 
 @triton.jit
@@ -58,7 +83,8 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
                    k_scale_ptr, v_scale_ptr, scale_log2, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
                    stride_c_block, stride_c_tok, stride_c_head, stride_bt,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr,
+                   PRECISION: tl.constexpr):
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # query tokens per program; each brings its GROUP heads as rows
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -78,8 +104,9 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
     dims = tl.arange(0, BLOCK_D)
     d_mask = dims < HEAD_DIM
     q_tok = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = _load_q(q_ptr + q_tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
+                row_mask[:, None] & d_mask[None, :], FP16)
+    qk_scale, out_scale = _kv_scales(k_scale_ptr, v_scale_ptr, scale_log2, FP8)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite, so a fully masked row never makes NaN
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -89,15 +116,15 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
     for n0 in range(0, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head,
-                          stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, FP8, q.dtype)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        k = _load_kv_tile(k_cache_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head,
+                          stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, q.dtype)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
         s = tl.where(n_mask[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
-        v = tl.trans(_load_kv_tile(v_cache_ptr, v_scale_ptr, block_table_row, offs_n, n_mask, dims, d_mask,
-                                   kv_head, stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, FP8, q.dtype))
+        v = tl.trans(_load_kv_tile(v_cache_ptr, block_table_row, offs_n, n_mask, dims, d_mask,
+                                   kv_head, stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, q.dtype))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     tl.store(out_ptr + q_tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
@@ -109,7 +136,8 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
                              stride_bt, num_heads, max_partitions,
                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             PARTITION_SIZE: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
+                             PARTITION_SIZE: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr,
+                             PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -125,8 +153,9 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
     dims = tl.arange(0, BLOCK_D)
     d_mask = dims < HEAD_DIM
     q_tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    q = tl.load(q_ptr + q_tok * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = _load_q(q_ptr + q_tok * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
+                row_mask[:, None] & d_mask[None, :], FP16)
+    qk_scale, out_scale = _kv_scales(k_scale_ptr, v_scale_ptr, scale_log2, FP8)
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -135,13 +164,14 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
     for n0 in range(start, end, BLOCK_N):  # the one query is the last position: every cached token is visible
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head,
-                          stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, FP8, q.dtype)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        k = _load_kv_tile(k_cache_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head,
+                          stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, q.dtype)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        v = tl.trans(_load_kv_tile(v_cache_ptr, v_scale_ptr, block_table_row, offs_n, n_mask, dims, d_mask,
-                                   kv_head, stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, FP8, q.dtype))
+        v = tl.trans(_load_kv_tile(v_cache_ptr, block_table_row, offs_n, n_mask, dims, d_mask,
+                                   kv_head, stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, q.dtype))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
+    acc = acc * out_scale
 
     part_idx = (seq.to(tl.int64) * num_heads + head) * max_partitions + part  # [BLOCK_G]
     tl.store(part_m_ptr + part_idx, m_i, mask=row_mask)
@@ -194,15 +224,25 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"  # no TF32 rounding for a float32 model
 
 
+def _fp16_compute(q: torch.Tensor, fp8: bool) -> bool:
+    """Whether a 16-bit model attends an FP8 cache in float16: E4M3 converts to it exactly and natively, and the
+    probabilities keep three more bits than in bfloat16."""
+    return fp8 and q.dtype != torch.float32
+
+
 def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+                           out: torch.Tensor | None = None, block_m: int = 64, block_n: int | None = None,
+                           num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """Causal paged attention of any flat batch: q [T, num_heads, head_dim] -> [T, num_heads, head_dim].
 
     ``out`` (optional, preallocated, same shape and dtype as q) is written in full; ``block_m`` rows per program
-    (query tokens times the GQA group) and ``block_n`` KV tokens per tile are powers of two, at least 16.
+    (query tokens times the GQA group) and ``block_n`` KV tokens per tile are powers of two, at least 16
+    (``block_n`` and ``num_stages`` default to ``VARLEN_TILES``).
     """
     fp8 = _check(q, k_cache, v_cache, k_scale, v_scale)
+    block_n = block_n or VARLEN_TILES[fp8]["block_n"]
+    num_stages = num_stages or VARLEN_TILES[fp8]["num_stages"]
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -216,18 +256,19 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=max(block_n, 16), BLOCK_D=max(triton.next_power_of_2(head_dim), 16), FP8=fp8,
-        PRECISION=_precision(q), num_warps=4, num_stages=2)
+        FP16=_fp16_compute(q, fp8), PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, partition_size: int | None = None,
-                           block_n: int = 64) -> torch.Tensor:
+                           block_n: int | None = None, num_warps: int = 4,
+                           num_stages: int | None = None) -> torch.Tensor:
     """Split-KV decode (one new token per sequence): q [num_seqs, num_heads, head_dim] -> same shape.
 
     ``out`` as for the varlen kernel. ``partition_size`` (default: ``decode_partition_size``) must be a power of
-    two, at least 16; the partial
+    two, at least 16 (``block_n`` and ``num_stages`` default to ``DECODE_TILES``); the partial
     results live in float32 scratch of num_seqs * num_heads * cdiv(meta.max_seq_len, partition_size) * (head_dim + 2)
     elements.
     """
@@ -238,7 +279,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_seqs = meta.seq_lens.shape[0]
     partition_size = partition_size or decode_partition_size(num_seqs, num_kv_heads, meta.max_seq_len, q.device)
     max_partitions = triton.cdiv(meta.max_seq_len, partition_size)
-    block_n = min(block_n, partition_size)
+    block_n = min(block_n or DECODE_TILES[fp8]["block_n"], partition_size)
+    num_stages = num_stages or DECODE_TILES[fp8]["num_stages"]
     block_d = max(triton.next_power_of_2(head_dim), 16)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     part_m = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
@@ -250,7 +292,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0), num_heads,
         max_partitions, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
-        PARTITION_SIZE=partition_size, FP8=fp8, PRECISION=_precision(q), num_warps=4, num_stages=2)
+        PARTITION_SIZE=partition_size, FP8=fp8, FP16=_fp16_compute(q, fp8), PRECISION=_precision(q),
+        num_warps=num_warps, num_stages=num_stages)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, out.stride(0), out.stride(1),
         num_heads, max_partitions, HEAD_DIM=head_dim, BLOCK_P=max(triton.next_power_of_2(max_partitions), 2),

@@ -1,0 +1,89 @@
+"""Sweep the launch parameters of the Triton paged-attention kernels on one CUDA GPU.
+
+Llama-3-8B attention (see ``tools/bench_kernels.py``): split-KV decode at batch 256 over contexts of 1k and 2k tokens
+(the offline benchmark's steps) and a 1k-token prefill, with a bfloat16 and an FP8 KV cache. Each configuration of
+a small grid is timed inside a CUDA graph and checked against the default's output; the fastest is printed with its
+KV bandwidth against the H200's ~4.3 TB/s. The winners become the defaults of ``paged_attention_decode`` /
+``paged_attention_varlen``.
+
+    PYTHONPATH=. python tools/tune_attention.py [--kv-dtypes bf16,fp8] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import sys
+
+from bench_kernels import HEAD_DIM, NUM_KV_HEADS, PEAK_BANDWIDTH, make_case
+
+DECODE_GRID = dict(block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3, 4], partition_size=[None])
+PARTITION_SIZES = [512, 2048]  # tried with the best decode configuration (None: decode_partition_size's choice)
+VARLEN_GRID = dict(block_m=[64, 128], block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3])
+# (name, query_lens, seq_lens, kernel)
+CASES = [(f"decode b256 ctx{c // 1024}k", [1] * 256, [c] * 256, "decode") for c in (2048, 1024)]
+CASES.append(("prefill 1k", [1024], [1024], "varlen"))
+
+
+def grid(spec: dict) -> list[dict]:
+    return [dict(zip(spec, values, strict=True)) for values in itertools.product(*spec.values())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kv-dtypes", default="bf16,fp8", help="comma-separated subset of bf16,fp8")
+    parser.add_argument("--rep", type=int, default=30, help="do_bench_cudagraph time per config in ms (default 30)")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("tune_attention: no CUDA GPU; run it on the GPU machine", file=sys.stderr)
+        return 2
+    from triton.testing import do_bench_cudagraph
+
+    from runtime.kernels.paged_attention import paged_attention_decode, paged_attention_varlen
+
+    results = []
+    generator = torch.Generator().manual_seed(0)
+    for (name, query_lens, seq_lens, kind), kv_dtype in itertools.product(CASES, args.kv_dtypes.split(",")):
+        q, k_cache, v_cache, meta, (k_scale, v_scale) = make_case(query_lens, seq_lens, kv_dtype, generator)
+        kernel = paged_attention_decode if kind == "decode" else paged_attention_varlen
+        call = functools.partial(kernel, q, k_cache, v_cache, meta, HEAD_DIM**-0.5, k_scale, v_scale)
+        kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+        expected = call().float()
+
+        def timed(cfg, call=call, expected=expected):
+            try:
+                err = (call(**cfg).float() - expected).abs().max().item()
+                return do_bench_cudagraph(lambda: call(**cfg), rep=args.rep, return_mode="median") * 1e3, err
+            except Exception as e:  # noqa: BLE001 - a config the compiler refuses (e.g. out of shared memory)
+                print(f"  skip {cfg}: {type(e).__name__}", file=sys.stderr)
+                return float("inf"), None
+
+        configs = grid(DECODE_GRID if kind == "decode" else VARLEN_GRID)
+        runs = [(*timed(cfg), cfg) for cfg in configs]
+        if kind == "decode":
+            best_cfg = min(runs, key=lambda r: r[0])[2]
+            runs += [(*timed({**best_cfg, "partition_size": p}), {**best_cfg, "partition_size": p})
+                     for p in PARTITION_SIZES]
+        default_us, _ = timed({})
+        best_us, best_err, best = min(runs, key=lambda r: r[0])
+        row = {"case": name, "kv_dtype": kv_dtype, "best": best, "best_us": best_us, "best_max_abs_err": best_err,
+               "default_us": default_us, "best_tb_per_s": kv_bytes / best_us / 1e6,
+               "default_tb_per_s": kv_bytes / default_us / 1e6,
+               "all": [{"us": us, "max_abs_err": err, **cfg} for us, err, cfg in runs]}
+        results.append(row)
+        print(f"{name:<18} {kv_dtype:<4} best {best_us:8.1f} us ({row['best_tb_per_s']:4.2f} TB/s, "
+              f"{row['best_tb_per_s'] * 1e14 / PEAK_BANDWIDTH:3.0f}%, err {best_err:.1e})  default {default_us:8.1f} "
+              f"us ({row['default_tb_per_s']:4.2f} TB/s)  {best}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
