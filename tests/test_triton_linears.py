@@ -131,8 +131,8 @@ def test_fp8_gemv_keeps_leading_dims():
 
 
 @interpreted
-@pytest.mark.parametrize("m,n,k,group_size", [(1, 384, 256, 128), (3, 256, 384, 128), (16, 384, 256, 64),
-                                              (20, 128, 256, 128)])
+@pytest.mark.parametrize("m,n,k,group_size", [(1, 384, 256, 128), (1, 40, 384, 64), (3, 256, 384, 128),
+                                              (16, 384, 256, 64), (20, 128, 256, 128)])
 def test_int4_awq_gemv_matches_the_fake_quantized_reference(monkeypatch, m, n, k, group_size):
     import runtime.kernels.int4_gemv as mod
 
@@ -168,14 +168,15 @@ def test_int4_dequantize_kernel_writes_the_reference_weight_bit_for_bit_on_gpu()
 
 
 @interpreted
-def test_int4_awq_gemv_reads_low_nibble_as_the_even_column():
-    # One nonzero weight at input column 1 (a high nibble): only x[1] may reach the output.
+@pytest.mark.parametrize("column", [1, 13])  # a high nibble of the first byte; one of the second 32-bit word
+def test_int4_awq_gemv_reads_low_nibble_as_the_even_column(column):
+    # One nonzero weight at an odd input column: only x[column] may reach the output.
     k, group_size = 128, 128
     q = torch.zeros(16, k, dtype=torch.int8)
-    q[0, 1] = 7
-    q[1, 0] = -8
+    q[0, column] = 7
+    q[1, column - 1] = -8
     x = torch.zeros(1, k)
-    x[0, 1] = 1.0
+    x[0, column] = 1.0
     out = int4_awq_gemv(x, pack_int4(q), torch.ones(16, 1), torch.ones(k), group_size)
     assert out[0, 0].item() == 7.0 and out[0, 1].item() == 0.0
 

@@ -4,7 +4,7 @@ for a cuBLAS GEMM, in one pass (0.5 byte read and 2 bytes written per weight).
 Same layout and numerics as ``runtime.layers.linear.int4_dequantize(...).to(dtype)``: each output element is
 ``(q - 8) * scale`` computed in float32 and rounded to nearest-even in the target dtype (``rounding.round_to_dtype``,
 exact in Triton's interpreter too). Each program writes ``BLOCK_N`` rows by ``2 * BLOCK_J`` columns: byte j of a row
-gives its even (low nibble) and odd (high nibble) column.
+gives its even (low nibble) and odd (high nibble) column, interleaved in registers so the stores are contiguous.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.int4_gemv import nibble_value
 from runtime.kernels.rounding import SUPPORTED_DTYPES, round_to_dtype
 
 BLOCK_N, BLOCK_J = 16, 128
@@ -28,11 +29,14 @@ def _int4_dequantize_kernel(qw_ptr, scales_ptr, out_ptr, N, HALF_K, stride_qn, s
     packed = tl.load(qw_ptr + rows * stride_qn + offs_j[None, :], mask=mask, other=0x88)
     scale = tl.load(scales_ptr + rows * stride_sn + (2 * offs_j // GROUP_SIZE)[None, :], mask=mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
-    even = round_to_dtype(((packed & 0x0F).to(tl.float32) - 8.0) * scale, dtype)
-    odd = round_to_dtype(((packed >> 4).to(tl.float32) - 8.0) * scale, dtype)
-    out = out_ptr + rows * stride_on + 2 * offs_j[None, :]
-    tl.store(out, even.to(dtype), mask=mask)
-    tl.store(out + 1, odd.to(dtype), mask=mask)
+    packed = packed.to(tl.int32)
+    even = round_to_dtype(nibble_value(packed & 0x0F) * scale, dtype)
+    odd = round_to_dtype(nibble_value(packed >> 4) * scale, dtype)
+    # interleaved in registers, so each row's columns are stored contiguously
+    cols = tl.reshape(tl.join(2 * offs_j, 2 * offs_j + 1), [2 * BLOCK_J])
+    weight = tl.reshape(tl.join(even, odd), [BLOCK_N, 2 * BLOCK_J])
+    tl.store(out_ptr + rows * stride_on + cols[None, :], weight.to(dtype),
+             mask=(offs_n < N)[:, None] & (cols < 2 * HALF_K)[None, :])
 
 
 def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -6,7 +6,9 @@ float32 [K]. The activation is multiplied by ``pre_quant_scale`` first (in its d
 program owns ``BLOCK_N`` output rows and walks K in ``BLOCK_K`` chunks (a multiple of the group size): it loads the
 packed bytes and the chunk's group scales once and splits the nibbles in registers. M = 1 sums ``q * x`` per group
 and multiplies each group's sum by its scale once; larger M dequantizes the tile, rounds it to the activation dtype
-(as ``int4_awq_linear_reference`` does) and runs ``tl.dot`` against the even and odd activation columns.
+(as ``int4_awq_linear_reference`` does) and runs ``tl.dot`` against the even and odd activation columns. A nibble
+becomes a float by bit arithmetic (``nibble_value``) rather than an integer-to-float conversion, which runs at a
+quarter of the FMA rate.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def nibble_value(nibble):
+    """``nibble - 8`` as float32 for int32 ``nibble`` in 0..15: 0x4B000000 | n is the float 2**23 + n, exactly."""
+    return (nibble | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
 
 
 @triton.jit
@@ -33,11 +41,11 @@ def _int4_awq_gemv_row_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, N, K: tl.constex
         groups = k0 // GROUP_SIZE + offs_g
         mask_g = groups < K // GROUP_SIZE
         packed = tl.load(qw_rows + (k0 // 2 + byte)[None, :, :], mask=mask_n[:, None, None] & mask_g[None, :, None],
-                         other=0x88)
+                         other=0x88).to(tl.int32)
         x_even = tl.load(x_ptr + k0 + 2 * byte, mask=mask_g[:, None], other=0.0).to(tl.float32)
         x_odd = tl.load(x_ptr + k0 + 2 * byte + 1, mask=mask_g[:, None], other=0.0).to(tl.float32)
-        q_even = (packed & 0x0F).to(tl.float32) - 8.0
-        q_odd = (packed >> 4).to(tl.float32) - 8.0
+        q_even = nibble_value(packed & 0x0F)
+        q_odd = nibble_value(packed >> 4)
         per_group = tl.sum(q_even * x_even[None, :, :] + q_odd * x_odd[None, :, :], axis=2)  # [BLOCK_N, GROUPS]
         scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + groups[None, :],
                         mask=mask_n[:, None] & mask_g[None, :], other=0.0)
@@ -66,8 +74,8 @@ def _int4_awq_gemv_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, M, N, K: tl.constexp
         mask_k = cols < K
         packed = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn + (k0 // 2 + offs_j)[None, :],
                          mask=mask_n[:, None] & mask_k[None, :], other=0x88)
-        q_even = (packed & 0x0F).to(tl.float32) - 8.0
-        q_odd = (packed >> 4).to(tl.float32) - 8.0
+        q_even = nibble_value((packed & 0x0F).to(tl.int32))
+        q_odd = nibble_value((packed >> 4).to(tl.int32))
         groups = k0 // GROUP_SIZE + offs_g
         scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + groups[None, :],
                         mask=mask_n[:, None] & (groups < K // GROUP_SIZE)[None, :], other=0.0)  # [BLOCK_N, GROUPS]
