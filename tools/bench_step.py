@@ -10,7 +10,7 @@ one eager decode step at the smallest and at the largest batch size, and of the 
 the times mean anything.
 
     PYTHONPATH=. python tools/bench_step.py [--formats fp8,none,int4_awq] [--batch 1,8,64,256] [--context 1024]
-                                            [--prefill 1000] [--profile] [--json OUT]
+                                            [--kv-cache-dtype float8_e4m3fn] [--prefill 1000] [--profile] [--json OUT]
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", default="1,8,64,256", help="decode batch sizes (default 1,8,64,256)")
     parser.add_argument("--context", type=int, default=1024, help="context tokens of every decoding sequence")
     parser.add_argument("--prefill", type=int, default=1000, help="tokens of the timed prefill (0: skip)")
+    parser.add_argument("--kv-cache-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16",
+                        help="KV cache dtype (default bfloat16; float8_e4m3fn with unit scales)")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (default 20)")
     parser.add_argument("--bandwidth-gbs", type=float, default=NOMINAL_COPY_GBS["H200"],
                         help="bandwidth of the floor, GB/s (default: an H200's)")
@@ -53,11 +55,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def engine_config(arch_file: Path, fmt: str, max_batch: int, max_seq_len: int, max_num_tokens: int) -> EngineConfig:
+def engine_config(arch_file: Path, fmt: str, max_batch: int, max_seq_len: int, max_num_tokens: int,
+                  kv_cache_dtype: str) -> EngineConfig:
     arch = parse_architecture(read_json(arch_file), {}, arch_file)
     quant = QuantizationConfig(format=fmt, group_size=128 if fmt == "int4_awq" else None)
     plan = BuildPlan(max_batch_size=max_batch, max_input_len=max_num_tokens, max_seq_len=max_seq_len,
-                     max_num_tokens=max_num_tokens, tokens_per_block=BLOCK, kv_cache_dtype="bfloat16")
+                     max_num_tokens=max_num_tokens, tokens_per_block=BLOCK, kv_cache_dtype=kv_cache_dtype)
     return EngineConfig(architecture=arch, dtype="bfloat16", quantization=quant, plan=plan, fingerprint={})
 
 
@@ -115,14 +118,16 @@ def time_ms(fn, repeats: int) -> float:
 
 def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict:
     max_seq_len = -(-max(args.context + 1, args.prefill) // BLOCK) * BLOCK
-    config = engine_config(Path(args.arch), fmt, max(batches), max_seq_len, max(args.prefill, max(batches)))
+    config = engine_config(Path(args.arch), fmt, max(batches), max_seq_len, max(args.prefill, max(batches)),
+                           args.kv_cache_dtype)
     with torch.device("cuda"):
         model = LlamaModel(config, torch.bfloat16).eval()
     streamed = randomize(model)
     blocks_per_seq = max_seq_len // BLOCK
     kv_caches = allocate_kv_cache(config, 1 + max(batches) * blocks_per_seq, "cuda")
     kv_per_token = kv_bytes_per_block(config) // BLOCK
-    result = {"format": fmt, "weight_bytes": streamed, "decode": [], "prefill_ms": None}
+    result = {"format": fmt, "kv_cache_dtype": args.kv_cache_dtype, "weight_bytes": streamed, "decode": [],
+              "prefill_ms": None}
     with torch.inference_mode():
         for batch in batches:
             step = decode_step(batch, args.context, blocks_per_seq)
