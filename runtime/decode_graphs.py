@@ -19,6 +19,7 @@ import torch
 
 from runtime import kernel_config
 from runtime.attention_metadata import AttentionMetadata
+from runtime.cuda_graphs import capture_graphs
 from runtime.engine_format import EngineConfig
 from runtime.kv_cache import KVCache
 from runtime.model.llama import LlamaModel
@@ -120,28 +121,10 @@ class DecodeGraphRunner:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.metas[bs], self.kv_caches)
         return self.model.compute_logits(hidden)
 
-    @torch.inference_mode()
     def _capture(self) -> None:
-        """Warm every bucket up eagerly (compiling the kernels), then capture, largest first, into one pool.
-
-        The static buffers hold padding only, so neither the warm-up nor the capture writes the KV cache.
-        """
-        if self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for bs in self.batch_sizes:
-                self._forward(bs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.batch_sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs] = self._forward(bs)
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(self.device)
+        """Capture every bucket (``capture_graphs``); the static buffers hold padding only, so neither the warm-up nor
+        the capture writes the KV cache."""
+        self.graphs, self.logits = capture_graphs(self.device, self.batch_sizes, self._forward)
 
 
 def maybe_capture_decode_graphs(model: LlamaModel, kv_caches: list[KVCache], config: EngineConfig,

@@ -6,8 +6,9 @@
 - ``KILN_LINEAR_MAX_M``: the largest number of tokens a quantized linear sends to its weight-streaming kernel, for
   every shape; unset, each linear uses the crossover measured for its shape (``runtime.layers.linear``). Larger calls
   take the GEMM path (``torch._scaled_mm`` for FP8).
-- ``KILN_CUDA_GRAPHS``: ``1`` (default) captures decode CUDA graphs at load on CUDA; ``0`` decodes eagerly. Graphs need
-  the Triton kernels (the reference attention reads lengths on the host).
+- ``KILN_CUDA_GRAPHS``: ``1`` (default) captures CUDA graphs at load on CUDA, for decode steps per batch-size bucket
+  and for single-sequence prefill steps per token-count bucket; ``0`` runs every step eagerly. Graphs need the Triton
+  kernels (the reference attention reads lengths on the host).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def cuda_graphs_enabled() -> bool:
-    """Whether decode CUDA graphs are captured on a CUDA device; an explicit ``KILN_CUDA_GRAPHS=1`` together with
-    ``KILN_KERNELS=torch`` is refused, the default simply stays eager there."""
+    """Whether decode and prefill CUDA graphs are captured on a CUDA device; an explicit ``KILN_CUDA_GRAPHS=1``
+    together with ``KILN_KERNELS=torch`` is refused, the default simply stays eager there."""
     if CUDA_GRAPHS_SETTING == "0":
         return False
     if KERNELS != "triton":

@@ -13,6 +13,7 @@ from runtime.engine_format import EngineConfig
 from runtime.errors import KilnError
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from runtime.model.llama import LlamaModel
+from runtime.prefill_graphs import maybe_capture_prefill_graphs
 from runtime.sampler import Sampler, SamplingError
 from runtime.scheduler import SchedulerOutput
 from runtime.sequence import Sequence
@@ -49,6 +50,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, device)
         self.sampler = Sampler()
         self.decode_graphs = maybe_capture_decode_graphs(self.model, self.kv_caches, config, device)  # None on CPU
+        self.prefill_graphs = maybe_capture_prefill_graphs(self.model, self.kv_caches, config, device)
 
     def _default_num_kv_blocks(self) -> int:
         plan, arch = self.config.plan, self.config.architecture
@@ -80,6 +82,10 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.fits(query_lens):
             logits = self.decode_graphs.run(input_ids, positions, seq_lens, block_tables)  # one row per sequence
             logits = logits[rows] if len(rows) < len(seqs) else logits
+        elif self.prefill_graphs is not None and self.prefill_graphs.fits(query_lens):
+            logits = self.prefill_graphs.run(input_ids, positions, seq_lens[0], block_tables[0])  # the last token's
+            if not rows:
+                return {}
         else:
             meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
             hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device),

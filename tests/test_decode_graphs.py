@@ -1,5 +1,5 @@
-"""Decode CUDA graphs: the padded static-buffer forward against the eager reference (on CPU through triton's
-interpreter, ``capture=False``), bucket choice, the switches; captured graphs on a CUDA GPU (``-m gpu``)."""
+"""Decode and prefill CUDA graphs: the padded static-buffer forwards against the eager reference (on CPU through
+triton's interpreter, ``capture=False``), bucket choice, the switches; captured graphs on a CUDA GPU (``-m gpu``)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from runtime.errors import KilnError  # noqa: E402
 from runtime.kernels import kv_store, paged_attention  # noqa: E402
 from runtime.layers import attention  # noqa: E402
 from runtime.model_runner import ModelRunner  # noqa: E402
+from runtime.prefill_graphs import PrefillGraphRunner, prefill_token_buckets  # noqa: E402
 from tests.model_factories import make_llama_checkpoint, tiny_plan  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -134,6 +135,68 @@ def test_buckets_are_powers_of_two_up_to_the_plan_batch_and_a_step_takes_the_sma
     assert not graphs.fits([]) and not graphs.fits([1, 2]) and not graphs.fits([1] * 9)
 
 
+# (cached tokens, new tokens) of single-sequence prefill steps: a prompt in the smallest bucket, one that fills a
+# bucket exactly, one padded to the largest, and the rest of a prompt after a prefix-cache hit.
+PREFILL_STEPS = [(0, 5), (0, 16), (0, 27), (9, 14)]
+
+
+@pytest.mark.parametrize(("cached", "new"), PREFILL_STEPS)
+def test_padded_prefill_matches_eager_reference_and_stores_only_its_tokens(engine_dir, device, cached, new):
+    runner = load_runner(engine_dir, device, 1)
+    tokens = torch.randint(3, 96, (cached + new,), generator=torch.Generator().manual_seed(new)).tolist()
+    if cached:  # the cached prefix is already stored, as a prefix-cache hit finds it
+        eager_logits(runner, runner.kv_caches, [tokens[:cached]], [cached])
+    graph_caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    expected = eager_logits(runner, runner.kv_caches, [tokens[cached:]], [cached + new])
+    with triton_attention_on(device):
+        graphs = PrefillGraphRunner(runner.model, graph_caches, runner.config, device, token_buckets=(8, 16, 32),
+                                    capture=device.type == "cuda")
+        got = graphs.run(tokens[cached:], list(range(cached, cached + new)), cached + new, block_tables(1)[0]).clone()
+    assert graphs.bucket(new) == {5: 8, 16: 16, 27: 32, 14: 16}[new]
+    tol = {"rtol": 1e-4, "atol": 1e-4} if device.type == "cpu" else {"rtol": 2e-3, "atol": 2e-3}
+    assert got.shape == expected.shape == (1, runner.config.architecture.vocab_size)
+    torch.testing.assert_close(got, expected, **tol)
+    for (k, v), (gk, gv) in zip(runner.kv_caches, graph_caches, strict=True):
+        torch.testing.assert_close(gk, k, **tol)  # the sequence's tokens stored; padding stored nothing anywhere
+        torch.testing.assert_close(gv, v, **tol)
+        for cache in (gk, gv):
+            assert not cache[0].any() and not cache[-1].any()
+
+
+def test_prefill_buckets_double_up_to_the_plan_token_budget_and_serve_one_sequence(engine_dir):
+    assert prefill_token_buckets(8192) == (64, 128, 256, 512, 1024, 2048)
+    assert prefill_token_buckets(100) == (64, 100)
+    assert prefill_token_buckets(64) == (64,) and prefill_token_buckets(10) == (10,)
+    graphs = PrefillGraphRunner(load_runner(engine_dir, torch.device("cpu"), 1).model, [],
+                                EngineConfig.load(engine_dir), torch.device("cpu"), capture=False)
+    assert graphs.token_buckets == (64,)  # the tiny plan's max_num_tokens
+    assert graphs.fits([2]) and graphs.fits([64])
+    assert not graphs.fits([1]) and not graphs.fits([65]) and not graphs.fits([3, 3]) and not graphs.fits([])
+    with pytest.raises(ValueError, match="largest prefill graph bucket"):
+        graphs.bucket(65)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")
+def test_model_runner_routes_single_sequence_prefills_through_the_padded_buffers(engine_dir):
+    device = torch.device("cpu")
+    with LLM.load(engine_dir, device="cpu") as llm:
+        expected = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    with LLM.load(engine_dir, device="cpu") as llm:  # a fresh prefix cache: every prompt is prefilled whole
+        runner = llm.engine.model_runner
+        graphs = PrefillGraphRunner(runner.model, runner.kv_caches, runner.config, device, capture=False)
+        token_counts = []
+
+        def run(token_ids, *args, run=graphs.run):
+            token_counts.append(len(token_ids))
+            with triton_attention_on(device):
+                return run(token_ids, *args)
+
+        graphs.run = run
+        runner.prefill_graphs = graphs
+        assert [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == expected
+    assert token_counts == [len(p) for p in PROMPTS]  # the prefills only; decodes stayed eager
+
+
 @pytest.fixture
 def reload_kernel_config(monkeypatch):
     """Re-read the KILN_* variables set by the test; the module is restored from the real environment after it."""
@@ -205,5 +268,7 @@ def test_llm_with_cuda_graphs_serves_the_tokens_of_the_torch_reference_path(engi
     with LLM.load(engine_dir, device="cuda") as llm:
         graphs = llm.engine.model_runner.decode_graphs
         assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
+        assert sorted(llm.engine.model_runner.prefill_graphs.graphs) == [64]
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
         assert [o.token_ids for o in llm.generate(prompts[:3], GREEDY)] == expected[:3]
+        assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == expected  # single-sequence prefills

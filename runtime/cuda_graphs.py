@@ -1,0 +1,32 @@
+"""Capturing one CUDA graph per bucket of a static-buffer forward, shared by the decode and prefill graph runners."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+@torch.inference_mode()
+def capture_graphs(device: torch.device, sizes: tuple[int, ...], forward: Callable[[int], torch.Tensor],
+                   pool: tuple | None = None) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+    """Warm ``forward(size)`` up eagerly for every size (compiling its kernels) on a side stream, then capture each,
+    largest first, into one memory pool (``pool``, or a new one). Returns the graphs and their output tensors."""
+    if device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for size in sizes:
+            forward(size)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    pool = pool or torch.cuda.graph_pool_handle()
+    graphs, outputs = {}, {}
+    for size in sorted(sizes, reverse=True):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = forward(size)
+        graphs[size] = graph
+    torch.cuda.synchronize(device)
+    return graphs, outputs
