@@ -165,3 +165,62 @@ def test_fp8_engine_on_gpu_matches_the_cpu_reference(tmp_path, monkeypatch, fp8_
         logits[device] = torch.cat(PagedRunner(engine, config, len(prompts), device).all_logits(prompts)).cpu()
     rel = (logits["cuda"] - logits["cpu"]).abs().max() / logits["cpu"].abs().max()
     assert rel <= tolerance, f"GPU vs CPU FP8 engine: relative difference {rel:.2e}"
+
+
+FP8_GPU = [pytest.mark.gpu,
+           pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                              reason="needs a CUDA GPU with FP8 tensor cores")]
+
+
+@pytest.mark.parametrize(("device", "prompts"), [
+    pytest.param("cpu", [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9]], id="cpu-streaming",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")),
+    pytest.param("cuda", [list(range(3, 40)), [3, 64, 9]], id="gpu-scaled_mm", marks=FP8_GPU),
+    pytest.param("cuda", [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9]], id="gpu-streaming", marks=FP8_GPU),
+])
+def test_fused_activation_quantization_gives_the_unfused_logits_with_one_quantize_kernel_per_layer(
+        tmp_path, monkeypatch, device, prompts):
+    # RMSNorm and SiLU-and-multiply quantize for the next FP8 linear, so only o_proj's input still takes the
+    # standalone quantize kernel; the bytes reaching each linear, hence the logits, are those of every linear
+    # quantizing its own input. 10 tokens take the streaming kernel, 40 torch._scaled_mm. On the CPU the Triton
+    # path runs through the interpreter.
+    import runtime.kernels.fp8_gemv as fp8_gemv_module
+    import runtime.kernels.fp8_quant as fp8_quant_module
+    import runtime.model.llama as llama
+    from runtime import kernel_config
+
+    checkpoint = make_fp8_checkpoint(tmp_path / "hf", **QUANT_SHAPE)
+    (tmp_path / "engine").mkdir()
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    build_native_engine(checkpoint, tmp_path / "engine", tiny_plan(), dtype, device=device)
+    config = EngineConfig.load(tmp_path / "engine")
+    engine = LlamaModel.from_engine(tmp_path / "engine", config, device)
+    if device == "cpu":
+        monkeypatch.setattr(kernel_config, "use_triton", lambda x: True)
+    quantize_calls = []
+    real_quantize = fp8_quant_module.quantize_fp8
+    counting = lambda *a: quantize_calls.append(1) or real_quantize(*a)  # noqa: E731
+    monkeypatch.setattr(fp8_gemv_module, "quantize_fp8", counting)
+    monkeypatch.setattr(fp8_quant_module, "quantize_fp8", counting)
+
+    fused = torch.cat(PagedRunner(engine, config, len(prompts), device).all_logits(prompts))
+    fused_calls = len(quantize_calls)
+    monkeypatch.setattr(llama, "fusable_input_scale", lambda linear, x: None)
+    quantize_calls.clear()
+    unfused = torch.cat(PagedRunner(engine, config, len(prompts), device).all_logits(prompts))
+
+    layers = config.architecture.num_layers
+    assert (fused_calls, len(quantize_calls)) == (layers, 4 * layers)
+    assert torch.equal(fused, unfused)
+
+
+def test_fp8_gemv_takes_a_prequantized_input_and_needs_its_output_dtype():
+    from runtime.kernels.fp8_gemv import fp8_gemv
+
+    weight, weight_scale, input_scale = _random_fp8_linear(48, 64, "cpu")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    expected = fp8_gemv(x, weight, weight_scale, input_scale)
+    got = fp8_gemv(linear.fp8_quantize(x, input_scale), weight, weight_scale, input_scale, out_dtype=torch.float32)
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="needs out_dtype"):
+        fp8_gemv(linear.fp8_quantize(x, input_scale), weight, weight_scale, input_scale)

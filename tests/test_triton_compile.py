@@ -187,6 +187,9 @@ def rms_norm_launches() -> None:
     weight = gpu(torch.empty(HIDDEN, dtype=torch.bfloat16))
     mod.rms_norm(activations(5, HIDDEN), weight, 1e-5)
     mod.rms_norm(activations(5, HIDDEN), weight, 1e-5, activations(5, HIDDEN))
+    # quantizing for the next FP8 linear, with and without the residual
+    mod.rms_norm(activations(5, HIDDEN), weight, 1e-5, quant_scale=gpu(torch.tensor(0.02)))
+    mod.rms_norm(activations(5, HIDDEN), weight, 1e-5, activations(5, HIDDEN), gpu(torch.tensor(0.02)))
 
 
 def rotary_launches() -> None:
@@ -199,6 +202,7 @@ def rotary_launches() -> None:
 def silu_mul_launches() -> None:
     mod = kernels_module("silu_mul")
     mod.silu_and_mul(activations(5, 2 * INTERMEDIATE))
+    mod.silu_and_mul(activations(5, 2 * INTERMEDIATE), gpu(torch.tensor(0.02)))  # quantizing for down_proj
 
 
 CASES: dict[str, Callable[[], None]] = {

@@ -21,6 +21,7 @@ from runtime.kernels.rms_norm import rms_norm  # noqa: E402
 from runtime.kernels.rotary import apply_rotary  # noqa: E402
 from runtime.kernels.silu_mul import silu_and_mul  # noqa: E402
 from runtime.layers.activation import SiluAndMul  # noqa: E402
+from runtime.layers.linear import fp8_quantize  # noqa: E402
 from runtime.layers.norm import RMSNorm  # noqa: E402
 from runtime.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -142,6 +143,29 @@ def test_silu_and_mul_matches_the_layer_for_every_bfloat16_gate(device):
     up = (torch.rand(gate.numel(), generator=torch.Generator().manual_seed(3)) + 0.5).to(torch.bfloat16)
     x = torch.cat([gate, up])[None, :].to(device)
     torch.testing.assert_close(silu_and_mul(x), SiluAndMul()(x), rtol=0, atol=0, equal_nan=True)
+
+
+@DTYPES
+def test_rms_norm_and_silu_quantize_their_output_as_the_next_fp8_linear_would(device, poisoned_outputs, dtype):
+    # Values beyond ±448 * scale clamp; the scale is not a power of two, so the division rounds.
+    generator = torch.Generator().manual_seed(5)
+    scale = torch.tensor(0.0137, device=device)
+    x = (torch.randn(5, 320, generator=generator) * 4).to(dtype).to(device)
+    residual = torch.randn(5, 320, generator=generator).to(dtype).to(device)
+    weight = (torch.randn(320, generator=generator) * 3).to(dtype).to(device)
+    out, new_residual = rms_norm(x, weight, EPS, residual)
+    q_out, q_residual = rms_norm(x, weight, EPS, residual, quant_scale=scale)
+    assert q_out.dtype == torch.float8_e4m3fn and torch.equal(q_residual, new_residual)
+    assert torch.equal(q_out.view(torch.uint8), fp8_quantize(out, scale).view(torch.uint8))
+    assert torch.equal(rms_norm(x, weight, EPS, quant_scale=scale).view(torch.uint8),
+                       fp8_quantize(rms_norm(x, weight, EPS), scale).view(torch.uint8))
+    gate_up = (torch.randn(5, 2 * 1500, generator=generator) * 3).to(dtype).to(device)
+    q_act = silu_and_mul(gate_up, quant_scale=scale)
+    assert q_act.dtype == torch.float8_e4m3fn
+    assert torch.equal(q_act.view(torch.uint8), fp8_quantize(silu_and_mul(gate_up), scale).view(torch.uint8))
+    # the PyTorch layers take the same argument
+    assert torch.equal(SiluAndMul()(gate_up.cpu(), scale.cpu()).view(torch.uint8),
+                       fp8_quantize(SiluAndMul()(gate_up.cpu()), scale.cpu()).view(torch.uint8))
 
 
 def test_kernels_keep_leading_dims_and_take_an_empty_batch(device):

@@ -59,17 +59,24 @@ def fp8_gemv_config(m: int, n: int, k: int) -> dict:
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
-             config: dict | None = None) -> torch.Tensor:
-    """FP8 linear for small M: x [..., K] (float32/float16/bfloat16), weight float8_e4m3fn [N, K],
-    weight_scale float32 [N], input_scale float32 [] (static). Returns [..., N] in ``x.dtype``."""
+             config: dict | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """FP8 linear for small M: x [..., K] (float32/float16/bfloat16, or float8_e4m3fn already quantized with
+    ``input_scale``), weight float8_e4m3fn [N, K], weight_scale float32 [N], input_scale float32 [] (static).
+    Returns [..., N] in ``out_dtype`` (default ``x.dtype``)."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_gemv: weight must be float8_e4m3fn [N, {x.shape[-1]}], got {weight.dtype} "
                          f"{list(weight.shape)}")
     n, k = weight.shape
-    x_q = quantize_fp8(x, input_scale)
+    if x.dtype == torch.float8_e4m3fn:
+        if out_dtype is None:
+            raise ValueError("fp8_gemv: a float8_e4m3fn x needs out_dtype")
+        x_q = x.reshape(-1, k)
+        x_q = x_q if x_q.stride(-1) == 1 else x_q.contiguous()
+    else:
+        x_q = quantize_fp8(x, input_scale)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     m = x_q.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m:
         cfg = dict(config or fp8_gemv_config(m, n, k))
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))

@@ -6,6 +6,10 @@ to the model dtype and written out as the new residual, then normalised in float
 scaled by ``weight``, the product rounded again, exactly the roundings the PyTorch layer makes. The only numerical
 difference is the order of the float32 sum of squares (and, on a GPU, the approximate ``rsqrt`` of each side, and
 PyTorch's CUDA mean multiplying by ``1 / hidden`` where this kernel divides, as PyTorch's CPU mean does).
+
+With ``quant_scale`` the output is instead that model-dtype value quantized for the next FP8 linear,
+``fp8_e4m3(clamp(out / quant_scale, ±448))`` (the bytes ``runtime.kernels.fp8_quant`` would write from it), which
+saves that linear a kernel and a round trip of the activations through memory.
 """
 
 from __future__ import annotations
@@ -14,16 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.rounding import SUPPORTED_DTYPES, round_to_dtype
+from runtime.kernels.rounding import SUPPORTED_DTYPES, quantize_e4m3, round_to_dtype
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, eps, stride_x, stride_r,
-                     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, quant_scale_ptr, eps, stride_x,
+                     stride_r, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     QUANT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -32,7 +37,10 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     variance = tl.math.div_rn(tl.sum(x * x, axis=0), HIDDEN)
     h = round_to_dtype(x * tl.math.rsqrt(variance + eps), dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * HIDDEN + cols, round_to_dtype(weight * h, dtype).to(dtype), mask=mask)
+    out = round_to_dtype(weight * h, dtype)
+    if QUANT:
+        out = quantize_e4m3(out, tl.load(quant_scale_ptr))
+    tl.store(out_ptr + row * HIDDEN + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _num_warps(block: int) -> int:
@@ -40,11 +48,12 @@ def _num_warps(block: int) -> int:
     return 4 if block < 2048 else 8 if block < 8192 else 16
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             quant_scale: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``weight * x / rms(x)`` over the last dim of x [..., hidden] (float32/float16/bfloat16); ``weight``
     [hidden] has x's dtype. With ``residual`` (x's shape and dtype), first ``x = x + residual`` and return
-    ``(out, new_residual)``, the new residual a fresh tensor: neither input is written.
+    ``(out, new_residual)``, the new residual a fresh tensor: neither input is written. With ``quant_scale``
+    (float32 []), ``out`` is float8_e4m3fn, quantized with it.
     """
     hidden = x.shape[-1]
     if x.dtype not in SUPPORTED_DTYPES:
@@ -59,11 +68,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     r2 = x2 if residual is None else residual.reshape(-1, hidden)
     r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype if quant_scale is None else torch.float8_e4m3fn, device=x.device)
     new_residual = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, out if new_residual is None else new_residual, eps, x2.stride(0), r2.stride(0),
-            HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block))
+            x2, r2, weight, out, x2 if new_residual is None else new_residual,
+            weight if quant_scale is None else quant_scale.reshape(()), eps, x2.stride(0), r2.stride(0),
+            HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, QUANT=quant_scale is not None,
+            num_warps=_num_warps(block))
     return out if new_residual is None else (out, new_residual)

@@ -1,5 +1,5 @@
 """The gated activation of the Llama MLP over the fused gate-up projection (on CUDA one Triton kernel,
-``runtime.kernels.silu_mul``, unless ``KILN_KERNELS=torch``)."""
+``runtime.kernels.silu_mul``, unless ``KILN_KERNELS=torch``), its output optionally quantized for an FP8 linear."""
 
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime import kernel_config
+from runtime.layers.linear import fp8_quantize
 
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` for ``x = cat([gate, up], -1)``."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """With ``quant_scale`` the output is float8_e4m3fn, ``fp8_quantize(out, quant_scale)``."""
         if kernel_config.use_triton(x):
             from runtime.kernels.silu_mul import silu_and_mul
 
-            return silu_and_mul(x)
+            return silu_and_mul(x, quant_scale)
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        out = F.silu(gate) * up
+        return out if quant_scale is None else fp8_quantize(out, quant_scale)

@@ -42,23 +42,43 @@ class Linear(nn.Module):
 
 
 class Fp8Linear(nn.Module):
-    """FP8 (e4m3) weight with per-output-channel scale, activations quantized with a static per-tensor scale."""
+    """FP8 (e4m3) weight with per-output-channel scale, activations quantized with a static per-tensor scale.
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    Both CUDA paths start by quantizing the input with ``input_scale`` in a Triton kernel; ``fusable_input_scale``
+    tells the kernel producing the input (RMSNorm, SiLU-and-multiply) to do it instead, and ``forward`` then takes
+    the float8_e4m3fn input as it is and returns ``dtype``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32))
         self.streaming_max_m = fp8_streaming_max_m(in_features)
+        self.dtype = dtype
+
+    def fusable_input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``input_scale`` when ``forward`` would quantize an input with the rows of ``x`` (any width) in a Triton
+        kernel, so that the kernel producing it may hand over float8_e4m3fn rows instead; else None."""
+        rows = x.reshape(-1, x.shape[-1])[:, :1].expand(-1, self.weight.shape[1])  # a view at this layer's width
+        if use_streaming_kernel(rows, self.streaming_max_m) or (
+                kernel_config.use_triton(rows) and use_scaled_mm(rows, self.weight)):
+            return self.input_scale
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_streaming_kernel(x, self.streaming_max_m):
             from runtime.kernels.fp8_gemv import fp8_gemv
 
-            return fp8_gemv(x, self.weight, self.weight_scale, self.input_scale)
+            return fp8_gemv(x, self.weight, self.weight_scale, self.input_scale, out_dtype=self._out_dtype(x))
         if use_scaled_mm(x, self.weight):
-            return fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale)
+            return fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale, self._out_dtype(x))
+        if x.dtype == torch.float8_e4m3fn:
+            raise ValueError("Fp8Linear: a pre-quantized input needs a CUDA FP8 path (see fusable_input_scale)")
         return fp8_linear_reference(x, self.weight, self.weight_scale, self.input_scale)
+
+    def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return self.dtype if x.dtype == torch.float8_e4m3fn else x.dtype
 
 
 class Int4AwqLinear(nn.Module):
@@ -93,10 +113,16 @@ def make_linear(fmt: str, in_features: int, out_features: int, dtype: torch.dtyp
     if fmt == "none":
         return Linear(in_features, out_features, dtype)
     if fmt == "fp8":
-        return Fp8Linear(in_features, out_features)
+        return Fp8Linear(in_features, out_features, dtype)
     if fmt == "int4_awq":
         return Int4AwqLinear(in_features, out_features, group_size, dtype)
     raise ValueError(f"unknown linear format {fmt!r}")
+
+
+def fusable_input_scale(linear: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The scale with which the kernel producing ``linear``'s input (rows like ``x``'s) may quantize it: an FP8
+    linear's ``Fp8Linear.fusable_input_scale``; None for other formats."""
+    return linear.fusable_input_scale(x) if isinstance(linear, Fp8Linear) else None
 
 
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -113,27 +139,31 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         input_scale: torch.Tensor) -> torch.Tensor:
-    """FP8 tensor-core GEMM (CUDA, compute capability >= 8.9), scales applied in the epilogue.
+                         input_scale: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """FP8 tensor-core GEMM (CUDA, compute capability >= 8.9), scales applied in the epilogue; returns
+    ``out_dtype`` (default ``x.dtype``). A float8_e4m3fn ``x`` is taken as already quantized with ``input_scale``.
 
     bfloat16 output uses rowwise scaling (scale_a [M, 1], scale_b [1, N]); other dtypes take a float32 tensorwise
     GEMM and apply the per-channel weight scale afterwards, since rowwise scaling only produces bfloat16.
     """
     x2 = x.reshape(-1, x.shape[-1])
-    if kernel_config.use_triton(x):
+    out_dtype = out_dtype or x.dtype
+    if x.dtype == torch.float8_e4m3fn:
+        x_q = x2
+    elif kernel_config.use_triton(x):
         from runtime.kernels.fp8_quant import quantize_fp8
 
         x_q = quantize_fp8(x2, input_scale)  # one kernel instead of four
     else:
         x_q = fp8_quantize(x2, input_scale)
-    if x.dtype == torch.bfloat16:
+    if out_dtype == torch.bfloat16:
         scale_a = input_scale.reshape(1, 1).expand(x_q.shape[0], 1).contiguous()
         out = torch._scaled_mm(x_q, weight.t(), scale_a=scale_a, scale_b=weight_scale.reshape(1, -1),
                                out_dtype=torch.bfloat16)
     else:
         out = torch._scaled_mm(x_q, weight.t(), scale_a=input_scale, scale_b=input_scale.new_ones(()),
                                out_dtype=torch.float32)
-        out = (out * weight_scale).to(x.dtype)
+        out = (out * weight_scale).to(out_dtype)
     return out.reshape(*x.shape[:-1], -1)
 
 

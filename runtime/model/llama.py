@@ -20,7 +20,7 @@ from runtime.errors import EngineFormatError
 from runtime.kv_cache import KVCache
 from runtime.layers.activation import SiluAndMul
 from runtime.layers.attention import PagedAttention
-from runtime.layers.linear import Linear, make_linear
+from runtime.layers.linear import Linear, fusable_input_scale, make_linear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding
 
@@ -68,7 +68,8 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self.act(gate_up, fusable_input_scale(self.down_proj, gate_up)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -84,11 +85,11 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            h, residual = self.input_layernorm(h), h
+            h, residual = self.input_layernorm(h, quant_scale=fusable_input_scale(self.self_attn.qkv_proj, h)), h
         else:
-            h, residual = self.input_layernorm(h, residual)
+            h, residual = self.input_layernorm(h, residual, fusable_input_scale(self.self_attn.qkv_proj, h))
         h = self.self_attn(positions, h, meta, kv_cache)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, fusable_input_scale(self.mlp.gate_up_proj, h))
         return self.mlp(h), residual
 
 
