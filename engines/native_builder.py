@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 
 from engines.native_checkpoint import CheckpointTensors, read_architecture, read_quantization
 from engines.native_plan import check_kv_cache_fits, parse_plan
+from engines.native_tuning import fp8_kernels_measurable, measure_fp8_streaming_max_m
 from engines.native_weights import convert_weights
 from runtime.engine_format import (
     DTYPES,
@@ -51,6 +52,9 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: 
     fp8_kv_cache = build_plan.kv_cache_dtype == "float8_e4m3fn"
     weights, dense_modules = convert_weights(CheckpointTensors(checkpoint_dir), arch, source_quant.format,
                                              source_quant.group_size, DTYPES[dtype], fp8_kv_cache)
+    streaming_max_m = {}
+    if source_quant.format == "fp8" and fp8_kernels_measurable(device):
+        streaming_max_m = measure_fp8_streaming_max_m(arch, DTYPES[dtype], device)
     config = EngineConfig(
         architecture=arch,
         dtype=dtype,
@@ -59,6 +63,7 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: 
             group_size=source_quant.group_size,
             kv_cache_dtype=build_plan.kv_cache_dtype,
             exclude_modules=dense_modules,
+            fp8_streaming_max_m=streaming_max_m,
         ),
         plan=build_plan,
         fingerprint=machine_fingerprint(device),

@@ -54,12 +54,21 @@ class LlamaArchitecture:
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    """Weight format of the linears; ``exclude_modules`` lists runtime module names kept in the engine dtype."""
+    """Weight format of the linears; ``exclude_modules`` lists runtime module names kept in the engine dtype;
+    ``fp8_streaming_max_m`` maps an FP8 linear shape ``"{in}x{out}"`` to the largest token count its
+    weight-streaming kernel serves, as measured by a CUDA build (``engines.native_tuning``); a shape it lacks
+    takes the runtime's default."""
 
     format: str = "none"
     group_size: int | None = None
     kv_cache_dtype: str = "auto"
     exclude_modules: list[str] = field(default_factory=list)
+    fp8_streaming_max_m: dict[str, int] = field(default_factory=dict)
+
+    @staticmethod
+    def shape_key(in_features: int, out_features: int) -> str:
+        """The key of a linear shape in ``fp8_streaming_max_m``."""
+        return f"{in_features}x{out_features}"
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,9 @@ class EngineConfig:
             (arch.num_kv_heads > 0 and arch.num_heads % arch.num_kv_heads == 0,
              "architecture.num_heads is not a multiple of num_kv_heads"),
             (isinstance(self.fingerprint, dict), "fingerprint is not an object"),
+            (isinstance(self.quantization.fp8_streaming_max_m, dict) and all(
+                isinstance(m, int) and m >= 0 for m in self.quantization.fp8_streaming_max_m.values()),
+             "quantization.fp8_streaming_max_m is not an object of non-negative integers"),
         ]
         for ok, problem in checks:
             if not ok:

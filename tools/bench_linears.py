@@ -16,10 +16,10 @@ than the Triton kernel: the ``KILN_LINEAR_MAX_M`` threshold to choose.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 
+from engines.native_tuning import graph_time_us
 from pipeline.bench_floor import NOMINAL_COPY_GBS
 
 PEAK_BANDWIDTH = NOMINAL_COPY_GBS["H200"] * 1e9  # bytes/s: what an H200 copies, the floor kiln bench uses
@@ -81,14 +81,6 @@ def method_fns(x, ops):
         "triton_int4": lambda: int4_awq_gemv(x, ops["qweight"], ops["scales"], ops["pre_quant_scale"], GROUP_SIZE),
         "bf16_matmul": lambda: torch.matmul(x, ops["w_bf16"].t()),
     }
-
-
-def graph_time_us(fns: list, rep: int) -> float:
-    """Median microseconds per call of ``fns`` replayed in a CUDA graph, each call taking the next function."""
-    from triton.testing import do_bench_cudagraph
-
-    calls = itertools.cycle(fns)
-    return do_bench_cudagraph(lambda: next(calls)(), rep=rep, return_mode="median") * 1e3
 
 
 def crossover(rows: list[dict], shape: str, ours: str, theirs: str) -> int | None:

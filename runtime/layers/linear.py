@@ -49,12 +49,14 @@ class Fp8Linear(nn.Module):
     the float8_e4m3fn input as it is and returns ``dtype``.
     """
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32,
+                 streaming_max_m: int | None = None) -> None:
         super().__init__()
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32))
-        self.streaming_max_m = fp8_streaming_max_m(in_features)
+        # measured by the engine's build when it ran on CUDA (engines.native_tuning), else the H200 default
+        self.streaming_max_m = fp8_streaming_max_m(in_features) if streaming_max_m is None else streaming_max_m
         self.dtype = dtype
 
     def fusable_input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -108,12 +110,14 @@ class Int4AwqLinear(nn.Module):
         return int4_awq_linear_reference(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size)
 
 
-def make_linear(fmt: str, in_features: int, out_features: int, dtype: torch.dtype, group_size: int | None) -> nn.Module:
-    """The linear module of quantization format ``fmt`` ("none", "fp8" or "int4_awq")."""
+def make_linear(fmt: str, in_features: int, out_features: int, dtype: torch.dtype, group_size: int | None,
+                fp8_streaming_max_m: int | None = None) -> nn.Module:
+    """The linear module of quantization format ``fmt`` ("none", "fp8" or "int4_awq"); an FP8 one streams up to
+    ``fp8_streaming_max_m`` tokens (default: ``fp8_streaming_max_m(in_features)``)."""
     if fmt == "none":
         return Linear(in_features, out_features, dtype)
     if fmt == "fp8":
-        return Fp8Linear(in_features, out_features, dtype)
+        return Fp8Linear(in_features, out_features, dtype, fp8_streaming_max_m)
     if fmt == "int4_awq":
         return Int4AwqLinear(in_features, out_features, group_size, dtype)
     raise ValueError(f"unknown linear format {fmt!r}")
@@ -182,7 +186,8 @@ def use_streaming_kernel(x: torch.Tensor, max_m: int) -> bool:
 
 def fp8_streaming_max_m(in_features: int) -> int:
     """The largest M at which the FP8 streaming kernel beats ``torch._scaled_mm``, measured on an H200 for the
-    Llama-3-8B shapes (tools/bench_linears.py): up to 16 tokens (32 ties) at 4096 input features, up to 4 at 14336."""
+    Llama-3-8B shapes (tools/bench_linears.py): up to 16 tokens (32 ties) at 4096 input features, up to 4 at 14336.
+    The default for an engine built without measuring (on a CPU); a CUDA build measures each shape."""
     return 16 if in_features <= 8192 else 4
 
 

@@ -34,7 +34,8 @@ class LinearFactory:
     def __call__(self, name: str, in_features: int, out_features: int) -> nn.Module:
         excluded = any(fnmatch(name, pattern) for pattern in self.quant.exclude_modules)
         fmt = "none" if excluded else self.quant.format
-        return make_linear(fmt, in_features, out_features, self.dtype, self.quant.group_size)
+        return make_linear(fmt, in_features, out_features, self.dtype, self.quant.group_size,
+                           self.quant.fp8_streaming_max_m.get(self.quant.shape_key(in_features, out_features)))
 
 
 class LlamaAttention(nn.Module):
