@@ -94,25 +94,21 @@ def test_varlen_kernel_reads_an_fp8_cache_through_its_scales(device, dtype):
     torch.testing.assert_close(out, expected, **fp8_tolerance(device, dtype))
 
 
-@pytest.mark.parametrize("prefetch_v", [False, True], ids=["v-loaded", "v-prefetched"])
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(1, 128, 16), (2, 64, 32), (4, 64, 16)])
-def test_split_kv_decode_matches_reference_within_and_across_partitions(device, group, head_dim, block_size,
-                                                                         prefetch_v):
+def test_split_kv_decode_matches_reference_within_and_across_partitions(device, group, head_dim, block_size):
     q, k_cache, v_cache, meta, _, _ = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], group, head_dim,
                                                    block_size, device)
     scale = head_dim**-0.5
-    out = paged_attention_decode(q, k_cache, v_cache, meta, scale, out=poisoned(q), partition_size=32, block_n=16,
-                                 prefetch_v=prefetch_v)
+    out = paged_attention_decode(q, k_cache, v_cache, meta, scale, out=poisoned(q), partition_size=32, block_n=16)
     torch.testing.assert_close(out, paged_attention_reference(q, k_cache, v_cache, meta, scale), **tolerance(device))
 
 
 @FP8_CACHE_DTYPES
-@pytest.mark.parametrize("prefetch_v", [False, True], ids=["v-loaded", "v-prefetched"])
-def test_split_kv_decode_reads_an_fp8_cache_through_its_scales(device, dtype, prefetch_v):
+def test_split_kv_decode_reads_an_fp8_cache_through_its_scales(device, dtype):
     q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 4, 64, 32,
                                                                device, fp8=True, dtype=dtype)
     out = paged_attention_decode(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q),
-                                 partition_size=64, block_n=16, prefetch_v=prefetch_v)
+                                 partition_size=64)
     expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
     torch.testing.assert_close(out, expected, **fp8_tolerance(device, dtype))
 

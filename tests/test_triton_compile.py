@@ -143,9 +143,6 @@ def paged_attention_launches(fp8: bool) -> None:
                                v_scale)
     mod.paged_attention_decode(qkv_views(2)[0], k_cache, v_cache, metadata([(20, 1), (7, 1)]), scale, k_scale,
                                v_scale)
-    # the hand-prefetched V of the decode kernel (tools/tune_attention.py), at the batch-256 partition size
-    mod.paged_attention_decode(qkv_views(64)[0], k_cache, v_cache, metadata([(2047, 1)] * 64), scale, k_scale,
-                               v_scale, block_n=64, prefetch_v=True)
 
 
 def store_kv_launches(fp8: bool) -> None:

@@ -19,8 +19,7 @@ import sys
 
 from bench_kernels import HEAD_DIM, NUM_KV_HEADS, PEAK_BANDWIDTH, make_case
 
-DECODE_GRID = dict(block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3, 4], prefetch_v=[False, True],
-                   partition_size=[None])
+DECODE_GRID = dict(block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3, 4], partition_size=[None])
 PARTITION_SIZES = [512, 2048]  # tried with the best decode configuration (None: decode_partition_size's choice)
 VARLEN_GRID = dict(block_m=[64, 128], block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3])
 # (name, query_lens, seq_lens, kernel)

@@ -31,28 +31,20 @@ LOG2E = 1.4426950408889634
 # Split-KV decode partitions hold 64..1024 tokens, sized so that the grid gives each SM a few programs.
 # KV tokens per tile and pipeline stages by cache dtype (model dtype, FP8), the fastest of tools/tune_attention.py on
 # an H200 at batch 256 over 1k-2k contexts, and for a 1k-token prefill.
-DECODE_TILES = {False: dict(block_n=64, num_stages=3, prefetch_v=False),
-                True: dict(block_n=128, num_stages=2, prefetch_v=False)}
+DECODE_TILES = {False: dict(block_n=64, num_stages=3), True: dict(block_n=128, num_stages=2)}
 VARLEN_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=128, num_stages=3)}
 MIN_PARTITION_SIZE, MAX_PARTITION_SIZE, PROGRAMS_PER_SM = 64, 1024, 4
 
 
 @triton.jit
-def _gather_kv(cache_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head, stride_c_block, stride_c_tok,
-               stride_c_head, BLOCK_SIZE: tl.constexpr):
-    """Tokens ``offs_n`` of one sequence for one KV head, gathered through its block table: [BLOCK_D, BLOCK_N],
-    as stored."""
-    block = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    offs = block * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
-    return tl.load(cache_ptr + offs[None, :] + dims[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-
-
-@triton.jit
 def _load_kv_tile(cache_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head, stride_c_block,
                   stride_c_tok, stride_c_head, BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr):
-    """``_gather_kv``'s tile, unscaled, in the compute dtype."""
-    return _gather_kv(cache_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head, stride_c_block,
-                      stride_c_tok, stride_c_head, BLOCK_SIZE).to(DTYPE)
+    """Tokens ``offs_n`` of one sequence for one KV head, gathered through its block table: [BLOCK_D, BLOCK_N],
+    unscaled, in the compute dtype."""
+    block = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    offs = block * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
+    x = tl.load(cache_ptr + offs[None, :] + dims[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+    return x.to(DTYPE)
 
 
 @triton.jit
@@ -145,7 +137,7 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                              PARTITION_SIZE: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr,
-                             PRECISION: tl.constexpr, PREFETCH_V: tl.constexpr):
+                             PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -169,27 +161,15 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if PREFETCH_V:  # V tiles loaded one step ahead by hand: the compiler pipelines K, but not V's converted load
-        offs_next = start + tl.arange(0, BLOCK_N)
-        v_next = _gather_kv(v_cache_ptr, block_table_row, offs_next, offs_next < end, dims, d_mask, kv_head,
-                            stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE)
     for n0 in range(start, end, BLOCK_N):  # the one query is the last position: every cached token is visible
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        if PREFETCH_V:
-            v_tile = v_next
-            offs_next = offs_n + BLOCK_N
-            v_next = _gather_kv(v_cache_ptr, block_table_row, offs_next, offs_next < end, dims, d_mask, kv_head,
-                                stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE)
         k = _load_kv_tile(k_cache_ptr, block_table_row, offs_n, n_mask, dims, d_mask, kv_head,
                           stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        if PREFETCH_V:
-            v = tl.trans(v_tile.to(q.dtype))
-        else:
-            v = tl.trans(_load_kv_tile(v_cache_ptr, block_table_row, offs_n, n_mask, dims, d_mask,
-                                       kv_head, stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, q.dtype))
+        v = tl.trans(_load_kv_tile(v_cache_ptr, block_table_row, offs_n, n_mask, dims, d_mask,
+                                   kv_head, stride_c_block, stride_c_tok, stride_c_head, BLOCK_SIZE, q.dtype))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
     acc = acc * out_scale
 
@@ -283,13 +263,12 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, partition_size: int | None = None,
-                           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                           prefetch_v: bool | None = None) -> torch.Tensor:
+                           block_n: int | None = None, num_warps: int = 4,
+                           num_stages: int | None = None) -> torch.Tensor:
     """Split-KV decode (one new token per sequence): q [num_seqs, num_heads, head_dim] -> same shape.
 
     ``out`` as for the varlen kernel. ``partition_size`` (default: ``decode_partition_size``) must be a power of
-    two, at least 16 (``block_n``, ``num_stages`` and ``prefetch_v``, V loaded a tile ahead by hand, default to
-    ``DECODE_TILES``); the partial
+    two, at least 16 (``block_n`` and ``num_stages`` default to ``DECODE_TILES``); the partial
     results live in float32 scratch of num_seqs * num_heads * cdiv(meta.max_seq_len, partition_size) * (head_dim + 2)
     elements.
     """
@@ -302,7 +281,6 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_partitions = triton.cdiv(meta.max_seq_len, partition_size)
     block_n = min(block_n or DECODE_TILES[fp8]["block_n"], partition_size)
     num_stages = num_stages or DECODE_TILES[fp8]["num_stages"]
-    prefetch_v = DECODE_TILES[fp8]["prefetch_v"] if prefetch_v is None else prefetch_v
     block_d = max(triton.next_power_of_2(head_dim), 16)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     part_m = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
@@ -315,7 +293,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         max_partitions, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
         PARTITION_SIZE=partition_size, FP8=fp8, FP16=_fp16_compute(q, fp8), PRECISION=_precision(q),
-        PREFETCH_V=prefetch_v, num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, out.stride(0), out.stride(1),
         num_heads, max_partitions, HEAD_DIM=head_dim, BLOCK_P=max(triton.next_power_of_2(max_partitions), 2),
