@@ -1,7 +1,8 @@
 #!/bin/bash
 # Everything docs/performance.md reports for one CUDA GPU, in one go: the GPU tests, the tiny model against
 # transformers, the linears and attention micro-benchmarks, the 8B model's steps with kernel profiles, and kiln bench
-# on Llama-3-8B FP8 (alone at 1000/1000, then against transformers at 1000/200). Results go to $OUT (default ./gpu-out).
+# on Llama-3-8B FP8 (alone at 1000/1000 with an FP8 KV cache, then against transformers at 1000/200).
+# Results go to $OUT (default ./gpu-out).
 #   bash tools/gpu_suite.sh [quick]     # quick: tests, tiny end-to-end and the step benchmark only
 set -u
 OUT=${OUT:-gpu-out}
@@ -10,13 +11,14 @@ export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 run() { echo "== $1"; shift; "$@" 2>&1 | tee -a "$OUT/suite.log"; }
 run "gpu tests" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/test_triton_attention.py \
     tests/test_triton_linears.py tests/test_triton_fused_ops.py tests/test_decode_graphs.py tests/test_llama_model.py \
-    tests/test_paged_attention.py tests/test_quantized_linears.py
+    tests/test_paged_attention.py tests/test_quantized_linears.py tests/test_native_tuning.py
 run "tiny model vs transformers" python3 tools/gpu_check.py --tokens 32 --out "$OUT/gpu_check.json"
 run "8B steps" python3 tools/bench_step.py --formats fp8,none,int4_awq --batch 1,8,64,256 --profile \
-    --json "$OUT/step.json"
+    --kv-cache-dtype float8_e4m3fn --json "$OUT/step.json"
 [ "${1:-}" = quick ] && exit 0
 run "linears" python3 tools/bench_linears.py --m 1,8,16,32,64
 run "attention" python3 tools/bench_kernels.py
+run "attention tiles" python3 tools/tune_attention.py --json "$OUT/tune_attention.json"
 BENCH="python3 -m pipeline bench configs/models/llama3-8b.json --format fp8 --prompts 256 --input-len 1000"
-echo "== kiln bench 1000/1000"; $BENCH --output-len 1000 --json > "$OUT/bench.json"
+echo "== kiln bench 1000/1000"; $BENCH --output-len 1000 --kv-cache-dtype fp8 --json > "$OUT/bench.json"
 echo "== kiln bench 1000/200 vs transformers"; $BENCH --output-len 200 --peer transformers --json > "$OUT/bench_peer.json"
