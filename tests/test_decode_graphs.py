@@ -67,6 +67,20 @@ def triton_attention_on(device: torch.device):
         yield
 
 
+def record_runs(graphs: DecodeGraphRunner | PrefillGraphRunner, device: torch.device) -> list[int]:
+    """Make ``graphs.run`` take the Triton attention and record the token count of every call in the list
+    returned."""
+    counts = []
+
+    def run(token_ids, *args, run=graphs.run):
+        counts.append(len(token_ids))
+        with triton_attention_on(device):
+            return run(token_ids, *args)
+
+    graphs.run = run
+    return counts
+
+
 def load_runner(engine_dir, device: torch.device, num_seqs: int) -> ModelRunner:
     """A ModelRunner whose pool has an unused block 0 (what padding rows read) and a spare last block."""
     return ModelRunner(engine_dir, EngineConfig.load(engine_dir), device, num_kv_blocks=2 + num_seqs * BLOCKS_PER_SEQ)
@@ -184,14 +198,7 @@ def test_model_runner_routes_single_sequence_prefills_through_the_padded_buffers
     with LLM.load(engine_dir, device="cpu") as llm:  # a fresh prefix cache: every prompt is prefilled whole
         runner = llm.engine.model_runner
         graphs = PrefillGraphRunner(runner.model, runner.kv_caches, runner.config, device, capture=False)
-        token_counts = []
-
-        def run(token_ids, *args, run=graphs.run):
-            token_counts.append(len(token_ids))
-            with triton_attention_on(device):
-                return run(token_ids, *args)
-
-        graphs.run = run
+        token_counts = record_runs(graphs, device)
         runner.prefill_graphs = graphs
         assert [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == expected
     assert token_counts == [len(p) for p in PROMPTS]  # the prefills only; decodes stayed eager
@@ -243,14 +250,7 @@ def test_model_runner_routes_pure_decode_steps_through_the_padded_buffers(engine
         expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         runner = llm.engine.model_runner
         graphs = DecodeGraphRunner(runner.model, runner.kv_caches, runner.config, device, capture=False)
-        batch_sizes = []
-
-        def run(token_ids, *args, run=graphs.run):
-            batch_sizes.append(len(token_ids))
-            with triton_attention_on(device):
-                return run(token_ids, *args)
-
-        graphs.run = run
+        batch_sizes = record_runs(graphs, device)
         runner.decode_graphs = graphs
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert batch_sizes and set(batch_sizes) <= {1, 2, 3}  # decodes only; prefills stayed eager
