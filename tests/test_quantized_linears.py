@@ -214,7 +214,7 @@ def test_fused_activation_quantization_gives_the_unfused_logits_with_one_quantiz
     assert torch.equal(fused, unfused)
 
 
-def test_fp8_gemv_takes_a_prequantized_input_and_needs_its_output_dtype():
+def test_fp8_linears_take_a_prequantized_input_and_need_its_output_dtype():
     from runtime.kernels.fp8_gemv import fp8_gemv
 
     weight, weight_scale, input_scale = _random_fp8_linear(48, 64, "cpu")
@@ -224,3 +224,5 @@ def test_fp8_gemv_takes_a_prequantized_input_and_needs_its_output_dtype():
     assert torch.equal(got, expected)
     with pytest.raises(ValueError, match="needs out_dtype"):
         fp8_gemv(linear.fp8_quantize(x, input_scale), weight, weight_scale, input_scale)
+    with pytest.raises(ValueError, match="needs out_dtype"):
+        fp8_linear_scaled_mm(linear.fp8_quantize(x, input_scale), weight, weight_scale, input_scale)

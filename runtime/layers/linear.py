@@ -151,8 +151,9 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     GEMM and apply the per-channel weight scale afterwards, since rowwise scaling only produces bfloat16.
     """
     x2 = x.reshape(-1, x.shape[-1])
-    out_dtype = out_dtype or x.dtype
     if x.dtype == torch.float8_e4m3fn:
+        if out_dtype is None:
+            raise ValueError("fp8_linear_scaled_mm: a float8_e4m3fn x needs out_dtype")
         x_q = x2
     elif kernel_config.use_triton(x):
         from runtime.kernels.fp8_quant import quantize_fp8
@@ -160,6 +161,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
         x_q = quantize_fp8(x2, input_scale)  # one kernel instead of four
     else:
         x_q = fp8_quantize(x2, input_scale)
+    out_dtype = out_dtype or x.dtype
     if out_dtype == torch.bfloat16:
         scale_a = input_scale.reshape(1, 1).expand(x_q.shape[0], 1).contiguous()
         out = torch._scaled_mm(x_q, weight.t(), scale_a=scale_a, scale_b=weight_scale.reshape(1, -1),
