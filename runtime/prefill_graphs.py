@@ -66,6 +66,9 @@ class PrefillGraphRunner:
         self.input_ids, self.positions, self.slot_mapping = self.dev_i64[:3 * max_t].view(3, max_t)
         self.last_index = self.dev_i64[3 * max_t:]
         self.slot_mapping.fill_(-1)
+        # A chunk that stops short of the end of its prompt samples nothing, so the host does not wait for its step:
+        # the next _stage waits for this event (its copies done) before rewriting the pinned buffers.
+        self.copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.metas = {
             t: AttentionMetadata(slot_mapping=self.slot_mapping[:t], query_start_loc=self.dev_i32[:2],
                                  seq_lens=self.dev_i32[2:3], block_tables=self.dev_i32[3:].view(1, blocks_per_seq),
@@ -103,6 +106,8 @@ class PrefillGraphRunner:
     def _stage(self, token_ids: list[int], positions: list[int], seq_len: int, block_table: list[int],
                t: int) -> None:
         n, max_t, block = len(token_ids), self.max_tokens, self.block_size
+        if self.copied is not None:
+            self.copied.synchronize()
         i64, i32 = self.host_i64.numpy(), self.host_i32.numpy()
         ids, pos, slots = i64[:3 * max_t].reshape(3, max_t)
         table = np.asarray(block_table, dtype=np.int64)
@@ -114,8 +119,10 @@ class PrefillGraphRunner:
         i32[:3] = 0, n, seq_len
         i32[3:] = 0
         i32[3:3 + len(block_table)] = block_table[:len(i32) - 3]  # seq_len <= max_seq_len: the table fits
-        self.dev_i64.copy_(self.host_i64, non_blocking=True)  # rewritten only after the step's token reached the host
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
         self.dev_i32.copy_(self.host_i32, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
     def _forward(self, t: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:t], self.positions[:t], self.metas[t], self.kv_caches)
