@@ -39,7 +39,7 @@ def load_calibration_data(recipe: QuantizeRecipe, tokenizer, dataset_root: Path 
     source = resolve_source(recipe.dataset, "calibration", dataset_root)
     docs = _shuffled(read_documents(source, recipe.text_field), recipe.seed)
     heldout_tokens = recipe.heldout_samples * recipe.seq_len
-    if recipe.heldout != "bundled" and recipe.heldout == recipe.dataset:
+    if recipe.heldout_is_split:
         used = _docs_covering(list(reversed(docs)), tokenizer, heldout_tokens)
         heldout_docs, docs = docs[len(docs) - used:], docs[: len(docs) - used]
         heldout_label = f"{source.field} '{source.spec}' (held-out split)"
@@ -52,18 +52,19 @@ def load_calibration_data(recipe: QuantizeRecipe, tokenizer, dataset_root: Path 
                         "num_samples")
     heldout = _pack(heldout_docs, tokenizer, recipe.seq_len, recipe.heldout_samples, heldout_label,
                     "heldout_samples")
+    calibration_sha256 = source_digest(source)
     return CalibrationData(
         calibration=calibration,
         heldout=heldout,
-        calibration_sha256=source_digest(source),
-        heldout_sha256=source_digest(heldout_source),
+        calibration_sha256=calibration_sha256,
+        heldout_sha256=calibration_sha256 if heldout_source is source else source_digest(heldout_source),
     )
 
 
 def _shuffled(docs: list[str], seed: int) -> list[str]:
-    order = list(range(len(docs)))
-    random.Random(seed).shuffle(order)
-    return [docs[i] for i in order]
+    docs = list(docs)
+    random.Random(seed).shuffle(docs)
+    return docs
 
 
 def _encoded(docs: list[str], tokenizer) -> Iterator[list[int]]:

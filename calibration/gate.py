@@ -15,17 +15,8 @@ class GateResult:
     failures: list[str]
 
     def as_dict(self) -> dict:
-        return {
-            "passed": self.passed,
-            "ppl_increase": self.metrics.ppl_increase,
-            "kl": self.metrics.kl,
-            "top1_agreement": self.metrics.top1_agreement,
-            "ppl": self.metrics.ppl,
-            "reference_ppl": self.metrics.reference_ppl,
-            "output_mae": self.metrics.output_mae,
-            "thresholds": dict(self.thresholds),
-            "failures": list(self.failures),
-        }
+        return {"passed": self.passed, **self.metrics.as_dict(), "thresholds": dict(self.thresholds),
+                "failures": list(self.failures)}
 
 
 def check_gate(metrics: HeldoutMetrics, thresholds: dict[str, float]) -> GateResult:

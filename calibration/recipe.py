@@ -83,6 +83,11 @@ class QuantizeRecipe(BaseModel):
         return self
 
     @property
+    def heldout_is_split(self) -> bool:
+        """Whether the held-out rows are split from the end of the (non-bundled) calibration dataset."""
+        return self.heldout != "bundled" and self.heldout == self.dataset
+
+    @property
     def chain(self) -> list[str]:
         """The formats to try, in order: the primary format, then the fallback chain."""
         return [self.format, *self.fallback]
@@ -97,13 +102,15 @@ def recipe_material(recipe: QuantizeRecipe, dataset_root: Path | None = None) ->
     if recipe.format == "none":
         return material
     calibrated = [f for f in recipe.chain if f != "none"]
+    dataset_sha256 = source_sha256(recipe.dataset, "calibration", dataset_root)
     material.update(
         {
             "kv_cache_dtype": recipe.kv_cache_dtype,
             "algorithm": recipe.algorithm if "int4_awq" in calibrated else None,
-            "dataset_sha256": source_sha256(recipe.dataset, "calibration", dataset_root),
-            "heldout_sha256": source_sha256(recipe.heldout, "heldout", dataset_root),
-            "heldout_split_from_dataset": recipe.heldout != "bundled" and recipe.heldout == recipe.dataset,
+            "dataset_sha256": dataset_sha256,
+            "heldout_sha256": dataset_sha256 if recipe.heldout_is_split
+            else source_sha256(recipe.heldout, "heldout", dataset_root),
+            "heldout_split_from_dataset": recipe.heldout_is_split,
             "text_field": recipe.text_field,
             "num_samples": recipe.num_samples,
             "round_samples": recipe.round_samples,
