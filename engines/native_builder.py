@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -52,9 +53,6 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: 
     fp8_kv_cache = build_plan.kv_cache_dtype == "float8_e4m3fn"
     weights, dense_modules = convert_weights(CheckpointTensors(checkpoint_dir), arch, source_quant.format,
                                              source_quant.group_size, DTYPES[dtype], fp8_kv_cache)
-    streaming_max_m = {}
-    if source_quant.format == "fp8" and fp8_kernels_measurable(device):
-        streaming_max_m = measure_fp8_streaming_max_m(arch, DTYPES[dtype], device)
     config = EngineConfig(
         architecture=arch,
         dtype=dtype,
@@ -63,12 +61,14 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: 
             group_size=source_quant.group_size,
             kv_cache_dtype=build_plan.kv_cache_dtype,
             exclude_modules=dense_modules,
-            fp8_streaming_max_m=streaming_max_m,
         ),
         plan=build_plan,
         fingerprint=machine_fingerprint(device),
     )
     check_kv_cache_fits(config, device, sum(t.numel() * t.element_size() for t in weights.values()))
+    if source_quant.format == "fp8" and fp8_kernels_measurable(device):  # timed once the plan is known to fit
+        streaming_max_m = measure_fp8_streaming_max_m(arch, DTYPES[dtype], device)
+        config = replace(config, quantization=replace(config.quantization, fp8_streaming_max_m=streaming_max_m))
 
     save_file({name: t.contiguous() for name, t in weights.items()}, str(out_dir / WEIGHTS_FILE),
               metadata={"format": ENGINE_FORMAT})

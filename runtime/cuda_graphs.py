@@ -1,10 +1,28 @@
-"""Capturing one CUDA graph per bucket of a static-buffer forward, shared by the decode and prefill graph runners."""
+"""Buckets and capture of one CUDA graph per bucket of a static-buffer forward, shared by the decode and prefill graph
+runners."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+
+
+def doubling_sizes(first: int, limit: int) -> tuple[int, ...]:
+    """``first``, ``2 * first``, ... below ``limit``, then ``limit`` itself (alone when ``limit <= first``)."""
+    sizes, size = [], first
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, limit)
+
+
+def smallest_bucket(sizes: tuple[int, ...], n: int, unit: str, kind: str) -> int:
+    """The smallest of the sorted ``sizes`` that holds ``n`` ``unit`` (the error names the ``kind`` of graph)."""
+    for size in sizes:
+        if size >= n:
+            return size
+    raise ValueError(f"{n} {unit} exceed the largest {kind} graph bucket ({sizes[-1]})")
 
 
 @torch.inference_mode()

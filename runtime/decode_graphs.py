@@ -19,7 +19,7 @@ import torch
 
 from runtime import kernel_config
 from runtime.attention_metadata import AttentionMetadata
-from runtime.cuda_graphs import capture_graphs
+from runtime.cuda_graphs import capture_graphs, doubling_sizes, smallest_bucket
 from runtime.engine_format import EngineConfig
 from runtime.kv_cache import KVCache
 from runtime.model.llama import LlamaModel
@@ -29,11 +29,7 @@ logger = logging.getLogger("kiln.runtime")
 
 def decode_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
     """The buckets 1, 2, 4, ... below ``max_batch_size``, then ``max_batch_size`` itself."""
-    sizes, bs = [], 1
-    while bs < max_batch_size:
-        sizes.append(bs)
-        bs *= 2
-    return (*sizes, max_batch_size)
+    return doubling_sizes(1, max_batch_size)
 
 
 class DecodeGraphRunner:
@@ -75,10 +71,7 @@ class DecodeGraphRunner:
 
     def bucket(self, n: int) -> int:
         """The smallest bucket that holds ``n`` sequences."""
-        for bs in self.batch_sizes:
-            if bs >= n:
-                return bs
-        raise ValueError(f"{n} sequences exceed the largest decode graph bucket ({self.max_batch_size})")
+        return smallest_bucket(self.batch_sizes, n, "sequences", "decode")
 
     def fits(self, query_lens: list[int]) -> bool:
         """Whether a step with these query lengths is a pure decode that a bucket holds."""

@@ -84,16 +84,14 @@ class ModelRunner:
             logits = logits[rows] if len(rows) < len(seqs) else logits
         elif self.prefill_graphs is not None and self.prefill_graphs.fits(query_lens):
             logits = self.prefill_graphs.run(input_ids, positions, seq_lens[0], block_tables[0])  # the last token's
-            if not rows:
-                return {}
         else:
             meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
             hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device),
                                 torch.tensor(positions, dtype=torch.long, device=self.device), meta, self.kv_caches)
-            if not rows:
-                return {}
             ends = list(accumulate(query_lens))
             last_token_index = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden[last_token_index])
+        if not rows:
+            return {}
         sample_seqs = [seqs[i] for i in rows]
-        return dict(zip(sample_seqs, self.sampler(logits, sample_seqs), strict=True)) if rows else {}
+        return dict(zip(sample_seqs, self.sampler(logits, sample_seqs), strict=True))

@@ -21,7 +21,7 @@ import torch
 
 from runtime import kernel_config
 from runtime.attention_metadata import AttentionMetadata
-from runtime.cuda_graphs import capture_graphs
+from runtime.cuda_graphs import capture_graphs, doubling_sizes, smallest_bucket
 from runtime.engine_format import EngineConfig
 from runtime.kv_cache import KVCache
 from runtime.model.llama import LlamaModel
@@ -35,12 +35,7 @@ PREFILL_GRAPH_MIN_TOKENS, PREFILL_GRAPH_MAX_TOKENS = 64, 2048
 
 def prefill_token_buckets(max_num_tokens: int) -> tuple[int, ...]:
     """64, 128, ... up to PREFILL_GRAPH_MAX_TOKENS, or up to ``max_num_tokens`` (then it as the last bucket)."""
-    limit = min(max_num_tokens, PREFILL_GRAPH_MAX_TOKENS)
-    sizes, size = [], PREFILL_GRAPH_MIN_TOKENS
-    while size < limit:
-        sizes.append(size)
-        size *= 2
-    return (*sizes, limit)
+    return doubling_sizes(PREFILL_GRAPH_MIN_TOKENS, min(max_num_tokens, PREFILL_GRAPH_MAX_TOKENS))
 
 
 class PrefillGraphRunner:
@@ -82,10 +77,7 @@ class PrefillGraphRunner:
 
     def bucket(self, n: int) -> int:
         """The smallest bucket that holds ``n`` tokens."""
-        for t in self.token_buckets:
-            if t >= n:
-                return t
-        raise ValueError(f"{n} tokens exceed the largest prefill graph bucket ({self.max_tokens})")
+        return smallest_bucket(self.token_buckets, n, "tokens", "prefill")
 
     def fits(self, query_lens: list[int]) -> bool:
         """Whether a step with these query lengths is one sequence of 2..max_tokens new tokens."""

@@ -63,21 +63,26 @@ class Fp8Linear(nn.Module):
         """``input_scale`` when ``forward`` would quantize an input with the rows of ``x`` (any width) in a Triton
         kernel, so that the kernel producing it may hand over float8_e4m3fn rows instead; else None."""
         rows = x.reshape(-1, x.shape[-1])[:, :1].expand(-1, self.weight.shape[1])  # a view at this layer's width
-        if use_streaming_kernel(rows, self.streaming_max_m) or (
-                kernel_config.use_triton(rows) and use_scaled_mm(rows, self.weight)):
-            return self.input_scale
-        return None
+        return self.input_scale if kernel_config.use_triton(rows) and self._cuda_path(rows) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_streaming_kernel(x, self.streaming_max_m):
+        path = self._cuda_path(x)
+        if path == "streaming":
             from runtime.kernels.fp8_gemv import fp8_gemv
 
             return fp8_gemv(x, self.weight, self.weight_scale, self.input_scale, out_dtype=self._out_dtype(x))
-        if use_scaled_mm(x, self.weight):
+        if path == "scaled_mm":
             return fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale, self._out_dtype(x))
         if x.dtype == torch.float8_e4m3fn:
             raise ValueError("Fp8Linear: a pre-quantized input needs a CUDA FP8 path (see fusable_input_scale)")
         return fp8_linear_reference(x, self.weight, self.weight_scale, self.input_scale)
+
+    def _cuda_path(self, x: torch.Tensor) -> str | None:
+        """The path an input with ``x``'s rows takes: "streaming" (the Triton kernel), "scaled_mm", or None (the
+        dequantizing reference)."""
+        if use_streaming_kernel(x, self.streaming_max_m):
+            return "streaming"
+        return "scaled_mm" if use_scaled_mm(x, self.weight) else None
 
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
         return self.dtype if x.dtype == torch.float8_e4m3fn else x.dtype
