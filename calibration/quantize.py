@@ -58,6 +58,10 @@ def quantize_checkpoint(model_dir: Path, recipe: QuantizeRecipe, out_dir: Path, 
     `dtype` is the compute dtype of calibration (float32 on CPU); the exported checkpoint keeps the input
     checkpoint's dtype for the layers that stay unquantized. Raises CalibrationError, leaving out_dir as it was.
     """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # callers draw their own progress; keep stderr readable
+    hf_logging.set_verbosity_error()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)

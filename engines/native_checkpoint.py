@@ -135,18 +135,20 @@ class CheckpointTensors:
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor ``name``; KilnError when the checkpoint lacks it."""
-        if name not in self._files:
-            raise KilnError(f"checkpoint has no tensor {name!r}; the checkpoint is incomplete or not Llama-shaped")
+        path = self._file(name)
         self.used.add(name)
-        with _open(self._files[name]) as f:
+        with _open(path) as f:
             return f.get_tensor(name)
 
     def dtype(self, name: str) -> str:
         """The safetensors dtype of ``name`` ("BF16", "F8_E4M3", "U8", ...), read from the header alone."""
+        with _open(self._file(name)) as f:
+            return f.get_slice(name).get_dtype()
+
+    def _file(self, name: str) -> Path:
         if name not in self._files:
             raise KilnError(f"checkpoint has no tensor {name!r}; the checkpoint is incomplete or not Llama-shaped")
-        with _open(self._files[name]) as f:
-            return f.get_slice(name).get_dtype()
+        return self._files[name]
 
     def skip(self, name: str) -> None:
         """Mark ``name`` as deliberately not converted."""

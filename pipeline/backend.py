@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import KilnError
-from runtime.trtllm_adapter import INSTALL_HINT, is_supported_trtllm, trtllm_versions
+from runtime.trtllm_adapter import INSTALL_HINT, is_supported_trtllm, trtllm_version
 
 
 class BackendUnavailableError(KilnError):
@@ -28,7 +28,7 @@ class BackendChoice:
 
 def trtllm_available() -> bool:
     """True when TensorRT-LLM 1.2.x is installed (checked from package metadata, without importing it: that is slow)."""
-    version = trtllm_versions()["tensorrt_llm"]
+    version = trtllm_version()
     return version is not None and is_supported_trtllm(version)
 
 

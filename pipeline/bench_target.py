@@ -186,7 +186,7 @@ def quantized_checkpoint(hf_dir: Path, fmt: str, *, device: str, seed: int, prog
 
     with _publishing(final) as tmp, quiet([]):
         tmp.rmdir()  # modelopt's exporter creates it
-        mtq.quantize(model, quant_config(fmt, "awq_lite", kv_cache_dtype), forward_loop)
+        mtq.quantize(model, quant_config(fmt, method, kv_cache_dtype), forward_loop)
         export_hf(model, hf_dir, tmp, torch.bfloat16)
     del model
     free_memory(device)  # the quantized copy leaves the GPU before the engine is built and loaded

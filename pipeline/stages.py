@@ -112,12 +112,7 @@ class QuantizeStage:
         return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe ({lookup.reason})")
 
     def run(self, ctx: BuildContext, progress) -> None:
-        from transformers.utils import logging as hf_logging
-
         from calibration.quantize import quantize_checkpoint
-
-        hf_logging.disable_progress_bar()  # the stage draws its own progress; keep stderr readable
-        hf_logging.set_verbosity_error()
 
         material = ctx.quantized_material()
         describe = {"model": ctx.model_dir.name, "format": ctx.config.quantize.format, "backend": "-", "gpu": "-"}
@@ -213,7 +208,7 @@ class BuildStage:
             self.run(ctx, lambda *_: None)
             return
         ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = lookup.entry_dir / "engine", True, "hit"
-        ctx.build_seconds = (lookup.manifest or {}).get("build_seconds", 0.0)
+        ctx.build_seconds = lookup.build_seconds
 
 
 class PublishStage:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.errors import KilnError
-from runtime.sequence import Sequence
-from runtime.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from runtime.sequence import Sequence
+    from runtime.tokenizer import IncrementalDetokenizer
 
 
 @dataclass

@@ -93,9 +93,14 @@ def is_trtllm_engine(engine_dir: Path) -> bool:
     return (Path(engine_dir) / TRTLLM_ENGINE_JSON).is_file()
 
 
+def trtllm_version() -> str | None:
+    """The installed tensorrt_llm version (package metadata only: nothing is imported)."""
+    return _version("tensorrt_llm")
+
+
 def trtllm_versions() -> dict[str, str | None]:
     """Installed tensorrt_llm and tensorrt versions (package metadata only: nothing is imported)."""
-    return {"tensorrt_llm": _version("tensorrt_llm"),
+    return {"tensorrt_llm": trtllm_version(),
             "tensorrt": next(filter(None, map(_version, _TENSORRT_DISTRIBUTIONS)), None)}
 
 

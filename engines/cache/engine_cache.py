@@ -11,7 +11,6 @@ from engines.cache.keys import validate_key
 from engines.cache.layout import ensure_layout, write_atomic
 from engines.cache.stats import StatsDB
 from engines.cache.store import ContentStore, VerifyOnLoad
-from runtime.cache_layout import LAYOUT_VERSION
 
 LIMITS_FILE = "limits.json"
 
@@ -52,7 +51,7 @@ class EngineCache:
     @property
     def hash_memo_path(self) -> Path:
         """Where checkpoint content hashes are memoised per (path, size, mtime, inode)."""
-        return self.root / LAYOUT_VERSION / "hashmemo.sqlite"
+        return self.v1 / "hashmemo.sqlite"
 
     @property
     def stores(self) -> dict[str, ContentStore]:

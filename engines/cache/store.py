@@ -25,7 +25,7 @@ from engines.cache.errors import CacheCorruptError, CacheEntryInUseError, CacheE
 from engines.cache.in_use import delete_unless_held, take_out
 from engines.cache.keys import canonical_json, engine_key, material_diff, validate_key
 from engines.cache.layout import CORRUPT_MARK, LAST_USED, MANIFEST, fsync_dir, write_atomic
-from engines.cache.manifest import MANIFEST_VERSION, entry_size, file_problems, seal_payload, stray_files
+from engines.cache.manifest import MANIFEST_VERSION, entry_size, file_problems, read_manifest, seal_payload, stray_files
 from engines.cache.stats import StatsDB
 from engines.cache.units import iso_utc
 from runtime.cache_layout import IN_USE_LOCK, is_cache_key
@@ -45,6 +45,12 @@ class LookupResult:
     entry_dir: Path
     detail: str = ""
     manifest: dict | None = None
+
+    @property
+    def build_seconds(self) -> float:
+        """What building the entry took, as its manifest records it (0 without one)."""
+        value = (self.manifest or {}).get("build_seconds", 0.0)
+        return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 @dataclass(frozen=True)
@@ -119,11 +125,8 @@ class ContentStore:
         entry = self.entry_dir(key)
         if not entry.is_dir():
             raise CacheEntryNotFoundError(f"cache key {key}: no {self.label} entry; see `kiln cache ls`")
-        try:
-            manifest = json.loads((entry / MANIFEST).read_bytes())
-        except (OSError, ValueError):
-            manifest = None
-        if not isinstance(manifest, dict):
+        manifest = read_manifest(entry)
+        if manifest is None:
             raise CacheCorruptError(f"cache key {key}: {entry / MANIFEST} is missing or unreadable; remove the entry "
                                     f"with `kiln cache rm {key}`")
         return manifest
@@ -136,7 +139,7 @@ class ContentStore:
         if not record:
             return self._check(key, material)
         found = self._find(key, material)
-        self.stats.record_lookup(self.name, key, found.reason, _build_seconds(found.manifest) if found.hit else 0.0)
+        self.stats.record_lookup(self.name, key, found.reason, found.build_seconds if found.hit else 0.0)
         return found
 
     def record_hit(self, found: LookupResult, key: str, material: dict | None = None) -> LookupResult:
@@ -144,7 +147,7 @@ class ContentStore:
         checking the entry's files a second time; an entry that vanished meanwhile is looked up again."""
         if not self._touch(found.entry_dir):
             return self.lookup(key, material)
-        self.stats.record_lookup(self.name, key, "hit", _build_seconds(found.manifest))
+        self.stats.record_lookup(self.name, key, "hit", found.build_seconds)
         return found
 
     def _find(self, key: str, material: dict | None) -> LookupResult:
@@ -219,7 +222,7 @@ class ContentStore:
                            seconds, waited)
 
     def _hit(self, key: str, found: LookupResult, waited: bool) -> CacheResult:
-        saved = _build_seconds(found.manifest)
+        saved = found.build_seconds
         self.stats.record_lookup(self.name, key, "hit", saved)
         return CacheResult(key, found.entry_dir, found.entry_dir / self.payload_name, True, "hit", saved, waited)
 
@@ -395,11 +398,6 @@ class ContentStore:
             write_atomic(entry / CORRUPT_MARK, json.dumps({"verified": _utc_now(), "problems": problems}).encode())
         self.stats.record_verify(self.name, key, not problems, "; ".join(problems) or None)
         return VerifyResult(self.name, key, entry, len(manifest.get("files", [])), problems)
-
-
-def _build_seconds(manifest: dict | None) -> float:
-    value = (manifest or {}).get("build_seconds", 0.0)
-    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def _utc_now() -> str:

@@ -64,21 +64,8 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
                    request: Request) -> list[RequestOutput] | None:
     """Every job's output, or None when the client disconnected first (its jobs are then aborted)."""
-    outputs: list[RequestOutput | None] = [None] * len(jobs)
-
-    async def one(index: int, job: Job) -> None:
-        outputs[index] = output = await model.llm.generate_async(job.prompt_token_ids, job.params)
-        metrics.observe(output)
-
-    async def run() -> None:  # only the final outputs: no per-token hop through the event loop
-        tasks = [asyncio.create_task(one(i, job)) for i, job in enumerate(jobs)]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()  # a failed or cancelled run aborts the jobs still running
-
-    runner, watcher = asyncio.create_task(run()), asyncio.create_task(_wait_for_disconnect(request))
+    runner = asyncio.create_task(model.generate_final(jobs, metrics.observe))
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
     try:
         done, _ = await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -88,10 +75,9 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
     if runner not in done:
         return None
     try:
-        runner.result()
+        return runner.result()
     except KilnError as exc:  # the engine stopped under this request
         raise APIError(500, f"generation failed: {exc}") from None
-    return outputs
 
 
 class _EventStream(StreamingResponse):

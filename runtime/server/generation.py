@@ -10,7 +10,7 @@ from pathlib import Path
 
 from runtime.errors import KilnError
 from runtime.llm import LLM, EngineClosedError
-from runtime.outputs import StreamDelta
+from runtime.outputs import RequestOutput, StreamDelta
 from runtime.sampling_params import SamplingParams
 from runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from runtime.server.errors import APIError
@@ -108,6 +108,23 @@ class ServedModel:
                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
             except KilnError as exc:
                 raise APIError(400, str(exc), param=param) from None
+
+    async def generate_final(self, jobs: list[Job],
+                             on_output: Callable[[RequestOutput], None]) -> list[RequestOutput]:
+        """Run the jobs concurrently to their final outputs only (no per-token hop through the event loop), passing
+        each to ``on_output`` as it lands; a failure or cancellation aborts every job still running."""
+
+        async def one(job: Job) -> RequestOutput:
+            output = await self.llm.generate_async(job.prompt_token_ids, job.params)
+            on_output(output)
+            return output
+
+        tasks = [asyncio.create_task(one(job)) for job in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def generate(self, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:
         """Run the jobs concurrently and yield `(job index, delta)` as each step lands; closing this generator
