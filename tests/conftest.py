@@ -50,3 +50,26 @@ def one_torch_thread():
 def kernel_device(request) -> str:
     """Where a Triton kernel test runs: Triton's interpreter on a machine without CUDA, else the GPU (marked gpu)."""
     return request.param
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Make every output buffer the kernels allocate start as NaN, so an element they never write shows."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: real_empty(*args, **kwargs).fill_(float("nan")))
+
+
+@pytest.fixture(scope="session")
+def fp8_engine(tmp_path_factory):
+    """A tiny FP8 engine (``QUANT_SHAPE``, the tiny plan) built on the GPU when there is one (so its build measured
+    the FP8 crossover), else on the CPU in float32."""
+    from engines.native_builder import build_native_engine
+    from tests.model_factories import QUANT_SHAPE, make_fp8_checkpoint, tiny_plan
+
+    root = tmp_path_factory.mktemp("fp8-engine")
+    checkpoint = make_fp8_checkpoint(root / "hf", **QUANT_SHAPE)
+    (root / "engine").mkdir()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    build_native_engine(checkpoint, root / "engine", tiny_plan(), "bfloat16" if device == "cuda" else "float32",
+                        device=device)
+    return root / "engine"

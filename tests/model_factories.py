@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
@@ -119,15 +120,27 @@ def tiny_plan(**overrides: Any) -> dict[str, Any]:
     return {**plan, **overrides}
 
 
+# a test that needs a CUDA GPU with FP8 tensor cores: decorate with pytest.mark.gpu and NEEDS_FP8_GPU, or mark a
+# parameter with FP8_GPU
+NEEDS_FP8_GPU = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                   reason="needs a CUDA GPU with FP8 tensor cores")
+FP8_GPU = [pytest.mark.gpu, NEEDS_FP8_GPU]
+# the tiny quantized model's shape: input features multiples of 128, as modelopt's INT4 export needs
+QUANT_SHAPE = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+
+
 class PagedRunner:
     """Drives a LlamaModel over a batch of prompts with hand-built metadata: one flat prefill, then decodes."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, num_seqs: int, device: str = "cpu") -> None:
+    def __init__(self, model: LlamaModel, config: EngineConfig, num_seqs: int, device: str = "cpu",
+                 kv_caches: list | None = None) -> None:
+        """``kv_caches`` (default: allocated here) must hold the blocks of ``block_tables``."""
         self.model, self.device = model, device
         self.block_size = config.plan.tokens_per_block
         self.blocks_per_seq = -(-config.plan.max_seq_len // self.block_size)
         # block 0 stays unused so a table padded with 0 can never alias live data
-        self.kv_caches = allocate_kv_cache(config, 1 + num_seqs * self.blocks_per_seq, device)
+        self.kv_caches = allocate_kv_cache(config, 1 + num_seqs * self.blocks_per_seq, device) if kv_caches is None \
+            else kv_caches
         self.block_tables = [list(range(1 + i * self.blocks_per_seq, 1 + (i + 1) * self.blocks_per_seq))
                              for i in range(num_seqs)]
 

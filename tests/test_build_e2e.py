@@ -14,10 +14,14 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny-llama"
 
 
+def kiln_env(cache: Path, **extra: str) -> dict:
+    """The environment of a ``python -m pipeline`` subprocess using the cache at ``cache``."""
+    return {**os.environ, "KILN_CACHE": str(cache), "PYTHONPATH": str(REPO), **extra}
+
+
 def kiln(*args: str, cache: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "KILN_CACHE": str(cache), "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, cwd=REPO,
-                          env=environment, timeout=600)
+                          env=kiln_env(cache, **(env or {})), timeout=600)
 
 
 def build_json(config: str, cache: Path, *extra: str) -> dict:
@@ -133,9 +137,8 @@ def test_config_errors_exit_non_zero_without_traceback(tmp_path):
 @pytest.mark.slow
 def test_four_builds_started_together_build_once_and_three_hit(tmp_path):
     cache = tmp_path / "cache"
-    environment = {**os.environ, "KILN_CACHE": str(cache), "PYTHONPATH": str(REPO)}
     procs = [subprocess.Popen([sys.executable, "-m", "pipeline", "build", "configs/tiny-llama-fp8.yaml", "--json"],
-                              cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              cwd=REPO, env=kiln_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(4)]
     results = []
     for proc in procs:

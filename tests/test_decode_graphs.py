@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 from unittest import mock
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede the first import of triton
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from engines.native_builder import build_native_engine  # noqa: E402
 from runtime import LLM, SamplingParams, kernel_config  # noqa: E402
-from runtime.attention_metadata import AttentionMetadata  # noqa: E402
 from runtime.decode_graphs import DecodeGraphRunner, decode_batch_sizes  # noqa: E402
 from runtime.engine_format import EngineConfig  # noqa: E402
 from runtime.errors import KilnError  # noqa: E402
@@ -25,22 +21,18 @@ from runtime.kernels import kv_store, paged_attention  # noqa: E402
 from runtime.layers import attention  # noqa: E402
 from runtime.model_runner import ModelRunner  # noqa: E402
 from runtime.prefill_graphs import PrefillGraphRunner, prefill_token_buckets  # noqa: E402
-from tests.model_factories import make_llama_checkpoint, tiny_plan  # noqa: E402
+from tests.model_factories import PagedRunner, make_llama_checkpoint, tiny_plan  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MAX_BATCH, MAX_SEQ_LEN, BLOCK = 8, 64, 4
 BLOCKS_PER_SEQ = MAX_SEQ_LEN // BLOCK
 PROMPT_LENS = [5, 13, 2, 9, 20]
-GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(params=[
-    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")),
-    pytest.param("cuda", marks=GPU),
-])
-def device(request):
-    return torch.device(request.param)
+@pytest.fixture
+def device(kernel_device: str) -> torch.device:
+    return torch.device(kernel_device)
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +82,9 @@ def block_tables(num_seqs: int) -> list[list[int]]:
     return [list(range(1 + i * BLOCKS_PER_SEQ, 1 + (i + 1) * BLOCKS_PER_SEQ)) for i in range(num_seqs)]
 
 
-@torch.inference_mode()
 def eager_logits(runner: ModelRunner, kv_caches, new_tokens: list[list[int]], seq_lens: list[int]) -> torch.Tensor:
-    """Last-token logits of one step on the eager reference path."""
-    query_lens = [len(t) for t in new_tokens]
-    meta = AttentionMetadata.build(query_lens, seq_lens, block_tables(len(seq_lens)), BLOCK, runner.device)
-    positions = [p for q, s in zip(query_lens, seq_lens, strict=True) for p in range(s - q, s)]
-    ids = torch.tensor([t for tokens in new_tokens for t in tokens], device=runner.device)
-    hidden = runner.model(ids, torch.tensor(positions, device=runner.device), meta, kv_caches)
-    return runner.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
+    """Last-token logits of one step on the eager reference path, over ``kv_caches`` with ``block_tables``."""
+    return PagedRunner(runner.model, runner.config, len(seq_lens), runner.device, kv_caches).step(new_tokens, seq_lens)
 
 
 @torch.inference_mode()

@@ -8,15 +8,12 @@ import json
 import pytest
 import torch
 
-from engines.native_builder import build_native_engine
 from engines.native_tuning import CROSSOVER_TOKENS, linear_shapes, streaming_max_m
 from runtime.engine_format import EngineConfig, QuantizationConfig
 from runtime.errors import EngineFormatError
 from runtime.layers.linear import Fp8Linear, fp8_streaming_max_m
 from runtime.model.llama import LlamaModel
-from tests.model_factories import make_fp8_checkpoint, tiny_plan
-
-SHAPE = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
+from tests.model_factories import NEEDS_FP8_GPU
 
 
 def test_streaming_serves_up_to_the_last_token_count_before_the_gemm_first_wins():
@@ -24,17 +21,6 @@ def test_streaming_serves_up_to_the_last_token_count_before_the_gemm_first_wins(
     assert streaming_max_m({4: (1, 2), 1: (1, 2), 2: (1, 2)}) == 4  # in order of M, whatever the dict order
     assert streaming_max_m({1: (3, 2), 2: (1, 2)}) == 0  # the GEMM wins from the start: never stream
     assert streaming_max_m({1: (2, 2)}) == 0  # a tie goes to the GEMM
-
-
-@pytest.fixture(scope="module")
-def fp8_engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tuning")
-    checkpoint = make_fp8_checkpoint(root / "hf", **SHAPE)
-    (root / "engine").mkdir()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    build_native_engine(checkpoint, root / "engine", tiny_plan(), "bfloat16" if device == "cuda" else "float32",
-                        device=device)
-    return root / "engine"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA build measures")
@@ -66,8 +52,7 @@ def test_engine_json_with_a_bad_limit_is_refused(fp8_engine, bad):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="needs a CUDA GPU with FP8 tensor cores")
+@NEEDS_FP8_GPU
 def test_a_cuda_build_measures_every_linear_shape(fp8_engine):
     config = EngineConfig.load(fp8_engine)
     measured = config.quantization.fp8_streaming_max_m

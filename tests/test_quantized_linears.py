@@ -21,12 +21,20 @@ from runtime.layers.linear import (
     use_scaled_mm,
 )
 from runtime.model.llama import LlamaModel
-from tests.model_factories import PagedRunner, copy_tokenizer, make_fp8_checkpoint, make_llama_checkpoint, tiny_plan
+from tests.model_factories import (
+    FP8_GPU,
+    NEEDS_FP8_GPU,
+    QUANT_SHAPE,
+    PagedRunner,
+    copy_tokenizer,
+    make_fp8_checkpoint,
+    make_llama_checkpoint,
+    tiny_plan,
+)
 
 # Engine logits vs modelopt fake-quant logits, float32 on CPU: max |difference| relative to the largest |logit|.
 # Measured about 1e-6; the quantization error itself (fake-quant vs unquantized) is 0.2 - 0.8 on these models.
 FAKE_QUANT_REL_TOL = 1e-4
-QUANT_SHAPE = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2)
 
 
 def test_int4_runtime_packing_round_trips():
@@ -120,8 +128,7 @@ def _random_fp8_linear(n: int, k: int, device: str):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="needs a CUDA GPU with FP8 tensor cores")
+@NEEDS_FP8_GPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m", [1, 5, 64])
 def test_scaled_mm_matches_dequantize_reference(dtype, m):
@@ -145,8 +152,7 @@ GPU_FP8_CASES = {"float32-reference": ("float32", False, 1e-3), "float32-scaled_
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="needs a CUDA GPU with FP8 tensor cores")
+@NEEDS_FP8_GPU
 @pytest.mark.parametrize("fp8_kv_cache", [False, True], ids=["plain-kv-cache", "fp8-kv-cache"])
 @pytest.mark.parametrize("case", GPU_FP8_CASES.values(), ids=GPU_FP8_CASES.keys())
 def test_fp8_engine_on_gpu_matches_the_cpu_reference(tmp_path, monkeypatch, fp8_kv_cache, case):
@@ -167,11 +173,6 @@ def test_fp8_engine_on_gpu_matches_the_cpu_reference(tmp_path, monkeypatch, fp8_
     assert rel <= tolerance, f"GPU vs CPU FP8 engine: relative difference {rel:.2e}"
 
 
-FP8_GPU = [pytest.mark.gpu,
-           pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                              reason="needs a CUDA GPU with FP8 tensor cores")]
-
-
 @pytest.mark.parametrize(("device", "prompts"), [
     pytest.param("cpu", [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9]], id="cpu-streaming",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")),
@@ -179,7 +180,7 @@ FP8_GPU = [pytest.mark.gpu,
     pytest.param("cuda", [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9]], id="gpu-streaming", marks=FP8_GPU),
 ])
 def test_fused_activation_quantization_gives_the_unfused_logits_with_one_quantize_kernel_per_layer(
-        tmp_path, monkeypatch, device, prompts):
+        fp8_engine, monkeypatch, device, prompts):
     # RMSNorm and SiLU-and-multiply quantize for the next FP8 linear, so only o_proj's input still takes the
     # standalone quantize kernel; the bytes reaching each linear, hence the logits, are those of every linear
     # quantizing its own input. 10 tokens take the streaming kernel, 40 torch._scaled_mm. On the CPU the Triton
@@ -189,12 +190,8 @@ def test_fused_activation_quantization_gives_the_unfused_logits_with_one_quantiz
     import runtime.model.llama as llama
     from runtime import kernel_config
 
-    checkpoint = make_fp8_checkpoint(tmp_path / "hf", **QUANT_SHAPE)
-    (tmp_path / "engine").mkdir()
-    dtype = "float32" if device == "cpu" else "bfloat16"
-    build_native_engine(checkpoint, tmp_path / "engine", tiny_plan(), dtype, device=device)
-    config = EngineConfig.load(tmp_path / "engine")
-    engine = LlamaModel.from_engine(tmp_path / "engine", config, device)
+    config = EngineConfig.load(fp8_engine)
+    engine = LlamaModel.from_engine(fp8_engine, config, device)
     if device == "cpu":
         monkeypatch.setattr(kernel_config, "use_triton", lambda x: True)
     quantize_calls = []

@@ -4,13 +4,9 @@ CUDA GPU (``-m gpu``) in bf16.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede the first import of triton
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from runtime.attention_metadata import AttentionMetadata  # noqa: E402

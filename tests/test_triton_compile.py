@@ -46,23 +46,23 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from engines.native_checkpoint import parse_architecture, read_json  # noqa: E402
+from engines.native_tuning import linear_shapes  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 KERNELS_DIR = REPO / "runtime" / "kernels"
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMS = 132  # the split-KV decode sizes its partitions by the SM count
 H100_MAX_SHARED = 227 * 1024  # bytes of shared memory one block may opt in to on sm_90
 
-_MODEL = json.loads((REPO / "configs" / "models" / "llama3-8b.json").read_text())
-HIDDEN, INTERMEDIATE = _MODEL["hidden_size"], _MODEL["intermediate_size"]
-HEADS, KV_HEADS = _MODEL["num_attention_heads"], _MODEL["num_key_value_heads"]
-HEAD_DIM = HIDDEN // HEADS
+_MODEL_FILE = REPO / "configs" / "models" / "llama3-8b.json"
+ARCH = parse_architecture(read_json(_MODEL_FILE), {}, _MODEL_FILE)
+HIDDEN, INTERMEDIATE = ARCH.hidden_size, ARCH.intermediate_size
+HEADS, KV_HEADS, HEAD_DIM = ARCH.num_heads, ARCH.num_kv_heads, ARCH.head_dim
 BLOCK_SIZE = 32  # build.tokens_per_block of configs/llama3-8b-*.yaml
 MAX_SEQ_LEN = 8192  # build.max_seq_len there
 GROUP_SIZE = 128  # the INT4-AWQ block
 LINEAR_MAX_M = 16  # the largest M a streaming linear serves by default (runtime.layers.linear)
-# (in_features, out_features) of the layer's linears, fused as the model fuses them
-LINEARS = {"qkv": (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), "o": (HIDDEN, HIDDEN),
-           "gate_up": (HIDDEN, 2 * INTERMEDIATE), "down": (INTERMEDIATE, HIDDEN)}
 
 
 # --- inputs -----------------------------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def store_kv_launches(fp8: bool) -> None:
 
 def fp8_gemv_launches(m: int) -> None:
     mod = kernels_module("fp8_gemv")
-    for in_features, out_features in LINEARS.values():
+    for in_features, out_features in linear_shapes(ARCH).values():
         weight = gpu(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
         weight_scale, input_scale = gpu(torch.empty(out_features), torch.tensor(0.02))
         mod.fp8_gemv(activations(m, in_features), weight, weight_scale, input_scale)
@@ -162,7 +162,7 @@ def fp8_gemv_launches(m: int) -> None:
 
 def int4_gemv_launches(m: int) -> None:
     mod = kernels_module("int4_gemv")
-    for in_features, out_features in LINEARS.values():
+    for in_features, out_features in linear_shapes(ARCH).values():
         qweight = gpu(torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         scales = gpu(torch.empty(out_features, in_features // GROUP_SIZE))
         pre_quant_scale = gpu(torch.empty(in_features))
@@ -171,7 +171,7 @@ def int4_gemv_launches(m: int) -> None:
 
 def int4_dequant_launches() -> None:
     mod = kernels_module("int4_dequant")
-    for in_features, out_features in LINEARS.values():  # the large-batch INT4 path: dequantize, then cuBLAS
+    for in_features, out_features in linear_shapes(ARCH).values():  # the large-batch INT4 path: dequantize, then cuBLAS
         qweight = gpu(torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         mod.int4_dequantize(qweight, gpu(torch.empty(out_features, in_features // GROUP_SIZE)), GROUP_SIZE,
                             torch.bfloat16)

@@ -71,12 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.layers.attention import paged_attention_reference
 
     generator = torch.Generator().manual_seed(0)
-    elem = 1 if args.kv_dtype == "fp8" else 2
     rows = []
     for name, query_lens, seq_lens in CASES:
         q, k_cache, v_cache, meta, (k_scale, v_scale) = make_case(query_lens, seq_lens, args.kv_dtype, generator)
         scale = HEAD_DIM**-0.5
-        kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * elem
+        kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
         kernel = functools.partial(paged_attention, q, k_cache, v_cache, meta, scale, k_scale, v_scale)
         reference = functools.partial(paged_attention_reference, q, k_cache, v_cache, meta, scale, k_scale, v_scale)
         max_err = (kernel().float() - reference().float()).abs().max().item()

@@ -19,12 +19,11 @@ import argparse
 import json
 import sys
 
-from engines.native_tuning import graph_time_us
+from engines.native_tuning import WEIGHT_COPIES, graph_time_us
 from pipeline.bench_floor import NOMINAL_COPY_GBS
 
 PEAK_BANDWIDTH = NOMINAL_COPY_GBS["H200"] * 1e9  # bytes/s: what an H200 copies, the floor kiln bench uses
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]  # (name, K, N)
-WEIGHT_COPIES = 4  # timed calls cycle through copies of the weights, so the 50 MB L2 never holds the one read next
 METHODS = ["triton_fp8", "scaled_mm_static", "scaled_mm_dynamic", "triton_int4", "bf16_matmul"]
 GROUP_SIZE = 128
 

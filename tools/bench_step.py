@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from engines.native_checkpoint import parse_architecture, read_json
-from pipeline.bench_floor import NOMINAL_COPY_GBS
+from pipeline.bench_floor import NOMINAL_COPY_GBS, kv_bytes_per_token
 from runtime.attention_metadata import AttentionMetadata
 from runtime.decode_graphs import DecodeGraphRunner
 from runtime.engine_format import BuildPlan, EngineConfig, QuantizationConfig
-from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from runtime.kv_cache import allocate_kv_cache
 from runtime.model.llama import LlamaModel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
     streamed = randomize(model)
     blocks_per_seq = max_seq_len // BLOCK
     kv_caches = allocate_kv_cache(config, 1 + max(batches) * blocks_per_seq, "cuda")
-    kv_per_token = kv_bytes_per_block(config) // BLOCK
+    kv_per_token = kv_bytes_per_token(config)
     result = {"format": fmt, "kv_cache_dtype": args.kv_cache_dtype, "weight_bytes": streamed, "decode": [],
               "prefill_ms": None}
     with torch.inference_mode():

@@ -2,7 +2,8 @@
 
 For each of the bf16 and FP8 configs: build the engine through the cache (on the GPU), load it twice (cold, then
 from the cache), generate greedily from a few prompts, and compare with transformers' eager bf16 ``generate`` on the
-same GPU: identical greedy tokens (first N) and the relative error of the prompt's last-position logits.
+same GPU: identical greedy tokens (first N) and the relative error of the logits at every prompt position, against
+transformers in bf16 and in float32.
 
     PYTHONPATH=. python tools/gpu_check.py --tokens 32 --out results.json
 """
