@@ -76,12 +76,24 @@ def measure_kiln(engine_dir: Path, workload: Workload, *, device: str | None, ba
         }
         if not batch_1_only:
             progress(f"kiln: offline run of {len(workload.prompts)} prompts")
+            before = llm.stats()
             start = time.perf_counter()
             outputs = llm.generate(workload.prompts, params(workload.output_len))
             elapsed = time.perf_counter() - start
+            result["offline_engine"] = offline_engine_stats(before, llm.stats())
             result["output_tokens_per_s"] = rate(sum(len(o.token_ids) for o in outputs), elapsed)
             result["output_tokens"] = sum(len(o.token_ids) for o in outputs)
             result["offline_s"] = round(elapsed, 4)
         return result
     finally:
         llm.close()
+
+
+def offline_engine_stats(before: dict, after: dict) -> dict:
+    """What the engine did in the offline run: its steps and preemptions, and the batch size and wall time of its
+    last steps (the recent-step ring: the end of the run, where contexts are longest)."""
+    recent = after["recent_steps"]
+    return {"steps": after["num_steps"] - before["num_steps"],
+            "preemptions": after["num_preemptions"] - before["num_preemptions"],
+            "last_steps_batch_size_p50": recent["batch_size"].get("p50"),
+            "last_steps_ms_p50": recent["duration_ms"].get("p50")}

@@ -34,7 +34,7 @@ SHARD_BYTES = 2 * 10**9
 CHECKPOINT_VERSION = 1  # bump when the random checkpoint's bytes change for the same inputs
 CALIB_BATCHES, CALIB_ROWS, CALIB_LEN = 4, 4, 128  # the random token batches that calibrate a quantized checkpoint
 CALIB_METHODS = {"fp8": "max", "int4_awq": "awq_lite"}  # modelopt's algorithm per format
-MAX_BENCH_BATCH = 256  # the generated plan's max_batch_size: all --prompts in flight, up to this
+MAX_BENCH_BATCH = 512  # the generated plan's max_batch_size: all --prompts in flight, up to this
 MAX_NUM_TOKENS = 8192  # the generated plan's token budget per step (at least --input-len)
 BLOCK = 16
 

@@ -18,7 +18,9 @@ from triton.language.extra import libdevice
 
 from runtime.kernels.rounding import SUPPORTED_DTYPES, quantize_e4m3, round_to_dtype
 
-BLOCK = 1024
+# Columns per program and warps, from tools/tune_fused_ops.py on an H200 (Llama-3-8B width, FP8 output): narrow
+# programs spread a few rows over more SMs; wide ones (8 columns per thread) stream many rows.
+FEW_ROWS, FEW_ROWS_LAUNCH, MANY_ROWS_LAUNCH = 64, (256, 4), (2048, 8)
 
 
 @triton.jit
@@ -38,9 +40,11 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, quant_scale_ptr, inter_size, stride_x, 
     tl.store(out_ptr + row * inter_size + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, quant_scale: torch.Tensor | None = None, block: int | None = None,
+                 num_warps: int | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for x = cat([gate, up], -1) [..., 2 * I] (float32/float16/bfloat16) -> [..., I]; with
-    ``quant_scale`` (float32 []) float8_e4m3fn, quantized with it."""
+    ``quant_scale`` (float32 []) float8_e4m3fn, quantized with it. ``block`` (a power of two) columns per program
+    and ``num_warps`` default by the number of rows."""
     if x.dtype not in SUPPORTED_DTYPES or x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul: x must be float32, float16 or bfloat16 with an even last dim, got "
                          f"{x.dtype} {list(x.shape)}")
@@ -50,9 +54,10 @@ def silu_and_mul(x: torch.Tensor, quant_scale: torch.Tensor | None = None) -> to
     out = torch.empty(*x.shape[:-1], inter_size, dtype=x.dtype if quant_scale is None else torch.float8_e4m3fn,
                       device=x.device)
     if out.numel():
-        block = min(BLOCK, triton.next_power_of_2(inter_size))
+        default_block, default_warps = FEW_ROWS_LAUNCH if x2.shape[0] < FEW_ROWS else MANY_ROWS_LAUNCH
+        block = min(block or default_block, triton.next_power_of_2(inter_size))
         grid = (x2.shape[0], triton.cdiv(inter_size, block))
         _silu_and_mul_kernel[grid](x2, out, x2 if quant_scale is None else quant_scale.reshape(()), inter_size,
                                    x2.stride(0), BLOCK=block, LIBDEVICE_EXP=x.is_cuda,
-                                   QUANT=quant_scale is not None, num_warps=4)
+                                   QUANT=quant_scale is not None, num_warps=num_warps or default_warps)
     return out
