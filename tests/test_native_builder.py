@@ -15,7 +15,7 @@ from engines.native_builder import build_native_engine
 from runtime.engine_format import ENGINE_FORMAT_VERSION, EngineConfig
 from runtime.errors import EngineFormatError, FingerprintMismatchError, KilnError
 from runtime.fingerprint import check_fingerprint, machine_fingerprint
-from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from runtime.kv_cache import allocate_kv_cache, is_token_major, kv_bytes_per_block
 from runtime.model.llama import LlamaModel
 from tests.model_factories import make_llama_checkpoint, make_llama_model, tiny_plan, write_tokenizer
 
@@ -128,6 +128,15 @@ def test_kv_cache_allocation_matches_bytes_per_block(checkpoint, tmp_path):
     caches = allocate_kv_cache(config, num_blocks=3, device="cpu")
     assert len(caches) == 2 and caches[0][0].shape == (3, 4, 2, 16)
     assert sum(k.nbytes + v.nbytes for k, v in caches) == 3 * kv_bytes_per_block(config)
+    assert all(k.is_contiguous() and v.is_contiguous() for k, v in caches)  # bf16: both row-major
+
+
+def test_an_fp8_v_cache_is_allocated_token_major(checkpoint, tmp_path):
+    engine = build(checkpoint, tmp_path)[0]
+    config = EngineConfig.from_dict({**engine, "plan": {**engine["plan"], "kv_cache_dtype": "float8_e4m3fn"}})
+    (k, v), _ = allocate_kv_cache(config, num_blocks=3, device="cpu")
+    assert k.dtype == v.dtype == torch.float8_e4m3fn and k.shape == v.shape == (3, 4, 2, 16)
+    assert k.is_contiguous() and is_token_major(v) and v.stride() == (4 * 2 * 16, 1, 16 * 4, 4)
 
 
 def test_foreign_or_outdated_engine_json_is_refused(checkpoint, tmp_path):

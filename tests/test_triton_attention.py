@@ -16,6 +16,7 @@ from runtime.kernels.paged_attention import (  # noqa: E402
     paged_attention_decode,
     paged_attention_varlen,
 )
+from runtime.kv_cache import is_token_major, token_major  # noqa: E402
 from runtime.layers.attention import paged_attention_reference, store_kv  # noqa: E402
 
 NUM_KV_HEADS, NUM_BLOCKS = 2, 48
@@ -65,6 +66,23 @@ def poisoned(q):
     return torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
 
 
+def token_major_with_stale_slots(v_cache, meta):
+    """``v_cache`` stored token-major, as an engine keeps an FP8 V cache, with ±448 (E4M3's extremes) in every slot
+    no sequence owns (each sequence's last block past its length, and the padding block): what a previous sequence
+    may leave there, and what the kernels read and must cancel."""
+    v_cache = token_major(v_cache)
+    extreme = torch.tensor([0x7E, 0xFE], dtype=torch.uint8).repeat(v_cache.shape[-1] // 2)  # +448, -448
+    block_size = v_cache.shape[1]
+    for table, seq_len in zip(meta.block_tables.tolist(), meta.seq_lens.tolist(), strict=True):
+        used = seq_len - (-(-seq_len // block_size) - 1) * block_size
+        v_cache.view(torch.uint8)[table[-(-seq_len // block_size) - 1], used:] = extreme.to(v_cache.device)
+    v_cache.view(torch.uint8)[0] = extreme.to(v_cache.device)
+    return v_cache
+
+
+FP8_V_LAYOUTS = pytest.mark.parametrize("token_major_v", [False, True], ids=["v-rows", "v-token-major"])
+
+
 @pytest.mark.parametrize(("group", "head_dim", "block_size"),
                          [(1, 64, 16), (2, 128, 32), (4, 64, 32), (4, 128, 16)])
 def test_varlen_kernel_matches_reference_on_a_mixed_batch(device, group, head_dim, block_size):
@@ -82,11 +100,13 @@ def fp8_tolerance(device, dtype):
     return tolerance(device) if dtype is None else {"rtol": 1e-2, "atol": 1e-2}
 
 
+@FP8_V_LAYOUTS
 @FP8_CACHE_DTYPES
-def test_varlen_kernel_reads_an_fp8_cache_through_its_scales(device, dtype):
+def test_varlen_kernel_reads_an_fp8_cache_through_its_scales(device, dtype, token_major_v):
     q, k_cache, v_cache, meta, k_scale, v_scale = random_batch(MIXED, 2, 64, 16, device, fp8=True, dtype=dtype)
-    out = paged_attention_varlen(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q))
     expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
+    v_cache = token_major_with_stale_slots(v_cache, meta) if token_major_v else v_cache
+    out = paged_attention_varlen(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q))
     torch.testing.assert_close(out, expected, **fp8_tolerance(device, dtype))
 
 
@@ -99,14 +119,33 @@ def test_split_kv_decode_matches_reference_within_and_across_partitions(device, 
     torch.testing.assert_close(out, paged_attention_reference(q, k_cache, v_cache, meta, scale), **tolerance(device))
 
 
+@FP8_V_LAYOUTS
 @FP8_CACHE_DTYPES
-def test_split_kv_decode_reads_an_fp8_cache_through_its_scales(device, dtype):
+def test_split_kv_decode_reads_an_fp8_cache_through_its_scales(device, dtype, token_major_v):
     q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 4, 64, 32,
                                                                device, fp8=True, dtype=dtype)
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
+    v_cache = token_major_with_stale_slots(v_cache, meta) if token_major_v else v_cache
     out = paged_attention_decode(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q),
                                  partition_size=64)
-    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
     torch.testing.assert_close(out, expected, **fp8_tolerance(device, dtype))
+
+
+@pytest.mark.parametrize(("block_size", "block_n"), [(16, 32), (64, 16)], ids=["runs-of-blocks", "tiles-in-a-block"])
+def test_token_major_fp8_v_tiles_smaller_and_larger_than_a_block(device, block_size, block_n):
+    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 2, 64,
+                                                               block_size, device, fp8=True)
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
+    v_cache = token_major_with_stale_slots(v_cache, meta)
+    out = paged_attention_decode(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q),
+                                 partition_size=64, block_n=block_n)
+    torch.testing.assert_close(out, expected, **tolerance(device))
+
+
+def test_kernels_refuse_a_v_cache_in_another_layout(device):
+    q, k_cache, v_cache, meta, _, _ = random_batch(MIXED, 2, 64, 16, device)
+    with pytest.raises(ValueError, match="V cache contiguous or token-major"):
+        paged_attention_varlen(q, k_cache, v_cache.transpose(2, 3).contiguous().transpose(2, 3), meta, 0.125)
 
 
 @pytest.mark.parametrize("seqs", [MIXED, [(n - 1, 1) for n in DECODE_SEQ_LENS]], ids=["mixed", "decode"])
@@ -117,8 +156,9 @@ def test_dispatcher_has_the_reference_contract(device, seqs):
     torch.testing.assert_close(out, paged_attention_reference(q, k_cache, v_cache, meta, 0.125), **tolerance(device))
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
-def test_kv_store_kernel_writes_the_same_bytes_as_store_kv(device, fp8):
+@pytest.mark.parametrize(("fp8", "token_major_v"), [(False, False), (True, False), (True, True)],
+                         ids=["model-dtype-cache", "fp8-cache", "fp8-cache-token-major-v"])
+def test_kv_store_kernel_writes_the_same_bytes_as_store_kv(device, fp8, token_major_v):
     generator = torch.Generator().manual_seed(1)
     dtype = model_dtype(device)
     q, k_cache, v_cache, meta, k_scale, v_scale = random_batch(MIXED, 1, 64, 16, device, fp8=fp8)
@@ -126,11 +166,31 @@ def test_kv_store_kernel_writes_the_same_bytes_as_store_kv(device, fp8):
     v = (torch.randn(q.shape[0], NUM_KV_HEADS, 64, generator=generator) * 3).to(dtype).to(device)
     if fp8:  # values that sit exactly on rounding ties and at the ±448 clamp
         k[0, 0, :4] = torch.tensor([0.02 * 17.0, 0.02 * 19.0, 0.02 * 500.0, -0.02 * 0.0068359375])
+    rows_v = v_cache.clone()
+    store_kv(k, v, k_cache.clone(), rows_v, meta.slot_mapping, k_scale, v_scale)
+    v_cache = token_major(v_cache) if token_major_v else v_cache
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     store_kv(k, v, expected_k, expected_v, meta.slot_mapping, k_scale, v_scale)
     kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
+    assert is_token_major(v_cache) == token_major_v  # and the same values as a row-major cache gets
+    assert torch.equal(v_cache.view(torch.uint8), rows_v.view(torch.uint8))
+
+
+@pytest.mark.parametrize("token_major_v", [False, True], ids=["v-rows", "v-token-major"])
+def test_an_fp8_kv_store_writes_nan_as_zero(device, token_major_v):
+    k_cache = torch.full((2, 16, NUM_KV_HEADS, 64), 1.0, device=device).to(torch.float8_e4m3fn)
+    v_cache = token_major(k_cache) if token_major_v else k_cache
+    k = torch.full((2, NUM_KV_HEADS, 64), float("nan"), dtype=model_dtype(device), device=device)
+    k[1] = 2.0
+    slots, scale = torch.tensor([3, 20], device=device), torch.tensor(0.5, device=device)
+    for store in (store_kv, kv_store.store_kv):
+        k_out, v_out = k_cache.clone(), v_cache.clone()
+        store(k, k, k_out, v_out, slots, scale, scale)
+        for cache in (k_out, v_out):
+            assert cache[0, 3].float().eq(0).all() and cache[1, 4].float().eq(4).all()
+            assert not cache.float().isnan().any()
 
 
 def test_kv_store_kernel_skips_padding_slots(device):

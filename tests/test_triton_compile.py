@@ -48,6 +48,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from engines.native_checkpoint import parse_architecture, read_json  # noqa: E402
 from engines.native_tuning import linear_shapes  # noqa: E402
+from runtime.kv_cache import zeros_token_major  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS_DIR = REPO / "runtime" / "kernels"
@@ -96,10 +97,12 @@ def qkv_views(num_tokens: int):
 
 
 def kv_cache(fp8: bool, num_blocks: int = 4):
-    """(k_cache, v_cache, k_scale, v_scale): bf16 caches, or FP8 ones with their scales."""
+    """(k_cache, v_cache, k_scale, v_scale): bf16 caches, or FP8 ones with their scales and V token-major, as the
+    engine allocates them."""
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = gpu(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+    v_zeros = zeros_token_major if fp8 else torch.zeros
+    k_cache, v_cache = gpu(torch.empty(shape, dtype=dtype), v_zeros(shape, dtype=dtype, device="cpu"))
     k_scale, v_scale = gpu(torch.tensor(0.02), torch.tensor(0.01)) if fp8 else (None, None)
     return k_cache, v_cache, k_scale, v_scale
 

@@ -38,6 +38,7 @@ def make_case(query_lens, seq_lens, kv_dtype, generator):
     import torch
 
     from runtime.attention_metadata import AttentionMetadata
+    from runtime.kv_cache import token_major
 
     blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 1
@@ -51,8 +52,8 @@ def make_case(query_lens, seq_lens, kv_dtype, generator):
     k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     scales = (None, None)
-    if kv_dtype == "fp8":
-        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    if kv_dtype == "fp8":  # V token-major, as the engine keeps an FP8 V cache
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), token_major(v_cache.to(torch.float8_e4m3fn))
         scales = (torch.tensor(1.0, device="cuda"), torch.tensor(1.0, device="cuda"))
     q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     return q, k_cache, v_cache, meta, scales

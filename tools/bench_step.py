@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16",
                         help="KV cache dtype (default bfloat16; float8_e4m3fn with unit scales)")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (default 20)")
+    parser.add_argument("--kv-blocks", type=int, help="KV pool size in blocks (default: just what the batch needs)")
+    parser.add_argument("--block-order", choices=["sequential", "random"], default="sequential",
+                        help="how sequences' blocks lie in the pool (default sequential)")
     parser.add_argument("--bandwidth-gbs", type=float, default=NOMINAL_COPY_GBS["H200"],
                         help="bandwidth of the floor, GB/s (default: an H200's)")
     parser.add_argument("--profile", action="store_true",
@@ -89,10 +92,12 @@ def randomize(model: LlamaModel, seed: int = 0) -> int:
 Step = tuple[list[int], list[int], list[int], list[list[int]]]
 
 
-def decode_step(batch: int, context: int, blocks_per_seq: int) -> Step:
-    """One decode token per sequence at position ``context``; sequence i owns blocks 1 + i * blocks_per_seq ...:
-    token ids, positions, context lengths and block tables, as the model runner passes them."""
-    tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)]
+def decode_step(batch: int, context: int, blocks_per_seq: int, block_order: list[int] | None = None) -> Step:
+    """One decode token per sequence at position ``context``; sequence i owns blocks 1 + i * blocks_per_seq ... of
+    ``block_order`` (default: the pool in order): token ids, positions, context lengths and block tables, as the
+    model runner passes them."""
+    order = block_order or list(range(1, 1 + batch * blocks_per_seq))
+    tables = [order[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(batch)]
     return [(7 * i) % 1000 for i in range(batch)], [context] * batch, [context + 1] * batch, tables
 
 
@@ -124,13 +129,17 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
         model = LlamaModel(config, torch.bfloat16).eval()
     streamed = randomize(model)
     blocks_per_seq = max_seq_len // BLOCK
-    kv_caches = allocate_kv_cache(config, 1 + max(batches) * blocks_per_seq, "cuda")
+    num_blocks = max(args.kv_blocks or 0, 1 + max(batches) * blocks_per_seq)
+    kv_caches = allocate_kv_cache(config, num_blocks, "cuda")
+    # random: each sequence's blocks drawn from the whole pool, as a long-running engine's free list hands them out
+    block_order = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1).tolist() \
+        if args.block_order == "random" else None
     kv_per_token = kv_bytes_per_token(config)
     result = {"format": fmt, "kv_cache_dtype": args.kv_cache_dtype, "weight_bytes": streamed, "decode": [],
               "prefill_ms": None}
     with torch.inference_mode():
         for batch in batches:
-            step = decode_step(batch, args.context, blocks_per_seq)
+            step = decode_step(batch, args.context, blocks_per_seq, block_order)
             graphs = DecodeGraphRunner(model, kv_caches, config, torch.device("cuda"), batch_sizes=(batch,))
             step_ms = time_ms(lambda g=graphs, a=step: g.run(*a), args.steps)
             replay_ms = time_ms(graphs.graphs[batch].replay, args.steps)
@@ -145,7 +154,7 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
                   f"{100 * row['floor_fraction']:4.1f}%", flush=True)
         if args.profile:
             for batch in sorted({batches[0], batches[-1]}):
-                inputs = eager_inputs(decode_step(batch, args.context, blocks_per_seq))
+                inputs = eager_inputs(decode_step(batch, args.context, blocks_per_seq, block_order))
                 print_profile(f"{fmt} eager decode step, batch {batch}", lambda a=inputs: forward_logits(
                     model, kv_caches, *a))
         if args.prefill:

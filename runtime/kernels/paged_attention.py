@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from runtime.attention_metadata import AttentionMetadata
+from runtime.kv_cache import is_token_major
 
 LOG2E = 1.4426950408889634
 # Split-KV decode partitions hold 64..1024 tokens, sized so that the grid gives each SM a few programs.
@@ -34,7 +35,7 @@ LOG2E = 1.4426950408889634
 # which the compiler copies asynchronously (an FP8 cache included): 12-15 % faster there than the transposed tile,
 # which the varlen kernel keeps (as fast for FP8, 13 % faster for bf16 at a 1k-token prefill).
 DECODE_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=128, num_stages=2)}
-VARLEN_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=128, num_stages=3)}
+VARLEN_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=64, num_stages=3)}
 MIN_PARTITION_SIZE, MAX_PARTITION_SIZE, PROGRAMS_PER_SM = 64, 1024, 4
 
 
@@ -61,6 +62,26 @@ def _load_kv_rows(cache_ptr, offs, n_mask, dims, d_mask, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _load_v_token_major(v_cache_ptr, block_table_row, n0, end, dims, d_mask, kv_head, stride_v_block, stride_v_head,
+                        stride_v_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """Tokens ``n0 .. n0 + BLOCK_N`` of a token-major V cache as V^T, [BLOCK_D, BLOCK_N] (the A operand of
+    v^T @ p^T), unscaled, in DTYPE. ``n0`` is a multiple of BLOCK_N. The tile is loaded as runs of tokens contiguous
+    within a block, [BLOCK_D, runs, run], so the compiler copies it asynchronously, 16 bytes at a time; runs from
+    ``end`` on read zeros, but the last block's tokens past ``end`` are read as they are: bytes a previous sequence
+    left, which the FP8 KV store keeps finite (never NaN), so their zero probabilities cancel them."""
+    RUN: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
+    first = n0 + tl.arange(0, BLOCK_N // RUN) * RUN  # each run's first token
+    block = tl.load(block_table_row + first // BLOCK_SIZE, mask=first < end, other=0).to(tl.int64)
+    base = block * stride_v_block + kv_head * stride_v_head
+    if BLOCK_SIZE > BLOCK_N:
+        base += tl.multiple_of(first % BLOCK_SIZE, BLOCK_N)
+    tok = tl.arange(0, RUN)
+    vt = tl.load(v_cache_ptr + base[None, :, None] + dims[:, None, None] * stride_v_dim + tok[None, None, :],
+                 mask=d_mask[:, None, None] & (first < end)[None, :, None], other=0.0)
+    return tl.reshape(vt, [dims.shape[0], BLOCK_N]).to(DTYPE)
+
+
+@triton.jit
 def _load_q(q_ptrs, mask, FP16: tl.constexpr):
     """The query rows in the compute dtype: float16 against an FP8 cache (clamped to its range), else as stored."""
     q = tl.load(q_ptrs, mask=mask, other=0.0)
@@ -81,23 +102,86 @@ def _kv_scales(k_scale_ptr, v_scale_ptr, scale_log2, FP8: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
-    """Fold one tile of masked, log2-scaled scores ``s`` and its values ``v`` into the running max, sum and output."""
+def _softmax_update(s, m_i, l_i):
+    """The running max and sum after one tile of masked, log2-scaled scores ``s``; the rescale of the old output
+    and the tile's unnormalised probabilities."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """Fold one tile of scores ``s`` and its values ``v`` [BLOCK_N, BLOCK_D] into the running max, sum and output."""
+    m_i, l_i, alpha, p = _softmax_update(s, m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _online_softmax_step_vt(s, vt, m_i, l_i, acc_t, PRECISION: tl.constexpr):
+    """``_online_softmax_step`` with the values as V^T [BLOCK_D, BLOCK_N] and the output transposed, [BLOCK_D, rows]."""
+    m_i, l_i, alpha, p = _softmax_update(s, m_i, l_i)
+    acc_t = acc_t * alpha[None, :] + tl.dot(vt, tl.trans(p.to(vt.dtype)), input_precision=PRECISION)
+    return m_i, l_i, acc_t
+
+
+@triton.jit
+def _attend_tile(q, pos, m_i, l_i, acc, n0, end, k_cache_ptr, v_cache_ptr, block_table_row, dims, d_mask, kv_head,
+                 qk_scale, stride_c_block, stride_c_tok, stride_c_head, stride_v_block, stride_v_head, stride_v_dim,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, V_ROWS: tl.constexpr,
+                 V_TOKEN_MAJOR: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold KV tokens ``n0 .. n0 + BLOCK_N`` (those before ``end``) into the running max, sum and output of the query
+    rows ``q``, causally against the rows' positions ``pos`` when CAUSAL. ``acc`` is [rows, BLOCK_D], transposed
+    for a token-major V cache; else V is loaded as rows when V_ROWS, as a transposed tile otherwise."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    offs = _token_offsets(block_table_row, offs_n, n_mask, kv_head, stride_c_block, stride_c_tok, stride_c_head,
+                          BLOCK_SIZE)
+    k = _load_kv_tile(k_cache_ptr, offs, n_mask, dims, d_mask, q.dtype)
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    visible = n_mask[None, :]
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    if V_TOKEN_MAJOR:
+        vt = _load_v_token_major(v_cache_ptr, block_table_row, n0, end, dims, d_mask, kv_head, stride_v_block,
+                                 stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N, q.dtype)
+        m_i, l_i, acc = _online_softmax_step_vt(s, vt, m_i, l_i, acc, PRECISION)
+    else:
+        if V_ROWS:
+            v = _load_kv_rows(v_cache_ptr, offs, n_mask, dims, d_mask, q.dtype)
+        else:
+            v = tl.trans(_load_kv_tile(v_cache_ptr, offs, n_mask, dims, d_mask, q.dtype))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_range(q, pos, m_i, l_i, acc, start, end, k_cache_ptr, v_cache_ptr, block_table_row, dims, d_mask,
+                  kv_head, qk_scale, stride_c_block, stride_c_tok, stride_c_head, stride_v_block, stride_v_head,
+                  stride_v_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  V_ROWS: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr, PRECISION: tl.constexpr):
+    """``_attend_tile`` over KV tokens ``start .. end`` (``start`` a multiple of BLOCK_N); ``acc`` comes back
+    [rows, BLOCK_D] either way."""
+    for n0 in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, pos, m_i, l_i, acc, n0, end, k_cache_ptr, v_cache_ptr, block_table_row, dims,
+                                     d_mask, kv_head, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
+                                     stride_v_block, stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N, CAUSAL, V_ROWS,
+                                     V_TOKEN_MAJOR, PRECISION)
+    if V_TOKEN_MAJOR:
+        acc = tl.trans(acc)
+    return m_i, l_i, acc
 
 
 @triton.jit
 def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
                    k_scale_ptr, v_scale_ptr, scale_log2, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-                   stride_c_block, stride_c_tok, stride_c_head, stride_bt,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   stride_c_block, stride_c_tok, stride_c_head, stride_v_block, stride_v_head, stride_v_dim,
+                   stride_bt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+                   FP16: tl.constexpr, PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # query tokens per program; each brings its GROUP heads as rows
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -123,19 +207,13 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite, so a fully masked row never makes NaN
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D, BLOCK_M] if V_TOKEN_MAJOR else [BLOCK_M, BLOCK_D], dtype=tl.float32)
     kv_end = tl.minimum(seq_len, context + tl.minimum(q_len, (q_tile + 1) * TOKENS))  # causal: last row's position
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for n0 in range(0, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        offs = _token_offsets(block_table_row, offs_n, n_mask, kv_head, stride_c_block, stride_c_tok,
-                              stride_c_head, BLOCK_SIZE)
-        k = _load_kv_tile(k_cache_ptr, offs, n_mask, dims, d_mask, q.dtype)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
-        v = tl.trans(_load_kv_tile(v_cache_ptr, offs, n_mask, dims, d_mask, q.dtype))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
+    m_i, l_i, acc = _attend_range(q, pos, m_i, l_i, acc, 0, kv_end, k_cache_ptr, v_cache_ptr, block_table_row, dims,
+                                  d_mask, kv_head, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
+                                  stride_v_block, stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N, True, False,
+                                  V_TOKEN_MAJOR, PRECISION)
 
     out = acc * (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     tl.store(out_ptr + q_tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
@@ -146,11 +224,11 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
 def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                              query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
                              scale_log2, stride_q_tok, stride_q_head, stride_c_block, stride_c_tok, stride_c_head,
-                             stride_bt, num_heads, max_partitions,
+                             stride_v_block, stride_v_head, stride_v_dim, stride_bt, num_heads, max_partitions,
                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                              PARTITION_SIZE: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr,
-                             PRECISION: tl.constexpr):
+                             PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -172,18 +250,13 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D, BLOCK_G] if V_TOKEN_MAJOR else [BLOCK_G, BLOCK_D], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):  # the one query is the last position: every cached token is visible
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        offs = _token_offsets(block_table_row, offs_n, n_mask, kv_head, stride_c_block, stride_c_tok,
-                              stride_c_head, BLOCK_SIZE)
-        k = _load_kv_tile(k_cache_ptr, offs, n_mask, dims, d_mask, q.dtype)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        v = _load_kv_rows(v_cache_ptr, offs, n_mask, dims, d_mask, q.dtype)
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
+    # the one query is the last position: every cached token is visible
+    m_i, l_i, acc = _attend_range(q, q, m_i, l_i, acc, start, end, k_cache_ptr, v_cache_ptr, block_table_row, dims,
+                                  d_mask, kv_head, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
+                                  stride_v_block, stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N, False, True,
+                                  V_TOKEN_MAJOR, PRECISION)
     acc = acc * out_scale
 
     part_idx = (seq.to(tl.int64) * num_heads + head) * max_partitions + part  # [BLOCK_G]
@@ -219,18 +292,20 @@ def _decode_reduce_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, query_s
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
-           v_scale: torch.Tensor | None) -> bool:
-    """Validate the layout the kernels assume; return whether the cache is FP8."""
+           v_scale: torch.Tensor | None) -> tuple[bool, bool]:
+    """Validate the layout the kernels assume; return whether the cache is FP8 and whether V is token-major."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"paged_attention: num_heads ({num_heads}) must be a multiple of num_kv_heads "
                          f"({num_kv_heads})")
-    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("paged_attention: q needs a unit last stride and the caches must be contiguous")
+    v_token_major = is_token_major(v_cache)
+    if q.stride(-1) != 1 or not k_cache.is_contiguous() or not (v_cache.is_contiguous() or v_token_major):
+        raise ValueError("paged_attention: q needs a unit last stride, the K cache must be contiguous and the V "
+                         "cache contiguous or token-major (runtime.kv_cache.token_major)")
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("paged_attention: an FP8 KV cache needs k_scale and v_scale")
-    return fp8
+    return fp8, v_token_major
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -253,7 +328,7 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (query tokens times the GQA group) and ``block_n`` KV tokens per tile are powers of two, at least 16
     (``block_n`` and ``num_stages`` default to ``VARLEN_TILES``).
     """
-    fp8 = _check(q, k_cache, v_cache, k_scale, v_scale)
+    fp8, v_token_major = _check(q, k_cache, v_cache, k_scale, v_scale)
     block_n = block_n or VARLEN_TILES[fp8]["block_n"]
     num_stages = num_stages or VARLEN_TILES[fp8]["num_stages"]
     num_tokens, num_heads, head_dim = q.shape
@@ -266,10 +341,11 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _varlen_kernel[grid](
         q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         k_scale if fp8 else q, v_scale if fp8 else q, scale * LOG2E, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        meta.block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=max(block_n, 16), BLOCK_D=max(triton.next_power_of_2(head_dim), 16), FP8=fp8,
-        FP16=_fp16_compute(q, fp8), PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages)
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        v_cache.stride(2), v_cache.stride(3), meta.block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=max(block_n, 16),
+        BLOCK_D=max(triton.next_power_of_2(head_dim), 16), FP8=fp8, FP16=_fp16_compute(q, fp8),
+        PRECISION=_precision(q), V_TOKEN_MAJOR=v_token_major, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -285,7 +361,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     results live in float32 scratch of num_seqs * num_heads * cdiv(meta.max_seq_len, partition_size) * (head_dim + 2)
     elements.
     """
-    fp8 = _check(q, k_cache, v_cache, k_scale, v_scale)
+    fp8, v_token_major = _check(q, k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -302,11 +378,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
         q, k_cache, v_cache, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         k_scale if fp8 else q, v_scale if fp8 else q, scale * LOG2E, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0), num_heads,
-        max_partitions, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
+        v_cache.stride(3), meta.block_tables.stride(0), num_heads, max_partitions, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
         PARTITION_SIZE=partition_size, FP8=fp8, FP16=_fp16_compute(q, fp8), PRECISION=_precision(q),
-        num_warps=num_warps, num_stages=num_stages)
+        V_TOKEN_MAJOR=v_token_major, num_warps=num_warps, num_stages=num_stages)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, out.stride(0), out.stride(1),
         num_heads, max_partitions, HEAD_DIM=head_dim, BLOCK_P=max(triton.next_power_of_2(max_partitions), 2),

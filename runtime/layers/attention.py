@@ -43,13 +43,17 @@ class PagedAttention(nn.Module):
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
-    """Write K/V of the new tokens at their flat slots, quantizing with the scales when the cache is FP8."""
+    """Write K/V of the new tokens at their flat slots (block * block_size + offset), quantizing with the scales
+    when the cache is FP8, where NaN is stored as 0 (attention reads stale slots past a sequence's end and cancels
+    them with zero probabilities, which a NaN would defeat); a cache may be laid out in any order (a token-major V
+    cache is)."""
+    block, offset = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        flat = cache.view(-1, *cache.shape[2:])
         if cache.dtype == torch.float8_e4m3fn:
-            flat.view(torch.uint8)[slot_mapping] = fp8_quantize(x, scale).view(torch.uint8)
+            quantized = fp8_quantize(torch.where(x.isnan(), 0.0, x), scale)
+            cache.view(torch.uint8)[block, offset] = quantized.view(torch.uint8)
         else:
-            flat[slot_mapping] = x.to(cache.dtype)
+            cache[block, offset] = x.to(cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: torch.Tensor | None,
