@@ -58,6 +58,7 @@ class DecodeGraphRunner:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
+        self._row_tables: list[tuple[list[int] | None, int]] = [(None, 0)] * max_bs  # (list, entries) each row holds
         self.metas = {
             bs: AttentionMetadata(slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
                                   seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
@@ -95,18 +96,28 @@ class DecodeGraphRunner:
     def _stage(self, token_ids: list[int], positions: list[int], seq_lens: list[int], block_tables: list[list[int]],
                bs: int) -> None:
         """Write the step into the host buffers (rows n..bs are padding: token 0 at position 0, KV slot -1 so
-        nothing is stored, context 1 read from block 0) and copy them to the static device buffers."""
+        nothing is stored, context 1 read from block 0) and copy them to the static device buffers.
+
+        A block table row is rewritten only where it changed: a sequence's table list only grows between steps
+        (the block manager extends it, or gives the sequence a new list), so a row that held the same list keeps
+        the entries it has. Entries past a table's end may be stale; attention never reads past a context."""
         n = len(token_ids)
         max_bs, block = self.max_batch_size, self.block_size
         i64, i32 = self.host_i64.numpy(), self.host_i32.numpy()
         tables = i32[max_bs:].reshape(max_bs, -1)
+        i64[0, :n], i64[1, :n] = token_ids, positions
+        i64[2, :n] = [table[pos // block] * block + pos % block for pos, table in zip(positions, block_tables,
+                                                                                     strict=True)]
         i64[:, n:bs] = ((0,), (0,), (-1,))
-        i32[n:bs] = 1
-        tables[:bs] = 0
-        for i, (pos, table) in enumerate(zip(positions, block_tables, strict=True)):
-            i64[0, i], i64[1, i], i64[2, i] = token_ids[i], pos, table[pos // block] * block + pos % block
-            tables[i, :len(table)] = table[:tables.shape[1]]  # seq_len <= max_seq_len: the table fits
-        i32[:n] = seq_lens
+        i32[:n], i32[n:bs] = seq_lens, 1
+        for i, table in enumerate(block_tables):  # seq_len <= max_seq_len: every table fits its row
+            held, written = self._row_tables[i]
+            start = written if held is table else 0
+            if start < len(table):
+                tables[i, start:len(table)] = table[start:]
+                self._row_tables[i] = (table, len(table))
+        tables[n:bs, 0] = 0
+        self._row_tables[n:bs] = [(None, 0)] * (bs - n)
         self.dev_i64.copy_(self.host_i64, non_blocking=True)  # the host buffers are rewritten only after the step's
         self.dev_i32.copy_(self.host_i32, non_blocking=True)  # tokens reached the host, so the copies are done
 

@@ -91,16 +91,17 @@ class LLMEngine:
         out = self.scheduler.schedule()
         sampled = self.model_runner.execute(out) if out.scheduled else {}
         self.scheduler.update_computed(out)
-        results = [self._postprocess(seq, token_id) for seq, token_id in sampled.items()]
+        now = time.monotonic()  # every token of the step reached the host together
+        results = [self._postprocess(seq, token_id, now) for seq, token_id in sampled.items()]
         self._record_step(out, len(sampled), time.perf_counter() - start)
         return results
 
-    def _postprocess(self, seq: Sequence, token_id: int | SamplingError) -> StreamDelta | RequestFailure:
+    def _postprocess(self, seq: Sequence, token_id: int | SamplingError, now: float) -> StreamDelta | RequestFailure:
         """The request's delta, or its failure when its token could not be sampled or postprocessing raised."""
         if isinstance(token_id, SamplingError):
             return self._fail(seq, token_id)
         try:
-            return self._append_token(seq, token_id)
+            return self._append_token(seq, token_id, now)
         except Exception as e:  # a bug: fail this request loudly, keep serving the others
             logger.error("request %s failed while postprocessing token %d", seq.request_id, token_id, exc_info=e)
             error = RequestFailedError(f"request {seq.request_id} failed in the engine ({type(e).__name__}: {e}); "
@@ -116,10 +117,10 @@ class LLMEngine:
             self.stats.record_finished(seq)
         return RequestFailure(seq.request_id, error)
 
-    def _append_token(self, seq: Sequence, token_id: int) -> StreamDelta:
+    def _append_token(self, seq: Sequence, token_id: int, now: float) -> StreamDelta:
         """Append the sampled token and finish the sequence on a stop token, a stop string or max_tokens."""
         _, detokenizer = self._requests[seq.request_id]
-        seq.append_token(token_id)
+        seq.append_token(token_id, now)
         if (reason := stop_reason(seq, token_id, detokenizer, self.eos_token_ids)) is not None:
             self.scheduler.finish(seq, reason)
         return self._emit(seq, [token_id])

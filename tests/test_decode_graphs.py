@@ -135,6 +135,26 @@ def test_buckets_are_powers_of_two_up_to_the_plan_batch_and_a_step_takes_the_sma
     assert not graphs.fits([]) and not graphs.fits([1, 2]) and not graphs.fits([1] * 9)
 
 
+def test_staging_rewrites_only_changed_block_table_rows_and_keeps_padding_on_block_0(engine_dir):
+    graphs = DecodeGraphRunner(None, [], EngineConfig.load(engine_dir), torch.device("cpu"), capture=False)
+    block = graphs.block_size
+    first, second, third = [5, 6], [7], [8, 9, 10]
+
+    def stage(tables: list[list[int]]) -> list[list[int]]:
+        n = len(tables)
+        positions = [len(t) * block - 1 for t in tables]
+        graphs._stage([1] * n, positions, [p + 1 for p in positions], tables, graphs.bucket(n))
+        slots = graphs.slot_mapping[:graphs.bucket(n)].tolist()
+        assert slots[:n] == [t[-1] * block + block - 1 for t in tables] and set(slots[n:]) <= {-1}
+        assert graphs.block_tables[n:graphs.bucket(n), 0].eq(0).all()  # padding reads block 0
+        return [graphs.block_tables[i, :len(t)].tolist() for i, t in enumerate(tables)]
+
+    assert stage([first, second, third]) == [first, second, third]
+    first.append(11)  # a table grows in place; row 1 now holds another sequence's (new) list, row 2 is padding
+    assert stage([first, third]) == [first, third]
+    assert stage([[12], first, [13, 14]]) == [[12], first, [13, 14]]
+
+
 # (cached tokens, new tokens) of single-sequence prefill steps: a prompt in the smallest bucket, one that fills a
 # bucket exactly, one padded to the largest, and the rest of a prompt after a prefix-cache hit.
 PREFILL_STEPS = [(0, 5), (0, 16), (0, 27), (9, 14)]
