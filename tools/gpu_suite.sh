@@ -1,7 +1,8 @@
 #!/bin/bash
 # Everything docs/performance.md reports for one CUDA GPU, in one go: the GPU tests, the tiny model against
-# transformers, the linears and attention micro-benchmarks, the 8B model's steps with kernel profiles, and kiln bench
-# on Llama-3-8B FP8 (alone at 1000/1000 with an FP8 KV cache, then against transformers at 1000/200).
+# transformers, the linears, attention and fused-op micro-benchmarks, the 8B model's steps with kernel profiles, and
+# kiln bench on Llama-3-8B FP8 (1000 prompts at 1000/1000 with an FP8 KV cache, then 256 prompts against
+# transformers at 1000/200).
 # Results go to $OUT (default ./gpu-out).
 #   bash tools/gpu_suite.sh [quick]     # quick: tests, tiny end-to-end and the step benchmark only
 set -u
@@ -19,6 +20,8 @@ run "8B steps" python3 tools/bench_step.py --formats fp8,none,int4_awq --batch 1
 run "linears" python3 tools/bench_linears.py --m 1,8,16,32,64
 run "attention" python3 tools/bench_kernels.py
 run "attention tiles" python3 tools/tune_attention.py --json "$OUT/tune_attention.json"
-BENCH="python3 -m pipeline bench configs/models/llama3-8b.json --format fp8 --prompts 256 --input-len 1000"
-echo "== kiln bench 1000/1000"; $BENCH --output-len 1000 --kv-cache-dtype fp8 --json > "$OUT/bench.json"
-echo "== kiln bench 1000/200 vs transformers"; $BENCH --output-len 200 --peer transformers --json > "$OUT/bench_peer.json"
+run "fused ops" python3 tools/tune_fused_ops.py --json "$OUT/tune_fused_ops.json"
+BENCH="python3 -m pipeline bench configs/models/llama3-8b.json --format fp8 --input-len 1000"
+echo "== kiln bench 1000/1000"; $BENCH --prompts 1000 --output-len 1000 --kv-cache-dtype fp8 --json > "$OUT/bench.json"
+echo "== kiln bench 1000/200 vs transformers"
+$BENCH --prompts 256 --output-len 200 --peer transformers --json > "$OUT/bench_peer.json"
