@@ -56,7 +56,8 @@ def measure_kiln(engine_dir: Path, workload: Workload, *, device: str | None, ba
         on_loaded(llm.load_ms)
     try:
         def params(max_tokens: int) -> SamplingParams:
-            return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            # token ids only, as the peer's generate and TensorRT-LLM's executor return them
+            return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
 
         progress("kiln: warming up")
         llm.generate(workload.warmup, params(2))

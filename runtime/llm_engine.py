@@ -21,7 +21,7 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.sequence import Sequence
 from runtime.stats import EngineStats, StepStats
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt, request_detokenizer
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -70,8 +70,7 @@ class LLMEngine:
         if seq.request_id in self._requests:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use: pick a unique id")
         self.scheduler.add(seq)
-        detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+        detokenizer = request_detokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
         self._requests[seq.request_id] = (seq, detokenizer)
 
     def abort_request(self, request_id: str) -> StreamDelta | None:

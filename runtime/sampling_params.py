@@ -19,6 +19,8 @@ class SamplingParams:
     `seed`, an int in [0, 2**64 - 1], makes sampling reproducible for this request whatever else shares its batch.
     Generation stops at `max_tokens` (finish_reason "length"), at a token in `stop_token_ids` or the engine's EOS
     unless `ignore_eos`, or at a string in `stop`, which is cut from the text (finish_reason "stop").
+    `detokenize=False` returns token ids only (the text stays empty, as TensorRT-LLM's executor and transformers'
+    `generate` return them), which saves decoding every token; stop strings need the text.
     """
 
     temperature: float = 1.0
@@ -29,6 +31,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +57,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed must be in [0, 2**64 - 1], got {self.seed}: reduce it modulo 2**64")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("SamplingParams.stop needs detokenize=True: stop strings are found in the text")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
 

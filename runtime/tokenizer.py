@@ -8,6 +8,7 @@ from pathlib import Path
 import tokenizers
 
 from runtime.errors import InvalidRequestError
+from runtime.sampling_params import SamplingParams
 
 # Prompt tokens kept as context when decoding the first completion tokens (spaces and merged bytes depend on it).
 _CONTEXT_TOKENS = 6
@@ -96,6 +97,14 @@ class IncrementalDetokenizer:
         delta = self.text[self._num_streamed_chars:end]
         self._num_streamed_chars = end
         return delta
+
+
+def request_detokenizer(tokenizer: Tokenizer | None, prompt_token_ids: list[int],
+                        params: SamplingParams) -> IncrementalDetokenizer | None:
+    """The detokenizer of a request's completion text; None without a tokenizer or when it asked for ids only."""
+    if tokenizer is None or not params.detokenize:
+        return None
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop)
 
 
 def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int, has_stop_strings: bool,

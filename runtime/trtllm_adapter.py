@@ -25,7 +25,7 @@ from runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, ste
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
 from runtime.stats import EngineStats
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt, request_detokenizer
 
 TRTLLM_ENGINE_JSON = "kiln_trtllm.json"
 ENGINE_FORMAT = "kiln-trtllm"
@@ -210,8 +210,7 @@ class TrtllmEngine:
         """Hand a request to the executor."""
         if seq.request_id in self._requests:
             raise TrtllmRequestError(f"request id {seq.request_id!r} is already in use: pick a unique id")
-        detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, seq.params.stop)
+        detokenizer = request_detokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
         state = _Request(seq, detokenizer)
         try:
             state.executor_id = self.executor.enqueue_request(self._executor_request(seq))

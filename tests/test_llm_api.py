@@ -70,6 +70,13 @@ def test_text_prompt_round_trips_through_the_engine_tokenizer(llm):
     assert out.finish_reason == "length"
 
 
+def test_detokenize_false_returns_the_same_tokens_without_text(llm):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids_only = llm.generate("t5 t6 t7", SamplingParams(**{**vars(params), "detokenize": False}))[0]
+    out = llm.generate("t5 t6 t7", params)[0]
+    assert ids_only.token_ids == out.token_ids and out.text and ids_only.text == ""
+
+
 def test_stream_deltas_concatenate_to_the_final_text(llm):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["t19 t20 t99"])
 

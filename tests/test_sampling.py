@@ -56,6 +56,11 @@ def test_sampling_params_reject_bad_values_with_a_clear_message(field, value, wo
         SamplingParams(**{field: value})
 
 
+def test_stop_strings_need_the_text():
+    with pytest.raises(ValueError, match="stop needs detokenize=True"):
+        SamplingParams(stop=["end"], detokenize=False)
+
+
 def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
     logits = torch.log(torch.tensor([0.05, 0.5, 0.15, 0.3]))
     assert torch.isinf(apply_top_k_top_p(logits, 2, 1.0)).tolist() == [True, False, True, False]
