@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import sys
 
 from bench_kernels import HEAD_DIM, NUM_KV_HEADS, PEAK_BANDWIDTH, make_case
+from sweep import grid, measure_or_skip, write_results
 
 DECODE_GRID = dict(block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3, 4], partition_size=[None])
 PARTITION_SIZES = [512, 2048]  # tried with the best decode configuration (None: decode_partition_size's choice)
@@ -25,10 +25,6 @@ VARLEN_GRID = dict(block_m=[64, 128], block_n=[32, 64, 128], num_warps=[4, 8], n
 # (name, query_lens, seq_lens, kernel)
 CASES = [(f"decode b256 ctx{c // 1024}k", [1] * 256, [c] * 256, "decode") for c in (2048, 1024)]
 CASES.append(("prefill 1k", [1024], [1024], "varlen"))
-
-
-def grid(spec: dict) -> list[dict]:
-    return [dict(zip(spec, values, strict=True)) for values in itertools.product(*spec.values())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,13 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
         expected = call().float()
 
-        def timed(cfg, call=call, expected=expected):
-            try:
-                err = (call(**cfg).float() - expected).abs().max().item()
-                return do_bench_cudagraph(lambda: call(**cfg), rep=args.rep, return_mode="median") * 1e3, err
-            except Exception as e:  # noqa: BLE001 - a config the compiler refuses (e.g. out of shared memory)
-                print(f"  skip {cfg}: {type(e).__name__}", file=sys.stderr)
-                return float("inf"), None
+        def measure(cfg, call=call, expected=expected):
+            err = (call(**cfg).float() - expected).abs().max().item()
+            return do_bench_cudagraph(lambda: call(**cfg), rep=args.rep, return_mode="median") * 1e3, err
+
+        def timed(cfg, measure=measure):
+            return measure_or_skip(measure, cfg, failed=(float("inf"), None))
 
         configs = grid(DECODE_GRID if kind == "decode" else VARLEN_GRID)
         runs = [(*timed(cfg), cfg) for cfg in configs]
@@ -79,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<18} {kv_dtype:<4} best {best_us:8.1f} us ({row['best_tb_per_s']:4.2f} TB/s, "
               f"{row['best_tb_per_s'] * 1e14 / PEAK_BANDWIDTH:3.0f}%, err {best_err:.1e})  default {default_us:8.1f} "
               f"us ({row['default_tb_per_s']:4.2f} TB/s)  {best}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=2)
+    write_results(args.json, results)
     return 0
 
 

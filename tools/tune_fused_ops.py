@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import sys
 from pathlib import Path
 
 from bench_kernels import PEAK_BANDWIDTH
+from sweep import grid, measure_or_skip, write_results
 
 from engines.native_checkpoint import parse_architecture, read_json
 from engines.native_tuning import WEIGHT_COPIES, graph_time_us
@@ -26,10 +26,6 @@ from engines.native_tuning import WEIGHT_COPIES, graph_time_us
 REPO = Path(__file__).resolve().parents[1]
 RMS_NORM_GRID = dict(num_warps=[1, 2, 4, 8, 16])
 SILU_GRID = dict(block=[256, 512, 1024, 2048, 4096], num_warps=[1, 2, 4, 8])
-
-
-def grid(spec: dict) -> list[dict]:
-    return [dict(zip(spec, values, strict=True)) for values in itertools.product(*spec.values())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,16 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         reference = call(*inputs[0])
         reference = reference if isinstance(reference, tuple) else (reference,)
 
-        def timed(cfg, call=call, inputs=inputs, reference=reference):
-            try:
-                out = call(*inputs[0], **cfg)
-                out = out if isinstance(out, tuple) else (out,)
-                same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(out, reference,
-                                                                                                 strict=True))
-                return graph_time_us([functools.partial(call, *i, **cfg) for i in inputs], args.rep), same
-            except Exception as e:  # noqa: BLE001 - a config the compiler refuses
-                print(f"  skip {cfg}: {type(e).__name__}", file=sys.stderr)
-                return float("inf"), False
+        def measure(cfg, call=call, inputs=inputs, reference=reference):
+            out = call(*inputs[0], **cfg)
+            out = out if isinstance(out, tuple) else (out,)
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(out, reference,
+                                                                                             strict=True))
+            return graph_time_us([functools.partial(call, *i, **cfg) for i in inputs], args.rep), same
+
+        def timed(cfg, measure=measure):
+            return measure_or_skip(measure, cfg, failed=(float("inf"), False))
 
         runs = [(*timed(cfg), cfg) for cfg in configs]
         default_us, _ = timed({})
@@ -93,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{op:<13} M={m:<5} best {best_us:7.2f} us ({row['best_tb_per_s']:4.2f} TB/s, "
               f"{row['best_tb_per_s'] * 1e14 / PEAK_BANDWIDTH:3.0f}%, identical {best_same})  default "
               f"{default_us:7.2f} us  {best}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=2)
+    write_results(args.json, results)
     return 0
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 
 from bench_linears import GROUP_SIZE, PEAK_BANDWIDTH, SHAPES, WEIGHT_COPIES, graph_time_us, make_operands, weight_bytes
+from sweep import grid, measure_or_skip, write_results
 
 FP8_ROW_GRID = dict(BLOCK_M=[1], BLOCK_N=[4, 8, 16], BLOCK_K=[512, 1024], num_warps=[4, 8], num_stages=[2, 4])
 INT4_ROW_GRID = dict(BLOCK_N=[4, 8, 16], GROUPS=[4, 8], num_warps=[4, 8], num_stages=[3])
@@ -25,8 +25,7 @@ DOT_GRID = dict(BLOCK_M=[16], BLOCK_N=[32, 64], BLOCK_K=[128, 256], num_warps=[4
 def configs(kernel: str, m: int) -> list[dict]:
     """The grid of ``kernel`` (fp8 or int4) for M tokens: its row reduction at M = 1, a 16-row ``tl.dot`` tile
     above."""
-    grid = DOT_GRID if m > 1 else FP8_ROW_GRID if kernel == "fp8" else INT4_ROW_GRID
-    return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
+    return grid(DOT_GRID if m > 1 else FP8_ROW_GRID if kernel == "fp8" else INT4_ROW_GRID)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,12 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             def calls(cfg, x=x, copies=copies):
                 return [lambda o=o: int4_awq_gemv(x, o["qweight"], o["scales"], o["pre_quant_scale"], GROUP_SIZE,
                                                   config=cfg) for o in copies]
-        timed = []
-        for cfg in configs(kernel, m):
-            try:
-                timed.append((graph_time_us(calls(cfg), args.rep), cfg))
-            except Exception as e:  # noqa: BLE001 - a config the compiler refuses (e.g. out of shared memory)
-                print(f"  skip {cfg}: {type(e).__name__}", file=sys.stderr)
+        timed = [(measure_or_skip(lambda c, calls=calls: graph_time_us(calls(c), args.rep), cfg, float("inf")), cfg)
+                 for cfg in configs(kernel, m)]
         default_us = graph_time_us(calls(default), args.rep)
         best_us, best = min(timed, key=lambda t: t[0])
         row = {"kernel": kernel, "shape": name, "k": k, "n": n, "m": m, "best": best, "best_us": best_us,
@@ -76,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kernel:<5} {name:<8} M={m:<3} best {row['best_us']:7.1f} us ({row['best_tb_per_s']:4.2f} TB/s, "
               f"{row['best_tb_per_s'] * 1e14 / PEAK_BANDWIDTH:3.0f}%)  default {row['default_us']:7.1f} us  {best}",
               flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=2)
+    write_results(args.json, results)
     return 0
 
 
