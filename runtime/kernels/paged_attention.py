@@ -1,8 +1,11 @@
 """Paged attention in Triton: the GPU twin of ``runtime.layers.attention.paged_attention_reference``.
 
-Two kernels over the same paged caches ([num_blocks, block_size, num_kv_heads, head_dim]). An FP8 cache is read
+Two kernels over the same paged caches ([num_blocks, block_size, num_kv_heads, head_dim]; K contiguous, V contiguous
+or token-major within each block, as an engine keeps an FP8 V cache: ``runtime.kv_cache``). An FP8 cache is read
 as it is stored: its elements convert exactly to float16 (one instruction per pair on sm_89+) and the two scales
 are applied once per tile, ``k_scale`` to the scores and ``v_scale`` to the output, instead of per element.
+V enters p @ v as rows [tokens, head_dim] (decode, contiguous V), as a transposed [head_dim, tokens] tile (varlen,
+contiguous V), or, token-major, as V^T in v^T @ p^T with the output accumulated transposed.
 
 - ``paged_attention_varlen``: any flat batch (prefill, chunked prefill, prefix-cache hits, decode). Token t of
   sequence i sits at position ``seq_lens[i] - q_len_i + t`` and attends causally. One program per (query tile of a
@@ -31,9 +34,10 @@ from runtime.kv_cache import is_token_major
 LOG2E = 1.4426950408889634
 # Split-KV decode partitions hold 64..1024 tokens, sized so that the grid gives each SM a few programs.
 # KV tokens per tile and pipeline stages by cache dtype (model dtype, FP8), the fastest of tools/tune_attention.py on
-# an H200 at batch 256 over 1k-2k contexts, and for a 1k-token prefill. Decode loads V as [tokens, head_dim] rows,
-# which the compiler copies asynchronously (an FP8 cache included): 12-15 % faster there than the transposed tile,
-# which the varlen kernel keeps (as fast for FP8, 13 % faster for bf16 at a 1k-token prefill).
+# an H200 at batch 256 over 1k-2k contexts, and for a 1k-token prefill (FP8: with V token-major; 128-token varlen
+# tiles spill registers there). On the H200, decode reading a contiguous V as rows (which the compiler copies
+# asynchronously) was 12-15 % faster than the transposed tile, which the varlen kernel keeps (13 % faster there for
+# bf16); an FP8 V read token-major was another 22 % faster in decode, 15 % slower in varlen.
 DECODE_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=128, num_stages=2)}
 VARLEN_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=64, num_stages=3)}
 MIN_PARTITION_SIZE, MAX_PARTITION_SIZE, PROGRAMS_PER_SM = 64, 1024, 4
