@@ -32,8 +32,9 @@ def _int4_dequantize_kernel(qw_ptr, scales_ptr, out_ptr, N, HALF_K, stride_qn, s
     packed = packed.to(tl.int32)
     even = round_to_dtype(nibble_value(packed & 0x0F) * scale, dtype)
     odd = round_to_dtype(nibble_value(packed >> 4) * scale, dtype)
-    # interleaved in registers, so each row's columns are stored contiguously
-    cols = tl.reshape(tl.join(2 * offs_j, 2 * offs_j + 1), [2 * BLOCK_J])
+    # interleaved in registers, so each row's columns are stored contiguously; the column offsets are an arange (the
+    # same values as interleaving 2j and 2j + 1), which the compiler knows to be contiguous and stores vectorised
+    cols = tl.program_id(1) * 2 * BLOCK_J + tl.arange(0, 2 * BLOCK_J)
     weight = tl.reshape(tl.join(even, odd), [BLOCK_N, 2 * BLOCK_J])
     tl.store(out_ptr + rows * stride_on + cols[None, :], weight.to(dtype),
              mask=(offs_n < N)[:, None] & (cols < 2 * HALF_K)[None, :])
