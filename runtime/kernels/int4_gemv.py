@@ -42,8 +42,9 @@ def _int4_awq_gemv_row_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, N, K: tl.constex
         mask_g = groups < K // GROUP_SIZE
         packed = tl.load(qw_rows + (k0 // 2 + byte)[None, :, :], mask=mask_n[:, None, None] & mask_g[None, :, None],
                          other=0x88).to(tl.int32)
-        x_even = tl.load(x_ptr + k0 + 2 * byte, mask=mask_g[:, None], other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptr + k0 + 2 * byte + 1, mask=mask_g[:, None], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + k0 + tl.arange(0, 2 * GROUPS * HALF_GROUP), mask=tl.arange(0, 2 * GROUPS * HALF_GROUP) <
+                    K - k0, other=0.0).to(tl.float32)
+        x_even, x_odd = tl.split(tl.reshape(x, [GROUPS, HALF_GROUP, 2]))  # input columns 2j and 2j + 1
         q_even = nibble_value(packed & 0x0F)
         q_odd = nibble_value(packed >> 4)
         per_group = tl.sum(q_even * x_even[None, :, :] + q_odd * x_odd[None, :, :], axis=2)  # [BLOCK_N, GROUPS]
@@ -69,20 +70,20 @@ def _int4_awq_gemv_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, M, N, K: tl.constexp
     mask_n = offs_n < N
     mask_m = offs_m < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + 2 * offs_j  # even input columns
-        mask_k = cols < K
+        # masks and offsets over contiguous ranges (bytes, input columns), so that the loads are vectorised
+        mask_j = k0 // 2 + offs_j < K // 2
         packed = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn + (k0 // 2 + offs_j)[None, :],
-                         mask=mask_n[:, None] & mask_k[None, :], other=0x88)
+                         mask=mask_n[:, None] & mask_j[None, :], other=0x88)
         q_even = nibble_value((packed & 0x0F).to(tl.int32))
         q_odd = nibble_value((packed >> 4).to(tl.int32))
         groups = k0 // GROUP_SIZE + offs_g
         scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + groups[None, :],
                         mask=mask_n[:, None] & (groups < K // GROUP_SIZE)[None, :], other=0.0)  # [BLOCK_N, GROUPS]
-        x_row = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
-        mask_x = mask_m[:, None] & mask_k[None, :]
-        x_even = tl.load(x_row, mask=mask_x, other=0.0)
-        x_odd = tl.load(x_row + 1, mask=mask_x, other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                    mask=mask_m[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, HALF_K, 2]))  # input columns 2j and 2j + 1
         s = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, GROUP_SIZE // 2]), [BLOCK_N, HALF_K])
         w_even = q_even * s
         w_odd = q_odd * s
