@@ -91,10 +91,12 @@ def measure_kiln(engine_dir: Path, workload: Workload, *, device: str | None, ba
 
 
 def offline_engine_stats(before: dict, after: dict) -> dict:
-    """What the engine did in the offline run: its steps and preemptions, and the batch size and wall time of its
-    last steps (the recent-step ring: the end of the run, where contexts are longest)."""
+    """What the engine did in the offline run: its steps and preemptions, and the batch size, wall time and model
+    time (on a GPU mostly the wait for it; the rest is host work) of its last steps (the recent-step ring: the end
+    of the run, where contexts are longest)."""
     recent = after["recent_steps"]
     return {"steps": after["num_steps"] - before["num_steps"],
             "preemptions": after["num_preemptions"] - before["num_preemptions"],
             "last_steps_batch_size_p50": recent["batch_size"].get("p50"),
-            "last_steps_ms_p50": recent["duration_ms"].get("p50")}
+            "last_steps_ms_p50": recent["duration_ms"].get("p50"),
+            "last_steps_execute_ms_p50": recent["execute_ms"].get("p50")}

@@ -88,11 +88,13 @@ class LLMEngine:
         """One step: what each sampled request gained, or why it failed (the others are unaffected)."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        executed = time.perf_counter()
         sampled = self.model_runner.execute(out) if out.scheduled else {}
+        executed = time.perf_counter() - executed
         self.scheduler.update_computed(out)
         now = time.monotonic()  # every token of the step reached the host together
         results = [self._postprocess(seq, token_id, now) for seq, token_id in sampled.items()]
-        self._record_step(out, len(sampled), time.perf_counter() - start)
+        self._record_step(out, len(sampled), time.perf_counter() - start, executed)
         return results
 
     def _postprocess(self, seq: Sequence, token_id: int | SamplingError, now: float) -> StreamDelta | RequestFailure:
@@ -131,14 +133,15 @@ class LLMEngine:
             self.stats.record_finished(seq)
         return step_delta(seq, detokenizer, new_token_ids)
 
-    def _record_step(self, out: SchedulerOutput, num_sampled: int, duration_s: float) -> None:
+    def _record_step(self, out: SchedulerOutput, num_sampled: int, duration_s: float, execute_s: float) -> None:
         bm = self.block_manager
         self.stats.record_step(StepStats(
             step=self.stats.num_steps, num_seqs=len(out.scheduled), num_batched_tokens=out.num_batched_tokens,
             num_prefill_seqs=out.num_prefill_seqs, num_decode_seqs=out.num_decode_seqs,
             num_preempted=out.num_preempted, num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
-            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens, duration_s=duration_s), num_sampled)
+            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens, duration_s=duration_s, execute_s=execute_s),
+            num_sampled)
 
     def stats_snapshot(self) -> dict:
         """Engine counters and latency summaries, KV pool and prefix-cache state (safe from any thread)."""

@@ -26,6 +26,7 @@ class StepStats:
     kv_blocks_free: int
     prefix_cache_hit_tokens: int
     duration_s: float
+    execute_s: float = 0.0  # of duration_s, running the model (on a GPU mostly waiting for it); the rest is host work
     timestamp: float = field(default_factory=time.time)
 
 
@@ -89,6 +90,7 @@ class EngineStats:
                 "batch_size": summarize([s.num_seqs for s in steps]),
                 "batched_tokens": summarize([s.num_batched_tokens for s in steps]),
                 "duration_ms": summarize([s.duration_s for s in steps], 1000),
+                "execute_ms": summarize([s.execute_s for s in steps], 1000),
                 "steps": [asdict(s) for s in steps],
             },
             "ttft_ms": summarize(ttft, 1000),
