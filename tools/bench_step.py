@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-blocks", type=int, help="KV pool size in blocks (default: just what the batch needs)")
     parser.add_argument("--block-order", choices=["sequential", "random"], default="sequential",
                         help="how sequences' blocks lie in the pool (default sequential)")
+    parser.add_argument("--fill-kv", action="store_true",
+                        help="fill the KV cache with random values instead of zeros (time long --steps runs with it "
+                             "to see sustained-load clocks)")
     parser.add_argument("--bandwidth-gbs", type=float, default=NOMINAL_COPY_GBS["H200"],
                         help="bandwidth of the floor, GB/s (default: an H200's)")
     parser.add_argument("--profile", action="store_true",
@@ -131,6 +134,9 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
     blocks_per_seq = max_seq_len // BLOCK
     num_blocks = max(args.kv_blocks or 0, 1 + max(batches) * blocks_per_seq)
     kv_caches = allocate_kv_cache(config, num_blocks, "cuda")
+    if args.fill_kv:  # values like a running engine's (a zeroed cache makes the tensor cores draw less power)
+        for cache in (c for pair in kv_caches for c in pair):
+            cache.copy_(torch.randn(cache.shape, device="cuda").clamp_(-4, 4).to(cache.dtype))
     # random: each sequence's blocks drawn from the whole pool, as a long-running engine's free list hands them out
     block_order = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1).tolist() \
         if args.block_order == "random" else None
