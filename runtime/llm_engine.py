@@ -88,13 +88,13 @@ class LLMEngine:
         """One step: what each sampled request gained, or why it failed (the others are unaffected)."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        executed = time.perf_counter()
+        execute_start = time.perf_counter()
         sampled = self.model_runner.execute(out) if out.scheduled else {}
-        executed = time.perf_counter() - executed
+        execute_s = time.perf_counter() - execute_start
         self.scheduler.update_computed(out)
         now = time.monotonic()  # every token of the step reached the host together
         results = [self._postprocess(seq, token_id, now) for seq, token_id in sampled.items()]
-        self._record_step(out, len(sampled), time.perf_counter() - start, executed)
+        self._record_step(out, len(sampled), time.perf_counter() - start, execute_s)
         return results
 
     def _postprocess(self, seq: Sequence, token_id: int | SamplingError, now: float) -> StreamDelta | RequestFailure:
