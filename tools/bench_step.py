@@ -136,7 +136,7 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
     kv_caches = allocate_kv_cache(config, num_blocks, "cuda")
     if args.fill_kv:  # values like a running engine's (a zeroed cache makes the tensor cores draw less power)
         for cache in (c for pair in kv_caches for c in pair):
-            cache.copy_(torch.randn(cache.shape, device="cuda").clamp_(-4, 4).to(cache.dtype))
+            cache.copy_(torch.randn(cache.shape, device="cuda", dtype=torch.bfloat16).clamp_(-4, 4))
     # random: each sequence's blocks drawn from the whole pool, as a long-running engine's free list hands them out
     block_order = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1).tolist() \
         if args.block_order == "random" else None

@@ -36,14 +36,14 @@ def _int4_awq_gemv_row_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, N, K: tl.constex
     mask_n = offs_n < N
     byte = offs_g[:, None] * HALF_GROUP + offs_j[None, :]  # [GROUPS, HALF_GROUP]: byte of the step's chunk
     qw_rows = qw_ptr + offs_n.to(tl.int64)[:, None, None] * stride_qn
+    cols = tl.arange(0, GROUPS * GROUP_SIZE)  # the step's input columns
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, GROUPS * GROUP_SIZE):
         groups = k0 // GROUP_SIZE + offs_g
         mask_g = groups < K // GROUP_SIZE
         packed = tl.load(qw_rows + (k0 // 2 + byte)[None, :, :], mask=mask_n[:, None, None] & mask_g[None, :, None],
                          other=0x88).to(tl.int32)
-        x = tl.load(x_ptr + k0 + tl.arange(0, 2 * GROUPS * HALF_GROUP), mask=tl.arange(0, 2 * GROUPS * HALF_GROUP) <
-                    K - k0, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + k0 + cols, mask=cols < K - k0, other=0.0).to(tl.float32)
         x_even, x_odd = tl.split(tl.reshape(x, [GROUPS, HALF_GROUP, 2]))  # input columns 2j and 2j + 1
         q_even = nibble_value(packed & 0x0F)
         q_odd = nibble_value(packed >> 4)
@@ -68,9 +68,9 @@ def _int4_awq_gemv_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, M, N, K: tl.constexp
     offs_j = tl.arange(0, HALF_K)  # byte j of the chunk: input columns 2j and 2j + 1
     offs_g = tl.arange(0, GROUPS)
     mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)  # input column of the chunk
     mask_m = offs_m < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         # masks and offsets over contiguous ranges (bytes, input columns), so that the loads are vectorised
         mask_j = k0 // 2 + offs_j < K // 2
