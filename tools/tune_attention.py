@@ -11,13 +11,12 @@ KV bandwidth against the H200's ~4.3 TB/s. The winners become the defaults of ``
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import sys
 
-from bench_kernels import HEAD_DIM, NUM_KV_HEADS, PEAK_BANDWIDTH, make_case
-from sweep import grid, measure_or_skip, write_results
+from bench_kernels import HEAD_DIM, NUM_KV_HEADS, make_case
+from sweep import bandwidth_text, grid, has_cuda, measure_or_skip, sweep_parser, tb_per_s, write_results
 
 DECODE_GRID = dict(block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3, 4], partition_size=[None])
 PARTITION_SIZES = [512, 2048]  # tried with the best decode configuration (None: decode_partition_size's choice)
@@ -28,15 +27,12 @@ CASES.append(("prefill 1k", [1024], [1024], "varlen"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = sweep_parser(__doc__, rep_ms=30)
     parser.add_argument("--kv-dtypes", default="bf16,fp8", help="comma-separated subset of bf16,fp8")
-    parser.add_argument("--rep", type=int, default=30, help="do_bench_cudagraph time per config in ms (default 30)")
-    parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        print("tune_attention: no CUDA GPU; run it on the GPU machine", file=sys.stderr)
+    if not has_cuda("tune_attention"):
         return 2
     from triton.testing import do_bench_cudagraph
 
@@ -67,13 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         default_us, _ = timed({})
         best_us, best_err, best = min(runs, key=lambda r: r[0])
         row = {"case": name, "kv_dtype": kv_dtype, "best": best, "best_us": best_us, "best_max_abs_err": best_err,
-               "default_us": default_us, "best_tb_per_s": kv_bytes / best_us / 1e6,
-               "default_tb_per_s": kv_bytes / default_us / 1e6,
+               "default_us": default_us, "best_tb_per_s": tb_per_s(kv_bytes, best_us),
+               "default_tb_per_s": tb_per_s(kv_bytes, default_us),
                "all": [{"us": us, "max_abs_err": err, **cfg} for us, err, cfg in runs]}
         results.append(row)
-        print(f"{name:<18} {kv_dtype:<4} best {best_us:8.1f} us ({row['best_tb_per_s']:4.2f} TB/s, "
-              f"{row['best_tb_per_s'] * 1e14 / PEAK_BANDWIDTH:3.0f}%, err {best_err:.1e})  default {default_us:8.1f} "
-              f"us ({row['default_tb_per_s']:4.2f} TB/s)  {best}", flush=True)
+        print(f"{name:<18} {kv_dtype:<4} best {best_us:8.1f} us ({bandwidth_text(row['best_tb_per_s'])}, err "
+              f"{best_err:.1e})  default {default_us:8.1f} us ({row['default_tb_per_s']:4.2f} TB/s)  {best}",
+              flush=True)
     write_results(args.json, results)
     return 0
 

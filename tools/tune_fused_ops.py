@@ -11,14 +11,12 @@ the defaults of ``rms_norm`` / ``silu_and_mul``.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import sys
 from pathlib import Path
 
-from bench_kernels import PEAK_BANDWIDTH
-from sweep import grid, measure_or_skip, write_results
+from sweep import bandwidth_text, grid, has_cuda, measure_or_skip, sweep_parser, tb_per_s, write_results
 
 from engines.native_checkpoint import parse_architecture, read_json
 from engines.native_tuning import WEIGHT_COPIES, graph_time_us
@@ -29,20 +27,17 @@ SILU_GRID = dict(block=[256, 512, 1024, 2048, 4096], num_warps=[1, 2, 4, 8])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = sweep_parser(__doc__, rep_ms=20)
     parser.add_argument("--arch", type=Path, default=REPO / "configs/models/llama3-8b.json",
                         help="architecture file")
     parser.add_argument("--m", default="1,256,1000", help="comma-separated token counts (default 1,256,1000)")
-    parser.add_argument("--rep", type=int, default=20, help="do_bench time per config in ms (default 20)")
-    parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     import torch
 
     from runtime.kernels.rms_norm import rms_norm
     from runtime.kernels.silu_mul import silu_and_mul
 
-    if not torch.cuda.is_available():
-        print("tune_fused_ops: no CUDA GPU; run it on the GPU machine", file=sys.stderr)
+    if not has_cuda("tune_fused_ops"):
         return 2
     arch = parse_architecture(read_json(args.arch), {}, args.arch)
     hidden, inter = arch.hidden_size, arch.intermediate_size
@@ -82,12 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         default_us, _ = timed({})
         best_us, best_same, best = min(runs, key=lambda r: r[0])
         row = {"op": op, "m": m, "best": best, "best_us": best_us, "best_identical": best_same,
-               "default_us": default_us, "best_tb_per_s": nbytes / best_us / 1e6,
+               "default_us": default_us, "best_tb_per_s": tb_per_s(nbytes, best_us),
                "all": [{"us": us, "identical": same, **cfg} for us, same, cfg in runs]}
         results.append(row)
-        print(f"{op:<13} M={m:<5} best {best_us:7.2f} us ({row['best_tb_per_s']:4.2f} TB/s, "
-              f"{row['best_tb_per_s'] * 1e14 / PEAK_BANDWIDTH:3.0f}%, identical {best_same})  default "
-              f"{default_us:7.2f} us  {best}", flush=True)
+        print(f"{op:<13} M={m:<5} best {best_us:7.2f} us ({bandwidth_text(row['best_tb_per_s'])}, identical "
+              f"{best_same})  default {default_us:7.2f} us  {best}", flush=True)
     write_results(args.json, results)
     return 0
 

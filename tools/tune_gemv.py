@@ -10,12 +10,11 @@ bandwidth against the H200's ~4.3 TB/s. The winners become the table in ``fp8_ge
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 
-from bench_linears import GROUP_SIZE, PEAK_BANDWIDTH, SHAPES, WEIGHT_COPIES, graph_time_us, make_operands, weight_bytes
-from sweep import grid, measure_or_skip, write_results
+from bench_linears import GROUP_SIZE, SHAPES, WEIGHT_COPIES, graph_time_us, make_operands, weight_bytes
+from sweep import bandwidth_text, grid, has_cuda, measure_or_skip, sweep_parser, tb_per_s, write_results
 
 FP8_ROW_GRID = dict(BLOCK_M=[1], BLOCK_N=[4, 8, 16], BLOCK_K=[512, 1024], num_warps=[4, 8], num_stages=[2, 4])
 INT4_ROW_GRID = dict(BLOCK_N=[4, 8, 16], GROUPS=[4, 8], num_warps=[4, 8], num_stages=[3])
@@ -29,19 +28,16 @@ def configs(kernel: str, m: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = sweep_parser(__doc__, rep_ms=20)
     parser.add_argument("--m", default="1,4,16", help="comma-separated token counts (default 1,4,16)")
     parser.add_argument("--kernels", default="fp8,int4", help="comma-separated subset of fp8,int4")
-    parser.add_argument("--rep", type=int, default=20, help="do_bench measuring time per config in ms (default 20)")
-    parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     import torch
 
     from runtime.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config
     from runtime.kernels.int4_gemv import int4_awq_gemv, int4_gemv_config
 
-    if not torch.cuda.is_available():
-        print("tune_gemv: no CUDA GPU; run it on the GPU machine", file=sys.stderr)
+    if not has_cuda("tune_gemv"):
         return 2
     results = []
     for (name, k, n), m, kernel in itertools.product(SHAPES, map(int, args.m.split(",")), args.kernels.split(",")):
@@ -66,11 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         default_us = graph_time_us(calls(default), args.rep)
         best_us, best = min(timed, key=lambda t: t[0])
         row = {"kernel": kernel, "shape": name, "k": k, "n": n, "m": m, "best": best, "best_us": best_us,
-               "best_tb_per_s": nbytes / best_us / 1e6, "default": default, "default_us": default_us}
+               "best_tb_per_s": tb_per_s(nbytes, best_us), "default": default, "default_us": default_us}
         results.append(row)
-        print(f"{kernel:<5} {name:<8} M={m:<3} best {row['best_us']:7.1f} us ({row['best_tb_per_s']:4.2f} TB/s, "
-              f"{row['best_tb_per_s'] * 1e14 / PEAK_BANDWIDTH:3.0f}%)  default {row['default_us']:7.1f} us  {best}",
-              flush=True)
+        print(f"{kernel:<5} {name:<8} M={m:<3} best {row['best_us']:7.1f} us ({bandwidth_text(row['best_tb_per_s'])})"
+              f"  default {row['default_us']:7.1f} us  {best}", flush=True)
     write_results(args.json, results)
     return 0
 
