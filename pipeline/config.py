@@ -50,7 +50,7 @@ class BuildSection(_Section):
     max_input_len: PositiveInt = 1024
     max_seq_len: PositiveInt = 2048
     max_num_tokens: PositiveInt = 2048
-    tokens_per_block: PositiveInt = 16
+    tokens_per_block: PositiveInt = 32
     tp_size: PositiveInt = 1
     pp_size: PositiveInt = 1
     workers: PositiveInt = Field(1, description="Parallel build workers (not part of the cache key).")

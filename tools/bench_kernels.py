@@ -34,21 +34,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_case(query_lens, seq_lens, kv_dtype, generator):
+def make_case(query_lens, seq_lens, kv_dtype, generator, block_size: int = BLOCK_SIZE):
     import torch
 
     from runtime.attention_metadata import AttentionMetadata
     from runtime.kv_cache import token_major
 
-    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 1
     order = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()  # scattered blocks, 0 is padding
     tables = []
     for n in blocks_per_seq:
         tables.append(order[:n])
         order = order[n:]
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, "cuda")
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cuda")
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     scales = (None, None)

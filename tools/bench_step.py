@@ -32,7 +32,6 @@ from runtime.kv_cache import allocate_kv_cache
 from runtime.model.llama import LlamaModel
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCK = 32
 RANDOM_SCALES = {"weight_scale": 0.02 / 64, "input_scale": 0.05, "scales": 0.002, "pre_quant_scale": 1.0,
                  "k_scale": 1.0, "v_scale": 1.0}
 
@@ -47,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16",
                         help="KV cache dtype (default bfloat16; float8_e4m3fn with unit scales)")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (default 20)")
+    parser.add_argument("--block-size", type=int, default=32,
+                        help="tokens per KV block (default 32, a build config's default tokens_per_block)")
     parser.add_argument("--kv-blocks", type=int, help="KV pool size in blocks (default: just what the batch needs)")
     parser.add_argument("--block-order", choices=["sequential", "random"], default="sequential",
                         help="how sequences' blocks lie in the pool (default sequential)")
@@ -62,11 +63,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def engine_config(arch_file: Path, fmt: str, max_batch: int, max_seq_len: int, max_num_tokens: int,
-                  kv_cache_dtype: str) -> EngineConfig:
+                  kv_cache_dtype: str, block_size: int) -> EngineConfig:
     arch = parse_architecture(read_json(arch_file), {}, arch_file)
     quant = QuantizationConfig(format=fmt, group_size=128 if fmt == "int4_awq" else None)
     plan = BuildPlan(max_batch_size=max_batch, max_input_len=max_num_tokens, max_seq_len=max_seq_len,
-                     max_num_tokens=max_num_tokens, tokens_per_block=BLOCK, kv_cache_dtype=kv_cache_dtype)
+                     max_num_tokens=max_num_tokens, tokens_per_block=block_size, kv_cache_dtype=kv_cache_dtype)
     return EngineConfig(architecture=arch, dtype="bfloat16", quantization=quant, plan=plan, fingerprint={})
 
 
@@ -104,9 +105,9 @@ def decode_step(batch: int, context: int, blocks_per_seq: int, block_order: list
     return [(7 * i) % 1000 for i in range(batch)], [context] * batch, [context + 1] * batch, tables
 
 
-def eager_inputs(step: Step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def eager_inputs(step: Step, block_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     token_ids, positions, seq_lens, tables = step
-    meta = AttentionMetadata.build([1] * len(token_ids), seq_lens, tables, BLOCK, "cuda")
+    meta = AttentionMetadata.build([1] * len(token_ids), seq_lens, tables, block_size, "cuda")
     return torch.tensor(token_ids, device="cuda"), torch.tensor(positions, device="cuda"), meta
 
 
@@ -125,13 +126,14 @@ def time_ms(fn, repeats: int) -> float:
 
 
 def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict:
-    max_seq_len = -(-max(args.context + 1, args.prefill) // BLOCK) * BLOCK
+    block = args.block_size
+    max_seq_len = -(-max(args.context + 1, args.prefill) // block) * block
     config = engine_config(Path(args.arch), fmt, max(batches), max_seq_len, max(args.prefill, max(batches)),
-                           args.kv_cache_dtype)
+                           args.kv_cache_dtype, block)
     with torch.device("cuda"):
         model = LlamaModel(config, torch.bfloat16).eval()
     streamed = randomize(model)
-    blocks_per_seq = max_seq_len // BLOCK
+    blocks_per_seq = max_seq_len // block
     num_blocks = max(args.kv_blocks or 0, 1 + max(batches) * blocks_per_seq)
     kv_caches = allocate_kv_cache(config, num_blocks, "cuda")
     if args.fill_kv:  # values like a running engine's (a zeroed cache makes the tensor cores draw less power)
@@ -149,7 +151,7 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
             graphs = DecodeGraphRunner(model, kv_caches, config, torch.device("cuda"), batch_sizes=(batch,))
             step_ms = time_ms(lambda g=graphs, a=step: g.run(*a), args.steps)
             replay_ms = time_ms(graphs.graphs[batch].replay, args.steps)
-            eager = eager_inputs(step)
+            eager = eager_inputs(step, block)
             eager_ms = time_ms(lambda a=eager: forward_logits(model, kv_caches, *a), 5)
             floor_ms = (streamed + batch * (args.context + 1) * kv_per_token) / (args.bandwidth_gbs * 1e6)
             row = {"batch": batch, "step_ms": step_ms, "replay_ms": replay_ms, "eager_ms": eager_ms,
@@ -160,12 +162,12 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
                   f"{100 * row['floor_fraction']:4.1f}%", flush=True)
         if args.profile:
             for batch in sorted({batches[0], batches[-1]}):
-                inputs = eager_inputs(decode_step(batch, args.context, blocks_per_seq, block_order))
+                inputs = eager_inputs(decode_step(batch, args.context, blocks_per_seq, block_order), block)
                 print_profile(f"{fmt} eager decode step, batch {batch}", lambda a=inputs: forward_logits(
                     model, kv_caches, *a))
         if args.prefill:
             tables = [list(range(1, 1 + blocks_per_seq))]
-            meta = AttentionMetadata.build([args.prefill], [args.prefill], tables, BLOCK, "cuda")
+            meta = AttentionMetadata.build([args.prefill], [args.prefill], tables, block, "cuda")
             ids = torch.randint(0, 1000, (args.prefill,), device="cuda")
             pos = torch.arange(args.prefill, device="cuda")
 
@@ -210,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()  # the format's model and KV pool are gone once bench_format returns
     if args.json:
         Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "context": args.context,
+                                               "block_size": args.block_size,
                                                "prefill_tokens": args.prefill, "results": results}, indent=2))
     return 0
 

@@ -15,7 +15,7 @@ import functools
 import itertools
 import sys
 
-from bench_kernels import HEAD_DIM, NUM_KV_HEADS, make_case
+from bench_kernels import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, make_case
 from sweep import bandwidth_text, grid, has_cuda, measure_or_skip, sweep_parser, tb_per_s, write_results
 
 DECODE_GRID = dict(block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3, 4], partition_size=[None])
@@ -29,6 +29,8 @@ CASES.append(("prefill 1k", [1024], [1024], "varlen"))
 def main(argv: list[str] | None = None) -> int:
     parser = sweep_parser(__doc__, rep_ms=30)
     parser.add_argument("--kv-dtypes", default="bf16,fp8", help="comma-separated subset of bf16,fp8")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                        help=f"tokens per KV block (default {BLOCK_SIZE})")
     args = parser.parse_args(argv)
     import torch
 
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     generator = torch.Generator().manual_seed(0)
     for (name, query_lens, seq_lens, kind), kv_dtype in itertools.product(CASES, args.kv_dtypes.split(",")):
-        q, k_cache, v_cache, meta, (k_scale, v_scale) = make_case(query_lens, seq_lens, kv_dtype, generator)
+        q, k_cache, v_cache, meta, (k_scale, v_scale) = make_case(query_lens, seq_lens, kv_dtype, generator,
+                                                                  args.block_size)
         kernel = paged_attention_decode if kind == "decode" else paged_attention_varlen
         call = functools.partial(kernel, q, k_cache, v_cache, meta, HEAD_DIM**-0.5, k_scale, v_scale)
         kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
