@@ -21,6 +21,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], padded with 0
     max_query_len: int
     max_seq_len: int
+    num_decode_seqs: int = 0  # leading sequences of one new token each (a mixed step lists its decodes first)
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -44,4 +45,16 @@ class AttentionMetadata:
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            num_decode_seqs=next((i for i, q_len in enumerate(query_lens) if q_len != 1), len(query_lens)),
         )
+
+    def split_decodes(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """The metadata of the leading ``num_decode_seqs`` sequences and of the rest; each keeps the others' query
+        rows where they are in the flat batch (``query_start_loc`` is not rebased)."""
+        n = self.num_decode_seqs
+        decodes = AttentionMetadata(self.slot_mapping[:n], self.query_start_loc[:n + 1], self.seq_lens[:n],
+                                    self.block_tables[:n], max_query_len=1, max_seq_len=self.max_seq_len,
+                                    num_decode_seqs=n)
+        rest = AttentionMetadata(self.slot_mapping[n:], self.query_start_loc[n:], self.seq_lens[n:],
+                                 self.block_tables[n:], self.max_query_len, self.max_seq_len)
+        return decodes, rest

@@ -23,6 +23,8 @@ NUM_KV_HEADS, NUM_BLOCKS = 2, 48
 # (cached tokens before this step, new tokens this step): a fresh prefill, a chunked prefill continuing a cached
 # prefix, and decodes.
 MIXED = [(0, 21), (37, 18), (40, 1), (5, 1)]
+# a mixed step as the scheduler orders it: decodes first (split-KV), then a prefill and a chunk (varlen)
+DECODES_FIRST = [(40, 1), (5, 1), (99, 1), (0, 21), (37, 18)]
 # decode contexts: shorter than one partition of 32, exactly one, and spanning several
 DECODE_SEQ_LENS = [1, 7, 32, 33, 100, 150]
 
@@ -148,12 +150,32 @@ def test_kernels_refuse_a_v_cache_in_another_layout(device):
         paged_attention_varlen(q, k_cache, v_cache.transpose(2, 3).contiguous().transpose(2, 3), meta, 0.125)
 
 
-@pytest.mark.parametrize("seqs", [MIXED, [(n - 1, 1) for n in DECODE_SEQ_LENS]], ids=["mixed", "decode"])
+@pytest.mark.parametrize("seqs", [MIXED, DECODES_FIRST, [(n - 1, 1) for n in DECODE_SEQ_LENS]],
+                         ids=["mixed", "decodes-first", "decode"])
 def test_dispatcher_has_the_reference_contract(device, seqs):
     q, k_cache, v_cache, meta, _, _ = random_batch(seqs, 2, 64, 16, device)
     out = paged_attention(q, k_cache, v_cache, meta, 0.125)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, paged_attention_reference(q, k_cache, v_cache, meta, 0.125), **tolerance(device))
+
+
+def test_dispatcher_splits_a_mixed_step_over_an_fp8_cache(device):
+    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch(DECODES_FIRST, 4, 64, 32, device, fp8=True)
+    assert meta.num_decode_seqs == 3
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
+    out = paged_attention(q, k_cache, token_major_with_stale_slots(v_cache, meta), meta, 0.125, k_scale, v_scale)
+    torch.testing.assert_close(out, expected, **tolerance(device))
+
+
+def test_split_decodes_keeps_each_part_s_rows_in_place():
+    meta = AttentionMetadata.build([1, 1, 3, 2], [5, 9, 3, 6], [[1], [2], [3], [4]], 16)
+    assert meta.num_decode_seqs == 2
+    decodes, rest = meta.split_decodes()
+    assert decodes.query_start_loc.tolist() == [0, 1, 2] and decodes.seq_lens.tolist() == [5, 9]
+    assert decodes.max_query_len == 1 and decodes.block_tables.tolist() == [[1], [2]]
+    assert rest.query_start_loc.tolist() == [2, 5, 7] and rest.seq_lens.tolist() == [3, 6]
+    assert rest.slot_mapping.tolist() == [48, 49, 50, 68, 69] and rest.num_decode_seqs == 0
+    assert AttentionMetadata.build([3, 1], [3, 4], [[1], [2]], 16).num_decode_seqs == 0
 
 
 @pytest.mark.parametrize(("fp8", "token_major_v"), [(False, False), (True, False), (True, True)],
