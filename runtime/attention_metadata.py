@@ -48,13 +48,9 @@ class AttentionMetadata:
             num_decode_seqs=next((i for i, q_len in enumerate(query_lens) if q_len != 1), len(query_lens)),
         )
 
-    def split_decodes(self) -> tuple[AttentionMetadata, AttentionMetadata]:
-        """The metadata of the leading ``num_decode_seqs`` sequences and of the rest; each keeps the others' query
-        rows where they are in the flat batch (``query_start_loc`` is not rebased)."""
+    def leading_decodes(self) -> AttentionMetadata:
+        """The metadata of the leading ``num_decode_seqs`` sequences alone (their query rows come first)."""
         n = self.num_decode_seqs
-        decodes = AttentionMetadata(self.slot_mapping[:n], self.query_start_loc[:n + 1], self.seq_lens[:n],
-                                    self.block_tables[:n], max_query_len=1, max_seq_len=self.max_seq_len,
-                                    num_decode_seqs=n)
-        rest = AttentionMetadata(self.slot_mapping[n:], self.query_start_loc[n:], self.seq_lens[n:],
-                                 self.block_tables[n:], self.max_query_len, self.max_seq_len)
-        return decodes, rest
+        return AttentionMetadata(self.slot_mapping[:n], self.query_start_loc[:n + 1], self.seq_lens[:n],
+                                 self.block_tables[:n], max_query_len=1, max_seq_len=self.max_seq_len,
+                                 num_decode_seqs=n)

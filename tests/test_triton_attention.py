@@ -159,6 +159,14 @@ def test_dispatcher_has_the_reference_contract(device, seqs):
     torch.testing.assert_close(out, paged_attention_reference(q, k_cache, v_cache, meta, 0.125), **tolerance(device))
 
 
+def test_varlen_kernel_attends_only_the_sequences_from_first_seq_on(device):
+    q, k_cache, v_cache, meta, _, _ = random_batch(DECODES_FIRST, 2, 64, 16, device)
+    out = paged_attention_varlen(q, k_cache, v_cache, meta, 0.125, out=poisoned(q), first_seq=3)
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(out[3:], expected[3:], **tolerance(device))
+    assert out[:3].isnan().all()
+
+
 def test_dispatcher_splits_a_mixed_step_over_an_fp8_cache(device):
     q, k_cache, v_cache, meta, k_scale, v_scale = random_batch(DECODES_FIRST, 4, 64, 32, device, fp8=True)
     assert meta.num_decode_seqs == 3
@@ -167,14 +175,13 @@ def test_dispatcher_splits_a_mixed_step_over_an_fp8_cache(device):
     torch.testing.assert_close(out, expected, **tolerance(device))
 
 
-def test_split_decodes_keeps_each_part_s_rows_in_place():
+def test_leading_decodes_are_the_batch_s_first_single_token_sequences():
     meta = AttentionMetadata.build([1, 1, 3, 2], [5, 9, 3, 6], [[1], [2], [3], [4]], 16)
     assert meta.num_decode_seqs == 2
-    decodes, rest = meta.split_decodes()
+    decodes = meta.leading_decodes()
     assert decodes.query_start_loc.tolist() == [0, 1, 2] and decodes.seq_lens.tolist() == [5, 9]
     assert decodes.max_query_len == 1 and decodes.block_tables.tolist() == [[1], [2]]
-    assert rest.query_start_loc.tolist() == [2, 5, 7] and rest.seq_lens.tolist() == [3, 6]
-    assert rest.slot_mapping.tolist() == [48, 49, 50, 68, 69] and rest.num_decode_seqs == 0
+    assert decodes.slot_mapping.tolist() == [20, 40]
     assert AttentionMetadata.build([3, 1], [3, 4], [[1], [2]], 16).num_decode_seqs == 0
 
 

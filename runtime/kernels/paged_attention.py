@@ -179,16 +179,18 @@ def _attend_range(q, pos, m_i, l_i, acc, start, end, k_cache_ptr, v_cache_ptr, b
     return m_i, l_i, acc
 
 
-@triton.jit
+# Arguments that vary from step to step are not specialised on (divisibility by 16, equality to 1): each new
+# specialisation is a compile in the middle of serving.
+@triton.jit(do_not_specialize=["stride_bt", "first_seq"])
 def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
                    k_scale_ptr, v_scale_ptr, scale_log2, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
                    stride_c_block, stride_c_tok, stride_c_head, stride_v_block, stride_v_head, stride_v_dim,
-                   stride_bt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   stride_bt, first_seq, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
                    FP16: tl.constexpr, PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # query tokens per program; each brings its GROUP heads as rows
     q_tile = tl.program_id(0)
-    seq = tl.program_id(1)
+    seq = tl.program_id(1) + first_seq
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -224,7 +226,7 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "max_partitions"])
 def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                              query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
                              scale_log2, stride_q_tok, stride_q_head, stride_c_block, stride_c_tok, stride_c_head,
@@ -270,7 +272,7 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
              mask=row_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_partitions"])
 def _decode_reduce_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, query_start_loc_ptr, seq_lens_ptr,
                           stride_o_tok, stride_o_head, num_heads, max_partitions,
                           HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -325,11 +327,11 @@ def _fp16_compute(q: torch.Tensor, fp8: bool) -> bool:
 def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, block_m: int = 64, block_n: int | None = None,
-                           num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int | None = None, first_seq: int = 0) -> torch.Tensor:
     """Causal paged attention of any flat batch: q [T, num_heads, head_dim] -> [T, num_heads, head_dim].
 
-    ``out`` (optional, preallocated, same shape and dtype as q) gets the rows of meta's sequences, which are all of
-    q's unless meta holds part of a batch (``AttentionMetadata.split_decodes``); ``block_m`` rows per program
+    Only sequences ``first_seq`` on are attended: ``out`` (optional, preallocated, same shape and dtype as q) gets
+    their rows, which are all of q's when ``first_seq`` is 0; ``block_m`` rows per program
     (query tokens times the GQA group) and ``block_n`` KV tokens per tile are powers of two, at least 16
     (``block_n`` and ``num_stages`` default to ``VARLEN_TILES``).
     """
@@ -341,13 +343,13 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_heads // num_kv_heads
     block_m = max(block_m, triton.next_power_of_2(group), 16)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    num_seqs = meta.seq_lens.shape[0]
+    num_seqs = meta.seq_lens.shape[0] - first_seq
     grid = (triton.cdiv(meta.max_query_len, block_m // group), num_seqs, num_kv_heads)
     _varlen_kernel[grid](
         q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         k_scale if fp8 else q, v_scale if fp8 else q, scale * LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(2), v_cache.stride(3), meta.block_tables.stride(0), GROUP=group, HEAD_DIM=head_dim,
+        v_cache.stride(2), v_cache.stride(3), meta.block_tables.stride(0), first_seq, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=max(block_n, 16),
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16), FP8=fp8, FP16=_fp16_compute(q, fp8),
         PRECISION=_precision(q), V_TOKEN_MAJOR=v_token_major, num_warps=num_warps, num_stages=num_stages)
@@ -359,8 +361,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None, partition_size: int | None = None,
                            block_n: int | None = None, num_warps: int = 4,
                            num_stages: int | None = None) -> torch.Tensor:
-    """Split-KV decode (one new token per sequence): q [num_tokens, num_heads, head_dim] -> same shape, q's rows
-    of meta's sequences attended (every row unless meta holds part of a batch).
+    """Split-KV decode (one new token per sequence): q [num_tokens, num_heads, head_dim] -> same shape, the rows
+    of meta's sequences attended (every row unless meta holds a batch's leading decodes, ``leading_decodes``).
 
     ``out`` as for the varlen kernel. ``partition_size`` (default: ``decode_partition_size``) must be a power of
     two, at least 16 (``block_n`` and ``num_stages`` default to ``DECODE_TILES``); the partial
@@ -414,11 +416,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``paged_attention_reference``: split-KV decode when every q_len is 1, varlen otherwise; a
     mixed step's leading decodes go through the decode kernel (on an H200, varlen reads their long contexts in one
-    program per sequence and KV head and took 60 of a 160 ms step of 504 decodes and 7,688 prefill tokens)."""
+    program per sequence and KV head: 63 of a 168 ms step of 504 decodes and 7,688 prefill tokens, 32 once split).
+    Their partitions are the largest, as the decode graphs of large batches use, so that mixed steps of any size
+    run kernels those graphs compiled."""
     if meta.max_query_len == 1:
         return paged_attention_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
     if meta.num_decode_seqs:
-        decodes, rest = meta.split_decodes()
-        out = paged_attention_decode(q, k_cache, v_cache, decodes, scale, k_scale, v_scale)
-        return paged_attention_varlen(q, k_cache, v_cache, rest, scale, k_scale, v_scale, out=out)
+        out = paged_attention_decode(q, k_cache, v_cache, meta.leading_decodes(), scale, k_scale, v_scale,
+                                     partition_size=MAX_PARTITION_SIZE)
+        return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, out=out,
+                                      first_seq=meta.num_decode_seqs)
     return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
