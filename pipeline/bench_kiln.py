@@ -91,12 +91,20 @@ def measure_kiln(engine_dir: Path, workload: Workload, *, device: str | None, ba
 
 
 def offline_engine_stats(before: dict, after: dict) -> dict:
-    """What the engine did in the offline run: its steps and preemptions, and the batch size, wall time and model
-    time (on a GPU mostly the wait for it; the rest is host work) of its last steps (the recent-step ring: the end
-    of the run, where contexts are longest)."""
+    """What the engine did in the offline run: its steps and preemptions; per step kind (prefill, mixed, decode)
+    the steps, their wall time and model time (on a GPU mostly the wait for it; the rest is host work); and the
+    batch size, wall time and model time of its last steps (the recent-step ring: the end of the run, where
+    contexts are longest)."""
     recent = after["recent_steps"]
+    by_kind = {}
+    for kind, totals in after["steps_by_kind"].items():
+        earlier = before["steps_by_kind"][kind]
+        by_kind[kind] = {"steps": totals["steps"] - earlier["steps"],
+                         "s": round(totals["duration_s"] - earlier["duration_s"], 6),
+                         "execute_s": round(totals["execute_s"] - earlier["execute_s"], 6)}
     return {"steps": after["num_steps"] - before["num_steps"],
             "preemptions": after["num_preemptions"] - before["num_preemptions"],
+            "by_kind": by_kind,
             "last_steps_batch_size_p50": recent["batch_size"].get("p50"),
             "last_steps_ms_p50": recent["duration_ms"].get("p50"),
             "last_steps_execute_ms_p50": recent["execute_ms"].get("p50")}

@@ -30,6 +30,16 @@ class StepStats:
     timestamp: float = field(default_factory=time.time)
 
 
+STEP_KINDS = ("prefill", "mixed", "decode")
+
+
+def step_kind(step: StepStats) -> str:
+    """"prefill" (prompt tokens only), "decode" (one new token per sequence) or "mixed" (both in one step)."""
+    if step.num_prefill_seqs and step.num_decode_seqs:
+        return "mixed"
+    return "prefill" if step.num_prefill_seqs else "decode"
+
+
 def summarize(values: list[float], scale: float = 1.0) -> dict:
     """count, mean, p50, p95, p99 and max of `values` times `scale` (empty: count 0 only)."""
     if not values:
@@ -53,7 +63,8 @@ class EngineStats:
         self._itl: deque[float] = deque(maxlen=latency_history)
         self._e2e: deque[float] = deque(maxlen=latency_history)
         self.num_steps = 0
-        self.num_mixed_steps = 0
+        # per step kind: steps run, their wall time and the part spent running the model (the rest is host work)
+        self.steps_by_kind = {kind: {"steps": 0, "duration_s": 0.0, "execute_s": 0.0} for kind in STEP_KINDS}
         self.num_batched_tokens = 0
         self.num_preemptions = 0
         self.num_generated_tokens = 0
@@ -63,7 +74,10 @@ class EngineStats:
         with self._lock:
             self.recent_steps.append(step)
             self.num_steps += 1
-            self.num_mixed_steps += bool(step.num_prefill_seqs and step.num_decode_seqs)
+            by_kind = self.steps_by_kind[step_kind(step)]
+            by_kind["steps"] += 1
+            by_kind["duration_s"] += step.duration_s
+            by_kind["execute_s"] += step.execute_s
             self.num_batched_tokens += step.num_batched_tokens
             self.num_preemptions += step.num_preempted
             self.num_generated_tokens += num_generated_tokens
@@ -80,7 +94,8 @@ class EngineStats:
         """Counters, a summary of the recent steps, and TTFT / ITL / end-to-end latency summaries in ms."""
         with self._lock:  # copy under the lock the engine step takes; summarise after releasing it
             steps, ttft, itl, e2e = list(self.recent_steps), list(self._ttft), list(self._itl), list(self._e2e)
-            counters = {"num_steps": self.num_steps, "num_mixed_steps": self.num_mixed_steps,
+            counters = {"num_steps": self.num_steps, "num_mixed_steps": self.steps_by_kind["mixed"]["steps"],
+                        "steps_by_kind": {kind: dict(totals) for kind, totals in self.steps_by_kind.items()},
                         "num_batched_tokens": self.num_batched_tokens,
                         "num_generated_tokens": self.num_generated_tokens, "num_preemptions": self.num_preemptions,
                         "requests_finished": dict(self.num_finished)}

@@ -66,7 +66,11 @@ def test_request_arriving_during_decode_joins_the_running_batch(engine_dir, solo
             break
     steps = list(engine.stats.recent_steps)
     assert steps[3].num_decode_seqs == 1 and steps[3].num_prefill_seqs == 1
-    assert engine.stats.num_mixed_steps >= 1
+    by_kind = engine.stats.steps_by_kind  # the first step prefills alone, step 3 mixes, the rest decode
+    assert by_kind["prefill"]["steps"] == 1 and by_kind["mixed"]["steps"] >= 1
+    assert sum(k["steps"] for k in by_kind.values()) == engine.stats.num_steps == len(steps)
+    assert by_kind["decode"]["steps"] == sum(1 for s in steps if s.num_prefill_seqs == 0)
+    assert sum(k["duration_s"] for k in by_kind.values()) == pytest.approx(sum(s.duration_s for s in steps))
     assert outputs["first"].token_ids == solo(first) and outputs["second"].token_ids == solo(second)
 
 

@@ -47,6 +47,13 @@ class _EngineCollector:
         yield CounterMetricFamily("kiln_preemptions", "Requests preempted when KV blocks ran out",
                                   value=stats["num_preemptions"])
         yield CounterMetricFamily("kiln_engine_steps", "Engine steps run", value=stats["num_steps"])
+        step_seconds = CounterMetricFamily("kiln_engine_step_seconds",
+                                           "Wall time of engine steps by kind (prefill, mixed, decode) and part "
+                                           "(execute: running the model; host: the rest)", labels=["kind", "part"])
+        for kind, totals in stats["steps_by_kind"].items():
+            step_seconds.add_metric([kind, "execute"], totals["execute_s"])
+            step_seconds.add_metric([kind, "host"], totals["duration_s"] - totals["execute_s"])
+        yield step_seconds
 
 
 class ServerMetrics:
