@@ -62,11 +62,44 @@ def test_stop_strings_need_the_text():
 
 
 def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
-    logits = torch.log(torch.tensor([0.05, 0.5, 0.15, 0.3]))
-    assert torch.isinf(apply_top_k_top_p(logits, 2, 1.0)).tolist() == [True, False, True, False]
-    assert torch.isinf(apply_top_k_top_p(logits, 0, 0.7)).tolist() == [True, False, True, False]
-    assert torch.isinf(apply_top_k_top_p(logits, 0, 0.85)).tolist() == [True, False, False, False]
-    assert not torch.isinf(apply_top_k_top_p(logits, -1, 1.0)).any()
+    logits = torch.log(torch.tensor([0.05, 0.5, 0.15, 0.3])).expand(5, -1)
+    dropped = torch.isinf(apply_top_k_top_p(logits, [2, 0, 0, -1, 3], [1.0, 0.7, 0.85, 1.0, 0.7])).tolist()
+    assert dropped == [[True, False, True, False], [True, False, True, False], [True, False, False, False],
+                       [False, False, False, False], [True, False, True, False]]
+    assert torch.isinf(apply_top_k_top_p(logits[:2], [2, 1], [1.0, 1.0])).tolist() == [  # top-k alone: torch.topk
+        [True, False, True, False], [True, False, True, True]]
+
+
+def one_row_filter(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The filters' definition, one row at a time."""
+    if 0 < top_k < row.shape[-1]:
+        row = row.masked_fill(row < torch.topk(row, top_k).values[-1], float("-inf"))
+    if top_p < 1.0:
+        sorted_row, order = torch.sort(row, descending=True)
+        probs = sorted_row.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p
+        row = row.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+    return row
+
+
+@pytest.mark.parametrize("with_top_p", [False, True], ids=["top-k-only", "top-k-and-top-p"])
+def test_batched_filters_equal_each_row_filtered_alone(with_top_p):
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=generator) * 3
+    top_k, top_p = [0, 1, 5, 299, 300, 40], [1.0, 0.5, 0.9, 0.99, 0.3, 1.0] if with_top_p else [1.0] * 6
+    expected = torch.stack([one_row_filter(logits[i], top_k[i], top_p[i]) for i in range(6)])
+    torch.testing.assert_close(apply_top_k_top_p(logits, top_k, top_p), expected)
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (2, 1.0), (0, 0.8)], ids=["full", "top-k", "top-p"])
+def test_sampled_frequencies_follow_the_filtered_distribution(top_k, top_p):
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    logits = (probs.log() * 0.7).expand(40_000, -1).contiguous()  # at temperature 0.7: softmax = probs
+    seqs = [Sequence(str(i), [1], SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)) for i in range(40_000)]
+    counts = torch.bincount(torch.tensor(Sampler()(logits, seqs)), minlength=4).double() / 40_000
+    kept = one_row_filter(probs.log(), top_k, top_p).softmax(-1).double()
+    assert (counts[kept == 0] == 0).all()
+    torch.testing.assert_close(counts, kept, atol=0.01, rtol=0)
 
 
 def test_seeded_sampler_rows_do_not_depend_on_the_rest_of_the_batch():
@@ -100,16 +133,19 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily():
 
 
 def test_a_row_that_cannot_be_sampled_gets_a_sampling_error_and_the_others_their_tokens():
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     logits[1, 7] = float("nan")
+    logits[2, 3] = float("inf")
 
     def seqs() -> list[Sequence]:
-        return [Sequence(str(i), [1], SamplingParams(temperature=1.0, seed=i)) for i in range(3)]
+        return [Sequence(str(i), [1], SamplingParams(temperature=1.0, seed=i)) for i in range(4)]
 
     sampled = Sampler()(logits, seqs())
-    assert isinstance(sampled[1], SamplingError) and "request 1: no token could be sampled" in str(sampled[1])
+    for row in (1, 2):
+        assert isinstance(sampled[row], SamplingError)
+        assert f"request {row}: no token could be sampled" in str(sampled[row])
     alone = seqs()
-    assert [sampled[0], sampled[2]] == [Sampler()(logits[[i]], [alone[i]])[0] for i in (0, 2)]
+    assert [sampled[0], sampled[3]] == [Sampler()(logits[[i]], [alone[i]])[0] for i in (0, 3)]
 
 
 def test_top_k_one_equals_greedy(llm):
