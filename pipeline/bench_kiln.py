@@ -91,7 +91,8 @@ def measure_kiln(engine_dir: Path, workload: Workload, *, device: str | None, ba
 
 
 def offline_engine_stats(before: dict, after: dict) -> dict:
-    """What the engine did in the offline run: its steps and preemptions; per step kind (prefill, mixed, decode)
+    """What the engine did in the offline run: its steps, how many were queued behind the previous one on the
+    device (``LLMEngine.step``), and its preemptions; per step kind (prefill, mixed, decode)
     the steps, their wall time and model time (on a GPU mostly the wait for it; the rest is host work); and the
     batch size, wall time and model time of its last steps (the recent-step ring: the end of the run, where
     contexts are longest)."""
@@ -103,6 +104,7 @@ def offline_engine_stats(before: dict, after: dict) -> dict:
                          "s": round(totals["duration_s"] - earlier["duration_s"], 6),
                          "execute_s": round(totals["execute_s"] - earlier["execute_s"], 6)}
     return {"steps": after["num_steps"] - before["num_steps"],
+            "steps_queued_ahead": after["num_steps_queued_ahead"] - before["num_steps_queued_ahead"],
             "preemptions": after["num_preemptions"] - before["num_preemptions"],
             "by_kind": by_kind,
             "last_steps_batch_size_p50": recent["batch_size"].get("p50"),

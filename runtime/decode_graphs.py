@@ -45,11 +45,13 @@ class DecodeGraphRunner:
         self.max_batch_size = max_bs = self.batch_sizes[-1]
         self.block_size = plan.tokens_per_block
         blocks_per_seq = -(-plan.max_seq_len // self.block_size)
-        # The step's metadata is written into two pinned host buffers and reaches the device in two copies:
-        # int64 rows (token ids, positions, KV slots) and int32 (context lengths, then the block tables).
+        # The step's metadata is written into pinned host buffers and reaches the device in two copies: int64 rows
+        # (token ids, positions, KV slots) and int32 (context lengths, then the block tables). Steps alternate
+        # between two sets of host buffers: a step may be staged while the previous one is still queued on the
+        # device, its copies not yet done (the engine overlaps steps); the one before that has been collected.
         pinned = self.device.type == "cuda"
-        self.host_i64 = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pinned)
-        self.host_i32 = torch.zeros(max_bs * (1 + blocks_per_seq), dtype=torch.int32, pin_memory=pinned)
+        self.staging = [_HostStaging(max_bs, blocks_per_seq, pinned) for _ in range(2)]
+        self._next_staging = 0
         self.dev_i64 = torch.zeros(3, max_bs, dtype=torch.int64, device=self.device)
         self.dev_i32 = torch.zeros(max_bs * (1 + blocks_per_seq), dtype=torch.int32, device=self.device)
         self.input_ids, self.positions, self.slot_mapping = self.dev_i64
@@ -58,7 +60,6 @@ class DecodeGraphRunner:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
-        self._row_tables: list[tuple[list[int] | None, int]] = [(None, 0)] * max_bs  # (list, entries) each row holds
         self.metas = {
             bs: AttentionMetadata(slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
                                   seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
@@ -78,16 +79,19 @@ class DecodeGraphRunner:
         """Whether a step with these query lengths is a pure decode that a bucket holds."""
         return 0 < len(query_lens) <= self.max_batch_size and all(q == 1 for q in query_lens)
 
-    def run(self, token_ids: list[int], positions: list[int], seq_lens: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, token_ids: list[int], positions: list[int], seq_lens: list[int], block_tables: list[list[int]],
+            device_token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits [n, vocab] of a decode step of n sequences (token ``token_ids[i]`` at ``positions[i]``,
-        context ``seq_lens[i]`` tokens including it); K/V stored as usual.
+        context ``seq_lens[i]`` tokens including it); K/V stored as usual. ``device_token_ids`` (n, on the device)
+        replaces ``token_ids``: tokens a step still running on the device samples.
 
         On the graph path the result is a view of the bucket's output buffer, valid until the next ``run``.
         """
         n = len(token_ids)
         bs = self.bucket(n)
         self._stage(token_ids, positions, seq_lens, block_tables, bs)
+        if device_token_ids is not None:
+            self.input_ids[:n].copy_(device_token_ids)  # after the staged copy, in stream order
         if bs in self.graphs:
             self.graphs[bs].replay()
             return self.logits[bs][:n]
@@ -103,23 +107,26 @@ class DecodeGraphRunner:
         the entries it has. Entries past a table's end may be stale; attention never reads past a context."""
         n = len(token_ids)
         max_bs, block = self.max_batch_size, self.block_size
-        i64, i32 = self.host_i64.numpy(), self.host_i32.numpy()
+        staging = self.staging[self._next_staging]
+        self._next_staging ^= 1
+        i64, i32 = staging.i64.numpy(), staging.i32.numpy()
         tables = i32[max_bs:].reshape(max_bs, -1)
         i64[0, :n], i64[1, :n] = token_ids, positions
         i64[2, :n] = [table[pos // block] * block + pos % block for pos, table in zip(positions, block_tables,
                                                                                      strict=True)]
         i64[:, n:bs] = ((0,), (0,), (-1,))
         i32[:n], i32[n:bs] = seq_lens, 1
+        row_tables = staging.row_tables
         for i, table in enumerate(block_tables):  # seq_len <= max_seq_len: every table fits its row
-            held, written = self._row_tables[i]
+            held, written = row_tables[i]
             start = written if held is table else 0
             if start < len(table):
                 tables[i, start:len(table)] = table[start:]
-                self._row_tables[i] = (table, len(table))
+                row_tables[i] = (table, len(table))
         tables[n:bs, 0] = 0
-        self._row_tables[n:bs] = [(None, 0)] * (bs - n)
-        self.dev_i64.copy_(self.host_i64, non_blocking=True)  # the host buffers are rewritten only after the step's
-        self.dev_i32.copy_(self.host_i32, non_blocking=True)  # tokens reached the host, so the copies are done
+        row_tables[n:bs] = [(None, 0)] * (bs - n)
+        self.dev_i64.copy_(staging.i64, non_blocking=True)
+        self.dev_i32.copy_(staging.i32, non_blocking=True)
 
     def _forward(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.metas[bs], self.kv_caches)
@@ -129,6 +136,16 @@ class DecodeGraphRunner:
         """Capture every bucket (``capture_graphs``); the static buffers hold padding only, so neither the warm-up nor
         the capture writes the KV cache."""
         self.graphs, self.logits = capture_graphs(self.device, self.batch_sizes, self._forward)
+
+
+class _HostStaging:
+    """One set of pinned host buffers for a step's metadata, and the block-table list each row was last written
+    from with the number of entries written (so that an unchanged row is not rewritten)."""
+
+    def __init__(self, max_bs: int, blocks_per_seq: int, pinned: bool) -> None:
+        self.i64 = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pinned)
+        self.i32 = torch.zeros(max_bs * (1 + blocks_per_seq), dtype=torch.int32, pin_memory=pinned)
+        self.row_tables: list[tuple[list[int] | None, int]] = [(None, 0)] * max_bs
 
 
 def maybe_capture_decode_graphs(model: LlamaModel, kv_caches: list[KVCache], config: EngineConfig,

@@ -9,6 +9,9 @@
 - ``KILN_CUDA_GRAPHS``: ``1`` (default) captures CUDA graphs at load on CUDA, for decode steps per batch-size bucket
   and for single-sequence prefill steps per token-count bucket; ``0`` runs every step eagerly. Graphs need the Triton
   kernels (the reference attention reads lengths on the host).
+- ``KILN_OVERLAP_STEPS``: ``1`` (default) lets the engine queue the next pure decode step on the device before it
+  reads the current step's tokens, feeding them to it on the device, so that the host's scheduling and
+  postprocessing overlap the device's work; ``0`` runs each step to completion first.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ KERNELS = _choice("KILN_KERNELS", "triton", ("triton", "torch"))
 LINEAR_MAX_M = _positive_int_or_none("KILN_LINEAR_MAX_M")
 CUDA_GRAPHS_SETTING = os.environ.get("KILN_CUDA_GRAPHS")  # None: the default (on where the Triton kernels run)
 _choice("KILN_CUDA_GRAPHS", "1", ("0", "1"))
+OVERLAP_STEPS = _choice("KILN_OVERLAP_STEPS", "1", ("0", "1")) == "1"
 
 
 def use_triton(x: torch.Tensor) -> bool:

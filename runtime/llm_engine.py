@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
+from runtime import kernel_config
 from runtime.block_manager import BlockManager
 from runtime.engine_format import EngineConfig
 from runtime.errors import InvalidRequestError, KilnError
 from runtime.fingerprint import check_fingerprint, machine_fingerprint
 from runtime.limits import EngineLimits
-from runtime.model_runner import ModelRunner
+from runtime.model_runner import LaunchedStep, ModelRunner
 from runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta, stop_reason
 from runtime.sampler import SamplingError
 from runtime.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ class LLMEngine:
     """Single-threaded core: requests in, one step at a time, deltas out. `LLM` drives it from a thread."""
 
     def __init__(self, engine_dir: Path, *, device: str | torch.device | None = None,
-                 num_kv_blocks: int | None = None) -> None:
+                 num_kv_blocks: int | None = None, overlap_steps: bool | None = None) -> None:
         engine_dir = Path(engine_dir)
         self.config = EngineConfig.load(engine_dir)
         self.device = resolve_device(device, self.config)
@@ -56,6 +57,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
         self.stats = EngineStats()
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
+        # queue the next pure decode step before reading this one's tokens (default: KILN_OVERLAP_STEPS)
+        self.overlap_steps = kernel_config.OVERLAP_STEPS if overlap_steps is None else overlap_steps
+        self._in_flight: LaunchedStep | None = None  # a step queued on the device, collected by the next step()
 
     def close(self) -> None:
         """Nothing to release beyond what garbage collection frees (the engine interface TensorRT-LLM's needs)."""
@@ -82,19 +86,36 @@ class LLMEngine:
         return self._emit(seq, [])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[StreamDelta | RequestFailure]:
-        """One step: what each sampled request gained, or why it failed (the others are unaffected)."""
+        """One step: what each sampled request gained, or why it failed (the others are unaffected).
+
+        With ``overlap_steps``, a pure decode step that the next one can follow without knowing its tokens
+        (``Scheduler.schedule_ahead``) has that next step queued behind it on the device before its tokens are
+        read; the next call collects it. A request that finishes meanwhile (a stop token, an abort) drops what the
+        queued step computed for it."""
         start = time.perf_counter()
-        out = self.scheduler.schedule()
-        execute_start = time.perf_counter()
-        sampled = self.model_runner.execute(out) if out.scheduled else {}
+        launched, self._in_flight = self._in_flight, None
+        queued_ahead = launched is not None
+        if launched is None:
+            out = self.scheduler.schedule()
+            execute_start = time.perf_counter()
+            if not out.scheduled:
+                self.scheduler.update_computed(out)
+                self._record_step(out, 0, time.perf_counter() - start, 0.0)
+                return []
+            launched = self.model_runner.launch(out)
+        else:
+            execute_start = time.perf_counter()
+        if self.overlap_steps and (ahead := self.scheduler.schedule_ahead(launched.out)) is not None:
+            self._in_flight = self.model_runner.launch(ahead, after=launched)
+        sampled = self.model_runner.collect(launched)
         execute_s = time.perf_counter() - execute_start
-        self.scheduler.update_computed(out)
+        self.scheduler.update_computed(launched.out)
         now = time.monotonic()  # every token of the step reached the host together
-        results = [self._postprocess(seq, token_id, now) for seq, token_id in sampled.items()]
-        self._record_step(out, len(sampled), time.perf_counter() - start, execute_s)
+        results = [self._postprocess(seq, token_id, now) for seq, token_id in sampled.items() if not seq.is_finished]
+        self._record_step(launched.out, len(results), time.perf_counter() - start, execute_s, queued_ahead)
         return results
 
     def _postprocess(self, seq: Sequence, token_id: int | SamplingError, now: float) -> StreamDelta | RequestFailure:
@@ -133,14 +154,16 @@ class LLMEngine:
             self.stats.record_finished(seq)
         return step_delta(seq, detokenizer, new_token_ids)
 
-    def _record_step(self, out: SchedulerOutput, num_sampled: int, duration_s: float, execute_s: float) -> None:
+    def _record_step(self, out: SchedulerOutput, num_sampled: int, duration_s: float, execute_s: float,
+                     queued_ahead: bool = False) -> None:
         bm = self.block_manager
         self.stats.record_step(StepStats(
             step=self.stats.num_steps, num_seqs=len(out.scheduled), num_batched_tokens=out.num_batched_tokens,
             num_prefill_seqs=out.num_prefill_seqs, num_decode_seqs=out.num_decode_seqs,
             num_preempted=out.num_preempted, num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
-            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens, duration_s=duration_s, execute_s=execute_s),
+            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens, duration_s=duration_s, execute_s=execute_s,
+            queued_ahead=queued_ahead),
             num_sampled)
 
     def stats_snapshot(self) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from runtime.errors import KilnError
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from runtime.model.llama import LlamaModel
 from runtime.prefill_graphs import maybe_capture_prefill_graphs
-from runtime.sampler import Sampler, SamplingError
+from runtime.sampler import Draw, Sampler, SamplingError, device_tensor
 from runtime.scheduler import SchedulerOutput
 from runtime.sequence import Sequence
 
@@ -29,6 +30,23 @@ CPU_KV_MAX_BYTES = 2 << 30
 
 class InsufficientKVMemoryError(KilnError):
     """The KV pool cannot hold even one sequence of the engine's max_seq_len."""
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose model run and sampling are queued on the device; ``ModelRunner.collect`` waits for its tokens."""
+
+    out: SchedulerOutput
+    sample_seqs: list[Sequence]  # the sequences that get a token, in the order of ``drawn``'s rows
+    drawn: Draw | None
+    host_tokens: torch.Tensor | None  # the tokens' copy on the host, complete once ``ready`` has fired
+    ready: torch.cuda.Event | None
+
+    def tokens_for(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The device tokens sampled for ``seqs`` (all among ``sample_seqs``): the next step's input ids."""
+        row = {seq: i for i, seq in enumerate(self.sample_seqs)}
+        index = device_tensor([row[seq] for seq in seqs], torch.long, self.drawn.tokens.device)
+        return self.drawn.tokens[index].clamp_(min=0)  # a failed row's -1 (its request is finished by then)
 
 
 class ModelRunner:
@@ -64,34 +82,61 @@ class ModelRunner:
             return max(0, min(int(usable // block_bytes), GPU_KV_MAX_PLAN_MULTIPLE * plan_blocks))
         return min(plan_blocks, CPU_KV_MAX_BYTES // block_bytes)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[Sequence, int | SamplingError]:
         """Run the scheduled tokens; return the sampled token of every sequence whose step reached its last token
         (a prefill chunk that stops short of the end of the prompt samples nothing), or the SamplingError of one
         that could not be sampled."""
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's model run and sampling on the device and return without waiting for them.
+
+        With ``after`` (a launched pure decode step not yet collected), ``out`` is the decode step that follows it
+        for some of its sequences: each decodes the token ``after`` samples for it, one position past the tokens
+        the scheduler has recorded, and its input id is taken from ``after``'s tokens on the device."""
         seqs = list(out.scheduled)
         query_lens = list(out.scheduled.values())
+        ahead = after is not None
         input_ids, positions, seq_lens = [], [], []
         for seq, query_len in zip(seqs, query_lens, strict=True):
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + query_len])
+            start = seq.num_computed_tokens + ahead
+            input_ids.extend([0] * query_len if ahead else seq.token_ids[start:start + query_len])
             positions.extend(range(start, start + query_len))
             seq_lens.append(start + query_len)
-        rows = [i for i, seq in enumerate(seqs) if seq_lens[i] == seq.num_tokens]
+        rows = list(range(len(seqs))) if ahead else [i for i, seq in enumerate(seqs) if seq_lens[i] == seq.num_tokens]
+        fed_ids = after.tokens_for(seqs) if ahead else None
         block_tables = [seq.block_table for seq in seqs]
         if self.decode_graphs is not None and self.decode_graphs.fits(query_lens):
-            logits = self.decode_graphs.run(input_ids, positions, seq_lens, block_tables)  # one row per sequence
+            logits = self.decode_graphs.run(input_ids, positions, seq_lens, block_tables, fed_ids)  # a row a sequence
             logits = logits[rows] if len(rows) < len(seqs) else logits
-        elif self.prefill_graphs is not None and self.prefill_graphs.fits(query_lens):
+        elif not ahead and self.prefill_graphs is not None and self.prefill_graphs.fits(query_lens):
             logits = self.prefill_graphs.run(input_ids, positions, seq_lens[0], block_tables[0])  # the last token's
         else:
             meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
-            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                                torch.tensor(positions, dtype=torch.long, device=self.device), meta, self.kv_caches)
+            ids = fed_ids if ahead else torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=self.device), meta,
+                                self.kv_caches)
             ends = list(accumulate(query_lens))
             last_token_index = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden[last_token_index])
-        if not rows:
-            return {}
         sample_seqs = [seqs[i] for i in rows]
-        return dict(zip(sample_seqs, self.sampler(logits, sample_seqs), strict=True))
+        if not rows:
+            return LaunchedStep(out, [], None, None, None)
+        drawn = self.sampler.draw(logits, sample_seqs)
+        if self.device.type != "cuda":
+            return LaunchedStep(out, sample_seqs, drawn, drawn.tokens, None)
+        host_tokens = torch.empty(drawn.tokens.shape, dtype=drawn.tokens.dtype, pin_memory=True)
+        host_tokens.copy_(drawn.tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(out, sample_seqs, drawn, host_tokens, ready)
+
+    @staticmethod
+    def collect(step: LaunchedStep) -> dict[Sequence, int | SamplingError]:
+        """Wait for a launched step's tokens: each sampled sequence's token or SamplingError."""
+        if step.drawn is None:
+            return {}
+        if step.ready is not None:
+            step.ready.synchronize()
+        return dict(zip(step.sample_seqs, step.drawn.resolve(step.host_tokens.tolist()), strict=True))

@@ -10,6 +10,7 @@ generator, so its tokens do not depend on what else shares the batch; unseeded r
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -23,13 +24,20 @@ class SamplingError(KilnError):
     request fails."""
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without waiting for the work queued there: through pinned memory on CUDA (a copy
+    from pageable memory may synchronise with the stream)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Set to -inf, in each row i of ``logits`` [n, vocab], the logits outside its ``top_k[i]`` most likely tokens
     (ties kept) and then outside the smallest set whose probability reaches ``top_p[i]``. A ``top_k`` <= 0 or >=
     vocab and a ``top_p`` of 1 disable each filter for that row. Top-k alone takes ``torch.topk``; top-p sorts."""
     vocab, device = logits.shape[-1], logits.device
     k = [kk if 0 < kk < vocab else 0 for kk in top_k]
-    kept = torch.tensor(k, device=device).unsqueeze(-1)  # 0: no top-k for the row
+    kept = device_tensor(k, torch.long, device).unsqueeze(-1)  # 0: no top-k for the row
     if any(p < 1.0 for p in top_p):
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # ties: the same order alone
         kth = sorted_logits.gather(-1, (kept - 1).clamp_(min=0))
@@ -40,7 +48,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     if all(p >= 1.0 for p in top_p):
         return logits
     probs = sorted_logits.masked_fill(sorted_logits < kth, float("-inf")).softmax(-1)
-    limit = torch.tensor(top_p, dtype=probs.dtype, device=device).unsqueeze(-1)
+    limit = device_tensor(top_p, probs.dtype, device).unsqueeze(-1)
     drop = (probs.cumsum(-1) - probs >= limit) & (limit < 1.0)
     return logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
 
@@ -50,6 +58,30 @@ def request_generator(params: SamplingParams, device: torch.device) -> torch.Gen
     generator = torch.Generator(device=device)
     generator.manual_seed(params.seed if params.seed is not None else random.SystemRandom().getrandbits(63))
     return generator
+
+
+@dataclass
+class Draw:
+    """One token per row, still on the device (-1 where a sampled row had a NaN or +inf logit), and the rows that
+    failed before drawing."""
+
+    tokens: torch.Tensor
+    seqs: list[Sequence]
+    failed: dict[int, SamplingError]
+
+    def resolve(self, tokens: list[int]) -> list[int | SamplingError]:
+        """The rows' tokens (``tokens``: ``self.tokens`` on the host) with each failed row's SamplingError."""
+        sampled: list[int | SamplingError] = list(tokens)
+        for row, seq in enumerate(self.seqs):
+            if row in self.failed:
+                sampled[row] = self.failed[row]
+            elif tokens[row] < 0:
+                sampled[row] = sampling_error(seq, ValueError("non-finite probabilities"))
+        return sampled
+
+
+def sampling_error(seq: Sequence, e: Exception) -> SamplingError:
+    return SamplingError(f"request {seq.request_id}: no token could be sampled ({type(e).__name__}: {e})")
 
 
 class Sampler:
@@ -62,6 +94,11 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}  # the unseeded rows' shared one, per device
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | SamplingError]:
+        drawn = self.draw(logits, seqs)
+        return drawn.resolve(drawn.tokens.tolist())
+
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> Draw:
+        """The rows' tokens queued on the device (nothing waits for them)."""
         tokens = logits.argmax(dim=-1)
         failed: dict[int, SamplingError] = {}
         for row, seq in enumerate(seqs):
@@ -69,18 +106,12 @@ class Sampler:
                 try:
                     seq.generator = request_generator(seq.params, logits.device)
                 except (RuntimeError, ValueError) as e:
-                    failed[row] = self._error(seq, e)
+                    failed[row] = sampling_error(seq, e)
         rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy and row not in failed]
         if rows:
-            index = torch.tensor(rows, device=logits.device)
+            index = device_tensor(rows, torch.long, logits.device)
             tokens[index] = self._draw(logits[index], [seqs[row] for row in rows])  # indexing copies the rows
-        sampled: list[int | SamplingError] = tokens.tolist()
-        for row in rows:
-            if sampled[row] < 0:
-                failed[row] = self._error(seqs[row], ValueError("non-finite probabilities"))
-        for row, error in failed.items():
-            sampled[row] = error
-        return sampled
+        return Draw(tokens, seqs, failed)
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row of ``logits`` [m, vocab] (row i is ``seqs[i]``'s; overwritten), -1 for a row with a
@@ -88,7 +119,7 @@ class Sampler:
         depends on its own logits and ``q`` alone."""
         device, vocab = logits.device, logits.shape[-1]
         params = [seq.params for seq in seqs]
-        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+        temperature = device_tensor([p.temperature for p in params], logits.dtype, device)
         x = logits.div_(temperature.unsqueeze(-1))
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
             x = apply_top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params])
@@ -108,7 +139,3 @@ class Sampler:
             generator.manual_seed(random.SystemRandom().getrandbits(63))
             self._generators[device] = generator
         return self._generators[device]
-
-    @staticmethod
-    def _error(seq: Sequence, e: Exception) -> SamplingError:
-        return SamplingError(f"request {seq.request_id}: no token could be sampled ({type(e).__name__}: {e})")

@@ -112,6 +112,23 @@ class Scheduler:
         out.num_prefill_seqs = len(out.scheduled) - out.num_decode_seqs
         return out
 
+    def schedule_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
+        """The pure decode step that follows ``out``, a pure decode step of every running sequence whose tokens
+        are not known yet: the sequences that its tokens cannot finish by length, each one position further, with
+        the blocks for it. None when that step needs ``out``'s outcome first: a sequence finishes by length while
+        requests wait (they would be admitted), or the token budget or the free blocks run short."""
+        if out.num_prefill_seqs or out.num_preempted or len(out.scheduled) != len(self.running):
+            return None
+        going_on = [seq for seq in out.scheduled if seq.num_completion_tokens + 1 < seq.params.max_tokens]
+        if not going_on or len(going_on) > self.config.max_num_batched_tokens:
+            return None
+        if self.waiting and len(going_on) < self.config.max_num_seqs:
+            return None
+        for seq in going_on:
+            if not self.block_manager.append_slots(seq, 2):  # the token in flight and the one after it
+                return None
+        return SchedulerOutput(scheduled=dict.fromkeys(going_on, 1), num_decode_seqs=len(going_on))
+
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and requeue it first in line; its tokens are recomputed when it is readmitted."""
         self.block_manager.free(seq)
@@ -122,10 +139,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_computed(self, out: SchedulerOutput) -> None:
-        """Record that the step wrote KV for its scheduled tokens."""
+        """Record that the step wrote KV for its scheduled tokens (of the sequences not finished since it was
+        scheduled: a step scheduled ahead may outlive some)."""
         for seq, num_new in out.scheduled.items():
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
+            if not seq.is_finished:
+                seq.num_computed_tokens += num_new
+                self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish a waiting or running sequence ("stop", "length", "abort") and free its blocks."""

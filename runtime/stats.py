@@ -27,6 +27,7 @@ class StepStats:
     prefix_cache_hit_tokens: int
     duration_s: float
     execute_s: float = 0.0  # of duration_s, running the model (on a GPU mostly waiting for it); the rest is host work
+    queued_ahead: bool = False  # queued on the device behind the previous step, before its tokens were read
     timestamp: float = field(default_factory=time.time)
 
 
@@ -63,6 +64,7 @@ class EngineStats:
         self._itl: deque[float] = deque(maxlen=latency_history)
         self._e2e: deque[float] = deque(maxlen=latency_history)
         self.num_steps = 0
+        self.num_steps_queued_ahead = 0
         # per step kind: steps run, their wall time and the part spent running the model (the rest is host work)
         self.steps_by_kind = {kind: {"steps": 0, "duration_s": 0.0, "execute_s": 0.0} for kind in STEP_KINDS}
         self.num_batched_tokens = 0
@@ -74,6 +76,7 @@ class EngineStats:
         with self._lock:
             self.recent_steps.append(step)
             self.num_steps += 1
+            self.num_steps_queued_ahead += step.queued_ahead
             by_kind = self.steps_by_kind[step_kind(step)]
             by_kind["steps"] += 1
             by_kind["duration_s"] += step.duration_s
@@ -94,7 +97,8 @@ class EngineStats:
         """Counters, a summary of the recent steps, and TTFT / ITL / end-to-end latency summaries in ms."""
         with self._lock:  # copy under the lock the engine step takes; summarise after releasing it
             steps, ttft, itl, e2e = list(self.recent_steps), list(self._ttft), list(self._itl), list(self._e2e)
-            counters = {"num_steps": self.num_steps, "num_mixed_steps": self.steps_by_kind["mixed"]["steps"],
+            counters = {"num_steps": self.num_steps, "num_steps_queued_ahead": self.num_steps_queued_ahead,
+                        "num_mixed_steps": self.steps_by_kind["mixed"]["steps"],
                         "steps_by_kind": {kind: dict(totals) for kind, totals in self.steps_by_kind.items()},
                         "num_batched_tokens": self.num_batched_tokens,
                         "num_generated_tokens": self.num_generated_tokens, "num_preemptions": self.num_preemptions,

@@ -53,8 +53,9 @@ def solo(engine_dir):
     return run
 
 
-def test_request_arriving_during_decode_joins_the_running_batch(engine_dir, solo):
-    engine = LLMEngine(engine_dir)
+@pytest.mark.parametrize("overlap", [False, True], ids=["step-by-step", "overlapped"])
+def test_request_arriving_during_decode_joins_the_running_batch(engine_dir, solo, overlap):
+    engine = LLMEngine(engine_dir, overlap_steps=overlap)
     first, second = random_prompts(2, seed=2, min_len=8)
     engine.add_request(engine.make_request("first", first, PARAMS))
     outputs = {}
@@ -65,8 +66,10 @@ def test_request_arriving_during_decode_joins_the_running_batch(engine_dir, solo
         if not engine.has_unfinished():
             break
     steps = list(engine.stats.recent_steps)
-    assert steps[3].num_decode_seqs == 1 and steps[3].num_prefill_seqs == 1
-    by_kind = engine.stats.steps_by_kind  # the first step prefills alone, step 3 mixes, the rest decode
+    joined = 4 if overlap else 3  # overlapped, step 3 was queued on the device before the request arrived
+    assert (steps[joined].num_decode_seqs, steps[joined].num_prefill_seqs) == (1, 1)
+    assert all((s.num_decode_seqs, s.num_prefill_seqs) == (1, 0) for s in steps[1:joined])
+    by_kind = engine.stats.steps_by_kind  # the first step prefills alone, the joining one mixes, the rest decode
     assert by_kind["prefill"]["steps"] == 1 and by_kind["mixed"]["steps"] >= 1
     assert sum(k["steps"] for k in by_kind.values()) == engine.stats.num_steps == len(steps)
     assert by_kind["decode"]["steps"] == sum(1 for s in steps if s.num_prefill_seqs == 0)
