@@ -47,6 +47,9 @@ class _EngineCollector:
         yield CounterMetricFamily("kiln_preemptions", "Requests preempted when KV blocks ran out",
                                   value=stats["num_preemptions"])
         yield CounterMetricFamily("kiln_engine_steps", "Engine steps run", value=stats["num_steps"])
+        yield CounterMetricFamily("kiln_engine_steps_queued_ahead",
+                                  "Engine steps queued on the device before the previous step's tokens were read",
+                                  value=stats["num_steps_queued_ahead"])
         step_seconds = CounterMetricFamily("kiln_engine_step_seconds",
                                            "Wall time of engine steps by kind (prefill, mixed, decode) and part "
                                            "(execute: running the model; host: the rest)", labels=["kind", "part"])
