@@ -28,5 +28,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
     --format=csv -l 1 > "$OUT/clocks.csv" 2>&1 & CLOCKS=$!
 echo "== kiln bench 1000/1000"; $BENCH --prompts 1000 --output-len 1000 --kv-cache-dtype fp8 --json > "$OUT/bench.json"
 kill $CLOCKS
+echo "== kiln bench 1000/1000, each step run to completion first (the overlap's share)"
+KILN_OVERLAP_STEPS=0 $BENCH --prompts 1000 --output-len 1000 --kv-cache-dtype fp8 --json > "$OUT/bench_no_overlap.json"
 echo "== kiln bench 1000/200 vs transformers"
 $BENCH --prompts 256 --output-len 200 --peer transformers --json > "$OUT/bench_peer.json"
