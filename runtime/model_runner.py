@@ -1,4 +1,5 @@
-"""Runs one scheduled step on the model: flat batch metadata, forward, logits of the last tokens, sampling."""
+"""Runs scheduled steps on the model: flat batch metadata, forward, logits of the last tokens, sampling; a step is
+launched on the device and collected once its tokens reach the host, so the engine can queue the next one between."""
 
 from __future__ import annotations
 

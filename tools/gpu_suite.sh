@@ -1,8 +1,8 @@
 #!/bin/bash
 # Everything docs/performance.md reports for one CUDA GPU, in one go: the GPU tests, the tiny model against
 # transformers, the linears, attention and fused-op micro-benchmarks, the 8B model's steps with kernel profiles, and
-# kiln bench on Llama-3-8B FP8 (1000 prompts at 1000/1000 with an FP8 KV cache, then 256 prompts against
-# transformers at 1000/200).
+# kiln bench on Llama-3-8B FP8 (1000 prompts at 1000/1000 with an FP8 KV cache, with and without overlapped steps,
+# then 256 prompts against transformers at 1000/200).
 # Results go to $OUT (default ./gpu-out).
 #   bash tools/gpu_suite.sh [quick]     # quick: tests, tiny end-to-end and the step benchmark only
 set -u
