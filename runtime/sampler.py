@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import KilnError
-from runtime.sampling_params import SamplingParams
 from runtime.sequence import Sequence
 
 
@@ -53,10 +52,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     return logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
 
 
-def request_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
-    """A generator of the request's own: seeded ones give the same tokens whatever else shares the batch."""
+def request_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A seeded request's own generator: its tokens do not depend on what else shares the batch."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(params.seed if params.seed is not None else random.SystemRandom().getrandbits(63))
+    generator.manual_seed(seed)
     return generator
 
 
@@ -81,6 +80,7 @@ class Draw:
 
 
 def sampling_error(seq: Sequence, e: Exception) -> SamplingError:
+    """The error that fails ``seq``'s request alone."""
     return SamplingError(f"request {seq.request_id}: no token could be sampled ({type(e).__name__}: {e})")
 
 
@@ -104,7 +104,7 @@ class Sampler:
         for row, seq in enumerate(seqs):
             if not seq.params.greedy and seq.params.seed is not None and seq.generator is None:
                 try:
-                    seq.generator = request_generator(seq.params, logits.device)
+                    seq.generator = request_generator(seq.params.seed, logits.device)
                 except (RuntimeError, ValueError) as e:
                     failed[row] = sampling_error(seq, e)
         rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy and row not in failed]
