@@ -1,10 +1,11 @@
-"""Buckets and capture of one CUDA graph per bucket of a static-buffer forward, shared by the decode and prefill graph
-runners."""
+"""Buckets, step staging and capture of one CUDA graph per bucket of a static-buffer forward, shared by the decode and
+prefill graph runners."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 
@@ -23,6 +24,34 @@ def smallest_bucket(sizes: tuple[int, ...], n: int, unit: str, kind: str) -> int
         if size >= n:
             return size
     raise ValueError(f"{n} {unit} exceed the largest {kind} graph bucket ({sizes[-1]})")
+
+
+class StepStaging:
+    """A step's metadata in two pinned host buffers (int64 and int32) and their static device twins, reaching the
+    device in one copy each. The host buffers are rewritten only once the previous step's copies are done (an event):
+    a step may be staged while the previous one is still queued on the device (a prefill chunk that samples nothing
+    is not waited for; the engine overlaps decode steps)."""
+
+    def __init__(self, i64_shape: tuple[int, ...], i32_size: int, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        self.host_i64 = torch.zeros(i64_shape, dtype=torch.int64, pin_memory=pinned)
+        self.host_i32 = torch.zeros(i32_size, dtype=torch.int32, pin_memory=pinned)
+        self.dev_i64 = torch.zeros_like(self.host_i64, device=device)
+        self.dev_i32 = torch.zeros_like(self.host_i32, device=device)
+        self._copied = torch.cuda.Event() if pinned else None
+
+    def host(self) -> tuple[np.ndarray, np.ndarray]:
+        """The host buffers to write, as arrays, once the previous step's copies are done."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.host_i64.numpy(), self.host_i32.numpy()
+
+    def upload(self) -> None:
+        """Queue the copies of the host buffers to the device buffers."""
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        self.dev_i32.copy_(self.host_i32, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
 
 @torch.inference_mode()

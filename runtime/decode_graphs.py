@@ -19,7 +19,7 @@ import torch
 
 from runtime import kernel_config
 from runtime.attention_metadata import AttentionMetadata
-from runtime.cuda_graphs import capture_graphs, doubling_sizes, smallest_bucket
+from runtime.cuda_graphs import StepStaging, capture_graphs, doubling_sizes, smallest_bucket
 from runtime.engine_format import EngineConfig
 from runtime.kv_cache import KVCache
 from runtime.model.llama import LlamaModel
@@ -45,21 +45,15 @@ class DecodeGraphRunner:
         self.max_batch_size = max_bs = self.batch_sizes[-1]
         self.block_size = plan.tokens_per_block
         blocks_per_seq = -(-plan.max_seq_len // self.block_size)
-        # The step's metadata is written into pinned host buffers and reaches the device in two copies: int64 rows
-        # (token ids, positions, KV slots) and int32 (context lengths, then the block tables). Steps alternate
-        # between two sets of host buffers: a step may be staged while the previous one is still queued on the
-        # device, its copies not yet done (the engine overlaps steps); the one before that has been collected.
-        pinned = self.device.type == "cuda"
-        self.staging = [_HostStaging(max_bs, blocks_per_seq, pinned) for _ in range(2)]
-        self._next_staging = 0
-        self.dev_i64 = torch.zeros(3, max_bs, dtype=torch.int64, device=self.device)
-        self.dev_i32 = torch.zeros(max_bs * (1 + blocks_per_seq), dtype=torch.int32, device=self.device)
-        self.input_ids, self.positions, self.slot_mapping = self.dev_i64
-        self.seq_lens = self.dev_i32[:max_bs]
-        self.block_tables = self.dev_i32[max_bs:].view(max_bs, blocks_per_seq)
+        # int64 rows (token ids, positions, KV slots) and int32 (context lengths, then the block tables)
+        self.staging = StepStaging((3, max_bs), max_bs * (1 + blocks_per_seq), self.device)
+        self.input_ids, self.positions, self.slot_mapping = self.staging.dev_i64
+        self.seq_lens = self.staging.dev_i32[:max_bs]
+        self.block_tables = self.staging.dev_i32[max_bs:].view(max_bs, blocks_per_seq)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
+        self._row_tables: list[tuple[list[int] | None, int]] = [(None, 0)] * max_bs  # (list, entries) each row holds
         self.metas = {
             bs: AttentionMetadata(slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
                                   seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
@@ -107,16 +101,14 @@ class DecodeGraphRunner:
         the entries it has. Entries past a table's end may be stale; attention never reads past a context."""
         n = len(token_ids)
         max_bs, block = self.max_batch_size, self.block_size
-        staging = self.staging[self._next_staging]
-        self._next_staging ^= 1
-        i64, i32 = staging.i64.numpy(), staging.i32.numpy()
+        i64, i32 = self.staging.host()
         tables = i32[max_bs:].reshape(max_bs, -1)
         i64[0, :n], i64[1, :n] = token_ids, positions
         i64[2, :n] = [table[pos // block] * block + pos % block for pos, table in zip(positions, block_tables,
                                                                                      strict=True)]
         i64[:, n:bs] = ((0,), (0,), (-1,))
         i32[:n], i32[n:bs] = seq_lens, 1
-        row_tables = staging.row_tables
+        row_tables = self._row_tables
         for i, table in enumerate(block_tables):  # seq_len <= max_seq_len: every table fits its row
             held, written = row_tables[i]
             start = written if held is table else 0
@@ -125,8 +117,7 @@ class DecodeGraphRunner:
                 row_tables[i] = (table, len(table))
         tables[n:bs, 0] = 0
         row_tables[n:bs] = [(None, 0)] * (bs - n)
-        self.dev_i64.copy_(staging.i64, non_blocking=True)
-        self.dev_i32.copy_(staging.i32, non_blocking=True)
+        self.staging.upload()
 
     def _forward(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.metas[bs], self.kv_caches)
@@ -136,16 +127,6 @@ class DecodeGraphRunner:
         """Capture every bucket (``capture_graphs``); the static buffers hold padding only, so neither the warm-up nor
         the capture writes the KV cache."""
         self.graphs, self.logits = capture_graphs(self.device, self.batch_sizes, self._forward)
-
-
-class _HostStaging:
-    """One set of pinned host buffers for a step's metadata, and the block-table list each row was last written
-    from with the number of entries written (so that an unchanged row is not rewritten)."""
-
-    def __init__(self, max_bs: int, blocks_per_seq: int, pinned: bool) -> None:
-        self.i64 = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pinned)
-        self.i32 = torch.zeros(max_bs * (1 + blocks_per_seq), dtype=torch.int32, pin_memory=pinned)
-        self.row_tables: list[tuple[list[int] | None, int]] = [(None, 0)] * max_bs
 
 
 def maybe_capture_decode_graphs(model: LlamaModel, kv_caches: list[KVCache], config: EngineConfig,

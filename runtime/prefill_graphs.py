@@ -21,7 +21,7 @@ import torch
 
 from runtime import kernel_config
 from runtime.attention_metadata import AttentionMetadata
-from runtime.cuda_graphs import capture_graphs, doubling_sizes, smallest_bucket
+from runtime.cuda_graphs import StepStaging, capture_graphs, doubling_sizes, smallest_bucket
 from runtime.engine_format import EngineConfig
 from runtime.kv_cache import KVCache
 from runtime.model.llama import LlamaModel
@@ -51,22 +51,16 @@ class PrefillGraphRunner:
         self.max_tokens = max_t = self.token_buckets[-1]
         self.block_size = plan.tokens_per_block
         blocks_per_seq = -(-plan.max_seq_len // self.block_size)
-        # Two copies from pinned host buffers per step: int64 (token ids, positions, KV slots, index of the last
-        # token) and int32 (query_start_loc, the context length, the block table).
-        pinned = self.device.type == "cuda"
-        self.host_i64 = torch.zeros(3 * max_t + 1, dtype=torch.int64, pin_memory=pinned)
-        self.host_i32 = torch.zeros(3 + blocks_per_seq, dtype=torch.int32, pin_memory=pinned)
-        self.dev_i64 = torch.zeros_like(self.host_i64, device=self.device)
-        self.dev_i32 = torch.zeros_like(self.host_i32, device=self.device)
-        self.input_ids, self.positions, self.slot_mapping = self.dev_i64[:3 * max_t].view(3, max_t)
-        self.last_index = self.dev_i64[3 * max_t:]
+        # int64 (token ids, positions, KV slots, index of the last token) and int32 (query_start_loc, the context
+        # length, the block table)
+        self.staging = StepStaging((3 * max_t + 1,), 3 + blocks_per_seq, self.device)
+        dev_i64, dev_i32 = self.staging.dev_i64, self.staging.dev_i32
+        self.input_ids, self.positions, self.slot_mapping = dev_i64[:3 * max_t].view(3, max_t)
+        self.last_index = dev_i64[3 * max_t:]
         self.slot_mapping.fill_(-1)
-        # A chunk that stops short of the end of its prompt samples nothing, so the host does not wait for its step:
-        # the next _stage waits for this event (its copies done) before rewriting the pinned buffers.
-        self.copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.metas = {
-            t: AttentionMetadata(slot_mapping=self.slot_mapping[:t], query_start_loc=self.dev_i32[:2],
-                                 seq_lens=self.dev_i32[2:3], block_tables=self.dev_i32[3:].view(1, blocks_per_seq),
+            t: AttentionMetadata(slot_mapping=self.slot_mapping[:t], query_start_loc=dev_i32[:2],
+                                 seq_lens=dev_i32[2:3], block_tables=dev_i32[3:].view(1, blocks_per_seq),
                                  max_query_len=t, max_seq_len=plan.max_seq_len)
             for t in self.token_buckets
         }
@@ -98,9 +92,7 @@ class PrefillGraphRunner:
     def _stage(self, token_ids: list[int], positions: list[int], seq_len: int, block_table: list[int],
                t: int) -> None:
         n, max_t, block = len(token_ids), self.max_tokens, self.block_size
-        if self.copied is not None:
-            self.copied.synchronize()
-        i64, i32 = self.host_i64.numpy(), self.host_i32.numpy()
+        i64, i32 = self.staging.host()
         ids, pos, slots = i64[:3 * max_t].reshape(3, max_t)
         table = np.asarray(block_table, dtype=np.int64)
         pos[:n] = positions
@@ -111,10 +103,7 @@ class PrefillGraphRunner:
         i32[:3] = 0, n, seq_len
         i32[3:] = 0
         i32[3:3 + len(block_table)] = block_table[:len(i32) - 3]  # seq_len <= max_seq_len: the table fits
-        self.dev_i64.copy_(self.host_i64, non_blocking=True)
-        self.dev_i32.copy_(self.host_i32, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        self.staging.upload()
 
     def _forward(self, t: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:t], self.positions[:t], self.metas[t], self.kv_caches)
