@@ -98,16 +98,13 @@ class LLMEngine:
         start = time.perf_counter()
         launched, self._in_flight = self._in_flight, None
         queued_ahead = launched is not None
-        if launched is None:
+        if not queued_ahead:
             out = self.scheduler.schedule()
-            execute_start = time.perf_counter()
             if not out.scheduled:
-                self.scheduler.update_computed(out)
                 self._record_step(out, 0, time.perf_counter() - start, 0.0)
                 return []
-            launched = self.model_runner.launch(out)
-        else:
-            execute_start = time.perf_counter()
+        execute_start = time.perf_counter()
+        launched = launched or self.model_runner.launch(out)
         if self.overlap_steps and (ahead := self.scheduler.schedule_ahead(launched.out)) is not None:
             self._in_flight = self.model_runner.launch(ahead, after=launched)
         sampled = self.model_runner.collect(launched)
