@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,12 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
     """Copy the tokenizer files of checkpoint ``src`` into ``dst`` (modelopt's export writes none)."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(src / name, dst / name)
+
+
+def random_prompts(count: int, seed: int, min_len: int = 2, max_len: int = 40) -> list[list[int]]:
+    """``count`` seeded prompts of token ids 3..95, each ``min_len`` to ``max_len`` long."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 96) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
 
 
 def tiny_plan(**overrides: Any) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import threading
 
 import pytest
@@ -10,17 +9,12 @@ import pytest
 from engines.native_builder import build_native_engine
 from runtime import LLM, SamplingParams
 from runtime.llm_engine import LLMEngine
-from tests.model_factories import make_llama_checkpoint, tiny_plan
+from tests.model_factories import make_llama_checkpoint, random_prompts, tiny_plan
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def random_prompts(count: int, seed: int, min_len: int = 2, max_len: int = 40) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 96) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,13 @@ and no KV block may leak."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from engines.native_builder import build_native_engine
 from runtime import SamplingParams
 from runtime.llm_engine import LLMEngine
 from runtime.outputs import RequestOutput
-from tests.model_factories import make_llama_checkpoint, tiny_plan
+from tests.model_factories import make_llama_checkpoint, random_prompts, tiny_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -24,11 +22,6 @@ def engine_dir(tmp_path_factory):
     engine_dir = tmp_path_factory.mktemp("engine")
     build_native_engine(checkpoint, engine_dir, tiny_plan(max_batch_size=6), "float32")
     return engine_dir
-
-
-def prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 96) for _ in range(rng.randint(3, 20))] for _ in range(count)]
 
 
 def run(engine_dir, requests: list[tuple[list[int], SamplingParams]], overlap: bool, num_kv_blocks: int | None = None,
@@ -48,7 +41,7 @@ def run(engine_dir, requests: list[tuple[list[int], SamplingParams]], overlap: b
 
 def mixed_requests(engine_dir) -> list[tuple[list[int], SamplingParams]]:
     """Lengths that end at different steps, a stop token met mid-run, seeded sampling with top-p, max_tokens 1."""
-    p = prompts(6, seed=7)
+    p = random_prompts(6, seed=7, min_len=3, max_len=20)
     greedy = run(engine_dir, [(p[3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))], False)[0]
     stop_token = greedy["0"].token_ids[4]
     return [(p[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
@@ -78,7 +71,8 @@ def test_overlapped_steps_give_every_request_what_step_by_step_gives(engine_dir)
 
 
 def test_overlapped_steps_with_preemption_match_step_by_step(engine_dir):
-    requests = [(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)) for p in prompts(5, seed=8)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    requests = [(p, params) for p in random_prompts(5, seed=8, min_len=3, max_len=20)]
     expected, _ = run(engine_dir, requests, overlap=False, num_kv_blocks=24)
     got, overlapped = run(engine_dir, requests, overlap=True, num_kv_blocks=24)
     assert summary(got) == summary(expected)
@@ -87,7 +81,8 @@ def test_overlapped_steps_with_preemption_match_step_by_step(engine_dir):
 
 
 def test_aborting_a_request_while_a_step_is_queued_leaves_the_others_unchanged(engine_dir):
-    requests = [(p, SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)) for p in prompts(3, seed=9)]
+    params = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
+    requests = [(p, params) for p in random_prompts(3, seed=9, min_len=3, max_len=20)]
     expected, _ = run(engine_dir, requests, overlap=False)
     got, overlapped = run(engine_dir, requests, overlap=True, abort=("1", 6))
     assert got["1"].finish_reason == "abort" and len(got["1"].token_ids) < 15
