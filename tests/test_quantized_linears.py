@@ -140,6 +140,24 @@ def test_scaled_mm_matches_dequantize_reference(dtype, m):
     assert out.dtype == dtype and out.shape == (m, 96)
     rel = (out.float() - ref).abs().max() / ref.abs().max()
     assert rel <= 1e-2, f"_scaled_mm vs dequantize reference: relative difference {rel:.2e}"  # H200: <= 3.6e-3
+    # a cached per-row scale column gives the same bytes; one too short is not used
+    for cached_rows in (m, 80, m - 1):
+        rows = input_scale.reshape(1, 1).expand(cached_rows, 1).contiguous()
+        assert torch.equal(fp8_linear_scaled_mm(x, weight, weight_scale, input_scale, input_scale_rows=rows), out)
+
+
+def test_loading_an_fp8_engine_caches_each_linears_input_scale_column(fp8_engine):
+    config = EngineConfig.load(fp8_engine)
+    model = LlamaModel.from_engine(fp8_engine, config, "cpu")
+    fp8_linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert fp8_linears
+    for module in fp8_linears:
+        rows = module.input_scale_rows
+        assert rows.shape == (config.plan.max_num_tokens, 1) and rows.is_contiguous()
+        assert torch.equal(rows, module.input_scale.expand(rows.shape))
+    module.input_scale.mul_(2)  # a changed scale is picked up by the next cache_derived_tensors
+    model.cache_derived_tensors()
+    assert torch.equal(module.input_scale_rows[:, 0], module.input_scale.expand(config.plan.max_num_tokens))
 
 
 # (engine dtype, FP8 GEMM path on the GPU, tolerance): the dequantize reference on the GPU matches the CPU closely;

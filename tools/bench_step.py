@@ -133,6 +133,7 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
     with torch.device("cuda"):
         model = LlamaModel(config, torch.bfloat16).eval()
     streamed = randomize(model)
+    model.cache_derived_tensors()
     blocks_per_seq = max_seq_len // block
     num_blocks = max(args.kv_blocks or 0, 1 + max(batches) * blocks_per_seq)
     kv_caches = allocate_kv_cache(config, num_blocks, "cuda")

@@ -58,6 +58,13 @@ class Fp8Linear(nn.Module):
         # measured by the engine's build when it ran on CUDA (engines.native_tuning), else the H200 default
         self.streaming_max_m = fp8_streaming_max_m(in_features) if streaming_max_m is None else streaming_max_m
         self.dtype = dtype
+        self.input_scale_rows: torch.Tensor | None = None  # see cache_input_scale_rows
+
+    def cache_input_scale_rows(self, max_rows: int) -> None:
+        """Keep ``input_scale`` repeated for up to ``max_rows`` rows, the per-row scale column of the rowwise
+        ``torch._scaled_mm``, so that no call copies it out again (one small kernel per linear per step). Call it
+        again whenever ``input_scale`` changes."""
+        self.input_scale_rows = self.input_scale.reshape(1, 1).expand(max_rows, 1).contiguous()
 
     def fusable_input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
         """``input_scale`` when ``forward`` would quantize an input with the rows of ``x`` (any width) in a Triton
@@ -72,7 +79,8 @@ class Fp8Linear(nn.Module):
 
             return fp8_gemv(x, self.weight, self.weight_scale, self.input_scale, out_dtype=self._out_dtype(x))
         if path == "scaled_mm":
-            return fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale, self._out_dtype(x))
+            return fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale, self._out_dtype(x),
+                                        self.input_scale_rows)
         if x.dtype == torch.float8_e4m3fn:
             raise ValueError("Fp8Linear: a pre-quantized input needs a CUDA FP8 path (see fusable_input_scale)")
         return fp8_linear_reference(x, self.weight, self.weight_scale, self.input_scale)
@@ -148,12 +156,15 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 
 def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         input_scale: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                         input_scale: torch.Tensor, out_dtype: torch.dtype | None = None,
+                         input_scale_rows: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 tensor-core GEMM (CUDA, compute capability >= 8.9), scales applied in the epilogue; returns
     ``out_dtype`` (default ``x.dtype``). A float8_e4m3fn ``x`` is taken as already quantized with ``input_scale``.
 
-    bfloat16 output uses rowwise scaling (scale_a [M, 1], scale_b [1, N]); other dtypes take a float32 tensorwise
-    GEMM and apply the per-channel weight scale afterwards, since rowwise scaling only produces bfloat16.
+    bfloat16 output uses rowwise scaling (scale_a [M, 1], scale_b [1, N]), scale_a the first M rows of
+    ``input_scale_rows`` (``input_scale`` repeated, float32 [R, 1]) when it has that many, else a fresh copy; other
+    dtypes take a float32 tensorwise GEMM and apply the per-channel weight scale afterwards, since rowwise scaling
+    only produces bfloat16.
     """
     x2 = x.reshape(-1, x.shape[-1])
     if x.dtype == torch.float8_e4m3fn:
@@ -168,7 +179,11 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
         x_q = fp8_quantize(x2, input_scale)
     out_dtype = out_dtype or x.dtype
     if out_dtype == torch.bfloat16:
-        scale_a = input_scale.reshape(1, 1).expand(x_q.shape[0], 1).contiguous()
+        rows = x_q.shape[0]
+        if input_scale_rows is not None and input_scale_rows.shape[0] >= rows:
+            scale_a = input_scale_rows[:rows]
+        else:
+            scale_a = input_scale.reshape(1, 1).expand(rows, 1).contiguous()
         out = torch._scaled_mm(x_q, weight.t(), scale_a=scale_a, scale_b=weight_scale.reshape(1, -1),
                                out_dtype=torch.bfloat16)
     else:

@@ -20,7 +20,7 @@ from runtime.errors import EngineFormatError
 from runtime.kv_cache import KVCache
 from runtime.layers.activation import SiluAndMul
 from runtime.layers.attention import PagedAttention
-from runtime.layers.linear import Linear, fusable_input_scale, make_linear
+from runtime.layers.linear import Fp8Linear, Linear, fusable_input_scale, make_linear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding
 
@@ -108,6 +108,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype)
+        self.max_num_tokens = config.plan.max_num_tokens
 
     @classmethod
     def from_engine(cls, engine_dir: Path, config: EngineConfig, device: torch.device | str,
@@ -139,6 +140,14 @@ class LlamaModel(nn.Module):
                     params[name].copy_(tensor)
         except SafetensorError as e:
             raise EngineFormatError(f"{path}: unreadable ({e}); rebuild the engine") from None
+        self.cache_derived_tensors()
+
+    def cache_derived_tensors(self) -> None:
+        """Recompute what the layers keep derived from their weights (FP8 linears: the per-row input-scale column
+        of up to ``max_num_tokens`` rows); ``load_weights`` does it, call it after changing weights otherwise."""
+        for module in self.modules():
+            if isinstance(module, Fp8Linear):
+                module.cache_input_scale_rows(self.max_num_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
