@@ -85,7 +85,8 @@ def sampling_error(seq: Sequence, e: Exception) -> SamplingError:
 
 
 class Sampler:
-    """Samples one token per row of `logits` (float32 [num_seqs, vocab]) for the matching sequence.
+    """Samples one token per row of `logits` ([num_seqs, vocab], any float dtype) for the matching sequence: the
+    argmax for greedy rows, else a draw in float32.
 
     A row that cannot be sampled gets a SamplingError in place of its token, so that only its request fails.
     """
@@ -110,7 +111,7 @@ class Sampler:
         rows = [row for row, seq in enumerate(seqs) if not seq.params.greedy and row not in failed]
         if rows:
             index = device_tensor(rows, torch.long, logits.device)
-            tokens[index] = self._draw(logits[index], [seqs[row] for row in rows])  # indexing copies the rows
+            tokens[index] = self._draw(logits[index].float(), [seqs[row] for row in rows])  # a copy of the rows
         return Draw(tokens, seqs, failed)
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -159,7 +159,7 @@ class PagedRunner:
         positions = [p for q, s in zip(query_lens, seq_lens, strict=True) for p in range(s - q, s)]
         input_ids = torch.tensor([t for tokens in new_tokens for t in tokens], device=self.device)
         hidden = self.model(input_ids, torch.tensor(positions, device=self.device), meta, self.kv_caches)
-        return self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
+        return self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1]).float()
 
     def all_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Logits of every prompt position from one flat prefill, one [len, vocab] tensor per prompt."""
@@ -169,7 +169,7 @@ class PagedRunner:
         input_ids = torch.tensor([t for p in prompts for t in p], device=self.device)
         with torch.inference_mode():
             hidden = self.model(input_ids, torch.tensor(positions, device=self.device), meta, self.kv_caches)
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden).float()
         return list(logits.split(query_lens))
 
     def greedy(self, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:

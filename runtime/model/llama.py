@@ -159,6 +159,7 @@ class LlamaModel(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [n, vocab] of the given hidden states (select the last token of each sequence first)."""
+        """Logits [n, vocab] of the given hidden states (select the last token of each sequence first), in the model
+        dtype: greedy rows need only their argmax, and the sampler converts the rows it draws from to float32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight)
