@@ -12,6 +12,9 @@
 - ``KILN_OVERLAP_STEPS``: ``1`` (default) lets the engine queue the next pure decode step on the device before it
   reads the current step's tokens, feeding them to it on the device, so that the host's scheduling and
   postprocessing overlap the device's work; ``0`` runs each step to completion first.
+- ``KILN_PDL``: ``1`` (default) launches the Triton kernels of small batches (up to 16 tokens) with programmatic
+  dependent launch on devices of compute capability 9.0 and later, so that each is scheduled while the one before
+  it finishes (``runtime.kernels.pdl``); ``0`` launches every kernel one after the other as usual.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ LINEAR_MAX_M = _positive_int_or_none("KILN_LINEAR_MAX_M")
 CUDA_GRAPHS_SETTING = os.environ.get("KILN_CUDA_GRAPHS")  # None: the default (on where the Triton kernels run)
 _choice("KILN_CUDA_GRAPHS", "1", ("0", "1"))
 OVERLAP_STEPS = _choice("KILN_OVERLAP_STEPS", "1", ("0", "1")) == "1"
+PDL = _choice("KILN_PDL", "1", ("0", "1")) == "1"
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -121,6 +121,29 @@ def test_padded_decode_matches_eager_reference_and_leaves_other_blocks_untouched
             assert not cache[0].any() and not cache[-1].any()  # block 0 (read by padding), the spare last block
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a CUDA GPU with programmatic dependent launch (compute capability 9.0+)")
+def test_programmatic_dependent_launch_changes_no_logit_of_a_captured_decode(engine_dir, monkeypatch):
+    # Each kernel waits for the previous one before touching memory: a missing wait would read stale inputs.
+    device = torch.device("cuda")
+    runner = load_runner(engine_dir, device, 5)
+    prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in PROMPT_LENS]
+    first = eager_logits(runner, runner.kv_caches, prompts, [len(p) for p in prompts]).argmax(-1).tolist()
+    runs = {}
+    for pdl in (True, False):
+        monkeypatch.setattr(kernel_config, "PDL", pdl)
+        caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+        with triton_attention_on(device):
+            graphs = DecodeGraphRunner(runner.model, caches, runner.config, device, batch_sizes=(8,))
+            tokens, seq_lens, steps = first, [len(p) + 1 for p in prompts], []
+            for _ in range(4):
+                steps.append(graph_logits(graphs, tokens, seq_lens))
+                tokens, seq_lens = steps[-1].argmax(-1).tolist(), [n + 1 for n in seq_lens]
+        runs[pdl] = torch.stack(steps)
+    assert torch.equal(runs[True], runs[False])
+
 def test_buckets_are_powers_of_two_up_to_the_plan_batch_and_a_step_takes_the_smallest_that_fits(engine_dir):
     assert decode_batch_sizes(8) == (1, 2, 4, 8)
     assert decode_batch_sizes(6) == (1, 2, 4, 6)
@@ -228,7 +251,8 @@ def test_cuda_graphs_need_the_triton_kernels_and_bad_values_are_refused(monkeypa
     assert not reload_kernel_config().cuda_graphs_enabled()  # the default stays eager with the torch kernels
     for name, value, problem in [("KILN_CUDA_GRAPHS", "yes", "must be one of 0, 1"),
                                  ("KILN_KERNELS", "cuda", "must be one of triton, torch"),
-                                 ("KILN_LINEAR_MAX_M", "0", "must be a positive integer")]:
+                                 ("KILN_LINEAR_MAX_M", "0", "must be a positive integer"),
+                                 ("KILN_PDL", "on", "must be one of 0, 1")]:
         monkeypatch.setenv(name, value)
         with pytest.raises(KilnError, match=f"{name}={value!r} {problem}"):  # reload makes a new error class
             reload_kernel_config()
@@ -243,6 +267,22 @@ def test_cuda_graphs_are_on_by_default_and_never_on_cpu(engine_dir, monkeypatch,
     assert load_runner(engine_dir, torch.device("cpu"), 1).decode_graphs is None
     monkeypatch.setenv("KILN_CUDA_GRAPHS", "0")
     assert not reload_kernel_config().cuda_graphs_enabled()
+
+
+def test_programmatic_dependent_launch_is_on_by_default_for_cuda_tensors_only(monkeypatch, reload_kernel_config):
+    from runtime.kernels import pdl
+
+    monkeypatch.delenv("KILN_PDL", raising=False)
+    assert reload_kernel_config().PDL
+    monkeypatch.setattr(pdl, "_supports_pdl", lambda device: True)
+    cuda_looking = mock.Mock(is_cuda=True, device=torch.device("cuda", 0), shape=(pdl.PDL_MAX_TOKENS, 64))
+    assert pdl.pdl_options(cuda_looking) == {"PDL": True, "launch_pdl": True}
+    assert pdl.pdl_options(mock.Mock(is_cuda=True, device=cuda_looking.device, shape=(pdl.PDL_MAX_TOKENS + 1, 64))) \
+        == {"PDL": False, "launch_pdl": False}  # larger batches: long kernels, where it costs more than it saves
+    assert pdl.pdl_options(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}  # the interpreter
+    monkeypatch.setenv("KILN_PDL", "0")
+    reload_kernel_config()
+    assert pdl.pdl_options(cuda_looking) == {"PDL": False, "launch_pdl": False}
 
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [30, 31, 32, 33, 34]]

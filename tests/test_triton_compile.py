@@ -6,8 +6,8 @@ the compiler rejects: a kernel that reads a plain float global runs on the CPU a
 module records the launches that the public wrappers make for a Llama-3-8B layer on an H100 (``configs/models/
 llama3-8b.json``, bf16 activations, bf16 and FP8 KV caches, the engine configs' 32 tokens per KV block and 8192-token
 context), and compiles each for sm_90 with the signature, constexprs, specialisations and options (``num_warps``,
-``num_stages``, ...) that triton's launcher would give it. Each compiled kernel must also fit an H100: ptxas spills
-no registers, and its shared memory is within the per-block limit.
+``num_stages``, ``launch_pdl``, ...) that triton's launcher would give it. Each compiled kernel must also fit an H100:
+ptxas spills no registers, and its shared memory is within the per-block limit.
 
 The launches are recorded, not run. The wrappers get CPU tensors that answer ``is_cuda`` as CUDA tensors do, so they
 pick their GPU configuration (a bf16 ``tl.dot``, libdevice's ``exp``, the split-KV partition for an H100's SMs),
@@ -252,6 +252,8 @@ def recording():
         if importlib.util.find_spec("runtime.kernels.paged_attention") is not None:
             patch.setattr(importlib.import_module("runtime.kernels.paged_attention"), "_num_sms",
                           lambda device: H100_SMS)
+        # launched as on an H100, with programmatic dependent launch
+        patch.setattr(importlib.import_module("runtime.kernels.pdl"), "_supports_pdl", lambda device: True)
         yield launches
 
 

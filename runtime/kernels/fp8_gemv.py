@@ -16,12 +16,15 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.fp8_quant import quantize_fp8
+from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, input_scale_ptr, y_ptr, M, N, K: tl.constexpr,
                      stride_xm, stride_wn, stride_ym,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_DOT: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_DOT: tl.constexpr,
+                     PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,5 +84,5 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         cfg = dict(config or fp8_gemv_config(m, n, k))
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
         _fp8_gemv_kernel[grid](x_q, weight, weight_scale, input_scale.reshape(()), y, m, n, k, x_q.stride(0),
-                               weight.stride(0), y.stride(0), FP8_DOT=x.is_cuda, **cfg)
+                               weight.stride(0), y.stride(0), FP8_DOT=x.is_cuda, **cfg, **pdl_options(x_q))
     return y.reshape(*x.shape[:-1], n)

@@ -10,13 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
 from runtime.kernels.rounding import quantize_e4m3
 
 BLOCK = 1024
 
 
 @triton.jit
-def _quantize_fp8_kernel(x_ptr, scale_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+def _quantize_fp8_kernel(x_ptr, scale_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -33,5 +35,5 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
     if x2.numel():
         _quantize_fp8_kernel[(x2.shape[0], triton.cdiv(k, BLOCK))](x2, scale.reshape(()), out, k, x2.stride(0),
-                                                                   out.stride(0), BLOCK=BLOCK)
+                                                                   out.stride(0), BLOCK=BLOCK, **pdl_options(x2))
     return out

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
+
 
 @triton.jit
 def nibble_value(nibble):
@@ -48,11 +50,12 @@ def _columns_of_words(x, WORDS: tl.constexpr):
 
 @triton.jit
 def _int4_awq_gemv_row_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, N, K: tl.constexpr, stride_qn, stride_sn, one,
-                              GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+                              GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
     """M = 1 over the packed weight read as int32 words (8 nibbles: columns 8w .. 8w + 7, low nibble first): each
     step covers GROUPS whole groups of BLOCK_N rows. Each nibble n becomes ``f = 1 + n / 16`` with one shift and one
     LOP3, and ``sum_k (n_k - 8) x_k = 16 sum_k f_k x_k - 24 sum_k x_k`` per group, so a weight costs a shift, a LOP3
     and an FFMA (the byte-wise form took 1.5x the instructions per byte, compiled for sm_90)."""
+    wait_for_previous_kernel(PDL)
     WORDS: tl.constexpr = GROUPS * GROUP_SIZE // 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -87,7 +90,8 @@ def _int4_awq_gemv_row_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, N, K: tl.constex
 def _int4_awq_gemv_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, M, N, K: tl.constexpr,
                           stride_xm, stride_qn, stride_sn, stride_ym,
                           GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                          BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     HALF_K: tl.constexpr = BLOCK_K // 2
     GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE
     pid_n = tl.program_id(0)
@@ -163,7 +167,8 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if m == 1 and group_size % 8 == 0:  # whole int32 words per group
         words = qweight.view(torch.int32)
         _int4_awq_gemv_row_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x2, words, scales, y, n, k, words.stride(0), scales.stride(0), ONE_BITS, GROUP_SIZE=group_size, **cfg)
+            x2, words, scales, y, n, k, words.stride(0), scales.stride(0), ONE_BITS, GROUP_SIZE=group_size, **cfg,
+            **pdl_options(x2))
         return y.reshape(*x.shape[:-1], n)
     if m == 1:
         cfg = int4_gemv_config(2, n, k, group_size)
@@ -176,5 +181,5 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     _int4_awq_gemv_kernel[grid](x2, qweight, scales, y, m, n, k,
                                 x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-                                GROUP_SIZE=group_size, DOT_DTYPE=dot_dtype, **cfg)
+                                GROUP_SIZE=group_size, DOT_DTYPE=dot_dtype, **cfg, **pdl_options(x2))
     return y.reshape(*x.shape[:-1], n)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
 from runtime.kernels.rounding import quantize_e4m3
 from runtime.kv_cache import is_token_major
 
@@ -22,7 +23,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k
                      stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_kc_block, stride_kc_tok,
                      stride_kc_head, stride_vc_block, stride_vc_tok, stride_vc_head, stride_vc_dim,
                      BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -58,4 +60,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride(),
         BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), FP8=fp8)
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), FP8=fp8,
+        **pdl_options(k))

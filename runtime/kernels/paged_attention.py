@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from runtime.attention_metadata import AttentionMetadata
+from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
 from runtime.kv_cache import is_token_major
 
 LOG2E = 1.4426950408889634
@@ -187,7 +188,8 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
                    stride_c_block, stride_c_tok, stride_c_head, stride_v_block, stride_v_head, stride_v_dim,
                    stride_bt, first_seq, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-                   FP16: tl.constexpr, PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
+                   FP16: tl.constexpr, PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # query tokens per program; each brings its GROUP heads as rows
     q_tile = tl.program_id(0)
     seq = tl.program_id(1) + first_seq
@@ -234,7 +236,8 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                              PARTITION_SIZE: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr,
-                             PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr):
+                             PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -276,7 +279,8 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
 def _decode_reduce_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, query_start_loc_ptr, seq_lens_ptr,
                           stride_o_tok, stride_o_head, num_heads, max_partitions,
                           HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-                          PARTITION_SIZE: tl.constexpr):
+                          PARTITION_SIZE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -352,7 +356,8 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(2), v_cache.stride(3), meta.block_tables.stride(0), first_seq, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=max(block_n, 16),
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16), FP8=fp8, FP16=_fp16_compute(q, fp8),
-        PRECISION=_precision(q), V_TOKEN_MAJOR=v_token_major, num_warps=num_warps, num_stages=num_stages)
+        PRECISION=_precision(q), V_TOKEN_MAJOR=v_token_major, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(q))
     return out
 
 
@@ -390,11 +395,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(3), meta.block_tables.stride(0), num_heads, max_partitions, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
         PARTITION_SIZE=partition_size, FP8=fp8, FP16=_fp16_compute(q, fp8), PRECISION=_precision(q),
-        V_TOKEN_MAJOR=v_token_major, num_warps=num_warps, num_stages=num_stages)
+        V_TOKEN_MAJOR=v_token_major, num_warps=num_warps, num_stages=num_stages, **pdl_options(q))
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, out.stride(0), out.stride(1),
         num_heads, max_partitions, HEAD_DIM=head_dim, BLOCK_P=max(triton.next_power_of_2(max_partitions), 2),
-        BLOCK_D=block_d, PARTITION_SIZE=partition_size, num_warps=4)
+        BLOCK_D=block_d, PARTITION_SIZE=partition_size, num_warps=4, **pdl_options(q))
     return out
 
 

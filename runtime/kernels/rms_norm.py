@@ -18,13 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
 from runtime.kernels.rounding import SUPPORTED_DTYPES, quantize_e4m3, round_to_dtype
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, quant_scale_ptr, eps, stride_x,
                      stride_r, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     QUANT: tl.constexpr):
+                     QUANT: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -78,5 +80,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x2, r2, weight, out, x2 if new_residual is None else new_residual,
             weight if quant_scale is None else quant_scale.reshape(()), eps, x2.stride(0), r2.stride(0),
             HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, QUANT=quant_scale is not None,
-            num_warps=num_warps or _num_warps(block))
+            num_warps=num_warps or _num_warps(block), **pdl_options(x2))
     return out if new_residual is None else (out, new_residual)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
 from runtime.kernels.rounding import SUPPORTED_DTYPES, round_to_dtype
 
 
@@ -38,7 +39,8 @@ def _rotate_heads(x_ptr, out_ptr, token, cos, sin, stride_tok, stride_head,
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr, stride_q_tok, stride_q_head,
                    stride_k_tok, stride_k_head, stride_cache,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
@@ -83,5 +85,6 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             positions, q, k, cos_sin_cache, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos_sin_cache.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
             BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
-            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, enable_fp_fusion=False)
+            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, enable_fp_fusion=False,
+            **pdl_options(q))
     return q_out, k_out

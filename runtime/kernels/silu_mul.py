@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
 from runtime.kernels.rounding import SUPPORTED_DTYPES, quantize_e4m3, round_to_dtype
 
 # Columns per program and warps, from tools/tune_fused_ops.py on an H200 (Llama-3-8B width, FP8 output): narrow
@@ -25,7 +26,8 @@ FEW_ROWS, FEW_ROWS_LAUNCH, MANY_ROWS_LAUNCH = 64, (256, 4), (2048, 8)
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, quant_scale_ptr, inter_size, stride_x, BLOCK: tl.constexpr,
-                         LIBDEVICE_EXP: tl.constexpr, QUANT: tl.constexpr):
+                         LIBDEVICE_EXP: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter_size
@@ -59,5 +61,6 @@ def silu_and_mul(x: torch.Tensor, quant_scale: torch.Tensor | None = None, block
         grid = (x2.shape[0], triton.cdiv(inter_size, block))
         _silu_and_mul_kernel[grid](x2, out, x2 if quant_scale is None else quant_scale.reshape(()), inter_size,
                                    x2.stride(0), BLOCK=block, LIBDEVICE_EXP=x.is_cuda,
-                                   QUANT=quant_scale is not None, num_warps=num_warps or default_warps)
+                                   QUANT=quant_scale is not None, num_warps=num_warps or default_warps,
+                                   **pdl_options(x2))
     return out
