@@ -197,11 +197,11 @@ def test_fp8_engine_on_gpu_matches_the_cpu_reference(tmp_path, monkeypatch, fp8_
     pytest.param("cuda", [list(range(3, 40)), [3, 64, 9]], id="gpu-scaled_mm", marks=FP8_GPU),
     pytest.param("cuda", [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9]], id="gpu-streaming", marks=FP8_GPU),
 ])
-def test_fused_activation_quantization_gives_the_unfused_logits_with_one_quantize_kernel_per_layer(
+def test_fused_activation_quantization_gives_the_unfused_logits_with_no_quantize_kernel(
         fp8_engine, monkeypatch, device, prompts):
-    # RMSNorm and SiLU-and-multiply quantize for the next FP8 linear, so only o_proj's input still takes the
-    # standalone quantize kernel; the bytes reaching each linear, hence the logits, are those of every linear
-    # quantizing its own input. 10 tokens take the streaming kernel, 40 torch._scaled_mm. On the CPU the Triton
+    # RMSNorm, attention and SiLU-and-multiply quantize for the next FP8 linear, so no input takes the standalone
+    # quantize kernel; the bytes reaching each linear, hence the logits, are those of every linear quantizing its own
+    # input. 10 tokens take the streaming kernel, 40 torch._scaled_mm. On the CPU the Triton
     # path runs through the interpreter.
     import runtime.kernels.fp8_gemv as fp8_gemv_module
     import runtime.kernels.fp8_quant as fp8_quant_module
@@ -225,7 +225,7 @@ def test_fused_activation_quantization_gives_the_unfused_logits_with_one_quantiz
     unfused = torch.cat(PagedRunner(engine, config, len(prompts), device).all_logits(prompts))
 
     layers = config.architecture.num_layers
-    assert (fused_calls, len(quantize_calls)) == (layers, 4 * layers)
+    assert (fused_calls, len(quantize_calls)) == (0, 4 * layers)
     assert torch.equal(fused, unfused)
 
 

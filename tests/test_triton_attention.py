@@ -18,6 +18,7 @@ from runtime.kernels.paged_attention import (  # noqa: E402
 )
 from runtime.kv_cache import is_token_major, token_major  # noqa: E402
 from runtime.layers.attention import paged_attention_reference, store_kv  # noqa: E402
+from runtime.layers.linear import fp8_quantize  # noqa: E402
 
 NUM_KV_HEADS, NUM_BLOCKS = 2, 48
 # (cached tokens before this step, new tokens this step): a fresh prefill, a chunked prefill continuing a cached
@@ -173,6 +174,21 @@ def test_dispatcher_splits_a_mixed_step_over_an_fp8_cache(device):
     expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
     out = paged_attention(q, k_cache, token_major_with_stale_slots(v_cache, meta), meta, 0.125, k_scale, v_scale)
     torch.testing.assert_close(out, expected, **tolerance(device))
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["model-dtype-cache", "fp8-cache"])
+@pytest.mark.parametrize("seqs", [DECODES_FIRST, [(n - 1, 1) for n in DECODE_SEQ_LENS]], ids=["mixed", "decode"])
+def test_attention_quantizes_its_output_as_the_next_fp8_linear_would(device, fp8_cache, seqs):
+    # with the o_proj's input scale, decode (the reduce kernel) and varlen rows come out as fp8_quantize of the
+    # model-dtype output, byte for byte
+    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch(seqs, 4, 64, 32, device, fp8=fp8_cache)
+    if fp8_cache:
+        v_cache = token_major_with_stale_slots(v_cache, meta)
+    scale = torch.tensor(0.004, device=device)
+    plain = paged_attention(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
+    quantized = paged_attention(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, quant_scale=scale)
+    assert quantized.dtype == torch.float8_e4m3fn and quantized.shape == q.shape
+    assert torch.equal(quantized.view(torch.uint8), fp8_quantize(plain, scale).view(torch.uint8))
 
 
 def test_leading_decodes_are_the_batch_s_first_single_token_sequences():

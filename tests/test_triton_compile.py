@@ -138,9 +138,12 @@ def paged_attention_launches(fp8: bool) -> None:
     # varlen kernel; all-decode batches the split-KV one, whose partition size (a constexpr) follows the work per SM:
     # 1024 for a full batch, 128 for one 8192-token context, and 64 with the most partitions, so the widest reduce,
     # for one context just past 4096 tokens.
+    # With an FP8 model the output is quantized for o_proj.
+    quant_scale = gpu(torch.tensor(0.03))
     for seqs in ([(0, 21), (37, 18), (40, 1)], [(2047, 1)] * 64, [(MAX_SEQ_LEN - 1, 1)], [(4099, 1)]):
         q = qkv_views(sum(new for _, new in seqs))[0]
         mod.paged_attention(q, k_cache, v_cache, metadata(seqs), scale, k_scale, v_scale)
+        mod.paged_attention(q, k_cache, v_cache, metadata(seqs), scale, k_scale, v_scale, quant_scale)
     # Both kernels' wrappers called directly, with their defaults, on sequences of one block.
     mod.paged_attention_varlen(qkv_views(4)[0], k_cache, v_cache, metadata([(5, 3), (0, 1)]), scale, k_scale,
                                v_scale)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from runtime.attention_metadata import AttentionMetadata
 from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
+from runtime.kernels.rounding import quantize_e4m3
 from runtime.kv_cache import is_token_major
 
 LOG2E = 1.4426950408889634
@@ -104,6 +105,16 @@ def _kv_scales(k_scale_ptr, v_scale_ptr, scale_log2, FP8: tl.constexpr):
         qk_scale = scale_log2 * tl.load(k_scale_ptr)
         out_scale = tl.load(v_scale_ptr)
     return qk_scale, out_scale
+
+
+@triton.jit
+def _store_out(out_ptrs, out, mask, quant_scale_ptr, DTYPE: tl.constexpr, QUANT: tl.constexpr):
+    """Write output rows rounded to DTYPE (the model's), or, with QUANT, that value quantized for the next FP8
+    linear with the scale at ``quant_scale_ptr``: the bytes ``runtime.kernels.fp8_quant`` would write from it."""
+    out = out.to(DTYPE)
+    if QUANT:
+        out = quantize_e4m3(out, tl.load(quant_scale_ptr))
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -184,11 +195,12 @@ def _attend_range(q, pos, m_i, l_i, acc, start, end, k_cache_ptr, v_cache_ptr, b
 # specialisation is a compile in the middle of serving.
 @triton.jit(do_not_specialize=["stride_bt", "first_seq"])
 def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-                   k_scale_ptr, v_scale_ptr, scale_log2, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-                   stride_c_block, stride_c_tok, stride_c_head, stride_v_block, stride_v_head, stride_v_dim,
-                   stride_bt, first_seq, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-                   FP16: tl.constexpr, PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr, PDL: tl.constexpr):
+                   k_scale_ptr, v_scale_ptr, quant_scale_ptr, scale_log2, stride_q_tok, stride_q_head, stride_o_tok,
+                   stride_o_head, stride_c_block, stride_c_tok, stride_c_head, stride_v_block, stride_v_head,
+                   stride_v_dim, stride_bt, first_seq, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   FP8: tl.constexpr, FP16: tl.constexpr, PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
+                   QUANT: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # query tokens per program; each brings its GROUP heads as rows
     q_tile = tl.program_id(0)
@@ -224,8 +236,8 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
                                   V_TOKEN_MAJOR, PRECISION)
 
     out = acc * (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
-    tl.store(out_ptr + q_tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    _store_out(out_ptr + q_tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :], out,
+               row_mask[:, None] & d_mask[None, :], quant_scale_ptr, q_ptr.dtype.element_ty, QUANT)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "max_partitions"])
@@ -277,9 +289,10 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
 
 @triton.jit(do_not_specialize=["max_partitions"])
 def _decode_reduce_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, query_start_loc_ptr, seq_lens_ptr,
-                          stride_o_tok, stride_o_head, num_heads, max_partitions,
+                          quant_scale_ptr, stride_o_tok, stride_o_head, num_heads, max_partitions,
                           HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-                          PARTITION_SIZE: tl.constexpr, PDL: tl.constexpr):
+                          PARTITION_SIZE: tl.constexpr, DTYPE: tl.constexpr, QUANT: tl.constexpr,
+                          PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -297,8 +310,8 @@ def _decode_reduce_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, query_s
     weight = tl.exp2(m - tl.max(m, 0))  # masked partitions: exp2(-inf) = 0
     out = tl.sum(acc * weight[:, None], 0) / tl.sum(part_sum * weight, 0)
     q_tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    tl.store(out_ptr + q_tok * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
-             mask=d_mask)
+    _store_out(out_ptr + q_tok * stride_o_tok + head * stride_o_head + dims, out, d_mask, quant_scale_ptr, DTYPE,
+               QUANT)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
@@ -331,11 +344,13 @@ def _fp16_compute(q: torch.Tensor, fp8: bool) -> bool:
 def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, block_m: int = 64, block_n: int | None = None,
-                           num_warps: int = 4, num_stages: int | None = None, first_seq: int = 0) -> torch.Tensor:
-    """Causal paged attention of any flat batch: q [T, num_heads, head_dim] -> [T, num_heads, head_dim].
+                           num_warps: int = 4, num_stages: int | None = None, first_seq: int = 0,
+                           quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal paged attention of any flat batch: q [T, num_heads, head_dim] -> [T, num_heads, head_dim], in q's
+    dtype, or with ``quant_scale`` (float32 []) float8_e4m3fn quantized with it for the next FP8 linear.
 
-    Only sequences ``first_seq`` on are attended: ``out`` (optional, preallocated, same shape and dtype as q) gets
-    their rows, which are all of q's when ``first_seq`` is 0; ``block_m`` rows per program
+    Only sequences ``first_seq`` on are attended: ``out`` (optional, preallocated, the shape and dtype returned)
+    gets their rows, which are all of q's when ``first_seq`` is 0; ``block_m`` rows per program
     (query tokens times the GQA group) and ``block_n`` KV tokens per tile are powers of two, at least 16
     (``block_n`` and ``num_stages`` default to ``VARLEN_TILES``).
     """
@@ -346,28 +361,30 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     block_m = max(block_m, triton.next_power_of_2(group), 16)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    out = _output(q, quant_scale) if out is None else out
     num_seqs = meta.seq_lens.shape[0] - first_seq
     grid = (triton.cdiv(meta.max_query_len, block_m // group), num_seqs, num_kv_heads)
     _varlen_kernel[grid](
         q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        k_scale if fp8 else q, v_scale if fp8 else q, scale * LOG2E, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(2), v_cache.stride(3), meta.block_tables.stride(0), first_seq, GROUP=group, HEAD_DIM=head_dim,
+        k_scale if fp8 else q, v_scale if fp8 else q, q if quant_scale is None else quant_scale, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(2), v_cache.stride(3), meta.block_tables.stride(0),
+        first_seq, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=max(block_n, 16),
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16), FP8=fp8, FP16=_fp16_compute(q, fp8),
-        PRECISION=_precision(q), V_TOKEN_MAJOR=v_token_major, num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(q))
+        PRECISION=_precision(q), V_TOKEN_MAJOR=v_token_major, QUANT=quant_scale is not None, num_warps=num_warps,
+        num_stages=num_stages, **pdl_options(q))
     return out
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, partition_size: int | None = None,
-                           block_n: int | None = None, num_warps: int = 4,
-                           num_stages: int | None = None) -> torch.Tensor:
-    """Split-KV decode (one new token per sequence): q [num_tokens, num_heads, head_dim] -> same shape, the rows
-    of meta's sequences attended (every row unless meta holds a batch's leading decodes, ``leading_decodes``).
+                           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                           quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Split-KV decode (one new token per sequence): q [num_tokens, num_heads, head_dim] -> same shape (dtype as
+    for the varlen kernel), the rows of meta's sequences attended (every row unless meta holds a batch's leading
+    decodes, ``leading_decodes``).
 
     ``out`` as for the varlen kernel. ``partition_size`` (default: ``decode_partition_size``) must be a power of
     two, at least 16 (``block_n`` and ``num_stages`` default to ``DECODE_TILES``); the partial
@@ -384,7 +401,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = min(block_n or DECODE_TILES[fp8]["block_n"], partition_size)
     num_stages = num_stages or DECODE_TILES[fp8]["num_stages"]
     block_d = max(triton.next_power_of_2(head_dim), 16)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    out = _output(q, quant_scale) if out is None else out
     part_m = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(num_seqs, num_heads, max_partitions, head_dim, dtype=torch.float32, device=q.device)
@@ -397,10 +414,20 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         PARTITION_SIZE=partition_size, FP8=fp8, FP16=_fp16_compute(q, fp8), PRECISION=_precision(q),
         V_TOKEN_MAJOR=v_token_major, num_warps=num_warps, num_stages=num_stages, **pdl_options(q))
     _decode_reduce_kernel[(num_seqs, num_heads)](
-        out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, out.stride(0), out.stride(1),
-        num_heads, max_partitions, HEAD_DIM=head_dim, BLOCK_P=max(triton.next_power_of_2(max_partitions), 2),
-        BLOCK_D=block_d, PARTITION_SIZE=partition_size, num_warps=4, **pdl_options(q))
+        out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens,
+        q if quant_scale is None else quant_scale, out.stride(0), out.stride(1), num_heads, max_partitions,
+        HEAD_DIM=head_dim, BLOCK_P=max(triton.next_power_of_2(max_partitions), 2), BLOCK_D=block_d,
+        PARTITION_SIZE=partition_size, DTYPE=_TL_DTYPES[q.dtype], QUANT=quant_scale is not None, num_warps=4,
+        **pdl_options(q))
     return out
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _output(q: torch.Tensor, quant_scale: torch.Tensor | None) -> torch.Tensor:
+    """The attention output: q's shape, in q's dtype or, quantized for an FP8 linear, float8_e4m3fn."""
+    return torch.empty(q.shape, dtype=q.dtype if quant_scale is None else torch.float8_e4m3fn, device=q.device)
 
 
 def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -417,18 +444,19 @@ def _num_sms(device: torch.device) -> int:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as ``paged_attention_reference``: split-KV decode when every q_len is 1, varlen otherwise; a
+                    scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ``paged_attention_reference`` (with ``quant_scale`` the output quantized for an FP8 linear,
+    as the varlen kernel does): split-KV decode when every q_len is 1, varlen otherwise; a
     mixed step's leading decodes go through the decode kernel (on an H200, varlen reads their long contexts in one
     program per sequence and KV head: 63 of a 168 ms step of 504 decodes and 7,688 prefill tokens, 32 once split).
     Their partitions are the largest, as the decode graphs of large batches use, so that mixed steps of any size
     run kernels those graphs compiled."""
     if meta.max_query_len == 1:
-        return paged_attention_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return paged_attention_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, quant_scale=quant_scale)
     if meta.num_decode_seqs:
         out = paged_attention_decode(q, k_cache, v_cache, meta.leading_decodes(), scale, k_scale, v_scale,
-                                     partition_size=MAX_PARTITION_SIZE)
+                                     partition_size=MAX_PARTITION_SIZE, quant_scale=quant_scale)
         return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, out=out,
-                                      first_seq=meta.num_decode_seqs)
-    return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+                                      first_seq=meta.num_decode_seqs, quant_scale=quant_scale)
+    return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, quant_scale=quant_scale)

@@ -28,14 +28,19 @@ class PagedAttention(nn.Module):
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
-        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+                kv_cache: KVCache, quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]; with
+        ``quant_scale`` (which only the Triton path takes: ``Fp8Linear.fusable_input_scale``) float8_e4m3fn,
+        quantized with it for the next FP8 linear."""
         k_cache, v_cache = kv_cache
         if kernel_config.use_triton(q):
             from runtime.kernels import kv_store, paged_attention  # imports triton: only on this path
 
             kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-            return paged_attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
+            return paged_attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
+                                                   quant_scale)
+        if quant_scale is not None:
+            raise ValueError("PagedAttention: only the Triton kernels quantize their output")
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
 

@@ -56,7 +56,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta, kv_cache)
+        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta, kv_cache,
+                      fusable_input_scale(self.o_proj, x))
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
