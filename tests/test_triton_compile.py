@@ -166,6 +166,12 @@ def fp8_gemv_launches(m: int) -> None:
         mod.fp8_gemv(activations(m, in_features), weight, weight_scale, input_scale)
 
 
+def dense_gemv_launches() -> None:
+    mod = kernels_module("dense_gemv")
+    for in_features, out_features in linear_shapes(ARCH).values():  # a bf16 engine's linears at batch 1
+        mod.dense_gemv(activations(1, in_features), gpu(torch.empty(out_features, in_features, dtype=torch.bfloat16)))
+
+
 def int4_gemv_launches(m: int) -> None:
     mod = kernels_module("int4_gemv")
     for in_features, out_features in linear_shapes(ARCH).values():
@@ -219,6 +225,7 @@ CASES: dict[str, Callable[[], None]] = {
     "fp8_gemv-m1": lambda: fp8_gemv_launches(1),
     "fp8_gemv-m3": lambda: fp8_gemv_launches(3),
     f"fp8_gemv-m{LINEAR_MAX_M}": lambda: fp8_gemv_launches(LINEAR_MAX_M),
+    "dense_gemv-m1": dense_gemv_launches,
     "int4_awq_gemv-m1": lambda: int4_gemv_launches(1),
     "int4_awq_gemv-m3": lambda: int4_gemv_launches(3),
     f"int4_awq_gemv-m{LINEAR_MAX_M}": lambda: int4_gemv_launches(LINEAR_MAX_M),

@@ -1,4 +1,4 @@
-"""Weight-streaming Triton linears (FP8, INT4-AWQ) against the CPU references in runtime/layers/linear.py.
+"""Weight-streaming Triton linears (FP8, INT4-AWQ, dense) against the CPU references in runtime/layers/linear.py.
 
 The CPU tests run the kernels in Triton's interpreter on float32 activations: both sides accumulate in float32, so
 they agree to float32 summation-order error. The GPU tests take bfloat16 activations, where the reference rounds
@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from runtime.kernels.dense_gemv import dense_gemv  # noqa: E402
 from runtime.kernels.fp8_gemv import fp8_gemv  # noqa: E402
 from runtime.kernels.int4_gemv import int4_awq_gemv  # noqa: E402
 from runtime.layers.linear import (  # noqa: E402
@@ -245,3 +246,36 @@ def test_quantized_linears_take_the_streaming_kernels_on_cuda(monkeypatch):
     x_large = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)  # above the streaming limit: dequant + GEMM
     ref = int4_awq_linear_reference(x_large, qweight, scales, pre_quant_scale, 128)
     assert _rel_err(int4(x_large), ref) < GPU_REL_TOL
+
+
+@pytest.mark.parametrize("n,k", [(40, 1024), (13, 700)])  # N and K that are and are not multiples of the tiles
+def test_dense_gemv_matches_f_linear(kernel_device, poisoned_outputs, n, k):
+    g = torch.Generator().manual_seed(n + k)
+    dtype = torch.float32 if kernel_device == "cpu" else torch.bfloat16
+    x, weight = torch.randn(1, 1, k, generator=g).to(kernel_device, dtype), torch.randn(n, k, generator=g)
+    weight = weight.to(kernel_device, dtype)
+    out = dense_gemv(x, weight)
+    assert out.shape == (1, 1, n) and out.dtype == dtype
+    assert _rel_err(out, torch.nn.functional.linear(x.float(), weight.float())) < (
+        CPU_REL_TOL if kernel_device == "cpu" else GPU_REL_TOL)
+
+
+def test_dense_gemv_takes_one_token_in_the_weight_dtype():
+    with pytest.raises(ValueError, match="dense_gemv: x must be one row"):
+        dense_gemv(torch.zeros(2, 8), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="dense_gemv: x must be one row"):
+        dense_gemv(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.float16))
+
+
+def test_a_dense_linear_streams_one_token_and_gives_more_to_cublas(kernel_device, monkeypatch):
+    from runtime import kernel_config
+    from runtime.kernels import dense_gemv as dense_gemv_module
+    from runtime.layers import linear
+
+    monkeypatch.setattr(kernel_config, "use_triton", lambda x: True)  # as on CUDA, also in the interpreter
+    calls = []
+    monkeypatch.setattr(dense_gemv_module, "dense_gemv", lambda x, w: calls.append(len(x)) or x @ w.t())
+    layer = linear.Linear(64, 32, torch.float32).to(kernel_device)
+    layer(torch.zeros(1, 64, device=kernel_device))
+    layer(torch.zeros(3, 64, device=kernel_device))
+    assert calls == [1]

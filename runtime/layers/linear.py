@@ -31,13 +31,18 @@ INT4_STREAMING_MAX_M = 16
 
 
 class Linear(nn.Module):
-    """Dense linear without bias, weight in the engine dtype."""
+    """Dense linear without bias, weight in the engine dtype; one token on CUDA takes the Triton weight-streaming
+    kernel (``runtime.kernels.dense_gemv``), more take cuBLAS."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernel_config.use_triton(x) and x.numel() == x.shape[-1] and x.dtype == self.weight.dtype:
+            from runtime.kernels.dense_gemv import dense_gemv
+
+            return dense_gemv(x, self.weight)
         return F.linear(x, self.weight)
 
 
