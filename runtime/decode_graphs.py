@@ -75,7 +75,7 @@ class DecodeGraphRunner:
 
     def run(self, token_ids: list[int], positions: list[int], seq_lens: list[int], block_tables: list[list[int]],
             device_token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 logits [n, vocab] of a decode step of n sequences (token ``token_ids[i]`` at ``positions[i]``,
+        """Logits [n, vocab] (model dtype) of a decode step of n sequences (token ``token_ids[i]`` at ``positions[i]``,
         context ``seq_lens[i]`` tokens including it); K/V stored as usual. ``device_token_ids`` (n, on the device)
         replaces ``token_ids``: tokens a step still running on the device samples.
 

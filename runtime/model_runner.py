@@ -83,12 +83,6 @@ class ModelRunner:
             return max(0, min(int(usable // block_bytes), GPU_KV_MAX_PLAN_MULTIPLE * plan_blocks))
         return min(plan_blocks, CPU_KV_MAX_BYTES // block_bytes)
 
-    def execute(self, out: SchedulerOutput) -> dict[Sequence, int | SamplingError]:
-        """Run the scheduled tokens; return the sampled token of every sequence whose step reached its last token
-        (a prefill chunk that stops short of the end of the prompt samples nothing), or the SamplingError of one
-        that could not be sampled."""
-        return self.collect(self.launch(out))
-
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, after: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's model run and sampling on the device and return without waiting for them.
@@ -135,7 +129,9 @@ class ModelRunner:
 
     @staticmethod
     def collect(step: LaunchedStep) -> dict[Sequence, int | SamplingError]:
-        """Wait for a launched step's tokens: each sampled sequence's token or SamplingError."""
+        """Wait for a launched step's tokens: the token of every sequence whose step reached its last token (a
+        prefill chunk that stops short of the end of the prompt samples nothing), or the SamplingError of one that
+        could not be sampled."""
         if step.drawn is None:
             return {}
         if step.ready is not None:

@@ -78,7 +78,7 @@ class PrefillGraphRunner:
         return len(query_lens) == 1 and 1 < query_lens[0] <= self.max_tokens
 
     def run(self, token_ids: list[int], positions: list[int], seq_len: int, block_table: list[int]) -> torch.Tensor:
-        """Float32 logits [1, vocab] of the last of ``token_ids`` (at ``positions``, the sequence's last
+        """Logits [1, vocab] (model dtype) of the last of ``token_ids`` (at ``positions``, the sequence's last
         ``len(token_ids)`` of ``seq_len`` tokens); K/V stored as usual. On the graph path the result is a view of the
         bucket's output buffer, valid until the next ``run``."""
         n = len(token_ids)
