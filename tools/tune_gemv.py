@@ -1,11 +1,13 @@
-"""Sweep the launch parameters of the weight-streaming FP8 and INT4-AWQ kernels on one CUDA GPU.
+"""Sweep the launch parameters of the weight-streaming FP8, INT4-AWQ and dense (bf16, one token) kernels on one
+CUDA GPU.
 
 For each Llama-3-8B linear shape (see ``tools/bench_linears.py``) and token count M, times every configuration of a
 small grid inside a CUDA graph (``bench_linears.graph_time_us``: no launch cost, each call on another copy of the
 weights so L2 never holds them) and prints the fastest, with its weight
-bandwidth against the H200's ~4.3 TB/s. The winners become the table in ``fp8_gemv_config`` / ``int4_gemv_config``.
+bandwidth against the H200's ~4.3 TB/s. The winners become the table in ``fp8_gemv_config`` / ``int4_gemv_config``
+and ``dense_gemv``'s defaults (the dense kernel serves M = 1 only).
 
-    PYTHONPATH=. python tools/tune_gemv.py [--m 1,4,16] [--json OUT]
+    PYTHONPATH=. python tools/tune_gemv.py [--m 1,4,16] [--kernels fp8,int4,dense] [--json OUT]
 """
 
 from __future__ import annotations
@@ -18,22 +20,26 @@ from sweep import bandwidth_text, grid, has_cuda, measure_or_skip, sweep_parser,
 
 FP8_ROW_GRID = dict(BLOCK_M=[1], BLOCK_N=[4, 8, 16], BLOCK_K=[512, 1024], num_warps=[4, 8], num_stages=[2, 4])
 INT4_ROW_GRID = dict(BLOCK_N=[4, 8, 16], GROUPS=[4, 8], num_warps=[4, 8], num_stages=[3])
+DENSE_GRID = dict(block_n=[4, 8, 16], block_k=[256, 512, 1024], num_warps=[4, 8])
 DOT_GRID = dict(BLOCK_M=[16], BLOCK_N=[32, 64], BLOCK_K=[128, 256], num_warps=[4], num_stages=[3, 4])
 
 
 def configs(kernel: str, m: int) -> list[dict]:
-    """The grid of ``kernel`` (fp8 or int4) for M tokens: its row reduction at M = 1, a 16-row ``tl.dot`` tile
-    above."""
+    """The grid of ``kernel`` (fp8, int4 or dense) for M tokens: its row reduction at M = 1, a 16-row ``tl.dot``
+    tile above."""
+    if kernel == "dense":
+        return grid(DENSE_GRID)
     return grid(DOT_GRID if m > 1 else FP8_ROW_GRID if kernel == "fp8" else INT4_ROW_GRID)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = sweep_parser(__doc__, rep_ms=20)
     parser.add_argument("--m", default="1,4,16", help="comma-separated token counts (default 1,4,16)")
-    parser.add_argument("--kernels", default="fp8,int4", help="comma-separated subset of fp8,int4")
+    parser.add_argument("--kernels", default="fp8,int4", help="comma-separated subset of fp8,int4,dense")
     args = parser.parse_args(argv)
     import torch
 
+    from runtime.kernels import dense_gemv as dense
     from runtime.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config
     from runtime.kernels.int4_gemv import int4_awq_gemv, int4_gemv_config
 
@@ -41,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = []
     for (name, k, n), m, kernel in itertools.product(SHAPES, map(int, args.m.split(",")), args.kernels.split(",")):
+        if kernel == "dense" and m != 1:
+            continue
         copies = [make_operands(k, n, seed) for seed in range(WEIGHT_COPIES)]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         if kernel == "fp8":
@@ -50,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
             def calls(cfg, x=x, copies=copies):
                 return [lambda o=o: fp8_gemv(x, o["w_fp8"], o["weight_scale"], o["input_scale"], config=cfg)
                         for o in copies]
+        elif kernel == "dense":
+            default = dict(block_n=dense.BLOCK_N, block_k=dense.BLOCK_K, num_warps=dense.NUM_WARPS)
+            nbytes = weight_bytes("bf16_matmul", k, n)
+
+            def calls(cfg, x=x, copies=copies):
+                return [lambda o=o: dense.dense_gemv(x, o["w_bf16"], **cfg) for o in copies]
         else:
             default = int4_gemv_config(m, n, k, GROUP_SIZE)
             nbytes = weight_bytes("triton_int4", k, n)

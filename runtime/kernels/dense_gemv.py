@@ -15,8 +15,9 @@ import triton.language as tl
 
 from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
 
-# The fastest of 18 configurations on an H200, inside CUDA graphs, over the four Llama-3-8B linears at batch 1: 109 us
-# for qkv, o, gate_up and down together against cuBLAS's 118 (o 9.4 vs 13.8 us, down 28.4 vs 32.2; 3.6-4.2 TB/s).
+# The fastest of 18 configurations (tools/tune_gemv.py --kernels dense --m 1's grid) on an H200, inside CUDA graphs,
+# over the four Llama-3-8B linears at batch 1: 109 us for qkv, o, gate_up and down together against cuBLAS's 118
+# (o 9.4 vs 13.8 us, down 28.4 vs 32.2; 3.6-4.2 TB/s).
 BLOCK_N, BLOCK_K, NUM_WARPS = 8, 1024, 8
 
 
