@@ -1,16 +1,21 @@
 """Exact roundings shared by the Triton kernels: float32 to the model dtype, and to FP8 (E4M3) for activations and KV.
 
-Both are done in integer/float32 arithmetic rather than by a cast, so they are exact in Triton's interpreter too
-(it truncates float32 to bfloat16 and rounds some FP8 ties wrongly) and a later cast is exact.
+Compiled for a GPU they are the hardware conversions, which round to nearest even. Triton's interpreter (the CPU
+tests) truncates float32 to bfloat16 and rounds some FP8 ties wrongly, so there they are done in integer/float32
+arithmetic instead; the results are the same values either way. On an H200 the arithmetic versions made
+SiLU-and-multiply over 1024 tokens 1.5x slower than the conversions (32 against 21 us).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 FP8_MAX = tl.constexpr(448.0)  # a global read inside a kernel must be a constexpr
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -18,6 +23,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def round_to_dtype(x, DTYPE: tl.constexpr):
     """Round float32 ``x`` to the nearest ``DTYPE`` value (ties to even), staying in float32; NaN stays NaN."""
     if tl.bfloat16 == DTYPE:
+        if not INTERPRETED:
+            return x.to(tl.bfloat16).to(tl.float32)
         bits = x.to(tl.int32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)  # carries into the upper half when above the midpoint or a tie
         return tl.where(x == x, ((bits >> 16) << 16).to(tl.float32, bitcast=True), x)  # a NaN could carry to -0
@@ -42,7 +49,10 @@ def round_to_e4m3(y):
 
 @triton.jit
 def quantize_e4m3(x, scale):
-    """``fp8_e4m3(clamp(x / scale, ±448))`` as exact float32 values: IEEE division (a plain ``/`` compiles to an
-    approximate one on a GPU), the clamp, then round to nearest even; the bytes ``runtime.layers.linear.fp8_quantize``
-    writes, once cast."""
-    return round_to_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX))
+    """``fp8_e4m3(clamp(x / scale, ±448))``: IEEE division (a plain ``/`` compiles to an approximate one on a GPU),
+    the clamp, then round to nearest even; the bytes ``runtime.layers.linear.fp8_quantize`` writes once cast to
+    float8_e4m3fn (compiled, the value already is one; interpreted, it is the exact float32 value)."""
+    y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
+    if INTERPRETED:
+        return round_to_e4m3(y)
+    return y.to(tl.float8e4nv)
