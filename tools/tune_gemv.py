@@ -18,9 +18,9 @@ import sys
 from bench_linears import GROUP_SIZE, SHAPES, WEIGHT_COPIES, graph_time_us, make_operands, weight_bytes
 from sweep import bandwidth_text, grid, has_cuda, measure_or_skip, sweep_parser, tb_per_s, write_results
 
-FP8_ROW_GRID = dict(BLOCK_M=[1], BLOCK_N=[4, 8, 16], BLOCK_K=[512, 1024], num_warps=[4, 8], num_stages=[2, 4])
+FP8_ROW_GRID = dict(BLOCK_M=[1], BLOCK_N=[4, 8, 16], BLOCK_K=[1024, 2048, 4096], num_warps=[4, 8], num_stages=[1, 3])
 INT4_ROW_GRID = dict(BLOCK_N=[4, 8, 16], GROUPS=[4, 8], num_warps=[4, 8], num_stages=[3])
-DENSE_GRID = dict(block_n=[4, 8, 16], block_k=[256, 512, 1024], num_warps=[4, 8])
+DENSE_GRID = dict(block_n=[4, 8, 16], block_k=[512, 1024, 2048], num_warps=[4, 8])
 DOT_GRID = dict(BLOCK_M=[16], BLOCK_N=[32, 64], BLOCK_K=[128, 256], num_warps=[4], num_stages=[3, 4])
 
 
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from runtime.kernels import dense_gemv as dense
     from runtime.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config
+    from runtime.kernels.fp8_quant import quantize_fp8
     from runtime.kernels.int4_gemv import int4_awq_gemv, int4_gemv_config
 
     if not has_cuda("tune_gemv"):
@@ -51,13 +52,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         copies = [make_operands(k, n, seed) for seed in range(WEIGHT_COPIES)]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        if kernel == "fp8":
+        if kernel == "fp8":  # the activation arrives quantized, as the engine's fused kernels write it
             default = fp8_gemv_config(m, n, k)
             nbytes = weight_bytes("triton_fp8", k, n)
+            x_fp8 = quantize_fp8(x, copies[0]["input_scale"])
 
-            def calls(cfg, x=x, copies=copies):
-                return [lambda o=o: fp8_gemv(x, o["w_fp8"], o["weight_scale"], o["input_scale"], config=cfg)
-                        for o in copies]
+            def calls(cfg, x=x_fp8, copies=copies):
+                return [lambda o=o: fp8_gemv(x, o["w_fp8"], o["weight_scale"], o["input_scale"], config=cfg,
+                                             out_dtype=torch.bfloat16) for o in copies]
         elif kernel == "dense":
             default = dict(block_n=dense.BLOCK_N, block_k=dense.BLOCK_K, num_warps=dense.NUM_WARPS)
             nbytes = weight_bytes("bf16_matmul", k, n)

@@ -54,10 +54,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, input_scale_ptr, y_ptr, M, N, K:
 
 
 def fp8_gemv_config(m: int, n: int, k: int) -> dict:
-    """Launch parameters: for M = 1 the fastest of a sweep on an H200 inside CUDA graphs (tools/tune_gemv.py), 8 rows
-    of 1 KiB of weight per step; a 16-row FP8 ``tl.dot`` tile otherwise."""
+    """Launch parameters: for M = 1 the fastest of a sweep on an H200 inside CUDA graphs over Llama-3-8B's shapes with
+    an FP8 activation (tools/tune_gemv.py): 4096-byte chunks of 8 weight rows (4 past 8192 input features), so that
+    each program has its whole chunk in flight at once; a 16-row FP8 ``tl.dot`` tile otherwise."""
     if m == 1:
-        return dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=1, BLOCK_N=8 if k <= 8192 else 4, BLOCK_K=4096, num_warps=8,
+                    num_stages=1 if k <= 8192 else 3)
     return dict(BLOCK_M=16, BLOCK_N=64 if n >= 16384 else 32, BLOCK_K=128, num_warps=4, num_stages=3)
 
 
