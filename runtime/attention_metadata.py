@@ -2,6 +2,7 @@
 
 Token t of sequence i (0 <= t < q_len_i) sits at absolute position ``seq_lens[i] - q_len_i + t`` and attends to KV
 positions 0..that position (causal). This one form covers prefill, chunked prefill, prefix-cache hits and decode.
+A step of one whole prompt (no cached context) is marked, so that attention may run over its new K/V directly.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decode_seqs: int = 0  # leading sequences of one new token each (a mixed step lists its decodes first)
+    whole_prompt: bool = False  # one sequence, all new: query row i is position i (padding rows may follow)
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -46,6 +48,7 @@ class AttentionMetadata:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             num_decode_seqs=next((i for i, q_len in enumerate(query_lens) if q_len != 1), len(query_lens)),
+            whole_prompt=len(query_lens) == 1 and query_lens[0] == seq_lens[0],
         )
 
     def leading_decodes(self) -> AttentionMetadata:

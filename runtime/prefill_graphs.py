@@ -7,6 +7,9 @@ runs in the smallest bucket ``T >= n``: tokens ``n..T`` are padding (token 0 at 
 stored, outside the sequence since ``query_start_loc = [0, n]``), so attention never reads or writes them and every
 other op is row-wise. The graph returns the logits of token ``n - 1``. Each bucket's metadata carries ``T`` as its
 query-length bound and the plan's ``max_seq_len``, so the attention grid is fixed; programs past ``n`` return at once.
+Each bucket has two graphs: one for a whole prompt, whose attention runs causally over the bucket's new K/V directly
+(``AttentionMetadata.whole_prompt``; the padding rows come last, so no prompt row sees them), and one for a step that
+continues a cached context.
 
 Captured with the decode graphs (``KILN_CUDA_GRAPHS``, ``runtime.kernel_config``); ``capture=False`` runs the same
 padded forward eagerly (how the CPU tests check the padding).
@@ -59,15 +62,20 @@ class PrefillGraphRunner:
         self.last_index = dev_i64[3 * max_t:]
         self.slot_mapping.fill_(-1)
         self.metas = {
-            t: AttentionMetadata(slot_mapping=self.slot_mapping[:t], query_start_loc=dev_i32[:2],
-                                 seq_lens=dev_i32[2:3], block_tables=dev_i32[3:].view(1, blocks_per_seq),
-                                 max_query_len=t, max_seq_len=plan.max_seq_len)
-            for t in self.token_buckets
+            (t, whole): AttentionMetadata(slot_mapping=self.slot_mapping[:t], query_start_loc=dev_i32[:2],
+                                          seq_lens=dev_i32[2:3], block_tables=dev_i32[3:].view(1, blocks_per_seq),
+                                          max_query_len=t, max_seq_len=plan.max_seq_len, whole_prompt=whole)
+            for t in self.token_buckets for whole in (False, True)
         }
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         if capture:  # the buffers hold an empty sequence: neither warm-up nor capture writes the KV cache
-            self.graphs, self.logits = capture_graphs(self.device, self.token_buckets, self._forward)
+            pool = torch.cuda.graph_pool_handle()
+            for whole in (False, True):
+                graphs, logits = capture_graphs(self.device, self.token_buckets,
+                                                lambda t, whole=whole: self._forward((t, whole)), pool)
+                self.graphs.update({(t, whole): graph for t, graph in graphs.items()})
+                self.logits.update({(t, whole): out for t, out in logits.items()})
 
     def bucket(self, n: int) -> int:
         """The smallest bucket that holds ``n`` tokens."""
@@ -82,12 +90,12 @@ class PrefillGraphRunner:
         ``len(token_ids)`` of ``seq_len`` tokens); K/V stored as usual. On the graph path the result is a view of the
         bucket's output buffer, valid until the next ``run``."""
         n = len(token_ids)
-        t = self.bucket(n)
-        self._stage(token_ids, positions, seq_len, block_table, t)
-        if t in self.graphs:
-            self.graphs[t].replay()
-            return self.logits[t]
-        return self._forward(t)
+        key = self.bucket(n), n == seq_len
+        self._stage(token_ids, positions, seq_len, block_table, key[0])
+        if key in self.graphs:
+            self.graphs[key].replay()
+            return self.logits[key]
+        return self._forward(key)
 
     def _stage(self, token_ids: list[int], positions: list[int], seq_len: int, block_table: list[int],
                t: int) -> None:
@@ -105,8 +113,10 @@ class PrefillGraphRunner:
         i32[3:3 + len(block_table)] = block_table[:len(i32) - 3]  # seq_len <= max_seq_len: the table fits
         self.staging.upload()
 
-    def _forward(self, t: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:t], self.positions[:t], self.metas[t], self.kv_caches)
+    def _forward(self, key: tuple[int, bool]) -> torch.Tensor:
+        """The padded forward of bucket ``key[0]`` tokens, for a whole prompt when ``key[1]``."""
+        t = key[0]
+        hidden = self.model(self.input_ids[:t], self.positions[:t], self.metas[key], self.kv_caches)
         return self.model.compute_logits(hidden.index_select(0, self.last_index))
 
 

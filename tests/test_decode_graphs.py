@@ -314,7 +314,7 @@ def test_llm_with_cuda_graphs_serves_the_tokens_of_the_torch_reference_path(engi
     with LLM.load(engine_dir, device="cuda") as llm:
         graphs = llm.engine.model_runner.decode_graphs
         assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
-        assert sorted(llm.engine.model_runner.prefill_graphs.graphs) == [64]
+        assert sorted(llm.engine.model_runner.prefill_graphs.graphs) == [(64, False), (64, True)]
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
         assert [o.token_ids for o in llm.generate(prompts[:3], GREEDY)] == expected[:3]
         assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == expected  # single-sequence prefills

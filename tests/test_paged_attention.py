@@ -73,6 +73,28 @@ def test_mixed_batch_matches_dense_causal_attention(fp8):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_whole_prompt_attends_over_its_unquantized_kv_and_stores_it_quantized():
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(9, NUM_HEADS, HEAD_DIM, generator=generator)
+    k, v = (torch.randn(9, NUM_KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
+    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    attn = PagedAttention(HEAD_DIM, fp8_kv_cache=True)
+    attn.k_scale.fill_(0.02)
+    meta = AttentionMetadata.build([9], [9], [[5, 3, 8]], BLOCK_SIZE)
+    assert meta.whole_prompt
+    out = attn(q, k, v, meta, (k_cache, v_cache))
+    torch.testing.assert_close(out, dense_causal_attention(q, k, v, 0), rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_cache[5].view(torch.uint8), fp8_quantize(k[:4], attn.k_scale).view(torch.uint8))
+    assert torch.equal(v_cache[8, 0].view(torch.uint8), fp8_quantize(v[8], attn.v_scale).view(torch.uint8))
+
+
+def test_only_one_sequence_without_cached_context_is_a_whole_prompt():
+    assert AttentionMetadata.build([1], [1], [[1]], BLOCK_SIZE).whole_prompt
+    assert not AttentionMetadata.build([6], [11], [[1, 2, 3]], BLOCK_SIZE).whole_prompt  # after a prefix-cache hit
+    assert not AttentionMetadata.build([7, 5], [7, 5], [[1, 2], [3, 4]], BLOCK_SIZE).whole_prompt
+
+
 def test_slot_mapping_follows_the_block_table():
     meta = AttentionMetadata.build([3, 1], [6, 5], [[7, 2], [4, 9]], block_size=4)
     # sequence 0 writes positions 3, 4, 5 -> block 7 offset 3, block 2 offsets 0 and 1; sequence 1 writes position 4
@@ -110,3 +132,31 @@ def test_paged_attention_on_gpu_matches_cpu():
         caches = (k_cache.clone().to(device), v_cache.clone().to(device))
         outputs.append(attn.to(device)(q.to(device), k.to(device), v.to(device), meta, caches).cpu())
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quantized_output", [False, True], ids=["bf16-out", "fp8-out"])
+def test_whole_prompt_attention_on_gpu_matches_dense_attention(quantized_output):
+    from runtime.kernels.fp8_quant import quantize_fp8
+
+    generator = torch.Generator().manual_seed(2)
+    num_heads, num_kv_heads, head_dim, tokens, block_size = 32, 8, 128, 1000, 16
+    q = torch.randn(tokens, num_heads, head_dim, generator=generator)
+    k, v = (torch.randn(tokens, num_kv_heads, head_dim, generator=generator) for _ in range(2))
+    caches = tuple(torch.zeros(64, block_size, num_kv_heads, head_dim, dtype=torch.float8_e4m3fn, device="cuda")
+                   for _ in range(2))
+    meta = AttentionMetadata.build([tokens], [tokens], [list(range(1, 64))], block_size, "cuda")
+    attn = PagedAttention(head_dim, fp8_kv_cache=True).cuda()
+    quant_scale = torch.tensor(0.01, device="cuda") if quantized_output else None
+    qkv = [x.cuda().bfloat16() for x in (q, k, v)]
+    out = attn(*qkv, meta, caches, quant_scale)
+    expected = F.scaled_dot_product_attention(*(x.float().transpose(0, 1) for x in qkv), is_causal=True,
+                                              enable_gqa=True).transpose(0, 1)
+    if quantized_output:
+        assert out.dtype == torch.float8_e4m3fn
+        out = out.float().view_as(expected) * quant_scale
+        expected = quantize_fp8(expected, quant_scale).float().view_as(expected) * quant_scale
+        torch.testing.assert_close(out, expected, rtol=0.13, atol=2 * 0.01)  # one FP8 step either side
+    else:
+        torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)

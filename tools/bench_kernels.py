@@ -1,8 +1,9 @@
 """Micro-benchmark of the Triton paged-attention kernels against the PyTorch reference on one CUDA GPU.
 
 Llama-3-8B-like attention (32 heads, 8 KV heads, head_dim 128, blocks of 32 tokens): decode at batch 1/16/64 over
-contexts of 1k and 4k tokens, and a 1k-token prefill. Times are medians: the Triton kernels replayed in a CUDA graph
-(``do_bench_cudagraph``, as the engine decodes), the reference (which synchronises with the host) by
+contexts of 1k and 4k tokens, a 1k-token prefill, and the same prefill as a whole prompt attended over its new K/V
+(``prompt_attention``, cuDNN; the "triton" column times it). Times are medians: the kernels replayed in a CUDA graph
+(``do_bench_cudagraph``, as the engine runs them), the reference (which synchronises with the host) by
 ``do_bench``; bandwidth is the bytes of K/V each kernel must read once, over its time, against the H200's ~4.3 TB/s.
 
     PYTHONPATH=. python tools/bench_kernels.py [--kv-dtype fp8] [--json]
@@ -59,6 +60,21 @@ def make_case(query_lens, seq_lens, kv_dtype, generator, block_size: int = BLOCK
     return q, k_cache, v_cache, meta, scales
 
 
+def time_case(case: str, kernel, reference, kv_bytes: int, args: argparse.Namespace) -> dict:
+    """One row: ``kernel`` inside a CUDA graph, as the engine runs it (the Python launch cost of small kernels is not
+    counted), the reference by ``do_bench``, and their largest difference."""
+    import triton.testing
+
+    max_err = (kernel().float() - reference().float()).abs().max().item()
+    kernel_ms = triton.testing.do_bench_cudagraph(kernel, rep=args.rep, return_mode="median")
+    reference_ms = None
+    if not args.no_reference:
+        reference_ms = triton.testing.do_bench(reference, warmup=args.warmup, rep=args.rep, return_mode="median")
+    return {"case": case, "triton_us": kernel_ms * 1e3,
+            "reference_us": None if reference_ms is None else reference_ms * 1e3,
+            "kv_bytes": kv_bytes, "bandwidth_tb_s": kv_bytes / (kernel_ms * 1e-3) / 1e12, "max_abs_err": max_err}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -66,10 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU; run it on the GPU machine", file=sys.stderr)
         return 2
-    import triton.testing
-
     from runtime.kernels.paged_attention import paged_attention
-    from runtime.layers.attention import paged_attention_reference
+    from runtime.layers.attention import gather_kv, paged_attention_reference, prompt_attention
 
     generator = torch.Generator().manual_seed(0)
     rows = []
@@ -77,18 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         q, k_cache, v_cache, meta, (k_scale, v_scale) = make_case(query_lens, seq_lens, args.kv_dtype, generator)
         scale = HEAD_DIM**-0.5
         kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
-        kernel = functools.partial(paged_attention, q, k_cache, v_cache, meta, scale, k_scale, v_scale)
         reference = functools.partial(paged_attention_reference, q, k_cache, v_cache, meta, scale, k_scale, v_scale)
-        max_err = (kernel().float() - reference().float()).abs().max().item()
-        # inside a CUDA graph, as the engine decodes: the Python launch cost of small kernels is not counted
-        triton_ms = triton.testing.do_bench_cudagraph(kernel, rep=args.rep, return_mode="median")
-        reference_ms = None
-        if not args.no_reference:
-            reference_ms = triton.testing.do_bench(reference, warmup=args.warmup, rep=args.rep, return_mode="median")
-        rows.append({"case": name, "triton_us": triton_ms * 1e3,
-                     "reference_us": None if reference_ms is None else reference_ms * 1e3,
-                     "kv_bytes": kv_bytes, "bandwidth_tb_s": kv_bytes / (triton_ms * 1e-3) / 1e12,
-                     "max_abs_err": max_err})
+        kernels = {name: functools.partial(paged_attention, q, k_cache, v_cache, meta, scale, k_scale, v_scale)}
+        if meta.whole_prompt:  # the new K/V as the cache holds them, so that the reference reads the same values
+            k, v = (gather_kv(c, meta.block_tables[0], seq_lens[0], s, q.dtype)
+                    for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+            kernels[f"{name} cuDNN"] = functools.partial(prompt_attention, q, k, v, scale)
+        for case, kernel in kernels.items():
+            rows.append(time_case(case, kernel, reference, kv_bytes, args))
     if args.json:
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "kv_dtype": args.kv_dtype, "rows": rows}, indent=2))
         return 0

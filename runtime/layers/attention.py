@@ -1,5 +1,9 @@
 """Paged attention: store the new tokens' K/V into the block caches, then attend through each block table.
 
+A step of one whole prompt (``AttentionMetadata.whole_prompt``) attends over its new K/V directly instead, as
+TensorRT-LLM's context phase does: unquantized even when the cache is FP8, and on CUDA through cuDNN's fused
+attention (``prompt_attention``).
+
 ``paged_attention_reference`` is the plain PyTorch implementation (the CPU path and the oracle for GPU kernels).
 Caches are [num_blocks, block_size, num_kv_heads, head_dim]; an FP8 cache holds ``x / scale`` in float8_e4m3fn.
 On a CUDA device the Triton kernels of ``runtime.kernels`` run instead, unless ``KILN_KERNELS=torch``
@@ -11,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from runtime import kernel_config
 from runtime.attention_metadata import AttentionMetadata
@@ -33,16 +38,38 @@ class PagedAttention(nn.Module):
         ``quant_scale`` (which only the Triton path takes: ``Fp8Linear.fusable_input_scale``) float8_e4m3fn,
         quantized with it for the next FP8 linear."""
         k_cache, v_cache = kv_cache
-        if kernel_config.use_triton(q):
-            from runtime.kernels import kv_store, paged_attention  # imports triton: only on this path
+        if not kernel_config.use_triton(q):
+            if quant_scale is not None:
+                raise ValueError("PagedAttention: only the Triton kernels quantize their output")
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            if meta.whole_prompt:
+                return prompt_attention(q, k, v, self.scale)
+            return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
+        from runtime.kernels import fp8_quant, kv_store, paged_attention  # imports triton: only on this path
 
-            kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if not meta.whole_prompt:
             return paged_attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
                                                    quant_scale)
-        if quant_scale is not None:
-            raise ValueError("PagedAttention: only the Triton kernels quantize their output")
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
+        out = prompt_attention(q, k, v, self.scale)
+        if quant_scale is None:
+            return out
+        return fp8_quant.quantize_fp8(out.reshape(out.shape[0], -1), quant_scale).view(out.shape)  # rows of tokens
+
+
+# cuDNN first: on an H200 it attends a 1000-token Llama-3-8B prompt in 31 us per layer, against 49-64 us for the
+# Triton varlen kernel (bf16 or FP8 cache) and 56 us for FlashAttention-2 (tools/bench_kernels.py).
+PROMPT_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH]
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention of one sequence's tokens over themselves: q [T, num_heads, head_dim], k and v
+    [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim], row i at position i."""
+    with sdpa_kernel(PROMPT_BACKENDS, set_priority=True):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
