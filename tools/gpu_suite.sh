@@ -2,7 +2,7 @@
 # Everything docs/performance.md reports for one CUDA GPU, in one go: the GPU tests, the tiny model against
 # transformers, the linears, attention and fused-op micro-benchmarks, the 8B model's steps with kernel profiles, and
 # kiln bench on Llama-3-8B FP8 (1000 prompts at 1000/1000 with an FP8 KV cache, with and without overlapped steps,
-# then 256 prompts against transformers at 1000/200, and bf16 batch-1 decode).
+# then 256 prompts against transformers at 1000/200 and at 1000/1000, and bf16 batch-1 decode).
 # Results go to $OUT (default ./gpu-out).
 #   bash tools/gpu_suite.sh [quick]     # quick: tests, tiny end-to-end and the step benchmark only
 set -u
@@ -30,8 +30,11 @@ echo "== kiln bench 1000/1000"; $BENCH --prompts 1000 --output-len 1000 --kv-cac
 kill $CLOCKS
 echo "== kiln bench 1000/1000, each step run to completion first (the overlap's share)"
 KILN_OVERLAP_STEPS=0 $BENCH --prompts 1000 --output-len 1000 --kv-cache-dtype fp8 --json > "$OUT/bench_no_overlap.json"
+sync  # the checkpoint written above is flushed, so that no writeback slows the host-bound peer
 echo "== kiln bench 1000/200 vs transformers"
 $BENCH --prompts 256 --output-len 200 --kv-cache-dtype fp8 --peer transformers --json > "$OUT/bench_peer.json"
+echo "== kiln bench 1000/1000 vs transformers"
+$BENCH --prompts 256 --output-len 1000 --kv-cache-dtype fp8 --peer transformers --json > "$OUT/bench_peer_1000.json"
 echo "== kiln bench, bf16 batch-1"
 python3 -m pipeline bench configs/models/llama3-8b.json --format none --batch-1 --input-len 1000 --output-len 128 \
     --json > "$OUT/bench_bf16.json"
