@@ -95,8 +95,8 @@ def test_floor_fraction_is_computed_from_the_stated_bandwidth(config_report):
     assert floor["kv_bytes_per_token"] == 2 * 4 * 2 * 32 * 2 and floor["mean_context_len"] == 19
     expected_floor = 20e9 / (floor["weight_bytes"] + floor["kv_bytes_per_token"] * 19)
     assert config_report["floor_tokens_per_s_batch1"] == pytest.approx(expected_floor, rel=1e-4)
-    assert config_report["floor_fraction_batch1"] == pytest.approx(
-        config_report["kiln"]["decode_tokens_per_s_batch1"] / expected_floor, rel=1e-3)
+    assert config_report["floor_fraction_batch1"] == pytest.approx(  # reported to 4 decimals
+        config_report["kiln"]["decode_tokens_per_s_batch1"] / expected_floor, abs=5.01e-5)
 
 
 def test_architecture_file_is_benchmarked_with_random_weights_and_cached(tmp_path, kiln_cache):
