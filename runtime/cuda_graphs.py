@@ -4,9 +4,12 @@ prefill graph runners."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
+
+Key = TypeVar("Key")  # a bucket: its size, or a tuple that starts with it
 
 
 def doubling_sizes(first: int, limit: int) -> tuple[int, ...]:
@@ -55,25 +58,26 @@ class StepStaging:
 
 
 @torch.inference_mode()
-def capture_graphs(device: torch.device, sizes: tuple[int, ...], forward: Callable[[int], torch.Tensor],
-                   pool: tuple | None = None) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
-    """Warm ``forward(size)`` up eagerly for every size (compiling its kernels) on a side stream, then capture each,
-    largest first, into one memory pool (``pool``, or a new one). Returns the graphs and their output tensors."""
+def capture_graphs(device: torch.device, keys: tuple[Key, ...], forward: Callable[[Key], torch.Tensor],
+                   ) -> tuple[dict[Key, torch.cuda.CUDAGraph], dict[Key, torch.Tensor]]:
+    """Warm ``forward(key)`` up eagerly for every key (compiling its kernels) on a side stream, then capture each,
+    largest key first (the biggest buffers: keys sort by size), into one memory pool. Returns the graphs and their
+    output tensors."""
     if device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        for size in sizes:
-            forward(size)
+        for key in keys:
+            forward(key)
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
-    pool = pool or torch.cuda.graph_pool_handle()
+    pool = torch.cuda.graph_pool_handle()
     graphs, outputs = {}, {}
-    for size in sorted(sizes, reverse=True):
+    for key in sorted(keys, reverse=True):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            outputs[size] = forward(size)
-        graphs[size] = graph
+            outputs[key] = forward(key)
+        graphs[key] = graph
     torch.cuda.synchronize(device)
     return graphs, outputs

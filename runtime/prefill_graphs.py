@@ -70,12 +70,7 @@ class PrefillGraphRunner:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         if capture:  # the buffers hold an empty sequence: neither warm-up nor capture writes the KV cache
-            pool = torch.cuda.graph_pool_handle()
-            for whole in (False, True):
-                graphs, logits = capture_graphs(self.device, self.token_buckets,
-                                                lambda t, whole=whole: self._forward((t, whole)), pool)
-                self.graphs.update({(t, whole): graph for t, graph in graphs.items()})
-                self.logits.update({(t, whole): out for t, out in logits.items()})
+            self.graphs, self.logits = capture_graphs(self.device, tuple(self.metas), self._forward)
 
     def bucket(self, n: int) -> int:
         """The smallest bucket that holds ``n`` tokens."""

@@ -38,23 +38,24 @@ class PagedAttention(nn.Module):
         ``quant_scale`` (which only the Triton path takes: ``Fp8Linear.fusable_input_scale``) float8_e4m3fn,
         quantized with it for the next FP8 linear."""
         k_cache, v_cache = kv_cache
-        if not kernel_config.use_triton(q):
-            if quant_scale is not None:
-                raise ValueError("PagedAttention: only the Triton kernels quantize their output")
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-            if meta.whole_prompt:
-                return prompt_attention(q, k, v, self.scale)
-            return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
-        from runtime.kernels import fp8_quant, kv_store, paged_attention  # imports triton: only on this path
+        triton_path = kernel_config.use_triton(q)
+        if quant_scale is not None and not triton_path:
+            raise ValueError("PagedAttention: only the Triton kernels quantize their output")
+        if triton_path:
+            from runtime.kernels import fp8_quant, kv_store, paged_attention  # imports triton: only on this path
 
-        kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        if not meta.whole_prompt:
+            kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        else:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if meta.whole_prompt:
+            out = prompt_attention(q, k, v, self.scale)
+            if quant_scale is None:
+                return out
+            return fp8_quant.quantize_fp8(out.reshape(out.shape[0], -1), quant_scale).view(out.shape)  # token rows
+        if triton_path:
             return paged_attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
                                                    quant_scale)
-        out = prompt_attention(q, k, v, self.scale)
-        if quant_scale is None:
-            return out
-        return fp8_quant.quantize_fp8(out.reshape(out.shape[0], -1), quant_scale).view(out.shape)  # rows of tokens
+        return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
 
 
 # cuDNN first: on an H200 it attends a 1000-token Llama-3-8B prompt in 31-32 us per layer, against 49-65 us for the
