@@ -113,7 +113,8 @@ def test_varlen_kernel_reads_an_fp8_cache_through_its_scales(device, dtype, toke
     torch.testing.assert_close(out, expected, **fp8_tolerance(device, dtype))
 
 
-@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(1, 128, 16), (2, 64, 32), (4, 64, 16)])
+# blocks of 16 and 32 tokens: a partition of 32 spans two or one; of 64: a block holds two partitions
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(1, 128, 16), (2, 64, 32), (4, 64, 16), (2, 64, 64)])
 def test_split_kv_decode_matches_reference_within_and_across_partitions(device, group, head_dim, block_size):
     q, k_cache, v_cache, meta, _, _ = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], group, head_dim,
                                                    block_size, device)
