@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -28,25 +29,33 @@ class AttentionMetadata:
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
               device: torch.device | str = "cpu") -> AttentionMetadata:
-        """Metadata for sequences whose last ``query_lens[i]`` of ``seq_lens[i]`` tokens are new this step."""
-        slots = []
-        for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-            if not 0 < q_len <= seq_len or len(table) * block_size < seq_len:
-                raise ValueError(f"inconsistent sequence: query_len {q_len}, seq_len {seq_len}, "
-                                 f"{len(table)} blocks of {block_size}")
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len))
-        width = max(len(t) for t in block_tables)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        cu = [0]
-        for q_len in query_lens:
-            cu.append(cu[-1] + q_len)
+        """Metadata for sequences whose last ``query_lens[i]`` of ``seq_lens[i]`` tokens are new this step.
+
+        Array arithmetic, not a loop over tokens: a mixed step of ~8k new tokens is built in well under a
+        millisecond, while the device waits for it."""
+        if not len(query_lens) == len(seq_lens) == len(block_tables):
+            raise ValueError(f"{len(query_lens)} query lengths, {len(seq_lens)} sequence lengths and "
+                             f"{len(block_tables)} block tables: one of each per sequence")
+        q_lens, lens = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
+        num_blocks = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+        bad = np.flatnonzero((q_lens <= 0) | (q_lens > lens) | (num_blocks * block_size < lens))
+        if bad.size:
+            i = bad[0]
+            raise ValueError(f"inconsistent sequence: query_len {q_lens[i]}, seq_len {lens[i]}, "
+                             f"{num_blocks[i]} blocks of {block_size}")
+        width = int(num_blocks.max())
+        tables = np.array([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=np.int64)
+        cu = np.concatenate(([0], np.cumsum(q_lens)))
+        positions = token_positions(q_lens, lens, cu)
+        seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            slot_mapping=torch.from_numpy(slots).to(device),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(lens.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(lens.max()),
             num_decode_seqs=next((i for i, q_len in enumerate(query_lens) if q_len != 1), len(query_lens)),
             whole_prompt=len(query_lens) == 1 and query_lens[0] == seq_lens[0],
         )
@@ -57,3 +66,10 @@ class AttentionMetadata:
         return AttentionMetadata(self.slot_mapping[:n], self.query_start_loc[:n + 1], self.seq_lens[:n],
                                  self.block_tables[:n], max_query_len=1, max_seq_len=self.max_seq_len,
                                  num_decode_seqs=n)
+
+
+def token_positions(query_lens: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray) -> np.ndarray:
+    """The absolute position of every new token of a flat batch (int64 [num_tokens]): sequence i's run from
+    ``seq_lens[i] - query_lens[i]``."""
+    offsets = query_start_loc[:-1] - (seq_lens - query_lens)  # a token's flat index minus its position
+    return np.arange(query_start_loc[-1]) - np.repeat(offsets, query_lens)

@@ -102,6 +102,26 @@ def test_slot_mapping_follows_the_block_table():
     assert meta.query_start_loc.tolist() == [0, 3, 4]
     assert meta.seq_lens.tolist() == [6, 5]
     assert (meta.max_query_len, meta.max_seq_len) == (3, 6)
+    assert meta.block_tables.tolist() == [[7, 2], [4, 9]]
+    assert (meta.slot_mapping.dtype, meta.query_start_loc.dtype, meta.seq_lens.dtype, meta.block_tables.dtype) == (
+        torch.int64, torch.int32, torch.int32, torch.int32)
+
+
+def test_block_tables_of_different_lengths_are_padded_with_block_0():
+    meta = AttentionMetadata.build([1, 2], [1, 6], [[3], [5, 6]], block_size=4)
+    assert meta.block_tables.tolist() == [[3, 0], [5, 6]]
+    assert meta.slot_mapping.tolist() == [12, 24, 25]
+
+
+@pytest.mark.parametrize(("query_lens", "seq_lens", "tables", "message"), [
+    ([0], [4], [[1]], "query_len 0, seq_len 4"),
+    ([5], [4], [[1, 2]], "query_len 5, seq_len 4"),
+    ([1, 9], [1, 9], [[1], [2, 3]], "query_len 9, seq_len 9, 2 blocks of 4"),
+    ([1], [1, 2], [[1]], "one of each per sequence"),
+])
+def test_inconsistent_sequences_are_refused_by_name(query_lens, seq_lens, tables, message):
+    with pytest.raises(ValueError, match=message):
+        AttentionMetadata.build(query_lens, seq_lens, tables, block_size=4)
 
 
 def test_fp8_cache_stores_values_divided_by_the_scale():
