@@ -44,10 +44,10 @@ class AttentionMetadata:
             raise ValueError(f"inconsistent sequence: query_len {q_lens[i]}, seq_len {lens[i]}, "
                              f"{num_blocks[i]} blocks of {block_size}")
         width = int(num_blocks.max())
-        tables = np.array([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=np.int64)
+        tables = np.array([t + [0] * (width - len(t)) for t in block_tables], dtype=np.int64)
         cu = np.concatenate(([0], np.cumsum(q_lens)))
-        positions = token_positions(q_lens, lens, cu)
         seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        positions = np.arange(cu[-1]) - (cu[:-1] - (lens - q_lens))[seq_of_token]  # sequence i's from len - q_len
         slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         return cls(
             slot_mapping=torch.from_numpy(slots).to(device),
@@ -67,9 +67,3 @@ class AttentionMetadata:
                                  self.block_tables[:n], max_query_len=1, max_seq_len=self.max_seq_len,
                                  num_decode_seqs=n)
 
-
-def token_positions(query_lens: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray) -> np.ndarray:
-    """The absolute position of every new token of a flat batch (int64 [num_tokens]): sequence i's run from
-    ``seq_lens[i] - query_lens[i]``."""
-    offsets = query_start_loc[:-1] - (seq_lens - query_lens)  # a token's flat index minus its position
-    return np.arange(query_start_loc[-1]) - np.repeat(offsets, query_lens)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from runtime.attention_metadata import AttentionMetadata
@@ -110,8 +109,8 @@ class ModelRunner:
             logits = self.prefill_graphs.run(input_ids, positions, seq_lens[0], block_tables[0])  # the last token's
         else:
             meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
-            ids = fed_ids if ahead else long_tensor(input_ids, self.device)
-            hidden = self.model(ids, long_tensor(positions, self.device), meta, self.kv_caches)
+            ids = fed_ids if ahead else device_tensor(input_ids, torch.long, self.device)
+            hidden = self.model(ids, device_tensor(positions, torch.long, self.device), meta, self.kv_caches)
             ends = list(accumulate(query_lens))
             last_token_index = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden[last_token_index])
@@ -138,8 +137,3 @@ class ModelRunner:
             step.ready.synchronize()
         return dict(zip(step.sample_seqs, step.drawn.resolve(step.host_tokens.tolist()), strict=True))
 
-
-def long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of ``values`` on ``device``, through numpy: a step's ~8k token ids convert 4x faster than
-    with ``torch.tensor``, while the device waits for them."""
-    return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values))).to(device)
