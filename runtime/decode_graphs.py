@@ -74,18 +74,18 @@ class DecodeGraphRunner:
         return 0 < len(query_lens) <= self.max_batch_size and all(q == 1 for q in query_lens)
 
     def run(self, token_ids: list[int], positions: list[int], seq_lens: list[int], block_tables: list[list[int]],
-            device_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+            fed_ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [n, vocab] (model dtype) of a decode step of n sequences (token ``token_ids[i]`` at ``positions[i]``,
-        context ``seq_lens[i]`` tokens including it); K/V stored as usual. ``device_token_ids`` (n, on the device)
-        replaces ``token_ids``: tokens a step still running on the device samples.
+        context ``seq_lens[i]`` tokens including it); K/V stored as usual. ``fed_ids`` (rows, tokens; on the device)
+        replace those rows' ``token_ids``: tokens a step still running on the device samples.
 
         On the graph path the result is a view of the bucket's output buffer, valid until the next ``run``.
         """
         n = len(token_ids)
         bs = self.bucket(n)
         self._stage(token_ids, positions, seq_lens, block_tables, bs)
-        if device_token_ids is not None:
-            self.input_ids[:n].copy_(device_token_ids)  # after the staged copy, in stream order
+        if fed_ids is not None:
+            self.input_ids.index_copy_(0, *fed_ids)  # after the staged copy, in stream order
         if bs in self.graphs:
             self.graphs[bs].replay()
             return self.logits[bs][:n]

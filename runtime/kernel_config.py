@@ -9,8 +9,8 @@
 - ``KILN_CUDA_GRAPHS``: ``1`` (default) captures CUDA graphs at load on CUDA, for decode steps per batch-size bucket
   and for single-sequence prefill steps per token-count bucket; ``0`` runs every step eagerly. Graphs need the Triton
   kernels (the reference attention reads lengths on the host).
-- ``KILN_OVERLAP_STEPS``: ``1`` (default) lets the engine queue the next pure decode step on the device before it
-  reads the current step's tokens, feeding them to it on the device, so that the host's scheduling and
+- ``KILN_OVERLAP_STEPS``: ``1`` (default) lets the engine queue the next step on the device before it reads the
+  current step's tokens, feeding them to it on the device, so that the host's scheduling and
   postprocessing overlap the device's work; ``0`` runs each step to completion first.
 - ``KILN_PDL``: ``1`` (default) launches the Triton kernels of small batches (up to 16 tokens) with programmatic
   dependent launch on devices of compute capability 9.0 and later, so that each is scheduled while the one before

@@ -57,7 +57,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
         self.stats = EngineStats()
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
-        # queue the next pure decode step before reading this one's tokens (default: KILN_OVERLAP_STEPS)
+        # queue the next step before reading this one's tokens (default: KILN_OVERLAP_STEPS)
         self.overlap_steps = kernel_config.OVERLAP_STEPS if overlap_steps is None else overlap_steps
         self._in_flight: LaunchedStep | None = None  # a step queued on the device, collected by the next step()
 
@@ -91,10 +91,10 @@ class LLMEngine:
     def step(self) -> list[StreamDelta | RequestFailure]:
         """One step: what each sampled request gained, or why it failed (the others are unaffected).
 
-        With ``overlap_steps``, a pure decode step that the next one can follow without knowing its tokens
-        (``Scheduler.schedule_ahead``) has that next step queued behind it on the device before its tokens are
-        read; the next call collects it. A request that finishes meanwhile (a stop token, an abort) drops what the
-        queued step computed for it."""
+        With ``overlap_steps``, the next step is scheduled without knowing this one's tokens
+        (``Scheduler.schedule_ahead``: decodes of the tokens in flight, prefill chunks, admissions) and queued behind
+        it on the device before its tokens are read; the next call collects it. A request that finishes meanwhile
+        (a stop token, an abort) drops what the queued step computed for it."""
         start = time.perf_counter()
         launched, self._in_flight = self._in_flight, None
         queued_ahead = launched is not None

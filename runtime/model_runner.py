@@ -43,11 +43,15 @@ class LaunchedStep:
     host_tokens: torch.Tensor | None  # the tokens' copy on the host, complete once ``ready`` has fired
     ready: torch.cuda.Event | None
 
-    def tokens_for(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The device tokens sampled for ``seqs`` (all among ``sample_seqs``): the next step's input ids."""
+    def fed_tokens(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows of ``seqs`` whose input is a token this step samples, and those tokens, on the device: a step
+        queued behind this one takes them as its input ids there (None when this step samples none of them)."""
         row = {seq: i for i, seq in enumerate(self.sample_seqs)}
-        index = device_tensor([row[seq] for seq in seqs], torch.long, self.drawn.tokens.device)
-        return self.drawn.tokens[index].clamp_(min=0)  # a failed row's -1 (its request is finished by then)
+        pairs = [(i, row[seq]) for i, seq in enumerate(seqs) if seq in row]
+        if not pairs:
+            return None
+        index = device_tensor(pairs, torch.long, self.drawn.tokens.device)
+        return index[:, 0], self.drawn.tokens[index[:, 1]].clamp_(min=0)  # a failed row's -1 (finished by then)
 
 
 class ModelRunner:
@@ -87,29 +91,34 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput, after: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's model run and sampling on the device and return without waiting for them.
 
-        With ``after`` (a launched pure decode step not yet collected), ``out`` is the decode step that follows it
-        for some of its sequences: each decodes the token ``after`` samples for it, one position past the tokens
-        the scheduler has recorded, and its input id is taken from ``after``'s tokens on the device."""
+        With ``after`` (a launched step not yet collected, ``Scheduler.schedule_ahead``), ``out`` follows it: the
+        tokens ``after`` runs for a sequence are computed before ``out``'s, and a token it samples is the input id
+        of that sequence's decode in ``out``, taken from the device."""
         seqs = list(out.scheduled)
         query_lens = list(out.scheduled.values())
-        ahead = after is not None
-        input_ids, positions, seq_lens = [], [], []
-        for seq, query_len in zip(seqs, query_lens, strict=True):
-            start = seq.num_computed_tokens + ahead
-            input_ids.extend([0] * query_len if ahead else seq.token_ids[start:start + query_len])
+        in_flight = after.out.scheduled if after is not None else {}
+        sampled_before = set(after.sample_seqs) if after is not None else set()
+        input_ids, positions, seq_lens, rows = [], [], [], []
+        for i, (seq, query_len) in enumerate(zip(seqs, query_lens, strict=True)):
+            start = seq.num_computed_tokens + in_flight.get(seq, 0)
+            fed = seq in sampled_before  # its token is not on the host yet
+            input_ids.extend([0] if fed else seq.token_ids[start:start + query_len])
             positions.extend(range(start, start + query_len))
             seq_lens.append(start + query_len)
-        rows = list(range(len(seqs))) if ahead else [i for i, seq in enumerate(seqs) if seq_lens[i] == seq.num_tokens]
-        fed_ids = after.tokens_for(seqs) if ahead else None
+            if seq_lens[-1] == seq.num_tokens + fed:  # the step reaches its last token: it samples
+                rows.append(i)
+        fed_ids = after.fed_tokens(seqs) if after is not None else None
         block_tables = [seq.block_table for seq in seqs]
         if self.decode_graphs is not None and self.decode_graphs.fits(query_lens):
             logits = self.decode_graphs.run(input_ids, positions, seq_lens, block_tables, fed_ids)  # a row a sequence
             logits = logits[rows] if len(rows) < len(seqs) else logits
-        elif not ahead and self.prefill_graphs is not None and self.prefill_graphs.fits(query_lens):
+        elif fed_ids is None and self.prefill_graphs is not None and self.prefill_graphs.fits(query_lens):
             logits = self.prefill_graphs.run(input_ids, positions, seq_lens[0], block_tables[0])  # the last token's
         else:
             meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
-            ids = fed_ids if ahead else device_tensor(input_ids, torch.long, self.device)
+            ids = device_tensor(input_ids, torch.long, self.device)
+            if fed_ids is not None:
+                ids.index_copy_(0, *fed_ids)
             hidden = self.model(ids, device_tensor(positions, torch.long, self.device), meta, self.kv_caches)
             ends = list(accumulate(query_lens))
             last_token_index = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long, device=self.device)

@@ -97,7 +97,16 @@ class Scheduler:
             else:
                 out.scheduled[seq] = num_new
                 budget -= num_new
-        while self.waiting and budget and not out.num_preempted and len(self.running) < self.config.max_num_seqs:
+        if not out.num_preempted:
+            self._admit(out, budget, len(self.running))
+        out.num_decode_seqs = sum(1 for seq in out.scheduled if seq.is_decode)
+        out.num_prefill_seqs = len(out.scheduled) - out.num_decode_seqs
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, num_running: int) -> None:
+        """Admit waiting sequences in arrival order into ``out`` while the token ``budget``, the sequence limit
+        (``num_running`` are running) and the free blocks allow, the last one's prefill chunked to fit."""
+        while self.waiting and budget and num_running < self.config.max_num_seqs:
             seq = self.waiting[0]
             computed_blocks = self.block_manager.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - len(computed_blocks) * self.block_manager.block_size, budget)
@@ -108,26 +117,39 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
             out.scheduled[seq] = num_new
             budget -= num_new
-        out.num_decode_seqs = sum(1 for seq in out.scheduled if seq.is_decode)
-        out.num_prefill_seqs = len(out.scheduled) - out.num_decode_seqs
-        return out
+            num_running += 1
 
     def schedule_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
-        """The pure decode step that follows ``out``, a pure decode step of every running sequence whose tokens
-        are not known yet: the sequences that its tokens cannot finish by length, each one position further, with
-        the blocks for it. None when that step needs ``out``'s outcome first: a sequence finishes by length while
-        requests wait (they would be admitted), or the token budget or the free blocks run short."""
-        if out.num_prefill_seqs or out.num_preempted or len(out.scheduled) != len(self.running):
+        """The step after ``out``, a step launched but not collected, scheduled before its tokens are known.
+
+        Each sequence that ``out`` samples is one token longer, a decode of that token, unless the token ends it by
+        length; a prefill chunk continues; waiting requests are admitted into the rest of the budget and into the
+        seats of the sequences that end (not yet into their blocks: those are freed once ``out`` is collected).
+        Blocks for the tokens in flight and the new ones are taken now. None when ``out`` preempted, when a running
+        sequence's blocks run short (that step would preempt: it waits for ``out``'s outcome), or when nothing
+        would run."""
+        if out.num_preempted:
             return None
-        going_on = [seq for seq in out.scheduled if seq.num_completion_tokens + 1 < seq.params.max_tokens]
-        if not going_on or len(going_on) > self.config.max_num_batched_tokens:
-            return None
-        if self.waiting and len(going_on) < self.config.max_num_seqs:
-            return None
-        for seq in going_on:
-            if not self.block_manager.append_slots(seq, 2):  # the token in flight and the one after it
+        sampled = {seq for seq, num_new in out.scheduled.items() if seq.num_computed_tokens + num_new == seq.num_tokens}
+        ending = {seq for seq in sampled if seq.num_completion_tokens + 1 >= seq.params.max_tokens}
+        going_on = [seq for seq in self.running if seq not in ending]
+        ahead = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for seq in sorted(going_on, key=lambda s: s not in sampled and not s.is_decode):  # decodes first
+            if budget == 0:
+                break
+            in_flight = out.scheduled.get(seq, 0)
+            num_new = min(seq.num_tokens + (seq in sampled) - seq.num_computed_tokens - in_flight, budget)
+            if not self.block_manager.append_slots(seq, in_flight + num_new):
                 return None
-        return SchedulerOutput(scheduled=dict.fromkeys(going_on, 1), num_decode_seqs=len(going_on))
+            ahead.scheduled[seq] = num_new
+            budget -= num_new
+        self._admit(ahead, budget, len(going_on))
+        if not ahead.scheduled:
+            return None
+        ahead.num_decode_seqs = sum(1 for seq in ahead.scheduled if seq in sampled or seq.is_decode)
+        ahead.num_prefill_seqs = len(ahead.scheduled) - ahead.num_decode_seqs
+        return ahead
 
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and requeue it first in line; its tokens are recomputed when it is readmitted."""

@@ -1,5 +1,6 @@
-"""Overlapped steps (``LLMEngine(overlap_steps=True)``): the next pure decode step is queued before the current
-one's tokens are read, its input ids taken from them on the device. Every request must come out exactly as when
+"""Overlapped steps (``LLMEngine(overlap_steps=True)``): the next step is queued before the current one's tokens
+are read, its decodes' input ids taken from them on the device, waiting requests admitted into the seats of those
+that end by length. Every request must come out exactly as when
 each step runs to completion first, whatever finishes it (length, a stop token no one could predict, an abort),
 and no KV block may leak."""
 
@@ -67,6 +68,20 @@ def test_overlapped_steps_give_every_request_what_step_by_step_gives(engine_dir)
     assert summary(got) == summary(expected)
     assert got["3"].finish_reason == "stop" and len(got["3"].token_ids) < 12  # the stop token ended it early
     assert plain.stats.num_steps_queued_ahead == 0 and overlapped.stats.num_steps_queued_ahead > 5
+    assert all_blocks_free(overlapped) and not overlapped.has_unfinished()
+
+
+def test_mixed_steps_queued_ahead_admit_waiting_requests_and_match_step_by_step(engine_dir):
+    """More requests than the 6 seats, prompts longer than the token budget: admissions into the seats of requests
+    ending by length and chunked prefills are scheduled while the step before them is still in flight."""
+    prompts = random_prompts(10, seed=11, min_len=3, max_len=60)
+    requests = [(p, SamplingParams(temperature=0, max_tokens=2 + i % 5, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    expected, _ = run(engine_dir, requests, overlap=False)
+    got, overlapped = run(engine_dir, requests, overlap=True)
+    assert summary(got) == summary(expected)
+    queued_mixed = [s for s in overlapped.stats.recent_steps if s.queued_ahead and s.num_prefill_seqs]
+    assert len(queued_mixed) >= 3 and any(s.num_decode_seqs for s in queued_mixed)
     assert all_blocks_free(overlapped) and not overlapped.has_unfinished()
 
 
