@@ -64,13 +64,23 @@ PROMPT_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBa
                    SDPBackend.MATH]
 
 
+# cuDNN builds an execution plan for every new sequence length it sees (48-64 ms on an H200, 0.6-1.1 s for the
+# first), so on CUDA a prompt is padded to a multiple of this many tokens: the prefill graphs' buckets need no
+# padding, and a prompt run eagerly meets one of a bounded number of plans. Causal attention hides the padding rows.
+CUDA_PROMPT_LENGTH_MULTIPLE = 64
+
+
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal GQA attention of one sequence's tokens over themselves: q [T, num_heads, head_dim], k and v
     [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim], row i at position i."""
+    num_tokens = q.shape[0]
+    padding = -num_tokens % CUDA_PROMPT_LENGTH_MULTIPLE if q.is_cuda else 0
+    if padding:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, padding)) for x in (q, k, v))
     with sdpa_kernel(PROMPT_BACKENDS, set_priority=True):
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1)[:num_tokens]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
