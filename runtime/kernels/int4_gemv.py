@@ -2,10 +2,11 @@
 
 The layout is ``runtime.layers.linear``'s: ``qweight`` uint8 [N, K // 2], byte j of row n holds input columns 2j
 (low nibble) and 2j + 1 (high nibble) as ``q + 8``; ``scales`` float32 [N, K // group_size]; ``pre_quant_scale``
-float32 [K]. The activation is multiplied by ``pre_quant_scale`` first (in its dtype, as the reference does). Each
-program owns ``BLOCK_N`` output rows and walks K in ``BLOCK_K`` chunks (a multiple of the group size): it loads the
-packed bytes and the chunk's group scales once and splits the nibbles in registers. M = 1 reads the bytes as int32
-words and sums ``q * x`` per group, multiplying each group's sum by its scale once (at three instructions a weight,
+float32 [K]. The activation is multiplied by ``pre_quant_scale`` as it is loaded, the product rounded to the
+activation dtype (the bytes of the reference's multiply, without a kernel of its own). Each program owns ``BLOCK_N``
+output rows and walks K in ``BLOCK_K`` chunks (a multiple of the group size): it loads the packed bytes and the
+chunk's group scales once and splits the nibbles in registers. M = 1 reads the bytes as int32 words and sums
+``q * x`` per group, multiplying each group's sum by its scale once (at three instructions a weight,
 ``_int4_awq_gemv_row_kernel``); larger M dequantizes the tile, rounds it to the activation dtype (as
 ``int4_awq_linear_reference`` does) and runs ``tl.dot`` against the even and odd activation columns. A nibble
 becomes a float by bit arithmetic rather than an integer-to-float conversion, which runs at a quarter of the FMA
@@ -25,6 +26,14 @@ from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
 def nibble_value(nibble):
     """``nibble - 8`` as float32 for int32 ``nibble`` in 0..15: 0x4B000000 | n is the float 2**23 + n, exactly."""
     return (nibble | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+
+
+@triton.jit
+def _scaled_activation(x_ptrs, pqs_ptrs, mask):
+    """x * pre_quant_scale rounded to x's dtype, as float32: what ``x * pre_quant_scale.to(x.dtype)`` gives."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    pqs = tl.load(pqs_ptrs, mask=mask, other=0.0).to(x.dtype)
+    return (x.to(tl.float32) * pqs.to(tl.float32)).to(x.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -49,7 +58,7 @@ def _columns_of_words(x, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _int4_awq_gemv_row_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, N, K: tl.constexpr, stride_qn, stride_sn, one,
+def _int4_awq_gemv_row_kernel(x_ptr, qw_ptr, scales_ptr, pqs_ptr, y_ptr, N, K: tl.constexpr, stride_qn, stride_sn, one,
                               GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
     """M = 1 over the packed weight read as int32 words (8 nibbles: columns 8w .. 8w + 7, low nibble first): each
     step covers GROUPS whole groups of BLOCK_N rows. Each nibble n becomes ``f = 1 + n / 16`` with one shift and one
@@ -67,7 +76,7 @@ def _int4_awq_gemv_row_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, N, K: tl.constex
     for k0 in range(0, K, WORDS * 8):
         words = k0 // 8 + offs_w
         w = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < K // 8)[None, :], other=0)
-        x = tl.load(x_ptr + k0 + cols, mask=cols < K - k0, other=0.0).to(tl.float32)
+        x = _scaled_activation(x_ptr + k0 + cols, pqs_ptr + k0 + cols, cols < K - k0)
         x0, x1, x2, x3, x4, x5, x6, x7 = _columns_of_words(x, WORDS)
         s = _one_plus_sixteenth(w, one, 0) * x0[None, :]
         s += _one_plus_sixteenth(w, one, 4) * x1[None, :]
@@ -87,7 +96,7 @@ def _int4_awq_gemv_row_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, N, K: tl.constex
 
 
 @triton.jit
-def _int4_awq_gemv_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, M, N, K: tl.constexpr,
+def _int4_awq_gemv_kernel(x_ptr, qw_ptr, scales_ptr, pqs_ptr, y_ptr, M, N, K: tl.constexpr,
                           stride_xm, stride_qn, stride_sn, stride_ym,
                           GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
@@ -114,8 +123,8 @@ def _int4_awq_gemv_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, M, N, K: tl.constexp
         groups = k0 // GROUP_SIZE + offs_g
         scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + groups[None, :],
                         mask=mask_n[:, None] & (groups < K // GROUP_SIZE)[None, :], other=0.0)  # [BLOCK_N, GROUPS]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                    mask=mask_m[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        x = _scaled_activation(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                               pqs_ptr + (k0 + offs_k)[None, :], mask_m[:, None] & (k0 + offs_k < K)[None, :])
         x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, HALF_K, 2]))  # input columns 2j and 2j + 1
         s = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, GROUP_SIZE // 2]), [BLOCK_N, HALF_K])
         w_even = q_even * s
@@ -158,7 +167,7 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         x2 = x2.contiguous()
     qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     scales = scales if scales.stride(-1) == 1 else scales.contiguous()
-    x2 = x2 * pre_quant_scale.to(x.dtype)  # in the activation dtype, as the reference does
+    pre_quant_scale = pre_quant_scale.contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -167,8 +176,8 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if m == 1 and group_size % 8 == 0:  # whole int32 words per group
         words = qweight.view(torch.int32)
         _int4_awq_gemv_row_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x2, words, scales, y, n, k, words.stride(0), scales.stride(0), ONE_BITS, GROUP_SIZE=group_size, **cfg,
-            **pdl_options(x2))
+            x2, words, scales, pre_quant_scale, y, n, k, words.stride(0), scales.stride(0), ONE_BITS,
+            GROUP_SIZE=group_size, **cfg, **pdl_options(x2))
         return y.reshape(*x.shape[:-1], n)
     if m == 1:
         cfg = int4_gemv_config(2, n, k, group_size)
@@ -179,7 +188,7 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     dot_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(x.dtype, tl.float32) if x.is_cuda \
         else tl.float32
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
-    _int4_awq_gemv_kernel[grid](x2, qweight, scales, y, m, n, k,
+    _int4_awq_gemv_kernel[grid](x2, qweight, scales, pre_quant_scale, y, m, n, k,
                                 x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
                                 GROUP_SIZE=group_size, DOT_DTYPE=dot_dtype, **cfg, **pdl_options(x2))
     return y.reshape(*x.shape[:-1], n)
