@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runtime.device_copy import device_tensor
+
 
 @dataclass
 class AttentionMetadata:
@@ -50,10 +52,10 @@ class AttentionMetadata:
         positions = np.arange(cu[-1]) - (cu[:-1] - (lens - q_lens))[seq_of_token]  # sequence i's from len - q_len
         slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
         return cls(
-            slot_mapping=torch.from_numpy(slots).to(device),
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(lens.astype(np.int32)).to(device),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
+            slot_mapping=device_tensor(slots, torch.int64, device),
+            query_start_loc=device_tensor(cu, torch.int32, device),
+            seq_lens=device_tensor(lens, torch.int32, device),
+            block_tables=device_tensor(tables, torch.int32, device),
             max_query_len=int(q_lens.max()),
             max_seq_len=int(lens.max()),
             num_decode_seqs=next((i for i, q_len in enumerate(query_lens) if q_len != 1), len(query_lens)),
@@ -66,4 +68,3 @@ class AttentionMetadata:
         return AttentionMetadata(self.slot_mapping[:n], self.query_start_loc[:n + 1], self.seq_lens[:n],
                                  self.block_tables[:n], max_query_len=1, max_seq_len=self.max_seq_len,
                                  num_decode_seqs=n)
-

@@ -3,6 +3,7 @@ launched on the device and collected once its tokens reach the host, so the engi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -11,12 +12,13 @@ import torch
 
 from runtime.attention_metadata import AttentionMetadata
 from runtime.decode_graphs import maybe_capture_decode_graphs
+from runtime.device_copy import device_tensor
 from runtime.engine_format import EngineConfig
 from runtime.errors import KilnError
 from runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from runtime.model.llama import LlamaModel
 from runtime.prefill_graphs import maybe_capture_prefill_graphs
-from runtime.sampler import Draw, Sampler, SamplingError, device_tensor
+from runtime.sampler import Draw, Sampler, SamplingError
 from runtime.scheduler import SchedulerOutput
 from runtime.sequence import Sequence
 
@@ -43,10 +45,15 @@ class LaunchedStep:
     host_tokens: torch.Tensor | None  # the tokens' copy on the host, complete once ``ready`` has fired
     ready: torch.cuda.Event | None
 
+    @functools.cached_property
+    def sample_rows(self) -> dict[Sequence, int]:
+        """Each sequence that gets a token, and its row of ``drawn``."""
+        return {seq: i for i, seq in enumerate(self.sample_seqs)}
+
     def fed_tokens(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows of ``seqs`` whose input is a token this step samples, and those tokens, on the device: a step
         queued behind this one takes them as its input ids there (None when this step samples none of them)."""
-        row = {seq: i for i, seq in enumerate(self.sample_seqs)}
+        row = self.sample_rows
         pairs = [(i, row[seq]) for i, seq in enumerate(seqs) if seq in row]
         if not pairs:
             return None
@@ -97,7 +104,7 @@ class ModelRunner:
         seqs = list(out.scheduled)
         query_lens = list(out.scheduled.values())
         in_flight = after.out.scheduled if after is not None else {}
-        sampled_before = set(after.sample_seqs) if after is not None else set()
+        sampled_before = after.sample_rows if after is not None else {}
         input_ids, positions, seq_lens, rows = [], [], [], []
         for i, (seq, query_len) in enumerate(zip(seqs, query_lens, strict=True)):
             start = seq.num_computed_tokens + in_flight.get(seq, 0)
@@ -121,7 +128,7 @@ class ModelRunner:
                 ids.index_copy_(0, *fed_ids)
             hidden = self.model(ids, device_tensor(positions, torch.long, self.device), meta, self.kv_caches)
             ends = list(accumulate(query_lens))
-            last_token_index = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.long, device=self.device)
+            last_token_index = device_tensor([ends[i] - 1 for i in rows], torch.long, self.device)
             logits = self.model.compute_logits(hidden[last_token_index])
         sample_seqs = [seqs[i] for i in rows]
         if not rows:
@@ -145,4 +152,3 @@ class ModelRunner:
         if step.ready is not None:
             step.ready.synchronize()
         return dict(zip(step.sample_seqs, step.drawn.resolve(step.host_tokens.tolist()), strict=True))
-

@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from runtime.device_copy import device_tensor
 from runtime.errors import KilnError
 from runtime.sequence import Sequence
 
@@ -22,14 +22,6 @@ from runtime.sequence import Sequence
 class SamplingError(KilnError):
     """One request's next token could not be sampled (non-finite probabilities, a seed torch refuses); only that
     request fails."""
-
-
-def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` on ``device`` without waiting for the work queued there: through pinned memory on CUDA (a copy
-    from pageable memory may synchronise with the stream). Converted through numpy: a step's ~8k token ids 4x
-    faster than by ``torch.tensor``."""
-    host = torch.from_numpy(np.asarray(values)).to(dtype)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -133,9 +133,13 @@ class Scheduler:
         sampled = {seq for seq, num_new in out.scheduled.items() if seq.num_computed_tokens + num_new == seq.num_tokens}
         ending = {seq for seq in sampled if seq.num_completion_tokens + 1 >= seq.params.max_tokens}
         going_on = [seq for seq in self.running if seq not in ending]
+
+        def decodes_next(seq: Sequence) -> bool:
+            return seq in sampled or seq.is_decode
+
         ahead = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        for seq in sorted(going_on, key=lambda s: s not in sampled and not s.is_decode):  # decodes first
+        for seq in sorted(going_on, key=lambda s: not decodes_next(s)):  # decodes first
             if budget == 0:
                 break
             in_flight = out.scheduled.get(seq, 0)
@@ -147,7 +151,7 @@ class Scheduler:
         self._admit(ahead, budget, len(going_on))
         if not ahead.scheduled:
             return None
-        ahead.num_decode_seqs = sum(1 for seq in ahead.scheduled if seq in sampled or seq.is_decode)
+        ahead.num_decode_seqs = sum(map(decodes_next, ahead.scheduled))
         ahead.num_prefill_seqs = len(ahead.scheduled) - ahead.num_decode_seqs
         return ahead
 
