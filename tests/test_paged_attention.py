@@ -73,6 +73,41 @@ def test_mixed_batch_matches_dense_causal_attention(fp8):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("whole_prompt", [False, True], ids=["mixed-batch", "whole-prompt"])
+def test_rotary_attention_rotates_q_and_k_before_storing_and_attending(monkeypatch, whole_prompt):
+    """With RoPE the layer attends rotate(q) over rotate(k) at the tokens' positions, and caches the rotated K; the
+    Triton path (here interpreted), which rotates and stores in one launch, agrees with the PyTorch path."""
+    pytest.importorskip("triton")
+    from runtime import kernel_config
+    from runtime.layers.rotary import RotaryEmbedding
+
+    generator = torch.Generator().manual_seed(3)
+    rope = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None)
+    seqs = SEQUENCES[:1] if whole_prompt else SEQUENCES
+    tables = shuffled_block_tables(generator)[:len(seqs)]
+    meta = AttentionMetadata.build([n for _, n in seqs], [c + n for c, n in seqs], tables, BLOCK_SIZE)
+    meta.whole_prompt = whole_prompt
+    positions = torch.cat([torch.arange(c, c + n) for c, n in seqs])
+    total = positions.shape[0]
+    q = torch.randn(total, NUM_HEADS, HEAD_DIM, generator=generator)
+    k, v = (torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
+    cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    results = []
+    for triton_path in (False, True):
+        monkeypatch.setattr(kernel_config, "use_triton", lambda x, on=triton_path: on)
+        caches = (cache.clone(), cache.clone())
+        out = PagedAttention(HEAD_DIM, fp8_kv_cache=False, rotary=rope)(q, k, v, meta, caches, positions=positions)
+        results.append((out, *caches))
+    rotated_q, rotated_k = rope(positions, q, k)
+    plain_caches = (cache.clone(), cache.clone())
+    expected = PagedAttention(HEAD_DIM, fp8_kv_cache=False)(rotated_q, rotated_k, v, meta, plain_caches)
+    for out, k_cache, v_cache in results:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(k_cache, plain_caches[0]) and torch.equal(v_cache, plain_caches[1])
+    with pytest.raises(ValueError, match="positions"):
+        PagedAttention(HEAD_DIM, fp8_kv_cache=False, rotary=rope)(q, k, v, meta, (cache, cache))
+
+
 def test_a_whole_prompt_attends_over_its_unquantized_kv_and_stores_it_quantized():
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(9, NUM_HEADS, HEAD_DIM, generator=generator)

@@ -206,9 +206,16 @@ def rms_norm_launches() -> None:
 
 def rotary_launches() -> None:
     mod = kernels_module("rotary")
-    q, k, _ = qkv_views(5)
+    q, k, v = qkv_views(5)
     positions = gpu(torch.tensor([0, 1, 2, 700, MAX_SEQ_LEN - 1]))
-    mod.apply_rotary(positions, q, k, gpu(torch.empty(MAX_SEQ_LEN, HEAD_DIM)))
+    cos_sin = gpu(torch.empty(MAX_SEQ_LEN, HEAD_DIM))
+    mod.apply_rotary(positions, q, k, cos_sin)
+    # as the attention layer calls it: storing the rotated K and the V, keeping k for a whole prompt or not
+    slots = metadata([(0, 2), (37, 2), (40, 1)]).slot_mapping
+    for fp8 in (False, True):
+        write = kernels_module("kv_store").CacheWrite(v, *kv_cache(fp8)[:2], slots, *kv_cache(fp8)[2:])
+        for keep_k in (False, True):
+            mod.apply_rotary(positions, q, k, cos_sin, write, keep_k)
 
 
 def silu_mul_launches() -> None:

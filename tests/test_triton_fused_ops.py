@@ -13,10 +13,13 @@ import torch
 pytest.importorskip("triton")
 
 from runtime import kernel_config  # noqa: E402
+from runtime.kernels.kv_store import CacheWrite  # noqa: E402
 from runtime.kernels.rms_norm import rms_norm  # noqa: E402
 from runtime.kernels.rotary import apply_rotary  # noqa: E402
 from runtime.kernels.silu_mul import silu_and_mul  # noqa: E402
+from runtime.kv_cache import token_major  # noqa: E402
 from runtime.layers.activation import SiluAndMul  # noqa: E402
+from runtime.layers.attention import store_kv  # noqa: E402
 from runtime.layers.linear import fp8_quantize  # noqa: E402
 from runtime.layers.norm import RMSNorm  # noqa: E402
 from runtime.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -104,6 +107,40 @@ def test_rotary_matches_the_layer_on_views_of_a_fused_qkv(device, poisoned_outpu
     assert q_out.is_contiguous() and k_out.is_contiguous()
     assert torch.equal(q_out, expected_q) and torch.equal(k_out, expected_k)
     assert torch.equal(qkv, qkv_before)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache-token-major-v"])
+@pytest.mark.parametrize("keep_k", [False, True], ids=["k-not-kept", "k-kept"])
+def test_rotary_stores_the_rotated_k_and_the_v_as_store_kv_would(device, fp8, keep_k):
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 5, 6, 2, 64, 16
+    generator = torch.Generator().manual_seed(3)
+    rope = RotaryEmbedding(head_dim, 1024, 500000.0, LLAMA3_SCALING).to(device)
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator) * 4)
+    qkv = qkv.to(torch.bfloat16).to(device)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(num_tokens, -1, head_dim) for x in (q, k, v))
+    positions = torch.tensor([0, 1023, 5, 700, 33], device=device)
+    slots = torch.tensor([3, 40, -1, 17, 63], device=device)  # the third token is padding: nothing is written
+    shape = (4, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=generator).to(device) for _ in range(2))
+    k_scale = v_scale = None
+    if fp8:
+        k_scale, v_scale = torch.tensor(0.03, device=device), torch.tensor(0.02, device=device)
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), token_major(v_cache.to(torch.float8_e4m3fn))
+    else:
+        k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    expected_q, expected_k = rope(positions, q, k)
+    expected_caches = k_cache.clone(), v_cache.clone()
+    real = slots >= 0
+    store_kv(expected_k[real], v[real], *expected_caches, slots[real], k_scale, v_scale)
+
+    q_out, k_out = apply_rotary(positions, q, k, rope.cos_sin_cache,
+                                CacheWrite(v, k_cache, v_cache, slots, k_scale, v_scale), keep_k)
+
+    assert torch.equal(q_out, expected_q)
+    assert torch.equal(k_out, expected_k) if keep_k else k_out is None
+    for cache, expected in zip((k_cache, v_cache), expected_caches, strict=True):
+        assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
 
 @DTYPES

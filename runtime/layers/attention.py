@@ -1,4 +1,5 @@
-"""Paged attention: store the new tokens' K/V into the block caches, then attend through each block table.
+"""Paged attention: rotate q and k by their positions (RoPE, when the layer has it), store the new tokens' K/V into
+the block caches, then attend through each block table.
 
 A step of one whole prompt (``AttentionMetadata.whole_prompt``) attends over its new K/V directly instead, as
 TensorRT-LLM's context phase does: unquantized even when the cache is FP8, and on CUDA through cuDNN's fused
@@ -21,31 +22,47 @@ from runtime import kernel_config
 from runtime.attention_metadata import AttentionMetadata
 from runtime.kv_cache import KVCache
 from runtime.layers.linear import fp8_quantize
+from runtime.layers.rotary import RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
-    """Causal GQA attention over the paged KV cache; owns the FP8 KV scales when the cache is FP8."""
+    """Causal GQA attention over the paged KV cache; owns the FP8 KV scales when the cache is FP8. With ``rotary``
+    it first rotates q and k by their positions, as TensorRT-LLM's attention op does: on the Triton path in the same
+    launch that stores the new K/V (``runtime.kernels.rotary.apply_rotary``)."""
 
-    def __init__(self, head_dim: int, fp8_kv_cache: bool) -> None:
+    def __init__(self, head_dim: int, fp8_kv_cache: bool, rotary: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.scale = head_dim**-0.5
+        self.rotary = rotary
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache, quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+                kv_cache: KVCache, quant_scale: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]; with
         ``quant_scale`` (which only the Triton path takes: ``Fp8Linear.fusable_input_scale``) float8_e4m3fn,
-        quantized with it for the next FP8 linear."""
+        quantized with it for the next FP8 linear. ``positions`` [T] (the tokens' absolute positions) are needed
+        with ``rotary``."""
         k_cache, v_cache = kv_cache
         triton_path = kernel_config.use_triton(q)
         if quant_scale is not None and not triton_path:
             raise ValueError("PagedAttention: only the Triton kernels quantize their output")
+        if self.rotary is not None and positions is None:
+            raise ValueError("PagedAttention: rotary embeddings need the tokens' positions")
         if triton_path:
             from runtime.kernels import fp8_quant, kv_store, paged_attention  # imports triton: only on this path
 
-            kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            if self.rotary is None:
+                kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            else:
+                from runtime.kernels.rotary import apply_rotary
+
+                write = kv_store.CacheWrite(v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+                q, k = apply_rotary(positions, q, k, self.rotary.cos_sin_cache, write, keep_k=meta.whole_prompt)
         else:
+            if self.rotary is not None:
+                q, k = self.rotary(positions, q, k)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         if meta.whole_prompt:
             out = prompt_attention(q, k, v, self.scale)

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime import kernel_config
 from runtime.errors import EngineFormatError
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -42,8 +41,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 class RotaryEmbedding(nn.Module):
     """Rotates q and k [num_tokens, heads, head_dim] by their absolute ``positions`` using a float32 cos/sin table.
 
-    The table is computed on the CPU (identical on every device) and placed on the current default device. On CUDA one
-    Triton kernel rotates q and k (``runtime.kernels.rotary``, same numerics) unless ``KILN_KERNELS=torch``.
+    The table is computed on the CPU (identical on every device) and placed on the current default device. This is
+    the PyTorch path; on CUDA ``PagedAttention`` rotates q and k with the table in the Triton kernel that stores the
+    K/V (``runtime.kernels.rotary``, same numerics) unless ``KILN_KERNELS=torch``.
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
@@ -54,10 +54,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", table.to(torch.get_default_device()), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if kernel_config.use_triton(q):
-            from runtime.kernels.rotary import apply_rotary
-
-            return apply_rotary(positions, q, k, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos.to(q.dtype), sin.to(q.dtype)), _rotate(k, cos.to(k.dtype), sin.to(k.dtype))
 

@@ -46,18 +46,15 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.qkv_proj = linear(f"{prefix}.qkv_proj", arch.hidden_size, self.q_size + 2 * self.kv_size)
         self.o_proj = linear(f"{prefix}.o_proj", self.q_size, arch.hidden_size)
-        self.rotary_emb = rotary
         fp8_kv = config.kv_cache_torch_dtype == torch.float8_e4m3fn
-        self.attn = PagedAttention(arch.head_dim, fp8_kv)
+        self.attn = PagedAttention(arch.head_dim, fp8_kv, rotary)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta, kv_cache,
-                      fusable_input_scale(self.o_proj, x))
+        o = self.attn(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                      v.view(-1, self.num_kv_heads, self.head_dim), meta, kv_cache,
+                      fusable_input_scale(self.o_proj, x), positions)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
