@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.block_manager import BlockManager
@@ -35,6 +36,11 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(self.scheduled.values())
+
+    def count_kinds(self, is_decode: Callable[[Sequence], bool]) -> None:
+        """Set ``num_decode_seqs`` and ``num_prefill_seqs`` from ``scheduled``."""
+        self.num_decode_seqs = sum(map(is_decode, self.scheduled))
+        self.num_prefill_seqs = len(self.scheduled) - self.num_decode_seqs
 
 
 class Scheduler:
@@ -99,8 +105,7 @@ class Scheduler:
                 budget -= num_new
         if not out.num_preempted:
             self._admit(out, budget, len(self.running))
-        out.num_decode_seqs = sum(1 for seq in out.scheduled if seq.is_decode)
-        out.num_prefill_seqs = len(out.scheduled) - out.num_decode_seqs
+        out.count_kinds(lambda seq: seq.is_decode)
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int, num_running: int) -> None:
@@ -151,8 +156,7 @@ class Scheduler:
         self._admit(ahead, budget, len(going_on))
         if not ahead.scheduled:
             return None
-        ahead.num_decode_seqs = sum(map(decodes_next, ahead.scheduled))
-        ahead.num_prefill_seqs = len(ahead.scheduled) - ahead.num_decode_seqs
+        ahead.count_kinds(decodes_next)
         return ahead
 
     def preempt(self, seq: Sequence) -> None:

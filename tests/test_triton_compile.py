@@ -213,7 +213,8 @@ def rotary_launches() -> None:
     # as the attention layer calls it: storing the rotated K and the V, keeping k for a whole prompt or not
     slots = metadata([(0, 2), (37, 2), (40, 1)]).slot_mapping
     for fp8 in (False, True):
-        write = kernels_module("kv_store").CacheWrite(v, *kv_cache(fp8)[:2], slots, *kv_cache(fp8)[2:])
+        k_cache, v_cache, k_scale, v_scale = kv_cache(fp8)
+        write = kernels_module("kv_store").CacheWrite(v, k_cache, v_cache, slots, k_scale, v_scale)
         for keep_k in (False, True):
             mod.apply_rotary(positions, q, k, cos_sin, write, keep_k)
 

@@ -88,6 +88,12 @@ class CacheWrite:
                 *self.k_cache.stride()[:3], *self.v_cache.stride())
         return args, {"BLOCK_SIZE": self.k_cache.shape[1], "FP8": self.fp8}
 
+    @staticmethod
+    def absent_args(pointer: torch.Tensor, slots: torch.Tensor) -> tuple[tuple, dict]:
+        """``kernel_args``' shape for a launch that writes no cache (the kernel reads none of them): ``pointer``
+        for every tensor but the integer ``slots``, zero strides."""
+        return (pointer, pointer, pointer, slots, pointer, pointer) + (0,) * 9, {"BLOCK_SIZE": 1, "FP8": False}
+
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,

@@ -116,10 +116,7 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if keep_k or cache_write is None else None
     if num_tokens:
         num_kv_heads, half = k.shape[1], head_dim // 2
-        if cache_write is None:  # pointers and strides the kernel does not read
-            store, constexprs = (q, q, q, positions, q, q) + (0,) * 9, {"BLOCK_SIZE": 1, "FP8": False}
-        else:
-            store, constexprs = cache_write.kernel_args()
+        store, constexprs = cache_write.kernel_args() if cache_write else CacheWrite.absent_args(q, positions)
         # No fused multiply-add: in float32 it would skip the rounding of the products that the layer makes.
         _rotary_kernel[(num_tokens,)](
             positions, q, k, cos_sin_cache, q_out, q_out if k_out is None else k_out, *store, q.stride(0),

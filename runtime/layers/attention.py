@@ -51,15 +51,13 @@ class PagedAttention(nn.Module):
         if self.rotary is not None and positions is None:
             raise ValueError("PagedAttention: rotary embeddings need the tokens' positions")
         if triton_path:
-            from runtime.kernels import fp8_quant, kv_store, paged_attention  # imports triton: only on this path
+            from runtime.kernels import fp8_quant, kv_store, paged_attention, rotary  # imports triton: only here
 
             if self.rotary is None:
                 kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
             else:
-                from runtime.kernels.rotary import apply_rotary
-
                 write = kv_store.CacheWrite(v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-                q, k = apply_rotary(positions, q, k, self.rotary.cos_sin_cache, write, keep_k=meta.whole_prompt)
+                q, k = rotary.apply_rotary(positions, q, k, self.rotary.cos_sin_cache, write, keep_k=meta.whole_prompt)
         else:
             if self.rotary is not None:
                 q, k = self.rotary(positions, q, k)
