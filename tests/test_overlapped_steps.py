@@ -1,8 +1,7 @@
 """Overlapped steps (``LLMEngine(overlap_steps=True)``): the next step is queued before the current one's tokens
 are read, its decodes' input ids taken from them on the device, waiting requests admitted into the seats of those
-that end by length. Every request must come out exactly as when
-each step runs to completion first, whatever finishes it (length, a stop token no one could predict, an abort),
-and no KV block may leak."""
+that end by length. Every request must come out exactly as when each step runs to completion first, whatever
+finishes it (length, a stop token no one could predict, an abort), and no KV block may leak."""
 
 from __future__ import annotations
 

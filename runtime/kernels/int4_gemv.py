@@ -8,11 +8,10 @@ first, since every program of the ``tl.dot`` kernel redoing it on each tile made
 H200. Each program owns ``BLOCK_N`` output rows and walks K in ``BLOCK_K`` chunks (a multiple of the group size):
 it loads the packed bytes and the chunk's group scales once and splits the nibbles in registers. M = 1 reads the
 bytes as int32 words and sums ``q * x`` per group, multiplying each group's sum by its scale once (at three
-instructions a weight,
-``_int4_awq_gemv_row_kernel``); larger M dequantizes the tile, rounds it to the activation dtype (as
-``int4_awq_linear_reference`` does) and runs ``tl.dot`` against the even and odd activation columns. A nibble
-becomes a float by bit arithmetic rather than an integer-to-float conversion, which runs at a quarter of the FMA
-rate.
+instructions a weight, ``_int4_awq_gemv_row_kernel``); larger M dequantizes the tile, rounds it to the activation
+dtype (as ``int4_awq_linear_reference`` does) and runs ``tl.dot`` against the even and odd activation columns. A
+nibble becomes a float by bit arithmetic rather than an integer-to-float conversion, which runs at a quarter of the
+FMA rate.
 """
 
 from __future__ import annotations

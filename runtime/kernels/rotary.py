@@ -44,6 +44,16 @@ def _store_halves(out_ptr, token, out1, out2, heads, dims, mask, NUM_HEADS: tl.c
 
 
 @triton.jit
+def _cache_halves(cache_ptr, x1, x2, slot, heads, dims, mask, scale_ptr, stride_block, stride_tok, stride_head,
+                  stride_dim, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+    """``kv_store.store_in_cache`` of a token's two head halves (dims and dims + HALF)."""
+    store_in_cache(cache_ptr, x1, slot, heads, dims, mask, scale_ptr, stride_block, stride_tok, stride_head,
+                   stride_dim, BLOCK_SIZE, FP8)
+    store_in_cache(cache_ptr, x2, slot, heads, dims + HALF, mask, scale_ptr, stride_block, stride_tok, stride_head,
+                   stride_dim, BLOCK_SIZE, FP8)
+
+
+@triton.jit
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
                    slot_mapping_ptr, k_scale_ptr, v_scale_ptr, stride_v_tok, stride_v_head, stride_kc_block,
                    stride_kc_tok, stride_kc_head, stride_vc_block, stride_vc_tok, stride_vc_head, stride_vc_dim,
@@ -74,15 +84,11 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_pt
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
             v_ptrs = v_ptr + token * stride_v_tok + heads * stride_v_head + dims
-            store_in_cache(k_cache_ptr, k1.to(dtype), slot, heads, dims, mask, k_scale_ptr, stride_kc_block,
-                           stride_kc_tok, stride_kc_head, 1, BLOCK_SIZE, FP8)
-            store_in_cache(k_cache_ptr, k2.to(dtype), slot, heads, dims + HALF, mask, k_scale_ptr, stride_kc_block,
-                           stride_kc_tok, stride_kc_head, 1, BLOCK_SIZE, FP8)
-            store_in_cache(v_cache_ptr, tl.load(v_ptrs, mask=mask), slot, heads, dims, mask, v_scale_ptr,
-                           stride_vc_block, stride_vc_tok, stride_vc_head, stride_vc_dim, BLOCK_SIZE, FP8)
-            store_in_cache(v_cache_ptr, tl.load(v_ptrs + HALF, mask=mask), slot, heads, dims + HALF, mask,
-                           v_scale_ptr, stride_vc_block, stride_vc_tok, stride_vc_head, stride_vc_dim, BLOCK_SIZE,
-                           FP8)
+            _cache_halves(k_cache_ptr, k1.to(dtype), k2.to(dtype), slot, heads, dims, mask, k_scale_ptr,
+                          stride_kc_block, stride_kc_tok, stride_kc_head, 1, HALF, BLOCK_SIZE, FP8)
+            _cache_halves(v_cache_ptr, tl.load(v_ptrs, mask=mask), tl.load(v_ptrs + HALF, mask=mask), slot, heads,
+                          dims, mask, v_scale_ptr, stride_vc_block, stride_vc_tok, stride_vc_head, stride_vc_dim, HALF,
+                          BLOCK_SIZE, FP8)
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
