@@ -129,8 +129,9 @@ def test_int4_awq_gemv_matches_the_fake_quantized_reference(poisoned_outputs, m,
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("n,k,group_size", [(40, 512, 128), (16, 384, 64)])  # edge tiles in both dims
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+# edge tiles in both dims; groups of a size that is not a power of two; groups of two bytes
+@pytest.mark.parametrize("n,k,group_size", [(40, 2560, 128), (16, 384, 64), (9, 576, 96), (8, 64, 4)])
 def test_int4_dequantize_kernel_writes_the_reference_weight_bit_for_bit(poisoned_outputs, dtype, n, k, group_size):
     import runtime.kernels.int4_dequant as mod
 

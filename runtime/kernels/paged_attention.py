@@ -30,7 +30,7 @@ import triton.language as tl
 
 from runtime.attention_metadata import AttentionMetadata
 from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
-from runtime.kernels.rounding import quantize_e4m3
+from runtime.kernels.rounding import TRITON_DTYPES, quantize_e4m3
 from runtime.kv_cache import is_token_major
 
 LOG2E = 1.4426950408889634
@@ -442,12 +442,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens,
         q if quant_scale is None else quant_scale, out.stride(0), out.stride(1), num_heads, max_partitions,
         HEAD_DIM=head_dim, BLOCK_P=max(triton.next_power_of_2(max_partitions), 2), BLOCK_D=block_d,
-        PARTITION_SIZE=partition_size, DTYPE=_TL_DTYPES[q.dtype], QUANT=quant_scale is not None, num_warps=4,
+        PARTITION_SIZE=partition_size, DTYPE=TRITON_DTYPES[q.dtype], QUANT=quant_scale is not None, num_warps=4,
         **pdl_options(q))
     return out
-
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def _output(q: torch.Tensor, quant_scale: torch.Tensor | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ import triton.language as tl
 FP8_MAX = tl.constexpr(448.0)  # a global read inside a kernel must be a constexpr
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
