@@ -117,8 +117,9 @@ def test_fp8_gemv_keeps_leading_dims():
 
 
 @interpreted
-@pytest.mark.parametrize("m,n,k,group_size", [(1, 384, 256, 128), (1, 40, 384, 64), (1, 40, 256, 4),
-                                              (3, 256, 384, 128), (16, 384, 256, 64), (20, 128, 256, 128)])
+@pytest.mark.parametrize("m,n,k,group_size", [(1, 384, 256, 128), (1, 40, 384, 64), (1, 40, 256, 32),
+                                              (3, 256, 384, 128), (16, 384, 256, 64), (20, 128, 256, 128),
+                                              (5, 40, 384, 32)])  # 12 groups: steps of 4
 def test_int4_awq_gemv_matches_the_fake_quantized_reference(poisoned_outputs, m, n, k, group_size):
     x, qweight, scales, pre_quant_scale = _int4_operands(m, n, k, group_size, seed=m * 1000 + n + k)
     out = int4_awq_gemv(x, qweight, scales, pre_quant_scale, group_size)
@@ -168,6 +169,13 @@ def test_int4_awq_gemv_rejects_a_mismatched_layout():
     x, qweight, scales, pre_quant_scale = _int4_operands(1, 128, 256, 128, seed=0)
     with pytest.raises(ValueError, match="scales must be"):
         int4_awq_gemv(x, qweight, scales[:, :1], pre_quant_scale, 128)
+
+
+@pytest.mark.parametrize("group_size", [4, 96])
+def test_int4_awq_gemv_rejects_a_group_size_it_does_not_serve(group_size):
+    x, qweight, scales, pre_quant_scale = _int4_operands(2, 32, 384, group_size, seed=0)
+    with pytest.raises(ValueError, match="power of two from 32"):
+        int4_awq_gemv(x, qweight, scales, pre_quant_scale, group_size)
 
 
 GPU_SHAPES = [(1, 6144, 4096), (3, 4096, 4096), (16, 384, 4096), (16, 28672, 4096), (1, 4096, 14336),
@@ -247,6 +255,12 @@ def test_quantized_linears_take_the_streaming_kernels_on_cuda(monkeypatch):
     x_large = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)  # above the streaming limit: dequant + GEMM
     ref = int4_awq_linear_reference(x_large, qweight, scales, pre_quant_scale, 128)
     assert _rel_err(int4(x_large), ref) < GPU_REL_TOL
+    x, qweight, scales, pre_quant_scale = _int4_operands(2, 384, 512, 16, seed=6, device="cuda")
+    small_groups = linear.Int4AwqLinear(512, 384, 16).cuda()  # groups the streaming kernels do not serve: dequant
+    small_groups.qweight.copy_(qweight), small_groups.scales.copy_(scales)
+    small_groups.pre_quant_scale.copy_(pre_quant_scale)
+    x = x.bfloat16()
+    assert _rel_err(small_groups(x), int4_awq_linear_reference(x, qweight, scales, pre_quant_scale, 16)) < GPU_REL_TOL
 
 
 @pytest.mark.parametrize("n,k", [(40, 1024), (13, 700)])  # N and K that are and are not multiples of the tiles

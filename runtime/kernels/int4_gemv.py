@@ -2,16 +2,20 @@
 
 The layout is ``runtime.layers.linear``'s: ``qweight`` uint8 [N, K // 2], byte j of row n holds input columns 2j
 (low nibble) and 2j + 1 (high nibble) as ``q + 8``; ``scales`` float32 [N, K // group_size]; ``pre_quant_scale``
-float32 [K]. At M = 1 the activation is multiplied by ``pre_quant_scale`` as it is loaded, the product rounded to
-the activation dtype (the bytes of the reference's multiply, without a kernel of its own); larger M multiply it once
-first, since every program of the ``tl.dot`` kernel redoing it on each tile made batch-8 decode 29 % slower on an
-H200. Each program owns ``BLOCK_N`` output rows and walks K in ``BLOCK_K`` chunks (a multiple of the group size):
-it loads the packed bytes and the chunk's group scales once and splits the nibbles in registers. M = 1 reads the
-bytes as int32 words and sums ``q * x`` per group, multiplying each group's sum by its scale once (at three
-instructions a weight, ``_int4_awq_gemv_row_kernel``); larger M dequantizes the tile, rounds it to the activation
-dtype (as ``int4_awq_linear_reference`` does) and runs ``tl.dot`` against the even and odd activation columns. A
-nibble becomes a float by bit arithmetic rather than an integer-to-float conversion, which runs at a quarter of the
-FMA rate.
+float32 [K]. Group sizes are powers of two from 32 (AWQ's 32, 64 and 128); ``Int4AwqLinear`` dequantizes for other
+sizes. Each program owns ``BLOCK_N`` output rows and walks K in steps of ``GROUPS`` whole groups, loading the packed
+bytes and their scales once and splitting the nibbles in registers; a nibble becomes a float by bit arithmetic
+rather than an integer-to-float conversion, which runs at a quarter of the FMA rate. Both kernels sum ``q * x`` per
+group and multiply each group's sum by its scale once, in float32:
+
+- M = 1 (``_int4_awq_gemv_row_kernel``) reads the bytes as int32 words, three instructions a weight, and multiplies
+  the activation by ``pre_quant_scale`` as it loads it (rounded to the activation dtype, the bytes of the
+  reference's multiply, without a kernel of its own).
+- 2-16 tokens (``_int4_awq_group_dot_kernel``) take the activation already multiplied (every program redoing it on
+  each tile made batch-8 decode 29 % slower on an H200) and run one ``tl.dot`` per group on the unscaled ``q - 8``,
+  exact in the activation dtype. Dequantizing the tile and rounding ``q * scale`` before the dot, as
+  ``int4_awq_linear_reference`` does, cost 20 % more a Llama-3-8B layer on an H200; the products differ from the
+  reference by its rounding of the weight (a few 1e-3 of the output's range in bfloat16).
 """
 
 from __future__ import annotations
@@ -97,45 +101,38 @@ def _int4_awq_gemv_row_kernel(x_ptr, qw_ptr, scales_ptr, pqs_ptr, y_ptr, N, K: t
 
 
 @triton.jit
-def _int4_awq_gemv_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, M, N, K: tl.constexpr,
-                          stride_xm, stride_qn, stride_sn, stride_ym,
-                          GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+def _int4_awq_group_dot_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, M, N, K: tl.constexpr,
+                               stride_xm, stride_qn, stride_sn, stride_ym,
+                               GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               GROUPS: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    """2-16 tokens: per group, the even and odd input columns of x against the low and high nibbles' ``q - 8`` (two
+    ``tl.dot`` of K = GROUP_SIZE / 2), the [BLOCK_M, BLOCK_N] sum scaled by the group's scales. GROUPS divides the
+    number of groups."""
     wait_for_previous_kernel(PDL)
-    HALF_K: tl.constexpr = BLOCK_K // 2
-    GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_j = tl.arange(0, HALF_K)  # byte j of the chunk: input columns 2j and 2j + 1
-    offs_g = tl.arange(0, GROUPS)
+    GROUP_BYTES: tl.constexpr = GROUP_SIZE // 2
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)  # input column of the chunk
     mask_m = offs_m < M
+    qw_rows = qw_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + tl.arange(0, GROUP_BYTES)[None, :]
+    x_rows = x_ptr + offs_m[:, None] * stride_xm + tl.arange(0, GROUP_SIZE)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        # masks and offsets over contiguous ranges (bytes, input columns), so that the loads are vectorised
-        mask_j = k0 // 2 + offs_j < K // 2
-        packed = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn + (k0 // 2 + offs_j)[None, :],
-                         mask=mask_n[:, None] & mask_j[None, :], other=0x88)
-        q_even = nibble_value((packed & 0x0F).to(tl.int32))
-        q_odd = nibble_value((packed >> 4).to(tl.int32))
-        groups = k0 // GROUP_SIZE + offs_g
-        scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + groups[None, :],
-                        mask=mask_n[:, None] & (groups < K // GROUP_SIZE)[None, :], other=0.0)  # [BLOCK_N, GROUPS]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                    mask=mask_m[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-        x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, HALF_K, 2]))  # input columns 2j and 2j + 1
-        s = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, GROUP_SIZE // 2]), [BLOCK_N, HALF_K])
-        w_even = q_even * s
-        w_odd = q_odd * s
-        if tl.float32 == DOT_DTYPE:
-            acc = tl.dot(x_even.to(tl.float32), tl.trans(w_even), acc, input_precision="ieee")
-            acc = tl.dot(x_odd.to(tl.float32), tl.trans(w_odd), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x_even.to(DOT_DTYPE), tl.trans(w_even.to(DOT_DTYPE)), acc)
-            acc = tl.dot(x_odd.to(DOT_DTYPE), tl.trans(w_odd.to(DOT_DTYPE)), acc)
+    for first_group in range(0, K // GROUP_SIZE, GROUPS):
+        for i in tl.static_range(GROUPS):
+            group = first_group + i
+            packed = tl.load(qw_rows + group * GROUP_BYTES, mask=mask_n[:, None], other=0x88).to(tl.int32)
+            x = tl.load(x_rows + group * GROUP_SIZE, mask=mask_m[:, None], other=0.0)
+            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, GROUP_BYTES, 2]))
+            q_even = nibble_value(packed & 0x0F).to(DOT_DTYPE)
+            q_odd = nibble_value(packed >> 4).to(DOT_DTYPE)
+            if tl.float32 == DOT_DTYPE:
+                part = tl.dot(x_even.to(tl.float32), tl.trans(q_even), input_precision="ieee")
+                part = tl.dot(x_odd.to(tl.float32), tl.trans(q_odd), part, input_precision="ieee")
+            else:
+                part = tl.dot(x_even.to(DOT_DTYPE), tl.trans(q_even))
+                part = tl.dot(x_odd.to(DOT_DTYPE), tl.trans(q_odd), part)
+            scale = tl.load(scales_ptr + offs_n * stride_sn + group, mask=mask_n, other=0.0)
+            acc += part * scale[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -144,16 +141,25 @@ ONE_BITS = 0x3F800000  # the float 1.0
 
 
 def int4_gemv_config(m: int, n: int, k: int, group_size: int) -> dict:
-    """Launch parameters: for M = 1 the fastest of a sweep on an H200 inside CUDA graphs over Llama-3-8B's shapes
-    (tools/tune_gemv.py): 16 rows by 2048 input columns (4096 where the grid is small or the rows long) per step,
-    so that a program has 16 KB or more of weight in flight; a 16-row ``tl.dot`` tile above."""
+    """Launch parameters, the fastest of sweeps on an H200 inside CUDA graphs over Llama-3-8B's shapes
+    (tools/tune_gemv.py). M = 1: 16 rows by 2048 input columns (4096 where the grid is small or the rows long) per
+    step, so that a program has 16 KB or more of weight in flight. 2-16 tokens: a 16-token tile of 32 rows (64 past
+    4096) by 512 input columns (256 for the widest linears, fewer where that does not divide a row) per step."""
     if m == 1:
         small_grid, long_rows = n <= 4096, k > 4096
         columns = 4096 if small_grid or long_rows else 2048
         return dict(BLOCK_N=16, GROUPS=max(1, columns // group_size), num_warps=8 if n <= 8192 and not long_rows else 4,
                     num_stages=1)
-    return dict(BLOCK_M=16, BLOCK_N=64 if n >= 16384 else 32, BLOCK_K=group_size * max(1, 256 // group_size),
-                num_warps=4, num_stages=3)
+    groups = max(1, (256 if n >= 16384 else 512) // group_size)
+    while (k // group_size) % groups:
+        groups //= 2
+    return dict(BLOCK_M=16, BLOCK_N=64 if n > 4096 else 32, GROUPS=groups, num_warps=4, num_stages=3)
+
+
+def supports_group_size(group_size: int) -> bool:
+    """Whether the streaming kernels serve INT4 groups of ``group_size`` input columns: a power of two from 32 (a
+    group's dot needs 16 or more columns of each parity)."""
+    return group_size >= 32 and group_size & (group_size - 1) == 0
 
 
 def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pre_quant_scale: torch.Tensor,
@@ -162,8 +168,10 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     scales float32 [N, K // group_size], pre_quant_scale float32 [K]. Returns [..., N] in ``x.dtype``."""
     n, half_k = qweight.shape
     k = 2 * half_k
-    if qweight.dtype != torch.uint8 or x.shape[-1] != k or k % group_size or group_size % 2:
-        raise ValueError(f"int4_awq_gemv: qweight must be uint8 [N, {x.shape[-1] // 2}] with K a multiple of an even "
+    if not supports_group_size(group_size):
+        raise ValueError(f"int4_awq_gemv: group_size must be a power of two from 32, got {group_size}")
+    if qweight.dtype != torch.uint8 or x.shape[-1] != k or k % group_size:
+        raise ValueError(f"int4_awq_gemv: qweight must be uint8 [N, {x.shape[-1] // 2}] with K a multiple of "
                          f"group_size {group_size}, got {qweight.dtype} {list(qweight.shape)}")
     if scales.shape != (n, k // group_size) or pre_quant_scale.shape != (k,):
         raise ValueError(f"int4_awq_gemv: scales must be [{n}, {k // group_size}] and pre_quant_scale [{k}], "
@@ -179,23 +187,20 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
     cfg = dict(config or int4_gemv_config(m, n, k, group_size))
-    if m == 1 and group_size % 8 == 0:  # whole int32 words per group
+    if m == 1:
         words = qweight.view(torch.int32)
         _int4_awq_gemv_row_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x2, words, scales, pre_quant_scale, y, n, k, words.stride(0), scales.stride(0), ONE_BITS,
             GROUP_SIZE=group_size, **cfg, **pdl_options(x2))
         return y.reshape(*x.shape[:-1], n)
-    if m == 1:
-        cfg = int4_gemv_config(2, n, k, group_size)
-    if cfg["BLOCK_K"] % group_size:
-        raise ValueError(f"int4_awq_gemv: BLOCK_K {cfg['BLOCK_K']} must be a multiple of group_size {group_size}")
-    # q * scale rounded to the activation dtype, as the reference does; float32 dots are IEEE (no TF32), and the
-    # interpreter's half-precision dot is not usable.
+    if (k // group_size) % cfg["GROUPS"]:
+        raise ValueError(f"int4_awq_gemv: GROUPS {cfg['GROUPS']} must divide the {k // group_size} groups of a row")
+    # float32 dots are IEEE (no TF32), and the interpreter's half-precision dot is not usable
     dot_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(x.dtype, tl.float32) if x.is_cuda \
         else tl.float32
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     x2 = x2 * pre_quant_scale.to(x.dtype)  # once, in the activation dtype, as the reference does
-    _int4_awq_gemv_kernel[grid](x2, qweight, scales, y, m, n, k,
-                                x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-                                GROUP_SIZE=group_size, DOT_DTYPE=dot_dtype, **cfg, **pdl_options(x2))
+    _int4_awq_group_dot_kernel[grid](x2, qweight, scales, y, m, n, k,
+                                     x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+                                     GROUP_SIZE=group_size, DOT_DTYPE=dot_dtype, **cfg, **pdl_options(x2))
     return y.reshape(*x.shape[:-1], n)

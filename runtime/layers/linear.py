@@ -117,9 +117,10 @@ class Int4AwqLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_streaming_kernel(x, INT4_STREAMING_MAX_M):
-            from runtime.kernels.int4_gemv import int4_awq_gemv
+            from runtime.kernels.int4_gemv import int4_awq_gemv, supports_group_size
 
-            return int4_awq_gemv(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size)
+            if supports_group_size(self.group_size):
+                return int4_awq_gemv(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size)
         if kernel_config.use_triton(x):  # dequantize once, in one pass, then a cuBLAS GEMM
             from runtime.kernels.int4_dequant import int4_dequantize as int4_dequantize_kernel
 
