@@ -14,8 +14,8 @@ group and multiply each group's sum by its scale once, in float32:
 - 2-16 tokens (``_int4_awq_group_dot_kernel``) take the activation already multiplied (every program redoing it on
   each tile made batch-8 decode 29 % slower on an H200) and run one ``tl.dot`` per group on the unscaled ``q - 8``,
   exact in the activation dtype. Dequantizing the tile and rounding ``q * scale`` before the dot, as
-  ``int4_awq_linear_reference`` does, cost 20 % more a Llama-3-8B layer on an H200; the products differ from the
-  reference by its rounding of the weight (a few 1e-3 of the output's range in bfloat16).
+  ``int4_awq_linear_reference`` does, made a Llama-3-8B layer's linears 25 % slower on an H200; the products
+  differ from the reference by its rounding of the weight (a few 1e-3 of the output's range in bfloat16).
 """
 
 from __future__ import annotations
