@@ -72,6 +72,5 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, group_size: int
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(num_groups, groups))
         _int4_dequantize_kernel[grid](qweight, scales, words, n, num_groups, qweight.stride(0), scales.stride(0),
                                       words.stride(0), GROUP_SIZE=group_size, GROUP_BYTES_P2=group_bytes_p2,
-                                      BLOCK_N=BLOCK_N, GROUPS=groups,
-                                      DTYPE=TRITON_DTYPES[dtype])
+                                      BLOCK_N=BLOCK_N, GROUPS=groups, DTYPE=TRITON_DTYPES[dtype])
     return out

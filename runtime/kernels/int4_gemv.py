@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.pdl import pdl_options, wait_for_previous_kernel
+from runtime.kernels.rounding import TRITON_DTYPES
 
 
 @triton.jit
@@ -196,8 +197,7 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if (k // group_size) % cfg["GROUPS"]:
         raise ValueError(f"int4_awq_gemv: GROUPS {cfg['GROUPS']} must divide the {k // group_size} groups of a row")
     # float32 dots are IEEE (no TF32), and the interpreter's half-precision dot is not usable
-    dot_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(x.dtype, tl.float32) if x.is_cuda \
-        else tl.float32
+    dot_dtype = TRITON_DTYPES.get(x.dtype, tl.float32) if x.is_cuda else tl.float32
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     x2 = x2 * pre_quant_scale.to(x.dtype)  # once, in the activation dtype, as the reference does
     _int4_awq_group_dot_kernel[grid](x2, qweight, scales, y, m, n, k,
