@@ -113,6 +113,22 @@ def test_varlen_kernel_reads_an_fp8_cache_through_its_scales(device, dtype, toke
     torch.testing.assert_close(out, expected, **fp8_tolerance(device, dtype))
 
 
+# chunks whose cached prefix spans several whole 16-token tiles, which the varlen kernel attends without masks
+# before the tiles of the causal diagonal: a prefix that ends on a tile boundary, one that does not, and a fresh prompt
+LONG_PREFIXES = [(64, 20), (150, 37), (0, 45)]
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8-v-token-major"])
+def test_varlen_kernel_attends_a_long_prefix_in_whole_tiles(device, cache):
+    fp8 = cache != "bf16"
+    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch(LONG_PREFIXES, 2, 64, 16, device, fp8=fp8)
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
+    v_cache = token_major_with_stale_slots(v_cache, meta) if fp8 else v_cache
+    out = paged_attention_varlen(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q), block_m=16,
+                                 block_n=16)
+    torch.testing.assert_close(out, expected, **tolerance(device))
+
+
 # blocks of 16 and 32 tokens: a partition of 32 spans two or one; of 64: a block holds two partitions
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(1, 128, 16), (2, 64, 32), (4, 64, 16), (2, 64, 64)])
 def test_split_kv_decode_matches_reference_within_and_across_partitions(device, group, head_dim, block_size):
