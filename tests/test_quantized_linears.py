@@ -144,6 +144,13 @@ def test_scaled_mm_matches_dequantize_reference(dtype, m):
     for cached_rows in (m, 80, m - 1):
         rows = input_scale.reshape(1, 1).expand(cached_rows, 1).contiguous()
         assert torch.equal(fp8_linear_scaled_mm(x, weight, weight_scale, input_scale, input_scale_rows=rows), out)
+    # a per-tensor weight scale [] takes the tensorwise GEMM: the product of the same scales, so the same values up
+    # to the order of the epilogue's float32 multiplications
+    uniform = weight_scale[:1].expand(96).contiguous()
+    per_tensor = fp8_linear_scaled_mm(x, weight, uniform[0], input_scale)
+    assert per_tensor.dtype == dtype and per_tensor.shape == (m, 96)
+    per_channel = fp8_linear_scaled_mm(x, weight, uniform, input_scale).float()
+    assert (per_tensor.float() - per_channel).abs().max() <= 1e-2 * per_channel.abs().max()
 
 
 def test_loading_an_fp8_engine_caches_each_linears_input_scale_column(fp8_engine):
@@ -158,6 +165,16 @@ def test_loading_an_fp8_engine_caches_each_linears_input_scale_column(fp8_engine
     module.input_scale.mul_(2)  # a changed scale is picked up by the next cache_derived_tensors
     model.cache_derived_tensors()
     assert torch.equal(module.input_scale_rows[:, 0], module.input_scale.expand(config.plan.max_num_tokens))
+
+
+def test_an_fp8_linear_with_one_weight_scale_for_every_row_gives_the_gemm_that_one_value(fp8_engine):
+    config = EngineConfig.load(fp8_engine)
+    model = LlamaModel.from_engine(fp8_engine, config, "cpu")
+    o_proj = model.layers[0].self_attn.o_proj  # unfused: the checkpoint's per-tensor scale on every row
+    assert o_proj.gemm_weight_scale.shape == () and o_proj.gemm_weight_scale == o_proj.weight_scale[0]
+    o_proj.weight_scale[1] *= 2  # rows of different scales keep the per-channel vector
+    o_proj.cache_derived_scales(4)
+    assert o_proj.gemm_weight_scale is o_proj.weight_scale
 
 
 # (engine dtype, FP8 GEMM path on the GPU, tolerance): the dequantize reference on the GPU matches the CPU closely;

@@ -141,11 +141,11 @@ class LlamaModel(nn.Module):
         self.cache_derived_tensors()
 
     def cache_derived_tensors(self) -> None:
-        """Recompute what the layers keep derived from their weights (FP8 linears: the per-row input-scale column
-        of up to ``max_num_tokens`` rows); ``load_weights`` does it, call it after changing weights otherwise."""
+        """Recompute what the layers keep derived from their weights (FP8 linears: ``Fp8Linear.cache_derived_scales``
+        for up to ``max_num_tokens`` rows); ``load_weights`` does it, call it after changing weights otherwise."""
         for module in self.modules():
             if isinstance(module, Fp8Linear):
-                module.cache_input_scale_rows(self.max_num_tokens)
+                module.cache_derived_scales(self.max_num_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
