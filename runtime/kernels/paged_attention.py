@@ -18,10 +18,10 @@ contiguous V), or, token-major, as V^T in v^T @ p^T with the output accumulated 
   holds the longest context (large batches: the offline benchmark's steps), it writes the output itself and no
   reduce runs.
 
-Both grids launch the KV heads fastest: the programs reading one token's heads, whose K rows lie side by side in the
-cache, run together and read whole DRAM pages (on an H200 decode is 1.2-2.5 % faster than with the sequences fastest,
-varlen 0.3-4 %). Every length is read from device tensors: the grids are bounded by ``meta.max_query_len`` /
-``meta.max_seq_len``, host ints the metadata already carries, so no launch synchronises with the host.
+Both grids launch the KV heads fastest, so that the programs reading one token's heads, whose K rows lie side by side
+in the cache, run together (on an H200 decode is 1.2-2.5 % faster than with the sequences fastest, varlen 0.3-4 %).
+Every length is read from device tensors: the grids are bounded by ``meta.max_query_len`` / ``meta.max_seq_len``,
+host ints the metadata already carries, so no launch synchronises with the host.
 """
 
 from __future__ import annotations
