@@ -151,23 +151,6 @@ def test_split_kv_decode_reads_an_fp8_cache_through_its_scales(device, dtype, to
     torch.testing.assert_close(out, expected, **fp8_tolerance(device, dtype))
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
-def test_split_kv_decode_in_one_partition_writes_the_output_itself(device, fp8):
-    # a partition of 256 holds the longest context (150): no partials and no reduce, the same output, and quantized
-    # the bytes fp8_quantize writes from it
-    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 4, 64, 32,
-                                                               device, fp8=fp8)
-    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
-    v_cache = token_major_with_stale_slots(v_cache, meta) if fp8 else v_cache
-    out = paged_attention_decode(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q),
-                                 partition_size=256)
-    torch.testing.assert_close(out, expected, **tolerance(device))
-    scale = torch.tensor(0.004, device=device)
-    quantized = paged_attention_decode(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, partition_size=256,
-                                       quant_scale=scale)
-    assert torch.equal(quantized.view(torch.uint8), fp8_quantize(out, scale).view(torch.uint8))
-
-
 @pytest.mark.parametrize(("block_size", "block_n"), [(16, 32), (64, 16)], ids=["runs-of-blocks", "tiles-in-a-block"])
 def test_token_major_fp8_v_tiles_smaller_and_larger_than_a_block(device, block_size, block_n):
     q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 2, 64,

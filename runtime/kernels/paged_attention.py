@@ -14,9 +14,7 @@ contiguous V), or, token-major, as V^T in v^T @ p^T with the output accumulated 
 - ``paged_attention_decode``: every q_len == 1 (flash-decoding). The context is cut into partitions of
   ``partition_size`` tokens (64 to 2048, smaller when few sequences would leave SMs idle); one program per
   (sequence, KV head, partition) reads the partition's block-table entries once, then writes a partial max, sum and
-  unnormalised output, and a second kernel combines the partitions of each (sequence, head). When one partition
-  holds the longest context (large batches: the offline benchmark's steps), it writes the output itself and no
-  reduce runs.
+  unnormalised output, and a second kernel combines the partitions of each (sequence, head).
 
 Both grids launch the KV heads fastest, so that the programs reading one token's heads, whose K rows lie side by side
 in the cache, run together (on an H200 decode is 1.2-2.5 % faster than with the sequences fastest, varlen 0.3-4 %).
@@ -282,15 +280,14 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
 
 
 @triton.jit(do_not_specialize=["stride_bt", "max_partitions"])
-def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
-                             quant_scale_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr,
-                             v_scale_ptr, scale_log2, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-                             stride_c_block, stride_c_tok, stride_c_head, stride_v_block, stride_v_head, stride_v_dim,
-                             stride_bt, num_heads, max_partitions, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_D: tl.constexpr, PARTITION_SIZE: tl.constexpr, FP8: tl.constexpr,
-                             FP16: tl.constexpr, PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
-                             PARTITION_BLOCKS: tl.constexpr, SINGLE: tl.constexpr, QUANT: tl.constexpr,
+def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+                             query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
+                             scale_log2, stride_q_tok, stride_q_head, stride_c_block, stride_c_tok, stride_c_head,
+                             stride_v_block, stride_v_head, stride_v_dim, stride_bt, num_heads, max_partitions,
+                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                             PARTITION_SIZE: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr,
+                             PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr, PARTITION_BLOCKS: tl.constexpr,
                              PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     kv_head = tl.program_id(0)
@@ -327,11 +324,7 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
                                   stride_v_block, stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N, False, True,
                                   V_TOKEN_MAJOR, PRECISION, blocks, first_block, True)
     acc = acc * out_scale
-    if SINGLE:  # the only partition: the output itself, as the reduce would write it from this one partial
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        _store_out(out_ptr + q_tok * stride_o_tok + head[:, None] * stride_o_head + dims[None, :], out,
-                   row_mask[:, None] & d_mask[None, :], quant_scale_ptr, q_ptr.dtype.element_ty, QUANT)
-        return
+
     part_idx = (seq.to(tl.int64) * num_heads + head) * max_partitions + part  # [BLOCK_G]
     tl.store(part_m_ptr + part_idx, m_i, mask=row_mask)
     tl.store(part_l_ptr + part_idx, l_i, mask=row_mask)
@@ -441,7 +434,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``out`` as for the varlen kernel. ``partition_size`` (default: ``decode_partition_size``) must be a power of
     two, at least 16 (``block_n`` and ``num_stages`` default to ``DECODE_TILES``); the partial
     results live in float32 scratch of num_seqs * num_heads * cdiv(meta.max_seq_len, partition_size) * (head_dim + 2)
-    elements, none when that is one partition.
+    elements.
     """
     fp8, v_token_major = _check(q, k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
@@ -454,25 +447,18 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_stages = num_stages or DECODE_TILES[fp8]["num_stages"]
     block_d = max(triton.next_power_of_2(head_dim), 16)
     out = _output(q, quant_scale) if out is None else out
-    single = max_partitions == 1
-    if single:  # the partition kernel writes the output itself: no partials, no reduce
-        part_m = part_l = part_acc = out
-    else:
-        part_m = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(num_seqs, num_heads, max_partitions, head_dim, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(num_seqs, num_heads, max_partitions, head_dim, dtype=torch.float32, device=q.device)
     _decode_partition_kernel[(num_kv_heads, num_seqs, max_partitions)](
-        q, k_cache, v_cache, part_m, part_l, part_acc, out, q if quant_scale is None else quant_scale,
-        meta.query_start_loc, meta.seq_lens, meta.block_tables, k_scale if fp8 else q, v_scale if fp8 else q,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), v_cache.stride(0), v_cache.stride(2), v_cache.stride(3), meta.block_tables.stride(0),
-        num_heads, max_partitions, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
+        q, k_cache, v_cache, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        k_scale if fp8 else q, v_scale if fp8 else q, scale * LOG2E, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
+        v_cache.stride(3), meta.block_tables.stride(0), num_heads, max_partitions, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
         PARTITION_SIZE=partition_size, FP8=fp8, FP16=_fp16_compute(q, fp8), PRECISION=_precision(q),
-        V_TOKEN_MAJOR=v_token_major, PARTITION_BLOCKS=max(partition_size // block_size, 2), SINGLE=single,
-        QUANT=quant_scale is not None, num_warps=num_warps, num_stages=num_stages, **pdl_options(q))
-    if single:
-        return out
+        V_TOKEN_MAJOR=v_token_major, PARTITION_BLOCKS=max(partition_size // block_size, 2), num_warps=num_warps,
+        num_stages=num_stages, **pdl_options(q))
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens,
         q if quant_scale is None else quant_scale, out.stride(0), out.stride(1), num_heads, max_partitions,
