@@ -66,8 +66,7 @@ def test_fp8_gemv_matches_the_fake_quantized_reference(poisoned_outputs, m, n, k
     assert _rel_err(out, ref) < CPU_REL_TOL
 
 
-@interpreted
-def test_fp8_gemv_quantizes_activations_exactly_like_the_runtime():
+def test_fp8_gemv_quantizes_activations_exactly_like_the_runtime(kernel_device):
     # Identity weight: y = fp8(x / s) * s, so every rounding, tie, subnormal and clamp must agree bit for bit.
     k = 256
     g = torch.Generator().manual_seed(7)
@@ -76,7 +75,7 @@ def test_fp8_gemv_quantizes_activations_exactly_like_the_runtime():
     x = x[None, :]
     input_scale = torch.tensor(1.0)
     eye = torch.eye(k).to(torch.float8_e4m3fn)
-    out = fp8_gemv(x, eye, torch.ones(k), input_scale)
+    out = fp8_gemv(*(t.to(kernel_device) for t in (x, eye, torch.ones(k), input_scale))).cpu()
     assert torch.equal(out, fp8_quantize(x, input_scale).float() * input_scale)
 
 
