@@ -92,8 +92,9 @@ def test_quantize_fp8_writes_the_bytes_of_the_torch_quantizer(kernel_device):
     scales = [0.5, 1.0, 0.02, 448.0, *torch.exp2(torch.empty(4).uniform_(-20, 20, generator=g)).tolist()]
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
+        on_device = xd.to(kernel_device)
         for scale in map(torch.tensor, scales):
-            out = quantize_fp8(xd.to(kernel_device), scale.to(kernel_device)).cpu()
+            out = quantize_fp8(on_device, scale.to(kernel_device)).cpu()
             assert out.dtype == torch.float8_e4m3fn and out.shape == (6, 700)
             assert torch.equal(out.view(torch.uint8), fp8_quantize(xd, scale).view(torch.uint8)), float(scale)
 
