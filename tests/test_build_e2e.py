@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.subprocess_env import REPO, repo_env
+
 TINY = REPO / "models" / "tiny-llama"
 
 
 def kiln_env(cache: Path, **extra: str) -> dict:
     """The environment of a ``python -m pipeline`` subprocess using the cache at ``cache``."""
-    return {**os.environ, "KILN_CACHE": str(cache), "PYTHONPATH": str(REPO), **extra}
+    return repo_env(KILN_CACHE=str(cache), **extra)
 
 
 def kiln(*args: str, cache: Path, env: dict | None = None) -> subprocess.CompletedProcess:

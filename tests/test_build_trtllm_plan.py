@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.subprocess_env import REPO, repo_env
 
 
 def kiln(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KILN_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO),
-           "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    env = repo_env(KILN_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
     return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=120)
 

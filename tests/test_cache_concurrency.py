@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from engines.cache import EngineCache, engine_key
+from tests.subprocess_env import repo_env
 
-REPO = Path(__file__).resolve().parents[1]
 MATERIAL = {"key_schema": 1, "kind": "engine", "checkpoint": "ab" * 32, "backend": "native"}
 KEY = engine_key(MATERIAL)
 
@@ -60,7 +59,7 @@ print(json.dumps({"hit": result.hit, "reason": result.reason, "waited": result.w
 def run_worker(tmp_path: Path, mode: str) -> subprocess.Popen:
     """Start a worker; its source goes on the command line, not in a shared file that the next ``run_worker`` would
     rewrite (a worker that read it while it was truncated ran an empty script and exited 0 without output)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     return subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / "cache"), mode, str(tmp_path / "builds"),
                              json.dumps(MATERIAL)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -10,6 +10,7 @@ import pytest
 
 from engines.cache import CacheEntryGoneError, CacheEntryInUseError, EngineCache, engine_key, hold_entry, is_held
 from engines.cache.layout import LAST_USED
+from tests.subprocess_env import repo_env
 
 
 def material(name: str) -> dict:
@@ -121,7 +122,7 @@ def test_an_entry_loaded_by_another_live_process_is_never_evicted(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from engines.cache import hold_entry; h = hold_entry(sys.argv[1]); "
          "print('held', flush=True); time.sleep(60)", str(cache.entries.entry_dir(a))],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, stdout=subprocess.PIPE, text=True)
+        env=repo_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         add(cache, "b")

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import signal
@@ -17,6 +16,7 @@ import pytest
 
 from pipeline.serve_command import resolve_target
 from runtime.errors import KilnError
+from tests.subprocess_env import repo_env
 from tests.test_server_support import REPO, tiny_engine, wait_until
 
 
@@ -68,7 +68,7 @@ def test_sigterm_finishes_the_in_flight_stream_refuses_new_work_and_exits_0():
     code = ("import sys; from pipeline.serve_command import serve; "
             "serve(sys.argv[1], port=0, model_name='tiny', shutdown_timeout=30.0)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_engine())], cwd=REPO, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            text=True, env=repo_env())
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_read_lines, args=(proc.stderr, lines), daemon=True).start()
     try:

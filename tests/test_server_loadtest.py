@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ from pipeline.loadtest import LoadTestError, loadtest, run_load
 from pipeline.serve_command import serve
 from runtime import LLM
 from runtime.server import ServerSettings, ServerThread, create_app
+from tests.subprocess_env import repo_env
 from tests.test_server_support import REPO, engine_idle, tiny_engine, wait_until
 
 
@@ -77,7 +77,7 @@ def test_serve_command_help_lists_its_options():
 def test_embedding_example_serves_an_app_and_a_worker_from_one_engine():
     proc = subprocess.run([sys.executable, "examples/embedded_service.py", str(tiny_engine()), "--self-test"],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=repo_env())
     assert proc.returncode == 0, proc.stderr
     for route in ("/ask ->", "/ask/stream ->", "/summarize ->", "/engine ->"):
         assert route in proc.stdout
