@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,7 +23,17 @@ stderr = Console(stderr=True)
 
 def print_json(data: Any) -> None:
     """A stable machine-readable object on stdout."""
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    stdout.file.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    stdout.file.flush()
+
+
+def keep_stdout_for_results() -> None:
+    """Give results a private copy of this process's stdout and point file descriptor 1 at stderr, so that what
+    libraries print (modelopt's "Loading extension ..." when it compiles its CUDA kernels, a compiler's output from
+    C) lands on stderr and ``--json`` stays one parseable object."""
+    sys.stdout.flush()
+    stdout.file = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
 
 def friendly_errors(command: Callable) -> Callable:

@@ -1,0 +1,29 @@
+"""The CLI's stdout carries only results: what libraries print while a command runs goes to stderr."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.subprocess_env import REPO, repo_env
+
+# what modelopt does when it compiles its CUDA extension (a Python print), then what C code writes to fd 1
+NOISY_COMMAND = """
+import os
+from pipeline.console import keep_stdout_for_results, print_json, stdout
+keep_stdout_for_results()
+print("Loading extension modelopt_cuda_ext_fp8...")
+os.write(1, b"compiler output\\n")
+print_json({"engine_key": "ab"})
+stdout.print("a human-readable line")
+"""
+
+
+def test_json_results_stay_parseable_when_libraries_print_to_stdout():
+    proc = subprocess.run([sys.executable, "-c", NOISY_COMMAND], capture_output=True, text=True, cwd=REPO,
+                          env=repo_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    result, human = proc.stdout.split("}\n")
+    assert json.loads(result + "}") == {"engine_key": "ab"} and human == "a human-readable line\n"
+    assert "Loading extension modelopt_cuda_ext_fp8..." in proc.stderr and "compiler output" in proc.stderr
