@@ -84,21 +84,30 @@ def test_bf16_engine_generates_what_transformers_generates(cache):
     result = build_json("configs/tiny-llama-bf16.yaml", cache)
     assert {s["name"]: s["action"] for s in result["stages"]}["quantize"] == "skip"
     prompt = "Monday, Tuesday,"
-    llm = LLM.load(result["engine_dir"], device="cpu")
+    llm = LLM.load(result["engine_dir"], device=build_device())
     try:
         ours = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0].token_ids
     finally:
         llm.close()
-    assert ours == _transformers_greedy(prompt, 24)
+    assert ours == _transformers_greedy(prompt, 24, build_device())
 
 
-def _transformers_greedy(prompt: str, max_new_tokens: int) -> list[int]:
+def build_device() -> str:
+    """Where ``kiln build`` builds, and so where its engine loads: the GPU when there is one."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _transformers_greedy(prompt: str, max_new_tokens: int, device: str) -> list[int]:
+    """transformers' eager greedy tokens: float32 on the CPU, bf16 (the engine's dtype) on a GPU."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TINY)
-    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=dtype, attn_implementation="eager").to(device).eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                              pad_token_id=tokenizer.pad_token_id)
@@ -159,7 +168,7 @@ def test_an_engine_loaded_through_the_runtime_is_never_evicted(cache):
 
     result = build_json("configs/tiny-llama-fp8.yaml", cache)
     entry = Path(result["engine_dir"]).parent
-    llm = LLM.load(result["engine_key"], cache_root=cache, device="cpu")
+    llm = LLM.load(result["engine_key"], cache_root=cache, device=build_device())
     try:
         assert is_held(entry)
         report = EngineCache.open(cache, max_entries=1).evict()

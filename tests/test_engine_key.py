@@ -80,8 +80,9 @@ def test_key_ignores_where_the_checkpoint_and_config_live(tmp_path, model_copy):
     assert engine_key(tmp_path, model_copy) == engine_key(tmp_path, moved, name="other-name.yaml")
 
 
-@pytest.mark.parametrize("field,value", [("torch", "9.9"), ("triton", "9.9.9"), ("gpu_name", "NVIDIA H200"),
-                                         ("compute_capability", "9.0")])
+# values no machine has, so that the key changes wherever the test runs (on an H200, "NVIDIA H200" would not)
+@pytest.mark.parametrize("field,value", [("torch", "9.9"), ("triton", "9.9.9"), ("gpu_name", "No Such GPU"),
+                                         ("compute_capability", "99.9")])
 def test_key_changes_with_toolchain_and_gpu(tmp_path, model_copy, monkeypatch, field, value):
     before = engine_key(tmp_path, model_copy)
     real = key_material.machine_fingerprint

@@ -74,35 +74,38 @@ def test_mixed_batch_matches_dense_causal_attention(fp8):
 
 
 @pytest.mark.parametrize("whole_prompt", [False, True], ids=["mixed-batch", "whole-prompt"])
-def test_rotary_attention_rotates_q_and_k_before_storing_and_attending(monkeypatch, whole_prompt):
+def test_rotary_attention_rotates_q_and_k_before_storing_and_attending(monkeypatch, kernel_device, whole_prompt):
     """With RoPE the layer attends rotate(q) over rotate(k) at the tokens' positions, and caches the rotated K; the
-    Triton path (here interpreted), which rotates and stores in one launch, agrees with the PyTorch path."""
+    Triton path (interpreted on CPU, in float32; compiled on a GPU, in bfloat16), which rotates and stores in one
+    launch, agrees with the PyTorch path."""
     pytest.importorskip("triton")
     from runtime import kernel_config
     from runtime.layers.rotary import RotaryEmbedding
 
+    dtype, tolerance = (torch.float32, 1e-5) if kernel_device == "cpu" else (torch.bfloat16, 1e-2)
     generator = torch.Generator().manual_seed(3)
-    rope = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None)
+    rope = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None).to(kernel_device)
     seqs = SEQUENCES[:1] if whole_prompt else SEQUENCES
     tables = shuffled_block_tables(generator)[:len(seqs)]
-    meta = AttentionMetadata.build([n for _, n in seqs], [c + n for c, n in seqs], tables, BLOCK_SIZE)
+    meta = AttentionMetadata.build([n for _, n in seqs], [c + n for c, n in seqs], tables, BLOCK_SIZE, kernel_device)
     meta.whole_prompt = whole_prompt
-    positions = torch.cat([torch.arange(c, c + n) for c, n in seqs])
+    positions = torch.cat([torch.arange(c, c + n) for c, n in seqs]).to(kernel_device)
     total = positions.shape[0]
-    q = torch.randn(total, NUM_HEADS, HEAD_DIM, generator=generator)
-    k, v = (torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
-    cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    q = torch.randn(total, NUM_HEADS, HEAD_DIM, generator=generator).to(kernel_device, dtype)
+    k, v = (torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(kernel_device, dtype) for _ in range(2))
+    cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(kernel_device, dtype)
     results = []
     for triton_path in (False, True):
         monkeypatch.setattr(kernel_config, "use_triton", lambda x, on=triton_path: on)
         caches = (cache.clone(), cache.clone())
         out = PagedAttention(HEAD_DIM, fp8_kv_cache=False, rotary=rope)(q, k, v, meta, caches, positions=positions)
         results.append((out, *caches))
+    monkeypatch.setattr(kernel_config, "use_triton", lambda x: False)
     rotated_q, rotated_k = rope(positions, q, k)
     plain_caches = (cache.clone(), cache.clone())
     expected = PagedAttention(HEAD_DIM, fp8_kv_cache=False)(rotated_q, rotated_k, v, meta, plain_caches)
     for out, k_cache, v_cache in results:
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
         assert torch.equal(k_cache, plain_caches[0]) and torch.equal(v_cache, plain_caches[1])
     with pytest.raises(ValueError, match="positions"):
         PagedAttention(HEAD_DIM, fp8_kv_cache=False, rotary=rope)(q, k, v, meta, (cache, cache))

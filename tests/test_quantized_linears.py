@@ -246,11 +246,11 @@ def test_fused_activation_quantization_gives_the_unfused_logits_with_no_quantize
     assert torch.equal(fused, unfused)
 
 
-def test_fp8_linears_take_a_prequantized_input_and_need_its_output_dtype():
+def test_fp8_linears_take_a_prequantized_input_and_need_its_output_dtype(kernel_device):
     from runtime.kernels.fp8_gemv import fp8_gemv
 
-    weight, weight_scale, input_scale = _random_fp8_linear(48, 64, "cpu")
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    weight, weight_scale, input_scale = _random_fp8_linear(48, 64, kernel_device)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(kernel_device)
     expected = fp8_gemv(x, weight, weight_scale, input_scale)
     got = fp8_gemv(linear.fp8_quantize(x, input_scale), weight, weight_scale, input_scale, out_dtype=torch.float32)
     assert torch.equal(got, expected)
