@@ -50,10 +50,18 @@ def round_to_e4m3(y):
 
 @triton.jit
 def quantize_e4m3(x, scale):
-    """``fp8_e4m3(clamp(x / scale, ±448))``: IEEE division (a plain ``/`` compiles to an approximate one on a GPU),
-    the clamp, then round to nearest even; the bytes ``runtime.layers.linear.fp8_quantize`` writes once cast to
-    float8_e4m3fn (compiled, the value already is one; interpreted, it is the exact float32 value)."""
-    y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
+    """``fp8_e4m3(clamp(x / scale, ±448))``: the IEEE quotient (a plain ``/`` compiles to an approximate one on a
+    GPU), the clamp, then round to nearest even; the bytes ``runtime.layers.linear.fp8_quantize`` writes once cast to
+    float8_e4m3fn (compiled, the value already is one; interpreted, it is the exact float32 value).
+
+    Compiled, the quotient comes from the scale's correctly rounded reciprocal and one FMA correction, which
+    Markstein's theorem makes the correctly rounded quotient wherever it matters (a quotient above 896 clamps
+    anyway): 7 instructions an element fewer than a division. The interpreter's fma rounds twice, so it divides."""
+    x = x.to(tl.float32)
     if INTERPRETED:
-        return round_to_e4m3(y)
-    return y.to(tl.float8e4nv)
+        return round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
+    inverse = tl.math.div_rn(1.0, scale)
+    q = x * inverse
+    exact = tl.fma(tl.fma(-q, scale, x), inverse, q)
+    keep_q = (tl.abs(q) > 2 * FP8_MAX) | (q == 0)  # clamps anyway; or ±0.0, whose sign the correction would lose
+    return tl.clamp(tl.where(keep_q, q, exact), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
