@@ -1,5 +1,5 @@
 #!/bin/bash
-# Everything docs/performance.md reports for one CUDA GPU, in one go: the GPU tests, the tiny model against
+# Everything docs/performance.md reports for one CUDA GPU, in one go: the whole test suite, the tiny model against
 # transformers, the linears, attention and fused-op micro-benchmarks, the 8B model's steps with kernel profiles, and
 # kiln bench on Llama-3-8B FP8 (1000 prompts at 1000/1000 with an FP8 KV cache, with and without overlapped steps,
 # then 256 prompts against transformers at 1000/200 and at 1000/1000, and bf16 batch-1 decode).
@@ -10,9 +10,7 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 run() { echo "== $1"; shift; "$@" 2>&1 | tee -a "$OUT/suite.log"; }
-run "gpu tests" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short tests/test_triton_attention.py \
-    tests/test_triton_linears.py tests/test_triton_fused_ops.py tests/test_decode_graphs.py tests/test_llama_model.py \
-    tests/test_paged_attention.py tests/test_quantized_linears.py tests/test_native_tuning.py
+run "tests" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/   # all of them; the kernels' on CUDA
 run "tiny model vs transformers" python3 tools/gpu_check.py --tokens 32 --out "$OUT/gpu_check.json"
 run "8B steps" python3 tools/bench_step.py --formats fp8,none,int4_awq --batch 1,8,64,256 --profile \
     --kv-cache-dtype float8_e4m3fn --json "$OUT/step.json"
