@@ -52,7 +52,7 @@ def _open(cache_dir: Path | None, config: str | None) -> EngineCache:
 
 def _print_table(table: Table) -> None:
     """Print a table with full 64-character keys: at the terminal's width, or unsqueezed when piped."""
-    (stdout if stdout.is_terminal else Console(width=PIPE_WIDTH)).print(table, highlight=False)
+    (stdout if stdout.is_terminal else Console(width=PIPE_WIDTH, file=stdout.file)).print(table, highlight=False)
 
 
 def _ago(iso: str | None) -> str:

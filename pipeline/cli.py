@@ -9,7 +9,7 @@ import typer
 from pipeline.bench import bench
 from pipeline.cache_commands import cache_app, print_explain
 from pipeline.config import load_config
-from pipeline.console import friendly_errors, keep_stdout_for_results, print_json, stage_progress, stdout
+from pipeline.console import friendly_errors, print_json, stage_progress, stdout
 from pipeline.loadtest import loadtest
 from pipeline.serve_command import serve
 
@@ -106,5 +106,4 @@ app.command()(bench)
 
 def main() -> None:
     """Console-script entry point."""
-    keep_stdout_for_results()
     app()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from typing import Any
 
 import typer
@@ -27,22 +28,44 @@ def print_json(data: Any) -> None:
     stdout.file.flush()
 
 
-def keep_stdout_for_results() -> None:
-    """Give results a private copy of this process's stdout and point file descriptor 1 at stderr, so that what
-    libraries print (modelopt's "Loading extension ..." when it compiles its CUDA kernels, a compiler's output from
-    C) lands on stderr and ``--json`` stays one parseable object."""
-    sys.stdout.flush()
-    stdout.file = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+@contextmanager
+def stdout_kept_for_results() -> Iterator[None]:
+    """While a command runs, results (``print_json``, the ``stdout`` console) keep stdout and anything else written
+    there goes to stderr: modelopt's "Loading extension ..." when it compiles its CUDA kernels, or output from C, would
+    otherwise break ``--json``. Where stdout has no file descriptor (typer's test runner) only Python's writes move."""
+    results = sys.stdout
+    results.flush()
+    try:
+        fd = results.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        fd = None
+    saved = None
+    if fd is not None:
+        saved = os.dup(fd)
+        results = os.fdopen(saved, "w", buffering=1, encoding=sys.stdout.encoding, closefd=False)
+        os.dup2(sys.stderr.fileno(), fd)
+    stdout.file = results
+    try:
+        with redirect_stdout(sys.stderr):
+            yield
+    finally:
+        results.flush()
+        stdout.file = None
+        if saved is not None:
+            sys.stdout.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
 
 
 def friendly_errors(command: Callable) -> Callable:
-    """Turn user-caused errors into one red line on stderr and a non-zero exit; bugs keep their traceback."""
+    """Turn user-caused errors into one red line on stderr and a non-zero exit; bugs keep their traceback. The
+    command runs with ``stdout_kept_for_results``."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
-            return command(*args, **kwargs)
+            with stdout_kept_for_results():
+                return command(*args, **kwargs)
         except (KilnError, CalibrationError) as exc:
             stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None

@@ -8,15 +8,21 @@ import sys
 
 from tests.subprocess_env import REPO, repo_env
 
-# what modelopt does when it compiles its CUDA extension (a Python print), then what C code writes to fd 1
+# A command as the CLI runs it (in a process of its own, stdout a pipe) that prints what modelopt prints when it
+# compiles its CUDA extension (a Python print) and what C code writes to file descriptor 1, then its results.
 NOISY_COMMAND = """
 import os
-from pipeline.console import keep_stdout_for_results, print_json, stdout
-keep_stdout_for_results()
-print("Loading extension modelopt_cuda_ext_fp8...")
-os.write(1, b"compiler output\\n")
-print_json({"engine_key": "ab"})
-stdout.print("a human-readable line")
+from pipeline.console import friendly_errors, print_json, stdout
+
+@friendly_errors
+def command():
+    print("Loading extension modelopt_cuda_ext_fp8...")
+    os.write(1, b"compiler output\\n")
+    print_json({"engine_key": "ab"})
+    stdout.print("a human-readable line")
+
+command()
+print("after the command")
 """
 
 
@@ -25,5 +31,6 @@ def test_json_results_stay_parseable_when_libraries_print_to_stdout():
                           env=repo_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
     result, human = proc.stdout.split("}\n")
-    assert json.loads(result + "}") == {"engine_key": "ab"} and human == "a human-readable line\n"
+    assert json.loads(result + "}") == {"engine_key": "ab"}
+    assert human == "a human-readable line\nafter the command\n"  # stdout is stdout again after the command
     assert "Loading extension modelopt_cuda_ext_fp8..." in proc.stderr and "compiler output" in proc.stderr
