@@ -49,9 +49,11 @@ def stdout_kept_for_results() -> Iterator[None]:
         with redirect_stdout(sys.stderr):
             yield
     finally:
-        results.flush()
         stdout.file = None
-        if saved is not None:
+        if saved is None:
+            results.flush()
+        else:
+            results.close()  # flushes; closefd=False leaves the descriptor to os.close
             sys.stdout.flush()
             os.dup2(saved, fd)
             os.close(saved)
