@@ -84,19 +84,12 @@ def test_bf16_engine_generates_what_transformers_generates(cache):
     result = build_json("configs/tiny-llama-bf16.yaml", cache)
     assert {s["name"]: s["action"] for s in result["stages"]}["quantize"] == "skip"
     prompt = "Monday, Tuesday,"
-    llm = LLM.load(result["engine_dir"], device=build_device())
+    llm = LLM.load(result["engine_dir"])  # on the device it was built for
     try:
         ours = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0].token_ids
     finally:
         llm.close()
-    assert ours == _transformers_greedy(prompt, 24, build_device())
-
-
-def build_device() -> str:
-    """Where ``kiln build`` builds, and so where its engine loads: the GPU when there is one."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    assert ours == _transformers_greedy(prompt, 24, result["device"])
 
 
 def _transformers_greedy(prompt: str, max_new_tokens: int, device: str) -> list[int]:
@@ -168,7 +161,7 @@ def test_an_engine_loaded_through_the_runtime_is_never_evicted(cache):
 
     result = build_json("configs/tiny-llama-fp8.yaml", cache)
     entry = Path(result["engine_dir"]).parent
-    llm = LLM.load(result["engine_key"], cache_root=cache, device=build_device())
+    llm = LLM.load(result["engine_key"], cache_root=cache)
     try:
         assert is_held(entry)
         report = EngineCache.open(cache, max_entries=1).evict()

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from runtime import LLM
+from tests.subprocess_env import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_SOURCE = REPO / "models" / "tiny-llama"  # a real BPE tokenizer with a chat template
 
 
