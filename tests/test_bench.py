@@ -71,9 +71,11 @@ def test_json_reports_positive_kiln_and_peer_figures(config_report):
     by_kind = engine["by_kind"]
     assert sum(k["steps"] for k in by_kind.values()) == engine["steps"] and by_kind["decode"]["steps"] >= 5
     assert all(0 < k["execute_s"] <= k["s"] for k in by_kind.values() if k["steps"]), by_kind
-    assert config_report["peer"]["dtype"] == "float32" and config_report["peer"]["attn_implementation"] == "sdpa"
+    on_gpu = config_report["device"] == "cuda"  # the peer runs bf16 on a GPU, fp32 on the CPU
+    assert config_report["peer"]["dtype"] == ("bfloat16" if on_gpu else "float32")
+    assert config_report["peer"]["attn_implementation"] == "sdpa"
     assert config_report["config"].endswith("configs/tiny-llama-bf16.yaml") and config_report["target_kind"] == "config"
-    assert config_report["gpu"] is None and config_report["device"] == "cpu"
+    assert config_report["device"] in ("cpu", "cuda") and (config_report["gpu"] is not None) == on_gpu
     assert (config_report["prompts"], config_report["input_len"], config_report["output_len"]) == (4, 16, 6)
 
 
