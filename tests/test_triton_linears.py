@@ -97,6 +97,9 @@ def test_quantize_fp8_writes_the_bytes_of_the_torch_quantizer(kernel_device):
             out = quantize_fp8(on_device, scale.to(kernel_device)).cpu()
             assert out.dtype == torch.float8_e4m3fn and out.shape == (6, 700)
             assert torch.equal(out.view(torch.uint8), fp8_quantize(xd, scale).view(torch.uint8)), float(scale)
+    if kernel_device == "cuda":  # the interpreter converts NaN to FP8 as ±384, whatever the kernel does
+        nan = torch.full((2, 16), float("nan"), device=kernel_device)  # NaN stays NaN, as in torch (not +448)
+        assert quantize_fp8(nan, torch.tensor(0.5, device=kernel_device)).float().isnan().all()
 
 
 @interpreted

@@ -51,8 +51,9 @@ def round_to_e4m3(y):
 @triton.jit
 def quantize_e4m3(x, scale):
     """``fp8_e4m3(clamp(x / scale, ±448))``: the IEEE quotient (a plain ``/`` compiles to an approximate one on a
-    GPU), the clamp, then round to nearest even; the bytes ``runtime.layers.linear.fp8_quantize`` writes once cast to
-    float8_e4m3fn (compiled, the value already is one; interpreted, it is the exact float32 value).
+    GPU), the clamp (compiled, NaN stays NaN; the interpreter's FP8 conversion turns it into ±384), then round to
+    nearest even; the bytes ``runtime.layers.linear.fp8_quantize`` writes once cast to float8_e4m3fn (compiled, the
+    value already is one; interpreted, the exact float32 value).
 
     Compiled, the quotient comes from the scale's correctly rounded reciprocal and one FMA correction, which
     Markstein's theorem makes the correctly rounded quotient wherever it matters (a quotient above 896 clamps
@@ -64,4 +65,5 @@ def quantize_e4m3(x, scale):
     q = x * inverse
     exact = tl.fma(tl.fma(-q, scale, x), inverse, q)
     keep_q = (tl.abs(q) > 2 * FP8_MAX) | (q == 0)  # clamps anyway; or ±0.0, whose sign the correction would lose
-    return tl.clamp(tl.where(keep_q, q, exact), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    quotient = tl.where(keep_q, q, exact)
+    return tl.clamp(quotient, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
