@@ -16,8 +16,8 @@ import pytest
 
 from pipeline.serve_command import resolve_target
 from runtime.errors import KilnError
-from tests.subprocess_env import repo_env
-from tests.test_server_support import REPO, tiny_engine, wait_until
+from tests.subprocess_env import REPO, repo_env
+from tests.test_server_support import tiny_engine, wait_until
 
 
 def test_an_engine_directory_is_served_under_its_folder_name():

@@ -15,8 +15,8 @@ from pipeline.loadtest import LoadTestError, loadtest, run_load
 from pipeline.serve_command import serve
 from runtime import LLM
 from runtime.server import ServerSettings, ServerThread, create_app
-from tests.subprocess_env import repo_env
-from tests.test_server_support import REPO, engine_idle, tiny_engine, wait_until
+from tests.subprocess_env import REPO, repo_env
+from tests.test_server_support import engine_idle, tiny_engine, wait_until
 
 
 @pytest.fixture(scope="module")

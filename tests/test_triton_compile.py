@@ -49,8 +49,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from engines.native_checkpoint import parse_architecture, read_json  # noqa: E402
 from engines.native_tuning import linear_shapes  # noqa: E402
 from runtime.kv_cache import zeros_token_major  # noqa: E402
+from tests.subprocess_env import REPO, repo_env  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 KERNELS_DIR = REPO / "runtime" / "kernels"
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMS = 132  # the split-KV decode sizes its partitions by the SM count
@@ -397,8 +397,8 @@ def compile_requests(requests: list[dict]) -> list[dict]:
 
 def compile_for_hopper(requests: list[dict], python_path: tuple[str, ...] = ()) -> list[dict]:
     """Compile the requests in worker processes (this file as a script, without TRITON_INTERPRET), a few at once."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *python_path, *filter(None, [env.get("PYTHONPATH")])])
+    env = repo_env(*python_path)
+    env.pop("TRITON_INTERPRET", None)
     workers = max(1, min(len(requests), os.cpu_count() or 1, 4))
 
     def run(batch: list[dict]) -> list[dict]:
