@@ -4,7 +4,7 @@ fallback, and export of the quantized checkpoint.
 Importing the package is cheap (no torch, no modelopt); the stage itself is `calibration.quantize.quantize_checkpoint`.
 """
 
-from calibration.errors import CalibrationError
-from calibration.recipe import GateThresholds, QuantizeRecipe, recipe_material
+from kiln.calibration.errors import CalibrationError
+from kiln.calibration.recipe import GateThresholds, QuantizeRecipe, recipe_material
 
 __all__ = ["CalibrationError", "GateThresholds", "QuantizeRecipe", "recipe_material"]

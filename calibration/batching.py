@@ -6,9 +6,8 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
+from kiln.calibration.errors import CalibrationError
 from torch import nn
-
-from calibration.errors import CalibrationError
 
 T = TypeVar("T")
 

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from calibration.errors import CalibrationError
-from calibration.recipe import QuantizeRecipe
-from calibration.sources import read_documents, resolve_source, source_digest
+from kiln.calibration.errors import CalibrationError
+from kiln.calibration.recipe import QuantizeRecipe
+from kiln.calibration.sources import read_documents, resolve_source, source_digest
 
 ENCODE_BATCH = 64
 

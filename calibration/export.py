@@ -9,10 +9,9 @@ import warnings
 from pathlib import Path
 
 import torch
+from kiln.calibration.errors import CalibrationError
 from safetensors.torch import load_file, save_file
 from torch import nn
-
-from calibration.errors import CalibrationError
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from calibration.metrics import HeldoutMetrics
+from kiln.calibration.metrics import HeldoutMetrics
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
-
-from calibration.report import Attempt  # noqa: E402
+from kiln.calibration.report import Attempt  # noqa: E402
 
 
 def plot_curves(attempts: list[Attempt], tolerance: float, path: Path) -> None:

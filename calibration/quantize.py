@@ -20,30 +20,29 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
-from torch import nn
-
-from calibration.batching import BatchRunner
-from calibration.convergence import ConvergenceMonitor
-from calibration.datasets import CalibrationData, load_calibration_data
-from calibration.errors import CalibrationError
-from calibration.export import (
+from kiln.calibration.batching import BatchRunner
+from kiln.calibration.convergence import ConvergenceMonitor
+from kiln.calibration.datasets import CalibrationData, load_calibration_data
+from kiln.calibration.errors import CalibrationError
+from kiln.calibration.export import (
     checkpoint_dtype,
     copy_checkpoint,
     export_hf,
     export_trtllm,
 )
-from calibration.gate import check_gate
-from calibration.metrics import HeldoutReference, evaluate
-from calibration.modelopt_quantize import (
+from kiln.calibration.gate import check_gate
+from kiln.calibration.metrics import HeldoutReference, evaluate
+from kiln.calibration.modelopt_quantize import (
     fuse_shared_inputs,
     int4_incompatible_linears,
     quant_config,
     quiet,
     rounds_calibrator,
 )
-from calibration.plot import plot_curves
-from calibration.recipe import QuantizeRecipe, recipe_material
-from calibration.report import Attempt, RoundRecord, build_report, outcomes_text, unsettled_text, write_report
+from kiln.calibration.plot import plot_curves
+from kiln.calibration.recipe import QuantizeRecipe, recipe_material
+from kiln.calibration.report import Attempt, RoundRecord, build_report, outcomes_text, unsettled_text, write_report
+from torch import nn
 
 Progress = Callable[[str, float], None]
 

@@ -6,9 +6,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Literal
 
+from kiln.calibration.sources import source_sha256
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from calibration.sources import source_sha256
 
 Format = Literal["none", "fp8", "int4_awq"]
 

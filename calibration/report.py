@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from calibration.gate import GateResult
+from kiln.calibration.gate import GateResult
 
 UNSETTLED_SHOWN = 5
 

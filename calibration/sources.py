@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from calibration.errors import CalibrationError
+from kiln.calibration.errors import CalibrationError
 
 BUNDLED_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny"
 BUNDLED_FILES = {"calibration": "calibration.jsonl", "heldout": "heldout.jsonl"}

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from runtime.errors import KilnError
-from runtime.trtllm_adapter import INSTALL_HINT, is_supported_trtllm, trtllm_version
+from kiln.runtime.errors import KilnError
+from kiln.runtime.trtllm.engine import INSTALL_HINT, is_supported_trtllm, trtllm_version
 
 
 class BackendUnavailableError(KilnError):

@@ -9,12 +9,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
-
-from engines.cache import CacheCorruptError, EngineCache, default_cache_root
-from engines.cache import inspect as cache_inspect
-from engines.cache.units import (
+from kiln.engines.cache import CacheCorruptError, EngineCache, default_cache_root
+from kiln.engines.cache import inspect as cache_inspect
+from kiln.engines.cache.units import (
     format_ago,
     format_bytes,
     format_seconds,
@@ -23,7 +20,9 @@ from engines.cache.units import (
     parse_since,
     parse_size,
 )
-from pipeline.console import friendly_errors, print_json, stderr, stdout
+from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
+from rich.console import Console
+from rich.table import Table
 
 cache_app = typer.Typer(help="Inspect and maintain the engine cache.", no_args_is_help=True)
 
@@ -42,7 +41,7 @@ def _open(cache_dir: Path | None, config: str | None) -> EngineCache:
     if cache_dir is not None:
         root = cache_dir.expanduser()
     elif config is not None:
-        from pipeline.config import load_config
+        from kiln.pipeline.config import load_config
 
         root = load_config(config).config.cache.root()
     else:

@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-
-from pipeline.bench import bench
-from pipeline.cache_commands import cache_app, print_explain
-from pipeline.config import load_config
-from pipeline.console import friendly_errors, print_json, stage_progress, stdout
-from pipeline.loadtest import loadtest
-from pipeline.serve_command import serve
+from kiln.pipeline.bench.command import bench
+from kiln.pipeline.bench.loadtest import loadtest
+from kiln.pipeline.cache_commands import cache_app, print_explain
+from kiln.pipeline.config import load_config
+from kiln.pipeline.console import friendly_errors, print_json, stage_progress, stdout
+from kiln.pipeline.serve_command import serve
 
 app = typer.Typer(help="Kiln: a Hugging Face checkpoint to a quantized, cached, served engine.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
@@ -33,8 +32,8 @@ def build(
     json_out: JsonOpt = False,
 ) -> None:
     """Quantize, build, publish and smoke-test an engine, skipping what the cache already has."""
-    from pipeline import runner
-    from pipeline.summary import print_plan, print_result
+    from kiln.pipeline import runner
+    from kiln.pipeline.summary import print_plan, print_result
 
     if backend not in (None, "auto", "native", "trtllm"):
         raise typer.BadParameter(f"--backend must be auto, native or trtllm, not {backend!r}")
@@ -57,8 +56,8 @@ def quantize(
     json_out: JsonOpt = False,
 ) -> None:
     """Run the quantize stage alone: calibration rounds, convergence verdict, accuracy gate, fallback."""
-    from pipeline import runner
-    from pipeline.summary import print_quantize
+    from kiln.pipeline import runner
+    from kiln.pipeline.summary import print_quantize
 
     ctx = runner.prepare(config, backend=None, force=force, dry_run=False)
     with stage_progress(enabled=not json_out) as progress:
@@ -85,9 +84,9 @@ def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
 @friendly_errors
 def cache_explain(config: ConfigArg, json_out: JsonOpt = False) -> None:
     """Which fields of CONFIG's engine key material differ from the nearest cached engine (DVC-style)."""
-    from engines.cache import inspect as cache_inspect
-    from pipeline import runner
-    from pipeline.model_source import ModelNotFoundError
+    from kiln.engines.cache import inspect as cache_inspect
+    from kiln.pipeline import runner
+    from kiln.pipeline.model_source import ModelNotFoundError
 
     ctx = runner.prepare(config, backend=None, force=False, dry_run=True)
     if ctx.material is None:

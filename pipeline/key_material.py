@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pipeline.backend import BackendChoice
-from pipeline.config import KilnConfig
-from runtime.engine_format import ENGINE_FORMAT_VERSION
-from runtime.fingerprint import machine_fingerprint
-from runtime.trtllm_adapter import ENGINE_FORMAT_VERSION as TRTLLM_ENGINE_FORMAT_VERSION
-from runtime.trtllm_adapter import trtllm_machine_fingerprint
+from kiln.pipeline.backend import BackendChoice
+from kiln.pipeline.config import KilnConfig
+from kiln.runtime.native.engine_format import ENGINE_FORMAT_VERSION
+from kiln.runtime.native.fingerprint import machine_fingerprint
+from kiln.runtime.trtllm.engine import ENGINE_FORMAT_VERSION as TRTLLM_ENGINE_FORMAT_VERSION
+from kiln.runtime.trtllm.engine import trtllm_machine_fingerprint
 
 KEY_SCHEMA = 1
 

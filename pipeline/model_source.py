@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.config import ModelSection
-from runtime.errors import KilnError
+from kiln.pipeline.config import ModelSection
+from kiln.runtime.errors import KilnError
 
 
 class ModelNotFoundError(KilnError):

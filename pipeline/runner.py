@@ -6,12 +6,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engines.cache import EngineCache, checkpoint_hash
-from engines.native_builder import preflight_native_plan
-from pipeline.backend import choose_backend, require
-from pipeline.config import LoadedConfig, load_config
-from pipeline.model_source import find_model, resolve_model
-from pipeline.stages import (
+from kiln.engines.cache import EngineCache, checkpoint_hash
+from kiln.engines.native.builder import preflight_native_plan
+from kiln.pipeline.backend import choose_backend, require
+from kiln.pipeline.config import LoadedConfig, load_config
+from kiln.pipeline.model_source import find_model, resolve_model
+from kiln.pipeline.stages import (
     BuildContext,
     BuildStage,
     Decision,

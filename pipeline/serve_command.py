@@ -9,16 +9,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-
-from pipeline.config import ServeSection
-from pipeline.console import friendly_errors, stage_progress, stderr
-from runtime.cache_layout import default_cache_root, entry_engine_dir, is_cache_key
-from runtime.errors import KilnError
-from runtime.trtllm_adapter import is_trtllm_engine
+from kiln.pipeline.config import ServeSection
+from kiln.pipeline.console import friendly_errors, stage_progress, stderr
+from kiln.runtime.cache_layout import default_cache_root, entry_engine_dir, is_cache_key
+from kiln.runtime.errors import KilnError
+from kiln.runtime.trtllm.engine import is_trtllm_engine
 
 if TYPE_CHECKING:
-    from runtime.llm import LLM
-    from runtime.server import ServerSettings, ServerThread
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.server import ServerSettings, ServerThread
 
 _SERVE_DEFAULTS = ServeSection()  # an engine served without a config gets a config's serve defaults
 
@@ -45,7 +44,7 @@ class ServeTarget:
         """Loads the engine (recording the load with the cache, when it came from one)."""
 
         def load() -> LLM:
-            from runtime.llm import LLM
+            from kiln.runtime.llm import LLM
 
             llm = LLM.load(self.engine_dir, device=self.device, num_kv_blocks=num_kv_blocks)
             if self.record_load is not None:
@@ -56,7 +55,7 @@ class ServeTarget:
 
     def settings(self, *, api_key: str | None = None, max_queue: int | None = None,
                  model_name: str | None = None) -> ServerSettings:
-        from runtime.server import ServerSettings
+        from kiln.runtime.server import ServerSettings
 
         return ServerSettings(model_name=model_name or self.model_name, api_key=api_key or self.api_key,
                               max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache)
@@ -82,7 +81,7 @@ def _is_engine_dir(path: Path) -> bool:
 
 
 def _cache_key_target(key: str) -> ServeTarget:
-    from engines.cache import EngineCache
+    from kiln.engines.cache import EngineCache
 
     engine_dir = entry_engine_dir(None, key)
     if not _is_engine_dir(engine_dir):
@@ -96,7 +95,7 @@ def _cache_key_target(key: str) -> ServeTarget:
 
 
 def _config_target(config: str, *, backend: str | None, progress: bool) -> ServeTarget:
-    from pipeline import runner
+    from kiln.pipeline import runner
 
     ctx = runner.prepare(config, backend=backend, force=False, dry_run=False)
     decisions = runner.decide(ctx, smoke=False)
@@ -146,7 +145,7 @@ def serve(
     """Serve an engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /health,
     /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
     require_serve_extra()
-    from runtime.server import create_app, run_server
+    from kiln.runtime.server import create_app, run_server
 
     resolved = resolve_target(target, backend=backend)
     if device is not None:

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from calibration.recipe import recipe_material
-from engines.cache import EngineCache, engine_key, hold_entry
-from pipeline.backend import BackendChoice
-from pipeline.config import KilnConfig, LoadedConfig
-from pipeline.key_material import engine_material, quantized_material
+from kiln.calibration.recipe import recipe_material
+from kiln.engines.cache import EngineCache, engine_key, hold_entry
+from kiln.pipeline.backend import BackendChoice
+from kiln.pipeline.config import KilnConfig, LoadedConfig
+from kiln.pipeline.key_material import engine_material, quantized_material
 
 Action = Literal["run", "skip"]
 NATIVE_PLAN_FIELDS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block")
@@ -112,7 +112,7 @@ class QuantizeStage:
         return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe ({lookup.reason})")
 
     def run(self, ctx: BuildContext, progress) -> None:
-        from calibration.quantize import quantize_checkpoint
+        from kiln.calibration.quantize import quantize_checkpoint
 
         material = ctx.quantized_material()
         describe = {"model": ctx.model_dir.name, "format": ctx.config.quantize.format, "backend": "-", "gpu": "-"}
@@ -172,7 +172,7 @@ class BuildStage:
     @staticmethod
     def _native_build(ctx: BuildContext, progress) -> Callable[[Path], dict]:
         """The native backend's build into a temporary folder; returns its build record."""
-        from engines.native_builder import build_native_engine
+        from kiln.engines.native.builder import build_native_engine
 
         cfg = ctx.config
         plan = native_plan(cfg) | {"kv_cache_dtype": _kv_dtype(ctx)}
@@ -190,7 +190,7 @@ class BuildStage:
     @staticmethod
     def _trtllm_build(ctx: BuildContext, progress) -> Callable[[Path], dict]:
         """The TensorRT-LLM build (checkpoint conversion when needed, then trtllm-build); returns its build record."""
-        from engines.trtllm_builder import build_trtllm_engine
+        from kiln.engines.trtllm.builder import build_trtllm_engine
 
         inputs = trtllm_inputs(ctx)
 
@@ -249,7 +249,7 @@ class SmokeStage:
         return Decision(self.name, "run", "always: loads the engine and generates a few tokens")
 
     def run(self, ctx: BuildContext, progress) -> None:
-        from runtime import LLM, SamplingParams
+        from kiln.runtime import LLM, SamplingParams
 
         smoke = ctx.config.smoke
         progress("loading engine", 0.0)
@@ -271,10 +271,10 @@ def native_plan(config: KilnConfig) -> dict:
 
 def trtllm_inputs(ctx: BuildContext) -> dict:
     """The TensorRT-LLM builder's inputs: options from the config, the checkpoints, the timing cache."""
-    from engines.trtllm_command import timing_cache_path
-    from engines.trtllm_options import TrtllmBuildOptions
-    from runtime.cache_layout import entry_dir
-    from runtime.trtllm_adapter import trtllm_machine_fingerprint
+    from kiln.engines.trtllm.command import timing_cache_path
+    from kiln.engines.trtllm.options import TrtllmBuildOptions
+    from kiln.runtime.cache_layout import entry_dir
+    from kiln.runtime.trtllm.engine import trtllm_machine_fingerprint
 
     cfg = ctx.config
     fingerprint = trtllm_machine_fingerprint()
@@ -295,7 +295,7 @@ def trtllm_inputs(ctx: BuildContext) -> dict:
 
 def trtllm_plan_extra(ctx: BuildContext) -> dict:
     """Dry-run fields of the build stage (the exact trtllm-build argv); raises TrtllmPreflightError when refused."""
-    from engines.trtllm_builder import plan_trtllm_build
+    from kiln.engines.trtllm.builder import plan_trtllm_build
 
     inputs = trtllm_inputs(ctx)
     plan = plan_trtllm_build(inputs.pop("options"), **inputs)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from kiln.pipeline.console import stdout
 from rich.table import Table
-
-from pipeline.console import stdout
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from runtime.errors import KilnError
+from kiln.runtime.errors import KilnError
 
 
 class ConfigError(KilnError):

@@ -1,22 +1,22 @@
-"""Kiln's embeddable runtime: `from runtime import LLM, SamplingParams`.
+"""Kiln's embeddable runtime: `from kiln.runtime import LLM, SamplingParams` (or `from kiln import ...`).
 
-The public names load on first use, so `import runtime` (or a light submodule such as `runtime.cache_layout`) does
-not pull in torch or the model code.
+The public names load on first use, so `import kiln.runtime` (or a light submodule such as `kiln.runtime.errors`)
+does not pull in torch or the model code.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from runtime.errors import KilnError
+from kiln.runtime.errors import KilnError
 
 __all__ = ["LLM", "KilnError", "RequestOutput", "SamplingParams", "StreamDelta"]
 
-_LAZY = {"LLM": "runtime.llm", "RequestOutput": "runtime.outputs", "SamplingParams": "runtime.sampling_params",
-         "StreamDelta": "runtime.outputs"}
+_LAZY = {"LLM": "kiln.runtime.llm", "RequestOutput": "kiln.runtime.outputs",
+         "SamplingParams": "kiln.runtime.sampling_params", "StreamDelta": "kiln.runtime.outputs"}
 
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    raise AttributeError(f"module 'kiln.runtime' has no attribute {name!r}")

@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from runtime.errors import KilnError
+from kiln.runtime.errors import KilnError
 
 LAYOUT_VERSION = "v1"
 IN_USE_LOCK = "in_use.lock"

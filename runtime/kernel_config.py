@@ -1,11 +1,11 @@
 """Which kernels the runtime runs on a CUDA device; read once from the environment when the runtime is imported.
 
-- ``KILN_KERNELS``: ``triton`` (default) runs the Triton kernels of ``runtime.kernels`` on CUDA tensors (paged
+- ``KILN_KERNELS``: ``triton`` (default) runs the Triton kernels of ``runtime.native.kernels`` on CUDA tensors (paged
   attention, the KV store, RMSNorm, RoPE, SiLU-and-multiply, and the weight-streaming FP8 / INT4 linears for small
   batches); ``torch`` runs the plain PyTorch references everywhere. CPU tensors always take the references.
 - ``KILN_LINEAR_MAX_M``: the largest number of tokens a quantized linear sends to its weight-streaming kernel, for
-  every shape; unset, each linear uses the crossover measured for its shape (``runtime.layers.linear``). Larger calls
-  take the GEMM path (``torch._scaled_mm`` for FP8).
+  every shape; unset, each linear uses the crossover measured for its shape (``runtime.native.layers.linear``).
+  Larger calls take the GEMM path (``torch._scaled_mm`` for FP8).
 - ``KILN_CUDA_GRAPHS``: ``1`` (default) captures CUDA graphs at load on CUDA, for decode steps per batch-size bucket
   and for single-sequence prefill steps per token-count bucket; ``0`` runs every step eagerly. Graphs need the Triton
   kernels (the reference attention reads lengths on the host).
@@ -14,7 +14,7 @@
   postprocessing overlap the device's work; ``0`` runs each step to completion first.
 - ``KILN_PDL``: ``1`` (default) launches the Triton kernels of small batches (up to 16 tokens) with programmatic
   dependent launch on devices of compute capability 9.0 and later, so that each is scheduled while the one before
-  it finishes (``runtime.kernels.pdl``); ``0`` launches every kernel one after the other as usual.
+  it finishes (``runtime.native.kernels.pdl``); ``0`` launches every kernel one after the other as usual.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from __future__ import annotations
 import os
 
 import torch
-
-from runtime.errors import KilnError
+from kiln.runtime.errors import KilnError
 
 
 class KernelConfigError(KilnError):

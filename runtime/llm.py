@@ -15,16 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from runtime.cache_layout import EntryHold, entry_engine_dir, hold_if_cached, is_cache_key
-from runtime.errors import EngineFormatError, KilnError
-from runtime.limits import EngineLimits
-from runtime.llm_engine import LLMEngine
-from runtime.outputs import RequestFailure, RequestOutput, StreamDelta
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import Sequence
-from runtime.tokenizer import Tokenizer
-from runtime.trtllm_adapter import TrtllmEngine, is_trtllm_engine
+from kiln.runtime.cache_layout import EntryHold, entry_engine_dir, hold_if_cached, is_cache_key
+from kiln.runtime.errors import EngineFormatError, KilnError
+from kiln.runtime.limits import EngineLimits
+from kiln.runtime.native.engine import LLMEngine
+from kiln.runtime.outputs import RequestFailure, RequestOutput, StreamDelta
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import Sequence
+from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.trtllm.engine import TrtllmEngine, is_trtllm_engine
 
 Prompt = str | list[int]
 

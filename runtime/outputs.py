@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runtime.errors import KilnError
+from kiln.runtime.errors import KilnError
 
 if TYPE_CHECKING:
-    from runtime.sequence import Sequence
-    from runtime.tokenizer import IncrementalDetokenizer
+    from kiln.runtime.sequence import Sequence
+    from kiln.runtime.tokenizer import IncrementalDetokenizer
 
 
 @dataclass

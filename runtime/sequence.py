@@ -7,7 +7,7 @@ import time
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch

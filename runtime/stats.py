@@ -8,7 +8,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-from runtime.sequence import Sequence
+from kiln.runtime.sequence import Sequence
 
 
 @dataclass

@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import tokenizers
-
-from runtime.errors import InvalidRequestError
-from runtime.sampling_params import SamplingParams
+from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.sampling_params import SamplingParams
 
 # Prompt tokens kept as context when decoding the first completion tokens (spaces and merged bytes depend on it).
 _CONTEXT_TOKENS = 6

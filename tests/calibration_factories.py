@@ -10,8 +10,7 @@ import shutil
 from pathlib import Path
 
 import torch
-
-from calibration.recipe import QuantizeRecipe
+from kiln.calibration.recipe import QuantizeRecipe
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "models" / "tiny-llama"

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 import typer
+from kiln.pipeline.bench.command import bench
+from kiln.pipeline.bench.floor import decode_step_bytes, nominal_gbs, tensor_bytes
 from typer.testing import CliRunner
-
-from pipeline.bench import bench
-from pipeline.bench_floor import decode_step_bytes, nominal_gbs, tensor_bytes
 
 FIGURES = ("output_tokens_per_s", "decode_tokens_per_s_batch1", "ttft_ms", "load_ms")
 SMALL = ["--prompts", "4", "--input-len", "16", "--output-len", "6"]
@@ -140,7 +139,7 @@ def test_int4_architecture_builds_from_a_modelopt_awq_checkpoint(tmp_path):
 
 
 def test_human_output_is_a_table_with_the_peer_ratio_and_the_floor(config_report, capsys):
-    from pipeline.bench_report import print_report
+    from kiln.pipeline.bench.report import print_report
 
     print_report(config_report)
     out = capsys.readouterr().out

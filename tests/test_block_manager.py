@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from runtime.block_manager import BlockManager
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import Sequence
+from kiln.runtime.native.block_manager import BlockManager
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import Sequence
 
 BLOCK = 4
 

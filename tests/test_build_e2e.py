@@ -15,12 +15,12 @@ TINY = REPO / "models" / "tiny-llama"
 
 
 def kiln_env(cache: Path, **extra: str) -> dict:
-    """The environment of a ``python -m pipeline`` subprocess using the cache at ``cache``."""
+    """The environment of a ``python -m kiln`` subprocess using the cache at ``cache``."""
     return repo_env(KILN_CACHE=str(cache), **extra)
 
 
 def kiln(*args: str, cache: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, cwd=REPO,
                           env=kiln_env(cache, **(env or {})), timeout=600)
 
 
@@ -79,7 +79,7 @@ def test_fp8_build_runs_every_stage_then_hits_the_cache(cache):
 
 @pytest.mark.slow
 def test_bf16_engine_generates_what_transformers_generates(cache):
-    from runtime import LLM, SamplingParams
+    from kiln.runtime import LLM, SamplingParams
 
     result = build_json("configs/tiny-llama-bf16.yaml", cache)
     assert {s["name"]: s["action"] for s in result["stages"]}["quantize"] == "skip"
@@ -139,7 +139,7 @@ def test_config_errors_exit_non_zero_without_traceback(tmp_path):
 @pytest.mark.slow
 def test_four_builds_started_together_build_once_and_three_hit(tmp_path):
     cache = tmp_path / "cache"
-    procs = [subprocess.Popen([sys.executable, "-m", "pipeline", "build", "configs/tiny-llama-fp8.yaml", "--json"],
+    procs = [subprocess.Popen([sys.executable, "-m", "kiln", "build", "configs/tiny-llama-fp8.yaml", "--json"],
                               cwd=REPO, env=kiln_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(4)]
     results = []
@@ -156,8 +156,8 @@ def test_four_builds_started_together_build_once_and_three_hit(tmp_path):
 
 @pytest.mark.slow
 def test_an_engine_loaded_through_the_runtime_is_never_evicted(cache):
-    from engines.cache import EngineCache, is_held
-    from runtime import LLM
+    from kiln.engines.cache import EngineCache, is_held
+    from kiln.runtime import LLM
 
     result = build_json("configs/tiny-llama-fp8.yaml", cache)
     entry = Path(result["engine_dir"]).parent

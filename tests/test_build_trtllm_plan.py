@@ -12,7 +12,7 @@ from tests.subprocess_env import REPO, repo_env
 
 def kiln(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = repo_env(KILN_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=120)
 
 

@@ -6,8 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-from engines.cache import CheckpointHashError, checkpoint_files, checkpoint_hash, hashing
+from kiln.engines.cache import CheckpointHashError, checkpoint_files, checkpoint_hash, hashing
 
 
 @pytest.fixture

@@ -8,12 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+from kiln.engines.cache import EngineCache, engine_key
+from kiln.engines.cache.inspect import explain
+from kiln.engines.cache.layout import LAST_USED
+from kiln.pipeline.cache_commands import cache_app
 from typer.testing import CliRunner
-
-from engines.cache import EngineCache, engine_key
-from engines.cache.inspect import explain
-from engines.cache.layout import LAST_USED
-from pipeline.cache_commands import cache_app
 
 runner = CliRunner()
 

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from kiln.engines.cache import EngineCache, engine_key
 
-from engines.cache import EngineCache, engine_key
 from tests.subprocess_env import repo_env
 
 MATERIAL = {"key_schema": 1, "kind": "engine", "checkpoint": "ab" * 32, "backend": "native"}
@@ -20,7 +20,7 @@ KEY = engine_key(MATERIAL)
 WORKER = r"""
 import json, os, signal, sys, time
 from pathlib import Path
-from engines.cache import EngineCache, engine_key
+from kiln.engines.cache import EngineCache, engine_key
 
 root, mode, counter = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 material = json.loads(sys.argv[4])

@@ -6,8 +6,7 @@ import copy
 import math
 
 import pytest
-
-from engines.cache import InvalidCacheKeyError, canonical_json, engine_key, material_diff, validate_key
+from kiln.engines.cache import InvalidCacheKeyError, canonical_json, engine_key, material_diff, validate_key
 
 
 def sample_material() -> dict:

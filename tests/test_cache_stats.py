@@ -8,9 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from engines.cache import StatsDB
-from engines.cache.stats import percentile
+from kiln.engines.cache import StatsDB
+from kiln.engines.cache.stats import percentile
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,9 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
-
-from engines.cache import CacheEntryNotFoundError, EngineCache, InvalidCacheKeyError, engine_key
-from runtime.cache_layout import entry_engine_dir
+from kiln.engines.cache import CacheEntryNotFoundError, EngineCache, InvalidCacheKeyError, engine_key
+from kiln.runtime.cache_layout import entry_engine_dir
 
 
 def material(n: int = 0) -> dict:

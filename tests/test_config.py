@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from pipeline.config import CONFIGS_DIR, ConfigError, load_config, resolve_config_path
+from kiln.pipeline.config import CONFIGS_DIR, ConfigError, load_config, resolve_config_path
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -12,7 +12,7 @@ from tests.subprocess_env import REPO, repo_env
 # compiles its CUDA extension (a Python print) and what C code writes to file descriptor 1, then its results.
 NOISY_COMMAND = """
 import os
-from pipeline.console import friendly_errors, print_json, stdout
+from kiln.pipeline.console import friendly_errors, print_json, stdout
 
 @friendly_errors
 def command():

@@ -12,15 +12,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from engines.native_builder import build_native_engine  # noqa: E402
-from runtime import LLM, SamplingParams, kernel_config  # noqa: E402
-from runtime.decode_graphs import DecodeGraphRunner, decode_batch_sizes  # noqa: E402
-from runtime.engine_format import EngineConfig  # noqa: E402
-from runtime.errors import KilnError  # noqa: E402
-from runtime.kernels import kv_store, paged_attention  # noqa: E402
-from runtime.layers import attention  # noqa: E402
-from runtime.model_runner import ModelRunner  # noqa: E402
-from runtime.prefill_graphs import PrefillGraphRunner, prefill_token_buckets  # noqa: E402
+from kiln.engines.native.builder import build_native_engine  # noqa: E402
+from kiln.runtime import LLM, SamplingParams, kernel_config  # noqa: E402
+from kiln.runtime.errors import KilnError  # noqa: E402
+from kiln.runtime.native.decode_graphs import DecodeGraphRunner, decode_batch_sizes  # noqa: E402
+from kiln.runtime.native.engine_format import EngineConfig  # noqa: E402
+from kiln.runtime.native.kernels import kv_store, paged_attention  # noqa: E402
+from kiln.runtime.native.layers import attention  # noqa: E402
+from kiln.runtime.native.model_runner import ModelRunner  # noqa: E402
+from kiln.runtime.native.prefill_graphs import PrefillGraphRunner, prefill_token_buckets  # noqa: E402
+
 from tests.model_factories import PagedRunner, make_llama_checkpoint, tiny_plan  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -270,7 +271,7 @@ def test_cuda_graphs_are_on_by_default_and_never_on_cpu(engine_dir, monkeypatch,
 
 
 def test_programmatic_dependent_launch_is_on_by_default_for_cuda_tensors_only(monkeypatch, reload_kernel_config):
-    from runtime.kernels import pdl
+    from kiln.runtime.native.kernels import pdl
 
     monkeypatch.delenv("KILN_PDL", raising=False)
     assert reload_kernel_config().PDL

@@ -6,8 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from pipeline import key_material, runner
+from kiln.pipeline import key_material, runner
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny-llama"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+from kiln.engines.native.builder import build_native_engine
+from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.native.engine import LLMEngine
 
-from engines.native_builder import build_native_engine
-from runtime import LLM, SamplingParams
-from runtime.llm_engine import LLMEngine
 from tests.model_factories import make_llama_checkpoint, random_prompts, tiny_plan
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -1,4 +1,5 @@
-"""The layer rule: pipeline → calibration, engines → runtime; runtime stays light."""
+"""The layer rule: pipeline → calibration, engines → runtime; runtime stays light; every import of Kiln's own code
+goes through the installed ``kiln`` namespace."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+LAYERS = ("runtime", "engines", "calibration", "pipeline")
 
-# package -> top-level modules it must never import (at any depth, including inside functions)
+# layer -> what it must never import (at any depth, including inside functions): other layers and heavy packages
 FORBIDDEN = {
     "runtime": {"pipeline", "calibration", "engines", "transformers", "modelopt"},
     "engines": {"pipeline", "calibration", "transformers", "modelopt"},
@@ -17,27 +19,43 @@ SERVER_ONLY = {"fastapi", "uvicorn", "prometheus_client", "starlette"}
 
 
 def imported_modules(source: str) -> set[str]:
-    """Top-level names of every module a source file imports."""
+    """What a source file imports: a Kiln layer by its name (``kiln.runtime.llm`` is ``runtime``), anything else by
+    its top-level name; a Kiln layer imported without the ``kiln.`` prefix shows as ``<layer> (outside kiln.)``."""
     names = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            modules = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            modules = [node.module]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] == "kiln" and len(parts) > 1:
+                names.add(parts[1])
+            elif parts[0] in LAYERS:
+                names.add(f"{parts[0]} (outside kiln.)")
+            else:
+                names.add(parts[0])
     return names
 
 
 def violations(root: Path) -> list[str]:
-    """Every import in ``root``'s packages that breaks the layer rule, as ``file: module``."""
+    """Every import under ``root`` that breaks the layer rule, or reaches Kiln's code outside ``kiln.``, as
+    ``file: imports module``."""
     found = []
-    for package, forbidden in FORBIDDEN.items():
-        for path in sorted((root / package).rglob("*.py")):
-            relative = path.relative_to(root)
-            banned = set(forbidden)
-            if package == "runtime" and "server" not in relative.parts and not path.stem.startswith("server"):
-                banned |= SERVER_ONLY
-            for module in sorted(imported_modules(path.read_text()) & banned):
-                found.append(f"{relative}: imports {module}")
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if relative.parts[0].startswith("."):
+            continue
+        imported = imported_modules(path.read_text())
+        banned = {name for name in imported if name.endswith("(outside kiln.)")}
+        layer = relative.parts[0]
+        if layer in FORBIDDEN:
+            banned |= imported & FORBIDDEN[layer]
+            if layer == "runtime" and "server" not in relative.parts:
+                banned |= imported & SERVER_ONLY
+        found += [f"{relative}: imports {module}" for module in sorted(banned)]
     return found
 
 
@@ -47,12 +65,21 @@ def test_repository_follows_the_layer_rule():
 
 def test_layer_check_catches_an_upward_import(tmp_path):
     (tmp_path / "runtime").mkdir()
-    (tmp_path / "runtime" / "bad.py").write_text("def f():\n    from pipeline.config import load_config\n")
+    (tmp_path / "runtime" / "bad.py").write_text("def f():\n    from kiln.pipeline.config import load_config\n")
     (tmp_path / "calibration").mkdir()
-    (tmp_path / "calibration" / "bad.py").write_text("import engines.cache\n")
+    (tmp_path / "calibration" / "bad.py").write_text("import kiln.engines.cache\n")
     (tmp_path / "engines").mkdir()
-    (tmp_path / "engines" / "ok.py").write_text("from runtime.errors import KilnError\n")
-    assert violations(tmp_path) == ["runtime/bad.py: imports pipeline", "calibration/bad.py: imports engines"]
+    (tmp_path / "engines" / "ok.py").write_text("from kiln.runtime.errors import KilnError\n")
+    assert violations(tmp_path) == ["calibration/bad.py: imports engines", "runtime/bad.py: imports pipeline"]
+
+
+def test_kiln_code_is_imported_through_the_kiln_namespace(tmp_path):
+    (tmp_path / "pipeline").mkdir()
+    (tmp_path / "pipeline" / "bad.py").write_text("from runtime.errors import KilnError\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_bad.py").write_text("import engines.cache\n")
+    assert violations(tmp_path) == ["pipeline/bad.py: imports runtime (outside kiln.)",
+                                    "tests/test_bad.py: imports engines (outside kiln.)"]
 
 
 def test_runtime_core_may_not_import_the_server_stack(tmp_path):

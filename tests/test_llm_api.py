@@ -9,17 +9,17 @@ import shutil
 
 import pytest
 import torch
+from kiln.engines.native.builder import build_native_engine
+from kiln.runtime import LLM, KilnError, SamplingParams
+from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError
+from kiln.runtime.limits import EngineLimits
+from kiln.runtime.llm import EngineClosedError
+from kiln.runtime.native.engine import InvalidRequestError
+from kiln.runtime.native.sampler import SamplingError
+from kiln.runtime.native.scheduler import RequestTooLongError
+from kiln.runtime.outputs import RequestFailedError
+from kiln.runtime.tokenizer import IncrementalDetokenizer
 
-from engines.native_builder import build_native_engine
-from runtime import LLM, KilnError, SamplingParams
-from runtime.errors import EngineFormatError, FingerprintMismatchError
-from runtime.limits import EngineLimits
-from runtime.llm import EngineClosedError
-from runtime.llm_engine import InvalidRequestError
-from runtime.outputs import RequestFailedError
-from runtime.sampler import SamplingError
-from runtime.scheduler import RequestTooLongError
-from runtime.tokenizer import IncrementalDetokenizer
 from tests.model_factories import make_llama_checkpoint, make_llama_model, tiny_plan
 from tests.test_server_support import wait_until
 

@@ -7,16 +7,16 @@ import shutil
 
 import pytest
 import torch
+from kiln.engines.native import plan as native_plan
+from kiln.engines.native.builder import build_native_engine
+from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError, KilnError
+from kiln.runtime.native.engine_format import ENGINE_FORMAT_VERSION, EngineConfig
+from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint
+from kiln.runtime.native.kv_cache import allocate_kv_cache, is_token_major, kv_bytes_per_block
+from kiln.runtime.native.model.llama import LlamaModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engines import native_plan
-from engines.native_builder import build_native_engine
-from runtime.engine_format import ENGINE_FORMAT_VERSION, EngineConfig
-from runtime.errors import EngineFormatError, FingerprintMismatchError, KilnError
-from runtime.fingerprint import check_fingerprint, machine_fingerprint
-from runtime.kv_cache import allocate_kv_cache, is_token_major, kv_bytes_per_block
-from runtime.model.llama import LlamaModel
 from tests.model_factories import make_llama_checkpoint, make_llama_model, tiny_plan, write_tokenizer
 
 ARCHITECTURE_KEYS = {"type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

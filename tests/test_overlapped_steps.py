@@ -6,11 +6,11 @@ finishes it (length, a stop token no one could predict, an abort), and no KV blo
 from __future__ import annotations
 
 import pytest
+from kiln.engines.native.builder import build_native_engine
+from kiln.runtime import SamplingParams
+from kiln.runtime.native.engine import LLMEngine
+from kiln.runtime.outputs import RequestOutput
 
-from engines.native_builder import build_native_engine
-from runtime import SamplingParams
-from runtime.llm_engine import LLMEngine
-from runtime.outputs import RequestOutput
 from tests.model_factories import make_llama_checkpoint, random_prompts, tiny_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from runtime.attention_metadata import AttentionMetadata
-from runtime.layers.attention import PagedAttention, store_kv
-from runtime.layers.linear import fp8_quantize
+from kiln.runtime.native.attention_metadata import AttentionMetadata
+from kiln.runtime.native.layers.attention import PagedAttention, store_kv
+from kiln.runtime.native.layers.linear import fp8_quantize
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 16, 4, 32
 # (cached tokens before this step, new tokens this step): a fresh prefill, a chunked prefill continuing a cached
@@ -79,8 +78,8 @@ def test_rotary_attention_rotates_q_and_k_before_storing_and_attending(monkeypat
     Triton path (interpreted on CPU, in float32; compiled on a GPU, in bfloat16), which rotates and stores in one
     launch, agrees with the PyTorch path."""
     pytest.importorskip("triton")
-    from runtime import kernel_config
-    from runtime.layers.rotary import RotaryEmbedding
+    from kiln.runtime import kernel_config
+    from kiln.runtime.native.layers.rotary import RotaryEmbedding
 
     dtype, tolerance = (torch.float32, 1e-5) if kernel_device == "cpu" else (torch.bfloat16, 1e-2)
     generator = torch.Generator().manual_seed(3)
@@ -196,7 +195,7 @@ def test_paged_attention_on_gpu_matches_cpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("quantized_output", [False, True], ids=["bf16-out", "fp8-out"])
 def test_whole_prompt_attention_on_gpu_matches_dense_attention(quantized_output):
-    from runtime.kernels.fp8_quant import quantize_fp8
+    from kiln.runtime.native.kernels.fp8_quant import quantize_fp8
 
     generator = torch.Generator().manual_seed(2)
     num_heads, num_kv_heads, head_dim, tokens, block_size = 32, 8, 128, 1000, 16

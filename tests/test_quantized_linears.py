@@ -6,12 +6,11 @@ import copy
 
 import pytest
 import torch
-
-from engines.native_builder import build_native_engine
-from engines.native_weights import unpack_modelopt_int4
-from runtime.engine_format import EngineConfig
-from runtime.layers import linear
-from runtime.layers.linear import (
+from kiln.engines.native.builder import build_native_engine
+from kiln.engines.native.weights import unpack_modelopt_int4
+from kiln.runtime.native.engine_format import EngineConfig
+from kiln.runtime.native.layers import linear
+from kiln.runtime.native.layers.linear import (
     Fp8Linear,
     fp8_linear_reference,
     fp8_linear_scaled_mm,
@@ -20,7 +19,8 @@ from runtime.layers.linear import (
     unpack_int4,
     use_scaled_mm,
 )
-from runtime.model.llama import LlamaModel
+from kiln.runtime.native.model.llama import LlamaModel
+
 from tests.model_factories import (
     FP8_GPU,
     NEEDS_FP8_GPU,
@@ -220,10 +220,10 @@ def test_fused_activation_quantization_gives_the_unfused_logits_with_no_quantize
     # quantize kernel; the bytes reaching each linear, hence the logits, are those of every linear quantizing its own
     # input. 10 tokens take the streaming kernel, 40 torch._scaled_mm. On the CPU the Triton
     # path runs through the interpreter.
-    import runtime.kernels.fp8_gemv as fp8_gemv_module
-    import runtime.kernels.fp8_quant as fp8_quant_module
-    import runtime.model.llama as llama
-    from runtime import kernel_config
+    import kiln.runtime.native.kernels.fp8_gemv as fp8_gemv_module
+    import kiln.runtime.native.kernels.fp8_quant as fp8_quant_module
+    import kiln.runtime.native.model.llama as llama
+    from kiln.runtime import kernel_config
 
     config = EngineConfig.load(fp8_engine)
     engine = LlamaModel.from_engine(fp8_engine, config, device)
@@ -247,7 +247,7 @@ def test_fused_activation_quantization_gives_the_unfused_logits_with_no_quantize
 
 
 def test_fp8_linears_take_a_prequantized_input_and_need_its_output_dtype(kernel_device):
-    from runtime.kernels.fp8_gemv import fp8_gemv
+    from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv
 
     weight, weight_scale, input_scale = _random_fp8_linear(48, 64, kernel_device)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(kernel_device)

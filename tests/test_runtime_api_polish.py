@@ -10,16 +10,16 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import tokenizers
+from kiln.runtime import LLM
+from kiln.runtime.limits import EngineLimits
+from kiln.runtime.llm import EngineClosedError
+from kiln.runtime.native.scheduler import RequestTooLongError
+from kiln.runtime.server import ServerSettings, ServerThread, create_app
+from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.generation import Job, ServedModel
+from kiln.runtime.tokenizer import Tokenizer
 from tokenizers import processors
 
-from runtime import LLM
-from runtime.limits import EngineLimits
-from runtime.llm import EngineClosedError
-from runtime.scheduler import RequestTooLongError
-from runtime.server import ServerSettings, ServerThread, create_app
-from runtime.server.errors import APIError
-from runtime.server.generation import Job, ServedModel
-from runtime.tokenizer import Tokenizer
 from tests.test_server_support import TOKENIZER_SOURCE, tiny_engine
 
 CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}Assistant:"

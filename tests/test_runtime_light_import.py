@@ -1,30 +1,36 @@
-"""`import runtime` stays cheap for services that embed it: no transformers, modelopt or server stack."""
+"""`import kiln.runtime` stays cheap for services that embed it: no transformers, modelopt or server stack, and no
+other layer of Kiln."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-HEAVY = ["transformers", "modelopt", "fastapi", "uvicorn", "prometheus_client", "engines", "pipeline", "calibration"]
+from tests.subprocess_env import REPO, repo_env
+
+HEAVY = ["transformers", "modelopt", "fastapi", "uvicorn", "prometheus_client", "kiln.engines", "kiln.pipeline",
+         "kiln.calibration"]
 
 
 def modules_after(statement: str) -> set[str]:
     code = f"import sys, json\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
-                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
-    return {name.split(".")[0] for name in json.loads(result.stdout)}
+                            env=repo_env())
+    return set(json.loads(result.stdout))
 
 
-def test_import_runtime_loads_neither_torch_nor_heavy_packages():
-    loaded = modules_after("import runtime, runtime.cache_layout")
-    assert "torch" not in loaded
-    assert loaded.isdisjoint(HEAVY)
+def loads_any(loaded: set[str], packages: list[str]) -> list[str]:
+    return sorted(name for name in loaded for package in packages if name == package or name.startswith(package + "."))
+
+
+def test_import_kiln_runtime_loads_neither_torch_nor_heavy_packages():
+    loaded = modules_after("import kiln, kiln.runtime, kiln.runtime.errors")
+    assert loads_any(loaded, ["torch", *HEAVY]) == []
 
 
 def test_public_api_imports_without_transformers_modelopt_or_the_server():
-    loaded = modules_after("from runtime import LLM, SamplingParams, RequestOutput, StreamDelta, KilnError")
+    loaded = modules_after("from kiln.runtime import LLM, SamplingParams, RequestOutput, StreamDelta, KilnError\n"
+                           "from kiln import LLM as Same")
     assert "torch" in loaded
-    assert loaded.isdisjoint(HEAVY)
+    assert loads_any(loaded, HEAVY) == []

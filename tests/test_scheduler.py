@@ -5,11 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from runtime.block_manager import BlockManager
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import RequestTooLongError, Scheduler, SchedulerConfig, SchedulerOutput
-from runtime.sequence import Sequence, SequenceStatus
+from kiln.runtime.native.block_manager import BlockManager
+from kiln.runtime.native.scheduler import RequestTooLongError, Scheduler, SchedulerConfig, SchedulerOutput
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import Sequence, SequenceStatus
 
 BLOCK = 4
 

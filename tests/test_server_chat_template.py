@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from runtime.server.chat_template import ChatTemplate, ChatTemplateError
+from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 
 ALTERNATING = ("{{ bos_token }}{% for m in messages %}"
                "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"

@@ -13,9 +13,9 @@ import threading
 
 import httpx
 import pytest
+from kiln.pipeline.serve_command import resolve_target
+from kiln.runtime.errors import KilnError
 
-from pipeline.serve_command import resolve_target
-from runtime.errors import KilnError
 from tests.subprocess_env import REPO, repo_env
 from tests.test_server_support import tiny_engine, wait_until
 
@@ -27,7 +27,7 @@ def test_an_engine_directory_is_served_under_its_folder_name():
 
 
 def test_a_tensorrt_llm_engine_directory_is_served_like_a_native_one(tmp_path):
-    from runtime.trtllm_adapter import TRTLLM_ENGINE_JSON
+    from kiln.runtime.trtllm.engine import TRTLLM_ENGINE_JSON
 
     engine = tmp_path / "llama-trt"
     engine.mkdir()
@@ -104,8 +104,8 @@ def _refused(url: str) -> bool:
 
 
 def test_health_turns_503_naming_the_error_when_the_engine_thread_dies():
-    from runtime import LLM, SamplingParams
-    from runtime.server import ServerSettings, ServerThread, create_app
+    from kiln.runtime import LLM, SamplingParams
+    from kiln.runtime.server import ServerSettings, ServerThread, create_app
 
     with LLM.load(tiny_engine()) as llm:
 

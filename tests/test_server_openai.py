@@ -9,10 +9,10 @@ import time
 import httpx
 import openai
 import pytest
+from kiln.runtime import LLM
+from kiln.runtime.server import ServerSettings, ServerThread, create_app
+from kiln.runtime.server.chat_template import ChatTemplate
 
-from runtime import LLM
-from runtime.server import ServerSettings, ServerThread, create_app
-from runtime.server.chat_template import ChatTemplate
 from tests.test_server_support import engine_idle, tiny_engine, wait_until
 
 MODEL = "tiny"
@@ -47,7 +47,7 @@ def test_completion_returns_text_usage_and_length_finish(client):
 
 
 def test_greedy_completion_matches_the_embedded_runtime(client, llm):
-    from runtime import SamplingParams
+    from kiln.runtime import SamplingParams
 
     expected = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
@@ -97,7 +97,7 @@ def test_stop_string_ends_the_text_before_it(client):
 
 
 def test_chat_completion_uses_the_chat_template(client, llm):
-    from runtime import SamplingParams
+    from kiln.runtime import SamplingParams
 
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
                                          max_tokens=5, temperature=0, extra_body={"ignore_eos": True})

@@ -10,7 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from runtime import LLM
+from kiln.runtime import LLM
+
 from tests.subprocess_env import REPO
 
 TOKENIZER_SOURCE = REPO / "models" / "tiny-llama"  # a real BPE tokenizer with a chat template
@@ -20,8 +21,8 @@ TOKENIZER_SOURCE = REPO / "models" / "tiny-llama"  # a real BPE tokenizer with a
 def tiny_engine(max_seq_len: int = 256, max_batch_size: int = 16) -> Path:
     """A seeded random tiny Llama with the bundled tiny-llama tokenizer and chat template, built once per process."""
     import tokenizers
+    from kiln.engines.native.builder import build_native_engine
 
-    from engines.native_builder import build_native_engine
     from tests.model_factories import make_llama_checkpoint, tiny_plan
 
     root = Path(tempfile.mkdtemp(prefix="kiln-server-test-"))

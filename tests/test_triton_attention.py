@@ -9,16 +9,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from runtime.attention_metadata import AttentionMetadata  # noqa: E402
-from runtime.kernels import kv_store  # noqa: E402
-from runtime.kernels.paged_attention import (  # noqa: E402
+from kiln.runtime.native.attention_metadata import AttentionMetadata  # noqa: E402
+from kiln.runtime.native.kernels import kv_store  # noqa: E402
+from kiln.runtime.native.kernels.paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_decode,
     paged_attention_varlen,
 )
-from runtime.kv_cache import is_token_major, token_major  # noqa: E402
-from runtime.layers.attention import paged_attention_reference, store_kv  # noqa: E402
-from runtime.layers.linear import fp8_quantize  # noqa: E402
+from kiln.runtime.native.kv_cache import is_token_major, token_major  # noqa: E402
+from kiln.runtime.native.layers.attention import paged_attention_reference, store_kv  # noqa: E402
+from kiln.runtime.native.layers.linear import fp8_quantize  # noqa: E402
 
 NUM_KV_HEADS, NUM_BLOCKS = 2, 48
 # (cached tokens before this step, new tokens this step): a fresh prefill, a chunked prefill continuing a cached

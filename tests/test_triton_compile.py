@@ -1,4 +1,4 @@
-"""Every Triton kernel launch of ``runtime/kernels`` compiles for Hopper (sm_90), on a machine without a GPU.
+"""Every Triton kernel launch of ``runtime/native/kernels`` compiles for Hopper (sm_90), on a machine without a GPU.
 
 Triton's interpreter (``TRITON_INTERPRET=1``, which the CPU tests use) runs a kernel as Python, so it accepts code
 the compiler rejects: a kernel that reads a plain float global runs on the CPU and fails to compile on the GPU
@@ -42,13 +42,13 @@ import torch
 triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
+from kiln.engines.native.checkpoint import parse_architecture, read_json  # noqa: E402
+from kiln.engines.native.tuning import linear_shapes  # noqa: E402
+from kiln.runtime.native.kv_cache import zeros_token_major  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from engines.native_checkpoint import parse_architecture, read_json  # noqa: E402
-from engines.native_tuning import linear_shapes  # noqa: E402
-from runtime.kv_cache import zeros_token_major  # noqa: E402
 from tests.subprocess_env import REPO, repo_env  # noqa: E402
 
 KERNELS_DIR = REPO / "runtime" / "kernels"
@@ -63,7 +63,7 @@ HEADS, KV_HEADS, HEAD_DIM = ARCH.num_heads, ARCH.num_kv_heads, ARCH.head_dim
 BLOCK_SIZE = 32  # build.tokens_per_block of configs/llama3-8b-*.yaml
 MAX_SEQ_LEN = 8192  # build.max_seq_len there
 GROUP_SIZE = 128  # the INT4-AWQ block
-LINEAR_MAX_M = 16  # the largest M a streaming linear serves by default (runtime.layers.linear)
+LINEAR_MAX_M = 16  # the largest M a streaming linear serves by default (runtime.native.layers.linear)
 
 
 # --- inputs -----------------------------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def kv_cache(fp8: bool, num_blocks: int = 4):
 
 def metadata(seqs: list[tuple[int, int]]):
     """Metadata of sequences given as (cached tokens, new tokens); every table points at block 1 (nothing runs)."""
-    from runtime.attention_metadata import AttentionMetadata
+    from kiln.runtime.native.attention_metadata import AttentionMetadata
 
     tables = [[1] * -(-(cached + new) // BLOCK_SIZE) for cached, new in seqs]
     return AttentionMetadata.build([new for _, new in seqs], [cached + new for cached, new in seqs], tables,
@@ -124,10 +124,10 @@ class MissingModule(Exception):
 
 
 def kernels_module(name: str):
-    """``runtime.kernels.<name>``; MissingModule while the file does not exist (an import error propagates)."""
-    if importlib.util.find_spec(f"runtime.kernels.{name}") is None:
-        raise MissingModule(f"runtime/kernels/{name}.py does not exist (yet)")
-    return importlib.import_module(f"runtime.kernels.{name}")
+    """``runtime.native.kernels.<name>``; MissingModule while the file does not exist (an import error propagates)."""
+    if importlib.util.find_spec(f"kiln.runtime.native.kernels.{name}") is None:
+        raise MissingModule(f"runtime/native/kernels/{name}.py does not exist (yet)")
+    return importlib.import_module(f"kiln.runtime.native.kernels.{name}")
 
 
 def paged_attention_launches(fp8: bool) -> None:
@@ -267,11 +267,11 @@ def recording():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(InterpretedFunction, "run", record)
         patch.setattr(JITFunction, "run", record)
-        if importlib.util.find_spec("runtime.kernels.paged_attention") is not None:
-            patch.setattr(importlib.import_module("runtime.kernels.paged_attention"), "_num_sms",
+        if importlib.util.find_spec("kiln.runtime.native.kernels.paged_attention") is not None:
+            patch.setattr(importlib.import_module("kiln.runtime.native.kernels.paged_attention"), "_num_sms",
                           lambda device: H100_SMS)
         # launched as on an H100, with programmatic dependent launch
-        patch.setattr(importlib.import_module("runtime.kernels.pdl"), "_supports_pdl", lambda device: True)
+        patch.setattr(importlib.import_module("kiln.runtime.native.kernels.pdl"), "_supports_pdl", lambda device: True)
         yield launches
 
 
@@ -505,11 +505,11 @@ def test_every_launch_compiles_for_hopper_without_spills(builds, case):
 
 
 def test_every_kernel_of_runtime_kernels_has_a_case(builds):
-    """A kernel added to runtime/kernels must be launched by a case above; a jit function that other jit functions
-    call is a helper, compiled inside them."""
+    """A kernel added to runtime/native/kernels must be launched by a case above; a jit function that other jit
+    functions call is a helper, compiled inside them."""
     jitted = {}
     for path in sorted(KERNELS_DIR.glob("*.py")):
-        module = importlib.import_module(f"runtime.kernels.{path.stem}")
+        module = importlib.import_module(f"kiln.runtime.native.kernels.{path.stem}")
         jitted |= {qualname(obj): inspect.getsource(obj.fn) for obj in vars(module).values()
                    if isinstance(obj, InterpretedFunction | JITFunction) and obj.fn.__module__ == module.__name__}
     launched = set().union(*(build.kernels for name, build in builds.items()

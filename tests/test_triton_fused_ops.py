@@ -12,17 +12,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from runtime import kernel_config  # noqa: E402
-from runtime.kernels.kv_store import CacheWrite  # noqa: E402
-from runtime.kernels.rms_norm import rms_norm  # noqa: E402
-from runtime.kernels.rotary import apply_rotary  # noqa: E402
-from runtime.kernels.silu_mul import silu_and_mul  # noqa: E402
-from runtime.kv_cache import token_major  # noqa: E402
-from runtime.layers.activation import SiluAndMul  # noqa: E402
-from runtime.layers.attention import store_kv  # noqa: E402
-from runtime.layers.linear import fp8_quantize  # noqa: E402
-from runtime.layers.norm import RMSNorm  # noqa: E402
-from runtime.layers.rotary import RotaryEmbedding  # noqa: E402
+from kiln.runtime import kernel_config  # noqa: E402
+from kiln.runtime.native.kernels.kv_store import CacheWrite  # noqa: E402
+from kiln.runtime.native.kernels.rms_norm import rms_norm  # noqa: E402
+from kiln.runtime.native.kernels.rotary import apply_rotary  # noqa: E402
+from kiln.runtime.native.kernels.silu_mul import silu_and_mul  # noqa: E402
+from kiln.runtime.native.kv_cache import token_major  # noqa: E402
+from kiln.runtime.native.layers.activation import SiluAndMul  # noqa: E402
+from kiln.runtime.native.layers.attention import store_kv  # noqa: E402
+from kiln.runtime.native.layers.linear import fp8_quantize  # noqa: E402
+from kiln.runtime.native.layers.norm import RMSNorm  # noqa: E402
+from kiln.runtime.native.layers.rotary import RotaryEmbedding  # noqa: E402
 
 EPS = 1e-5
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -1,4 +1,4 @@
-"""Weight-streaming Triton linears (FP8, INT4-AWQ, dense) against the CPU references in runtime/layers/linear.py.
+"""Weight-streaming Triton linears (FP8, INT4-AWQ, dense) against the CPU references in runtime/native/layers/linear.py.
 
 The CPU tests run the kernels in Triton's interpreter on float32 activations: both sides accumulate in float32, so
 they agree to float32 summation-order error. The GPU tests take bfloat16 activations, where the reference rounds
@@ -14,10 +14,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from runtime.kernels.dense_gemv import dense_gemv  # noqa: E402
-from runtime.kernels.fp8_gemv import fp8_gemv  # noqa: E402
-from runtime.kernels.int4_gemv import int4_awq_gemv  # noqa: E402
-from runtime.layers.linear import (  # noqa: E402
+from kiln.runtime.native.kernels.dense_gemv import dense_gemv  # noqa: E402
+from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv  # noqa: E402
+from kiln.runtime.native.kernels.int4_gemv import int4_awq_gemv  # noqa: E402
+from kiln.runtime.native.layers.linear import (  # noqa: E402
     fp8_linear_reference,
     fp8_quantize,
     int4_awq_linear_reference,
@@ -83,7 +83,7 @@ def test_quantize_fp8_writes_the_bytes_of_the_torch_quantizer(kernel_device):
     # Every kernel that hands FP8 rows to a linear quantizes through the same Triton function; compiled, it may not
     # divide the way the interpreter does, so both are held to the bytes of torch's IEEE division: magnitudes over
     # 2^-30..2^20 of both signs, signed zeros, infinities, ties, subnormals and clamps, at scales over 2^-20..2^20.
-    from runtime.kernels.fp8_quant import quantize_fp8
+    from kiln.runtime.native.kernels.fp8_quant import quantize_fp8
 
     g = torch.Generator().manual_seed(11)
     magnitude = (1 + torch.rand(6, 700, generator=g)) * torch.exp2(torch.randint(-30, 21, (6, 700), generator=g))
@@ -142,7 +142,7 @@ def test_int4_awq_gemv_matches_the_fake_quantized_reference(poisoned_outputs, m,
 # edge tiles in both dims; groups of a size that is not a power of two; groups of two bytes
 @pytest.mark.parametrize("n,k,group_size", [(40, 2560, 128), (16, 384, 64), (9, 576, 96), (8, 64, 4)])
 def test_int4_dequantize_kernel_writes_the_reference_weight_bit_for_bit(poisoned_outputs, dtype, n, k, group_size):
-    import runtime.kernels.int4_dequant as mod
+    import kiln.runtime.native.kernels.int4_dequant as mod
 
     _, qweight, scales, _ = _int4_operands(1, n, k, group_size, seed=n + k)
     out = mod.int4_dequantize(qweight, scales, group_size, dtype)
@@ -152,7 +152,7 @@ def test_int4_dequantize_kernel_writes_the_reference_weight_bit_for_bit(poisoned
 @gpu
 @pytest.mark.gpu
 def test_int4_dequantize_kernel_writes_the_reference_weight_bit_for_bit_on_gpu():
-    from runtime.kernels.int4_dequant import int4_dequantize as dequantize_kernel
+    from kiln.runtime.native.kernels.int4_dequant import int4_dequantize as dequantize_kernel
 
     _, qweight, scales, _ = _int4_operands(1, 4096 + 8, 1024, 128, seed=3, device="cuda")
     out = dequantize_kernel(qweight, scales, 128, torch.bfloat16)
@@ -243,8 +243,8 @@ def test_bench_linears_table_names_the_crossover(capsys):
 @gpu
 @pytest.mark.gpu
 def test_quantized_linears_take_the_streaming_kernels_on_cuda(monkeypatch):
-    from runtime import kernel_config
-    from runtime.layers import linear
+    from kiln.runtime import kernel_config
+    from kiln.runtime.native.layers import linear
 
     monkeypatch.setattr(kernel_config, "KERNELS", "triton")
     x, weight, weight_scale, input_scale = _fp8_operands(2, 384, 512, seed=5, device="cuda")
@@ -291,9 +291,9 @@ def test_dense_gemv_takes_one_token_in_the_weight_dtype():
 
 
 def test_a_dense_linear_streams_one_token_and_gives_more_to_cublas(kernel_device, monkeypatch):
-    from runtime import kernel_config
-    from runtime.kernels import dense_gemv as dense_gemv_module
-    from runtime.layers import linear
+    from kiln.runtime import kernel_config
+    from kiln.runtime.native.kernels import dense_gemv as dense_gemv_module
+    from kiln.runtime.native.layers import linear
 
     monkeypatch.setattr(kernel_config, "use_triton", lambda x: True)  # as on CUDA, also in the interpreter
     calls = []

@@ -1,7 +1,7 @@
 """The TensorRT-LLM runtime adapter behind Kiln's LLM API, against a fake executor made from the recorded 1.2.1 names.
 
 The fake `tensorrt_llm.bindings.executor` has only the classes, keywords, methods and enum values recorded in
-engines/trtllm_contract, so an adapter that used anything else would fail here. Its executor streams scripted
+engines/trtllm/contract, so an adapter that used anything else would fail here. Its executor streams scripted
 tokens: 10, 11, 12, ... for each request, stopping at `end_id` when the script reaches it.
 """
 
@@ -16,17 +16,16 @@ import types
 from datetime import timedelta
 from pathlib import Path
 
+import kiln.runtime.trtllm.engine as adapter
 import pytest
+from kiln.engines.trtllm.contract import load_contract
+from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError
+from kiln.runtime.limits import EngineLimits
+from kiln.runtime.llm import LLM
+from kiln.runtime.outputs import RequestFailedError, RequestFailure
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.trtllm.engine import TrtllmEngine, TrtllmEngineInfo, TrtllmRequestError, TrtllmUnavailableError
 from tokenizers import Tokenizer, models, pre_tokenizers
-
-import runtime.trtllm_adapter as adapter
-from engines.trtllm_contract import load_contract
-from runtime.errors import EngineFormatError, FingerprintMismatchError
-from runtime.limits import EngineLimits
-from runtime.llm import LLM
-from runtime.outputs import RequestFailedError, RequestFailure
-from runtime.sampling_params import SamplingParams
-from runtime.trtllm_adapter import TrtllmEngine, TrtllmEngineInfo, TrtllmRequestError, TrtllmUnavailableError
 
 RECORDED = load_contract()["python"]["tensorrt_llm.bindings.executor"]
 H200 = {"device": "cuda", "gpu_name": "NVIDIA H200", "compute_capability": "9.0", "cuda": "12.9",
@@ -319,7 +318,7 @@ def test_a_native_engine_folder_is_not_taken_for_a_tensorrt_llm_engine(tmp_path)
 
 
 def test_importing_runtime_and_the_adapter_does_not_import_tensorrt_llm():
-    code = "import runtime, runtime.trtllm_adapter, sys; print('tensorrt_llm' in sys.modules, 'torch' in sys.modules)"
+    code = "import runtime, runtime.trtllm.engine, sys; print('tensorrt_llm' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.split() == ["False", "False"]

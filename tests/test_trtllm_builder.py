@@ -9,14 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
-
-from engines.cache import EngineCache, engine_key
-from engines.trtllm_builder import build_trtllm_engine, plan_trtllm_build
-from engines.trtllm_command import trtllm_build_command
-from engines.trtllm_options import TrtllmBuildOptions
-from engines.trtllm_preflight import TrtllmPreflightError
-from engines.trtllm_subprocess import TrtllmBuildError
-from runtime.trtllm_adapter import TrtllmEngineInfo, is_trtllm_engine
+from kiln.engines.cache import EngineCache, engine_key
+from kiln.engines.trtllm.builder import build_trtllm_engine, plan_trtllm_build
+from kiln.engines.trtllm.command import trtllm_build_command
+from kiln.engines.trtllm.options import TrtllmBuildOptions
+from kiln.engines.trtllm.preflight import TrtllmPreflightError
+from kiln.engines.trtllm.process import TrtllmBuildError
+from kiln.runtime.trtllm.engine import TrtllmEngineInfo, is_trtllm_engine
 
 FAKE = Path(__file__).resolve().parent / "fakes" / "trtllm-build"
 REPO = Path(__file__).resolve().parents[1]
@@ -151,7 +150,7 @@ def test_format_none_converts_the_hf_checkpoint_first_with_the_tensorrt_llm_api(
                    trtllm_checkpoint_dir=None, env_extra=env)
     convert = record["convert"]
     assert convert["returncode"] == 0
-    assert convert["argv"][1:3] == ["-m", "engines.trtllm_convert"]
+    assert convert["argv"][1:3] == ["-m", "kiln.engines.trtllm.convert"]
     assert "from_hugging_face dtype=bfloat16 rank=0/1" in convert["stdout_tail"]
     argv = json.loads((tmp_path / "argv.json").read_text())
     assert argv[argv.index("--checkpoint_dir") + 1] == str(out / ".kiln-scratch" / "checkpoint")

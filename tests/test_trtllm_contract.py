@@ -1,4 +1,4 @@
-"""Every flag and Python name Kiln uses exists in TensorRT-LLM 1.2.1, as recorded in engines/trtllm_contract."""
+"""Every flag and Python name Kiln uses exists in TensorRT-LLM 1.2.1, as recorded in engines/trtllm/contract."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import re
 from pathlib import Path
 
 import pytest
-
-from engines.trtllm_command import trtllm_build_command
-from engines.trtllm_contract import load_contract, option_spec
-from engines.trtllm_options import TrtllmBuildOptions
-from pipeline.config import load_config
-from runtime.trtllm_adapter import FINISH_REASONS
+from kiln.engines.trtllm.command import trtllm_build_command
+from kiln.engines.trtllm.contract import load_contract, option_spec
+from kiln.engines.trtllm.options import TrtllmBuildOptions
+from kiln.pipeline.config import load_config
+from kiln.runtime.trtllm.engine import FINISH_REASONS
 
 REPO = Path(__file__).resolve().parents[1]
 EXECUTOR = "tensorrt_llm.bindings.executor"
@@ -108,7 +107,7 @@ def _is_base(node: ast.AST, base: str) -> bool:
 
 def test_every_executor_name_and_keyword_the_adapter_uses_is_recorded():
     recorded = load_contract()["python"][EXECUTOR]
-    uses = _attribute_uses(REPO / "runtime" / "trtllm_adapter.py", "trtllm")
+    uses = _attribute_uses(REPO / "runtime" / "trtllm" / "engine.py", "trtllm")
     assert {"Executor", "ExecutorConfig", "KvCacheConfig", "SchedulerConfig", "Request", "SamplingConfig",
             "OutputConfig", "ModelType"} <= set(uses)
     for name, keywords in uses.items():
@@ -118,7 +117,7 @@ def test_every_executor_name_and_keyword_the_adapter_uses_is_recorded():
 
 def test_every_executor_method_the_adapter_calls_is_recorded():
     methods = load_contract()["python"][EXECUTOR]["Executor"]["methods"]
-    uses = _attribute_uses(REPO / "runtime" / "trtllm_adapter.py", "executor")
+    uses = _attribute_uses(REPO / "runtime" / "trtllm" / "engine.py", "executor")
     assert {"enqueue_request", "await_responses", "cancel_request", "shutdown"} <= set(uses)
     for name, keywords in uses.items():
         assert name in methods, f"Executor.{name} is not recorded for 1.2.1"
@@ -156,7 +155,7 @@ def test_fixture_matches_installed_tensorrt_llm():  # pragma: no cover - runs on
 
 def test_enum_values_the_adapter_uses_are_recorded():
     recorded = load_contract()["python"][EXECUTOR]
-    source = (REPO / "runtime" / "trtllm_adapter.py").read_text()
+    source = (REPO / "runtime" / "trtllm" / "engine.py").read_text()
     used = set(re.findall(r"trtllm\.(\w+)\.([A-Z_]+)\b", source))
     assert used, "the adapter names no enum values"
     for enum, value in used:

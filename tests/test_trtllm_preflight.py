@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-
-from engines.trtllm_options import TrtllmBuildOptions
-from engines.trtllm_preflight import TrtllmPreflightError, preflight
+from kiln.engines.trtllm.options import TrtllmBuildOptions
+from kiln.engines.trtllm.preflight import TrtllmPreflightError, preflight
 
 H200 = {"gpu_name": "NVIDIA H200", "compute_capability": "9.0"}
 A100 = {"gpu_name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"}

@@ -6,7 +6,7 @@ contexts of 1k and 4k tokens, a 1k-token prefill, and the same prefill as a whol
 (``do_bench_cudagraph``, as the engine runs them), the reference (which synchronises with the host) by
 ``do_bench``; bandwidth is the bytes of K/V each kernel must read once, over its time, against the H200's ~4.3 TB/s.
 
-    PYTHONPATH=. python tools/bench_kernels.py [--kv-dtype fp8] [--json]
+    python tools/bench_kernels.py [--kv-dtype fp8] [--json]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import functools
 import json
 import sys
 
-from pipeline.bench_floor import NOMINAL_COPY_GBS
+from kiln.pipeline.bench.floor import NOMINAL_COPY_GBS
 
 PEAK_BANDWIDTH = NOMINAL_COPY_GBS["H200"] * 1e9  # bytes/s: what an H200 copies, the floor kiln bench uses
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 32
@@ -37,9 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_case(query_lens, seq_lens, kv_dtype, generator, block_size: int = BLOCK_SIZE):
     import torch
-
-    from runtime.attention_metadata import AttentionMetadata
-    from runtime.kv_cache import token_major
+    from kiln.runtime.native.attention_metadata import AttentionMetadata
+    from kiln.runtime.native.kv_cache import token_major
 
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 1
@@ -82,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU; run it on the GPU machine", file=sys.stderr)
         return 2
-    from runtime.kernels.paged_attention import paged_attention
-    from runtime.layers.attention import gather_kv, paged_attention_reference, prompt_attention
+    from kiln.runtime.native.kernels.paged_attention import paged_attention
+    from kiln.runtime.native.layers.attention import gather_kv, paged_attention_reference, prompt_attention
 
     generator = torch.Generator().manual_seed(0)
     rows = []

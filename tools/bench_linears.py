@@ -1,7 +1,7 @@
 """Micro-benchmark of the weight-streaming Triton linears against cuBLAS paths on one CUDA GPU.
 
 Llama-3-8B linear shapes (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) at M tokens: the
-Triton FP8 and INT4-AWQ kernels (runtime/kernels), ``torch._scaled_mm`` with a static and with a dynamic
+Triton FP8 and INT4-AWQ kernels (runtime/native/kernels), ``torch._scaled_mm`` with a static and with a dynamic
 (per-call amax) activation scale, and bf16 ``torch.matmul``. Times are medians of
 ``triton.testing.do_bench_cudagraph`` (inside a CUDA graph, as the engine decodes, so Python launch cost is not
 counted), each call reading the next of ``WEIGHT_COPIES`` copies of the weights (so L2 never holds them); bandwidth
@@ -10,7 +10,7 @@ time, against the H200's ~4.3 TB/s. The crossover M per shape is the smallest M 
 existing path (``_scaled_mm`` static for FP8, bf16 matmul for INT4, which dequantizes to bf16 otherwise) is faster
 than the Triton kernel: the ``KILN_LINEAR_MAX_M`` threshold to choose.
 
-    PYTHONPATH=. python tools/bench_linears.py [--m 1,4,16,64,256] [--json]
+    python tools/bench_linears.py [--m 1,4,16,64,256] [--json]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import argparse
 import json
 import sys
 
-from engines.native_tuning import WEIGHT_COPIES, graph_time_us
-from pipeline.bench_floor import NOMINAL_COPY_GBS
+from kiln.engines.native.tuning import WEIGHT_COPIES, graph_time_us
+from kiln.pipeline.bench.floor import NOMINAL_COPY_GBS
 
 PEAK_BANDWIDTH = NOMINAL_COPY_GBS["H200"] * 1e9  # bytes/s: what an H200 copies, the floor kiln bench uses
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]  # (name, K, N)
@@ -48,8 +48,7 @@ def weight_bytes(method: str, k: int, n: int) -> int:
 
 def make_operands(k: int, n: int, seed: int = 0):
     import torch
-
-    from runtime.layers.linear import pack_int4
+    from kiln.runtime.native.layers.linear import pack_int4
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     w_bf16 = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
@@ -64,10 +63,9 @@ def make_operands(k: int, n: int, seed: int = 0):
 
 def method_fns(x, ops):
     import torch
-
-    from runtime.kernels.fp8_gemv import fp8_gemv
-    from runtime.kernels.int4_gemv import int4_awq_gemv
-    from runtime.layers.linear import FP8_MAX, fp8_linear_scaled_mm
+    from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv
+    from kiln.runtime.native.kernels.int4_gemv import int4_awq_gemv
+    from kiln.runtime.native.layers.linear import FP8_MAX, fp8_linear_scaled_mm
 
     def scaled_mm_dynamic():
         scale = (x.abs().amax().float() / FP8_MAX).clamp(min=1e-12)

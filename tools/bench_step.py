@@ -9,7 +9,7 @@ bandwidth floor (weights read once plus the KV of every sequence, at ``--bandwid
 one eager decode step at the smallest and at the largest batch size, and of the prefill. Weights are random, so only
 the times mean anything.
 
-    PYTHONPATH=. python tools/bench_step.py [--formats fp8,none,int4_awq] [--batch 1,8,64,256] [--context 1024]
+    python tools/bench_step.py [--formats fp8,none,int4_awq] [--batch 1,8,64,256] [--context 1024]
                                             [--kv-cache-dtype float8_e4m3fn] [--prefill 1000] [--profile] [--json OUT]
 """
 
@@ -22,14 +22,13 @@ import sys
 from pathlib import Path
 
 import torch
-
-from engines.native_checkpoint import parse_architecture, read_json
-from pipeline.bench_floor import NOMINAL_COPY_GBS, kv_bytes_per_token
-from runtime.attention_metadata import AttentionMetadata
-from runtime.decode_graphs import DecodeGraphRunner
-from runtime.engine_format import BuildPlan, EngineConfig, QuantizationConfig
-from runtime.kv_cache import allocate_kv_cache
-from runtime.model.llama import LlamaModel
+from kiln.engines.native.checkpoint import parse_architecture, read_json
+from kiln.pipeline.bench.floor import NOMINAL_COPY_GBS, kv_bytes_per_token
+from kiln.runtime.native.attention_metadata import AttentionMetadata
+from kiln.runtime.native.decode_graphs import DecodeGraphRunner
+from kiln.runtime.native.engine_format import BuildPlan, EngineConfig, QuantizationConfig
+from kiln.runtime.native.kv_cache import allocate_kv_cache
+from kiln.runtime.native.model.llama import LlamaModel
 
 REPO = Path(__file__).resolve().parents[1]
 RANDOM_SCALES = {"weight_scale": 0.02 / 64, "input_scale": 0.05, "scales": 0.002, "pre_quant_scale": 1.0,

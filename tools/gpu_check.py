@@ -5,7 +5,7 @@ from the cache), generate greedily from a few prompts, and compare with transfor
 same GPU: identical greedy tokens (first N) and the relative error of the logits at every prompt position, against
 transformers in bf16 and in float32.
 
-    PYTHONPATH=. python tools/gpu_check.py --tokens 32 --out results.json
+    python tools/gpu_check.py --tokens 32 --out results.json
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 
 import torch
+from kiln.pipeline import runner
+from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.native.attention_metadata import AttentionMetadata
+from kiln.runtime.native.kv_cache import allocate_kv_cache
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from pipeline import runner
-from runtime import LLM, SamplingParams
-from runtime.attention_metadata import AttentionMetadata
-from runtime.kv_cache import allocate_kv_cache
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny-llama"

@@ -1,8 +1,8 @@
 """Llama-3-8B-shaped measurements on a GPU, with random weights (the real weights cannot be fetched there).
 
-    PYTHONPATH=. python tools/gpu_llama8b.py prepare            # random bf16 checkpoint + the tiny text tokenizer
-    PYTHONPATH=. python tools/gpu_llama8b.py hash               # checkpoint hash: cold, then memoised (hit decision)
-    PYTHONPATH=. python tools/gpu_llama8b.py quantize fp8       # calibration time at 512 samples x 512 tokens
+    python tools/gpu_llama8b.py prepare            # random bf16 checkpoint + the tiny text tokenizer
+    python tools/gpu_llama8b.py hash               # checkpoint hash: cold, then memoised (hit decision)
+    python tools/gpu_llama8b.py quantize fp8       # calibration time at 512 samples x 512 tokens
 
 The checkpoint reuses ``kiln bench``'s random weights for ``configs/models/llama3-8b.json`` and swaps in the tiny
 model's tokenizer, so calibration reads real text (token ids stay below 1024 of the 128256-entry vocabulary). The
@@ -18,9 +18,10 @@ import shutil
 import time
 from pathlib import Path
 
-from engines.cache import checkpoint_hash
-from pipeline import runner
-from pipeline.bench_target import bench_root, random_checkpoint, read_architecture_file
+from kiln.engines.cache import checkpoint_hash
+from kiln.pipeline import runner
+from kiln.pipeline.bench.target import bench_root, random_checkpoint, read_architecture_file
+
 from tools.tiny_corpus import generate_documents
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,10 @@
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
+# The checkout is the package `kiln` (pyproject.toml); without an install, a link named kiln puts it on the path.
+KILN_PATH=${TMPDIR:-/tmp}/kiln-path
+mkdir -p "$KILN_PATH" && ln -sfn "$PWD" "$KILN_PATH/kiln"
+export PYTHONPATH=${PYTHONPATH:-}:$KILN_PATH:$PWD PYTHONUNBUFFERED=1
 run() { echo "== $1"; shift; "$@" 2>&1 | tee -a "$OUT/suite.log"; }
 run "tests" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/   # all of them; the kernels' on CUDA
 run "tiny model vs transformers" python3 tools/gpu_check.py --tokens 32 --out "$OUT/gpu_check.json"
@@ -19,7 +22,7 @@ run "linears" python3 tools/bench_linears.py --m 1,8,16,32,64
 run "attention" python3 tools/bench_kernels.py
 run "attention tiles" python3 tools/tune_attention.py --json "$OUT/tune_attention.json"
 run "fused ops" python3 tools/tune_fused_ops.py --json "$OUT/tune_fused_ops.json"
-BENCH="python3 -m pipeline bench configs/models/llama3-8b.json --format fp8 --input-len 1000"
+BENCH="python3 -m kiln bench configs/models/llama3-8b.json --format fp8 --input-len 1000"
 # SM clock, power and temperature once a second through the long run (an H200 holds its 700 W cap there, at an SM
 # clock of 1,815-1,890 MHz against 1,980).
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
@@ -34,5 +37,5 @@ $BENCH --prompts 256 --output-len 200 --kv-cache-dtype fp8 --peer transformers -
 echo "== kiln bench 1000/1000 vs transformers"
 $BENCH --prompts 256 --output-len 1000 --kv-cache-dtype fp8 --peer transformers --json > "$OUT/bench_peer_1000.json"
 echo "== kiln bench, bf16 batch-1"
-python3 -m pipeline bench configs/models/llama3-8b.json --format none --batch-1 --input-len 1000 --output-len 128 \
+python3 -m kiln bench configs/models/llama3-8b.json --format none --batch-1 --input-len 1000 --output-len 128 \
     --json > "$OUT/bench_bf16.json"

@@ -6,7 +6,7 @@ a small grid is timed inside a CUDA graph and checked against the default's outp
 KV bandwidth against the H200's ~4.3 TB/s. The winners become the defaults of ``paged_attention_decode`` /
 ``paged_attention_varlen``.
 
-    PYTHONPATH=. python tools/tune_attention.py [--kv-dtypes bf16,fp8] [--json OUT]
+    python tools/tune_attention.py [--kv-dtypes bf16,fp8] [--json OUT]
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not has_cuda("tune_attention"):
         return 2
+    from kiln.runtime.native.kernels.paged_attention import paged_attention_decode, paged_attention_varlen
     from triton.testing import do_bench_cudagraph
-
-    from runtime.kernels.paged_attention import paged_attention_decode, paged_attention_varlen
 
     results = []
     generator = torch.Generator().manual_seed(0)

@@ -6,7 +6,7 @@ each call on another copy of the inputs (so L2 never holds them), and checked to
 fastest is printed with its bandwidth (bytes read plus written) against the H200's ~4.3 TB/s. The winners become
 the defaults of ``rms_norm`` / ``silu_and_mul``.
 
-    PYTHONPATH=. python tools/tune_fused_ops.py [--m 1,256,1000] [--json OUT]
+    python tools/tune_fused_ops.py [--m 1,256,1000] [--json OUT]
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import itertools
 import sys
 from pathlib import Path
 
+from kiln.engines.native.checkpoint import parse_architecture, read_json
+from kiln.engines.native.tuning import WEIGHT_COPIES, graph_time_us
 from sweep import bandwidth_text, grid, has_cuda, measure_or_skip, sweep_parser, tb_per_s, write_results
-
-from engines.native_checkpoint import parse_architecture, read_json
-from engines.native_tuning import WEIGHT_COPIES, graph_time_us
 
 REPO = Path(__file__).resolve().parents[1]
 RMS_NORM_GRID = dict(num_warps=[1, 2, 4, 8, 16])
@@ -33,9 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", default="1,256,1000", help="comma-separated token counts (default 1,256,1000)")
     args = parser.parse_args(argv)
     import torch
-
-    from runtime.kernels.rms_norm import rms_norm
-    from runtime.kernels.silu_mul import silu_and_mul
+    from kiln.runtime.native.kernels.rms_norm import rms_norm
+    from kiln.runtime.native.kernels.silu_mul import silu_and_mul
 
     if not has_cuda("tune_fused_ops"):
         return 2

@@ -7,7 +7,7 @@ weights so L2 never holds them) and prints the fastest, with its weight
 bandwidth against the H200's ~4.3 TB/s. The winners become the table in ``fp8_gemv_config`` / ``int4_gemv_config``
 and ``dense_gemv``'s defaults (the dense kernel serves M = 1 only).
 
-    PYTHONPATH=. python tools/tune_gemv.py [--m 1,4,16] [--kernels fp8,int4,dense] [--json OUT]
+    python tools/tune_gemv.py [--m 1,4,16] [--kernels fp8,int4,dense] [--json OUT]
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="fp8,int4", help="comma-separated subset of fp8,int4,dense")
     args = parser.parse_args(argv)
     import torch
-
-    from runtime.kernels import dense_gemv as dense
-    from runtime.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config
-    from runtime.kernels.fp8_quant import quantize_fp8
-    from runtime.kernels.int4_gemv import int4_awq_gemv, int4_gemv_config
+    from kiln.runtime.native.kernels import dense_gemv as dense
+    from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config
+    from kiln.runtime.native.kernels.fp8_quant import quantize_fp8
+    from kiln.runtime.native.kernels.int4_gemv import int4_awq_gemv, int4_gemv_config
 
     if not has_cuda("tune_gemv"):
         return 2

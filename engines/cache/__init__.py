@@ -1,7 +1,7 @@
 """The hash-keyed engine cache: keys, content-addressed stores, locks, eviction, statistics, verification."""
 
-from engines.cache.engine_cache import EngineCache, read_limits
-from engines.cache.errors import (
+from kiln.engines.cache.engine_cache import EngineCache, read_limits
+from kiln.engines.cache.errors import (
     CacheCorruptError,
     CacheEntryGoneError,
     CacheEntryInUseError,
@@ -10,12 +10,12 @@ from engines.cache.errors import (
     CheckpointHashError,
     InvalidCacheKeyError,
 )
-from engines.cache.hashing import checkpoint_files, checkpoint_hash, file_sha256
-from engines.cache.in_use import EntryHold, hold_entry, is_held
-from engines.cache.keys import canonical_json, engine_key, material_diff, validate_key
-from engines.cache.stats import StatsDB
-from engines.cache.store import CacheResult, ContentStore, LookupResult, VerifyResult
-from runtime.cache_layout import default_cache_root
+from kiln.engines.cache.hashing import checkpoint_files, checkpoint_hash, file_sha256
+from kiln.engines.cache.in_use import EntryHold, hold_entry, is_held
+from kiln.engines.cache.keys import canonical_json, engine_key, material_diff, validate_key
+from kiln.engines.cache.stats import StatsDB
+from kiln.engines.cache.store import CacheResult, ContentStore, LookupResult, VerifyResult
+from kiln.runtime.cache_layout import default_cache_root
 
 __all__ = [
     "CacheCorruptError", "CacheEntryGoneError", "CacheEntryInUseError", "CacheEntryNotFoundError", "CacheResult",

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engines.cache.errors import CacheEntryNotFoundError
-from engines.cache.eviction import EvictionReport, evict
-from engines.cache.keys import validate_key
-from engines.cache.layout import ensure_layout, write_atomic
-from engines.cache.stats import StatsDB
-from engines.cache.store import ContentStore, VerifyOnLoad
+from kiln.engines.cache.errors import CacheEntryNotFoundError
+from kiln.engines.cache.eviction import EvictionReport, evict
+from kiln.engines.cache.keys import validate_key
+from kiln.engines.cache.layout import ensure_layout, write_atomic
+from kiln.engines.cache.stats import StatsDB
+from kiln.engines.cache.store import ContentStore, VerifyOnLoad
 
 LIMITS_FILE = "limits.json"
 

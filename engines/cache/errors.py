@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from runtime.cache_layout import CacheEntryGoneError, InvalidCacheKeyError
-from runtime.errors import KilnError
+from kiln.runtime.cache_layout import CacheEntryGoneError, InvalidCacheKeyError
+from kiln.runtime.errors import KilnError
 
 __all__ = ["CacheCorruptError", "CacheEntryGoneError", "CacheEntryInUseError", "CacheEntryNotFoundError",
            "CacheUsageError", "CheckpointHashError", "InvalidCacheKeyError"]

@@ -10,10 +10,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engines.cache.in_use import is_held
-from engines.cache.layout import LAST_USED
-from engines.cache.manifest import entry_size, read_manifest
-from engines.cache.store import ContentStore
+from kiln.engines.cache.in_use import is_held
+from kiln.engines.cache.layout import LAST_USED
+from kiln.engines.cache.manifest import entry_size, read_manifest
+from kiln.engines.cache.store import ContentStore
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.cache.db import connect
-from engines.cache.errors import CheckpointHashError
+from kiln.engines.cache.db import connect
+from kiln.engines.cache.errors import CheckpointHashError
 
 WEIGHT_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from runtime.cache_layout import IN_USE_LOCK, EntryHold, hold_entry
+from kiln.runtime.cache_layout import IN_USE_LOCK, EntryHold, hold_entry
 
 __all__ = ["EntryHold", "delete_unless_held", "hold_entry", "is_held", "take_out"]
 

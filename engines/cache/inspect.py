@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import shutil
 
-from engines.cache.engine_cache import EngineCache
-from engines.cache.errors import CacheUsageError
-from engines.cache.eviction import EntryInfo, entry_info, evict, list_entries
-from engines.cache.in_use import is_held
-from engines.cache.layout import dir_size
-from engines.cache.units import iso_utc
+from kiln.engines.cache.engine_cache import EngineCache
+from kiln.engines.cache.errors import CacheUsageError
+from kiln.engines.cache.eviction import EntryInfo, entry_info, evict, list_entries
+from kiln.engines.cache.in_use import is_held
+from kiln.engines.cache.layout import dir_size
+from kiln.engines.cache.units import iso_utc
 
 
 def ls_entries(cache: EngineCache) -> list[dict]:

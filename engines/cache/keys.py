@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from runtime.cache_layout import InvalidCacheKeyError, is_cache_key
+from kiln.runtime.cache_layout import InvalidCacheKeyError, is_cache_key
 
 
 def canonical_json(obj: object) -> bytes:

@@ -16,7 +16,7 @@ import os
 import uuid
 from pathlib import Path
 
-from runtime.cache_layout import LAYOUT_VERSION
+from kiln.runtime.cache_layout import LAYOUT_VERSION
 
 MANIFEST = "manifest.json"
 LAST_USED = "last_used"

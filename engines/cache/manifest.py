@@ -11,8 +11,8 @@ import json
 import os
 from pathlib import Path, PurePosixPath
 
-from engines.cache.hashing import file_sha256
-from engines.cache.layout import MANIFEST, dir_size, fsync_dir
+from kiln.engines.cache.hashing import file_sha256
+from kiln.engines.cache.layout import MANIFEST, dir_size, fsync_dir
 
 MANIFEST_VERSION = 1
 

@@ -10,7 +10,7 @@ import math
 import time
 from pathlib import Path
 
-from engines.cache.db import connect
+from kiln.engines.cache.db import connect
 
 MISS_REASONS = ("new", "evicted", "corrupt", "incompatible")
 

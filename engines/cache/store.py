@@ -20,16 +20,22 @@ from pathlib import Path
 from typing import Literal
 
 from filelock import FileLock, Timeout
-
-from engines.cache.errors import CacheCorruptError, CacheEntryInUseError, CacheEntryNotFoundError
-from engines.cache.in_use import delete_unless_held, take_out
-from engines.cache.keys import canonical_json, engine_key, material_diff, validate_key
-from engines.cache.layout import CORRUPT_MARK, LAST_USED, MANIFEST, fsync_dir, write_atomic
-from engines.cache.manifest import MANIFEST_VERSION, entry_size, file_problems, read_manifest, seal_payload, stray_files
-from engines.cache.stats import StatsDB
-from engines.cache.units import iso_utc
-from runtime.cache_layout import IN_USE_LOCK, is_cache_key
-from runtime.cache_layout import entry_dir as layout_entry_dir
+from kiln.engines.cache.errors import CacheCorruptError, CacheEntryInUseError, CacheEntryNotFoundError
+from kiln.engines.cache.in_use import delete_unless_held, take_out
+from kiln.engines.cache.keys import canonical_json, engine_key, material_diff, validate_key
+from kiln.engines.cache.layout import CORRUPT_MARK, LAST_USED, MANIFEST, fsync_dir, write_atomic
+from kiln.engines.cache.manifest import (
+    MANIFEST_VERSION,
+    entry_size,
+    file_problems,
+    read_manifest,
+    seal_payload,
+    stray_files,
+)
+from kiln.engines.cache.stats import StatsDB
+from kiln.engines.cache.units import iso_utc
+from kiln.runtime.cache_layout import IN_USE_LOCK, is_cache_key
+from kiln.runtime.cache_layout import entry_dir as layout_entry_dir
 
 WAIT_NOTE_EVERY_S = 30.0
 

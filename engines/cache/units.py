@@ -6,7 +6,7 @@ import re
 import time
 from datetime import UTC, datetime
 
-from engines.cache.errors import CacheUsageError
+from kiln.engines.cache.errors import CacheUsageError
 
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*", re.IGNORECASE)
 _DURATION_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*", re.IGNORECASE)

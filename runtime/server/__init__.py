@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server over `runtime.LLM` (needs the serve extra: fastapi, uvicorn, prometheus-client,
 jinja2). `import runtime` never imports it."""
 
-from runtime.server.app import ServerSettings, create_app
-from runtime.server.serve import ServerStartError, ServerThread, run_server
+from kiln.runtime.server.app import ServerSettings, create_app
+from kiln.runtime.server.serve import ServerStartError, ServerThread, run_server
 
 __all__ = ["ServerSettings", "ServerStartError", "ServerThread", "create_app", "run_server"]

@@ -13,14 +13,12 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
-
-from runtime.llm import LLM
-from runtime.server.completions import create_chat_completion, create_completion
-from runtime.server.errors import APIError, error_response, install_error_handlers
-from runtime.server.generation import RETRY_AFTER_S, ServedModel
-from runtime.server.metrics import RequestCountMiddleware, ServerMetrics
-from runtime.server.protocol import (
+from kiln.runtime.llm import LLM
+from kiln.runtime.server.completions import create_chat_completion, create_completion
+from kiln.runtime.server.errors import APIError, error_response, install_error_handlers
+from kiln.runtime.server.generation import RETRY_AFTER_S, ServedModel
+from kiln.runtime.server.metrics import RequestCountMiddleware, ServerMetrics
+from kiln.runtime.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -29,6 +27,7 @@ from runtime.server.protocol import (
     ModelCard,
     ModelList,
 )
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 logger = logging.getLogger("kiln.server")
 

@@ -10,9 +10,8 @@ from typing import Any
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from runtime.errors import KilnError
-from runtime.tokenizer import special_token_text
+from kiln.runtime.errors import KilnError
+from kiln.runtime.tokenizer import special_token_text
 
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 

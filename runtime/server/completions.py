@@ -11,17 +11,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
-
-from runtime.errors import KilnError
-from runtime.outputs import RequestOutput, StreamDelta
-from runtime.server.chat_template import ChatTemplateError
-from runtime.server.errors import APIError, error_body
-from runtime.server.generation import Job, ServedModel, sampling_params
-from runtime.server.metrics import ServerMetrics
-from runtime.server.protocol import (
+from kiln.runtime.errors import KilnError
+from kiln.runtime.outputs import RequestOutput, StreamDelta
+from kiln.runtime.server.chat_template import ChatTemplateError
+from kiln.runtime.server.errors import APIError, error_body
+from kiln.runtime.server.generation import Job, ServedModel, sampling_params
+from kiln.runtime.server.metrics import ServerMetrics
+from kiln.runtime.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
@@ -32,6 +28,9 @@ from runtime.server.protocol import (
     SamplingFields,
     Usage,
 )
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger("kiln.server")
 

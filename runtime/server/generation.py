@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import KilnError
-from runtime.llm import LLM, EngineClosedError
-from runtime.outputs import RequestOutput, StreamDelta
-from runtime.sampling_params import SamplingParams
-from runtime.server.chat_template import ChatTemplate, ChatTemplateError
-from runtime.server.errors import APIError
+from kiln.runtime.errors import KilnError
+from kiln.runtime.llm import LLM, EngineClosedError
+from kiln.runtime.outputs import RequestOutput, StreamDelta
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
+from kiln.runtime.server.errors import APIError
 
 RETRY_AFTER_S = 1
 

@@ -1,0 +1,83 @@
+"""Build a native engine directory from a Hugging Face Llama-family checkpoint (plain or modelopt FP8 / INT4-AWQ)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from kiln.engines.native.checkpoint import CheckpointTensors, read_architecture, read_quantization
+from kiln.engines.native.plan import check_kv_cache_fits, parse_plan
+from kiln.engines.native.tuning import fp8_kernels_measurable, measure_fp8_streaming_max_m
+from kiln.engines.native.weights import convert_weights
+from kiln.runtime.errors import KilnError
+from kiln.runtime.native.engine_format import (
+    DTYPES,
+    ENGINE_FORMAT,
+    WEIGHTS_FILE,
+    EngineConfig,
+    QuantizationConfig,
+    copy_tokenizer_files,
+)
+from kiln.runtime.native.fingerprint import machine_fingerprint
+from safetensors.torch import save_file
+
+
+def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: str, device: str = "cpu") -> dict:
+    """Convert an HF checkpoint (plain, or modelopt's unified FP8 / W4A16_AWQ export, detected from
+    hf_quant_config.json / config.json quantization_config) into an engine dir at out_dir (which exists, empty).
+    Validates the plan (KV for max_batch_size x max_seq_len must fit in memory budget, else says how many
+    sequences fit). Returns the engine.json dict."""
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    if not out_dir.is_dir():
+        raise KilnError(f"engine output directory {out_dir} does not exist; create it (empty) first")
+    if dtype not in DTYPES:
+        raise KilnError(f"build dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if torch.device(device).type not in ("cpu", "cuda"):
+        raise KilnError(f"build device {device!r} is not supported by the native backend; use cpu or cuda")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise KilnError(f"build device {device!r} requested but CUDA is not available on this machine")
+    arch, hf_config = read_architecture(checkpoint_dir)
+    source_quant = read_quantization(checkpoint_dir, hf_config)
+    build_plan = parse_plan(plan, arch, dtype, source_quant.fp8_kv_cache)
+    sliding_window = hf_config.get("sliding_window")
+    if sliding_window and sliding_window < build_plan.max_seq_len:
+        raise KilnError(f"{checkpoint_dir / 'config.json'}: sliding_window {sliding_window} is shorter than "
+                        f"build.max_seq_len {build_plan.max_seq_len}; the native backend has no sliding-window "
+                        "attention, lower build.max_seq_len")
+    if not (checkpoint_dir / "tokenizer.json").is_file():
+        raise KilnError(f"{checkpoint_dir}: no tokenizer.json; the native runtime needs a fast tokenizer file "
+                        "(save the tokenizer with save_pretrained)")
+
+    fp8_kv_cache = build_plan.kv_cache_dtype == "float8_e4m3fn"
+    weights, dense_modules = convert_weights(CheckpointTensors(checkpoint_dir), arch, source_quant.format,
+                                             source_quant.group_size, DTYPES[dtype], fp8_kv_cache)
+    config = EngineConfig(
+        architecture=arch,
+        dtype=dtype,
+        quantization=QuantizationConfig(
+            format=source_quant.format,
+            group_size=source_quant.group_size,
+            kv_cache_dtype=build_plan.kv_cache_dtype,
+            exclude_modules=dense_modules,
+        ),
+        plan=build_plan,
+        fingerprint=machine_fingerprint(device),
+    )
+    check_kv_cache_fits(config, device, sum(t.numel() * t.element_size() for t in weights.values()))
+    if source_quant.format == "fp8" and fp8_kernels_measurable(device):  # timed once the plan is known to fit
+        streaming_max_m = measure_fp8_streaming_max_m(arch, DTYPES[dtype], device)
+        config = replace(config, quantization=replace(config.quantization, fp8_streaming_max_m=streaming_max_m))
+
+    save_file({name: t.contiguous() for name, t in weights.items()}, str(out_dir / WEIGHTS_FILE),
+              metadata={"format": ENGINE_FORMAT})
+    copy_tokenizer_files(checkpoint_dir, out_dir)
+    config.save(out_dir)
+    return config.to_dict()
+
+
+def preflight_native_plan(checkpoint_dir: Path, plan: dict, dtype: str) -> None:
+    """Check a build plan against the checkpoint's architecture before any stage runs (reads config.json only), so
+    a plan the model cannot hold fails in seconds rather than after calibration."""
+    arch, _ = read_architecture(Path(checkpoint_dir))
+    parse_plan({**plan, "kv_cache_dtype": "auto"}, arch, dtype, fp8_kv_available=False)

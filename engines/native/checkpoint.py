@@ -1,0 +1,200 @@
+"""Reading a Hugging Face Llama-family checkpoint for the native builder: config, quantization, tensors.
+
+Plain checkpoints and modelopt's unified exports (``hf_quant_config.json`` / ``config.json`` quantization_config
+with quant_algo "FP8" or "W4A16_AWQ") are understood. Weights are read from safetensors only, never unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from kiln.runtime.errors import KilnError
+from kiln.runtime.native.engine_format import LlamaArchitecture
+from kiln.runtime.native.layers.rotary import ROPE_TYPES, rope_inv_freq
+from safetensors import SafetensorError, safe_open
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+QUANT_ALGOS = {None: "none", "FP8": "fp8", "W4A16_AWQ": "int4_awq"}
+
+
+@dataclass(frozen=True)
+class SourceQuantization:
+    """What the checkpoint's quantization metadata declares."""
+
+    format: str = "none"
+    group_size: int | None = None
+    fp8_kv_cache: bool = False
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Parse a JSON object file, raising KilnError naming the file when it is unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KilnError(f"{path}: unreadable JSON ({e}); re-export the checkpoint") from None
+    if not isinstance(data, dict):
+        raise KilnError(f"{path}: expected a JSON object; re-export the checkpoint")
+    return data
+
+
+def read_architecture(checkpoint_dir: Path) -> tuple[LlamaArchitecture, dict[str, Any]]:
+    """The Llama architecture of ``config.json`` (+ generation_config.json ids), and the raw config dict."""
+    path = checkpoint_dir / "config.json"
+    if not path.is_file():
+        raise KilnError(f"{checkpoint_dir}: no config.json; point the build at a Hugging Face checkpoint directory")
+    cfg = read_json(path)
+    gen_path = checkpoint_dir / "generation_config.json"
+    return parse_architecture(cfg, read_json(gen_path) if gen_path.is_file() else {}, path), cfg
+
+
+def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> LlamaArchitecture:
+    """The Llama architecture of a parsed config.json (``path`` names it in errors) and generation_config.json."""
+    archs = cfg.get("architectures") or []
+    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise KilnError(f"{path}: architecture {archs[0] if archs else None!r} is not supported by the native backend "
+                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); use a Llama-family checkpoint")
+    unsupported = [
+        (cfg.get("hidden_act", "silu") != "silu", f"hidden_act {cfg.get('hidden_act')!r} (only 'silu')"),
+        (bool(cfg.get("attention_bias")), "attention_bias"),
+        (bool(cfg.get("mlp_bias")), "mlp_bias"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise KilnError(f"{path}: {what} is not supported by the native backend")
+    num_heads = _int(cfg, "num_attention_heads", path)
+    num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+    if num_heads % num_kv_heads:
+        raise KilnError(f"{path}: num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads "
+                        f"({num_kv_heads})")
+    hidden = _int(cfg, "hidden_size", path)
+    head_dim = cfg.get("head_dim") or hidden // num_heads
+    rope_theta, rope_scaling = _rope(cfg, path)
+    _check_rope(head_dim, rope_theta, rope_scaling, path)
+    return LlamaArchitecture(
+        vocab_size=_int(cfg, "vocab_size", path),
+        hidden_size=hidden,
+        intermediate_size=_int(cfg, "intermediate_size", path),
+        num_layers=_int(cfg, "num_hidden_layers", path),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", path),
+        bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
+        eos_token_ids=_eos_ids(gen.get("eos_token_id"), cfg.get("eos_token_id")),
+    )
+
+
+def read_quantization(checkpoint_dir: Path, cfg: dict[str, Any]) -> SourceQuantization:
+    """The quantization declared by hf_quant_config.json (preferred) or config.json's quantization_config."""
+    hf_quant = checkpoint_dir / "hf_quant_config.json"
+    if hf_quant.is_file():
+        source, section = hf_quant, read_json(hf_quant).get("quantization", {})
+    else:
+        source, section = checkpoint_dir / "config.json", cfg.get("quantization_config") or {}
+    algo = section.get("quant_algo")
+    if algo not in QUANT_ALGOS:
+        raise KilnError(f"{source}: quant_algo {algo!r} is not supported by the native backend "
+                        f"(supported: FP8, W4A16_AWQ, or unquantized)")
+    kv_algo = section.get("kv_cache_quant_algo")
+    if kv_algo not in (None, "FP8"):
+        raise KilnError(f"{source}: kv_cache_quant_algo {kv_algo!r} is not supported (supported: FP8 or none)")
+    group_size = section.get("group_size", 128) if algo == "W4A16_AWQ" else None
+    if algo == "W4A16_AWQ" and section.get("has_zero_point"):
+        raise KilnError(f"{source}: W4A16_AWQ with zero points is not supported; export symmetric AWQ")
+    return SourceQuantization(QUANT_ALGOS[algo], group_size, kv_algo == "FP8")
+
+
+class CheckpointTensors:
+    """Lazy access to the safetensors of a checkpoint (single file or sharded with an index), tracking use."""
+
+    def __init__(self, checkpoint_dir: Path) -> None:
+        index = checkpoint_dir / "model.safetensors.index.json"
+        single = checkpoint_dir / "model.safetensors"
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map", {})
+            self._files = {name: checkpoint_dir / fname for name, fname in weight_map.items()}
+        elif single.is_file():
+            with _open(single) as f:
+                self._files = dict.fromkeys(f.keys(), single)
+        else:
+            raise KilnError(f"{checkpoint_dir}: no model.safetensors or model.safetensors.index.json; the native "
+                            "builder reads safetensors only (re-save the checkpoint with safe_serialization=True)")
+        self.used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name``; KilnError when the checkpoint lacks it."""
+        path = self._file(name)
+        self.used.add(name)
+        with _open(path) as f:
+            return f.get_tensor(name)
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype of ``name`` ("BF16", "F8_E4M3", "U8", ...), read from the header alone."""
+        with _open(self._file(name)) as f:
+            return f.get_slice(name).get_dtype()
+
+    def _file(self, name: str) -> Path:
+        if name not in self._files:
+            raise KilnError(f"checkpoint has no tensor {name!r}; the checkpoint is incomplete or not Llama-shaped")
+        return self._files[name]
+
+    def skip(self, name: str) -> None:
+        """Mark ``name`` as deliberately not converted."""
+        self.used.add(name)
+
+    def unused(self) -> list[str]:
+        """Names never read, other than rotary caches some checkpoints carry."""
+        return sorted(n for n in self._files if n not in self.used and not n.endswith("rotary_emb.inv_freq"))
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (OSError, SafetensorError) as e:
+        raise KilnError(f"{path}: unreadable safetensors ({e}); re-export the checkpoint") from None
+
+
+def _int(cfg: dict[str, Any], key: str, path: Path) -> int:
+    value = cfg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise KilnError(f"{path}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from transformers-5 ``rope_parameters`` or older ``rope_scaling``."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise KilnError(f"{path}: partial_rotary_factor is not supported by the native backend")
+    if rope_type not in ROPE_TYPES:
+        raise KilnError(f"{path}: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    return theta, None if rope_type == "default" else {"rope_type": rope_type, **params}
+
+
+def _check_rope(head_dim: int, theta: float, scaling: dict[str, Any] | None, path: Path) -> None:
+    try:
+        rope_inv_freq(head_dim, theta, scaling)
+    except KeyError as e:
+        raise KilnError(f"{path}: rope scaling {scaling.get('rope_type')!r} needs key {e}") from None
+
+
+def _eos_ids(*sources: int | list[int] | None) -> list[int]:
+    ids: list[int] = []
+    for source in sources:
+        for i in [source] if isinstance(source, int) else source or []:
+            if i not in ids:
+                ids.append(i)
+    return ids

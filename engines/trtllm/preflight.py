@@ -1,0 +1,143 @@
+"""Refuse, before a build of tens of minutes starts, what TensorRT-LLM 1.2.x would only reject at load time.
+
+In-flight batching needs the GPT attention plugin, packed input (remove_input_padding) and a paged KV cache, or the
+executor stops at load with "TrtGptModelInflightBatching requires GPT attention/Mamba Conv 1d plugin with packed
+input and paged KV cache." KV block reuse and chunked context need paged context FMHA. The 1.2.x builder refuses
+paged context FMHA with an INT8 KV cache, or with an FP8 KV cache on a checkpoint that is not FP8-quantized.
+FP8 kernels need compute capability 8.9 (Ada) or newer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.engines.trtllm.options import KV_CACHE_TYPES, LOG_LEVELS, PLUGIN_DTYPES, TrtllmBuildOptions
+from kiln.runtime.errors import KilnError
+
+INFLIGHT_BATCHING_LOAD_ERROR = ("TrtGptModelInflightBatching requires GPT attention/Mamba Conv 1d plugin with packed "
+                                "input and paged KV cache.")
+FEATURES = "build.trtllm"
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+FP8_GEMM_PLUGIN_MAX_BATCH = 4
+
+
+class TrtllmPreflightError(KilnError):
+    """Build options that TensorRT-LLM 1.2.x cannot build or cannot serve with in-flight batching."""
+
+
+def preflight(options: TrtllmBuildOptions, quant_format: str, kv_cache_dtype: str, gpu: dict[str, Any] | None,
+              checkpoint_config: dict[str, Any] | None = None) -> list[str]:
+    """Check the options against TensorRT-LLM 1.2.x; raise TrtllmPreflightError listing every refusal (one line
+    each), else return the warnings. `gpu` has `compute_capability` ("9.0") and `gpu_name`, or is None when no GPU
+    is visible (a dry run); `checkpoint_config` is the TensorRT-LLM checkpoint's config.json when it exists."""
+    errors = _value_errors(options) + _inflight_batching_errors(options)
+    warnings = []
+    uses_fp8 = quant_format == "fp8" or kv_cache_dtype == "fp8"
+    if uses_fp8 and not (gpu or {}).get("compute_capability"):
+        warnings.append(f"no GPU is visible, so FP8 support is not checked here: FP8 needs compute capability "
+                        f"{'.'.join(map(str, FP8_MIN_COMPUTE_CAPABILITY))} or newer")
+    elif uses_fp8 and (problem := _fp8_gpu_problem(gpu)):
+        errors.append(problem)
+    if kv_cache_dtype == "fp8" and quant_format != "fp8" and options.use_paged_context_fmha:
+        errors.append(f"quantize.kv_cache_dtype fp8 with quantize.format {quant_format}: TensorRT-LLM 1.2.x builds "
+                      f"paged context FMHA on an FP8 KV cache only for FP8-quantized checkpoints (\"FP8 Paged Context "
+                      f"FMHA only works with fp8 quantization workflow\"); use format fp8 or kv_cache_dtype auto")
+    if checkpoint_config is not None:
+        errors += _checkpoint_errors(options, checkpoint_config)
+        warnings += _checkpoint_warnings(options, checkpoint_config)
+    if errors:
+        raise TrtllmPreflightError("\n".join(errors))
+    return warnings + _limit_warnings(options, quant_format)
+
+
+def _value_errors(o: TrtllmBuildOptions) -> list[str]:
+    errors = []
+    if o.kv_cache_type not in KV_CACHE_TYPES:
+        errors.append(f"{FEATURES}.kv_cache_type {o.kv_cache_type!r} is not one of {', '.join(KV_CACHE_TYPES)}")
+    for name in ("gpt_attention_plugin", "gemm_plugin"):
+        value = getattr(o, name)
+        allowed = PLUGIN_DTYPES + (("fp8",) if name == "gemm_plugin" else ())
+        if value is not None and value not in allowed:
+            errors.append(f"{FEATURES}.{name} {value!r} is not one of {', '.join(allowed)}")
+    if o.log_level not in LOG_LEVELS:
+        errors.append(f"build.log_level {o.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    if o.max_input_len > o.max_seq_len:
+        errors.append(f"build.max_input_len ({o.max_input_len}) must not exceed build.max_seq_len ({o.max_seq_len})")
+    if o.tokens_per_block < 1 or o.tokens_per_block & (o.tokens_per_block - 1):
+        errors.append(f"build.tokens_per_block ({o.tokens_per_block}) must be a power of two")
+    for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tp_size", "pp_size", "workers"):
+        if getattr(o, name) < 1:
+            errors.append(f"build.{name} ({getattr(o, name)}) must be a positive integer")
+    return errors
+
+
+def _inflight_batching_errors(o: TrtllmBuildOptions) -> list[str]:
+    why = f"TensorRT-LLM's executor refuses such an engine at load (\"{INFLIGHT_BATCHING_LOAD_ERROR}\")"
+    errors = []
+    if o.kv_cache_type in KV_CACHE_TYPES and o.kv_cache_type != "paged":
+        errors.append(f"{FEATURES}.kv_cache_type {o.kv_cache_type} cannot do in-flight batching, which needs a paged "
+                      f"KV cache: {why}; set kv_cache_type: paged")
+    if not o.remove_input_padding:
+        errors.append(f"{FEATURES}.remove_input_padding false cannot do in-flight batching, which needs packed input: "
+                      f"{why}; set remove_input_padding: true")
+    if o.gpt_attention_plugin == "disable":
+        errors.append(f"{FEATURES}.gpt_attention_plugin disable cannot do in-flight batching, which needs the GPT "
+                      f"attention plugin: {why}; set gpt_attention_plugin: auto")
+    if not o.context_fmha:
+        errors.append(f"{FEATURES}.context_fmha false turns off paged context FMHA too, without which the engine can "
+                      f"neither reuse KV blocks across requests nor chunk long prompts; set context_fmha: true")
+    elif not o.use_paged_context_fmha:
+        errors.append(f"{FEATURES}.use_paged_context_fmha false: the engine could neither reuse KV blocks across "
+                      f"requests nor chunk long prompts (both need paged context FMHA); set use_paged_context_fmha: "
+                      f"true")
+    return errors
+
+
+def _fp8_gpu_problem(gpu: dict[str, Any]) -> str | None:
+    need = ".".join(map(str, FP8_MIN_COMPUTE_CAPABILITY))
+    major, minor = (int(part) for part in str(gpu["compute_capability"]).split(".")[:2])
+    if (major, minor) >= FP8_MIN_COMPUTE_CAPABILITY:
+        return None
+    return (f"FP8 (quantize.format fp8 or kv_cache_dtype fp8) needs compute capability {need} or newer (Ada, Hopper, "
+            f"Blackwell); {gpu.get('gpu_name') or 'this GPU'} is {major}.{minor}; use format int4_awq or none with "
+            f"kv_cache_dtype auto")
+
+
+def _checkpoint_errors(o: TrtllmBuildOptions, config: dict[str, Any]) -> list[str]:
+    errors = []
+    mapping = config.get("mapping") or {}
+    ckpt_tp, ckpt_pp = mapping.get("tp_size", 1), mapping.get("pp_size", 1)
+    if (ckpt_tp, ckpt_pp) != (o.tp_size, o.pp_size):
+        errors.append(f"the TensorRT-LLM checkpoint was written for tp_size {ckpt_tp}, pp_size {ckpt_pp} but "
+                      f"build.tp_size is {o.tp_size} and build.pp_size {o.pp_size} (trtllm-build takes the mapping "
+                      f"from the checkpoint); re-export the checkpoint or change build.tp_size/pp_size")
+    kv_algo = str((config.get("quantization") or {}).get("kv_cache_quant_algo") or "").upper()
+    if kv_algo == "INT8" and o.use_paged_context_fmha:
+        errors.append("the checkpoint has an INT8 KV cache, and TensorRT-LLM 1.2.x refuses paged context FMHA with it "
+                      "(\"Paged Context FMHA doesn't work with int8 kv cache currently\"), which in-flight batching "
+                      "with KV reuse needs; re-export the checkpoint with an FP8 or unquantized KV cache")
+    return errors
+
+
+def _checkpoint_warnings(o: TrtllmBuildOptions, config: dict[str, Any]) -> list[str]:
+    max_positions = config.get("max_position_embeddings")
+    if isinstance(max_positions, int) and o.max_seq_len > max_positions:
+        return [f"build.max_seq_len ({o.max_seq_len}) exceeds the model's max_position_embeddings ({max_positions}); "
+                f"outputs past that length are not what the model was trained for"]
+    return []
+
+
+def _limit_warnings(o: TrtllmBuildOptions, quant_format: str) -> list[str]:
+    warnings = []
+    if o.max_num_tokens < o.max_input_len:
+        warnings.append(f"build.max_num_tokens ({o.max_num_tokens}) is below build.max_input_len ({o.max_input_len}): "
+                        f"longer prompts are processed in chunks (chunked context)")
+    if o.workers > o.world_size:
+        warnings.append(f"build.workers ({o.workers}) is above tp_size x pp_size ({o.world_size}): the extra workers "
+                        f"have no rank to build")
+    if o.gemm_plugin == "fp8" and o.max_batch_size > FP8_GEMM_PLUGIN_MAX_BATCH:
+        warnings.append(f"{FEATURES}.gemm_plugin fp8 is NVIDIA's small-batch (<= {FP8_GEMM_PLUGIN_MAX_BATCH}) "
+                        f"latency option; at max_batch_size {o.max_batch_size} it may be slower than no GEMM plugin")
+    if o.gemm_plugin == "fp8" and quant_format != "fp8":
+        warnings.append(f"{FEATURES}.gemm_plugin fp8 has no effect on a {quant_format} checkpoint")
+    return warnings

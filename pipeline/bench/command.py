@@ -1,0 +1,63 @@
+"""``kiln bench TARGET``: Kiln's engine against a peer (transformers) on the same machine in one run, and against
+the memory-bandwidth floor of batch-1 decode.
+
+TARGET is a config (built through the engine cache: a hit is instant) or an architecture file instantiated with
+seeded random weights. Figures: offline output tokens/s (all ``--prompts`` requests at once), batch-1 decode
+tokens/s (one request alone, after its first token; median of 3), median time to first token on an idle engine, and
+the engine's load time from the cache. The run is in ``pipeline/bench/run.py``; see docs/performance.md.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from kiln.pipeline.bench.report import print_report
+from kiln.pipeline.console import friendly_errors, print_json
+
+PEERS = ("transformers",)
+
+
+@friendly_errors
+def bench(
+    target: Annotated[str, typer.Argument(help="A config (a path or a name under configs/, e.g. tiny-llama-bf16.yaml) "
+                                               "or an architecture file (configs/models/llama3-8b.json: random "
+                                               "weights).")],
+    prompts: Annotated[int, typer.Option(min=1, help="Requests in the offline run.")] = 64,
+    input_len: Annotated[int, typer.Option(min=1, help="Prompt length in tokens (random token ids, seeded).")] = 128,
+    output_len: Annotated[int, typer.Option(min=2, help="Tokens generated per request (EOS ignored).")] = 128,
+    batch_1: Annotated[bool, typer.Option("--batch-1", help="Measure only batch-1 decode, TTFT and load time "
+                                                            "(skip the offline run).")] = False,
+    peer: Annotated[str | None, typer.Option(help="Also measure the same model in this peer: transformers.")] = None,
+    peer_attn: Annotated[str, typer.Option(help="The peer's attention: sdpa or eager.")] = "sdpa",
+    fmt: Annotated[str | None, typer.Option("--format", help="none, fp8 or int4_awq, for an architecture file (a "
+                                                             "config's quantize.format decides otherwise).")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto or fp8: with a quantized --format, "
+                                                "also calibrate an FP8 KV cache (halves the KV bytes).")] = "auto",
+    bandwidth_gbs: Annotated[float | None, typer.Option("--bandwidth-gbs", min=0.001, help="Memory bandwidth for "
+                             "the floor, GB/s (default: 4300 on an H200, 3350 on an H100, else measured).")] = None,
+    allow_large: Annotated[bool, typer.Option("--allow-large", help="Benchmark a large architecture on a CPU-only "
+                                                                     "machine anyway.")] = False,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the prompts and of random weights.")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")] = False,
+) -> None:
+    """Measure Kiln (and a peer) on one model: throughput, batch-1 decode, TTFT, load time, and the floor."""
+    if peer is not None and peer not in PEERS:
+        raise typer.BadParameter(f"--peer {peer!r} is not supported; use --peer transformers, or leave it out")
+    if peer_attn not in ("sdpa", "eager"):
+        raise typer.BadParameter(f"--peer-attn {peer_attn!r} is not sdpa or eager")
+    if fmt not in (None, "none", "fp8", "int4_awq"):
+        raise typer.BadParameter(f"--format {fmt!r} is not none, fp8 or int4_awq")
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise typer.BadParameter(f"--kv-cache-dtype {kv_cache_dtype!r} is not auto or fp8")
+    if kv_cache_dtype == "fp8" and fmt not in ("fp8", "int4_awq"):
+        raise typer.BadParameter("--kv-cache-dtype fp8 needs --format fp8 or int4_awq (an FP8 KV cache is calibrated "
+                                 "with the quantized weights)")
+    from kiln.pipeline.bench.run import BenchPlan, run_bench  # torch and the runtime load only when a bench runs
+
+    report = run_bench(target, BenchPlan(prompts, input_len, output_len), batch_1_only=batch_1, peer=peer,
+                       peer_attn=peer_attn, fmt=fmt, kv_cache_dtype=kv_cache_dtype, bandwidth_gbs=bandwidth_gbs,
+                       allow_large=allow_large, seed=seed)
+    print_json(report) if json_out else print_report(report)
+
+

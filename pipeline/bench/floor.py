@@ -1,0 +1,117 @@
+"""The memory-bandwidth floor of batch-1 decode: bytes one step must read, and the bandwidth to read them with.
+
+A decode step at batch 1 streams every weight the step multiplies by once (the embedding table is gathered, one row
+per token, so it is left out unless it doubles as the LM head) and the KV of the whole context. The floor is
+``bandwidth / bytes per step`` tokens per second; ``floor_fraction_batch1`` is the measured rate over it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from kiln.pipeline.bench.common import sync
+from kiln.runtime.errors import KilnError
+from kiln.runtime.native.engine_format import WEIGHTS_FILE, EngineConfig
+from kiln.runtime.native.kv_cache import kv_bytes_per_block
+
+GB = 10**9
+# Device-to-device copy rates (bytes read + written per second) used when the GPU is recognised; anything else is
+# measured. 4.3 TB/s is what an H200 copies (DESIGN.md, "Performance method"); 3.35 TB/s is the H100 SXM figure.
+NOMINAL_COPY_GBS = {"H200": 4300.0, "H100": 3350.0}
+EMBEDDING = "embed_tokens.weight"
+
+
+class BenchFloorError(KilnError):
+    """The engine's weights cannot be sized for the floor."""
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Memory bandwidth in GB/s (10^9 bytes, read + written) and where the figure came from."""
+
+    gbs: float
+    source: str
+
+
+def tensor_bytes(weights_file: Path) -> dict[str, int]:
+    """Bytes of each tensor in a safetensors file, read from its header (no tensor data is loaded)."""
+    try:
+        with open(weights_file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+    except (OSError, struct.error, ValueError) as e:
+        raise BenchFloorError(f"{weights_file}: unreadable safetensors header ({e}); rebuild the engine") from None
+    sizes = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        sizes[name] = end - start
+    return sizes
+
+
+def kv_bytes_per_token(config: EngineConfig) -> int:
+    """K and V bytes of one token across all layers, in the engine's KV cache dtype."""
+    return kv_bytes_per_block(config) // config.plan.tokens_per_block
+
+
+def decode_step_bytes(engine_dir: Path, input_len: int, output_len: int) -> dict:
+    """Bytes one batch-1 decode step reads: streamed weights plus the KV of the mean decode context.
+
+    The decode steps of a request see contexts ``input_len + 1 .. input_len + output_len - 1``; their mean,
+    ``input_len + output_len / 2``, is the context length used."""
+    engine_dir = Path(engine_dir)
+    config = EngineConfig.load(engine_dir)
+    sizes = tensor_bytes(engine_dir / WEIGHTS_FILE)
+    gathered = EMBEDDING if EMBEDDING in sizes and not config.architecture.tie_word_embeddings else None
+    weight_bytes = sum(size for name, size in sizes.items() if name != gathered)
+    context = input_len + output_len / 2
+    kv_token = kv_bytes_per_token(config)
+    kv_bytes = int(kv_token * context)
+    return {"weight_bytes": weight_bytes, "embedding_bytes_excluded": sizes.get(gathered, 0) if gathered else 0,
+            "kv_bytes_per_token": kv_token, "mean_context_len": context, "kv_bytes": kv_bytes,
+            "bytes_per_step": weight_bytes + kv_bytes}
+
+
+def floor_tokens_per_s(bytes_per_step: int, bandwidth_gbs: float) -> float:
+    """Batch-1 decode tokens per second when every step is limited by reading its bytes once."""
+    return bandwidth_gbs * GB / bytes_per_step
+
+
+def nominal_gbs(gpu_name: str) -> float | None:
+    """The copy rate of a recognised GPU (H200, H100), else None."""
+    return next((gbs for key, gbs in NOMINAL_COPY_GBS.items() if key in gpu_name.upper()), None)
+
+
+def resolve_bandwidth(device: str, given_gbs: float | None) -> Bandwidth:
+    """The bandwidth for the floor: ``--bandwidth-gbs`` if given, a recognised GPU's figure, else measured."""
+    if given_gbs is not None:
+        return Bandwidth(given_gbs, "--bandwidth-gbs")
+    if torch.device(device).type == "cuda":
+        name = torch.cuda.get_device_name(torch.device(device))
+        nominal = nominal_gbs(name)
+        if nominal is not None:
+            return Bandwidth(nominal, f"nominal device-to-device copy rate of {name}")
+        return Bandwidth(measure_copy_gbs(device), f"measured device-to-device copy on {name}")
+    return Bandwidth(measure_copy_gbs("cpu"), "measured memcpy on the CPU (torch copy_, 256 MB)")
+
+
+def measure_copy_gbs(device: str, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Best copy rate of ``repeats`` copies of ``nbytes`` on ``device``: (bytes read + bytes written) / time."""
+    dev = torch.device(device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: page faults and allocation are not bandwidth
+    best = float("inf")
+    for _ in range(repeats):
+        sync(dev)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(dev)
+        best = min(best, time.perf_counter() - start)
+    return round(2 * src.numel() * 4 / best / GB, 1)

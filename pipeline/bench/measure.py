@@ -1,0 +1,111 @@
+"""The workload of ``kiln bench`` (seeded random token-id prompts) and its measurement on a Kiln engine.
+
+Every phase uses prompts of its own, so the prefix cache never serves one phase from another's blocks:
+a warm-up batch, a few single requests for time to first token, a few single requests for batch-1 decode (one at
+a time; the median counts), and the ``--prompts`` requests of the offline run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from kiln.pipeline.bench.common import rate
+
+TTFT_REPEATS = 5
+BATCH1_REPEATS = 3
+WARMUP_PROMPTS = 8
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Seeded random prompts of ``input_len`` token ids; every request generates ``output_len`` tokens."""
+
+    input_len: int
+    output_len: int
+    prompts: list[list[int]]
+    batch1: list[list[int]]
+    ttft: list[list[int]]
+    warmup: list[list[int]]
+
+    @classmethod
+    def make(cls, vocab_size: int, *, prompts: int, input_len: int, output_len: int, seed: int) -> Workload:
+        generator = torch.Generator().manual_seed(seed)
+
+        def draw(n: int) -> list[list[int]]:
+            return torch.randint(0, vocab_size, (n, input_len), generator=generator).tolist()
+
+        return cls(input_len, output_len, prompts=draw(prompts), batch1=draw(BATCH1_REPEATS),
+                   ttft=draw(TTFT_REPEATS), warmup=draw(min(prompts, WARMUP_PROMPTS)))
+
+
+def measure_kiln(engine_dir: Path, workload: Workload, *, device: str | None, batch_1_only: bool,
+                 on_loaded=None, progress=lambda _msg: None) -> dict:
+    """Load time, median time to first token, median batch-1 decode tokens/s and offline output tokens/s.
+
+    ``on_loaded(load_ms)`` is called once the engine is loaded (the caller records it in the cache stats)."""
+    from kiln.runtime import LLM, SamplingParams
+
+    progress("kiln: loading the engine")
+    llm = LLM.load(engine_dir, device=device)
+    if on_loaded is not None:
+        on_loaded(llm.load_ms)
+    try:
+        def params(max_tokens: int) -> SamplingParams:
+            # token ids only, as the peer's generate and TensorRT-LLM's executor return them
+            return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+
+        progress("kiln: warming up")
+        llm.generate(workload.warmup, params(2))
+        progress("kiln: time to first token")
+        ttft = [llm.generate([p], params(1))[0].metrics.time_to_first_token for p in workload.ttft]
+        progress("kiln: batch-1 decode")
+        decode = []
+        for prompt in workload.batch1:
+            metrics = llm.generate([prompt], params(workload.output_len))[0].metrics
+            decode.append(rate(metrics.num_generated_tokens - 1, metrics.finished_time - metrics.first_token_time))
+        result = {
+            "output_tokens_per_s": None,
+            "decode_tokens_per_s_batch1": statistics.median(decode),
+            "ttft_ms": round(1000 * statistics.median(ttft), 3),
+            "load_ms": round(llm.load_ms, 2),
+            "device": str(llm.engine.device) if hasattr(llm.engine, "device") else device,
+        }
+        if not batch_1_only:
+            progress(f"kiln: offline run of {len(workload.prompts)} prompts")
+            before = llm.stats()
+            start = time.perf_counter()
+            outputs = llm.generate(workload.prompts, params(workload.output_len))
+            elapsed = time.perf_counter() - start
+            result["offline_engine"] = offline_engine_stats(before, llm.stats())
+            result["output_tokens_per_s"] = rate(sum(len(o.token_ids) for o in outputs), elapsed)
+            result["output_tokens"] = sum(len(o.token_ids) for o in outputs)
+            result["offline_s"] = round(elapsed, 4)
+        return result
+    finally:
+        llm.close()
+
+
+def offline_engine_stats(before: dict, after: dict) -> dict:
+    """What the engine did in the offline run: its steps, how many were queued behind the previous one on the
+    device (``LLMEngine.step``), and its preemptions; per step kind (prefill, mixed, decode)
+    the steps, their wall time and model time (on a GPU mostly the wait for it; the rest is host work); and the
+    batch size, wall time and model time of its last steps (the recent-step ring: the end of the run, where
+    contexts are longest)."""
+    recent = after["recent_steps"]
+    by_kind = {}
+    for kind, totals in after["steps_by_kind"].items():
+        earlier = before["steps_by_kind"][kind]
+        by_kind[kind] = {"steps": totals["steps"] - earlier["steps"],
+                         "s": round(totals["duration_s"] - earlier["duration_s"], 6),
+                         "execute_s": round(totals["execute_s"] - earlier["execute_s"], 6)}
+    return {"steps": after["num_steps"] - before["num_steps"],
+            "steps_queued_ahead": after["num_steps_queued_ahead"] - before["num_steps_queued_ahead"],
+            "preemptions": after["num_preemptions"] - before["num_preemptions"],
+            "by_kind": by_kind,
+            "last_steps_batch_size_p50": recent["batch_size"].get("p50"),
+            "last_steps_ms_p50": recent["duration_ms"].get("p50"),
+            "last_steps_execute_ms_p50": recent["execute_ms"].get("p50")}

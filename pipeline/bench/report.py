@@ -1,0 +1,63 @@
+"""What ``kiln bench`` prints for a person, and Kiln's advantage over the peer per figure."""
+
+from __future__ import annotations
+
+from kiln.pipeline.console import stdout
+from rich.table import Table
+
+FIGURES = (  # (key, label, higher is better)
+    ("output_tokens_per_s", "offline output tokens/s", True),
+    ("decode_tokens_per_s_batch1", "batch-1 decode tokens/s", True),
+    ("ttft_ms", "time to first token (ms)", False),
+    ("load_ms", "load from cache (ms)", False),
+)
+
+
+def speedups(kiln: dict, peer: dict | None) -> dict:
+    """Kiln's advantage per figure (>1 is Kiln ahead): rates kiln/peer, latencies peer/kiln."""
+    if not peer or "error" in peer:
+        return {}
+    out = {}
+    for key, _, higher in FIGURES:
+        k, p = kiln.get(key), peer.get(key)
+        if k and p:
+            out[key] = round(k / p if higher else p / k, 4)
+    return out
+
+
+def print_report(report: dict) -> None:
+    """A few aligned rows: Kiln, the peer, Kiln's advantage; then the floor line."""
+    kiln, peer = report["kiln"], report["peer"]
+    where = report["gpu"] or f"CPU, {report['cpu_threads']} torch threads"
+    stdout.print(f"[bold]kiln bench[/] {report['target']} on {where}: {report['prompts']} prompts of "
+                 f"{report['input_len']} tokens, {report['output_len']} new tokens each", highlight=False)
+    stdout.print(f"engine: {kiln['quantization']}", highlight=False)
+    table = Table(box=None, header_style="bold")
+    table.add_column("")
+    table.add_column("kiln", justify="right")
+    has_peer = peer is not None and "error" not in peer
+    if has_peer:
+        table.add_column(f"transformers ({peer['dtype']}, {peer['attn_implementation']})", justify="right")
+        table.add_column("kiln advantage", justify="right")
+    for key, label, _ in FIGURES:
+        row = [label, _fmt(kiln.get(key))]
+        if has_peer:
+            ratio = report["speedups"].get(key)
+            row += [_fmt(peer.get(key)), f"{ratio:.2f}x" if ratio else "-"]
+        table.add_row(*row)
+    stdout.print(table)
+    floor = report["floor"]
+    stdout.print(f"floor: batch-1 decode at {kiln['decode_tokens_per_s_batch1']:,.1f} tokens/s is "
+                 f"{report['floor_fraction_batch1']:.1%} of {report['floor_tokens_per_s_batch1']:,.1f} tokens/s "
+                 f"({floor['bytes_per_step'] / 1e6:,.1f} MB per step at {floor['bandwidth_gbs']:,.1f} GB/s, "
+                 f"{floor['bandwidth_source']})", highlight=False)
+    if peer and "error" in peer:
+        stdout.print(f"[yellow]peer transformers did not run[/]: {peer['error']}", highlight=False)
+    elif peer and peer.get("note"):
+        stdout.print(f"peer: {peer['note']}", highlight=False)
+    stdout.print(f"engine {kiln['engine_key'][:12]} ({'cache hit' if kiln['cache_hit'] else 'built'}), "
+                 f"config {report['config']}", highlight=False)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"

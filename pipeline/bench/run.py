@@ -1,0 +1,156 @@
+"""One ``kiln bench`` run: resolve the target, build the engine through the cache, measure Kiln and the peer, size
+the floor, and assemble the report (its shape is in docs/performance.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from kiln.pipeline.bench.common import free_memory
+from kiln.pipeline.bench.floor import decode_step_bytes, floor_tokens_per_s, resolve_bandwidth
+from kiln.pipeline.bench.measure import Workload, measure_kiln
+from kiln.pipeline.bench.report import speedups
+from kiln.pipeline.bench.target import (
+    CALIB_BATCHES,
+    CALIB_LEN,
+    CALIB_METHODS,
+    CALIB_ROWS,
+    BenchPlan,
+    BenchTargetError,
+    Target,
+    bench_config,
+    check_config_holds,
+    check_fits_machine,
+    quantized_checkpoint,
+    random_checkpoint,
+    read_architecture_file,
+    resolve_target,
+)
+from kiln.pipeline.console import stderr
+
+__all__ = ["BenchPlan", "run_bench"]
+
+
+def _progress(message: str) -> None:
+    stderr.print(f"[dim]bench:[/] {message}", highlight=False, soft_wrap=True)
+
+
+def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | None, peer_attn: str,
+              fmt: str | None, bandwidth_gbs: float | None, allow_large: bool, seed: int,
+              kv_cache_dtype: str = "auto") -> dict:
+    """Build (or find) the engine, measure it and the peer, and return the report."""
+    from kiln.runtime.native.engine_format import EngineConfig
+
+    resolved = resolve_target(target)
+    config_path, peer_checkpoint, weights_note = _bench_config(resolved, plan, fmt=fmt, kv_cache_dtype=kv_cache_dtype,
+                                                               allow_large=allow_large, seed=seed)
+    ctx, build = _build_engine(config_path)
+    engine = EngineConfig.load(ctx.engine_dir)
+    device = ctx.choice.device
+    workload = Workload.make(engine.architecture.vocab_size, prompts=plan.prompts, input_len=plan.input_len,
+                             output_len=plan.output_len, seed=seed)
+    kiln = measure_kiln(ctx.engine_dir, workload, device=device, batch_1_only=batch_1_only,
+                        on_loaded=lambda ms: ctx.cache.record_load(ctx.engine_key, ms), progress=_progress)
+    free_memory(device)  # the closed engine's KV pool and weights, before the peer loads
+    kiln.update(backend="native", quantization=_quantization(engine, ctx, weights_note), **build)
+
+    peer_report = None
+    if peer == "transformers":
+        peer_report = _run_peer(peer_checkpoint or ctx.model_dir, workload, device, peer_attn, batch_1_only,
+                                quantized=engine.quantization.format != "none")
+
+    _progress("floor: sizing the decode step and the memory bandwidth")
+    step = decode_step_bytes(ctx.engine_dir, plan.input_len, plan.output_len)
+    bandwidth = resolve_bandwidth(device, bandwidth_gbs)
+    floor = floor_tokens_per_s(step["bytes_per_step"], bandwidth.gbs)
+    ratios = speedups(kiln, peer_report)
+    basis = "decode_tokens_per_s_batch1" if batch_1_only else "output_tokens_per_s"
+    return {
+        "kiln": kiln,
+        "peer": peer_report,
+        "speedup_vs_peer": ratios.get(basis),
+        "speedup_basis": basis,
+        "speedups": ratios,
+        "floor_tokens_per_s_batch1": round(floor, 2),
+        "floor_fraction_batch1": round(kiln["decode_tokens_per_s_batch1"] / floor, 4),
+        "floor": {"bandwidth_gbs": bandwidth.gbs, "bandwidth_source": bandwidth.source, **step},
+        "gpu": torch.cuda.get_device_name(torch.device(device)) if device == "cuda" else None,
+        "device": device,
+        "cpu_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "target": str(resolved.path),
+        "target_kind": resolved.kind,
+        "config": str(config_path),
+        "prompts": plan.prompts,
+        "input_len": plan.input_len,
+        "output_len": plan.output_len,
+        "batch_1_only": batch_1_only,
+        "seed": seed,
+    }
+
+
+def _bench_config(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
+                  seed: int) -> tuple[Path, Path | None, str | None]:
+    """The config to build, the peer's checkpoint when it is not the config's model, and what the weights are."""
+    if resolved.kind == "config":
+        if fmt is not None:
+            raise BenchTargetError(f"--format applies to architecture files; {resolved.path.name} sets its own "
+                                   "quantize.format")
+        check_config_holds(resolved.path, plan)
+        return resolved.path, None, None
+    arch = read_architecture_file(resolved.path)
+    cuda = torch.cuda.is_available()
+    check_fits_machine(resolved.path, arch, cuda=cuda, allow_large=allow_large)
+    device = "cuda" if cuda else "cpu"
+    hf_dir = random_checkpoint(resolved.path, arch, seed=seed, device=device, progress=_progress)
+    note = f"random bf16 weights (seed {seed}) for {resolved.path.name}"
+    checkpoint = hf_dir
+    if fmt in CALIB_METHODS:
+        checkpoint = quantized_checkpoint(hf_dir, fmt, device=device, seed=seed, kv_cache_dtype=kv_cache_dtype,
+                                          progress=_progress)
+        kv = " with an FP8 KV cache" if kv_cache_dtype == "fp8" else ""
+        note += (f", quantized to {fmt}{kv} by modelopt ({CALIB_METHODS[fmt]}) on {CALIB_BATCHES} random batches of "
+                 f"{CALIB_ROWS}x{CALIB_LEN} token ids (no convergence rounds, no accuracy gate)")
+    return bench_config(checkpoint, plan, arch, note), hf_dir, note
+
+
+def _build_engine(config_path: Path):
+    """The native engine of ``config_path`` through the cache (quantize → build → publish; a hit is instant)."""
+    from kiln.pipeline import runner
+
+    _progress(f"building {config_path.name} through the engine cache (a hit is instant)")
+    ctx = runner.prepare(str(config_path), backend="native", force=False, dry_run=False)
+    result = runner.run(ctx, runner.decide(ctx, smoke=False), None)  # bench loads the engine itself
+    return ctx, {"engine_dir": result["engine_dir"], "engine_key": ctx.engine_key,
+                 "cache_hit": result["cache"]["hit"], "build_s": result["build_seconds"]}
+
+
+def _quantization(engine, ctx, weights_note: str | None) -> str:
+    fmt = engine.quantization.format
+    label = f"{engine.dtype}, unquantized" if fmt == "none" else f"{fmt} ({engine.dtype} compute)"
+    if weights_note:
+        return f"{label}; {weights_note}"
+    if ctx.calibration:
+        gate = ctx.calibration.get("gate")
+        passed = gate.get("passed") if isinstance(gate, dict) else gate
+        converged = ctx.calibration.get("converged")
+        return f"{label}; calibrated by kiln build (converged: {converged}, gate passed: {passed})"
+    return label
+
+
+def _run_peer(checkpoint, workload, device, attn, batch_1_only, *, quantized: bool) -> dict:
+    from kiln.pipeline.bench.peer import PeerError, measure_transformers
+
+    try:
+        report = measure_transformers(checkpoint, workload, device=device, attn_implementation=attn,
+                                      batch_1_only=batch_1_only, progress=_progress)
+    except PeerError as e:
+        stderr.print(f"[yellow]warning:[/] peer transformers did not run: {e}", highlight=False)
+        return {"name": "transformers", "error": str(e)}
+    report["name"] = "transformers"
+    if quantized:
+        report["note"] = "the peer runs the unquantized checkpoint"
+    return report
+
+

@@ -1,0 +1,178 @@
+"""The step loop: schedule, run the model, postprocess sampled tokens, emit what each request gained."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from kiln.runtime import kernel_config
+from kiln.runtime.errors import InvalidRequestError, KilnError
+from kiln.runtime.limits import EngineLimits
+from kiln.runtime.native.block_manager import BlockManager
+from kiln.runtime.native.engine_format import EngineConfig
+from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint
+from kiln.runtime.native.model_runner import LaunchedStep, ModelRunner
+from kiln.runtime.native.sampler import SamplingError
+from kiln.runtime.native.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kiln.runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta, stop_reason
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import Sequence
+from kiln.runtime.stats import EngineStats, StepStats
+from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt, request_detokenizer
+
+logger = logging.getLogger("kiln.runtime")
+
+
+def resolve_device(device: str | torch.device | None, config: EngineConfig) -> torch.device:
+    """The requested device, else CUDA when the engine was built for CUDA and one is present, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    cuda = config.fingerprint.get("device") == "cuda" and torch.cuda.is_available()
+    return torch.device("cuda" if cuda else "cpu")
+
+
+class LLMEngine:
+    """Single-threaded core: requests in, one step at a time, deltas out. `LLM` drives it from a thread."""
+
+    def __init__(self, engine_dir: Path, *, device: str | torch.device | None = None,
+                 num_kv_blocks: int | None = None, overlap_steps: bool | None = None) -> None:
+        engine_dir = Path(engine_dir)
+        self.config = EngineConfig.load(engine_dir)
+        self.device = resolve_device(device, self.config)
+        check_fingerprint(self.config.fingerprint, machine_fingerprint(str(self.device)))
+        self.tokenizer = Tokenizer.from_dir(engine_dir)
+        self.model_runner = ModelRunner(engine_dir, self.config, self.device, num_kv_blocks)
+        plan = self.config.plan
+        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=plan.max_batch_size,
+                                                   max_num_batched_tokens=plan.max_num_tokens,
+                                                   max_seq_len=plan.max_seq_len, max_input_len=plan.max_input_len),
+                                   self.block_manager)
+        self.limits = EngineLimits.from_plan(asdict(plan),
+                                             kv_pool_tokens=self.block_manager.num_blocks * plan.tokens_per_block)
+        self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
+        self.stats = EngineStats()
+        self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
+        # queue the next step before reading this one's tokens (default: KILN_OVERLAP_STEPS)
+        self.overlap_steps = kernel_config.OVERLAP_STEPS if overlap_steps is None else overlap_steps
+        self._in_flight: LaunchedStep | None = None  # a step queued on the device, collected by the next step()
+
+    def close(self) -> None:
+        """Nothing to release beyond what garbage collection frees (the engine interface TensorRT-LLM's needs)."""
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Tokenize and validate a request without touching engine state (safe from any thread)."""
+        token_ids = encode_prompt(prompt, self.tokenizer, self.config.architecture.vocab_size, bool(params.stop))
+        self.scheduler.check_request(len(token_ids), params.max_tokens)
+        return Sequence(request_id, token_ids, params)
+
+    def add_request(self, seq: Sequence) -> None:
+        if seq.request_id in self._requests:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use: pick a unique id")
+        self.scheduler.add(seq)
+        detokenizer = request_detokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
+        self._requests[seq.request_id] = (seq, detokenizer)
+
+    def abort_request(self, request_id: str) -> StreamDelta | None:
+        """Finish a request with reason "abort", freeing its blocks; None if it is not (or no longer) here."""
+        if request_id not in self._requests:
+            return None
+        seq, _ = self._requests[request_id]
+        self.scheduler.finish(seq, "abort")
+        return self._emit(seq, [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def step(self) -> list[StreamDelta | RequestFailure]:
+        """One step: what each sampled request gained, or why it failed (the others are unaffected).
+
+        With ``overlap_steps``, the next step is scheduled without knowing this one's tokens
+        (``Scheduler.schedule_ahead``: decodes of the tokens in flight, prefill chunks, admissions) and queued behind
+        it on the device before its tokens are read; the next call collects it. A request that finishes meanwhile
+        (a stop token, an abort) drops what the queued step computed for it."""
+        start = time.perf_counter()
+        launched, self._in_flight = self._in_flight, None
+        queued_ahead = launched is not None
+        if not queued_ahead:
+            out = self.scheduler.schedule()
+            if not out.scheduled:
+                self._record_step(out, 0, time.perf_counter() - start, 0.0)
+                return []
+        execute_start = time.perf_counter()
+        launched = launched or self.model_runner.launch(out)
+        if self.overlap_steps and (ahead := self.scheduler.schedule_ahead(launched.out)) is not None:
+            self._in_flight = self.model_runner.launch(ahead, after=launched)
+        sampled = self.model_runner.collect(launched)
+        execute_s = time.perf_counter() - execute_start
+        self.scheduler.update_computed(launched.out)
+        now = time.monotonic()  # every token of the step reached the host together
+        results = [self._postprocess(seq, token_id, now) for seq, token_id in sampled.items() if not seq.is_finished]
+        self._record_step(launched.out, len(results), time.perf_counter() - start, execute_s, queued_ahead)
+        return results
+
+    def _postprocess(self, seq: Sequence, token_id: int | SamplingError, now: float) -> StreamDelta | RequestFailure:
+        """The request's delta, or its failure when its token could not be sampled or postprocessing raised."""
+        if isinstance(token_id, SamplingError):
+            return self._fail(seq, token_id)
+        try:
+            return self._append_token(seq, token_id, now)
+        except Exception as e:  # a bug: fail this request loudly, keep serving the others
+            logger.error("request %s failed while postprocessing token %d", seq.request_id, token_id, exc_info=e)
+            error = RequestFailedError(f"request {seq.request_id} failed in the engine ({type(e).__name__}: {e}); "
+                                       f"other requests are unaffected: report this as a bug")
+            error.__cause__ = e
+            return self._fail(seq, error)
+
+    def _fail(self, seq: Sequence, error: KilnError) -> RequestFailure:
+        """Finish a failed request with reason "abort" and free its blocks."""
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+        if self._requests.pop(seq.request_id, None) is not None:
+            self.stats.record_finished(seq)
+        return RequestFailure(seq.request_id, error)
+
+    def _append_token(self, seq: Sequence, token_id: int, now: float) -> StreamDelta:
+        """Append the sampled token and finish the sequence on a stop token, a stop string or max_tokens."""
+        _, detokenizer = self._requests[seq.request_id]
+        seq.append_token(token_id, now)
+        if (reason := stop_reason(seq, token_id, detokenizer, self.eos_token_ids)) is not None:
+            self.scheduler.finish(seq, reason)
+        return self._emit(seq, [token_id])
+
+    def _emit(self, seq: Sequence, new_token_ids: list[int]) -> StreamDelta:
+        _, detokenizer = self._requests[seq.request_id]
+        if seq.is_finished:
+            del self._requests[seq.request_id]
+            self.stats.record_finished(seq)
+        return step_delta(seq, detokenizer, new_token_ids)
+
+    def _record_step(self, out: SchedulerOutput, num_sampled: int, duration_s: float, execute_s: float,
+                     queued_ahead: bool = False) -> None:
+        bm = self.block_manager
+        self.stats.record_step(StepStats(
+            step=self.stats.num_steps, num_seqs=len(out.scheduled), num_batched_tokens=out.num_batched_tokens,
+            num_prefill_seqs=out.num_prefill_seqs, num_decode_seqs=out.num_decode_seqs,
+            num_preempted=out.num_preempted, num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
+            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens, duration_s=duration_s, execute_s=execute_s,
+            queued_ahead=queued_ahead),
+            num_sampled)
+
+    def stats_snapshot(self) -> dict:
+        """Engine counters and latency summaries, KV pool and prefix-cache state (safe from any thread)."""
+        bm = self.block_manager
+        queried = bm.prefix_cache_queried_tokens
+        return {
+            **self.stats.snapshot(),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "kv_cache": {"num_blocks": bm.num_blocks, "block_size": bm.block_size, "used_blocks": bm.num_used_blocks,
+                         "free_blocks": bm.num_free_blocks},
+            "prefix_cache": {"queried_tokens": queried, "hit_tokens": bm.prefix_cache_hit_tokens,
+                             "hit_blocks": bm.prefix_cache_hit_blocks,
+                             "hit_rate": bm.prefix_cache_hit_tokens / queried if queried else 0.0},
+        }

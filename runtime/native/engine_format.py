@@ -1,0 +1,208 @@
+"""The native engine directory: ``engine.json`` (this module), ``rank0.safetensors`` and the tokenizer files.
+
+``engine.json`` holds the model architecture, the compute dtype, the quantization, the build plan and the
+fingerprint of the machine the engine was built for. Weights in ``rank0.safetensors`` are in runtime layout
+(fused QKV and gate-up projections; see ``runtime/native/layers/linear.py`` for the quantized formats).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from kiln.runtime.errors import EngineFormatError
+
+ENGINE_FORMAT = "kiln-native"
+ENGINE_FORMAT_VERSION = 1
+ENGINE_JSON = "engine.json"
+WEIGHTS_FILE = "rank0.safetensors"
+# chat_template.jinja: transformers 5 saves a tokenizer's chat template there rather than in tokenizer_config.json;
+# the server reads it first.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
+QUANT_FORMATS = ("none", "fp8", "int4_awq")
+
+
+@dataclass(frozen=True)
+class LlamaArchitecture:
+    """Shape and hyper-parameters of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    type: str = "llama"
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight format of the linears; ``exclude_modules`` lists runtime module names kept in the engine dtype;
+    ``fp8_streaming_max_m`` maps an FP8 linear shape ``"{in}x{out}"`` to the largest token count its
+    weight-streaming kernel serves, as measured by a CUDA build (``engines.native.tuning``); a shape it lacks
+    takes the runtime's default."""
+
+    format: str = "none"
+    group_size: int | None = None
+    kv_cache_dtype: str = "auto"
+    exclude_modules: list[str] = field(default_factory=list)
+    fp8_streaming_max_m: dict[str, int] = field(default_factory=dict)
+
+    @staticmethod
+    def shape_key(in_features: int, out_features: int) -> str:
+        """The key of a linear shape in ``fp8_streaming_max_m``."""
+        return f"{in_features}x{out_features}"
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Serving limits the engine was validated for; ``kv_cache_dtype`` is a key of ``KV_CACHE_DTYPES``."""
+
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_num_tokens: int
+    tokens_per_block: int
+    kv_cache_dtype: str
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The parsed ``engine.json`` of a native engine."""
+
+    architecture: LlamaArchitecture
+    dtype: str
+    quantization: QuantizationConfig
+    plan: BuildPlan
+    fingerprint: dict[str, Any]
+    format_version: int = ENGINE_FORMAT_VERSION
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The compute dtype of the engine."""
+        return DTYPES[self.dtype]
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The dtype of the paged KV cache."""
+        return KV_CACHE_DTYPES[self.plan.kv_cache_dtype]
+
+    @classmethod
+    def load(cls, engine_dir: Path) -> EngineConfig:
+        """Read and validate ``engine_dir/engine.json``; raise EngineFormatError when it is not a native engine."""
+        path = Path(engine_dir) / ENGINE_JSON
+        if not path.is_file():
+            raise EngineFormatError(f"{engine_dir}: no {ENGINE_JSON}; not a kiln native engine, rebuild it")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise EngineFormatError(f"{path}: unreadable ({e}); rebuild the engine") from None
+        try:
+            return cls.from_dict(data)
+        except EngineFormatError as e:
+            raise EngineFormatError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """Build from the engine.json dict, checking the format marker, version and every section."""
+        if not isinstance(data, dict) or data.get("format") != ENGINE_FORMAT:
+            raise EngineFormatError(f"format is not {ENGINE_FORMAT!r}; not a kiln native engine")
+        if data.get("format_version") != ENGINE_FORMAT_VERSION:
+            raise EngineFormatError(
+                f"format_version {data.get('format_version')!r} is not {ENGINE_FORMAT_VERSION}; rebuild the engine "
+                "with this version of kiln"
+            )
+        config = cls(
+            architecture=_section(LlamaArchitecture, data, "architecture"),
+            dtype=_required(data, "dtype"),
+            quantization=_section(QuantizationConfig, data, "quantization"),
+            plan=_section(BuildPlan, data, "plan"),
+            fingerprint=_required(data, "fingerprint"),
+            format_version=data["format_version"],
+        )
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raise EngineFormatError when a value is outside what the runtime supports."""
+        arch, plan = self.architecture, self.plan
+        checks = [
+            (arch.type == "llama", f"architecture.type {arch.type!r} is not 'llama'"),
+            (self.dtype in DTYPES, f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}"),
+            (self.quantization.format in QUANT_FORMATS, f"quantization.format {self.quantization.format!r} unknown"),
+            (plan.kv_cache_dtype in KV_CACHE_DTYPES, f"plan.kv_cache_dtype {plan.kv_cache_dtype!r} unknown"),
+            (arch.num_kv_heads > 0 and arch.num_heads % arch.num_kv_heads == 0,
+             "architecture.num_heads is not a multiple of num_kv_heads"),
+            (isinstance(self.fingerprint, dict), "fingerprint is not an object"),
+            (isinstance(self.quantization.fp8_streaming_max_m, dict) and all(
+                isinstance(m, int) and m >= 0 for m in self.quantization.fp8_streaming_max_m.values()),
+             "quantization.fp8_streaming_max_m is not an object of non-negative integers"),
+        ]
+        for ok, problem in checks:
+            if not ok:
+                raise EngineFormatError(problem)
+        for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block"):
+            value = getattr(plan, name)
+            if not isinstance(value, int) or value <= 0:
+                raise EngineFormatError(f"plan.{name} must be a positive integer, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The engine.json dict."""
+        return {
+            "format": ENGINE_FORMAT,
+            "format_version": self.format_version,
+            "architecture": asdict(self.architecture),
+            "dtype": self.dtype,
+            "quantization": asdict(self.quantization),
+            "plan": asdict(self.plan),
+            "fingerprint": dict(self.fingerprint),
+        }
+
+    def to_json(self) -> str:
+        """The engine.json text (sorted keys, indented)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save(self, engine_dir: Path) -> None:
+        """Write ``engine_dir/engine.json``."""
+        (Path(engine_dir) / ENGINE_JSON).write_text(self.to_json())
+
+
+def _required(data: dict[str, Any], key: str) -> Any:
+    if key not in data:
+        raise EngineFormatError(f"missing key {key!r}")
+    return data[key]
+
+
+def _section(cls: type, data: dict[str, Any], key: str) -> Any:
+    """Construct dataclass ``cls`` from ``data[key]``, ignoring keys it does not know (added by later writers)."""
+    section = _required(data, key)
+    if not isinstance(section, dict):
+        raise EngineFormatError(f"{key} is not an object")
+    known = {f.name for f in fields(cls)}
+    try:
+        return cls(**{k: v for k, v in section.items() if k in known})
+    except TypeError as e:
+        raise EngineFormatError(f"{key}: {e}") from None
+
+
+def copy_tokenizer_files(source_dir: Path, engine_dir: Path) -> None:
+    """Copy the TOKENIZER_FILES that ``source_dir`` (a Hugging Face checkpoint) has into an engine directory."""
+    for name in TOKENIZER_FILES:
+        if (source_dir / name).is_file():
+            shutil.copyfile(source_dir / name, engine_dir / name)

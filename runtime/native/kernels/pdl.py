@@ -1,0 +1,48 @@
+"""Programmatic dependent launch (PDL, compute capability 9.0 and later) for the runtime's kernels.
+
+Launched with PDL, a kernel may be scheduled while the one before it on the stream is still finishing. Its first
+statement, ``wait_for_previous_kernel``, waits for that kernel to complete with its writes visible
+(``griddepcontrol.wait``), so nothing is read or written early; it then lets the next kernel be scheduled as this
+one's last programs start (``griddepcontrol.launch_dependents``). What this saves is the gap between consecutive
+kernels, inside CUDA graphs too, where a small-batch decode step is about 350 kernels of a few microseconds each.
+A kernel not launched with PDL (cuBLAS, PyTorch's) is waited for as usual. ``KILN_PDL=0`` turns it off
+(``runtime.kernel_config``).
+
+Only launches over at most ``PDL_MAX_TOKENS`` tokens use it. On an H200 (Llama-3-8B shape, CUDA-graph replays)
+it made an FP8 decode step at batch 1 4.8 % faster (3.53 -> 3.36 ms; bf16 2 %) but one at batch 256 2.6 % slower
+(11.16 -> 11.45 ms), where the kernels are long and the next kernel's waiting programs only take up room.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from kiln.runtime import kernel_config
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """With PDL: wait until the previous kernel has completed, then let the next one launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+PDL_MAX_TOKENS = 16
+
+
+def pdl_options(x: torch.Tensor) -> dict[str, bool]:
+    """The launch keywords of a kernel over the tokens of ``x`` (its first dim): the kernel's ``PDL`` constexpr and
+    triton's ``launch_pdl``, both on for at most PDL_MAX_TOKENS tokens on a CUDA device that has PDL (unless
+    ``KILN_PDL=0``); triton's interpreter runs without."""
+    on = kernel_config.PDL and x.shape[0] <= PDL_MAX_TOKENS and x.is_cuda and _supports_pdl(x.device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@functools.cache
+def _supports_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)

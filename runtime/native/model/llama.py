@@ -1,0 +1,162 @@
+"""Llama-family decoder (Llama 2/3, Mistral layout): GQA, RoPE with Llama-3 scaling, RMSNorm, SwiGLU, paged KV.
+
+Weights come from an engine's ``rank0.safetensors`` in runtime layout: fused ``qkv_proj`` and ``gate_up_proj``,
+each linear in the engine's quantization format unless listed in ``quantization.exclude_modules``.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from kiln.runtime.errors import EngineFormatError
+from kiln.runtime.native.attention_metadata import AttentionMetadata
+from kiln.runtime.native.engine_format import WEIGHTS_FILE, EngineConfig
+from kiln.runtime.native.kv_cache import KVCache
+from kiln.runtime.native.layers.activation import SiluAndMul
+from kiln.runtime.native.layers.attention import PagedAttention
+from kiln.runtime.native.layers.linear import Fp8Linear, Linear, fusable_input_scale, make_linear
+from kiln.runtime.native.layers.norm import RMSNorm
+from kiln.runtime.native.layers.rotary import RotaryEmbedding
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+
+class LinearFactory:
+    """Makes the linear of module ``name`` in the engine's format, or dense when the module is excluded."""
+
+    def __init__(self, config: EngineConfig, dtype: torch.dtype) -> None:
+        self.quant, self.dtype = config.quantization, dtype
+
+    def __call__(self, name: str, in_features: int, out_features: int) -> nn.Module:
+        excluded = any(fnmatch(name, pattern) for pattern in self.quant.exclude_modules)
+        fmt = "none" if excluded else self.quant.format
+        return make_linear(fmt, in_features, out_features, self.dtype, self.quant.group_size,
+                           self.quant.fp8_streaming_max_m.get(self.quant.shape_key(in_features, out_features)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: EngineConfig, prefix: str, linear: LinearFactory, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        arch = config.architecture
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = linear(f"{prefix}.qkv_proj", arch.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = linear(f"{prefix}.o_proj", self.q_size, arch.hidden_size)
+        fp8_kv = config.kv_cache_torch_dtype == torch.float8_e4m3fn
+        self.attn = PagedAttention(arch.head_dim, fp8_kv, rotary)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        o = self.attn(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                      v.view(-1, self.num_kv_heads, self.head_dim), meta, kv_cache,
+                      fusable_input_scale(self.o_proj, x), positions)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: EngineConfig, prefix: str, linear: LinearFactory) -> None:
+        super().__init__()
+        arch = config.architecture
+        self.gate_up_proj = linear(f"{prefix}.gate_up_proj", arch.hidden_size, 2 * arch.intermediate_size)
+        self.down_proj = linear(f"{prefix}.down_proj", arch.intermediate_size, arch.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self.act(gate_up, fusable_input_scale(self.down_proj, gate_up)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: EngineConfig, index: int, linear: LinearFactory, rotary: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        arch = config.architecture
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, f"layers.{index}.self_attn", linear, rotary)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, f"layers.{index}.mlp", linear)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            h, residual = self.input_layernorm(h, quant_scale=fusable_input_scale(self.self_attn.qkv_proj, h)), h
+        else:
+            h, residual = self.input_layernorm(h, residual, fusable_input_scale(self.self_attn.qkv_proj, h))
+        h = self.self_attn(positions, h, meta, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual, fusable_input_scale(self.mlp.gate_up_proj, h))
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    """The decoder over a flat batch of new tokens; ``compute_logits`` applies the (possibly tied) LM head."""
+
+    def __init__(self, config: EngineConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        arch = config.architecture
+        linear = LinearFactory(config, dtype)
+        rotary = RotaryEmbedding(arch.head_dim, config.plan.max_seq_len, arch.rope_theta, arch.rope_scaling)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype).requires_grad_(False)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, linear, rotary, dtype) for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype)
+        self.max_num_tokens = config.plan.max_num_tokens
+
+    @classmethod
+    def from_engine(cls, engine_dir: Path, config: EngineConfig, device: torch.device | str,
+                    dtype: torch.dtype | None = None) -> LlamaModel:
+        """Build on ``device`` in ``dtype`` (default: the engine dtype) and load ``rank0.safetensors``."""
+        with torch.device(device):
+            model = cls(config, dtype or config.torch_dtype)
+        model.load_weights(Path(engine_dir) / WEIGHTS_FILE)
+        return model.eval()
+
+    def load_weights(self, path: Path) -> None:
+        """Copy every tensor of the engine's weight file into the model, casting dense weights to its dtype."""
+        if not path.is_file():
+            raise EngineFormatError(f"{path}: missing; the engine is incomplete, rebuild it")
+        params = self.state_dict()
+        device = self.embed_tokens.weight.device
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                names = set(f.keys())
+                if names != params.keys():
+                    missing, unexpected = sorted(params.keys() - names), sorted(names - params.keys())
+                    raise EngineFormatError(f"{path}: weights do not match engine.json (missing {missing[:3]}, "
+                                            f"unexpected {unexpected[:3]}); rebuild the engine")
+                for name in names:
+                    tensor = f.get_tensor(name)
+                    if tensor.shape != params[name].shape:
+                        raise EngineFormatError(f"{path}: {name} has shape {list(tensor.shape)}, expected "
+                                                f"{list(params[name].shape)}; rebuild the engine")
+                    params[name].copy_(tensor)
+        except SafetensorError as e:
+            raise EngineFormatError(f"{path}: unreadable ({e}); rebuild the engine") from None
+        self.cache_derived_tensors()
+
+    def cache_derived_tensors(self) -> None:
+        """Recompute what the layers keep derived from their weights (FP8 linears: ``Fp8Linear.cache_derived_scales``
+        for up to ``max_num_tokens`` rows); ``load_weights`` does it, call it after changing weights otherwise."""
+        for module in self.modules():
+            if isinstance(module, Fp8Linear):
+                module.cache_derived_scales(self.max_num_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of the flat batch; K/V of the new tokens are stored in ``kv_caches``."""
+        h, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h, residual = layer(positions, h, residual, meta, kv_cache)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] of the given hidden states (select the last token of each sequence first), in the model
+        dtype: greedy rows need only their argmax, and the sampler converts the rows it draws from to float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

@@ -1,0 +1,153 @@
+"""Runs scheduled steps on the model: flat batch metadata, forward, logits of the last tokens, sampling; a step is
+launched on the device and collected once its tokens reach the host, so the engine can queue the next one between."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from itertools import accumulate
+from pathlib import Path
+
+import torch
+from kiln.runtime.errors import KilnError
+from kiln.runtime.native.attention_metadata import AttentionMetadata
+from kiln.runtime.native.decode_graphs import maybe_capture_decode_graphs
+from kiln.runtime.native.device_copy import device_tensor
+from kiln.runtime.native.engine_format import EngineConfig
+from kiln.runtime.native.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from kiln.runtime.native.model.llama import LlamaModel
+from kiln.runtime.native.prefill_graphs import maybe_capture_prefill_graphs
+from kiln.runtime.native.sampler import Draw, Sampler, SamplingError
+from kiln.runtime.native.scheduler import SchedulerOutput
+from kiln.runtime.sequence import Sequence
+
+# On CUDA the KV pool takes the memory left after the weights, an activation reserve and this share of the GPU kept
+# free, up to GPU_KV_MAX_PLAN_MULTIPLE times what max_batch_size full-length sequences need (the excess serves the
+# prefix cache; the cap keeps a small model on a large GPU from holding millions of blocks).
+GPU_KV_MEMORY_FRACTION = 0.9
+GPU_KV_MAX_PLAN_MULTIPLE = 4
+# On CPU the KV pool holds max_batch_size full-length sequences, at most this many bytes.
+CPU_KV_MAX_BYTES = 2 << 30
+
+
+class InsufficientKVMemoryError(KilnError):
+    """The KV pool cannot hold even one sequence of the engine's max_seq_len."""
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose model run and sampling are queued on the device; ``ModelRunner.collect`` waits for its tokens."""
+
+    out: SchedulerOutput
+    sample_seqs: list[Sequence]  # the sequences that get a token, in the order of ``drawn``'s rows
+    drawn: Draw | None
+    host_tokens: torch.Tensor | None  # the tokens' copy on the host, complete once ``ready`` has fired
+    ready: torch.cuda.Event | None
+
+    @functools.cached_property
+    def sample_rows(self) -> dict[Sequence, int]:
+        """Each sequence that gets a token, and its row of ``drawn``."""
+        return {seq: i for i, seq in enumerate(self.sample_seqs)}
+
+    def fed_tokens(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows of ``seqs`` whose input is a token this step samples, and those tokens, on the device: a step
+        queued behind this one takes them as its input ids there (None when this step samples none of them)."""
+        row = self.sample_rows
+        pairs = [(i, row[seq]) for i, seq in enumerate(seqs) if seq in row]
+        if not pairs:
+            return None
+        index = device_tensor(pairs, torch.long, self.drawn.tokens.device)
+        return index[:, 0], self.drawn.tokens[index[:, 1]].clamp_(min=0)  # a failed row's -1 (finished by then)
+
+
+class ModelRunner:
+    """Owns the model weights and the paged KV pool on one device, and executes scheduler outputs on them."""
+
+    def __init__(self, engine_dir: Path, config: EngineConfig, device: torch.device,
+                 num_kv_blocks: int | None = None) -> None:
+        self.config = config
+        self.device = device
+        self.block_size = config.plan.tokens_per_block
+        self.model = LlamaModel.from_engine(Path(engine_dir), config, device, config.torch_dtype)
+        self.num_kv_blocks = num_kv_blocks or self._default_num_kv_blocks()
+        min_blocks = -(-config.plan.max_seq_len // self.block_size)
+        if self.num_kv_blocks < min_blocks:
+            raise InsufficientKVMemoryError(
+                f"KV pool of {self.num_kv_blocks} blocks cannot hold one sequence of max_seq_len "
+                f"{config.plan.max_seq_len} ({min_blocks} blocks of {self.block_size} tokens): free memory, pass a "
+                f"larger num_kv_blocks, or rebuild with a smaller max_seq_len")
+        self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, device)
+        self.sampler = Sampler()
+        self.decode_graphs = maybe_capture_decode_graphs(self.model, self.kv_caches, config, device)  # None on CPU
+        self.prefill_graphs = maybe_capture_prefill_graphs(self.model, self.kv_caches, config, device)
+
+    def _default_num_kv_blocks(self) -> int:
+        plan, arch = self.config.plan, self.config.architecture
+        block_bytes = kv_bytes_per_block(self.config)
+        plan_blocks = plan.max_batch_size * -(-plan.max_seq_len // self.block_size)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            hidden_width = 4 * arch.hidden_size + 3 * arch.intermediate_size
+            activations = 4 * plan.max_num_tokens * hidden_width + 8 * plan.max_batch_size * arch.vocab_size
+            usable = free - (1 - GPU_KV_MEMORY_FRACTION) * total - 2 * activations
+            return max(0, min(int(usable // block_bytes), GPU_KV_MAX_PLAN_MULTIPLE * plan_blocks))
+        return min(plan_blocks, CPU_KV_MAX_BYTES // block_bytes)
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's model run and sampling on the device and return without waiting for them.
+
+        With ``after`` (a launched step not yet collected, ``Scheduler.schedule_ahead``), ``out`` follows it: the
+        tokens ``after`` runs for a sequence are computed before ``out``'s, and a token it samples is the input id
+        of that sequence's decode in ``out``, taken from the device."""
+        seqs = list(out.scheduled)
+        query_lens = list(out.scheduled.values())
+        in_flight = after.out.scheduled if after is not None else {}
+        sampled_before = after.sample_rows if after is not None else {}
+        input_ids, positions, seq_lens, rows = [], [], [], []
+        for i, (seq, query_len) in enumerate(zip(seqs, query_lens, strict=True)):
+            start = seq.num_computed_tokens + in_flight.get(seq, 0)
+            fed = seq in sampled_before  # its token is not on the host yet
+            input_ids.extend([0] if fed else seq.token_ids[start:start + query_len])
+            positions.extend(range(start, start + query_len))
+            seq_lens.append(start + query_len)
+            if seq_lens[-1] == seq.num_tokens + fed:  # the step reaches its last token: it samples
+                rows.append(i)
+        fed_ids = after.fed_tokens(seqs) if after is not None else None
+        block_tables = [seq.block_table for seq in seqs]
+        if self.decode_graphs is not None and self.decode_graphs.fits(query_lens):
+            logits = self.decode_graphs.run(input_ids, positions, seq_lens, block_tables, fed_ids)  # a row a sequence
+            logits = logits[rows] if len(rows) < len(seqs) else logits
+        elif fed_ids is None and self.prefill_graphs is not None and self.prefill_graphs.fits(query_lens):
+            logits = self.prefill_graphs.run(input_ids, positions, seq_lens[0], block_tables[0])  # the last token's
+        else:
+            meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+            ids = device_tensor(input_ids, torch.long, self.device)
+            if fed_ids is not None:
+                ids.index_copy_(0, *fed_ids)
+            hidden = self.model(ids, device_tensor(positions, torch.long, self.device), meta, self.kv_caches)
+            ends = list(accumulate(query_lens))
+            last_token_index = device_tensor([ends[i] - 1 for i in rows], torch.long, self.device)
+            logits = self.model.compute_logits(hidden[last_token_index])
+        sample_seqs = [seqs[i] for i in rows]
+        if not rows:
+            return LaunchedStep(out, [], None, None, None)
+        drawn = self.sampler.draw(logits, sample_seqs)
+        if self.device.type != "cuda":
+            return LaunchedStep(out, sample_seqs, drawn, drawn.tokens, None)
+        host_tokens = torch.empty(drawn.tokens.shape, dtype=drawn.tokens.dtype, pin_memory=True)
+        host_tokens.copy_(drawn.tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(out, sample_seqs, drawn, host_tokens, ready)
+
+    @staticmethod
+    def collect(step: LaunchedStep) -> dict[Sequence, int | SamplingError]:
+        """Wait for a launched step's tokens: the token of every sequence whose step reached its last token (a
+        prefill chunk that stops short of the end of the prompt samples nothing), or the SamplingError of one that
+        could not be sampled."""
+        if step.drawn is None:
+            return {}
+        if step.ready is not None:
+            step.ready.synchronize()
+        return dict(zip(step.sample_seqs, step.drawn.resolve(step.host_tokens.tolist()), strict=True))

@@ -1,0 +1,186 @@
+"""In-flight batching: which sequences run in the next step, and for how many tokens each."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kiln.runtime.errors import KilnError
+from kiln.runtime.native.block_manager import BlockManager
+from kiln.runtime.sequence import Sequence, SequenceStatus
+
+
+class RequestTooLongError(KilnError, ValueError):
+    """A request that this engine can never serve (too long for its plan or its KV pool)."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_seq_len: int
+    max_input_len: int
+
+
+@dataclass
+class SchedulerOutput:
+    """Sequences of one step and the number of new tokens each runs (a prefill chunk, or 1 for a decode)."""
+
+    scheduled: dict[Sequence, int] = field(default_factory=dict)
+    num_prefill_seqs: int = 0
+    num_decode_seqs: int = 0
+    num_preempted: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.scheduled.values())
+
+    def count_kinds(self, is_decode: Callable[[Sequence], bool]) -> None:
+        """Set ``num_decode_seqs`` and ``num_prefill_seqs`` from ``scheduled``."""
+        self.num_decode_seqs = sum(map(is_decode, self.scheduled))
+        self.num_prefill_seqs = len(self.scheduled) - self.num_decode_seqs
+
+
+class Scheduler:
+    """First come, first served, under a token budget of `max_num_batched_tokens` and `max_num_seqs` per step.
+
+    Each step schedules running decodes first, then running prefills, then admits waiting sequences in arrival
+    order, chunking a prefill to whatever budget is left. When KV blocks run out, the most recently arrived running
+    sequence is preempted by recompute: its blocks are freed and it goes back to the front of `waiting`. The oldest
+    sequence is never a victim and every request was checked to fit the pool alone, so none starves.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestTooLongError unless a request of this size can be served."""
+        c = self.config
+        if num_prompt_tokens == 0:
+            raise RequestTooLongError("prompt is empty: give at least one token")
+        if num_prompt_tokens > c.max_input_len:
+            raise RequestTooLongError(f"prompt has {num_prompt_tokens} tokens but the engine's max_input_len is "
+                                      f"{c.max_input_len}: shorten the prompt or rebuild with a larger max_input_len")
+        total = num_prompt_tokens + max_tokens
+        if total > c.max_seq_len:
+            raise RequestTooLongError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                                      f"exceeds the engine's max_seq_len ({c.max_seq_len}): shorten the prompt or "
+                                      f"lower max_tokens")
+        bm = self.block_manager
+        if bm.blocks_needed(total) > bm.num_blocks:
+            raise RequestTooLongError(f"request of {total} tokens needs {bm.blocks_needed(total)} KV blocks but the "
+                                      f"pool has {bm.num_blocks}: lower max_tokens or load with more num_kv_blocks")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_request(seq.num_prompt_tokens, seq.params.max_tokens)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for seq in sorted(self.running, key=lambda s: not s.is_decode):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.append_slots(seq, num_new):
+                victim = self.running[-1]
+                budget += out.scheduled.pop(victim, 0)
+                self.preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                out.scheduled[seq] = num_new
+                budget -= num_new
+        if not out.num_preempted:
+            self._admit(out, budget, len(self.running))
+        out.count_kinds(lambda seq: seq.is_decode)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, num_running: int) -> None:
+        """Admit waiting sequences in arrival order into ``out`` while the token ``budget``, the sequence limit
+        (``num_running`` are running) and the free blocks allow, the last one's prefill chunked to fit."""
+        while self.waiting and budget and num_running < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            computed_blocks = self.block_manager.get_computed_blocks(seq)
+            num_new = min(seq.num_tokens - len(computed_blocks) * self.block_manager.block_size, budget)
+            if not self.block_manager.allocate(seq, computed_blocks, num_new):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.seq_id)
+            out.scheduled[seq] = num_new
+            budget -= num_new
+            num_running += 1
+
+    def schedule_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after ``out``, a step launched but not collected, scheduled before its tokens are known.
+
+        Each sequence that ``out`` samples is one token longer, a decode of that token, unless the token ends it by
+        length; a prefill chunk continues; waiting requests are admitted into the rest of the budget and into the
+        seats of the sequences that end (not yet into their blocks: those are freed once ``out`` is collected).
+        Blocks for the tokens in flight and the new ones are taken now. None when ``out`` preempted, when a running
+        sequence's blocks run short (that step would preempt: it waits for ``out``'s outcome), or when nothing
+        would run."""
+        if out.num_preempted:
+            return None
+        sampled = {seq for seq, num_new in out.scheduled.items() if seq.num_computed_tokens + num_new == seq.num_tokens}
+        ending = {seq for seq in sampled if seq.num_completion_tokens + 1 >= seq.params.max_tokens}
+        going_on = [seq for seq in self.running if seq not in ending]
+
+        def decodes_next(seq: Sequence) -> bool:
+            return seq in sampled or seq.is_decode
+
+        ahead = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for seq in sorted(going_on, key=lambda s: not decodes_next(s)):  # decodes first
+            if budget == 0:
+                break
+            in_flight = out.scheduled.get(seq, 0)
+            num_new = min(seq.num_tokens + (seq in sampled) - seq.num_computed_tokens - in_flight, budget)
+            if not self.block_manager.append_slots(seq, in_flight + num_new):
+                return None
+            ahead.scheduled[seq] = num_new
+            budget -= num_new
+        self._admit(ahead, budget, len(going_on))
+        if not ahead.scheduled:
+            return None
+        ahead.count_kinds(decodes_next)
+        return ahead
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and requeue it first in line; its tokens are recomputed when it is readmitted."""
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update_computed(self, out: SchedulerOutput) -> None:
+        """Record that the step wrote KV for its scheduled tokens (of the sequences not finished since it was
+        scheduled: a step scheduled ahead may outlive some)."""
+        for seq, num_new in out.scheduled.items():
+            if not seq.is_finished:
+                seq.num_computed_tokens += num_new
+                self.block_manager.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish a waiting or running sequence ("stop", "length", "abort") and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason)

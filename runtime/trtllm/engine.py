@@ -1,0 +1,305 @@
+"""A TensorRT-LLM 1.2.x engine behind Kiln's engine interface, run by TensorRT-LLM's C++ executor.
+
+`TrtllmEngine` has the methods `LLM` drives (`make_request`, `add_request`, `step`, `abort_request`,
+`has_unfinished`, `stats_snapshot`), so `LLM.load`, `generate`, `stream`, `abort` and the server work unchanged.
+The executor does the in-flight batching, paged KV and block reuse; Kiln keeps tokenization, stop strings and
+metrics. `tensorrt_llm` is imported only when an engine is loaded, so `import runtime` stays light.
+
+An engine directory holds what trtllm-build wrote (`config.json`, `rank<N>.engine`), the tokenizer files and
+`kiln_trtllm.json` (this module's `TrtllmEngineInfo`): the plan, the EOS ids and the fingerprint of the build machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError, InvalidRequestError, KilnError
+from kiln.runtime.limits import EngineLimits
+from kiln.runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta, stop_reason
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import Sequence
+from kiln.runtime.stats import EngineStats
+from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt, request_detokenizer
+
+TRTLLM_ENGINE_JSON = "kiln_trtllm.json"
+ENGINE_FORMAT = "kiln-trtllm"
+ENGINE_FORMAT_VERSION = 1
+SUPPORTED_TRTLLM = (1, 2)
+INSTALL_HINT = ("install TensorRT-LLM 1.2.x on a GPU machine: pip install 'tensorrt-llm>=1.2,<1.3' "
+                "--extra-index-url https://pypi.nvidia.com (see docs/tensorrt-llm.md)")
+FINGERPRINT_FIELDS = ("gpu_name", "compute_capability", "tensorrt_llm", "tensorrt")
+_TENSORRT_DISTRIBUTIONS = ("tensorrt", "tensorrt_cu13", "tensorrt_cu12", "tensorrt_cu11")
+FINISH_REASONS = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "abort",
+                   "TIMED_OUT": "abort"}
+
+
+class TrtllmUnavailableError(KilnError):
+    """TensorRT-LLM is not installed, is not 1.2.x, or there is no GPU to run its engine on."""
+
+
+class TrtllmRequestError(InvalidRequestError):
+    """A request this engine cannot take (bad token ids, too long, text without a tokenizer)."""
+
+
+@dataclass(frozen=True)
+class TrtllmEngineInfo:
+    """The parsed `kiln_trtllm.json` of a TensorRT-LLM engine directory."""
+
+    plan: dict[str, Any]
+    quantization: dict[str, Any]
+    fingerprint: dict[str, Any]
+    eos_token_ids: list[int]
+    vocab_size: int
+    tp_size: int = 1
+    pp_size: int = 1
+    build: dict[str, Any] = field(default_factory=dict)
+    format_version: int = ENGINE_FORMAT_VERSION
+
+    @classmethod
+    def load(cls, engine_dir: Path) -> TrtllmEngineInfo:
+        """Read and check `engine_dir/kiln_trtllm.json`; raise EngineFormatError when it is missing or malformed."""
+        path = Path(engine_dir) / TRTLLM_ENGINE_JSON
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise EngineFormatError(f"{engine_dir}: no {TRTLLM_ENGINE_JSON}; not a Kiln TensorRT-LLM engine, rebuild "
+                                    f"it with `kiln build --backend trtllm`") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise EngineFormatError(f"{path}: unreadable ({e}); rebuild the engine") from None
+        if not isinstance(data, dict) or data.get("format") != ENGINE_FORMAT:
+            raise EngineFormatError(f"{path}: format is not {ENGINE_FORMAT!r}; rebuild the engine")
+        if data.get("format_version") != ENGINE_FORMAT_VERSION:
+            raise EngineFormatError(f"{path}: format_version {data.get('format_version')!r} is not "
+                                    f"{ENGINE_FORMAT_VERSION}; rebuild the engine with this version of kiln")
+        try:
+            return cls(**{k: v for k, v in data.items() if k not in ("format",)})
+        except TypeError as e:
+            raise EngineFormatError(f"{path}: {e}; rebuild the engine") from None
+
+    def save(self, engine_dir: Path) -> None:
+        """Write `engine_dir/kiln_trtllm.json`."""
+        data = {"format": ENGINE_FORMAT, **asdict(self)}
+        (Path(engine_dir) / TRTLLM_ENGINE_JSON).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def is_trtllm_engine(engine_dir: Path) -> bool:
+    """Whether `engine_dir` is a Kiln TensorRT-LLM engine (has `kiln_trtllm.json`)."""
+    return (Path(engine_dir) / TRTLLM_ENGINE_JSON).is_file()
+
+
+def trtllm_version() -> str | None:
+    """The installed tensorrt_llm version (package metadata only: nothing is imported)."""
+    return _version("tensorrt_llm")
+
+
+def trtllm_versions() -> dict[str, str | None]:
+    """Installed tensorrt_llm and tensorrt versions (package metadata only: nothing is imported)."""
+    return {"tensorrt_llm": trtllm_version(),
+            "tensorrt": next(filter(None, map(_version, _TENSORRT_DISTRIBUTIONS)), None)}
+
+
+def trtllm_machine_fingerprint() -> dict[str, Any]:
+    """What a TensorRT-LLM engine is tied to on this machine: GPU name and compute capability, CUDA, and the
+    tensorrt_llm and tensorrt versions (None where absent)."""
+    import torch
+
+    gpu = {"device": "cpu", "gpu_name": None, "compute_capability": None, "cuda": None}
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        gpu = {"device": "cuda", "gpu_name": torch.cuda.get_device_name(0), "compute_capability": f"{major}.{minor}",
+               "cuda": torch.version.cuda}
+    return {**gpu, **trtllm_versions()}
+
+
+def check_trtllm_fingerprint(engine_fp: dict[str, Any], machine_fp: dict[str, Any]) -> None:
+    """Raise FingerprintMismatchError naming each field in which this machine differs from the build machine:
+    a TensorRT engine runs only with the TensorRT and TensorRT-LLM it was built with, on the GPU it was built for."""
+    if machine_fp.get("device") != "cuda":
+        raise TrtllmUnavailableError("TensorRT-LLM engines run on NVIDIA GPUs and no CUDA GPU is visible; load this "
+                                     "engine on the GPU machine it was built on, or build a native engine")
+    differences = [f"{name} {engine_fp.get(name)!r} at build time, {machine_fp.get(name)!r} here"
+                   for name in FINGERPRINT_FIELDS if engine_fp.get(name) != machine_fp.get(name)]
+    if differences:
+        raise FingerprintMismatchError(f"TensorRT-LLM engine built for another GPU or toolchain: "
+                                       f"{'; '.join(differences)}; rebuild it here with `kiln build --backend trtllm`")
+
+
+def is_supported_trtllm(version: str) -> bool:
+    """Whether a TensorRT-LLM version string is a supported release (1.2.x)."""
+    return tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) == SUPPORTED_TRTLLM
+
+
+def import_executor_module() -> Any:
+    """`tensorrt_llm.bindings.executor`, after checking the installed version is 1.2.x."""
+    version = _version("tensorrt_llm")
+    if version is None:
+        raise TrtllmUnavailableError(f"this engine needs TensorRT-LLM, which is not installed; {INSTALL_HINT}")
+    if not is_supported_trtllm(version):
+        raise TrtllmUnavailableError(f"TensorRT-LLM {version} is installed but Kiln supports 1.2.x only (the TensorRT "
+                                     f"engine path left TensorRT-LLM after 1.3.0rc20); {INSTALL_HINT}")
+    try:
+        return importlib.import_module("tensorrt_llm.bindings.executor")
+    except ImportError as e:
+        raise TrtllmUnavailableError(f"tensorrt_llm.bindings.executor does not import ({e}); {INSTALL_HINT}") from None
+
+
+class _Request:
+    """A request's Kiln-side state: the sequence, its detokenizer, and the executor's id for it."""
+
+    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None) -> None:
+        self.seq = seq
+        self.detokenizer = detokenizer
+        self.executor_id: int | None = None
+
+
+class TrtllmEngine:
+    """TensorRT-LLM's executor (in-flight batching, paged KV, block reuse, chunked context) as a Kiln engine."""
+
+    def __init__(self, engine_dir: Path, *, device: str | None = None, num_kv_blocks: int | None = None,
+                 free_gpu_memory_fraction: float = 0.9, poll_ms: int = 10) -> None:
+        engine_dir = Path(engine_dir)
+        if device is not None and not str(device).startswith("cuda"):
+            raise TrtllmUnavailableError(f"device {device!r}: TensorRT-LLM engines run on CUDA GPUs only")
+        self.info = TrtllmEngineInfo.load(engine_dir)
+        self.trtllm = import_executor_module()
+        check_trtllm_fingerprint(self.info.fingerprint, trtllm_machine_fingerprint())
+        if self.info.tp_size * self.info.pp_size != 1:
+            raise TrtllmUnavailableError(f"{engine_dir}: a tp_size {self.info.tp_size} x pp_size {self.info.pp_size} "
+                                         f"engine needs one MPI process per GPU, which Kiln's adapter does not start; "
+                                         f"serve it with trtllm-serve, or build with tp_size 1 and pp_size 1")
+        self.tokenizer = Tokenizer.from_dir(engine_dir)
+        self.plan = self.info.plan
+        self.limits = EngineLimits.from_plan(self.plan)  # the executor sizes its KV pool itself
+        self.eos_token_ids = frozenset(self.info.eos_token_ids)
+        self.stats = EngineStats()
+        self._poll = timedelta(milliseconds=poll_ms)
+        self._requests: dict[str, _Request] = {}
+        self._by_executor_id: dict[int, str] = {}
+        self._errors: list[str] = []
+        self.executor = self.trtllm.Executor(engine_dir, self.trtllm.ModelType.DECODER_ONLY,
+                                             self._executor_config(num_kv_blocks, free_gpu_memory_fraction))
+
+    def _executor_config(self, num_kv_blocks: int | None, free_gpu_memory_fraction: float) -> Any:
+        trtllm = self.trtllm
+        max_tokens = None if num_kv_blocks is None else num_kv_blocks * self.plan["tokens_per_block"]
+        kv_cache = trtllm.KvCacheConfig(enable_block_reuse=True, max_tokens=max_tokens,
+                                        free_gpu_memory_fraction=free_gpu_memory_fraction)
+        scheduler = trtllm.SchedulerConfig(capacity_scheduler_policy=trtllm.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
+        return trtllm.ExecutorConfig(max_beam_width=1, scheduler_config=scheduler, kv_cache_config=kv_cache,
+                                     enable_chunked_context=True, batching_type=trtllm.BatchingType.INFLIGHT)
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Tokenize and validate a request without touching the executor (safe from any thread)."""
+        token_ids = encode_prompt(prompt, self.tokenizer, self.info.vocab_size, bool(params.stop), TrtllmRequestError)
+        if not token_ids:
+            raise TrtllmRequestError("the prompt is empty: pass at least one token")
+        max_input, max_seq = self.plan["max_input_len"], self.plan["max_seq_len"]
+        if len(token_ids) > max_input or len(token_ids) + params.max_tokens > max_seq:
+            raise TrtllmRequestError(f"prompt of {len(token_ids)} tokens + max_tokens {params.max_tokens} does not fit "
+                                     f"this engine (max_input_len {max_input}, max_seq_len {max_seq}): shorten the "
+                                     f"prompt or lower max_tokens")
+        return Sequence(request_id, token_ids, params)
+
+    def add_request(self, seq: Sequence) -> None:
+        """Hand a request to the executor."""
+        if seq.request_id in self._requests:
+            raise TrtllmRequestError(f"request id {seq.request_id!r} is already in use: pick a unique id")
+        detokenizer = request_detokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
+        state = _Request(seq, detokenizer)
+        try:
+            state.executor_id = self.executor.enqueue_request(self._executor_request(seq))
+        except RuntimeError as e:
+            raise TrtllmRequestError(f"TensorRT-LLM refused request {seq.request_id}: {e}") from None
+        self._requests[seq.request_id] = state
+        self._by_executor_id[state.executor_id] = seq.request_id
+
+    def _executor_request(self, seq: Sequence) -> Any:
+        trtllm, params = self.trtllm, seq.params
+        stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
+        end_id = None if params.ignore_eos or not self.info.eos_token_ids else self.info.eos_token_ids[0]
+        return trtllm.Request(input_token_ids=seq.prompt_token_ids, max_tokens=params.max_tokens, streaming=True,
+                              sampling_config=self._sampling_config(params),
+                              output_config=trtllm.OutputConfig(exclude_input_from_output=True),
+                              end_id=end_id, stop_words=[[t] for t in stops] or None)
+
+    def _sampling_config(self, params: SamplingParams) -> Any:
+        if params.greedy:
+            return self.trtllm.SamplingConfig(beam_width=1, top_k=1, seed=params.seed)
+        return self.trtllm.SamplingConfig(beam_width=1, top_k=params.top_k if params.top_k > 0 else None,
+                                          top_p=params.top_p if params.top_p < 1 else None,
+                                          temperature=params.temperature, seed=params.seed)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[StreamDelta | RequestFailure]:
+        """Collect what the executor produced since the last call (waits up to `poll_ms` for it)."""
+        deltas = []
+        for response in self.executor.await_responses(timeout=self._poll):
+            request_id = self._by_executor_id.get(response.request_id)
+            if request_id is not None:
+                deltas.append(self._on_response(self._requests[request_id], response))
+        return deltas
+
+    def _on_response(self, state: _Request, response: Any) -> StreamDelta | RequestFailure:
+        seq = state.seq
+        if response.has_error():
+            self._errors.append(f"{seq.request_id}: {response.error_msg}")
+            self._finish(state, "abort", [], executor_done=True)
+            return RequestFailure(seq.request_id, RequestFailedError(
+                f"request {seq.request_id} failed in the TensorRT-LLM executor: {response.error_msg}"))
+        result = response.result
+        new_tokens = []
+        for token_id in (result.output_token_ids or [[]])[0]:
+            new_tokens.append(token_id)
+            seq.append_token(token_id)
+            reason = stop_reason(seq, token_id, state.detokenizer, self.eos_token_ids)
+            if reason is not None:
+                return self._finish(state, reason, new_tokens, executor_done=result.is_final)
+        if result.is_final:
+            names = [getattr(r, "name", str(r)) for r in result.finish_reasons]
+            reason = FINISH_REASONS.get(names[0] if names else "", "stop")
+            return self._finish(state, reason, new_tokens, executor_done=True)
+        return self._emit(state, new_tokens)
+
+    def abort_request(self, request_id: str) -> StreamDelta | None:
+        """Cancel a request in the executor and finish it with reason "abort"; None if it is not here."""
+        state = self._requests.get(request_id)
+        return None if state is None else self._finish(state, "abort", [])
+
+    def _finish(self, state: _Request, reason: str, new_tokens: list[int], executor_done: bool = False) -> StreamDelta:
+        """Finish on Kiln's side; the executor is told to stop when it has not finished the request itself."""
+        self._by_executor_id.pop(state.executor_id, None)
+        if not executor_done:
+            self.executor.cancel_request(state.executor_id)
+        state.seq.finish(reason)
+        return self._emit(state, new_tokens)
+
+    def _emit(self, state: _Request, new_tokens: list[int]) -> StreamDelta:
+        seq = state.seq
+        if seq.is_finished:
+            del self._requests[seq.request_id]
+            self.stats.record_finished(seq)
+        return step_delta(seq, state.detokenizer, new_tokens)
+
+    def stats_snapshot(self) -> dict:
+        """Request counters and latency summaries; the executor's own statistics stay in TensorRT-LLM."""
+        return {**self.stats.snapshot(), "backend": "trtllm", "num_running": len(self._requests),
+                "recent_errors": self._errors[-5:]}
+
+    def close(self) -> None:
+        """Shut the executor down (its worker threads and GPU memory)."""
+        self.executor.shutdown()
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
