@@ -6,8 +6,9 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
-from kiln.calibration.errors import CalibrationError
 from torch import nn
+
+from kiln.calibration.errors import CalibrationError
 
 T = TypeVar("T")
 

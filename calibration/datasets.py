@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from kiln.calibration.errors import CalibrationError
 from kiln.calibration.recipe import QuantizeRecipe
 from kiln.calibration.sources import read_documents, resolve_source, source_digest

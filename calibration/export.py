@@ -9,9 +9,10 @@ import warnings
 from pathlib import Path
 
 import torch
-from kiln.calibration.errors import CalibrationError
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from kiln.calibration.errors import CalibrationError
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

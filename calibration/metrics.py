@@ -7,8 +7,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from kiln.calibration.batching import BatchRunner
 from torch import nn
+
+from kiln.calibration.batching import BatchRunner
 
 CACHE_LIMIT_BYTES = 1 << 30  # reference logits up to 1 GiB stay in memory; above that they are recomputed
 

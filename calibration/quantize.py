@@ -20,6 +20,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from kiln.calibration.batching import BatchRunner
 from kiln.calibration.convergence import ConvergenceMonitor
 from kiln.calibration.datasets import CalibrationData, load_calibration_data
@@ -42,7 +44,6 @@ from kiln.calibration.modelopt_quantize import (
 from kiln.calibration.plot import plot_curves
 from kiln.calibration.recipe import QuantizeRecipe, recipe_material
 from kiln.calibration.report import Attempt, RoundRecord, build_report, outcomes_text, unsettled_text, write_report
-from torch import nn
 
 Progress = Callable[[str, float], None]
 

@@ -6,8 +6,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Literal
 
-from kiln.calibration.sources import source_sha256
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kiln.calibration.sources import source_sha256
 
 Format = Literal["none", "fp8", "int4_awq"]
 

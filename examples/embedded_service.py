@@ -19,8 +19,9 @@ from concurrent.futures import Future
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from kiln.runtime import LLM, SamplingParams
 from pydantic import BaseModel
+
+from kiln.runtime import LLM, SamplingParams
 
 
 class Worker:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kiln.runtime.errors import KilnError
-from kiln.runtime.trtllm.engine import INSTALL_HINT, is_supported_trtllm, trtllm_version
+from kiln.runtime.trtllm.toolchain import INSTALL_HINT, is_supported_trtllm, trtllm_version
 
 
 class BackendUnavailableError(KilnError):

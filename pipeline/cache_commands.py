@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
 from kiln.engines.cache import CacheCorruptError, EngineCache, default_cache_root
 from kiln.engines.cache import inspect as cache_inspect
 from kiln.engines.cache.units import (
@@ -21,8 +24,6 @@ from kiln.engines.cache.units import (
     parse_size,
 )
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
-from rich.console import Console
-from rich.table import Table
 
 cache_app = typer.Typer(help="Inspect and maintain the engine cache.", no_args_is_help=True)
 

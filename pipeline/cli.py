@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
+
 from kiln.pipeline.bench.command import bench
 from kiln.pipeline.bench.loadtest import loadtest
 from kiln.pipeline.cache_commands import cache_app, print_explain
 from kiln.pipeline.config import load_config
 from kiln.pipeline.console import friendly_errors, print_json, stage_progress, stdout
+from kiln.pipeline.runtime_env import runtime_options
 from kiln.pipeline.serve_command import serve
 
 app = typer.Typer(help="Kiln: a Hugging Face checkpoint to a quantized, cached, served engine.",
@@ -37,7 +40,7 @@ def build(
 
     if backend not in (None, "auto", "native", "trtllm"):
         raise typer.BadParameter(f"--backend must be auto, native or trtllm, not {backend!r}")
-    ctx = runner.prepare(config, backend=backend, force=force, dry_run=dry_run)
+    ctx = runner.prepare(config, backend=backend, force=force, dry_run=dry_run, options=runtime_options(os.environ))
     decisions = runner.decide(ctx)
     if dry_run:
         plan = runner.plan_json(ctx, decisions)
@@ -59,7 +62,7 @@ def quantize(
     from kiln.pipeline import runner
     from kiln.pipeline.summary import print_quantize
 
-    ctx = runner.prepare(config, backend=None, force=force, dry_run=False)
+    ctx = runner.prepare(config, backend=None, force=force, dry_run=False, options=runtime_options(os.environ))
     with stage_progress(enabled=not json_out) as progress:
         result = runner.quantize_only(ctx, progress)
     print_json(result) if json_out else print_quantize(result)
@@ -88,7 +91,7 @@ def cache_explain(config: ConfigArg, json_out: JsonOpt = False) -> None:
     from kiln.pipeline import runner
     from kiln.pipeline.model_source import ModelNotFoundError
 
-    ctx = runner.prepare(config, backend=None, force=False, dry_run=True)
+    ctx = runner.prepare(config, backend=None, force=False, dry_run=True, options=runtime_options(os.environ))
     if ctx.material is None:
         raise ModelNotFoundError(f"model files not found for model.path {ctx.config.model.path}; "
                                  "the key material needs the checkpoint's content hash")

@@ -6,9 +6,10 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+
 from kiln.calibration.recipe import QuantizeRecipe
 from kiln.pipeline.yaml_source import ConfigError, line_of, load_yaml_with_lines
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS_DIR = REPO_ROOT / "configs"

@@ -12,10 +12,11 @@ from contextlib import contextmanager, redirect_stdout
 from typing import Any
 
 import typer
-from kiln.calibration.errors import CalibrationError
-from kiln.runtime.errors import KilnError
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kiln.calibration.errors import CalibrationError
+from kiln.runtime.errors import KilnError
 
 stdout = Console()
 stderr = Console(stderr=True)

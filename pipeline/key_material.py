@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from kiln.engines.native.tuning import tuning_material
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import KilnConfig
 from kiln.runtime.native.engine_format import ENGINE_FORMAT_VERSION
 from kiln.runtime.native.fingerprint import machine_fingerprint
-from kiln.runtime.trtllm.engine import ENGINE_FORMAT_VERSION as TRTLLM_ENGINE_FORMAT_VERSION
-from kiln.runtime.trtllm.engine import trtllm_machine_fingerprint
+from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.trtllm.engine_info import ENGINE_FORMAT_VERSION as TRTLLM_ENGINE_FORMAT_VERSION
+from kiln.runtime.trtllm.toolchain import trtllm_machine_fingerprint
 
 KEY_SCHEMA = 1
 
@@ -21,17 +23,19 @@ def quantized_material(checkpoint_hash: str, recipe: dict, device: str, compute_
 
 
 def engine_material(checkpoint_hash: str, quantized_key: str | None, config: KilnConfig, choice: BackendChoice,
-                    recipe: dict) -> dict:
-    """Key material of an engine: checkpoint, recipe (``recipe_material``), semantic build options, backend,
-    toolchain, hardware."""
+                    recipe: dict, options: RuntimeOptions) -> dict:
+    """Key material of an engine: checkpoint, recipe (``recipe_material``), semantic build options, the runtime
+    options that change what the build writes (native: ``tuning_material``), backend, toolchain, hardware."""
     if choice.backend == "trtllm":
         machine = trtllm_machine_fingerprint()
         toolchain = {name: machine.get(name) for name in ("tensorrt_llm", "tensorrt", "cuda")}
         format_version = TRTLLM_ENGINE_FORMAT_VERSION
+        backend_options = {}
     else:
         machine = machine_fingerprint(choice.device)
         toolchain = {name: machine.get(name) for name in ("torch", "triton", "cuda")}
         format_version = ENGINE_FORMAT_VERSION
+        backend_options = {"tuning": tuning_material(choice.device, options.kernels)}
     return {
         "key_schema": KEY_SCHEMA,
         "kind": "engine",
@@ -39,6 +43,7 @@ def engine_material(checkpoint_hash: str, quantized_key: str | None, config: Kil
         "quantization": {"recipe": recipe, "quantized_key": quantized_key},
         "model_dtype": config.model.dtype,
         "build": config.build.semantic(choice.backend),
+        **backend_options,
         "backend": choice.backend,
         "engine_format_version": format_version,
         "toolchain": toolchain,

@@ -22,6 +22,7 @@ from kiln.pipeline.stages import (
     report_summary,
     trtllm_plan_extra,
 )
+from kiln.runtime.options import RuntimeOptions
 
 ProgressFactory = Callable[[str], Callable[[str, float], None]]
 
@@ -42,8 +43,10 @@ def _hash_checkpoint(model_dir: Path, cache: EngineCache | None) -> str:
     return checkpoint_hash(model_dir, memo_path=cache.hash_memo_path if cache else None)
 
 
-def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bool) -> BuildContext:
-    """Resolve config, backend, model and keys. A dry run tolerates a missing model; a real run does not."""
+def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bool,
+            options: RuntimeOptions) -> BuildContext:
+    """Resolve config, backend, model and keys; ``options`` are the runtime's (the builder's kernels, the smoke
+    stage's load). A dry run tolerates a missing model; a real run does not."""
     loaded = load_config(config)
     choice = choose_backend(backend or loaded.config.build.backend, loaded.config.build.device)
     if dry_run:
@@ -56,8 +59,8 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
             preflight_native_plan(model_dir, native_plan(loaded.config), loaded.config.model.dtype)
         cache = open_cache(loaded, create=True)
     ckpt = _hash_checkpoint(model_dir, cache) if model_dir else None
-    ctx = BuildContext(loaded=loaded, choice=choice, cache=cache, model_dir=model_dir, checkpoint_hash=ckpt,
-                       force=force)
+    ctx = BuildContext(loaded=loaded, choice=choice, options=options, cache=cache, model_dir=model_dir,
+                       checkpoint_hash=ckpt, force=force)
     ctx.compute_keys()
     return ctx
 

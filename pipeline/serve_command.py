@@ -3,17 +3,21 @@ engine over the OpenAI-compatible HTTP API until SIGTERM."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+
 from kiln.pipeline.config import ServeSection
 from kiln.pipeline.console import friendly_errors, stage_progress, stderr
+from kiln.pipeline.runtime_env import runtime_options
 from kiln.runtime.cache_layout import default_cache_root, entry_engine_dir, is_cache_key
 from kiln.runtime.errors import KilnError
-from kiln.runtime.trtllm.engine import is_trtllm_engine
+from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.trtllm.engine_info import is_trtllm_engine
 
 if TYPE_CHECKING:
     from kiln.runtime.llm import LLM
@@ -32,7 +36,7 @@ class ServeTarget:
 
     engine_dir: Path
     model_name: str
-    device: str | None = None
+    device: str | None = None  # where a config's engine was built for; None: the engine's own
     host: str = _SERVE_DEFAULTS.host
     port: int = _SERVE_DEFAULTS.port
     api_key: str | None = None
@@ -40,13 +44,15 @@ class ServeTarget:
     engine_cache: dict = field(default_factory=dict)
     record_load: Callable[[float], None] | None = None
 
-    def loader(self, num_kv_blocks: int | None = None) -> Callable[[], LLM]:
-        """Loads the engine (recording the load with the cache, when it came from one)."""
+    def loader(self, options: RuntimeOptions) -> Callable[[], LLM]:
+        """Loads the engine with ``options`` (on this target's device unless they name one), recording the load with
+        the cache when it came from one."""
+        options = replace(options, device=options.device or self.device)
 
         def load() -> LLM:
             from kiln.runtime.llm import LLM
 
-            llm = LLM.load(self.engine_dir, device=self.device, num_kv_blocks=num_kv_blocks)
+            llm = LLM.load(self.engine_dir, options)
             if self.record_load is not None:
                 self.record_load(llm.load_ms)
             return llm
@@ -61,7 +67,8 @@ class ServeTarget:
                               max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache)
 
 
-def resolve_target(target: str, *, backend: str | None = None, progress: bool = True) -> ServeTarget:
+def resolve_target(target: str, options: RuntimeOptions, *, backend: str | None = None,
+                   progress: bool = True) -> ServeTarget:
     """An engine directory, a cache key, or a config (built through the cache first; a hit runs nothing)."""
     path = Path(target).expanduser()
     if _is_engine_dir(path):
@@ -72,7 +79,7 @@ def resolve_target(target: str, *, backend: str | None = None, progress: bool = 
     if path.is_dir():
         raise KilnError(f"{target}: not an engine directory: pass an engine directory (the one `kiln build` "
                         f"printed), a cache key, or a config")
-    return _config_target(target, backend=backend, progress=progress)
+    return _config_target(target, options, backend=backend, progress=progress)
 
 
 def _is_engine_dir(path: Path) -> bool:
@@ -94,10 +101,10 @@ def _cache_key_target(key: str) -> ServeTarget:
                        record_load=lambda ms: cache.record_load(key, ms))
 
 
-def _config_target(config: str, *, backend: str | None, progress: bool) -> ServeTarget:
+def _config_target(config: str, options: RuntimeOptions, *, backend: str | None, progress: bool) -> ServeTarget:
     from kiln.pipeline import runner
 
-    ctx = runner.prepare(config, backend=backend, force=False, dry_run=False)
+    ctx = runner.prepare(config, backend=backend, force=False, dry_run=False, options=options)
     decisions = runner.decide(ctx, smoke=False)
     with stage_progress(enabled=progress) as bars:
         runner.run(ctx, decisions, bars)
@@ -147,11 +154,10 @@ def serve(
     require_serve_extra()
     from kiln.runtime.server import create_app, run_server
 
-    resolved = resolve_target(target, backend=backend)
-    if device is not None:
-        resolved.device = device
+    options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks)
+    resolved = resolve_target(target, options, backend=backend)
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name)
-    app = create_app(resolved.loader(num_kv_blocks), resolved.engine_dir, settings)
+    app = create_app(resolved.loader(options), resolved.engine_dir, settings)
     bind_host = host or resolved.host
     bind_port = resolved.port if port is None else port
     if bind_host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:

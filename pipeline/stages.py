@@ -10,7 +10,7 @@ import functools
 import json
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +19,7 @@ from kiln.engines.cache import EngineCache, engine_key, hold_entry
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import KilnConfig, LoadedConfig
 from kiln.pipeline.key_material import engine_material, quantized_material
+from kiln.runtime.options import RuntimeOptions
 
 Action = Literal["run", "skip"]
 NATIVE_PLAN_FIELDS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block")
@@ -43,6 +44,7 @@ class BuildContext:
 
     loaded: LoadedConfig
     choice: BackendChoice
+    options: RuntimeOptions
     cache: EngineCache | None
     model_dir: Path | None
     checkpoint_hash: str | None
@@ -84,7 +86,7 @@ class BuildContext:
         if self.config.quantize.format != "none":
             self.quantized_key = engine_key(self.quantized_material())
         self.material = engine_material(self.checkpoint_hash, self.quantized_key, self.config, self.choice,
-                                        self.recipe_material)
+                                        self.recipe_material, self.options)
         self.engine_key = engine_key(self.material)
 
 
@@ -181,7 +183,8 @@ class BuildStage:
             progress("building native engine", 0.0)
             source = ctx.checkpoint_dir.parent  # a quantized cache entry's payload: keep it from being evicted
             with hold_entry(source.parent) if ctx.checkpoint_dir != ctx.model_dir else nullcontext():
-                engine = build_native_engine(ctx.checkpoint_dir, tmp, plan, cfg.model.dtype, device=ctx.choice.device)
+                engine = build_native_engine(ctx.checkpoint_dir, tmp, plan, cfg.model.dtype, device=ctx.choice.device,
+                                             kernels=ctx.options.kernels)
             return {"engine": {"format": engine["format"], "quantization": engine["quantization"]},
                     "calibration": report_summary(ctx.calibration) if ctx.calibration else None}
 
@@ -253,7 +256,8 @@ class SmokeStage:
 
         smoke = ctx.config.smoke
         progress("loading engine", 0.0)
-        llm = LLM.load(ctx.engine_dir, device=ctx.choice.device)  # holds the cache entry until closed
+        options = replace(ctx.options, device=ctx.options.device or ctx.choice.device)
+        llm = LLM.load(ctx.engine_dir, options)  # holds the cache entry until closed
         ctx.load_ms = llm.load_ms
         ctx.cache.record_load(ctx.engine_key, ctx.load_ms)
         try:
@@ -274,7 +278,7 @@ def trtllm_inputs(ctx: BuildContext) -> dict:
     from kiln.engines.trtllm.command import timing_cache_path
     from kiln.engines.trtllm.options import TrtllmBuildOptions
     from kiln.runtime.cache_layout import entry_dir
-    from kiln.runtime.trtllm.engine import trtllm_machine_fingerprint
+    from kiln.runtime.trtllm.toolchain import trtllm_machine_fingerprint
 
     cfg = ctx.config
     fingerprint = trtllm_machine_fingerprint()

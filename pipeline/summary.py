@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kiln.pipeline.console import stdout
 from rich.table import Table
+
+from kiln.pipeline.console import stdout
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -14,16 +14,15 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from kiln.runtime.cache_layout import EntryHold, entry_engine_dir, hold_if_cached, is_cache_key
+from kiln.runtime.engine import Engine, load_engine
 from kiln.runtime.errors import EngineFormatError, KilnError
 from kiln.runtime.limits import EngineLimits
-from kiln.runtime.native.engine import LLMEngine
+from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, RequestOutput, StreamDelta
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import Tokenizer
-from kiln.runtime.trtllm.engine import TrtllmEngine, is_trtllm_engine
 
 Prompt = str | list[int]
 
@@ -62,7 +61,7 @@ class LLM:
     All callers share one engine thread, so requests from many threads and event loops are batched together.
     """
 
-    def __init__(self, engine: LLMEngine, load_ms: float = 0.0, hold: EntryHold | None = None) -> None:
+    def __init__(self, engine: Engine, load_ms: float = 0.0, hold: EntryHold | None = None) -> None:
         self.engine = engine
         self.load_ms = load_ms
         self._hold = hold
@@ -76,16 +75,15 @@ class LLM:
         self._thread.start()
 
     @classmethod
-    def load(cls, engine_dir_or_cache_key: str | Path, *, device: str | torch.device | None = None,
-             num_kv_blocks: int | None = None, cache_root: str | Path | None = None) -> LLM:
-        """Load an engine directory or cache entry; `device` defaults to the engine's (CUDA if built for it and
-        present, else CPU); `num_kv_blocks` overrides the KV pool size. `load_ms` records how long this took."""
+    def load(cls, engine_dir_or_cache_key: str | Path, options: RuntimeOptions | None = None, *,
+             cache_root: str | Path | None = None) -> LLM:
+        """Load an engine directory or cache entry with ``options`` (device, kernels, CUDA graphs, KV pool size...;
+        default ``RuntimeOptions()``: the engine's own device, everything on). `load_ms` records how long it took."""
         start = time.perf_counter()
         engine_dir = resolve_engine_dir(engine_dir_or_cache_key, cache_root)
         hold = hold_if_cached(engine_dir)  # a cached engine is not evicted while this LLM has it loaded
         try:
-            backend = TrtllmEngine if is_trtllm_engine(engine_dir) else LLMEngine
-            engine = backend(engine_dir, device=device, num_kv_blocks=num_kv_blocks)
+            engine = load_engine(engine_dir, options or RuntimeOptions())
         except BaseException:
             if hold is not None:
                 hold.release()

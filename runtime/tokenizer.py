@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import tokenizers
+
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling_params import SamplingParams
 

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import torch
+
 from kiln.calibration.recipe import QuantizeRecipe
 
 REPO = Path(__file__).resolve().parents[1]

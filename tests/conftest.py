@@ -64,7 +64,6 @@ def fp8_engine(tmp_path_factory):
     """A tiny FP8 engine (``QUANT_SHAPE``, the tiny plan) built on the GPU when there is one (so its build measured
     the FP8 crossover), else on the CPU in float32."""
     from kiln.engines.native.builder import build_native_engine
-
     from tests.model_factories import QUANT_SHAPE, make_fp8_checkpoint, tiny_plan
 
     root = tmp_path_factory.mktemp("fp8-engine")

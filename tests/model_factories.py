@@ -10,14 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from kiln.runtime.native.attention_metadata import AttentionMetadata
-from kiln.runtime.native.engine_format import EngineConfig
-from kiln.runtime.native.kv_cache import allocate_kv_cache
-from kiln.runtime.native.model.llama import LlamaModel
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
+
+from kiln.runtime.native.attention_metadata import AttentionMetadata
+from kiln.runtime.native.engine_format import EngineConfig
+from kiln.runtime.native.kv_cache import allocate_kv_cache
+from kiln.runtime.native.model.llama import LlamaModel
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 import typer
+from typer.testing import CliRunner
+
 from kiln.pipeline.bench.command import bench
 from kiln.pipeline.bench.floor import decode_step_bytes, nominal_gbs, tensor_bytes
-from typer.testing import CliRunner
 
 FIGURES = ("output_tokens_per_s", "decode_tokens_per_s_batch1", "ttft_ms", "load_ms")
 SMALL = ["--prompts", "4", "--input-len", "16", "--output-len", "6"]

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from kiln.engines.cache import CheckpointHashError, checkpoint_files, checkpoint_hash, hashing
 
 

@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
 from kiln.engines.cache import EngineCache, engine_key
 from kiln.engines.cache.inspect import explain
 from kiln.engines.cache.layout import LAST_USED
 from kiln.pipeline.cache_commands import cache_app
-from typer.testing import CliRunner
 
 runner = CliRunner()
 

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from kiln.engines.cache import EngineCache, engine_key
 
+from kiln.engines.cache import EngineCache, engine_key
 from tests.subprocess_env import repo_env
 
 MATERIAL = {"key_schema": 1, "kind": "engine", "checkpoint": "ab" * 32, "backend": "native"}

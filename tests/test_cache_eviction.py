@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 from kiln.engines.cache import CacheEntryGoneError, CacheEntryInUseError, EngineCache, engine_key, hold_entry, is_held
 from kiln.engines.cache.layout import LAST_USED
-
 from tests.subprocess_env import repo_env
 
 

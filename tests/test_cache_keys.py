@@ -6,6 +6,7 @@ import copy
 import math
 
 import pytest
+
 from kiln.engines.cache import InvalidCacheKeyError, canonical_json, engine_key, material_diff, validate_key
 
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from kiln.engines.cache import StatsDB
 from kiln.engines.cache.stats import percentile
 

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from kiln.engines.cache import CacheEntryNotFoundError, EngineCache, InvalidCacheKeyError, engine_key
 from kiln.runtime.cache_layout import entry_engine_dir
 

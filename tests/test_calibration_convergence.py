@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
+
 from kiln.calibration import CalibrationError
 from kiln.calibration.convergence import ConvergenceMonitor, change
 from kiln.calibration.quantize import quantize_checkpoint
-
 from tests.calibration_factories import make_checkpoint, small_recipe
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -78,8 +78,9 @@ def test_on_failure_warn_ships_and_says_not_converged(checkpoint, tmp_path):
 
 
 def test_fp8_rounds_accumulate_to_the_same_amax_as_one_pass(checkpoint):
-    import kiln.calibration.modelopt_quantize as mq
     from transformers import AutoModelForCausalLM
+
+    import kiln.calibration.modelopt_quantize as mq
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     rows = torch.randint(0, model.config.vocab_size, (6, 16), generator=torch.Generator().manual_seed(0))

@@ -6,11 +6,11 @@ import re
 
 import pytest
 import torch
+from transformers import AutoTokenizer
+
 from kiln.calibration import CalibrationError, QuantizeRecipe
 from kiln.calibration.datasets import load_calibration_data
 from kiln.calibration.sources import read_documents, resolve_source
-from transformers import AutoTokenizer
-
 from tests.calibration_factories import corpus, write_jsonl, write_tokenizer
 
 

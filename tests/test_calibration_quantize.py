@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from kiln.calibration import CalibrationError
-from kiln.calibration.quantize import quantize_checkpoint
 from safetensors import safe_open
 
+from kiln.calibration import CalibrationError
+from kiln.calibration.quantize import quantize_checkpoint
 from tests.calibration_factories import (
     corpus,
     make_checkpoint,

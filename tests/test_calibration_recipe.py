@@ -5,10 +5,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from kiln.calibration import QuantizeRecipe, recipe_material
-from kiln.calibration.recipe import GATE_DEFAULTS
 from pydantic import ValidationError
 
+from kiln.calibration import QuantizeRecipe, recipe_material
+from kiln.calibration.recipe import GATE_DEFAULTS
 from tests.calibration_factories import corpus, write_jsonl
 
 

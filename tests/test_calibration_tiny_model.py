@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from kiln.calibration import QuantizeRecipe
 from kiln.calibration.quantize import quantize_checkpoint
-
 from tests.calibration_factories import TINY_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]

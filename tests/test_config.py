@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kiln.pipeline.config import CONFIGS_DIR, ConfigError, load_config, resolve_config_path
 
 

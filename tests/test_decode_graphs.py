@@ -4,7 +4,6 @@ triton's interpreter, ``capture=False``), bucket choice, the switches; captured 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from unittest import mock
 
 import pytest
@@ -13,15 +12,14 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.engines.native.builder import build_native_engine  # noqa: E402
-from kiln.runtime import LLM, SamplingParams, kernel_config  # noqa: E402
-from kiln.runtime.errors import KilnError  # noqa: E402
+from kiln.runtime import LLM, SamplingParams  # noqa: E402
 from kiln.runtime.native.decode_graphs import DecodeGraphRunner, decode_batch_sizes  # noqa: E402
 from kiln.runtime.native.engine_format import EngineConfig  # noqa: E402
 from kiln.runtime.native.kernels import kv_store, paged_attention  # noqa: E402
 from kiln.runtime.native.layers import attention  # noqa: E402
 from kiln.runtime.native.model_runner import ModelRunner  # noqa: E402
 from kiln.runtime.native.prefill_graphs import PrefillGraphRunner, prefill_token_buckets  # noqa: E402
-
+from kiln.runtime.options import RuntimeOptions  # noqa: E402
 from tests.model_factories import PagedRunner, make_llama_checkpoint, tiny_plan  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,11 +47,10 @@ def engine_dir(tmp_path_factory):
 
 @contextlib.contextmanager
 def triton_attention_on(device: torch.device):
-    """Route PagedAttention through the Triton kernels, as ``KILN_KERNELS=triton`` does on CUDA; on CPU (where that
-    switch does not apply) by pointing its reference functions at the interpreted kernels."""
+    """Route PagedAttention through the Triton kernels, as the default options do on CUDA; on CPU by pointing its
+    reference functions at the interpreted kernels (the rest of the model stays on the PyTorch path)."""
     if device.type == "cuda":
-        with mock.patch.object(kernel_config, "KERNELS", "triton"):
-            yield
+        yield
         return
     with (mock.patch.object(attention, "store_kv", kv_store.store_kv),
           mock.patch.object(attention, "paged_attention_reference", paged_attention.paged_attention)):
@@ -74,9 +71,10 @@ def record_runs(graphs: DecodeGraphRunner | PrefillGraphRunner, device: torch.de
     return counts
 
 
-def load_runner(engine_dir, device: torch.device, num_seqs: int) -> ModelRunner:
+def load_runner(engine_dir, device: torch.device, num_seqs: int, **options) -> ModelRunner:
     """A ModelRunner whose pool has an unused block 0 (what padding rows read) and a spare last block."""
-    return ModelRunner(engine_dir, EngineConfig.load(engine_dir), device, num_kv_blocks=2 + num_seqs * BLOCKS_PER_SEQ)
+    return ModelRunner(engine_dir, EngineConfig.load(engine_dir), device,
+                       RuntimeOptions(num_kv_blocks=2 + num_seqs * BLOCKS_PER_SEQ, **options))
 
 
 def block_tables(num_seqs: int) -> list[list[int]]:
@@ -126,15 +124,14 @@ def test_padded_decode_matches_eager_reference_and_leaves_other_blocks_untouched
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs a CUDA GPU with programmatic dependent launch (compute capability 9.0+)")
-def test_programmatic_dependent_launch_changes_no_logit_of_a_captured_decode(engine_dir, monkeypatch):
+def test_programmatic_dependent_launch_changes_no_logit_of_a_captured_decode(engine_dir):
     # Each kernel waits for the previous one before touching memory: a missing wait would read stale inputs.
     device = torch.device("cuda")
-    runner = load_runner(engine_dir, device, 5)
     prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in PROMPT_LENS]
-    first = eager_logits(runner, runner.kv_caches, prompts, [len(p) for p in prompts]).argmax(-1).tolist()
     runs = {}
     for pdl in (True, False):
-        monkeypatch.setattr(kernel_config, "PDL", pdl)
+        runner = load_runner(engine_dir, device, 5, pdl=pdl, cuda_graphs=False)
+        first = eager_logits(runner, runner.kv_caches, prompts, [len(p) for p in prompts]).argmax(-1).tolist()
         caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
         with triton_attention_on(device):
             graphs = DecodeGraphRunner(runner.model, caches, runner.config, device, batch_sizes=(8,))
@@ -223,9 +220,9 @@ def test_prefill_buckets_double_up_to_the_plan_token_budget_and_serve_one_sequen
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")
 def test_model_runner_routes_single_sequence_prefills_through_the_padded_buffers(engine_dir):
     device = torch.device("cpu")
-    with LLM.load(engine_dir, device="cpu") as llm:
+    with LLM.load(engine_dir, RuntimeOptions(device="cpu")) as llm:
         expected = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
-    with LLM.load(engine_dir, device="cpu") as llm:  # a fresh prefix cache: every prompt is prefilled whole
+    with LLM.load(engine_dir, RuntimeOptions(device="cpu")) as llm:  # a fresh prefix cache: each prompt prefills whole
         runner = llm.engine.model_runner
         graphs = PrefillGraphRunner(runner.model, runner.kv_caches, runner.config, device, capture=False)
         token_counts = record_runs(graphs, device)
@@ -234,56 +231,23 @@ def test_model_runner_routes_single_sequence_prefills_through_the_padded_buffers
     assert token_counts == [len(p) for p in PROMPTS]  # the prefills only; decodes stayed eager
 
 
-@pytest.fixture
-def reload_kernel_config(monkeypatch):
-    """Re-read the KILN_* variables set by the test; the module is restored from the real environment after it."""
-    yield lambda: importlib.reload(kernel_config)
-    monkeypatch.undo()
-    importlib.reload(kernel_config)
+def test_cuda_graphs_are_on_by_default_and_never_on_cpu(engine_dir):
+    assert RuntimeOptions().captures_cuda_graphs and not RuntimeOptions(cuda_graphs=False).captures_cuda_graphs
+    assert not RuntimeOptions(kernels="torch").captures_cuda_graphs  # the reference attention cannot be captured
+    runner = load_runner(engine_dir, torch.device("cpu"), 1)
+    assert runner.decode_graphs is None and runner.prefill_graphs is None
 
 
-def test_cuda_graphs_need_the_triton_kernels_and_bad_values_are_refused(monkeypatch, reload_kernel_config):
-    monkeypatch.setenv("KILN_KERNELS", "torch")
-    monkeypatch.setenv("KILN_CUDA_GRAPHS", "1")
-    reload_kernel_config()
-    with pytest.raises(kernel_config.KernelConfigError, match="KILN_CUDA_GRAPHS=1 needs KILN_KERNELS=triton"):
-        kernel_config.cuda_graphs_enabled()
-    monkeypatch.delenv("KILN_CUDA_GRAPHS")
-    assert not reload_kernel_config().cuda_graphs_enabled()  # the default stays eager with the torch kernels
-    for name, value, problem in [("KILN_CUDA_GRAPHS", "yes", "must be one of 0, 1"),
-                                 ("KILN_KERNELS", "cuda", "must be one of triton, torch"),
-                                 ("KILN_LINEAR_MAX_M", "0", "must be a positive integer"),
-                                 ("KILN_PDL", "on", "must be one of 0, 1")]:
-        monkeypatch.setenv(name, value)
-        with pytest.raises(KilnError, match=f"{name}={value!r} {problem}"):  # reload makes a new error class
-            reload_kernel_config()
-        monkeypatch.delenv(name)
-
-
-def test_cuda_graphs_are_on_by_default_and_never_on_cpu(engine_dir, monkeypatch, reload_kernel_config):
-    for name in ("KILN_KERNELS", "KILN_CUDA_GRAPHS", "KILN_LINEAR_MAX_M"):
-        monkeypatch.delenv(name, raising=False)
-    config = reload_kernel_config()
-    assert config.KERNELS == "triton" and config.LINEAR_MAX_M is None and config.cuda_graphs_enabled()
-    assert load_runner(engine_dir, torch.device("cpu"), 1).decode_graphs is None
-    monkeypatch.setenv("KILN_CUDA_GRAPHS", "0")
-    assert not reload_kernel_config().cuda_graphs_enabled()
-
-
-def test_programmatic_dependent_launch_is_on_by_default_for_cuda_tensors_only(monkeypatch, reload_kernel_config):
+def test_programmatic_dependent_launch_is_on_for_small_cuda_launches_unless_turned_off(monkeypatch):
     from kiln.runtime.native.kernels import pdl
 
-    monkeypatch.delenv("KILN_PDL", raising=False)
-    assert reload_kernel_config().PDL
     monkeypatch.setattr(pdl, "_supports_pdl", lambda device: True)
     cuda_looking = mock.Mock(is_cuda=True, device=torch.device("cuda", 0), shape=(pdl.PDL_MAX_TOKENS, 64))
     assert pdl.pdl_options(cuda_looking) == {"PDL": True, "launch_pdl": True}
     assert pdl.pdl_options(mock.Mock(is_cuda=True, device=cuda_looking.device, shape=(pdl.PDL_MAX_TOKENS + 1, 64))) \
         == {"PDL": False, "launch_pdl": False}  # larger batches: long kernels, where it costs more than it saves
     assert pdl.pdl_options(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}  # the interpreter
-    monkeypatch.setenv("KILN_PDL", "0")
-    reload_kernel_config()
-    assert pdl.pdl_options(cuda_looking) == {"PDL": False, "launch_pdl": False}
+    assert pdl.pdl_options(cuda_looking, enabled=False) == {"PDL": False, "launch_pdl": False}  # RuntimeOptions.pdl
 
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [30, 31, 32, 33, 34]]
@@ -293,7 +257,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")
 def test_model_runner_routes_pure_decode_steps_through_the_padded_buffers(engine_dir):
     device = torch.device("cpu")
-    with LLM.load(engine_dir, device="cpu") as llm:
+    with LLM.load(engine_dir, RuntimeOptions(device="cpu")) as llm:
         expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         runner = llm.engine.model_runner
         graphs = DecodeGraphRunner(runner.model, runner.kv_caches, runner.config, device, capture=False)
@@ -305,14 +269,12 @@ def test_model_runner_routes_pure_decode_steps_through_the_padded_buffers(engine
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_llm_with_cuda_graphs_serves_the_tokens_of_the_torch_reference_path(engine_dir, monkeypatch):
+def test_llm_with_cuda_graphs_serves_the_tokens_of_the_torch_reference_path(engine_dir):
     prompts = PROMPTS + [list(range(40, 40 + n)) for n in (2, 7, 11, 4, 16)]  # 8 requests: buckets up to 8
-    with mock.patch.object(kernel_config, "KERNELS", "torch"), LLM.load(engine_dir, device="cuda") as llm:
+    with LLM.load(engine_dir, RuntimeOptions(device="cuda", kernels="torch")) as llm:
         assert llm.engine.model_runner.decode_graphs is None
         expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    monkeypatch.setattr(kernel_config, "KERNELS", "triton")
-    monkeypatch.setattr(kernel_config, "CUDA_GRAPHS_SETTING", None)
-    with LLM.load(engine_dir, device="cuda") as llm:
+    with LLM.load(engine_dir, RuntimeOptions(device="cuda")) as llm:
         graphs = llm.engine.model_runner.decode_graphs
         assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
         assert sorted(llm.engine.model_runner.prefill_graphs.graphs) == [(64, False), (64, True)]

@@ -6,7 +6,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+
+from kiln.engines.native.tuning import tuning_material
 from kiln.pipeline import key_material, runner
+from kiln.runtime.options import RuntimeOptions
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny-llama"
@@ -33,10 +37,12 @@ def model_copy(tmp_path) -> Path:
     return model
 
 
-def engine_key(tmp_path: Path, model: Path, *, edit=lambda text: text, name: str = "kiln.yaml") -> str:
+def engine_key(tmp_path: Path, model: Path, *, edit=lambda text: text, name: str = "kiln.yaml",
+               options: RuntimeOptions | None = None) -> str:
     config = tmp_path / name
     config.write_text(edit(BASE.format(model=model, cache=tmp_path / "cache")))
-    key = runner.prepare(config, backend="native", force=False, dry_run=True).engine_key
+    key = runner.prepare(config, backend="native", force=False, dry_run=True,
+                         options=options or RuntimeOptions()).engine_key
     assert key is not None and len(key) == 64
     return key
 
@@ -71,6 +77,17 @@ def test_key_changes_with_recipe_and_semantic_build_options(tmp_path, model_copy
 ])
 def test_key_ignores_log_level_workers_and_cache_settings(tmp_path, model_copy, old, new):
     assert engine_key(tmp_path, model_copy) == engine_key(tmp_path, model_copy, edit=lambda t: t.replace(old, new))
+
+
+def test_runtime_options_enter_the_key_only_where_they_change_what_the_build_writes(tmp_path, model_copy):
+    # a CUDA build times the FP8 kernels only with the Triton kernels on; a CPU build measures nothing
+    assert tuning_material("cuda", "triton") != tuning_material("cuda", "torch")
+    assert tuning_material("cpu", "triton") == tuning_material("cpu", "torch") == {}
+    torch_kernels = engine_key(tmp_path, model_copy, options=RuntimeOptions(kernels="torch"))
+    assert (torch_kernels == engine_key(tmp_path, model_copy)) == (not torch.cuda.is_available())
+    assert engine_key(tmp_path, model_copy, options=RuntimeOptions(pdl=False, overlap_steps=False, num_kv_blocks=9,
+                                                                   cuda_graphs=False)) == engine_key(tmp_path,
+                                                                                                    model_copy)
 
 
 def test_key_ignores_where_the_checkpoint_and_config_live(tmp_path, model_copy):

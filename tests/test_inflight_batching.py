@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.native.engine import LLMEngine
-
+from kiln.runtime.native.engine import NativeEngine
+from kiln.runtime.options import RuntimeOptions
 from tests.model_factories import make_llama_checkpoint, random_prompts, tiny_plan
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -49,7 +50,7 @@ def solo(engine_dir):
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["step-by-step", "overlapped"])
 def test_request_arriving_during_decode_joins_the_running_batch(engine_dir, solo, overlap):
-    engine = LLMEngine(engine_dir, overlap_steps=overlap)
+    engine = NativeEngine(engine_dir, RuntimeOptions(overlap_steps=overlap))
     first, second = random_prompts(2, seed=2, min_len=8)
     engine.add_request(engine.make_request("first", first, PARAMS))
     outputs = {}
@@ -93,7 +94,7 @@ def test_concurrent_thread_requests_give_exactly_their_solo_results(engine_dir, 
 
 def test_small_kv_pool_preempts_and_every_request_still_matches_its_solo_run(engine_dir, solo):
     prompts = random_prompts(4, seed=4, min_len=20, max_len=30)
-    with LLM.load(engine_dir, num_kv_blocks=20) as llm:
+    with LLM.load(engine_dir, RuntimeOptions(num_kv_blocks=20)) as llm:
         outputs = llm.generate(prompts, PARAMS)
         stats = llm.stats()
     assert stats["num_preemptions"] > 0

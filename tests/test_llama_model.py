@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.model.llama import LlamaModel
-
 from tests.model_factories import LLAMA3_ROPE, PagedRunner, hf_greedy, make_llama_checkpoint, tiny_plan
 
 PROMPTS = [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9], [77, 21, 50, 50, 6, 31, 2, 88, 14, 19, 60]]

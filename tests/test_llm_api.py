@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, KilnError, SamplingParams
 from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError
@@ -19,7 +20,6 @@ from kiln.runtime.native.sampler import SamplingError
 from kiln.runtime.native.scheduler import RequestTooLongError
 from kiln.runtime.outputs import RequestFailedError
 from kiln.runtime.tokenizer import IncrementalDetokenizer
-
 from tests.model_factories import make_llama_checkpoint, make_llama_model, tiny_plan
 from tests.test_server_support import wait_until
 

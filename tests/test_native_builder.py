@@ -7,6 +7,9 @@ import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
 from kiln.engines.native import plan as native_plan
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError, KilnError
@@ -14,9 +17,6 @@ from kiln.runtime.native.engine_format import ENGINE_FORMAT_VERSION, EngineConfi
 from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint
 from kiln.runtime.native.kv_cache import allocate_kv_cache, is_token_major, kv_bytes_per_block
 from kiln.runtime.native.model.llama import LlamaModel
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
 from tests.model_factories import make_llama_checkpoint, make_llama_model, tiny_plan, write_tokenizer
 
 ARCHITECTURE_KEYS = {"type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
+
 from kiln.engines.native.tuning import CROSSOVER_TOKENS, linear_shapes, streaming_max_m
 from kiln.runtime.errors import EngineFormatError
 from kiln.runtime.native.engine_format import EngineConfig, QuantizationConfig
 from kiln.runtime.native.layers.linear import Fp8Linear, fp8_streaming_max_m
 from kiln.runtime.native.model.llama import LlamaModel
-
 from tests.model_factories import NEEDS_FP8_GPU
 
 

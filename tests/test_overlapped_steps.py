@@ -1,4 +1,4 @@
-"""Overlapped steps (``LLMEngine(overlap_steps=True)``): the next step is queued before the current one's tokens
+"""Overlapped steps (``RuntimeOptions(overlap_steps=True)``): the next step is queued before the current one's tokens
 are read, its decodes' input ids taken from them on the device, waiting requests admitted into the seats of those
 that end by length. Every request must come out exactly as when each step runs to completion first, whatever
 finishes it (length, a stop token no one could predict, an abort), and no KV block may leak."""
@@ -6,11 +6,12 @@ finishes it (length, a stop token no one could predict, an abort), and no KV blo
 from __future__ import annotations
 
 import pytest
+
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import SamplingParams
-from kiln.runtime.native.engine import LLMEngine
+from kiln.runtime.native.engine import NativeEngine
+from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestOutput
-
 from tests.model_factories import make_llama_checkpoint, random_prompts, tiny_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -25,9 +26,9 @@ def engine_dir(tmp_path_factory):
 
 
 def run(engine_dir, requests: list[tuple[list[int], SamplingParams]], overlap: bool, num_kv_blocks: int | None = None,
-        abort: tuple[str, int] | None = None) -> tuple[dict[str, RequestOutput], LLMEngine]:
+        abort: tuple[str, int] | None = None) -> tuple[dict[str, RequestOutput], NativeEngine]:
     """Every request's output, and the engine; ``abort`` = (request id, after that many steps)."""
-    engine = LLMEngine(engine_dir, overlap_steps=overlap, num_kv_blocks=num_kv_blocks)
+    engine = NativeEngine(engine_dir, RuntimeOptions(overlap_steps=overlap, num_kv_blocks=num_kv_blocks))
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(engine.make_request(str(i), prompt, params))
     outputs, steps = {}, 0
@@ -56,7 +57,7 @@ def summary(outputs: dict[str, RequestOutput]) -> dict[str, tuple[list[int], str
     return {rid: (o.token_ids, o.finish_reason) for rid, o in outputs.items()}
 
 
-def all_blocks_free(engine: LLMEngine) -> bool:
+def all_blocks_free(engine: NativeEngine) -> bool:
     return engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

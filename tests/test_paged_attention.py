@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.layers.attention import PagedAttention, store_kv
 from kiln.runtime.native.layers.linear import fp8_quantize
@@ -73,12 +74,12 @@ def test_mixed_batch_matches_dense_causal_attention(fp8):
 
 
 @pytest.mark.parametrize("whole_prompt", [False, True], ids=["mixed-batch", "whole-prompt"])
-def test_rotary_attention_rotates_q_and_k_before_storing_and_attending(monkeypatch, kernel_device, whole_prompt):
+def test_rotary_attention_rotates_q_and_k_before_storing_and_attending(kernel_device, whole_prompt):
     """With RoPE the layer attends rotate(q) over rotate(k) at the tokens' positions, and caches the rotated K; the
     Triton path (interpreted on CPU, in float32; compiled on a GPU, in bfloat16), which rotates and stores in one
     launch, agrees with the PyTorch path."""
     pytest.importorskip("triton")
-    from kiln.runtime import kernel_config
+    from kiln.runtime.native.kernel_choice import KernelChoice
     from kiln.runtime.native.layers.rotary import RotaryEmbedding
 
     dtype, tolerance = (torch.float32, 1e-5) if kernel_device == "cpu" else (torch.bfloat16, 1e-2)
@@ -95,14 +96,15 @@ def test_rotary_attention_rotates_q_and_k_before_storing_and_attending(monkeypat
     cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(kernel_device, dtype)
     results = []
     for triton_path in (False, True):
-        monkeypatch.setattr(kernel_config, "use_triton", lambda x, on=triton_path: on)
+        kernels = KernelChoice(triton=triton_path, interpreted=triton_path)
         caches = (cache.clone(), cache.clone())
-        out = PagedAttention(HEAD_DIM, fp8_kv_cache=False, rotary=rope)(q, k, v, meta, caches, positions=positions)
+        out = PagedAttention(HEAD_DIM, fp8_kv_cache=False, rotary=rope, kernels=kernels)(q, k, v, meta, caches,
+                                                                                          positions=positions)
         results.append((out, *caches))
-    monkeypatch.setattr(kernel_config, "use_triton", lambda x: False)
     rotated_q, rotated_k = rope(positions, q, k)
     plain_caches = (cache.clone(), cache.clone())
-    expected = PagedAttention(HEAD_DIM, fp8_kv_cache=False)(rotated_q, rotated_k, v, meta, plain_caches)
+    reference = PagedAttention(HEAD_DIM, fp8_kv_cache=False, kernels=KernelChoice(triton=False))
+    expected = reference(rotated_q, rotated_k, v, meta, plain_caches)
     for out, k_cache, v_cache in results:
         torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
         assert torch.equal(k_cache, plain_caches[0]) and torch.equal(v_cache, plain_caches[1])

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+
 from kiln.engines.native.builder import build_native_engine
 from kiln.engines.native.weights import unpack_modelopt_int4
 from kiln.runtime.native.engine_format import EngineConfig
@@ -20,7 +21,6 @@ from kiln.runtime.native.layers.linear import (
     use_scaled_mm,
 )
 from kiln.runtime.native.model.llama import LlamaModel
-
 from tests.model_factories import (
     FP8_GPU,
     NEEDS_FP8_GPU,
@@ -223,15 +223,13 @@ def test_fused_activation_quantization_gives_the_unfused_logits_with_no_quantize
     import kiln.runtime.native.kernels.fp8_gemv as fp8_gemv_module
     import kiln.runtime.native.kernels.fp8_quant as fp8_quant_module
     import kiln.runtime.native.model.llama as llama
-    from kiln.runtime import kernel_config
+    from kiln.runtime.native.kernel_choice import KernelChoice
 
     config = EngineConfig.load(fp8_engine)
-    engine = LlamaModel.from_engine(fp8_engine, config, device)
-    if device == "cpu":
-        monkeypatch.setattr(kernel_config, "use_triton", lambda x: True)
+    engine = LlamaModel.from_engine(fp8_engine, config, device, kernels=KernelChoice(interpreted=device == "cpu"))
     quantize_calls = []
     real_quantize = fp8_quant_module.quantize_fp8
-    counting = lambda *a: quantize_calls.append(1) or real_quantize(*a)  # noqa: E731
+    counting = lambda *a, **kw: quantize_calls.append(1) or real_quantize(*a, **kw)  # noqa: E731
     monkeypatch.setattr(fp8_gemv_module, "quantize_fp8", counting)
     monkeypatch.setattr(fp8_quant_module, "quantize_fp8", counting)
 

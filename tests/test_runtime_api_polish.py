@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import tokenizers
+from tokenizers import processors
+
 from kiln.runtime import LLM
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.llm import EngineClosedError
@@ -18,8 +20,6 @@ from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import Job, ServedModel
 from kiln.runtime.tokenizer import Tokenizer
-from tokenizers import processors
-
 from tests.test_server_support import TOKENIZER_SOURCE, tiny_engine
 
 CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}Assistant:"

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.native.sampler import Sampler, SamplingError, apply_top_k_top_p
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-
 from tests.model_factories import make_llama_checkpoint, tiny_plan
 
 PROMPT = [5, 17, 33, 8, 61, 12]

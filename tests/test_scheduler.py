@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kiln.runtime.native.block_manager import BlockManager
 from kiln.runtime.native.scheduler import RequestTooLongError, Scheduler, SchedulerConfig, SchedulerOutput
 from kiln.runtime.sampling_params import SamplingParams

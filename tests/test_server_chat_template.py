@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 
 ALTERNATING = ("{{ bos_token }}{% for m in messages %}"

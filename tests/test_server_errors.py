@@ -9,11 +9,11 @@ import threading
 import httpx
 import openai
 import pytest
+
 from kiln.runtime import LLM, KilnError
 from kiln.runtime.server import ServerSettings, ServerStartError, ServerThread, create_app, run_server
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import Admission
-
 from tests.test_server_support import engine_idle, tiny_engine, wait_until
 
 MODEL = "tiny"

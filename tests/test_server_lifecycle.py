@@ -13,35 +13,36 @@ import threading
 
 import httpx
 import pytest
+
 from kiln.pipeline.serve_command import resolve_target
 from kiln.runtime.errors import KilnError
-
+from kiln.runtime.options import RuntimeOptions
 from tests.subprocess_env import REPO, repo_env
 from tests.test_server_support import tiny_engine, wait_until
 
 
 def test_an_engine_directory_is_served_under_its_folder_name():
-    target = resolve_target(str(tiny_engine()))
+    target = resolve_target(str(tiny_engine()), RuntimeOptions())
     assert target.engine_dir == tiny_engine() and target.model_name == tiny_engine().parent.name
     assert target.host == "127.0.0.1" and target.port == 8000 and target.api_key is None
 
 
 def test_a_tensorrt_llm_engine_directory_is_served_like_a_native_one(tmp_path):
-    from kiln.runtime.trtllm.engine import TRTLLM_ENGINE_JSON
+    from kiln.runtime.trtllm.engine_info import TRTLLM_ENGINE_JSON
 
     engine = tmp_path / "llama-trt"
     engine.mkdir()
     (engine / TRTLLM_ENGINE_JSON).write_text("{}")
-    target = resolve_target(str(engine))
+    target = resolve_target(str(engine), RuntimeOptions())
     assert target.engine_dir == engine.resolve() and target.model_name == "llama-trt"
 
 
 def test_a_directory_without_an_engine_and_an_unknown_key_are_refused(tmp_path, monkeypatch):
     with pytest.raises(KilnError, match="not an engine directory"):
-        resolve_target(str(tmp_path))
+        resolve_target(str(tmp_path), RuntimeOptions())
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
     with pytest.raises(KilnError, match="has no engine"):
-        resolve_target("ab" * 32)
+        resolve_target("ab" * 32, RuntimeOptions())
 
 
 def test_a_config_is_built_through_the_cache_once_then_hits(tmp_path, monkeypatch):
@@ -51,8 +52,8 @@ def test_a_config_is_built_through_the_cache_once_then_hits(tmp_path, monkeypatc
                       f"quantize:\n  format: none\nbuild:\n  backend: native\n  device: cpu\n  max_batch_size: 4\n"
                       f"  max_input_len: 32\n  max_seq_len: 64\n  max_num_tokens: 64\n  tokens_per_block: 4\n"
                       f"serve:\n  port: 8123\n  max_queue: 7\n")
-    first = resolve_target(str(config), progress=False)
-    second = resolve_target(str(config), progress=False)
+    first = resolve_target(str(config), RuntimeOptions(), progress=False)
+    second = resolve_target(str(config), RuntimeOptions(), progress=False)
     assert first.engine_cache["hit"] is False and second.engine_cache["hit"] is True
     assert second.engine_dir == first.engine_dir and (second.engine_dir / "engine.json").is_file()
     assert second.model_name == "tiny-served" and second.port == 8123 and second.max_queue == 7

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 import typer
+from typer.testing import CliRunner
+
 from kiln.pipeline.bench.loadtest import LoadTestError, loadtest, run_load
 from kiln.pipeline.serve_command import serve
 from kiln.runtime import LLM
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
-from typer.testing import CliRunner
-
 from tests.subprocess_env import REPO, repo_env
 from tests.test_server_support import engine_idle, tiny_engine, wait_until
 

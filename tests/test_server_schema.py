@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from kiln.runtime import LLM
-from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from schemathesis import GenerationMode
 
+from kiln.runtime import LLM
+from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from tests.test_server_support import engine_idle, tiny_engine, wait_until
 
 # A short context and a small queue keep each generated request cheap: at most 31 tokens, at most 20 sequences.

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 from kiln.runtime import LLM
-
 from tests.subprocess_env import REPO
 
 TOKENIZER_SOURCE = REPO / "models" / "tiny-llama"  # a real BPE tokenizer with a chat template
@@ -21,8 +20,8 @@ TOKENIZER_SOURCE = REPO / "models" / "tiny-llama"  # a real BPE tokenizer with a
 def tiny_engine(max_seq_len: int = 256, max_batch_size: int = 16) -> Path:
     """A seeded random tiny Llama with the bundled tiny-llama tokenizer and chat template, built once per process."""
     import tokenizers
-    from kiln.engines.native.builder import build_native_engine
 
+    from kiln.engines.native.builder import build_native_engine
     from tests.model_factories import make_llama_checkpoint, tiny_plan
 
     root = Path(tempfile.mkdtemp(prefix="kiln-server-test-"))

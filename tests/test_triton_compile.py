@@ -42,13 +42,13 @@ import torch
 triton = pytest.importorskip("triton")
 
 import triton.language as tl  # noqa: E402
-from kiln.engines.native.checkpoint import parse_architecture, read_json  # noqa: E402
-from kiln.engines.native.tuning import linear_shapes  # noqa: E402
-from kiln.runtime.native.kv_cache import zeros_token_major  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from kiln.engines.native.checkpoint import parse_architecture, read_json  # noqa: E402
+from kiln.engines.native.tuning import linear_shapes  # noqa: E402
+from kiln.runtime.native.kv_cache import zeros_token_major  # noqa: E402
 from tests.subprocess_env import REPO, repo_env  # noqa: E402
 
 KERNELS_DIR = REPO / "runtime" / "kernels"

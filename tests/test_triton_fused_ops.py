@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kiln.runtime import kernel_config  # noqa: E402
+from kiln.runtime.native.kernel_choice import KernelChoice  # noqa: E402
 from kiln.runtime.native.kernels.kv_store import CacheWrite  # noqa: E402
 from kiln.runtime.native.kernels.rms_norm import rms_norm  # noqa: E402
 from kiln.runtime.native.kernels.rotary import apply_rotary  # noqa: E402
@@ -28,17 +28,12 @@ EPS = 1e-5
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 256}  # short, so that positions below 1024 reach the ramp
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+REFERENCE = KernelChoice(triton=False)  # layers on their PyTorch path, the reference, on CUDA tensors too
 
 
 @pytest.fixture
 def device(kernel_device: str) -> str:
     return kernel_device
-
-
-@pytest.fixture(autouse=True)
-def layers_run_pytorch(monkeypatch):
-    """The layers call these kernels on CUDA tensors: make them run their PyTorch code, the reference."""
-    monkeypatch.setattr(kernel_config, "KERNELS", "torch")
 
 
 def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -67,8 +62,8 @@ def test_rms_norm_matches_the_layer(device, poisoned_outputs, dtype, with_residu
     x = on_a_grid(num_tokens, hidden, generator=generator).to(dtype).to(device)
     residual = on_a_grid(num_tokens, hidden, generator=generator).to(dtype).to(device) if with_residual else None
     x_before, residual_before = x.clone(), None if residual is None else residual.clone()
-    unit = RMSNorm(hidden, EPS, dtype).to(device)  # weight 1: its output is x normalized and rounded
-    layer = RMSNorm(hidden, EPS, dtype).to(device)
+    unit = RMSNorm(hidden, EPS, dtype, REFERENCE).to(device)  # weight 1: its output is x normalized and rounded
+    layer = RMSNorm(hidden, EPS, dtype, REFERENCE).to(device)
     layer.weight.copy_(torch.randn(hidden, generator=generator))
 
     normalized, new_residual = outputs(rms_norm(x, unit.weight, EPS, residual))
@@ -151,7 +146,7 @@ def test_silu_and_mul_matches_the_layer(device, poisoned_outputs, dtype):
 
     out = silu_and_mul(x)
 
-    expected = SiluAndMul()(x)
+    expected = SiluAndMul(REFERENCE)(x)
     if device == "cpu" and dtype == torch.float32:
         # NumPy's exp (the interpreter's) and torch's vectorised CPU exp are each off by an ulp or two of float32.
         assert ulps(out, expected) <= 8
@@ -168,7 +163,7 @@ def test_silu_and_mul_matches_the_layer_for_every_bfloat16_gate(device):
     gate = gate[~(gate.abs() < 2.0**-100) | (gate == 0)]
     up = (torch.rand(gate.numel(), generator=torch.Generator().manual_seed(3)) + 0.5).to(torch.bfloat16)
     x = torch.cat([gate, up])[None, :].to(device)
-    torch.testing.assert_close(silu_and_mul(x), SiluAndMul()(x), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(silu_and_mul(x), SiluAndMul(REFERENCE)(x), rtol=0, atol=0, equal_nan=True)
 
 
 @DTYPES
@@ -190,8 +185,8 @@ def test_rms_norm_and_silu_quantize_their_output_as_the_next_fp8_linear_would(de
     assert q_act.dtype == torch.float8_e4m3fn
     assert torch.equal(q_act.view(torch.uint8), fp8_quantize(silu_and_mul(gate_up), scale).view(torch.uint8))
     # the PyTorch layers take the same argument
-    assert torch.equal(SiluAndMul()(gate_up.cpu(), scale.cpu()).view(torch.uint8),
-                       fp8_quantize(SiluAndMul()(gate_up.cpu()), scale.cpu()).view(torch.uint8))
+    assert torch.equal(SiluAndMul(REFERENCE)(gate_up.cpu(), scale.cpu()).view(torch.uint8),
+                       fp8_quantize(SiluAndMul(REFERENCE)(gate_up.cpu()), scale.cpu()).view(torch.uint8))
 
 
 def test_kernels_keep_leading_dims_and_take_an_empty_batch(device):

@@ -242,17 +242,18 @@ def test_bench_linears_table_names_the_crossover(capsys):
 
 @gpu
 @pytest.mark.gpu
-def test_quantized_linears_take_the_streaming_kernels_on_cuda(monkeypatch):
-    from kiln.runtime import kernel_config
+def test_quantized_linears_take_the_streaming_kernels_on_cuda():
+    from kiln.runtime.native.kernel_choice import KernelChoice
     from kiln.runtime.native.layers import linear
 
-    monkeypatch.setattr(kernel_config, "KERNELS", "triton")
     x, weight, weight_scale, input_scale = _fp8_operands(2, 384, 512, seed=5, device="cuda")
     fp8 = linear.Fp8Linear(512, 384).cuda()
     fp8.weight.copy_(weight), fp8.weight_scale.copy_(weight_scale), fp8.input_scale.copy_(input_scale)
     x = x.bfloat16()
-    assert linear.use_streaming_kernel(x, 16) and not linear.use_streaming_kernel(x.cpu(), 16)
-    assert not linear.use_streaming_kernel(x, 1)  # 2 tokens above a limit of 1: the GEMM path
+    kernels = KernelChoice()
+    assert kernels.streams(x, 16) and not kernels.streams(x.cpu(), 16)
+    assert not kernels.streams(x, 1)  # 2 tokens above a limit of 1: the GEMM path
+    assert not KernelChoice(linear_max_m=1).streams(x, 16)  # RuntimeOptions.linear_max_m overrides every limit
     assert _rel_err(fp8(x), fp8_linear_reference(x, weight, weight_scale, input_scale)) < GPU_REL_TOL
     x, qweight, scales, pre_quant_scale = _int4_operands(2, 384, 512, 128, seed=5, device="cuda")
     int4 = linear.Int4AwqLinear(512, 384, 128).cuda()
@@ -291,14 +292,14 @@ def test_dense_gemv_takes_one_token_in_the_weight_dtype():
 
 
 def test_a_dense_linear_streams_one_token_and_gives_more_to_cublas(kernel_device, monkeypatch):
-    from kiln.runtime import kernel_config
+    from kiln.runtime.native.kernel_choice import KernelChoice
     from kiln.runtime.native.kernels import dense_gemv as dense_gemv_module
     from kiln.runtime.native.layers import linear
 
-    monkeypatch.setattr(kernel_config, "use_triton", lambda x: True)  # as on CUDA, also in the interpreter
     calls = []
-    monkeypatch.setattr(dense_gemv_module, "dense_gemv", lambda x, w: calls.append(len(x)) or x @ w.t())
-    layer = linear.Linear(64, 32, torch.float32).to(kernel_device)
+    monkeypatch.setattr(dense_gemv_module, "dense_gemv", lambda x, w, pdl: calls.append(len(x)) or x @ w.t())
+    interpreted = KernelChoice(interpreted=True)  # as on CUDA, also in the interpreter
+    layer = linear.Linear(64, 32, torch.float32, interpreted).to(kernel_device)
     layer(torch.zeros(1, 64, device=kernel_device))
     layer(torch.zeros(3, 64, device=kernel_device))
     assert calls == [1]

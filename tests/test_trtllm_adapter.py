@@ -16,16 +16,21 @@ import types
 from datetime import timedelta
 from pathlib import Path
 
-import kiln.runtime.trtllm.engine as adapter
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import kiln.runtime.trtllm.engine as adapter
+import kiln.runtime.trtllm.toolchain as toolchain
 from kiln.engines.trtllm.contract import load_contract
 from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.llm import LLM
+from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailedError, RequestFailure
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.trtllm.engine import TrtllmEngine, TrtllmEngineInfo, TrtllmRequestError, TrtllmUnavailableError
-from tokenizers import Tokenizer, models, pre_tokenizers
+from kiln.runtime.trtllm.engine import TrtllmEngine, TrtllmRequestError
+from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, is_trtllm_engine
+from kiln.runtime.trtllm.toolchain import TrtllmUnavailableError
 
 RECORDED = load_contract()["python"]["tensorrt_llm.bindings.executor"]
 H200 = {"device": "cuda", "gpu_name": "NVIDIA H200", "compute_capability": "9.0", "cuda": "12.9",
@@ -143,7 +148,8 @@ def trtllm(monkeypatch) -> types.ModuleType:
     monkeypatch.setitem(sys.modules, "tensorrt_llm", package)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings", package.bindings)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings.executor", module)
-    monkeypatch.setattr(adapter, "_version", lambda dist: {"tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48"}.get(dist))
+    versions = {"tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48"}
+    monkeypatch.setattr(toolchain, "_version", versions.get)
     monkeypatch.setattr(adapter, "trtllm_machine_fingerprint", lambda: dict(H200))
     FakeExecutor.instances.clear()
     return module
@@ -168,7 +174,7 @@ def engine_dir(tmp_path: Path) -> Path:
 
 
 def test_generate_through_the_llm_api_streams_tokens_until_the_engines_eos(trtllm, engine_dir):
-    with LLM(TrtllmEngine(engine_dir)) as llm:
+    with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
         out = llm.generate("the cat", SamplingParams(max_tokens=20, temperature=0))[0]
     assert out.prompt_token_ids == [2, 3]
     assert out.token_ids == [10, 11, 12, 13, 14, EOS]
@@ -182,7 +188,7 @@ def test_generate_through_the_llm_api_streams_tokens_until_the_engines_eos(trtll
 
 
 def test_the_executor_is_configured_for_inflight_batching_with_kv_block_reuse(trtllm, engine_dir):
-    engine = TrtllmEngine(engine_dir, num_kv_blocks=10)
+    engine = TrtllmEngine(engine_dir, RuntimeOptions(num_kv_blocks=10))
     executor = FakeExecutor.instances[0]
     assert executor.model_path == engine_dir and executor.model_type.name == "DECODER_ONLY"
     config = executor.config
@@ -194,7 +200,7 @@ def test_the_executor_is_configured_for_inflight_batching_with_kv_block_reuse(tr
 
 
 def test_max_tokens_ends_with_length_and_sampling_parameters_are_translated(trtllm, engine_dir):
-    with LLM(TrtllmEngine(engine_dir)) as llm:
+    with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
         params = SamplingParams(max_tokens=3, temperature=0.7, top_k=5, top_p=0.9, seed=7)
         out = llm.generate([[2, 3, 4]], params)[0]
     assert (out.token_ids, out.finish_reason) == ([10, 11, 12], "length")
@@ -203,14 +209,14 @@ def test_max_tokens_ends_with_length_and_sampling_parameters_are_translated(trtl
 
 
 def test_a_stop_string_finishes_the_request_and_cancels_it_in_the_executor(trtllm, engine_dir):
-    with LLM(TrtllmEngine(engine_dir)) as llm:
+    with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
         out = llm.generate("the", SamplingParams(max_tokens=20, temperature=0, stop=["c"]))[0]
     assert out.finish_reason == "stop" and out.text == " a b "
     assert FakeExecutor.instances[0].cancelled == [100]
 
 
 def test_ignore_eos_sends_no_end_id(trtllm, engine_dir):
-    with LLM(TrtllmEngine(engine_dir)) as llm:
+    with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
         out = llm.generate("the", SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and out.token_ids == [10, 11, 12, 13, 14, EOS, EOS]
     request = FakeExecutor.instances[0].requests[100]
@@ -228,7 +234,7 @@ def test_stream_yields_deltas_and_closing_it_early_aborts_in_the_executor(trtllm
                 break
         return deltas
 
-    with LLM(TrtllmEngine(engine_dir)) as llm:
+    with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
         deltas = asyncio.run(take_two(llm))
         assert [d.token_ids for d in deltas] == [[10], [11]]
         deadline = time.monotonic() + 5
@@ -238,7 +244,7 @@ def test_stream_yields_deltas_and_closing_it_early_aborts_in_the_executor(trtllm
 
 
 def test_an_executor_error_fails_only_that_request_and_is_reported_in_stats(trtllm, engine_dir):
-    engine = TrtllmEngine(engine_dir)
+    engine = TrtllmEngine(engine_dir, RuntimeOptions())
     FakeExecutor.instances[0].fail_ids.add(100)
     engine.add_request(engine.make_request("r1", [2, 3], SamplingParams(max_tokens=4)))
     engine.add_request(engine.make_request("r2", [2, 3], SamplingParams(max_tokens=4)))
@@ -255,7 +261,7 @@ def test_an_executor_error_fails_only_that_request_and_is_reported_in_stats(trtl
 
 
 def test_the_waiter_of_a_request_the_executor_failed_gets_the_error(trtllm, engine_dir):
-    with LLM(TrtllmEngine(engine_dir)) as llm:
+    with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
         FakeExecutor.instances[0].fail_ids.add(100)
         with pytest.raises(RequestFailedError, match="CUDA error: out of memory"):
             llm.generate([[2, 3]], SamplingParams(max_tokens=4))
@@ -263,7 +269,7 @@ def test_the_waiter_of_a_request_the_executor_failed_gets_the_error(trtllm, engi
 
 
 def test_the_llm_api_describes_the_engine_through_tokenizer_limits_and_check(trtllm, engine_dir):
-    with LLM(TrtllmEngine(engine_dir)) as llm:
+    with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
         assert llm.tokenizer.encode("the cat") == [2, 3]
         assert llm.limits == EngineLimits(max_input_len=64, max_seq_len=128, max_batch_size=8, max_num_tokens=128)
         assert llm.limits.max_request_tokens == 128
@@ -274,7 +280,7 @@ def test_the_llm_api_describes_the_engine_through_tokenizer_limits_and_check(trt
 
 
 def test_requests_that_do_not_fit_the_engine_are_refused_before_the_executor(trtllm, engine_dir):
-    engine = TrtllmEngine(engine_dir)
+    engine = TrtllmEngine(engine_dir, RuntimeOptions())
     with pytest.raises(TrtllmRequestError, match="max_input_len 64"):
         engine.make_request("r", [2] * 65, SamplingParams(max_tokens=1))
     with pytest.raises(TrtllmRequestError, match="not ints in"):
@@ -287,7 +293,7 @@ def test_an_engine_built_for_another_toolchain_or_gpu_is_refused_naming_each_dif
     monkeypatch.setattr(adapter, "trtllm_machine_fingerprint",
                         lambda: {**H200, "tensorrt_llm": "1.2.0", "compute_capability": "8.9", "gpu_name": "L40S"})
     with pytest.raises(FingerprintMismatchError) as info:
-        TrtllmEngine(engine_dir)
+        TrtllmEngine(engine_dir, RuntimeOptions())
     message = str(info.value)
     assert "tensorrt_llm '1.2.1' at build time, '1.2.0' here" in message
     assert "compute_capability '9.0' at build time, '8.9' here" in message
@@ -297,28 +303,35 @@ def test_an_engine_built_for_another_toolchain_or_gpu_is_refused_naming_each_dif
 
 def test_without_a_gpu_or_without_tensorrt_llm_loading_says_what_to_do(trtllm, engine_dir, monkeypatch):
     with pytest.raises(TrtllmUnavailableError, match="CUDA GPUs only"):
-        TrtllmEngine(engine_dir, device="cpu")
-    monkeypatch.setattr(adapter, "_version", lambda dist: None)
+        TrtllmEngine(engine_dir, RuntimeOptions(device="cpu"))
+    monkeypatch.setattr(toolchain, "_version", lambda dist: None)
     with pytest.raises(TrtllmUnavailableError, match=r"pip install 'tensorrt-llm>=1.2,<1.3'"):
-        TrtllmEngine(engine_dir)
-    monkeypatch.setattr(adapter, "_version", lambda dist: "1.3.0rc5")
+        TrtllmEngine(engine_dir, RuntimeOptions())
+    monkeypatch.setattr(toolchain, "_version", lambda dist: "1.3.0rc5")
     with pytest.raises(TrtllmUnavailableError, match="supports 1.2.x only"):
-        TrtllmEngine(engine_dir)
-    monkeypatch.setattr(adapter, "_version", lambda dist: "1.2.1")
+        TrtllmEngine(engine_dir, RuntimeOptions())
+    monkeypatch.setattr(toolchain, "_version", lambda dist: "1.2.1")
     monkeypatch.setattr(adapter, "trtllm_machine_fingerprint", lambda: {**H200, "device": "cpu"})
     with pytest.raises(TrtllmUnavailableError, match="no CUDA GPU is visible"):
-        TrtllmEngine(engine_dir)
+        TrtllmEngine(engine_dir, RuntimeOptions())
+
+
+def test_options_of_the_native_engine_are_refused_not_ignored(trtllm, engine_dir):
+    with pytest.raises(TrtllmUnavailableError, match=r"kernels='torch', overlap_steps=False: .* native engine"):
+        TrtllmEngine(engine_dir, RuntimeOptions(kernels="torch", overlap_steps=False))
+    assert FakeExecutor.instances == []
 
 
 def test_a_native_engine_folder_is_not_taken_for_a_tensorrt_llm_engine(tmp_path):
     (tmp_path / "engine.json").write_text("{}")
-    assert not adapter.is_trtllm_engine(tmp_path)
+    assert not is_trtllm_engine(tmp_path)
     with pytest.raises(EngineFormatError, match="not a Kiln TensorRT-LLM engine"):
         TrtllmEngineInfo.load(tmp_path)
 
 
 def test_importing_runtime_and_the_adapter_does_not_import_tensorrt_llm():
-    code = "import runtime, runtime.trtllm.engine, sys; print('tensorrt_llm' in sys.modules, 'torch' in sys.modules)"
+    code = ("import kiln.runtime, kiln.runtime.trtllm.engine, sys; "
+            "print('tensorrt_llm' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.split() == ["False", "False"]

@@ -9,13 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
+
 from kiln.engines.cache import EngineCache, engine_key
 from kiln.engines.trtllm.builder import build_trtllm_engine, plan_trtllm_build
 from kiln.engines.trtllm.command import trtllm_build_command
 from kiln.engines.trtllm.options import TrtllmBuildOptions
 from kiln.engines.trtllm.preflight import TrtllmPreflightError
 from kiln.engines.trtllm.process import TrtllmBuildError
-from kiln.runtime.trtllm.engine import TrtllmEngineInfo, is_trtllm_engine
+from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, is_trtllm_engine
 
 FAKE = Path(__file__).resolve().parent / "fakes" / "trtllm-build"
 REPO = Path(__file__).resolve().parents[1]

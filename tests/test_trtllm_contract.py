@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from kiln.engines.trtllm.command import trtllm_build_command
 from kiln.engines.trtllm.contract import load_contract, option_spec
 from kiln.engines.trtllm.options import TrtllmBuildOptions

@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_case(query_lens, seq_lens, kv_dtype, generator, block_size: int = BLOCK_SIZE):
     import torch
+
     from kiln.runtime.native.attention_metadata import AttentionMetadata
     from kiln.runtime.native.kv_cache import token_major
 

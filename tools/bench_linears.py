@@ -48,6 +48,7 @@ def weight_bytes(method: str, k: int, n: int) -> int:
 
 def make_operands(k: int, n: int, seed: int = 0):
     import torch
+
     from kiln.runtime.native.layers.linear import pack_int4
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -63,6 +64,7 @@ def make_operands(k: int, n: int, seed: int = 0):
 
 def method_fns(x, ops):
     import torch
+
     from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv
     from kiln.runtime.native.kernels.int4_gemv import int4_awq_gemv
     from kiln.runtime.native.layers.linear import FP8_MAX, fp8_linear_scaled_mm

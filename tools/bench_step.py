@@ -1,6 +1,6 @@
 """Time the native model's steps on one CUDA GPU without building an engine: an architecture file's shapes
 (Llama-3-8B by default), random weights made on the device in each format, through the runtime's own code path
-(the kernels ``runtime.kernel_config`` selects, decode CUDA graphs).
+(the kernels the ``KILN_*`` variables choose, ``pipeline.runtime_env``; decode CUDA graphs).
 
 For each format it prints, per decode batch size, the step time of a graph replay including the copy of the
 step's metadata (every sequence at ``--context`` tokens), the tokens/s that implies, and the fraction of the
@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 
 import torch
+
 from kiln.engines.native.checkpoint import parse_architecture, read_json
 from kiln.pipeline.bench.floor import NOMINAL_COPY_GBS, kv_bytes_per_token
+from kiln.pipeline.runtime_env import runtime_options
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.decode_graphs import DecodeGraphRunner
 from kiln.runtime.native.engine_format import BuildPlan, EngineConfig, QuantizationConfig
+from kiln.runtime.native.kernel_choice import KernelChoice
 from kiln.runtime.native.kv_cache import allocate_kv_cache
 from kiln.runtime.native.model.llama import LlamaModel
 
@@ -130,7 +134,7 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
     config = engine_config(Path(args.arch), fmt, max(batches), max_seq_len, max(args.prefill, max(batches)),
                            args.kv_cache_dtype, block)
     with torch.device("cuda"):
-        model = LlamaModel(config, torch.bfloat16).eval()
+        model = LlamaModel(config, torch.bfloat16, KernelChoice.from_options(runtime_options(os.environ))).eval()
     streamed = randomize(model)
     model.cache_derived_tensors()
     blocks_per_seq = max_seq_len // block

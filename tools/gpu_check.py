@@ -17,11 +17,13 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from kiln.pipeline import runner
+from kiln.pipeline.runtime_env import runtime_options
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.kv_cache import allocate_kv_cache
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny-llama"
@@ -30,7 +32,7 @@ PROMPTS = ["Monday, Tuesday,", "3 plus 4 is 7. 6 plus 2 is", "Once upon a time",
 
 def build(config: str) -> dict:
     """Build (or hit) the config's engine; returns the run result."""
-    ctx = runner.prepare(config, backend="native", force=False, dry_run=False)
+    ctx = runner.prepare(config, backend="native", force=False, dry_run=False, options=runtime_options(os.environ))
     return runner.run(ctx, runner.decide(ctx))
 
 
@@ -71,7 +73,7 @@ def engine_logits(llm: LLM, prompt: str) -> torch.Tensor:
 def check(config: str, tokens: int, ref_tokens: list[list[int]], ref_logits: dict[str, list[torch.Tensor]]) -> dict:
     first = build(config)
     second = build(config)
-    llm = LLM.load(first["engine_dir"], device="cuda")
+    llm = LLM.load(first["engine_dir"], runtime_options(os.environ, device="cuda"))
     try:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()

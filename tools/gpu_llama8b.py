@@ -21,7 +21,7 @@ from pathlib import Path
 from kiln.engines.cache import checkpoint_hash
 from kiln.pipeline import runner
 from kiln.pipeline.bench.target import bench_root, random_checkpoint, read_architecture_file
-
+from kiln.pipeline.runtime_env import runtime_options
 from tools.tiny_corpus import generate_documents
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def quantize(fmt: str) -> dict:
     config = work_dir() / f"llama3-8b-{fmt}.yaml"
     config.write_text(config_text(fmt))
     start = time.perf_counter()
-    ctx = runner.prepare(config, backend="native", force=True, dry_run=False)
+    ctx = runner.prepare(config, backend="native", force=True, dry_run=False, options=runtime_options(os.environ))
     last = [""]
 
     def show(message: str, _fraction: float) -> None:

@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not has_cuda("tune_attention"):
         return 2
-    from kiln.runtime.native.kernels.paged_attention import paged_attention_decode, paged_attention_varlen
     from triton.testing import do_bench_cudagraph
+
+    from kiln.runtime.native.kernels.paged_attention import paged_attention_decode, paged_attention_varlen
 
     results = []
     generator = torch.Generator().manual_seed(0)

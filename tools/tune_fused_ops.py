@@ -16,9 +16,10 @@ import itertools
 import sys
 from pathlib import Path
 
+from sweep import bandwidth_text, grid, has_cuda, measure_or_skip, sweep_parser, tb_per_s, write_results
+
 from kiln.engines.native.checkpoint import parse_architecture, read_json
 from kiln.engines.native.tuning import WEIGHT_COPIES, graph_time_us
-from sweep import bandwidth_text, grid, has_cuda, measure_or_skip, sweep_parser, tb_per_s, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 RMS_NORM_GRID = dict(num_warps=[1, 2, 4, 8, 16])
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", default="1,256,1000", help="comma-separated token counts (default 1,256,1000)")
     args = parser.parse_args(argv)
     import torch
+
     from kiln.runtime.native.kernels.rms_norm import rms_norm
     from kiln.runtime.native.kernels.silu_mul import silu_and_mul
 

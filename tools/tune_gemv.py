@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="fp8,int4", help="comma-separated subset of fp8,int4,dense")
     args = parser.parse_args(argv)
     import torch
+
     from kiln.runtime.native.kernels import dense_gemv as dense
     from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config
     from kiln.runtime.native.kernels.fp8_quant import quantize_fp8

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from filelock import FileLock, Timeout
+
 from kiln.engines.cache.errors import CacheCorruptError, CacheEntryInUseError, CacheEntryNotFoundError
 from kiln.engines.cache.in_use import delete_unless_held, take_out
 from kiln.engines.cache.keys import canonical_json, engine_key, material_diff, validate_key

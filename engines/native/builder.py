@@ -6,6 +6,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
 from kiln.engines.native.checkpoint import CheckpointTensors, read_architecture, read_quantization
 from kiln.engines.native.plan import check_kv_cache_fits, parse_plan
 from kiln.engines.native.tuning import fp8_kernels_measurable, measure_fp8_streaming_max_m
@@ -20,14 +22,16 @@ from kiln.runtime.native.engine_format import (
     copy_tokenizer_files,
 )
 from kiln.runtime.native.fingerprint import machine_fingerprint
-from safetensors.torch import save_file
+from kiln.runtime.options import Kernels
 
 
-def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: str, device: str = "cpu") -> dict:
+def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: str, device: str = "cpu",
+                        kernels: Kernels = "triton") -> dict:
     """Convert an HF checkpoint (plain, or modelopt's unified FP8 / W4A16_AWQ export, detected from
     hf_quant_config.json / config.json quantization_config) into an engine dir at out_dir (which exists, empty).
     Validates the plan (KV for max_batch_size x max_seq_len must fit in memory budget, else says how many
-    sequences fit). Returns the engine.json dict."""
+    sequences fit). On CUDA with the Triton ``kernels``, times each FP8 linear's crossover (``tuning``; key material:
+    ``tuning_material``). Returns the engine.json dict."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if not out_dir.is_dir():
         raise KilnError(f"engine output directory {out_dir} does not exist; create it (empty) first")
@@ -65,7 +69,7 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: 
         fingerprint=machine_fingerprint(device),
     )
     check_kv_cache_fits(config, device, sum(t.numel() * t.element_size() for t in weights.values()))
-    if source_quant.format == "fp8" and fp8_kernels_measurable(device):  # timed once the plan is known to fit
+    if source_quant.format == "fp8" and fp8_kernels_measurable(device, kernels):  # once the plan is known to fit
         streaming_max_m = measure_fp8_streaming_max_m(arch, DTYPES[dtype], device)
         config = replace(config, quantization=replace(config.quantization, fp8_streaming_max_m=streaming_max_m))
 

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.engine_format import LlamaArchitecture
 from kiln.runtime.native.layers.rotary import ROPE_TYPES, rope_inv_freq
-from safetensors import SafetensorError, safe_open
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 QUANT_ALGOS = {None: "none", "FP8": "fp8", "W4A16_AWQ": "int4_awq"}

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.engine_format import DTYPES, BuildPlan, EngineConfig, LlamaArchitecture
 from kiln.runtime.native.kv_cache import kv_bytes_per_block

@@ -15,7 +15,9 @@ import logging
 from collections.abc import Callable
 
 import torch
+
 from kiln.runtime.native.engine_format import LlamaArchitecture, QuantizationConfig
+from kiln.runtime.options import Kernels
 
 logger = logging.getLogger("kiln.build")
 
@@ -24,13 +26,17 @@ WEIGHT_COPIES = 4  # more than the 50 MB L2 of an H100/H200 holds for every shap
 TIMING_REP_MS = 20
 
 
-def fp8_kernels_measurable(device: torch.device | str) -> bool:
-    """Whether a build on ``device`` can time both FP8 paths: CUDA with FP8 tensor cores and the Triton kernels on."""
-    from kiln.runtime import kernel_config
-
+def fp8_kernels_measurable(device: torch.device | str, kernels: Kernels) -> bool:
+    """Whether a build on ``device`` times both FP8 paths: CUDA with FP8 tensor cores, and the Triton kernels on
+    (``RuntimeOptions.kernels``; with "torch" the engine never streams, and Triton may not even work there)."""
     device = torch.device(device)
-    return (device.type == "cuda" and kernel_config.KERNELS == "triton"
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+    return device.type == "cuda" and kernels == "triton" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def tuning_material(device: str, kernels: Kernels) -> dict:
+    """What of the runtime options changes the engine a native build writes, as key material: on CUDA the kernel
+    choice decides whether the FP8 crossovers are measured (``fp8_kernels_measurable``); elsewhere nothing does."""
+    return {"kernels": kernels} if torch.device(device).type == "cuda" else {}
 
 
 def linear_shapes(arch: LlamaArchitecture) -> dict[str, tuple[int, int]]:

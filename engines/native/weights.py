@@ -10,6 +10,7 @@ input column); scales stay [out, in / group_size]. Dense weights are cast to the
 from __future__ import annotations
 
 import torch
+
 from kiln.engines.native.checkpoint import CheckpointTensors
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.engine_format import LlamaArchitecture

@@ -21,7 +21,7 @@ from kiln.engines.trtllm.options import TrtllmBuildOptions
 from kiln.engines.trtllm.preflight import preflight
 from kiln.engines.trtllm.process import ProcessRecord, TrtllmBuildError, run_logged
 from kiln.runtime.native.engine_format import copy_tokenizer_files
-from kiln.runtime.trtllm.engine import TrtllmEngineInfo
+from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo
 
 LOG_DIR = "logs"
 SCRATCH_DIR = ".kiln-scratch"

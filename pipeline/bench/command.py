@@ -9,11 +9,14 @@ the engine's load time from the cache. The run is in ``pipeline/bench/run.py``; 
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
+
 from kiln.pipeline.bench.report import print_report
 from kiln.pipeline.console import friendly_errors, print_json
+from kiln.pipeline.runtime_env import runtime_options
 
 PEERS = ("transformers",)
 
@@ -57,7 +60,7 @@ def bench(
 
     report = run_bench(target, BenchPlan(prompts, input_len, output_len), batch_1_only=batch_1, peer=peer,
                        peer_attn=peer_attn, fmt=fmt, kv_cache_dtype=kv_cache_dtype, bandwidth_gbs=bandwidth_gbs,
-                       allow_large=allow_large, seed=seed)
+                       allow_large=allow_large, seed=seed, options=runtime_options(os.environ))
     print_json(report) if json_out else print_report(report)
 
 

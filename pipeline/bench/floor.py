@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from kiln.pipeline.bench.common import sync
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.engine_format import WEIGHTS_FILE, EngineConfig

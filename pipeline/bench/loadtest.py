@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Annotated
 
 import typer
-from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
-from kiln.runtime.errors import KilnError
-from kiln.runtime.stats import summarize
 from rich.table import Table
+
+from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
+from kiln.pipeline.runtime_env import runtime_options
+from kiln.runtime.errors import KilnError
+from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.stats import summarize
 
 
 class LoadTestError(KilnError):
@@ -159,7 +163,7 @@ def print_report(report: dict) -> None:
 
 
 @contextmanager
-def _server_for(target: str, api_key: str | None, device: str | None):
+def _server_for(target: str, api_key: str | None, options: RuntimeOptions):
     """The URL to test: `target` itself, or a loopback server over the engine `target` names."""
     if target.startswith(("http://", "https://")):
         yield target, api_key
@@ -169,11 +173,9 @@ def _server_for(target: str, api_key: str | None, device: str | None):
     require_serve_extra()
     from kiln.runtime.server import ServerThread, create_app
 
-    resolved = resolve_target(target)
-    if device is not None:
-        resolved.device = device
+    resolved = resolve_target(target, options)
     settings = resolved.settings(api_key=api_key)
-    llm = resolved.loader()()
+    llm = resolved.loader(options)()
     try:
         with ServerThread(create_app(llm, resolved.engine_dir, settings), "127.0.0.1", 0) as server:
             stderr.print(f"serving {resolved.engine_dir} on {server.url} for the load test", highlight=False)
@@ -197,7 +199,7 @@ def loadtest(
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")] = False,
 ) -> None:
     """Measure a server under N concurrent streaming clients: throughput, TTFT and inter-token p50/p99."""
-    with _server_for(target, api_key, device) as (url, key):
+    with _server_for(target, api_key, runtime_options(os.environ, device=device)) as (url, key):
         report = asyncio.run(run_load(url, clients=clients, requests=requests, max_tokens=max_tokens, prompt=prompt,
                                       chat=chat, ignore_eos=ignore_eos, api_key=key))
     print_json(report) if json_out else print_report(report)

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from kiln.pipeline.bench.common import rate
+from kiln.runtime.options import RuntimeOptions
 
 TTFT_REPEATS = 5
 BATCH1_REPEATS = 3
@@ -42,7 +44,7 @@ class Workload:
                    ttft=draw(TTFT_REPEATS), warmup=draw(min(prompts, WARMUP_PROMPTS)))
 
 
-def measure_kiln(engine_dir: Path, workload: Workload, *, device: str | None, batch_1_only: bool,
+def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, *, batch_1_only: bool,
                  on_loaded=None, progress=lambda _msg: None) -> dict:
     """Load time, median time to first token, median batch-1 decode tokens/s and offline output tokens/s.
 
@@ -50,7 +52,7 @@ def measure_kiln(engine_dir: Path, workload: Workload, *, device: str | None, ba
     from kiln.runtime import LLM, SamplingParams
 
     progress("kiln: loading the engine")
-    llm = LLM.load(engine_dir, device=device)
+    llm = LLM.load(engine_dir, options)
     if on_loaded is not None:
         on_loaded(llm.load_ms)
     try:
@@ -72,7 +74,7 @@ def measure_kiln(engine_dir: Path, workload: Workload, *, device: str | None, ba
             "decode_tokens_per_s_batch1": statistics.median(decode),
             "ttft_ms": round(1000 * statistics.median(ttft), 3),
             "load_ms": round(llm.load_ms, 2),
-            "device": str(llm.engine.device) if hasattr(llm.engine, "device") else device,
+            "device": str(llm.engine.device) if hasattr(llm.engine, "device") else options.device,
         }
         if not batch_1_only:
             progress(f"kiln: offline run of {len(workload.prompts)} prompts")
@@ -91,7 +93,7 @@ def measure_kiln(engine_dir: Path, workload: Workload, *, device: str | None, ba
 
 def offline_engine_stats(before: dict, after: dict) -> dict:
     """What the engine did in the offline run: its steps, how many were queued behind the previous one on the
-    device (``LLMEngine.step``), and its preemptions; per step kind (prefill, mixed, decode)
+    device (``NativeEngine.step``), and its preemptions; per step kind (prefill, mixed, decode)
     the steps, their wall time and model time (on a GPU mostly the wait for it; the rest is host work); and the
     batch size, wall time and model time of its last steps (the recent-step ring: the end of the run, where
     contexts are longest)."""

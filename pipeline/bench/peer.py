@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import torch
+
 from kiln.pipeline.bench.common import free_memory, rate, sync
 from kiln.pipeline.bench.measure import Workload
 from kiln.runtime.errors import KilnError

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kiln.pipeline.console import stdout
 from rich.table import Table
+
+from kiln.pipeline.console import stdout
 
 FIGURES = (  # (key, label, higher is better)
     ("output_tokens_per_s", "offline output tokens/s", True),

@@ -4,9 +4,11 @@ the floor, and assemble the report (its shape is in docs/performance.md)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+
 from kiln.pipeline.bench.common import free_memory
 from kiln.pipeline.bench.floor import decode_step_bytes, floor_tokens_per_s, resolve_bandwidth
 from kiln.pipeline.bench.measure import Workload, measure_kiln
@@ -28,6 +30,7 @@ from kiln.pipeline.bench.target import (
     resolve_target,
 )
 from kiln.pipeline.console import stderr
+from kiln.runtime.options import RuntimeOptions
 
 __all__ = ["BenchPlan", "run_bench"]
 
@@ -37,20 +40,22 @@ def _progress(message: str) -> None:
 
 
 def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | None, peer_attn: str,
-              fmt: str | None, bandwidth_gbs: float | None, allow_large: bool, seed: int,
+              fmt: str | None, bandwidth_gbs: float | None, allow_large: bool, seed: int, options: RuntimeOptions,
               kv_cache_dtype: str = "auto") -> dict:
-    """Build (or find) the engine, measure it and the peer, and return the report."""
+    """Build (or find) the engine, measure it with ``options`` (on the device it was built for unless they name one)
+    and the peer, and return the report."""
     from kiln.runtime.native.engine_format import EngineConfig
 
     resolved = resolve_target(target)
     config_path, peer_checkpoint, weights_note = _bench_config(resolved, plan, fmt=fmt, kv_cache_dtype=kv_cache_dtype,
                                                                allow_large=allow_large, seed=seed)
-    ctx, build = _build_engine(config_path)
+    ctx, build = _build_engine(config_path, options)
     engine = EngineConfig.load(ctx.engine_dir)
-    device = ctx.choice.device
+    options = replace(options, device=options.device or ctx.choice.device)
+    device = options.device
     workload = Workload.make(engine.architecture.vocab_size, prompts=plan.prompts, input_len=plan.input_len,
                              output_len=plan.output_len, seed=seed)
-    kiln = measure_kiln(ctx.engine_dir, workload, device=device, batch_1_only=batch_1_only,
+    kiln = measure_kiln(ctx.engine_dir, workload, options, batch_1_only=batch_1_only,
                         on_loaded=lambda ms: ctx.cache.record_load(ctx.engine_key, ms), progress=_progress)
     free_memory(device)  # the closed engine's KV pool and weights, before the peer loads
     kiln.update(backend="native", quantization=_quantization(engine, ctx, weights_note), **build)
@@ -115,12 +120,12 @@ def _bench_config(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_cach
     return bench_config(checkpoint, plan, arch, note), hf_dir, note
 
 
-def _build_engine(config_path: Path):
+def _build_engine(config_path: Path, options: RuntimeOptions):
     """The native engine of ``config_path`` through the cache (quantize → build → publish; a hit is instant)."""
     from kiln.pipeline import runner
 
     _progress(f"building {config_path.name} through the engine cache (a hit is instant)")
-    ctx = runner.prepare(str(config_path), backend="native", force=False, dry_run=False)
+    ctx = runner.prepare(str(config_path), backend="native", force=False, dry_run=False, options=options)
     result = runner.run(ctx, runner.decide(ctx, smoke=False), None)  # bench loads the engine itself
     return ctx, {"engine_dir": result["engine_dir"], "engine_key": ctx.engine_key,
                  "cache_hit": result["cache"]["hit"], "build_s": result["build_seconds"]}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from kiln.engines.cache.layout import write_atomic
 from kiln.pipeline.bench.common import free_memory
 from kiln.pipeline.config import CONFIGS_DIR, CacheSection, load_config
@@ -167,9 +168,10 @@ def quantized_checkpoint(hf_dir: Path, fmt: str, *, device: str, seed: int, prog
     if (final / "hf_quant_config.json").is_file():
         return final
     progress(f"quantizing to {fmt} with modelopt ({method} on {CALIB_BATCHES} random token batches)")
+    from transformers import AutoModelForCausalLM
+
     from kiln.calibration.export import export_hf
     from kiln.calibration.modelopt_quantize import mtq, quant_config, quiet
-    from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()

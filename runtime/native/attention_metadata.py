@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from kiln.runtime.native.device_copy import device_tensor
 
 

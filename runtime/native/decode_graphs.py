@@ -6,9 +6,9 @@ real rows are copied into static buffers, rows ``n..bs`` are padding (token 0 at
 of its logits are returned. Every bucket's metadata carries the plan's ``max_seq_len`` as its bound, so the split-KV
 decode grid is the same at every replay; programs past a sequence's length return at once.
 
-Graphs need the Triton kernels (the reference attention reads lengths on the host): they are captured on CUDA unless
-``KILN_CUDA_GRAPHS=0`` or ``KILN_KERNELS=torch`` (``runtime.kernel_config``). ``capture=False`` runs the same padded
-forward eagerly (how the CPU tests check the padding).
+Graphs need the Triton kernels (the reference attention reads lengths on the host): they are captured on CUDA as
+``RuntimeOptions.captures_cuda_graphs`` says. ``capture=False`` runs the same padded forward eagerly (how the CPU tests
+check the padding).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from kiln.runtime import kernel_config
+
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.cuda_graphs import StepStaging, capture_graphs, doubling_sizes, smallest_bucket
 from kiln.runtime.native.engine_format import EngineConfig
@@ -129,9 +129,9 @@ class DecodeGraphRunner:
 
 
 def maybe_capture_decode_graphs(model: LlamaModel, kv_caches: list[KVCache], config: EngineConfig,
-                                device: torch.device) -> DecodeGraphRunner | None:
-    """The captured decode graphs on a CUDA device with graphs enabled (``runtime.kernel_config``), else None."""
-    if device.type != "cuda" or not kernel_config.cuda_graphs_enabled():
+                                device: torch.device, enabled: bool) -> DecodeGraphRunner | None:
+    """The captured decode graphs on a CUDA device when ``enabled``, else None."""
+    if device.type != "cuda" or not enabled:
         return None
     runner = DecodeGraphRunner(model, kv_caches, config, device)
     logger.info("captured decode CUDA graphs for batch sizes %s", ", ".join(map(str, runner.batch_sizes)))

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from kiln.runtime import kernel_config
+
 from kiln.runtime.errors import InvalidRequestError, KilnError
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.native.block_manager import BlockManager
@@ -17,6 +17,7 @@ from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerpri
 from kiln.runtime.native.model_runner import LaunchedStep, ModelRunner
 from kiln.runtime.native.sampler import SamplingError
 from kiln.runtime.native.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta, stop_reason
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
@@ -26,7 +27,7 @@ from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_pro
 logger = logging.getLogger("kiln.runtime")
 
 
-def resolve_device(device: str | torch.device | None, config: EngineConfig) -> torch.device:
+def resolve_device(device: str | None, config: EngineConfig) -> torch.device:
     """The requested device, else CUDA when the engine was built for CUDA and one is present, else CPU."""
     if device is not None:
         return torch.device(device)
@@ -34,17 +35,17 @@ def resolve_device(device: str | torch.device | None, config: EngineConfig) -> t
     return torch.device("cuda" if cuda else "cpu")
 
 
-class LLMEngine:
-    """Single-threaded core: requests in, one step at a time, deltas out. `LLM` drives it from a thread."""
+class NativeEngine:
+    """Single-threaded core: requests in, one step at a time, deltas out (``runtime.engine.Engine``). `LLM` drives it
+    from a thread."""
 
-    def __init__(self, engine_dir: Path, *, device: str | torch.device | None = None,
-                 num_kv_blocks: int | None = None, overlap_steps: bool | None = None) -> None:
+    def __init__(self, engine_dir: Path, options: RuntimeOptions) -> None:
         engine_dir = Path(engine_dir)
         self.config = EngineConfig.load(engine_dir)
-        self.device = resolve_device(device, self.config)
+        self.device = resolve_device(options.device, self.config)
         check_fingerprint(self.config.fingerprint, machine_fingerprint(str(self.device)))
         self.tokenizer = Tokenizer.from_dir(engine_dir)
-        self.model_runner = ModelRunner(engine_dir, self.config, self.device, num_kv_blocks)
+        self.model_runner = ModelRunner(engine_dir, self.config, self.device, options)
         plan = self.config.plan
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=plan.max_batch_size,
@@ -56,8 +57,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
         self.stats = EngineStats()
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
-        # queue the next step before reading this one's tokens (default: KILN_OVERLAP_STEPS)
-        self.overlap_steps = kernel_config.OVERLAP_STEPS if overlap_steps is None else overlap_steps
+        self.overlap_steps = options.overlap_steps  # queue the next step before reading this one's tokens
         self._in_flight: LaunchedStep | None = None  # a step queued on the device, collected by the next step()
 
     def close(self) -> None:

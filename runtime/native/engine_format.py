@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from kiln.runtime.errors import EngineFormatError
 
 ENGINE_FORMAT = "kiln-native"

@@ -6,6 +6,7 @@ from importlib import metadata
 from typing import Any
 
 import torch
+
 from kiln.runtime.errors import FingerprintMismatchError
 
 

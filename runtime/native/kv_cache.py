@@ -11,6 +11,7 @@ V, are stored row-major (contiguous).
 from __future__ import annotations
 
 import torch
+
 from kiln.runtime.native.engine_format import EngineConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

@@ -9,16 +9,19 @@ from itertools import accumulate
 from pathlib import Path
 
 import torch
+
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.decode_graphs import maybe_capture_decode_graphs
 from kiln.runtime.native.device_copy import device_tensor
 from kiln.runtime.native.engine_format import EngineConfig
+from kiln.runtime.native.kernel_choice import KernelChoice
 from kiln.runtime.native.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from kiln.runtime.native.model.llama import LlamaModel
 from kiln.runtime.native.prefill_graphs import maybe_capture_prefill_graphs
 from kiln.runtime.native.sampler import Draw, Sampler, SamplingError
 from kiln.runtime.native.scheduler import SchedulerOutput
+from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.sequence import Sequence
 
 # On CUDA the KV pool takes the memory left after the weights, an activation reserve and this share of the GPU kept
@@ -61,15 +64,16 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    """Owns the model weights and the paged KV pool on one device, and executes scheduler outputs on them."""
+    """Owns the model weights and the paged KV pool on one device, and executes scheduler outputs on them; the
+    kernels, CUDA graphs and KV pool size follow ``options``."""
 
-    def __init__(self, engine_dir: Path, config: EngineConfig, device: torch.device,
-                 num_kv_blocks: int | None = None) -> None:
+    def __init__(self, engine_dir: Path, config: EngineConfig, device: torch.device, options: RuntimeOptions) -> None:
         self.config = config
         self.device = device
         self.block_size = config.plan.tokens_per_block
-        self.model = LlamaModel.from_engine(Path(engine_dir), config, device, config.torch_dtype)
-        self.num_kv_blocks = num_kv_blocks or self._default_num_kv_blocks()
+        self.model = LlamaModel.from_engine(Path(engine_dir), config, device, config.torch_dtype,
+                                            KernelChoice.from_options(options))
+        self.num_kv_blocks = options.num_kv_blocks or self._default_num_kv_blocks()
         min_blocks = -(-config.plan.max_seq_len // self.block_size)
         if self.num_kv_blocks < min_blocks:
             raise InsufficientKVMemoryError(
@@ -78,8 +82,9 @@ class ModelRunner:
                 f"larger num_kv_blocks, or rebuild with a smaller max_seq_len")
         self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, device)
         self.sampler = Sampler()
-        self.decode_graphs = maybe_capture_decode_graphs(self.model, self.kv_caches, config, device)  # None on CPU
-        self.prefill_graphs = maybe_capture_prefill_graphs(self.model, self.kv_caches, config, device)
+        graphs = options.captures_cuda_graphs
+        self.decode_graphs = maybe_capture_decode_graphs(self.model, self.kv_caches, config, device, graphs)
+        self.prefill_graphs = maybe_capture_prefill_graphs(self.model, self.kv_caches, config, device, graphs)
 
     def _default_num_kv_blocks(self) -> int:
         plan, arch = self.config.plan, self.config.architecture

@@ -11,8 +11,8 @@ Each bucket has two graphs: one for a whole prompt, whose attention runs causall
 (``AttentionMetadata.whole_prompt``; the padding rows come last, so no prompt row sees them), and one for a step that
 continues a cached context.
 
-Captured with the decode graphs (``KILN_CUDA_GRAPHS``, ``runtime.kernel_config``); ``capture=False`` runs the same
-padded forward eagerly (how the CPU tests check the padding).
+Captured with the decode graphs (``RuntimeOptions.captures_cuda_graphs``); ``capture=False`` runs the same padded
+forward eagerly (how the CPU tests check the padding).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import logging
 
 import numpy as np
 import torch
-from kiln.runtime import kernel_config
+
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.cuda_graphs import StepStaging, capture_graphs, doubling_sizes, smallest_bucket
 from kiln.runtime.native.engine_format import EngineConfig
@@ -115,9 +115,9 @@ class PrefillGraphRunner:
 
 
 def maybe_capture_prefill_graphs(model: LlamaModel, kv_caches: list[KVCache], config: EngineConfig,
-                                 device: torch.device) -> PrefillGraphRunner | None:
-    """The captured prefill graphs on a CUDA device with graphs enabled (``runtime.kernel_config``), else None."""
-    if device.type != "cuda" or not kernel_config.cuda_graphs_enabled() or config.plan.max_num_tokens < 2:
+                                 device: torch.device, enabled: bool) -> PrefillGraphRunner | None:
+    """The captured prefill graphs on a CUDA device when ``enabled``, else None."""
+    if device.type != "cuda" or not enabled or config.plan.max_num_tokens < 2:
         return None
     runner = PrefillGraphRunner(model, kv_caches, config, device)
     logger.info("captured prefill CUDA graphs for %s tokens", ", ".join(map(str, runner.token_buckets)))

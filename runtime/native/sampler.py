@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 
 import torch
+
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.device_copy import device_tensor
 from kiln.runtime.sequence import Sequence

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from kiln.runtime.llm import LLM
 from kiln.runtime.server.completions import create_chat_completion, create_completion
 from kiln.runtime.server.errors import APIError, error_response, install_error_handlers
@@ -27,7 +29,6 @@ from kiln.runtime.server.protocol import (
     ModelCard,
     ModelList,
 )
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 logger = logging.getLogger("kiln.server")
 

@@ -10,6 +10,7 @@ from typing import Any
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from kiln.runtime.errors import KilnError
 from kiln.runtime.tokenizer import special_token_text
 

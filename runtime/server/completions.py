@@ -11,6 +11,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
 from kiln.runtime.errors import KilnError
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.chat_template import ChatTemplateError
@@ -28,9 +32,6 @@ from kiln.runtime.server.protocol import (
     SamplingFields,
     Usage,
 )
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger("kiln.server")
 

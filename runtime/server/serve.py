@@ -10,6 +10,7 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+
 from kiln.runtime.errors import KilnError
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0

@@ -1,152 +1,43 @@
-"""A TensorRT-LLM 1.2.x engine behind Kiln's engine interface, run by TensorRT-LLM's C++ executor.
-
-`TrtllmEngine` has the methods `LLM` drives (`make_request`, `add_request`, `step`, `abort_request`,
-`has_unfinished`, `stats_snapshot`), so `LLM.load`, `generate`, `stream`, `abort` and the server work unchanged.
-The executor does the in-flight batching, paged KV and block reuse; Kiln keeps tokenization, stop strings and
-metrics. `tensorrt_llm` is imported only when an engine is loaded, so `import runtime` stays light.
+"""A TensorRT-LLM 1.2.x engine behind Kiln's engine interface (``runtime.engine.Engine``), run by TensorRT-LLM's C++
+executor, so `LLM.load`, `generate`, `stream`, `abort` and the server work unchanged. The executor does the in-flight
+batching, paged KV and block reuse; Kiln keeps tokenization, stop strings and metrics. `tensorrt_llm` is imported
+only when an engine is loaded.
 
 An engine directory holds what trtllm-build wrote (`config.json`, `rank<N>.engine`), the tokenizer files and
-`kiln_trtllm.json` (this module's `TrtllmEngineInfo`): the plan, the EOS ids and the fingerprint of the build machine.
+`kiln_trtllm.json` (``engine_info.TrtllmEngineInfo``): the plan, the EOS ids and the fingerprint of the build machine.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
-from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError, InvalidRequestError, KilnError
+from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.limits import EngineLimits
+from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta, stop_reason
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.stats import EngineStats
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt, request_detokenizer
+from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo
+from kiln.runtime.trtllm.toolchain import (
+    TrtllmUnavailableError,
+    check_trtllm_fingerprint,
+    import_executor_module,
+    trtllm_machine_fingerprint,
+)
 
-TRTLLM_ENGINE_JSON = "kiln_trtllm.json"
-ENGINE_FORMAT = "kiln-trtllm"
-ENGINE_FORMAT_VERSION = 1
-SUPPORTED_TRTLLM = (1, 2)
-INSTALL_HINT = ("install TensorRT-LLM 1.2.x on a GPU machine: pip install 'tensorrt-llm>=1.2,<1.3' "
-                "--extra-index-url https://pypi.nvidia.com (see docs/tensorrt-llm.md)")
-FINGERPRINT_FIELDS = ("gpu_name", "compute_capability", "tensorrt_llm", "tensorrt")
-_TENSORRT_DISTRIBUTIONS = ("tensorrt", "tensorrt_cu13", "tensorrt_cu12", "tensorrt_cu11")
+# RuntimeOptions that choose how Kiln's native engine runs; TensorRT-LLM's engine runs its own kernels and graphs
+NATIVE_ONLY_OPTIONS = ("kernels", "cuda_graphs", "overlap_steps", "pdl", "linear_max_m")
+
 FINISH_REASONS = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "abort",
                    "TIMED_OUT": "abort"}
 
 
-class TrtllmUnavailableError(KilnError):
-    """TensorRT-LLM is not installed, is not 1.2.x, or there is no GPU to run its engine on."""
-
-
 class TrtllmRequestError(InvalidRequestError):
     """A request this engine cannot take (bad token ids, too long, text without a tokenizer)."""
-
-
-@dataclass(frozen=True)
-class TrtllmEngineInfo:
-    """The parsed `kiln_trtllm.json` of a TensorRT-LLM engine directory."""
-
-    plan: dict[str, Any]
-    quantization: dict[str, Any]
-    fingerprint: dict[str, Any]
-    eos_token_ids: list[int]
-    vocab_size: int
-    tp_size: int = 1
-    pp_size: int = 1
-    build: dict[str, Any] = field(default_factory=dict)
-    format_version: int = ENGINE_FORMAT_VERSION
-
-    @classmethod
-    def load(cls, engine_dir: Path) -> TrtllmEngineInfo:
-        """Read and check `engine_dir/kiln_trtllm.json`; raise EngineFormatError when it is missing or malformed."""
-        path = Path(engine_dir) / TRTLLM_ENGINE_JSON
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise EngineFormatError(f"{engine_dir}: no {TRTLLM_ENGINE_JSON}; not a Kiln TensorRT-LLM engine, rebuild "
-                                    f"it with `kiln build --backend trtllm`") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise EngineFormatError(f"{path}: unreadable ({e}); rebuild the engine") from None
-        if not isinstance(data, dict) or data.get("format") != ENGINE_FORMAT:
-            raise EngineFormatError(f"{path}: format is not {ENGINE_FORMAT!r}; rebuild the engine")
-        if data.get("format_version") != ENGINE_FORMAT_VERSION:
-            raise EngineFormatError(f"{path}: format_version {data.get('format_version')!r} is not "
-                                    f"{ENGINE_FORMAT_VERSION}; rebuild the engine with this version of kiln")
-        try:
-            return cls(**{k: v for k, v in data.items() if k not in ("format",)})
-        except TypeError as e:
-            raise EngineFormatError(f"{path}: {e}; rebuild the engine") from None
-
-    def save(self, engine_dir: Path) -> None:
-        """Write `engine_dir/kiln_trtllm.json`."""
-        data = {"format": ENGINE_FORMAT, **asdict(self)}
-        (Path(engine_dir) / TRTLLM_ENGINE_JSON).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def is_trtllm_engine(engine_dir: Path) -> bool:
-    """Whether `engine_dir` is a Kiln TensorRT-LLM engine (has `kiln_trtllm.json`)."""
-    return (Path(engine_dir) / TRTLLM_ENGINE_JSON).is_file()
-
-
-def trtllm_version() -> str | None:
-    """The installed tensorrt_llm version (package metadata only: nothing is imported)."""
-    return _version("tensorrt_llm")
-
-
-def trtllm_versions() -> dict[str, str | None]:
-    """Installed tensorrt_llm and tensorrt versions (package metadata only: nothing is imported)."""
-    return {"tensorrt_llm": trtllm_version(),
-            "tensorrt": next(filter(None, map(_version, _TENSORRT_DISTRIBUTIONS)), None)}
-
-
-def trtllm_machine_fingerprint() -> dict[str, Any]:
-    """What a TensorRT-LLM engine is tied to on this machine: GPU name and compute capability, CUDA, and the
-    tensorrt_llm and tensorrt versions (None where absent)."""
-    import torch
-
-    gpu = {"device": "cpu", "gpu_name": None, "compute_capability": None, "cuda": None}
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(0)
-        gpu = {"device": "cuda", "gpu_name": torch.cuda.get_device_name(0), "compute_capability": f"{major}.{minor}",
-               "cuda": torch.version.cuda}
-    return {**gpu, **trtllm_versions()}
-
-
-def check_trtllm_fingerprint(engine_fp: dict[str, Any], machine_fp: dict[str, Any]) -> None:
-    """Raise FingerprintMismatchError naming each field in which this machine differs from the build machine:
-    a TensorRT engine runs only with the TensorRT and TensorRT-LLM it was built with, on the GPU it was built for."""
-    if machine_fp.get("device") != "cuda":
-        raise TrtllmUnavailableError("TensorRT-LLM engines run on NVIDIA GPUs and no CUDA GPU is visible; load this "
-                                     "engine on the GPU machine it was built on, or build a native engine")
-    differences = [f"{name} {engine_fp.get(name)!r} at build time, {machine_fp.get(name)!r} here"
-                   for name in FINGERPRINT_FIELDS if engine_fp.get(name) != machine_fp.get(name)]
-    if differences:
-        raise FingerprintMismatchError(f"TensorRT-LLM engine built for another GPU or toolchain: "
-                                       f"{'; '.join(differences)}; rebuild it here with `kiln build --backend trtllm`")
-
-
-def is_supported_trtllm(version: str) -> bool:
-    """Whether a TensorRT-LLM version string is a supported release (1.2.x)."""
-    return tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) == SUPPORTED_TRTLLM
-
-
-def import_executor_module() -> Any:
-    """`tensorrt_llm.bindings.executor`, after checking the installed version is 1.2.x."""
-    version = _version("tensorrt_llm")
-    if version is None:
-        raise TrtllmUnavailableError(f"this engine needs TensorRT-LLM, which is not installed; {INSTALL_HINT}")
-    if not is_supported_trtllm(version):
-        raise TrtllmUnavailableError(f"TensorRT-LLM {version} is installed but Kiln supports 1.2.x only (the TensorRT "
-                                     f"engine path left TensorRT-LLM after 1.3.0rc20); {INSTALL_HINT}")
-    try:
-        return importlib.import_module("tensorrt_llm.bindings.executor")
-    except ImportError as e:
-        raise TrtllmUnavailableError(f"tensorrt_llm.bindings.executor does not import ({e}); {INSTALL_HINT}") from None
 
 
 class _Request:
@@ -161,11 +52,15 @@ class _Request:
 class TrtllmEngine:
     """TensorRT-LLM's executor (in-flight batching, paged KV, block reuse, chunked context) as a Kiln engine."""
 
-    def __init__(self, engine_dir: Path, *, device: str | None = None, num_kv_blocks: int | None = None,
-                 free_gpu_memory_fraction: float = 0.9, poll_ms: int = 10) -> None:
+    def __init__(self, engine_dir: Path, options: RuntimeOptions, *, free_gpu_memory_fraction: float = 0.9,
+                 poll_ms: int = 10) -> None:
         engine_dir = Path(engine_dir)
-        if device is not None and not str(device).startswith("cuda"):
-            raise TrtllmUnavailableError(f"device {device!r}: TensorRT-LLM engines run on CUDA GPUs only")
+        if options.device is not None and not options.device.startswith("cuda"):
+            raise TrtllmUnavailableError(f"device {options.device!r}: TensorRT-LLM engines run on CUDA GPUs only")
+        if native := options.changed(*NATIVE_ONLY_OPTIONS):
+            raise TrtllmUnavailableError(f"{', '.join(native)}: these options choose how Kiln's native engine runs, "
+                                         f"and {engine_dir} is a TensorRT-LLM engine, which runs its own kernels and "
+                                         f"graphs; leave them at their defaults")
         self.info = TrtllmEngineInfo.load(engine_dir)
         self.trtllm = import_executor_module()
         check_trtllm_fingerprint(self.info.fingerprint, trtllm_machine_fingerprint())
@@ -183,7 +78,8 @@ class TrtllmEngine:
         self._by_executor_id: dict[int, str] = {}
         self._errors: list[str] = []
         self.executor = self.trtllm.Executor(engine_dir, self.trtllm.ModelType.DECODER_ONLY,
-                                             self._executor_config(num_kv_blocks, free_gpu_memory_fraction))
+                                             self._executor_config(options.num_kv_blocks,
+                                                                   free_gpu_memory_fraction))
 
     def _executor_config(self, num_kv_blocks: int | None, free_gpu_memory_fraction: float) -> Any:
         trtllm = self.trtllm
@@ -298,8 +194,3 @@ class TrtllmEngine:
         self.executor.shutdown()
 
 
-def _version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None

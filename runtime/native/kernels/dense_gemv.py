@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
 
 # The fastest of 18 configurations (tools/tune_gemv.py --kernels dense --m 1's grid) on an H200, inside CUDA graphs,
@@ -39,7 +40,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, stride_wn, BLOCK
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-               num_warps: int = NUM_WARPS) -> torch.Tensor:
+               num_warps: int = NUM_WARPS, pdl: bool = True) -> torch.Tensor:
     """``x @ weight^T`` for one token: x [..., K] with one row, weight [N, K] in x's dtype -> [..., N]."""
     k = x.shape[-1]
     if x.numel() != k or weight.dim() != 2 or weight.shape[1] != k or weight.dtype != x.dtype:
@@ -50,5 +51,5 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = BLOCK_N, bl
     n = weight.shape[0]
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _dense_gemv_kernel[(triton.cdiv(n, block_n),)](x1, weight, y, n, k, weight.stride(0), BLOCK_N=block_n,
-                                                  BLOCK_K=block_k, num_warps=num_warps, **pdl_options(x1))
+                                                  BLOCK_K=block_k, num_warps=num_warps, **pdl_options(x1, pdl))
     return y.reshape(*x.shape[:-1], n)

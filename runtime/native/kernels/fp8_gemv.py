@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from kiln.runtime.native.kernels.fp8_quant import quantize_fp8
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
 
@@ -63,7 +64,7 @@ def fp8_gemv_config(m: int, n: int, k: int) -> dict:
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
-             config: dict | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+             config: dict | None = None, out_dtype: torch.dtype | None = None, pdl: bool = True) -> torch.Tensor:
     """FP8 linear for small M: x [..., K] (float32/float16/bfloat16, or float8_e4m3fn already quantized with
     ``input_scale``), weight float8_e4m3fn [N, K], weight_scale float32 [N], input_scale float32 [] (static).
     Returns [..., N] in ``out_dtype`` (default ``x.dtype``)."""
@@ -77,7 +78,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         x_q = x.reshape(-1, k)
         x_q = x_q if x_q.stride(-1) == 1 else x_q.contiguous()
     else:
-        x_q = quantize_fp8(x, input_scale)
+        x_q = quantize_fp8(x, input_scale, pdl=pdl)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     m = x_q.shape[0]
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
@@ -85,5 +86,5 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         cfg = dict(config or fp8_gemv_config(m, n, k))
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
         _fp8_gemv_kernel[grid](x_q, weight, weight_scale, input_scale.reshape(()), y, m, n, k, x_q.stride(0),
-                               weight.stride(0), y.stride(0), FP8_DOT=x.is_cuda, **cfg, **pdl_options(x_q))
+                               weight.stride(0), y.stride(0), FP8_DOT=x.is_cuda, **cfg, **pdl_options(x_q, pdl))
     return y.reshape(*x.shape[:-1], n)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
 from kiln.runtime.native.kernels.rounding import quantize_e4m3
 
@@ -26,7 +27,7 @@ def _quantize_fp8_kernel(x_ptr, scale_ptr, out_ptr, n_cols, stride_x, stride_o, 
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """x [..., K] (float32/float16/bfloat16) and a float32 scale [] -> float8_e4m3fn [M, K] (leading dims flattened)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -34,5 +35,5 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
     if x2.numel():
         _quantize_fp8_kernel[(x2.shape[0], triton.cdiv(k, BLOCK))](x2, scale.reshape(()), out, k, x2.stride(0),
-                                                                   out.stride(0), BLOCK=BLOCK, **pdl_options(x2))
+                                                                   out.stride(0), BLOCK=BLOCK, **pdl_options(x2, pdl))
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from kiln.runtime.native.kernels.int4_gemv import nibble_value
 from kiln.runtime.native.kernels.rounding import SUPPORTED_DTYPES, TRITON_DTYPES, round_to_dtype
 

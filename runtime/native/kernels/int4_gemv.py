@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
 from kiln.runtime.native.kernels.rounding import TRITON_DTYPES
 
@@ -163,7 +164,7 @@ def supports_group_size(group_size: int) -> bool:
 
 
 def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pre_quant_scale: torch.Tensor,
-                  group_size: int = 128, config: dict | None = None) -> torch.Tensor:
+                  group_size: int = 128, config: dict | None = None, pdl: bool = True) -> torch.Tensor:
     """INT4-AWQ linear for small M: x [..., K] (float32/float16/bfloat16), qweight uint8 [N, K // 2],
     scales float32 [N, K // group_size], pre_quant_scale float32 [K]. Returns [..., N] in ``x.dtype``."""
     n, half_k = qweight.shape
@@ -191,7 +192,7 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
         words = qweight.view(torch.int32)
         _int4_awq_gemv_row_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x2, words, scales, pre_quant_scale, y, n, k, words.stride(0), scales.stride(0), ONE_BITS,
-            GROUP_SIZE=group_size, **cfg, **pdl_options(x2))
+            GROUP_SIZE=group_size, **cfg, **pdl_options(x2, pdl))
         return y.reshape(*x.shape[:-1], n)
     if (k // group_size) % cfg["GROUPS"]:
         raise ValueError(f"int4_awq_gemv: GROUPS {cfg['GROUPS']} must divide the {k // group_size} groups of a row")
@@ -201,5 +202,5 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     x2 = x2 * pre_quant_scale.to(x.dtype)  # once, in the activation dtype, as the reference does
     _int4_awq_group_dot_kernel[grid](x2, qweight, scales, y, m, n, k,
                                      x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-                                     GROUP_SIZE=group_size, DOT_DTYPE=dot_dtype, **cfg, **pdl_options(x2))
+                                     GROUP_SIZE=group_size, DOT_DTYPE=dot_dtype, **cfg, **pdl_options(x2, pdl))
     return y.reshape(*x.shape[:-1], n)

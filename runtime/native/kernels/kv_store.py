@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
 from kiln.runtime.native.kernels.rounding import quantize_e4m3
 from kiln.runtime.native.kv_cache import is_token_major
@@ -96,7 +97,7 @@ class CacheWrite:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
+             v_scale: torch.Tensor | None = None, pdl: bool = True) -> None:
     """Write K/V [num_tokens, num_kv_heads, head_dim] at their flat slots; same contract as the reference."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -106,4 +107,4 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     args, constexprs = CacheWrite(v, k_cache, v_cache, slot_mapping, k_scale, v_scale).kernel_args()
     _store_kv_kernel[(num_tokens,)](k, *args, k.stride(0), k.stride(1), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                                     BLOCK_H=triton.next_power_of_2(num_kv_heads),
-                                    BLOCK_D=triton.next_power_of_2(head_dim), **constexprs, **pdl_options(k))
+                                    BLOCK_D=triton.next_power_of_2(head_dim), **constexprs, **pdl_options(k, pdl))

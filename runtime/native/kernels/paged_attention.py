@@ -29,6 +29,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
 from kiln.runtime.native.kernels.rounding import TRITON_DTYPES, quantize_e4m3
@@ -389,7 +390,7 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, block_m: int = 64, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int | None = None, first_seq: int = 0,
-                           quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           quant_scale: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
     """Causal paged attention of any flat batch: q [T, num_heads, head_dim] -> [T, num_heads, head_dim], in q's
     dtype, or with ``quant_scale`` (float32 []) float8_e4m3fn quantized with it for the next FP8 linear.
 
@@ -417,7 +418,7 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=max(block_n, 16),
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16), FP8=fp8, FP16=_fp16_compute(q, fp8),
         PRECISION=_precision(q), V_TOKEN_MAJOR=v_token_major, QUANT=quant_scale is not None, num_warps=num_warps,
-        num_stages=num_stages, **pdl_options(q))
+        num_stages=num_stages, **pdl_options(q, pdl))
     return out
 
 
@@ -425,7 +426,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, partition_size: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                           quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           quant_scale: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
     """Split-KV decode (one new token per sequence): q [num_tokens, num_heads, head_dim] -> same shape (dtype as
     for the varlen kernel), the rows of meta's sequences attended (every row unless meta holds a batch's leading
     decodes, ``leading_decodes``).
@@ -457,13 +458,13 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
         PARTITION_SIZE=partition_size, FP8=fp8, FP16=_fp16_compute(q, fp8), PRECISION=_precision(q),
         V_TOKEN_MAJOR=v_token_major, PARTITION_BLOCKS=max(partition_size // block_size, 2), num_warps=num_warps,
-        num_stages=num_stages, **pdl_options(q))
+        num_stages=num_stages, **pdl_options(q, pdl))
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens,
         q if quant_scale is None else quant_scale, out.stride(0), out.stride(1), num_heads, max_partitions,
         HEAD_DIM=head_dim, BLOCK_P=max(triton.next_power_of_2(max_partitions), 2), BLOCK_D=block_d,
         PARTITION_SIZE=partition_size, DTYPE=TRITON_DTYPES[q.dtype], QUANT=quant_scale is not None, num_warps=4,
-        **pdl_options(q))
+        **pdl_options(q, pdl))
     return out
 
 
@@ -487,7 +488,7 @@ def _num_sms(device: torch.device) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    quant_scale: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
     """Same contract as ``paged_attention_reference`` (with ``quant_scale`` the output quantized for an FP8 linear,
     as the varlen kernel does): split-KV decode when every q_len is 1, varlen otherwise; a
     mixed step's leading decodes go through the decode kernel (on an H200, varlen reads their long contexts in one
@@ -495,10 +496,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Their partitions are the largest, as the decode graphs of large batches use, so that mixed steps of any size
     run kernels those graphs compiled."""
     if meta.max_query_len == 1:
-        return paged_attention_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, quant_scale=quant_scale)
+        return paged_attention_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, quant_scale=quant_scale,
+                                      pdl=pdl)
     if meta.num_decode_seqs:
         out = paged_attention_decode(q, k_cache, v_cache, meta.leading_decodes(), scale, k_scale, v_scale,
-                                     partition_size=MAX_PARTITION_SIZE, quant_scale=quant_scale)
+                                     partition_size=MAX_PARTITION_SIZE, quant_scale=quant_scale, pdl=pdl)
         return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, out=out,
-                                      first_seq=meta.num_decode_seqs, quant_scale=quant_scale)
-    return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, quant_scale=quant_scale)
+                                      first_seq=meta.num_decode_seqs, quant_scale=quant_scale, pdl=pdl)
+    return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, quant_scale=quant_scale,
+                                  pdl=pdl)

@@ -5,8 +5,8 @@ statement, ``wait_for_previous_kernel``, waits for that kernel to complete with 
 (``griddepcontrol.wait``), so nothing is read or written early; it then lets the next kernel be scheduled as this
 one's last programs start (``griddepcontrol.launch_dependents``). What this saves is the gap between consecutive
 kernels, inside CUDA graphs too, where a small-batch decode step is about 350 kernels of a few microseconds each.
-A kernel not launched with PDL (cuBLAS, PyTorch's) is waited for as usual. ``KILN_PDL=0`` turns it off
-(``runtime.kernel_config``).
+A kernel not launched with PDL (cuBLAS, PyTorch's) is waited for as usual. Every launcher takes ``pdl``
+(``RuntimeOptions.pdl``, passed down by the layers) to turn it off.
 
 Only launches over at most ``PDL_MAX_TOKENS`` tokens use it. On an H200 (Llama-3-8B shape, CUDA-graph replays)
 it made an FP8 decode step at batch 1 4.8 % faster (3.53 -> 3.36 ms; bf16 2 %) but one at batch 256 2.6 % slower
@@ -20,7 +20,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from kiln.runtime import kernel_config
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
@@ -35,11 +34,11 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
 PDL_MAX_TOKENS = 16
 
 
-def pdl_options(x: torch.Tensor) -> dict[str, bool]:
+def pdl_options(x: torch.Tensor, enabled: bool = True) -> dict[str, bool]:
     """The launch keywords of a kernel over the tokens of ``x`` (its first dim): the kernel's ``PDL`` constexpr and
-    triton's ``launch_pdl``, both on for at most PDL_MAX_TOKENS tokens on a CUDA device that has PDL (unless
-    ``KILN_PDL=0``); triton's interpreter runs without."""
-    on = kernel_config.PDL and x.shape[0] <= PDL_MAX_TOKENS and x.is_cuda and _supports_pdl(x.device)
+    triton's ``launch_pdl``, both on when ``enabled``, for at most PDL_MAX_TOKENS tokens on a CUDA device that has PDL;
+    triton's interpreter runs without."""
+    on = enabled and x.shape[0] <= PDL_MAX_TOKENS and x.is_cuda and _supports_pdl(x.device)
     return {"PDL": on, "launch_pdl": on}
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
 from kiln.runtime.native.kernels.rounding import SUPPORTED_DTYPES, quantize_e4m3, round_to_dtype
 
@@ -52,7 +53,7 @@ def _num_warps(block: int) -> int:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              quant_scale: torch.Tensor | None = None,
-             num_warps: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             num_warps: int | None = None, pdl: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``weight * x / rms(x)`` over the last dim of x [..., hidden] (float32/float16/bfloat16); ``weight``
     [hidden] has x's dtype. With ``residual`` (x's shape and dtype), first ``x = x + residual`` and return
     ``(out, new_residual)``, the new residual a fresh tensor: neither input is written. With ``quant_scale``
@@ -79,5 +80,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x2, r2, weight, out, x2 if new_residual is None else new_residual,
             weight if quant_scale is None else quant_scale.reshape(()), eps, x2.stride(0), r2.stride(0),
             HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, QUANT=quant_scale is not None,
-            num_warps=num_warps or _num_warps(block), **pdl_options(x2))
+            num_warps=num_warps or _num_warps(block), **pdl_options(x2, pdl))
     return out if new_residual is None else (out, new_residual)

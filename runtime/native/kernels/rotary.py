@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from kiln.runtime.native.kernels.kv_store import CacheWrite, store_in_cache
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
 from kiln.runtime.native.kernels.rounding import SUPPORTED_DTYPES, round_to_dtype
@@ -93,7 +94,7 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_pt
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
                  cache_write: CacheWrite | None = None,
-                 keep_k: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 keep_k: bool = True, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] (same float dtype, any token and head
     strides) by ``positions`` [T] through ``cos_sin_cache`` [max_position, head_dim]. Returns new contiguous
     ``(q_out, k_out)``; positions are not bounds-checked.
@@ -130,5 +131,5 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
             NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
             BLOCK_KV_H=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
             STORE=cache_write is not None, KEEP_K=k_out is not None, **constexprs, num_warps=4,
-            enable_fp_fusion=False, **pdl_options(q))
+            enable_fp_fusion=False, **pdl_options(q, pdl))
     return q_out, k_out

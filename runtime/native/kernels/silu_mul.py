@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
 from kiln.runtime.native.kernels.rounding import SUPPORTED_DTYPES, quantize_e4m3, round_to_dtype
-from triton.language.extra import libdevice
 
 # Columns per program and warps, from tools/tune_fused_ops.py on an H200 (Llama-3-8B width, FP8 output): narrow
 # programs spread a few rows over more SMs; wide ones (8 columns per thread) stream many rows.
@@ -43,7 +44,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, quant_scale_ptr, inter_size, stride_x, 
 
 
 def silu_and_mul(x: torch.Tensor, quant_scale: torch.Tensor | None = None, block: int | None = None,
-                 num_warps: int | None = None) -> torch.Tensor:
+                 num_warps: int | None = None, pdl: bool = True) -> torch.Tensor:
     """``silu(gate) * up`` for x = cat([gate, up], -1) [..., 2 * I] (float32/float16/bfloat16) -> [..., I]; with
     ``quant_scale`` (float32 []) float8_e4m3fn, quantized with it. ``block`` (a power of two) columns per program
     and ``num_warps`` default by the number of rows."""
@@ -62,5 +63,5 @@ def silu_and_mul(x: torch.Tensor, quant_scale: torch.Tensor | None = None, block
         _silu_and_mul_kernel[grid](x2, out, x2 if quant_scale is None else quant_scale.reshape(()), inter_size,
                                    x2.stride(0), BLOCK=block, LIBDEVICE_EXP=x.is_cuda,
                                    QUANT=quant_scale is not None, num_warps=num_warps or default_warps,
-                                   **pdl_options(x2))
+                                   **pdl_options(x2, pdl))
     return out

@@ -7,21 +7,21 @@ attention (``prompt_attention``).
 
 ``paged_attention_reference`` is the plain PyTorch implementation (the CPU path and the oracle for GPU kernels).
 Caches are [num_blocks, block_size, num_kv_heads, head_dim]; an FP8 cache holds ``x / scale`` in float8_e4m3fn.
-On a CUDA device the Triton kernels of ``runtime.native.kernels`` run instead, unless ``KILN_KERNELS=torch``
-(``runtime.kernel_config``).
+On a CUDA device the Triton kernels of ``runtime.native.kernels`` run instead, as the layer's ``KernelChoice`` says.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kiln.runtime import kernel_config
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from kiln.runtime.native.attention_metadata import AttentionMetadata
+from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
 from kiln.runtime.native.kv_cache import KVCache
 from kiln.runtime.native.layers.linear import fp8_quantize
 from kiln.runtime.native.layers.rotary import RotaryEmbedding
-from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class PagedAttention(nn.Module):
@@ -29,10 +29,12 @@ class PagedAttention(nn.Module):
     it first rotates q and k by their positions, as TensorRT-LLM's attention op does: on the Triton path in the same
     launch that stores the new K/V (``runtime.native.kernels.rotary.apply_rotary``)."""
 
-    def __init__(self, head_dim: int, fp8_kv_cache: bool, rotary: RotaryEmbedding | None = None) -> None:
+    def __init__(self, head_dim: int, fp8_kv_cache: bool, rotary: RotaryEmbedding | None = None,
+                 kernels: KernelChoice = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.scale = head_dim**-0.5
         self.rotary = rotary
+        self.kernels = kernels
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)
 
@@ -44,7 +46,7 @@ class PagedAttention(nn.Module):
         quantized with it for the next FP8 linear. ``positions`` [T] (the tokens' absolute positions) are needed
         with ``rotary``."""
         k_cache, v_cache = kv_cache
-        triton_path = kernel_config.use_triton(q)
+        triton_path, pdl = self.kernels.use_triton(q), self.kernels.pdl
         if quant_scale is not None and not triton_path:
             raise ValueError("PagedAttention: only the Triton kernels quantize their output")
         if self.rotary is not None and positions is None:
@@ -58,10 +60,11 @@ class PagedAttention(nn.Module):
             )
 
             if self.rotary is None:
-                kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+                kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale, pdl=pdl)
             else:
                 write = kv_store.CacheWrite(v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-                q, k = rotary.apply_rotary(positions, q, k, self.rotary.cos_sin_cache, write, keep_k=meta.whole_prompt)
+                q, k = rotary.apply_rotary(positions, q, k, self.rotary.cos_sin_cache, write, keep_k=meta.whole_prompt,
+                                           pdl=pdl)
         else:
             if self.rotary is not None:
                 q, k = self.rotary(positions, q, k)
@@ -70,10 +73,11 @@ class PagedAttention(nn.Module):
             out = prompt_attention(q, k, v, self.scale)
             if quant_scale is None:
                 return out
-            return fp8_quant.quantize_fp8(out.reshape(out.shape[0], -1), quant_scale).view(out.shape)  # token rows
+            rows = out.reshape(out.shape[0], -1)  # token rows
+            return fp8_quant.quantize_fp8(rows, quant_scale, pdl=pdl).view(out.shape)
         if triton_path:
             return paged_attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
-                                                   quant_scale)
+                                                   quant_scale, pdl=pdl)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
 
 

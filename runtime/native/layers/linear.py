@@ -20,8 +20,9 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from kiln.runtime import kernel_config
 from torch import nn
+
+from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 # The INT4 streaming kernel serves up to this many tokens; above, the weight is dequantized for a GEMM (on CUDA by
@@ -33,15 +34,17 @@ class Linear(nn.Module):
     """Dense linear without bias, weight in the engine dtype; one token on CUDA takes the Triton weight-streaming
     kernel (``runtime.native.kernels.dense_gemv``), more take cuBLAS."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
+                 kernels: KernelChoice = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernel_config.use_triton(x) and x.numel() == x.shape[-1] and x.dtype == self.weight.dtype:
+        if self.kernels.use_triton(x) and x.numel() == x.shape[-1] and x.dtype == self.weight.dtype:
             from kiln.runtime.native.kernels.dense_gemv import dense_gemv
 
-            return dense_gemv(x, self.weight)
+            return dense_gemv(x, self.weight, pdl=self.kernels.pdl)
         return F.linear(x, self.weight)
 
 
@@ -54,8 +57,9 @@ class Fp8Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32,
-                 streaming_max_m: int | None = None) -> None:
+                 streaming_max_m: int | None = None, kernels: KernelChoice = DEFAULT_KERNELS) -> None:
         super().__init__()
+        self.kernels = kernels
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32))
@@ -79,18 +83,19 @@ class Fp8Linear(nn.Module):
         """``input_scale`` when ``forward`` would quantize an input with the rows of ``x`` (any width) in a Triton
         kernel, so that the kernel producing it may hand over float8_e4m3fn rows instead; else None."""
         rows = x.reshape(-1, x.shape[-1])[:, :1].expand(-1, self.weight.shape[1])  # a view at this layer's width
-        return self.input_scale if kernel_config.use_triton(rows) and self._cuda_path(rows) else None
+        return self.input_scale if self.kernels.use_triton(rows) and self._cuda_path(rows) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         path = self._cuda_path(x)
         if path == "streaming":
             from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv
 
-            return fp8_gemv(x, self.weight, self.weight_scale, self.input_scale, out_dtype=self._out_dtype(x))
+            return fp8_gemv(x, self.weight, self.weight_scale, self.input_scale, out_dtype=self._out_dtype(x),
+                            pdl=self.kernels.pdl)
         if path == "scaled_mm":
             weight_scale = self.weight_scale if self.gemm_weight_scale is None else self.gemm_weight_scale
             return fp8_linear_scaled_mm(x, self.weight, weight_scale, self.input_scale, self._out_dtype(x),
-                                        self.input_scale_rows)
+                                        self.input_scale_rows, self.kernels)
         if x.dtype == torch.float8_e4m3fn:
             raise ValueError("Fp8Linear: a pre-quantized input needs a CUDA FP8 path (see fusable_input_scale)")
         return fp8_linear_reference(x, self.weight, self.weight_scale, self.input_scale)
@@ -98,7 +103,7 @@ class Fp8Linear(nn.Module):
     def _cuda_path(self, x: torch.Tensor) -> str | None:
         """The path an input with ``x``'s rows takes: "streaming" (the Triton kernel), "scaled_mm", or None (the
         dequantizing reference)."""
-        if use_streaming_kernel(x, self.streaming_max_m):
+        if self.kernels.streams(x, self.streaming_max_m):
             return "streaming"
         return "scaled_mm" if use_scaled_mm(x, self.weight) else None
 
@@ -110,8 +115,9 @@ class Int4AwqLinear(nn.Module):
     """INT4 weight, symmetric per-group scales along the input dim, AWQ pre-quant scale on the activations."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, kernels: KernelChoice = DEFAULT_KERNELS) -> None:
         super().__init__()
+        self.kernels = kernels
         if in_features % group_size or in_features % 2:
             raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
         self.group_size = group_size
@@ -121,12 +127,13 @@ class Int4AwqLinear(nn.Module):
         self.register_buffer("pre_quant_scale", torch.ones(in_features, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_streaming_kernel(x, INT4_STREAMING_MAX_M):
+        if self.kernels.streams(x, INT4_STREAMING_MAX_M):
             from kiln.runtime.native.kernels.int4_gemv import int4_awq_gemv, supports_group_size
 
             if supports_group_size(self.group_size):
-                return int4_awq_gemv(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size)
-        if kernel_config.use_triton(x):  # dequantize once, in one pass, then a cuBLAS GEMM
+                return int4_awq_gemv(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size,
+                                     pdl=self.kernels.pdl)
+        if self.kernels.use_triton(x):  # dequantize once, in one pass, then a cuBLAS GEMM
             from kiln.runtime.native.kernels.int4_dequant import int4_dequantize as int4_dequantize_kernel
 
             weight = int4_dequantize_kernel(self.qweight, self.scales, self.group_size, x.dtype)
@@ -135,15 +142,15 @@ class Int4AwqLinear(nn.Module):
 
 
 def make_linear(fmt: str, in_features: int, out_features: int, dtype: torch.dtype, group_size: int | None,
-                fp8_streaming_max_m: int | None = None) -> nn.Module:
+                fp8_streaming_max_m: int | None = None, kernels: KernelChoice = DEFAULT_KERNELS) -> nn.Module:
     """The linear module of quantization format ``fmt`` ("none", "fp8" or "int4_awq"); an FP8 one streams up to
     ``fp8_streaming_max_m`` tokens (default: ``fp8_streaming_max_m(in_features)``)."""
     if fmt == "none":
-        return Linear(in_features, out_features, dtype)
+        return Linear(in_features, out_features, dtype, kernels)
     if fmt == "fp8":
-        return Fp8Linear(in_features, out_features, dtype, fp8_streaming_max_m)
+        return Fp8Linear(in_features, out_features, dtype, fp8_streaming_max_m, kernels)
     if fmt == "int4_awq":
-        return Int4AwqLinear(in_features, out_features, group_size, dtype)
+        return Int4AwqLinear(in_features, out_features, group_size, dtype, kernels)
     raise ValueError(f"unknown linear format {fmt!r}")
 
 
@@ -168,7 +175,8 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          input_scale: torch.Tensor, out_dtype: torch.dtype | None = None,
-                         input_scale_rows: torch.Tensor | None = None) -> torch.Tensor:
+                         input_scale_rows: torch.Tensor | None = None,
+                         kernels: KernelChoice = DEFAULT_KERNELS) -> torch.Tensor:
     """FP8 tensor-core GEMM (CUDA, compute capability >= 8.9), scales applied in the epilogue; returns
     ``out_dtype`` (default ``x.dtype``). A float8_e4m3fn ``x`` is taken as already quantized with ``input_scale``.
     ``weight_scale`` is float32 [N] (per output channel) or [] (per tensor).
@@ -187,10 +195,10 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
         if out_dtype is None:
             raise ValueError("fp8_linear_scaled_mm: a float8_e4m3fn x needs out_dtype")
         x_q = x2
-    elif kernel_config.use_triton(x):
+    elif kernels.use_triton(x):
         from kiln.runtime.native.kernels.fp8_quant import quantize_fp8
 
-        x_q = quantize_fp8(x2, input_scale)  # one kernel instead of four
+        x_q = quantize_fp8(x2, input_scale, pdl=kernels.pdl)  # one kernel instead of four
     else:
         x_q = fp8_quantize(x2, input_scale)
     out_dtype = out_dtype or x.dtype
@@ -216,13 +224,6 @@ def use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``fp8_linear_scaled_mm`` can run: a CUDA device with FP8 tensor cores and 16-aligned K and N."""
     return (x.is_cuda and x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0 and x.numel() > 0
             and _has_fp8_tensor_cores(x.device.index if x.device.index is not None else torch.cuda.current_device()))
-
-
-def use_streaming_kernel(x: torch.Tensor, max_m: int) -> bool:
-    """Whether a quantized linear takes its Triton weight-streaming kernel: Triton kernels on and 1..max_m tokens
-    (``KILN_LINEAR_MAX_M`` overrides ``max_m``; ``runtime.kernel_config``)."""
-    limit = kernel_config.LINEAR_MAX_M or max_m
-    return kernel_config.use_triton(x) and 0 < x.numel() // x.shape[-1] <= limit
 
 
 def fp8_streaming_max_m(in_features: int) -> int:

@@ -1,32 +1,36 @@
 """RMSNorm with the residual add folded in, matching Hugging Face Llama numerics (normalise in float32).
 
-On CUDA one Triton kernel does the add and the norm (``runtime.native.kernels.rms_norm``, same numerics) unless
-``KILN_KERNELS=torch``; given the next FP8 linear's ``quant_scale``, it also quantizes its output for that linear.
+On CUDA one Triton kernel does the add and the norm (``runtime.native.kernels.rms_norm``, same numerics) unless the
+``KernelChoice`` says otherwise; given the next FP8 linear's ``quant_scale``, it also quantizes its output for that
+linear.
 """
 
 from __future__ import annotations
 
 import torch
-from kiln.runtime import kernel_config
-from kiln.runtime.native.layers.linear import fp8_quantize
 from torch import nn
+
+from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
+from kiln.runtime.native.layers.linear import fp8_quantize
 
 
 class RMSNorm(nn.Module):
     """``weight * x / rms(x)``; with ``residual`` given, first ``x = x + residual`` and return the new residual too."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
+                 kernels: KernelChoice = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 quant_scale: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With ``quant_scale`` the output is float8_e4m3fn, ``fp8_quantize(out, quant_scale)``."""
-        if kernel_config.use_triton(x):
+        if self.kernels.use_triton(x):
             from kiln.runtime.native.kernels.rms_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual, quant_scale)
+            return rms_norm(x, self.weight, self.eps, residual, quant_scale, pdl=self.kernels.pdl)
         if residual is not None:
             x = x + residual
             residual = x

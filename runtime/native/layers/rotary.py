@@ -6,8 +6,9 @@ import math
 from typing import Any
 
 import torch
-from kiln.runtime.errors import EngineFormatError
 from torch import nn
+
+from kiln.runtime.errors import EngineFormatError
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -42,7 +43,7 @@ class RotaryEmbedding(nn.Module):
 
     The table is computed on the CPU (identical on every device) and placed on the current default device. This is
     the PyTorch path; on CUDA ``PagedAttention`` rotates q and k with the table in the Triton kernel that stores the
-    K/V (``runtime.native.kernels.rotary``, same numerics) unless ``KILN_KERNELS=torch``.
+    K/V (``runtime.native.kernels.rotary``, same numerics) when its ``KernelChoice`` runs the Triton kernels.
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:

@@ -11,30 +11,33 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
 from kiln.runtime.errors import EngineFormatError
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.engine_format import WEIGHTS_FILE, EngineConfig
+from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
 from kiln.runtime.native.kv_cache import KVCache
 from kiln.runtime.native.layers.activation import SiluAndMul
 from kiln.runtime.native.layers.attention import PagedAttention
 from kiln.runtime.native.layers.linear import Fp8Linear, Linear, fusable_input_scale, make_linear
 from kiln.runtime.native.layers.norm import RMSNorm
 from kiln.runtime.native.layers.rotary import RotaryEmbedding
-from safetensors import SafetensorError, safe_open
-from torch import nn
 
 
 class LinearFactory:
     """Makes the linear of module ``name`` in the engine's format, or dense when the module is excluded."""
 
-    def __init__(self, config: EngineConfig, dtype: torch.dtype) -> None:
-        self.quant, self.dtype = config.quantization, dtype
+    def __init__(self, config: EngineConfig, dtype: torch.dtype, kernels: KernelChoice) -> None:
+        self.quant, self.dtype, self.kernels = config.quantization, dtype, kernels
 
     def __call__(self, name: str, in_features: int, out_features: int) -> nn.Module:
         excluded = any(fnmatch(name, pattern) for pattern in self.quant.exclude_modules)
         fmt = "none" if excluded else self.quant.format
         return make_linear(fmt, in_features, out_features, self.dtype, self.quant.group_size,
-                           self.quant.fp8_streaming_max_m.get(self.quant.shape_key(in_features, out_features)))
+                           self.quant.fp8_streaming_max_m.get(self.quant.shape_key(in_features, out_features)),
+                           self.kernels)
 
 
 class LlamaAttention(nn.Module):
@@ -46,7 +49,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = linear(f"{prefix}.qkv_proj", arch.hidden_size, self.q_size + 2 * self.kv_size)
         self.o_proj = linear(f"{prefix}.o_proj", self.q_size, arch.hidden_size)
         fp8_kv = config.kv_cache_torch_dtype == torch.float8_e4m3fn
-        self.attn = PagedAttention(arch.head_dim, fp8_kv, rotary)
+        self.attn = PagedAttention(arch.head_dim, fp8_kv, rotary, linear.kernels)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
@@ -63,7 +66,7 @@ class LlamaMLP(nn.Module):
         arch = config.architecture
         self.gate_up_proj = linear(f"{prefix}.gate_up_proj", arch.hidden_size, 2 * arch.intermediate_size)
         self.down_proj = linear(f"{prefix}.down_proj", arch.intermediate_size, arch.hidden_size)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(linear.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -75,9 +78,9 @@ class LlamaDecoderLayer(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         arch = config.architecture
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
         self.self_attn = LlamaAttention(config, f"layers.{index}.self_attn", linear, rotary)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
         self.mlp = LlamaMLP(config, f"layers.{index}.mlp", linear)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
@@ -92,27 +95,28 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """The decoder over a flat batch of new tokens; ``compute_logits`` applies the (possibly tied) LM head."""
+    """The decoder over a flat batch of new tokens; ``compute_logits`` applies the (possibly tied) LM head. Its
+    layers run the kernels ``kernels`` chooses."""
 
-    def __init__(self, config: EngineConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, dtype: torch.dtype, kernels: KernelChoice = DEFAULT_KERNELS) -> None:
         super().__init__()
         arch = config.architecture
-        linear = LinearFactory(config, dtype)
+        linear = LinearFactory(config, dtype, kernels)
         rotary = RotaryEmbedding(arch.head_dim, config.plan.max_seq_len, arch.rope_theta, arch.rope_scaling)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype).requires_grad_(False)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, linear, rotary, dtype) for i in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, kernels)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype, kernels)
         self.max_num_tokens = config.plan.max_num_tokens
 
     @classmethod
     def from_engine(cls, engine_dir: Path, config: EngineConfig, device: torch.device | str,
-                    dtype: torch.dtype | None = None) -> LlamaModel:
+                    dtype: torch.dtype | None = None, kernels: KernelChoice = DEFAULT_KERNELS) -> LlamaModel:
         """Build on ``device`` in ``dtype`` (default: the engine dtype) and load ``rank0.safetensors``."""
         with torch.device(device):
-            model = cls(config, dtype or config.torch_dtype)
+            model = cls(config, dtype or config.torch_dtype, kernels)
         model.load_weights(Path(engine_dir) / WEIGHTS_FILE)
         return model.eval()
 

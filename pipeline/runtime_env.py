@@ -1,0 +1,48 @@
+"""The runtime's options at the CLI's edge: the one place where ``KILN_*`` variables meet them. A command builds its
+``RuntimeOptions`` here, from its own flags and, for what it has no flag for, the environment; everything below the
+CLI takes the object.
+
+- ``KILN_KERNELS``: ``triton`` (default) or ``torch`` (``RuntimeOptions.kernels``)
+- ``KILN_CUDA_GRAPHS``: ``1`` or ``0`` (default: on where the Triton kernels run)
+- ``KILN_OVERLAP_STEPS``: ``1`` (default) or ``0``
+- ``KILN_PDL``: ``1`` (default) or ``0``
+- ``KILN_LINEAR_MAX_M``: a positive integer (default: the crossover each engine's build measured)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kiln.runtime.options import KERNELS, RuntimeOptions, RuntimeOptionsError
+
+SWITCHES = {"cuda_graphs": "KILN_CUDA_GRAPHS", "overlap_steps": "KILN_OVERLAP_STEPS", "pdl": "KILN_PDL"}
+
+
+def runtime_options(environ: Mapping[str, str], *, device: str | None = None,
+                    num_kv_blocks: int | None = None) -> RuntimeOptions:
+    """``RuntimeOptions`` from a command's flags and the ``KILN_*`` variables of ``environ``; a bad value is refused
+    naming its variable."""
+    values: dict = {"device": device, "num_kv_blocks": num_kv_blocks}
+    if "KILN_KERNELS" in environ:
+        values["kernels"] = _choice(environ, "KILN_KERNELS", KERNELS)
+    for field, name in SWITCHES.items():
+        if name in environ:
+            values[field] = _choice(environ, name, ("0", "1")) == "1"
+    if "KILN_LINEAR_MAX_M" in environ:
+        text = environ["KILN_LINEAR_MAX_M"]
+        if not text.isdigit() or int(text) < 1:
+            raise RuntimeOptionsError(f"KILN_LINEAR_MAX_M={text!r} must be a positive integer; unset it for the "
+                                      f"crossover each engine measured")
+        values["linear_max_m"] = int(text)
+    if values.get("cuda_graphs") and values.get("kernels") == "torch":
+        raise RuntimeOptionsError("KILN_CUDA_GRAPHS=1 needs KILN_KERNELS=triton (the reference attention reads "
+                                  "lengths on the host and cannot be captured): unset KILN_KERNELS, or set "
+                                  "KILN_CUDA_GRAPHS=0")
+    return RuntimeOptions(**values)
+
+
+def _choice(environ: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str:
+    value = environ[name]
+    if value not in allowed:
+        raise RuntimeOptionsError(f"{name}={value!r} must be one of {', '.join(allowed)}; unset it for the default")
+    return value

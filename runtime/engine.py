@@ -1,0 +1,60 @@
+"""The engine interface that ``LLM`` drives, and the choice of backend for an engine directory.
+
+A backend is a folder of ``runtime`` (``native/``, ``trtllm/``) whose engine class has the methods below. ``LLM``
+calls them from its one engine thread, except ``make_request`` (tokenize and validate, safe from any thread) and
+``stats_snapshot`` (safe from any thread); a new backend implements this protocol and a line in ``load_engine``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from kiln.runtime.limits import EngineLimits
+from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.outputs import RequestFailure, StreamDelta
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import Sequence
+from kiln.runtime.tokenizer import Tokenizer
+
+
+class Engine(Protocol):
+    """Requests in, one step at a time, deltas out."""
+
+    tokenizer: Tokenizer | None
+    limits: EngineLimits
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Tokenize and validate a request without touching engine state; raise what a bad request gets."""
+
+    def add_request(self, seq: Sequence) -> None:
+        """Take a request made by ``make_request``."""
+
+    def step(self) -> list[StreamDelta | RequestFailure]:
+        """Advance every request once: what each gained, or why it failed."""
+
+    def abort_request(self, request_id: str) -> StreamDelta | None:
+        """Finish a request with reason "abort"; None when it is not (or no longer) here."""
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is still in flight."""
+
+    def stats_snapshot(self) -> dict:
+        """Counters and latency summaries."""
+
+    def close(self) -> None:
+        """Release what the engine holds."""
+
+
+def load_engine(engine_dir: Path, options: RuntimeOptions) -> Engine:
+    """The engine of ``engine_dir`` on its backend: TensorRT-LLM for a directory with ``kiln_trtllm.json``, else the
+    native engine (which refuses a directory without its ``engine.json``)."""
+    from kiln.runtime.trtllm.engine_info import is_trtllm_engine
+
+    if is_trtllm_engine(engine_dir):
+        from kiln.runtime.trtllm.engine import TrtllmEngine
+
+        return TrtllmEngine(engine_dir, options)
+    from kiln.runtime.native.engine import NativeEngine
+
+    return NativeEngine(engine_dir, options)

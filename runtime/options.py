@@ -1,0 +1,78 @@
+"""How a loaded engine runs: one typed object that ``LLM.load``, ``kiln serve``, ``kiln bench`` and the native builder
+take explicitly. Nothing in the runtime reads the environment: the CLI fills these from its flags and ``KILN_*``
+variables (docs/runtime.md), a service that embeds Kiln passes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from kiln.runtime.errors import KilnError
+
+Kernels = Literal["triton", "torch"]
+KERNELS: tuple[Kernels, ...] = ("triton", "torch")
+
+
+class RuntimeOptionsError(KilnError):
+    """Runtime options that contradict each other or that the runtime cannot run."""
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Settings of a loaded engine; the defaults are what the figures in docs/performance.md were measured with.
+
+    - ``device``: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; None loads where the engine was built for (CUDA when it was
+      built there and one is present, else the CPU).
+    - ``kernels``: ``"triton"`` runs the native engine's Triton kernels on CUDA tensors (paged attention, the KV
+      store, RMSNorm, RoPE, SiLU-and-multiply, the weight-streaming linears of small batches); ``"torch"`` runs the
+      plain PyTorch references everywhere. CPU tensors always take the references.
+    - ``cuda_graphs``: capture decode CUDA graphs per batch-size bucket and single-sequence prefill graphs per
+      token-count bucket at load on CUDA. None: where the Triton kernels run (the reference attention reads lengths
+      on the host and cannot be captured, so True with ``kernels="torch"`` is refused).
+    - ``overlap_steps``: queue the next step on the device before reading the current step's tokens, so the host's
+      scheduling overlaps the device's work.
+    - ``pdl``: launch the Triton kernels of small batches (up to 16 tokens) with programmatic dependent launch on
+      compute capability 9.0 and later.
+    - ``linear_max_m``: the most tokens a quantized linear sends to its weight-streaming kernel, for every shape;
+      None follows the crossover the engine's build measured per shape.
+    - ``num_kv_blocks``: the KV pool's size in blocks; None sizes it from free memory.
+    """
+
+    device: str | None = None
+    kernels: Kernels = "triton"
+    cuda_graphs: bool | None = None
+    overlap_steps: bool = True
+    pdl: bool = True
+    linear_max_m: int | None = None
+    num_kv_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNELS:
+            raise RuntimeOptionsError(f"kernels {self.kernels!r} must be one of {', '.join(KERNELS)}")
+        if self.cuda_graphs and self.kernels != "triton":
+            raise RuntimeOptionsError("cuda_graphs needs the Triton kernels (the reference attention reads lengths "
+                                      "on the host and cannot be captured): use kernels 'triton', or turn CUDA "
+                                      "graphs off")
+        for name in ("linear_max_m", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise RuntimeOptionsError(f"{name} {value!r} must be a positive integer, or None for the default")
+        if self.device is not None and not _is_device(self.device):
+            raise RuntimeOptionsError(f"device {self.device!r} must be 'cpu', 'cuda' or 'cuda:N', or None for the "
+                                      f"engine's own")
+
+    @property
+    def captures_cuda_graphs(self) -> bool:
+        """Whether CUDA graphs are captured when the engine runs on CUDA."""
+        return self.kernels == "triton" if self.cuda_graphs is None else self.cuda_graphs
+
+    def changed(self, *names: str) -> list[str]:
+        """Those of ``names`` (default: every field) whose value is not the default, as ``name=value``."""
+        defaults = RuntimeOptions()
+        return [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                if (not names or f.name in names) and getattr(self, f.name) != getattr(defaults, f.name)]
+
+
+def _is_device(text: str) -> bool:
+    kind, colon, index = str(text).partition(":")
+    return (kind == "cpu" and not colon) or (kind == "cuda" and (not colon or index.isdigit()))

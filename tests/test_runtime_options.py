@@ -1,0 +1,55 @@
+"""One typed options object for the runtime, filled from ``KILN_*`` variables only at the CLI's edge."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.pipeline.runtime_env import runtime_options
+from kiln.runtime.options import RuntimeOptions, RuntimeOptionsError
+
+
+def test_defaults_are_what_the_performance_figures_were_measured_with():
+    options = RuntimeOptions()
+    assert (options.kernels, options.overlap_steps, options.pdl) == ("triton", True, True)
+    assert options.device is None and options.linear_max_m is None and options.num_kv_blocks is None
+    assert options.captures_cuda_graphs and options.changed() == []
+    assert RuntimeOptions(kernels="torch", pdl=False).changed() == ["kernels='torch'", "pdl=False"]
+
+
+@pytest.mark.parametrize(("values", "problem"), [
+    ({"kernels": "cuda"}, "kernels 'cuda' must be one of triton, torch"),
+    ({"kernels": "torch", "cuda_graphs": True}, "cuda_graphs needs the Triton kernels"),
+    ({"linear_max_m": 0}, "linear_max_m 0 must be a positive integer"),
+    ({"num_kv_blocks": -3}, "num_kv_blocks -3 must be a positive integer"),
+    ({"device": "gpu"}, "device 'gpu' must be 'cpu', 'cuda' or 'cuda:N'"),
+    ({"device": "cuda:x"}, "device 'cuda:x' must be"),
+])
+def test_options_that_cannot_run_are_refused_naming_the_field(values, problem):
+    with pytest.raises(RuntimeOptionsError, match=problem):
+        RuntimeOptions(**values)
+
+
+def test_the_cli_fills_options_from_kiln_variables_and_its_own_flags():
+    environ = {"KILN_KERNELS": "torch", "KILN_CUDA_GRAPHS": "0", "KILN_OVERLAP_STEPS": "0", "KILN_PDL": "0",
+               "KILN_LINEAR_MAX_M": "8", "UNRELATED": "x"}
+    options = runtime_options(environ, device="cuda:1", num_kv_blocks=64)
+    assert options == RuntimeOptions(device="cuda:1", kernels="torch", cuda_graphs=False, overlap_steps=False,
+                                     pdl=False, linear_max_m=8, num_kv_blocks=64)
+    assert runtime_options({}) == RuntimeOptions()
+
+
+@pytest.mark.parametrize(("name", "value", "problem"), [
+    ("KILN_CUDA_GRAPHS", "yes", "must be one of 0, 1"),
+    ("KILN_KERNELS", "cuda", "must be one of triton, torch"),
+    ("KILN_LINEAR_MAX_M", "0", "must be a positive integer"),
+    ("KILN_PDL", "on", "must be one of 0, 1"),
+])
+def test_a_bad_variable_is_refused_naming_it(name, value, problem):
+    with pytest.raises(RuntimeOptionsError, match=f"{name}={value!r} {problem}"):
+        runtime_options({name: value})
+
+
+def test_cuda_graphs_asked_for_with_the_torch_kernels_are_refused_naming_both_variables():
+    with pytest.raises(RuntimeOptionsError, match="KILN_CUDA_GRAPHS=1 needs KILN_KERNELS=triton"):
+        runtime_options({"KILN_KERNELS": "torch", "KILN_CUDA_GRAPHS": "1"})
+    assert not runtime_options({"KILN_KERNELS": "torch"}).captures_cuda_graphs  # the default stays eager there
