@@ -9,7 +9,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from kiln.calibration.recipe import QuantizeRecipe
+from kiln.engines.trtllm.options import GEMM_PLUGINS, KV_CACHE_TYPES, LOG_LEVELS, PLUGIN_DTYPES
 from kiln.pipeline.yaml_source import ConfigError, line_of, load_yaml_with_lines
+from kiln.runtime.plan import BuildPlan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS_DIR = REPO_ROOT / "configs"
@@ -32,10 +34,10 @@ class TrtllmSection(_Section):
     """TensorRT-LLM engine features (backend trtllm). The defaults are what in-flight batching with KV block reuse
     needs; turning one off is refused before any build, saying why."""
 
-    kv_cache_type: Literal["paged", "continuous", "disabled"] = "paged"
+    kv_cache_type: Literal[KV_CACHE_TYPES] = "paged"
     remove_input_padding: bool = True
-    gpt_attention_plugin: Literal["auto", "float16", "bfloat16", "float32", "disable"] = "auto"
-    gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"] | None = Field(
+    gpt_attention_plugin: Literal[PLUGIN_DTYPES] = "auto"
+    gemm_plugin: Literal[GEMM_PLUGINS] | None = Field(
         None, description="None: chosen from quantize.format (auto; FP8: disable, or fp8 for max_batch_size <= 4).")
     context_fmha: bool = True
     use_paged_context_fmha: bool = True
@@ -55,18 +57,19 @@ class BuildSection(_Section):
     pp_size: PositiveInt = 1
     workers: PositiveInt = Field(1, description="Parallel build workers (not part of the cache key).")
     timeout_s: PositiveInt = Field(7200, description="Build timeout in seconds (not part of the cache key).")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal[LOG_LEVELS] = "info"
     trtllm: TrtllmSection = Field(default_factory=TrtllmSection)
 
     @model_validator(mode="after")
-    def _check_lengths(self) -> BuildSection:
-        if self.max_input_len > self.max_seq_len:
-            raise ValueError(
-                f"max_input_len ({self.max_input_len}) must not exceed max_seq_len ({self.max_seq_len})"
-            )
-        if self.tokens_per_block & (self.tokens_per_block - 1):
-            raise ValueError(f"tokens_per_block ({self.tokens_per_block}) must be a power of two")
+    def _check_plan(self) -> BuildSection:
+        self.plan()  # the plan's own checks (PlanError is a ValueError: pydantic names the file, line and field)
         return self
+
+    def plan(self, kv_cache_dtype: str = "auto") -> BuildPlan:
+        """The build plan of these limits, with the KV cache dtype the quantize stage asks for."""
+        return BuildPlan(max_batch_size=self.max_batch_size, max_input_len=self.max_input_len,
+                         max_seq_len=self.max_seq_len, max_num_tokens=self.max_num_tokens,
+                         tokens_per_block=self.tokens_per_block, kv_cache_dtype=kv_cache_dtype)
 
     def semantic(self, backend: str) -> dict:
         """The fields that change what the engine computes or how it is laid out (the cache key's part)."""

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kiln.engines.cache import EngineCache, checkpoint_hash
-from kiln.engines.native.builder import preflight_native_plan
+from kiln.engines.native.builder import preflight_native_plan, refuse_parallelism
 from kiln.pipeline.backend import choose_backend, require
 from kiln.pipeline.config import LoadedConfig, load_config
 from kiln.pipeline.model_source import find_model, resolve_model
@@ -18,7 +18,6 @@ from kiln.pipeline.stages import (
     PublishStage,
     QuantizeStage,
     SmokeStage,
-    native_plan,
     report_summary,
     trtllm_plan_extra,
 )
@@ -49,6 +48,8 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
     stage's load). A dry run tolerates a missing model; a real run does not."""
     loaded = load_config(config)
     choice = choose_backend(backend or loaded.config.build.backend, loaded.config.build.device)
+    if choice.backend == "native":
+        refuse_parallelism(loaded.config.build.tp_size, loaded.config.build.pp_size)
     if dry_run:
         model_dir = find_model(loaded.config.model)
         cache = open_cache(loaded, create=False)
@@ -56,7 +57,7 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
         require(choice)
         model_dir = resolve_model(loaded.config.model)
         if choice.backend == "native":
-            preflight_native_plan(model_dir, native_plan(loaded.config), loaded.config.model.dtype)
+            preflight_native_plan(model_dir, loaded.config.build.plan(), loaded.config.model.dtype)
         cache = open_cache(loaded, create=True)
     ckpt = _hash_checkpoint(model_dir, cache) if model_dir else None
     ctx = BuildContext(loaded=loaded, choice=choice, options=options, cache=cache, model_dir=model_dir,

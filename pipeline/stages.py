@@ -12,7 +12,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from kiln.calibration.recipe import recipe_material
 from kiln.engines.cache import EngineCache, engine_key, hold_entry
@@ -21,8 +21,10 @@ from kiln.pipeline.config import KilnConfig, LoadedConfig
 from kiln.pipeline.key_material import engine_material, quantized_material
 from kiln.runtime.options import RuntimeOptions
 
+if TYPE_CHECKING:
+    from kiln.engines.trtllm.options import TrtllmBuildOptions
+
 Action = Literal["run", "skip"]
-NATIVE_PLAN_FIELDS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block")
 
 
 @dataclass
@@ -177,7 +179,7 @@ class BuildStage:
         from kiln.engines.native.builder import build_native_engine
 
         cfg = ctx.config
-        plan = native_plan(cfg) | {"kv_cache_dtype": _kv_dtype(ctx)}
+        plan = cfg.build.plan(_kv_dtype(ctx))
 
         def build(tmp: Path) -> dict:
             progress("building native engine", 0.0)
@@ -268,15 +270,9 @@ class SmokeStage:
         ctx.sample = {"prompt": smoke.prompt, "text": out.text, "tokens": len(out.token_ids)}
 
 
-def native_plan(config: KilnConfig) -> dict:
-    """The native builder's plan from the config's build section (the KV dtype is added at build time)."""
-    return {name: getattr(config.build, name) for name in NATIVE_PLAN_FIELDS}
-
-
 def trtllm_inputs(ctx: BuildContext) -> dict:
     """The TensorRT-LLM builder's inputs: options from the config, the checkpoints, the timing cache."""
     from kiln.engines.trtllm.command import timing_cache_path
-    from kiln.engines.trtllm.options import TrtllmBuildOptions
     from kiln.runtime.cache_layout import entry_dir
     from kiln.runtime.trtllm.toolchain import trtllm_machine_fingerprint
 
@@ -291,10 +287,20 @@ def trtllm_inputs(ctx: BuildContext) -> dict:
         elif ctx.quantized_key:
             payload = entry_dir(cfg.cache.root(), ctx.quantized_key, "quantized") / "checkpoint"
         hf_dir, trtllm_checkpoint = (payload / "hf", payload / "trtllm") if payload else (None, None)
-    return {"options": TrtllmBuildOptions.from_config(cfg.build.model_dump()), "quant_format": quant_format,
+    return {"options": trtllm_options(cfg), "quant_format": quant_format,
             "kv_cache_dtype": cfg.quantize.kv_cache_dtype, "model_dtype": cfg.model.dtype, "fingerprint": fingerprint,
             "timing_cache": timing_cache_path(cfg.cache.root(), fingerprint), "hf_dir": hf_dir,
             "trtllm_checkpoint_dir": trtllm_checkpoint}
+
+
+def trtllm_options(config: KilnConfig) -> TrtllmBuildOptions:
+    """The TensorRT-LLM builder's options from the config: its plan, parallel mapping, workers and features."""
+    from kiln.engines.trtllm.options import TrtllmBuildOptions
+
+    build = config.build
+    return TrtllmBuildOptions(plan=build.plan(config.quantize.kv_cache_dtype), tp_size=build.tp_size,
+                              pp_size=build.pp_size, workers=build.workers, log_level=build.log_level,
+                              **build.trtllm.model_dump())
 
 
 def trtllm_plan_extra(ctx: BuildContext) -> dict:

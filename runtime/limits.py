@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
+
+from kiln.runtime.errors import KilnError
+from kiln.runtime.plan import BuildPlan
+
+
+class RequestTooLongError(KilnError, ValueError):
+    """A request that this engine can never serve (too long for its plan or its KV pool)."""
 
 
 @dataclass(frozen=True)
@@ -18,14 +24,30 @@ class EngineLimits:
     kv_pool_tokens: int | None = None
 
     @classmethod
-    def from_plan(cls, plan: Mapping[str, int], kv_pool_tokens: int | None = None) -> EngineLimits:
-        """The limits of a build plan given as a mapping (engine.json's or kiln_trtllm.json's `plan`)."""
-        return cls(max_input_len=plan["max_input_len"], max_seq_len=plan["max_seq_len"],
-                   max_batch_size=plan["max_batch_size"], max_num_tokens=plan["max_num_tokens"],
-                   kv_pool_tokens=kv_pool_tokens)
+    def from_plan(cls, plan: BuildPlan, kv_pool_tokens: int | None = None) -> EngineLimits:
+        """The limits of an engine's build plan, with the size of its KV pool when the engine knows it."""
+        return cls(max_input_len=plan.max_input_len, max_seq_len=plan.max_seq_len, max_batch_size=plan.max_batch_size,
+                   max_num_tokens=plan.max_num_tokens, kv_pool_tokens=kv_pool_tokens)
 
     @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt plus generated) one request can hold: `max_seq_len`, or less if the KV pool is
         smaller."""
         return self.max_seq_len if self.kv_pool_tokens is None else min(self.max_seq_len, self.kv_pool_tokens)
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestTooLongError unless a request of this size can be served."""
+        if num_prompt_tokens == 0:
+            raise RequestTooLongError("prompt is empty: give at least one token")
+        if num_prompt_tokens > self.max_input_len:
+            raise RequestTooLongError(f"prompt has {num_prompt_tokens} tokens but the engine's max_input_len is "
+                                      f"{self.max_input_len}: shorten the prompt or rebuild with a larger "
+                                      f"max_input_len")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_seq_len:
+            raise RequestTooLongError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                                      f"exceeds the engine's max_seq_len ({self.max_seq_len}): shorten the prompt or "
+                                      f"lower max_tokens")
+        if self.kv_pool_tokens is not None and total > self.kv_pool_tokens:
+            raise RequestTooLongError(f"request of {total} tokens does not fit the KV pool of {self.kv_pool_tokens} "
+                                      f"tokens: lower max_tokens or load with more num_kv_blocks")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import tokenizers
@@ -11,6 +12,10 @@ from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.sampling_params import SamplingParams
 
 # Prompt tokens kept as context when decoding the first completion tokens (spaces and merged bytes depend on it).
+# What an engine directory keeps of a checkpoint's tokenizer (both backends). chat_template.jinja: transformers 5
+# saves a tokenizer's chat template there rather than in tokenizer_config.json; the server reads it first.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 _CONTEXT_TOKENS = 6
 
 
@@ -123,3 +128,10 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
     if has_stop_strings and tokenizer is None:
         raise error("stop strings need a tokenizer and this engine has no tokenizer.json: use stop_token_ids")
     return token_ids
+
+
+def copy_tokenizer_files(source_dir: Path, engine_dir: Path) -> None:
+    """Copy the TOKENIZER_FILES that ``source_dir`` (a Hugging Face checkpoint) has into an engine directory."""
+    for name in TOKENIZER_FILES:
+        if (Path(source_dir) / name).is_file():
+            shutil.copyfile(Path(source_dir) / name, Path(engine_dir) / name)

@@ -19,6 +19,7 @@ from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.kv_cache import allocate_kv_cache
 from kiln.runtime.native.model.llama import LlamaModel
+from kiln.runtime.plan import BuildPlan
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
@@ -120,11 +121,11 @@ def random_prompts(count: int, seed: int, min_len: int = 2, max_len: int = 40) -
     return [[rng.randrange(3, 96) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
 
 
-def tiny_plan(**overrides: Any) -> dict[str, Any]:
+def tiny_plan(**overrides: Any) -> BuildPlan:
     """A build plan for tiny CPU engines."""
     plan = {"max_batch_size": 4, "max_input_len": 48, "max_seq_len": 64, "max_num_tokens": 64,
             "tokens_per_block": 4, "kv_cache_dtype": "auto"}
-    return {**plan, **overrides}
+    return BuildPlan(**{**plan, **overrides})
 
 
 # a test that needs a CUDA GPU with FP8 tensor cores: decorate with pytest.mark.gpu and NEEDS_FP8_GPU, or mark a

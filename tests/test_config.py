@@ -55,7 +55,7 @@ def test_impossible_lengths_point_at_the_offending_field(tmp_path):
     path = write(tmp_path, "model:\n  path: org/m\nbuild:\n  max_seq_len: 8192\n  max_input_len: 16384\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert str(err.value) == f"{path}:5: build.max_input_len (16384) must not exceed max_seq_len (8192)"
+    assert str(err.value) == f"{path}:5: build.max_input_len (16384) must not exceed build.max_seq_len (8192)"
 
 
 def test_bad_dtype_is_refused(tmp_path):

@@ -13,11 +13,10 @@ import torch
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, KilnError, SamplingParams
 from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError
-from kiln.runtime.limits import EngineLimits
+from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.native.engine import InvalidRequestError
 from kiln.runtime.native.sampler import SamplingError
-from kiln.runtime.native.scheduler import RequestTooLongError
 from kiln.runtime.outputs import RequestFailedError
 from kiln.runtime.tokenizer import IncrementalDetokenizer
 from tests.model_factories import make_llama_checkpoint, make_llama_model, tiny_plan

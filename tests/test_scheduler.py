@@ -6,8 +6,10 @@ import random
 
 import pytest
 
+from kiln.runtime.limits import RequestTooLongError
 from kiln.runtime.native.block_manager import BlockManager
-from kiln.runtime.native.scheduler import RequestTooLongError, Scheduler, SchedulerConfig, SchedulerOutput
+from kiln.runtime.native.scheduler import Scheduler, SchedulerOutput
+from kiln.runtime.plan import BuildPlan
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence, SequenceStatus
 
@@ -16,9 +18,9 @@ BLOCK = 4
 
 def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
                    max_seq_len: int = 64) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             max_seq_len=max_seq_len, max_input_len=max_seq_len)
-    return Scheduler(config, BlockManager(num_blocks, BLOCK))
+    plan = BuildPlan(max_batch_size=max_num_seqs, max_input_len=max_seq_len, max_seq_len=max_seq_len,
+                     max_num_tokens=max_num_batched_tokens, tokens_per_block=BLOCK)
+    return Scheduler(plan, BlockManager(num_blocks, BLOCK))
 
 
 def request(num_prompt: int, max_tokens: int = 4, first_token: int = 1) -> Sequence:
@@ -114,7 +116,7 @@ def test_every_request_finishes_under_block_pressure():
     (0, 4, 64, "empty"),
     (70, 1, 64, "max_input_len"),
     (60, 10, 64, r"max_seq_len \(64\)"),
-    (20, 10, 4, "needs 8 KV blocks but the pool has 4"),
+    (20, 10, 4, "request of 30 tokens does not fit the KV pool of 16 tokens"),
 ])
 def test_request_that_can_never_fit_is_rejected_at_add(num_prompt, max_tokens, num_blocks, words):
     scheduler = make_scheduler(num_blocks=num_blocks)

@@ -23,10 +23,11 @@ import kiln.runtime.trtllm.engine as adapter
 import kiln.runtime.trtllm.toolchain as toolchain
 from kiln.engines.trtllm.contract import load_contract
 from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError
-from kiln.runtime.limits import EngineLimits
+from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.llm import LLM
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailedError, RequestFailure
+from kiln.runtime.plan import BuildPlan
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.trtllm.engine import TrtllmEngine, TrtllmRequestError
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, is_trtllm_engine
@@ -166,8 +167,8 @@ def engine_dir(tmp_path: Path) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
-    TrtllmEngineInfo(plan={"max_batch_size": 8, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 128,
-                           "tokens_per_block": 32, "kv_cache_dtype": "fp8"},
+    TrtllmEngineInfo(plan=BuildPlan(max_batch_size=8, max_input_len=64, max_seq_len=128, max_num_tokens=128,
+                                    tokens_per_block=32, kv_cache_dtype="fp8"),
                      quantization={"format": "fp8", "kv_cache_dtype": "fp8"}, fingerprint=dict(H200),
                      eos_token_ids=[EOS], vocab_size=len(WORDS)).save(path)
     return path
@@ -274,15 +275,17 @@ def test_the_llm_api_describes_the_engine_through_tokenizer_limits_and_check(trt
         assert llm.limits == EngineLimits(max_input_len=64, max_seq_len=128, max_batch_size=8, max_num_tokens=128)
         assert llm.limits.max_request_tokens == 128
         llm.check("the cat", SamplingParams(max_tokens=100))
-        with pytest.raises(TrtllmRequestError, match="max_input_len 64"):
+        with pytest.raises(RequestTooLongError, match="max_input_len is 64"):
             llm.check([2] * 65)
     assert FakeExecutor.instances[0].requests == {}
 
 
 def test_requests_that_do_not_fit_the_engine_are_refused_before_the_executor(trtllm, engine_dir):
     engine = TrtllmEngine(engine_dir, RuntimeOptions())
-    with pytest.raises(TrtllmRequestError, match="max_input_len 64"):
+    with pytest.raises(RequestTooLongError, match="max_input_len is 64"):
         engine.make_request("r", [2] * 65, SamplingParams(max_tokens=1))
+    with pytest.raises(RequestTooLongError, match=r"= 130 exceeds the engine's max_seq_len \(128\)"):
+        engine.make_request("r", [2] * 30, SamplingParams(max_tokens=100))
     with pytest.raises(TrtllmRequestError, match="not ints in"):
         engine.make_request("r", [2, 99], SamplingParams())
     assert FakeExecutor.instances[0].requests == {}

@@ -16,14 +16,15 @@ from kiln.engines.trtllm.command import trtllm_build_command
 from kiln.engines.trtllm.options import TrtllmBuildOptions
 from kiln.engines.trtllm.preflight import TrtllmPreflightError
 from kiln.engines.trtllm.process import TrtllmBuildError
+from kiln.runtime.plan import BuildPlan
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, is_trtllm_engine
 
 FAKE = Path(__file__).resolve().parent / "fakes" / "trtllm-build"
 REPO = Path(__file__).resolve().parents[1]
 H200 = {"device": "cuda", "gpu_name": "NVIDIA H200", "compute_capability": "9.0", "cuda": "12.9",
         "tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48"}
-OPTIONS = TrtllmBuildOptions(max_batch_size=8, max_input_len=256, max_seq_len=512, max_num_tokens=512,
-                             tokens_per_block=32)
+OPTIONS = TrtllmBuildOptions(BuildPlan(max_batch_size=8, max_input_len=256, max_seq_len=512, max_num_tokens=512,
+                                       tokens_per_block=32))
 
 
 @pytest.fixture
@@ -85,7 +86,7 @@ def test_a_build_writes_the_engine_records_the_subprocess_and_keeps_the_timing_c
     info = TrtllmEngineInfo.load(out)
     assert info.eos_token_ids == [2, 3] and info.vocab_size == 128
     assert info.fingerprint["tensorrt_llm"] == "1.2.1" and info.fingerprint["compute_capability"] == "9.0"
-    assert info.plan["tokens_per_block"] == 32 and info.build["argv"] == expected
+    assert info.plan.tokens_per_block == 32 and info.plan.kv_cache_dtype == "fp8" and info.build["argv"] == expected
     built = json.loads((out / "config.json").read_text())["build_config"]
     assert built["kv_cache_type"] == "paged" and built["plugin_config"]["use_fp8_context_fmha"] == "enable"
 

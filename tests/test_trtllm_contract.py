@@ -13,6 +13,8 @@ from kiln.engines.trtllm.command import trtllm_build_command
 from kiln.engines.trtllm.contract import load_contract, option_spec
 from kiln.engines.trtllm.options import TrtllmBuildOptions
 from kiln.pipeline.config import load_config
+from kiln.pipeline.stages import trtllm_options
+from kiln.runtime.plan import BuildPlan
 from kiln.runtime.trtllm.engine import FINISH_REASONS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +35,7 @@ def flags_and_values(argv: list[str]) -> list[tuple[str, str | None]]:
 
 def llama3_fp8_command() -> list[str]:
     config = load_config(REPO / "configs" / "llama3-8b-fp8.yaml").config
-    options = TrtllmBuildOptions.from_config(config.build.model_dump())
+    options = trtllm_options(config)
     return trtllm_build_command(Path("/ckpt"), Path("/out"), options, quant_format=config.quantize.format,
                                 kv_cache_dtype=config.quantize.kv_cache_dtype, timing_cache=Path("/cache/t.cache"))
 
@@ -41,13 +43,14 @@ def llama3_fp8_command() -> list[str]:
 COMMANDS = {
     "llama3-8b-fp8.yaml": llama3_fp8_command,
     "bf16, fp8 KV off, tp 2": lambda: trtllm_build_command(
-        Path("/c"), Path("/o"), TrtllmBuildOptions(8, 256, 512, 512, 16, tp_size=2, workers=2, log_level="debug"),
+        Path("/c"), Path("/o"), TrtllmBuildOptions(BuildPlan(8, 256, 512, 512, 16), tp_size=2, workers=2,
+                                                log_level="debug"),
         quant_format="none", kv_cache_dtype="auto", timing_cache=Path("/t")),
     "int4_awq": lambda: trtllm_build_command(
-        Path("/c"), Path("/o"), TrtllmBuildOptions(2, 128, 256, 256, 64), quant_format="int4_awq",
+        Path("/c"), Path("/o"), TrtllmBuildOptions(BuildPlan(2, 128, 256, 256, 64)), quant_format="int4_awq",
         kv_cache_dtype="auto", timing_cache=Path("/t")),
     "fp8 small batch, fp8 KV": lambda: trtllm_build_command(
-        Path("/c"), Path("/o"), TrtllmBuildOptions(4, 128, 256, 256, 32), quant_format="fp8",
+        Path("/c"), Path("/o"), TrtllmBuildOptions(BuildPlan(4, 128, 256, 256, 32)), quant_format="fp8",
         kv_cache_dtype="fp8", timing_cache=Path("/t")),
 }
 

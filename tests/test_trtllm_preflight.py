@@ -8,11 +8,12 @@ import pytest
 
 from kiln.engines.trtllm.options import TrtllmBuildOptions
 from kiln.engines.trtllm.preflight import TrtllmPreflightError, preflight
+from kiln.runtime.plan import BuildPlan
 
 H200 = {"gpu_name": "NVIDIA H200", "compute_capability": "9.0"}
 A100 = {"gpu_name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"}
-OPTIONS = TrtllmBuildOptions(max_batch_size=64, max_input_len=2048, max_seq_len=4096, max_num_tokens=4096,
-                             tokens_per_block=32)
+OPTIONS = TrtllmBuildOptions(BuildPlan(max_batch_size=64, max_input_len=2048, max_seq_len=4096, max_num_tokens=4096,
+                                       tokens_per_block=32))
 
 
 def refusal(options=OPTIONS, quant_format="fp8", kv_cache_dtype="auto", gpu=H200, checkpoint_config=None) -> str:
@@ -97,7 +98,7 @@ def test_unknown_option_values_are_refused_naming_the_choices():
 
 
 def test_limits_that_work_but_surprise_are_warnings():
-    options = replace(OPTIONS, max_num_tokens=1024, workers=4, gemm_plugin="fp8")
+    options = replace(OPTIONS, plan=replace(OPTIONS.plan, max_num_tokens=1024), workers=4, gemm_plugin="fp8")
     config = {"mapping": {"tp_size": 1, "pp_size": 1}, "max_position_embeddings": 2048}
     warnings = preflight(options, "fp8", "auto", H200, config)
     assert [w.split(" ", 1)[0] for w in warnings] == ["build.max_seq_len", "build.max_num_tokens", "build.workers",

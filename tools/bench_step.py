@@ -29,10 +29,11 @@ from kiln.pipeline.bench.floor import NOMINAL_COPY_GBS, kv_bytes_per_token
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.decode_graphs import DecodeGraphRunner
-from kiln.runtime.native.engine_format import BuildPlan, EngineConfig, QuantizationConfig
+from kiln.runtime.native.engine_format import EngineConfig, QuantizationConfig
 from kiln.runtime.native.kernel_choice import KernelChoice
 from kiln.runtime.native.kv_cache import allocate_kv_cache
 from kiln.runtime.native.model.llama import LlamaModel
+from kiln.runtime.plan import BuildPlan
 
 REPO = Path(__file__).resolve().parents[1]
 RANDOM_SCALES = {"weight_scale": 0.02 / 64, "input_scale": 0.05, "scales": 0.002, "pre_quant_scale": 1.0,

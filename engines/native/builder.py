@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from kiln.engines.native.checkpoint import CheckpointTensors, read_architecture, read_quantization
-from kiln.engines.native.plan import check_kv_cache_fits, parse_plan
+from kiln.engines.native.plan import check_kv_cache_fits, fit_plan
 from kiln.engines.native.tuning import fp8_kernels_measurable, measure_fp8_streaming_max_m
 from kiln.engines.native.weights import convert_weights
 from kiln.runtime.errors import KilnError
@@ -19,13 +19,14 @@ from kiln.runtime.native.engine_format import (
     WEIGHTS_FILE,
     EngineConfig,
     QuantizationConfig,
-    copy_tokenizer_files,
 )
 from kiln.runtime.native.fingerprint import machine_fingerprint
 from kiln.runtime.options import Kernels
+from kiln.runtime.plan import BuildPlan
+from kiln.runtime.tokenizer import copy_tokenizer_files
 
 
-def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: str, device: str = "cpu",
+def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dtype: str, device: str = "cpu",
                         kernels: Kernels = "triton") -> dict:
     """Convert an HF checkpoint (plain, or modelopt's unified FP8 / W4A16_AWQ export, detected from
     hf_quant_config.json / config.json quantization_config) into an engine dir at out_dir (which exists, empty).
@@ -43,7 +44,7 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: 
         raise KilnError(f"build device {device!r} requested but CUDA is not available on this machine")
     arch, hf_config = read_architecture(checkpoint_dir)
     source_quant = read_quantization(checkpoint_dir, hf_config)
-    build_plan = parse_plan(plan, arch, dtype, source_quant.fp8_kv_cache)
+    build_plan = fit_plan(plan, arch, dtype, source_quant.fp8_kv_cache)
     sliding_window = hf_config.get("sliding_window")
     if sliding_window and sliding_window < build_plan.max_seq_len:
         raise KilnError(f"{checkpoint_dir / 'config.json'}: sliding_window {sliding_window} is shorter than "
@@ -80,8 +81,17 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: dict, dtype: 
     return config.to_dict()
 
 
-def preflight_native_plan(checkpoint_dir: Path, plan: dict, dtype: str) -> None:
+def refuse_parallelism(tp_size: int, pp_size: int) -> None:
+    """The native backend builds engines for one device: a tensor- or pipeline-parallel plan is refused, not built
+    as a single-device engine."""
+    if tp_size != 1 or pp_size != 1:
+        raise KilnError(f"build.tp_size {tp_size} and build.pp_size {pp_size}: the native backend builds engines for "
+                        f"one GPU (tensor and pipeline parallelism are not built yet); set both to 1, or use "
+                        f"backend trtllm")
+
+
+def preflight_native_plan(checkpoint_dir: Path, plan: BuildPlan, dtype: str) -> None:
     """Check a build plan against the checkpoint's architecture before any stage runs (reads config.json only), so
     a plan the model cannot hold fails in seconds rather than after calibration."""
     arch, _ = read_architecture(Path(checkpoint_dir))
-    parse_plan({**plan, "kv_cache_dtype": "auto"}, arch, dtype, fp8_kv_available=False)
+    fit_plan(replace(plan, kv_cache_dtype="auto"), arch, dtype, fp8_kv_available=False)

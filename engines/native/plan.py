@@ -1,47 +1,34 @@
-"""Validation of a native build plan: limits that contradict each other, and a KV cache that must fit in memory."""
+"""A build plan against what the native engine builds: the model it must hold, the KV cache dtype it resolves to, and
+a KV cache that must fit in memory. (The plan's own limits are checked where it is made, ``runtime.plan``.)"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from kiln.runtime.errors import KilnError
-from kiln.runtime.native.engine_format import DTYPES, BuildPlan, EngineConfig, LlamaArchitecture
+from kiln.runtime.native.engine_format import DTYPES, EngineConfig, LlamaArchitecture
 from kiln.runtime.native.kv_cache import kv_bytes_per_block
+from kiln.runtime.plan import BuildPlan
 
-PLAN_INT_KEYS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block")
 FP8_KV_NAMES = ("fp8", "float8_e4m3fn")
 KV_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.5}  # of free GPU memory / of MemAvailable, before subtracting weights
 
 
-def parse_plan(plan: dict[str, Any], arch: LlamaArchitecture, dtype: str, fp8_kv_available: bool) -> BuildPlan:
-    """Check the plan's keys and limits and resolve ``kv_cache_dtype`` ("auto", "fp8" or a dtype name)."""
-    unknown = sorted(set(plan) - {*PLAN_INT_KEYS, "kv_cache_dtype"})
-    if unknown:
-        raise KilnError(f"unknown build plan key(s) {', '.join(unknown)}; known: {', '.join(PLAN_INT_KEYS)}, "
-                        "kv_cache_dtype")
-    for key in PLAN_INT_KEYS:
-        value = plan.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise KilnError(f"build.{key} must be a positive integer, got {value!r}")
-    if plan["max_input_len"] > plan["max_seq_len"]:
-        raise KilnError(f"build.max_input_len ({plan['max_input_len']}) must not exceed build.max_seq_len "
-                        f"({plan['max_seq_len']})")
-    if plan["max_seq_len"] > arch.max_position_embeddings:
-        raise KilnError(f"build.max_seq_len ({plan['max_seq_len']}) exceeds the model's max_position_embeddings "
+def fit_plan(plan: BuildPlan, arch: LlamaArchitecture, dtype: str, fp8_kv_available: bool) -> BuildPlan:
+    """The plan for this model: its ``max_seq_len`` within the model's positions, and ``kv_cache_dtype`` ("auto",
+    "fp8" or a dtype name) resolved to the dtype the engine's KV cache has."""
+    if plan.max_seq_len > arch.max_position_embeddings:
+        raise KilnError(f"build.max_seq_len ({plan.max_seq_len}) exceeds the model's max_position_embeddings "
                         f"({arch.max_position_embeddings}); lower build.max_seq_len")
-    block = plan["tokens_per_block"]
-    if block & (block - 1):
-        raise KilnError(f"build.tokens_per_block ({block}) must be a power of two, e.g. 16 or 32")
-    return BuildPlan(**{k: plan[k] for k in PLAN_INT_KEYS},
-                     kv_cache_dtype=_kv_cache_dtype(plan.get("kv_cache_dtype", "auto"), dtype, fp8_kv_available))
+    return replace(plan, kv_cache_dtype=_kv_cache_dtype(plan.kv_cache_dtype, dtype, fp8_kv_available))
 
 
-def _kv_cache_dtype(requested: str | None, dtype: str, fp8_kv_available: bool) -> str:
-    if requested in (None, "auto"):
+def _kv_cache_dtype(requested: str, dtype: str, fp8_kv_available: bool) -> str:
+    if requested == "auto":
         return "float8_e4m3fn" if fp8_kv_available else dtype
     if requested in FP8_KV_NAMES:
         if not fp8_kv_available:
@@ -67,7 +54,7 @@ def check_kv_cache_fits(config: EngineConfig, device: str, weight_bytes: int) ->
     """Raise KilnError when max_batch_size sequences of max_seq_len tokens do not fit, saying what would."""
     plan = config.plan
     block_bytes = kv_bytes_per_block(config)
-    blocks_per_seq = -(-plan.max_seq_len // plan.tokens_per_block)
+    blocks_per_seq = plan.blocks_per_seq
     need = plan.max_batch_size * blocks_per_seq * block_bytes
     budget = memory_budget_bytes(device, weight_bytes)
     if need <= budget:

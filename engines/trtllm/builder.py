@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from kiln.engines.trtllm.command import BUILD_DIR_PLACEHOLDER, NEW_TIMING_CACHE,
 from kiln.engines.trtllm.options import TrtllmBuildOptions
 from kiln.engines.trtllm.preflight import preflight
 from kiln.engines.trtllm.process import ProcessRecord, TrtllmBuildError, run_logged
-from kiln.runtime.native.engine_format import copy_tokenizer_files
+from kiln.runtime.tokenizer import copy_tokenizer_files
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo
 
 LOG_DIR = "logs"
@@ -128,10 +129,8 @@ def _write_engine_info(out_dir: Path, options: TrtllmBuildOptions, hf_dir: Path,
     copy_tokenizer_files(hf_dir, out_dir)
     hf_config = _read_json(hf_dir / "config.json") or {}
     generation = _read_json(hf_dir / "generation_config.json") or {}
-    plan = {k: getattr(options, k) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",
-                                             "tokens_per_block")}
     TrtllmEngineInfo(
-        plan={**plan, "kv_cache_dtype": kv_cache_dtype},
+        plan=replace(options.plan, kv_cache_dtype=kv_cache_dtype),
         quantization={"format": quant_format, "kv_cache_dtype": kv_cache_dtype},
         fingerprint={k: fingerprint.get(k) for k in ("device", "gpu_name", "compute_capability", "cuda",
                                                      "tensorrt_llm", "tensorrt")},

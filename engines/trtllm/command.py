@@ -30,7 +30,7 @@ def trtllm_build_command(checkpoint_dir: Path, output_dir: Path, options: Trtllm
     timing.cache.new` (moved over the shared one after a successful build, so concurrent builds never tear it).
     FP8 context FMHA follows the KV cache: on for an FP8 KV cache (which preflight allows only on compute
     capability 8.9+), off otherwise."""
-    gemm = options.gemm_plugin or gemm_plugin_for(quant_format, options.max_batch_size)
+    gemm = options.gemm_plugin or gemm_plugin_for(quant_format, options.plan.max_batch_size)
     return [
         executable,
         "--checkpoint_dir", str(checkpoint_dir),
@@ -42,11 +42,11 @@ def trtllm_build_command(checkpoint_dir: Path, output_dir: Path, options: Trtllm
         "--context_fmha", _switch(options.context_fmha),
         "--use_paged_context_fmha", _switch(options.use_paged_context_fmha),
         "--use_fp8_context_fmha", _switch(kv_cache_dtype == "fp8"),
-        "--tokens_per_block", str(options.tokens_per_block),
-        "--max_batch_size", str(options.max_batch_size),
-        "--max_input_len", str(options.max_input_len),
-        "--max_seq_len", str(options.max_seq_len),
-        "--max_num_tokens", str(options.max_num_tokens),
+        "--tokens_per_block", str(options.plan.tokens_per_block),
+        "--max_batch_size", str(options.plan.max_batch_size),
+        "--max_input_len", str(options.plan.max_input_len),
+        "--max_seq_len", str(options.plan.max_seq_len),
+        "--max_num_tokens", str(options.plan.max_num_tokens),
         "--input_timing_cache", str(timing_cache),
         "--output_timing_cache", str(Path(output_dir) / NEW_TIMING_CACHE),
         "--workers", str(options.workers),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.engines.trtllm.options import KV_CACHE_TYPES, LOG_LEVELS, PLUGIN_DTYPES, TrtllmBuildOptions
+from kiln.engines.trtllm.options import GEMM_PLUGINS, KV_CACHE_TYPES, LOG_LEVELS, PLUGIN_DTYPES, TrtllmBuildOptions
 from kiln.runtime.errors import KilnError
 
 INFLIGHT_BATCHING_LOAD_ERROR = ("TrtGptModelInflightBatching requires GPT attention/Mamba Conv 1d plugin with packed "
@@ -56,16 +56,12 @@ def _value_errors(o: TrtllmBuildOptions) -> list[str]:
         errors.append(f"{FEATURES}.kv_cache_type {o.kv_cache_type!r} is not one of {', '.join(KV_CACHE_TYPES)}")
     for name in ("gpt_attention_plugin", "gemm_plugin"):
         value = getattr(o, name)
-        allowed = PLUGIN_DTYPES + (("fp8",) if name == "gemm_plugin" else ())
+        allowed = GEMM_PLUGINS if name == "gemm_plugin" else PLUGIN_DTYPES
         if value is not None and value not in allowed:
             errors.append(f"{FEATURES}.{name} {value!r} is not one of {', '.join(allowed)}")
     if o.log_level not in LOG_LEVELS:
         errors.append(f"build.log_level {o.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
-    if o.max_input_len > o.max_seq_len:
-        errors.append(f"build.max_input_len ({o.max_input_len}) must not exceed build.max_seq_len ({o.max_seq_len})")
-    if o.tokens_per_block < 1 or o.tokens_per_block & (o.tokens_per_block - 1):
-        errors.append(f"build.tokens_per_block ({o.tokens_per_block}) must be a power of two")
-    for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tp_size", "pp_size", "workers"):
+    for name in ("tp_size", "pp_size", "workers"):  # the plan's limits were checked when it was made
         if getattr(o, name) < 1:
             errors.append(f"build.{name} ({getattr(o, name)}) must be a positive integer")
     return errors
@@ -121,23 +117,24 @@ def _checkpoint_errors(o: TrtllmBuildOptions, config: dict[str, Any]) -> list[st
 
 def _checkpoint_warnings(o: TrtllmBuildOptions, config: dict[str, Any]) -> list[str]:
     max_positions = config.get("max_position_embeddings")
-    if isinstance(max_positions, int) and o.max_seq_len > max_positions:
-        return [f"build.max_seq_len ({o.max_seq_len}) exceeds the model's max_position_embeddings ({max_positions}); "
-                f"outputs past that length are not what the model was trained for"]
+    if isinstance(max_positions, int) and o.plan.max_seq_len > max_positions:
+        return [f"build.max_seq_len ({o.plan.max_seq_len}) exceeds the model's max_position_embeddings "
+                f"({max_positions}); outputs past that length are not what the model was trained for"]
     return []
 
 
 def _limit_warnings(o: TrtllmBuildOptions, quant_format: str) -> list[str]:
     warnings = []
-    if o.max_num_tokens < o.max_input_len:
-        warnings.append(f"build.max_num_tokens ({o.max_num_tokens}) is below build.max_input_len ({o.max_input_len}): "
-                        f"longer prompts are processed in chunks (chunked context)")
+    if o.plan.max_num_tokens < o.plan.max_input_len:
+        warnings.append(f"build.max_num_tokens ({o.plan.max_num_tokens}) is below build.max_input_len "
+                        f"({o.plan.max_input_len}): longer prompts are processed in chunks (chunked context)")
     if o.workers > o.world_size:
         warnings.append(f"build.workers ({o.workers}) is above tp_size x pp_size ({o.world_size}): the extra workers "
                         f"have no rank to build")
-    if o.gemm_plugin == "fp8" and o.max_batch_size > FP8_GEMM_PLUGIN_MAX_BATCH:
+    if o.gemm_plugin == "fp8" and o.plan.max_batch_size > FP8_GEMM_PLUGIN_MAX_BATCH:
         warnings.append(f"{FEATURES}.gemm_plugin fp8 is NVIDIA's small-batch (<= {FP8_GEMM_PLUGIN_MAX_BATCH}) "
-                        f"latency option; at max_batch_size {o.max_batch_size} it may be slower than no GEMM plugin")
+                        f"latency option; at max_batch_size {o.plan.max_batch_size} it may be slower than no GEMM "
+                        f"plugin")
     if o.gemm_plugin == "fp8" and quant_format != "fp8":
         warnings.append(f"{FEATURES}.gemm_plugin fp8 has no effect on a {quant_format} checkpoint")
     return warnings

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from kiln.runtime.errors import InvalidRequestError, KilnError
-from kiln.runtime.limits import EngineLimits
 from kiln.runtime.native.block_manager import BlockManager
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint
 from kiln.runtime.native.model_runner import LaunchedStep, ModelRunner
 from kiln.runtime.native.sampler import SamplingError
-from kiln.runtime.native.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kiln.runtime.native.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta, stop_reason
 from kiln.runtime.sampling_params import SamplingParams
@@ -46,14 +44,9 @@ class NativeEngine:
         check_fingerprint(self.config.fingerprint, machine_fingerprint(str(self.device)))
         self.tokenizer = Tokenizer.from_dir(engine_dir)
         self.model_runner = ModelRunner(engine_dir, self.config, self.device, options)
-        plan = self.config.plan
-        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=plan.max_batch_size,
-                                                   max_num_batched_tokens=plan.max_num_tokens,
-                                                   max_seq_len=plan.max_seq_len, max_input_len=plan.max_input_len),
-                                   self.block_manager)
-        self.limits = EngineLimits.from_plan(asdict(plan),
-                                             kv_pool_tokens=self.block_manager.num_blocks * plan.tokens_per_block)
+        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, self.config.plan.tokens_per_block)
+        self.scheduler = Scheduler(self.config.plan, self.block_manager)
+        self.limits = self.scheduler.limits
         self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
         self.stats = EngineStats()
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
@@ -66,7 +59,7 @@ class NativeEngine:
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching engine state (safe from any thread)."""
         token_ids = encode_prompt(prompt, self.tokenizer, self.config.architecture.vocab_size, bool(params.stop))
-        self.scheduler.check_request(len(token_ids), params.max_tokens)
+        self.limits.check_request(len(token_ids), params.max_tokens)
         return Sequence(request_id, token_ids, params)
 
     def add_request(self, seq: Sequence) -> None:

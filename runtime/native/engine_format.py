@@ -8,7 +8,6 @@ fingerprint of the machine the engine was built for. Weights in ``rank0.safetens
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -16,15 +15,12 @@ from typing import Any
 import torch
 
 from kiln.runtime.errors import EngineFormatError
+from kiln.runtime.plan import BuildPlan, PlanError
 
 ENGINE_FORMAT = "kiln-native"
 ENGINE_FORMAT_VERSION = 1
 ENGINE_JSON = "engine.json"
 WEIGHTS_FILE = "rank0.safetensors"
-# chat_template.jinja: transformers 5 saves a tokenizer's chat template there rather than in tokenizer_config.json;
-# the server reads it first.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                   "chat_template.jinja")
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
@@ -72,20 +68,8 @@ class QuantizationConfig:
 
 
 @dataclass(frozen=True)
-class BuildPlan:
-    """Serving limits the engine was validated for; ``kv_cache_dtype`` is a key of ``KV_CACHE_DTYPES``."""
-
-    max_batch_size: int
-    max_input_len: int
-    max_seq_len: int
-    max_num_tokens: int
-    tokens_per_block: int
-    kv_cache_dtype: str
-
-
-@dataclass(frozen=True)
 class EngineConfig:
-    """The parsed ``engine.json`` of a native engine."""
+    """The parsed ``engine.json`` of a native engine; its plan's ``kv_cache_dtype`` is a key of ``KV_CACHE_DTYPES``."""
 
     architecture: LlamaArchitecture
     dtype: str
@@ -133,7 +117,7 @@ class EngineConfig:
             architecture=_section(LlamaArchitecture, data, "architecture"),
             dtype=_required(data, "dtype"),
             quantization=_section(QuantizationConfig, data, "quantization"),
-            plan=_section(BuildPlan, data, "plan"),
+            plan=_plan(_required(data, "plan")),
             fingerprint=_required(data, "fingerprint"),
             format_version=data["format_version"],
         )
@@ -158,10 +142,6 @@ class EngineConfig:
         for ok, problem in checks:
             if not ok:
                 raise EngineFormatError(problem)
-        for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "tokens_per_block"):
-            value = getattr(plan, name)
-            if not isinstance(value, int) or value <= 0:
-                raise EngineFormatError(f"plan.{name} must be a positive integer, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The engine.json dict."""
@@ -171,7 +151,7 @@ class EngineConfig:
             "architecture": asdict(self.architecture),
             "dtype": self.dtype,
             "quantization": asdict(self.quantization),
-            "plan": asdict(self.plan),
+            "plan": self.plan.to_dict(),
             "fingerprint": dict(self.fingerprint),
         }
 
@@ -190,6 +170,13 @@ def _required(data: dict[str, Any], key: str) -> Any:
     return data[key]
 
 
+def _plan(data: Any) -> BuildPlan:
+    try:
+        return BuildPlan.from_dict(data)
+    except PlanError as e:
+        raise EngineFormatError(f"plan: {e}") from None
+
+
 def _section(cls: type, data: dict[str, Any], key: str) -> Any:
     """Construct dataclass ``cls`` from ``data[key]``, ignoring keys it does not know (added by later writers)."""
     section = _required(data, key)
@@ -200,10 +187,3 @@ def _section(cls: type, data: dict[str, Any], key: str) -> Any:
         return cls(**{k: v for k, v in section.items() if k in known})
     except TypeError as e:
         raise EngineFormatError(f"{key}: {e}") from None
-
-
-def copy_tokenizer_files(source_dir: Path, engine_dir: Path) -> None:
-    """Copy the TOKENIZER_FILES that ``source_dir`` (a Hugging Face checkpoint) has into an engine directory."""
-    for name in TOKENIZER_FILES:
-        if (source_dir / name).is_file():
-            shutil.copyfile(source_dir / name, engine_dir / name)

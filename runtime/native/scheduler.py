@@ -7,21 +7,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kiln.runtime.errors import KilnError
+from kiln.runtime.limits import EngineLimits
 from kiln.runtime.native.block_manager import BlockManager
+from kiln.runtime.plan import BuildPlan
 from kiln.runtime.sequence import Sequence, SequenceStatus
-
-
-class RequestTooLongError(KilnError, ValueError):
-    """A request that this engine can never serve (too long for its plan or its KV pool)."""
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_seq_len: int
-    max_input_len: int
 
 
 @dataclass
@@ -44,7 +33,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """First come, first served, under a token budget of `max_num_batched_tokens` and `max_num_seqs` per step.
+    """First come, first served, under the plan's budget of `max_num_tokens` tokens and `max_batch_size` sequences
+    per step.
 
     Each step schedules running decodes first, then running prefills, then admits waiting sequences in arrival
     order, chunking a prefill to whatever budget is left. When KV blocks run out, the most recently arrived running
@@ -52,33 +42,16 @@ class Scheduler:
     sequence is never a victim and every request was checked to fit the pool alone, so none starves.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
-        self.config = config
+    def __init__(self, plan: BuildPlan, block_manager: BlockManager) -> None:
+        self.plan = plan
         self.block_manager = block_manager
+        self.limits = EngineLimits.from_plan(plan, kv_pool_tokens=block_manager.num_blocks * block_manager.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise RequestTooLongError unless a request of this size can be served."""
-        c = self.config
-        if num_prompt_tokens == 0:
-            raise RequestTooLongError("prompt is empty: give at least one token")
-        if num_prompt_tokens > c.max_input_len:
-            raise RequestTooLongError(f"prompt has {num_prompt_tokens} tokens but the engine's max_input_len is "
-                                      f"{c.max_input_len}: shorten the prompt or rebuild with a larger max_input_len")
-        total = num_prompt_tokens + max_tokens
-        if total > c.max_seq_len:
-            raise RequestTooLongError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                                      f"exceeds the engine's max_seq_len ({c.max_seq_len}): shorten the prompt or "
-                                      f"lower max_tokens")
-        bm = self.block_manager
-        if bm.blocks_needed(total) > bm.num_blocks:
-            raise RequestTooLongError(f"request of {total} tokens needs {bm.blocks_needed(total)} KV blocks but the "
-                                      f"pool has {bm.num_blocks}: lower max_tokens or load with more num_kv_blocks")
-
     def add(self, seq: Sequence) -> None:
-        self.check_request(seq.num_prompt_tokens, seq.params.max_tokens)
+        self.limits.check_request(seq.num_prompt_tokens, seq.params.max_tokens)  # each fits the pool alone
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -86,7 +59,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.plan.max_num_tokens
         for seq in sorted(self.running, key=lambda s: not s.is_decode):
             if budget == 0:
                 break
@@ -111,7 +84,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int, num_running: int) -> None:
         """Admit waiting sequences in arrival order into ``out`` while the token ``budget``, the sequence limit
         (``num_running`` are running) and the free blocks allow, the last one's prefill chunked to fit."""
-        while self.waiting and budget and num_running < self.config.max_num_seqs:
+        while self.waiting and budget and num_running < self.plan.max_batch_size:
             seq = self.waiting[0]
             computed_blocks = self.block_manager.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - len(computed_blocks) * self.block_manager.block_size, budget)
@@ -143,7 +116,7 @@ class Scheduler:
             return seq in sampled or seq.is_decode
 
         ahead = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.plan.max_num_tokens
         for seq in sorted(going_on, key=lambda s: not decodes_next(s)):  # decodes first
             if budget == 0:
                 break

@@ -69,8 +69,7 @@ class TrtllmEngine:
                                          f"engine needs one MPI process per GPU, which Kiln's adapter does not start; "
                                          f"serve it with trtllm-serve, or build with tp_size 1 and pp_size 1")
         self.tokenizer = Tokenizer.from_dir(engine_dir)
-        self.plan = self.info.plan
-        self.limits = EngineLimits.from_plan(self.plan)  # the executor sizes its KV pool itself
+        self.limits = EngineLimits.from_plan(self.info.plan)  # the executor sizes its KV pool itself
         self.eos_token_ids = frozenset(self.info.eos_token_ids)
         self.stats = EngineStats()
         self._poll = timedelta(milliseconds=poll_ms)
@@ -83,7 +82,7 @@ class TrtllmEngine:
 
     def _executor_config(self, num_kv_blocks: int | None, free_gpu_memory_fraction: float) -> Any:
         trtllm = self.trtllm
-        max_tokens = None if num_kv_blocks is None else num_kv_blocks * self.plan["tokens_per_block"]
+        max_tokens = None if num_kv_blocks is None else num_kv_blocks * self.info.plan.tokens_per_block
         kv_cache = trtllm.KvCacheConfig(enable_block_reuse=True, max_tokens=max_tokens,
                                         free_gpu_memory_fraction=free_gpu_memory_fraction)
         scheduler = trtllm.SchedulerConfig(capacity_scheduler_policy=trtllm.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
@@ -93,13 +92,7 @@ class TrtllmEngine:
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching the executor (safe from any thread)."""
         token_ids = encode_prompt(prompt, self.tokenizer, self.info.vocab_size, bool(params.stop), TrtllmRequestError)
-        if not token_ids:
-            raise TrtllmRequestError("the prompt is empty: pass at least one token")
-        max_input, max_seq = self.plan["max_input_len"], self.plan["max_seq_len"]
-        if len(token_ids) > max_input or len(token_ids) + params.max_tokens > max_seq:
-            raise TrtllmRequestError(f"prompt of {len(token_ids)} tokens + max_tokens {params.max_tokens} does not fit "
-                                     f"this engine (max_input_len {max_input}, max_seq_len {max_seq}): shorten the "
-                                     f"prompt or lower max_tokens")
+        self.limits.check_request(len(token_ids), params.max_tokens)
         return Sequence(request_id, token_ids, params)
 
     def add_request(self, seq: Sequence) -> None:

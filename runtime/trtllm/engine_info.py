@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.runtime.errors import EngineFormatError
+from kiln.runtime.plan import BuildPlan, PlanError
 
 TRTLLM_ENGINE_JSON = "kiln_trtllm.json"
 ENGINE_FORMAT = "kiln-trtllm"
@@ -19,7 +20,7 @@ ENGINE_FORMAT_VERSION = 1
 class TrtllmEngineInfo:
     """The parsed `kiln_trtllm.json` of a TensorRT-LLM engine directory."""
 
-    plan: dict[str, Any]
+    plan: BuildPlan
     quantization: dict[str, Any]
     fingerprint: dict[str, Any]
     eos_token_ids: list[int]
@@ -46,8 +47,9 @@ class TrtllmEngineInfo:
             raise EngineFormatError(f"{path}: format_version {data.get('format_version')!r} is not "
                                     f"{ENGINE_FORMAT_VERSION}; rebuild the engine with this version of kiln")
         try:
-            return cls(**{k: v for k, v in data.items() if k not in ("format",)})
-        except TypeError as e:
+            plan = BuildPlan.from_dict(data.get("plan"))
+            return cls(**{k: v for k, v in data.items() if k not in ("format", "plan")}, plan=plan)
+        except (TypeError, PlanError) as e:
             raise EngineFormatError(f"{path}: {e}; rebuild the engine") from None
 
     def save(self, engine_dir: Path) -> None:
