@@ -5,6 +5,7 @@ Importing the package is cheap (no torch, no modelopt); the stage itself is `cal
 """
 
 from kiln.calibration.errors import CalibrationError
+from kiln.calibration.layout import QuantizedCheckpoint
 from kiln.calibration.recipe import GateThresholds, QuantizeRecipe, recipe_material
 
-__all__ = ["CalibrationError", "GateThresholds", "QuantizeRecipe", "recipe_material"]
+__all__ = ["CalibrationError", "GateThresholds", "QuantizeRecipe", "QuantizedCheckpoint", "recipe_material"]

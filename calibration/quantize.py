@@ -2,9 +2,8 @@
 
     report = quantize_checkpoint(model_dir, recipe, out_dir)
 
-writes out_dir/hf (Hugging Face unified checkpoint with the tokenizer), out_dir/trtllm (TensorRT-LLM checkpoint),
-out_dir/calibration_report.json and out_dir/calibration_curves.png, and returns the report. On any error nothing
-it wrote is left in out_dir.
+writes out_dir as ``calibration.layout.QuantizedCheckpoint`` lays it out (hf/, trtllm/, the calibration report and
+curves) and returns the report. On any error nothing it wrote is left in out_dir.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from kiln.calibration.export import (
     export_trtllm,
 )
 from kiln.calibration.gate import check_gate
+from kiln.calibration.layout import QuantizedCheckpoint
 from kiln.calibration.metrics import HeldoutReference, evaluate
 from kiln.calibration.modelopt_quantize import (
     fuse_shared_inputs,
@@ -87,6 +87,7 @@ class _Stage:
     def __init__(self, model_dir: Path, recipe: QuantizeRecipe, out_dir: Path, device: str, dtype: torch.dtype,
                  dataset_root: Path | None, progress: Progress | None):
         self.model_dir, self.recipe, self.out_dir = model_dir, recipe, out_dir
+        self.output = QuantizedCheckpoint(out_dir)
         self.device, self.dtype, self.dataset_root = device, dtype, dataset_root
         self.progress = progress or (lambda message, fraction: None)
         self.times: dict[str, float] = {}
@@ -230,8 +231,8 @@ class _Stage:
 
         def export() -> None:
             with quiet([]):  # the exporters' warnings are benign: no tensorrt_llm here, a lm_head notice
-                export_trtllm(exported_form, self.model_dir, self.out_dir / "trtllm", dtype)
-                export_hf(model, self.model_dir, self.out_dir / "hf", dtype)
+                export_trtllm(exported_form, self.model_dir, self.output.trtllm, dtype)
+                export_hf(model, self.model_dir, self.output.hf, dtype)
 
         self._timed("export_s", export)
         return self._finish(attempts, data, runner)
@@ -243,10 +244,10 @@ class _Stage:
         dtype = checkpoint_dtype(self.model_dir)
 
         def export() -> None:
-            copy_checkpoint(self.model_dir, self.out_dir / "hf")
+            copy_checkpoint(self.model_dir, self.output.hf)
             model = reference.to(dtype) if reference is not None else self._load_model(dtype)
             with quiet([]):
-                export_trtllm(model, self.model_dir, self.out_dir / "trtllm", dtype)
+                export_trtllm(model, self.model_dir, self.output.trtllm, dtype)
 
         self._timed("export_s", export)
         return self._finish(attempts, data, runner)
@@ -275,8 +276,8 @@ class _Stage:
             "times": {k: round(v, 3) for k, v in self.times.items()},
         }
         report = build_report(attempts, recipe.format, context, recipe.tolerance)
-        write_report(report, self.out_dir / "calibration_report.json")
-        plot_curves(attempts, recipe.tolerance, self.out_dir / "calibration_curves.png")
+        write_report(report, self.output.report_path)
+        plot_curves(attempts, recipe.tolerance, self.output.curves_path)
         self.progress(report["summary"], 1.0)
         return report
 

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kiln.engines.cache import CacheCorruptError, EngineCache, default_cache_root
+from kiln.engines.cache import CacheCorruptError, EngineCache
 from kiln.engines.cache import inspect as cache_inspect
 from kiln.engines.cache.units import (
     format_ago,
@@ -23,6 +23,7 @@ from kiln.engines.cache.units import (
     parse_since,
     parse_size,
 )
+from kiln.pipeline.config import cache_root, load_config
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
 
 cache_app = typer.Typer(help="Inspect and maintain the engine cache.", no_args_is_help=True)
@@ -42,11 +43,9 @@ def _open(cache_dir: Path | None, config: str | None) -> EngineCache:
     if cache_dir is not None:
         root = cache_dir.expanduser()
     elif config is not None:
-        from kiln.pipeline.config import load_config
-
         root = load_config(config).config.cache.root()
     else:
-        root = default_cache_root()
+        root = cache_root()
     return EngineCache.open_configured(root)
 
 

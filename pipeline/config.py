@@ -13,8 +13,9 @@ from kiln.engines.trtllm.options import GEMM_PLUGINS, KV_CACHE_TYPES, LOG_LEVELS
 from kiln.pipeline.yaml_source import ConfigError, line_of, load_yaml_with_lines
 from kiln.runtime.plan import BuildPlan
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIGS_DIR = REPO_ROOT / "configs"
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the kiln package: a checkout's root, or site-packages/kiln
+CONFIGS_DIR = PACKAGE_DIR / "configs"  # bundled configs; architecture files under models/
+DEFAULT_CACHE_DIR = "~/.cache/kiln"
 
 
 class _Section(BaseModel):
@@ -80,14 +81,14 @@ class BuildSection(_Section):
 class CacheSection(_Section):
     """The engine cache; ``$KILN_CACHE`` overrides ``dir``."""
 
-    dir: str = "~/.cache/kiln"
+    dir: str = DEFAULT_CACHE_DIR
     max_size_gb: float = Field(100.0, gt=0)
     max_entries: PositiveInt = 64
     verify_on_load: Literal["size", "hash"] = "size"
 
     def root(self) -> Path:
         """The cache root in force: ``$KILN_CACHE`` when set, else ``dir``."""
-        return Path(os.environ.get("KILN_CACHE") or self.dir).expanduser().resolve()
+        return cache_root(self.dir)
 
 
 class ServeSection(_Section):
@@ -125,20 +126,29 @@ class LoadedConfig(BaseModel):
     config: KilnConfig
 
 
-def resolve_config_path(name_or_path: str | Path) -> Path:
-    """A path as given, or a bare name (``tiny-llama-fp8.yaml``, ``tiny-llama-fp8``) under ``configs/``."""
-    path = Path(name_or_path)
-    if path.exists() or path.parent != Path("."):
+def cache_root(configured: str | Path = DEFAULT_CACHE_DIR) -> Path:
+    """The engine cache in force: ``$KILN_CACHE`` when set, else ``configured`` (a config's ``cache.dir``)."""
+    return Path(os.environ.get("KILN_CACHE") or configured).expanduser().resolve()
+
+
+def find_config(name_or_path: str | Path) -> Path | None:
+    """A config (``.yaml``) or architecture file (``.json``): the path as given, else a bare name
+    (``tiny-llama-fp8.yaml``, ``tiny-llama-fp8``, ``llama3-8b``) under the bundled ``configs/`` or
+    ``configs/models/``; None when there is no such file."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
         return path.resolve()
-    for candidate in (CONFIGS_DIR / path, CONFIGS_DIR / f"{path}.yaml"):
-        if candidate.exists():
-            return candidate
-    return path.resolve()
+    if path.parent != Path("."):
+        return None
+    return next((candidate for folder in (CONFIGS_DIR, CONFIGS_DIR / "models")
+                 for suffix in ("", ".yaml", ".yml", ".json")
+                 if (candidate := folder / f"{path.name}{suffix}").is_file()), None)
 
 
 def load_config(name_or_path: str | Path) -> LoadedConfig:
-    """Read and validate a config; raise ConfigError naming ``file:line: field`` on the first problem."""
-    path = resolve_config_path(name_or_path)
+    """Read and validate a config (a path, or a name ``find_config`` knows); raise ConfigError naming
+    ``file:line: field`` on the first problem."""
+    path = find_config(name_or_path) or Path(name_or_path).expanduser().resolve()
     data, lines = load_yaml_with_lines(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with a 'model' section at the top level")

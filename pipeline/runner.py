@@ -12,18 +12,18 @@ from kiln.pipeline.backend import choose_backend, require
 from kiln.pipeline.config import LoadedConfig, load_config
 from kiln.pipeline.model_source import find_model, resolve_model
 from kiln.pipeline.stages import (
+    BUILD_STAGES,
+    SMOKE_STAGE,
     BuildContext,
-    BuildStage,
     Decision,
-    PublishStage,
     QuantizeStage,
-    SmokeStage,
+    Stage,
     report_summary,
-    trtllm_plan_extra,
 )
 from kiln.runtime.options import RuntimeOptions
 
 ProgressFactory = Callable[[str], Callable[[str, float], None]]
+Plan = list[tuple[Stage, Decision]]
 
 GB = 10**9  # the CLI's "50GB" is 10^9 bytes too
 
@@ -66,31 +66,19 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
     return ctx
 
 
-def decide(ctx: BuildContext, *, smoke: bool = True) -> list[tuple[object, Decision]]:
-    """The stage list with the runner's decision for each; ``smoke=False`` leaves out the smoke stage (for a caller
+def decide(ctx: BuildContext, *, smoke: bool = True) -> Plan:
+    """The stages with the runner's decision for each; ``smoke=False`` leaves out the smoke stage (for a caller
     that loads the engine itself)."""
-    quantize, build, publish, smoke_stage = QuantizeStage(), BuildStage(), PublishStage(), SmokeStage()
-    quantizes = ctx.config.quantize.format != "none"
-    if ctx.model_dir is None:
-        missing = f"model files not found for model.path {ctx.config.model.path}"
-        q = Decision("quantize", "run", f"{missing}; nothing to look up") if quantizes else quantize.decide(ctx)
-        b = Decision("build", "run", f"{missing}; the engine key cannot be computed")
-    elif ctx.cache is None:  # a dry run against a cache that does not exist yet
-        q = Decision("quantize", "run", "cache miss (new: the cache is empty)") if quantizes else quantize.decide(ctx)
-        b = Decision("build", "run", "cache miss (new: the cache is empty)")
-    else:
-        q, b = quantize.decide(ctx), build.decide(ctx)
-    if ctx.choice.backend == "trtllm":
-        b.extra.update(trtllm_plan_extra(ctx))
-    plan = [(quantize, q), (build, b), (publish, publish.decide(ctx, b))]
-    if smoke:
-        plan.append((smoke_stage, smoke_stage.decide(ctx)))
-    for stage, decision in plan:
+    plan: Plan = []
+    earlier: dict[str, Decision] = {}
+    for stage in (*BUILD_STAGES, SMOKE_STAGE) if smoke else BUILD_STAGES:
+        decision = earlier[stage.name] = stage.decide(ctx, earlier)
         decision.extra.update(fingerprint=stage.fingerprint(ctx), inputs=list(stage.inputs), outputs=stage.outputs)
+        plan.append((stage, decision))
     return plan
 
 
-def plan_json(ctx: BuildContext, decisions: list[tuple[object, Decision]]) -> dict:
+def plan_json(ctx: BuildContext, decisions: Plan) -> dict:
     """The plan as printed by ``--dry-run --json``."""
     return {
         "config": str(ctx.loaded.path),
@@ -104,7 +92,7 @@ def plan_json(ctx: BuildContext, decisions: list[tuple[object, Decision]]) -> di
     }
 
 
-def run(ctx: BuildContext, decisions: list[tuple[object, Decision]], progress: ProgressFactory | None = None) -> dict:
+def run(ctx: BuildContext, decisions: Plan, progress: ProgressFactory | None = None) -> dict:
     """Run the stages in order and return the plan plus the run's results."""
     timings = {stage.name: _execute(stage, decision, ctx, progress) for stage, decision in decisions}
     result = plan_json(ctx, decisions)
@@ -123,7 +111,7 @@ def run(ctx: BuildContext, decisions: list[tuple[object, Decision]], progress: P
 def quantize_only(ctx: BuildContext, progress: ProgressFactory | None = None) -> dict:
     """Run (or reuse) the quantize stage alone; the ``kiln quantize --json`` object."""
     stage = QuantizeStage()
-    decision = stage.decide(ctx)
+    decision = stage.decide(ctx, {})
     _execute(stage, decision, ctx, progress)
     calibration = ctx.calibration or {}
     return {
@@ -143,13 +131,13 @@ def quantize_only(ctx: BuildContext, progress: ProgressFactory | None = None) ->
     }
 
 
-def _execute(stage, decision: Decision, ctx: BuildContext, progress: ProgressFactory | None) -> float:
+def _execute(stage: Stage, decision: Decision, ctx: BuildContext, progress: ProgressFactory | None) -> float:
     """Run a stage or adopt its cached outputs, as decided; returns the seconds it took."""
     report = progress(stage.name) if progress else (lambda *_: None)
     start = time.perf_counter()
     if decision.action == "run":
-        stage.run(ctx, report)
+        stage.run(ctx, decision, report)
     else:
-        stage.on_skip(ctx)
+        stage.adopt(ctx, decision)
     report("done", 1.0)
     return round(time.perf_counter() - start, 3)

@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kiln.pipeline.config import ServeSection
+from kiln.pipeline.config import ServeSection, cache_root
 from kiln.pipeline.console import friendly_errors, stage_progress, stderr
 from kiln.pipeline.runtime_env import runtime_options
-from kiln.runtime.cache_layout import default_cache_root, entry_engine_dir, is_cache_key
+from kiln.pipeline.targets import Target, TargetError, resolve_target
 from kiln.runtime.errors import KilnError
 from kiln.runtime.options import RuntimeOptions
-from kiln.runtime.trtllm.engine_info import is_trtllm_engine
 
 if TYPE_CHECKING:
     from kiln.runtime.llm import LLM
@@ -67,41 +66,32 @@ class ServeTarget:
                               max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache)
 
 
-def resolve_target(target: str, options: RuntimeOptions, *, backend: str | None = None,
-                   progress: bool = True) -> ServeTarget:
-    """An engine directory, a cache key, or a config (built through the cache first; a hit runs nothing)."""
-    path = Path(target).expanduser()
-    if _is_engine_dir(path):
-        name = path.parent.name if path.name == "engine" else path.name
-        return ServeTarget(engine_dir=path.resolve(), model_name=name[:12] if is_cache_key(name) else name)
-    if is_cache_key(target):
-        return _cache_key_target(target)
-    if path.is_dir():
-        raise KilnError(f"{target}: not an engine directory: pass an engine directory (the one `kiln build` "
-                        f"printed), a cache key, or a config")
-    return _config_target(target, options, backend=backend, progress=progress)
+def serve_target(text: str, options: RuntimeOptions, *, backend: str | None = None,
+                 progress: bool = True) -> ServeTarget:
+    """What ``kiln serve TARGET`` serves: an engine directory, a cached engine by key or key prefix, or a config
+    (built through the cache first; a hit runs nothing)."""
+    target = resolve_target(text, cache_root())
+    if target.kind == "config":
+        return _config_target(target.path, options, backend=backend, progress=progress)
+    if target.kind == "architecture":
+        raise TargetError(f"{text}: an architecture file has no weights to serve; give a config, an engine "
+                          f"directory or a cache key (kiln bench runs architecture files with random weights)")
+    return _engine_target(target)
 
 
-def _is_engine_dir(path: Path) -> bool:
-    """A native engine (engine.json) or a TensorRT-LLM one."""
-    return (path / "engine.json").is_file() or is_trtllm_engine(path)
-
-
-def _cache_key_target(key: str) -> ServeTarget:
+def _engine_target(target: Target) -> ServeTarget:
+    if target.cache_key is None:
+        return ServeTarget(engine_dir=target.path, model_name=target.name)
     from kiln.engines.cache import EngineCache
 
-    engine_dir = entry_engine_dir(None, key)
-    if not _is_engine_dir(engine_dir):
-        raise KilnError(f"cache key {key} has no engine under {default_cache_root()}: see `kiln cache ls`, or set "
-                        f"$KILN_CACHE to the cache that holds it")
-    cache = EngineCache.open_configured(default_cache_root())
+    cache, key = EngineCache.open_configured(target.cache_root), target.cache_key
     hit_rate = cache.stats.summary("entries")["hit_rate"]
-    return ServeTarget(engine_dir=engine_dir, model_name=key[:12], engine_cache={"hit": True, "hit_rate": hit_rate,
-                                                                                   "key": key},
+    return ServeTarget(engine_dir=target.path, model_name=target.name,
+                       engine_cache={"hit": True, "hit_rate": hit_rate, "key": key},
                        record_load=lambda ms: cache.record_load(key, ms))
 
 
-def _config_target(config: str, options: RuntimeOptions, *, backend: str | None, progress: bool) -> ServeTarget:
+def _config_target(config: Path, options: RuntimeOptions, *, backend: str | None, progress: bool) -> ServeTarget:
     from kiln.pipeline import runner
 
     ctx = runner.prepare(config, backend=backend, force=False, dry_run=False, options=options)
@@ -155,7 +145,7 @@ def serve(
     from kiln.runtime.server import create_app, run_server
 
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks)
-    resolved = resolve_target(target, options, backend=backend)
+    resolved = serve_target(target, options, backend=backend)
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name)
     app = create_app(resolved.loader(options), resolved.engine_dir, settings)
     bind_host = host or resolved.host

@@ -7,33 +7,38 @@ key of that output). The runner, not the stage, decides whether to run it, and a
 from __future__ import annotations
 
 import functools
-import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
+from kiln.calibration.layout import QuantizedCheckpoint
 from kiln.calibration.recipe import recipe_material
-from kiln.engines.cache import EngineCache, engine_key, hold_entry
+from kiln.engines.cache import EngineCache, EntryHold, LookupResult, engine_key
+from kiln.engines.cache.layout import payload_path
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import KilnConfig, LoadedConfig
 from kiln.pipeline.key_material import engine_material, quantized_material
 from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.trtllm.engine_info import ENGINE_FORMAT as TRTLLM_ENGINE_FORMAT
 
 if TYPE_CHECKING:
     from kiln.engines.trtllm.options import TrtllmBuildOptions
 
 Action = Literal["run", "skip"]
+Progress = Callable[[str, float], None]
 
 
 @dataclass
 class Decision:
-    """What the runner will do with a stage, and why."""
+    """What the runner will do with a stage, and why; ``hit`` is the cache entry a planning lookup found, which the
+    stage then takes up without checking it again."""
 
     name: str
     action: Action
     reason: str
+    hit: LookupResult | None = None
     extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -81,6 +86,15 @@ class BuildContext:
         return quantized_material(self.checkpoint_hash, self.recipe_material, self.choice.device,
                                   self.calibration_dtype)
 
+    @property
+    def load_options(self) -> RuntimeOptions:
+        """The runtime options to load the built engine with: on the device it was built for, unless they say."""
+        return replace(self.options, device=self.options.device or self.choice.device)
+
+    def use_quantized(self, checkpoint: QuantizedCheckpoint) -> None:
+        """Build from a quantized checkpoint of the cache (the quantize stage's output), with its report."""
+        self.checkpoint_dir, self.calibration = checkpoint.hf, checkpoint.report()
+
     def compute_keys(self) -> None:
         """Fill in the quantized and engine keys from the inputs (needs the checkpoint hash)."""
         if self.checkpoint_hash is None:
@@ -92,30 +106,57 @@ class BuildContext:
         self.engine_key = engine_key(self.material)
 
 
+class Stage(Protocol):
+    """A step of ``kiln build`` with declared inputs, outputs and a fingerprint (the key of its output). It holds no
+    state: what a run needs travels in the ``BuildContext`` and the ``Decision``."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: str
+
+    def fingerprint(self, ctx: BuildContext) -> str | None:
+        """The key of the stage's output, when it has one."""
+
+    def decide(self, ctx: BuildContext, earlier: Mapping[str, Decision]) -> Decision:
+        """Run or skip, and why (``earlier``: the decisions of the stages before, by name)."""
+
+    def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
+        """Produce the stage's outputs."""
+
+    def adopt(self, ctx: BuildContext, decision: Decision) -> None:
+        """Take up the outputs that already exist (the stage was skipped)."""
+
+
+def _no_model(ctx: BuildContext) -> str | None:
+    return None if ctx.model_dir else f"model files not found for model.path {ctx.config.model.path}"
+
+
 class QuantizeStage:
     """Calibrate, gate and export the checkpoint (content-addressed in the cache's ``quantized/`` part)."""
 
     name = "quantize"
-    planned_hit = None  # the LookupResult of a hit that decide found
     inputs = ("checkpoint content hash", "quantize recipe (incl. calibration data hashes)", "calibration device")
     outputs = "v1/quantized/<key>/checkpoint (hf/, trtllm/, calibration report)"
 
     def fingerprint(self, ctx: BuildContext) -> str | None:
         return ctx.quantized_key
 
-    def decide(self, ctx: BuildContext) -> Decision:
+    def decide(self, ctx: BuildContext, earlier: Mapping[str, Decision]) -> Decision:
         fmt = ctx.config.quantize.format
         if fmt == "none":
             return Decision(self.name, "skip", "format none: the checkpoint is used as it is")
+        if missing := _no_model(ctx):
+            return Decision(self.name, "run", f"{missing}; nothing to look up")
+        if ctx.cache is None:  # a dry run against a cache that does not exist yet
+            return Decision(self.name, "run", "cache miss (new: the cache is empty)")
         if ctx.force:
             return Decision(self.name, "run", "--force")
         lookup = ctx.cache.quantized.lookup(ctx.quantized_key, record=False)
         if lookup.hit:
-            self.planned_hit = lookup  # on_skip takes it up without checking the entry again
-            return Decision(self.name, "skip", f"{fmt} checkpoint {ctx.quantized_key[:12]} is in the cache")
+            return Decision(self.name, "skip", f"{fmt} checkpoint {ctx.quantized_key[:12]} is in the cache", lookup)
         return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe ({lookup.reason})")
 
-    def run(self, ctx: BuildContext, progress) -> None:
+    def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
         from kiln.calibration.quantize import quantize_checkpoint
 
         material = ctx.quantized_material()
@@ -128,42 +169,46 @@ class QuantizeStage:
 
         result = ctx.cache.quantized.get_or_build(ctx.quantized_key, material, build, force=ctx.force,
                                                    describe=describe, on_wait=lambda msg: progress(msg, 0.0))
-        self.adopt(ctx, result.payload_dir)
+        ctx.use_quantized(QuantizedCheckpoint(result.payload_dir))
 
-    def adopt(self, ctx: BuildContext, payload_dir: Path) -> None:
-        """Point the context at a stored quantized checkpoint (after a run, or on a hit)."""
-        ctx.checkpoint_dir = payload_dir / "hf"
-        ctx.calibration = json.loads((payload_dir / "calibration_report.json").read_text())
-
-    def on_skip(self, ctx: BuildContext) -> None:
+    def adopt(self, ctx: BuildContext, decision: Decision) -> None:
         if ctx.config.quantize.format == "none":
             ctx.checkpoint_dir = ctx.model_dir
             return
-        lookup = ctx.cache.quantized.record_hit(self.planned_hit, ctx.quantized_key)
-        self.adopt(ctx, lookup.entry_dir / "checkpoint")
+        store = ctx.cache.quantized
+        store.record_hit(decision.hit, ctx.quantized_key)
+        ctx.use_quantized(QuantizedCheckpoint(store.payload_dir(ctx.quantized_key)))
 
 
 class BuildStage:
     """Build the engine from the (quantized) checkpoint into a temporary folder of the cache."""
 
     name = "build"
-    planned_hit = None  # the LookupResult of a hit that decide found
     inputs = ("engine key material: checkpoint, recipe, semantic build options, backend, toolchain, hardware",)
     outputs = "v1/tmp/<build> (the engine directory, not yet visible)"
 
     def fingerprint(self, ctx: BuildContext) -> str | None:
         return ctx.engine_key
 
-    def decide(self, ctx: BuildContext) -> Decision:
+    def decide(self, ctx: BuildContext, earlier: Mapping[str, Decision]) -> Decision:
+        decision = self._decide(ctx)
+        if ctx.choice.backend == "trtllm":
+            decision.extra.update(trtllm_plan_extra(ctx))  # the exact argv; raises when preflight refuses
+        return decision
+
+    def _decide(self, ctx: BuildContext) -> Decision:
+        if missing := _no_model(ctx):
+            return Decision(self.name, "run", f"{missing}; the engine key cannot be computed")
+        if ctx.cache is None:
+            return Decision(self.name, "run", "cache miss (new: the cache is empty)")
         if ctx.force:
             return Decision(self.name, "run", "--force")
         lookup = ctx.cache.entries.lookup(ctx.engine_key, ctx.material, record=False)
         if lookup.hit:
-            self.planned_hit = lookup  # on_skip takes it up without checking the entry again
-            return Decision(self.name, "skip", f"engine {ctx.engine_key[:12]} is in the cache")
+            return Decision(self.name, "skip", f"engine {ctx.engine_key[:12]} is in the cache", lookup)
         return Decision(self.name, "run", f"cache miss ({lookup.reason})")
 
-    def run(self, ctx: BuildContext, progress) -> None:
+    def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
         trtllm = ctx.choice.backend == "trtllm"
         build = self._trtllm_build(ctx, progress) if trtllm else self._native_build(ctx, progress)
         describe = {"model": ctx.model_dir.name, "format": _shipped_format(ctx), "backend": ctx.choice.backend,
@@ -174,7 +219,7 @@ class BuildStage:
         ctx.build_seconds = result.build_seconds
 
     @staticmethod
-    def _native_build(ctx: BuildContext, progress) -> Callable[[Path], dict]:
+    def _native_build(ctx: BuildContext, progress: Progress) -> Callable[[Path], dict]:
         """The native backend's build into a temporary folder; returns its build record."""
         from kiln.engines.native.builder import build_native_engine
 
@@ -183,8 +228,9 @@ class BuildStage:
 
         def build(tmp: Path) -> dict:
             progress("building native engine", 0.0)
-            source = ctx.checkpoint_dir.parent  # a quantized cache entry's payload: keep it from being evicted
-            with hold_entry(source.parent) if ctx.checkpoint_dir != ctx.model_dir else nullcontext():
+            quantized = ctx.quantized_key and ctx.checkpoint_dir != ctx.model_dir
+            # a quantized checkpoint of the cache is kept from being evicted while it is read
+            with EntryHold(ctx.cache.quantized.entry_dir(ctx.quantized_key)) if quantized else nullcontext():
                 engine = build_native_engine(ctx.checkpoint_dir, tmp, plan, cfg.model.dtype, device=ctx.choice.device,
                                              kernels=ctx.options.kernels)
             return {"engine": {"format": engine["format"], "quantization": engine["quantization"]},
@@ -193,7 +239,7 @@ class BuildStage:
         return build
 
     @staticmethod
-    def _trtllm_build(ctx: BuildContext, progress) -> Callable[[Path], dict]:
+    def _trtllm_build(ctx: BuildContext, progress: Progress) -> Callable[[Path], dict]:
         """The TensorRT-LLM build (checkpoint conversion when needed, then trtllm-build); returns its build record."""
         from kiln.engines.trtllm.builder import build_trtllm_engine
 
@@ -202,17 +248,18 @@ class BuildStage:
         def build(tmp: Path) -> dict:
             progress("running trtllm-build", 0.0)
             record = build_trtllm_engine(tmp, timeout_s=ctx.config.build.timeout_s, **inputs)
-            return {"engine": {"format": "kiln-trtllm", "quantization": {"format": inputs["quant_format"]}},
+            return {"engine": {"format": TRTLLM_ENGINE_FORMAT, "quantization": {"format": inputs["quant_format"]}},
                     "trtllm": record, "calibration": report_summary(ctx.calibration) if ctx.calibration else None}
 
         return build
 
-    def on_skip(self, ctx: BuildContext) -> None:
-        lookup = ctx.cache.entries.record_hit(self.planned_hit, ctx.engine_key, ctx.material)
+    def adopt(self, ctx: BuildContext, decision: Decision) -> None:
+        store = ctx.cache.entries
+        lookup = store.record_hit(decision.hit, ctx.engine_key, ctx.material)
         if not lookup.hit:  # vanished since the plan was made: build after all
-            self.run(ctx, lambda *_: None)
+            self.run(ctx, decision, lambda *_: None)
             return
-        ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = lookup.entry_dir / "engine", True, "hit"
+        ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = store.payload_dir(ctx.engine_key), True, "hit"
         ctx.build_seconds = lookup.build_seconds
 
 
@@ -226,17 +273,15 @@ class PublishStage:
     def fingerprint(self, ctx: BuildContext) -> str | None:
         return ctx.engine_key
 
-    def decide(self, ctx: BuildContext, build: Decision) -> Decision:
-        if build.action == "skip":
+    def decide(self, ctx: BuildContext, earlier: Mapping[str, Decision]) -> Decision:
+        if earlier["build"].action == "skip":
             return Decision(self.name, "skip", "the engine is already published in the cache")
         return Decision(self.name, "run", "publish the new engine atomically (manifest last, one rename)")
 
-    def run(self, ctx: BuildContext, progress) -> None:
-        manifest = ctx.engine_dir.parent / "manifest.json"
-        if not manifest.is_file():
-            raise RuntimeError(f"engine {ctx.engine_key} has no manifest after publishing: {manifest}")
+    def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
+        ctx.cache.entries.read_manifest(ctx.engine_key)  # raises when the entry is not published whole
 
-    def on_skip(self, ctx: BuildContext) -> None:
+    def adopt(self, ctx: BuildContext, decision: Decision) -> None:
         return None
 
 
@@ -250,16 +295,15 @@ class SmokeStage:
     def fingerprint(self, ctx: BuildContext) -> str | None:
         return None
 
-    def decide(self, ctx: BuildContext) -> Decision:
+    def decide(self, ctx: BuildContext, earlier: Mapping[str, Decision]) -> Decision:
         return Decision(self.name, "run", "always: loads the engine and generates a few tokens")
 
-    def run(self, ctx: BuildContext, progress) -> None:
+    def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
         from kiln.runtime import LLM, SamplingParams
 
         smoke = ctx.config.smoke
         progress("loading engine", 0.0)
-        options = replace(ctx.options, device=ctx.options.device or ctx.choice.device)
-        llm = LLM.load(ctx.engine_dir, options)  # holds the cache entry until closed
+        llm = LLM.load(ctx.engine_dir, ctx.load_options)  # holds the cache entry until closed
         ctx.load_ms = llm.load_ms
         ctx.cache.record_load(ctx.engine_key, ctx.load_ms)
         try:
@@ -269,11 +313,17 @@ class SmokeStage:
             llm.close()
         ctx.sample = {"prompt": smoke.prompt, "text": out.text, "tokens": len(out.token_ids)}
 
+    def adopt(self, ctx: BuildContext, decision: Decision) -> None:
+        return None
+
+
+BUILD_STAGES: tuple[Stage, ...] = (QuantizeStage(), BuildStage(), PublishStage())
+SMOKE_STAGE: Stage = SmokeStage()
+
 
 def trtllm_inputs(ctx: BuildContext) -> dict:
     """The TensorRT-LLM builder's inputs: options from the config, the checkpoints, the timing cache."""
     from kiln.engines.trtllm.command import timing_cache_path
-    from kiln.runtime.cache_layout import entry_dir
     from kiln.runtime.trtllm.toolchain import trtllm_machine_fingerprint
 
     cfg = ctx.config
@@ -281,12 +331,10 @@ def trtllm_inputs(ctx: BuildContext) -> dict:
     quant_format = _shipped_format(ctx)
     hf_dir, trtllm_checkpoint = ctx.model_dir, None
     if quant_format != "none":
-        payload = None
-        if ctx.checkpoint_dir is not None:
-            payload = ctx.checkpoint_dir.parent
-        elif ctx.quantized_key:
-            payload = entry_dir(cfg.cache.root(), ctx.quantized_key, "quantized") / "checkpoint"
-        hf_dir, trtllm_checkpoint = (payload / "hf", payload / "trtllm") if payload else (None, None)
+        hf_dir = None
+        if ctx.quantized_key:  # where the quantize stage puts it (a dry run shows where it will be)
+            quantized = QuantizedCheckpoint(payload_path(cfg.cache.root(), "quantized", ctx.quantized_key))
+            hf_dir, trtllm_checkpoint = quantized.hf, quantized.trtllm
     return {"options": trtllm_options(cfg), "quant_format": quant_format,
             "kv_cache_dtype": cfg.quantize.kv_cache_dtype, "model_dtype": cfg.model.dtype, "fingerprint": fingerprint,
             "timing_cache": timing_cache_path(cfg.cache.root(), fingerprint), "hf_dir": hf_dir,

@@ -46,6 +46,14 @@ class Engine(Protocol):
         """Release what the engine holds."""
 
 
+def is_engine_dir(path: Path) -> bool:
+    """Whether ``path`` holds an engine of either backend (``engine.json`` or ``kiln_trtllm.json``)."""
+    from kiln.runtime.native.engine_format import ENGINE_JSON
+    from kiln.runtime.trtllm.engine_info import is_trtllm_engine
+
+    return (Path(path) / ENGINE_JSON).is_file() or is_trtllm_engine(path)
+
+
 def load_engine(engine_dir: Path, options: RuntimeOptions) -> Engine:
     """The engine of ``engine_dir`` on its backend: TensorRT-LLM for a directory with ``kiln_trtllm.json``, else the
     native engine (which refuses a directory without its ``engine.json``)."""

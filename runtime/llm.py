@@ -14,7 +14,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.runtime.cache_layout import EntryHold, entry_engine_dir, hold_if_cached, is_cache_key
+from kiln.runtime.cache_hold import EntryHold, hold_if_cached
 from kiln.runtime.engine import Engine, load_engine
 from kiln.runtime.errors import EngineFormatError, KilnError
 from kiln.runtime.limits import EngineLimits
@@ -29,21 +29,6 @@ Prompt = str | list[int]
 
 class EngineClosedError(KilnError):
     """The LLM was closed, or its engine thread stopped on an error, before the request finished."""
-
-
-def resolve_engine_dir(engine_dir_or_cache_key: str | Path, cache_root: str | Path | None = None) -> Path:
-    """An engine directory as given, or the engine of a cache entry when given its 64-hex key."""
-    path = Path(engine_dir_or_cache_key).expanduser()
-    if path.is_dir():
-        return path
-    if is_cache_key(str(engine_dir_or_cache_key)):
-        engine_dir = entry_engine_dir(cache_root, str(engine_dir_or_cache_key))
-        if engine_dir.is_dir():
-            return engine_dir
-        raise EngineFormatError(f"cache key {engine_dir_or_cache_key} has no engine at {engine_dir}: build it "
-                                f"with `kiln build`, or pass the right cache_root")
-    raise EngineFormatError(f"{engine_dir_or_cache_key}: neither an engine directory nor a 64-hex cache key: "
-                            f"pass the directory `kiln build` printed, or its cache key")
 
 
 @dataclass
@@ -75,12 +60,15 @@ class LLM:
         self._thread.start()
 
     @classmethod
-    def load(cls, engine_dir_or_cache_key: str | Path, options: RuntimeOptions | None = None, *,
-             cache_root: str | Path | None = None) -> LLM:
-        """Load an engine directory or cache entry with ``options`` (device, kernels, CUDA graphs, KV pool size...;
-        default ``RuntimeOptions()``: the engine's own device, everything on). `load_ms` records how long it took."""
+    def load(cls, engine_dir: str | Path, options: RuntimeOptions | None = None) -> LLM:
+        """Load the engine in ``engine_dir`` (the directory `kiln build` printed) with ``options`` (device, kernels,
+        CUDA graphs, KV pool size...; default ``RuntimeOptions()``: the engine's own device, everything on).
+        `load_ms` records how long it took. A cached engine stays in the cache while it is loaded."""
         start = time.perf_counter()
-        engine_dir = resolve_engine_dir(engine_dir_or_cache_key, cache_root)
+        engine_dir = Path(engine_dir).expanduser()
+        if not engine_dir.is_dir():
+            raise EngineFormatError(f"{engine_dir}: not an engine directory; pass the directory `kiln build` printed "
+                                    f"(`kiln cache show KEY` shows a cached engine's)")
         hold = hold_if_cached(engine_dir)  # a cached engine is not evicted while this LLM has it loaded
         try:
             engine = load_engine(engine_dir, options or RuntimeOptions())

@@ -161,7 +161,7 @@ def test_an_engine_loaded_through_the_runtime_is_never_evicted(cache):
 
     result = build_json("configs/tiny-llama-fp8.yaml", cache)
     entry = Path(result["engine_dir"]).parent
-    llm = LLM.load(result["engine_key"], cache_root=cache)
+    llm = LLM.load(result["engine_dir"])
     try:
         assert is_held(entry)
         report = EngineCache.open(cache, max_entries=1).evict()

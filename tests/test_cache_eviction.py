@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.engines.cache import CacheEntryGoneError, CacheEntryInUseError, EngineCache, engine_key, hold_entry, is_held
+from kiln.engines.cache import CacheEntryGoneError, CacheEntryInUseError, EngineCache, EntryHold, engine_key, is_held
 from kiln.engines.cache.layout import LAST_USED
 from tests.subprocess_env import repo_env
 
@@ -57,7 +57,7 @@ def test_an_entry_held_by_a_process_is_never_evicted(tmp_path):
     now = time.time()
     a = add(cache, "a", last_used=now - 300)
     add(cache, "b", last_used=now - 200)
-    with hold_entry(cache.entries.entry_dir(a)) as hold:
+    with EntryHold(cache.entries.entry_dir(a)) as hold:
         assert is_held(hold.entry_dir)
         add(cache, "c")
         assert names(cache) == {"a", "c"}
@@ -98,13 +98,13 @@ def test_holding_an_evicted_entry_fails_clearly(tmp_path):
     entry = cache.entries.entry_dir(a)
     cache.entries.remove(a)
     with pytest.raises(CacheEntryGoneError, match="build it again"):
-        hold_entry(entry)
+        EntryHold(entry)
 
 
 def test_a_forced_rebuild_of_a_held_entry_keeps_the_old_files_until_released(tmp_path):
     cache = EngineCache.open(tmp_path / "c")
     a = add(cache, "a")
-    hold = hold_entry(cache.entries.entry_dir(a))
+    hold = EntryHold(cache.entries.entry_dir(a))
     cache.entries.get_or_build(a, material("a"), build_of(10), force=True)
     trash = list((cache.v1 / "tmp").glob("trash.entries.*"))
     assert len(trash) == 1 and (trash[0] / "engine" / "rank0.safetensors").stat().st_size == 1000
@@ -120,8 +120,8 @@ def test_an_entry_loaded_by_another_live_process_is_never_evicted(tmp_path):
     cache = EngineCache.open(tmp_path / "c", max_entries=1)
     a = add(cache, "a")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from engines.cache import hold_entry; h = hold_entry(sys.argv[1]); "
-         "print('held', flush=True); time.sleep(60)", str(cache.entries.entry_dir(a))],
+        [sys.executable, "-c", "import sys, time; from kiln.engines.cache import EntryHold; "
+         "h = EntryHold(sys.argv[1]); print('held', flush=True); time.sleep(60)", str(cache.entries.entry_dir(a))],
         env=repo_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"

@@ -71,7 +71,7 @@ def test_empty_stats_have_no_rate(stats):
 
 def test_many_processes_opening_a_new_stats_database_together_all_succeed(tmp_path):
     go = tmp_path / "go"
-    script = ("import sys, time; from pathlib import Path; from engines.cache.stats import StatsDB\n"
+    script = ("import sys, time; from pathlib import Path; from kiln.engines.cache.stats import StatsDB\n"
               "while not Path(sys.argv[2]).exists(): time.sleep(0.001)\n"
               "StatsDB(Path(sys.argv[1]))\n")
     procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "stats.db"), str(go)], cwd=REPO,

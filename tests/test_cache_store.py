@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kiln.engines.cache import CacheEntryNotFoundError, EngineCache, InvalidCacheKeyError, engine_key
-from kiln.runtime.cache_layout import entry_engine_dir
+from kiln.engines.cache.layout import payload_path
 
 
 def material(n: int = 0) -> dict:
@@ -42,7 +42,7 @@ def test_first_lookup_is_new_then_build_publishes_a_complete_entry(cache):
     assert cache.entries.lookup(key, m).reason == "new"
     result = cache.entries.get_or_build(key, m, build, describe={"model": "tiny"})
     assert (result.hit, result.reason, build.calls) == (False, "new", 1)
-    assert result.payload_dir == entry_engine_dir(cache.root, key)
+    assert result.payload_dir == payload_path(cache.root, "entries", key)
     manifest = json.loads((result.entry_dir / "manifest.json").read_text())
     assert manifest["material"] == m and manifest["key"] == key and manifest["describe"] == {"model": "tiny"}
     assert [f["path"] for f in manifest["files"]] == ["engine.json", "weights/rank0.safetensors"]

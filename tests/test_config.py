@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.pipeline.config import CONFIGS_DIR, ConfigError, load_config, resolve_config_path
+from kiln.pipeline.config import CONFIGS_DIR, ConfigError, find_config, load_config
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -20,9 +20,11 @@ def test_every_shipped_config_is_valid(path):
     assert load_config(path).config.model.path
 
 
-def test_bare_name_resolves_under_configs():
-    assert resolve_config_path("tiny-llama-fp8.yaml") == CONFIGS_DIR / "tiny-llama-fp8.yaml"
-    assert resolve_config_path("tiny-llama-fp8") == CONFIGS_DIR / "tiny-llama-fp8.yaml"
+def test_bare_name_resolves_under_the_bundled_configs():
+    assert find_config("tiny-llama-fp8.yaml") == CONFIGS_DIR / "tiny-llama-fp8.yaml"
+    assert find_config("tiny-llama-fp8") == CONFIGS_DIR / "tiny-llama-fp8.yaml"
+    assert find_config("llama3-8b") == CONFIGS_DIR / "models" / "llama3-8b.json"  # an architecture file
+    assert find_config("no-such-config") is None and find_config("configs/no/such.yaml") is None
 
 
 def test_defaults_fill_every_section_but_the_model(tmp_path):

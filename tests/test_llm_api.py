@@ -212,14 +212,16 @@ def test_stats_report_steps_kv_blocks_and_request_latencies(llm):
     assert metrics.num_prompt_tokens == 3 and metrics.num_generated_tokens == 5
 
 
-def test_engine_loads_from_a_cache_key(engine_dir, tmp_path):
-    key = "ab" + "0" * 62
-    shutil.copytree(engine_dir, tmp_path / "v1" / "entries" / "ab" / key / "engine")
-    with LLM.load(key, cache_root=tmp_path) as llm:
-        assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids
-    with pytest.raises(EngineFormatError, match="has no engine"):
-        LLM.load("cd" + "0" * 62, cache_root=tmp_path)
-    with pytest.raises(EngineFormatError, match="neither an engine directory nor"):
+def test_a_cached_engine_is_held_while_loaded_and_a_missing_directory_is_refused(engine_dir, tmp_path):
+    from kiln.engines.cache import is_held
+
+    entry = tmp_path / "v1" / "entries" / "ab" / ("ab" + "0" * 62)
+    shutil.copytree(engine_dir, entry / "engine")
+    (entry / "in_use.lock").touch()
+    with LLM.load(entry / "engine") as llm:
+        assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids and is_held(entry)
+    assert not is_held(entry)
+    with pytest.raises(EngineFormatError, match="missing: not an engine directory"):
         LLM.load(tmp_path / "missing")
 
 

@@ -14,7 +14,8 @@ import threading
 import httpx
 import pytest
 
-from kiln.pipeline.serve_command import resolve_target
+from kiln.engines.cache import EngineCache
+from kiln.pipeline.serve_command import serve_target
 from kiln.runtime.errors import KilnError
 from kiln.runtime.options import RuntimeOptions
 from tests.subprocess_env import REPO, repo_env
@@ -22,7 +23,7 @@ from tests.test_server_support import tiny_engine, wait_until
 
 
 def test_an_engine_directory_is_served_under_its_folder_name():
-    target = resolve_target(str(tiny_engine()), RuntimeOptions())
+    target = serve_target(str(tiny_engine()), RuntimeOptions())
     assert target.engine_dir == tiny_engine() and target.model_name == tiny_engine().parent.name
     assert target.host == "127.0.0.1" and target.port == 8000 and target.api_key is None
 
@@ -33,16 +34,19 @@ def test_a_tensorrt_llm_engine_directory_is_served_like_a_native_one(tmp_path):
     engine = tmp_path / "llama-trt"
     engine.mkdir()
     (engine / TRTLLM_ENGINE_JSON).write_text("{}")
-    target = resolve_target(str(engine), RuntimeOptions())
+    target = serve_target(str(engine), RuntimeOptions())
     assert target.engine_dir == engine.resolve() and target.model_name == "llama-trt"
 
 
 def test_a_directory_without_an_engine_and_an_unknown_key_are_refused(tmp_path, monkeypatch):
     with pytest.raises(KilnError, match="not an engine directory"):
-        resolve_target(str(tmp_path), RuntimeOptions())
+        serve_target(str(tmp_path), RuntimeOptions())
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(KilnError, match="has no engine"):
-        resolve_target("ab" * 32, RuntimeOptions())
+    with pytest.raises(KilnError, match="there is no engine cache at"):
+        serve_target("ab" * 32, RuntimeOptions())
+    EngineCache.open(tmp_path / "cache")
+    with pytest.raises(KilnError, match="cache key abab.*: no engine entry under"):
+        serve_target("ab" * 32, RuntimeOptions())
 
 
 def test_a_config_is_built_through_the_cache_once_then_hits(tmp_path, monkeypatch):
@@ -52,12 +56,16 @@ def test_a_config_is_built_through_the_cache_once_then_hits(tmp_path, monkeypatc
                       f"quantize:\n  format: none\nbuild:\n  backend: native\n  device: cpu\n  max_batch_size: 4\n"
                       f"  max_input_len: 32\n  max_seq_len: 64\n  max_num_tokens: 64\n  tokens_per_block: 4\n"
                       f"serve:\n  port: 8123\n  max_queue: 7\n")
-    first = resolve_target(str(config), RuntimeOptions(), progress=False)
-    second = resolve_target(str(config), RuntimeOptions(), progress=False)
+    first = serve_target(str(config), RuntimeOptions(), progress=False)
+    second = serve_target(str(config), RuntimeOptions(), progress=False)
     assert first.engine_cache["hit"] is False and second.engine_cache["hit"] is True
     assert second.engine_dir == first.engine_dir and (second.engine_dir / "engine.json").is_file()
     assert second.model_name == "tiny-served" and second.port == 8123 and second.max_queue == 7
     assert second.engine_cache["hit_rate"] is not None
+    key = second.engine_cache["key"]
+    by_prefix = serve_target(key[:8], RuntimeOptions())  # a cached engine by its key, as `git` takes a short hash
+    assert by_prefix.engine_dir == first.engine_dir and by_prefix.model_name == key[:12]
+    assert serve_target(str(first.engine_dir.parent), RuntimeOptions()).engine_cache["key"] == key  # the entry
 
 
 def _read_lines(stream, lines: queue.Queue) -> None:
@@ -66,7 +74,7 @@ def _read_lines(stream, lines: queue.Queue) -> None:
 
 
 def test_sigterm_finishes_the_in_flight_stream_refuses_new_work_and_exits_0():
-    code = ("import sys; from pipeline.serve_command import serve; "
+    code = ("import sys; from kiln.pipeline.serve_command import serve; "
             "serve(sys.argv[1], port=0, model_name='tiny', shutdown_timeout=30.0)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_engine())], cwd=REPO, stderr=subprocess.PIPE,
                             text=True, env=repo_env())

@@ -11,16 +11,14 @@ from kiln.engines.cache.errors import (
     InvalidCacheKeyError,
 )
 from kiln.engines.cache.hashing import checkpoint_files, checkpoint_hash, file_sha256
-from kiln.engines.cache.in_use import EntryHold, hold_entry, is_held
-from kiln.engines.cache.keys import canonical_json, engine_key, material_diff, validate_key
+from kiln.engines.cache.in_use import EntryHold, is_held
+from kiln.engines.cache.keys import canonical_json, engine_key, is_cache_key, material_diff, validate_key
 from kiln.engines.cache.stats import StatsDB
 from kiln.engines.cache.store import CacheResult, ContentStore, LookupResult, VerifyResult
-from kiln.runtime.cache_layout import default_cache_root
 
 __all__ = [
     "CacheCorruptError", "CacheEntryGoneError", "CacheEntryInUseError", "CacheEntryNotFoundError", "CacheResult",
     "CacheUsageError", "CheckpointHashError", "ContentStore", "EngineCache", "EntryHold", "InvalidCacheKeyError",
-    "LookupResult", "StatsDB", "VerifyResult", "canonical_json", "checkpoint_files", "checkpoint_hash",
-    "default_cache_root", "engine_key", "file_sha256", "hold_entry", "is_held", "material_diff", "read_limits",
-    "validate_key",
+    "LookupResult", "StatsDB", "VerifyResult", "canonical_json", "checkpoint_files", "checkpoint_hash", "engine_key",
+    "file_sha256", "is_cache_key", "is_held", "material_diff", "read_limits", "validate_key",
 ]

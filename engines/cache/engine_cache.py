@@ -8,7 +8,7 @@ from pathlib import Path
 from kiln.engines.cache.errors import CacheEntryNotFoundError
 from kiln.engines.cache.eviction import EvictionReport, evict
 from kiln.engines.cache.keys import validate_key
-from kiln.engines.cache.layout import ensure_layout, write_atomic
+from kiln.engines.cache.layout import PAYLOADS, ensure_layout, write_atomic
 from kiln.engines.cache.stats import StatsDB
 from kiln.engines.cache.store import ContentStore, VerifyOnLoad
 
@@ -28,10 +28,11 @@ class EngineCache:
         self.max_size_bytes = max_size_bytes
         self.max_entries = max_entries
         self.stats = StatsDB(self.v1 / "stats.db")
-        self.entries = ContentStore(self.v1, "entries", "engine", self.stats, label="engine",
+        self.entries = ContentStore(self.v1, "entries", PAYLOADS["entries"], self.stats, label="engine",
                                     verify_on_load=verify_on_load, enforce_limits=self._enforce_limits)
-        self.quantized = ContentStore(self.v1, "quantized", "checkpoint", self.stats, label="quantized checkpoint",
-                                      verify_on_load=verify_on_load, enforce_limits=self._enforce_limits)
+        self.quantized = ContentStore(self.v1, "quantized", PAYLOADS["quantized"], self.stats,
+                                      label="quantized checkpoint", verify_on_load=verify_on_load,
+                                      enforce_limits=self._enforce_limits)
 
     @classmethod
     def open(cls, root: Path, *, max_size_bytes: int | None = None, max_entries: int | None = None,

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from kiln.runtime.cache_layout import CacheEntryGoneError, InvalidCacheKeyError
+from kiln.runtime.cache_hold import CacheEntryGoneError
 from kiln.runtime.errors import KilnError
 
 __all__ = ["CacheCorruptError", "CacheEntryGoneError", "CacheEntryInUseError", "CacheEntryNotFoundError",
            "CacheUsageError", "CheckpointHashError", "InvalidCacheKeyError"]
+
+
+class InvalidCacheKeyError(KilnError):
+    """A string used as a cache key that is not 64 lowercase hex digits (or a prefix of at least a few)."""
 
 
 class CacheEntryNotFoundError(KilnError):

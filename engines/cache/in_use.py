@@ -1,5 +1,5 @@
 """In-use protection: a process that has an entry loaded holds a shared flock on ``<entry>/in_use.lock``
-(``runtime.cache_layout.EntryHold``, which the runtime takes when it loads an engine from the cache).
+(``runtime.cache_hold.EntryHold``, which the runtime takes when it loads an engine from the cache).
 
 Removal (eviction, prune, rm) takes the lock exclusively without blocking and renames the entry away while holding
 it, so an entry some live process holds is never removed, and a holder never ends up holding a removed entry."""
@@ -11,9 +11,9 @@ import os
 import shutil
 from pathlib import Path
 
-from kiln.runtime.cache_layout import IN_USE_LOCK, EntryHold, hold_entry
+from kiln.runtime.cache_hold import IN_USE_LOCK, EntryHold
 
-__all__ = ["EntryHold", "delete_unless_held", "hold_entry", "is_held", "take_out"]
+__all__ = ["EntryHold", "delete_unless_held", "is_held", "take_out"]
 
 
 def is_held(entry_dir: Path) -> bool:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
-from kiln.runtime.cache_layout import InvalidCacheKeyError, is_cache_key
+from kiln.engines.cache.errors import InvalidCacheKeyError
+
+_KEY = re.compile(r"[0-9a-f]{64}")
 
 
 def canonical_json(obj: object) -> bytes:
@@ -16,6 +19,11 @@ def canonical_json(obj: object) -> bytes:
 def engine_key(material: dict) -> str:
     """The cache key of some key material: sha256 hex of its canonical JSON."""
     return hashlib.sha256(canonical_json(material)).hexdigest()
+
+
+def is_cache_key(text: str) -> bool:
+    """Whether ``text`` is a whole cache key: 64 lowercase hex digits."""
+    return _KEY.fullmatch(text) is not None
 
 
 def validate_key(key: str) -> str:

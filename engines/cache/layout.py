@@ -2,6 +2,7 @@
 
     <root>/CACHEDIR.TAG
     <root>/v1/<store>/<key[:2]>/<key>/{manifest.json, in_use.lock, last_used, <payload>/...}
+                                                   (stores: entries/engine, quantized/checkpoint)
     <root>/v1/tmp/<store>.<key>.<pid>.<rand>/      a build in progress (swept once its key lock is free)
     <root>/v1/tmp/trash.<store>.<key>.<rand>/      an entry taken out, deleted once no process holds it
     <root>/v1/quarantine/<store>.<key>.<utc time>/ a corrupt entry moved aside, removed by prune
@@ -16,14 +17,38 @@ import os
 import uuid
 from pathlib import Path
 
-from kiln.runtime.cache_layout import LAYOUT_VERSION
+from kiln.engines.cache.keys import is_cache_key, validate_key
 
+LAYOUT_VERSION = "v1"
+PAYLOADS = {"entries": "engine", "quantized": "checkpoint"}  # each store's payload folder
 MANIFEST = "manifest.json"
 LAST_USED = "last_used"
 CORRUPT_MARK = "corrupt.json"
 CACHEDIR_TAG = (b"Signature: 8a477f597d28d172789f06886806bc55\n"
                 b"# This file is a cache directory tag created by Kiln (engine cache).\n"
                 b"# For information about cache directory tags see https://bford.info/cachedir/\n")
+
+
+def entry_path(root: Path, store: str, key: str) -> Path:
+    """``<root>/v1/<store>/<key[:2]>/<key>``; the key is validated before it touches a path."""
+    return Path(root) / LAYOUT_VERSION / store / validate_key(key)[:2] / key
+
+
+def payload_path(root: Path, store: str, key: str) -> Path:
+    """Where the payload of entry ``key`` of ``store`` is (or would be) under a cache root."""
+    return entry_path(root, store, key) / PAYLOADS[store]
+
+
+def entry_of_payload(payload: Path) -> tuple[Path, str, str] | None:
+    """(cache root, store, key) of a payload folder inside a cache (``<root>/v1/<store>/<key[:2]>/<key>/<payload>``);
+    None for a folder elsewhere."""
+    parts = Path(payload).parts
+    if len(parts) < 6:
+        return None
+    version, store, shard, key, name = parts[-5:]
+    if version != LAYOUT_VERSION or PAYLOADS.get(store) != name or not is_cache_key(key) or key[:2] != shard:
+        return None
+    return Path(*parts[:-5]), store, key
 
 
 def ensure_layout(root: Path) -> Path:

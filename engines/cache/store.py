@@ -21,10 +21,16 @@ from typing import Literal
 
 from filelock import FileLock, Timeout
 
-from kiln.engines.cache.errors import CacheCorruptError, CacheEntryInUseError, CacheEntryNotFoundError
+from kiln.engines.cache.errors import (
+    CacheCorruptError,
+    CacheEntryInUseError,
+    CacheEntryNotFoundError,
+    CacheUsageError,
+    InvalidCacheKeyError,
+)
 from kiln.engines.cache.in_use import delete_unless_held, take_out
-from kiln.engines.cache.keys import canonical_json, engine_key, material_diff, validate_key
-from kiln.engines.cache.layout import CORRUPT_MARK, LAST_USED, MANIFEST, fsync_dir, write_atomic
+from kiln.engines.cache.keys import canonical_json, engine_key, is_cache_key, material_diff, validate_key
+from kiln.engines.cache.layout import CORRUPT_MARK, LAST_USED, MANIFEST, entry_path, fsync_dir, write_atomic
 from kiln.engines.cache.manifest import (
     MANIFEST_VERSION,
     entry_size,
@@ -35,10 +41,10 @@ from kiln.engines.cache.manifest import (
 )
 from kiln.engines.cache.stats import StatsDB
 from kiln.engines.cache.units import iso_utc
-from kiln.runtime.cache_layout import IN_USE_LOCK, is_cache_key
-from kiln.runtime.cache_layout import entry_dir as layout_entry_dir
+from kiln.runtime.cache_hold import IN_USE_LOCK
 
 WAIT_NOTE_EVERY_S = 30.0
+MIN_PREFIX = 4  # hex digits of a key prefix (as git's short hashes)
 
 VerifyOnLoad = Literal["size", "hash"]
 
@@ -108,7 +114,7 @@ class ContentStore:
 
     def entry_dir(self, key: str) -> Path:
         """``<store>/<key[:2]>/<key>``; the key is validated first."""
-        return layout_entry_dir(self.v1.parent, validate_key(key), self.name)
+        return entry_path(self.v1.parent, self.name, key)
 
     def payload_dir(self, key: str) -> Path:
         return self.entry_dir(key) / self.payload_name
@@ -119,12 +125,32 @@ class ContentStore:
 
     def list_keys(self) -> list[str]:
         """Keys of the published entries (sorted)."""
+        return self._keys_under("")
+
+    def _keys_under(self, shard_prefix: str) -> list[str]:
+        """Keys of the published entries in the shards whose names start with ``shard_prefix`` (sorted)."""
         found = []
         for shard in self.dir.iterdir() if self.dir.is_dir() else ():
-            for entry in shard.iterdir() if shard.is_dir() else ():
-                if entry.name.startswith(shard.name) and is_cache_key(entry.name):
-                    found.append(entry.name)
+            if not shard.name.startswith(shard_prefix[:2]) or not shard.is_dir():
+                continue
+            found += [entry.name for entry in shard.iterdir()
+                      if entry.name.startswith(shard.name) and is_cache_key(entry.name)]
         return sorted(found)
+
+    def complete_key(self, prefix: str) -> str:
+        """The one published key that starts with ``prefix`` (at least MIN_PREFIX hex digits, or a whole key), as
+        ``git`` completes a short hash; a missing or ambiguous prefix is an error that says so."""
+        if not (MIN_PREFIX <= len(prefix) <= 64 and all(c in "0123456789abcdef" for c in prefix)):
+            raise InvalidCacheKeyError(f"{prefix!r} is not a cache key or a prefix of one (at least {MIN_PREFIX} "
+                                       f"lowercase hex digits): copy it from `kiln cache ls`")
+        matches = [key for key in self._keys_under(prefix[:2]) if key.startswith(prefix)]
+        if not matches:
+            raise CacheEntryNotFoundError(f"cache key {prefix}: no {self.label} entry under {self.v1.parent}; see "
+                                          f"`kiln cache ls`, or set $KILN_CACHE to the cache that holds it")
+        if len(matches) > 1:
+            raise CacheUsageError(f"cache key prefix {prefix} matches {len(matches)} {self.label} entries "
+                                  f"({', '.join(m[:16] for m in matches[:4])}...): give more of the key")
+        return matches[0]
 
     def read_manifest(self, key: str) -> dict:
         """The manifest of a published entry: CacheEntryNotFoundError without an entry, CacheCorruptError when the

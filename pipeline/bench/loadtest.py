@@ -168,12 +168,12 @@ def _server_for(target: str, api_key: str | None, options: RuntimeOptions):
     if target.startswith(("http://", "https://")):
         yield target, api_key
         return
-    from kiln.pipeline.serve_command import require_serve_extra, resolve_target
+    from kiln.pipeline.serve_command import require_serve_extra, serve_target
 
     require_serve_extra()
     from kiln.runtime.server import ServerThread, create_app
 
-    resolved = resolve_target(target, options)
+    resolved = serve_target(target, options)
     settings = resolved.settings(api_key=api_key)
     llm = resolved.loader(options)()
     try:

@@ -1,0 +1,72 @@
+"""What a command was pointed at: an engine directory, a cached engine by its key or a key prefix, a config (a path
+or a bundled name), or an architecture file. The one resolver behind ``kiln serve``, ``loadtest`` and ``bench``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from kiln.engines.cache import EngineCache
+from kiln.engines.cache.layout import LAYOUT_VERSION, entry_of_payload
+from kiln.engines.cache.store import MIN_PREFIX
+from kiln.pipeline.config import find_config
+from kiln.runtime.engine import is_engine_dir
+from kiln.runtime.errors import KilnError
+
+TargetKind = Literal["engine", "config", "architecture"]
+
+
+class TargetError(KilnError):
+    """A target that is none of the things a command takes."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """``engine``: ``path`` is an engine directory, that of entry ``cache_key`` of the cache at ``cache_root`` when it
+    is a cached one; ``config``: ``path`` is a config file; ``architecture``: a ``config.json``-style file."""
+
+    kind: TargetKind
+    path: Path
+    cache_key: str | None = None
+    cache_root: Path | None = None
+
+    @property
+    def name(self) -> str:
+        """How to call it: the short key of a cached engine, an engine folder's name, or a config's."""
+        if self.cache_key:
+            return self.cache_key[:12]
+        if self.kind == "engine":  # an engine folder named "engine" is named by the folder holding it
+            return self.path.parent.name if self.path.name == "engine" else self.path.name
+        return self.path.stem
+
+
+def resolve_target(text: str, cache_root: Path) -> Target:
+    """``text`` as an engine directory (a cache entry's folder included), a config or architecture file (a path, or
+    a name under the bundled configs), or a key or key prefix of an engine in the cache at ``cache_root``."""
+    path = Path(text).expanduser()
+    for engine_dir in (path, path / "engine"):  # a cache entry's folder holds its engine in engine/
+        if is_engine_dir(engine_dir):
+            return _engine(engine_dir.resolve())
+    if path.is_dir():
+        raise TargetError(f"{text}: not an engine directory (no engine.json or kiln_trtllm.json); pass the engine "
+                          f"directory `kiln build` printed, a cache key, or a config")
+    if (found := find_config(text)) is not None:
+        return Target("architecture" if found.suffix == ".json" else "config", found)
+    if len(text) >= MIN_PREFIX and set(text) <= set("0123456789abcdef"):
+        if not (cache_root / LAYOUT_VERSION).is_dir():
+            raise TargetError(f"cache key {text}: there is no engine cache at {cache_root}; set $KILN_CACHE to the "
+                              f"cache that holds it")
+        store = EngineCache.open_configured(cache_root).entries
+        return _engine(store.payload_dir(store.complete_key(text)))
+    raise TargetError(f"{text}: no such engine directory, config or architecture file, and not a cache key; give "
+                      f"the engine directory `kiln build` printed, a key from `kiln cache ls`, or a config (a path "
+                      f"or a name under configs/, e.g. tiny-llama-fp8.yaml)")
+
+
+def _engine(engine_dir: Path) -> Target:
+    in_cache = entry_of_payload(engine_dir)
+    if in_cache is None or in_cache[1] != "entries":
+        return Target("engine", engine_dir)
+    root, _, key = in_cache
+    return Target("engine", engine_dir, key, root)

@@ -1,0 +1,60 @@
+"""Holding a cached engine while it is loaded: the only cache knowledge the runtime has.
+
+An engine cache entry (``engines.cache``) is a folder with ``in_use.lock`` beside its ``engine/``. A process that
+loads the engine holds a shared flock on that file; removal (eviction, prune, rm) takes it exclusively without
+blocking and renames the entry away while holding it, so an entry a live process holds is never removed, and a
+holder never ends up holding a removed entry (the inode check below catches a removal that raced the open).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from kiln.runtime.errors import KilnError
+
+IN_USE_LOCK = "in_use.lock"
+
+
+class CacheEntryGoneError(KilnError):
+    """The entry was removed (evicted, pruned, replaced) while a process was about to use it."""
+
+
+class EntryHold:
+    """A shared flock on ``<entry>/in_use.lock``: while a process holds it, no eviction removes the entry."""
+
+    def __init__(self, entry: Path) -> None:
+        self.entry_dir = Path(entry)
+        lock = self.entry_dir / IN_USE_LOCK
+        try:
+            self._fd: int | None = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CacheEntryGoneError(f"cache entry {self.entry_dir}: not there (evicted or removed); "
+                                      "build it again") from None
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        try:
+            still_there = os.stat(lock).st_ino == os.fstat(self._fd).st_ino
+        except FileNotFoundError:
+            still_there = False
+        if not still_there:
+            self.release()
+            raise CacheEntryGoneError(f"cache entry {self.entry_dir}: removed while being opened; build it again")
+
+    def release(self) -> None:
+        """Let the entry be evicted again."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> EntryHold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def hold_if_cached(engine_dir: Path) -> EntryHold | None:
+    """Hold the cache entry an engine directory belongs to; None for an engine outside the cache."""
+    entry = Path(engine_dir).parent
+    return EntryHold(entry) if (entry / IN_USE_LOCK).is_file() else None

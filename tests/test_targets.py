@@ -1,0 +1,67 @@
+"""One resolver of what a command is pointed at: engine directory, cache entry, key or key prefix, config name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.engines.cache import EngineCache, engine_key
+from kiln.pipeline.config import CONFIGS_DIR
+from kiln.pipeline.targets import Target, TargetError, resolve_target
+from kiln.runtime.errors import KilnError
+
+
+def publish(cache: EngineCache, name: str, key_prefix: str = "") -> str:
+    """A fake engine entry (an engine.json is all the resolver reads) whose key starts with ``key_prefix``."""
+    salt = 0
+    while not (key := engine_key({"name": name, "salt": salt})).startswith(key_prefix):
+        salt += 1
+
+    def build(tmp):
+        (tmp / "engine.json").write_text(json.dumps({"name": name}))
+        return {}
+
+    cache.entries.get_or_build(key, {"name": name, "salt": salt}, build)
+    return key
+
+
+def test_an_engine_directory_a_cache_entry_a_key_and_a_prefix_resolve_to_the_same_engine(tmp_path):
+    cache = EngineCache.open(tmp_path / "cache")
+    key = publish(cache, "a")
+    engine_dir = cache.entries.payload_dir(key)
+    expected = Target("engine", engine_dir, key, tmp_path / "cache")
+    for text in (str(engine_dir), str(engine_dir.parent), key, key[:4], key[:20]):
+        assert resolve_target(text, tmp_path / "cache") == expected
+    assert expected.name == key[:12]
+
+
+def test_an_engine_outside_the_cache_is_named_by_its_folder(tmp_path):
+    (tmp_path / "my-model" / "engine").mkdir(parents=True)
+    (tmp_path / "my-model" / "engine" / "engine.json").write_text("{}")
+    target = resolve_target(str(tmp_path / "my-model" / "engine"), tmp_path / "no-cache")
+    assert target == Target("engine", (tmp_path / "my-model" / "engine").resolve()) and target.name == "my-model"
+
+
+def test_configs_and_architecture_files_resolve_by_path_or_bundled_name(tmp_path):
+    assert resolve_target("tiny-llama-fp8", tmp_path) == Target("config", CONFIGS_DIR / "tiny-llama-fp8.yaml")
+    assert resolve_target("llama3-8b", tmp_path) == Target("architecture", CONFIGS_DIR / "models" / "llama3-8b.json")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("model:\n  path: x\n")
+    assert resolve_target(str(mine), tmp_path) == Target("config", mine.resolve())
+
+
+def test_an_ambiguous_or_unknown_prefix_and_anything_else_are_refused_saying_what_to_give(tmp_path):
+    cache = EngineCache.open(tmp_path / "cache")
+    first, second = publish(cache, "a", "beef"), publish(cache, "b", "beef")
+    with pytest.raises(KilnError, match="beef matches 2 engine entries"):
+        resolve_target("beef", tmp_path / "cache")
+    assert resolve_target(first[:12], tmp_path / "cache").cache_key == first != second
+    with pytest.raises(KilnError, match="cache key cafe: no engine entry"):
+        resolve_target("cafe", tmp_path / "cache")
+    with pytest.raises(TargetError, match="there is no engine cache at"):
+        resolve_target("cafe", tmp_path / "elsewhere")
+    with pytest.raises(TargetError, match="not an engine directory"):
+        resolve_target(str(tmp_path), tmp_path / "cache")
+    with pytest.raises(TargetError, match="not a cache key; give the engine directory"):
+        resolve_target("no-such-thing.yaml", tmp_path / "cache")
