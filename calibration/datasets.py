@@ -15,7 +15,7 @@ import torch
 
 from kiln.calibration.errors import CalibrationError
 from kiln.calibration.recipe import QuantizeRecipe
-from kiln.calibration.sources import read_documents, resolve_source, source_digest
+from kiln.calibration.sources import RANDOM, RANDOM_SHA256, read_documents, resolve_source, source_digest
 
 ENCODE_BATCH = 64
 
@@ -35,7 +35,16 @@ class CalibrationData:
 
 
 def load_calibration_data(recipe: QuantizeRecipe, tokenizer, dataset_root: Path | None = None) -> CalibrationData:
-    """Read, shuffle (seeded), tokenize and pack the recipe's calibration and held-out text."""
+    """Read, shuffle (seeded), tokenize and pack the recipe's calibration and held-out text; for the "random" source,
+    draw token ids uniformly over the tokenizer's vocabulary (seeded; held-out rows from the next seed)."""
+    if recipe.dataset == RANDOM:
+        def rows(count: int, seed: int) -> torch.Tensor:
+            generator = torch.Generator().manual_seed(seed)
+            return torch.randint(0, len(tokenizer), (count, recipe.seq_len), generator=generator)
+
+        return CalibrationData(calibration=rows(recipe.num_samples, recipe.seed),
+                               heldout=rows(recipe.heldout_samples, recipe.seed + 1),
+                               calibration_sha256=RANDOM_SHA256, heldout_sha256=RANDOM_SHA256)
     source = resolve_source(recipe.dataset, "calibration", dataset_root)
     docs = _shuffled(read_documents(source, recipe.text_field), recipe.seed)
     heldout_tokens = recipe.heldout_samples * recipe.seq_len

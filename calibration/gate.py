@@ -9,18 +9,28 @@ from kiln.calibration.metrics import HeldoutMetrics
 
 @dataclass(frozen=True)
 class GateResult:
+    """The held-out figures and the verdict; ``thresholds`` is None when the recipe applies no gate (``gate: null``),
+    and then the figures are only recorded."""
+
     passed: bool
     metrics: HeldoutMetrics
-    thresholds: dict[str, float]
+    thresholds: dict[str, float] | None
     failures: list[str]
 
+    @property
+    def applied(self) -> bool:
+        return self.thresholds is not None
+
     def as_dict(self) -> dict:
-        return {"passed": self.passed, **self.metrics.as_dict(), "thresholds": dict(self.thresholds),
-                "failures": list(self.failures)}
+        return {"passed": self.passed, "applied": self.applied, **self.metrics.as_dict(),
+                "thresholds": self.thresholds, "failures": list(self.failures)}
 
 
-def check_gate(metrics: HeldoutMetrics, thresholds: dict[str, float]) -> GateResult:
-    """Pass when the perplexity increase and KL are at most, and the top-1 agreement at least, their thresholds."""
+def check_gate(metrics: HeldoutMetrics, thresholds: dict[str, float] | None) -> GateResult:
+    """Pass when the perplexity increase and KL are at most, and the top-1 agreement at least, their thresholds (no
+    thresholds: pass, recording the figures)."""
+    if thresholds is None:
+        return GateResult(passed=True, metrics=metrics, thresholds=None, failures=[])
     failures = []
     if metrics.ppl_increase > thresholds["max_ppl_increase"]:
         failures.append(f"ppl +{metrics.ppl_increase:.2%} > max_ppl_increase {thresholds['max_ppl_increase']:.2%}")

@@ -129,7 +129,7 @@ class _Stage:
         unfused = copy.deepcopy(model)  # TensorRT-LLM's exporter fuses q/k/v itself, from the unfused scales
         fuse_shared_inputs(model)
         metrics = self._timed("gate_s", lambda: runner.with_backoff(lambda: evaluate(model, heldout, f"{fmt} gate")))
-        attempt.gate = check_gate(metrics, self.recipe.gate.for_format(fmt))
+        attempt.gate = check_gate(metrics, self.recipe.gate.for_format(fmt) if self.recipe.gate else None)
         if attempt.gate.passed:
             return attempt, (model, unfused)
         attempt.outcome = "failed the gate: " + "; ".join(attempt.gate.failures)

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kiln.calibration.sources import source_sha256
+from kiln.calibration.sources import RANDOM, source_sha256
 
 Format = Literal["none", "fp8", "int4_awq"]
 
@@ -59,7 +59,8 @@ class QuantizeRecipe(BaseModel):
     tolerance: float = Field(0.1, gt=0)
     patience: int = Field(2, ge=1)
     on_failure: Literal["fail", "warn"] = "fail"
-    gate: GateThresholds = GateThresholds()
+    gate: GateThresholds | None = Field(default_factory=GateThresholds, description="null: measured, not applied "
+                                        "(for checkpoints with no accuracy to keep, such as random weights)")
     fallback: list[Format] = []
 
     @model_validator(mode="after")
@@ -78,6 +79,9 @@ class QuantizeRecipe(BaseModel):
             raise ValueError(f"quantize.fallback repeats {', '.join(repeated)}; list each format once")
         if "none" in self.chain[:-1]:
             raise ValueError("quantize.fallback: 'none' always passes the gate, so it can only come last")
+        if (self.dataset == RANDOM) != (self.heldout == RANDOM):
+            raise ValueError("quantize.dataset and quantize.heldout: random token ids calibrate and check a checkpoint "
+                             "with no text to keep (random weights); set both to random, or neither")
         if self.format == "none" and self.kv_cache_dtype == "fp8":
             raise ValueError("quantize.kv_cache_dtype 'fp8' needs quantize.format fp8 or int4_awq, not 'none'")
         return self
@@ -121,7 +125,7 @@ def recipe_material(recipe: QuantizeRecipe, dataset_root: Path | None = None) ->
             "tolerance": recipe.tolerance,
             "patience": recipe.patience,
             "on_failure": recipe.on_failure,
-            "gate": {f: recipe.gate.for_format(f) for f in calibrated},
+            "gate": {f: recipe.gate.for_format(f) for f in calibrated} if recipe.gate else None,
             "fallback": list(recipe.fallback),
             "modelopt": version("nvidia-modelopt"),
         }

@@ -92,8 +92,8 @@ def summary_line(shipped: Attempt, attempts: list[Attempt], tolerance: float) ->
         parts.append(f"{shipped.verdict} after {len(shipped.rounds)} rounds ({shipped.samples} samples{change}, "
                      f"tolerance {tolerance:.0%});")
         g = shipped.gate
-        parts.append(f"gate passed (ppl {g.metrics.ppl_increase:+.2%}, KL {g.metrics.kl:.2g}, "
-                     f"top-1 {g.metrics.top1_agreement:.2%})")
+        parts.append(f"gate {'passed' if g.applied else 'not applied'} (ppl {g.metrics.ppl_increase:+.2%}, "
+                     f"KL {g.metrics.kl:.2g}, top-1 {g.metrics.top1_agreement:.2%})")
     failed = [a for a in attempts if a is not shipped]
     if failed:
         parts.append("after fallback: " + outcomes_text(failed))

@@ -2,7 +2,8 @@
 
 A source spec is "bundled", a path (a .txt, .jsonl or .parquet file, or a folder of them), or
 "hf:<name>[:<config>[:<split>]]" (the dataset repo's data files of that config folder and split, fetched into the
-Hugging Face cache). Parquet needs pyarrow. This module resolves a spec to files, reads their documents and hashes
+Hugging Face cache); or "random", seeded random token ids and no text at all (``datasets``), for checkpoints with
+random weights. Parquet needs pyarrow. This module resolves a spec to files, reads their documents and hashes
 their bytes; it imports no torch.
 """
 
@@ -18,6 +19,8 @@ from typing import Literal
 from kiln.calibration.errors import CalibrationError
 
 BUNDLED_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny"
+RANDOM = "random"
+RANDOM_SHA256 = hashlib.sha256(b"kiln: seeded random token ids").hexdigest()  # the ids follow from seed and shape
 BUNDLED_FILES = {"calibration": "calibration.jsonl", "heldout": "heldout.jsonl"}
 TEXT_SUFFIXES = (".jsonl", ".txt", ".parquet")
 
@@ -84,7 +87,7 @@ def _download_hf(spec: str, field: str) -> Path:
 
 def source_sha256(spec: str, role: Role, dataset_root: Path | None = None) -> str:
     """sha256 over the bytes of the source's files (and, for a folder, their relative names, in reading order)."""
-    return source_digest(resolve_source(spec, role, dataset_root))
+    return RANDOM_SHA256 if spec == RANDOM else source_digest(resolve_source(spec, role, dataset_root))
 
 
 def source_digest(source: TextSource) -> str:

@@ -35,7 +35,7 @@ CacheDirOpt = Annotated[Path | None, typer.Option(
 ConfigOpt = Annotated[str | None, typer.Option("--config", help="Take the cache root from this config file.")]
 
 PIPE_WIDTH = 240
-_STORE_LABEL = {"entries": "engine", "quantized": "quantized"}
+_STORE_LABEL = {"entries": "engine", "quantized": "quantized", "checkpoints": "generated"}
 
 
 def _open(cache_dir: Path | None, config: str | None) -> EngineCache:
@@ -150,11 +150,12 @@ def stats(
     table.add_row("entries", str(report["entries"]),
                   f"of {report['max_entries']}" if report["max_entries"] is not None else "unbounded")
     table.add_row("evictions", str(report["evictions"]), "")
-    quantized = report["stores"]["quantized"]
-    if quantized["lookups"] or quantized["entries"]:
-        q_rate = f", {quantized['hit_rate']:.1%}" if quantized["hit_rate"] is not None else ""
-        table.add_row("quantized", f"{quantized['hits']}/{quantized['lookups']} hits{q_rate}",
-                      f"{quantized['entries']} checkpoints, {format_bytes(quantized['size_bytes'])}")
+    for name in ("quantized", "checkpoints"):  # the checkpoint stores, when used
+        store = report["stores"][name]
+        if store["lookups"] or store["entries"]:
+            rate = f", {store['hit_rate']:.1%}" if store["hit_rate"] is not None else ""
+            table.add_row(_STORE_LABEL[name], f"{store['hits']}/{store['lookups']} hits{rate}",
+                          f"{store['entries']} checkpoints, {format_bytes(store['size_bytes'])}")
     stdout.print(table, highlight=False)
 
 

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from kiln.calibration.recipe import QuantizeRecipe
+from kiln.calibration.sources import RANDOM
 from kiln.engines.trtllm.options import GEMM_PLUGINS, KV_CACHE_TYPES, LOG_LEVELS, PLUGIN_DTYPES
 from kiln.pipeline.yaml_source import ConfigError, line_of, load_yaml_with_lines
 from kiln.runtime.plan import BuildPlan
@@ -171,7 +172,7 @@ def _absolutise_paths(data: dict, base: Path) -> None:
     if isinstance(quantize, dict):
         for field in ("dataset", "heldout"):
             value = quantize.get(field)
-            if isinstance(value, str) and value != "bundled" and not value.startswith("hf:"):
+            if isinstance(value, str) and value not in ("bundled", RANDOM) and not value.startswith("hf:"):
                 quantize[field] = str((base / value).expanduser().resolve())
     cache = data.get("cache")
     if isinstance(cache, dict) and isinstance(cache.get("dir"), str) and not cache["dir"].startswith(("/", "~")):

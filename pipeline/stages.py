@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from kiln.calibration.layout import QuantizedCheckpoint
 from kiln.calibration.recipe import recipe_material
 from kiln.engines.cache import EngineCache, EntryHold, LookupResult, engine_key
-from kiln.engines.cache.layout import payload_path
+from kiln.engines.cache.layout import entry_of_payload, payload_path
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import KilnConfig, LoadedConfig
 from kiln.pipeline.key_material import engine_material, quantized_material
@@ -85,6 +85,16 @@ class BuildContext:
     def quantized_material(self) -> dict:
         return quantized_material(self.checkpoint_hash, self.recipe_material, self.choice.device,
                                   self.calibration_dtype)
+
+    @property
+    def model_name(self) -> str:
+        """How cache listings name the model: its folder's name, or the name a checkpoint generated into the cache
+        (``kiln bench``'s random weights) was stored under."""
+        in_cache = entry_of_payload(self.model_dir)
+        if in_cache is None or self.cache is None:
+            return self.model_dir.name
+        _, store, key = in_cache
+        return self.cache.stores[store].read_manifest(key).get("describe", {}).get("model", self.model_dir.name)
 
     @property
     def load_options(self) -> RuntimeOptions:
@@ -160,7 +170,7 @@ class QuantizeStage:
         from kiln.calibration.quantize import quantize_checkpoint
 
         material = ctx.quantized_material()
-        describe = {"model": ctx.model_dir.name, "format": ctx.config.quantize.format, "backend": "-", "gpu": "-"}
+        describe = {"model": ctx.model_name, "format": ctx.config.quantize.format, "backend": "-", "gpu": "-"}
 
         def build(tmp: Path) -> dict:
             report = quantize_checkpoint(ctx.model_dir, ctx.config.quantize, tmp, device=ctx.choice.device,
@@ -211,7 +221,7 @@ class BuildStage:
     def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
         trtllm = ctx.choice.backend == "trtllm"
         build = self._trtllm_build(ctx, progress) if trtllm else self._native_build(ctx, progress)
-        describe = {"model": ctx.model_dir.name, "format": _shipped_format(ctx), "backend": ctx.choice.backend,
+        describe = {"model": ctx.model_name, "format": _shipped_format(ctx), "backend": ctx.choice.backend,
                     "gpu": ctx.material["hardware"]["gpu_name"] or "cpu"}
         result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
                                                  describe=describe, on_wait=lambda msg: progress(msg, 0.0))

@@ -80,5 +80,6 @@ def print_quantize(result: dict) -> None:
 
 def _gate_text(gate: dict) -> str:
     """``passed: ppl +0.02%, KL 4.6e-05, top-1 99.5%`` (FAILED when it failed)."""
-    return (f"{'passed' if gate.get('passed') else 'FAILED'}: ppl {_fmt(_pct(gate.get('ppl_increase')), '+.2f')}%, "
+    verdict = "not applied" if gate.get("applied") is False else "passed" if gate.get("passed") else "FAILED"
+    return (f"{verdict}: ppl {_fmt(_pct(gate.get('ppl_increase')), '+.2f')}%, "
             f"KL {_fmt(gate.get('kl'), '.2g')}, top-1 {_fmt(_pct(gate.get('top1_agreement')), '.1f')}%")

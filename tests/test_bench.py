@@ -10,8 +10,11 @@ import torch
 import typer
 from typer.testing import CliRunner
 
+from kiln.engines.cache import EngineCache
+from kiln.engines.cache.inspect import ls_entries
 from kiln.pipeline.bench.command import bench
 from kiln.pipeline.bench.floor import decode_step_bytes, nominal_gbs, tensor_bytes
+from kiln.pipeline.config import load_config
 
 FIGURES = ("output_tokens_per_s", "decode_tokens_per_s_batch1", "ttft_ms", "load_ms")
 SMALL = ["--prompts", "4", "--input-len", "16", "--output-len", "6"]
@@ -114,6 +117,9 @@ def test_architecture_file_is_benchmarked_with_random_weights_and_cached(tmp_pat
     assert first["floor"]["embedding_bytes_excluded"] == 512 * 128 * 2
     again = bench_json(str(arch), *SMALL, "--batch-1", "--bandwidth-gbs", "10")
     assert again["kiln"]["cache_hit"] and again["kiln"]["engine_key"] == first["kiln"]["engine_key"]
+    rows = ls_entries(EngineCache.open_configured(kiln_cache))  # the random weights are a cache entry of their own
+    assert sorted((r["store"], r["format"]) for r in rows if r["model"] == "tiny-arch") == [
+        ("checkpoints", "bf16 random"), ("entries", "none")]
     assert again["peer"] is None and again["speedup_vs_peer"] is None
 
 
@@ -121,6 +127,9 @@ def test_fp8_architecture_builds_from_a_modelopt_max_calibrated_checkpoint(tmp_p
     arch = write_architecture(tmp_path / "tiny-fp8.json", tie_word_embeddings=True)
     report = bench_json(str(arch), *SMALL, "--batch-1", "--format", "fp8", "--bandwidth-gbs", "10")
     assert report["kiln"]["quantization"].startswith("fp8") and "modelopt (max)" in report["kiln"]["quantization"]
+    assert "one round, no accuracy gate" in report["kiln"]["quantization"]
+    config = load_config(report["config"]).config  # generated from the config model, quantized by the pipeline
+    assert (config.quantize.dataset, config.quantize.gate, config.quantize.format) == ("random", None, "fp8")
     step = decode_step_bytes(Path(report["kiln"]["engine_dir"]), 16, 6)
     assert step["embedding_bytes_excluded"] == 0  # tied: the embedding is the LM head, streamed every step
     fp8_kv = bench_json(str(arch), *SMALL, "--batch-1", "--format", "fp8", "--kv-cache-dtype", "fp8",
@@ -170,8 +179,7 @@ def test_8b_architecture_is_refused_on_a_cpu_only_machine(monkeypatch, kiln_cach
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, _, err = run_bench("configs/models/llama3-8b.json")
     assert code == 2 and "8.0B parameters is too big" in err and "--allow-large" in err
-    assert not (kiln_cache / "bench" / "checkpoints").exists() or not any(
-        p.name.startswith("llama3-8b") for p in (kiln_cache / "bench" / "checkpoints").iterdir())
+    assert "llama3-8b" not in {row["model"] for row in ls_entries(EngineCache.open_configured(kiln_cache))}
 
 
 def test_nominal_bandwidth_of_known_gpus():

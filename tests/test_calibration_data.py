@@ -91,3 +91,15 @@ def test_unreachable_hub_dataset_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(CalibrationError, match="cannot fetch Hugging Face dataset 'nobody/nothing'"):
         resolve_source("hf:nobody/nothing:cfg", "calibration")
+
+
+def test_random_token_ids_are_seeded_rows_over_the_vocabulary_with_their_own_heldout_rows(tokenizer):
+    recipe = QuantizeRecipe(format="fp8", dataset="random", heldout="random", num_samples=6, round_samples=6,
+                            heldout_samples=3, seq_len=16, seed=4)
+    data = load_calibration_data(recipe, tokenizer)
+    assert data.calibration.shape == (6, 16) and data.heldout.shape == (3, 16)
+    assert int(data.calibration.min()) >= 0 and int(data.calibration.max()) < len(tokenizer)
+    assert torch.equal(load_calibration_data(recipe, tokenizer).calibration, data.calibration)
+    assert not torch.equal(data.heldout, data.calibration[:3])
+    assert not torch.equal(load_calibration_data(recipe.model_copy(update={"seed": 5}), tokenizer).calibration,
+                           data.calibration)

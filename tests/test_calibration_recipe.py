@@ -74,3 +74,22 @@ def test_relative_dataset_paths_resolve_against_the_dataset_root(tmp_path):
     write_jsonl(tmp_path / "calib.jsonl", corpus(5))
     material = recipe_material(QuantizeRecipe(format="fp8", dataset="calib.jsonl"), dataset_root=tmp_path)
     assert len(material["dataset_sha256"]) == 64
+
+
+def test_random_data_is_for_both_sets_or_neither_and_a_null_gate_is_measured_not_applied():
+    with pytest.raises(ValidationError, match="set both to random, or neither"):
+        QuantizeRecipe(format="fp8", dataset="random")
+    recipe = QuantizeRecipe(format="fp8", dataset="random", heldout="random", gate=None)
+    material = recipe_material(recipe)
+    assert material["gate"] is None and material["dataset_sha256"] == material["heldout_sha256"]
+    assert recipe_material(QuantizeRecipe(format="fp8", dataset="random", heldout="random"))["gate"] is not None
+
+
+def test_a_gate_without_thresholds_passes_and_says_it_was_not_applied():
+    from kiln.calibration.gate import check_gate
+    from kiln.calibration.metrics import HeldoutMetrics
+
+    metrics = HeldoutMetrics(kl=4.0, top1_agreement=0.1, ppl=9.0, reference_ppl=2.0, ppl_increase=3.5, output_mae=1.0)
+    result = check_gate(metrics, None)
+    assert result.passed and not result.applied and result.as_dict()["applied"] is False
+    assert not check_gate(metrics, {"max_ppl_increase": 0.1, "max_kl": 0.1, "min_top1_agreement": 0.9}).passed

@@ -16,7 +16,8 @@ LIMITS_FILE = "limits.json"
 
 
 class EngineCache:
-    """``entries`` holds engines (payload ``engine/``), ``quantized`` holds quantized checkpoints (``checkpoint/``).
+    """``entries`` holds engines (payload ``engine/``), ``quantized`` holds quantized checkpoints (``checkpoint/``),
+    ``checkpoints`` holds generated Hugging Face checkpoints (``hf/``: ``kiln bench``'s random weights).
 
     Limits (``max_size_bytes``, ``max_entries``) bound the whole root and are enforced before every build and
     after every publish; ``open`` records them in ``v1/limits.json`` so inspection commands can report them."""
@@ -33,6 +34,9 @@ class EngineCache:
         self.quantized = ContentStore(self.v1, "quantized", PAYLOADS["quantized"], self.stats,
                                       label="quantized checkpoint", verify_on_load=verify_on_load,
                                       enforce_limits=self._enforce_limits)
+        self.checkpoints = ContentStore(self.v1, "checkpoints", PAYLOADS["checkpoints"], self.stats,
+                                        label="generated checkpoint", verify_on_load=verify_on_load,
+                                        enforce_limits=self._enforce_limits)
 
     @classmethod
     def open(cls, root: Path, *, max_size_bytes: int | None = None, max_entries: int | None = None,
@@ -56,7 +60,7 @@ class EngineCache:
 
     @property
     def stores(self) -> dict[str, ContentStore]:
-        return {"entries": self.entries, "quantized": self.quantized}
+        return {"entries": self.entries, "quantized": self.quantized, "checkpoints": self.checkpoints}
 
     def find(self, key: str) -> ContentStore:
         """The store that holds ``key`` (validated); CacheEntryNotFoundError when none does."""

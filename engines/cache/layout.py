@@ -2,7 +2,7 @@
 
     <root>/CACHEDIR.TAG
     <root>/v1/<store>/<key[:2]>/<key>/{manifest.json, in_use.lock, last_used, <payload>/...}
-                                                   (stores: entries/engine, quantized/checkpoint)
+                          (stores: entries/engine, quantized/checkpoint, checkpoints/hf: generated ones)
     <root>/v1/tmp/<store>.<key>.<pid>.<rand>/      a build in progress (swept once its key lock is free)
     <root>/v1/tmp/trash.<store>.<key>.<rand>/      an entry taken out, deleted once no process holds it
     <root>/v1/quarantine/<store>.<key>.<utc time>/ a corrupt entry moved aside, removed by prune
@@ -20,7 +20,7 @@ from pathlib import Path
 from kiln.engines.cache.keys import is_cache_key, validate_key
 
 LAYOUT_VERSION = "v1"
-PAYLOADS = {"entries": "engine", "quantized": "checkpoint"}  # each store's payload folder
+PAYLOADS = {"entries": "engine", "quantized": "checkpoint", "checkpoints": "hf"}  # each store's payload folder
 MANIFEST = "manifest.json"
 LAST_USED = "last_used"
 CORRUPT_MARK = "corrupt.json"

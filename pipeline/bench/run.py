@@ -9,27 +9,26 @@ from pathlib import Path
 
 import torch
 
+from kiln.engines.cache import EngineCache
 from kiln.pipeline.bench.common import free_memory
 from kiln.pipeline.bench.floor import decode_step_bytes, floor_tokens_per_s, resolve_bandwidth
 from kiln.pipeline.bench.measure import Workload, measure_kiln
 from kiln.pipeline.bench.report import speedups
 from kiln.pipeline.bench.target import (
-    CALIB_BATCHES,
     CALIB_LEN,
-    CALIB_METHODS,
-    CALIB_ROWS,
+    CALIB_SAMPLES,
     BenchPlan,
     BenchTargetError,
-    Target,
     bench_config,
     check_config_holds,
     check_fits_machine,
-    quantized_checkpoint,
     random_checkpoint,
     read_architecture_file,
-    resolve_target,
+    write_config,
 )
+from kiln.pipeline.config import cache_root
 from kiln.pipeline.console import stderr
+from kiln.pipeline.targets import Target, resolve_target
 from kiln.runtime.options import RuntimeOptions
 
 __all__ = ["BenchPlan", "run_bench"]
@@ -46,7 +45,7 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
     and the peer, and return the report."""
     from kiln.runtime.native.engine_format import EngineConfig
 
-    resolved = resolve_target(target)
+    resolved = resolve_target(target, cache_root())
     config_path, peer_checkpoint, weights_note = _bench_config(resolved, plan, fmt=fmt, kv_cache_dtype=kv_cache_dtype,
                                                                allow_large=allow_large, seed=seed)
     ctx, build = _build_engine(config_path, options)
@@ -95,29 +94,33 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
     }
 
 
-def _bench_config(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
+def _bench_config(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
                   seed: int) -> tuple[Path, Path | None, str | None]:
     """The config to build, the peer's checkpoint when it is not the config's model, and what the weights are."""
-    if resolved.kind == "config":
+    if target.kind == "engine":
+        raise BenchTargetError(f"{target.path}: kiln bench measures a config or an architecture file against a peer "
+                               f"that needs the checkpoint; give the config the engine was built from")
+    if target.kind == "config":
         if fmt is not None:
-            raise BenchTargetError(f"--format applies to architecture files; {resolved.path.name} sets its own "
+            raise BenchTargetError(f"--format applies to architecture files; {target.path.name} sets its own "
                                    "quantize.format")
-        check_config_holds(resolved.path, plan)
-        return resolved.path, None, None
-    arch = read_architecture_file(resolved.path)
+        check_config_holds(target.path, plan)
+        return target.path, None, None
+    arch = read_architecture_file(target.path)
     cuda = torch.cuda.is_available()
-    check_fits_machine(resolved.path, arch, cuda=cuda, allow_large=allow_large)
-    device = "cuda" if cuda else "cpu"
-    hf_dir = random_checkpoint(resolved.path, arch, seed=seed, device=device, progress=_progress)
-    note = f"random bf16 weights (seed {seed}) for {resolved.path.name}"
-    checkpoint = hf_dir
-    if fmt in CALIB_METHODS:
-        checkpoint = quantized_checkpoint(hf_dir, fmt, device=device, seed=seed, kv_cache_dtype=kv_cache_dtype,
-                                          progress=_progress)
+    check_fits_machine(target.path, arch, cuda=cuda, allow_large=allow_large)
+    cache = EngineCache.open_configured(cache_root())
+    hf_dir = random_checkpoint(cache, target.path, arch, seed=seed, device="cuda" if cuda else "cpu",
+                               progress=_progress)
+    note = f"random bf16 weights (seed {seed}) for {target.path.name}"
+    fmt = fmt or "none"
+    config = bench_config(hf_dir, plan, arch, fmt=fmt, kv_cache_dtype=kv_cache_dtype, seed=seed)
+    if fmt != "none":
         kv = " with an FP8 KV cache" if kv_cache_dtype == "fp8" else ""
-        note += (f", quantized to {fmt}{kv} by modelopt ({CALIB_METHODS[fmt]}) on {CALIB_BATCHES} random batches of "
-                 f"{CALIB_ROWS}x{CALIB_LEN} token ids (no convergence rounds, no accuracy gate)")
-    return bench_config(checkpoint, plan, arch, note), hf_dir, note
+        method = "max" if fmt == "fp8" else config.quantize.algorithm
+        note += (f", quantized to {fmt}{kv} by modelopt ({method}) in kiln's quantize stage on {CALIB_SAMPLES} "
+                 f"random sequences of {CALIB_LEN} token ids (one round, no accuracy gate)")
+    return write_config(config, note), hf_dir, note
 
 
 def _build_engine(config_path: Path, options: RuntimeOptions):

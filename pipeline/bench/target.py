@@ -1,30 +1,30 @@
 """What ``kiln bench`` measures: a config's engine, or an architecture file instantiated with random weights.
 
 An architecture file (a Hugging Face ``config.json``, e.g. ``configs/models/llama3-8b.json``) becomes a seeded
-random-weight bf16 checkpoint under ``<cache root>/bench/`` (written once, to a temporary folder, then renamed), with
-a word-level tokenizer over its whole vocabulary, and a generated config whose build plan fits the run. ``--format
-fp8`` / ``int4_awq`` quantize that checkpoint with modelopt (FP8 max calibration, INT4 AWQ-lite) on a few batches of
-random token ids: no convergence rounds and no accuracy gate (there is no accuracy to keep in random weights), and
-the output says so.
+random-weight bf16 checkpoint with a word-level tokenizer over its whole vocabulary, made once and kept in the engine
+cache's ``checkpoints`` store; then a config (built from the config model, written under ``<cache root>/bench/``)
+whose build plan fits the run takes it through the pipeline like any other. ``--format fp8`` / ``int4_awq`` quantize
+it in the quantize stage, on random token ids (``quantize.dataset: random``) in one round and without the accuracy
+gate (there is no accuracy to keep in random weights), and the output says so.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
+from kiln.calibration.recipe import QuantizeRecipe
+from kiln.calibration.sources import RANDOM
+from kiln.engines.cache import EngineCache, engine_key
 from kiln.engines.cache.layout import write_atomic
-from kiln.pipeline.bench.common import free_memory
-from kiln.pipeline.config import CONFIGS_DIR, CacheSection, load_config
+from kiln.pipeline.config import BuildSection, CacheSection, KilnConfig, ModelSection, cache_root, load_config
+from kiln.pipeline.key_material import KEY_SCHEMA
 from kiln.runtime.errors import KilnError
 
 ARCH_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
@@ -32,8 +32,7 @@ ARCH_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_a
 CPU_MAX_PARAMS = 2 * 10**9  # above this a CPU-only machine is refused without --allow-large
 SHARD_BYTES = 2 * 10**9
 CHECKPOINT_VERSION = 1  # bump when the random checkpoint's bytes change for the same inputs
-CALIB_BATCHES, CALIB_ROWS, CALIB_LEN = 4, 4, 128  # the random token batches that calibrate a quantized checkpoint
-CALIB_METHODS = {"fp8": "max", "int4_awq": "awq_lite"}  # modelopt's algorithm per format
+CALIB_SAMPLES, CALIB_LEN, HELDOUT_SAMPLES = 16, 128, 4  # the random token rows that calibrate a quantized checkpoint
 MAX_BENCH_BATCH = 512  # the generated plan's max_batch_size: all --prompts in flight, up to this
 MAX_NUM_TOKENS = 8192  # the generated plan's token budget per step (at least --input-len)
 BLOCK = 32  # tokens per KV block: the decode attention kernel is ~1.5x slower over 16-token blocks on an H200
@@ -46,39 +45,12 @@ class BenchTargetError(KilnError):
 
 
 @dataclass(frozen=True)
-class Target:
-    """A resolved TARGET: ``kind`` is "config" or "architecture"."""
-
-    kind: str
-    path: Path
-
-
-@dataclass(frozen=True)
 class BenchPlan:
     """The run's sizes, which a generated config's build plan must hold."""
 
     prompts: int
     input_len: int
     output_len: int
-
-
-def resolve_target(target: str) -> Target:
-    """A path as given, or a bare name under configs/ or configs/models/ (with or without .yaml / .json)."""
-    path = Path(target).expanduser()
-    candidates = [path]
-    if path.parent == Path("."):
-        candidates += [d / f"{path.name}{suffix}" for d in (CONFIGS_DIR, CONFIGS_DIR / "models")
-                       for suffix in ("", ".yaml", ".yml", ".json")]
-    found = next((c for c in candidates if c.is_file()), None)
-    if found is None:
-        raise BenchTargetError(f"{target}: no such config or architecture file; give a config (a path or a name under "
-                               f"configs/, e.g. tiny-llama-bf16.yaml) or an architecture file "
-                               f"(configs/models/llama3-8b.json)")
-    if found.suffix in (".yaml", ".yml"):
-        return Target("config", found.resolve())
-    if found.suffix == ".json":
-        return Target("architecture", found.resolve())
-    raise BenchTargetError(f"{found}: neither a config (.yaml) nor an architecture file (.json); give one of those")
 
 
 def read_architecture_file(path: Path) -> dict:
@@ -136,84 +108,59 @@ def check_fits_machine(path: Path, cfg: dict, *, cuda: bool, allow_large: bool) 
 
 
 def bench_root() -> Path:
-    """Where random checkpoints and generated configs live: ``<cache root>/bench`` ($KILN_CACHE or ~/.cache/kiln)."""
-    return CacheSection().root() / "bench"
+    """Where generated configs live: ``<cache root>/bench`` ($KILN_CACHE or ~/.cache/kiln)."""
+    return cache_root() / "bench"
 
 
-def random_checkpoint(arch_path: Path, cfg: dict, *, seed: int, device: str, progress: Progress) -> Path:
-    """The seeded random-weight bf16 checkpoint of ``cfg`` (made once per architecture, seed and device)."""
-    material = {"architecture": cfg, "seed": seed, "dtype": "bfloat16", "generator": torch.device(device).type,
-                "version": CHECKPOINT_VERSION}
-    digest = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
-    final = bench_root() / "checkpoints" / f"{arch_path.stem}-seed{seed}-{digest}" / "hf"
-    if (final / "config.json").is_file():
-        return final
-    progress(f"writing random-weight checkpoint ({_human_params(param_count(cfg))} parameters, seed {seed}) to "
-             f"{final}")
-    with _publishing(final) as tmp:
+def random_checkpoint(cache: EngineCache, arch_path: Path, cfg: dict, *, seed: int, device: str,
+                      progress: Progress) -> Path:
+    """The seeded random-weight bf16 checkpoint of ``cfg``, made once per architecture, seed and kind of device (the
+    generator's numbers differ between CPU and CUDA) and kept in the cache's ``checkpoints`` store."""
+    material = {"key_schema": KEY_SCHEMA, "kind": "random_checkpoint", "architecture": cfg, "seed": seed,
+                "dtype": "bfloat16", "generator": torch.device(device).type, "version": CHECKPOINT_VERSION}
+
+    def build(tmp: Path) -> dict:
+        progress(f"writing a random-weight checkpoint ({_human_params(param_count(cfg))} parameters, seed {seed})")
         _write_random_weights(tmp, cfg, seed, device)
         (tmp / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}, indent=2, sort_keys=True) + "\n")
         _write_word_level_tokenizer(tmp, cfg)
-    return final
+        return {"seed": seed, "architecture_file": str(arch_path)}
+
+    describe = {"model": arch_path.stem, "format": "bf16 random", "backend": "-", "gpu": "-"}
+    return cache.checkpoints.get_or_build(engine_key(material), material, build, describe=describe,
+                                          on_wait=progress).payload_dir
 
 
-def quantized_checkpoint(hf_dir: Path, fmt: str, *, device: str, seed: int, progress: Progress,
-                         kv_cache_dtype: str = "auto") -> Path:
-    """``hf_dir`` quantized to ``fmt`` (fp8 or int4_awq) by modelopt over random token batches, next to it; with
-    ``kv_cache_dtype`` fp8 the KV cache is calibrated to FP8 too."""
-    method = CALIB_METHODS[fmt]
-    kv = "-kvfp8" if kv_cache_dtype == "fp8" else ""
-    final = hf_dir.parent / f"{fmt.replace('_', '-')}-{method.replace('_', '-')}-random{CALIB_BATCHES}x{CALIB_ROWS}" \
-        f"x{CALIB_LEN}{kv}"
-    if (final / "hf_quant_config.json").is_file():
-        return final
-    progress(f"quantizing to {fmt} with modelopt ({method} on {CALIB_BATCHES} random token batches)")
-    from transformers import AutoModelForCausalLM
-
-    from kiln.calibration.export import export_hf
-    from kiln.calibration.modelopt_quantize import mtq, quant_config, quiet
-
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
-    vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(seed + 1)
-    batches = [torch.randint(0, vocab, (CALIB_ROWS, CALIB_LEN), generator=generator) for _ in range(CALIB_BATCHES)]
-
-    def forward_loop(m) -> None:
-        with torch.no_grad():
-            for batch in batches:
-                m(input_ids=batch.to(device))
-
-    with _publishing(final) as tmp, quiet([]):
-        tmp.rmdir()  # modelopt's exporter creates it
-        mtq.quantize(model, quant_config(fmt, method, kv_cache_dtype), forward_loop)
-        export_hf(model, hf_dir, tmp, torch.bfloat16)
-    del model
-    free_memory(device)  # the quantized copy leaves the GPU before the engine is built and loaded
-    return final
-
-
-def bench_config(checkpoint_dir: Path, plan: BenchPlan, cfg: dict, note: str) -> Path:
-    """A generated config for ``checkpoint_dir`` whose build plan holds the run (format none: the checkpoint is
-    built as it is, quantized or not)."""
+def bench_config(checkpoint_dir: Path, plan: BenchPlan, cfg: dict, *, fmt: str, kv_cache_dtype: str,
+                 seed: int) -> KilnConfig:
+    """The config that builds ``checkpoint_dir`` for the run: a build plan that holds it and, for a quantized
+    ``fmt``, calibration on random token ids in one round without the accuracy gate."""
     max_seq_len = -(-(plan.input_len + plan.output_len) // BLOCK) * BLOCK
     if max_seq_len > cfg["max_position_embeddings"]:
         raise BenchTargetError(f"--input-len {plan.input_len} + --output-len {plan.output_len} exceeds the "
                                f"architecture's max_position_embeddings ({cfg['max_position_embeddings']}); "
                                "shorten them")
-    max_num_tokens = max(plan.input_len, min(MAX_NUM_TOKENS, plan.prompts * plan.input_len))
-    build = {"max_batch_size": min(plan.prompts, MAX_BENCH_BATCH), "max_input_len": plan.input_len,
-             "max_seq_len": max_seq_len, "max_num_tokens": max_num_tokens, "tokens_per_block": BLOCK}
-    text = "\n".join([
-        f"# Generated by kiln bench: {note}.",
-        "model:", f"  path: {json.dumps(str(checkpoint_dir))}", "  dtype: bfloat16",
-        "quantize:", "  format: none",
-        "build:", "  backend: native", *(f"  {k}: {v}" for k, v in build.items()),
-        "cache:", f"  dir: {json.dumps(str(bench_root().parent))}", "",
-    ])
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    path = checkpoint_dir.parent / f"bench-{checkpoint_dir.name}-{digest}.yaml"
+    quantize = QuantizeRecipe(format=fmt)
+    if fmt != "none":
+        quantize = QuantizeRecipe(format=fmt, kv_cache_dtype=kv_cache_dtype, dataset=RANDOM, heldout=RANDOM,
+                                  num_samples=CALIB_SAMPLES, round_samples=CALIB_SAMPLES,
+                                  heldout_samples=HELDOUT_SAMPLES, seq_len=CALIB_LEN, seed=seed, on_failure="warn",
+                                  gate=None)
+    build = BuildSection(backend="native", max_batch_size=min(plan.prompts, MAX_BENCH_BATCH),
+                         max_input_len=plan.input_len, max_seq_len=max_seq_len,
+                         max_num_tokens=max(plan.input_len, min(MAX_NUM_TOKENS, plan.prompts * plan.input_len)),
+                         tokens_per_block=BLOCK)
+    return KilnConfig(model=ModelSection(path=str(checkpoint_dir), dtype="bfloat16"), quantize=quantize,
+                      build=build, cache=CacheSection(dir=str(cache_root())))
+
+
+def write_config(config: KilnConfig, note: str) -> Path:
+    """Write a generated config under ``bench_root()`` (named by its content, written once) and return its path."""
+    text = f"# Generated by kiln bench: {note}.\n" + yaml.safe_dump(
+        config.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+    path = bench_root() / f"bench-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
     if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, text.encode())
     return path
 
@@ -227,24 +174,6 @@ def check_config_holds(config_path: Path, plan: BenchPlan) -> None:
     if plan.input_len + plan.output_len > build.max_seq_len:
         raise BenchTargetError(f"{config_path}: --input-len {plan.input_len} + --output-len {plan.output_len} exceeds "
                                f"build.max_seq_len ({build.max_seq_len}); shorten them or raise the config's limit")
-
-
-@contextmanager
-def _publishing(final: Path) -> Iterator[Path]:
-    """Yield a temporary folder next to ``final``; rename it into place when the block succeeds."""
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if not tmp.is_dir():
-            raise RuntimeError(f"{tmp} vanished before publishing")
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another run published it first: theirs is the same bytes
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_random_weights(out: Path, cfg: dict, seed: int, device: str) -> None:
