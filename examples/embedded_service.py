@@ -1,7 +1,7 @@
 """Embed Kiln's runtime in your own Python service: an async web app and a background worker share one engine.
 
-    python examples/embedded_service.py ENGINE_DIR_OR_CACHE_KEY            # serve on 127.0.0.1:8080 until Ctrl-C
-    python examples/embedded_service.py ENGINE_DIR_OR_CACHE_KEY --self-test  # run a few calls of each kind, exit
+    python examples/embedded_service.py ENGINE_DIR              # serve on 127.0.0.1:8080 until Ctrl-C
+    python examples/embedded_service.py ENGINE_DIR --self-test  # run a few calls of each kind, exit
 
 One `LLM` is loaded per process. Its engine thread batches every caller's requests together (in-flight
 batching), whether they come from asyncio handlers (`generate_async`, `stream`) or from plain threads
@@ -123,7 +123,7 @@ def self_test(app: FastAPI, worker: Worker) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("engine", help="an engine directory or a cache key")
+    parser.add_argument("engine", help="an engine directory (the one `kiln build` printed)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--self-test", action="store_true", help="call every route once, print, and exit")
     args = parser.parse_args()

@@ -1,26 +1,55 @@
-"""The installed distribution is one package, ``kiln``: every folder of Kiln's code is one of its subpackages."""
+"""The installed distribution is one package, ``kiln``: every folder of Kiln's code is one of its subpackages, and the
+bundled configs, tiny model and calibration data travel with it."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
+
+import pytest
 
 from tests.subprocess_env import REPO
 
 LAYERS = ("runtime", "engines", "calibration", "pipeline")
+BUNDLED = ("kiln/configs/tiny-llama-fp8.yaml", "kiln/configs/models/llama3-8b.json",
+           "kiln/models/tiny-llama/model.safetensors", "kiln/models/tiny-llama/tokenizer.json",
+           "kiln/data/tiny/calibration.jsonl", "kiln/data/tiny/heldout.jsonl",
+           "kiln/engines/trtllm/contract/trtllm-1.2.1.json")
 
 
 def test_every_code_folder_is_a_listed_subpackage_of_kiln():
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     folders = {"kiln"} | {"kiln." + ".".join(init.parent.relative_to(REPO).parts)
                           for layer in LAYERS for init in (REPO / layer).rglob("__init__.py")}
+    code_packages = {name for name in setuptools["packages"] if name.split(".")[:2] != ["kiln", "configs"]
+                     and name not in ("kiln.models", "kiln.data.tiny")}
     assert setuptools["package-dir"] == {"kiln": "."}
-    assert sorted(setuptools["packages"]) == sorted(folders)
+    assert code_packages == folders
 
 
-def test_bundled_configs_model_and_data_are_package_data():
-    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kiln"]
-    shipped = {path.relative_to(REPO) for pattern in patterns for path in REPO.glob(pattern) if path.is_file()}
-    for needed in ("configs/tiny-llama-fp8.yaml", "configs/models/llama3-8b.json",
-                   "models/tiny-llama/model.safetensors", "models/tiny-llama/tokenizer.json",
-                   "data/tiny/calibration.jsonl", "data/tiny/heldout.jsonl"):
-        assert REPO / needed in {REPO / p for p in shipped}, needed
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> zipfile.ZipFile:
+    pytest.importorskip("setuptools")
+    source = tmp_path_factory.mktemp("source")  # a copy, so the build leaves nothing in the checkout
+    for name in ("pyproject.toml", "README.md", "__init__.py", "__main__.py", *LAYERS, "configs", "models", "data"):
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
+        copy(REPO / name, source / name)
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+                    str(source)], check=True, capture_output=True)
+    return zipfile.ZipFile(next(out.glob("kiln-*.whl")))
+
+
+def test_the_wheel_installs_kiln_and_no_other_top_level_name(wheel):
+    names = wheel.namelist()
+    assert {name.split("/")[0] for name in names} == {"kiln", next(n for n in names if ".dist-info/" in n).split("/")[0]}
+    assert "kiln/runtime/llm.py" in names and "kiln/__main__.py" in names
+    entry_points = wheel.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "kiln = kiln.pipeline.cli:main" in entry_points
+
+
+def test_the_wheel_carries_the_bundled_configs_model_and_calibration_data(wheel):
+    assert set(BUNDLED) <= set(wheel.namelist())
