@@ -45,7 +45,8 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 
 def test_the_wheel_installs_kiln_and_no_other_top_level_name(wheel):
     names = wheel.namelist()
-    assert {name.split("/")[0] for name in names} == {"kiln", next(n for n in names if ".dist-info/" in n).split("/")[0]}
+    dist_info = next(n for n in names if ".dist-info/" in n).split("/")[0]
+    assert {name.split("/")[0] for name in names} == {"kiln", dist_info}
     assert "kiln/runtime/llm.py" in names and "kiln/__main__.py" in names
     entry_points = wheel.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "kiln = kiln.pipeline.cli:main" in entry_points
