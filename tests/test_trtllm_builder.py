@@ -18,6 +18,7 @@ from kiln.engines.trtllm.preflight import TrtllmPreflightError
 from kiln.engines.trtllm.process import TrtllmBuildError
 from kiln.runtime.plan import BuildPlan
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, is_trtllm_engine
+from tests.subprocess_env import repo_env
 
 FAKE = Path(__file__).resolve().parent / "fakes" / "trtllm-build"
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +147,7 @@ def test_the_engine_is_published_into_the_cache_and_hits_afterwards(tmp_path, ch
 def test_format_none_converts_the_hf_checkpoint_first_with_the_tensorrt_llm_api(tmp_path, checkpoints,
                                                                               fake_trtllm_build):
     fake_pkg = _fake_tensorrt_llm_package(tmp_path / "fakepkg")
-    env = {"PYTHONPATH": os.pathsep.join([str(fake_pkg), str(REPO)])}
+    env = repo_env(str(fake_pkg))
     out = tmp_path / "engine"
     record = build(out, checkpoints, fake_trtllm_build, tmp_path, quant_format="none", kv_cache_dtype="auto",
                    trtllm_checkpoint_dir=None, env_extra=env)
