@@ -29,7 +29,8 @@ from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
 cache_app = typer.Typer(help="Inspect and maintain the engine cache.", no_args_is_help=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")]
-KeyArg = Annotated[str, typer.Argument(help="A cache key: 64 hex characters, as `kiln cache ls` prints it.")]
+KeyArg = Annotated[str, typer.Argument(help="A cache key (64 hex characters, as `kiln cache ls` prints it) or a "
+                                              "unique prefix of at least 4.")]
 CacheDirOpt = Annotated[Path | None, typer.Option(
     "--cache-dir", help="The cache root (default: $KILN_CACHE, else the --config's cache.dir, else ~/.cache/kiln).")]
 ConfigOpt = Annotated[str | None, typer.Option("--config", help="Take the cache root from this config file.")]

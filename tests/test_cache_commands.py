@@ -69,9 +69,10 @@ def test_show_prints_material_files_and_build_record(cache):
     assert data["build"] == {"engine": {"format": "kiln-native"}} and data["in_use"] is False
     human = kiln_cache(cache.root, "show", key)
     assert human.exit_code == 0 and "rank0.safetensors" in human.stdout and "key material" in human.stdout
+    assert json.loads(kiln_cache(cache.root, "show", key[:8], "--json").stdout)["key"] == key  # a unique prefix
 
 
-@pytest.mark.parametrize("bad", ["../../etc/passwd", "abc123", "G" * 64, "AB" * 32])
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "abc", "G" * 64, "AB" * 32])
 @pytest.mark.parametrize("command", ["show", "rm", "verify"])
 def test_malformed_keys_are_refused_with_a_clear_message(cache, command, bad):
     result = kiln_cache(cache.root, command, bad)

@@ -7,10 +7,9 @@ from pathlib import Path
 
 from kiln.engines.cache.errors import CacheEntryNotFoundError
 from kiln.engines.cache.eviction import EvictionReport, evict
-from kiln.engines.cache.keys import validate_key
 from kiln.engines.cache.layout import PAYLOADS, ensure_layout, write_atomic
 from kiln.engines.cache.stats import StatsDB
-from kiln.engines.cache.store import ContentStore, VerifyOnLoad
+from kiln.engines.cache.store import ContentStore, VerifyOnLoad, complete_key
 
 LIMITS_FILE = "limits.json"
 
@@ -62,13 +61,14 @@ class EngineCache:
     def stores(self) -> dict[str, ContentStore]:
         return {"entries": self.entries, "quantized": self.quantized, "checkpoints": self.checkpoints}
 
-    def find(self, key: str) -> ContentStore:
-        """The store that holds ``key`` (validated); CacheEntryNotFoundError when none does."""
-        validate_key(key)
-        for store in self.stores.values():
-            if store.entry_dir(key).is_dir():
-                return store
-        raise CacheEntryNotFoundError(f"cache key {key}: no entry under {self.root}; see `kiln cache ls`")
+    def find(self, key_or_prefix: str) -> tuple[ContentStore, str]:
+        """The store that holds the entry of a key, or of the one key that starts with a prefix of at least four hex
+        digits, and that whole key; CacheEntryNotFoundError when none does."""
+        key = complete_key(key_or_prefix, list(self.stores.values()))
+        store = next((store for store in self.stores.values() if store.entry_dir(key).is_dir()), None)
+        if store is None:  # removed since it was listed
+            raise CacheEntryNotFoundError(f"cache key {key}: no entry under {self.root}; see `kiln cache ls`")
+        return store, key
 
     def record_load(self, key: str, ms: float) -> None:
         """Record that a runtime loaded engine ``key`` in ``ms`` milliseconds (and count it as a use)."""

@@ -36,7 +36,7 @@ def _row(info: EntryInfo, hits: int) -> dict:
 
 def show_entry(cache: EngineCache, key: str) -> dict:
     """Everything about one entry: key material, display fields, files with sizes and sha256, build record."""
-    store = cache.find(key)
+    store, key = cache.find(key)
     manifest = store.read_manifest(key)
     info = entry_info(store, key)
     hits = cache.stats.hits_by_key().get((store.name, key), 0)
@@ -95,7 +95,7 @@ def verify_entries(cache: EngineCache, key: str | None = None, *, all_entries: b
     if (key is None) == (not all_entries):
         raise CacheUsageError("kiln cache verify: give one KEY or --all")
     if key is not None:
-        targets = [(cache.find(key), key)]
+        targets = [cache.find(key)]
     else:
         targets = [(store, k) for store in cache.stores.values() for k in store.list_keys()]
     results = []
@@ -137,7 +137,7 @@ def prune(cache: EngineCache, *, max_size_bytes: int | None = None, older_than_s
 
 def remove_entry(cache: EngineCache, key: str) -> dict:
     """``kiln cache rm KEY``: remove one entry unless a process holds it."""
-    store = cache.find(key)
+    store, key = cache.find(key)
     freed = store.remove(key, "removed")
     return {"key": key, "store": store.name, "freed_bytes": freed}
 

@@ -125,9 +125,9 @@ class ContentStore:
 
     def list_keys(self) -> list[str]:
         """Keys of the published entries (sorted)."""
-        return self._keys_under("")
+        return self.keys_under("")
 
-    def _keys_under(self, shard_prefix: str) -> list[str]:
+    def keys_under(self, shard_prefix: str) -> list[str]:
         """Keys of the published entries in the shards whose names start with ``shard_prefix`` (sorted)."""
         found = []
         for shard in self.dir.iterdir() if self.dir.is_dir() else ():
@@ -138,19 +138,8 @@ class ContentStore:
         return sorted(found)
 
     def complete_key(self, prefix: str) -> str:
-        """The one published key that starts with ``prefix`` (at least MIN_PREFIX hex digits, or a whole key), as
-        ``git`` completes a short hash; a missing or ambiguous prefix is an error that says so."""
-        if not (MIN_PREFIX <= len(prefix) <= 64 and all(c in "0123456789abcdef" for c in prefix)):
-            raise InvalidCacheKeyError(f"{prefix!r} is not a cache key or a prefix of one (at least {MIN_PREFIX} "
-                                       f"lowercase hex digits): copy it from `kiln cache ls`")
-        matches = [key for key in self._keys_under(prefix[:2]) if key.startswith(prefix)]
-        if not matches:
-            raise CacheEntryNotFoundError(f"cache key {prefix}: no {self.label} entry under {self.v1.parent}; see "
-                                          f"`kiln cache ls`, or set $KILN_CACHE to the cache that holds it")
-        if len(matches) > 1:
-            raise CacheUsageError(f"cache key prefix {prefix} matches {len(matches)} {self.label} entries "
-                                  f"({', '.join(m[:16] for m in matches[:4])}...): give more of the key")
-        return matches[0]
+        """The one published key of this store that starts with ``prefix`` (``complete_key``)."""
+        return complete_key(prefix, [self], f"{self.label} ")
 
     def read_manifest(self, key: str) -> dict:
         """The manifest of a published entry: CacheEntryNotFoundError without an entry, CacheCorruptError when the
@@ -435,3 +424,20 @@ class ContentStore:
 
 def _utc_now() -> str:
     return iso_utc(time.time())
+
+
+def complete_key(prefix: str, stores: list[ContentStore], what: str = "") -> str:
+    """The one published key of ``stores`` that starts with ``prefix`` (at least MIN_PREFIX hex digits, or a whole
+    key), as ``git`` completes a short hash; a missing or ambiguous prefix is an error that says so."""
+    if not (MIN_PREFIX <= len(prefix) <= 64 and set(prefix) <= set("0123456789abcdef")):
+        raise InvalidCacheKeyError(f"{prefix!r} is not a cache key (64 lowercase hex digits) or a prefix of one (at "
+                                   f"least {MIN_PREFIX}): copy it from `kiln cache ls`")
+    matches = sorted({key for store in stores for key in store.keys_under(prefix[:2]) if key.startswith(prefix)})
+    if not matches:
+        root = stores[0].v1.parent if stores else "the cache"
+        raise CacheEntryNotFoundError(f"cache key {prefix}: no {what}entry under {root}; see `kiln cache ls`, or set "
+                                      f"$KILN_CACHE to the cache that holds it")
+    if len(matches) > 1:
+        raise CacheUsageError(f"cache key prefix {prefix} matches {len(matches)} {what}entries "
+                              f"({', '.join(m[:16] for m in matches[:4])}...): give more of the key")
+    return matches[0]
