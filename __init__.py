@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["LLM", "KilnError", "RequestOutput", "SamplingParams", "StreamDelta"]
+__all__ = ["LLM", "KilnError", "RequestOutput", "RuntimeOptions", "SamplingParams", "StreamDelta"]
 
 
 def __getattr__(name: str) -> object:

@@ -10,9 +10,9 @@ import importlib
 
 from kiln.runtime.errors import KilnError
 
-__all__ = ["LLM", "KilnError", "RequestOutput", "SamplingParams", "StreamDelta"]
+__all__ = ["LLM", "KilnError", "RequestOutput", "RuntimeOptions", "SamplingParams", "StreamDelta"]
 
-_LAZY = {"LLM": "kiln.runtime.llm", "RequestOutput": "kiln.runtime.outputs",
+_LAZY = {"LLM": "kiln.runtime.llm", "RequestOutput": "kiln.runtime.outputs", "RuntimeOptions": "kiln.runtime.options",
          "SamplingParams": "kiln.runtime.sampling_params", "StreamDelta": "kiln.runtime.outputs"}
 
 
