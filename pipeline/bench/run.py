@@ -4,7 +4,6 @@ the floor, and assemble the report (its shape is in docs/performance.md)."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,7 +49,7 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
                                                                allow_large=allow_large, seed=seed)
     ctx, build = _build_engine(config_path, options)
     engine = EngineConfig.load(ctx.engine_dir)
-    options = replace(options, device=options.device or ctx.choice.device)
+    options = ctx.load_options  # on the device the engine was built for, unless the options name one
     device = options.device
     workload = Workload.make(engine.architecture.vocab_size, prompts=plan.prompts, input_len=plan.input_len,
                              output_len=plan.output_len, seed=seed)
