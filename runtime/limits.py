@@ -14,20 +14,24 @@ class RequestTooLongError(KilnError, ValueError):
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """The bounds an engine was built for (`max_input_len`, `max_seq_len`, `max_batch_size`, `max_num_tokens`) and
-    how many tokens its paged KV pool holds (`kv_pool_tokens`; None when the backend sizes the pool itself)."""
+    """The bounds an engine was built for (`max_input_len`, `max_seq_len`, `max_batch_size`, `max_num_tokens`), how
+    many tokens its paged KV pool holds (`kv_pool_tokens`; None when the backend sizes the pool itself), and the
+    vocabulary a prompt's token ids come from (`vocab_size`)."""
 
     max_input_len: int
     max_seq_len: int
     max_batch_size: int
     max_num_tokens: int
     kv_pool_tokens: int | None = None
+    vocab_size: int | None = None
 
     @classmethod
-    def from_plan(cls, plan: BuildPlan, kv_pool_tokens: int | None = None) -> EngineLimits:
-        """The limits of an engine's build plan, with the size of its KV pool when the engine knows it."""
+    def from_plan(cls, plan: BuildPlan, *, vocab_size: int | None = None,
+                  kv_pool_tokens: int | None = None) -> EngineLimits:
+        """The limits of an engine's build plan and vocabulary, with the size of its KV pool when the engine knows
+        it."""
         return cls(max_input_len=plan.max_input_len, max_seq_len=plan.max_seq_len, max_batch_size=plan.max_batch_size,
-                   max_num_tokens=plan.max_num_tokens, kv_pool_tokens=kv_pool_tokens)
+                   max_num_tokens=plan.max_num_tokens, kv_pool_tokens=kv_pool_tokens, vocab_size=vocab_size)
 
     @property
     def max_request_tokens(self) -> int:

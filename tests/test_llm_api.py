@@ -131,7 +131,7 @@ def test_too_long_request_is_rejected_with_the_numbers(llm):
 def test_tokenizer_limits_and_check_describe_what_the_engine_accepts(llm):
     assert llm.tokenizer.encode("t5 t6 t7") == [5, 6, 7]
     assert llm.limits == EngineLimits(max_input_len=48, max_seq_len=256, max_batch_size=4, max_num_tokens=64,
-                                      kv_pool_tokens=256 * 4)
+                                      kv_pool_tokens=256 * 4, vocab_size=llm.engine.config.architecture.vocab_size)
     assert llm.limits.max_request_tokens == 256
     with pytest.raises(dataclasses.FrozenInstanceError):
         llm.limits.max_seq_len = 1024

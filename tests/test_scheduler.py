@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kiln.runtime.limits import RequestTooLongError
+from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.native.block_manager import BlockManager
 from kiln.runtime.native.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.plan import BuildPlan
@@ -20,7 +20,7 @@ def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_
                    max_seq_len: int = 64) -> Scheduler:
     plan = BuildPlan(max_batch_size=max_num_seqs, max_input_len=max_seq_len, max_seq_len=max_seq_len,
                      max_num_tokens=max_num_batched_tokens, tokens_per_block=BLOCK)
-    return Scheduler(plan, BlockManager(num_blocks, BLOCK))
+    return Scheduler(EngineLimits.from_plan(plan, kv_pool_tokens=num_blocks * BLOCK), BlockManager(num_blocks, BLOCK))
 
 
 def request(num_prompt: int, max_tokens: int = 4, first_token: int = 1) -> Sequence:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import sys
 
@@ -11,7 +12,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kiln.pipeline.bench.loadtest import LoadTestError, loadtest, run_load
+from kiln.pipeline.bench.loadtest import loadtest
+from kiln.pipeline.bench.serving_clients import LoadTestError, run_http
+from kiln.pipeline.bench.serving_workload import ServingWorkload, WorkloadError, make_workload
 from kiln.pipeline.serve_command import serve
 from kiln.runtime import LLM
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
@@ -38,33 +41,76 @@ def cli() -> typer.Typer:
     return app
 
 
-def test_run_load_counts_every_token_and_reports_ttft_percentiles(server, llm):
-    report = asyncio.run(run_load(server.url, clients=4, requests=10, max_tokens=5, prompt="Once upon a time",
+def workload(requests: int, max_tokens: int, **options) -> ServingWorkload:
+    return make_workload(**{"requests": requests, "warmup": 0, "request_rate": math.inf, "seed": 0,
+                            "max_tokens": max_tokens, **options})
+
+
+def test_http_clients_count_every_token_and_report_latency_percentiles(server, llm):
+    report = asyncio.run(run_http(server.url, workload(10, 5, prompt="Once upon a time"), concurrency=4,
                                   api_key="k"))
     assert report["succeeded"] == 10 and report["failed"] == 0 and report["statuses"] == {"200": 10}
     assert report["output_tokens"] == 50 and report["output_tokens_per_s"] > 0
-    assert report["ttft_ms"]["count"] == 10 and 0 < report["ttft_ms"]["p50"] <= report["ttft_ms"]["p99"]
-    assert report["itl_ms"]["count"] > 0 and report["model"] == "tiny"
+    ttft = report["ttft_ms"]
+    assert ttft["count"] == 10 and 0 < ttft["p50"] <= ttft["p95"] <= ttft["p99"]
+    assert report["itl_ms"]["count"] > 0 and report["model"] == "tiny" and report["tokens_per_event"] >= 1
     wait_until(lambda: engine_idle(llm))
 
 
-def test_run_load_over_chat_uses_the_chat_route(server):
-    report = asyncio.run(run_load(server.url, clients=2, requests=4, max_tokens=3, prompt="Hi", chat=True,
-                                  api_key="k"))
+def test_http_clients_over_chat_use_the_chat_route_and_refuse_token_id_prompts(server):
+    report = asyncio.run(run_http(server.url, workload(4, 3, prompt="Hi"), concurrency=2, chat=True, api_key="k"))
     assert report["succeeded"] == 4 and report["output_tokens"] == 12
+    with pytest.raises(LoadTestError, match="random token prompts"):
+        asyncio.run(run_http(server.url, workload(1, 1, input_len=4, vocab_size=10), concurrency=1, chat=True,
+                             api_key="k"))
 
 
-def test_run_load_with_a_wrong_key_fails_clearly(server):
+def test_http_clients_with_a_wrong_key_fail_clearly(server):
     with pytest.raises(LoadTestError, match="cannot list models"):
-        asyncio.run(run_load(server.url, clients=1, requests=1, max_tokens=1, prompt="x", api_key="wrong"))
+        asyncio.run(run_http(server.url, workload(1, 1), concurrency=1, api_key="wrong"))
 
 
-def test_loadtest_command_serves_an_engine_on_loopback_and_prints_json():
+def test_random_prompts_follow_their_lengths_and_poisson_arrivals_their_rate():
+    drawn = make_workload(requests=400, warmup=3, request_rate=50.0, seed=1, input_len=20, output_len=10,
+                          spread=0.5, vocab_size=100)
+    assert len(drawn.requests) == 400 and len(drawn.warmup) == 3 and drawn.uses_token_ids
+    assert {len(r.prompt) for r in drawn.requests} <= set(range(10, 31)) and len({len(r.prompt) for r in
+                                                                                 drawn.requests}) > 10
+    assert all(0 <= t < 100 for r in drawn.requests for t in r.prompt)
+    assert {r.max_tokens for r in drawn.requests} <= set(range(5, 16))
+    gaps = [b - a for a, b in zip(drawn.arrivals_s, drawn.arrivals_s[1:], strict=False)]
+    assert drawn.arrivals_s[0] == 0.0 and all(g >= 0 for g in gaps)
+    assert 0.017 < sum(gaps) / len(gaps) < 0.023  # mean gap 1 / 50 s
+    assert make_workload(requests=400, warmup=3, request_rate=50.0, seed=1, input_len=20, output_len=10,
+                         spread=0.5, vocab_size=100) == drawn
+    assert workload(5, 1).arrivals_s == [0.0] * 5  # an infinite rate: all at once
+    with pytest.raises(WorkloadError, match="--vocab-size"):
+        workload(1, 1, input_len=4)
+
+
+def test_a_prompts_file_is_read_in_turn(tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_text("first\n\nsecond\n")
+    assert [r.prompt for r in workload(3, 2, prompts_file=text).requests] == ["first", "second", "first"]
+    records = tmp_path / "p.jsonl"
+    records.write_text('{"prompt": "a", "max_tokens": 7}\n{"prompt": [5, 6]}\n')
+    assert [(r.prompt, r.max_tokens) for r in workload(2, 3, prompts_file=records).requests] == [("a", 7), ([5, 6], 3)]
+    records.write_text('{"text": "a"}\n')
+    with pytest.raises(WorkloadError, match="p.jsonl:1"):
+        workload(1, 1, prompts_file=records)
+
+
+def test_loadtest_serves_an_engine_on_loopback_and_reports_its_efficiency_against_the_engine():
     result = CliRunner().invoke(cli(), ["loadtest", str(tiny_engine()), "--clients", "3", "--requests", "6",
-                                        "--max-tokens", "4", "--json"])
+                                        "--input-len", "8", "--output-len", "4", "--in-process", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
     assert report["succeeded"] == 6 and report["output_tokens"] == 24 and report["url"].startswith("http://127.0.0.1:")
+    assert report["workload"] == {"requests": 6, "warmup": 1, "request_rate": "inf", "input_tokens_mean": 8.0,
+                                  "output_tokens_mean": 4.0, "prompt": None}
+    assert report["offline"]["output_tokens"] == 24 and report["in_process"]["output_tokens"] == 24
+    assert report["efficiency"] == pytest.approx(report["output_tokens_per_s"]
+                                                 / report["offline"]["output_tokens_per_s"], abs=1e-4)
 
 
 def test_serve_command_help_lists_its_options():

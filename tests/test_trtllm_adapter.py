@@ -272,7 +272,8 @@ def test_the_waiter_of_a_request_the_executor_failed_gets_the_error(trtllm, engi
 def test_the_llm_api_describes_the_engine_through_tokenizer_limits_and_check(trtllm, engine_dir):
     with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
         assert llm.tokenizer.encode("the cat") == [2, 3]
-        assert llm.limits == EngineLimits(max_input_len=64, max_seq_len=128, max_batch_size=8, max_num_tokens=128)
+        assert llm.limits == EngineLimits(max_input_len=64, max_seq_len=128, max_batch_size=8, max_num_tokens=128,
+                                          vocab_size=len(WORDS))
         assert llm.limits.max_request_tokens == 128
         llm.check("the cat", SamplingParams(max_tokens=100))
         with pytest.raises(RequestTooLongError, match="max_input_len is 64"):

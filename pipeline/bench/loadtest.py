@@ -1,172 +1,64 @@
-"""``kiln loadtest URL | CONFIG | ENGINE_DIR | KEY``: N concurrent streaming clients against an OpenAI-compatible
-server; reports throughput, time to first token and inter-token latency. Given an engine rather than a URL, it
-serves that engine on a loopback port for the duration of the test."""
+"""``kiln loadtest URL | CONFIG | ENGINE_DIR | KEY``: streaming clients against an OpenAI-compatible server, as
+serving benchmarks measure them (``serving_workload``): throughput, time to first token, inter-token and end-to-end
+latency. Given an engine rather than a URL, it serves that engine on a loopback port for the test and also runs the
+same workload through the engine offline (and with ``--in-process``, through ``LLM.stream`` without HTTP), so one
+command prints the server's efficiency: served tokens/s over the engine's own."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import math
 import os
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
+from kiln.pipeline.bench.serving_clients import LoadTestError, run_http, run_in_process, run_offline
+from kiln.pipeline.bench.serving_workload import ServingWorkload, make_workload
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
 from kiln.pipeline.runtime_env import runtime_options
-from kiln.runtime.errors import KilnError
 from kiln.runtime.options import RuntimeOptions
-from kiln.runtime.stats import summarize
 
+__all__ = ["LoadTestError", "loadtest"]
 
-class LoadTestError(KilnError):
-    """The server could not be reached, or answered none of the requests."""
-
-
-@dataclass
-class RequestResult:
-    """One streamed request as the client saw it (seconds on the client's monotonic clock)."""
-
-    status: int
-    ttft_s: float | None = None
-    latency_s: float | None = None
-    completion_tokens: int = 0
-    chunk_gaps_s: list[float] = field(default_factory=list)
-    error: str | None = None
-
-
-def _payload(model: str, prompt: str, max_tokens: int, chat: bool, ignore_eos: bool) -> dict:
-    body = {"model": model, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
-            "temperature": 0.0, "ignore_eos": ignore_eos}
-    if chat:
-        return {**body, "messages": [{"role": "user", "content": prompt}]}
-    return {**body, "prompt": prompt}
-
-
-def _chunk_text(chunk: dict) -> str:
-    choice = (chunk.get("choices") or [{}])[0]
-    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-
-
-async def _one_request(client, path: str, payload: dict) -> RequestResult:
-    start = time.monotonic()
-    result = RequestResult(status=0)
-    last = None
-    async with client.stream("POST", path, json=payload) as response:
-        result.status = response.status_code
-        if response.status_code != 200:
-            result.error = (await response.aread()).decode(errors="replace")[:200]
-            return result
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                result.error = chunk["error"].get("message")
-                continue
-            if chunk.get("usage"):
-                result.completion_tokens = chunk["usage"]["completion_tokens"]
-            if _chunk_text(chunk):
-                now = time.monotonic()
-                if last is None:
-                    result.ttft_s = now - start
-                else:
-                    result.chunk_gaps_s.append(now - last)
-                last = now
-    result.latency_s = time.monotonic() - start
-    return result
-
-
-async def run_load(url: str, *, clients: int, requests: int, max_tokens: int, prompt: str, chat: bool = False,
-                   ignore_eos: bool = True, api_key: str | None = None, model: str | None = None,
-                   timeout_s: float = 600.0) -> dict:
-    """Send `requests` streaming requests from `clients` concurrent clients; return the figures (latencies in ms)."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(timeout_s)) as client:
-        try:
-            models = (await client.get("/v1/models")).raise_for_status().json()
-        except httpx.HTTPError as exc:
-            raise LoadTestError(f"{url}: cannot list models ({exc}): is the server up and the key right?") from None
-        model = model or models["data"][0]["id"]
-        payload = _payload(model, prompt, max_tokens, chat, ignore_eos)
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        pending = iter(range(requests))
-        results: list[RequestResult] = []
-
-        async def client_loop() -> None:
-            for _ in pending:
-                try:
-                    results.append(await _one_request(client, path, payload))
-                except httpx.HTTPError as exc:
-                    results.append(RequestResult(status=0, error=f"{type(exc).__name__}: {exc}"))
-
-        start = time.monotonic()
-        await asyncio.gather(*(client_loop() for _ in range(clients)))
-        duration = time.monotonic() - start
-    return summarize_results(results, duration, url=url, model=model, clients=clients, max_tokens=max_tokens,
-                             chat=chat)
-
-
-def summarize_results(results: list[RequestResult], duration_s: float, **context: object) -> dict:
-    """Throughput and latency percentiles of a load test."""
-    ok = [r for r in results if r.status == 200 and r.error is None]
-    if not ok:
-        errors = {r.error or f"HTTP {r.status}" for r in results}
-        raise LoadTestError(f"none of {len(results)} requests succeeded: {'; '.join(sorted(errors))[:400]}")
-    tokens = sum(r.completion_tokens for r in ok)
-    statuses: dict[str, int] = {}
-    for r in results:
-        key = str(r.status) if r.status else "connection error"
-        statuses[key] = statuses.get(key, 0) + 1
-    return {
-        **context,
-        "requests": len(results),
-        "succeeded": len(ok),
-        "failed": len(results) - len(ok),
-        "statuses": statuses,
-        "duration_s": round(duration_s, 3),
-        "requests_per_s": round(len(ok) / duration_s, 3),
-        "output_tokens": tokens,
-        "output_tokens_per_s": round(tokens / duration_s, 2),
-        "ttft_ms": _rounded(summarize([r.ttft_s for r in ok if r.ttft_s is not None], 1000)),
-        "itl_ms": _rounded(summarize([gap for r in ok for gap in r.chunk_gaps_s], 1000)),
-        "latency_ms": _rounded(summarize([r.latency_s for r in ok], 1000)),
-    }
-
-
-def _rounded(summary: dict) -> dict:
-    return {k: round(v, 2) if isinstance(v, float) else v for k, v in summary.items()}
+LATENCIES = (("TTFT", "ttft_ms"), ("inter-token", "itl_ms"), ("latency", "latency_ms"))
 
 
 def print_report(report: dict) -> None:
     """The figures a person came for, in a few aligned rows."""
-    stdout.print(f"{report['succeeded']}/{report['requests']} requests from {report['clients']} clients in "
+    stdout.print(f"{report['succeeded']}/{report['requests']} requests, at most {report['clients']} at once, in "
                  f"{report['duration_s']:.1f} s against {report['model']} ({report['url']})", highlight=False)
-    stdout.print(f"throughput  {report['output_tokens_per_s']:.1f} tokens/s, {report['requests_per_s']:.2f} "
-                 f"requests/s ({report['output_tokens']} tokens)", highlight=False)
+    stdout.print(f"throughput  {report['output_tokens_per_s']:,.1f} tokens/s, {report['requests_per_s']:.2f} "
+                 f"requests/s ({report['output_tokens']} tokens, {report['tokens_per_event']:.2f} per event)",
+                 highlight=False)
     table = Table(box=None, header_style="bold")
-    for column in ("ms", "p50", "p99", "mean", "max"):
+    for column in ("ms", "p50", "p95", "p99", "mean", "max"):
         table.add_column(column, justify="right" if column != "ms" else "left")
-    for name, key in (("TTFT", "ttft_ms"), ("inter-token", "itl_ms"), ("latency", "latency_ms")):
+    for name, key in LATENCIES:
         row = report[key]
-        table.add_row(name, *(f"{row[p]:.1f}" if p in row else "-" for p in ("p50", "p99", "mean", "max")))
+        table.add_row(name, *(f"{row[p]:.1f}" if p in row else "-" for p in ("p50", "p95", "p99", "mean", "max")))
     stdout.print(table)
     if report["failed"]:
         stdout.print(f"[yellow]{report['failed']} failed[/]: {report['statuses']}", highlight=False)
+    if "offline" in report:
+        stdout.print(f"engine offline  {report['offline']['output_tokens_per_s']:,.1f} tokens/s on the same "
+                     f"workload: served at {report['efficiency']:.1%} of it", highlight=False)
+    if "in_process" in report:
+        inner = report["in_process"]
+        stdout.print(f"in-process      {inner['output_tokens_per_s']:,.1f} tokens/s through LLM.stream, TTFT p50 "
+                     f"{inner['ttft_ms'].get('p50', 0):.1f} ms, inter-token p50 {inner['itl_ms'].get('p50', 0):.1f} "
+                     f"ms", highlight=False)
 
 
 @contextmanager
 def _server_for(target: str, api_key: str | None, options: RuntimeOptions):
-    """The URL to test: `target` itself, or a loopback server over the engine `target` names."""
+    """The URL to test and the LLM behind it: `target` itself (and None), or a loopback server over the engine
+    `target` names."""
     if target.startswith(("http://", "https://")):
-        yield target, api_key
+        yield target, api_key, None
         return
     from kiln.pipeline.serve_command import require_serve_extra, serve_target
 
@@ -179,27 +71,88 @@ def _server_for(target: str, api_key: str | None, options: RuntimeOptions):
     try:
         with ServerThread(create_app(llm, resolved.engine_dir, settings), "127.0.0.1", 0) as server:
             stderr.print(f"serving {resolved.engine_dir} on {server.url} for the load test", highlight=False)
-            yield server.url, settings.api_key
+            yield server.url, settings.api_key, llm
     finally:
         llm.close()
+
+
+async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *, concurrency: int, chat: bool,
+                   vocab_size: int | None, offline: bool, in_process: bool) -> dict:
+    """Make the workload (the server's model card supplies the vocabulary for random token ids), run it against the
+    server, then through the engine offline and in-process when this process holds it."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url.rstrip("/"),
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {}) as client:
+        from kiln.pipeline.bench.serving_clients import model_card
+
+        card = await model_card(client, url)
+    workload = make_workload(**workload_options, vocab_size=vocab_size or card.get("vocab_size"))
+    report = await run_http(url, workload, concurrency=concurrency, chat=chat, api_key=api_key, model=card["id"])
+    report["workload"] = _describe(workload, workload_options)
+    if llm is not None and in_process:
+        report["in_process"] = await run_in_process(llm, _fresh(workload, workload_options, vocab_size, card, 1),
+                                                    concurrency=concurrency)
+    if llm is not None and offline:
+        report["offline"] = run_offline(llm, _fresh(workload, workload_options, vocab_size, card, 2))
+        report["efficiency"] = round(report["output_tokens_per_s"] / report["offline"]["output_tokens_per_s"], 4)
+    return report
+
+
+def _fresh(workload: ServingWorkload, options: dict, vocab_size: int | None, card: dict, phase: int) -> ServingWorkload:
+    """The same workload drawn again from another seed, so that no phase finds another's prompts in the prefix
+    cache (a shared text prompt stays shared, as in the served run)."""
+    return make_workload(**{**options, "seed": options["seed"] + phase}, vocab_size=vocab_size or
+                         card.get("vocab_size"))
+
+
+def _describe(workload: ServingWorkload, options: dict) -> dict:
+    prompts = [len(r.prompt) if not isinstance(r.prompt, str) else None for r in workload.requests]
+    return {"requests": len(workload.requests), "warmup": len(workload.warmup),
+            "request_rate": options["request_rate"] if math.isfinite(options["request_rate"]) else "inf",
+            "input_tokens_mean": round(sum(prompts) / len(prompts), 1) if None not in prompts else None,
+            "output_tokens_mean": round(sum(r.max_tokens for r in workload.requests) / len(workload.requests), 1),
+            "prompt": None if workload.uses_token_ids else workload.requests[0].prompt}
 
 
 @friendly_errors
 def loadtest(
     target: Annotated[str, typer.Argument(help="A server URL (http://127.0.0.1:8000), or a config, engine directory "
                                                "or cache key to serve on loopback for the test.")],
-    clients: Annotated[int, typer.Option(min=1, help="Concurrent clients, each streaming one request at a time.")] = 8,
-    requests: Annotated[int, typer.Option(min=1, help="Requests in all, shared among the clients.")] = 64,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per request.")] = 32,
+    clients: Annotated[int, typer.Option("--clients", "--concurrency", min=1,
+                                         help="Requests in flight at most (each client streams one at a time).")] = 8,
+    requests: Annotated[int, typer.Option(min=1, help="Measured requests.")] = 64,
+    request_rate: Annotated[float, typer.Option(min=0.0, help="Poisson arrivals at this many requests/s (inf: all "
+                                                              "at once, as many as --clients allows).")] = math.inf,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per request (EOS ignored).")] = 32,
     prompt: Annotated[str, typer.Option(help="The prompt every request sends.")] = "Once upon a time",
+    input_len: Annotated[int | None, typer.Option(min=1, help="Send random token ids of this many tokens instead "
+                                                              "of --prompt.")] = None,
+    output_len: Annotated[int | None, typer.Option(min=1, help="Tokens to generate per request (overrides "
+                                                               "--max-tokens).")] = None,
+    spread: Annotated[float, typer.Option(min=0.0, max=1.0, help="Vary --input-len and --output-len uniformly by "
+                                                                  "this fraction.")] = 0.0,
+    prompts_file: Annotated[Path | None, typer.Option(help="Prompts to send in turn: a text file (one a line) or "
+                                                           "JSONL with 'prompt' and optional 'max_tokens'.")] = None,
+    warmup: Annotated[int, typer.Option(min=0, help="Requests sent first and not measured.")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of random prompts and arrivals.")] = 0,
+    vocab_size: Annotated[int | None, typer.Option(min=1, help="Token ids of --input-len prompts stay below this "
+                                                               "(default: the server's model card).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Use /v1/chat/completions (default /v1/completions).")] = False,
-    ignore_eos: Annotated[bool, typer.Option(help="Generate max_tokens whatever the EOS (comparable runs).")] = True,
+    offline: Annotated[bool, typer.Option(help="When serving the engine itself, also run the workload through it "
+                                               "offline and report the server's efficiency.")] = True,
+    in_process: Annotated[bool, typer.Option("--in-process", help="When serving the engine itself, also stream the "
+                                                                  "workload from LLM.stream without HTTP.")] = False,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="KILN_API_KEY")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda, when serving an engine for the test.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")] = False,
 ) -> None:
-    """Measure a server under N concurrent streaming clients: throughput, TTFT and inter-token p50/p99."""
-    with _server_for(target, api_key, runtime_options(os.environ, device=device)) as (url, key):
-        report = asyncio.run(run_load(url, clients=clients, requests=requests, max_tokens=max_tokens, prompt=prompt,
-                                      chat=chat, ignore_eos=ignore_eos, api_key=key))
+    """Measure a server under concurrent streaming clients: throughput, TTFT, inter-token and end-to-end latency
+    p50/p95/p99, and, serving an engine itself, its efficiency against the engine offline."""
+    workload_options = {"requests": requests, "warmup": warmup, "request_rate": request_rate, "seed": seed,
+                        "prompt": prompt, "max_tokens": output_len or max_tokens, "input_len": input_len,
+                        "output_len": output_len, "spread": spread, "prompts_file": prompts_file}
+    with _server_for(target, api_key, runtime_options(os.environ, device=device)) as (url, key, llm):
+        report = asyncio.run(_measure(url, key, llm, workload_options, concurrency=clients, chat=chat,
+                                      vocab_size=vocab_size, offline=offline, in_process=in_process))
     print_json(report) if json_out else print_report(report)

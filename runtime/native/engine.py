@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kiln.runtime.errors import InvalidRequestError, KilnError
+from kiln.runtime.limits import EngineLimits
 from kiln.runtime.native.block_manager import BlockManager
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint
@@ -44,9 +45,11 @@ class NativeEngine:
         check_fingerprint(self.config.fingerprint, machine_fingerprint(str(self.device)))
         self.tokenizer = Tokenizer.from_dir(engine_dir)
         self.model_runner = ModelRunner(engine_dir, self.config, self.device, options)
-        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, self.config.plan.tokens_per_block)
-        self.scheduler = Scheduler(self.config.plan, self.block_manager)
-        self.limits = self.scheduler.limits
+        plan = self.config.plan
+        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block)
+        self.limits = EngineLimits.from_plan(plan, vocab_size=self.config.architecture.vocab_size,
+                                             kv_pool_tokens=self.block_manager.num_blocks * plan.tokens_per_block)
+        self.scheduler = Scheduler(self.limits, self.block_manager)
         self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
         self.stats = EngineStats()
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
@@ -58,7 +61,7 @@ class NativeEngine:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching engine state (safe from any thread)."""
-        token_ids = encode_prompt(prompt, self.tokenizer, self.config.architecture.vocab_size, bool(params.stop))
+        token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop))
         self.limits.check_request(len(token_ids), params.max_tokens)
         return Sequence(request_id, token_ids, params)
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.native.block_manager import BlockManager
-from kiln.runtime.plan import BuildPlan
 from kiln.runtime.sequence import Sequence, SequenceStatus
 
 
@@ -33,8 +32,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """First come, first served, under the plan's budget of `max_num_tokens` tokens and `max_batch_size` sequences
-    per step.
+    """First come, first served, under the engine's budget of `max_num_tokens` tokens and `max_batch_size` sequences
+    per step (its limits: the build plan's).
 
     Each step schedules running decodes first, then running prefills, then admits waiting sequences in arrival
     order, chunking a prefill to whatever budget is left. When KV blocks run out, the most recently arrived running
@@ -42,10 +41,9 @@ class Scheduler:
     sequence is never a victim and every request was checked to fit the pool alone, so none starves.
     """
 
-    def __init__(self, plan: BuildPlan, block_manager: BlockManager) -> None:
-        self.plan = plan
+    def __init__(self, limits: EngineLimits, block_manager: BlockManager) -> None:
+        self.limits = limits
         self.block_manager = block_manager
-        self.limits = EngineLimits.from_plan(plan, kv_pool_tokens=block_manager.num_blocks * block_manager.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -59,7 +57,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.plan.max_num_tokens
+        budget = self.limits.max_num_tokens
         for seq in sorted(self.running, key=lambda s: not s.is_decode):
             if budget == 0:
                 break
@@ -84,7 +82,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int, num_running: int) -> None:
         """Admit waiting sequences in arrival order into ``out`` while the token ``budget``, the sequence limit
         (``num_running`` are running) and the free blocks allow, the last one's prefill chunked to fit."""
-        while self.waiting and budget and num_running < self.plan.max_batch_size:
+        while self.waiting and budget and num_running < self.limits.max_batch_size:
             seq = self.waiting[0]
             computed_blocks = self.block_manager.get_computed_blocks(seq)
             num_new = min(seq.num_tokens - len(computed_blocks) * self.block_manager.block_size, budget)
@@ -116,7 +114,7 @@ class Scheduler:
             return seq in sampled or seq.is_decode
 
         ahead = SchedulerOutput()
-        budget = self.plan.max_num_tokens
+        budget = self.limits.max_num_tokens
         for seq in sorted(going_on, key=lambda s: not decodes_next(s)):  # decodes first
             if budget == 0:
                 break

@@ -147,14 +147,14 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models(model: ServedModel = served) -> ModelList:
-        return ModelList(data=[ModelCard(id=model.name, created=state.created)])
+        return ModelList(data=[model.card(state.created)])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def retrieve_model(model_id: str, model: ServedModel = served) -> ModelCard:
         if model_id != model.name:
             raise APIError(404, f"The model '{model_id}' does not exist: this server serves '{model.name}'",
                            param="model", code="model_not_found")
-        return ModelCard(id=model.name, created=state.created)
+        return model.card(state.created)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, **_STREAMING})
     async def completions(body: CompletionRequest, request: Request, model: ServedModel = served) -> object:

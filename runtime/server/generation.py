@@ -14,6 +14,7 @@ from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.protocol import ModelCard
 
 RETRY_AFTER_S = 1
 
@@ -67,6 +68,11 @@ class ServedModel:
         except ChatTemplateError as exc:  # completions still work; chat requests say why they cannot
             self.chat_template, self.chat_template_problem = None, str(exc)
         self.admission = Admission(self.limits.max_batch_size + max_queue)
+
+    def card(self, created: int) -> ModelCard:
+        """The model as ``/v1/models`` lists it."""
+        return ModelCard(id=self.name, created=created, max_model_len=self.limits.max_request_tokens,
+                         vocab_size=self.limits.vocab_size)
 
     def tokenize(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt (or the ids as given), checked against the engine's input limit."""

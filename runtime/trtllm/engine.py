@@ -69,7 +69,8 @@ class TrtllmEngine:
                                          f"engine needs one MPI process per GPU, which Kiln's adapter does not start; "
                                          f"serve it with trtllm-serve, or build with tp_size 1 and pp_size 1")
         self.tokenizer = Tokenizer.from_dir(engine_dir)
-        self.limits = EngineLimits.from_plan(self.info.plan)  # the executor sizes its KV pool itself
+        self.limits = EngineLimits.from_plan(self.info.plan, vocab_size=self.info.vocab_size)  # no pool: the
+        # executor sizes its KV pool itself
         self.eos_token_ids = frozenset(self.info.eos_token_ids)
         self.stats = EngineStats()
         self._poll = timedelta(milliseconds=poll_ms)
@@ -91,7 +92,7 @@ class TrtllmEngine:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching the executor (safe from any thread)."""
-        token_ids = encode_prompt(prompt, self.tokenizer, self.info.vocab_size, bool(params.stop), TrtllmRequestError)
+        token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop), TrtllmRequestError)
         self.limits.check_request(len(token_ids), params.max_tokens)
         return Sequence(request_id, token_ids, params)
 

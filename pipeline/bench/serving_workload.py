@@ -1,0 +1,114 @@
+"""What ``kiln loadtest`` sends: the requests (a prompt and how many tokens to generate each) and when each arrives.
+
+Prompts are one text for every request (``--prompt``), seeded random token ids of ``--input-len`` tokens (with an
+optional ``--spread``, as serving benchmarks draw them), or the lines of a prompts file. Arrivals follow a Poisson
+process at ``--request-rate`` requests per second, or all come at once (``inf``); ``--concurrency`` caps how many are
+in flight either way. The first ``--warmup`` requests run before the measurement and are not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.runtime.errors import KilnError
+
+Prompt = str | list[int]
+
+
+class WorkloadError(KilnError):
+    """A workload that cannot be made from the options given (a missing file, a length the server cannot take)."""
+
+
+@dataclass(frozen=True)
+class ServingRequest:
+    """One request: its prompt (text, or token ids sent as they are) and the tokens it generates (EOS ignored)."""
+
+    prompt: Prompt
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class ServingWorkload:
+    """The measured requests, the warm-up requests before them, and each measured request's arrival time in seconds
+    after the first (all 0.0: every request arrives at once)."""
+
+    requests: list[ServingRequest]
+    warmup: list[ServingRequest]
+    arrivals_s: list[float]
+
+    @property
+    def uses_token_ids(self) -> bool:
+        return any(not isinstance(r.prompt, str) for r in self.requests)
+
+
+def lengths(mean: int, spread: float, count: int, rng: random.Random) -> list[int]:
+    """``count`` lengths uniform in ``mean * (1 ± spread)``, at least 1."""
+    low, high = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
+    return [rng.randint(low, high) for _ in range(count)]
+
+
+def arrivals(count: int, request_rate: float, rng: random.Random) -> list[float]:
+    """Arrival times of a Poisson process at ``request_rate`` per second (exponential gaps), from 0; all 0.0 for an
+    infinite rate."""
+    if math.isinf(request_rate):
+        return [0.0] * count
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(request_rate)
+    return times
+
+
+def make_workload(*, requests: int, warmup: int, request_rate: float, seed: int, prompt: str | None = None,
+                  max_tokens: int | None = None, input_len: int | None = None, output_len: int | None = None,
+                  spread: float = 0.0, vocab_size: int | None = None,
+                  prompts_file: Path | None = None) -> ServingWorkload:
+    """The workload of the loadtest options: random token ids when ``input_len`` is given (``vocab_size`` bounds
+    them), else the prompts file's prompts in turn, else ``prompt`` for every request."""
+    rng = random.Random(seed)
+    count = requests + warmup
+    if input_len is not None:
+        if vocab_size is None:
+            raise WorkloadError("--input-len draws random token ids, which needs the engine's vocabulary size: pass "
+                                "--vocab-size, or test a Kiln server (its /v1/models says it)")
+        outputs = lengths(output_len or max_tokens or 128, spread, count, rng)
+        drawn = [ServingRequest([rng.randrange(vocab_size) for _ in range(n)], out)
+                 for n, out in zip(lengths(input_len, spread, count, rng), outputs, strict=True)]
+    elif prompts_file is not None:
+        drawn = _from_file(prompts_file, count, max_tokens or output_len or 128)
+    else:
+        drawn = [ServingRequest(prompt or "Once upon a time", max_tokens or output_len or 128)] * count
+    return ServingWorkload(requests=drawn[warmup:], warmup=drawn[:warmup],
+                           arrivals_s=arrivals(requests, request_rate, rng))
+
+
+def _from_file(path: Path, count: int, max_tokens: int) -> list[ServingRequest]:
+    """A ``.jsonl`` file of ``{"prompt": text or token ids, "max_tokens": n}`` objects (``max_tokens`` optional), or a
+    text file of one prompt per line; its requests are taken in turn, again from the start if there are too few."""
+    try:
+        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"--prompts-file {path}: unreadable ({exc})") from None
+    if not lines:
+        raise WorkloadError(f"--prompts-file {path}: no prompts in it; write one per line")
+    if Path(path).suffix != ".jsonl":
+        found = [ServingRequest(line, max_tokens) for line in lines]
+    else:
+        found = [_jsonl_request(path, number, line, max_tokens) for number, line in enumerate(lines, 1)]
+    return [found[i % len(found)] for i in range(count)]
+
+
+def _jsonl_request(path: Path, number: int, line: str, max_tokens: int) -> ServingRequest:
+    try:
+        record = json.loads(line)
+        prompt = record["prompt"]
+        if not isinstance(prompt, str) and not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            raise TypeError("prompt is neither text nor a list of token ids")
+        return ServingRequest(prompt, int(record.get("max_tokens", max_tokens)))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise WorkloadError(f"--prompts-file {path}:{number}: {exc}; each line is an object with a 'prompt' (text or "
+                            f"token ids) and optionally 'max_tokens'") from None
