@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import queue
 import threading
 import time
 import uuid
 from collections import abc
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,10 +34,54 @@ class EngineClosedError(KilnError):
 
 @dataclass
 class _Sink:
-    """Where a request's deltas and final output go; called on the engine thread."""
+    """Where a request's deltas and final output go: a thread's ``future``, or ``push``, called on ``loop`` with
+    each delta (and with the error that ends the request) for an asyncio caller."""
 
     future: Future = field(default_factory=Future)
-    on_delta: Callable[[StreamDelta | BaseException], None] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    push: Callable[[StreamDelta | BaseException], None] | None = None
+    every_delta: bool = True  # False: push the final delta only
+
+
+class _Outbox:
+    """What one engine iteration hands to asyncio callers, grouped by event loop: each loop is woken once per step,
+    however many of its requests the step advanced."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, Callable, object]]] = {}
+
+    def add(self, request_id: str, sink: _Sink, item: StreamDelta | BaseException) -> None:
+        self._by_loop.setdefault(sink.loop, []).append((request_id, sink.push, item))
+
+    def flush(self) -> list[str]:
+        """Send what was added; returns the requests whose event loop is gone (nobody listens to them any more)."""
+        orphans = []
+        for loop, items in self._by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_push_all, items)
+            except RuntimeError:  # the loop was closed
+                orphans += [request_id for request_id, _, _ in items]
+        self._by_loop.clear()
+        return orphans
+
+
+def _put_indexed(queue: asyncio.Queue, index: int, item: StreamDelta | BaseException) -> None:
+    queue.put_nowait((index, item))
+
+
+def _push_all(items: list[tuple[str, Callable, object]]) -> None:
+    for _, push, item in items:
+        push(item)
+
+
+def _settle(future: asyncio.Future, item: StreamDelta | BaseException) -> None:
+    """Complete an asyncio future with a final delta's output or an error, unless its task was cancelled."""
+    if future.done():
+        return
+    if isinstance(item, BaseException):
+        future.set_exception(item)
+    elif item.finished:
+        future.set_result(item.output)
 
 
 class LLM:
@@ -56,6 +101,7 @@ class LLM:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._closed = False
+        self._outbox = _Outbox()  # touched by the engine thread only
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
         self._thread.start()
 
@@ -105,12 +151,7 @@ class LLM:
         """Complete each prompt (text or token ids); blocks until all are done. Outputs follow the prompts' order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"generate got {len(prompts)} prompts but {len(params)} SamplingParams: pass one, or "
-                             f"one per prompt")
-        seqs = [self.engine.make_request(uuid.uuid4().hex, p, sp) for p, sp in zip(prompts, params, strict=True)]
+        seqs = self._make_requests(prompts, params)
         try:
             futures = [self._enqueue(seq, _Sink()) for seq in seqs]
             return [f.result() for f in futures]
@@ -121,10 +162,12 @@ class LLM:
 
     async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
         """Complete one prompt without blocking the event loop; cancelling the task aborts the request."""
+        loop = asyncio.get_running_loop()
         seq = self.engine.make_request(uuid.uuid4().hex, prompt, params or SamplingParams())
-        future = self._enqueue(seq, _Sink())
+        result = loop.create_future()
+        self._enqueue(seq, _Sink(loop=loop, push=functools.partial(_settle, result), every_delta=False))
         try:
-            return await asyncio.wrap_future(future)
+            return await result
         except asyncio.CancelledError:
             self.abort(seq.request_id)
             raise
@@ -132,22 +175,48 @@ class LLM:
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
         """Yield what each step adds (text and token ids) until the request finishes; closing the generator
         early aborts the request."""
+        async with contextlib.aclosing(self.stream_many([prompt], params)) as batches:
+            async for batch in batches:
+                for _, delta in batch:
+                    yield delta
+
+    async def stream_many(self, prompts: abc.Sequence[Prompt],
+                          params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
+                          ) -> AsyncIterator[list[tuple[int, StreamDelta]]]:
+        """Stream several prompts at once: each item is every ``(prompt index, delta)`` that arrived since the last
+        one (at least one), so a consumer that falls behind catches up in one go. Ends when all have finished;
+        closing the generator early aborts the requests still running."""
         loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
-        seq = self.engine.make_request(uuid.uuid4().hex, prompt, params or SamplingParams())
-        self._enqueue(seq, _Sink(on_delta=lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d)))
-        finished = False
+        arrived: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
+        seqs = self._make_requests(prompts, params)
+        remaining = set()
         try:
-            while not finished:
-                delta = await deltas.get()
-                if isinstance(delta, BaseException):
-                    finished = True
-                    raise delta
-                finished = delta.finished
-                yield delta
+            for index, seq in enumerate(seqs):
+                self._enqueue(seq, _Sink(loop=loop, push=functools.partial(_put_indexed, arrived, index)))
+                remaining.add(index)
+            while remaining:
+                batch = [await arrived.get()]
+                while not arrived.empty():
+                    batch.append(arrived.get_nowait())
+                for index, item in batch:
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.finished:
+                        remaining.discard(index)
+                yield batch
         finally:
-            if not finished:
-                self.abort(seq.request_id)
+            for index in remaining:
+                self.abort(seqs[index].request_id)
+
+    def _make_requests(self, prompts: abc.Sequence[Prompt],
+                       params: SamplingParams | abc.Sequence[SamplingParams] | None) -> list[Sequence]:
+        """One validated request per prompt, with one SamplingParams for all or one per prompt."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: pass one, or one per "
+                             f"prompt")
+        return [self.engine.make_request(uuid.uuid4().hex, p, sp) for p, sp in zip(prompts, params, strict=True)]
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> str:
         """Queue a request and return its id at once; collect it with `result(request_id)`."""
@@ -215,7 +284,11 @@ class LLM:
                             self._fail(result.request_id, result.error)
                         else:
                             self._deliver(result)
+                for request_id in self._outbox.flush():
+                    self._commands.put(("abort", request_id))
+            self._outbox.flush()
         except BaseException as e:  # a bug in the engine: fail every waiter rather than hang it
+            self._outbox.flush()
             with self._lock:
                 self._error = e
             self._fail_all(EngineClosedError(f"engine thread stopped: {type(e).__name__}: {e}"))
@@ -243,31 +316,29 @@ class LLM:
             sink = self._sinks.pop(delta.request_id) if delta.finished else self._sinks.get(delta.request_id)
         if sink is None:
             return
-        if sink.on_delta is not None:
-            try:
-                sink.on_delta(delta)
-            except RuntimeError:  # the caller's event loop is gone: nobody is listening any more
-                self._commands.put(("abort", delta.request_id))
-        if delta.finished:
-            with contextlib.suppress(InvalidStateError):  # the caller cancelled its future (an asyncio task was)
-                sink.future.set_result(delta.output)
+        if sink.loop is not None:
+            if delta.finished or sink.every_delta:
+                self._outbox.add(delta.request_id, sink, delta)
+        elif delta.finished:
+            sink.future.set_result(delta.output)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
+        """Fail one request (delivered with the engine iteration's other results)."""
         with self._lock:
             sink = self._sinks.pop(request_id, None)
-        if sink is not None:
-            self._notify_failure(sink, error)
+        if sink is not None and sink.loop is not None:
+            self._outbox.add(request_id, sink, error)
+        elif sink is not None:
+            sink.future.set_exception(error)
 
     def _fail_all(self, error: BaseException) -> None:
+        """Fail every request still in flight, at once (the engine thread has stopped)."""
         with self._lock:
-            sinks, self._sinks = list(self._sinks.values()), {}
-        for sink in sinks:
-            self._notify_failure(sink, error)
-
-    @staticmethod
-    def _notify_failure(sink: _Sink, error: BaseException) -> None:
-        if sink.on_delta is not None:
-            with contextlib.suppress(RuntimeError):  # the caller's event loop is gone
-                sink.on_delta(error)
-        with contextlib.suppress(InvalidStateError):  # already cancelled by its caller
-            sink.future.set_exception(error)
+            sinks, self._sinks = dict(self._sinks), {}
+        outbox = _Outbox()
+        for request_id, sink in sinks.items():
+            if sink.loop is not None:
+                outbox.add(request_id, sink, error)
+            else:
+                sink.future.set_exception(error)
+        outbox.flush()

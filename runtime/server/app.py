@@ -126,7 +126,11 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestCountMiddleware, metrics=metrics)
-    served = Depends(lambda: state.require_model())
+
+    async def require_model() -> ServedModel:  # async: a plain function would cost each request a thread hop
+        return state.require_model()
+
+    served = Depends(require_model)
 
     @app.get("/health", responses={503: {"description": "loading, draining, or the load failed"}})
     async def health() -> JSONResponse:

@@ -103,18 +103,23 @@ def _event(data: dict) -> str:
 async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
                render: Callable[[int, StreamDelta], dict | None], usage_chunk: Callable[[Usage], dict] | None,
                prelude: list[dict]) -> AsyncIterator[str]:
-    """The SSE body: prelude chunks, a chunk per delta, the usage chunk if asked for, then [DONE]."""
+    """The SSE body: prelude chunks, a chunk per delta, the usage chunk if asked for, then [DONE]. The chunks of
+    deltas that arrived together go out in one write."""
     outputs: list[RequestOutput] = []
-    for chunk in prelude:
-        yield _event(chunk)
+    if prelude:
+        yield "".join(_event(chunk) for chunk in prelude)
     try:
-        async with contextlib.aclosing(model.generate(jobs)) as deltas:
-            async for index, delta in deltas:
-                if delta.finished:
-                    outputs.append(delta.output)
-                    metrics.observe(delta.output)
-                if (chunk := render(index, delta)) is not None:
-                    yield _event(chunk)
+        async with contextlib.aclosing(model.generate(jobs)) as batches:
+            async for batch in batches:
+                events = []
+                for index, delta in batch:
+                    if delta.finished:
+                        outputs.append(delta.output)
+                        metrics.observe(delta.output)
+                    if (chunk := render(index, delta)) is not None:
+                        events.append(_event(chunk))
+                if events:
+                    yield "".join(events)
     except Exception as exc:  # the engine stopped (closed, or a bug in it): tell the client in the stream
         logger.error("stream failed: %s: %s", type(exc).__name__, exc)
         yield _event(error_body(500, f"generation failed: {exc}"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,31 +131,10 @@ class ServedModel:
             for task in tasks:
                 task.cancel()
 
-    async def generate(self, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """Run the jobs concurrently and yield `(job index, delta)` as each step lands; closing this generator
-        (or cancelling its consumer) aborts every job still running, freeing its KV blocks."""
-        queue: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
-
-        async def pump(index: int, job: Job) -> None:
-            try:
-                async with contextlib.aclosing(self.llm.stream(job.prompt_token_ids, job.params)) as stream:
-                    async for delta in stream:
-                        queue.put_nowait((index, delta))
-            except Exception as exc:  # surfaces to the consumer below
-                queue.put_nowait((index, exc))
-
-        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
-        remaining = len(jobs)
-        try:
-            while remaining:
-                index, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                remaining -= item.finished
-                yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()
+    def generate(self, jobs: list[Job]) -> AsyncIterator[list[tuple[int, StreamDelta]]]:
+        """Run the jobs concurrently and yield what arrived since the last yield, as `(job index, delta)` pairs;
+        closing this generator (or cancelling its consumer) aborts every job still running, freeing its KV blocks."""
+        return self.llm.stream_many([job.prompt_token_ids for job in jobs], [job.params for job in jobs])
 
 
 def sampling_params(*, temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
