@@ -18,11 +18,11 @@ from kiln.runtime.options import KERNELS, RuntimeOptions, RuntimeOptionsError
 SWITCHES = {"cuda_graphs": "KILN_CUDA_GRAPHS", "overlap_steps": "KILN_OVERLAP_STEPS", "pdl": "KILN_PDL"}
 
 
-def runtime_options(environ: Mapping[str, str], *, device: str | None = None,
-                    num_kv_blocks: int | None = None) -> RuntimeOptions:
+def runtime_options(environ: Mapping[str, str], *, device: str | None = None, num_kv_blocks: int | None = None,
+                    engine_process: bool = False) -> RuntimeOptions:
     """``RuntimeOptions`` from a command's flags and the ``KILN_*`` variables of ``environ``; a bad value is refused
     naming its variable."""
-    values: dict = {"device": device, "num_kv_blocks": num_kv_blocks}
+    values: dict = {"device": device, "num_kv_blocks": num_kv_blocks, "engine_process": engine_process}
     if "KILN_KERNELS" in environ:
         values["kernels"] = _choice(environ, "KILN_KERNELS", KERNELS)
     for field, name in SWITCHES.items():

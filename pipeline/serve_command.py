@@ -138,13 +138,16 @@ def serve(
                                                                   "memory).")] = None,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="Seconds in-flight requests get to finish after "
                                                                 "SIGTERM.")] = 30.0,
+    engine_process: Annotated[bool, typer.Option(help="Run the engine in a process of its own (its host work and the "
+                                                     "HTTP server's then do not share one GIL), or on a thread of "
+                                                     "the server's.")] = True,
 ) -> None:
     """Serve an engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /health,
     /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
     require_serve_extra()
     from kiln.runtime.server import create_app, run_server
 
-    options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks)
+    options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks, engine_process=engine_process)
     resolved = serve_target(target, options, backend=backend)
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name)
     app = create_app(resolved.loader(options), resolved.engine_dir, settings)

@@ -56,9 +56,14 @@ def is_engine_dir(path: Path) -> bool:
 
 def load_engine(engine_dir: Path, options: RuntimeOptions) -> Engine:
     """The engine of ``engine_dir`` on its backend: TensorRT-LLM for a directory with ``kiln_trtllm.json``, else the
-    native engine (which refuses a directory without its ``engine.json``)."""
+    native engine (which refuses a directory without its ``engine.json``); in a child process of its own when
+    ``options.engine_process`` is set."""
     from kiln.runtime.trtllm.engine_info import is_trtllm_engine
 
+    if options.engine_process:
+        from kiln.runtime.engine_process import ProcessEngine
+
+        return ProcessEngine.load(engine_dir, options)
     if is_trtllm_engine(engine_dir):
         from kiln.runtime.trtllm.engine import TrtllmEngine
 

@@ -36,6 +36,10 @@ class RuntimeOptions:
     - ``linear_max_m``: the most tokens a quantized linear sends to its weight-streaming kernel, for every shape;
       None follows the crossover the engine's build measured per shape.
     - ``num_kv_blocks``: the KV pool's size in blocks; None sizes it from free memory.
+    - ``engine_process``: run the engine in a child process of its own, so that its host work (scheduling, sampling,
+      detokenization, kernel launches) and this process's own Python (an HTTP server's event loop, a service that
+      embeds Kiln) do not take turns on one GIL; ``LLM`` behaves the same either way. False runs it on a thread of
+      this process.
     """
 
     device: str | None = None
@@ -45,6 +49,7 @@ class RuntimeOptions:
     pdl: bool = True
     linear_max_m: int | None = None
     num_kv_blocks: int | None = None
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:

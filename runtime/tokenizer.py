@@ -45,6 +45,15 @@ class Tokenizer:
         bos_token_id = tokenizer.token_to_id(bos) if config.get("add_bos_token") and bos else None
         return cls(tokenizer, bos_token_id)
 
+    def to_dict(self) -> dict:
+        """The tokenizer as JSON-serializable data (what `from_dict` takes), to hand it to another process."""
+        return {"tokenizer_json": self._tokenizer.to_str(), "bos_token_id": self.bos_token_id}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Tokenizer:
+        """The tokenizer `to_dict` described."""
+        return cls(tokenizers.Tokenizer.from_str(data["tokenizer_json"]), data["bos_token_id"])
+
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()

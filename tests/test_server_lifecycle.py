@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -73,9 +74,9 @@ def _read_lines(stream, lines: queue.Queue) -> None:
         lines.put(line)
 
 
-def test_sigterm_finishes_the_in_flight_stream_refuses_new_work_and_exits_0():
+def test_sigterm_finishes_the_in_flight_stream_stops_the_engine_process_and_exits_0():
     code = ("import sys; from kiln.pipeline.serve_command import serve; "
-            "serve(sys.argv[1], port=0, model_name='tiny', shutdown_timeout=30.0)")
+            "serve(sys.argv[1], port=0, model_name='tiny', shutdown_timeout=30.0, engine_process=True)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_engine())], cwd=REPO, stderr=subprocess.PIPE,
                             text=True, env=repo_env())
     lines: queue.Queue = queue.Queue()
@@ -93,12 +94,16 @@ def test_sigterm_finishes_the_in_flight_stream_refuses_new_work_and_exits_0():
                                                                           json=body) as response:
             events = response.iter_lines()
             next(line for line in events if line.startswith("data: "))
+            engine_processes = [child for task in Path(f"/proc/{proc.pid}/task").iterdir()
+                                for child in (task / "children").read_text().split()]
             proc.send_signal(signal.SIGTERM)
             wait_until(lambda: _refused(url), timeout=10)
             rest = [line[6:] for line in events if line.startswith("data: ")]
         assert rest[-1] == "[DONE]"
         assert json.loads(rest[-2])["usage"]["completion_tokens"] == 200
         assert proc.wait(timeout=30) == 0
+        assert len(engine_processes) == 1
+        wait_until(lambda: not Path(f"/proc/{engine_processes[0]}").exists(), timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()

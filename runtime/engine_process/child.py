@@ -1,0 +1,90 @@
+"""The child side: load an engine, then step it for as long as it has work, sending every step's results (and the
+engine's stats every ``STATS_INTERVAL_S``) to the parent; it lives as long as the parent's end of the pipe."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from kiln.runtime.engine import Engine, load_engine
+from kiln.runtime.engine_process.wire import error_to_wire, receive, request_from_wire, result_to_wire, send
+from kiln.runtime.errors import KilnError
+from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.outputs import RequestFailure, StreamDelta
+
+STATS_INTERVAL_S = 0.2
+
+
+def load(engine_dir: str, options: dict) -> Engine:
+    """The default factory: the engine of ``engine_dir``, loaded in this process with ``options``."""
+    return load_engine(Path(engine_dir), RuntimeOptions(**options))
+
+
+def main(fd: int) -> int:
+    """Serve the parent on the socket ``fd``: read the factory, load, say hello (or why the load failed), run."""
+    # Ctrl-C and SIGTERM go to the parent, which drains its requests and then closes this process through the pipe
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(fd)
+    try:
+        spec = receive(conn)
+        module, _, function = spec["factory"].partition(":")
+        try:
+            engine = getattr(importlib.import_module(module), function)(**spec["arguments"])
+        except Exception as exc:
+            send(conn, {"error": error_to_wire(exc)})
+            return 1
+        tokenizer = engine.tokenizer.to_dict() if engine.tokenizer is not None else None
+        send(conn, {"limits": asdict(engine.limits), "tokenizer": tokenizer, "stats": engine.stats_snapshot()})
+        try:
+            serve(conn, engine)
+        except Exception as exc:  # a bug in the engine: the parent fails what is in flight and reports it
+            send(conn, {"fatal": error_to_wire(exc)})
+            raise
+        finally:
+            engine.close()
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent has gone: nobody is left to serve
+        return 0
+    return 0
+
+
+def serve(conn: Connection, engine: Engine) -> None:
+    """Apply the parent's adds and aborts between steps; after each step (or a command that produced a result), send
+    what it gave. Returns when the parent says close."""
+    last_stats = 0.0
+    while True:
+        results: list[StreamDelta | RequestFailure] = []
+        for message in _messages(conn, block=not engine.has_unfinished()):
+            if "close" in message:
+                return
+            if "add" in message:
+                seq = request_from_wire(message["add"])
+                try:
+                    engine.add_request(seq)
+                except KilnError as exc:
+                    results.append(RequestFailure(seq.request_id, exc))
+            elif (delta := engine.abort_request(message["abort"])) is not None:
+                results.append(delta)
+        stepped = engine.has_unfinished()
+        if stepped:
+            results += engine.step()
+        if not (results or stepped):
+            continue
+        reply: dict = {"results": [result_to_wire(result) for result in results]}
+        now = time.monotonic()
+        if now - last_stats >= STATS_INTERVAL_S or not engine.has_unfinished():
+            reply["stats"], last_stats = engine.stats_snapshot(), now
+        send(conn, reply)
+
+
+def _messages(conn: Connection, block: bool) -> Iterator[dict]:
+    """The parent's waiting messages (waiting for the first when ``block``)."""
+    if block:
+        yield receive(conn)
+    while conn.poll():
+        yield receive(conn)

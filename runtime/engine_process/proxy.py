@@ -1,0 +1,145 @@
+"""``ProcessEngine``: the ``Engine`` interface over an engine that runs in a child process.
+
+The child owns the device and does everything a step does, sampling and detokenization included; this process keeps
+tokenization and validation (``make_request``) and the routing of results. Python's GIL is then not shared between
+the engine's host work and whatever else this process runs (an HTTP server's event loop, an embedding service).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+from dataclasses import asdict, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from kiln.runtime.engine_process.wire import (
+    error_from_wire,
+    receive,
+    request_to_wire,
+    result_from_wire,
+    send,
+)
+from kiln.runtime.errors import KilnError
+from kiln.runtime.kiln_python import kiln_module_command
+from kiln.runtime.limits import EngineLimits
+from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.outputs import RequestFailure, StreamDelta
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import Sequence
+from kiln.runtime.tokenizer import Tokenizer, encode_prompt
+
+CLOSE_TIMEOUT_S = 60
+
+
+class EngineProcessError(KilnError):
+    """The engine process failed to start, or exited while it served."""
+
+
+class ProcessEngine:
+    """An engine loaded by ``factory(**arguments)`` (a ``"module:function"``) in a child process; use
+    ``ProcessEngine.load`` for an engine directory. Its methods are called as ``LLM`` calls an ``Engine``'s."""
+
+    def __init__(self, factory: str, arguments: dict) -> None:
+        ours, theirs = socket.socketpair()
+        argv, environment = kiln_module_command("kiln.runtime.engine_process", str(theirs.fileno()))
+        with theirs:
+            self._process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=environment)
+        self._conn = Connection(ours.detach())
+        self._unfinished: set[str] = set()
+        try:
+            send(self._conn, {"factory": factory, "arguments": arguments})
+            hello = self._receive()
+        except BaseException:  # the child died, or this process was interrupted while it loaded
+            self._process.kill()
+            self._process.wait()
+            self._conn.close()
+            raise
+        if "error" in hello:
+            self._process.wait()
+            self._conn.close()
+            raise error_from_wire(hello["error"], default=EngineProcessError)
+        self.limits = EngineLimits(**hello["limits"])
+        self.tokenizer = Tokenizer.from_dict(hello["tokenizer"]) if hello["tokenizer"] is not None else None
+        self._stats: dict = hello["stats"]
+
+    @classmethod
+    def load(cls, engine_dir: Path, options: RuntimeOptions) -> ProcessEngine:
+        """The engine of ``engine_dir`` with ``options``, loaded and run in a child process."""
+        child_options = asdict(replace(options, engine_process=False))
+        return cls("kiln.runtime.engine_process.child:load", {"engine_dir": str(engine_dir), "options": child_options})
+
+    @property
+    def pid(self) -> int:
+        """The engine process's id."""
+        return self._process.pid
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Tokenize and validate a request here, as the engine in the child would (safe from any thread)."""
+        token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop))
+        self.limits.check_request(len(token_ids), params.max_tokens)
+        return Sequence(request_id, token_ids, params)
+
+    def add_request(self, seq: Sequence) -> None:
+        self._send({"add": request_to_wire(seq)})
+        self._unfinished.add(seq.request_id)
+
+    def abort_request(self, request_id: str) -> StreamDelta | None:
+        """Ask the child to abort; its final delta arrives with a later step (None is returned at once)."""
+        if request_id in self._unfinished:
+            self._send({"abort": request_id})
+        return None
+
+    def step(self) -> list[StreamDelta | RequestFailure]:
+        """The results of the child's next step (or of adds and aborts it applied)."""
+        message = self._receive()
+        if "fatal" in message:
+            raise error_from_wire(message["fatal"], default=EngineProcessError)
+        if "stats" in message:
+            self._stats = message["stats"]
+        results = [result_from_wire(item) for item in message["results"]]
+        for result in results:
+            if isinstance(result, RequestFailure) or result.finished:
+                self._unfinished.discard(result.request_id)
+        return results
+
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished)
+
+    def stats_snapshot(self) -> dict:
+        """The child's latest stats (sent at most ``STATS_INTERVAL_S`` apart while it runs, and when it goes idle)."""
+        return self._stats
+
+    def close(self) -> None:
+        """Ask the child to release the engine and exit; kill it if it has not within ``CLOSE_TIMEOUT_S``."""
+        with contextlib.suppress(EngineProcessError):
+            self._send({"close": True})
+        try:
+            self._process.wait(timeout=CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        finally:
+            self._conn.close()
+
+    def _send(self, message: dict) -> None:
+        try:
+            send(self._conn, message)
+        except OSError:
+            raise self._exited() from None
+
+    def _receive(self) -> dict:
+        try:
+            return receive(self._conn)
+        except (EOFError, OSError):
+            raise self._exited() from None
+
+    def _exited(self) -> EngineProcessError:
+        try:
+            code = self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        return EngineProcessError(f"the engine process (pid {self._process.pid}) {how}; its own error, if it had "
+                                  f"one, is in the log above")

@@ -1,0 +1,105 @@
+"""The engine in a process of its own (``RuntimeOptions(engine_process=True)``, the default of `kiln serve`): the
+embedded ``LLM`` keeps its semantics (outputs, streams, abort, limits, errors), the server its health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+
+import httpx
+import pytest
+
+from kiln.runtime import LLM, RuntimeOptions, SamplingParams
+from kiln.runtime.limits import RequestTooLongError
+from kiln.runtime.llm import EngineClosedError
+from kiln.runtime.server import ServerSettings, ServerThread, create_app
+from tests.test_server_support import engine_idle, tiny_engine, wait_until
+
+PROMPTS = ["Once upon a time", [5, 6, 7, 8, 9]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def load_apart() -> LLM:
+    return LLM.load(tiny_engine(), RuntimeOptions(device="cpu", engine_process=True))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with load_apart() as llm:
+        yield llm
+
+
+def test_the_engine_runs_in_another_process_and_generates_what_the_thread_engine_does(llm):
+    assert llm.engine.pid != os.getpid()
+    with LLM.load(tiny_engine(), RuntimeOptions(device="cpu")) as here:
+        expected = here.generate(PROMPTS, GREEDY)
+    got = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.text for o in got] == [o.text for o in expected]
+    assert llm.tokenizer.encode("Once upon a time") == here.tokenizer.encode("Once upon a time")
+    assert llm.limits == here.limits
+
+
+def test_streams_carry_every_token_and_closing_one_aborts_it_in_the_engine_process(llm):
+    expected = llm.generate(PROMPTS, GREEDY)
+
+    async def stream_both() -> dict[int, list[int]]:
+        tokens: dict[int, list[int]] = {0: [], 1: []}
+        async for batch in llm.stream_many(PROMPTS, GREEDY):
+            for index, delta in batch:
+                tokens[index] += delta.token_ids
+        return tokens
+
+    async def stop_early() -> str | None:
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        async with contextlib.aclosing(llm.stream("Once upon a time", long)) as stream:
+            async for _ in stream:
+                break
+        return None
+
+    assert asyncio.run(stream_both()) == {0: expected[0].token_ids, 1: expected[1].token_ids}
+    asyncio.run(stop_early())
+    wait_until(lambda: engine_idle(llm))  # the abort reached the child, which freed the request's blocks
+    request_id = llm.submit("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True))
+    llm.abort(request_id)
+    assert llm.result(request_id, timeout=30).finish_reason == "abort"
+
+
+def test_a_request_over_the_limits_is_refused_in_the_caller_as_with_the_thread_engine(llm):
+    with pytest.raises(RequestTooLongError, match="max_input_len is 64"):
+        llm.generate([[5] * 300], SamplingParams(max_tokens=2))
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids  # still serving
+
+
+def test_metrics_cross_the_process_boundary(llm):
+    with ServerThread(create_app(llm, tiny_engine(), ServerSettings(model_name="tiny"))) as server:
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        wait_until(lambda: engine_idle(llm))
+        metrics = httpx.get(f"{server.url}/metrics").text
+    assert "kiln_time_to_first_token_seconds_count 1.0" in metrics
+    assert _value(metrics, "kiln_engine_steps_total") > 0
+    assert _value(metrics, "kiln_kv_blocks_free") > 0 and _value(metrics, "kiln_running_requests") == 0
+
+
+def _value(metrics: str, name: str) -> float:
+    return float(next(line for line in metrics.splitlines() if line.startswith(f"{name} ")).split()[1])
+
+
+def test_a_killed_engine_process_fails_its_waiters_and_the_server_reports_503():
+    llm = load_apart()
+    try:
+        with ServerThread(create_app(llm, tiny_engine(), ServerSettings(model_name="tiny"))) as server:
+            assert httpx.get(f"{server.url}/health").status_code == 200
+            request_id = llm.submit("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True))
+            os.kill(llm.engine.pid, signal.SIGKILL)
+            with pytest.raises(EngineClosedError, match="killed by signal 9"):
+                llm.result(request_id, timeout=30)
+            health = httpx.get(f"{server.url}/health")
+            assert health.status_code == 503 and "killed by signal 9" in health.json()["message"]
+            with pytest.raises(EngineClosedError):
+                llm.generate(["again"], SamplingParams(max_tokens=2))
+    finally:
+        llm.close()
