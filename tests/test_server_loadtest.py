@@ -12,6 +12,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from kiln.pipeline.bench.http_clients_process import run_http_apart
 from kiln.pipeline.bench.loadtest import loadtest
 from kiln.pipeline.bench.serving_clients import LoadTestError, run_http
 from kiln.pipeline.bench.serving_workload import ServingWorkload, WorkloadError, make_workload
@@ -54,6 +55,18 @@ def test_http_clients_count_every_token_and_report_latency_percentiles(server, l
     ttft = report["ttft_ms"]
     assert ttft["count"] == 10 and 0 < ttft["p50"] <= ttft["p95"] <= ttft["p99"]
     assert report["itl_ms"]["count"] > 0 and report["model"] == "tiny" and report["tokens_per_event"] >= 1
+    wait_until(lambda: engine_idle(llm))
+
+
+def test_clients_spread_over_processes_send_every_request_once_and_measure_from_one_start(server, llm):
+    requests = workload(7, 3, input_len=4, vocab_size=100, warmup=2)
+    report = asyncio.run(run_http_apart(server.url, requests, concurrency=4, chat=False, api_key="k", model="tiny",
+                                        processes=2))
+    assert report["succeeded"] == 7 and report["output_tokens"] == 21 and report["ttft_ms"]["count"] == 7
+    assert report["client_processes"] == 2 and report["client_cpu_s"] > 0
+    with pytest.raises(LoadTestError, match="none of 7 requests succeeded.*Incorrect API key"):
+        asyncio.run(run_http_apart(server.url, requests, concurrency=4, chat=False, api_key="wrong", model="tiny",
+                                   processes=2))
     wait_until(lambda: engine_idle(llm))
 
 
@@ -109,14 +122,16 @@ def test_loadtest_serves_an_engine_on_loopback_and_reports_its_efficiency_agains
     assert report["workload"] == {"requests": 6, "warmup": 1, "request_rate": "inf", "input_tokens_mean": 8.0,
                                   "output_tokens_mean": 4.0, "prompt": None}
     assert report["offline"]["output_tokens"] == 24 and report["in_process"]["output_tokens"] == 24
+    cpu = report["cpu_us_per_token"]  # the engine runs in a process of its own, the clients in another
+    assert set(cpu) == {"server", "engine_process", "clients"} and min(cpu.values()) > 0
     assert report["efficiency"] == pytest.approx(report["output_tokens_per_s"]
                                                  / report["offline"]["output_tokens_per_s"], abs=1e-4)
 
 
 def test_serve_command_help_lists_its_options():
-    result = CliRunner().invoke(cli(), ["serve", "--help"])
+    result = CliRunner().invoke(cli(), ["serve", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
-    for option in ("--host", "--port", "--api-key", "--max-queue", "--shutdown-timeout"):
+    for option in ("--host", "--port", "--api-key", "--max-queue", "--shutdown-timeout", "--engine-process"):
         assert option in result.output
 
 

@@ -16,7 +16,15 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kiln.pipeline.bench.serving_clients import LoadTestError, run_http, run_in_process, run_offline
+from kiln.pipeline.bench.cpu_time import cpu_seconds
+from kiln.pipeline.bench.http_clients_process import client_processes, run_http_apart
+from kiln.pipeline.bench.serving_clients import (
+    LoadTestError,
+    fetch_model_card,
+    run_http,
+    run_in_process,
+    run_offline,
+)
 from kiln.pipeline.bench.serving_workload import ServingWorkload, make_workload
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
 from kiln.pipeline.runtime_env import runtime_options
@@ -46,6 +54,9 @@ def print_report(report: dict) -> None:
     if "offline" in report:
         stdout.print(f"engine offline  {report['offline']['output_tokens_per_s']:,.1f} tokens/s on the same "
                      f"workload: served at {report['efficiency']:.1%} of it", highlight=False)
+    if "cpu_us_per_token" in report:
+        stdout.print("CPU per token   " + ", ".join(f"{role.replace('_', ' ')} {us:,.0f} µs" for role, us in
+                                                   report["cpu_us_per_token"].items()), highlight=False)
     if "in_process" in report:
         inner = report["in_process"]
         stdout.print(f"in-process      {inner['output_tokens_per_s']:,.1f} tokens/s through LLM.stream, TTFT p50 "
@@ -80,23 +91,40 @@ async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *
                    vocab_size: int | None, offline: bool, in_process: bool) -> dict:
     """Make the workload (the server's model card supplies the vocabulary for random token ids), run it against the
     server, then through the engine offline and in-process when this process holds it."""
-    import httpx
-
-    async with httpx.AsyncClient(base_url=url.rstrip("/"),
-                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {}) as client:
-        from kiln.pipeline.bench.serving_clients import model_card
-
-        card = await model_card(client, url)
+    card = await fetch_model_card(url, api_key)
     workload = make_workload(**workload_options, vocab_size=vocab_size or card.get("vocab_size"))
-    report = await run_http(url, workload, concurrency=concurrency, chat=chat, api_key=api_key, model=card["id"])
+    processes = client_processes(concurrency, len(workload.requests))
+    if llm is None and processes == 1:
+        report = await run_http(url, workload, concurrency=concurrency, chat=chat, api_key=api_key, model=card["id"])
+    else:  # a server in this process must not share its interpreter with the clients
+        engine_pid = getattr(llm.engine, "pid", None) if llm is not None else None  # a ProcessEngine's child
+        before = cpu_seconds(), cpu_seconds(engine_pid) if engine_pid else None
+        report = await run_http_apart(url, workload, concurrency=concurrency, chat=chat, api_key=api_key,
+                                      model=card["id"], processes=processes)
+        if llm is not None:
+            report["cpu_us_per_token"] = _cpu_per_token(report, before, cpu_seconds(),
+                                                        cpu_seconds(engine_pid) if engine_pid else None)
+        report.pop("client_cpu_s", None)
     report["workload"] = _describe(workload, workload_options)
     if llm is not None and in_process:
         report["in_process"] = await run_in_process(llm, _fresh(workload, workload_options, vocab_size, card, 1),
                                                     concurrency=concurrency)
     if llm is not None and offline:
-        report["offline"] = run_offline(llm, _fresh(workload, workload_options, vocab_size, card, 2))
+        report["offline"] = run_offline(llm, _fresh(workload, workload_options, vocab_size, card, 2),
+                                        concurrency=concurrency)
         report["efficiency"] = round(report["output_tokens_per_s"] / report["offline"]["output_tokens_per_s"], 4)
     return report
+
+
+def _cpu_per_token(report: dict, before: tuple[float | None, float | None], server_after: float | None,
+                   engine_after: float | None) -> dict:
+    """CPU microseconds per served token of the server's process (with the engine's host work when the engine runs
+    on its thread), of the engine process, and of the clients."""
+    spent = {"server": server_after - before[0],
+             "engine_process": engine_after - before[1] if engine_after is not None and before[1] is not None else None,
+             "clients": report.pop("client_cpu_s", None)}
+    tokens = max(1, report["output_tokens"])
+    return {role: round(seconds * 1e6 / tokens, 1) for role, seconds in spent.items() if seconds is not None}
 
 
 def _fresh(workload: ServingWorkload, options: dict, vocab_size: int | None, card: dict, phase: int) -> ServingWorkload:
@@ -145,6 +173,8 @@ def loadtest(
                                                                   "workload from LLM.stream without HTTP.")] = False,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="KILN_API_KEY")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda, when serving an engine for the test.")] = None,
+    engine_process: Annotated[bool, typer.Option(help="Serving an engine for the test, run it in a process of its "
+                                                     "own, as kiln serve does, or on a thread of the server.")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")] = False,
 ) -> None:
     """Measure a server under concurrent streaming clients: throughput, TTFT, inter-token and end-to-end latency
@@ -152,7 +182,8 @@ def loadtest(
     workload_options = {"requests": requests, "warmup": warmup, "request_rate": request_rate, "seed": seed,
                         "prompt": prompt, "max_tokens": output_len or max_tokens, "input_len": input_len,
                         "output_len": output_len, "spread": spread, "prompts_file": prompts_file}
-    with _server_for(target, api_key, runtime_options(os.environ, device=device)) as (url, key, llm):
+    options = runtime_options(os.environ, device=device, engine_process=engine_process)
+    with _server_for(target, api_key, options) as (url, key, llm):
         report = asyncio.run(_measure(url, key, llm, workload_options, concurrency=clients, chat=chat,
                                       vocab_size=vocab_size, offline=offline, in_process=in_process))
     print_json(report) if json_out else print_report(report)

@@ -1,7 +1,7 @@
 """The three ways ``kiln loadtest`` runs a workload, measured alike: streaming HTTP clients against a server,
-asyncio clients streaming from the embedded ``LLM`` in this process (no HTTP), and the engine offline (every request
-at once through ``LLM.generate``). Comparing them says where serving loses time: HTTP and the server, or the stream
-path between the engine thread and its callers."""
+asyncio clients streaming from the embedded ``LLM`` in this process (no HTTP), and the engine offline (the requests
+through ``LLM.generate``, as many at once as the clients keep in flight). Comparing them says where serving loses
+time: HTTP and the server, or the stream path between the engine and its callers."""
 
 from __future__ import annotations
 
@@ -45,10 +45,12 @@ class RequestResult:
         return now
 
 
-async def drive(workload: ServingWorkload, concurrency: int,
-                send: Callable[[ServingRequest], Awaitable[RequestResult]]) -> tuple[list[RequestResult], float]:
+async def drive(workload: ServingWorkload, concurrency: int, send: Callable[[ServingRequest], Awaitable[RequestResult]],
+                ready: Callable[[], Awaitable[float]] | None = None) -> tuple[list[RequestResult], float]:
     """Run the warm-up requests, then the measured ones at their arrival times with at most ``concurrency`` in
-    flight; returns the measured results and the seconds from the first arrival to the last completion."""
+    flight; returns the measured results and the seconds from the first arrival to the last completion. ``ready``,
+    awaited after the warm-up, says when the measurement starts (on this process's monotonic clock): at once
+    without it."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(request: ServingRequest, at: float, origin: float) -> RequestResult:
@@ -58,7 +60,7 @@ async def drive(workload: ServingWorkload, concurrency: int,
 
     warm = time.monotonic()
     await asyncio.gather(*(one(r, 0.0, warm) for r in workload.warmup))
-    start = time.monotonic()
+    start = await ready() if ready is not None else time.monotonic()
     results = await asyncio.gather(*(one(r, at, start) for r, at in zip(workload.requests, workload.arrivals_s,
                                                                         strict=True)))
     return list(results), time.monotonic() - start
@@ -66,37 +68,70 @@ async def drive(workload: ServingWorkload, concurrency: int,
 
 async def run_http(url: str, workload: ServingWorkload, *, concurrency: int, chat: bool = False,
                    api_key: str | None = None, model: str | None = None, timeout_s: float = 600.0) -> dict:
-    """The workload as streaming requests to an OpenAI-compatible server at ``url``; the report (latencies in ms)."""
-    import httpx
+    """The workload as streaming requests to an OpenAI-compatible server at ``url``; the report (latencies in ms).
 
+    The clients are aiohttp's, whose C parsers cost about a fifth of httpx's CPU per streamed event: a load test's
+    clients must not be what limits the server they measure."""
+    results, duration, model = await http_results(url, workload, concurrency=concurrency, chat=chat, api_key=api_key,
+                                                  model=model, timeout_s=timeout_s)
+    return summarize_results(results, duration, url=url, model=model, clients=concurrency, chat=chat)
+
+
+async def http_results(url: str, workload: ServingWorkload, *, concurrency: int, chat: bool, api_key: str | None,
+                       model: str | None, timeout_s: float = 600.0,
+                       ready: Callable[[], Awaitable[float]] | None = None,
+                       ) -> tuple[list[RequestResult], float, str]:
+    """``run_http``'s results one by one, the measurement's seconds and the model; ``ready`` as ``drive`` takes it."""
+    aiohttp = _aiohttp()
     if chat and workload.uses_token_ids:
         raise LoadTestError("--chat sends messages, which are text: random token prompts (--input-len) go to "
                             "/v1/completions; leave out --chat")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(timeout_s)) as client:
-        model = model or (await model_card(client, url))["id"]
+    async with _session(url, api_key, concurrency, timeout_s) as session:
+        model = model or (await _model_card(session, url))["id"]
         path = "/v1/chat/completions" if chat else "/v1/completions"
 
         async def send(request: ServingRequest) -> RequestResult:
             try:
-                return await _one_http_request(client, path, _payload(model, request, chat))
-            except httpx.HTTPError as exc:
+                return await _one_http_request(session, path, _payload(model, request, chat))
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 return RequestResult(status=0, error=f"{type(exc).__name__}: {exc}")
 
-        results, duration = await drive(workload, concurrency, send)
-    return summarize_results(results, duration, url=url, model=model, clients=concurrency, chat=chat)
+        results, duration = await drive(workload, concurrency, send, ready)
+    return results, duration, model
 
 
-async def model_card(client, url: str) -> dict:
-    """The first model the server lists (Kiln's card also has the engine's ``vocab_size`` and ``max_model_len``)."""
-    import httpx
+async def fetch_model_card(url: str, api_key: str | None) -> dict:
+    """The first model the server at ``url`` lists (Kiln's card also has the engine's ``vocab_size`` and
+    ``max_model_len``)."""
+    async with _session(url, api_key, 1, 60.0) as session:
+        return await _model_card(session, url)
 
+
+def _aiohttp():
     try:
-        return (await client.get("/v1/models")).raise_for_status().json()["data"][0]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise LoadTestError(f"{url}: cannot list models ({exc}): is the server up and the key right?") from None
+        import aiohttp
+    except ImportError:
+        raise LoadTestError("kiln loadtest's HTTP clients need aiohttp, of the serve extra: pip install "
+                            "'kiln[serve]'") from None
+    return aiohttp
+
+
+def _session(url: str, api_key: str | None, concurrency: int, timeout_s: float):
+    aiohttp = _aiohttp()
+    return aiohttp.ClientSession(url.rstrip("/"), connector=aiohttp.TCPConnector(limit=concurrency),
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s), read_bufsize=2**20)
+
+
+async def _model_card(session, url: str) -> dict:
+    aiohttp = _aiohttp()
+    try:
+        async with session.get("/v1/models") as response:
+            response.raise_for_status()
+            return (await response.json())["data"][0]
+    except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, ValueError) as exc:
+        raise LoadTestError(f"{url}: cannot list models ({type(exc).__name__}: {exc}): is the server up and the key "
+                            f"right?") from None
 
 
 def _payload(model: str, request: ServingRequest, chat: bool) -> dict:
@@ -107,16 +142,16 @@ def _payload(model: str, request: ServingRequest, chat: bool) -> dict:
     return {**body, "prompt": request.prompt}
 
 
-async def _one_http_request(client, path: str, payload: dict) -> RequestResult:
+async def _one_http_request(session, path: str, payload: dict) -> RequestResult:
     start = time.monotonic()
     result, last = RequestResult(status=0), None
-    async with client.stream("POST", path, json=payload) as response:
-        result.status = response.status_code
-        if response.status_code != 200:
-            result.error = (await response.aread()).decode(errors="replace")[:200]
+    async with session.post(path, json=payload) as response:
+        result.status = response.status
+        if response.status != 200:
+            result.error = (await response.read()).decode(errors="replace")[:200]
             return result
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
@@ -156,10 +191,13 @@ async def run_in_process(llm, workload: ServingWorkload, *, concurrency: int) ->
     return summarize_results(results, duration, clients=concurrency)
 
 
-def run_offline(llm, workload: ServingWorkload) -> dict:
-    """The measured requests all at once through ``llm.generate``: the engine's own throughput on the workload."""
-    start = time.perf_counter()
-    outputs = llm.generate([r.prompt for r in workload.requests], [_params(r) for r in workload.requests])
+def run_offline(llm, workload: ServingWorkload, *, concurrency: int) -> dict:
+    """The measured requests through ``llm.generate``, ``concurrency`` at a time (the batch the clients keep in
+    flight): the engine's own throughput on the workload."""
+    start, outputs = time.perf_counter(), []
+    for first in range(0, len(workload.requests), concurrency):
+        batch = workload.requests[first:first + concurrency]
+        outputs += llm.generate([r.prompt for r in batch], [_params(r) for r in batch])
     duration = time.perf_counter() - start
     tokens = sum(len(out.token_ids) for out in outputs)
     return {"requests": len(outputs), "output_tokens": tokens, "duration_s": round(duration, 3),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kiln.runtime.errors import KilnError
@@ -43,6 +43,15 @@ class ServingWorkload:
     @property
     def uses_token_ids(self) -> bool:
         return any(not isinstance(r.prompt, str) for r in self.requests)
+
+    def to_json(self) -> dict:
+        """The workload as a JSON object (``from_json`` reads it back)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ServingWorkload:
+        return cls(requests=[ServingRequest(**r) for r in data["requests"]],
+                   warmup=[ServingRequest(**r) for r in data["warmup"]], arrivals_s=data["arrivals_s"])
 
 
 def lengths(mean: int, spread: float, count: int, rng: random.Random) -> list[int]:
