@@ -128,6 +128,15 @@ def test_loadtest_serves_an_engine_on_loopback_and_reports_its_efficiency_agains
                                                  / report["offline"]["output_tokens_per_s"], abs=1e-4)
 
 
+def test_loadtest_at_a_finite_rate_gives_no_efficiency_as_the_arrivals_set_the_served_rate():
+    result = CliRunner().invoke(cli(), ["loadtest", str(tiny_engine()), "--clients", "2", "--requests", "3",
+                                        "--request-rate", "50", "--max-tokens", "2", "--no-engine-process", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["succeeded"] == 3 and report["offline"]["output_tokens"] == 6 and "efficiency" not in report
+    assert set(report["cpu_us_per_token"]) == {"server", "clients"}  # the engine shares the server's process
+
+
 def test_serve_command_help_lists_its_options():
     result = CliRunner().invoke(cli(), ["serve", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0

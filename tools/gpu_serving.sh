@@ -13,7 +13,7 @@ kiln() { python -m kiln "$@"; }
 loadtest() {  # NAME ARGS...: one run, its JSON kept, its stderr's tail logged if it fails
   local name=$1; shift
   log "$name"
-  kiln loadtest "$@" --json > "$RUNS/$name.json" 2> "$RUNS/$name.err" || { tail -20 "$RUNS/$name.err" >> "$OUT/log.txt"; return 1; }
+  kiln loadtest "$@" --json > "$RUNS/$name.json" 2> "$RUNS/$name.err" || { tail -20 "$RUNS/$name.err" >> "$OUT/log.txt"; rm -f "$RUNS/$name.json"; }
 }
 
 log "build"
@@ -21,18 +21,20 @@ kiln bench configs/models/llama3-8b.json --format fp8 --kv-cache-dtype fp8 --bat
   --input-len 1024 --output-len 256 --json > "$RUNS/bench.json" 2> "$RUNS/bench.err"
 ENGINE=$(python -c "import json, sys; print(json.load(open(sys.argv[1]))['kiln']['engine_dir'])" "$RUNS/bench.json")
 C64=(--clients 64 --requests 1024 --warmup 64 --input-len 16 --output-len 128 --in-process)
-loadtest c64-thread "$ENGINE" "${C64[@]}" --no-engine-process
-loadtest c64-process "$ENGINE" "${C64[@]}" --engine-process
-loadtest trtllm-online "$ENGINE" --clients 500 --requests 500 --warmup 8 --request-rate 32 --input-len 467 \
-  --output-len 256 --in-process
+C1=(--clients 1 --requests 24 --warmup 4 --input-len 16 --output-len 128 --in-process)
+ONLINE=(--clients 500 --requests 500 --warmup 8 --request-rate 32 --input-len 467 --output-len 256 --in-process)
+for mode in thread process; do
+  flag=--engine-process; [ $mode = thread ] && flag=--no-engine-process
+  loadtest c64-$mode "$ENGINE" "${C64[@]}" $flag
+  loadtest c1-$mode "$ENGINE" "${C1[@]}" $flag
+  loadtest trtllm-online-$mode "$ENGINE" "${ONLINE[@]}" $flag
+done
 
 log "kiln serve"
 python -m kiln serve "$ENGINE" --port 8123 2> "$RUNS/serve.err" &
 SERVER=$!
 URL=http://127.0.0.1:8123
 until curl -sf $URL/health > /dev/null; do sleep 1; done
-loadtest c1 $URL --clients 1 --requests 32 --warmup 4 --input-len 16 --output-len 128
-loadtest c64-serve $URL --clients 64 --requests 1024 --warmup 64 --input-len 16 --output-len 128
 loadtest c256 $URL --clients 256 --requests 512 --warmup 16 --input-len 1000 --output-len 128
 sleep 1
 curl -s $URL/metrics | grep -E "^kiln_(kv_blocks|running|queue)" | tee -a "$OUT/log.txt"

@@ -52,8 +52,10 @@ def print_report(report: dict) -> None:
     if report["failed"]:
         stdout.print(f"[yellow]{report['failed']} failed[/]: {report['statuses']}", highlight=False)
     if "offline" in report:
+        served = (f"served at {report['efficiency']:.1%} of it" if "efficiency" in report else
+                  "the arrival rate bounds the served rate: compare the latencies with --in-process")
         stdout.print(f"engine offline  {report['offline']['output_tokens_per_s']:,.1f} tokens/s on the same "
-                     f"workload: served at {report['efficiency']:.1%} of it", highlight=False)
+                     f"workload: {served}", highlight=False)
     if "cpu_us_per_token" in report:
         stdout.print("CPU per token   " + ", ".join(f"{role.replace('_', ' ')} {us:,.0f} µs" for role, us in
                                                    report["cpu_us_per_token"].items()), highlight=False)
@@ -112,7 +114,8 @@ async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *
     if llm is not None and offline:
         report["offline"] = run_offline(llm, _fresh(workload, workload_options, vocab_size, card, 2),
                                         concurrency=concurrency)
-        report["efficiency"] = round(report["output_tokens_per_s"] / report["offline"]["output_tokens_per_s"], 4)
+        if math.isinf(workload_options["request_rate"]):  # at a finite rate the arrivals set the served rate
+            report["efficiency"] = round(report["output_tokens_per_s"] / report["offline"]["output_tokens_per_s"], 4)
     return report
 
 
