@@ -130,6 +130,11 @@ class LLM:
         return self.engine.tokenizer
 
     @property
+    def engine_pid(self) -> int | None:
+        """The id of the engine's own process when it runs in one (``RuntimeOptions.engine_process``), else None."""
+        return getattr(self.engine, "pid", None)
+
+    @property
     def limits(self) -> EngineLimits:
         """What one request may ask: max_input_len, max_seq_len, max_batch_size, max_num_tokens, kv_pool_tokens."""
         return self.engine.limits

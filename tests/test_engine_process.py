@@ -32,7 +32,7 @@ def llm():
 
 
 def test_the_engine_runs_in_another_process_and_generates_what_the_thread_engine_does(llm):
-    assert llm.engine.pid != os.getpid()
+    assert llm.engine_pid != os.getpid()
     with LLM.load(tiny_engine(), RuntimeOptions(device="cpu")) as here:
         expected = here.generate(PROMPTS, GREEDY)
     got = llm.generate(PROMPTS, GREEDY)
@@ -82,6 +82,8 @@ def test_metrics_cross_the_process_boundary(llm):
     assert "kiln_time_to_first_token_seconds_count 1.0" in metrics
     assert _value(metrics, "kiln_engine_steps_total") > 0
     assert _value(metrics, "kiln_kv_blocks_free") > 0 and _value(metrics, "kiln_running_requests") == 0
+    assert _value(metrics, "kiln_engine_process_resident_memory_bytes") > 0  # the engine process's own
+    assert _value(metrics, "kiln_engine_process_cpu_seconds_total") > 0 and _value(metrics, "process_cpu_seconds_total")
 
 
 def _value(metrics: str, name: str) -> float:
@@ -94,7 +96,7 @@ def test_a_killed_engine_process_fails_its_waiters_and_the_server_reports_503():
         with ServerThread(create_app(llm, tiny_engine(), ServerSettings(model_name="tiny"))) as server:
             assert httpx.get(f"{server.url}/health").status_code == 200
             request_id = llm.submit("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True))
-            os.kill(llm.engine.pid, signal.SIGKILL)
+            os.kill(llm.engine_pid, signal.SIGKILL)
             with pytest.raises(EngineClosedError, match="killed by signal 9"):
                 llm.result(request_id, timeout=30)
             health = httpx.get(f"{server.url}/health")

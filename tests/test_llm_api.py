@@ -90,6 +90,27 @@ def test_stream_deltas_concatenate_to_the_final_text(llm):
     assert final.token_ids == llm.generate([PROMPTS[1]], params)[0].token_ids
 
 
+def test_a_stream_nobody_reads_buffers_its_output_without_stalling_the_others(llm):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def read_late():
+        unread = llm.stream_many([PROMPTS[0], PROMPTS[1]], params)
+        first = await anext(unread)
+        others = await llm.generate_async(PROMPTS[2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        while llm.stats()["num_running"]:  # the unread requests run to their end meanwhile
+            await asyncio.sleep(0.01)
+        rest = [batch async for batch in unread]
+        return first, rest, others
+
+    first, rest, others = asyncio.run(read_late())
+    assert len(others.token_ids) == 30
+    assert len(rest) == 1  # everything the reader missed arrives in one batch
+    tokens = {0: [], 1: []}
+    for index, delta in first + rest[0]:
+        tokens[index] += delta.token_ids
+    assert [tokens[0], tokens[1]] == [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
+
+
 def test_closing_a_stream_early_aborts_the_request_and_frees_its_blocks(llm):
     async def take_two():
         stream = llm.stream(PROMPTS[2], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))

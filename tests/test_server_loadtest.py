@@ -97,6 +97,10 @@ def test_random_prompts_follow_their_lengths_and_poisson_arrivals_their_rate():
     assert make_workload(requests=400, warmup=3, request_rate=50.0, seed=1, input_len=20, output_len=10,
                          spread=0.5, vocab_size=100) == drawn
     assert workload(5, 1).arrivals_s == [0.0] * 5  # an infinite rate: all at once
+    leaving = make_workload(requests=400, warmup=3, request_rate=50.0, seed=1, input_len=20, output_len=10,
+                            spread=0.5, vocab_size=100, disconnect=0.25)
+    cut = [r.disconnect_after for r in leaving.requests if r.disconnect_after is not None]
+    assert 70 < len(cut) < 130 and all(1 <= n < 15 for n in cut) and leaving.warmup == drawn.warmup
     with pytest.raises(WorkloadError, match="--vocab-size"):
         workload(1, 1, input_len=4)
 
@@ -122,7 +126,7 @@ def test_loadtest_serves_an_engine_on_loopback_and_reports_its_efficiency_agains
     assert report["workload"] == {"requests": 6, "warmup": 1, "request_rate": "inf", "input_tokens_mean": 8.0,
                                   "output_tokens_mean": 4.0, "prompt": None}
     assert report["offline"]["output_tokens"] == 24 and report["in_process"]["output_tokens"] == 24
-    cpu = report["cpu_us_per_token"]  # the engine runs in a process of its own, the clients in another
+    cpu = report["server"]["cpu_us_per_token"]  # the engine runs in a process of its own, the clients in another
     assert set(cpu) == {"server", "engine_process", "clients"} and min(cpu.values()) > 0
     assert report["efficiency"] == pytest.approx(report["output_tokens_per_s"]
                                                  / report["offline"]["output_tokens_per_s"], abs=1e-4)
@@ -134,7 +138,22 @@ def test_loadtest_at_a_finite_rate_gives_no_efficiency_as_the_arrivals_set_the_s
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
     assert report["succeeded"] == 3 and report["offline"]["output_tokens"] == 6 and "efficiency" not in report
-    assert set(report["cpu_us_per_token"]) == {"server", "clients"}  # the engine shares the server's process
+    assert set(report["server"]["cpu_us_per_token"]) == {"server", "clients"}  # the engine is on a server thread
+
+
+def test_a_soak_with_clients_going_away_mid_stream_leaves_the_engine_idle_with_every_block_free():
+    result = CliRunner().invoke(cli(), ["loadtest", str(tiny_engine()), "--clients", "4", "--requests", "12",
+                                        "--input-len", "8", "--output-len", "40", "--disconnect", "0.5",
+                                        "--no-offline", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    # the seeded draw picks 7 to leave; one whose tokens arrive in fewer events than its cut finishes instead
+    assert 1 <= report["disconnected"] <= 7 and report["disconnected"] + report["succeeded"] == 12
+    assert report["statuses"] == {"200": 12}
+    server = report["server"]
+    assert server["idle_after"] == {"running": 0, "waiting": 0, "kv_blocks_used": 0}
+    assert set(server["resident_memory"]) == {"server", "engine_process"}
+    assert all(m["after_mb"] > 0 for m in server["resident_memory"].values())
 
 
 def test_serve_command_help_lists_its_options():

@@ -11,11 +11,12 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 
-from kiln.pipeline.bench.cpu_time import cpu_seconds
 from kiln.pipeline.bench.serving_clients import LoadTestError, RequestResult, http_results, summarize_results
 from kiln.pipeline.bench.serving_workload import ServingWorkload
 from kiln.runtime.errors import KilnError
@@ -32,9 +33,11 @@ def client_processes(concurrency: int, requests: int) -> int:
 
 
 async def run_http_apart(url: str, workload: ServingWorkload, *, concurrency: int, chat: bool,
-                         api_key: str | None, model: str, processes: int) -> dict:
+                         api_key: str | None, model: str, processes: int,
+                         warmed_up: Callable[[], Awaitable[None]] | None = None) -> dict:
     """``run_http``'s report for the workload, its clients spread over ``processes`` child processes; the report
-    adds their CPU seconds (``client_cpu_s``) and their number."""
+    adds their CPU seconds (``client_cpu_s``) and their number. ``warmed_up`` is awaited between the warm-up and the
+    measurement."""
     shares = [{"url": url, "chat": chat, "api_key": api_key, "model": model,
                "concurrency": concurrency // processes + (i < concurrency % processes),
                "workload": ServingWorkload(workload.requests[i::processes], workload.warmup[i::processes],
@@ -49,6 +52,8 @@ async def run_http_apart(url: str, workload: ServingWorkload, *, concurrency: in
         for child in children:
             if await child.stdout.readline() != b"ready\n":
                 raise await _failure(child)
+        if warmed_up is not None:
+            await warmed_up()
         start_at = time.time() + START_DELAY_S
         for child in children:
             child.stdin.write(f"{start_at}\n".encode())
@@ -89,7 +94,8 @@ async def _run(job: dict) -> dict:
     results, duration, _ = await http_results(job["url"], ServingWorkload.from_json(job["workload"]),
                                               concurrency=job["concurrency"], chat=job["chat"],
                                               api_key=job["api_key"], model=job["model"], ready=ready)
-    return {"results": [asdict(r) for r in results], "duration_s": duration, "cpu_s": cpu_seconds()}
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"results": [asdict(r) for r in results], "duration_s": duration, "cpu_s": usage.ru_utime + usage.ru_stime}
 
 
 def main() -> int:

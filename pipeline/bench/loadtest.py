@@ -16,12 +16,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kiln.pipeline.bench.cpu_time import cpu_seconds
 from kiln.pipeline.bench.http_clients_process import client_processes, run_http_apart
+from kiln.pipeline.bench.server_metrics import scrape, scrape_when_idle, server_usage
 from kiln.pipeline.bench.serving_clients import (
     LoadTestError,
     fetch_model_card,
-    run_http,
     run_in_process,
     run_offline,
 )
@@ -49,16 +48,25 @@ def print_report(report: dict) -> None:
         row = report[key]
         table.add_row(name, *(f"{row[p]:.1f}" if p in row else "-" for p in ("p50", "p95", "p99", "mean", "max")))
     stdout.print(table)
+    if report["disconnected"]:
+        stdout.print(f"{report['disconnected']} clients went away mid-stream, as --disconnect asked", highlight=False)
     if report["failed"]:
         stdout.print(f"[yellow]{report['failed']} failed[/]: {report['statuses']}", highlight=False)
     if "offline" in report:
         served = (f"served at {report['efficiency']:.1%} of it" if "efficiency" in report else
-                  "the arrival rate bounds the served rate: compare the latencies with --in-process")
+                  "no efficiency, as the arrival rate or the disconnecting clients set the served rate")
         stdout.print(f"engine offline  {report['offline']['output_tokens_per_s']:,.1f} tokens/s on the same "
                      f"workload: {served}", highlight=False)
-    if "cpu_us_per_token" in report:
+    if "server" in report:
+        server = report["server"]
         stdout.print("CPU per token   " + ", ".join(f"{role.replace('_', ' ')} {us:,.0f} µs" for role, us in
-                                                   report["cpu_us_per_token"].items()), highlight=False)
+                                                   server["cpu_us_per_token"].items()), highlight=False)
+        memory = ", ".join(f"{role.replace('_', ' ')} {m['after_warmup_mb']:,.0f} → {m['after_mb']:,.0f} MB "
+                           f"({m['growth']:+.1%})" for role, m in server["resident_memory"].items())
+        idle = server["idle_after"]
+        stdout.print(f"after the run   {idle.get('running', '?')} running, {idle.get('waiting', '?')} waiting, "
+                     f"{idle.get('kv_blocks_used', '?')} KV blocks held; resident memory since the warm-up: "
+                     f"{memory or 'not reported'}", highlight=False)
     if "in_process" in report:
         inner = report["in_process"]
         stdout.print(f"in-process      {inner['output_tokens_per_s']:,.1f} tokens/s through LLM.stream, TTFT p50 "
@@ -91,22 +99,23 @@ def _server_for(target: str, api_key: str | None, options: RuntimeOptions):
 
 async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *, concurrency: int, chat: bool,
                    vocab_size: int | None, offline: bool, in_process: bool) -> dict:
-    """Make the workload (the server's model card supplies the vocabulary for random token ids), run it against the
-    server, then through the engine offline and in-process when this process holds it."""
+    """Make the workload (the server's model card supplies the vocabulary for random token ids) and run it against
+    the server, its clients in processes of their own; with what the server's /metrics said of its processes
+    around the run; then through the engine offline and in-process when this process holds it."""
     card = await fetch_model_card(url, api_key)
     workload = make_workload(**workload_options, vocab_size=vocab_size or card.get("vocab_size"))
-    processes = client_processes(concurrency, len(workload.requests))
-    if llm is None and processes == 1:
-        report = await run_http(url, workload, concurrency=concurrency, chat=chat, api_key=api_key, model=card["id"])
-    else:  # a server in this process must not share its interpreter with the clients
-        engine_pid = getattr(llm.engine, "pid", None) if llm is not None else None  # a ProcessEngine's child
-        before = cpu_seconds(), cpu_seconds(engine_pid) if engine_pid else None
-        report = await run_http_apart(url, workload, concurrency=concurrency, chat=chat, api_key=api_key,
-                                      model=card["id"], processes=processes)
-        if llm is not None:
-            report["cpu_us_per_token"] = _cpu_per_token(report, before, cpu_seconds(),
-                                                        cpu_seconds(engine_pid) if engine_pid else None)
-        report.pop("client_cpu_s", None)
+    snapshots = {}
+
+    async def warmed_up() -> None:
+        snapshots["after_warmup"] = await scrape(url)
+
+    report = await run_http_apart(url, workload, concurrency=concurrency, chat=chat, api_key=api_key,
+                                  model=card["id"], processes=client_processes(concurrency, len(workload.requests)),
+                                  warmed_up=warmed_up)
+    client_cpu_s = report.pop("client_cpu_s")
+    if snapshots["after_warmup"]:
+        after, idle = await scrape(url), await scrape_when_idle(url)
+        report["server"] = server_usage(snapshots["after_warmup"], after, idle, report["output_tokens"], client_cpu_s)
     report["workload"] = _describe(workload, workload_options)
     if llm is not None and in_process:
         report["in_process"] = await run_in_process(llm, _fresh(workload, workload_options, vocab_size, card, 1),
@@ -114,20 +123,10 @@ async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *
     if llm is not None and offline:
         report["offline"] = run_offline(llm, _fresh(workload, workload_options, vocab_size, card, 2),
                                         concurrency=concurrency)
-        if math.isinf(workload_options["request_rate"]):  # at a finite rate the arrivals set the served rate
+        if math.isinf(workload_options["request_rate"]) and not workload_options["disconnect"]:
+            # at a finite rate the arrivals set the served rate; clients that go away take fewer tokens
             report["efficiency"] = round(report["output_tokens_per_s"] / report["offline"]["output_tokens_per_s"], 4)
     return report
-
-
-def _cpu_per_token(report: dict, before: tuple[float | None, float | None], server_after: float | None,
-                   engine_after: float | None) -> dict:
-    """CPU microseconds per served token of the server's process (with the engine's host work when the engine runs
-    on its thread), of the engine process, and of the clients."""
-    spent = {"server": server_after - before[0],
-             "engine_process": engine_after - before[1] if engine_after is not None and before[1] is not None else None,
-             "clients": report.pop("client_cpu_s", None)}
-    tokens = max(1, report["output_tokens"])
-    return {role: round(seconds * 1e6 / tokens, 1) for role, seconds in spent.items() if seconds is not None}
 
 
 def _fresh(workload: ServingWorkload, options: dict, vocab_size: int | None, card: dict, phase: int) -> ServingWorkload:
@@ -166,6 +165,9 @@ def loadtest(
     prompts_file: Annotated[Path | None, typer.Option(help="Prompts to send in turn: a text file (one a line) or "
                                                            "JSONL with 'prompt' and optional 'max_tokens'.")] = None,
     warmup: Annotated[int, typer.Option(min=0, help="Requests sent first and not measured.")] = 1,
+    disconnect: Annotated[float, typer.Option(min=0.0, max=1.0, help="This share of the measured requests, drawn at "
+                                                                      "random, disconnects after a random part of "
+                                                                      "its output (a soak test).")] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed of random prompts and arrivals.")] = 0,
     vocab_size: Annotated[int | None, typer.Option(min=1, help="Token ids of --input-len prompts stay below this "
                                                                "(default: the server's model card).")] = None,
@@ -184,7 +186,8 @@ def loadtest(
     p50/p95/p99, and, serving an engine itself, its efficiency against the engine offline."""
     workload_options = {"requests": requests, "warmup": warmup, "request_rate": request_rate, "seed": seed,
                         "prompt": prompt, "max_tokens": output_len or max_tokens, "input_len": input_len,
-                        "output_len": output_len, "spread": spread, "prompts_file": prompts_file}
+                        "output_len": output_len, "spread": spread, "prompts_file": prompts_file,
+                        "disconnect": disconnect}
     options = runtime_options(os.environ, device=device, engine_process=engine_process)
     with _server_for(target, api_key, options) as (url, key, llm):
         report = asyncio.run(_measure(url, key, llm, workload_options, concurrency=clients, chat=chat,

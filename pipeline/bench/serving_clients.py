@@ -24,7 +24,8 @@ class LoadTestError(KilnError):
 @dataclass
 class RequestResult:
     """One streamed request as its client saw it (seconds on the client's monotonic clock): ``events`` is how many
-    pieces of the output arrived (a piece may carry several tokens)."""
+    pieces of the output arrived (a piece may carry several tokens); ``disconnected``: the client went away
+    mid-stream, as its request said to."""
 
     status: int
     ttft_s: float | None = None
@@ -33,6 +34,7 @@ class RequestResult:
     events: int = 0
     gaps_s: list[float] = field(default_factory=list)
     error: str | None = None
+    disconnected: bool = False
 
     def arrived(self, start: float, last: float | None) -> float:
         """Note one piece of output arriving now; returns the time of it."""
@@ -92,7 +94,8 @@ async def http_results(url: str, workload: ServingWorkload, *, concurrency: int,
 
         async def send(request: ServingRequest) -> RequestResult:
             try:
-                return await _one_http_request(session, path, _payload(model, request, chat))
+                return await _one_http_request(session, path, _payload(model, request, chat),
+                                               request.disconnect_after)
             except (TimeoutError, aiohttp.ClientError) as exc:
                 return RequestResult(status=0, error=f"{type(exc).__name__}: {exc}")
 
@@ -142,7 +145,7 @@ def _payload(model: str, request: ServingRequest, chat: bool) -> dict:
     return {**body, "prompt": request.prompt}
 
 
-async def _one_http_request(session, path: str, payload: dict) -> RequestResult:
+async def _one_http_request(session, path: str, payload: dict, disconnect_after: int | None) -> RequestResult:
     start = time.monotonic()
     result, last = RequestResult(status=0), None
     async with session.post(path, json=payload) as response:
@@ -160,6 +163,10 @@ async def _one_http_request(session, path: str, payload: dict) -> RequestResult:
                 result.completion_tokens = chunk["usage"]["completion_tokens"]
             elif _carries_output(chunk):
                 last = result.arrived(start, last)
+                if result.events == disconnect_after:
+                    result.disconnected = True
+                    response.close()  # drops the connection: the server sees the client go
+                    break
     result.latency_s = time.monotonic() - start
     return result
 
@@ -182,6 +189,9 @@ async def run_in_process(llm, workload: ServingWorkload, *, concurrency: int) ->
                     result.completion_tokens += len(delta.token_ids)
                     if delta.token_ids:
                         last = result.arrived(start, last)
+                    if result.events == request.disconnect_after:
+                        result.disconnected = True  # closing the stream aborts the request
+                        break
         except KilnError as exc:
             result.status, result.error = 0, str(exc)
         result.latency_s = time.monotonic() - start
@@ -212,7 +222,8 @@ def _params(request: ServingRequest):
 
 def summarize_results(results: list[RequestResult], duration_s: float, **context: object) -> dict:
     """Throughput, latency percentiles and how many tokens each piece of output carried."""
-    ok = [r for r in results if r.status == 200 and r.error is None]
+    ok = [r for r in results if r.status == 200 and r.error is None and not r.disconnected]
+    disconnected = sum(r.disconnected for r in results)
     if not ok:
         errors = {r.error or f"HTTP {r.status}" for r in results}
         raise LoadTestError(f"none of {len(results)} requests succeeded: {'; '.join(sorted(errors))[:400]}")
@@ -225,7 +236,8 @@ def summarize_results(results: list[RequestResult], duration_s: float, **context
         **context,
         "requests": len(results),
         "succeeded": len(ok),
-        "failed": len(results) - len(ok),
+        "disconnected": disconnected,
+        "failed": len(results) - len(ok) - disconnected,
         "statuses": statuses,
         "duration_s": round(duration_s, 3),
         "requests_per_s": round(len(ok) / duration_s, 3),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kiln.runtime.errors import KilnError
@@ -25,10 +25,12 @@ class WorkloadError(KilnError):
 
 @dataclass(frozen=True)
 class ServingRequest:
-    """One request: its prompt (text, or token ids sent as they are) and the tokens it generates (EOS ignored)."""
+    """One request: its prompt (text, or token ids sent as they are), the tokens it generates (EOS ignored), and,
+    for a client that goes away mid-stream, after how many streamed pieces of output it disconnects."""
 
     prompt: Prompt
     max_tokens: int
+    disconnect_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,11 @@ def arrivals(count: int, request_rate: float, rng: random.Random) -> list[float]
 
 def make_workload(*, requests: int, warmup: int, request_rate: float, seed: int, prompt: str | None = None,
                   max_tokens: int | None = None, input_len: int | None = None, output_len: int | None = None,
-                  spread: float = 0.0, vocab_size: int | None = None,
-                  prompts_file: Path | None = None) -> ServingWorkload:
+                  spread: float = 0.0, vocab_size: int | None = None, prompts_file: Path | None = None,
+                  disconnect: float = 0.0) -> ServingWorkload:
     """The workload of the loadtest options: random token ids when ``input_len`` is given (``vocab_size`` bounds
-    them), else the prompts file's prompts in turn, else ``prompt`` for every request."""
+    them), else the prompts file's prompts in turn, else ``prompt`` for every request. A ``disconnect`` share of the
+    measured requests, drawn at random, goes away after a random part of its output."""
     rng = random.Random(seed)
     count = requests + warmup
     if input_len is not None:
@@ -91,8 +94,12 @@ def make_workload(*, requests: int, warmup: int, request_rate: float, seed: int,
         drawn = _from_file(prompts_file, count, max_tokens or output_len or 128)
     else:
         drawn = [ServingRequest(prompt or "Once upon a time", max_tokens or output_len or 128)] * count
-    return ServingWorkload(requests=drawn[warmup:], warmup=drawn[:warmup],
-                           arrivals_s=arrivals(requests, request_rate, rng))
+    times = arrivals(requests, request_rate, rng)
+    measured = drawn[warmup:]
+    if disconnect:
+        measured = [replace(r, disconnect_after=rng.randint(1, max(1, r.max_tokens - 1)))
+                    if rng.random() < disconnect else r for r in measured]
+    return ServingWorkload(requests=measured, warmup=drawn[:warmup], arrivals_s=times)
 
 
 def _from_file(path: Path, count: int, max_tokens: int) -> list[ServingRequest]:

@@ -121,7 +121,8 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     app = FastAPI(title="Kiln", version="1", lifespan=lifespan,
                   description="OpenAI-compatible completions and chat completions over a Kiln engine.")
     app.state.server = state
-    metrics = ServerMetrics(lambda: state.model.llm.stats() if state.model else None, lambda: settings.engine_cache)
+    metrics = ServerMetrics(lambda: state.model.llm.stats() if state.model else None, lambda: settings.engine_cache,
+                            lambda: state.model.llm.engine_pid if state.model else None)
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)

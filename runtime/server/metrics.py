@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -59,11 +66,26 @@ class _EngineCollector:
         yield step_seconds
 
 
-class ServerMetrics:
-    """One registry per app, so several apps (tests, embedders) never collide in prometheus-client's global one."""
+class _EngineProcessCollector(ProcessCollector):
+    """CPU seconds and memory of the engine's own process (``kiln_engine_process_*``) when it runs in one."""
 
-    def __init__(self, stats: Callable[[], dict | None], engine_cache: Callable[[], dict]) -> None:
+    def __init__(self, pid: Callable[[], int | None], registry: CollectorRegistry) -> None:
+        self._engine_pid = pid
+        super().__init__(namespace="kiln_engine", pid=pid, registry=registry)
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(super().collect() if self._engine_pid() is not None else [])
+
+
+class ServerMetrics:
+    """One registry per app, so several apps (tests, embedders) never collide in prometheus-client's global one.
+    ``engine_pid`` gives the engine process's id when the engine runs in one (else None)."""
+
+    def __init__(self, stats: Callable[[], dict | None], engine_cache: Callable[[], dict],
+                 engine_pid: Callable[[], int | None]) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        _EngineProcessCollector(engine_pid, self.registry)
         self.requests = Counter("kiln_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=self.registry)
         self.time_to_first_token = Histogram("kiln_time_to_first_token_seconds",

@@ -1,0 +1,54 @@
+"""What a Kiln server's ``/metrics`` says about a load test: CPU seconds and resident memory of the server's process
+and of its engine process, and whether the engine went idle with every KV block free afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+WATCHED = {"process_cpu_seconds_total": "server_cpu_s", "kiln_engine_process_cpu_seconds_total": "engine_cpu_s",
+           "process_resident_memory_bytes": "server_rss", "kiln_engine_process_resident_memory_bytes": "engine_rss",
+           "kiln_kv_blocks_used": "kv_blocks_used", "kiln_running_requests": "running", "kiln_queue_depth": "waiting"}
+ROLES = (("server", "server"), ("engine_process", "engine"))
+
+
+async def scrape(url: str) -> dict[str, float]:
+    """The watched samples of the server's ``/metrics``; empty when it has none (a server other than Kiln's)."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with aiohttp.ClientSession() as session, session.get(f"{url.rstrip('/')}/metrics") as response:
+            if response.status != 200:
+                return {}
+            text = await response.text()
+    except aiohttp.ClientError:
+        return {}
+    return {WATCHED[sample.name]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name in WATCHED and not sample.labels}
+
+
+async def scrape_when_idle(url: str, timeout_s: float = 30.0) -> dict[str, float]:
+    """``scrape`` once no request runs or waits and no KV block is held, or after ``timeout_s`` (then as it is)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = await scrape(url)
+        idle = not any(found.get(name) for name in ("running", "waiting", "kv_blocks_used"))
+        if idle or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.2)
+
+
+def server_usage(after_warmup: dict[str, float], after: dict[str, float], idle: dict[str, float], tokens: int,
+                 client_cpu_s: float) -> dict:
+    """CPU microseconds per served token by process, resident memory after the warm-up and after the run (and its
+    growth), and the engine's state once idle."""
+    cpu = {role: round((after[f"{key}_cpu_s"] - after_warmup[f"{key}_cpu_s"]) * 1e6 / max(1, tokens), 1)
+           for role, key in ROLES if f"{key}_cpu_s" in after and f"{key}_cpu_s" in after_warmup}
+    memory = {role: {"after_warmup_mb": round(after_warmup[f"{key}_rss"] / 2**20, 1),
+                     "after_mb": round(idle[f"{key}_rss"] / 2**20, 1),
+                     "growth": round(idle[f"{key}_rss"] / after_warmup[f"{key}_rss"] - 1, 4)}
+              for role, key in ROLES if f"{key}_rss" in after_warmup and f"{key}_rss" in idle}
+    return {"cpu_us_per_token": {**cpu, "clients": round(client_cpu_s * 1e6 / max(1, tokens), 1)},
+            "resident_memory": memory,
+            "idle_after": {name: int(idle[name]) for name in ("running", "waiting", "kv_blocks_used") if name in idle}}
