@@ -82,7 +82,9 @@ class ScriptedEngine:
         return bool(self._running)
 
     def stats_snapshot(self) -> dict:
-        return {**self.stats.snapshot(), "num_running": len(self._running), "num_waiting": 0}
+        return {**self.stats.snapshot(), "num_running": len(self._running), "num_waiting": 0,
+                "kv_cache": {"num_blocks": 0, "block_size": 0, "used_blocks": 0, "free_blocks": 0},  # no KV pool
+                "prefix_cache": {"queried_tokens": 0, "hit_tokens": 0, "hit_blocks": 0, "hit_rate": 0.0}}
 
     def close(self) -> None:
         """Nothing to release."""
