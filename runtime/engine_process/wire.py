@@ -3,6 +3,7 @@ step's deltas and failures, stats, and the load handshake the other. Nothing is 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 from dataclasses import asdict
@@ -69,8 +70,6 @@ def error_from_wire(wire: dict, default: type[KilnError]) -> KilnError:
         except ImportError:
             error_class = None
     if isinstance(error_class, type) and issubclass(error_class, KilnError):
-        try:
+        with contextlib.suppress(TypeError):  # a class whose constructor takes more than a message
             return error_class(wire["message"])
-        except TypeError:  # a class whose constructor takes more than a message
-            pass
     return default(f"{wire['name']}: {wire['message']}")
