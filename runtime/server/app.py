@@ -162,11 +162,11 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
         return model.card(state.created)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, **_STREAMING})
-    async def completions(body: CompletionRequest, request: Request, model: ServedModel = served) -> object:
-        return await create_completion(model, body, metrics, request)
+    async def completions(body: CompletionRequest, request: Request) -> object:
+        return await create_completion(state.require_model(), body, metrics, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, **_STREAMING})
-    async def chat_completions(body: ChatCompletionRequest, request: Request, model: ServedModel = served) -> object:
-        return await create_chat_completion(model, body, metrics, request)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> object:
+        return await create_chat_completion(state.require_model(), body, metrics, request)
 
     return app

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kiln.runtime.errors import KilnError
@@ -53,10 +53,10 @@ def _usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> Usage:
                  total_tokens=prompt_tokens + completion_tokens)
 
 
-async def _wait_for_disconnect(request: Request) -> None:
+async def _wait_for_disconnect(receive: Receive) -> None:
     """Return once the client has gone (the body was read already, so nothing else arrives)."""
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
@@ -65,7 +65,7 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
                    request: Request) -> list[RequestOutput] | None:
     """Every job's output, or None when the client disconnected first (its jobs are then aborted)."""
     runner = asyncio.create_task(model.generate_final(jobs, metrics.observe))
-    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    watcher = asyncio.create_task(_wait_for_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -80,20 +80,37 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
         raise APIError(500, f"generation failed: {exc}") from None
 
 
-class _EventStream(StreamingResponse):
+class _EventStream(Response):
     """Server-sent events that always release the request's admission and abort its jobs, however the stream
-    ends (finished, client gone, server shutting down)."""
+    ends (finished, client gone, server shutting down). Leaner than Starlette's StreamingResponse (no anyio task
+    group per response): one task watches for the client going away and cancels the writer."""
+
+    media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[str], release: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache"})
+        self._content = content
         self._release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        writer = asyncio.current_task()
+        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        watcher.add_done_callback(lambda task: task.cancelled() or writer.cancel())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for text in self._content:
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.cancelled():
+                raise  # cancelled from outside (the server stopping): not the client going away
+            writer.uncancel()
         finally:
+            watcher.cancel()
             self._release()
-            await self.body_iterator.aclose()
+            await self._content.aclose()
 
 
 def _event(data: dict) -> str:
