@@ -45,15 +45,17 @@ class ServeTarget:
 
     def loader(self, options: RuntimeOptions) -> Callable[[], LLM]:
         """Loads the engine with ``options`` (on this target's device unless they name one), recording the load with
-        the cache when it came from one."""
+        the cache when it came from one, then freezes the heap of this process, which serves from then on."""
         options = replace(options, device=options.device or self.device)
 
         def load() -> LLM:
+            from kiln.runtime.heap import freeze_startup_heap
             from kiln.runtime.llm import LLM
 
             llm = LLM.load(self.engine_dir, options)
             if self.record_load is not None:
                 self.record_load(llm.load_ms)
+            freeze_startup_heap()
             return llm
 
         return load

@@ -40,6 +40,8 @@ TINY = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
 class ScriptedEngine:
     """Every running request gets token ``(last + 1) % vocab`` each step, ``step_s`` after the step starts."""
 
+    submits_from_any_thread = False
+
     def __init__(self, step_s: float, max_batch_size: int = 1024) -> None:
         self.step_s = step_s
         self.tokenizer = Tokenizer.from_dir(TINY)
