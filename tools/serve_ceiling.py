@@ -16,7 +16,6 @@ import asyncio
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -38,7 +37,8 @@ TINY = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
 
 
 class ScriptedEngine:
-    """Every running request gets token ``(last + 1) % vocab`` each step, ``step_s`` after the step starts."""
+    """Every running request gets a word token each step (the next of the vocabulary's words, which decode to text at
+    once, as a trained model's output mostly does), ``step_s`` after the step starts."""
 
     submits_from_any_thread = False
 
@@ -49,6 +49,7 @@ class ScriptedEngine:
         self.limits = EngineLimits(max_input_len=4096, max_seq_len=8192, max_batch_size=max_batch_size,
                                    max_num_tokens=8192, vocab_size=vocab)
         self.eos_token_ids: frozenset[int] = frozenset()
+        self._words = [i for i in range(vocab) if self.tokenizer.decode([i]).strip().isalpha()]
         self.stats = EngineStats()
         self._running: dict[str, tuple[Sequence, object]] = {}
 
@@ -65,7 +66,7 @@ class ScriptedEngine:
         time.sleep(self.step_s)
         now, deltas = time.monotonic(), []
         for request_id, (seq, detokenizer) in list(self._running.items()):
-            token = (seq.token_ids[-1] + 1) % self.limits.vocab_size
+            token = self._words[(seq.token_ids[-1] + 1) % len(self._words)]
             seq.append_token(token, now)
             if (reason := stop_reason(seq, token, detokenizer, self.eos_token_ids)) is not None:
                 seq.finish(reason, now)
@@ -94,30 +95,13 @@ class ScriptedEngine:
 
 def served(llm: LLM, args: argparse.Namespace) -> dict:
     """The workload over HTTP, from a loadtest process of its own (so that the clients take no time from the
-    server's process)."""
-    engine_pid = getattr(llm.engine, "pid", None)
+    server's process); its report has the CPU each process spent per token, from the server's /metrics."""
     with ServerThread(create_app(llm, TINY, ServerSettings(model_name="scripted", max_queue=4096))) as server:
         loadtest = [sys.executable, "-m", "kiln", "loadtest", server.url, "--clients", str(args.clients),
                     "--requests", str(args.requests), "--warmup", str(args.clients), "--input-len",
                     str(args.input_len), "--output-len", str(args.output_len), "--json"]
-        server_cpu, engine_cpu = time.process_time(), _cpu_seconds(engine_pid)
-        clients_cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
         run = subprocess.run(loadtest, capture_output=True, text=True, check=True, env=os.environ)
-        clients_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = {"server_s": time.process_time() - server_cpu,
-               "clients_s": clients_after.ru_utime + clients_after.ru_stime - clients_cpu.ru_utime
-               - clients_cpu.ru_stime}
-        if engine_pid is not None:
-            cpu["engine_process_s"] = _cpu_seconds(engine_pid) - engine_cpu
-    return {**json.loads(run.stdout), "cpu": cpu}
-
-
-def _cpu_seconds(pid: int | None) -> float:
-    """User plus system CPU time of a live process, from /proc."""
-    if pid is None:
-        return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return json.loads(run.stdout)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -152,7 +136,7 @@ def main() -> None:
         print(f"{name:21}  {r['output_tokens_per_s']:9,.0f} tokens/s ({r['output_tokens_per_s'] / engine:.0%} of the "
               f"engine's {engine:,.0f})  TTFT p50/p99 {r['ttft_ms']['p50']:.1f}/{r['ttft_ms']['p99']:.1f} ms  "
               f"ITL p50/p99 {r['itl_ms']['p50']:.2f}/{r['itl_ms']['p99']:.2f} ms  {r['tokens_per_event']:.2f} "
-              f"tokens/event  CPU {r.get('cpu', {})}")
+              f"tokens/event  CPU µs/token {r.get('server', {}).get('cpu_us_per_token', '-')}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -187,7 +187,7 @@ async def run_in_process(llm, workload: ServingWorkload, *, concurrency: int) ->
             async with contextlib.aclosing(llm.stream(request.prompt, _params(request))) as stream:
                 async for delta in stream:
                     result.completion_tokens += len(delta.token_ids)
-                    if delta.token_ids:
+                    if delta.text or delta.finished:  # what an HTTP client sees: text held back sends no chunk
                         last = result.arrived(start, last)
                     if result.events == request.disconnect_after:
                         result.disconnected = True  # closing the stream aborts the request
