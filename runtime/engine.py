@@ -3,10 +3,6 @@
 A backend is a folder of ``runtime`` (``native/``, ``trtllm/``) whose engine class has the methods below. ``LLM``
 calls them from its one engine thread, except ``make_request`` (tokenize and validate, safe from any thread) and
 ``stats_snapshot`` (safe from any thread); a new backend implements this protocol and a line in ``load_engine``.
-
-An engine whose ``add_request`` and ``abort_request`` are safe from any thread sets ``submits_from_any_thread``
-(``ProcessEngine``: both only write to its pipe, and an abort's final delta comes from a later ``step``). ``LLM`` then
-calls them from the caller's thread, so a request reaches the engine while the engine thread waits in ``step``.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ class Engine(Protocol):
 
     tokenizer: Tokenizer | None
     limits: EngineLimits
-    submits_from_any_thread: bool
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching engine state; raise what a bad request gets."""

@@ -241,10 +241,7 @@ class LLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; its waiter gets what was generated, with finish_reason "abort"."""
-        if self.engine.submits_from_any_thread:
-            self.engine.abort_request(request_id)
-        else:
-            self._commands.put(("abort", request_id))
+        self._commands.put(("abort", request_id))
 
     def stats(self) -> dict:
         """Step, KV-pool, prefix-cache, preemption and request-latency statistics, plus `load_ms`."""
@@ -274,16 +271,7 @@ class LLM:
             if seq.request_id in self._sinks or seq.request_id in self._results:
                 raise ValueError(f"request id {seq.request_id!r} is already in use: pick a unique id")
             self._sinks[seq.request_id] = sink
-        if not self.engine.submits_from_any_thread:
-            self._commands.put(("add", seq))
-            return sink.future
-        try:
-            self.engine.add_request(seq)
-        except BaseException:
-            with self._lock:
-                self._sinks.pop(seq.request_id, None)
-            raise
-        self._commands.put(("wake", None))  # the engine thread may be waiting for a command, not for a step
+        self._commands.put(("add", seq))
         return sink.future
 
     @property
@@ -320,8 +308,6 @@ class LLM:
             block = False
             if kind == "close":
                 return False
-            if kind == "wake":
-                continue
             if kind == "add":
                 try:
                     self.engine.add_request(arg)

@@ -40,8 +40,6 @@ class ScriptedEngine:
     """Every running request gets a word token each step (the next of the vocabulary's words, which decode to text at
     once, as a trained model's output mostly does), ``step_s`` after the step starts."""
 
-    submits_from_any_thread = False
-
     def __init__(self, step_s: float, max_batch_size: int = 1024) -> None:
         self.step_s = step_s
         self.tokenizer = Tokenizer.from_dir(TINY)

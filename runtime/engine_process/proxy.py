@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
-import threading
 from dataclasses import asdict, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -40,10 +39,7 @@ class EngineProcessError(KilnError):
 
 class ProcessEngine:
     """An engine loaded by ``factory(**arguments)`` (a ``"module:function"``) in a child process; use
-    ``ProcessEngine.load`` for an engine directory. Its methods are called as ``LLM`` calls an ``Engine``'s; adds and
-    aborts are safe from any thread (one lock orders the writes to the pipe)."""
-
-    submits_from_any_thread = True
+    ``ProcessEngine.load`` for an engine directory. Its methods are called as ``LLM`` calls an ``Engine``'s."""
 
     def __init__(self, factory: str, arguments: dict) -> None:
         ours, theirs = socket.socketpair()
@@ -52,7 +48,6 @@ class ProcessEngine:
             self._process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=environment)
         self._conn = Connection(ours.detach())
         self._unfinished: set[str] = set()
-        self._lock = threading.Lock()  # the pipe's writes and ``_unfinished``
         try:
             send(self._conn, {"factory": factory, "arguments": arguments})
             hello = self._receive()
@@ -87,17 +82,13 @@ class ProcessEngine:
         return Sequence(request_id, token_ids, params)
 
     def add_request(self, seq: Sequence) -> None:
-        message = {"add": request_to_wire(seq)}
-        with self._lock:
-            self._send(message)
-            self._unfinished.add(seq.request_id)
+        self._send({"add": request_to_wire(seq)})
+        self._unfinished.add(seq.request_id)
 
     def abort_request(self, request_id: str) -> StreamDelta | None:
-        """Ask the child to abort; its final delta arrives with a later step (None is returned at once). Nothing to do
-        once the child has gone: the engine thread's next ``step`` fails every request."""
-        with self._lock, contextlib.suppress(EngineProcessError):
-            if request_id in self._unfinished:
-                self._send({"abort": request_id})
+        """Ask the child to abort; its final delta arrives with a later step (None is returned at once)."""
+        if request_id in self._unfinished:
+            self._send({"abort": request_id})
         return None
 
     def step(self) -> list[StreamDelta | RequestFailure]:
@@ -108,10 +99,9 @@ class ProcessEngine:
         if "stats" in message:
             self._stats = message["stats"]
         results = [result_from_wire(item) for item in message["results"]]
-        with self._lock:
-            for result in results:
-                if isinstance(result, RequestFailure) or result.finished:
-                    self._unfinished.discard(result.request_id)
+        for result in results:
+            if isinstance(result, RequestFailure) or result.finished:
+                self._unfinished.discard(result.request_id)
         return results
 
     def has_unfinished(self) -> bool:
@@ -123,7 +113,7 @@ class ProcessEngine:
 
     def close(self) -> None:
         """Ask the child to release the engine and exit; kill it if it has not within ``CLOSE_TIMEOUT_S``."""
-        with contextlib.suppress(EngineProcessError), self._lock:
+        with contextlib.suppress(EngineProcessError):
             self._send({"close": True})
         try:
             self._process.wait(timeout=CLOSE_TIMEOUT_S)

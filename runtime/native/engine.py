@@ -38,8 +38,6 @@ class NativeEngine:
     """Single-threaded core: requests in, one step at a time, deltas out (``runtime.engine.Engine``). `LLM` drives it
     from a thread."""
 
-    submits_from_any_thread = False
-
     def __init__(self, engine_dir: Path, options: RuntimeOptions) -> None:
         engine_dir = Path(engine_dir)
         self.config = EngineConfig.load(engine_dir)

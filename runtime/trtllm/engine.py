@@ -52,8 +52,6 @@ class _Request:
 class TrtllmEngine:
     """TensorRT-LLM's executor (in-flight batching, paged KV, block reuse, chunked context) as a Kiln engine."""
 
-    submits_from_any_thread = False
-
     def __init__(self, engine_dir: Path, options: RuntimeOptions, *, free_gpu_memory_fraction: float = 0.9,
                  poll_ms: int = 10) -> None:
         engine_dir = Path(engine_dir)
