@@ -4,6 +4,8 @@
 # own, and on TensorRT-LLM's online workload (each with the engine offline and in-process in the same run); then the
 # latency workloads against one `kiln serve`. Writes results.json, table.md and log.txt to $OUT.
 #   bash tools/gpu_serving.sh        (PYTHONPATH, KILN_CACHE and the serve extra set up by the caller)
+# MODES="process" or "thread" runs one engine placement only; C256=0 leaves out the 256-client run (to split the
+# script over calls of a limited length: the engine's directory is kept in $KILN_CACHE/serving-engine).
 set -euo pipefail
 OUT=${OUT:-.}
 RUNS=$(mktemp -d)
@@ -16,30 +18,38 @@ loadtest() {  # NAME ARGS...: one run, its JSON kept, its stderr's tail logged i
   kiln loadtest "$@" --json > "$RUNS/$name.json" 2> "$RUNS/$name.err" || { tail -20 "$RUNS/$name.err" >> "$OUT/log.txt"; rm -f "$RUNS/$name.json"; }
 }
 
-log "build"
-kiln bench configs/models/llama3-8b.json --format fp8 --kv-cache-dtype fp8 --batch-1 --prompts 256 \
-  --input-len 1024 --output-len 256 --json > "$RUNS/bench.json" 2> "$RUNS/bench.err"
-ENGINE=$(python -c "import json, sys; print(json.load(open(sys.argv[1]))['kiln']['engine_dir'])" "$RUNS/bench.json")
+KEPT=${KILN_CACHE:?}/serving-engine
+if [ -f "$KEPT" ] && [ -d "$(cat "$KEPT")" ]; then
+  ENGINE=$(cat "$KEPT")
+else
+  log "build"
+  kiln bench configs/models/llama3-8b.json --format fp8 --kv-cache-dtype fp8 --batch-1 --prompts 256 \
+    --input-len 1024 --output-len 256 --json > "$RUNS/bench.json" 2> "$RUNS/bench.err"
+  ENGINE=$(python -c "import json, sys; print(json.load(open(sys.argv[1]))['kiln']['engine_dir'])" "$RUNS/bench.json")
+  echo "$ENGINE" > "$KEPT"
+fi
 C64=(--clients 64 --requests 1024 --warmup 64 --input-len 16 --output-len 128 --in-process)
 C1=(--clients 1 --requests 24 --warmup 4 --input-len 16 --output-len 128 --in-process)
 ONLINE=(--clients 500 --requests 500 --warmup 8 --request-rate 32 --input-len 467 --output-len 256 --in-process)
-for mode in thread process; do
+for mode in ${MODES:-thread process}; do
   flag=--engine-process; [ $mode = thread ] && flag=--no-engine-process
   loadtest c64-$mode "$ENGINE" "${C64[@]}" $flag
   loadtest c1-$mode "$ENGINE" "${C1[@]}" $flag
   loadtest trtllm-online-$mode "$ENGINE" "${ONLINE[@]}" $flag
 done
 
-log "kiln serve"
-python -m kiln serve "$ENGINE" --port 8123 2> "$RUNS/serve.err" &
-SERVER=$!
-URL=http://127.0.0.1:8123
-until curl -sf $URL/health > /dev/null; do sleep 1; done
-loadtest c256 $URL --clients 256 --requests 512 --warmup 16 --input-len 1000 --output-len 128
-sleep 1
-curl -s $URL/metrics | grep -E "^kiln_(kv_blocks|running|queue)" | tee -a "$OUT/log.txt"
-kill -TERM $SERVER
-wait $SERVER && log "serve drained and exited 0"
+if [ "${C256:-1}" != 0 ]; then
+  log "kiln serve"
+  python -m kiln serve "$ENGINE" --port 8123 2> "$RUNS/serve.err" &
+  SERVER=$!
+  URL=http://127.0.0.1:8123
+  until curl -sf $URL/health > /dev/null; do sleep 1; done
+  loadtest c256 $URL --clients 256 --requests 512 --warmup 16 --input-len 1000 --output-len 128
+  sleep 1
+  curl -s $URL/metrics | grep -E "^kiln_(kv_blocks|running|queue)" | tee -a "$OUT/log.txt"
+  kill -TERM $SERVER
+  wait $SERVER && log "serve drained and exited 0"
+fi
 
 python - "$RUNS" "$OUT" <<'PY'
 import json, sys
