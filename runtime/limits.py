@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.runtime.errors import KilnError
+from kiln.runtime.errors import InvalidRequestError, KilnError
 from kiln.runtime.plan import BuildPlan
+from kiln.runtime.sampling_params import SamplingParams
 
 
 class RequestTooLongError(KilnError, ValueError):
@@ -39,8 +40,10 @@ class EngineLimits:
         smaller."""
         return self.max_seq_len if self.kv_pool_tokens is None else min(self.max_seq_len, self.kv_pool_tokens)
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise RequestTooLongError unless a request of this size can be served."""
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise RequestTooLongError unless a request of this size can be served, InvalidRequestError when its
+        parameters name a token id outside the vocabulary."""
+        max_tokens = params.max_tokens
         if num_prompt_tokens == 0:
             raise RequestTooLongError("prompt is empty: give at least one token")
         if num_prompt_tokens > self.max_input_len:
@@ -55,3 +58,7 @@ class EngineLimits:
         if self.kv_pool_tokens is not None and total > self.kv_pool_tokens:
             raise RequestTooLongError(f"request of {total} tokens does not fit the KV pool of {self.kv_pool_tokens} "
                                       f"tokens: lower max_tokens or load with more num_kv_blocks")
+        named = [*params.stop_token_ids, *params.logit_bias]
+        if self.vocab_size is not None and (outside := sorted(t for t in named if t >= self.vocab_size)):
+            raise InvalidRequestError(f"token ids {outside[:8]} (in stop_token_ids or logit_bias) are outside the "
+                                      f"vocabulary of {self.vocab_size} tokens")

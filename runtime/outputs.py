@@ -41,9 +41,29 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log probability under the model, and the ``top`` most likely token ids at its position with theirs
+    (most likely first; as many as the request's ``logprobs`` or ``prompt_logprobs`` asked for)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+    def to_wire(self) -> list:
+        """As JSON: ``[token_id, logprob, [[id, logprob], ...]]``."""
+        return [self.token_id, self.logprob, [list(pair) for pair in self.top]]
+
+    @classmethod
+    def from_wire(cls, item: list) -> TokenLogprob:
+        return cls(item[0], item[1], [tuple(pair) for pair in item[2]])
+
+
 @dataclass
 class RequestOutput:
-    """A finished request: completion text and token ids (a stop token is in `token_ids`, never in `text`)."""
+    """A finished request: completion text and token ids (a stop token is in `token_ids`, never in `text`), with each
+    completion token's log probabilities when the request asked for ``logprobs`` and each prompt token's (None for
+    the first, which has no context) for ``prompt_logprobs``."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -52,11 +72,14 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     finished: bool = True
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
 class StreamDelta:
-    """What one step added to a request; the last delta has `finished` set and carries the whole `output`."""
+    """What one step added to a request; the last delta has `finished` set and carries the whole `output`.
+    ``logprobs`` has one entry per new token when the request asked for them."""
 
     request_id: str
     text: str
@@ -64,16 +87,19 @@ class StreamDelta:
     finished: bool = False
     finish_reason: str | None = None
     output: RequestOutput | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 def step_delta(seq: Sequence, detokenizer: IncrementalDetokenizer | None, new_token_ids: list[int]) -> StreamDelta:
     """The delta one step emits for ``seq``; once it has finished, with the whole RequestOutput attached."""
     finished = seq.is_finished
+    logprobs = seq.logprobs[len(seq.logprobs) - len(new_token_ids):] if seq.logprobs is not None else None
     delta = StreamDelta(seq.request_id, detokenizer.take_delta(finished) if detokenizer else "", new_token_ids,
-                        finished, seq.finish_reason)
+                        finished, seq.finish_reason, logprobs=logprobs)
     if finished:
         delta.output = RequestOutput(seq.request_id, seq.prompt_token_ids, detokenizer.text if detokenizer else "",
-                                     seq.completion_token_ids, seq.finish_reason, RequestMetrics.from_sequence(seq))
+                                     seq.completion_token_ids, seq.finish_reason, RequestMetrics.from_sequence(seq),
+                                     logprobs=seq.logprobs, prompt_logprobs=seq.prompt_logprobs)
     return delta
 
 

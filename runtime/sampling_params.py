@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 GREEDY_TEMPERATURE = 1e-5
 # Seeds are unsigned 64-bit, what both torch.Generator.manual_seed and TensorRT-LLM's SamplingConfig take.
 MAX_SEED = 2**64 - 1
+# The most alternatives a token's (or a prompt token's) log probabilities list, as in OpenAI's API and vLLM.
+MAX_LOGPROBS = 20
+# OpenAI's ranges: presence and frequency penalties in [-2, 2], a logit bias in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -21,6 +26,15 @@ class SamplingParams:
     unless `ignore_eos`, or at a string in `stop`, which is cut from the text (finish_reason "stop").
     `detokenize=False` returns token ids only (the text stays empty, as TensorRT-LLM's executor and transformers'
     `generate` return them), which saves decoding every token; stop strings need the text.
+
+    Logit controls, applied before temperature, top-k and top-p: `presence_penalty` and `frequency_penalty` (OpenAI's
+    semantics, in [-2, 2]: subtracted once per token id present in the completion, and once per occurrence),
+    `repetition_penalty` (transformers' semantics, > 0: a logit of a token in the prompt or the completion is
+    divided by it when positive, multiplied when negative), `logit_bias` (token id -> a bias in [-100, 100] added
+    to its logit) and `min_tokens` (no EOS or stop token before that many completion tokens).
+    `logprobs=k` returns each completion token's log probability and the `k` most likely alternatives (0 <= k <=
+    20); `prompt_logprobs=k` the same for every prompt token after the first. They are the model's own
+    distribution (log-softmax of its logits, before the controls and the temperature), as vLLM returns by default.
     """
 
     temperature: float = 1.0
@@ -32,13 +46,22 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     detokenize: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = dict(self.logit_bias)
         self._validate()
+        self._validate_controls()
 
     def _validate(self) -> None:
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
@@ -62,7 +85,47 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
 
+    def _validate_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"SamplingParams.{name} must be a number in [-2, 2] (0 is off), got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0 (1 is off), "
+                             f"got {self.repetition_penalty!r}")
+        for token_id, bias in self.logit_bias.items():
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"SamplingParams.logit_bias keys must be token ids >= 0, got {token_id!r}")
+            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"SamplingParams.logit_bias[{token_id}] must be a number in [-100, 100], got {bias!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"SamplingParams.{name} must be None or an int in [0, {MAX_LOGPROBS}] (the number of "
+                                 f"alternatives per token), got {value!r}")
+
+    @property
+    def penalizes_repeats(self) -> bool:
+        """Whether the logits depend on the tokens so far (a presence, frequency or repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def controls_logits(self) -> bool:
+        """Whether anything changes the model's logits before sampling (penalties, a bias, a minimum length)."""
+        return self.penalizes_repeats or bool(self.logit_bias) or self.min_tokens > 0
+
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (a temperature below GREEDY_TEMPERATURE)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

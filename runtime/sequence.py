@@ -12,6 +12,8 @@ from kiln.runtime.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from kiln.runtime.outputs import TokenLogprob
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
@@ -49,6 +51,8 @@ class Sequence:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.inter_token_latencies: list[float] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -82,8 +86,9 @@ class Sequence:
         """True when the only token without KV is the last sampled one (one token per step from here on)."""
         return self.num_completion_tokens > 0 and self.num_computed_tokens == self.num_tokens - 1
 
-    def append_token(self, token_id: int, now: float | None = None) -> None:
-        """Add a sampled token and record its latency."""
+    def append_token(self, token_id: int, now: float | None = None, logprob: TokenLogprob | None = None) -> None:
+        """Add a sampled token (with its log probabilities, when the request asked for them) and record its
+        latency."""
         now = time.monotonic() if now is None else now
         if self.first_token_time is None:
             self.first_token_time = now
@@ -91,6 +96,8 @@ class Sequence:
             self.inter_token_latencies.append(now - self.last_token_time)
         self.last_token_time = now
         self.token_ids.append(token_id)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
 
     def finish(self, reason: str, now: float | None = None) -> None:
         """Mark the sequence finished ("stop", "length" or "abort")."""

@@ -209,6 +209,19 @@ def test_max_tokens_ends_with_length_and_sampling_parameters_are_translated(trtl
     assert (sampling.top_k, sampling.top_p, sampling.temperature, sampling.seed) == (5, 0.9, 0.7, 7)
 
 
+def test_penalties_and_min_tokens_go_to_the_executor_and_what_it_lacks_is_refused(trtllm, engine_dir):
+    with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
+        params = SamplingParams(max_tokens=3, temperature=0, presence_penalty=0.5, frequency_penalty=-0.25,
+                                repetition_penalty=1.3, min_tokens=2)
+        llm.generate([[2, 3, 4]], params)
+        for asked in (dict(logprobs=2), dict(prompt_logprobs=0), dict(logit_bias={3: 5.0})):
+            with pytest.raises(TrtllmRequestError, match=f"does not serve {next(iter(asked))}"):
+                llm.generate([[2, 3, 4]], SamplingParams(**asked))
+    sampling = FakeExecutor.instances[0].requests[100].sampling_config
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
+            sampling.min_tokens, sampling.top_k) == (0.5, -0.25, 1.3, 2, 1)
+
+
 def test_a_stop_string_finishes_the_request_and_cancels_it_in_the_executor(trtllm, engine_dir):
     with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
         out = llm.generate("the", SamplingParams(max_tokens=20, temperature=0, stop=["c"]))[0]

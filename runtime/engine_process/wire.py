@@ -10,7 +10,14 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 
 from kiln.runtime.errors import KilnError
-from kiln.runtime.outputs import RequestFailedError, RequestFailure, RequestMetrics, RequestOutput, StreamDelta
+from kiln.runtime.outputs import (
+    RequestFailedError,
+    RequestFailure,
+    RequestMetrics,
+    RequestOutput,
+    StreamDelta,
+    TokenLogprob,
+)
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 
@@ -26,34 +33,48 @@ def receive(conn: Connection) -> dict:
 
 
 def request_to_wire(seq: Sequence) -> list:
-    return [seq.request_id, seq.prompt_token_ids, asdict(seq.params), seq.arrival_time]
+    params = asdict(seq.params)
+    params["logit_bias"] = list(seq.params.logit_bias.items())  # JSON object keys would be strings
+    return [seq.request_id, seq.prompt_token_ids, params, seq.arrival_time]
 
 
 def request_from_wire(item: list) -> Sequence:
     request_id, prompt_token_ids, params, arrival_time = item
+    params["logit_bias"] = dict(params["logit_bias"])
     return Sequence(request_id, prompt_token_ids, SamplingParams(**params), arrival_time=arrival_time)
 
 
 def result_to_wire(result: StreamDelta | RequestFailure) -> list:
-    """A step's delta, ``["d", id, text, token_ids, finished, finish_reason, output]``, or a failure,
+    """A step's delta, ``["d", id, text, token_ids, finished, finish_reason, output, logprobs]``, or a failure,
     ``["f", id, error]``."""
     if isinstance(result, RequestFailure):
         return ["f", result.request_id, error_to_wire(result.error)]
     output = result.output
     if output is not None:
-        output = [output.prompt_token_ids, output.text, output.token_ids, output.finish_reason, asdict(output.metrics)]
-    return ["d", result.request_id, result.text, result.token_ids, result.finished, result.finish_reason, output]
+        output = [output.prompt_token_ids, output.text, output.token_ids, output.finish_reason, asdict(output.metrics),
+                  _logprobs_to_wire(output.logprobs), _logprobs_to_wire(output.prompt_logprobs)]
+    return ["d", result.request_id, result.text, result.token_ids, result.finished, result.finish_reason, output,
+            _logprobs_to_wire(result.logprobs)]
 
 
 def result_from_wire(item: list) -> StreamDelta | RequestFailure:
     if item[0] == "f":
         return RequestFailure(item[1], error_from_wire(item[2], default=RequestFailedError))
-    _, request_id, text, token_ids, finished, finish_reason, output = item
+    _, request_id, text, token_ids, finished, finish_reason, output, logprobs = item
     if output is not None:
-        prompt_token_ids, full_text, output_token_ids, output_reason, metrics = output
+        prompt_token_ids, full_text, output_token_ids, output_reason, metrics, output_logprobs, prompt_logprobs = output
         output = RequestOutput(request_id, prompt_token_ids, full_text, output_token_ids, output_reason,
-                               RequestMetrics(**metrics))
-    return StreamDelta(request_id, text, token_ids, finished, finish_reason, output)
+                               RequestMetrics(**metrics), logprobs=_logprobs_from_wire(output_logprobs),
+                               prompt_logprobs=_logprobs_from_wire(prompt_logprobs))
+    return StreamDelta(request_id, text, token_ids, finished, finish_reason, output, _logprobs_from_wire(logprobs))
+
+
+def _logprobs_to_wire(logprobs: list[TokenLogprob | None] | None) -> list | None:
+    return None if logprobs is None else [None if lp is None else lp.to_wire() for lp in logprobs]
+
+
+def _logprobs_from_wire(items: list | None) -> list | None:
+    return None if items is None else [None if item is None else TokenLogprob.from_wire(item) for item in items]
 
 
 def error_to_wire(error: BaseException) -> dict:

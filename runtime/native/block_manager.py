@@ -65,7 +65,10 @@ class BlockManager:
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Block ids already holding this sequence's leading full blocks. At least one token is always left to
-        compute, since the last prompt token must run through the model to give logits."""
+        compute, since the last prompt token must run through the model to give logits. None for a request whose
+        prompt log probabilities are still to compute: every prompt position must run through the model."""
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            return []
         hits = []
         for i in range((seq.num_tokens - 1) // self.block_size):
             block_id = self.hash_to_block_id.get(self.block_hash(seq, i))

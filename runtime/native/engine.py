@@ -17,7 +17,14 @@ from kiln.runtime.native.model_runner import LaunchedStep, ModelRunner
 from kiln.runtime.native.sampler import SamplingError
 from kiln.runtime.native.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.options import RuntimeOptions
-from kiln.runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta, stop_reason
+from kiln.runtime.outputs import (
+    RequestFailedError,
+    RequestFailure,
+    StreamDelta,
+    TokenLogprob,
+    step_delta,
+    stop_reason,
+)
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.stats import EngineStats, StepStats
@@ -62,7 +69,7 @@ class NativeEngine:
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching engine state (safe from any thread)."""
         token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop))
-        self.limits.check_request(len(token_ids), params.max_tokens)
+        self.limits.check_request(len(token_ids), params)
         return Sequence(request_id, token_ids, params)
 
     def add_request(self, seq: Sequence) -> None:
@@ -103,19 +110,22 @@ class NativeEngine:
         if self.overlap_steps and (ahead := self.scheduler.schedule_ahead(launched.out)) is not None:
             self._in_flight = self.model_runner.launch(ahead, after=launched)
         sampled = self.model_runner.collect(launched)
+        logprobs = launched.logprobs(sampled)
         execute_s = time.perf_counter() - execute_start
         self.scheduler.update_computed(launched.out)
         now = time.monotonic()  # every token of the step reached the host together
-        results = [self._postprocess(seq, token_id, now) for seq, token_id in sampled.items() if not seq.is_finished]
+        results = [self._postprocess(seq, token_id, now, logprobs.get(seq))
+                   for seq, token_id in sampled.items() if not seq.is_finished]
         self._record_step(launched.out, len(results), time.perf_counter() - start, execute_s, queued_ahead)
         return results
 
-    def _postprocess(self, seq: Sequence, token_id: int | SamplingError, now: float) -> StreamDelta | RequestFailure:
+    def _postprocess(self, seq: Sequence, token_id: int | SamplingError, now: float,
+                     logprob: TokenLogprob | None) -> StreamDelta | RequestFailure:
         """The request's delta, or its failure when its token could not be sampled or postprocessing raised."""
         if isinstance(token_id, SamplingError):
             return self._fail(seq, token_id)
         try:
-            return self._append_token(seq, token_id, now)
+            return self._append_token(seq, token_id, now, logprob)
         except Exception as e:  # a bug: fail this request loudly, keep serving the others
             logger.error("request %s failed while postprocessing token %d", seq.request_id, token_id, exc_info=e)
             error = RequestFailedError(f"request {seq.request_id} failed in the engine ({type(e).__name__}: {e}); "
@@ -131,10 +141,10 @@ class NativeEngine:
             self.stats.record_finished(seq)
         return RequestFailure(seq.request_id, error)
 
-    def _append_token(self, seq: Sequence, token_id: int, now: float) -> StreamDelta:
+    def _append_token(self, seq: Sequence, token_id: int, now: float, logprob: TokenLogprob | None) -> StreamDelta:
         """Append the sampled token and finish the sequence on a stop token, a stop string or max_tokens."""
         _, detokenizer = self._requests[seq.request_id]
-        seq.append_token(token_id, now)
+        seq.append_token(token_id, now, logprob)
         if (reason := stop_reason(seq, token_id, detokenizer, self.eos_token_ids)) is not None:
             self.scheduler.finish(seq, reason)
         return self._emit(seq, [token_id])

@@ -4,7 +4,7 @@ launched on the device and collected once its tokens reach the host, so the engi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
 
@@ -17,11 +17,14 @@ from kiln.runtime.native.device_copy import device_tensor
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.kernel_choice import KernelChoice
 from kiln.runtime.native.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from kiln.runtime.native.logit_controls import UnseenTokens
 from kiln.runtime.native.model.llama import LlamaModel
 from kiln.runtime.native.prefill_graphs import maybe_capture_prefill_graphs
+from kiln.runtime.native.prompt_logprobs import PromptLogprobs, prompt_logprobs, wants_prompt_logprobs
 from kiln.runtime.native.sampler import Draw, Sampler, SamplingError
 from kiln.runtime.native.scheduler import SchedulerOutput
 from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sequence import Sequence
 
 # On CUDA the KV pool takes the memory left after the weights, an activation reserve and this share of the GPU kept
@@ -46,21 +49,32 @@ class LaunchedStep:
     drawn: Draw | None
     host_tokens: torch.Tensor | None  # the tokens' copy on the host, complete once ``ready`` has fired
     ready: torch.cuda.Event | None
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # of the sequences whose requests asked
 
     @functools.cached_property
     def sample_rows(self) -> dict[Sequence, int]:
         """Each sequence that gets a token, and its row of ``drawn``."""
         return {seq: i for i, seq in enumerate(self.sample_seqs)}
 
-    def fed_tokens(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The rows of ``seqs`` whose input is a token this step samples, and those tokens, on the device: a step
-        queued behind this one takes them as its input ids there (None when this step samples none of them)."""
+    def unseen_tokens(self, seqs: list[Sequence]) -> UnseenTokens | None:
+        """The rows of ``seqs`` that this step samples a token for, and those tokens, on the device: a step queued
+        behind this one takes them as its input ids there, and its logit controls count them (None when this step
+        samples none of them)."""
         row = self.sample_rows
         pairs = [(i, row[seq]) for i, seq in enumerate(seqs) if seq in row]
         if not pairs:
             return None
         index = device_tensor(pairs, torch.long, self.drawn.tokens.device)
-        return index[:, 0], self.drawn.tokens[index[:, 1]].clamp_(min=0)  # a failed row's -1 (finished by then)
+        tokens = self.drawn.tokens[index[:, 1]].clamp_(min=0)  # a failed row's -1 (finished by then)
+        return UnseenTokens([i for i, _ in pairs], index[:, 0], tokens)
+
+    def logprobs(self, tokens: dict[Sequence, int | SamplingError]) -> dict[Sequence, TokenLogprob]:
+        """The log probabilities of the collected ``tokens`` of the sequences whose requests asked for them."""
+        if self.drawn is None or self.drawn.logprobs is None:
+            return {}
+        host = [token if isinstance(token, int) else -1 for token in tokens.values()]
+        by_row = self.drawn.logprobs.on_host(host, self.sample_seqs)
+        return {self.sample_seqs[row]: logprob for row, logprob in by_row.items()}
 
 
 class ModelRunner:
@@ -81,7 +95,7 @@ class ModelRunner:
                 f"{config.plan.max_seq_len} ({min_blocks} blocks of {self.block_size} tokens): free memory, pass a "
                 f"larger num_kv_blocks, or rebuild with a smaller max_seq_len")
         self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.architecture.eos_token_ids)
         graphs = options.captures_cuda_graphs
         self.decode_graphs = maybe_capture_decode_graphs(self.model, self.kv_caches, config, device, graphs)
         self.prefill_graphs = maybe_capture_prefill_graphs(self.model, self.kv_caches, config, device, graphs)
@@ -109,21 +123,27 @@ class ModelRunner:
         query_lens = list(out.scheduled.values())
         in_flight = after.out.scheduled if after is not None else {}
         sampled_before = after.sample_rows if after is not None else {}
-        input_ids, positions, seq_lens, rows = [], [], [], []
+        input_ids, positions, seq_lens, rows, starts = [], [], [], [], []
         for i, (seq, query_len) in enumerate(zip(seqs, query_lens, strict=True)):
             start = seq.num_computed_tokens + in_flight.get(seq, 0)
+            starts.append(start)
             fed = seq in sampled_before  # its token is not on the host yet
             input_ids.extend([0] if fed else seq.token_ids[start:start + query_len])
             positions.extend(range(start, start + query_len))
             seq_lens.append(start + query_len)
             if seq_lens[-1] == seq.num_tokens + fed:  # the step reaches its last token: it samples
                 rows.append(i)
-        fed_ids = after.fed_tokens(seqs) if after is not None else None
+        unseen = after.unseen_tokens(seqs) if after is not None else None
+        fed_ids = (unseen.device_rows, unseen.tokens) if unseen is not None else None
         block_tables = [seq.block_table for seq in seqs]
-        if self.decode_graphs is not None and self.decode_graphs.fits(query_lens):
+        prompt_rows = [i for i, seq in enumerate(seqs) if wants_prompt_logprobs(seq, starts[i])]
+        found: list[PromptLogprobs] = []
+        graphs_fit = not prompt_rows  # prompt log probabilities need every position's hidden state: eager
+        if graphs_fit and self.decode_graphs is not None and self.decode_graphs.fits(query_lens):
             logits = self.decode_graphs.run(input_ids, positions, seq_lens, block_tables, fed_ids)  # a row a sequence
             logits = logits[rows] if len(rows) < len(seqs) else logits
-        elif fed_ids is None and self.prefill_graphs is not None and self.prefill_graphs.fits(query_lens):
+        elif (graphs_fit and fed_ids is None and self.prefill_graphs is not None
+              and self.prefill_graphs.fits(query_lens)):
             logits = self.prefill_graphs.run(input_ids, positions, seq_lens[0], block_tables[0])  # the last token's
         else:
             meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
@@ -132,25 +152,30 @@ class ModelRunner:
                 ids.index_copy_(0, *fed_ids)
             hidden = self.model(ids, device_tensor(positions, torch.long, self.device), meta, self.kv_caches)
             ends = list(accumulate(query_lens))
+            found = [prompt_logprobs(hidden[ends[i] - query_lens[i]:ends[i]], seqs[i], starts[i], query_lens[i],
+                                     self.model.compute_logits) for i in prompt_rows]
             last_token_index = device_tensor([ends[i] - 1 for i in rows], torch.long, self.device)
             logits = self.model.compute_logits(hidden[last_token_index])
         sample_seqs = [seqs[i] for i in rows]
         if not rows:
-            return LaunchedStep(out, [], None, None, None)
-        drawn = self.sampler.draw(logits, sample_seqs)
+            return LaunchedStep(out, [], None, None, None, found)
+        controlled = after is not None and any(seq.params.controls_logits for seq in sample_seqs)
+        drawn = self.sampler.draw(logits, sample_seqs, after.unseen_tokens(sample_seqs) if controlled else None)
         if self.device.type != "cuda":
-            return LaunchedStep(out, sample_seqs, drawn, drawn.tokens, None)
+            return LaunchedStep(out, sample_seqs, drawn, drawn.tokens, None, found)
         host_tokens = torch.empty(drawn.tokens.shape, dtype=drawn.tokens.dtype, pin_memory=True)
         host_tokens.copy_(drawn.tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return LaunchedStep(out, sample_seqs, drawn, host_tokens, ready)
+        return LaunchedStep(out, sample_seqs, drawn, host_tokens, ready, found)
 
     @staticmethod
     def collect(step: LaunchedStep) -> dict[Sequence, int | SamplingError]:
         """Wait for a launched step's tokens: the token of every sequence whose step reached its last token (a
         prefill chunk that stops short of the end of the prompt samples nothing), or the SamplingError of one that
-        could not be sampled."""
+        could not be sampled. The prompt log probabilities the step computed join their sequences."""
+        for found in step.prompt_logprobs:
+            found.append_to_sequence()
         if step.drawn is None:
             return {}
         if step.ready is not None:

@@ -1,4 +1,5 @@
-"""Next-token choice from logits: greedy, temperature, top-k, top-p, with a per-request random generator.
+"""Next-token choice from logits: the requests' logit controls, then greedy, temperature, top-k, top-p, with a
+per-request random generator; and the log probabilities of the chosen tokens for the requests that ask.
 
 Every sampled row of a step is drawn at once: temperature and the top-k / top-p filters run on the batch, and the
 draw is an exponential race (``argmax(p / q)`` with ``q ~ Exp(1)`` per token picks token i with probability p_i),
@@ -10,12 +11,15 @@ generator, so its tokens do not depend on what else shares the batch; unseeded r
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.device_copy import device_tensor
+from kiln.runtime.native.logit_controls import UnseenTokens, apply_logit_controls
+from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sequence import Sequence
 
 
@@ -46,6 +50,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     return logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
 
 
+def _log_softmax(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    """float32 log-probabilities [len(rows), vocab] of the model's logits in ``rows`` (None for no rows)."""
+    if not rows:
+        return None
+    return logits[device_tensor(rows, torch.long, logits.device)].float().log_softmax(-1)
+
+
 def request_generator(seed: int, device: torch.device) -> torch.Generator:
     """A seeded request's own generator: its tokens do not depend on what else shares the batch."""
     generator = torch.Generator(device=device)
@@ -54,13 +65,36 @@ def request_generator(seed: int, device: torch.device) -> torch.Generator:
 
 
 @dataclass
+class DrawnLogprobs:
+    """On the device, for the ``rows`` whose requests asked: the chosen token's log probability and the ``top``
+    most likely tokens' (as many as the most any of them asked for; None when that is 0)."""
+
+    rows: list[int]
+    chosen: torch.Tensor
+    top: torch.return_types.topk | None
+
+    def on_host(self, tokens: list[int], seqs: list[Sequence]) -> dict[int, TokenLogprob]:
+        """Each row's TokenLogprob (rows whose token failed have none), cut to what its request asked for."""
+        chosen = self.chosen.tolist()
+        top_values, top_ids = (self.top.values.tolist(), self.top.indices.tolist()) if self.top else ([], [])
+        result = {}
+        for k, row in enumerate(self.rows):
+            if tokens[row] >= 0:
+                n = seqs[row].params.logprobs
+                top = list(zip(top_ids[k][:n], top_values[k][:n], strict=True)) if n else []
+                result[row] = TokenLogprob(tokens[row], chosen[k], top)
+        return result
+
+
+@dataclass
 class Draw:
-    """One token per row, still on the device (-1 where a sampled row had a NaN or +inf logit), and the rows that
-    failed before drawing."""
+    """One token per row, still on the device (-1 where a sampled row had a NaN or +inf logit), the rows that
+    failed before drawing, and the log probabilities the rows' requests asked for."""
 
     tokens: torch.Tensor
     seqs: list[Sequence]
     failed: dict[int, SamplingError]
+    logprobs: DrawnLogprobs | None = None
 
     def resolve(self, tokens: list[int]) -> list[int | SamplingError]:
         """The rows' tokens (``tokens``: ``self.tokens`` on the host) with each failed row's SamplingError."""
@@ -80,20 +114,26 @@ def sampling_error(seq: Sequence, e: Exception) -> SamplingError:
 
 class Sampler:
     """Samples one token per row of `logits` ([num_seqs, vocab], any float dtype) for the matching sequence: the
-    argmax for greedy rows, else a draw in float32.
+    argmax for greedy rows, else a draw in float32, after the request's logit controls (``stop_token_ids``: the
+    engine's EOS, which ``min_tokens`` holds back).
 
     A row that cannot be sampled gets a SamplingError in place of its token, so that only its request fails.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stop_token_ids: Collection[int] = ()) -> None:
+        self.stop_token_ids = frozenset(stop_token_ids)
         self._generators: dict[torch.device, torch.Generator] = {}  # the unseeded rows' shared one, per device
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | SamplingError]:
         drawn = self.draw(logits, seqs)
         return drawn.resolve(drawn.tokens.tolist())
 
-    def draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> Draw:
-        """The rows' tokens queued on the device (nothing waits for them)."""
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence], unseen: UnseenTokens | None = None) -> Draw:
+        """The rows' tokens queued on the device (nothing waits for them). ``unseen``: tokens of these sequences
+        that a step queued ahead sampled and the host has not read (the penalties and ``min_tokens`` count them)."""
+        logprob_rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        log_probs = _log_softmax(logits, logprob_rows)
+        logits = apply_logit_controls(logits, seqs, self.stop_token_ids, unseen)
         tokens = logits.argmax(dim=-1)
         failed: dict[int, SamplingError] = {}
         for row, seq in enumerate(seqs):
@@ -106,7 +146,13 @@ class Sampler:
         if rows:
             index = device_tensor(rows, torch.long, logits.device)
             tokens[index] = self._draw(logits[index].float(), [seqs[row] for row in rows])  # a copy of the rows
-        return Draw(tokens, seqs, failed)
+        drawn = Draw(tokens, seqs, failed)
+        if logprob_rows:
+            chosen = tokens[device_tensor(logprob_rows, torch.long, tokens.device)].clamp(min=0).unsqueeze(-1)
+            most = max(seqs[row].params.logprobs for row in logprob_rows)
+            drawn.logprobs = DrawnLogprobs(logprob_rows, log_probs.gather(-1, chosen).squeeze(-1),
+                                           log_probs.topk(most, dim=-1) if most else None)
+        return drawn
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row of ``logits`` [m, vocab] (row i is ``seqs[i]``'s; overwritten), -1 for a row with a

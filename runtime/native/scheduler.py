@@ -49,7 +49,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.limits.check_request(seq.num_prompt_tokens, seq.params.max_tokens)  # each fits the pool alone
+        self.limits.check_request(seq.num_prompt_tokens, seq.params)  # each fits the pool alone
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:

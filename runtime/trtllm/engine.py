@@ -92,8 +92,14 @@ class TrtllmEngine:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching the executor (safe from any thread)."""
+        unsupported = [name for name, asked in (("logprobs", params.logprobs is not None),
+                                                ("prompt_logprobs", params.prompt_logprobs is not None),
+                                                ("logit_bias", bool(params.logit_bias))) if asked]
+        if unsupported:
+            raise TrtllmRequestError(f"the TensorRT-LLM backend does not serve {', '.join(unsupported)} yet: use an "
+                                     f"engine of the native backend for these")
         token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop), TrtllmRequestError)
-        self.limits.check_request(len(token_ids), params.max_tokens)
+        self.limits.check_request(len(token_ids), params)
         return Sequence(request_id, token_ids, params)
 
     def add_request(self, seq: Sequence) -> None:
@@ -119,11 +125,15 @@ class TrtllmEngine:
                               end_id=end_id, stop_words=[[t] for t in stops] or None)
 
     def _sampling_config(self, params: SamplingParams) -> Any:
-        if params.greedy:
-            return self.trtllm.SamplingConfig(beam_width=1, top_k=1, seed=params.seed)
-        return self.trtllm.SamplingConfig(beam_width=1, top_k=params.top_k if params.top_k > 0 else None,
-                                          top_p=params.top_p if params.top_p < 1 else None,
-                                          temperature=params.temperature, seed=params.seed)
+        """The executor's sampling config: greedy as top-k 1; penalties and min_tokens as TensorRT-LLM's own (its
+        presence and frequency penalties follow OpenAI's rule, its repetition penalty transformers')."""
+        return self.trtllm.SamplingConfig(
+            beam_width=1, top_k=1 if params.greedy else params.top_k if params.top_k > 0 else None,
+            top_p=None if params.greedy or params.top_p >= 1 else params.top_p,
+            temperature=None if params.greedy else params.temperature, seed=params.seed,
+            min_tokens=params.min_tokens or None,
+            repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1 else None,
+            presence_penalty=params.presence_penalty or None, frequency_penalty=params.frequency_penalty or None)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
