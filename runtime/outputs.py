@@ -79,7 +79,8 @@ class RequestOutput:
 @dataclass
 class StreamDelta:
     """What one step added to a request; the last delta has `finished` set and carries the whole `output`.
-    ``logprobs`` has one entry per new token when the request asked for them."""
+    ``logprobs`` has one entry per new token when the request asked for them; the delta of the first completion
+    token carries ``prompt_logprobs`` when the request asked for those."""
 
     request_id: str
     text: str
@@ -88,14 +89,17 @@ class StreamDelta:
     finish_reason: str | None = None
     output: RequestOutput | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def step_delta(seq: Sequence, detokenizer: IncrementalDetokenizer | None, new_token_ids: list[int]) -> StreamDelta:
     """The delta one step emits for ``seq``; once it has finished, with the whole RequestOutput attached."""
     finished = seq.is_finished
     logprobs = seq.logprobs[len(seq.logprobs) - len(new_token_ids):] if seq.logprobs is not None else None
+    first = bool(new_token_ids) and seq.num_completion_tokens == len(new_token_ids)
     delta = StreamDelta(seq.request_id, detokenizer.take_delta(finished) if detokenizer else "", new_token_ids,
-                        finished, seq.finish_reason, logprobs=logprobs)
+                        finished, seq.finish_reason, logprobs=logprobs,
+                        prompt_logprobs=seq.prompt_logprobs if first else None)
     if finished:
         delta.output = RequestOutput(seq.request_id, seq.prompt_token_ids, detokenizer.text if detokenizer else "",
                                      seq.completion_token_ids, seq.finish_reason, RequestMetrics.from_sequence(seq),

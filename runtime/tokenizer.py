@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -19,6 +20,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 _CONTEXT_TOKENS = 6
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters (GPT-2's ``bytes_to_unicode``) to the bytes they stand for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_alphabet()
+
+
 def special_token_text(token: str | dict | None) -> str | None:
     """A special token's text as tokenizer_config.json writes it: a string, or an AddedToken dict's ``content``."""
     return token.get("content") if isinstance(token, dict) else token
@@ -30,6 +48,7 @@ class Tokenizer:
     def __init__(self, tokenizer: tokenizers.Tokenizer, bos_token_id: int | None = None) -> None:
         self._tokenizer = tokenizer
         self.bos_token_id = bos_token_id
+        self._token_bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_dir(cls, directory: Path) -> Tokenizer | None:
@@ -68,6 +87,37 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a multi-byte character is a valid answer), as OpenAI's
+        ``logprobs`` report them: a special token's own text; a byte-level BPE token through the byte alphabet; a
+        SentencePiece token with its ``▁`` as a space and ``<0xNN>`` as that byte; else the token decoded alone."""
+        if (cached := self._token_bytes.get(token_id)) is not None:
+            return cached
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        if token_id in self._special_ids:
+            value = piece.encode()
+        elif self._byte_level:
+            value = bytes(_BYTE_OF_CHAR.get(char, 0) for char in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            value = bytes([int(piece[3:5], 16)])
+        elif "\u2581" in piece:
+            value = piece.replace("\u2581", " ").encode()
+        else:
+            value = self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        self._token_bytes[token_id] = value
+        return value
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return isinstance(self._tokenizer.decoder, tokenizers.decoders.ByteLevel)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(token_id for token_id, token in self._tokenizer.get_added_tokens_decoder().items()
+                         if token.special)
 
 
 class IncrementalDetokenizer:

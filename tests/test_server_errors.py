@@ -59,7 +59,13 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "stop": [""]}, "stop", ["non-empty"]),
     ({"prompt": "hi", "n": 0}, "n", ["greater than or equal to 1"]),
     ({"prompt": "hi", "tools": []}, "tools", ["Unrecognized request argument"]),
-    ({"prompt": "hi", "logprobs": 2}, "logprobs", ["not supported"]),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs", ["less than or equal to 20"]),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", ["less than or equal to 2"]),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", ["token ids"]),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", ["[-100, 100]"]),
+    ({"prompt": "hi", "logit_bias": {"999999": 1}}, "prompt", ["outside the vocabulary"]),
+    ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, None, ["min_tokens", "max_tokens=4"]),
+    ({"prompt": "hi", "best_of": 2}, "best_of", ["not supported"]),
 ])
 def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, words):
     error = assert_error(http.post("/v1/completions", json=body), 400, param, *words)
@@ -73,6 +79,8 @@ def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, w
     ({"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages", ["max_input_len"]),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100_000}, "max_completion_tokens",
      ["leaves room"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", ["needs logprobs"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}, "modalities", ["not supported"]),
 ])
 def test_bad_chat_requests_get_a_400_naming_the_field(http, body, param, words):
     assert_error(http.post("/v1/chat/completions", json=body), 400, param, *words)

@@ -45,7 +45,8 @@ def request_from_wire(item: list) -> Sequence:
 
 
 def result_to_wire(result: StreamDelta | RequestFailure) -> list:
-    """A step's delta, ``["d", id, text, token_ids, finished, finish_reason, output, logprobs]``, or a failure,
+    """A step's delta, ``["d", id, text, token_ids, finished, finish_reason, output, logprobs, prompt_logprobs]``,
+    or a failure,
     ``["f", id, error]``."""
     if isinstance(result, RequestFailure):
         return ["f", result.request_id, error_to_wire(result.error)]
@@ -54,19 +55,20 @@ def result_to_wire(result: StreamDelta | RequestFailure) -> list:
         output = [output.prompt_token_ids, output.text, output.token_ids, output.finish_reason, asdict(output.metrics),
                   _logprobs_to_wire(output.logprobs), _logprobs_to_wire(output.prompt_logprobs)]
     return ["d", result.request_id, result.text, result.token_ids, result.finished, result.finish_reason, output,
-            _logprobs_to_wire(result.logprobs)]
+            _logprobs_to_wire(result.logprobs), _logprobs_to_wire(result.prompt_logprobs)]
 
 
 def result_from_wire(item: list) -> StreamDelta | RequestFailure:
     if item[0] == "f":
         return RequestFailure(item[1], error_from_wire(item[2], default=RequestFailedError))
-    _, request_id, text, token_ids, finished, finish_reason, output, logprobs = item
+    _, request_id, text, token_ids, finished, finish_reason, output, logprobs, prompt_logprobs = item
     if output is not None:
-        prompt_token_ids, full_text, output_token_ids, output_reason, metrics, output_logprobs, prompt_logprobs = output
-        output = RequestOutput(request_id, prompt_token_ids, full_text, output_token_ids, output_reason,
-                               RequestMetrics(**metrics), logprobs=_logprobs_from_wire(output_logprobs),
-                               prompt_logprobs=_logprobs_from_wire(prompt_logprobs))
-    return StreamDelta(request_id, text, token_ids, finished, finish_reason, output, _logprobs_from_wire(logprobs))
+        prompt_ids, full_text, output_token_ids, output_reason, metrics, output_lps, prompt_lps = output
+        output = RequestOutput(request_id, prompt_ids, full_text, output_token_ids, output_reason,
+                               RequestMetrics(**metrics), logprobs=_logprobs_from_wire(output_lps),
+                               prompt_logprobs=_logprobs_from_wire(prompt_lps))
+    return StreamDelta(request_id, text, token_ids, finished, finish_reason, output, _logprobs_from_wire(logprobs),
+                       _logprobs_from_wire(prompt_logprobs))
 
 
 def _logprobs_to_wire(logprobs: list[TokenLogprob | None] | None) -> list | None:

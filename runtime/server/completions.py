@@ -20,13 +20,22 @@ from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.chat_template import ChatTemplateError
 from kiln.runtime.server.errors import APIError, error_body
 from kiln.runtime.server.generation import Job, ServedModel, sampling_params
+from kiln.runtime.server.logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_logprobs,
+    vllm_prompt_logprobs,
+)
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import (
+    IGNORED_FIELDS,
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     SamplingFields,
@@ -39,11 +48,21 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the response
 
 
-def _jobs(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int]) -> list[Job]:
+_logged_ignored: set[str] = set()
+
+
+def _jobs(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *, logprobs: int | None,
+          prompt_logprobs: int | None) -> list[Job]:
     """`n` jobs per prompt, in OpenAI's choice order (prompt-major)."""
-    return [Job(ids, sampling_params(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                                     stop=req.stop or [], max_tokens=limit, ignore_eos=req.ignore_eos, index=choice))
-            for ids, limit in zip(prompts, max_tokens, strict=True) for choice in range(req.n)]
+    for name in sorted((req.model_fields_set & set(IGNORED_FIELDS)) - _logged_ignored):
+        _logged_ignored.add(name)
+        logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
+    try:
+        return [Job(ids, sampling_params(req, max_tokens=limit, index=choice, logprobs=logprobs,
+                                         prompt_logprobs=prompt_logprobs))
+                for ids, limit in zip(prompts, max_tokens, strict=True) for choice in range(req.n)]
+    except ValueError as exc:  # a combination the fields' own checks cannot see (min_tokens above max_tokens)
+        raise APIError(400, str(exc).removeprefix("SamplingParams.")) from None
 
 
 def _usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> Usage:
@@ -170,6 +189,13 @@ def _as_prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
+def _echo_text(model: ServedModel, given: str | list[int], token_ids: list[int]) -> str:
+    """The prompt as ``echo`` returns it: the text as sent, or the token ids decoded."""
+    if isinstance(given, str):
+        return given
+    return model.tokenizer.decode(token_ids) if model.tokenizer is not None else ""
+
+
 def _check_model(model: ServedModel, requested: str | None) -> None:
     if requested is not None and requested != model.name:
         raise APIError(404, f"The model '{requested}' does not exist: this server serves '{model.name}' "
@@ -187,23 +213,54 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
                             request: Request) -> object:
     """Handle POST /v1/completions."""
     _check_model(model, req.model)
-    prompts = [model.tokenize(p, "prompt") for p in _as_prompt_list(req.prompt)]
+    given = _as_prompt_list(req.prompt)
+    prompts = [model.tokenize(p, "prompt") for p in given]
     limits = [model.max_tokens(len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
               for ids in prompts]
-    jobs = _jobs(req, prompts, limits)
+    echo_logprobs = req.logprobs if req.echo else None
+    prompt_logprobs = max((k for k in (req.prompt_logprobs, echo_logprobs) if k is not None), default=None)
+    jobs = _jobs(req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
     model.check(jobs[::req.n], "prompt")  # one job per prompt: a prompt's n choices differ only in their seed
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     chunk = functools.partial(_stream_chunk, request_id, "text_completion", created, model.name)
+    names = TokenText(model.tokenizer)
+    echoes = [_echo_text(model, p, ids) if req.echo else "" for p, ids in zip(given, prompts, strict=True)]
+    offsets = [0] * len(jobs)  # each choice's token characters so far: where its next logprobs token starts
+    echoed: set[int] = set()
+
+    def legacy(index: int, prompt_entries: list | None, entries: list | None) -> CompletionLogprobs | None:
+        """The choice's next piece of the legacy logprobs: the echoed prompt's (when given), then ``entries``."""
+        if req.logprobs is None:
+            return None
+        piece = CompletionLogprobs()
+        if prompt_entries is not None:
+            piece = echoed_logprobs(names, prompts[index // req.n], prompt_entries, offsets[index])
+            offsets[index] += sum(map(len, piece.tokens))
+        more = completion_logprobs(names, entries or [], offsets[index])
+        offsets[index] += sum(map(len, more.tokens))
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(piece, name).extend(getattr(more, name))
+        return piece
 
     def render(index: int, delta: StreamDelta) -> dict | None:
-        if not delta.text and not delta.finished:
+        echo = ""
+        if req.echo and index not in echoed:
+            echoed.add(index)
+            echo = echoes[index // req.n]
+        if not (echo or delta.text or delta.finished or delta.logprobs):
             return None
-        return chunk([{"index": index, "text": delta.text, "logprobs": None,
+        logprobs = legacy(index, delta.prompt_logprobs if req.echo else None, delta.logprobs)
+        return chunk([{"index": index, "text": echo + delta.text, "logprobs": logprobs and logprobs.model_dump(),
                        "finish_reason": delta.finish_reason if delta.finished else None}])
 
     def build(outputs: list[RequestOutput], usage: Usage) -> CompletionResponse:
-        choices = [CompletionChoice(index=i, text=out.text, finish_reason=out.finish_reason)
-                   for i, out in enumerate(outputs)]
+        choices = []
+        for i, out in enumerate(outputs):
+            prompt_entries = out.prompt_logprobs if req.prompt_logprobs is not None else None
+            choices.append(CompletionChoice(
+                index=i, text=echoes[i // req.n] + out.text, finish_reason=out.finish_reason,
+                logprobs=legacy(i, out.prompt_logprobs if req.echo else None, out.logprobs),
+                prompt_logprobs=None if prompt_entries is None else vllm_prompt_logprobs(names, prompt_entries)))
         return CompletionResponse(id=request_id, created=created, model=model.name, choices=choices, usage=usage)
 
     return await _respond(model, req, jobs, prompts, metrics, request, build=build, render=render,
@@ -226,23 +283,29 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     prompt = model.tokenize(text, "messages", add_special_tokens=False)  # the template writes BOS itself, as in HF
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
-    jobs = _jobs(req, [prompt], [limit])
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    jobs = _jobs(req, [prompt], [limit], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                 prompt_logprobs=req.prompt_logprobs)
     model.check(jobs[::req.n], "messages")
+    names = TokenText(model.tokenizer)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     chunk = functools.partial(_stream_chunk, request_id, "chat.completion.chunk", created, model.name)
 
     def render(index: int, delta: StreamDelta) -> dict | None:
-        if delta.finished:
-            content = {"content": delta.text} if delta.text else {}
-            return chunk([{"index": index, "delta": content, "logprobs": None, "finish_reason": delta.finish_reason}])
-        if not delta.text:
+        if not (delta.text or delta.finished or delta.logprobs):
             return None
-        return chunk([{"index": index, "delta": {"content": delta.text}, "logprobs": None, "finish_reason": None}])
+        logprobs = chat_logprobs(names, delta.logprobs).model_dump() if delta.logprobs else None
+        return chunk([{"index": index, "delta": {"content": delta.text} if delta.text else {}, "logprobs": logprobs,
+                       "finish_reason": delta.finish_reason if delta.finished else None}])
 
     def build(outputs: list[RequestOutput], usage: Usage) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
+                              logprobs=chat_logprobs(names, out.logprobs) if out.logprobs is not None else None)
                    for i, out in enumerate(outputs)]
-        return ChatCompletionResponse(id=request_id, created=created, model=model.name, choices=choices, usage=usage)
+        prompt_entries = outputs[0].prompt_logprobs if req.prompt_logprobs is not None else None
+        return ChatCompletionResponse(id=request_id, created=created, model=model.name, choices=choices, usage=usage,
+                                      prompt_logprobs=prompt_entries and vllm_prompt_logprobs(names, prompt_entries))
 
     prelude = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None}]) for i in range(len(jobs))]

@@ -13,7 +13,7 @@ from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kiln.runtime.server.errors import APIError
-from kiln.runtime.server.protocol import ModelCard
+from kiln.runtime.server.protocol import ModelCard, SamplingFields
 
 RETRY_AFTER_S = 1
 
@@ -137,14 +137,17 @@ class ServedModel:
         return self.llm.stream_many([job.prompt_token_ids for job in jobs], [job.params for job in jobs])
 
 
-def sampling_params(*, temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-                    stop: list[str], max_tokens: int, ignore_eos: bool, index: int) -> SamplingParams:
-    """Runtime sampling parameters of choice `index` (a seeded request gives choice i the seed + i, as an unsigned
-    64-bit seed: OpenAI's seed is signed, and -1 seeds what 2**64 - 1 does)."""
-    temperature = 1.0 if temperature is None else temperature
-    if top_p == 0:
+def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprobs: int | None,
+                    prompt_logprobs: int | None) -> SamplingParams:
+    """Runtime sampling parameters of choice `index` of a request (a seeded request gives choice i the seed + i, as
+    an unsigned 64-bit seed: OpenAI's seed is signed, and -1 seeds what 2**64 - 1 does)."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if req.top_p == 0:
         temperature = 0.0
-    if seed is not None:
-        seed = (seed + index) % 2**64
-    return SamplingParams(temperature=temperature, top_p=top_p or 1.0, top_k=top_k or 0,
-                          max_tokens=max_tokens, seed=seed, stop=stop, ignore_eos=ignore_eos)
+    seed = None if req.seed is None else (req.seed + index) % 2**64
+    return SamplingParams(temperature=temperature, top_p=req.top_p or 1.0, top_k=req.top_k or 0,
+                          max_tokens=max_tokens, seed=seed, stop=req.stop or [], ignore_eos=req.ignore_eos,
+                          presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                          repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias or {},
+                          min_tokens=req.min_tokens or 0, stop_token_ids=req.stop_token_ids or [],
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)

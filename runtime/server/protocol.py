@@ -9,6 +9,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidat
 
 MAX_STOP_STRINGS = 4
 MAX_N = 128
+MAX_LOGPROBS = 20  # alternatives per token: OpenAI allows 20 (chat) and 5 (completions); vLLM 20 for both
+# Fields accepted for compatibility that change nothing here; a request that sets one is logged once per field.
+IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+                  "prompt_cache_retention", "parallel_tool_calls", "reasoning_effort", "verbosity", "prediction")
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
@@ -83,15 +87,30 @@ def _only(*allowed: Any) -> Any:
     return Annotated[Any, PlainValidator(check), WithJsonSchema({"enum": list(allowed)})]
 
 
-NoPenalty = _only(None, 0)
-NoLogitBias = _only(None, {})
-NoLogprobs = _only(None, False)  # chat: a boolean
-NoCompletionLogprobs = _only(None)  # completions: a count
-NoEcho = _only(None, False)
 OneBestOf = _only(None, 1)
 NoSuffix = _only(None, "")
-NoTopLogprobs = _only(None, 0)
 TextResponseFormat = _only(None, {"type": "text"})
+TextModalities = _only(None, ["text"])
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to a bias in [-100, 100]."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("must be an object mapping token ids to a bias in [-100, 100]")
+    bias = {}
+    for key, number in value.items():
+        if not (isinstance(key, str) and key.isdecimal()):
+            raise ValueError(f"keys must be token ids, got {key!r}")
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not -100 <= number <= 100:
+            raise ValueError(f"values must be numbers in [-100, 100], got {number!r} for token {key}")
+        bias[int(key)] = float(number)
+    return bias
+
+
+LogitBias = Annotated[Any, PlainValidator(_logit_bias), WithJsonSchema({
+    "type": ["object", "null"], "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})]
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 Prompt = Annotated[Any, PlainValidator(_prompt), WithJsonSchema({"anyOf": [
@@ -115,6 +134,7 @@ Content = Annotated[Any, PlainValidator(_content), WithJsonSchema({"anyOf": [
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(None, description="Accepted and ignored: no obfuscation padding.")
 
 
 class SamplingFields(StrictModel):
@@ -130,17 +150,29 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="Extension (as in vLLM): generate max_tokens whatever the EOS.")
-    presence_penalty: NoPenalty = None
-    frequency_penalty: NoPenalty = None
-    logit_bias: NoLogitBias = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: LogitBias = None
+    repetition_penalty: float | None = Field(None, gt=0, description="Extension (as in vLLM): transformers' rule.")
+    min_tokens: Int | None = Field(None, ge=0, description="Extension (as in vLLM): no EOS or stop token before.")
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, description="Extension (as in vLLM).")
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="Extension (as in vLLM): log probabilities of the prompt tokens.")
+    # OpenAI fields that do not change what is generated: accepted, and logged once as ignored
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     max_tokens: Int | None = Field(None, ge=1, description="Default 16.")
-    echo: NoEcho = None
-    logprobs: NoCompletionLogprobs = None
+    echo: bool | None = Field(None, description="Return the prompt before the completion (with its log "
+                                                 "probabilities when logprobs is set).")
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The most likely alternatives per token.")
     best_of: OneBestOf = None
     suffix: NoSuffix = None
 
@@ -155,9 +187,15 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(None, ge=1, description="Default: what is left of the context.")
     max_completion_tokens: Int | None = Field(None, ge=1, description="Takes precedence over max_tokens.")
-    logprobs: NoLogprobs = None
-    top_logprobs: NoTopLogprobs = None
+    logprobs: bool | None = None
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs: true.")
     response_format: TextResponseFormat = None
+    modalities: TextModalities = None
+    prompt_cache_retention: str | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prediction: dict[str, Any] | None = None
 
 
 class Usage(BaseModel):
@@ -166,11 +204,21 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists over the tokens (the prompt's first, with ``echo``)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -187,10 +235,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -201,6 +264,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class ModelCard(BaseModel):

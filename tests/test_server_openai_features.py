@@ -1,0 +1,96 @@
+"""OpenAI features through the official openai client: log probabilities (chat and legacy completions, echo,
+streamed), penalties and logit bias, and the fields a server may accept and ignore."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.server import ServerSettings, ServerThread, create_app
+from tests.test_server_support import tiny_engine
+
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "Tell me about kilns."}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM.load(tiny_engine()) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def client(llm):
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL))
+    with ServerThread(app) as server, openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as c:
+        yield c
+
+
+def test_chat_logprobs_are_the_runtimes_with_token_bytes_that_spell_the_text(client, llm):
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                         top_logprobs=3, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 6
+    assert b"".join(bytes(entry.bytes) for entry in content).decode() == out.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the most likely token
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+
+
+def test_streamed_chat_logprobs_equal_the_unstreamed_ones(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [entry for chunk in client.chat.completions.create(stream=True, **kwargs)
+                for choice in chunk.choices if choice.logprobs for entry in choice.logprobs.content]
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in whole]
+
+
+def test_completion_echo_with_logprobs_scores_the_prompt_too(client, llm):
+    prompt = "Once upon a time"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True,
+                                    extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert len(lp.tokens) == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2,
+                                                   prompt_logprobs=2))[0]
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:] + expected.logprobs])
+
+
+def test_streamed_completion_echo_and_logprobs_equal_the_unstreamed_ones(client):
+    kwargs = dict(model=MODEL, prompt="The cat", max_tokens=5, temperature=0, logprobs=1, echo=True,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    offsets = [t for c in chunks if c.logprobs for t in c.logprobs.text_offset]
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+
+
+def test_penalties_and_logit_bias_match_the_runtime(client, llm):
+    controls = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"57": 3.0})
+    out = client.completions.create(model=MODEL, prompt="The cat", max_tokens=10, temperature=0,
+                                    extra_body={"ignore_eos": True, "repetition_penalty": 1.3}, **controls)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=1.2,
+                            frequency_penalty=0.6, logit_bias={57: 3.0}, repetition_penalty=1.3)
+    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    assert llm.generate("The cat", params)[0].text != llm.generate("The cat", plain)[0].text
+    assert out.choices[0].text == llm.generate("The cat", params)[0].text
+
+
+def test_fields_a_server_may_ignore_are_accepted_and_unknown_ones_still_refused(client):
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, store=True, user="u-1",
+                                         metadata={"team": "kiln"}, service_tier="auto", parallel_tool_calls=False,
+                                         reasoning_effort="low", modalities=["text"], stream_options=None)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError, match="not_a_field"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"not_a_field": 1})
