@@ -53,7 +53,7 @@ class ScriptedEngine:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop))
-        self.limits.check_request(len(token_ids), params.max_tokens)
+        self.limits.check_request(len(token_ids), params)
         return Sequence(request_id, token_ids, params)
 
     def add_request(self, seq: Sequence) -> None:
