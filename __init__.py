@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["LLM", "KilnError", "RequestOutput", "RuntimeOptions", "SamplingParams", "StreamDelta"]
+__all__ = ["LLM", "KilnError", "RequestOutput", "RuntimeOptions", "SamplingParams", "StreamDelta", "StructuredOutput",
+           "TokenLogprob"]
 
 
 def __getattr__(name: str) -> object:

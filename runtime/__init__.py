@@ -10,10 +10,12 @@ import importlib
 
 from kiln.runtime.errors import KilnError
 
-__all__ = ["LLM", "KilnError", "RequestOutput", "RuntimeOptions", "SamplingParams", "StreamDelta"]
+__all__ = ["LLM", "KilnError", "RequestOutput", "RuntimeOptions", "SamplingParams", "StreamDelta", "StructuredOutput",
+           "TokenLogprob"]
 
 _LAZY = {"LLM": "kiln.runtime.llm", "RequestOutput": "kiln.runtime.outputs", "RuntimeOptions": "kiln.runtime.options",
-         "SamplingParams": "kiln.runtime.sampling_params", "StreamDelta": "kiln.runtime.outputs"}
+         "SamplingParams": "kiln.runtime.sampling_params", "StreamDelta": "kiln.runtime.outputs",
+         "StructuredOutput": "kiln.runtime.structured_output", "TokenLogprob": "kiln.runtime.outputs"}
 
 
 def __getattr__(name: str) -> object:

@@ -122,12 +122,14 @@ class RequestFailure:
 
 def stop_reason(seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None,
                 eos_token_ids: frozenset[int]) -> str | None:
-    """Why ``seq`` finishes with ``token_id`` just appended: "stop" on a stop token, on EOS (unless ``ignore_eos``)
-    or on a stop string the detokenizer completes, "length" at ``max_tokens``; None while it goes on. Both engines
-    apply this one rule."""
+    """Why ``seq`` finishes with ``token_id`` just appended: "stop" on a stop token, on EOS (unless ``ignore_eos``),
+    on a stop string the detokenizer completes or once its structured output is complete, "length" at
+    ``max_tokens``; None while it goes on. Both engines apply this one rule."""
     params = seq.params
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         return "stop"
     if detokenizer is not None and detokenizer.add_token(token_id) is not None:
+        return "stop"
+    if seq.matcher is not None and seq.matcher.is_stopped():  # the format is complete: nothing more may follow
         return "stop"
     return "length" if seq.num_completion_tokens >= params.max_tokens else None

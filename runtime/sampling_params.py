@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kiln.runtime.structured_output import StructuredOutput
+
 # Temperatures below this sample greedily (as in vLLM): dividing logits by a tinier one overflows them to inf.
 GREEDY_TEMPERATURE = 1e-5
 # Seeds are unsigned 64-bit, what both torch.Generator.manual_seed and TensorRT-LLM's SamplingConfig take.
@@ -14,6 +16,8 @@ MAX_LOGPROBS = 20
 # OpenAI's ranges: presence and frequency penalties in [-2, 2], a logit bias in [-100, 100].
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+# A repetition penalty outside this range overflows the logits it divides (and no model needs one).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
@@ -29,12 +33,14 @@ class SamplingParams:
 
     Logit controls, applied before temperature, top-k and top-p: `presence_penalty` and `frequency_penalty` (OpenAI's
     semantics, in [-2, 2]: subtracted once per token id present in the completion, and once per occurrence),
-    `repetition_penalty` (transformers' semantics, > 0: a logit of a token in the prompt or the completion is
+    `repetition_penalty` (transformers' semantics, in [0.01, 100]: a logit of a token in the prompt or the completion is
     divided by it when positive, multiplied when negative), `logit_bias` (token id -> a bias in [-100, 100] added
     to its logit) and `min_tokens` (no EOS or stop token before that many completion tokens).
     `logprobs=k` returns each completion token's log probability and the `k` most likely alternatives (0 <= k <=
     20); `prompt_logprobs=k` the same for every prompt token after the first. They are the model's own
     distribution (log-softmax of its logits, before the controls and the temperature), as vLLM returns by default.
+    `structured_output` holds the completion to a format (``StructuredOutput``: a JSON schema, any JSON object, a
+    regex, a grammar or a choice); the request finishes with "stop" once the format is complete.
     """
 
     temperature: float = 1.0
@@ -53,6 +59,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +69,9 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias)
         self._validate()
         self._validate_controls()
+        if self.structured_output is not None:
+            self.structured_output = StructuredOutput.from_dict(self.structured_output)
+            _ = self.structured_output.llguidance_grammar  # a format that cannot compile is refused here
 
     def _validate(self) -> None:
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
@@ -90,8 +100,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise ValueError(f"SamplingParams.{name} must be a number in [-2, 2] (0 is off), got {value!r}")
-        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0 (1 is off), "
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise ValueError(f"SamplingParams.repetition_penalty must be a number in [{low}, {high}] (1 is off), "
                              f"got {self.repetition_penalty!r}")
         for token_id, bias in self.logit_bias.items():
             if not _is_int(token_id) or token_id < 0:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from kiln.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import llguidance
     import torch
 
     from kiln.runtime.outputs import TokenLogprob
@@ -46,6 +47,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
+        self.matcher: llguidance.LLMatcher | None = None  # of a request with structured output, set by the engine
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

@@ -3,7 +3,10 @@ streamed), penalties and logit bias, and the fields a server may accept and igno
 
 from __future__ import annotations
 
+import re
+
 import openai
+import pydantic
 import pytest
 
 from kiln.runtime import LLM, SamplingParams
@@ -94,3 +97,37 @@ def test_fields_a_server_may_ignore_are_accepted_and_unknown_ones_still_refused(
     assert out.choices[0].finish_reason in ("length", "stop")
     with pytest.raises(openai.BadRequestError, match="not_a_field"):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"not_a_field": 1})
+
+
+def test_response_format_json_schema_parses_into_the_clients_pydantic_model(client):
+    class Kiln(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=10)
+        temperature_c: int = pydantic.Field(ge=0, le=1400)
+        electric: bool
+
+    out = client.chat.completions.parse(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0.8, seed=3,
+                                        response_format=Kiln)
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(out.choices[0].message.parsed, Kiln)
+
+
+def test_json_object_and_vllm_structured_outputs_streamed(client):
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, stream=True, seed=1,
+                                            extra_body={"structured_outputs": {"choice": ["kiln", "oven", "forge"]}})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in ("kiln", "oven", "forge")
+    out = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, seed=2,
+                                    extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", out.choices[0].text)
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+     "frob"),
+    ({"response_format": {"type": "json_schema"}}, "needs its json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"regex": "(["}}, "unclosed"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "not both"),
+])
+def test_a_format_that_cannot_be_served_is_a_400(client, extra, words):
+    with pytest.raises(openai.BadRequestError, match=re.escape(words)):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)

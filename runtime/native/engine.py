@@ -13,6 +13,7 @@ from kiln.runtime.limits import EngineLimits
 from kiln.runtime.native.block_manager import BlockManager
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint
+from kiln.runtime.native.grammar import Grammars
 from kiln.runtime.native.model_runner import LaunchedStep, ModelRunner
 from kiln.runtime.native.sampler import SamplingError
 from kiln.runtime.native.scheduler import Scheduler, SchedulerOutput
@@ -51,7 +52,9 @@ class NativeEngine:
         self.device = resolve_device(options.device, self.config)
         check_fingerprint(self.config.fingerprint, machine_fingerprint(str(self.device)))
         self.tokenizer = Tokenizer.from_dir(engine_dir)
-        self.model_runner = ModelRunner(engine_dir, self.config, self.device, options)
+        architecture = self.config.architecture
+        self.grammars = Grammars(self.tokenizer, architecture.vocab_size, architecture.eos_token_ids)
+        self.model_runner = ModelRunner(engine_dir, self.config, self.device, options, self.grammars)
         plan = self.config.plan
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block)
         self.limits = EngineLimits.from_plan(plan, vocab_size=self.config.architecture.vocab_size,
@@ -75,6 +78,8 @@ class NativeEngine:
     def add_request(self, seq: Sequence) -> None:
         if seq.request_id in self._requests:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use: pick a unique id")
+        if seq.params.structured_output is not None:
+            seq.matcher = self.grammars.matcher(seq.params.structured_output)
         self.scheduler.add(seq)
         detokenizer = request_detokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
         self._requests[seq.request_id] = (seq, detokenizer)
@@ -145,6 +150,9 @@ class NativeEngine:
         """Append the sampled token and finish the sequence on a stop token, a stop string or max_tokens."""
         _, detokenizer = self._requests[seq.request_id]
         seq.append_token(token_id, now, logprob)
+        if seq.matcher is not None and not seq.matcher.consume_token(token_id):
+            raise RuntimeError(f"the structured output matcher refused token {token_id} that its own mask allowed: "
+                               f"{seq.matcher.get_error()}")
         if (reason := stop_reason(seq, token_id, detokenizer, self.eos_token_ids)) is not None:
             self.scheduler.finish(seq, reason)
         return self._emit(seq, [token_id])

@@ -15,6 +15,7 @@ from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.decode_graphs import maybe_capture_decode_graphs
 from kiln.runtime.native.device_copy import device_tensor
 from kiln.runtime.native.engine_format import EngineConfig
+from kiln.runtime.native.grammar import Grammars
 from kiln.runtime.native.kernel_choice import KernelChoice
 from kiln.runtime.native.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from kiln.runtime.native.logit_controls import UnseenTokens
@@ -81,7 +82,8 @@ class ModelRunner:
     """Owns the model weights and the paged KV pool on one device, and executes scheduler outputs on them; the
     kernels, CUDA graphs and KV pool size follow ``options``."""
 
-    def __init__(self, engine_dir: Path, config: EngineConfig, device: torch.device, options: RuntimeOptions) -> None:
+    def __init__(self, engine_dir: Path, config: EngineConfig, device: torch.device, options: RuntimeOptions,
+                 grammars: Grammars | None = None) -> None:
         self.config = config
         self.device = device
         self.block_size = config.plan.tokens_per_block
@@ -95,7 +97,7 @@ class ModelRunner:
                 f"{config.plan.max_seq_len} ({min_blocks} blocks of {self.block_size} tokens): free memory, pass a "
                 f"larger num_kv_blocks, or rebuild with a smaller max_seq_len")
         self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, device)
-        self.sampler = Sampler(config.architecture.eos_token_ids)
+        self.sampler = Sampler(config.architecture.eos_token_ids, grammars)
         graphs = options.captures_cuda_graphs
         self.decode_graphs = maybe_capture_decode_graphs(self.model, self.kv_caches, config, device, graphs)
         self.prefill_graphs = maybe_capture_prefill_graphs(self.model, self.kv_caches, config, device, graphs)

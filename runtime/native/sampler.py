@@ -18,6 +18,7 @@ import torch
 
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.device_copy import device_tensor
+from kiln.runtime.native.grammar import Grammars, apply_token_bitmask
 from kiln.runtime.native.logit_controls import UnseenTokens, apply_logit_controls
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sequence import Sequence
@@ -115,13 +116,14 @@ def sampling_error(seq: Sequence, e: Exception) -> SamplingError:
 class Sampler:
     """Samples one token per row of `logits` ([num_seqs, vocab], any float dtype) for the matching sequence: the
     argmax for greedy rows, else a draw in float32, after the request's logit controls (``stop_token_ids``: the
-    engine's EOS, which ``min_tokens`` holds back).
+    engine's EOS, which ``min_tokens`` holds back) and its structured output's token mask (``grammars``).
 
     A row that cannot be sampled gets a SamplingError in place of its token, so that only its request fails.
     """
 
-    def __init__(self, stop_token_ids: Collection[int] = ()) -> None:
+    def __init__(self, stop_token_ids: Collection[int] = (), grammars: Grammars | None = None) -> None:
         self.stop_token_ids = frozenset(stop_token_ids)
+        self.grammars = grammars
         self._generators: dict[torch.device, torch.Generator] = {}  # the unseeded rows' shared one, per device
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | SamplingError]:
@@ -133,7 +135,13 @@ class Sampler:
         that a step queued ahead sampled and the host has not read (the penalties and ``min_tokens`` count them)."""
         logprob_rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
         log_probs = _log_softmax(logits, logprob_rows)
-        logits = apply_logit_controls(logits, seqs, self.stop_token_ids, unseen)
+        controlled = apply_logit_controls(logits, seqs, self.stop_token_ids, unseen)
+        constrained = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        if constrained:
+            controlled = controlled.clone() if controlled is logits else controlled
+            bitmask = self.grammars.bitmask([seqs[row].matcher for row in constrained])
+            apply_token_bitmask(controlled, constrained, bitmask)
+        logits = controlled
         tokens = logits.argmax(dim=-1)
         failed: dict[int, SamplingError] = {}
         for row, seq in enumerate(seqs):

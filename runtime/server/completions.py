@@ -41,6 +41,7 @@ from kiln.runtime.server.protocol import (
     SamplingFields,
     Usage,
 )
+from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
 
 logger = logging.getLogger("kiln.server")
 
@@ -57,12 +58,42 @@ def _jobs(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], 
     for name in sorted((req.model_fields_set & set(IGNORED_FIELDS)) - _logged_ignored):
         _logged_ignored.add(name)
         logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
+    structured_output = _structured_output(req)
     try:
         return [Job(ids, sampling_params(req, max_tokens=limit, index=choice, logprobs=logprobs,
-                                         prompt_logprobs=prompt_logprobs))
+                                         prompt_logprobs=prompt_logprobs, structured_output=structured_output))
                 for ids, limit in zip(prompts, max_tokens, strict=True) for choice in range(req.n)]
     except ValueError as exc:  # a combination the fields' own checks cannot see (min_tokens above max_tokens)
         raise APIError(400, str(exc).removeprefix("SamplingParams.")) from None
+
+
+def _structured_output(req: SamplingFields) -> StructuredOutput | None:
+    """The format ``response_format`` (OpenAI) or ``structured_outputs`` (vLLM's extension) asks for, compiled."""
+    requested, extension = req.response_format, req.structured_outputs
+    if requested is not None and requested.type == "text":
+        requested = None
+    if requested is not None and extension is not None:
+        raise APIError(400, "send response_format or structured_outputs, not both", param="structured_outputs")
+    param = "response_format" if requested is not None else "structured_outputs"
+    try:
+        if extension is not None:
+            spec = StructuredOutput(json=extension.json_schema, json_object=bool(extension.json_object),
+                                    regex=extension.regex, grammar=extension.grammar, choice=extension.choice)
+        elif requested is None:
+            return None
+        elif requested.type == "json_object":
+            spec = StructuredOutput(json_object=True)
+        elif requested.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs its json_schema (name and schema)",
+                           param="response_format.json_schema")
+        elif requested.json_schema.json_schema is None:
+            spec = StructuredOutput(json_object=True)
+        else:
+            spec = StructuredOutput(json=requested.json_schema.json_schema)
+        _ = spec.llguidance_grammar
+    except StructuredOutputError as exc:
+        raise APIError(400, str(exc), param=param) from None
+    return spec
 
 
 def _usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> Usage:

@@ -14,6 +14,7 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.protocol import ModelCard, SamplingFields
+from kiln.runtime.structured_output import StructuredOutput
 
 RETRY_AFTER_S = 1
 
@@ -138,7 +139,7 @@ class ServedModel:
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprobs: int | None,
-                    prompt_logprobs: int | None) -> SamplingParams:
+                    prompt_logprobs: int | None, structured_output: StructuredOutput | None) -> SamplingParams:
     """Runtime sampling parameters of choice `index` of a request (a seeded request gives choice i the seed + i, as
     an unsigned 64-bit seed: OpenAI's seed is signed, and -1 seeds what 2**64 - 1 does)."""
     temperature = 1.0 if req.temperature is None else req.temperature
@@ -150,4 +151,4 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprob
                           presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                           repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias or {},
                           min_tokens=req.min_tokens or 0, stop_token_ids=req.stop_token_ids or [],
-                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_output=structured_output)

@@ -89,7 +89,6 @@ def _only(*allowed: Any) -> Any:
 
 OneBestOf = _only(None, 1)
 NoSuffix = _only(None, "")
-TextResponseFormat = _only(None, {"type": "text"})
 TextModalities = _only(None, ["text"])
 
 
@@ -132,6 +131,30 @@ Content = Annotated[Any, PlainValidator(_content), WithJsonSchema({"anyOf": [
 ]})]
 
 
+class JsonSchemaFormat(StrictModel):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="Accepted: the schema is always enforced exactly.")
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's response_format: text, any JSON object, or JSON that follows ``json_schema.schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's structured_outputs extension: exactly one format."""
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    grammar: str | None = Field(None, description="A Lark grammar (llguidance's dialect).")
+    choice: list[str] | None = None
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
     include_obfuscation: bool | None = Field(None, description="Accepted and ignored: no obfuscation padding.")
@@ -153,11 +176,15 @@ class SamplingFields(StrictModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: LogitBias = None
-    repetition_penalty: float | None = Field(None, gt=0, description="Extension (as in vLLM): transformers' rule.")
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100,
+                                             description="Extension (as in vLLM): transformers' rule.")
     min_tokens: Int | None = Field(None, ge=0, description="Extension (as in vLLM): no EOS or stop token before.")
     stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, description="Extension (as in vLLM).")
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                         description="Extension (as in vLLM): log probabilities of the prompt tokens.")
+    structured_outputs: StructuredOutputs | None = Field(None, description="Extension (as in vLLM): hold the "
+                                                         "output to a JSON schema, a regex, a grammar or a choice.")
+    response_format: ResponseFormat | None = None
     # OpenAI fields that do not change what is generated: accepted, and logged once as ignored
     user: str | None = None
     store: bool | None = None
@@ -189,7 +216,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int | None = Field(None, ge=1, description="Takes precedence over max_tokens.")
     logprobs: bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs: true.")
-    response_format: TextResponseFormat = None
     modalities: TextModalities = None
     prompt_cache_retention: str | None = None
     parallel_tool_calls: bool | None = None

@@ -94,7 +94,8 @@ class TrtllmEngine:
         """Tokenize and validate a request without touching the executor (safe from any thread)."""
         unsupported = [name for name, asked in (("logprobs", params.logprobs is not None),
                                                 ("prompt_logprobs", params.prompt_logprobs is not None),
-                                                ("logit_bias", bool(params.logit_bias))) if asked]
+                                                ("logit_bias", bool(params.logit_bias)),
+                                                ("structured_output", params.structured_output is not None)) if asked]
         if unsupported:
             raise TrtllmRequestError(f"the TensorRT-LLM backend does not serve {', '.join(unsupported)} yet: use an "
                                      f"engine of the native backend for these")

@@ -1,0 +1,71 @@
+"""The native engine's structured output: an llguidance matcher per constrained request, and each step's token
+bitmask for the constrained rows, computed on the host (in parallel, by llguidance's threads) and applied on the
+device; the other rows of the batch are not touched.
+
+A constrained request's next mask needs its last token, so a step queued ahead (overlapped steps) leaves it out
+until that token is read (``Scheduler.schedule_ahead``): alone it runs every step, in a mixed batch every other.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kiln.runtime.native.device_copy import device_tensor
+from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
+from kiln.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import llguidance
+
+
+class Grammars:
+    """Matchers for one engine's tokenizer and vocabulary (``eos_token_ids`` end a completed format)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+
+    @functools.cached_property
+    def _llg(self) -> tuple[llguidance.LLTokenizer, llguidance.LLExecutor]:
+        """llguidance's view of the vocabulary (built on first use: ~0.5 s for 128k tokens) and its thread pool."""
+        import llguidance
+
+        tokenizer_json = self.tokenizer.to_dict()["tokenizer_json"]
+        return (llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids),
+                llguidance.LLExecutor())
+
+    def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        """A fresh matcher of ``spec``'s format; StructuredOutputError when it cannot run on this engine."""
+        import llguidance
+
+        if self.tokenizer is None:
+            raise StructuredOutputError("structured output needs the engine's tokenizer, and it has no tokenizer.json")
+        matcher = llguidance.LLMatcher(self._llg[0], spec.llguidance_grammar, log_level=0)
+        if matcher.is_error():
+            raise StructuredOutputError(f"the structured output format cannot be used: {matcher.get_error()}")
+        return matcher
+
+    def bitmask(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
+        """The allowed next tokens of each matcher, one int32 row of ``ceil(vocab / 32)`` words each (bit ``t % 32``
+        of word ``t // 32`` set when token ``t`` is allowed)."""
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+        bitmask = allocate_token_bitmask(len(matchers), self.vocab_size)
+        fill_next_token_bitmask_par(self._llg[1], [(m, i) for i, m in enumerate(matchers)], bitmask)
+        return bitmask
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
+    """Set to -inf, in place, the logits of ``rows`` whose tokens their row of ``bitmask`` does not allow."""
+    device, vocab = logits.device, logits.shape[-1]
+    words = device_tensor(bitmask, torch.int32, device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+    index = device_tensor(rows, torch.long, device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -1,0 +1,82 @@
+"""Structured output: a completion held to a JSON schema, any JSON object, a regular expression, a grammar or one of
+a list of strings, by masking every token that would leave the format (llguidance compiles the format against the
+tokenizer and computes each step's mask: ``runtime/native/grammar.py``).
+
+``StructuredOutput`` says what a request wants (``SamplingParams.structured_output``); its llguidance grammar is
+compiled and checked when the parameters are made, so a bad schema or regex is refused before the request runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kiln.runtime.errors import InvalidRequestError
+
+# JSON without optional whitespace: a model that may emit whitespace between tokens can pad forever.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class StructuredOutputError(InvalidRequestError):
+    """A format that cannot be compiled (a schema llguidance does not support, a bad regex or grammar)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one of: ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any JSON object),
+    ``regex``, ``grammar`` (a Lark grammar in llguidance's dialect, which can embed JSON schemas with ``%json``) or
+    ``choice`` (the completion is one of these strings)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise StructuredOutputError(f"structured output takes exactly one of json, json_object, regex, grammar "
+                                        f"or choice, got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except json.JSONDecodeError as exc:
+                raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise StructuredOutputError(f"a JSON schema must be an object, got {type(self.json).__name__}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise StructuredOutputError("choice must be a non-empty list of non-empty strings")
+
+    @functools.cached_property
+    def llguidance_grammar(self) -> str:
+        """The format as llguidance's grammar, compiled and checked once."""
+        return grammar_of(self)
+
+    @classmethod
+    def from_dict(cls, value: StructuredOutput | dict[str, Any]) -> StructuredOutput:
+        """A StructuredOutput, or one built from its fields as a dict (how it crosses a process boundary)."""
+        return value if isinstance(value, StructuredOutput) else cls(**value)
+
+
+def grammar_of(spec: StructuredOutput) -> str:
+    """llguidance's grammar for ``spec``, validated; StructuredOutputError says what is wrong with it."""
+    import llguidance  # only requests that ask for structure load it
+
+    matcher = llguidance.LLMatcher
+    if spec.json is not None or spec.json_object:
+        grammar = matcher.grammar_from_json_schema(spec.json if spec.json is not None else {"type": "object"},
+                                                   defaults=_JSON_OPTIONS)
+    elif spec.regex is not None:
+        grammar = matcher.grammar_from_regex(spec.regex)
+    elif spec.grammar is not None:
+        grammar = matcher.grammar_from_lark(spec.grammar)
+    else:
+        grammar = matcher.grammar_from_regex("|".join(re.escape(c) for c in spec.choice))
+    is_error, messages = matcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise StructuredOutputError(f"the structured output format cannot be used: {messages[0]}")
+    return grammar

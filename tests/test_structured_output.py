@@ -1,0 +1,113 @@
+"""Structured output on the tiny model (random weights, the bundled byte-level BPE tokenizer): whatever the model
+would say, the completion parses and validates against its format, and unconstrained requests in the same batch
+are untouched."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema_rs
+import pytest
+
+from kiln.runtime import LLM, RuntimeOptions, SamplingParams
+from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
+from tests.test_server_support import tiny_engine
+
+SCHEMAS = {
+    "flat": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                              "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+             "required": ["name", "age"], "additionalProperties": False},
+    "enum-and-bool": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                                       "ok": {"type": "boolean"}},
+                      "required": ["color", "ok"], "additionalProperties": False},
+    "nested-array": {"type": "object", "properties": {
+        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}, "score": {"type": "number", "minimum": 0, "maximum": 100}},
+            "required": ["id", "score"], "additionalProperties": False}}},
+        "required": ["items"], "additionalProperties": False},
+    "any-of-and-pattern": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+        "value": {"anyOf": [{"type": "integer"}, {"type": "null"}]}},
+        "required": ["code", "value"], "additionalProperties": False},
+    "top-level-array": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "minItems": 2,
+                        "maxItems": 4},
+}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM.load(tiny_engine()) as llm:
+        yield llm
+
+
+def constrained(spec: dict, seed: int, max_tokens: int = 120, **params) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, structured_output=spec, **params)
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_sampled_json_parses_and_validates_against_its_schema(llm, name):
+    schema = SCHEMAS[name]
+    outputs = llm.generate(["Give me JSON:"] * 3, [constrained({"json": schema}, seed) for seed in range(3)])
+    for output in outputs:
+        assert output.finish_reason == "stop", output.text
+        assert jsonschema_rs.validator_for(schema).is_valid(json.loads(output.text)), output.text
+
+
+def test_json_object_regex_choice_and_grammar_formats(llm):
+    prompts = ["Answer:"] * 4
+    quote = llm.tokenizer.encode('"', add_special_tokens=False)
+    # random weights write endless keys: a bias towards the closing quote lets the object end within max_tokens
+    params = [constrained({"json_object": True}, 0, logit_bias={quote[0]: 6.0}),
+              constrained({"regex": r"[0-9]{3}-[a-z]{2,4}"}, 2),
+              constrained({"choice": ["yes", "no", "maybe (later)"]}, 3),
+              constrained({"grammar": 'start: expr\nexpr: NUM | "(" expr OP expr ")"\nOP: "+" | "*"\nNUM: /[0-9]/'},
+                          4)]
+    obj, code, choice, expr = llm.generate(prompts, params)
+    assert isinstance(json.loads(obj.text), dict)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", code.text)
+    assert choice.text in ("yes", "no", "maybe (later)")
+    assert re.fullmatch(r"[0-9()+*]+", expr.text) and expr.text.count("(") == expr.text.count(")")
+    assert all(o.finish_reason == "stop" for o in (obj, code, choice, expr))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_unconstrained_requests_in_the_same_batch_are_untouched(overlap):
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM.load(tiny_engine(), RuntimeOptions(overlap_steps=overlap)) as llm:
+        alone = llm.generate(["Once upon a time"], free)[0].token_ids
+        mixed = llm.generate(["Once upon a time", "Give me JSON:", "Give me JSON:"],
+                             [free, constrained({"json": SCHEMAS["flat"]}, 5),
+                              constrained({"json": SCHEMAS["enum-and-bool"]}, 6)])
+    assert mixed[0].token_ids == alone
+    for output in mixed[1:]:
+        assert isinstance(json.loads(output.text), dict)
+
+
+def test_a_format_cut_short_by_max_tokens_ends_with_length(llm):
+    output = llm.generate(["x"], constrained({"json": SCHEMAS["nested-array"]}, 7, max_tokens=3))[0]
+    assert output.finish_reason == "length" and len(output.token_ids) == 3
+
+
+@pytest.mark.parametrize(("spec", "words"), [
+    ({"regex": "(["}, "unclosed character class"),
+    ({"json": {"type": "frob"}}, "frob"),
+    ({"json": "{not json"}, "not valid JSON"),
+    ({"grammar": "start: undefined_rule"}, "undefined_rule"),
+    ({"regex": "a", "choice": ["b"]}, "exactly one of"),
+    ({"choice": [""]}, "non-empty list"),
+])
+def test_a_format_that_cannot_compile_is_refused_when_the_parameters_are_made(spec, words):
+    with pytest.raises(StructuredOutputError, match=re.escape(words)):
+        SamplingParams(structured_output=spec)
+
+
+def test_structured_output_crosses_the_engine_process():
+    schema = SCHEMAS["enum-and-bool"]
+    with LLM.load(tiny_engine(), RuntimeOptions(engine_process=True)) as llm:
+        output = llm.generate(["JSON:"], constrained({"json": schema}, 8))[0]
+    assert jsonschema_rs.validator_for(schema).is_valid(json.loads(output.text))
+    assert StructuredOutput.from_dict({"json_object": True}).json_object
