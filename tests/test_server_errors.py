@@ -81,6 +81,7 @@ def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, w
      ["leaves room"]),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", ["needs logprobs"]),
     ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}, "modalities", ["not supported"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions", ["Unrecognized"]),
 ])
 def test_bad_chat_requests_get_a_400_naming_the_field(http, body, param, words):
     assert_error(http.post("/v1/chat/completions", json=body), 400, param, *words)

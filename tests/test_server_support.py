@@ -17,7 +17,7 @@ TOKENIZER_SOURCE = REPO / "models" / "tiny-llama"  # a real BPE tokenizer with a
 
 
 @functools.cache
-def tiny_engine(max_seq_len: int = 256, max_batch_size: int = 16) -> Path:
+def tiny_engine(max_seq_len: int = 256, max_batch_size: int = 16, max_input_len: int = 64) -> Path:
     """A seeded random tiny Llama with the bundled tiny-llama tokenizer and chat template, built once per process."""
     import tokenizers
 
@@ -32,8 +32,8 @@ def tiny_engine(max_seq_len: int = 256, max_batch_size: int = 16) -> Path:
         shutil.copyfile(TOKENIZER_SOURCE / name, root / "checkpoint" / name)
     engine = root / "engine"
     engine.mkdir()
-    plan = tiny_plan(max_batch_size=max_batch_size, max_input_len=min(64, max_seq_len), max_seq_len=max_seq_len,
-                     max_num_tokens=256)
+    plan = tiny_plan(max_batch_size=max_batch_size, max_input_len=min(max_input_len, max_seq_len),
+                     max_seq_len=max_seq_len, max_num_tokens=256)
     build_native_engine(root / "checkpoint", engine, plan, "float32")
     return engine
 

@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.runtime.llm import LLM
-from kiln.runtime.server.completions import create_chat_completion, create_completion
+from kiln.runtime.server.chat import create_chat_completion
+from kiln.runtime.server.completions import create_completion
 from kiln.runtime.server.errors import APIError, error_response, install_error_handlers
 from kiln.runtime.server.generation import RETRY_AFTER_S, ServedModel
 from kiln.runtime.server.metrics import RequestCountMiddleware, ServerMetrics

@@ -47,6 +47,7 @@ class ChatTemplate:
 
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
         self._template = _environment().from_string(source)
+        self.source = source
         self.special_tokens = special_tokens
 
     @classmethod
@@ -74,11 +75,13 @@ class ChatTemplate:
     def bos_token(self) -> str | None:
         return self.special_tokens.get("bos_token")
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` ({"role", "content"} dicts); ChatTemplateError when the template
-        refuses them."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` ({"role", "content"} dicts, with "tool_calls" and "tool_call_id" where
+        they have them) and `tools` (OpenAI tool objects, as transformers' ``apply_chat_template`` takes them);
+        ChatTemplateError when the template refuses them."""
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          documents=None, **self.special_tokens)
         except ChatTemplateError:
             raise

@@ -1,4 +1,5 @@
-"""/v1/completions and /v1/chat/completions: a request becomes jobs; their deltas become a response or SSE chunks."""
+"""/v1/completions, and what both generation routes share: a request becomes jobs; their deltas become a response
+or SSE chunks."""
 
 from __future__ import annotations
 
@@ -17,12 +18,10 @@ from starlette.types import Receive, Scope, Send
 
 from kiln.runtime.errors import KilnError
 from kiln.runtime.outputs import RequestOutput, StreamDelta
-from kiln.runtime.server.chat_template import ChatTemplateError
 from kiln.runtime.server.errors import APIError, error_body
 from kiln.runtime.server.generation import Job, ServedModel, sampling_params
 from kiln.runtime.server.logprobs import (
     TokenText,
-    chat_logprobs,
     completion_logprobs,
     echoed_logprobs,
     vllm_prompt_logprobs,
@@ -30,10 +29,6 @@ from kiln.runtime.server.logprobs import (
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import (
     IGNORED_FIELDS,
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -52,13 +47,12 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before
 _logged_ignored: set[str] = set()
 
 
-def _jobs(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *, logprobs: int | None,
-          prompt_logprobs: int | None) -> list[Job]:
+def make_jobs(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *, logprobs: int | None,
+              prompt_logprobs: int | None, structured_output: StructuredOutput | None) -> list[Job]:
     """`n` jobs per prompt, in OpenAI's choice order (prompt-major)."""
     for name in sorted((req.model_fields_set & set(IGNORED_FIELDS)) - _logged_ignored):
         _logged_ignored.add(name)
         logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
-    structured_output = _structured_output(req)
     try:
         return [Job(ids, sampling_params(req, max_tokens=limit, index=choice, logprobs=logprobs,
                                          prompt_logprobs=prompt_logprobs, structured_output=structured_output))
@@ -67,7 +61,7 @@ def _jobs(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], 
         raise APIError(400, str(exc).removeprefix("SamplingParams.")) from None
 
 
-def _structured_output(req: SamplingFields) -> StructuredOutput | None:
+def requested_format(req: SamplingFields) -> StructuredOutput | None:
     """The format ``response_format`` (OpenAI) or ``structured_outputs`` (vLLM's extension) asks for, compiled."""
     requested, extension = req.response_format, req.structured_outputs
     if requested is not None and requested.type == "text":
@@ -196,7 +190,7 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
     yield "data: [DONE]\n\n"
 
 
-async def _respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prompts: list[list[int]],
+async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prompts: list[list[int]],
                    metrics: ServerMetrics, request: Request, *, build: Callable[[list[RequestOutput], Usage], object],
                    render: Callable[[int, StreamDelta], dict | None], usage_chunk: Callable[[Usage], dict],
                    prelude: list[dict]) -> object:
@@ -227,13 +221,13 @@ def _echo_text(model: ServedModel, given: str | list[int], token_ids: list[int])
     return model.tokenizer.decode(token_ids) if model.tokenizer is not None else ""
 
 
-def _check_model(model: ServedModel, requested: str | None) -> None:
+def check_model(model: ServedModel, requested: str | None) -> None:
     if requested is not None and requested != model.name:
         raise APIError(404, f"The model '{requested}' does not exist: this server serves '{model.name}' "
                             f"(see /v1/models)", param="model", code="model_not_found")
 
 
-def _stream_chunk(request_id: str, object_name: str, created: int, model_name: str, choices: list[dict],
+def stream_chunk(request_id: str, object_name: str, created: int, model_name: str, choices: list[dict],
                   usage: Usage | None = None) -> dict:
     """One SSE chunk of a streamed response."""
     return {"id": request_id, "object": object_name, "created": created, "model": model_name, "choices": choices,
@@ -243,17 +237,18 @@ def _stream_chunk(request_id: str, object_name: str, created: int, model_name: s
 async def create_completion(model: ServedModel, req: CompletionRequest, metrics: ServerMetrics,
                             request: Request) -> object:
     """Handle POST /v1/completions."""
-    _check_model(model, req.model)
+    check_model(model, req.model)
     given = _as_prompt_list(req.prompt)
     prompts = [model.tokenize(p, "prompt") for p in given]
     limits = [model.max_tokens(len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
               for ids in prompts]
     echo_logprobs = req.logprobs if req.echo else None
     prompt_logprobs = max((k for k in (req.prompt_logprobs, echo_logprobs) if k is not None), default=None)
-    jobs = _jobs(req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+    jobs = make_jobs(req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+                     structured_output=requested_format(req))
     model.check(jobs[::req.n], "prompt")  # one job per prompt: a prompt's n choices differ only in their seed
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    chunk = functools.partial(_stream_chunk, request_id, "text_completion", created, model.name)
+    chunk = functools.partial(stream_chunk, request_id, "text_completion", created, model.name)
     names = TokenText(model.tokenizer)
     echoes = [_echo_text(model, p, ids) if req.echo else "" for p, ids in zip(given, prompts, strict=True)]
     offsets = [0] * len(jobs)  # each choice's token characters so far: where its next logprobs token starts
@@ -294,51 +289,5 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
                 prompt_logprobs=None if prompt_entries is None else vllm_prompt_logprobs(names, prompt_entries)))
         return CompletionResponse(id=request_id, created=created, model=model.name, choices=choices, usage=usage)
 
-    return await _respond(model, req, jobs, prompts, metrics, request, build=build, render=render,
+    return await respond(model, req, jobs, prompts, metrics, request, build=build, render=render,
                           usage_chunk=lambda usage: chunk([], usage), prelude=[])
-
-
-async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest, metrics: ServerMetrics,
-                                 request: Request) -> object:
-    """Handle POST /v1/chat/completions."""
-    _check_model(model, req.model)
-    if model.chat_template is None:
-        raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template (neither "
-                       f"chat_template.jinja nor tokenizer_config.json has one): use /v1/completions", param="messages")
-    messages = [{"role": m.role, "content": m.content or "", **({"name": m.name} if m.name else {})}
-                for m in req.messages]
-    try:
-        text = model.chat_template.render(messages)
-    except ChatTemplateError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    prompt = model.tokenize(text, "messages", add_special_tokens=False)  # the template writes BOS itself, as in HF
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
-    if req.top_logprobs and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    jobs = _jobs(req, [prompt], [limit], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                 prompt_logprobs=req.prompt_logprobs)
-    model.check(jobs[::req.n], "messages")
-    names = TokenText(model.tokenizer)
-    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    chunk = functools.partial(_stream_chunk, request_id, "chat.completion.chunk", created, model.name)
-
-    def render(index: int, delta: StreamDelta) -> dict | None:
-        if not (delta.text or delta.finished or delta.logprobs):
-            return None
-        logprobs = chat_logprobs(names, delta.logprobs).model_dump() if delta.logprobs else None
-        return chunk([{"index": index, "delta": {"content": delta.text} if delta.text else {}, "logprobs": logprobs,
-                       "finish_reason": delta.finish_reason if delta.finished else None}])
-
-    def build(outputs: list[RequestOutput], usage: Usage) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=out.text), finish_reason=out.finish_reason,
-                              logprobs=chat_logprobs(names, out.logprobs) if out.logprobs is not None else None)
-                   for i, out in enumerate(outputs)]
-        prompt_entries = outputs[0].prompt_logprobs if req.prompt_logprobs is not None else None
-        return ChatCompletionResponse(id=request_id, created=created, model=model.name, choices=choices, usage=usage,
-                                      prompt_logprobs=prompt_entries and vllm_prompt_logprobs(names, prompt_entries))
-
-    prelude = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                       "finish_reason": None}]) for i in range(len(jobs))]
-    return await _respond(model, req, jobs, [prompt], metrics, request, build=build, render=render,
-                          usage_chunk=lambda usage: chunk([], usage), prelude=prelude)

@@ -14,6 +14,7 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.protocol import ModelCard, SamplingFields
+from kiln.runtime.server.tool_calls import tool_call_format
 from kiln.runtime.structured_output import StructuredOutput
 
 RETRY_AFTER_S = 1
@@ -67,6 +68,7 @@ class ServedModel:
             self.chat_template, self.chat_template_problem = ChatTemplate.from_dir(engine_dir), None
         except ChatTemplateError as exc:  # completions still work; chat requests say why they cannot
             self.chat_template, self.chat_template_problem = None, str(exc)
+        self.tool_call_format = tool_call_format(self.chat_template.source) if self.chat_template else None
         self.admission = Admission(self.limits.max_batch_size + max_queue)
 
     def card(self, created: int) -> ModelCard:

@@ -204,10 +204,45 @@ class CompletionRequest(SamplingFields):
     suffix: NoSuffix = None
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class ToolCallMessagePart(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
     name: str | None = None
+    tool_calls: list[ToolCallMessagePart] | None = Field(None, description="An assistant's earlier calls.")
+    tool_call_id: str | None = Field(None, description="The call a tool message answers.")
+    refusal: str | None = None
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments.")
+    strict: bool | None = Field(None, description="Accepted: forced calls always follow the schema exactly.")
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -216,6 +251,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int | None = Field(None, ge=1, description="Takes precedence over max_tokens.")
     logprobs: bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs: true.")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     modalities: TextModalities = None
     prompt_cache_retention: str | None = None
     parallel_tool_calls: bool | None = None
@@ -256,9 +293,16 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class TopLogprob(BaseModel):

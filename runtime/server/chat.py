@@ -1,0 +1,180 @@
+"""/v1/chat/completions: messages through the model's chat template (with its tools), the completion back as a
+message, or as tool calls parsed in the format the template teaches (``tool_calls.py``)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+import uuid
+
+from starlette.requests import Request
+
+from kiln.runtime.outputs import RequestOutput, StreamDelta
+from kiln.runtime.server.chat_template import ChatTemplateError
+from kiln.runtime.server.completions import check_model, make_jobs, requested_format, respond, stream_chunk
+from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.generation import ServedModel
+from kiln.runtime.server.logprobs import TokenText, chat_logprobs, vllm_prompt_logprobs
+from kiln.runtime.server.metrics import ServerMetrics
+from kiln.runtime.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    FunctionCall,
+    ToolCallOut,
+    Usage,
+)
+from kiln.runtime.server.tool_calls import ToolCall, ToolCallFormat
+from kiln.runtime.structured_output import StructuredOutput
+
+
+def _template_message(message: ChatMessage) -> dict:
+    """A message as chat templates take it (transformers' convention: a call's arguments as an object)."""
+    result = {"role": message.role, "content": message.content or ""}
+    if message.name:
+        result["name"] = message.name
+    if message.tool_call_id:
+        result["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        result["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+            for call in message.tool_calls]
+    return result
+
+
+def _arguments(text: str) -> dict | str:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class _Tools:
+    """What a request's ``tools`` and ``tool_choice`` ask of this model: the tools its template renders, the format
+    it calls them in, and whether (and which) a call is forced."""
+
+    def __init__(self, model: ServedModel, req: ChatCompletionRequest) -> None:
+        self.functions = [tool.function.model_dump(exclude_none=True) for tool in req.tools or []]
+        choice = req.tool_choice or ("auto" if self.functions else "none")
+        self.format: ToolCallFormat | None = None
+        self.forced: list[dict] = []
+        if choice == "none" or not self.functions:
+            if not isinstance(choice, str) or choice == "required":
+                raise APIError(400, f"tool_choice {_choice_name(choice)} needs tools", param="tool_choice")
+            return
+        self.format = model.tool_call_format
+        if self.format is None:
+            raise APIError(400, f"the chat template of model '{model.name}' does not render tools, so the model "
+                                f"cannot call them: send tool_choice 'none' or no tools", param="tools")
+        if choice == "required":
+            self.forced = self.functions
+        elif not isinstance(choice, str):
+            self.forced = [f for f in self.functions if f["name"] == choice.function.name]
+            if not self.forced:
+                raise APIError(400, f"tool_choice names '{choice.function.name}', which is not among the tools",
+                               param="tool_choice")
+        self.parallel = req.parallel_tool_calls is not False
+
+    @property
+    def rendered(self) -> list[dict] | None:
+        """The tools as the template takes them (OpenAI tool objects)."""
+        return [{"type": "function", "function": f} for f in self.functions] or None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar of a forced call (None when the model may answer in text)."""
+        if not self.forced:
+            return None
+        return StructuredOutput(grammar=self.format.grammar(self.forced, self.parallel))
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The content and the calls in a finished completion."""
+        if self.format is None:
+            return text, []
+        content, calls = self.format.parse(text)
+        return (content or None) if calls else text, calls
+
+
+def _choice_name(choice: object) -> str:
+    return repr(choice) if isinstance(choice, str) else f"naming '{choice.function.name}'"
+
+
+def _call_parts(calls: list[ToolCall]) -> list[dict]:
+    """Tool-call deltas of a stream, each call whole (as the openai client assembles them)."""
+    return [{"index": i, "id": call.id, "type": "function", "function": {"name": call.name,
+                                                                         "arguments": call.arguments}}
+            for i, call in enumerate(calls)]
+
+
+async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest, metrics: ServerMetrics,
+                                 request: Request) -> object:
+    """Handle POST /v1/chat/completions."""
+    check_model(model, req.model)
+    if model.chat_template is None:
+        raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template (neither "
+                       f"chat_template.jinja nor tokenizer_config.json has one): use /v1/completions", param="messages")
+    tools = _Tools(model, req)
+    forced = tools.structured_output()
+    if forced is not None and requested_format(req) is not None:
+        raise APIError(400, "a forced tool call (tool_choice 'required' or a named function) sets the output "
+                            "format: send no response_format or structured_outputs with it", param="tool_choice")
+    try:
+        text = model.chat_template.render([_template_message(m) for m in req.messages], tools=tools.rendered)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    prompt = model.tokenize(text, "messages", add_special_tokens=False)  # the template writes BOS itself, as in HF
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    jobs = make_jobs(req, [prompt], [limit], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                     prompt_logprobs=req.prompt_logprobs, structured_output=forced or requested_format(req))
+    model.check(jobs[::req.n], "messages")
+    names = TokenText(model.tokenizer)
+    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    chunk = functools.partial(stream_chunk, request_id, "chat.completion.chunk", created, model.name)
+    texts, sent = [""] * len(jobs), [0] * len(jobs)  # with tools: each choice's text, and how much went as content
+
+    def render(index: int, delta: StreamDelta) -> dict | None:
+        message, reason = {}, delta.finish_reason if delta.finished else None
+        if tools.format is None:
+            content = delta.text
+        else:  # hold back what may be a call until the completion ends
+            texts[index] += delta.text
+            if delta.finished:
+                content, calls = tools.parse(texts[index])
+                content = (content or "")[sent[index]:]
+                if calls:
+                    message["tool_calls"] = _call_parts(calls)
+                    reason = "tool_calls"
+            else:
+                safe = 0 if tools.forced else tools.format.content_before_calls(texts[index])
+                content = texts[index][sent[index]:safe] if safe > sent[index] else ""
+            sent[index] += len(content)
+        if content:
+            message = {"content": content, **message}
+        if not (message or delta.finished or delta.logprobs):
+            return None
+        logprobs = chat_logprobs(names, delta.logprobs).model_dump() if delta.logprobs else None
+        return chunk([{"index": index, "delta": message, "logprobs": logprobs, "finish_reason": reason}])
+
+    def choice(index: int, out: RequestOutput) -> ChatChoice:
+        content, calls = tools.parse(out.text)
+        tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+        return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=tool_calls or None),
+                          finish_reason="tool_calls" if calls else out.finish_reason,
+                          logprobs=chat_logprobs(names, out.logprobs) if out.logprobs is not None else None)
+
+    def build(outputs: list[RequestOutput], usage: Usage) -> ChatCompletionResponse:
+        prompt_entries = outputs[0].prompt_logprobs if req.prompt_logprobs is not None else None
+        return ChatCompletionResponse(id=request_id, created=created, model=model.name, usage=usage,
+                                      choices=[choice(i, out) for i, out in enumerate(outputs)],
+                                      prompt_logprobs=prompt_entries and vllm_prompt_logprobs(names, prompt_entries))
+
+    prelude = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None}]) for i in range(len(jobs))]
+    return await respond(model, req, jobs, [prompt], metrics, request, build=build, render=render,
+                         usage_chunk=lambda usage: chunk([], usage), prelude=prelude)

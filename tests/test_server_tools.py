@@ -1,0 +1,189 @@
+"""Tool calling through the official openai client: tools rendered by the chat template, calls forced by the
+grammar (tool_choice "required" or a named function) in the template's own format (Hermes / Qwen and Llama 3.1
+styles), parsed into message.tool_calls, streamed as tool-call deltas, and refused where the template has no tools."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema_rs
+import openai
+import pytest
+
+from kiln.runtime import LLM
+from kiln.runtime.server import ServerSettings, ServerThread, create_app
+from kiln.runtime.server.chat_template import ChatTemplate
+from kiln.runtime.server.tool_calls import HERMES, LLAMA3_JSON, tool_call_format
+from tests.test_server_support import tiny_engine
+
+MODEL = "tiny"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
+
+# trimmed versions of the Qwen2.5 and Llama 3.1 chat templates: the parts that render tools and tool turns
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call a function as <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}<|im_start|>user
+<tool_response>{{ message.content }}</tool_response><|im_end|>
+{% elif message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+LLAMA3_TEMPLATE = """{%- if tools %}<|start_header_id|>user<|end_header_id|>
+
+Respond with a JSON for a function call: {"name": function name, "parameters": dictionary of argument name and its \
+value}.
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}<|eot_id|>{% endif %}
+{%- for message in messages %}
+{%- if message.tool_calls %}<|start_header_id|>assistant<|end_header_id|>
+
+<|python_tag|>{"name": "{{ message.tool_calls[0].function.name }}", "parameters": \
+{{ message.tool_calls[0].function.arguments | tojson }}}<|eom_id|>
+{%- elif message.role == "tool" %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- else %}<|start_header_id|>{{ message.role }}<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM.load(tiny_engine(max_seq_len=1024, max_input_len=896)) as llm:
+        yield llm
+
+
+def client_for(llm, tmp_path_factory, template: str | None):
+    engine = tmp_path_factory.mktemp("engine") / "engine"
+    shutil.copytree(tiny_engine(max_seq_len=1024, max_input_len=896), engine)
+    if template is not None:
+        (engine / "chat_template.jinja").write_text(template)
+    return ServerThread(create_app(llm, engine, ServerSettings(model_name=MODEL)))
+
+
+@pytest.fixture(scope="module", params=["hermes", "llama3_json"])
+def client(request, llm, tmp_path_factory):
+    template = HERMES_TEMPLATE if request.param == "hermes" else LLAMA3_TEMPLATE
+    with client_for(llm, tmp_path_factory, template) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        yield client
+
+
+def assert_valid_call(call, tool: dict) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == tool["function"]["name"]
+    arguments = json.loads(call.function.arguments)
+    assert jsonschema_rs.validator_for(tool["function"]["parameters"]).is_valid(arguments), arguments
+
+
+def test_required_tool_choice_returns_calls_that_follow_their_schema(client):
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK],
+                                         tool_choice="required", max_tokens=120, seed=1)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert_valid_call(call, {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name])
+
+
+def test_a_named_tool_choice_calls_that_function(client):
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK], max_tokens=120,
+                                         tool_choice={"type": "function", "function": {"name": "get_time"}}, seed=2,
+                                         parallel_tool_calls=False)
+    calls = out.choices[0].message.tool_calls
+    assert len(calls) == 1
+    assert_valid_call(calls[0], CLOCK)
+
+
+def test_streamed_tool_calls_assemble_in_the_openai_client(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=120, seed=3,
+                  parallel_tool_calls=False)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    parts = [call for delta in deltas for call in delta.tool_calls or []]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert len(parts) == 1
+    assert_valid_call(parts[0], WEATHER)
+    assert not "".join(delta.content or "" for delta in deltas)  # no call text as content
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    assert (whole.function.name, whole.function.arguments) == (parts[0].function.name, parts[0].function.arguments)
+
+
+def test_auto_lets_the_model_answer_in_text_and_history_with_calls_renders(client):
+    history = [*MESSAGES,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees, rain"}]
+    out = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=8, seed=4,
+                                         extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason == "length"  # random weights write text
+    assert choice.message.content
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),
+    (dict(tool_choice="required"), "needs tools"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "forced tool call"),
+])
+def test_tool_requests_that_cannot_be_served_are_a_400(client, kwargs, words):
+    with pytest.raises(openai.BadRequestError, match=words):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **kwargs)
+
+
+def test_a_template_without_tools_refuses_them_unless_tool_choice_is_none(llm, tmp_path_factory):
+    with client_for(llm, tmp_path_factory, None) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError, match="does not render tools"):
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], max_tokens=4)
+        out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="none",
+                                             max_tokens=4)
+        assert out.choices[0].message.tool_calls is None
+
+
+def test_the_formats_are_read_from_templates_and_parse_what_they_teach():
+    assert tool_call_format(HERMES_TEMPLATE) is HERMES and tool_call_format(LLAMA3_TEMPLATE) is LLAMA3_JSON
+    content, calls = HERMES.parse('Let me look.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+                                  '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    assert content == "Let me look." and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}),
+                                                                                                  ("b", {})]
+    assert LLAMA3_JSON.parse('<|python_tag|>{"name": "a", "parameters": {"x": 2}}')[1][0].arguments == '{"x": 2}'
+    assert HERMES.parse("no calls here <tool_call>{broken") == ("no calls here <tool_call>{broken", [])
+    assert HERMES.content_before_calls("Sure <tool_") == len("Sure ")
+    assert LLAMA3_JSON.content_before_calls(' {"na') == 0 and LLAMA3_JSON.content_before_calls("Hi") == 2
+    rendered = ChatTemplate(HERMES_TEMPLATE, {}).render(
+        [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                                                               "function": {"name": "a", "arguments": {"x": 1}}}]}],
+        tools=[WEATHER])
+    assert '"arguments": {"x": 1}' in rendered and '"name": "get_weather"' in rendered
