@@ -60,12 +60,34 @@ class ServeTarget:
 
         return load
 
-    def settings(self, *, api_key: str | None = None, max_queue: int | None = None,
-                 model_name: str | None = None) -> ServerSettings:
+    def settings(self, *, api_key: str | None = None, max_queue: int | None = None, model_name: str | None = None,
+                 chat_template: str | None = None) -> ServerSettings:
         from kiln.runtime.server import ServerSettings
 
         return ServerSettings(model_name=model_name or self.model_name, api_key=api_key or self.api_key,
-                              max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache)
+                              max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache,
+                              chat_template=chat_template)
+
+
+class ChatTemplateFileError(KilnError):
+    """A --chat-template file that cannot be read or does not parse."""
+
+
+def read_chat_template(path: Path) -> str:
+    """The source of a --chat-template file, checked to parse as a Jinja template."""
+    import jinja2
+
+    from kiln.runtime.server.chat_template import ChatTemplate
+
+    try:
+        source = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ChatTemplateFileError(f"--chat-template {path}: cannot read it ({exc})") from None
+    try:
+        ChatTemplate(source, {})
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateFileError(f"--chat-template {path}: not a valid Jinja template ({exc})") from None
+    return source
 
 
 def serve_target(text: str, options: RuntimeOptions, *, backend: str | None = None,
@@ -133,7 +155,10 @@ def serve(
                                                 help="Require 'Authorization: Bearer KEY' on /v1/ routes.")] = None,
     max_queue: Annotated[int | None, typer.Option(min=1, help="Requests that may wait beyond the engine's batch "
                                                               "before new ones get 503 (default 256).")] = None,
-    model_name: Annotated[str | None, typer.Option(help="Model id clients send (default: the config's name).")] = None,
+    model_name: Annotated[str | None, typer.Option("--model-name", "--served-model-name",
+                                                   help="Model id clients send (default: the config's name).")] = None,
+    chat_template: Annotated[Path | None, typer.Option(help="A Jinja chat template file to use instead of the "
+                                                            "engine's (as transformers renders it).")] = None,
     backend: Annotated[str | None, typer.Option(help="Build backend for a config: auto, native or trtllm.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the engine's).")] = None,
     num_kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV pool size in blocks (default: from free "
@@ -149,9 +174,10 @@ def serve(
     require_serve_extra()
     from kiln.runtime.server import create_app, run_server
 
+    template = read_chat_template(chat_template) if chat_template is not None else None  # before any build
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks, engine_process=engine_process)
     resolved = serve_target(target, options, backend=backend)
-    settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name)
+    settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name, chat_template=template)
     app = create_app(resolved.loader(options), resolved.engine_dir, settings)
     bind_host = host or resolved.host
     bind_port = resolved.port if port is None else port
@@ -161,7 +187,7 @@ def serve(
 
     def announce(thread: ServerThread) -> None:
         stderr.print(f"serving {settings.model_name} ({resolved.engine_dir}) on {thread.url}: /v1/completions, "
-                     f"/v1/chat/completions, /health, /metrics; SIGTERM or Ctrl-C drains and stops",
+                     f"/v1/chat/completions, /tokenize, /health, /metrics; SIGTERM or Ctrl-C drains and stops",
                      highlight=False, soft_wrap=True)
 
     run_server(app, bind_host, bind_port, shutdown_timeout_s=shutdown_timeout, on_started=announce)

@@ -26,10 +26,16 @@ from kiln.runtime.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
+from kiln.runtime.server.tokenize import detokenize, server_version, tokenize
 
 logger = logging.getLogger("kiln.server")
 
@@ -45,6 +51,7 @@ class ServerSettings:
     model_name: str
     api_key: str | None = None
     max_queue: int = 256
+    chat_template: str | None = None  # a template's source that replaces the engine's own
     engine_cache: dict = field(default_factory=dict)  # {"hit": bool, "hit_rate": float, "key": str}, when known
 
 
@@ -69,15 +76,19 @@ class ServerState:
         return self.model
 
 
+_KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on /v1/ routes; /health and /metrics stay open for probes."""
+    """Requires `Authorization: Bearer <key>` on /v1/ routes, /tokenize and /detokenize; /health, /metrics and
+    /version stay open for probes."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in _KEYED_PATHS):
             header = dict(scope["headers"]).get(b"authorization")
             if header is None or not hmac.compare_digest(header, self.expected):
                 message = ("Missing API key: send it as 'Authorization: Bearer <key>'" if header is None else
@@ -94,7 +105,8 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     state = ServerState()
 
     def attach(loaded: LLM) -> None:
-        state.model = ServedModel(loaded, settings.model_name, Path(engine_dir), settings.max_queue)
+        state.model = ServedModel(loaded, settings.model_name, Path(engine_dir), settings.max_queue,
+                                  settings.chat_template)
 
     async def load() -> None:
         try:
@@ -123,7 +135,7 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
                   description="OpenAI-compatible completions and chat completions over a Kiln engine.")
     app.state.server = state
     metrics = ServerMetrics(lambda: state.model.llm.stats() if state.model else None, lambda: settings.engine_cache,
-                            lambda: state.model.llm.engine_pid if state.model else None)
+                            lambda: state.model.llm.engine_pid if state.model else None, settings.model_name)
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
@@ -169,5 +181,19 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, **_STREAMING})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> object:
         return await create_chat_completion(state.require_model(), body, metrics, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of a prompt, or of chat messages through the chat template (vLLM's endpoint)."""
+        return tokenize(state.require_model(), body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids (vLLM's endpoint)."""
+        return detokenize(state.require_model(), body)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version_route() -> VersionResponse:
+        return server_version()
 
     return app

@@ -45,6 +45,20 @@ def _template_message(message: ChatMessage) -> dict:
     return result
 
 
+def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dict] | None,
+                add_generation_prompt: bool = True) -> str:
+    """The prompt text of ``messages`` (and ``tools``) through the model's chat template (it writes BOS itself, as
+    in transformers, so the text is tokenized without special tokens)."""
+    if model.chat_template is None:
+        raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template (neither "
+                       f"chat_template.jinja nor tokenizer_config.json has one, and kiln serve got no "
+                       f"--chat-template): use /v1/completions", param="messages")
+    try:
+        return model.chat_template.render([_template_message(m) for m in messages], add_generation_prompt, tools)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+
+
 def _arguments(text: str) -> dict | str:
     try:
         value = json.loads(text)
@@ -113,19 +127,12 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                                  request: Request) -> object:
     """Handle POST /v1/chat/completions."""
     check_model(model, req.model)
-    if model.chat_template is None:
-        raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template (neither "
-                       f"chat_template.jinja nor tokenizer_config.json has one): use /v1/completions", param="messages")
     tools = _Tools(model, req)
     forced = tools.structured_output()
     if forced is not None and requested_format(req) is not None:
         raise APIError(400, "a forced tool call (tool_choice 'required' or a named function) sets the output "
                             "format: send no response_format or structured_outputs with it", param="tool_choice")
-    try:
-        text = model.chat_template.render([_template_message(m) for m in req.messages], tools=tools.rendered)
-    except ChatTemplateError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    prompt = model.tokenize(text, "messages", add_special_tokens=False)  # the template writes BOS itself, as in HF
+    prompt = model.tokenize(render_chat(model, req.messages, tools.rendered), "messages", add_special_tokens=False)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
     if req.top_logprobs and not req.logprobs:

@@ -51,15 +51,19 @@ class ChatTemplate:
         self.special_tokens = special_tokens
 
     @classmethod
-    def from_dir(cls, directory: Path) -> ChatTemplate | None:
+    def from_dir(cls, directory: Path, source: str | None = None) -> ChatTemplate | None:
         """The template of an engine or checkpoint directory (`chat_template.jinja`, else `tokenizer_config.json`'s
-        `chat_template`); None when it has none."""
+        `chat_template`), or ``source`` in its place (with the directory's special tokens); None when it has
+        none."""
         directory = Path(directory)
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         jinja_path = directory / "chat_template.jinja"
-        origin = jinja_path.name if jinja_path.is_file() else "chat_template in tokenizer_config.json"
-        source = jinja_path.read_text() if jinja_path.is_file() else config.get("chat_template")
+        if source is not None:
+            origin = "the chat template given to the server"
+        else:
+            origin = jinja_path.name if jinja_path.is_file() else "chat_template in tokenizer_config.json"
+            source = jinja_path.read_text() if jinja_path.is_file() else config.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")

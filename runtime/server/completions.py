@@ -12,8 +12,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from kiln.runtime.errors import KilnError
@@ -42,6 +43,7 @@ logger = logging.getLogger("kiln.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the response
+IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
 
 
 _logged_ignored: set[str] = set()
@@ -131,10 +133,10 @@ class _EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], release: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], headers: dict[str, str]) -> None:
         self.status_code = 200
         self.background = None
-        self.init_headers({"Cache-Control": "no-cache"})
+        self.init_headers({"Cache-Control": "no-cache", **headers})
         self._content = content
         self._release = release
 
@@ -191,21 +193,26 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
 
 
 async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prompts: list[list[int]],
-                   metrics: ServerMetrics, request: Request, *, build: Callable[[list[RequestOutput], Usage], object],
-                   render: Callable[[int, StreamDelta], dict | None], usage_chunk: Callable[[Usage], dict],
-                   prelude: list[dict]) -> object:
+                  metrics: ServerMetrics, request: Request, *,
+                  build: Callable[[list[RequestOutput], Usage], BaseModel],
+                  render: Callable[[int, StreamDelta], dict | None], usage_chunk: Callable[[Usage], dict],
+                  prelude: list[dict]) -> Response:
+    """The response to a generation request: an SSE stream, or the JSON body ``build`` makes once every job is
+    done. Either says in the IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored."""
     release = model.admission.reserve(len(jobs))
+    ignored = ", ".join(sorted(req.model_fields_set & set(IGNORED_FIELDS)))
+    headers = {IGNORED_FIELDS_HEADER: ignored} if ignored else {}
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         body = _sse(model, jobs, metrics, prompts, render, usage_chunk if include_usage else None, prelude)
-        return _EventStream(body, release)
+        return _EventStream(body, release, headers)
     try:
         outputs = await _collect(model, jobs, metrics, request)
     finally:
         release()
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return build(outputs, _usage(prompts, outputs))
+    return JSONResponse(build(outputs, _usage(prompts, outputs)).model_dump(mode="json"), headers=headers)
 
 
 def _as_prompt_list(prompt: str | list) -> list[str | list[int]]:

@@ -57,15 +57,18 @@ class Admission:
 
 
 class ServedModel:
-    """One loaded engine under one model name, shared by every HTTP request."""
+    """One loaded engine under one model name, shared by every HTTP request; ``chat_template`` (a template's source)
+    replaces the engine's own."""
 
-    def __init__(self, llm: LLM, name: str, engine_dir: Path, max_queue: int) -> None:
+    def __init__(self, llm: LLM, name: str, engine_dir: Path, max_queue: int,
+                 chat_template: str | None = None) -> None:
         self.llm = llm
         self.name = name
         self.tokenizer = llm.tokenizer
         self.limits = llm.limits
         try:
-            self.chat_template, self.chat_template_problem = ChatTemplate.from_dir(engine_dir), None
+            self.chat_template = ChatTemplate.from_dir(engine_dir, source=chat_template)
+            self.chat_template_problem = None
         except ChatTemplateError as exc:  # completions still work; chat requests say why they cannot
             self.chat_template, self.chat_template_problem = None, str(exc)
         self.tool_call_format = tool_call_format(self.chat_template.source) if self.chat_template else None

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.server.vllm_metrics import VllmEngineCollector, VllmRequestMetrics
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -79,10 +80,11 @@ class _EngineProcessCollector(ProcessCollector):
 
 class ServerMetrics:
     """One registry per app, so several apps (tests, embedders) never collide in prometheus-client's global one.
-    ``engine_pid`` gives the engine process's id when the engine runs in one (else None)."""
+    ``engine_pid`` gives the engine process's id when the engine runs in one (else None). Kiln's ``kiln_*``
+    metrics, and vLLM's names for the same (``vllm:*``, labelled with ``model_name``)."""
 
     def __init__(self, stats: Callable[[], dict | None], engine_cache: Callable[[], dict],
-                 engine_pid: Callable[[], int | None]) -> None:
+                 engine_pid: Callable[[], int | None], model_name: str) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         _EngineProcessCollector(engine_pid, self.registry)
@@ -98,6 +100,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("kiln_generation_tokens", "Tokens generated for finished requests",
                                          registry=self.registry)
         self.registry.register(_EngineCollector(stats, engine_cache))
+        self.registry.register(VllmEngineCollector(model_name, stats))
+        self.vllm = VllmRequestMetrics(model_name, self.registry)
 
     def observe(self, output: RequestOutput) -> None:
         """Record a finished request's latencies and token counts."""
@@ -108,6 +112,7 @@ class ServerMetrics:
             self.inter_token_latency.observe(latency)
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generation_tokens.inc(len(output.token_ids))
+        self.vllm.observe(output)
 
     def exposition(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""

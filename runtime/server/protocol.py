@@ -12,7 +12,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI allows 20 (chat) and 5 (completions); vLLM 20 for both
 # Fields accepted for compatibility that change nothing here; a request that sets one is logged once per field.
 IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-                  "prompt_cache_retention", "parallel_tool_calls", "reasoning_effort", "verbosity", "prediction")
+                  "prompt_cache_retention", "reasoning_effort", "verbosity", "prediction")
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
@@ -255,7 +255,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     modalities: TextModalities = None
     prompt_cache_retention: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
     reasoning_effort: str | None = None
     verbosity: str | None = None
     prediction: dict[str, Any] | None = None
@@ -363,3 +363,34 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template (exactly one)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_special_tokens: bool = Field(True, description="For a prompt: add the tokenizer's BOS.")
+    add_generation_prompt: bool = Field(True, description="For messages: end with the assistant's turn header.")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[Annotated[Int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

@@ -1,0 +1,55 @@
+"""/tokenize, /detokenize and /version, as vLLM serves them: what a client needs to count tokens, check a chat
+template's rendering or read token ids back, without generating."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from kiln.runtime.server.chat import render_chat
+from kiln.runtime.server.completions import check_model
+from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.generation import ServedModel
+from kiln.runtime.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+
+
+def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
+    """Token ids of a prompt or of chat messages, as a generation request would send them to the engine."""
+    check_model(model, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+    if req.messages is not None:
+        tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools or []]
+        text = render_chat(model, req.messages, tools or None, req.add_generation_prompt)
+        tokens, param, special = text, "messages", False
+    else:
+        tokens, param, special = req.prompt, "prompt", req.add_special_tokens
+    if model.tokenizer is None:
+        raise APIError(400, "this engine has no tokenizer: its prompts are token ids already", param=param)
+    ids = model.tokenizer.encode(tokens, add_special_tokens=special)
+    return TokenizeResponse(count=len(ids), max_model_len=model.limits.max_request_tokens, tokens=ids)
+
+
+def detokenize(model: ServedModel, req: DetokenizeRequest) -> DetokenizeResponse:
+    """The text of token ids (special tokens skipped, as completions' text is)."""
+    check_model(model, req.model)
+    if model.tokenizer is None:
+        raise APIError(400, "this engine has no tokenizer to decode with", param="tokens")
+    vocab_size = model.limits.vocab_size
+    if vocab_size is not None and (outside := [t for t in req.tokens if t >= vocab_size]):
+        raise APIError(400, f"token ids {outside[:8]} are outside the vocabulary of {vocab_size} tokens",
+                       param="tokens")
+    return DetokenizeResponse(prompt=model.tokenizer.decode(req.tokens))
+
+
+def server_version() -> VersionResponse:
+    """The installed Kiln's version."""
+    try:
+        return VersionResponse(version=version("kiln"))
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return VersionResponse(version="unknown")

@@ -1,0 +1,97 @@
+"""The endpoints and flags people expect from an OpenAI-compatible server: /tokenize, /detokenize, /version, the
+header naming ignored fields, vLLM's metric names, `kiln serve --chat-template` and `--served-model-name`."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from kiln.pipeline.cli import app as cli
+from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.server import ServerSettings, ServerThread, create_app
+from tests.test_server_support import tiny_engine
+
+MODEL = "tiny"
+TEMPLATE = ("{% for m in messages %}<<{{ m.role }}>>{{ m.content }}{% endfor %}"
+            "{% if add_generation_prompt %}<<A>>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM.load(tiny_engine()) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    settings = ServerSettings(model_name=MODEL, api_key="k", chat_template=TEMPLATE)
+    with ServerThread(create_app(llm, tiny_engine(), settings)) as server:
+        yield server
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": "Bearer k"}, timeout=30) as http:
+        yield http
+
+
+def test_tokenize_and_detokenize_round_trip_a_prompt_and_render_messages(http, llm):
+    tokens = http.post("/tokenize", json={"prompt": "Once upon a time"}).json()
+    assert tokens["tokens"] == llm.tokenizer.encode("Once upon a time")
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == llm.limits.max_request_tokens
+    assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "Once upon a time"}
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert llm.tokenizer.decode(chat["tokens"]) == "<<user>>hi<<A>>"  # the --chat-template, not the engine's own
+
+
+@pytest.mark.parametrize(("path", "body", "status", "words"), [
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "exactly one"),
+    ("/tokenize", {}, 400, "exactly one"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "outside the vocabulary"),
+    ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
+])
+def test_bad_tokenize_requests_get_a_400(http, path, body, status, words):
+    response = http.post(path, json=body)
+    assert response.status_code == status and words in response.json()["error"]["message"]
+
+
+def test_tokenize_needs_the_api_key_and_version_does_not(server):
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "a"}).status_code == 401
+    version = httpx.get(f"{server.url}/version")
+    assert version.status_code == 200 and version.json()["version"]
+
+
+def test_ignored_fields_are_named_in_a_header_streamed_or_not(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="k", max_retries=0) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, store=True, user="u")
+        assert raw.headers["kiln-ignored-fields"] == "store, user"
+        with client.completions.with_streaming_response.create(model=MODEL, prompt="a", max_tokens=2, stream=True,
+                                                               extra_body={"metadata": {"a": "b"}}) as stream:
+            assert stream.headers["kiln-ignored-fields"] == "metadata"
+        plain = client.completions.with_raw_response.create(model=MODEL, prompt="a", max_tokens=2)
+        assert "kiln-ignored-fields" not in plain.headers
+
+
+def test_vllm_metric_names_with_the_model_name_label(server, http, llm):
+    http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 3, "ignore_eos": True})
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total"):
+        assert any(line.startswith(name + "{") and f'model_name="{MODEL}"' in line for line in text.splitlines()), name
+    generated = [line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")]
+    assert float(generated[0].split()[-1]) >= 3
+
+
+def test_serve_refuses_an_unreadable_chat_template_before_building(tmp_path):
+    result = CliRunner().invoke(cli, ["serve", str(tiny_engine()), "--served-model-name", "x", "--chat-template",
+                                      str(tmp_path / "missing.jinja")])
+    assert result.exit_code != 0 and "missing.jinja" in result.output and "cannot read" in result.output
+    (tmp_path / "bad.jinja").write_text("{% for %}")
+    result = CliRunner().invoke(cli, ["serve", str(tiny_engine()), "--chat-template", str(tmp_path / "bad.jinja")])
+    assert result.exit_code != 0 and "not a valid Jinja template" in result.output
+    assert SamplingParams  # the runtime names stay importable next to the CLI
