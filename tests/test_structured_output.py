@@ -111,3 +111,13 @@ def test_structured_output_crosses_the_engine_process():
         output = llm.generate(["JSON:"], constrained({"json": schema}, 8))[0]
     assert jsonschema_rs.validator_for(schema).is_valid(json.loads(output.text))
     assert StructuredOutput.from_dict({"json_object": True}).json_object
+
+
+def test_a_constrained_request_keeps_the_steps_overlapped_and_gets_a_token_every_step():
+    with LLM.load(tiny_engine(), RuntimeOptions(overlap_steps=True)) as llm:
+        before = llm.stats()
+        output = llm.generate(["JSON:"], constrained({"json": SCHEMAS["nested-array"]}, 9))[0]
+        after = llm.stats()
+    tokens = len(output.token_ids)
+    assert tokens > 10 and after["num_steps"] - before["num_steps"] <= tokens + 1
+    assert after["num_steps_queued_ahead"] - before["num_steps_queued_ahead"] >= tokens - 2

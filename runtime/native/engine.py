@@ -121,6 +121,8 @@ class NativeEngine:
         now = time.monotonic()  # every token of the step reached the host together
         results = [self._postprocess(seq, token_id, now, logprobs.get(seq))
                    for seq, token_id in sampled.items() if not seq.is_finished]
+        if self._in_flight is not None and self._in_flight.sampling_deferred:
+            self.model_runner.sample(self._in_flight)  # its structured outputs' matchers now have these tokens
         self._record_step(launched.out, len(results), time.perf_counter() - start, execute_s, queued_ahead)
         return results
 

@@ -2,8 +2,10 @@
 bitmask for the constrained rows, computed on the host (in parallel, by llguidance's threads) and applied on the
 device; the other rows of the batch are not touched.
 
-A constrained request's next mask needs its last token, so a step queued ahead (overlapped steps) leaves it out
-until that token is read (``Scheduler.schedule_ahead``): alone it runs every step, in a mixed batch every other.
+A constrained request's next mask needs its last token. A step queued ahead (overlapped steps) while that token is
+still on the device runs its model at once and samples once the host has read the token
+(``ModelRunner.sample``): the device computes the next step's forward while the host postprocesses the current
+step and fills the mask, and every request, constrained or not, gets a token every step.
 """
 
 from __future__ import annotations

@@ -43,14 +43,21 @@ class InsufficientKVMemoryError(KilnError):
 
 @dataclass
 class LaunchedStep:
-    """A step whose model run and sampling are queued on the device; ``ModelRunner.collect`` waits for its tokens."""
+    """A step whose model run and sampling are queued on the device; ``ModelRunner.collect`` waits for its tokens.
+    A step whose sampling waits for the host (``logits`` set, ``drawn`` None) is sampled by ``ModelRunner.sample``.
+    """
 
     out: SchedulerOutput
     sample_seqs: list[Sequence]  # the sequences that get a token, in the order of ``drawn``'s rows
-    drawn: Draw | None
-    host_tokens: torch.Tensor | None  # the tokens' copy on the host, complete once ``ready`` has fired
-    ready: torch.cuda.Event | None
+    drawn: Draw | None = None
+    host_tokens: torch.Tensor | None = None  # the tokens' copy on the host, complete once ``ready`` has fired
+    ready: torch.cuda.Event | None = None
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # of the sequences whose requests asked
+    logits: torch.Tensor | None = None  # queued, not sampled yet: a structured output's mask needs the host
+
+    @property
+    def sampling_deferred(self) -> bool:
+        return self.logits is not None
 
     @functools.cached_property
     def sample_rows(self) -> dict[Sequence, int]:
@@ -159,17 +166,33 @@ class ModelRunner:
             last_token_index = device_tensor([ends[i] - 1 for i in rows], torch.long, self.device)
             logits = self.model.compute_logits(hidden[last_token_index])
         sample_seqs = [seqs[i] for i in rows]
+        step = LaunchedStep(out, sample_seqs, prompt_logprobs=found)
         if not rows:
-            return LaunchedStep(out, [], None, None, None, found)
+            return step
+        if any(seq.matcher is not None and seq in sampled_before for seq in sample_seqs):
+            step.logits = logits  # its mask needs the token ``after`` samples: ``sample`` once the host has it
+            return step
         controlled = after is not None and any(seq.params.controls_logits for seq in sample_seqs)
-        drawn = self.sampler.draw(logits, sample_seqs, after.unseen_tokens(sample_seqs) if controlled else None)
+        self._draw(step, logits, after.unseen_tokens(sample_seqs) if controlled else None)
+        return step
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep) -> None:
+        """Queue the sampling of a step launched with its sampling deferred, now that the host holds every token
+        before it (so its structured outputs' matchers and its logit controls are up to date)."""
+        logits, step.logits = step.logits, None
+        self._draw(step, logits, None)
+
+    def _draw(self, step: LaunchedStep, logits: torch.Tensor, unseen: UnseenTokens | None) -> None:
+        """Queue the step's sampling and the copy of its tokens to the host."""
+        step.drawn = drawn = self.sampler.draw(logits, step.sample_seqs, unseen)
         if self.device.type != "cuda":
-            return LaunchedStep(out, sample_seqs, drawn, drawn.tokens, None, found)
-        host_tokens = torch.empty(drawn.tokens.shape, dtype=drawn.tokens.dtype, pin_memory=True)
-        host_tokens.copy_(drawn.tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return LaunchedStep(out, sample_seqs, drawn, host_tokens, ready, found)
+            step.host_tokens = drawn.tokens
+            return
+        step.host_tokens = torch.empty(drawn.tokens.shape, dtype=drawn.tokens.dtype, pin_memory=True)
+        step.host_tokens.copy_(drawn.tokens, non_blocking=True)
+        step.ready = torch.cuda.Event()
+        step.ready.record()
 
     @staticmethod
     def collect(step: LaunchedStep) -> dict[Sequence, int | SamplingError]:

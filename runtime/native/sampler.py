@@ -136,7 +136,7 @@ class Sampler:
         logprob_rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
         log_probs = _log_softmax(logits, logprob_rows)
         controlled = apply_logit_controls(logits, seqs, self.stop_token_ids, unseen)
-        constrained = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        constrained = [row for row, seq in enumerate(seqs) if seq.matcher is not None and not seq.is_finished]
         if constrained:
             controlled = controlled.clone() if controlled is logits else controlled
             bitmask = self.grammars.bitmask([seqs[row].matcher for row in constrained])

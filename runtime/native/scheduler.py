@@ -101,23 +101,21 @@ class Scheduler:
         Each sequence that ``out`` samples is one token longer, a decode of that token, unless the token ends it by
         length; a prefill chunk continues; waiting requests are admitted into the rest of the budget and into the
         seats of the sequences that end (not yet into their blocks: those are freed once ``out`` is collected).
-        Blocks for the tokens in flight and the new ones are taken now. A sequence with structured output that ``out``
-        samples sits this step out: its next token mask needs the token ``out`` samples. None when ``out``
-        preempted, when a running sequence's blocks run short (that step would preempt: it waits for ``out``'s
-        outcome), or when nothing would run."""
+        Blocks for the tokens in flight and the new ones are taken now. None when ``out`` preempted, when a running
+        sequence's blocks run short (that step would preempt: it waits for ``out``'s outcome), or when nothing
+        would run."""
         if out.num_preempted:
             return None
         sampled = {seq for seq, num_new in out.scheduled.items() if seq.num_computed_tokens + num_new == seq.num_tokens}
         ending = {seq for seq in sampled if seq.num_completion_tokens + 1 >= seq.params.max_tokens}
         going_on = [seq for seq in self.running if seq not in ending]
-        runnable = [seq for seq in going_on if not (seq in sampled and seq.matcher is not None)]
 
         def decodes_next(seq: Sequence) -> bool:
             return seq in sampled or seq.is_decode
 
         ahead = SchedulerOutput()
         budget = self.limits.max_num_tokens
-        for seq in sorted(runnable, key=lambda s: not decodes_next(s)):  # decodes first
+        for seq in sorted(going_on, key=lambda s: not decodes_next(s)):  # decodes first
             if budget == 0:
                 break
             in_flight = out.scheduled.get(seq, 0)
