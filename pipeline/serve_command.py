@@ -61,12 +61,13 @@ class ServeTarget:
         return load
 
     def settings(self, *, api_key: str | None = None, max_queue: int | None = None, model_name: str | None = None,
-                 chat_template: str | None = None) -> ServerSettings:
+                 chat_template: str | None = None, max_body_mb: float | None = None) -> ServerSettings:
         from kiln.runtime.server import ServerSettings
 
+        bound = {"max_body_bytes": int(max_body_mb * (1 << 20))} if max_body_mb is not None else {}
         return ServerSettings(model_name=model_name or self.model_name, api_key=api_key or self.api_key,
                               max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache,
-                              chat_template=chat_template)
+                              chat_template=chat_template, **bound)
 
 
 class ChatTemplateFileError(KilnError):
@@ -159,6 +160,8 @@ def serve(
                                                    help="Model id clients send (default: the config's name).")] = None,
     chat_template: Annotated[Path | None, typer.Option(help="A Jinja chat template file to use instead of the "
                                                             "engine's (as transformers renders it).")] = None,
+    max_body_mb: Annotated[float | None, typer.Option(min=0.001, help="Largest request body in MiB; larger ones get "
+                                                                     "413 before they are read (default 16).")] = None,
     backend: Annotated[str | None, typer.Option(help="Build backend for a config: auto, native or trtllm.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the engine's).")] = None,
     num_kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV pool size in blocks (default: from free "
@@ -177,7 +180,8 @@ def serve(
     template = read_chat_template(chat_template) if chat_template is not None else None  # before any build
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks, engine_process=engine_process)
     resolved = serve_target(target, options, backend=backend)
-    settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name, chat_template=template)
+    settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name, chat_template=template,
+                                 max_body_mb=max_body_mb)
     app = create_app(resolved.loader(options), resolved.engine_dir, settings)
     bind_host = host or resolved.host
     bind_port = resolved.port if port is None else port

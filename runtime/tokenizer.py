@@ -18,6 +18,8 @@ from kiln.runtime.sampling_params import SamplingParams
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 _CONTEXT_TOKENS = 6
+# Texts longer than this are encoded through ``encode_batch``, which releases the GIL (``encode`` holds it).
+GIL_FREE_ENCODE_CHARS = 1 << 16
 
 
 def _byte_alphabet() -> dict[str, int]:
@@ -80,7 +82,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with the tokenizer's special tokens (BOS) unless `add_special_tokens` is False, as
         for a rendered chat template that writes them itself. Special tokens written in `text` are always parsed."""
-        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        check_unicode(text)
+        if len(text) > GIL_FREE_ENCODE_CHARS:  # encode_batch lets other threads run while it works
+            ids = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -109,6 +115,12 @@ class Tokenizer:
             value = self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
         self._token_bytes[token_id] = value
         return value
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token stands for: a text of more than ``n * max_token_bytes`` characters has more
+        than ``n`` tokens, which bounds a prompt's length before tokenizing it."""
+        return max(len(self.token_bytes(token_id)) for token_id in range(self.vocab_size))
 
     @functools.cached_property
     def _byte_level(self) -> bool:
@@ -161,6 +173,18 @@ class IncrementalDetokenizer:
         delta = self.text[self._num_streamed_chars:end]
         self._num_streamed_chars = end
         return delta
+
+
+def check_unicode(text: str) -> None:
+    """Raise InvalidRequestError when ``text`` is not valid Unicode (a lone UTF-16 surrogate, which JSON's
+    ``\\udXXX`` escapes can carry): no tokenizer can encode it."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"the text holds a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at "
+                                  f"character {exc.start}: send valid Unicode") from None
 
 
 def request_detokenizer(tokenizer: Tokenizer | None, prompt_token_ids: list[int],

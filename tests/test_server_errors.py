@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import httpx
@@ -121,6 +122,21 @@ def test_wrong_or_missing_api_key_gets_a_401_and_probes_stay_open(llm):
             assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
         assert httpx.get(f"{server.url}/health").status_code == 200
         assert httpx.get(f"{server.url}/metrics").status_code == 200
+        for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 9110)
+            headers = {"Authorization": f"{scheme} sekret"}
+            assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 200
+        assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Basic sekret"}).status_code == 401
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "ab\ud800c", "max_tokens": 2}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}], "max_tokens": 2}, "messages"),
+    ("/tokenize", {"prompt": "x\ud83d"}, "prompt"),
+])
+def test_a_lone_surrogate_in_the_text_is_a_400(http, path, body, param):
+    raw = json.dumps(body)  # ASCII JSON: the lone surrogate travels as its \\udXXX escape, as a client may send it
+    response = http.post(path, content=raw.encode(), headers={"Content-Type": "application/json"})
+    assert_error(response, 400, param, "lone UTF-16 surrogate")
 
 
 def test_admission_refuses_beyond_capacity_until_places_are_released():
@@ -182,3 +198,30 @@ def test_an_engine_that_fails_to_load_stops_the_server_with_its_message():
     app = create_app(broken_load, tiny_engine(), ServerSettings(model_name=MODEL))
     with pytest.raises(ServerStartError, match="engine.json is corrupt"):
         run_server(app, "127.0.0.1", 0, shutdown_timeout_s=1)
+
+
+def test_bodies_over_the_bound_get_a_413_before_they_are_read_and_others_are_served(llm):
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL, max_body_bytes=4000))
+    with ServerThread(app) as server:
+        big = {"prompt": "x" * 5000, "max_tokens": 2}
+        assert_error(httpx.post(f"{server.url}/v1/completions", json=big), 413, None, "larger than this server")
+
+        def chunks():  # no Content-Length: the bound applies as the body arrives
+            yield b'{"prompt": "'
+            for _ in range(10):
+                yield b"y" * 1000
+            yield b'", "max_tokens": 2}'
+
+        chunked = httpx.post(f"{server.url}/v1/completions", content=chunks(),
+                             headers={"Content-Type": "application/json"})
+        assert_error(chunked, 413, None, "larger than this server")
+        ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_too_many_prompts_or_too_long_a_text_are_refused_before_tokenizing(http, llm):
+    many = {"prompt": ["ab"] * 100_000, "max_tokens": 2}
+    assert_error(http.post("/v1/completions", json=many), 400, "prompt", "sequences but the server holds at most")
+    bound = llm.limits.max_input_len * llm.tokenizer.max_token_bytes
+    long_text = {"prompt": "z" * (bound + 1), "max_tokens": 2}
+    assert_error(http.post("/v1/completions", json=long_text), 400, "prompt", "characters, more than")

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.runtime.llm import LLM
+from kiln.runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from kiln.runtime.server.chat import create_chat_completion
 from kiln.runtime.server.completions import create_completion
 from kiln.runtime.server.errors import APIError, error_response, install_error_handlers
@@ -46,12 +47,14 @@ _STREAMING = {200: {"content": {"text/event-stream": {"schema": {"type": "string
 
 @dataclass
 class ServerSettings:
-    """How the server presents the engine: its model id, API key, queue bound and engine-cache facts."""
+    """How the server presents the engine: its model id, API key, queue bound, body-size bound, chat template
+    override and engine-cache facts."""
 
     model_name: str
     api_key: str | None = None
     max_queue: int = 256
     chat_template: str | None = None  # a template's source that replaces the engine's own
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_cache: dict = field(default_factory=dict)  # {"hit": bool, "hit_rate": float, "key": str}, when known
 
 
@@ -85,12 +88,13 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in _KEYED_PATHS):
             header = dict(scope["headers"]).get(b"authorization")
-            if header is None or not hmac.compare_digest(header, self.expected):
+            scheme, _, key = (header or b"").partition(b" ")
+            if header is None or scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
                 message = ("Missing API key: send it as 'Authorization: Bearer <key>'" if header is None else
                            "Incorrect API key provided: send the key the server was started with")
                 error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -137,6 +141,7 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     metrics = ServerMetrics(lambda: state.model.llm.stats() if state.model else None, lambda: settings.engine_cache,
                             lambda: state.model.llm.engine_pid if state.model else None, settings.model_name)
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestCountMiddleware, metrics=metrics)

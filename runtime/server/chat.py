@@ -132,7 +132,8 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     if forced is not None and requested_format(req) is not None:
         raise APIError(400, "a forced tool call (tool_choice 'required' or a named function) sets the output "
                             "format: send no response_format or structured_outputs with it", param="tool_choice")
-    prompt = model.tokenize(render_chat(model, req.messages, tools.rendered), "messages", add_special_tokens=False)
+    text = render_chat(model, req.messages, tools.rendered)
+    [prompt] = await model.tokenize_many([text], "messages", add_special_tokens=False)  # the template writes BOS
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
     if req.top_logprobs and not req.logprobs:

@@ -246,7 +246,8 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
     """Handle POST /v1/completions."""
     check_model(model, req.model)
     given = _as_prompt_list(req.prompt)
-    prompts = [model.tokenize(p, "prompt") for p in given]
+    model.admission.check_fits(len(given) * req.n, "prompt")  # before tokenizing a batch too large to run
+    prompts = await model.tokenize_many(given, "prompt")
     limits = [model.max_tokens(len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
               for ids in prompts]
     echo_logprobs = req.logprobs if req.echo else None

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.runtime.errors import KilnError
+from kiln.runtime.errors import InvalidRequestError, KilnError
 from kiln.runtime.llm import LLM, EngineClosedError
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.sampling_params import SamplingParams
@@ -16,6 +16,7 @@ from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.protocol import ModelCard, SamplingFields
 from kiln.runtime.server.tool_calls import tool_call_format
 from kiln.runtime.structured_output import StructuredOutput
+from kiln.runtime.tokenizer import GIL_FREE_ENCODE_CHARS
 
 RETRY_AFTER_S = 1
 
@@ -35,11 +36,15 @@ class Admission:
         self.capacity = capacity
         self.outstanding = 0
 
-    def reserve(self, num_seqs: int) -> Callable[[], None]:
-        """Take `num_seqs` places, or raise a 503; returns the (idempotent) release."""
+    def check_fits(self, num_seqs: int, param: str = "n") -> None:
+        """A 400 for a request of more sequences than the server ever holds at once."""
         if num_seqs > self.capacity:
             raise APIError(400, f"this request needs {num_seqs} sequences but the server holds at most "
-                                f"{self.capacity}: lower n or send fewer prompts", param="n")
+                                f"{self.capacity}: lower n or send fewer prompts", param=param)
+
+    def reserve(self, num_seqs: int) -> Callable[[], None]:
+        """Take `num_seqs` places, or raise a 503; returns the (idempotent) release."""
+        self.check_fits(num_seqs)
         if self.outstanding + num_seqs > self.capacity:
             raise APIError(503, f"the server is at capacity ({self.outstanding} of {self.capacity} sequences "
                                 f"running or queued): retry after {RETRY_AFTER_S} s",
@@ -79,20 +84,42 @@ class ServedModel:
         return ModelCard(id=self.name, created=created, max_model_len=self.limits.max_request_tokens,
                          vocab_size=self.limits.vocab_size)
 
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; a 400 naming ``param`` when there is no tokenizer or the text is not valid
+        Unicode."""
+        if self.tokenizer is None:
+            raise APIError(400, "this engine has no tokenizer: send the prompt as token ids", param=param)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except InvalidRequestError as exc:
+            raise APIError(400, f"'{param}': {exc}", param=param) from None
+
     def tokenize(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text prompt (or the ids as given), checked against the engine's input limit."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise APIError(400, "this engine has no tokenizer: send the prompt as token ids", param=param)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        else:
-            ids = list(prompt)
+        """Token ids of a text prompt (or the ids as given), checked against the engine's input limit (a text too
+        long to fit is refused before it is tokenized)."""
+        limit = self.limits.max_input_len
+        text = isinstance(prompt, str) and self.tokenizer is not None
+        if text and len(prompt) > limit * self.tokenizer.max_token_bytes:
+            raise APIError(400, f"'{param}' has {len(prompt)} characters, more than the at most {limit} "
+                                f"(max_input_len) tokens this engine accepts can hold: shorten it", param=param)
+        ids = self.encode(prompt, param, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise APIError(400, f"'{param}' is empty after tokenization: send some text", param=param)
         if len(ids) > self.limits.max_input_len:
             raise APIError(400, f"'{param}' has {len(ids)} tokens but this engine accepts at most "
                                 f"{self.limits.max_input_len} (max_input_len): shorten it", param=param)
         return ids
+
+    async def tokenize_many(self, prompts: list[str | list[int]], param: str,
+                            add_special_tokens: bool = True) -> list[list[int]]:
+        """``tokenize`` of each prompt; long texts on a worker thread, so the event loop serves other requests
+        meanwhile."""
+        def run() -> list[list[int]]:
+            return [self.tokenize(prompt, param, add_special_tokens) for prompt in prompts]
+
+        if sum(len(p) for p in prompts if isinstance(p, str)) > GIL_FREE_ENCODE_CHARS:
+            return await asyncio.to_thread(run)
+        return run()
 
     def max_tokens(self, prompt_len: int, requested: int | None, default: int | None, param: str) -> int:
         """`requested`, else `default`, else what is left of the context, checked against the engine's limit."""

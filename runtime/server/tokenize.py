@@ -26,12 +26,9 @@ def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
     if req.messages is not None:
         tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools or []]
         text = render_chat(model, req.messages, tools or None, req.add_generation_prompt)
-        tokens, param, special = text, "messages", False
+        ids = model.encode(text, "messages", add_special_tokens=False)  # the template writes BOS itself
     else:
-        tokens, param, special = req.prompt, "prompt", req.add_special_tokens
-    if model.tokenizer is None:
-        raise APIError(400, "this engine has no tokenizer: its prompts are token ids already", param=param)
-    ids = model.tokenizer.encode(tokens, add_special_tokens=special)
+        ids = model.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
     return TokenizeResponse(count=len(ids), max_model_len=model.limits.max_request_tokens, tokens=ids)
 
 
