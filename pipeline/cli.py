@@ -16,10 +16,30 @@ from kiln.pipeline.runtime_env import runtime_options
 from kiln.pipeline.serve_command import serve
 
 app = typer.Typer(help="Kiln: a Hugging Face checkpoint to a quantized, cached, served engine.",
-                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(cache_app, name="cache")
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            stdout.print(f"kiln {version('kiln')}", highlight=False)
+        except PackageNotFoundError:
+            stdout.print("kiln (not installed: run from a checkout)", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def kiln(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print Kiln's version and exit.")] = False,
+) -> None:
+    """Kiln: a Hugging Face checkpoint to a quantized, cached, served engine."""
+
 
 ConfigArg = Annotated[str, typer.Argument(help="A config file, or a name under configs/ (tiny-llama-fp8.yaml).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")]

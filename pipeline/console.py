@@ -60,8 +60,9 @@ def stdout_kept_for_results() -> Iterator[None]:
 
 
 def friendly_errors(command: Callable) -> Callable:
-    """Turn user-caused errors into one red line on stderr and a non-zero exit; bugs keep their traceback. The
-    command runs with ``stdout_kept_for_results``."""
+    """Turn user-caused errors into one red line on stderr and a non-zero exit (and, under ``--json``, an
+    ``{"error": {"type", "message"}}`` object on stdout); bugs keep their traceback. The command runs with
+    ``stdout_kept_for_results``."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -70,6 +71,8 @@ def friendly_errors(command: Callable) -> Callable:
                 return command(*args, **kwargs)
         except (KilnError, CalibrationError) as exc:
             stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            if kwargs.get("json_out"):  # a script reading stdout gets the error in the shape it parses
+                print_json({"error": {"type": type(exc).__name__, "message": str(exc)}})
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None
         except KeyboardInterrupt:
             stderr.print("[yellow]interrupted[/]")

@@ -34,3 +34,28 @@ def test_json_results_stay_parseable_when_libraries_print_to_stdout():
     assert json.loads(result + "}") == {"engine_key": "ab"}
     assert human == "a human-readable line\nafter the command\n"  # stdout is stdout again after the command
     assert "Loading extension modelopt_cuda_ext_fp8..." in proc.stderr and "compiler output" in proc.stderr
+
+
+def test_an_error_under_json_is_an_error_object_on_stdout_with_the_exit_code_kept(tmp_path):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["cache", "show", "zzzz", "--json", "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    error = json.loads(result.stdout)["error"]
+    assert error["type"] == "InvalidCacheKeyError" and "not a cache key" in error["message"]
+    plain = CliRunner().invoke(app, ["cache", "show", "zzzz", "--cache-dir", str(tmp_path)])
+    assert plain.exit_code == 2 and plain.stdout == ""
+
+
+def test_version_and_short_help():
+    from importlib.metadata import version
+
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    assert CliRunner().invoke(app, ["--version"]).stdout.strip() == f"kiln {version('kiln')}"
+    short = CliRunner().invoke(app, ["-h"])
+    assert short.exit_code == 0 and "Usage" in short.stdout and "build" in short.stdout
