@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.runtime.native.block_manager import BlockManager
+from kiln.runtime.native.block_manager import BlockManager, chain_hash
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 
@@ -66,9 +66,12 @@ def test_prefix_hit_leaves_the_last_token_to_compute():
 def test_block_hash_chains_over_the_previous_blocks():
     bm = BlockManager(num_blocks=8, block_size=BLOCK)
     admit(bm, seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
-    other_start = seq([0, 0, 0, 0, 5, 6, 7, 8, 9])
-    admit(bm, other_start)
-    assert other_start.num_cached_tokens == 0
+    # its first block holds the tokens of the cached sequence's second block: their KV, computed after a different
+    # prefix, must not be reused (a hash of the block's tokens alone would hit)
+    shifted = seq([5, 6, 7, 8, 5, 6, 7, 8, 9])
+    admit(bm, shifted)
+    assert shifted.num_cached_tokens == 0
+    assert chain_hash(b"a", [5, 6, 7, 8]) != chain_hash(b"b", [5, 6, 7, 8])
 
 
 def test_shared_block_is_freed_when_its_last_reference_drops():

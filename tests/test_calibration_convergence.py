@@ -37,6 +37,15 @@ def test_monitor_converges_after_patience_rounds_under_tolerance():
     assert monitor.converged and monitor.unsettled() == []
 
 
+def test_a_statistic_that_moves_again_starts_its_streak_over():
+    monitor = ConvergenceMonitor(tolerance=0.05, patience=2)
+    for value in (1.0, 1.0, 2.0, 2.0):  # quiet, then a move, then quiet for one round only
+        monitor.observe({"a": torch.tensor(value)})
+    assert not monitor.converged and [name for name, _ in monitor.unsettled()] == ["a"]
+    monitor.observe({"a": torch.tensor(2.0)})
+    assert monitor.converged
+
+
 def test_alpha_flip_between_near_equal_search_losses_is_a_small_change():
     previous = torch.tensor([3.0, 1.000, 1.001, 5.0])  # alpha 1 chosen
     near_tie = torch.tensor([3.0, 1.002, 1.000, 5.0])  # alpha 2 chosen now, alpha 1 only 0.2 % worse

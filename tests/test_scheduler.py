@@ -83,14 +83,16 @@ def test_max_num_seqs_caps_the_running_batch():
 def test_preemption_evicts_the_latest_arrival_and_requeues_it_first():
     scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=64, max_seq_len=16)
     early, late = request(7, max_tokens=8, first_token=1), request(7, max_tokens=8, first_token=50)
+    queued = request(7, max_tokens=8, first_token=90)  # arrived after both: it waits for blocks throughout
     scheduler.add(early)
     scheduler.add(late)
+    scheduler.add(queued)
     fake_step(scheduler)
     fake_step(scheduler)
     assert scheduler.block_manager.num_free_blocks == 0 and early.num_computed_tokens == 8
     out = fake_step(scheduler)
     assert out.num_preempted == 1 and list(out.scheduled) == [early]
-    assert late.status is SequenceStatus.WAITING and scheduler.waiting[0] is late
+    assert late.status is SequenceStatus.WAITING and list(scheduler.waiting) == [late, queued]
     assert late.block_table == [] and late.num_computed_tokens == 0 and late.num_preemptions == 1
 
 
