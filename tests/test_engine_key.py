@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
@@ -103,4 +104,47 @@ def test_key_changes_with_toolchain_and_gpu(tmp_path, model_copy, monkeypatch, f
     before = engine_key(tmp_path, model_copy)
     real = key_material.machine_fingerprint
     monkeypatch.setattr(key_material, "machine_fingerprint", lambda device: {**real(device), field: value})
+    assert engine_key(tmp_path, model_copy) != before
+
+
+def real_material(tmp_path: Path, model: Path) -> dict:
+    config = tmp_path / "material.yaml"
+    config.write_text(BASE.format(model=model, cache=tmp_path / "cache"))
+    return runner.prepare(config, backend="native", force=False, dry_run=True, options=RuntimeOptions()).material
+
+
+def leaves(node: object, path: tuple = ()) -> list[tuple]:
+    if isinstance(node, dict):
+        return [leaf for name, child in node.items() for leaf in leaves(child, (*path, name))]
+    return [path]
+
+
+# what must change an engine's key; a field dropped from the pipeline's material fails here
+REQUIRED_FIELDS = {"key_schema", "kind", "checkpoint", "model_dtype", "backend", "engine_format_version",
+                   "quantization.quantized_key", "quantization.recipe.format", "quantization.recipe.kv_cache_dtype",
+                   "quantization.recipe.dataset_sha256", "quantization.recipe.modelopt",
+                   "build.max_batch_size", "build.max_input_len", "build.max_seq_len", "build.max_num_tokens",
+                   "build.tokens_per_block", "toolchain.torch", "toolchain.triton", "toolchain.cuda",
+                   "hardware.device", "hardware.gpu_name", "hardware.compute_capability", "hardware.tp_size",
+                   "hardware.pp_size"}
+
+
+def test_every_field_of_the_pipelines_real_key_material_changes_the_key(tmp_path, model_copy):
+    from kiln.engines.cache import engine_key as key_of
+
+    material = real_material(tmp_path, model_copy)
+    paths = leaves(material)
+    assert {".".join(path) for path in paths} >= REQUIRED_FIELDS
+    for path in paths:  # generated from the material itself: a new field is covered without editing this test
+        edited = copy.deepcopy(material)
+        node = edited
+        for name in path[:-1]:
+            node = node[name]
+        node[path[-1]] = [node[path[-1]], "changed"]
+        assert key_of(edited) != key_of(material), ".".join(path)
+
+
+def test_a_new_engine_format_version_misses_the_engines_of_the_old_one(tmp_path, model_copy, monkeypatch):
+    before = engine_key(tmp_path, model_copy)
+    monkeypatch.setattr(key_material, "ENGINE_FORMAT_VERSION", key_material.ENGINE_FORMAT_VERSION + 1)
     assert engine_key(tmp_path, model_copy) != before
