@@ -70,7 +70,8 @@ def test_json_reports_positive_kiln_and_peer_figures(config_report):
     assert config_report["kiln"]["output_tokens"] == config_report["peer"]["output_tokens"] == 4 * 6
     engine = config_report["kiln"]["offline_engine"]  # 4 prompts of 6 tokens: a prefill, then 5 decode steps at least
     assert engine["steps"] >= 6 and engine["preemptions"] == 0
-    assert 0 < engine["last_steps_execute_ms_p50"] < engine["last_steps_ms_p50"]
+    # each step's execute time is part of its wall time, so the medians are ordered too (no timing race)
+    assert 0 < engine["last_steps_execute_ms_p50"] <= engine["last_steps_ms_p50"]
     by_kind = engine["by_kind"]
     assert sum(k["steps"] for k in by_kind.values()) == engine["steps"] and by_kind["decode"]["steps"] >= 5
     assert all(0 < k["execute_s"] <= k["s"] for k in by_kind.values() if k["steps"]), by_kind
