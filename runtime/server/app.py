@@ -68,6 +68,10 @@ class ServerState:
         self.on_fatal: Callable[[], None] | None = None  # set by the runner: stop serving (the load failed)
         self.created = int(time.time())
 
+    def busy(self) -> bool:
+        """Whether generation requests are still in flight."""
+        return self.model is not None and self.model.admission.outstanding > 0
+
     def require_model(self) -> ServedModel:
         if self.draining:
             raise APIError(503, "the server is shutting down: retry against another replica",

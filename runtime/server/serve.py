@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -14,6 +15,7 @@ from fastapi import FastAPI
 from kiln.runtime.errors import KilnError
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DRAIN_POLL_S = 0.05
 
 
 class ServerStartError(KilnError):
@@ -29,6 +31,7 @@ class ServerThread:
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=shutdown_timeout_s, access_log=False)
         self.server = uvicorn.Server(config)
+        self.shutdown_timeout_s = shutdown_timeout_s
         self._thread = threading.Thread(target=self.server.run, name="kiln-http", daemon=True)
         app.state.server.on_fatal = self.stop_accepting
 
@@ -52,8 +55,20 @@ class ServerThread:
         return self
 
     def stop_accepting(self) -> None:
-        """Begin a graceful shutdown: /health and new requests answer 503, in-flight requests finish."""
-        self.app.state.server.draining = True
+        """Begin a graceful shutdown: the port stays open while in-flight requests finish (within the shutdown
+        timeout), /health answering 503 "draining" and new requests 503, so load balancers see the server leave;
+        then the server closes. A second call closes at once (in-flight requests keep uvicorn's grace period)."""
+        state = self.app.state.server
+        if state.draining:
+            self.server.should_exit = True
+            return
+        state.draining = True
+        threading.Thread(target=self._exit_when_idle, name="kiln-drain", daemon=True).start()
+
+    def _exit_when_idle(self) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout_s
+        while time.monotonic() < deadline and self.app.state.server.busy():
+            time.sleep(DRAIN_POLL_S)
         self.server.should_exit = True
 
     def wait(self, timeout: float | None = None) -> bool:
