@@ -146,7 +146,9 @@ class _Stage:
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype or self.dtype)
+            # safetensors only: a pickle beside them (pytorch_model.bin) is never loaded, nor in the cache key
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype or self.dtype,
+                                                         use_safetensors=True)
         except Exception as exc:  # transformers raises many kinds for unloadable checkpoints
             raise CalibrationError(f"{self.model_dir}: cannot load the checkpoint with transformers "
                                    f"({type(exc).__name__}: {str(exc).splitlines()[0]}); check its files") from exc

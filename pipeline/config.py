@@ -161,22 +161,27 @@ def load_config(name_or_path: str | Path) -> LoadedConfig:
     return LoadedConfig(path=path, config=config)
 
 
+def _absolute(path: Path) -> str:
+    """``path`` made absolute without resolving links (a link loop is reported where the path is used)."""
+    return os.path.abspath(path.expanduser())
+
+
 def _absolutise_paths(data: dict, base: Path) -> None:
     """Make relative local paths absolute against the config file's folder (hub ids and keywords stay)."""
     model = data.get("model")
     if isinstance(model, dict) and isinstance(model.get("path"), str):
         candidate = base / model["path"]
         if model["path"].startswith((".", "/", "~")) or candidate.exists():
-            model["path"] = str(candidate.expanduser().resolve())
+            model["path"] = _absolute(candidate)
     quantize = data.get("quantize")
     if isinstance(quantize, dict):
         for field in ("dataset", "heldout"):
             value = quantize.get(field)
             if isinstance(value, str) and value not in ("bundled", RANDOM) and not value.startswith("hf:"):
-                quantize[field] = str((base / value).expanduser().resolve())
+                quantize[field] = _absolute(base / value)
     cache = data.get("cache")
     if isinstance(cache, dict) and isinstance(cache.get("dir"), str) and not cache["dir"].startswith(("/", "~")):
-        cache["dir"] = str((base / cache["dir"]).resolve())
+        cache["dir"] = _absolute(base / cache["dir"])
 
 
 def _describe(exc: ValidationError, path: Path, lines: dict[tuple[str, ...], int]) -> str:

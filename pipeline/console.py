@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import io
 import json
@@ -22,10 +23,14 @@ stdout = Console()
 stderr = Console(stderr=True)
 
 
+_printed_json: contextvars.ContextVar[bool] = contextvars.ContextVar("printed_json", default=False)
+
+
 def print_json(data: Any) -> None:
     """A stable machine-readable object on stdout."""
     stdout.file.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
     stdout.file.flush()
+    _printed_json.set(True)
 
 
 @contextmanager
@@ -61,17 +66,18 @@ def stdout_kept_for_results() -> Iterator[None]:
 
 def friendly_errors(command: Callable) -> Callable:
     """Turn user-caused errors into one red line on stderr and a non-zero exit (and, under ``--json``, an
-    ``{"error": {"type", "message"}}`` object on stdout); bugs keep their traceback. The command runs with
-    ``stdout_kept_for_results``."""
+    ``{"error": {"type", "message"}}`` object on stdout unless the command printed its result before failing, as
+    ``cache verify`` does); bugs keep their traceback. The command runs with ``stdout_kept_for_results``."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        _printed_json.set(False)
         try:
             with stdout_kept_for_results():
                 return command(*args, **kwargs)
         except (KilnError, CalibrationError) as exc:
             stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-            if kwargs.get("json_out"):  # a script reading stdout gets the error in the shape it parses
+            if kwargs.get("json_out") and not _printed_json.get():  # a script reading stdout gets the error too
                 print_json({"error": {"type": type(exc).__name__, "message": str(exc)}})
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None
         except KeyboardInterrupt:

@@ -134,3 +134,31 @@ def test_missing_directory_and_no_weights_are_clear_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointHashError, match="no \\*.safetensors"):
         checkpoint_hash(tmp_path / "empty")
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda ck: (ck / "extra.safetensors").symlink_to("/dev/zero"), "extra.safetensors is a character device"),
+    (lambda ck: os.mkfifo(ck / "special.json"), "special.json is a FIFO"),
+    (lambda ck: (ck / "gone.safetensors").symlink_to(ck / "nowhere"), "gone.safetensors cannot be read"),
+    (lambda ck: (ck / "self.json").symlink_to(ck / "self.json"), "self.json cannot be read"),
+])
+def test_what_is_not_a_regular_file_is_refused_by_name_without_being_opened(tmp_path, make, words):
+    checkpoint = make_checkpoint(tmp_path / "ck")
+    make(checkpoint)
+    with pytest.raises(CheckpointHashError, match=words):
+        checkpoint_hash(checkpoint)  # /dev/zero would never end, a FIFO would block on open
+
+
+def test_a_link_back_into_the_checkpoint_is_followed_once(tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "ck")
+    plain = checkpoint_files(checkpoint).hashed
+    (checkpoint / "loop").symlink_to(".")
+    (checkpoint / "shard").mkdir()
+    (checkpoint / "shard" / "up").symlink_to("..")
+    assert checkpoint_files(checkpoint).hashed == plain
+
+
+def test_a_looping_model_path_is_refused_in_one_line(tmp_path):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(CheckpointHashError, match="not a directory"):
+        checkpoint_files(tmp_path / "loop")

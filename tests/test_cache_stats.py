@@ -80,3 +80,22 @@ def test_many_processes_opening_a_new_stats_database_together_all_succeed(tmp_pa
     go.touch()
     errors = [p.communicate(timeout=60)[1] for p in procs]
     assert [p.returncode for p in procs] == [0] * 12, errors
+
+
+@pytest.mark.parametrize("name", ["stats.db", "hashmemo.sqlite"])
+def test_a_corrupt_statistics_or_memo_database_is_moved_aside_and_the_cache_keeps_working(tmp_path, caplog, name):
+    from kiln.engines.cache import EngineCache
+    from kiln.engines.cache.hashing import checkpoint_hash
+
+    root = tmp_path / "cache"
+    (root / "v1").mkdir(parents=True)
+    damaged = root / "v1" / name
+    damaged.write_bytes(b"this is not a database" * 100)
+    cache = EngineCache(root, max_size_bytes=None, max_entries=None, verify_on_load="size")
+    cache.stats.record_load("entries", KEY, 12.0)
+    assert cache.stats.summary("entries")["load_ms"]["p50"] == 12.0
+    tiny = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
+    assert checkpoint_hash(tiny, memo_path=cache.hash_memo_path) == checkpoint_hash(tiny)
+    aside = [p for p in (root / "v1").iterdir() if p.name.startswith(f"{name}.corrupt-")]
+    assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not a database")
+    assert "not a usable SQLite database" in caplog.text

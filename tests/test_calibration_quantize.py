@@ -193,3 +193,22 @@ def test_checkpoint_without_safetensors_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(CalibrationError, match="no \\*.safetensors weights"):
         quantize_checkpoint(tmp_path, small_recipe(format="fp8"), tmp_path / "out")
+
+
+def test_calibration_loads_safetensors_only_so_a_pickle_beside_them_is_never_unpickled(tmp_path, monkeypatch):
+    import types
+
+    import torch
+    import transformers
+
+    from kiln.calibration.quantize import _Stage
+
+    seen = {}
+
+    def record(model_dir, **kwargs):
+        seen.update(kwargs)
+        return torch.nn.Linear(1, 1)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", record)
+    _Stage._load_model(types.SimpleNamespace(model_dir=tmp_path, dtype=torch.float32, device="cpu"))
+    assert seen["use_safetensors"] is True

@@ -80,3 +80,14 @@ def test_missing_file_and_bad_yaml_are_clear(tmp_path):
 def test_unknown_quantize_key_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r":4: quantize.formatt: unknown key"):
         load_config(write(tmp_path, "model:\n  path: org/m\nquantize:\n  formatt: fp8\n"))
+
+
+def test_a_model_path_that_is_a_link_loop_loads_and_is_reported_where_it_is_used(tmp_path):
+    from kiln.pipeline.model_source import ModelNotFoundError, resolve_model
+
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "kiln.yaml").write_text("model:\n  path: ./loop\n")
+    loaded = load_config(tmp_path / "kiln.yaml")  # resolving the link would raise RuntimeError: Symlink loop
+    assert loaded.config.model.path == str(tmp_path / "loop")
+    with pytest.raises(ModelNotFoundError, match="is not a directory"):
+        resolve_model(loaded.config.model)

@@ -1,25 +1,62 @@
-"""SQLite connections for the cache's small databases: WAL, a long busy timeout, closed after each use."""
+"""SQLite connections for the cache's small databases (statistics, the file-hash memo): WAL, a long busy timeout,
+closed after each use. Both are expendable: a file that is not a database is moved aside with a warning and a
+fresh one started, so a damaged memo or log never stops the cache itself."""
 
 from __future__ import annotations
 
+import logging
+import os
 import sqlite3
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
+
+logger = logging.getLogger("kiln.cache")
+
+_CORRUPT = ("file is not a database", "database disk image is malformed")
 
 
 @contextmanager
-def connect(path: Path) -> Iterator[sqlite3.Connection]:
-    """A connection in WAL mode that commits on success, rolls back on error and is always closed."""
-    db = sqlite3.connect(path, timeout=60)
+def connect(path: Path, schema: Sequence[str] = ()) -> Iterator[sqlite3.Connection]:
+    """A connection in WAL mode, its ``schema`` statements (``CREATE ... IF NOT EXISTS``) applied, that commits on
+    success, rolls back on error and is always closed."""
     try:
-        _ensure_wal(db)
-        db.execute("PRAGMA synchronous=NORMAL")
+        db = _open(path, schema)
+    except sqlite3.DatabaseError as exc:
+        if not any(text in str(exc) for text in _CORRUPT):
+            raise
+        aside = _move_aside(Path(path))
+        logger.warning("%s is not a usable SQLite database (%s): moved it to %s and started a fresh one", path, exc,
+                       aside)
+        db = _open(path, schema)
+    try:
         with db:
             yield db
     finally:
         db.close()
+
+
+def _open(path: Path, schema: Sequence[str]) -> sqlite3.Connection:
+    db = sqlite3.connect(path, timeout=60)
+    try:
+        _ensure_wal(db)
+        db.execute("PRAGMA synchronous=NORMAL")
+        for statement in schema:
+            db.execute(statement)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename a damaged database (and its WAL files) to ``NAME.corrupt-<time>``; another process may have already."""
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    for suffix in ("", "-wal", "-shm"):
+        with suppress(FileNotFoundError):
+            os.replace(f"{path}{suffix}", f"{aside}{suffix}")
+    return aside
 
 
 WAL_RETRY_S = 0.05

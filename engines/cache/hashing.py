@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 CONFIG_SUFFIXES = (".json",)
 TOKENIZER_SUFFIXES = (".tiktoken",)
 TOKENIZER_NAMES = frozenset({"tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "merges.txt", "vocab.txt"})
+
+_MEMO_SCHEMA = ("CREATE TABLE IF NOT EXISTS file_hash (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, "
+                "inode INTEGER, sha256 TEXT)",)
 
 _memo: dict[tuple[str, int, int, int], str] = {}
 _memo_lock = threading.Lock()
@@ -39,13 +43,23 @@ class CheckpointFiles:
 def checkpoint_files(path: Path) -> CheckpointFiles:
     """Weight (*.safetensors), config (*.json) and tokenizer files under ``path``, hidden folders skipped.
 
-    Pickle weights (*.bin, *.pt, ...) are only listed: a checkpoint whose weights are all pickles is refused."""
+    Pickle weights (*.bin, *.pt, ...) are only listed: a checkpoint whose weights are all pickles is refused. Links
+    are followed, each folder once (a ``loop -> .`` link adds nothing), and a file that is not a regular file once
+    its links are resolved (a device such as /dev/zero, a FIFO, a dangling or looping link) is refused by name."""
     root = Path(path)
     if not root.is_dir():
-        raise CheckpointHashError(f"checkpoint {root}: not a directory; point model.path at the checkpoint folder")
+        raise CheckpointHashError(f"checkpoint {root}: not a directory (or a link that does not resolve to one); "
+                                  f"point model.path at the checkpoint folder")
     hashed, pickles = [], []
+    seen = {os.path.realpath(root)}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        kept = []
+        for name in sorted(dirnames):
+            real = os.path.realpath(os.path.join(dirpath, name))
+            if not name.startswith(".") and real not in seen:
+                seen.add(real)
+                kept.append(name)
+        dirnames[:] = kept
         for name in filenames:
             rel = (Path(dirpath) / name).relative_to(root).as_posix()
             if name.startswith("."):
@@ -53,6 +67,7 @@ def checkpoint_files(path: Path) -> CheckpointFiles:
             if name.endswith(PICKLE_SUFFIXES):
                 pickles.append(rel)
             elif name.endswith(WEIGHT_SUFFIXES + CONFIG_SUFFIXES + TOKENIZER_SUFFIXES) or name in TOKENIZER_NAMES:
+                _require_regular_file(root, rel)
                 hashed.append(rel)
     if not any(rel.endswith(WEIGHT_SUFFIXES) for rel in hashed):
         if pickles:
@@ -61,6 +76,20 @@ def checkpoint_files(path: Path) -> CheckpointFiles:
                 "convert the checkpoint to safetensors")
         raise CheckpointHashError(f"checkpoint {root}: no *.safetensors weight files found")
     return CheckpointFiles(root=root, hashed=sorted(hashed), pickles=sorted(pickles))
+
+
+def _require_regular_file(root: Path, rel: str) -> None:
+    """Refuse, by name, a checkpoint file that is not a regular file once its links are resolved."""
+    try:
+        mode = os.stat(root / rel).st_mode
+    except OSError as exc:
+        raise CheckpointHashError(f"checkpoint {root}: {rel} cannot be read ({exc.strerror}: a dangling or looping "
+                                  f"link?)") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise CheckpointHashError(f"checkpoint {root}: {rel} is {kind}, not a regular file; Kiln reads only regular "
+                                  f"files: remove it or put the file it stands for in its place")
 
 
 def checkpoint_hash(path: Path, memo_path: Path | None = None) -> str:
@@ -100,14 +129,13 @@ class _SqliteMemo:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        with connect(path) as db:
-            db.execute("CREATE TABLE IF NOT EXISTS file_hash (path TEXT PRIMARY KEY, size INTEGER, "
-                       "mtime_ns INTEGER, inode INTEGER, sha256 TEXT)")
+        with connect(path, _MEMO_SCHEMA):
+            pass
 
     def get_many(self, idents: list[tuple[str, int, int, int]]) -> dict[tuple[str, int, int, int], str]:
         """The memoised hashes of those file identities that are still current."""
         found = {}
-        with connect(self.path) as db:
+        with connect(self.path, _MEMO_SCHEMA) as db:
             for ident in idents:
                 row = db.execute("SELECT sha256 FROM file_hash WHERE path=? AND size=? AND mtime_ns=? AND inode=?",
                                  ident).fetchone()
@@ -116,6 +144,6 @@ class _SqliteMemo:
         return found
 
     def put(self, rows: dict[tuple[str, int, int, int], str]) -> None:
-        with connect(self.path) as db:
+        with connect(self.path, _MEMO_SCHEMA) as db:
             db.executemany("INSERT OR REPLACE INTO file_hash VALUES (?, ?, ?, ?, ?)",
                            [(*ident, digest) for ident, digest in rows.items()])

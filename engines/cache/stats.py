@@ -37,13 +37,12 @@ class StatsDB:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with connect(self.path) as db:
-            for statement in _SCHEMA:
-                db.execute(statement)
+        with connect(self.path, _SCHEMA):
+            pass
 
     def _append(self, event: str, store: str, key: str | None = None, outcome: str | None = None,
                 value: float | None = None, size: int | None = None, detail: str | None = None) -> None:
-        with connect(self.path) as db:
+        with connect(self.path, _SCHEMA) as db:
             db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes, detail) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                        (time.time(), event, store, key, outcome, value, size, detail))
@@ -59,7 +58,7 @@ class StatsDB:
     def record_store(self, store: str, key: str, size: int, build_seconds: float) -> None:
         """A newly published entry (its key is remembered as once published)."""
         now = time.time()
-        with connect(self.path) as db:
+        with connect(self.path, _SCHEMA) as db:
             db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
                        (now, "store", store, key, "ok", build_seconds, size))
             db.execute("INSERT OR IGNORE INTO published VALUES (?, ?, ?)", (store, key, now))
@@ -78,25 +77,25 @@ class StatsDB:
 
     def was_published(self, store: str, key: str) -> bool:
         """Whether an entry for this key was ever published here (so its absence means it was removed)."""
-        with connect(self.path) as db:
+        with connect(self.path, _SCHEMA) as db:
             return db.execute("SELECT 1 FROM published WHERE store=? AND key=?", (store, key)).fetchone() is not None
 
     def hits_by_key(self) -> dict[tuple[str, str], int]:
         """Hit counts per (store, key) since the last ``zero``."""
-        with connect(self.path) as db:
+        with connect(self.path, _SCHEMA) as db:
             rows = db.execute("SELECT store, key, COUNT(*) FROM events WHERE event='lookup' AND outcome='hit' "
                               "GROUP BY store, key").fetchall()
         return {(store, key): count for store, key, count in rows}
 
     def zero(self) -> None:
         """Forget all events (the record of published keys stays)."""
-        with connect(self.path) as db:
+        with connect(self.path, _SCHEMA) as db:
             db.execute("DELETE FROM events")
 
     def summary(self, store: str, since: float | None = None) -> dict:
         """Lookups, hits, misses by reason, hit rate, load latency, build time saved and evictions of one store."""
         since = since if since is not None else float("-inf")
-        with connect(self.path) as db:
+        with connect(self.path, _SCHEMA) as db:
             lookups = dict(db.execute("SELECT outcome, COUNT(*) FROM events WHERE event='lookup' AND store=? "
                                       "AND ts>=? GROUP BY outcome", (store, since)).fetchall())
             saved = db.execute("SELECT COALESCE(SUM(value), 0) FROM events WHERE event='lookup' AND store=? "

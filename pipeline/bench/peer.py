@@ -104,7 +104,7 @@ class _Peer:
                 model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(checkpoint_dir))]
                 sync(dev)
                 start = time.perf_counter()
-                model = model_class.from_pretrained(checkpoint_dir, dtype=dtype,
+                model = model_class.from_pretrained(checkpoint_dir, dtype=dtype, use_safetensors=True,
                                                     attn_implementation=attn_implementation)
                 model = model.to(dev).eval()
                 sync(dev)
