@@ -73,6 +73,18 @@ class BuildSection(_Section):
                          max_seq_len=self.max_seq_len, max_num_tokens=self.max_num_tokens,
                          tokens_per_block=self.tokens_per_block, kv_cache_dtype=kv_cache_dtype)
 
+    def fitted_to_model(self, max_position_embeddings: int) -> BuildSection:
+        """These limits, with those the config leaves to their defaults fitted to the model: ``max_seq_len`` at most
+        its ``max_position_embeddings``, and ``max_input_len`` at most half of a ``max_seq_len`` so lowered."""
+        values = self.model_dump()
+        if "max_seq_len" not in self.model_fields_set and self.max_seq_len > max_position_embeddings:
+            values["max_seq_len"] = max_position_embeddings
+            if "max_input_len" not in self.model_fields_set:
+                values["max_input_len"] = min(self.max_input_len, max(1, max_position_embeddings // 2))
+        if values == self.model_dump():
+            return self
+        return BuildSection.model_validate(values)
+
     def semantic(self, backend: str) -> dict:
         """The fields that change what the engine computes or how it is laid out (the cache key's part)."""
         excluded = {"backend", "device", "workers", "timeout_s", "log_level"}

@@ -19,8 +19,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from kiln.calibration.errors import CalibrationError
 from kiln.runtime.errors import KilnError
 
+# Wrapped at the terminal's width for people; not wrapped at all into a pipe or a file, where a path or a key split
+# over two lines breaks whatever reads it.
 stdout = Console()
 stderr = Console(stderr=True)
+for _console in (stdout, stderr):
+    _console.soft_wrap = not _console.is_terminal
 
 
 _printed_json: contextvars.ContextVar[bool] = contextvars.ContextVar("printed_json", default=False)

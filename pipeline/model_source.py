@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -74,3 +75,12 @@ def _download(model: ModelSection) -> Path:
 
 def _is_checkpoint(path: Path) -> bool:
     return path.is_dir() and all((path / f).is_file() for f in REQUIRED_FILES) and any(path.glob("*.safetensors"))
+
+
+def model_max_positions(model_dir: Path) -> int | None:
+    """The checkpoint's ``max_position_embeddings`` (None when its config.json does not say)."""
+    try:
+        value = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -10,7 +10,7 @@ from kiln.engines.cache import EngineCache, checkpoint_hash
 from kiln.engines.native.builder import preflight_native_plan, refuse_parallelism
 from kiln.pipeline.backend import choose_backend, require
 from kiln.pipeline.config import LoadedConfig, load_config
-from kiln.pipeline.model_source import find_model, resolve_model
+from kiln.pipeline.model_source import find_model, model_max_positions, resolve_model
 from kiln.pipeline.stages import (
     BUILD_STAGES,
     SMOKE_STAGE,
@@ -52,13 +52,15 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
         refuse_parallelism(loaded.config.build.tp_size, loaded.config.build.pp_size)
     if dry_run:
         model_dir = find_model(loaded.config.model)
-        cache = open_cache(loaded, create=False)
     else:
         require(choice)
         model_dir = resolve_model(loaded.config.model)
+    if model_dir is not None:  # the same checks in a dry run as in a build, before the cache is touched
+        if (positions := model_max_positions(model_dir)) is not None:
+            loaded.config.build = loaded.config.build.fitted_to_model(positions)
         if choice.backend == "native":
             preflight_native_plan(model_dir, loaded.config.build.plan(), loaded.config.model.dtype)
-        cache = open_cache(loaded, create=True)
+    cache = open_cache(loaded, create=not dry_run)
     ckpt = _hash_checkpoint(model_dir, cache) if model_dir else None
     ctx = BuildContext(loaded=loaded, choice=choice, options=options, cache=cache, model_dir=model_dir,
                        checkpoint_hash=ckpt, force=force)

@@ -91,3 +91,15 @@ def test_a_model_path_that_is_a_link_loop_loads_and_is_reported_where_it_is_used
     assert loaded.config.model.path == str(tmp_path / "loop")
     with pytest.raises(ModelNotFoundError, match="is not a directory"):
         resolve_model(loaded.config.model)
+
+
+def test_limits_left_to_their_defaults_are_fitted_to_the_model_and_explicit_ones_are_kept(tmp_path):
+    from kiln.pipeline.config import BuildSection
+
+    fitted = BuildSection().fitted_to_model(512)
+    assert (fitted.max_seq_len, fitted.max_input_len) == (512, 256)
+    assert BuildSection().fitted_to_model(8192) == BuildSection()  # the model holds the defaults
+    explicit = BuildSection(max_seq_len=1024, max_input_len=512)
+    assert explicit.fitted_to_model(512) is explicit  # the build's own check then names the conflict
+    only_input = BuildSection(max_input_len=100).fitted_to_model(512)
+    assert (only_input.max_seq_len, only_input.max_input_len) == (512, 100)

@@ -59,3 +59,12 @@ def test_version_and_short_help():
     assert CliRunner().invoke(app, ["--version"]).stdout.strip() == f"kiln {version('kiln')}"
     short = CliRunner().invoke(app, ["-h"])
     assert short.exit_code == 0 and "Usage" in short.stdout and "build" in short.stdout
+
+
+def test_piped_output_never_wraps_a_long_path():
+    long_path = "/cache/v1/entries/46/" + "4" * 64 + "/engine"
+    code = f"from kiln.pipeline.console import stdout, stderr; stdout.print('engine    {long_path}'); " \
+           f"stderr.print('error: {long_path} is gone')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=repo_env())
+    assert proc.stdout == f"engine    {long_path}\n"
+    assert proc.stderr == f"error: {long_path} is gone\n"

@@ -65,7 +65,7 @@ def test_key_changes_when_one_weight_byte_changes(tmp_path, model_copy):
     ("format: fp8", "format: int4_awq"),        # the recipe's format
     ("format: fp8", "format: fp8\n  seed: 7"),  # the recipe's seed
     ("dtype: bfloat16", "dtype: float16"),      # the model dtype
-    ("max_seq_len: 512", "max_seq_len: 1024"),  # a semantic build option
+    ("max_seq_len: 512", "max_seq_len: 384"),  # a semantic build option
 ])
 def test_key_changes_with_recipe_and_semantic_build_options(tmp_path, model_copy, old, new):
     assert engine_key(tmp_path, model_copy) != engine_key(tmp_path, model_copy, edit=lambda t: t.replace(old, new))
@@ -148,3 +148,17 @@ def test_a_new_engine_format_version_misses_the_engines_of_the_old_one(tmp_path,
     before = engine_key(tmp_path, model_copy)
     monkeypatch.setattr(key_material, "ENGINE_FORMAT_VERSION", key_material.ENGINE_FORMAT_VERSION + 1)
     assert engine_key(tmp_path, model_copy) != before
+
+
+def test_a_config_with_only_model_path_gets_limits_the_model_can_hold(tmp_path, model_copy):
+    config = tmp_path / "only.yaml"
+    config.write_text(f"model:\n  path: {model_copy}\ncache:\n  dir: {tmp_path / 'cache'}\n")
+    ctx = runner.prepare(config, backend="native", force=False, dry_run=True, options=RuntimeOptions())
+    assert (ctx.material["build"]["max_seq_len"], ctx.material["build"]["max_input_len"]) == (512, 256)
+
+
+def test_a_dry_run_refuses_a_plan_the_model_cannot_hold_as_the_build_would(tmp_path, model_copy):
+    from kiln.runtime.errors import KilnError
+
+    with pytest.raises(KilnError, match=r"max_seq_len \(1024\) exceeds the model's max_position_embeddings \(512\)"):
+        engine_key(tmp_path, model_copy, edit=lambda text: text.replace("max_seq_len: 512", "max_seq_len: 1024"))
