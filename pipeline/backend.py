@@ -32,8 +32,19 @@ def trtllm_available() -> bool:
     return version is not None and is_supported_trtllm(version)
 
 
+BACKENDS = ("auto", "native", "trtllm")
+
+
+class UnknownBackendError(KilnError):
+    """A backend Kiln does not have."""
+
+
 def choose_backend(requested: str, device: str) -> BackendChoice:
-    """Resolve ``auto`` for backend and device; never fails (availability is checked by :func:`require`)."""
+    """Resolve ``auto`` for backend and device (availability is checked by :func:`require`); UnknownBackendError
+    for a name Kiln does not know."""
+    if requested not in BACKENDS:
+        raise UnknownBackendError(f"--backend must be auto, native or trtllm, not {requested!r} (vLLM and SGLang are "
+                                  f"peers Kiln measures against, not backends it builds for)")
     has_cuda = torch.cuda.is_available()
     resolved_device = ("cuda" if has_cuda else "cpu") if device == "auto" else device
     if requested != "auto":

@@ -146,7 +146,9 @@ def stats(
     table.add_row("misses", str(report["misses"]), reasons)
     table.add_row("load latency p50", _ms(load["p50"]), f"p95 {_ms(load['p95'])}, p99 {_ms(load['p99'])}, "
                   f"max {_ms(load['max'])}, {load['count']} loads")
-    table.add_row("build time saved", format_seconds(report["build_seconds_saved"]), "")
+    saved_by_store = ", ".join(f"{name} {format_seconds(store['build_seconds_saved'])}"
+                               for name, store in report["stores"].items() if store["build_seconds_saved"])
+    table.add_row("build time saved", format_seconds(report["build_seconds_saved"]), saved_by_store)
     table.add_row("size", format_bytes(report["size_bytes"]), f"of {format_bytes(report['max_size_bytes'])}")
     table.add_row("entries", str(report["entries"]),
                   f"of {report['max_entries']}" if report["max_entries"] is not None else "unbounded")

@@ -58,8 +58,6 @@ def build(
     from kiln.pipeline import runner
     from kiln.pipeline.summary import print_plan, print_result
 
-    if backend not in (None, "auto", "native", "trtllm"):
-        raise typer.BadParameter(f"--backend must be auto, native or trtllm, not {backend!r}")
     ctx = runner.prepare(config, backend=backend, force=force, dry_run=dry_run, options=runtime_options(os.environ))
     decisions = runner.decide(ctx)
     if dry_run:
@@ -91,9 +89,21 @@ def quantize(
 @config_app.command("show")
 @friendly_errors
 def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
-    """Print the resolved config: every field, defaults filled in, paths made absolute."""
+    """Print the config as it will be used: every field, defaults filled in, paths made absolute, and the values in
+    force where something else decides them ($KILN_CACHE for cache.dir, the model for build limits left out, each
+    format's gate thresholds)."""
+    from kiln.calibration.recipe import GATE_DEFAULTS
+    from kiln.pipeline.model_source import find_model, model_max_positions
+
     loaded = load_config(config)
+    if (model_dir := find_model(loaded.config.model)) and (positions := model_max_positions(model_dir)):
+        loaded.config.build = loaded.config.build.fitted_to_model(positions)
     data = loaded.config.model_dump(mode="json")
+    data["cache"]["dir"] = str(loaded.config.cache.root())
+    recipe = loaded.config.quantize
+    if recipe.gate is not None:
+        data["quantize"]["gate"] = {fmt: recipe.gate.for_format(fmt) for fmt in (recipe.format, *recipe.fallback)
+                                    if fmt in GATE_DEFAULTS}
     if json_out:
         print_json(data)
         return

@@ -159,3 +159,13 @@ def test_explain_names_the_fields_that_differ_from_the_nearest_entry(cache):
     assert report["nearest_key"] == key
     assert report["differences"] == [{"field": "build.max_seq_len", "entry": 2048, "config": 4096}]
     assert explain(cache, material("tiny"))["differences"] == []
+
+
+def test_build_time_saved_counts_every_store(cache):
+    cache.stats.record_lookup("entries", "ab" * 32, "hit", build_seconds_saved=1.0)
+    cache.stats.record_lookup("quantized", "cd" * 32, "hit", build_seconds_saved=296.9)
+    data = json.loads(kiln_cache(cache.root, "stats", "--json").stdout)
+    assert data["build_seconds_saved"] == pytest.approx(297.9)
+    assert data["stores"]["quantized"]["build_seconds_saved"] == pytest.approx(296.9)
+    human = kiln_cache(cache.root, "stats").stdout
+    assert "4 min 58 s" in human and "quantized 4 min 57 s" in human

@@ -103,3 +103,33 @@ def test_limits_left_to_their_defaults_are_fitted_to_the_model_and_explicit_ones
     assert explicit.fitted_to_model(512) is explicit  # the build's own check then names the conflict
     only_input = BuildSection(max_input_len=100).fitted_to_model(512)
     assert (only_input.max_seq_len, only_input.max_input_len) == (512, 100)
+
+
+def test_config_show_prints_the_values_in_force(tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    tiny = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
+    (tmp_path / "kiln.yaml").write_text(f"model:\n  path: {tiny}\nquantize:\n  format: int4_awq\n"
+                                        f"  fallback: [fp8, none]\n  gate:\n    max_kl: 0.5\n")
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "elsewhere"))
+    result = CliRunner().invoke(app, ["config", "show", str(tmp_path / "kiln.yaml"), "--json"])
+    shown = json.loads(result.stdout)
+    assert shown["cache"]["dir"] == str(tmp_path / "elsewhere")
+    int4 = {"max_ppl_increase": 0.08, "max_kl": 0.5, "min_top1_agreement": 0.88}  # the default, but the set max_kl
+    assert shown["quantize"]["gate"]["int4_awq"] == int4
+    assert shown["quantize"]["gate"]["fp8"]["min_top1_agreement"] == 0.94
+    assert (shown["build"]["max_seq_len"], shown["build"]["max_input_len"]) == (512, 256)  # fitted to the model
+
+
+def test_an_unknown_backend_is_one_line_and_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["build", "tiny-llama-fp8.yaml", "--backend", "vllm", "--dry-run"])
+    assert result.exit_code == 2 and result.stderr.startswith("error: --backend must be auto, native or trtllm")
+    assert len(result.stderr.strip().splitlines()) == 1
