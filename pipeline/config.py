@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Literal
@@ -161,7 +162,14 @@ def find_config(name_or_path: str | Path) -> Path | None:
 def load_config(name_or_path: str | Path) -> LoadedConfig:
     """Read and validate a config (a path, or a name ``find_config`` knows); raise ConfigError naming
     ``file:line: field`` on the first problem."""
-    path = find_config(name_or_path) or Path(name_or_path).expanduser().resolve()
+    path = find_config(name_or_path)
+    if path is None:
+        given = Path(name_or_path).expanduser()
+        bundled = sorted(p.stem for p in CONFIGS_DIR.iterdir() if p.suffix in (".yaml", ".yml"))
+        guess = difflib.get_close_matches(given.stem, bundled, n=1) if given.parent == Path(".") else []
+        hint = (f"; did you mean {guess[0]}?" if guess
+                else "; give a path, or the name of a bundled config such as tiny-llama-fp8")
+        raise ConfigError(f"{given.resolve()}: config file not found{hint}")
     data, lines = load_yaml_with_lines(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with a 'model' section at the top level")
@@ -196,6 +204,19 @@ def _absolutise_paths(data: dict, base: Path) -> None:
         cache["dir"] = _absolute(base / cache["dir"])
 
 
+def _section_fields(loc: tuple[str, ...]) -> list[str]:
+    """The keys a config section takes (the section at ``loc``: ``()`` is the top level)."""
+    model: type[BaseModel] = KilnConfig
+    for name in loc:
+        annotation = model.model_fields[name].annotation if name in model.model_fields else None
+        inner = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type)
+                 and issubclass(a, BaseModel)]
+        if not inner:
+            return []
+        model = inner[0]
+    return list(model.model_fields)
+
+
 def _describe(exc: ValidationError, path: Path, lines: dict[tuple[str, ...], int]) -> str:
     """One line per problem: ``file:line: field: message``."""
     messages = []
@@ -209,7 +230,10 @@ def _describe(exc: ValidationError, path: Path, lines: dict[tuple[str, ...], int
         kind = error["type"]
         if kind == "extra_forbidden":
             section = ".".join(loc[:-1]) or "the top level"
-            text = f"unknown key '{loc[-1]}' in {section}; check the spelling against docs/config.md"
+            known = _section_fields(loc[:-1])
+            guess = difflib.get_close_matches(loc[-1], known, n=1)
+            text = (f"unknown key '{loc[-1]}' in {section}; "
+                    + (f"did you mean '{guess[0]}'?" if guess else f"it takes {', '.join(known)}"))
         elif kind == "missing":
             text = "is required"
         else:

@@ -133,3 +133,13 @@ def test_an_unknown_backend_is_one_line_and_exit_2(tmp_path):
     result = CliRunner().invoke(app, ["build", "tiny-llama-fp8.yaml", "--backend", "vllm", "--dry-run"])
     assert result.exit_code == 2 and result.stderr.startswith("error: --backend must be auto, native or trtllm")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_misspellings_get_a_did_you_mean(tmp_path):
+    (tmp_path / "kiln.yaml").write_text("model:\n  path: ./m\nquantize:\n  fromat: fp8\nbuild:\n  zzz: 1\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "kiln.yaml")
+    assert "unknown key 'fromat' in quantize; did you mean 'format'?" in str(error.value)
+    assert "unknown key 'zzz' in build; it takes backend, device, max_batch_size" in str(error.value)
+    with pytest.raises(ConfigError, match="config file not found; did you mean tiny-llama-fp8"):
+        load_config("tiny-llama-fp9")

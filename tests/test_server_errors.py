@@ -66,7 +66,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", ["[-100, 100]"]),
     ({"prompt": "hi", "logit_bias": {"999999": 1}}, "prompt", ["outside the vocabulary"]),
     ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, None, ["min_tokens", "max_tokens=4"]),
-    ({"prompt": "hi", "best_of": 2}, "best_of", ["not supported"]),
+    ({"prompt": "hi", "best_of": 2}, "best_of", ["not supported", "send null or 1"]),  # JSON, not Python, spellings
 ])
 def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, words):
     error = assert_error(http.post("/v1/completions", json=body), 400, param, *words)

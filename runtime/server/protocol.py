@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -81,7 +82,8 @@ def _only(*allowed: Any) -> Any:
 
     def check(value: Any) -> Any:
         if not any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
-            raise ValueError(f"is not supported by this server: omit it or send {' or '.join(map(repr, allowed))}")
+            raise ValueError(f"is not supported by this server: omit it or send "
+                             f"{' or '.join(json.dumps(a) for a in allowed)}")
         return value
 
     return Annotated[Any, PlainValidator(check), WithJsonSchema({"enum": list(allowed)})]
