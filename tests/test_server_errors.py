@@ -225,3 +225,47 @@ def test_too_many_prompts_or_too_long_a_text_are_refused_before_tokenizing(http,
     bound = llm.limits.max_input_len * llm.tokenizer.max_token_bytes
     long_text = {"prompt": "z" * (bound + 1), "max_tokens": 2}
     assert_error(http.post("/v1/completions", json=long_text), 400, "prompt", "characters, more than")
+
+
+def test_a_50_mb_body_and_a_surrogate_prompt_during_streams_leave_the_streams_whole(llm):
+    import threading
+    import time
+
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL))
+    gaps: list[float] = []
+    finished: list[list[str]] = []
+
+    def stream() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+            last, events = time.perf_counter(), []
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+                    events.append(line[6:])
+        finished.append(events)
+
+    with ServerThread(app) as server:
+        streams = [threading.Thread(target=stream) for _ in range(4)]
+        for thread in streams:
+            thread.start()
+        declared = httpx.post(f"{server.url}/v1/completions", content=b"x" * (50 << 20),
+                              headers={"Content-Type": "application/json"}, timeout=120)
+
+        def fifty_megabytes():
+            yield b'{"prompt": "'
+            for _ in range(50):
+                yield b"a" * (1 << 20)
+            yield b'"}'
+
+        chunked = httpx.post(f"{server.url}/v1/completions", content=fifty_megabytes(),
+                             headers={"Content-Type": "application/json"}, timeout=120)
+        surrogate = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "a\\ud800", "max_tokens": 2}',
+                               headers={"Content-Type": "application/json"}, timeout=120)
+        for thread in streams:
+            thread.join(120)
+    assert (declared.status_code, chunked.status_code, surrogate.status_code) == (413, 413, 400)
+    assert len(finished) == 4 and all(events[-1] == "[DONE]" for events in finished)
+    print(f"largest gap between events of the other streams: {max(gaps) * 1000:.0f} ms")  # docs/serving.md
