@@ -73,3 +73,14 @@ def fp8_engine(tmp_path_factory):
     build_native_engine(checkpoint, root / "engine", tiny_plan(), "bfloat16" if device == "cuda" else "float32",
                         device=device)
     return root / "engine"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """The tiny test engine (bundled tokenizer, seeded random weights) loaded once per module; a module that needs
+    another engine defines its own ``llm``."""
+    from kiln.runtime import LLM
+    from tests.test_server_support import tiny_engine
+
+    with LLM.load(tiny_engine()) as loaded:
+        yield loaded

@@ -9,19 +9,13 @@ import pytest
 from typer.testing import CliRunner
 
 from kiln.pipeline.cli import app as cli
-from kiln.runtime import LLM, SamplingParams
+from kiln.runtime import SamplingParams
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from tests.test_server_support import tiny_engine
 
 MODEL = "tiny"
 TEMPLATE = ("{% for m in messages %}<<{{ m.role }}>>{{ m.content }}{% endfor %}"
             "{% if add_generation_prompt %}<<A>>{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def llm():
-    with LLM.load(tiny_engine()) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")

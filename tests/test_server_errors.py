@@ -22,12 +22,6 @@ LONG_TEXT = "word " * 200  # well over the test engine's max_input_len of 64 tok
 
 
 @pytest.fixture(scope="module")
-def llm():
-    with LLM.load(tiny_engine()) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
 def http(llm):
     app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL))
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:

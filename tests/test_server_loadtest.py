@@ -17,16 +17,9 @@ from kiln.pipeline.bench.loadtest import loadtest
 from kiln.pipeline.bench.serving_clients import LoadTestError, run_http
 from kiln.pipeline.bench.serving_workload import ServingWorkload, WorkloadError, make_workload
 from kiln.pipeline.serve_command import serve
-from kiln.runtime import LLM
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from tests.subprocess_env import REPO, repo_env
 from tests.test_server_support import engine_idle, tiny_engine, wait_until
-
-
-@pytest.fixture(scope="module")
-def llm():
-    with LLM.load(tiny_engine()) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")

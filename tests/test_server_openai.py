@@ -10,18 +10,11 @@ import httpx
 import openai
 import pytest
 
-from kiln.runtime import LLM
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from kiln.runtime.server.chat_template import ChatTemplate
 from tests.test_server_support import engine_idle, tiny_engine, wait_until
 
 MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def llm():
-    with LLM.load(tiny_engine()) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,12 @@ import openai
 import pydantic
 import pytest
 
-from kiln.runtime import LLM, SamplingParams
+from kiln.runtime import SamplingParams
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from tests.test_server_support import tiny_engine
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "Tell me about kilns."}]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    with LLM.load(tiny_engine()) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")

@@ -38,12 +38,6 @@ SCHEMAS = {
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def llm():
-    with LLM.load(tiny_engine()) as llm:
-        yield llm
-
-
 def constrained(spec: dict, seed: int, max_tokens: int = 120, **params) -> SamplingParams:
     return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, structured_output=spec, **params)
 
