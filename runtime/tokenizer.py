@@ -176,8 +176,8 @@ class IncrementalDetokenizer:
 
 
 def check_unicode(text: str) -> None:
-    """Raise InvalidRequestError when ``text`` is not valid Unicode (a lone UTF-16 surrogate, which JSON's
-    ``\\udXXX`` escapes can carry): no tokenizer can encode it."""
+    """Raise InvalidRequestError when ``text`` is not valid Unicode (a lone UTF-16 surrogate, which a JSON escape
+    such as ``\\ud800`` can carry): no tokenizer can encode it."""
     if text.isascii():
         return
     try:

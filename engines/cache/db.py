@@ -37,6 +37,12 @@ def connect(path: Path, schema: Sequence[str] = ()) -> Iterator[sqlite3.Connecti
         db.close()
 
 
+def ensure_schema(path: Path, schema: Sequence[str]) -> None:
+    """Create the database at ``path`` with its tables, if it does not have them yet."""
+    with connect(path, schema):
+        return
+
+
 def _open(path: Path, schema: Sequence[str]) -> sqlite3.Connection:
     db = sqlite3.connect(path, timeout=60)
     try:

@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.engines.cache.db import connect
+from kiln.engines.cache.db import connect, ensure_schema
 from kiln.engines.cache.errors import CheckpointHashError
 
 WEIGHT_SUFFIXES = (".safetensors",)
@@ -129,8 +129,7 @@ class _SqliteMemo:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        with connect(path, _MEMO_SCHEMA):
-            pass
+        ensure_schema(path, _MEMO_SCHEMA)
 
     def get_many(self, idents: list[tuple[str, int, int, int]]) -> dict[tuple[str, int, int, int], str]:
         """The memoised hashes of those file identities that are still current."""

@@ -10,7 +10,7 @@ import math
 import time
 from pathlib import Path
 
-from kiln.engines.cache.db import connect
+from kiln.engines.cache.db import connect, ensure_schema
 
 MISS_REASONS = ("new", "evicted", "corrupt", "incompatible")
 
@@ -37,8 +37,7 @@ class StatsDB:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with connect(self.path, _SCHEMA):
-            pass
+        ensure_schema(self.path, _SCHEMA)
 
     def _append(self, event: str, store: str, key: str | None = None, outcome: str | None = None,
                 value: float | None = None, size: int | None = None, detail: str | None = None) -> None:
