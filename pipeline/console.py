@@ -91,11 +91,25 @@ def friendly_errors(command: Callable) -> Callable:
     return wrapper
 
 
+def _progress_lines(name: str) -> Callable[[str, float], None]:
+    last = ""
+
+    def report(message: str, _fraction: float) -> None:
+        nonlocal last
+        if message and message != last:
+            last = message
+            stderr.print(f"{name:<9} {message}", highlight=False, markup=False)
+
+    return report
+
+
 @contextmanager
 def stage_progress(enabled: bool) -> Iterator[Callable[[str], Callable[[str, float], None]]]:
-    """Yield a factory of per-stage progress callbacks ``(message, fraction)`` drawing bars on stderr."""
-    if not enabled:
-        yield lambda _name: (lambda *_: None)
+    """Yield a factory of per-stage progress callbacks ``(message, fraction)``: bars on a terminal's stderr; else
+    (stderr a log or a pipe, or bars not wanted) each new message as one line there, so a log still says what
+    happened and why a build waited."""
+    if not enabled or not stderr.is_terminal:
+        yield _progress_lines
         return
     columns = (TextColumn("{task.fields[stage]:<9}"), BarColumn(), TextColumn("{task.description}"),
                TimeElapsedColumn())

@@ -68,3 +68,15 @@ def test_piped_output_never_wraps_a_long_path():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=repo_env())
     assert proc.stdout == f"engine    {long_path}\n"
     assert proc.stderr == f"error: {long_path} is gone\n"
+
+
+def test_without_a_terminal_progress_is_one_line_per_new_message(capsys):
+    from kiln.pipeline.console import stage_progress
+
+    with stage_progress(enabled=True) as stage:
+        report = stage("build")
+        note = "another process is building engine 0123456789ab; waiting for it"
+        report(note, 0.0)
+        report(note, 0.0)  # repeated: not printed again
+        report("done", 1.0)
+    assert capsys.readouterr().err.splitlines() == [f"build     {note}", "build     done"]
