@@ -19,6 +19,7 @@ from kiln.engines.cache import EngineCache, EntryHold, LookupResult, engine_key
 from kiln.engines.cache.layout import entry_of_payload, payload_path
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import KilnConfig, LoadedConfig
+from kiln.pipeline.console import stderr
 from kiln.pipeline.key_material import engine_material, quantized_material
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.trtllm.engine_info import ENGINE_FORMAT as TRTLLM_ENGINE_FORMAT
@@ -227,6 +228,10 @@ class BuildStage:
                                                  describe=describe, on_wait=lambda msg: progress(msg, 0.0))
         ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = result.payload_dir, result.hit, result.reason
         ctx.build_seconds = result.build_seconds
+        if result.replaced_in_use:
+            stderr.print(f"[yellow]warning:[/] engine {ctx.engine_key[:12]} was in use by a running process (a kiln "
+                         f"serve?) when --force replaced it: that process keeps serving the old build until it is "
+                         f"restarted", highlight=False)
 
     @staticmethod
     def _native_build(ctx: BuildContext, progress: Progress) -> Callable[[Path], dict]:

@@ -132,3 +132,12 @@ def test_an_entry_loaded_by_another_live_process_is_never_evicted(tmp_path):
         holder.wait()
     add(cache, "c")
     assert names(cache) == {"c"}
+
+
+def test_a_forced_rebuild_says_when_it_replaces_an_entry_a_process_has_loaded(tmp_path):
+    cache = EngineCache.open(tmp_path / "c", max_entries=4)
+    key = add(cache, "a")
+    assert not cache.entries.get_or_build(key, material("a"), build_of(10), force=True).replaced_in_use
+    with EntryHold(cache.entries.entry_dir(key)):
+        forced = cache.entries.get_or_build(key, material("a"), build_of(10), force=True)
+    assert forced.replaced_in_use and forced.reason == "forced"

@@ -28,7 +28,7 @@ from kiln.engines.cache.errors import (
     CacheUsageError,
     InvalidCacheKeyError,
 )
-from kiln.engines.cache.in_use import delete_unless_held, take_out
+from kiln.engines.cache.in_use import delete_unless_held, is_held, take_out
 from kiln.engines.cache.keys import canonical_json, engine_key, is_cache_key, material_diff, validate_key
 from kiln.engines.cache.layout import CORRUPT_MARK, LAST_USED, MANIFEST, entry_path, fsync_dir, write_atomic
 from kiln.engines.cache.manifest import (
@@ -77,6 +77,7 @@ class CacheResult:
     reason: str
     build_seconds: float
     waited: bool
+    replaced_in_use: bool = False  # a forced rebuild replaced an entry some process had loaded (it keeps the old)
 
 
 @dataclass(frozen=True)
@@ -237,11 +238,12 @@ class ContentStore:
                 self.quarantine(key, found.detail)
             if self._enforce_limits is not None:
                 self._enforce_limits(self, key, 1)
+            replaced_in_use = force and is_held(self.entry_dir(key))
             entry_dir, seconds = self._build_and_publish(key, material, build, describe or {})
             if self._enforce_limits is not None:
                 self._enforce_limits(self, key, 0)
         return CacheResult(key, entry_dir, entry_dir / self.payload_name, False, "forced" if force else found.reason,
-                           seconds, waited)
+                           seconds, waited, replaced_in_use)
 
     def _hit(self, key: str, found: LookupResult, waited: bool) -> CacheResult:
         saved = found.build_seconds
