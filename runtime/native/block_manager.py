@@ -65,7 +65,7 @@ class BlockManager:
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Block ids already holding this sequence's leading full blocks. At least one token is always left to
-        compute, since the last prompt token must run through the model to give logits. None for a request whose
+        compute, since the last prompt token must run through the model to give logits. No blocks for a request whose
         prompt log probabilities are still to compute: every prompt position must run through the model."""
         if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
             return []

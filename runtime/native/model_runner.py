@@ -80,7 +80,7 @@ class LaunchedStep:
         """The log probabilities of the collected ``tokens`` of the sequences whose requests asked for them."""
         if self.drawn is None or self.drawn.logprobs is None:
             return {}
-        host = [token if isinstance(token, int) else -1 for token in tokens.values()]
+        host = [token if isinstance(token := tokens[seq], int) else -1 for seq in self.sample_seqs]
         by_row = self.drawn.logprobs.on_host(host, self.sample_seqs)
         return {self.sample_seqs[row]: logprob for row, logprob in by_row.items()}
 

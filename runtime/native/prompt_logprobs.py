@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.runtime.native.device_copy import device_tensor
-from kiln.runtime.outputs import TokenLogprob
+from kiln.runtime.native.logprob_rows import token_logprobs
 from kiln.runtime.sequence import Sequence
 
 # Positions whose logits are materialised at once (each a float32 row of the vocabulary).
@@ -35,15 +35,11 @@ class PromptLogprobs:
 
     def append_to_sequence(self) -> None:
         """Add the entries the sequence does not have yet (all of them, unless this step recomputed its prompt)."""
-        entries = self.seq.prompt_logprobs
-        chosen = self.chosen.tolist()
-        values = self.top_values.tolist() if self.top_values is not None else [[] for _ in chosen]
-        ids = self.top_ids.tolist() if self.top_ids is not None else [[] for _ in chosen]
-        for k, logprob in enumerate(chosen):
-            index = self.first_token + k
-            if index == len(entries):
-                entries.append(TokenLogprob(self.seq.token_ids[index], logprob, list(zip(ids[k], values[k],
-                                                                                           strict=True))))
+        entries, first, count = self.seq.prompt_logprobs, self.first_token, len(self.chosen)
+        width = self.seq.params.prompt_logprobs
+        new = token_logprobs(self.seq.token_ids[first:first + count], self.chosen, self.top_values, self.top_ids,
+                             [width] * count)
+        entries.extend(new[len(entries) - first:] if len(entries) >= first else [])
 
 
 def wants_prompt_logprobs(seq: Sequence, start: int) -> bool:

@@ -20,6 +20,7 @@ from kiln.runtime.errors import KilnError
 from kiln.runtime.native.device_copy import device_tensor
 from kiln.runtime.native.grammar import Grammars, apply_token_bitmask
 from kiln.runtime.native.logit_controls import UnseenTokens, apply_logit_controls
+from kiln.runtime.native.logprob_rows import token_logprobs
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sequence import Sequence
 
@@ -76,15 +77,10 @@ class DrawnLogprobs:
 
     def on_host(self, tokens: list[int], seqs: list[Sequence]) -> dict[int, TokenLogprob]:
         """Each row's TokenLogprob (rows whose token failed have none), cut to what its request asked for."""
-        chosen = self.chosen.tolist()
-        top_values, top_ids = (self.top.values.tolist(), self.top.indices.tolist()) if self.top else ([], [])
-        result = {}
-        for k, row in enumerate(self.rows):
-            if tokens[row] >= 0:
-                n = seqs[row].params.logprobs
-                top = list(zip(top_ids[k][:n], top_values[k][:n], strict=True)) if n else []
-                result[row] = TokenLogprob(tokens[row], chosen[k], top)
-        return result
+        top_values, top_ids = (self.top.values, self.top.indices) if self.top is not None else (None, None)
+        entries = token_logprobs([tokens[row] for row in self.rows], self.chosen, top_values, top_ids,
+                                 [seqs[row].params.logprobs for row in self.rows])
+        return {row: entry for row, entry in zip(self.rows, entries, strict=True) if tokens[row] >= 0}
 
 
 @dataclass

@@ -29,7 +29,6 @@ from kiln.runtime.server.logprobs import (
 )
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import (
-    IGNORED_FIELDS,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -52,7 +51,7 @@ _logged_ignored: set[str] = set()
 def make_jobs(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *, logprobs: int | None,
               prompt_logprobs: int | None, structured_output: StructuredOutput | None) -> list[Job]:
     """`n` jobs per prompt, in OpenAI's choice order (prompt-major)."""
-    for name in sorted((req.model_fields_set & set(IGNORED_FIELDS)) - _logged_ignored):
+    for name in set(req.ignored_fields()) - _logged_ignored:
         _logged_ignored.add(name)
         logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
     try:
@@ -200,7 +199,7 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
     """The response to a generation request: an SSE stream, or the JSON body ``build`` makes once every job is
     done. Either says in the IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored."""
     release = model.admission.reserve(len(jobs))
-    ignored = ", ".join(sorted(req.model_fields_set & set(IGNORED_FIELDS)))
+    ignored = ", ".join(req.ignored_fields())
     headers = {IGNORED_FIELDS_HEADER: ignored} if ignored else {}
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -235,7 +234,7 @@ def check_model(model: ServedModel, requested: str | None) -> None:
 
 
 def stream_chunk(request_id: str, object_name: str, created: int, model_name: str, choices: list[dict],
-                  usage: Usage | None = None) -> dict:
+                 usage: Usage | None = None) -> dict:
     """One SSE chunk of a streamed response."""
     return {"id": request_id, "object": object_name, "created": created, "model": model_name, "choices": choices,
             "usage": usage.model_dump() if usage else None}
@@ -272,9 +271,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
             offsets[index] += sum(map(len, piece.tokens))
         more = completion_logprobs(names, entries or [], offsets[index])
         offsets[index] += sum(map(len, more.tokens))
-        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-            getattr(piece, name).extend(getattr(more, name))
-        return piece
+        return piece.extend(more)
 
     def render(index: int, delta: StreamDelta) -> dict | None:
         echo = ""
@@ -298,4 +295,4 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         return CompletionResponse(id=request_id, created=created, model=model.name, choices=choices, usage=usage)
 
     return await respond(model, req, jobs, prompts, metrics, request, build=build, render=render,
-                          usage_chunk=lambda usage: chunk([], usage), prelude=[])
+                         usage_chunk=lambda usage: chunk([], usage), prelude=[])

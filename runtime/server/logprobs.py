@@ -56,9 +56,8 @@ def echoed_logprobs(names: TokenText, prompt_token_ids: list[int], entries: list
     """The legacy lists over an echoed prompt: its first token with a null log probability (no context), then the
     other prompt tokens' ``entries`` (``entries[0]`` is that first token's None)."""
     first = names.text(prompt_token_ids[0])
-    rest = completion_logprobs(names, entries[1:], text_offset + len(first))
-    return CompletionLogprobs(tokens=[first, *rest.tokens], token_logprobs=[None, *rest.token_logprobs],
-                              top_logprobs=[None, *rest.top_logprobs], text_offset=[text_offset, *rest.text_offset])
+    head = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[text_offset])
+    return head.extend(completion_logprobs(names, entries[1:], text_offset + len(first)))
 
 
 def vllm_prompt_logprobs(names: TokenText, entries: list[TokenLogprob | None]) -> list[dict | None]:

@@ -12,8 +12,8 @@ MAX_STOP_STRINGS = 4
 MAX_N = 128
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI allows 20 (chat) and 5 (completions); vLLM 20 for both
 # Fields accepted for compatibility that change nothing here; a request that sets one is logged once per field.
-IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-                  "prompt_cache_retention", "reasoning_effort", "verbosity", "prediction")
+IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+                            "prompt_cache_retention", "reasoning_effort", "verbosity", "prediction"})
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
@@ -195,6 +195,10 @@ class SamplingFields(StrictModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
 
+    def ignored_fields(self) -> list[str]:
+        """The accepted-and-ignored fields this request set, sorted."""
+        return sorted(self.model_fields_set & IGNORED_FIELDS)
+
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
@@ -276,6 +280,12 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+    def extend(self, more: CompletionLogprobs) -> CompletionLogprobs:
+        """These lists followed by ``more``'s (self, extended)."""
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(self, name).extend(getattr(more, name))
+        return self
 
 
 class CompletionChoice(BaseModel):

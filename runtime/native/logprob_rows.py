@@ -1,0 +1,18 @@
+"""Log probabilities computed on the device, brought to the host as ``TokenLogprob``s (sampled and prompt tokens
+alike)."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.runtime.outputs import TokenLogprob
+
+
+def token_logprobs(token_ids: list[int], chosen: torch.Tensor, top_values: torch.Tensor | None,
+                   top_ids: torch.Tensor | None, widths: list[int]) -> list[TokenLogprob]:
+    """Row ``i``: token ``token_ids[i]`` with log probability ``chosen[i]`` and the first ``widths[i]`` of its row
+    of ``top_values`` / ``top_ids`` (the most likely tokens, most likely first) as alternatives."""
+    chosen_host = chosen.tolist()
+    values, ids = (top_values.tolist(), top_ids.tolist()) if top_ids is not None else ([], [])
+    return [TokenLogprob(token, logprob, list(zip(ids[i][:width], values[i][:width], strict=True)) if width else [])
+            for i, (token, logprob, width) in enumerate(zip(token_ids, chosen_host, widths, strict=True))]
