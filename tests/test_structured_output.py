@@ -115,3 +115,16 @@ def test_a_constrained_request_keeps_the_steps_overlapped_and_gets_a_token_every
     tokens = len(output.token_ids)
     assert tokens > 10 and after["num_steps"] - before["num_steps"] <= tokens + 1
     assert after["num_steps_queued_ahead"] - before["num_steps_queued_ahead"] >= tokens - 2
+
+
+def test_a_tokenizer_llguidance_cannot_read_fails_the_constrained_request_only(tmp_path):
+    import shutil
+
+    engine = shutil.copytree(tiny_engine(), tmp_path / "engine")
+    tokenizer = json.loads((engine / "tokenizer.json").read_text())
+    tokenizer["decoder"] = None  # e.g. a word-level tokenizer: the bytes of its tokens are unknown
+    (engine / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with LLM.load(engine) as llm:
+        with pytest.raises(StructuredOutputError, match="cannot use this engine's tokenizer.json"):
+            llm.generate(["JSON:"], constrained({"json_object": True}, 1))
+        assert len(llm.generate(["JSON:"], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4

@@ -38,16 +38,19 @@ class Grammars:
         """llguidance's view of the vocabulary (built on first use: ~0.5 s for 128k tokens) and its thread pool."""
         import llguidance
 
-        tokenizer_json = self.tokenizer.to_dict()["tokenizer_json"]
-        return (llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids),
-                llguidance.LLExecutor())
+        if self.tokenizer is None:
+            raise StructuredOutputError("structured output needs the engine's tokenizer, and it has no tokenizer.json")
+        try:
+            tokenizer = llguidance.LLTokenizer(self.tokenizer.to_dict()["tokenizer_json"], n_vocab=self.vocab_size,
+                                               eos_token=self.eos_token_ids)
+        except ValueError as exc:  # e.g. a tokenizer.json without a decoder: its tokens' bytes are unknown
+            raise StructuredOutputError(f"structured output cannot use this engine's tokenizer.json: {exc}") from None
+        return tokenizer, llguidance.LLExecutor()
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher of ``spec``'s format; StructuredOutputError when it cannot run on this engine."""
         import llguidance
 
-        if self.tokenizer is None:
-            raise StructuredOutputError("structured output needs the engine's tokenizer, and it has no tokenizer.json")
         matcher = llguidance.LLMatcher(self._llg[0], spec.llguidance_grammar, log_level=0)
         if matcher.is_error():
             raise StructuredOutputError(f"the structured output format cannot be used: {matcher.get_error()}")
