@@ -15,6 +15,7 @@ from kiln.engines.cache.inspect import ls_entries
 from kiln.pipeline.bench.command import bench
 from kiln.pipeline.bench.floor import decode_step_bytes, nominal_gbs, tensor_bytes
 from kiln.pipeline.config import load_config
+from kiln.runtime import LLM, SamplingParams
 
 FIGURES = ("output_tokens_per_s", "decode_tokens_per_s_batch1", "ttft_ms", "load_ms")
 SMALL = ["--prompts", "4", "--input-len", "16", "--output-len", "6"]
@@ -122,6 +123,9 @@ def test_architecture_file_is_benchmarked_with_random_weights_and_cached(tmp_pat
     assert sorted((r["store"], r["format"]) for r in rows if r["model"] == "tiny-arch") == [
         ("checkpoints", "bf16 random"), ("entries", "none")]
     assert again["peer"] is None and again["speedup_vs_peer"] is None
+    with LLM.load(Path(first["kiln"]["engine_dir"])) as llm:  # byte tokens: structured output runs on random weights
+        output = llm.generate([[5, 6]], SamplingParams(max_tokens=8, structured_output={"choice": ["yes", "no"]}))[0]
+    assert output.text in ("yes", "no") and output.finish_reason == "stop"
 
 
 def test_fp8_architecture_builds_from_a_modelopt_max_calibrated_checkpoint(tmp_path):

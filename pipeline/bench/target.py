@@ -1,7 +1,7 @@
 """What ``kiln bench`` measures: a config's engine, or an architecture file instantiated with random weights.
 
 An architecture file (a Hugging Face ``config.json``, e.g. ``configs/models/llama3-8b.json``) becomes a seeded
-random-weight bf16 checkpoint with a word-level tokenizer over its whole vocabulary, made once and kept in the engine
+random-weight bf16 checkpoint with a byte-level tokenizer over its whole vocabulary, made once and kept in the engine
 cache's ``checkpoints`` store; then a config (built from the config model, written under ``<cache root>/bench/``)
 whose build plan fits the run takes it through the pipeline like any other. ``--format fp8`` / ``int4_awq`` quantize
 it in the quantize stage, on random token ids (``quantize.dataset: random``) in one round and without the accuracy
@@ -31,7 +31,7 @@ ARCH_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_a
                  "max_position_embeddings")
 CPU_MAX_PARAMS = 2 * 10**9  # above this a CPU-only machine is refused without --allow-large
 SHARD_BYTES = 2 * 10**9
-CHECKPOINT_VERSION = 1  # bump when the random checkpoint's bytes change for the same inputs
+CHECKPOINT_VERSION = 2  # bump when the random checkpoint's bytes change for the same inputs
 CALIB_SAMPLES, CALIB_LEN, HELDOUT_SAMPLES = 16, 128, 4  # the random token rows that calibrate a quantized checkpoint
 MAX_BENCH_BATCH = 512  # the generated plan's max_batch_size: all --prompts in flight, up to this
 MAX_NUM_TOKENS = 8192  # the generated plan's token budget per step (at least --input-len)
@@ -123,7 +123,7 @@ def random_checkpoint(cache: EngineCache, arch_path: Path, cfg: dict, *, seed: i
         progress(f"writing a random-weight checkpoint ({_human_params(param_count(cfg))} parameters, seed {seed})")
         _write_random_weights(tmp, cfg, seed, device)
         (tmp / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}, indent=2, sort_keys=True) + "\n")
-        _write_word_level_tokenizer(tmp, cfg)
+        _write_byte_level_tokenizer(tmp, cfg)
         return {"seed": seed, "architecture_file": str(arch_path)}
 
     describe = {"model": arch_path.stem, "format": "bf16 random", "backend": "-", "gpu": "-"}
@@ -211,18 +211,19 @@ def _random_tensor(shape: tuple[int, ...], name: str, seed: int, std: float, dev
     return (values * std).to(torch.bfloat16).cpu()
 
 
-def _write_word_level_tokenizer(out: Path, cfg: dict) -> None:
-    """Tokens ``t0 .. t{vocab-1}``: the engine is driven with token ids, and this keeps decoding total."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
+def _write_byte_level_tokenizer(out: Path, cfg: dict) -> None:
+    """The 256 bytes, then tokens ``t256 .. t{vocab-1}`` that encoding never produces: the engine is driven with token
+    ids, this keeps decoding total, and text encodes byte by byte, so a grammar engine can run structured output."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
 
     vocab = cfg["vocab_size"]
-    tokenizer = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = WhitespaceSplit()
+    names = (sorted(pre_tokenizers.ByteLevel.alphabet()) + [f"t{i}" for i in range(256, vocab)])[:vocab]
+    tokenizer = Tokenizer(BPE({name: i for i, name in enumerate(names)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                           "unk_token": "t0"}) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
 
 
 def _human_params(n: int) -> str:
