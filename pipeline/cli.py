@@ -24,12 +24,9 @@ app.add_typer(cache_app, name="cache")
 
 def _print_version(asked: bool) -> None:
     if asked:
-        from importlib.metadata import PackageNotFoundError, version
+        from kiln.runtime.version import kiln_version
 
-        try:
-            stdout.print(f"kiln {version('kiln')}", highlight=False)
-        except PackageNotFoundError:
-            stdout.print("kiln (not installed: run from a checkout)", highlight=False)
+        stdout.print(f"kiln {kiln_version() or '(not installed: run from a checkout)'}", highlight=False)
         raise typer.Exit()
 
 

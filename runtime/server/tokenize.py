@@ -3,8 +3,6 @@ template's rendering or read token ids back, without generating."""
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from kiln.runtime.server.chat import render_chat
 from kiln.runtime.server.completions import check_model
 from kiln.runtime.server.errors import APIError
@@ -16,6 +14,7 @@ from kiln.runtime.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from kiln.runtime.version import kiln_version
 
 
 def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
@@ -46,7 +45,4 @@ def detokenize(model: ServedModel, req: DetokenizeRequest) -> DetokenizeResponse
 
 def server_version() -> VersionResponse:
     """The installed Kiln's version."""
-    try:
-        return VersionResponse(version=version("kiln"))
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return VersionResponse(version="unknown")
+    return VersionResponse(version=kiln_version() or "unknown")  # unknown: run from a checkout never installed
