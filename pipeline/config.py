@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from kiln.calibration.recipe import QuantizeRecipe
 from kiln.calibration.sources import RANDOM
+from kiln.engines.cache.store import VerifyOnLoad
 from kiln.engines.trtllm.options import GEMM_PLUGINS, KV_CACHE_TYPES, LOG_LEVELS, PLUGIN_DTYPES
 from kiln.pipeline.yaml_source import ConfigError, line_of, load_yaml_with_lines
 from kiln.runtime.plan import BuildPlan
@@ -98,7 +99,9 @@ class CacheSection(_Section):
     dir: str = DEFAULT_CACHE_DIR
     max_size_gb: float = Field(100.0, gt=0)
     max_entries: PositiveInt = 64
-    verify_on_load: Literal["size", "hash"] = "size"
+    verify_on_load: VerifyOnLoad = Field(
+        "changed", description="How a cache hit's files are checked against its manifest: size (sizes only), "
+        "changed (sha256 of each file changed since it was last hashed, else a stat) or hash (sha256 every time).")
 
     def root(self) -> Path:
         """The cache root in force: ``$KILN_CACHE`` when set, else ``dir``."""

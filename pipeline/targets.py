@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kiln.engines.cache import EngineCache
+from kiln.engines.cache import CacheCorruptError, EngineCache
 from kiln.engines.cache.layout import LAYOUT_VERSION, entry_of_payload
 from kiln.engines.cache.store import MIN_PREFIX
 from kiln.pipeline.config import find_config
@@ -43,7 +43,8 @@ class Target:
 
 def resolve_target(text: str, cache_root: Path) -> Target:
     """``text`` as an engine directory (a cache entry's folder included), a config or architecture file (a path, or
-    a name under the bundled configs), or a key or key prefix of an engine in the cache at ``cache_root``."""
+    a name under the bundled configs), or a key or key prefix of an engine in the cache at ``cache_root``. A cached
+    engine's files are checked against its manifest first (CacheCorruptError)."""
     path = Path(text).expanduser()
     for engine_dir in (path, path / "engine"):  # a cache entry's folder holds its engine in engine/
         if is_engine_dir(engine_dir):
@@ -69,4 +70,8 @@ def _engine(engine_dir: Path) -> Target:
     if in_cache is None or in_cache[1] != "entries":
         return Target("engine", engine_dir)
     root, _, key = in_cache
+    found = EngineCache.open_configured(root).entries.lookup(key, record=False)  # the files against the manifest
+    if not found.hit:
+        raise CacheCorruptError(f"cache entry {key[:12]}: {found.detail}; rebuild it (`kiln build --force`) or "
+                                f"remove it (`kiln cache rm {key[:12]}`)")
     return Target("engine", engine_dir, key, root)

@@ -1,7 +1,8 @@
 """Holding a cached engine while it is loaded: the only cache knowledge the runtime has.
 
-An engine cache entry (``engines.cache``) is a folder with ``in_use.lock`` beside its ``engine/``. A process that
-loads the engine holds a shared flock on that file; removal (eviction, prune, rm) takes it exclusively without
+An engine cache entry (``engines.cache``) is a folder with ``in_use.lock`` and ``manifest.json`` beside its
+``engine/``; an entry without a readable manifest is not a finished build and is refused. A process that loads the
+engine holds a shared flock on the lock file; removal (eviction, prune, rm) takes it exclusively without
 blocking and renames the entry away while holding it, so an entry a live process holds is never removed, and a
 holder never ends up holding a removed entry (the inode check below catches a removal that raced the open).
 """
@@ -9,12 +10,20 @@ holder never ends up holding a removed entry (the inode check below catches a re
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 from pathlib import Path
 
 from kiln.runtime.errors import KilnError
 
 IN_USE_LOCK = "in_use.lock"
+MANIFEST = "manifest.json"
+
+
+class CacheCorruptError(KilnError):
+    """A cache entry whose files do not match its manifest, or that has no readable manifest."""
+
+    exit_code = 3
 
 
 class CacheEntryGoneError(KilnError):
@@ -57,4 +66,16 @@ class EntryHold:
 def hold_if_cached(engine_dir: Path) -> EntryHold | None:
     """Hold the cache entry an engine directory belongs to; None for an engine outside the cache."""
     entry = Path(engine_dir).parent
-    return EntryHold(entry) if (entry / IN_USE_LOCK).is_file() else None
+    if not (entry / IN_USE_LOCK).is_file():
+        return None
+    hold = EntryHold(entry)
+    try:
+        manifest = json.loads((entry / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        manifest = None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+        hold.release()
+        raise CacheCorruptError(f"cache entry {entry}: {MANIFEST} is missing or unreadable, so it is not a finished "
+                                f"build; rebuild it (`kiln build --force`) or remove it (`kiln cache rm "
+                                f"{entry.name[:12]}`)")
+    return hold

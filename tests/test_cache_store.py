@@ -165,17 +165,45 @@ def test_force_rebuilds_and_replaces_atomically(cache):
     assert [p.name.split(".")[0] for p in (cache.v1 / "tmp").iterdir()] == []
 
 
-def test_hash_verification_on_load_catches_a_same_size_change(tmp_path):
-    cache = EngineCache.open(tmp_path / "cache", verify_on_load="hash")
+def flip_first_byte(path: Path, keep_mtime: bool = False) -> None:
+    """Corrupt a file in place, keeping its size (with ``keep_mtime``, its mtime set back as touch -r would)."""
+    before = path.stat()
+    with open(path, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    if keep_mtime:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True])
+def test_the_default_check_on_load_catches_a_same_size_change(tmp_path, keep_mtime):
+    cache = EngineCache.open(tmp_path / "cache")  # verify_on_load "changed"
     m = material()
     key = engine_key(m)
-    result = cache.entries.get_or_build(key, m, FakeBuild())
-    weights = result.payload_dir / "weights" / "rank0.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[0] ^= 0xFF
-    weights.write_bytes(bytes(data))
-    assert cache.entries.lookup(key, m, record=False).reason == "corrupt"
-    assert EngineCache.open(tmp_path / "cache").entries.lookup(key, m, record=False).hit  # size check only
+    weights = cache.entries.get_or_build(key, m, FakeBuild()).payload_dir / "weights" / "rank0.safetensors"
+    flip_first_byte(weights, keep_mtime)
+    found = cache.entries.lookup(key, m, record=False)
+    assert found.reason == "corrupt" and "sha256 differs" in found.detail and str(weights) in found.detail
+    assert EngineCache.open(tmp_path / "cache", verify_on_load="hash").entries.lookup(key, m, record=False).reason \
+        == "corrupt"
+    assert EngineCache.open(tmp_path / "cache", verify_on_load="size").entries.lookup(key, m, record=False).hit
+
+
+def test_an_unchanged_entry_is_only_statted_on_load(tmp_path, monkeypatch):
+    from kiln.engines.cache import hashing
+
+    cache = EngineCache.open(tmp_path / "cache")
+    m = material()
+    key = engine_key(m)
+    cache.entries.get_or_build(key, m, FakeBuild())  # publishing memoises the digests sealing computed
+    hashing._memo.clear()  # another process: only the SQLite memo is left
+
+    def no_reading(path):
+        raise AssertionError(f"{path} was read")
+
+    monkeypatch.setattr(hashing, "file_sha256", no_reading)
+    assert cache.entries.lookup(key, m, record=False).hit
 
 
 def test_verify_names_the_flipped_file_and_marks_the_entry_for_rebuild(cache):

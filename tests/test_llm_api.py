@@ -234,11 +234,18 @@ def test_stats_report_steps_kv_blocks_and_request_latencies(llm):
 
 
 def test_a_cached_engine_is_held_while_loaded_and_a_missing_directory_is_refused(engine_dir, tmp_path):
-    from kiln.engines.cache import is_held
+    from kiln.engines.cache import CacheCorruptError, is_held
 
     entry = tmp_path / "v1" / "entries" / "ab" / ("ab" + "0" * 62)
     shutil.copytree(engine_dir, entry / "engine")
     (entry / "in_use.lock").touch()
+    for manifest in (None, b"{not json", b"[]"):  # an entry without a readable manifest is not a finished build
+        if manifest is not None:
+            (entry / "manifest.json").write_bytes(manifest)
+        with pytest.raises(CacheCorruptError, match="manifest.json is missing or unreadable"):
+            LLM.load(entry / "engine")
+        assert not is_held(entry)
+    (entry / "manifest.json").write_text(json.dumps({"files": []}))
     with LLM.load(entry / "engine") as llm:
         assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids and is_held(entry)
     assert not is_held(entry)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from kiln.engines.cache import EngineCache, engine_key
+from kiln.engines.cache import CacheCorruptError, EngineCache, engine_key
 from kiln.pipeline.config import CONFIGS_DIR
 from kiln.pipeline.targets import Target, TargetError, resolve_target
 from kiln.runtime.errors import KilnError
@@ -34,6 +35,24 @@ def test_an_engine_directory_a_cache_entry_a_key_and_a_prefix_resolve_to_the_sam
     for text in (str(engine_dir), str(engine_dir.parent), key, key[:4], key[:20]):
         assert resolve_target(text, tmp_path / "cache") == expected
     assert expected.name == key[:12]
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "no manifest", "garbage manifest"])
+def test_a_damaged_cache_entry_is_refused_by_key_and_by_folder(tmp_path, damage):
+    cache = EngineCache.open(tmp_path / "cache")
+    key = publish(cache, "a")
+    engine_dir = cache.entries.payload_dir(key)
+    if damage == "flipped byte":  # same size, mtime set back: only the content differs
+        before = (engine_dir / "engine.json").stat()
+        (engine_dir / "engine.json").write_text(json.dumps({"name": "b"}))
+        os.utime(engine_dir / "engine.json", ns=(before.st_atime_ns, before.st_mtime_ns))
+    elif damage == "no manifest":
+        (engine_dir.parent / "manifest.json").unlink()
+    else:
+        (engine_dir.parent / "manifest.json").write_text("{not json")
+    for text in (key[:12], str(engine_dir)):
+        with pytest.raises(CacheCorruptError, match=f"cache entry {key[:12]}: .*kiln cache rm {key[:12]}"):
+            resolve_target(text, tmp_path / "cache")
 
 
 def test_an_engine_outside_the_cache_is_named_by_its_folder(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kiln.engines.cache.errors import CacheEntryNotFoundError
 from kiln.engines.cache.eviction import EvictionReport, evict
-from kiln.engines.cache.layout import PAYLOADS, ensure_layout, write_atomic
+from kiln.engines.cache.layout import HASH_MEMO, PAYLOADS, ensure_layout, write_atomic
 from kiln.engines.cache.stats import StatsDB
 from kiln.engines.cache.store import ContentStore, VerifyOnLoad, complete_key
 
@@ -39,7 +39,7 @@ class EngineCache:
 
     @classmethod
     def open(cls, root: Path, *, max_size_bytes: int | None = None, max_entries: int | None = None,
-             verify_on_load: VerifyOnLoad = "size") -> EngineCache:
+             verify_on_load: VerifyOnLoad = "changed") -> EngineCache:
         """Open (creating if needed) the cache at ``root`` with these limits, and record the limits."""
         cache = cls(root, max_size_bytes=max_size_bytes, max_entries=max_entries, verify_on_load=verify_on_load)
         limits = {"max_size_bytes": max_size_bytes, "max_entries": max_entries}
@@ -50,12 +50,12 @@ class EngineCache:
     @classmethod
     def open_configured(cls, root: Path) -> EngineCache:
         """Open the cache with the limits its last configured ``open`` recorded (for inspection commands)."""
-        return cls(root, verify_on_load="size", **read_limits(Path(root)))
+        return cls(root, verify_on_load="changed", **read_limits(Path(root)))
 
     @property
     def hash_memo_path(self) -> Path:
-        """Where checkpoint content hashes are memoised per (path, size, mtime, inode)."""
-        return self.v1 / "hashmemo.sqlite"
+        """Where file sha256 digests (checkpoints' and entries') are memoised per file identity."""
+        return self.v1 / HASH_MEMO
 
     @property
     def stores(self) -> dict[str, ContentStore]:

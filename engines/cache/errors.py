@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.runtime.cache_hold import CacheEntryGoneError
+from kiln.runtime.cache_hold import CacheCorruptError, CacheEntryGoneError
 from kiln.runtime.errors import KilnError
 
 __all__ = ["CacheCorruptError", "CacheEntryGoneError", "CacheEntryInUseError", "CacheEntryNotFoundError",
@@ -19,12 +19,6 @@ class CacheEntryNotFoundError(KilnError):
 
 class CacheEntryInUseError(KilnError):
     """The entry is loaded by a live process, so it cannot be removed now."""
-
-
-class CacheCorruptError(KilnError):
-    """A cache entry whose files do not match its manifest."""
-
-    exit_code = 3
 
 
 class CacheUsageError(KilnError):

@@ -1,4 +1,5 @@
-"""Content hashes: sha256 of a file, and the Merkle hash of a checkpoint memoised per (path, size, mtime, inode)."""
+"""Content hashes: sha256 of a file, memoised per file identity (real path, size, mtime, ctime, inode), and the Merkle
+hash of a checkpoint."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import hashlib
 import os
 import stat
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,10 +20,12 @@ CONFIG_SUFFIXES = (".json",)
 TOKENIZER_SUFFIXES = (".tiktoken",)
 TOKENIZER_NAMES = frozenset({"tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "merges.txt", "vocab.txt"})
 
-_MEMO_SCHEMA = ("CREATE TABLE IF NOT EXISTS file_hash (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, "
-                "inode INTEGER, sha256 TEXT)",)
+# ctime cannot be set back by a user (mtime can, with touch -r): a file written in place always gets a new identity
+_MEMO_SCHEMA = ("CREATE TABLE IF NOT EXISTS file_sha256 (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, "
+                "ctime_ns INTEGER, inode INTEGER, sha256 TEXT)",)
 
-_memo: dict[tuple[str, int, int, int], str] = {}
+Identity = tuple[str, int, int, int, int]
+_memo: dict[Identity, str] = {}
 _memo_lock = threading.Lock()
 
 
@@ -93,34 +97,60 @@ def _require_regular_file(root: Path, rel: str) -> None:
 
 
 def checkpoint_hash(path: Path, memo_path: Path | None = None) -> str:
-    """Merkle hash of a checkpoint: sha256 over the sorted (relative path, file sha256) pairs of its files.
-
-    Each file's sha256 is memoised per (real path, size, mtime_ns, inode), in this process and, when ``memo_path``
-    is given, in that SQLite file (safe for concurrent processes), so an unchanged checkpoint is only stat'ed."""
+    """Merkle hash of a checkpoint: sha256 over the sorted (relative path, file sha256) pairs of its files, each
+    file's sha256 through ``FileHashes(memo_path)`` (an unchanged checkpoint is only stat'ed)."""
     files = checkpoint_files(path)
-    idents = {rel: _identity(files.root / rel) for rel in files.hashed}
-    with _memo_lock:
-        known = {ident: _memo[ident] for ident in idents.values() if ident in _memo}
-    memo = _SqliteMemo(Path(memo_path)) if memo_path is not None else None
-    if memo is not None and len(known) < len(idents):
-        known.update(memo.get_many([ident for ident in idents.values() if ident not in known]))
-    fresh = {ident: file_sha256(files.root / rel) for rel, ident in idents.items() if ident not in known}
-    known.update(fresh)
-    stable = {ident: known[ident] for rel, ident in idents.items() if _identity(files.root / rel) == ident}
-    if memo is not None and fresh.keys() & stable.keys():
-        memo.put({ident: stable[ident] for ident in fresh.keys() & stable.keys()})
-    with _memo_lock:
-        _memo.update(stable)
+    digests = FileHashes(memo_path).sha256_many([files.root / rel for rel in files.hashed])
     merkle = hashlib.sha256()
-    for rel, ident in idents.items():
-        merkle.update(f"{rel}\0{known[ident]}\n".encode())
+    for rel, digest in zip(files.hashed, digests, strict=True):
+        merkle.update(f"{rel}\0{digest}\n".encode())
     return merkle.hexdigest()
 
 
-def _identity(path: Path) -> tuple[str, int, int, int]:
-    """What the memo is keyed by: the real path, size, mtime in ns and inode (a file changed while hashed differs)."""
+class FileHashes:
+    """sha256 of files, memoised per identity (real path, size, mtime, ctime, inode) in this process and, when
+    ``memo_path`` is given, in that SQLite file (safe for concurrent processes): a file is read again only once it
+    has changed, been replaced or moved."""
+
+    def __init__(self, memo_path: Path | None = None) -> None:
+        self._db = _SqliteMemo(Path(memo_path)) if memo_path is not None else None
+
+    def sha256_many(self, paths: Sequence[Path]) -> list[str]:
+        """Each file's sha256 hex, read only where its identity is not memoised; a file that changed while it was
+        read is not memoised."""
+        idents = [_identity(path) for path in paths]
+        with _memo_lock:
+            known = {ident: _memo[ident] for ident in idents if ident in _memo}
+        if self._db is not None and len(known) < len(idents):
+            known.update(self._db.get_many([ident for ident in idents if ident not in known]))
+        fresh = {ident: file_sha256(path) for path, ident in zip(paths, idents, strict=True) if ident not in known}
+        known.update(fresh)
+        stable = {ident: fresh[ident] for path, ident in zip(paths, idents, strict=True)
+                  if ident in fresh and _identity(path) == ident}
+        self._remember(stable)
+        return [known[ident] for ident in idents]
+
+    def sha256(self, path: Path) -> str:
+        """One file's sha256 hex (``sha256_many``)."""
+        return self.sha256_many([path])[0]
+
+    def remember(self, digests: dict[Path, str]) -> None:
+        """Memoise sha256 digests already known for these files as they are now (a build's files just sealed)."""
+        self._remember({_identity(path): digest for path, digest in digests.items()})
+
+    def _remember(self, rows: dict[Identity, str]) -> None:
+        if not rows:
+            return
+        if self._db is not None:
+            self._db.put(rows)
+        with _memo_lock:
+            _memo.update(rows)
+
+
+def _identity(path: Path) -> Identity:
+    """What the memo is keyed by: the real path, size, mtime and ctime in ns, and inode."""
     st = path.stat()
-    return os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 class _SqliteMemo:
@@ -131,18 +161,18 @@ class _SqliteMemo:
         self.path = path
         ensure_schema(path, _MEMO_SCHEMA)
 
-    def get_many(self, idents: list[tuple[str, int, int, int]]) -> dict[tuple[str, int, int, int], str]:
+    def get_many(self, idents: list[Identity]) -> dict[Identity, str]:
         """The memoised hashes of those file identities that are still current."""
         found = {}
         with connect(self.path, _MEMO_SCHEMA) as db:
             for ident in idents:
-                row = db.execute("SELECT sha256 FROM file_hash WHERE path=? AND size=? AND mtime_ns=? AND inode=?",
-                                 ident).fetchone()
+                row = db.execute("SELECT sha256 FROM file_sha256 WHERE path=? AND size=? AND mtime_ns=? AND "
+                                 "ctime_ns=? AND inode=?", ident).fetchone()
                 if row:
                     found[ident] = row[0]
         return found
 
-    def put(self, rows: dict[tuple[str, int, int, int], str]) -> None:
+    def put(self, rows: dict[Identity, str]) -> None:
         with connect(self.path, _MEMO_SCHEMA) as db:
-            db.executemany("INSERT OR REPLACE INTO file_hash VALUES (?, ?, ?, ?, ?)",
+            db.executemany("INSERT OR REPLACE INTO file_sha256 VALUES (?, ?, ?, ?, ?, ?)",
                            [(*ident, digest) for ident, digest in rows.items()])

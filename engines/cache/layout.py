@@ -8,6 +8,7 @@
     <root>/v1/quarantine/<store>.<key>.<utc time>/ a corrupt entry moved aside, removed by prune
     <root>/v1/locks/<key>.lock                     one builder per key (other stores: <store>-<key>.lock)
     <root>/v1/stats.db                             statistics (SQLite, WAL)
+    <root>/v1/hashmemo.sqlite                      file sha256 digests per file identity (SQLite, WAL)
     <root>/v1/limits.json                          the size and entry limits last configured
 """
 
@@ -18,12 +19,13 @@ import uuid
 from pathlib import Path
 
 from kiln.engines.cache.keys import is_cache_key, validate_key
+from kiln.runtime.cache_hold import MANIFEST as MANIFEST  # re-exported: the runtime refuses an entry without one
 
 LAYOUT_VERSION = "v1"
 PAYLOADS = {"entries": "engine", "quantized": "checkpoint", "checkpoints": "hf"}  # each store's payload folder
-MANIFEST = "manifest.json"
 LAST_USED = "last_used"
 CORRUPT_MARK = "corrupt.json"
+HASH_MEMO = "hashmemo.sqlite"  # in v1/: file sha256 digests per file identity (hashing.FileHashes)
 CACHEDIR_TAG = (b"Signature: 8a477f597d28d172789f06886806bc55\n"
                 b"# This file is a cache directory tag created by Kiln (engine cache).\n"
                 b"# For information about cache directory tags see https://bford.info/cachedir/\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from kiln.engines.cache.hashing import file_sha256
@@ -33,9 +34,10 @@ def seal_payload(payload: Path) -> list[dict]:
     return files
 
 
-def file_problems(entry: Path, payload_name: str, manifest: dict, *, rehash: bool,
+def file_problems(entry: Path, payload_name: str, manifest: dict, *, digest: Callable[[Path], str] | None,
                   first_only: bool = False) -> list[str]:
-    """Listed files that are missing, of the wrong size or (with ``rehash``) of the wrong sha256, each named by path.
+    """Listed files that are missing, of the wrong size or (given ``digest``, a file's sha256 hex) of the wrong
+    sha256, each named by path.
 
     A path that is absolute or climbs out of the payload is a problem and is never touched."""
     files = manifest.get("files")
@@ -47,7 +49,7 @@ def file_problems(entry: Path, payload_name: str, manifest: dict, *, rehash: boo
         if not _safe_relpath(rel):
             problems.append(f"{entry / MANIFEST}: unsafe file path {rel!r}")
         else:
-            problems.extend(_problem_of(entry / payload_name / rel, item, rehash))
+            problems.extend(_problem_of(entry / payload_name / rel, item, digest))
         if problems and first_only:
             break
     return problems
@@ -94,7 +96,7 @@ def entry_size(entry: Path, manifest: dict | None = None) -> int:
         return dir_size(entry)
 
 
-def _problem_of(path: Path, item: dict, rehash: bool) -> list[str]:
+def _problem_of(path: Path, item: dict, digest: Callable[[Path], str] | None) -> list[str]:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -103,7 +105,7 @@ def _problem_of(path: Path, item: dict, rehash: bool) -> list[str]:
         return [f"{path}: not a regular file"]
     if st.st_size != item.get("size"):
         return [f"{path}: {st.st_size} bytes, manifest says {item.get('size')}"]
-    if rehash and file_sha256(path) != item.get("sha256"):
+    if digest is not None and digest(path) != item.get("sha256"):
         return [f"{path}: sha256 differs from the manifest (content changed)"]
     return []
 

@@ -28,9 +28,18 @@ from kiln.engines.cache.errors import (
     CacheUsageError,
     InvalidCacheKeyError,
 )
+from kiln.engines.cache.hashing import FileHashes, file_sha256
 from kiln.engines.cache.in_use import delete_unless_held, is_held, take_out
 from kiln.engines.cache.keys import canonical_json, engine_key, is_cache_key, material_diff, validate_key
-from kiln.engines.cache.layout import CORRUPT_MARK, LAST_USED, MANIFEST, entry_path, fsync_dir, write_atomic
+from kiln.engines.cache.layout import (
+    CORRUPT_MARK,
+    HASH_MEMO,
+    LAST_USED,
+    MANIFEST,
+    entry_path,
+    fsync_dir,
+    write_atomic,
+)
 from kiln.engines.cache.manifest import (
     MANIFEST_VERSION,
     entry_size,
@@ -46,7 +55,7 @@ from kiln.runtime.cache_hold import IN_USE_LOCK
 WAIT_NOTE_EVERY_S = 30.0
 MIN_PREFIX = 4  # hex digits of a key prefix (as git's short hashes)
 
-VerifyOnLoad = Literal["size", "hash"]
+VerifyOnLoad = Literal["size", "changed", "hash"]  # "changed": re-hash the files changed since they were last hashed
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,7 @@ class ContentStore:
     """One store of a cache root (``entries`` for engines, ``quantized`` for quantized checkpoints)."""
 
     def __init__(self, v1: Path, name: str, payload_name: str, stats: StatsDB, *, label: str | None = None,
-                 verify_on_load: VerifyOnLoad = "size",
+                 verify_on_load: VerifyOnLoad = "changed",
                  enforce_limits: Callable[[ContentStore, str, int], None] | None = None) -> None:
         self.v1 = v1
         self.name = name
@@ -108,6 +117,7 @@ class ContentStore:
         self.dir = v1 / name
         self.stats = stats
         self.verify_on_load = verify_on_load
+        self.hashes = FileHashes(v1 / HASH_MEMO)
         self._enforce_limits = enforce_limits
         self.dir.mkdir(parents=True, exist_ok=True)
 
@@ -206,8 +216,8 @@ class ContentStore:
                                 manifest)
         if (entry / CORRUPT_MARK).exists():
             return LookupResult(False, "corrupt", entry, f"{entry}: marked corrupt by `kiln cache verify`", manifest)
-        problems = file_problems(entry, self.payload_name, manifest, rehash=self.verify_on_load == "hash",
-                                 first_only=True)
+        digest = {"size": None, "changed": self.hashes.sha256, "hash": file_sha256}[self.verify_on_load]
+        problems = file_problems(entry, self.payload_name, manifest, digest=digest, first_only=True)
         if problems:
             return LookupResult(False, "corrupt", entry, problems[0], manifest)
         return LookupResult(True, "hit", entry, "", manifest)
@@ -284,6 +294,9 @@ class ContentStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        # sealing hashed every file: "changed" lookups of the entry only stat them until one changes
+        payload = entry_dir / self.payload_name
+        self.hashes.remember({payload / item["path"]: item["sha256"] for item in manifest["files"]})
         self.stats.record_store(self.name, key, manifest["total_bytes"], seconds)
         return entry_dir, seconds
 
@@ -416,7 +429,7 @@ class ContentStore:
         except CacheCorruptError as exc:
             self.stats.record_verify(self.name, key, False, str(exc))
             return VerifyResult(self.name, key, entry, 0, [str(exc)])
-        problems = (file_problems(entry, self.payload_name, manifest, rehash=True)
+        problems = (file_problems(entry, self.payload_name, manifest, digest=file_sha256)
                     + stray_files(entry, self.payload_name, manifest))
         if problems:
             write_atomic(entry / CORRUPT_MARK, json.dumps({"verified": _utc_now(), "problems": problems}).encode())
