@@ -255,3 +255,17 @@ def test_an_entry_without_a_manifest_can_be_verified_and_removed(cache):
     assert not cache.entries.entry_dir(key).exists()
     with pytest.raises(CacheEntryNotFoundError):
         cache.entries.remove(key)
+
+
+def test_a_builder_killed_between_publish_and_its_stats_record_is_counted_at_the_next_hit(cache, monkeypatch):
+    m = material()
+    key = engine_key(m)
+    monkeypatch.setattr(cache.stats, "record_store", lambda *args: None)  # the process died right after the rename
+    cache.entries.get_or_build(key, m, FakeBuild())
+    monkeypatch.undo()
+    assert not cache.stats.was_published("entries", key)
+    assert cache.entries.get_or_build(key, m, FakeBuild()).hit and cache.entries.lookup(key, m).hit
+    summary = cache.stats.summary("entries")
+    assert (summary["builds"], summary["hits"]) == (1, 2) and cache.stats.was_published("entries", key)
+    cache.entries.remove(key)
+    assert cache.entries.lookup(key, m).reason == "evicted"  # not "new": the store was recorded after all

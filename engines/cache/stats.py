@@ -46,9 +46,19 @@ class StatsDB:
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                        (time.time(), event, store, key, outcome, value, size, detail))
 
-    def record_lookup(self, store: str, key: str, reason: str, build_seconds_saved: float = 0.0) -> None:
-        """One lookup: ``reason`` is ``hit`` or a miss reason; a hit saves the entry's recorded build time."""
-        self._append("lookup", store, key, reason, build_seconds_saved if reason == "hit" else None)
+    def record_lookup(self, store: str, key: str, reason: str, build_seconds_saved: float = 0.0,
+                      size: int = 0) -> None:
+        """One lookup: ``reason`` is ``hit`` or a miss reason; a hit saves the entry's recorded build time. A hit on
+        an entry never recorded as stored (its builder was killed between the publish and ``record_store``) records
+        that store now, with the entry's ``size`` and build time."""
+        now = time.time()
+        with connect(self.path, _SCHEMA) as db:
+            if reason == "hit" and db.execute("INSERT OR IGNORE INTO published VALUES (?, ?, ?)",
+                                              (store, key, now)).rowcount:
+                db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes) "
+                           "VALUES (?, 'store', ?, ?, 'ok', ?, ?)", (now, store, key, build_seconds_saved, size))
+            db.execute("INSERT INTO events (ts, event, store, key, outcome, value) VALUES (?, 'lookup', ?, ?, ?, ?)",
+                       (now, store, key, reason, build_seconds_saved if reason == "hit" else None))
 
     def record_load(self, store: str, key: str, ms: float) -> None:
         """One load of an entry by a runtime, with its latency."""

@@ -74,6 +74,12 @@ class LookupResult:
         value = (self.manifest or {}).get("build_seconds", 0.0)
         return float(value) if isinstance(value, (int, float)) else 0.0
 
+    @property
+    def total_bytes(self) -> int:
+        """The entry's payload size as its manifest records it (0 without one)."""
+        value = (self.manifest or {}).get("total_bytes", 0)
+        return value if isinstance(value, int) else 0
+
 
 @dataclass(frozen=True)
 class CacheResult:
@@ -172,7 +178,7 @@ class ContentStore:
         if not record:
             return self._check(key, material)
         found = self._find(key, material)
-        self.stats.record_lookup(self.name, key, found.reason, found.build_seconds if found.hit else 0.0)
+        self._record_lookup(key, found)
         return found
 
     def record_hit(self, found: LookupResult, key: str, material: dict | None = None) -> LookupResult:
@@ -180,8 +186,11 @@ class ContentStore:
         checking the entry's files a second time; an entry that vanished meanwhile is looked up again."""
         if not self._touch(found.entry_dir):
             return self.lookup(key, material)
-        self.stats.record_lookup(self.name, key, "hit", found.build_seconds)
+        self._record_lookup(key, found)
         return found
+
+    def _record_lookup(self, key: str, found: LookupResult) -> None:
+        self.stats.record_lookup(self.name, key, found.reason, found.build_seconds, found.total_bytes)
 
     def _find(self, key: str, material: dict | None) -> LookupResult:
         """``_check``, and on a hit record the use (an entry that vanished meanwhile is looked up again)."""
@@ -243,7 +252,7 @@ class ContentStore:
                 return self._hit(key, found, waited)
             self.sweep(own_key=key)
             if not force:
-                self.stats.record_lookup(self.name, key, found.reason)
+                self._record_lookup(key, found)
             if found.reason == "corrupt":
                 self.quarantine(key, found.detail)
             if self._enforce_limits is not None:
@@ -256,9 +265,9 @@ class ContentStore:
                            seconds, waited, replaced_in_use)
 
     def _hit(self, key: str, found: LookupResult, waited: bool) -> CacheResult:
-        saved = found.build_seconds
-        self.stats.record_lookup(self.name, key, "hit", saved)
-        return CacheResult(key, found.entry_dir, found.entry_dir / self.payload_name, True, "hit", saved, waited)
+        self._record_lookup(key, found)
+        return CacheResult(key, found.entry_dir, found.entry_dir / self.payload_name, True, "hit", found.build_seconds,
+                           waited)
 
     @contextmanager
     def _key_lock(self, key: str, on_wait: Callable[[str], None] | None) -> Iterator[bool]:
