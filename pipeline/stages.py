@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from kiln.calibration.layout import QuantizedCheckpoint
 from kiln.calibration.recipe import recipe_material
-from kiln.engines.cache import EngineCache, EntryHold, LookupResult, engine_key
+from kiln.engines.cache import ContentStore, EngineCache, EntryHold, LookupResult, engine_key
 from kiln.engines.cache.layout import entry_of_payload, payload_path
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import KilnConfig, LoadedConfig
@@ -138,6 +138,12 @@ class Stage(Protocol):
         """Take up the outputs that already exist (the stage was skipped)."""
 
 
+def _being_built(store: ContentStore, key: str) -> str:
+    """What a plan adds to a miss that another process is building now."""
+    return "; another process is building it now: this build will wait and reuse it" if store.is_being_built(key) \
+        else ""
+
+
 def _no_model(ctx: BuildContext) -> str | None:
     return None if ctx.model_dir else f"model files not found for model.path {ctx.config.model.path}"
 
@@ -165,7 +171,8 @@ class QuantizeStage:
         lookup = ctx.cache.quantized.lookup(ctx.quantized_key, record=False)
         if lookup.hit:
             return Decision(self.name, "skip", f"{fmt} checkpoint {ctx.quantized_key[:12]} is in the cache", lookup)
-        return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe ({lookup.reason})")
+        return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe ({lookup.reason})"
+                        f"{_being_built(ctx.cache.quantized, ctx.quantized_key)}")
 
     def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
         from kiln.calibration.quantize import quantize_checkpoint
@@ -217,7 +224,8 @@ class BuildStage:
         lookup = ctx.cache.entries.lookup(ctx.engine_key, ctx.material, record=False)
         if lookup.hit:
             return Decision(self.name, "skip", f"engine {ctx.engine_key[:12]} is in the cache", lookup)
-        return Decision(self.name, "run", f"cache miss ({lookup.reason})")
+        return Decision(self.name, "run",
+                        f"cache miss ({lookup.reason}){_being_built(ctx.cache.entries, ctx.engine_key)}")
 
     def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
         trtllm = ctx.choice.backend == "trtllm"
@@ -227,6 +235,8 @@ class BuildStage:
         result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
                                                  describe=describe, on_wait=lambda msg: progress(msg, 0.0))
         ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = result.payload_dir, result.hit, result.reason
+        if result.hit and result.waited:
+            ctx.cache_reason = "built by another process while this one waited"
         ctx.build_seconds = result.build_seconds
         if result.replaced_in_use:
             stderr.print(f"[yellow]warning:[/] engine {ctx.engine_key[:12]} was in use by a running process (a kiln "

@@ -40,7 +40,8 @@ def print_result(result: dict) -> None:
             more = f" and {len(unsettled) - 3} more" if len(unsettled) > 3 else ""
             stdout.print(f"          still moving: {named}{more}", highlight=False)
     cache = result["cache"]
-    hit = "[green]hit[/]" if cache["hit"] else f"[yellow]miss[/] ({cache['reason']})"
+    why = f" ({cache['reason']})" if cache["reason"] != "hit" else ""
+    hit = f"[green]hit[/]{why}" if cache["hit"] else f"[yellow]miss[/]{why}"
     saved = f", {result['build_seconds']:.2f} s of build saved" if cache["hit"] and result.get("build_seconds") else ""
     stdout.print(f"cache     {hit}{saved}")
     stdout.print(f"engine    {result['engine_dir']}", highlight=False)

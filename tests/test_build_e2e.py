@@ -51,6 +51,21 @@ def test_dry_run_prints_plan_key_and_material_without_running(cache):
     assert not (cache / "v1" / "entries").exists() or not any((cache / "v1" / "entries").iterdir())
 
 
+def test_the_plan_says_when_another_process_is_building_the_engine(tmp_path):
+    from filelock import FileLock
+
+    from kiln.engines.cache import EngineCache
+
+    store = EngineCache.open(tmp_path / "cache").entries
+    first = json.loads(kiln("build", "configs/tiny-llama-bf16.yaml", "--dry-run", "--json", cache=tmp_path / "cache")
+                       .stdout)
+    with FileLock(store.lock_path(first["engine_key"])):  # another builder of this key, mid-build
+        proc = kiln("build", "configs/tiny-llama-bf16.yaml", "--dry-run", "--json", cache=tmp_path / "cache")
+    reasons = {stage["name"]: stage["reason"] for stage in json.loads(proc.stdout)["stages"]}
+    assert "another process is building it now: this build will wait and reuse it" in reasons["build"]
+    assert "another process" not in {stage["name"]: stage["reason"] for stage in first["stages"]}["build"]
+
+
 @pytest.mark.slow
 def test_dry_run_works_without_model_files(tmp_path):
     config = tmp_path / "absent.yaml"

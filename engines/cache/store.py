@@ -269,6 +269,16 @@ class ContentStore:
         return CacheResult(key, found.entry_dir, found.entry_dir / self.payload_name, True, "hit", found.build_seconds,
                            waited)
 
+    def is_being_built(self, key: str) -> bool:
+        """Whether another builder holds ``key``'s build lock now (a build of it would wait, then reuse its result)."""
+        lock = FileLock(self.lock_path(key))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return True
+        lock.release()
+        return False
+
     @contextmanager
     def _key_lock(self, key: str, on_wait: Callable[[str], None] | None) -> Iterator[bool]:
         """Hold the key's build lock; say so through ``on_wait`` while another process holds it."""
