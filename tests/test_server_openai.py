@@ -4,6 +4,9 @@ clients that disconnect, and /metrics."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import threading
 import time
 
 import httpx
@@ -168,12 +171,32 @@ def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks
     assert llm.stats()["requests_finished"]["abort"] == aborted_before + 1
 
 
-def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(server, llm):
+def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(server, llm, monkeypatch):
+    step, abort = llm.engine.step, llm.abort
+    started, aborts = threading.Event(), []
+
+    def held_step():  # no choice can finish before the server has aborted all 16: this test does not race the engine
+        started.set()
+        deadline = time.monotonic() + 30
+        while len(aborts) < 16 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return step()
+
+    def counted_abort(request_id):
+        aborts.append(request_id)
+        abort(request_id)
+
+    monkeypatch.setattr(llm.engine, "step", held_step)
+    monkeypatch.setattr(llm, "abort", counted_abort)
     aborted_before = llm.stats()["requests_finished"]["abort"]
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 240, "n": 16, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 240, "n": 16, "ignore_eos": True}).encode()
+    url = httpx.URL(server.url)
+    with socket.create_connection((url.host, url.port)) as client:  # a client that sends the request, then goes
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kiln\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert started.wait(30)
     wait_until(lambda: engine_idle(llm))
+    assert len(aborts) == 16
     assert llm.stats()["requests_finished"]["abort"] == aborted_before + 16
     assert 'status="499"' in httpx.get(f"{server.url}/metrics").text
 
