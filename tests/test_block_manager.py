@@ -111,3 +111,41 @@ def test_reused_free_block_forgets_its_old_hash():
     bm.free(first)
     admit(bm, seq([7] * 8))
     assert bm.get_computed_blocks(seq(list(range(5)))) == []
+
+
+def test_a_block_is_reused_only_when_every_one_of_its_tokens_matches():
+    cached = list(range(100, 113))  # three full blocks and one token
+    for position in range(12):  # a prompt differing from the cached one at `position` only
+        bm = BlockManager(num_blocks=16, block_size=BLOCK)
+        first = seq(cached)
+        admit(bm, first)
+        other = cached.copy()
+        other[position] = 7
+        assert bm.get_computed_blocks(seq(other)) == first.block_table[:position // BLOCK], position
+
+
+def test_prefix_hits_stop_at_the_first_block_no_longer_cached():
+    bm = BlockManager(num_blocks=8, block_size=BLOCK)
+    first = seq(list(range(13)))
+    admit(bm, first)
+    del bm.hash_to_block_id[bm.block_hash(first, 0)]  # block 0 handed out again; blocks 1 and 2 still cached
+    assert bm.get_computed_blocks(seq(list(range(13)))) == []  # block 1's KV was computed after block 0's
+
+
+def test_freeing_hands_out_blocks_without_a_reusable_hash_first():
+    bm = BlockManager(num_blocks=3, block_size=BLOCK)
+    first = seq(list(range(6)))  # one full (hashed) block and a partial one
+    admit(bm, first)
+    full_block = first.block_table[0]
+    bm.free(first)
+    admit(bm, seq([50, 51, 52, 53, 54]))  # needs two blocks: the never-used one and the partial one
+    assert bm.get_computed_blocks(seq(list(range(6)))) == [full_block]  # the cached block was not handed out
+
+
+def test_a_request_for_prompt_log_probabilities_computes_its_whole_prompt():
+    bm = BlockManager(num_blocks=8, block_size=BLOCK)
+    admit(bm, seq(list(range(9))))
+    wants = Sequence("p", list(range(9)), SamplingParams(max_tokens=4, prompt_logprobs=1))
+    assert bm.get_computed_blocks(wants) == []  # every prompt position must run through the model
+    wants.prompt_logprobs.extend([None] * 8)  # all of them computed: a preempted request may reuse its blocks
+    assert len(bm.get_computed_blocks(wants)) == 2
