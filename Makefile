@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 KILN := $(VENV)/bin/kiln
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: venv build serve test bench lint clean-venv
+.PHONY: venv build serve test bench lint mutation clean-venv
 
 # The pinned PyTorch goes in first, so nothing that depends on torch can pull a different (multi-GB) build.
 $(STAMP): pyproject.toml
@@ -35,6 +35,11 @@ bench: venv
 
 lint: venv
 	$(VENV)/bin/ruff check .
+
+# Mutation testing of the core modules on a copy of HEAD (hours on 2 cores; ARGS=tools/mutation/NAME.toml for one)
+mutation: venv
+	$(PY) -m pip install -q -e '.[mutation]'
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash tools/mutation/run.sh $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
