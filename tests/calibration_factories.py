@@ -1,4 +1,4 @@
-"""Helpers for the calibration tests: small seeded random Llama checkpoints with a byte-level BPE tokenizer, text
+"""Helpers for the calibration tests: small seeded random checkpoints with a byte-level BPE tokenizer, text
 corpora and recipes small enough to calibrate in a second on a CPU."""
 
 from __future__ import annotations
@@ -60,22 +60,26 @@ def write_tokenizer(path: Path) -> int:
 
 
 def make_checkpoint(path: Path, *, seed: int = 0, hidden: int = 128, intermediate: int = 256, layers: int = 2,
-                    poison: str | None = None) -> Path:
-    """A seeded random bf16 Llama checkpoint (safetensors + tokenizer) at `path`.
+                    poison: str | None = None, family: str = "llama") -> Path:
+    """A seeded random bf16 checkpoint of ``family`` (Llama unless said; ``model_factories.FAMILY_CLASSES``) with
+    safetensors and a tokenizer at `path`.
 
     `poison` names a parameter whose first element is set to +inf (non-finite activations downstream).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    from tests.model_factories import FAMILY_CLASSES
+
+    config_class, model_class = FAMILY_CLASSES[family]
     vocab = write_tokenizer(path)
-    config = LlamaConfig(
+    config = getattr(transformers, config_class)(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=256,
         initializer_range=0.08, bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
+        architectures=[model_class],
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = getattr(transformers, model_class)(config).to(torch.bfloat16)
     if poison:
         with torch.no_grad():
             model.get_parameter(poison).view(-1)[0] = float("inf")

@@ -1,4 +1,5 @@
-"""Test helpers: small seeded random Hugging Face Llama checkpoints on disk, and a greedy driver for LlamaModel."""
+"""Test helpers: small seeded random Hugging Face checkpoints (Llama, Qwen2, Qwen3) on disk, and a greedy driver for
+DecoderModel."""
 
 from __future__ import annotations
 
@@ -18,39 +19,48 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.kv_cache import allocate_kv_cache
-from kiln.runtime.native.model.llama import LlamaModel
+from kiln.runtime.native.model.decoder import DecoderModel
 from kiln.runtime.plan import BuildPlan
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
 
 
-def make_llama_config(*, hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2,
+# transformers' config and model classes of each family the native engine runs
+FAMILY_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                  "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
+
+def make_hf_config(*, hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2,
                       num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None, vocab_size: int = 96,
                       tie_word_embeddings: bool = False, rope_scaling: dict[str, Any] | None = None,
-                      rope_theta: float = 10000.0, max_position_embeddings: int = 256):
-    """A transformers LlamaConfig for a tiny model (``rope_scaling`` e.g. ``LLAMA3_ROPE``)."""
-    from transformers import LlamaConfig
+                      rope_theta: float = 10000.0, max_position_embeddings: int = 256, family: str = "llama",
+                      **family_options: Any):
+    """A transformers config of ``family`` (default Llama) for a tiny model (``rope_scaling`` e.g. ``LLAMA3_ROPE``;
+    ``family_options`` such as Qwen3's ``attention_bias``)."""
+    import transformers
 
+    config_class, model_class = FAMILY_CLASSES[family]
     rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
     if rope_scaling:
         rope_parameters = {**rope_scaling, "rope_theta": rope_theta}
-    return LlamaConfig(
+    return getattr(transformers, config_class)(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         head_dim=head_dim or hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings, rope_parameters=rope_parameters, rms_norm_eps=1e-5,
-        bos_token_id=1, eos_token_id=2, architectures=["LlamaForCausalLM"],
+        bos_token_id=1, eos_token_id=2, architectures=[model_class], **family_options,
     )
 
 
-def make_llama_model(seed: int = 0, std: float = 0.15, **config_kwargs: Any):
-    """A float32 ``LlamaForCausalLM`` with seeded random weights (norm weights around 1, linears N(0, std))."""
-    from transformers import LlamaForCausalLM
+def make_hf_model(seed: int = 0, std: float = 0.15, **config_kwargs: Any):
+    """A float32 causal LM (Llama unless ``family=`` says otherwise) with seeded random weights (norm weights around
+    1, linears and biases N(0, std))."""
+    from transformers import AutoModelForCausalLM
 
-    config = make_llama_config(**config_kwargs)
+    config = make_hf_config(**config_kwargs)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -61,9 +71,9 @@ def make_llama_model(seed: int = 0, std: float = 0.15, **config_kwargs: Any):
     return model
 
 
-def make_llama_checkpoint(path: Path, seed: int = 0, **config_kwargs: Any) -> Path:
-    """Save a seeded random tiny Llama (see ``make_llama_model``) with a word-level tokenizer at ``path``."""
-    model = make_llama_model(seed, **config_kwargs)
+def make_hf_checkpoint(path: Path, seed: int = 0, **config_kwargs: Any) -> Path:
+    """Save a seeded random tiny model (see ``make_hf_model``) with a word-level tokenizer at ``path``."""
+    model = make_hf_model(seed, **config_kwargs)
     model.save_pretrained(path)
     write_tokenizer(path, model.config.vocab_size)
     return path
@@ -73,7 +83,7 @@ def make_fp8_checkpoint(path: Path, seed: int = 0, fp8_kv_cache: bool = False, *
     """A tiny Llama in modelopt's unified FP8 layout, written without modelopt (static per-tensor scales)."""
     from safetensors.torch import save_file
 
-    make_llama_checkpoint(path, seed, **config_kwargs)
+    make_hf_checkpoint(path, seed, **config_kwargs)
     tensors = load_file(path / "model.safetensors")
     generator = torch.Generator().manual_seed(seed)
     for name in [n for n in tensors if n.endswith("_proj.weight")]:
@@ -138,9 +148,9 @@ QUANT_SHAPE = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_h
 
 
 class PagedRunner:
-    """Drives a LlamaModel over a batch of prompts with hand-built metadata: one flat prefill, then decodes."""
+    """Drives a DecoderModel over a batch of prompts with hand-built metadata: one flat prefill, then decodes."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, num_seqs: int, device: str = "cpu",
+    def __init__(self, model: DecoderModel, config: EngineConfig, num_seqs: int, device: str = "cpu",
                  kv_caches: list | None = None) -> None:
         """``kv_caches`` (default: allocated here) must hold the blocks of ``block_tables``."""
         self.model, self.device = model, device

@@ -20,7 +20,7 @@ from kiln.runtime.native.layers import attention  # noqa: E402
 from kiln.runtime.native.model_runner import ModelRunner  # noqa: E402
 from kiln.runtime.native.prefill_graphs import PrefillGraphRunner, prefill_token_buckets  # noqa: E402
 from kiln.runtime.options import RuntimeOptions  # noqa: E402
-from tests.model_factories import PagedRunner, make_llama_checkpoint, tiny_plan  # noqa: E402
+from tests.model_factories import PagedRunner, make_hf_checkpoint, tiny_plan  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,7 +37,7 @@ def device(kernel_device: str) -> torch.device:
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs")
-    make_llama_checkpoint(root / "checkpoint", seed=0)
+    make_hf_checkpoint(root / "checkpoint", seed=0)
     (root / "engine").mkdir()
     build_native_engine(root / "checkpoint", root / "engine",
                         tiny_plan(max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ_LEN, tokens_per_block=BLOCK),

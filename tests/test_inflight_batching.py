@@ -10,7 +10,7 @@ from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.native.engine import NativeEngine
 from kiln.runtime.options import RuntimeOptions
-from tests.model_factories import make_llama_checkpoint, random_prompts, tiny_plan
+from tests.model_factories import make_hf_checkpoint, random_prompts, tiny_plan
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return make_llama_checkpoint(tmp_path_factory.mktemp("native") / "checkpoint", seed=1)
+    return make_hf_checkpoint(tmp_path_factory.mktemp("native") / "checkpoint", seed=1)
 
 
 def build(checkpoint, tmp_path_factory, **plan):

@@ -1,4 +1,4 @@
-"""LlamaModel (native engine, paged KV) against transformers' LlamaForCausalLM on the same random weights."""
+"""DecoderModel (native engine, paged KV) against transformers' LlamaForCausalLM on the same random weights."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime.native.engine_format import EngineConfig
-from kiln.runtime.native.model.llama import LlamaModel
-from tests.model_factories import LLAMA3_ROPE, PagedRunner, hf_greedy, make_llama_checkpoint, tiny_plan
+from kiln.runtime.native.model.decoder import DecoderModel
+from tests.model_factories import LLAMA3_ROPE, PagedRunner, hf_greedy, make_hf_checkpoint, tiny_plan
 
 PROMPTS = [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9], [77, 21, 50, 50, 6, 31, 2, 88, 14, 19, 60]]
 STEPS = 16
@@ -25,12 +25,12 @@ SHAPES = {
 
 
 def build_engine(tmp_path, **config_kwargs):
-    checkpoint = make_llama_checkpoint(tmp_path / "hf", **config_kwargs)
+    checkpoint = make_hf_checkpoint(tmp_path / "hf", **config_kwargs)
     engine_dir = tmp_path / "engine"
     engine_dir.mkdir()
     build_native_engine(checkpoint, engine_dir, tiny_plan(), "float32")
     config = EngineConfig.load(engine_dir)
-    return checkpoint, LlamaModel.from_engine(engine_dir, config, "cpu", torch.float32), config
+    return checkpoint, DecoderModel.from_engine(engine_dir, config, "cpu", torch.float32), config
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
@@ -71,12 +71,12 @@ def test_chunked_prefill_matches_single_prefill(tmp_path):
 def test_bfloat16_engine_on_gpu_matches_transformers_on_gpu(tmp_path):
     from transformers import LlamaForCausalLM
 
-    checkpoint = make_llama_checkpoint(tmp_path / "hf", hidden_size=128, num_heads=4, num_kv_heads=2)
+    checkpoint = make_hf_checkpoint(tmp_path / "hf", hidden_size=128, num_heads=4, num_kv_heads=2)
     engine_dir = tmp_path / "engine"
     engine_dir.mkdir()
     build_native_engine(checkpoint, engine_dir, tiny_plan(), "bfloat16", device="cuda")
     config = EngineConfig.load(engine_dir)
-    model = LlamaModel.from_engine(engine_dir, config, "cuda")
+    model = DecoderModel.from_engine(engine_dir, config, "cuda")
     hf = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().eval()
 
     logits = PagedRunner(model, config, len(PROMPTS), "cuda").all_logits(PROMPTS)

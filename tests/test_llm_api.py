@@ -19,7 +19,7 @@ from kiln.runtime.native.engine import InvalidRequestError
 from kiln.runtime.native.sampler import SamplingError
 from kiln.runtime.outputs import RequestFailedError
 from kiln.runtime.tokenizer import IncrementalDetokenizer
-from tests.model_factories import make_llama_checkpoint, make_llama_model, tiny_plan
+from tests.model_factories import make_hf_checkpoint, make_hf_model, tiny_plan
 from tests.test_server_support import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("native")
-    make_llama_checkpoint(root / "checkpoint", seed=0)
+    make_hf_checkpoint(root / "checkpoint", seed=0)
     (root / "engine").mkdir()
     build_native_engine(root / "checkpoint", root / "engine", tiny_plan(max_seq_len=256), "float32")
     return root / "engine"
@@ -51,7 +51,7 @@ def all_blocks_free(llm: LLM) -> bool:
 
 @torch.inference_mode()
 def test_greedy_tokens_match_transformers_generate_for_single_and_batched_prompts(llm):
-    hf = make_llama_model(seed=0)
+    hf = make_hf_model(seed=0)
     expected = []
     for prompt in PROMPTS:
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False)

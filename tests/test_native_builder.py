@@ -16,8 +16,8 @@ from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError, Kil
 from kiln.runtime.native.engine_format import ENGINE_FORMAT_VERSION, EngineConfig
 from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint
 from kiln.runtime.native.kv_cache import allocate_kv_cache, is_token_major, kv_bytes_per_block
-from kiln.runtime.native.model.llama import LlamaModel
-from tests.model_factories import make_llama_checkpoint, make_llama_model, tiny_plan, write_tokenizer
+from kiln.runtime.native.model.decoder import DecoderModel
+from tests.model_factories import make_hf_checkpoint, make_hf_model, tiny_plan, write_tokenizer
 
 ARCHITECTURE_KEYS = {"type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
@@ -28,7 +28,7 @@ H200 = {"device": "cuda", "gpu_name": "NVIDIA H200", "compute_capability": "9.0"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return make_llama_checkpoint(tmp_path_factory.mktemp("hf"), hidden_size=64, num_heads=4, num_kv_heads=2)
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hf"), hidden_size=64, num_heads=4, num_kv_heads=2)
 
 
 def build(checkpoint, tmp_path, plan=None, dtype="float32", name="engine"):
@@ -82,12 +82,13 @@ def test_kv_cache_that_does_not_fit_is_refused_with_the_count_that_fits(checkpoi
     assert list(out.iterdir()) == []
 
 
-def test_non_llama_architecture_is_refused(tmp_path):
-    checkpoint = make_llama_checkpoint(tmp_path / "hf")
+def test_an_architecture_of_no_supported_family_is_refused_naming_the_supported_ones(tmp_path):
+    checkpoint = make_hf_checkpoint(tmp_path / "hf")
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(KilnError, match="architecture 'GPT2LMHeadModel' is not supported by the native backend "
-                                        r"\(supported: LlamaForCausalLM, MistralForCausalLM\)"):
+                                        r"\(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                                        r"Qwen3ForCausalLM\)"):
         build(checkpoint, tmp_path)
 
 
@@ -109,7 +110,7 @@ def test_token_budget_below_max_input_len_is_allowed_for_chunked_prefill(checkpo
 
 
 def test_older_rope_scaling_and_generation_config_eos_ids_are_read(tmp_path):
-    checkpoint = make_llama_checkpoint(tmp_path / "hf")
+    checkpoint = make_hf_checkpoint(tmp_path / "hf")
     config = json.loads((checkpoint / "config.json").read_text())
     del config["rope_parameters"]
     config.update(rope_theta=500000.0, eos_token_id=[2, 5], rope_scaling={
@@ -165,7 +166,7 @@ def test_fingerprint_of_the_same_machine_passes():
 
 def test_sharded_checkpoint_builds_the_same_weights(checkpoint, tmp_path):
     sharded = tmp_path / "sharded"
-    make_llama_model(hidden_size=64, num_heads=4, num_kv_heads=2).save_pretrained(sharded, max_shard_size="40KB")
+    make_hf_model(hidden_size=64, num_heads=4, num_kv_heads=2).save_pretrained(sharded, max_shard_size="40KB")
     write_tokenizer(sharded, 96)
     assert (sharded / "model.safetensors.index.json").is_file()
     _, single_dir = build(checkpoint, tmp_path, name="single")
@@ -181,4 +182,4 @@ def test_engine_whose_weights_do_not_match_engine_json_is_refused(checkpoint, tm
     del weights["layers.1.mlp.down_proj.weight"]
     save_file(weights, out / "rank0.safetensors")
     with pytest.raises(EngineFormatError, match=r"missing \['layers.1.mlp.down_proj.weight'\]"):
-        LlamaModel.from_engine(out, EngineConfig.load(out), "cpu")
+        DecoderModel.from_engine(out, EngineConfig.load(out), "cpu")

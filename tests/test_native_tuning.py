@@ -12,7 +12,7 @@ from kiln.engines.native.tuning import CROSSOVER_TOKENS, linear_shapes, streamin
 from kiln.runtime.errors import EngineFormatError
 from kiln.runtime.native.engine_format import EngineConfig, QuantizationConfig
 from kiln.runtime.native.layers.linear import Fp8Linear, fp8_streaming_max_m
-from kiln.runtime.native.model.llama import LlamaModel
+from kiln.runtime.native.model.decoder import DecoderModel
 from tests.model_factories import NEEDS_FP8_GPU
 
 
@@ -27,7 +27,7 @@ def test_streaming_serves_up_to_the_last_token_count_before_the_gemm_first_wins(
 def test_a_cpu_build_measures_nothing_and_the_layers_take_the_default(fp8_engine):
     config = EngineConfig.load(fp8_engine)
     assert config.quantization.fp8_streaming_max_m == {}
-    model = LlamaModel.from_engine(fp8_engine, config, "cpu")
+    model = DecoderModel.from_engine(fp8_engine, config, "cpu")
     assert model.layers[0].mlp.down_proj.streaming_max_m == fp8_streaming_max_m(256)
 
 
@@ -35,7 +35,7 @@ def test_layers_follow_the_measured_limit_of_their_shape(fp8_engine, tmp_path):
     data = json.loads((fp8_engine / "engine.json").read_text())
     data["quantization"]["fp8_streaming_max_m"] = {QuantizationConfig.shape_key(128, 256): 3}  # qkv_proj's
     config = EngineConfig.from_dict(data)
-    model = LlamaModel(config, torch.float32)
+    model = DecoderModel(config, torch.float32)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert isinstance(attn.qkv_proj, Fp8Linear) and attn.qkv_proj.streaming_max_m == 3
     assert attn.o_proj.streaming_max_m == fp8_streaming_max_m(128)  # a shape not measured keeps the default
@@ -58,5 +58,5 @@ def test_a_cuda_build_measures_every_linear_shape(fp8_engine):
     measured = config.quantization.fp8_streaming_max_m
     assert set(measured) == {QuantizationConfig.shape_key(k, n) for k, n in linear_shapes(config.architecture).values()}
     assert all(m in (0, *CROSSOVER_TOKENS) for m in measured.values())
-    model = LlamaModel.from_engine(fp8_engine, config, "cuda")
+    model = DecoderModel.from_engine(fp8_engine, config, "cuda")
     assert model.layers[0].mlp.down_proj.streaming_max_m == measured[QuantizationConfig.shape_key(256, 128)]

@@ -11,7 +11,7 @@ import torch
 
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, SamplingParams
-from tests.model_factories import make_llama_checkpoint, tiny_plan
+from tests.model_factories import make_hf_checkpoint, tiny_plan
 from tests.test_server_support import TOKENIZER_SOURCE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -29,7 +29,7 @@ def built(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("gpu-features")
     vocab = tokenizers.Tokenizer.from_file(str(TOKENIZER_SOURCE / "tokenizer.json")).get_vocab_size()
-    checkpoint = make_llama_checkpoint(root / "hf", vocab_size=vocab, hidden_size=128, num_heads=4, num_kv_heads=2)
+    checkpoint = make_hf_checkpoint(root / "hf", vocab_size=vocab, hidden_size=128, num_heads=4, num_kv_heads=2)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(TOKENIZER_SOURCE / name, checkpoint / name)
     (root / "engine").mkdir()

@@ -12,14 +12,14 @@ from kiln.runtime import SamplingParams
 from kiln.runtime.native.engine import NativeEngine
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestOutput
-from tests.model_factories import make_llama_checkpoint, random_prompts, tiny_plan
+from tests.model_factories import make_hf_checkpoint, random_prompts, tiny_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
-    checkpoint = make_llama_checkpoint(tmp_path_factory.mktemp("overlap") / "checkpoint", seed=2)
+    checkpoint = make_hf_checkpoint(tmp_path_factory.mktemp("overlap") / "checkpoint", seed=2)
     engine_dir = tmp_path_factory.mktemp("engine")
     build_native_engine(checkpoint, engine_dir, tiny_plan(max_batch_size=6), "float32")
     return engine_dir

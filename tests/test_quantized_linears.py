@@ -20,7 +20,7 @@ from kiln.runtime.native.layers.linear import (
     unpack_int4,
     use_scaled_mm,
 )
-from kiln.runtime.native.model.llama import LlamaModel
+from kiln.runtime.native.model.decoder import DecoderModel
 from tests.model_factories import (
     FP8_GPU,
     NEEDS_FP8_GPU,
@@ -28,7 +28,7 @@ from tests.model_factories import (
     PagedRunner,
     copy_tokenizer,
     make_fp8_checkpoint,
-    make_llama_checkpoint,
+    make_hf_checkpoint,
     tiny_plan,
 )
 
@@ -91,7 +91,7 @@ def test_engine_logits_match_modelopt_fake_quant(tmp_path, recipe):
     from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
     from transformers import LlamaForCausalLM
 
-    checkpoint = make_llama_checkpoint(tmp_path / "hf", **QUANT_SHAPE)
+    checkpoint = make_hf_checkpoint(tmp_path / "hf", **QUANT_SHAPE)
     generator = torch.Generator().manual_seed(1)
     calibration = torch.randint(0, 96, (4, 24), generator=generator)
     batch = torch.randint(0, 96, (3, 12), generator=generator)
@@ -107,7 +107,7 @@ def test_engine_logits_match_modelopt_fake_quant(tmp_path, recipe):
     (tmp_path / "engine").mkdir()
     build_native_engine(tmp_path / "export", tmp_path / "engine", tiny_plan(), "float32")
     config = EngineConfig.load(tmp_path / "engine")
-    engine = LlamaModel.from_engine(tmp_path / "engine", config, "cpu", torch.float32)
+    engine = DecoderModel.from_engine(tmp_path / "engine", config, "cpu", torch.float32)
     logits = torch.stack(PagedRunner(engine, config, len(batch)).all_logits(batch.tolist()))
 
     assert config.quantization.format == {"fp8": "fp8", "fp8-kv-cache": "fp8", "int4-awq": "int4_awq"}[recipe]
@@ -155,7 +155,7 @@ def test_scaled_mm_matches_dequantize_reference(dtype, m):
 
 def test_loading_an_fp8_engine_caches_each_linears_input_scale_column(fp8_engine):
     config = EngineConfig.load(fp8_engine)
-    model = LlamaModel.from_engine(fp8_engine, config, "cpu")
+    model = DecoderModel.from_engine(fp8_engine, config, "cpu")
     fp8_linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert fp8_linears
     for module in fp8_linears:
@@ -169,7 +169,7 @@ def test_loading_an_fp8_engine_caches_each_linears_input_scale_column(fp8_engine
 
 def test_an_fp8_linear_with_one_weight_scale_for_every_row_gives_the_gemm_that_one_value(fp8_engine):
     config = EngineConfig.load(fp8_engine)
-    model = LlamaModel.from_engine(fp8_engine, config, "cpu")
+    model = DecoderModel.from_engine(fp8_engine, config, "cpu")
     o_proj = model.layers[0].self_attn.o_proj  # unfused: the checkpoint's per-tensor scale on every row
     assert o_proj.gemm_weight_scale.shape == () and o_proj.gemm_weight_scale == o_proj.weight_scale[0]
     o_proj.weight_scale[1] *= 2  # rows of different scales keep the per-channel vector
@@ -202,7 +202,7 @@ def test_fp8_engine_on_gpu_matches_the_cpu_reference(tmp_path, monkeypatch, fp8_
         engine_dir.mkdir()
         build_native_engine(checkpoint, engine_dir, tiny_plan(), dtype, device=device)
         config = EngineConfig.load(engine_dir)
-        engine = LlamaModel.from_engine(engine_dir, config, device)
+        engine = DecoderModel.from_engine(engine_dir, config, device)
         logits[device] = torch.cat(PagedRunner(engine, config, len(prompts), device).all_logits(prompts)).cpu()
     rel = (logits["cuda"] - logits["cpu"]).abs().max() / logits["cpu"].abs().max()
     assert rel <= tolerance, f"GPU vs CPU FP8 engine: relative difference {rel:.2e}"
@@ -222,11 +222,11 @@ def test_fused_activation_quantization_gives_the_unfused_logits_with_no_quantize
     # path runs through the interpreter.
     import kiln.runtime.native.kernels.fp8_gemv as fp8_gemv_module
     import kiln.runtime.native.kernels.fp8_quant as fp8_quant_module
-    import kiln.runtime.native.model.llama as llama
+    import kiln.runtime.native.model.decoder as llama
     from kiln.runtime.native.kernel_choice import KernelChoice
 
     config = EngineConfig.load(fp8_engine)
-    engine = LlamaModel.from_engine(fp8_engine, config, device, kernels=KernelChoice(interpreted=device == "cpu"))
+    engine = DecoderModel.from_engine(fp8_engine, config, device, kernels=KernelChoice(interpreted=device == "cpu"))
     quantize_calls = []
     real_quantize = fp8_quant_module.quantize_fp8
     counting = lambda *a, **kw: quantize_calls.append(1) or real_quantize(*a, **kw)  # noqa: E731

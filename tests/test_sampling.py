@@ -14,7 +14,7 @@ from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.native.sampler import Sampler, SamplingError, apply_top_k_top_p
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-from tests.model_factories import make_llama_checkpoint, tiny_plan
+from tests.model_factories import make_hf_checkpoint, tiny_plan
 
 PROMPT = [5, 17, 33, 8, 61, 12]
 TINY_LLAMA = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     root = tmp_path_factory.mktemp("native")
-    make_llama_checkpoint(root / "checkpoint", seed=2)
+    make_hf_checkpoint(root / "checkpoint", seed=2)
     (root / "engine").mkdir()
     build_native_engine(root / "checkpoint", root / "engine", tiny_plan(), "float32")
     with LLM.load(root / "engine") as llm:

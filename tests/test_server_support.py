@@ -22,12 +22,12 @@ def tiny_engine(max_seq_len: int = 256, max_batch_size: int = 16, max_input_len:
     import tokenizers
 
     from kiln.engines.native.builder import build_native_engine
-    from tests.model_factories import make_llama_checkpoint, tiny_plan
+    from tests.model_factories import make_hf_checkpoint, tiny_plan
 
     root = Path(tempfile.mkdtemp(prefix="kiln-server-test-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     vocab_size = tokenizers.Tokenizer.from_file(str(TOKENIZER_SOURCE / "tokenizer.json")).get_vocab_size()
-    make_llama_checkpoint(root / "checkpoint", seed=0, vocab_size=vocab_size, max_position_embeddings=max_seq_len)
+    make_hf_checkpoint(root / "checkpoint", seed=0, vocab_size=vocab_size, max_position_embeddings=max_seq_len)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(TOKENIZER_SOURCE / name, root / "checkpoint" / name)
     engine = root / "engine"

@@ -32,7 +32,7 @@ from kiln.runtime.native.decode_graphs import DecodeGraphRunner
 from kiln.runtime.native.engine_format import EngineConfig, QuantizationConfig
 from kiln.runtime.native.kernel_choice import KernelChoice
 from kiln.runtime.native.kv_cache import allocate_kv_cache
-from kiln.runtime.native.model.llama import LlamaModel
+from kiln.runtime.native.model.decoder import DecoderModel
 from kiln.runtime.plan import BuildPlan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def engine_config(arch_file: Path, fmt: str, max_batch: int, max_seq_len: int, m
 
 
 @torch.no_grad()
-def randomize(model: LlamaModel, seed: int = 0) -> int:
+def randomize(model: DecoderModel, seed: int = 0) -> int:
     """Fill every weight with seeded random values of its format; returns the bytes a decode step streams."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
     streamed = 0
@@ -135,7 +135,7 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
     config = engine_config(Path(args.arch), fmt, max(batches), max_seq_len, max(args.prefill, max(batches)),
                            args.kv_cache_dtype, block)
     with torch.device("cuda"):
-        model = LlamaModel(config, torch.bfloat16, KernelChoice.from_options(runtime_options(os.environ))).eval()
+        model = DecoderModel(config, torch.bfloat16, KernelChoice.from_options(runtime_options(os.environ))).eval()
     streamed = randomize(model)
     model.cache_derived_tensors()
     blocks_per_seq = max_seq_len // block
@@ -186,7 +186,7 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
     return result
 
 
-def forward_logits(model: LlamaModel, kv_caches, input_ids: torch.Tensor, positions: torch.Tensor,
+def forward_logits(model: DecoderModel, kv_caches, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata, last_only: bool = False) -> torch.Tensor:
     hidden = model(input_ids, positions, meta, kv_caches)
     return model.compute_logits(hidden[-1:] if last_only else hidden)

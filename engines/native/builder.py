@@ -1,4 +1,5 @@
-"""Build a native engine directory from a Hugging Face Llama-family checkpoint (plain or modelopt FP8 / INT4-AWQ)."""
+"""Build a native engine directory from a Hugging Face checkpoint of a supported family (plain or modelopt FP8 /
+INT4-AWQ)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
     arch, hf_config = read_architecture(checkpoint_dir)
     source_quant = read_quantization(checkpoint_dir, hf_config)
     build_plan = fit_plan(plan, arch, dtype, source_quant.fp8_kv_cache)
-    sliding_window = hf_config.get("sliding_window")
+    sliding_window = arch.sliding_window
     if sliding_window and sliding_window < build_plan.max_seq_len:
         raise KilnError(f"{checkpoint_dir / 'config.json'}: sliding_window {sliding_window} is shorter than "
                         f"build.max_seq_len {build_plan.max_seq_len}; the native backend has no sliding-window "

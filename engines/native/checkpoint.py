@@ -1,4 +1,4 @@
-"""Reading a Hugging Face Llama-family checkpoint for the native builder: config, quantization, tensors.
+"""Reading a Hugging Face checkpoint of a supported family for the native builder: config, quantization, tensors.
 
 Plain checkpoints and modelopt's unified exports (``hf_quant_config.json`` / ``config.json`` quantization_config
 with quant_algo "FP8" or "W4A16_AWQ") are understood. Weights are read from safetensors only, never unpickled.
@@ -15,10 +15,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kiln.runtime.errors import KilnError
-from kiln.runtime.native.engine_format import LlamaArchitecture
+from kiln.runtime.native.engine_format import Architecture
 from kiln.runtime.native.layers.rotary import ROPE_TYPES, rope_inv_freq
+from kiln.runtime.native.model.registry import family_of
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 QUANT_ALGOS = {None: "none", "FP8": "fp8", "W4A16_AWQ": "int4_awq"}
 
 
@@ -42,8 +42,8 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_architecture(checkpoint_dir: Path) -> tuple[LlamaArchitecture, dict[str, Any]]:
-    """The Llama architecture of ``config.json`` (+ generation_config.json ids), and the raw config dict."""
+def read_architecture(checkpoint_dir: Path) -> tuple[Architecture, dict[str, Any]]:
+    """The architecture of ``config.json`` (+ generation_config.json ids), and the raw config dict."""
     path = checkpoint_dir / "config.json"
     if not path.is_file():
         raise KilnError(f"{checkpoint_dir}: no config.json; point the build at a Hugging Face checkpoint directory")
@@ -52,15 +52,12 @@ def read_architecture(checkpoint_dir: Path) -> tuple[LlamaArchitecture, dict[str
     return parse_architecture(cfg, read_json(gen_path) if gen_path.is_file() else {}, path), cfg
 
 
-def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> LlamaArchitecture:
-    """The Llama architecture of a parsed config.json (``path`` names it in errors) and generation_config.json."""
-    archs = cfg.get("architectures") or []
-    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise KilnError(f"{path}: architecture {archs[0] if archs else None!r} is not supported by the native backend "
-                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); use a Llama-family checkpoint")
+def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> Architecture:
+    """The architecture of a parsed config.json (``path`` names it in errors) and generation_config.json: the
+    fields every family shares, then its family's quirks (``runtime/native/model/registry.py``)."""
+    family = family_of(cfg, path)
     unsupported = [
         (cfg.get("hidden_act", "silu") != "silu", f"hidden_act {cfg.get('hidden_act')!r} (only 'silu')"),
-        (bool(cfg.get("attention_bias")), "attention_bias"),
         (bool(cfg.get("mlp_bias")), "mlp_bias"),
     ]
     for bad, what in unsupported:
@@ -75,7 +72,7 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
     head_dim = cfg.get("head_dim") or hidden // num_heads
     rope_theta, rope_scaling = _rope(cfg, path)
     _check_rope(head_dim, rope_theta, rope_scaling, path)
-    return LlamaArchitecture(
+    return Architecture(
         vocab_size=_int(cfg, "vocab_size", path),
         hidden_size=hidden,
         intermediate_size=_int(cfg, "intermediate_size", path),
@@ -90,6 +87,8 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
         max_position_embeddings=_int(cfg, "max_position_embeddings", path),
         bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
         eos_token_ids=_eos_ids(gen.get("eos_token_id"), cfg.get("eos_token_id")),
+        type=family.name,
+        **family.quirks(cfg, path),
     )
 
 
@@ -147,7 +146,8 @@ class CheckpointTensors:
 
     def _file(self, name: str) -> Path:
         if name not in self._files:
-            raise KilnError(f"checkpoint has no tensor {name!r}; the checkpoint is incomplete or not Llama-shaped")
+            raise KilnError(f"checkpoint has no tensor {name!r}; the checkpoint is incomplete or not in its family's "
+                            "layout")
         return self._files[name]
 
     def skip(self, name: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from kiln.runtime.errors import KilnError
-from kiln.runtime.native.engine_format import DTYPES, EngineConfig, LlamaArchitecture
+from kiln.runtime.native.engine_format import DTYPES, Architecture, EngineConfig
 from kiln.runtime.native.kv_cache import kv_bytes_per_block
 from kiln.runtime.plan import BuildPlan
 
@@ -18,7 +18,7 @@ FP8_KV_NAMES = ("fp8", "float8_e4m3fn")
 KV_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.5}  # of free GPU memory / of MemAvailable, before subtracting weights
 
 
-def fit_plan(plan: BuildPlan, arch: LlamaArchitecture, dtype: str, fp8_kv_available: bool) -> BuildPlan:
+def fit_plan(plan: BuildPlan, arch: Architecture, dtype: str, fp8_kv_available: bool) -> BuildPlan:
     """The plan for this model: its ``max_seq_len`` within the model's positions, and ``kv_cache_dtype`` ("auto",
     "fp8" or a dtype name) resolved to the dtype the engine's KV cache has."""
     if plan.max_seq_len > arch.max_position_embeddings:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from kiln.runtime.native.engine_format import LlamaArchitecture, QuantizationConfig
+from kiln.runtime.native.engine_format import Architecture, QuantizationConfig
 from kiln.runtime.options import Kernels
 
 logger = logging.getLogger("kiln.build")
@@ -39,7 +39,7 @@ def tuning_material(device: str, kernels: Kernels) -> dict:
     return {"kernels": kernels} if torch.device(device).type == "cuda" else {}
 
 
-def linear_shapes(arch: LlamaArchitecture) -> dict[str, tuple[int, int]]:
+def linear_shapes(arch: Architecture) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of the decoder layer's linears, fused as the runtime fuses them."""
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     return {"qkv_proj": (arch.hidden_size, q + 2 * kv), "o_proj": (q, arch.hidden_size),
@@ -67,7 +67,7 @@ def graph_time_us(fns: list[Callable[[], object]], rep: int) -> float:
     return do_bench_cudagraph(lambda: next(calls)(), rep=rep, return_mode="median") * 1e3
 
 
-def measure_fp8_streaming_max_m(arch: LlamaArchitecture, dtype: torch.dtype,
+def measure_fp8_streaming_max_m(arch: Architecture, dtype: torch.dtype,
                                 device: torch.device | str) -> dict[str, int]:
     """``QuantizationConfig.shape_key -> streaming_max_m`` for every linear shape of ``arch``, timed on the CUDA
     ``device``."""

@@ -1,10 +1,11 @@
 """Conversion of checkpoint tensors to the native runtime layout (see ``runtime/native/layers/linear.py``).
 
-q/k/v fuse into ``qkv_proj`` and gate/up into ``gate_up_proj``. FP8 members keep their per-tensor weight scales as
-a per-output-channel vector (exact) and share the largest input scale (modelopt calibrates members of one input to
-the same one). INT4-AWQ weights are repacked from modelopt's layout (uint8 [out / 2, in], two output rows per byte,
-two's-complement nibbles, low nibble = even row) to the runtime's (uint8 [out, in / 2], ``q + 8``, low nibble = even
-input column); scales stay [out, in / group_size]. Dense weights are cast to the engine dtype.
+q/k/v fuse into ``qkv_proj`` and gate/up into ``gate_up_proj`` (biases, where the family has them, in the engine
+dtype). FP8 members keep their per-tensor weight scales as a per-output-channel vector (exact) and share the largest
+input scale (modelopt calibrates members of one input to the same one). INT4-AWQ weights are repacked from
+modelopt's layout (uint8 [out / 2, in], two output rows per byte, two's-complement nibbles, low nibble = even row) to
+the runtime's (uint8 [out, in / 2], ``q + 8``, low nibble = even input column); scales stay [out, in / group_size].
+Dense weights are cast to the engine dtype.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from kiln.engines.native.checkpoint import CheckpointTensors
 from kiln.runtime.errors import KilnError
-from kiln.runtime.native.engine_format import LlamaArchitecture
+from kiln.runtime.native.engine_format import Architecture
 from kiln.runtime.native.layers.linear import pack_int4
 
 FUSED_LINEARS = {
@@ -31,7 +32,7 @@ def unpack_modelopt_int4(packed: torch.Tensor) -> torch.Tensor:
     return values.reshape(-1, packed.shape[1])
 
 
-def convert_weights(tensors: CheckpointTensors, arch: LlamaArchitecture, fmt: str, group_size: int | None,
+def convert_weights(tensors: CheckpointTensors, arch: Architecture, fmt: str, group_size: int | None,
                     dtype: torch.dtype, fp8_kv_cache: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Runtime state dict of the whole model and the runtime names of linears left dense in a quantized model."""
     out = {"embed_tokens.weight": tensors.get("model.embed_tokens.weight").to(dtype),
@@ -45,8 +46,13 @@ def convert_weights(tensors: CheckpointTensors, arch: LlamaArchitecture, fmt: st
         src, dst = f"model.layers.{i}", f"layers.{i}"
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{dst}.{norm}.weight"] = tensors.get(f"{src}.{norm}.weight").to(dtype)
+        if arch.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                out[f"{dst}.self_attn.{norm}.weight"] = tensors.get(f"{src}.self_attn.{norm}.weight").to(dtype)
         for fused, members in FUSED_LINEARS.items():
             names = [f"{src}.{m}" for m in members]
+            if {"self_attn.qkv_proj": arch.qkv_bias, "self_attn.o_proj": arch.o_bias}.get(fused, False):
+                out[f"{dst}.{fused}.bias"] = torch.cat([tensors.get(f"{n}.bias") for n in names]).to(dtype)
             member_fmt = _group_format(tensors, names)
             if member_fmt == "none":
                 out[f"{dst}.{fused}.weight"] = torch.cat([_dense(tensors, n, dtype) for n in names])
@@ -69,7 +75,7 @@ def convert_weights(tensors: CheckpointTensors, arch: LlamaArchitecture, fmt: st
     unused = tensors.unused()
     if unused:
         raise KilnError(f"checkpoint tensors not understood by the native builder: {', '.join(unused[:5])}"
-                        f"{' ...' if len(unused) > 5 else ''}; the checkpoint is not a plain Llama layout")
+                        f"{' ...' if len(unused) > 5 else ''}; the checkpoint is not in its family's layout")
     return out, dense_modules
 
 

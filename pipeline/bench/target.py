@@ -69,27 +69,16 @@ def read_architecture_file(path: Path) -> dict:
 
 
 def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a Hugging Face Llama checkpoint of this architecture, with its shape."""
-    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or hidden // heads
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        shapes.update({
-            f"{p}.input_layernorm.weight": (hidden,), f"{p}.post_attention_layernorm.weight": (hidden,),
-            f"{p}.self_attn.q_proj.weight": (heads * head_dim, hidden),
-            f"{p}.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-            f"{p}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-            f"{p}.self_attn.o_proj.weight": (hidden, heads * head_dim),
-            f"{p}.mlp.gate_proj.weight": (inter, hidden), f"{p}.mlp.up_proj.weight": (inter, hidden),
-            f"{p}.mlp.down_proj.weight": (hidden, inter),
-        })
-    shapes["model.norm.weight"] = (hidden,)
-    if not cfg.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
+    """Every tensor of a Hugging Face checkpoint of this architecture, with its shape: the parameters of
+    transformers' model for it, instantiated on the meta device (no memory), so every family's own tensors (biases,
+    per-head norms) are there."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {key: value for key, value in cfg.items() if key != "model_type" and not key.startswith("_")}
+    config = AutoConfig.for_model(cfg["model_type"], **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
 
 
 def param_count(cfg: dict) -> int:

@@ -21,7 +21,7 @@ from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.cuda_graphs import StepStaging, capture_graphs, doubling_sizes, smallest_bucket
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.kv_cache import KVCache
-from kiln.runtime.native.model.llama import LlamaModel
+from kiln.runtime.native.model.decoder import DecoderModel
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -34,7 +34,7 @@ def decode_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
 class DecodeGraphRunner:
     """Static decode buffers for up to ``max(batch_sizes)`` sequences and one CUDA graph per bucket."""
 
-    def __init__(self, model: LlamaModel, kv_caches: list[KVCache], config: EngineConfig, device: torch.device,
+    def __init__(self, model: DecoderModel, kv_caches: list[KVCache], config: EngineConfig, device: torch.device,
                  batch_sizes: tuple[int, ...] | None = None, capture: bool = True) -> None:
         plan = config.plan
         self.model, self.kv_caches, self.device = model, kv_caches, torch.device(device)
@@ -128,7 +128,7 @@ class DecodeGraphRunner:
         self.graphs, self.logits = capture_graphs(self.device, self.batch_sizes, self._forward)
 
 
-def maybe_capture_decode_graphs(model: LlamaModel, kv_caches: list[KVCache], config: EngineConfig,
+def maybe_capture_decode_graphs(model: DecoderModel, kv_caches: list[KVCache], config: EngineConfig,
                                 device: torch.device, enabled: bool) -> DecodeGraphRunner | None:
     """The captured decode graphs on a CUDA device when ``enabled``, else None."""
     if device.type != "cuda" or not enabled:

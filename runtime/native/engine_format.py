@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kiln.runtime.errors import EngineFormatError
+from kiln.runtime.native.model.registry import FAMILY_NAMES
 from kiln.runtime.plan import BuildPlan, PlanError
 
 ENGINE_FORMAT = "kiln-native"
@@ -28,8 +29,9 @@ QUANT_FORMATS = ("none", "fp8", "int4_awq")
 
 
 @dataclass(frozen=True)
-class LlamaArchitecture:
-    """Shape and hyper-parameters of a Llama-family decoder."""
+class Architecture:
+    """Shape and hyper-parameters of a decoder; ``type`` names its family (``runtime/native/model/registry.py``),
+    whose quirks are the fields after it."""
 
     vocab_size: int
     hidden_size: int
@@ -46,6 +48,10 @@ class LlamaArchitecture:
     bos_token_id: int | None
     eos_token_ids: list[int]
     type: str = "llama"
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    o_bias: bool = False  # a bias on the output projection
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
+    sliding_window: int | None = None  # attention to the last this-many positions only (not built yet: refused)
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,7 @@ class QuantizationConfig:
 class EngineConfig:
     """The parsed ``engine.json`` of a native engine; its plan's ``kv_cache_dtype`` is a key of ``KV_CACHE_DTYPES``."""
 
-    architecture: LlamaArchitecture
+    architecture: Architecture
     dtype: str
     quantization: QuantizationConfig
     plan: BuildPlan
@@ -114,7 +120,7 @@ class EngineConfig:
                 "with this version of kiln"
             )
         config = cls(
-            architecture=_section(LlamaArchitecture, data, "architecture"),
+            architecture=_section(Architecture, data, "architecture"),
             dtype=_required(data, "dtype"),
             quantization=_section(QuantizationConfig, data, "quantization"),
             plan=_plan(_required(data, "plan")),
@@ -128,7 +134,7 @@ class EngineConfig:
         """Raise EngineFormatError when a value is outside what the runtime supports."""
         arch, plan = self.architecture, self.plan
         checks = [
-            (arch.type == "llama", f"architecture.type {arch.type!r} is not 'llama'"),
+            (arch.type in FAMILY_NAMES, f"architecture.type {arch.type!r} is not one of {', '.join(FAMILY_NAMES)}"),
             (self.dtype in DTYPES, f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}"),
             (self.quantization.format in QUANT_FORMATS, f"quantization.format {self.quantization.format!r} unknown"),
             (plan.kv_cache_dtype in KV_CACHE_DTYPES, f"plan.kv_cache_dtype {plan.kv_cache_dtype!r} unknown"),

@@ -1,5 +1,5 @@
 """Which kernels the native layers run: the part of ``RuntimeOptions`` that the model's layers consult, given to each
-layer when the model is built (``LlamaModel``), never read from a global."""
+layer when the model is built (``DecoderModel``), never read from a global."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from kiln.runtime.native.grammar import Grammars
 from kiln.runtime.native.kernel_choice import KernelChoice
 from kiln.runtime.native.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from kiln.runtime.native.logit_controls import UnseenTokens
-from kiln.runtime.native.model.llama import LlamaModel
+from kiln.runtime.native.model.decoder import DecoderModel
 from kiln.runtime.native.prefill_graphs import maybe_capture_prefill_graphs
 from kiln.runtime.native.prompt_logprobs import PromptLogprobs, prompt_logprobs, wants_prompt_logprobs
 from kiln.runtime.native.sampler import Draw, Sampler, SamplingError
@@ -94,7 +94,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.block_size = config.plan.tokens_per_block
-        self.model = LlamaModel.from_engine(Path(engine_dir), config, device, config.torch_dtype,
+        self.model = DecoderModel.from_engine(Path(engine_dir), config, device, config.torch_dtype,
                                             KernelChoice.from_options(options))
         self.num_kv_blocks = options.num_kv_blocks or self._default_num_kv_blocks()
         min_blocks = -(-config.plan.max_seq_len // self.block_size)

@@ -26,7 +26,7 @@ from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.cuda_graphs import StepStaging, capture_graphs, doubling_sizes, smallest_bucket
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.kv_cache import KVCache
-from kiln.runtime.native.model.llama import LlamaModel
+from kiln.runtime.native.model.decoder import DecoderModel
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -43,7 +43,7 @@ def prefill_token_buckets(max_num_tokens: int) -> tuple[int, ...]:
 class PrefillGraphRunner:
     """Static buffers for one sequence of up to ``max(token_buckets)`` new tokens and one CUDA graph per bucket."""
 
-    def __init__(self, model: LlamaModel, kv_caches: list[KVCache], config: EngineConfig, device: torch.device,
+    def __init__(self, model: DecoderModel, kv_caches: list[KVCache], config: EngineConfig, device: torch.device,
                  token_buckets: tuple[int, ...] | None = None, capture: bool = True) -> None:
         plan = config.plan
         self.model, self.kv_caches, self.device = model, kv_caches, torch.device(device)
@@ -114,7 +114,7 @@ class PrefillGraphRunner:
         return self.model.compute_logits(hidden.index_select(0, self.last_index))
 
 
-def maybe_capture_prefill_graphs(model: LlamaModel, kv_caches: list[KVCache], config: EngineConfig,
+def maybe_capture_prefill_graphs(model: DecoderModel, kv_caches: list[KVCache], config: EngineConfig,
                                  device: torch.device, enabled: bool) -> PrefillGraphRunner | None:
     """The captured prefill graphs on a CUDA device when ``enabled``, else None."""
     if device.type != "cuda" or not enabled or config.plan.max_num_tokens < 2:

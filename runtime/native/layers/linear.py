@@ -17,6 +17,7 @@ Runtime weight layouts (``rank0.safetensors``, per module prefix):
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
@@ -30,17 +31,33 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 INT4_STREAMING_MAX_M = 16
 
 
-class Linear(nn.Module):
-    """Dense linear without bias, weight in the engine dtype; one token on CUDA takes the Triton weight-streaming
-    kernel (``runtime.native.kernels.dense_gemv``), more take cuBLAS."""
+class BiasedLinear(nn.Module, ABC):
+    """What every format shares: an optional ``bias`` (in the engine dtype) added to ``matmul``'s output."""
+
+    def init_bias(self, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x)
+        return out if self.bias is None else out + self.bias
+
+    @abstractmethod
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` times the weight, in the format's own way."""
+
+
+class Linear(BiasedLinear):
+    """Dense linear, weight in the engine dtype; one token on CUDA takes the Triton weight-streaming kernel
+    (``runtime.native.kernels.dense_gemv``), more take cuBLAS."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 kernels: KernelChoice = DEFAULT_KERNELS) -> None:
+                 kernels: KernelChoice = DEFAULT_KERNELS, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.kernels = kernels
+        self.init_bias(out_features, bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels.use_triton(x) and x.numel() == x.shape[-1] and x.dtype == self.weight.dtype:
             from kiln.runtime.native.kernels.dense_gemv import dense_gemv
 
@@ -48,7 +65,7 @@ class Linear(nn.Module):
         return F.linear(x, self.weight)
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(BiasedLinear):
     """FP8 (e4m3) weight with per-output-channel scale, activations quantized with a static per-tensor scale.
 
     Both CUDA paths start by quantizing the input with ``input_scale`` in a Triton kernel; ``fusable_input_scale``
@@ -57,9 +74,11 @@ class Fp8Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32,
-                 streaming_max_m: int | None = None, kernels: KernelChoice = DEFAULT_KERNELS) -> None:
+                 streaming_max_m: int | None = None, kernels: KernelChoice = DEFAULT_KERNELS,
+                 bias: bool = False) -> None:
         super().__init__()
         self.kernels = kernels
+        self.init_bias(out_features, bias, dtype)
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32))
@@ -85,7 +104,7 @@ class Fp8Linear(nn.Module):
         rows = x.reshape(-1, x.shape[-1])[:, :1].expand(-1, self.weight.shape[1])  # a view at this layer's width
         return self.input_scale if self.kernels.use_triton(rows) and self._cuda_path(rows) else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         path = self._cuda_path(x)
         if path == "streaming":
             from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv
@@ -111,13 +130,15 @@ class Fp8Linear(nn.Module):
         return self.dtype if x.dtype == torch.float8_e4m3fn else x.dtype
 
 
-class Int4AwqLinear(nn.Module):
+class Int4AwqLinear(BiasedLinear):
     """INT4 weight, symmetric per-group scales along the input dim, AWQ pre-quant scale on the activations."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int,
-                 dtype: torch.dtype = torch.float32, kernels: KernelChoice = DEFAULT_KERNELS) -> None:
+                 dtype: torch.dtype = torch.float32, kernels: KernelChoice = DEFAULT_KERNELS,
+                 bias: bool = False) -> None:
         super().__init__()
         self.kernels = kernels
+        self.init_bias(out_features, bias, dtype)
         if in_features % group_size or in_features % 2:
             raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
         self.group_size = group_size
@@ -126,7 +147,7 @@ class Int4AwqLinear(nn.Module):
         # held in the activation dtype (rounded once when loaded), as every forward multiplies by it in that dtype
         self.register_buffer("pre_quant_scale", torch.ones(in_features, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels.streams(x, INT4_STREAMING_MAX_M):
             from kiln.runtime.native.kernels.int4_gemv import int4_awq_gemv, supports_group_size
 
@@ -142,15 +163,16 @@ class Int4AwqLinear(nn.Module):
 
 
 def make_linear(fmt: str, in_features: int, out_features: int, dtype: torch.dtype, group_size: int | None,
-                fp8_streaming_max_m: int | None = None, kernels: KernelChoice = DEFAULT_KERNELS) -> nn.Module:
-    """The linear module of quantization format ``fmt`` ("none", "fp8" or "int4_awq"); an FP8 one streams up to
-    ``fp8_streaming_max_m`` tokens (default: ``fp8_streaming_max_m(in_features)``)."""
+                fp8_streaming_max_m: int | None = None, kernels: KernelChoice = DEFAULT_KERNELS,
+                bias: bool = False) -> BiasedLinear:
+    """The linear module of quantization format ``fmt`` ("none", "fp8" or "int4_awq"), with a ``bias`` when asked;
+    an FP8 one streams up to ``fp8_streaming_max_m`` tokens (default: ``fp8_streaming_max_m(in_features)``)."""
     if fmt == "none":
-        return Linear(in_features, out_features, dtype, kernels)
+        return Linear(in_features, out_features, dtype, kernels, bias)
     if fmt == "fp8":
-        return Fp8Linear(in_features, out_features, dtype, fp8_streaming_max_m, kernels)
+        return Fp8Linear(in_features, out_features, dtype, fp8_streaming_max_m, kernels, bias)
     if fmt == "int4_awq":
-        return Int4AwqLinear(in_features, out_features, group_size, dtype, kernels)
+        return Int4AwqLinear(in_features, out_features, group_size, dtype, kernels, bias)
     raise ValueError(f"unknown linear format {fmt!r}")
 
 

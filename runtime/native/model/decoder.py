@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral layout): GQA, RoPE with Llama-3 scaling, RMSNorm, SwiGLU, paged KV.
+"""The decoder every family runs (``registry.py``): GQA, RoPE (Llama-3 scaling included), RMSNorm, SwiGLU, paged KV,
+and the families' quirks as ``Architecture`` fields: q/k/v and o biases (Qwen2), per-head q/k norms (Qwen3).
 
 Weights come from an engine's ``rank0.safetensors`` in runtime layout: fused ``qkv_proj`` and ``gate_up_proj``,
 each linear in the engine's quantization format unless listed in ``quantization.exclude_modules``.
@@ -32,35 +33,43 @@ class LinearFactory:
     def __init__(self, config: EngineConfig, dtype: torch.dtype, kernels: KernelChoice) -> None:
         self.quant, self.dtype, self.kernels = config.quantization, dtype, kernels
 
-    def __call__(self, name: str, in_features: int, out_features: int) -> nn.Module:
+    def __call__(self, name: str, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
         excluded = any(fnmatch(name, pattern) for pattern in self.quant.exclude_modules)
         fmt = "none" if excluded else self.quant.format
         return make_linear(fmt, in_features, out_features, self.dtype, self.quant.group_size,
                            self.quant.fp8_streaming_max_m.get(self.quant.shape_key(in_features, out_features)),
-                           self.kernels)
+                           self.kernels, bias)
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, config: EngineConfig, prefix: str, linear: LinearFactory, rotary: RotaryEmbedding) -> None:
+class Attention(nn.Module):
+    def __init__(self, config: EngineConfig, prefix: str, linear: LinearFactory, rotary: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         arch = config.architecture
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-        self.qkv_proj = linear(f"{prefix}.qkv_proj", arch.hidden_size, self.q_size + 2 * self.kv_size)
-        self.o_proj = linear(f"{prefix}.o_proj", self.q_size, arch.hidden_size)
+        self.qkv_proj = linear(f"{prefix}.qkv_proj", arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias)
+        self.o_proj = linear(f"{prefix}.o_proj", self.q_size, arch.hidden_size, arch.o_bias)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, linear.kernels)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, linear.kernels)
+        self.qk_norm = arch.qk_norm
         fp8_kv = config.kv_cache_torch_dtype == torch.float8_e4m3fn
         self.attn = PagedAttention(arch.head_dim, fp8_kv, rotary, linear.kernels)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        o = self.attn(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+        if self.qk_norm:  # over each head's head_dim values
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
+        o = self.attn(q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim),
                       v.view(-1, self.num_kv_heads, self.head_dim), meta, kv_cache,
                       fusable_input_scale(self.o_proj, x), positions)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
-class LlamaMLP(nn.Module):
+class GatedMLP(nn.Module):
     def __init__(self, config: EngineConfig, prefix: str, linear: LinearFactory) -> None:
         super().__init__()
         arch = config.architecture
@@ -73,15 +82,15 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(gate_up, fusable_input_scale(self.down_proj, gate_up)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
     def __init__(self, config: EngineConfig, index: int, linear: LinearFactory, rotary: RotaryEmbedding,
                  dtype: torch.dtype) -> None:
         super().__init__()
         arch = config.architecture
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
-        self.self_attn = LlamaAttention(config, f"layers.{index}.self_attn", linear, rotary)
+        self.self_attn = Attention(config, f"layers.{index}.self_attn", linear, rotary, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
-        self.mlp = LlamaMLP(config, f"layers.{index}.mlp", linear)
+        self.mlp = GatedMLP(config, f"layers.{index}.mlp", linear)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +103,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     """The decoder over a flat batch of new tokens; ``compute_logits`` applies the (possibly tied) LM head. Its
     layers run the kernels ``kernels`` chooses."""
 
@@ -105,7 +114,7 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(arch.head_dim, config.plan.max_seq_len, arch.rope_theta, arch.rope_scaling)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype).requires_grad_(False)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, linear, rotary, dtype) for i in range(arch.num_layers)
+            DecoderLayer(config, i, linear, rotary, dtype) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, kernels)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype, kernels)
@@ -113,7 +122,7 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_engine(cls, engine_dir: Path, config: EngineConfig, device: torch.device | str,
-                    dtype: torch.dtype | None = None, kernels: KernelChoice = DEFAULT_KERNELS) -> LlamaModel:
+                    dtype: torch.dtype | None = None, kernels: KernelChoice = DEFAULT_KERNELS) -> DecoderModel:
         """Build on ``device`` in ``dtype`` (default: the engine dtype) and load ``rank0.safetensors``."""
         with torch.device(device):
             model = cls(config, dtype or config.torch_dtype, kernels)

@@ -1,0 +1,53 @@
+"""The model families the native engine runs, keyed by the ``architectures`` entry of a Hugging Face config.json.
+
+Every family runs on the one decoder (``decoder.py``) built from the shared layers; a family file says which
+checkpoints are its own and reads its quirks from their config.json into ``Architecture`` fields. Adding a family
+is one file beside the others, listed in ``FAMILIES``, plus its tests (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.runtime.errors import KilnError
+
+
+class UnsupportedArchitectureError(KilnError):
+    """A checkpoint whose family the native engine does not run, or a quirk of it that is not built yet."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """``name`` is engine.json's ``architecture.type``; ``quirks(config, path)`` returns the ``Architecture`` fields
+    particular to the family from a parsed config.json (``path`` names it in errors), raising
+    UnsupportedArchitectureError for what the engine cannot honour."""
+
+    name: str
+    architectures: tuple[str, ...]
+    quirks: Callable[[dict[str, Any], Path], dict[str, Any]]
+
+
+def _families() -> tuple[Family, ...]:
+    from kiln.runtime.native.model import llama, qwen2, qwen3
+
+    return llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY
+
+
+FAMILIES = _families()
+FAMILY_NAMES = tuple(family.name for family in FAMILIES)
+SUPPORTED_ARCHITECTURES = tuple(arch for family in FAMILIES for arch in family.architectures)
+
+
+def family_of(config: dict[str, Any], path: Path) -> Family:
+    """The family of a parsed config.json by its first ``architectures`` entry; refused naming the supported ones."""
+    architectures = config.get("architectures") or []
+    name = architectures[0] if architectures else None
+    for family in FAMILIES:
+        if name in family.architectures:
+            return family
+    raise UnsupportedArchitectureError(
+        f"{path}: architecture {name!r} is not supported by the native backend (supported: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)})")

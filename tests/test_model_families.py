@@ -1,0 +1,60 @@
+"""Every family the native engine runs against transformers on the same random weights: greedy tokens identical in
+float32 on the CPU for a batch of prompts in flight together, through the runtime (LLM)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.engines.native.builder import build_native_engine
+from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.native.engine_format import EngineConfig
+from tests.model_factories import FAMILY_CLASSES, hf_greedy, make_hf_checkpoint, tiny_plan
+
+PROMPTS = [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9], [77, 21, 50, 50, 6, 31, 2, 88, 14, 19, 60, 7, 7, 40, 33, 12]]
+STEPS = 12
+
+# each family's quirks, over GQA and MHA, tied and untied embeddings
+CASES = {
+    "qwen2-gqa": dict(family="qwen2", num_heads=4, num_kv_heads=2),
+    "qwen2-mha-tied": dict(family="qwen2", num_heads=2, num_kv_heads=2, tie_word_embeddings=True),
+    "qwen3-gqa": dict(family="qwen3", num_heads=4, num_kv_heads=1, head_dim=32),
+    "qwen3-mha-attention-bias": dict(family="qwen3", num_heads=2, num_kv_heads=2, attention_bias=True),
+    "llama-attention-bias": dict(family="llama", num_heads=4, num_kv_heads=2, attention_bias=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_greedy_tokens_match_transformers_for_a_batch_in_flight(tmp_path, case):
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = make_hf_checkpoint(tmp_path / "hf", **case)
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    build_native_engine(checkpoint, engine, tiny_plan(), "float32")
+    assert EngineConfig.load(engine).architecture.type == case["family"]
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    assert type(hf).__name__ == FAMILY_CLASSES[case["family"]][1]
+    expected, _ = hf_greedy(hf, PROMPTS, STEPS)
+    with LLM.load(engine) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
+    assert [output.token_ids for output in outputs] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
+def test_quantized_builds_of_each_family_pass_their_gate_and_serve(tmp_path, family, fmt):
+    from kiln.calibration.quantize import quantize_checkpoint
+    from tests.calibration_factories import make_checkpoint, small_recipe
+
+    checkpoint = make_checkpoint(tmp_path / "hf", family=family)
+    report = quantize_checkpoint(checkpoint, small_recipe(format=fmt), tmp_path / "quantized")
+    assert report["gate"]["passed"] and report["format"] == fmt
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    build_native_engine(tmp_path / "quantized" / "hf", engine, tiny_plan(), "float32")
+    config = EngineConfig.load(engine)
+    assert (config.architecture.type, config.quantization.format) == (family, fmt)
+    with LLM.load(engine) as llm:
+        assert len(llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
