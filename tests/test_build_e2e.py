@@ -51,6 +51,19 @@ def test_dry_run_prints_plan_key_and_material_without_running(cache):
     assert not (cache / "v1" / "entries").exists() or not any((cache / "v1" / "entries").iterdir())
 
 
+def test_a_dry_run_refuses_an_architecture_of_no_supported_family_naming_the_supported_ones(tmp_path):
+    import shutil
+
+    model = shutil.copytree(TINY, tmp_path / "gpt2")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "gpt2.yaml").write_text(f"model:\n  path: {model}\nquantize:\n  format: none\n")
+    proc = kiln("build", str(tmp_path / "gpt2.yaml"), "--dry-run", cache=tmp_path / "cache")
+    assert proc.returncode == 2
+    assert "'GPT2LMHeadModel' is not supported by the native backend (supported: LlamaForCausalLM, " \
+           "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)" in proc.stderr
+
+
 def test_the_plan_says_when_another_process_is_building_the_engine(tmp_path):
     from filelock import FileLock
 
