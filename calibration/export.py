@@ -80,15 +80,19 @@ def copy_tokenizer_files(model_dir: Path, out: Path) -> None:
             shutil.copy2(model_dir / name, out / name)
 
 
-def export_trtllm(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtype) -> None:
+def export_trtllm(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtype) -> str | None:
     """modelopt's TensorRT-LLM checkpoint (tensor parallel 1), with the rotary settings of the HF config filled in
-    (modelopt 0.47 misses them under transformers 5, where rope_theta moved into rope_parameters)."""
+    (modelopt 0.47 misses them under transformers 5, where rope_theta moved into rope_parameters). Returns None once
+    written, or why modelopt has no TensorRT-LLM export for this family (Phi-3, for one): the native backend builds
+    from the Hugging Face form alone."""
     decoder = get_model_type(model)
     if decoder is None:
-        raise CalibrationError(f"{model_dir}: modelopt has no TensorRT-LLM decoder type for {type(model).__name__}; "
-                               "use a Llama-family checkpoint")
+        return f"no TensorRT-LLM checkpoint: modelopt has no TensorRT-LLM decoder type for {type(model).__name__}"
     try:
         export_tensorrt_llm_checkpoint(model, decoder, dtype=dtype, export_dir=out, inference_tensor_parallel=1)
+    except NotImplementedError as exc:
+        shutil.rmtree(out, ignore_errors=True)
+        return f"no TensorRT-LLM checkpoint: {exc}"
     except Exception as exc:
         raise CalibrationError(f"{model_dir}: modelopt cannot export a TensorRT-LLM checkpoint ({type(exc).__name__}: "
                                f"{exc}); try another quantize.format") from exc
@@ -96,6 +100,7 @@ def export_trtllm(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dty
     config = json.loads(config_path.read_text())
     config.update(_rotary_settings(model.config))
     config_path.write_text(json.dumps(config, indent=4) + "\n")
+    return None
 
 
 def _rotary_settings(hf_config) -> dict:

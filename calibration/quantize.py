@@ -233,7 +233,7 @@ class _Stage:
 
         def export() -> None:
             with quiet([]):  # the exporters' warnings are benign: no tensorrt_llm here, a lm_head notice
-                export_trtllm(exported_form, self.model_dir, self.output.trtllm, dtype)
+                self._note(export_trtllm(exported_form, self.model_dir, self.output.trtllm, dtype))
                 export_hf(model, self.model_dir, self.output.hf, dtype)
 
         self._timed("export_s", export)
@@ -249,10 +249,14 @@ class _Stage:
             copy_checkpoint(self.model_dir, self.output.hf)
             model = reference.to(dtype) if reference is not None else self._load_model(dtype)
             with quiet([]):
-                export_trtllm(model, self.model_dir, self.output.trtllm, dtype)
+                self._note(export_trtllm(model, self.model_dir, self.output.trtllm, dtype))
 
         self._timed("export_s", export)
         return self._finish(attempts, data, runner)
+
+    def _note(self, note: str | None) -> None:
+        if note is not None:
+            self.notes.append(note)
 
     def _finish(self, attempts: list[Attempt], data: CalibrationData | None, runner: BatchRunner | None) -> dict:
         recipe, shipped = self.recipe, attempts[-1].format

@@ -21,6 +21,8 @@ CASES = {
     "qwen3-gqa": dict(family="qwen3", num_heads=4, num_kv_heads=1, head_dim=32),
     "qwen3-mha-attention-bias": dict(family="qwen3", num_heads=2, num_kv_heads=2, attention_bias=True),
     "llama-attention-bias": dict(family="llama", num_heads=4, num_kv_heads=2, attention_bias=True),
+    "phi3-gqa": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0),
+    "phi3-mha-tied": dict(family="phi3", num_heads=2, num_kv_heads=2, tie_word_embeddings=True, pad_token_id=0),
 }
 
 
@@ -42,7 +44,7 @@ def test_greedy_tokens_match_transformers_for_a_batch_in_flight(tmp_path, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
 def test_quantized_builds_of_each_family_pass_their_gate_and_serve(tmp_path, family, fmt):
     from kiln.calibration.quantize import quantize_checkpoint
@@ -51,6 +53,8 @@ def test_quantized_builds_of_each_family_pass_their_gate_and_serve(tmp_path, fam
     checkpoint = make_checkpoint(tmp_path / "hf", family=family)
     report = quantize_checkpoint(checkpoint, small_recipe(format=fmt), tmp_path / "quantized")
     assert report["gate"]["passed"] and report["format"] == fmt
+    # modelopt has no TensorRT-LLM export for Phi-3: the report says so and the native build needs none
+    assert any("no TensorRT-LLM checkpoint" in note for note in report["notes"]) == (family == "phi3")
     engine = tmp_path / "engine"
     engine.mkdir()
     build_native_engine(tmp_path / "quantized" / "hf", engine, tiny_plan(), "float32")

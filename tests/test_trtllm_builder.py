@@ -209,3 +209,15 @@ def _fake_tensorrt_llm_package(root: Path) -> Path:
     (pkg / "mapping.py").write_text(FAKE_MAPPING)
     (pkg / "models.py").write_text(FAKE_MODELS)
     return root
+
+
+def test_an_unquantized_checkpoint_of_another_family_is_refused_and_a_missing_export_is_named(tmp_path, checkpoints):
+    hf, trt = checkpoints
+    (hf / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 128}))
+    plan = dict(kv_cache_dtype="auto", model_dtype="bfloat16", fingerprint=None, timing_cache=Path("/c/t.cache"),
+                hf_dir=hf)
+    with pytest.raises(TrtllmBuildError, match="not Qwen3ForCausalLM; quantize it .* or use --backend native"):
+        plan_trtllm_build(OPTIONS, quant_format="none", trtllm_checkpoint_dir=None, **plan)
+    (trt / "config.json").unlink()  # modelopt wrote no TensorRT-LLM form (Phi-3)
+    with pytest.raises(TrtllmBuildError, match="has no TensorRT-LLM form .* build it with --backend native"):
+        build(tmp_path / "out", checkpoints, "trtllm-build", tmp_path)

@@ -16,13 +16,7 @@ from kiln.engines.native.checkpoint import CheckpointTensors
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.engine_format import Architecture
 from kiln.runtime.native.layers.linear import pack_int4
-
-FUSED_LINEARS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
+from kiln.runtime.native.model.registry import family_named
 
 
 def unpack_modelopt_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -42,6 +36,7 @@ def convert_weights(tensors: CheckpointTensors, arch: Architecture, fmt: str, gr
     elif "lm_head.weight" in tensors:
         tensors.skip("lm_head.weight")  # tied: the embedding is the head
     dense_modules = []
+    linears = family_named(arch.type).linears
     for i in range(arch.num_layers):
         src, dst = f"model.layers.{i}", f"layers.{i}"
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -49,7 +44,7 @@ def convert_weights(tensors: CheckpointTensors, arch: Architecture, fmt: str, gr
         if arch.qk_norm:
             for norm in ("q_norm", "k_norm"):
                 out[f"{dst}.self_attn.{norm}.weight"] = tensors.get(f"{src}.self_attn.{norm}.weight").to(dtype)
-        for fused, members in FUSED_LINEARS.items():
+        for fused, members in linears.items():
             names = [f"{src}.{m}" for m in members]
             if {"self_attn.qkv_proj": arch.qkv_bias, "self_attn.o_proj": arch.o_bias}.get(fused, False):
                 out[f"{dst}.{fused}.bias"] = torch.cat([tensors.get(f"{n}.bias") for n in names]).to(dtype)

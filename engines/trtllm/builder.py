@@ -41,6 +41,7 @@ def plan_trtllm_build(options: TrtllmBuildOptions, *, quant_format: str, kv_cach
     warnings = preflight(options, quant_format, kv_cache_dtype, fingerprint, checkpoint_config)
     convert = None
     if quant_format == "none":
+        _check_convertible(hf_dir)
         trtllm_checkpoint_dir = out_dir / SCRATCH_DIR / "checkpoint"
         convert = convert_command(hf_dir or Path("<model-dir>"), trtllm_checkpoint_dir, options, dtype=model_dtype,
                                   python=python)
@@ -49,6 +50,20 @@ def plan_trtllm_build(options: TrtllmBuildOptions, *, quant_format: str, kv_cach
                                    executable=executable)
     return {"command": command, "convert_command": convert, "preflight_warnings": warnings,
             "timing_cache": str(timing_cache)}
+
+
+CONVERTIBLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+def _check_convertible(hf_dir: Path | None) -> None:
+    """Refuse an unquantized checkpoint that ``convert.py`` (TensorRT-LLM's Llama conversion) cannot convert."""
+    config = (_read_json(hf_dir / "config.json") if hf_dir is not None else None) or {}
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture is not None and architecture not in CONVERTIBLE_ARCHITECTURES:
+        raise TrtllmBuildError(f"{hf_dir / 'config.json'}: Kiln converts unquantized "
+                               f"{', '.join(CONVERTIBLE_ARCHITECTURES)} checkpoints for TensorRT-LLM, not "
+                               f"{architecture}; quantize it (quantize.format fp8 or int4_awq: modelopt exports it for "
+                               f"TensorRT-LLM) or use --backend native")
 
 
 def build_trtllm_engine(out_dir: Path, options: TrtllmBuildOptions, *, hf_dir: Path, quant_format: str,
@@ -65,6 +80,10 @@ def build_trtllm_engine(out_dir: Path, options: TrtllmBuildOptions, *, hf_dir: P
     if trtllm_checkpoint_dir is None and quant_format != "none":
         raise TrtllmBuildError(f"quantize.format {quant_format} needs the quantize stage's TensorRT-LLM "
                                f"checkpoint, and none was given; run the quantize stage first")
+    if trtllm_checkpoint_dir is not None and not (trtllm_checkpoint_dir / "config.json").is_file():
+        raise TrtllmBuildError(f"{trtllm_checkpoint_dir}: the quantized checkpoint has no TensorRT-LLM form "
+                               f"(modelopt cannot export this model family for TensorRT-LLM: its calibration report "
+                               f"says why); build it with --backend native")
     plan = plan_trtllm_build(options, quant_format=quant_format, kv_cache_dtype=kv_cache_dtype,
                              model_dtype=model_dtype, fingerprint=fingerprint, timing_cache=timing_cache,
                              hf_dir=hf_dir, trtllm_checkpoint_dir=trtllm_checkpoint_dir, out_dir=out_dir,

@@ -8,7 +8,7 @@ is one file beside the others, listed in ``FAMILIES``, plus its tests (docs/arch
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +19,32 @@ class UnsupportedArchitectureError(KilnError):
     """A checkpoint whose family the native engine does not run, or a quirk of it that is not built yet."""
 
 
+# the checkpoint's linears that make each of the runtime's, in order (their rows are concatenated)
+SEPARATE_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
 @dataclass(frozen=True)
 class Family:
     """``name`` is engine.json's ``architecture.type``; ``quirks(config, path)`` returns the ``Architecture`` fields
     particular to the family from a parsed config.json (``path`` names it in errors), raising
-    UnsupportedArchitectureError for what the engine cannot honour."""
+    UnsupportedArchitectureError for what the engine cannot honour; ``linears`` maps each runtime linear of a layer
+    to the checkpoint linears it fuses."""
 
     name: str
     architectures: tuple[str, ...]
     quirks: Callable[[dict[str, Any], Path], dict[str, Any]]
+    linears: dict[str, tuple[str, ...]] = field(default_factory=lambda: SEPARATE_PROJECTIONS)
 
 
 def _families() -> tuple[Family, ...]:
-    from kiln.runtime.native.model import llama, qwen2, qwen3
+    from kiln.runtime.native.model import llama, phi3, qwen2, qwen3
 
-    return llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY
+    return llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY
 
 
 FAMILIES = _families()
@@ -51,3 +62,8 @@ def family_of(config: dict[str, Any], path: Path) -> Family:
     raise UnsupportedArchitectureError(
         f"{path}: architecture {name!r} is not supported by the native backend (supported: "
         f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+
+
+def family_named(name: str) -> Family:
+    """The family whose ``name`` an engine.json records."""
+    return next(family for family in FAMILIES if family.name == name)

@@ -1,0 +1,28 @@
+"""Phi-3 (mini, small-free: the dense Phi3ForCausalLM): the checkpoint stores q/k/v as one ``qkv_proj`` and gate/up as
+one ``gate_up_proj``, already in the runtime's fused layout. Its ``longrope`` rotary scaling (the 128k models) is
+not built yet and is refused; the 4k models use plain RoPE."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kiln.runtime.native.model.registry import Family, UnsupportedArchitectureError
+
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.qkv_proj",),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_up_proj",),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Phi-3's window (2047 on the 4k models) is recorded; a partial rotary factor is refused."""
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedArchitectureError(f"{path}: partial_rotary_factor {config['partial_rotary_factor']} is not "
+                                           "supported by the native backend")
+    return {"sliding_window": config.get("sliding_window")}
+
+
+FAMILY = Family("phi3", ("Phi3ForCausalLM",), quirks, FUSED_PROJECTIONS)
