@@ -12,6 +12,7 @@ from kiln.runtime.native.engine_format import EngineConfig
 from tests.model_factories import FAMILY_CLASSES, hf_greedy, make_hf_checkpoint, tiny_plan
 
 PROMPTS = [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9], [77, 21, 50, 50, 6, 31, 2, 88, 14, 19, 60, 7, 7, 40, 33, 12]]
+WINDOW = 6  # shorter than the longest prompt, and than every prompt with its completion
 STEPS = 12
 
 # each family's quirks, over GQA and MHA, tied and untied embeddings
@@ -21,6 +22,10 @@ CASES = {
     "qwen3-gqa": dict(family="qwen3", num_heads=4, num_kv_heads=1, head_dim=32),
     "qwen3-mha-attention-bias": dict(family="qwen3", num_heads=2, num_kv_heads=2, attention_bias=True),
     "llama-attention-bias": dict(family="llama", num_heads=4, num_kv_heads=2, attention_bias=True),
+    "mistral-sliding-window": dict(family="mistral", num_heads=4, num_kv_heads=2, sliding_window=WINDOW),
+    "qwen2-sliding-window-from-layer-1": dict(family="qwen2", num_heads=4, num_kv_heads=2, use_sliding_window=True,
+                                              sliding_window=WINDOW, max_window_layers=1),
+    "phi3-sliding-window": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0, sliding_window=WINDOW),
     "phi3-gqa": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0),
     "phi3-mha-tied": dict(family="phi3", num_heads=2, num_kv_heads=2, tie_word_embeddings=True, pad_token_id=0),
 }
@@ -34,13 +39,16 @@ def test_greedy_tokens_match_transformers_for_a_batch_in_flight(tmp_path, case):
     engine = tmp_path / "engine"
     engine.mkdir()
     build_native_engine(checkpoint, engine, tiny_plan(), "float32")
-    assert EngineConfig.load(engine).architecture.type == case["family"]
+    assert EngineConfig.load(engine).architecture.type == {"mistral": "llama"}.get(case["family"], case["family"])
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     assert type(hf).__name__ == FAMILY_CLASSES[case["family"]][1]
     expected, _ = hf_greedy(hf, PROMPTS, STEPS)
+    greedy = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     with LLM.load(engine) as llm:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
+        alone = llm.generate([PROMPTS[2]], greedy)[0]  # a prompt alone, first: attended in one piece (whole_prompt)
+        outputs = llm.generate(PROMPTS, greedy)  # its prefix now cached: a chunk after cached blocks
     assert [output.token_ids for output in outputs] == expected
+    assert alone.token_ids == expected[2]
 
 
 @pytest.mark.slow

@@ -46,11 +46,10 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
     arch, hf_config = read_architecture(checkpoint_dir)
     source_quant = read_quantization(checkpoint_dir, hf_config)
     build_plan = fit_plan(plan, arch, dtype, source_quant.fp8_kv_cache)
-    sliding_window = arch.sliding_window
-    if sliding_window and sliding_window < build_plan.max_seq_len:
-        raise KilnError(f"{checkpoint_dir / 'config.json'}: sliding_window {sliding_window} is shorter than "
-                        f"build.max_seq_len {build_plan.max_seq_len}; the native backend has no sliding-window "
-                        "attention, lower build.max_seq_len")
+    if arch.layer_types and arch.sliding_window < build_plan.max_seq_len and torch.device(device).type == "cuda":
+        raise KilnError(f"{checkpoint_dir / 'config.json'}: sliding_window {arch.sliding_window} is shorter than "
+                        f"build.max_seq_len {build_plan.max_seq_len}, and sliding-window attention has no CUDA "
+                        f"kernels yet; lower build.max_seq_len to {arch.sliding_window}, or build for the CPU")
     if not (checkpoint_dir / "tokenizer.json").is_file():
         raise KilnError(f"{checkpoint_dir}: no tokenizer.json; the native runtime needs a fast tokenizer file "
                         "(save the tokenizer with save_pretrained)")

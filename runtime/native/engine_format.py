@@ -51,7 +51,13 @@ class Architecture:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     o_bias: bool = False  # a bias on the output projection
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
-    sliding_window: int | None = None  # attention to the last this-many positions only (not built yet: refused)
+    sliding_window: int | None = None  # the layers ``layer_types`` marks "sliding_attention" see this many positions
+    layer_types: list[str] | None = None  # per layer "full_attention" or "sliding_attention"; None: all full
+
+    def layer_window(self, index: int) -> int | None:
+        """How many positions layer ``index`` attends to (itself included); None for all of them."""
+        sliding = self.layer_types is not None and self.layer_types[index] == "sliding_attention"
+        return self.sliding_window if sliding else None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kiln.runtime.errors import EngineFormatError
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
 from kiln.runtime.native.kv_cache import KVCache
@@ -30,11 +31,12 @@ class PagedAttention(nn.Module):
     launch that stores the new K/V (``runtime.native.kernels.rotary.apply_rotary``)."""
 
     def __init__(self, head_dim: int, fp8_kv_cache: bool, rotary: RotaryEmbedding | None = None,
-                 kernels: KernelChoice = DEFAULT_KERNELS) -> None:
+                 kernels: KernelChoice = DEFAULT_KERNELS, window: int | None = None) -> None:
         super().__init__()
         self.scale = head_dim**-0.5
         self.rotary = rotary
         self.kernels = kernels
+        self.window = window  # a token attends to the last ``window`` positions only (itself included)
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)
 
@@ -49,6 +51,10 @@ class PagedAttention(nn.Module):
         triton_path, pdl = self.kernels.use_triton(q), self.kernels.pdl
         if quant_scale is not None and not triton_path:
             raise ValueError("PagedAttention: only the Triton kernels quantize their output")
+        if triton_path and self.window is not None:
+            raise EngineFormatError("sliding-window attention has no CUDA kernels yet: this engine runs on the CPU "
+                                    "only (RuntimeOptions(device='cpu')), or rebuild it with build.max_seq_len no "
+                                    "longer than the window")
         if self.rotary is not None and positions is None:
             raise ValueError("PagedAttention: rotary embeddings need the tokens' positions")
         if triton_path:
@@ -70,7 +76,7 @@ class PagedAttention(nn.Module):
                 q, k = self.rotary(positions, q, k)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         if meta.whole_prompt:
-            out = prompt_attention(q, k, v, self.scale)
+            out = prompt_attention(q, k, v, self.scale, self.window)
             if quant_scale is None:
                 return out
             rows = out.reshape(out.shape[0], -1)  # token rows
@@ -78,7 +84,8 @@ class PagedAttention(nn.Module):
         if triton_path:
             return paged_attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
                                                    quant_scale, pdl=pdl)
-        return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
+        return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
+                                         self.window)
 
 
 # cuDNN first: on an H200 it attends a 1000-token Llama-3-8B prompt in 31-32 us per layer, against 49-65 us for the
@@ -93,17 +100,29 @@ PROMPT_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBa
 CUDA_PROMPT_LENGTH_MULTIPLE = 64
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal GQA attention of one sequence's tokens over themselves: q [T, num_heads, head_dim], k and v
-    [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim], row i at position i."""
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of one sequence's tokens over themselves (over the last ``window`` of them, when
+    given): q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim], row i at
+    position i."""
     num_tokens = q.shape[0]
     padding = -num_tokens % CUDA_PROMPT_LENGTH_MULTIPLE if q.is_cuda else 0
     if padding:
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, padding)) for x in (q, k, v))
+    positions = torch.arange(q.shape[0], device=q.device)
+    mask = None if window is None else attention_mask(positions, positions, window)
     with sdpa_kernel(PROMPT_BACKENDS, set_priority=True):
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
+                                             v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                             scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)[:num_tokens]
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)]: True where a query may attend to a key: causally, and within the last ``window``
+    positions when given (as transformers' sliding window: key position > query position - window)."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    return allowed if window is None else allowed & (k_pos[None, :] > q_pos[:, None] - window)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -135,8 +154,9 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scal
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of every new token over its sequence's cached K/V (the new tokens already stored)."""
+                              v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Causal attention of every new token over its sequence's cached K/V (the new tokens already stored), over the
+    last ``window`` positions when given."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for i, seq_len in enumerate(meta.seq_lens.tolist()):
@@ -144,7 +164,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k = gather_kv(k_cache, meta.block_tables[i], seq_len, k_scale, q.dtype)
         v = gather_kv(v_cache, meta.block_tables[i], seq_len, v_scale, q.dtype)
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        mask = attention_mask(q_pos, torch.arange(seq_len, device=q.device), window)
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(0, 1)

@@ -1,5 +1,6 @@
 """The decoder every family runs (``registry.py``): GQA, RoPE (Llama-3 scaling included), RMSNorm, SwiGLU, paged KV,
-and the families' quirks as ``Architecture`` fields: q/k/v and o biases (Qwen2), per-head q/k norms (Qwen3).
+and the families' quirks as ``Architecture`` fields: q/k/v and o biases (Qwen2), per-head q/k norms (Qwen3),
+sliding-window layers (Mistral; on the CPU only so far).
 
 Weights come from an engine's ``rank0.safetensors`` in runtime layout: fused ``qkv_proj`` and ``gate_up_proj``,
 each linear in the engine's quantization format unless listed in ``quantization.exclude_modules``.
@@ -42,10 +43,10 @@ class LinearFactory:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: EngineConfig, prefix: str, linear: LinearFactory, rotary: RotaryEmbedding,
+    def __init__(self, config: EngineConfig, index: int, linear: LinearFactory, rotary: RotaryEmbedding,
                  dtype: torch.dtype) -> None:
         super().__init__()
-        arch = config.architecture
+        arch, prefix = config.architecture, f"layers.{index}.self_attn"
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.qkv_proj = linear(f"{prefix}.qkv_proj", arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias)
@@ -55,7 +56,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, linear.kernels)
         self.qk_norm = arch.qk_norm
         fp8_kv = config.kv_cache_torch_dtype == torch.float8_e4m3fn
-        self.attn = PagedAttention(arch.head_dim, fp8_kv, rotary, linear.kernels)
+        window = arch.layer_window(index)
+        window = window if window is not None and window < config.plan.max_seq_len else None  # else it never binds
+        self.attn = PagedAttention(arch.head_dim, fp8_kv, rotary, linear.kernels, window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
@@ -88,7 +91,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         arch = config.architecture
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
-        self.self_attn = Attention(config, f"layers.{index}.self_attn", linear, rotary, dtype)
+        self.self_attn = Attention(config, index, linear, rotary, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
         self.mlp = GatedMLP(config, f"layers.{index}.mlp", linear)
 

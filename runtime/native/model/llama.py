@@ -1,18 +1,19 @@
-"""Llama 2 / 3 (Llama-3 rotary scaling included) and Mistral's checkpoints without a sliding window shorter than
-the engine's sequences: the plain decoder."""
+"""Llama 2 / 3 (Llama-3 rotary scaling included) and Mistral (a sliding window over every layer): the plain
+decoder."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.native.model.registry import Family
+from kiln.runtime.native.model.registry import Family, sliding_layers
 
 
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """Llama's ``attention_bias`` puts biases on q, k, v and o; Mistral's ``sliding_window`` is recorded."""
+    """Llama's ``attention_bias`` puts biases on q, k, v and o; Mistral's ``sliding_window`` applies to every
+    layer."""
     bias = bool(config.get("attention_bias"))
-    return {"qkv_bias": bias, "o_bias": bias, "sliding_window": config.get("sliding_window")}
+    return {"qkv_bias": bias, "o_bias": bias, **sliding_layers(config, config.get("sliding_window"), lambda i: True)}
 
 
 FAMILY = Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), quirks)

@@ -6,14 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.native.model.registry import Family
+from kiln.runtime.native.model.registry import Family, sliding_layers
 
 
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     """Always q/k/v biases; ``sliding_window`` counts only with ``use_sliding_window`` (the released models have it
     off and a window as long as their context)."""
-    return {"qkv_bias": True, "sliding_window": config.get("sliding_window") if config.get("use_sliding_window")
-            else None}
+    return {"qkv_bias": True, **window_layers(config)}
+
+
+def window_layers(config: dict[str, Any]) -> dict[str, Any]:
+    """With ``use_sliding_window``, the layers from ``max_window_layers`` on slide (as transformers has it)."""
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    first = config.get("max_window_layers", 0)
+    return sliding_layers(config, window, lambda i: i >= first)
 
 
 FAMILY = Family("qwen2", ("Qwen2ForCausalLM",), quirks)

@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.native.model.qwen2 import window_layers
 from kiln.runtime.native.model.registry import Family
 
 
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     """Per-head q/k norms always; ``attention_bias`` puts biases on q, k, v and o, as in Llama."""
     bias = bool(config.get("attention_bias"))
-    return {"qk_norm": True, "qkv_bias": bias, "o_bias": bias,
-            "sliding_window": config.get("sliding_window") if config.get("use_sliding_window") else None}
+    return {"qk_norm": True, "qkv_bias": bias, "o_bias": bias, **window_layers(config)}
 
 
 FAMILY = Family("qwen3", ("Qwen3ForCausalLM",), quirks)

@@ -47,11 +47,6 @@ def _families() -> tuple[Family, ...]:
     return llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY
 
 
-FAMILIES = _families()
-FAMILY_NAMES = tuple(family.name for family in FAMILIES)
-SUPPORTED_ARCHITECTURES = tuple(arch for family in FAMILIES for arch in family.architectures)
-
-
 def family_of(config: dict[str, Any], path: Path) -> Family:
     """The family of a parsed config.json by its first ``architectures`` entry; refused naming the supported ones."""
     architectures = config.get("architectures") or []
@@ -67,3 +62,19 @@ def family_of(config: dict[str, Any], path: Path) -> Family:
 def family_named(name: str) -> Family:
     """The family whose ``name`` an engine.json records."""
     return next(family for family in FAMILIES if family.name == name)
+
+
+def sliding_layers(config: dict[str, Any], window: int | None, slides: Callable[[int], bool]) -> dict[str, Any]:
+    """The ``sliding_window`` / ``layer_types`` fields: none without a ``window``; else config.json's
+    ``layer_types`` when it has them (transformers 5 writes them), or ``slides(layer index)`` for each layer."""
+    if not window:
+        return {"sliding_window": None, "layer_types": None}
+    types = config.get("layer_types") or ["sliding_attention" if slides(i) else "full_attention"
+                                          for i in range(config["num_hidden_layers"])]
+    return {"sliding_window": window, "layer_types": list(types)}
+
+
+# last: the family files import what is above
+FAMILIES = _families()
+FAMILY_NAMES = tuple(family.name for family in FAMILIES)
+SUPPORTED_ARCHITECTURES = tuple(arch for family in FAMILIES for arch in family.architectures)
