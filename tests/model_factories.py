@@ -1,5 +1,5 @@
-"""Test helpers: small seeded random Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3, Phi-3) on disk, and a
-greedy driver for DecoderModel."""
+"""Test helpers: small seeded random Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Phi-3) on
+disk, and a greedy driver for DecoderModel."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 # transformers' config and model classes of each family the native engine runs
 FAMILY_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                   "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-                  "mistral": ("MistralConfig", "MistralForCausalLM")}
+                  "mistral": ("MistralConfig", "MistralForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
 
 
 def make_hf_config(*, hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2,

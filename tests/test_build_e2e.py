@@ -61,7 +61,7 @@ def test_a_dry_run_refuses_an_architecture_of_no_supported_family_naming_the_sup
     proc = kiln("build", str(tmp_path / "gpt2.yaml"), "--dry-run", cache=tmp_path / "cache")
     assert proc.returncode == 2
     assert "'GPT2LMHeadModel' is not supported by the native backend (supported: LlamaForCausalLM, " \
-           "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)" in proc.stderr
+           "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Phi3ForCausalLM)" in proc.stderr
 
 
 def test_the_plan_says_when_another_process_is_building_the_engine(tmp_path):

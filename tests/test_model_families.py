@@ -26,6 +26,12 @@ CASES = {
     "qwen2-sliding-window-from-layer-1": dict(family="qwen2", num_heads=4, num_kv_heads=2, use_sliding_window=True,
                                               sliding_window=WINDOW, max_window_layers=1),
     "phi3-sliding-window": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0, sliding_window=WINDOW),
+    # caps small enough to bind on random weights; a query scale other than head_dim's
+    "gemma2-gqa-tied": dict(family="gemma2", num_heads=4, num_kv_heads=2, sliding_window=WINDOW,
+                            attn_logit_softcapping=2.0, final_logit_softcapping=3.0, query_pre_attn_scalar=24),
+    "gemma2-mha-untied": dict(family="gemma2", num_heads=2, num_kv_heads=2, sliding_window=WINDOW,
+                              tie_word_embeddings=False, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                              query_pre_attn_scalar=24),
     "phi3-gqa": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0),
     "phi3-mha-tied": dict(family="phi3", num_heads=2, num_kv_heads=2, tie_word_embeddings=True, pad_token_id=0),
 }
@@ -40,7 +46,8 @@ def test_greedy_tokens_match_transformers_for_a_batch_in_flight(tmp_path, case):
     engine.mkdir()
     build_native_engine(checkpoint, engine, tiny_plan(), "float32")
     assert EngineConfig.load(engine).architecture.type == {"mistral": "llama"}.get(case["family"], case["family"])
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    # eager: transformers' SDPA path drops Gemma 2's attention soft-capping
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
     assert type(hf).__name__ == FAMILY_CLASSES[case["family"]][1]
     expected, _ = hf_greedy(hf, PROMPTS, STEPS)
     greedy = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
@@ -52,7 +59,7 @@ def test_greedy_tokens_match_transformers_for_a_batch_in_flight(tmp_path, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2", "phi3"])
 @pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
 def test_quantized_builds_of_each_family_pass_their_gate_and_serve(tmp_path, family, fmt):
     from kiln.calibration.quantize import quantize_checkpoint
@@ -61,8 +68,8 @@ def test_quantized_builds_of_each_family_pass_their_gate_and_serve(tmp_path, fam
     checkpoint = make_checkpoint(tmp_path / "hf", family=family)
     report = quantize_checkpoint(checkpoint, small_recipe(format=fmt), tmp_path / "quantized")
     assert report["gate"]["passed"] and report["format"] == fmt
-    # modelopt has no TensorRT-LLM export for Phi-3: the report says so and the native build needs none
-    assert any("no TensorRT-LLM checkpoint" in note for note in report["notes"]) == (family == "phi3")
+    # modelopt has no TensorRT-LLM export for Gemma 2 and Phi-3: the report says so and the native build needs none
+    assert any("no TensorRT-LLM checkpoint" in note for note in report["notes"]) == (family in ("gemma2", "phi3"))
     engine = tmp_path / "engine"
     engine.mkdir()
     build_native_engine(tmp_path / "quantized" / "hf", engine, tiny_plan(), "float32")

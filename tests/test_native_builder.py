@@ -88,7 +88,7 @@ def test_an_architecture_of_no_supported_family_is_refused_naming_the_supported_
     (checkpoint / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(KilnError, match="architecture 'GPT2LMHeadModel' is not supported by the native backend "
                                         r"\(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                                        r"Qwen3ForCausalLM\)"):
+                                        r"Qwen3ForCausalLM, Gemma2ForCausalLM, Phi3ForCausalLM\)"):
         build(checkpoint, tmp_path)
 
 

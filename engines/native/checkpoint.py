@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.engine_format import Architecture
+from kiln.runtime.native.layers.activation import ACTIVATIONS
 from kiln.runtime.native.layers.rotary import ROPE_TYPES, rope_inv_freq
 from kiln.runtime.native.model.registry import family_of
 
@@ -56,8 +57,9 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
     """The architecture of a parsed config.json (``path`` names it in errors) and generation_config.json: the
     fields every family shares, then its family's quirks (``runtime/native/model/registry.py``)."""
     family = family_of(cfg, path)
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
     unsupported = [
-        (cfg.get("hidden_act", "silu") != "silu", f"hidden_act {cfg.get('hidden_act')!r} (only 'silu')"),
+        (activation not in ACTIVATIONS, f"hidden_act {activation!r} (supported: {', '.join(ACTIVATIONS)})"),
         (bool(cfg.get("mlp_bias")), "mlp_bias"),
     ]
     for bad, what in unsupported:
@@ -72,7 +74,7 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
     head_dim = cfg.get("head_dim") or hidden // num_heads
     rope_theta, rope_scaling = _rope(cfg, path)
     _check_rope(head_dim, rope_theta, rope_scaling, path)
-    return Architecture(
+    shared = dict(
         vocab_size=_int(cfg, "vocab_size", path),
         hidden_size=hidden,
         intermediate_size=_int(cfg, "intermediate_size", path),
@@ -87,9 +89,9 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
         max_position_embeddings=_int(cfg, "max_position_embeddings", path),
         bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
         eos_token_ids=_eos_ids(gen.get("eos_token_id"), cfg.get("eos_token_id")),
-        type=family.name,
-        **family.quirks(cfg, path),
+        hidden_act=activation,
     )
+    return Architecture(**{**shared, **family.quirks(cfg, path)}, type=family.name)  # quirks win over the defaults
 
 
 def read_quantization(checkpoint_dir: Path, cfg: dict[str, Any]) -> SourceQuantization:

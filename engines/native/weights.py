@@ -29,22 +29,28 @@ def unpack_modelopt_int4(packed: torch.Tensor) -> torch.Tensor:
 def convert_weights(tensors: CheckpointTensors, arch: Architecture, fmt: str, group_size: int | None,
                     dtype: torch.dtype, fp8_kv_cache: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Runtime state dict of the whole model and the runtime names of linears left dense in a quantized model."""
+    family = family_named(arch.type)
+
+    def norm(name: str) -> torch.Tensor:  # in float32 before the cast, as Gemma's 1 + weight is computed
+        return (tensors.get(name).float() + family.norm_weight_offset).to(dtype)
+
     out = {"embed_tokens.weight": tensors.get("model.embed_tokens.weight").to(dtype),
-           "norm.weight": tensors.get("model.norm.weight").to(dtype)}
+           "norm.weight": norm("model.norm.weight")}
     if not arch.tie_word_embeddings:
         out["lm_head.weight"] = _dense(tensors, "lm_head", dtype)
     elif "lm_head.weight" in tensors:
         tensors.skip("lm_head.weight")  # tied: the embedding is the head
     dense_modules = []
-    linears = family_named(arch.type).linears
+    layer_norms = ("input_layernorm", "post_attention_layernorm") + (
+        ("pre_feedforward_layernorm", "post_feedforward_layernorm") if arch.sandwich_norms else ())
     for i in range(arch.num_layers):
         src, dst = f"model.layers.{i}", f"layers.{i}"
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"{dst}.{norm}.weight"] = tensors.get(f"{src}.{norm}.weight").to(dtype)
+        for name in layer_norms:
+            out[f"{dst}.{name}.weight"] = norm(f"{src}.{name}.weight")
         if arch.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                out[f"{dst}.self_attn.{norm}.weight"] = tensors.get(f"{src}.self_attn.{norm}.weight").to(dtype)
-        for fused, members in linears.items():
+            for name in ("q_norm", "k_norm"):
+                out[f"{dst}.self_attn.{name}.weight"] = norm(f"{src}.self_attn.{name}.weight")
+        for fused, members in family.linears.items():
             names = [f"{src}.{m}" for m in members]
             if {"self_attn.qkv_proj": arch.qkv_bias, "self_attn.o_proj": arch.o_bias}.get(fused, False):
                 out[f"{dst}.{fused}.bias"] = torch.cat([tensors.get(f"{n}.bias") for n in names]).to(dtype)

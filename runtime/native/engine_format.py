@@ -53,6 +53,12 @@ class Architecture:
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
     sliding_window: int | None = None  # the layers ``layer_types`` marks "sliding_attention" see this many positions
     layer_types: list[str] | None = None  # per layer "full_attention" or "sliding_attention"; None: all full
+    hidden_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma 2)
+    sandwich_norms: bool = False  # RMSNorms after attention and after the MLP too, before each residual add (Gemma 2)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), in the model dtype (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma 2), else head_dim ** -0.5
+    attn_logit_softcapping: float | None = None  # scores = cap * tanh(scores / cap) before the softmax (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
 
     def layer_window(self, index: int) -> int | None:
         """How many positions layer ``index`` attends to (itself included); None for all of them."""

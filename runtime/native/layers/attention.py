@@ -31,12 +31,14 @@ class PagedAttention(nn.Module):
     launch that stores the new K/V (``runtime.native.kernels.rotary.apply_rotary``)."""
 
     def __init__(self, head_dim: int, fp8_kv_cache: bool, rotary: RotaryEmbedding | None = None,
-                 kernels: KernelChoice = DEFAULT_KERNELS, window: int | None = None) -> None:
+                 kernels: KernelChoice = DEFAULT_KERNELS, window: int | None = None, scale: float | None = None,
+                 softcap: float | None = None) -> None:
         super().__init__()
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.rotary = rotary
         self.kernels = kernels
         self.window = window  # a token attends to the last ``window`` positions only (itself included)
+        self.softcap = softcap  # scores become softcap * tanh(scores / softcap) before the softmax
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32) if fp8_kv_cache else None)
 
@@ -55,6 +57,9 @@ class PagedAttention(nn.Module):
             raise EngineFormatError("sliding-window attention has no CUDA kernels yet: this engine runs on the CPU "
                                     "only (RuntimeOptions(device='cpu')), or rebuild it with build.max_seq_len no "
                                     "longer than the window")
+        if triton_path and self.softcap is not None:
+            raise EngineFormatError("attention logit soft-capping (Gemma 2) has no CUDA kernels yet: this engine runs "
+                                    "on the CPU only (RuntimeOptions(device='cpu'))")
         if self.rotary is not None and positions is None:
             raise ValueError("PagedAttention: rotary embeddings need the tokens' positions")
         if triton_path:
@@ -76,7 +81,7 @@ class PagedAttention(nn.Module):
                 q, k = self.rotary(positions, q, k)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         if meta.whole_prompt:
-            out = prompt_attention(q, k, v, self.scale, self.window)
+            out = prompt_attention(q, k, v, self.scale, self.window, self.softcap)
             if quant_scale is None:
                 return out
             rows = out.reshape(out.shape[0], -1)  # token rows
@@ -85,7 +90,7 @@ class PagedAttention(nn.Module):
             return paged_attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
                                                    quant_scale, pdl=pdl)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
-                                         self.window)
+                                         self.window, self.softcap)
 
 
 # cuDNN first: on an H200 it attends a 1000-token Llama-3-8B prompt in 31-32 us per layer, against 49-65 us for the
@@ -101,21 +106,36 @@ CUDA_PROMPT_LENGTH_MULTIPLE = 64
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     window: int | None = None) -> torch.Tensor:
-    """Causal GQA attention of one sequence's tokens over themselves (over the last ``window`` of them, when
-    given): q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim], row i at
-    position i."""
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal GQA attention of one sequence's tokens over themselves (over the last ``window`` of them, and with
+    soft-capped scores, when given): q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] ->
+    [T, num_heads, head_dim], row i at position i."""
     num_tokens = q.shape[0]
     padding = -num_tokens % CUDA_PROMPT_LENGTH_MULTIPLE if q.is_cuda else 0
     if padding:
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, padding)) for x in (q, k, v))
     positions = torch.arange(q.shape[0], device=q.device)
+    if softcap is not None:
+        out = softcapped_attention(q, k, v, attention_mask(positions, positions, window), scale, softcap)
+        return out[:num_tokens]
     mask = None if window is None else attention_mask(positions, positions, window)
     with sdpa_kernel(PROMPT_BACKENDS, set_priority=True):
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
                                              scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)[:num_tokens]
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                         softcap: float) -> torch.Tensor:
+    """GQA attention with scores ``softcap * tanh(q k^T scale / softcap)`` (as Gemma 2), softmax in float32:
+    q [Tq, num_heads, head_dim], k and v [Tk, num_kv_heads, head_dim], ``mask`` [Tq, Tk] -> [Tq, num_heads,
+    head_dim]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -154,9 +174,10 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scal
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                              v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                              v_scale: torch.Tensor | None = None, window: int | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
     """Causal attention of every new token over its sequence's cached K/V (the new tokens already stored), over the
-    last ``window`` positions when given."""
+    last ``window`` positions and with soft-capped scores when given."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for i, seq_len in enumerate(meta.seq_lens.tolist()):
@@ -165,6 +186,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v = gather_kv(v_cache, meta.block_tables[i], seq_len, v_scale, q.dtype)
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         mask = attention_mask(q_pos, torch.arange(seq_len, device=q.device), window)
+        if softcap is not None:
+            out[start:end] = softcapped_attention(q[start:end], k, v, mask, scale, softcap)
+            continue
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(0, 1)

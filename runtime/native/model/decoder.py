@@ -1,6 +1,7 @@
 """The decoder every family runs (``registry.py``): GQA, RoPE (Llama-3 scaling included), RMSNorm, SwiGLU, paged KV,
 and the families' quirks as ``Architecture`` fields: q/k/v and o biases (Qwen2), per-head q/k norms (Qwen3),
-sliding-window layers (Mistral; on the CPU only so far).
+sliding-window layers (Mistral; on the CPU only so far), and Gemma 2's GeGLU, sandwich norms, scaled embeddings,
+query scale and logit soft-capping (soft-capped attention on the CPU only so far).
 
 Weights come from an engine's ``rank0.safetensors`` in runtime layout: fused ``qkv_proj`` and ``gate_up_proj``,
 each linear in the engine's quantization format unless listed in ``quantization.exclude_modules``.
@@ -21,7 +22,7 @@ from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.engine_format import WEIGHTS_FILE, EngineConfig
 from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
 from kiln.runtime.native.kv_cache import KVCache
-from kiln.runtime.native.layers.activation import SiluAndMul
+from kiln.runtime.native.layers.activation import gated_activation
 from kiln.runtime.native.layers.attention import PagedAttention
 from kiln.runtime.native.layers.linear import Fp8Linear, Linear, fusable_input_scale, make_linear
 from kiln.runtime.native.layers.norm import RMSNorm
@@ -58,7 +59,9 @@ class Attention(nn.Module):
         fp8_kv = config.kv_cache_torch_dtype == torch.float8_e4m3fn
         window = arch.layer_window(index)
         window = window if window is not None and window < config.plan.max_seq_len else None  # else it never binds
-        self.attn = PagedAttention(arch.head_dim, fp8_kv, rotary, linear.kernels, window)
+        scale = None if arch.query_pre_attn_scalar is None else arch.query_pre_attn_scalar**-0.5
+        self.attn = PagedAttention(arch.head_dim, fp8_kv, rotary, linear.kernels, window, scale,
+                                   arch.attn_logit_softcapping)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
@@ -78,7 +81,7 @@ class GatedMLP(nn.Module):
         arch = config.architecture
         self.gate_up_proj = linear(f"{prefix}.gate_up_proj", arch.hidden_size, 2 * arch.intermediate_size)
         self.down_proj = linear(f"{prefix}.down_proj", arch.intermediate_size, arch.hidden_size)
-        self.act = SiluAndMul(linear.kernels)
+        self.act = gated_activation(arch.hidden_act, linear.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -93,6 +96,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
         self.self_attn = Attention(config, index, linear, rotary, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
+        if arch.sandwich_norms:  # post_attention_layernorm then normalises the attention output alone
+            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
+            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
+        self.sandwich_norms = arch.sandwich_norms
         self.mlp = GatedMLP(config, f"layers.{index}.mlp", linear)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
@@ -102,8 +109,12 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(h, residual, fusable_input_scale(self.self_attn.qkv_proj, h))
         h = self.self_attn(positions, h, meta, kv_cache)
-        h, residual = self.post_attention_layernorm(h, residual, fusable_input_scale(self.mlp.gate_up_proj, h))
-        return self.mlp(h), residual
+        pre_mlp_norm = self.post_attention_layernorm
+        if self.sandwich_norms:
+            h, pre_mlp_norm = self.post_attention_layernorm(h), self.pre_feedforward_layernorm
+        h, residual = pre_mlp_norm(h, residual, fusable_input_scale(self.mlp.gate_up_proj, h))
+        h = self.mlp(h)
+        return (self.post_feedforward_layernorm(h) if self.sandwich_norms else h), residual
 
 
 class DecoderModel(nn.Module):
@@ -122,6 +133,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, kernels)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype, kernels)
         self.max_num_tokens = config.plan.max_num_tokens
+        # sqrt(hidden) rounded to the model dtype first, as transformers' Gemma does
+        self.embedding_scale = float(torch.tensor(arch.hidden_size**0.5, dtype=dtype)) if arch.scale_embeddings \
+            else None
+        self.final_logit_softcapping = arch.final_logit_softcapping
 
     @classmethod
     def from_engine(cls, engine_dir: Path, config: EngineConfig, device: torch.device | str,
@@ -166,6 +181,8 @@ class DecoderModel(nn.Module):
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of the flat batch; K/V of the new tokens are stored in ``kv_caches``."""
         h, residual = self.embed_tokens(input_ids), None
+        if self.embedding_scale is not None:
+            h = h * self.embedding_scale
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(positions, h, residual, meta, kv_cache)
         h, _ = self.norm(h, residual)
@@ -175,4 +192,8 @@ class DecoderModel(nn.Module):
         """Logits [n, vocab] of the given hidden states (select the last token of each sequence first), in the model
         dtype: greedy rows need only their argmax, and the sampler converts the rows it draws from to float32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        logits = F.linear(hidden, weight)
+        if self.final_logit_softcapping is None:
+            return logits
+        cap = self.final_logit_softcapping
+        return cap * torch.tanh(logits / cap)

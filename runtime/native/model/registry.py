@@ -33,18 +33,19 @@ class Family:
     """``name`` is engine.json's ``architecture.type``; ``quirks(config, path)`` returns the ``Architecture`` fields
     particular to the family from a parsed config.json (``path`` names it in errors), raising
     UnsupportedArchitectureError for what the engine cannot honour; ``linears`` maps each runtime linear of a layer
-    to the checkpoint linears it fuses."""
+    to the checkpoint linears it fuses; ``norm_weight_offset`` is added to the checkpoint's norm weights."""
 
     name: str
     architectures: tuple[str, ...]
     quirks: Callable[[dict[str, Any], Path], dict[str, Any]]
     linears: dict[str, tuple[str, ...]] = field(default_factory=lambda: SEPARATE_PROJECTIONS)
+    norm_weight_offset: float = 0.0  # added to every RMSNorm weight of the checkpoint (Gemma scales by 1 + weight)
 
 
 def _families() -> tuple[Family, ...]:
-    from kiln.runtime.native.model import llama, phi3, qwen2, qwen3
+    from kiln.runtime.native.model import gemma2, llama, phi3, qwen2, qwen3
 
-    return llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY
+    return llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY, phi3.FAMILY
 
 
 def family_of(config: dict[str, Any], path: Path) -> Family:
