@@ -138,7 +138,10 @@ def test_freeing_hands_out_blocks_without_a_reusable_hash_first():
     admit(bm, first)
     full_block = first.block_table[0]
     bm.free(first)
-    admit(bm, seq([50, 51, 52, 53, 54]))  # needs two blocks: the never-used one and the partial one
+    other = seq([50, 51])  # one block
+    admit(bm, other)
+    bm.free(other)  # its block goes before the never-used one too, though freed last
+    admit(bm, seq([60, 61, 62, 63, 64]))  # two blocks: both without a hash
     assert bm.get_computed_blocks(seq(list(range(6)))) == [full_block]  # the cached block was not handed out
 
 
@@ -149,3 +152,17 @@ def test_a_request_for_prompt_log_probabilities_computes_its_whole_prompt():
     assert bm.get_computed_blocks(wants) == []  # every prompt position must run through the model
     wants.prompt_logprobs.extend([None] * 8)  # all of them computed: a preempted request may reuse its blocks
     assert len(bm.get_computed_blocks(wants)) == 2
+
+
+def test_sharing_blocks_in_use_needs_free_blocks_for_the_fresh_ones_only():
+    bm = BlockManager(num_blocks=4, block_size=BLOCK)
+    first = seq(list(range(9)))  # two full blocks and one token: 3 of the 4 blocks
+    admit(bm, first)
+    cached = first.block_table[:2]
+    second = seq(list(range(8)) + [50])  # the same two blocks, in use by `first`, and one fresh block
+    assert admit(bm, second) and bm.num_free_blocks == 0
+    bm.free(second)
+    longer = seq(list(range(8)) + list(range(50, 58)))  # the two cached blocks and two fresh ones
+    assert not admit(bm, longer)  # one block is free
+    bm.free(first)
+    assert admit(bm, longer) and len(longer.block_table) == 4 and longer.block_table[:2] == cached
