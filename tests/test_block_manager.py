@@ -166,3 +166,16 @@ def test_sharing_blocks_in_use_needs_free_blocks_for_the_fresh_ones_only():
     assert not admit(bm, longer)  # one block is free
     bm.free(first)
     assert admit(bm, longer) and len(longer.block_table) == 4 and longer.block_table[:2] == cached
+
+
+def test_a_reused_block_forgets_its_hash_at_any_block_id():
+    bm = BlockManager(num_blocks=300, block_size=BLOCK)  # ids past 256, which Python does not intern
+    filler = seq(list(range(1000, 1000 + 280 * BLOCK)))  # holds blocks 0..279
+    assert bm.allocate(filler, [], filler.num_tokens)
+    cached = seq(list(range(5)))  # its full block gets an id of 280 or more
+    admit(bm, cached)
+    assert cached.block_table[0] >= 280
+    bm.free(cached)
+    bm.free(filler)
+    assert bm.allocate(seq([7] * (300 * BLOCK)), [], 300 * BLOCK)  # every block handed out again
+    assert bm.get_computed_blocks(seq(list(range(5)))) == []
