@@ -39,12 +39,29 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_greedy_tokens_match_transformers_for_a_batch_in_flight(tmp_path, case):
+    check_greedy_tokens(tmp_path, case, "cpu")
+
+
+# on the GPU in float32: the Triton kernels (windows and soft-capping included) and CUDA graphs, tokens still equal
+GPU_CASES = ("qwen2-gqa", "qwen3-gqa", "mistral-sliding-window", "gemma2-gqa-tied", "phi3-gqa")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_greedy_tokens_match_transformers_on_the_gpu(tmp_path, name):
+    check_greedy_tokens(tmp_path, CASES[name], "cuda")
+
+
+def check_greedy_tokens(tmp_path, case: dict, device: str) -> None:
+    """An engine of ``case``'s random checkpoint built for ``device`` gives transformers' greedy tokens (float32,
+    eager attention on the CPU) for the prompts in flight together, and for the longest prompt alone first."""
     from transformers import AutoModelForCausalLM
 
     checkpoint = make_hf_checkpoint(tmp_path / "hf", **case)
     engine = tmp_path / "engine"
     engine.mkdir()
-    build_native_engine(checkpoint, engine, tiny_plan(), "float32")
+    build_native_engine(checkpoint, engine, tiny_plan(), "float32", device=device)
     assert EngineConfig.load(engine).architecture.type == {"mistral": "llama"}.get(case["family"], case["family"])
     # eager: transformers' SDPA path drops Gemma 2's attention soft-capping
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()

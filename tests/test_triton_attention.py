@@ -262,3 +262,17 @@ def test_kv_store_kernel_skips_padding_slots(device):
     kv_store.store_kv(k, k, k_cache, v_cache, torch.tensor([17, -1, 3], device=device))
     written = k_cache.view(-1, NUM_KV_HEADS, 64)[:, 0, 0]
     assert written.nonzero().flatten().tolist() == [3, 17]
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(5, None), (None, 2.0), (17, 3.0)],
+                         ids=["window", "softcap", "window-and-softcap"])
+@pytest.mark.parametrize("seqs", [DECODES_FIRST, [(n - 1, 1) for n in DECODE_SEQ_LENS]], ids=["mixed", "decode"])
+def test_sliding_window_and_soft_capping_match_the_reference(device, seqs, window, softcap):
+    q, k_cache, v_cache, meta, _, _ = random_batch(seqs, 2, 64, 16, device)
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, window=window, softcap=softcap)
+    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, 0.125, window=window, softcap=softcap),
+                               expected, **tolerance(device))
+    if meta.max_query_len == 1:  # partitions wholly before the window attend nothing
+        out = paged_attention_decode(q, k_cache, v_cache, meta, 0.125, out=poisoned(q), partition_size=32,
+                                     block_n=16, window=window, softcap=softcap)
+        torch.testing.assert_close(out, expected, **tolerance(device))

@@ -18,7 +18,6 @@ from kiln.runtime.native.engine_format import (
     DTYPES,
     ENGINE_FORMAT,
     WEIGHTS_FILE,
-    Architecture,
     EngineConfig,
     QuantizationConfig,
 )
@@ -47,8 +46,6 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
     arch, hf_config = read_architecture(checkpoint_dir)
     source_quant = read_quantization(checkpoint_dir, hf_config)
     build_plan = fit_plan(plan, arch, dtype, source_quant.fp8_kv_cache)
-    if torch.device(device).type == "cuda":
-        _check_cuda_kernels(arch, build_plan, checkpoint_dir / "config.json")
     if not (checkpoint_dir / "tokenizer.json").is_file():
         raise KilnError(f"{checkpoint_dir}: no tokenizer.json; the native runtime needs a fast tokenizer file "
                         "(save the tokenizer with save_pretrained)")
@@ -95,13 +92,3 @@ def preflight_native_plan(checkpoint_dir: Path, plan: BuildPlan, dtype: str) -> 
     arch, _ = read_architecture(Path(checkpoint_dir))
     fit_plan(replace(plan, kv_cache_dtype="auto"), arch, dtype, fp8_kv_available=False)
 
-
-def _check_cuda_kernels(arch: Architecture, plan: BuildPlan, config_path: Path) -> None:
-    """Refuse, for a CUDA build, what the Triton attention kernels do not do yet."""
-    if arch.layer_types and arch.sliding_window < plan.max_seq_len:
-        raise KilnError(f"{config_path}: sliding_window {arch.sliding_window} is shorter than build.max_seq_len "
-                        f"{plan.max_seq_len}, and sliding-window attention has no CUDA kernels yet; lower "
-                        f"build.max_seq_len to {arch.sliding_window}, or build for the CPU")
-    if arch.attn_logit_softcapping is not None:
-        raise KilnError(f"{config_path}: attention logit soft-capping ({arch.attn_logit_softcapping}) has no CUDA "
-                        "kernels yet; build for the CPU")

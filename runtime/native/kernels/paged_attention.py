@@ -165,15 +165,26 @@ def _online_softmax_step_vt(s, vt, m_i, l_i, acc_t, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh without overflow: from exp(-2|x|), which lies in (0, 1]."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
 def _attend_tile(q, pos, m_i, l_i, acc, n0, end, k_cache_ptr, v_cache_ptr, block_table_row, dims, d_mask, kv_head,
                  qk_scale, stride_c_block, stride_c_tok, stride_c_head, stride_v_block, stride_v_head, stride_v_dim,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, V_ROWS: tl.constexpr,
                  V_TOKEN_MAJOR: tl.constexpr, PRECISION: tl.constexpr, blocks=0, first_block=0,
-                 PRELOADED: tl.constexpr = False, MASKED: tl.constexpr = True):
+                 PRELOADED: tl.constexpr = False, MASKED: tl.constexpr = True, window=0, softcap_log2=0.0,
+                 WINDOWED: tl.constexpr = False, SOFTCAPPED: tl.constexpr = False):
     """Fold KV tokens ``n0 .. n0 + BLOCK_N`` (those before ``end``) into the running max, sum and output of the query
-    rows ``q``, causally against the rows' positions ``pos`` when CAUSAL. ``acc`` is [rows, BLOCK_D], transposed
-    for a token-major V cache; else V is loaded as rows when V_ROWS, as a transposed tile otherwise. Not MASKED, the
-    tile must lie before ``end`` and be visible to every row: it is read and attended without masks."""
+    rows ``q``, causally against the rows' positions ``pos`` when CAUSAL, and within the last ``window`` positions of
+    each row when WINDOWED. ``acc`` is [rows, BLOCK_D], transposed for a token-major V cache; else V is loaded as rows
+    when V_ROWS, as a transposed tile otherwise. Not MASKED, the tile must lie before ``end`` and be visible to every
+    row: it is read and attended without masks. SOFTCAPPED, scores become ``cap * tanh(score / cap)`` (Gemma 2),
+    ``softcap_log2`` being ``cap`` in the log2 units of ``qk_scale``."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
     offs = _token_offsets(block_table_row, offs_n, n_mask, kv_head, stride_c_block, stride_c_tok, stride_c_head,
@@ -181,10 +192,14 @@ def _attend_tile(q, pos, m_i, l_i, acc, n0, end, k_cache_ptr, v_cache_ptr, block
     load_mask = n_mask if MASKED else tl.full([BLOCK_N], 1, tl.int1)
     k = _load_kv_tile(k_cache_ptr, offs, load_mask, dims, d_mask, q.dtype)
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    if SOFTCAPPED:
+        s = softcap_log2 * _tanh(s / softcap_log2)
     if MASKED:
         visible = n_mask[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= pos[:, None])
+        if WINDOWED:
+            visible = visible & (offs_n[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     if V_TOKEN_MAJOR:
         vt = _load_v_token_major(v_cache_ptr, block_table_row, n0, end, dims, d_mask, kv_head, stride_v_block,
@@ -205,25 +220,28 @@ def _attend_range(q, pos, m_i, l_i, acc, start, end, all_visible_end, k_cache_pt
                   dims, d_mask, kv_head, qk_scale, stride_c_block, stride_c_tok, stride_c_head, stride_v_block,
                   stride_v_head, stride_v_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                   V_ROWS: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr, PRECISION: tl.constexpr, blocks=0,
-                  first_block=0, PRELOADED: tl.constexpr = False):
+                  first_block=0, PRELOADED: tl.constexpr = False, window=0, softcap_log2=0.0,
+                  WINDOWED: tl.constexpr = False, SOFTCAPPED: tl.constexpr = False):
     """``_attend_tile`` over KV tokens ``start .. end`` (``start`` a multiple of BLOCK_N); ``acc`` comes back
     [rows, BLOCK_D] either way. When CAUSAL, every row sees the tokens before ``all_visible_end`` (at least
     ``start``), and the whole tiles before it are attended without masks: the masks of the causal diagonal cost the
     varlen kernel 3-13 % on an H200. Decode attends every tile masked: its partial tile is its last, and a second
-    loop made it 1-13 % slower."""
+    loop made it 1-13 % slower. WINDOWED, every tile is masked (rows see different windows)."""
     unmasked_end = start
-    if CAUSAL:
+    if CAUSAL and not WINDOWED:
         unmasked_end = start + (tl.minimum(end, all_visible_end) - start) // BLOCK_N * BLOCK_N
         for n0 in range(start, unmasked_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, pos, m_i, l_i, acc, n0, end, k_cache_ptr, v_cache_ptr, block_table_row,
                                          dims, d_mask, kv_head, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
                                          stride_v_block, stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N, CAUSAL,
-                                         V_ROWS, V_TOKEN_MAJOR, PRECISION, blocks, first_block, PRELOADED, False)
+                                         V_ROWS, V_TOKEN_MAJOR, PRECISION, blocks, first_block, PRELOADED, False,
+                                         window, softcap_log2, WINDOWED, SOFTCAPPED)
     for n0 in range(unmasked_end, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, pos, m_i, l_i, acc, n0, end, k_cache_ptr, v_cache_ptr, block_table_row, dims,
                                      d_mask, kv_head, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
                                      stride_v_block, stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N, CAUSAL, V_ROWS,
-                                     V_TOKEN_MAJOR, PRECISION, blocks, first_block, PRELOADED)
+                                     V_TOKEN_MAJOR, PRECISION, blocks, first_block, PRELOADED, True, window,
+                                     softcap_log2, WINDOWED, SOFTCAPPED)
     if V_TOKEN_MAJOR:
         acc = tl.trans(acc)
     return m_i, l_i, acc
@@ -235,10 +253,11 @@ def _attend_range(q, pos, m_i, l_i, acc, start, end, all_visible_end, k_cache_pt
 def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
                    k_scale_ptr, v_scale_ptr, quant_scale_ptr, scale_log2, stride_q_tok, stride_q_head, stride_o_tok,
                    stride_o_head, stride_c_block, stride_c_tok, stride_c_head, stride_v_block, stride_v_head,
-                   stride_v_dim, stride_bt, first_seq, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   FP8: tl.constexpr, FP16: tl.constexpr, PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
-                   QUANT: tl.constexpr, PDL: tl.constexpr):
+                   stride_v_dim, stride_bt, first_seq, window, softcap_log2, GROUP: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr, PRECISION: tl.constexpr,
+                   V_TOKEN_MAJOR: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr, WINDOWED: tl.constexpr,
+                   SOFTCAPPED: tl.constexpr):
     wait_for_previous_kernel(PDL)
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # query tokens per program; each brings its GROUP heads as rows
     kv_head = tl.program_id(0)
@@ -269,10 +288,14 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
     kv_end = tl.minimum(seq_len, context + tl.minimum(q_len, (q_tile + 1) * TOKENS))  # causal: last row's position
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     all_visible_end = context + q_tile * TOKENS + 1  # the tile's first row sees the tokens up to its own
-    m_i, l_i, acc = _attend_range(q, pos, m_i, l_i, acc, 0, kv_end, all_visible_end, k_cache_ptr, v_cache_ptr,
+    kv_start = 0
+    if WINDOWED:  # the tile's first row sees nothing before its window
+        kv_start = tl.maximum(context + q_tile * TOKENS - window + 1, 0) // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = _attend_range(q, pos, m_i, l_i, acc, kv_start, kv_end, all_visible_end, k_cache_ptr, v_cache_ptr,
                                   block_table_row, dims, d_mask, kv_head, qk_scale, stride_c_block, stride_c_tok,
                                   stride_c_head, stride_v_block, stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N,
-                                  True, False, V_TOKEN_MAJOR, PRECISION)
+                                  True, False, V_TOKEN_MAJOR, PRECISION, window=window, softcap_log2=softcap_log2,
+                                  WINDOWED=WINDOWED, SOFTCAPPED=SOFTCAPPED)
 
     out = acc * (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     _store_out(out_ptr + q_tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :], out,
@@ -284,11 +307,12 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
                              query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
                              scale_log2, stride_q_tok, stride_q_head, stride_c_block, stride_c_tok, stride_c_head,
                              stride_v_block, stride_v_head, stride_v_dim, stride_bt, num_heads, max_partitions,
-                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             PARTITION_SIZE: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr,
-                             PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr, PARTITION_BLOCKS: tl.constexpr,
-                             PDL: tl.constexpr):
+                             window, softcap_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_D: tl.constexpr, PARTITION_SIZE: tl.constexpr, FP8: tl.constexpr,
+                             FP16: tl.constexpr, PRECISION: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr,
+                             PARTITION_BLOCKS: tl.constexpr, PDL: tl.constexpr, WINDOWED: tl.constexpr,
+                             SOFTCAPPED: tl.constexpr):
     wait_for_previous_kernel(PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -317,12 +341,17 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
     first_block = start // BLOCK_SIZE
     entries = first_block + tl.arange(0, PARTITION_BLOCKS)
     blocks = tl.load(block_table_row + entries, mask=entries * BLOCK_SIZE < end, other=0)
-    # the one query is the last position: every cached token is visible
+    # the one query is the last position: every cached token is visible (within its window, when WINDOWED)
     acc = tl.zeros([BLOCK_D, BLOCK_G] if V_TOKEN_MAJOR else [BLOCK_G, BLOCK_D], dtype=tl.float32)
-    m_i, l_i, acc = _attend_range(q, q, m_i, l_i, acc, start, end, end, k_cache_ptr, v_cache_ptr, block_table_row,
-                                  dims, d_mask, kv_head, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
-                                  stride_v_block, stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N, False, True,
-                                  V_TOKEN_MAJOR, PRECISION, blocks, first_block, True)
+    pos = tl.zeros([BLOCK_G], dtype=tl.int32) + seq_len - 1
+    kv_start = start
+    if WINDOWED:  # a partition wholly before the window attends nothing: max -1e30 and sum 0, which the reduce drops
+        kv_start = tl.maximum(start, tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N)
+    m_i, l_i, acc = _attend_range(q, pos, m_i, l_i, acc, kv_start, end, end, k_cache_ptr, v_cache_ptr,
+                                  block_table_row, dims, d_mask, kv_head, qk_scale, stride_c_block, stride_c_tok,
+                                  stride_c_head, stride_v_block, stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N,
+                                  False, True, V_TOKEN_MAJOR, PRECISION, blocks, first_block, True, window,
+                                  softcap_log2, WINDOWED, SOFTCAPPED)
     acc = acc * out_scale
 
     part_idx = (seq.to(tl.int64) * num_heads + head) * max_partitions + part  # [BLOCK_G]
@@ -390,9 +419,11 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, block_m: int = 64, block_n: int | None = None,
                            num_warps: int = 4, num_stages: int | None = None, first_seq: int = 0,
-                           quant_scale: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
+                           quant_scale: torch.Tensor | None = None, pdl: bool = True, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Causal paged attention of any flat batch: q [T, num_heads, head_dim] -> [T, num_heads, head_dim], in q's
-    dtype, or with ``quant_scale`` (float32 []) float8_e4m3fn quantized with it for the next FP8 linear.
+    dtype, or with ``quant_scale`` (float32 []) float8_e4m3fn quantized with it for the next FP8 linear; over the
+    last ``window`` positions of each token and with soft-capped scores when given (``paged_attention_reference``).
 
     Only sequences ``first_seq`` on are attended: ``out`` (optional, preallocated, the shape and dtype returned)
     gets their rows, which are all of q's when ``first_seq`` is 0; ``block_m`` rows per program
@@ -414,11 +445,11 @@ def paged_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_scale if fp8 else q, v_scale if fp8 else q, q if quant_scale is None else quant_scale, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(2), v_cache.stride(3), meta.block_tables.stride(0),
-        first_seq, GROUP=group, HEAD_DIM=head_dim,
+        first_seq, window or 0, (softcap or 1.0) * LOG2E, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=max(block_n, 16),
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16), FP8=fp8, FP16=_fp16_compute(q, fp8),
         PRECISION=_precision(q), V_TOKEN_MAJOR=v_token_major, QUANT=quant_scale is not None, num_warps=num_warps,
-        num_stages=num_stages, **pdl_options(q, pdl))
+        num_stages=num_stages, WINDOWED=window is not None, SOFTCAPPED=softcap is not None, **pdl_options(q, pdl))
     return out
 
 
@@ -426,10 +457,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, partition_size: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                           quant_scale: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
-    """Split-KV decode (one new token per sequence): q [num_tokens, num_heads, head_dim] -> same shape (dtype as
-    for the varlen kernel), the rows of meta's sequences attended (every row unless meta holds a batch's leading
-    decodes, ``leading_decodes``).
+                           quant_scale: torch.Tensor | None = None, pdl: bool = True, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
+    """Split-KV decode (one new token per sequence): q [num_tokens, num_heads, head_dim] -> same shape (dtype,
+    ``window`` and ``softcap`` as for the varlen kernel), the rows of meta's sequences attended (every row unless
+    meta holds a batch's leading decodes, ``leading_decodes``).
 
     ``out`` as for the varlen kernel. ``partition_size`` (default: ``decode_partition_size``) must be a power of
     two, at least 16 (``block_n`` and ``num_stages`` default to ``DECODE_TILES``); the partial
@@ -454,11 +486,12 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         k_scale if fp8 else q, v_scale if fp8 else q, scale * LOG2E, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
-        v_cache.stride(3), meta.block_tables.stride(0), num_heads, max_partitions, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
+        v_cache.stride(3), meta.block_tables.stride(0), num_heads, max_partitions, window or 0,
+        (softcap or 1.0) * LOG2E, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
         PARTITION_SIZE=partition_size, FP8=fp8, FP16=_fp16_compute(q, fp8), PRECISION=_precision(q),
         V_TOKEN_MAJOR=v_token_major, PARTITION_BLOCKS=max(partition_size // block_size, 2), num_warps=num_warps,
-        num_stages=num_stages, **pdl_options(q, pdl))
+        num_stages=num_stages, WINDOWED=window is not None, SOFTCAPPED=softcap is not None, **pdl_options(q, pdl))
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens,
         q if quant_scale is None else quant_scale, out.stride(0), out.stride(1), num_heads, max_partitions,
@@ -488,20 +521,20 @@ def _num_sms(device: torch.device) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    quant_scale: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
+                    quant_scale: torch.Tensor | None = None, pdl: bool = True, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Same contract as ``paged_attention_reference`` (with ``quant_scale`` the output quantized for an FP8 linear,
     as the varlen kernel does): split-KV decode when every q_len is 1, varlen otherwise; a
     mixed step's leading decodes go through the decode kernel (on an H200, varlen reads their long contexts in one
     program per sequence and KV head: 63 of a 168 ms step of 504 decodes and 7,688 prefill tokens, 32 once split).
     Their partitions are the largest, as the decode graphs of large batches use, so that mixed steps of any size
     run kernels those graphs compiled."""
+    options = dict(quant_scale=quant_scale, pdl=pdl, window=window, softcap=softcap)
     if meta.max_query_len == 1:
-        return paged_attention_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, quant_scale=quant_scale,
-                                      pdl=pdl)
+        return paged_attention_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, **options)
     if meta.num_decode_seqs:
         out = paged_attention_decode(q, k_cache, v_cache, meta.leading_decodes(), scale, k_scale, v_scale,
-                                     partition_size=MAX_PARTITION_SIZE, quant_scale=quant_scale, pdl=pdl)
+                                     partition_size=MAX_PARTITION_SIZE, **options)
         return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, out=out,
-                                      first_seq=meta.num_decode_seqs, quant_scale=quant_scale, pdl=pdl)
-    return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, quant_scale=quant_scale,
-                                  pdl=pdl)
+                                      first_seq=meta.num_decode_seqs, **options)
+    return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, **options)

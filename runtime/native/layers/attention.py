@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kiln.runtime.errors import EngineFormatError
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
 from kiln.runtime.native.kv_cache import KVCache
@@ -51,15 +50,10 @@ class PagedAttention(nn.Module):
         with ``rotary``."""
         k_cache, v_cache = kv_cache
         triton_path, pdl = self.kernels.use_triton(q), self.kernels.pdl
+        # cuDNN's prompt attention has neither windows nor soft-capping: on CUDA such layers take the Triton kernels
+        plain = self.window is None and self.softcap is None
         if quant_scale is not None and not triton_path:
             raise ValueError("PagedAttention: only the Triton kernels quantize their output")
-        if triton_path and self.window is not None:
-            raise EngineFormatError("sliding-window attention has no CUDA kernels yet: this engine runs on the CPU "
-                                    "only (RuntimeOptions(device='cpu')), or rebuild it with build.max_seq_len no "
-                                    "longer than the window")
-        if triton_path and self.softcap is not None:
-            raise EngineFormatError("attention logit soft-capping (Gemma 2) has no CUDA kernels yet: this engine runs "
-                                    "on the CPU only (RuntimeOptions(device='cpu'))")
         if self.rotary is not None and positions is None:
             raise ValueError("PagedAttention: rotary embeddings need the tokens' positions")
         if triton_path:
@@ -74,13 +68,13 @@ class PagedAttention(nn.Module):
                 kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale, pdl=pdl)
             else:
                 write = kv_store.CacheWrite(v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-                q, k = rotary.apply_rotary(positions, q, k, self.rotary.cos_sin_cache, write, keep_k=meta.whole_prompt,
-                                           pdl=pdl)
+                q, k = rotary.apply_rotary(positions, q, k, self.rotary.cos_sin_cache, write,
+                                           keep_k=meta.whole_prompt and plain, pdl=pdl)
         else:
             if self.rotary is not None:
                 q, k = self.rotary(positions, q, k)
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        if meta.whole_prompt:
+        if meta.whole_prompt and (plain or not triton_path):
             out = prompt_attention(q, k, v, self.scale, self.window, self.softcap)
             if quant_scale is None:
                 return out
@@ -88,7 +82,7 @@ class PagedAttention(nn.Module):
             return fp8_quant.quantize_fp8(rows, quant_scale, pdl=pdl).view(out.shape)
         if triton_path:
             return paged_attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
-                                                   quant_scale, pdl=pdl)
+                                                   quant_scale, pdl=pdl, window=self.window, softcap=self.softcap)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
                                          self.window, self.softcap)
 

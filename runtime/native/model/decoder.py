@@ -1,7 +1,7 @@
 """The decoder every family runs (``registry.py``): GQA, RoPE (Llama-3 scaling included), RMSNorm, SwiGLU, paged KV,
 and the families' quirks as ``Architecture`` fields: q/k/v and o biases (Qwen2), per-head q/k norms (Qwen3),
-sliding-window layers (Mistral; on the CPU only so far), and Gemma 2's GeGLU, sandwich norms, scaled embeddings,
-query scale and logit soft-capping (soft-capped attention on the CPU only so far).
+sliding-window layers (Mistral, Gemma 2), and Gemma 2's GeGLU, sandwich norms, scaled embeddings, query scale and
+logit soft-capping.
 
 Weights come from an engine's ``rank0.safetensors`` in runtime layout: fused ``qkv_proj`` and ``gate_up_proj``,
 each linear in the engine's quantization format unless listed in ``quantization.exclude_modules``.
