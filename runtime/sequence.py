@@ -45,6 +45,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
+        self.cache_salt = b""  # the seed of its block hashes: KV rotated differently never matches (set by the engine)
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         self.matcher: llguidance.LLMatcher | None = None  # of a request with structured output, set by the engine

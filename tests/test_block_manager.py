@@ -179,3 +179,14 @@ def test_a_reused_block_forgets_its_hash_at_any_block_id():
     bm.free(filler)
     assert bm.allocate(seq([7] * (300 * BLOCK)), [], 300 * BLOCK)  # every block handed out again
     assert bm.get_computed_blocks(seq(list(range(5)))) == []
+
+
+def test_sequences_of_different_cache_salts_share_no_blocks():
+    bm = BlockManager(num_blocks=8, block_size=BLOCK)
+    first = seq(list(range(9)))
+    first.cache_salt = b"longrope-long"  # its KV rotated by other tables (layers/rotary.py)
+    admit(bm, first)
+    assert bm.get_computed_blocks(seq(list(range(9)))) == []
+    again = seq(list(range(9)))
+    again.cache_salt = b"longrope-long"
+    assert bm.get_computed_blocks(again) == first.block_table[:2]

@@ -15,6 +15,8 @@ PROMPTS = [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9], [77, 21, 50, 50, 6, 31, 2, 88
 WINDOW = 6  # shorter than the longest prompt, and than every prompt with its completion
 STEPS = 12
 
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}  # one per rotary pair of head_dim 16
 # each family's quirks, over GQA and MHA, tied and untied embeddings
 CASES = {
     "qwen2-gqa": dict(family="qwen2", num_heads=4, num_kv_heads=2),
@@ -32,6 +34,14 @@ CASES = {
     "gemma2-mha-untied": dict(family="gemma2", num_heads=2, num_kv_heads=2, sliding_window=WINDOW,
                               tie_word_embeddings=False, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                               query_pre_attn_scalar=24),
+    # LongRoPE (Phi-3 128k): prompts longer than the original context take the long factors throughout, and a
+    # context that never outgrows it the short ones; both scaled by the attention factor
+    "phi3-longrope-long": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0,
+                               rope_scaling=dict(LONGROPE, original_max_position_embeddings=2),
+                               original_max_position_embeddings=2),
+    "phi3-longrope-short": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0,
+                                rope_scaling=dict(LONGROPE, original_max_position_embeddings=64),
+                                original_max_position_embeddings=64),
     "phi3-gqa": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0),
     "phi3-mha-tied": dict(family="phi3", num_heads=2, num_kv_heads=2, tie_word_embeddings=True, pad_token_id=0),
 }

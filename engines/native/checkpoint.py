@@ -7,6 +7,7 @@ with quant_algo "FP8" or "W4A16_AWQ") are understood. Weights are read from safe
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kiln.runtime.errors import KilnError
+from kiln.runtime.errors import EngineFormatError, KilnError
 from kiln.runtime.native.engine_format import Architecture
 from kiln.runtime.native.layers.activation import ACTIVATIONS
 from kiln.runtime.native.layers.rotary import ROPE_TYPES, rope_inv_freq
@@ -182,9 +183,25 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise KilnError(f"{path}: partial_rotary_factor is not supported by the native backend")
+    rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first name for it
     if rope_type not in ROPE_TYPES:
         raise KilnError(f"{path}: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    if rope_type == "longrope":
+        params.update(_longrope_defaults(cfg, params, path))
     return theta, None if rope_type == "default" else {"rope_type": rope_type, **params}
+
+
+def _longrope_defaults(cfg: dict[str, Any], params: dict[str, Any], path: Path) -> dict[str, Any]:
+    """LongRoPE's original context, factor and attention factor where the config leaves them to transformers'
+    defaults (the factor from max_position_embeddings / original_max_position_embeddings)."""
+    original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise KilnError(f"{path}: longrope scaling needs original_max_position_embeddings")
+    factor = params.get("factor") or _int(cfg, "max_position_embeddings", path) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return {"original_max_position_embeddings": int(original), "factor": factor, "attention_factor": attention}
 
 
 def _check_rope(head_dim: int, theta: float, scaling: dict[str, Any] | None, path: Path) -> None:
@@ -192,6 +209,8 @@ def _check_rope(head_dim: int, theta: float, scaling: dict[str, Any] | None, pat
         rope_inv_freq(head_dim, theta, scaling)
     except KeyError as e:
         raise KilnError(f"{path}: rope scaling {scaling.get('rope_type')!r} needs key {e}") from None
+    except EngineFormatError as e:
+        raise KilnError(f"{path}: {e}") from None
 
 
 def _eos_ids(*sources: int | list[int] | None) -> list[int]:

@@ -59,7 +59,7 @@ class BlockManager:
         """Chained hash of the sequence's full block `index`, memoised on the sequence."""
         while len(seq.block_hashes) <= index:
             i = len(seq.block_hashes)
-            prev = seq.block_hashes[-1] if seq.block_hashes else b""
+            prev = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
             seq.block_hashes.append(chain_hash(prev, seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
         return seq.block_hashes[index]
 

@@ -73,7 +73,9 @@ class NativeEngine:
         """Tokenize and validate a request without touching engine state (safe from any thread)."""
         token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop))
         self.limits.check_request(len(token_ids), params)
-        return Sequence(request_id, token_ids, params)
+        seq = Sequence(request_id, token_ids, params)
+        seq.cache_salt = self.model_runner.model.rotary.cache_salt(len(token_ids))
+        return seq
 
     def add_request(self, seq: Sequence) -> None:
         if seq.request_id in self._requests:

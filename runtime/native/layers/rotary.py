@@ -1,4 +1,5 @@
-"""Rotary position embedding (GPT-NeoX half rotation, as in Hugging Face Llama), with Llama-3 and linear scaling."""
+"""Rotary position embedding (GPT-NeoX half rotation, as in Hugging Face Llama), with Llama-3, linear and LongRoPE
+(Phi-3) scaling."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from kiln.runtime.errors import EngineFormatError
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -23,6 +24,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "longrope":
+        return longrope_inv_freqs(head_dim, theta, scaling)[0]
     raise EngineFormatError(f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
 
 
@@ -38,6 +41,18 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def longrope_inv_freqs(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """LongRoPE's short and long inverse frequencies, [head_dim // 2] each: the base ones divided by
+    ``short_factor`` / ``long_factor`` per dimension, as transformers computes them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    base = theta**exponents
+    short, long = (torch.tensor(scaling[key], dtype=torch.float32) for key in ("short_factor", "long_factor"))
+    if short.shape != base.shape or long.shape != base.shape:
+        raise EngineFormatError(f"longrope factors need head_dim / 2 = {base.shape[0]} values each, got "
+                                f"{short.shape[0]} short and {long.shape[0]} long")
+    return 1.0 / (short * base), 1.0 / (long * base)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates q and k [num_tokens, heads, head_dim] by their absolute ``positions`` using a float32 cos/sin table.
 
@@ -48,14 +63,41 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_position, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
-        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.long_offset = self.original_max = 0  # LongRoPE: where the long table starts, and when it applies
+        if (scaling or {}).get("rope_type") == "longrope":  # the short table, then the long one, both scaled
+            short, long = longrope_inv_freqs(head_dim, theta, scaling)
+            table = torch.cat([_cos_sin(max_position, short), _cos_sin(max_position, long)])
+            table = table * scaling["attention_factor"]
+            self.long_offset, self.original_max = max_position, scaling["original_max_position_embeddings"]
+        else:
+            table = _cos_sin(max_position, rope_inv_freq(head_dim, theta, scaling))
         self.register_buffer("cos_sin_cache", table.to(torch.get_default_device()), persistent=False)
+
+    def table_rows(self, start: int, count: int, prompt_len: int) -> range | list[int]:
+        """The rows of ``cos_sin_cache`` of positions ``start .. start + count`` of a sequence whose prompt has
+        ``prompt_len`` tokens: the positions themselves, except that with LongRoPE, as transformers generates, a
+        sequence whose prompt is longer than ``original_max`` takes the long table throughout and any other the long
+        table from that position on."""
+        if not self.long_offset:
+            return range(start, start + count)
+        if prompt_len > self.original_max:
+            return range(start + self.long_offset, start + count + self.long_offset)
+        return [p + self.long_offset if p >= self.original_max else p for p in range(start, start + count)]
+
+    def cache_salt(self, prompt_len: int) -> bytes:
+        """What sets apart, in the prefix cache, the KV of a sequence rotated by other tables than another's with the
+        same tokens: LongRoPE's long-prompt sequences (``table_rows``)."""
+        return b"longrope-long" if self.long_offset and prompt_len > self.original_max else b""
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos.to(q.dtype), sin.to(q.dtype)), _rotate(k, cos.to(k.dtype), sin.to(k.dtype))
+
+
+def _cos_sin(max_position: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[max_position, head_dim]: cos then sin of each position times each inverse frequency, in float32."""
+    freqs = torch.arange(max_position, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -126,6 +126,7 @@ class DecoderModel(nn.Module):
         arch = config.architecture
         linear = LinearFactory(config, dtype, kernels)
         rotary = RotaryEmbedding(arch.head_dim, config.plan.max_seq_len, arch.rope_theta, arch.rope_scaling)
+        self.rotary = rotary  # shared by the layers; its table_rows are the positions the model takes
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype).requires_grad_(False)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, linear, rotary, dtype) for i in range(arch.num_layers)

@@ -1,6 +1,6 @@
-"""Phi-3 (mini, small-free: the dense Phi3ForCausalLM): the checkpoint stores q/k/v as one ``qkv_proj`` and gate/up as
-one ``gate_up_proj``, already in the runtime's fused layout. Its ``longrope`` rotary scaling (the 128k models) is
-not built yet and is refused; the 4k models use plain RoPE."""
+"""Phi-3 (the dense Phi3ForCausalLM: mini, medium): the checkpoint stores q/k/v as one ``qkv_proj`` and gate/up as
+one ``gate_up_proj``, already in the runtime's fused layout; the 128k models scale RoPE with ``longrope``
+(``layers/rotary.py``), the 4k ones use plain RoPE and a sliding window."""
 
 from __future__ import annotations
 
