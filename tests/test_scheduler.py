@@ -133,3 +133,50 @@ def test_finishing_a_waiting_request_removes_it():
     scheduler.add(seq)
     scheduler.finish(seq, "abort")
     assert not scheduler.has_unfinished() and seq.finish_reason == "abort"
+
+
+def test_a_mixed_step_lists_its_decodes_before_its_prefills():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    short, long = request(3, max_tokens=8), request(20, first_token=100)  # the short one arrives first
+    scheduler.add(short)
+    scheduler.add(long)
+    fake_step(scheduler)  # short's prompt and long's first chunk
+    later = request(20, max_tokens=8, first_token=200)
+    scheduler.add(later)
+    fake_step(scheduler)  # short decodes, long's second chunk, later's first tokens
+    fake_step(scheduler)  # long's last chunk samples: long and short decode next, later still prefills
+    out = fake_step(scheduler)
+    kinds = [seq.is_decode for seq in out.scheduled]
+    assert kinds == sorted(kinds, reverse=True) and kinds[0] and not kinds[-1]  # decodes lead (the kernels' split)
+    assert out.num_decode_seqs == kinds.count(True)
+
+
+def test_a_prefix_hit_schedules_only_the_tokens_after_the_cached_blocks():
+    scheduler = make_scheduler()
+    first = request(9, max_tokens=1, first_token=0)  # tokens 0..8: blocks [0..3] and [4..7] get cached
+    scheduler.add(first)
+    fake_step(scheduler)
+    second = Sequence("s", [0, 1, 2, 3] + list(range(50, 57)), SamplingParams(max_tokens=1))  # 11 tokens, 1 block hit
+    scheduler.add(second)
+    assert scheduler.schedule().scheduled == {second: 7}
+
+
+def test_scheduling_ahead_gives_the_seat_of_a_request_ending_by_length_to_a_waiting_one():
+    scheduler = make_scheduler(max_num_seqs=1)
+    ending, waiting = request(4, max_tokens=1), request(4, first_token=100)
+    scheduler.add(ending)
+    scheduler.add(waiting)
+    out = scheduler.schedule()  # ending's prompt: its one token is in flight
+    ahead = scheduler.schedule_ahead(out)
+    assert ahead is not None and list(ahead.scheduled) == [waiting]
+
+
+def test_a_step_scheduled_ahead_counts_the_tokens_in_flight_as_decodes():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    sampled, chunked = request(3, max_tokens=8), request(20, first_token=100)
+    scheduler.add(sampled)
+    scheduler.add(chunked)
+    out = scheduler.schedule()  # sampled's whole prompt (its first token in flight), chunked's first 5 tokens
+    ahead = scheduler.schedule_ahead(out)
+    assert ahead.scheduled == {sampled: 1, chunked: 7} and list(ahead.scheduled) == [sampled, chunked]
+    assert (ahead.num_decode_seqs, ahead.num_prefill_seqs) == (1, 1)
