@@ -94,6 +94,28 @@ def test_preemption_evicts_the_latest_arrival_and_requeues_it_first():
     assert out.num_preempted == 1 and list(out.scheduled) == [early]
     assert late.status is SequenceStatus.WAITING and list(scheduler.waiting) == [late, queued]
     assert late.block_table == [] and late.num_computed_tokens == 0 and late.num_preemptions == 1
+    assert scheduler.num_preemptions == 1
+
+
+def test_preemption_evicts_the_latest_of_three_running():
+    scheduler = make_scheduler(num_blocks=6, max_num_batched_tokens=64, max_seq_len=16)
+    seqs = [request(7, max_tokens=8, first_token=1 + 30 * i) for i in range(3)]  # two blocks each, then a third
+    for seq in seqs:
+        scheduler.add(seq)
+    fake_step(scheduler)
+    fake_step(scheduler)  # each now needs a third block, and none is free
+    out = fake_step(scheduler)
+    assert out.num_preempted == 1 and seqs[2].status is SequenceStatus.WAITING
+    assert list(out.scheduled) == seqs[:2]
+
+
+def test_every_decode_fits_a_budget_of_exactly_their_number():
+    scheduler = make_scheduler(max_num_batched_tokens=3)
+    seqs = [request(1, max_tokens=8, first_token=10 * i) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    fake_step(scheduler)
+    assert fake_step(scheduler).scheduled == dict.fromkeys(seqs, 1)
 
 
 def test_every_request_finishes_under_block_pressure():
