@@ -202,3 +202,10 @@ def test_a_step_scheduled_ahead_counts_the_tokens_in_flight_as_decodes():
     ahead = scheduler.schedule_ahead(out)
     assert ahead.scheduled == {sampled: 1, chunked: 7} and list(ahead.scheduled) == [sampled, chunked]
     assert (ahead.num_decode_seqs, ahead.num_prefill_seqs) == (1, 1)
+
+
+def test_the_sequence_cap_holds_past_256_sequences():
+    scheduler = make_scheduler(num_blocks=320, max_num_seqs=300, max_num_batched_tokens=400)  # past interned ints
+    for i in range(301):
+        scheduler.add(request(1, first_token=i))
+    assert len(scheduler.schedule().scheduled) == 300 and len(scheduler.waiting) == 1
