@@ -98,3 +98,14 @@ def test_material_diff_names_nested_list_positions():
     b = {"recipe": {"exclude": ["lm_head", "y"]}}
     assert material_diff(a, b) == ["recipe.exclude[1]"]
     assert material_diff(a, {"recipe": {"exclude": ["lm_head"]}}) == ["recipe.exclude"]
+
+
+def test_canonical_json_keeps_non_ascii_text_as_utf8():
+    assert canonical_json({"модель": "café"}) == '{"модель":"café"}'.encode()  # every existing key depends on it
+
+
+def test_material_diff_names_every_kind_of_difference():
+    assert material_diff({"a": [1, 2]}, {"a": [1, 2, 3]}) == ["a"]  # lists of different lengths: the list
+    assert material_diff({"a": [1, 5]}, {"a": [1, 2]}) == ["a[1]"]  # in either order of the values
+    assert material_diff({"a": [1, 2]}, {"a": [1, 5]}) == ["a[1]"]
+    assert material_diff({"x": 1}, 5) == ["(root)"] and material_diff(5, {"x": 1}) == ["(root)"]
