@@ -393,21 +393,12 @@ class ContentStore:
         for path in sorted((self.v1 / "tmp").iterdir()):
             parts = path.name.split(".")
             if len(parts) == 4 and parts[0] == self.name and is_cache_key(parts[1]):
-                if parts[1] == own_key or self._lock_is_free(parts[1]):
+                if parts[1] == own_key or not self.is_being_built(parts[1]):
                     shutil.rmtree(path, ignore_errors=True)
                     removed.append(path)
             elif len(parts) == 4 and parts[0] == "trash" and parts[1] == self.name and delete_unless_held(path):
                 removed.append(path)
         return removed
-
-    def _lock_is_free(self, key: str) -> bool:
-        lock = FileLock(self.lock_path(key))
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            return False
-        lock.release()
-        return True
 
     def _trash_path(self, key: str) -> Path:
         return self.v1 / "tmp" / f"trash.{self.name}.{key}.{uuid.uuid4().hex[:8]}"
