@@ -80,6 +80,18 @@ def make_hf_checkpoint(path: Path, seed: int = 0, **config_kwargs: Any) -> Path:
     return path
 
 
+def build_tiny_engine(root: Path, seed: int = 0, plan: BuildPlan | None = None, dtype: str = "float32",
+                      device: str = "cpu", **config_kwargs: Any) -> Path:
+    """A seeded random tiny checkpoint (``make_hf_checkpoint``) in ``root/checkpoint`` and its native engine, built
+    with ``plan`` (default ``tiny_plan()``), in ``root/engine``, which is returned."""
+    from kiln.engines.native.builder import build_native_engine
+
+    make_hf_checkpoint(root / "checkpoint", seed, **config_kwargs)
+    (root / "engine").mkdir()
+    build_native_engine(root / "checkpoint", root / "engine", plan or tiny_plan(), dtype, device=device)
+    return root / "engine"
+
+
 def make_fp8_checkpoint(path: Path, seed: int = 0, fp8_kv_cache: bool = False, **config_kwargs: Any) -> Path:
     """A tiny Llama in modelopt's unified FP8 layout, written without modelopt (static per-tensor scales)."""
     from safetensors.torch import save_file

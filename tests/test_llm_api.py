@@ -10,7 +10,6 @@ import shutil
 import pytest
 import torch
 
-from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, KilnError, SamplingParams
 from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
@@ -19,7 +18,7 @@ from kiln.runtime.native.engine import InvalidRequestError
 from kiln.runtime.native.sampler import SamplingError
 from kiln.runtime.outputs import RequestFailedError
 from kiln.runtime.tokenizer import IncrementalDetokenizer
-from tests.model_factories import make_hf_checkpoint, make_hf_model, tiny_plan
+from tests.model_factories import build_tiny_engine, make_hf_model, tiny_plan
 from tests.test_server_support import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -31,11 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("native")
-    make_hf_checkpoint(root / "checkpoint", seed=0)
-    (root / "engine").mkdir()
-    build_native_engine(root / "checkpoint", root / "engine", tiny_plan(max_seq_len=256), "float32")
-    return root / "engine"
+    return build_tiny_engine(tmp_path_factory.mktemp("native"), plan=tiny_plan(max_seq_len=256))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, RuntimeOptions, SamplingParams
 from kiln.runtime.engine_process import ProcessEngine
-from tests.model_factories import make_hf_checkpoint, tiny_plan
+from tests.model_factories import build_tiny_engine, tiny_plan
 
 PROMPTS = [[5, 17, 33, 8, 61, 12], [3, 64, 9, 3]]
 STEPS = 12
@@ -24,9 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("controls")
-    make_hf_checkpoint(root / "checkpoint", seed=3)
-    (root / "engine").mkdir()
-    build_native_engine(root / "checkpoint", root / "engine", tiny_plan(), "float32")
+    build_tiny_engine(root, seed=3)
     return root
 
 

@@ -9,7 +9,7 @@ import torch
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.native.engine_format import EngineConfig
-from tests.model_factories import FAMILY_CLASSES, hf_greedy, make_hf_checkpoint, tiny_plan
+from tests.model_factories import FAMILY_CLASSES, build_tiny_engine, hf_greedy, tiny_plan
 
 PROMPTS = [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9], [77, 21, 50, 50, 6, 31, 2, 88, 14, 19, 60, 7, 7, 40, 33, 12]]
 WINDOW = 6  # shorter than the longest prompt, and than every prompt with its completion
@@ -68,10 +68,8 @@ def check_greedy_tokens(tmp_path, case: dict, device: str) -> None:
     eager attention on the CPU) for the prompts in flight together, and for the longest prompt alone first."""
     from transformers import AutoModelForCausalLM
 
-    checkpoint = make_hf_checkpoint(tmp_path / "hf", **case)
-    engine = tmp_path / "engine"
-    engine.mkdir()
-    build_native_engine(checkpoint, engine, tiny_plan(), "float32", device=device)
+    engine = build_tiny_engine(tmp_path, device=device, **case)
+    checkpoint = tmp_path / "checkpoint"
     assert EngineConfig.load(engine).architecture.type == {"mistral": "llama"}.get(case["family"], case["family"])
     # eager: transformers' SDPA path drops Gemma 2's attention soft-capping
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()

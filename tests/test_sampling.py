@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.native.sampler import Sampler, SamplingError, apply_top_k_top_p
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
-from tests.model_factories import make_hf_checkpoint, tiny_plan
+from tests.model_factories import build_tiny_engine
 
 PROMPT = [5, 17, 33, 8, 61, 12]
 TINY_LLAMA = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
@@ -25,11 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    root = tmp_path_factory.mktemp("native")
-    make_hf_checkpoint(root / "checkpoint", seed=2)
-    (root / "engine").mkdir()
-    build_native_engine(root / "checkpoint", root / "engine", tiny_plan(), "float32")
-    with LLM.load(root / "engine") as llm:
+    with LLM.load(build_tiny_engine(tmp_path_factory.mktemp("native"), seed=2)) as llm:
         yield llm
 
 
