@@ -128,7 +128,8 @@ def test_every_request_finishes_under_block_pressure():
         for _ in range(rng.randint(0, 2)):
             if pending:
                 scheduler.add(pending.pop(0))
-        fake_step(scheduler)
+        out = fake_step(scheduler)
+        assert sum(out.scheduled.values()) <= 16 and all(n > 0 for n in out.scheduled.values())  # the token budget
         steps += 1
         assert steps < 2000, "a request starved"
     assert all(s.finish_reason == "length" and s.num_completion_tokens == s.params.max_tokens for s in everyone)
