@@ -102,3 +102,18 @@ def test_quantized_builds_of_each_family_pass_their_gate_and_serve(tmp_path, fam
     assert (config.architecture.type, config.quantization.format) == (family, fmt)
     with LLM.load(engine) as llm:
         assert len(llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+
+
+def test_a_config_json_that_omits_a_family_setting_gets_transformers_default():
+    from pathlib import Path
+
+    from kiln.engines.native.checkpoint import parse_architecture
+
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 30, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 96, "max_position_embeddings": 256}
+    gemma = parse_architecture({"architectures": ["Gemma2ForCausalLM"], **shape}, {}, Path("config.json"))
+    assert (gemma.hidden_act, gemma.query_pre_attn_scalar, gemma.sliding_window) == ("gelu_pytorch_tanh", 256.0, 4096)
+    assert gemma.tie_word_embeddings and gemma.layer_types[:2] == ["sliding_attention", "full_attention"]
+    qwen = parse_architecture({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+                               "sliding_window": 8, **shape}, {}, Path("config.json"))
+    assert qwen.layer_types == ["full_attention"] * 28 + ["sliding_attention"] * 2  # from max_window_layers 28

@@ -13,6 +13,7 @@ from kiln.runtime.native.model.registry import Family, sliding_layers
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     """Every Gemma 2 quirk from its config.json (transformers' defaults where it omits one)."""
     return {
+        "hidden_act": config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh",
         "sandwich_norms": True,
         "scale_embeddings": True,
         "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar", 256)),

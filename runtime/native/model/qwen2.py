@@ -18,7 +18,7 @@ def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
 def window_layers(config: dict[str, Any]) -> dict[str, Any]:
     """With ``use_sliding_window``, the layers from ``max_window_layers`` on slide (as transformers has it)."""
     window = config.get("sliding_window") if config.get("use_sliding_window") else None
-    first = config.get("max_window_layers", 0)
+    first = config.get("max_window_layers", 28)  # transformers' default for Qwen2 and Qwen3
     return sliding_layers(config, window, lambda i: i >= first)
 
 
