@@ -23,7 +23,8 @@ CASES = {
     "qwen2-mha-tied": dict(family="qwen2", num_heads=2, num_kv_heads=2, tie_word_embeddings=True),
     "qwen3-gqa": dict(family="qwen3", num_heads=4, num_kv_heads=1, head_dim=32),
     "qwen3-mha-attention-bias": dict(family="qwen3", num_heads=2, num_kv_heads=2, attention_bias=True),
-    "llama-attention-bias": dict(family="llama", num_heads=4, num_kv_heads=2, attention_bias=True),
+    "llama-attention-and-mlp-bias": dict(family="llama", num_heads=4, num_kv_heads=2, attention_bias=True,
+                                         mlp_bias=True),
     "mistral-sliding-window": dict(family="mistral", num_heads=4, num_kv_heads=2, sliding_window=WINDOW),
     "qwen2-sliding-window-from-layer-1": dict(family="qwen2", num_heads=4, num_kv_heads=2, use_sliding_window=True,
                                               sliding_window=WINDOW, max_window_layers=1),
@@ -117,3 +118,16 @@ def test_a_config_json_that_omits_a_family_setting_gets_transformers_default():
     qwen = parse_architecture({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
                                "sliding_window": 8, **shape}, {}, Path("config.json"))
     assert qwen.layer_types == ["full_attention"] * 28 + ["sliding_attention"] * 2  # from max_window_layers 28
+
+
+def test_an_activation_the_decoder_lacks_is_refused_naming_the_supported_ones():
+    from pathlib import Path
+
+    from kiln.engines.native.checkpoint import parse_architecture
+    from kiln.runtime.errors import KilnError
+
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_act": "relu", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 96,
+              "max_position_embeddings": 256}
+    with pytest.raises(KilnError, match="hidden_act 'relu' is not supported .*silu, gelu_pytorch_tanh"):
+        parse_architecture(config, {}, Path("config.json"))

@@ -52,7 +52,9 @@ def convert_weights(tensors: CheckpointTensors, arch: Architecture, fmt: str, gr
                 out[f"{dst}.self_attn.{name}.weight"] = norm(f"{src}.self_attn.{name}.weight")
         for fused, members in family.linears.items():
             names = [f"{src}.{m}" for m in members]
-            if {"self_attn.qkv_proj": arch.qkv_bias, "self_attn.o_proj": arch.o_bias}.get(fused, False):
+            biased = {"self_attn.qkv_proj": arch.qkv_bias, "self_attn.o_proj": arch.o_bias,
+                      "mlp.gate_up_proj": arch.mlp_bias, "mlp.down_proj": arch.mlp_bias}
+            if biased[fused]:
                 out[f"{dst}.{fused}.bias"] = torch.cat([tensors.get(f"{n}.bias") for n in names]).to(dtype)
             member_fmt = _group_format(tensors, names)
             if member_fmt == "none":

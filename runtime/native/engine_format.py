@@ -50,6 +50,7 @@ class Architecture:
     type: str = "llama"
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     o_bias: bool = False  # a bias on the output projection
+    mlp_bias: bool = False  # biases on the gate, up and down projections
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3)
     sliding_window: int | None = None  # the layers ``layer_types`` marks "sliding_attention" see this many positions
     layer_types: list[str] | None = None  # per layer "full_attention" or "sliding_attention"; None: all full

@@ -79,8 +79,9 @@ class GatedMLP(nn.Module):
     def __init__(self, config: EngineConfig, prefix: str, linear: LinearFactory) -> None:
         super().__init__()
         arch = config.architecture
-        self.gate_up_proj = linear(f"{prefix}.gate_up_proj", arch.hidden_size, 2 * arch.intermediate_size)
-        self.down_proj = linear(f"{prefix}.down_proj", arch.intermediate_size, arch.hidden_size)
+        self.gate_up_proj = linear(f"{prefix}.gate_up_proj", arch.hidden_size, 2 * arch.intermediate_size,
+                                   arch.mlp_bias)
+        self.down_proj = linear(f"{prefix}.down_proj", arch.intermediate_size, arch.hidden_size, arch.mlp_bias)
         self.act = gated_activation(arch.hidden_act, linear.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,11 @@ from kiln.runtime.native.model.registry import Family, sliding_layers
 
 
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """Llama's ``attention_bias`` puts biases on q, k, v and o; Mistral's ``sliding_window`` applies to every
-    layer."""
+    """Llama's ``attention_bias`` puts biases on q, k, v and o, its ``mlp_bias`` on gate, up and down; Mistral's
+    ``sliding_window`` applies to every layer."""
     bias = bool(config.get("attention_bias"))
-    return {"qkv_bias": bias, "o_bias": bias, **sliding_layers(config, config.get("sliding_window"), lambda i: True)}
+    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(config.get("mlp_bias")),
+            **sliding_layers(config, config.get("sliding_window"), lambda i: True)}
 
 
 FAMILY = Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), quirks)
