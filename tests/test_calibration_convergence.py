@@ -46,6 +46,26 @@ def test_a_statistic_that_moves_again_starts_its_streak_over():
     assert monitor.converged
 
 
+def test_only_the_heldout_kl_curve_has_a_floor_under_its_change():
+    kl_name = ".".join(["heldout", "kl"])  # built at run time, as the quantizer builds its names
+    assert change(kl_name, torch.tensor([1e-6]), torch.tensor([2e-6])) == pytest.approx(1e-6 / 1e-3)
+    assert change("model.layers.0.mlp.amax", torch.tensor([1e-6]), torch.tensor([2e-6])) == pytest.approx(1.0)
+
+
+def test_a_statistic_whose_shape_changes_has_not_settled():
+    monitor = ConvergenceMonitor(tolerance=0.1, patience=1)
+    monitor.observe({"a": torch.ones(2)})
+    assert monitor.observe({"a": torch.ones(3)}) == (float("inf"), "a")
+    assert monitor.observe({"a": torch.ones(2)})[0] == float("inf") and not monitor.converged
+
+
+def test_unsettled_statistics_come_largest_change_first():
+    monitor = ConvergenceMonitor(tolerance=0.01, patience=2)
+    monitor.observe({"small": torch.tensor([1.0]), "large": torch.tensor([1.0]), "still": torch.tensor([1.0])})
+    monitor.observe({"small": torch.tensor([1.1]), "large": torch.tensor([2.0]), "still": torch.tensor([1.0])})
+    assert [name for name, _ in monitor.unsettled()] == ["large", "small"]
+
+
 def test_alpha_flip_between_near_equal_search_losses_is_a_small_change():
     previous = torch.tensor([3.0, 1.000, 1.001, 5.0])  # alpha 1 chosen
     near_tie = torch.tensor([3.0, 1.002, 1.000, 5.0])  # alpha 2 chosen now, alpha 1 only 0.2 % worse
