@@ -66,6 +66,28 @@ def test_unsettled_statistics_come_largest_change_first():
     assert [name for name, _ in monitor.unsettled()] == ["large", "small"]
 
 
+def test_a_search_loss_changes_by_the_regret_of_the_previous_choice():
+    previous, current = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.5, 1.2, 3.0])
+    assert change("layer.search_loss", previous, current) == pytest.approx((1.5 - 1.2) / 1.2)
+
+
+def test_a_change_of_exactly_the_tolerance_is_movement():
+    monitor = ConvergenceMonitor(tolerance=0.5, patience=1)
+    monitor.observe({"a": torch.tensor([1.0])})
+    monitor.observe({"a": torch.tensor([1.5])})
+    assert not monitor.converged and monitor.unsettled() == [("a", 0.5)]
+
+
+def test_a_statistic_that_appears_later_settles_after_its_own_patience():
+    monitor = ConvergenceMonitor(tolerance=0.1, patience=2)
+    monitor.observe({"a": torch.tensor([1.0])})
+    assert monitor.observe({"a": torch.tensor([1.0]), "b": torch.tensor([1.0])}) == (float("inf"), "b")
+    monitor.observe({"a": torch.tensor([1.0]), "b": torch.tensor([1.0])})
+    assert not monitor.converged  # b has been under the tolerance for one round only
+    monitor.observe({"a": torch.tensor([1.0]), "b": torch.tensor([1.0])})
+    assert monitor.converged
+
+
 def test_alpha_flip_between_near_equal_search_losses_is_a_small_change():
     previous = torch.tensor([3.0, 1.000, 1.001, 5.0])  # alpha 1 chosen
     near_tie = torch.tensor([3.0, 1.002, 1.000, 5.0])  # alpha 2 chosen now, alpha 1 only 0.2 % worse
