@@ -88,6 +88,13 @@ def test_a_statistic_that_appears_later_settles_after_its_own_patience():
     assert monitor.converged
 
 
+def test_unsettled_reports_the_largest_change_of_the_last_patience_rounds():
+    monitor = ConvergenceMonitor(tolerance=0.1, patience=2)
+    for value in (1.0, 6.0, 7.2, 9.36):  # changes 5.0, then 0.2 and 0.3: the 5.0 is older than the patience
+        monitor.observe({"a": torch.tensor([value])})
+    assert monitor.unsettled() == [("a", pytest.approx(0.3))]
+
+
 def test_alpha_flip_between_near_equal_search_losses_is_a_small_change():
     previous = torch.tensor([3.0, 1.000, 1.001, 5.0])  # alpha 1 chosen
     near_tie = torch.tensor([3.0, 1.002, 1.000, 5.0])  # alpha 2 chosen now, alpha 1 only 0.2 % worse
