@@ -74,12 +74,6 @@ class LookupResult:
         value = (self.manifest or {}).get("build_seconds", 0.0)
         return float(value) if isinstance(value, (int, float)) else 0.0
 
-    @property
-    def total_bytes(self) -> int:
-        """The entry's payload size as its manifest records it (0 without one)."""
-        value = (self.manifest or {}).get("total_bytes", 0)
-        return value if isinstance(value, int) else 0
-
 
 @dataclass(frozen=True)
 class CacheResult:
@@ -190,7 +184,8 @@ class ContentStore:
         return found
 
     def _record_lookup(self, key: str, found: LookupResult) -> None:
-        self.stats.record_lookup(self.name, key, found.reason, found.build_seconds, found.total_bytes)
+        size = entry_size(found.entry_dir, found.manifest) if found.hit else 0  # a hit's manifest records it
+        self.stats.record_lookup(self.name, key, found.reason, found.build_seconds, size)
 
     def _find(self, key: str, material: dict | None) -> LookupResult:
         """``_check``, and on a hit record the use (an entry that vanished meanwhile is looked up again)."""

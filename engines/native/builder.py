@@ -91,4 +91,3 @@ def preflight_native_plan(checkpoint_dir: Path, plan: BuildPlan, dtype: str) -> 
     a plan the model cannot hold fails in seconds rather than after calibration."""
     arch, _ = read_architecture(Path(checkpoint_dir))
     fit_plan(replace(plan, kv_cache_dtype="auto"), arch, dtype, fp8_kv_available=False)
-

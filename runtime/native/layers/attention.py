@@ -108,11 +108,12 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     padding = -num_tokens % CUDA_PROMPT_LENGTH_MULTIPLE if q.is_cuda else 0
     if padding:
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, padding)) for x in (q, k, v))
-    positions = torch.arange(q.shape[0], device=q.device)
+    mask = None  # plain causal attention builds no mask (the hot path)
+    if window is not None or softcap is not None:
+        positions = torch.arange(q.shape[0], device=q.device)
+        mask = attention_mask(positions, positions, window)
     if softcap is not None:
-        out = softcapped_attention(q, k, v, attention_mask(positions, positions, window), scale, softcap)
-        return out[:num_tokens]
-    mask = None if window is None else attention_mask(positions, positions, window)
+        return softcapped_attention(q, k, v, mask, scale, softcap)[:num_tokens]
     with sdpa_kernel(PROMPT_BACKENDS, set_priority=True):
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
