@@ -34,13 +34,17 @@ class CalibrationData:
         return list(self.calibration.split(round_samples))
 
 
-def load_calibration_data(recipe: QuantizeRecipe, tokenizer, dataset_root: Path | None = None) -> CalibrationData:
+def load_calibration_data(recipe: QuantizeRecipe, tokenizer, dataset_root: Path | None = None, *,
+                          embedding_rows: int | None = None) -> CalibrationData:
     """Read, shuffle (seeded), tokenize and pack the recipe's calibration and held-out text; for the "random" source,
-    draw token ids uniformly over the tokenizer's vocabulary (seeded; held-out rows from the next seed)."""
+    draw token ids uniformly over the tokenizer's vocabulary, capped at the model's ``embedding_rows`` (a tokenizer
+    class may add special tokens past them), seeded; held-out rows from the next seed."""
     if recipe.dataset == RANDOM:
+        vocab = min(len(tokenizer), embedding_rows or len(tokenizer))
+
         def rows(count: int, seed: int) -> torch.Tensor:
             generator = torch.Generator().manual_seed(seed)
-            return torch.randint(0, len(tokenizer), (count, recipe.seq_len), generator=generator)
+            return torch.randint(0, vocab, (count, recipe.seq_len), generator=generator)
 
         return CalibrationData(calibration=rows(recipe.num_samples, recipe.seed),
                                heldout=rows(recipe.heldout_samples, recipe.seed + 1),

@@ -102,7 +102,8 @@ class _Stage:
         self.progress("loading model and data", 0.0)
         reference = self._timed("load_s", self._load_model)
         tokenizer = _load_tokenizer(self.model_dir)
-        data = self._timed("data_s", lambda: load_calibration_data(self.recipe, tokenizer, self.dataset_root))
+        data = self._timed("data_s", lambda: load_calibration_data(
+            self.recipe, tokenizer, self.dataset_root, embedding_rows=reference.get_input_embeddings().num_embeddings))
         runner = BatchRunner(self.recipe.batch_size, self.device, self.recipe.round_samples)
         heldout = self._timed("reference_s", lambda: runner.with_backoff(
             lambda: HeldoutReference(reference, data.heldout, runner)))

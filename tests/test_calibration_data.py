@@ -103,3 +103,12 @@ def test_random_token_ids_are_seeded_rows_over_the_vocabulary_with_their_own_hel
     assert not torch.equal(data.heldout, data.calibration[:3])
     assert not torch.equal(load_calibration_data(recipe.model_copy(update={"seed": 5}), tokenizer).calibration,
                            data.calibration)
+
+
+def test_random_token_ids_stay_inside_the_model_embedding_when_the_tokenizer_adds_special_tokens(tokenizer):
+    """transformers' Qwen2Tokenizer adds <|endoftext|> past a small random vocabulary: ids must still embed."""
+    recipe = QuantizeRecipe(format="fp8", dataset="random", heldout="random", num_samples=64, round_samples=64,
+                            heldout_samples=64, seq_len=64, seed=0)
+    rows = len(tokenizer) - 1
+    data = load_calibration_data(recipe, tokenizer, embedding_rows=rows)
+    assert int(data.calibration.max()) == rows - 1 and int(data.heldout.max()) == rows - 1
