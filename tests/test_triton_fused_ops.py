@@ -167,6 +167,29 @@ def test_silu_and_mul_matches_the_layer_for_every_bfloat16_gate(device):
 
 
 @DTYPES
+def test_a_fused_pre_norm_equals_the_two_norms_in_sequence(device, poisoned_outputs, dtype):
+    """Gemma 2's post-norm fused into the next pre-norm: the same bytes as two kernels, and as the PyTorch layers."""
+    generator = torch.Generator().manual_seed(6)
+    x, residual = (on_a_grid(5, 320, generator=generator).to(dtype).to(device) for _ in range(2))
+    post, pre = (RMSNorm(320, EPS, dtype, REFERENCE).to(device) for _ in range(2))
+    post.weight.copy_(torch.randn(320, generator=generator) + 1)
+    pre.weight.copy_(torch.randn(320, generator=generator) + 1)
+    scale = torch.tensor(0.0137, device=device)
+    out, new_residual = rms_norm(x, pre.weight, EPS, residual, pre_weight=post.weight)
+    expected, expected_residual = rms_norm(rms_norm(x, post.weight, EPS), pre.weight, EPS, residual)
+    assert torch.equal(out, expected) and torch.equal(new_residual, expected_residual)
+    q_out, _ = rms_norm(x, pre.weight, EPS, residual, scale, pre_weight=post.weight)
+    assert torch.equal(q_out.view(torch.uint8), fp8_quantize(expected, scale).view(torch.uint8))
+    if device == "cpu":  # the layer's PyTorch path takes the same argument
+        layer_out, layer_residual = pre(x, residual, pre_norm=post)
+        assert torch.equal(layer_out, out) and torch.equal(layer_residual, new_residual)
+    with pytest.raises(ValueError, match="pre_weight must be"):
+        rms_norm(x, pre.weight, EPS, residual, pre_weight=post.weight[:64])
+    with pytest.raises(ValueError, match="cannot fuse"):
+        pre(x, residual, pre_norm=RMSNorm(320, 1e-6, dtype, REFERENCE).to(device))
+
+
+@DTYPES
 def test_rms_norm_and_silu_quantize_their_output_as_the_next_fp8_linear_would(device, poisoned_outputs, dtype):
     # Values beyond ±448 * scale clamp; the scale is not a power of two, so the division rounds.
     generator = torch.Generator().manual_seed(5)

@@ -25,12 +25,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                quant_scale: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With ``quant_scale`` the output is float8_e4m3fn, ``fp8_quantize(out, quant_scale)``."""
+                quant_scale: torch.Tensor | None = None,
+                pre_norm: RMSNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With ``quant_scale`` the output is float8_e4m3fn, ``fp8_quantize(out, quant_scale)``; with ``pre_norm``
+        (same eps), ``x`` is first replaced by ``pre_norm(x)``."""
+        if pre_norm is not None and pre_norm.eps != self.eps:
+            raise ValueError(f"RMSNorm: a pre_norm with eps {pre_norm.eps} cannot fuse into one with eps {self.eps}")
         if self.kernels.use_triton(x):
             from kiln.runtime.native.kernels.rms_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual, quant_scale, pdl=self.kernels.pdl)
+            return rms_norm(x, self.weight, self.eps, residual, quant_scale,
+                            None if pre_norm is None else pre_norm.weight, pdl=self.kernels.pdl)
+        if pre_norm is not None:
+            x = pre_norm(x)
         if residual is not None:
             x = x + residual
             residual = x

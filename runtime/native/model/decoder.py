@@ -97,25 +97,36 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
         self.self_attn = Attention(config, index, linear, rotary, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
-        if arch.sandwich_norms:  # post_attention_layernorm then normalises the attention output alone
+        # Gemma 2's sandwich: post_attention_layernorm normalises the attention output alone, and each sub-layer's
+        # post-norm runs fused into the norm that follows it (output_norm: the next layer's input norm, or the last)
+        if arch.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
             self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
         self.sandwich_norms = arch.sandwich_norms
         self.mlp = GatedMLP(config, f"layers.{index}.mlp", linear)
 
+    @property
+    def output_norm(self) -> RMSNorm | None:
+        """The norm this layer's output still needs, fused into the next norm (Gemma 2's post-feedforward norm)."""
+        return self.post_feedforward_layernorm if self.sandwich_norms else None
+
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, kv_cache: KVCache,
+                pending_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, residual)`` after this layer; ``h`` still needs ``output_norm`` when the layer has one, and
+        ``pending_norm`` is the previous layer's."""
         if residual is None:
             h, residual = self.input_layernorm(h, quant_scale=fusable_input_scale(self.self_attn.qkv_proj, h)), h
         else:
-            h, residual = self.input_layernorm(h, residual, fusable_input_scale(self.self_attn.qkv_proj, h))
+            h, residual = self.input_layernorm(h, residual, fusable_input_scale(self.self_attn.qkv_proj, h),
+                                               pending_norm)
         h = self.self_attn(positions, h, meta, kv_cache)
-        pre_mlp_norm = self.post_attention_layernorm
         if self.sandwich_norms:
-            h, pre_mlp_norm = self.post_attention_layernorm(h), self.pre_feedforward_layernorm
-        h, residual = pre_mlp_norm(h, residual, fusable_input_scale(self.mlp.gate_up_proj, h))
-        h = self.mlp(h)
-        return (self.post_feedforward_layernorm(h) if self.sandwich_norms else h), residual
+            h, residual = self.pre_feedforward_layernorm(h, residual, fusable_input_scale(self.mlp.gate_up_proj, h),
+                                                         self.post_attention_layernorm)
+        else:
+            h, residual = self.post_attention_layernorm(h, residual, fusable_input_scale(self.mlp.gate_up_proj, h))
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -185,9 +196,11 @@ class DecoderModel(nn.Module):
         h, residual = self.embed_tokens(input_ids), None
         if self.embedding_scale is not None:
             h = h * self.embedding_scale
+        pending_norm = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(positions, h, residual, meta, kv_cache)
-        h, _ = self.norm(h, residual)
+            h, residual = layer(positions, h, residual, meta, kv_cache, pending_norm)
+            pending_norm = layer.output_norm
+        h, _ = self.norm(h, residual, pre_norm=pending_norm)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
