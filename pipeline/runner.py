@@ -49,7 +49,7 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
     loaded = load_config(config)
     choice = choose_backend(backend or loaded.config.build.backend, loaded.config.build.device)
     if choice.backend == "native":
-        refuse_parallelism(loaded.config.build.tp_size, loaded.config.build.pp_size)
+        refuse_parallelism(loaded.config.build.pp_size)
     if dry_run:
         model_dir = find_model(loaded.config.model)
     else:
@@ -59,7 +59,8 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
         if (positions := model_max_positions(model_dir)) is not None:
             loaded.config.build = loaded.config.build.fitted_to_model(positions)
         if choice.backend == "native":
-            preflight_native_plan(model_dir, loaded.config.build.plan(), loaded.config.model.dtype)
+            preflight_native_plan(model_dir, loaded.config.build.plan(), loaded.config.model.dtype,
+                                  loaded.config.build.tp_size)
     cache = open_cache(loaded, create=not dry_run)
     ckpt = _hash_checkpoint(model_dir, cache) if model_dir else None
     ctx = BuildContext(loaded=loaded, choice=choice, options=options, cache=cache, model_dir=model_dir,

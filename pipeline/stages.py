@@ -257,7 +257,7 @@ class BuildStage:
             # a quantized checkpoint of the cache is kept from being evicted while it is read
             with EntryHold(ctx.cache.quantized.entry_dir(ctx.quantized_key)) if quantized else nullcontext():
                 engine = build_native_engine(ctx.checkpoint_dir, tmp, plan, cfg.model.dtype, device=ctx.choice.device,
-                                             kernels=ctx.options.kernels)
+                                             kernels=ctx.options.kernels, tp_size=cfg.build.tp_size)
             return {"engine": {"format": engine["format"], "quantization": engine["quantization"]},
                     "calibration": report_summary(ctx.calibration) if ctx.calibration else None}
 

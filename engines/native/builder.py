@@ -17,20 +17,23 @@ from kiln.runtime.errors import KilnError
 from kiln.runtime.native.engine_format import (
     DTYPES,
     ENGINE_FORMAT,
-    WEIGHTS_FILE,
+    Architecture,
     EngineConfig,
     QuantizationConfig,
+    weights_file,
 )
 from kiln.runtime.native.fingerprint import machine_fingerprint
+from kiln.runtime.native.parallel.sharding import rank_architecture, rank_config, shard_weights, sharding_problems
 from kiln.runtime.options import Kernels
 from kiln.runtime.plan import BuildPlan
 from kiln.runtime.tokenizer import copy_tokenizer_files
 
 
 def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dtype: str, device: str = "cpu",
-                        kernels: Kernels = "triton") -> dict:
+                        kernels: Kernels = "triton", tp_size: int = 1) -> dict:
     """Convert an HF checkpoint (plain, or modelopt's unified FP8 / W4A16_AWQ export, detected from
-    hf_quant_config.json / config.json quantization_config) into an engine dir at out_dir (which exists, empty).
+    hf_quant_config.json / config.json quantization_config) into an engine dir at out_dir (which exists, empty),
+    split over ``tp_size`` tensor-parallel ranks (one weight file each, ``runtime.native.parallel.sharding``).
     Validates the plan (KV for max_batch_size x max_seq_len must fit in memory budget, else says how many
     sequences fit). On CUDA with the Triton ``kernels``, times each FP8 linear's crossover (``tuning``; key material:
     ``tuning_material``). Returns the engine.json dict."""
@@ -45,6 +48,7 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
         raise KilnError(f"build device {device!r} requested but CUDA is not available on this machine")
     arch, hf_config = read_architecture(checkpoint_dir)
     source_quant = read_quantization(checkpoint_dir, hf_config)
+    refuse_unshardable(arch, tp_size, source_quant.group_size)
     build_plan = fit_plan(plan, arch, dtype, source_quant.fp8_kv_cache)
     if not (checkpoint_dir / "tokenizer.json").is_file():
         raise KilnError(f"{checkpoint_dir}: no tokenizer.json; the native runtime needs a fast tokenizer file "
@@ -64,30 +68,47 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
         ),
         plan=build_plan,
         fingerprint=machine_fingerprint(device),
+        tp_size=tp_size,
     )
-    check_kv_cache_fits(config, device, sum(t.numel() * t.element_size() for t in weights.values()))
+    shards = shard_weights(weights, arch, tp_size) if tp_size > 1 else [weights]
+    # the ranks of a CPU engine share this machine's memory; those of a CUDA engine have a GPU each
+    ranks_per_memory = tp_size if torch.device(device).type == "cpu" else 1
+    check_kv_cache_fits(rank_config(config), device, ranks_per_memory * max(_bytes(shard) for shard in shards),
+                        ranks_per_memory)
     if source_quant.format == "fp8" and fp8_kernels_measurable(device, kernels):  # once the plan is known to fit
-        streaming_max_m = measure_fp8_streaming_max_m(arch, DTYPES[dtype], device)
+        streaming_max_m = measure_fp8_streaming_max_m(rank_architecture(arch, tp_size), DTYPES[dtype], device)
         config = replace(config, quantization=replace(config.quantization, fp8_streaming_max_m=streaming_max_m))
 
-    save_file({name: t.contiguous() for name, t in weights.items()}, str(out_dir / WEIGHTS_FILE),
-              metadata={"format": ENGINE_FORMAT})
+    for rank, shard in enumerate(shards):
+        save_file({name: t.contiguous() for name, t in shard.items()}, str(out_dir / weights_file(rank)),
+                  metadata={"format": ENGINE_FORMAT})
     copy_tokenizer_files(checkpoint_dir, out_dir)
     config.save(out_dir)
     return config.to_dict()
 
 
-def refuse_parallelism(tp_size: int, pp_size: int) -> None:
-    """The native backend builds engines for one device: a tensor- or pipeline-parallel plan is refused, not built
-    as a single-device engine."""
-    if tp_size != 1 or pp_size != 1:
-        raise KilnError(f"build.tp_size {tp_size} and build.pp_size {pp_size}: the native backend builds engines for "
-                        f"one GPU (tensor and pipeline parallelism are not built yet); set both to 1, or use "
-                        f"backend trtllm")
+def _bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def preflight_native_plan(checkpoint_dir: Path, plan: BuildPlan, dtype: str) -> None:
+def refuse_parallelism(pp_size: int) -> None:
+    """The native backend splits a model over GPUs by tensor parallelism only: a pipeline-parallel plan is refused,
+    not built as something else."""
+    if pp_size != 1:
+        raise KilnError(f"build.pp_size {pp_size}: the native backend has no pipeline parallelism; set it to 1 and "
+                        f"split the model with build.tp_size instead, or use backend trtllm")
+
+
+def refuse_unshardable(arch: Architecture, tp_size: int, group_size: int | None) -> None:
+    """A model that ``tp_size`` ranks cannot split evenly is refused, naming each shape that does not divide."""
+    if problems := sharding_problems(arch, tp_size, group_size):
+        raise KilnError(f"build.tp_size {tp_size} cannot split this model: {'; '.join(problems)}; choose a tp_size "
+                        f"that divides them")
+
+
+def preflight_native_plan(checkpoint_dir: Path, plan: BuildPlan, dtype: str, tp_size: int = 1) -> None:
     """Check a build plan against the checkpoint's architecture before any stage runs (reads config.json only), so
     a plan the model cannot hold fails in seconds rather than after calibration."""
-    arch, _ = read_architecture(Path(checkpoint_dir))
+    arch, hf_config = read_architecture(Path(checkpoint_dir))
     fit_plan(replace(plan, kv_cache_dtype="auto"), arch, dtype, fp8_kv_available=False)
+    refuse_unshardable(arch, tp_size, read_quantization(Path(checkpoint_dir), hf_config).group_size)

@@ -50,10 +50,11 @@ def memory_budget_bytes(device: str, weight_bytes: int) -> int:
     return int(free * KV_MEMORY_FRACTION[dev.type]) - weight_bytes
 
 
-def check_kv_cache_fits(config: EngineConfig, device: str, weight_bytes: int) -> None:
-    """Raise KilnError when max_batch_size sequences of max_seq_len tokens do not fit, saying what would."""
+def check_kv_cache_fits(config: EngineConfig, device: str, weight_bytes: int, ranks: int = 1) -> None:
+    """Raise KilnError when max_batch_size sequences of max_seq_len tokens do not fit, saying what would. ``config``
+    is one rank's; ``ranks`` of them share ``device``'s memory (the weights of all of them are ``weight_bytes``)."""
     plan = config.plan
-    block_bytes = kv_bytes_per_block(config)
+    block_bytes = ranks * kv_bytes_per_block(config)
     blocks_per_seq = plan.blocks_per_seq
     need = plan.max_batch_size * blocks_per_seq * block_bytes
     budget = memory_budget_bytes(device, weight_bytes)

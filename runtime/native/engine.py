@@ -15,6 +15,8 @@ from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint
 from kiln.runtime.native.grammar import Grammars
 from kiln.runtime.native.model_runner import LaunchedStep, ModelRunner
+from kiln.runtime.native.parallel.group import TensorParallelError
+from kiln.runtime.native.parallel.launch import TensorParallelRanks
 from kiln.runtime.native.sampler import SamplingError
 from kiln.runtime.native.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.options import RuntimeOptions
@@ -54,7 +56,16 @@ class NativeEngine:
         self.tokenizer = Tokenizer.from_dir(engine_dir)
         architecture = self.config.architecture
         self.grammars = Grammars(self.tokenizer, architecture.vocab_size, architecture.eos_token_ids)
-        self.model_runner = ModelRunner(engine_dir, self.config, self.device, options, self.grammars)
+        # a tensor-parallel engine: this process is rank 0, the other ranks are worker processes it starts
+        self.ranks = TensorParallelRanks(engine_dir, options, self.config.tp_size, self.device) \
+            if self.config.tp_size > 1 else None
+        try:
+            self.model_runner = ModelRunner(engine_dir, self.config, self.device, options, self.grammars,
+                                            *((self.ranks.group, self.ranks.channel) if self.ranks else ()))
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.workers.stop(kill=True)
+            raise
         plan = self.config.plan
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block)
         self.limits = EngineLimits.from_plan(plan, vocab_size=self.config.architecture.vocab_size,
@@ -67,7 +78,9 @@ class NativeEngine:
         self._in_flight: LaunchedStep | None = None  # a step queued on the device, collected by the next step()
 
     def close(self) -> None:
-        """Nothing to release beyond what garbage collection frees (the engine interface TensorRT-LLM's needs)."""
+        """Stop a tensor-parallel engine's workers; nothing else to release beyond what garbage collection frees."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching engine state (safe from any thread)."""
@@ -104,6 +117,18 @@ class NativeEngine:
         (``Scheduler.schedule_ahead``: decodes of the tokens in flight, prefill chunks, admissions) and queued behind
         it on the device before its tokens are read; the next call collects it. A request that finishes meanwhile
         (a stop token, an abort) drops what the queued step computed for it."""
+        if self.ranks is None:
+            return self._step()
+        if self.ranks.failure is not None:
+            raise TensorParallelError(f"{self.ranks.failure}: the engine stopped")
+        try:
+            return self._step()
+        except Exception as e:
+            if self.ranks.failure is None:
+                raise
+            raise TensorParallelError(f"{self.ranks.failure}: the engine stopped") from e
+
+    def _step(self) -> list[StreamDelta | RequestFailure]:
         start = time.perf_counter()
         launched, self._in_flight = self._in_flight, None
         queued_ahead = launched is not None

@@ -21,7 +21,14 @@ from kiln.runtime.plan import BuildPlan, PlanError
 ENGINE_FORMAT = "kiln-native"
 ENGINE_FORMAT_VERSION = 1
 ENGINE_JSON = "engine.json"
-WEIGHTS_FILE = "rank0.safetensors"
+
+
+def weights_file(rank: int) -> str:
+    """The weight file of tensor-parallel rank ``rank`` (``rank0.safetensors`` for a one-device engine)."""
+    return f"rank{rank}.safetensors"
+
+
+WEIGHTS_FILE = weights_file(0)
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
@@ -96,6 +103,7 @@ class EngineConfig:
     plan: BuildPlan
     fingerprint: dict[str, Any]
     format_version: int = ENGINE_FORMAT_VERSION
+    tp_size: int = 1  # tensor-parallel ranks, each with its weights_file(rank) (runtime/native/parallel/sharding.py)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -139,6 +147,7 @@ class EngineConfig:
             plan=_plan(_required(data, "plan")),
             fingerprint=_required(data, "fingerprint"),
             format_version=data["format_version"],
+            tp_size=_section_or_default(data, "parallel").get("tp_size", 1),
         )
         config.validate()
         return config
@@ -154,6 +163,8 @@ class EngineConfig:
             (arch.num_kv_heads > 0 and arch.num_heads % arch.num_kv_heads == 0,
              "architecture.num_heads is not a multiple of num_kv_heads"),
             (isinstance(self.fingerprint, dict), "fingerprint is not an object"),
+            (type(self.tp_size) is int and self.tp_size >= 1, f"parallel.tp_size {self.tp_size!r} is not a positive "
+                                                                f"integer"),
             (isinstance(self.quantization.fp8_streaming_max_m, dict) and all(
                 isinstance(m, int) and m >= 0 for m in self.quantization.fp8_streaming_max_m.values()),
              "quantization.fp8_streaming_max_m is not an object of non-negative integers"),
@@ -172,6 +183,7 @@ class EngineConfig:
             "quantization": asdict(self.quantization),
             "plan": self.plan.to_dict(),
             "fingerprint": dict(self.fingerprint),
+            "parallel": {"tp_size": self.tp_size},
         }
 
     def to_json(self) -> str:
@@ -187,6 +199,14 @@ def _required(data: dict[str, Any], key: str) -> Any:
     if key not in data:
         raise EngineFormatError(f"missing key {key!r}")
     return data[key]
+
+
+def _section_or_default(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """``data[key]`` when present (an object), else empty: a section that engines before it lack."""
+    section = data.get(key, {})
+    if not isinstance(section, dict):
+        raise EngineFormatError(f"{key} is not an object")
+    return section
 
 
 def _plan(data: Any) -> BuildPlan:

@@ -20,8 +20,17 @@ from kiln.runtime.native.kernel_choice import KernelChoice
 from kiln.runtime.native.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from kiln.runtime.native.logit_controls import UnseenTokens
 from kiln.runtime.native.model.decoder import DecoderModel
+from kiln.runtime.native.parallel.channel import StepChannel
+from kiln.runtime.native.parallel.group import TensorParallelGroup
+from kiln.runtime.native.parallel.sharding import rank_config
+from kiln.runtime.native.parallel.step_batch import StepBatch
 from kiln.runtime.native.prefill_graphs import maybe_capture_prefill_graphs
-from kiln.runtime.native.prompt_logprobs import PromptLogprobs, prompt_logprobs, wants_prompt_logprobs
+from kiln.runtime.native.prompt_logprobs import (
+    PromptLogprobs,
+    logits_in_chunks,
+    prompt_positions,
+    wants_prompt_logprobs,
+)
 from kiln.runtime.native.sampler import Draw, Sampler, SamplingError
 from kiln.runtime.native.scheduler import SchedulerOutput
 from kiln.runtime.options import RuntimeOptions
@@ -87,16 +96,21 @@ class LaunchedStep:
 
 class ModelRunner:
     """Owns the model weights and the paged KV pool on one device, and executes scheduler outputs on them; the
-    kernels, CUDA graphs and KV pool size follow ``options``."""
+    kernels, CUDA graphs and KV pool size follow ``options``. On a tensor-parallel engine it is rank ``tp.rank``'s
+    shard; rank 0's hands each step to the other ranks through ``channel``."""
 
     def __init__(self, engine_dir: Path, config: EngineConfig, device: torch.device, options: RuntimeOptions,
-                 grammars: Grammars | None = None) -> None:
-        self.config = config
+                 grammars: Grammars | None = None, tp: TensorParallelGroup | None = None,
+                 channel: StepChannel | None = None) -> None:
         self.device = device
+        self.tp, self.channel = tp, channel
         self.block_size = config.plan.tokens_per_block
         self.model = DecoderModel.from_engine(Path(engine_dir), config, device, config.torch_dtype,
-                                            KernelChoice.from_options(options))
+                                            KernelChoice.from_options(options), tp)
+        config = self.config = rank_config(config)  # the KV pool and the graphs have this rank's shapes
         self.num_kv_blocks = options.num_kv_blocks or self._default_num_kv_blocks()
+        if tp is not None:
+            self.num_kv_blocks = tp.min_over_ranks(self.num_kv_blocks)
         min_blocks = -(-config.plan.max_seq_len // self.block_size)
         if self.num_kv_blocks < min_blocks:
             raise InsufficientKVMemoryError(
@@ -143,28 +157,14 @@ class ModelRunner:
             if seq_lens[-1] == seq.num_tokens + fed:  # the step reaches its last token: it samples
                 rows.append(i)
         unseen = after.unseen_tokens(seqs) if after is not None else None
-        fed_ids = (unseen.device_rows, unseen.tokens) if unseen is not None else None
-        block_tables = [seq.block_table for seq in seqs]
+        ends = list(accumulate(query_lens))
         prompt_rows = [i for i, seq in enumerate(seqs) if wants_prompt_logprobs(seq, starts[i])]
-        found: list[PromptLogprobs] = []
-        graphs_fit = not prompt_rows  # prompt log probabilities need every position's hidden state: eager
-        if graphs_fit and self.decode_graphs is not None and self.decode_graphs.fits(query_lens):
-            logits = self.decode_graphs.run(input_ids, positions, seq_lens, block_tables, fed_ids)  # a row a sequence
-            logits = logits[rows] if len(rows) < len(seqs) else logits
-        elif (graphs_fit and fed_ids is None and self.prefill_graphs is not None
-              and self.prefill_graphs.fits(query_lens)):
-            logits = self.prefill_graphs.run(input_ids, positions, seq_lens[0], block_tables[0])  # the last token's
-        else:
-            meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
-            ids = device_tensor(input_ids, torch.long, self.device)
-            if fed_ids is not None:
-                ids.index_copy_(0, *fed_ids)
-            hidden = self.model(ids, device_tensor(positions, torch.long, self.device), meta, self.kv_caches)
-            ends = list(accumulate(query_lens))
-            found = [prompt_logprobs(hidden[ends[i] - query_lens[i]:ends[i]], seqs[i], starts[i], query_lens[i],
-                                     self.model.compute_logits) for i in prompt_rows]
-            last_token_index = device_tensor([ends[i] - 1 for i in rows], torch.long, self.device)
-            logits = self.model.compute_logits(hidden[last_token_index])
+        spans = [(ends[i] - query_lens[i], prompt_positions(seqs[i], starts[i], query_lens[i])) for i in prompt_rows]
+        batch = StepBatch(input_ids, positions, query_lens, seq_lens, [seq.block_table for seq in seqs], rows,
+                          unseen.rows if unseen is not None else [], spans)
+        logits, prompt_logits = self.execute(batch, unseen.tokens if unseen is not None else None)
+        found = [PromptLogprobs.of(seqs[i], starts[i], chunks) for i, chunks in zip(prompt_rows, prompt_logits,
+                                                                                   strict=True)]
         sample_seqs = [seqs[i] for i in rows]
         step = LaunchedStep(out, sample_seqs, prompt_logprobs=found)
         if not rows:
@@ -175,6 +175,43 @@ class ModelRunner:
         controlled = after is not None and any(seq.params.controls_logits for seq in sample_seqs)
         self._draw(step, logits, after.unseen_tokens(sample_seqs) if controlled else None)
         return step
+
+    def execute(self, batch: StepBatch,
+                fed_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor | None, list[list[torch.Tensor]]]:
+        """Run the model on one step: the logits of ``batch.sample_rows`` (None when there are none) and, per prompt
+        span, its logits in chunks. ``fed_tokens`` (on the device) are the input ids of ``batch.fed_rows``.
+
+        On a tensor-parallel engine rank 0 first hands the batch and the fed tokens to the other ranks, which call
+        this too (``parallel/worker.py``): every rank runs the same path, so their collectives meet."""
+        if self.channel is not None:
+            self.channel.send(batch.encode())
+        if batch.fed_rows and self.tp is not None:
+            if fed_tokens is None:
+                fed_tokens = torch.empty(len(batch.fed_rows), dtype=torch.long, device=self.device)
+            self.tp.broadcast(fed_tokens)
+        fed_ids = (device_tensor(batch.fed_rows, torch.long, self.device), fed_tokens) if batch.fed_rows else None
+        rows, query_lens = batch.sample_rows, batch.query_lens
+        graphs_fit = not batch.prompt_spans  # prompt log probabilities need every position's hidden state: eager
+        if graphs_fit and self.decode_graphs is not None and self.decode_graphs.fits(query_lens):
+            logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.seq_lens, batch.block_tables,
+                                            fed_ids)  # a row a sequence
+            return (logits[rows] if len(rows) < len(query_lens) else logits), []
+        if graphs_fit and fed_ids is None and self.prefill_graphs is not None and self.prefill_graphs.fits(query_lens):
+            # the last token's logits
+            return self.prefill_graphs.run(batch.input_ids, batch.positions, batch.seq_lens[0],
+                                           batch.block_tables[0]), []
+        meta = AttentionMetadata.build(query_lens, batch.seq_lens, batch.block_tables, self.block_size, self.device)
+        ids = device_tensor(batch.input_ids, torch.long, self.device)
+        if fed_ids is not None:
+            ids.index_copy_(0, *fed_ids)
+        hidden = self.model(ids, device_tensor(batch.positions, torch.long, self.device), meta, self.kv_caches)
+        prompt_logits = [logits_in_chunks(hidden[first:first + count], self.model.compute_logits)
+                         for first, count in batch.prompt_spans]
+        if not rows:
+            return None, prompt_logits
+        ends = list(accumulate(query_lens))
+        last_token_index = device_tensor([ends[i] - 1 for i in rows], torch.long, self.device)
+        return self.model.compute_logits(hidden[last_token_index]), prompt_logits
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep) -> None:

@@ -33,6 +33,24 @@ class PromptLogprobs:
     top_values: torch.Tensor | None
     top_ids: torch.Tensor | None
 
+    @classmethod
+    def of(cls, seq: Sequence, start: int, logits: list[torch.Tensor]) -> PromptLogprobs:
+        """The entries that the logits (in chunks, ``logits_in_chunks``) of ``seq``'s positions ``start..``
+        predict: those of prompt tokens ``start + 1..``."""
+        count = sum(len(chunk) for chunk in logits)
+        targets = device_tensor(seq.token_ids[start + 1:start + 1 + count], torch.long, logits[0].device)
+        k = seq.params.prompt_logprobs
+        chosen, values, ids, first = [], [], [], 0
+        for chunk in logits:
+            log_probs = chunk.float().log_softmax(-1)
+            chosen.append(log_probs.gather(-1, targets[first:first + len(chunk)].unsqueeze(-1)).squeeze(-1))
+            first += len(chunk)
+            if k:
+                top = log_probs.topk(k, dim=-1)
+                values.append(top.values)
+                ids.append(top.indices)
+        return cls(seq, start + 1, torch.cat(chosen), torch.cat(values) if k else None, torch.cat(ids) if k else None)
+
     def append_to_sequence(self) -> None:
         """Add the entries the sequence does not have yet (all of them, unless this step recomputed its prompt)."""
         entries, first, count = self.seq.prompt_logprobs, self.first_token, len(self.chosen)
@@ -47,21 +65,12 @@ def wants_prompt_logprobs(seq: Sequence, start: int) -> bool:
     return seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1
 
 
-def prompt_logprobs(hidden: torch.Tensor, seq: Sequence, start: int, num_tokens: int,
-                    compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> PromptLogprobs:
-    """The entries of ``seq``'s prompt tokens that a step running positions ``start..start + num_tokens`` (whose
-    hidden states are ``hidden`` [num_tokens, hidden]) predicts."""
-    end = min(start + num_tokens, seq.num_prompt_tokens - 1)
-    targets = device_tensor(seq.token_ids[start + 1:end + 1], torch.long, hidden.device)
-    k = seq.params.prompt_logprobs
-    chosen, values, ids = [], [], []
-    for first in range(0, end - start, ROWS_PER_CHUNK):
-        last = min(first + ROWS_PER_CHUNK, end - start)
-        log_probs = compute_logits(hidden[first:last]).float().log_softmax(-1)
-        chosen.append(log_probs.gather(-1, targets[first:last].unsqueeze(-1)).squeeze(-1))
-        if k:
-            top = log_probs.topk(k, dim=-1)
-            values.append(top.values)
-            ids.append(top.indices)
-    return PromptLogprobs(seq, start + 1, torch.cat(chosen), torch.cat(values) if k else None,
-                          torch.cat(ids) if k else None)
+def prompt_positions(seq: Sequence, start: int, num_tokens: int) -> int:
+    """How many of the positions ``start..start + num_tokens`` a step runs predict a prompt token of ``seq``."""
+    return min(start + num_tokens, seq.num_prompt_tokens - 1) - start
+
+
+def logits_in_chunks(hidden: torch.Tensor,
+                     compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """The logits of every row of ``hidden``, ``ROWS_PER_CHUNK`` rows at a time."""
+    return [compute_logits(hidden[first:first + ROWS_PER_CHUNK]) for first in range(0, len(hidden), ROWS_PER_CHUNK)]

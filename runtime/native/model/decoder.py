@@ -4,7 +4,9 @@ sliding-window layers (Mistral, Gemma 2), and Gemma 2's GeGLU, sandwich norms, s
 logit soft-capping.
 
 Weights come from an engine's ``rank0.safetensors`` in runtime layout: fused ``qkv_proj`` and ``gate_up_proj``,
-each linear in the engine's quantization format unless listed in ``quantization.exclude_modules``.
+each linear in the engine's quantization format unless listed in ``quantization.exclude_modules``. Given a
+``TensorParallelGroup``, the model is that rank's shard (``parallel/sharding.py``): its layers have the rank's shapes,
+the outputs of ``o_proj`` and ``down_proj`` and the embeddings are all-reduced, and the logits all-gathered.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 
 from kiln.runtime.errors import EngineFormatError
 from kiln.runtime.native.attention_metadata import AttentionMetadata
-from kiln.runtime.native.engine_format import WEIGHTS_FILE, EngineConfig
+from kiln.runtime.native.engine_format import EngineConfig, weights_file
 from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
 from kiln.runtime.native.kv_cache import KVCache
 from kiln.runtime.native.layers.activation import gated_activation
@@ -27,6 +29,8 @@ from kiln.runtime.native.layers.attention import PagedAttention
 from kiln.runtime.native.layers.linear import Fp8Linear, Linear, fusable_input_scale, make_linear
 from kiln.runtime.native.layers.norm import RMSNorm
 from kiln.runtime.native.layers.rotary import RotaryEmbedding
+from kiln.runtime.native.parallel.group import TensorParallelGroup
+from kiln.runtime.native.parallel.sharding import rank_config
 
 
 class LinearFactory:
@@ -43,10 +47,16 @@ class LinearFactory:
                            self.kernels, bias)
 
 
+def all_reduced(x: torch.Tensor, tp: TensorParallelGroup | None) -> torch.Tensor:
+    """The sum of ``x`` over the tensor-parallel ranks (``x`` itself on one device)."""
+    return x if tp is None else tp.all_reduce(x)
+
+
 class Attention(nn.Module):
     def __init__(self, config: EngineConfig, index: int, linear: LinearFactory, rotary: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         arch, prefix = config.architecture, f"layers.{index}.self_attn"
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -72,12 +82,14 @@ class Attention(nn.Module):
         o = self.attn(q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim),
                       v.view(-1, self.num_kv_heads, self.head_dim), meta, kv_cache,
                       fusable_input_scale(self.o_proj, x), positions)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return all_reduced(self.o_proj(o.reshape(-1, self.q_size)), self.tp)
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: EngineConfig, prefix: str, linear: LinearFactory) -> None:
+    def __init__(self, config: EngineConfig, prefix: str, linear: LinearFactory,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         arch = config.architecture
         self.gate_up_proj = linear(f"{prefix}.gate_up_proj", arch.hidden_size, 2 * arch.intermediate_size,
                                    arch.mlp_bias)
@@ -86,16 +98,16 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(self.act(gate_up, fusable_input_scale(self.down_proj, gate_up)))
+        return all_reduced(self.down_proj(self.act(gate_up, fusable_input_scale(self.down_proj, gate_up))), self.tp)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: EngineConfig, index: int, linear: LinearFactory, rotary: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         arch = config.architecture
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
-        self.self_attn = Attention(config, index, linear, rotary, dtype)
+        self.self_attn = Attention(config, index, linear, rotary, dtype, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
         # Gemma 2's sandwich: post_attention_layernorm normalises the attention output alone, and each sub-layer's
         # post-norm runs fused into the norm that follows it (output_norm: the next layer's input norm, or the last)
@@ -103,7 +115,7 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
             self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, linear.kernels)
         self.sandwich_norms = arch.sandwich_norms
-        self.mlp = GatedMLP(config, f"layers.{index}.mlp", linear)
+        self.mlp = GatedMLP(config, f"layers.{index}.mlp", linear, tp)
 
     @property
     def output_norm(self) -> RMSNorm | None:
@@ -131,17 +143,23 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """The decoder over a flat batch of new tokens; ``compute_logits`` applies the (possibly tied) LM head. Its
-    layers run the kernels ``kernels`` chooses."""
+    layers run the kernels ``kernels`` chooses. With ``tp``, the shard of rank ``tp.rank`` of ``config.tp_size``."""
 
-    def __init__(self, config: EngineConfig, dtype: torch.dtype, kernels: KernelChoice = DEFAULT_KERNELS) -> None:
+    def __init__(self, config: EngineConfig, dtype: torch.dtype, kernels: KernelChoice = DEFAULT_KERNELS,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        if (tp.size if tp is not None else 1) != config.tp_size:
+            raise ValueError(f"an engine of tp_size {config.tp_size} needs a tensor-parallel group of that size")
+        self.tp, self.vocab_size = tp, config.architecture.vocab_size
+        config = rank_config(config)
         arch = config.architecture
+        self.vocab_start = 0 if tp is None else tp.rank * arch.vocab_size  # this rank's rows of the vocabulary
         linear = LinearFactory(config, dtype, kernels)
         rotary = RotaryEmbedding(arch.head_dim, config.plan.max_seq_len, arch.rope_theta, arch.rope_scaling)
         self.rotary = rotary  # shared by the layers; its table_rows are the positions the model takes
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype).requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, linear, rotary, dtype) for i in range(arch.num_layers)
+            DecoderLayer(config, i, linear, rotary, dtype, tp) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, kernels)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype, kernels)
@@ -153,11 +171,12 @@ class DecoderModel(nn.Module):
 
     @classmethod
     def from_engine(cls, engine_dir: Path, config: EngineConfig, device: torch.device | str,
-                    dtype: torch.dtype | None = None, kernels: KernelChoice = DEFAULT_KERNELS) -> DecoderModel:
-        """Build on ``device`` in ``dtype`` (default: the engine dtype) and load ``rank0.safetensors``."""
+                    dtype: torch.dtype | None = None, kernels: KernelChoice = DEFAULT_KERNELS,
+                    tp: TensorParallelGroup | None = None) -> DecoderModel:
+        """Build on ``device`` in ``dtype`` (default: the engine dtype) and load the rank's weights file."""
         with torch.device(device):
-            model = cls(config, dtype or config.torch_dtype, kernels)
-        model.load_weights(Path(engine_dir) / WEIGHTS_FILE)
+            model = cls(config, dtype or config.torch_dtype, kernels, tp)
+        model.load_weights(Path(engine_dir) / weights_file(0 if tp is None else tp.rank))
         return model.eval()
 
     def load_weights(self, path: Path) -> None:
@@ -193,7 +212,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of the flat batch; K/V of the new tokens are stored in ``kv_caches``."""
-        h, residual = self.embed_tokens(input_ids), None
+        h, residual = self.embed(input_ids), None
         if self.embedding_scale is not None:
             h = h * self.embedding_scale
         pending_norm = None
@@ -203,11 +222,22 @@ class DecoderModel(nn.Module):
         h, _ = self.norm(h, residual, pre_norm=pending_norm)
         return h
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``input_ids``: on a rank, of the ids in its rows (zero elsewhere), summed over ranks."""
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        h = self.embed_tokens(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(self.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(h)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of the given hidden states (select the last token of each sequence first), in the model
         dtype: greedy rows need only their argmax, and the sampler converts the rows it draws from to float32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight)
+        if self.tp is not None:
+            logits = self.tp.all_gather(logits)[..., :self.vocab_size]
         if self.final_logit_softcapping is None:
             return logits
         cap = self.final_logit_softcapping

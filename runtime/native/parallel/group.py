@@ -1,0 +1,101 @@
+"""The ranks of one tensor-parallel engine and their collectives, on ``torch.distributed`` process groups that this
+object owns (no process-wide default group, so an embedder may hold several engines in one process).
+
+Collectives on the model's tensors run on the device group: NCCL on CUDA (with NVLink multicast left off, as the
+shared GPU hosts require), gloo on the CPU. Every collective has a timeout, so a rank that died ends the others'
+wait with an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kiln.runtime.errors import KilnError
+
+# How long a collective may wait for the other ranks before the engine fails (covers a first step that compiles).
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+
+
+class TensorParallelError(KilnError):
+    """A tensor-parallel rank could not join, or left: the engine cannot run."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one engine meet: rank 0 serves a ``TCPStore`` at ``host:port``."""
+
+    host: str
+    port: int
+    rank: int
+    size: int
+
+    @classmethod
+    def from_environment(cls, environ: dict[str, str] | None = None) -> Rendezvous:
+        """The rendezvous ``torchrun`` describes (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+        env = os.environ if environ is None else environ
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in env]
+        if missing:
+            raise TensorParallelError(f"no torchrun rendezvous in the environment: {', '.join(missing)} unset; "
+                                      f"start the workers with torchrun, or load the engine with LLM.load on one host")
+        return cls(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"]), int(env["WORLD_SIZE"]))
+
+    def store(self, timeout: timedelta = COLLECTIVE_TIMEOUT) -> dist.TCPStore:
+        """Rank 0 serves the store, the others connect to it (waiting up to ``timeout`` for it)."""
+        try:
+            return dist.TCPStore(self.host, self.port, self.size, self.rank == 0, timeout=timeout,
+                                 wait_for_workers=False)
+        except (RuntimeError, OSError) as e:
+            raise TensorParallelError(f"rank {self.rank}: cannot reach the tensor-parallel rendezvous at "
+                                      f"{self.host}:{self.port} ({e})") from None
+
+
+class TensorParallelGroup:
+    """Rank ``rank`` of ``size``; ``all_reduce`` and ``all_gather`` on the device, ``broadcast_cpu`` for step data."""
+
+    def __init__(self, rendezvous: Rendezvous, device: torch.device,
+                 timeout: timedelta = COLLECTIVE_TIMEOUT) -> None:
+        self.rank, self.size, self.device = rendezvous.rank, rendezvous.size, torch.device(device)
+        store = rendezvous.store(timeout)
+        self.store = store
+        self.cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), self.rank, self.size, timeout)
+        if self.device.type == "cuda":
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast can take shared hosts down
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), self.rank, self.size, options)
+        else:
+            self.device_group = self.cpu_group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns ``x``."""
+        self.device_group.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` side by side along the last dim (rank order)."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.device_group.allgather([parts], [x.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's device tensor ``x`` into every rank's ``x`` (same shape and dtype), in stream order."""
+        self.device_group.broadcast(x, 0).wait()
+        return x
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of the ranks' ``value`` (each rank's KV pool must hold the same blocks)."""
+        x = torch.tensor([value], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.cpu_group.allreduce([x], options).wait()
+        return int(x.item())
+
+    def abort(self) -> None:
+        """End every collective in progress with an error (a rank died)."""
+        for group in {id(g): g for g in (self.device_group, self.cpu_group)}.values():
+            group.abort()

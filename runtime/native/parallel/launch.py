@@ -1,0 +1,137 @@
+"""Rank 0 starts the other ranks of a tensor-parallel engine on its own host, watches them and stops them.
+
+Each worker is ``python -m kiln.runtime.native.parallel.worker`` with the environment ``torchrun`` would give it
+(one entry point for both launches); a worker that exits while the engine runs aborts rank 0's collectives, so the
+engine stops with an error that names the rank instead of waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from kiln.runtime.errors import FingerprintMismatchError
+from kiln.runtime.native.parallel.channel import StepChannel
+from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError, TensorParallelGroup
+from kiln.runtime.native.parallel.step_batch import STOP
+from kiln.runtime.native.parallel.worker import rank_device
+from kiln.runtime.options import RuntimeOptions
+
+STOP_TIMEOUT_S = 30
+JOIN_POLL_S = 0.2
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_devices(device: torch.device, tp_size: int) -> None:
+    """A CUDA engine of ``tp_size`` ranks needs that many GPUs from ``device`` on (a CPU engine runs its ranks as
+    processes of this host)."""
+    if device.type != "cuda":
+        return
+    available = torch.cuda.device_count() - (device.index or 0)
+    if available < tp_size:
+        raise FingerprintMismatchError(f"the engine is split over {tp_size} GPUs (tp_size {tp_size}) but this machine "
+                                       f"has {available} from {device} on; run it on a machine with {tp_size} GPUs, "
+                                       f"or rebuild it with a smaller build.tp_size")
+
+
+class LocalWorkers:
+    """Ranks 1..size-1 as child processes of this one; ``rendezvous`` is rank 0's place among them."""
+
+    def __init__(self, engine_dir: Path, options: RuntimeOptions, size: int, first_local_rank: int = 0) -> None:
+        self.rendezvous = Rendezvous("127.0.0.1", free_port(), 0, size)
+        self.failure: str | None = None
+        self._stopping = False
+        command = [sys.executable, "-m", "kiln.runtime.native.parallel.worker", str(engine_dir),
+                   "--options", json.dumps(asdict(options))]
+        env = {**os.environ, "MASTER_ADDR": self.rendezvous.host, "MASTER_PORT": str(self.rendezvous.port),
+               "WORLD_SIZE": str(size), "NCCL_NVLS_ENABLE": "0"}
+        self.processes = {rank: subprocess.Popen(command, env={**env, "RANK": str(rank),
+                                                             "LOCAL_RANK": str(first_local_rank + rank)})
+                          for rank in range(1, size)}
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """Call ``on_failure`` with what happened when a worker exits before ``stop``."""
+        def wait(rank: int, process: subprocess.Popen) -> None:
+            code = process.wait()
+            if not self._stopping and self.failure is None:
+                self.failure = f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code {code}"
+                on_failure(self.failure)
+
+        for rank, process in self.processes.items():
+            threading.Thread(target=wait, args=(rank, process), daemon=True, name=f"kiln-tp-watch-{rank}").start()
+
+    def stop(self, kill: bool = False) -> None:
+        """Wait for the workers to leave (rank 0 has told them to), killing any that do not (all, with ``kill``)."""
+        self._stopping = True
+        for process in self.processes.values():
+            try:
+                process.wait(0 if kill else STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+class TensorParallelRanks:
+    """Rank 0's side of a tensor-parallel engine started on this host: its group, its step channel and its workers.
+    A worker that exits while the engine runs aborts the group; ``failure`` then says which."""
+
+    def __init__(self, engine_dir: Path, options: RuntimeOptions, size: int, device: torch.device) -> None:
+        check_devices(device, size)
+        self.workers = LocalWorkers(engine_dir, options, size, device.index or 0)
+        try:
+            self.group = self._join(rank_device(device, device.index or 0))
+        except BaseException:
+            self.workers.stop(kill=True)
+            raise
+        self.channel = StepChannel(self.group.store)
+        self.workers.watch(lambda _: self.group.abort())
+
+    @property
+    def failure(self) -> str | None:
+        return self.workers.failure
+
+    def _join(self, device: torch.device) -> TensorParallelGroup:
+        """The group, formed on a thread while this one watches the workers: one that dies first is an error
+        naming it, not a wait for the rendezvous timeout."""
+        joined: list[TensorParallelGroup | BaseException] = []
+        thread = threading.Thread(target=lambda: joined.append(_try(TensorParallelGroup, self.workers.rendezvous,
+                                                                    device)), daemon=True, name="kiln-tp-join")
+        thread.start()
+        while thread.is_alive():
+            thread.join(JOIN_POLL_S)
+            for rank, process in self.workers.processes.items():
+                if process.poll() is not None:
+                    raise TensorParallelError(f"tensor-parallel worker rank {rank} exited with code "
+                                              f"{process.returncode} while the engine was loading (its error is "
+                                              f"above)")
+        if isinstance(joined[0], BaseException):
+            raise joined[0]
+        return joined[0]
+
+    def close(self) -> None:
+        """Tell the workers to stop and wait for them."""
+        if self.failure is None:
+            self.channel.send(STOP)
+        self.workers.stop()
+
+
+def _try(function: Callable, *args: object) -> object:
+    try:
+        return function(*args)
+    except BaseException as e:  # handed to the waiting thread
+        return e

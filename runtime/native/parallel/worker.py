@@ -1,0 +1,59 @@
+"""A tensor-parallel rank other than 0: it loads its shard, then runs each step rank 0 hands it until told to stop.
+
+Rank 0 (``LLM.load`` of a tensor-parallel engine) starts these on its own host. Across hosts, ``torchrun`` starts
+them with the rendezvous in its environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK: the GPU):
+
+    python -m kiln.runtime.native.parallel.worker ENGINE_DIR [--options JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from kiln.runtime.native.engine_format import EngineConfig
+from kiln.runtime.native.model_runner import ModelRunner
+from kiln.runtime.native.parallel.channel import StepChannel
+from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError, TensorParallelGroup
+from kiln.runtime.native.parallel.step_batch import STOP, StepBatch
+from kiln.runtime.options import RuntimeOptions
+
+
+def rank_device(engine_device: torch.device, local_rank: int) -> torch.device:
+    """The device of a rank: the CPU for a CPU engine, else GPU ``local_rank`` of this host."""
+    return engine_device if engine_device.type == "cpu" else torch.device("cuda", local_rank)
+
+
+def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous, device: torch.device) -> None:
+    """Join the engine's ranks, load this rank's shard on ``device`` and run rank 0's steps until it says stop."""
+    config = EngineConfig.load(engine_dir)
+    if rendezvous.size != config.tp_size:
+        raise TensorParallelError(f"{engine_dir}: an engine of tp_size {config.tp_size} cannot run on "
+                                  f"{rendezvous.size} ranks")
+    tp = TensorParallelGroup(rendezvous, device)
+    channel = StepChannel(tp.store)
+    runner = ModelRunner(engine_dir, config, device, options, tp=tp)
+    with torch.inference_mode():
+        while (message := channel.receive()) != STOP:
+            runner.execute(StepBatch.decode(message))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("engine_dir", type=Path)
+    parser.add_argument("--options", default="{}", help="RuntimeOptions as a JSON object (rank 0's)")
+    args = parser.parse_args(argv)
+    options = RuntimeOptions(**json.loads(args.options))
+    engine = EngineConfig.load(args.engine_dir)
+    engine_device = torch.device(options.device or ("cuda" if engine.fingerprint.get("device") == "cuda" else "cpu"))
+    rendezvous = Rendezvous.from_environment()
+    local_rank = int(os.environ.get("LOCAL_RANK", rendezvous.rank))
+    run_worker(args.engine_dir, options, rendezvous, rank_device(engine_device, local_rank))
+
+
+if __name__ == "__main__":
+    main()

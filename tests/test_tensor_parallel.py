@@ -1,0 +1,111 @@
+"""Tensor-parallel engines on the CPU: rank 0 in this process, the other ranks worker processes it starts, their
+collectives on gloo. A tp_size 2 engine gives the tokens the one-device engine gives, and fails loudly, not by hanging,
+when a worker dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kiln.engines.native.builder import build_native_engine
+from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.llm import EngineClosedError
+from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError
+from kiln.runtime.native.parallel.step_batch import StepBatch
+from tests.model_factories import make_fp8_checkpoint, make_hf_checkpoint, tiny_plan
+
+PROMPTS = [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9], [77, 21, 50, 50, 6, 31, 2, 88, 14, 19, 60, 7, 7, 40, 33, 12]]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def engines(tmp_path, checkpoint, plan=None) -> dict[int, object]:
+    """The one-device and the tp_size 2 engine of ``checkpoint``."""
+    built = {}
+    for tp_size in (1, 2):
+        built[tp_size] = tmp_path / f"tp{tp_size}"
+        built[tp_size].mkdir()
+        build_native_engine(checkpoint, built[tp_size], plan or tiny_plan(), "float32", tp_size=tp_size)
+    return built
+
+
+def generated(engine, params: SamplingParams = GREEDY, prompts=PROMPTS) -> list:
+    with LLM.load(engine) as llm:
+        return llm.generate(prompts, params)
+
+
+@pytest.mark.parametrize("config", [dict(num_heads=4, num_kv_heads=2), dict(num_heads=4, num_kv_heads=1, vocab_size=97),
+                                    dict(family="gemma2", num_heads=4, num_kv_heads=2, sliding_window=6,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)],
+                         ids=["gqa", "fewer-kv-heads-than-ranks-odd-vocab", "gemma2-tied"])
+def test_tp2_gives_the_tokens_and_log_probabilities_of_one_device(tmp_path, config):
+    built = engines(tmp_path, make_hf_checkpoint(tmp_path / "checkpoint", 0, **config))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    one, two = generated(built[1], params), generated(built[2], params)
+    assert [r.token_ids for r in two] == [r.token_ids for r in one]
+    for a, b in zip(one, two, strict=True):
+        assert [e.logprob for e in b.logprobs] == pytest.approx([e.logprob for e in a.logprobs], abs=1e-4)
+        assert [e.logprob for e in b.prompt_logprobs if e] == pytest.approx(
+            [e.logprob for e in a.prompt_logprobs if e], abs=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
+def test_quantized_tp2_engines_give_the_tokens_of_one_device(tmp_path, fmt):
+    from kiln.calibration.quantize import quantize_checkpoint
+    from tests.calibration_factories import make_checkpoint, small_recipe
+
+    # 4 heads of 64: each rank's half of the attention output and of the MLP holds whole INT4 groups of 128
+    checkpoint = make_checkpoint(tmp_path / "hf", hidden=256, intermediate=512)
+    kv = {"kv_cache_dtype": "fp8"} if fmt == "fp8" else {}
+    quantize_checkpoint(checkpoint, small_recipe(format=fmt, **kv), tmp_path / "quantized")
+    built = engines(tmp_path, tmp_path / "quantized" / "hf")
+    assert [r.token_ids for r in generated(built[2])] == [r.token_ids for r in generated(built[1])]
+
+
+def test_a_hand_written_fp8_checkpoint_with_an_fp8_kv_cache_splits_too(tmp_path):
+    built = engines(tmp_path, make_fp8_checkpoint(tmp_path / "checkpoint", 0, fp8_kv_cache=True))
+    assert [r.token_ids for r in generated(built[2])] == [r.token_ids for r in generated(built[1])]
+
+
+def test_abort_frees_a_request_and_the_engine_keeps_serving(tmp_path):
+    make_hf_checkpoint(tmp_path / "checkpoint", 0)
+    (tmp_path / "tp2").mkdir()
+    build_native_engine(tmp_path / "checkpoint", tmp_path / "tp2", tiny_plan(), "float32", tp_size=2)
+    with LLM.load(tmp_path / "tp2") as llm:
+        llm.submit(PROMPTS[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), request_id="long")
+        time.sleep(0.2)
+        llm.abort("long")
+        assert llm.result("long", 60).finish_reason == "abort"
+        assert len(llm.generate([PROMPTS[1]], GREEDY)[0].token_ids) == 10
+
+
+def test_a_killed_worker_stops_the_engine_with_an_error_naming_it(tmp_path):
+    make_hf_checkpoint(tmp_path / "checkpoint", 0)
+    (tmp_path / "tp2").mkdir()
+    build_native_engine(tmp_path / "checkpoint", tmp_path / "tp2", tiny_plan(), "float32", tp_size=2)
+    with LLM.load(tmp_path / "tp2") as llm:
+        worker = llm.engine.ranks.workers.processes[1]
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineClosedError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+            llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        assert time.monotonic() - start < 60  # aborted, not the collective timeout
+        assert "TensorParallelError" in llm.engine_error
+
+
+def test_step_batches_survive_the_wire_and_garbage_is_refused():
+    batch = StepBatch([5, 6, 7, 0], [0, 1, 2, 9], [3, 1], [3, 10], [[4], [1, 2, 3]], [0, 1], [1], [(0, 2)])
+    assert StepBatch.decode(batch.encode()) == batch
+    empty = StepBatch([], [], [], [], [], [], [], [])
+    assert StepBatch.decode(empty.encode()) == empty
+    with pytest.raises(Exception, match="header says"):
+        StepBatch.decode(batch.encode()[:-8])
+
+
+def test_torchrun_rendezvous_comes_from_its_environment():
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2"}
+    assert Rendezvous.from_environment(env) == Rendezvous("10.0.0.1", 29500, 1, 2)
+    with pytest.raises(TensorParallelError, match="MASTER_PORT, RANK unset"):
+        Rendezvous.from_environment({"MASTER_ADDR": "h", "WORLD_SIZE": "2"})
