@@ -13,7 +13,7 @@ import torch.distributed as dist
 # Messages kept in the store: the other ranks cannot lag rank 0 by more than the steps it has in flight (two), since
 # each step's collectives wait for every rank.
 KEPT_MESSAGES = 16
-POLL = timedelta(seconds=5)
+POLL = timedelta(seconds=30)
 
 
 class StepChannel:

@@ -59,7 +59,8 @@ class LocalWorkers:
         command = [sys.executable, "-m", "kiln.runtime.native.parallel.worker", str(engine_dir),
                    "--options", json.dumps(asdict(options))]
         env = {**os.environ, "MASTER_ADDR": self.rendezvous.host, "MASTER_PORT": str(self.rendezvous.port),
-               "WORLD_SIZE": str(size), "NCCL_NVLS_ENABLE": "0"}
+               "WORLD_SIZE": str(size), "NCCL_NVLS_ENABLE": "0",
+               "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}  # no warning per idle poll
         self.processes = {rank: subprocess.Popen(command, env={**env, "RANK": str(rank),
                                                              "LOCAL_RANK": str(first_local_rank + rank)})
                           for rank in range(1, size)}
