@@ -4,7 +4,7 @@ engine over the OpenAI-compatible HTTP API until SIGTERM."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -20,6 +20,7 @@ from kiln.runtime.options import RuntimeOptions
 
 if TYPE_CHECKING:
     from kiln.runtime.llm import LLM
+    from kiln.runtime.native.parallel.group import Rendezvous
     from kiln.runtime.server import ServerSettings, ServerThread
 
 _SERVE_DEFAULTS = ServeSection()  # an engine served without a config gets a config's serve defaults
@@ -89,6 +90,32 @@ def read_chat_template(path: Path) -> str:
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateFileError(f"--chat-template {path}: not a valid Jinja template ({exc})") from None
     return source
+
+
+def torchrun_rendezvous(environ: Mapping[str, str]) -> Rendezvous | None:
+    """The rendezvous of a ``kiln serve`` that torchrun started as one of several ranks, else None."""
+    if int(environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in environ:
+        return None
+    from kiln.runtime.native.parallel.group import Rendezvous
+
+    return Rendezvous.from_environment(dict(environ))
+
+
+def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous) -> None:
+    """Run rank ``rendezvous.rank`` of the engine ``text`` names (a folder or a cache key: every rank must find
+    the same build, so a config is refused) until rank 0's server stops."""
+    import torch
+
+    from kiln.runtime.native.engine_format import EngineConfig
+    from kiln.runtime.native.parallel.worker import rank_device, run_worker
+
+    target = resolve_target(text, cache_root())
+    if target.kind != "engine":
+        raise TargetError(f"{text}: under torchrun every rank serves one engine that is already built; give its "
+                          f"directory or cache key (kiln build the config first)")
+    cuda = EngineConfig.load(target.path).fingerprint.get("device") == "cuda"
+    device = torch.device(options.device or ("cuda" if cuda else "cpu"))
+    run_worker(target.path, options, rendezvous, rank_device(device, int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 def serve_target(text: str, options: RuntimeOptions, *, backend: str | None = None,
@@ -179,6 +206,10 @@ def serve(
 
     template = read_chat_template(chat_template) if chat_template is not None else None  # before any build
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks, engine_process=engine_process)
+    if (rendezvous := torchrun_rendezvous(os.environ)) is not None:  # one rank of an engine split across hosts
+        if rendezvous.rank != 0:
+            return serve_as_worker(target, options, rendezvous)
+        options = replace(options, tp_rendezvous=f"{rendezvous.host}:{rendezvous.port}")
     resolved = serve_target(target, options, backend=backend)
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name, chat_template=template,
                                  max_body_mb=max_body_mb)

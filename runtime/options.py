@@ -40,6 +40,8 @@ class RuntimeOptions:
       detokenization, kernel launches) and this process's own Python (an HTTP server's event loop, a service that
       embeds Kiln) do not take turns on one GIL; ``LLM`` behaves the same either way. False runs it on a thread of
       this process.
+    - ``tp_rendezvous``: ``"HOST:PORT"`` where this process, rank 0 of a tensor-parallel engine, meets ranks that
+      were started elsewhere (``torchrun`` across hosts; docs/runtime.md). None: rank 0 starts them on this host.
     """
 
     device: str | None = None
@@ -50,6 +52,7 @@ class RuntimeOptions:
     linear_max_m: int | None = None
     num_kv_blocks: int | None = None
     engine_process: bool = False
+    tp_rendezvous: str | None = None
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
@@ -62,6 +65,8 @@ class RuntimeOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise RuntimeOptionsError(f"{name} {value!r} must be a positive integer, or None for the default")
+        if self.tp_rendezvous is not None and not _is_host_port(self.tp_rendezvous):
+            raise RuntimeOptionsError(f"tp_rendezvous {self.tp_rendezvous!r} must be 'HOST:PORT'")
         if self.device is not None and not _is_device(self.device):
             raise RuntimeOptionsError(f"device {self.device!r} must be 'cpu', 'cuda' or 'cuda:N', or None for the "
                                       f"engine's own")
@@ -81,3 +86,8 @@ class RuntimeOptions:
 def _is_device(text: str) -> bool:
     kind, colon, index = str(text).partition(":")
     return (kind == "cpu" and not colon) or (kind == "cuda" and (not colon or index.isdigit()))
+
+
+def _is_host_port(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

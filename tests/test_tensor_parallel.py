@@ -106,6 +106,43 @@ def test_step_batches_survive_the_wire_and_garbage_is_refused():
 
 def test_torchrun_rendezvous_comes_from_its_environment():
     env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2"}
-    assert Rendezvous.from_environment(env) == Rendezvous("10.0.0.1", 29500, 1, 2)
-    with pytest.raises(TensorParallelError, match="MASTER_PORT, RANK unset"):
+    # torchrun's agent may serve its own store at MASTER_PORT: Kiln's is the next port, unless KILN_TP_PORT says
+    assert Rendezvous.from_environment(env) == Rendezvous("10.0.0.1", 29501, 1, 2)
+    assert Rendezvous.from_environment({**env, "KILN_TP_PORT": "4000"}).port == 4000
+    with pytest.raises(TensorParallelError, match="RANK, MASTER_PORT unset"):
         Rendezvous.from_environment({"MASTER_ADDR": "h", "WORLD_SIZE": "2"})
+
+
+def test_torchrun_starts_kiln_serve_as_rank_zero_and_a_worker(tmp_path):
+    """The launch across hosts, on one: torchrun starts `kiln serve ENGINE` twice; rank 0 serves, rank 1 works."""
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from kiln.runtime.native.parallel.launch import free_port
+
+    built = engines(tmp_path, make_hf_checkpoint(tmp_path / "checkpoint", 0))
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "-m", "kiln", "serve", str(built[2]), "--port", str(port)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                models = json.load(urllib.request.urlopen(f"{url}/v1/models", timeout=1))
+                break
+            except OSError:
+                assert server.poll() is None, server.stderr.read().decode()[-2000:]
+                time.sleep(0.2)
+        body = {"model": models["data"][0]["id"], "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0,
+                "logprobs": 0, "ignore_eos": True}
+        request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        choice = json.load(urllib.request.urlopen(request, timeout=60))["choices"][0]
+        served = len(choice["logprobs"]["tokens"])
+        assert served == 10 and choice["text"] == generated(built[1], prompts=[PROMPTS[0]])[0].text
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(60)

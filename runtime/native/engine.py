@@ -64,7 +64,7 @@ class NativeEngine:
                                             *((self.ranks.group, self.ranks.channel) if self.ranks else ()))
         except BaseException:
             if self.ranks is not None:
-                self.ranks.workers.stop(kill=True)
+                self.ranks.stop_workers()
             raise
         plan = self.config.plan
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block)
@@ -124,9 +124,9 @@ class NativeEngine:
         try:
             return self._step()
         except Exception as e:
-            if self.ranks.failure is None:
+            if (failure := self.ranks.failure_after_error()) is None:
                 raise
-            raise TensorParallelError(f"{self.ranks.failure}: the engine stopped") from e
+            raise TensorParallelError(f"{failure}: the engine stopped") from e
 
     def _step(self) -> list[StreamDelta | RequestFailure]:
         start = time.perf_counter()

@@ -36,13 +36,18 @@ class Rendezvous:
 
     @classmethod
     def from_environment(cls, environ: dict[str, str] | None = None) -> Rendezvous:
-        """The rendezvous ``torchrun`` describes (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+        """The rendezvous of a worker started by ``torchrun`` (MASTER_ADDR, RANK, WORLD_SIZE) or by rank 0 on its
+        host: rank 0 serves Kiln's store at KILN_TP_PORT, else at MASTER_PORT + 1 (torchrun's agent may hold
+        MASTER_PORT itself)."""
         env = os.environ if environ is None else environ
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in env]
+        missing = [k for k in ("MASTER_ADDR", "RANK", "WORLD_SIZE") if k not in env]
+        if "KILN_TP_PORT" not in env and "MASTER_PORT" not in env:
+            missing.append("MASTER_PORT")
         if missing:
             raise TensorParallelError(f"no torchrun rendezvous in the environment: {', '.join(missing)} unset; "
                                       f"start the workers with torchrun, or load the engine with LLM.load on one host")
-        return cls(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"]), int(env["WORLD_SIZE"]))
+        port = int(env["KILN_TP_PORT"]) if "KILN_TP_PORT" in env else int(env["MASTER_PORT"]) + 1
+        return cls(env["MASTER_ADDR"], port, int(env["RANK"]), int(env["WORLD_SIZE"]))
 
     def store(self, timeout: timedelta = COLLECTIVE_TIMEOUT) -> dist.TCPStore:
         """Rank 0 serves the store, the others connect to it (waiting up to ``timeout`` for it)."""

@@ -28,6 +28,7 @@ from kiln.runtime.options import RuntimeOptions
 
 STOP_TIMEOUT_S = 30
 JOIN_POLL_S = 0.2
+FAILURE_WAIT_S = 2.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,10 +56,11 @@ class LocalWorkers:
     def __init__(self, engine_dir: Path, options: RuntimeOptions, size: int, first_local_rank: int = 0) -> None:
         self.rendezvous = Rendezvous("127.0.0.1", free_port(), 0, size)
         self.failure: str | None = None
+        self.failed = threading.Event()
         self._stopping = False
         command = [sys.executable, "-m", "kiln.runtime.native.parallel.worker", str(engine_dir),
                    "--options", json.dumps(asdict(options))]
-        env = {**os.environ, "MASTER_ADDR": self.rendezvous.host, "MASTER_PORT": str(self.rendezvous.port),
+        env = {**os.environ, "MASTER_ADDR": self.rendezvous.host, "KILN_TP_PORT": str(self.rendezvous.port),
                "WORLD_SIZE": str(size), "NCCL_NVLS_ENABLE": "0",
                "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}  # no warning per idle poll
         self.processes = {rank: subprocess.Popen(command, env={**env, "RANK": str(rank),
@@ -71,6 +73,7 @@ class LocalWorkers:
             code = process.wait()
             if not self._stopping and self.failure is None:
                 self.failure = f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code {code}"
+                self.failed.set()
                 on_failure(self.failure)
 
         for rank, process in self.processes.items():
@@ -88,23 +91,44 @@ class LocalWorkers:
 
 
 class TensorParallelRanks:
-    """Rank 0's side of a tensor-parallel engine started on this host: its group, its step channel and its workers.
-    A worker that exits while the engine runs aborts the group; ``failure`` then says which."""
+    """Rank 0's side of a tensor-parallel engine: its group, its step channel and the other ranks. Those are worker
+    processes it starts on this host, or, with ``options.tp_rendezvous``, workers started elsewhere (torchrun) that
+    meet it there. A local worker that exits while the engine runs aborts the group, and ``failure`` says which; a
+    remote one ends the next collective after its timeout."""
 
     def __init__(self, engine_dir: Path, options: RuntimeOptions, size: int, device: torch.device) -> None:
-        check_devices(device, size)
-        self.workers = LocalWorkers(engine_dir, options, size, device.index or 0)
-        try:
-            self.group = self._join(rank_device(device, device.index or 0))
-        except BaseException:
-            self.workers.stop(kill=True)
-            raise
+        local_rank = device.index or 0
+        self.workers: LocalWorkers | None = None
+        if options.tp_rendezvous is not None:
+            check_devices(device, 1)
+            host, _, port = options.tp_rendezvous.rpartition(":")
+            self.group = TensorParallelGroup(Rendezvous(host, int(port), 0, size), rank_device(device, local_rank))
+        else:
+            check_devices(device, size)
+            self.workers = LocalWorkers(engine_dir, options, size, local_rank)
+            try:
+                self.group = self._join(rank_device(device, local_rank))
+            except BaseException:
+                self.workers.stop(kill=True)
+                raise
+            self.workers.watch(lambda _: self.group.abort())
         self.channel = StepChannel(self.group.store)
-        self.workers.watch(lambda _: self.group.abort())
 
     @property
     def failure(self) -> str | None:
-        return self.workers.failure
+        return None if self.workers is None else self.workers.failure
+
+    def failure_after_error(self, timeout_s: float = FAILURE_WAIT_S) -> str | None:
+        """Why a collective just failed: a local worker's exit, which its watcher may record a moment after the
+        broken connection shows (None when no worker exited)."""
+        if self.workers is not None:
+            self.workers.failed.wait(timeout_s)
+        return self.failure
+
+    def stop_workers(self) -> None:
+        """Kill the local workers at once (rank 0 failed while loading)."""
+        if self.workers is not None:
+            self.workers.stop(kill=True)
 
     def _join(self, device: torch.device) -> TensorParallelGroup:
         """The group, formed on a thread while this one watches the workers: one that dies first is an error
@@ -125,10 +149,11 @@ class TensorParallelRanks:
         return joined[0]
 
     def close(self) -> None:
-        """Tell the workers to stop and wait for them."""
+        """Tell the workers to stop and wait for the local ones."""
         if self.failure is None:
             self.channel.send(STOP)
-        self.workers.stop()
+        if self.workers is not None:
+            self.workers.stop()
 
 
 def _try(function: Callable, *args: object) -> object:
