@@ -162,3 +162,14 @@ def test_a_dry_run_refuses_a_plan_the_model_cannot_hold_as_the_build_would(tmp_p
 
     with pytest.raises(KilnError, match=r"max_seq_len \(1024\) exceeds the model's max_position_embeddings \(512\)"):
         engine_key(tmp_path, model_copy, edit=lambda text: text.replace("max_seq_len: 512", "max_seq_len: 1024"))
+
+
+def test_a_dry_run_refuses_a_tp_size_the_model_cannot_split_and_any_pp_size(tmp_path, model_copy):
+    from kiln.runtime.errors import KilnError
+
+    with pytest.raises(KilnError, match=r"build.tp_size 3 cannot split this model: num_attention_heads \(\d+\) is not"):
+        engine_key(tmp_path, model_copy, edit=lambda text: text.replace("build:\n", "build:\n  tp_size: 3\n"))
+    with pytest.raises(KilnError, match="build.pp_size 2: the native backend has no pipeline parallelism"):
+        engine_key(tmp_path, model_copy, edit=lambda text: text.replace("build:\n", "build:\n  pp_size: 2\n"))
+    two = engine_key(tmp_path, model_copy, edit=lambda text: text.replace("build:\n", "build:\n  tp_size: 2\n"))
+    assert two != engine_key(tmp_path, model_copy)

@@ -98,3 +98,14 @@ def architecture(tmp_path, **config):
     make_hf_checkpoint(tmp_path / "arch", 0, **{"head_dim": HEAD_DIM, **config})
     arch, _ = read_architecture(tmp_path / "arch")
     return arch
+
+
+def test_a_cuda_engine_needs_as_many_gpus_as_ranks(monkeypatch):
+    from kiln.runtime.errors import FingerprintMismatchError
+    from kiln.runtime.native.parallel.launch import check_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(FingerprintMismatchError, match=r"split over 2 GPUs \(tp_size 2\) but this machine has 1"):
+        check_devices(torch.device("cuda"), 2)
+    check_devices(torch.device("cuda"), 1)
+    check_devices(torch.device("cpu"), 8)  # CPU ranks are processes of one host
