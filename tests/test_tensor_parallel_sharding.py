@@ -109,3 +109,18 @@ def test_a_cuda_engine_needs_as_many_gpus_as_ranks(monkeypatch):
         check_devices(torch.device("cuda"), 2)
     check_devices(torch.device("cuda"), 1)
     check_devices(torch.device("cpu"), 8)  # CPU ranks are processes of one host
+
+
+def test_the_bench_floor_of_a_tp_engine_counts_what_one_rank_reads(tmp_path):
+    from kiln.pipeline.bench.floor import decode_step_bytes, tensor_bytes
+
+    make_hf_checkpoint(tmp_path / "checkpoint", 0, num_heads=4, num_kv_heads=2)
+    for tp_size in (1, 2):
+        (tmp_path / f"tp{tp_size}").mkdir()
+        build_native_engine(tmp_path / "checkpoint", tmp_path / f"tp{tp_size}", tiny_plan(), "float32",
+                            tp_size=tp_size)
+    one, two = (decode_step_bytes(tmp_path / f"tp{n}", 10, 10) for n in (1, 2))
+    rank0 = tensor_bytes(tmp_path / "tp2" / "rank0.safetensors")
+    assert two["weight_bytes"] == sum(rank0.values()) - rank0["embed_tokens.weight"] and two["tp_size"] == 2
+    assert two["kv_bytes_per_token"] * 2 == one["kv_bytes_per_token"]
+    assert one["weight_bytes"] / 2 < two["weight_bytes"] < one["weight_bytes"]  # norms are replicated

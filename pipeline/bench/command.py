@@ -37,6 +37,9 @@ def bench(
                                                              "config's quantize.format decides otherwise).")] = None,
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto or fp8: with a quantized --format, "
                                                 "also calibrate an FP8 KV cache (halves the KV bytes).")] = "auto",
+    tp_size: Annotated[int | None, typer.Option("--tp-size", min=1, help="Split an architecture file's engine over "
+                                                "this many GPUs (tensor parallelism; a config's build.tp_size "
+                                                "decides otherwise).")] = None,
     bandwidth_gbs: Annotated[float | None, typer.Option("--bandwidth-gbs", min=0.001, help="Memory bandwidth for "
                              "the floor, GB/s (default: 4300 on an H200, 3350 on an H100, else measured).")] = None,
     allow_large: Annotated[bool, typer.Option("--allow-large", help="Benchmark a large architecture on a CPU-only "
@@ -59,7 +62,8 @@ def bench(
     from kiln.pipeline.bench.run import BenchPlan, run_bench  # torch and the runtime load only when a bench runs
 
     report = run_bench(target, BenchPlan(prompts, input_len, output_len), batch_1_only=batch_1, peer=peer,
-                       peer_attn=peer_attn, fmt=fmt, kv_cache_dtype=kv_cache_dtype, bandwidth_gbs=bandwidth_gbs,
+                       peer_attn=peer_attn, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
+                       bandwidth_gbs=bandwidth_gbs,
                        allow_large=allow_large, seed=seed, options=runtime_options(os.environ))
     print_json(report) if json_out else print_report(report)
 

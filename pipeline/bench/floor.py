@@ -17,8 +17,9 @@ import torch
 
 from kiln.pipeline.bench.common import sync
 from kiln.runtime.errors import KilnError
-from kiln.runtime.native.engine_format import WEIGHTS_FILE, EngineConfig
+from kiln.runtime.native.engine_format import EngineConfig, weights_file
 from kiln.runtime.native.kv_cache import kv_bytes_per_block
+from kiln.runtime.native.parallel.sharding import rank_config
 
 GB = 10**9
 # Device-to-device copy rates (bytes read + written per second) used when the GPU is recognised; anything else is
@@ -62,21 +63,22 @@ def kv_bytes_per_token(config: EngineConfig) -> int:
 
 
 def decode_step_bytes(engine_dir: Path, input_len: int, output_len: int) -> dict:
-    """Bytes one batch-1 decode step reads: streamed weights plus the KV of the mean decode context.
+    """Bytes one batch-1 decode step reads on each GPU: streamed weights plus the KV of the mean decode context (of a
+    tensor-parallel engine, rank 0's shard: the ranks read theirs at once, so the floor scales with them).
 
     The decode steps of a request see contexts ``input_len + 1 .. input_len + output_len - 1``; their mean,
     ``input_len + output_len / 2``, is the context length used."""
     engine_dir = Path(engine_dir)
     config = EngineConfig.load(engine_dir)
-    sizes = tensor_bytes(engine_dir / WEIGHTS_FILE)
+    sizes = tensor_bytes(engine_dir / weights_file(0))
     gathered = EMBEDDING if EMBEDDING in sizes and not config.architecture.tie_word_embeddings else None
     weight_bytes = sum(size for name, size in sizes.items() if name != gathered)
     context = input_len + output_len / 2
-    kv_token = kv_bytes_per_token(config)
+    kv_token = kv_bytes_per_token(rank_config(config))
     kv_bytes = int(kv_token * context)
     return {"weight_bytes": weight_bytes, "embedding_bytes_excluded": sizes.get(gathered, 0) if gathered else 0,
             "kv_bytes_per_token": kv_token, "mean_context_len": context, "kv_bytes": kv_bytes,
-            "bytes_per_step": weight_bytes + kv_bytes}
+            "bytes_per_step": weight_bytes + kv_bytes, "tp_size": config.tp_size}
 
 
 def floor_tokens_per_s(bytes_per_step: int, bandwidth_gbs: float) -> float:

@@ -39,14 +39,14 @@ def _progress(message: str) -> None:
 
 def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | None, peer_attn: str,
               fmt: str | None, bandwidth_gbs: float | None, allow_large: bool, seed: int, options: RuntimeOptions,
-              kv_cache_dtype: str = "auto") -> dict:
+              kv_cache_dtype: str = "auto", tp_size: int | None = None) -> dict:
     """Build (or find) the engine, measure it with ``options`` (on the device it was built for unless they name one)
     and the peer, and return the report."""
     from kiln.runtime.native.engine_format import EngineConfig
 
     resolved = resolve_target(target, cache_root())
     config_path, peer_checkpoint, weights_note = _bench_config(resolved, plan, fmt=fmt, kv_cache_dtype=kv_cache_dtype,
-                                                               allow_large=allow_large, seed=seed)
+                                                               allow_large=allow_large, seed=seed, tp_size=tp_size)
     ctx, build = _build_engine(config_path, options)
     engine = EngineConfig.load(ctx.engine_dir)
     options = ctx.load_options  # on the device the engine was built for, unless the options name one
@@ -94,15 +94,15 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
 
 
 def _bench_config(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
-                  seed: int) -> tuple[Path, Path | None, str | None]:
+                  seed: int, tp_size: int | None = None) -> tuple[Path, Path | None, str | None]:
     """The config to build, the peer's checkpoint when it is not the config's model, and what the weights are."""
     if target.kind == "engine":
         raise BenchTargetError(f"{target.path}: kiln bench measures a config or an architecture file against a peer "
                                f"that needs the checkpoint; give the config the engine was built from")
     if target.kind == "config":
-        if fmt is not None:
-            raise BenchTargetError(f"--format applies to architecture files; {target.path.name} sets its own "
-                                   "quantize.format")
+        if fmt is not None or tp_size is not None:
+            raise BenchTargetError(f"--format and --tp-size apply to architecture files; {target.path.name} sets "
+                                   f"its own quantize.format and build.tp_size")
         check_config_holds(target.path, plan)
         return target.path, None, None
     arch = read_architecture_file(target.path)
@@ -113,12 +113,15 @@ def _bench_config(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_
                                progress=_progress)
     note = f"random bf16 weights (seed {seed}) for {target.path.name}"
     fmt = fmt or "none"
-    config = bench_config(hf_dir, plan, arch, fmt=fmt, kv_cache_dtype=kv_cache_dtype, seed=seed)
+    config = bench_config(hf_dir, plan, arch, fmt=fmt, kv_cache_dtype=kv_cache_dtype, seed=seed,
+                          tp_size=tp_size or 1)
     if fmt != "none":
         kv = " with an FP8 KV cache" if kv_cache_dtype == "fp8" else ""
         method = "max" if fmt == "fp8" else config.quantize.algorithm
         note += (f", quantized to {fmt}{kv} by modelopt ({method}) in kiln's quantize stage on {CALIB_SAMPLES} "
                  f"random sequences of {CALIB_LEN} token ids (one round, no accuracy gate)")
+    if (tp_size or 1) > 1:
+        note += f", split over {tp_size} tensor-parallel ranks"
     return write_config(config, note), hf_dir, note
 
 

@@ -121,9 +121,9 @@ def random_checkpoint(cache: EngineCache, arch_path: Path, cfg: dict, *, seed: i
 
 
 def bench_config(checkpoint_dir: Path, plan: BenchPlan, cfg: dict, *, fmt: str, kv_cache_dtype: str,
-                 seed: int) -> KilnConfig:
-    """The config that builds ``checkpoint_dir`` for the run: a build plan that holds it and, for a quantized
-    ``fmt``, calibration on random token ids in one round without the accuracy gate."""
+                 seed: int, tp_size: int = 1) -> KilnConfig:
+    """The config that builds ``checkpoint_dir`` for the run: a build plan that holds it (over ``tp_size`` ranks)
+    and, for a quantized ``fmt``, calibration on random token ids in one round without the accuracy gate."""
     max_seq_len = -(-(plan.input_len + plan.output_len) // BLOCK) * BLOCK
     if max_seq_len > cfg["max_position_embeddings"]:
         raise BenchTargetError(f"--input-len {plan.input_len} + --output-len {plan.output_len} exceeds the "
@@ -138,7 +138,7 @@ def bench_config(checkpoint_dir: Path, plan: BenchPlan, cfg: dict, *, fmt: str, 
     build = BuildSection(backend="native", max_batch_size=min(plan.prompts, MAX_BENCH_BATCH),
                          max_input_len=plan.input_len, max_seq_len=max_seq_len,
                          max_num_tokens=max(plan.input_len, min(MAX_NUM_TOKENS, plan.prompts * plan.input_len)),
-                         tokens_per_block=BLOCK)
+                         tokens_per_block=BLOCK, tp_size=tp_size)
     return KilnConfig(model=ModelSection(path=str(checkpoint_dir), dtype="bfloat16"), quantize=quantize,
                       build=build, cache=CacheSection(dir=str(cache_root())))
 
