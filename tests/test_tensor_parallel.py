@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError
 from kiln.runtime.native.parallel.step_batch import StepBatch
 from tests.model_factories import make_fp8_checkpoint, make_hf_checkpoint, tiny_plan
 
+REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9], [77, 21, 50, 50, 6, 31, 2, 88, 14, 19, 60, 7, 7, 40, 33, 12]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -49,6 +51,13 @@ def test_tp2_gives_the_tokens_and_log_probabilities_of_one_device(tmp_path, conf
         assert [e.logprob for e in b.logprobs] == pytest.approx([e.logprob for e in a.logprobs], abs=1e-4)
         assert [e.logprob for e in b.prompt_logprobs if e] == pytest.approx(
             [e.logprob for e in a.prompt_logprobs if e], abs=1e-4)
+
+
+def test_the_bundled_tiny_model_at_tp2_writes_what_it_writes_on_one_device(tmp_path):
+    built = engines(tmp_path, REPO / "models" / "tiny-llama", tiny_plan(max_seq_len=128, max_input_len=64))
+    prompts = ["Monday, Tuesday,", "The cat sat on the"]
+    assert [r.token_ids for r in generated(built[2], prompts=prompts)] == \
+        [r.token_ids for r in generated(built[1], prompts=prompts)]
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
