@@ -34,6 +34,8 @@ def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous
     if rendezvous.size != config.tp_size:
         raise TensorParallelError(f"{engine_dir}: an engine of tp_size {config.tp_size} cannot run on "
                                   f"{rendezvous.size} ranks")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton launches and graph captures go to the current device
     tp = TensorParallelGroup(rendezvous, device)
     channel = StepChannel(tp.store)
     runner = ModelRunner(engine_dir, config, device, options, tp=tp)
