@@ -4,6 +4,7 @@ launched on the device and collected once its tokens reach the host, so the engi
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -27,6 +28,7 @@ from kiln.runtime.native.parallel.step_batch import StepBatch
 from kiln.runtime.native.prefill_graphs import maybe_capture_prefill_graphs
 from kiln.runtime.native.prompt_logprobs import (
     PromptLogprobs,
+    PromptLogprobsCollector,
     logits_in_chunks,
     prompt_positions,
     wants_prompt_logprobs,
@@ -160,11 +162,13 @@ class ModelRunner:
         ends = list(accumulate(query_lens))
         prompt_rows = [i for i, seq in enumerate(seqs) if wants_prompt_logprobs(seq, starts[i])]
         spans = [(ends[i] - query_lens[i], prompt_positions(seqs[i], starts[i], query_lens[i])) for i in prompt_rows]
+        collectors = [PromptLogprobsCollector(seqs[i], starts[i], count)
+                      for i, (_, count) in zip(prompt_rows, spans, strict=True)]
         batch = StepBatch(input_ids, positions, query_lens, seq_lens, [seq.block_table for seq in seqs], rows,
                           unseen.rows if unseen is not None else [], spans)
-        logits, prompt_logits = self.execute(batch, unseen.tokens if unseen is not None else None)
-        found = [PromptLogprobs.of(seqs[i], starts[i], chunks) for i, chunks in zip(prompt_rows, prompt_logits,
-                                                                                   strict=True)]
+        logits = self.execute(batch, (unseen.device_rows, unseen.tokens) if unseen is not None else None,
+                              lambda span, chunk: collectors[span].add(chunk))
+        found = [collector.result() for collector in collectors]
         sample_seqs = [seqs[i] for i in rows]
         step = LaunchedStep(out, sample_seqs, prompt_logprobs=found)
         if not rows:
@@ -176,42 +180,44 @@ class ModelRunner:
         self._draw(step, logits, after.unseen_tokens(sample_seqs) if controlled else None)
         return step
 
-    def execute(self, batch: StepBatch,
-                fed_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor | None, list[list[torch.Tensor]]]:
-        """Run the model on one step: the logits of ``batch.sample_rows`` (None when there are none) and, per prompt
-        span, its logits in chunks. ``fed_tokens`` (on the device) are the input ids of ``batch.fed_rows``.
+    def execute(self, batch: StepBatch, fed_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+                take_prompt_logits: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor | None:
+        """Run the model on one step and return the logits of ``batch.sample_rows`` (None when there are none).
+        ``fed_ids`` (rows, tokens; on the device) are the input ids of ``batch.fed_rows``; each prompt span's
+        logits go to ``take_prompt_logits(span index, chunk)`` in chunks.
 
         On a tensor-parallel engine rank 0 first hands the batch and the fed tokens to the other ranks, which call
-        this too (``parallel/worker.py``): every rank runs the same path, so their collectives meet."""
+        this too (``parallel/worker.py``, with neither): every rank runs the same path, so their collectives meet."""
         if self.channel is not None:
             self.channel.send(batch.encode())
         if batch.fed_rows and self.tp is not None:
-            if fed_tokens is None:
-                fed_tokens = torch.empty(len(batch.fed_rows), dtype=torch.long, device=self.device)
-            self.tp.broadcast(fed_tokens)
-        fed_ids = (device_tensor(batch.fed_rows, torch.long, self.device), fed_tokens) if batch.fed_rows else None
+            if fed_ids is None:  # a worker: the rows from the batch, the tokens from rank 0
+                fed_ids = (device_tensor(batch.fed_rows, torch.long, self.device),
+                           torch.empty(len(batch.fed_rows), dtype=torch.long, device=self.device))
+            self.tp.broadcast(fed_ids[1])
         rows, query_lens = batch.sample_rows, batch.query_lens
         graphs_fit = not batch.prompt_spans  # prompt log probabilities need every position's hidden state: eager
         if graphs_fit and self.decode_graphs is not None and self.decode_graphs.fits(query_lens):
             logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.seq_lens, batch.block_tables,
                                             fed_ids)  # a row a sequence
-            return (logits[rows] if len(rows) < len(query_lens) else logits), []
+            return logits[rows] if len(rows) < len(query_lens) else logits
         if graphs_fit and fed_ids is None and self.prefill_graphs is not None and self.prefill_graphs.fits(query_lens):
             # the last token's logits
             return self.prefill_graphs.run(batch.input_ids, batch.positions, batch.seq_lens[0],
-                                           batch.block_tables[0]), []
+                                           batch.block_tables[0])
         meta = AttentionMetadata.build(query_lens, batch.seq_lens, batch.block_tables, self.block_size, self.device)
         ids = device_tensor(batch.input_ids, torch.long, self.device)
         if fed_ids is not None:
             ids.index_copy_(0, *fed_ids)
         hidden = self.model(ids, device_tensor(batch.positions, torch.long, self.device), meta, self.kv_caches)
-        prompt_logits = [logits_in_chunks(hidden[first:first + count], self.model.compute_logits)
-                         for first, count in batch.prompt_spans]
+        for span, (first, count) in enumerate(batch.prompt_spans):
+            logits_in_chunks(hidden[first:first + count], self.model.compute_logits,
+                             functools.partial(take_prompt_logits, span) if take_prompt_logits else lambda _: None)
         if not rows:
-            return None, prompt_logits
+            return None
         ends = list(accumulate(query_lens))
         last_token_index = device_tensor([ends[i] - 1 for i in rows], torch.long, self.device)
-        return self.model.compute_logits(hidden[last_token_index]), prompt_logits
+        return self.model.compute_logits(hidden[last_token_index])
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep) -> None:

@@ -33,24 +33,6 @@ class PromptLogprobs:
     top_values: torch.Tensor | None
     top_ids: torch.Tensor | None
 
-    @classmethod
-    def of(cls, seq: Sequence, start: int, logits: list[torch.Tensor]) -> PromptLogprobs:
-        """The entries that the logits (in chunks, ``logits_in_chunks``) of ``seq``'s positions ``start..``
-        predict: those of prompt tokens ``start + 1..``."""
-        count = sum(len(chunk) for chunk in logits)
-        targets = device_tensor(seq.token_ids[start + 1:start + 1 + count], torch.long, logits[0].device)
-        k = seq.params.prompt_logprobs
-        chosen, values, ids, first = [], [], [], 0
-        for chunk in logits:
-            log_probs = chunk.float().log_softmax(-1)
-            chosen.append(log_probs.gather(-1, targets[first:first + len(chunk)].unsqueeze(-1)).squeeze(-1))
-            first += len(chunk)
-            if k:
-                top = log_probs.topk(k, dim=-1)
-                values.append(top.values)
-                ids.append(top.indices)
-        return cls(seq, start + 1, torch.cat(chosen), torch.cat(values) if k else None, torch.cat(ids) if k else None)
-
     def append_to_sequence(self) -> None:
         """Add the entries the sequence does not have yet (all of them, unless this step recomputed its prompt)."""
         entries, first, count = self.seq.prompt_logprobs, self.first_token, len(self.chosen)
@@ -70,7 +52,41 @@ def prompt_positions(seq: Sequence, start: int, num_tokens: int) -> int:
     return min(start + num_tokens, seq.num_prompt_tokens - 1) - start
 
 
-def logits_in_chunks(hidden: torch.Tensor,
-                     compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
-    """The logits of every row of ``hidden``, ``ROWS_PER_CHUNK`` rows at a time."""
-    return [compute_logits(hidden[first:first + ROWS_PER_CHUNK]) for first in range(0, len(hidden), ROWS_PER_CHUNK)]
+def logits_in_chunks(hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                     consume: Callable[[torch.Tensor], None]) -> None:
+    """Hand ``consume`` the logits of every row of ``hidden``, ``ROWS_PER_CHUNK`` rows at a time (one chunk of
+    vocabulary-wide rows in memory at once)."""
+    for first in range(0, len(hidden), ROWS_PER_CHUNK):
+        consume(compute_logits(hidden[first:first + ROWS_PER_CHUNK]))
+
+
+class PromptLogprobsCollector:
+    """Builds one sequence's ``PromptLogprobs`` from the logits of its positions ``start..``, chunk by chunk: the
+    entries of prompt tokens ``start + 1..``."""
+
+    def __init__(self, seq: Sequence, start: int, count: int) -> None:
+        self.seq, self.start, self.count = seq, start, count
+        self.k = seq.params.prompt_logprobs
+        self.chosen: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.ids: list[torch.Tensor] = []
+        self.targets: torch.Tensor | None = None
+        self.read = 0
+
+    def add(self, logits: torch.Tensor) -> None:
+        """The logits of the next positions."""
+        if self.targets is None:
+            self.targets = device_tensor(self.seq.token_ids[self.start + 1:self.start + 1 + self.count], torch.long,
+                                         logits.device)
+        log_probs = logits.float().log_softmax(-1)
+        targets = self.targets[self.read:self.read + len(logits)]
+        self.chosen.append(log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+        self.read += len(logits)
+        if self.k:
+            top = log_probs.topk(self.k, dim=-1)
+            self.values.append(top.values)
+            self.ids.append(top.indices)
+
+    def result(self) -> PromptLogprobs:
+        values, ids = (torch.cat(self.values), torch.cat(self.ids)) if self.k else (None, None)
+        return PromptLogprobs(self.seq, self.start + 1, torch.cat(self.chosen), values, ids)
