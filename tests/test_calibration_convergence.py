@@ -37,6 +37,15 @@ def test_monitor_converges_after_patience_rounds_under_tolerance():
     assert monitor.converged and monitor.unsettled() == []
 
 
+def test_a_statistic_quiet_from_the_start_settles_after_exactly_patience_measured_rounds():
+    monitor = ConvergenceMonitor(tolerance=0.05, patience=2)
+    monitor.observe({"a": torch.tensor(1.0)})
+    monitor.observe({"a": torch.tensor(1.0)})
+    assert not monitor.converged
+    monitor.observe({"a": torch.tensor(1.0)})
+    assert monitor.converged
+
+
 def test_a_statistic_that_moves_again_starts_its_streak_over():
     monitor = ConvergenceMonitor(tolerance=0.05, patience=2)
     for value in (1.0, 1.0, 2.0, 2.0):  # quiet, then a move, then quiet for one round only
