@@ -211,11 +211,11 @@ def test_a_sweep_takes_only_its_own_store_s_stale_temporaries(cache):
 
 
 def test_nearest_skips_an_unreadable_manifest_and_picks_the_fewest_differences(cache):
-    keys = [published(cache, n)[0] for n in range(3)]
-    (cache.entries.entry_dir(min(keys)) / "manifest.json").write_text("{not json")
-    wanted = {**material(1), "backend": "trtllm"}
-    key, diff = cache.entries.nearest(wanted)
-    assert key == engine_key(material(1)) and diff == ["backend"]
+    keys = sorted(published(cache, n)[0] for n in range(4))  # visited in key order
+    (cache.entries.entry_dir(keys[0]) / "manifest.json").write_text("{not json")
+    nearest = cache.entries.read_manifest(keys[2])["material"]  # after a farther entry, before another
+    wanted = {**nearest, "backend": "trtllm"}
+    assert cache.entries.nearest(wanted) == (keys[2], ["backend"])
 
 
 def test_verify_records_why_an_entry_failed(cache):
