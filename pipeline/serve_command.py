@@ -98,24 +98,20 @@ def torchrun_rendezvous(environ: Mapping[str, str]) -> Rendezvous | None:
         return None
     from kiln.runtime.native.parallel.group import Rendezvous
 
-    return Rendezvous.from_environment(dict(environ))
+    return Rendezvous.from_environment(environ)
 
 
 def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous) -> None:
     """Run rank ``rendezvous.rank`` of the engine ``text`` names (a folder or a cache key: every rank must find
     the same build, so a config is refused) until rank 0's server stops."""
-    import torch
-
-    from kiln.runtime.native.engine_format import EngineConfig
-    from kiln.runtime.native.parallel.worker import rank_device, run_worker
+    from kiln.runtime.native.parallel.worker import engine_device, rank_device, run_worker
 
     target = resolve_target(text, cache_root())
     if target.kind != "engine":
         raise TargetError(f"{text}: under torchrun every rank serves one engine that is already built; give its "
                           f"directory or cache key (kiln build the config first)")
-    cuda = EngineConfig.load(target.path).fingerprint.get("device") == "cuda"
-    device = torch.device(options.device or ("cuda" if cuda else "cpu"))
-    run_worker(target.path, options, rendezvous, rank_device(device, int(os.environ.get("LOCAL_RANK", "0"))))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    run_worker(target.path, options, rendezvous, rank_device(engine_device(target.path, options), local_rank))
 
 
 def serve_target(text: str, options: RuntimeOptions, *, backend: str | None = None,
@@ -209,7 +205,7 @@ def serve(
     if (rendezvous := torchrun_rendezvous(os.environ)) is not None:  # one rank of an engine split across hosts
         if rendezvous.rank != 0:
             return serve_as_worker(target, options, rendezvous)
-        options = replace(options, tp_rendezvous=f"{rendezvous.host}:{rendezvous.port}")
+        options = replace(options, tp_rendezvous=rendezvous.address())
     resolved = serve_target(target, options, backend=backend)
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name, chat_template=template,
                                  max_body_mb=max_body_mb)

@@ -117,6 +117,7 @@ def test_torchrun_rendezvous_comes_from_its_environment():
     env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2"}
     # torchrun's agent may serve its own store at MASTER_PORT: Kiln's is the next port, unless KILN_TP_PORT says
     assert Rendezvous.from_environment(env) == Rendezvous("10.0.0.1", 29501, 1, 2)
+    assert Rendezvous.parse("10.0.0.1:29501", 1, 2) == Rendezvous.from_environment(env)
     assert Rendezvous.from_environment({**env, "KILN_TP_PORT": "4000"}).port == 4000
     with pytest.raises(TensorParallelError, match="RANK, MASTER_PORT unset"):
         Rendezvous.from_environment({"MASTER_ADDR": "h", "WORLD_SIZE": "2"})

@@ -9,6 +9,7 @@ wait with an error instead of a hang.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -35,19 +36,26 @@ class Rendezvous:
     size: int
 
     @classmethod
-    def from_environment(cls, environ: dict[str, str] | None = None) -> Rendezvous:
-        """The rendezvous of a worker started by ``torchrun`` (MASTER_ADDR, RANK, WORLD_SIZE) or by rank 0 on its
-        host: rank 0 serves Kiln's store at KILN_TP_PORT, else at MASTER_PORT + 1 (torchrun's agent may hold
-        MASTER_PORT itself)."""
-        env = os.environ if environ is None else environ
+    def from_environment(cls, env: Mapping[str, str]) -> Rendezvous:
+        """The rendezvous ``torchrun`` describes in a rank's environment (MASTER_ADDR, RANK, WORLD_SIZE): rank 0
+        serves Kiln's store at KILN_TP_PORT, else at MASTER_PORT + 1 (torchrun's agent may hold MASTER_PORT)."""
         missing = [k for k in ("MASTER_ADDR", "RANK", "WORLD_SIZE") if k not in env]
         if "KILN_TP_PORT" not in env and "MASTER_PORT" not in env:
             missing.append("MASTER_PORT")
         if missing:
             raise TensorParallelError(f"no torchrun rendezvous in the environment: {', '.join(missing)} unset; "
-                                      f"start the workers with torchrun, or load the engine with LLM.load on one host")
+                                      f"start the ranks with torchrun, or load the engine with LLM.load on one host")
         port = int(env["KILN_TP_PORT"]) if "KILN_TP_PORT" in env else int(env["MASTER_PORT"]) + 1
         return cls(env["MASTER_ADDR"], port, int(env["RANK"]), int(env["WORLD_SIZE"]))
+
+    @classmethod
+    def parse(cls, text: str, rank: int, size: int) -> Rendezvous:
+        """Rank ``rank`` of ``size`` meeting at ``"HOST:PORT"``."""
+        host, _, port = text.rpartition(":")
+        return cls(host, int(port), rank, size)
+
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
 
     def store(self, timeout: timedelta = COLLECTIVE_TIMEOUT) -> dist.TCPStore:
         """Rank 0 serves the store, the others connect to it (waiting up to ``timeout`` for it)."""
@@ -69,7 +77,9 @@ class TensorParallelGroup:
         self.store = store
         self.cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), self.rank, self.size, timeout)
         if self.device.type == "cuda":
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast can take shared hosts down
+            # NCCL reads its settings from the environment only: NVLink multicast stays off unless the user turned
+            # it on (it can take shared GPU hosts down)
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self.device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), self.rank, self.size, options)

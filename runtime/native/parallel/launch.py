@@ -1,17 +1,14 @@
 """Rank 0 starts the other ranks of a tensor-parallel engine on its own host, watches them and stops them.
 
-Each worker is ``python -m kiln.runtime.native.parallel.worker`` with the environment ``torchrun`` would give it
-(one entry point for both launches); a worker that exits while the engine runs aborts rank 0's collectives, so the
-engine stops with an error that names the rank instead of waiting.
+Each worker is ``python -m kiln.runtime.native.parallel.worker``; a worker that exits while the engine runs aborts
+rank 0's collectives, so the engine stops with an error that names the rank instead of waiting.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
@@ -20,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kiln.runtime.errors import FingerprintMismatchError
+from kiln.runtime.kiln_python import kiln_module_command
 from kiln.runtime.native.parallel.channel import StepChannel
 from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError, TensorParallelGroup
 from kiln.runtime.native.parallel.step_batch import STOP
@@ -58,14 +56,15 @@ class LocalWorkers:
         self.failure: str | None = None
         self.failed = threading.Event()
         self._stopping = False
-        command = [sys.executable, "-m", "kiln.runtime.native.parallel.worker", str(engine_dir),
-                   "--options", json.dumps(asdict(options))]
-        env = {**os.environ, "MASTER_ADDR": self.rendezvous.host, "KILN_TP_PORT": str(self.rendezvous.port),
-               "WORLD_SIZE": str(size), "NCCL_NVLS_ENABLE": "0",
-               "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}  # no warning per idle poll
-        self.processes = {rank: subprocess.Popen(command, env={**env, "RANK": str(rank),
-                                                             "LOCAL_RANK": str(first_local_rank + rank)})
-                          for rank in range(1, size)}
+        self.processes = {}
+        for rank in range(1, size):
+            command, env = kiln_module_command(
+                "kiln.runtime.native.parallel.worker", str(engine_dir), "--rendezvous", self.rendezvous.address(),
+                "--rank", str(rank), "--size", str(size), "--local-rank", str(first_local_rank + rank),
+                "--options", json.dumps(asdict(options)))
+            env.setdefault("NCCL_NVLS_ENABLE", "0")
+            env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no c10d warning per idle poll of the step channel
+            self.processes[rank] = subprocess.Popen(command, env=env)
 
     def watch(self, on_failure: Callable[[str], None]) -> None:
         """Call ``on_failure`` with what happened when a worker exits before ``stop``."""
@@ -101,8 +100,8 @@ class TensorParallelRanks:
         self.workers: LocalWorkers | None = None
         if options.tp_rendezvous is not None:
             check_devices(device, 1)
-            host, _, port = options.tp_rendezvous.rpartition(":")
-            self.group = TensorParallelGroup(Rendezvous(host, int(port), 0, size), rank_device(device, local_rank))
+            self.group = TensorParallelGroup(Rendezvous.parse(options.tp_rendezvous, 0, size),
+                                             rank_device(device, local_rank))
         else:
             check_devices(device, size)
             self.workers = LocalWorkers(engine_dir, options, size, local_rank)

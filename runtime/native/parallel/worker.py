@@ -1,16 +1,17 @@
 """A tensor-parallel rank other than 0: it loads its shard, then runs each step rank 0 hands it until told to stop.
 
-Rank 0 (``LLM.load`` of a tensor-parallel engine) starts these on its own host. Across hosts, ``torchrun`` starts
-them with the rendezvous in its environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK: the GPU):
+Rank 0 (``LLM.load`` of a tensor-parallel engine) starts these on its own host:
 
-    python -m kiln.runtime.native.parallel.worker ENGINE_DIR [--options JSON]
+    python -m kiln.runtime.native.parallel.worker ENGINE_DIR --rendezvous HOST:PORT --rank R --size N
+                                                  --local-rank GPU [--options JSON]
+
+Across hosts, ``torchrun`` starts ``kiln serve ENGINE`` on every rank, which calls ``run_worker`` on ranks 1..N-1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -44,17 +45,24 @@ def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous
             runner.execute(StepBatch.decode(message))
 
 
+def engine_device(engine_dir: Path, options: RuntimeOptions) -> torch.device:
+    """The device kind the engine runs on: ``options.device``, else the one it was built for."""
+    built_for = EngineConfig.load(engine_dir).fingerprint.get("device")
+    return torch.device(options.device or ("cuda" if built_for == "cuda" else "cpu"))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("engine_dir", type=Path)
+    parser.add_argument("--rendezvous", required=True, help="HOST:PORT of rank 0's store")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--local-rank", type=int, required=True, help="this rank's GPU on its host")
     parser.add_argument("--options", default="{}", help="RuntimeOptions as a JSON object (rank 0's)")
     args = parser.parse_args(argv)
     options = RuntimeOptions(**json.loads(args.options))
-    engine = EngineConfig.load(args.engine_dir)
-    engine_device = torch.device(options.device or ("cuda" if engine.fingerprint.get("device") == "cuda" else "cpu"))
-    rendezvous = Rendezvous.from_environment()
-    local_rank = int(os.environ.get("LOCAL_RANK", rendezvous.rank))
-    run_worker(args.engine_dir, options, rendezvous, rank_device(engine_device, local_rank))
+    run_worker(args.engine_dir, options, Rendezvous.parse(args.rendezvous, args.rank, args.size),
+               rank_device(engine_device(args.engine_dir, options), args.local_rank))
 
 
 if __name__ == "__main__":
