@@ -61,7 +61,8 @@ class NativeEngine:
             if self.config.tp_size > 1 else None
         try:
             self.model_runner = ModelRunner(engine_dir, self.config, self.device, options, self.grammars,
-                                            *((self.ranks.group, self.ranks.channel) if self.ranks else ()))
+                                            tp=self.ranks.group if self.ranks else None,
+                                            channel=self.ranks.channel if self.ranks else None)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.stop_workers()
