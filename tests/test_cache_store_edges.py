@@ -58,6 +58,7 @@ def test_keys_under_reads_only_the_shard_of_the_first_two_digits_and_skips_stray
     for key in ("ab" + "0" * 62, "ac" + "1" * 62):
         (cache.entries.dir / key[:2] / key).mkdir(parents=True)
     (cache.entries.dir / "ab.txt").write_text("not a shard")
+    (cache.entries.dir / "ab" / "ab-partial").mkdir()  # in the shard, but not a key
     assert cache.entries.keys_under("ab") == ["ab" + "0" * 62]
     assert cache.entries.keys_under("ab0") == ["ab" + "0" * 62]
     assert cache.entries.list_keys() == ["ab" + "0" * 62, "ac" + "1" * 62]
@@ -78,6 +79,8 @@ def test_a_lookup_refuses_a_manifest_that_does_not_match_in_either_direction(cac
     rewrite_manifest(cache, key, change(key, m))
     found = cache.entries.lookup(key, m)
     assert (found.hit, found.reason) == (False, reason)
+    if "manifest_version" in change(key, m):
+        assert "manifest version 0, this Kiln reads" in found.detail
 
 
 @pytest.mark.parametrize("direction", ["lower", "higher"])
@@ -185,6 +188,7 @@ def test_removing_an_entry_a_process_holds_frees_nothing(cache):
     with EntryHold(cache.entries.entry_dir(key)):
         assert cache.entries.try_remove(key, "test") == ("in_use", 0)
     assert cache.entries.try_remove("d" * 64, "test") == ("gone", 0)
+    assert events(cache, "evict") == []
 
 
 def test_a_sweep_takes_only_its_own_store_s_stale_temporaries(cache):
@@ -211,11 +215,14 @@ def test_a_sweep_takes_only_its_own_store_s_stale_temporaries(cache):
 
 
 def test_nearest_skips_an_unreadable_manifest_and_picks_the_fewest_differences(cache):
-    keys = sorted(published(cache, n)[0] for n in range(4))  # visited in key order
+    keys = sorted(published(cache, n)[0] for n in range(6))  # visited in key order
     (cache.entries.entry_dir(keys[0]) / "manifest.json").write_text("{not json")
-    nearest = cache.entries.read_manifest(keys[2])["material"]  # after a farther entry, before another
+    (cache.entries.entry_dir(keys[1]) / "manifest.json").unlink()
+    (cache.entries.entry_dir(keys[3]) / "manifest.json").write_text("{}")  # no material
+    keys = [keys[2], keys[4], keys[5]]
+    nearest = cache.entries.read_manifest(keys[1])["material"]  # after a farther entry, before another
     wanted = {**nearest, "backend": "trtllm"}
-    assert cache.entries.nearest(wanted) == (keys[2], ["backend"])
+    assert cache.entries.nearest(wanted) == (keys[1], ["backend"])
 
 
 def test_verify_records_why_an_entry_failed(cache):
