@@ -1,0 +1,29 @@
+#!/bin/bash
+# Tensor parallelism on a two-GPU machine (issue #32): the two-GPU tests, then Llama-3-8B FP8 at TP1 and TP2
+# (batch-1 decode against the floor, offline at 1000 in / 1000 out). NVLink multicast stays off
+# (NCCL_NVLS_ENABLE=0). Results go to $OUT (default ./gpu-out).
+#   bash tools/gpu_tp.sh [tests] [8b]
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+KILN_PATH=${TMPDIR:-/tmp}/kiln-path
+mkdir -p "$KILN_PATH" && ln -sfn "$PWD" "$KILN_PATH/kiln"
+export PYTHONPATH=${PYTHONPATH:-}:$KILN_PATH:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export KILN_CACHE=${KILN_CACHE:-/tmp/kiln-tp}
+BENCH="python3 -m kiln bench --format fp8 --kv-cache-dtype fp8"
+for step in "$@"; do
+  case $step in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_tensor_parallel.py 2>&1 | tail -15 \
+        | tee "$OUT/tests.log" ;;
+    8b)
+      for tp in 1 2; do
+        echo "== llama3-8b tp$tp"
+        $BENCH configs/models/llama3-8b.json --tp-size $tp --batch-1 --input-len 1000 --output-len 200 --json \
+          > "$OUT/batch1_tp$tp.json" 2> "$OUT/batch1_tp$tp.err"; tail -1 "$OUT/batch1_tp$tp.err"
+        $BENCH configs/models/llama3-8b.json --tp-size $tp --prompts 1000 --input-len 1000 --output-len 1000 --json \
+          > "$OUT/offline_tp$tp.json" 2> "$OUT/offline_tp$tp.err"; tail -1 "$OUT/offline_tp$tp.err"
+      done ;;
+    *) echo "unknown step $step: tests or 8b" >&2; exit 2 ;;
+  esac
+done
