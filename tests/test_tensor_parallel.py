@@ -79,6 +79,27 @@ def test_a_hand_written_fp8_checkpoint_with_an_fp8_kv_cache_splits_too(tmp_path)
     assert [r.token_ids for r in generated(built[2])] == [r.token_ids for r in generated(built[1])]
 
 
+def test_preemption_prefix_reuse_and_structured_output_under_tp2_match_one_device(tmp_path):
+    """A KV pool too small for the batch (preempted sequences recompute), prompts sharing a prefix (cached blocks
+    reused on every rank) and a JSON-constrained request (rank 0's mask): the one-device engine's tokens."""
+    from kiln.runtime import RuntimeOptions, StructuredOutput
+
+    built = engines(tmp_path, REPO / "models" / "tiny-llama", tiny_plan(max_seq_len=128, max_input_len=64))
+    prompts = [f"Monday, Tuesday, Wednesday, Thursday, {day}" for day in ("Friday", "Saturday", "Sunday", "May")]
+    prompts += ["The cat sat on the", "One, two, three,"]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * len(prompts)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params[0] = SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput(json=schema))
+    outputs = {}
+    for tp_size in (1, 2):
+        with LLM.load(built[tp_size], RuntimeOptions(num_kv_blocks=32)) as llm:
+            outputs[tp_size] = llm.generate(prompts, params)
+            preempted = sum(r.metrics.num_preemptions for r in outputs[tp_size])
+            cached = sum(r.metrics.num_cached_tokens for r in outputs[tp_size])
+        assert preempted and cached  # the pool is small enough to preempt, and the prefix is reused
+    assert [r.token_ids for r in outputs[2]] == [r.token_ids for r in outputs[1]]
+
+
 def test_abort_frees_a_request_and_the_engine_keeps_serving(tmp_path):
     make_hf_checkpoint(tmp_path / "checkpoint", 0)
     (tmp_path / "tp2").mkdir()
