@@ -104,14 +104,17 @@ def torchrun_rendezvous(environ: Mapping[str, str]) -> Rendezvous | None:
 def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous) -> None:
     """Run rank ``rendezvous.rank`` of the engine ``text`` names (a folder or a cache key: every rank must find
     the same build, so a config is refused) until rank 0's server stops."""
-    from kiln.runtime.native.parallel.worker import engine_device, rank_device, run_worker
+    from kiln.runtime.native.engine_format import EngineConfig
+    from kiln.runtime.native.fingerprint import resolve_device
+    from kiln.runtime.native.parallel.worker import rank_device, run_worker
 
     target = resolve_target(text, cache_root())
     if target.kind != "engine":
         raise TargetError(f"{text}: under torchrun every rank serves one engine that is already built; give its "
                           f"directory or cache key (kiln build the config first)")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    run_worker(target.path, options, rendezvous, rank_device(engine_device(target.path, options), local_rank))
+    device = resolve_device(options.device, EngineConfig.load(target.path).fingerprint)
+    run_worker(target.path, options, rendezvous, rank_device(device, local_rank))
 
 
 def serve_target(text: str, options: RuntimeOptions, *, backend: str | None = None,

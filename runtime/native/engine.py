@@ -6,13 +6,11 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
 from kiln.runtime.errors import InvalidRequestError, KilnError
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.native.block_manager import BlockManager
 from kiln.runtime.native.engine_format import EngineConfig
-from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint
+from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint, resolve_device
 from kiln.runtime.native.grammar import Grammars
 from kiln.runtime.native.model_runner import LaunchedStep, ModelRunner
 from kiln.runtime.native.parallel.group import TensorParallelError
@@ -36,14 +34,6 @@ from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_pro
 logger = logging.getLogger("kiln.runtime")
 
 
-def resolve_device(device: str | None, config: EngineConfig) -> torch.device:
-    """The requested device, else CUDA when the engine was built for CUDA and one is present, else CPU."""
-    if device is not None:
-        return torch.device(device)
-    cuda = config.fingerprint.get("device") == "cuda" and torch.cuda.is_available()
-    return torch.device("cuda" if cuda else "cpu")
-
-
 class NativeEngine:
     """Single-threaded core: requests in, one step at a time, deltas out (``runtime.engine.Engine``). `LLM` drives it
     from a thread."""
@@ -51,7 +41,7 @@ class NativeEngine:
     def __init__(self, engine_dir: Path, options: RuntimeOptions) -> None:
         engine_dir = Path(engine_dir)
         self.config = EngineConfig.load(engine_dir)
-        self.device = resolve_device(options.device, self.config)
+        self.device = resolve_device(options.device, self.config.fingerprint)
         check_fingerprint(self.config.fingerprint, machine_fingerprint(str(self.device)))
         self.tokenizer = Tokenizer.from_dir(engine_dir)
         architecture = self.config.architecture

@@ -30,6 +30,14 @@ def machine_fingerprint(device: str) -> dict[str, Any]:
     }
 
 
+def resolve_device(device: str | None, engine_fp: dict[str, Any]) -> torch.device:
+    """The requested device, else CUDA when the engine was built for CUDA and one is present, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    cuda = engine_fp.get("device") == "cuda" and torch.cuda.is_available()
+    return torch.device("cuda" if cuda else "cpu")
+
+
 def check_fingerprint(engine_fp: dict[str, Any], machine_fp: dict[str, Any]) -> None:
     """Raise FingerprintMismatchError naming each difference between the engine's build machine and this one."""
     differences = []

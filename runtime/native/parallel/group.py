@@ -64,17 +64,17 @@ class Rendezvous:
                                  wait_for_workers=False)
         except (RuntimeError, OSError) as e:
             raise TensorParallelError(f"rank {self.rank}: cannot reach the tensor-parallel rendezvous at "
-                                      f"{self.host}:{self.port} ({e})") from None
+                                      f"{self.address()} ({e})") from None
 
 
 class TensorParallelGroup:
-    """Rank ``rank`` of ``size``; ``all_reduce`` and ``all_gather`` on the device, ``broadcast_cpu`` for step data."""
+    """Rank ``rank`` of ``size``: ``all_reduce``, ``all_gather`` and ``broadcast`` on the device group, ``store``
+    (rank 0's) for the step channel."""
 
     def __init__(self, rendezvous: Rendezvous, device: torch.device,
                  timeout: timedelta = COLLECTIVE_TIMEOUT) -> None:
         self.rank, self.size, self.device = rendezvous.rank, rendezvous.size, torch.device(device)
-        store = rendezvous.store(timeout)
-        self.store = store
+        self.store = store = rendezvous.store(timeout)
         self.cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), self.rank, self.size, timeout)
         if self.device.type == "cuda":
             # NCCL reads its settings from the environment only: NVLink multicast stays off unless the user turned

@@ -11,6 +11,8 @@ import socket
 import subprocess
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict
 from pathlib import Path
 
@@ -62,7 +64,6 @@ class LocalWorkers:
                 "kiln.runtime.native.parallel.worker", str(engine_dir), "--rendezvous", self.rendezvous.address(),
                 "--rank", str(rank), "--size", str(size), "--local-rank", str(first_local_rank + rank),
                 "--options", json.dumps(asdict(options)))
-            env.setdefault("NCCL_NVLS_ENABLE", "0")
             env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no c10d warning per idle poll of the step channel
             self.processes[rank] = subprocess.Popen(command, env=env)
 
@@ -132,20 +133,18 @@ class TensorParallelRanks:
     def _join(self, device: torch.device) -> TensorParallelGroup:
         """The group, formed on a thread while this one watches the workers: one that dies first is an error
         naming it, not a wait for the rendezvous timeout."""
-        joined: list[TensorParallelGroup | BaseException] = []
-        thread = threading.Thread(target=lambda: joined.append(_try(TensorParallelGroup, self.workers.rendezvous,
-                                                                    device)), daemon=True, name="kiln-tp-join")
-        thread.start()
-        while thread.is_alive():
-            thread.join(JOIN_POLL_S)
-            for rank, process in self.workers.processes.items():
-                if process.poll() is not None:
-                    raise TensorParallelError(f"tensor-parallel worker rank {rank} exited with code "
-                                              f"{process.returncode} while the engine was loading (its error is "
-                                              f"above)")
-        if isinstance(joined[0], BaseException):
-            raise joined[0]
-        return joined[0]
+        pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-tp-join")
+        joined = pool.submit(TensorParallelGroup, self.workers.rendezvous, device)
+        pool.shutdown(wait=False)
+        while True:
+            try:
+                return joined.result(timeout=JOIN_POLL_S)
+            except FutureTimeout:
+                for rank, process in self.workers.processes.items():
+                    if process.poll() is not None:
+                        raise TensorParallelError(f"tensor-parallel worker rank {rank} exited with code "
+                                                  f"{process.returncode} while the engine was loading (its error is "
+                                                  f"above)") from None
 
     def close(self) -> None:
         """Tell the workers to stop and wait for the local ones."""
@@ -154,9 +153,3 @@ class TensorParallelRanks:
         if self.workers is not None:
             self.workers.stop()
 
-
-def _try(function: Callable, *args: object) -> object:
-    try:
-        return function(*args)
-    except BaseException as e:  # handed to the waiting thread
-        return e

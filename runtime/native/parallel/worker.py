@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kiln.runtime.native.engine_format import EngineConfig
+from kiln.runtime.native.fingerprint import resolve_device
 from kiln.runtime.native.model_runner import ModelRunner
 from kiln.runtime.native.parallel.channel import StepChannel
 from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError, TensorParallelGroup
@@ -45,12 +46,6 @@ def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous
             runner.execute(StepBatch.decode(message))
 
 
-def engine_device(engine_dir: Path, options: RuntimeOptions) -> torch.device:
-    """The device kind the engine runs on: ``options.device``, else the one it was built for."""
-    built_for = EngineConfig.load(engine_dir).fingerprint.get("device")
-    return torch.device(options.device or ("cuda" if built_for == "cuda" else "cpu"))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("engine_dir", type=Path)
@@ -61,8 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--options", default="{}", help="RuntimeOptions as a JSON object (rank 0's)")
     args = parser.parse_args(argv)
     options = RuntimeOptions(**json.loads(args.options))
+    device = resolve_device(options.device, EngineConfig.load(args.engine_dir).fingerprint)
     run_worker(args.engine_dir, options, Rendezvous.parse(args.rendezvous, args.rank, args.size),
-               rank_device(engine_device(args.engine_dir, options), args.local_rank))
+               rank_device(device, args.local_rank))
 
 
 if __name__ == "__main__":
