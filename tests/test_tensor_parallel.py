@@ -126,6 +126,16 @@ def test_a_killed_worker_stops_the_engine_with_an_error_naming_it(tmp_path):
         assert "TensorParallelError" in llm.engine_error
 
 
+def test_a_worker_that_fails_to_load_its_shard_is_named_by_the_load_error(tmp_path):
+    make_hf_checkpoint(tmp_path / "checkpoint", 0)
+    (tmp_path / "tp2").mkdir()
+    build_native_engine(tmp_path / "checkpoint", tmp_path / "tp2", tiny_plan(), "float32", tp_size=2)
+    (tmp_path / "tp2" / "rank1.safetensors").write_bytes(b"garbage")
+    with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) exited with code 1 while the engine "
+                                                  r"was loading"):
+        LLM.load(tmp_path / "tp2")
+
+
 def test_step_batches_survive_the_wire_and_garbage_is_refused():
     batch = StepBatch([5, 6, 7, 0], [0, 1, 2, 9], [3, 1], [3, 10], [[4], [1, 2, 3]], [0, 1], [1], [(0, 2)])
     assert StepBatch.decode(batch.encode()) == batch

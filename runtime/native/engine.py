@@ -53,10 +53,14 @@ class NativeEngine:
             self.model_runner = ModelRunner(engine_dir, self.config, self.device, options, self.grammars,
                                             tp=self.ranks.group if self.ranks else None,
                                             channel=self.ranks.channel if self.ranks else None)
-        except BaseException:
-            if self.ranks is not None:
-                self.ranks.stop_workers()
-            raise
+        except BaseException as e:
+            if self.ranks is None:
+                raise
+            failure = self.ranks.failure_after_error() if isinstance(e, Exception) else None
+            self.ranks.stop_workers()
+            if failure is None:
+                raise
+            raise TensorParallelError(f"{failure} while the engine was loading (its error is above)") from e
         plan = self.config.plan
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block)
         self.limits = EngineLimits.from_plan(plan, vocab_size=self.config.architecture.vocab_size,
