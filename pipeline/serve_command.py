@@ -101,9 +101,9 @@ def torchrun_rendezvous(environ: Mapping[str, str]) -> Rendezvous | None:
     return Rendezvous.from_environment(environ)
 
 
-def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous) -> None:
+def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, local_rank: int) -> None:
     """Run rank ``rendezvous.rank`` of the engine ``text`` names (a folder or a cache key: every rank must find
-    the same build, so a config is refused) until rank 0's server stops."""
+    the same build, so a config is refused) on this host's GPU ``local_rank`` until rank 0's server stops."""
     from kiln.runtime.native.engine_format import EngineConfig
     from kiln.runtime.native.fingerprint import resolve_device
     from kiln.runtime.native.parallel.worker import rank_device, run_worker
@@ -112,7 +112,6 @@ def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous) 
     if target.kind != "engine":
         raise TargetError(f"{text}: under torchrun every rank serves one engine that is already built; give its "
                           f"directory or cache key (kiln build the config first)")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(options.device, EngineConfig.load(target.path).fingerprint)
     run_worker(target.path, options, rendezvous, rank_device(device, local_rank))
 
@@ -207,7 +206,7 @@ def serve(
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks, engine_process=engine_process)
     if (rendezvous := torchrun_rendezvous(os.environ)) is not None:  # one rank of an engine split across hosts
         if rendezvous.rank != 0:
-            return serve_as_worker(target, options, rendezvous)
+            return serve_as_worker(target, options, rendezvous, int(os.environ.get("LOCAL_RANK", "0")))
         options = replace(options, tp_rendezvous=rendezvous.address())
     resolved = serve_target(target, options, backend=backend)
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name, chat_template=template,
