@@ -22,16 +22,17 @@ import triton
 import triton.language as tl
 
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
-from kiln.runtime.native.kernels.rounding import SUPPORTED_DTYPES, quantize_e4m3, round_to_dtype
+from kiln.runtime.native.kernels.rounding import SUPPORTED_DTYPES, multiply_rounded, quantize_e4m3, round_to_dtype
 
 
 @triton.jit
 def _normalize(x, weight_ptr, cols, mask, eps, HIDDEN: tl.constexpr, dtype: tl.constexpr):
-    """``round(weight * round(x / rms(x)))`` of a float32 row, rounded as the PyTorch layer rounds."""
+    """``round(weight * round(x / rms(x)))`` of a float32 row, rounded as the PyTorch layer rounds (the product
+    too, when a residual add follows in the same kernel)."""
     variance = tl.math.div_rn(tl.sum(x * x, axis=0), HIDDEN)
     h = round_to_dtype(x * tl.math.rsqrt(variance + eps), dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return round_to_dtype(weight * h, dtype)
+    return round_to_dtype(multiply_rounded(weight, h), dtype)
 
 
 @triton.jit

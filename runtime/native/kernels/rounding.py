@@ -36,6 +36,16 @@ def round_to_dtype(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def multiply_rounded(a, b):
+    """``a * b`` in float32, rounded on its own: compiled, a PTX ``mul.rn`` that neither LLVM nor ptxas contracts
+    into an FMA with a later add (which would skip the rounding a separate PyTorch op makes)."""
+    if INTERPRETED:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
 def round_to_e4m3(y):
     """Round float32 ``y`` (|y| <= 448) to the nearest float8_e4m3fn value, ties to even, staying in float32."""
     exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
