@@ -1,5 +1,5 @@
-"""``kiln cache``: ls, show, stats, verify, prune, rm. Tables for a person on stdout, ``--json`` for a machine;
-notes on stderr."""
+"""``kiln cache``: ls, show, stats, verify, prune, rm, and push / pull / ``--remote`` for the remote tier. Tables
+for a person on stdout, ``--json`` for a machine; notes on stderr."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from kiln.engines.cache import CacheCorruptError, EngineCache
@@ -23,47 +22,43 @@ from kiln.engines.cache.units import (
     parse_since,
     parse_size,
 )
-from kiln.pipeline.config import cache_root, load_config
-from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
+from kiln.pipeline import cache_remote
+from kiln.pipeline.cache_tables import STORE_LABEL, ago, print_table
+from kiln.pipeline.config import cache_root, load_config, remote_spec
+from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout, warn
 
-cache_app = typer.Typer(help="Inspect and maintain the engine cache.", no_args_is_help=True)
+cache_app = typer.Typer(help="Inspect and maintain the engine cache, and share it through a remote.",
+                        no_args_is_help=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")]
 KeyArg = Annotated[str, typer.Argument(help="A cache key (64 hex characters, as `kiln cache ls` prints it) or a "
                                               "unique prefix of at least 4.")]
 CacheDirOpt = Annotated[Path | None, typer.Option(
     "--cache-dir", help="The cache root (default: $KILN_CACHE, else the --config's cache.dir, else ~/.cache/kiln).")]
-ConfigOpt = Annotated[str | None, typer.Option("--config", help="Take the cache root from this config file.")]
-
-PIPE_WIDTH = 240
-_STORE_LABEL = {"entries": "engine", "quantized": "quantized", "checkpoints": "generated"}
-
+ConfigOpt = Annotated[str | None, typer.Option("--config", help="Take the cache root (and remote) from this config "
+                                                                  "file.")]
+RemoteOpt = Annotated[bool, typer.Option("--remote", help="Act on the remote cache ($KILN_CACHE_REMOTE, else the "
+                                                          "config's cache.remote, else the one the last build used).")]
 
 def _open(cache_dir: Path | None, config: str | None) -> EngineCache:
-    """The cache named by --cache-dir, else by the config (``$KILN_CACHE`` overrides its cache.dir), else default."""
-    if cache_dir is not None:
-        root = cache_dir.expanduser()
-    elif config is not None:
-        root = load_config(config).config.cache.root()
-    else:
-        root = cache_root()
-    return EngineCache.open_configured(root)
-
-
-def _print_table(table: Table) -> None:
-    """Print a table with full 64-character keys: at the terminal's width, or unsqueezed when piped."""
-    (stdout if stdout.is_terminal else Console(width=PIPE_WIDTH, file=stdout.file)).print(table, highlight=False)
-
-
-def _ago(iso: str | None) -> str:
-    return format_ago(parse_iso(iso))
+    """The cache named by --cache-dir, else by the config (``$KILN_CACHE`` overrides its cache.dir), else default;
+    its remote tier is ``$KILN_CACHE_REMOTE``, else the config's, else the one its last build recorded."""
+    section = load_config(config).config.cache if config is not None else None
+    root = section.root() if section is not None else cache_root()
+    root = cache_dir.expanduser() if cache_dir is not None else root
+    remote = section.remote_spec() if section is not None else remote_spec()
+    return EngineCache.open_configured(root, remote=remote, warn=warn)
 
 
 @cache_app.command("ls")
 @friendly_errors
-def ls(cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOpt = False) -> None:
+def ls(remote: RemoteOpt = False, cache_dir: CacheDirOpt = None, config: ConfigOpt = None,
+       json_out: JsonOpt = False) -> None:
     """One row per entry, most recently used first: key, model, format, backend, GPU, size, created, last used, hits."""
     cache = _open(cache_dir, config)
+    if remote:
+        cache_remote.ls(cache, json_out=json_out)
+        return
     rows = cache_inspect.ls_entries(cache)
     if json_out:
         print_json(rows)
@@ -72,11 +67,11 @@ def ls(cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOp
     for column in ("KEY", "KIND", "MODEL", "FORMAT", "BACKEND", "GPU", "SIZE", "CREATED", "LAST USED", "HITS"):
         table.add_column(column, no_wrap=column == "KEY", justify="right" if column in ("SIZE", "HITS") else "left")
     for row in rows:
-        table.add_row(row["key"], _STORE_LABEL.get(row["store"], row["store"]), row["model"] or "-",
+        table.add_row(row["key"], STORE_LABEL.get(row["store"], row["store"]), row["model"] or "-",
                       row["format"] or "-", row["backend"] or "-", row["gpu"] or "-", format_bytes(row["size_bytes"]),
-                      _ago(row["created"]), _ago(row["last_used"]), str(row["hits"]))
+                      ago(row["created"]), ago(row["last_used"]), str(row["hits"]))
     if rows:
-        _print_table(table)
+        print_table(table)
     total = sum(row["size_bytes"] for row in rows)
     stderr.print(f"{len(rows)} entries, {format_bytes(total)} in {cache.root}", highlight=False)
 
@@ -94,16 +89,16 @@ def show(key: KeyArg, cache_dir: CacheDirOpt = None, config: ConfigOpt = None, j
     facts.add_column(style="bold")
     facts.add_column()
     for label, value in (
-        ("key", entry["key"]), ("kind", _STORE_LABEL.get(entry["store"], entry["store"])),
+        ("key", entry["key"]), ("kind", STORE_LABEL.get(entry["store"], entry["store"])),
         ("path", entry["payload_dir"]),
         *((name, str(describe[name])) for name in ("model", "format", "backend", "gpu") if describe.get(name)),
-        ("size", format_bytes(entry["size_bytes"])), ("created", f"{entry['created']} ({_ago(entry['created'])})"),
-        ("last used", f"{entry['last_used']} ({_ago(entry['last_used'])})"), ("hits", str(entry["hits"])),
+        ("size", format_bytes(entry["size_bytes"])), ("created", f"{entry['created']} ({ago(entry['created'])})"),
+        ("last used", f"{entry['last_used']} ({ago(entry['last_used'])})"), ("hits", str(entry["hits"])),
         ("in use", "yes" if entry["in_use"] else "no"),
         ("build time", format_seconds(entry["build_seconds"] or 0)),
     ):
         facts.add_row(label, value)
-    _print_table(facts)
+    print_table(facts)
     stdout.print("\n[bold]key material[/]")
     stdout.print_json(json.dumps(entry["material"]))
     files = Table(box=None, header_style="bold", pad_edge=False)
@@ -112,7 +107,7 @@ def show(key: KeyArg, cache_dir: CacheDirOpt = None, config: ConfigOpt = None, j
     for item in entry["files"]:
         files.add_row(item["path"], format_bytes(item["size"]), item["sha256"])
     stdout.print("\n[bold]files[/]")
-    _print_table(files)
+    print_table(files)
     stdout.print("\n[bold]build record[/]")
     stdout.print_json(json.dumps(entry["build"]))
 
@@ -153,13 +148,27 @@ def stats(
     table.add_row("entries", str(report["entries"]),
                   f"of {report['max_entries']}" if report["max_entries"] is not None else "unbounded")
     table.add_row("evictions", str(report["evictions"]), "")
+    if (remote := report["remote"]) is not None:
+        pulls = remote["hits"] + remote["misses"] + remote["corrupt"]
+        table.add_row("remote hits", f"{remote['hits']}/{pulls}", f"{remote['url']}: {remote['corrupt']} refused as "
+                      f"damaged, {remote['errors']} failed")
+        pulled = remote["pulled_bytes"]
+        table.add_row("pulled", format_bytes(pulled),
+                      f"in {format_seconds(remote['pull_seconds'])}{_rate(pulled, remote['pull_seconds'])}")
+        table.add_row("pushed", format_bytes(remote["pushed_bytes"]),
+                      f"{remote['pushes']} entries in {format_seconds(remote['push_seconds'])}"
+                      f"{_rate(remote['pushed_bytes'], remote['push_seconds'])}")
     for name in ("quantized", "checkpoints"):  # the checkpoint stores, when used
         store = report["stores"][name]
         if store["lookups"] or store["entries"]:
             rate = f", {store['hit_rate']:.1%}" if store["hit_rate"] is not None else ""
-            table.add_row(_STORE_LABEL[name], f"{store['hits']}/{store['lookups']} hits{rate}",
+            table.add_row(STORE_LABEL[name], f"{store['hits']}/{store['lookups']} hits{rate}",
                           f"{store['entries']} checkpoints, {format_bytes(store['size_bytes'])}")
     stdout.print(table, highlight=False)
+
+
+def _rate(size: int, seconds: float) -> str:
+    return f", {format_bytes(int(size / seconds))}/s" if size and seconds > 0 else ""
 
 
 def _ms(value: float | None) -> str:
@@ -171,10 +180,17 @@ def _ms(value: float | None) -> str:
 def verify(
     key: Annotated[str | None, typer.Argument(help="The entry to re-hash (or --all).")] = None,
     all_entries: Annotated[bool, typer.Option("--all", help="Re-hash every entry.")] = False,
-    cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOpt = False,
+    remote: RemoteOpt = False, cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOpt = False,
 ) -> None:
-    """Re-hash entries against their manifests; exit 3 naming each corrupt file (the entry is then rebuilt)."""
-    results = cache_inspect.verify_entries(_open(cache_dir, config), key, all_entries=all_entries)
+    """Re-hash entries against their manifests; exit 3 naming each corrupt file (the entry is then rebuilt). With
+    --remote, read the remote's files back (no local copy is made)."""
+    cache = _open(cache_dir, config)
+    if remote:
+        results, where = cache_remote.verify_results(cache, key, all_entries=all_entries)
+        fix = "Pulls refuse them; the next build of each pushes a good copy (or `kiln cache push --force KEY`)"
+    else:
+        results, where = cache_inspect.verify_entries(cache, key, all_entries=all_entries), str(cache.root)
+        fix = "They are marked corrupt: the next build rebuilds them (or remove them with `kiln cache rm KEY`)"
     if json_out:
         print_json(results)
     else:
@@ -183,15 +199,15 @@ def verify(
             table.add_column(column, no_wrap=column == "KEY")
         for r in results:
             status = "[green]ok[/]" if r["ok"] else "[bold red]CORRUPT[/]"
-            table.add_row(r["key"], _STORE_LABEL.get(r["store"], r["store"]), str(r["files_checked"]), status)
-        _print_table(table)
+            table.add_row(r["key"], STORE_LABEL.get(r["store"], r["store"]), str(r["files_checked"]), status)
+        print_table(table)
     bad = [r for r in results if not r["ok"]]
     if bad:
         lines = [f"{r['key']}: {problem}" for r in bad for problem in r["problems"]]
-        raise CacheCorruptError(f"{len(bad)} corrupt cache entr{'y' if len(bad) == 1 else 'ies'}: "
-                                + "; ".join(lines) + ". They are marked corrupt: the next build rebuilds them "
-                                "(or remove them with `kiln cache rm KEY`)")
-    stderr.print(f"{len(results)} entr{'y' if len(results) == 1 else 'ies'} verified, all intact")
+        raise CacheCorruptError(f"{len(bad)} corrupt cache entr{'y' if len(bad) == 1 else 'ies'} in {where}: "
+                                + "; ".join(lines) + f". {fix}")
+    stderr.print(f"{len(results)} entr{'y' if len(results) == 1 else 'ies'} in {where} verified, all intact",
+                 highlight=False)
 
 
 @cache_app.command("prune")
@@ -200,11 +216,18 @@ def prune(
     max_size: Annotated[str | None, typer.Option(help="Shrink to this size, least recently used first (50GB).")] = None,
     older_than: Annotated[str | None, typer.Option(help="Remove entries not used for this long (30d).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")] = False,
-    cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOpt = False,
+    remote: RemoteOpt = False, cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOpt = False,
 ) -> None:
-    """Remove old or least recently used entries (default: down to the configured limits), never one in use."""
-    report = cache_inspect.prune(_open(cache_dir, config), max_size_bytes=parse_size(max_size) if max_size else None,
-                                 older_than_s=parse_duration(older_than) if older_than else None, dry_run=dry_run)
+    """Remove old or least recently used entries (default: down to the configured limits), never one in use. With
+    --remote (--older-than and/or --max-size), never one used in the last hour, then the files no entry lists."""
+    cache = _open(cache_dir, config)
+    max_size_bytes = parse_size(max_size) if max_size else None
+    older_than_s = parse_duration(older_than) if older_than else None
+    if remote:
+        cache_remote.prune(cache, max_size_bytes=max_size_bytes, older_than_s=older_than_s, dry_run=dry_run,
+                           json_out=json_out)
+        return
+    report = cache_inspect.prune(cache, max_size_bytes=max_size_bytes, older_than_s=older_than_s, dry_run=dry_run)
     if json_out:
         print_json(report)
         return
@@ -212,7 +235,7 @@ def prune(
     now = time.time()
     for entry in report["removed"]:
         last_used = format_ago(parse_iso(entry["last_used"]), now)
-        stdout.print(f"{verb} {entry['key']} ({_STORE_LABEL.get(entry['store'], entry['store'])}, "
+        stdout.print(f"{verb} {entry['key']} ({STORE_LABEL.get(entry['store'], entry['store'])}, "
                      f"{format_bytes(entry['size_bytes'])}, last used {last_used})", highlight=False, soft_wrap=True)
     for entry in report["in_use"]:
         stderr.print(f"kept {entry['key']}: in use by a running process", highlight=False, soft_wrap=True)
@@ -233,11 +256,40 @@ def rm(key: KeyArg, cache_dir: CacheDirOpt = None, config: ConfigOpt = None, jso
                  soft_wrap=True)
 
 
+@cache_app.command("push")
+@friendly_errors
+def push(
+    key: Annotated[str | None, typer.Argument(help="The entry to upload (a key or a unique prefix), or --all.")] = None,
+    all_entries: Annotated[bool, typer.Option("--all", help="Upload every engine and quantized checkpoint.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Upload again even when the remote has the entry (to "
+                                                        "replace a damaged remote copy).")] = False,
+    cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOpt = False,
+) -> None:
+    """Upload local entries to the remote cache, files first and the manifest last."""
+    cache_remote.push(_open(cache_dir, config), key, all_entries=all_entries, force=force, json_out=json_out)
+
+
+@cache_app.command("pull")
+@friendly_errors
+def pull(
+    key: Annotated[str, typer.Argument(help="The remote entry (a key or a unique prefix, from `kiln cache ls "
+                                            "--remote`).")],
+    cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOpt = False,
+) -> None:
+    """Install a remote entry in the local cache; every file's sha256 is checked first (exit 3 if damaged)."""
+    cache_remote.pull(_open(cache_dir, config), key, json_out=json_out)
+
+
 def print_explain(report: dict, json_out: bool) -> None:
-    """Print ``engines.cache.inspect.explain``'s report: the nearest entry and each field that differs from it."""
+    """Print ``engines.cache.inspect.explain``'s report: the nearest entry and each field that differs from it, and
+    whether the remote has the engine."""
     if json_out:
         print_json(report)
         return
+    if (remote := report.get("remote")) is not None:
+        has = {True: "has this engine: a build pulls it", False: "does not have this engine",
+               None: f"could not be asked ({remote.get('error')})"}[remote["has_entry"]]
+        stdout.print(f"remote {remote['url']} {has}", highlight=False, soft_wrap=True)
     if report["nearest_key"] is None:
         stdout.print("the cache has no entries to compare with", highlight=False)
         return
@@ -250,4 +302,4 @@ def print_explain(report: dict, json_out: bool) -> None:
         table.add_column(column)
     for diff in report["differences"]:
         table.add_row(diff["field"], json.dumps(diff["entry"]), json.dumps(diff["config"]))
-    _print_table(table)
+    print_table(table)

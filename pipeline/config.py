@@ -7,10 +7,11 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from kiln.calibration.recipe import QuantizeRecipe
 from kiln.calibration.sources import RANDOM
+from kiln.engines.cache.remote.spec import RemoteSpec, url_problem
 from kiln.engines.cache.store import VerifyOnLoad
 from kiln.engines.trtllm.options import GEMM_PLUGINS, KV_CACHE_TYPES, LOG_LEVELS, PLUGIN_DTYPES
 from kiln.pipeline.yaml_source import ConfigError, line_of, load_yaml_with_lines
@@ -94,7 +95,7 @@ class BuildSection(_Section):
 
 
 class CacheSection(_Section):
-    """The engine cache; ``$KILN_CACHE`` overrides ``dir``."""
+    """The engine cache; ``$KILN_CACHE`` overrides ``dir`` and ``$KILN_CACHE_REMOTE`` overrides ``remote``."""
 
     dir: str = DEFAULT_CACHE_DIR
     max_size_gb: float = Field(100.0, gt=0)
@@ -102,10 +103,35 @@ class CacheSection(_Section):
     verify_on_load: VerifyOnLoad = Field(
         "changed", description="How a cache hit's files are checked against its manifest: size (sizes only), "
         "changed (sha256 of each file changed since it was last hashed, else a stat) or hash (sha256 every time).")
+    remote: str | None = Field(
+        None, description="A team's shared tier: s3://bucket/prefix (credentials from the AWS chain) or "
+        "file:///shared/folder. Local misses are pulled from it and new builds pushed to it.")
+    remote_endpoint: str | None = Field(
+        None, description="The http(s)://host:port of an S3-compatible service other than AWS (MinIO, Ceph, R2); "
+        "default: the AWS chain's (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL).")
+    remote_required: bool = Field(
+        False, description="An unreachable remote fails the build; by default it warns and builds locally.")
+
+    @field_validator("remote")
+    @classmethod
+    def _remote_url(cls, url: str | None) -> str | None:
+        if url is not None and (problem := url_problem(url)):
+            raise ValueError(problem)
+        return url
+
+    @model_validator(mode="after")
+    def _remote_settings(self) -> CacheSection:
+        if self.remote_endpoint is not None:
+            RemoteSpec("s3://endpoint-check", self.remote_endpoint)  # raises naming the problem
+        return self
 
     def root(self) -> Path:
         """The cache root in force: ``$KILN_CACHE`` when set, else ``dir``."""
         return cache_root(self.dir)
+
+    def remote_spec(self) -> RemoteSpec | None:
+        """The remote tier in force: ``$KILN_CACHE_REMOTE`` when set, else ``remote`` (None: local only)."""
+        return remote_spec(self.remote, self.remote_endpoint, self.remote_required)
 
 
 class ServeSection(_Section):
@@ -146,6 +172,20 @@ class LoadedConfig(BaseModel):
 def cache_root(configured: str | Path = DEFAULT_CACHE_DIR) -> Path:
     """The engine cache in force: ``$KILN_CACHE`` when set, else ``configured`` (a config's ``cache.dir``)."""
     return Path(os.environ.get("KILN_CACHE") or configured).expanduser().resolve()
+
+
+def remote_spec(configured: str | None = None, endpoint: str | None = None,
+                required: bool = False) -> RemoteSpec | None:
+    """The remote tier in force: ``$KILN_CACHE_REMOTE`` when set (an empty value turns the remote off), else
+    ``configured``; a bad URL in the environment is a ConfigError naming the variable."""
+    url = os.environ.get("KILN_CACHE_REMOTE", configured)
+    if not url:
+        return None
+    try:
+        return RemoteSpec(url, endpoint, required)
+    except ValueError as exc:
+        where = "$KILN_CACHE_REMOTE" if "KILN_CACHE_REMOTE" in os.environ else "cache.remote"
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def find_config(name_or_path: str | Path) -> Path | None:

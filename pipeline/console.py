@@ -14,7 +14,15 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
 
 from kiln.calibration.errors import CalibrationError
 from kiln.runtime.errors import KilnError
@@ -91,6 +99,11 @@ def friendly_errors(command: Callable) -> Callable:
     return wrapper
 
 
+def warn(message: str) -> None:
+    """One yellow warning line on stderr (a remote cache that failed while the build goes on locally, say)."""
+    stderr.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def _progress_lines(name: str) -> Callable[[str, float], None]:
     last = ""
 
@@ -122,5 +135,30 @@ def stage_progress(enabled: bool) -> Iterator[Callable[[str], Callable[[str, flo
                 progress.update(task, description=message, completed=max(0.0, min(1.0, fraction)))
 
             return report
+
+        yield factory
+
+
+@contextmanager
+def transfer_bars() -> Iterator[Callable[[str], Callable[[str, int, int], None] | None]]:
+    """Yield a factory of byte-progress callbacks ``(verb, done, total)``, one bar per label, with the transfer
+    rate: on a terminal's stderr only (a log gets the command's summary lines instead)."""
+    if not stderr.is_terminal:
+        yield lambda _label: None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=stderr, transient=False) as progress:
+
+        def factory(label: str) -> Callable[[str, int, int], None]:
+            task = None
+
+            def told(verb: str, done: int, total: int) -> None:
+                nonlocal task
+                if task is None:
+                    task = progress.add_task(f"{verb} {label}", total=total)
+                progress.update(task, completed=done, total=total)
+
+            return told
 
         yield factory

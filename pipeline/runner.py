@@ -10,6 +10,7 @@ from kiln.engines.cache import EngineCache, checkpoint_hash
 from kiln.engines.native.builder import preflight_native_plan, refuse_parallelism
 from kiln.pipeline.backend import choose_backend, require
 from kiln.pipeline.config import LoadedConfig, load_config
+from kiln.pipeline.console import warn
 from kiln.pipeline.model_source import find_model, model_max_positions, resolve_model
 from kiln.pipeline.stages import (
     BUILD_STAGES,
@@ -35,7 +36,7 @@ def open_cache(loaded: LoadedConfig, *, create: bool) -> EngineCache | None:
     if not create and not (root / "v1").is_dir():
         return None
     return EngineCache.open(root, max_size_bytes=int(section.max_size_gb * GB), max_entries=section.max_entries,
-                            verify_on_load=section.verify_on_load)
+                            verify_on_load=section.verify_on_load, remote=section.remote_spec(), warn=warn)
 
 
 def _hash_checkpoint(model_dir: Path, cache: EngineCache | None) -> str:

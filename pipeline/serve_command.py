@@ -19,6 +19,7 @@ from kiln.runtime.errors import KilnError
 from kiln.runtime.options import RuntimeOptions
 
 if TYPE_CHECKING:
+    from kiln.engines.cache import EngineCache
     from kiln.runtime.llm import LLM
     from kiln.runtime.native.parallel.group import Rendezvous
     from kiln.runtime.server import ServerSettings, ServerThread
@@ -135,9 +136,7 @@ def _engine_target(target: Target) -> ServeTarget:
     from kiln.engines.cache import EngineCache
 
     cache, key = EngineCache.open_configured(target.cache_root), target.cache_key
-    hit_rate = cache.stats.summary("entries")["hit_rate"]
-    return ServeTarget(engine_dir=target.path, model_name=target.name,
-                       engine_cache={"hit": True, "hit_rate": hit_rate, "key": key},
+    return ServeTarget(engine_dir=target.path, model_name=target.name, engine_cache=engine_cache_info(cache, key, True),
                        record_load=lambda ms: cache.record_load(key, ms))
 
 
@@ -149,12 +148,20 @@ def _config_target(config: Path, options: RuntimeOptions, *, backend: str | None
     with stage_progress(enabled=progress) as bars:
         runner.run(ctx, decisions, bars)
     section = ctx.config.serve
-    hit_rate = ctx.cache.stats.summary("entries")["hit_rate"]
     key = ctx.engine_key
     return ServeTarget(engine_dir=ctx.engine_dir, model_name=ctx.loaded.path.stem, device=ctx.choice.device,
                        host=section.host, port=section.port, api_key=section.api_key, max_queue=section.max_queue,
-                       engine_cache={"hit": ctx.cache_hit, "hit_rate": hit_rate, "key": key},
+                       engine_cache=engine_cache_info(ctx.cache, key, ctx.cache_hit),
                        record_load=lambda ms: ctx.cache.record_load(key, ms))
+
+
+def engine_cache_info(cache: EngineCache, key: str, hit: bool) -> dict:
+    """What ``/metrics`` reports of the engine cache: whether the served engine was a hit, the hit rate and the
+    remote tier's figures (None without one)."""
+    from kiln.engines.cache.inspect import remote_report
+
+    return {"hit": hit, "hit_rate": cache.stats.summary("entries")["hit_rate"], "key": key,
+            "remote": remote_report(cache)}
 
 
 def require_serve_extra() -> None:

@@ -17,6 +17,9 @@ from kiln.calibration.layout import QuantizedCheckpoint
 from kiln.calibration.recipe import recipe_material
 from kiln.engines.cache import ContentStore, EngineCache, EntryHold, LookupResult, engine_key
 from kiln.engines.cache.layout import entry_of_payload, payload_path
+from kiln.engines.cache.remote import RemoteUnavailableError
+from kiln.engines.cache.remote.layout import manifest_name
+from kiln.engines.cache.units import format_bytes
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import KilnConfig, LoadedConfig
 from kiln.pipeline.console import stderr
@@ -144,6 +147,28 @@ def _being_built(store: ContentStore, key: str) -> str:
         else ""
 
 
+def _on_remote(store: ContentStore, key: str) -> str:
+    """What a plan adds to a local miss about the remote tier: whether the entry will be pulled from it."""
+    if store.remote is None:
+        return ""
+    try:
+        found = store.remote.objects.stat(manifest_name(store.name, key)) is not None
+    except RemoteUnavailableError as exc:
+        return f"; the remote cache could not be asked ({exc})"
+    return f"; {store.remote.url} has it: it will be pulled" if found else f"; not on {store.remote.url} either"
+
+
+def _transfer_progress(store: ContentStore, progress: Progress) -> Callable[[str, int, int], None]:
+    """The stage's progress told of a remote transfer: one message per direction, the bar at the bytes moved."""
+    url = store.remote.url if store.remote is not None else ""
+
+    def told(verb: str, done: int, total: int) -> None:
+        where = "from" if verb == "pull" else "to"
+        progress(f"{verb}ing {store.label} {where} {url} ({format_bytes(total)})", done / total if total else 1.0)
+
+    return told
+
+
 def _no_model(ctx: BuildContext) -> str | None:
     return None if ctx.model_dir else f"model files not found for model.path {ctx.config.model.path}"
 
@@ -172,6 +197,7 @@ class QuantizeStage:
         if lookup.hit:
             return Decision(self.name, "skip", f"{fmt} checkpoint {ctx.quantized_key[:12]} is in the cache", lookup)
         return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe ({lookup.reason})"
+                        f"{_on_remote(ctx.cache.quantized, ctx.quantized_key)}"
                         f"{_being_built(ctx.cache.quantized, ctx.quantized_key)}")
 
     def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
@@ -186,7 +212,8 @@ class QuantizeStage:
             return {"calibration": report_summary(report)}
 
         result = ctx.cache.quantized.get_or_build(ctx.quantized_key, material, build, force=ctx.force,
-                                                   describe=describe, on_wait=lambda msg: progress(msg, 0.0))
+                                                   describe=describe, on_wait=lambda msg: progress(msg, 0.0),
+                                                   on_transfer=_transfer_progress(ctx.cache.quantized, progress))
         ctx.use_quantized(QuantizedCheckpoint(result.payload_dir))
 
     def adopt(self, ctx: BuildContext, decision: Decision) -> None:
@@ -224,8 +251,8 @@ class BuildStage:
         lookup = ctx.cache.entries.lookup(ctx.engine_key, ctx.material, record=False)
         if lookup.hit:
             return Decision(self.name, "skip", f"engine {ctx.engine_key[:12]} is in the cache", lookup)
-        return Decision(self.name, "run",
-                        f"cache miss ({lookup.reason}){_being_built(ctx.cache.entries, ctx.engine_key)}")
+        return Decision(self.name, "run", f"cache miss ({lookup.reason}){_on_remote(ctx.cache.entries, ctx.engine_key)}"
+                        f"{_being_built(ctx.cache.entries, ctx.engine_key)}")
 
     def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
         trtllm = ctx.choice.backend == "trtllm"
@@ -233,9 +260,12 @@ class BuildStage:
         describe = {"model": ctx.model_name, "format": _shipped_format(ctx), "backend": ctx.choice.backend,
                     "gpu": ctx.material["hardware"]["gpu_name"] or "cpu"}
         result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
-                                                 describe=describe, on_wait=lambda msg: progress(msg, 0.0))
+                                                 describe=describe, on_wait=lambda msg: progress(msg, 0.0),
+                                                 on_transfer=_transfer_progress(ctx.cache.entries, progress))
         ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = result.payload_dir, result.hit, result.reason
-        if result.hit and result.waited:
+        if result.pulled:
+            ctx.cache_reason = f"pulled from the remote cache {ctx.cache.entries.remote.url}"
+        elif result.hit and result.waited:
             ctx.cache_reason = "built by another process while this one waited"
         ctx.build_seconds = result.build_seconds
         if result.replaced_in_use:

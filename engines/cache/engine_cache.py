@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from kiln.engines.cache.errors import CacheEntryNotFoundError
 from kiln.engines.cache.eviction import EvictionReport, evict
 from kiln.engines.cache.layout import HASH_MEMO, PAYLOADS, ensure_layout, write_atomic
+from kiln.engines.cache.remote.layout import REMOTE_STORES
+from kiln.engines.cache.remote.spec import RemoteSpec
+from kiln.engines.cache.remote.tier import RemoteTier
 from kiln.engines.cache.stats import StatsDB
 from kiln.engines.cache.store import ContentStore, VerifyOnLoad, complete_key
 
 LIMITS_FILE = "limits.json"
+REMOTE_FILE = "remote.json"  # the remote tier last configured: URL, endpoint, required (never credentials)
 
 
 class EngineCache:
@@ -19,15 +24,19 @@ class EngineCache:
     ``checkpoints`` holds generated Hugging Face checkpoints (``hf/``: ``kiln bench``'s random weights).
 
     Limits (``max_size_bytes``, ``max_entries``) bound the whole root and are enforced before every build and
-    after every publish; ``open`` records them in ``v1/limits.json`` so inspection commands can report them."""
+    after every publish; ``open`` records them in ``v1/limits.json`` so inspection commands can report them.
+    With a ``remote`` tier, engines and quantized checkpoints are pulled from it and pushed to it (``warn`` hears
+    when the remote fails and the cache goes on locally); ``open`` records it in ``v1/remote.json``."""
 
     def __init__(self, root: Path, *, max_size_bytes: int | None, max_entries: int | None,
-                 verify_on_load: VerifyOnLoad) -> None:
+                 verify_on_load: VerifyOnLoad, remote: RemoteSpec | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
         self.root = Path(root)
         self.v1 = ensure_layout(self.root)
         self.max_size_bytes = max_size_bytes
         self.max_entries = max_entries
         self.stats = StatsDB(self.v1 / "stats.db")
+        self.remote = None if remote is None else RemoteTier(remote, warn=warn)
         self.entries = ContentStore(self.v1, "entries", PAYLOADS["entries"], self.stats, label="engine",
                                     verify_on_load=verify_on_load, enforce_limits=self._enforce_limits)
         self.quantized = ContentStore(self.v1, "quantized", PAYLOADS["quantized"], self.stats,
@@ -36,21 +45,33 @@ class EngineCache:
         self.checkpoints = ContentStore(self.v1, "checkpoints", PAYLOADS["checkpoints"], self.stats,
                                         label="generated checkpoint", verify_on_load=verify_on_load,
                                         enforce_limits=self._enforce_limits)
+        for name in REMOTE_STORES:
+            self.stores[name].remote = self.remote
 
     @classmethod
     def open(cls, root: Path, *, max_size_bytes: int | None = None, max_entries: int | None = None,
-             verify_on_load: VerifyOnLoad = "changed") -> EngineCache:
-        """Open (creating if needed) the cache at ``root`` with these limits, and record the limits."""
-        cache = cls(root, max_size_bytes=max_size_bytes, max_entries=max_entries, verify_on_load=verify_on_load)
+             verify_on_load: VerifyOnLoad = "changed", remote: RemoteSpec | None = None,
+             warn: Callable[[str], None] | None = None) -> EngineCache:
+        """Open (creating if needed) the cache at ``root`` with these limits and remote, and record them."""
+        cache = cls(root, max_size_bytes=max_size_bytes, max_entries=max_entries, verify_on_load=verify_on_load,
+                    remote=remote, warn=warn)
         limits = {"max_size_bytes": max_size_bytes, "max_entries": max_entries}
         if read_limits(cache.root) != limits:
             write_atomic(cache.v1 / LIMITS_FILE, json.dumps(limits).encode())
+        if read_remote(cache.root) != remote:
+            if remote is None:
+                (cache.v1 / REMOTE_FILE).unlink(missing_ok=True)
+            else:
+                write_atomic(cache.v1 / REMOTE_FILE, json.dumps(vars(remote)).encode())
         return cache
 
     @classmethod
-    def open_configured(cls, root: Path) -> EngineCache:
-        """Open the cache with the limits its last configured ``open`` recorded (for inspection commands)."""
-        return cls(root, verify_on_load="changed", **read_limits(Path(root)))
+    def open_configured(cls, root: Path, *, remote: RemoteSpec | None = None,
+                        warn: Callable[[str], None] | None = None) -> EngineCache:
+        """Open the cache with the limits its last configured ``open`` recorded, and ``remote`` or else the remote
+        it recorded (for the cache commands)."""
+        return cls(root, verify_on_load="changed", remote=remote or read_remote(Path(root)), warn=warn,
+                   **read_limits(Path(root)))
 
     @property
     def hash_memo_path(self) -> Path:
@@ -83,6 +104,14 @@ class EngineCache:
     def _enforce_limits(self, store: ContentStore, key: str, incoming: int) -> None:
         if self.max_size_bytes is not None or self.max_entries is not None:
             self.evict(protect=frozenset({(store.name, key)}), incoming=incoming)
+
+
+def read_remote(root: Path) -> RemoteSpec | None:
+    """The remote tier recorded under ``root`` (None when none was configured, or the record is unreadable)."""
+    try:
+        return RemoteSpec(**json.loads((Path(root) / "v1" / REMOTE_FILE).read_bytes()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def read_limits(root: Path) -> dict:

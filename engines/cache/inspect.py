@@ -8,7 +8,11 @@ from kiln.engines.cache.engine_cache import EngineCache
 from kiln.engines.cache.errors import CacheUsageError
 from kiln.engines.cache.eviction import EntryInfo, entry_info, evict, list_entries
 from kiln.engines.cache.in_use import is_held
+from kiln.engines.cache.keys import engine_key
 from kiln.engines.cache.layout import dir_size
+from kiln.engines.cache.remote.layout import manifest_name
+from kiln.engines.cache.remote.objects import RemoteUnavailableError
+from kiln.engines.cache.remote.tier import RemoteTier
 from kiln.engines.cache.units import iso_utc
 
 
@@ -87,8 +91,22 @@ def stats_report(cache: EngineCache, since: float | None = None) -> dict:
         "entries": len(entries),
         "max_entries": cache.max_entries,
         "evictions": sum(s["evictions"] for s in stores.values()),
+        "remote": remote_totals(cache.remote.url, stores) if cache.remote is not None else None,
         "stores": stores,
     }
+
+
+def remote_report(cache: EngineCache) -> dict | None:
+    """The remote tier's figures of this cache (``remote_totals``), None without a remote."""
+    if cache.remote is None:
+        return None
+    return remote_totals(cache.remote.url, {name: cache.stats.summary(name) for name in cache.stores})
+
+
+def remote_totals(url: str, stores: dict[str, dict]) -> dict:
+    """The remote tier's figures summed over the stores (engines and quantized checkpoints travel alike)."""
+    totals = {name: sum(store["remote"][name] for store in stores.values()) for name in stores["entries"]["remote"]}
+    return {"url": url, **totals}
 
 
 def verify_entries(cache: EngineCache, key: str | None = None, *, all_entries: bool = False) -> list[dict]:
@@ -144,7 +162,8 @@ def remove_entry(cache: EngineCache, key: str) -> dict:
 
 
 def explain(cache: EngineCache, material: dict, store: str = "entries") -> dict:
-    """Which fields of ``material`` differ from the nearest entry of ``store`` (none: it would be a hit)."""
+    """Which fields of ``material`` differ from the nearest entry of ``store`` (none: it would be a hit), and
+    whether the remote tier has the entry (``remote``: None without one)."""
     key, differences = cache.stores[store].nearest(material)
     nearest = cache.stores[store].read_manifest(key) if key else None
     return {
@@ -152,7 +171,19 @@ def explain(cache: EngineCache, material: dict, store: str = "entries") -> dict:
         "differences": [{"field": path, "entry": _at(nearest["material"], path), "config": _at(material, path)}
                         for path in differences] if nearest else [],
         "created": nearest.get("created") if nearest else None,
+        "remote": remote_presence(cache.remote, store, engine_key(material)),
     }
+
+
+def remote_presence(remote: RemoteTier | None, store: str, key: str) -> dict | None:
+    """``{"url", "has_entry"}`` (``has_entry`` None and an ``error`` when the remote could not be asked), or None
+    without a remote tier."""
+    if remote is None:
+        return None
+    try:
+        return {"url": remote.url, "has_entry": remote.objects.stat(manifest_name(store, key)) is not None}
+    except RemoteUnavailableError as exc:
+        return {"url": remote.url, "has_entry": None, "error": str(exc)}
 
 
 ABSENT = "(absent)"

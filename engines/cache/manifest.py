@@ -46,7 +46,7 @@ def file_problems(entry: Path, payload_name: str, manifest: dict, *, digest: Cal
     problems: list[str] = []
     for item in files:
         rel = item.get("path") if isinstance(item, dict) else None
-        if not _safe_relpath(rel):
+        if not safe_relpath(rel):
             problems.append(f"{entry / MANIFEST}: unsafe file path {rel!r}")
         else:
             problems.extend(_problem_of(entry / payload_name / rel, item, digest))
@@ -110,7 +110,8 @@ def _problem_of(path: Path, item: dict, digest: Callable[[Path], str] | None) ->
     return []
 
 
-def _safe_relpath(rel: object) -> bool:
+def safe_relpath(rel: object) -> bool:
+    """Whether ``rel`` is a relative ``/``-separated path that stays inside the folder it is joined to."""
     if not isinstance(rel, str) or not rel or "\\" in rel:
         return False
     path = PurePosixPath(rel)

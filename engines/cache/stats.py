@@ -84,6 +84,18 @@ class StatsDB:
         """A corrupt entry moved aside to v1/quarantine."""
         self._append("quarantine", store, key, "corrupt", detail=detail)
 
+    def record_remote(self, store: str, key: str, event: str, outcome: str, seconds: float = 0.0, size: int = 0,
+                      detail: str | None = None) -> None:
+        """A remote transfer: ``pull`` (``hit``, ``miss``, ``corrupt``, ``error``) or ``push`` (``pushed``,
+        ``present``, ``error``), with its seconds and bytes moved. A pulled entry counts as published here."""
+        now = time.time()
+        with connect(self.path, _SCHEMA) as db:
+            db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes, detail) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (now, f"remote_{event}", store, key, outcome, seconds, size,
+                                                            detail))
+            if event == "pull" and outcome == "hit":
+                db.execute("INSERT OR IGNORE INTO published VALUES (?, ?, ?)", (store, key, now))
+
     def was_published(self, store: str, key: str) -> bool:
         """Whether an entry for this key was ever published here (so its absence means it was removed)."""
         with connect(self.path, _SCHEMA) as db:
@@ -115,6 +127,9 @@ class StatsDB:
                                    (store, since)).fetchone()[0]
             builds = db.execute("SELECT COUNT(*), COALESCE(SUM(value), 0) FROM events WHERE event='store' "
                                 "AND store=? AND ts>=?", (store, since)).fetchone()
+            remote = db.execute("SELECT event, outcome, COUNT(*), COALESCE(SUM(value), 0), COALESCE(SUM(bytes), 0) "
+                                "FROM events WHERE event IN ('remote_pull', 'remote_push') AND store=? AND ts>=? "
+                                "GROUP BY event, outcome", (store, since)).fetchall()
         hits = lookups.get("hit", 0)
         misses_by_reason = {reason: lookups.get(reason, 0) for reason in MISS_REASONS}
         total = hits + sum(misses_by_reason.values())
@@ -130,4 +145,23 @@ class StatsDB:
             "builds": builds[0],
             "build_seconds": round(float(builds[1]), 3),
             "evictions": evictions,
+            "remote": remote_summary(remote),
         }
+
+
+REMOTE_PULL_OUTCOMES = ("hit", "miss", "corrupt", "error")
+REMOTE_PUSH_OUTCOMES = ("pushed", "present", "error")
+
+
+def remote_summary(rows: list[tuple[str, str, int, float, int]]) -> dict:
+    """Counts of remote pulls and pushes by outcome, with the bytes moved and the seconds they took."""
+    by = {(event, outcome): (count, seconds, size) for event, outcome, count, seconds, size in rows}
+    pulls = {outcome: by.get(("remote_pull", outcome), (0, 0.0, 0)) for outcome in REMOTE_PULL_OUTCOMES}
+    pushes = {outcome: by.get(("remote_push", outcome), (0, 0.0, 0)) for outcome in REMOTE_PUSH_OUTCOMES}
+    return {
+        "hits": pulls["hit"][0], "misses": pulls["miss"][0], "corrupt": pulls["corrupt"][0],
+        "errors": pulls["error"][0] + pushes["error"][0],
+        "pulled_bytes": pulls["hit"][2], "pull_seconds": round(pulls["hit"][1], 3),
+        "pushes": pushes["pushed"][0], "already_present": pushes["present"][0],
+        "pushed_bytes": pushes["pushed"][2], "push_seconds": round(pushes["pushed"][1], 3),
+    }

@@ -6,6 +6,7 @@ work: a reader never sees a half-written entry because nothing but a complete on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,6 +49,8 @@ from kiln.engines.cache.manifest import (
     seal_payload,
     stray_files,
 )
+from kiln.engines.cache.remote.objects import RemoteCorruptError, RemoteUnavailableError
+from kiln.engines.cache.remote.tier import PushResult, RemoteTier, Transferred, local_file_digests
 from kiln.engines.cache.stats import StatsDB
 from kiln.engines.cache.units import iso_utc
 from kiln.runtime.cache_hold import IN_USE_LOCK
@@ -87,6 +90,7 @@ class CacheResult:
     build_seconds: float
     waited: bool
     replaced_in_use: bool = False  # a forced rebuild replaced an entry some process had loaded (it keeps the old)
+    pulled: bool = False  # installed from the remote tier (``hit`` is then true: nothing was built)
 
 
 @dataclass(frozen=True)
@@ -105,11 +109,13 @@ class VerifyResult:
 
 
 class ContentStore:
-    """One store of a cache root (``entries`` for engines, ``quantized`` for quantized checkpoints)."""
+    """One store of a cache root (``entries`` for engines, ``quantized`` for quantized checkpoints). With a
+    ``remote`` tier, a local miss pulls the entry from it before building, and a new build is pushed to it."""
 
     def __init__(self, v1: Path, name: str, payload_name: str, stats: StatsDB, *, label: str | None = None,
                  verify_on_load: VerifyOnLoad = "changed",
-                 enforce_limits: Callable[[ContentStore, str, int], None] | None = None) -> None:
+                 enforce_limits: Callable[[ContentStore, str, int], None] | None = None,
+                 remote: RemoteTier | None = None) -> None:
         self.v1 = v1
         self.name = name
         self.label = label or name
@@ -119,6 +125,7 @@ class ContentStore:
         self.verify_on_load = verify_on_load
         self.hashes = FileHashes(v1 / HASH_MEMO)
         self._enforce_limits = enforce_limits
+        self.remote = remote
         self.dir.mkdir(parents=True, exist_ok=True)
 
     # -- paths -------------------------------------------------------------------------------------------------
@@ -229,11 +236,14 @@ class ContentStore:
     # -- build -------------------------------------------------------------------------------------------------
 
     def get_or_build(self, key: str, material: dict, build: Callable[[Path], dict], *, force: bool = False,
-                     describe: dict | None = None, on_wait: Callable[[str], None] | None = None) -> CacheResult:
+                     describe: dict | None = None, on_wait: Callable[[str], None] | None = None,
+                     on_transfer: Transferred | None = None) -> CacheResult:
         """Return the entry for ``key``, building it with ``build(tmp_payload_dir) -> build record`` on a miss.
 
         Concurrent callers for one key build once: the others wait on the key's lock (``on_wait`` is told) and then
-        hit. ``force`` rebuilds and atomically replaces an existing entry. One lookup is recorded per call.
+        hit. With a remote tier, a local miss is pulled from the remote when it has the entry (``on_transfer``
+        hears the bytes), machines share one build through the remote's lease, and a build is pushed. ``force``
+        rebuilds and atomically replaces an existing entry (and the remote's). One lookup is recorded per call.
         A hit's ``build_seconds`` is the build time it saved."""
         if validate_key(key) != engine_key(material):
             raise ValueError(f"cache key {key} is not the key of the material given with it (engine_key(material))")
@@ -252,10 +262,20 @@ class ContentStore:
                 self.quarantine(key, found.detail)
             if self._enforce_limits is not None:
                 self._enforce_limits(self, key, 1)
-            replaced_in_use = force and is_held(self.entry_dir(key))
-            entry_dir, seconds = self._build_and_publish(key, material, build, describe or {})
-            if self._enforce_limits is not None:
-                self._enforce_limits(self, key, 0)
+            damaged: list[str] = []  # a remote copy refused on pull: this build replaces it there
+            if not force and (pulled := self._try_pull(key, material, on_transfer, damaged)) is not None:
+                return dataclasses.replace(pulled, waited=waited)
+            lease = nullcontext("none") if self.remote is None \
+                else self.remote.lease(self.name, key, on_wait, replacing=force or bool(damaged))
+            with lease as outcome:
+                if outcome == "published" and (pulled := self._try_pull(key, material, on_transfer, damaged)):
+                    return dataclasses.replace(pulled, waited=True)
+                replaced_in_use = force and is_held(self.entry_dir(key))
+                entry_dir, seconds = self._build_and_publish(key, material, build, describe or {})
+                if self._enforce_limits is not None:
+                    self._enforce_limits(self, key, 0)
+                if self.remote is not None:
+                    self._push_after_build(key, force or bool(damaged), on_transfer)
         return CacheResult(key, entry_dir, entry_dir / self.payload_name, False, "forced" if force else found.reason,
                            seconds, waited, replaced_in_use)
 
@@ -296,23 +316,135 @@ class ContentStore:
 
     def _build_and_publish(self, key: str, material: dict, build: Callable[[Path], dict],
                            describe: dict) -> tuple[Path, float]:
+        started = time.monotonic()
+
+        def fill(tmp: Path) -> dict:
+            record = build(tmp / self.payload_name)
+            return self._seal(tmp, key, material, record, describe, round(time.monotonic() - started, 3))
+
+        entry_dir, manifest = self._install(key, fill)
+        self.stats.record_store(self.name, key, manifest["total_bytes"], manifest["build_seconds"])
+        return entry_dir, manifest["build_seconds"]
+
+    def _install(self, key: str, fill: Callable[[Path], dict]) -> tuple[Path, dict]:
+        """Publish what ``fill(tmp_entry_dir) -> manifest`` writes (a payload and its manifest, last) as entry
+        ``key``; nothing is left behind when it fails."""
         tmp = self.v1 / "tmp" / f"{self.name}.{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        payload = tmp / self.payload_name
-        payload.mkdir(parents=True)
+        (tmp / self.payload_name).mkdir(parents=True)
         try:
-            started = time.monotonic()
-            record = build(payload)
-            seconds = round(time.monotonic() - started, 3)
-            manifest = self._seal(tmp, key, material, record, describe, seconds)
+            manifest = fill(tmp)
             entry_dir = self._publish(tmp, key)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        # sealing hashed every file: "changed" lookups of the entry only stat them until one changes
+        # every file was hashed (sealed or checked): "changed" lookups of the entry only stat them until one changes
         payload = entry_dir / self.payload_name
         self.hashes.remember({payload / item["path"]: item["sha256"] for item in manifest["files"]})
-        self.stats.record_store(self.name, key, manifest["total_bytes"], seconds)
-        return entry_dir, seconds
+        return entry_dir, manifest
+
+    # -- the remote tier ---------------------------------------------------------------------------------------
+
+    def pull(self, key: str, material: dict | None = None, on_transfer: Transferred | None = None) -> CacheResult:
+        """Install entry ``key`` from the remote tier (every file checked against its sha256 before the local
+        publish); CacheEntryNotFoundError when the remote does not have it, RemoteCorruptError when its copy is
+        damaged (nothing is installed)."""
+        remote = self._require_remote()
+        with self._key_lock(key, None):
+            found = self._check(key, material)
+            if found.hit:
+                return CacheResult(key, found.entry_dir, found.entry_dir / self.payload_name, True, "hit",
+                                   found.build_seconds, False)
+            if found.reason == "corrupt":
+                self.quarantine(key, found.detail)
+            result = self._pull_and_install(key, material, on_transfer)
+        if result is None:
+            raise CacheEntryNotFoundError(f"cache key {key}: no {self.label} entry on {remote.url}; see "
+                                          f"`kiln cache ls --remote`")
+        return result
+
+    def push(self, key: str, *, replace: bool = False, on_transfer: Transferred | None = None) -> PushResult:
+        """Upload the local entry ``key`` to the remote tier (files first, the manifest last); an entry whose
+        files no longer match its manifest is refused (CacheCorruptError)."""
+        remote = self._require_remote()
+        manifest = self.read_manifest(key)
+        entry = self.entry_dir(key)
+        if problems := local_file_digests(entry / self.payload_name, manifest, self.hashes.sha256):
+            raise CacheCorruptError(f"cache key {key}: not pushed, the local entry is damaged ({problems[0]}); run "
+                                    f"`kiln cache verify {key}`")
+        started = time.monotonic()
+        try:
+            result = remote.push(self.name, key, entry, self.payload_name, (entry / MANIFEST).read_bytes(),
+                                 replace=replace, transferred=on_transfer)
+        except RemoteUnavailableError as exc:
+            self.stats.record_remote(self.name, key, "push", "error", time.monotonic() - started, 0, str(exc))
+            raise
+        self.stats.record_remote(self.name, key, "push", result.outcome, result.seconds, result.bytes)
+        return result
+
+    def _require_remote(self) -> RemoteTier:
+        if self.remote is None:
+            raise CacheUsageError("no remote cache is configured: set cache.remote in the config, or "
+                                  "$KILN_CACHE_REMOTE (s3://bucket/prefix or file:///shared/folder)")
+        return self.remote
+
+    def _pull_and_install(self, key: str, material: dict | None, on_transfer: Transferred | None) -> CacheResult | None:
+        """Pull entry ``key`` into a temporary folder and publish it locally; None when the remote lacks it.
+        Failures are recorded and raised."""
+        remote = self._require_remote()
+        started = time.monotonic()
+        pulled = []
+
+        def fill(tmp: Path) -> dict:
+            result = remote.pull(self.name, key, material, tmp / self.payload_name, on_transfer)
+            if result is None:
+                raise CacheEntryNotFoundError(key)
+            (tmp / IN_USE_LOCK).touch()
+            (tmp / LAST_USED).touch()
+            write_atomic(tmp / MANIFEST, result.raw_manifest)
+            pulled.append(result)
+            return result.manifest
+
+        try:
+            entry_dir, manifest = self._install(key, fill)
+        except CacheEntryNotFoundError:
+            self.stats.record_remote(self.name, key, "pull", "miss", time.monotonic() - started)
+            return None
+        except (RemoteCorruptError, RemoteUnavailableError) as exc:
+            outcome = "corrupt" if isinstance(exc, RemoteCorruptError) else "error"
+            self.stats.record_remote(self.name, key, "pull", outcome, time.monotonic() - started, 0, str(exc))
+            raise
+        result = pulled[0]
+        self.stats.record_remote(self.name, key, "pull", "hit", result.seconds, result.bytes)
+        saved = LookupResult(True, "hit", entry_dir, "", manifest).build_seconds
+        return CacheResult(key, entry_dir, entry_dir / self.payload_name, True, "remote hit", saved, False,
+                           pulled=True)
+
+    def _try_pull(self, key: str, material: dict, on_transfer: Transferred | None,
+                  damaged: list[str]) -> CacheResult | None:
+        """``_pull_and_install`` inside a build: a damaged remote entry is reported (and added to ``damaged``) and
+        built over, an unreachable remote warned about (an error when the remote is required)."""
+        if self.remote is None:
+            return None
+        try:
+            return self._pull_and_install(key, material, on_transfer)
+        except RemoteCorruptError as exc:
+            damaged.append(str(exc))
+            self.remote.warn(f"{exc}; building it here and pushing a good copy")
+        except RemoteUnavailableError as exc:
+            self._remote_failed(exc, "building locally")
+        return None
+
+    def _push_after_build(self, key: str, force: bool, on_transfer: Transferred | None) -> None:
+        try:
+            self.push(key, replace=force, on_transfer=on_transfer)
+        except RemoteUnavailableError as exc:
+            self._remote_failed(exc, "the local entry is kept; push it later with `kiln cache push`")
+
+    def _remote_failed(self, exc: RemoteUnavailableError, going_on: str) -> None:
+        if self.remote is not None and self.remote.required:
+            raise RemoteUnavailableError(f"{exc} (cache.remote_required is set)") from None
+        if self.remote is not None:
+            self.remote.warn(f"{exc}; {going_on}")
 
     def _seal(self, tmp: Path, key: str, material: dict, record: dict, describe: dict, seconds: float) -> dict:
         """fsync every payload file, then write the manifest last; returns the manifest."""

@@ -23,6 +23,21 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
+def _remote_cache_metrics(remote: dict) -> Iterator[Metric]:
+    """The engine cache's remote tier, as this cache's statistics count it."""
+    for name, doc, value in (
+        ("hits", "Entries pulled from the remote engine cache", remote["hits"]),
+        ("misses", "Local misses the remote engine cache did not have either", remote["misses"]),
+        ("refused", "Remote entries refused on pull because a file did not match its sha256", remote["corrupt"]),
+        ("errors", "Remote engine cache requests that failed (unreachable, denied)", remote["errors"]),
+        ("pulled_bytes", "Bytes pulled from the remote engine cache", remote["pulled_bytes"]),
+        ("pull_seconds", "Seconds spent pulling from the remote engine cache", remote["pull_seconds"]),
+        ("pushed_bytes", "Bytes pushed to the remote engine cache", remote["pushed_bytes"]),
+        ("push_seconds", "Seconds spent pushing to the remote engine cache", remote["push_seconds"]),
+    ):
+        yield CounterMetricFamily(f"kiln_engine_cache_remote_{name}", doc, value=value)
+
+
 class _EngineCollector:
     """Engine state at scrape time: queue, running requests, KV pool, prefix cache, preemptions, load."""
 
@@ -38,6 +53,8 @@ class _EngineCollector:
         if info.get("hit") is not None:
             yield GaugeMetricFamily("kiln_engine_cache_hit", "1 when the served engine came from the cache",
                                     value=float(info["hit"]))
+        if (remote := info.get("remote")) is not None:
+            yield from _remote_cache_metrics(remote)
         stats = self._stats()
         if stats is None:  # the engine is still loading
             return

@@ -1,0 +1,147 @@
+"""What ``kiln cache ls|verify|prune --remote`` report and do on a remote tier, as plain data."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kiln.engines.cache.remote.layout import (
+    LAST_USED,
+    MANIFEST,
+    VERSION,
+    blob_name,
+    entry_prefix,
+    last_used_name,
+    manifest_name,
+    parse_entry_name,
+)
+from kiln.engines.cache.remote.objects import ObjectInfo
+from kiln.engines.cache.remote.tier import RemoteTier, manifest_problem
+from kiln.engines.cache.units import iso_utc
+
+READ_THREADS = 8
+PRUNE_GRACE_S = 3600.0  # entries used and blobs written this recently are never pruned (a pull or push in flight)
+
+
+@dataclass(frozen=True)
+class RemoteEntry:
+    """An entry of the remote: its manifest (None when unreadable, with ``problem``), and when it was last used."""
+
+    store: str
+    key: str
+    manifest: dict | None
+    problem: str | None
+    created: float
+    last_used: float
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(item["size"] for item in self.manifest["files"]) if self.manifest else 0
+
+    def row(self) -> dict:
+        describe = (self.manifest or {}).get("describe", {})
+        return {"key": self.key, "store": self.store, "model": describe.get("model"), "format": describe.get("format"),
+                "backend": describe.get("backend"), "gpu": describe.get("gpu"), "size_bytes": self.size_bytes,
+                "created": iso_utc(self.created), "last_used": iso_utc(self.last_used), "problem": self.problem}
+
+
+def remote_entries(tier: RemoteTier) -> list[RemoteEntry]:
+    """Every entry with a manifest on the remote, most recently used first (an entry without one does not exist)."""
+    objects: dict[tuple[str, str], dict[str, ObjectInfo]] = {}
+    for info in tier.objects.list(f"{VERSION}/"):
+        if (parsed := parse_entry_name(info.name)) is not None:
+            store, key, file = parsed
+            objects.setdefault((store, key), {})[file] = info
+    found = [(store, key, files) for (store, key), files in objects.items() if MANIFEST in files]
+
+    def read(item: tuple[str, str, dict[str, ObjectInfo]]) -> RemoteEntry:
+        store, key, files = item
+        raw = tier.objects.read(manifest_name(store, key))
+        try:
+            manifest = json.loads(raw) if raw is not None else None
+        except ValueError:
+            manifest = None
+        problem = "manifest removed meanwhile" if raw is None else manifest_problem(manifest, store, key, None)
+        created = files[MANIFEST].modified
+        last_used = max(created, files[LAST_USED].modified if LAST_USED in files else created)
+        return RemoteEntry(store, key, None if problem else manifest, problem, created, last_used)
+
+    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+        entries = list(pool.map(read, found))
+    return sorted(entries, key=lambda entry: -entry.last_used)
+
+
+def verify_remote(tier: RemoteTier, key: str | None = None) -> list[dict]:
+    """Read back every file of one entry (a key or a prefix of one) or of all of them and check its size and
+    sha256 against the manifest, without a local copy; each result names its bad files (``problems``)."""
+    entries = [entry for entry in remote_entries(tier) if key is None or entry.key.startswith(key)]
+    results = []
+    for entry in entries:
+        problems = [] if entry.manifest else [f"{entry_prefix(entry.store, entry.key)}{MANIFEST}: {entry.problem}"]
+        files = entry.manifest["files"] if entry.manifest else []
+        with ThreadPoolExecutor(max_workers=tier.file_threads) as pool:
+            problems += [p for p in pool.map(lambda item: _file_problem(tier, item), files) if p]
+        results.append({"key": entry.key, "store": entry.store, "ok": not problems, "files_checked": len(files),
+                        "problems": problems})
+    return results
+
+
+def _file_problem(tier: RemoteTier, item: dict) -> str | None:
+    chunks = tier.objects.chunks(blob_name(item["sha256"]))
+    if chunks is None:
+        return f"{item['path']}: missing on the remote"
+    digest, size = hashlib.sha256(), 0
+    for chunk in chunks:
+        digest.update(chunk)
+        size += len(chunk)
+    if size != item["size"]:
+        return f"{item['path']}: {size} bytes on the remote, the manifest says {item['size']}"
+    if digest.hexdigest() != item["sha256"]:
+        return f"{item['path']}: sha256 differs from the manifest (the remote copy is altered)"
+    return None
+
+
+def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes: int | None,
+                 dry_run: bool = False, grace_s: float = PRUNE_GRACE_S) -> dict:
+    """Remove entries not used for ``older_than_s``, then least recently used ones until the entries total at most
+    ``max_size_bytes``; never one used within ``grace_s`` (a machine may be pulling it). Then delete the files no
+    remaining manifest lists, once older than ``grace_s`` (younger ones may belong to a push in flight), and stale
+    build leases. Entries whose manifest is damaged are removed too."""
+    now = tier.objects.now()
+    entries = remote_entries(tier)
+    removed: list[RemoteEntry] = [entry for entry in entries if entry.manifest is None]
+    kept = [entry for entry in entries if entry.manifest is not None]
+    if older_than_s is not None:
+        removed += [e for e in kept if now - e.last_used > max(older_than_s, grace_s)]
+        kept = [e for e in kept if e not in removed]
+    if max_size_bytes is not None:
+        total = sum(e.size_bytes for e in kept)
+        for entry in sorted(kept, key=lambda e: e.last_used):  # least recently used first
+            if total <= max_size_bytes:
+                break
+            if now - entry.last_used > grace_s:
+                removed.append(entry)
+                total -= entry.size_bytes
+        kept = [e for e in kept if e not in removed]
+    listed = {item["sha256"] for entry in kept for item in entry.manifest["files"]}
+    orphans = [info for info in tier.objects.list(f"{VERSION}/blobs/")
+               if info.name.rsplit("/", 1)[-1] not in listed and now - info.modified > grace_s]
+    leases = [info for info in tier.objects.list(f"{VERSION}/leases/") if now - info.modified > tier.timing.stale_s]
+    if not dry_run:
+        for entry in removed:  # the manifest first: from then on nobody pulls the entry
+            tier.objects.delete(manifest_name(entry.store, entry.key))
+            tier.objects.delete(last_used_name(entry.store, entry.key))
+        for info in orphans + leases:
+            tier.objects.delete(info.name, if_tag=info.etag)
+    return {
+        "dry_run": dry_run,
+        "remote": tier.url,
+        "removed": [{"key": e.key, "store": e.store, "size_bytes": e.size_bytes, "last_used": iso_utc(e.last_used),
+                     "problem": e.problem} for e in removed],
+        "kept": len(kept),
+        "files_removed": len(orphans),
+        "freed_bytes": sum(info.size for info in orphans),
+        "stale_leases_removed": len(leases),
+    }

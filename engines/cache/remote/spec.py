@@ -1,0 +1,66 @@
+"""Which remote a cache shares entries through: ``cache.remote`` (or ``$KILN_CACHE_REMOTE``), parsed and checked."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from kiln.engines.cache.remote.objects import ObjectStore
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
+
+
+@dataclass(frozen=True)
+class RemoteSpec:
+    """``url``: ``s3://bucket/prefix`` or ``file:///shared/folder``; ``endpoint_url``: an S3-compatible service
+    other than AWS (MinIO, Ceph, R2), else the AWS chain's; ``required``: an unreachable remote fails the build
+    instead of a warning and a local build."""
+
+    url: str
+    endpoint_url: str | None = None
+    required: bool = False
+
+    def __post_init__(self) -> None:
+        problem = url_problem(self.url)
+        if problem:
+            raise ValueError(problem)
+        if self.endpoint_url is not None:
+            endpoint = urlsplit(self.endpoint_url)
+            if endpoint.scheme not in ("http", "https") or not endpoint.hostname:
+                raise ValueError(f"cache.remote_endpoint {self.endpoint_url!r}: give the service's http(s)://host:port")
+            if endpoint.username or endpoint.password:
+                raise ValueError("cache.remote_endpoint must not carry credentials: they come from the AWS chain "
+                                 "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, a role)")
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not a remote cache URL (None when it is one)."""
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        return ("cache.remote must not carry credentials: they come from the AWS chain (AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, a role)")
+    if parts.query or parts.fragment:
+        return f"cache.remote {url!r}: no query or fragment; give the endpoint as cache.remote_endpoint"
+    if parts.scheme == "s3":
+        if not _BUCKET.fullmatch(parts.netloc):
+            return f"cache.remote {url!r}: {parts.netloc!r} is not an S3 bucket name (3-63 of a-z 0-9 . -)"
+        return None
+    if parts.scheme == "file":
+        if parts.netloc or not parts.path.startswith("/"):
+            return f"cache.remote {url!r}: a file URL names an absolute folder, file:///shared/kiln-cache"
+        return None
+    return f"cache.remote {url!r}: give s3://bucket/prefix or file:///shared/folder"
+
+
+def open_objects(spec: RemoteSpec, *, transfer_threads: int = 8) -> ObjectStore:
+    """The object store ``spec`` names (boto3 is imported only for an s3:// remote)."""
+    parts = urlsplit(spec.url)
+    if parts.scheme == "file":
+        from kiln.engines.cache.remote.filesystem import FileObjects
+
+        return FileObjects(Path(parts.path))
+    from kiln.engines.cache.remote.s3 import S3Objects
+
+    return S3Objects(parts.netloc, parts.path, endpoint_url=spec.endpoint_url, transfer_threads=transfer_threads)

@@ -1,0 +1,213 @@
+"""The remote tier of an engine cache: pull an entry (every file checked against its manifest's sha256), push one
+(files first, the manifest last), and the build lease that keeps machines from building one key twice."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.engines.cache.keys import canonical_json, engine_key
+from kiln.engines.cache.manifest import safe_relpath
+from kiln.engines.cache.remote.layout import blob_name, last_used_name, manifest_name
+from kiln.engines.cache.remote.lease import LeaseOutcome, LeaseTiming, build_lease
+from kiln.engines.cache.remote.objects import ObjectStore, RemoteCorruptError
+from kiln.engines.cache.remote.spec import RemoteSpec, open_objects
+
+MANIFEST_VERSION = 1  # the local manifest's version (engines.cache.manifest), which the remote stores as it is
+Transferred = Callable[[str, int, int], None]  # told ("pull" or "push", bytes moved so far, bytes in all)
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """A remote entry written into a local folder: its manifest (bytes as stored), bytes moved and seconds."""
+
+    manifest: dict
+    raw_manifest: bytes
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """``outcome``: ``pushed``, or ``present`` when the remote already had the entry; bytes uploaded, seconds."""
+
+    outcome: str
+    bytes: int
+    seconds: float
+    files_uploaded: int
+
+
+class RemoteTier:
+    """The remote of one cache root. ``warn`` hears what went wrong when the build goes on without the remote."""
+
+    def __init__(self, spec: RemoteSpec, objects: ObjectStore | None = None, *, file_threads: int = 4,
+                 timing: LeaseTiming | None = None, warn: Callable[[str], None] | None = None) -> None:
+        self.spec = spec
+        self.objects = objects if objects is not None else open_objects(spec)
+        self.url, self.required = self.objects.url, spec.required
+        self.file_threads = file_threads
+        self.timing = timing or LeaseTiming()
+        self.warn = warn or (lambda message: None)
+
+    # -- reading -----------------------------------------------------------------------------------------------
+
+    def manifest(self, store: str, key: str, material: dict | None = None) -> tuple[dict, bytes] | None:
+        """The entry's manifest (parsed, and as stored), None when the remote has no such entry; a manifest that
+        is not this entry's whole, well-formed record raises RemoteCorruptError."""
+        raw = self.objects.read(manifest_name(store, key))
+        if raw is None:
+            return None
+        try:
+            manifest = json.loads(raw)
+        except ValueError:
+            manifest = None
+        problem = manifest_problem(manifest, store, key, material)
+        if problem:
+            raise RemoteCorruptError(f"remote cache {self.url}: {store} {key[:12]}: {problem}; the entry is refused")
+        return manifest, raw
+
+    def pull(self, store: str, key: str, material: dict | None, payload: Path,
+             transferred: Transferred | None = None) -> PullResult | None:
+        """Download the entry's files into ``payload`` and check each one's size and sha256 against the manifest;
+        None when the remote has no such entry. A missing or altered file raises RemoteCorruptError naming it
+        (``payload`` then holds partial files: the caller discards it)."""
+        found = self.manifest(store, key, material)
+        if found is None:
+            return None
+        manifest, raw = found
+        started = time.monotonic()
+        files = manifest["files"]
+        counter = _Counter("pull", sum(item["size"] for item in files), transferred)
+
+        def fetch(item: dict) -> str | None:
+            target = payload / item["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not self.objects.download(blob_name(item["sha256"]), target, counter.add):
+                return f"{item['path']}: missing on the remote (blob {item['sha256'][:12]})"
+            size = target.stat().st_size
+            if size != item["size"]:
+                return f"{item['path']}: {size} bytes on the remote, the manifest says {item['size']}"
+            with open(target, "rb") as f:
+                if hashlib.file_digest(f, "sha256").hexdigest() != item["sha256"]:
+                    return f"{item['path']}: sha256 differs from the manifest (the remote copy is altered)"
+            return None
+
+        problems = [p for p in self._each(fetch, files) if p]
+        if problems:
+            raise RemoteCorruptError(f"remote cache {self.url}: {store} {key[:12]} refused: " + "; ".join(problems))
+        self.mark_used(store, key)
+        return PullResult(manifest, raw, counter.done, round(time.monotonic() - started, 3))
+
+    # -- writing -----------------------------------------------------------------------------------------------
+
+    def push(self, store: str, key: str, entry_dir: Path, payload_name: str, manifest_bytes: bytes, *,
+             replace: bool = False, transferred: Transferred | None = None) -> PushResult:
+        """Upload a local entry: each file not already stored under its digest, then the manifest. An entry the
+        remote already has (a valid manifest) is left as it is unless ``replace`` (a forced rebuild, or a remote
+        copy found damaged), which uploads every file again."""
+        started = time.monotonic()
+        manifest = json.loads(manifest_bytes)
+        if not replace:
+            try:
+                present = self.manifest(store, key) is not None
+            except RemoteCorruptError:
+                present = False  # replaced by this push
+            if present:
+                self.mark_used(store, key)
+                return PushResult("present", 0, round(time.monotonic() - started, 3), 0)
+        files = manifest["files"]
+        counter = _Counter("push", sum(item["size"] for item in files), transferred)
+
+        def upload(item: dict) -> bool:
+            name = blob_name(item["sha256"])
+            stored = None if replace else self.objects.stat(name)
+            if stored is not None and stored.size == item["size"]:
+                counter.add(item["size"])
+                return False
+            self.objects.upload(name, entry_dir / payload_name / item["path"], counter.add)
+            return True
+
+        uploaded = sum(self._each(upload, files))
+        self.objects.write(manifest_name(store, key), manifest_bytes)  # last: the entry exists from here on
+        self.mark_used(store, key)
+        return PushResult("pushed", counter.done, round(time.monotonic() - started, 3), uploaded)
+
+    def mark_used(self, store: str, key: str) -> None:
+        """Record a use of the entry on the remote (for ``prune --remote``)."""
+        self.objects.write(last_used_name(store, key), b"")
+
+    def lease(self, store: str, key: str, on_wait: Callable[[str], None] | None,
+              replacing: bool = False) -> AbstractContextManager[LeaseOutcome]:
+        """The remote build lease of ``key`` (``lease.build_lease``)."""
+        return build_lease(self.objects, store, key, timing=self.timing, on_wait=on_wait, warn=self.warn,
+                           replacing=replacing)
+
+    def _each(self, work: Callable[[dict], object], files: list[dict]) -> Iterator:
+        """``work`` on each file, ``file_threads`` at once, largest first (so the big ones overlap)."""
+        ordered = sorted(files, key=lambda item: -item["size"])
+        with ThreadPoolExecutor(max_workers=self.file_threads, thread_name_prefix="kiln-remote") as pool:
+            yield from pool.map(work, ordered)
+
+
+class _Counter:
+    """Bytes moved by several threads, reported as a running total."""
+
+    def __init__(self, verb: str, total: int, transferred: Transferred | None) -> None:
+        self.verb, self.total, self.done, self._transferred = verb, total, 0, transferred
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            done = self.done
+        if self._transferred is not None:
+            self._transferred(self.verb, done, self.total)
+
+
+def manifest_problem(manifest: object, store: str, key: str, material: dict | None) -> str | None:
+    """Why a remote manifest is not a whole record of entry ``key`` of ``store`` (None when it is): its version,
+    store, key, key material (hashing to the key, and equal to ``material`` when given) and file list."""
+    if not isinstance(manifest, dict):
+        return "manifest.json is not a JSON object"
+    if manifest.get("manifest_version") != MANIFEST_VERSION or manifest.get("store") != store:
+        return f"manifest version {manifest.get('manifest_version')!r} of store {manifest.get('store')!r}"
+    if manifest.get("key") != key:
+        return f"the manifest names key {manifest.get('key')!r}"
+    stored = manifest.get("material")
+    if not isinstance(stored, dict) or engine_key(stored) != key:
+        return "its key material does not hash to the key"
+    if material is not None and canonical_json(material) != canonical_json(stored):
+        return "its key material differs from this build's"
+    files = manifest.get("files")
+    if not isinstance(files, list) or not files:
+        return "no file list"
+    for item in files:
+        if not (isinstance(item, dict) and safe_relpath(item.get("path")) and isinstance(item.get("size"), int)
+                and isinstance(item.get("sha256"), str) and len(item["sha256"]) == 64
+                and set(item["sha256"]) <= set("0123456789abcdef")):
+            return f"a malformed file record {item!r}"
+    if len({item["path"] for item in files}) != len(files):
+        return "a file listed twice"
+    return None
+
+
+def local_file_digests(payload: Path, manifest: dict, sha256: Callable[[Path], str]) -> list[str]:
+    """Files of a local entry whose size or sha256 (``sha256``: memoised by the cache) no longer match its
+    manifest: such an entry is never pushed."""
+    problems = []
+    for item in manifest.get("files", []):
+        path = payload / item["path"]
+        try:
+            if os.path.getsize(path) != item["size"] or sha256(path) != item["sha256"]:
+                problems.append(f"{path}: differs from its manifest")
+        except FileNotFoundError:
+            problems.append(f"{path}: missing")
+    return problems

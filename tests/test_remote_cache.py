@@ -1,0 +1,348 @@
+"""The remote tier of the engine cache, against a real S3-protocol server on loopback (moto's, started here) and a
+shared folder (``file://``): pull verified, push atomic and idempotent, one build across machines, failures."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kiln.engines.cache import CacheEntryNotFoundError, EngineCache, engine_key
+from kiln.engines.cache.remote import RemoteCorruptError, RemoteSpec, RemoteUnavailableError
+from kiln.engines.cache.remote.layout import blob_name, lease_name, manifest_name
+from kiln.engines.cache.remote.lease import LeaseTiming
+from kiln.engines.cache.remote.maintenance import prune_remote, remote_entries, verify_remote
+from kiln.pipeline.cache_commands import cache_app
+from kiln.pipeline.config import ConfigError, KilnConfig, remote_spec
+from tests.subprocess_env import repo_env
+
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "kiln-test", "AWS_SECRET_ACCESS_KEY": "kiln-test-secret",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+FAST_LEASE = LeaseTiming(poll_s=0.05, refresh_s=0.2, stale_s=1.5, tell_every_s=0.0)
+runner = CliRunner()
+
+
+@dataclass
+class Remote:
+    spec: RemoteSpec
+    env: dict[str, str]  # what a machine sets to use it: $KILN_CACHE_REMOTE and, for S3, the AWS chain
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture(params=["s3", "file"])
+def remote(request, tmp_path, monkeypatch) -> Remote:
+    for name, value in AWS_ENV.items():
+        monkeypatch.setenv(name, value)
+    if request.param == "file":
+        folder = tmp_path / "shared"
+        folder.mkdir()
+        url = f"file://{folder}"
+        return Remote(RemoteSpec(url), {"KILN_CACHE_REMOTE": url})
+    import boto3
+
+    endpoint = request.getfixturevalue("s3_endpoint")
+    bucket = f"kiln-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+    url = f"s3://{bucket}/team-cache"
+    return Remote(RemoteSpec(url, endpoint), {**AWS_ENV, "KILN_CACHE_REMOTE": url, "AWS_ENDPOINT_URL": endpoint})
+
+
+def material(name: str) -> dict:
+    return {"key_schema": 1, "kind": "engine", "model": name}
+
+
+def builder(calls: list, content: bytes = b"weights") -> callable:
+    def build(out: Path) -> dict:
+        calls.append(out)
+        (out / "engine.json").write_text('{"format": "test"}')
+        (out / "shards").mkdir()
+        (out / "shards" / "rank0.safetensors").write_bytes(content * 1000)
+        return {"built_by": os.getpid()}
+
+    return build
+
+
+def machine(tmp_path: Path, name: str, remote: Remote, **spec_changes) -> EngineCache:
+    spec = RemoteSpec(**{**vars(remote.spec), **spec_changes})
+    warnings: list[str] = []
+    cache = EngineCache.open(tmp_path / name, remote=spec, warn=warnings.append)
+    cache.remote.timing = FAST_LEASE
+    cache.warnings = warnings
+    return cache
+
+
+def payload_bytes(cache: EngineCache, key: str) -> dict[str, bytes]:
+    payload = cache.entries.payload_dir(key)
+    return {p.relative_to(payload).as_posix(): p.read_bytes() for p in sorted(payload.rglob("*")) if p.is_file()}
+
+
+def test_an_entry_built_on_one_machine_is_pulled_verified_by_another(tmp_path, remote):
+    key, first_calls, second_calls = engine_key(material("a")), [], []
+    first, second = machine(tmp_path, "first", remote), machine(tmp_path, "second", remote)
+    built = first.entries.get_or_build(key, material("a"), builder(first_calls))
+    pulled = second.entries.get_or_build(key, material("a"), builder(second_calls))
+    assert not built.hit and len(first_calls) == 1
+    assert pulled.hit and pulled.pulled and not second_calls
+    assert payload_bytes(second, key) == payload_bytes(first, key)
+    assert second.entries.lookup(key, material("a")).hit  # a whole local entry: manifest, files, sizes
+    remote_figures = second.stats.summary("entries")["remote"]
+    assert remote_figures["hits"] == 1
+    assert remote_figures["pulled_bytes"] == sum(map(len, payload_bytes(first, key).values()))
+    assert first.stats.summary("entries")["remote"]["pushes"] == 1
+    assert verify_remote(first.remote) == [{"key": key, "store": "entries", "ok": True, "files_checked": 2,
+                                            "problems": []}]
+
+
+def test_a_flipped_byte_in_a_remote_file_is_refused_on_pull_then_replaced_by_a_good_build(tmp_path, remote):
+    key, calls = engine_key(material("a")), []
+    first = machine(tmp_path, "first", remote)
+    first.entries.get_or_build(key, material("a"), builder([]))
+    manifest = json.loads(first.entries.entry_dir(key).joinpath("manifest.json").read_bytes())
+    weights = next(item for item in manifest["files"] if item["path"].endswith(".safetensors"))
+    objects = first.remote.objects
+    data = bytearray(objects.read(blob_name(weights["sha256"])))
+    data[100] ^= 0x01
+    objects.write(blob_name(weights["sha256"]), bytes(data))
+
+    second = machine(tmp_path, "second", remote)
+    with pytest.raises(RemoteCorruptError, match="shards/rank0.safetensors: sha256 differs"):
+        second.entries.pull(key)
+    assert not second.entries.entry_dir(key).exists() and not list((second.v1 / "tmp").iterdir())
+    assert verify_remote(first.remote)[0]["ok"] is False
+    result = second.entries.get_or_build(key, material("a"), builder(calls))  # builds here, pushes a good copy
+    assert not result.hit and len(calls) == 1 and any("refused" in w for w in second.warnings)
+    assert second.stats.summary("entries")["remote"]["corrupt"] == 2
+    assert verify_remote(first.remote)[0]["ok"] is True
+    third = machine(tmp_path, "third", remote)
+    assert third.entries.pull(key).pulled
+
+
+PUSHER = r"""
+import os, signal, sys
+from pathlib import Path
+from kiln.engines.cache import EngineCache
+from kiln.engines.cache.remote import RemoteSpec
+
+root, url, endpoint, key, mode = sys.argv[1:6]
+cache = EngineCache.open(Path(root), remote=RemoteSpec(url, endpoint or None))
+objects = cache.remote.objects
+die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+if mode == "before_manifest":  # every file is up, the manifest is not
+    real_write = objects.write
+    objects.write = lambda name, *a, **k: die() if name.endswith("manifest.json") else real_write(name, *a, **k)
+else:  # the first file is up, the second dies in the middle of its upload
+    uploads = []
+    real_upload = objects.upload
+    def upload(name, path, progress):
+        uploads.append(name)
+        if len(uploads) == 2:
+            progress(1)
+            die()
+        real_upload(name, path, progress)
+    objects.upload = upload
+cache.entries.push(key)
+"""
+
+
+@pytest.mark.parametrize("mode", ["before_manifest", "mid_upload"])
+def test_a_push_killed_half_way_leaves_nothing_a_reader_installs(tmp_path, remote, mode):
+    key = engine_key(material("a"))
+    local = EngineCache.open(tmp_path / "builder")  # built without the remote, pushed by the killed process
+    local.entries.get_or_build(key, material("a"), builder([]))
+    proc = subprocess.run([sys.executable, "-c", PUSHER, str(tmp_path / "builder"), remote.spec.url,
+                           remote.spec.endpoint_url or "", key, mode], env=repo_env(), capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    reader = machine(tmp_path, "reader", remote)
+    assert reader.remote.objects.stat(manifest_name("entries", key)) is None
+    with pytest.raises(CacheEntryNotFoundError):
+        reader.entries.pull(key)
+    assert remote_entries(reader.remote) == [] and not reader.entries.entry_dir(key).exists()
+    calls = []
+    reader.entries.get_or_build(key, material("a"), builder(calls))  # builds and pushes a whole entry
+    assert len(calls) == 1 and verify_remote(reader.remote)[0]["ok"]
+
+
+def test_concurrent_pushes_of_one_key_with_different_bytes_leave_one_whole_entry(tmp_path, remote):
+    key = engine_key(material("a"))
+    machines = []
+    for i in range(3):  # each built alone: same key, different bytes (builds need not be reproducible)
+        cache = EngineCache.open(tmp_path / f"m{i}", remote=remote.spec)
+        cache.remote = None
+        for store in cache.stores.values():
+            store.remote = None
+        cache.entries.get_or_build(key, material("a"), builder([], content=f"build {i}".encode()))
+        cache = EngineCache.open(tmp_path / f"m{i}", remote=remote.spec)
+        machines.append(cache)
+    threads = [threading.Thread(target=cache.entries.push, args=(key,), kwargs={"replace": True})
+               for cache in machines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert verify_remote(machines[0].remote)[0]["ok"]
+    reader = machine(tmp_path, "reader", remote)
+    assert reader.entries.pull(key).pulled
+    assert payload_bytes(reader, key) in [payload_bytes(cache, key) for cache in machines]
+
+
+def test_a_machine_waits_for_the_lease_holder_then_pulls_instead_of_building(tmp_path, remote):
+    key, calls, go = engine_key(material("a")), [], threading.Event()
+    holder, waiter = machine(tmp_path, "holder", remote), machine(tmp_path, "waiter", remote)
+    build_slowly = builder([])
+    holding = threading.Thread(target=holder.entries.get_or_build,
+                               args=(key, material("a"), lambda out: go.wait(30) and build_slowly(out)))
+    holding.start()
+    while holder.remote.objects.stat(lease_name("entries", key)) is None:
+        time.sleep(0.02)
+    notes: list[str] = []
+    result: list = []
+    waiting = threading.Thread(target=lambda: result.append(
+        waiter.entries.get_or_build(key, material("a"), builder(calls), on_wait=notes.append)))
+    waiting.start()
+    time.sleep(0.5)
+    assert waiting.is_alive() and any("is building entries" in note for note in notes)
+    go.set()
+    holding.join(timeout=30)
+    waiting.join(timeout=30)
+    assert result[0].pulled and not calls
+
+
+def test_a_stale_lease_of_a_dead_builder_is_taken_over(tmp_path, remote):
+    key, calls = engine_key(material("a")), []
+    cache = machine(tmp_path, "second", remote)
+    cache.remote.objects.write(lease_name("entries", key), b'{"host": "gone", "pid": 1}')  # never refreshed
+    started = time.monotonic()
+    result = cache.entries.get_or_build(key, material("a"), builder(calls))
+    assert not result.hit and len(calls) == 1
+    assert time.monotonic() - started >= FAST_LEASE.stale_s - 1.0  # the lease's clock has one-second steps (S3)
+    assert cache.remote.objects.stat(lease_name("entries", key)) is None  # released after the build
+
+
+def test_an_unreachable_remote_warns_and_builds_locally_unless_required(tmp_path, remote):
+    unreachable = {"url": f"file://{tmp_path}/not-mounted"} if remote.spec.url.startswith("file") \
+        else {"endpoint_url": "http://127.0.0.1:9"}
+    key, calls = engine_key(material("a")), []
+    cache = machine(tmp_path, "tolerant", remote, **unreachable)
+    result = cache.entries.get_or_build(key, material("a"), builder(calls))
+    assert not result.hit and len(calls) == 1 and cache.entries.lookup(key).hit
+    assert any("building locally" in w for w in cache.warnings)
+    assert cache.stats.summary("entries")["remote"]["errors"] >= 2  # the pull and the push
+    strict = machine(tmp_path, "strict", remote, required=True, **unreachable)
+    with pytest.raises(RemoteUnavailableError, match="remote_required"):
+        strict.entries.get_or_build(key, material("a"), builder(calls))
+    assert len(calls) == 1
+
+
+def test_a_required_remote_that_fails_the_push_keeps_the_local_build(tmp_path, remote, monkeypatch):
+    key = engine_key(material("a"))
+    cache = machine(tmp_path, "strict", remote, required=True)
+
+    def refuse(*args, **kwargs):
+        raise RemoteUnavailableError("remote cache: uploading refused (AccessDenied)")
+
+    monkeypatch.setattr(cache.remote.objects, "upload", refuse)
+    with pytest.raises(RemoteUnavailableError, match="AccessDenied"):
+        cache.entries.get_or_build(key, material("a"), builder([]))
+    assert cache.entries.lookup(key, material("a")).hit
+    assert cache.remote.objects.stat(manifest_name("entries", key)) is None
+
+
+def test_prune_remote_drops_the_least_recently_used_entry_and_its_files_only(tmp_path, remote):
+    cache = machine(tmp_path, "m", remote)
+    old, new = engine_key(material("old")), engine_key(material("new"))
+    cache.entries.get_or_build(old, material("old"), builder([], b"old"))
+    time.sleep(1.1)  # S3 times have one-second steps
+    cache.entries.get_or_build(new, material("new"), builder([], b"new"))
+    size = remote_entries(cache.remote)[0].size_bytes
+    dry = prune_remote(cache.remote, older_than_s=None, max_size_bytes=size, dry_run=True, grace_s=0)
+    assert [e["key"] for e in dry["removed"]] == [old] and len(remote_entries(cache.remote)) == 2
+    report = prune_remote(cache.remote, older_than_s=None, max_size_bytes=size, grace_s=0)
+    assert [e["key"] for e in report["removed"]] == [old] and report["files_removed"] == 1  # engine.json is shared
+    assert [e.key for e in remote_entries(cache.remote)] == [new] and verify_remote(cache.remote)[0]["ok"]
+    kept = prune_remote(cache.remote, older_than_s=0, max_size_bytes=None)  # used within the grace hour
+    assert kept["removed"] == [] and kept["kept"] == 1
+
+
+def test_cache_commands_push_ls_verify_and_pull_through_the_remote(tmp_path, remote, monkeypatch):
+    for name, value in remote.env.items():
+        monkeypatch.setenv(name, value)
+    first = EngineCache.open(tmp_path / "first")
+    key = engine_key(material("a"))
+    first.entries.get_or_build(key, material("a"), builder([]), describe={"model": "tiny", "format": "fp8"})
+
+    def kiln_cache(root: str, *args: str) -> tuple[int, object]:
+        result = runner.invoke(cache_app, [*args, "--cache-dir", str(tmp_path / root), "--json"])
+        return result.exit_code, json.loads(result.stdout) if result.stdout.strip() else None
+
+    code, pushed = kiln_cache("first", "push", "--all")
+    assert code == 0 and [row["outcome"] for row in pushed["pushed"]] == ["pushed"]
+    assert kiln_cache("first", "push", key[:8])[1]["pushed"][0]["outcome"] == "present"
+    code, rows = kiln_cache("first", "ls", "--remote")
+    assert code == 0 and [(r["key"], r["model"]) for r in rows] == [(key, "tiny")]
+    assert kiln_cache("first", "verify", "--remote", "--all")[0] == 0
+    code, pulled = kiln_cache("second", "pull", key[:10])
+    assert code == 0 and pulled["pulled"] and Path(pulled["path"], "engine.json").is_file()
+    assert kiln_cache("second", "pull", "0000")[0] != 0
+    code, stats = kiln_cache("second", "stats")
+    assert stats["remote"]["hits"] == 1 and stats["remote"]["url"] == remote.spec.url
+
+
+def test_remote_settings_are_checked_where_they_are_written(monkeypatch):
+    for url, problem in (("s3://key:secret@bucket/x", "credentials"), ("http://bucket/x", "s3://bucket/prefix"),
+                         ("file://relative/x", "absolute"), ("s3://B/x", "bucket name")):
+        with pytest.raises(ValueError, match=problem):
+            KilnConfig.model_validate({"model": {"path": "m"}, "cache": {"remote": url}})
+    with pytest.raises(ValueError, match="credentials"):
+        KilnConfig.model_validate({"model": {"path": "m"},
+                                   "cache": {"remote": "s3://bucket/x", "remote_endpoint": "http://u:p@minio:9000"}})
+    monkeypatch.setenv("KILN_CACHE_REMOTE", "ftp://nowhere")
+    with pytest.raises(ConfigError, match=r"\$KILN_CACHE_REMOTE"):
+        remote_spec("s3://bucket/x")
+    monkeypatch.setenv("KILN_CACHE_REMOTE", "")
+    assert remote_spec("s3://bucket/x") is None  # an empty value turns the configured remote off
+
+
+@pytest.mark.slow
+def test_four_machines_building_one_config_together_build_once_and_pull_three_times(tmp_path, remote):
+    """Four processes, four local caches, one remote: one calibration and one engine build, three verified pulls
+    of each (the bundled tiny model, FP8)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "kiln", "build", "tiny-llama-fp8", "--json"],
+                              env=repo_env(**remote.env, KILN_CACHE=str(tmp_path / f"machine{i}")),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(4)]
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), [err.decode()[-1500:] for _, err in outputs]
+    results = [json.loads(out) for out, _ in outputs]
+    assert len({r["engine_key"] for r in results}) == 1
+    assert sorted(r["cache"]["hit"] for r in results) == [False, True, True, True]
+    caches = [EngineCache.open_configured(tmp_path / f"machine{i}") for i in range(4)]
+    for store in ("entries", "quantized"):
+        summaries = [cache.stats.summary(store) for cache in caches]
+        assert sum(s["builds"] for s in summaries) == 1, store
+        assert sum(s["remote"]["hits"] for s in summaries) == 3, store
+    key = results[0]["engine_key"]
+    assert len({tuple(sorted(payload_bytes(cache, key).items())) for cache in caches}) == 1
+    assert all(cache.entries.verify(key).ok for cache in caches)
+    tier = EngineCache.open(tmp_path / "checker", remote=remote.spec).remote
+    assert [r["ok"] for r in verify_remote(tier)] == [True, True]
