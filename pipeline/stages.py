@@ -64,6 +64,7 @@ class BuildContext:
     engine_key: str | None = None
     material: dict | None = None
     checkpoint_dir: Path | None = None
+    fetch_checkpoint: Callable[[Progress], None] | None = None  # a deferred quantize stage (QuantizeStage)
     calibration: dict | None = None
     engine_dir: Path | None = None
     cache_hit: bool = False
@@ -108,6 +109,16 @@ class BuildContext:
     def use_quantized(self, checkpoint: QuantizedCheckpoint) -> None:
         """Build from a quantized checkpoint of the cache (the quantize stage's output), with its report."""
         self.checkpoint_dir, self.calibration = checkpoint.hf, checkpoint.report()
+
+    def ensure_checkpoint(self, progress: Progress) -> None:
+        """Run the quantize stage now when it was deferred to the engine (which has to be built after all)."""
+        if self.checkpoint_dir is None and self.fetch_checkpoint is not None:
+            self.fetch_checkpoint(progress)
+
+    def take_calibration_from(self, manifest: dict | None) -> None:
+        """Without a quantize stage that ran, report the calibration the engine's build record holds."""
+        if self.calibration is None and manifest is not None:
+            self.calibration = (manifest.get("build") or {}).get("calibration")
 
     def compute_keys(self) -> None:
         """Fill in the quantized and engine keys from the inputs (needs the checkpoint hash)."""
@@ -169,16 +180,36 @@ def _transfer_progress(store: ContentStore, progress: Progress) -> Callable[[str
     return told
 
 
+def _engine_available(ctx: BuildContext) -> str | None:
+    """Where the engine of this build already is without building: ``in the cache``, ``on <remote>``; else None."""
+    if ctx.cache.entries.lookup(ctx.engine_key, ctx.material, record=False).hit:
+        return "in the cache"
+    remote = ctx.cache.entries.remote
+    if remote is None:
+        return None
+    try:
+        found = remote.objects.stat(manifest_name("entries", ctx.engine_key)) is not None
+    except RemoteUnavailableError:
+        return None
+    return f"on {remote.url}" if found else None
+
+
 def _no_model(ctx: BuildContext) -> str | None:
     return None if ctx.model_dir else f"model files not found for model.path {ctx.config.model.path}"
 
 
 class QuantizeStage:
-    """Calibrate, gate and export the checkpoint (content-addressed in the cache's ``quantized/`` part)."""
+    """Calibrate, gate and export the checkpoint (content-addressed in the cache's ``quantized/`` part).
+
+    ``defer_to_engine``: when the checkpoint is missing but the engine it feeds is in the cache or on the remote,
+    skip for now; the build stage fetches the checkpoint only if it has to build the engine after all."""
 
     name = "quantize"
     inputs = ("checkpoint content hash", "quantize recipe (incl. calibration data hashes)", "calibration device")
     outputs = "v1/quantized/<key>/checkpoint (hf/, trtllm/, calibration report)"
+
+    def __init__(self, defer_to_engine: bool = False) -> None:
+        self.defer_to_engine = defer_to_engine
 
     def fingerprint(self, ctx: BuildContext) -> str | None:
         return ctx.quantized_key
@@ -196,6 +227,9 @@ class QuantizeStage:
         lookup = ctx.cache.quantized.lookup(ctx.quantized_key, record=False)
         if lookup.hit:
             return Decision(self.name, "skip", f"{fmt} checkpoint {ctx.quantized_key[:12]} is in the cache", lookup)
+        if self.defer_to_engine and (where := _engine_available(ctx)):
+            return Decision(self.name, "skip", f"no {fmt} checkpoint here, but the engine it feeds is {where}: it is "
+                            f"fetched only if the engine has to be built", extra={"deferred": True})
         return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe ({lookup.reason})"
                         f"{_on_remote(ctx.cache.quantized, ctx.quantized_key)}"
                         f"{_being_built(ctx.cache.quantized, ctx.quantized_key)}")
@@ -219,6 +253,9 @@ class QuantizeStage:
     def adopt(self, ctx: BuildContext, decision: Decision) -> None:
         if ctx.config.quantize.format == "none":
             ctx.checkpoint_dir = ctx.model_dir
+            return
+        if decision.extra.get("deferred"):
+            ctx.fetch_checkpoint = lambda progress: self.run(ctx, decision, progress)
             return
         store = ctx.cache.quantized
         store.record_hit(decision.hit, ctx.quantized_key)
@@ -257,8 +294,10 @@ class BuildStage:
     def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
         trtllm = ctx.choice.backend == "trtllm"
         build = self._trtllm_build(ctx, progress) if trtllm else self._native_build(ctx, progress)
+        # the closures set the format once the checkpoint is there (a deferred quantize stage may run in them)
         describe = {"model": ctx.model_name, "format": _shipped_format(ctx), "backend": ctx.choice.backend,
                     "gpu": ctx.material["hardware"]["gpu_name"] or "cpu"}
+        build = self._with_checkpoint(ctx, build, describe, progress)
         result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
                                                  describe=describe, on_wait=lambda msg: progress(msg, 0.0),
                                                  on_transfer=_transfer_progress(ctx.cache.entries, progress))
@@ -268,10 +307,23 @@ class BuildStage:
         elif result.hit and result.waited:
             ctx.cache_reason = "built by another process while this one waited"
         ctx.build_seconds = result.build_seconds
+        ctx.take_calibration_from(ctx.cache.entries.read_manifest(ctx.engine_key) if result.hit else None)
         if result.replaced_in_use:
             stderr.print(f"[yellow]warning:[/] engine {ctx.engine_key[:12]} was in use by a running process (a kiln "
                          f"serve?) when --force replaced it: that process keeps serving the old build until it is "
                          f"restarted", highlight=False)
+
+    @staticmethod
+    def _with_checkpoint(ctx: BuildContext, build: Callable[[Path], dict], describe: dict,
+                         progress: Progress) -> Callable[[Path], dict]:
+        """``build`` after the checkpoint it reads is there: a deferred quantize stage runs first."""
+
+        def build_from_checkpoint(tmp: Path) -> dict:
+            ctx.ensure_checkpoint(progress)
+            describe["format"] = _shipped_format(ctx)
+            return build(tmp)
+
+        return build_from_checkpoint
 
     @staticmethod
     def _native_build(ctx: BuildContext, progress: Progress) -> Callable[[Path], dict]:
@@ -298,9 +350,8 @@ class BuildStage:
         """The TensorRT-LLM build (checkpoint conversion when needed, then trtllm-build); returns its build record."""
         from kiln.engines.trtllm.builder import build_trtllm_engine
 
-        inputs = trtllm_inputs(ctx)
-
         def build(tmp: Path) -> dict:
+            inputs = trtllm_inputs(ctx)  # after the checkpoint is there (its shipped format)
             progress("running trtllm-build", 0.0)
             record = build_trtllm_engine(tmp, timeout_s=ctx.config.build.timeout_s, **inputs)
             return {"engine": {"format": TRTLLM_ENGINE_FORMAT, "quantization": {"format": inputs["quant_format"]}},
@@ -316,6 +367,7 @@ class BuildStage:
             return
         ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = store.payload_dir(ctx.engine_key), True, "hit"
         ctx.build_seconds = lookup.build_seconds
+        ctx.take_calibration_from(lookup.manifest)
 
 
 class PublishStage:
@@ -372,7 +424,7 @@ class SmokeStage:
         return None
 
 
-BUILD_STAGES: tuple[Stage, ...] = (QuantizeStage(), BuildStage(), PublishStage())
+BUILD_STAGES: tuple[Stage, ...] = (QuantizeStage(defer_to_engine=True), BuildStage(), PublishStage())
 SMOKE_STAGE: Stage = SmokeStage()
 
 

@@ -327,7 +327,8 @@ def test_remote_settings_are_checked_where_they_are_written(monkeypatch):
 @pytest.mark.slow
 def test_four_machines_building_one_config_together_build_once_and_pull_three_times(tmp_path, remote):
     """Four processes, four local caches, one remote: one calibration and one engine build, three verified pulls
-    of each (the bundled tiny model, FP8)."""
+    of the engine (the bundled tiny model, FP8). A fifth machine with another batch size (another engine key)
+    pulls the quantized checkpoint and skips calibration."""
     procs = [subprocess.Popen([sys.executable, "-m", "kiln", "build", "tiny-llama-fp8", "--json"],
                               env=repo_env(**remote.env, KILN_CACHE=str(tmp_path / f"machine{i}")),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(4)]
@@ -337,12 +338,50 @@ def test_four_machines_building_one_config_together_build_once_and_pull_three_ti
     assert len({r["engine_key"] for r in results}) == 1
     assert sorted(r["cache"]["hit"] for r in results) == [False, True, True, True]
     caches = [EngineCache.open_configured(tmp_path / f"machine{i}") for i in range(4)]
-    for store in ("entries", "quantized"):
-        summaries = [cache.stats.summary(store) for cache in caches]
-        assert sum(s["builds"] for s in summaries) == 1, store
-        assert sum(s["remote"]["hits"] for s in summaries) == 3, store
+    engines = [cache.stats.summary("entries") for cache in caches]
+    checkpoints = [cache.stats.summary("quantized") for cache in caches]
+    assert sum(s["builds"] for s in engines) == 1 and sum(s["remote"]["hits"] for s in engines) == 3
+    # one calibration; a machine that planned after the engine was pushed needs no checkpoint at all
+    quantize_ran = sum(r["stages"][0]["action"] == "run" for r in results)
+    assert sum(s["builds"] for s in checkpoints) == 1
+    assert sum(s["remote"]["hits"] for s in checkpoints) == quantize_ran - 1
     key = results[0]["engine_key"]
     assert len({tuple(sorted(payload_bytes(cache, key).items())) for cache in caches}) == 1
     assert all(cache.entries.verify(key).ok for cache in caches)
     tier = EngineCache.open(tmp_path / "checker", remote=remote.spec).remote
     assert [r["ok"] for r in verify_remote(tier)] == [True, True]
+
+    config = tmp_path / "bigger-batch.yaml"
+    text = (Path(__file__).parents[1] / "configs" / "tiny-llama-fp8.yaml").read_text()
+    config.write_text(text.replace("../models/tiny-llama", str(Path(__file__).parents[1] / "models" / "tiny-llama"))
+                      .replace("max_batch_size: 8", "max_batch_size: 4"))
+    fifth = subprocess.run([sys.executable, "-m", "kiln", "build", str(config), "--json"], capture_output=True,
+                           env=repo_env(**remote.env, KILN_CACHE=str(tmp_path / "machine4")), timeout=600)
+    assert fifth.returncode == 0, fifth.stderr.decode()[-1500:]
+    assert json.loads(fifth.stdout)["engine_key"] != key
+    quantized = EngineCache.open_configured(tmp_path / "machine4").stats.summary("quantized")
+    assert quantized["builds"] == 0 and quantized["remote"]["hits"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remote", ["file"], indirect=True)
+def test_an_engine_refused_on_pull_is_rebuilt_from_the_checkpoint_the_plan_had_deferred(tmp_path, remote):
+    """The remote has the engine, so the plan skips the quantize stage; the engine's copy is damaged, so the build
+    stage fetches the checkpoint after all (pulled, not recalibrated) and builds."""
+    def build(machine: str) -> dict:
+        proc = subprocess.run([sys.executable, "-m", "kiln", "build", "tiny-llama-fp8", "--json"], capture_output=True,
+                              env=repo_env(**remote.env, KILN_CACHE=str(tmp_path / machine)), timeout=600)
+        assert proc.returncode == 0, proc.stderr.decode()[-1500:]
+        return json.loads(proc.stdout)
+
+    key = build("first")["engine_key"]
+    first = EngineCache.open_configured(tmp_path / "first")
+    manifest = json.loads(first.entries.entry_dir(key).joinpath("manifest.json").read_bytes())
+    blob = Path(remote.spec.url.removeprefix("file://")) / blob_name(manifest["files"][0]["sha256"])
+    blob.write_bytes(blob.read_bytes()[:-1] + b"\0")
+    second = build("second")
+    assert second["stages"][0]["action"] == "skip" and "fetched only if" in second["stages"][0]["reason"]
+    assert not second["cache"]["hit"] and second["quantization"]["format"] == "fp8"
+    cache = EngineCache.open_configured(tmp_path / "second")
+    assert cache.stats.summary("entries")["builds"] == 1 and cache.stats.summary("entries")["remote"]["corrupt"] == 1
+    assert cache.stats.summary("quantized")["builds"] == 0 and cache.stats.summary("quantized")["remote"]["hits"] == 1
