@@ -7,10 +7,12 @@ logs or stores them. Large files move as parallel multipart transfers (boto3's t
 from __future__ import annotations
 
 import email.utils
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import boto3
+from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
@@ -21,6 +23,8 @@ PART_BYTES = 64 * 2**20  # multipart part size; an 8 GB engine file moves as 128
 CHUNK_BYTES = 8 * 2**20
 MISSING = {"404", "NoSuchKey", "NotFound"}
 CONDITION_FAILED = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+T = TypeVar("T")
+_RAISE = object()  # a missing object or failed condition is an error
 
 
 class S3Objects:
@@ -39,108 +43,67 @@ class S3Objects:
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 
-    def _fail(self, what: str, name: str, exc: Exception) -> RemoteUnavailableError:
-        if isinstance(exc, ClientError):
+    def _call(self, what: str, name: str, call: Callable[[], T], *, if_missing: object = _RAISE,
+              if_condition_failed: object = _RAISE) -> T:
+        """``call()``, with a missing object or a failed condition answered as given (else an error) and every
+        other failure a RemoteUnavailableError naming the remote, the object and the service's reason."""
+        try:
+            return call()
+        except ClientError as exc:
             error = exc.response.get("Error", {})
-            reason = f"{error.get('Code', '?')}: {error.get('Message') or 'no message'}"
-        else:
+            code = str(error.get("Code", ""))
+            if code in MISSING and if_missing is not _RAISE:
+                return if_missing
+            if code in CONDITION_FAILED and if_condition_failed is not _RAISE:
+                return if_condition_failed
+            reason = f"{code or '?'}: {error.get('Message') or 'no message'}"
+        except (BotoCoreError, S3UploadFailedError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
-        return RemoteUnavailableError(f"remote cache {self.url}: {what} {name or '(listing)'} failed ({reason})")
-
-    @staticmethod
-    def _code(exc: ClientError) -> str:
-        return str(exc.response.get("Error", {}).get("Code", ""))
+        raise RemoteUnavailableError(f"remote cache {self.url}: {what} {name} failed ({reason})")
 
     def read(self, name: str) -> bytes | None:
-        try:
-            return self._client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
-        except ClientError as exc:
-            if self._code(exc) in MISSING:
-                return None
-            raise self._fail("reading", name, exc) from None
-        except BotoCoreError as exc:
-            raise self._fail("reading", name, exc) from None
+        return self._call("reading", name, lambda: self._client.get_object(
+            Bucket=self.bucket, Key=self._key(name))["Body"].read(), if_missing=None)
 
     def stat(self, name: str) -> ObjectInfo | None:
-        try:
-            head = self._client.head_object(Bucket=self.bucket, Key=self._key(name))
-        except ClientError as exc:
-            if self._code(exc) in MISSING:
-                return None
-            raise self._fail("looking up", name, exc) from None
-        except BotoCoreError as exc:
-            raise self._fail("looking up", name, exc) from None
-        return ObjectInfo(name, int(head["ContentLength"]), head["LastModified"].timestamp(), head["ETag"])
+        head = self._call("looking up", name, lambda: self._client.head_object(Bucket=self.bucket,
+                                                                               Key=self._key(name)), if_missing=None)
+        return None if head is None else ObjectInfo(name, int(head["ContentLength"]), head["LastModified"].timestamp(),
+                                                    head["ETag"])
 
     def write(self, name: str, data: bytes, *, if_absent: bool = False, if_tag: str | None = None) -> bool:
         conditions = {"IfNoneMatch": "*"} if if_absent else {"IfMatch": if_tag} if if_tag else {}
-        try:
-            self._client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data, **conditions)
-        except ClientError as exc:
-            if conditions and self._code(exc) in CONDITION_FAILED:
-                return False
-            raise self._fail("writing", name, exc) from None
-        except BotoCoreError as exc:
-            raise self._fail("writing", name, exc) from None
-        return True
+        return self._call("writing", name, lambda: self._client.put_object(
+            Bucket=self.bucket, Key=self._key(name), Body=data, **conditions) and True,
+            if_condition_failed=False if conditions else _RAISE)
 
     def upload(self, name: str, path: Path, progress: Progress) -> None:
-        try:
-            self._client.upload_file(str(path), self.bucket, self._key(name), Callback=progress,
-                                     Config=self._transfer)
-        except (ClientError, BotoCoreError) as exc:
-            raise self._fail("uploading", name, exc) from None
-        except boto3.exceptions.S3UploadFailedError as exc:
-            raise RemoteUnavailableError(f"remote cache {self.url}: uploading {name} failed ({exc})") from None
+        self._call("uploading", name, lambda: self._client.upload_file(
+            str(path), self.bucket, self._key(name), Callback=progress, Config=self._transfer))
 
     def download(self, name: str, path: Path, progress: Progress) -> bool:
-        try:
-            self._client.download_file(self.bucket, self._key(name), str(path), Callback=progress,
-                                       Config=self._transfer)
-        except ClientError as exc:
-            if self._code(exc) in MISSING:
-                return False
-            raise self._fail("downloading", name, exc) from None
-        except BotoCoreError as exc:
-            raise self._fail("downloading", name, exc) from None
-        return True
+        return self._call("downloading", name, lambda: self._client.download_file(
+            self.bucket, self._key(name), str(path), Callback=progress, Config=self._transfer) or True,
+            if_missing=False)
 
     def chunks(self, name: str) -> Iterator[bytes] | None:
-        try:
-            body = self._client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"]
-        except ClientError as exc:
-            if self._code(exc) in MISSING:
-                return None
-            raise self._fail("reading", name, exc) from None
-        except BotoCoreError as exc:
-            raise self._fail("reading", name, exc) from None
-        return body.iter_chunks(CHUNK_BYTES)
+        body = self._call("reading", name, lambda: self._client.get_object(Bucket=self.bucket, Key=self._key(name)),
+                          if_missing=None)
+        return None if body is None else body["Body"].iter_chunks(CHUNK_BYTES)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         strip = len(self._key(""))
-        try:
-            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
-            for page in pages:
-                for item in page.get("Contents", []):
-                    yield ObjectInfo(item["Key"][strip:], int(item["Size"]), item["LastModified"].timestamp(),
-                                     item["ETag"])
-        except (ClientError, BotoCoreError) as exc:
-            raise self._fail("listing", prefix, exc) from None
+        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+        for page in self._call("listing", prefix or "(all)", lambda: list(pages)):
+            for item in page.get("Contents", []):
+                yield ObjectInfo(item["Key"][strip:], int(item["Size"]), item["LastModified"].timestamp(),
+                                 item["ETag"])
 
     def delete(self, name: str, *, if_tag: str | None = None) -> None:
-        try:
-            condition = {"IfMatch": if_tag} if if_tag else {}
-            self._client.delete_object(Bucket=self.bucket, Key=self._key(name), **condition)
-        except ClientError as exc:
-            if self._code(exc) not in MISSING | CONDITION_FAILED:
-                raise self._fail("deleting", name, exc) from None
-        except BotoCoreError as exc:
-            raise self._fail("deleting", name, exc) from None
+        condition = {"IfMatch": if_tag} if if_tag else {}
+        self._call("deleting", name, lambda: self._client.delete_object(
+            Bucket=self.bucket, Key=self._key(name), **condition), if_missing=None, if_condition_failed=None)
 
     def now(self) -> float:
-        try:
-            head = self._client.head_bucket(Bucket=self.bucket)
-        except (ClientError, BotoCoreError) as exc:
-            raise self._fail("reaching bucket", self.bucket, exc) from None
-        date = head["ResponseMetadata"]["HTTPHeaders"].get("date")
-        return email.utils.parsedate_to_datetime(date).timestamp()
+        head = self._call("reaching bucket", self.bucket, lambda: self._client.head_bucket(Bucket=self.bucket))
+        return email.utils.parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"]).timestamp()
