@@ -70,14 +70,23 @@ def test_weights_are_fused_in_runtime_layout(checkpoint, tmp_path):
     assert gate_up.shape == (2 * 128, 64)
 
 
-def test_kv_cache_that_does_not_fit_is_refused_with_the_count_that_fits(checkpoint, tmp_path, monkeypatch):
+def test_a_batch_whose_full_length_sequences_do_not_all_fit_builds_and_one_that_does_not_fit_is_refused(
+        checkpoint, tmp_path, monkeypatch):
+    """As in TensorRT-LLM and vLLM, max_batch_size sequences of max_seq_len need not fit at once (the scheduler
+    admits what fits); a KV budget below one sequence is refused, saying which max_seq_len would fit."""
     config = EngineConfig.from_dict(build(checkpoint, tmp_path, name="fits")[0])
     per_seq = kv_bytes_per_block(config) * (64 // 4)
     monkeypatch.setattr(native_plan, "memory_budget_bytes", lambda device, weight_bytes: 3 * per_seq + 1)
+    assert native_plan.check_kv_cache_fits(config, "cpu", 0) == 3
+    built = tmp_path / "three-of-four"
+    built.mkdir()
+    build_native_engine(checkpoint, built, tiny_plan(max_batch_size=4), "float32")
+    assert (built / "engine.json").is_file()
+    monkeypatch.setattr(native_plan, "memory_budget_bytes", lambda device, weight_bytes: per_seq * 3 // 4)
     out = tmp_path / "engine"
     out.mkdir()
-    with pytest.raises(KilnError, match=r"3 sequence\(s\) of 64 tokens fit; lower build.max_batch_size to 3 or "
-                                        r"build.max_seq_len to 48"):
+    with pytest.raises(KilnError, match=r"one sequence of build.max_seq_len 64 needs .* lower build.max_seq_len to "
+                                        r"48"):
         build_native_engine(checkpoint, out, tiny_plan(max_batch_size=4), "float32")
     assert list(out.iterdir()) == []
 

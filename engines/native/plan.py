@@ -50,28 +50,23 @@ def memory_budget_bytes(device: str, weight_bytes: int) -> int:
     return int(free * KV_MEMORY_FRACTION[dev.type]) - weight_bytes
 
 
-def check_kv_cache_fits(config: EngineConfig, device: str, weight_bytes: int, ranks: int = 1) -> None:
-    """Raise KilnError when max_batch_size sequences of max_seq_len tokens do not fit, saying what would. ``config``
-    is one rank's; ``ranks`` of them share ``device``'s memory (the weights of all of them are ``weight_bytes``)."""
+def check_kv_cache_fits(config: EngineConfig, device: str, weight_bytes: int, ranks: int = 1) -> int:
+    """How many sequences of max_seq_len the KV cache can hold at once on ``device``; KilnError, saying what would
+    fit, when not even one can. Fewer than max_batch_size is a valid plan, as in TensorRT-LLM and vLLM: the
+    scheduler admits what fits and preempts when the pool runs out. ``config`` is one rank's; ``ranks`` of them
+    share ``device``'s memory (the weights of all of them are ``weight_bytes``)."""
     plan = config.plan
     block_bytes = ranks * kv_bytes_per_block(config)
-    blocks_per_seq = plan.blocks_per_seq
-    need = plan.max_batch_size * blocks_per_seq * block_bytes
-    budget = memory_budget_bytes(device, weight_bytes)
-    if need <= budget:
-        return
-    fit_seqs = max(budget, 0) // (blocks_per_seq * block_bytes)
-    fit_len = max(budget, 0) // (plan.max_batch_size * block_bytes) * plan.tokens_per_block
-    advice = f"lower build.max_batch_size to {fit_seqs}" if fit_seqs else "free memory"
-    if fit_len:
-        advice += f" or build.max_seq_len to {fit_len}"
+    seq_bytes = plan.blocks_per_seq * block_bytes
+    budget = max(memory_budget_bytes(device, weight_bytes), 0)
+    if budget >= seq_bytes:
+        return budget // seq_bytes
+    fit_len = budget // block_bytes * plan.tokens_per_block
+    advice = f"lower build.max_seq_len to {fit_len}" if fit_len else "free memory"
     if config.plan.kv_cache_dtype != "float8_e4m3fn":
         advice += ", or use an FP8 KV cache"
-    raise KilnError(
-        f"KV cache for build.max_batch_size {plan.max_batch_size} x build.max_seq_len {plan.max_seq_len} needs "
-        f"{_gib(need)} but {_gib(max(budget, 0))} is available on {device} after {_gib(weight_bytes)} of weights: "
-        f"{fit_seqs} sequence(s) of {plan.max_seq_len} tokens fit; {advice}"
-    )
+    raise KilnError(f"KV cache for one sequence of build.max_seq_len {plan.max_seq_len} needs {_gib(seq_bytes)} but "
+                    f"{_gib(budget)} is available on {device} after {_gib(weight_bytes)} of weights: {advice}")
 
 
 def _mem_available() -> int:
