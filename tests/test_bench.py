@@ -78,10 +78,18 @@ def test_json_reports_positive_kiln_and_peer_figures(config_report):
     assert all(0 < k["execute_s"] <= k["s"] for k in by_kind.values() if k["steps"]), by_kind
     on_gpu = config_report["device"] == "cuda"  # the peer runs bf16 on a GPU, fp32 on the CPU
     assert config_report["peer"]["dtype"] == ("bfloat16" if on_gpu else "float32")
+
     assert config_report["peer"]["attn_implementation"] == "sdpa"
     assert config_report["config"].endswith("configs/tiny-llama-bf16.yaml") and config_report["target_kind"] == "config"
     assert config_report["device"] in ("cpu", "cuda") and (config_report["gpu"] is not None) == on_gpu
     assert (config_report["prompts"], config_report["input_len"], config_report["output_len"]) == (4, 16, 6)
+
+def test_json_reports_the_kv_pool_the_engine_allocated(config_report):
+    pool = config_report["kiln"]["kv_pool"]
+    blocks_per_seq = -(-512 // 16)  # tiny-llama-bf16.yaml: max_seq_len 512 in blocks of 16 tokens
+    assert pool["tokens"] == 16 * pool["blocks"] and pool["full_length_sequences"] == pool["blocks"] // blocks_per_seq
+    assert pool["max_batch_size"] == 8 and pool["full_length_sequences"] >= 1
+    assert pool["bytes"] == pool["blocks"] * 2 * 4 * 16 * 2 * 32 * 2  # K and V, layers, tokens, KV heads, dims, bf16
 
 
 def test_speedup_vs_peer_is_kiln_throughput_over_peer_throughput(config_report):

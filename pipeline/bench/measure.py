@@ -75,6 +75,7 @@ def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, 
             "ttft_ms": round(1000 * statistics.median(ttft), 3),
             "load_ms": round(llm.load_ms, 2),
             "device": str(llm.engine.device) if hasattr(llm.engine, "device") else options.device,
+            "kv_pool": kv_pool_report(llm),
         }
         if not batch_1_only:
             progress(f"kiln: offline run of {len(workload.prompts)} prompts")
@@ -89,6 +90,25 @@ def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, 
         return result
     finally:
         llm.close()
+
+
+def kv_pool_report(llm) -> dict:
+    """The KV pool the engine allocated at its default settings: blocks, tokens, how many sequences of max_seq_len
+    it holds at once against max_batch_size, and (native engine) its bytes against the device's memory."""
+    import torch
+
+    pool, limits = llm.stats()["kv_cache"], llm.limits
+    blocks_per_seq = -(-limits.max_seq_len // pool["block_size"])
+    report = {"blocks": pool["num_blocks"], "tokens": pool["num_blocks"] * pool["block_size"],
+              "full_length_sequences": pool["num_blocks"] // blocks_per_seq, "max_batch_size": limits.max_batch_size}
+    runner = getattr(llm.engine, "model_runner", None)
+    if runner is not None:
+        report["bytes"] = sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer)
+        if runner.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(runner.device)
+            report.update(device_total_bytes=total, device_free_bytes=free,
+                          share_of_device=round(report["bytes"] / total, 4))
+    return report
 
 
 def offline_engine_stats(before: dict, after: dict) -> dict:

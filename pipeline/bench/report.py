@@ -52,6 +52,13 @@ def print_report(report: dict) -> None:
                  f"{report['floor_fraction_batch1']:.1%} of {report['floor_tokens_per_s_batch1']:,.1f} tokens/s "
                  f"({floor['bytes_per_step'] / 1e6:,.1f} MB per step at {floor['bandwidth_gbs']:,.1f} GB/s, "
                  f"{floor['bandwidth_source']})", highlight=False)
+    if (pool := kiln.get("kv_pool")) is not None:
+        memory = f", {pool['bytes'] / 2**30:,.1f} GiB" if "bytes" in pool else ""
+        if "device_total_bytes" in pool:
+            memory += (f" of the device's {pool['device_total_bytes'] / 2**30:,.1f} GiB "
+                       f"({pool['device_free_bytes'] / 2**30:,.1f} GiB left free)")
+        stdout.print(f"KV pool: {pool['tokens']:,} tokens{memory}; {pool['full_length_sequences']:,} sequences of "
+                     f"max_seq_len at once for max_batch_size {pool['max_batch_size']:,}", highlight=False)
     if peer and "error" in peer:
         stdout.print(f"[yellow]peer transformers did not run[/]: {peer['error']}", highlight=False)
     elif peer and peer.get("note"):
