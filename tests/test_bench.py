@@ -208,3 +208,23 @@ def test_fp8_kv_cache_without_fp8_weights_is_a_usage_error():
 def test_unknown_peer_is_a_usage_error():
     code, out, err = run_bench("tiny-llama-bf16.yaml", "--peer", "vllm")
     assert code == 2 and out == "" and "--peer transformers" in err
+
+
+def test_a_suite_runs_each_row_offline_and_sets_it_against_its_published_figure(monkeypatch):
+    from kiln.pipeline.bench import suite
+
+    tiny = suite.Suite("tiny", "made up for the test", "a few", (suite.SuiteRow(16, 6, 4, 100.0, "v9"),
+                                                                 suite.SuiteRow(8, 4, 3, 50.0, "v8")))
+    monkeypatch.setitem(suite.SUITES, "tiny", tiny)
+    report = bench_json("tiny-llama-bf16.yaml", "--suite", "tiny")
+    assert [row["row"] for row in report["rows"]] == ["16/6", "8/4"] and report["suite"] == "tiny"
+    for row, expected in zip(report["rows"], tiny.rows, strict=True):
+        assert row["kiln_tokens_per_s"] > 0 and row["prompts"] == expected.prompts
+        assert row["ratio"] == pytest.approx(row["kiln_tokens_per_s"] / expected.published_tokens_per_s, abs=1e-4)
+        assert row["offline_engine"]["steps"] >= expected.output_len and row["kv_pool"]["tokens"] > 0
+    assert [row["row"] for row in bench_json("tiny-llama-bf16.yaml", "--suite", "tiny", "--rows", "8/4")["rows"]] \
+        == ["8/4"]
+    code, _, err = run_bench("tiny-llama-bf16.yaml", "--suite", "tiny", "--rows", "1/1")
+    assert code != 0 and "suite tiny has rows 16/6, 8/4" in err
+    code, _, err = run_bench("tiny-llama-bf16.yaml", "--suite", "nope")
+    assert code != 0 and "trtllm-h200" in err

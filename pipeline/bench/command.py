@@ -44,6 +44,10 @@ def bench(
                              "the floor, GB/s (default: 4300 on an H200, 3350 on an H100, else measured).")] = None,
     allow_large: Annotated[bool, typer.Option("--allow-large", help="Benchmark a large architecture on a CPU-only "
                                                                      "machine anyway.")] = False,
+    suite: Annotated[str | None, typer.Option(help="Run a table of rows instead: trtllm-h200 (TensorRT-LLM's "
+                                                   "published H200 throughput rows, each against its figure).")] = None,
+    rows: Annotated[str | None, typer.Option(help="With --suite, only these rows, comma-separated IN/OUT "
+                                                  "(128/128,1000/1000).")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the prompts and of random weights.")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")] = False,
 ) -> None:
@@ -59,6 +63,12 @@ def bench(
     if kv_cache_dtype == "fp8" and fmt not in ("fp8", "int4_awq"):
         raise typer.BadParameter("--kv-cache-dtype fp8 needs --format fp8 or int4_awq (an FP8 KV cache is calibrated "
                                  "with the quantized weights)")
+    if suite is not None:
+        _run_suite(target, suite, rows, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
+                   allow_large=allow_large, seed=seed, peer=peer, json_out=json_out)
+        return
+    if rows is not None:
+        raise typer.BadParameter("--rows selects rows of a --suite")
     from kiln.pipeline.bench.run import BenchPlan, run_bench  # torch and the runtime load only when a bench runs
 
     report = run_bench(target, BenchPlan(prompts, input_len, output_len), batch_1_only=batch_1, peer=peer,
@@ -68,3 +78,18 @@ def bench(
     print_json(report) if json_out else print_report(report)
 
 
+
+
+def _run_suite(target: str, name: str, rows: str | None, *, fmt: str | None, kv_cache_dtype: str,
+               tp_size: int | None, allow_large: bool, seed: int, peer: str | None, json_out: bool) -> None:
+    from kiln.pipeline.bench.report import print_suite
+    from kiln.pipeline.bench.suite import SUITES, run_suite, select_rows
+
+    if name not in SUITES:
+        raise typer.BadParameter(f"--suite {name!r} is not one of {', '.join(SUITES)}")
+    if peer is not None:
+        raise typer.BadParameter("--suite compares with published figures; leave out --peer")
+    selected = select_rows(SUITES[name], rows.split(",") if rows else None)
+    report = run_suite(target, SUITES[name], selected, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
+                       allow_large=allow_large, seed=seed, options=runtime_options(os.environ))
+    print_json(report) if json_out else print_suite(report)

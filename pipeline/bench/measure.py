@@ -45,8 +45,9 @@ class Workload:
 
 
 def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, *, batch_1_only: bool,
-                 on_loaded=None, progress=lambda _msg: None) -> dict:
-    """Load time, median time to first token, median batch-1 decode tokens/s and offline output tokens/s.
+                 on_loaded=None, progress=lambda _msg: None, offline_only: bool = False) -> dict:
+    """Load time, median time to first token, median batch-1 decode tokens/s and offline output tokens/s
+    (``offline_only``: the offline run alone, TTFT and batch-1 decode None).
 
     ``on_loaded(load_ms)`` is called once the engine is loaded (the caller records it in the cache stats)."""
     from kiln.runtime import LLM, SamplingParams
@@ -62,17 +63,18 @@ def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, 
 
         progress("kiln: warming up")
         llm.generate(workload.warmup, params(2))
-        progress("kiln: time to first token")
-        ttft = [llm.generate([p], params(1))[0].metrics.time_to_first_token for p in workload.ttft]
-        progress("kiln: batch-1 decode")
-        decode = []
-        for prompt in workload.batch1:
-            metrics = llm.generate([prompt], params(workload.output_len))[0].metrics
-            decode.append(rate(metrics.num_generated_tokens - 1, metrics.finished_time - metrics.first_token_time))
+        ttft, decode = [], []
+        if not offline_only:
+            progress("kiln: time to first token")
+            ttft = [llm.generate([p], params(1))[0].metrics.time_to_first_token for p in workload.ttft]
+            progress("kiln: batch-1 decode")
+            for prompt in workload.batch1:
+                metrics = llm.generate([prompt], params(workload.output_len))[0].metrics
+                decode.append(rate(metrics.num_generated_tokens - 1, metrics.finished_time - metrics.first_token_time))
         result = {
             "output_tokens_per_s": None,
-            "decode_tokens_per_s_batch1": statistics.median(decode),
-            "ttft_ms": round(1000 * statistics.median(ttft), 3),
+            "decode_tokens_per_s_batch1": statistics.median(decode) if decode else None,
+            "ttft_ms": round(1000 * statistics.median(ttft), 3) if ttft else None,
             "load_ms": round(llm.load_ms, 2),
             "device": str(llm.engine.device) if hasattr(llm.engine, "device") else options.device,
             "kv_pool": kv_pool_report(llm),

@@ -69,3 +69,21 @@ def print_report(report: dict) -> None:
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
+
+
+def print_suite(report: dict) -> None:
+    """One row per size: Kiln's offline tokens/s against the published figure, and what the engine did."""
+    where = report["gpu"] or "CPU"
+    stdout.print(f"[bold]kiln bench --suite {report['suite']}[/] {report['target']} on {where}", highlight=False)
+    stdout.print(f"against: {report['source']}; requests per row: {report['counts']}", highlight=False)
+    table = Table(box=None, header_style="bold")
+    for column in ("in/out", "requests", "kiln tok/s", "published tok/s", "kiln / published", "preemptions",
+                   "KV pool seqs", "last batch p50"):
+        table.add_column(column, justify="left" if column == "in/out" else "right")
+    for row in report["rows"]:
+        engine, pool = row["offline_engine"], row["kv_pool"]
+        table.add_row(row["row"], f"{row['prompts']:,}", _fmt(row["kiln_tokens_per_s"]),
+                      f"{row['published_tokens_per_s']:,.0f} ({row['published_by']})", f"{row['ratio']:.2f}x",
+                      str(engine["preemptions"]), f"{pool['full_length_sequences']:,}/{pool['max_batch_size']:,}",
+                      _fmt(engine["last_steps_batch_size_p50"]))
+    stdout.print(table)

@@ -30,10 +30,10 @@ from kiln.pipeline.console import stderr
 from kiln.pipeline.targets import Target, resolve_target
 from kiln.runtime.options import RuntimeOptions
 
-__all__ = ["BenchPlan", "run_bench"]
+__all__ = ["BenchPlan", "bench_config_for", "build_engine", "quantization_note", "report_progress", "run_bench"]
 
 
-def _progress(message: str) -> None:
+def report_progress(message: str) -> None:
     stderr.print(f"[dim]bench:[/] {message}", highlight=False, soft_wrap=True)
 
 
@@ -45,25 +45,26 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
     from kiln.runtime.native.engine_format import EngineConfig
 
     resolved = resolve_target(target, cache_root())
-    config_path, peer_checkpoint, weights_note = _bench_config(resolved, plan, fmt=fmt, kv_cache_dtype=kv_cache_dtype,
-                                                               allow_large=allow_large, seed=seed, tp_size=tp_size)
-    ctx, build = _build_engine(config_path, options)
+    config_path, peer_checkpoint, weights_note = bench_config_for(resolved, plan, fmt=fmt,
+                                                                  kv_cache_dtype=kv_cache_dtype,
+                                                                  allow_large=allow_large, seed=seed, tp_size=tp_size)
+    ctx, build = build_engine(config_path, options)
     engine = EngineConfig.load(ctx.engine_dir)
     options = ctx.load_options  # on the device the engine was built for, unless the options name one
     device = options.device
     workload = Workload.make(engine.architecture.vocab_size, prompts=plan.prompts, input_len=plan.input_len,
                              output_len=plan.output_len, seed=seed)
     kiln = measure_kiln(ctx.engine_dir, workload, options, batch_1_only=batch_1_only,
-                        on_loaded=lambda ms: ctx.cache.record_load(ctx.engine_key, ms), progress=_progress)
+                        on_loaded=lambda ms: ctx.cache.record_load(ctx.engine_key, ms), progress=report_progress)
     free_memory(device)  # the closed engine's KV pool and weights, before the peer loads
-    kiln.update(backend="native", quantization=_quantization(engine, ctx, weights_note), **build)
+    kiln.update(backend="native", quantization=quantization_note(engine, ctx, weights_note), **build)
 
     peer_report = None
     if peer == "transformers":
         peer_report = _run_peer(peer_checkpoint or ctx.model_dir, workload, device, peer_attn, batch_1_only,
                                 quantized=engine.quantization.format != "none")
 
-    _progress("floor: sizing the decode step and the memory bandwidth")
+    report_progress("floor: sizing the decode step and the memory bandwidth")
     step = decode_step_bytes(ctx.engine_dir, plan.input_len, plan.output_len)
     bandwidth = resolve_bandwidth(device, bandwidth_gbs)
     floor = floor_tokens_per_s(step["bytes_per_step"], bandwidth.gbs)
@@ -93,7 +94,7 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
     }
 
 
-def _bench_config(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
+def bench_config_for(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
                   seed: int, tp_size: int | None = None) -> tuple[Path, Path | None, str | None]:
     """The config to build, the peer's checkpoint when it is not the config's model, and what the weights are."""
     if target.kind == "engine":
@@ -110,7 +111,7 @@ def _bench_config(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_
     check_fits_machine(target.path, arch, cuda=cuda, allow_large=allow_large)
     cache = EngineCache.open_configured(cache_root())
     hf_dir = random_checkpoint(cache, target.path, arch, seed=seed, device="cuda" if cuda else "cpu",
-                               progress=_progress)
+                               progress=report_progress)
     note = f"random bf16 weights (seed {seed}) for {target.path.name}"
     fmt = fmt or "none"
     config = bench_config(hf_dir, plan, arch, fmt=fmt, kv_cache_dtype=kv_cache_dtype, seed=seed,
@@ -125,18 +126,18 @@ def _bench_config(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_
     return write_config(config, note), hf_dir, note
 
 
-def _build_engine(config_path: Path, options: RuntimeOptions):
+def build_engine(config_path: Path, options: RuntimeOptions):
     """The native engine of ``config_path`` through the cache (quantize → build → publish; a hit is instant)."""
     from kiln.pipeline import runner
 
-    _progress(f"building {config_path.name} through the engine cache (a hit is instant)")
+    report_progress(f"building {config_path.name} through the engine cache (a hit is instant)")
     ctx = runner.prepare(str(config_path), backend="native", force=False, dry_run=False, options=options)
     result = runner.run(ctx, runner.decide(ctx, smoke=False), None)  # bench loads the engine itself
     return ctx, {"engine_dir": result["engine_dir"], "engine_key": ctx.engine_key,
                  "cache_hit": result["cache"]["hit"], "build_s": result["build_seconds"]}
 
 
-def _quantization(engine, ctx, weights_note: str | None) -> str:
+def quantization_note(engine, ctx, weights_note: str | None) -> str:
     fmt = engine.quantization.format
     label = f"{engine.dtype}, unquantized" if fmt == "none" else f"{fmt} ({engine.dtype} compute)"
     if weights_note:
@@ -154,7 +155,7 @@ def _run_peer(checkpoint, workload, device, attn, batch_1_only, *, quantized: bo
 
     try:
         report = measure_transformers(checkpoint, workload, device=device, attn_implementation=attn,
-                                      batch_1_only=batch_1_only, progress=_progress)
+                                      batch_1_only=batch_1_only, progress=report_progress)
     except PeerError as e:
         stderr.print(f"[yellow]warning:[/] peer transformers did not run: {e}", highlight=False)
         return {"name": "transformers", "error": str(e)}

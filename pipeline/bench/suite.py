@@ -1,0 +1,103 @@
+"""``kiln bench TARGET --suite trtllm-h200``: TensorRT-LLM's published H200 throughput table, row by row, in one
+command: each row builds its own engine (the random and quantized checkpoints are shared through the cache), runs
+the offline workload alone (all requests at once, no TTFT or batch-1 passes) and is printed against the published
+figure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.pipeline.bench.common import free_memory
+from kiln.pipeline.bench.measure import Workload, measure_kiln
+from kiln.pipeline.bench.run import bench_config_for, build_engine, quantization_note, report_progress
+from kiln.pipeline.bench.target import BenchPlan, BenchTargetError
+from kiln.pipeline.config import cache_root
+from kiln.pipeline.targets import resolve_target
+from kiln.runtime.native.engine_format import EngineConfig
+from kiln.runtime.options import RuntimeOptions
+
+
+@dataclass(frozen=True)
+class SuiteRow:
+    """One row: the sizes, how many requests Kiln sends, and the published figure it is held against."""
+
+    input_len: int
+    output_len: int
+    prompts: int
+    published_tokens_per_s: float
+    published_by: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.input_len}/{self.output_len}"
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    source: str
+    why_counts: str
+    rows: tuple[SuiteRow, ...]
+
+
+# The counts: several times the bench plan's batch cap (MAX_BENCH_BATCH), so the batch is full for most of the
+# run and the ramp-up and the last stragglers are a small share of it; enough for steady state, without the
+# 30,000 requests TensorRT-LLM sends at 128/128 (minutes of device time per row).
+TRTLLM_H200 = Suite(
+    name="trtllm-h200",
+    source="TensorRT-LLM perf-overview, best published H200 figure per row (Llama-3.1-8B FP8, trtllm-bench)",
+    why_counts="several full batches at the plan's batch cap per row, so steady state dominates the run",
+    rows=(
+        SuiteRow(128, 128, 3000, 29526, "v0.17"),
+        SuiteRow(128, 2048, 1000, 26221, "v1.0"),
+        SuiteRow(500, 2000, 1000, 21463, "v0.19"),
+        SuiteRow(1000, 1000, 1000, 17744, "v1.0"),
+        SuiteRow(2048, 2048, 1000, 12194, "v1.0"),
+    ),
+)
+SUITES = {suite.name: suite for suite in (TRTLLM_H200,)}
+
+
+def select_rows(suite: Suite, names: list[str] | None) -> tuple[SuiteRow, ...]:
+    """The suite's rows named ``IN/OUT`` (all of them when ``names`` is None); an unknown name is an error."""
+    if not names:
+        return suite.rows
+    by_name = {row.name: row for row in suite.rows}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise BenchTargetError(f"--rows {', '.join(unknown)}: suite {suite.name} has rows {', '.join(by_name)}")
+    return tuple(by_name[name] for name in names)
+
+
+def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str | None, kv_cache_dtype: str,
+              tp_size: int | None, allow_large: bool, seed: int, options: RuntimeOptions) -> dict:
+    """Each row's offline output tokens/s against its published figure, with what the engine did to get there."""
+    resolved = resolve_target(target, cache_root())
+    results = []
+    for row in rows:
+        report_progress(f"suite {suite.name}: row {row.name}, {row.prompts} requests")
+        plan = BenchPlan(row.prompts, row.input_len, row.output_len)
+        config_path, _, weights_note = bench_config_for(resolved, plan, fmt=fmt, kv_cache_dtype=kv_cache_dtype,
+                                                        allow_large=allow_large, seed=seed, tp_size=tp_size)
+        ctx, build = build_engine(config_path, options)
+        engine = EngineConfig.load(ctx.engine_dir)
+        workload = Workload.make(engine.architecture.vocab_size, prompts=row.prompts, input_len=row.input_len,
+                                 output_len=row.output_len, seed=seed)
+        kiln = measure_kiln(ctx.engine_dir, workload, ctx.load_options, batch_1_only=False, offline_only=True,
+                            on_loaded=lambda ms, ctx=ctx: ctx.cache.record_load(ctx.engine_key, ms),
+                            progress=report_progress)
+        free_memory(ctx.load_options.device)
+        tokens_per_s = kiln["output_tokens_per_s"]
+        results.append({
+            "row": row.name, "input_len": row.input_len, "output_len": row.output_len, "prompts": row.prompts,
+            "kiln_tokens_per_s": tokens_per_s, "published_tokens_per_s": row.published_tokens_per_s,
+            "published_by": row.published_by, "ratio": round(tokens_per_s / row.published_tokens_per_s, 4),
+            "kv_pool": kiln["kv_pool"], "offline_engine": kiln["offline_engine"], "offline_s": kiln["offline_s"],
+            "load_ms": kiln["load_ms"], "quantization": quantization_note(engine, ctx, weights_note), **build,
+        })
+    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return {"suite": suite.name, "source": suite.source, "counts": suite.why_counts, "target": str(resolved.path),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "device": device,
+            "seed": seed, "rows": results}
