@@ -36,6 +36,8 @@ class SuiteRow:
 
 @dataclass(frozen=True)
 class Suite:
+    """A named table of rows, where its figures come from, and why each row sends the requests it does."""
+
     name: str
     source: str
     why_counts: str
