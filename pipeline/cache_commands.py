@@ -216,16 +216,19 @@ def prune(
     max_size: Annotated[str | None, typer.Option(help="Shrink to this size, least recently used first (50GB).")] = None,
     older_than: Annotated[str | None, typer.Option(help="Remove entries not used for this long (30d).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")] = False,
-    remote: RemoteOpt = False, cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOpt = False,
+    remote: RemoteOpt = False,
+    grace: Annotated[str, typer.Option(help="With --remote: keep entries used, and files written, more recently "
+                                            "than this (a pull or push may be in flight).")] = "1h",
+    cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOpt = False,
 ) -> None:
     """Remove old or least recently used entries (default: down to the configured limits), never one in use. With
-    --remote (--older-than and/or --max-size), never one used in the last hour, then the files no entry lists."""
+    --remote (--older-than and/or --max-size), never one used within --grace, then the files no entry lists."""
     cache = _open(cache_dir, config)
     max_size_bytes = parse_size(max_size) if max_size else None
     older_than_s = parse_duration(older_than) if older_than else None
     if remote:
         cache_remote.prune(cache, max_size_bytes=max_size_bytes, older_than_s=older_than_s, dry_run=dry_run,
-                           json_out=json_out)
+                           grace_s=parse_duration(grace), json_out=json_out)
         return
     report = cache_inspect.prune(cache, max_size_bytes=max_size_bytes, older_than_s=older_than_s, dry_run=dry_run)
     if json_out:

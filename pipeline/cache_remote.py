@@ -136,13 +136,14 @@ def verify_results(cache: EngineCache, key: str | None, *, all_entries: bool) ->
 
 
 def prune(cache: EngineCache, *, max_size_bytes: int | None, older_than_s: float | None, dry_run: bool,
-          json_out: bool) -> None:
+          grace_s: float, json_out: bool) -> None:
     """Remove old or least recently used remote entries, then the files no entry lists."""
     tier = require_remote(cache)
     if max_size_bytes is None and older_than_s is None:
         raise CacheUsageError("kiln cache prune --remote: give --older-than and/or --max-size (the remote has no "
                               "configured limits)")
-    report = prune_remote(tier, older_than_s=older_than_s, max_size_bytes=max_size_bytes, dry_run=dry_run)
+    report = prune_remote(tier, older_than_s=older_than_s, max_size_bytes=max_size_bytes, dry_run=dry_run,
+                          grace_s=grace_s)
     if json_out:
         print_json(report)
         return

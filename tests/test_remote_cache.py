@@ -307,6 +307,11 @@ def test_cache_commands_push_ls_verify_and_pull_through_the_remote(tmp_path, rem
     assert kiln_cache("second", "pull", "0000")[0] != 0
     code, stats = kiln_cache("second", "stats")
     assert stats["remote"]["hits"] == 1 and stats["remote"]["url"] == remote.spec.url
+    code, kept = kiln_cache("first", "prune", "--remote", "--older-than", "0s")
+    assert code == 0 and kept["removed"] == [] and kept["kept"] == 1  # used within the default grace hour
+    code, pruned = kiln_cache("first", "prune", "--remote", "--max-size", "0", "--grace", "0s")
+    assert code == 0 and [e["key"] for e in pruned["removed"]] == [key] and pruned["files_removed"] == 2
+    assert kiln_cache("first", "ls", "--remote")[1] == []
 
 
 def test_remote_settings_are_checked_where_they_are_written(monkeypatch):

@@ -114,20 +114,20 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
     removed: list[RemoteEntry] = [entry for entry in entries if entry.manifest is None]
     kept = [entry for entry in entries if entry.manifest is not None]
     if older_than_s is not None:
-        removed += [e for e in kept if now - e.last_used > max(older_than_s, grace_s)]
+        removed += [e for e in kept if now - e.last_used >= max(older_than_s, grace_s)]
         kept = [e for e in kept if e not in removed]
     if max_size_bytes is not None:
         total = sum(e.size_bytes for e in kept)
         for entry in sorted(kept, key=lambda e: e.last_used):  # least recently used first
             if total <= max_size_bytes:
                 break
-            if now - entry.last_used > grace_s:
+            if now - entry.last_used >= grace_s:
                 removed.append(entry)
                 total -= entry.size_bytes
         kept = [e for e in kept if e not in removed]
     listed = {item["sha256"] for entry in kept for item in entry.manifest["files"]}
     orphans = [info for info in tier.objects.list(f"{VERSION}/blobs/")
-               if info.name.rsplit("/", 1)[-1] not in listed and now - info.modified > grace_s]
+               if info.name.rsplit("/", 1)[-1] not in listed and now - info.modified >= grace_s]
     leases = [info for info in tier.objects.list(f"{VERSION}/leases/") if now - info.modified > tier.timing.stale_s]
     if not dry_run:
         for entry in removed:  # the manifest first: from then on nobody pulls the entry
