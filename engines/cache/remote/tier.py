@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -10,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from kiln.engines.cache.keys import canonical_json, engine_key
 from kiln.engines.cache.manifest import safe_relpath
 from kiln.engines.cache.remote.layout import blob_name, last_used_name, manifest_name
 from kiln.engines.cache.remote.lease import LeaseOutcome, LeaseTiming, build_lease
-from kiln.engines.cache.remote.objects import ObjectStore, RemoteCorruptError
+from kiln.engines.cache.remote.objects import ObjectStore, RemoteCorruptError, RemoteUnavailableError
 from kiln.engines.cache.remote.spec import RemoteSpec, open_objects
 
 MANIFEST_VERSION = 1  # the local manifest's version (engines.cache.manifest), which the remote stores as it is
@@ -51,11 +52,17 @@ class RemoteTier:
     def __init__(self, spec: RemoteSpec, objects: ObjectStore | None = None, *, file_threads: int = 4,
                  timing: LeaseTiming | None = None, warn: Callable[[str], None] | None = None) -> None:
         self.spec = spec
-        self.objects = objects if objects is not None else open_objects(spec)
-        self.url, self.required = self.objects.url, spec.required
+        if objects is not None:
+            self.objects = objects
+        self.url, self.required = spec.url.rstrip("/"), spec.required
         self.file_threads = file_threads
         self.timing = timing or LeaseTiming()
         self.warn = warn or (lambda message: None)
+
+    @functools.cached_property
+    def objects(self) -> ObjectStore:
+        """The object store, opened on first use (a cache command that never asks the remote makes no client)."""
+        return open_objects(self.spec)
 
     # -- reading -----------------------------------------------------------------------------------------------
 
@@ -141,8 +148,9 @@ class RemoteTier:
         return PushResult("pushed", counter.done, round(time.monotonic() - started, 3), uploaded)
 
     def mark_used(self, store: str, key: str) -> None:
-        """Record a use of the entry on the remote (for ``prune --remote``)."""
-        self.objects.write(last_used_name(store, key), b"")
+        """Record a use of the entry on the remote (for ``prune --remote``); a failure only costs that record."""
+        with suppress(RemoteUnavailableError):
+            self.objects.write(last_used_name(store, key), b"")
 
     def lease(self, store: str, key: str, on_wait: Callable[[str], None] | None,
               replacing: bool = False) -> AbstractContextManager[LeaseOutcome]:
