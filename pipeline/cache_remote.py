@@ -86,6 +86,20 @@ def pull(cache: EngineCache, key: str, *, json_out: bool) -> None:
                      soft_wrap=True)
 
 
+def pull_engine(cache: EngineCache, prefix: str) -> str:
+    """Pull the remote engine whose key starts with ``prefix`` into the local cache (checked file by file, with a
+    progress bar) and return its key; what the serve and bench targets do with a key this machine lacks."""
+    tier = require_remote(cache)
+    entry = _complete_remote_key(tier, prefix)
+    if entry.store != "entries":
+        raise CacheUsageError(f"cache key {entry.key} on {tier.url} is a quantized checkpoint, not an engine; give "
+                              f"an engine's key (`kiln cache ls --remote`)")
+    stderr.print(f"engine {entry.key[:12]} is not in the local cache: pulling it from {tier.url}", highlight=False)
+    with transfer_bars() as bars:
+        cache.entries.pull(entry.key, on_transfer=bars(entry.key[:12]))
+    return entry.key
+
+
 def _complete_remote_key(tier: RemoteTier, prefix: str) -> RemoteEntry:
     if not (MIN_PREFIX <= len(prefix) <= 64 and set(prefix) <= set("0123456789abcdef")):
         raise CacheUsageError(f"{prefix!r} is not a cache key (64 lowercase hex digits) or a prefix of one (at least "

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kiln.engines.cache import CacheCorruptError, EngineCache
+from kiln.engines.cache import CacheCorruptError, CacheEntryNotFoundError, EngineCache
 from kiln.engines.cache.layout import LAYOUT_VERSION, entry_of_payload
 from kiln.engines.cache.store import MIN_PREFIX
-from kiln.pipeline.config import find_config
+from kiln.pipeline.cache_remote import pull_engine
+from kiln.pipeline.config import find_config, remote_spec
+from kiln.pipeline.console import warn
 from kiln.runtime.engine import is_engine_dir
 from kiln.runtime.errors import KilnError
 
@@ -43,8 +45,9 @@ class Target:
 
 def resolve_target(text: str, cache_root: Path) -> Target:
     """``text`` as an engine directory (a cache entry's folder included), a config or architecture file (a path, or
-    a name under the bundled configs), or a key or key prefix of an engine in the cache at ``cache_root``. A cached
-    engine's files are checked against its manifest first (CacheCorruptError)."""
+    a name under the bundled configs), or a key or key prefix of an engine in the cache at ``cache_root`` (else on
+    its remote tier, pulled first). A cached engine's files are checked against its manifest first
+    (CacheCorruptError)."""
     path = Path(text).expanduser()
     for engine_dir in (path, path / "engine"):  # a cache entry's folder holds its engine in engine/
         if is_engine_dir(engine_dir):
@@ -55,11 +58,18 @@ def resolve_target(text: str, cache_root: Path) -> Target:
     if (found := find_config(text)) is not None:
         return Target("architecture" if found.suffix == ".json" else "config", found)
     if len(text) >= MIN_PREFIX and set(text) <= set("0123456789abcdef"):
-        if not (cache_root / LAYOUT_VERSION).is_dir():
+        remote = remote_spec()
+        if remote is None and not (cache_root / LAYOUT_VERSION).is_dir():
             raise TargetError(f"cache key {text}: there is no engine cache at {cache_root}; set $KILN_CACHE to the "
-                              f"cache that holds it")
-        store = EngineCache.open_configured(cache_root).entries
-        return _engine(store.payload_dir(store.complete_key(text)))
+                              f"cache that holds it, or $KILN_CACHE_REMOTE to the team's remote cache")
+        cache = EngineCache.open_configured(cache_root, remote=remote, warn=warn)
+        try:
+            key = cache.entries.complete_key(text)
+        except CacheEntryNotFoundError:
+            if cache.remote is None:
+                raise
+            key = pull_engine(cache, text)  # a team's engine this machine has not got yet
+        return _engine(cache.entries.payload_dir(key))
     raise TargetError(f"{text}: no such engine directory, config or architecture file, and not a cache key; give "
                       f"the engine directory `kiln build` printed, a key from `kiln cache ls`, or a config (a path "
                       f"or a name under configs/, e.g. tiny-llama-fp8.yaml)")

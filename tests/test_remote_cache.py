@@ -390,3 +390,17 @@ def test_an_engine_refused_on_pull_is_rebuilt_from_the_checkpoint_the_plan_had_d
     cache = EngineCache.open_configured(tmp_path / "second")
     assert cache.stats.summary("entries")["builds"] == 1 and cache.stats.summary("entries")["remote"]["corrupt"] == 1
     assert cache.stats.summary("quantized")["builds"] == 0 and cache.stats.summary("quantized")["remote"]["hits"] == 1
+
+
+def test_serving_a_key_this_machine_lacks_pulls_the_engine_from_the_remote(tmp_path, remote, monkeypatch):
+    from kiln.pipeline.targets import resolve_target
+
+    key = engine_key(material("a"))
+    machine(tmp_path, "builder", remote).entries.get_or_build(key, material("a"), builder([]))
+    for name, value in remote.env.items():
+        monkeypatch.setenv(name, value)
+    target = resolve_target(key[:10], tmp_path / "server")  # as `kiln serve KEY` on a fresh machine
+    assert target.kind == "engine" and target.cache_key == key and (target.path / "engine.json").is_file()
+    assert EngineCache.open_configured(tmp_path / "server").stats.summary("entries")["remote"]["hits"] == 1
+    with pytest.raises(CacheEntryNotFoundError, match="no entry on"):
+        resolve_target("abcdef12", tmp_path / "server")
