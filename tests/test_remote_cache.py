@@ -221,7 +221,9 @@ def test_a_machine_waits_for_the_lease_holder_then_pulls_instead_of_building(tmp
     waiting = threading.Thread(target=lambda: result.append(
         waiter.entries.get_or_build(key, material("a"), builder(calls), on_wait=notes.append)))
     waiting.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30  # its local miss and remote miss first, then the lease it waits on
+    while not notes and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert waiting.is_alive() and any("is building entries" in note for note in notes)
     go.set()
     holding.join(timeout=30)
