@@ -265,7 +265,7 @@ class ContentStore:
             damaged: list[str] = []  # a remote copy refused on pull: this build replaces it there
             if not force and (pulled := self._try_pull(key, material, on_transfer, damaged)) is not None:
                 return dataclasses.replace(pulled, waited=waited)
-            lease = nullcontext("none") if self.remote is None \
+            lease = nullcontext("none") if self.remote is None or not self.remote.usable \
                 else self.remote.lease(self.name, key, on_wait, replacing=force or bool(damaged))
             with lease as outcome:
                 if outcome == "published" and (pulled := self._try_pull(key, material, on_transfer, damaged)):
@@ -274,7 +274,7 @@ class ContentStore:
                 entry_dir, seconds = self._build_and_publish(key, material, build, describe or {})
                 if self._enforce_limits is not None:
                     self._enforce_limits(self, key, 0)
-                if self.remote is not None:
+                if self.remote is not None and self.remote.usable:
                     self._push_after_build(key, force or bool(damaged), on_transfer)
         return CacheResult(key, entry_dir, entry_dir / self.payload_name, False, "forced" if force else found.reason,
                            seconds, waited, replaced_in_use)
@@ -422,8 +422,8 @@ class ContentStore:
     def _try_pull(self, key: str, material: dict, on_transfer: Transferred | None,
                   damaged: list[str]) -> CacheResult | None:
         """``_pull_and_install`` inside a build: a damaged remote entry is reported (and added to ``damaged``) and
-        built over, an unreachable remote warned about (an error when the remote is required)."""
-        if self.remote is None:
+        built over, an unreachable remote warned about once (an error when the remote is required)."""
+        if self.remote is None or not self.remote.usable:
             return None
         try:
             return self._pull_and_install(key, material, on_transfer)
@@ -431,20 +431,14 @@ class ContentStore:
             damaged.append(str(exc))
             self.remote.warn(f"{exc}; building it here and pushing a good copy")
         except RemoteUnavailableError as exc:
-            self._remote_failed(exc, "building locally")
+            self.remote.failed(exc)
         return None
 
     def _push_after_build(self, key: str, force: bool, on_transfer: Transferred | None) -> None:
         try:
             self.push(key, replace=force, on_transfer=on_transfer)
         except RemoteUnavailableError as exc:
-            self._remote_failed(exc, "the local entry is kept; push it later with `kiln cache push`")
-
-    def _remote_failed(self, exc: RemoteUnavailableError, going_on: str) -> None:
-        if self.remote is not None and self.remote.required:
-            raise RemoteUnavailableError(f"{exc} (cache.remote_required is set)") from None
-        if self.remote is not None:
-            self.remote.warn(f"{exc}; {going_on}")
+            self.remote.failed(exc)  # the local entry is kept either way
 
     def _seal(self, tmp: Path, key: str, material: dict, record: dict, describe: dict, seconds: float) -> dict:
         """fsync every payload file, then write the manifest last; returns the manifest."""

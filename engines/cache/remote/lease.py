@@ -35,17 +35,17 @@ class LeaseTiming:
 
 @contextmanager
 def build_lease(objects: ObjectStore, store: str, key: str, *, timing: LeaseTiming,
-                on_wait: Callable[[str], None] | None, warn: Callable[[str], None],
+                on_wait: Callable[[str], None] | None, failed: Callable[[RemoteUnavailableError], None],
                 replacing: bool = False) -> Iterator[LeaseOutcome]:
     """Hold the remote build lease of ``key`` while the body builds: ``held``; ``published`` when another machine
     published the entry meanwhile (pull it instead; never when ``replacing`` an entry found damaged);
-    ``unavailable`` when the remote could not be asked (build anyway)."""
+    ``unavailable`` when the remote could not be asked (``failed`` hears why; build anyway)."""
     name = lease_name(store, key)
     body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}).encode()
     try:
         outcome = _acquire(objects, store, key, name, body, timing, on_wait, replacing)
     except RemoteUnavailableError as exc:
-        warn(f"{exc}; building without the remote build lease")
+        failed(exc)
         outcome = "unavailable"
     if outcome != "held":
         yield outcome

@@ -58,6 +58,22 @@ class RemoteTier:
         self.file_threads = file_threads
         self.timing = timing or LeaseTiming()
         self.warn = warn or (lambda message: None)
+        self.unreachable: str | None = None  # why the remote failed in this process, which then goes on without it
+
+    @property
+    def usable(self) -> bool:
+        """False once a request failed (``failed``): the rest of the run leaves the remote alone."""
+        return self.unreachable is None
+
+    def failed(self, exc: RemoteUnavailableError) -> None:
+        """A request to the remote failed: an error when the remote is required; else one warning, and the rest of
+        this process goes on without the remote (builds stay local, nothing is lost)."""
+        if self.required:
+            raise RemoteUnavailableError(f"{exc} (cache.remote_required is set)") from None
+        if self.unreachable is None:
+            self.unreachable = str(exc)
+            self.warn(f"{exc}; going on without the remote cache in this run: builds are local, and `kiln cache "
+                      f"push --all` uploads them later")
 
     @functools.cached_property
     def objects(self) -> ObjectStore:
@@ -155,7 +171,7 @@ class RemoteTier:
     def lease(self, store: str, key: str, on_wait: Callable[[str], None] | None,
               replacing: bool = False) -> AbstractContextManager[LeaseOutcome]:
         """The remote build lease of ``key`` (``lease.build_lease``)."""
-        return build_lease(self.objects, store, key, timing=self.timing, on_wait=on_wait, warn=self.warn,
+        return build_lease(self.objects, store, key, timing=self.timing, on_wait=on_wait, failed=self.failed,
                            replacing=replacing)
 
     def _each(self, work: Callable[[dict], object], files: list[dict]) -> Iterator:
