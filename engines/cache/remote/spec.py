@@ -54,7 +54,7 @@ def url_problem(url: str) -> str | None:
     return f"cache.remote {url!r}: give s3://bucket/prefix or file:///shared/folder"
 
 
-def open_objects(spec: RemoteSpec, *, transfer_threads: int = 8) -> ObjectStore:
+def open_objects(spec: RemoteSpec) -> ObjectStore:
     """The object store ``spec`` names (boto3 is imported only for an s3:// remote)."""
     parts = urlsplit(spec.url)
     if parts.scheme == "file":
@@ -63,4 +63,4 @@ def open_objects(spec: RemoteSpec, *, transfer_threads: int = 8) -> ObjectStore:
         return FileObjects(Path(parts.path))
     from kiln.engines.cache.remote.s3 import S3Objects
 
-    return S3Objects(parts.netloc, parts.path, endpoint_url=spec.endpoint_url, transfer_threads=transfer_threads)
+    return S3Objects(parts.netloc, parts.path, endpoint_url=spec.endpoint_url)
