@@ -40,6 +40,7 @@ ConfigOpt = Annotated[str | None, typer.Option("--config", help="Take the cache 
 RemoteOpt = Annotated[bool, typer.Option("--remote", help="Act on the remote cache ($KILN_CACHE_REMOTE, else the "
                                                           "config's cache.remote, else the one the last build used).")]
 
+
 def _open(cache_dir: Path | None, config: str | None) -> EngineCache:
     """The cache named by --cache-dir, else by the config (``$KILN_CACHE`` overrides its cache.dir), else default;
     its remote tier is ``$KILN_CACHE_REMOTE``, else the config's, else the one its last build recorded."""
