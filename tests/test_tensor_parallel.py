@@ -4,6 +4,7 @@ when a worker dies."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -168,7 +169,10 @@ def test_torchrun_starts_kiln_serve_as_rank_zero_and_a_worker(tmp_path):
     port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(free_port()), "-m", "kiln", "serve", str(built[2]), "--port", str(port)]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    # Kiln's store on a port known to be free, not MASTER_PORT + 1, which nothing checked
+    env = {**os.environ, "KILN_TP_PORT": str(free_port())}
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                              env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(300):
@@ -186,7 +190,8 @@ def test_torchrun_starts_kiln_serve_as_rank_zero_and_a_worker(tmp_path):
         served = len(choice["logprobs"]["tokens"])
         assert served == 10 and choice["text"] == generated(built[1], prompts=[PROMPTS[0]])[0].text
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # already gone: the assertion above says why
+            os.killpg(server.pid, signal.SIGTERM)
         server.wait(60)
 
 
