@@ -23,7 +23,7 @@ from kiln.engines.cache.units import (
     parse_size,
 )
 from kiln.pipeline import cache_remote
-from kiln.pipeline.cache_tables import STORE_LABEL, ago, print_table
+from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, print_table, rate
 from kiln.pipeline.config import cache_root, load_config, remote_spec
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout, warn
 
@@ -64,15 +64,8 @@ def ls(remote: RemoteOpt = False, cache_dir: CacheDirOpt = None, config: ConfigO
     if json_out:
         print_json(rows)
         return
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in ("KEY", "KIND", "MODEL", "FORMAT", "BACKEND", "GPU", "SIZE", "CREATED", "LAST USED", "HITS"):
-        table.add_column(column, no_wrap=column == "KEY", justify="right" if column in ("SIZE", "HITS") else "left")
-    for row in rows:
-        table.add_row(row["key"], STORE_LABEL.get(row["store"], row["store"]), row["model"] or "-",
-                      row["format"] or "-", row["backend"] or "-", row["gpu"] or "-", format_bytes(row["size_bytes"]),
-                      ago(row["created"]), ago(row["last_used"]), str(row["hits"]))
     if rows:
-        print_table(table)
+        print_table(entries_table(rows))
     total = sum(row["size_bytes"] for row in rows)
     stderr.print(f"{len(rows)} entries, {format_bytes(total)} in {cache.root}", highlight=False)
 
@@ -134,11 +127,11 @@ def stats(
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_column(style="dim")
-    rate = report["hit_rate"]
+    hit_rate = report["hit_rate"]
     reasons = ", ".join(f"{n} {reason}" for reason, n in report["misses_by_reason"].items() if n)
     load = report["load_ms"]
     table.add_row("lookups", str(report["lookups"]), f"since {report['since']}" if report["since"] else "")
-    table.add_row("hits", str(report["hits"]), f"{rate:.1%} hit rate" if rate is not None else "")
+    table.add_row("hits", str(report["hits"]), f"{hit_rate:.1%} hit rate" if hit_rate is not None else "")
     table.add_row("misses", str(report["misses"]), reasons)
     table.add_row("load latency p50", _ms(load["p50"]), f"p95 {_ms(load['p95'])}, p99 {_ms(load['p99'])}, "
                   f"max {_ms(load['max'])}, {load['count']} loads")
@@ -155,21 +148,17 @@ def stats(
                       f"damaged, {remote['errors']} failed")
         pulled = remote["pulled_bytes"]
         table.add_row("pulled", format_bytes(pulled),
-                      f"in {format_seconds(remote['pull_seconds'])}{_rate(pulled, remote['pull_seconds'])}")
+                      f"in {format_seconds(remote['pull_seconds'])}, {rate(pulled, remote['pull_seconds'])}")
         table.add_row("pushed", format_bytes(remote["pushed_bytes"]),
-                      f"{remote['pushes']} entries in {format_seconds(remote['push_seconds'])}"
-                      f"{_rate(remote['pushed_bytes'], remote['push_seconds'])}")
+                      f"{remote['pushes']} entries in {format_seconds(remote['push_seconds'])}, "
+                      f"{rate(remote['pushed_bytes'], remote['push_seconds'])}")
     for name in ("quantized", "checkpoints"):  # the checkpoint stores, when used
         store = report["stores"][name]
         if store["lookups"] or store["entries"]:
-            rate = f", {store['hit_rate']:.1%}" if store["hit_rate"] is not None else ""
-            table.add_row(STORE_LABEL[name], f"{store['hits']}/{store['lookups']} hits{rate}",
+            store_rate = f", {store['hit_rate']:.1%}" if store["hit_rate"] is not None else ""
+            table.add_row(STORE_LABEL[name], f"{store['hits']}/{store['lookups']} hits{store_rate}",
                           f"{store['entries']} checkpoints, {format_bytes(store['size_bytes'])}")
     stdout.print(table, highlight=False)
-
-
-def _rate(size: int, seconds: float) -> str:
-    return f", {format_bytes(int(size / seconds))}/s" if size and seconds > 0 else ""
 
 
 def _ms(value: float | None) -> str:

@@ -3,37 +3,23 @@
 
 from __future__ import annotations
 
-from rich.table import Table
-
 from kiln.engines.cache import CacheCorruptError, CacheEntryNotFoundError, CacheUsageError, EngineCache
 from kiln.engines.cache.remote.layout import REMOTE_STORES
 from kiln.engines.cache.remote.maintenance import RemoteEntry, prune_remote, remote_entries, verify_remote
 from kiln.engines.cache.remote.tier import RemoteTier
-from kiln.engines.cache.store import MIN_PREFIX
+from kiln.engines.cache.store import check_key_prefix, match_prefix
 from kiln.engines.cache.units import format_bytes, format_seconds
-from kiln.pipeline.cache_tables import STORE_LABEL, ago, print_table
+from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, print_table, rate
 from kiln.pipeline.console import print_json, stderr, stdout, transfer_bars
-
-
-def require_remote(cache: EngineCache) -> RemoteTier:
-    """The cache's remote tier; a usage error saying how to configure one when there is none."""
-    if cache.remote is None:
-        raise CacheUsageError("no remote cache is configured: set cache.remote in the config (with --config), or "
-                              "$KILN_CACHE_REMOTE (s3://bucket/prefix or file:///shared/folder)")
-    return cache.remote
 
 
 def _seconds(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 60 else format_seconds(seconds)
 
 
-def _rate(size: int, seconds: float) -> str:
-    return f"{format_bytes(size / seconds)}/s" if seconds > 0 and size else "-"
-
-
 def push(cache: EngineCache, key: str | None, *, all_entries: bool, force: bool, json_out: bool) -> None:
     """Upload one local entry (engine or quantized checkpoint) or all of them."""
-    tier = require_remote(cache)
+    tier = cache.entries.require_remote()
     if (key is None) == (not all_entries):
         raise CacheUsageError("kiln cache push: give one KEY or --all")
     if key is not None:
@@ -55,7 +41,7 @@ def push(cache: EngineCache, key: str | None, *, all_entries: bool, force: bool,
                     stdout.print(f"{k} ({what}) is already on {tier.url}", highlight=False, soft_wrap=True)
                 else:
                     stdout.print(f"pushed {k} ({what}, {format_bytes(result.bytes)} in "
-                                 f"{_seconds(result.seconds)}, {_rate(result.bytes, result.seconds)})",
+                                 f"{_seconds(result.seconds)}, {rate(result.bytes, result.seconds)})",
                                  highlight=False, soft_wrap=True)
     if json_out:
         print_json({"remote": tier.url, "pushed": rows})
@@ -65,7 +51,7 @@ def push(cache: EngineCache, key: str | None, *, all_entries: bool, force: bool,
 
 def pull(cache: EngineCache, key: str, *, json_out: bool) -> None:
     """Install one remote entry (a key or a unique prefix of one) in the local cache, every file checked."""
-    tier = require_remote(cache)
+    tier = cache.entries.require_remote()
     entry = _complete_remote_key(tier, key)
     store = cache.stores[entry.store]
     with transfer_bars() as bars:
@@ -89,7 +75,7 @@ def pull(cache: EngineCache, key: str, *, json_out: bool) -> None:
 def pull_engine(cache: EngineCache, prefix: str) -> str:
     """Pull the remote engine whose key starts with ``prefix`` into the local cache (checked file by file, with a
     progress bar) and return its key; what the serve and bench targets do with a key this machine lacks."""
-    tier = require_remote(cache)
+    tier = cache.entries.require_remote()
     entry = _complete_remote_key(tier, prefix)
     if entry.store != "entries":
         raise CacheUsageError(f"cache key {entry.key} on {tier.url} is a quantized checkpoint, not an engine; give "
@@ -101,38 +87,24 @@ def pull_engine(cache: EngineCache, prefix: str) -> str:
 
 
 def _complete_remote_key(tier: RemoteTier, prefix: str) -> RemoteEntry:
-    if not (MIN_PREFIX <= len(prefix) <= 64 and set(prefix) <= set("0123456789abcdef")):
-        raise CacheUsageError(f"{prefix!r} is not a cache key (64 lowercase hex digits) or a prefix of one (at least "
-                              f"{MIN_PREFIX}): copy it from `kiln cache ls --remote`")
-    matches = [entry for entry in remote_entries(tier) if entry.key.startswith(prefix)]
-    if not matches:
-        raise CacheEntryNotFoundError(f"cache key {prefix}: no entry on {tier.url}; see `kiln cache ls --remote`")
-    if len(matches) > 1:
-        raise CacheUsageError(f"cache key prefix {prefix} matches {len(matches)} entries on {tier.url}: give more of "
-                              f"the key")
-    if matches[0].manifest is None:
-        raise CacheCorruptError(f"cache key {matches[0].key} on {tier.url}: {matches[0].problem}; it is never "
-                                f"pulled (`kiln cache prune --remote` removes it)")
-    return matches[0]
+    check_key_prefix(prefix, "kiln cache ls --remote")
+    entries = {entry.key: entry for entry in remote_entries(tier)}
+    entry = entries[match_prefix(prefix, set(entries), "", f"on {tier.url}", "see `kiln cache ls --remote`")]
+    if entry.manifest is None:
+        raise CacheCorruptError(f"cache key {entry.key} on {tier.url}: {entry.problem}; it is never pulled "
+                                f"(`kiln cache prune --remote` removes it)")
+    return entry
 
 
 def ls(cache: EngineCache, *, json_out: bool) -> None:
     """One row per remote entry, most recently used first."""
-    tier = require_remote(cache)
+    tier = cache.entries.require_remote()
     rows = [entry.row() for entry in remote_entries(tier)]
     if json_out:
         print_json(rows)
         return
-    table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in ("KEY", "KIND", "MODEL", "FORMAT", "BACKEND", "GPU", "SIZE", "CREATED", "LAST USED"):
-        table.add_column(column, no_wrap=column == "KEY", justify="right" if column == "SIZE" else "left")
-    for row in rows:
-        table.add_row(row["key"], STORE_LABEL[row["store"]], row["model"] or "-", row["format"] or "-",
-                      row["backend"] or "-", row["gpu"] or "-",
-                      format_bytes(row["size_bytes"]) if not row["problem"] else "[red]damaged[/]",
-                      ago(row["created"]), ago(row["last_used"]))
     if rows:
-        print_table(table)
+        print_table(entries_table(rows))
     stderr.print(f"{len(rows)} entries, {format_bytes(sum(r['size_bytes'] for r in rows))} on {tier.url}",
                  highlight=False)
 
@@ -140,7 +112,7 @@ def ls(cache: EngineCache, *, json_out: bool) -> None:
 def verify_results(cache: EngineCache, key: str | None, *, all_entries: bool) -> tuple[list[dict], str]:
     """Read back one remote entry (a key or a prefix of one) or all of them, checking every file: the results (as
     ``kiln cache verify`` reports them) and the remote's URL."""
-    tier = require_remote(cache)
+    tier = cache.entries.require_remote()
     if (key is None) == (not all_entries):
         raise CacheUsageError("kiln cache verify --remote: give one KEY or --all")
     results = verify_remote(tier, key)
@@ -152,7 +124,7 @@ def verify_results(cache: EngineCache, key: str | None, *, all_entries: bool) ->
 def prune(cache: EngineCache, *, max_size_bytes: int | None, older_than_s: float | None, dry_run: bool,
           grace_s: float, json_out: bool) -> None:
     """Remove old or least recently used remote entries, then the files no entry lists."""
-    tier = require_remote(cache)
+    tier = cache.entries.require_remote()
     if max_size_bytes is None and older_than_s is None:
         raise CacheUsageError("kiln cache prune --remote: give --older-than and/or --max-size (the remote has no "
                               "configured limits)")

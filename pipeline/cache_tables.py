@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from kiln.engines.cache.units import format_ago, parse_iso
+from kiln.engines.cache.units import format_ago, format_bytes, parse_iso
 from kiln.pipeline.console import stdout
 
 PIPE_WIDTH = 240
@@ -19,3 +19,24 @@ def print_table(table: Table) -> None:
 
 def ago(iso: str | None) -> str:
     return format_ago(parse_iso(iso))
+
+
+def entries_table(rows: list[dict]) -> Table:
+    """One line per entry row (``kiln cache ls``, local or ``--remote``): key, kind, model, format, backend, GPU,
+    size (or "damaged" for a remote entry with a ``problem``), created, last used, and hits where rows count them."""
+    hits = bool(rows) and "hits" in rows[0]
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("KEY", "KIND", "MODEL", "FORMAT", "BACKEND", "GPU", "SIZE", "CREATED", "LAST USED",
+                   *(("HITS",) if hits else ())):
+        table.add_column(column, no_wrap=column == "KEY", justify="right" if column in ("SIZE", "HITS") else "left")
+    for row in rows:
+        size = "[red]damaged[/]" if row.get("problem") else format_bytes(row["size_bytes"])
+        table.add_row(row["key"], STORE_LABEL.get(row["store"], row["store"]), row["model"] or "-",
+                      row["format"] or "-", row["backend"] or "-", row["gpu"] or "-", size, ago(row["created"]),
+                      ago(row["last_used"]), *((str(row["hits"]),) if hits else ()))
+    return table
+
+
+def rate(size: int, seconds: float) -> str:
+    """``12.3 MB/s`` of ``size`` bytes moved in ``seconds`` ("-" when either is zero)."""
+    return f"{format_bytes(int(size / seconds))}/s" if size and seconds > 0 else "-"

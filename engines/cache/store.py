@@ -50,7 +50,7 @@ from kiln.engines.cache.manifest import (
     stray_files,
 )
 from kiln.engines.cache.remote.objects import RemoteCorruptError, RemoteUnavailableError
-from kiln.engines.cache.remote.tier import PushResult, RemoteTier, Transferred, local_file_digests
+from kiln.engines.cache.remote.tier import PushResult, RemoteTier, Transferred
 from kiln.engines.cache.stats import StatsDB
 from kiln.engines.cache.units import iso_utc
 from kiln.runtime.cache_hold import IN_USE_LOCK
@@ -74,8 +74,13 @@ class LookupResult:
     @property
     def build_seconds(self) -> float:
         """What building the entry took, as its manifest records it (0 without one)."""
-        value = (self.manifest or {}).get("build_seconds", 0.0)
-        return float(value) if isinstance(value, (int, float)) else 0.0
+        return recorded_build_seconds(self.manifest)
+
+
+def recorded_build_seconds(manifest: dict | None) -> float:
+    """The build time a manifest records (0 without one, or without a number there)."""
+    value = (manifest or {}).get("build_seconds", 0.0)
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 @dataclass(frozen=True)
@@ -348,7 +353,7 @@ class ContentStore:
         """Install entry ``key`` from the remote tier (every file checked against its sha256 before the local
         publish); CacheEntryNotFoundError when the remote does not have it, RemoteCorruptError when its copy is
         damaged (nothing is installed)."""
-        remote = self._require_remote()
+        remote = self.require_remote()
         with self._key_lock(key, None):
             found = self._check(key, material)
             if found.hit:
@@ -365,10 +370,10 @@ class ContentStore:
     def push(self, key: str, *, replace: bool = False, on_transfer: Transferred | None = None) -> PushResult:
         """Upload the local entry ``key`` to the remote tier (files first, the manifest last); an entry whose
         files no longer match its manifest is refused (CacheCorruptError)."""
-        remote = self._require_remote()
+        remote = self.require_remote()
         manifest = self.read_manifest(key)
         entry = self.entry_dir(key)
-        if problems := local_file_digests(entry / self.payload_name, manifest, self.hashes.sha256):
+        if problems := file_problems(entry, self.payload_name, manifest, digest=self.hashes.sha256, first_only=True):
             raise CacheCorruptError(f"cache key {key}: not pushed, the local entry is damaged ({problems[0]}); run "
                                     f"`kiln cache verify {key}`")
         started = time.monotonic()
@@ -381,7 +386,8 @@ class ContentStore:
         self.stats.record_remote(self.name, key, "push", result.outcome, result.seconds, result.bytes)
         return result
 
-    def _require_remote(self) -> RemoteTier:
+    def require_remote(self) -> RemoteTier:
+        """The remote tier; a usage error saying how to configure one when there is none."""
         if self.remote is None:
             raise CacheUsageError("no remote cache is configured: set cache.remote in the config, or "
                                   "$KILN_CACHE_REMOTE (s3://bucket/prefix or file:///shared/folder)")
@@ -390,7 +396,7 @@ class ContentStore:
     def _pull_and_install(self, key: str, material: dict | None, on_transfer: Transferred | None) -> CacheResult | None:
         """Pull entry ``key`` into a temporary folder and publish it locally; None when the remote lacks it.
         Failures are recorded and raised."""
-        remote = self._require_remote()
+        remote = self.require_remote()
         started = time.monotonic()
         pulled = []
 
@@ -415,9 +421,8 @@ class ContentStore:
             raise
         result = pulled[0]
         self.stats.record_remote(self.name, key, "pull", "hit", result.seconds, result.bytes)
-        saved = LookupResult(True, "hit", entry_dir, "", manifest).build_seconds
-        return CacheResult(key, entry_dir, entry_dir / self.payload_name, True, "remote hit", saved, False,
-                           pulled=True)
+        return CacheResult(key, entry_dir, entry_dir / self.payload_name, True, "remote hit",
+                           recorded_build_seconds(manifest), False, pulled=True)
 
     def _try_pull(self, key: str, material: dict, on_transfer: Transferred | None,
                   damaged: list[str]) -> CacheResult | None:
@@ -575,14 +580,26 @@ def _utc_now() -> str:
 def complete_key(prefix: str, stores: list[ContentStore], what: str = "") -> str:
     """The one published key of ``stores`` that starts with ``prefix`` (at least MIN_PREFIX hex digits, or a whole
     key), as ``git`` completes a short hash; a missing or ambiguous prefix is an error that says so."""
+    check_key_prefix(prefix, "kiln cache ls")
+    keys = {key for store in stores for key in store.keys_under(prefix[:2])}
+    root = stores[0].v1.parent if stores else "the cache"
+    return match_prefix(prefix, keys, what, f"under {root}",
+                        "see `kiln cache ls`, or set $KILN_CACHE to the cache that holds it")
+
+
+def check_key_prefix(prefix: str, listing: str) -> None:
+    """InvalidCacheKeyError unless ``prefix`` is a key or a prefix of one (``listing``: the command that shows keys)."""
     if not (MIN_PREFIX <= len(prefix) <= 64 and set(prefix) <= set("0123456789abcdef")):
         raise InvalidCacheKeyError(f"{prefix!r} is not a cache key (64 lowercase hex digits) or a prefix of one (at "
-                                   f"least {MIN_PREFIX}): copy it from `kiln cache ls`")
-    matches = sorted({key for store in stores for key in store.keys_under(prefix[:2]) if key.startswith(prefix)})
+                                   f"least {MIN_PREFIX}): copy it from `{listing}`")
+
+
+def match_prefix(prefix: str, keys: set[str], what: str, where: str, fix: str) -> str:
+    """The one of ``keys`` that starts with ``prefix``: CacheEntryNotFoundError for none (no ``what``entry
+    ``where``; ``fix``: what to do), CacheUsageError naming a few for several."""
+    matches = sorted(key for key in keys if key.startswith(prefix))
     if not matches:
-        root = stores[0].v1.parent if stores else "the cache"
-        raise CacheEntryNotFoundError(f"cache key {prefix}: no {what}entry under {root}; see `kiln cache ls`, or set "
-                                      f"$KILN_CACHE to the cache that holds it")
+        raise CacheEntryNotFoundError(f"cache key {prefix}: no {what}entry {where}; {fix}")
     if len(matches) > 1:
         raise CacheUsageError(f"cache key prefix {prefix} matches {len(matches)} {what}entries "
                               f"({', '.join(m[:16] for m in matches[:4])}...): give more of the key")

@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kiln.engines.cache.remote.layout import (
     LAST_USED,
     MANIFEST,
+    REMOTE_STORES,
     VERSION,
     blob_name,
-    entry_prefix,
     last_used_name,
     manifest_name,
     parse_entry_name,
 )
-from kiln.engines.cache.remote.objects import ObjectInfo
-from kiln.engines.cache.remote.tier import RemoteTier, manifest_problem
+from kiln.engines.cache.remote.objects import ObjectInfo, RemoteCorruptError
+from kiln.engines.cache.remote.tier import RemoteTier, copy_problem
 from kiln.engines.cache.units import iso_utc
 
 READ_THREADS = 8
@@ -50,23 +49,25 @@ class RemoteEntry:
 def remote_entries(tier: RemoteTier) -> list[RemoteEntry]:
     """Every entry with a manifest on the remote, most recently used first (an entry without one does not exist)."""
     objects: dict[tuple[str, str], dict[str, ObjectInfo]] = {}
-    for info in tier.objects.list(f"{VERSION}/"):
-        if (parsed := parse_entry_name(info.name)) is not None:
-            store, key, file = parsed
-            objects.setdefault((store, key), {})[file] = info
+    for store in REMOTE_STORES:
+        for info in tier.objects.list(f"{VERSION}/{store}/"):
+            if (parsed := parse_entry_name(info.name)) is not None:
+                store, key, file = parsed
+                objects.setdefault((store, key), {})[file] = info
     found = [(store, key, files) for (store, key), files in objects.items() if MANIFEST in files]
 
     def read(item: tuple[str, str, dict[str, ObjectInfo]]) -> RemoteEntry:
         store, key, files = item
-        raw = tier.objects.read(manifest_name(store, key))
         try:
-            manifest = json.loads(raw) if raw is not None else None
-        except ValueError:
-            manifest = None
-        problem = "manifest removed meanwhile" if raw is None else manifest_problem(manifest, store, key, None)
+            found = tier.manifest(store, key)
+        except RemoteCorruptError as exc:
+            found, problem = None, str(exc)
+        else:
+            problem = None if found else "manifest removed meanwhile"
+        manifest = found[0] if found else None
         created = files[MANIFEST].modified
         last_used = max(created, files[LAST_USED].modified if LAST_USED in files else created)
-        return RemoteEntry(store, key, None if problem else manifest, problem, created, last_used)
+        return RemoteEntry(store, key, manifest, problem, created, last_used)
 
     with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
         entries = list(pool.map(read, found))
@@ -79,7 +80,7 @@ def verify_remote(tier: RemoteTier, key: str | None = None) -> list[dict]:
     entries = [entry for entry in remote_entries(tier) if key is None or entry.key.startswith(key)]
     results = []
     for entry in entries:
-        problems = [] if entry.manifest else [f"{entry_prefix(entry.store, entry.key)}{MANIFEST}: {entry.problem}"]
+        problems = [] if entry.manifest else [entry.problem]
         files = entry.manifest["files"] if entry.manifest else []
         with ThreadPoolExecutor(max_workers=tier.file_threads) as pool:
             problems += [p for p in pool.map(lambda item: _file_problem(tier, item), files) if p]
@@ -96,11 +97,7 @@ def _file_problem(tier: RemoteTier, item: dict) -> str | None:
     for chunk in chunks:
         digest.update(chunk)
         size += len(chunk)
-    if size != item["size"]:
-        return f"{item['path']}: {size} bytes on the remote, the manifest says {item['size']}"
-    if digest.hexdigest() != item["sha256"]:
-        return f"{item['path']}: sha256 differs from the manifest (the remote copy is altered)"
-    return None
+    return copy_problem(item, size, digest.hexdigest())
 
 
 def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes: int | None,

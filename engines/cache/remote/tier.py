@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,14 +13,14 @@ from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.engines.cache.hashing import file_sha256
 from kiln.engines.cache.keys import canonical_json, engine_key
-from kiln.engines.cache.manifest import safe_relpath
+from kiln.engines.cache.manifest import MANIFEST_VERSION, safe_relpath  # the remote stores local manifests as they are
 from kiln.engines.cache.remote.layout import blob_name, last_used_name, manifest_name
 from kiln.engines.cache.remote.lease import LeaseOutcome, LeaseTiming, build_lease
 from kiln.engines.cache.remote.objects import ObjectStore, RemoteCorruptError, RemoteUnavailableError
 from kiln.engines.cache.remote.spec import RemoteSpec, open_objects
 
-MANIFEST_VERSION = 1  # the local manifest's version (engines.cache.manifest), which the remote stores as it is
 Transferred = Callable[[str, int, int], None]  # told ("pull" or "push", bytes moved so far, bytes in all)
 
 
@@ -116,12 +114,7 @@ class RemoteTier:
             if not self.objects.download(blob_name(item["sha256"]), target, counter.add):
                 return f"{item['path']}: missing on the remote (blob {item['sha256'][:12]})"
             size = target.stat().st_size
-            if size != item["size"]:
-                return f"{item['path']}: {size} bytes on the remote, the manifest says {item['size']}"
-            with open(target, "rb") as f:
-                if hashlib.file_digest(f, "sha256").hexdigest() != item["sha256"]:
-                    return f"{item['path']}: sha256 differs from the manifest (the remote copy is altered)"
-            return None
+            return copy_problem(item, size, file_sha256(target) if size == item["size"] else "")
 
         problems = [p for p in self._each(fetch, files) if p]
         if problems:
@@ -223,15 +216,11 @@ def manifest_problem(manifest: object, store: str, key: str, material: dict | No
     return None
 
 
-def local_file_digests(payload: Path, manifest: dict, sha256: Callable[[Path], str]) -> list[str]:
-    """Files of a local entry whose size or sha256 (``sha256``: memoised by the cache) no longer match its
-    manifest: such an entry is never pushed."""
-    problems = []
-    for item in manifest.get("files", []):
-        path = payload / item["path"]
-        try:
-            if os.path.getsize(path) != item["size"] or sha256(path) != item["sha256"]:
-                problems.append(f"{path}: differs from its manifest")
-        except FileNotFoundError:
-            problems.append(f"{path}: missing")
-    return problems
+def copy_problem(item: dict, size: int, sha256: str) -> str | None:
+    """What is wrong with the remote copy of a manifest's file record ``item``, of ``size`` bytes and this sha256
+    (None when it is the file the manifest lists)."""
+    if size != item["size"]:
+        return f"{item['path']}: {size} bytes on the remote, the manifest says {item['size']}"
+    if sha256 != item["sha256"]:
+        return f"{item['path']}: sha256 differs from the manifest (the remote copy is altered)"
+    return None
