@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from kiln.calibration.recipe import QuantizeRecipe
 from kiln.calibration.sources import RANDOM
-from kiln.engines.cache.remote.spec import RemoteSpec, url_problem
+from kiln.engines.cache.remote.spec import RemoteSpec, endpoint_problem, url_problem
 from kiln.engines.cache.store import VerifyOnLoad
 from kiln.engines.trtllm.options import GEMM_PLUGINS, KV_CACHE_TYPES, LOG_LEVELS, PLUGIN_DTYPES
 from kiln.pipeline.yaml_source import ConfigError, line_of, load_yaml_with_lines
@@ -119,11 +119,12 @@ class CacheSection(_Section):
             raise ValueError(problem)
         return url
 
-    @model_validator(mode="after")
-    def _remote_settings(self) -> CacheSection:
-        if self.remote_endpoint is not None:
-            RemoteSpec("s3://endpoint-check", self.remote_endpoint)  # raises naming the problem
-        return self
+    @field_validator("remote_endpoint")
+    @classmethod
+    def _remote_endpoint(cls, endpoint: str | None) -> str | None:
+        if problem := endpoint_problem(endpoint):
+            raise ValueError(problem)
+        return endpoint
 
     def root(self) -> Path:
         """The cache root in force: ``$KILN_CACHE`` when set, else ``dir``."""

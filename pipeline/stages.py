@@ -18,7 +18,6 @@ from kiln.calibration.recipe import recipe_material
 from kiln.engines.cache import ContentStore, EngineCache, EntryHold, LookupResult, engine_key
 from kiln.engines.cache.layout import entry_of_payload, payload_path
 from kiln.engines.cache.remote import RemoteUnavailableError
-from kiln.engines.cache.remote.layout import manifest_name
 from kiln.engines.cache.units import format_bytes
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import KilnConfig, LoadedConfig
@@ -163,7 +162,7 @@ def _on_remote(store: ContentStore, key: str) -> str:
     if store.remote is None:
         return ""
     try:
-        found = store.remote.objects.stat(manifest_name(store.name, key)) is not None
+        found = store.remote.has(store.name, key)
     except RemoteUnavailableError as exc:
         return f"; the remote cache could not be asked ({exc})"
     return f"; {store.remote.url} has it: it will be pulled" if found else f"; not on {store.remote.url} either"
@@ -188,7 +187,7 @@ def _engine_available(ctx: BuildContext) -> str | None:
     if remote is None:
         return None
     try:
-        found = remote.objects.stat(manifest_name("entries", ctx.engine_key)) is not None
+        found = remote.has("entries", ctx.engine_key)
     except RemoteUnavailableError:
         return None
     return f"on {remote.url}" if found else None

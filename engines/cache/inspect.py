@@ -10,7 +10,6 @@ from kiln.engines.cache.eviction import EntryInfo, entry_info, evict, list_entri
 from kiln.engines.cache.in_use import is_held
 from kiln.engines.cache.keys import engine_key
 from kiln.engines.cache.layout import dir_size
-from kiln.engines.cache.remote.layout import manifest_name
 from kiln.engines.cache.remote.objects import RemoteUnavailableError
 from kiln.engines.cache.remote.tier import RemoteTier
 from kiln.engines.cache.units import iso_utc
@@ -181,7 +180,7 @@ def remote_presence(remote: RemoteTier | None, store: str, key: str) -> dict | N
     if remote is None:
         return None
     try:
-        return {"url": remote.url, "has_entry": remote.objects.stat(manifest_name(store, key)) is not None}
+        return {"url": remote.url, "has_entry": remote.has(store, key)}
     except RemoteUnavailableError as exc:
         return {"url": remote.url, "has_entry": None, "error": str(exc)}
 

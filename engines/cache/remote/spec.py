@@ -23,16 +23,9 @@ class RemoteSpec:
     required: bool = False
 
     def __post_init__(self) -> None:
-        problem = url_problem(self.url)
+        problem = url_problem(self.url) or endpoint_problem(self.endpoint_url)
         if problem:
             raise ValueError(problem)
-        if self.endpoint_url is not None:
-            endpoint = urlsplit(self.endpoint_url)
-            if endpoint.scheme not in ("http", "https") or not endpoint.hostname:
-                raise ValueError(f"cache.remote_endpoint {self.endpoint_url!r}: give the service's http(s)://host:port")
-            if endpoint.username or endpoint.password:
-                raise ValueError("cache.remote_endpoint must not carry credentials: they come from the AWS chain "
-                                 "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, a role)")
 
 
 def url_problem(url: str) -> str | None:
@@ -52,6 +45,19 @@ def url_problem(url: str) -> str | None:
             return f"cache.remote {url!r}: a file URL names an absolute folder, file:///shared/kiln-cache"
         return None
     return f"cache.remote {url!r}: give s3://bucket/prefix or file:///shared/folder"
+
+
+def endpoint_problem(endpoint_url: str | None) -> str | None:
+    """Why ``endpoint_url`` is not an S3-compatible service's address (None when it is one, or not given)."""
+    if endpoint_url is None:
+        return None
+    endpoint = urlsplit(endpoint_url)
+    if endpoint.scheme not in ("http", "https") or not endpoint.hostname:
+        return f"cache.remote_endpoint {endpoint_url!r}: give the service's http(s)://host:port"
+    if endpoint.username or endpoint.password:
+        return ("cache.remote_endpoint must not carry credentials: they come from the AWS chain (AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, a role)")
+    return None
 
 
 def open_objects(spec: RemoteSpec) -> ObjectStore:

@@ -80,6 +80,10 @@ class RemoteTier:
 
     # -- reading -----------------------------------------------------------------------------------------------
 
+    def has(self, store: str, key: str) -> bool:
+        """Whether the remote has entry ``key`` of ``store`` (its manifest exists; a pull still checks it)."""
+        return self.objects.stat(manifest_name(store, key)) is not None
+
     def manifest(self, store: str, key: str, material: dict | None = None) -> tuple[dict, bytes] | None:
         """The entry's manifest (parsed, and as stored), None when the remote has no such entry; a manifest that
         is not this entry's whole, well-formed record raises RemoteCorruptError."""
