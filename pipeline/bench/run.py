@@ -4,6 +4,7 @@ the floor, and assemble the report (its shape is in docs/performance.md)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,10 +28,12 @@ from kiln.pipeline.bench.target import (
 )
 from kiln.pipeline.config import cache_root
 from kiln.pipeline.console import stderr
+from kiln.pipeline.stages import BuildContext
 from kiln.pipeline.targets import Target, resolve_target
+from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.options import RuntimeOptions
 
-__all__ = ["BenchPlan", "bench_config_for", "build_engine", "quantization_note", "report_progress", "run_bench"]
+__all__ = ["BenchPlan", "MeasuredEngine", "build_and_measure", "report_progress", "run_bench"]
 
 
 def report_progress(message: str) -> None:
@@ -42,26 +45,14 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
               kv_cache_dtype: str = "auto", tp_size: int | None = None) -> dict:
     """Build (or find) the engine, measure it with ``options`` (on the device it was built for unless they name one)
     and the peer, and return the report."""
-    from kiln.runtime.native.engine_format import EngineConfig
-
     resolved = resolve_target(target, cache_root())
-    config_path, peer_checkpoint, weights_note = bench_config_for(resolved, plan, fmt=fmt,
-                                                                  kv_cache_dtype=kv_cache_dtype,
-                                                                  allow_large=allow_large, seed=seed, tp_size=tp_size)
-    ctx, build = build_engine(config_path, options)
-    engine = EngineConfig.load(ctx.engine_dir)
-    options = ctx.load_options  # on the device the engine was built for, unless the options name one
-    device = options.device
-    workload = Workload.make(engine.architecture.vocab_size, prompts=plan.prompts, input_len=plan.input_len,
-                             output_len=plan.output_len, seed=seed)
-    kiln = measure_kiln(ctx.engine_dir, workload, options, batch_1_only=batch_1_only,
-                        on_loaded=lambda ms: ctx.cache.record_load(ctx.engine_key, ms), progress=report_progress)
-    free_memory(device)  # the closed engine's KV pool and weights, before the peer loads
-    kiln.update(backend="native", quantization=quantization_note(engine, ctx, weights_note), **build)
+    run = build_and_measure(resolved, plan, fmt=fmt, kv_cache_dtype=kv_cache_dtype, allow_large=allow_large,
+                            seed=seed, tp_size=tp_size, options=options, batch_1_only=batch_1_only)
+    ctx, engine, workload, kiln, device = run.ctx, run.engine, run.workload, run.kiln, run.ctx.load_options.device
 
     peer_report = None
     if peer == "transformers":
-        peer_report = _run_peer(peer_checkpoint or ctx.model_dir, workload, device, peer_attn, batch_1_only,
+        peer_report = _run_peer(run.peer_checkpoint or ctx.model_dir, workload, device, peer_attn, batch_1_only,
                                 quantized=engine.quantization.format != "none")
 
     report_progress("floor: sizing the decode step and the memory bandwidth")
@@ -85,13 +76,47 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
         "cpu_count": os.cpu_count(),
         "target": str(resolved.path),
         "target_kind": resolved.kind,
-        "config": str(config_path),
+        "config": str(run.config_path),
         "prompts": plan.prompts,
         "input_len": plan.input_len,
         "output_len": plan.output_len,
         "batch_1_only": batch_1_only,
         "seed": seed,
     }
+
+
+@dataclass(frozen=True)
+class MeasuredEngine:
+    """One engine built for a plan and measured: the build context, its engine.json, the workload it ran, Kiln's
+    figures (the quantization note and build record included), the config it was built from, and the peer's
+    checkpoint when it is not the config's model."""
+
+    ctx: BuildContext
+    engine: EngineConfig
+    workload: Workload
+    kiln: dict
+    config_path: Path
+    peer_checkpoint: Path | None
+
+
+def build_and_measure(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
+                      seed: int, tp_size: int | None, options: RuntimeOptions, batch_1_only: bool = False,
+                      offline_only: bool = False) -> MeasuredEngine:
+    """Build (or find) the engine of ``resolved`` for ``plan`` and measure it with ``options`` (on the device it was
+    built for unless they name one), its memory freed afterwards for whatever runs next."""
+    config_path, peer_checkpoint, weights_note = bench_config_for(resolved, plan, fmt=fmt,
+                                                                  kv_cache_dtype=kv_cache_dtype,
+                                                                  allow_large=allow_large, seed=seed, tp_size=tp_size)
+    ctx, build = build_engine(config_path, options)
+    engine = EngineConfig.load(ctx.engine_dir)
+    workload = Workload.make(engine.architecture.vocab_size, prompts=plan.prompts, input_len=plan.input_len,
+                             output_len=plan.output_len, seed=seed)
+    kiln = measure_kiln(ctx.engine_dir, workload, ctx.load_options, batch_1_only=batch_1_only,
+                        offline_only=offline_only, on_loaded=lambda ms: ctx.cache.record_load(ctx.engine_key, ms),
+                        progress=report_progress)
+    free_memory(ctx.load_options.device)  # the closed engine's KV pool and weights
+    kiln.update(backend="native", quantization=quantization_note(engine, ctx, weights_note), **build)
+    return MeasuredEngine(ctx, engine, workload, kiln, config_path, peer_checkpoint)
 
 
 def bench_config_for(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,

@@ -9,13 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.pipeline.bench.common import free_memory
-from kiln.pipeline.bench.measure import Workload, measure_kiln
-from kiln.pipeline.bench.run import bench_config_for, build_engine, quantization_note, report_progress
+from kiln.pipeline.bench.run import build_and_measure, report_progress
 from kiln.pipeline.bench.target import BenchPlan, BenchTargetError
 from kiln.pipeline.config import cache_root
 from kiln.pipeline.targets import resolve_target
-from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.options import RuntimeOptions
 
 
@@ -80,24 +77,16 @@ def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str
     results = []
     for row in rows:
         report_progress(f"suite {suite.name}: row {row.name}, {row.prompts} requests")
-        plan = BenchPlan(row.prompts, row.input_len, row.output_len)
-        config_path, _, weights_note = bench_config_for(resolved, plan, fmt=fmt, kv_cache_dtype=kv_cache_dtype,
-                                                        allow_large=allow_large, seed=seed, tp_size=tp_size)
-        ctx, build = build_engine(config_path, options)
-        engine = EngineConfig.load(ctx.engine_dir)
-        workload = Workload.make(engine.architecture.vocab_size, prompts=row.prompts, input_len=row.input_len,
-                                 output_len=row.output_len, seed=seed)
-        kiln = measure_kiln(ctx.engine_dir, workload, ctx.load_options, batch_1_only=False, offline_only=True,
-                            on_loaded=lambda ms, ctx=ctx: ctx.cache.record_load(ctx.engine_key, ms),
-                            progress=report_progress)
-        free_memory(ctx.load_options.device)
+        kiln = build_and_measure(resolved, BenchPlan(row.prompts, row.input_len, row.output_len), fmt=fmt,
+                                 kv_cache_dtype=kv_cache_dtype, allow_large=allow_large, seed=seed, tp_size=tp_size,
+                                 options=options, offline_only=True).kiln
         tokens_per_s = kiln["output_tokens_per_s"]
         results.append({
             "row": row.name, "input_len": row.input_len, "output_len": row.output_len, "prompts": row.prompts,
             "kiln_tokens_per_s": tokens_per_s, "published_tokens_per_s": row.published_tokens_per_s,
             "published_by": row.published_by, "ratio": round(tokens_per_s / row.published_tokens_per_s, 4),
-            "kv_pool": kiln["kv_pool"], "offline_engine": kiln["offline_engine"], "offline_s": kiln["offline_s"],
-            "load_ms": kiln["load_ms"], "quantization": quantization_note(engine, ctx, weights_note), **build,
+            **{name: kiln[name] for name in ("kv_pool", "offline_engine", "offline_s", "load_ms", "quantization",
+                                             "engine_dir", "engine_key", "cache_hit", "build_s")},
         })
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return {"suite": suite.name, "source": suite.source, "counts": suite.why_counts, "target": str(resolved.path),
