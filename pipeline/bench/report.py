@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from kiln.engines.cache.units import format_bytes
 from kiln.pipeline.console import stdout
 
 FIGURES = (  # (key, label, higher is better)
@@ -53,10 +54,10 @@ def print_report(report: dict) -> None:
                  f"({floor['bytes_per_step'] / 1e6:,.1f} MB per step at {floor['bandwidth_gbs']:,.1f} GB/s, "
                  f"{floor['bandwidth_source']})", highlight=False)
     if (pool := kiln.get("kv_pool")) is not None:
-        memory = f", {pool['bytes'] / 2**30:,.1f} GiB" if "bytes" in pool else ""
+        memory = f", {format_bytes(pool['bytes'])}" if "bytes" in pool else ""
         if "device_total_bytes" in pool:
-            memory += (f" of the device's {pool['device_total_bytes'] / 2**30:,.1f} GiB "
-                       f"({pool['device_free_bytes'] / 2**30:,.1f} GiB left free)")
+            memory += (f" of the device's {format_bytes(pool['device_total_bytes'])} "
+                       f"({format_bytes(pool['device_free_bytes'])} left free)")
         stdout.print(f"KV pool: {pool['tokens']:,} tokens{memory}; {pool['full_length_sequences']:,} sequences of "
                      f"max_seq_len at once for max_batch_size {pool['max_batch_size']:,}", highlight=False)
     if peer and "error" in peer:
