@@ -16,10 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from kiln.runtime.errors import EngineFormatError
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.engine_format import EngineConfig, weights_file
 from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
@@ -31,6 +29,7 @@ from kiln.runtime.native.layers.norm import RMSNorm
 from kiln.runtime.native.layers.rotary import RotaryEmbedding
 from kiln.runtime.native.parallel.group import TensorParallelGroup
 from kiln.runtime.native.parallel.sharding import rank_config
+from kiln.runtime.native.weight_loading import load_weights_into
 
 
 class LinearFactory:
@@ -181,25 +180,7 @@ class DecoderModel(nn.Module):
 
     def load_weights(self, path: Path) -> None:
         """Copy every tensor of the engine's weight file into the model, casting dense weights to its dtype."""
-        if not path.is_file():
-            raise EngineFormatError(f"{path}: missing; the engine is incomplete, rebuild it")
-        params = self.state_dict()
-        device = self.embed_tokens.weight.device
-        try:
-            with safe_open(str(path), framework="pt", device=str(device)) as f:
-                names = set(f.keys())
-                if names != params.keys():
-                    missing, unexpected = sorted(params.keys() - names), sorted(names - params.keys())
-                    raise EngineFormatError(f"{path}: weights do not match engine.json (missing {missing[:3]}, "
-                                            f"unexpected {unexpected[:3]}); rebuild the engine")
-                for name in names:
-                    tensor = f.get_tensor(name)
-                    if tensor.shape != params[name].shape:
-                        raise EngineFormatError(f"{path}: {name} has shape {list(tensor.shape)}, expected "
-                                                f"{list(params[name].shape)}; rebuild the engine")
-                    params[name].copy_(tensor)
-        except SafetensorError as e:
-            raise EngineFormatError(f"{path}: unreadable ({e}); rebuild the engine") from None
+        load_weights_into(path, self.state_dict())
         self.cache_derived_tensors()
 
     def cache_derived_tensors(self) -> None:

@@ -1,0 +1,108 @@
+"""How long a cached engine takes to be ready: the weight loaders against each other, `LLM.load` by phase, and
+process start to first token, with a warm page cache and a cold one (the engine's files dropped from the page cache
+with posix_fadvise, which needs no privileges).
+
+    python tools/load_time.py ENGINE_DIR [--repeats 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kiln.runtime.native.engine_format import EngineConfig, weights_file
+from kiln.runtime.native.model.decoder import DecoderModel
+from kiln.runtime.native.weight_loading import load_weights_into
+
+FIRST_TOKEN = """
+import sys, time
+start = float(sys.argv[2])
+from kiln.runtime import LLM, SamplingParams
+llm = LLM.load(sys.argv[1])
+llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, detokenize=False))
+print(time.time() - start, llm.load_ms / 1000, flush=True)
+llm.close()
+"""
+
+
+def drop_page_cache(engine_dir: Path) -> None:
+    """Ask the kernel to drop the engine's files from the page cache."""
+    for path in engine_dir.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def load_with_safe_open(path: Path, params: dict[str, torch.Tensor]) -> None:
+    """The loader Kiln had before: safetensors' memory map, one tensor at a time, copied to the device."""
+    with safe_open(str(path), framework="pt", device="cuda") as f:
+        for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+            params[name].copy_(f.get_tensor(name))
+
+
+def time_loaders(engine_dir: Path, repeats: int) -> dict:
+    config = EngineConfig.load(engine_dir)
+    with torch.device("cuda"):
+        model = DecoderModel(config, config.torch_dtype)
+    params = model.state_dict()
+    path = engine_dir / weights_file(0)
+    out = {"weights_bytes": path.stat().st_size}
+    for name, loader in (("safetensors_mmap", load_with_safe_open), ("kiln_preadv_pinned", load_weights_into)):
+        for cache in ("cold", "warm"):
+            times = []
+            for _ in range(repeats):
+                if cache == "cold":
+                    drop_page_cache(engine_dir)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                loader(path, params)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            out[f"{name}_{cache}_s"] = round(statistics.median(times), 3)
+    reference = {name: p.clone() for name, p in params.items()}
+    for p in params.values():
+        p.zero_()
+    load_weights_into(path, params)
+    out["loaders_agree"] = all(torch.equal(params[n].view(torch.uint8).flatten(),
+                                           reference[n].view(torch.uint8).flatten()) for n in params)
+    return out
+
+
+def first_token(engine_dir: Path, cold: bool) -> dict:
+    if cold:
+        drop_page_cache(engine_dir)
+    run = subprocess.run([sys.executable, "-c", FIRST_TOKEN, str(engine_dir), repr(time.time())],
+                         capture_output=True, text=True, check=True)
+    to_first, load_s = map(float, run.stdout.split())
+    return {"start_to_first_token_s": round(to_first, 3), "llm_load_s": round(load_s, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("engine_dir", type=Path)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    report = {"loaders": time_loaders(args.engine_dir, args.repeats)}
+    torch.cuda.empty_cache()
+    report["process_warm"] = [first_token(args.engine_dir, cold=False) for _ in range(args.repeats)]
+    report["process_cold"] = first_token(args.engine_dir, cold=True)
+    from kiln.runtime import LLM
+
+    with LLM.load(args.engine_dir) as llm:
+        report["llm_load_s"] = round(llm.load_ms / 1000, 3)
+        report["load_phases_s"] = llm.stats()["load_phases_s"]
+    print(json.dumps(report, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()
