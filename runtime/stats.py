@@ -6,6 +6,8 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from kiln.runtime.sequence import Sequence
@@ -29,6 +31,21 @@ class StepStats:
     execute_s: float = 0.0  # of duration_s, running the model (on a GPU mostly waiting for it); the rest is host work
     queued_ahead: bool = False  # queued on the device behind the previous step, before its tokens were read
     timestamp: float = field(default_factory=time.time)
+
+
+class PhaseTimes:
+    """Seconds spent in each named phase, in the order they ran (a load's weights, KV pool, graph captures)."""
+
+    def __init__(self, wait: Callable[[], None] = lambda: None) -> None:
+        self.seconds: dict[str, float] = {}
+        self._wait = wait  # called at the end of each phase: a device's queued work belongs to the phase
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self._wait()
+        self.seconds[name] = round(time.perf_counter() - start, 4)
 
 
 STEP_KINDS = ("prefill", "mixed", "decode")

@@ -76,6 +76,7 @@ def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, 
             "decode_tokens_per_s_batch1": statistics.median(decode) if decode else None,
             "ttft_ms": round(1000 * statistics.median(ttft), 3) if ttft else None,
             "load_ms": round(llm.load_ms, 2),
+            "load_phases_s": llm.stats().get("load_phases_s"),
             "device": str(llm.engine.device) if hasattr(llm.engine, "device") else options.device,
             "kv_pool": kv_pool_report(llm),
         }

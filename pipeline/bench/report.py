@@ -60,6 +60,9 @@ def print_report(report: dict) -> None:
                        f"({format_bytes(pool['device_free_bytes'])} left free)")
         stdout.print(f"KV pool: {pool['tokens']:,} tokens{memory}; {pool['full_length_sequences']:,} sequences of "
                      f"max_seq_len at once for max_batch_size {pool['max_batch_size']:,}", highlight=False)
+    if phases := kiln.get("load_phases_s"):
+        parts = [f"{name.replace('_', ' ')} {seconds:.2f} s" for name, seconds in phases.items()]
+        stdout.print(f"load: {kiln['load_ms'] / 1000:.2f} s, of which {', '.join(parts)}", highlight=False)
     if peer and "error" in peer:
         stdout.print(f"[yellow]peer transformers did not run[/]: {peer['error']}", highlight=False)
     elif peer and peer.get("note"):

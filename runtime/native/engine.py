@@ -206,6 +206,7 @@ class NativeEngine:
         queried = bm.prefix_cache_queried_tokens
         return {
             **self.stats.snapshot(),
+            "load_phases_s": self.model_runner.load_times.seconds,
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "kv_cache": {"num_blocks": bm.num_blocks, "block_size": bm.block_size, "used_blocks": bm.num_used_blocks,

@@ -38,6 +38,7 @@ from kiln.runtime.native.scheduler import SchedulerOutput
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sequence import Sequence
+from kiln.runtime.stats import PhaseTimes
 
 # On CUDA the KV pool takes the memory left after the weights, an activation reserve and this share of the GPU kept
 # free, up to GPU_KV_MAX_PLAN_MULTIPLE times what max_batch_size full-length sequences need (the excess serves the
@@ -107,23 +108,32 @@ class ModelRunner:
         self.device = device
         self.tp, self.channel = tp, channel
         self.block_size = config.plan.tokens_per_block
-        self.model = DecoderModel.from_engine(Path(engine_dir), config, device, config.torch_dtype,
-                                            KernelChoice.from_options(options), tp)
+        self.load_times = PhaseTimes(functools.partial(torch.cuda.synchronize, device) if device.type == "cuda"
+                                     else lambda: None)
+        with self.load_times.phase("weights"):
+            self.model = DecoderModel.from_engine(Path(engine_dir), config, device, config.torch_dtype,
+                                                KernelChoice.from_options(options), tp)
         config = self.config = rank_config(config)  # the KV pool and the graphs have this rank's shapes
+        with self.load_times.phase("kv_pool"):
+            self._allocate_kv_pool(config, options)
+        self.sampler = Sampler(config.architecture.eos_token_ids, grammars)
+        graphs = options.captures_cuda_graphs
+        with self.load_times.phase("decode_graphs"):
+            self.decode_graphs = maybe_capture_decode_graphs(self.model, self.kv_caches, config, device, graphs)
+        with self.load_times.phase("prefill_graphs"):
+            self.prefill_graphs = maybe_capture_prefill_graphs(self.model, self.kv_caches, config, device, graphs)
+
+    def _allocate_kv_pool(self, config: EngineConfig, options: RuntimeOptions) -> None:
         self.num_kv_blocks = options.num_kv_blocks or self._default_num_kv_blocks()
-        if tp is not None:
-            self.num_kv_blocks = tp.min_over_ranks(self.num_kv_blocks)
+        if self.tp is not None:
+            self.num_kv_blocks = self.tp.min_over_ranks(self.num_kv_blocks)
         min_blocks = -(-config.plan.max_seq_len // self.block_size)
         if self.num_kv_blocks < min_blocks:
             raise InsufficientKVMemoryError(
                 f"KV pool of {self.num_kv_blocks} blocks cannot hold one sequence of max_seq_len "
                 f"{config.plan.max_seq_len} ({min_blocks} blocks of {self.block_size} tokens): free memory, pass a "
                 f"larger num_kv_blocks, or rebuild with a smaller max_seq_len")
-        self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, device)
-        self.sampler = Sampler(config.architecture.eos_token_ids, grammars)
-        graphs = options.captures_cuda_graphs
-        self.decode_graphs = maybe_capture_decode_graphs(self.model, self.kv_caches, config, device, graphs)
-        self.prefill_graphs = maybe_capture_prefill_graphs(self.model, self.kv_caches, config, device, graphs)
+        self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, self.device)
 
     def _default_num_kv_blocks(self) -> int:
         plan, arch = self.config.plan, self.config.architecture
