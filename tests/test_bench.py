@@ -213,8 +213,8 @@ def test_unknown_peer_is_a_usage_error():
 def test_a_suite_runs_each_row_offline_and_sets_it_against_its_published_figure(monkeypatch):
     from kiln.pipeline.bench import suite
 
-    tiny = suite.Suite("tiny", "made up for the test", "a few", (suite.SuiteRow(16, 6, 4, 100.0, "v9"),
-                                                                 suite.SuiteRow(8, 4, 3, 50.0, "v8")))
+    tiny = suite.Suite("tiny", "made up for the test", "a few", (suite.SuiteRow(16, 6, 4, 2, 100.0, "v9"),
+                                                                 suite.SuiteRow(8, 4, 3, 2, 50.0, "v8")))
     monkeypatch.setitem(suite.SUITES, "tiny", tiny)
     report = bench_json("tiny-llama-bf16.yaml", "--suite", "tiny")
     assert [row["row"] for row in report["rows"]] == ["16/6", "8/4"] and report["suite"] == "tiny"
@@ -228,3 +228,14 @@ def test_a_suite_runs_each_row_offline_and_sets_it_against_its_published_figure(
     assert code != 0 and "suite tiny has rows 16/6, 8/4" in err
     code, _, err = run_bench("tiny-llama-bf16.yaml", "--suite", "nope")
     assert code != 0 and "trtllm-h200" in err
+
+
+def test_max_batch_size_sets_a_generated_plan_and_is_refused_for_a_config(tmp_path):
+    from kiln.pipeline.bench.target import MAX_BENCH_BATCH, BenchPlan, bench_config
+
+    cfg = json.loads(write_architecture(tmp_path / "arch.json").read_text())
+    plans = {batch: bench_config(tmp_path, BenchPlan(5000, 16, 6, batch), cfg, fmt="none", kv_cache_dtype="auto",
+                                 seed=0).build for batch in (None, 2048, 9000)}
+    assert [plans[b].max_batch_size for b in (None, 2048, 9000)] == [MAX_BENCH_BATCH, 2048, 5000]  # <= the requests
+    code, _, err = run_bench("tiny-llama-bf16.yaml", "--max-batch-size", "4")
+    assert code == 2 and "--max-batch-size apply to architecture files" in err

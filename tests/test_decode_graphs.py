@@ -142,10 +142,13 @@ def test_programmatic_dependent_launch_changes_no_logit_of_a_captured_decode(eng
         runs[pdl] = torch.stack(steps)
     assert torch.equal(runs[True], runs[False])
 
-def test_buckets_are_powers_of_two_up_to_the_plan_batch_and_a_step_takes_the_smallest_that_fits(engine_dir):
+def test_buckets_double_to_512_then_grow_by_512_and_a_step_takes_the_smallest_that_fits(engine_dir):
     assert decode_batch_sizes(8) == (1, 2, 4, 8)
     assert decode_batch_sizes(6) == (1, 2, 4, 6)
     assert decode_batch_sizes(1) == (1,)
+    assert decode_batch_sizes(512)[-3:] == (128, 256, 512) and len(decode_batch_sizes(512)) == 10
+    assert decode_batch_sizes(2100)[9:] == (512, 1024, 1536, 2048, 2100)  # past 512, steps of 512
+    assert decode_batch_sizes(1024)[9:] == (512, 1024)
     graphs = DecodeGraphRunner(load_runner(engine_dir, torch.device("cpu"), 1).model, [], EngineConfig.load(engine_dir),
                                torch.device("cpu"), capture=False)
     assert graphs.batch_sizes == (1, 2, 4, 8)

@@ -126,9 +126,10 @@ def bench_config_for(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cac
         raise BenchTargetError(f"{target.path}: kiln bench measures a config or an architecture file against a peer "
                                f"that needs the checkpoint; give the config the engine was built from")
     if target.kind == "config":
-        if fmt is not None or tp_size is not None:
-            raise BenchTargetError(f"--format and --tp-size apply to architecture files; {target.path.name} sets "
-                                   f"its own quantize.format and build.tp_size")
+        if fmt is not None or tp_size is not None or plan.max_batch_size is not None:
+            raise BenchTargetError(f"--format, --tp-size and --max-batch-size apply to architecture files; "
+                                   f"{target.path.name} sets its own quantize.format, build.tp_size and "
+                                   f"build.max_batch_size")
         check_config_holds(target.path, plan)
         return target.path, None, None
     arch = read_architecture_file(target.path)

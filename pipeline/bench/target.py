@@ -33,7 +33,7 @@ CPU_MAX_PARAMS = 2 * 10**9  # above this a CPU-only machine is refused without -
 SHARD_BYTES = 2 * 10**9
 CHECKPOINT_VERSION = 2  # bump when the random checkpoint's bytes change for the same inputs
 CALIB_SAMPLES, CALIB_LEN, HELDOUT_SAMPLES = 16, 128, 4  # the random token rows that calibrate a quantized checkpoint
-MAX_BENCH_BATCH = 512  # the generated plan's max_batch_size: all --prompts in flight, up to this
+MAX_BENCH_BATCH = 512  # the generated plan's default max_batch_size: all --prompts in flight, up to this
 MAX_NUM_TOKENS = 8192  # the generated plan's token budget per step (at least --input-len)
 BLOCK = 32  # tokens per KV block: the decode attention kernel is ~1.5x slower over 16-token blocks on an H200
 
@@ -46,11 +46,13 @@ class BenchTargetError(KilnError):
 
 @dataclass(frozen=True)
 class BenchPlan:
-    """The run's sizes, which a generated config's build plan must hold."""
+    """The run's sizes, which a generated config's build plan must hold, and the most sequences it runs at once
+    (None: ``MAX_BENCH_BATCH``; only an architecture file's generated plan takes it)."""
 
     prompts: int
     input_len: int
     output_len: int
+    max_batch_size: int | None = None
 
 
 def read_architecture_file(path: Path) -> dict:
@@ -135,7 +137,7 @@ def bench_config(checkpoint_dir: Path, plan: BenchPlan, cfg: dict, *, fmt: str, 
                                   num_samples=CALIB_SAMPLES, round_samples=CALIB_SAMPLES,
                                   heldout_samples=HELDOUT_SAMPLES, seq_len=CALIB_LEN, seed=seed, on_failure="warn",
                                   gate=None)
-    build = BuildSection(backend="native", max_batch_size=min(plan.prompts, MAX_BENCH_BATCH),
+    build = BuildSection(backend="native", max_batch_size=min(plan.prompts, plan.max_batch_size or MAX_BENCH_BATCH),
                          max_input_len=plan.input_len, max_seq_len=max_seq_len,
                          max_num_tokens=max(plan.input_len, min(MAX_NUM_TOKENS, plan.prompts * plan.input_len)),
                          tokens_per_block=BLOCK, tp_size=tp_size)

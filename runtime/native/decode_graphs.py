@@ -26,9 +26,16 @@ from kiln.runtime.native.model.decoder import DecoderModel
 logger = logging.getLogger("kiln.runtime")
 
 
+# Above this many sequences the buckets grow by it rather than doubling, so that a batch of 2,100 runs in a graph of
+# 2,560 rather than 4,096: at these sizes the GEMMs are bound by compute, and every padding row costs its share.
+LINEAR_BUCKETS_FROM = 512
+
+
 def decode_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
-    """The buckets 1, 2, 4, ... below ``max_batch_size``, then ``max_batch_size`` itself."""
-    return doubling_sizes(1, max_batch_size)
+    """The buckets 1, 2, 4, ... up to 512, then 1024, 1536, ... below ``max_batch_size``, then ``max_batch_size``."""
+    doubling = doubling_sizes(1, min(max_batch_size, LINEAR_BUCKETS_FROM))
+    steps = range(2 * LINEAR_BUCKETS_FROM, max_batch_size, LINEAR_BUCKETS_FROM)
+    return (*doubling, *steps, max_batch_size) if max_batch_size > LINEAR_BUCKETS_FROM else doubling
 
 
 class DecodeGraphRunner:

@@ -1,0 +1,40 @@
+#!/bin/bash
+# Issue #34 on one H200: rows of TensorRT-LLM's table (`kiln bench --suite trtllm-h200`) and how fast the cached 8B
+# FP8 engine is ready (tools/load_time.py). The cache lives in /dev/shm (the 8B checkpoints and engines outgrow the
+# disk). Results go to $OUT (default ./gpu-out), one JSON per step and a line each on stdout.
+#   bash tools/gpu_table.sh [batch=N] rows=128/128[,1000/1000] [load] ...   (batch=N: --max-batch-size N from then on)
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+KILN_PATH=${TMPDIR:-/tmp}/kiln-path
+mkdir -p "$KILN_PATH" && ln -sfn "$PWD" "$KILN_PATH/kiln"
+export PYTHONPATH=${PYTHONPATH:-}:$KILN_PATH:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export KILN_CACHE=${KILN_CACHE:-/dev/shm/kiln-table}
+BENCH="python3 -m kiln bench configs/models/llama3-8b.json --format fp8 --kv-cache-dtype fp8"
+BATCH=""
+LAST=""
+for step in "$@"; do
+  case $step in
+    batch=*) BATCH=${step#batch=} ;;
+    rows=*)
+      rows=${step#rows=}
+      LAST="$OUT/suite_${rows//\//-}${BATCH:+_b$BATCH}.json"
+      $BENCH --suite trtllm-h200 --rows "$rows" ${BATCH:+--max-batch-size $BATCH} --json > "$LAST" 2> "${LAST%.json}.err"
+      python3 - "$LAST" <<'PY' || tail -5 "${LAST%.json}.err"
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    e, p = r["offline_engine"], r["kv_pool"]
+    print(f"{r['row']} x{r['prompts']} batch {r['max_batch_size']}: {r['kiln_tokens_per_s']:,.0f} tok/s "
+          f"{r['ratio']:.3f}x, {r['offline_s']:.1f} s, preempt {e['preemptions']}, last batch "
+          f"{e['last_steps_batch_size_p50']}, pool {p['tokens']:,} tok {p['bytes']/2**30:.1f} GiB, free "
+          f"{p['device_free_bytes']/2**30:.1f} GiB, by kind {e['by_kind']}, load {r['load_ms']/1000:.2f} s "
+          f"{r['load_phases_s']}")
+PY
+      ;;
+    load)
+      engine=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['rows'][0]['engine_dir'])" "$LAST")
+      python3 tools/load_time.py "$engine" --json > "$OUT/load.json" 2> "$OUT/load.err" || tail -5 "$OUT/load.err"
+      cat "$OUT/load.json" ;;
+    *) echo "unknown step $step: batch=N, rows=IN/OUT[,...] or load" >&2; exit 2 ;;
+  esac
+done
