@@ -72,8 +72,8 @@ def time_loaders(engine_dir: Path, repeats: int) -> dict:
     for p in params.values():
         p.zero_()
     load_weights_into(path, params)
-    out["loaders_agree"] = all(torch.equal(params[n].view(torch.uint8).flatten(),
-                                           reference[n].view(torch.uint8).flatten()) for n in params)
+    out["loaders_agree"] = all(torch.equal(params[n].reshape(-1).view(torch.uint8),
+                                           reference[n].reshape(-1).view(torch.uint8)) for n in params)
     return out
 
 
