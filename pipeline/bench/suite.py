@@ -43,9 +43,11 @@ class Suite:
     rows: tuple[SuiteRow, ...]
 
 
-# The counts: several times the bench plan's batch cap (MAX_BENCH_BATCH), so the batch is full for most of the
-# run and the ramp-up and the last stragglers are a small share of it; enough for steady state, without the
-# 30,000 requests TensorRT-LLM sends at 128/128 (minutes of device time per row).
+# The counts: at least twice the row's batch cap, so the batch is full for most of the run and the ramp-up and the
+# last stragglers are a small share of it; enough for steady state, without the 30,000 requests TensorRT-LLM sends
+# at 128/128 (minutes of device time per row). The caps: the best measured on an H200 (2026-12-03): 2,048 at 128/128
+# (0.94x against 0.90x at 512 and 0.92x at 4,096); at the long rows the GEMMs are bound by compute from 512 tokens
+# and a larger batch only preempts more (docs/performance.md).
 TRTLLM_H200 = Suite(
     name="trtllm-h200",
     source="TensorRT-LLM perf-overview, best published H200 figure per row (Llama-3.1-8B FP8, trtllm-bench)",
