@@ -7,13 +7,14 @@ CLI takes the object.
 - ``KILN_OVERLAP_STEPS``: ``1`` (default) or ``0``
 - ``KILN_PDL``: ``1`` (default) or ``0``
 - ``KILN_LINEAR_MAX_M``: a positive integer (default: the crossover each engine's build measured)
+- ``KILN_SCHEDULER_POLICY``: ``max_utilization`` or ``guaranteed_no_evict`` (default: the backend's own)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kiln.runtime.options import KERNELS, RuntimeOptions, RuntimeOptionsError
+from kiln.runtime.options import KERNELS, SCHEDULER_POLICIES, RuntimeOptions, RuntimeOptionsError
 
 SWITCHES = {"cuda_graphs": "KILN_CUDA_GRAPHS", "overlap_steps": "KILN_OVERLAP_STEPS", "pdl": "KILN_PDL"}
 
@@ -25,6 +26,8 @@ def runtime_options(environ: Mapping[str, str], *, device: str | None = None, nu
     values: dict = {"device": device, "num_kv_blocks": num_kv_blocks, "engine_process": engine_process}
     if "KILN_KERNELS" in environ:
         values["kernels"] = _choice(environ, "KILN_KERNELS", KERNELS)
+    if "KILN_SCHEDULER_POLICY" in environ:
+        values["scheduler_policy"] = _choice(environ, "KILN_SCHEDULER_POLICY", SCHEDULER_POLICIES)
     for field, name in SWITCHES.items():
         if name in environ:
             values[field] = _choice(environ, name, ("0", "1")) == "1"

@@ -11,6 +11,8 @@ from kiln.runtime.errors import KilnError
 
 Kernels = Literal["triton", "torch"]
 KERNELS: tuple[Kernels, ...] = ("triton", "torch")
+SchedulerPolicy = Literal["max_utilization", "guaranteed_no_evict"]
+SCHEDULER_POLICIES: tuple[SchedulerPolicy, ...] = ("max_utilization", "guaranteed_no_evict")
 
 
 class RuntimeOptionsError(KilnError):
@@ -36,6 +38,11 @@ class RuntimeOptions:
     - ``linear_max_m``: the most tokens a quantized linear sends to its weight-streaming kernel, for every shape;
       None follows the crossover the engine's build measured per shape.
     - ``num_kv_blocks``: the KV pool's size in blocks; None sizes it from free memory.
+    - ``scheduler_policy``: how requests are admitted into the running batch, TensorRT-LLM's two capacity policies.
+      ``"max_utilization"`` admits a request when its prompt fits the free KV blocks and preempts (by recompute)
+      when the running ones outgrow the pool, as vLLM does; ``"guaranteed_no_evict"`` admits it only when the pool
+      also holds every running request grown to its ``max_tokens``, so none is ever preempted. None: the backend's
+      own default (native: max_utilization; TensorRT-LLM: guaranteed_no_evict).
     - ``engine_process``: run the engine in a child process of its own, so that its host work (scheduling, sampling,
       detokenization, kernel launches) and this process's own Python (an HTTP server's event loop, a service that
       embeds Kiln) do not take turns on one GIL; ``LLM`` behaves the same either way. False runs it on a thread of
@@ -51,12 +58,16 @@ class RuntimeOptions:
     pdl: bool = True
     linear_max_m: int | None = None
     num_kv_blocks: int | None = None
+    scheduler_policy: SchedulerPolicy | None = None
     engine_process: bool = False
     tp_rendezvous: str | None = None
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
             raise RuntimeOptionsError(f"kernels {self.kernels!r} must be one of {', '.join(KERNELS)}")
+        if self.scheduler_policy not in (None, *SCHEDULER_POLICIES):
+            raise RuntimeOptionsError(f"scheduler_policy {self.scheduler_policy!r} must be one of "
+                                      f"{', '.join(SCHEDULER_POLICIES)}, or None for the backend's default")
         if self.cuda_graphs and self.kernels != "triton":
             raise RuntimeOptionsError("cuda_graphs needs the Triton kernels (the reference attention reads lengths "
                                       "on the host and cannot be captured): use kernels 'triton', or turn CUDA "

@@ -92,12 +92,13 @@ def test_concurrent_thread_requests_give_exactly_their_solo_results(engine_dir, 
     assert results == expected
 
 
-def test_small_kv_pool_preempts_and_every_request_still_matches_its_solo_run(engine_dir, solo):
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
+def test_small_kv_pool_preempts_and_every_request_still_matches_its_solo_run(engine_dir, solo, policy):
     prompts = random_prompts(4, seed=4, min_len=20, max_len=30)
-    with LLM.load(engine_dir, RuntimeOptions(num_kv_blocks=20)) as llm:
+    with LLM.load(engine_dir, RuntimeOptions(num_kv_blocks=20, scheduler_policy=policy)) as llm:
         outputs = llm.generate(prompts, PARAMS)
         stats = llm.stats()
-    assert stats["num_preemptions"] > 0
+    assert (stats["num_preemptions"] > 0) == (policy == "max_utilization")  # reserving full lengths evicts none
     assert [o.token_ids for o in outputs] == [solo(p) for p in prompts]
     assert sum(o.metrics.num_preemptions for o in outputs) == stats["num_preemptions"]
 

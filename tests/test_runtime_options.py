@@ -23,6 +23,7 @@ def test_defaults_are_what_the_performance_figures_were_measured_with():
     ({"num_kv_blocks": -3}, "num_kv_blocks -3 must be a positive integer"),
     ({"device": "gpu"}, "device 'gpu' must be 'cpu', 'cuda' or 'cuda:N'"),
     ({"device": "cuda:x"}, "device 'cuda:x' must be"),
+    ({"scheduler_policy": "fcfs"}, "scheduler_policy 'fcfs' must be one of max_utilization, guaranteed_no_evict"),
 ])
 def test_options_that_cannot_run_are_refused_naming_the_field(values, problem):
     with pytest.raises(RuntimeOptionsError, match=problem):
@@ -31,10 +32,11 @@ def test_options_that_cannot_run_are_refused_naming_the_field(values, problem):
 
 def test_the_cli_fills_options_from_kiln_variables_and_its_own_flags():
     environ = {"KILN_KERNELS": "torch", "KILN_CUDA_GRAPHS": "0", "KILN_OVERLAP_STEPS": "0", "KILN_PDL": "0",
-               "KILN_LINEAR_MAX_M": "8", "UNRELATED": "x"}
+               "KILN_LINEAR_MAX_M": "8", "KILN_SCHEDULER_POLICY": "guaranteed_no_evict", "UNRELATED": "x"}
     options = runtime_options(environ, device="cuda:1", num_kv_blocks=64)
     assert options == RuntimeOptions(device="cuda:1", kernels="torch", cuda_graphs=False, overlap_steps=False,
-                                     pdl=False, linear_max_m=8, num_kv_blocks=64)
+                                     pdl=False, linear_max_m=8, num_kv_blocks=64,
+                                     scheduler_policy="guaranteed_no_evict")
     assert runtime_options({}) == RuntimeOptions()
 
 
@@ -43,6 +45,7 @@ def test_the_cli_fills_options_from_kiln_variables_and_its_own_flags():
     ("KILN_KERNELS", "cuda", "must be one of triton, torch"),
     ("KILN_LINEAR_MAX_M", "0", "must be a positive integer"),
     ("KILN_PDL", "on", "must be one of 0, 1"),
+    ("KILN_SCHEDULER_POLICY", "fifo", "must be one of max_utilization, guaranteed_no_evict"),
 ])
 def test_a_bad_variable_is_refused_naming_it(name, value, problem):
     with pytest.raises(RuntimeOptionsError, match=f"{name}={value!r} {problem}"):

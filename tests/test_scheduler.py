@@ -17,10 +17,11 @@ BLOCK = 4
 
 
 def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
-                   max_seq_len: int = 64) -> Scheduler:
+                   max_seq_len: int = 64, policy: str = "max_utilization") -> Scheduler:
     plan = BuildPlan(max_batch_size=max_num_seqs, max_input_len=max_seq_len, max_seq_len=max_seq_len,
                      max_num_tokens=max_num_batched_tokens, tokens_per_block=BLOCK)
-    return Scheduler(EngineLimits.from_plan(plan, kv_pool_tokens=num_blocks * BLOCK), BlockManager(num_blocks, BLOCK))
+    return Scheduler(EngineLimits.from_plan(plan, kv_pool_tokens=num_blocks * BLOCK), BlockManager(num_blocks, BLOCK),
+                     policy)
 
 
 def request(num_prompt: int, max_tokens: int = 4, first_token: int = 1) -> Sequence:
@@ -118,9 +119,25 @@ def test_every_decode_fits_a_budget_of_exactly_their_number():
     assert fake_step(scheduler).scheduled == dict.fromkeys(seqs, 1)
 
 
-def test_every_request_finishes_under_block_pressure():
+def test_guaranteed_no_evict_admits_a_request_only_when_every_running_one_can_reach_its_max_tokens():
+    scheduler = make_scheduler(num_blocks=9, max_num_batched_tokens=64, max_seq_len=16, policy="guaranteed_no_evict")
+    seqs = [request(7, max_tokens=8, first_token=1 + 30 * i) for i in range(3)]  # 15 tokens: 4 blocks each in the end
+    for seq in seqs:
+        scheduler.add(seq)
+    out = fake_step(scheduler)
+    assert list(out.scheduled) == seqs[:2] and list(scheduler.waiting) == [seqs[2]]  # 2 x 4 of 9 blocks reserved
+    assert scheduler.block_manager.num_free_blocks == 5  # though only 4 are taken so far
+    while seqs[0].status is not SequenceStatus.FINISHED:
+        assert fake_step(scheduler).num_preempted == 0 and seqs[2].status is SequenceStatus.WAITING
+    fake_step(scheduler)
+    assert seqs[2].status is SequenceStatus.RUNNING and scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
+def test_every_request_finishes_under_block_pressure(policy):
     rng = random.Random(0)
-    scheduler = make_scheduler(num_blocks=12, max_num_seqs=6, max_num_batched_tokens=16, max_seq_len=40)
+    scheduler = make_scheduler(num_blocks=12, max_num_seqs=6, max_num_batched_tokens=16, max_seq_len=40,
+                               policy=policy)
     pending = [request(rng.randint(1, 24), max_tokens=rng.randint(1, 12), first_token=100 * i) for i in range(30)]
     everyone = list(pending)
     steps = 0
@@ -133,7 +150,7 @@ def test_every_request_finishes_under_block_pressure():
         steps += 1
         assert steps < 2000, "a request starved"
     assert all(s.finish_reason == "length" and s.num_completion_tokens == s.params.max_tokens for s in everyone)
-    assert scheduler.num_preemptions > 0
+    assert (scheduler.num_preemptions > 0) == (policy == "max_utilization")  # reserving full lengths evicts none
     assert scheduler.block_manager.num_free_blocks == 12
 
 

@@ -195,9 +195,11 @@ def test_the_executor_is_configured_for_inflight_batching_with_kv_block_reuse(tr
     config = executor.config
     assert config.batching_type.name == "INFLIGHT" and config.enable_chunked_context is True
     assert config.kv_cache_config.enable_block_reuse is True and config.kv_cache_config.max_tokens == 320
-    assert config.scheduler_config.capacity_scheduler_policy.name == "GUARANTEED_NO_EVICT"
+    assert config.scheduler_config.capacity_scheduler_policy.name == "GUARANTEED_NO_EVICT"  # the executor's default
     engine.close()
     assert executor.shut_down
+    TrtllmEngine(engine_dir, RuntimeOptions(scheduler_policy="max_utilization")).close()
+    assert FakeExecutor.instances[1].config.scheduler_config.capacity_scheduler_policy.name == "MAX_UTILIZATION"
 
 
 def test_max_tokens_ends_with_length_and_sampling_parameters_are_translated(trtllm, engine_dir):

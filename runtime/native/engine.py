@@ -65,7 +65,7 @@ class NativeEngine:
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block)
         self.limits = EngineLimits.from_plan(plan, vocab_size=self.config.architecture.vocab_size,
                                              kv_pool_tokens=self.block_manager.num_blocks * plan.tokens_per_block)
-        self.scheduler = Scheduler(self.limits, self.block_manager)
+        self.scheduler = Scheduler(self.limits, self.block_manager, options.scheduler_policy or "max_utilization")
         self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
         self.stats = EngineStats()
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}

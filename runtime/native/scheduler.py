@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.native.block_manager import BlockManager
+from kiln.runtime.options import SchedulerPolicy
 from kiln.runtime.sequence import Sequence, SequenceStatus
 
 
@@ -39,11 +40,17 @@ class Scheduler:
     order, chunking a prefill to whatever budget is left. When KV blocks run out, the most recently arrived running
     sequence is preempted by recompute: its blocks are freed and it goes back to the front of `waiting`. The oldest
     sequence is never a victim and every request was checked to fit the pool alone, so none starves.
+
+    The ``policy`` decides what fits when a request is admitted: ``"max_utilization"`` its blocks for the tokens it
+    runs now; ``"guaranteed_no_evict"`` also the blocks that every running request and it need to reach their
+    ``max_tokens``, so blocks never run out and nothing is preempted.
     """
 
-    def __init__(self, limits: EngineLimits, block_manager: BlockManager) -> None:
+    def __init__(self, limits: EngineLimits, block_manager: BlockManager,
+                 policy: SchedulerPolicy = "max_utilization") -> None:
         self.limits = limits
         self.block_manager = block_manager
+        self.reserves_full_length = policy == "guaranteed_no_evict"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -82,18 +89,33 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int, num_running: int) -> None:
         """Admit waiting sequences in arrival order into ``out`` while the token ``budget``, the sequence limit
         (``num_running`` are running) and the free blocks allow, the last one's prefill chunked to fit."""
+        bm = self.block_manager
+        reserved = sum(map(self._blocks_to_grow, self.running)) if self.reserves_full_length else 0
         while self.waiting and budget and num_running < self.limits.max_batch_size:
             seq = self.waiting[0]
-            computed_blocks = self.block_manager.get_computed_blocks(seq)
-            num_new = min(seq.num_tokens - len(computed_blocks) * self.block_manager.block_size, budget)
-            if not self.block_manager.allocate(seq, computed_blocks, num_new):
+            computed_blocks = bm.get_computed_blocks(seq)
+            if self.reserves_full_length:
+                shared = sum(1 for b in computed_blocks if bm.blocks[b].ref_count > 0)  # in use: taken from no one
+                if bm.blocks_needed(self._full_length(seq)) - shared > bm.num_free_blocks - reserved:
+                    break
+            num_new = min(seq.num_tokens - len(computed_blocks) * bm.block_size, budget)
+            if not bm.allocate(seq, computed_blocks, num_new):
                 break
+            reserved += self._blocks_to_grow(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
             out.scheduled[seq] = num_new
             budget -= num_new
             num_running += 1
+
+    @staticmethod
+    def _full_length(seq: Sequence) -> int:
+        return seq.num_prompt_tokens + seq.params.max_tokens
+
+    def _blocks_to_grow(self, seq: Sequence) -> int:
+        """The blocks a running sequence still takes from the pool before it reaches its ``max_tokens``."""
+        return max(0, self.block_manager.blocks_needed(self._full_length(seq)) - len(seq.block_table))
 
     def schedule_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
         """The step after ``out``, a step launched but not collected, scheduled before its tokens are known.

@@ -79,14 +79,17 @@ class TrtllmEngine:
         self._errors: list[str] = []
         self.executor = self.trtllm.Executor(engine_dir, self.trtllm.ModelType.DECODER_ONLY,
                                              self._executor_config(options.num_kv_blocks,
-                                                                   free_gpu_memory_fraction))
+                                                                   free_gpu_memory_fraction,
+                                                                   options.scheduler_policy or "guaranteed_no_evict"))
 
-    def _executor_config(self, num_kv_blocks: int | None, free_gpu_memory_fraction: float) -> Any:
+    def _executor_config(self, num_kv_blocks: int | None, free_gpu_memory_fraction: float,
+                         scheduler_policy: str) -> Any:
         trtllm = self.trtllm
         max_tokens = None if num_kv_blocks is None else num_kv_blocks * self.info.plan.tokens_per_block
         kv_cache = trtllm.KvCacheConfig(enable_block_reuse=True, max_tokens=max_tokens,
                                         free_gpu_memory_fraction=free_gpu_memory_fraction)
-        scheduler = trtllm.SchedulerConfig(capacity_scheduler_policy=trtllm.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
+        policy = getattr(trtllm.CapacitySchedulerPolicy, scheduler_policy.upper())  # the same two names
+        scheduler = trtllm.SchedulerConfig(capacity_scheduler_policy=policy)
         return trtllm.ExecutorConfig(max_beam_width=1, scheduler_config=scheduler, kv_cache_config=kv_cache,
                                      enable_chunked_context=True, batching_type=trtllm.BatchingType.INFLIGHT)
 
