@@ -238,4 +238,40 @@ def test_max_batch_size_sets_a_generated_plan_and_is_refused_for_a_config(tmp_pa
                                  seed=0).build for batch in (None, 2048, 9000)}
     assert [plans[b].max_batch_size for b in (None, 2048, 9000)] == [MAX_BENCH_BATCH, 2048, 5000]  # <= the requests
     code, _, err = run_bench("tiny-llama-bf16.yaml", "--max-batch-size", "4")
-    assert code == 2 and "--max-batch-size apply to architecture files" in err
+    assert code == 2 and "--max-batch-size and --random-quantized apply to architecture files" in err
+
+
+def test_random_quantized_fp8_weights_build_without_modelopt(tmp_path):
+    arch = write_architecture(tmp_path / "tiny-direct.json")
+    report = bench_json(str(arch), *SMALL, "--batch-1", "--format", "fp8", "--kv-cache-dtype", "fp8",
+                        "--random-quantized", "--bandwidth-gbs", "10")
+    assert "random FP8 weights with an FP8 KV cache made directly" in report["kiln"]["quantization"]
+    assert "modelopt (" not in report["kiln"]["quantization"]  # no quantize stage ran
+    engine = json.loads((Path(report["kiln"]["engine_dir"]) / "engine.json").read_text())
+    assert engine["quantization"]["format"] == "fp8" and engine["quantization"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert engine["quantization"]["exclude_modules"] == []  # every decoder linear FP8; the LM head is not one
+    assert report["kiln"]["decode_tokens_per_s_batch1"] > 0
+    code, _, err = run_bench(str(arch), "--random-quantized", "--format", "int4_awq")
+    assert code == 2 and "needs --format fp8, not int4_awq" in err
+    code, _, err = run_bench(str(arch), "--random-quantized", "--format", "fp8", "--peer", "transformers")
+    assert code == 2 and "leave out --peer" in err
+
+
+def test_random_fp8_checkpoint_dequantizes_to_the_bf16_checkpoints_spread(tmp_path):
+    from kiln.engines.native.checkpoint import CheckpointTensors, read_quantization
+    from kiln.pipeline.bench.random_checkpoint import random_checkpoint
+
+    cfg = json.loads(write_architecture(tmp_path / "arch.json", initializer_range=0.05).read_text())
+    cache = EngineCache.open_configured(tmp_path / "cache")
+    fp8 = random_checkpoint(cache, tmp_path / "arch.json", cfg, seed=3, device="cpu", progress=lambda _: None,
+                            fp8=True, fp8_kv_cache=True)
+    tensors = CheckpointTensors(fp8)
+    weight = tensors.get("model.layers.1.mlp.down_proj.weight")
+    assert weight.dtype == torch.float8_e4m3fn and weight.shape == (128, 256)
+    dequantized = weight.float() * tensors.get("model.layers.1.mlp.down_proj.weight_scale")
+    assert dequantized.std().item() == pytest.approx(0.05, rel=0.05)
+    assert tensors.get("model.layers.0.self_attn.v_proj.v_scale").item() == 1.0
+    assert tensors.get("lm_head.weight").dtype == torch.bfloat16
+    assert read_quantization(fp8, cfg).format == "fp8" and read_quantization(fp8, cfg).fp8_kv_cache
+    bf16 = random_checkpoint(cache, tmp_path / "arch.json", cfg, seed=3, device="cpu", progress=lambda _: None)
+    assert bf16 != fp8 and not (bf16 / "hf_quant_config.json").exists()

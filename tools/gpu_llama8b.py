@@ -18,9 +18,11 @@ import shutil
 import time
 from pathlib import Path
 
-from kiln.engines.cache import checkpoint_hash
+from kiln.engines.cache import EngineCache, checkpoint_hash
 from kiln.pipeline import runner
-from kiln.pipeline.bench.target import bench_root, random_checkpoint, read_architecture_file
+from kiln.pipeline.bench.random_checkpoint import random_checkpoint
+from kiln.pipeline.bench.target import bench_root, read_architecture_file
+from kiln.pipeline.config import cache_root
 from kiln.pipeline.runtime_env import runtime_options
 from tools.tiny_corpus import generate_documents
 
@@ -37,7 +39,9 @@ def work_dir() -> Path:
 def prepare() -> dict:
     """The random checkpoint with the tiny tokenizer, and 3000 generated documents of calibration text."""
     start = time.perf_counter()
-    hf_dir = random_checkpoint(ARCH, read_architecture_file(ARCH), seed=0, device="cuda", progress=lambda *_: None)
+    cache = EngineCache.open_configured(cache_root())
+    hf_dir = random_checkpoint(cache, ARCH, read_architecture_file(ARCH), seed=0, device="cuda",
+                               progress=lambda *_: None)
     target = work_dir() / "hf"
     target.mkdir(parents=True, exist_ok=True)
     for path in hf_dir.iterdir():

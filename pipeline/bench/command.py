@@ -48,6 +48,10 @@ def bench(
                                                    "published H200 throughput rows, each against its figure).")] = None,
     rows: Annotated[str | None, typer.Option(help="With --suite, only these rows, comma-separated IN/OUT "
                                                   "(128/128,1000/1000).")] = None,
+    random_quantized: Annotated[bool, typer.Option("--random-quantized", help="With --format fp8 on an architecture "
+                                "file: make the FP8 weights and scales directly at random instead of writing bf16 "
+                                "weights and quantizing them with modelopt (for models whose bf16 weights outgrow "
+                                "the disk or one GPU, such as Llama-3-70B).")] = False,
     max_batch_size: Annotated[int | None, typer.Option("--max-batch-size", min=1, help="The most requests an "
                               "architecture file's engine runs at once (default 512, or a --suite row's own).")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the prompts and of random weights.")] = 0,
@@ -65,9 +69,13 @@ def bench(
     if kv_cache_dtype == "fp8" and fmt not in ("fp8", "int4_awq"):
         raise typer.BadParameter("--kv-cache-dtype fp8 needs --format fp8 or int4_awq (an FP8 KV cache is calibrated "
                                  "with the quantized weights)")
+    if random_quantized and peer is not None:
+        raise typer.BadParameter("--random-quantized writes a checkpoint only Kiln reads (modelopt's FP8 layout); "
+                                 "leave out --peer")
     if suite is not None:
         _run_suite(target, suite, rows, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
-                   max_batch_size=max_batch_size, allow_large=allow_large, seed=seed, peer=peer, json_out=json_out)
+                   random_quantized=random_quantized, max_batch_size=max_batch_size, allow_large=allow_large,
+                   seed=seed, peer=peer, json_out=json_out)
         return
     if rows is not None:
         raise typer.BadParameter("--rows selects rows of a --suite")
@@ -76,15 +84,15 @@ def bench(
     report = run_bench(target, BenchPlan(prompts, input_len, output_len, max_batch_size), batch_1_only=batch_1,
                        peer=peer, peer_attn=peer_attn, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
                        bandwidth_gbs=bandwidth_gbs, allow_large=allow_large, seed=seed,
-                       options=runtime_options(os.environ))
+                       options=runtime_options(os.environ), random_quantized=random_quantized)
     print_json(report) if json_out else print_report(report)
 
 
 
 
 def _run_suite(target: str, name: str, rows: str | None, *, fmt: str | None, kv_cache_dtype: str,
-               tp_size: int | None, max_batch_size: int | None, allow_large: bool, seed: int, peer: str | None,
-               json_out: bool) -> None:
+               tp_size: int | None, random_quantized: bool, max_batch_size: int | None, allow_large: bool,
+               seed: int, peer: str | None, json_out: bool) -> None:
     from kiln.pipeline.bench.report import print_suite
     from kiln.pipeline.bench.suite import SUITES, run_suite, select_rows
 
@@ -94,6 +102,6 @@ def _run_suite(target: str, name: str, rows: str | None, *, fmt: str | None, kv_
         raise typer.BadParameter("--suite compares with published figures; leave out --peer")
     selected = select_rows(SUITES[name], rows.split(",") if rows else None)
     report = run_suite(target, SUITES[name], selected, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
-                       max_batch_size=max_batch_size, allow_large=allow_large, seed=seed,
-                       options=runtime_options(os.environ))
+                       random_quantized=random_quantized, max_batch_size=max_batch_size, allow_large=allow_large,
+                       seed=seed, options=runtime_options(os.environ))
     print_json(report) if json_out else print_suite(report)

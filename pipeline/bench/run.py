@@ -13,6 +13,7 @@ from kiln.engines.cache import EngineCache
 from kiln.pipeline.bench.common import free_memory
 from kiln.pipeline.bench.floor import decode_step_bytes, floor_tokens_per_s, resolve_bandwidth
 from kiln.pipeline.bench.measure import Workload, measure_kiln
+from kiln.pipeline.bench.random_checkpoint import random_checkpoint
 from kiln.pipeline.bench.report import speedups
 from kiln.pipeline.bench.target import (
     CALIB_LEN,
@@ -22,7 +23,6 @@ from kiln.pipeline.bench.target import (
     bench_config,
     check_config_holds,
     check_fits_machine,
-    random_checkpoint,
     read_architecture_file,
     write_config,
 )
@@ -42,12 +42,13 @@ def report_progress(message: str) -> None:
 
 def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | None, peer_attn: str,
               fmt: str | None, bandwidth_gbs: float | None, allow_large: bool, seed: int, options: RuntimeOptions,
-              kv_cache_dtype: str = "auto", tp_size: int | None = None) -> dict:
+              kv_cache_dtype: str = "auto", tp_size: int | None = None, random_quantized: bool = False) -> dict:
     """Build (or find) the engine, measure it with ``options`` (on the device it was built for unless they name one)
     and the peer, and return the report."""
     resolved = resolve_target(target, cache_root())
     run = build_and_measure(resolved, plan, fmt=fmt, kv_cache_dtype=kv_cache_dtype, allow_large=allow_large,
-                            seed=seed, tp_size=tp_size, options=options, batch_1_only=batch_1_only)
+                            seed=seed, tp_size=tp_size, options=options, batch_1_only=batch_1_only,
+                            random_quantized=random_quantized)
     ctx, engine, workload, kiln, device = run.ctx, run.engine, run.workload, run.kiln, run.ctx.load_options.device
 
     peer_report = None
@@ -101,12 +102,13 @@ class MeasuredEngine:
 
 def build_and_measure(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
                       seed: int, tp_size: int | None, options: RuntimeOptions, batch_1_only: bool = False,
-                      offline_only: bool = False) -> MeasuredEngine:
+                      offline_only: bool = False, random_quantized: bool = False) -> MeasuredEngine:
     """Build (or find) the engine of ``resolved`` for ``plan`` and measure it with ``options`` (on the device it was
     built for unless they name one), its memory freed afterwards for whatever runs next."""
     config_path, peer_checkpoint, weights_note = bench_config_for(resolved, plan, fmt=fmt,
                                                                   kv_cache_dtype=kv_cache_dtype,
-                                                                  allow_large=allow_large, seed=seed, tp_size=tp_size)
+                                                                  allow_large=allow_large, seed=seed, tp_size=tp_size,
+                                                                  random_quantized=random_quantized)
     ctx, build = build_engine(config_path, options)
     engine = EngineConfig.load(ctx.engine_dir)
     workload = Workload.make(engine.architecture.vocab_size, prompts=plan.prompts, input_len=plan.input_len,
@@ -120,30 +122,39 @@ def build_and_measure(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_
 
 
 def bench_config_for(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
-                  seed: int, tp_size: int | None = None) -> tuple[Path, Path | None, str | None]:
-    """The config to build, the peer's checkpoint when it is not the config's model, and what the weights are."""
+                  seed: int, tp_size: int | None = None,
+                  random_quantized: bool = False) -> tuple[Path, Path | None, str | None]:
+    """The config to build, the peer's checkpoint when it is not the config's model, and what the weights are.
+    ``random_quantized`` makes an FP8 checkpoint directly instead of quantizing a bf16 one with modelopt."""
     if target.kind == "engine":
         raise BenchTargetError(f"{target.path}: kiln bench measures a config or an architecture file against a peer "
                                f"that needs the checkpoint; give the config the engine was built from")
     if target.kind == "config":
-        if fmt is not None or tp_size is not None or plan.max_batch_size is not None:
-            raise BenchTargetError(f"--format, --tp-size and --max-batch-size apply to architecture files; "
-                                   f"{target.path.name} sets its own quantize.format, build.tp_size and "
-                                   f"build.max_batch_size")
+        if fmt is not None or tp_size is not None or plan.max_batch_size is not None or random_quantized:
+            raise BenchTargetError(f"--format, --tp-size, --max-batch-size and --random-quantized apply to "
+                                   f"architecture files; {target.path.name} sets its own quantize.format, "
+                                   f"build.tp_size and build.max_batch_size")
         check_config_holds(target.path, plan)
         return target.path, None, None
     arch = read_architecture_file(target.path)
     cuda = torch.cuda.is_available()
     check_fits_machine(target.path, arch, cuda=cuda, allow_large=allow_large)
     cache = EngineCache.open_configured(cache_root())
-    hf_dir = random_checkpoint(cache, target.path, arch, seed=seed, device="cuda" if cuda else "cpu",
-                               progress=report_progress)
-    note = f"random bf16 weights (seed {seed}) for {target.path.name}"
     fmt = fmt or "none"
+    if random_quantized and fmt != "fp8":
+        raise BenchTargetError(f"--random-quantized makes FP8 weights directly; it needs --format fp8, not {fmt}")
+    kv = " with an FP8 KV cache" if kv_cache_dtype == "fp8" else ""
+    hf_dir = random_checkpoint(cache, target.path, arch, seed=seed, device="cuda" if cuda else "cpu",
+                               progress=report_progress, fp8=random_quantized, fp8_kv_cache=kv_cache_dtype == "fp8")
+    if random_quantized:  # built as it is: the builder reads the FP8 linears and K/V scales of the checkpoint
+        fmt, kv_cache_dtype = "none", "auto"
+        note = (f"random FP8 weights{kv} made directly (seed {seed}, no bf16 checkpoint, no modelopt) for "
+                f"{target.path.name}")
+    else:
+        note = f"random bf16 weights (seed {seed}) for {target.path.name}"
     config = bench_config(hf_dir, plan, arch, fmt=fmt, kv_cache_dtype=kv_cache_dtype, seed=seed,
                           tp_size=tp_size or 1)
     if fmt != "none":
-        kv = " with an FP8 KV cache" if kv_cache_dtype == "fp8" else ""
         method = "max" if fmt == "fp8" else config.quantize.algorithm
         note += (f", quantized to {fmt}{kv} by modelopt ({method}) in kiln's quantize stage on {CALIB_SAMPLES} "
                  f"random sequences of {CALIB_LEN} token ids (one round, no accuracy gate)")

@@ -21,17 +21,13 @@ import yaml
 
 from kiln.calibration.recipe import QuantizeRecipe
 from kiln.calibration.sources import RANDOM
-from kiln.engines.cache import EngineCache, engine_key
 from kiln.engines.cache.layout import write_atomic
 from kiln.pipeline.config import BuildSection, CacheSection, KilnConfig, ModelSection, cache_root, load_config
-from kiln.pipeline.key_material import KEY_SCHEMA
 from kiln.runtime.errors import KilnError
 
 ARCH_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                  "max_position_embeddings")
 CPU_MAX_PARAMS = 2 * 10**9  # above this a CPU-only machine is refused without --allow-large
-SHARD_BYTES = 2 * 10**9
-CHECKPOINT_VERSION = 2  # bump when the random checkpoint's bytes change for the same inputs
 CALIB_SAMPLES, CALIB_LEN, HELDOUT_SAMPLES = 16, 128, 4  # the random token rows that calibrate a quantized checkpoint
 MAX_BENCH_BATCH = 512  # the generated plan's default max_batch_size: all --prompts in flight, up to this
 MAX_NUM_TOKENS = 8192  # the generated plan's token budget per step (at least --input-len)
@@ -85,7 +81,7 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 def param_count(cfg: dict) -> int:
     """Parameters of the architecture."""
-    return sum(_numel(shape) for shape in weight_shapes(cfg).values())
+    return sum(numel(shape) for shape in weight_shapes(cfg).values())
 
 
 def check_fits_machine(path: Path, cfg: dict, *, cuda: bool, allow_large: bool) -> None:
@@ -101,25 +97,6 @@ def check_fits_machine(path: Path, cfg: dict, *, cuda: bool, allow_large: bool) 
 def bench_root() -> Path:
     """Where generated configs live: ``<cache root>/bench`` ($KILN_CACHE or ~/.cache/kiln)."""
     return cache_root() / "bench"
-
-
-def random_checkpoint(cache: EngineCache, arch_path: Path, cfg: dict, *, seed: int, device: str,
-                      progress: Progress) -> Path:
-    """The seeded random-weight bf16 checkpoint of ``cfg``, made once per architecture, seed and kind of device (the
-    generator's numbers differ between CPU and CUDA) and kept in the cache's ``checkpoints`` store."""
-    material = {"key_schema": KEY_SCHEMA, "kind": "random_checkpoint", "architecture": cfg, "seed": seed,
-                "dtype": "bfloat16", "generator": torch.device(device).type, "version": CHECKPOINT_VERSION}
-
-    def build(tmp: Path) -> dict:
-        progress(f"writing a random-weight checkpoint ({_human_params(param_count(cfg))} parameters, seed {seed})")
-        _write_random_weights(tmp, cfg, seed, device)
-        (tmp / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}, indent=2, sort_keys=True) + "\n")
-        _write_byte_level_tokenizer(tmp, cfg)
-        return {"seed": seed, "architecture_file": str(arch_path)}
-
-    describe = {"model": arch_path.stem, "format": "bf16 random", "backend": "-", "gpu": "-"}
-    return cache.checkpoints.get_or_build(engine_key(material), material, build, describe=describe,
-                                          on_wait=progress).payload_dir
 
 
 def bench_config(checkpoint_dir: Path, plan: BenchPlan, cfg: dict, *, fmt: str, kv_cache_dtype: str,
@@ -167,61 +144,7 @@ def check_config_holds(config_path: Path, plan: BenchPlan) -> None:
                                f"build.max_seq_len ({build.max_seq_len}); shorten them or raise the config's limit")
 
 
-def _write_random_weights(out: Path, cfg: dict, seed: int, device: str) -> None:
-    """Linears N(0, initializer_range), norms 1, in bf16 safetensors shards of about 2 GB, with an index."""
-    from safetensors.torch import save_file
-
-    std = float(cfg.get("initializer_range", 0.02))
-    shapes = weight_shapes(cfg)
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, shape in shapes.items():
-        nbytes = 2 * _numel(shape)
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    weight_map = {}
-    for k, names in enumerate(shards, 1):
-        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: _random_tensor(shapes[name], name, seed, std, device) for name in names}
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, file))
-        del tensors
-    index = {"metadata": {"total_size": sum(2 * _numel(s) for s in shapes.values())}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _random_tensor(shape: tuple[int, ...], name: str, seed: int, std: float, device: str) -> torch.Tensor:
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, dtype=torch.bfloat16)
-    tensor_seed = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:7], "little")
-    generator = torch.Generator(device=device).manual_seed(tensor_seed)
-    values = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
-    return (values * std).to(torch.bfloat16).cpu()
-
-
-def _write_byte_level_tokenizer(out: Path, cfg: dict) -> None:
-    """The 256 bytes, then tokens ``t256 .. t{vocab-1}`` that encoding never produces: the engine is driven with token
-    ids, this keeps decoding total, and text encodes byte by byte, so a grammar engine can run structured output."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-
-    vocab = cfg["vocab_size"]
-    names = (sorted(pre_tokenizers.ByteLevel.alphabet()) + [f"t{i}" for i in range(256, vocab)])[:vocab]
-    tokenizer = Tokenizer(BPE({name: i for i, name in enumerate(names)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
-
-
-def _human_params(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.2f}M"
-
-
-def _numel(shape: tuple[int, ...]) -> int:
+def numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d
