@@ -51,7 +51,7 @@ class Suite:
 TRTLLM_H200 = Suite(
     name="trtllm-h200",
     source="TensorRT-LLM perf-overview, best published H200 figure per row (Llama-3.1-8B FP8, trtllm-bench)",
-    why_counts="several full batches at the plan's batch cap per row, so steady state dominates the run",
+    why_counts="two or more full batches at the row's batch cap, so steady state dominates the run",
     rows=(
         SuiteRow(128, 128, 10000, 2048, 29526, "v0.17"),
         SuiteRow(128, 2048, 1000, 512, 26221, "v1.0"),

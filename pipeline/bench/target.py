@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,7 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 def param_count(cfg: dict) -> int:
     """Parameters of the architecture."""
-    return sum(numel(shape) for shape in weight_shapes(cfg).values())
+    return sum(math.prod(shape) for shape in weight_shapes(cfg).values())
 
 
 def check_fits_machine(path: Path, cfg: dict, *, cuda: bool, allow_large: bool) -> None:
@@ -143,9 +144,3 @@ def check_config_holds(config_path: Path, plan: BenchPlan) -> None:
         raise BenchTargetError(f"{config_path}: --input-len {plan.input_len} + --output-len {plan.output_len} exceeds "
                                f"build.max_seq_len ({build.max_seq_len}); shorten them or raise the config's limit")
 
-
-def numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -10,6 +10,7 @@ for the gigabytes of an 8B engine.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator
@@ -73,10 +74,7 @@ def _stored_tensor(path: Path, name: str, entry: object, data_start: int, file_s
     except (KeyError, TypeError, ValueError):
         raise EngineFormatError(f"{path}: tensor {name} has an unreadable header entry {entry!r}; rebuild the "
                                 f"engine") from None
-    numel = 1
-    for d in shape:
-        numel *= d
-    if end - begin != numel * dtype.itemsize or begin < data_start or end > file_size:
+    if end - begin != math.prod(shape) * dtype.itemsize or begin < data_start or end > file_size:
         raise EngineFormatError(f"{path}: tensor {name} ({entry['dtype']} {list(shape)}) has bytes {begin}-{end} "
                                 f"of a {file_size}-byte file; the file is truncated or damaged, rebuild the engine")
     return StoredTensor(name, dtype, shape, begin, end)
