@@ -6,11 +6,8 @@
 # Results go to $OUT (default ./gpu-out).
 #   bash tools/gpu_families.sh [tests] [FAMILY ...]    # FAMILY: a name under configs/models/, e.g. qwen3-8b
 set -u
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-KILN_PATH=${TMPDIR:-/tmp}/kiln-path
-mkdir -p "$KILN_PATH" && ln -sfn "$PWD" "$KILN_PATH/kiln"
-export PYTHONPATH=${PYTHONPATH:-}:$KILN_PATH:$PWD PYTHONUNBUFFERED=1 KILN_CACHE=${KILN_CACHE:-/tmp/kiln-families}
+source "$(dirname "$0")/gpu_env.sh"
+export KILN_CACHE=${KILN_CACHE:-/tmp/kiln-families}
 if [ "${1:-}" = tests ]; then
   shift
   echo "== tests"

@@ -6,12 +6,7 @@
 # Results go to $OUT (default ./gpu-out).
 #   bash tools/gpu_suite.sh [quick]     # quick: tests, tiny end-to-end and the step benchmark only
 set -u
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-# The checkout is the package `kiln` (pyproject.toml); without an install, a link named kiln puts it on the path.
-KILN_PATH=${TMPDIR:-/tmp}/kiln-path
-mkdir -p "$KILN_PATH" && ln -sfn "$PWD" "$KILN_PATH/kiln"
-export PYTHONPATH=${PYTHONPATH:-}:$KILN_PATH:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 run() { echo "== $1"; shift; "$@" 2>&1 | tee -a "$OUT/suite.log"; }
 run "tests" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/   # all of them; the kernels' on CUDA
 run "tiny model vs transformers" python3 tools/gpu_check.py --tokens 32 --out "$OUT/gpu_check.json"

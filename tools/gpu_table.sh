@@ -4,11 +4,7 @@
 # disk). Results go to $OUT (default ./gpu-out), one JSON per step and a line each on stdout.
 #   bash tools/gpu_table.sh [batch=N] rows=128/128[,1000/1000] [load] ...   (batch=N: --max-batch-size N from then on)
 set -u
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-KILN_PATH=${TMPDIR:-/tmp}/kiln-path
-mkdir -p "$KILN_PATH" && ln -sfn "$PWD" "$KILN_PATH/kiln"
-export PYTHONPATH=${PYTHONPATH:-}:$KILN_PATH:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+source "$(dirname "$0")/gpu_env.sh"
 export KILN_CACHE=${KILN_CACHE:-/dev/shm/kiln-table}
 BENCH="python3 -m kiln bench configs/models/llama3-8b.json --format fp8 --kv-cache-dtype fp8"
 BATCH=""

@@ -6,11 +6,7 @@
 # stays off (NCCL_NVLS_ENABLE=0). Results go to $OUT (default ./gpu-out).
 #   bash tools/gpu_tp.sh [tests] [8b] [70b]
 set -u
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
-KILN_PATH=${TMPDIR:-/tmp}/kiln-path
-mkdir -p "$KILN_PATH" && ln -sfn "$PWD" "$KILN_PATH/kiln"
-export PYTHONPATH=${PYTHONPATH:-}:$KILN_PATH:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+source "$(dirname "$0")/gpu_env.sh"
 export KILN_CACHE=${KILN_CACHE:-/tmp/kiln-tp}
 BENCH="python3 -m kiln bench --format fp8 --kv-cache-dtype fp8"
 for step in "$@"; do
