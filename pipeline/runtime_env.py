@@ -7,6 +7,7 @@ CLI takes the object.
 - ``KILN_OVERLAP_STEPS``: ``1`` (default) or ``0``
 - ``KILN_PDL``: ``1`` (default) or ``0``
 - ``KILN_LINEAR_MAX_M``: a positive integer (default: the crossover each engine's build measured)
+- ``KILN_GPU_MEMORY_UTILIZATION``: a number in (0, 1] (default 0.9)
 - ``KILN_SCHEDULER_POLICY``: ``max_utilization`` or ``guaranteed_no_evict`` (default: the backend's own)
 """
 
@@ -20,10 +21,20 @@ SWITCHES = {"cuda_graphs": "KILN_CUDA_GRAPHS", "overlap_steps": "KILN_OVERLAP_ST
 
 
 def runtime_options(environ: Mapping[str, str], *, device: str | None = None, num_kv_blocks: int | None = None,
-                    engine_process: bool = False) -> RuntimeOptions:
-    """``RuntimeOptions`` from a command's flags and the ``KILN_*`` variables of ``environ``; a bad value is refused
-    naming its variable."""
+                    gpu_memory_utilization: float | None = None, engine_process: bool = False) -> RuntimeOptions:
+    """``RuntimeOptions`` from a command's flags and the ``KILN_*`` variables of ``environ`` (a flag wins); a bad value
+    is refused naming its variable."""
     values: dict = {"device": device, "num_kv_blocks": num_kv_blocks, "engine_process": engine_process}
+    if gpu_memory_utilization is None and "KILN_GPU_MEMORY_UTILIZATION" in environ:
+        text = environ["KILN_GPU_MEMORY_UTILIZATION"]
+        try:
+            gpu_memory_utilization = float(text)
+        except ValueError:
+            gpu_memory_utilization = float("nan")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise RuntimeOptionsError(f"KILN_GPU_MEMORY_UTILIZATION={text!r} must be a number in (0, 1]; unset it "
+                                      f"for 0.9")
+    values["gpu_memory_utilization"] = gpu_memory_utilization
     if "KILN_KERNELS" in environ:
         values["kernels"] = _choice(environ, "KILN_KERNELS", KERNELS)
     if "KILN_SCHEDULER_POLICY" in environ:

@@ -198,6 +198,10 @@ def serve(
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the engine's).")] = None,
     num_kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV pool size in blocks (default: from free "
                                                                   "memory).")] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(min=0.01, max=1.0, help="Share of the GPU's memory "
+                                      "the native engine may hold; the KV pool takes what the weights and "
+                                      "activations leave of it (default: $KILN_GPU_MEMORY_UTILIZATION or 0.9).")
+                                      ] = None,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="Seconds in-flight requests get to finish after "
                                                                 "SIGTERM.")] = 30.0,
     engine_process: Annotated[bool, typer.Option(help="Run the engine in a process of its own (its host work and the "
@@ -210,7 +214,8 @@ def serve(
     from kiln.runtime.server import create_app, run_server
 
     template = read_chat_template(chat_template) if chat_template is not None else None  # before any build
-    options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks, engine_process=engine_process)
+    options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks,
+                              gpu_memory_utilization=gpu_memory_utilization, engine_process=engine_process)
     if (rendezvous := torchrun_rendezvous(os.environ)) is not None:  # one rank of an engine split across hosts
         if rendezvous.rank != 0:
             return serve_as_worker(target, options, rendezvous, int(os.environ.get("LOCAL_RANK", "0")))

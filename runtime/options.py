@@ -38,6 +38,8 @@ class RuntimeOptions:
     - ``linear_max_m``: the most tokens a quantized linear sends to its weight-streaming kernel, for every shape;
       None follows the crossover the engine's build measured per shape.
     - ``num_kv_blocks``: the KV pool's size in blocks; None sizes it from free memory.
+    - ``gpu_memory_utilization``: the share of a GPU's memory the native engine may hold in all (weights, KV pool,
+      activations, graphs), as vLLM's option of that name; the KV pool takes what the rest leaves. None: 0.9.
     - ``scheduler_policy``: how requests are admitted into the running batch, TensorRT-LLM's two capacity policies.
       ``"max_utilization"`` admits a request when its prompt fits the free KV blocks and preempts (by recompute)
       when the running ones outgrow the pool, as vLLM does; ``"guaranteed_no_evict"`` admits it only when the pool
@@ -58,6 +60,7 @@ class RuntimeOptions:
     pdl: bool = True
     linear_max_m: int | None = None
     num_kv_blocks: int | None = None
+    gpu_memory_utilization: float | None = None
     scheduler_policy: SchedulerPolicy | None = None
     engine_process: bool = False
     tp_rendezvous: str | None = None
@@ -65,6 +68,10 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
             raise RuntimeOptionsError(f"kernels {self.kernels!r} must be one of {', '.join(KERNELS)}")
+        share = self.gpu_memory_utilization
+        if share is not None and (isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1):
+            raise RuntimeOptionsError(f"gpu_memory_utilization {share!r} must be a number in (0, 1], the share of "
+                                      f"the GPU's memory the engine may hold")
         if self.scheduler_policy not in (None, *SCHEDULER_POLICIES):
             raise RuntimeOptionsError(f"scheduler_policy {self.scheduler_policy!r} must be one of "
                                       f"{', '.join(SCHEDULER_POLICIES)}, or None for the backend's default")

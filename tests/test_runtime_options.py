@@ -24,6 +24,8 @@ def test_defaults_are_what_the_performance_figures_were_measured_with():
     ({"device": "gpu"}, "device 'gpu' must be 'cpu', 'cuda' or 'cuda:N'"),
     ({"device": "cuda:x"}, "device 'cuda:x' must be"),
     ({"scheduler_policy": "fcfs"}, "scheduler_policy 'fcfs' must be one of max_utilization, guaranteed_no_evict"),
+    ({"gpu_memory_utilization": 1.2}, r"gpu_memory_utilization 1.2 must be a number in \(0, 1\]"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization 0 must be"),
 ])
 def test_options_that_cannot_run_are_refused_naming_the_field(values, problem):
     with pytest.raises(RuntimeOptionsError, match=problem):
@@ -32,11 +34,13 @@ def test_options_that_cannot_run_are_refused_naming_the_field(values, problem):
 
 def test_the_cli_fills_options_from_kiln_variables_and_its_own_flags():
     environ = {"KILN_KERNELS": "torch", "KILN_CUDA_GRAPHS": "0", "KILN_OVERLAP_STEPS": "0", "KILN_PDL": "0",
-               "KILN_LINEAR_MAX_M": "8", "KILN_SCHEDULER_POLICY": "guaranteed_no_evict", "UNRELATED": "x"}
+               "KILN_LINEAR_MAX_M": "8", "KILN_SCHEDULER_POLICY": "guaranteed_no_evict",
+               "KILN_GPU_MEMORY_UTILIZATION": "0.95", "UNRELATED": "x"}
     options = runtime_options(environ, device="cuda:1", num_kv_blocks=64)
     assert options == RuntimeOptions(device="cuda:1", kernels="torch", cuda_graphs=False, overlap_steps=False,
                                      pdl=False, linear_max_m=8, num_kv_blocks=64,
-                                     scheduler_policy="guaranteed_no_evict")
+                                     scheduler_policy="guaranteed_no_evict", gpu_memory_utilization=0.95)
+    assert runtime_options(environ, gpu_memory_utilization=0.8).gpu_memory_utilization == 0.8  # the flag wins
     assert runtime_options({}) == RuntimeOptions()
 
 
@@ -46,6 +50,8 @@ def test_the_cli_fills_options_from_kiln_variables_and_its_own_flags():
     ("KILN_LINEAR_MAX_M", "0", "must be a positive integer"),
     ("KILN_PDL", "on", "must be one of 0, 1"),
     ("KILN_SCHEDULER_POLICY", "fifo", "must be one of max_utilization, guaranteed_no_evict"),
+    ("KILN_GPU_MEMORY_UTILIZATION", "lots", r"must be a number in \(0, 1\]"),
+    ("KILN_GPU_MEMORY_UTILIZATION", "1.5", r"must be a number in \(0, 1\]"),
 ])
 def test_a_bad_variable_is_refused_naming_it(name, value, problem):
     with pytest.raises(RuntimeOptionsError, match=f"{name}={value!r} {problem}"):
@@ -56,3 +62,21 @@ def test_cuda_graphs_asked_for_with_the_torch_kernels_are_refused_naming_both_va
     with pytest.raises(RuntimeOptionsError, match="KILN_CUDA_GRAPHS=1 needs KILN_KERNELS=triton"):
         runtime_options({"KILN_KERNELS": "torch", "KILN_CUDA_GRAPHS": "1"})
     assert not runtime_options({"KILN_KERNELS": "torch"}).captures_cuda_graphs  # the default stays eager there
+
+
+def test_gpu_memory_utilization_is_the_share_of_the_device_the_kv_pool_fills(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from kiln.runtime.native import model_runner
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * gib, 140 * gib))  # 40 GiB already held
+    monkeypatch.setattr(model_runner, "kv_bytes_per_block", lambda config: gib // 4)
+    arch = SimpleNamespace(hidden_size=64, intermediate_size=128, vocab_size=256)
+    plan = SimpleNamespace(max_batch_size=512, max_seq_len=4096, max_num_tokens=64)
+    runner = SimpleNamespace(config=SimpleNamespace(plan=plan, architecture=arch), block_size=32,
+                             device=torch.device("cuda"))
+    blocks = {share: model_runner.ModelRunner._default_num_kv_blocks(runner, share) for share in (0.9, 0.95)}
+    assert blocks == {0.9: 4 * 86 - 1, 0.95: 4 * 93 - 1}  # (100 - 14 or 7 GiB) in quarter-GiB blocks, less activations

@@ -338,6 +338,8 @@ def test_without_a_gpu_or_without_tensorrt_llm_loading_says_what_to_do(trtllm, e
 def test_options_of_the_native_engine_are_refused_not_ignored(trtllm, engine_dir):
     with pytest.raises(TrtllmUnavailableError, match=r"kernels='torch', overlap_steps=False: .* native engine"):
         TrtllmEngine(engine_dir, RuntimeOptions(kernels="torch", overlap_steps=False))
+    with pytest.raises(TrtllmUnavailableError, match=r"gpu_memory_utilization=0.95: .* native engine"):
+        TrtllmEngine(engine_dir, RuntimeOptions(gpu_memory_utilization=0.95))
     assert FakeExecutor.instances == []
 
 

@@ -40,10 +40,11 @@ from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.stats import PhaseTimes
 
-# On CUDA the KV pool takes the memory left after the weights, an activation reserve and this share of the GPU kept
-# free, up to GPU_KV_MAX_PLAN_MULTIPLE times what max_batch_size full-length sequences need (the excess serves the
-# prefix cache; the cap keeps a small model on a large GPU from holding millions of blocks).
-GPU_KV_MEMORY_FRACTION = 0.9
+# On CUDA the KV pool takes the memory left after the weights and an activation reserve within the share of the GPU
+# the engine may hold (RuntimeOptions.gpu_memory_utilization, by default this one), up to GPU_KV_MAX_PLAN_MULTIPLE
+# times what max_batch_size full-length sequences need (the excess serves the prefix cache; the cap keeps a small
+# model on a large GPU from holding millions of blocks).
+GPU_MEMORY_UTILIZATION = 0.9
 GPU_KV_MAX_PLAN_MULTIPLE = 4
 # On CPU the KV pool holds max_batch_size full-length sequences, at most this many bytes.
 CPU_KV_MAX_BYTES = 2 << 30
@@ -124,7 +125,8 @@ class ModelRunner:
             self.prefill_graphs = maybe_capture_prefill_graphs(self.model, self.kv_caches, config, device, graphs)
 
     def _allocate_kv_pool(self, config: EngineConfig, options: RuntimeOptions) -> None:
-        self.num_kv_blocks = options.num_kv_blocks or self._default_num_kv_blocks()
+        self.num_kv_blocks = options.num_kv_blocks or self._default_num_kv_blocks(
+            options.gpu_memory_utilization or GPU_MEMORY_UTILIZATION)
         if self.tp is not None:
             self.num_kv_blocks = self.tp.min_over_ranks(self.num_kv_blocks)
         min_blocks = -(-config.plan.max_seq_len // self.block_size)
@@ -135,7 +137,7 @@ class ModelRunner:
                 f"larger num_kv_blocks, or rebuild with a smaller max_seq_len")
         self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, self.device)
 
-    def _default_num_kv_blocks(self) -> int:
+    def _default_num_kv_blocks(self, gpu_memory_utilization: float) -> int:
         plan, arch = self.config.plan, self.config.architecture
         block_bytes = kv_bytes_per_block(self.config)
         plan_blocks = plan.max_batch_size * -(-plan.max_seq_len // self.block_size)
@@ -143,7 +145,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             hidden_width = 4 * arch.hidden_size + 3 * arch.intermediate_size
             activations = 4 * plan.max_num_tokens * hidden_width + 8 * plan.max_batch_size * arch.vocab_size
-            usable = free - (1 - GPU_KV_MEMORY_FRACTION) * total - 2 * activations
+            usable = free - (1 - gpu_memory_utilization) * total - 2 * activations
             return max(0, min(int(usable // block_bytes), GPU_KV_MAX_PLAN_MULTIPLE * plan_blocks))
         return min(plan_blocks, CPU_KV_MAX_BYTES // block_bytes)
 

@@ -30,7 +30,7 @@ from kiln.runtime.trtllm.toolchain import (
 )
 
 # RuntimeOptions that choose how Kiln's native engine runs; TensorRT-LLM's engine runs its own kernels and graphs
-NATIVE_ONLY_OPTIONS = ("kernels", "cuda_graphs", "overlap_steps", "pdl", "linear_max_m")
+NATIVE_ONLY_OPTIONS = ("kernels", "cuda_graphs", "overlap_steps", "pdl", "linear_max_m", "gpu_memory_utilization")
 
 FINISH_REASONS = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "abort",
                    "TIMED_OUT": "abort"}
