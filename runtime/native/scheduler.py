@@ -90,7 +90,7 @@ class Scheduler:
         """Admit waiting sequences in arrival order into ``out`` while the token ``budget``, the sequence limit
         (``num_running`` are running) and the free blocks allow, the last one's prefill chunked to fit."""
         bm = self.block_manager
-        reserved = sum(map(self._blocks_to_grow, self.running)) if self.reserves_full_length else 0
+        reserved = sum(map(self._blocks_to_grow, self.running)) if self.reserves_full_length and self.waiting else 0
         while self.waiting and budget and num_running < self.limits.max_batch_size:
             seq = self.waiting[0]
             computed_blocks = bm.get_computed_blocks(seq)
