@@ -2,7 +2,10 @@
 # Issue #34 on one H200: rows of TensorRT-LLM's table (`kiln bench --suite trtllm-h200`) and how fast the cached 8B
 # FP8 engine is ready (tools/load_time.py). The cache lives in /dev/shm (the 8B checkpoints and engines outgrow the
 # disk). Results go to $OUT (default ./gpu-out), one JSON per step and a line each on stdout.
-#   bash tools/gpu_table.sh [batch=N] rows=128/128[,1000/1000] [load] ...   (batch=N: --max-batch-size N from then on)
+#   bash tools/gpu_table.sh [direct] [batch=N] [KILN_X=V] rows=128/128[,1000/1000] [load] ...
+# Each step applies from then on: direct makes the FP8 weights directly (--random-quantized: no bf16 checkpoint, no
+# modelopt, minutes less on a fresh machine), batch=N passes --max-batch-size N, KILN_X=V sets a runtime option
+# (KILN_SCHEDULER_POLICY=guaranteed_no_evict, KILN_GPU_MEMORY_UTILIZATION=0.95).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 export KILN_CACHE=${KILN_CACHE:-/dev/shm/kiln-table}
@@ -11,10 +14,12 @@ BATCH=""
 LAST=""
 for step in "$@"; do
   case $step in
+    direct) BENCH="$BENCH --random-quantized" ;;
     batch=*) BATCH=${step#batch=} ;;
+    KILN_*=*) export "${step?}"; TAG="${TAG:-}_${step#KILN_}"; TAG=${TAG//=/-} ;;
     rows=*)
       rows=${step#rows=}
-      LAST="$OUT/suite_${rows//\//-}${BATCH:+_b$BATCH}.json"
+      LAST="$OUT/suite_${rows//\//-}${BATCH:+_b$BATCH}${TAG:-}.json"
       $BENCH --suite trtllm-h200 --rows "$rows" ${BATCH:+--max-batch-size $BATCH} --json > "$LAST" 2> "${LAST%.json}.err"
       python3 - "$LAST" <<'PY' || tail -5 "${LAST%.json}.err"
 import json, sys
@@ -31,6 +36,6 @@ PY
       engine=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['rows'][0]['engine_dir'])" "$LAST")
       python3 tools/load_time.py "$engine" --json > "$OUT/load.json" 2> "$OUT/load.err" || tail -5 "$OUT/load.err"
       cat "$OUT/load.json" ;;
-    *) echo "unknown step $step: batch=N, rows=IN/OUT[,...] or load" >&2; exit 2 ;;
+    *) echo "unknown step $step: direct, batch=N, KILN_X=V, rows=IN/OUT[,...] or load" >&2; exit 2 ;;
   esac
 done
