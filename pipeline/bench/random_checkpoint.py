@@ -67,39 +67,38 @@ def is_decoder_linear(name: str, shape: tuple[int, ...]) -> bool:
     return name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2
 
 
-def _planned_tensors(cfg: dict, *, fp8: bool, fp8_kv_cache: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """Every tensor of the checkpoint: name, shape and dtype."""
-    planned = []
+Planned = tuple[str, tuple[int, ...], torch.dtype, float | None]  # name, shape, dtype, a constant fill or random
+
+
+def _planned_tensors(cfg: dict, *, fp8: bool, fp8_kv_cache: bool) -> list[Planned]:
+    """Every tensor of the checkpoint: name, shape, dtype, and the value that fills it (None: random)."""
+    std = float(cfg.get("initializer_range", 0.02))
+    planned: list[Planned] = []
     for name, shape in weight_shapes(cfg).items():
+        norm = 1.0 if name.endswith("norm.weight") else None
         if not (fp8 and is_decoder_linear(name, shape)):
-            planned.append((name, shape, torch.bfloat16))
+            planned.append((name, shape, torch.bfloat16, norm))
             continue
         module = name.removesuffix(".weight")
-        planned += [(name, shape, torch.float8_e4m3fn), (f"{module}.weight_scale", (), torch.float32),
-                    (f"{module}.input_scale", (), torch.float32)]
+        planned += [(name, shape, torch.float8_e4m3fn, None),
+                    (f"{module}.weight_scale", (), torch.float32, std / FP8_SPREAD),
+                    (f"{module}.input_scale", (), torch.float32, FP8_INPUT_SCALE)]
         if fp8_kv_cache and module.endswith(("self_attn.k_proj", "self_attn.v_proj")):
             kind = module[-6]  # "k" of k_proj, "v" of v_proj
-            planned.append((f"{module}.{kind}_scale", (), torch.float32))
+            planned.append((f"{module}.{kind}_scale", (), torch.float32, 1.0))
     return planned
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, cfg: dict, seed: int,
+def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float | None, cfg: dict, seed: int,
                    device: str) -> torch.Tensor:
-    std = float(cfg.get("initializer_range", 0.02))
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, dtype=dtype)
-    if name.endswith(".weight_scale"):
-        return torch.tensor(std / FP8_SPREAD, dtype=dtype)
-    if name.endswith(".input_scale"):
-        return torch.tensor(FP8_INPUT_SCALE, dtype=dtype)
-    if name.endswith(("k_proj.k_scale", "v_proj.v_scale")):
-        return torch.tensor(1.0, dtype=dtype)
+    if fill is not None:
+        return torch.full(shape, fill, dtype=dtype)
     tensor_seed = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:7], "little")
     generator = torch.Generator(device=device).manual_seed(tensor_seed)
     values = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
     if dtype == torch.float8_e4m3fn:
         return (values * FP8_SPREAD).clamp_(-448, 448).to(dtype).cpu()
-    return (values * std).to(dtype).cpu()
+    return (values * float(cfg.get("initializer_range", 0.02))).to(dtype).cpu()
 
 
 def _write_random_weights(out: Path, cfg: dict, seed: int, device: str, *, fp8: bool, fp8_kv_cache: bool) -> None:
@@ -107,7 +106,7 @@ def _write_random_weights(out: Path, cfg: dict, seed: int, device: str, *, fp8: 
     from safetensors.torch import save_file
 
     planned = _planned_tensors(cfg, fp8=fp8, fp8_kv_cache=fp8_kv_cache)
-    shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
+    shards: list[list[Planned]] = [[]]
     size = 0
     for entry in planned:
         nbytes = math.prod(entry[1]) * entry[2].itemsize
@@ -119,11 +118,12 @@ def _write_random_weights(out: Path, cfg: dict, seed: int, device: str, *, fp8: 
     weight_map = {}
     for k, entries in enumerate(shards, 1):
         file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: _random_tensor(name, shape, dtype, cfg, seed, device) for name, shape, dtype in entries}
+        tensors = {name: _random_tensor(name, shape, dtype, fill, cfg, seed, device)
+                   for name, shape, dtype, fill in entries}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors
-    total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in planned)
+    total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _ in planned)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,9 +32,6 @@ CALIB_SAMPLES, CALIB_LEN, HELDOUT_SAMPLES = 16, 128, 4  # the random token rows 
 MAX_BENCH_BATCH = 512  # the generated plan's default max_batch_size: all --prompts in flight, up to this
 MAX_NUM_TOKENS = 8192  # the generated plan's token budget per step (at least --input-len)
 BLOCK = 32  # tokens per KV block: the decode attention kernel is ~1.5x slower over 16-token blocks on an H200
-
-Progress = Callable[[str], None]
-
 
 class BenchTargetError(KilnError):
     """A TARGET that is neither a config nor an architecture file, or one this machine cannot benchmark."""
