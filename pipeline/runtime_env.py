@@ -4,6 +4,7 @@ CLI takes the object.
 
 - ``KILN_KERNELS``: ``triton`` (default) or ``torch`` (``RuntimeOptions.kernels``)
 - ``KILN_CUDA_GRAPHS``: ``1`` or ``0`` (default: on where the Triton kernels run)
+- ``KILN_CUDA_GRAPH_CAPTURE``: ``deferred`` or ``at_load`` (default: deferred on one GPU, at load for tensor parallel)
 - ``KILN_OVERLAP_STEPS``: ``1`` (default) or ``0``
 - ``KILN_PDL``: ``1`` (default) or ``0``
 - ``KILN_LINEAR_MAX_M``: a positive integer (default: the crossover each engine's build measured)
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kiln.runtime.options import KERNELS, SCHEDULER_POLICIES, RuntimeOptions, RuntimeOptionsError
+from kiln.runtime.options import GRAPH_CAPTURES, KERNELS, SCHEDULER_POLICIES, RuntimeOptions, RuntimeOptionsError
 
 SWITCHES = {"cuda_graphs": "KILN_CUDA_GRAPHS", "overlap_steps": "KILN_OVERLAP_STEPS", "pdl": "KILN_PDL"}
 
@@ -39,6 +40,8 @@ def runtime_options(environ: Mapping[str, str], *, device: str | None = None, nu
         values["kernels"] = _choice(environ, "KILN_KERNELS", KERNELS)
     if "KILN_SCHEDULER_POLICY" in environ:
         values["scheduler_policy"] = _choice(environ, "KILN_SCHEDULER_POLICY", SCHEDULER_POLICIES)
+    if "KILN_CUDA_GRAPH_CAPTURE" in environ:
+        values["cuda_graph_capture"] = _choice(environ, "KILN_CUDA_GRAPH_CAPTURE", GRAPH_CAPTURES)
     for field, name in SWITCHES.items():
         if name in environ:
             values[field] = _choice(environ, name, ("0", "1")) == "1"

@@ -39,6 +39,10 @@ class Engine(Protocol):
     def has_unfinished(self) -> bool:
         """Whether any request is still in flight."""
 
+    def warm_up_step(self) -> bool:
+        """While no request is in flight: do one piece of the warm-up the load deferred (the native engine captures
+        one CUDA graph); False once none is left."""
+
     def stats_snapshot(self) -> dict:
         """Counters and latency summaries."""
 

@@ -102,6 +102,7 @@ class LLM:
         self._error: BaseException | None = None
         self._closed = False
         self._outbox = _Outbox()  # touched by the engine thread only
+        self._warm = threading.Event()  # the engine's deferred warm-up is done (or the engine thread has stopped)
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
         self._thread.start()
 
@@ -239,6 +240,14 @@ class LLM:
             raise KeyError(f"no submitted request {request_id!r} awaits collection")
         return future.result(timeout)
 
+    def wait_until_warm(self, timeout: float | None = None) -> bool:
+        """Wait until the engine has done the warm-up its load deferred (the native engine captures its CUDA graphs
+        while idle, or on the first step that needs each: ``RuntimeOptions.cuda_graph_capture``); requests are served
+        meanwhile. True once it is warm, False if ``timeout`` seconds passed first."""
+        warm = self._warm.wait(timeout)
+        self._check_open()
+        return warm
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; its waiter gets what was generated, with finish_reason "abort"."""
         self._commands.put(("abort", request_id))
@@ -282,13 +291,18 @@ class LLM:
 
     def _run(self) -> None:
         try:
-            while self._handle_commands(block=not self.engine.has_unfinished()):
+            warming = True
+            while self._handle_commands(block=not (self.engine.has_unfinished() or warming)):
                 if self.engine.has_unfinished():
                     for result in self.engine.step():
                         if isinstance(result, RequestFailure):
                             self._fail(result.request_id, result.error)
                         else:
                             self._deliver(result)
+                elif warming:
+                    warming = self.engine.warm_up_step()
+                    if not warming:
+                        self._warm.set()
                 for request_id in self._outbox.flush():
                     self._commands.put(("abort", request_id))
             self._outbox.flush()
@@ -297,6 +311,8 @@ class LLM:
             with self._lock:
                 self._error = e
             self._fail_all(EngineClosedError(f"engine thread stopped: {type(e).__name__}: {e}"))
+        finally:
+            self._warm.set()  # a waiter learns from _check_open that the engine stopped
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; False once asked to close."""

@@ -13,6 +13,8 @@ Kernels = Literal["triton", "torch"]
 KERNELS: tuple[Kernels, ...] = ("triton", "torch")
 SchedulerPolicy = Literal["max_utilization", "guaranteed_no_evict"]
 SCHEDULER_POLICIES: tuple[SchedulerPolicy, ...] = ("max_utilization", "guaranteed_no_evict")
+GraphCapture = Literal["deferred", "at_load"]
+GRAPH_CAPTURES: tuple[GraphCapture, ...] = ("deferred", "at_load")
 
 
 class RuntimeOptionsError(KilnError):
@@ -28,9 +30,14 @@ class RuntimeOptions:
     - ``kernels``: ``"triton"`` runs the native engine's Triton kernels on CUDA tensors (paged attention, the KV
       store, RMSNorm, RoPE, SiLU-and-multiply, the weight-streaming linears of small batches); ``"torch"`` runs the
       plain PyTorch references everywhere. CPU tensors always take the references.
-    - ``cuda_graphs``: capture decode CUDA graphs per batch-size bucket and single-sequence prefill graphs per
-      token-count bucket at load on CUDA. None: where the Triton kernels run (the reference attention reads lengths
-      on the host and cannot be captured, so True with ``kernels="torch"`` is refused).
+    - ``cuda_graphs``: run steps through CUDA graphs on CUDA: decode graphs per batch-size bucket and single-sequence
+      prefill graphs per token-count bucket. None: where the Triton kernels run (the reference attention reads
+      lengths on the host and cannot be captured, so True with ``kernels="torch"`` is refused).
+    - ``cuda_graph_capture``: when those graphs are captured. ``"deferred"``: not at load, so the engine is ready in
+      about the time its weights take; each graph is captured by the first step that needs it (that step runs
+      eagerly) or while the engine is idle, largest first (``LLM.wait_until_warm`` waits for all). ``"at_load"``:
+      every graph during ``LLM.load`` (seconds more), so no step ever pays for a capture. None: deferred on one
+      GPU; a tensor-parallel engine captures at load (its ranks capture together) and refuses ``"deferred"``.
     - ``overlap_steps``: queue the next step on the device before reading the current step's tokens, so the host's
       scheduling overlaps the device's work.
     - ``pdl``: launch the Triton kernels of small batches (up to 16 tokens) with programmatic dependent launch on
@@ -56,6 +63,7 @@ class RuntimeOptions:
     device: str | None = None
     kernels: Kernels = "triton"
     cuda_graphs: bool | None = None
+    cuda_graph_capture: GraphCapture | None = None
     overlap_steps: bool = True
     pdl: bool = True
     linear_max_m: int | None = None
@@ -75,6 +83,9 @@ class RuntimeOptions:
         if self.scheduler_policy not in (None, *SCHEDULER_POLICIES):
             raise RuntimeOptionsError(f"scheduler_policy {self.scheduler_policy!r} must be one of "
                                       f"{', '.join(SCHEDULER_POLICIES)}, or None for the backend's default")
+        if self.cuda_graph_capture not in (None, *GRAPH_CAPTURES):
+            raise RuntimeOptionsError(f"cuda_graph_capture {self.cuda_graph_capture!r} must be one of "
+                                      f"{', '.join(GRAPH_CAPTURES)}, or None for the engine's default")
         if self.cuda_graphs and self.kernels != "triton":
             raise RuntimeOptionsError("cuda_graphs needs the Triton kernels (the reference attention reads lengths "
                                       "on the host and cannot be captured): use kernels 'triton', or turn CUDA "

@@ -113,6 +113,10 @@ def test_padded_decode_matches_eager_reference_and_leaves_other_blocks_untouched
         assert got.shape == logits.shape
         torch.testing.assert_close(got, logits, **tol)
         assert got.argmax(-1).tolist() == logits.argmax(-1).tolist()
+    if graphs.graphs is not None:  # the first step of a bucket captured it; the idle captures of the others
+        assert sorted(graphs.graphs.graphs) == [graphs.bucket(num_seqs)]  # warm up on padding: no KV written
+        while graphs.graphs.capture_next():
+            pass
     for (k, v), (gk, gv) in zip(runner.kv_caches, graph_caches, strict=True):
         torch.testing.assert_close(gk, k, **tol)  # padding rows stored nothing anywhere
         torch.testing.assert_close(gv, v, **tol)
@@ -196,6 +200,13 @@ def test_padded_prefill_matches_eager_reference_and_stores_only_its_tokens(engin
         graphs = PrefillGraphRunner(runner.model, graph_caches, runner.config, device, token_buckets=(8, 16, 32),
                                     capture=device.type == "cuda")
         got = graphs.run(tokens[cached:], list(range(cached, cached + new)), cached + new, block_tables(1)[0]).clone()
+        if graphs.graphs is not None:  # captured by that step; the idle captures of the others store nothing
+            assert sorted(graphs.graphs.graphs) == [(graphs.bucket(new), cached == 0)]
+            while graphs.graphs.capture_next():
+                pass
+            again = graphs.run(tokens[cached:], list(range(cached, cached + new)), cached + new,
+                               block_tables(1)[0])
+            torch.testing.assert_close(again, got, rtol=2e-3, atol=2e-3)  # its replay: the same K/V again
     assert graphs.bucket(new) == {5: 8, 16: 16, 27: 32, 14: 16}[new]
     tol = {"rtol": 1e-4, "atol": 1e-4} if device.type == "cpu" else {"rtol": 2e-3, "atol": 2e-3}
     assert got.shape == expected.shape == (1, runner.config.architecture.vocab_size)
@@ -277,10 +288,16 @@ def test_llm_with_cuda_graphs_serves_the_tokens_of_the_torch_reference_path(engi
     with LLM.load(engine_dir, RuntimeOptions(device="cuda", kernels="torch")) as llm:
         assert llm.engine.model_runner.decode_graphs is None
         expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    with LLM.load(engine_dir, RuntimeOptions(device="cuda")) as llm:
-        graphs = llm.engine.model_runner.decode_graphs
-        assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
-        assert sorted(llm.engine.model_runner.prefill_graphs.graphs) == [(64, False), (64, True)]
-        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
-        assert [o.token_ids for o in llm.generate(prompts[:3], GREEDY)] == expected[:3]
-        assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == expected  # single-sequence prefills
+    for capture in ("deferred", "at_load"):
+        with LLM.load(engine_dir, RuntimeOptions(device="cuda", cuda_graph_capture=capture)) as llm:
+            runner = llm.engine.model_runner
+            assert ("decode_graphs" in llm.stats()["load_phases_s"]) == (capture == "at_load")
+            # deferred: the steps capture what they need first, the idle engine the rest
+            assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+            assert llm.wait_until_warm(timeout=120)
+            assert sorted(runner.decode_graphs.graphs.graphs) == [1, 2, 4, 8]
+            assert sorted(runner.prefill_graphs.graphs.graphs) == [(64, False), (64, True)]
+            assert llm.stats()["cuda_graphs"]["captured"] == 6 and llm.stats()["cuda_graphs"]["pending"] == 0
+            assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+            assert [o.token_ids for o in llm.generate(prompts[:3], GREEDY)] == expected[:3]
+            assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == expected  # single-sequence prefills

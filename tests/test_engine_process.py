@@ -118,6 +118,9 @@ class _IdleEngine:
     def has_unfinished(self) -> bool:
         return False
 
+    def warm_up_step(self) -> bool:
+        return False
+
     def stats_snapshot(self) -> dict:
         return {"frozen_objects": gc.get_freeze_count()}
 
@@ -128,3 +131,27 @@ class _IdleEngine:
 def test_the_engine_process_exempts_its_startup_heap_from_the_garbage_collector():
     with LLM(ProcessEngine("tests.test_engine_process:_IdleEngine", {})) as llm:
         assert llm.stats()["frozen_objects"] > 1000  # modules and the engine: full collections skip them
+
+
+class _WarmingEngine(_IdleEngine):
+    """Has three pieces of deferred warm-up; its stats count the calls."""
+
+    def __init__(self) -> None:
+        self.warm_up_calls = 0
+
+    def warm_up_step(self) -> bool:
+        self.warm_up_calls += 1
+        return self.warm_up_calls < 3
+
+    def stats_snapshot(self) -> dict:
+        return {"warm_up_calls": self.warm_up_calls}
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["thread", "engine_process"])
+def test_the_deferred_warm_up_runs_while_idle_until_done_and_can_be_waited_for(apart):
+    engine = ProcessEngine("tests.test_engine_process:_WarmingEngine", {}) if apart else _WarmingEngine()
+    with LLM(engine) as llm:
+        assert llm.wait_until_warm(timeout=30)
+        assert llm.stats()["warm_up_calls"] == 3  # and no more once it said it was done
+    with pytest.raises(EngineClosedError):
+        llm.wait_until_warm(timeout=0)

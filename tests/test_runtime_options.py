@@ -26,6 +26,7 @@ def test_defaults_are_what_the_performance_figures_were_measured_with():
     ({"scheduler_policy": "fcfs"}, "scheduler_policy 'fcfs' must be one of max_utilization, guaranteed_no_evict"),
     ({"gpu_memory_utilization": 1.2}, r"gpu_memory_utilization 1.2 must be a number in \(0, 1\]"),
     ({"gpu_memory_utilization": 0}, "gpu_memory_utilization 0 must be"),
+    ({"cuda_graph_capture": "lazy"}, "cuda_graph_capture 'lazy' must be one of deferred, at_load"),
 ])
 def test_options_that_cannot_run_are_refused_naming_the_field(values, problem):
     with pytest.raises(RuntimeOptionsError, match=problem):
@@ -35,11 +36,12 @@ def test_options_that_cannot_run_are_refused_naming_the_field(values, problem):
 def test_the_cli_fills_options_from_kiln_variables_and_its_own_flags():
     environ = {"KILN_KERNELS": "torch", "KILN_CUDA_GRAPHS": "0", "KILN_OVERLAP_STEPS": "0", "KILN_PDL": "0",
                "KILN_LINEAR_MAX_M": "8", "KILN_SCHEDULER_POLICY": "guaranteed_no_evict",
-               "KILN_GPU_MEMORY_UTILIZATION": "0.95", "UNRELATED": "x"}
+               "KILN_GPU_MEMORY_UTILIZATION": "0.95", "KILN_CUDA_GRAPH_CAPTURE": "at_load", "UNRELATED": "x"}
     options = runtime_options(environ, device="cuda:1", num_kv_blocks=64)
     assert options == RuntimeOptions(device="cuda:1", kernels="torch", cuda_graphs=False, overlap_steps=False,
                                      pdl=False, linear_max_m=8, num_kv_blocks=64,
-                                     scheduler_policy="guaranteed_no_evict", gpu_memory_utilization=0.95)
+                                     scheduler_policy="guaranteed_no_evict", gpu_memory_utilization=0.95,
+                                     cuda_graph_capture="at_load")
     assert runtime_options(environ, gpu_memory_utilization=0.8).gpu_memory_utilization == 0.8  # the flag wins
     assert runtime_options({}) == RuntimeOptions()
 
@@ -52,6 +54,7 @@ def test_the_cli_fills_options_from_kiln_variables_and_its_own_flags():
     ("KILN_SCHEDULER_POLICY", "fifo", "must be one of max_utilization, guaranteed_no_evict"),
     ("KILN_GPU_MEMORY_UTILIZATION", "lots", r"must be a number in \(0, 1\]"),
     ("KILN_GPU_MEMORY_UTILIZATION", "1.5", r"must be a number in \(0, 1\]"),
+    ("KILN_CUDA_GRAPH_CAPTURE", "later", "must be one of deferred, at_load"),
 ])
 def test_a_bad_variable_is_refused_naming_it(name, value, problem):
     with pytest.raises(RuntimeOptionsError, match=f"{name}={value!r} {problem}"):

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from kiln.engines.native.builder import build_native_engine
-from kiln.runtime import LLM, SamplingParams
+from kiln.runtime import LLM, RuntimeOptions, SamplingParams
 from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError
 from kiln.runtime.native.parallel.step_batch import StepBatch
+from kiln.runtime.options import RuntimeOptionsError
 from tests.model_factories import make_fp8_checkpoint, make_hf_checkpoint, tiny_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +84,7 @@ def test_a_hand_written_fp8_checkpoint_with_an_fp8_kv_cache_splits_too(tmp_path)
 def test_preemption_prefix_reuse_and_structured_output_under_tp2_match_one_device(tmp_path):
     """A KV pool too small for the batch (preempted sequences recompute), prompts sharing a prefix (cached blocks
     reused on every rank) and a JSON-constrained request (rank 0's mask): the one-device engine's tokens."""
-    from kiln.runtime import RuntimeOptions, StructuredOutput
+    from kiln.runtime import StructuredOutput
 
     built = engines(tmp_path, REPO / "models" / "tiny-llama", tiny_plan(max_seq_len=128, max_input_len=64))
     prompts = [f"Monday, Tuesday, Wednesday, Thursday, {day}" for day in ("Friday", "Saturday", "Sunday", "May")]
@@ -127,10 +128,12 @@ def test_a_killed_worker_stops_the_engine_with_an_error_naming_it(tmp_path):
         assert "TensorParallelError" in llm.engine_error
 
 
-def test_a_worker_that_fails_to_load_its_shard_is_named_by_the_load_error(tmp_path):
+def test_a_worker_that_fails_to_load_its_shard_or_a_deferred_capture_is_refused_at_load(tmp_path):
     make_hf_checkpoint(tmp_path / "checkpoint", 0)
     (tmp_path / "tp2").mkdir()
     build_native_engine(tmp_path / "checkpoint", tmp_path / "tp2", tiny_plan(), "float32", tp_size=2)
+    with pytest.raises(RuntimeOptionsError, match="cuda_graph_capture 'deferred' cannot run a tensor-parallel"):
+        LLM.load(tmp_path / "tp2", RuntimeOptions(cuda_graph_capture="deferred"))  # refused before any worker starts
     (tmp_path / "tp2" / "rank1.safetensors").write_bytes(b"garbage")
     with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) exited with code 1 while the engine "
                                                   r"was loading"):

@@ -154,8 +154,9 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
         for batch in batches:
             step = decode_step(batch, args.context, blocks_per_seq, block_order)
             graphs = DecodeGraphRunner(model, kv_caches, config, torch.device("cuda"), batch_sizes=(batch,))
+            graphs.graphs.capture_next()
             step_ms = time_ms(lambda g=graphs, a=step: g.run(*a), args.steps)
-            replay_ms = time_ms(graphs.graphs[batch].replay, args.steps)
+            replay_ms = time_ms(graphs.graphs.graphs[batch].replay, args.steps)
             eager = eager_inputs(step, block)
             eager_ms = time_ms(lambda a=eager: forward_logits(model, kv_caches, *a), 5)
             floor_ms = (streamed + batch * (args.context + 1) * kv_per_token) / (args.bandwidth_gbs * 1e6)

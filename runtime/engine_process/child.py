@@ -57,11 +57,13 @@ def main(fd: int) -> int:
 
 def serve(conn: Connection, engine: Engine) -> None:
     """Apply the parent's adds and aborts between steps; after each step (or a command that produced a result), send
-    what it gave. Returns when the parent says close."""
+    what it gave. While idle, do the engine's deferred warm-up one piece at a time and say when it is done. Returns
+    when the parent says close."""
     last_stats = 0.0
+    warming = True
     while True:
         results: list[StreamDelta | RequestFailure] = []
-        for message in _messages(conn, block=not engine.has_unfinished()):
+        for message in _messages(conn, block=not (engine.has_unfinished() or warming)):
             if "close" in message:
                 return
             if "add" in message:
@@ -75,9 +77,15 @@ def serve(conn: Connection, engine: Engine) -> None:
         stepped = engine.has_unfinished()
         if stepped:
             results += engine.step()
-        if not (results or stepped):
+        warmed = False
+        if warming and not stepped:
+            warming = engine.warm_up_step()
+            warmed = not warming
+        if not (results or stepped or warmed):
             continue
         reply: dict = {"results": [result_to_wire(result) for result in results]}
+        if warmed:
+            reply["warm"] = True
         now = time.monotonic()
         if now - last_stats >= STATS_INTERVAL_S or not engine.has_unfinished():
             reply["stats"], last_stats = engine.stats_snapshot(), now

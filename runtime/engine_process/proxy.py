@@ -31,6 +31,7 @@ from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import Tokenizer, encode_prompt
 
 CLOSE_TIMEOUT_S = 60
+WARM_POLL_S = 0.01  # how long ``warm_up_step`` waits for the child's word before the caller handles its commands
 
 
 class EngineProcessError(KilnError):
@@ -48,6 +49,7 @@ class ProcessEngine:
             self._process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=environment)
         self._conn = Connection(ours.detach())
         self._unfinished: set[str] = set()
+        self._warm = False  # the child has said that its deferred warm-up is done
         try:
             send(self._conn, {"factory": factory, "arguments": arguments})
             hello = self._receive()
@@ -93,11 +95,22 @@ class ProcessEngine:
 
     def step(self) -> list[StreamDelta | RequestFailure]:
         """The results of the child's next step (or of adds and aborts it applied)."""
-        message = self._receive()
+        return self._take(self._receive())
+
+    def warm_up_step(self) -> bool:
+        """Whether the child is still warming up: it does so by itself while idle and says when it is done (waited
+        for here at most ``WARM_POLL_S``)."""
+        if not self._warm and self._conn.poll(WARM_POLL_S):
+            self._take(self._receive())
+        return not self._warm
+
+    def _take(self, message: dict) -> list[StreamDelta | RequestFailure]:
+        """The results of one of the child's messages, after noting its stats and whether it is warm."""
         if "fatal" in message:
             raise error_from_wire(message["fatal"], default=EngineProcessError)
         if "stats" in message:
             self._stats = message["stats"]
+        self._warm = self._warm or message.get("warm", False)
         results = [result_from_wire(item) for item in message["results"]]
         for result in results:
             if isinstance(result, RequestFailure) or result.finished:

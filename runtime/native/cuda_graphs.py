@@ -1,10 +1,11 @@
-"""Buckets, step staging and capture of one CUDA graph per bucket of a static-buffer forward, shared by the decode and
-prefill graph runners."""
+"""Buckets, step staging and the CUDA graphs of a static-buffer forward, one per bucket, captured when first needed;
+shared by the decode and prefill graph runners."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -57,27 +58,55 @@ class StepStaging:
             self._copied.record()
 
 
-@torch.inference_mode()
-def capture_graphs(device: torch.device, keys: tuple[Key, ...], forward: Callable[[Key], torch.Tensor],
-                   ) -> tuple[dict[Key, torch.cuda.CUDAGraph], dict[Key, torch.Tensor]]:
-    """Warm ``forward(key)`` up eagerly for every key (compiling its kernels) on a side stream, then capture each,
-    largest key first (the biggest buffers: keys sort by size), into one memory pool. Returns the graphs and their
-    output tensors."""
-    if device.type != "cuda":
-        raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for key in keys:
-            forward(key)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
-    pool = torch.cuda.graph_pool_handle()
-    graphs, outputs = {}, {}
-    for key in sorted(keys, reverse=True):
+class GraphSet(Generic[Key]):
+    """One CUDA graph per key of a static-buffer ``forward``, in one memory pool, each captured when it is first
+    needed rather than all at load: by ``run`` on the first step that takes its key (the step runs eagerly, which
+    compiles and warms its kernels, and the graph is captured for the steps after it), or by ``capture_next`` while
+    the engine is idle (the largest key first: the biggest buffers, which the smaller keys' captures then reuse).
+
+    ``stage_padding(key)`` fills the static buffers with a step that reads and writes no KV block, for the warm-up of
+    an idle capture. Captures use thread-local capture mode, so a thread of the embedding process that uses CUDA
+    meanwhile is not disturbed."""
+
+    def __init__(self, device: torch.device, keys: tuple[Key, ...], forward: Callable[[Key], torch.Tensor],
+                 stage_padding: Callable[[Key], None]) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        self._forward, self._stage_padding = forward, stage_padding
+        self.pending: list[Key] = sorted(keys)  # the largest last: captured first when idle
+        self.graphs: dict[Key, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[Key, torch.Tensor] = {}
+        self.capture_s = 0.0  # host time spent capturing, warm-ups included
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def run(self, key: Key) -> torch.Tensor:
+        """The output of ``forward(key)`` on the step in the static buffers: the graph's replay once captured, else
+        an eager run, after which the graph is captured."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return self.outputs[key]
+        output = self._forward(key)
+        self._capture(key, time.perf_counter())
+        return output
+
+    @torch.inference_mode()
+    def capture_next(self) -> bool:
+        """Capture the largest pending key over padding (after an eager warm-up); False when none is pending. Only
+        between steps: the static buffers are overwritten."""
+        if not self.pending:
+            return False
+        start, key = time.perf_counter(), self.pending[-1]
+        self._stage_padding(key)
+        self._forward(key)
+        self._capture(key, start)
+        return True
+
+    @torch.inference_mode()
+    def _capture(self, key: Key, start: float) -> None:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            outputs[key] = forward(key)
-        graphs[key] = graph
-    torch.cuda.synchronize(device)
-    return graphs, outputs
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self.outputs[key] = self._forward(key)
+        self.graphs[key] = graph
+        self.pending.remove(key)
+        self.capture_s += time.perf_counter() - start

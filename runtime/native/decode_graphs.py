@@ -1,4 +1,5 @@
-"""Decode CUDA graphs: one graph per batch-size bucket, captured at load, replayed with padded static buffers.
+"""Decode CUDA graphs: one graph per batch-size bucket, replayed with padded static buffers, each captured when first
+needed (``cuda_graphs.GraphSet``).
 
 A pure-decode step (every sequence brings one token) of ``n`` sequences runs in the smallest bucket ``bs >= n``: the
 real rows are copied into static buffers, rows ``n..bs`` are padding (token 0 at position 0, KV slot -1 so the Triton
@@ -13,18 +14,13 @@ check the padding).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from kiln.runtime.native.attention_metadata import AttentionMetadata
-from kiln.runtime.native.cuda_graphs import StepStaging, capture_graphs, doubling_sizes, smallest_bucket
+from kiln.runtime.native.cuda_graphs import GraphSet, StepStaging, doubling_sizes, smallest_bucket
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.kv_cache import KVCache
 from kiln.runtime.native.model.decoder import DecoderModel
-
-logger = logging.getLogger("kiln.runtime")
-
 
 # Above this many sequences the buckets grow by it rather than doubling, so that a batch of 2,100 runs in a graph of
 # 2,560 rather than 4,096: at these sizes the GEMMs are bound by compute, and every padding row costs its share.
@@ -39,7 +35,8 @@ def decode_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
 
 
 class DecodeGraphRunner:
-    """Static decode buffers for up to ``max(batch_sizes)`` sequences and one CUDA graph per bucket."""
+    """Static decode buffers for up to ``max(batch_sizes)`` sequences and, with ``capture``, one CUDA graph per bucket
+    (captured when first needed: ``graphs``)."""
 
     def __init__(self, model: DecoderModel, kv_caches: list[KVCache], config: EngineConfig, device: torch.device,
                  batch_sizes: tuple[int, ...] | None = None, capture: bool = True) -> None:
@@ -66,10 +63,7 @@ class DecodeGraphRunner:
                                   max_query_len=1, max_seq_len=plan.max_seq_len)
             for bs in self.batch_sizes
         }
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        if capture:
-            self._capture()
+        self.graphs = GraphSet(self.device, self.batch_sizes, self._forward, self._stage_padding) if capture else None
 
     def bucket(self, n: int) -> int:
         """The smallest bucket that holds ``n`` sequences."""
@@ -92,10 +86,7 @@ class DecodeGraphRunner:
         self._stage(token_ids, positions, seq_lens, block_tables, bs)
         if fed_ids is not None:
             self.input_ids.index_copy_(0, *fed_ids)  # after the staged copy, in stream order
-        if bs in self.graphs:
-            self.graphs[bs].replay()
-            return self.logits[bs][:n]
-        return self._forward(bs)[:n]
+        return (self.graphs.run(bs) if self.graphs is not None else self._forward(bs))[:n]
 
     def _stage(self, token_ids: list[int], positions: list[int], seq_lens: list[int], block_tables: list[list[int]],
                bs: int) -> None:
@@ -125,21 +116,18 @@ class DecodeGraphRunner:
         row_tables[n:bs] = [(None, 0)] * (bs - n)
         self.staging.upload()
 
+    def _stage_padding(self, bs: int) -> None:
+        """A step of ``bs`` padding rows, which stores no K/V and reads block 0 only."""
+        self._stage([], [], [], [], bs)
+
     def _forward(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.metas[bs], self.kv_caches)
         return self.model.compute_logits(hidden)
 
-    def _capture(self) -> None:
-        """Capture every bucket (``capture_graphs``); the static buffers hold padding only, so neither the warm-up nor
-        the capture writes the KV cache."""
-        self.graphs, self.logits = capture_graphs(self.device, self.batch_sizes, self._forward)
 
-
-def maybe_capture_decode_graphs(model: DecoderModel, kv_caches: list[KVCache], config: EngineConfig,
-                                device: torch.device, enabled: bool) -> DecodeGraphRunner | None:
-    """The captured decode graphs on a CUDA device when ``enabled``, else None."""
+def maybe_decode_graphs(model: DecoderModel, kv_caches: list[KVCache], config: EngineConfig, device: torch.device,
+                        enabled: bool) -> DecodeGraphRunner | None:
+    """The decode graph runner on a CUDA device when ``enabled`` (its graphs not captured yet), else None."""
     if device.type != "cuda" or not enabled:
         return None
-    runner = DecodeGraphRunner(model, kv_caches, config, device)
-    logger.info("captured decode CUDA graphs for batch sizes %s", ", ".join(map(str, runner.batch_sizes)))
-    return runner
+    return DecodeGraphRunner(model, kv_caches, config, device)

@@ -17,7 +17,7 @@ from kiln.runtime.native.parallel.group import TensorParallelError
 from kiln.runtime.native.parallel.launch import TensorParallelRanks
 from kiln.runtime.native.sampler import SamplingError
 from kiln.runtime.native.scheduler import Scheduler, SchedulerOutput
-from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.options import RuntimeOptions, RuntimeOptionsError
 from kiln.runtime.outputs import (
     RequestFailedError,
     RequestFailure,
@@ -46,6 +46,9 @@ class NativeEngine:
         self.tokenizer = Tokenizer.from_dir(engine_dir)
         architecture = self.config.architecture
         self.grammars = Grammars(self.tokenizer, architecture.vocab_size, architecture.eos_token_ids)
+        if self.config.tp_size > 1 and options.cuda_graph_capture == "deferred":
+            raise RuntimeOptionsError("cuda_graph_capture 'deferred' cannot run a tensor-parallel engine: its ranks "
+                                      "capture their CUDA graphs together, at load; leave it unset or pass 'at_load'")
         # a tensor-parallel engine: this process is rank 0, the other ranks are worker processes it starts
         self.ranks = TensorParallelRanks(engine_dir, options, self.config.tp_size, self.device) \
             if self.config.tp_size > 1 else None
@@ -104,6 +107,13 @@ class NativeEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def warm_up_step(self) -> bool:
+        """Capture one CUDA graph the load deferred (``RuntimeOptions.cuda_graph_capture``); False when none is left.
+        Called while no request is in flight."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up_step is for an idle engine: a request is in flight")
+        return self.model_runner.capture_next_graph()
 
     def step(self) -> list[StreamDelta | RequestFailure]:
         """One step: what each sampled request gained, or why it failed (the others are unaffected).
@@ -207,6 +217,7 @@ class NativeEngine:
         return {
             **self.stats.snapshot(),
             "load_phases_s": self.model_runner.load_times.seconds,
+            "cuda_graphs": self.model_runner.graph_stats(),
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "kv_cache": {"num_blocks": bm.num_blocks, "block_size": bm.block_size, "used_blocks": bm.num_used_blocks,

@@ -13,7 +13,7 @@ import torch
 
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.attention_metadata import AttentionMetadata
-from kiln.runtime.native.decode_graphs import maybe_capture_decode_graphs
+from kiln.runtime.native.decode_graphs import maybe_decode_graphs
 from kiln.runtime.native.device_copy import device_tensor
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.grammar import Grammars
@@ -25,7 +25,7 @@ from kiln.runtime.native.parallel.channel import StepChannel
 from kiln.runtime.native.parallel.group import TensorParallelGroup
 from kiln.runtime.native.parallel.sharding import rank_config
 from kiln.runtime.native.parallel.step_batch import StepBatch
-from kiln.runtime.native.prefill_graphs import maybe_capture_prefill_graphs
+from kiln.runtime.native.prefill_graphs import maybe_prefill_graphs
 from kiln.runtime.native.prompt_logprobs import (
     PromptLogprobs,
     PromptLogprobsCollector,
@@ -101,13 +101,15 @@ class LaunchedStep:
 class ModelRunner:
     """Owns the model weights and the paged KV pool on one device, and executes scheduler outputs on them; the
     kernels, CUDA graphs and KV pool size follow ``options``. On a tensor-parallel engine it is rank ``tp.rank``'s
-    shard; rank 0's hands each step to the other ranks through ``channel``."""
+    shard; rank 0's hands each step to the other ranks through ``channel``, and every rank captures its graphs at
+    load (together); on one GPU they are captured when first needed, or by ``capture_next_graph`` while idle."""
 
     def __init__(self, engine_dir: Path, config: EngineConfig, device: torch.device, options: RuntimeOptions,
                  grammars: Grammars | None = None, tp: TensorParallelGroup | None = None,
                  channel: StepChannel | None = None) -> None:
         self.device = device
         self.tp, self.channel = tp, channel
+        captures_at_load = self._captures_at_load(options)
         self.block_size = config.plan.tokens_per_block
         self.load_times = PhaseTimes(functools.partial(torch.cuda.synchronize, device) if device.type == "cuda"
                                      else lambda: None)
@@ -119,10 +121,30 @@ class ModelRunner:
             self._allocate_kv_pool(config, options)
         self.sampler = Sampler(config.architecture.eos_token_ids, grammars)
         graphs = options.captures_cuda_graphs
-        with self.load_times.phase("decode_graphs"):
-            self.decode_graphs = maybe_capture_decode_graphs(self.model, self.kv_caches, config, device, graphs)
-        with self.load_times.phase("prefill_graphs"):
-            self.prefill_graphs = maybe_capture_prefill_graphs(self.model, self.kv_caches, config, device, graphs)
+        self.decode_graphs = maybe_decode_graphs(self.model, self.kv_caches, config, device, graphs)
+        self.prefill_graphs = maybe_prefill_graphs(self.model, self.kv_caches, config, device, graphs)
+        for name, runner in (("decode_graphs", self.decode_graphs), ("prefill_graphs", self.prefill_graphs)):
+            if captures_at_load and runner is not None:
+                with self.load_times.phase(name):
+                    while runner.graphs.capture_next():
+                        pass
+
+    def _captures_at_load(self, options: RuntimeOptions) -> bool:
+        """Whether every CUDA graph is captured during the load (``RuntimeOptions.cuda_graph_capture``; always on a
+        tensor-parallel engine, whose ranks capture together)."""
+        return self.tp is not None or options.cuda_graph_capture == "at_load"
+
+    def capture_next_graph(self) -> bool:
+        """Capture one CUDA graph that is still pending (the decode buckets first, each kind largest first); False
+        when none is. Only between steps, with none in flight: the graphs' static buffers are overwritten."""
+        return any(runner is not None and runner.graphs.capture_next()
+                   for runner in (self.decode_graphs, self.prefill_graphs))
+
+    def graph_stats(self) -> dict:
+        """How many CUDA graphs are captured and pending, and the host seconds their captures took."""
+        sets = [runner.graphs for runner in (self.decode_graphs, self.prefill_graphs) if runner is not None]
+        return {"captured": sum(len(s.graphs) for s in sets), "pending": sum(len(s.pending) for s in sets),
+                "capture_s": round(sum(s.capture_s for s in sets), 4)}
 
     def _allocate_kv_pool(self, config: EngineConfig, options: RuntimeOptions) -> None:
         self.num_kv_blocks = options.num_kv_blocks or self._default_num_kv_blocks(

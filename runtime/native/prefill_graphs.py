@@ -1,4 +1,5 @@
-"""Prefill CUDA graphs: one graph per token-count bucket for steps of a single sequence, captured at load.
+"""Prefill CUDA graphs: one graph per token-count bucket for steps of a single sequence, each captured when first
+needed (``cuda_graphs.GraphSet``).
 
 An eager prefill launches about thirty kernels per layer from Python, which on an idle engine takes longer than the
 GPU needs to run them: a 1000-token FP8 prefill of Llama-3-8B is 16 ms of GPU work and ~24 ms of launching. A step
@@ -11,24 +12,20 @@ Each bucket has two graphs: one for a whole prompt, whose attention runs causall
 (``AttentionMetadata.whole_prompt``; the padding rows come last, so no prompt row sees them), and one for a step that
 continues a cached context.
 
-Captured with the decode graphs (``RuntimeOptions.captures_cuda_graphs``); ``capture=False`` runs the same padded
+Captured as the decode graphs are (``RuntimeOptions.captures_cuda_graphs``); ``capture=False`` runs the same padded
 forward eagerly (how the CPU tests check the padding).
 """
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
 from kiln.runtime.native.attention_metadata import AttentionMetadata
-from kiln.runtime.native.cuda_graphs import StepStaging, capture_graphs, doubling_sizes, smallest_bucket
+from kiln.runtime.native.cuda_graphs import GraphSet, StepStaging, doubling_sizes, smallest_bucket
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.kv_cache import KVCache
 from kiln.runtime.native.model.decoder import DecoderModel
-
-logger = logging.getLogger("kiln.runtime")
 
 # Buckets double from MIN to MAX tokens (capped by the plan's max_num_tokens): above MAX a prefill's GPU work
 # outweighs its launches, and each bucket costs a capture at load.
@@ -41,7 +38,8 @@ def prefill_token_buckets(max_num_tokens: int) -> tuple[int, ...]:
 
 
 class PrefillGraphRunner:
-    """Static buffers for one sequence of up to ``max(token_buckets)`` new tokens and one CUDA graph per bucket."""
+    """Static buffers for one sequence of up to ``max(token_buckets)`` new tokens and, with ``capture``, one CUDA graph
+    per bucket and kind (captured when first needed: ``graphs``)."""
 
     def __init__(self, model: DecoderModel, kv_caches: list[KVCache], config: EngineConfig, device: torch.device,
                  token_buckets: tuple[int, ...] | None = None, capture: bool = True) -> None:
@@ -66,10 +64,8 @@ class PrefillGraphRunner:
                                           max_query_len=t, max_seq_len=plan.max_seq_len, whole_prompt=whole)
             for t in self.token_buckets for whole in (False, True)
         }
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
-        if capture:  # the buffers hold an empty sequence: neither warm-up nor capture writes the KV cache
-            self.graphs, self.logits = capture_graphs(self.device, tuple(self.metas), self._forward)
+        self.graphs = GraphSet(self.device, tuple(self.metas), self._forward, self._stage_padding) if capture \
+            else None
 
     def bucket(self, n: int) -> int:
         """The smallest bucket that holds ``n`` tokens."""
@@ -86,10 +82,7 @@ class PrefillGraphRunner:
         n = len(token_ids)
         key = self.bucket(n), n == seq_len
         self._stage(token_ids, positions, seq_len, block_table, key[0])
-        if key in self.graphs:
-            self.graphs[key].replay()
-            return self.logits[key]
-        return self._forward(key)
+        return self.graphs.run(key) if self.graphs is not None else self._forward(key)
 
     def _stage(self, token_ids: list[int], positions: list[int], seq_len: int, block_table: list[int],
                t: int) -> None:
@@ -107,6 +100,14 @@ class PrefillGraphRunner:
         i32[3:3 + len(block_table)] = block_table[:len(i32) - 3]  # seq_len <= max_seq_len: the table fits
         self.staging.upload()
 
+    def _stage_padding(self, key: tuple[int, bool]) -> None:
+        """An empty sequence: every token padding (stores no K/V), no context, the logits of row 0."""
+        i64, i32 = self.staging.host()
+        i64[:] = 0
+        i64[2 * self.max_tokens:3 * self.max_tokens] = -1
+        i32[:] = 0
+        self.staging.upload()
+
     def _forward(self, key: tuple[int, bool]) -> torch.Tensor:
         """The padded forward of bucket ``key[0]`` tokens, for a whole prompt when ``key[1]``."""
         t = key[0]
@@ -114,11 +115,9 @@ class PrefillGraphRunner:
         return self.model.compute_logits(hidden.index_select(0, self.last_index))
 
 
-def maybe_capture_prefill_graphs(model: DecoderModel, kv_caches: list[KVCache], config: EngineConfig,
-                                 device: torch.device, enabled: bool) -> PrefillGraphRunner | None:
-    """The captured prefill graphs on a CUDA device when ``enabled``, else None."""
+def maybe_prefill_graphs(model: DecoderModel, kv_caches: list[KVCache], config: EngineConfig, device: torch.device,
+                         enabled: bool) -> PrefillGraphRunner | None:
+    """The prefill graph runner on a CUDA device when ``enabled`` (its graphs not captured yet), else None."""
     if device.type != "cuda" or not enabled or config.plan.max_num_tokens < 2:
         return None
-    runner = PrefillGraphRunner(model, kv_caches, config, device)
-    logger.info("captured prefill CUDA graphs for %s tokens", ", ".join(map(str, runner.token_buckets)))
-    return runner
+    return PrefillGraphRunner(model, kv_caches, config, device)

@@ -30,7 +30,8 @@ from kiln.runtime.trtllm.toolchain import (
 )
 
 # RuntimeOptions that choose how Kiln's native engine runs; TensorRT-LLM's engine runs its own kernels and graphs
-NATIVE_ONLY_OPTIONS = ("kernels", "cuda_graphs", "overlap_steps", "pdl", "linear_max_m", "gpu_memory_utilization")
+NATIVE_ONLY_OPTIONS = ("kernels", "cuda_graphs", "cuda_graph_capture", "overlap_steps", "pdl", "linear_max_m",
+                       "gpu_memory_utilization")
 
 FINISH_REASONS = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "abort",
                    "TIMED_OUT": "abort"}
@@ -141,6 +142,10 @@ class TrtllmEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def warm_up_step(self) -> bool:
+        """Nothing is deferred: the executor is ready once loaded."""
+        return False
 
     def step(self) -> list[StreamDelta | RequestFailure]:
         """Collect what the executor produced since the last call (waits up to `poll_ms` for it)."""
