@@ -2,10 +2,11 @@
 # Issue #34 on one H200: rows of TensorRT-LLM's table (`kiln bench --suite trtllm-h200`) and how fast the cached 8B
 # FP8 engine is ready (tools/load_time.py). The cache lives in /dev/shm (the 8B checkpoints and engines outgrow the
 # disk). Results go to $OUT (default ./gpu-out), one JSON per step and a line each on stdout.
-#   bash tools/gpu_table.sh [direct] [batch=N] [KILN_X=V] rows=128/128[,1000/1000] [load] ...
+#   bash tools/gpu_table.sh [direct] [batch=N] [KILN_X=V] rows=128/128[,1000/1000] [batch1] [load] ...
 # Each step applies from then on: direct makes the FP8 weights directly (--random-quantized: no bf16 checkpoint, no
 # modelopt, minutes less on a fresh machine), batch=N passes --max-batch-size N, KILN_X=V sets a runtime option
-# (KILN_SCHEDULER_POLICY=guaranteed_no_evict, KILN_GPU_MEMORY_UTILIZATION=0.95).
+# (KILN_SCHEDULER_POLICY=guaranteed_no_evict, KILN_GPU_MEMORY_UTILIZATION=0.95), batch1 measures batch-1 decode
+# and time to first token (1000 in, 128 out), and load times the engine of the step before it.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 export KILN_CACHE=${KILN_CACHE:-/dev/shm/kiln-table}
@@ -32,10 +33,14 @@ for r in json.load(open(sys.argv[1]))["rows"]:
           f"{r['load_phases_s']}")
 PY
       ;;
+    batch1)
+      LAST="$OUT/batch1${TAG:-}.json"
+      $BENCH --batch-1 --input-len 1000 --output-len 128 --json > "$LAST" 2> "${LAST%.json}.err" || tail -5 "${LAST%.json}.err"
+      python3 -c "import json,sys; r = json.load(open(sys.argv[1])); k = r['kiln']; print({n: k.get(n) for n in ('decode_tokens_per_s_batch1', 'ttft_ms', 'load_ms', 'load_phases_s')}, r.get('floor_fraction_batch1'))" "$LAST" ;;
     load)
-      engine=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['rows'][0]['engine_dir'])" "$LAST")
-      python3 tools/load_time.py "$engine" --json > "$OUT/load.json" 2> "$OUT/load.err" || tail -5 "$OUT/load.err"
+      engine=$(python3 -c "import json,sys; r = json.load(open(sys.argv[1])); print(r['rows'][0]['engine_dir'] if 'rows' in r else r['kiln']['engine_dir'])" "$LAST")
+      python3 tools/load_time.py "$engine" --json --profile "$OUT/load_profile.txt" > "$OUT/load.json" 2> "$OUT/load.err" || tail -5 "$OUT/load.err"
       cat "$OUT/load.json" ;;
-    *) echo "unknown step $step: direct, batch=N, KILN_X=V, rows=IN/OUT[,...] or load" >&2; exit 2 ;;
+    *) echo "unknown step $step: direct, batch=N, KILN_X=V, rows=IN/OUT[,...], batch1 or load" >&2; exit 2 ;;
   esac
 done

@@ -1,8 +1,12 @@
 """How long a cached engine takes to be ready: the weight loaders against each other, `LLM.load` by phase, and
-process start to first token, with a warm page cache and a cold one (the engine's files dropped from the page cache
-with posix_fadvise, which needs no privileges).
+process start to first token and to every CUDA graph captured, with a warm page cache and a cold one (the engine's
+files dropped from the page cache with posix_fadvise, which needs no privileges), and with the graphs captured at load
+instead of deferred.
 
-    python tools/load_time.py ENGINE_DIR [--repeats 3] [--json]
+    python tools/load_time.py ENGINE_DIR [--repeats 3] [--json] [--profile FILE]
+
+``--profile FILE`` also writes where a fresh process's `LLM.load` and first token spend their time (cProfile, the
+40 functions of largest cumulative time) to FILE.
 """
 
 from __future__ import annotations
@@ -24,12 +28,28 @@ from kiln.runtime.native.model.decoder import DecoderModel
 from kiln.runtime.native.weight_loading import load_weights_into
 
 FIRST_TOKEN = """
-import sys, time
+import cProfile, io, json, pstats, sys, time
 start = float(sys.argv[2])
-from kiln.runtime import LLM, SamplingParams
-llm = LLM.load(sys.argv[1])
+from kiln.runtime import LLM, RuntimeOptions, SamplingParams
+imported = time.time() - start
+profile = cProfile.Profile() if sys.argv[3] else None
+if profile:
+    profile.enable()
+llm = LLM.load(sys.argv[1], RuntimeOptions(cuda_graph_capture=sys.argv[4] or None))
+loaded = time.time() - start
 llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, detokenize=False))
-print(time.time() - start, llm.load_ms / 1000, flush=True)
+first = time.time() - start
+if profile:
+    profile.disable()
+    text = io.StringIO()
+    for order, count in (("cumulative", 40), ("tottime", 25)):
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(count)
+    open(sys.argv[3], "w").write(text.getvalue())
+llm.wait_until_warm()
+print(json.dumps({"start_to_first_token_s": round(first, 3), "import_s": round(imported, 3),
+                  "start_to_loaded_s": round(loaded, 3), "llm_load_s": round(llm.load_ms / 1000, 3),
+                  "start_to_warm_s": round(time.time() - start, 3), "load_phases_s": llm.stats()["load_phases_s"],
+                  "cuda_graphs": llm.stats()["cuda_graphs"]}), flush=True)
 llm.close()
 """
 
@@ -77,13 +97,14 @@ def time_loaders(engine_dir: Path, repeats: int) -> dict:
     return out
 
 
-def first_token(engine_dir: Path, cold: bool) -> dict:
+def first_token(engine_dir: Path, cold: bool, profile: Path | None = None, capture: str = "") -> dict:
+    """A fresh process's import, `LLM.load` (with its phases), first token of a 4-token prompt and every CUDA graph
+    captured, from its start (``capture``: RuntimeOptions.cuda_graph_capture, empty for the default)."""
     if cold:
         drop_page_cache(engine_dir)
-    run = subprocess.run([sys.executable, "-c", FIRST_TOKEN, str(engine_dir), repr(time.time())],
-                         capture_output=True, text=True, check=True)
-    to_first, load_s = map(float, run.stdout.split())
-    return {"start_to_first_token_s": round(to_first, 3), "llm_load_s": round(load_s, 3)}
+    run = subprocess.run([sys.executable, "-c", FIRST_TOKEN, str(engine_dir), repr(time.time()), str(profile or ""),
+                          capture], capture_output=True, text=True, check=True)
+    return json.loads(run.stdout.splitlines()[-1])
 
 
 def main() -> None:
@@ -91,16 +112,24 @@ def main() -> None:
     parser.add_argument("engine_dir", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", type=Path, help="write a cProfile of a fresh process's load to this file")
     args = parser.parse_args()
     report = {"loaders": time_loaders(args.engine_dir, args.repeats)}
     torch.cuda.empty_cache()
     report["process_warm"] = [first_token(args.engine_dir, cold=False) for _ in range(args.repeats)]
     report["process_cold"] = first_token(args.engine_dir, cold=True)
+    report["process_graphs_at_load"] = first_token(args.engine_dir, cold=False, capture="at_load")
+    if args.profile:
+        report["process_profiled"] = first_token(args.engine_dir, cold=False, profile=args.profile)
     from kiln.runtime import LLM
 
     with LLM.load(args.engine_dir) as llm:
+        start = time.perf_counter()
+        llm.wait_until_warm()
         report["llm_load_s"] = round(llm.load_ms / 1000, 3)
+        report["then_warm_s"] = round(time.perf_counter() - start, 3)
         report["load_phases_s"] = llm.stats()["load_phases_s"]
+        report["cuda_graphs"] = llm.stats()["cuda_graphs"]
     print(json.dumps(report, indent=None if args.json else 2))
 
 

@@ -57,6 +57,10 @@ def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, 
     if on_loaded is not None:
         on_loaded(llm.load_ms)
     try:
+        progress("kiln: waiting for the idle engine to capture its CUDA graphs")
+        start = time.perf_counter()
+        llm.wait_until_warm()
+        warm_ms = (time.perf_counter() - start) * 1000
         def params(max_tokens: int) -> SamplingParams:
             # token ids only, as the peer's generate and TensorRT-LLM's executor return them
             return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -77,6 +81,8 @@ def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, 
             "ttft_ms": round(1000 * statistics.median(ttft), 3) if ttft else None,
             "load_ms": round(llm.load_ms, 2),
             "load_phases_s": llm.stats().get("load_phases_s"),
+            "warm_ms": round(warm_ms, 2),
+            "cuda_graphs": llm.stats().get("cuda_graphs"),
             "device": str(llm.engine.device) if hasattr(llm.engine, "device") else options.device,
             "kv_pool": kv_pool_report(llm),
         }

@@ -63,6 +63,9 @@ def print_report(report: dict) -> None:
     if phases := kiln.get("load_phases_s"):
         parts = [f"{name.replace('_', ' ')} {seconds:.2f} s" for name, seconds in phases.items()]
         stdout.print(f"load: {kiln['load_ms'] / 1000:.2f} s, of which {', '.join(parts)}", highlight=False)
+    if (graphs := kiln.get("cuda_graphs")) and graphs["captured"] and "decode_graphs" not in (phases or {}):
+        stdout.print(f"CUDA graphs: {graphs['captured']} captured while idle after the load, in "
+                     f"{kiln['warm_ms'] / 1000:.2f} s", highlight=False)
     if peer and "error" in peer:
         stdout.print(f"[yellow]peer transformers did not run[/]: {peer['error']}", highlight=False)
     elif peer and peer.get("note"):

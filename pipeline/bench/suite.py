@@ -95,7 +95,8 @@ def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str
             "kiln_tokens_per_s": tokens_per_s, "published_tokens_per_s": row.published_tokens_per_s,
             "published_by": row.published_by, "ratio": round(tokens_per_s / row.published_tokens_per_s, 4),
             **{name: kiln[name] for name in ("kv_pool", "offline_engine", "offline_s", "load_ms", "load_phases_s",
-                                             "quantization", "engine_dir", "engine_key", "cache_hit", "build_s")},
+                                             "warm_ms", "cuda_graphs", "quantization", "engine_dir", "engine_key",
+                                             "cache_hit", "build_s")},
         })
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return {"suite": suite.name, "source": suite.source, "counts": suite.why_counts, "target": str(resolved.path),
