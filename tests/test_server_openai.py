@@ -207,7 +207,7 @@ def test_metrics_expose_requests_latencies_queue_and_kv_blocks(server, client):
     for name in ("kiln_requests_total{endpoint=\"/v1/completions\",status=\"200\"}",
                  "kiln_time_to_first_token_seconds_bucket", "kiln_inter_token_latency_seconds_bucket",
                  "kiln_queue_depth", "kiln_running_requests", "kiln_kv_blocks_used", "kiln_kv_blocks_free",
-                 "kiln_prefix_cache_hit_rate", "kiln_engine_load_seconds",
+                 "kiln_prefix_cache_hit_rate", "kiln_engine_load_seconds", "kiln_cuda_graphs_pending 0.0",
                  'kiln_engine_step_seconds_total{kind="decode",part="execute"}', "kiln_engine_steps_queued_ahead_total",
                  'kiln_engine_step_seconds_total{kind="prefill",part="host"}'):
         assert name in text, name

@@ -60,6 +60,10 @@ class _EngineCollector:
             return
         yield GaugeMetricFamily("kiln_engine_load_seconds", "Time the runtime took to load the served engine",
                                 value=stats["load_ms"] / 1000)
+        if (graphs := stats.get("cuda_graphs")) is not None:  # the native engine's, captured after the load
+            yield GaugeMetricFamily("kiln_cuda_graphs_pending", "CUDA graphs not captured yet (0: the engine is warm)",
+                                    value=graphs["pending"])
+            yield GaugeMetricFamily("kiln_cuda_graphs_captured", "CUDA graphs captured", value=graphs["captured"])
         yield GaugeMetricFamily("kiln_queue_depth", "Requests waiting for the engine to schedule them",
                                 value=stats["num_waiting"])
         yield GaugeMetricFamily("kiln_running_requests", "Requests the engine is running", value=stats["num_running"])
