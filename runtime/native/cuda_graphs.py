@@ -102,6 +102,11 @@ class GraphSet(Generic[Key]):
         self._capture(key, start)
         return True
 
+    def capture_all(self) -> None:
+        """Capture every pending key now, largest first (a load with ``cuda_graph_capture="at_load"``)."""
+        while self.pending:
+            self.capture_next()
+
     @torch.inference_mode()
     def _capture(self, key: Key, start: float) -> None:
         graph = torch.cuda.CUDAGraph()

@@ -126,8 +126,7 @@ class ModelRunner:
         for name, runner in (("decode_graphs", self.decode_graphs), ("prefill_graphs", self.prefill_graphs)):
             if captures_at_load and runner is not None:
                 with self.load_times.phase(name):
-                    while runner.graphs.capture_next():
-                        pass
+                    runner.graphs.capture_all()
 
     def _captures_at_load(self, options: RuntimeOptions) -> bool:
         """Whether every CUDA graph is captured during the load (``RuntimeOptions.cuda_graph_capture``; always on a

@@ -28,7 +28,7 @@ from kiln.runtime.native.kv_cache import KVCache
 from kiln.runtime.native.model.decoder import DecoderModel
 
 # Buckets double from MIN to MAX tokens (capped by the plan's max_num_tokens): above MAX a prefill's GPU work
-# outweighs its launches, and each bucket costs a capture at load.
+# outweighs its launches, and each bucket costs a capture.
 PREFILL_GRAPH_MIN_TOKENS, PREFILL_GRAPH_MAX_TOKENS = 64, 2048
 
 
