@@ -6,7 +6,8 @@
 # Each step applies from then on: direct makes the FP8 weights directly (--random-quantized: no bf16 checkpoint, no
 # modelopt, minutes less on a fresh machine), batch=N passes --max-batch-size N, KILN_X=V sets a runtime option
 # (KILN_SCHEDULER_POLICY=guaranteed_no_evict, KILN_GPU_MEMORY_UTILIZATION=0.95), batch1 measures batch-1 decode
-# and time to first token (1000 in, 128 out), and load times the engine of the step before it.
+# and time to first token (1000 in, 128 out), and load times the engine of the step before it from a copy on the
+# disk (LOAD_DISK, default /tmp/kiln-load: a cold page cache needs a disk's).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 export KILN_CACHE=${KILN_CACHE:-/dev/shm/kiln-table}
@@ -39,7 +40,9 @@ PY
       python3 -c "import json,sys; r = json.load(open(sys.argv[1])); k = r['kiln']; print({n: k.get(n) for n in ('decode_tokens_per_s_batch1', 'ttft_ms', 'load_ms', 'load_phases_s')}, r.get('floor_fraction_batch1'))" "$LAST" ;;
     load)
       engine=$(python3 -c "import json,sys; r = json.load(open(sys.argv[1])); print(r['rows'][0]['engine_dir'] if 'rows' in r else r['kiln']['engine_dir'])" "$LAST")
-      python3 tools/load_time.py "$engine" --json --profile "$OUT/load_profile.txt" > "$OUT/load.json" 2> "$OUT/load.err" || tail -5 "$OUT/load.err"
+      mkdir -p "${LOAD_DISK:-/tmp/kiln-load}"
+      python3 tools/load_time.py "$engine" --json --profile "$OUT/load_profile.txt" --disk "${LOAD_DISK:-/tmp/kiln-load}" \
+        > "$OUT/load.json" 2> "$OUT/load.err" || tail -5 "$OUT/load.err"
       cat "$OUT/load.json" ;;
     *) echo "unknown step $step: direct, batch=N, KILN_X=V, rows=IN/OUT[,...], batch1 or load" >&2; exit 2 ;;
   esac

@@ -3,7 +3,10 @@ process start to first token and to every CUDA graph captured, with a warm page 
 files dropped from the page cache with posix_fadvise, which needs no privileges), and with the graphs captured at load
 instead of deferred.
 
-    python tools/load_time.py ENGINE_DIR [--repeats 3] [--json] [--profile FILE]
+    python tools/load_time.py ENGINE_DIR [--repeats 3] [--json] [--profile FILE] [--disk DIR]
+
+``--disk DIR`` measures a copy of the engine made in DIR (removed afterwards) instead of ENGINE_DIR: a cold page
+cache needs a disk's, and an engine cache in /dev/shm (tmpfs) keeps its pages whatever is asked.
 
 ``--profile FILE`` also writes where a fresh process's `LLM.load` and first token spend their time (cProfile, the
 40 functions of largest cumulative time) to FILE.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -107,29 +111,54 @@ def first_token(engine_dir: Path, cold: bool, profile: Path | None = None, captu
     return json.loads(run.stdout.splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("engine_dir", type=Path)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--profile", type=Path, help="write a cProfile of a fresh process's load to this file")
-    args = parser.parse_args()
-    report = {"loaders": time_loaders(args.engine_dir, args.repeats)}
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem that holds ``path`` (the longest mount point above it in /proc/mounts)."""
+    mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    resolved = str(path.resolve())
+    best = max((m for m in mounts if resolved == m[0] or resolved.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]))
+    return best[1]
+
+
+def measure(engine_dir: Path, args: argparse.Namespace) -> dict:
+    report = {"engine_dir": str(engine_dir), "filesystem": filesystem_type(engine_dir),
+              "loaders": time_loaders(engine_dir, args.repeats)}
     torch.cuda.empty_cache()
-    report["process_warm"] = [first_token(args.engine_dir, cold=False) for _ in range(args.repeats)]
-    report["process_cold"] = first_token(args.engine_dir, cold=True)
-    report["process_graphs_at_load"] = first_token(args.engine_dir, cold=False, capture="at_load")
+    report["process_warm"] = [first_token(engine_dir, cold=False) for _ in range(args.repeats)]
+    report["process_cold"] = first_token(engine_dir, cold=True)
+    report["process_graphs_at_load"] = first_token(engine_dir, cold=False, capture="at_load")
     if args.profile:
-        report["process_profiled"] = first_token(args.engine_dir, cold=False, profile=args.profile)
+        report["process_profiled"] = first_token(engine_dir, cold=False, profile=args.profile)
     from kiln.runtime import LLM
 
-    with LLM.load(args.engine_dir) as llm:
+    with LLM.load(engine_dir) as llm:
         start = time.perf_counter()
         llm.wait_until_warm()
         report["llm_load_s"] = round(llm.load_ms / 1000, 3)
         report["then_warm_s"] = round(time.perf_counter() - start, 3)
         report["load_phases_s"] = llm.stats()["load_phases_s"]
         report["cuda_graphs"] = llm.stats()["cuda_graphs"]
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("engine_dir", type=Path)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", type=Path, help="write a cProfile of a fresh process's load to this file")
+    parser.add_argument("--disk", type=Path, help="measure a copy of the engine made in this directory")
+    args = parser.parse_args()
+    if args.disk is None:
+        report = measure(args.engine_dir, args)
+    else:
+        copy = args.disk / args.engine_dir.name
+        shutil.copytree(args.engine_dir, copy)
+        try:
+            os.sync()  # the copy's pages on the disk, so that they can be dropped from the page cache
+            report = measure(copy, args)
+        finally:
+            shutil.rmtree(copy)
     print(json.dumps(report, indent=None if args.json else 2))
 
 
