@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from kiln.engines.native.builder import build_native_engine  # noqa: E402
 from kiln.runtime import LLM, SamplingParams  # noqa: E402
+from kiln.runtime.native.cuda_graphs import GraphSet  # noqa: E402
 from kiln.runtime.native.decode_graphs import DecodeGraphRunner, decode_batch_sizes  # noqa: E402
 from kiln.runtime.native.engine_format import EngineConfig  # noqa: E402
 from kiln.runtime.native.kernels import kv_store, paged_attention  # noqa: E402
@@ -299,3 +300,39 @@ def test_llm_with_cuda_graphs_serves_the_tokens_of_the_torch_reference_path(engi
             assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
             assert [o.token_ids for o in llm.generate(prompts[:3], GREEDY)] == expected[:3]
             assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == expected  # single-sequence prefills
+
+
+def test_graph_set_captures_a_key_on_its_first_run_and_the_largest_pending_one_when_idle():
+    """The bookkeeping of deferred capture, with CUDA's graph calls stood in for (the GPU tests capture for real)."""
+    calls = []
+
+    class Graph:
+        def __init__(self):
+            self.key = None
+
+        def replay(self):
+            calls.append(("replay", self.key))
+
+    @contextlib.contextmanager
+    def capturing(graph, pool, capture_error_mode):
+        assert capture_error_mode == "thread_local"  # another thread of the process may use CUDA meanwhile
+        calls.append("capture")
+        yield
+
+    def forward(key):
+        calls.append(("forward", key))
+        return torch.full((1,), float(key))
+
+    with (mock.patch.object(torch.cuda, "CUDAGraph", Graph), mock.patch.object(torch.cuda, "graph", capturing),
+          mock.patch.object(torch.cuda, "graph_pool_handle", lambda: "pool")):
+        graphs = GraphSet(torch.device("cuda"), (1, 4, 2), forward, lambda key: calls.append(("padding", key)))
+        assert graphs.run(2).item() == 2  # eager (the real step), then captured
+        assert calls == [("forward", 2), "capture", ("forward", 2)] and graphs.pending == [1, 4]
+        calls.clear()
+        graphs.graphs[2].key = 2
+        assert graphs.run(2).item() == 2 and calls == [("replay", 2)]
+        calls.clear()
+        assert graphs.capture_next() and graphs.pending == [1]  # the largest first, warmed up on padding
+        assert calls == [("padding", 4), ("forward", 4), "capture", ("forward", 4)]
+        graphs.capture_all()
+        assert not graphs.pending and sorted(graphs.graphs) == [1, 2, 4] and not graphs.capture_next()
