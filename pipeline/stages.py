@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from kiln.calibration.layout import QuantizedCheckpoint
 from kiln.calibration.recipe import recipe_material
 from kiln.engines.cache import ContentStore, EngineCache, EntryHold, LookupResult, engine_key
-from kiln.engines.cache.layout import entry_of_payload, payload_path
+from kiln.engines.cache.layout import entry_of_payload, entry_path, payload_path
+from kiln.engines.cache.manifest import read_manifest
 from kiln.engines.cache.remote import RemoteUnavailableError
 from kiln.engines.cache.units import format_bytes
 from kiln.pipeline.backend import BackendChoice
@@ -93,12 +94,12 @@ class BuildContext:
     @property
     def model_name(self) -> str:
         """How cache listings name the model: its folder's name, or the name a checkpoint generated into the cache
-        (``kiln bench``'s random weights) was stored under."""
+        (``kiln bench``'s random weights) was stored under, in whichever cache root holds it."""
         in_cache = entry_of_payload(self.model_dir)
-        if in_cache is None or self.cache is None:
+        if in_cache is None:
             return self.model_dir.name
-        _, store, key = in_cache
-        return self.cache.stores[store].read_manifest(key).get("describe", {}).get("model", self.model_dir.name)
+        manifest = read_manifest(entry_path(*in_cache)) or {}
+        return manifest.get("describe", {}).get("model", self.model_dir.name)
 
     @property
     def load_options(self) -> RuntimeOptions:

@@ -238,13 +238,16 @@ def test_max_batch_size_sets_a_generated_plan_and_is_refused_for_a_config(tmp_pa
                                  seed=0).build for batch in (None, 2048, 9000)}
     assert [plans[b].max_batch_size for b in (None, 2048, 9000)] == [MAX_BENCH_BATCH, 2048, 5000]  # <= the requests
     code, _, err = run_bench("tiny-llama-bf16.yaml", "--max-batch-size", "4")
-    assert code == 2 and "--max-batch-size and --random-quantized apply to architecture files" in err
+    assert code == 2 and "--random-quantized and --checkpoint-cache apply to architecture files" in err
 
 
-def test_random_quantized_fp8_weights_build_without_modelopt(tmp_path):
+def test_random_quantized_fp8_weights_build_without_modelopt(tmp_path, kiln_cache):
     arch = write_architecture(tmp_path / "tiny-direct.json")
     report = bench_json(str(arch), *SMALL, "--batch-1", "--format", "fp8", "--kv-cache-dtype", "fp8",
-                        "--random-quantized", "--bandwidth-gbs", "10")
+                        "--random-quantized", "--bandwidth-gbs", "10", "--checkpoint-cache", str(tmp_path / "ckpts"))
+    # the checkpoint in the cache --checkpoint-cache names, the engine in KILN_CACHE's
+    assert [row["store"] for row in ls_entries(EngineCache.open_configured(tmp_path / "ckpts"))] == ["checkpoints"]
+    assert Path(report["kiln"]["engine_dir"]).is_relative_to(kiln_cache)
     assert "random FP8 weights with an FP8 KV cache made directly" in report["kiln"]["quantization"]
     assert "modelopt (" not in report["kiln"]["quantization"]  # no quantize stage ran
     engine = json.loads((Path(report["kiln"]["engine_dir"]) / "engine.json").read_text())

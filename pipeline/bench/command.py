@@ -10,6 +10,7 @@ the engine's load time from the cache. The run is in ``pipeline/bench/run.py``; 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -52,6 +53,10 @@ def bench(
                                 "file: make the FP8 weights and scales directly at random instead of writing bf16 "
                                 "weights and quantizing them with modelopt (for models whose bf16 weights outgrow "
                                 "the disk or one GPU, such as Llama-3-70B).")] = False,
+    checkpoint_cache: Annotated[Path | None, typer.Option("--checkpoint-cache", help="Keep the random-weight "
+                                "checkpoints of an architecture file in the engine cache at this directory instead "
+                                "of KILN_CACHE's, e.g. in /dev/shm when the disk holds the engine but not both "
+                                "(Llama-3-70B FP8: 72 GB each).")] = None,
     max_batch_size: Annotated[int | None, typer.Option("--max-batch-size", min=1, help="The most requests an "
                               "architecture file's engine runs at once (default 512, or a --suite row's own).")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the prompts and of random weights.")] = 0,
@@ -74,8 +79,8 @@ def bench(
                                  "leave out --peer")
     if suite is not None:
         _run_suite(target, suite, rows, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
-                   random_quantized=random_quantized, max_batch_size=max_batch_size, allow_large=allow_large,
-                   seed=seed, peer=peer, json_out=json_out)
+                   random_quantized=random_quantized, checkpoint_cache=checkpoint_cache, max_batch_size=max_batch_size,
+                   allow_large=allow_large, seed=seed, peer=peer, json_out=json_out)
         return
     if rows is not None:
         raise typer.BadParameter("--rows selects rows of a --suite")
@@ -84,15 +89,16 @@ def bench(
     report = run_bench(target, BenchPlan(prompts, input_len, output_len, max_batch_size), batch_1_only=batch_1,
                        peer=peer, peer_attn=peer_attn, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
                        bandwidth_gbs=bandwidth_gbs, allow_large=allow_large, seed=seed,
-                       options=runtime_options(os.environ), random_quantized=random_quantized)
+                       options=runtime_options(os.environ), random_quantized=random_quantized,
+                       checkpoint_cache=checkpoint_cache)
     print_json(report) if json_out else print_report(report)
 
 
 
 
 def _run_suite(target: str, name: str, rows: str | None, *, fmt: str | None, kv_cache_dtype: str,
-               tp_size: int | None, random_quantized: bool, max_batch_size: int | None, allow_large: bool,
-               seed: int, peer: str | None, json_out: bool) -> None:
+               tp_size: int | None, random_quantized: bool, checkpoint_cache: Path | None,
+               max_batch_size: int | None, allow_large: bool, seed: int, peer: str | None, json_out: bool) -> None:
     from kiln.pipeline.bench.report import print_suite
     from kiln.pipeline.bench.suite import SUITES, run_suite, select_rows
 
@@ -102,6 +108,7 @@ def _run_suite(target: str, name: str, rows: str | None, *, fmt: str | None, kv_
         raise typer.BadParameter("--suite compares with published figures; leave out --peer")
     selected = select_rows(SUITES[name], rows.split(",") if rows else None)
     report = run_suite(target, SUITES[name], selected, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
-                       random_quantized=random_quantized, max_batch_size=max_batch_size, allow_large=allow_large,
-                       seed=seed, options=runtime_options(os.environ))
+                       random_quantized=random_quantized, checkpoint_cache=checkpoint_cache,
+                       max_batch_size=max_batch_size, allow_large=allow_large, seed=seed,
+                       options=runtime_options(os.environ))
     print_json(report) if json_out else print_suite(report)

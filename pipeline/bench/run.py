@@ -42,13 +42,14 @@ def report_progress(message: str) -> None:
 
 def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | None, peer_attn: str,
               fmt: str | None, bandwidth_gbs: float | None, allow_large: bool, seed: int, options: RuntimeOptions,
-              kv_cache_dtype: str = "auto", tp_size: int | None = None, random_quantized: bool = False) -> dict:
+              kv_cache_dtype: str = "auto", tp_size: int | None = None, random_quantized: bool = False,
+              checkpoint_cache: Path | None = None) -> dict:
     """Build (or find) the engine, measure it with ``options`` (on the device it was built for unless they name one)
     and the peer, and return the report."""
     resolved = resolve_target(target, cache_root())
     run = build_and_measure(resolved, plan, fmt=fmt, kv_cache_dtype=kv_cache_dtype, allow_large=allow_large,
                             seed=seed, tp_size=tp_size, options=options, batch_1_only=batch_1_only,
-                            random_quantized=random_quantized)
+                            random_quantized=random_quantized, checkpoint_cache=checkpoint_cache)
     ctx, engine, workload, kiln, device = run.ctx, run.engine, run.workload, run.kiln, run.ctx.load_options.device
 
     peer_report = None
@@ -102,13 +103,15 @@ class MeasuredEngine:
 
 def build_and_measure(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
                       seed: int, tp_size: int | None, options: RuntimeOptions, batch_1_only: bool = False,
-                      offline_only: bool = False, random_quantized: bool = False) -> MeasuredEngine:
+                      offline_only: bool = False, random_quantized: bool = False,
+                      checkpoint_cache: Path | None = None) -> MeasuredEngine:
     """Build (or find) the engine of ``resolved`` for ``plan`` and measure it with ``options`` (on the device it was
     built for unless they name one), its memory freed afterwards for whatever runs next."""
     config_path, peer_checkpoint, weights_note = bench_config_for(resolved, plan, fmt=fmt,
                                                                   kv_cache_dtype=kv_cache_dtype,
                                                                   allow_large=allow_large, seed=seed, tp_size=tp_size,
-                                                                  random_quantized=random_quantized)
+                                                                  random_quantized=random_quantized,
+                                                                  checkpoint_cache=checkpoint_cache)
     ctx, build = build_engine(config_path, options)
     engine = EngineConfig.load(ctx.engine_dir)
     workload = Workload.make(engine.architecture.vocab_size, prompts=plan.prompts, input_len=plan.input_len,
@@ -122,24 +125,26 @@ def build_and_measure(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_
 
 
 def bench_config_for(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
-                  seed: int, tp_size: int | None = None,
-                  random_quantized: bool = False) -> tuple[Path, Path | None, str | None]:
+                  seed: int, tp_size: int | None = None, random_quantized: bool = False,
+                  checkpoint_cache: Path | None = None) -> tuple[Path, Path | None, str | None]:
     """The config to build, the peer's checkpoint when it is not the config's model, and what the weights are.
-    ``random_quantized`` makes an FP8 checkpoint directly instead of quantizing a bf16 one with modelopt."""
+    ``random_quantized`` makes an FP8 checkpoint directly instead of quantizing a bf16 one with modelopt;
+    ``checkpoint_cache`` keeps the random checkpoint in the engine cache at that root instead of the configured one."""
     if target.kind == "engine":
         raise BenchTargetError(f"{target.path}: kiln bench measures a config or an architecture file against a peer "
                                f"that needs the checkpoint; give the config the engine was built from")
     if target.kind == "config":
-        if fmt is not None or tp_size is not None or plan.max_batch_size is not None or random_quantized:
-            raise BenchTargetError(f"--format, --tp-size, --max-batch-size and --random-quantized apply to "
-                                   f"architecture files; {target.path.name} sets its own quantize.format, "
-                                   f"build.tp_size and build.max_batch_size")
+        if (fmt is not None or tp_size is not None or plan.max_batch_size is not None or random_quantized
+                or checkpoint_cache is not None):
+            raise BenchTargetError(f"--format, --tp-size, --max-batch-size, --random-quantized and --checkpoint-cache "
+                                   f"apply to architecture files; {target.path.name} sets its own quantize.format, "
+                                   f"build.tp_size and build.max_batch_size, and names its checkpoint")
         check_config_holds(target.path, plan)
         return target.path, None, None
     arch = read_architecture_file(target.path)
     cuda = torch.cuda.is_available()
     check_fits_machine(target.path, arch, cuda=cuda, allow_large=allow_large)
-    cache = EngineCache.open_configured(cache_root())
+    cache = EngineCache.open_configured(checkpoint_cache or cache_root())
     fmt = fmt or "none"
     if random_quantized and fmt != "fp8":
         raise BenchTargetError(f"--random-quantized makes FP8 weights directly; it needs --format fp8, not {fmt}")

@@ -6,6 +6,7 @@ figure."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -76,7 +77,8 @@ def select_rows(suite: Suite, names: list[str] | None) -> tuple[SuiteRow, ...]:
 
 def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str | None, kv_cache_dtype: str,
               tp_size: int | None, allow_large: bool, seed: int, options: RuntimeOptions,
-              max_batch_size: int | None = None, random_quantized: bool = False) -> dict:
+              max_batch_size: int | None = None, random_quantized: bool = False,
+              checkpoint_cache: Path | None = None) -> dict:
     """Each row's offline output tokens/s against its published figure, with what the engine did to get there
     (``max_batch_size`` overrides every row's own)."""
     resolved = resolve_target(target, cache_root())
@@ -87,7 +89,8 @@ def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str
         report_progress(f"suite {suite.name}: row {row.name}, {row.prompts} requests{at_once}")
         kiln = build_and_measure(resolved, BenchPlan(row.prompts, row.input_len, row.output_len, batch), fmt=fmt,
                                  kv_cache_dtype=kv_cache_dtype, allow_large=allow_large, seed=seed, tp_size=tp_size,
-                                 options=options, offline_only=True, random_quantized=random_quantized).kiln
+                                 options=options, offline_only=True, random_quantized=random_quantized,
+                                 checkpoint_cache=checkpoint_cache).kiln
         tokens_per_s = kiln["output_tokens_per_s"]
         results.append({
             "row": row.name, "input_len": row.input_len, "output_len": row.output_len, "prompts": row.prompts,
