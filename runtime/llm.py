@@ -291,18 +291,15 @@ class LLM:
 
     def _run(self) -> None:
         try:
-            warming = True
-            while self._handle_commands(block=not (self.engine.has_unfinished() or warming)):
+            while self._handle_commands(block=not self.engine.has_unfinished() and self._warm.is_set()):
                 if self.engine.has_unfinished():
                     for result in self.engine.step():
                         if isinstance(result, RequestFailure):
                             self._fail(result.request_id, result.error)
                         else:
                             self._deliver(result)
-                elif warming:
-                    warming = self.engine.warm_up_step()
-                    if not warming:
-                        self._warm.set()
+                elif not self._warm.is_set() and not self.engine.warm_up_step():
+                    self._warm.set()
                 for request_id in self._outbox.flush():
                     self._commands.put(("abort", request_id))
             self._outbox.flush()

@@ -125,8 +125,8 @@ def build_and_measure(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_
 
 
 def bench_config_for(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cache_dtype: str, allow_large: bool,
-                  seed: int, tp_size: int | None = None, random_quantized: bool = False,
-                  checkpoint_cache: Path | None = None) -> tuple[Path, Path | None, str | None]:
+                     seed: int, tp_size: int | None = None, random_quantized: bool = False,
+                     checkpoint_cache: Path | None = None) -> tuple[Path, Path | None, str | None]:
     """The config to build, the peer's checkpoint when it is not the config's model, and what the weights are.
     ``random_quantized`` makes an FP8 checkpoint directly instead of quantizing a bf16 one with modelopt;
     ``checkpoint_cache`` keeps the random checkpoint in the engine cache at that root instead of the configured one."""

@@ -33,6 +33,7 @@ MAX_BENCH_BATCH = 512  # the generated plan's default max_batch_size: all --prom
 MAX_NUM_TOKENS = 8192  # the generated plan's token budget per step (at least --input-len)
 BLOCK = 32  # tokens per KV block: the decode attention kernel is ~1.5x slower over 16-token blocks on an H200
 
+
 class BenchTargetError(KilnError):
     """A TARGET that is neither a config nor an architecture file, or one this machine cannot benchmark."""
 
