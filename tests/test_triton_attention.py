@@ -151,6 +151,23 @@ def test_split_kv_decode_reads_an_fp8_cache_through_its_scales(device, dtype, to
     torch.testing.assert_close(out, expected, **fp8_tolerance(device, dtype))
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["model-dtype", "fp8-output"])
+def test_a_decode_within_one_partition_writes_what_the_reduce_would(device, quantized):
+    # contexts of up to 150 tokens in partitions of 256: the partition kernel normalises and writes the output
+    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 4, 64, 32,
+                                                               device, fp8=True)
+    v_cache = token_major_with_stale_slots(v_cache, meta)
+    quant_scale = torch.tensor(0.004, device=device) if quantized else None
+    outs = [paged_attention_decode(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q).to(
+        torch.float8_e4m3fn if quantized else q.dtype), partition_size=256, quant_scale=quant_scale, lone=lone)
+        for lone in (True, False)]
+    assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8)) if quantized else \
+        torch.allclose(outs[0], outs[1], atol=1e-2, rtol=0)
+    if not quantized:
+        expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
+        torch.testing.assert_close(outs[0], expected, **fp8_tolerance(device, q.dtype))
+
+
 @pytest.mark.parametrize(("block_size", "block_n"), [(16, 32), (64, 16)], ids=["runs-of-blocks", "tiles-in-a-block"])
 def test_token_major_fp8_v_tiles_smaller_and_larger_than_a_block(device, block_size, block_n):
     q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 2, 64,

@@ -1,10 +1,11 @@
 """Sweep the launch parameters of the Triton paged-attention kernels on one CUDA GPU.
 
 Llama-3-8B attention (see ``tools/bench_kernels.py``): split-KV decode at batch 256 over contexts of 1k and 2k tokens
-(the offline benchmark's steps) and a 1k-token prefill, with a bfloat16 and an FP8 KV cache. Each configuration of
-a small grid is timed inside a CUDA graph and checked against the default's output; the fastest is printed with its
-KV bandwidth against the H200's ~4.3 TB/s. The winners become the defaults of ``paged_attention_decode`` /
-``paged_attention_varlen``.
+(the offline benchmark's steps) and at batch 2,048 over 129-256 tokens (TensorRT-LLM's 128/128 row), with the output
+written by the partition kernel or by the reduce, and a 1k-token prefill, with a bfloat16 and an FP8 KV cache. Each
+configuration of a small grid is timed inside a CUDA graph and checked against the default's output; the fastest is
+printed with its KV bandwidth against the H200's ~4.3 TB/s. The winners become the defaults of
+``paged_attention_decode`` / ``paged_attention_varlen``.
 
     python tools/tune_attention.py [--kv-dtypes bf16,fp8] [--json OUT]
 """
@@ -23,6 +24,7 @@ PARTITION_SIZES = [512, 2048]  # tried with the best decode configuration (None:
 VARLEN_GRID = dict(block_m=[64, 128], block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3])
 # (name, query_lens, seq_lens, kernel)
 CASES = [(f"decode b256 ctx{c // 1024}k", [1] * 256, [c] * 256, "decode") for c in (2048, 1024)]
+CASES.append(("decode b2048 ctx129-256", [1] * 2048, [129 + 37 * i % 128 for i in range(2048)], "decode"))  # 128/128
 CASES.append(("prefill 1k", [1024], [1024], "varlen"))
 
 
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             best_cfg = min(runs, key=lambda r: r[0])[2]
             runs += [(*timed({**best_cfg, "partition_size": p}), {**best_cfg, "partition_size": p})
                      for p in PARTITION_SIZES]
+            # contexts within one partition: the output from the partition kernel, or partials and the reduce
+            runs += [(*timed({**best_cfg, "lone": lone}), {**best_cfg, "lone": lone}) for lone in (False, True)]
         default_us, _ = timed({})
         best_us, best_err, best = min(runs, key=lambda r: r[0])
         row = {"case": name, "kv_dtype": kv_dtype, "best": best, "best_us": best_us, "best_max_abs_err": best_err,
