@@ -1,8 +1,9 @@
 """The engine interface that ``LLM`` drives, and the choice of backend for an engine directory.
 
 A backend is a folder of ``runtime`` (``native/``, ``trtllm/``) whose engine class has the methods below. ``LLM``
-calls them from its one engine thread, except ``make_request`` (tokenize and validate, safe from any thread) and
-``stats_snapshot`` (safe from any thread); a new backend implements this protocol and a line in ``load_engine``.
+calls them from its one engine thread, except ``make_request`` (tokenize and validate), ``failure`` and
+``stats_snapshot``, which are safe from any thread; a new backend implements this protocol and a line in
+``load_engine``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from kiln.runtime.errors import KilnError
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, StreamDelta
@@ -42,6 +44,10 @@ class Engine(Protocol):
     def warm_up_step(self) -> bool:
         """While no request is in flight: do one piece of the warm-up the load deferred (the native engine captures
         one CUDA graph); False once none is left."""
+
+    def failure(self) -> KilnError | None:
+        """Why the engine can no longer serve, noticed without a step (a worker or engine process that exited
+        while idle); None while it can. A health check asks it."""
 
     def stats_snapshot(self) -> dict:
         """Counters and latency summaries."""

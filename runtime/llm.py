@@ -285,9 +285,11 @@ class LLM:
 
     @property
     def engine_error(self) -> str | None:
-        """Why the engine thread stopped, or None while it serves (a health check reads this)."""
+        """Why the engine stopped, or None while it serves (a health check reads this): the engine thread's error, or
+        what the engine noticed while idle (``Engine.failure``: a worker or engine process that exited)."""
         with self._lock:
-            return None if self._error is None else f"{type(self._error).__name__}: {self._error}"
+            error = self._error if self._error is not None or self._closed else self.engine.failure()
+        return None if error is None else f"{type(error).__name__}: {error}"
 
     def _run(self) -> None:
         try:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import re
 import signal
 
 import httpx
@@ -121,6 +122,9 @@ class _IdleEngine:
     def warm_up_step(self) -> bool:
         return False
 
+    def failure(self) -> None:
+        return None
+
     def stats_snapshot(self) -> dict:
         return {"frozen_objects": gc.get_freeze_count()}
 
@@ -131,6 +135,14 @@ class _IdleEngine:
 def test_the_engine_process_exempts_its_startup_heap_from_the_garbage_collector():
     with LLM(ProcessEngine("tests.test_engine_process:_IdleEngine", {})) as llm:
         assert llm.stats()["frozen_objects"] > 1000  # modules and the engine: full collections skip them
+
+
+def test_an_engine_process_that_dies_while_idle_is_an_engine_error_at_once():
+    with LLM(ProcessEngine("tests.test_engine_process:_IdleEngine", {})) as llm:
+        assert llm.engine_error is None
+        os.kill(llm.engine.pid, signal.SIGKILL)
+        wait_until(lambda: llm.engine_error is not None)
+        assert re.search(r"EngineProcessError: the engine process \(pid \d+\) was killed by signal 9", llm.engine_error)
 
 
 class _WarmingEngine(_IdleEngine):

@@ -122,6 +122,9 @@ def test_a_killed_worker_stops_the_engine_with_an_error_naming_it(tmp_path):
         worker = llm.engine.ranks.workers.processes[1]
         os.kill(worker.pid, signal.SIGKILL)
         start = time.monotonic()
+        while llm.engine_error is None and time.monotonic() - start < 30:  # noticed while idle: /health turns 503
+            time.sleep(0.05)
+        assert "worker rank 1" in (llm.engine_error or "")
         with pytest.raises(EngineClosedError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
             llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
         assert time.monotonic() - start < 60  # aborted, not the collective timeout

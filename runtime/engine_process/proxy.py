@@ -97,6 +97,10 @@ class ProcessEngine:
         """The results of the child's next step (or of adds and aborts it applied)."""
         return self._take(self._receive())
 
+    def failure(self) -> EngineProcessError | None:
+        """The engine process's exit, noticed without a message (while idle); None while it runs."""
+        return None if self._process.poll() is None else self._exited()
+
     def warm_up_step(self) -> bool:
         """Whether the child is still warming up: it does so by itself while idle and says when it is done (waited
         for here at most ``WARM_POLL_S``)."""

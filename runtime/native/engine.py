@@ -108,6 +108,12 @@ class NativeEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
+    def failure(self) -> KilnError | None:
+        """A tensor-parallel worker that exited, which rank 0's watcher notices at once, even while idle."""
+        if self.ranks is None or self.ranks.failure is None:
+            return None
+        return TensorParallelError(f"{self.ranks.failure}: the engine stopped")
+
     def warm_up_step(self) -> bool:
         """Capture one CUDA graph the load deferred (``RuntimeOptions.cuda_graph_capture``); False when none is left.
         Called while no request is in flight."""

@@ -143,6 +143,10 @@ class TrtllmEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def failure(self) -> None:
+        """The executor reports its errors through the responses a step reads."""
+        return None
+
     def warm_up_step(self) -> bool:
         """Nothing is deferred: the executor is ready once loaded."""
         return False
