@@ -1,5 +1,5 @@
 """How busy the GPU is while the offline engine runs a workload, and where its idle time lies: an offline run of
-random prompts (as `kiln bench` sends them) with the CUDA activity traced (kernels, copies) over short windows of
+random prompts (`kiln bench`'s workload) with the CUDA activity traced (kernels, copies) over short windows of
 the run, each window's kernels merged into busy time, the gaps between them summed, and the engine's steps of the
 window listed with their kind and host timings.
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kiln.pipeline.bench.measure import Workload
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.native.engine_format import EngineConfig
@@ -92,14 +93,13 @@ def main() -> int:
 
     llm = LLM.load(args.engine_dir, runtime_options(os.environ))
     llm.wait_until_warm()
-    vocab = EngineConfig.load(args.engine_dir).architecture.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, vocab, (args.prompts, args.input_len), generator=generator).tolist()
+    workload = Workload.make(EngineConfig.load(args.engine_dir).architecture.vocab_size, prompts=args.prompts,
+                             input_len=args.input_len, output_len=args.output_len, seed=0)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, detokenize=False)
-    llm.generate(prompts[:8], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False))
+    llm.generate(workload.warmup, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False))
 
     result: dict = {}
-    run = threading.Thread(target=lambda: result.update(outputs=llm.generate(prompts, params)))
+    run = threading.Thread(target=lambda: result.update(outputs=llm.generate(workload.prompts, params)))
     start = time.perf_counter()
     run.start()
     windows = []
