@@ -2,10 +2,10 @@
 
 Llama-3-8B attention (see ``tools/bench_kernels.py``): split-KV decode at batch 256 over contexts of 1k and 2k tokens
 (the offline benchmark's steps) and at batch 2,048 over 129-256 tokens (TensorRT-LLM's 128/128 row), with the output
-written by the partition kernel or by the reduce, and a 1k-token prefill, with a bfloat16 and an FP8 KV cache. Each
-configuration of a small grid is timed inside a CUDA graph and checked against the default's output; the fastest is
-printed with its KV bandwidth against the H200's ~4.3 TB/s. The winners become the defaults of
-``paged_attention_decode`` / ``paged_attention_varlen``.
+written by the partition kernel or by the reduce (also quantized for an FP8 o_proj), and a 1k-token prefill, with a
+bfloat16 and an FP8 KV cache. Each configuration of a small grid is timed inside a CUDA graph and checked against the
+default's output; the fastest is printed with its KV bandwidth against the H200's ~4.3 TB/s. The winners become the
+defaults of ``paged_attention_decode`` / ``paged_attention_varlen``.
 
     python tools/tune_attention.py [--kv-dtypes bf16,fp8] [--json OUT]
 """
@@ -73,9 +73,15 @@ def main(argv: list[str] | None = None) -> int:
                "default_us": default_us, "best_tb_per_s": tb_per_s(kv_bytes, best_us),
                "default_tb_per_s": tb_per_s(kv_bytes, default_us),
                "all": [{"us": us, "max_abs_err": err, **cfg} for us, err, cfg in runs]}
+        if kind == "decode":  # the output quantized for an FP8 o_proj, as FP8 engines run it
+            quant_scale = torch.tensor(0.01, device="cuda")
+            quantized = {lone: functools.partial(call, quant_scale=quant_scale, lone=lone) for lone in (False, True)}
+            row["quantized_output_us"] = {("lone" if lone else "reduce"): do_bench_cudagraph(
+                fn, rep=args.rep, return_mode="median") * 1e3 for lone, fn in quantized.items()}
         results.append(row)
         print(f"{name:<18} {kv_dtype:<4} best {best_us:8.1f} us ({bandwidth_text(row['best_tb_per_s'])}, err "
-              f"{best_err:.1e})  default {default_us:8.1f} us ({row['default_tb_per_s']:4.2f} TB/s)  {best}",
+              f"{best_err:.1e})  default {default_us:8.1f} us ({row['default_tb_per_s']:4.2f} TB/s)  {best}"
+              f"{'  quantized output ' + str(row['quantized_output_us']) if 'quantized_output_us' in row else ''}",
               flush=True)
     write_results(args.json, results)
     return 0
