@@ -6,8 +6,9 @@
 # Each step applies from then on: direct makes the FP8 weights directly (--random-quantized: no bf16 checkpoint, no
 # modelopt, minutes less on a fresh machine), batch=N passes --max-batch-size N, KILN_X=V sets a runtime option
 # (KILN_SCHEDULER_POLICY=guaranteed_no_evict, KILN_GPU_MEMORY_UTILIZATION=0.95), batch1 measures batch-1 decode
-# and time to first token (1000 in, 128 out), and load times the engine of the step before it from a copy on the
-# disk (LOAD_DISK, default /tmp/kiln-load: a cold page cache needs a disk's).
+# and time to first token (1000 in, 128 out), load times the engine of the step before it from a copy on the
+# disk (LOAD_DISK, default /tmp/kiln-load: a cold page cache needs a disk's), and busy traces how busy the GPU is
+# during the offline run of the rows step before it (tools/gpu_busy.py: its first row).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 export KILN_CACHE=${KILN_CACHE:-/dev/shm/kiln-table}
@@ -44,6 +45,15 @@ PY
       python3 tools/load_time.py "$engine" --json --profile "$OUT/load_profile.txt" --disk "${LOAD_DISK:-/tmp/kiln-load}" \
         > "$OUT/load.json" 2> "$OUT/load.err" || tail -5 "$OUT/load.err"
       cat "$OUT/load.json" ;;
-    *) echo "unknown step $step: direct, batch=N, KILN_X=V, rows=IN/OUT[,...], batch1 or load" >&2; exit 2 ;;
+    busy)
+      python3 - "$LAST" > "$OUT/busy.args" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["rows"][0]
+print(r["engine_dir"], "--prompts", r["prompts"], "--input-len", r["input_len"], "--output-len", r["output_len"])
+PY
+      # shellcheck disable=SC2046
+      python3 tools/gpu_busy.py $(cat "$OUT/busy.args") > "$OUT/busy.json" 2> "$OUT/busy.err" || tail -5 "$OUT/busy.err"
+      python3 -c "import json,sys; [print({k: w[k] for k in w if k != 'heaviest_kernels_ms'}, w['heaviest_kernels_ms']) for w in json.load(open(sys.argv[1]))['windows']]" "$OUT/busy.json" ;;
+    *) echo "unknown step $step: direct, batch=N, KILN_X=V, rows=IN/OUT[,...], batch1, load or busy" >&2; exit 2 ;;
   esac
 done
