@@ -269,10 +269,17 @@ class LLM:
         if self._hold is not None:
             self._hold.release()
 
+    def _stop_reason(self) -> BaseException | None:
+        """Why the engine stopped: the engine thread's error, else what the engine noticed while idle
+        (``Engine.failure``: a worker or engine process that exited); None while it serves, or once closed."""
+        if self._error is not None or self._closed:
+            return self._error
+        return self.engine.failure()
+
     def _check_open(self) -> None:
-        if self._closed or self._error is not None:
-            raise EngineClosedError(f"the LLM is closed{f' (engine error: {self._error})' if self._error else ''}: "
-                                    f"load it again")
+        error = self._stop_reason()
+        if self._closed or error is not None:
+            raise EngineClosedError(f"the LLM is closed{f' (engine error: {error})' if error else ''}: load it again")
 
     def _enqueue(self, seq: Sequence, sink: _Sink) -> Future:
         with self._lock:
@@ -288,7 +295,7 @@ class LLM:
         """Why the engine stopped, or None while it serves (a health check reads this): the engine thread's error, or
         what the engine noticed while idle (``Engine.failure``: a worker or engine process that exited)."""
         with self._lock:
-            error = self._error if self._error is not None or self._closed else self.engine.failure()
+            error = self._stop_reason()
         return None if error is None else f"{type(error).__name__}: {error}"
 
     def _run(self) -> None:

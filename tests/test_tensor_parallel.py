@@ -131,6 +131,32 @@ def test_a_killed_worker_stops_the_engine_with_an_error_naming_it(tmp_path):
         assert "TensorParallelError" in llm.engine_error
 
 
+def _worker_pids(engine_dir: Path) -> list[int]:
+    """The tensor-parallel workers serving ``engine_dir``, from their command lines."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"kiln.runtime.native.parallel.worker" in argv and str(engine_dir).encode() in argv:
+                pids.append(int(proc.name))
+    return pids
+
+
+def test_a_worker_that_dies_under_an_idle_engine_process_stops_it(tmp_path):
+    make_hf_checkpoint(tmp_path / "checkpoint", 0)
+    (tmp_path / "tp2").mkdir()
+    build_native_engine(tmp_path / "checkpoint", tmp_path / "tp2", tiny_plan(), "float32", tp_size=2)
+    with LLM.load(tmp_path / "tp2", RuntimeOptions(engine_process=True)) as llm:
+        (worker,) = _worker_pids(tmp_path / "tp2")
+        os.kill(worker, signal.SIGKILL)
+        start = time.monotonic()
+        while llm.engine_error is None and time.monotonic() - start < 30:  # rank 0's process stops: /health 503
+            time.sleep(0.05)
+        assert "EngineProcessError: the engine process" in (llm.engine_error or "")
+        with pytest.raises(EngineClosedError):
+            llm.generate(PROMPTS, GREEDY)
+
+
 def test_a_worker_that_fails_to_load_its_shard_or_a_deferred_capture_is_refused_at_load(tmp_path):
     make_hf_checkpoint(tmp_path / "checkpoint", 0)
     (tmp_path / "tp2").mkdir()

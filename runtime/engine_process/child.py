@@ -19,6 +19,7 @@ from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, StreamDelta
 
 STATS_INTERVAL_S = 0.2
+FAILURE_POLL_S = 0.25  # how often an idle engine process asks its engine whether it failed
 
 
 def load(engine_dir: str, options: dict) -> Engine:
@@ -63,7 +64,7 @@ def serve(conn: Connection, engine: Engine) -> None:
     warming = True
     while True:
         results: list[StreamDelta | RequestFailure] = []
-        for message in _messages(conn, block=not (engine.has_unfinished() or warming)):
+        for message in _messages(conn, not (engine.has_unfinished() or warming), engine):
             if "close" in message:
                 return
             if "add" in message:
@@ -92,9 +93,14 @@ def serve(conn: Connection, engine: Engine) -> None:
         send(conn, reply)
 
 
-def _messages(conn: Connection, block: bool) -> Iterator[dict]:
-    """The parent's waiting messages (waiting for the first when ``block``)."""
+def _messages(conn: Connection, block: bool, engine: Engine) -> Iterator[dict]:
+    """The parent's waiting messages (waiting for the first when ``block``, and raising ``engine.failure()`` if the
+    engine fails meanwhile: a tensor-parallel worker that exits while the engine is idle stops this process, whose
+    exit the parent notices)."""
     if block:
+        while not conn.poll(FAILURE_POLL_S):
+            if (failure := engine.failure()) is not None:
+                raise failure
         yield receive(conn)
     while conn.poll():
         yield receive(conn)
