@@ -20,6 +20,7 @@ from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError
 from kiln.runtime.native.parallel.step_batch import StepBatch
 from kiln.runtime.options import RuntimeOptionsError
 from tests.model_factories import make_fp8_checkpoint, make_hf_checkpoint, tiny_plan
+from tests.test_server_support import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 17, 33, 8, 90, 41, 12], [3, 64, 9], [77, 21, 50, 50, 6, 31, 2, 88, 14, 19, 60, 7, 7, 40, 33, 12]]
@@ -122,8 +123,7 @@ def test_a_killed_worker_stops_the_engine_with_an_error_naming_it(tmp_path):
         worker = llm.engine.ranks.workers.processes[1]
         os.kill(worker.pid, signal.SIGKILL)
         start = time.monotonic()
-        while llm.engine_error is None and time.monotonic() - start < 30:  # noticed while idle: /health turns 503
-            time.sleep(0.05)
+        wait_until(lambda: llm.engine_error is not None, timeout=30)  # noticed while idle: /health turns 503
         assert "worker rank 1" in (llm.engine_error or "")
         with pytest.raises(EngineClosedError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
             llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
@@ -149,9 +149,7 @@ def test_a_worker_that_dies_under_an_idle_engine_process_stops_it(tmp_path):
     with LLM.load(tmp_path / "tp2", RuntimeOptions(engine_process=True)) as llm:
         (worker,) = _worker_pids(tmp_path / "tp2")
         os.kill(worker, signal.SIGKILL)
-        start = time.monotonic()
-        while llm.engine_error is None and time.monotonic() - start < 30:  # rank 0's process stops: /health 503
-            time.sleep(0.05)
+        wait_until(lambda: llm.engine_error is not None, timeout=30)  # rank 0's process stops: /health 503
         assert "EngineProcessError: the engine process" in (llm.engine_error or "")
         with pytest.raises(EngineClosedError):
             llm.generate(PROMPTS, GREEDY)

@@ -130,8 +130,8 @@ class NativeEngine:
         (a stop token, an abort) drops what the queued step computed for it."""
         if self.ranks is None:
             return self._step()
-        if self.ranks.failure is not None:
-            raise TensorParallelError(f"{self.ranks.failure}: the engine stopped")
+        if (failure := self.failure()) is not None:
+            raise failure
         try:
             return self._step()
         except Exception as e:
