@@ -140,6 +140,27 @@ def _store_out(out_ptrs, out, mask, quant_scale_ptr, DTYPE: tl.constexpr, QUANT:
 
 
 @triton.jit
+def _first_half_rows(x):
+    """Rows 0 .. R/2 of x [R, D] (R a power of two, at least 2)."""
+    first, _ = tl.split(tl.permute(tl.reshape(x, [2, x.shape[0] // 2, x.shape[1]]), (1, 2, 0)))
+    return first
+
+
+@triton.jit
+def _leading_rows(x, ROWS: tl.constexpr):
+    """Rows 0 .. ROWS of x [R, D] (ROWS a power of two dividing R, R at most 16 ROWS)."""
+    if x.shape[0] > ROWS:
+        x = _first_half_rows(x)
+    if x.shape[0] > ROWS:
+        x = _first_half_rows(x)
+    if x.shape[0] > ROWS:
+        x = _first_half_rows(x)
+    if x.shape[0] > ROWS:
+        x = _first_half_rows(x)
+    return x
+
+
+@triton.jit
 def _softmax_update(s, m_i, l_i):
     """The running max and sum after one tile of masked, log2-scaled scores ``s``; the rescale of the old output
     and the tile's unnormalised probabilities."""
@@ -313,7 +334,7 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION_SIZE: tl.constexpr,
                              FP8: tl.constexpr, FP16: tl.constexpr, PRECISION: tl.constexpr,
                              V_TOKEN_MAJOR: tl.constexpr, PARTITION_BLOCKS: tl.constexpr, LONE: tl.constexpr,
-                             QUANT: tl.constexpr, PDL: tl.constexpr, WINDOWED: tl.constexpr,
+                             QUANT: tl.constexpr, GROUP_ROWS: tl.constexpr, PDL: tl.constexpr, WINDOWED: tl.constexpr,
                              SOFTCAPPED: tl.constexpr):
     wait_for_previous_kernel(PDL)
     kv_head = tl.program_id(0)
@@ -356,8 +377,15 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
                                   softcap_log2, WINDOWED, SOFTCAPPED)
     if LONE:  # the one partition holds the whole context: the output itself, no partials to combine
         out = acc * (out_scale / l_i)[:, None]
-        _store_out(out_ptr + q_tok * stride_o_tok + head[:, None] * stride_o_head + dims[None, :], out,
-                   row_mask[:, None] & d_mask[None, :], quant_scale_ptr, q_ptr.dtype.element_ty, QUANT)
+        if QUANT:  # quantize the group's rows alone: the tile's others pad it to tl.dot's 16
+            group_rows = tl.arange(0, GROUP_ROWS)
+            _store_out(out_ptr + q_tok * stride_o_tok + (kv_head * GROUP + group_rows)[:, None] * stride_o_head
+                       + dims[None, :], _leading_rows(out.to(q_ptr.dtype.element_ty), GROUP_ROWS),
+                       (group_rows < GROUP)[:, None] & d_mask[None, :], quant_scale_ptr, q_ptr.dtype.element_ty,
+                       QUANT)
+        else:
+            _store_out(out_ptr + q_tok * stride_o_tok + head[:, None] * stride_o_head + dims[None, :], out,
+                       row_mask[:, None] & d_mask[None, :], quant_scale_ptr, q_ptr.dtype.element_ty, QUANT)
         return
     acc = acc * out_scale
 
@@ -465,7 +493,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None, partition_size: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                            quant_scale: torch.Tensor | None = None, pdl: bool = True, window: int | None = None,
-                           softcap: float | None = None, lone: bool | None = None) -> torch.Tensor:
+                           softcap: float | None = None, lone: bool = True) -> torch.Tensor:
     """Split-KV decode (one new token per sequence): q [num_tokens, num_heads, head_dim] -> same shape (dtype,
     ``window`` and ``softcap`` as for the varlen kernel), the rows of meta's sequences attended (every row unless
     meta holds a batch's leading decodes, ``leading_decodes``).
@@ -473,8 +501,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``out`` as for the varlen kernel. ``partition_size`` (default: ``decode_partition_size``) must be a power of
     two, at least 16 (``block_n`` and ``num_stages`` default to ``DECODE_TILES``); the partial
     results live in float32 scratch of num_seqs * num_heads * cdiv(meta.max_seq_len, partition_size) * (head_dim + 2)
-    elements. When every context fits one partition and ``lone`` (None: when the output is not quantized), the
-    partition kernel writes the output itself: no partials, no reduce kernel.
+    elements. When every context fits one partition and ``lone``, the partition kernel writes the output itself: no
+    partials, no reduce kernel.
     """
     fp8, v_token_major = _check(q, k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
@@ -489,9 +517,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = _output(q, quant_scale) if out is None else out
     # One partition per sequence, on an H200 (FP8 KV, CUDA-graph medians a layer): writing the output from the
     # partition kernel instead of the reduce's is 13 % faster at 2,048 sequences of 129-256 tokens (355 -> 307 us)
-    # and 3 % at 488 of 1,000-2,000 (386 -> 374), bit-identical; quantized for an FP8 o_proj it gains nothing
-    # (357 -> 354 and 400 -> 404 us), so those outputs keep the reduce.
-    lone = max_partitions == 1 and (quant_scale is None if lone is None else lone)
+    # and 3 % at 488 of 1,000-2,000 (386 -> 374), bit-identical; quantized for an FP8 o_proj, with only the GQA
+    # group's rows quantized, 14 % (358 -> 308 us) and 4 % (414 -> 399), bit-identical too.
+    lone = max_partitions == 1 and lone
     part_m = part_l = part_acc = out  # not written when lone
     if not lone:
         part_m = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
@@ -507,8 +535,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
         PARTITION_SIZE=partition_size, FP8=fp8, FP16=_fp16_compute(q, fp8), PRECISION=_precision(q),
         V_TOKEN_MAJOR=v_token_major, PARTITION_BLOCKS=max(partition_size // block_size, 2), LONE=lone,
-        QUANT=quant_scale is not None, num_warps=num_warps, num_stages=num_stages, WINDOWED=window is not None,
-        SOFTCAPPED=softcap is not None, **pdl_options(q, pdl))
+        QUANT=quant_scale is not None, GROUP_ROWS=triton.next_power_of_2(group), num_warps=num_warps,
+        num_stages=num_stages, WINDOWED=window is not None, SOFTCAPPED=softcap is not None, **pdl_options(q, pdl))
     if lone:
         return out
     _decode_reduce_kernel[(num_seqs, num_heads)](
