@@ -11,7 +11,9 @@ pytest.importorskip("triton")
 
 from kiln.runtime.native.attention_metadata import AttentionMetadata  # noqa: E402
 from kiln.runtime.native.kernels import kv_store  # noqa: E402
+from kiln.runtime.native.kernels import paged_attention as paged_attention_module  # noqa: E402
 from kiln.runtime.native.kernels.paged_attention import (  # noqa: E402
+    decode_partition_size,
     paged_attention,
     paged_attention_decode,
     paged_attention_varlen,
@@ -166,6 +168,15 @@ def test_a_decode_within_one_partition_writes_what_the_reduce_would(device, quan
     if not quantized:
         expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
         torch.testing.assert_close(outs[0], expected, **fp8_tolerance(device, q.dtype))
+
+
+@pytest.mark.parametrize(("num_seqs", "max_seq_len", "partition_size"), [
+    (1, 1000, 64), (8, 2048, 256), (64, 2048, 2048), (64, 4096, 2048), (128, 4096, 4096), (512, 2176, 4096)])
+def test_decode_partitions_give_each_sm_a_few_programs(monkeypatch, num_seqs, max_seq_len, partition_size):
+    # an H200's 132 SMs and 8 KV heads: 4096-token partitions only where they still leave over 4 programs per SM
+    # (128 sequences of 4k: 1,024 programs), not at 64 sequences (512, slower than 1,024 of 2048)
+    monkeypatch.setattr(paged_attention_module, "_num_sms", lambda device: 132)
+    assert decode_partition_size(num_seqs, 8, max_seq_len, torch.device("cuda")) == partition_size
 
 
 @pytest.mark.parametrize(("block_size", "block_n"), [(16, 32), (64, 16)], ids=["runs-of-blocks", "tiles-in-a-block"])

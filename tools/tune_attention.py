@@ -20,7 +20,7 @@ from bench_kernels import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, make_case
 from sweep import bandwidth_text, grid, has_cuda, measure_or_skip, sweep_parser, tb_per_s, write_results
 
 DECODE_GRID = dict(block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3, 4], partition_size=[None])
-PARTITION_SIZES = [512, 2048]  # tried with the best decode configuration (None: decode_partition_size's choice)
+PARTITION_SIZES = [512, 2048, 4096]  # tried with the best decode configuration (None: decode_partition_size's choice)
 VARLEN_GRID = dict(block_m=[64, 128], block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3])
 # (name, query_lens, seq_lens, kernel)
 CASES = [(f"decode b256 ctx{c // 1024}k", [1] * 256, [c] * 256, "decode") for c in (2048, 1024)]

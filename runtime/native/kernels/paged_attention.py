@@ -37,8 +37,11 @@ from kiln.runtime.native.kernels.rounding import TRITON_DTYPES, quantize_e4m3
 from kiln.runtime.native.kv_cache import is_token_major
 
 LOG2E = 1.4426950408889634
-# Split-KV decode partitions hold 64..2048 tokens, sized so that the grid gives each SM a few programs (on an H200,
-# 2048 rather than 1024 at most: 3-4 % faster at 488 sequences of 1.5k tokens and 64 of 4k, FP8 KV).
+# Split-KV decode partitions hold 64..2048 tokens, sized so that the grid gives each SM a few programs, or 4096 when
+# even that leaves more than PROGRAMS_PER_SM programs per SM. On an H200 with FP8 KV, 2048 rather than 1024 was 3-4 %
+# faster at 488 sequences of 1.5k tokens and 64 of 4k; 4096 rather than 2048, 2-5 % at 128-512 sequences whose
+# contexts reach past 2,048 tokens, which one partition then holds (no reduce), but 19 % slower at 64 sequences of
+# 4k (512 programs, against 1,024).
 # KV tokens per tile and pipeline stages by cache dtype (model dtype, FP8), the fastest of tools/tune_attention.py on
 # an H200 at batch 256 over 1k-2k contexts, and for a 1k-token prefill (FP8: with V token-major; 128-token varlen
 # tiles spill registers there). On the H200, decode reading a contiguous V as rows (which the compiler copies
@@ -48,7 +51,7 @@ LOG2E = 1.4426950408889634
 # 2 stages at batch 256; a bf16 cache gains nothing from it.
 DECODE_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=128, num_stages=3)}
 VARLEN_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=64, num_stages=3)}
-MIN_PARTITION_SIZE, MAX_PARTITION_SIZE, PROGRAMS_PER_SM = 64, 2048, 4
+MIN_PARTITION_SIZE, MAX_PARTITION_SIZE, PROGRAMS_PER_SM = 64, 4096, 4
 
 
 @triton.jit
@@ -554,9 +557,13 @@ def _output(q: torch.Tensor, quant_scale: torch.Tensor | None) -> torch.Tensor:
 
 
 def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Tokens per split-KV partition: about PROGRAMS_PER_SM programs per SM over a context of ``max_seq_len``."""
+    """Tokens per split-KV partition: about PROGRAMS_PER_SM programs per SM over a context of ``max_seq_len``
+    (the smallest power of two giving at most that many, at most MAX_PARTITION_SIZE / 2), or MAX_PARTITION_SIZE when
+    even that gives more."""
     tokens_per_program = num_seqs * num_kv_heads * max_seq_len // (PROGRAMS_PER_SM * _num_sms(device))
-    return min(MAX_PARTITION_SIZE, max(MIN_PARTITION_SIZE, triton.next_power_of_2(max(tokens_per_program, 1))))
+    if tokens_per_program > MAX_PARTITION_SIZE:
+        return MAX_PARTITION_SIZE
+    return min(MAX_PARTITION_SIZE // 2, max(MIN_PARTITION_SIZE, triton.next_power_of_2(max(tokens_per_program, 1))))
 
 
 @functools.cache
