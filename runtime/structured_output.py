@@ -18,6 +18,11 @@ from kiln.runtime.errors import InvalidRequestError
 
 # JSON without optional whitespace: a model that may emit whitespace between tokens can pad forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
+# Keywords whose value is one subschema, a list of them, or a mapping of names to them (JSON Schema 2020-12).
+_SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "not", "if",
+              "then", "else", "additionalItems", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
 class StructuredOutputError(InvalidRequestError):
@@ -62,14 +67,40 @@ class StructuredOutput:
         return value if isinstance(value, StructuredOutput) else cls(**value)
 
 
+def closed_objects(schema: Any, close: bool = True) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object schema that lists its ``properties`` and
+    says nothing of other keys (no ``additionalProperties``, ``patternProperties`` or ``unevaluatedProperties``):
+    the keys a schema names are the ones generated, as xgrammar and outlines (vLLM's and SGLang's usual engines)
+    do, instead of a model inventing keys until ``max_tokens``. An ``allOf`` and its branches (``close`` False)
+    stay open, since each names only part of the object's keys; a bare ``{"type": "object"}`` stays any object."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in closed:
+            closed[key] = closed_objects(closed[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_objects(sub) for sub in closed[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
+    if isinstance(closed.get("allOf"), list):
+        closed["allOf"] = [closed_objects(sub, close=False) for sub in closed["allOf"]]
+    if close and isinstance(closed.get("properties"), dict) and not closed.keys() & {
+            "additionalProperties", "patternProperties", "unevaluatedProperties", "allOf"}:
+        closed["additionalProperties"] = False
+    return closed
+
+
 def grammar_of(spec: StructuredOutput) -> str:
     """llguidance's grammar for ``spec``, validated; StructuredOutputError says what is wrong with it."""
     import llguidance  # only requests that ask for structure load it
 
     matcher = llguidance.LLMatcher
     if spec.json is not None or spec.json_object:
-        grammar = matcher.grammar_from_json_schema(spec.json if spec.json is not None else {"type": "object"},
-                                                   defaults=_JSON_OPTIONS)
+        grammar = matcher.grammar_from_json_schema(
+            closed_objects(spec.json) if spec.json is not None else {"type": "object"}, defaults=_JSON_OPTIONS)
     elif spec.regex is not None:
         grammar = matcher.grammar_from_regex(spec.regex)
     elif spec.grammar is not None:

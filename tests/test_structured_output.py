@@ -11,7 +11,7 @@ import jsonschema_rs
 import pytest
 
 from kiln.runtime import LLM, RuntimeOptions, SamplingParams
-from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
+from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError, closed_objects
 from tests.test_server_support import tiny_engine
 
 SCHEMAS = {
@@ -79,6 +79,35 @@ def test_unconstrained_requests_in_the_same_batch_are_untouched(overlap):
     assert mixed[0].token_ids == alone
     for output in mixed[1:]:
         assert isinstance(json.loads(output.text), dict)
+
+
+def test_a_schema_that_lists_its_properties_gets_those_keys_only(llm):
+    # no additionalProperties: random weights used to write a new key after "a" until max_tokens
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "b": {"type": "boolean"}}, "required": ["a"]}
+    for output in llm.generate(["Give me JSON:"] * 3, [constrained({"json": schema}, seed) for seed in range(3)]):
+        assert output.finish_reason == "stop", output.text
+        value = json.loads(output.text)
+        assert "a" in value and set(value) <= {"a", "b"}, output.text
+
+
+def test_objects_are_closed_where_the_schema_says_nothing_of_other_keys():
+    free_map = {"type": "object", "additionalProperties": {"type": "integer"}}
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"x": {"type": "string"}}},  # a key named "properties"
+        "tags": {"type": "array", "items": {"properties": {"k": {}}}},
+        "counts": free_map, "any": {"type": "object"}, "ref": {"$ref": "#/$defs/point"},
+        "both": {"allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}]}},
+        "$defs": {"point": {"properties": {"x": {}, "y": {}}}}}
+    closed = closed_objects(schema)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False and props["properties"]["additionalProperties"] is False
+    assert set(props["properties"]) == {"type", "properties", "additionalProperties"}  # not a property added
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["point"]["additionalProperties"] is False
+    assert props["counts"] == free_map and props["any"] == {"type": "object"}  # open by their own words
+    assert all("additionalProperties" not in branch for branch in props["both"]["allOf"])  # each names a part
+    assert "additionalProperties" not in schema  # the caller's schema is not changed
 
 
 def test_a_format_cut_short_by_max_tokens_ends_with_length(llm):

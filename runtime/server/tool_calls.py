@@ -15,6 +15,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from kiln.runtime.structured_output import closed_objects
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -46,7 +48,7 @@ class ToolCallFormat:
                          "properties": {"name": {"const": tool["name"]},
                                         self.arguments_key: tool.get("parameters") or {"type": "object"}},
                          "required": ["name", self.arguments_key], "additionalProperties": False} for tool in tools]
-        schema = json.dumps({"anyOf": alternatives})
+        schema = json.dumps(closed_objects({"anyOf": alternatives}))  # arguments hold the keys their schema names
         call = f"{json.dumps(self.open)} %json {schema} {json.dumps(self.close)}" if self.open else f"%json {schema}"
         repeat = '("\\n" call)*' if parallel and self.open else ""
         return f"start: call {repeat}\ncall: {call}\n"
