@@ -9,6 +9,7 @@ import gc
 import os
 import re
 import signal
+import time
 
 import httpx
 import pytest
@@ -87,6 +88,28 @@ def test_metrics_cross_the_process_boundary(llm):
     assert _value(metrics, "kiln_kv_blocks_free") > 0 and _value(metrics, "kiln_running_requests") == 0
     assert _value(metrics, "kiln_engine_process_resident_memory_bytes") > 0  # the engine process's own
     assert _value(metrics, "kiln_engine_process_cpu_seconds_total") > 0 and _value(metrics, "process_cpu_seconds_total")
+
+
+def test_stats_turn_idle_after_a_stream_that_stops_before_the_step_queued_ahead():
+    # a stop string ends the stream while the child has already queued its next step: the parent waits for the
+    # child's reply after that step, whose stats are idle, instead of keeping the busy ones until the next request
+    with load_apart() as llm:
+        assert llm.wait_until_warm(60)  # while warming up, the parent reads the child's replies anyway
+        text = llm.generate(PROMPTS[:1], GREEDY)[0].text
+        stop = SamplingParams(max_tokens=12, temperature=0.0, stop=[text[len(text) // 2:][:3]])
+
+        async def stream() -> str | None:
+            async for delta in llm.stream(PROMPTS[0], stop):
+                reason = delta.finish_reason
+            return reason
+
+        for _ in range(2):  # each checked after a pause, once the child has long sent its reply
+            assert llm.generate(PROMPTS[:1], stop)[0].finish_reason == "stop"
+            time.sleep(0.3)
+            wait_until(lambda: engine_idle(llm), timeout=5)
+            assert asyncio.run(stream()) == "stop"
+            time.sleep(0.3)
+            wait_until(lambda: engine_idle(llm), timeout=5)
 
 
 def _value(metrics: str, name: str) -> float:

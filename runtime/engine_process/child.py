@@ -88,7 +88,9 @@ def serve(conn: Connection, engine: Engine) -> None:
         if warmed:
             reply["warm"] = True
         now = time.monotonic()
-        if now - last_stats >= STATS_INTERVAL_S or not engine.has_unfinished():
+        if idle := not engine.has_unfinished():
+            reply["idle"] = True
+        if now - last_stats >= STATS_INTERVAL_S or idle:
             reply["stats"], last_stats = engine.stats_snapshot(), now
         send(conn, reply)
 

@@ -49,6 +49,9 @@ class ProcessEngine:
             self._process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=environment)
         self._conn = Connection(ours.detach())
         self._unfinished: set[str] = set()
+        # the child has work left (a step queued ahead for a request that has already finished here): its reply
+        # after that step says it is idle and carries the idle stats
+        self._child_busy = False
         self._warm = False  # the child has said that its deferred warm-up is done
         try:
             send(self._conn, {"factory": factory, "arguments": arguments})
@@ -86,6 +89,7 @@ class ProcessEngine:
     def add_request(self, seq: Sequence) -> None:
         self._send({"add": request_to_wire(seq)})
         self._unfinished.add(seq.request_id)
+        self._child_busy = True
 
     def abort_request(self, request_id: str) -> StreamDelta | None:
         """Ask the child to abort; its final delta arrives with a later step (None is returned at once)."""
@@ -114,6 +118,7 @@ class ProcessEngine:
             raise error_from_wire(message["fatal"], default=EngineProcessError)
         if "stats" in message:
             self._stats = message["stats"]
+        self._child_busy = not message.get("idle", False)
         self._warm = self._warm or message.get("warm", False)
         results = [result_from_wire(item) for item in message["results"]]
         for result in results:
@@ -122,7 +127,9 @@ class ProcessEngine:
         return results
 
     def has_unfinished(self) -> bool:
-        return bool(self._unfinished)
+        """Whether a request is unfinished, or the child still has a step to collect (its reply is awaited, so that
+        its stats never stay those of a busy engine)."""
+        return bool(self._unfinished) or self._child_busy
 
     def stats_snapshot(self) -> dict:
         """The child's latest stats (sent at most ``STATS_INTERVAL_S`` apart while it runs, and when it goes idle)."""
