@@ -111,14 +111,15 @@ def test_a_prompts_file_is_read_in_turn(tmp_path):
 
 
 def test_loadtest_serves_an_engine_on_loopback_and_reports_its_efficiency_against_the_engine():
-    result = CliRunner().invoke(cli(), ["loadtest", str(tiny_engine()), "--clients", "3", "--requests", "6",
-                                        "--input-len", "8", "--output-len", "4", "--in-process", "--json"])
+    # enough requests that each process's CPU time spans several of the kernel's 10 ms ticks, even on a busy machine
+    result = CliRunner().invoke(cli(), ["loadtest", str(tiny_engine()), "--clients", "3", "--requests", "12",
+                                        "--input-len", "8", "--output-len", "8", "--in-process", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
-    assert report["succeeded"] == 6 and report["output_tokens"] == 24 and report["url"].startswith("http://127.0.0.1:")
-    assert report["workload"] == {"requests": 6, "warmup": 1, "request_rate": "inf", "input_tokens_mean": 8.0,
-                                  "output_tokens_mean": 4.0, "prompt": None}
-    assert report["offline"]["output_tokens"] == 24 and report["in_process"]["output_tokens"] == 24
+    assert report["succeeded"] == 12 and report["output_tokens"] == 96 and report["url"].startswith("http://127.0.0.1:")
+    assert report["workload"] == {"requests": 12, "warmup": 1, "request_rate": "inf", "input_tokens_mean": 8.0,
+                                  "output_tokens_mean": 8.0, "prompt": None}
+    assert report["offline"]["output_tokens"] == 96 and report["in_process"]["output_tokens"] == 96
     cpu = report["server"]["cpu_us_per_token"]  # the engine runs in a process of its own, the clients in another
     assert set(cpu) == {"server", "engine_process", "clients"} and min(cpu.values()) > 0
     assert report["efficiency"] == pytest.approx(report["output_tokens_per_s"]
