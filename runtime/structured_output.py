@@ -79,14 +79,12 @@ def closed_objects(schema: Any, close: bool = True) -> Any:
     for key in _SUBSCHEMA:
         if key in closed:
             closed[key] = closed_objects(closed[key])
-    for key in _SUBSCHEMA_LISTS:
+    for key in (*_SUBSCHEMA_LISTS, "allOf"):
         if isinstance(closed.get(key), list):
-            closed[key] = [closed_objects(sub) for sub in closed[key]]
+            closed[key] = [closed_objects(sub, close=key != "allOf") for sub in closed[key]]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(closed.get(key), dict):
             closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
-    if isinstance(closed.get("allOf"), list):
-        closed["allOf"] = [closed_objects(sub, close=False) for sub in closed["allOf"]]
     if close and isinstance(closed.get("properties"), dict) and not closed.keys() & {
             "additionalProperties", "patternProperties", "unevaluatedProperties", "allOf"}:
         closed["additionalProperties"] = False
