@@ -4,6 +4,8 @@ CUDA GPU (``-m gpu``) in bf16.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -151,6 +153,19 @@ def test_split_kv_decode_reads_an_fp8_cache_through_its_scales(device, dtype, to
     out = paged_attention_decode(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, out=poisoned(q),
                                  partition_size=64)
     torch.testing.assert_close(out, expected, **fp8_tolerance(device, dtype))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
+def test_contexts_far_below_the_bound_split_into_the_grids_partitions(device, fp8):
+    # a decode graph's bound is its plan's max_seq_len: 64 partitions of up to 64 tokens a sequence here, which
+    # contexts of 1-150 tokens fill with partitions of whole tiles
+    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 4, 64, 16,
+                                                               device, fp8=fp8)
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale)
+    bound = dataclasses.replace(meta, max_seq_len=64 * 64)
+    out = paged_attention_decode(q, k_cache, v_cache, bound, 0.125, k_scale, v_scale, out=poisoned(q),
+                                 partition_size=64, block_n=16)
+    torch.testing.assert_close(out, expected, **(fp8_tolerance(device, None) if fp8 else tolerance(device)))
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["model-dtype", "fp8-output"])

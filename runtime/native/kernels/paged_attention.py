@@ -327,6 +327,14 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr
                row_mask[:, None] & d_mask[None, :], quant_scale_ptr, q_ptr.dtype.element_ty, QUANT)
 
 
+@triton.jit
+def _chunk(seq_len, num_splits, PARTITION_SIZE: tl.constexpr, CHUNK_ALIGN: tl.constexpr):
+    """Tokens per partition of a context of ``seq_len``: split into ``num_splits`` (the grid's) partitions of a
+    multiple of CHUNK_ALIGN, at most PARTITION_SIZE, so that a short context in a grid sized for long ones is
+    still spread over the programs."""
+    return tl.minimum(tl.cdiv(tl.cdiv(seq_len, num_splits), CHUNK_ALIGN) * CHUNK_ALIGN, PARTITION_SIZE)
+
+
 @triton.jit(do_not_specialize=["stride_bt", "max_partitions"])
 def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
                              query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
@@ -336,18 +344,19 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
                              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION_SIZE: tl.constexpr,
                              FP8: tl.constexpr, FP16: tl.constexpr, PRECISION: tl.constexpr,
-                             V_TOKEN_MAJOR: tl.constexpr, PARTITION_BLOCKS: tl.constexpr, LONE: tl.constexpr,
-                             QUANT: tl.constexpr, GROUP_ROWS: tl.constexpr, PDL: tl.constexpr, WINDOWED: tl.constexpr,
-                             SOFTCAPPED: tl.constexpr):
+                             V_TOKEN_MAJOR: tl.constexpr, PARTITION_BLOCKS: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
+                             LONE: tl.constexpr, QUANT: tl.constexpr, GROUP_ROWS: tl.constexpr, PDL: tl.constexpr,
+                             WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr):
     wait_for_previous_kernel(PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * PARTITION_SIZE
+    chunk = _chunk(seq_len, max_partitions, PARTITION_SIZE, CHUNK_ALIGN)
+    start = part * chunk
     if start >= seq_len:
         return
-    end = tl.minimum(start + PARTITION_SIZE, seq_len)
+    end = tl.minimum(start + chunk, seq_len)
 
     rows = tl.arange(0, BLOCK_G)
     head = kv_head * GROUP + rows
@@ -403,13 +412,13 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
 def _decode_reduce_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, query_start_loc_ptr, seq_lens_ptr,
                           quant_scale_ptr, stride_o_tok, stride_o_head, num_heads, max_partitions,
                           HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-                          PARTITION_SIZE: tl.constexpr, DTYPE: tl.constexpr, QUANT: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PARTITION_SIZE: tl.constexpr, CHUNK_ALIGN: tl.constexpr, DTYPE: tl.constexpr,
+                          QUANT: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_parts = tl.cdiv(seq_len, PARTITION_SIZE)
+    num_parts = tl.cdiv(seq_len, _chunk(seq_len, max_partitions, PARTITION_SIZE, CHUNK_ALIGN))
     parts = tl.arange(0, BLOCK_P)
     p_mask = parts < num_parts
     dims = tl.arange(0, BLOCK_D)
@@ -502,10 +511,12 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     meta holds a batch's leading decodes, ``leading_decodes``).
 
     ``out`` as for the varlen kernel. ``partition_size`` (default: ``decode_partition_size``) must be a power of
-    two, at least 16 (``block_n`` and ``num_stages`` default to ``DECODE_TILES``); the partial
-    results live in float32 scratch of num_seqs * num_heads * cdiv(meta.max_seq_len, partition_size) * (head_dim + 2)
-    elements. When every context fits one partition and ``lone``, the partition kernel writes the output itself: no
-    partials, no reduce kernel.
+    two, at least 16 (``block_n`` and ``num_stages`` default to ``DECODE_TILES``): the grid holds
+    cdiv(meta.max_seq_len, partition_size) partitions a sequence, and each context is split into that many of equal
+    length (whole tiles, at most ``partition_size``), so that contexts shorter than meta's bound (a decode graph's
+    plan) still spread over the programs. The partial results live in float32 scratch of num_seqs * num_heads *
+    cdiv(meta.max_seq_len, partition_size) * (head_dim + 2) elements. When every context fits one partition and
+    ``lone``, the partition kernel writes the output itself: no partials, no reduce kernel.
     """
     fp8, v_token_major = _check(q, k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
@@ -515,6 +526,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partition_size = partition_size or decode_partition_size(num_seqs, num_kv_heads, meta.max_seq_len, q.device)
     max_partitions = triton.cdiv(meta.max_seq_len, partition_size)
     block_n = min(block_n or DECODE_TILES[fp8]["block_n"], partition_size)
+    align = min(partition_size, max(block_n, block_size))  # whole tiles, and whole blocks where a partition holds any
     num_stages = num_stages or DECODE_TILES[fp8]["num_stages"]
     block_d = max(triton.next_power_of_2(head_dim), 16)
     out = _output(q, quant_scale) if out is None else out
@@ -537,8 +549,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         (softcap or 1.0) * LOG2E, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n, BLOCK_D=block_d,
         PARTITION_SIZE=partition_size, FP8=fp8, FP16=_fp16_compute(q, fp8), PRECISION=_precision(q),
-        V_TOKEN_MAJOR=v_token_major, PARTITION_BLOCKS=max(partition_size // block_size, 2), LONE=lone,
-        QUANT=quant_scale is not None, GROUP_ROWS=triton.next_power_of_2(group), num_warps=num_warps,
+        V_TOKEN_MAJOR=v_token_major, PARTITION_BLOCKS=max(partition_size // block_size, 2), CHUNK_ALIGN=align,
+        LONE=lone, QUANT=quant_scale is not None, GROUP_ROWS=triton.next_power_of_2(group), num_warps=num_warps,
         num_stages=num_stages, WINDOWED=window is not None, SOFTCAPPED=softcap is not None, **pdl_options(q, pdl))
     if lone:
         return out
@@ -546,7 +558,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, quant, out.stride(0), out.stride(1),
         num_heads, max_partitions,
         HEAD_DIM=head_dim, BLOCK_P=max(triton.next_power_of_2(max_partitions), 2), BLOCK_D=block_d,
-        PARTITION_SIZE=partition_size, DTYPE=TRITON_DTYPES[q.dtype], QUANT=quant_scale is not None, num_warps=4,
+        PARTITION_SIZE=partition_size, CHUNK_ALIGN=align, DTYPE=TRITON_DTYPES[q.dtype], QUANT=quant_scale is not None,
+        num_warps=4,
         **pdl_options(q, pdl))
     return out
 
