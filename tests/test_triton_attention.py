@@ -186,10 +186,12 @@ def test_a_decode_within_one_partition_writes_what_the_reduce_would(device, quan
 
 
 @pytest.mark.parametrize(("num_seqs", "max_seq_len", "partition_size"), [
-    (1, 1000, 64), (8, 2048, 256), (64, 2048, 2048), (64, 4096, 2048), (128, 4096, 4096), (512, 2176, 4096)])
-def test_decode_partitions_give_each_sm_a_few_programs(monkeypatch, num_seqs, max_seq_len, partition_size):
-    # an H200's 132 SMs and 8 KV heads: 4096-token partitions only where they still leave over 4 programs per SM
-    # (128 sequences of 4k: 1,024 programs), not at 64 sequences (512, slower than 1,024 of 2048)
+    (1, 1152, 64), (4, 8192, 1024), (16, 8192, 1024), (32, 2048, 2048), (64, 2048, 1024), (64, 4096, 2048),
+    (440, 4096, 4096), (512, 2176, 4096), (2048, 256, 256)])
+def test_decode_partitions_fill_the_gpus_waves(monkeypatch, num_seqs, max_seq_len, partition_size):
+    # an H200's 132 SMs (396 programs a wave) and 8 KV heads: 32 sequences of 2k take one partition each, one wave
+    # of 256 programs and no reduce; 64 of 2k two waves of 1k-token partitions rather than two of 2k; large batches
+    # one partition as long as the plan, never longer (2,048 sequences of 256 tokens: 256, not 4,096)
     monkeypatch.setattr(paged_attention_module, "_num_sms", lambda device: 132)
     assert decode_partition_size(num_seqs, 8, max_seq_len, torch.device("cuda")) == partition_size
 

@@ -37,11 +37,12 @@ from kiln.runtime.native.kernels.rounding import TRITON_DTYPES, quantize_e4m3
 from kiln.runtime.native.kv_cache import is_token_major
 
 LOG2E = 1.4426950408889634
-# Split-KV decode partitions hold 64..2048 tokens, sized so that the grid gives each SM a few programs, or 4096 when
-# even that leaves more than PROGRAMS_PER_SM programs per SM. On an H200 with FP8 KV, 2048 rather than 1024 was 3-4 %
-# faster at 488 sequences of 1.5k tokens and 64 of 4k; 4096 rather than 2048, 2-5 % at 128-512 sequences whose
-# contexts reach past 2,048 tokens, which one partition then holds (no reduce), but 19 % slower at 64 sequences of
-# 4k (512 programs, against 1,024).
+# Split-KV decode partitions hold a power of two of 64..4096 tokens, chosen by counting waves: the grid (sequences x
+# KV heads x partitions) runs WAVE_PROGRAMS_PER_SM programs an SM at a time (the FP8 kernel's occupancy), each wave
+# as long as a partition plus PROGRAM_COST_TOKENS of fixed work, and more than one partition adds the reduce kernel,
+# REDUCE_COST_TOKENS. Fitted to tools/tune_partitions.py on an H200 (FP8 KV, output quantized, 2026-12-04: batches
+# 4-256, plans of 1-8k tokens, contexts filling all or a quarter of them): the chosen size is within 2 % of the
+# fastest (geometric mean; 7 % at a quarter), where the rule before (about 4 programs per SM) was 12 % off (21 %).
 # KV tokens per tile and pipeline stages by cache dtype (model dtype, FP8), the fastest of tools/tune_attention.py on
 # an H200 at batch 256 over 1k-2k contexts, and for a 1k-token prefill (FP8: with V token-major; 128-token varlen
 # tiles spill registers there). On the H200, decode reading a contiguous V as rows (which the compiler copies
@@ -51,7 +52,8 @@ LOG2E = 1.4426950408889634
 # 2 stages at batch 256; a bf16 cache gains nothing from it.
 DECODE_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=128, num_stages=3)}
 VARLEN_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=64, num_stages=3)}
-MIN_PARTITION_SIZE, MAX_PARTITION_SIZE, PROGRAMS_PER_SM = 64, 4096, 4
+MIN_PARTITION_SIZE, MAX_PARTITION_SIZE = 64, 4096
+WAVE_PROGRAMS_PER_SM, PROGRAM_COST_TOKENS, REDUCE_COST_TOKENS = 3, 512, 128
 
 
 @triton.jit
@@ -570,13 +572,20 @@ def _output(q: torch.Tensor, quant_scale: torch.Tensor | None) -> torch.Tensor:
 
 
 def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Tokens per split-KV partition: about PROGRAMS_PER_SM programs per SM over a context of ``max_seq_len``
-    (the smallest power of two giving at most that many, at most MAX_PARTITION_SIZE / 2), or MAX_PARTITION_SIZE when
-    even that gives more."""
-    tokens_per_program = num_seqs * num_kv_heads * max_seq_len // (PROGRAMS_PER_SM * _num_sms(device))
-    if tokens_per_program > MAX_PARTITION_SIZE:
-        return MAX_PARTITION_SIZE
-    return min(MAX_PARTITION_SIZE // 2, max(MIN_PARTITION_SIZE, triton.next_power_of_2(max(tokens_per_program, 1))))
+    """Tokens per split-KV partition over contexts of up to ``max_seq_len``: the power of two from
+    MIN_PARTITION_SIZE to MAX_PARTITION_SIZE (and no larger than one partition holding ``max_seq_len`` needs) whose
+    waves of programs take the least time by the count above; the smaller size on a tie."""
+    slots = WAVE_PROGRAMS_PER_SM * _num_sms(device)
+
+    def cost(size: int) -> int:
+        partitions = triton.cdiv(max_seq_len, size)
+        waves = triton.cdiv(num_seqs * num_kv_heads * partitions, slots)
+        return waves * (min(size, max_seq_len) + PROGRAM_COST_TOKENS) + (REDUCE_COST_TOKENS if partitions > 1 else 0)
+
+    sizes = [MIN_PARTITION_SIZE]
+    while sizes[-1] < min(max_seq_len, MAX_PARTITION_SIZE):
+        sizes.append(sizes[-1] * 2)
+    return min(sizes, key=cost)
 
 
 @functools.cache
