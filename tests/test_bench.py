@@ -214,16 +214,21 @@ def test_a_suite_runs_each_row_offline_and_sets_it_against_its_published_figure(
     from kiln.pipeline.bench import suite
 
     tiny = suite.Suite("tiny", "made up for the test", "a few", (suite.SuiteRow(16, 6, 4, 2, 100.0, "v9"),
-                                                                 suite.SuiteRow(8, 4, 3, 2, 50.0, "v8")))
+                                                                 suite.SuiteRow(8, 4, 3, 2, 50.0, "v8")),
+                       runtime={"scheduler_policy": "guaranteed_no_evict"})
     monkeypatch.setitem(suite.SUITES, "tiny", tiny)
     report = bench_json("tiny-llama-bf16.yaml", "--suite", "tiny")
     assert [row["row"] for row in report["rows"]] == ["16/6", "8/4"] and report["suite"] == "tiny"
+    assert report["runtime"] == {"scheduler_policy": "guaranteed_no_evict"}  # the suite's, where the user set none
     for row, expected in zip(report["rows"], tiny.rows, strict=True):
         assert row["kiln_tokens_per_s"] > 0 and row["prompts"] == expected.prompts
         assert row["ratio"] == pytest.approx(row["kiln_tokens_per_s"] / expected.published_tokens_per_s, abs=1e-4)
         assert row["offline_engine"]["steps"] >= expected.output_len and row["kv_pool"]["tokens"] > 0
-    assert [row["row"] for row in bench_json("tiny-llama-bf16.yaml", "--suite", "tiny", "--rows", "8/4")["rows"]] \
-        == ["8/4"]
+    monkeypatch.setenv("KILN_SCHEDULER_POLICY", "max_utilization")
+    code, out, err = run_bench("tiny-llama-bf16.yaml", "--suite", "tiny", "--rows", "8/4")
+    assert code == 0, err
+    assert "8/4" in out and "16/6" not in out
+    assert "runtime: scheduler_policy max_utilization" in out  # the user's setting wins
     code, _, err = run_bench("tiny-llama-bf16.yaml", "--suite", "tiny", "--rows", "1/1")
     assert code != 0 and "suite tiny has rows 16/6, 8/4" in err
     code, _, err = run_bench("tiny-llama-bf16.yaml", "--suite", "nope")

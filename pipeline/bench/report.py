@@ -83,6 +83,9 @@ def print_suite(report: dict) -> None:
     where = report["gpu"] or "CPU"
     stdout.print(f"[bold]kiln bench --suite {report['suite']}[/] {report['target']} on {where}", highlight=False)
     stdout.print(f"against: {report['source']}; requests per row: {report['counts']}", highlight=False)
+    if report["runtime"]:
+        settings = ", ".join(f"{name} {value}" for name, value in report["runtime"].items())
+        stdout.print(f"runtime: {settings}", highlight=False)
     table = Table(box=None, header_style="bold")
     for column in ("in/out", "requests", "kiln tok/s", "published tok/s", "kiln / published", "preemptions",
                    "KV pool seqs", "last batch p50"):
