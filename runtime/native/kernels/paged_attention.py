@@ -603,8 +603,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     as the varlen kernel does): split-KV decode when every q_len is 1, varlen otherwise; a
     mixed step's leading decodes go through the decode kernel (on an H200, varlen reads their long contexts in one
     program per sequence and KV head: 63 of a 168 ms step of 504 decodes and 7,688 prefill tokens, 32 once split).
-    Their partitions are the largest, as the decode graphs of large batches use, so that mixed steps of any size
-    run kernels those graphs compiled."""
+    Their partitions are the largest, whatever the step's size, so that every mixed step runs one compiled kernel
+    (one partition holds each context of up to MAX_PARTITION_SIZE tokens, with no reduce)."""
     options = dict(quant_scale=quant_scale, pdl=pdl, window=window, softcap=softcap)
     if meta.max_query_len == 1:
         return paged_attention_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, **options)
