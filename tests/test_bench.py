@@ -283,3 +283,15 @@ def test_random_fp8_checkpoint_dequantizes_to_the_bf16_checkpoints_spread(tmp_pa
     assert read_quantization(fp8, cfg).format == "fp8" and read_quantization(fp8, cfg).fp8_kv_cache
     bf16 = random_checkpoint(cache, tmp_path / "arch.json", cfg, seed=3, device="cpu", progress=lambda _: None)
     assert bf16 != fp8 and not (bf16 / "hf_quant_config.json").exists()
+
+
+def test_the_warm_up_runs_the_offline_runs_first_two_steps_a_prefill_and_a_mixed_step(llm):
+    from kiln.pipeline.bench.measure import Workload, warmup_prompts
+
+    limits = llm.limits
+    count = warmup_prompts(1000, 32, limits.max_num_tokens, limits.max_batch_size)  # 16: 8 prompts fill a step
+    assert count == 2 * (limits.max_num_tokens // 32) > 8 and warmup_prompts(3, 32, 256, 16) == 3
+    workload = Workload.make(limits.vocab_size, prompts=count, input_len=32, output_len=2, seed=0, warmup=count)
+    before = llm.stats()["steps_by_kind"]["mixed"]["steps"]
+    llm.generate(workload.warmup, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False))
+    assert len(workload.warmup) == count and llm.stats()["steps_by_kind"]["mixed"]["steps"] > before

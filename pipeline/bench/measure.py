@@ -1,8 +1,9 @@
 """The workload of ``kiln bench`` (seeded random token-id prompts) and its measurement on a Kiln engine.
 
-Every phase uses prompts of its own, so the prefix cache never serves one phase from another's blocks:
-a warm-up batch, a few single requests for time to first token, a few single requests for batch-1 decode (one at
-a time; the median counts), and the ``--prompts`` requests of the offline run.
+Every phase uses prompts of its own, so the prefix cache never serves one phase from another's blocks: a warm-up
+batch (the shapes of the offline run's first two steps), a few single requests for time to first token, a few
+single requests for batch-1 decode (one at a time; the median counts), and the ``--prompts`` requests of the
+offline run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ BATCH1_REPEATS = 3
 WARMUP_PROMPTS = 8
 
 
+def warmup_prompts(prompts: int, input_len: int, max_num_tokens: int, max_batch_size: int) -> int:
+    """How many prompts the warm-up sends: at least WARMUP_PROMPTS, and enough for the offline run's first two
+    steps (its prompts alone, then their decodes beside the next prompts), so that the kernels those steps
+    specialise are compiled before the run is timed; never more than the run sends."""
+    per_step = max(1, min(max_batch_size, max_num_tokens // input_len))
+    return min(prompts, max(WARMUP_PROMPTS, 2 * per_step))
+
+
 @dataclass(frozen=True)
 class Workload:
     """Seeded random prompts of ``input_len`` token ids; every request generates ``output_len`` tokens."""
@@ -34,14 +43,15 @@ class Workload:
     warmup: list[list[int]]
 
     @classmethod
-    def make(cls, vocab_size: int, *, prompts: int, input_len: int, output_len: int, seed: int) -> Workload:
+    def make(cls, vocab_size: int, *, prompts: int, input_len: int, output_len: int, seed: int,
+             warmup: int = WARMUP_PROMPTS) -> Workload:
         generator = torch.Generator().manual_seed(seed)
 
         def draw(n: int) -> list[list[int]]:
             return torch.randint(0, vocab_size, (n, input_len), generator=generator).tolist()
 
         return cls(input_len, output_len, prompts=draw(prompts), batch1=draw(BATCH1_REPEATS),
-                   ttft=draw(TTFT_REPEATS), warmup=draw(min(prompts, WARMUP_PROMPTS)))
+                   ttft=draw(TTFT_REPEATS), warmup=draw(min(prompts, warmup)))
 
 
 def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, *, batch_1_only: bool,
