@@ -1,12 +1,14 @@
 """Time the split-KV decode at every partition size against ``decode_partition_size``'s choice on one CUDA GPU.
 
 Llama-3-8B attention (32 heads, 8 KV heads, head_dim 128) with an FP8 KV cache (V token-major) and the output
-quantized for an FP8 o_proj, as an FP8 engine decodes: every batch size of ``--batches`` with a plan of each of
+quantized for an FP8 o_proj, as an FP8 engine decodes (``--kv-dtype bf16``: a bf16 cache and output, as a bf16
+engine does; the rule was fitted to the FP8 kernel): every batch size of ``--batches`` with a plan of each of
 ``--max-seq-lens`` tokens, whose contexts fill ``--fill`` of it (a few tokens apart, as a batch's are: the decode
 graphs choose the partition size from the plan's ``max_seq_len``, not from the contexts). Each power-of-two
 partition size is timed inside a CUDA graph; a row gives the fastest and how much slower the rule's choice is.
 
-    python tools/tune_partitions.py [--batches 8,16,32,64,128] [--max-seq-lens 2048,4096] [--fill 1.0] [--json OUT]
+    python tools/tune_partitions.py [--batches 8,16,32,64,128] [--max-seq-lens 2048,4096] [--fill 1.0]
+        [--kv-dtype fp8|bf16] [--json OUT]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="4,8,16,32,64,128,256", help="comma-separated batch sizes")
     parser.add_argument("--max-seq-lens", default="1024,2048,4096,8192", help="comma-separated plan lengths")
     parser.add_argument("--fill", type=float, default=1.0, help="the contexts' share of the plan's length")
+    parser.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8", help="the KV cache's dtype")
     args = parser.parse_args(argv)
     import torch
 
@@ -41,12 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [1 << n for n in range(MIN_PARTITION_SIZE.bit_length() - 1, MAX_PARTITION_SIZE.bit_length())]
     results = []
     generator = torch.Generator().manual_seed(0)
-    quant_scale = torch.tensor(0.01, device="cuda")
+    quant_scale = torch.tensor(0.01, device="cuda") if args.kv_dtype == "fp8" else None
     for batch in map(int, args.batches.split(",")):
         for max_seq_len in map(int, args.max_seq_lens.split(",")):
             context = max(int(max_seq_len * args.fill), 64)
             seq_lens = [context - 7 * i % 64 for i in range(batch)]
-            q, k_cache, v_cache, meta, (k_scale, v_scale) = make_case([1] * batch, seq_lens, "fp8", generator)
+            q, k_cache, v_cache, meta, (k_scale, v_scale) = make_case([1] * batch, seq_lens, args.kv_dtype, generator)
             meta = dataclasses.replace(meta, max_seq_len=max_seq_len)  # the plan's bound, as the graphs launch it
             rule = decode_partition_size(batch, NUM_KV_HEADS, max_seq_len, q.device)
             timings = {}
