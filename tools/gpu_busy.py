@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kiln.pipeline.bench.measure import Workload, warmup_prompts
+from kiln.pipeline.bench.measure import Workload
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.native.engine_format import EngineConfig
@@ -93,11 +93,8 @@ def main() -> int:
 
     llm = LLM.load(args.engine_dir, runtime_options(os.environ))
     llm.wait_until_warm()
-    engine = EngineConfig.load(args.engine_dir)
-    workload = Workload.make(engine.architecture.vocab_size, prompts=args.prompts, input_len=args.input_len,
-                             output_len=args.output_len, seed=0,
-                             warmup=warmup_prompts(args.prompts, args.input_len, engine.plan.max_num_tokens,
-                                                   engine.plan.max_batch_size))
+    workload = Workload.for_engine(EngineConfig.load(args.engine_dir), prompts=args.prompts,
+                                   input_len=args.input_len, output_len=args.output_len, seed=0)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate(workload.warmup, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False))
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from kiln.pipeline.bench.common import rate
+from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.options import RuntimeOptions
 
 TTFT_REPEATS = 5
@@ -52,6 +53,14 @@ class Workload:
 
         return cls(input_len, output_len, prompts=draw(prompts), batch1=draw(BATCH1_REPEATS),
                    ttft=draw(TTFT_REPEATS), warmup=draw(min(prompts, warmup)))
+
+    @classmethod
+    def for_engine(cls, engine: EngineConfig, *, prompts: int, input_len: int, output_len: int,
+                   seed: int) -> Workload:
+        """The workload on ``engine``'s vocabulary, with a warm-up sized to its plan (``warmup_prompts``)."""
+        plan = engine.plan
+        return cls.make(engine.architecture.vocab_size, prompts=prompts, input_len=input_len, output_len=output_len,
+                        seed=seed, warmup=warmup_prompts(prompts, input_len, plan.max_num_tokens, plan.max_batch_size))
 
 
 def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, *, batch_1_only: bool,

@@ -12,7 +12,7 @@ import torch
 from kiln.engines.cache import EngineCache
 from kiln.pipeline.bench.common import free_memory
 from kiln.pipeline.bench.floor import decode_step_bytes, floor_tokens_per_s, resolve_bandwidth
-from kiln.pipeline.bench.measure import Workload, measure_kiln, warmup_prompts
+from kiln.pipeline.bench.measure import Workload, measure_kiln
 from kiln.pipeline.bench.random_checkpoint import random_checkpoint
 from kiln.pipeline.bench.report import speedups
 from kiln.pipeline.bench.target import (
@@ -114,10 +114,8 @@ def build_and_measure(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_
                                                                   checkpoint_cache=checkpoint_cache)
     ctx, build = build_engine(config_path, options)
     engine = EngineConfig.load(ctx.engine_dir)
-    workload = Workload.make(engine.architecture.vocab_size, prompts=plan.prompts, input_len=plan.input_len,
-                             output_len=plan.output_len, seed=seed,
-                             warmup=warmup_prompts(plan.prompts, plan.input_len, engine.plan.max_num_tokens,
-                                                   engine.plan.max_batch_size))
+    workload = Workload.for_engine(engine, prompts=plan.prompts, input_len=plan.input_len,
+                                   output_len=plan.output_len, seed=seed)
     kiln = measure_kiln(ctx.engine_dir, workload, ctx.load_options, batch_1_only=batch_1_only,
                         offline_only=offline_only, on_loaded=lambda ms: ctx.cache.record_load(ctx.engine_key, ms),
                         progress=report_progress)
