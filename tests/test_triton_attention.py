@@ -185,15 +185,19 @@ def test_a_decode_within_one_partition_writes_what_the_reduce_would(device, quan
         torch.testing.assert_close(outs[0], expected, **fp8_tolerance(device, q.dtype))
 
 
-@pytest.mark.parametrize(("num_seqs", "max_seq_len", "partition_size"), [
-    (1, 1152, 64), (4, 8192, 1024), (16, 8192, 1024), (32, 2048, 2048), (64, 2048, 1024), (64, 4096, 2048),
-    (440, 4096, 4096), (512, 2176, 4096), (2048, 256, 256)])
-def test_decode_partitions_fill_the_gpus_waves(monkeypatch, num_seqs, max_seq_len, partition_size):
-    # an H200's 132 SMs (396 programs a wave) and 8 KV heads: 32 sequences of 2k take one partition each, one wave
-    # of 256 programs and no reduce; 64 of 2k two waves of 1k-token partitions rather than two of 2k; large batches
-    # one partition as long as the plan, never longer (2,048 sequences of 256 tokens: 256, not 4,096)
+@pytest.mark.parametrize(("num_seqs", "max_seq_len", "fp8", "partition_size"), [
+    (1, 1152, True, 64), (4, 8192, True, 1024), (16, 8192, True, 1024), (32, 2048, True, 2048),
+    (64, 2048, True, 1024), (64, 4096, True, 2048), (440, 4096, True, 4096), (512, 2176, True, 4096),
+    (2048, 256, True, 256), (8, 1024, False, 128), (16, 4096, False, 1024), (32, 4096, False, 2048),
+    (16, 8192, False, 2048)])
+def test_decode_partitions_fill_the_gpus_waves(monkeypatch, num_seqs, max_seq_len, fp8, partition_size):
+    # an H200's 132 SMs and 8 KV heads; the FP8 kernel runs 3 programs an SM (396 a wave): 32 sequences of 2k take
+    # one partition each, one wave of 256 programs and no reduce; 64 of 2k two waves of 1k-token partitions rather
+    # than two of 2k; large batches one partition as long as the plan, never longer (2,048 sequences of 256 tokens:
+    # 256, not 4,096). The bf16 kernel runs 4 (528 a wave), so its partitions are half as long below batch 64, as
+    # the fastest measured were (tools/tune_partitions.py --kv-dtype bf16)
     monkeypatch.setattr(paged_attention_module, "_num_sms", lambda device: 132)
-    assert decode_partition_size(num_seqs, 8, max_seq_len, torch.device("cuda")) == partition_size
+    assert decode_partition_size(num_seqs, 8, max_seq_len, torch.device("cuda"), fp8) == partition_size
 
 
 @pytest.mark.parametrize(("block_size", "block_n"), [(16, 32), (64, 16)], ids=["runs-of-blocks", "tiles-in-a-block"])

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             seq_lens = [context - 7 * i % 64 for i in range(batch)]
             q, k_cache, v_cache, meta, (k_scale, v_scale) = make_case([1] * batch, seq_lens, args.kv_dtype, generator)
             meta = dataclasses.replace(meta, max_seq_len=max_seq_len)  # the plan's bound, as the graphs launch it
-            rule = decode_partition_size(batch, NUM_KV_HEADS, max_seq_len, q.device)
+            rule = decode_partition_size(batch, NUM_KV_HEADS, max_seq_len, q.device, args.kv_dtype == "fp8")
             timings = {}
             for size in sizes:
                 call = functools.partial(paged_attention_decode, q, k_cache, v_cache, meta, HEAD_DIM**-0.5, k_scale,

@@ -38,11 +38,14 @@ from kiln.runtime.native.kv_cache import is_token_major
 
 LOG2E = 1.4426950408889634
 # Split-KV decode partitions hold a power of two of 64..4096 tokens, chosen by counting waves: the grid (sequences x
-# KV heads x partitions) runs WAVE_PROGRAMS_PER_SM programs an SM at a time (the FP8 kernel's occupancy), each wave
-# as long as a partition plus PROGRAM_COST_TOKENS of fixed work, and more than one partition adds the reduce kernel,
-# REDUCE_COST_TOKENS. Fitted to tools/tune_partitions.py on an H200 (FP8 KV, output quantized, 2026-12-04: batches
-# 4-256, plans of 1-8k tokens, contexts filling all or a quarter of them): the chosen size is within 2 % of the
-# fastest (geometric mean; 7 % at a quarter), where the rule before (about 4 programs per SM) was 12 % off (21 %).
+# KV heads x partitions) runs ``programs_per_sm`` programs an SM at a time (the kernel's occupancy, DECODE_TILES),
+# each wave as long as a partition plus PROGRAM_COST_TOKENS of fixed work, and more than one partition adds the reduce
+# kernel, REDUCE_COST_TOKENS. Fitted to tools/tune_partitions.py on an H200 (FP8 KV, output quantized, 2026-12-04:
+# batches 4-256, plans of 1-8k tokens, contexts filling all or a quarter of them): the chosen size is within 2 % of
+# the fastest (geometric mean; 7 % at a quarter), where the rule before (about 4 programs per SM) was 12 % off (21 %).
+# The bf16 kernel's smaller tiles fit 4 programs an SM: counted with 3, its sizes were one step too long below batch
+# 64 (9 % off the fastest on average, 27 % at worst); with 4, 0.2 % (2 %), and 3.8 % (32 %) for contexts a quarter
+# of the plan (batches 4-128 of the same grid, 2026-12-04).
 # KV tokens per tile and pipeline stages by cache dtype (model dtype, FP8), the fastest of tools/tune_attention.py on
 # an H200 at batch 256 over 1k-2k contexts, and for a 1k-token prefill (FP8: with V token-major; 128-token varlen
 # tiles spill registers there). On the H200, decode reading a contiguous V as rows (which the compiler copies
@@ -50,10 +53,11 @@ LOG2E = 1.4426950408889634
 # bf16); an FP8 V read token-major was another 22 % faster in decode, 15 % slower in varlen. Decode with FP8 KV
 # prefetches one tile ahead (3 stages: 2 K/V buffers, 74 KB of shared memory, 3 programs per SM), 7-9 % faster than
 # 2 stages at batch 256; a bf16 cache gains nothing from it.
-DECODE_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=128, num_stages=3)}
+DECODE_TILES = {False: dict(block_n=64, num_stages=2, programs_per_sm=4),
+                True: dict(block_n=128, num_stages=3, programs_per_sm=3)}
 VARLEN_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=64, num_stages=3)}
 MIN_PARTITION_SIZE, MAX_PARTITION_SIZE = 64, 4096
-WAVE_PROGRAMS_PER_SM, PROGRAM_COST_TOKENS, REDUCE_COST_TOKENS = 3, 512, 128
+PROGRAM_COST_TOKENS, REDUCE_COST_TOKENS = 512, 128
 
 
 @triton.jit
@@ -525,7 +529,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     num_seqs = meta.seq_lens.shape[0]
-    partition_size = partition_size or decode_partition_size(num_seqs, num_kv_heads, meta.max_seq_len, q.device)
+    partition_size = partition_size or decode_partition_size(num_seqs, num_kv_heads, meta.max_seq_len, q.device, fp8)
     max_partitions = triton.cdiv(meta.max_seq_len, partition_size)
     block_n = min(block_n or DECODE_TILES[fp8]["block_n"], partition_size)
     align = min(partition_size, max(block_n, block_size))  # whole tiles, and whole blocks where a partition holds any
@@ -571,11 +575,13 @@ def _output(q: torch.Tensor, quant_scale: torch.Tensor | None) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype if quant_scale is None else torch.float8_e4m3fn, device=q.device)
 
 
-def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Tokens per split-KV partition over contexts of up to ``max_seq_len``: the power of two from
-    MIN_PARTITION_SIZE to MAX_PARTITION_SIZE (and no larger than one partition holding ``max_seq_len`` needs) whose
-    waves of programs take the least time by the count above; the smaller size on a tie."""
-    slots = WAVE_PROGRAMS_PER_SM * _num_sms(device)
+def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                          fp8: bool) -> int:
+    """Tokens per split-KV partition over contexts of up to ``max_seq_len`` in an FP8 (``fp8``) or model-dtype
+    cache: the power of two from MIN_PARTITION_SIZE to MAX_PARTITION_SIZE (and no larger than one partition holding
+    ``max_seq_len`` needs) whose waves of programs take the least time by the count above; the smaller size on a
+    tie."""
+    slots = DECODE_TILES[fp8]["programs_per_sm"] * _num_sms(device)
 
     def cost(size: int) -> int:
         partitions = triton.cdiv(max_seq_len, size)
