@@ -200,6 +200,14 @@ def test_decode_partitions_fill_the_gpus_waves(monkeypatch, num_seqs, max_seq_le
     assert decode_partition_size(num_seqs, 8, max_seq_len, torch.device("cuda"), fp8) == partition_size
 
 
+@pytest.mark.parametrize(("fp8", "max_seq_len", "block_n"), [
+    (True, 256, 64), (True, 257, 128), (True, 4096, 128), (False, 256, 64), (False, 4096, 64)])
+def test_short_plans_read_their_kv_in_small_tiles(fp8, max_seq_len, block_n):
+    # a context of up to 256 tokens spans two to four 64-token tiles; the FP8 kernel's 128-token tile stays for
+    # longer plans, where it is the faster
+    assert paged_attention_module._decode_block_n(fp8, max_seq_len) == block_n
+
+
 @pytest.mark.parametrize(("block_size", "block_n"), [(16, 32), (64, 16)], ids=["runs-of-blocks", "tiles-in-a-block"])
 def test_token_major_fp8_v_tiles_smaller_and_larger_than_a_block(device, block_size, block_n):
     q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 2, 64,
