@@ -59,8 +59,9 @@ VARLEN_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=64, nu
 # Contexts of up to SHORT_CONTEXT tokens (TensorRT-LLM's 128/128 row) read in tiles of at most SHORT_CONTEXT_BLOCK_N:
 # each program then holds two to four tiles, not one or two. FP8 KV on an H200, output quantized, a plan of 256 tokens,
 # contexts of 129-256 (2026-12-04, CUDA-graph medians a layer): 2,048 sequences 323 -> 295 us, 512 85 -> 79, 64 14.8
-# -> 11.8, 8 unchanged; a mixed step's 2,048 decodes (partitions of 4,096) 329 -> 307. Over 1-2k tokens the 64-token
-# tile is 8 % slower, so longer plans keep DECODE_TILES.
+# -> 11.8, 8 unchanged. Over 1-2k tokens the 64-token tile is 8 % slower, so longer plans keep DECODE_TILES, and so do
+# mixed steps (their partitions of MAX_PARTITION_SIZE), which keeps them to one compiled kernel whatever their
+# contexts (with short tiles, 2,048 decodes of 129-256 tokens there took 307 us instead of 329).
 SHORT_CONTEXT, SHORT_CONTEXT_BLOCK_N = 256, 64
 MIN_PARTITION_SIZE, MAX_PARTITION_SIZE = 64, 4096
 PROGRAM_COST_TOKENS, REDUCE_COST_TOKENS = 512, 128
@@ -523,8 +524,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     meta holds a batch's leading decodes, ``leading_decodes``).
 
     ``out`` as for the varlen kernel. ``partition_size`` (default: ``decode_partition_size``) must be a power of
-    two, at least 16 (``block_n`` and ``num_stages`` default to ``DECODE_TILES``, tiles of SHORT_CONTEXT_BLOCK_N
-    over contexts of up to SHORT_CONTEXT): the grid holds
+    two, at least 16 (``block_n`` and ``num_stages`` default to ``DECODE_TILES``; tiles of SHORT_CONTEXT_BLOCK_N
+    where neither meta.max_seq_len nor ``partition_size`` exceeds SHORT_CONTEXT): the grid holds
     cdiv(meta.max_seq_len, partition_size) partitions a sequence, and each context is split into that many of equal
     length (whole tiles, at most ``partition_size``), so that contexts shorter than meta's bound (a decode graph's
     plan) still spread over the programs. The partial results live in float32 scratch of num_seqs * num_heads *
@@ -538,7 +539,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_seqs = meta.seq_lens.shape[0]
     partition_size = partition_size or decode_partition_size(num_seqs, num_kv_heads, meta.max_seq_len, q.device, fp8)
     max_partitions = triton.cdiv(meta.max_seq_len, partition_size)
-    block_n = min(block_n or _decode_block_n(fp8, meta.max_seq_len), partition_size)
+    # a caller that fixes long partitions (a mixed step's decodes) launches for contexts that long: one tile for all
+    block_n = min(block_n or _decode_block_n(fp8, max(meta.max_seq_len, partition_size)), partition_size)
     align = min(partition_size, max(block_n, block_size))  # whole tiles, and whole blocks where a partition holds any
     num_stages = num_stages or DECODE_TILES[fp8]["num_stages"]
     block_d = max(triton.next_power_of_2(head_dim), 16)
