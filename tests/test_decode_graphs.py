@@ -146,13 +146,16 @@ def test_programmatic_dependent_launch_changes_no_logit_of_a_captured_decode(eng
         runs[pdl] = torch.stack(steps)
     assert torch.equal(runs[True], runs[False])
 
-def test_buckets_double_to_512_then_grow_by_512_and_a_step_takes_the_smallest_that_fits(engine_dir):
+def test_buckets_double_to_128_then_step_by_quarters_and_a_step_takes_the_smallest_that_fits(engine_dir):
     assert decode_batch_sizes(8) == (1, 2, 4, 8)
     assert decode_batch_sizes(6) == (1, 2, 4, 6)
     assert decode_batch_sizes(1) == (1,)
-    assert decode_batch_sizes(512)[-3:] == (128, 256, 512) and len(decode_batch_sizes(512)) == 10
-    assert decode_batch_sizes(2100)[9:] == (512, 1024, 1536, 2048, 2100)  # past 512, steps of 512
-    assert decode_batch_sizes(1024)[9:] == (512, 1024)
+    assert decode_batch_sizes(128) == (1, 2, 4, 8, 16, 32, 64, 128)
+    # past 128, steps of a quarter of the power of two below; 448 measured slower than 512
+    assert decode_batch_sizes(512)[7:] == (128, 160, 192, 224, 256, 320, 384, 512)
+    assert decode_batch_sizes(440)[-3:] == (320, 384, 440)
+    assert decode_batch_sizes(2100)[14:] == (512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2100)
+    assert decode_batch_sizes(1025)[-3:] == (896, 1024, 1025)
     graphs = DecodeGraphRunner(load_runner(engine_dir, torch.device("cpu"), 1).model, [], EngineConfig.load(engine_dir),
                                torch.device("cpu"), capture=False)
     assert graphs.batch_sizes == (1, 2, 4, 8)

@@ -11,6 +11,7 @@ the times mean anything.
 
     python tools/bench_step.py [--formats fp8,none,int4_awq] [--batch 1,8,64,256] [--context 1024]
                                             [--kv-cache-dtype float8_e4m3fn] [--prefill 1000] [--profile] [--json OUT]
+                                            [--graph-batch N (each batch padded to a graph of N, as a bucket pads)]
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-blocks", type=int, help="KV pool size in blocks (default: just what the batch needs)")
     parser.add_argument("--block-order", choices=["sequential", "random"], default="sequential",
                         help="how sequences' blocks lie in the pool (default sequential)")
+    parser.add_argument("--graph-batch", type=int,
+                        help="replay every batch in a graph of this many sequences, the rows past the batch padded "
+                             "as the engine pads a bucket (default: each batch its own graph)")
     parser.add_argument("--fill-kv", action="store_true",
                         help="fill the KV cache with random values instead of zeros (time long --steps runs with it "
                              "to see sustained-load clocks)")
@@ -132,7 +136,8 @@ def time_ms(fn, repeats: int) -> float:
 def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict:
     block = args.block_size
     max_seq_len = -(-max(args.context + 1, args.prefill) // block) * block
-    config = engine_config(Path(args.arch), fmt, max(batches), max_seq_len, max(args.prefill, max(batches)),
+    largest = max(*batches, args.graph_batch or 0)
+    config = engine_config(Path(args.arch), fmt, largest, max_seq_len, max(args.prefill, largest),
                            args.kv_cache_dtype, block)
     with torch.device("cuda"):
         model = DecoderModel(config, torch.bfloat16, KernelChoice.from_options(runtime_options(os.environ))).eval()
@@ -153,19 +158,21 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
     with torch.inference_mode():
         for batch in batches:
             step = decode_step(batch, args.context, blocks_per_seq, block_order)
-            graphs = DecodeGraphRunner(model, kv_caches, config, torch.device("cuda"), batch_sizes=(batch,))
+            graph_batch = max(batch, args.graph_batch or batch)
+            graphs = DecodeGraphRunner(model, kv_caches, config, torch.device("cuda"), batch_sizes=(graph_batch,))
             graphs.graphs.capture_next()
             step_ms = time_ms(lambda g=graphs, a=step: g.run(*a), args.steps)
-            replay_ms = time_ms(graphs.graphs.graphs[batch].replay, args.steps)
+            replay_ms = time_ms(graphs.graphs.graphs[graph_batch].replay, args.steps)
             eager = eager_inputs(step, block)
             eager_ms = time_ms(lambda a=eager: forward_logits(model, kv_caches, *a), 5)
             floor_ms = (streamed + batch * (args.context + 1) * kv_per_token) / (args.bandwidth_gbs * 1e6)
-            row = {"batch": batch, "step_ms": step_ms, "replay_ms": replay_ms, "eager_ms": eager_ms,
-                   "tokens_per_s": batch * 1e3 / step_ms, "floor_ms": floor_ms, "floor_fraction": floor_ms / step_ms}
+            row = {"batch": batch, "graph_batch": graph_batch, "step_ms": step_ms, "replay_ms": replay_ms,
+                   "eager_ms": eager_ms, "tokens_per_s": batch * 1e3 / step_ms, "floor_ms": floor_ms,
+                   "floor_fraction": floor_ms / step_ms}
             result["decode"].append(row)
-            print(f"{fmt:<9} decode b{batch:<4} step {step_ms:7.3f} ms (replay {replay_ms:7.3f}, eager "
-                  f"{eager_ms:7.3f})  {row['tokens_per_s']:9.1f} tok/s  floor {floor_ms:6.3f} ms = "
-                  f"{100 * row['floor_fraction']:4.1f}%", flush=True)
+            print(f"{fmt:<9} decode b{batch:<4} (graph {graph_batch:<4}) step {step_ms:7.3f} ms (replay "
+                  f"{replay_ms:7.3f}, eager {eager_ms:7.3f})  {row['tokens_per_s']:9.1f} tok/s  floor "
+                  f"{floor_ms:6.3f} ms = {100 * row['floor_fraction']:4.1f}%", flush=True)
         if args.profile:
             for batch in sorted({batches[0], batches[-1]}):
                 inputs = eager_inputs(decode_step(batch, args.context, blocks_per_seq, block_order), block)
