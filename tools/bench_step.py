@@ -136,7 +136,7 @@ def time_ms(fn, repeats: int) -> float:
 def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict:
     block = args.block_size
     max_seq_len = -(-max(args.context + 1, args.prefill) // block) * block
-    largest = max(*batches, args.graph_batch or 0)
+    largest = args.graph_batch or max(batches)
     config = engine_config(Path(args.arch), fmt, largest, max_seq_len, max(args.prefill, largest),
                            args.kv_cache_dtype, block)
     with torch.device("cuda"):
@@ -158,7 +158,7 @@ def bench_format(args: argparse.Namespace, fmt: str, batches: list[int]) -> dict
     with torch.inference_mode():
         for batch in batches:
             step = decode_step(batch, args.context, blocks_per_seq, block_order)
-            graph_batch = max(batch, args.graph_batch or batch)
+            graph_batch = args.graph_batch or batch
             graphs = DecodeGraphRunner(model, kv_caches, config, torch.device("cuda"), batch_sizes=(graph_batch,))
             graphs.graphs.capture_next()
             step_ms = time_ms(lambda g=graphs, a=step: g.run(*a), args.steps)
@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_step: no CUDA GPU; run it on the GPU machine", file=sys.stderr)
         return 2
     batches = sorted(int(b) for b in args.batch.split(","))
+    if args.graph_batch is not None and args.graph_batch < batches[-1]:
+        print(f"bench_step: --graph-batch {args.graph_batch} cannot hold a batch of {batches[-1]}", file=sys.stderr)
+        return 2
     results = []
     for fmt in args.formats.split(","):
         results.append(bench_format(args, fmt, batches))

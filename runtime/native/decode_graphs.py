@@ -39,9 +39,8 @@ def decode_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
     sizes = list(doubling_sizes(1, min(max_batch_size, QUARTER_STEPS_FROM)))
     power = QUARTER_STEPS_FROM
     while power < max_batch_size:
-        step = power // 4
-        sizes += [size for size in range(power + step, min(2 * power, max_batch_size - 1) + 1, step)
-                  if size not in SLOWER_THAN_NEXT]
+        sizes += [size for size in range(power + power // 4, 2 * power + 1, power // 4)
+                  if size < max_batch_size and size not in SLOWER_THAN_NEXT]
         power *= 2
     return (*sizes, max_batch_size) if sizes[-1] != max_batch_size else tuple(sizes)
 
