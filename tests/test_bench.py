@@ -208,6 +208,18 @@ def test_fp8_kv_cache_without_fp8_weights_is_a_usage_error():
 def test_unknown_peer_is_a_usage_error():
     code, out, err = run_bench("tiny-llama-bf16.yaml", "--peer", "vllm")
     assert code == 2 and out == "" and "--peer transformers" in err
+    code, out, err = run_bench("tiny-llama-bf16.yaml", "--peer-attn", "eager")  # no peer to give it to
+    assert code == 2 and out == "" and "--peer-attn sets the peer's attention: it needs --peer" in err
+
+
+def test_a_suite_refuses_the_workload_options_it_would_not_honour():
+    for given, named in ((["--prompts", "5"], "--prompts"), (["--output-len", "9", "--batch-1"],
+                                                             "--output-len, --batch-1"),
+                         (["--bandwidth-gbs", "1000"], "--bandwidth-gbs")):
+        code, out, err = run_bench("tiny-llama-bf16.yaml", "--suite", "trtllm-h200", *given)
+        assert code == 2 and out == "", err
+        message = " ".join(err.replace("│", " ").split())  # unwrapped from the error box
+        assert f"{named}: a --suite row sets its own requests and lengths" in message
 
 
 def test_a_suite_runs_each_row_offline_and_sets_it_against_its_published_figure(monkeypatch):

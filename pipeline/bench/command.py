@@ -20,6 +20,7 @@ from kiln.pipeline.console import friendly_errors, print_json
 from kiln.pipeline.runtime_env import runtime_options
 
 PEERS = ("transformers",)
+DEFAULT_PROMPTS, DEFAULT_LENGTH = 64, 128  # --prompts, and --input-len and --output-len
 
 
 @friendly_errors
@@ -27,13 +28,16 @@ def bench(
     target: Annotated[str, typer.Argument(help="A config (a path or a name under configs/, e.g. tiny-llama-bf16.yaml) "
                                                "or an architecture file (configs/models/llama3-8b.json: random "
                                                "weights).")],
-    prompts: Annotated[int, typer.Option(min=1, help="Requests in the offline run.")] = 64,
-    input_len: Annotated[int, typer.Option(min=1, help="Prompt length in tokens (random token ids, seeded).")] = 128,
-    output_len: Annotated[int, typer.Option(min=2, help="Tokens generated per request (EOS ignored).")] = 128,
+    prompts: Annotated[int | None, typer.Option(min=1, help="Requests in the offline run (default "
+                                                                f"{DEFAULT_PROMPTS}).")] = None,
+    input_len: Annotated[int | None, typer.Option(min=1, help="Prompt length in tokens (random token ids, seeded; "
+                                                              f"default {DEFAULT_LENGTH}).")] = None,
+    output_len: Annotated[int | None, typer.Option(min=2, help="Tokens generated per request (EOS ignored; "
+                                                               f"default {DEFAULT_LENGTH}).")] = None,
     batch_1: Annotated[bool, typer.Option("--batch-1", help="Measure only batch-1 decode, TTFT and load time "
                                                             "(skip the offline run).")] = False,
     peer: Annotated[str | None, typer.Option(help="Also measure the same model in this peer: transformers.")] = None,
-    peer_attn: Annotated[str, typer.Option(help="The peer's attention: sdpa or eager.")] = "sdpa",
+    peer_attn: Annotated[str | None, typer.Option(help="The peer's attention: sdpa (the default) or eager.")] = None,
     fmt: Annotated[str | None, typer.Option("--format", help="none, fp8 or int4_awq, for an architecture file (a "
                                                              "config's quantize.format decides otherwise).")] = None,
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto or fp8: with a quantized --format, "
@@ -65,8 +69,10 @@ def bench(
     """Measure Kiln (and a peer) on one model: throughput, batch-1 decode, TTFT, load time, and the floor."""
     if peer is not None and peer not in PEERS:
         raise typer.BadParameter(f"--peer {peer!r} is not supported; use --peer transformers, or leave it out")
-    if peer_attn not in ("sdpa", "eager"):
+    if peer_attn not in (None, "sdpa", "eager"):
         raise typer.BadParameter(f"--peer-attn {peer_attn!r} is not sdpa or eager")
+    if peer_attn is not None and peer is None:
+        raise typer.BadParameter("--peer-attn sets the peer's attention: it needs --peer")
     if fmt not in (None, "none", "fp8", "int4_awq"):
         raise typer.BadParameter(f"--format {fmt!r} is not none, fp8 or int4_awq")
     if kv_cache_dtype not in ("auto", "fp8"):
@@ -78,6 +84,9 @@ def bench(
         raise typer.BadParameter("--random-quantized writes a checkpoint only Kiln reads (modelopt's FP8 layout); "
                                  "leave out --peer")
     if suite is not None:
+        _refuse_given("a --suite row sets its own requests and lengths, and runs offline only",
+                      {"--prompts": prompts, "--input-len": input_len, "--output-len": output_len,
+                       "--batch-1": batch_1 or None, "--bandwidth-gbs": bandwidth_gbs})
         _run_suite(target, suite, rows, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
                    random_quantized=random_quantized, checkpoint_cache=checkpoint_cache, max_batch_size=max_batch_size,
                    allow_large=allow_large, seed=seed, peer=peer, json_out=json_out)
@@ -86,14 +95,21 @@ def bench(
         raise typer.BadParameter("--rows selects rows of a --suite")
     from kiln.pipeline.bench.run import BenchPlan, run_bench  # torch and the runtime load only when a bench runs
 
-    report = run_bench(target, BenchPlan(prompts, input_len, output_len, max_batch_size), batch_1_only=batch_1,
-                       peer=peer, peer_attn=peer_attn, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
-                       bandwidth_gbs=bandwidth_gbs, allow_large=allow_large, seed=seed,
-                       options=runtime_options(os.environ), random_quantized=random_quantized,
-                       checkpoint_cache=checkpoint_cache)
+    plan = BenchPlan(prompts or DEFAULT_PROMPTS, input_len or DEFAULT_LENGTH, output_len or DEFAULT_LENGTH,
+                     max_batch_size)
+    report = run_bench(target, plan, batch_1_only=batch_1, peer=peer, peer_attn=peer_attn or "sdpa", fmt=fmt,
+                       kv_cache_dtype=kv_cache_dtype, tp_size=tp_size, bandwidth_gbs=bandwidth_gbs,
+                       allow_large=allow_large, seed=seed, options=runtime_options(os.environ),
+                       random_quantized=random_quantized, checkpoint_cache=checkpoint_cache)
     print_json(report) if json_out else print_report(report)
 
 
+def _refuse_given(why: str, options: dict[str, object]) -> None:
+    """A usage error naming the ``options`` the user gave (not None), which the run would not honour because
+    ``why``."""
+    given = [name for name, value in options.items() if value is not None]
+    if given:
+        raise typer.BadParameter(f"{', '.join(given)}: {why}; leave {'it' if len(given) == 1 else 'them'} out")
 
 
 def _run_suite(target: str, name: str, rows: str | None, *, fmt: str | None, kv_cache_dtype: str,
