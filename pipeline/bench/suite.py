@@ -50,8 +50,8 @@ class Suite:
 # The counts: at least twice the row's batch cap, so the batch is full for most of the run and the ramp-up and the
 # last stragglers are a small share of it; enough for steady state, without the 30,000 requests TensorRT-LLM sends
 # at 128/128 or the 3,000 at the other rows (minutes of device time per row). 2048/2048 sends TensorRT-LLM's own
-# 1,500: its pool holds about 445 sequences of 4,096 tokens, so the count sets the last, thin wave (110 of 1,000,
-# 165 of 1,500), and the peer's count compares like with like. The caps: the best measured on an H200
+# 1,500: its pool holds about 445 sequences (below), so the count sets the last, thin wave (110 of 1,000, 165 of
+# 1,500), and the peer's count compares like with like. The caps: the best measured on an H200
 # (2026-12-03): 2,048 at 128/128 (0.94x against 0.90x at 512 and 0.92x at 4,096); at the long rows the GEMMs are
 # bound by compute from 512 tokens.
 # The runtime: the scheduler policy TensorRT-LLM defaults to, guaranteed_no_evict. At 2048/2048 the default pool

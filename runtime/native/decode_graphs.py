@@ -24,9 +24,9 @@ from kiln.runtime.native.model.decoder import DecoderModel
 
 # Up to this many sequences the buckets double; above it they step by a quarter of the power of two below them, so
 # that a batch pads by less than a quarter: from 128 rows the GEMMs are bound by compute, and every padding row costs
-# its share. On an H200 (Llama-3-8B FP8, FP8 KV, 1,024-token contexts; tools/bench_step.py --graph-batch), padded
-# to the next power of two against in a bucket of their own: 160 sequences 7.8 against 6.8 ms, 320 14.3 against
-# 11.8, 384 15.5 against 14.0, 640 26.9 against 22.3.
+# its share. On an H200 (Llama-3-8B FP8, FP8 KV, 1,024-token contexts; tools/bench_step.py --graph-batch), a step
+# padded to the next power of two against one in a bucket of its own size: 160 sequences 7.8 against 6.8 ms, 320
+# 14.3 against 11.8, 384 15.5 against 14.0, 640 26.9 against 22.3.
 QUARTER_STEPS_FROM = 128
 # A bucket of 448 decoded slower than the 512 bucket, there: 448 sequences of 1k tokens 17.6 against 16.7 ms, 445 of
 # 3k 30.9 against 30.0. 385-448 sequences run in the 512 bucket.
