@@ -21,7 +21,7 @@ from sweep import bandwidth_text, grid, has_cuda, measure_or_skip, sweep_parser,
 FP8_ROW_GRID = dict(BLOCK_M=[1], BLOCK_N=[4, 8, 16], BLOCK_K=[1024, 2048, 4096], num_warps=[4, 8], num_stages=[1, 3])
 INT4_ROW_GRID = dict(BLOCK_N=[8, 16, 32], GROUPS=[8, 16, 32], num_warps=[4, 8], num_stages=[1, 3])
 DENSE_GRID = dict(block_n=[4, 8, 16], block_k=[512, 1024, 2048], num_warps=[4, 8])
-FP8_DOT_GRID = dict(BLOCK_M=[16], BLOCK_N=[32, 64], BLOCK_K=[128, 256], num_warps=[4], num_stages=[3, 4])
+FP8_DOT_GRID = dict(BLOCK_M=[16], BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256, 512], num_warps=[4, 8], num_stages=[3, 4])
 INT4_DOT_GRID = dict(BLOCK_M=[16], BLOCK_N=[16, 32, 64, 128], GROUPS=[1, 2, 4, 8], num_warps=[1, 2, 4, 8],
                      num_stages=[3])
 
