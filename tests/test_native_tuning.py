@@ -11,7 +11,7 @@ import torch
 from kiln.engines.native.tuning import CROSSOVER_TOKENS, linear_shapes, streaming_max_m
 from kiln.runtime.errors import EngineFormatError
 from kiln.runtime.native.engine_format import EngineConfig, QuantizationConfig
-from kiln.runtime.native.layers.linear import Fp8Linear, fp8_streaming_max_m
+from kiln.runtime.native.layers.linear import FP8_STREAMING_MAX_M, Fp8Linear
 from kiln.runtime.native.model.decoder import DecoderModel
 from tests.model_factories import NEEDS_FP8_GPU
 
@@ -28,7 +28,7 @@ def test_a_cpu_build_measures_nothing_and_the_layers_take_the_default(fp8_engine
     config = EngineConfig.load(fp8_engine)
     assert config.quantization.fp8_streaming_max_m == {}
     model = DecoderModel.from_engine(fp8_engine, config, "cpu")
-    assert model.layers[0].mlp.down_proj.streaming_max_m == fp8_streaming_max_m(256)
+    assert model.layers[0].mlp.down_proj.streaming_max_m == FP8_STREAMING_MAX_M
 
 
 def test_layers_follow_the_measured_limit_of_their_shape(fp8_engine, tmp_path):
@@ -38,8 +38,8 @@ def test_layers_follow_the_measured_limit_of_their_shape(fp8_engine, tmp_path):
     model = DecoderModel(config, torch.float32)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     assert isinstance(attn.qkv_proj, Fp8Linear) and attn.qkv_proj.streaming_max_m == 3
-    assert attn.o_proj.streaming_max_m == fp8_streaming_max_m(128)  # a shape not measured keeps the default
-    assert mlp.gate_up_proj.streaming_max_m == fp8_streaming_max_m(128)
+    assert attn.o_proj.streaming_max_m == FP8_STREAMING_MAX_M  # a shape not measured keeps the default
+    assert mlp.gate_up_proj.streaming_max_m == FP8_STREAMING_MAX_M
     assert EngineConfig.from_dict(json.loads(config.to_json())) == config  # round trip through engine.json
 
 

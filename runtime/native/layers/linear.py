@@ -29,6 +29,10 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 # The INT4 streaming kernel serves up to this many tokens; above, the weight is dequantized for a GEMM (on CUDA by
 # one Triton kernel, runtime.native.kernels.int4_dequant).
 INT4_STREAMING_MAX_M = 16
+# An FP8 linear streams its weight up to this many tokens unless its engine's CUDA build measured the crossover with
+# torch._scaled_mm for its shape (engines.native.tuning). On an H200 the Llama-3-8B shapes stream up to 16 or 32
+# tokens (the narrow o_proj and down_proj 32, qkv_proj and gate_up_proj 16); an engine built on a CPU takes 16.
+FP8_STREAMING_MAX_M = 16
 
 
 class BiasedLinear(nn.Module, ABC):
@@ -83,7 +87,7 @@ class Fp8Linear(BiasedLinear):
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32))
         # measured by the engine's build when it ran on CUDA (engines.native.tuning), else the H200 default
-        self.streaming_max_m = fp8_streaming_max_m(in_features) if streaming_max_m is None else streaming_max_m
+        self.streaming_max_m = FP8_STREAMING_MAX_M if streaming_max_m is None else streaming_max_m
         self.dtype = dtype
         self.input_scale_rows: torch.Tensor | None = None  # see cache_derived_scales
         self.gemm_weight_scale: torch.Tensor | None = None
@@ -166,7 +170,7 @@ def make_linear(fmt: str, in_features: int, out_features: int, dtype: torch.dtyp
                 fp8_streaming_max_m: int | None = None, kernels: KernelChoice = DEFAULT_KERNELS,
                 bias: bool = False) -> BiasedLinear:
     """The linear module of quantization format ``fmt`` ("none", "fp8" or "int4_awq"), with a ``bias`` when asked;
-    an FP8 one streams up to ``fp8_streaming_max_m`` tokens (default: ``fp8_streaming_max_m(in_features)``)."""
+    an FP8 one streams up to ``fp8_streaming_max_m`` tokens (default: ``FP8_STREAMING_MAX_M``)."""
     if fmt == "none":
         return Linear(in_features, out_features, dtype, kernels, bias)
     if fmt == "fp8":
@@ -246,13 +250,6 @@ def use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``fp8_linear_scaled_mm`` can run: a CUDA device with FP8 tensor cores and 16-aligned K and N."""
     return (x.is_cuda and x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0 and x.numel() > 0
             and _has_fp8_tensor_cores(x.device.index if x.device.index is not None else torch.cuda.current_device()))
-
-
-def fp8_streaming_max_m(in_features: int) -> int:
-    """The largest M at which the FP8 streaming kernel beats ``torch._scaled_mm``, measured on an H200 for the
-    Llama-3-8B shapes (tools/bench_linears.py): up to 16 tokens (32 ties) at 4096 input features, up to 4 at 14336.
-    The default for an engine built without measuring (on a CPU); a CUDA build measures each shape."""
-    return 16 if in_features <= 8192 else 4
 
 
 @functools.cache
