@@ -229,6 +229,7 @@ CASES: dict[str, Callable[[], None]] = {
     f"fp8_gemv-m{LINEAR_MAX_M}": lambda: fp8_gemv_launches(LINEAR_MAX_M),
     "dense_gemv-m1": dense_gemv_launches,
     "int4_awq_gemv-m1": lambda: int4_gemv_launches(1),
+    "int4_awq_gemv-m2": lambda: int4_gemv_launches(2),
     "int4_awq_gemv-m3": lambda: int4_gemv_launches(3),
     f"int4_awq_gemv-m{LINEAR_MAX_M}": lambda: int4_gemv_launches(LINEAR_MAX_M),
     "int4_dequant": int4_dequant_launches,

@@ -136,9 +136,21 @@ def test_fp8_gemv_keeps_leading_dims():
 
 
 @interpreted
+@pytest.mark.parametrize("m", [2, 3, 5])
+def test_int4_awq_gemv_reduces_a_few_tokens_in_registers(poisoned_outputs, m):
+    # tiles of 2 tokens (the register reduction's): 3 and 5 tokens leave the last tile half empty; 40 rows in
+    # programs of 16, 6 groups of 64 in steps of 2
+    x, qweight, scales, pre_quant_scale = _int4_operands(m, 40, 384, 64, seed=m)
+    config = dict(BLOCK_M=2, BLOCK_N=16, GROUPS=2, num_warps=4, num_stages=1)
+    out = int4_awq_gemv(x, qweight, scales, pre_quant_scale, 64, config=config)
+    assert not out.isnan().any()
+    assert _rel_err(out, int4_awq_linear_reference(x, qweight, scales, pre_quant_scale, 64)) < CPU_REL_TOL
+
+
+@interpreted
 @pytest.mark.parametrize("m,n,k,group_size", [(1, 384, 256, 128), (1, 40, 384, 64), (1, 40, 256, 32),
                                               (3, 256, 384, 128), (16, 384, 256, 64), (20, 128, 256, 128),
-                                              (5, 40, 384, 32)])  # 12 groups: steps of 4
+                                              (5, 40, 384, 32), (2, 40, 384, 64)])  # 12 groups: steps of 4
 def test_int4_awq_gemv_matches_the_fake_quantized_reference(poisoned_outputs, m, n, k, group_size):
     x, qweight, scales, pre_quant_scale = _int4_operands(m, n, k, group_size, seed=m * 1000 + n + k)
     out = int4_awq_gemv(x, qweight, scales, pre_quant_scale, group_size)
