@@ -22,18 +22,21 @@ FP8_ROW_GRID = dict(BLOCK_M=[1], BLOCK_N=[4, 8, 16], BLOCK_K=[1024, 2048, 4096],
 INT4_ROW_GRID = dict(BLOCK_N=[8, 16, 32], GROUPS=[8, 16, 32], num_warps=[4, 8], num_stages=[1, 3])
 DENSE_GRID = dict(block_n=[4, 8, 16], block_k=[512, 1024, 2048], num_warps=[4, 8])
 FP8_DOT_GRID = dict(BLOCK_M=[16], BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256, 512], num_warps=[4, 8], num_stages=[3, 4])
+INT4_ROWS_GRID = dict(BLOCK_M=[2], BLOCK_N=[8, 16], GROUPS=[16, 32], num_warps=[4, 8], num_stages=[1])
 INT4_DOT_GRID = dict(BLOCK_M=[16], BLOCK_N=[16, 32, 64, 128], GROUPS=[1, 2, 4, 8], num_warps=[1, 2, 4, 8],
                      num_stages=[3])
 
 
 def configs(kernel: str, m: int) -> list[dict]:
     """The grid of ``kernel`` (fp8, int4 or dense) for M tokens: its row reduction at M = 1, a 16-row ``tl.dot``
-    tile above."""
+    tile above (for INT4 at M = 2 also the row reduction over a tile of two tokens)."""
     if kernel == "dense":
         return grid(DENSE_GRID)
     if kernel == "fp8":
         return grid(FP8_DOT_GRID if m > 1 else FP8_ROW_GRID)
-    return grid(INT4_DOT_GRID if m > 1 else INT4_ROW_GRID)
+    if m == 1:
+        return grid(INT4_ROW_GRID)
+    return (grid(INT4_ROWS_GRID) if m == 2 else []) + grid(INT4_DOT_GRID)
 
 
 def main(argv: list[str] | None = None) -> int:
