@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.runtime.native.kernels.dense_gemv import dense_gemv  # noqa: E402
-from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv, fp8_gemv_config  # noqa: E402
+from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv  # noqa: E402
 from kiln.runtime.native.kernels.int4_gemv import int4_awq_gemv  # noqa: E402
 from kiln.runtime.native.layers.linear import (  # noqa: E402
     fp8_linear_reference,
@@ -53,17 +53,6 @@ def _int4_operands(m, n, k, group_size, seed, device="cpu"):
 
 def _rel_err(out, ref):
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
-def test_fp8_gemv_tiles_for_a_few_tokens_fit_the_gpus_shared_memory():
-    # 4 stages of a 16 x 512 activation tile and a 64 x 512 weight tile take 160 KB: an H100 holds them, a GPU with
-    # 99 KB a program (sm_89) gets a tile half as deep; the widest linears keep their 128-column tile
-    h100, sm89 = 227 * 1024, 99 * 1024
-    assert fp8_gemv_config(4, 6144, 4096, h100)["BLOCK_K"] == 512
-    small = fp8_gemv_config(4, 6144, 4096, sm89)
-    assert small["BLOCK_K"] == 256 and (16 + 64) * 256 * small["num_stages"] <= sm89
-    assert fp8_gemv_config(4, 28672, 4096, sm89)["BLOCK_K"] == 128
-    assert fp8_gemv_config(4, 384, 64)["BLOCK_K"] == 128  # never deeper than the row needs (nor below 128)
 
 
 @interpreted

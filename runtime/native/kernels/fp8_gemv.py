@@ -11,8 +11,6 @@ values, so the products are exact and only the float32 summation order differs.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -55,35 +53,18 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, input_scale_ptr, y_ptr, M, N, K:
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def fp8_gemv_config(m: int, n: int, k: int, shared_memory: int | None = None) -> dict:
+def fp8_gemv_config(m: int, n: int, k: int) -> dict:
     """Launch parameters, the fastest of sweeps on an H200 inside CUDA graphs over Llama-3-8B's shapes with an FP8
     activation (tools/tune_gemv.py). M = 1: 4096-byte chunks of 8 weight rows (4 past 8192 input features), so that
     each program has its whole chunk in flight at once. More tokens: a 16-row FP8 ``tl.dot`` tile of 32 weight rows
-    (64 past 4096) by 512 input columns in 4 pipeline stages, so that a narrow linear's few programs keep enough of
-    its weight in flight (128 columns for the widest linears, whose grid is large anyway); where the stages would
-    not fit ``shared_memory`` (bytes a program may use), a shallower tile."""
+    (64 past 4096) by 512 input columns, so that a narrow linear's few programs each load enough of its weight at
+    once (128 columns for the widest linears, whose grid is large anyway)."""
     if m == 1:
         return dict(BLOCK_M=1, BLOCK_N=8 if k <= 8192 else 4, BLOCK_K=4096, num_warps=8,
                     num_stages=1 if k <= 8192 else 3)
-    config = dict(BLOCK_M=16, BLOCK_N=64 if n > 4096 else 32,
-                  BLOCK_K=128 if n >= 16384 else min(512, max(128, triton.next_power_of_2(k))), num_warps=4,
-                  num_stages=4)
-    while shared_memory is not None and config["BLOCK_K"] > 128 and _stage_bytes(config) > shared_memory:
-        config["BLOCK_K"] //= 2
-    return config
-
-
-def _stage_bytes(config: dict) -> int:
-    """Shared memory a ``tl.dot`` configuration's pipeline stages take: an FP8 activation and weight tile each."""
-    return (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * config["num_stages"]
-
-
-@functools.cache
-def _shared_memory(device: torch.device) -> int | None:
-    """Bytes of shared memory a program may use on a CUDA ``device`` (None elsewhere: the interpreter has no limit)."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return dict(BLOCK_M=16, BLOCK_N=64 if n > 4096 else 32,
+                BLOCK_K=128 if n >= 16384 else min(512, max(128, triton.next_power_of_2(k))), num_warps=4,
+                num_stages=4)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
@@ -106,7 +87,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     m = x_q.shape[0]
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m:
-        cfg = dict(config or fp8_gemv_config(m, n, k, _shared_memory(x.device)))
+        cfg = dict(config or fp8_gemv_config(m, n, k))
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
         _fp8_gemv_kernel[grid](x_q, weight, weight_scale, input_scale.reshape(()), y, m, n, k, x_q.stride(0),
                                weight.stride(0), y.stride(0), FP8_DOT=x.is_cuda, **cfg, **pdl_options(x_q, pdl))
