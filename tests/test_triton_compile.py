@@ -208,7 +208,8 @@ def rotary_launches() -> None:
     slots = metadata([(0, 2), (37, 2), (40, 1)]).slot_mapping
     for fp8 in (False, True):
         k_cache, v_cache, k_scale, v_scale = kv_cache(fp8)
-        write = kernels_module("kv_store").CacheWrite(v, k_cache, v_cache, slots, k_scale, v_scale)
+        kv_store = kernels_module("kv_store")
+        write = kv_store.CacheWrite(v, kv_store.PagedCaches(k_cache, v_cache, slots, k_scale, v_scale))
         for keep_k in (False, True):
             mod.apply_rotary(positions, q, k, cos_sin, write, keep_k)
 

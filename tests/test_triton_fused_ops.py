@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.runtime.native.kernel_choice import KernelChoice  # noqa: E402
-from kiln.runtime.native.kernels.kv_store import CacheWrite  # noqa: E402
+from kiln.runtime.native.kernels.kv_store import CacheWrite, PagedCaches  # noqa: E402
 from kiln.runtime.native.kernels.rms_norm import rms_norm  # noqa: E402
 from kiln.runtime.native.kernels.rotary import apply_rotary  # noqa: E402
 from kiln.runtime.native.kernels.silu_mul import silu_and_mul  # noqa: E402
@@ -130,7 +130,7 @@ def test_rotary_stores_the_rotated_k_and_the_v_as_store_kv_would(device, fp8, ke
     store_kv(expected_k[real], v[real], *expected_caches, slots[real], k_scale, v_scale)
 
     q_out, k_out = apply_rotary(positions, q, k, rope.cos_sin_cache,
-                                CacheWrite(v, k_cache, v_cache, slots, k_scale, v_scale), keep_k)
+                                CacheWrite(v, PagedCaches(k_cache, v_cache, slots, k_scale, v_scale)), keep_k)
 
     assert torch.equal(q_out, expected_q)
     assert torch.equal(k_out, expected_k) if keep_k else k_out is None

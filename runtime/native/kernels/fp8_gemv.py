@@ -20,6 +20,19 @@ from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kerne
 
 
 @triton.jit
+def accumulate_rows(acc, w, x, BLOCK_M: tl.constexpr, FP8_DOT: tl.constexpr):
+    """``acc + x @ w^T`` in float32: ``acc`` [BLOCK_M, rows], FP8 ``x`` [BLOCK_M, BLOCK_K] and ``w`` [rows,
+    BLOCK_K]. One row reduces in registers; more take a ``tl.dot`` (FP8 tensor cores with ``FP8_DOT``; the
+    interpreter has no FP8 dot: exact float32 operands, IEEE products)."""
+    if BLOCK_M == 1:
+        return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    elif FP8_DOT:
+        return tl.dot(x, tl.trans(w), acc)
+    else:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+
+
+@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, input_scale_ptr, y_ptr, M, N, K: tl.constexpr,
                      stride_xm, stride_wn, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_DOT: tl.constexpr,
@@ -39,12 +52,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, w_scale_ptr, input_scale_ptr, y_ptr, M, N, K:
         mask_k = (k0 + offs_k) < K
         w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if BLOCK_M == 1:
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_K] x [BLOCK_N, BLOCK_K]
-        elif FP8_DOT:
-            acc = tl.dot(x, tl.trans(w), acc)
-        else:  # the interpreter has no FP8 dot: exact float32 operands, IEEE products
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        acc = accumulate_rows(acc, w, x, BLOCK_M, FP8_DOT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0) * tl.load(input_scale_ptr)
@@ -72,19 +80,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     """FP8 linear for small M: x [..., K] (float32/float16/bfloat16, or float8_e4m3fn already quantized with
     ``input_scale``), weight float8_e4m3fn [N, K], weight_scale float32 [N], input_scale float32 [] (static).
     Returns [..., N] in ``out_dtype`` (default ``x.dtype``)."""
-    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"fp8_gemv: weight must be float8_e4m3fn [N, {x.shape[-1]}], got {weight.dtype} "
-                         f"{list(weight.shape)}")
-    n, k = weight.shape
-    if x.dtype == torch.float8_e4m3fn:
-        if out_dtype is None:
-            raise ValueError("fp8_gemv: a float8_e4m3fn x needs out_dtype")
-        x_q = x.reshape(-1, k)
-        x_q = x_q if x_q.stride(-1) == 1 else x_q.contiguous()
-    else:
-        x_q = quantize_fp8(x, input_scale, pdl=pdl)
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    m = x_q.shape[0]
+    x_q, weight = fp8_gemv_operands("fp8_gemv", x, weight, input_scale, out_dtype, pdl)
+    (m, k), n = x_q.shape, weight.shape[0]
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m:
         cfg = dict(config or fp8_gemv_config(m, n, k))
@@ -92,3 +89,22 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         _fp8_gemv_kernel[grid](x_q, weight, weight_scale, input_scale.reshape(()), y, m, n, k, x_q.stride(0),
                                weight.stride(0), y.stride(0), FP8_DOT=x.is_cuda, **cfg, **pdl_options(x_q, pdl))
     return y.reshape(*x.shape[:-1], n)
+
+
+def fp8_gemv_operands(caller: str, x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
+                      out_dtype: torch.dtype | None, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checked operands of an FP8 GEMV kernel: x's rows [M, K] quantized with ``input_scale`` (one small
+    kernel, unless x is float8_e4m3fn already, which then needs ``out_dtype``) and the weight, each with a unit
+    last stride."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{caller}: weight must be float8_e4m3fn [N, {x.shape[-1]}], got {weight.dtype} "
+                         f"{list(weight.shape)}")
+    k = weight.shape[1]
+    if x.dtype == torch.float8_e4m3fn:
+        if out_dtype is None:
+            raise ValueError(f"{caller}: a float8_e4m3fn x needs out_dtype")
+        x_q = x.reshape(-1, k)
+        x_q = x_q if x_q.stride(-1) == 1 else x_q.contiguous()
+    else:
+        x_q = quantize_fp8(x, input_scale, pdl=pdl)
+    return x_q, weight if weight.stride(-1) == 1 else weight.contiguous()

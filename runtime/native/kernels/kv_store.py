@@ -35,9 +35,9 @@ def store_in_cache(cache_ptr, x, slot, heads, dims, mask, scale_ptr, stride_bloc
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
-                     stride_v_tok, stride_v_head, stride_kc_block, stride_kc_tok, stride_kc_head, stride_vc_block,
-                     stride_vc_tok, stride_vc_head, stride_vc_dim, stride_k_tok, stride_k_head,
+def _store_kv_kernel(k_ptr, v_ptr, stride_v_tok, stride_v_head, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr,
+                     v_scale_ptr, stride_kc_block, stride_kc_tok, stride_kc_head, stride_vc_block, stride_vc_tok,
+                     stride_vc_head, stride_vc_dim, stride_k_tok, stride_k_head,
                      BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
@@ -57,13 +57,10 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k
 
 
 @dataclass(frozen=True)
-class CacheWrite:
-    """Where a step's new K/V go: the V [T, num_kv_heads, head_dim] (unit last stride), one layer's paged caches
-    (K contiguous, V contiguous or token-major), each token's flat slot (negative: padding, not written) and, for an
-    FP8 cache, the K and V scales. ``store_kv`` writes it; ``runtime.native.kernels.rotary.apply_rotary`` writes it from
-    the K it rotates, in the same launch."""
+class PagedCaches:
+    """One layer's paged caches (K contiguous, V contiguous or token-major), each token's flat slot (negative:
+    padding, not written) and, for an FP8 cache, the K and V scales: where a step's new K/V go."""
 
-    v: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor
@@ -75,24 +72,46 @@ class CacheWrite:
         return self.k_cache.dtype == torch.float8_e4m3fn
 
     def kernel_args(self) -> tuple[tuple, dict]:
-        """The kernels' arguments, checked: (V, caches, slots, scales, V's token and head strides, the caches'
-        strides) and the BLOCK_SIZE and FP8 constexprs."""
+        """The kernels' arguments, checked: (caches, slots, scales, the caches' strides) and the BLOCK_SIZE and FP8
+        constexprs."""
         if self.fp8 and (self.k_scale is None or self.v_scale is None):
             raise ValueError("store_kv: an FP8 KV cache needs k_scale and v_scale")
-        if self.v.stride(-1) != 1 or not self.k_cache.is_contiguous() or not (
-                self.v_cache.is_contiguous() or is_token_major(self.v_cache)):
-            raise ValueError("store_kv: v needs a unit last stride, the K cache must be contiguous and the V cache "
-                             "contiguous or token-major")
+        if not self.k_cache.is_contiguous() or not (self.v_cache.is_contiguous() or is_token_major(self.v_cache)):
+            raise ValueError("store_kv: the K cache must be contiguous and the V cache contiguous or token-major")
         scales = (self.k_scale, self.v_scale) if self.fp8 else (self.k_cache, self.v_cache)
-        args = (self.v, self.k_cache, self.v_cache, self.slot_mapping, *scales, self.v.stride(0), self.v.stride(1),
-                *self.k_cache.stride()[:3], *self.v_cache.stride())
+        args = (self.k_cache, self.v_cache, self.slot_mapping, *scales, *self.k_cache.stride()[:3],
+                *self.v_cache.stride())
         return args, {"BLOCK_SIZE": self.k_cache.shape[1], "FP8": self.fp8}
 
     @staticmethod
     def absent_args(pointer: torch.Tensor, slots: torch.Tensor) -> tuple[tuple, dict]:
         """``kernel_args``' shape for a launch that writes no cache (the kernel reads none of them): ``pointer``
         for every tensor but the integer ``slots``, zero strides."""
-        return (pointer, pointer, pointer, slots, pointer, pointer) + (0,) * 9, {"BLOCK_SIZE": 1, "FP8": False}
+        return (pointer, pointer, slots, pointer, pointer) + (0,) * 7, {"BLOCK_SIZE": 1, "FP8": False}
+
+
+@dataclass(frozen=True)
+class CacheWrite:
+    """The V [T, num_kv_heads, head_dim] (unit last stride) of a step's new tokens and the caches they go to.
+    ``store_kv`` writes it; ``runtime.native.kernels.rotary.apply_rotary`` writes it from the K it rotates, in the
+    same launch."""
+
+    v: torch.Tensor
+    caches: PagedCaches
+
+    def kernel_args(self) -> tuple[tuple, dict]:
+        """The kernels' arguments, checked: (V, its token and head strides, ``PagedCaches.kernel_args``) and that
+        method's constexprs."""
+        if self.v.stride(-1) != 1:
+            raise ValueError("store_kv: v needs a unit last stride")
+        args, constexprs = self.caches.kernel_args()
+        return (self.v, self.v.stride(0), self.v.stride(1), *args), constexprs
+
+    @staticmethod
+    def absent_args(pointer: torch.Tensor, slots: torch.Tensor) -> tuple[tuple, dict]:
+        """``kernel_args``' shape for a launch that writes no cache: see ``PagedCaches.absent_args``."""
+        args, constexprs = PagedCaches.absent_args(pointer, slots)
+        return (pointer, 0, 0, *args), constexprs
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -104,7 +123,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     if k.stride(-1) != 1:
         raise ValueError("store_kv: k needs a unit last stride")
-    args, constexprs = CacheWrite(v, k_cache, v_cache, slot_mapping, k_scale, v_scale).kernel_args()
+    args, constexprs = CacheWrite(v, PagedCaches(k_cache, v_cache, slot_mapping, k_scale, v_scale)).kernel_args()
     _store_kv_kernel[(num_tokens,)](k, *args, k.stride(0), k.stride(1), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                                     BLOCK_H=triton.next_power_of_2(num_kv_heads),
                                     BLOCK_D=triton.next_power_of_2(head_dim), **constexprs, **pdl_options(k, pdl))

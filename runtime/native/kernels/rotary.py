@@ -20,7 +20,19 @@ import triton.language as tl
 
 from kiln.runtime.native.kernels.kv_store import CacheWrite, store_in_cache
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
-from kiln.runtime.native.kernels.rounding import SUPPORTED_DTYPES, round_to_dtype
+from kiln.runtime.native.kernels.rounding import SUPPORTED_DTYPES, multiply_rounded, round_to_dtype
+
+
+@triton.jit
+def rotate_halves(x1, x2, cos, sin, DTYPE: tl.constexpr):
+    """``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`` in float32 from float32 values of ``DTYPE``, every product
+    and sum rounded to ``DTYPE`` as the layer's separate PyTorch ops round them (products never fused into an
+    add, whatever the launch's ``enable_fp_fusion``)."""
+    out1 = round_to_dtype(round_to_dtype(multiply_rounded(x1, cos), DTYPE)
+                          - round_to_dtype(multiply_rounded(x2, sin), DTYPE), DTYPE)
+    out2 = round_to_dtype(round_to_dtype(multiply_rounded(x2, cos), DTYPE)
+                          + round_to_dtype(multiply_rounded(x1, sin), DTYPE), DTYPE)
+    return out1, out2
 
 
 @triton.jit
@@ -31,9 +43,7 @@ def _rotated_heads(x_ptr, token, cos, sin, stride_tok, stride_head, heads, dims,
     x1_ptrs = x_ptr + token * stride_tok + heads * stride_head + dims
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1 = round_to_dtype(round_to_dtype(x1 * cos, DTYPE) - round_to_dtype(x2 * sin, DTYPE), DTYPE)
-    out2 = round_to_dtype(round_to_dtype(x2 * cos, DTYPE) + round_to_dtype(x1 * sin, DTYPE), DTYPE)
-    return out1, out2
+    return rotate_halves(x1, x2, cos, sin, DTYPE)
 
 
 @triton.jit
@@ -45,7 +55,7 @@ def _store_halves(out_ptr, token, out1, out2, heads, dims, mask, NUM_HEADS: tl.c
 
 
 @triton.jit
-def _cache_halves(cache_ptr, x1, x2, slot, heads, dims, mask, scale_ptr, stride_block, stride_tok, stride_head,
+def cache_halves(cache_ptr, x1, x2, slot, heads, dims, mask, scale_ptr, stride_block, stride_tok, stride_head,
                   stride_dim, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
     """``kv_store.store_in_cache`` of a token's two head halves (dims and dims + HALF)."""
     store_in_cache(cache_ptr, x1, slot, heads, dims, mask, scale_ptr, stride_block, stride_tok, stride_head,
@@ -55,8 +65,8 @@ def _cache_halves(cache_ptr, x1, x2, slot, heads, dims, mask, scale_ptr, stride_
 
 
 @triton.jit
-def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
-                   slot_mapping_ptr, k_scale_ptr, v_scale_ptr, stride_v_tok, stride_v_head, stride_kc_block,
+def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr, v_ptr, stride_v_tok, stride_v_head,
+                   k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, stride_kc_block,
                    stride_kc_tok, stride_kc_head, stride_vc_block, stride_vc_tok, stride_vc_head, stride_vc_dim,
                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_cache,
                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
@@ -85,9 +95,9 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cos_sin_ptr, q_out_ptr, k_out_pt
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
             v_ptrs = v_ptr + token * stride_v_tok + heads * stride_v_head + dims
-            _cache_halves(k_cache_ptr, k1.to(dtype), k2.to(dtype), slot, heads, dims, mask, k_scale_ptr,
+            cache_halves(k_cache_ptr, k1.to(dtype), k2.to(dtype), slot, heads, dims, mask, k_scale_ptr,
                           stride_kc_block, stride_kc_tok, stride_kc_head, 1, HALF, BLOCK_SIZE, FP8)
-            _cache_halves(v_cache_ptr, tl.load(v_ptrs, mask=mask), tl.load(v_ptrs + HALF, mask=mask), slot, heads,
+            cache_halves(v_cache_ptr, tl.load(v_ptrs, mask=mask), tl.load(v_ptrs + HALF, mask=mask), slot, heads,
                           dims, mask, v_scale_ptr, stride_vc_block, stride_vc_tok, stride_vc_head, stride_vc_dim, HALF,
                           BLOCK_SIZE, FP8)
 
@@ -124,12 +134,11 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
     if num_tokens:
         num_kv_heads, half = k.shape[1], head_dim // 2
         store, constexprs = cache_write.kernel_args() if cache_write else CacheWrite.absent_args(q, positions)
-        # No fused multiply-add: in float32 it would skip the rounding of the products that the layer makes.
         _rotary_kernel[(num_tokens,)](
             positions, q, k, cos_sin_cache, q_out, q_out if k_out is None else k_out, *store, q.stride(0),
             q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
             BLOCK_KV_H=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
             STORE=cache_write is not None, KEEP_K=k_out is not None, **constexprs, num_warps=4,
-            enable_fp_fusion=False, **pdl_options(q, pdl))
+            **pdl_options(q, pdl))
     return q_out, k_out

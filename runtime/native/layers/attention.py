@@ -67,7 +67,8 @@ class PagedAttention(nn.Module):
             if self.rotary is None:
                 kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale, pdl=pdl)
             else:
-                write = kv_store.CacheWrite(v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+                caches = kv_store.PagedCaches(k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+                write = kv_store.CacheWrite(v, caches)
                 q, k = rotary.apply_rotary(positions, q, k, self.rotary.cos_sin_cache, write,
                                            keep_k=meta.whole_prompt and plain, pdl=pdl)
         else:
