@@ -244,6 +244,43 @@ def test_fused_activation_quantization_gives_the_unfused_logits_with_no_quantize
     assert torch.equal(fused, unfused)
 
 
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")),
+    pytest.param("cuda", marks=FP8_GPU),
+])
+def test_an_attention_layer_whose_qkv_projection_stores_k_and_v_gives_what_separate_launches_give(
+        fp8_engine, monkeypatch, device):
+    # A decode step's qkv_proj rotates q and k and stores K/V in its epilogue, then the layer attends over the cache.
+    # A program of the fused kernel reduces each row as fp8_gemv's does, so the output and the caches are those of
+    # the separate launches bit for bit.
+    import kiln.runtime.native.kernels.fp8_qkv_rotary as fused_module
+    from kiln.runtime.native.attention_metadata import AttentionMetadata
+    from kiln.runtime.native.kernel_choice import KernelChoice
+
+    config = EngineConfig.load(fp8_engine)
+    engine = DecoderModel.from_engine(fp8_engine, config, device, kernels=KernelChoice(interpreted=device == "cpu"))
+    runner = PagedRunner(engine, config, 1, device)
+    runner.step([[5, 17, 33]], [3])  # a whole prompt: its K/V in the caches
+    meta = AttentionMetadata.build([1], [4], runner.block_tables, runner.block_size, device)
+    attention, positions = engine.layers[1].self_attn, torch.tensor([3], device=device)
+    x = torch.randn(1, config.architecture.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+    x = x.to(engine.embed_tokens.weight.dtype)
+    caches = {"fused": runner.kv_caches[1], "separate": tuple(c.clone() for c in runner.kv_caches[1])}
+    calls = []
+    real = fused_module.fp8_qkv_rotary
+    monkeypatch.setattr(fused_module, "fp8_qkv_rotary", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    with torch.inference_mode():
+        fused = attention(positions, x, meta, caches["fused"])
+        monkeypatch.setattr(Fp8Linear, "fused_rotary", lambda self, *args: None)
+        separate = attention(positions, x, meta, caches["separate"])
+
+    assert len(calls) == 1
+    assert torch.equal(fused, separate)
+    for fused_cache, separate_cache in zip(caches["fused"], caches["separate"], strict=True):
+        assert torch.equal(fused_cache.view(torch.uint8), separate_cache.view(torch.uint8))
+
+
 def test_fp8_linears_take_a_prequantized_input_and_need_its_output_dtype(kernel_device):
     from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv
 

@@ -160,6 +160,19 @@ def fp8_gemv_launches(m: int) -> None:
         mod.fp8_gemv(activations(m, in_features), weight, weight_scale, input_scale)
 
 
+def fp8_qkv_rotary_launches(m: int) -> None:
+    mod, kv_store = kernels_module("fp8_qkv_rotary"), kernels_module("kv_store")
+    out_features = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    weight = gpu(torch.empty(out_features, HIDDEN, dtype=torch.float8_e4m3fn))
+    weight_scale, input_scale = gpu(torch.empty(out_features), torch.tensor(0.02))
+    slots = metadata([(37, 1)] * m).slot_mapping
+    for fp8 in (False, True):
+        k_cache, v_cache, k_scale, v_scale = kv_cache(fp8)
+        mod.fp8_qkv_rotary(activations(m, HIDDEN), weight, weight_scale, input_scale, gpu(torch.arange(m)),
+                           gpu(torch.empty(MAX_SEQ_LEN, HEAD_DIM)),
+                           kv_store.PagedCaches(k_cache, v_cache, slots, k_scale, v_scale), HEADS, KV_HEADS)
+
+
 def dense_gemv_launches() -> None:
     mod = kernels_module("dense_gemv")
     for in_features, out_features in linear_shapes(ARCH).values():  # a bf16 engine's linears at batch 1
@@ -228,6 +241,8 @@ CASES: dict[str, Callable[[], None]] = {
     "fp8_gemv-m1": lambda: fp8_gemv_launches(1),
     "fp8_gemv-m3": lambda: fp8_gemv_launches(3),
     f"fp8_gemv-m{LINEAR_MAX_M}": lambda: fp8_gemv_launches(LINEAR_MAX_M),
+    "fp8_qkv_rotary-m1": lambda: fp8_qkv_rotary_launches(1),
+    f"fp8_qkv_rotary-m{LINEAR_MAX_M}": lambda: fp8_qkv_rotary_launches(LINEAR_MAX_M),
     "dense_gemv-m1": dense_gemv_launches,
     "int4_awq_gemv-m1": lambda: int4_gemv_launches(1),
     "int4_awq_gemv-m2": lambda: int4_gemv_launches(2),

@@ -24,10 +24,20 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def wait_for_previous_kernel(PDL: tl.constexpr):
-    """With PDL: wait until the previous kernel has completed, then let the next one launch."""
+def wait_for_previous_kernel(PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True):
+    """With PDL: wait until the previous kernel has completed, then let the next one launch (unless not
+    ``LAUNCH_NEXT``: the kernel calls ``launch_next_kernel`` later)."""
     if PDL:
         gdc_wait()
+        if LAUNCH_NEXT:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def launch_next_kernel(PDL: tl.constexpr):
+    """With PDL: let the next kernel be scheduled from here on (after ``wait_for_previous_kernel`` without
+    ``LAUNCH_NEXT``)."""
+    if PDL:
         gdc_launch_dependents()
 
 

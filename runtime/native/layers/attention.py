@@ -12,6 +12,8 @@ On a CUDA device the Triton kernels of ``runtime.native.kernels`` run instead, a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,9 @@ from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
 from kiln.runtime.native.kv_cache import KVCache
 from kiln.runtime.native.layers.linear import fp8_quantize
 from kiln.runtime.native.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from kiln.runtime.native.kernels.kv_store import PagedCaches
 
 
 class PagedAttention(nn.Module):
@@ -60,15 +65,13 @@ class PagedAttention(nn.Module):
             from kiln.runtime.native.kernels import (  # imports triton: only here
                 fp8_quant,
                 kv_store,
-                paged_attention,
                 rotary,
             )
 
             if self.rotary is None:
                 kv_store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale, pdl=pdl)
             else:
-                caches = kv_store.PagedCaches(k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-                write = kv_store.CacheWrite(v, caches)
+                write = kv_store.CacheWrite(v, self._paged_caches(kv_cache, meta))
                 q, k = rotary.apply_rotary(positions, q, k, self.rotary.cos_sin_cache, write,
                                            keep_k=meta.whole_prompt and plain, pdl=pdl)
         else:
@@ -82,10 +85,32 @@ class PagedAttention(nn.Module):
             rows = out.reshape(out.shape[0], -1)  # token rows
             return fp8_quant.quantize_fp8(rows, quant_scale, pdl=pdl).view(out.shape)
         if triton_path:
-            return paged_attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
-                                                   quant_scale, pdl=pdl, window=self.window, softcap=self.softcap)
+            return self.attend_cached(q, meta, kv_cache, quant_scale)
         return paged_attention_reference(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
                                          self.window, self.softcap)
+
+    def caches_to_store(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> PagedCaches | None:
+        """Where a qkv projection of ``x`` may store this step's K/V itself, rotating q and k on the way
+        (``kernels.kv_store.PagedCaches``), before ``attend_cached``: on the Triton path of a layer with RoPE, in a
+        step that attends through the cache (not one whole prompt). None otherwise."""
+        if not self.kernels.use_triton(x) or self.rotary is None or meta.whole_prompt:
+            return None
+        return self._paged_caches(kv_cache, meta)
+
+    def attend_cached(self, q: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                      quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The Triton attention of q [T, num_heads, head_dim] (rotated) over the caches, this step's K/V stored."""
+        from kiln.runtime.native.kernels import paged_attention  # imports triton: only here
+
+        k_cache, v_cache = kv_cache
+        return paged_attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
+                                               quant_scale, pdl=self.kernels.pdl, window=self.window,
+                                               softcap=self.softcap)
+
+    def _paged_caches(self, kv_cache: KVCache, meta: AttentionMetadata) -> PagedCaches:
+        from kiln.runtime.native.kernels.kv_store import PagedCaches  # imports triton: only here
+
+        return PagedCaches(*kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
 
 
 # cuDNN first: on an H200 it attends a 1000-token Llama-3-8B prompt in 31-32 us per layer, against 49-65 us for the

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
+
+if TYPE_CHECKING:
+    from kiln.runtime.native.kernels.kv_store import PagedCaches
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 # The INT4 streaming kernel serves up to this many tokens; above, the weight is dequantized for a GEMM (on CUDA by
@@ -122,6 +126,23 @@ class Fp8Linear(BiasedLinear):
         if x.dtype == torch.float8_e4m3fn:
             raise ValueError("Fp8Linear: a pre-quantized input needs a CUDA FP8 path (see fusable_input_scale)")
         return fp8_linear_reference(x, self.weight, self.weight_scale, self.input_scale)
+
+    def fused_rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, caches: PagedCaches,
+                     num_heads: int, num_kv_heads: int) -> torch.Tensor | None:
+        """This qkv projection of ``x`` with RoPE and the KV store in one launch of the streaming kernel
+        (``kernels.fp8_qkv_rotary``, ``caches`` its ``PagedCaches``): q [T, num_heads, head_dim] rotated, the
+        rotated K and the V stored. None where that kernel does not take ``x`` or its tiles do not fit the heads,
+        or there is a bias: the caller then runs the linear, then the rotation."""
+        if self.bias is not None or self._cuda_path(x) != "streaming":
+            return None
+        from kiln.runtime.native.kernels.fp8_qkv_rotary import fp8_qkv_rotary, qkv_rotary_config
+
+        n, k = self.weight.shape
+        if qkv_rotary_config(x.numel() // k, n, k, n // (num_heads + 2 * num_kv_heads)) is None:
+            return None
+        return fp8_qkv_rotary(x.reshape(-1, k), self.weight, self.weight_scale, self.input_scale, positions,
+                              cos_sin_cache, caches, num_heads, num_kv_heads, self._out_dtype(x),
+                              pdl=self.kernels.pdl)
 
     def _cuda_path(self, x: torch.Tensor) -> str | None:
         """The path an input with ``x``'s rows takes: "streaming" (the Triton kernel), "scaled_mm", or None (the

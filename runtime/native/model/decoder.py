@@ -74,14 +74,31 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:  # over each head's head_dim values
-            q = self.q_norm(q.reshape(-1, self.head_dim))
-            k = self.k_norm(k.reshape(-1, self.head_dim))
-        o = self.attn(q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim),
-                      v.view(-1, self.num_kv_heads, self.head_dim), meta, kv_cache,
-                      fusable_input_scale(self.o_proj, x), positions)
+        quant_scale = fusable_input_scale(self.o_proj, x)
+        q = self._rotated_q_with_kv_stored(positions, x, meta, kv_cache)
+        if q is not None:
+            o = self.attn.attend_cached(q, meta, kv_cache, quant_scale)
+        else:
+            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if self.qk_norm:  # over each head's head_dim values
+                q = self.q_norm(q.reshape(-1, self.head_dim))
+                k = self.k_norm(k.reshape(-1, self.head_dim))
+            o = self.attn(q.reshape(-1, self.num_heads, self.head_dim),
+                          k.reshape(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim),
+                          meta, kv_cache, quant_scale, positions)
         return all_reduced(self.o_proj(o.reshape(-1, self.q_size)), self.tp)
+
+    def _rotated_q_with_kv_stored(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                                  kv_cache: KVCache) -> torch.Tensor | None:
+        """q rotated, from an FP8 qkv projection that rotates and stores K/V in its epilogue (a few tokens on the
+        streaming kernel, attending through the cache); None where the layer runs them one after another."""
+        if self.qk_norm or not isinstance(self.qkv_proj, Fp8Linear):
+            return None
+        caches = self.attn.caches_to_store(x, meta, kv_cache)
+        if caches is None:
+            return None
+        return self.qkv_proj.fused_rotary(x, positions, self.attn.rotary.cos_sin_cache, caches, self.num_heads,
+                                          self.num_kv_heads)
 
 
 class GatedMLP(nn.Module):

@@ -1,0 +1,90 @@
+"""The FP8 qkv projection with RoPE and the KV store in its epilogue against the two launches it replaces
+(``fp8_gemv``, then ``apply_rotary``): on CPU through triton's interpreter in float32,
+on a CUDA GPU (``-m gpu``) in bfloat16. Their operands make every float32 sum exact, so the two agree bit for bit
+though a program of the fused kernel reduces half as many rows at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv  # noqa: E402
+from kiln.runtime.native.kernels.fp8_qkv_rotary import fp8_qkv_rotary, qkv_rotary_config  # noqa: E402
+from kiln.runtime.native.kernels.kv_store import CacheWrite, PagedCaches  # noqa: E402
+from kiln.runtime.native.kernels.rotary import apply_rotary  # noqa: E402
+from kiln.runtime.native.kv_cache import token_major  # noqa: E402
+from kiln.runtime.native.layers.rotary import RotaryEmbedding  # noqa: E402
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 256}
+
+
+def _operands(m: int, n: int, k: int, device: str, seed: int):
+    """Integer activations and weights of at most 16 in magnitude, exact in FP8 (the input scale is 1): their float32
+    sums are exact in any order, so the two launches agree bit for bit however each tiles the reduction."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-16, 17, (m, k), generator=g).to(device, torch.float32 if device == "cpu" else torch.bfloat16)
+    weight = torch.randint(-16, 17, (n, k), generator=g).float().to(torch.float8_e4m3fn)
+    weight_scale = torch.rand(n, generator=g) * 0.01 + 0.001
+    return x, weight.to(device), weight_scale.to(device), torch.tensor(1.0, device=device)
+
+
+def _same_bytes(out: torch.Tensor, expected: torch.Tensor) -> bool:
+    return out.dtype == expected.dtype and torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+
+
+def _gpu_llama_shape():
+    return pytest.param(32, 8, 128, 4096, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="Llama-3-8B's shape, on a GPU only (4 warps a token: no masked chunk)")],
+        id="llama3-8b")
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache-token-major-v"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,k", [(4, 2, 64, 128), _gpu_llama_shape()])
+def test_fused_projection_writes_q_and_the_caches_as_apply_rotary_would(kernel_device, poisoned_outputs, m, fp8,
+                                                                         num_heads, num_kv_heads, head_dim, k):
+    block_size = 16
+    x, weight, weight_scale, input_scale = _operands(m, (num_heads + 2 * num_kv_heads) * head_dim, k, kernel_device,
+                                                     seed=10 + m)
+    rope = RotaryEmbedding(head_dim, 1024, 500000.0, LLAMA3_SCALING).to(kernel_device)
+    positions = torch.tensor([1023, 5, 700][:m], device=kernel_device)
+    slots = torch.tensor([40, -1, 17][:m], device=kernel_device)  # the second token is padding: nothing is written
+    g = torch.Generator().manual_seed(4)
+    k_cache, v_cache = (torch.randn(4, block_size, num_kv_heads, head_dim, generator=g).to(kernel_device, x.dtype)
+                        for _ in range(2))
+    scales = (None, None)
+    if fp8:
+        scales = torch.tensor(0.03, device=kernel_device), torch.tensor(0.02, device=kernel_device)
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), token_major(v_cache.to(torch.float8_e4m3fn))
+    expected_caches = k_cache.clone(), v_cache.clone()
+
+    q = fp8_qkv_rotary(x, weight, weight_scale, input_scale, positions, rope.cos_sin_cache,
+                        PagedCaches(k_cache, v_cache, slots, *scales), num_heads, num_kv_heads)
+
+    qkv = fp8_gemv(x, weight, weight_scale, input_scale)
+    q_in, k_in, v_in = (t.reshape(m, -1, head_dim) for t in qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1))
+    expected_q, _ = apply_rotary(positions, q_in, k_in, rope.cos_sin_cache,
+                                 CacheWrite(v_in, PagedCaches(*expected_caches, slots, *scales)), keep_k=False)
+    assert q.shape == (m, num_heads, head_dim) and _same_bytes(q, expected_q)
+    for cache, expected in zip((k_cache, v_cache), expected_caches, strict=True):
+        assert _same_bytes(cache, expected)
+
+
+def test_fused_projection_takes_only_tiles_inside_one_head():
+    pairs = {head_dim: (qkv_rotary_config(1, 6144, 4096, head_dim), qkv_rotary_config(8, 6144, 4096, head_dim))
+             for head_dim in (128, 96, 80)}
+    assert pairs[128][0]["BLOCK_P"] == 4 and pairs[128][1]["BLOCK_P"] == 32  # fp8_gemv's 8 and 64 rows, as pairs
+    assert pairs[96][1]["BLOCK_P"] == 16  # 48 dims a half: 16 pairs divide it
+    assert pairs[80][0]["BLOCK_P"] == 4 and pairs[80][1] is None  # 40: no tl.dot tile of 16 or more divides it
+
+
+def test_fused_projection_refuses_a_weight_that_is_not_its_heads():
+    x, weight, weight_scale, input_scale = _operands(1, 500, 128, "cpu", seed=0)
+    caches = PagedCaches(torch.zeros(1, 16, 2, 64), torch.zeros(1, 16, 2, 64), torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="500 weight rows are not 4 q and 2 x 2 kv heads"):
+        fp8_qkv_rotary(x, weight, weight_scale, input_scale, torch.zeros(1, dtype=torch.long),
+                        torch.zeros(8, 64), caches, 4, 2)
