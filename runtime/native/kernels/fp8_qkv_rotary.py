@@ -65,7 +65,7 @@ def _qkv_rotary_kernel(x_ptr, w_ptr, w_scale_ptr, input_scale_ptr, q_ptr, positi
     input_scale = tl.load(input_scale_ptr)
     x1 = round_to_dtype(acc1 * (tl.load(w_scale_ptr + rows) * input_scale)[None, :], DTYPE)  # as the linear
     x2 = round_to_dtype(acc2 * (tl.load(w_scale_ptr + rows + HALF) * input_scale)[None, :], DTYPE)  # stores them
-    mask = mask_m[:, None] & (dims < HALF)[None, :]
+    mask = tl.broadcast_to(mask_m[:, None], (BLOCK_M, BLOCK_P))  # every pair is real: only padding tokens
     dims = dims[None, :]
     if head < Q_HEADS + KV_HEADS:
         position = tl.load(positions_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)[:, None]
@@ -118,10 +118,14 @@ def fp8_qkv_rotary(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     x_q, weight = fp8_gemv_operands("fp8_qkv_rotary", x, weight, input_scale, out_dtype, pdl)
     (m, k), n = x_q.shape, weight.shape[0]
     head_dim, dtype = n // (num_heads + 2 * num_kv_heads), out_dtype or x.dtype
+    if n != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"fp8_qkv_rotary: {n} weight rows are not {num_heads} q and 2 x {num_kv_heads} kv heads")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"fp8_qkv_rotary: the output must be float32, float16 or bfloat16, got {dtype}")
     cfg = qkv_rotary_config(m, n, k, head_dim)
-    if n != (num_heads + 2 * num_kv_heads) * head_dim or cfg is None or dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"fp8_qkv_rotary: {n} weight rows are not {num_heads} q and 2 x {num_kv_heads} kv heads "
-                         f"that its tiles divide, or {dtype} is not a float32, float16 or bfloat16 output")
+    if cfg is None:
+        raise ValueError(f"fp8_qkv_rotary: no tile for {m} tokens fits inside a head of {head_dim} dims "
+                         "(see qkv_rotary_config)")
     if positions.shape != (m,) or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(-1) != 1:
         raise ValueError(f"fp8_qkv_rotary: needs {m} positions and a [max_position, {head_dim}] cos_sin_cache "
                          f"with a unit last stride, got {list(positions.shape)} and {list(cos_sin_cache.shape)}")

@@ -56,7 +56,7 @@ def _store_halves(out_ptr, token, out1, out2, heads, dims, mask, NUM_HEADS: tl.c
 
 @triton.jit
 def cache_halves(cache_ptr, x1, x2, slot, heads, dims, mask, scale_ptr, stride_block, stride_tok, stride_head,
-                  stride_dim, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+                 stride_dim, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
     """``kv_store.store_in_cache`` of a token's two head halves (dims and dims + HALF)."""
     store_in_cache(cache_ptr, x1, slot, heads, dims, mask, scale_ptr, stride_block, stride_tok, stride_head,
                    stride_dim, BLOCK_SIZE, FP8)

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 class PagedAttention(nn.Module):
     """Causal GQA attention over the paged KV cache; owns the FP8 KV scales when the cache is FP8. With ``rotary``
     it first rotates q and k by their positions, as TensorRT-LLM's attention op does: on the Triton path in the same
-    launch that stores the new K/V (``runtime.native.kernels.rotary.apply_rotary``)."""
+    launch that stores the new K/V (``runtime.native.kernels.rotary.apply_rotary``), or in the qkv projection's own
+    launch where that projection can (``caches_to_store``, then ``attend_cached``)."""
 
     def __init__(self, head_dim: int, fp8_kv_cache: bool, rotary: RotaryEmbedding | None = None,
                  kernels: KernelChoice = DEFAULT_KERNELS, window: int | None = None, scale: float | None = None,
