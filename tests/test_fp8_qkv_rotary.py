@@ -88,3 +88,10 @@ def test_fused_projection_refuses_a_weight_that_is_not_its_heads():
     with pytest.raises(ValueError, match="500 weight rows are not 4 q and 2 x 2 kv heads"):
         fp8_qkv_rotary(x, weight, weight_scale, input_scale, torch.zeros(1, dtype=torch.long),
                         torch.zeros(8, 64), caches, 4, 2)
+
+
+def test_one_token_takes_four_warps_only_where_the_input_fills_whole_chunks():
+    # Triton 3.6 sums a mostly masked 4-warp chunk wrongly on sm_90 (qkv_rotary_config): 8 warps there.
+    assert qkv_rotary_config(1, 6144, 4096, 128)["num_warps"] == 4
+    assert qkv_rotary_config(1, 512, 128, 64)["num_warps"] == 8
+    assert qkv_rotary_config(1, 4608, 3072, 96)["num_warps"] == 8  # Phi-3-mini: 3072 of 4096 columns
