@@ -3,8 +3,10 @@
 Launched with PDL, a kernel may be scheduled while the one before it on the stream is still finishing. Its first
 statement, ``wait_for_previous_kernel``, waits for that kernel to complete with its writes visible
 (``griddepcontrol.wait``), so nothing is read or written early; it then lets the next kernel be scheduled as this
-one's last programs start (``griddepcontrol.launch_dependents``). What this saves is the gap between consecutive
-kernels, inside CUDA graphs too, where a small-batch decode step is about 350 kernels of a few microseconds each.
+one's last programs start (``griddepcontrol.launch_dependents``), or, where the next kernel's waiting programs
+would take room this one needs, once its main loop is done (``launch_next_kernel``). What this saves is the gap
+between consecutive kernels, inside CUDA graphs too, where a small-batch decode step is about 350 kernels of a few
+microseconds each.
 A kernel not launched with PDL (cuBLAS, PyTorch's) is waited for as usual. Every launcher takes ``pdl``
 (``RuntimeOptions.pdl``, passed down by the layers) to turn it off.
 
