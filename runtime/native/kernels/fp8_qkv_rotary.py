@@ -110,11 +110,13 @@ def qkv_rotary_config(m: int, n: int, k: int, head_dim: int) -> dict | None:
 
 def fp8_qkv_rotary(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
                    positions: torch.Tensor, cos_sin_cache: torch.Tensor, caches: PagedCaches, num_heads: int,
-                   num_kv_heads: int, out_dtype: torch.dtype | None = None, pdl: bool = True) -> torch.Tensor:
+                   num_kv_heads: int, out_dtype: torch.dtype | None = None, config: dict | None = None,
+                   pdl: bool = True) -> torch.Tensor:
     """A qkv projection with RoPE and the KV store in one launch: x [T, K] as ``fp8_gemv`` takes it, weight
     float8_e4m3fn [(num_heads + 2 * num_kv_heads) * head_dim, K] with its scales, ``positions`` [T] (rows of
     ``cos_sin_cache`` [max_position, head_dim], float32). Returns q [T, num_heads, head_dim] rotated, in the model
-    dtype (``out_dtype``, default x.dtype), having stored the rotated K and the V at the slots of ``caches``."""
+    dtype (``out_dtype``, default x.dtype), having stored the rotated K and the V at the slots of ``caches``.
+    ``config``: ``qkv_rotary_config``'s, where the caller has it already."""
     x_q, weight = fp8_gemv_operands("fp8_qkv_rotary", x, weight, input_scale, out_dtype, pdl)
     (m, k), n = x_q.shape, weight.shape[0]
     head_dim, dtype = n // (num_heads + 2 * num_kv_heads), out_dtype or x.dtype
@@ -122,7 +124,7 @@ def fp8_qkv_rotary(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
         raise ValueError(f"fp8_qkv_rotary: {n} weight rows are not {num_heads} q and 2 x {num_kv_heads} kv heads")
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"fp8_qkv_rotary: the output must be float32, float16 or bfloat16, got {dtype}")
-    cfg = qkv_rotary_config(m, n, k, head_dim)
+    cfg = config or qkv_rotary_config(m, n, k, head_dim)
     if cfg is None:
         raise ValueError(f"fp8_qkv_rotary: no tile for {m} tokens fits inside a head of {head_dim} dims "
                          "(see qkv_rotary_config)")

@@ -127,21 +127,25 @@ class Fp8Linear(BiasedLinear):
             raise ValueError("Fp8Linear: a pre-quantized input needs a CUDA FP8 path (see fusable_input_scale)")
         return fp8_linear_reference(x, self.weight, self.weight_scale, self.input_scale)
 
-    def fused_rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, caches: PagedCaches,
-                     num_heads: int, num_kv_heads: int) -> torch.Tensor | None:
-        """This qkv projection of ``x`` with RoPE and the KV store in one launch of the streaming kernel
-        (``kernels.fp8_qkv_rotary``, ``caches`` its ``PagedCaches``): q [T, num_heads, head_dim] rotated, the
-        rotated K and the V stored. None where that kernel does not take ``x`` or its tiles do not fit the heads,
-        or there is a bias: the caller then runs the linear, then the rotation."""
+    def rotary_config(self, x: torch.Tensor, head_dim: int) -> dict | None:
+        """The launch of this qkv projection of ``x`` with RoPE and the KV store in its epilogue
+        (``kernels.fp8_qkv_rotary``, heads of ``head_dim``), or None where the streaming kernel does not take ``x``,
+        its tiles do not fit the heads, or there is a bias: the caller then runs the linear, then the rotation."""
         if self.bias is not None or self._cuda_path(x) != "streaming":
             return None
-        from kiln.runtime.native.kernels.fp8_qkv_rotary import fp8_qkv_rotary, qkv_rotary_config
+        from kiln.runtime.native.kernels.fp8_qkv_rotary import qkv_rotary_config
 
         n, k = self.weight.shape
-        if qkv_rotary_config(x.numel() // k, n, k, n // (num_heads + 2 * num_kv_heads)) is None:
-            return None
-        return fp8_qkv_rotary(x.reshape(-1, k), self.weight, self.weight_scale, self.input_scale, positions,
-                              cos_sin_cache, caches, num_heads, num_kv_heads, self._out_dtype(x),
+        return qkv_rotary_config(x.numel() // k, n, k, head_dim)
+
+    def fused_rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, caches: PagedCaches,
+                     num_heads: int, num_kv_heads: int, config: dict) -> torch.Tensor:
+        """This qkv projection of ``x`` with RoPE and the KV store in one launch (``config`` from ``rotary_config``;
+        ``caches`` the layer's ``PagedCaches``): q [T, num_heads, head_dim] rotated, the rotated K and the V stored."""
+        from kiln.runtime.native.kernels.fp8_qkv_rotary import fp8_qkv_rotary
+
+        return fp8_qkv_rotary(x.reshape(-1, self.weight.shape[1]), self.weight, self.weight_scale, self.input_scale,
+                              positions, cos_sin_cache, caches, num_heads, num_kv_heads, self._out_dtype(x), config,
                               pdl=self.kernels.pdl)
 
     def _cuda_path(self, x: torch.Tensor) -> str | None:

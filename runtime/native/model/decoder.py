@@ -94,11 +94,12 @@ class Attention(nn.Module):
         streaming kernel, attending through the cache); None where the layer runs them one after another."""
         if self.qk_norm or not isinstance(self.qkv_proj, Fp8Linear):
             return None
-        caches = self.attn.caches_to_store(x, meta, kv_cache)
+        config = self.qkv_proj.rotary_config(x, self.head_dim)
+        caches = None if config is None else self.attn.caches_to_store(x, meta, kv_cache)
         if caches is None:
             return None
         return self.qkv_proj.fused_rotary(x, positions, self.attn.rotary.cos_sin_cache, caches, self.num_heads,
-                                          self.num_kv_heads)
+                                          self.num_kv_heads, config)
 
 
 class GatedMLP(nn.Module):
