@@ -244,16 +244,29 @@ def test_fused_activation_quantization_gives_the_unfused_logits_with_no_quantize
     assert torch.equal(fused, unfused)
 
 
+def _int4_qkv_projection(fp8_projection: Fp8Linear) -> linear.Int4AwqLinear:
+    """An INT4-AWQ projection of the FP8 one's shape, with random weights."""
+    out_features, in_features = fp8_projection.weight.shape
+    g = torch.Generator().manual_seed(3)
+    int4 = linear.Int4AwqLinear(in_features, out_features, 32, fp8_projection.dtype, fp8_projection.kernels)
+    int4.qweight.copy_(pack_int4(torch.randint(-8, 8, (out_features, in_features), generator=g)))
+    int4.scales.copy_(torch.rand(out_features, in_features // 32, generator=g) * 0.02)
+    int4.pre_quant_scale.copy_(torch.rand(in_features, generator=g) + 0.5)
+    return int4.to(fp8_projection.weight.device)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs without CUDA")),
     pytest.param("cuda", marks=FP8_GPU),
 ])
 def test_an_attention_layer_whose_qkv_projection_stores_k_and_v_gives_what_separate_launches_give(
-        fp8_engine, monkeypatch, device):
+        fp8_engine, monkeypatch, device, fmt):
     # A decode step's qkv_proj rotates q and k and stores K/V in its epilogue, then the layer attends over the cache.
-    # A program of the fused kernel reduces each row as fp8_gemv's does, so the output and the caches are those of
-    # the separate launches bit for bit.
-    import kiln.runtime.native.kernels.fp8_qkv_rotary as fused_module
+    # A program of the fused kernel reduces each row as the format's GEMV does, so the output and the caches are
+    # those of the separate launches bit for bit.
+    import kiln.runtime.native.kernels.fp8_qkv_rotary as fp8_module
+    import kiln.runtime.native.kernels.int4_qkv_rotary as int4_module
     from kiln.runtime.native.attention_metadata import AttentionMetadata
     from kiln.runtime.native.kernel_choice import KernelChoice
 
@@ -263,16 +276,19 @@ def test_an_attention_layer_whose_qkv_projection_stores_k_and_v_gives_what_separ
     runner.step([[5, 17, 33]], [3])  # a whole prompt: its K/V in the caches
     meta = AttentionMetadata.build([1], [4], runner.block_tables, runner.block_size, device)
     attention, positions = engine.layers[1].self_attn, torch.tensor([3], device=device)
+    module, launcher = (fp8_module, "fp8_qkv_rotary") if fmt == "fp8" else (int4_module, "int4_qkv_rotary")
+    if fmt == "int4_awq":
+        attention.qkv_proj = _int4_qkv_projection(attention.qkv_proj)
     x = torch.randn(1, config.architecture.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
     x = x.to(engine.embed_tokens.weight.dtype)
     caches = {"fused": runner.kv_caches[1], "separate": tuple(c.clone() for c in runner.kv_caches[1])}
     calls = []
-    real = fused_module.fp8_qkv_rotary
-    monkeypatch.setattr(fused_module, "fp8_qkv_rotary", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = getattr(module, launcher)
+    monkeypatch.setattr(module, launcher, lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
     with torch.inference_mode():
         fused = attention(positions, x, meta, caches["fused"])
-        monkeypatch.setattr(Fp8Linear, "fused_rotary", lambda self, *args: None)
+        monkeypatch.setattr(type(attention.qkv_proj), "rotary_config", lambda self, *args: None)
         separate = attention(positions, x, meta, caches["separate"])
 
     assert len(calls) == 1

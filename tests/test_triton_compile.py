@@ -188,6 +188,19 @@ def int4_gemv_launches(m: int) -> None:
         mod.int4_awq_gemv(activations(m, in_features), qweight, scales, pre_quant_scale, GROUP_SIZE)
 
 
+def int4_qkv_rotary_launches() -> None:
+    mod, kv_store = kernels_module("int4_qkv_rotary"), kernels_module("kv_store")
+    out_features = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qweight = gpu(torch.empty(out_features, HIDDEN // 2, dtype=torch.uint8))
+    scales, pre_quant_scale = gpu(torch.empty(out_features, HIDDEN // GROUP_SIZE), torch.empty(HIDDEN))
+    slots = metadata([(37, 1)]).slot_mapping
+    for fp8 in (False, True):
+        k_cache, v_cache, k_scale, v_scale = kv_cache(fp8)
+        mod.int4_qkv_rotary(activations(1, HIDDEN), qweight, scales, pre_quant_scale, GROUP_SIZE, gpu(torch.arange(1)),
+                            gpu(torch.empty(MAX_SEQ_LEN, HEAD_DIM)),
+                            kv_store.PagedCaches(k_cache, v_cache, slots, k_scale, v_scale), HEADS, KV_HEADS)
+
+
 def int4_dequant_launches() -> None:
     mod = kernels_module("int4_dequant")
     for in_features, out_features in linear_shapes(ARCH).values():  # the large-batch INT4 path: dequantize, then cuBLAS
@@ -248,6 +261,7 @@ CASES: dict[str, Callable[[], None]] = {
     "int4_awq_gemv-m2": lambda: int4_gemv_launches(2),
     "int4_awq_gemv-m3": lambda: int4_gemv_launches(3),
     f"int4_awq_gemv-m{LINEAR_MAX_M}": lambda: int4_gemv_launches(LINEAR_MAX_M),
+    "int4_qkv_rotary-m1": int4_qkv_rotary_launches,
     "int4_dequant": int4_dequant_launches,
     "fp8_quant": fp8_quant_launches,
     "rms_norm": rms_norm_launches,

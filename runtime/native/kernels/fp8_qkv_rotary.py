@@ -1,12 +1,8 @@
 """The FP8 qkv projection of a few tokens with RoPE and the KV store in its epilogue: one launch instead of two.
 
-RoPE rotates dim d of a head with dim d + head_dim / 2, so each program of ``_qkv_rotary_kernel`` owns ``BLOCK_P``
-such pairs of rows within one head (of q, then k, then v) of the fused projection. It streams both rows of each
-pair against the FP8 activation as ``fp8_gemv`` does (its tiles, its accumulation), rounds the outputs to the model
-dtype as the linear stores them, and then, instead of storing them, rotates q and k by the tokens' positions,
-writes q, and stores the rotated K and the V in the paged caches: what ``rotary.apply_rotary`` writes with a
-``kv_store.CacheWrite`` from the linear's output. Only the float32 summation order of the linear may differ (a
-program reduces half as many rows at a time), as it does between ``fp8_gemv`` and the reference.
+Each program of ``_qkv_rotary_kernel`` owns pairs of rows d and d + head_dim / 2 of one head (``qkv_rotary``
+describes the scheme) and streams both rows of each pair against the FP8 activation as ``fp8_gemv`` does (its tiles,
+its accumulation).
 
 A decode step loses one launch a layer. On an H200 (Llama-3-8B, FP8, CUDA graphs) that made steps of 1-8 sequences
 4-7 % faster and of 16 2.5 % (docs/performance.md). With one token a program lets the next kernel launch only after
@@ -23,8 +19,8 @@ import triton.language as tl
 from kiln.runtime.native.kernels.fp8_gemv import accumulate_rows, fp8_gemv_config, fp8_gemv_operands
 from kiln.runtime.native.kernels.kv_store import PagedCaches
 from kiln.runtime.native.kernels.pdl import launch_next_kernel, pdl_options, wait_for_previous_kernel
-from kiln.runtime.native.kernels.rotary import cache_halves, rotate_halves
-from kiln.runtime.native.kernels.rounding import SUPPORTED_DTYPES, TRITON_DTYPES, round_to_dtype
+from kiln.runtime.native.kernels.qkv_rotary import pair_rows, pairs_per_program, rotated_q, store_rotated_pairs
+from kiln.runtime.native.kernels.rounding import TRITON_DTYPES, round_to_dtype
 
 
 @triton.jit
@@ -37,12 +33,8 @@ def _qkv_rotary_kernel(x_ptr, w_ptr, w_scale_ptr, input_scale_ptr, q_ptr, positi
                        LAUNCH_NEXT_EARLY: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
                        PDL: tl.constexpr):
     wait_for_previous_kernel(PDL, LAUNCH_NEXT_EARLY)
-    pid_p = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    head = pid_p * BLOCK_P // HALF  # this program's head: q's, then k's, then v's
-    dims = (pid_p * BLOCK_P) % HALF + tl.arange(0, BLOCK_P)
-    rows = head * (2 * HALF) + dims  # each pair's first row; the second is HALF rows on
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    head, dims, rows = pair_rows(BLOCK_P, HALF)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     first_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
@@ -65,28 +57,10 @@ def _qkv_rotary_kernel(x_ptr, w_ptr, w_scale_ptr, input_scale_ptr, q_ptr, positi
     input_scale = tl.load(input_scale_ptr)
     x1 = round_to_dtype(acc1 * (tl.load(w_scale_ptr + rows) * input_scale)[None, :], DTYPE)  # as the linear
     x2 = round_to_dtype(acc2 * (tl.load(w_scale_ptr + rows + HALF) * input_scale)[None, :], DTYPE)  # stores them
-    mask = tl.broadcast_to(mask_m[:, None], (BLOCK_M, BLOCK_P))  # every pair is real: only padding tokens
-    dims = dims[None, :]
-    if head < Q_HEADS + KV_HEADS:
-        position = tl.load(positions_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)[:, None]
-        cos_ptrs = cos_sin_ptr + position * stride_cos_sin + dims
-        cos = round_to_dtype(tl.load(cos_ptrs, mask=mask, other=0.0).to(tl.float32), DTYPE)
-        sin = round_to_dtype(tl.load(cos_ptrs + HALF, mask=mask, other=0.0).to(tl.float32), DTYPE)
-        x1, x2 = rotate_halves(x1, x2, cos, sin, DTYPE)
-    if head < Q_HEADS:
-        q_ptrs = q_ptr + offs_m[:, None] * stride_qm + rows[None, :]
-        tl.store(q_ptrs, x1.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(q_ptrs + HALF, x2.to(q_ptr.dtype.element_ty), mask=mask)
-    else:  # K or V, at each token's slot (negative: padding, not written)
-        slot = tl.load(slot_mapping_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)[:, None]
-        mask = mask & (slot >= 0)
-        if head < Q_HEADS + KV_HEADS:
-            cache_halves(k_cache_ptr, x1.to(DTYPE), x2.to(DTYPE), slot, head - Q_HEADS, dims, mask, k_scale_ptr,
-                         stride_kc_block, stride_kc_tok, stride_kc_head, 1, HALF, BLOCK_SIZE, FP8)
-        else:
-            cache_halves(v_cache_ptr, x1.to(DTYPE), x2.to(DTYPE), slot, head - Q_HEADS - KV_HEADS, dims, mask,
-                         v_scale_ptr, stride_vc_block, stride_vc_tok, stride_vc_head, stride_vc_dim, HALF,
-                         BLOCK_SIZE, FP8)
+    store_rotated_pairs(x1, x2, head, rows, dims, offs_m, mask_m, q_ptr, stride_qm, positions_ptr, cos_sin_ptr,
+                        stride_cos_sin, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
+                        stride_kc_block, stride_kc_tok, stride_kc_head, stride_vc_block, stride_vc_tok,
+                        stride_vc_head, stride_vc_dim, HALF, Q_HEADS, KV_HEADS, DTYPE, BLOCK_SIZE, FP8)
 
 
 def qkv_rotary_config(m: int, n: int, k: int, head_dim: int) -> dict | None:
@@ -98,10 +72,8 @@ def qkv_rotary_config(m: int, n: int, k: int, head_dim: int) -> dict | None:
     mostly masked (128 or 1024 input features in 4096 columns) sums some rows wrongly, by up to 0.125 on integer
     operands, where 8 warps and whole chunks are exact (measured on an H200, 2026-12-04)."""
     cfg = fp8_gemv_config(m, n, k)
-    pairs, least = cfg.pop("BLOCK_N") // 2, 1 if m == 1 else 16
-    while pairs >= least and (head_dim % 2 or (head_dim // 2) % pairs):
-        pairs //= 2
-    if pairs < least:
+    pairs = pairs_per_program(cfg.pop("BLOCK_N"), head_dim, 1 if m == 1 else 16)
+    if pairs is None:
         return None
     if m == 1 and k % cfg["BLOCK_K"] == 0:
         cfg["num_warps"] = 4
@@ -119,19 +91,13 @@ def fp8_qkv_rotary(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     ``config``: ``qkv_rotary_config``'s, where the caller has it already."""
     x_q, weight = fp8_gemv_operands("fp8_qkv_rotary", x, weight, input_scale, out_dtype, pdl)
     (m, k), n = x_q.shape, weight.shape[0]
-    head_dim, dtype = n // (num_heads + 2 * num_kv_heads), out_dtype or x.dtype
-    if n != (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"fp8_qkv_rotary: {n} weight rows are not {num_heads} q and 2 x {num_kv_heads} kv heads")
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"fp8_qkv_rotary: the output must be float32, float16 or bfloat16, got {dtype}")
+    dtype = out_dtype or x.dtype
+    q = rotated_q("fp8_qkv_rotary", m, n, num_heads, num_kv_heads, positions, cos_sin_cache, dtype, x.device)
+    head_dim = q.shape[-1]
     cfg = config or qkv_rotary_config(m, n, k, head_dim)
     if cfg is None:
         raise ValueError(f"fp8_qkv_rotary: no tile for {m} tokens fits inside a head of {head_dim} dims "
                          "(see qkv_rotary_config)")
-    if positions.shape != (m,) or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(-1) != 1:
-        raise ValueError(f"fp8_qkv_rotary: needs {m} positions and a [max_position, {head_dim}] cos_sin_cache "
-                         f"with a unit last stride, got {list(positions.shape)} and {list(cos_sin_cache.shape)}")
-    q = torch.empty(m, num_heads, head_dim, dtype=dtype, device=x.device)
     if m:
         cache_args, cache_constexprs = caches.kernel_args()
         grid = (n // 2 // cfg["BLOCK_P"], triton.cdiv(m, cfg["BLOCK_M"]))

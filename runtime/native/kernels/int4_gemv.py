@@ -39,7 +39,7 @@ def nibble_value(nibble):
 
 
 @triton.jit
-def _scaled_activation(x_ptrs, pqs_ptrs, mask):
+def scaled_activation(x_ptrs, pqs_ptrs, mask):
     """x * pre_quant_scale rounded to x's dtype, as float32: what ``x * pre_quant_scale.to(x.dtype)`` gives."""
     x = tl.load(x_ptrs, mask=mask, other=0.0)
     pqs = tl.load(pqs_ptrs, mask=mask, other=0.0).to(x.dtype)
@@ -71,7 +71,7 @@ def _nibbles_times(w, one, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _columns_of_words(x, WORDS: tl.constexpr):
+def columns_of_words(x, WORDS: tl.constexpr):
     """x [WORDS * 8] as eight [WORDS] tensors: column 8w + i of each word w, for i = 0..7."""
     a, b = tl.split(tl.reshape(x, [WORDS, 4, 2]))  # i = 0, 2, 4, 6 and 1, 3, 5, 7
     a0, a1 = tl.split(tl.reshape(a, [WORDS, 2, 2]))  # 0, 4 and 2, 6
@@ -86,7 +86,7 @@ def _columns_of_words(x, WORDS: tl.constexpr):
 @triton.jit
 def _columns_of_word_rows(x, ROWS: tl.constexpr, WORDS: tl.constexpr):
     """x [ROWS, WORDS * 8] as eight [ROWS, WORDS] tensors: column 8w + i of each word w, for i = 0..7. The batch-1
-    kernel keeps the one-dimensional ``_columns_of_words``: through this one (ROWS = 1) it compiled for sm_90 to 22-34 %
+    kernel keeps the one-dimensional ``columns_of_words``: through this one (ROWS = 1) it compiled for sm_90 to 22-34 %
     more instructions (shuffles and barriers of layout conversions)."""
     a, b = tl.split(tl.reshape(x, [ROWS, WORDS, 4, 2]))  # i = 0, 2, 4, 6 and 1, 3, 5, 7
     a0, a1 = tl.split(tl.reshape(a, [ROWS, WORDS, 2, 2]))  # 0, 4 and 2, 6
@@ -96,6 +96,18 @@ def _columns_of_word_rows(x, ROWS: tl.constexpr, WORDS: tl.constexpr):
     x1, x5 = tl.split(b0)
     x3, x7 = tl.split(b1)
     return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def accumulate_int4_rows(acc, w, scale, columns, x_sum, one, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """``acc`` [rows] plus one step of the batch-1 kernel: the int32 words ``w`` [rows, WORDS] (GROUPS whole groups
+    of each row) against the activation's ``columns`` (``columns_of_words``) and its per-group sums ``x_sum``
+    [GROUPS], each group's sum times its ``scale`` [rows, GROUPS]."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = columns
+    s = _nibbles_times(w, one, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :],
+                       x6[None, :], x7[None, :])
+    f_x = tl.sum(tl.reshape(s, [w.shape[0], GROUPS, GROUP_SIZE // 8]), axis=2)  # [rows, GROUPS]
+    return acc + tl.sum(scale * (16.0 * f_x - 24.0 * x_sum[None, :]), axis=1)
 
 
 @triton.jit
@@ -117,16 +129,13 @@ def _int4_awq_gemv_row_kernel(x_ptr, qw_ptr, scales_ptr, pqs_ptr, y_ptr, N, K: t
     for k0 in range(0, K, WORDS * 8):
         words = k0 // 8 + offs_w
         w = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < K // 8)[None, :], other=0)
-        x = _scaled_activation(x_ptr + k0 + cols, pqs_ptr + k0 + cols, cols < K - k0)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _columns_of_words(x, WORDS)
-        s = _nibbles_times(w, one, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :],
-                           x6[None, :], x7[None, :])
-        f_x = tl.sum(tl.reshape(s, [BLOCK_N, GROUPS, GROUP_SIZE // 8]), axis=2)  # [BLOCK_N, GROUPS]
+        x = scaled_activation(x_ptr + k0 + cols, pqs_ptr + k0 + cols, cols < K - k0)
+        columns = columns_of_words(x, WORDS)
         x_sum = tl.sum(tl.reshape(x, [GROUPS, GROUP_SIZE]), axis=1)
         groups = k0 // GROUP_SIZE + offs_g
         scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + groups[None, :],
                         mask=mask_n[:, None] & (groups < K // GROUP_SIZE)[None, :], other=0.0)
-        acc += tl.sum(scale * (16.0 * f_x - 24.0 * x_sum[None, :]), axis=1)
+        acc = accumulate_int4_rows(acc, w, scale, columns, x_sum, one, GROUPS, GROUP_SIZE)
     tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
@@ -155,7 +164,7 @@ def _int4_awq_gemv_rows_kernel(x_ptr, qw_ptr, scales_ptr, pqs_ptr, y_ptr, M, N, 
     for k0 in range(0, K, WORDS * 8):
         words = k0 // 8 + offs_w
         w = tl.load(qw_rows + words[None, :], mask=mask_n[:, None] & (words < K // 8)[None, :], other=0)[None, :, :]
-        x = _scaled_activation(x_rows + k0, pqs_rows + k0, mask_m[:, None] & (cols < K - k0)[None, :])
+        x = scaled_activation(x_rows + k0, pqs_rows + k0, mask_m[:, None] & (cols < K - k0)[None, :])
         x0, x1, x2, x3, x4, x5, x6, x7 = _columns_of_word_rows(x, BLOCK_M, WORDS)  # [BLOCK_M, WORDS] each
         s = _nibbles_times(w, one, x0[:, None, :], x1[:, None, :], x2[:, None, :], x3[:, None, :], x4[:, None, :],
                            x5[:, None, :], x6[:, None, :], x7[:, None, :])  # [BLOCK_M, BLOCK_N, WORDS]
@@ -241,28 +250,14 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                   group_size: int = 128, config: dict | None = None, pdl: bool = True) -> torch.Tensor:
     """INT4-AWQ linear for small M: x [..., K] (float32/float16/bfloat16), qweight uint8 [N, K // 2],
     scales float32 [N, K // group_size], pre_quant_scale float32 [K]. Returns [..., N] in ``x.dtype``."""
-    n, half_k = qweight.shape
-    k = 2 * half_k
-    if not supports_group_size(group_size):
-        raise ValueError(f"int4_awq_gemv: group_size must be a power of two from 32, got {group_size}")
-    if qweight.dtype != torch.uint8 or x.shape[-1] != k or k % group_size:
-        raise ValueError(f"int4_awq_gemv: qweight must be uint8 [N, {x.shape[-1] // 2}] with K a multiple of "
-                         f"group_size {group_size}, got {qweight.dtype} {list(qweight.shape)}")
-    if scales.shape != (n, k // group_size) or pre_quant_scale.shape != (k,):
-        raise ValueError(f"int4_awq_gemv: scales must be [{n}, {k // group_size}] and pre_quant_scale [{k}], "
-                         f"got {list(scales.shape)} and {list(pre_quant_scale.shape)}")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
-    scales = scales if scales.stride(-1) == 1 else scales.contiguous()
-    pre_quant_scale = pre_quant_scale.contiguous()
-    m = x2.shape[0]
+    x2, qweight, scales, pre_quant_scale = int4_gemv_operands("int4_awq_gemv", x, qweight, scales, pre_quant_scale,
+                                                              group_size)
+    (m, k), n = x2.shape, qweight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
     cfg = dict(config or int4_gemv_config(m, n, k, group_size))
-    words = qweight.view(torch.int32)
+    words = qweight.view(torch.int32)  # the batch-1 and two-token kernels' view
     if m == 1:
         _int4_awq_gemv_row_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x2, words, scales, pre_quant_scale, y, n, k, words.stride(0), scales.stride(0), ONE_BITS,
@@ -283,3 +278,26 @@ def int4_awq_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
                                      x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
                                      GROUP_SIZE=group_size, DOT_DTYPE=dot_dtype, **cfg, **pdl_options(x2, pdl))
     return y.reshape(*x.shape[:-1], n)
+
+
+def int4_gemv_operands(caller: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       pre_quant_scale: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
+    """The checked operands of an INT4 streaming kernel: x's rows [M, K], qweight, scales and pre_quant_scale, each
+    with a unit last stride."""
+    n, half_k = qweight.shape
+    k = 2 * half_k
+    if not supports_group_size(group_size):
+        raise ValueError(f"{caller}: group_size must be a power of two from 32, got {group_size}")
+    if qweight.dtype != torch.uint8 or x.shape[-1] != k or k % group_size:
+        raise ValueError(f"{caller}: qweight must be uint8 [N, {x.shape[-1] // 2}] with K a multiple of "
+                         f"group_size {group_size}, got {qweight.dtype} {list(qweight.shape)}")
+    if scales.shape != (n, k // group_size) or pre_quant_scale.shape != (k,):
+        raise ValueError(f"{caller}: scales must be [{n}, {k // group_size}] and pre_quant_scale [{k}], "
+                         f"got {list(scales.shape)} and {list(pre_quant_scale.shape)}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    scales = scales if scales.stride(-1) == 1 else scales.contiguous()
+    pre_quant_scale = pre_quant_scale.contiguous()
+    return x2, qweight, scales, pre_quant_scale

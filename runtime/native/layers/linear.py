@@ -53,6 +53,12 @@ class BiasedLinear(nn.Module, ABC):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` times the weight, in the format's own way."""
 
+    def rotary_config(self, x: torch.Tensor, head_dim: int) -> dict | None:
+        """The launch of this qkv projection of ``x`` with RoPE and the KV store in its epilogue (heads of
+        ``head_dim``; ``fused_rotary`` runs it), or None where the format has no such kernel or it does not take
+        ``x``: the caller then runs the linear, then the rotation."""
+        return None
+
 
 class Linear(BiasedLinear):
     """Dense linear, weight in the engine dtype; one token on CUDA takes the Triton weight-streaming kernel
@@ -128,9 +134,8 @@ class Fp8Linear(BiasedLinear):
         return fp8_linear_reference(x, self.weight, self.weight_scale, self.input_scale)
 
     def rotary_config(self, x: torch.Tensor, head_dim: int) -> dict | None:
-        """The launch of this qkv projection of ``x`` with RoPE and the KV store in its epilogue
-        (``kernels.fp8_qkv_rotary``, heads of ``head_dim``), or None where the streaming kernel does not take ``x``,
-        its tiles do not fit the heads, or there is a bias: the caller then runs the linear, then the rotation."""
+        """``kernels.fp8_qkv_rotary``'s launch, where the streaming kernel takes ``x``, its tiles fit the heads and
+        there is no bias."""
         if self.bias is not None or self._cuda_path(x) != "streaming":
             return None
         from kiln.runtime.native.kernels.fp8_qkv_rotary import qkv_rotary_config
@@ -189,6 +194,28 @@ class Int4AwqLinear(BiasedLinear):
             weight = int4_dequantize_kernel(self.qweight, self.scales, self.group_size, x.dtype)
             return F.linear(x * self.pre_quant_scale.to(x.dtype), weight)
         return int4_awq_linear_reference(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size)
+
+    def rotary_config(self, x: torch.Tensor, head_dim: int) -> dict | None:
+        """``kernels.int4_qkv_rotary``'s launch, for one token on the streaming kernel where its tiles fit the heads
+        and there is no bias."""
+        if self.bias is not None or x.numel() != x.shape[-1] or not self.kernels.streams(x, INT4_STREAMING_MAX_M):
+            return None
+        from kiln.runtime.native.kernels.int4_gemv import supports_group_size
+        from kiln.runtime.native.kernels.int4_qkv_rotary import int4_qkv_rotary_config
+
+        if not supports_group_size(self.group_size):
+            return None
+        return int4_qkv_rotary_config(self.qweight.shape[0], x.shape[-1], self.group_size, head_dim)
+
+    def fused_rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, caches: PagedCaches,
+                     num_heads: int, num_kv_heads: int, config: dict) -> torch.Tensor:
+        """This qkv projection of one token ``x`` with RoPE and the KV store in one launch (``config`` from
+        ``rotary_config``): q [1, num_heads, head_dim] rotated, the rotated K and the V stored in ``caches``."""
+        from kiln.runtime.native.kernels.int4_qkv_rotary import int4_qkv_rotary
+
+        return int4_qkv_rotary(x.reshape(1, -1), self.qweight, self.scales, self.pre_quant_scale, self.group_size,
+                               positions, cos_sin_cache, caches, num_heads, num_kv_heads, config,
+                               pdl=self.kernels.pdl)
 
 
 def make_linear(fmt: str, in_features: int, out_features: int, dtype: torch.dtype, group_size: int | None,

@@ -90,9 +90,10 @@ class Attention(nn.Module):
 
     def _rotated_q_with_kv_stored(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                                   kv_cache: KVCache) -> torch.Tensor | None:
-        """q rotated, from an FP8 qkv projection that rotates and stores K/V in its epilogue (a few tokens on the
-        streaming kernel, attending through the cache); None where the layer runs them one after another."""
-        if self.qk_norm or not isinstance(self.qkv_proj, Fp8Linear):
+        """q rotated, from a qkv projection that rotates and stores K/V in its epilogue (an FP8 one of a few tokens
+        or an INT4-AWQ one of one token, on the streaming kernels, attending through the cache); None where the layer
+        runs them one after another."""
+        if self.qk_norm:
             return None
         config = self.qkv_proj.rotary_config(x, self.head_dim)
         caches = None if config is None else self.attn.caches_to_store(x, meta, kv_cache)
