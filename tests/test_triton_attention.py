@@ -185,6 +185,43 @@ def test_a_decode_within_one_partition_writes_what_the_reduce_would(device, quan
         torch.testing.assert_close(outs[0], expected, **fp8_tolerance(device, q.dtype))
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["model-dtype", "fp8-output"])
+def test_a_small_decode_combines_its_partitions_in_the_last_program_to_finish(device, quantized):
+    # with a decode graph's counters, the last partition of each (sequence, KV head) to finish combines them all:
+    # the reduce kernel's output, the counters left zero for the next launch (run twice)
+    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 4, 64, 32,
+                                                               device, fp8=True)
+    quant_scale = torch.tensor(0.004, device=device) if quantized else None
+    counters = torch.zeros(len(DECODE_SEQ_LENS) * NUM_KV_HEADS, dtype=torch.int32, device=device)
+
+    def decode(metadata):
+        out = poisoned(q).to(torch.float8_e4m3fn if quantized else q.dtype)
+        return paged_attention_decode(q, k_cache, v_cache, metadata, 0.125, k_scale, v_scale, out=out,
+                                      partition_size=128, quant_scale=quant_scale)  # two partitions
+
+    counted = dataclasses.replace(meta, partition_counters=counters)
+    assert paged_attention_module.combine_partitions(counted, len(DECODE_SEQ_LENS), NUM_KV_HEADS, 2)
+    reduced = decode(meta)
+    combined = [decode(counted) for _ in range(2)]
+    assert not counters.any()
+    for out in combined:
+        if quantized:
+            torch.testing.assert_close(out.float(), reduced.float(), rtol=0.07, atol=0.0)  # an E4M3 step at most
+        else:
+            torch.testing.assert_close(out, reduced, **tolerance(device))
+    assert not quantized or torch.equal(combined[0].view(torch.uint8), combined[1].view(torch.uint8))
+
+
+def test_only_small_decodes_with_counters_combine_in_the_partition_kernel():
+    meta = AttentionMetadata.build([1], [5], [[1]], 32)
+    with_counters = dataclasses.replace(meta, partition_counters=torch.zeros(16 * 8, dtype=torch.int32))
+    combine = paged_attention_module.combine_partitions
+    assert combine(with_counters, 16, 8, 2) and not combine(meta, 16, 8, 2)
+    assert not combine(with_counters, 17, 8, 2) and not combine(with_counters, 16, 8, 3)
+    with pytest.raises(ValueError, match="partition_counters must be int32 with 256 entries"):
+        combine(with_counters, 16, 16, 2)
+
+
 @pytest.mark.parametrize(("num_seqs", "max_seq_len", "fp8", "partition_size"), [
     (1, 1152, True, 64), (4, 8192, True, 1024), (16, 8192, True, 1024), (32, 2048, True, 2048),
     (64, 2048, True, 1024), (64, 4096, True, 2048), (440, 4096, True, 4096), (512, 2176, True, 4096),

@@ -138,6 +138,12 @@ def paged_attention_launches(fp8: bool) -> None:
         q = qkv_views(sum(new for _, new in seqs))[0]
         mod.paged_attention(q, k_cache, v_cache, metadata(seqs), scale, k_scale, v_scale)
         mod.paged_attention(q, k_cache, v_cache, metadata(seqs), scale, k_scale, v_scale, quant_scale)
+    # A decode graph's small step (its metadata carries counters) combines the partitions in the partition kernel.
+    counters = gpu(torch.zeros(16 * KV_HEADS, dtype=torch.int32))
+    counted = dataclasses.replace(metadata([(1023, 1)] * 16), partition_counters=counters)  # two partitions of 512
+    assert mod.combine_partitions(counted, 16, KV_HEADS, 2)
+    for quant in (None, quant_scale):
+        mod.paged_attention(qkv_views(16)[0], k_cache, v_cache, counted, scale, k_scale, v_scale, quant)
     # Both kernels' wrappers called directly, with their defaults, on sequences of one block.
     mod.paged_attention_varlen(qkv_views(4)[0], k_cache, v_cache, metadata([(5, 3), (0, 1)]), scale, k_scale,
                                v_scale)

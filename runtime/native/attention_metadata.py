@@ -27,6 +27,9 @@ class AttentionMetadata:
     max_seq_len: int
     num_decode_seqs: int = 0  # leading sequences of one new token each (a mixed step lists its decodes first)
     whole_prompt: bool = False  # one sequence, all new: query row i is position i (padding rows may follow)
+    # int32 zeros, one per sequence and KV head or more, kept across steps (a decode graph's): the split-KV decode
+    # counts finished partitions in them and leaves them zero (kernels.paged_attention.combine_partitions)
+    partition_counters: torch.Tensor | None = None
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,

@@ -67,11 +67,15 @@ class DecodeGraphRunner:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
+        # the split-KV decode's partition counts (AttentionMetadata.partition_counters), zero between launches
+        partition_counters = torch.zeros(max_bs * config.architecture.num_kv_heads, dtype=torch.int32,
+                                         device=self.device)
         self._row_tables: list[tuple[list[int] | None, int]] = [(None, 0)] * max_bs  # (list, entries) each row holds
         self.metas = {
             bs: AttentionMetadata(slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
                                   seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
-                                  max_query_len=1, max_seq_len=plan.max_seq_len)
+                                  max_query_len=1, max_seq_len=plan.max_seq_len,
+                                  partition_counters=partition_counters)
             for bs in self.batch_sizes
         }
         self.graphs = GraphSet(self.device, self.batch_sizes, self._forward, self._stage_padding) if capture else None

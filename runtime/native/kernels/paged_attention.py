@@ -15,7 +15,8 @@ contiguous V), or, token-major, as V^T in v^T @ p^T with the output accumulated 
   ``partition_size`` tokens (64 to 2048, smaller when few sequences would leave SMs idle); one program per
   (sequence, KV head, partition) reads the partition's block-table entries once, then writes a partial max, sum and
   unnormalised output, and a second kernel combines the partitions of each (sequence, head). When one partition
-  holds every context and the output is not quantized, the partition kernel writes the output itself.
+  holds every context, the partition kernel writes the output itself; in a small decode graph's step of two
+  partitions, the last of them to finish combines both (``combine_partitions``).
 
 Both grids launch the KV heads fastest, so that the programs reading one token's heads, whose K rows lie side by side
 in the cache, run together (on an H200 decode is 1.2-2.5 % faster than with the sequences fastest, varlen 0.3-4 %).
@@ -65,6 +66,12 @@ VARLEN_TILES = {False: dict(block_n=64, num_stages=2), True: dict(block_n=64, nu
 SHORT_CONTEXT, SHORT_CONTEXT_BLOCK_N = 256, 64
 MIN_PARTITION_SIZE, MAX_PARTITION_SIZE = 64, 4096
 PROGRAM_COST_TOKENS, REDUCE_COST_TOKENS = 512, 128
+# Small decode steps of two partitions skip the reduce kernel: the last of a (sequence, KV head)'s partitions to
+# finish combines them (``combine_partitions``). On an H200 (FP8, FP8 KV, contexts of 1k, graph replay, two rounds)
+# a step of 16 sequences (two partitions of 512) took 3.61-3.62 ms against 3.72; where the partitions are many, one
+# program combining them all was no faster than the reduce kernel's many (8 partitions at 4 sequences: 3.17-3.18
+# against 3.07 ms; 16 at one: 2.656-2.663 against 2.671-2.678).
+COMBINE_MAX_SEQS, COMBINE_MAX_PARTITIONS = 16, 2
 
 
 @triton.jit
@@ -351,15 +358,17 @@ def _chunk(seq_len, num_splits, PARTITION_SIZE: tl.constexpr, CHUNK_ALIGN: tl.co
 @triton.jit(do_not_specialize=["stride_bt", "max_partitions"])
 def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
                              query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
-                             quant_scale_ptr, scale_log2, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-                             stride_c_block, stride_c_tok, stride_c_head, stride_v_block, stride_v_head, stride_v_dim,
-                             stride_bt, num_heads, max_partitions, window, softcap_log2, GROUP: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION_SIZE: tl.constexpr,
+                             quant_scale_ptr, counters_ptr, scale_log2, stride_q_tok, stride_q_head, stride_o_tok,
+                             stride_o_head, stride_c_block, stride_c_tok, stride_c_head, stride_v_block, stride_v_head,
+                             stride_v_dim, stride_bt, num_heads, max_partitions, window, softcap_log2,
+                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                             PARTITION_SIZE: tl.constexpr,
                              FP8: tl.constexpr, FP16: tl.constexpr, PRECISION: tl.constexpr,
                              V_TOKEN_MAJOR: tl.constexpr, PARTITION_BLOCKS: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
                              LONE: tl.constexpr, QUANT: tl.constexpr, GROUP_ROWS: tl.constexpr, PDL: tl.constexpr,
-                             WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr):
+                             WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr, COMBINE: tl.constexpr,
+                             BLOCK_P: tl.constexpr):
     wait_for_previous_kernel(PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -419,6 +428,36 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
     tl.store(part_l_ptr + part_idx, l_i, mask=row_mask)
     tl.store(part_acc_ptr + part_idx[:, None] * HEAD_DIM + dims[None, :], acc,
              mask=row_mask[:, None] & d_mask[None, :])
+    if COMBINE:  # the last of the (sequence, KV head)'s partitions to finish combines them: no reduce kernel
+        tl.debug_barrier()  # every thread's partials stored before the count releases them (acq_rel, GPU scope)
+        counter = counters_ptr + seq * tl.num_programs(0) + kv_head
+        if tl.atomic_add(counter, 1) == tl.cdiv(seq_len, chunk) - 1:
+            tl.store(counter, 0)  # for the next launch
+            group_rows = tl.arange(0, GROUP_ROWS)
+            group_mask = group_rows < GROUP
+            first = (seq.to(tl.int64) * num_heads + kv_head * GROUP + group_rows) * max_partitions
+            out = _combined_partitions(part_m_ptr, part_l_ptr, part_acc_ptr, first, group_mask,
+                                       tl.cdiv(seq_len, chunk), dims, d_mask, HEAD_DIM, BLOCK_P)
+            _store_out(out_ptr + q_tok * stride_o_tok + (kv_head * GROUP + group_rows)[:, None] * stride_o_head
+                       + dims[None, :], out, group_mask[:, None] & d_mask[None, :], quant_scale_ptr,
+                       q_ptr.dtype.element_ty, QUANT)
+
+
+@triton.jit
+def _combined_partitions(part_m_ptr, part_l_ptr, part_acc_ptr, rows, row_mask, num_parts, dims, d_mask,
+                         HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The output of the heads whose partials start at ``rows`` [R] (``num_parts`` partitions each), [R, BLOCK_D]:
+    the partitions' unnormalised outputs weighted by their maxima, over the weighted sums. The partials are read
+    from L2 (``.cg``): other programs wrote them in this launch."""
+    parts = tl.arange(0, BLOCK_P)
+    mask = row_mask[:, None] & (parts < num_parts)[None, :]
+    idx = rows[:, None] + parts[None, :]
+    m = tl.load(part_m_ptr + idx, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    part_sum = tl.load(part_l_ptr + idx, mask=mask, other=0.0, cache_modifier=".cg")
+    acc = tl.load(part_acc_ptr + idx[:, :, None] * HEAD_DIM + dims[None, None, :],
+                  mask=mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+    weight = tl.exp2(m - tl.max(m, 1)[:, None])  # masked partitions: exp2(-inf) = 0
+    return tl.sum(acc * weight[:, :, None], 1) / tl.sum(part_sum * weight, 1)[:, None]
 
 
 @triton.jit(do_not_specialize=["max_partitions"])
@@ -432,20 +471,14 @@ def _decode_reduce_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, query_s
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_parts = tl.cdiv(seq_len, _chunk(seq_len, max_partitions, PARTITION_SIZE, CHUNK_ALIGN))
-    parts = tl.arange(0, BLOCK_P)
-    p_mask = parts < num_parts
     dims = tl.arange(0, BLOCK_D)
     d_mask = dims < HEAD_DIM
-    base = (seq.to(tl.int64) * num_heads + head) * max_partitions
-    m = tl.load(part_m_ptr + base + parts, mask=p_mask, other=float("-inf"))
-    part_sum = tl.load(part_l_ptr + base + parts, mask=p_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :],
-                  mask=p_mask[:, None] & d_mask[None, :], other=0.0)
-    weight = tl.exp2(m - tl.max(m, 0))  # masked partitions: exp2(-inf) = 0
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(part_sum * weight, 0)
+    row = tl.full([1], 0, tl.int64) + (seq.to(tl.int64) * num_heads + head) * max_partitions  # this head's
+    out = _combined_partitions(part_m_ptr, part_l_ptr, part_acc_ptr, row, tl.full([1], 1, tl.int1), num_parts, dims,
+                               d_mask, HEAD_DIM, BLOCK_P)
     q_tok = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    _store_out(out_ptr + q_tok * stride_o_tok + head * stride_o_head + dims, out, d_mask, quant_scale_ptr, DTYPE,
-               QUANT)
+    _store_out(out_ptr + q_tok * stride_o_tok + head * stride_o_head + dims[None, :], out, d_mask[None, :],
+               quant_scale_ptr, DTYPE, QUANT)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
@@ -550,6 +583,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # and 3 % at 488 of 1,000-2,000 (386 -> 374), bit-identical; quantized for an FP8 o_proj, with only the GQA
     # group's rows quantized, 14 % (358 -> 308 us) and 4 % (414 -> 399), bit-identical too.
     lone = max_partitions == 1 and lone
+    combine = not lone and combine_partitions(meta, num_seqs, num_kv_heads, max_partitions)
     part_m = part_l = part_acc = out  # not written when lone
     if not lone:
         part_m = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
@@ -558,7 +592,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     quant = q if quant_scale is None else quant_scale
     _decode_partition_kernel[(num_kv_heads, num_seqs, max_partitions)](
         q, k_cache, v_cache, part_m, part_l, part_acc, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        k_scale if fp8 else q, v_scale if fp8 else q, quant, scale * LOG2E, q.stride(0), q.stride(1),
+        k_scale if fp8 else q, v_scale if fp8 else q, quant, meta.partition_counters if combine else meta.seq_lens,
+        scale * LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(2), v_cache.stride(3), meta.block_tables.stride(0), num_heads, max_partitions, window or 0,
         (softcap or 1.0) * LOG2E, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
@@ -566,8 +601,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         PARTITION_SIZE=partition_size, FP8=fp8, FP16=_fp16_compute(q, fp8), PRECISION=_precision(q),
         V_TOKEN_MAJOR=v_token_major, PARTITION_BLOCKS=max(partition_size // block_size, 2), CHUNK_ALIGN=align,
         LONE=lone, QUANT=quant_scale is not None, GROUP_ROWS=triton.next_power_of_2(group), num_warps=num_warps,
-        num_stages=num_stages, WINDOWED=window is not None, SOFTCAPPED=softcap is not None, **pdl_options(q, pdl))
-    if lone:
+        num_stages=num_stages, WINDOWED=window is not None, SOFTCAPPED=softcap is not None, COMBINE=combine,
+        BLOCK_P=max(triton.next_power_of_2(max_partitions), 2), **pdl_options(q, pdl))
+    if lone or combine:
         return out
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_m, part_l, part_acc, meta.query_start_loc, meta.seq_lens, quant, out.stride(0), out.stride(1),
@@ -577,6 +613,20 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_warps=4,
         **pdl_options(q, pdl))
     return out
+
+
+def combine_partitions(meta: AttentionMetadata, num_seqs: int, num_kv_heads: int, max_partitions: int) -> bool:
+    """Whether the last partition of each (sequence, KV head) to finish combines the partitions itself, instead of
+    the reduce kernel: where meta carries ``partition_counters`` (a decode graph's: zeros, one a sequence and KV head,
+    which each combining program leaves zero again) and the step is small (up to COMBINE_MAX_SEQS sequences and
+    COMBINE_MAX_PARTITIONS partitions)."""
+    counters = meta.partition_counters
+    if counters is None or num_seqs > COMBINE_MAX_SEQS or max_partitions > COMBINE_MAX_PARTITIONS:
+        return False
+    if counters.dtype != torch.int32 or counters.numel() < num_seqs * num_kv_heads:
+        raise ValueError(f"paged_attention: partition_counters must be int32 with {num_seqs * num_kv_heads} "
+                         f"entries or more, got {counters.dtype} {list(counters.shape)}")
+    return True
 
 
 def _decode_block_n(fp8: bool, max_seq_len: int) -> int:
