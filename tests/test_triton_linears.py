@@ -14,8 +14,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from kiln.runtime.native.kernels import fp8_gemv as fp8_gemv_module  # noqa: E402
 from kiln.runtime.native.kernels.dense_gemv import dense_gemv  # noqa: E402
-from kiln.runtime.native.kernels.fp8_gemv import fp8_gemv  # noqa: E402
+from kiln.runtime.native.kernels.fp8_gemv import fitting_stages, fp8_gemv, fp8_gemv_config  # noqa: E402
 from kiln.runtime.native.kernels.int4_gemv import int4_awq_gemv  # noqa: E402
 from kiln.runtime.native.layers.linear import (  # noqa: E402
     fp8_linear_reference,
@@ -117,6 +118,16 @@ def test_fp8_gemv_decodes_every_e4m3_weight_value():
 
 
 @interpreted
+def test_fp8_gemv_pipelines_as_deep_as_the_gpus_shared_memory_holds(monkeypatch):
+    down_proj = fp8_gemv_config(8, 4096, 14336)  # a narrow linear: 6 stages of 24 KB on an H200
+    assert down_proj["num_stages"] == 6 and fitting_stages(down_proj, torch.device("cpu")) == down_proj
+    cuda = torch.device("cuda", 0)
+    one_token = fp8_gemv_config(1, 4096, 14336)  # 3 stages of 20 KB
+    for shared_memory, stages in ((232448 - 8192, (6, 3)), (101376 - 8192, (3, 3)), (48 * 1024, (2, 2))):
+        monkeypatch.setattr(fp8_gemv_module, "_shared_memory", lambda device, m=shared_memory: m)  # H200, sm_89, 48K
+        assert (fitting_stages(down_proj, cuda)["num_stages"], fitting_stages(one_token, cuda)["num_stages"]) == stages
+
+
 def test_fp8_gemv_keeps_leading_dims():
     x, weight, weight_scale, input_scale = _fp8_operands(6, 128, 128, seed=3)
     out = fp8_gemv(x.reshape(2, 3, 128), weight, weight_scale, input_scale)

@@ -11,6 +11,8 @@ values, so the products are exact and only the float32 summation order differs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -66,13 +68,33 @@ def fp8_gemv_config(m: int, n: int, k: int) -> dict:
     activation (tools/tune_gemv.py). M = 1: 4096-byte chunks of 8 weight rows (4 past 8192 input features), so that
     each program has its whole chunk in flight at once. More tokens: a 16-row FP8 ``tl.dot`` tile of 32 weight rows
     (64 past 4096) by 512 input columns, so that a narrow linear's few programs each load enough of its weight at
-    once (128 columns for the widest linears, whose grid is large anyway)."""
+    once (128 columns for the widest linears, whose grid is large anyway), 6 tiles deep for the narrow linears (one
+    program an SM streams a long row: Llama-3-8B's down_proj 23.1 -> 20.6 us at 8 tokens, o_proj 8.7 -> 8.1), 4 for
+    the others. ``fitting_stages`` trims the depth to a smaller GPU's shared memory."""
     if m == 1:
         return dict(BLOCK_M=1, BLOCK_N=8 if k <= 8192 else 4, BLOCK_K=4096, num_warps=8,
                     num_stages=1 if k <= 8192 else 3)
     return dict(BLOCK_M=16, BLOCK_N=64 if n > 4096 else 32,
                 BLOCK_K=128 if n >= 16384 else min(512, max(128, triton.next_power_of_2(k))), num_warps=4,
-                num_stages=4)
+                num_stages=6 if n <= 4096 else 4)
+
+
+def fitting_stages(cfg: dict, device: torch.device) -> dict:
+    """``cfg`` with no more pipeline stages than a program's shared memory on ``device`` holds (each stage a
+    [BLOCK_N, BLOCK_K] weight tile and a [BLOCK_M, BLOCK_K] activation tile, one byte an element): an H200 holds 6
+    of the 2-16-token tiles, an sm_89 GPU 4."""
+    if device.type != "cuda" or cfg["num_stages"] <= 2:
+        return cfg
+    stage_bytes = (cfg.get("BLOCK_N", 0) + 2 * cfg.get("BLOCK_P", 0) + cfg["BLOCK_M"]) * cfg["BLOCK_K"]
+    return dict(cfg, num_stages=max(2, min(cfg["num_stages"], _shared_memory(device) // stage_bytes)))
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    """The shared memory a program may claim on ``device``, less 8 KB for the compiler's own (reductions, layout
+    conversions)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"] - 8192
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
@@ -84,7 +106,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     (m, k), n = x_q.shape, weight.shape[0]
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m:
-        cfg = dict(config or fp8_gemv_config(m, n, k))
+        cfg = fitting_stages(dict(config or fp8_gemv_config(m, n, k)), x.device)
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
         _fp8_gemv_kernel[grid](x_q, weight, weight_scale, input_scale.reshape(()), y, m, n, k, x_q.stride(0),
                                weight.stride(0), y.stride(0), FP8_DOT=x.is_cuda, **cfg, **pdl_options(x_q, pdl))

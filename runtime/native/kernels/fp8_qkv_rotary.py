@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.runtime.native.kernels.fp8_gemv import accumulate_rows, fp8_gemv_config, fp8_gemv_operands
+from kiln.runtime.native.kernels.fp8_gemv import accumulate_rows, fitting_stages, fp8_gemv_config, fp8_gemv_operands
 from kiln.runtime.native.kernels.kv_store import PagedCaches
 from kiln.runtime.native.kernels.pdl import launch_next_kernel, pdl_options, wait_for_previous_kernel
 from kiln.runtime.native.kernels.qkv_rotary import pair_rows, pairs_per_program, rotated_q, store_rotated_pairs
@@ -98,6 +98,7 @@ def fp8_qkv_rotary(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     if cfg is None:
         raise ValueError(f"fp8_qkv_rotary: no tile for {m} tokens fits inside a head of {head_dim} dims "
                          "(see qkv_rotary_config)")
+    cfg = fitting_stages(cfg, x.device)
     if m:
         cache_args, cache_constexprs = caches.kernel_args()
         grid = (n // 2 // cfg["BLOCK_P"], triton.cdiv(m, cfg["BLOCK_M"]))
