@@ -363,8 +363,8 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
                              stride_v_dim, stride_bt, num_heads, max_partitions, window, softcap_log2,
                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             PARTITION_SIZE: tl.constexpr,
-                             FP8: tl.constexpr, FP16: tl.constexpr, PRECISION: tl.constexpr,
+                             PARTITION_SIZE: tl.constexpr, FP8: tl.constexpr, FP16: tl.constexpr,
+                             PRECISION: tl.constexpr,
                              V_TOKEN_MAJOR: tl.constexpr, PARTITION_BLOCKS: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
                              LONE: tl.constexpr, QUANT: tl.constexpr, GROUP_ROWS: tl.constexpr, PDL: tl.constexpr,
                              WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr, COMBINE: tl.constexpr,
@@ -602,7 +602,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         V_TOKEN_MAJOR=v_token_major, PARTITION_BLOCKS=max(partition_size // block_size, 2), CHUNK_ALIGN=align,
         LONE=lone, QUANT=quant_scale is not None, GROUP_ROWS=triton.next_power_of_2(group), num_warps=num_warps,
         num_stages=num_stages, WINDOWED=window is not None, SOFTCAPPED=softcap is not None, COMBINE=combine,
-        BLOCK_P=max(triton.next_power_of_2(max_partitions), 2), **pdl_options(q, pdl))
+        BLOCK_P=max(triton.next_power_of_2(max_partitions), 2) if combine else 2,  # no variant when unused
+        **pdl_options(q, pdl))
     if lone or combine:
         return out
     _decode_reduce_kernel[(num_seqs, num_heads)](
