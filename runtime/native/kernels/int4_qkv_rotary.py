@@ -3,7 +3,8 @@
 Each program of ``_int4_qkv_rotary_kernel`` owns pairs of rows d and d + head_dim / 2 of one head (``qkv_rotary``
 describes the scheme) and streams both rows of each pair as the batch-1 ``int4_awq_gemv`` kernel streams its rows
 (its steps of whole groups, its arithmetic: ``accumulate_int4_rows``), so q, K and V are bit for bit those of the
-two launches it replaces. As for FP8 (``fp8_qkv_rotary``), the next kernel may launch only after the loop.
+two launches it replaces. As for FP8 (``fp8_qkv_rotary``) at one token, the next kernel may launch only after the
+loop: launched as the program starts, the step was slower on an H200 (2.492-2.500 against 2.470-2.473 ms).
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ def _int4_qkv_rotary_kernel(x_ptr, qw_ptr, scales_ptr, pqs_ptr, q_ptr, positions
                             stride_sn, stride_cos_sin, one, K: tl.constexpr, HALF: tl.constexpr,
                             Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DTYPE: tl.constexpr,
                             GROUP_SIZE: tl.constexpr, BLOCK_P: tl.constexpr, GROUPS: tl.constexpr,
-                            LAUNCH_NEXT_EARLY: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
-                            PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL, LAUNCH_NEXT_EARLY)
+                            BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL, LAUNCH_NEXT=False)  # the next kernel launches after the loop
     WORDS: tl.constexpr = GROUPS * GROUP_SIZE // 8
     head, dims, rows = pair_rows(BLOCK_P, HALF)
     offs_w = tl.arange(0, WORDS)
@@ -61,8 +61,7 @@ def _int4_qkv_rotary_kernel(x_ptr, qw_ptr, scales_ptr, pqs_ptr, q_ptr, positions
         scale2 = tl.load(second_scales + groups[None, :], mask=group_mask, other=0.0)
         acc1 = accumulate_int4_rows(acc1, w1, scale1, columns, x_sum, one, GROUPS, GROUP_SIZE)
         acc2 = accumulate_int4_rows(acc2, w2, scale2, columns, x_sum, one, GROUPS, GROUP_SIZE)
-    if not LAUNCH_NEXT_EARLY:
-        launch_next_kernel(PDL)
+    launch_next_kernel(PDL)
     offs_m = tl.arange(0, 1)
     x1 = round_to_dtype(acc1[None, :], DTYPE)  # as the linear stores them
     x2 = round_to_dtype(acc2[None, :], DTYPE)
@@ -74,8 +73,8 @@ def _int4_qkv_rotary_kernel(x_ptr, qw_ptr, scales_ptr, pqs_ptr, q_ptr, positions
 
 def int4_qkv_rotary_config(n: int, k: int, group_size: int, head_dim: int) -> dict | None:
     """Launch parameters for one token of an [n, k] qkv projection, or None where no tile fits inside a head: the
-    batch-1 ``int4_gemv_config`` tile as pairs (half its rows), halved until they divide head_dim / 2, letting the
-    next kernel launch after the loop. Where the input features fill whole steps it runs on 4 warps: 7.2 us for
+    batch-1 ``int4_gemv_config`` tile as pairs (half its rows), halved until they divide head_dim / 2. Where the
+    input features fill whole steps it runs on 4 warps: 7.2 us for
     Llama-3-8B's projection against 10.0 on 8, where the GEMV alone takes 6.7 and RoPE with the KV store 2.75 more
     (an H200, CUDA graphs). A mostly masked step keeps 8 warps (``fp8_qkv_rotary.qkv_rotary_config`` says why)."""
     cfg = int4_gemv_config(1, n, k, group_size)
@@ -84,7 +83,7 @@ def int4_qkv_rotary_config(n: int, k: int, group_size: int, head_dim: int) -> di
         return None
     if k % (cfg["GROUPS"] * group_size) == 0:
         cfg["num_warps"] = 4
-    return dict(cfg, BLOCK_P=pairs, LAUNCH_NEXT_EARLY=False)
+    return dict(cfg, BLOCK_P=pairs)
 
 
 def int4_qkv_rotary(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pre_quant_scale: torch.Tensor,
