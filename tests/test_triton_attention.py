@@ -185,12 +185,13 @@ def test_a_decode_within_one_partition_writes_what_the_reduce_would(device, quan
         torch.testing.assert_close(outs[0], expected, **fp8_tolerance(device, q.dtype))
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["model-dtype", "fp8-output"])
-def test_a_small_decode_combines_its_partitions_in_the_last_program_to_finish(device, quantized):
+@pytest.mark.parametrize(("fp8", "quantized"), [(False, False), (True, False), (True, True)],
+                         ids=["model-dtype-cache", "fp8-cache", "fp8-cache-fp8-output"])
+def test_a_small_decode_combines_its_partitions_in_the_last_program_to_finish(device, fp8, quantized):
     # with a decode graph's counters, the last partition of each (sequence, KV head) to finish combines them all:
     # the reduce kernel's output, the counters left zero for the next launch (run twice)
     q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 4, 64, 32,
-                                                               device, fp8=True)
+                                                               device, fp8=fp8)
     quant_scale = torch.tensor(0.004, device=device) if quantized else None
     counters = torch.zeros(len(DECODE_SEQ_LENS) * NUM_KV_HEADS, dtype=torch.int32, device=device)
 
