@@ -1,6 +1,7 @@
 #!/bin/bash
 # Everything docs/performance.md reports for one CUDA GPU, in one go: the whole test suite, the tiny model against
-# transformers, the linears, attention and fused-op micro-benchmarks, the 8B model's steps with kernel profiles, and
+# transformers, the linears, attention and fused-op micro-benchmarks, the 8B model's steps with kernel profiles and
+# its decode steps at 1-16 sequences, and
 # kiln bench on Llama-3-8B FP8 (1000 prompts at 1000/1000 with an FP8 KV cache, with and without overlapped steps,
 # then 256 prompts against transformers at 1000/200 and at 1000/1000, and bf16 batch-1 decode).
 # Results go to $OUT (default ./gpu-out).
@@ -13,6 +14,8 @@ run "tiny model vs transformers" python3 tools/gpu_check.py --tokens 32 --out "$
 run "8B steps" python3 tools/bench_step.py --formats fp8,none,int4_awq --batch 1,8,64,256 --profile \
     --kv-cache-dtype float8_e4m3fn --json "$OUT/step.json"
 [ "${1:-}" = quick ] && exit 0
+run "8B small-batch decode" python3 tools/bench_step.py --formats fp8,int4_awq --batch 1,2,4,8,16 --context 1024 \
+    --kv-cache-dtype float8_e4m3fn --fill-kv --prefill 0 --steps 300 --json "$OUT/step_small.json"
 run "linears" python3 tools/bench_linears.py --m 1,8,16,32,64
 run "attention" python3 tools/bench_kernels.py
 run "attention tiles" python3 tools/tune_attention.py --json "$OUT/tune_attention.json"
