@@ -69,8 +69,8 @@ PROGRAM_COST_TOKENS, REDUCE_COST_TOKENS = 512, 128
 # Small decode steps of two partitions skip the reduce kernel: the last of a (sequence, KV head)'s partitions to
 # finish combines them (``combine_partitions``). On an H200 (FP8, FP8 KV, contexts of 1k, graph replay, two rounds)
 # a step of 16 sequences (two partitions of 512) took 3.61-3.62 ms against 3.72; where the partitions are many, one
-# program combining them all was no faster than the reduce kernel's many (8 partitions at 4 sequences: 3.17-3.18
-# against 3.07 ms; 16 at one: 2.656-2.663 against 2.671-2.678).
+# program combining them all lost to the reduce kernel's many as often as it won (8 partitions at 4 sequences:
+# 3.17-3.18 against 3.07 ms; 16 at 2: 3.03-3.04 against 2.99-3.00; 16 at one: 2.656-2.663 against 2.671-2.678).
 COMBINE_MAX_SEQS, COMBINE_MAX_PARTITIONS = 16, 2
 
 
