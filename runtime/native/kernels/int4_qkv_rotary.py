@@ -74,9 +74,9 @@ def _int4_qkv_rotary_kernel(x_ptr, qw_ptr, scales_ptr, pqs_ptr, q_ptr, positions
 def int4_qkv_rotary_config(n: int, k: int, group_size: int, head_dim: int) -> dict | None:
     """Launch parameters for one token of an [n, k] qkv projection, or None where no tile fits inside a head: the
     batch-1 ``int4_gemv_config`` tile as pairs (half its rows), halved until they divide head_dim / 2. Where the
-    input features fill whole steps it runs on 4 warps: 7.2 us for
-    Llama-3-8B's projection against 10.0 on 8, where the GEMV alone takes 6.7 and RoPE with the KV store 2.75 more
-    (an H200, CUDA graphs). A mostly masked step keeps 8 warps (``fp8_qkv_rotary.qkv_rotary_config`` says why)."""
+    input features fill whole steps it runs on 4 warps: 7.2 us for Llama-3-8B's projection against 10.0 on 8,
+    where the GEMV alone takes 6.7 and RoPE with the KV store 2.75 more (an H200, CUDA graphs). A mostly masked step
+    keeps 8 warps (``fp8_qkv_rotary.qkv_rotary_config`` says why)."""
     cfg = int4_gemv_config(1, n, k, group_size)
     pairs = pairs_per_program(cfg.pop("BLOCK_N"), head_dim, 1)
     if pairs is None:

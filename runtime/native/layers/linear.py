@@ -182,12 +182,11 @@ class Int4AwqLinear(BiasedLinear):
         self.register_buffer("pre_quant_scale", torch.ones(in_features, dtype=dtype))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels.streams(x, INT4_STREAMING_MAX_M):
-            from kiln.runtime.native.kernels.int4_gemv import int4_awq_gemv, supports_group_size
+        if self._streams(x):
+            from kiln.runtime.native.kernels.int4_gemv import int4_awq_gemv
 
-            if supports_group_size(self.group_size):
-                return int4_awq_gemv(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size,
-                                     pdl=self.kernels.pdl)
+            return int4_awq_gemv(x, self.qweight, self.scales, self.pre_quant_scale, self.group_size,
+                                 pdl=self.kernels.pdl)
         if self.kernels.use_triton(x):  # dequantize once, in one pass, then a cuBLAS GEMM
             from kiln.runtime.native.kernels.int4_dequant import int4_dequantize as int4_dequantize_kernel
 
@@ -198,14 +197,20 @@ class Int4AwqLinear(BiasedLinear):
     def rotary_config(self, x: torch.Tensor, head_dim: int) -> dict | None:
         """``kernels.int4_qkv_rotary``'s launch, for one token on the streaming kernel where its tiles fit the heads
         and there is no bias."""
-        if self.bias is not None or x.numel() != x.shape[-1] or not self.kernels.streams(x, INT4_STREAMING_MAX_M):
+        if self.bias is not None or x.numel() != x.shape[-1] or not self._streams(x):
             return None
-        from kiln.runtime.native.kernels.int4_gemv import supports_group_size
         from kiln.runtime.native.kernels.int4_qkv_rotary import int4_qkv_rotary_config
 
-        if not supports_group_size(self.group_size):
-            return None
         return int4_qkv_rotary_config(self.qweight.shape[0], x.shape[-1], self.group_size, head_dim)
+
+    def _streams(self, x: torch.Tensor) -> bool:
+        """Whether an input with ``x``'s rows takes the streaming kernels (a few tokens on the Triton path, in groups
+        they serve)."""
+        if not self.kernels.streams(x, INT4_STREAMING_MAX_M):
+            return False
+        from kiln.runtime.native.kernels.int4_gemv import supports_group_size
+
+        return supports_group_size(self.group_size)
 
     def fused_rotary(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, caches: PagedCaches,
                      num_heads: int, num_kv_heads: int, config: dict) -> torch.Tensor:
