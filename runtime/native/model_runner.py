@@ -113,13 +113,13 @@ class ModelRunner:
         self.block_size = config.plan.tokens_per_block
         self.load_times = PhaseTimes(functools.partial(torch.cuda.synchronize, device) if device.type == "cuda"
                                      else lambda: None)
+        kernels = KernelChoice.from_options(options)
         with self.load_times.phase("weights"):
-            self.model = DecoderModel.from_engine(Path(engine_dir), config, device, config.torch_dtype,
-                                                KernelChoice.from_options(options), tp)
+            self.model = DecoderModel.from_engine(Path(engine_dir), config, device, config.torch_dtype, kernels, tp)
         config = self.config = rank_config(config)  # the KV pool and the graphs have this rank's shapes
         with self.load_times.phase("kv_pool"):
             self._allocate_kv_pool(config, options)
-        self.sampler = Sampler(config.architecture.eos_token_ids, grammars)
+        self.sampler = Sampler(config.architecture.eos_token_ids, grammars, kernels)
         graphs = options.captures_cuda_graphs
         self.decode_graphs = maybe_decode_graphs(self.model, self.kv_caches, config, device, graphs)
         self.prefill_graphs = maybe_prefill_graphs(self.model, self.kv_caches, config, device, graphs)

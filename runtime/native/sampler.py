@@ -19,6 +19,7 @@ import torch
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.device_copy import device_tensor
 from kiln.runtime.native.grammar import Grammars, apply_token_bitmask
+from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
 from kiln.runtime.native.logit_controls import UnseenTokens, apply_logit_controls
 from kiln.runtime.native.logprob_rows import token_logprobs
 from kiln.runtime.outputs import TokenLogprob
@@ -114,12 +115,15 @@ class Sampler:
     argmax for greedy rows, else a draw in float32, after the request's logit controls (``stop_token_ids``: the
     engine's EOS, which ``min_tokens`` holds back) and its structured output's token mask (``grammars``).
 
-    A row that cannot be sampled gets a SamplingError in place of its token, so that only its request fails.
+    A row that cannot be sampled gets a SamplingError in place of its token, so that only its request fails. On CUDA
+    the argmaxes run the Triton kernel of ``kernels.argmax`` unless ``kernels`` says otherwise.
     """
 
-    def __init__(self, stop_token_ids: Collection[int] = (), grammars: Grammars | None = None) -> None:
+    def __init__(self, stop_token_ids: Collection[int] = (), grammars: Grammars | None = None,
+                 kernels: KernelChoice = DEFAULT_KERNELS) -> None:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.grammars = grammars
+        self.kernels = kernels
         self._generators: dict[torch.device, torch.Generator] = {}  # the unseeded rows' shared one, per device
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | SamplingError]:
@@ -138,7 +142,7 @@ class Sampler:
             bitmask = self.grammars.bitmask([seqs[row].matcher for row in constrained])
             apply_token_bitmask(controlled, constrained, bitmask)
         logits = controlled
-        tokens = logits.argmax(dim=-1)
+        tokens = self._argmax(logits)
         failed: dict[int, SamplingError] = {}
         for row, seq in enumerate(seqs):
             if not seq.params.greedy and seq.params.seed is not None and seq.generator is None:
@@ -174,8 +178,16 @@ class Sampler:
         else:
             for i, seq in enumerate(seqs):
                 q[i].exponential_(generator=seq.generator or self._shared_generator(device))
-        tokens = q.clamp_(min=torch.finfo(q.dtype).tiny).log_().neg_().add_(x).argmax(-1)
+        tokens = self._argmax(q.clamp_(min=torch.finfo(q.dtype).tiny).log_().neg_().add_(x))
         return torch.where(x.amax(-1) < float("inf"), tokens, -1)  # amax is NaN with a NaN in the row
+
+    def _argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(-1)`` of ``x`` [n, vocab]."""
+        if self.kernels.use_triton(x) and x.stride(-1) == 1:
+            from kiln.runtime.native.kernels.argmax import argmax_rows
+
+            return argmax_rows(x)
+        return x.argmax(-1)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         """The unseeded rows' generator on ``device``, randomly seeded once."""
