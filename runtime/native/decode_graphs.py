@@ -106,7 +106,8 @@ class DecodeGraphRunner:
     def _stage(self, token_ids: list[int], positions: list[int], seq_lens: list[int], block_tables: list[list[int]],
                bs: int) -> None:
         """Write the step into the host buffers (rows n..bs are padding: token 0 at position 0, KV slot -1 so
-        nothing is stored, context 1 read from block 0) and copy them to the static device buffers.
+        nothing is stored, context 1 read from block 0) and copy them to the static device buffers, the block
+        tables up to the bucket's rows.
 
         A block table row is rewritten only where it changed: a sequence's table list only grows between steps
         (the block manager extends it, or gives the sequence a new list), so a row that held the same list keeps
@@ -129,7 +130,7 @@ class DecodeGraphRunner:
                 row_tables[i] = (table, len(table))
         tables[n:bs, 0] = 0
         row_tables[n:bs] = [(None, 0)] * (bs - n)
-        self.staging.upload()
+        self.staging.upload(max_bs + bs * tables.shape[1])  # the context lengths and the bucket's table rows
 
     def _stage_padding(self, bs: int) -> None:
         """A step of ``bs`` padding rows, which stores no K/V and reads block 0 only."""
