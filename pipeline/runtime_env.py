@@ -18,7 +18,8 @@ from collections.abc import Mapping
 
 from kiln.runtime.options import GRAPH_CAPTURES, KERNELS, SCHEDULER_POLICIES, RuntimeOptions, RuntimeOptionsError
 
-SWITCHES = {"cuda_graphs": "KILN_CUDA_GRAPHS", "overlap_steps": "KILN_OVERLAP_STEPS", "pdl": "KILN_PDL"}
+SWITCHES = {"cuda_graphs": "KILN_CUDA_GRAPHS", "overlap_steps": "KILN_OVERLAP_STEPS", "pdl": "KILN_PDL",
+            "attention_fp8_pv": "KILN_ATTENTION_FP8_PV"}
 
 
 def runtime_options(environ: Mapping[str, str], *, device: str | None = None, num_kv_blocks: int | None = None,

@@ -35,11 +35,11 @@ def test_options_that_cannot_run_are_refused_naming_the_field(values, problem):
 
 def test_the_cli_fills_options_from_kiln_variables_and_its_own_flags():
     environ = {"KILN_KERNELS": "torch", "KILN_CUDA_GRAPHS": "0", "KILN_OVERLAP_STEPS": "0", "KILN_PDL": "0",
-               "KILN_LINEAR_MAX_M": "8", "KILN_SCHEDULER_POLICY": "guaranteed_no_evict",
+               "KILN_ATTENTION_FP8_PV": "0", "KILN_LINEAR_MAX_M": "8", "KILN_SCHEDULER_POLICY": "guaranteed_no_evict",
                "KILN_GPU_MEMORY_UTILIZATION": "0.95", "KILN_CUDA_GRAPH_CAPTURE": "at_load", "UNRELATED": "x"}
     options = runtime_options(environ, device="cuda:1", num_kv_blocks=64)
     assert options == RuntimeOptions(device="cuda:1", kernels="torch", cuda_graphs=False, overlap_steps=False,
-                                     pdl=False, linear_max_m=8, num_kv_blocks=64,
+                                     pdl=False, attention_fp8_pv=False, linear_max_m=8, num_kv_blocks=64,
                                      scheduler_policy="guaranteed_no_evict", gpu_memory_utilization=0.95,
                                      cuda_graph_capture="at_load")
     assert runtime_options(environ, gpu_memory_utilization=0.8).gpu_memory_utilization == 0.8  # the flag wins

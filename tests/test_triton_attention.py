@@ -155,6 +155,31 @@ def test_split_kv_decode_reads_an_fp8_cache_through_its_scales(device, dtype, to
     torch.testing.assert_close(out, expected, **fp8_tolerance(device, dtype))
 
 
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out.float() - expected).norm() / expected.norm()).item()
+
+
+def test_fp8_pv_decode_is_within_e4m3_rounding_of_the_exact_attention(device):
+    # FP8 p @ v rounds each probability to E4M3 (3 significant bits): about 2 % of the output on random data, where
+    # the float16 product keeps it to a few 1e-3 (its bf16 q and output)
+    q, k_cache, v_cache, meta, k_scale, v_scale = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 4, 64, 32,
+                                                               device, fp8=True, dtype=torch.bfloat16)
+    expected = paged_attention_reference(q.float(), k_cache, v_cache, meta, 0.125, k_scale, v_scale)
+    v_cache = token_major_with_stale_slots(v_cache, meta)
+    errors = {fp8_pv: relative_error(paged_attention_decode(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale,
+                                                            out=poisoned(q), partition_size=64, fp8_pv=fp8_pv),
+                                     expected) for fp8_pv in (False, True)}
+    assert errors[False] < 5e-3 < errors[True] < 4e-2, errors
+    # the dispatcher applies it to the decodes where the cache allows, and ignores it for a model-dtype cache
+    assert torch.equal(paged_attention(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, fp8_pv=True),
+                       paged_attention_decode(q, k_cache, v_cache, meta, 0.125, k_scale, v_scale, fp8_pv=True))
+    q, k_cache, v_cache, meta, _, _ = random_batch([(n - 1, 1) for n in DECODE_SEQ_LENS], 4, 64, 32, device)
+    assert torch.equal(paged_attention(q, k_cache, v_cache, meta, 0.125, fp8_pv=True),
+                       paged_attention(q, k_cache, v_cache, meta, 0.125))
+    with pytest.raises(ValueError, match="fp8_pv needs an FP8 cache with V token-major"):
+        paged_attention_decode(q, k_cache, v_cache, meta, 0.125, fp8_pv=True)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
 def test_contexts_far_below_the_bound_split_into_the_grids_partitions(device, fp8):
     # a decode graph's bound is its plan's max_seq_len: 64 partitions of up to 64 tokens a sequence here, which

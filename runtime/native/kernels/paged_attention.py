@@ -34,7 +34,7 @@ import triton.language as tl
 
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
-from kiln.runtime.native.kernels.rounding import TRITON_DTYPES, quantize_e4m3
+from kiln.runtime.native.kernels.rounding import TRITON_DTYPES, quantize_e4m3, to_e4m3
 from kiln.runtime.native.kv_cache import is_token_major
 
 LOG2E = 1.4426950408889634
@@ -72,6 +72,9 @@ PROGRAM_COST_TOKENS, REDUCE_COST_TOKENS = 512, 128
 # program combining them all lost to the reduce kernel's many as often as it won (8 partitions at 4 sequences:
 # 3.17-3.18 against 3.07 ms; 16 at 2: 3.03-3.04 against 2.99-3.00; 16 at one: 2.656-2.663 against 2.671-2.678).
 COMBINE_MAX_SEQS, COMBINE_MAX_PARTITIONS = 16, 2
+# FP8 p @ v (decode over an FP8 cache, ``fp8_pv``): the probabilities enter it as E4M3 scaled by P_SCALE, so that
+# those down to 2**-17 of the row's maximum keep a value (E4M3's smallest is 2**-9).
+P_SCALE = tl.constexpr(256.0)
 
 
 @triton.jit
@@ -202,10 +205,19 @@ def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _pv_operand(p, DTYPE: tl.constexpr):
+    """The probabilities as p @ v takes them: in DTYPE, or for E4M3 values (FP8 p @ v) E4M3 times P_SCALE."""
+    if tl.float8e4nv == DTYPE:
+        return to_e4m3(p * P_SCALE)
+    return p.to(DTYPE)
+
+
+@triton.jit
 def _online_softmax_step_vt(s, vt, m_i, l_i, acc_t, PRECISION: tl.constexpr):
-    """``_online_softmax_step`` with the values as V^T [BLOCK_D, BLOCK_N] and the output transposed, [BLOCK_D, rows]."""
+    """``_online_softmax_step`` with the values as V^T [BLOCK_D, BLOCK_N] and the output transposed, [BLOCK_D, rows].
+    With E4M3 values (FP8 math) the probabilities enter the product as E4M3 too, times P_SCALE."""
     m_i, l_i, alpha, p = _softmax_update(s, m_i, l_i)
-    acc_t = acc_t * alpha[None, :] + tl.dot(vt, tl.trans(p.to(vt.dtype)), input_precision=PRECISION)
+    acc_t = acc_t * alpha[None, :] + tl.dot(vt, tl.trans(_pv_operand(p, vt.dtype)), input_precision=PRECISION)
     return m_i, l_i, acc_t
 
 
@@ -223,13 +235,14 @@ def _attend_tile(q, pos, m_i, l_i, acc, n0, end, k_cache_ptr, v_cache_ptr, block
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, V_ROWS: tl.constexpr,
                  V_TOKEN_MAJOR: tl.constexpr, PRECISION: tl.constexpr, blocks=0, first_block=0,
                  PRELOADED: tl.constexpr = False, MASKED: tl.constexpr = True, window=0, softcap_log2=0.0,
-                 WINDOWED: tl.constexpr = False, SOFTCAPPED: tl.constexpr = False):
+                 WINDOWED: tl.constexpr = False, SOFTCAPPED: tl.constexpr = False, FP8_PV: tl.constexpr = False):
     """Fold KV tokens ``n0 .. n0 + BLOCK_N`` (those before ``end``) into the running max, sum and output of the query
     rows ``q``, causally against the rows' positions ``pos`` when CAUSAL, and within the last ``window`` positions of
     each row when WINDOWED. ``acc`` is [rows, BLOCK_D], transposed for a token-major V cache; else V is loaded as rows
     when V_ROWS, as a transposed tile otherwise. Not MASKED, the tile must lie before ``end`` and be visible to every
     row: it is read and attended without masks. SOFTCAPPED, scores become ``cap * tanh(score / cap)`` (Gemma 2),
-    ``softcap_log2`` being ``cap`` in the log2 units of ``qk_scale``."""
+    ``softcap_log2`` being ``cap`` in the log2 units of ``qk_scale``. FP8_PV, a token-major V stays E4M3 (as stored)
+    and p @ v runs on E4M3 operands."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < end
     offs = _token_offsets(block_table_row, offs_n, n_mask, kv_head, stride_c_block, stride_c_tok, stride_c_head,
@@ -248,8 +261,8 @@ def _attend_tile(q, pos, m_i, l_i, acc, n0, end, k_cache_ptr, v_cache_ptr, block
         s = tl.where(visible, s, float("-inf"))
     if V_TOKEN_MAJOR:
         vt = _load_v_token_major(v_cache_ptr, block_table_row, n0, end, dims, d_mask, kv_head, stride_v_block,
-                                 stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N, q.dtype, blocks, first_block,
-                                 PRELOADED, MASKED)
+                                 stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N,
+                                 tl.float8e4nv if FP8_PV else q.dtype, blocks, first_block, PRELOADED, MASKED)
         m_i, l_i, acc = _online_softmax_step_vt(s, vt, m_i, l_i, acc, PRECISION)
     else:
         if V_ROWS:
@@ -266,7 +279,7 @@ def _attend_range(q, pos, m_i, l_i, acc, start, end, all_visible_end, k_cache_pt
                   stride_v_head, stride_v_dim, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                   V_ROWS: tl.constexpr, V_TOKEN_MAJOR: tl.constexpr, PRECISION: tl.constexpr, blocks=0,
                   first_block=0, PRELOADED: tl.constexpr = False, window=0, softcap_log2=0.0,
-                  WINDOWED: tl.constexpr = False, SOFTCAPPED: tl.constexpr = False):
+                  WINDOWED: tl.constexpr = False, SOFTCAPPED: tl.constexpr = False, FP8_PV: tl.constexpr = False):
     """``_attend_tile`` over KV tokens ``start .. end`` (``start`` a multiple of BLOCK_N); ``acc`` comes back
     [rows, BLOCK_D] either way. When CAUSAL, every row sees the tokens before ``all_visible_end`` (at least
     ``start``), and the whole tiles before it are attended without masks: the masks of the causal diagonal cost the
@@ -280,13 +293,13 @@ def _attend_range(q, pos, m_i, l_i, acc, start, end, all_visible_end, k_cache_pt
                                          dims, d_mask, kv_head, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
                                          stride_v_block, stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N, CAUSAL,
                                          V_ROWS, V_TOKEN_MAJOR, PRECISION, blocks, first_block, PRELOADED, False,
-                                         window, softcap_log2, WINDOWED, SOFTCAPPED)
+                                         window, softcap_log2, WINDOWED, SOFTCAPPED, FP8_PV)
     for n0 in range(unmasked_end, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, pos, m_i, l_i, acc, n0, end, k_cache_ptr, v_cache_ptr, block_table_row, dims,
                                      d_mask, kv_head, qk_scale, stride_c_block, stride_c_tok, stride_c_head,
                                      stride_v_block, stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N, CAUSAL, V_ROWS,
                                      V_TOKEN_MAJOR, PRECISION, blocks, first_block, PRELOADED, True, window,
-                                     softcap_log2, WINDOWED, SOFTCAPPED)
+                                     softcap_log2, WINDOWED, SOFTCAPPED, FP8_PV)
     if V_TOKEN_MAJOR:
         acc = tl.trans(acc)
     return m_i, l_i, acc
@@ -368,7 +381,7 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
                              V_TOKEN_MAJOR: tl.constexpr, PARTITION_BLOCKS: tl.constexpr, CHUNK_ALIGN: tl.constexpr,
                              LONE: tl.constexpr, QUANT: tl.constexpr, GROUP_ROWS: tl.constexpr, PDL: tl.constexpr,
                              WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr, COMBINE: tl.constexpr,
-                             BLOCK_P: tl.constexpr):
+                             BLOCK_P: tl.constexpr, FP8_PV: tl.constexpr):
     wait_for_previous_kernel(PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -389,6 +402,8 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
     q = _load_q(q_ptr + q_tok * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
                 row_mask[:, None] & d_mask[None, :], FP16)
     qk_scale, out_scale = _kv_scales(k_scale_ptr, v_scale_ptr, scale_log2, FP8)
+    if FP8_PV:
+        out_scale = out_scale / P_SCALE
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -408,7 +423,7 @@ def _decode_partition_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_m_ptr, part_l
                                   block_table_row, dims, d_mask, kv_head, qk_scale, stride_c_block, stride_c_tok,
                                   stride_c_head, stride_v_block, stride_v_head, stride_v_dim, BLOCK_SIZE, BLOCK_N,
                                   False, True, V_TOKEN_MAJOR, PRECISION, blocks, first_block, True, window,
-                                  softcap_log2, WINDOWED, SOFTCAPPED)
+                                  softcap_log2, WINDOWED, SOFTCAPPED, FP8_PV)
     if LONE:  # the one partition holds the whole context: the output itself, no partials to combine
         out = acc * (out_scale / l_i)[:, None]
         if QUANT:  # quantize the group's rows alone: the tile's others pad it to tl.dot's 16
@@ -551,7 +566,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None, partition_size: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                            quant_scale: torch.Tensor | None = None, pdl: bool = True, window: int | None = None,
-                           softcap: float | None = None, lone: bool = True) -> torch.Tensor:
+                           softcap: float | None = None, lone: bool = True, fp8_pv: bool = False) -> torch.Tensor:
     """Split-KV decode (one new token per sequence): q [num_tokens, num_heads, head_dim] -> same shape (dtype,
     ``window`` and ``softcap`` as for the varlen kernel), the rows of meta's sequences attended (every row unless
     meta holds a batch's leading decodes, ``leading_decodes``).
@@ -563,9 +578,14 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     length (whole tiles, at most ``partition_size``), so that contexts shorter than meta's bound (a decode graph's
     plan) still spread over the programs. The partial results live in float32 scratch of num_seqs * num_heads *
     cdiv(meta.max_seq_len, partition_size) * (head_dim + 2) elements. When every context fits one partition and
-    ``lone``, the partition kernel writes the output itself: no partials, no reduce kernel.
+    ``lone``, the partition kernel writes the output itself: no partials, no reduce kernel. With ``fp8_pv`` (an FP8
+    cache, V token-major, a 16-bit q) p @ v runs on E4M3 operands, the values as stored and the probabilities scaled
+    by P_SCALE, as TensorRT-LLM's Hopper decode kernel (XQA) does over an FP8 cache.
     """
     fp8, v_token_major = _check(q, k_cache, v_cache, k_scale, v_scale)
+    if fp8_pv and not (fp8 and v_token_major and q.dtype != torch.float32):
+        raise ValueError(f"paged_attention: fp8_pv needs an FP8 cache with V token-major and a 16-bit q, got a "
+                         f"{k_cache.dtype} cache{'' if v_token_major else ' with V contiguous'} and {q.dtype} q")
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -603,7 +623,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         LONE=lone, QUANT=quant_scale is not None, GROUP_ROWS=triton.next_power_of_2(group), num_warps=num_warps,
         num_stages=num_stages, WINDOWED=window is not None, SOFTCAPPED=softcap is not None, COMBINE=combine,
         BLOCK_P=max(triton.next_power_of_2(max_partitions), 2) if combine else 2,  # no variant when unused
-        **pdl_options(q, pdl))
+        FP8_PV=fp8_pv, **pdl_options(q, pdl))
     if lone or combine:
         return out
     _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -670,19 +690,21 @@ def _num_sms(device: torch.device) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     quant_scale: torch.Tensor | None = None, pdl: bool = True, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, fp8_pv: bool = False) -> torch.Tensor:
     """Same contract as ``paged_attention_reference`` (with ``quant_scale`` the output quantized for an FP8 linear,
     as the varlen kernel does): split-KV decode when every q_len is 1, varlen otherwise; a
     mixed step's leading decodes go through the decode kernel (on an H200, varlen reads their long contexts in one
     program per sequence and KV head: 63 of a 168 ms step of 504 decodes and 7,688 prefill tokens, 32 once split).
     Their partitions are the largest, whatever the step's size, so that every mixed step runs one compiled kernel
-    (one partition holds each context of up to MAX_PARTITION_SIZE tokens, with no reduce)."""
+    (one partition holds each context of up to MAX_PARTITION_SIZE tokens, with no reduce). ``fp8_pv``: the decodes'
+    p @ v in FP8 where the cache allows it (``paged_attention_decode``); prompts keep float16."""
     options = dict(quant_scale=quant_scale, pdl=pdl, window=window, softcap=softcap)
+    fp8_pv = fp8_pv and k_cache.dtype == torch.float8_e4m3fn and is_token_major(v_cache) and q.dtype != torch.float32
     if meta.max_query_len == 1:
-        return paged_attention_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, **options)
+        return paged_attention_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, fp8_pv=fp8_pv, **options)
     if meta.num_decode_seqs:
         out = paged_attention_decode(q, k_cache, v_cache, meta.leading_decodes(), scale, k_scale, v_scale,
-                                     partition_size=MAX_PARTITION_SIZE, **options)
+                                     partition_size=MAX_PARTITION_SIZE, fp8_pv=fp8_pv, **options)
         return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, out=out,
                                       first_seq=meta.num_decode_seqs, **options)
     return paged_attention_varlen(q, k_cache, v_cache, meta, scale, k_scale, v_scale, **options)

@@ -59,6 +59,16 @@ def round_to_e4m3(y):
 
 
 @triton.jit
+def to_e4m3(x):
+    """float32 ``x`` (|x| <= 448) as float8_e4m3fn, rounded to nearest even: the hardware conversion compiled; the
+    interpreter's conversion does not carry a rounding up into the exponent (126.3 becomes 64), so there the value
+    is rounded first and the conversion is exact."""
+    if INTERPRETED:
+        x = round_to_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
 def quantize_e4m3(x, scale):
     """``fp8_e4m3(clamp(x / scale, ±448))``: the IEEE quotient (a plain ``/`` compiles to an approximate one on a
     GPU), the clamp (compiled, NaN stays NaN; the interpreter's FP8 conversion turns it into ±384), then round to

@@ -106,7 +106,7 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache
         return paged_attention.paged_attention(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
                                                quant_scale, pdl=self.kernels.pdl, window=self.window,
-                                               softcap=self.softcap)
+                                               softcap=self.softcap, fp8_pv=self.kernels.fp8_pv)
 
     def _paged_caches(self, kv_cache: KVCache, meta: AttentionMetadata) -> PagedCaches:
         from kiln.runtime.native.kernels.kv_store import PagedCaches  # imports triton: only here
