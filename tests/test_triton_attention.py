@@ -259,7 +259,7 @@ def test_decode_partitions_fill_the_gpus_waves(monkeypatch, num_seqs, max_seq_le
     # than two of 2k; large batches one partition as long as the plan, never longer (2,048 sequences of 256 tokens:
     # 256, not 4,096). The bf16 kernel runs 4 (528 a wave), so its partitions are half as long below batch 64, as
     # the fastest measured were (tools/tune_partitions.py --kv-dtype bf16)
-    monkeypatch.setattr(paged_attention_module, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(paged_attention_module, "num_sms", lambda device: 132)
     assert decode_partition_size(num_seqs, 8, max_seq_len, torch.device("cuda"), fp8) == partition_size
 
 

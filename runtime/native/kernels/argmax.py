@@ -10,11 +10,11 @@ directly).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from kiln.runtime.native.kernels.sm_count import num_sms
 
 BLOCK = 1024  # logits a program loads at once (8 per thread on 4 warps)
 # Chunks are cut so that the launch has about this many programs an SM. On an H200 (bf16 logits of 128,256 tokens,
@@ -69,11 +69,6 @@ def _argmax_of_chunks_kernel(chunk_value_ptr, chunk_index_ptr, out_ptr, chunks, 
     tl.store(out_ptr + row, best.to(tl.int64))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def argmax_rows(x: torch.Tensor, max_programs: int | None = None, block: int = BLOCK) -> torch.Tensor:
     """``x.argmax(-1)`` (int64 [n]) of ``x`` [n, vocab] (float32/float16/bfloat16, rows contiguous). ``max_programs``
     caps the launch (default: ``PROGRAMS_PER_SM`` an SM, and at least one a row); ``block`` (a power of two) is how
@@ -85,7 +80,7 @@ def argmax_rows(x: torch.Tensor, max_programs: int | None = None, block: int = B
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out
-    programs = max_programs or PROGRAMS_PER_SM * _sm_count(x.device)
+    programs = max_programs or PROGRAMS_PER_SM * num_sms(x.device)
     chunks = max(1, min(triton.cdiv(vocab, block), programs // rows))
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
     chunks = triton.cdiv(vocab, chunk)

@@ -3,7 +3,8 @@
 Two kernels over the same paged caches ([num_blocks, block_size, num_kv_heads, head_dim]; K contiguous, V contiguous
 or token-major within each block, as an engine keeps an FP8 V cache: ``runtime.native.kv_cache``). An FP8 cache is read
 as it is stored: its elements convert exactly to float16 (one instruction per pair on sm_89+) and the two scales
-are applied once per tile, ``k_scale`` to the scores and ``v_scale`` to the output, instead of per element.
+are applied once per tile, ``k_scale`` to the scores and ``v_scale`` to the output, instead of per element. With
+``fp8_pv``, decode keeps V in E4M3 and rounds the probabilities to E4M3 for p @ v.
 V enters p @ v as rows [tokens, head_dim] (decode, contiguous V), as a transposed [head_dim, tokens] tile (varlen,
 contiguous V), or, token-major, as V^T in v^T @ p^T with the output accumulated transposed.
 
@@ -26,8 +27,6 @@ host ints the metadata already carries, so no launch synchronises with the host.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +34,7 @@ import triton.language as tl
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
 from kiln.runtime.native.kernels.rounding import TRITON_DTYPES, quantize_e4m3, to_e4m3
+from kiln.runtime.native.kernels.sm_count import num_sms
 from kiln.runtime.native.kv_cache import is_token_major
 
 LOG2E = 1.4426950408889634
@@ -215,7 +215,7 @@ def _pv_operand(p, DTYPE: tl.constexpr):
 @triton.jit
 def _online_softmax_step_vt(s, vt, m_i, l_i, acc_t, PRECISION: tl.constexpr):
     """``_online_softmax_step`` with the values as V^T [BLOCK_D, BLOCK_N] and the output transposed, [BLOCK_D, rows].
-    With E4M3 values (FP8 math) the probabilities enter the product as E4M3 too, times P_SCALE."""
+    With E4M3 values (FP8 p @ v) the probabilities enter the product as E4M3 too, times P_SCALE."""
     m_i, l_i, alpha, p = _softmax_update(s, m_i, l_i)
     acc_t = acc_t * alpha[None, :] + tl.dot(vt, tl.trans(_pv_operand(p, vt.dtype)), input_precision=PRECISION)
     return m_i, l_i, acc_t
@@ -667,7 +667,7 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, de
     cache: the power of two from MIN_PARTITION_SIZE to MAX_PARTITION_SIZE (and no larger than one partition holding
     ``max_seq_len`` needs) whose waves of programs take the least time by the count above; the smaller size on a
     tie."""
-    slots = DECODE_TILES[fp8]["programs_per_sm"] * _num_sms(device)
+    slots = DECODE_TILES[fp8]["programs_per_sm"] * num_sms(device)
 
     def cost(size: int) -> int:
         partitions = triton.cdiv(max_seq_len, size)
@@ -678,13 +678,6 @@ def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, de
     while sizes[-1] < min(max_seq_len, MAX_PARTITION_SIZE):
         sizes.append(sizes[-1] * 2)
     return min(sizes, key=cost)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: any size is correct
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
