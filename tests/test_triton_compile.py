@@ -51,7 +51,7 @@ from kiln.engines.native.tuning import linear_shapes  # noqa: E402
 from kiln.runtime.native.kv_cache import zeros_token_major  # noqa: E402
 from tests.subprocess_env import REPO, repo_env  # noqa: E402
 
-KERNELS_DIR = REPO / "runtime" / "kernels"
+KERNELS_DIR = REPO / "runtime" / "native" / "kernels"
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMS = 132  # the split-KV decode sizes its partitions by the SM count
 H100_MAX_SHARED = 227 * 1024  # bytes of shared memory one block may opt in to on sm_90
@@ -134,16 +134,19 @@ def paged_attention_launches(fp8: bool) -> None:
     # for one context just past 4096 tokens.
     # With an FP8 model the output is quantized for o_proj.
     quant_scale = gpu(torch.tensor(0.03))
+    # An FP8 cache's decodes multiply p @ v in FP8 (RuntimeOptions.attention_fp8_pv, on by default).
     for seqs in ([(0, 21), (37, 18), (40, 1)], [(2047, 1)] * 64, [(MAX_SEQ_LEN - 1, 1)], [(4099, 1)]):
         q = qkv_views(sum(new for _, new in seqs))[0]
-        mod.paged_attention(q, k_cache, v_cache, metadata(seqs), scale, k_scale, v_scale)
-        mod.paged_attention(q, k_cache, v_cache, metadata(seqs), scale, k_scale, v_scale, quant_scale)
+        for fp8_pv in (False, True):
+            mod.paged_attention(q, k_cache, v_cache, metadata(seqs), scale, k_scale, v_scale, fp8_pv=fp8_pv)
+            mod.paged_attention(q, k_cache, v_cache, metadata(seqs), scale, k_scale, v_scale, quant_scale,
+                                fp8_pv=fp8_pv)
     # A decode graph's small step (its metadata carries counters) combines the partitions in the partition kernel.
     counters = gpu(torch.zeros(16 * KV_HEADS, dtype=torch.int32))
     counted = dataclasses.replace(metadata([(1023, 1)] * 16), partition_counters=counters)  # two partitions of 512
     assert mod.combine_partitions(counted, 16, KV_HEADS, 2)
     for quant in (None, quant_scale):
-        mod.paged_attention(qkv_views(16)[0], k_cache, v_cache, counted, scale, k_scale, v_scale, quant)
+        mod.paged_attention(qkv_views(16)[0], k_cache, v_cache, counted, scale, k_scale, v_scale, quant, fp8_pv=fp8)
     # Both kernels' wrappers called directly, with their defaults, on sequences of one block.
     mod.paged_attention_varlen(qkv_views(4)[0], k_cache, v_cache, metadata([(5, 3), (0, 1)]), scale, k_scale,
                                v_scale)
@@ -246,6 +249,13 @@ def rotary_launches() -> None:
             mod.apply_rotary(positions, q, k, cos_sin, write, keep_k)
 
 
+def argmax_launches() -> None:
+    mod = kernels_module("argmax")
+    for rows in (1, 512, 4096):  # chunks combined by a second kernel; one chunk a row at 4,096
+        mod.argmax_rows(gpu(torch.empty(rows, ARCH.vocab_size, dtype=torch.bfloat16)))
+    mod.argmax_rows(gpu(torch.empty(3, ARCH.vocab_size)))  # float32: the sampled rows' race
+
+
 def silu_mul_launches() -> None:
     mod = kernels_module("silu_mul")
     mod.silu_and_mul(activations(5, 2 * INTERMEDIATE))
@@ -273,6 +283,7 @@ CASES: dict[str, Callable[[], None]] = {
     "rms_norm": rms_norm_launches,
     "rotary": rotary_launches,
     "silu_mul": silu_mul_launches,
+    "argmax": argmax_launches,
 }
 
 
@@ -298,9 +309,10 @@ def recording():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(InterpretedFunction, "run", record)
         patch.setattr(JITFunction, "run", record)
-        if importlib.util.find_spec("kiln.runtime.native.kernels.paged_attention") is not None:
-            patch.setattr(importlib.import_module("kiln.runtime.native.kernels.paged_attention"), "_num_sms",
-                          lambda device: H100_SMS)
+        for sized_by_sms in ("paged_attention", "argmax"):  # their launches fill an H100's SMs
+            if importlib.util.find_spec(f"kiln.runtime.native.kernels.{sized_by_sms}") is not None:
+                patch.setattr(importlib.import_module(f"kiln.runtime.native.kernels.{sized_by_sms}"), "num_sms",
+                              lambda device: H100_SMS)
         # launched as on an H100, with programmatic dependent launch
         patch.setattr(importlib.import_module("kiln.runtime.native.kernels.pdl"), "_supports_pdl", lambda device: True)
         yield launches
@@ -537,6 +549,7 @@ def test_every_kernel_of_runtime_kernels_has_a_case(builds):
     """A kernel added to runtime/native/kernels must be launched by a case above; a jit function that other jit
     functions call is a helper, compiled inside them."""
     jitted = {}
+    assert len(list(KERNELS_DIR.glob("*.py"))) > 10, f"no kernel modules under {KERNELS_DIR}"
     for path in sorted(KERNELS_DIR.glob("*.py")):
         module = importlib.import_module(f"kiln.runtime.native.kernels.{path.stem}")
         jitted |= {qualname(obj): inspect.getsource(obj.fn) for obj in vars(module).values()
