@@ -94,6 +94,9 @@ def test_a_stream_nobody_reads_buffers_its_output_without_stalling_the_others(ll
         others = await llm.generate_async(PROMPTS[2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
         while llm.stats()["num_running"]:  # the unread requests run to their end meanwhile
             await asyncio.sleep(0.01)
+        # their last deltas reach this loop with the step that finished them, which may be just after num_running
+        # drops: a request sent now is added after that step, so its answer comes after those deltas
+        await llm.generate_async(PROMPTS[2], SamplingParams(temperature=0, max_tokens=1))
         rest = [batch async for batch in unread]
         return first, rest, others
 
