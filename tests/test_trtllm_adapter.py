@@ -340,6 +340,8 @@ def test_options_of_the_native_engine_are_refused_not_ignored(trtllm, engine_dir
         TrtllmEngine(engine_dir, RuntimeOptions(kernels="torch", overlap_steps=False))
     with pytest.raises(TrtllmUnavailableError, match=r"gpu_memory_utilization=0.95: .* native engine"):
         TrtllmEngine(engine_dir, RuntimeOptions(gpu_memory_utilization=0.95))
+    with pytest.raises(TrtllmUnavailableError, match=r"attention_fp8_pv=False: .* native engine"):
+        TrtllmEngine(engine_dir, RuntimeOptions(attention_fp8_pv=False))  # XQA multiplies in FP8 over an FP8 cache
     assert FakeExecutor.instances == []
 
 

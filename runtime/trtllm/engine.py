@@ -30,8 +30,8 @@ from kiln.runtime.trtllm.toolchain import (
 )
 
 # RuntimeOptions that choose how Kiln's native engine runs; TensorRT-LLM's engine runs its own kernels and graphs
-NATIVE_ONLY_OPTIONS = ("kernels", "cuda_graphs", "cuda_graph_capture", "overlap_steps", "pdl", "linear_max_m",
-                       "gpu_memory_utilization")
+NATIVE_ONLY_OPTIONS = ("kernels", "cuda_graphs", "cuda_graph_capture", "overlap_steps", "pdl", "attention_fp8_pv",
+                       "linear_max_m", "gpu_memory_utilization")
 
 FINISH_REASONS = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "abort",
                    "TIMED_OUT": "abort"}
