@@ -123,8 +123,9 @@ def test_fp8_gemv_pipelines_as_deep_as_the_gpus_shared_memory_holds(monkeypatch)
     assert down_proj["num_stages"] == 6 and fitting_stages(down_proj, torch.device("cpu")) == down_proj
     cuda = torch.device("cuda", 0)
     one_token = fp8_gemv_config(1, 4096, 14336)  # 3 stages of 20 KB
+    # an H200's, an sm_89 GPU's and 48 KB
     for shared_memory, stages in ((232448 - 8192, (6, 3)), (101376 - 8192, (3, 3)), (48 * 1024, (2, 2))):
-        monkeypatch.setattr(fp8_gemv_module, "_shared_memory", lambda device, m=shared_memory: m)  # H200, sm_89, 48K
+        monkeypatch.setattr(fp8_gemv_module, "program_shared_memory", lambda device, m=shared_memory: m)
         assert (fitting_stages(down_proj, cuda)["num_stages"], fitting_stages(one_token, cuda)["num_stages"]) == stages
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.runtime.native.kernels.sm_count import num_sms
+from kiln.runtime.native.kernels.device_limits import num_sms
 
 BLOCK = 1024  # logits a program loads at once (8 per thread on 4 warps)
 # Chunks are cut so that the launch has about this many programs an SM. On an H200 (bf16 logits of 128,256 tokens,

@@ -11,12 +11,11 @@ values, so the products are exact and only the float32 summation order differs.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from kiln.runtime.native.kernels.device_limits import program_shared_memory
 from kiln.runtime.native.kernels.fp8_quant import quantize_fp8
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
 
@@ -86,15 +85,7 @@ def fitting_stages(cfg: dict, device: torch.device) -> dict:
     if device.type != "cuda" or cfg["num_stages"] <= 2:
         return cfg
     stage_bytes = (cfg.get("BLOCK_N", 0) + 2 * cfg.get("BLOCK_P", 0) + cfg["BLOCK_M"]) * cfg["BLOCK_K"]
-    return dict(cfg, num_stages=max(2, min(cfg["num_stages"], _shared_memory(device) // stage_bytes)))
-
-
-@functools.cache
-def _shared_memory(device: torch.device) -> int:
-    """The shared memory a program may claim on ``device``, less 8 KB for the compiler's own (reductions, layout
-    conversions)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"] - 8192
+    return dict(cfg, num_stages=max(2, min(cfg["num_stages"], program_shared_memory(device) // stage_bytes)))
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,

@@ -32,9 +32,9 @@ import triton
 import triton.language as tl
 
 from kiln.runtime.native.attention_metadata import AttentionMetadata
+from kiln.runtime.native.kernels.device_limits import num_sms
 from kiln.runtime.native.kernels.pdl import pdl_options, wait_for_previous_kernel
 from kiln.runtime.native.kernels.rounding import TRITON_DTYPES, quantize_e4m3, to_e4m3
-from kiln.runtime.native.kernels.sm_count import num_sms
 from kiln.runtime.native.kv_cache import is_token_major
 
 LOG2E = 1.4426950408889634
