@@ -517,6 +517,11 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"  # no TF32 rounding for a float32 model
 
 
+def fp8_pv_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether decode can multiply p @ v in FP8 here: an FP8 cache with V token-major, and a 16-bit q."""
+    return k_cache.dtype == torch.float8_e4m3fn and is_token_major(v_cache) and q.dtype != torch.float32
+
+
 def _fp16_compute(q: torch.Tensor, fp8: bool) -> bool:
     """Whether a 16-bit model attends an FP8 cache in float16: E4M3 converts to it exactly and natively, and the
     probabilities keep three more bits than in bfloat16."""
@@ -583,7 +588,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     by P_SCALE, as TensorRT-LLM's Hopper decode kernel (XQA) does over an FP8 cache.
     """
     fp8, v_token_major = _check(q, k_cache, v_cache, k_scale, v_scale)
-    if fp8_pv and not (fp8 and v_token_major and q.dtype != torch.float32):
+    if fp8_pv and not fp8_pv_applies(q, k_cache, v_cache):
         raise ValueError(f"paged_attention: fp8_pv needs an FP8 cache with V token-major and a 16-bit q, got a "
                          f"{k_cache.dtype} cache{'' if v_token_major else ' with V contiguous'} and {q.dtype} q")
     num_tokens, num_heads, head_dim = q.shape
@@ -692,7 +697,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (one partition holds each context of up to MAX_PARTITION_SIZE tokens, with no reduce). ``fp8_pv``: the decodes'
     p @ v in FP8 where the cache allows it (``paged_attention_decode``); prompts keep float16."""
     options = dict(quant_scale=quant_scale, pdl=pdl, window=window, softcap=softcap)
-    fp8_pv = fp8_pv and k_cache.dtype == torch.float8_e4m3fn and is_token_major(v_cache) and q.dtype != torch.float32
+    fp8_pv = fp8_pv and fp8_pv_applies(q, k_cache, v_cache)
     if meta.max_query_len == 1:
         return paged_attention_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale, fp8_pv=fp8_pv, **options)
     if meta.num_decode_seqs:
