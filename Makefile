@@ -27,8 +27,9 @@ build: venv
 serve: venv
 	$(KILN) serve $(CONFIG) $(ARGS)
 
+# One worker a core (at most 4), each taking whole files, so that a module's fixtures stay shared within it
 test: venv
-	$(VENV)/bin/pytest -q $(ARGS)
+	$(VENV)/bin/pytest -q -n auto --maxprocesses 4 --dist loadfile $(ARGS)
 
 bench: venv
 	$(KILN) bench $(CONFIG) $(ARGS)
