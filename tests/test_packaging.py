@@ -20,10 +20,19 @@ BUNDLED = ("kiln/configs/tiny-llama-fp8.yaml", "kiln/configs/models/llama3-8b.js
            "kiln/engines/trtllm/contract/trtllm-1.2.1.json")
 
 
+def code_modules() -> set[str]:
+    """The checkout's Python files of Kiln's code, as paths inside the installed ``kiln`` package."""
+    return {f"kiln/{path.relative_to(REPO).as_posix()}" for layer in LAYERS for path in (REPO / layer).rglob("*.py")
+            if "__pycache__" not in path.parts}
+
+
 def test_every_code_folder_is_a_listed_subpackage_of_kiln():
+    """Every folder that holds code has an ``__init__.py`` (a folder without one was left out of the wheel) and is
+    listed in pyproject.toml."""
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {"kiln"} | {"kiln." + ".".join(init.parent.relative_to(REPO).parts)
-                          for layer in LAYERS for init in (REPO / layer).rglob("__init__.py")}
+    code_folders = {module.rsplit("/", 1)[0] for module in code_modules()}
+    assert not sorted(folder for folder in code_folders if f"{folder}/__init__.py" not in code_modules())
+    folders = {"kiln"} | {folder.replace("/", ".") for folder in code_folders}
     code_packages = {name for name in setuptools["packages"] if name.split(".")[:2] != ["kiln", "configs"]
                      and name not in ("kiln.models", "kiln.data.tiny")}
     assert setuptools["package-dir"] == {"kiln": "."}
@@ -50,6 +59,10 @@ def test_the_wheel_installs_kiln_and_no_other_top_level_name(wheel):
     assert "kiln/runtime/llm.py" in names and "kiln/__main__.py" in names
     entry_points = wheel.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "kiln = kiln.pipeline.cli:main" in entry_points
+
+
+def test_the_wheel_carries_every_module_of_the_code(wheel):
+    assert not sorted(code_modules() - set(wheel.namelist()))
 
 
 def test_the_wheel_carries_the_bundled_configs_model_and_calibration_data(wheel):
