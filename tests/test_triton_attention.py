@@ -13,12 +13,12 @@ pytest.importorskip("triton")
 
 from kiln.runtime.native.attention_metadata import AttentionMetadata  # noqa: E402
 from kiln.runtime.native.kernels import kv_store  # noqa: E402
-from kiln.runtime.native.kernels import paged_attention as paged_attention_module  # noqa: E402
 from kiln.runtime.native.kernels.paged_attention import (  # noqa: E402
     decode_partition_size,
     paged_attention,
     paged_attention_decode,
     paged_attention_varlen,
+    tiling,
 )
 from kiln.runtime.native.kv_cache import is_token_major, token_major  # noqa: E402
 from kiln.runtime.native.layers.attention import paged_attention_reference, store_kv  # noqa: E402
@@ -226,7 +226,7 @@ def test_a_small_decode_combines_its_partitions_in_the_last_program_to_finish(de
                                       partition_size=128, quant_scale=quant_scale)  # two partitions
 
     counted = dataclasses.replace(meta, partition_counters=counters)
-    assert paged_attention_module.combine_partitions(counted, len(DECODE_SEQ_LENS), NUM_KV_HEADS, 2)
+    assert tiling.combine_partitions(counted, len(DECODE_SEQ_LENS), NUM_KV_HEADS, 2)
     reduced = decode(meta)
     combined = [decode(counted) for _ in range(2)]
     assert not counters.any()
@@ -241,7 +241,7 @@ def test_a_small_decode_combines_its_partitions_in_the_last_program_to_finish(de
 def test_only_small_decodes_with_counters_combine_in_the_partition_kernel():
     meta = AttentionMetadata.build([1], [5], [[1]], 32)
     with_counters = dataclasses.replace(meta, partition_counters=torch.zeros(16 * 8, dtype=torch.int32))
-    combine = paged_attention_module.combine_partitions
+    combine = tiling.combine_partitions
     assert combine(with_counters, 16, 8, 2) and not combine(meta, 16, 8, 2)
     assert not combine(with_counters, 17, 8, 2) and not combine(with_counters, 16, 8, 3)
     with pytest.raises(ValueError, match="partition_counters must be int32 with 256 entries"):
@@ -259,7 +259,7 @@ def test_decode_partitions_fill_the_gpus_waves(monkeypatch, num_seqs, max_seq_le
     # than two of 2k; large batches one partition as long as the plan, never longer (2,048 sequences of 256 tokens:
     # 256, not 4,096). The bf16 kernel runs 4 (528 a wave), so its partitions are half as long below batch 64, as
     # the fastest measured were (tools/tune_partitions.py --kv-dtype bf16)
-    monkeypatch.setattr(paged_attention_module, "num_sms", lambda device: 132)
+    monkeypatch.setattr(tiling, "num_sms", lambda device: 132)
     assert decode_partition_size(num_seqs, 8, max_seq_len, torch.device("cuda"), fp8) == partition_size
 
 
@@ -268,7 +268,7 @@ def test_decode_partitions_fill_the_gpus_waves(monkeypatch, num_seqs, max_seq_le
 def test_short_plans_read_their_kv_in_small_tiles(fp8, max_seq_len, block_n):
     # a context of up to 256 tokens spans two to four 64-token tiles; the FP8 kernel's 128-token tile stays for
     # longer plans, where it is the faster
-    assert paged_attention_module._decode_block_n(fp8, max_seq_len) == block_n
+    assert tiling.decode_block_n(fp8, max_seq_len) == block_n
 
 
 @pytest.mark.parametrize(("block_size", "block_n"), [(16, 32), (64, 16)], ids=["runs-of-blocks", "tiles-in-a-block"])

@@ -34,12 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from triton.testing import do_bench_cudagraph
 
-    from kiln.runtime.native.kernels.paged_attention import (
-        MAX_PARTITION_SIZE,
-        MIN_PARTITION_SIZE,
-        decode_partition_size,
-        paged_attention_decode,
-    )
+    from kiln.runtime.native.kernels.paged_attention import decode_partition_size, paged_attention_decode
+    from kiln.runtime.native.kernels.paged_attention.tiling import MAX_PARTITION_SIZE, MIN_PARTITION_SIZE
 
     sizes = [1 << n for n in range(MIN_PARTITION_SIZE.bit_length() - 1, MAX_PARTITION_SIZE.bit_length())]
     results = []
