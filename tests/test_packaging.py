@@ -30,8 +30,9 @@ def test_every_code_folder_is_a_listed_subpackage_of_kiln():
     """Every folder that holds code has an ``__init__.py`` (a folder without one was left out of the wheel) and is
     listed in pyproject.toml."""
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    code_folders = {module.rsplit("/", 1)[0] for module in code_modules()}
-    assert not sorted(folder for folder in code_folders if f"{folder}/__init__.py" not in code_modules())
+    modules = code_modules()
+    code_folders = {module.rsplit("/", 1)[0] for module in modules}
+    assert not sorted(folder for folder in code_folders if f"{folder}/__init__.py" not in modules)
     folders = {"kiln"} | {folder.replace("/", ".") for folder in code_folders}
     code_packages = {name for name in setuptools["packages"] if name.split(".")[:2] != ["kiln", "configs"]
                      and name not in ("kiln.models", "kiln.data.tiny")}

@@ -310,9 +310,8 @@ def recording():
         patch.setattr(InterpretedFunction, "run", record)
         patch.setattr(JITFunction, "run", record)
         for sized_by_sms in ("paged_attention.tiling", "argmax"):  # their launches fill an H100's SMs
-            if importlib.util.find_spec(f"kiln.runtime.native.kernels.{sized_by_sms}") is not None:
-                patch.setattr(importlib.import_module(f"kiln.runtime.native.kernels.{sized_by_sms}"), "num_sms",
-                              lambda device: H100_SMS)
+            patch.setattr(importlib.import_module(f"kiln.runtime.native.kernels.{sized_by_sms}"), "num_sms",
+                          lambda device: H100_SMS)
         # launched as on an H100, with programmatic dependent launch
         patch.setattr(importlib.import_module("kiln.runtime.native.kernels.pdl"), "_supports_pdl", lambda device: True)
         yield launches
