@@ -58,10 +58,11 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
     """The architecture of a parsed config.json (``path`` names it in errors) and generation_config.json: the
     fields every family shares, then its family's quirks (``runtime/native/model/registry.py``)."""
     family = family_of(cfg, path)
-    activation = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    cfg = family.with_defaults(cfg)
+    activation = cfg[family.activation_key]
     if activation not in ACTIVATIONS:
-        raise KilnError(f"{path}: hidden_act {activation!r} is not supported by the native backend (supported: "
-                        f"{', '.join(ACTIVATIONS)})")
+        raise KilnError(f"{path}: {family.activation_key} {activation!r} is not supported by the native backend "
+                        f"(supported: {', '.join(ACTIVATIONS)})")
     num_heads = _int(cfg, "num_attention_heads", path)
     num_kv_heads = cfg.get("num_key_value_heads") or num_heads
     if num_heads % num_kv_heads:
@@ -69,7 +70,8 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
                         f"({num_kv_heads})")
     hidden = _int(cfg, "hidden_size", path)
     head_dim = cfg.get("head_dim") or hidden // num_heads
-    rope_theta, rope_scaling = _rope(cfg, path)
+    # a top-level original_max_position_embeddings counts where it is a field of the family's config class (Phi-3)
+    rope_theta, rope_scaling = _rope(cfg, "original_max_position_embeddings" in family.config_defaults, path)
     _check_rope(head_dim, rope_theta, rope_scaling, path)
     shared = dict(
         vocab_size=_int(cfg, "vocab_size", path),
@@ -79,10 +81,10 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(cfg["rms_norm_eps"]),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
         max_position_embeddings=_int(cfg, "max_position_embeddings", path),
         bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
         eos_token_ids=_eos_ids(gen.get("eos_token_id"), cfg.get("eos_token_id")),
@@ -172,32 +174,46 @@ def _int(cfg: dict[str, Any], key: str, path: Path) -> int:
     return value
 
 
-def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from transformers-5 ``rope_parameters`` or older ``rope_scaling``."""
+def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from transformers-5 ``rope_parameters`` or older ``rope_scaling``;
+    ``top_level_context``: config.json's own ``original_max_position_embeddings`` comes first."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = float(params.pop("rope_theta", cfg["rope_theta"]))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise KilnError(f"{path}: partial_rotary_factor is not supported by the native backend")
     rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first name for it
     if rope_type not in ROPE_TYPES:
         raise KilnError(f"{path}: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    if rope_type in ("llama3", "longrope"):
+        params["original_max_position_embeddings"] = _original_context(cfg, params, top_level_context, path)
     if rope_type == "longrope":
         params.update(_longrope_defaults(cfg, params, path))
     return theta, None if rope_type == "default" else {"rope_type": rope_type, **params}
 
 
+def _original_context(cfg: dict[str, Any], params: dict[str, Any], top_level_context: bool, path: Path) -> int:
+    """The pretraining context that Llama-3 and LongRoPE scaling start from, as transformers standardises it: the
+    top-level ``original_max_position_embeddings`` where ``top_level_context`` (Phi-3 keeps it there), else the rope
+    parameters', else ``max_position_embeddings``."""
+    key = "original_max_position_embeddings"
+    for value in ((cfg.get(key),) if top_level_context else ()) + (params.get(key),):
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise KilnError(f"{path}: original_max_position_embeddings must be a positive integer, got {value!r}")
+            return value
+    return _int(cfg, "max_position_embeddings", path)
+
+
 def _longrope_defaults(cfg: dict[str, Any], params: dict[str, Any], path: Path) -> dict[str, Any]:
-    """LongRoPE's original context, factor and attention factor where the config leaves them to transformers'
-    defaults (the factor from max_position_embeddings / original_max_position_embeddings)."""
-    original = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
-    if not original:
-        raise KilnError(f"{path}: longrope scaling needs original_max_position_embeddings")
+    """LongRoPE's factor and attention factor where the config leaves them to transformers' defaults (the factor
+    from max_position_embeddings / original_max_position_embeddings)."""
+    original = params["original_max_position_embeddings"]
     factor = params.get("factor") or _int(cfg, "max_position_embeddings", path) / original
     attention = params.get("attention_factor")
     if attention is None:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
-    return {"original_max_position_embeddings": int(original), "factor": factor, "attention_factor": attention}
+    return {"factor": factor, "attention_factor": attention}
 
 
 def _check_rope(head_dim: int, theta: float, scaling: dict[str, Any] | None, path: Path) -> None:

@@ -11,17 +11,23 @@ from kiln.runtime.native.model.registry import Family, sliding_layers
 
 
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """Every Gemma 2 quirk from its config.json (transformers' defaults where it omits one)."""
+    """Every Gemma 2 quirk from its config.json (transformers' defaults where it omits one); ``attention_bias`` puts
+    biases on q, k, v and o."""
+    bias = bool(config.get("attention_bias"))
     return {
-        "hidden_act": config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh",
         "sandwich_norms": True,
         "scale_embeddings": True,
-        "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar", 256)),
-        "attn_logit_softcapping": config.get("attn_logit_softcapping", 50.0),
-        "final_logit_softcapping": config.get("final_logit_softcapping", 30.0),
-        "tie_word_embeddings": bool(config.get("tie_word_embeddings", True)),
-        **sliding_layers(config, config.get("sliding_window", 4096), lambda i: i % 2 == 0),
+        "query_pre_attn_scalar": float(config["query_pre_attn_scalar"]),
+        "attn_logit_softcapping": config["attn_logit_softcapping"],
+        "final_logit_softcapping": config["final_logit_softcapping"],
+        "qkv_bias": bias,
+        "o_bias": bias,
+        **sliding_layers(config, config["sliding_window"], lambda i: i % 2 == 0),
     }
 
 
-FAMILY = Family("gemma2", ("Gemma2ForCausalLM",), quirks, norm_weight_offset=1.0)
+FAMILY = Family("gemma2", ("Gemma2ForCausalLM",), quirks, norm_weight_offset=1.0, activation_key="hidden_activation",
+                config_defaults={"hidden_activation": "gelu_pytorch_tanh", "head_dim": 256, "num_key_value_heads": 4,
+                                 "max_position_embeddings": 8192, "tie_word_embeddings": True,
+                                 "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                                 "final_logit_softcapping": 30.0, "sliding_window": 4096})

@@ -1,20 +1,18 @@
-"""Llama 2 / 3 (Llama-3 rotary scaling included) and Mistral (a sliding window over every layer): the plain
-decoder."""
+"""Llama 2 / 3 (Llama-3 rotary scaling included): the plain decoder."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.native.model.registry import Family, sliding_layers
+from kiln.runtime.native.model.registry import Family
 
 
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """Llama's ``attention_bias`` puts biases on q, k, v and o, its ``mlp_bias`` on gate, up and down; Mistral's
-    ``sliding_window`` applies to every layer."""
+    """``attention_bias`` puts biases on q, k, v and o, ``mlp_bias`` on gate, up and down. Transformers' Llama has
+    no sliding window, so a ``sliding_window`` in its config.json changes nothing here either."""
     bias = bool(config.get("attention_bias"))
-    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(config.get("mlp_bias")),
-            **sliding_layers(config, config.get("sliding_window"), lambda i: True)}
+    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(config.get("mlp_bias"))}
 
 
-FAMILY = Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), quirks)
+FAMILY = Family("llama", ("LlamaForCausalLM",), quirks, config_defaults={"max_position_embeddings": 2048})

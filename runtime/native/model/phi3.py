@@ -25,4 +25,6 @@ def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     return sliding_layers(config, config.get("sliding_window"), lambda i: True)
 
 
-FAMILY = Family("phi3", ("Phi3ForCausalLM",), quirks, FUSED_PROJECTIONS)
+FAMILY = Family("phi3", ("Phi3ForCausalLM",), quirks, FUSED_PROJECTIONS,
+                config_defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+                                 "original_max_position_embeddings": 4096})

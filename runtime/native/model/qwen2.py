@@ -17,9 +17,13 @@ def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
 
 def window_layers(config: dict[str, Any]) -> dict[str, Any]:
     """With ``use_sliding_window``, the layers from ``max_window_layers`` on slide (as transformers has it)."""
-    window = config.get("sliding_window") if config.get("use_sliding_window") else None
-    first = config.get("max_window_layers", 28)  # transformers' default for Qwen2 and Qwen3
+    window = config["sliding_window"] if config.get("use_sliding_window") else None
+    first = config["max_window_layers"]
     return sliding_layers(config, window, lambda i: i >= first)
 
 
-FAMILY = Family("qwen2", ("Qwen2ForCausalLM",), quirks)
+# transformers' defaults for Qwen2 and Qwen3
+WINDOW_DEFAULTS = {"sliding_window": 4096, "max_window_layers": 28}
+QWEN_DEFAULTS = {**WINDOW_DEFAULTS, "num_key_value_heads": 32, "max_position_embeddings": 32768}
+
+FAMILY = Family("qwen2", ("Qwen2ForCausalLM",), quirks, config_defaults=QWEN_DEFAULTS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.native.model.qwen2 import window_layers
+from kiln.runtime.native.model.qwen2 import QWEN_DEFAULTS, window_layers
 from kiln.runtime.native.model.registry import Family
 
 
@@ -16,4 +16,4 @@ def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     return {"qk_norm": True, "qkv_bias": bias, "o_bias": bias, **window_layers(config)}
 
 
-FAMILY = Family("qwen3", ("Qwen3ForCausalLM",), quirks)
+FAMILY = Family("qwen3", ("Qwen3ForCausalLM",), quirks, config_defaults={**QWEN_DEFAULTS, "head_dim": 128})

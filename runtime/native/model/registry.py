@@ -33,19 +33,35 @@ class Family:
     """``name`` is engine.json's ``architecture.type``; ``quirks(config, path)`` returns the ``Architecture`` fields
     particular to the family from a parsed config.json (``path`` names it in errors), raising
     UnsupportedArchitectureError for what the engine cannot honour; ``linears`` maps each runtime linear of a layer
-    to the checkpoint linears it fuses; ``norm_weight_offset`` is added to the checkpoint's norm weights."""
+    to the checkpoint linears it fuses; ``norm_weight_offset`` is added to the checkpoint's norm weights.
+
+    ``config_defaults`` are the values of transformers' config class for the fields the family reads where they
+    differ from ``SHARED_CONFIG_DEFAULTS``, so that a field config.json leaves out means what it means to
+    transformers; ``activation_key`` is the field that names the MLP's activation."""
 
     name: str
     architectures: tuple[str, ...]
     quirks: Callable[[dict[str, Any], Path], dict[str, Any]]
     linears: dict[str, tuple[str, ...]] = field(default_factory=lambda: SEPARATE_PROJECTIONS)
     norm_weight_offset: float = 0.0  # added to every RMSNorm weight of the checkpoint (Gemma scales by 1 + weight)
+    config_defaults: dict[str, Any] = field(default_factory=dict)
+    activation_key: str = "hidden_act"
+
+    def with_defaults(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` (a parsed config.json) with the family's transformers defaults where it has no such field;
+        an explicit null stays null, as in transformers."""
+        return {**SHARED_CONFIG_DEFAULTS, **self.config_defaults, **config}
+
+
+# transformers' defaults that the config classes of every supported family share
+SHARED_CONFIG_DEFAULTS: dict[str, Any] = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                                          "tie_word_embeddings": False}
 
 
 def _families() -> tuple[Family, ...]:
-    from kiln.runtime.native.model import gemma2, llama, phi3, qwen2, qwen3
+    from kiln.runtime.native.model import gemma2, llama, mistral, phi3, qwen2, qwen3
 
-    return llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY, phi3.FAMILY
+    return llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY, phi3.FAMILY
 
 
 def family_of(config: dict[str, Any], path: Path) -> Family:

@@ -1,0 +1,98 @@
+"""A family's config.json means to the native builder what it means to transformers: fields left out take the
+defaults of the family's config class, and fields its transformers model does not read change nothing. Parsing
+only (no weights), against transformers' own config classes."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import transformers
+
+from kiln.engines.native.checkpoint import parse_architecture
+from kiln.runtime.errors import KilnError
+from kiln.runtime.native.engine_format import Architecture
+from tests.model_factories import FAMILY_CLASSES
+
+ARCHITECTURES = {family: classes[1] for family, classes in FAMILY_CLASSES.items()}
+MINIMAL = {"vocab_size": 96, "hidden_size": 512, "intermediate_size": 256, "num_hidden_layers": 3,
+           "num_attention_heads": 32}
+PATH = Path("config.json")
+
+
+def parse(family: str, **fields) -> Architecture:
+    return parse_architecture({"architectures": [ARCHITECTURES[family]], **MINIMAL, **fields}, {}, PATH)
+
+
+def transformers_config(family: str, **fields) -> transformers.PretrainedConfig:
+    return getattr(transformers, FAMILY_CLASSES[family][0])(**{**MINIMAL, **fields})
+
+
+def transformers_windows(family: str, config: transformers.PretrainedConfig) -> list[int | None]:
+    """The positions each layer of transformers' model attends to: Llama never slides, Mistral and Phi-3 slide on
+    every layer when they have a window, the others on the layers their ``layer_types`` mark."""
+    window = getattr(config, "sliding_window", None)
+    if family == "llama" or window is None:
+        return [None] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CLASSES))
+@pytest.mark.parametrize("fields", [{}, {"use_sliding_window": True}], ids=["minimal", "sliding-turned-on"])
+def test_fields_left_out_take_the_transformers_defaults_of_the_family(family, fields):
+    arch, config = parse(family, **fields), transformers_config(family, **fields)
+    activation = config.hidden_activation if family == "gemma2" else config.hidden_act
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert (arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps, arch.hidden_act, arch.tie_word_embeddings,
+            arch.max_position_embeddings) == (config.num_key_value_heads, head_dim, config.rms_norm_eps, activation,
+                                              config.tie_word_embeddings, config.max_position_embeddings)
+    assert [arch.layer_window(i) for i in range(arch.num_layers)] == transformers_windows(family, config)
+
+
+@pytest.mark.parametrize(("family", "fields"), [
+    ("llama", {"sliding_window": 8}),
+    ("mistral", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"hidden_activation": "gelu_pytorch_tanh"}),
+    ("qwen2", {"hidden_activation": "gelu_pytorch_tanh"}),
+    ("gemma2", {"hidden_act": "silu"}),
+])
+def test_fields_the_family_does_not_read_change_nothing(family, fields):
+    assert parse(family, **fields) == parse(family)
+
+
+def test_gemma2_reads_its_activation_from_hidden_activation_and_refuses_one_it_cannot_run():
+    assert parse("gemma2", hidden_activation="gelu_pytorch_tanh", hidden_act="relu").hidden_act == "gelu_pytorch_tanh"
+    with pytest.raises(KilnError, match="hidden_activation 'relu' is not supported"):
+        parse("gemma2", hidden_activation="relu", hidden_act="gelu_pytorch_tanh")
+
+
+def test_an_unsupported_hidden_act_is_refused_even_beside_a_supported_hidden_activation():
+    with pytest.raises(KilnError, match="hidden_act 'relu' is not supported"):
+        parse("llama", hidden_act="relu", hidden_activation="gelu_pytorch_tanh")
+
+
+def test_mistral_without_a_window_and_gemma2_with_attention_biases():
+    assert parse("mistral", sliding_window=None).sliding_window is None
+    arch = parse("gemma2", attention_bias=True)
+    assert (arch.qkv_bias, arch.o_bias) == (True, True)
+
+
+@pytest.mark.parametrize(("family", "rope", "in_parameters", "top_level", "expected"), [
+    ("phi3", "longrope", 32, 64, 64),  # a field of Phi-3's config class, ahead of the rope parameters'
+    ("phi3", "longrope", 32, None, 4096),  # its default
+    ("llama", "llama3", 32, 64, 32),  # not a field of Llama's: the rope parameters'
+    ("llama", "llama3", None, 64, 8192),  # else max_position_embeddings
+])
+def test_the_original_context_of_rope_scaling_is_read_as_transformers_reads_it(family, rope, in_parameters,
+                                                                               top_level, expected):
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8} if rope == "longrope" else {
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    scaling = {"rope_type": rope, **factors,
+               **({"original_max_position_embeddings": in_parameters} if in_parameters else {})}
+    fields = {"max_position_embeddings": 8192, "rope_scaling": scaling,
+              **({"original_max_position_embeddings": top_level} if top_level else {})}
+    assert parse(family, **fields).rope_scaling["original_max_position_embeddings"] == expected
+    config = getattr(transformers, FAMILY_CLASSES[family][0]).from_dict(copy.deepcopy({**MINIMAL, **fields}))
+    assert config.rope_parameters["original_max_position_embeddings"] == expected
