@@ -46,6 +46,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.cache_salt = b""  # the seed of its block hashes: KV rotated differently never matches (set by the engine)
+        # LongRoPE: the length at which its KV, rotated for a shorter sequence, is recomputed, and the salt after that
+        self.recompute_at: int | None = None
+        self.recompute_salt = b""
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         self.matcher: llguidance.LLMatcher | None = None  # of a request with structured output, set by the engine
@@ -88,6 +91,16 @@ class Sequence:
     def is_decode(self) -> bool:
         """True when the only token without KV is the last sampled one (one token per step from here on)."""
         return self.num_completion_tokens > 0 and self.num_computed_tokens == self.num_tokens - 1
+
+    @property
+    def recompute_due(self) -> bool:
+        """True when the sequence has grown to ``recompute_at``: its KV must be computed anew (``restart_kv``)."""
+        return self.recompute_at is not None and self.num_tokens >= self.recompute_at
+
+    def restart_kv(self) -> None:
+        """Forget the sequence's block hashes and take the salt of the KV it is recomputed with (its blocks are freed
+        by the scheduler)."""
+        self.cache_salt, self.block_hashes, self.recompute_at = self.recompute_salt, [], None
 
     def append_token(self, token_id: int, now: float | None = None, logprob: TokenLogprob | None = None) -> None:
         """Add a sampled token (with its log probabilities, when the request asked for them) and record its

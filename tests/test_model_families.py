@@ -35,8 +35,13 @@ CASES = {
     "gemma2-mha-untied": dict(family="gemma2", num_heads=2, num_kv_heads=2, sliding_window=WINDOW,
                               tie_word_embeddings=False, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                               query_pre_attn_scalar=24),
-    # LongRoPE (Phi-3 128k): prompts longer than the original context take the long factors throughout, and a
-    # context that never outgrows it the short ones; both scaled by the attention factor
+    # LongRoPE (Phi-3 128k): prompts longer than the original context take the long factors throughout, a context
+    # that never outgrows it the short ones, and one that outgrows it while it generates is recomputed with the long
+    # ones (as transformers' Phi-3 recomputes its cache; the reference recomputes every step); all scaled by the
+    # attention factor
+    "phi3-longrope-crossing": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0,
+                                   rope_scaling=dict(LONGROPE, original_max_position_embeddings=10),
+                                   original_max_position_embeddings=10),
     "phi3-longrope-long": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0,
                                rope_scaling=dict(LONGROPE, original_max_position_embeddings=2),
                                original_max_position_embeddings=2),

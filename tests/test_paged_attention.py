@@ -221,17 +221,19 @@ def test_whole_prompt_attention_on_gpu_matches_dense_attention(quantized_output)
         torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
-def test_longrope_takes_the_long_table_for_long_prompts_and_past_the_original_context():
+def test_longrope_takes_the_long_table_for_every_position_of_a_sequence_past_the_original_context():
     from kiln.runtime.native.layers.rotary import RotaryEmbedding
 
     scaling = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4,
                "original_max_position_embeddings": 6, "attention_factor": 1.2}
     rotary = RotaryEmbedding(8, 16, 10000.0, scaling)
-    assert list(rotary.table_rows(3, 5, prompt_len=4)) == [3, 4, 5, 16 + 6, 16 + 7]  # a short prompt growing past 6
-    assert list(rotary.table_rows(0, 3, prompt_len=7)) == [16, 17, 18]  # a long prompt: long from its first token
-    assert (rotary.cache_salt(4), rotary.cache_salt(7)) == (b"", b"longrope-long")
+    assert list(rotary.table_rows(3, 3, seq_len=6)) == [3, 4, 5]  # as long as the original context: short
+    assert list(rotary.table_rows(0, 3, seq_len=7)) == [16, 17, 18]  # longer: long from its first position
+    assert (rotary.cache_salt(6), rotary.cache_salt(7)) == (b"", b"longrope-long")
+    assert (rotary.recompute_point(4), rotary.recompute_point(7)) == (7, None)  # a short one recomputes at 7
     cos_short, cos_long = rotary.cos_sin_cache[1, :4], rotary.cos_sin_cache[16 + 1, :4]
     assert torch.allclose(cos_short, 1.2 * torch.cos(1.0 / 10000.0 ** (torch.arange(0, 8, 2) / 8)))
     assert torch.allclose(cos_long, 1.2 * torch.cos(1.0 / (4.0 * 10000.0 ** (torch.arange(0, 8, 2) / 8))))
     plain = RotaryEmbedding(8, 16, 10000.0, None)
-    assert plain.table_rows(3, 2, prompt_len=100) == range(3, 5) and plain.cache_salt(100) == b""
+    assert plain.table_rows(3, 2, seq_len=100) == range(3, 5) and plain.cache_salt(100) == b""
+    assert plain.recompute_point(4) is None

@@ -85,7 +85,10 @@ class NativeEngine:
         token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop))
         self.limits.check_request(len(token_ids), params)
         seq = Sequence(request_id, token_ids, params)
-        seq.cache_salt = self.model_runner.model.rotary.cache_salt(len(token_ids))
+        rotary = self.model_runner.model.rotary
+        seq.cache_salt, seq.recompute_at = rotary.cache_salt(len(token_ids)), rotary.recompute_point(len(token_ids))
+        if seq.recompute_at is not None:
+            seq.recompute_salt = rotary.cache_salt(seq.recompute_at)
         return seq
 
     def add_request(self, seq: Sequence) -> None:

@@ -187,7 +187,7 @@ class ModelRunner:
             starts.append(start)
             fed = seq in sampled_before  # its token is not on the host yet
             input_ids.extend([0] if fed else seq.token_ids[start:start + query_len])
-            positions.extend(self.model.rotary.table_rows(start, query_len, seq.num_prompt_tokens))
+            positions.extend(self.model.rotary.table_rows(start, query_len, seq.num_tokens + fed))
             seq_lens.append(start + query_len)
             if seq_lens[-1] == seq.num_tokens + fed:  # the step reaches its last token: it samples
                 rows.append(i)

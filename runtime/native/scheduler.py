@@ -39,7 +39,9 @@ class Scheduler:
     Each step schedules running decodes first, then running prefills, then admits waiting sequences in arrival
     order, chunking a prefill to whatever budget is left. When KV blocks run out, the most recently arrived running
     sequence is preempted by recompute: its blocks are freed and it goes back to the front of `waiting`. The oldest
-    sequence is never a victim and every request was checked to fit the pool alone, so none starves.
+    sequence is never a victim and every request was checked to fit the pool alone, so none starves. A sequence whose
+    KV must be computed anew (``Sequence.recompute_due``: LongRoPE's switch to its long table) is requeued the same
+    way, first in line, and readmitted in the same step where the budget allows.
 
     The ``policy`` decides what fits when a request is admitted: ``"max_utilization"`` its blocks for the tokens it
     runs now; ``"guaranteed_no_evict"`` also the blocks that every running request and it need to reach their
@@ -65,6 +67,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.limits.max_num_tokens
+        for seq in [seq for seq in self.running if seq.recompute_due]:
+            self._requeue(seq)
+            seq.restart_kv()
         for seq in sorted(self.running, key=lambda s: not s.is_decode):
             if budget == 0:
                 break
@@ -124,11 +129,13 @@ class Scheduler:
         length; a prefill chunk continues; waiting requests are admitted into the rest of the budget and into the
         seats of the sequences that end (not yet into their blocks: those are freed once ``out`` is collected).
         Blocks for the tokens in flight and the new ones are taken now. None when ``out`` preempted, when a running
-        sequence's blocks run short (that step would preempt: it waits for ``out``'s outcome), or when nothing
-        would run."""
+        sequence's blocks run short (that step would preempt: it waits for ``out``'s outcome), when a sequence's KV
+        falls due for recompute, or when nothing would run."""
         if out.num_preempted:
             return None
         sampled = {seq for seq, num_new in out.scheduled.items() if seq.num_computed_tokens + num_new == seq.num_tokens}
+        if any(seq.recompute_at is not None and seq.num_tokens + 1 >= seq.recompute_at for seq in sampled):
+            return None  # its KV is recomputed once the token is known
         ending = {seq for seq in sampled if seq.num_completion_tokens + 1 >= seq.params.max_tokens}
         going_on = [seq for seq in self.running if seq not in ending]
 
@@ -154,11 +161,14 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and requeue it first in line; its tokens are recomputed when it is readmitted."""
+        self._requeue(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def update_computed(self, out: SchedulerOutput) -> None:

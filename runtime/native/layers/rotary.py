@@ -46,7 +46,8 @@ def longrope_inv_freqs(head_dim: int, theta: float, scaling: dict[str, Any]) -> 
     ``short_factor`` / ``long_factor`` per dimension, as transformers computes them."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     base = theta**exponents
-    short, long = (torch.tensor(scaling[key], dtype=torch.float32) for key in ("short_factor", "long_factor"))
+    short, long = (torch.tensor(scaling[key], dtype=torch.float32, device="cpu")
+                   for key in ("short_factor", "long_factor"))
     if short.shape != base.shape or long.shape != base.shape:
         raise EngineFormatError(f"longrope factors need head_dim / 2 = {base.shape[0]} values each, got "
                                 f"{short.shape[0]} short and {long.shape[0]} long")
@@ -73,21 +74,27 @@ class RotaryEmbedding(nn.Module):
             table = _cos_sin(max_position, rope_inv_freq(head_dim, theta, scaling))
         self.register_buffer("cos_sin_cache", table.to(torch.get_default_device()), persistent=False)
 
-    def table_rows(self, start: int, count: int, prompt_len: int) -> range | list[int]:
-        """The rows of ``cos_sin_cache`` of positions ``start .. start + count`` of a sequence whose prompt has
-        ``prompt_len`` tokens: the positions themselves, except that with LongRoPE, as transformers generates, a
-        sequence whose prompt is longer than ``original_max`` takes the long table throughout and any other the long
-        table from that position on."""
-        if not self.long_offset:
-            return range(start, start + count)
-        if prompt_len > self.original_max:
-            return range(start + self.long_offset, start + count + self.long_offset)
-        return [p + self.long_offset if p >= self.original_max else p for p in range(start, start + count)]
+    def is_long(self, seq_len: int) -> bool:
+        """Whether a sequence ``seq_len`` tokens long takes LongRoPE's long table: it outgrew ``original_max``."""
+        return bool(self.long_offset) and seq_len > self.original_max
 
-    def cache_salt(self, prompt_len: int) -> bytes:
-        """What sets apart, in the prefix cache, the KV of a sequence rotated by other tables than another's with the
-        same tokens: LongRoPE's long-prompt sequences (``table_rows``)."""
-        return b"longrope-long" if self.long_offset and prompt_len > self.original_max else b""
+    def table_rows(self, start: int, count: int, seq_len: int) -> range:
+        """The rows of ``cos_sin_cache`` of positions ``start .. start + count`` of a sequence now ``seq_len`` tokens
+        long: the positions themselves, except that with LongRoPE a sequence longer than ``original_max`` takes the
+        long table for all of them, as transformers computes it. A sequence that grows past ``original_max`` has its
+        KV recomputed with the long table (``recompute_point``), as transformers' Phi-3 recomputes its cache."""
+        offset = self.long_offset if self.is_long(seq_len) else 0
+        return range(start + offset, start + count + offset)
+
+    def cache_salt(self, seq_len: int) -> bytes:
+        """What sets apart, in the prefix cache, the KV of a sequence ``seq_len`` long rotated by another table than
+        another's with the same tokens: LongRoPE's long sequences (``table_rows``)."""
+        return b"longrope-long" if self.is_long(seq_len) else b""
+
+    def recompute_point(self, seq_len: int) -> int | None:
+        """The length at which a sequence now ``seq_len`` long must recompute its KV: ``original_max + 1`` for a
+        LongRoPE sequence still on the short table, else None."""
+        return self.original_max + 1 if self.long_offset and not self.is_long(seq_len) else None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
