@@ -91,6 +91,22 @@ def test_a_batch_whose_full_length_sequences_do_not_all_fit_builds_and_one_that_
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("intermediate_size", 96, r"layers.0.mlp.gate_up_proj.weight has shape \[256, 64\], expected \[192, 64\]"),
+    ("head_dim", 8, r"layers.0.self_attn.qkv_proj.weight has shape \[128, 64\], expected \[64, 64\]"),
+])
+def test_tensors_that_disagree_with_config_json_are_refused_before_anything_is_written(checkpoint, tmp_path, field,
+                                                                                        value, problem):
+    source = shutil.copytree(checkpoint, tmp_path / "hf")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, field: value}))
+    out = tmp_path / "engine"
+    out.mkdir()
+    with pytest.raises(KilnError, match=f"tensors do not match its config.json .*{problem}"):
+        build_native_engine(source, out, tiny_plan(), "float32")
+    assert list(out.iterdir()) == []
+
+
 def test_an_architecture_of_no_supported_family_is_refused_naming_the_supported_ones(tmp_path):
     checkpoint = make_hf_checkpoint(tmp_path / "hf")
     config = json.loads((checkpoint / "config.json").read_text())

@@ -23,7 +23,9 @@ from kiln.runtime.native.engine_format import (
     weights_file,
 )
 from kiln.runtime.native.fingerprint import machine_fingerprint
+from kiln.runtime.native.model.decoder import DecoderModel
 from kiln.runtime.native.parallel.sharding import rank_architecture, rank_config, shard_weights, sharding_problems
+from kiln.runtime.native.weight_loading import weights_mismatch
 from kiln.runtime.options import Kernels
 from kiln.runtime.plan import BuildPlan
 from kiln.runtime.tokenizer import copy_tokenizer_files
@@ -70,6 +72,7 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
         fingerprint=machine_fingerprint(device),
         tp_size=tp_size,
     )
+    check_weights_match(config, weights, checkpoint_dir)
     shards = shard_weights(weights, arch, tp_size) if tp_size > 1 else [weights]
     # the ranks of a CPU engine share this machine's memory; those of a CUDA engine have a GPU each
     ranks_per_memory = tp_size if torch.device(device).type == "cpu" else 1
@@ -85,6 +88,17 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
     copy_tokenizer_files(checkpoint_dir, out_dir)
     config.save(out_dir)
     return config.to_dict()
+
+
+def check_weights_match(config: EngineConfig, weights: dict[str, torch.Tensor], checkpoint_dir: Path) -> None:
+    """Refuse converted ``weights`` that the model of ``config`` cannot load (checked on the meta device, no
+    memory): a checkpoint whose tensors disagree with its config.json is refused before anything is written,
+    where it would otherwise reach the cache and fail at every load."""
+    with torch.device("meta"):
+        params = DecoderModel(replace(config, tp_size=1), config.torch_dtype).state_dict()
+    if problem := weights_mismatch({name: tuple(t.shape) for name, t in weights.items()}, params):
+        raise KilnError(f"{checkpoint_dir}: the checkpoint's tensors do not match its config.json (runtime layout: "
+                        f"{problem}); check config.json's sizes against the weights, or re-export the checkpoint")
 
 
 def _bytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -86,14 +86,8 @@ def load_weights_into(path: Path, params: dict[str, torch.Tensor]) -> None:
     if not path.is_file():
         raise EngineFormatError(f"{path}: missing; the engine is incomplete, rebuild it")
     stored = read_header(path)
-    if stored.keys() != params.keys():
-        missing, unexpected = sorted(params.keys() - stored.keys()), sorted(stored.keys() - params.keys())
-        raise EngineFormatError(f"{path}: weights do not match engine.json (missing {missing[:3]}, unexpected "
-                                f"{unexpected[:3]}); rebuild the engine")
-    for name, tensor in stored.items():
-        if tensor.shape != tuple(params[name].shape):
-            raise EngineFormatError(f"{path}: {name} has shape {list(tensor.shape)}, expected "
-                                    f"{list(params[name].shape)}; rebuild the engine")
+    if problem := weights_mismatch({name: tensor.shape for name, tensor in stored.items()}, params):
+        raise EngineFormatError(f"{path}: weights do not match engine.json ({problem}); rebuild the engine")
     device = next(iter(params.values())).device if params else torch.device("cpu")
     direct = {name: t for name, t in stored.items() if t.dtype == params[name].dtype and params[name].is_contiguous()}
     with open(path, "rb") as f:
@@ -108,6 +102,17 @@ def load_weights_into(path: Path, params: dict[str, torch.Tensor]) -> None:
         else:
             for offset, dest in chunks:
                 _read_exact(fd, dest.numpy(), offset, path)
+
+
+def weights_mismatch(shapes: dict[str, tuple[int, ...]], params: dict[str, torch.Tensor]) -> str | None:
+    """What keeps tensors of these names and ``shapes`` from filling ``params`` exactly, or None when they do."""
+    if shapes.keys() != params.keys():
+        missing, unexpected = sorted(params.keys() - shapes.keys()), sorted(shapes.keys() - params.keys())
+        return f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+    for name, shape in shapes.items():
+        if tuple(shape) != tuple(params[name].shape):
+            return f"{name} has shape {list(shape)}, expected {list(params[name].shape)}"
+    return None
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
