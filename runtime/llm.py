@@ -11,7 +11,7 @@ import time
 import uuid
 from collections import abc
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,12 +233,17 @@ class LLM:
         return seq.request_id
 
     def result(self, request_id: str, timeout: float | None = None) -> RequestOutput:
-        """Wait for a submitted request (finish_reason "abort" if it was aborted); each id can be collected once."""
+        """Wait for a submitted request (finish_reason "abort" if it was aborted); each id can be collected once.
+        After a ``TimeoutError`` the request runs on and can be waited for again (or aborted)."""
         with self._lock:
-            future = self._results.pop(request_id, None)
+            future = self._results.get(request_id)
         if future is None:
             raise KeyError(f"no submitted request {request_id!r} awaits collection")
-        return future.result(timeout)
+        if not wait([future], timeout).done:
+            raise TimeoutError(f"request {request_id!r} did not finish within {timeout} s; it runs on")
+        with self._lock:
+            self._results.pop(request_id, None)
+        return future.result()
 
     def wait_until_warm(self, timeout: float | None = None) -> bool:
         """Wait until the engine has done the warm-up its load deferred (the native engine captures its CUDA graphs

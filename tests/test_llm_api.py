@@ -55,6 +55,15 @@ def test_greedy_tokens_match_transformers_generate_for_single_and_batched_prompt
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
 
 
+def test_loading_and_generating_leave_the_global_rng_alone(engine_dir):
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    with LLM.load(engine_dir) as llm:
+        llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=4))
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_text_prompt_round_trips_through_the_engine_tokenizer(llm):
     out = llm.generate("t5 t6 t7", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert out.prompt_token_ids == [5, 6, 7]
@@ -129,6 +138,15 @@ def test_aborted_request_frees_all_of_its_blocks(llm):
     out = llm.result(request_id, timeout=10)
     assert out.finish_reason == "abort" and len(out.token_ids) < 200
     assert all_blocks_free(llm)
+
+
+def test_a_result_that_times_out_can_be_waited_for_again(llm):
+    request_id = llm.submit(PROMPTS[2], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    with pytest.raises(TimeoutError, match="runs on"):
+        llm.result(request_id, timeout=0)
+    assert len(llm.result(request_id, timeout=30).token_ids) == 64
+    with pytest.raises(KeyError):  # collected once
+        llm.result(request_id)
 
 
 def test_concurrent_asyncio_requests_match_generate(llm):

@@ -175,7 +175,10 @@ class DecoderModel(nn.Module):
         linear = LinearFactory(config, dtype, kernels)
         rotary = RotaryEmbedding(arch.head_dim, config.plan.max_seq_len, arch.rope_theta, arch.rope_scaling)
         self.rotary = rotary  # shared by the layers; its table_rows are the positions the model takes
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype).requires_grad_(False)
+        # filled by the weight load: not initialised, which would draw from (and advance) the global RNG
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype),
+                                         _freeze=True)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, linear, rotary, dtype, tp) for i in range(arch.num_layers)
         )
