@@ -9,7 +9,7 @@ from pathlib import Path
 
 import tokenizers
 
-from kiln.runtime.errors import InvalidRequestError
+from kiln.runtime.errors import EngineFormatError, InvalidRequestError
 from kiln.runtime.sampling_params import SamplingParams
 
 # Prompt tokens kept as context when decoding the first completion tokens (spaces and merged bytes depend on it).
@@ -54,14 +54,24 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, directory: Path) -> Tokenizer | None:
-        """Load `tokenizer.json` (and `tokenizer_config.json` for `add_bos_token`) from an engine directory; None when
-        it has no tokenizer (its prompts are then token ids)."""
+        """Load `tokenizer.json` (and `tokenizer_config.json` for `add_bos_token`) from an engine or checkpoint
+        directory; None when it has no tokenizer (its prompts are then token ids). EngineFormatError names a file
+        that does not load."""
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
             return None
-        tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise EngineFormatError(f"{path}: not a tokenizer the tokenizers library loads ({e}); save the "
+                                    "tokenizer again with save_pretrained") from None
         config_path = Path(directory) / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise EngineFormatError(f"{config_path}: unreadable JSON ({e}); save the tokenizer again") from None
+        if not isinstance(config, dict):
+            raise EngineFormatError(f"{config_path}: expected a JSON object; save the tokenizer again")
         bos = special_token_text(config.get("bos_token"))
         bos_token_id = tokenizer.token_to_id(bos) if config.get("add_bos_token") and bos else None
         return cls(tokenizer, bos_token_id)

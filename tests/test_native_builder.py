@@ -201,6 +201,31 @@ def test_sharded_checkpoint_builds_the_same_weights(checkpoint, tmp_path):
     assert all(torch.equal(single[k], from_shards[k]) for k in single)
 
 
+@pytest.mark.parametrize(("name", "text"), [("tokenizer.json", "{not json"), ("tokenizer.json", '{"model": 3}'),
+                                          ("tokenizer_config.json", "[1, 2]")])
+def test_a_tokenizer_that_does_not_load_is_refused_before_anything_is_written(checkpoint, tmp_path, name, text):
+    source = shutil.copytree(checkpoint, tmp_path / "hf")
+    (source / name).write_text(text)
+    out = tmp_path / "engine"
+    out.mkdir()
+    with pytest.raises(EngineFormatError, match=f"{name}: "):
+        build_native_engine(source, out, tiny_plan(), "float32")
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors"])
+def test_an_index_naming_a_shard_outside_the_checkpoint_directory_is_refused(checkpoint, tmp_path, shard):
+    source = shutil.copytree(checkpoint, tmp_path / "hf")
+    names = list(load_file(source / "model.safetensors"))
+    index = {"weight_map": {**dict.fromkeys(names, "model.safetensors"), names[0]: shard}}
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "engine"
+    out.mkdir()
+    with pytest.raises(KilnError, match="not a file in the checkpoint directory"):
+        build_native_engine(source, out, tiny_plan(), "float32")
+    assert list(out.iterdir()) == []
+
+
 def test_engine_whose_weights_do_not_match_engine_json_is_refused(checkpoint, tmp_path):
     _, out = build(checkpoint, tmp_path)
     weights = load_file(out / "rank0.safetensors")

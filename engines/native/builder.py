@@ -28,7 +28,7 @@ from kiln.runtime.native.parallel.sharding import rank_architecture, rank_config
 from kiln.runtime.native.weight_loading import weights_mismatch
 from kiln.runtime.options import Kernels
 from kiln.runtime.plan import BuildPlan
-from kiln.runtime.tokenizer import copy_tokenizer_files
+from kiln.runtime.tokenizer import Tokenizer, copy_tokenizer_files
 
 
 def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dtype: str, device: str = "cpu",
@@ -52,7 +52,7 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
     source_quant = read_quantization(checkpoint_dir, hf_config)
     refuse_unshardable(arch, tp_size, source_quant.group_size)
     build_plan = fit_plan(plan, arch, dtype, source_quant.fp8_kv_cache)
-    if not (checkpoint_dir / "tokenizer.json").is_file():
+    if Tokenizer.from_dir(checkpoint_dir) is None:  # loaded once here, so that a broken one is never published
         raise KilnError(f"{checkpoint_dir}: no tokenizer.json; the native runtime needs a fast tokenizer file "
                         "(save the tokenizer with save_pretrained)")
 

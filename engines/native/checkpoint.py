@@ -121,7 +121,7 @@ class CheckpointTensors:
         single = checkpoint_dir / "model.safetensors"
         if index.is_file():
             weight_map = read_json(index).get("weight_map", {})
-            self._files = {name: checkpoint_dir / fname for name, fname in weight_map.items()}
+            self._files = {name: _shard(checkpoint_dir, index, fname) for name, fname in weight_map.items()}
         elif single.is_file():
             with _open(single) as f:
                 self._files = dict.fromkeys(f.keys(), single)
@@ -158,6 +158,14 @@ class CheckpointTensors:
     def unused(self) -> list[str]:
         """Names never read, other than rotary caches some checkpoints carry."""
         return sorted(n for n in self._files if n not in self.used and not n.endswith("rotary_emb.inv_freq"))
+
+
+def _shard(checkpoint_dir: Path, index: Path, name: object) -> Path:
+    """The shard file an index names: a file name inside the checkpoint directory, nothing outside it."""
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise KilnError(f"{index}: weight_map names {name!r}, not a file in the checkpoint directory; re-export the "
+                        "checkpoint")
+    return checkpoint_dir / name
 
 
 def _open(path: Path):
