@@ -148,11 +148,12 @@ class _Stage:
 
         try:
             # safetensors only: a pickle beside them (pytorch_model.bin) is never loaded, nor in the cache key
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype or self.dtype,
-                                                         use_safetensors=True)
+            model, loading = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype or self.dtype,
+                                                                  use_safetensors=True, output_loading_info=True)
         except Exception as exc:  # transformers raises many kinds for unloadable checkpoints
             raise CalibrationError(f"{self.model_dir}: cannot load the checkpoint with transformers "
                                    f"({type(exc).__name__}: {str(exc).splitlines()[0]}); check its files") from exc
+        _refuse_incomplete(self.model_dir, loading)
         model.requires_grad_(False)
         return model.to(self.device).eval()
 
@@ -299,6 +300,19 @@ def _check_checkpoint(model_dir: Path) -> None:
     if not json.loads(config_path.read_text()).get("architectures"):
         raise CalibrationError(f"{config_path}: no 'architectures' entry (modelopt's exporters need it); add e.g. "
                                '"architectures": ["LlamaForCausalLM"]')
+
+
+def _refuse_incomplete(model_dir: Path, loading: dict) -> None:
+    """A checkpoint transformers loaded only by initialising missing weights at random (or skipping tensors it does
+    not know) would be calibrated, gated against that same random fill and shipped: refused instead."""
+    unexpected = sorted(n for n in loading["unexpected_keys"] if not n.endswith("rotary_emb.inv_freq"))
+    for kind, names in (("lacks", sorted(loading["missing_keys"])), ("has weights of another shape for",
+                        sorted(str(m) for m in loading["mismatched_keys"])), ("has tensors its model does not use:",
+                        unexpected)):
+        if names:
+            raise CalibrationError(f"{model_dir}: the checkpoint {kind} {', '.join(names[:5])}"
+                                   f"{' ...' if len(names) > 5 else ''}; it is incomplete or not of the architecture "
+                                   "its config.json names, re-export it")
 
 
 def _check_int4_shapes(model: nn.Module, model_dir: Path) -> None:

@@ -189,6 +189,27 @@ def test_bad_data_exits_with_a_clear_message_and_writes_nothing(checkpoint, tmp_
     assert not out.exists()
 
 
+@pytest.mark.parametrize(("edit", "message"), [
+    ("drop", r"lacks model.layers.1.mlp.down_proj.weight"),
+    ("add", r"has tensors its model does not use: model.layers.1.mlp.extra.weight"),
+])
+def test_a_checkpoint_transformers_would_fill_in_or_skip_is_refused_and_nothing_is_written(tmp_path, edit, message):
+    from safetensors.torch import load_file, save_file
+
+    source = make_checkpoint(tmp_path / "hf")
+    (weights,) = source.glob("*.safetensors")
+    tensors = load_file(weights)
+    if edit == "drop":
+        del tensors["model.layers.1.mlp.down_proj.weight"]
+    else:
+        tensors["model.layers.1.mlp.extra.weight"] = tensors["model.layers.1.mlp.down_proj.weight"].clone()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    with pytest.raises(CalibrationError, match=message):
+        quantize_checkpoint(source, small_recipe(format="fp8"), out)
+    assert not out.exists()
+
+
 def test_checkpoint_without_safetensors_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(CalibrationError, match="no \\*.safetensors weights"):
@@ -207,7 +228,7 @@ def test_calibration_loads_safetensors_only_so_a_pickle_beside_them_is_never_unp
 
     def record(model_dir, **kwargs):
         seen.update(kwargs)
-        return torch.nn.Linear(1, 1)
+        return torch.nn.Linear(1, 1), {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set()}
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", record)
     _Stage._load_model(types.SimpleNamespace(model_dir=tmp_path, dtype=torch.float32, device="cpu"))
