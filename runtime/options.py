@@ -105,6 +105,19 @@ class RuntimeOptions:
             raise RuntimeOptionsError(f"device {self.device!r} must be 'cpu', 'cuda' or 'cuda:N', or None for the "
                                       f"engine's own")
 
+    def check_applies(self, device_type: str, tp_size: int) -> None:
+        """Refuse options that an engine of ``tp_size`` ranks on a ``device_type`` device would not use: the CUDA
+        ones on the CPU, a rendezvous for a one-device engine."""
+        cuda_only = ("cuda_graphs", "cuda_graph_capture", "gpu_memory_utilization")
+        unused = [] if device_type == "cuda" else [
+            f"{name}={getattr(self, name)!r}" for name in cuda_only if getattr(self, name) not in (None, False)]
+        if unused:
+            raise RuntimeOptionsError(f"{', '.join(unused)}: CUDA settings, and this engine runs on the "
+                                      f"{device_type}; leave them unset")
+        if self.tp_rendezvous is not None and tp_size == 1:
+            raise RuntimeOptionsError(f"tp_rendezvous={self.tp_rendezvous!r}: this engine runs on one device "
+                                      "(tp_size 1) and meets no other ranks; leave it unset")
+
     @property
     def captures_cuda_graphs(self) -> bool:
         """Whether CUDA graphs are captured when the engine runs on CUDA."""

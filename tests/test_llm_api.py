@@ -16,6 +16,7 @@ from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.native.engine import InvalidRequestError
 from kiln.runtime.native.sampler import SamplingError
+from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailedError
 from kiln.runtime.tokenizer import IncrementalDetokenizer
 from tests.model_factories import build_tiny_engine, make_hf_model, tiny_plan
@@ -62,6 +63,11 @@ def test_loading_and_generating_leave_the_global_rng_alone(engine_dir):
     with LLM.load(engine_dir) as llm:
         llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=4))
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_a_cuda_setting_for_an_engine_on_the_cpu_is_refused_at_load(engine_dir):
+    with pytest.raises(KilnError, match="cuda_graphs=True: CUDA settings, and this engine runs on the cpu"):
+        LLM.load(engine_dir, RuntimeOptions(device="cpu", cuda_graphs=True))
 
 
 def test_text_prompt_round_trips_through_the_engine_tokenizer(llm):

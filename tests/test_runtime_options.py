@@ -83,3 +83,16 @@ def test_gpu_memory_utilization_is_the_share_of_the_device_the_kv_pool_fills(mon
                              device=torch.device("cuda"))
     blocks = {share: model_runner.ModelRunner._default_num_kv_blocks(runner, share) for share in (0.9, 0.95)}
     assert blocks == {0.9: 4 * 86 - 1, 0.95: 4 * 93 - 1}  # (100 - 14 or 7 GiB) in quarter-GiB blocks, less activations
+
+
+@pytest.mark.parametrize(("values", "device", "tp_size", "problem"), [
+    (dict(cuda_graphs=True), "cpu", 1, r"cuda_graphs=True: CUDA settings, and this engine runs on the cpu"),
+    (dict(gpu_memory_utilization=0.5, cuda_graph_capture="at_load"), "cpu", 2,
+     r"cuda_graph_capture='at_load', gpu_memory_utilization=0.5: CUDA settings"),
+    (dict(tp_rendezvous="10.0.0.1:29500"), "cuda", 1, r"tp_rendezvous='10.0.0.1:29500': this engine runs on one"),
+])
+def test_options_the_engine_would_not_use_are_refused(values, device, tp_size, problem):
+    with pytest.raises(RuntimeOptionsError, match=problem):
+        RuntimeOptions(**values).check_applies(device, tp_size)
+    RuntimeOptions(cuda_graphs=False, tp_rendezvous="10.0.0.1:29500").check_applies("cpu", 2)  # off, or used
+    RuntimeOptions(**values).check_applies("cuda", 2)

@@ -49,6 +49,7 @@ class NativeEngine:
         if self.config.tp_size > 1 and options.cuda_graph_capture == "deferred":
             raise RuntimeOptionsError("cuda_graph_capture 'deferred' cannot run a tensor-parallel engine: its ranks "
                                       "capture their CUDA graphs together, at load; leave it unset or pass 'at_load'")
+        options.check_applies(self.device.type, self.config.tp_size)
         # a tensor-parallel engine: this process is rank 0, the other ranks are worker processes it starts
         self.ranks = TensorParallelRanks(engine_dir, options, self.config.tp_size, self.device) \
             if self.config.tp_size > 1 else None
