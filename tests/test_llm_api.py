@@ -70,6 +70,11 @@ def test_a_cuda_setting_for_an_engine_on_the_cpu_is_refused_at_load(engine_dir):
         LLM.load(engine_dir, RuntimeOptions(device="cpu", cuda_graphs=True))
 
 
+def test_a_kv_pool_that_cannot_be_allocated_is_a_kiln_error_naming_its_size(engine_dir):
+    with pytest.raises(KilnError, match=r"KV pool of 1000000000000 blocks \([0-9.]+ GiB\) could not be allocated"):
+        LLM.load(engine_dir, RuntimeOptions(num_kv_blocks=10**12))
+
+
 def test_text_prompt_round_trips_through_the_engine_tokenizer(llm):
     out = llm.generate("t5 t6 t7", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert out.prompt_token_ids == [5, 6, 7]

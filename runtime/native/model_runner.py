@@ -156,7 +156,13 @@ class ModelRunner:
                 f"KV pool of {self.num_kv_blocks} blocks cannot hold one sequence of max_seq_len "
                 f"{config.plan.max_seq_len} ({min_blocks} blocks of {self.block_size} tokens): free memory, pass a "
                 f"larger num_kv_blocks, or rebuild with a smaller max_seq_len")
-        self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, self.device)
+        try:
+            self.kv_caches = allocate_kv_cache(config, self.num_kv_blocks, self.device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError, as is the CPU's
+            gib = self.num_kv_blocks * kv_bytes_per_block(config) / 2**30
+            raise InsufficientKVMemoryError(
+                f"KV pool of {self.num_kv_blocks} blocks ({gib:.1f} GiB) could not be allocated on {self.device} "
+                f"({str(e).splitlines()[0]}): pass a smaller num_kv_blocks or free memory") from None
 
     def _default_num_kv_blocks(self, gpu_memory_utilization: float) -> int:
         plan, arch = self.config.plan, self.config.architecture
