@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kiln.runtime.cache_hold import EntryHold, hold_if_cached
 from kiln.runtime.engine import Engine, load_engine
-from kiln.runtime.errors import EngineFormatError, KilnError
+from kiln.runtime.errors import EngineFormatError, InvalidRequestError, KilnError
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, RequestOutput, StreamDelta
@@ -155,6 +155,9 @@ class LLM:
     def generate(self, prompts: Prompt | abc.Sequence[Prompt],
                  params: SamplingParams | abc.Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Complete each prompt (text or token ids); blocks until all are done. Outputs follow the prompts' order."""
+        if not isinstance(prompts, str | list | tuple):
+            raise InvalidRequestError(f"prompts must be text, token ids, or a list of those; got "
+                                      f"{type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         seqs = self._make_requests(prompts, params)

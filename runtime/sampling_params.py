@@ -64,9 +64,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        self.logit_bias = dict(self.logit_bias)
+        for name, kind, accepted in (("stop", list, list | tuple), ("stop_token_ids", list, list | tuple),
+                                     ("logit_bias", dict, dict)):
+            value = getattr(self, name)  # None is the empty one, as in the OpenAI API
+            if value is not None and not isinstance(value, accepted):
+                raise ValueError(f"SamplingParams.{name} must be a {kind.__name__} or None, got {value!r}")
+            setattr(self, name, kind(value or ()))
         self._validate()
         self._validate_controls()
         if self.structured_output is not None:
@@ -80,7 +83,7 @@ class SamplingParams:
                              f"got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"SamplingParams.top_k must be an int >= 1, or 0/-1 to disable it, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
@@ -94,6 +97,9 @@ class SamplingParams:
             raise ValueError("SamplingParams.stop needs detokenize=True: stop strings are found in the text")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        for name in ("ignore_eos", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
 
     def _validate_controls(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -212,12 +212,14 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
         if tokenizer is None:
             raise error("this engine has no tokenizer.json: pass the prompt as token ids")
         token_ids = tokenizer.encode(prompt)
-    else:
+    elif isinstance(prompt, list | tuple):
         token_ids = list(prompt)
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
         if bad:
             raise error(f"prompt token ids {bad[:5]} are not ints in [0, {vocab_size}): tokenize with this engine's "
                         "tokenizer")
+    else:
+        raise error(f"a prompt is text (a str) or token ids (a list of ints), got {type(prompt).__name__}")
     if has_stop_strings and tokenizer is None:
         raise error("stop strings need a tokenizer and this engine has no tokenizer.json: use stop_token_ids")
     return token_ids

@@ -75,6 +75,17 @@ def test_a_kv_pool_that_cannot_be_allocated_is_a_kiln_error_naming_its_size(engi
         LLM.load(engine_dir, RuntimeOptions(num_kv_blocks=10**12))
 
 
+@pytest.mark.parametrize(("prompts", "message"), [
+    (None, "prompts must be text, token ids, or a list of those; got NoneType"),
+    (b"t5 t6", "prompts must be text, token ids, or a list of those; got bytes"),
+    ([b"t5 t6"], "a prompt is text .* or token ids .*, got bytes"),
+    ([{"text": "t5"}], "a prompt is text .* or token ids .*, got dict"),
+])
+def test_a_prompt_of_another_type_is_refused_naming_it(llm, prompts, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.generate(prompts, GREEDY)
+
+
 def test_text_prompt_round_trips_through_the_engine_tokenizer(llm):
     out = llm.generate("t5 t6 t7", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert out.prompt_token_ids == [5, 6, 7]

@@ -45,10 +45,20 @@ def greedy(llm: LLM, max_tokens: int = 16) -> list[int]:
     ("seed", -1, r"seed must be in \[0, 2\*\*64 - 1\]"),
     ("stop", [""], "stop must be non-empty strings"),
     ("stop_token_ids", [-1], "stop_token_ids must be token ids >= 0"),
+    ("top_p", True, r"top_p must be in \(0, 1\]"),
+    ("ignore_eos", "no", "ignore_eos must be True or False"),
+    ("detokenize", 0, "detokenize must be True or False"),
+    ("stop", 3, "stop must be a list or None"),
+    ("logit_bias", [1, 2], "logit_bias must be a dict or None"),
 ])
 def test_sampling_params_reject_bad_values_with_a_clear_message(field, value, words):
     with pytest.raises(ValueError, match=words):
         SamplingParams(**{field: value})
+
+
+def test_none_for_a_collection_is_the_empty_one():
+    params = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None)
+    assert (params.stop, params.stop_token_ids, params.logit_bias) == ([], [], {})
 
 
 def test_stop_strings_need_the_text():
