@@ -186,8 +186,8 @@ class DecoderModel(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, dtype, kernels)
         self.max_num_tokens = config.plan.max_num_tokens
         # sqrt(hidden) rounded to the model dtype first, as transformers' Gemma does
-        self.embedding_scale = float(torch.tensor(arch.hidden_size**0.5, dtype=dtype)) if arch.scale_embeddings \
-            else None
+        scale = float(torch.tensor(arch.hidden_size**0.5, dtype=dtype, device="cpu"))  # on any default device
+        self.embedding_scale = scale if arch.scale_embeddings else None
         self.final_logit_softcapping = arch.final_logit_softcapping
 
     @classmethod
