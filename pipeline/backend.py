@@ -56,10 +56,15 @@ def choose_backend(requested: str, device: str) -> BackendChoice:
     return BackendChoice("native", resolved_device, f"auto: {why}, so Kiln's native engine")
 
 
-def require(choice: BackendChoice) -> None:
-    """Raise a clear error when the chosen backend or device cannot run here."""
+def require_device(choice: BackendChoice) -> None:
+    """Raise a clear error when the chosen device is not on this machine (a dry run too: the key needs its GPU)."""
     if choice.device == "cuda" and not torch.cuda.is_available():
-        raise BackendUnavailableError("build.device is cuda but no CUDA GPU is visible; use device: auto or cpu")
+        raise BackendUnavailableError("build.device is cuda, but CUDA is not available on this machine (no GPU "
+                                      "visible, or torch built without CUDA); set build.device to auto or cpu")
+
+
+def require(choice: BackendChoice) -> None:
+    """Raise a clear error when the chosen backend cannot run here (``require_device`` checks the device)."""
     if choice.backend == "trtllm" and not trtllm_available():
         raise BackendUnavailableError(
             f"backend trtllm needs TensorRT-LLM, which is not installed; {TRTLLM_INSTALL_HINT}"

@@ -3,19 +3,38 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 from kiln.pipeline.bench.command import bench
 from kiln.pipeline.bench.loadtest import loadtest
 from kiln.pipeline.cache_commands import cache_app, print_explain
 from kiln.pipeline.config import load_config
-from kiln.pipeline.console import friendly_errors, print_json, stage_progress, stdout
+from kiln.pipeline.console import friendly_errors, print_error_json, print_json, stage_progress, stdout
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.pipeline.serve_command import serve
 
-app = typer.Typer(help="Kiln: a Hugging Face checkpoint to a quantized, cached, served engine.",
+
+class KilnGroup(TyperGroup):
+    """``kiln``'s commands: a usage error (a missing argument, an unknown option) of a command line that asks for
+    ``--json`` prints the error object on stdout too, as the command's own errors do."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        ctx.meta["json_out"] = "--json" in args
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except typer.TyperException as exc:  # typer's click exceptions: usage errors, bad parameters
+            if ctx.meta.get("json_out"):
+                print_error_json(type(exc).__name__, exc.format_message())
+            raise
+
+
+app = typer.Typer(cls=KilnGroup, help="Kiln: a Hugging Face checkpoint to a quantized, cached, served engine.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
 config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
@@ -94,7 +113,7 @@ def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
 
     loaded = load_config(config)
     if (model_dir := find_model(loaded.config.model)) and (positions := model_max_positions(model_dir)):
-        loaded.config.build = loaded.config.build.fitted_to_model(positions)
+        loaded.fit_to_model(positions)
     data = loaded.config.model_dump(mode="json")
     data["cache"]["dir"] = str(loaded.config.cache.root())
     recipe = loaded.config.quantize

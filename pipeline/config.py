@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import math
 import os
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
@@ -15,7 +17,7 @@ from kiln.engines.cache.remote.spec import RemoteSpec, endpoint_problem, url_pro
 from kiln.engines.cache.store import VerifyOnLoad
 from kiln.engines.trtllm.options import GEMM_PLUGINS, KV_CACHE_TYPES, LOG_LEVELS, PLUGIN_DTYPES
 from kiln.pipeline.yaml_source import ConfigError, line_of, load_yaml_with_lines
-from kiln.runtime.plan import BuildPlan
+from kiln.runtime.plan import BuildPlan, PlanError
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the kiln package: a checkout's root, or site-packages/kiln
 CONFIGS_DIR = PACKAGE_DIR / "configs"  # bundled configs; architecture files under models/
@@ -33,6 +35,13 @@ class ModelSection(_Section):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     revision: str | None = Field(None, description="Hub revision when path is a model id.")
     allow_download: bool = Field(False, description="Fetch from the hub when the model is not on disk.")
+
+    @model_validator(mode="after")
+    def _revision_of_a_model_id(self) -> ModelSection:
+        if self.revision is not None and is_local_path(self.path):
+            raise ValueError(f"model.revision ({self.revision}) picks a revision on the Hugging Face hub, and "
+                             f"model.path is the local folder {self.path}; remove revision, or give a model id")
+        return self
 
 
 class TrtllmSection(_Section):
@@ -68,7 +77,18 @@ class BuildSection(_Section):
     @model_validator(mode="after")
     def _check_plan(self) -> BuildSection:
         self.plan()  # the plan's own checks (PlanError is a ValueError: pydantic names the file, line and field)
+        if self.backend == "native" and (unused := self.trtllm_settings()):
+            raise ValueError(f"{', '.join(unused)}: for the TensorRT-LLM backend only, and build.backend is native; "
+                             f"remove {'it' if len(unused) == 1 else 'them'}, or set build.backend to trtllm or auto")
         return self
+
+    def trtllm_settings(self) -> list[str]:
+        """The settings given here that only the TensorRT-LLM backend uses (the native build has no workers, timeout,
+        log level or plugins)."""
+        named = [f"build.{name}" for name in ("workers", "timeout_s", "log_level") if name in self.model_fields_set]
+        if "trtllm" in self.model_fields_set:
+            named += [f"build.trtllm.{name}" for name in self.trtllm.model_fields_set] or ["build.trtllm"]
+        return named
 
     def plan(self, kv_cache_dtype: str = "auto") -> BuildPlan:
         """The build plan of these limits, with the KV cache dtype the quantize stage asks for."""
@@ -78,15 +98,17 @@ class BuildSection(_Section):
 
     def fitted_to_model(self, max_position_embeddings: int) -> BuildSection:
         """These limits, with those the config leaves to their defaults fitted to the model: ``max_seq_len`` at most
-        its ``max_position_embeddings``, and ``max_input_len`` at most half of a ``max_seq_len`` so lowered."""
-        values = self.model_dump()
-        if "max_seq_len" not in self.model_fields_set and self.max_seq_len > max_position_embeddings:
-            values["max_seq_len"] = max_position_embeddings
-            if "max_input_len" not in self.model_fields_set:
-                values["max_input_len"] = min(self.max_input_len, max(1, max_position_embeddings // 2))
-        if values == self.model_dump():
+        its ``max_position_embeddings``, and ``max_input_len`` at most half of a ``max_seq_len`` so lowered. PlanError
+        when a ``max_input_len`` the config sets does not fit the lowered ``max_seq_len``."""
+        if "max_seq_len" in self.model_fields_set or self.max_seq_len <= max_position_embeddings:
             return self
-        return BuildSection.model_validate(values)
+        fitted = {"max_seq_len": max_position_embeddings}
+        if "max_input_len" not in self.model_fields_set:
+            fitted["max_input_len"] = min(self.max_input_len, max(1, max_position_embeddings // 2))
+        elif self.max_input_len > max_position_embeddings:
+            raise PlanError(f"build.max_input_len ({self.max_input_len}) must not exceed build.max_seq_len, fitted to "
+                            f"the model's max_position_embeddings ({max_position_embeddings}); lower max_input_len")
+        return self.model_copy(update=fitted)  # the plan's checks hold: only max_seq_len and max_input_len went down
 
     def semantic(self, backend: str) -> dict:
         """The fields that change what the engine computes or how it is laid out (the cache key's part)."""
@@ -147,7 +169,7 @@ class ServeSection(_Section):
 class SmokeSection(_Section):
     """What the smoke stage generates after loading the engine."""
 
-    prompt: str = "Once upon a time"
+    prompt: str = Field("Once upon a time", min_length=1)
     max_tokens: PositiveInt = 16
 
 
@@ -161,13 +183,74 @@ class KilnConfig(_Section):
     serve: ServeSection = Field(default_factory=ServeSection)
     smoke: SmokeSection = Field(default_factory=SmokeSection)
 
+    @model_validator(mode="after")
+    def _check_across_fields(self) -> KilnConfig:
+        if problem := _quantize_problem(self.quantize) or self.smoke_problem():
+            raise ValueError(problem)
+        return self
+
+    def smoke_problem(self, prompt_tokens: int | None = None) -> str | None:
+        """Why the smoke request (``smoke.prompt`` of ``prompt_tokens`` tokens, None: not counted, at least one; then
+        ``smoke.max_tokens`` new ones) does not fit the build plan, naming the field first; None when it fits."""
+        smoke, build = self.smoke, self.build
+        if prompt_tokens == 0:
+            return "smoke.prompt encodes to no tokens; give the smoke stage some text to generate from"
+        if prompt_tokens is not None and prompt_tokens > build.max_input_len:
+            return (f"smoke.prompt is {prompt_tokens} tokens, more than build.max_input_len ({build.max_input_len}); "
+                    "shorten it")
+        total = smoke.max_tokens + (prompt_tokens or 1)
+        if total > build.max_seq_len:
+            prompt = f"the smoke.prompt's {prompt_tokens} tokens" if prompt_tokens else "at least one prompt token"
+            return (f"smoke.max_tokens ({smoke.max_tokens}) + {prompt} = {total} exceeds build.max_seq_len "
+                    f"({build.max_seq_len}); lower smoke.max_tokens or raise build.max_seq_len")
+        return None
+
+
+def _quantize_problem(recipe: QuantizeRecipe) -> str | None:
+    """What a config's quantize section asks beyond what the recipe checks itself and calibration cannot do: an
+    INT4-AWQ algorithm or gate thresholds for a chain that never uses them, a sample budget that cannot converge."""
+    calibrated = [fmt for fmt in recipe.chain if fmt != "none"]
+    if "algorithm" in recipe.model_fields_set and "int4_awq" not in calibrated:
+        return (f"quantize.algorithm ({recipe.algorithm}) sets how INT4-AWQ is calibrated, and the formats tried "
+                f"({', '.join(recipe.chain)}) have no int4_awq; remove algorithm, or use format int4_awq")
+    if "gate" in recipe.model_fields_set and not calibrated:
+        return ("quantize.gate: format none is neither calibrated nor gated; remove the gate, or set a quantized "
+                "quantize.format")
+    rounds = -(-recipe.num_samples // recipe.round_samples)
+    if calibrated and recipe.on_failure == "fail" and rounds <= recipe.patience:
+        return (f"quantize.num_samples ({recipe.num_samples}) is {rounds} round{'s' if rounds > 1 else ''} of "
+                f"quantize.round_samples ({recipe.round_samples}), and quantize.patience ({recipe.patience}) needs "
+                f"at least {recipe.patience + 1} to converge (a change is measured from the second round on); "
+                f"raise num_samples to at least {recipe.round_samples * recipe.patience + 1}, lower patience, or set "
+                "on_failure: warn")
+    return None
+
 
 class LoadedConfig(BaseModel):
-    """A validated config and where it came from."""
+    """A validated config, where it came from, and the line of each key in it."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     path: Path
     config: KilnConfig
+    lines: dict[tuple[str, ...], int] = {}
+
+    def refusal(self, message: str) -> ConfigError:
+        """``message``, which names its field first (``smoke.max_tokens (…) …``), as a ConfigError at the line of
+        the first field it names that the file sets."""
+        line = _mentioned_line(self.lines, message)
+        return ConfigError(f"{self.path}:{line}: {message}" if line else f"{self.path}: {message}")
+
+    def fit_to_model(self, max_position_embeddings: int) -> None:
+        """Fit the build limits the config leaves out to the model (``BuildSection.fitted_to_model``) and refuse
+        calibration rows longer than the model's positions; a ConfigError names file, line and field."""
+        try:
+            self.config.build = self.config.build.fitted_to_model(max_position_embeddings)
+        except PlanError as exc:
+            raise self.refusal(str(exc)) from None
+        recipe = self.config.quantize
+        if recipe.format != "none" and recipe.seq_len > max_position_embeddings:
+            raise self.refusal(f"quantize.seq_len ({recipe.seq_len}) exceeds the model's max_position_embeddings "
+                               f"({max_position_embeddings}); calibration rows must fit the model: lower seq_len")
 
 
 def cache_root(configured: str | Path = DEFAULT_CACHE_DIR) -> Path:
@@ -204,25 +287,47 @@ def find_config(name_or_path: str | Path) -> Path | None:
 
 
 def load_config(name_or_path: str | Path) -> LoadedConfig:
-    """Read and validate a config (a path, or a name ``find_config`` knows); raise ConfigError naming
-    ``file:line: field`` on the first problem."""
+    """Read and validate a config (a path, or a name ``find_config`` knows) strictly: a quoted ``'8'`` or ``'yes'``
+    is not a number or a boolean. Raise ConfigError naming ``file:line: field`` on the first problem."""
     path = find_config(name_or_path)
     if path is None:
-        given = Path(name_or_path).expanduser()
-        bundled = sorted(p.stem for p in CONFIGS_DIR.iterdir() if p.suffix in (".yaml", ".yml"))
-        guess = difflib.get_close_matches(given.stem, bundled, n=1) if given.parent == Path(".") else []
-        hint = (f"; did you mean {guess[0]}?" if guess
-                else "; give a path, or the name of a bundled config such as tiny-llama-fp8")
-        raise ConfigError(f"{given.resolve()}: config file not found{hint}")
+        raise ConfigError(_not_found(Path(name_or_path).expanduser()))
     data, lines = load_yaml_with_lines(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with a 'model' section at the top level")
+    if found := _non_finite(data):
+        loc, value = found
+        raise ConfigError(f"{path}:{line_of(lines, loc)}: {'.'.join(loc)}: must be a finite number (got {value})")
     _absolutise_paths(data, path.parent)
     try:
-        config = KilnConfig.model_validate(data)
+        config = KilnConfig.model_validate(data, strict=True)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path, lines)) from None
-    return LoadedConfig(path=path, config=config)
+    return LoadedConfig(path=path, config=config, lines=lines)
+
+
+def _not_found(given: Path) -> str:
+    """Why ``given`` names no config, and what to give instead."""
+    if given.is_symlink():
+        return f"{_absolute(given)}: a symbolic link that leads to no file (a link loop or a missing target)"
+    bundled = sorted(p.stem for p in CONFIGS_DIR.iterdir() if p.suffix in (".yaml", ".yml"))
+    guess = difflib.get_close_matches(given.stem, bundled, n=1) if given.parent == Path(".") else []
+    hint = (f"did you mean {guess[0]}?" if guess
+            else "give a path, or the name of a bundled config such as tiny-llama-fp8")
+    return f"{_absolute(given)}: config file not found; {hint}"
+
+
+def _non_finite(data: Any, loc: tuple[str, ...] = ()) -> tuple[tuple[str, ...], float] | None:
+    """The first ``.inf`` or ``.nan`` in a config's data and where it is (no setting takes one)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return loc, data
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    return next((found for key, value in items if (found := _non_finite(value, (*loc, str(key))))), None)
+
+
+def is_local_path(path: str) -> bool:
+    """Whether ``model.path`` names a local folder (absolute, or ``./…``) rather than a Hugging Face model id."""
+    return Path(path).expanduser().is_absolute() or path.startswith(".")
 
 
 def _absolute(path: Path) -> str:
@@ -261,39 +366,61 @@ def _section_fields(loc: tuple[str, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+_UNQUOTED = {"int_type": "a whole number", "float_type": "a number", "bool_type": "true or false"}
+
+
 def _describe(exc: ValidationError, path: Path, lines: dict[tuple[str, ...], int]) -> str:
-    """One line per problem: ``file:line: field: message``."""
-    messages = []
+    """One line per field with a problem: ``file:line: field: message``."""
+    by_field: dict[tuple[str, ...], list[dict]] = {}
     for error in exc.errors():
-        loc = tuple(str(part) for part in error["loc"])
-        if error["type"] == "value_error":
-            loc = _narrow_to_field(loc, error["msg"].removeprefix("Value error, "), lines)
-        field = ".".join(loc) or "(top level)"
-        line = line_of(lines, loc)
-        where = f"{path}:{line}" if line else str(path)
-        kind = error["type"]
-        if kind == "extra_forbidden":
-            section = ".".join(loc[:-1]) or "the top level"
-            known = _section_fields(loc[:-1])
-            guess = difflib.get_close_matches(loc[-1], known, n=1)
-            text = (f"unknown key '{loc[-1]}' in {section}; "
-                    + (f"did you mean '{guess[0]}'?" if guess else f"it takes {', '.join(known)}"))
-        elif kind == "missing":
-            text = "is required"
-        else:
-            text = error["msg"].removeprefix("Value error, ")
-            if "input" in error and kind not in ("value_error", "assertion_error"):
-                text += f" (got {error['input']!r})"
-        section = ".".join(loc[:-1])
-        if kind == "value_error" and loc and text.startswith((f"{loc[-1]} ", f"{section}.{loc[-1]} ")):
-            text = text.removeprefix(f"{section}.")  # the message already starts with the field
-            messages.append(f"{where}: {section}.{text}")
-        else:
-            messages.append(f"{where}: {field}: {text}")
-    return "\n".join(messages)
+        by_field.setdefault(_field_of(error, lines), []).append(error)
+    return "\n".join(_problem(loc, errors, path, lines) for loc, errors in by_field.items())
 
 
-def _narrow_to_field(loc: tuple[str, ...], message: str, lines: dict[tuple[str, ...], int]) -> tuple[str, ...]:
-    """A section-level check names its field first (``max_input_len (…) must …``): point at that field's line."""
-    field = message.split(" ", 1)[0].split(".")[-1]
-    return (*loc, field) if (*loc, field) in lines else loc
+def _field_of(error: dict, lines: dict[tuple[str, ...], int]) -> tuple[str, ...]:
+    """The field an error is about: the one a check names first, else the error's location less the names pydantic
+    gives the members of a union (``quantize.batch_size.int``)."""
+    loc = tuple(str(part) for part in error["loc"])
+    if error["type"] == "value_error":
+        named = _named_field(error["msg"].removeprefix("Value error, "))
+        return named if named[0] in KilnConfig.model_fields else loc
+    while error["type"] != "missing" and len(loc) > 1 and loc not in lines:
+        loc = loc[:-1]
+    return loc
+
+
+def _problem(loc: tuple[str, ...], errors: list[dict], path: Path, lines: dict[tuple[str, ...], int]) -> str:
+    """``file:line: field: message`` for the errors of one field (those of a union's members joined by "or")."""
+    error, kind = errors[0], errors[0]["type"]
+    line = (kind == "value_error" and _mentioned_line(lines, error["msg"])) or line_of(lines, loc)
+    where = f"{path}:{line}" if line else str(path)
+    text = " or ".join([error["msg"], *(e["msg"].removeprefix("Input should be ") for e in errors[1:])])
+    if kind == "extra_forbidden":
+        section = ".".join(loc[:-1]) or "the top level"
+        known = _section_fields(loc[:-1])
+        guess = difflib.get_close_matches(loc[-1], known, n=1)
+        text = (f"unknown key '{loc[-1]}' in {section}; "
+                + (f"did you mean '{guess[0]}'?" if guess else f"it takes {', '.join(known)}"))
+    elif kind == "missing":
+        text = "is required"
+    elif kind == "value_error":
+        text = text.removeprefix("Value error, ")
+        if _named_field(text) == loc:  # the message starts with the field
+            return f"{where}: {text}"
+    elif "input" in error and kind != "assertion_error":
+        text += f" (got {error['input']!r})"
+        if isinstance(error["input"], str) and kind in _UNQUOTED:
+            text += f"; write {_UNQUOTED[kind]} without quotes"
+    return f"{where}: {'.'.join(loc) or '(top level)'}: {text}"
+
+
+def _named_field(message: str) -> tuple[str, ...]:
+    """The field a check's message names first: ``build.max_input_len (…) must …`` → ``("build", "max_input_len")``."""
+    return tuple(message.split(" ", 1)[0].rstrip(",:").split("."))
+
+
+def _mentioned_line(lines: dict[tuple[str, ...], int], message: str) -> int | None:
+    """The line of the first field ``message`` names that the file sets, else of the first one's section."""
+    sections = "|".join(KilnConfig.model_fields)
+    named = [tuple(field.split(".")) for field in re.findall(rf"\b(?:{sections})(?:\.\w+)+", message)]
+    return next((lines[field] for field in named if field in lines), line_of(lines, named[0]) if named else None)

@@ -90,13 +90,20 @@ def friendly_errors(command: Callable) -> Callable:
         except (KilnError, CalibrationError) as exc:
             stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             if kwargs.get("json_out") and not _printed_json.get():  # a script reading stdout gets the error too
-                print_json({"error": {"type": type(exc).__name__, "message": str(exc)}})
+                print_error_json(type(exc).__name__, str(exc))
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None
         except KeyboardInterrupt:
             stderr.print("[yellow]interrupted[/]")
+            if kwargs.get("json_out") and not _printed_json.get():
+                print_error_json("KeyboardInterrupt", "interrupted")
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def print_error_json(kind: str, message: str) -> None:
+    """The ``{"error": {"type", "message"}}`` object a command given ``--json`` prints on stdout when it fails."""
+    print_json({"error": {"type": kind, "message": message}})
 
 
 def warn(message: str) -> None:

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from kiln.pipeline.config import ModelSection
+from kiln.pipeline.config import ModelSection, is_local_path
 from kiln.runtime.errors import KilnError
 
 
@@ -27,7 +27,7 @@ def hf_hub_cache() -> Path:
 def find_model(model: ModelSection) -> Path | None:
     """The checkpoint directory if it is on disk (a local path, or a snapshot in the HF cache), else None."""
     local = Path(model.path).expanduser()
-    if local.is_absolute() or model.path.startswith("."):
+    if is_local_path(model.path):
         return local if _is_checkpoint(local) else None
     repo_dir = hf_hub_cache() / f"models--{model.path.replace('/', '--')}"
     ref = repo_dir / "refs" / (model.revision or "main")
@@ -47,7 +47,7 @@ def resolve_model(model: ModelSection) -> Path:
     if found is not None:
         return found
     local = Path(model.path).expanduser()
-    if local.is_absolute() or model.path.startswith("."):
+    if is_local_path(model.path):
         problem = "is not a directory" if not local.is_dir() else "has no config.json and *.safetensors weights"
         raise ModelNotFoundError(f"model.path {local} {problem}; point model.path at a Hugging Face checkpoint folder")
     if not model.allow_download:

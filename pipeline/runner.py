@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kiln.engines.cache import EngineCache, checkpoint_hash
 from kiln.engines.native.builder import preflight_native_plan, refuse_parallelism
-from kiln.pipeline.backend import choose_backend, require
+from kiln.pipeline.backend import choose_backend, require, require_device
 from kiln.pipeline.config import LoadedConfig, load_config
 from kiln.pipeline.console import warn
 from kiln.pipeline.model_source import find_model, model_max_positions, resolve_model
@@ -22,6 +22,7 @@ from kiln.pipeline.stages import (
     report_summary,
 )
 from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.tokenizer import Tokenizer
 
 ProgressFactory = Callable[[str], Callable[[str, float], None]]
 Plan = list[tuple[Stage, Decision]]
@@ -49,8 +50,12 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
     stage's load). A dry run tolerates a missing model; a real run does not."""
     loaded = load_config(config)
     choice = choose_backend(backend or loaded.config.build.backend, loaded.config.build.device)
+    require_device(choice)
     if choice.backend == "native":
         refuse_parallelism(loaded.config.build.pp_size)
+        if unused := loaded.config.build.trtllm_settings():  # with backend native in the config, refused at load
+            warn(f"{', '.join(unused)}: for the TensorRT-LLM backend only, unused by this build's native backend "
+                 f"({choice.reason})")
     if dry_run:
         model_dir = find_model(loaded.config.model)
     else:
@@ -58,7 +63,7 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
         model_dir = resolve_model(loaded.config.model)
     if model_dir is not None:  # the same checks in a dry run as in a build, before the cache is touched
         if (positions := model_max_positions(model_dir)) is not None:
-            loaded.config.build = loaded.config.build.fitted_to_model(positions)
+            loaded.fit_to_model(positions)
         if choice.backend == "native":
             preflight_native_plan(model_dir, loaded.config.build.plan(), loaded.config.model.dtype,
                                   loaded.config.build.tp_size)
@@ -73,6 +78,8 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
 def decide(ctx: BuildContext, *, smoke: bool = True) -> Plan:
     """The stages with the runner's decision for each; ``smoke=False`` leaves out the smoke stage (for a caller
     that loads the engine itself)."""
+    if smoke:
+        check_smoke(ctx)
     plan: Plan = []
     earlier: dict[str, Decision] = {}
     for stage in (*BUILD_STAGES, SMOKE_STAGE) if smoke else BUILD_STAGES:
@@ -80,6 +87,20 @@ def decide(ctx: BuildContext, *, smoke: bool = True) -> Plan:
         decision.extra.update(fingerprint=stage.fingerprint(ctx), inputs=list(stage.inputs), outputs=stage.outputs)
         plan.append((stage, decision))
     return plan
+
+
+def check_smoke(ctx: BuildContext) -> None:
+    """Refuse a smoke request the build plan cannot serve before anything is built: its prompt counted with the
+    model's tokenizer when the model is on disk, else taken as one token."""
+    prompt_tokens = None
+    if ctx.model_dir is not None:
+        tokenizer = Tokenizer.from_dir(ctx.model_dir)
+        if tokenizer is None:
+            raise ctx.loaded.refusal(f"smoke.prompt: the model {ctx.model_dir} has no tokenizer.json to encode it "
+                                     "with; add the checkpoint's tokenizer files")
+        prompt_tokens = len(tokenizer.encode(ctx.config.smoke.prompt))
+    if problem := ctx.config.smoke_problem(prompt_tokens):
+        raise ctx.loaded.refusal(problem)
 
 
 def plan_json(ctx: BuildContext, decisions: Plan) -> dict:

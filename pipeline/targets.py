@@ -70,6 +70,9 @@ def resolve_target(text: str, cache_root: Path) -> Target:
                 raise
             key = pull_engine(cache, text)  # a team's engine this machine has not got yet
         return _engine(cache.entries.payload_dir(key))
+    if path.is_symlink():
+        raise TargetError(f"{text}: a symbolic link that leads to nothing (a link loop or a missing target); point "
+                          f"it at an engine directory or a config")
     raise TargetError(f"{text}: no such engine directory, config or architecture file, and not a cache key; give "
                       f"the engine directory `kiln build` printed, a key from `kiln cache ls`, or a config (a path "
                       f"or a name under configs/, e.g. tiny-llama-fp8.yaml)")

@@ -1,4 +1,6 @@
-"""Load YAML while remembering the line of every key, so errors can name ``file:line``."""
+"""Load YAML while remembering the line of every key, so errors can name ``file:line``; refuse what a config never
+needs and would only hide a mistake: a key given twice (the last would win) and aliases (an alias bomb expands a
+few lines into gigabytes)."""
 
 from __future__ import annotations
 
@@ -14,33 +16,61 @@ class ConfigError(KilnError):
     """A config file that is missing, unreadable or invalid."""
 
 
+class _Refused(yaml.MarkedYAMLError):
+    """Valid YAML that a Kiln config does not take."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing aliases (``*name``)."""
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(problem=f"YAML alias *{event.anchor}: a Kiln config takes no aliases; write the value out",
+                           problem_mark=event.start_mark)
+        return super().compose_node(parent, index)
+
+
 def load_yaml_with_lines(path: Path) -> tuple[Any, dict[tuple[str, ...], int]]:
     """Parse ``path``; return the data and a map from key path (``("build", "max_seq_len")``) to 1-based line."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found; give a path or a name under configs/") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start} is 0x{exc.object[exc.start]:02x}); save the "
+                          f"config as UTF-8") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
+    loader = _ConfigLoader(text)
+    lines: dict[tuple[str, ...], int] = {}
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None, lines
+        _collect_lines(node, (), lines)
+        return loader.construct_document(node), lines
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{where}: not valid YAML ({problem})") from None
-    lines: dict[tuple[str, ...], int] = {}
-    if node is not None:
-        _collect_lines(node, (), lines)
-    return data, lines
+        raise ConfigError(f"{where}: {problem}" if isinstance(exc, _Refused)
+                          else f"{where}: not valid YAML ({problem})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a Kiln config (sections of keys and short lists)") from None
+    finally:
+        loader.dispose()
 
 
 def _collect_lines(node: yaml.Node, prefix: tuple[str, ...], lines: dict[tuple[str, ...], int]) -> None:
+    """Record the line of every key under ``node``; a key given twice in one mapping is refused."""
     lines[prefix] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             key = (*prefix, str(key_node.value))
+            if key in lines:
+                raise _Refused(problem=f"{'.'.join(key)} is given twice (first on line {lines[key]}); keep one",
+                               problem_mark=key_node.start_mark)
             _collect_lines(value_node, key, lines)
             lines[key] = key_node.start_mark.line + 1
     elif isinstance(node, yaml.SequenceNode):

@@ -234,7 +234,7 @@ def test_a_budget_too_small_to_converge_fails_naming_the_unsettled_quantizers(tm
     """Through the CLI: exit 4, no traceback, nothing cached (``on_failure: warn`` is tested in-process, in
     test_calibration_convergence)."""
     config = tmp_path / "small-budget.yaml"
-    config.write_text(f"model:\n  path: {TINY}\nquantize:\n  format: fp8\n  num_samples: 16\n  round_samples: 8\n"
+    config.write_text(f"model:\n  path: {TINY}\nquantize:\n  format: fp8\n  num_samples: 24\n  round_samples: 8\n"
                       "  tolerance: 0.0001\nbuild:\n  max_input_len: 256\n  max_seq_len: 512\n")
     proc = kiln("build", str(config), cache=tmp_path / "cache")
     assert proc.returncode == 4 and "Traceback" not in proc.stderr

@@ -143,3 +143,139 @@ def test_misspellings_get_a_did_you_mean(tmp_path):
     assert "unknown key 'zzz' in build; it takes backend, device, max_batch_size" in str(error.value)
     with pytest.raises(ConfigError, match="config file not found; did you mean tiny-llama-fp8"):
         load_config("tiny-llama-fp9")
+
+
+@pytest.mark.parametrize("text,where", [
+    ("quantize:\n  format: fp8\n  gate:\n    max_kl: .inf\n", ":6: quantize.gate.max_kl: must be a finite number"),
+    ("cache:\n  max_size_gb: .nan\n", ":4: cache.max_size_gb: must be a finite number"),
+])
+def test_infinite_and_nan_numbers_are_refused_naming_the_field(tmp_path, text, where):
+    with pytest.raises(ConfigError, match=where):
+        load_config(write(tmp_path, f"model:\n  path: org/m\n{text}"))
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("quantize:\n  format: fp8\nquantize:\n  format: none\n", r":5: quantize is given twice \(first on line 3\)"),
+    ("build:\n  max_seq_len: 512\n  max_seq_len: 64\n", r":5: build.max_seq_len is given twice \(first on line 4\)"),
+])
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path, text, problem):
+    with pytest.raises(ConfigError, match=problem):
+        load_config(write(tmp_path, f"model:\n  path: org/m\n{text}"))
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
+    bomb = "".join(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n"
+                   for prev, name in zip("abcdefgh", "bcdefghi", strict=True))  # 9**8 items expanded
+    with pytest.raises(ConfigError, match=r"kiln.yaml:2: YAML alias \*a: a Kiln config takes no aliases"):
+        load_config(write(tmp_path, f"a: &a [x, x]\n{bomb}model:\n  path: org/m\n"))
+
+
+def test_a_config_not_in_utf8_or_a_link_loop_is_one_line(tmp_path):
+    (tmp_path / "kiln.yaml").write_bytes("model:\n  path: org/m\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match="not UTF-8 text .*; save the config as UTF-8"):
+        load_config(tmp_path / "kiln.yaml")
+    (tmp_path / "loop.yaml").symlink_to(tmp_path / "loop.yaml")
+    with pytest.raises(ConfigError, match="loop.yaml: a symbolic link that leads to no file"):
+        load_config(tmp_path / "loop.yaml")
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("build:\n  max_batch_size: true\n", r"build.max_batch_size: .*integer \(got True\)"),
+    ("build:\n  max_batch_size: '8'\n", r"build.max_batch_size: .*integer \(got '8'\); write a whole number without"),
+    ("build:\n  max_batch_size: 8.0\n", r"build.max_batch_size: .*integer \(got 8.0\)"),
+    ("quantize:\n  batch_size: '8'\n", r"quantize.batch_size: .*integer or 'auto' \(got '8'\)"),
+    ("model:\n  allow_download: 'yes'\n", r"model.allow_download: .*boolean \(got 'yes'\); write true or false"),
+])
+def test_wrong_types_are_refused_not_coerced(tmp_path, text, problem):
+    section, body = text.split("\n", 1)
+    text = f"model:\n  path: org/m\n{body}" if section == "model:" else f"model:\n  path: org/m\n{text}"
+    with pytest.raises(ConfigError, match=problem):
+        load_config(write(tmp_path, text))
+
+
+def test_an_integer_is_taken_where_a_number_is_expected(tmp_path):
+    config = load_config(write(tmp_path, "model:\n  path: org/m\ncache:\n  max_size_gb: 50\n")).config
+    assert config.cache.max_size_gb == 50.0
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("model:\n  path: ./m\n  revision: v2\n", r":3: model.revision \(v2\) picks a revision on the Hugging Face hub"),
+    ("model:\n  path: org/m\nquantize:\n  format: fp8\n  algorithm: awq_full\n",
+     r":5: quantize.algorithm \(awq_full\) sets how INT4-AWQ is calibrated, and the formats tried \(fp8\)"),
+    ("model:\n  path: org/m\nquantize:\n  algorithm: awq_clip\n", r"formats tried \(none\) have no int4_awq"),
+    ("model:\n  path: org/m\nquantize:\n  gate:\n    max_kl: 0.5\n", r":4: quantize.gate: format none is neither"),
+    ("model:\n  path: org/m\nbuild:\n  backend: native\n  trtllm:\n    context_fmha: false\n",
+     r":6: build.trtllm.context_fmha: for the TensorRT-LLM backend only, and build.backend is native; remove it"),
+])
+def test_settings_that_cannot_apply_are_refused(tmp_path, text, problem):
+    with pytest.raises(ConfigError, match=problem):
+        load_config(write(tmp_path, text))
+
+
+def test_the_same_settings_load_where_they_apply(tmp_path):
+    load_config(write(tmp_path, "model:\n  path: org/m\n  revision: v2\n"))
+    load_config(write(tmp_path, "model:\n  path: org/m\nquantize:\n  format: fp8\n  fallback: [int4_awq]\n"
+                                "  algorithm: awq_full\n"))
+    load_config(write(tmp_path, "model:\n  path: org/m\nbuild:\n  backend: trtllm\n  workers: 4\n"))
+
+
+def test_a_sample_budget_that_can_never_converge_is_refused_with_the_arithmetic(tmp_path):
+    text = "model:\n  path: org/m\nquantize:\n  format: fp8\n  num_samples: 16\n  round_samples: 8\n"
+    with pytest.raises(ConfigError, match=r":5: quantize.num_samples \(16\) is 2 rounds of quantize.round_samples "
+                                          r"\(8\), and quantize.patience \(2\) needs at least 3 .* at least 17"):
+        load_config(write(tmp_path, text))
+    load_config(write(tmp_path, text + "  on_failure: warn\n"))  # one round on purpose: warned, not refused
+    load_config(write(tmp_path, text.replace("16", "17")))
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("smoke:\n  prompt: ''\n", r":4: smoke.prompt: String should have at least 1 character"),
+    ("build:\n  max_seq_len: 16\n  max_input_len: 8\n",
+     r"smoke.max_tokens \(16\) \+ at least one prompt token = 17 exceeds build.max_seq_len \(16\)"),
+])
+def test_a_smoke_request_the_plan_cannot_hold_is_refused_at_load(tmp_path, text, problem):
+    with pytest.raises(ConfigError, match=problem):
+        load_config(write(tmp_path, f"model:\n  path: org/m\n{text}"))
+
+
+def plan(tmp_path: Path, text: str, backend: str | None = None):
+    """``kiln build --dry-run``'s plan of the tiny model with ``text`` appended to its config."""
+    from kiln.pipeline import runner
+    from kiln.runtime.options import RuntimeOptions
+
+    tiny = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
+    path = write(tmp_path, f"model:\n  path: {tiny}\ncache:\n  dir: {tmp_path / 'cache'}\n{text}")
+    return runner.decide(runner.prepare(path, backend=backend, force=False, dry_run=True, options=RuntimeOptions()))
+
+
+def test_the_smoke_prompt_is_counted_with_the_models_tokenizer_at_plan_time(tmp_path):
+    with pytest.raises(ConfigError, match=r":6: smoke.max_tokens \(16\) \+ the smoke.prompt's 4 tokens = 20 "
+                                          r"exceeds build.max_seq_len \(19\)"):
+        plan(tmp_path, "build:\n  max_seq_len: 19\n  max_input_len: 8\n")  # 17 at load: 16 + at least one
+    with pytest.raises(ConfigError, match=r"smoke.prompt is 4 tokens, more than build.max_input_len \(2\)"):
+        plan(tmp_path, "build:\n  max_input_len: 2\n")
+
+
+def test_limits_and_calibration_rows_the_model_cannot_hold_are_refused_at_plan_time(tmp_path):
+    with pytest.raises(ConfigError, match=r":6: build.max_input_len \(1000\) must not exceed build.max_seq_len, "
+                                          r"fitted to the model's max_position_embeddings \(512\)"):
+        plan(tmp_path, "build:\n  max_input_len: 1000\n")
+    with pytest.raises(ConfigError, match=r":7: quantize.seq_len \(1024\) exceeds the model's "
+                                          r"max_position_embeddings \(512\)"):
+        plan(tmp_path, "quantize:\n  format: fp8\n  seq_len: 1024\n")
+
+
+def test_tensorrt_llm_settings_on_a_native_build_are_warned_about(tmp_path, capsys):
+    plan(tmp_path, "build:\n  log_level: debug\n", backend="native")
+    assert "warning: build.log_level: for the TensorRT-LLM backend only" in capsys.readouterr().err
+
+
+def test_a_cuda_device_on_a_machine_without_cuda_is_one_line_even_in_a_dry_run(tmp_path, monkeypatch):
+    from kiln.pipeline.backend import BackendUnavailableError
+    from kiln.runtime.native.fingerprint import DeviceUnavailableError, machine_fingerprint
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(BackendUnavailableError, match="build.device is cuda, but CUDA is not available"):
+        plan(tmp_path, "build:\n  device: cuda\n")
+    with pytest.raises(DeviceUnavailableError, match="device 'cuda': this machine has no CUDA device"):
+        machine_fingerprint("cuda")

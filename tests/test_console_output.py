@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+import typer
+
 from tests.subprocess_env import REPO, repo_env
 
 # A command as the CLI runs it (in a process of its own, stdout a pipe) that prints what modelopt prints when it
@@ -81,3 +84,28 @@ def test_without_a_terminal_progress_is_one_line_per_new_message(capsys):
         report(note, 0.0)  # repeated: not printed again
         report("done", 1.0)
     assert capsys.readouterr().err.splitlines() == [f"build     {note}", "build     done"]
+
+
+def test_a_usage_error_under_json_is_an_error_object_on_stdout():
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["build", "--json"])
+    assert result.exit_code == 2
+    assert json.loads(result.stdout) == {"error": {"type": "MissingParameter",
+                                                   "message": "Missing argument 'config'."}}
+    assert CliRunner().invoke(app, ["build"]).stdout == ""  # without --json, stdout stays empty
+
+
+def test_an_interrupted_command_under_json_is_an_error_object_on_stdout_and_exit_130(capsys):
+    from kiln.pipeline.console import friendly_errors
+
+    @friendly_errors
+    def command(json_out: bool = False) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(typer.Exit) as exit_:
+        command(json_out=True)
+    assert exit_.value.exit_code == 130
+    assert json.loads(capsys.readouterr().out) == {"error": {"type": "KeyboardInterrupt", "message": "interrupted"}}

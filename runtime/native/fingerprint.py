@@ -7,11 +7,16 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.errors import FingerprintMismatchError
+from kiln.runtime.errors import FingerprintMismatchError, KilnError
+
+
+class DeviceUnavailableError(KilnError):
+    """A CUDA device this machine does not have."""
 
 
 def machine_fingerprint(device: str) -> dict[str, Any]:
-    """Fingerprint of ``device`` ("cpu", "cuda" or "cuda:N") on this machine; never imports triton."""
+    """Fingerprint of ``device`` ("cpu", "cuda" or "cuda:N") on this machine; never imports triton.
+    DeviceUnavailableError when it names a GPU the machine does not have."""
     torch_version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -19,6 +24,11 @@ def machine_fingerprint(device: str) -> dict[str, Any]:
                 "triton": None, "cuda": None}
     if dev.type != "cuda":
         raise ValueError(f"unsupported device {device!r}: expected 'cpu' or 'cuda[:N]'")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (dev.index or 0) >= count:
+        have = (f"{count} CUDA device{'s' if count > 1 else ''}" if count
+                else "no CUDA device (no GPU visible, or torch built without CUDA)")
+        raise DeviceUnavailableError(f"device {device!r}: this machine has {have}; use cpu or a device it has")
     major, minor = torch.cuda.get_device_capability(dev)
     return {
         "device": "cuda",
