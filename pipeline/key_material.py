@@ -10,6 +10,7 @@ from kiln.runtime.native.fingerprint import machine_fingerprint
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.trtllm.engine_info import ENGINE_FORMAT_VERSION as TRTLLM_ENGINE_FORMAT_VERSION
 from kiln.runtime.trtllm.toolchain import trtllm_machine_fingerprint
+from kiln.runtime.version import kiln_version
 
 KEY_SCHEMA = 1
 
@@ -25,7 +26,8 @@ def quantized_material(checkpoint_hash: str, recipe: dict, device: str, compute_
 def engine_material(checkpoint_hash: str, quantized_key: str | None, config: KilnConfig, choice: BackendChoice,
                     recipe: dict, options: RuntimeOptions) -> dict:
     """Key material of an engine: checkpoint, recipe (``recipe_material``), semantic build options, the runtime
-    options that change what the build writes (native: ``tuning_material``), backend, toolchain, hardware."""
+    options that change what the build writes (native: ``tuning_material``), backend, toolchain (Kiln's own version
+    too: its builders decide how a checkpoint's config.json and tensors become the engine), hardware."""
     if choice.backend == "trtllm":
         machine = trtllm_machine_fingerprint()
         toolchain = {name: machine.get(name) for name in ("tensorrt_llm", "tensorrt", "cuda")}
@@ -46,7 +48,7 @@ def engine_material(checkpoint_hash: str, quantized_key: str | None, config: Kil
         **backend_options,
         "backend": choice.backend,
         "engine_format_version": format_version,
-        "toolchain": toolchain,
+        "toolchain": {"kiln": kiln_version(), **toolchain},
         "hardware": {
             "device": machine["device"],
             "gpu_name": machine.get("gpu_name"),

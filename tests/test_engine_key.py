@@ -124,7 +124,7 @@ REQUIRED_FIELDS = {"key_schema", "kind", "checkpoint", "model_dtype", "backend",
                    "quantization.quantized_key", "quantization.recipe.format", "quantization.recipe.kv_cache_dtype",
                    "quantization.recipe.dataset_sha256", "quantization.recipe.modelopt",
                    "build.max_batch_size", "build.max_input_len", "build.max_seq_len", "build.max_num_tokens",
-                   "build.tokens_per_block", "toolchain.torch", "toolchain.triton", "toolchain.cuda",
+                   "build.tokens_per_block", "toolchain.kiln", "toolchain.torch", "toolchain.triton", "toolchain.cuda",
                    "hardware.device", "hardware.gpu_name", "hardware.compute_capability", "hardware.tp_size",
                    "hardware.pp_size"}
 
@@ -142,6 +142,12 @@ def test_every_field_of_the_pipelines_real_key_material_changes_the_key(tmp_path
             node = node[name]
         node[path[-1]] = [node[path[-1]], "changed"]
         assert key_of(edited) != key_of(material), ".".join(path)
+
+
+def test_another_kiln_version_misses_the_engines_of_this_one(tmp_path, model_copy, monkeypatch):
+    before = engine_key(tmp_path, model_copy)
+    monkeypatch.setattr(key_material, "kiln_version", lambda: "99.0.0")
+    assert engine_key(tmp_path, model_copy) != before
 
 
 def test_a_new_engine_format_version_misses_the_engines_of_the_old_one(tmp_path, model_copy, monkeypatch):
