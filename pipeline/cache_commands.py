@@ -41,14 +41,16 @@ RemoteOpt = Annotated[bool, typer.Option("--remote", help="Act on the remote cac
                                                           "config's cache.remote, else the one the last build used).")]
 
 
-def _open(cache_dir: Path | None, config: str | None) -> EngineCache:
+def _open(cache_dir: Path | None, config: str | None, *, create: bool = False) -> EngineCache:
     """The cache named by --cache-dir, else by the config (``$KILN_CACHE`` overrides its cache.dir), else default;
-    its remote tier is ``$KILN_CACHE_REMOTE``, else the config's, else the one its last build recorded."""
+    its remote tier is ``$KILN_CACHE_REMOTE``, else the config's, else the one its last build recorded. Without
+    ``create`` (commands that read or remove), a root with no cache is an error that creates nothing there: a
+    mistyped path is not reported as an empty, healthy cache."""
     section = load_config(config).config.cache if config is not None else None
     root = section.root() if section is not None else cache_root()
     root = cache_dir.expanduser() if cache_dir is not None else root
     remote = section.remote_spec() if section is not None else remote_spec()
-    return EngineCache.open_configured(root, remote=remote, warn=warn)
+    return EngineCache.open_configured(root, remote=remote, warn=warn, create=create)
 
 
 @cache_app.command("ls")
@@ -56,7 +58,7 @@ def _open(cache_dir: Path | None, config: str | None) -> EngineCache:
 def ls(remote: RemoteOpt = False, cache_dir: CacheDirOpt = None, config: ConfigOpt = None,
        json_out: JsonOpt = False) -> None:
     """One row per entry, most recently used first: key, model, format, backend, GPU, size, created, last used, hits."""
-    cache = _open(cache_dir, config)
+    cache = _open(cache_dir, config, create=remote)
     if remote:
         cache_remote.ls(cache, json_out=json_out)
         return
@@ -174,7 +176,7 @@ def verify(
 ) -> None:
     """Re-hash entries against their manifests; exit 3 naming each corrupt file (the entry is then rebuilt). With
     --remote, read the remote's files back (no local copy is made)."""
-    cache = _open(cache_dir, config)
+    cache = _open(cache_dir, config, create=remote)
     if remote:
         results, where = cache_remote.verify_results(cache, key, all_entries=all_entries)
         fix = "Pulls refuse them; the next build of each pushes a good copy (or `kiln cache push --force KEY`)"
@@ -213,7 +215,7 @@ def prune(
 ) -> None:
     """Remove old or least recently used entries (default: down to the configured limits), never one in use. With
     --remote (--older-than and/or --max-size), never one used within --grace, then the files no entry lists."""
-    cache = _open(cache_dir, config)
+    cache = _open(cache_dir, config, create=remote)
     max_size_bytes = parse_size(max_size) if max_size else None
     older_than_s = parse_duration(older_than) if older_than else None
     if remote:
@@ -270,7 +272,7 @@ def pull(
     cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOpt = False,
 ) -> None:
     """Install a remote entry in the local cache; every file's sha256 is checked first (exit 3 if damaged)."""
-    cache_remote.pull(_open(cache_dir, config), key, json_out=json_out)
+    cache_remote.pull(_open(cache_dir, config, create=True), key, json_out=json_out)
 
 
 def print_explain(report: dict, json_out: bool) -> None:

@@ -47,6 +47,26 @@ def test_hash_covers_weights_configs_and_tokenizer_only(tmp_path):
     assert files.hashed == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer.model"]
 
 
+def test_hash_covers_every_file_a_build_reads_or_copies_into_the_engine(tmp_path):
+    from kiln.runtime.tokenizer import TOKENIZER_FILES
+
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    read = {"model.safetensors.index.json", "hf_quant_config.json", "chat_template.json", "added_tokens.json",
+            "vocab.json", "merges.txt", "additional_chat_templates/tool_use.jinja", *TOKENIZER_FILES}
+    (ckpt / "additional_chat_templates").mkdir()
+    for name in read:
+        (ckpt / name).write_text("{}")
+    assert read <= set(checkpoint_files(ckpt).hashed)
+
+
+def test_editing_the_chat_template_changes_the_hash(tmp_path, reads):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    (ckpt / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    before = checkpoint_hash(ckpt)
+    (ckpt / "chat_template.jinja").write_text("<s>{{ messages[0].content }}")
+    assert checkpoint_hash(ckpt) != before
+
+
 def test_hash_changes_with_one_weight_byte_and_not_with_other_files(tmp_path, reads):
     ckpt = make_checkpoint(tmp_path / "ckpt")
     before = checkpoint_hash(ckpt)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from kiln.engines.cache import EngineCache, engine_key
+from kiln.engines.cache import CacheRootError, EngineCache, engine_key
 from kiln.engines.cache.inspect import explain
 from kiln.engines.cache.layout import LAST_USED
 from kiln.pipeline.cache_commands import cache_app
@@ -169,3 +170,44 @@ def test_build_time_saved_counts_every_store(cache):
     assert data["stores"]["quantized"]["build_seconds_saved"] == pytest.approx(296.9)
     human = kiln_cache(cache.root, "stats").stdout
     assert "4 min 58 s" in human and "quantized 4 min 57 s" in human
+
+
+def test_opening_a_missing_cache_to_read_it_says_so_and_creates_nothing(tmp_path):
+    with pytest.raises(CacheRootError, match=f"no cache at {tmp_path / 'none'}"):
+        EngineCache.open_configured(tmp_path / "none", create=False)
+    assert not (tmp_path / "none").exists()
+    for command in (["ls"], ["verify", "--all"], ["stats"], ["prune", "--dry-run"]):
+        result = kiln_cache(tmp_path / "typo", *command)
+        assert result.exit_code == 2 and "no cache at" in result.stderr, command
+    assert not (tmp_path / "typo").exists()
+
+
+def test_a_cache_root_that_is_a_file_is_one_clear_error(tmp_path):
+    (tmp_path / "file").write_text("not a cache")
+    result = kiln_cache(tmp_path / "file", "ls")
+    assert result.exit_code == 2 and "is a file, not a folder" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_verify_refuses_an_entry_whose_manifest_names_another_key_as_lookups_do(cache):
+    key = add(cache, "a")
+    copy = "0" * 64
+    shutil.copytree(cache.entries.entry_dir(key), cache.entries.entry_dir(copy))
+    result = kiln_cache(cache.root, "verify", copy)
+    assert result.exit_code == 3 and f"manifest names key '{key}'" in result.stderr
+    assert cache.entries.lookup(copy).reason == "corrupt"
+    assert kiln_cache(cache.root, "verify", key).exit_code == 0
+
+
+def test_a_dry_run_prune_counts_the_temporaries_a_prune_sweeps(cache):
+    stale = cache.v1 / "tmp" / f"entries.{'a' * 64}.1.abcd"
+    stale.mkdir()
+    dry = json.loads(kiln_cache(cache.root, "prune", "--dry-run", "--json").stdout)
+    assert dry["temporaries_swept"] == 1 and stale.is_dir()
+    done = json.loads(kiln_cache(cache.root, "prune", "--json").stdout)
+    assert done["temporaries_swept"] == 1 and not stale.exists()
+
+
+def test_stats_since_before_the_year_1_is_a_clear_error(cache):
+    result = kiln_cache(cache.root, "stats", "--since", "9999999999d")
+    assert result.exit_code == 2 and "reaches back before the year 1" in result.stderr

@@ -78,18 +78,29 @@ def test_size_bound_is_kept_after_publishing_and_spares_the_new_entry(tmp_path):
     assert names(cache) == {"big"}
 
 
-def test_limits_are_checked_before_a_build_starts(tmp_path):
+def test_a_build_never_evicts_the_checkpoint_it_reads_and_the_limit_holds_after_it(tmp_path):
     cache = EngineCache.open(tmp_path / "c", max_entries=1)
-    a = add(cache, "a")
-    seen = []
+    quantized = cache.quantized.get_or_build(engine_key(material("q")), material("q"), build_of(10))
 
-    def build(out: Path) -> dict:
-        seen.append(cache.entries.entry_dir(a).exists())
-        (out / "x").write_bytes(b"x")
+    def build(out: Path) -> dict:  # as kiln build's build stage reads a quantized checkpoint of the cache
+        with EntryHold(quantized.entry_dir):
+            (out / "rank0.safetensors").write_bytes((quantized.payload_dir / "rank0.safetensors").read_bytes())
         return {}
 
-    cache.entries.get_or_build(engine_key(material("b")), material("b"), build)
-    assert seen == [False]
+    engine = cache.entries.get_or_build(engine_key(material("e")), material("e"), build)
+    assert (engine.payload_dir / "rank0.safetensors").stat().st_size == 10
+    assert (cache.entries.list_keys(), cache.quantized.list_keys()) == ([engine.key], [])
+
+
+def test_a_limit_that_cannot_hold_what_must_stay_is_exceeded_with_a_warning(tmp_path):
+    warnings: list[str] = []
+    cache = EngineCache.open(tmp_path / "c", max_entries=1, warn=warnings.append)
+    a = add(cache, "a")
+    with EntryHold(cache.entries.entry_dir(a)):
+        add(cache, "b")
+    assert names(cache) == {"a", "b"}
+    [warning] = warnings
+    assert "over its limit (2 entries, limit 1)" in warning and "1 entry is in use" in warning
 
 
 def test_holding_an_evicted_entry_fails_clearly(tmp_path):

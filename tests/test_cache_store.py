@@ -52,6 +52,23 @@ def test_first_lookup_is_new_then_build_publishes_a_complete_entry(cache):
     assert list((cache.v1 / "tmp").iterdir()) == []
 
 
+def test_published_files_get_the_umask_s_mode_whatever_their_writer_gave_them(cache):
+    def build(out: Path) -> dict:
+        (out / "engine.json").write_text("{}")
+        (out / "rank0.safetensors").write_bytes(b"weights")
+        (out / "rank0.safetensors").chmod(0o600)  # as safetensors 0.8's save_file leaves it
+        return {}
+
+    umask = os.umask(0o022)
+    try:
+        result = cache.entries.get_or_build(engine_key(material()), material(), build)
+    finally:
+        os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in result.payload_dir.iterdir()} == \
+        {"engine.json": 0o644, "rank0.safetensors": 0o644}
+    assert cache.entries.lookup(result.key, material()).hit
+
+
 def test_second_get_or_build_hits_without_building(cache):
     m, build = material(), FakeBuild()
     key = engine_key(m)

@@ -6,6 +6,7 @@ from kiln.engines.cache.errors import (
     CacheEntryGoneError,
     CacheEntryInUseError,
     CacheEntryNotFoundError,
+    CacheRootError,
     CacheUsageError,
     CheckpointHashError,
     InvalidCacheKeyError,
@@ -18,7 +19,8 @@ from kiln.engines.cache.store import CacheResult, ContentStore, LookupResult, Ve
 
 __all__ = [
     "CacheCorruptError", "CacheEntryGoneError", "CacheEntryInUseError", "CacheEntryNotFoundError", "CacheResult",
-    "CacheUsageError", "CheckpointHashError", "ContentStore", "EngineCache", "EntryHold", "InvalidCacheKeyError",
-    "LookupResult", "StatsDB", "VerifyResult", "canonical_json", "checkpoint_files", "checkpoint_hash", "engine_key",
-    "file_sha256", "is_cache_key", "is_held", "material_diff", "read_limits", "validate_key",
+    "CacheRootError", "CacheUsageError", "CheckpointHashError", "ContentStore", "EngineCache", "EntryHold",
+    "InvalidCacheKeyError", "LookupResult", "StatsDB", "VerifyResult", "canonical_json", "checkpoint_files",
+    "checkpoint_hash", "engine_key", "file_sha256", "is_cache_key", "is_held", "material_diff", "read_limits",
+    "validate_key",
 ]

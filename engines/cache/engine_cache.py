@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
 from kiln.engines.cache.errors import CacheEntryNotFoundError
 from kiln.engines.cache.eviction import EvictionReport, evict
-from kiln.engines.cache.layout import HASH_MEMO, PAYLOADS, ensure_layout, write_atomic
+from kiln.engines.cache.layout import HASH_MEMO, PAYLOADS, ensure_layout, require_layout, write_atomic
 from kiln.engines.cache.remote.layout import REMOTE_STORES
 from kiln.engines.cache.remote.spec import RemoteSpec
 from kiln.engines.cache.remote.tier import RemoteTier
 from kiln.engines.cache.stats import StatsDB
 from kiln.engines.cache.store import ContentStore, VerifyOnLoad, complete_key
+from kiln.engines.cache.units import format_bytes
+
+logger = logging.getLogger("kiln.cache")
 
 LIMITS_FILE = "limits.json"
 REMOTE_FILE = "remote.json"  # the remote tier last configured: URL, endpoint, required (never credentials)
@@ -23,10 +27,11 @@ class EngineCache:
     """``entries`` holds engines (payload ``engine/``), ``quantized`` holds quantized checkpoints (``checkpoint/``),
     ``checkpoints`` holds generated Hugging Face checkpoints (``hf/``: ``kiln bench``'s random weights).
 
-    Limits (``max_size_bytes``, ``max_entries``) bound the whole root and are enforced before every build and
-    after every publish; ``open`` records them in ``v1/limits.json`` so inspection commands can report them.
-    With a ``remote`` tier, engines and quantized checkpoints are pulled from it and pushed to it (``warn`` hears
-    when the remote fails and the cache goes on locally); ``open`` records it in ``v1/remote.json``."""
+    Limits (``max_size_bytes``, ``max_entries``) bound the whole root and are enforced after every publish, sparing
+    the entry just published (so nothing a build reads is evicted before it is built); ``open`` records them in
+    ``v1/limits.json`` so inspection commands can report them. With a ``remote`` tier, engines and quantized
+    checkpoints are pulled from it and pushed to it; ``open`` records it in ``v1/remote.json``. ``warn`` hears when
+    the remote fails and the cache goes on locally, and when entries in use keep the cache over its limits."""
 
     def __init__(self, root: Path, *, max_size_bytes: int | None, max_entries: int | None,
                  verify_on_load: VerifyOnLoad, remote: RemoteSpec | None = None,
@@ -35,6 +40,7 @@ class EngineCache:
         self.v1 = ensure_layout(self.root)
         self.max_size_bytes = max_size_bytes
         self.max_entries = max_entries
+        self.warn = warn or logger.warning
         self.stats = StatsDB(self.v1 / "stats.db")
         self.remote = None if remote is None else RemoteTier(remote, warn=warn)
         self.entries = ContentStore(self.v1, "entries", PAYLOADS["entries"], self.stats, label="engine",
@@ -67,9 +73,12 @@ class EngineCache:
 
     @classmethod
     def open_configured(cls, root: Path, *, remote: RemoteSpec | None = None,
-                        warn: Callable[[str], None] | None = None) -> EngineCache:
+                        warn: Callable[[str], None] | None = None, create: bool = True) -> EngineCache:
         """Open the cache with the limits its last configured ``open`` recorded, and ``remote`` or else the remote
-        it recorded (for the cache commands)."""
+        it recorded (for the cache commands). ``create=False`` (commands that only read or remove): a root without
+        a cache is a CacheRootError ("no cache at ROOT"), and nothing is created there."""
+        if not create:
+            require_layout(Path(root))
         return cls(root, verify_on_load="changed", remote=remote or read_remote(Path(root)), warn=warn,
                    **read_limits(Path(root)))
 
@@ -96,14 +105,30 @@ class EngineCache:
         self.entries.touch(key)
         self.stats.record_load("entries", key, ms)
 
-    def evict(self, *, protect: frozenset[tuple[str, str]] = frozenset(), incoming: int = 0) -> EvictionReport:
+    def evict(self, *, protect: frozenset[tuple[str, str]] = frozenset()) -> EvictionReport:
         """Enforce the limits now: least recently used entries first, never one in use or in ``protect``."""
-        return evict(self.stores, max_size_bytes=self.max_size_bytes, max_entries=self.max_entries,
-                     incoming=incoming, protect=protect)
+        return evict(self.stores, max_size_bytes=self.max_size_bytes, max_entries=self.max_entries, protect=protect)
 
-    def _enforce_limits(self, store: ContentStore, key: str, incoming: int) -> None:
-        if self.max_size_bytes is not None or self.max_entries is not None:
-            self.evict(protect=frozenset({(store.name, key)}), incoming=incoming)
+    def _enforce_limits(self, store: ContentStore, key: str) -> None:
+        """Evict down to the limits after ``key`` was published in ``store``, sparing it; warn when what has to
+        stay (it, and entries in use) keeps the cache over a limit."""
+        if self.max_size_bytes is None and self.max_entries is None:
+            return
+        report = self.evict(protect=frozenset({(store.name, key)}))
+        if over := self._over_limits(report):
+            held = len(report.in_use)
+            in_use = f" and {held} entr{'y is' if held == 1 else 'ies are'} in use by running processes" if held else ""
+            self.warn(f"engine cache {self.root} stays over its limit ({over}): {store.label} {key[:12]} was just "
+                      f"published{in_use}; raise cache.max_entries or cache.max_size_gb")
+
+    def _over_limits(self, report: EvictionReport) -> str:
+        """Which limits what is left after ``report``'s eviction exceeds ("" when none)."""
+        over = []
+        if self.max_entries is not None and report.remaining_entries > self.max_entries:
+            over.append(f"{report.remaining_entries} entries, limit {self.max_entries}")
+        if self.max_size_bytes is not None and report.remaining_bytes > self.max_size_bytes:
+            over.append(f"{format_bytes(report.remaining_bytes)}, limit {format_bytes(self.max_size_bytes)}")
+        return "; ".join(over)
 
 
 def read_remote(root: Path) -> RemoteSpec | None:

@@ -6,7 +6,7 @@ from kiln.runtime.cache_hold import CacheCorruptError, CacheEntryGoneError
 from kiln.runtime.errors import KilnError
 
 __all__ = ["CacheCorruptError", "CacheEntryGoneError", "CacheEntryInUseError", "CacheEntryNotFoundError",
-           "CacheUsageError", "CheckpointHashError", "InvalidCacheKeyError"]
+           "CacheRootError", "CacheUsageError", "CheckpointHashError", "InvalidCacheKeyError"]
 
 
 class InvalidCacheKeyError(KilnError):
@@ -19,6 +19,10 @@ class CacheEntryNotFoundError(KilnError):
 
 class CacheEntryInUseError(KilnError):
     """The entry is loaded by a live process, so it cannot be removed now."""
+
+
+class CacheRootError(KilnError):
+    """A cache root that is no cache: not a folder, not writable, or (for a command that only reads) not there."""
 
 
 class CacheUsageError(KilnError):

@@ -31,11 +31,14 @@ class EntryInfo:
 
 @dataclass
 class EvictionReport:
-    """What an eviction pass removed (or, dry, would remove) and which entries it had to skip as in use."""
+    """What an eviction pass removed (or, dry, would remove), which entries it had to skip as in use, and the
+    entries and bytes left."""
 
     removed: list[EntryInfo] = field(default_factory=list)
     in_use: list[EntryInfo] = field(default_factory=list)
     dry_run: bool = False
+    remaining_entries: int = 0
+    remaining_bytes: int = 0
 
     @property
     def freed_bytes(self) -> int:
@@ -64,11 +67,11 @@ def list_entries(stores: Iterable[ContentStore]) -> list[EntryInfo]:
 
 
 def evict(stores: dict[str, ContentStore], *, max_size_bytes: int | None = None, max_entries: int | None = None,
-          older_than_s: float | None = None, incoming: int = 0, protect: frozenset[tuple[str, str]] = frozenset(),
+          older_than_s: float | None = None, protect: frozenset[tuple[str, str]] = frozenset(),
           why: str = "evicted", dry_run: bool = False) -> EvictionReport:
-    """Remove least recently used entries until the cache is within ``max_size_bytes`` and ``max_entries`` (with
-    room for ``incoming`` more), and every entry last used longer than ``older_than_s`` ago. Entries in
-    ``protect`` ((store, key) pairs) and entries some process holds are kept."""
+    """Remove least recently used entries until the cache is within ``max_size_bytes`` and ``max_entries``, and
+    every entry last used longer than ``older_than_s`` ago. Entries in ``protect`` ((store, key) pairs) and entries
+    some process holds are kept."""
     entries = list_entries(stores.values())
     total = sum(e.size_bytes for e in entries)
     count = len(entries)
@@ -77,7 +80,7 @@ def evict(stores: dict[str, ContentStore], *, max_size_bytes: int | None = None,
     for entry in entries:
         too_old = cutoff is not None and entry.last_used < cutoff
         too_big = max_size_bytes is not None and total > max_size_bytes
-        too_many = max_entries is not None and count + incoming > max_entries
+        too_many = max_entries is not None and count > max_entries
         if not (too_old or too_big or too_many):
             break
         if (entry.store, entry.key) in protect:
@@ -93,4 +96,5 @@ def evict(stores: dict[str, ContentStore], *, max_size_bytes: int | None = None,
             report.removed.append(entry)
         total -= entry.size_bytes
         count -= 1
+    report.remaining_entries, report.remaining_bytes = count, total
     return report

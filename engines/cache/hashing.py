@@ -16,8 +16,8 @@ from kiln.engines.cache.errors import CheckpointHashError
 
 WEIGHT_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-CONFIG_SUFFIXES = (".json",)
-TOKENIZER_SUFFIXES = (".tiktoken",)
+CONFIG_SUFFIXES = (".json",)  # config, generation config, quantization config, index, tokenizer JSON files
+TOKENIZER_SUFFIXES = (".tiktoken", ".jinja")  # .jinja: chat templates, which the build copies into the engine
 TOKENIZER_NAMES = frozenset({"tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "merges.txt", "vocab.txt"})
 
 # ctime cannot be set back by a user (mtime can, with touch -r): a file written in place always gets a new identity
@@ -45,7 +45,8 @@ class CheckpointFiles:
 
 
 def checkpoint_files(path: Path) -> CheckpointFiles:
-    """Weight (*.safetensors), config (*.json) and tokenizer files under ``path``, hidden folders skipped.
+    """Weight (*.safetensors), config (*.json), tokenizer and chat template (*.jinja) files under ``path``, hidden
+    folders skipped: every file a build reads or copies into what it builds.
 
     Pickle weights (*.bin, *.pt, ...) are only listed: a checkpoint whose weights are all pickles is refused. Links
     are followed, each folder once (a ``loop -> .`` link adds nothing), and a file that is not a regular file once

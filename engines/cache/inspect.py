@@ -137,11 +137,10 @@ def prune(cache: EngineCache, *, max_size_bytes: int | None = None, older_than_s
                    why="pruned", dry_run=dry_run)
     quarantined = sorted((cache.v1 / "quarantine").iterdir())
     quarantined_bytes = sum(dir_size(path) for path in quarantined)
-    swept = 0
     if not dry_run:
         for path in quarantined:
             shutil.rmtree(path, ignore_errors=True)
-        swept = sum(len(store.sweep()) for store in cache.stores.values())
+    swept = sum(len(store.sweep(dry_run=dry_run)) for store in cache.stores.values())
     return {
         "dry_run": dry_run,
         "removed": [{"key": e.key, "store": e.store, "size_bytes": e.size_bytes, "last_used": iso_utc(e.last_used)}

@@ -18,6 +18,7 @@ import os
 import uuid
 from pathlib import Path
 
+from kiln.engines.cache.errors import CacheRootError
 from kiln.engines.cache.keys import is_cache_key, validate_key
 from kiln.runtime.cache_hold import MANIFEST as MANIFEST  # re-exported: the runtime refuses an entry without one
 
@@ -54,14 +55,36 @@ def entry_of_payload(payload: Path) -> tuple[Path, str, str] | None:
 
 
 def ensure_layout(root: Path) -> Path:
-    """Create the root, its CACHEDIR.TAG and the v1 folders; return ``<root>/v1``."""
-    v1 = root / LAYOUT_VERSION
-    for sub in ("tmp", "locks", "quarantine"):
-        (v1 / sub).mkdir(parents=True, exist_ok=True)
-    tag = root / "CACHEDIR.TAG"
-    if not tag.exists():
-        write_atomic(tag, CACHEDIR_TAG)
+    """Create the root, its CACHEDIR.TAG and the v1 folders; return ``<root>/v1``. CacheRootError when the root
+    cannot hold a cache (a file, a folder this user cannot write)."""
+    v1 = _v1_of(root)
+    try:
+        for sub in ("tmp", "locks", "quarantine"):
+            (v1 / sub).mkdir(parents=True, exist_ok=True)
+        tag = root / "CACHEDIR.TAG"
+        if not tag.exists():
+            write_atomic(tag, CACHEDIR_TAG)
+    except OSError as exc:
+        raise CacheRootError(f"cache root {root}: cannot create {exc.filename or root} ({exc.strerror or exc}); set "
+                             f"$KILN_CACHE (or cache.dir, --cache-dir) to a folder you can write") from None
     return v1
+
+
+def require_layout(root: Path) -> Path:
+    """``<root>/v1`` of an existing cache, creating nothing; CacheRootError when there is no cache at ``root``."""
+    v1 = _v1_of(root)
+    if not v1.is_dir():
+        raise CacheRootError(f"no cache at {root}: nothing was built or pulled there yet; point $KILN_CACHE (or "
+                             f"--cache-dir, cache.dir) at the cache to use")
+    return v1
+
+
+def _v1_of(root: Path) -> Path:
+    """``<root>/v1``; CacheRootError when the root is a file."""
+    if root.exists() and not root.is_dir():
+        raise CacheRootError(f"cache root {root} is a file, not a folder; set $KILN_CACHE (or cache.dir, "
+                             f"--cache-dir) to a folder")
+    return root / LAYOUT_VERSION
 
 
 def fsync_dir(path: Path) -> None:

@@ -13,18 +13,25 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from kiln.engines.cache.hashing import file_sha256
+from kiln.engines.cache.keys import engine_key
 from kiln.engines.cache.layout import MANIFEST, dir_size, fsync_dir
 
 MANIFEST_VERSION = 1
 
 
 def seal_payload(payload: Path) -> list[dict]:
-    """fsync every file and folder of a finished build and list its files; symlinks and special files are refused."""
+    """fsync every file and folder of a finished build and list its files; symlinks and special files are refused.
+
+    Every file gets the mode a new file gets under the umask (0644 under 022), whatever its writer gave it:
+    safetensors 0.8 writes through a temporary file of mode 0600, which other users of a shared cache cannot read."""
     regular, odd = payload_files(payload)
     if odd:
         raise ValueError(f"{odd[0]}: a cache payload holds regular files and folders only")
+    mode = new_file_mode()
     files = []
     for path in regular:
+        if path.stat().st_mode & 0o777 != mode:
+            os.chmod(path, mode)
         with open(path, "rb") as f:
             os.fsync(f.fileno())
         files.append({"path": path.relative_to(payload).as_posix(), "size": path.stat().st_size,
@@ -32,6 +39,30 @@ def seal_payload(payload: Path) -> list[dict]:
     for dirpath, _, _ in os.walk(payload):
         fsync_dir(Path(dirpath))
     return files
+
+
+def new_file_mode() -> int:
+    """The permission bits ``open`` gives a new file under this process's umask."""
+    umask = os.umask(0o022)  # reading the umask means setting it; restored at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def manifest_mismatch(manifest: object, store: str, key: str) -> tuple[str, str] | None:
+    """Why a manifest is not that of entry ``key`` of ``store``: a lookup's miss reason (``incompatible``: another
+    Kiln's or store's, or key material that does not hash to the key; ``corrupt``: another key's) and what is wrong.
+    None when it is the entry's."""
+    version = manifest.get("manifest_version") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict) or version != MANIFEST_VERSION:
+        return "incompatible", f"manifest version {version!r}, this Kiln reads {MANIFEST_VERSION}"
+    if manifest.get("store") != store:
+        return "incompatible", f"manifest of store {manifest.get('store')!r}, not {store!r}"
+    if manifest.get("key") != key:
+        return "corrupt", f"manifest names key {manifest.get('key')!r}"
+    stored = manifest.get("material")
+    if not isinstance(stored, dict) or engine_key(stored) != key:
+        return "incompatible", "stored key material does not hash to the key"
+    return None
 
 
 def file_problems(entry: Path, payload_name: str, manifest: dict, *, digest: Callable[[Path], str] | None,

@@ -45,6 +45,7 @@ from kiln.engines.cache.manifest import (
     MANIFEST_VERSION,
     entry_size,
     file_problems,
+    manifest_mismatch,
     read_manifest,
     seal_payload,
     stray_files,
@@ -119,7 +120,7 @@ class ContentStore:
 
     def __init__(self, v1: Path, name: str, payload_name: str, stats: StatsDB, *, label: str | None = None,
                  verify_on_load: VerifyOnLoad = "changed",
-                 enforce_limits: Callable[[ContentStore, str, int], None] | None = None,
+                 enforce_limits: Callable[[ContentStore, str], None] | None = None,
                  remote: RemoteTier | None = None) -> None:
         self.v1 = v1
         self.name = name
@@ -217,19 +218,10 @@ class ContentStore:
             return LookupResult(False, "corrupt", entry, f"{entry}: {MANIFEST} is missing")
         except ValueError:
             return LookupResult(False, "corrupt", entry, f"{entry}: {MANIFEST} is not valid JSON")
-        if not isinstance(manifest, dict) or manifest.get("manifest_version") != MANIFEST_VERSION \
-                or manifest.get("store") != self.name:
-            version = manifest.get("manifest_version") if isinstance(manifest, dict) else None
-            return LookupResult(False, "incompatible", entry,
-                                f"{entry}: manifest version {version!r}, this Kiln reads {MANIFEST_VERSION}")
-        if manifest.get("key") != key:
-            return LookupResult(False, "corrupt", entry, f"{entry}: manifest names key {manifest.get('key')!r}")
-        stored = manifest.get("material")
-        if material is not None and canonical_json(material) != canonical_json(stored):
+        if (mismatch := manifest_mismatch(manifest, self.name, key)) is not None:
+            return LookupResult(False, mismatch[0], entry, f"{entry}: {mismatch[1]}")
+        if material is not None and canonical_json(material) != canonical_json(manifest["material"]):
             return LookupResult(False, "incompatible", entry, f"{entry}: stored key material differs", manifest)
-        if material is None and (not isinstance(stored, dict) or engine_key(stored) != key):
-            return LookupResult(False, "incompatible", entry, f"{entry}: stored key material does not hash to the key",
-                                manifest)
         if (entry / CORRUPT_MARK).exists():
             return LookupResult(False, "corrupt", entry, f"{entry}: marked corrupt by `kiln cache verify`", manifest)
         digest = {"size": None, "changed": self.hashes.sha256, "hash": file_sha256}[self.verify_on_load]
@@ -265,8 +257,6 @@ class ContentStore:
                 self._record_lookup(key, found)
             if found.reason == "corrupt":
                 self.quarantine(key, found.detail)
-            if self._enforce_limits is not None:
-                self._enforce_limits(self, key, 1)
             damaged: list[str] = []  # a remote copy refused on pull: this build replaces it there
             if not force and (pulled := self._try_pull(key, material, on_transfer, damaged)) is not None:
                 return dataclasses.replace(pulled, waited=waited)
@@ -277,8 +267,6 @@ class ContentStore:
                     return dataclasses.replace(pulled, waited=True)
                 replaced_in_use = force and is_held(self.entry_dir(key))
                 entry_dir, seconds = self._build_and_publish(key, material, build, describe or {})
-                if self._enforce_limits is not None:
-                    self._enforce_limits(self, key, 0)
                 if self.remote is not None and self.remote.usable:
                     self._push_after_build(key, force or bool(damaged), on_transfer)
         return CacheResult(key, entry_dir, entry_dir / self.payload_name, False, "forced" if force else found.reason,
@@ -345,6 +333,8 @@ class ContentStore:
         # every file was hashed (sealed or checked): "changed" lookups of the entry only stat them until one changes
         payload = entry_dir / self.payload_name
         self.hashes.remember({payload / item["path"]: item["sha256"] for item in manifest["files"]})
+        if self._enforce_limits is not None:  # only now: before, it could evict what the build was about to read
+            self._enforce_limits(self, key)
         return entry_dir, manifest
 
     # -- the remote tier ---------------------------------------------------------------------------------------
@@ -511,8 +501,9 @@ class ContentStore:
             delete_unless_held(trash)
         return outcome, size if outcome == "moved" else 0
 
-    def sweep(self, own_key: str | None = None) -> list[Path]:
-        """Delete this store's stale temporary dirs (their key's build lock is free) and unheld trash.
+    def sweep(self, own_key: str | None = None, *, dry_run: bool = False) -> list[Path]:
+        """Delete this store's stale temporary dirs (their key's build lock is free) and unheld trash; return them
+        (``dry_run``: the ones it would delete, deleting nothing).
 
         ``own_key`` is a key whose build lock this process holds: its leftover temporaries are stale too."""
         removed = []
@@ -520,9 +511,11 @@ class ContentStore:
             parts = path.name.split(".")
             if len(parts) == 4 and parts[0] == self.name and is_cache_key(parts[1]):
                 if parts[1] == own_key or not self.is_being_built(parts[1]):
-                    shutil.rmtree(path, ignore_errors=True)
+                    if not dry_run:
+                        shutil.rmtree(path, ignore_errors=True)
                     removed.append(path)
-            elif len(parts) == 4 and parts[0] == "trash" and parts[1] == self.name and delete_unless_held(path):
+            elif len(parts) == 4 and parts[0] == "trash" and parts[1] == self.name \
+                    and (not is_held(path) if dry_run else delete_unless_held(path)):
                 removed.append(path)
         return removed
 
@@ -565,12 +558,16 @@ class ContentStore:
         except CacheCorruptError as exc:
             self.stats.record_verify(self.name, key, False, str(exc))
             return VerifyResult(self.name, key, entry, 0, [str(exc)])
-        problems = (file_problems(entry, self.payload_name, manifest, digest=file_sha256)
-                    + stray_files(entry, self.payload_name, manifest))
+        if (mismatch := manifest_mismatch(manifest, self.name, key)) is not None:  # what a lookup refuses
+            problems, checked = [f"{entry / MANIFEST}: {mismatch[1]}"], 0
+        else:
+            problems = (file_problems(entry, self.payload_name, manifest, digest=file_sha256)
+                        + stray_files(entry, self.payload_name, manifest))
+            checked = len(manifest.get("files", []))
         if problems:
             write_atomic(entry / CORRUPT_MARK, json.dumps({"verified": _utc_now(), "problems": problems}).encode())
         self.stats.record_verify(self.name, key, not problems, "; ".join(problems) or None)
-        return VerifyResult(self.name, key, entry, len(manifest.get("files", [])), problems)
+        return VerifyResult(self.name, key, entry, checked, problems)
 
 
 def _utc_now() -> str:

@@ -34,6 +34,17 @@ def parse_duration(text: str) -> float:
 
 def parse_since(text: str) -> float:
     """A point in time as a unix timestamp: a duration back from now (``7d``) or an ISO date/time (UTC if bare)."""
+    moment = _since(text)
+    try:
+        datetime.fromtimestamp(moment, UTC)  # as iso_utc prints it
+    except (ValueError, OverflowError, OSError):
+        raise CacheUsageError(f"--since {text!r} reaches back before the year 1; give a shorter duration, or leave "
+                              "--since out to count every event") from None
+    return moment
+
+
+def _since(text: str) -> float:
+    """``parse_since`` before its range check."""
     if _DURATION_RE.fullmatch(text):
         return time.time() - parse_duration(text)
     try:
