@@ -316,12 +316,15 @@ class BuildStage:
     @staticmethod
     def _with_checkpoint(ctx: BuildContext, build: Callable[[Path], dict], describe: dict,
                          progress: Progress) -> Callable[[Path], dict]:
-        """``build`` after the checkpoint it reads is there: a deferred quantize stage runs first."""
+        """``build`` after the checkpoint it reads is there (a deferred quantize stage runs first), holding it while
+        it is read: a quantized checkpoint of the cache is kept from being evicted (by any process) meanwhile."""
 
         def build_from_checkpoint(tmp: Path) -> dict:
             ctx.ensure_checkpoint(progress)
             describe["format"] = _shipped_format(ctx)
-            return build(tmp)
+            quantized = ctx.quantized_key and ctx.checkpoint_dir != ctx.model_dir
+            with EntryHold(ctx.cache.quantized.entry_dir(ctx.quantized_key)) if quantized else nullcontext():
+                return build(tmp)
 
         return build_from_checkpoint
 
@@ -335,11 +338,8 @@ class BuildStage:
 
         def build(tmp: Path) -> dict:
             progress("building native engine", 0.0)
-            quantized = ctx.quantized_key and ctx.checkpoint_dir != ctx.model_dir
-            # a quantized checkpoint of the cache is kept from being evicted while it is read
-            with EntryHold(ctx.cache.quantized.entry_dir(ctx.quantized_key)) if quantized else nullcontext():
-                engine = build_native_engine(ctx.checkpoint_dir, tmp, plan, cfg.model.dtype, device=ctx.choice.device,
-                                             kernels=ctx.options.kernels, tp_size=cfg.build.tp_size)
+            engine = build_native_engine(ctx.checkpoint_dir, tmp, plan, cfg.model.dtype, device=ctx.choice.device,
+                                         kernels=ctx.options.kernels, tp_size=cfg.build.tp_size)
             return {"engine": {"format": engine["format"], "quantization": engine["quantization"]},
                     "calibration": report_summary(ctx.calibration) if ctx.calibration else None}
 

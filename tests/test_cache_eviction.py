@@ -152,3 +152,24 @@ def test_a_forced_rebuild_says_when_it_replaces_an_entry_a_process_has_loaded(tm
     with EntryHold(cache.entries.entry_dir(key)):
         forced = cache.entries.get_or_build(key, material("a"), build_of(10), force=True)
     assert forced.replaced_in_use and forced.reason == "forced"
+
+
+def test_a_build_holds_the_quantized_checkpoint_it_reads_whatever_its_backend(tmp_path):
+    from types import SimpleNamespace
+
+    from kiln.engines.cache import is_held
+    from kiln.pipeline.stages import BuildStage
+
+    cache = EngineCache.open(tmp_path / "cache", max_size_bytes=None, max_entries=None)
+    key = "ab" * 32
+    entry = cache.quantized.entry_dir(key)
+    entry.mkdir(parents=True)
+    (entry / "in_use.lock").touch()  # an entry that is there, as far as a hold is concerned
+    ctx = SimpleNamespace(cache=cache, quantized_key=key, checkpoint_dir=tmp_path / "quantized",
+                          model_dir=tmp_path / "model", calibration=None,
+                          config=SimpleNamespace(quantize=SimpleNamespace(format="fp8")),
+                          ensure_checkpoint=lambda progress: None)
+    seen = []
+    build = BuildStage._with_checkpoint(ctx, lambda tmp: seen.append(is_held(entry)) or {}, {}, print)
+    build(tmp_path / "tmp")
+    assert seen == [True] and not is_held(entry)
