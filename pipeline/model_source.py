@@ -48,8 +48,7 @@ def resolve_model(model: ModelSection) -> Path:
         return found
     local = Path(model.path).expanduser()
     if is_local_path(model.path):
-        problem = "is not a directory" if not local.is_dir() else "has no config.json and *.safetensors weights"
-        raise ModelNotFoundError(f"model.path {local} {problem}; point model.path at a Hugging Face checkpoint folder")
+        raise ModelNotFoundError(f"model.path {local} {_what_is_missing(local)}")
     if not model.allow_download:
         raise ModelNotFoundError(
             f"model '{model.path}' is not on disk (not in the Hugging Face cache {hf_hub_cache()}); download it "
@@ -71,6 +70,20 @@ def _download(model: ModelSection) -> Path:
             f"model '{model.path}' could not be downloaded from the Hugging Face hub ({type(exc).__name__}); "
             "check network access and HF_TOKEN, or point model.path at a local folder"
         ) from None
+
+
+def _what_is_missing(folder: Path) -> str:
+    """Why a local folder is not a checkpoint Kiln reads, and what to do."""
+    fix = "point model.path at a Hugging Face checkpoint folder"
+    if not folder.is_dir():
+        return f"is not a directory; {fix}"
+    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    if missing:
+        return f"has no {', '.join(missing)}; {fix}"
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        return ("holds pickle weights (*.bin / *.pt) only, which Kiln never loads; re-save the checkpoint with "
+                "save_pretrained(..., safe_serialization=True)")
+    return f"has no *.safetensors weights; {fix}"
 
 
 def _is_checkpoint(path: Path) -> bool:

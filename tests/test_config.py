@@ -93,6 +93,23 @@ def test_a_model_path_that_is_a_link_loop_loads_and_is_reported_where_it_is_used
         resolve_model(loaded.config.model)
 
 
+@pytest.mark.parametrize(("files", "problem"), [
+    ({}, "has no config.json"),
+    ({"config.json": "{}", "pytorch_model.bin": ""}, r"holds pickle weights \(\*.bin / \*.pt\) only"),
+    ({"config.json": "{}"}, r"has no \*.safetensors weights"),
+])
+def test_a_local_model_folder_kiln_cannot_read_is_refused_naming_what_is_missing(tmp_path, files, problem):
+    from kiln.pipeline.model_source import ModelNotFoundError, resolve_model
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for name, text in files.items():
+        (model / name).write_text(text)
+    (tmp_path / "kiln.yaml").write_text("model:\n  path: ./model\n")
+    with pytest.raises(ModelNotFoundError, match=problem):
+        resolve_model(load_config(tmp_path / "kiln.yaml").config.model)
+
+
 def test_limits_left_to_their_defaults_are_fitted_to_the_model_and_explicit_ones_are_kept(tmp_path):
     from kiln.pipeline.config import BuildSection
 
