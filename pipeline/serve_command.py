@@ -63,10 +63,13 @@ class ServeTarget:
         return load
 
     def settings(self, *, api_key: str | None = None, max_queue: int | None = None, model_name: str | None = None,
-                 chat_template: str | None = None, max_body_mb: float | None = None) -> ServerSettings:
+                 chat_template: str | None = None, max_body_mb: float | None = None,
+                 allowed_origins: list[str] | None = None) -> ServerSettings:
         from kiln.runtime.server import ServerSettings
 
         bound = {"max_body_bytes": int(max_body_mb * (1 << 20))} if max_body_mb is not None else {}
+        if allowed_origins is not None:  # none at all: no CORS headers
+            bound["allowed_origins"] = tuple(origin for origin in allowed_origins if origin)
         return ServerSettings(model_name=model_name or self.model_name, api_key=api_key or self.api_key,
                               max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache,
                               chat_template=chat_template, **bound)
@@ -194,6 +197,9 @@ def serve(
                                                             "engine's (as transformers renders it).")] = None,
     max_body_mb: Annotated[float | None, typer.Option(min=0.001, help="Largest request body in MiB; larger ones get "
                                                                      "413 before they are read (default 16).")] = None,
+    allowed_origins: Annotated[list[str] | None, typer.Option(
+        "--allowed-origins", help="An origin browsers may call the API from (CORS), repeatable; default any ('*', "
+                                  "as vLLM); '' alone turns CORS off.")] = None,
     backend: Annotated[str | None, typer.Option(help="Build backend for a config: auto, native or trtllm.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the engine's).")] = None,
     num_kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV pool size in blocks (default: from free "
@@ -222,7 +228,7 @@ def serve(
         options = replace(options, tp_rendezvous=rendezvous.address())
     resolved = serve_target(target, options, backend=backend)
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name, chat_template=template,
-                                 max_body_mb=max_body_mb)
+                                 max_body_mb=max_body_mb, allowed_origins=allowed_origins)
     app = create_app(resolved.loader(options), resolved.engine_dir, settings)
     bind_host = host or resolved.host
     bind_port = resolved.port if port is None else port

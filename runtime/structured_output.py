@@ -91,6 +91,12 @@ def closed_objects(schema: Any, close: bool = True) -> Any:
     return closed
 
 
+def json_rule(schema: dict) -> str:
+    """``schema`` as a Lark ``%json`` rule (llguidance's dialect) that generates what the ``json`` format does: its
+    objects closed (``closed_objects``), and no optional whitespace."""
+    return f"%json {json.dumps({'x-guidance': _JSON_OPTIONS, **closed_objects(schema)})}"
+
+
 def grammar_of(spec: StructuredOutput) -> str:
     """llguidance's grammar for ``spec``, validated; StructuredOutputError says what is wrong with it."""
     import llguidance  # only requests that ask for structure load it

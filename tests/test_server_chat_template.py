@@ -28,6 +28,18 @@ def test_template_renders_messages_with_special_tokens_and_generation_prompt(tmp
     assert template.bos_token == "<s>"
 
 
+def test_chat_template_kwargs_reach_the_template_and_may_not_replace_what_the_server_sets(tmp_path):
+    thinking = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    write_config(tmp_path, chat_template=thinking)
+    template = ChatTemplate.from_dir(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    assert template.render(messages) == "hi"
+    assert template.render(messages, variables={"enable_thinking": False}) == "hi<think></think>"
+    with pytest.raises(ChatTemplateError, match="may not set bos_token, messages"):
+        template.render(messages, variables={"messages": [], "bos_token": "x"})
+
+
 def test_template_refusal_becomes_a_chat_template_error(tmp_path):
     write_config(tmp_path, chat_template=ALTERNATING)
     with pytest.raises(ChatTemplateError, match="must alternate"):

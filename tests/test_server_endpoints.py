@@ -40,6 +40,30 @@ def test_tokenize_and_detokenize_round_trip_a_prompt_and_render_messages(http, l
     assert llm.tokenizer.decode(chat["tokens"]) == "<<user>>hi<<A>>"  # the --chat-template, not the engine's own
 
 
+def test_the_developer_role_renders_as_system(http, llm):
+    chat = http.post("/tokenize", json={"messages": [{"role": "developer", "content": "Be brief."}]}).json()
+    assert llm.tokenizer.decode(chat["tokens"]) == "<<system>>Be brief.<<A>>"
+
+
+def test_chat_template_kwargs_are_taken_by_tokenize_and_chat(http):
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}}
+    assert http.post("/tokenize", json=body).status_code == 200
+    refused = http.post("/tokenize", json={**body, "chat_template_kwargs": {"messages": []}})
+    assert refused.status_code == 400 and "may not set messages" in refused.json()["error"]["message"]
+    chat = http.post("/v1/chat/completions", json={**body, "model": MODEL, "max_tokens": 2})
+    assert chat.status_code == 200, chat.text
+
+
+def test_a_browser_preflight_is_answered_without_the_key_and_responses_allow_any_origin(server):
+    preflight = httpx.options(f"{server.url}/v1/chat/completions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    refused = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example"})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+
+
 @pytest.mark.parametrize(("path", "body", "status", "words"), [
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "exactly one"),
     ("/tokenize", {}, 400, "exactly one"),

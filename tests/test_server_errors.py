@@ -58,7 +58,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", ["less than or equal to 2"]),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", ["token ids"]),
     ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", ["[-100, 100]"]),
-    ({"prompt": "hi", "logit_bias": {"999999": 1}}, "prompt", ["outside the vocabulary"]),
+    ({"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias", ["999999", "outside this model's vocabulary"]),
+    ({"prompt": "hi", "stop_token_ids": [2, 999999]}, "stop_token_ids", ["999999", "vocabulary"]),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", ["only allowed with stream"]),
     ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, None, ["min_tokens", "max_tokens=4"]),
     ({"prompt": "hi", "best_of": 2}, "best_of", ["not supported", "send null or 1"]),  # JSON, not Python, spellings
 ])
@@ -77,9 +79,26 @@ def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, w
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", ["needs logprobs"]),
     ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}, "modalities", ["not supported"]),
     ({"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions", ["Unrecognized"]),
+    ({"messages": [{"role": "assistant", "content": "hi", "audio": {"id": "a"}}]}, "messages[0].audio",
+     ["not supported", "send null"]),
+    ({"messages": [{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages[0].function_call", ["not supported"]),
 ])
 def test_bad_chat_requests_get_a_400_naming_the_field(http, body, param, words):
     assert_error(http.post("/v1/chat/completions", json=body), 400, param, *words)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "hi", "n": None, "stream": None, "echo": None, "logprobs": None, "best_of": None,
+                         "suffix": None, "stop": None, "seed": None, "stream_options": None, "user": None}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": None, "stream": None,
+                              "tools": None, "tool_choice": None, "response_format": None, "modalities": None,
+                              "audio": None, "max_completion_tokens": None, "parallel_tool_calls": None}),
+])
+def test_null_is_the_default_of_every_nullable_field(http, path, body):
+    response = http.post(path, json={**body, "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1 and "kiln-ignored-fields" not in response.headers
 
 
 def test_malformed_json_and_non_object_bodies_get_a_400(http):

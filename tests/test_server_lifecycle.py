@@ -129,3 +129,12 @@ def test_health_turns_503_naming_the_error_when_the_engine_thread_dies():
             assert response.status_code == 503
             assert response.json()["status"] == "error"
             assert "simulated device failure" in response.json()["message"]
+
+
+def test_allowed_origins_default_to_any_and_an_empty_one_turns_cors_off(tmp_path):
+    from kiln.pipeline.serve_command import ServeTarget
+
+    target = ServeTarget(engine_dir=tmp_path, model_name="tiny")
+    assert target.settings().allowed_origins == ("*",)
+    assert target.settings(allowed_origins=["https://a.example"]).allowed_origins == ("https://a.example",)
+    assert target.settings(allowed_origins=[""]).allowed_origins == ()

@@ -104,6 +104,14 @@ def test_chat_completion_uses_the_chat_template(client, llm):
     assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
 
 
+def test_an_assistant_message_passed_back_as_the_clients_model_dump_is_accepted(client):
+    messages = [{"role": "user", "content": "Hi there"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3).choices[0].message
+    history = [*messages, answer.model_dump(), {"role": "user", "content": "And then?"}]
+    assert {"annotations", "audio", "function_call", "refusal"} <= history[1].keys()  # each None
+    assert client.chat.completions.create(model=MODEL, messages=history, max_tokens=2).choices[0].finish_reason
+
+
 def test_streamed_completion_concatenates_to_the_unstreamed_text(client):
     kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=9, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(**kwargs).choices[0].text

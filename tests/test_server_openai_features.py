@@ -73,6 +73,24 @@ def test_streamed_completion_echo_and_logprobs_equal_the_unstreamed_ones(client)
     assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
 
 
+def test_text_offsets_index_the_text_through_multi_byte_characters(client):
+    out = client.completions.create(model=MODEL, prompt="café 😀", max_tokens=12, logprobs=0, echo=True,
+                                    extra_body={"structured_outputs": {"regex": "é 😀 ok"}})
+    text, lp = out.choices[0].text, out.choices[0].logprobs
+    assert text == "café 😀é 😀 ok" and len(lp.tokens) > len(text)  # characters of several byte-level tokens
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    for token, offset in zip(lp.tokens, lp.text_offset, strict=True):  # a piece of a character starts at it
+        assert text.startswith(token.rstrip("\ufffd"), offset) and (token.isascii() or not text[offset].isascii())
+
+
+@pytest.mark.parametrize(("logprobs", "prompt_logprobs"), [(1, 5), (5, 0)])
+def test_echo_and_prompt_logprobs_each_get_the_alternatives_they_asked_for(client, logprobs, prompt_logprobs):
+    choice = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=2, temperature=0, echo=True,
+                                       logprobs=logprobs, extra_body={"prompt_logprobs": prompt_logprobs}).choices[0]
+    assert max(len(top) for top in choice.logprobs.top_logprobs[1:]) == logprobs
+    assert {len(entry) for entry in choice.prompt_logprobs[1:]} <= {prompt_logprobs, prompt_logprobs + 1}  # + own
+
+
 def test_penalties_and_logit_bias_match_the_runtime(client, llm):
     controls = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"57": 3.0})
     out = client.completions.create(model=MODEL, prompt="The cat", max_tokens=10, temperature=0,

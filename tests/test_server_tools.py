@@ -175,15 +175,63 @@ def test_a_template_without_tools_refuses_them_unless_tool_choice_is_none(llm, t
 def test_the_formats_are_read_from_templates_and_parse_what_they_teach():
     assert tool_call_format(HERMES_TEMPLATE) is HERMES and tool_call_format(LLAMA3_TEMPLATE) is LLAMA3_JSON
     content, calls = HERMES.parse('Let me look.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
-                                  '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+                                  '<tool_call>{"name": "b", "arguments": {}}</tool_call>', {"a", "b"})
     assert content == "Let me look." and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}),
                                                                                                   ("b", {})]
-    assert LLAMA3_JSON.parse('<|python_tag|>{"name": "a", "parameters": {"x": 2}}')[1][0].arguments == '{"x": 2}'
-    assert HERMES.parse("no calls here <tool_call>{broken") == ("no calls here <tool_call>{broken", [])
-    assert HERMES.content_before_calls("Sure <tool_") == len("Sure ")
+    assert LLAMA3_JSON.parse('<|python_tag|>{"name": "a", "parameters": {"x": 2}}', {"a"})[1][0].arguments == '{"x": 2}'
+    assert HERMES.parse("no calls here <tool_call>{broken", {"a"}) == ("no calls here <tool_call>{broken", [])
+    assert HERMES.content_before_calls("Sure <tool_") == len("Sure")  # nor the whitespace parse strips before it
     assert LLAMA3_JSON.content_before_calls(' {"na') == 0 and LLAMA3_JSON.content_before_calls("Hi") == 2
     rendered = ChatTemplate(HERMES_TEMPLATE, {}).render(
         [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
                                                                "function": {"name": "a", "arguments": {"x": 1}}}]}],
         tools=[WEATHER])
     assert '"arguments": {"x": 1}' in rendered and '"name": "get_weather"' in rendered
+
+
+def test_llama3_json_calls_are_read_whole_even_with_a_semicolon_in_an_argument():
+    content, calls = LLAMA3_JSON.parse('{"name": "sql", "parameters": {"q": "SELECT 1; SELECT 2"}} ; '
+                                       '{"name": "sql", "arguments": {"q": "b"}}', {"sql"})
+    assert content == "" and [json.loads(c.arguments)["q"] for c in calls] == ["SELECT 1; SELECT 2", "b"]
+
+
+@pytest.mark.parametrize(("format_", "text"), [
+    (LLAMA3_JSON, '{"name": "Alice", "age": 30}'),  # a JSON answer, not a call
+    (LLAMA3_JSON, '{"name": "sql"}'),  # no parameters
+    (LLAMA3_JSON, '{"name": "drop_tables", "parameters": {}}'),  # not among the tools
+    (LLAMA3_JSON, '{"name": "sql", "parameters": {}} and more'),
+    (HERMES, '<tool_call>\n{"name": "drop_tables", "arguments": {}}\n</tool_call>'),
+    (HERMES, '<tool_call>\n{"name": "sql"}\n</tool_call>'),
+])
+def test_text_that_is_no_call_of_the_requests_tools_stays_content(format_, text):
+    assert format_.parse(text, {"sql"}) == (text, [])
+
+
+def whitespace_bias(llm) -> dict[str, int]:
+    """A logit bias that makes every whitespace token the model's first choice."""
+    tokenizer = llm.tokenizer
+    return {str(i): 100 for i in range(tokenizer.vocab_size) if (text := tokenizer.token_bytes(i)) and not text.strip()}
+
+
+def test_a_forced_call_comes_back_as_a_call_even_from_a_model_that_prefers_whitespace(client, llm):
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[CLOCK], tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=60, seed=5,
+                                         logit_bias=whitespace_bias(llm))
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1  # no JSON whitespace to pad
+    assert_valid_call(choice.message.tool_calls[0], CLOCK)
+
+
+def test_without_parallel_tool_calls_auto_keeps_the_first_call_and_a_stream_says_what_the_response_does(
+        llm, tmp_path_factory):
+    calls = "".join(f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>\n'
+                    for n, a in (("get_time", '{"zone": "utc"}'), ("get_weather", '{"city": "Oslo", "unit": "c"}')))
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK], parallel_tool_calls=False, max_tokens=120,
+                  extra_body={"structured_outputs": {"choice": [f"Let me check.\n{calls}"]}})
+    with client_for(llm, tmp_path_factory, HERMES_TEMPLATE) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert message.content == "Let me check." and [c.function.name for c in message.tool_calls] == ["get_time"]
+    assert "".join(c.delta.content or "" for c in chunks) == message.content
+    assert [c.function.name for chunk in chunks for c in chunk.delta.tool_calls or []] == ["get_time"]

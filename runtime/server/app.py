@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -48,13 +49,14 @@ _STREAMING = {200: {"content": {"text/event-stream": {"schema": {"type": "string
 @dataclass
 class ServerSettings:
     """How the server presents the engine: its model id, API key, queue bound, body-size bound, chat template
-    override and engine-cache facts."""
+    override, the origins browsers may call it from (CORS; none: no CORS headers) and engine-cache facts."""
 
     model_name: str
     api_key: str | None = None
     max_queue: int = 256
     chat_template: str | None = None  # a template's source that replaces the engine's own
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allowed_origins: tuple[str, ...] = ("*",)  # vLLM's default
     engine_cache: dict = field(default_factory=dict)  # {"hit": bool, "hit_rate": float, "key": str}, when known
 
 
@@ -149,6 +151,9 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestCountMiddleware, metrics=metrics)
+    if settings.allowed_origins:  # outermost: a preflight needs no key, and a 401 still carries the CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     async def require_model() -> ServedModel:  # async: a plain function would cost each request a thread hop
         return state.require_model()

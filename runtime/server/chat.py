@@ -7,12 +7,13 @@ import functools
 import json
 import time
 import uuid
+from typing import Any
 
 from starlette.requests import Request
 
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.chat_template import ChatTemplateError
-from kiln.runtime.server.completions import check_model, make_jobs, requested_format, respond, stream_chunk
+from kiln.runtime.server.completions import check_request, make_jobs, requested_format, respond, stream_chunk
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs, vllm_prompt_logprobs
@@ -32,8 +33,9 @@ from kiln.runtime.structured_output import StructuredOutput
 
 
 def _template_message(message: ChatMessage) -> dict:
-    """A message as chat templates take it (transformers' convention: a call's arguments as an object)."""
-    result = {"role": message.role, "content": message.content or ""}
+    """A message as chat templates take it (transformers' convention: a call's arguments as an object; OpenAI's
+    ``developer`` role as ``system``, which templates know)."""
+    result = {"role": "system" if message.role == "developer" else message.role, "content": message.content or ""}
     if message.name:
         result["name"] = message.name
     if message.tool_call_id:
@@ -46,15 +48,17 @@ def _template_message(message: ChatMessage) -> dict:
 
 
 def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dict] | None,
-                add_generation_prompt: bool = True) -> str:
-    """The prompt text of ``messages`` (and ``tools``) through the model's chat template (it writes BOS itself, as
-    in transformers, so the text is tokenized without special tokens)."""
+                add_generation_prompt: bool = True, variables: dict[str, Any] | None = None) -> str:
+    """The prompt text of ``messages`` (and ``tools``, and the request's ``chat_template_kwargs`` as ``variables``)
+    through the model's chat template (it writes BOS itself, as in transformers, so the text is tokenized without
+    special tokens)."""
     if model.chat_template is None:
         raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template (neither "
                        f"chat_template.jinja nor tokenizer_config.json has one, and kiln serve got no "
                        f"--chat-template): use /v1/completions", param="messages")
     try:
-        return model.chat_template.render([_template_message(m) for m in messages], add_generation_prompt, tools)
+        return model.chat_template.render([_template_message(m) for m in messages], add_generation_prompt, tools,
+                                          variables)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
 
@@ -73,6 +77,7 @@ class _Tools:
 
     def __init__(self, model: ServedModel, req: ChatCompletionRequest) -> None:
         self.functions = [tool.function.model_dump(exclude_none=True) for tool in req.tools or []]
+        self.names = {f["name"] for f in self.functions}
         choice = req.tool_choice or ("auto" if self.functions else "none")
         self.format: ToolCallFormat | None = None
         self.forced: list[dict] = []
@@ -105,11 +110,12 @@ class _Tools:
         return StructuredOutput(grammar=self.format.grammar(self.forced, self.parallel))
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The content and the calls in a finished completion."""
+        """The content and the calls in a finished completion: calls of the request's tools only, and only the
+        first with ``parallel_tool_calls`` false."""
         if self.format is None:
             return text, []
-        content, calls = self.format.parse(text)
-        return (content or None) if calls else text, calls
+        content, calls = self.format.parse(text, self.names)
+        return (content or None) if calls else text, calls if self.parallel else calls[:1]
 
 
 def _choice_name(choice: object) -> str:
@@ -126,13 +132,13 @@ def _call_parts(calls: list[ToolCall]) -> list[dict]:
 async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest, metrics: ServerMetrics,
                                  request: Request) -> object:
     """Handle POST /v1/chat/completions."""
-    check_model(model, req.model)
+    check_request(model, req)
     tools = _Tools(model, req)
     forced = tools.structured_output()
     if forced is not None and requested_format(req) is not None:
         raise APIError(400, "a forced tool call (tool_choice 'required' or a named function) sets the output "
                             "format: send no response_format or structured_outputs with it", param="tool_choice")
-    text = render_chat(model, req.messages, tools.rendered)
+    text = render_chat(model, req.messages, tools.rendered, variables=req.chat_template_kwargs)
     [prompt] = await model.tokenize_many([text], "messages", add_special_tokens=False)  # the template writes BOS
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)

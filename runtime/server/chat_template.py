@@ -80,13 +80,17 @@ class ChatTemplate:
         return self.special_tokens.get("bos_token")
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, variables: dict[str, Any] | None = None) -> str:
         """The prompt text for `messages` ({"role", "content"} dicts, with "tool_calls" and "tool_call_id" where
-        they have them) and `tools` (OpenAI tool objects, as transformers' ``apply_chat_template`` takes them);
-        ChatTemplateError when the template refuses them."""
+        they have them) and `tools` (OpenAI tool objects, as transformers' ``apply_chat_template`` takes them), with
+        the template's own further ``variables`` (``enable_thinking``, say); ChatTemplateError when the template
+        refuses them, or when a variable would replace one of those it is given."""
+        given = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools,
+                 "documents": None, **self.special_tokens}
+        if taken := sorted(set(variables or {}) & set(given)):
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                         documents=None, **self.special_tokens)
+            return self._template.render(**given, **(variables or {}))
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, LookupError) as exc:

@@ -22,9 +22,11 @@ from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.errors import APIError, error_body
 from kiln.runtime.server.generation import Job, ServedModel, sampling_params
 from kiln.runtime.server.logprobs import (
+    TextOffsets,
     TokenText,
     completion_logprobs,
     echoed_logprobs,
+    top_k,
     vllm_prompt_logprobs,
 )
 from kiln.runtime.server.metrics import ServerMetrics
@@ -233,6 +235,20 @@ def check_model(model: ServedModel, requested: str | None) -> None:
                             f"(see /v1/models)", param="model", code="model_not_found")
 
 
+def check_request(model: ServedModel, req: SamplingFields) -> None:
+    """``check_model``, then a 400 for ``stream_options`` without ``stream`` (as OpenAI and vLLM refuse it) or for a
+    token id outside the vocabulary in ``logit_bias`` or ``stop_token_ids``, naming the field."""
+    check_model(model, req.model)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true: drop it or stream the response",
+                       param="stream_options")
+    vocab_size = model.limits.vocab_size
+    for param, token_ids in (("logit_bias", req.logit_bias or {}), ("stop_token_ids", req.stop_token_ids or [])):
+        if vocab_size is not None and (outside := sorted(t for t in token_ids if t >= vocab_size)):
+            raise APIError(400, f"'{param}' names token ids {outside[:8]} outside this model's vocabulary of "
+                                f"{vocab_size} tokens: send ids below {vocab_size}", param=param)
+
+
 def stream_chunk(request_id: str, object_name: str, created: int, model_name: str, choices: list[dict],
                  usage: Usage | None = None) -> dict:
     """One SSE chunk of a streamed response."""
@@ -243,7 +259,7 @@ def stream_chunk(request_id: str, object_name: str, created: int, model_name: st
 async def create_completion(model: ServedModel, req: CompletionRequest, metrics: ServerMetrics,
                             request: Request) -> object:
     """Handle POST /v1/completions."""
-    check_model(model, req.model)
+    check_request(model, req)
     given = _as_prompt_list(req.prompt)
     model.admission.check_fits(len(given) * req.n, "prompt")  # before tokenizing a batch too large to run
     prompts = await model.tokenize_many(given, "prompt")
@@ -258,19 +274,20 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
     chunk = functools.partial(stream_chunk, request_id, "text_completion", created, model.name)
     names = TokenText(model.tokenizer)
     echoes = [_echo_text(model, p, ids) if req.echo else "" for p, ids in zip(given, prompts, strict=True)]
-    offsets = [0] * len(jobs)  # each choice's token characters so far: where its next logprobs token starts
+    offsets = [TextOffsets(model.tokenizer, prompts[i // req.n], start=len(echoes[i // req.n]))
+               for i in range(len(jobs) if req.logprobs is not None else 0)]  # where each choice's next token starts
     echoed: set[int] = set()
 
     def legacy(index: int, prompt_entries: list | None, entries: list | None) -> CompletionLogprobs | None:
         """The choice's next piece of the legacy logprobs: the echoed prompt's (when given), then ``entries``."""
         if req.logprobs is None:
             return None
-        piece = CompletionLogprobs()
+        piece, entries = CompletionLogprobs(), entries or []
         if prompt_entries is not None:
-            piece = echoed_logprobs(names, prompts[index // req.n], prompt_entries, offsets[index])
-            offsets[index] += sum(map(len, piece.tokens))
-        more = completion_logprobs(names, entries or [], offsets[index])
-        offsets[index] += sum(map(len, more.tokens))
+            ids = prompts[index // req.n]
+            piece = echoed_logprobs(names, ids, top_k(prompt_entries, req.logprobs),
+                                    TextOffsets(model.tokenizer, []).take(ids))
+        more = completion_logprobs(names, entries, offsets[index].take([entry.token_id for entry in entries]))
         return piece.extend(more)
 
     def render(index: int, delta: StreamDelta) -> dict | None:
@@ -291,7 +308,8 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
             choices.append(CompletionChoice(
                 index=i, text=echoes[i // req.n] + out.text, finish_reason=out.finish_reason,
                 logprobs=legacy(i, out.prompt_logprobs if req.echo else None, out.logprobs),
-                prompt_logprobs=None if prompt_entries is None else vllm_prompt_logprobs(names, prompt_entries)))
+                prompt_logprobs=None if prompt_entries is None else vllm_prompt_logprobs(
+                    names, top_k(prompt_entries, req.prompt_logprobs))))
         return CompletionResponse(id=request_id, created=created, model=model.name, choices=choices, usage=usage)
 
     return await respond(model, req, jobs, prompts, metrics, request, build=build, render=render,

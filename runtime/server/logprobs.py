@@ -3,9 +3,11 @@ lists (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), and v
 
 from __future__ import annotations
 
+import dataclasses
+
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TokenText:
@@ -37,27 +39,50 @@ def chat_logprobs(names: TokenText, entries: list[TokenLogprob]) -> ChatLogprobs
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(names: TokenText, entries: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
-    """The legacy completions lists over ``entries``, the first token at character ``text_offset`` of the choice's
-    text."""
-    result = CompletionLogprobs()
+class TextOffsets:
+    """Where each token of a choice's text starts in it (the legacy ``text_offset``): the length of what the tokens
+    before it decode to, grown as the engine grows a completion's text, so a token that ends inside a character adds
+    nothing and the next one starts at that character too."""
+
+    def __init__(self, tokenizer: Tokenizer | None, context: list[int], start: int = 0) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, context, []) if tokenizer is not None else None
+        self._start = start
+
+    def take(self, token_ids: list[int]) -> list[int]:
+        """The offsets of the next ``token_ids``."""
+        if self._detokenizer is None:  # no tokenizer, no text: every token at the start
+            return [self._start] * len(token_ids)
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(self._start + len(self._detokenizer.text))
+            self._detokenizer.add_token(token_id)
+        return offsets
+
+
+def top_k(entries: list[TokenLogprob | None], k: int) -> list[TokenLogprob | None]:
+    """``entries`` with at most ``k`` alternatives each (the engine gives the larger ``k`` of two that one request
+    asks for)."""
+    return [entry if entry is None else dataclasses.replace(entry, top=entry.top[:k]) for entry in entries]
+
+
+def completion_logprobs(names: TokenText, entries: list[TokenLogprob], text_offsets: list[int]) -> CompletionLogprobs:
+    """The legacy completions lists over ``entries``, which start at ``text_offsets`` in the choice's text."""
+    result = CompletionLogprobs(text_offset=list(text_offsets))
     for entry in entries:
-        token = names.text(entry.token_id)
-        result.tokens.append(token)
+        result.tokens.append(names.text(entry.token_id))
         result.token_logprobs.append(entry.logprob)
         result.top_logprobs.append({names.text(t): lp for t, lp in entry.top})
-        result.text_offset.append(text_offset)
-        text_offset += len(token)
     return result
 
 
 def echoed_logprobs(names: TokenText, prompt_token_ids: list[int], entries: list[TokenLogprob | None],
-                    text_offset: int = 0) -> CompletionLogprobs:
-    """The legacy lists over an echoed prompt: its first token with a null log probability (no context), then the
-    other prompt tokens' ``entries`` (``entries[0]`` is that first token's None)."""
-    first = names.text(prompt_token_ids[0])
-    head = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[text_offset])
-    return head.extend(completion_logprobs(names, entries[1:], text_offset + len(first)))
+                    text_offsets: list[int]) -> CompletionLogprobs:
+    """The legacy lists over an echoed prompt whose tokens start at ``text_offsets``: its first token with a null
+    log probability (no context), then the other prompt tokens' ``entries`` (``entries[0]`` is that first token's
+    None)."""
+    head = CompletionLogprobs(tokens=[names.text(prompt_token_ids[0])], token_logprobs=[None], top_logprobs=[None],
+                              text_offset=text_offsets[:1])
+    return head.extend(completion_logprobs(names, entries[1:], text_offsets[1:]))
 
 
 def vllm_prompt_logprobs(names: TokenText, entries: list[TokenLogprob | None]) -> list[dict | None]:

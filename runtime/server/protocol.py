@@ -6,7 +6,7 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
 
 MAX_STOP_STRINGS = 4
 MAX_N = 128
@@ -18,9 +18,18 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 class StrictModel(BaseModel):
-    """Unknown fields and wrong JSON types are errors, as in OpenAI's API (no "5" for 5, no 1 for true)."""
+    """Unknown fields and wrong JSON types are errors, as in OpenAI's API (no "5" for 5, no 1 for true); a null is
+    the field's default, as OpenAI's nullable fields have it ("n": null is 1, "stream": null is false)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or key not in cls.model_fields or cls.model_fields[key].is_required()}
 
 
 def _integral(value: Any) -> Any:
@@ -92,6 +101,8 @@ def _only(*allowed: Any) -> Any:
 OneBestOf = _only(None, 1)
 NoSuffix = _only(None, "")
 TextModalities = _only(None, ["text"])
+Unsupported = _only(None)
+NoAnnotations = _only(None, [])
 
 
 def _logit_bias(value: Any) -> dict[int, float] | None:
@@ -228,6 +239,10 @@ class ChatMessage(StrictModel):
     tool_calls: list[ToolCallMessagePart] | None = Field(None, description="An assistant's earlier calls.")
     tool_call_id: str | None = Field(None, description="The call a tool message answers.")
     refusal: str | None = None
+    # what an assistant message of an openai client's response holds, passed back unchanged (message.model_dump())
+    annotations: NoAnnotations = None
+    audio: Unsupported = Field(None, description="An earlier audio answer: not supported.")
+    function_call: Unsupported = Field(None, description="Deprecated by OpenAI: send tool_calls.")
 
 
 class FunctionDefinition(StrictModel):
@@ -260,8 +275,12 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     modalities: TextModalities = None
+    audio: Unsupported = Field(None, description="Audio output: not supported.")
     prompt_cache_retention: str | None = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='Extension (as in vLLM): more variables for the chat template, e.g. {"enable_thinking": '
+                          'false} for Qwen3.')
     reasoning_effort: str | None = None
     verbosity: str | None = None
     prediction: dict[str, Any] | None = None
@@ -386,6 +405,8 @@ class TokenizeRequest(StrictModel):
     tools: list[Tool] | None = None
     add_special_tokens: bool = Field(True, description="For a prompt: add the tokenizer's BOS.")
     add_generation_prompt: bool = Field(True, description="For messages: end with the assistant's turn header.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="For messages: more variables for the "
+                                                                          "chat template, as in chat completions.")
 
 
 class TokenizeResponse(BaseModel):

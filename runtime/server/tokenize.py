@@ -24,7 +24,7 @@ def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
         raise APIError(400, "send exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
         tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools or []]
-        text = render_chat(model, req.messages, tools or None, req.add_generation_prompt)
+        text = render_chat(model, req.messages, tools or None, req.add_generation_prompt, req.chat_template_kwargs)
         ids = model.encode(text, "messages", add_special_tokens=False)  # the template writes BOS itself
     else:
         ids = model.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)

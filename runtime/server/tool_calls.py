@@ -4,8 +4,8 @@ finds calls in a completion.
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call (Hermes, Qwen2 /
   2.5 / 3 templates).
-- ``llama3_json``: the whole completion is ``{"name": ..., "parameters": {...}}`` (Llama 3.1 / 3.2 / 3.3 templates,
-  which also let the model open with ``<|python_tag|>``).
+- ``llama3_json``: the whole completion is ``{"name": ..., "parameters": {...}}``, or several such objects separated
+  by ";" (Llama 3.1 / 3.2 / 3.3 templates, which also let the model open with ``<|python_tag|>``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from kiln.runtime.structured_output import closed_objects
+from kiln.runtime.structured_output import json_rule
+
+_SEPARATOR = re.compile(r"\s*;\s*")  # between the calls of a Llama 3 JSON completion
 
 
 @dataclass(frozen=True)
@@ -43,19 +46,25 @@ class ToolCallFormat:
 
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         """A Lark grammar (llguidance's dialect) whose strings are calls of ``tools`` (OpenAI function objects),
-        one, or several when ``parallel`` and the format can hold several."""
+        one, or several when ``parallel`` and the format can hold several; their JSON is compact and their arguments
+        hold the keys their schema names (``json_rule``)."""
         alternatives = [{"type": "object",
                          "properties": {"name": {"const": tool["name"]},
                                         self.arguments_key: tool.get("parameters") or {"type": "object"}},
                          "required": ["name", self.arguments_key], "additionalProperties": False} for tool in tools]
-        schema = json.dumps(closed_objects({"anyOf": alternatives}))  # arguments hold the keys their schema names
-        call = f"{json.dumps(self.open)} %json {schema} {json.dumps(self.close)}" if self.open else f"%json {schema}"
+        call = json_rule({"anyOf": alternatives})
+        if self.open:
+            call = f"{json.dumps(self.open)} {call} {json.dumps(self.close)}"
         repeat = '("\\n" call)*' if parallel and self.open else ""
         return f"start: call {repeat}\ncall: {call}\n"
 
     def content_before_calls(self, text: str) -> int:
-        """How much of a completion's ``text`` so far is surely content, not the start of a call: what a stream may
-        send before the completion ends."""
+        """How much of a completion's ``text`` so far is surely content: not the start of a call, nor the whitespace
+        before one (which ``parse`` strips); what a stream may send before the completion ends."""
+        return len(text[:self._call_start(text)].rstrip())
+
+    def _call_start(self, text: str) -> int:
+        """Where a call may begin in ``text`` so far (its length when none can)."""
         if not self.open:  # a bare JSON call is the whole completion: hold anything that may open one
             stripped = text.lstrip()
             return 0 if not stripped or stripped.startswith(("{", "<|python_tag|>")) else len(text)
@@ -67,29 +76,53 @@ class ToolCallFormat:
                 return len(text) - keep
         return len(text)
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The content before the first call, and the calls; no calls (and the whole text as content) when the
-        completion holds none that parse."""
-        if not self.open:
+    def parse(self, text: str, functions: Collection[str]) -> tuple[str, list[ToolCall]]:
+        """The content before the first call, and the calls; no calls (and the whole text as content) unless every
+        call in the completion parses and names one of ``functions``."""
+        if not self.open:  # one or more JSON objects, separated by ";"
             body = text.strip().removeprefix("<|python_tag|>").strip()
-            calls = [self._call(part) for part in body.split(";")] if body.startswith("{") else []
+            values = _json_values(body) if body.startswith("{") else None
+            calls = [self._call(value, functions) for value in values or []]
             return ("", calls) if calls and all(calls) else (text, [])
         marker = self.open.strip()
         pattern = re.escape(marker) + r"\s*(.*?)\s*" + re.escape(self.close.strip())
-        calls = [self._call(block) for block in re.findall(pattern, text, flags=re.DOTALL)]
+        calls = [self._call(_json_value(block), functions) for block in re.findall(pattern, text, flags=re.DOTALL)]
         if not calls or not all(calls):
             return text, []
         return text[:text.find(marker)].rstrip(), calls
 
-    def _call(self, source: str) -> ToolCall | None:
-        try:
-            value = json.loads(source)
-        except json.JSONDecodeError:
+    def _call(self, value: object, functions: Collection[str]) -> ToolCall | None:
+        """``value`` as a call: an object whose "name" is one of ``functions`` and whose arguments (an object, or
+        its JSON text) are under the format's key or "arguments"; None when it is not one."""
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in functions:
             return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        arguments = next((value[key] for key in (self.arguments_key, "arguments") if key in value), None)
+        if not isinstance(arguments, dict | str):
             return None
-        arguments = value.get(self.arguments_key, value.get("arguments", {}))
         return ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+def _json_value(text: str) -> object | None:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _json_values(text: str) -> list[object] | None:
+    """The JSON values ``text`` holds one after another, separated by ";"; None when it holds anything else."""
+    decoder, values, index = json.JSONDecoder(), [], 0
+    try:
+        while True:
+            value, index = decoder.raw_decode(text, index)
+            values.append(value)
+            if index == len(text):
+                return values
+            if (separator := _SEPARATOR.match(text, index)) is None:
+                return None
+            index = separator.end()
+    except json.JSONDecodeError:
+        return None
 
 
 HERMES = ToolCallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "arguments")
