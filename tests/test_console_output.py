@@ -42,8 +42,10 @@ def test_json_results_stay_parseable_when_libraries_print_to_stdout():
 def test_an_error_under_json_is_an_error_object_on_stdout_with_the_exit_code_kept(tmp_path):
     from typer.testing import CliRunner
 
+    from kiln.engines.cache import EngineCache
     from kiln.pipeline.cli import app
 
+    EngineCache.open(tmp_path, max_size_bytes=None, max_entries=None)  # a cache, so that the key is what is wrong
     result = CliRunner().invoke(app, ["cache", "show", "zzzz", "--json", "--cache-dir", str(tmp_path)])
     assert result.exit_code == 2
     error = json.loads(result.stdout)["error"]
