@@ -46,6 +46,7 @@ def greedy(llm: LLM, max_tokens: int = 16) -> list[int]:
     ("stop", [""], "stop must be non-empty strings"),
     ("stop_token_ids", [-1], "stop_token_ids must be token ids >= 0"),
     ("top_p", True, r"top_p must be in \(0, 1\]"),
+    ("min_p", 1.5, r"min_p must be in \[0, 1\]"),
     ("ignore_eos", "no", "ignore_eos must be True or False"),
     ("detokenize", 0, "detokenize must be True or False"),
     ("stop", 3, "stop must be a list or None"),
@@ -73,6 +74,19 @@ def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
                        [False, False, False, False], [True, False, True, False]]
     assert torch.isinf(apply_top_k_top_p(logits[:2], [2, 1], [1.0, 1.0])).tolist() == [  # top-k alone: torch.topk
         [True, False, True, False], [True, False, True, True]]
+
+
+def test_min_p_keeps_the_tokens_at_least_that_share_of_the_most_likely_one():
+    from kiln.runtime.native.sampler import apply_min_p
+
+    logits = torch.log(torch.tensor([0.05, 0.5, 0.15, 0.3])).expand(4, -1)  # shares of 0.5: 0.1, 1, 0.3, 0.6
+    assert torch.isinf(apply_min_p(logits, [0.0, 0.25, 0.35, 0.7])).tolist() == [
+        [False] * 4, [True, False, False, False], [True, False, True, False], [True, False, True, True]]
+
+
+def test_min_p_one_samples_what_greedy_decoding_picks(llm):
+    hot = SamplingParams(temperature=5.0, min_p=1.0, max_tokens=16, seed=3, ignore_eos=True)
+    assert llm.generate([PROMPT], hot)[0].token_ids == greedy(llm)
 
 
 def one_row_filter(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

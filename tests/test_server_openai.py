@@ -51,6 +51,15 @@ def test_greedy_completion_matches_the_embedded_runtime(client, llm):
     assert out.choices[0].text == expected.text
 
 
+def test_min_p_one_samples_what_greedy_decoding_picks(client):
+    def ask(**sampling):
+        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, seed=5,
+                                         **sampling).choices[0].text
+
+    assert ask(temperature=2.0, extra_body={"min_p": 1.0, "ignore_eos": True}) == ask(
+        temperature=0, extra_body={"ignore_eos": True})
+
+
 def test_seeded_sampling_is_reproducible_and_n_gives_distinct_choices(client):
     def ask():
         return client.completions.create(model=MODEL, prompt="The cat", max_tokens=8, temperature=1.0, seed=1234, n=3,

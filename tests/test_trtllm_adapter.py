@@ -204,11 +204,12 @@ def test_the_executor_is_configured_for_inflight_batching_with_kv_block_reuse(tr
 
 def test_max_tokens_ends_with_length_and_sampling_parameters_are_translated(trtllm, engine_dir):
     with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
-        params = SamplingParams(max_tokens=3, temperature=0.7, top_k=5, top_p=0.9, seed=7)
+        params = SamplingParams(max_tokens=3, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=7)
         out = llm.generate([[2, 3, 4]], params)[0]
     assert (out.token_ids, out.finish_reason) == ([10, 11, 12], "length")
     sampling = FakeExecutor.instances[0].requests[100].sampling_config
-    assert (sampling.top_k, sampling.top_p, sampling.temperature, sampling.seed) == (5, 0.9, 0.7, 7)
+    assert (sampling.top_k, sampling.top_p, sampling.min_p, sampling.temperature, sampling.seed) == (5, 0.9, 0.05,
+                                                                                                    0.7, 7)
 
 
 def test_penalties_and_min_tokens_go_to_the_executor_and_what_it_lacks_is_refused(trtllm, engine_dir):

@@ -10,6 +10,7 @@ generator, so its tokens do not depend on what else shares the batch; unseeded r
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -51,6 +52,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     limit = device_tensor(top_p, probs.dtype, device).unsqueeze(-1)
     drop = (probs.cumsum(-1) - probs >= limit) & (limit < 1.0)
     return logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Set to -inf, in each row i of ``logits`` [n, vocab], the logits of tokens less likely than ``min_p[i]`` times
+    the row's most likely one (vLLM's min-p; 0 disables it): ``p / p_max >= min_p`` is ``logit >= max + log min_p``,
+    so no softmax is needed."""
+    floor = device_tensor([math.log(p) if p > 0 else float("-inf") for p in min_p], logits.dtype, logits.device)
+    return logits.masked_fill(logits < logits.amax(-1, keepdim=True) + floor.unsqueeze(-1), float("-inf"))
 
 
 def _log_softmax(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
@@ -170,6 +179,8 @@ class Sampler:
         params = [seq.params for seq in seqs]
         temperature = device_tensor([p.temperature for p in params], logits.dtype, device)
         x = logits.div_(temperature.unsqueeze(-1))
+        if any(p.min_p > 0 for p in params):  # after the temperature and before top-k and top-p, as in vLLM
+            x = apply_min_p(x, [p.min_p for p in params])
         if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
             x = apply_top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params])
         q = torch.empty_like(x)

@@ -179,7 +179,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprob
         temperature = 0.0
     seed = None if req.seed is None else (req.seed + index) % 2**64
     return SamplingParams(temperature=temperature, top_p=req.top_p or 1.0, top_k=req.top_k or 0,
-                          max_tokens=max_tokens, seed=seed, stop=req.stop or [], ignore_eos=req.ignore_eos,
+                          min_p=req.min_p or 0.0, max_tokens=max_tokens, seed=seed, stop=req.stop or [],
+                          ignore_eos=req.ignore_eos,
                           presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                           repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias or {},
                           min_tokens=req.min_tokens or 0, stop_token_ids=req.stop_token_ids or [],

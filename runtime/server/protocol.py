@@ -180,6 +180,8 @@ class SamplingFields(StrictModel):
     temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: Int | None = Field(None, ge=-1, description="Extension (as in vLLM): keep the k most likely tokens.")
+    min_p: float | None = Field(None, ge=0, le=1, description="Extension (as in vLLM): drop the tokens less likely "
+                                                              "than min_p times the most likely one.")
     n: Int = Field(1, ge=1, le=MAX_N, description="Completions per prompt.")
     seed: Int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: Stop = None

@@ -135,6 +135,7 @@ class TrtllmEngine:
         return self.trtllm.SamplingConfig(
             beam_width=1, top_k=1 if params.greedy else params.top_k if params.top_k > 0 else None,
             top_p=None if params.greedy or params.top_p >= 1 else params.top_p,
+            min_p=None if params.greedy or not params.min_p else params.min_p,
             temperature=None if params.greedy else params.temperature, seed=params.seed,
             min_tokens=params.min_tokens or None,
             repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1 else None,
