@@ -89,6 +89,21 @@ def check_greedy_tokens(tmp_path, case: dict, device: str) -> None:
     assert alone.token_ids == expected[2]
 
 
+def test_longrope_sequences_are_recomputed_in_an_engine_process_too(tmp_path):
+    """``kiln serve``'s default: the requests are made in the server's process and added in the engine's."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.runtime.options import RuntimeOptions
+
+    engine = build_tiny_engine(tmp_path, **CASES["phi3-longrope-crossing"])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    expected, _ = hf_greedy(hf, PROMPTS, STEPS)
+    greedy = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    with LLM.load(engine, RuntimeOptions(engine_process=True)) as llm:
+        assert [output.token_ids for output in llm.generate(PROMPTS, greedy)] == expected
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2", "phi3"])
 @pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])

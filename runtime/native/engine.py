@@ -85,16 +85,16 @@ class NativeEngine:
         """Tokenize and validate a request without touching engine state (safe from any thread)."""
         token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop))
         self.limits.check_request(len(token_ids), params)
-        seq = Sequence(request_id, token_ids, params)
-        rotary = self.model_runner.model.rotary
-        seq.cache_salt, seq.recompute_at = rotary.cache_salt(len(token_ids)), rotary.recompute_point(len(token_ids))
-        if seq.recompute_at is not None:
-            seq.recompute_salt = rotary.cache_salt(seq.recompute_at)
-        return seq
+        return Sequence(request_id, token_ids, params)
 
     def add_request(self, seq: Sequence) -> None:
+        """Take a request made by ``make_request``, here or in another process (``engine_process``)."""
         if seq.request_id in self._requests:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use: pick a unique id")
+        rotary = self.model_runner.model.rotary  # how its KV is rotated sets its prefix-cache salt (LongRoPE)
+        seq.cache_salt, seq.recompute_at = rotary.cache_salt(seq.num_tokens), rotary.recompute_point(seq.num_tokens)
+        if seq.recompute_at is not None:
+            seq.recompute_salt = rotary.cache_salt(seq.recompute_at)
         if seq.params.structured_output is not None:
             seq.matcher = self.grammars.matcher(seq.params.structured_output)
         self.scheduler.add(seq)
