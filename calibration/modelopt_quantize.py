@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from kiln.calibration.recipe import INT4_BLOCK_SIZE
+
 with warnings.catch_warnings():  # modelopt warns at import about untested transformers versions
     warnings.simplefilter("ignore")
     import modelopt.torch.quantization as mtq
@@ -31,7 +33,6 @@ with warnings.catch_warnings():  # modelopt warns at import about untested trans
 Forward = Callable[[nn.Module, torch.Tensor], None]
 Snapshot = dict[str, torch.Tensor]
 
-INT4_BLOCK_SIZE = 128
 
 
 def quant_config(fmt: str, algorithm: str, kv_cache_dtype: str) -> dict:

@@ -21,6 +21,7 @@ GATE_DEFAULTS: dict[str, dict[str, float]] = {
 
 # Bump when a change in calibration/ changes the bytes of a quantized checkpoint for the same inputs.
 MATERIAL_VERSION = 1
+INT4_BLOCK_SIZE = 128  # the input features int4_awq quantizes together (one scale a group)
 
 
 class GateThresholds(BaseModel):
@@ -95,6 +96,11 @@ class QuantizeRecipe(BaseModel):
     def chain(self) -> list[str]:
         """The formats to try, in order: the primary format, then the fallback chain."""
         return [self.format, *self.fallback]
+
+    @property
+    def int4_group_size(self) -> int | None:
+        """The INT4 group size of a checkpoint this recipe may make (None when no format tried is int4_awq)."""
+        return INT4_BLOCK_SIZE if "int4_awq" in self.chain else None
 
 
 def recipe_material(recipe: QuantizeRecipe, dataset_root: Path | None = None) -> dict:

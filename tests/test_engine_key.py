@@ -179,3 +179,18 @@ def test_a_dry_run_refuses_a_tp_size_the_model_cannot_split_and_any_pp_size(tmp_
         engine_key(tmp_path, model_copy, edit=lambda text: text.replace("build:\n", "build:\n  pp_size: 2\n"))
     two = engine_key(tmp_path, model_copy, edit=lambda text: text.replace("build:\n", "build:\n  tp_size: 2\n"))
     assert two != engine_key(tmp_path, model_copy)
+
+
+def test_a_dry_run_refuses_a_tp_size_that_splits_the_int4_groups_the_quantize_stage_will_make(tmp_path, model_copy):
+    from kiln.runtime.errors import KilnError
+
+    def int4_over(tp_size: int, fmt: str = "int4_awq"):
+        return lambda text: text.replace("format: fp8", f"format: {fmt}").replace(
+            "build:\n", f"build:\n  tp_size: {tp_size}\n")
+
+    with pytest.raises(KilnError, match=r"tp_size 4 cannot split this model: the attention output \(256 features\) "
+                                        r"over tp_size 4 splits an INT4 group of 128"):
+        engine_key(tmp_path, model_copy, edit=int4_over(4))
+    with pytest.raises(KilnError, match="splits an INT4 group of 128"):  # a fallback to int4_awq counts too
+        engine_key(tmp_path, model_copy, edit=lambda text: int4_over(4, "fp8\n  fallback: [int4_awq]")(text))
+    assert engine_key(tmp_path, model_copy, edit=int4_over(2))

@@ -120,9 +120,12 @@ def refuse_unshardable(arch: Architecture, tp_size: int, group_size: int | None)
                         f"that divides them")
 
 
-def preflight_native_plan(checkpoint_dir: Path, plan: BuildPlan, dtype: str, tp_size: int = 1) -> None:
+def preflight_native_plan(checkpoint_dir: Path, plan: BuildPlan, dtype: str, tp_size: int = 1,
+                          quantized_group_size: int | None = None) -> None:
     """Check a build plan against the checkpoint's architecture before any stage runs (reads config.json only), so
-    a plan the model cannot hold fails in seconds rather than after calibration."""
+    a plan the model cannot hold fails in seconds rather than after calibration; ``quantized_group_size``: the INT4
+    group size of the checkpoint the quantize stage may make of it, whose groups the ranks must not split."""
     arch, hf_config = read_architecture(Path(checkpoint_dir))
     fit_plan(replace(plan, kv_cache_dtype="auto"), arch, dtype, fp8_kv_available=False)
-    refuse_unshardable(arch, tp_size, read_quantization(Path(checkpoint_dir), hf_config).group_size)
+    source_group_size = read_quantization(Path(checkpoint_dir), hf_config).group_size
+    refuse_unshardable(arch, tp_size, source_group_size or quantized_group_size)
