@@ -326,6 +326,12 @@ def test_remote_settings_are_checked_where_they_are_written(monkeypatch):
     with pytest.raises(ValueError, match="credentials"):
         KilnConfig.model_validate({"model": {"path": "m"},
                                    "cache": {"remote": "s3://bucket/x", "remote_endpoint": "http://u:p@minio:9000"}})
+    secret = "X-Amz-Signature=s3cr3t"
+    for cache in ({"remote": f"s3://bucket/x?{secret}"}, {"remote": "s3://bucket/x", "remote_endpoint":
+                  f"http://minio:9000/?{secret}"}, {"remote": "s3://bucket/x", "remote_endpoint": "minio://AK:s3cr3t@h"}):
+        with pytest.raises(ValueError, match="not shown") as refused:
+            KilnConfig.model_validate({"model": {"path": "m"}, "cache": cache})
+        assert "s3cr3t" not in refused.value.errors()[0]["msg"]  # what Kiln prints of it (not pydantic's input)
     monkeypatch.setenv("KILN_CACHE_REMOTE", "ftp://nowhere")
     with pytest.raises(ConfigError, match=r"\$KILN_CACHE_REMOTE"):
         remote_spec("s3://bucket/x")

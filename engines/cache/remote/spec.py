@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from kiln.engines.cache.remote.objects import ObjectStore
 
@@ -28,14 +28,21 @@ class RemoteSpec:
             raise ValueError(problem)
 
 
+def _shown(parts: SplitResult) -> str:
+    """A URL as an error may print it: without credentials, query or fragment (a presigned query holds a secret)."""
+    host = parts.hostname or ""
+    return urlunsplit((parts.scheme, f"{host}:{parts.port}" if parts.port else host, parts.path, "", ""))
+
+
 def url_problem(url: str) -> str | None:
-    """Why ``url`` is not a remote cache URL (None when it is one)."""
+    """Why ``url`` is not a remote cache URL (None when it is one); the message never repeats a secret."""
     parts = urlsplit(url)
     if parts.username or parts.password:
         return ("cache.remote must not carry credentials: they come from the AWS chain (AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, a role)")
     if parts.query or parts.fragment:
-        return f"cache.remote {url!r}: no query or fragment; give the endpoint as cache.remote_endpoint"
+        return (f"cache.remote {_shown(parts)!r} has a query or fragment (not shown: it may hold a signature); give "
+                f"s3://bucket/prefix, the endpoint as cache.remote_endpoint and credentials by the AWS chain")
     if parts.scheme == "s3":
         if not _BUCKET.fullmatch(parts.netloc):
             return f"cache.remote {url!r}: {parts.netloc!r} is not an S3 bucket name (3-63 of a-z 0-9 . -)"
@@ -52,11 +59,11 @@ def endpoint_problem(endpoint_url: str | None) -> str | None:
     if endpoint_url is None:
         return None
     endpoint = urlsplit(endpoint_url)
+    if endpoint.username or endpoint.password or endpoint.query or endpoint.fragment:
+        return ("cache.remote_endpoint must carry no credentials, query or fragment (not shown): credentials come "
+                "from the AWS chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, a role)")
     if endpoint.scheme not in ("http", "https") or not endpoint.hostname:
-        return f"cache.remote_endpoint {endpoint_url!r}: give the service's http(s)://host:port"
-    if endpoint.username or endpoint.password:
-        return ("cache.remote_endpoint must not carry credentials: they come from the AWS chain (AWS_ACCESS_KEY_ID / "
-                "AWS_SECRET_ACCESS_KEY, ~/.aws/credentials, a role)")
+        return f"cache.remote_endpoint {_shown(endpoint)!r}: give the service's http(s)://host:port"
     return None
 
 
