@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kiln.pipeline.config import ServeSection, cache_root
+from kiln.pipeline.config import ServeSection, cache_root, remote_spec
 from kiln.pipeline.console import friendly_errors, stage_progress, stderr
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.pipeline.targets import Target, TargetError, resolve_target
@@ -138,7 +138,8 @@ def _engine_target(target: Target) -> ServeTarget:
         return ServeTarget(engine_dir=target.path, model_name=target.name)
     from kiln.engines.cache import EngineCache
 
-    cache, key = EngineCache.open_configured(target.cache_root), target.cache_key
+    # the remote as the target's resolution found it: $KILN_CACHE_REMOTE first, else the one the cache recorded
+    cache, key = EngineCache.open_configured(target.cache_root, remote=remote_spec()), target.cache_key
     return ServeTarget(engine_dir=target.path, model_name=target.name, engine_cache=engine_cache_info(cache, key, True),
                        record_load=lambda ms: cache.record_load(key, ms))
 

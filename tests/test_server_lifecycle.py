@@ -67,6 +67,9 @@ def test_a_config_is_built_through_the_cache_once_then_hits(tmp_path, monkeypatc
     by_prefix = serve_target(key[:8], RuntimeOptions())  # a cached engine by its key, as `git` takes a short hash
     assert by_prefix.engine_dir == first.engine_dir and by_prefix.model_name == key[:12]
     assert serve_target(str(first.engine_dir.parent), RuntimeOptions()).engine_cache["key"] == key  # the entry
+    assert by_prefix.engine_cache["remote"] is None
+    monkeypatch.setenv("KILN_CACHE_REMOTE", f"file://{tmp_path / 'team'}")  # a remote named by the environment only
+    assert serve_target(key, RuntimeOptions()).engine_cache["remote"] is not None  # /metrics reports it
 
 
 def _read_lines(stream, lines: queue.Queue) -> None:
