@@ -414,3 +414,25 @@ def test_serving_a_key_this_machine_lacks_pulls_the_engine_from_the_remote(tmp_p
     assert EngineCache.open_configured(tmp_path / "server").stats.summary("entries")["remote"]["hits"] == 1
     with pytest.raises(CacheEntryNotFoundError, match="no entry on"):
         resolve_target("abcdef12", tmp_path / "server")
+
+
+def test_a_push_completes_an_entry_missing_files_on_the_remote_and_survives_a_concurrent_prune(tmp_path, remote):
+    key = engine_key(material("a"))
+    cache = machine(tmp_path, "a", remote)
+    cache.entries.get_or_build(key, material("a"), builder([]))  # built and pushed
+    objects = cache.remote.objects
+    manifest = json.loads(objects.read(manifest_name("entries", key)))
+    blobs = [blob_name(item["sha256"]) for item in manifest["files"]]
+    objects.delete(blobs[0])  # the entry on the remote lacks a file: it is not "present"
+    assert cache.entries.push(key).outcome == "pushed" and verify_remote(cache.remote)[0]["ok"]
+    real_write = objects.write
+
+    def write_after_a_prune(name, *args, **kwargs):  # a prune deletes the files no manifest lists yet
+        if name == manifest_name("entries", key):
+            for blob in blobs:
+                objects.delete(blob)
+        return real_write(name, *args, **kwargs)
+
+    objects.write = write_after_a_prune
+    assert cache.entries.push(key, replace=True).outcome == "pushed"
+    assert verify_remote(cache.remote)[0]["ok"]

@@ -130,20 +130,21 @@ class RemoteTier:
 
     def push(self, store: str, key: str, entry_dir: Path, payload_name: str, manifest_bytes: bytes, *,
              replace: bool = False, transferred: Transferred | None = None) -> PushResult:
-        """Upload a local entry: each file not already stored under its digest, then the manifest. An entry the
-        remote already has (a valid manifest) is left as it is unless ``replace`` (a forced rebuild, or a remote
-        copy found damaged), which uploads every file again."""
+        """Upload a local entry: each file not already stored under its digest, then the manifest, then any file
+        that went missing meanwhile (a ``prune --remote`` may delete files no manifest listed yet). An entry the
+        remote already has (a valid manifest whose files are all there) is left as it is unless ``replace`` (a
+        forced rebuild, or a remote copy found damaged), which uploads every file again."""
         started = time.monotonic()
         manifest = json.loads(manifest_bytes)
+        files = manifest["files"]
         if not replace:
             try:
-                present = self.manifest(store, key) is not None
+                present = self.manifest(store, key) is not None and not self._missing(files)
             except RemoteCorruptError:
                 present = False  # replaced by this push
             if present:
                 self.mark_used(store, key)
                 return PushResult("present", 0, round(time.monotonic() - started, 3), 0)
-        files = manifest["files"]
         counter = _Counter("push", sum(item["size"] for item in files), transferred)
 
         def upload(item: dict) -> bool:
@@ -156,9 +157,16 @@ class RemoteTier:
             return True
 
         uploaded = sum(self._each(upload, files))
-        self.objects.write(manifest_name(store, key), manifest_bytes)  # last: the entry exists from here on
+        self.objects.write(manifest_name(store, key), manifest_bytes)  # the entry exists from here on
+        uploaded += sum(self._each(upload, self._missing(files)))  # its files are listed now: no prune takes them
         self.mark_used(store, key)
         return PushResult("pushed", counter.done, round(time.monotonic() - started, 3), uploaded)
+
+    def _missing(self, files: list[dict]) -> list[dict]:
+        """The manifest entries of ``files`` whose blob is not stored at its size (a stat each: an entry has a few)."""
+        stats = [self.objects.stat(blob_name(item["sha256"])) for item in files]
+        return [item for item, stored in zip(files, stats, strict=True)
+                if stored is None or stored.size != item["size"]]
 
     def mark_used(self, store: str, key: str) -> None:
         """Record a use of the entry on the remote (for ``prune --remote``); a failure only costs that record."""
