@@ -222,6 +222,15 @@ def test_a_suite_refuses_the_workload_options_it_would_not_honour():
         assert f"{named}: a --suite row sets its own requests and lengths" in message
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+def test_a_suite_measured_on_a_gpu_is_refused_on_the_cpu_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    code, out, err = run_bench("tiny-llama-bf16.yaml", "--suite", "trtllm-h200")
+    message = " ".join(err.replace("│", " ").split())
+    assert code == 2 and "--suite trtllm-h200: its figures were measured on cuda" in message, err
+    assert not (tmp_path / "cache").exists()
+
+
 def test_a_suite_runs_each_row_offline_and_sets_it_against_its_published_figure(monkeypatch):
     from kiln.pipeline.bench import suite
 

@@ -38,13 +38,14 @@ class SuiteRow:
 class Suite:
     """A named table of rows, where its figures come from, why each row sends the requests it does, and the
     runtime settings the published figures ran with (``runtime``: RuntimeOptions fields, applied where the user set
-    none)."""
+    none); ``device``: the kind of device its figures were measured on, which a run needs (None: any)."""
 
     name: str
     source: str
     why_counts: str
     rows: tuple[SuiteRow, ...]
     runtime: dict[str, object] = field(default_factory=dict)
+    device: str | None = None
 
 
 # The counts: at least twice the row's batch cap, so the batch is full for most of the run and the ramp-up and the
@@ -70,6 +71,7 @@ TRTLLM_H200 = Suite(
         SuiteRow(2048, 2048, 1500, 512, 12194, "v1.0"),
     ),
     runtime={"scheduler_policy": "guaranteed_no_evict"},
+    device="cuda",
 )
 SUITES = {suite.name: suite for suite in (TRTLLM_H200,)}
 
@@ -92,6 +94,11 @@ def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str
     """Each row's offline output tokens/s against its published figure, with what the engine did to get there
     (``max_batch_size`` overrides every row's own). The suite's runtime settings apply where ``options`` leave them
     unset."""
+    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if suite.device is not None and not device.startswith(suite.device):
+        raise BenchTargetError(f"--suite {suite.name}: its figures were measured on {suite.device} and its rows send "
+                               f"up to {max(row.prompts for row in rows):,} requests each; this run is on {device}. "
+                               "Run it on a GPU, or measure here with --prompts, --input-len and --output-len")
     resolved = resolve_target(target, cache_root())
     options = replace(options, **{name: value for name, value in suite.runtime.items()
                                   if getattr(options, name) is None})
@@ -114,7 +121,6 @@ def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str
                                              "warm_ms", "cuda_graphs", "quantization", "engine_dir", "engine_key",
                                              "cache_hit", "build_s")},
         })
-    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return {"suite": suite.name, "source": suite.source, "counts": suite.why_counts, "target": str(resolved.path),
             "runtime": {name: getattr(options, name) for name in suite.runtime},
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "device": device,
