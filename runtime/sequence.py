@@ -92,10 +92,10 @@ class Sequence:
         """True when the only token without KV is the last sampled one (one token per step from here on)."""
         return self.num_completion_tokens > 0 and self.num_computed_tokens == self.num_tokens - 1
 
-    @property
-    def recompute_due(self) -> bool:
-        """True when the sequence has grown to ``recompute_at``: its KV must be computed anew (``restart_kv``)."""
-        return self.recompute_at is not None and self.num_tokens >= self.recompute_at
+    def recompute_due(self, more_tokens: int = 0) -> bool:
+        """True when the sequence, ``more_tokens`` longer, has grown to ``recompute_at``: its KV must be computed
+        anew (``restart_kv``)."""
+        return self.recompute_at is not None and self.num_tokens + more_tokens >= self.recompute_at
 
     def restart_kv(self) -> None:
         """Forget the sequence's block hashes and take the salt of the KV it is recomputed with (its blocks are freed

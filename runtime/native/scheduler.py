@@ -67,7 +67,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.limits.max_num_tokens
-        for seq in [seq for seq in self.running if seq.recompute_due]:
+        for seq in [seq for seq in self.running if seq.recompute_due()]:
             self._requeue(seq)
             seq.restart_kv()
         for seq in sorted(self.running, key=lambda s: not s.is_decode):
@@ -134,7 +134,7 @@ class Scheduler:
         if out.num_preempted:
             return None
         sampled = {seq for seq, num_new in out.scheduled.items() if seq.num_computed_tokens + num_new == seq.num_tokens}
-        if any(seq.recompute_at is not None and seq.num_tokens + 1 >= seq.recompute_at for seq in sampled):
+        if any(seq.recompute_due(more_tokens=1) for seq in sampled):
             return None  # its KV is recomputed once the token is known
         ending = {seq for seq in sampled if seq.num_completion_tokens + 1 >= seq.params.max_tokens}
         going_on = [seq for seq in self.running if seq not in ending]
