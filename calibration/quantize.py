@@ -305,10 +305,13 @@ def _check_checkpoint(model_dir: Path) -> None:
 def _refuse_incomplete(model_dir: Path, loading: dict) -> None:
     """A checkpoint transformers loaded only by initialising missing weights at random (or skipping tensors it does
     not know) would be calibrated, gated against that same random fill and shipped: refused instead."""
-    unexpected = sorted(n for n in loading["unexpected_keys"] if not n.endswith("rotary_emb.inv_freq"))
-    for kind, names in (("lacks", sorted(loading["missing_keys"])), ("has weights of another shape for",
-                        sorted(str(m) for m in loading["mismatched_keys"])), ("has tensors its model does not use:",
-                        unexpected)):
+    problems = {
+        "lacks": sorted(loading["missing_keys"]),
+        "has weights of another shape for": sorted(str(m) for m in loading["mismatched_keys"]),
+        "has tensors its model does not use:": sorted(n for n in loading["unexpected_keys"]
+                                                      if not n.endswith("rotary_emb.inv_freq")),
+    }
+    for kind, names in problems.items():
         if names:
             raise CalibrationError(f"{model_dir}: the checkpoint {kind} {', '.join(names[:5])}"
                                    f"{' ...' if len(names) > 5 else ''}; it is incomplete or not of the architecture "
