@@ -11,8 +11,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kiln.engines.cache import CacheCorruptError, EngineCache
+from kiln.engines.cache import CacheCorruptError, CacheUsageError, EngineCache
 from kiln.engines.cache import inspect as cache_inspect
+from kiln.engines.cache.engine_cache import read_remote
+from kiln.engines.cache.remote.spec import RemoteSpec
+from kiln.engines.cache.remote.tier import RemoteTier
 from kiln.engines.cache.units import (
     format_ago,
     format_bytes,
@@ -41,16 +44,33 @@ RemoteOpt = Annotated[bool, typer.Option("--remote", help="Act on the remote cac
                                                           "config's cache.remote, else the one the last build used).")]
 
 
-def _open(cache_dir: Path | None, config: str | None, *, create: bool = False) -> EngineCache:
-    """The cache named by --cache-dir, else by the config (``$KILN_CACHE`` overrides its cache.dir), else default;
-    its remote tier is ``$KILN_CACHE_REMOTE``, else the config's, else the one its last build recorded. Without
-    ``create`` (commands that read or remove), a root with no cache is an error that creates nothing there: a
-    mistyped path is not reported as an empty, healthy cache."""
+def _where(cache_dir: Path | None, config: str | None) -> tuple[Path, RemoteSpec | None]:
+    """The cache root named by --cache-dir, else by the config (``$KILN_CACHE`` overrides its cache.dir), else the
+    default; and the remote named by ``$KILN_CACHE_REMOTE``, else by the config (None when neither names one)."""
     section = load_config(config).config.cache if config is not None else None
     root = section.root() if section is not None else cache_root()
     root = cache_dir.expanduser() if cache_dir is not None else root
-    remote = section.remote_spec() if section is not None else remote_spec()
+    return root, section.remote_spec() if section is not None else remote_spec()
+
+
+def _open(cache_dir: Path | None, config: str | None, *, create: bool = False) -> EngineCache:
+    """The local cache (see ``_where``); its remote tier is the one named, else the one its last build recorded.
+    Without ``create`` (commands that read or remove), a root with no cache is an error that creates nothing there:
+    a mistyped path is not reported as an empty, healthy cache."""
+    root, remote = _where(cache_dir, config)
     return EngineCache.open_configured(root, remote=remote, warn=warn, create=create)
+
+
+def _remote_tier(cache_dir: Path | None, config: str | None) -> RemoteTier:
+    """The remote tier for ``--remote`` listings and maintenance: the one named (see ``_where``), else the one the
+    local cache's last build recorded. Nothing local is created."""
+    root, remote = _where(cache_dir, config)
+    remote = remote or read_remote(root)
+    if remote is None:
+        raise CacheUsageError(f"no remote cache is configured (none in $KILN_CACHE_REMOTE or the config, and no "
+                              f"build under {root} recorded one): set cache.remote in the config, or "
+                              f"$KILN_CACHE_REMOTE (s3://bucket/prefix or file:///shared/folder)")
+    return RemoteTier(remote, warn=warn)
 
 
 @cache_app.command("ls")
@@ -58,10 +78,10 @@ def _open(cache_dir: Path | None, config: str | None, *, create: bool = False) -
 def ls(remote: RemoteOpt = False, cache_dir: CacheDirOpt = None, config: ConfigOpt = None,
        json_out: JsonOpt = False) -> None:
     """One row per entry, most recently used first: key, model, format, backend, GPU, size, created, last used, hits."""
-    cache = _open(cache_dir, config, create=remote)
     if remote:
-        cache_remote.ls(cache, json_out=json_out)
+        cache_remote.ls(_remote_tier(cache_dir, config), json_out=json_out)
         return
+    cache = _open(cache_dir, config)
     rows = cache_inspect.ls_entries(cache)
     if json_out:
         print_json(rows)
@@ -176,11 +196,11 @@ def verify(
 ) -> None:
     """Re-hash entries against their manifests; exit 3 naming each corrupt file (the entry is then rebuilt). With
     --remote, read the remote's files back (no local copy is made)."""
-    cache = _open(cache_dir, config, create=remote)
     if remote:
-        results, where = cache_remote.verify_results(cache, key, all_entries=all_entries)
+        results, where = cache_remote.verify_results(_remote_tier(cache_dir, config), key, all_entries=all_entries)
         fix = "Pulls refuse them; the next build of each pushes a good copy (or `kiln cache push --force KEY`)"
     else:
+        cache = _open(cache_dir, config)
         results, where = cache_inspect.verify_entries(cache, key, all_entries=all_entries), str(cache.root)
         fix = "They are marked corrupt: the next build rebuilds them (or remove them with `kiln cache rm KEY`)"
     if json_out:
@@ -215,14 +235,15 @@ def prune(
 ) -> None:
     """Remove old or least recently used entries (default: down to the configured limits), never one in use. With
     --remote (--older-than and/or --max-size), never one used within --grace, then the files no entry lists."""
-    cache = _open(cache_dir, config, create=remote)
     max_size_bytes = parse_size(max_size) if max_size else None
     older_than_s = parse_duration(older_than) if older_than else None
     if remote:
-        cache_remote.prune(cache, max_size_bytes=max_size_bytes, older_than_s=older_than_s, dry_run=dry_run,
-                           grace_s=parse_duration(grace), json_out=json_out)
+        cache_remote.prune(_remote_tier(cache_dir, config), max_size_bytes=max_size_bytes,
+                           older_than_s=older_than_s, dry_run=dry_run, grace_s=parse_duration(grace),
+                           json_out=json_out)
         return
-    report = cache_inspect.prune(cache, max_size_bytes=max_size_bytes, older_than_s=older_than_s, dry_run=dry_run)
+    report = cache_inspect.prune(_open(cache_dir, config), max_size_bytes=max_size_bytes,
+                                 older_than_s=older_than_s, dry_run=dry_run)
     if json_out:
         print_json(report)
         return

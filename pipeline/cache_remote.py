@@ -96,9 +96,8 @@ def _complete_remote_key(tier: RemoteTier, prefix: str) -> RemoteEntry:
     return entry
 
 
-def ls(cache: EngineCache, *, json_out: bool) -> None:
+def ls(tier: RemoteTier, *, json_out: bool) -> None:
     """One row per remote entry, most recently used first."""
-    tier = cache.entries.require_remote()
     rows = [entry.row() for entry in remote_entries(tier)]
     if json_out:
         print_json(rows)
@@ -109,10 +108,9 @@ def ls(cache: EngineCache, *, json_out: bool) -> None:
                  highlight=False)
 
 
-def verify_results(cache: EngineCache, key: str | None, *, all_entries: bool) -> tuple[list[dict], str]:
+def verify_results(tier: RemoteTier, key: str | None, *, all_entries: bool) -> tuple[list[dict], str]:
     """Read back one remote entry (a key or a prefix of one) or all of them, checking every file: the results (as
     ``kiln cache verify`` reports them) and the remote's URL."""
-    tier = cache.entries.require_remote()
     if (key is None) == (not all_entries):
         raise CacheUsageError("kiln cache verify --remote: give one KEY or --all")
     results = verify_remote(tier, key)
@@ -121,10 +119,9 @@ def verify_results(cache: EngineCache, key: str | None, *, all_entries: bool) ->
     return results, tier.url
 
 
-def prune(cache: EngineCache, *, max_size_bytes: int | None, older_than_s: float | None, dry_run: bool,
+def prune(tier: RemoteTier, *, max_size_bytes: int | None, older_than_s: float | None, dry_run: bool,
           grace_s: float, json_out: bool) -> None:
     """Remove old or least recently used remote entries, then the files no entry lists."""
-    tier = cache.entries.require_remote()
     if max_size_bytes is None and older_than_s is None:
         raise CacheUsageError("kiln cache prune --remote: give --older-than and/or --max-size (the remote has no "
                               "configured limits)")

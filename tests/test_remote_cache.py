@@ -316,6 +316,15 @@ def test_cache_commands_push_ls_verify_and_pull_through_the_remote(tmp_path, rem
     code, pruned = kiln_cache("first", "prune", "--remote", "--max-size", "0", "--grace", "0s")
     assert code == 0 and [e["key"] for e in pruned["removed"]] == [key] and pruned["files_removed"] == 2
     assert kiln_cache("first", "ls", "--remote")[1] == []
+    assert kiln_cache("typo", "ls", "--remote")[0] == 0 and not (tmp_path / "typo").exists()  # the remote's alone
+
+
+def test_remote_commands_without_a_remote_say_how_to_name_one_and_create_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("KILN_CACHE_REMOTE", raising=False)
+    for command in (["ls"], ["verify", "--all"], ["prune", "--older-than", "1d"]):
+        result = runner.invoke(cache_app, [*command, "--remote", "--cache-dir", str(tmp_path / "typo")])
+        assert result.exit_code == 2 and "KILN_CACHE_REMOTE" in result.stderr, command
+    assert not (tmp_path / "typo").exists()
 
 
 def test_remote_settings_are_checked_where_they_are_written(monkeypatch):
