@@ -24,6 +24,11 @@ from kiln.engines.cache.remote.spec import RemoteSpec, open_objects
 Transferred = Callable[[str, int, int], None]  # told ("pull" or "push", bytes moved so far, bytes in all)
 
 
+class TransferStopped(Exception):
+    """Raised in a file transfer's progress report once its push or pull was given up (Ctrl-C, another file's
+    failure): the transfer stops at its next chunk instead of running to its end."""
+
+
 @dataclass(frozen=True)
 class PullResult:
     """A remote entry written into a local folder: its manifest (bytes as stored), bytes moved and seconds."""
@@ -120,7 +125,7 @@ class RemoteTier:
             size = target.stat().st_size
             return copy_problem(item, size, file_sha256(target) if size == item["size"] else "")
 
-        problems = [p for p in self._each(fetch, files) if p]
+        problems = [p for p in self._each(fetch, files, counter) if p]
         if problems:
             raise RemoteCorruptError(f"remote cache {self.url}: {store} {key[:12]} refused: " + "; ".join(problems))
         self.mark_used(store, key)
@@ -156,9 +161,10 @@ class RemoteTier:
             self.objects.upload(name, entry_dir / payload_name / item["path"], counter.add)
             return True
 
-        uploaded = sum(self._each(upload, files))
+        uploaded = sum(self._each(upload, files, counter))
         self.objects.write(manifest_name(store, key), manifest_bytes)  # the entry exists from here on
-        uploaded += sum(self._each(upload, self._missing(files)))  # its files are listed now: no prune takes them
+        # its files are listed now: no prune takes them
+        uploaded += sum(self._each(upload, self._missing(files), counter))
         self.mark_used(store, key)
         return PushResult("pushed", counter.done, round(time.monotonic() - started, 3), uploaded)
 
@@ -179,11 +185,18 @@ class RemoteTier:
         return build_lease(self.objects, store, key, timing=self.timing, on_wait=on_wait, failed=self.failed,
                            replacing=replacing)
 
-    def _each(self, work: Callable[[dict], object], files: list[dict]) -> Iterator:
-        """``work`` on each file, ``file_threads`` at once, largest first (so the big ones overlap)."""
+    def _each(self, work: Callable[[dict], object], files: list[dict], counter: _Counter) -> Iterator:
+        """``work`` on each file, ``file_threads`` at once, largest first (so the big ones overlap). When one fails
+        or the caller is interrupted, the transfers still running stop at their next chunk (``counter.stop``)."""
         ordered = sorted(files, key=lambda item: -item["size"])
-        with ThreadPoolExecutor(max_workers=self.file_threads, thread_name_prefix="kiln-remote") as pool:
+        pool = ThreadPoolExecutor(max_workers=self.file_threads, thread_name_prefix="kiln-remote")
+        try:
             yield from pool.map(work, ordered)
+        except BaseException:
+            counter.stop()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _Counter:
@@ -192,8 +205,15 @@ class _Counter:
     def __init__(self, verb: str, total: int, transferred: Transferred | None) -> None:
         self.verb, self.total, self.done, self._transferred = verb, total, 0, transferred
         self._lock = threading.Lock()
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        """Make every transfer still reporting to this counter raise TransferStopped at its next chunk."""
+        self._stopped.set()
 
     def add(self, n: int) -> None:
+        if self._stopped.is_set():
+            raise TransferStopped(f"{self.verb} given up")
         with self._lock:
             self.done += n
             done = self.done
