@@ -137,3 +137,6 @@ def prune(tier: RemoteTier, *, max_size_bytes: int | None, older_than_s: float |
                      f"{why})", highlight=False, soft_wrap=True)
     stderr.print(f"{'would free' if dry_run else 'freed'} {format_bytes(report['freed_bytes'])} in "
                  f"{report['files_removed']} files on {tier.url}; {report['kept']} entries kept", highlight=False)
+    if report["unfinished_writes_removed"]:
+        stderr.print(f"{'would discard' if dry_run else 'discarded'} {report['unfinished_writes_removed']} "
+                     f"unfinished uploads (a push killed half way)", highlight=False)

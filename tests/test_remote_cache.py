@@ -157,10 +157,7 @@ else:  # the first file is up, the second dies in the middle of its upload
     real_upload = objects.upload
     def upload(name, path, progress):
         uploads.append(name)
-        if len(uploads) == 2:
-            progress(1)
-            die()
-        real_upload(name, path, progress)
+        real_upload(name, path, die if len(uploads) == 2 else progress)
     objects.upload = upload
 cache.entries.push(key)
 """
@@ -182,6 +179,56 @@ def test_a_push_killed_half_way_leaves_nothing_a_reader_installs(tmp_path, remot
     calls = []
     reader.entries.get_or_build(key, material("a"), builder(calls))  # builds and pushes a whole entry
     assert len(calls) == 1 and verify_remote(reader.remote)[0]["ok"]
+    objects, is_s3 = reader.remote.objects, "AWS_ENDPOINT_URL" in remote.env
+    if is_s3:  # the multipart upload a killed push of a large file began (no file here is that large)
+        objects._client.create_multipart_upload(Bucket=objects.bucket, Key=objects._key(blob_name("ab" * 32)))
+        time.sleep(1.1)  # the store's clock has whole seconds
+    unfinished = objects.discard_unfinished(objects.now(), dry_run=True)  # file: the killed uploads' temporaries
+    assert unfinished >= 1 if is_s3 or mode == "mid_upload" else unfinished == 0
+    assert prune_remote(reader.remote, older_than_s=None, max_size_bytes=None, grace_s=0)[
+        "unfinished_writes_removed"] == unfinished
+    assert objects.discard_unfinished(objects.now() + 1) == 0 and verify_remote(reader.remote)[0]["ok"]
+
+INTERRUPTED_PUSHER = r"""
+import sys, time
+from pathlib import Path
+from kiln.engines.cache import EngineCache
+from kiln.engines.cache.remote import RemoteSpec
+
+root, url, key = sys.argv[1:4]
+cache = EngineCache.open(Path(root), remote=RemoteSpec(url))
+real_upload = cache.remote.objects.upload
+def upload(name, path, progress):  # the large file moves slowly: a minute unless stopped
+    if path.name == "rank0.safetensors":
+        print("started", flush=True)
+        try:
+            for _ in range(12000):
+                progress(1)
+                time.sleep(0.005)
+        except Exception as exc:
+            print("stopped", type(exc).__name__, flush=True)
+            raise
+    real_upload(name, path, progress)
+cache.remote.objects.upload = upload
+try:
+    cache.entries.push(key)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_during_a_push_stops_the_uploads_in_flight(tmp_path):
+    key, shared = engine_key(material("a")), tmp_path / "shared"
+    shared.mkdir()
+    EngineCache.open(tmp_path / "builder").entries.get_or_build(key, material("a"), builder([]))
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED_PUSHER, str(tmp_path / "builder"), f"file://{shared}",
+                             key], env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)  # the upload, not stopped, would run a minute
+    assert proc.returncode == 130 and out.split() == ["stopped", "TransferStopped", "interrupted"], err[-2000:]
+    assert not any(shared.rglob("manifest.json")) and not any(shared.rglob(".partial-*"))
 
 
 def test_concurrent_pushes_of_one_key_with_different_bytes_leave_one_whole_entry(tmp_path, remote):

@@ -145,8 +145,26 @@ class FileObjects:
         except OSError as exc:
             raise self._fail("deleting", name, exc) from None
 
+    def discard_unfinished(self, started_before: float, *, dry_run: bool = False) -> int:
+        self._require_root()
+        stale = [Path(dirpath) / name for dirpath, _, filenames in os.walk(self.root) for name in filenames
+                 if name.startswith(TEMPORARY)]
+        stale = [path for path in stale if _modified(path) < started_before]
+        if not dry_run:
+            for path in stale:
+                path.unlink(missing_ok=True)
+        return len(stale)
+
     def now(self) -> float:
         return time.time()
+
+
+def _modified(path: Path) -> float:
+    """``path``'s modification time; infinite once it is gone (a write that finished meanwhile)."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
 
 
 def _copy(source: Path, target: Path, progress: Progress) -> None:

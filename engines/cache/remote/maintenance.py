@@ -104,8 +104,9 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
                  dry_run: bool = False, grace_s: float = PRUNE_GRACE_S) -> dict:
     """Remove entries not used for ``older_than_s``, then least recently used ones until the entries total at most
     ``max_size_bytes``; never one used within ``grace_s`` (a machine may be pulling it). Then delete the files no
-    remaining manifest lists, once older than ``grace_s`` (younger ones may belong to a push in flight), and stale
-    build leases. Entries whose manifest is damaged are removed too."""
+    remaining manifest lists, once older than ``grace_s`` (younger ones may belong to a push in flight), the writes
+    begun before that which never finished (a push killed half way), and stale build leases. Entries whose manifest
+    is damaged are removed too."""
     now = tier.objects.now()
     entries = remote_entries(tier)
     removed: list[RemoteEntry] = [entry for entry in entries if entry.manifest is None]
@@ -126,6 +127,7 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
     orphans = [info for info in tier.objects.list(f"{VERSION}/blobs/")
                if info.name.rsplit("/", 1)[-1] not in listed and now - info.modified >= grace_s]
     leases = [info for info in tier.objects.list(f"{VERSION}/leases/") if now - info.modified > tier.timing.stale_s]
+    unfinished = tier.objects.discard_unfinished(now - grace_s, dry_run=dry_run)
     if not dry_run:
         for entry in removed:  # the manifest first: from then on nobody pulls the entry
             tier.objects.delete(manifest_name(entry.store, entry.key))
@@ -141,4 +143,5 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
         "files_removed": len(orphans),
         "freed_bytes": sum(info.size for info in orphans),
         "stale_leases_removed": len(leases),
+        "unfinished_writes_removed": unfinished,
     }

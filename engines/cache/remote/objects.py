@@ -69,5 +69,9 @@ class ObjectStore(Protocol):
     def delete(self, name: str, *, if_tag: str | None = None) -> None:
         """Remove the object (nothing when it is already gone); ``if_tag``: only while its tag is this one."""
 
+    def discard_unfinished(self, started_before: float, *, dry_run: bool = False) -> int:
+        """Discard the writes begun before ``started_before`` (the store's clock) that never finished (a writer
+        killed half way: a temporary file, an incomplete multipart upload); how many there were."""
+
     def now(self) -> float:
         """The store's clock (epoch seconds), against which ``ObjectInfo.modified`` is compared."""

@@ -104,6 +104,18 @@ class S3Objects:
         self._call("deleting", name, lambda: self._client.delete_object(
             Bucket=self.bucket, Key=self._key(name), **condition), if_missing=None, if_condition_failed=None)
 
+    def discard_unfinished(self, started_before: float, *, dry_run: bool = False) -> int:
+        pages = self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket,
+                                                                             Prefix=self._key(""))
+        uploads = [upload for page in self._call("listing uploads", "(all)", lambda: list(pages))
+                   for upload in page.get("Uploads", []) if upload["Initiated"].timestamp() < started_before]
+        if not dry_run:
+            for upload in uploads:
+                abort = {"Bucket": self.bucket, "Key": upload["Key"], "UploadId": upload["UploadId"]}
+                self._call("aborting the upload of", upload["Key"],
+                           lambda abort=abort: self._client.abort_multipart_upload(**abort), if_missing=None)
+        return len(uploads)
+
     def now(self) -> float:
         head = self._call("reaching bucket", self.bucket, lambda: self._client.head_bucket(Bucket=self.bucket))
         return email.utils.parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"]).timestamp()
