@@ -134,7 +134,6 @@ def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
 def cache_explain(config: ConfigArg, json_out: JsonOpt = False) -> None:
     """Which fields of CONFIG's engine key material differ from the nearest cached engine (DVC-style)."""
     from kiln.engines.cache import inspect as cache_inspect
-    from kiln.engines.cache.remote import RemoteTier
     from kiln.pipeline import runner
     from kiln.pipeline.model_source import ModelNotFoundError
 
@@ -143,8 +142,7 @@ def cache_explain(config: ConfigArg, json_out: JsonOpt = False) -> None:
         raise ModelNotFoundError(f"model files not found for model.path {ctx.config.model.path}; "
                                  "the key material needs the checkpoint's content hash")
     if ctx.cache is None:  # no local cache yet: the remote may still have the engine
-        spec = ctx.config.cache.remote_spec()
-        remote = cache_inspect.remote_presence(RemoteTier(spec) if spec else None, "entries", ctx.engine_key)
+        remote = cache_inspect.remote_presence(ctx.remote, "entries", ctx.engine_key)
         print_explain({"nearest_key": None, "differences": [], "created": None, "remote": remote}, json_out)
         return
     print_explain(cache_inspect.explain(ctx.cache, ctx.material), json_out)

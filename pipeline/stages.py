@@ -18,7 +18,7 @@ from kiln.calibration.recipe import recipe_material
 from kiln.engines.cache import ContentStore, EngineCache, EntryHold, LookupResult, engine_key
 from kiln.engines.cache.layout import entry_of_payload, entry_path, payload_path
 from kiln.engines.cache.manifest import read_manifest
-from kiln.engines.cache.remote import RemoteUnavailableError
+from kiln.engines.cache.remote import RemoteTier, RemoteUnavailableError
 from kiln.engines.cache.units import format_bytes
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import KilnConfig, LoadedConfig
@@ -76,6 +76,14 @@ class BuildContext:
     @property
     def config(self) -> KilnConfig:
         return self.loaded.config
+
+    @functools.cached_property
+    def remote(self) -> RemoteTier | None:
+        """The remote tier: the cache's, else (a dry run before the local cache exists) the one the config names."""
+        if self.cache is not None:
+            return self.cache.remote
+        spec = self.config.cache.remote_spec()
+        return RemoteTier(spec) if spec is not None else None
 
     @property
     def calibration_dtype(self) -> str:
@@ -152,21 +160,22 @@ class Stage(Protocol):
         """Take up the outputs that already exist (the stage was skipped)."""
 
 
-def _being_built(store: ContentStore, key: str) -> str:
+def _being_built(ctx: BuildContext, store: str, key: str) -> str:
     """What a plan adds to a miss that another process is building now."""
-    return "; another process is building it now: this build will wait and reuse it" if store.is_being_built(key) \
-        else ""
+    if ctx.cache is None or not ctx.cache.stores[store].is_being_built(key):
+        return ""
+    return "; another process is building it now: this build will wait and reuse it"
 
 
-def _on_remote(store: ContentStore, key: str) -> str:
+def _on_remote(ctx: BuildContext, store: str, key: str) -> str:
     """What a plan adds to a local miss about the remote tier: whether the entry will be pulled from it."""
-    if store.remote is None:
+    if ctx.remote is None:
         return ""
     try:
-        found = store.remote.has(store.name, key)
+        found = ctx.remote.has(store, key)
     except RemoteUnavailableError as exc:
         return f"; the remote cache could not be asked ({exc})"
-    return f"; {store.remote.url} has it: it will be pulled" if found else f"; not on {store.remote.url} either"
+    return f"; {ctx.remote.url} has it: it will be pulled" if found else f"; not on {ctx.remote.url} either"
 
 
 def _transfer_progress(store: ContentStore, progress: Progress) -> Callable[[str, int, int], None]:
@@ -182,16 +191,25 @@ def _transfer_progress(store: ContentStore, progress: Progress) -> Callable[[str
 
 def _engine_available(ctx: BuildContext) -> str | None:
     """Where the engine of this build already is without building: ``in the cache``, ``on <remote>``; else None."""
-    if ctx.cache.entries.lookup(ctx.engine_key, ctx.material, record=False).hit:
+    if ctx.cache is not None and ctx.cache.entries.lookup(ctx.engine_key, ctx.material, record=False).hit:
         return "in the cache"
-    remote = ctx.cache.entries.remote
-    if remote is None:
+    if ctx.remote is None:
         return None
     try:
-        found = remote.has("entries", ctx.engine_key)
+        found = ctx.remote.has("entries", ctx.engine_key)
     except RemoteUnavailableError:
         return None
-    return f"on {remote.url}" if found else None
+    return f"on {ctx.remote.url}" if found else None
+
+
+def _lookup(ctx: BuildContext, store: str, key: str, material: dict | None = None) -> LookupResult | None:
+    """The local cache's answer for ``key`` (not counted in its statistics); None when there is no cache yet (a
+    dry run creates none)."""
+    return None if ctx.cache is None else ctx.cache.stores[store].lookup(key, material, record=False)
+
+
+def _miss(lookup: LookupResult | None) -> str:
+    return lookup.reason if lookup is not None else "new: the cache is empty"
 
 
 def _no_model(ctx: BuildContext) -> str | None:
@@ -220,19 +238,17 @@ class QuantizeStage:
             return Decision(self.name, "skip", "format none: the checkpoint is used as it is")
         if missing := _no_model(ctx):
             return Decision(self.name, "run", f"{missing}; nothing to look up")
-        if ctx.cache is None:  # a dry run against a cache that does not exist yet
-            return Decision(self.name, "run", "cache miss (new: the cache is empty)")
         if ctx.force:
             return Decision(self.name, "run", "--force")
-        lookup = ctx.cache.quantized.lookup(ctx.quantized_key, record=False)
-        if lookup.hit:
+        lookup = _lookup(ctx, "quantized", ctx.quantized_key)
+        if lookup is not None and lookup.hit:
             return Decision(self.name, "skip", f"{fmt} checkpoint {ctx.quantized_key[:12]} is in the cache", lookup)
         if self.defer_to_engine and (where := _engine_available(ctx)):
             return Decision(self.name, "skip", f"no {fmt} checkpoint here, but the engine it feeds is {where}: it is "
                             f"fetched only if the engine has to be built", extra={"deferred": True})
-        return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe ({lookup.reason})"
-                        f"{_on_remote(ctx.cache.quantized, ctx.quantized_key)}"
-                        f"{_being_built(ctx.cache.quantized, ctx.quantized_key)}")
+        return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe ({_miss(lookup)})"
+                        f"{_on_remote(ctx, 'quantized', ctx.quantized_key)}"
+                        f"{_being_built(ctx, 'quantized', ctx.quantized_key)}")
 
     def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
         from kiln.calibration.quantize import quantize_checkpoint
@@ -281,15 +297,13 @@ class BuildStage:
     def _decide(self, ctx: BuildContext) -> Decision:
         if missing := _no_model(ctx):
             return Decision(self.name, "run", f"{missing}; the engine key cannot be computed")
-        if ctx.cache is None:
-            return Decision(self.name, "run", "cache miss (new: the cache is empty)")
         if ctx.force:
             return Decision(self.name, "run", "--force")
-        lookup = ctx.cache.entries.lookup(ctx.engine_key, ctx.material, record=False)
-        if lookup.hit:
+        lookup = _lookup(ctx, "entries", ctx.engine_key, ctx.material)
+        if lookup is not None and lookup.hit:
             return Decision(self.name, "skip", f"engine {ctx.engine_key[:12]} is in the cache", lookup)
-        return Decision(self.name, "run", f"cache miss ({lookup.reason}){_on_remote(ctx.cache.entries, ctx.engine_key)}"
-                        f"{_being_built(ctx.cache.entries, ctx.engine_key)}")
+        return Decision(self.name, "run", f"cache miss ({_miss(lookup)}){_on_remote(ctx, 'entries', ctx.engine_key)}"
+                        f"{_being_built(ctx, 'entries', ctx.engine_key)}")
 
     def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
         trtllm = ctx.choice.backend == "trtllm"

@@ -446,6 +446,11 @@ def test_an_engine_refused_on_pull_is_rebuilt_from_the_checkpoint_the_plan_had_d
         return json.loads(proc.stdout)
 
     key = build("first")["engine_key"]
+    dry = subprocess.run([sys.executable, "-m", "kiln", "build", "tiny-llama-fp8", "--dry-run", "--json"],
+                         capture_output=True, env=repo_env(**remote.env, KILN_CACHE=str(tmp_path / "fresh")))
+    plan = {stage["name"]: stage for stage in json.loads(dry.stdout)["stages"]}  # no local cache: the remote's
+    assert plan["quantize"]["action"] == "skip" and "will be pulled" in plan["build"]["reason"]
+    assert not (tmp_path / "fresh").exists()
     first = EngineCache.open_configured(tmp_path / "first")
     manifest = json.loads(first.entries.entry_dir(key).joinpath("manifest.json").read_bytes())
     blob = Path(remote.spec.url.removeprefix("file://")) / blob_name(manifest["files"][0]["sha256"])
