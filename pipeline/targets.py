@@ -43,14 +43,17 @@ class Target:
         return self.path.stem
 
 
-def resolve_target(text: str, cache_root: Path) -> Target:
+def resolve_target(text: str, cache_root: Path, *, no_engines: str | None = None) -> Target:
     """``text`` as an engine directory (a cache entry's folder included), a config or architecture file (a path, or
     a name under the bundled configs), or a key or key prefix of an engine in the cache at ``cache_root`` (else on
     its remote tier, pulled first). A cached engine's files are checked against its manifest first
-    (CacheCorruptError)."""
+    (CacheCorruptError). ``no_engines``: a command that takes no engine refuses one with this TargetError message
+    (after the engine's name), before anything is looked up or pulled."""
     path = Path(text).expanduser()
     for engine_dir in (path, path / "engine"):  # a cache entry's folder holds its engine in engine/
         if is_engine_dir(engine_dir):
+            if no_engines is not None:
+                raise TargetError(f"{engine_dir}: an engine directory; {no_engines}")
             return _engine(engine_dir.resolve())
     if path.is_dir():
         raise TargetError(f"{text}: not an engine directory (no engine.json or kiln_trtllm.json); pass the engine "
@@ -58,6 +61,8 @@ def resolve_target(text: str, cache_root: Path) -> Target:
     if (found := find_config(text)) is not None:
         return Target("architecture" if found.suffix == ".json" else "config", found)
     if len(text) >= MIN_PREFIX and set(text) <= set("0123456789abcdef"):
+        if no_engines is not None:
+            raise TargetError(f"{text}: a cache key (an engine's); {no_engines}")
         remote = remote_spec()
         if remote is None and not (cache_root / LAYOUT_VERSION).is_dir():
             raise TargetError(f"cache key {text}: there is no engine cache at {cache_root}; set $KILN_CACHE to the "

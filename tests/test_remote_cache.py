@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from kiln.engines.cache import CacheEntryNotFoundError, EngineCache, engine_key
@@ -497,3 +498,17 @@ def test_a_push_completes_an_entry_missing_files_on_the_remote_and_survives_a_co
     objects.write = write_after_a_prune
     assert cache.entries.push(key, replace=True).outcome == "pushed"
     assert verify_remote(cache.remote)[0]["ok"]
+
+
+def test_bench_refuses_an_engine_key_before_pulling_it(tmp_path, remote, monkeypatch):
+    from kiln.pipeline.bench.command import bench
+
+    key = engine_key(material("a"))
+    machine(tmp_path, "builder", remote).entries.get_or_build(key, material("a"), builder([]))
+    for name, value in {**remote.env, "KILN_CACHE": str(tmp_path / "bencher")}.items():
+        monkeypatch.setenv(name, value)
+    app = typer.Typer()
+    app.command()(bench)
+    result = runner.invoke(app, [key[:10]])
+    assert result.exit_code == 2 and "kiln loadtest" in result.stderr and "cache key" in result.stderr
+    assert not (tmp_path / "bencher").exists()  # nothing pulled

@@ -16,6 +16,7 @@ from kiln.pipeline.bench.measure import Workload, measure_kiln
 from kiln.pipeline.bench.random_checkpoint import random_checkpoint
 from kiln.pipeline.bench.report import speedups
 from kiln.pipeline.bench.target import (
+    BENCH_TAKES,
     CALIB_LEN,
     CALIB_SAMPLES,
     BenchPlan,
@@ -46,7 +47,7 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
               checkpoint_cache: Path | None = None) -> dict:
     """Build (or find) the engine, measure it with ``options`` (on the device it was built for unless they name one)
     and the peer, and return the report."""
-    resolved = resolve_target(target, cache_root())
+    resolved = resolve_target(target, cache_root(), no_engines=BENCH_TAKES)
     run = build_and_measure(resolved, plan, fmt=fmt, kv_cache_dtype=kv_cache_dtype, allow_large=allow_large,
                             seed=seed, tp_size=tp_size, options=options, batch_1_only=batch_1_only,
                             random_quantized=random_quantized, checkpoint_cache=checkpoint_cache)
@@ -130,9 +131,6 @@ def bench_config_for(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cac
     """The config to build, the peer's checkpoint when it is not the config's model, and what the weights are.
     ``random_quantized`` makes an FP8 checkpoint directly instead of quantizing a bf16 one with modelopt;
     ``checkpoint_cache`` keeps the random checkpoint in the engine cache at that root instead of the configured one."""
-    if target.kind == "engine":
-        raise BenchTargetError(f"{target.path}: kiln bench measures a config or an architecture file against a peer "
-                               f"that needs the checkpoint; give the config the engine was built from")
     if target.kind == "config":
         if (fmt is not None or tp_size is not None or plan.max_batch_size is not None or random_quantized
                 or checkpoint_cache is not None):

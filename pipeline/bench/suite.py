@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from kiln.pipeline.bench.run import build_and_measure, report_progress
-from kiln.pipeline.bench.target import BenchPlan, BenchTargetError
+from kiln.pipeline.bench.target import BENCH_TAKES, BenchPlan, BenchTargetError
 from kiln.pipeline.config import cache_root
 from kiln.pipeline.targets import resolve_target
 from kiln.runtime.options import RuntimeOptions
@@ -99,7 +99,7 @@ def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str
         raise BenchTargetError(f"--suite {suite.name}: its figures were measured on {suite.device} and its rows send "
                                f"up to {max(row.prompts for row in rows):,} requests each; this run is on {device}. "
                                "Run it on a GPU, or measure here with --prompts, --input-len and --output-len")
-    resolved = resolve_target(target, cache_root())
+    resolved = resolve_target(target, cache_root(), no_engines=BENCH_TAKES)
     options = replace(options, **{name: value for name, value in suite.runtime.items()
                                   if getattr(options, name) is None})
     results = []

@@ -34,6 +34,11 @@ MAX_NUM_TOKENS = 8192  # the generated plan's token budget per step (at least --
 BLOCK = 32  # tokens per KV block: the decode attention kernel is ~1.5x slower over 16-token blocks on an H200
 
 
+BENCH_TAKES = ("kiln bench builds what it measures from a config or an architecture file (and its peer needs the "
+               "checkpoint): give the config the engine was built from, or measure the built engine served with "
+               "`kiln loadtest`")
+
+
 class BenchTargetError(KilnError):
     """A TARGET that is neither a config nor an architecture file, or one this machine cannot benchmark."""
 
