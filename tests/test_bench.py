@@ -73,6 +73,7 @@ def test_json_reports_positive_kiln_and_peer_figures(config_report):
     assert engine["steps"] >= 6 and engine["preemptions"] == 0
     # each step's execute time is part of its wall time, so the medians are ordered too (no timing race)
     assert 0 < engine["last_steps_execute_ms_p50"] <= engine["last_steps_ms_p50"]
+    assert engine["last_steps_batch_size_p50"] == 4  # the offline run's steps, none of the batch-1 phases'
     by_kind = engine["by_kind"]
     assert sum(k["steps"] for k in by_kind.values()) == engine["steps"] and by_kind["decode"]["steps"] >= 5
     assert all(0 < k["execute_s"] <= k["s"] for k in by_kind.values() if k["steps"]), by_kind

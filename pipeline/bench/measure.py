@@ -18,6 +18,7 @@ import torch
 from kiln.pipeline.bench.common import rate
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.stats import summarize
 
 TTFT_REPEATS = 5
 BATCH1_REPEATS = 3
@@ -143,19 +144,20 @@ def offline_engine_stats(before: dict, after: dict) -> dict:
     """What the engine did in the offline run: its steps, how many were queued behind the previous one on the
     device (``NativeEngine.step``), and its preemptions; per step kind (prefill, mixed, decode)
     the steps, their wall time and model time (on a GPU mostly the wait for it; the rest is host work); and the
-    batch size, wall time and model time of its last steps (the recent-step ring: the end of the run, where
-    contexts are longest)."""
-    recent = after["recent_steps"]
+    batch size, wall time and model time of its last steps (those of the recent-step ring the run took: the end
+    of the run, where contexts are longest; none of the phases before it)."""
+    steps = after["num_steps"] - before["num_steps"]
+    last = after["recent_steps"]["steps"][len(after["recent_steps"]["steps"]) - steps:] if steps else []  # this run's
     by_kind = {}
     for kind, totals in after["steps_by_kind"].items():
         earlier = before["steps_by_kind"][kind]
         by_kind[kind] = {"steps": totals["steps"] - earlier["steps"],
                          "s": round(totals["duration_s"] - earlier["duration_s"], 6),
                          "execute_s": round(totals["execute_s"] - earlier["execute_s"], 6)}
-    return {"steps": after["num_steps"] - before["num_steps"],
+    return {"steps": steps,
             "steps_queued_ahead": after["num_steps_queued_ahead"] - before["num_steps_queued_ahead"],
             "preemptions": after["num_preemptions"] - before["num_preemptions"],
             "by_kind": by_kind,
-            "last_steps_batch_size_p50": recent["batch_size"].get("p50"),
-            "last_steps_ms_p50": recent["duration_ms"].get("p50"),
-            "last_steps_execute_ms_p50": recent["execute_ms"].get("p50")}
+            "last_steps_batch_size_p50": summarize([step["num_seqs"] for step in last]).get("p50"),
+            "last_steps_ms_p50": summarize([step["duration_s"] for step in last], 1000).get("p50"),
+            "last_steps_execute_ms_p50": summarize([step["execute_s"] for step in last], 1000).get("p50")}
