@@ -64,6 +64,20 @@ def is_engine_dir(path: Path) -> bool:
     return (Path(path) / ENGINE_JSON).is_file() or is_trtllm_engine(path)
 
 
+def plan_limits(engine_dir: Path) -> EngineLimits:
+    """The limits of an engine's build plan and vocabulary, read from its directory without loading it (so without
+    the KV pool's size, which loading decides)."""
+    from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, is_trtllm_engine
+
+    if is_trtllm_engine(engine_dir):
+        info = TrtllmEngineInfo.load(engine_dir)
+        return EngineLimits.from_plan(info.plan, vocab_size=info.vocab_size)
+    from kiln.runtime.native.engine_format import EngineConfig
+
+    config = EngineConfig.load(engine_dir)
+    return EngineLimits.from_plan(config.plan, vocab_size=config.architecture.vocab_size)
+
+
 def load_engine(engine_dir: Path, options: RuntimeOptions) -> Engine:
     """The engine of ``engine_dir`` on its backend: TensorRT-LLM for a directory with ``kiln_trtllm.json``, else the
     native engine (which refuses a directory without its ``engine.json``); in a child process of its own when

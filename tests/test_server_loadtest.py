@@ -126,6 +126,16 @@ def test_loadtest_serves_an_engine_on_loopback_and_reports_its_efficiency_agains
                                                  / report["offline"]["output_tokens_per_s"], abs=1e-4)
 
 
+def test_loadtest_refuses_a_workload_the_engine_cannot_serve_before_loading_it(tmp_path, monkeypatch):
+    from kiln.pipeline.serve_command import ServeTarget
+
+    monkeypatch.setattr(ServeTarget, "loader", lambda *a: pytest.fail("the engine was loaded"))
+    for options, problem in ((["--input-len", "100000"], "max_input_len"), (["--max-tokens", "100000"], "max_seq_len"),
+                             (["--prompts-file", str(tmp_path / "missing.txt")], "missing.txt")):
+        result = CliRunner().invoke(cli(), ["loadtest", str(tiny_engine()), *options])
+        assert result.exit_code != 0 and problem in result.output, (options, result.output)
+
+
 def test_loadtest_at_a_finite_rate_gives_no_efficiency_as_the_arrivals_set_the_served_rate():
     result = CliRunner().invoke(cli(), ["loadtest", str(tiny_engine()), "--clients", "2", "--requests", "3",
                                         "--request-rate", "50", "--max-tokens", "2", "--no-engine-process", "--json"])

@@ -11,7 +11,7 @@ import math
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -24,10 +24,14 @@ from kiln.pipeline.bench.serving_clients import (
     run_in_process,
     run_offline,
 )
-from kiln.pipeline.bench.serving_workload import ServingWorkload, make_workload
+from kiln.pipeline.bench.serving_workload import ServingWorkload, check_fits, make_workload
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
 from kiln.pipeline.runtime_env import runtime_options
+from kiln.runtime.engine import plan_limits
 from kiln.runtime.options import RuntimeOptions
+
+if TYPE_CHECKING:
+    from kiln.pipeline.serve_command import ServeTarget
 
 __all__ = ["LoadTestError", "loadtest"]
 
@@ -74,19 +78,25 @@ def print_report(report: dict) -> None:
                      f"ms", highlight=False)
 
 
-@contextmanager
-def _server_for(target: str, api_key: str | None, options: RuntimeOptions):
-    """The URL to test and the LLM behind it: `target` itself (and None), or a loopback server over the engine
-    `target` names."""
+def _engine_target(target: str, options: RuntimeOptions) -> ServeTarget | None:
+    """The engine `target` names (built first when it is a config), or None for a server URL."""
     if target.startswith(("http://", "https://")):
-        yield target, api_key, None
-        return
+        return None
     from kiln.pipeline.serve_command import require_serve_extra, serve_target
 
     require_serve_extra()
+    return serve_target(target, options)
+
+
+@contextmanager
+def _server_for(target: str, resolved: ServeTarget | None, api_key: str | None, options: RuntimeOptions):
+    """The URL to test and the LLM behind it: `target` itself (and None), or a loopback server over the engine
+    `resolved`."""
+    if resolved is None:
+        yield target, api_key, None
+        return
     from kiln.runtime.server import ServerThread, create_app
 
-    resolved = serve_target(target, options)
     settings = resolved.settings(api_key=api_key)
     llm = resolved.loader(options)()
     try:
@@ -189,7 +199,11 @@ def loadtest(
                         "output_len": output_len, "spread": spread, "prompts_file": prompts_file,
                         "disconnect": disconnect}
     options = runtime_options(os.environ, device=device, engine_process=engine_process)
-    with _server_for(target, api_key, options) as (url, key, llm):
+    resolved = _engine_target(target, options)
+    if resolved is not None:  # the workload checked against the engine before it loads (a prompts file read too)
+        limits = plan_limits(resolved.engine_dir)
+        check_fits(make_workload(**workload_options, vocab_size=vocab_size or limits.vocab_size), limits)
+    with _server_for(target, resolved, api_key, options) as (url, key, llm):
         report = asyncio.run(_measure(url, key, llm, workload_options, concurrency=clients, chat=chat,
                                       vocab_size=vocab_size, offline=offline, in_process=in_process))
     print_json(report) if json_out else print_report(report)

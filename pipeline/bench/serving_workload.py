@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kiln.runtime.errors import KilnError
+from kiln.runtime.limits import EngineLimits, RequestTooLongError
+from kiln.runtime.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
@@ -100,6 +102,17 @@ def make_workload(*, requests: int, warmup: int, request_rate: float, seed: int,
         measured = [replace(r, disconnect_after=rng.randint(1, max(1, r.max_tokens - 1)))
                     if rng.random() < disconnect else r for r in measured]
     return ServingWorkload(requests=measured, warmup=drawn[:warmup], arrivals_s=times)
+
+
+def check_fits(workload: ServingWorkload, limits: EngineLimits) -> None:
+    """Refuse, before any server starts, a workload with a request the engine can never serve: a token-id prompt
+    or a max_tokens over its plan (a text prompt counts as one token here; the server counts it exactly)."""
+    for request in (*workload.warmup, *workload.requests):
+        prompt_tokens = 1 if isinstance(request.prompt, str) else len(request.prompt)
+        try:
+            limits.check_request(prompt_tokens, SamplingParams(max_tokens=request.max_tokens))
+        except RequestTooLongError as exc:
+            raise WorkloadError(f"the workload's requests do not fit this engine: {exc}") from None
 
 
 def _from_file(path: Path, count: int, max_tokens: int) -> list[ServingRequest]:
