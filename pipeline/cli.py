@@ -3,35 +3,52 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
+from rich.markup import escape
 from typer.core import TyperGroup
 
 from kiln.pipeline.bench.command import bench
 from kiln.pipeline.bench.loadtest import loadtest
 from kiln.pipeline.cache_commands import cache_app, print_explain
 from kiln.pipeline.config import load_config
-from kiln.pipeline.console import friendly_errors, print_error_json, print_json, stage_progress, stdout
+from kiln.pipeline.console import friendly_errors, print_error_json, print_json, stage_progress, stderr, stdout
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.pipeline.serve_command import serve
 
 
 class KilnGroup(TyperGroup):
-    """``kiln``'s commands: a usage error (a missing argument, an unknown option) of a command line that asks for
-    ``--json`` prints the error object on stdout too, as the command's own errors do."""
+    """``kiln``'s commands: a usage error (an unknown command or option, a missing argument, a bad value) is one red
+    line on stderr, as the commands' own errors are, and a command line that asks for ``--json`` gets the error
+    object on stdout too."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: typer.Context | None = None,
+                     **extra: Any) -> typer.Context:
+        try:  # the options of ``kiln`` itself
+            return super().make_context(info_name, args, parent, **extra)
+        except typer.TyperException as exc:
+            _usage_error(exc, "--json" in args, info_name or "kiln")
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         ctx.meta["json_out"] = "--json" in args
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: typer.Context) -> Any:
-        try:
+        try:  # the command's name, its arguments and options
             return super().invoke(ctx)
-        except typer.TyperException as exc:  # typer's click exceptions: usage errors, bad parameters
-            if ctx.meta.get("json_out"):
-                print_error_json(type(exc).__name__, exc.format_message())
-            raise
+        except typer.TyperException as exc:
+            _usage_error(exc, ctx.meta.get("json_out", False), ctx.command_path)
+
+
+def _usage_error(exc: typer.TyperException, json_out: bool, command: str) -> NoReturn:
+    """Print a usage error of ``command`` as one line (and under ``--json`` as an error object) and exit 2."""
+    if json_out:
+        print_error_json(type(exc).__name__, exc.format_message())
+    command = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else command
+    stderr.print(f"[bold red]error:[/] {escape(exc.format_message())} (see `{command} -h`)", highlight=False,
+                 soft_wrap=True)
+    raise typer.Exit(getattr(exc, "exit_code", 2)) from None
 
 
 app = typer.Typer(cls=KilnGroup, help="Kiln: a Hugging Face checkpoint to a quantized, cached, served engine.",

@@ -100,6 +100,19 @@ def test_a_usage_error_under_json_is_an_error_object_on_stdout():
     assert CliRunner().invoke(app, ["build"]).stdout == ""  # without --json, stdout stays empty
 
 
+def test_a_usage_error_is_one_line_on_stderr_naming_the_help_to_read():
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    for args, message in ((["build", "--bogus"], "No such option: --bogus"), (["nosuch"], "No such command"),
+                          (["--bogus"], "No such option"), (["cache", "ls", "--bogus"], "No such option"),
+                          (["serve", "x", "--port", "abc"], "Invalid value for '--port'")):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+        assert result.stderr.startswith(f"error: {message}") and " -h`)" in result.stderr, (args, result.stderr)
+
+
 def test_an_interrupted_command_under_json_is_an_error_object_on_stdout_and_exit_130(capsys):
     from kiln.pipeline.console import friendly_errors
 
