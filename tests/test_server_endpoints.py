@@ -45,6 +45,14 @@ def test_the_developer_role_renders_as_system(http, llm):
     assert llm.tokenizer.decode(chat["tokens"]) == "<<system>>Be brief.<<A>>"
 
 
+def test_an_assistant_refusal_passed_back_renders_as_what_it_said(http, llm):
+    refusal = "I can't help with that."
+    for message in ({"role": "assistant", "content": None, "refusal": refusal},  # an SDK message, model_dump()ed
+                    {"role": "assistant", "content": [{"type": "refusal", "refusal": refusal}]}):
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}, message]})
+        assert llm.tokenizer.decode(chat.json()["tokens"]).endswith(f"<<assistant>>{refusal}<<A>>"), chat.text
+
+
 def test_chat_template_kwargs_are_taken_by_tokenize_and_chat(http):
     body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}}
     assert http.post("/tokenize", json=body).status_code == 200

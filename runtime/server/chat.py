@@ -34,8 +34,9 @@ from kiln.runtime.structured_output import StructuredOutput
 
 def _template_message(message: ChatMessage) -> dict:
     """A message as chat templates take it (transformers' convention: a call's arguments as an object; OpenAI's
-    ``developer`` role as ``system``, which templates know)."""
-    result = {"role": "system" if message.role == "developer" else message.role, "content": message.content or ""}
+    ``developer`` role as ``system``, which templates know; an assistant's refusal as what it said)."""
+    result = {"role": "system" if message.role == "developer" else message.role,
+              "content": message.content or message.refusal or ""}
     if message.name:
         result["name"] = message.name
     if message.tool_call_id:

@@ -73,15 +73,18 @@ def _stop(value: Any) -> list[str]:
 
 
 def _content(value: Any) -> str:
-    """Message content: a string, or a list of text parts (joined); images and audio are not supported."""
+    """Message content: a string, or a list of text parts (and an assistant's refusal parts, taken as its text),
+    joined; images and audio are not supported."""
     if value is None or isinstance(value, str):
         return value or ""
     if isinstance(value, list):
         texts = []
         for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("parts must be {'type': 'text', 'text': str}: only text content is supported")
-            texts.append(part["text"])
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "refusal") or not isinstance(part.get(kind), str):
+                raise ValueError("parts must be {'type': 'text', 'text': str} (or an assistant's {'type': 'refusal', "
+                                 "'refusal': str}): only text content is supported")
+            texts.append(part[kind])
         return "".join(texts)
     raise ValueError("must be a string or a list of text parts")
 
@@ -138,8 +141,11 @@ Stop = Annotated[Any, PlainValidator(_stop), WithJsonSchema({"anyOf": [
 ]})]
 Content = Annotated[Any, PlainValidator(_content), WithJsonSchema({"anyOf": [
     {"type": "string"},
-    {"type": "array", "items": {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-                                "required": ["type", "text"]}},
+    {"type": "array", "items": {"anyOf": [
+        {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+         "required": ["type", "text"]},
+        {"type": "object", "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}},
+         "required": ["type", "refusal"]}]}},
     {"type": "null"},
 ]})]
 
@@ -240,7 +246,7 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_calls: list[ToolCallMessagePart] | None = Field(None, description="An assistant's earlier calls.")
     tool_call_id: str | None = Field(None, description="The call a tool message answers.")
-    refusal: str | None = None
+    refusal: str | None = Field(None, description="An assistant's earlier refusal: its text when content is empty.")
     # what an assistant message of an openai client's response holds, passed back unchanged (message.model_dump())
     annotations: NoAnnotations = None
     audio: Unsupported = Field(None, description="An earlier audio answer: not supported.")
