@@ -220,8 +220,12 @@ def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(serve
 
 def test_metrics_expose_requests_latencies_queue_and_kv_blocks(server, client):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello"}, headers={"Authorization": f"Bearer {client.api_key}"})
+    httpx.get(f"{server.url}/nowhere")
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("kiln_requests_total{endpoint=\"/v1/completions\",status=\"200\"}",
+                 'kiln_requests_total{endpoint="/tokenize",status="200"}',
+                 'kiln_requests_total{endpoint="other",status="404"}',
                  "kiln_time_to_first_token_seconds_bucket", "kiln_inter_token_latency_seconds_bucket",
                  "kiln_queue_depth", "kiln_running_requests", "kiln_kv_blocks_used", "kiln_kv_blocks_free",
                  "kiln_prefix_cache_hit_rate", "kiln_engine_load_seconds", "kiln_cuda_graphs_pending 0.0",
