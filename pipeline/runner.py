@@ -126,6 +126,7 @@ def run(ctx: BuildContext, decisions: Plan, progress: ProgressFactory | None = N
         "cache": {"hit": ctx.cache_hit, "reason": ctx.cache_reason},
         "load_ms": round(ctx.load_ms, 2) if ctx.load_ms is not None else None,
         "build_seconds": round(ctx.build_seconds, 3),
+        "build_seconds_saved": round(ctx.seconds_saved, 3),
         "stage_seconds": timings,
         "quantization": report_summary(ctx.calibration) if ctx.calibration else None,
         "sample": ctx.sample,

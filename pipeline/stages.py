@@ -70,6 +70,7 @@ class BuildContext:
     cache_hit: bool = False
     cache_reason: str = ""
     build_seconds: float = 0.0
+    seconds_saved: float = 0.0  # the build time of what the cache had: the engine, the quantized checkpoint
     load_ms: float | None = None
     sample: dict | None = None
 
@@ -264,6 +265,7 @@ class QuantizeStage:
         result = ctx.cache.quantized.get_or_build(ctx.quantized_key, material, build, force=ctx.force,
                                                    describe=describe, on_wait=lambda msg: progress(msg, 0.0),
                                                    on_transfer=_transfer_progress(ctx.cache.quantized, progress))
+        ctx.seconds_saved += result.build_seconds if result.hit else 0.0
         ctx.use_quantized(QuantizedCheckpoint(result.payload_dir))
 
     def adopt(self, ctx: BuildContext, decision: Decision) -> None:
@@ -274,7 +276,8 @@ class QuantizeStage:
             ctx.fetch_checkpoint = lambda progress: self.run(ctx, decision, progress)
             return
         store = ctx.cache.quantized
-        store.record_hit(decision.hit, ctx.quantized_key)
+        lookup = store.record_hit(decision.hit, ctx.quantized_key)
+        ctx.seconds_saved += lookup.build_seconds if lookup.hit else 0.0
         ctx.use_quantized(QuantizedCheckpoint(store.payload_dir(ctx.quantized_key)))
 
 
@@ -321,6 +324,7 @@ class BuildStage:
         elif result.hit and result.waited:
             ctx.cache_reason = "built by another process while this one waited"
         ctx.build_seconds = result.build_seconds
+        ctx.seconds_saved += result.build_seconds if result.hit else 0.0
         ctx.take_calibration_from(ctx.cache.entries.read_manifest(ctx.engine_key) if result.hit else None)
         if result.replaced_in_use:
             stderr.print(f"[yellow]warning:[/] engine {ctx.engine_key[:12]} was in use by a running process (a kiln "
@@ -381,6 +385,7 @@ class BuildStage:
             return
         ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = store.payload_dir(ctx.engine_key), True, "hit"
         ctx.build_seconds = lookup.build_seconds
+        ctx.seconds_saved += lookup.build_seconds
         ctx.take_calibration_from(lookup.manifest)
 
 
