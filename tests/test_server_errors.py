@@ -42,7 +42,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "max_tokens": "5"}, "max_tokens", ["integer"]),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ["greater than or equal to 1"]),
     ({"prompt": "hi", "max_tokens": -3}, "max_tokens", ["greater than or equal to 1"]),
-    ({"prompt": "hi", "max_tokens": 100_000}, "max_tokens", ["leaves room for at most"]),
+    ({"prompt": "hi", "max_tokens": 100_000}, "max_tokens", ["maximum context length", "leaves room for at most"]),
     ({"prompt": ""}, "prompt", ["empty"]),
     ({"prompt": []}, "prompt", ["non-empty"]),
     ({"prompt": LONG_TEXT}, "prompt", ["max_input_len"]),
@@ -67,6 +67,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
 def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, words):
     error = assert_error(http.post("/v1/completions", json=body), 400, param, *words)
     assert error["type"] == "invalid_request_error"
+    too_long = "maximum context length" in error["message"]  # the words and code clients match, as OpenAI's
+    assert (error["code"] == "context_length_exceeded") == too_long and too_long == ("max_input_len" in words or
+                                                                                    "maximum context length" in words)
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [

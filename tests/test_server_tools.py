@@ -120,7 +120,7 @@ def test_a_named_tool_choice_calls_that_function(client):
                                          tool_choice={"type": "function", "function": {"name": "get_time"}}, seed=2,
                                          parallel_tool_calls=False)
     calls = out.choices[0].message.tool_calls
-    assert len(calls) == 1
+    assert len(calls) == 1 and out.choices[0].finish_reason == "stop"  # as OpenAI and vLLM say for a named call
     assert_valid_call(calls[0], CLOCK)
     assert set(json.loads(calls[0].function.arguments)) == {"zone"}
 
@@ -137,6 +137,9 @@ def test_streamed_tool_calls_assemble_in_the_openai_client(client):
     assert not "".join(delta.content or "" for delta in deltas)  # no call text as content
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
     assert (whole.function.name, whole.function.arguments) == (parts[0].function.name, parts[0].function.arguments)
+    assert chunks[-1].choices[0].delta.tool_calls is None  # the finish reason after the calls, in its own chunk
+    with client.chat.completions.stream(**kwargs) as stream:  # the SDK's helper sees each call end
+        assert "tool_calls.function.arguments.done" in [event.type for event in stream]
 
 
 def test_auto_lets_the_model_answer_in_text_and_history_with_calls_renders(client):
@@ -235,3 +238,22 @@ def test_without_parallel_tool_calls_auto_keeps_the_first_call_and_a_stream_says
     assert message.content == "Let me check." and [c.function.name for c in message.tool_calls] == ["get_time"]
     assert "".join(c.delta.content or "" for c in chunks) == message.content
     assert [c.function.name for chunk in chunks for c in chunk.delta.tool_calls or []] == ["get_time"]
+
+
+def test_calls_cut_off_by_max_tokens_finish_with_length_and_a_parsed_answer_passed_back_is_taken(llm, tmp_path_factory):
+    calls = "".join(f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>\n'
+                    for n, a in (("get_time", '{"zone": "utc"}'), ("get_weather", '{"city": "Oslo", "unit": "c"}')))
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK],
+                  extra_body={"structured_outputs": {"choice": [calls]}})
+    with client_for(llm, tmp_path_factory, HERMES_TEMPLATE) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        whole = client.chat.completions.create(max_tokens=200, **kwargs)
+        cut = client.chat.completions.create(max_tokens=whole.usage.completion_tokens - 4, **kwargs).choices[0]
+        message = whole.choices[0].message.model_dump()  # as the SDK's parse helpers return it
+        message["parsed"] = None
+        message["tool_calls"][0]["function"]["parsed_arguments"] = {"zone": "utc"}
+        again = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            *MESSAGES, message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "noon"}])
+    assert whole.choices[0].finish_reason == "tool_calls" and len(whole.choices[0].message.tool_calls) == 2
+    assert cut.finish_reason == "length" and [c.function.name for c in cut.message.tool_calls] == ["get_time"]
+    assert again.choices[0].finish_reason == "length"

@@ -82,6 +82,7 @@ class _Tools:
         choice = req.tool_choice or ("auto" if self.functions else "none")
         self.format: ToolCallFormat | None = None
         self.forced: list[dict] = []
+        self.named = False  # tool_choice names the function to call
         if choice == "none" or not self.functions:
             if not isinstance(choice, str) or choice == "required":
                 raise APIError(400, f"tool_choice {_choice_name(choice)} needs tools", param="tool_choice")
@@ -93,6 +94,7 @@ class _Tools:
         if choice == "required":
             self.forced = self.functions
         elif not isinstance(choice, str):
+            self.named = True
             self.forced = [f for f in self.functions if f["name"] == choice.function.name]
             if not self.forced:
                 raise APIError(400, f"tool_choice names '{choice.function.name}', which is not among the tools",
@@ -117,6 +119,14 @@ class _Tools:
             return text, []
         content, calls = self.format.parse(text, self.names)
         return (content or None) if calls else text, calls if self.parallel else calls[:1]
+
+    def finish_reason(self, calls: list[ToolCall], engine_reason: str) -> str:
+        """OpenAI's finish reason for a choice: the engine's when there are no calls or the output was cut off (a
+        call may be missing or incomplete: ``length``); ``stop`` for the call of a named ``tool_choice`` and
+        ``tool_calls`` for calls the model chose or ``required`` made, as OpenAI and vLLM say."""
+        if not calls or engine_reason != "stop":
+            return engine_reason
+        return "stop" if self.named else "tool_calls"
 
 
 def _choice_name(choice: object) -> str:
@@ -153,7 +163,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     chunk = functools.partial(stream_chunk, request_id, "chat.completion.chunk", created, model.name)
     texts, sent = [""] * len(jobs), [0] * len(jobs)  # with tools: each choice's text, and how much went as content
 
-    def render(index: int, delta: StreamDelta) -> dict | None:
+    def render(index: int, delta: StreamDelta) -> list[dict]:
         message, reason = {}, delta.finish_reason if delta.finished else None
         if tools.format is None:
             content = delta.text
@@ -164,7 +174,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                 content = (content or "")[sent[index]:]
                 if calls:
                     message["tool_calls"] = _call_parts(calls)
-                    reason = "tool_calls"
+                    reason = tools.finish_reason(calls, delta.finish_reason)
             else:
                 safe = 0 if tools.forced else tools.format.content_before_calls(texts[index])
                 content = texts[index][sent[index]:safe] if safe > sent[index] else ""
@@ -172,15 +182,18 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
         if content:
             message = {"content": content, **message}
         if not (message or delta.finished or delta.logprobs):
-            return None
+            return []
         logprobs = chat_logprobs(names, delta.logprobs).model_dump() if delta.logprobs else None
-        return chunk([{"index": index, "delta": message, "logprobs": logprobs, "finish_reason": reason}])
+        if "tool_calls" in message:  # the finish reason in a chunk of its own, after the calls, as OpenAI sends it
+            return [chunk([{"index": index, "delta": message, "logprobs": logprobs, "finish_reason": None}]),
+                    chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])]
+        return [chunk([{"index": index, "delta": message, "logprobs": logprobs, "finish_reason": reason}])]
 
     def choice(index: int, out: RequestOutput) -> ChatChoice:
         content, calls = tools.parse(out.text)
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=tool_calls or None),
-                          finish_reason="tool_calls" if calls else out.finish_reason,
+                          finish_reason=tools.finish_reason(calls, out.finish_reason),
                           logprobs=chat_logprobs(names, out.logprobs) if out.logprobs is not None else None)
 
     def build(outputs: list[RequestOutput], usage: Usage) -> ChatCompletionResponse:

@@ -165,7 +165,7 @@ def _event(data: dict) -> str:
 
 
 async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
-               render: Callable[[int, StreamDelta], dict | None], usage_chunk: Callable[[Usage], dict] | None,
+               render: Callable[[int, StreamDelta], list[dict]], usage_chunk: Callable[[Usage], dict] | None,
                prelude: list[dict]) -> AsyncIterator[str]:
     """The SSE body: prelude chunks, a chunk per delta, the usage chunk if asked for, then [DONE]. The chunks of
     deltas that arrived together go out in one write."""
@@ -180,8 +180,7 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
                     if delta.finished:
                         outputs.append(delta.output)
                         metrics.observe(delta.output)
-                    if (chunk := render(index, delta)) is not None:
-                        events.append(_event(chunk))
+                    events += [_event(chunk) for chunk in render(index, delta)]
                 if events:
                     yield "".join(events)
     except Exception as exc:  # the engine stopped (closed, or a bug in it): tell the client in the stream
@@ -196,7 +195,7 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
 async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prompts: list[list[int]],
                   metrics: ServerMetrics, request: Request, *,
                   build: Callable[[list[RequestOutput], Usage], BaseModel],
-                  render: Callable[[int, StreamDelta], dict | None], usage_chunk: Callable[[Usage], dict],
+                  render: Callable[[int, StreamDelta], list[dict]], usage_chunk: Callable[[Usage], dict],
                   prelude: list[dict]) -> Response:
     """The response to a generation request: an SSE stream, or the JSON body ``build`` makes once every job is
     done. Either says in the IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored."""
@@ -290,16 +289,16 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         more = completion_logprobs(names, entries, offsets[index].take([entry.token_id for entry in entries]))
         return piece.extend(more)
 
-    def render(index: int, delta: StreamDelta) -> dict | None:
+    def render(index: int, delta: StreamDelta) -> list[dict]:
         echo = ""
         if req.echo and index not in echoed:
             echoed.add(index)
             echo = echoes[index // req.n]
         if not (echo or delta.text or delta.finished or delta.logprobs):
-            return None
+            return []
         logprobs = legacy(index, delta.prompt_logprobs if req.echo else None, delta.logprobs)
-        return chunk([{"index": index, "text": echo + delta.text, "logprobs": logprobs and logprobs.model_dump(),
-                       "finish_reason": delta.finish_reason if delta.finished else None}])
+        return [chunk([{"index": index, "text": echo + delta.text, "logprobs": logprobs and logprobs.model_dump(),
+                        "finish_reason": delta.finish_reason if delta.finished else None}])]
 
     def build(outputs: list[RequestOutput], usage: Usage) -> CompletionResponse:
         choices = []

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.runtime.errors import InvalidRequestError, KilnError
+from kiln.runtime.limits import RequestTooLongError
 from kiln.runtime.llm import LLM, EngineClosedError
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.sampling_params import SamplingParams
@@ -100,14 +101,13 @@ class ServedModel:
         limit = self.limits.max_input_len
         text = isinstance(prompt, str) and self.tokenizer is not None
         if text and len(prompt) > limit * self.tokenizer.max_token_bytes:
-            raise APIError(400, f"'{param}' has {len(prompt)} characters, more than the at most {limit} "
-                                f"(max_input_len) tokens this engine accepts can hold: shorten it", param=param)
+            raise _too_long(f"{self._context_is}; however, '{param}' has {len(prompt)} characters, more than "
+                            f"{limit} tokens can hold: shorten it", param)
         ids = self.encode(prompt, param, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise APIError(400, f"'{param}' is empty after tokenization: send some text", param=param)
         if len(ids) > self.limits.max_input_len:
-            raise APIError(400, f"'{param}' has {len(ids)} tokens but this engine accepts at most "
-                                f"{self.limits.max_input_len} (max_input_len): shorten it", param=param)
+            raise _too_long(f"{self._context_is}; however, '{param}' has {len(ids)} tokens: shorten it", param)
         return ids
 
     async def tokenize_many(self, prompts: list[str | list[int]], param: str,
@@ -126,14 +126,14 @@ class ServedModel:
         context = self.limits.max_request_tokens
         room = context - prompt_len
         if room < 1:
-            raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room to generate in this engine's "
-                                f"{context}-token context: shorten it", param=param)
+            raise _too_long(f"{self._context_is}; however, the prompt ({prompt_len} tokens) leaves no room to "
+                            f"generate: shorten it", param)
         if requested is None:
             return min(default, room) if default is not None else room
         if requested > room:
-            raise APIError(400, f"'{param}' is {requested} but the prompt ({prompt_len} tokens) leaves room for at "
-                                f"most {room} in this engine's {context}-token context: lower "
-                                f"{param} or shorten the prompt", param=param)
+            raise _too_long(f"{self._context_is}; however, you requested {prompt_len + requested} tokens "
+                            f"({prompt_len} in the prompt, {requested} in '{param}'), which leaves room for at most "
+                            f"{room}: lower {param} or shorten the prompt", param)
         return requested
 
     def check(self, jobs: list[Job], param: str) -> None:
@@ -144,8 +144,16 @@ class ServedModel:
             except EngineClosedError as exc:  # not the request's fault: send it elsewhere
                 raise APIError(503, f"the engine is not serving ({exc}): retry against another replica",
                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            except RequestTooLongError as exc:
+                raise _too_long(f"{self._context_is}; however, {exc}", param) from None
             except KilnError as exc:
                 raise APIError(400, str(exc), param=param) from None
+
+    @property
+    def _context_is(self) -> str:
+        """How a context-length refusal starts, in the words OpenAI's and vLLM's do (clients match them)."""
+        return (f"This model's maximum context length is {self.limits.max_request_tokens} tokens, of which at most "
+                f"{self.limits.max_input_len} in the prompt (max_input_len)")
 
     async def generate_final(self, jobs: list[Job],
                              on_output: Callable[[RequestOutput], None]) -> list[RequestOutput]:
@@ -185,3 +193,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprob
                           repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias or {},
                           min_tokens=req.min_tokens or 0, stop_token_ids=req.stop_token_ids or [],
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_output=structured_output)
+
+
+def _too_long(message: str, param: str) -> APIError:
+    """A request longer than the engine's context: OpenAI's ``context_length_exceeded``."""
+    return APIError(400, message, param=param, code="context_length_exceeded")

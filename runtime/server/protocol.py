@@ -234,10 +234,17 @@ class FunctionCall(StrictModel):
     arguments: str = Field(description="The arguments as JSON text.")
 
 
+class CalledFunction(FunctionCall):
+    """An earlier call's function as the openai client returns it: its ``parse``/``stream`` helpers add the
+    arguments parsed (``parsed_arguments``), which a message passed back keeps and the template does not need."""
+
+    parsed_arguments: Any = Field(None, exclude=True)
+
+
 class ToolCallMessagePart(StrictModel):
     id: str
     type: Literal["function"] = "function"
-    function: FunctionCall
+    function: CalledFunction
 
 
 class ChatMessage(StrictModel):
@@ -249,6 +256,8 @@ class ChatMessage(StrictModel):
     refusal: str | None = Field(None, description="An assistant's earlier refusal: its text when content is empty.")
     # what an assistant message of an openai client's response holds, passed back unchanged (message.model_dump())
     annotations: NoAnnotations = None
+    parsed: Any = Field(None, exclude=True, description="What the openai client's parse helpers parsed the content "
+                                                       "into: taken with the message, not rendered.")
     audio: Unsupported = Field(None, description="An earlier audio answer: not supported.")
     function_call: Unsupported = Field(None, description="Deprecated by OpenAI: send tool_calls.")
 
