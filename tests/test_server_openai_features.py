@@ -62,6 +62,14 @@ def test_completion_echo_with_logprobs_scores_the_prompt_too(client, llm):
     assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:] + expected.logprobs])
 
 
+def test_sampled_tokens_are_among_their_top_logprobs(client):
+    lp = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=20, logprobs=1, temperature=2,
+                                   seed=3, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert all(top[token] == logprob for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs,
+                                                                    strict=True))
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # at temperature 2 some sampled token is not the likeliest
+
+
 def test_streamed_completion_echo_and_logprobs_equal_the_unstreamed_ones(client):
     kwargs = dict(model=MODEL, prompt="The cat", max_tokens=5, temperature=0, logprobs=1, echo=True,
                   extra_body={"ignore_eos": True})
@@ -87,7 +95,9 @@ def test_text_offsets_index_the_text_through_multi_byte_characters(client):
 def test_echo_and_prompt_logprobs_each_get_the_alternatives_they_asked_for(client, logprobs, prompt_logprobs):
     choice = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=2, temperature=0, echo=True,
                                        logprobs=logprobs, extra_body={"prompt_logprobs": prompt_logprobs}).choices[0]
-    assert max(len(top) for top in choice.logprobs.top_logprobs[1:]) == logprobs
+    lp = choice.logprobs  # each position's alternatives hold its own token too, as OpenAI documents
+    assert max(len(top) for top in lp.top_logprobs[1:]) in (logprobs, logprobs + 1)  # fewer: tokens of one text
+    assert all(lp.top_logprobs[i][token] == lp.token_logprobs[i] for i, token in enumerate(lp.tokens) if i)
     assert {len(entry) for entry in choice.prompt_logprobs[1:]} <= {prompt_logprobs, prompt_logprobs + 1}  # + own
 
 

@@ -66,12 +66,14 @@ def top_k(entries: list[TokenLogprob | None], k: int) -> list[TokenLogprob | Non
 
 
 def completion_logprobs(names: TokenText, entries: list[TokenLogprob], text_offsets: list[int]) -> CompletionLogprobs:
-    """The legacy completions lists over ``entries``, which start at ``text_offsets`` in the choice's text."""
+    """The legacy completions lists over ``entries``, which start at ``text_offsets`` in the choice's text; each
+    position's ``top_logprobs`` hold the chosen token too (up to ``logprobs`` + 1 entries, as OpenAI documents)."""
     result = CompletionLogprobs(text_offset=list(text_offsets))
     for entry in entries:
-        result.tokens.append(names.text(entry.token_id))
+        token = names.text(entry.token_id)
+        result.tokens.append(token)
         result.token_logprobs.append(entry.logprob)
-        result.top_logprobs.append({names.text(t): lp for t, lp in entry.top})
+        result.top_logprobs.append({**{names.text(t): lp for t, lp in entry.top}, token: entry.logprob})
     return result
 
 
