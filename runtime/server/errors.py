@@ -41,7 +41,7 @@ def error_response(error: APIError) -> JSONResponse:
 def describe_validation_error(exc: RequestValidationError) -> APIError:
     """The first problem of a request body as a 400 that names the field (`messages[0].role`)."""
     error = exc.errors()[0]
-    loc = [part for part in error.get("loc", ()) if part != "body"]
+    loc = [part for part in error.get("loc", ()) if part != "body" and not _union_member(part)]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
     kind = error.get("type", "")
     if kind == "json_invalid":
@@ -61,6 +61,12 @@ def describe_validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"'{param}' is a required property", param=param)
     message = error.get("msg", "is invalid").removeprefix("Value error, ")
     return APIError(400, f"Invalid value for '{param}': {message[0].lower()}{message[1:]}", param=param)
+
+
+def _union_member(part: str | int) -> bool:
+    """Whether a part of pydantic's error location names the member of a union that was tried
+    (``literal['none','auto']``, ``NamedToolChoice``) rather than a field: clients see field paths only."""
+    return isinstance(part, str) and (not part.isidentifier() or part[:1].isupper())
 
 
 def install_error_handlers(app: FastAPI) -> None:
