@@ -178,6 +178,9 @@ def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks
 
     monkeypatch.setattr(llm.engine, "step", slow_step)
     aborted_before = llm.stats()["requests_finished"]["abort"]
+    counted = ('kiln_requests_total{endpoint="/v1/completions",status="499"}',
+               f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}')
+    counts_before = metric_values(server, counted)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 180, "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/completions",
                                                                             json=body) as response:
@@ -186,6 +189,14 @@ def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks
         assert llm.stats()["num_running"] == 1
     wait_until(lambda: engine_idle(llm))
     assert llm.stats()["requests_finished"]["abort"] == aborted_before + 1
+    wait_until(lambda: metric_values(server, counted) == [n + 1 for n in counts_before])  # 499, and vLLM's abort
+
+
+def metric_values(server, names: tuple[str, ...]) -> list[float]:
+    """The values of these samples (label sets as exposed) in the server's /metrics, 0 for one not there yet."""
+    lines = httpx.get(f"{server.url}/metrics").text.splitlines()
+    return [next((float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + " ")), 0.0)
+            for name in names]
 
 
 def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(server, llm, monkeypatch):

@@ -29,7 +29,7 @@ from kiln.runtime.server.logprobs import (
     top_k,
     vllm_prompt_logprobs,
 )
-from kiln.runtime.server.metrics import ServerMetrics
+from kiln.runtime.server.metrics import CLIENT_CLOSED_REQUEST, CLIENT_GONE, ServerMetrics
 from kiln.runtime.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -43,7 +43,6 @@ from kiln.runtime.structured_output import StructuredOutput, StructuredOutputErr
 logger = logging.getLogger("kiln.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the response
 IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
 
 
@@ -111,7 +110,13 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
                    request: Request) -> list[RequestOutput] | None:
     """Every job's output, or None when the client disconnected first (its jobs are then aborted)."""
-    runner = asyncio.create_task(model.generate_final(jobs, metrics.observe))
+    landed: list[RequestOutput] = []
+
+    def observe(output: RequestOutput) -> None:
+        landed.append(output)
+        metrics.observe(output)
+
+    runner = asyncio.create_task(model.generate_final(jobs, observe))
     watcher = asyncio.create_task(_wait_for_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -120,6 +125,7 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
         if not runner.done():
             runner.cancel()  # aborts every job still running
     if runner not in done:
+        metrics.vllm.aborted(len(jobs) - len(landed))
         return None
     try:
         return runner.result()
@@ -154,6 +160,7 @@ class _EventStream(Response):
             if not watcher.done() or watcher.cancelled():
                 raise  # cancelled from outside (the server stopping): not the client going away
             writer.uncancel()
+            scope[CLIENT_GONE] = True
         finally:
             watcher.cancel()
             self._release()
@@ -189,6 +196,9 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
     else:
         if usage_chunk is not None:
             yield _event(usage_chunk(_usage(prompts, outputs)))
+    finally:
+        if len(outputs) < len(jobs):  # the client went away (or the engine stopped) first
+            metrics.vllm.aborted(len(jobs) - len(outputs))
     yield "data: [DONE]\n\n"
 
 

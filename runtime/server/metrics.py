@@ -20,6 +20,8 @@ from kiln.runtime.server.vllm_metrics import VllmEngineCollector, VllmRequestMet
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the response
+CLIENT_GONE = "kiln.client_gone"  # set in the ASGI scope when a streamed response's client went away mid-stream
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
              "/metrics", "/version")
 
@@ -170,4 +172,5 @@ class RequestCountMiddleware:
         try:
             await self.app(scope, receive, send_recording)
         finally:
+            status = CLIENT_CLOSED_REQUEST if scope.get(CLIENT_GONE) else status  # a stream's client went away
             self.metrics.requests.labels(endpoint_label(scope["path"]), str(status)).inc()

@@ -68,6 +68,10 @@ class VllmRequestMetrics:
         self.e2e_latency = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", labels,
                                      buckets=E2E_BUCKETS, registry=registry)
 
+    def aborted(self, count: int) -> None:
+        """Count requests that ended without an output (their client went away), as vLLM counts aborts."""
+        self.request_success.labels(self._model_name, "abort").inc(count)
+
     def observe(self, output: RequestOutput) -> None:
         metrics, name = output.metrics, self._model_name
         self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
