@@ -37,6 +37,7 @@ from kiln.runtime.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from kiln.runtime.server.request_id import RequestIdMiddleware
 from kiln.runtime.server.tokenize import detokenize, server_version, tokenize
 
 logger = logging.getLogger("kiln.server")
@@ -151,6 +152,7 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestCountMiddleware, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)
     if settings.allowed_origins:  # outermost: a preflight needs no key, and a 401 still carries the CORS headers
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

@@ -1,0 +1,33 @@
+"""An ``x-request-id`` on every response, as OpenAI's API sends it (the openai client reads it as ``_request_id``):
+the client's own ``X-Request-Id`` when it sent one that is safe to echo, else a new ``req_...`` id."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+REQUEST_ID_HEADER = b"x-request-id"
+_SAFE_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")  # echoed into a header: no separators, no control characters
+
+
+class RequestIdMiddleware:
+    """Adds ``x-request-id`` to every HTTP response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(REQUEST_ID_HEADER)
+        request_id = given if given is not None and _SAFE_ID.fullmatch(given) else f"req_{uuid.uuid4().hex}".encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
