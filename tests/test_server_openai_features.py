@@ -153,3 +153,14 @@ def test_json_object_and_vllm_structured_outputs_streamed(client):
 def test_a_format_that_cannot_be_served_is_a_400(client, extra, words):
     with pytest.raises(openai.BadRequestError, match=re.escape(words)):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)
+
+
+def test_vllm_extensions_at_their_defaults_are_accepted(client):
+    defaults = {"skip_special_tokens": True, "include_stop_str_in_output": False, "spaces_between_special_tokens": True,
+                "priority": 0, "add_generation_prompt": True, "continue_final_message": False, "echo": False,
+                "add_special_tokens": False}
+    chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                            stream=True, stream_options={"include_usage": True,
+                                                                         "continuous_usage_stats": False},
+                                            extra_body=defaults)
+    assert list(chunks)[-1].usage.completion_tokens == 2

@@ -106,6 +106,7 @@ NoSuffix = _only(None, "")
 TextModalities = _only(None, ["text"])
 Unsupported = _only(None)
 NoAnnotations = _only(None, [])
+VLLM_DEFAULT = "Extension (as in vLLM): accepted at its default only."
 
 
 def _logit_bias(value: Any) -> dict[int, float] | None:
@@ -177,6 +178,7 @@ class StructuredOutputs(StrictModel):
 class StreamOptions(StrictModel):
     include_usage: bool = False
     include_obfuscation: bool | None = Field(None, description="Accepted and ignored: no obfuscation padding.")
+    continuous_usage_stats: _only(None, False) = Field(None, description=VLLM_DEFAULT)
 
 
 class SamplingFields(StrictModel):
@@ -206,6 +208,11 @@ class SamplingFields(StrictModel):
     structured_outputs: StructuredOutputs | None = Field(None, description="Extension (as in vLLM): hold the "
                                                          "output to a JSON schema, a regex, a grammar or a choice.")
     response_format: ResponseFormat | None = None
+    # vLLM's extensions at their defaults, which is what Kiln does (clients written for vLLM send them)
+    include_stop_str_in_output: _only(None, False) = Field(None, description=VLLM_DEFAULT)
+    skip_special_tokens: _only(None, True) = Field(None, description=VLLM_DEFAULT)
+    spaces_between_special_tokens: _only(None, True) = Field(None, description=VLLM_DEFAULT)
+    priority: _only(None, 0) = Field(None, description=VLLM_DEFAULT)
     # OpenAI fields that do not change what is generated: accepted, and logged once as ignored
     user: str | None = None
     store: bool | None = None
@@ -301,6 +308,10 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: str | None = None
     verbosity: str | None = None
     prediction: dict[str, Any] | None = None
+    add_generation_prompt: _only(None, True) = Field(None, description=VLLM_DEFAULT)
+    continue_final_message: _only(None, False) = Field(None, description=VLLM_DEFAULT)
+    add_special_tokens: _only(None, False) = Field(None, description=VLLM_DEFAULT)
+    echo: _only(None, False) = Field(None, description=VLLM_DEFAULT)
 
 
 class Usage(BaseModel):
