@@ -231,7 +231,8 @@ def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(serve
 
 def test_metrics_expose_requests_latencies_queue_and_kv_blocks(server, client):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
-    httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello"}, headers={"Authorization": f"Bearer {client.api_key}"})
+    httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello"},
+               headers={"Authorization": f"Bearer {client.api_key}"})
     httpx.get(f"{server.url}/nowhere")
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("kiln_requests_total{endpoint=\"/v1/completions\",status=\"200\"}",
