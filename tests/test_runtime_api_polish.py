@@ -38,7 +38,7 @@ def test_the_served_model_needs_only_tokenizer_limits_and_check(tmp_path):
     model = ServedModel(public_api_only(limits), "tiny", tmp_path, max_queue=5)
     assert model.admission.capacity == 3 + 5
     assert model.tokenize("Hello there", "prompt") == model.tokenizer.encode("Hello there")
-    with pytest.raises(APIError, match="at most 8 \\(max_input_len\\)"):
+    with pytest.raises(APIError, match="at most 8 in the prompt \\(max_input_len\\)"):
         model.tokenize("word " * 20, "prompt")
     assert model.max_tokens(90, None, None, "max_tokens") == 10  # the KV pool, not max_seq_len, bounds this one
     refused = ServedModel(public_api_only(limits, RequestTooLongError("too long for the pool")), "tiny", tmp_path, 5)
