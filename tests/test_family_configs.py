@@ -35,7 +35,8 @@ def transformers_windows(family: str, config: transformers.PretrainedConfig) -> 
     window = getattr(config, "sliding_window", None)
     if family == "llama" or window is None:
         return [None] * config.num_hidden_layers
-    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None) if family != "phi3" else None  # Phi-3's model never reads them
+    types = types or ["sliding_attention"] * config.num_hidden_layers
     return [window if kind == "sliding_attention" else None for kind in types]
 
 
@@ -96,3 +97,21 @@ def test_the_original_context_of_rope_scaling_is_read_as_transformers_reads_it(f
     assert parse(family, **fields).rope_scaling["original_max_position_embeddings"] == expected
     config = getattr(transformers, FAMILY_CLASSES[family][0]).from_dict(copy.deepcopy({**MINIMAL, **fields}))
     assert config.rope_parameters["original_max_position_embeddings"] == expected
+
+
+def test_rope_scaling_beside_rope_parameters_wins_as_in_transformers():
+    fields = {"rope_parameters": {"rope_type": "default", "rope_theta": 20000.0},
+              "rope_scaling": {"type": "linear", "factor": 4.0}, "rope_theta": 30000.0}
+    arch = parse("qwen2", **fields)
+    config = transformers.Qwen2Config.from_dict(copy.deepcopy({**MINIMAL, **fields}))
+    assert (arch.rope_theta, arch.rope_scaling["rope_type"], arch.rope_scaling["factor"]) == (
+        config.rope_parameters["rope_theta"], config.rope_parameters["rope_type"], config.rope_parameters["factor"])
+    with pytest.raises(KilnError, match="'yarn' is not supported"):  # refused wherever it is written
+        parse("qwen2", rope_parameters={"rope_type": "default"}, rope_scaling={"type": "yarn", "factor": 4.0})
+
+
+def test_phi3_slides_every_layer_whatever_layer_types_says():
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    arch = parse("phi3", sliding_window=8, layer_types=types)
+    config = transformers.Phi3Config(**MINIMAL, sliding_window=8, layer_types=types)
+    assert [arch.layer_window(i) for i in range(3)] == transformers_windows("phi3", config) == [8, 8, 8]

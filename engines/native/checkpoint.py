@@ -151,10 +151,6 @@ class CheckpointTensors:
                             "layout")
         return self._files[name]
 
-    def skip(self, name: str) -> None:
-        """Mark ``name`` as deliberately not converted."""
-        self.used.add(name)
-
     def unused(self) -> list[str]:
         """Names never read, other than rotary caches some checkpoints carry."""
         return sorted(n for n in self._files if n not in self.used and not n.endswith("rotary_emb.inv_freq"))
@@ -185,7 +181,7 @@ def _int(cfg: dict[str, Any], key: str, path: Path) -> int:
 def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from transformers-5 ``rope_parameters`` or older ``rope_scaling``;
     ``top_level_context``: config.json's own ``original_max_position_embeddings`` comes first."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})  # transformers: rope_scaling wins
     theta = float(params.pop("rope_theta", cfg["rope_theta"]))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if params.get("partial_rotary_factor", 1.0) != 1.0:

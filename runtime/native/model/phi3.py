@@ -22,7 +22,8 @@ def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedArchitectureError(f"{path}: partial_rotary_factor {config['partial_rotary_factor']} is not "
                                            "supported by the native backend")
-    return sliding_layers(config, config.get("sliding_window"), lambda i: True)
+    # transformers' Phi-3 slides every layer, whatever a layer_types list in config.json says
+    return sliding_layers({**config, "layer_types": None}, config.get("sliding_window"), lambda i: True)
 
 
 FAMILY = Family("phi3", ("Phi3ForCausalLM",), quirks, FUSED_PROJECTIONS,
