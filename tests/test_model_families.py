@@ -151,3 +151,25 @@ def test_an_activation_the_decoder_lacks_is_refused_naming_the_supported_ones():
               "max_position_embeddings": 256}
     with pytest.raises(KilnError, match="hidden_act 'relu' is not supported .*silu, gelu_pytorch_tanh"):
         parse_architecture(config, {}, Path("config.json"))
+
+
+def test_a_tied_checkpoint_holding_a_head_of_its_own_uses_that_head_as_transformers_5_does(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from kiln.engines.native.builder import build_native_engine
+    from tests.model_factories import make_hf_checkpoint, tiny_plan
+
+    checkpoint = make_hf_checkpoint(tmp_path / "checkpoint", 0, family="llama", tie_word_embeddings=True)
+    engine = tmp_path / "engine"
+    weights = load_file(checkpoint / "model.safetensors")
+    head = torch.randn(weights["model.embed_tokens.weight"].shape, generator=torch.Generator().manual_seed(1))
+    save_file({**weights, "lm_head.weight": 0.15 * head}, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    engine.mkdir()
+    build_native_engine(checkpoint, engine, tiny_plan(), "float32")
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
+    expected, _ = hf_greedy(hf, PROMPTS, STEPS)
+    with LLM.load(engine) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
+    assert [output.token_ids for output in outputs] == expected
+    assert not EngineConfig.load(engine).architecture.tie_word_embeddings

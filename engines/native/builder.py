@@ -59,6 +59,8 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
     fp8_kv_cache = build_plan.kv_cache_dtype == "float8_e4m3fn"
     weights, dense_modules = convert_weights(CheckpointTensors(checkpoint_dir), arch, source_quant.format,
                                              source_quant.group_size, DTYPES[dtype], fp8_kv_cache)
+    if arch.tie_word_embeddings and "lm_head.weight" in weights:  # the checkpoint's own head, unlike the embedding
+        arch = replace(arch, tie_word_embeddings=False)
     config = EngineConfig(
         architecture=arch,
         dtype=dtype,

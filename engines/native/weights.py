@@ -28,7 +28,9 @@ def unpack_modelopt_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def convert_weights(tensors: CheckpointTensors, arch: Architecture, fmt: str, group_size: int | None,
                     dtype: torch.dtype, fp8_kv_cache: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Runtime state dict of the whole model and the runtime names of linears left dense in a quantized model."""
+    """Runtime state dict of the whole model and the runtime names of linears left dense in a quantized model. A
+    tied model whose checkpoint holds an ``lm_head.weight`` unlike its embedding gets that head (the state dict then
+    has ``lm_head.weight``: the model is untied), as transformers 5 loads it."""
     family = family_named(arch.type)
 
     def norm(name: str) -> torch.Tensor:  # in float32 before the cast, as Gemma's 1 + weight is computed
@@ -39,7 +41,9 @@ def convert_weights(tensors: CheckpointTensors, arch: Architecture, fmt: str, gr
     if not arch.tie_word_embeddings:
         out["lm_head.weight"] = _dense(tensors, "lm_head", dtype)
     elif "lm_head.weight" in tensors:
-        tensors.skip("lm_head.weight")  # tied: the embedding is the head
+        head = _dense(tensors, "lm_head", dtype)
+        if not torch.equal(head, out["embed_tokens.weight"]):  # a head of its own: transformers 5 unties them
+            out["lm_head.weight"] = head
     dense_modules = []
     layer_norms = ("input_layernorm", "post_attention_layernorm") + (
         ("pre_feedforward_layernorm", "post_feedforward_layernorm") if arch.sandwich_norms else ())
