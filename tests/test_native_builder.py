@@ -59,6 +59,13 @@ def test_a_chat_template_jinja_file_is_copied_into_the_engine(checkpoint, tmp_pa
     assert (out / "chat_template.jinja").read_text() == template
 
 
+def test_the_weights_get_the_mode_of_a_new_file_so_other_users_can_load_the_engine(checkpoint, tmp_path):
+    from kiln.engines.cache.manifest import new_file_mode
+
+    _, out = build(checkpoint, tmp_path)
+    assert (out / "rank0.safetensors").stat().st_mode & 0o777 == new_file_mode()  # 0644 under umask 022, not 0600
+
+
 def test_weights_are_fused_in_runtime_layout(checkpoint, tmp_path):
     _, out = build(checkpoint, tmp_path, dtype="bfloat16")
     with safe_open(str(out / "rank0.safetensors"), "pt") as f:

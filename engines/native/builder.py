@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from kiln.engines.cache.manifest import new_file_mode
 from kiln.engines.native.checkpoint import CheckpointTensors, read_architecture, read_quantization
 from kiln.engines.native.plan import check_kv_cache_fits, fit_plan
 from kiln.engines.native.tuning import fp8_kernels_measurable, measure_fp8_streaming_max_m
@@ -85,8 +86,9 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
         config = replace(config, quantization=replace(config.quantization, fp8_streaming_max_m=streaming_max_m))
 
     for rank, shard in enumerate(shards):
-        save_file({name: t.contiguous() for name, t in shard.items()}, str(out_dir / weights_file(rank)),
-                  metadata={"format": ENGINE_FORMAT})
+        path = out_dir / weights_file(rank)
+        save_file({name: t.contiguous() for name, t in shard.items()}, str(path), metadata={"format": ENGINE_FORMAT})
+        path.chmod(new_file_mode())  # safetensors writes 0600: others could not load an engine built for them
     copy_tokenizer_files(checkpoint_dir, out_dir)
     config.save(out_dir)
     return config.to_dict()
