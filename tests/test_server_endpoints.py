@@ -70,6 +70,8 @@ def test_a_browser_preflight_is_answered_without_the_key_and_responses_allow_any
     assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
     refused = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example"})
     assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+    exposed = refused.headers["access-control-expose-headers"].lower()  # a browser app may read them
+    assert "x-request-id" in exposed and "kiln-ignored-fields" in exposed
 
 
 @pytest.mark.parametrize(("path", "body", "status", "words"), [

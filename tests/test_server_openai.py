@@ -254,5 +254,7 @@ def test_health_is_ok_once_the_engine_is_loaded(server):
 def test_every_response_carries_a_request_id_the_client_reads(server, client):
     raw = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=1)
     assert raw.headers["x-request-id"].startswith("req_") and raw.parse()._request_id == raw.headers["x-request-id"]
+    with client.completions.with_streaming_response.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True) as r:
+        assert r.headers["x-request-id"].startswith("req_") and r.headers["x-request-id"] != raw.headers["x-request-id"]
     assert httpx.get(f"{server.url}/health", headers={"X-Request-Id": "trace-42"}).headers["x-request-id"] == "trace-42"
     assert httpx.get(f"{server.url}/health", headers={"X-Request-Id": "a b"}).headers["x-request-id"].startswith("req_")

@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kiln.runtime.llm import LLM
 from kiln.runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from kiln.runtime.server.chat import create_chat_completion
-from kiln.runtime.server.completions import create_completion
+from kiln.runtime.server.completions import IGNORED_FIELDS_HEADER, create_completion
 from kiln.runtime.server.errors import APIError, error_response, install_error_handlers
 from kiln.runtime.server.generation import RETRY_AFTER_S, ServedModel
 from kiln.runtime.server.metrics import RequestCountMiddleware, ServerMetrics
@@ -37,7 +37,7 @@ from kiln.runtime.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from kiln.runtime.server.request_id import RequestIdMiddleware
+from kiln.runtime.server.request_id import REQUEST_ID_HEADER, RequestIdMiddleware
 from kiln.runtime.server.tokenize import detokenize, server_version, tokenize
 
 logger = logging.getLogger("kiln.server")
@@ -155,7 +155,7 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     app.add_middleware(RequestIdMiddleware)
     if settings.allowed_origins:  # outermost: a preflight needs no key, and a 401 still carries the CORS headers
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+                           allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER.decode(), IGNORED_FIELDS_HEADER])
 
     async def require_model() -> ServedModel:  # async: a plain function would cost each request a thread hop
         return state.require_model()
