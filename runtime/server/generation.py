@@ -101,13 +101,13 @@ class ServedModel:
         limit = self.limits.max_input_len
         text = isinstance(prompt, str) and self.tokenizer is not None
         if text and len(prompt) > limit * self.tokenizer.max_token_bytes:
-            raise _too_long(f"{self._context_is}; however, '{param}' has {len(prompt)} characters, more than "
-                            f"{limit} tokens can hold: shorten it", param)
+            raise self._too_long(f"'{param}' has {len(prompt)} characters, more than {limit} tokens can hold: "
+                                 f"shorten it", param)
         ids = self.encode(prompt, param, add_special_tokens) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise APIError(400, f"'{param}' is empty after tokenization: send some text", param=param)
         if len(ids) > self.limits.max_input_len:
-            raise _too_long(f"{self._context_is}; however, '{param}' has {len(ids)} tokens: shorten it", param)
+            raise self._too_long(f"'{param}' has {len(ids)} tokens: shorten it", param)
         return ids
 
     async def tokenize_many(self, prompts: list[str | list[int]], param: str,
@@ -126,14 +126,13 @@ class ServedModel:
         context = self.limits.max_request_tokens
         room = context - prompt_len
         if room < 1:
-            raise _too_long(f"{self._context_is}; however, the prompt ({prompt_len} tokens) leaves no room to "
-                            f"generate: shorten it", param)
+            raise self._too_long(f"the prompt ({prompt_len} tokens) leaves no room to generate: shorten it", param)
         if requested is None:
             return min(default, room) if default is not None else room
         if requested > room:
-            raise _too_long(f"{self._context_is}; however, you requested {prompt_len + requested} tokens "
-                            f"({prompt_len} in the prompt, {requested} in '{param}'), which leaves room for at most "
-                            f"{room}: lower {param} or shorten the prompt", param)
+            raise self._too_long(f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                                 f"{requested} in '{param}'), which leaves room for at most {room}: lower {param} or "
+                                 f"shorten the prompt", param)
         return requested
 
     def check(self, jobs: list[Job], param: str) -> None:
@@ -145,15 +144,16 @@ class ServedModel:
                 raise APIError(503, f"the engine is not serving ({exc}): retry against another replica",
                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
             except RequestTooLongError as exc:
-                raise _too_long(f"{self._context_is}; however, {exc}", param) from None
+                raise self._too_long(str(exc), param) from None
             except KilnError as exc:
                 raise APIError(400, str(exc), param=param) from None
 
-    @property
-    def _context_is(self) -> str:
-        """How a context-length refusal starts, in the words OpenAI's and vLLM's do (clients match them)."""
-        return (f"This model's maximum context length is {self.limits.max_request_tokens} tokens, of which at most "
-                f"{self.limits.max_input_len} in the prompt (max_input_len)")
+    def _too_long(self, problem: str, param: str) -> APIError:
+        """A request longer than the engine's context: OpenAI's ``context_length_exceeded``, its message starting
+        in the words OpenAI's and vLLM's do (clients match them), then ``problem``."""
+        return APIError(400, f"This model's maximum context length is {self.limits.max_request_tokens} tokens, of "
+                             f"which at most {self.limits.max_input_len} in the prompt (max_input_len); however, "
+                             f"{problem}", param=param, code="context_length_exceeded")
 
     async def generate_final(self, jobs: list[Job],
                              on_output: Callable[[RequestOutput], None]) -> list[RequestOutput]:
@@ -193,8 +193,3 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprob
                           repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias or {},
                           min_tokens=req.min_tokens or 0, stop_token_ids=req.stop_token_ids or [],
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_output=structured_output)
-
-
-def _too_long(message: str, param: str) -> APIError:
-    """A request longer than the engine's context: OpenAI's ``context_length_exceeded``."""
-    return APIError(400, message, param=param, code="context_length_exceeded")
