@@ -4,6 +4,7 @@ styles), parsed into message.tool_calls, streamed as tool-call deltas, and refus
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -125,6 +126,24 @@ def test_a_named_tool_choice_calls_that_function(client):
     assert set(json.loads(calls[0].function.arguments)) == {"zone"}
 
 
+def test_a_forced_call_cut_off_by_max_tokens_comes_back_as_far_as_it_got(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK], seed=2, parallel_tool_calls=False,
+                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+    whole = client.chat.completions.create(max_tokens=120, logprobs=True, **kwargs).choices[0]
+    written = itertools.accumulate(token.token for token in whole.logprobs.content)
+    cut_at = next(i for i, text in enumerate(written) if '"zone":"' in text) + 1  # inside the arguments
+    cut = client.chat.completions.create(max_tokens=cut_at, **kwargs).choices[0]
+    streamed = [c.choices[0] for c in client.chat.completions.create(max_tokens=cut_at, stream=True, **kwargs)
+                if c.choices]
+    arguments = cut.message.tool_calls[0].function.arguments
+    assert cut.finish_reason == "length" and cut.message.content is None
+    assert [c.function.name for c in cut.message.tool_calls] == ["get_time"]
+    compact = json.dumps(json.loads(whole.message.tool_calls[0].function.arguments), separators=(",", ":"))
+    assert arguments.startswith('{"zone":"') and compact.startswith(arguments) and arguments != compact
+    assert [p.function.arguments for c in streamed for p in c.delta.tool_calls or []] == [arguments]
+    assert not "".join(c.delta.content or "" for c in streamed)
+
+
 def test_streamed_tool_calls_assemble_in_the_openai_client(client):
     kwargs = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=120, seed=3,
                   parallel_tool_calls=False)
@@ -190,6 +209,16 @@ def test_the_formats_are_read_from_templates_and_parse_what_they_teach():
                                                                "function": {"name": "a", "arguments": {"x": 1}}}]}],
         tools=[WEATHER])
     assert '"arguments": {"x": 1}' in rendered and '"name": "get_weather"' in rendered
+
+
+def test_a_cut_off_call_is_read_as_far_as_it_got_once_its_name_is_whole():
+    call = HERMES.cut_off_call('<tool_call>\n{"name":"a","arguments":{"x":', {"a"})
+    assert (call.name, call.arguments) == ("a", '{"x":')
+    assert HERMES.cut_off_call('<tool_call>\n{"name":"a","arguments":{}}\n</tool', {"a"}).arguments == "{}"
+    assert HERMES.cut_off_call('<tool_call>\n{"name":"a","arguments":{}}\n</tool_call>', {"a"}) is None
+    assert HERMES.cut_off_call('<tool_call>\n{"name":"ab', {"ab"}) is None  # the name may go on
+    assert LLAMA3_JSON.cut_off_call('{"name": "a", "parameters": {"x": [1', {"a"}).arguments == '{"x": [1'
+    assert LLAMA3_JSON.cut_off_call('{"name": "b", "parameters": {', {"a"}) is None
 
 
 def test_llama3_json_calls_are_read_whole_even_with_a_semicolon_in_an_argument():

@@ -114,10 +114,15 @@ class _Tools:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The content and the calls in a finished completion: calls of the request's tools only, and only the
-        first with ``parallel_tool_calls`` false."""
+        first with ``parallel_tool_calls`` false. A forced call's completion has no content, and a call it was cut
+        off in comes back with its arguments as far as they got."""
         if self.format is None:
             return text, []
         content, calls = self.format.parse(text, self.names)
+        if self.forced:  # the grammar wrote calls alone: one it did not finish was cut off by the token limit
+            cut = self.format.cut_off_call(text, self.names)
+            calls = [*calls, cut] if cut else calls
+            return None, calls if self.parallel else calls[:1]
         return (content or None) if calls else text, calls if self.parallel else calls[:1]
 
     def finish_reason(self, calls: list[ToolCall], engine_reason: str) -> str:

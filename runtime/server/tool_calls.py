@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from kiln.runtime.structured_output import json_rule
 
 _SEPARATOR = re.compile(r"\s*;\s*")  # between the calls of a Llama 3 JSON completion
+# a call's JSON cut off after its name: the name, and the arguments as far as they got
+_CUT_OFF_CALL = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+                           r"(?P<arguments>.*)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,27 @@ class ToolCallFormat:
             return text, []
         return text[:text.find(marker)].rstrip(), calls
 
+    def cut_off_call(self, text: str, functions: Collection[str]) -> ToolCall | None:
+        """The call a completion of calls alone (a forced call) ended inside, cut off by its token limit: its
+        arguments as far as they got, as OpenAI returns a call cut off by ``length``; None when the completion ends
+        with a whole call, or before the call's name is whole."""
+        if self.open:
+            marker, close = self.open.strip(), self.close.strip()
+            start = text.rfind(marker)
+            if start < 0 or close in text[start:]:
+                return None
+            tail = _without_partial_suffix(text[start + len(marker):].strip(), close)
+        else:
+            tail = text.strip().removeprefix("<|python_tag|>").strip()
+            if _json_values(tail) is not None:
+                return None
+        if (whole := self._call(_json_value(tail), functions)) is not None:
+            return whole
+        match = _CUT_OFF_CALL.match(tail)
+        if match is None or match["name"] not in functions:
+            return None
+        return ToolCall(match["name"], match["arguments"])
+
     def _call(self, value: object, functions: Collection[str]) -> ToolCall | None:
         """``value`` as a call: an object whose "name" is one of ``functions`` and whose arguments (an object, or
         its JSON text) are under the format's key or "arguments"; None when it is not one."""
@@ -107,6 +131,14 @@ def _json_value(text: str) -> object | None:
         return json.loads(text)
     except json.JSONDecodeError:
         return None
+
+
+def _without_partial_suffix(text: str, close: str) -> str:
+    """``text`` without a trailing start of ``close`` (a call cut off inside its closing marker)."""
+    for keep in range(len(close) - 1, 0, -1):
+        if text.endswith(close[:keep]):
+            return text[:-keep].rstrip()
+    return text
 
 
 def _json_values(text: str) -> list[object] | None:
