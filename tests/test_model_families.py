@@ -140,16 +140,24 @@ def test_a_config_json_that_omits_a_family_setting_gets_transformers_default():
     assert qwen.layer_types == ["full_attention"] * 28 + ["sliding_attention"] * 2  # from max_window_layers 28
 
 
-def test_an_activation_the_decoder_lacks_is_refused_naming_the_supported_ones():
+@pytest.mark.parametrize(("family", "extra", "words"), [
+    ("LlamaForCausalLM", {"hidden_act": "relu"}, "hidden_act 'relu' is not supported .*silu, gelu_pytorch_tanh"),
+    # at the top level too: transformers moves it into the rope parameters, where some families apply it
+    ("LlamaForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
+    ("Qwen2ForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor 0.5 is not supported"),
+])
+def test_what_the_decoder_lacks_is_refused_by_name(family, extra, words):
     from pathlib import Path
 
     from kiln.engines.native.checkpoint import parse_architecture
     from kiln.runtime.errors import KilnError
 
-    config = {"architectures": ["LlamaForCausalLM"], "hidden_act": "relu", "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 96,
-              "max_position_embeddings": 256}
-    with pytest.raises(KilnError, match="hidden_act 'relu' is not supported .*silu, gelu_pytorch_tanh"):
+    config = {"architectures": [family], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 96, "max_position_embeddings": 256,
+              **extra}
+    with pytest.raises(KilnError, match=words):
         parse_architecture(config, {}, Path("config.json"))
 
 

@@ -184,8 +184,10 @@ def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path) -> tuple[flo
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})  # transformers: rope_scaling wins
     theta = float(params.pop("rope_theta", cfg["rope_theta"]))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise KilnError(f"{path}: partial_rotary_factor is not supported by the native backend")
+    # transformers moves a top-level factor into the rope parameters, where some families then apply it
+    if (partial := params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise KilnError(f"{path}: partial_rotary_factor {partial} is not supported by the native backend (it "
+                        "rotates every dimension of a head)")
     rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first name for it
     if rope_type not in ROPE_TYPES:
         raise KilnError(f"{path}: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")

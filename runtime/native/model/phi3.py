@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.native.model.registry import Family, UnsupportedArchitectureError, sliding_layers
+from kiln.runtime.native.model.registry import Family, sliding_layers
 
 FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("self_attn.qkv_proj",),
@@ -18,10 +18,7 @@ FUSED_PROJECTIONS = {
 
 
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
-    """Phi-3's window (2047 on the 4k models) applies to every layer; a partial rotary factor is refused."""
-    if config.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedArchitectureError(f"{path}: partial_rotary_factor {config['partial_rotary_factor']} is not "
-                                           "supported by the native backend")
+    """Phi-3's window (2047 on the 4k models) applies to every layer."""
     # transformers' Phi-3 slides every layer, whatever a layer_types list in config.json says
     return sliding_layers({**config, "layer_types": None}, config.get("sliding_window"), lambda i: True)
 
