@@ -145,6 +145,7 @@ def test_a_config_json_that_omits_a_family_setting_gets_transformers_default():
     # at the top level too: transformers moves it into the rope parameters, where some families apply it
     ("LlamaForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
     ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
+    (None, {"model_type": "gpt2"}, "architecture model_type 'gpt2' is not supported"),
     ("Qwen2ForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor 0.5 is not supported"),
 ])
@@ -154,11 +155,21 @@ def test_what_the_decoder_lacks_is_refused_by_name(family, extra, words):
     from kiln.engines.native.checkpoint import parse_architecture
     from kiln.runtime.errors import KilnError
 
-    config = {"architectures": [family], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 96, "max_position_embeddings": 256,
-              **extra}
+    config = {"architectures": [family] if family else [], "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 96,
+              "max_position_embeddings": 256, **extra}
     with pytest.raises(KilnError, match=words):
         parse_architecture(config, {}, Path("config.json"))
+
+
+def test_a_config_without_architectures_is_read_by_its_model_type_as_transformers_does():
+    from pathlib import Path
+
+    from kiln.engines.native.checkpoint import parse_architecture
+
+    config = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96, "max_position_embeddings": 256}
+    assert parse_architecture(config, {}, Path("config.json")).type == "qwen3"
 
 
 def test_a_tied_checkpoint_holding_a_head_of_its_own_uses_that_head_as_transformers_5_does(tmp_path):

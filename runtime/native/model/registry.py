@@ -65,15 +65,20 @@ def _families() -> tuple[Family, ...]:
 
 
 def family_of(config: dict[str, Any], path: Path) -> Family:
-    """The family of a parsed config.json by its first ``architectures`` entry; refused naming the supported ones."""
+    """The family of a parsed config.json by its first ``architectures`` entry, or without one by its
+    ``model_type`` (as transformers' Auto classes find it; each family is named as its model_type); refused naming
+    the supported ones."""
     architectures = config.get("architectures") or []
-    name = architectures[0] if architectures else None
-    for family in FAMILIES:
-        if name in family.architectures:
-            return family
-    raise UnsupportedArchitectureError(
-        f"{path}: architecture {name!r} is not supported by the native backend (supported: "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+    if architectures:
+        name, found = repr(architectures[0]), [f for f in FAMILIES if architectures[0] in f.architectures]
+    else:
+        name, found = f"model_type {config.get('model_type')!r}", [f for f in FAMILIES
+                                                                   if f.name == config.get("model_type")]
+    if not found:
+        raise UnsupportedArchitectureError(
+            f"{path}: architecture {name} is not supported by the native backend (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+    return found[0]
 
 
 def family_named(name: str) -> Family:
