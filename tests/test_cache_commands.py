@@ -189,6 +189,18 @@ def test_a_cache_root_that_is_a_file_is_one_clear_error(tmp_path):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("unwritable", ["v1", "v1/stats.db", "v1/entries"])
+def test_a_cache_this_user_cannot_write_is_one_clear_error(cache, monkeypatch, unwritable):
+    add(cache, "a")
+    denied = cache.root / unwritable  # as a read-only copy or mount denies it (the tests may run as root)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != denied and access(path, mode))
+    for command in (["ls"], ["stats"], ["prune", "--dry-run"]):
+        result = kiln_cache(cache.root, *command)
+        assert result.exit_code == 2 and f"cannot write {denied} " in result.stderr, command
+        assert "Traceback" not in result.output
+
+
 def test_verify_refuses_an_entry_whose_manifest_names_another_key_as_lookups_do(cache):
     key = add(cache, "a")
     copy = "0" * 64

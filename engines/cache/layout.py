@@ -67,7 +67,20 @@ def ensure_layout(root: Path) -> Path:
     except OSError as exc:
         raise CacheRootError(f"cache root {root}: cannot create {exc.filename or root} ({exc.strerror or exc}); set "
                              f"$KILN_CACHE (or cache.dir, --cache-dir) to a folder you can write") from None
+    if (unwritable := _first_unwritable(v1)) is not None:  # every command writes: statistics, locks, last use
+        raise CacheRootError(f"cache root {root}: cannot write {unwritable} (this user lacks permission, or the "
+                             f"file system is read-only); set $KILN_CACHE (or cache.dir, --cache-dir) to a folder "
+                             f"you can write, or share engines through a remote tier (cache.remote)")
     return v1
+
+
+def _first_unwritable(v1: Path) -> Path | None:
+    """The first of ``v1``, the folders and the databases in it that this user cannot write; None when all can
+    be."""
+    for path in (v1, *sorted(v1.iterdir())):
+        if (path.is_dir() or path.suffix in (".db", ".sqlite")) and not os.access(path, os.W_OK):
+            return path
+    return None
 
 
 def require_layout(root: Path) -> Path:
