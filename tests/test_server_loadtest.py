@@ -131,7 +131,8 @@ def test_loadtest_refuses_a_workload_the_engine_cannot_serve_before_loading_it(t
 
     monkeypatch.setattr(ServeTarget, "loader", lambda *a: pytest.fail("the engine was loaded"))
     for options, problem in ((["--input-len", "100000"], "max_input_len"), (["--max-tokens", "100000"], "max_seq_len"),
-                             (["--prompts-file", str(tmp_path / "missing.txt")], "missing.txt")):
+                             (["--prompts-file", str(tmp_path / "missing.txt")], "missing.txt"),
+                             (["--request-rate", "0"], "above 0")):
         result = CliRunner().invoke(cli(), ["loadtest", str(tiny_engine()), *options])
         assert result.exit_code != 0 and problem in result.output, (options, result.output)
 

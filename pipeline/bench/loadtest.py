@@ -155,6 +155,13 @@ def _describe(workload: ServingWorkload, options: dict) -> dict:
             "prompt": None if workload.uses_token_ids else workload.requests[0].prompt}
 
 
+def _above_zero(value: float) -> float:
+    """``--request-rate``: a rate above zero (NaN and 0 would give no arrivals at all)."""
+    if not value > 0:
+        raise typer.BadParameter(f"{value} is not a rate: give requests per second above 0, or inf for all at once")
+    return value
+
+
 @friendly_errors
 def loadtest(
     target: Annotated[str, typer.Argument(help="A server URL (http://127.0.0.1:8000), or a config, engine directory "
@@ -162,8 +169,9 @@ def loadtest(
     clients: Annotated[int, typer.Option("--clients", "--concurrency", min=1,
                                          help="Requests in flight at most (each client streams one at a time).")] = 8,
     requests: Annotated[int, typer.Option(min=1, help="Measured requests.")] = 64,
-    request_rate: Annotated[float, typer.Option(min=0.0, help="Poisson arrivals at this many requests/s (inf: all "
-                                                              "at once, as many as --clients allows).")] = math.inf,
+    request_rate: Annotated[float, typer.Option(
+        callback=_above_zero, help="Poisson arrivals at this many requests/s (inf: all at once, as many as --clients "
+                                   "allows).")] = math.inf,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per request (EOS ignored).")] = 32,
     prompt: Annotated[str, typer.Option(help="The prompt every request sends.")] = "Once upon a time",
     input_len: Annotated[int | None, typer.Option(min=1, help="Send random token ids of this many tokens instead "
