@@ -24,8 +24,8 @@ MATERIAL_VERSION = 1
 INT4_BLOCK_SIZE = 128  # the input features int4_awq quantizes together (one scale a group)
 
 
-class GateThresholds(BaseModel):
-    """Accuracy gate on held-out data; a field left out takes the default of the format being gated."""
+class GateValues(BaseModel):
+    """The accuracy gate's three thresholds on held-out data; a field left out is not set here."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -33,11 +33,26 @@ class GateThresholds(BaseModel):
     max_kl: float | None = Field(None, ge=0, description="mean KL(reference || quantized) per token, nats")
     min_top1_agreement: float | None = Field(None, ge=0, le=1, description="share of tokens with the same argmax")
 
+    def values(self) -> dict[str, float]:
+        """The thresholds set here."""
+        return {name: getattr(self, name) for name in GateValues.model_fields if getattr(self, name) is not None}
+
+
+class GateThresholds(GateValues):
+    """Accuracy gate on held-out data: thresholds for every format of the chain, and a format's own under its name
+    (``fp8:``, ``int4_awq:``), which win over them; a field left out takes the default of the format being gated."""
+
+    fp8: GateValues | None = None
+    int4_awq: GateValues | None = None
+
     def for_format(self, fmt: str) -> dict[str, float]:
-        """The thresholds that apply to `fmt` (explicit values win over the format's defaults)."""
-        resolved = dict(GATE_DEFAULTS[fmt])
-        resolved.update({k: v for k, v in self.model_dump().items() if v is not None})
-        return resolved
+        """The thresholds that apply to `fmt`: its own, then those of every format, then the format's defaults."""
+        own = getattr(self, fmt)
+        return {**GATE_DEFAULTS[fmt], **self.values(), **(own.values() if own else {})}
+
+    def formats_set(self) -> list[str]:
+        """The formats with thresholds of their own."""
+        return [fmt for fmt in GATE_DEFAULTS if getattr(self, fmt) is not None]
 
 
 class QuantizeRecipe(BaseModel):

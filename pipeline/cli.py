@@ -122,10 +122,12 @@ def quantize(
 @config_app.command("show")
 @friendly_errors
 def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
-    """Print the config as it will be used: every field, defaults filled in, paths made absolute, and the values in
-    force where something else decides them ($KILN_CACHE for cache.dir, the model for build limits left out, each
-    format's gate thresholds)."""
+    """Print the config as it will be used, itself a config that means the same: every field that applies, defaults
+    filled in, paths made absolute, and the values in force where something else decides them ($KILN_CACHE for
+    cache.dir, the model for build limits left out, each format's gate thresholds)."""
     from kiln.calibration.recipe import GATE_DEFAULTS
+    from kiln.pipeline.backend import choose_backend
+    from kiln.pipeline.config import TRTLLM_ONLY
     from kiln.pipeline.model_source import find_model, model_max_positions
 
     loaded = load_config(config)
@@ -133,10 +135,18 @@ def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
         loaded.fit_to_model(positions)
     data = loaded.config.model_dump(mode="json")
     data["cache"]["dir"] = str(loaded.config.cache.root())
+    build = loaded.config.build
+    if choose_backend(build.backend, build.device).backend == "native":  # settings it would not use
+        for name in TRTLLM_ONLY:
+            del data["build"][name]
     recipe = loaded.config.quantize
-    if recipe.gate is not None:
-        data["quantize"]["gate"] = {fmt: recipe.gate.for_format(fmt) for fmt in (recipe.format, *recipe.fallback)
-                                    if fmt in GATE_DEFAULTS}
+    calibrated = [fmt for fmt in recipe.chain if fmt in GATE_DEFAULTS]
+    if "int4_awq" not in calibrated:  # it would not apply, and setting it is refused
+        del data["quantize"]["algorithm"]
+    if not calibrated:
+        del data["quantize"]["gate"]  # format none is never gated
+    elif recipe.gate is not None:
+        data["quantize"]["gate"] = {fmt: recipe.gate.for_format(fmt) for fmt in calibrated}
     if json_out:
         print_json(data)
         return

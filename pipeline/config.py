@@ -57,6 +57,9 @@ class TrtllmSection(_Section):
     use_paged_context_fmha: bool = True
 
 
+TRTLLM_ONLY = ("workers", "timeout_s", "log_level", "trtllm")  # the build fields the native backend does not use
+
+
 class BuildSection(_Section):
     """Engine build plan. Only the semantic fields enter the engine cache key."""
 
@@ -85,7 +88,7 @@ class BuildSection(_Section):
     def trtllm_settings(self) -> list[str]:
         """The settings given here that only the TensorRT-LLM backend uses (the native build has no workers, timeout,
         log level or plugins)."""
-        named = [f"build.{name}" for name in ("workers", "timeout_s", "log_level") if name in self.model_fields_set]
+        named = [f"build.{name}" for name in TRTLLM_ONLY[:-1] if name in self.model_fields_set]
         if "trtllm" in self.model_fields_set:
             named += [f"build.trtllm.{name}" for name in self.trtllm.model_fields_set] or ["build.trtllm"]
         return named
@@ -216,6 +219,9 @@ def _quantize_problem(recipe: QuantizeRecipe) -> str | None:
     if "gate" in recipe.model_fields_set and not calibrated:
         return ("quantize.gate: format none is neither calibrated nor gated; remove the gate, or set a quantized "
                 "quantize.format")
+    if recipe.gate is not None and (unused := [fmt for fmt in recipe.gate.formats_set() if fmt not in calibrated]):
+        return (f"quantize.gate.{unused[0]} sets thresholds for a format the chain never tries "
+                f"({', '.join(recipe.chain)}); remove it, or add {unused[0]} to quantize.format or quantize.fallback")
     rounds = -(-recipe.num_samples // recipe.round_samples)
     if calibrated and recipe.on_failure == "fail" and rounds <= recipe.patience:
         return (f"quantize.num_samples ({recipe.num_samples}) is {rounds} round{'s' if rounds > 1 else ''} of "

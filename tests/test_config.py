@@ -142,6 +142,38 @@ def test_config_show_prints_the_values_in_force(tmp_path, monkeypatch):
     assert (shown["build"]["max_seq_len"], shown["build"]["max_input_len"]) == (512, 256)  # fitted to the model
 
 
+@pytest.mark.parametrize("name", ["tiny-llama-fp8.yaml", "tiny-llama-int4-awq.yaml", "tiny-llama-bf16.yaml"])
+def test_what_config_show_prints_is_a_config_that_means_the_same(tmp_path, name, capsys):
+    from typer.testing import CliRunner
+
+    from kiln.calibration.recipe import recipe_material
+    from kiln.pipeline.cli import app
+    from kiln.pipeline.runner import prepare
+    from kiln.runtime.options import RuntimeOptions
+
+    shown = CliRunner().invoke(app, ["config", "show", name]).stdout
+    (tmp_path / "shown.yaml").write_text(shown)
+    again = load_config(tmp_path / "shown.yaml").config
+    original = load_config(name).config
+    assert recipe_material(again.quantize) == recipe_material(original.quantize)
+    assert again.build == original.build.fitted_to_model(512)
+    prepare(tmp_path / "shown.yaml", backend=None, force=False, dry_run=True, options=RuntimeOptions())
+    assert "warning" not in capsys.readouterr().err  # no setting shown that this build would not use
+
+
+def test_a_gate_for_one_format_wins_over_the_chains_and_one_the_chain_never_tries_is_refused(tmp_path):
+    tiny = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
+    (tmp_path / "kiln.yaml").write_text(f"model:\n  path: {tiny}\nquantize:\n  format: int4_awq\n  fallback: [fp8]\n"
+                                        "  gate:\n    max_kl: 0.5\n    fp8:\n      max_kl: 0.01\n")
+    gate = load_config(tmp_path / "kiln.yaml").config.quantize.gate
+    assert gate.for_format("fp8") == {"max_ppl_increase": 0.02, "max_kl": 0.01, "min_top1_agreement": 0.94}
+    assert gate.for_format("int4_awq")["max_kl"] == 0.5
+    (tmp_path / "kiln.yaml").write_text(f"model:\n  path: {tiny}\nquantize:\n  format: fp8\n"
+                                        "  gate:\n    int4_awq:\n      max_kl: 0.1\n")
+    with pytest.raises(ConfigError, match="quantize.gate.int4_awq sets thresholds for a format the chain never"):
+        load_config(tmp_path / "kiln.yaml")
+
+
 def test_an_unknown_backend_is_one_line_and_exit_2(tmp_path):
     from typer.testing import CliRunner
 
