@@ -9,9 +9,9 @@ from pathlib import Path
 from kiln.engines.cache import EngineCache, checkpoint_hash
 from kiln.engines.native.builder import preflight_native_plan, refuse_parallelism
 from kiln.pipeline.backend import choose_backend, require, require_device
-from kiln.pipeline.config import LoadedConfig, load_config
+from kiln.pipeline.config import LoadedConfig, is_local_path, load_config
 from kiln.pipeline.console import warn
-from kiln.pipeline.model_source import find_model, model_max_positions, resolve_model
+from kiln.pipeline.model_source import ModelNotFoundError, find_model, model_max_positions, resolve_model
 from kiln.pipeline.stages import (
     BUILD_STAGES,
     SMOKE_STAGE,
@@ -47,7 +47,8 @@ def _hash_checkpoint(model_dir: Path, cache: EngineCache | None) -> str:
 def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bool,
             options: RuntimeOptions) -> BuildContext:
     """Resolve config, backend, model and keys; ``options`` are the runtime's (the builder's kernels, the smoke
-    stage's load). A dry run tolerates a missing model; a real run does not."""
+    stage's load). A dry run tolerates a missing model, with a warning where the build would not download it; a
+    real run does not."""
     loaded = load_config(config)
     choice = choose_backend(backend or loaded.config.build.backend, loaded.config.build.device)
     require_device(choice)
@@ -56,8 +57,14 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
         if unused := loaded.config.build.trtllm_settings():  # with backend native in the config, refused at load
             warn(f"{', '.join(unused)}: for the TensorRT-LLM backend only, unused by this build's native backend "
                  f"({choice.reason})")
+    model = loaded.config.model
     if dry_run:
-        model_dir = find_model(loaded.config.model)
+        model_dir = find_model(model)
+        if model_dir is None and (is_local_path(model.path) or not model.allow_download):
+            try:  # the plan is shown, keyed as far as it can be; the build would stop here, not download
+                resolve_model(model)
+            except ModelNotFoundError as exc:
+                warn(f"{exc} (the build would stop here)")
     else:
         require(choice)
         model_dir = resolve_model(loaded.config.model)

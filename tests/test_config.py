@@ -184,6 +184,19 @@ def test_an_unknown_backend_is_one_line_and_exit_2(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_dry_run_warns_of_a_model_the_build_would_not_find(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "kiln.yaml").write_text("model:\n  path: ./typo\n")
+    result = CliRunner().invoke(app, ["build", str(tmp_path / "kiln.yaml"), "--dry-run"])
+    assert result.exit_code == 0 and "unknown until the model is on disk" in result.stdout  # the plan, as far as it goes
+    assert f"warning: model.path {tmp_path / 'typo'} is not a directory" in result.stderr
+    assert "the build would stop here" in result.stderr
+
+
 def test_misspellings_get_a_did_you_mean(tmp_path):
     (tmp_path / "kiln.yaml").write_text("model:\n  path: ./m\nquantize:\n  fromat: fp8\nbuild:\n  zzz: 1\n")
     with pytest.raises(ConfigError) as error:
