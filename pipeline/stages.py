@@ -243,7 +243,9 @@ class QuantizeStage:
             return Decision(self.name, "run", "--force")
         lookup = _lookup(ctx, "quantized", ctx.quantized_key)
         if lookup is not None and lookup.hit:
-            return Decision(self.name, "skip", f"{fmt} checkpoint {ctx.quantized_key[:12]} is in the cache", lookup)
+            shipped = ((lookup.manifest or {}).get("describe") or {}).get("format", fmt)  # a fallback's, maybe
+            return Decision(self.name, "skip", f"{shipped} checkpoint {ctx.quantized_key[:12]} is in the cache"
+                            f"{f' (fell back from {fmt})' if shipped != fmt else ''}", lookup)
         if self.defer_to_engine and (where := _engine_available(ctx)):
             return Decision(self.name, "skip", f"no {fmt} checkpoint here, but the engine it feeds is {where}: it is "
                             f"fetched only if the engine has to be built", extra={"deferred": True})
@@ -260,6 +262,7 @@ class QuantizeStage:
         def build(tmp: Path) -> dict:
             report = quantize_checkpoint(ctx.model_dir, ctx.config.quantize, tmp, device=ctx.choice.device,
                                          dtype=ctx.calibration_dtype, progress=progress)
+            describe["format"] = report["format"]  # a fallback's, where the gate sent the chain on
             return {"calibration": report_summary(report)}
 
         result = ctx.cache.quantized.get_or_build(ctx.quantized_key, material, build, force=ctx.force,

@@ -105,6 +105,19 @@ def test_kiln_quantize_json_has_the_rounds_the_gate_and_a_stable_checkpoint_hash
 
 
 @pytest.mark.slow
+def test_a_checkpoint_the_chain_fell_back_to_is_listed_and_planned_under_its_own_format(tmp_path):
+    config = tmp_path / "strict.yaml"
+    config.write_text(f"model:\n  path: {TINY}\nquantize:\n  format: fp8\n  round_samples: 16\n  patience: 1\n"
+                      "  num_samples: 32\n  gate:\n    max_kl: 0.0\n  fallback: [none]\n")
+    report = json.loads(kiln("quantize", str(config), "--json", cache=tmp_path / "cache").stdout)
+    assert report["format"] == "none" and report["fallback_from"] == "fp8"
+    [entry] = json.loads(kiln("cache", "ls", "--json", cache=tmp_path / "cache").stdout)
+    assert entry["format"] == "none"
+    plan = json.loads(kiln("build", str(config), "--dry-run", "--json", cache=tmp_path / "cache").stdout)
+    assert plan["stages"][0]["reason"].endswith("is in the cache (fell back from fp8)")
+
+
+@pytest.mark.slow
 def test_fp8_build_after_kiln_quantize_runs_every_later_stage_then_hits_the_cache(cache):
     """`kiln quantize` then `kiln build`, as a user who checks the calibration first: the build reuses the
     checkpoint the test above calibrated (one calibration for both tests: it is most of their time)."""

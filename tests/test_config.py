@@ -192,7 +192,7 @@ def test_a_dry_run_warns_of_a_model_the_build_would_not_find(tmp_path, monkeypat
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
     (tmp_path / "kiln.yaml").write_text("model:\n  path: ./typo\n")
     result = CliRunner().invoke(app, ["build", str(tmp_path / "kiln.yaml"), "--dry-run"])
-    assert result.exit_code == 0 and "unknown until the model is on disk" in result.stdout  # the plan, as far as it goes
+    assert result.exit_code == 0 and "unknown until the model is on disk" in result.stdout  # the plan
     assert f"warning: model.path {tmp_path / 'typo'} is not a directory" in result.stderr
     assert "the build would stop here" in result.stderr
 
