@@ -214,10 +214,12 @@ def test_verify_refuses_an_entry_whose_manifest_names_another_key_as_lookups_do(
 def test_a_dry_run_prune_counts_the_temporaries_a_prune_sweeps(cache):
     stale = cache.v1 / "tmp" / f"entries.{'a' * 64}.1.abcd"
     stale.mkdir()
+    (stale / "rank0.safetensors").write_bytes(b"x" * 4096)
     dry = json.loads(kiln_cache(cache.root, "prune", "--dry-run", "--json").stdout)
-    assert dry["temporaries_swept"] == 1 and stale.is_dir()
+    assert dry["temporaries_swept"] == 1 and dry["freed_bytes"] == 4096 and stale.is_dir()
+    assert "would free 4.1 kB" in kiln_cache(cache.root, "prune", "--dry-run").stderr
     done = json.loads(kiln_cache(cache.root, "prune", "--json").stdout)
-    assert done["temporaries_swept"] == 1 and not stale.exists()
+    assert done["temporaries_swept"] == 1 and done["freed_bytes"] == 4096 and not stale.exists()
 
 
 def test_stats_since_before_the_year_1_is_a_clear_error(cache):

@@ -207,7 +207,7 @@ def test_a_sweep_takes_only_its_own_store_s_stale_temporaries(cache):
     for lock in locks:
         lock.acquire()
     try:
-        assert cache.entries.sweep(own_key=key) == [mine_stale]
+        assert list(cache.entries.sweep(own_key=key)) == [mine_stale]
     finally:
         for lock in locks:
             lock.release()

@@ -140,15 +140,15 @@ def prune(cache: EngineCache, *, max_size_bytes: int | None = None, older_than_s
     if not dry_run:
         for path in quarantined:
             shutil.rmtree(path, ignore_errors=True)
-    swept = sum(len(store.sweep(dry_run=dry_run)) for store in cache.stores.values())
+    swept = {path: size for store in cache.stores.values() for path, size in store.sweep(dry_run=dry_run).items()}
     return {
         "dry_run": dry_run,
         "removed": [{"key": e.key, "store": e.store, "size_bytes": e.size_bytes, "last_used": iso_utc(e.last_used)}
                     for e in report.removed],
         "in_use": [{"key": e.key, "store": e.store} for e in report.in_use],
-        "freed_bytes": report.freed_bytes + quarantined_bytes,
+        "freed_bytes": report.freed_bytes + quarantined_bytes + sum(swept.values()),
         "quarantined_removed": len(quarantined),
-        "temporaries_swept": swept,
+        "temporaries_swept": len(swept),
     }
 
 

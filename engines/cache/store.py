@@ -37,6 +37,7 @@ from kiln.engines.cache.layout import (
     HASH_MEMO,
     LAST_USED,
     MANIFEST,
+    dir_size,
     entry_path,
     fsync_dir,
     write_atomic,
@@ -501,22 +502,23 @@ class ContentStore:
             delete_unless_held(trash)
         return outcome, size if outcome == "moved" else 0
 
-    def sweep(self, own_key: str | None = None, *, dry_run: bool = False) -> list[Path]:
+    def sweep(self, own_key: str | None = None, *, dry_run: bool = False) -> dict[Path, int]:
         """Delete this store's stale temporary dirs (their key's build lock is free) and unheld trash; return them
-        (``dry_run``: the ones it would delete, deleting nothing).
+        with their bytes (``dry_run``: the ones it would delete, deleting nothing).
 
         ``own_key`` is a key whose build lock this process holds: its leftover temporaries are stale too."""
-        removed = []
+        removed = {}
         for path in sorted((self.v1 / "tmp").iterdir()):
             parts = path.name.split(".")
             if len(parts) == 4 and parts[0] == self.name and is_cache_key(parts[1]):
                 if parts[1] == own_key or not self.is_being_built(parts[1]):
+                    removed[path] = dir_size(path)
                     if not dry_run:
                         shutil.rmtree(path, ignore_errors=True)
-                    removed.append(path)
-            elif len(parts) == 4 and parts[0] == "trash" and parts[1] == self.name \
-                    and (not is_held(path) if dry_run else delete_unless_held(path)):
-                removed.append(path)
+            elif len(parts) == 4 and parts[0] == "trash" and parts[1] == self.name:
+                size = dir_size(path)
+                if not is_held(path) if dry_run else delete_unless_held(path):
+                    removed[path] = size
         return removed
 
     def _trash_path(self, key: str) -> Path:
