@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 
 import httpx
@@ -220,6 +221,20 @@ def test_an_engine_that_fails_to_load_stops_the_server_with_its_message():
     app = create_app(broken_load, tiny_engine(), ServerSettings(model_name=MODEL))
     with pytest.raises(ServerStartError, match="engine.json is corrupt"):
         run_server(app, "127.0.0.1", 0, shutdown_timeout_s=1)
+
+
+def test_an_address_the_server_cannot_listen_on_is_refused_naming_why_before_the_engine_loads():
+    def never_loaded() -> LLM:
+        raise AssertionError("the engine was loaded")
+
+    app = create_app(never_loaded, tiny_engine(), ServerSettings(model_name=MODEL))
+    with pytest.raises(ServerStartError, match="cannot serve on host '999.1.1.1'"):
+        ServerThread(app, "999.1.1.1").start()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ServerStartError, match="Address already in use; is another server on that port"):
+            ServerThread(app, "127.0.0.1", taken.getsockname()[1]).start()
 
 
 def test_bodies_over_the_bound_get_a_413_before_they_are_read_and_others_are_served(llm):

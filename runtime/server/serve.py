@@ -3,7 +3,9 @@ SIGTERM/SIGINT, which stop accepting, let in-flight requests finish within a bou
 
 from __future__ import annotations
 
+import errno
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +21,27 @@ DRAIN_POLL_S = 0.05
 
 
 class ServerStartError(KilnError):
-    """The server could not start (port in use, engine failed to load)."""
+    """The server could not start (an address it cannot listen on, the engine failed to load)."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (IPv6 for a host with a colon, as uvicorn binds); ServerStartError naming
+    why not: a host that does not resolve, a port in use, a privileged port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        address = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][4]
+    except socket.gaierror as exc:
+        raise ServerStartError(f"cannot serve on host {host!r}: {exc.strerror}; give an address of this machine "
+                               f"(127.0.0.1, 0.0.0.0, ::) or a name that resolves to one") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        hint = "; is another server on that port? choose another with --port" if exc.errno == errno.EADDRINUSE else ""
+        raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
+    return sock
 
 
 class ServerThread:
@@ -32,7 +54,9 @@ class ServerThread:
                                 timeout_graceful_shutdown=shutdown_timeout_s, access_log=False)
         self.server = uvicorn.Server(config)
         self.shutdown_timeout_s = shutdown_timeout_s
-        self._thread = threading.Thread(target=self.server.run, name="kiln-http", daemon=True)
+        self._sockets: list[socket.socket] = []
+        self._thread = threading.Thread(target=lambda: self.server.run(sockets=self._sockets), name="kiln-http",
+                                        daemon=True)
         app.state.server.on_fatal = self.stop_accepting
 
     @property
@@ -45,12 +69,14 @@ class ServerThread:
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     def start(self) -> ServerThread:
-        """Start serving and return once the socket listens (the engine may still be loading)."""
+        """Start serving and return once the socket listens (the engine may still be loading); ServerStartError
+        when it cannot listen on its host and port."""
+        self._sockets.append(listening_socket(self.server.config.host, self.server.config.port))
         self._thread.start()
         while not self.server.started:
             if not self._thread.is_alive():
                 raise ServerStartError(f"the server did not start on {self.server.config.host}:"
-                                       f"{self.server.config.port} (see the log above): is the port in use?")
+                                       f"{self.server.config.port} (see the log above)")
             self._thread.join(0.02)
         return self
 
