@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.engines.cache import EngineCache, checkpoint_hash
@@ -22,6 +23,7 @@ from kiln.pipeline.stages import (
     report_summary,
 )
 from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.plan import PlanError
 from kiln.runtime.tokenizer import Tokenizer
 
 ProgressFactory = Callable[[str], Callable[[str, float], None]]
@@ -44,6 +46,15 @@ def _hash_checkpoint(model_dir: Path, cache: EngineCache | None) -> str:
     return checkpoint_hash(model_dir, memo_path=cache.hash_memo_path if cache else None)
 
 
+@contextmanager
+def _at_its_line(loaded: LoadedConfig) -> Iterator[None]:
+    """A plan that the model or the backend refuses, as a ConfigError at the line of the field it names."""
+    try:
+        yield
+    except PlanError as exc:
+        raise loaded.refusal(str(exc)) from None
+
+
 def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bool,
             options: RuntimeOptions) -> BuildContext:
     """Resolve config, backend, model and keys; ``options`` are the runtime's (the builder's kernels, the smoke
@@ -53,7 +64,8 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
     choice = choose_backend(backend or loaded.config.build.backend, loaded.config.build.device)
     require_device(choice)
     if choice.backend == "native":
-        refuse_parallelism(loaded.config.build.pp_size)
+        with _at_its_line(loaded):
+            refuse_parallelism(loaded.config.build.pp_size)
         if unused := loaded.config.build.trtllm_settings():  # with backend native in the config, refused at load
             warn(f"{', '.join(unused)}: for the TensorRT-LLM backend only, unused by this build's native backend "
                  f"({choice.reason})")
@@ -72,8 +84,9 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
         if (positions := model_max_positions(model_dir)) is not None:
             loaded.fit_to_model(positions)
         if choice.backend == "native":
-            preflight_native_plan(model_dir, loaded.config.build.plan(), loaded.config.model.dtype,
-                                  loaded.config.build.tp_size, loaded.config.quantize.int4_group_size)
+            with _at_its_line(loaded):
+                preflight_native_plan(model_dir, loaded.config.build.plan(), loaded.config.model.dtype,
+                                      loaded.config.build.tp_size, loaded.config.quantize.int4_group_size)
     cache = open_cache(loaded, create=not dry_run)
     ckpt = _hash_checkpoint(model_dir, cache) if model_dir else None
     ctx = BuildContext(loaded=loaded, choice=choice, options=options, cache=cache, model_dir=model_dir,

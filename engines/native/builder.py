@@ -28,7 +28,7 @@ from kiln.runtime.native.model.decoder import DecoderModel
 from kiln.runtime.native.parallel.sharding import rank_architecture, rank_config, shard_weights, sharding_problems
 from kiln.runtime.native.weight_loading import weights_mismatch
 from kiln.runtime.options import Kernels
-from kiln.runtime.plan import BuildPlan
+from kiln.runtime.plan import BuildPlan, PlanError
 from kiln.runtime.tokenizer import Tokenizer, copy_tokenizer_files
 
 
@@ -113,14 +113,14 @@ def refuse_parallelism(pp_size: int) -> None:
     """The native backend splits a model over GPUs by tensor parallelism only: a pipeline-parallel plan is refused,
     not built as something else."""
     if pp_size != 1:
-        raise KilnError(f"build.pp_size {pp_size}: the native backend has no pipeline parallelism; set it to 1 and "
+        raise PlanError(f"build.pp_size {pp_size}: the native backend has no pipeline parallelism; set it to 1 and "
                         f"split the model with build.tp_size instead, or use backend trtllm")
 
 
 def refuse_unshardable(arch: Architecture, tp_size: int, group_size: int | None) -> None:
     """A model that ``tp_size`` ranks cannot split evenly is refused, naming each shape that does not divide."""
     if problems := sharding_problems(arch, tp_size, group_size):
-        raise KilnError(f"build.tp_size {tp_size} cannot split this model: {'; '.join(problems)}; choose a tp_size "
+        raise PlanError(f"build.tp_size {tp_size} cannot split this model: {'; '.join(problems)}; choose a tp_size "
                         f"that divides them")
 
 

@@ -12,7 +12,7 @@ import torch
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.engine_format import DTYPES, Architecture, EngineConfig
 from kiln.runtime.native.kv_cache import kv_bytes_per_block
-from kiln.runtime.plan import BuildPlan
+from kiln.runtime.plan import BuildPlan, PlanError
 
 FP8_KV_NAMES = ("fp8", "float8_e4m3fn")
 KV_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.5}  # of free GPU memory / of MemAvailable, before subtracting weights
@@ -22,7 +22,7 @@ def fit_plan(plan: BuildPlan, arch: Architecture, dtype: str, fp8_kv_available: 
     """The plan for this model: its ``max_seq_len`` within the model's positions, and ``kv_cache_dtype`` ("auto",
     "fp8" or a dtype name) resolved to the dtype the engine's KV cache has."""
     if plan.max_seq_len > arch.max_position_embeddings:
-        raise KilnError(f"build.max_seq_len ({plan.max_seq_len}) exceeds the model's max_position_embeddings "
+        raise PlanError(f"build.max_seq_len ({plan.max_seq_len}) exceeds the model's max_position_embeddings "
                         f"({arch.max_position_embeddings}); lower build.max_seq_len")
     return replace(plan, kv_cache_dtype=_kv_cache_dtype(plan.kv_cache_dtype, dtype, fp8_kv_available))
 
