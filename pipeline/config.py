@@ -204,8 +204,10 @@ class KilnConfig(_Section):
         total = smoke.max_tokens + (prompt_tokens or 1)
         if total > build.max_seq_len:
             prompt = f"the smoke.prompt's {prompt_tokens} tokens" if prompt_tokens else "at least one prompt token"
+            limit = (f"{build.max_seq_len}" if "max_seq_len" in build.model_fields_set
+                     else f"{build.max_seq_len} by default, or the model's positions where fewer")
             return (f"smoke.max_tokens ({smoke.max_tokens}) + {prompt} = {total} exceeds build.max_seq_len "
-                    f"({build.max_seq_len}); lower smoke.max_tokens or raise build.max_seq_len")
+                    f"({limit}); lower smoke.max_tokens or raise build.max_seq_len")
         return None
 
 

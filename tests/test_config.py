@@ -309,6 +309,8 @@ def test_a_sample_budget_that_can_never_converge_is_refused_with_the_arithmetic(
     ("smoke:\n  prompt: ''\n", r":4: smoke.prompt: String should have at least 1 character"),
     ("build:\n  max_seq_len: 16\n  max_input_len: 8\n",
      r"smoke.max_tokens \(16\) \+ at least one prompt token = 17 exceeds build.max_seq_len \(16\)"),
+    ("smoke:\n  max_tokens: 9000\n",  # before the model fits the limit left out: its default is all that is known
+     r"exceeds build.max_seq_len \(2048 by default, or the model's positions where fewer\)"),
 ])
 def test_a_smoke_request_the_plan_cannot_hold_is_refused_at_load(tmp_path, text, problem):
     with pytest.raises(ConfigError, match=problem):
