@@ -183,7 +183,8 @@ def _execute(stage: Stage, decision: Decision, ctx: BuildContext, progress: Prog
     start = time.perf_counter()
     if decision.action == "run":
         stage.run(ctx, decision, report)
+        report("done", 1.0)
     else:
         stage.adopt(ctx, decision)
-    report("done", 1.0)
+        report("skipped", 1.0)
     return round(time.perf_counter() - start, 3)
