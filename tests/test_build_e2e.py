@@ -129,7 +129,9 @@ def test_fp8_build_after_kiln_quantize_runs_every_later_stage_then_hits_the_cach
     assert first["quantization"]["format"] == "fp8" and first["quantization"]["gate"]["passed"]
     assert first["sample"]["tokens"] > 0 and first["load_ms"] > 0
 
-    second = build_json("configs/tiny-llama-fp8.yaml", cache)
+    proc = kiln("build", "configs/tiny-llama-fp8.yaml", "--json", cache=cache)
+    second = json.loads(proc.stdout)
+    assert "build     skipped" in proc.stderr.splitlines() and "build     done" not in proc.stderr
     actions = {s["name"]: s["action"] for s in second["stages"]}
     assert actions == {"quantize": "skip", "build": "skip", "publish": "skip", "smoke": "run"}
     assert second["cache"] == {"hit": True, "reason": "hit"}
