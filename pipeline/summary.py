@@ -42,7 +42,9 @@ def print_result(result: dict) -> None:
     cache = result["cache"]
     why = f" ({cache['reason']})" if cache["reason"] != "hit" else ""
     hit = f"[green]hit[/]{why}" if cache["hit"] else f"[yellow]miss[/]{why}"
-    saved = f", {result['build_seconds_saved']:.2f} s of build saved" if result.get("build_seconds_saved") else ""
+    saved = ""
+    if seconds := result.get("build_seconds_saved"):  # a miss saves what earlier stages found: the calibration
+        saved = f", {seconds:.2f} s of {'build' if cache['hit'] else 'calibration'} saved"
     stdout.print(f"cache     {hit}{saved}")
     stdout.print(f"engine    {result['engine_dir']}", highlight=False)
     stdout.print(f"load      {_fmt(result['load_ms'], '.1f')} ms")

@@ -124,3 +124,14 @@ def test_an_interrupted_command_under_json_is_an_error_object_on_stdout_and_exit
         command(json_out=True)
     assert exit_.value.exit_code == 130
     assert json.loads(capsys.readouterr().out) == {"error": {"type": "KeyboardInterrupt", "message": "interrupted"}}
+
+
+@pytest.mark.parametrize(("hit", "words"), [(True, "hit, 12.50 s of build saved"),
+                                            (False, "miss (corrupt), 12.50 s of calibration saved")])
+def test_the_summary_says_what_the_cache_saved(monkeypatch, capsys, hit, words):
+    from kiln.pipeline import summary
+
+    monkeypatch.setattr(summary, "print_plan", lambda result: None)
+    summary.print_result({"cache": {"hit": hit, "reason": "hit" if hit else "corrupt"}, "build_seconds_saved": 12.5,
+                          "engine_dir": "/e", "load_ms": 1.0})
+    assert f"cache     {words}" in capsys.readouterr().out
