@@ -26,7 +26,7 @@ from kiln.engines.cache.units import (
     parse_size,
 )
 from kiln.pipeline import cache_remote
-from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, print_table, rate
+from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, entries_text, print_table, rate
 from kiln.pipeline.config import cache_root, load_config, remote_spec
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout, warn
 
@@ -89,7 +89,7 @@ def ls(remote: RemoteOpt = False, cache_dir: CacheDirOpt = None, config: ConfigO
     if rows:
         print_table(entries_table(rows))
     total = sum(row["size_bytes"] for row in rows)
-    stderr.print(f"{len(rows)} entries, {format_bytes(total)} in {cache.root}", highlight=False)
+    stderr.print(f"{entries_text(len(rows))}, {format_bytes(total)} in {cache.root}", highlight=False)
 
 
 @cache_app.command("show")
@@ -256,7 +256,7 @@ def prune(
     for entry in report["in_use"]:
         stderr.print(f"kept {entry['key']}: in use by a running process", highlight=False, soft_wrap=True)
     if report["quarantined_removed"]:
-        stdout.print(f"{verb} {report['quarantined_removed']} quarantined entries", highlight=False)
+        stdout.print(f"{verb} {entries_text(report['quarantined_removed'], 'quarantined')}", highlight=False)
     stderr.print(f"{'would free' if dry_run else 'freed'} {format_bytes(report['freed_bytes'])}", highlight=False)
 
 

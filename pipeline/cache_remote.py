@@ -9,7 +9,7 @@ from kiln.engines.cache.remote.maintenance import RemoteEntry, prune_remote, rem
 from kiln.engines.cache.remote.tier import RemoteTier
 from kiln.engines.cache.store import check_key_prefix, match_prefix
 from kiln.engines.cache.units import format_bytes, format_seconds
-from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, print_table, rate
+from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, entries_text, print_table, rate
 from kiln.pipeline.console import print_json, stderr, stdout, transfer_bars
 
 
@@ -104,7 +104,7 @@ def ls(tier: RemoteTier, *, json_out: bool) -> None:
         return
     if rows:
         print_table(entries_table(rows))
-    stderr.print(f"{len(rows)} entries, {format_bytes(sum(r['size_bytes'] for r in rows))} on {tier.url}",
+    stderr.print(f"{entries_text(len(rows))}, {format_bytes(sum(r['size_bytes'] for r in rows))} on {tier.url}",
                  highlight=False)
 
 

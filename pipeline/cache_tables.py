@@ -37,6 +37,11 @@ def entries_table(rows: list[dict]) -> Table:
     return table
 
 
+def entries_text(count: int, kind: str = "") -> str:
+    """``1 entry``, ``3 entries`` (``kind``: a word before the noun, ``2 quarantined entries``)."""
+    return f"{count} {kind + ' ' if kind else ''}{'entry' if count == 1 else 'entries'}"
+
+
 def rate(size: int, seconds: float) -> str:
     """``12.3 MB/s`` of ``size`` bytes moved in ``seconds`` ("-" when either is zero)."""
     return f"{format_bytes(int(size / seconds))}/s" if size and seconds > 0 else "-"

@@ -60,6 +60,8 @@ def test_ls_lists_entries_most_recently_used_first(cache):
     assert table.exit_code == 0
     assert new in table.stdout and "new-model" in table.stdout and "3 days ago" in table.stdout
     assert "2 entries" in table.stderr
+    cache.entries.remove(old, "removed")
+    assert kiln_cache(cache.root, "ls").stderr.startswith("1 entry,")
 
 
 def test_show_prints_material_files_and_build_record(cache):
