@@ -156,15 +156,16 @@ def test_a_row_that_cannot_be_sampled_gets_a_sampling_error_and_the_others_their
     logits[1, 7] = float("nan")
     logits[2, 3] = float("inf")
 
-    def seqs() -> list[Sequence]:
-        return [Sequence(str(i), [1], SamplingParams(temperature=1.0, seed=i)) for i in range(4)]
+    def seqs(temperature: float = 1.0) -> list[Sequence]:
+        return [Sequence(str(i), [1], SamplingParams(temperature=temperature, seed=i)) for i in range(4)]
 
-    sampled = Sampler()(logits, seqs())
-    for row in (1, 2):
-        assert isinstance(sampled[row], SamplingError)
-        assert f"request {row}: no token could be sampled" in str(sampled[row])
-    alone = seqs()
-    assert [sampled[0], sampled[3]] == [Sampler()(logits[[i]], [alone[i]])[0] for i in (0, 3)]
+    for temperature in (1.0, 0.0):  # drawn, and greedy (where a NaN would win the argmax)
+        sampled = Sampler()(logits, seqs(temperature))
+        for row in (1, 2):
+            assert isinstance(sampled[row], SamplingError)
+            assert f"request {row}: no token could be sampled" in str(sampled[row])
+        alone = seqs(temperature)
+        assert [sampled[0], sampled[3]] == [Sampler()(logits[[i]], [alone[i]])[0] for i in (0, 3)]
 
 
 def test_top_k_one_equals_greedy(llm):

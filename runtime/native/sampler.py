@@ -95,7 +95,7 @@ class DrawnLogprobs:
 
 @dataclass
 class Draw:
-    """One token per row, still on the device (-1 where a sampled row had a NaN or +inf logit), the rows that
+    """One token per row, still on the device (-1 where a row had a NaN or +inf logit), the rows that
     failed before drawing, and the log probabilities the rows' requests asked for."""
 
     tokens: torch.Tensor
@@ -152,6 +152,8 @@ class Sampler:
             apply_token_bitmask(controlled, constrained, bitmask)
         logits = controlled
         tokens = self._argmax(logits)
+        # a NaN wins the argmax (and +inf is no choice either): such a greedy row fails, as a drawn one does
+        tokens = torch.where(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) < float("inf"), tokens, -1)
         failed: dict[int, SamplingError] = {}
         for row, seq in enumerate(seqs):
             if not seq.params.greedy and seq.params.seed is not None and seq.generator is None:
