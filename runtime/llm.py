@@ -12,7 +12,7 @@ import uuid
 from collections import abc
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kiln.runtime.cache_hold import EntryHold, hold_if_cached
@@ -144,7 +144,7 @@ class LLM:
         """Raise what `submit` would raise for this request (RequestTooLongError, InvalidRequestError,
         EngineClosedError, ...), without submitting it."""
         self._check_open()
-        self.engine.make_request(uuid.uuid4().hex, prompt, params or SamplingParams())
+        self.engine.make_request(uuid.uuid4().hex, prompt, _taken(params))
 
     def __enter__(self) -> LLM:
         return self
@@ -172,7 +172,7 @@ class LLM:
     async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
         """Complete one prompt without blocking the event loop; cancelling the task aborts the request."""
         loop = asyncio.get_running_loop()
-        seq = self.engine.make_request(uuid.uuid4().hex, prompt, params or SamplingParams())
+        seq = self.engine.make_request(uuid.uuid4().hex, prompt, _taken(params))
         result = loop.create_future()
         self._enqueue(seq, _Sink(loop=loop, push=functools.partial(_settle, result), every_delta=False))
         try:
@@ -220,16 +220,17 @@ class LLM:
     def _make_requests(self, prompts: abc.Sequence[Prompt],
                        params: SamplingParams | abc.Sequence[SamplingParams] | None) -> list[Sequence]:
         """One validated request per prompt, with one SamplingParams for all or one per prompt."""
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+        if params is None or not isinstance(params, abc.Sequence):
+            params = [_taken(params)] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: pass one, or one per "
                              f"prompt")
-        return [self.engine.make_request(uuid.uuid4().hex, p, sp) for p, sp in zip(prompts, params, strict=True)]
+        return [self.engine.make_request(uuid.uuid4().hex, p, _taken(sp)) for p, sp in zip(prompts, params,
+                                                                                            strict=True)]
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> str:
         """Queue a request and return its id at once; collect it with `result(request_id)`."""
-        seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, params or SamplingParams())
+        seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params))
         future = self._enqueue(seq, _Sink())
         with self._lock:
             self._results[seq.request_id] = future
@@ -377,3 +378,13 @@ class LLM:
             else:
                 sink.future.set_exception(error)
         outbox.flush()
+
+
+def _taken(params: SamplingParams | None) -> SamplingParams:
+    """The params a request takes: a checked copy (a field changed since construction is checked as the constructor
+    checks it, and later changes do not reach the request), or the defaults for None."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams (one, or one per prompt), got {type(params).__name__}")
+    return replace(params)

@@ -211,16 +211,36 @@ def test_a_tiny_temperature_samples_greedily_instead_of_stopping_the_engine(llm)
     assert tiny.token_ids == llm.generate(PROMPTS[0], GREEDY)[0].token_ids
 
 
-def test_a_request_that_cannot_be_sampled_fails_alone_and_the_engine_keeps_serving(llm):
+def test_a_request_that_cannot_be_sampled_fails_alone_and_the_engine_keeps_serving(llm, monkeypatch):
+    from kiln.runtime.native import sampler
+
+    def refusing(seed: int, device: torch.device) -> torch.Generator:
+        if seed == 13:
+            raise RuntimeError("a seed torch refuses")
+        return make_generator(seed, device)
+
+    make_generator = sampler.request_generator
+    monkeypatch.setattr(sampler, "request_generator", refusing)
     expected = llm.generate(PROMPTS[1], GREEDY)[0].token_ids
-    bad_params = SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True)
-    bad_params.seed = 2**70  # set after validation: torch refuses it when the request's generator is made
+    bad_params = SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True, seed=13)
     bad, good = llm.submit(PROMPTS[0], bad_params), llm.submit(PROMPTS[1], GREEDY)
     with pytest.raises(SamplingError, match="no token could be sampled"):
         llm.result(bad, timeout=10)
     assert llm.result(good, timeout=10).token_ids == expected
     assert all_blocks_free(llm)
     assert llm.generate(PROMPTS[1], GREEDY)[0].token_ids == expected
+
+
+def test_params_changed_after_construction_are_checked_when_a_request_takes_them(llm):
+    params = SamplingParams(temperature=0, max_tokens=4)
+    params.logprobs = 5000
+    with pytest.raises(ValueError, match="SamplingParams.logprobs must be None or an int in"):
+        llm.generate(PROMPTS[0], params)
+    params.logprobs, params.stop = None, "Tuesday"  # a string, as the constructor takes it
+    assert llm.generate(PROMPTS[0], params)[0].token_ids == llm.generate(PROMPTS[0], GREEDY)[0].token_ids[:4]
+    with pytest.raises(TypeError, match="params must be SamplingParams .* got dict"):
+        llm.generate("a", {"max_tokens": 3})
+    assert llm.stats()["num_waiting"] == 0 and all_blocks_free(llm)
 
 
 def test_an_error_while_postprocessing_one_request_fails_only_that_request(llm, monkeypatch):
