@@ -163,13 +163,11 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str | None:
         """Append a token's text; return the stop string it completed (the text then ends before it), else None."""
         self._tokens.append(token_id)
-        prefix_text = self._tokenizer.decode(self._tokens[self._prefix_offset:self._read_offset])
-        new_text = self._tokenizer.decode(self._tokens[self._prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        new_text = self._pending_text()
+        if not new_text or new_text.endswith("\ufffd"):
             return None
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
         search_from = max(0, len(self.text) - self._hold)
-        self.text += new_text[len(prefix_text):]
+        self._take_pending(new_text)
         matches = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) != -1]
         if not matches:
             return None
@@ -178,11 +176,26 @@ class IncrementalDetokenizer:
         return stop
 
     def take_delta(self, finished: bool) -> str:
-        """Text not streamed yet; before the end, minus the tail that could still begin a stop string."""
+        """Text not streamed yet; before the end, minus the tail that could still begin a stop string. At the end,
+        tokens still waiting for the rest of a multi-byte character count as they decode (U+FFFD for the
+        incomplete bytes, as vLLM returns them): no token's bytes are dropped."""
+        if finished:
+            self._take_pending(self._pending_text())
         end = len(self.text) if finished else max(self._num_streamed_chars, len(self.text) - self._hold)
         delta = self.text[self._num_streamed_chars:end]
         self._num_streamed_chars = end
         return delta
+
+    def _pending_text(self) -> str:
+        """The text the tokens after the read offset add (empty while they add none)."""
+        prefix_text = self._tokenizer.decode(self._tokens[self._prefix_offset:self._read_offset])
+        new_text = self._tokenizer.decode(self._tokens[self._prefix_offset:])
+        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+
+    def _take_pending(self, text: str) -> None:
+        """Append ``text``, the pending tokens' (``_pending_text``), and move the offsets past them."""
+        self.text += text
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
 
 
 def check_unicode(text: str) -> None:

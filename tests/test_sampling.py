@@ -247,6 +247,17 @@ def test_incremental_detokenization_matches_decoding_everything(tiny_tokenizer):
     assert detokenizer.text == streamed == " fires at 1200 °C: naïve 🔥 crème"
 
 
+def test_a_completion_cut_inside_a_character_keeps_its_bytes_as_replacement_characters(tiny_tokenizer):
+    detokenizer = IncrementalDetokenizer(tiny_tokenizer, tiny_tokenizer.encode("the kiln"), stop=[])
+    fire = tiny_tokenizer.encode(" 🔥", add_special_tokens=False)
+    assert len(fire) > 2  # byte tokens: the last ones complete the character
+    for token_id in fire[:-1]:
+        detokenizer.add_token(token_id)
+    assert detokenizer.take_delta(finished=False) == " "  # held back while the character may still complete
+    assert detokenizer.take_delta(finished=True) == tiny_tokenizer.decode(fire[:-1])[1:]
+    assert detokenizer.text.endswith("\ufffd")
+
+
 def test_streamed_text_never_shows_a_stop_string(tiny_tokenizer):
     prompt = tiny_tokenizer.encode("the kiln")
     detokenizer = IncrementalDetokenizer(tiny_tokenizer, prompt, stop=["°C", "zzz"])
