@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from kiln.engines.cache import CacheCorruptError, CacheUsageError, EngineCache
 from kiln.engines.cache import inspect as cache_inspect
@@ -115,16 +116,16 @@ def show(key: KeyArg, cache_dir: CacheDirOpt = None, config: ConfigOpt = None, j
     ):
         facts.add_row(label, value)
     print_table(facts)
-    stdout.print("\n[bold]key material[/]")
+    stdout.print("\n[bold]key material[/]", markup=True)
     stdout.print_json(json.dumps(entry["material"]))
     files = Table(box=None, header_style="bold", pad_edge=False)
     for column in ("FILE", "SIZE", "SHA256"):
         files.add_column(column, justify="right" if column == "SIZE" else "left")
     for item in entry["files"]:
         files.add_row(item["path"], format_bytes(item["size"]), item["sha256"])
-    stdout.print("\n[bold]files[/]")
+    stdout.print("\n[bold]files[/]", markup=True)
     print_table(files)
-    stdout.print("\n[bold]build record[/]")
+    stdout.print("\n[bold]build record[/]", markup=True)
     stdout.print_json(json.dumps(entry["build"]))
 
 
@@ -210,7 +211,7 @@ def verify(
         for column in ("KEY", "KIND", "FILES", "STATUS"):
             table.add_column(column, no_wrap=column == "KEY")
         for r in results:
-            status = "[green]ok[/]" if r["ok"] else "[bold red]CORRUPT[/]"
+            status = Text("ok", style="green") if r["ok"] else Text("CORRUPT", style="bold red")
             table.add_row(r["key"], STORE_LABEL.get(r["store"], r["store"]), str(r["files_checked"]), status)
         print_table(table)
     bad = [r for r in results if not r["ok"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kiln.engines.cache.units import format_ago, format_bytes, parse_iso
 from kiln.pipeline.console import stdout
@@ -14,7 +15,8 @@ STORE_LABEL = {"entries": "engine", "quantized": "quantized", "checkpoints": "ge
 
 def print_table(table: Table) -> None:
     """Print a table with full 64-character keys: at the terminal's width, or unsqueezed when piped."""
-    (stdout if stdout.is_terminal else Console(width=PIPE_WIDTH, file=stdout.file)).print(table, highlight=False)
+    console = stdout if stdout.is_terminal else Console(width=PIPE_WIDTH, file=stdout.file, markup=False)
+    console.print(table, highlight=False)
 
 
 def ago(iso: str | None) -> str:
@@ -30,7 +32,7 @@ def entries_table(rows: list[dict]) -> Table:
                    *(("HITS",) if hits else ())):
         table.add_column(column, no_wrap=column == "KEY", justify="right" if column in ("SIZE", "HITS") else "left")
     for row in rows:
-        size = "[red]damaged[/]" if row.get("problem") else format_bytes(row["size_bytes"])
+        size = Text("damaged", style="red") if row.get("problem") else format_bytes(row["size_bytes"])
         table.add_row(row["key"], STORE_LABEL.get(row["store"], row["store"]), row["model"] or "-",
                       row["format"] or "-", row["backend"] or "-", row["gpu"] or "-", size, ago(row["created"]),
                       ago(row["last_used"]), *((str(row["hits"]),) if hits else ()))

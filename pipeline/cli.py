@@ -46,8 +46,8 @@ def _usage_error(exc: typer.TyperException, json_out: bool, command: str) -> NoR
     if json_out:
         print_error_json(type(exc).__name__, exc.format_message())
     command = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else command
-    stderr.print(f"[bold red]error:[/] {escape(exc.format_message())} (see `{command} -h`)", highlight=False,
-                 soft_wrap=True)
+    stderr.print(f"[bold red]error:[/] {escape(exc.format_message())} (see `{command} -h`)", markup=True,
+                 highlight=False, soft_wrap=True)
     raise typer.Exit(getattr(exc, "exit_code", 2)) from None
 
 

@@ -28,9 +28,10 @@ from kiln.calibration.errors import CalibrationError
 from kiln.runtime.errors import KilnError
 
 # Wrapped at the terminal's width for people; not wrapped at all into a pipe or a file, where a path or a key split
-# over two lines breaks whatever reads it.
-stdout = Console()
-stderr = Console(stderr=True)
+# over two lines breaks whatever reads it. Text is printed as it is (a path or a message may hold "[...]"): styled
+# lines ask for markup (``markup=True``) and escape what they insert.
+stdout = Console(markup=False)
+stderr = Console(stderr=True, markup=False)
 for _console in (stdout, stderr):
     _console.soft_wrap = not _console.is_terminal
 
@@ -88,12 +89,12 @@ def friendly_errors(command: Callable) -> Callable:
             with stdout_kept_for_results():
                 return command(*args, **kwargs)
         except (KilnError, CalibrationError) as exc:
-            stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            stderr.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False, soft_wrap=True)
             if kwargs.get("json_out") and not _printed_json.get():  # a script reading stdout gets the error too
                 print_error_json(type(exc).__name__, str(exc))
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None
         except KeyboardInterrupt:
-            stderr.print("[yellow]interrupted[/]")
+            stderr.print("[yellow]interrupted[/]", markup=True)
             if kwargs.get("json_out") and not _printed_json.get():
                 print_error_json("KeyboardInterrupt", "interrupted")
             raise typer.Exit(130) from None
@@ -108,7 +109,7 @@ def print_error_json(kind: str, message: str) -> None:
 
 def warn(message: str) -> None:
     """One yellow warning line on stderr (a remote cache that failed while the build goes on locally, say)."""
-    stderr.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    stderr.print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
 
 
 def _progress_lines(name: str) -> Callable[[str, float], None]:
@@ -131,7 +132,7 @@ def stage_progress(enabled: bool) -> Iterator[Callable[[str], Callable[[str, flo
     if not enabled or not stderr.is_terminal:
         yield _progress_lines
         return
-    columns = (TextColumn("{task.fields[stage]:<9}"), BarColumn(), TextColumn("{task.description}"),
+    columns = (TextColumn("{task.fields[stage]:<9}"), BarColumn(), TextColumn("{task.description}", markup=False),
                TimeElapsedColumn())
     with Progress(*columns, console=stderr, transient=False) as progress:
 
@@ -153,7 +154,7 @@ def transfer_bars() -> Iterator[Callable[[str], Callable[[str, int, int], None] 
     if not stderr.is_terminal:
         yield lambda _label: None
         return
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=stderr, transient=False) as progress:
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 from kiln.pipeline.config import ServeSection, cache_root, remote_spec
 from kiln.pipeline.console import friendly_errors, stage_progress, stderr
@@ -234,8 +235,8 @@ def serve(
     bind_host = host or resolved.host
     bind_port = resolved.port if port is None else port
     if bind_host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
-        stderr.print(f"[yellow]warning:[/] listening on {bind_host} without an API key: anyone who can reach this "
-                     f"port can use the engine (pass --api-key)", highlight=False)
+        stderr.print(f"[yellow]warning:[/] listening on {escape(bind_host)} without an API key: anyone who can reach "
+                     f"this port can use the engine (pass --api-key)", markup=True, highlight=False)
 
     def announce(thread: ServerThread) -> None:
         stderr.print(f"serving {settings.model_name} ({resolved.engine_dir}) on {thread.url}: /v1/completions, "

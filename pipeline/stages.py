@@ -332,7 +332,7 @@ class BuildStage:
         if result.replaced_in_use:
             stderr.print(f"[yellow]warning:[/] engine {ctx.engine_key[:12]} was in use by a running process (a kiln "
                          f"serve?) when --force replaced it: that process keeps serving the old build until it is "
-                         f"restarted", highlight=False)
+                         f"restarted", markup=True, highlight=False)
 
     @staticmethod
     def _with_checkpoint(ctx: BuildContext, build: Callable[[Path], dict], describe: dict,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from kiln.pipeline.console import stdout
 
@@ -18,7 +20,7 @@ def print_plan(plan: dict) -> None:
         table.add_column(column)
     for stage in plan["stages"]:
         style = "green" if stage["action"] == "skip" else "yellow"
-        table.add_row(stage["name"], f"[{style}]{stage['action']}[/]", stage["reason"])
+        table.add_row(stage["name"], Text(stage["action"], style=style), stage["reason"])
     stdout.print(table)
     stdout.print(f"backend   {plan['backend']} on {plan['device']} ({plan['backend_reason']})", highlight=False)
     stdout.print(f"engine    {plan['engine_key'] or '- (unknown until the model is on disk)'}", highlight=False)
@@ -40,12 +42,12 @@ def print_result(result: dict) -> None:
             more = f" and {len(unsettled) - 3} more" if len(unsettled) > 3 else ""
             stdout.print(f"          still moving: {named}{more}", highlight=False)
     cache = result["cache"]
-    why = f" ({cache['reason']})" if cache["reason"] != "hit" else ""
+    why = escape(f" ({cache['reason']})") if cache["reason"] != "hit" else ""
     hit = f"[green]hit[/]{why}" if cache["hit"] else f"[yellow]miss[/]{why}"
     saved = ""
     if seconds := result.get("build_seconds_saved"):  # a miss saves what earlier stages found: the calibration
         saved = f", {seconds:.2f} s of {'build' if cache['hit'] else 'calibration'} saved"
-    stdout.print(f"cache     {hit}{saved}")
+    stdout.print(f"cache     {hit}{saved}", markup=True)
     stdout.print(f"engine    {result['engine_dir']}", highlight=False)
     stdout.print(f"load      {_fmt(result['load_ms'], '.1f')} ms")
     sample = result.get("sample")

@@ -135,3 +135,12 @@ def test_the_summary_says_what_the_cache_saved(monkeypatch, capsys, hit, words):
     summary.print_result({"cache": {"hit": hit, "reason": "hit" if hit else "corrupt"}, "build_seconds_saved": 12.5,
                           "engine_dir": "/e", "load_ms": 1.0})
     assert f"cache     {words}" in capsys.readouterr().out
+
+
+def test_text_with_square_brackets_is_printed_as_it_is(tmp_path):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["build", str(tmp_path / "run[old]" / "cfg.yaml"), "--dry-run"])
+    assert result.exit_code == 2 and f"{tmp_path / 'run[old]' / 'cfg.yaml'}: config file not found" in result.stderr

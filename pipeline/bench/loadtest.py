@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from kiln.pipeline.bench.http_clients_process import client_processes, run_http_apart
@@ -55,7 +56,8 @@ def print_report(report: dict) -> None:
     if report["disconnected"]:
         stdout.print(f"{report['disconnected']} clients went away mid-stream, as --disconnect asked", highlight=False)
     if report["failed"]:
-        stdout.print(f"[yellow]{report['failed']} failed[/]: {report['statuses']}", highlight=False)
+        stdout.print(f"[yellow]{report['failed']} failed[/]: {escape(str(report['statuses']))}", markup=True,
+                     highlight=False)
     if "offline" in report:
         served = (f"served at {report['efficiency']:.1%} of it" if "efficiency" in report else
                   "no efficiency, as the arrival rate or the disconnecting clients set the served rate")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 
 from kiln.engines.cache.units import format_bytes
@@ -31,8 +32,8 @@ def print_report(report: dict) -> None:
     """A few aligned rows: Kiln, the peer, Kiln's advantage; then the floor line."""
     kiln, peer = report["kiln"], report["peer"]
     where = report["gpu"] or f"CPU, {report['cpu_threads']} torch threads"
-    stdout.print(f"[bold]kiln bench[/] {report['target']} on {where}: {report['prompts']} prompts of "
-                 f"{report['input_len']} tokens, {report['output_len']} new tokens each", highlight=False)
+    stdout.print(f"[bold]kiln bench[/] {escape(report['target'])} on {escape(where)}: {report['prompts']} prompts of "
+                 f"{report['input_len']} tokens, {report['output_len']} new tokens each", markup=True, highlight=False)
     stdout.print(f"engine: {kiln['quantization']}", highlight=False)
     table = Table(box=None, header_style="bold")
     table.add_column("")
@@ -67,7 +68,8 @@ def print_report(report: dict) -> None:
         stdout.print(f"CUDA graphs: {graphs['captured']} captured while idle after the load, in "
                      f"{kiln['warm_ms'] / 1000:.2f} s", highlight=False)
     if peer and "error" in peer:
-        stdout.print(f"[yellow]peer transformers did not run[/]: {peer['error']}", highlight=False)
+        stdout.print(f"[yellow]peer transformers did not run[/]: {escape(peer['error'])}", markup=True,
+                     highlight=False)
     elif peer and peer.get("note"):
         stdout.print(f"peer: {peer['note']}", highlight=False)
     stdout.print(f"engine {kiln['engine_key'][:12]} ({'cache hit' if kiln['cache_hit'] else 'built'}), "
@@ -81,7 +83,8 @@ def _fmt(value: float | None) -> str:
 def print_suite(report: dict) -> None:
     """One row per size: Kiln's offline tokens/s against the published figure, and what the engine did."""
     where = report["gpu"] or "CPU"
-    stdout.print(f"[bold]kiln bench --suite {report['suite']}[/] {report['target']} on {where}", highlight=False)
+    stdout.print(f"[bold]kiln bench --suite {report['suite']}[/] {escape(report['target'])} on {escape(where)}",
+                 markup=True, highlight=False)
     stdout.print(f"against: {report['source']}; requests per row: {report['counts']}", highlight=False)
     if report["runtime"]:
         settings = ", ".join(f"{name} {value}" for name, value in report["runtime"].items())

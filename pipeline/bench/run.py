@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 
 from kiln.engines.cache import EngineCache
 from kiln.pipeline.bench.common import free_memory
@@ -38,7 +39,7 @@ __all__ = ["BenchPlan", "MeasuredEngine", "build_and_measure", "report_progress"
 
 
 def report_progress(message: str) -> None:
-    stderr.print(f"[dim]bench:[/] {message}", highlight=False, soft_wrap=True)
+    stderr.print(f"[dim]bench:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
 
 
 def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | None, peer_attn: str,
@@ -197,7 +198,8 @@ def _run_peer(checkpoint, workload, device, attn, batch_1_only, *, quantized: bo
         report = measure_transformers(checkpoint, workload, device=device, attn_implementation=attn,
                                       batch_1_only=batch_1_only, progress=report_progress)
     except PeerError as e:
-        stderr.print(f"[yellow]warning:[/] peer transformers did not run: {e}", highlight=False)
+        stderr.print(f"[yellow]warning:[/] peer transformers did not run: {escape(str(e))}", markup=True,
+                     highlight=False)
         return {"name": "transformers", "error": str(e)}
     report["name"] = "transformers"
     if quantized:
