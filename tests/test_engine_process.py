@@ -149,7 +149,7 @@ class _IdleEngine:
         return None
 
     def stats_snapshot(self) -> dict:
-        return {"frozen_objects": gc.get_freeze_count()}
+        return {"frozen_objects": gc.get_freeze_count(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
     def close(self) -> None:
         return None
@@ -158,6 +158,15 @@ class _IdleEngine:
 def test_the_engine_process_exempts_its_startup_heap_from_the_garbage_collector():
     with LLM(ProcessEngine("tests.test_engine_process:_IdleEngine", {})) as llm:
         assert llm.stats()["frozen_objects"] > 1000  # modules and the engine: full collections skip them
+
+
+def test_the_engine_process_lets_its_idle_openmp_threads_sleep_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with LLM(ProcessEngine("tests.test_engine_process:_IdleEngine", {})) as llm:
+        assert llm.stats()["omp_wait_policy"] == "PASSIVE"  # spinning, they starved this process on a busy host
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with LLM(ProcessEngine("tests.test_engine_process:_IdleEngine", {})) as llm:
+        assert llm.stats()["omp_wait_policy"] == "ACTIVE"
 
 
 def test_an_engine_process_that_dies_while_idle_is_an_engine_error_at_once():
