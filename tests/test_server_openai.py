@@ -180,7 +180,9 @@ def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks
     aborted_before = llm.stats()["requests_finished"]["abort"]
     counted = ('kiln_requests_total{endpoint="/v1/completions",status="499"}',
                f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}')
-    counts_before = metric_values(server, counted)
+    tokens = (f'vllm:prompt_tokens_total{{model_name="{MODEL}"}}',
+              f'vllm:generation_tokens_total{{model_name="{MODEL}"}}')
+    counts_before, tokens_before = metric_values(server, counted), metric_values(server, tokens)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 180, "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/completions",
                                                                             json=body) as response:
@@ -190,6 +192,9 @@ def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks
     wait_until(lambda: engine_idle(llm))
     assert llm.stats()["requests_finished"]["abort"] == aborted_before + 1
     wait_until(lambda: metric_values(server, counted) == [n + 1 for n in counts_before])  # 499, and vLLM's abort
+    prompt_tokens, generation_tokens = (n - before for n, before in zip(metric_values(server, tokens), tokens_before,
+                                                                        strict=True))
+    assert prompt_tokens == len(llm.tokenizer.encode("Once upon a time")) and 1 <= generation_tokens < 180
 
 
 def metric_values(server, names: tuple[str, ...]) -> list[float]:

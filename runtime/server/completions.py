@@ -177,6 +177,7 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
     """The SSE body: prelude chunks, a chunk per delta, the usage chunk if asked for, then [DONE]. The chunks of
     deltas that arrived together go out in one write."""
     outputs: list[RequestOutput] = []
+    generated: dict[int, int] = {}  # tokens so far of each job whose prompt was prefilled and that is still running
     if prelude:
         yield "".join(_event(chunk) for chunk in prelude)
     try:
@@ -184,7 +185,9 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
             async for batch in batches:
                 events = []
                 for index, delta in batch:
+                    generated[index] = generated.get(index, 0) + len(delta.token_ids)
                     if delta.finished:
+                        del generated[index]
                         outputs.append(delta.output)
                         metrics.observe(delta.output)
                     events += [_event(chunk) for chunk in render(index, delta)]
@@ -198,7 +201,8 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
             yield _event(usage_chunk(_usage(prompts, outputs)))
     finally:
         if len(outputs) < len(jobs):  # the client went away (or the engine stopped) first
-            metrics.vllm.aborted(len(jobs) - len(outputs))
+            metrics.vllm.aborted(len(jobs) - len(outputs), sum(len(jobs[i].prompt_token_ids) for i in generated),
+                                 sum(generated.values()))
     yield "data: [DONE]\n\n"
 
 

@@ -68,9 +68,12 @@ class VllmRequestMetrics:
         self.e2e_latency = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", labels,
                                      buckets=E2E_BUCKETS, registry=registry)
 
-    def aborted(self, count: int) -> None:
-        """Count requests that ended without an output (their client went away), as vLLM counts aborts."""
+    def aborted(self, count: int, prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
+        """Count requests that ended without an output (their client went away), as vLLM counts aborts, with the
+        tokens they had processed: the prompts prefilled and the tokens generated before they stopped."""
         self.request_success.labels(self._model_name, "abort").inc(count)
+        self.prompt_tokens.labels(self._model_name).inc(prompt_tokens)
+        self.generation_tokens.labels(self._model_name).inc(generation_tokens)
 
     def observe(self, output: RequestOutput) -> None:
         metrics, name = output.metrics, self._model_name
