@@ -141,9 +141,14 @@ def test_streamed_chat_starts_with_the_role_and_ends_with_usage(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-def test_models_lists_the_served_model(client):
+def test_models_lists_the_served_model_with_the_limits_a_client_budgets_prompts_by(client, llm):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert client.models.retrieve(MODEL).id == MODEL
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.max_model_len == llm.limits.max_request_tokens
+    assert card.max_input_len == llm.limits.max_input_len < card.max_model_len  # longer prompts are refused
+    with pytest.raises(openai.BadRequestError, match="max_input_len"):
+        client.completions.create(model=MODEL, prompt=[5] * (card.max_input_len + 1), max_tokens=1)
+    assert client.completions.create(model=MODEL, prompt=[5] * card.max_input_len, max_tokens=1).choices
 
 
 def test_200_concurrent_streams_all_complete_and_free_every_block(server, llm):

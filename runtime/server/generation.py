@@ -83,6 +83,7 @@ class ServedModel:
     def card(self, created: int) -> ModelCard:
         """The model as ``/v1/models`` lists it."""
         return ModelCard(id=self.name, created=created, max_model_len=self.limits.max_request_tokens,
+                         max_input_len=min(self.limits.max_input_len, self.limits.max_request_tokens - 1),
                          vocab_size=self.limits.vocab_size)
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:

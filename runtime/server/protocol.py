@@ -397,14 +397,16 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
-    """OpenAI's model object, with the engine's context (``max_model_len``, as vLLM gives it) and the vocabulary its
-    token ids come from (``vocab_size``: what a client sending token-id prompts needs)."""
+    """OpenAI's model object, with the engine's context (``max_model_len``, as vLLM gives it), the longest prompt
+    it takes (``max_input_len``: the engine's plan may hold less than the context less one token) and the
+    vocabulary its token ids come from (``vocab_size``: what a client sending token-id prompts needs)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kiln"
     max_model_len: int | None = None
+    max_input_len: int | None = None
     vocab_size: int | None = None
 
 
