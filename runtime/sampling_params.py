@@ -35,7 +35,7 @@ class SamplingParams:
     semantics, in [-2, 2]: subtracted once per token id present in the completion, and once per occurrence),
     `repetition_penalty` (transformers' semantics, in [0.01, 100]: a logit of a token in the prompt or the completion is
     divided by it when positive, multiplied when negative), `logit_bias` (token id -> a bias in [-100, 100] added
-    to its logit) and `min_tokens` (no EOS or stop token before that many completion tokens).
+    to its logit) and `min_tokens` (no EOS, stop token or stop string before that many completion tokens).
     `logprobs=k` returns each completion token's log probability and the `k` most likely alternatives (0 <= k <=
     20); `prompt_logprobs=k` the same for every prompt token after the first. They are the model's own
     distribution (log-softmax of its logits, before the controls and the temperature), as vLLM returns by default.

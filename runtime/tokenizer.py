@@ -148,26 +148,34 @@ class IncrementalDetokenizer:
     Each token decodes only a short window (vLLM's prefix/read offsets), so a step costs the same at token 10 and
     token 10,000; a token that ends inside a multi-byte character waits for the next one. While stop strings are
     set, the last `len(longest stop) - 1` characters are held back from streaming until they cannot start one.
+    Stop strings are looked for from the ``min_tokens``-th completion token on (as vLLM looks for them), in the
+    text that token and those after it complete.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
+                 min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
+        self._stop_from_token = min_tokens  # completion tokens before which no stop string ends the text
+        self._num_tokens = 0
         self._num_streamed_chars = 0
         self.text = ""
 
     def add_token(self, token_id: int) -> str | None:
         """Append a token's text; return the stop string it completed (the text then ends before it), else None."""
         self._tokens.append(token_id)
+        self._num_tokens += 1
         new_text = self._pending_text()
         if not new_text or new_text.endswith("\ufffd"):
             return None
         search_from = max(0, len(self.text) - self._hold)
         self._take_pending(new_text)
+        if self._num_tokens < self._stop_from_token:
+            return None
         matches = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) != -1]
         if not matches:
             return None
@@ -215,7 +223,7 @@ def request_detokenizer(tokenizer: Tokenizer | None, prompt_token_ids: list[int]
     """The detokenizer of a request's completion text; None without a tokenizer or when it asked for ids only."""
     if tokenizer is None or not params.detokenize:
         return None
-    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop, params.min_tokens)
 
 
 def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int, has_stop_strings: bool,

@@ -258,6 +258,17 @@ def test_a_completion_cut_inside_a_character_keeps_its_bytes_as_replacement_char
     assert detokenizer.text.endswith("\ufffd")
 
 
+def test_stop_strings_count_from_min_tokens_on_as_in_vllm(tiny_tokenizer):
+    completion = tiny_tokenizer.encode(" Monday, Tuesday, Wednesday, Thursday", add_special_tokens=False)
+    first_comma = tiny_tokenizer.encode(" Monday,", add_special_tokens=False)
+    texts = []
+    for min_tokens in (0, len(first_comma) + 1):
+        detokenizer = IncrementalDetokenizer(tiny_tokenizer, tiny_tokenizer.encode("Days:"), [","], min_tokens)
+        stopped = next((stop for token_id in completion if (stop := detokenizer.add_token(token_id))), None)
+        texts.append((stopped, detokenizer.text))
+    assert texts == [(",", " Monday"), (",", " Monday, Tuesday")]
+
+
 def test_streamed_text_never_shows_a_stop_string(tiny_tokenizer):
     prompt = tiny_tokenizer.encode("the kiln")
     detokenizer = IncrementalDetokenizer(tiny_tokenizer, prompt, stop=["°C", "zzz"])
