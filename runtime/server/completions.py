@@ -60,7 +60,9 @@ def make_jobs(req: SamplingFields, prompts: list[list[int]], max_tokens: list[in
                                          prompt_logprobs=prompt_logprobs, structured_output=structured_output))
                 for ids, limit in zip(prompts, max_tokens, strict=True) for choice in range(req.n)]
     except ValueError as exc:  # a combination the fields' own checks cannot see (min_tokens above max_tokens)
-        raise APIError(400, str(exc).removeprefix("SamplingParams.")) from None
+        message = str(exc).removeprefix("SamplingParams.")
+        field = message.split(" ", 1)[0]
+        raise APIError(400, message, param=field if field in type(req).model_fields else None) from None
 
 
 def requested_format(req: SamplingFields) -> StructuredOutput | None:

@@ -29,8 +29,8 @@ class APIError(Exception):
 
 
 def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status_code, "server_error"), "param": param,
-                      "code": code}}
+    kind = _TYPES.get(status_code, "invalid_request_error" if 400 <= status_code < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(error: APIError) -> JSONResponse:
