@@ -14,8 +14,8 @@ from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from tests.test_server_support import tiny_engine
 
 MODEL = "tiny"
-TEMPLATE = ("{% for m in messages %}<<{{ m.role }}>>{{ m.content }}{% endfor %}"
-            "{% if add_generation_prompt %}<<A>>{% endif %}")
+TEMPLATE = ("{% for m in messages %}<<{{ m.role }}>>{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %}"
+            "{{ m.content }}{% endfor %}{% if add_generation_prompt %}<<A>>{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,14 @@ def test_an_assistant_refusal_passed_back_renders_as_what_it_said(http, llm):
                     {"role": "assistant", "content": [{"type": "refusal", "refusal": refusal}]}):
         chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}, message]})
         assert llm.tokenizer.decode(chat.json()["tokens"]).endswith(f"<<assistant>>{refusal}<<A>>"), chat.text
+
+
+def test_text_parts_join_by_newlines_and_earlier_reasoning_reaches_the_template(http, llm):
+    parts = [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Oslo?"}]
+    for key in ("reasoning_content", "reasoning"):  # DeepSeek's and vLLM's names of an assistant's reasoning
+        messages = [{"role": "user", "content": parts}, {"role": "assistant", "content": "Rain.", key: "look it up"}]
+        chat = http.post("/tokenize", json={"messages": messages}).json()
+        assert llm.tokenizer.decode(chat["tokens"]) == "<<user>>Weather\nin Oslo?<<assistant>>(look it up)Rain.<<A>>"
 
 
 def test_chat_template_kwargs_are_taken_by_tokenize_and_chat(http):

@@ -45,6 +45,8 @@ def _template_message(message: ChatMessage) -> dict:
         result["tool_calls"] = [{"id": call.id, "type": "function", "function": {
             "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
             for call in message.tool_calls]
+    if reasoning := message.reasoning_content or message.reasoning:  # Qwen3's and DeepSeek's templates read it
+        result["reasoning_content"] = reasoning
     return result
 
 

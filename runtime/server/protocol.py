@@ -74,7 +74,7 @@ def _stop(value: Any) -> list[str]:
 
 def _content(value: Any) -> str:
     """Message content: a string, or a list of text parts (and an assistant's refusal parts, taken as its text),
-    joined; images and audio are not supported."""
+    joined by newlines (as vLLM joins them); images and audio are not supported."""
     if value is None or isinstance(value, str):
         return value or ""
     if isinstance(value, list):
@@ -85,7 +85,7 @@ def _content(value: Any) -> str:
                 raise ValueError("parts must be {'type': 'text', 'text': str} (or an assistant's {'type': 'refusal', "
                                  "'refusal': str}): only text content is supported")
             texts.append(part[kind])
-        return "".join(texts)
+        return "\n".join(texts)
     raise ValueError("must be a string or a list of text parts")
 
 
@@ -261,6 +261,9 @@ class ChatMessage(StrictModel):
     tool_calls: list[ToolCallMessagePart] | None = Field(None, description="An assistant's earlier calls.")
     tool_call_id: str | None = Field(None, description="The call a tool message answers.")
     refusal: str | None = Field(None, description="An assistant's earlier refusal: its text when content is empty.")
+    reasoning_content: str | None = Field(None, description="An assistant's earlier reasoning (DeepSeek's and "
+                                                            "vLLM's name), given to the template, which may show it.")
+    reasoning: str | None = Field(None, description="The same, by vLLM's newer name.")
     # what an assistant message of an openai client's response holds, passed back unchanged (message.model_dump())
     annotations: NoAnnotations = None
     parsed: Any = Field(None, exclude=True, description="What the openai client's parse helpers parsed the content "
