@@ -104,6 +104,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def vocabulary_entries(self, token_ids: list[int]) -> list[str]:
+        """Each token as its vocabulary spells it (``Ġthe``, ``▁the``), as transformers' ``convert_ids_to_tokens``."""
+        return [self._tokenizer.id_to_token(token_id) or "" for token_id in token_ids]
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a piece of a multi-byte character is a valid answer), as OpenAI's
         ``logprobs`` report them: a special token's own text; a byte-level BPE token through the byte alphabet; a

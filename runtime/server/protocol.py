@@ -440,6 +440,7 @@ class TokenizeRequest(StrictModel):
     add_generation_prompt: bool = Field(True, description="For messages: end with the assistant's turn header.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="For messages: more variables for the "
                                                                           "chat template, as in chat completions.")
+    return_token_strs: bool = Field(False, description="Also each token as its vocabulary spells it (token_strs).")
 
 
 class TokenizeResponse(BaseModel):

@@ -28,7 +28,9 @@ def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
         ids = model.encode(text, "messages", add_special_tokens=False)  # the template writes BOS itself
     else:
         ids = model.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
-    return TokenizeResponse(count=len(ids), max_model_len=model.limits.max_request_tokens, tokens=ids)
+    strings = model.tokenizer.vocabulary_entries(ids) if req.return_token_strs else None  # encode needs a tokenizer
+    return TokenizeResponse(count=len(ids), max_model_len=model.limits.max_request_tokens, tokens=ids,
+                            token_strs=strings)
 
 
 def detokenize(model: ServedModel, req: DetokenizeRequest) -> DetokenizeResponse:
