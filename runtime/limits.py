@@ -45,7 +45,7 @@ class EngineLimits:
         parameters name a token id outside the vocabulary."""
         max_tokens = params.max_tokens
         if num_prompt_tokens == 0:
-            raise RequestTooLongError("prompt is empty: give at least one token")
+            raise InvalidRequestError("prompt is empty: give at least one token")
         if num_prompt_tokens > self.max_input_len:
             raise RequestTooLongError(f"prompt has {num_prompt_tokens} tokens but the engine's max_input_len is "
                                       f"{self.max_input_len}: shorten the prompt or rebuild with a larger "

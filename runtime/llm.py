@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import numbers
 import queue
 import threading
 import time
@@ -158,7 +159,7 @@ class LLM:
         if not isinstance(prompts, str | list | tuple):
             raise InvalidRequestError(f"prompts must be text, token ids, or a list of those; got "
                                       f"{type(prompts).__name__}")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         seqs = self._make_requests(prompts, params)
         try:

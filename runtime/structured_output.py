@@ -63,8 +63,16 @@ class StructuredOutput:
 
     @classmethod
     def from_dict(cls, value: StructuredOutput | dict[str, Any]) -> StructuredOutput:
-        """A StructuredOutput, or one built from its fields as a dict (how it crosses a process boundary)."""
-        return value if isinstance(value, StructuredOutput) else cls(**value)
+        """A StructuredOutput, or one built from its fields as a dict (how it crosses a process boundary);
+        StructuredOutputError for anything else."""
+        if isinstance(value, StructuredOutput):
+            return value
+        names = [f.name for f in fields(cls)]
+        if not isinstance(value, dict) or (unknown := sorted(set(value) - set(names), key=str)):
+            got = f"keys {unknown}" if isinstance(value, dict) else type(value).__name__
+            raise StructuredOutputError(f"structured output is a StructuredOutput or a dict of one of {names}, got "
+                                        f"{got}")
+        return cls(**value)
 
 
 def closed_objects(schema: Any, close: bool = True) -> Any:

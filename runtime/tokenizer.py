@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import numbers
 import shutil
 from pathlib import Path
 
@@ -238,7 +239,7 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
             raise error("this engine has no tokenizer.json: pass the prompt as token ids")
         token_ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list | tuple):
-        token_ids = list(prompt)
+        token_ids = [_as_token_id(t) for t in prompt]  # NumPy's and torch's integers too
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
         if bad:
             raise error(f"prompt token ids {bad[:5]} are not ints in [0, {vocab_size}): tokenize with this engine's "
@@ -248,6 +249,13 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
     if has_stop_strings and tokenizer is None:
         raise error("stop strings need a tokenizer and this engine has no tokenizer.json: use stop_token_ids")
     return token_ids
+
+
+def _as_token_id(value: object) -> object:
+    """An integer of any library (NumPy's, torch's) as a Python int; anything else (a bool too) as it is."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return value
+    return int(value)
 
 
 def copy_tokenizer_files(source_dir: Path, engine_dir: Path) -> None:

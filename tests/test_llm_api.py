@@ -86,6 +86,18 @@ def test_a_prompt_of_another_type_is_refused_naming_it(llm, prompts, message):
         llm.generate(prompts, GREEDY)
 
 
+def test_token_ids_of_numpy_are_a_prompt_and_an_empty_one_is_invalid(llm):
+    import numpy as np
+
+    expected = llm.generate([5, 6, 7], GREEDY)[0].token_ids
+    assert llm.generate(list(np.arange(5, 8)), GREEDY)[0].token_ids == expected
+    assert llm.generate([torch.arange(5, 8).tolist(), list(np.arange(5, 8))], GREEDY)[1].token_ids == expected
+    with pytest.raises(InvalidRequestError, match="prompt token ids \\[True\\] are not ints"):
+        llm.generate([[5, True]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        llm.generate([[]], GREEDY)
+
+
 def test_text_prompt_round_trips_through_the_engine_tokenizer(llm):
     out = llm.generate("t5 t6 t7", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert out.prompt_token_ids == [5, 6, 7]

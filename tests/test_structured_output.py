@@ -122,6 +122,8 @@ def test_a_format_cut_short_by_max_tokens_ends_with_length(llm):
     ({"grammar": "start: undefined_rule"}, "undefined_rule"),
     ({"regex": "a", "choice": ["b"]}, "exactly one of"),
     ({"choice": [""]}, "non-empty list"),
+    ({"schema": {}}, "a dict of one of ['json', 'json_object', 'regex', 'grammar', 'choice'], got keys ['schema']"),
+    ("a+", "got str"),
 ])
 def test_a_format_that_cannot_compile_is_refused_when_the_parameters_are_made(spec, words):
     with pytest.raises(StructuredOutputError, match=re.escape(words)):
