@@ -62,6 +62,22 @@ def test_completion_echo_with_logprobs_scores_the_prompt_too(client, llm):
     assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:] + expected.logprobs])
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone_as_openai_legacy_completions_do(client, llm):
+    kwargs = dict(model=MODEL, prompt="Monday, Tuesday,", max_tokens=0, logprobs=1, echo=True)
+    out = client.completions.create(**kwargs)
+    choice = out.choices[0]
+    prompt = llm.generate("Monday, Tuesday,", SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    assert choice.text == "Monday, Tuesday," and choice.finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt.prompt_token_ids), 0)
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == len(prompt.prompt_token_ids)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in prompt.prompt_logprobs[1:]])
+    chunks = [c for c in client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == \
+        choice.logprobs.tokens
+    assert chunks[-1].usage.completion_tokens == 0
+
+
 def test_sampled_tokens_are_among_their_top_logprobs(client):
     lp = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=20, logprobs=1, temperature=2,
                                    seed=3, extra_body={"ignore_eos": True}).choices[0].logprobs

@@ -175,7 +175,7 @@ def _event(data: dict) -> str:
 
 async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
                render: Callable[[int, StreamDelta], list[dict]], usage_chunk: Callable[[Usage], dict] | None,
-               prelude: list[dict]) -> AsyncIterator[str]:
+               prelude: list[dict], generates: bool) -> AsyncIterator[str]:
     """The SSE body: prelude chunks, a chunk per delta, the usage chunk if asked for, then [DONE]. The chunks of
     deltas that arrived together go out in one write."""
     outputs: list[RequestOutput] = []
@@ -200,7 +200,7 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
         yield _event(error_body(500, f"generation failed: {exc}"))
     else:
         if usage_chunk is not None:
-            yield _event(usage_chunk(_usage(prompts, outputs)))
+            yield _event(usage_chunk(_usage(prompts, outputs if generates else [])))
     finally:
         if len(outputs) < len(jobs):  # the client went away (or the engine stopped) first
             metrics.vllm.aborted(len(jobs) - len(outputs), sum(len(jobs[i].prompt_token_ids) for i in generated),
@@ -212,15 +212,16 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
                   metrics: ServerMetrics, request: Request, *,
                   build: Callable[[list[RequestOutput], Usage], BaseModel],
                   render: Callable[[int, StreamDelta], list[dict]], usage_chunk: Callable[[Usage], dict],
-                  prelude: list[dict]) -> Response:
+                  prelude: list[dict], generates: bool = True) -> Response:
     """The response to a generation request: an SSE stream, or the JSON body ``build`` makes once every job is
-    done. Either says in the IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored."""
+    done. Either says in the IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored. Not
+    ``generates`` (a prompt scored alone), the usage counts no completion tokens."""
     release = model.admission.reserve(len(jobs))
     ignored = ", ".join(req.ignored_fields())
     headers = {IGNORED_FIELDS_HEADER: ignored} if ignored else {}
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        body = _sse(model, jobs, metrics, prompts, render, usage_chunk if include_usage else None, prelude)
+        body = _sse(model, jobs, metrics, prompts, render, usage_chunk if include_usage else None, prelude, generates)
         return _EventStream(body, release, headers)
     try:
         outputs = await _collect(model, jobs, metrics, request)
@@ -228,7 +229,8 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
         release()
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(build(outputs, _usage(prompts, outputs)).model_dump(mode="json"), headers=headers)
+    return JSONResponse(build(outputs, _usage(prompts, outputs if generates else [])).model_dump(mode="json"),
+                        headers=headers)
 
 
 def _as_prompt_list(prompt: str | list) -> list[str | list[int]]:
@@ -278,8 +280,12 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
     given = _as_prompt_list(req.prompt)
     model.admission.check_fits(len(given) * req.n, "prompt")  # before tokenizing a batch too large to run
     prompts = await model.tokenize_many(given, "prompt")
-    limits = [model.max_tokens(len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
-              for ids in prompts]
+    scoring = req.max_tokens == 0  # OpenAI's echo without generation: the prompt and its log probabilities alone
+    if scoring and not req.echo:
+        raise APIError(400, "max_tokens 0 generates nothing: with echo: true it returns the prompt alone (and its "
+                            "log probabilities with logprobs), else ask for at least 1 token", param="max_tokens")
+    limits = [model.max_tokens(len(ids), 1 if scoring else req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+                               "max_tokens") for ids in prompts]  # scoring runs the prefill, its one token dropped
     echo_logprobs = req.logprobs if req.echo else None
     prompt_logprobs = max((k for k in (req.prompt_logprobs, echo_logprobs) if k is not None), default=None)
     jobs = make_jobs(req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
@@ -310,22 +316,24 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         if req.echo and index not in echoed:
             echoed.add(index)
             echo = echoes[index // req.n]
-        if not (echo or delta.text or delta.finished or delta.logprobs):
+        text, entries = ("", None) if scoring else (delta.text, delta.logprobs)
+        if not (echo or text or delta.finished or entries):
             return []
-        logprobs = legacy(index, delta.prompt_logprobs if req.echo else None, delta.logprobs)
-        return [chunk([{"index": index, "text": echo + delta.text, "logprobs": logprobs and logprobs.model_dump(),
-                        "finish_reason": delta.finish_reason if delta.finished else None}])]
+        logprobs = legacy(index, delta.prompt_logprobs if req.echo else None, entries)
+        return [chunk([{"index": index, "text": echo + text, "logprobs": logprobs and logprobs.model_dump(),
+                        "finish_reason": ("length" if scoring else delta.finish_reason) if delta.finished else None}])]
 
     def build(outputs: list[RequestOutput], usage: Usage) -> CompletionResponse:
         choices = []
         for i, out in enumerate(outputs):
             prompt_entries = out.prompt_logprobs if req.prompt_logprobs is not None else None
             choices.append(CompletionChoice(
-                index=i, text=echoes[i // req.n] + out.text, finish_reason=out.finish_reason,
-                logprobs=legacy(i, out.prompt_logprobs if req.echo else None, out.logprobs),
+                index=i, text=echoes[i // req.n] + ("" if scoring else out.text),
+                finish_reason="length" if scoring else out.finish_reason,
+                logprobs=legacy(i, out.prompt_logprobs if req.echo else None, None if scoring else out.logprobs),
                 prompt_logprobs=None if prompt_entries is None else vllm_prompt_logprobs(
                     names, top_k(prompt_entries, req.prompt_logprobs))))
         return CompletionResponse(id=request_id, created=created, model=model.name, choices=choices, usage=usage)
 
     return await respond(model, req, jobs, prompts, metrics, request, build=build, render=render,
-                         usage_chunk=lambda usage: chunk([], usage), prelude=[])
+                         usage_chunk=lambda usage: chunk([], usage), prelude=[], generates=not scoring)

@@ -228,7 +228,7 @@ class SamplingFields(StrictModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: Int | None = Field(None, ge=1, description="Default 16.")
+    max_tokens: Int | None = Field(None, ge=0, description="Default 16; 0 with echo: the prompt alone, scored.")
     echo: bool | None = Field(None, description="Return the prompt before the completion (with its log "
                                                  "probabilities when logprobs is set).")
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The most likely alternatives per token.")
