@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.native.block_manager import BlockManager
 from kiln.runtime.native.scheduler import Scheduler, SchedulerOutput
@@ -154,15 +155,15 @@ def test_every_request_finishes_under_block_pressure(policy):
     assert scheduler.block_manager.num_free_blocks == 12
 
 
-@pytest.mark.parametrize(("num_prompt", "max_tokens", "num_blocks", "words"), [
-    (0, 4, 64, "empty"),
-    (70, 1, 64, "max_input_len"),
-    (60, 10, 64, r"max_seq_len \(64\)"),
-    (20, 10, 4, "request of 30 tokens does not fit the KV pool of 16 tokens"),
+@pytest.mark.parametrize(("num_prompt", "max_tokens", "num_blocks", "error", "words"), [
+    (0, 4, 64, InvalidRequestError, "empty"),
+    (70, 1, 64, RequestTooLongError, "max_input_len"),
+    (60, 10, 64, RequestTooLongError, r"max_seq_len \(64\)"),
+    (20, 10, 4, RequestTooLongError, "request of 30 tokens does not fit the KV pool of 16 tokens"),
 ])
-def test_request_that_can_never_fit_is_rejected_at_add(num_prompt, max_tokens, num_blocks, words):
+def test_request_that_can_never_fit_is_rejected_at_add(num_prompt, max_tokens, num_blocks, error, words):
     scheduler = make_scheduler(num_blocks=num_blocks)
-    with pytest.raises(RequestTooLongError, match=words):
+    with pytest.raises(error, match=words):
         scheduler.add(request(num_prompt, max_tokens=max_tokens))
     assert not scheduler.has_unfinished()
 

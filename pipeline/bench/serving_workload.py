@@ -14,7 +14,7 @@ import random
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from kiln.runtime.errors import KilnError
+from kiln.runtime.errors import InvalidRequestError, KilnError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -111,7 +111,7 @@ def check_fits(workload: ServingWorkload, limits: EngineLimits) -> None:
         prompt_tokens = 1 if isinstance(request.prompt, str) else len(request.prompt)
         try:
             limits.check_request(prompt_tokens, SamplingParams(max_tokens=request.max_tokens))
-        except RequestTooLongError as exc:
+        except (RequestTooLongError, InvalidRequestError) as exc:  # too long, or an empty prompt
             raise WorkloadError(f"the workload's requests do not fit this engine: {exc}") from None
 
 
