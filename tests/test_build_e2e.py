@@ -105,15 +105,21 @@ def test_kiln_quantize_json_has_the_rounds_the_gate_and_a_stable_checkpoint_hash
 
 
 @pytest.mark.slow
-def test_a_checkpoint_the_chain_fell_back_to_is_listed_and_planned_under_its_own_format(tmp_path):
+def test_a_checkpoint_the_chain_fell_back_to_is_listed_and_planned_under_its_own_format(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
     config = tmp_path / "strict.yaml"
-    config.write_text(f"model:\n  path: {TINY}\nquantize:\n  format: fp8\n  round_samples: 16\n  patience: 1\n"
-                      "  num_samples: 32\n  gate:\n    max_kl: 0.0\n  fallback: [none]\n")
+    config.write_text(f"model:\n  path: {TINY}\nquantize:\n  format: fp8\n  num_samples: 4\n  round_samples: 4\n"
+                      "  on_failure: warn\n  seq_len: 32\n  heldout_samples: 4\n  gate:\n    max_kl: 0.0\n"
+                      "  fallback: [none]\n")  # one small round: the gate, not the calibration, is what counts
     report = json.loads(kiln("quantize", str(config), "--json", cache=tmp_path / "cache").stdout)
     assert report["format"] == "none" and report["fallback_from"] == "fp8"
-    [entry] = json.loads(kiln("cache", "ls", "--json", cache=tmp_path / "cache").stdout)
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    [entry] = json.loads(CliRunner().invoke(app, ["cache", "ls", "--json"]).stdout)
     assert entry["format"] == "none"
-    plan = json.loads(kiln("build", str(config), "--dry-run", "--json", cache=tmp_path / "cache").stdout)
+    plan = json.loads(CliRunner().invoke(app, ["build", str(config), "--dry-run", "--json"]).stdout)
     assert plan["stages"][0]["reason"].endswith("is in the cache (fell back from fp8)")
 
 
