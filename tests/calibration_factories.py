@@ -102,3 +102,16 @@ def tree_sha256(root: Path) -> dict[str, str]:
     """sha256 of every file under root, by relative path."""
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def quick_fp8_config(folder: Path, **replacements: str) -> Path:
+    """The bundled tiny-llama-fp8.yaml, written to ``folder``, calibrating one small round (for the tests of what
+    happens around calibration: caches, tiers, concurrent builds); ``replacements`` swap text in it."""
+    text = (REPO / "configs" / "tiny-llama-fp8.yaml").read_text().replace("../models/tiny-llama", str(TINY_MODEL))
+    text = text.replace("quantize:\n", "quantize:\n  num_samples: 4\n  round_samples: 4\n  on_failure: warn\n"
+                                       "  heldout_samples: 4\n", 1)
+    for old, new in replacements.items():
+        text = text.replace(old, new)
+    path = Path(folder) / "tiny-llama-fp8-quick.yaml"
+    path.write_text(text)
+    return path

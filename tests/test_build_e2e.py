@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kiln.engines.cache import engine_key
+from tests.calibration_factories import quick_fp8_config
 from tests.subprocess_env import REPO, repo_env
 
 TINY = REPO / "models" / "tiny-llama"
@@ -208,8 +209,8 @@ def test_config_errors_exit_non_zero_without_traceback(tmp_path):
 
 @pytest.mark.slow
 def test_four_builds_started_together_build_once_and_three_hit(tmp_path):
-    cache = tmp_path / "cache"
-    procs = [subprocess.Popen([sys.executable, "-m", "kiln", "build", "configs/tiny-llama-fp8.yaml", "--json"],
+    cache, config = tmp_path / "cache", quick_fp8_config(tmp_path)
+    procs = [subprocess.Popen([sys.executable, "-m", "kiln", "build", str(config), "--json"],
                               cwd=REPO, env=kiln_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(4)]
     results = []

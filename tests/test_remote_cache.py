@@ -26,6 +26,7 @@ from kiln.engines.cache.remote.lease import LeaseTiming
 from kiln.engines.cache.remote.maintenance import prune_remote, remote_entries, verify_remote
 from kiln.pipeline.cache_commands import cache_app
 from kiln.pipeline.config import ConfigError, KilnConfig, remote_spec
+from tests.calibration_factories import quick_fp8_config
 from tests.subprocess_env import repo_env
 
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "kiln-test", "AWS_SECRET_ACCESS_KEY": "kiln-test-secret",
@@ -404,11 +405,7 @@ def test_four_machines_building_one_config_together_build_once_and_pull_three_ti
     of the engine (the bundled tiny model, FP8, calibrated in one small round: the tiers are under test, not the
     calibration). A fifth machine with another batch size (another engine key) pulls the quantized checkpoint and
     skips calibration."""
-    text = (Path(__file__).parents[1] / "configs" / "tiny-llama-fp8.yaml").read_text()
-    text = text.replace("../models/tiny-llama", str(Path(__file__).parents[1] / "models" / "tiny-llama"))
-    small = tmp_path / "small-calibration.yaml"
-    small.write_text(text.replace("quantize:\n", "quantize:\n  num_samples: 4\n  round_samples: 4\n  on_failure: warn\n"
-                                  "  heldout_samples: 4\n", 1))
+    small = quick_fp8_config(tmp_path)
     procs = [subprocess.Popen([sys.executable, "-m", "kiln", "build", str(small), "--json"],
                               env=repo_env(**remote.env, KILN_CACHE=str(tmp_path / f"machine{i}")),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(4)]
@@ -431,8 +428,8 @@ def test_four_machines_building_one_config_together_build_once_and_pull_three_ti
     tier = EngineCache.open(tmp_path / "checker", remote=remote.spec).remote
     assert [r["ok"] for r in verify_remote(tier)] == [True, True]
 
-    config = tmp_path / "bigger-batch.yaml"
-    config.write_text(small.read_text().replace("max_batch_size: 8", "max_batch_size: 4"))
+    (tmp_path / "bigger").mkdir()
+    config = quick_fp8_config(tmp_path / "bigger", **{"max_batch_size: 8": "max_batch_size: 4"})
     fifth = subprocess.run([sys.executable, "-m", "kiln", "build", str(config), "--json"], capture_output=True,
                            env=repo_env(**remote.env, KILN_CACHE=str(tmp_path / "machine4")), timeout=600)
     assert fifth.returncode == 0, fifth.stderr.decode()[-1500:]
@@ -446,14 +443,16 @@ def test_four_machines_building_one_config_together_build_once_and_pull_three_ti
 def test_an_engine_refused_on_pull_is_rebuilt_from_the_checkpoint_the_plan_had_deferred(tmp_path, remote):
     """The remote has the engine, so the plan skips the quantize stage; the engine's copy is damaged, so the build
     stage fetches the checkpoint after all (pulled, not recalibrated) and builds."""
+    config = quick_fp8_config(tmp_path)
+
     def build(machine: str) -> dict:
-        proc = subprocess.run([sys.executable, "-m", "kiln", "build", "tiny-llama-fp8", "--json"], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "kiln", "build", str(config), "--json"], capture_output=True,
                               env=repo_env(**remote.env, KILN_CACHE=str(tmp_path / machine)), timeout=600)
         assert proc.returncode == 0, proc.stderr.decode()[-1500:]
         return json.loads(proc.stdout)
 
     key = build("first")["engine_key"]
-    dry = subprocess.run([sys.executable, "-m", "kiln", "build", "tiny-llama-fp8", "--dry-run", "--json"],
+    dry = subprocess.run([sys.executable, "-m", "kiln", "build", str(config), "--dry-run", "--json"],
                          capture_output=True, env=repo_env(**remote.env, KILN_CACHE=str(tmp_path / "fresh")))
     plan = {stage["name"]: stage for stage in json.loads(dry.stdout)["stages"]}  # no local cache: the remote's
     assert plan["quantize"]["action"] == "skip" and "will be pulled" in plan["build"]["reason"]
