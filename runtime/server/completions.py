@@ -175,7 +175,7 @@ def _event(data: dict) -> str:
 
 async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
                render: Callable[[int, StreamDelta], list[dict]], usage_chunk: Callable[[Usage], dict] | None,
-               prelude: list[dict], generates: bool) -> AsyncIterator[str]:
+               prelude: list[dict]) -> AsyncIterator[str]:
     """The SSE body: prelude chunks, a chunk per delta, the usage chunk if asked for, then [DONE]. The chunks of
     deltas that arrived together go out in one write."""
     outputs: list[RequestOutput] = []
@@ -200,7 +200,7 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
         yield _event(error_body(500, f"generation failed: {exc}"))
     else:
         if usage_chunk is not None:
-            yield _event(usage_chunk(_usage(prompts, outputs if generates else [])))
+            yield _event(usage_chunk(_usage(prompts, outputs)))
     finally:
         if len(outputs) < len(jobs):  # the client went away (or the engine stopped) first
             metrics.vllm.aborted(len(jobs) - len(outputs), sum(len(jobs[i].prompt_token_ids) for i in generated),
@@ -212,16 +212,15 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
                   metrics: ServerMetrics, request: Request, *,
                   build: Callable[[list[RequestOutput], Usage], BaseModel],
                   render: Callable[[int, StreamDelta], list[dict]], usage_chunk: Callable[[Usage], dict],
-                  prelude: list[dict], generates: bool = True) -> Response:
+                  prelude: list[dict]) -> Response:
     """The response to a generation request: an SSE stream, or the JSON body ``build`` makes once every job is
-    done. Either says in the IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored. Not
-    ``generates`` (a prompt scored alone), the usage counts no completion tokens."""
+    done. Either says in the IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored."""
     release = model.admission.reserve(len(jobs))
     ignored = ", ".join(req.ignored_fields())
     headers = {IGNORED_FIELDS_HEADER: ignored} if ignored else {}
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        body = _sse(model, jobs, metrics, prompts, render, usage_chunk if include_usage else None, prelude, generates)
+        body = _sse(model, jobs, metrics, prompts, render, usage_chunk if include_usage else None, prelude)
         return _EventStream(body, release, headers)
     try:
         outputs = await _collect(model, jobs, metrics, request)
@@ -229,8 +228,7 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
         release()
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(build(outputs, _usage(prompts, outputs if generates else [])).model_dump(mode="json"),
-                        headers=headers)
+    return JSONResponse(build(outputs, _usage(prompts, outputs)).model_dump(mode="json"), headers=headers)
 
 
 def _as_prompt_list(prompt: str | list) -> list[str | list[int]]:
@@ -286,6 +284,11 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
                             "log probabilities with logprobs), else ask for at least 1 token", param="max_tokens")
     limits = [model.max_tokens(len(ids), 1 if scoring else req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
                                "max_tokens") for ids in prompts]  # scoring runs the prefill, its one token dropped
+
+    def counted(usage: Usage) -> Usage:
+        """The usage the client sees: a scored prompt's dropped token is no completion token."""
+        return _usage(prompts, []) if scoring else usage
+
     echo_logprobs = req.logprobs if req.echo else None
     prompt_logprobs = max((k for k in (req.prompt_logprobs, echo_logprobs) if k is not None), default=None)
     jobs = make_jobs(req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
@@ -333,7 +336,8 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
                 logprobs=legacy(i, out.prompt_logprobs if req.echo else None, None if scoring else out.logprobs),
                 prompt_logprobs=None if prompt_entries is None else vllm_prompt_logprobs(
                     names, top_k(prompt_entries, req.prompt_logprobs))))
-        return CompletionResponse(id=request_id, created=created, model=model.name, choices=choices, usage=usage)
+        return CompletionResponse(id=request_id, created=created, model=model.name, choices=choices,
+                                  usage=counted(usage))
 
     return await respond(model, req, jobs, prompts, metrics, request, build=build, render=render,
-                         usage_chunk=lambda usage: chunk([], usage), prelude=[], generates=not scoring)
+                         usage_chunk=lambda usage: chunk([], counted(usage)), prelude=[])
