@@ -88,7 +88,7 @@ class BuildSection(_Section):
     def trtllm_settings(self) -> list[str]:
         """The settings given here that only the TensorRT-LLM backend uses (the native build has no workers, timeout,
         log level or plugins)."""
-        named = [f"build.{name}" for name in TRTLLM_ONLY[:-1] if name in self.model_fields_set]
+        named = [f"build.{name}" for name in TRTLLM_ONLY if name != "trtllm" and name in self.model_fields_set]
         if "trtllm" in self.model_fields_set:
             named += [f"build.trtllm.{name}" for name in self.trtllm.model_fields_set] or ["build.trtllm"]
         return named
