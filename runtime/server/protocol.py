@@ -15,6 +15,11 @@ MAX_LOGPROBS = 20  # alternatives per token: OpenAI allows 20 (chat) and 5 (comp
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
                             "prompt_cache_retention", "reasoning_effort", "verbosity", "prediction"})
 SEED_RANGE = (-(2**63), 2**63 - 1)
+# The values OpenAI's API takes for the accepted-and-ignored enum fields (openai-python 3.60): another is a 400 there
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+Verbosity = Literal["low", "medium", "high"]
+PromptCacheRetention = Literal["in_memory", "24h"]
 
 
 class StrictModel(BaseModel):
@@ -217,7 +222,7 @@ class SamplingFields(StrictModel):
     user: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
-    service_tier: str | None = None
+    service_tier: ServiceTier | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
 
@@ -303,13 +308,13 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     modalities: TextModalities = None
     audio: Unsupported = Field(None, description="Audio output: not supported.")
-    prompt_cache_retention: str | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description='Extension (as in vLLM): more variables for the chat template, e.g. {"enable_thinking": '
                           'false} for Qwen3.')
-    reasoning_effort: str | None = None
-    verbosity: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    verbosity: Verbosity | None = None
     prediction: dict[str, Any] | None = None
     add_generation_prompt: _only(None, True) = Field(None, description=VLLM_DEFAULT)
     continue_final_message: _only(None, False) = Field(None, description=VLLM_DEFAULT)
