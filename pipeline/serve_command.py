@@ -220,6 +220,7 @@ def serve(
     /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
     require_serve_extra()
     from kiln.runtime.server import create_app, run_server
+    from kiln.runtime.server.errors import served_routes
 
     template = read_chat_template(chat_template) if chat_template is not None else None  # before any build
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks,
@@ -239,8 +240,7 @@ def serve(
                      f"this port can use the engine (pass --api-key)", markup=True, highlight=False)
 
     def announce(thread: ServerThread) -> None:
-        stderr.print(f"serving {settings.model_name} ({resolved.engine_dir}) on {thread.url}: /v1/completions, "
-                     f"/v1/chat/completions, /tokenize, /health, /metrics; SIGTERM or Ctrl-C drains and stops",
-                     highlight=False, soft_wrap=True)
+        stderr.print(f"serving {settings.model_name} ({resolved.engine_dir}) on {thread.url}: "
+                     f"{served_routes(app)}; SIGTERM or Ctrl-C drains and stops", highlight=False, soft_wrap=True)
 
     run_server(app, bind_host, bind_port, shutdown_timeout_s=shutdown_timeout, on_started=announce)

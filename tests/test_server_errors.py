@@ -66,6 +66,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "stop_token_ids": [2, 999999]}, "stop_token_ids", ["999999", "vocabulary"]),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", ["only allowed with stream"]),
     ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens", ["min_tokens", "max_tokens=4"]),
+    ({"prompt": "hi", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs", ["not available with stream"]),
+    ({"prompt": "hi", "ignore_eos": True, "structured_outputs": {"choice": ["a"]}}, "ignore_eos",
+     ["structured output"]),
     ({"prompt": "hi", "best_of": 2}, "best_of", ["not supported", "send null or 1"]),  # JSON, not Python, spellings
 ])
 def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, words):
@@ -91,6 +94,13 @@ def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, w
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", ["needs logprobs"]),
     ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}, "modalities", ["not supported"]),
     ({"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions", ["Unrecognized"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 2, "response_format": {"type": "json_object"}},
+     "min_tokens", ["structured output"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tools": []}},
+     "chat_template_kwargs", ["tools"]),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}, "messages[1]",
+     ["tool_call_id"]),
+    ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "c"}]}, "messages[0]", ["'tool' message"]),
     ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "banana"}, "reasoning_effort",
      ["'minimal'"]),
     ({"messages": [{"role": "user", "content": "hi"}], "service_tier": "gold"}, "service_tier", ["'flex'"]),
@@ -128,7 +138,8 @@ def test_unknown_model_is_a_404_and_unknown_route_keeps_the_error_shape(http):
     error = assert_error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"}), 404, "model",
                          "gpt-4", MODEL)
     assert error["code"] == "model_not_found"
-    assert_error(http.get("/v1/nothing-here"), 404, None)
+    assert_error(http.post("/v1/embeddings", json={"input": "hi"}), 404, None, "POST /v1/embeddings is not served",
+                 "POST /v1/chat/completions", "GET /v1/models", "POST /detokenize")
 
 
 def test_the_openai_client_raises_bad_request_for_a_too_long_prompt(http):

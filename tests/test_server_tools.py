@@ -116,10 +116,11 @@ def test_required_tool_choice_returns_calls_that_follow_their_schema(client):
         assert_valid_call(call, {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name])
 
 
-def test_a_named_tool_choice_calls_that_function(client):
+def test_a_named_tool_choice_calls_that_function_once(client, llm):
+    newline = llm.tokenizer.encode("\n", add_special_tokens=False)[-1]  # what would start a second call
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK], max_tokens=120,
                                          tool_choice={"type": "function", "function": {"name": "get_time"}}, seed=2,
-                                         parallel_tool_calls=False)
+                                         logit_bias={str(newline): 30})
     calls = out.choices[0].message.tool_calls
     assert len(calls) == 1 and out.choices[0].finish_reason == "stop"  # as OpenAI and vLLM say for a named call
     assert_valid_call(calls[0], CLOCK)

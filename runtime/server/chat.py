@@ -63,7 +63,8 @@ def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dic
         return model.chat_template.render([_template_message(m) for m in messages], add_generation_prompt, tools,
                                           variables)
     except ChatTemplateError as exc:
-        raise APIError(400, str(exc), param="messages") from None
+        param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
+        raise APIError(400, str(exc), param=param) from None
 
 
 def _arguments(text: str) -> dict | str:
@@ -101,7 +102,7 @@ class _Tools:
             if not self.forced:
                 raise APIError(400, f"tool_choice names '{choice.function.name}', which is not among the tools",
                                param="tool_choice")
-        self.parallel = req.parallel_tool_calls is not False
+        self.parallel = req.parallel_tool_calls is not False and not self.named  # a named choice: one call
 
     @property
     def rendered(self) -> list[dict] | None:

@@ -52,6 +52,12 @@ _logged_ignored: set[str] = set()
 def make_jobs(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *, logprobs: int | None,
               prompt_logprobs: int | None, structured_output: StructuredOutput | None) -> list[Job]:
     """`n` jobs per prompt, in OpenAI's choice order (prompt-major)."""
+    if structured_output is not None:  # the request ends once the format is complete: say so rather than ignore
+        for name, value in (("ignore_eos", req.ignore_eos), ("min_tokens", req.min_tokens)):
+            if value:
+                raise APIError(400, f"{name} cannot be combined with a structured output format (response_format, "
+                                    f"structured_outputs or a forced tool call): the completion ends as soon as "
+                                    f"the format is complete", param=name)
     for name in set(req.ignored_fields()) - _logged_ignored:
         _logged_ignored.add(name)
         logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
@@ -257,6 +263,9 @@ def check_request(model: ServedModel, req: SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true: drop it or stream the response",
                        param="stream_options")
+    if req.stream and req.prompt_logprobs:  # no chunk carries them (vLLM refuses this too)
+        raise APIError(400, "prompt_logprobs are not available with stream: true: drop one of them",
+                       param="prompt_logprobs")
     vocab_size = model.limits.vocab_size
     for param, token_ids in (("logit_bias", req.logit_bias or {}), ("stop_token_ids", req.stop_token_ids or [])):
         if vocab_size is not None and (outside := sorted(t for t in token_ids if t >= vocab_size)):

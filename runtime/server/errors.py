@@ -7,6 +7,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 logger = logging.getLogger("kiln.server")
@@ -69,6 +70,12 @@ def _union_member(part: str | int) -> bool:
     return isinstance(part, str) and (not part.isidentifier() or part[:1].isupper())
 
 
+def served_routes(app: FastAPI) -> str:
+    """The routes an app serves, as "GET /v1/models, POST /v1/completions, ..." (its OpenAPI ones)."""
+    return ", ".join(f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute)
+                     and route.include_in_schema for method in sorted(route.methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error response, including FastAPI's own (422, 404, 405) and bugs (500), gets the OpenAI shape."""
 
@@ -81,8 +88,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(describe_validation_error(exc))
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no such route (an unknown model has its own 404)
+            message = f"{request.method} {request.url.path} is not served here; the routes are {served_routes(request.app)}"
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

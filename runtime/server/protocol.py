@@ -276,6 +276,15 @@ class ChatMessage(StrictModel):
     audio: Unsupported = Field(None, description="An earlier audio answer: not supported.")
     function_call: Unsupported = Field(None, description="Deprecated by OpenAI: send tool_calls.")
 
+    @model_validator(mode="after")
+    def _tool_call_id_on_tool_messages_only(self) -> ChatMessage:
+        """OpenAI's rule: a tool message names the call it answers, and no other message names one."""
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs the tool_call_id of the call it answers")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError(f"tool_call_id belongs on a 'tool' message, not on a '{self.role}' message")
+        return self
+
 
 class FunctionDefinition(StrictModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
