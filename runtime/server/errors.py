@@ -91,7 +91,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         message = str(exc.detail)
         if exc.status_code == 404 and exc.detail == "Not Found":  # no such route (an unknown model has its own 404)
-            message = f"{request.method} {request.url.path} is not served here; the routes are {served_routes(request.app)}"
+            message = (f"{request.method} {request.url.path} is not served here; the routes are "
+                       f"{served_routes(request.app)}")
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
