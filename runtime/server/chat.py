@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 
 from kiln.runtime.outputs import RequestOutput, StreamDelta
-from kiln.runtime.server.chat_template import ChatTemplateError
+from kiln.runtime.server.chat_template import ChatTemplateError, ReservedVariableError
 from kiln.runtime.server.completions import check_request, make_jobs, requested_format, respond, stream_chunk
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
@@ -62,9 +62,10 @@ def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dic
     try:
         return model.chat_template.render([_template_message(m) for m in messages], add_generation_prompt, tools,
                                           variables)
+    except ReservedVariableError as exc:
+        raise APIError(400, str(exc), param="chat_template_kwargs") from None
     except ChatTemplateError as exc:
-        param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
-        raise APIError(400, str(exc), param=param) from None
+        raise APIError(400, str(exc), param="messages") from None
 
 
 def _arguments(text: str) -> dict | str:

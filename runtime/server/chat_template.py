@@ -21,6 +21,10 @@ class ChatTemplateError(KilnError):
     """Messages the template refuses (it raised), or a template that does not render."""
 
 
+class ReservedVariableError(ChatTemplateError):
+    """A further template variable that would replace one the server sets (messages, tools, bos_token, ...)."""
+
+
 def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
@@ -84,11 +88,11 @@ class ChatTemplate:
         """The prompt text for `messages` ({"role", "content"} dicts, with "tool_calls" and "tool_call_id" where
         they have them) and `tools` (OpenAI tool objects, as transformers' ``apply_chat_template`` takes them), with
         the template's own further ``variables`` (``enable_thinking``, say); ChatTemplateError when the template
-        refuses them, or when a variable would replace one of those it is given."""
+        refuses them, ReservedVariableError when a variable would replace one of those it is given."""
         given = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools,
                  "documents": None, **self.special_tokens}
         if taken := sorted(set(variables or {}) & set(given)):
-            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them")
+            raise ReservedVariableError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them")
         try:
             return self._template.render(**given, **(variables or {}))
         except ChatTemplateError:
