@@ -211,7 +211,8 @@ def serve(
                                       "activations leave of it (default: $KILN_GPU_MEMORY_UTILIZATION or 0.9).")
                                       ] = None,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="Seconds in-flight requests get to finish after "
-                                                                "SIGTERM.")] = 30.0,
+                                                                "SIGTERM; what is left then gets a 503.")
+                                ] = 25.0,
     engine_process: Annotated[bool, typer.Option(help="Run the engine in a process of its own (its host work and the "
                                                      "HTTP server's then do not share one GIL), or on a thread of "
                                                      "the server's.")] = True,

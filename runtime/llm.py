@@ -262,6 +262,16 @@ class LLM:
         """Stop a request and free its KV blocks; its waiter gets what was generated, with finish_reason "abort"."""
         self._commands.put(("abort", request_id))
 
+    def abort_all(self, error: BaseException) -> int:
+        """Fail every request in flight with ``error`` (their callers get it at once) and abort them in the engine,
+        freeing their KV blocks; returns how many there were. The LLM stays open for new requests."""
+        with self._lock:
+            request_ids = list(self._sinks)
+        self._fail_all(error)
+        for request_id in request_ids:
+            self._commands.put(("abort", request_id))
+        return len(request_ids)
+
     def stats(self) -> dict:
         """Step, KV-pool, prefix-cache, preemption and request-latency statistics, plus `load_ms`."""
         return {"load_ms": self.load_ms, **self.engine.stats_snapshot()}

@@ -9,7 +9,11 @@ import gc
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +23,7 @@ from kiln.runtime.engine_process import ProcessEngine
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
+from tests.subprocess_env import REPO, repo_env
 from tests.test_server_support import engine_idle, tiny_engine, wait_until
 
 PROMPTS = ["Once upon a time", [5, 6, 7, 8, 9]]
@@ -85,7 +90,8 @@ def test_metrics_cross_the_process_boundary(llm):
         metrics = httpx.get(f"{server.url}/metrics").text
     assert "kiln_time_to_first_token_seconds_count 1.0" in metrics
     assert _value(metrics, "kiln_engine_steps_total") > 0
-    assert _value(metrics, "kiln_kv_blocks_free") > 0 and _value(metrics, "kiln_running_requests") == 0
+    assert _value(metrics, "kiln_engine_up") == 1 and _value(metrics, "kiln_running_requests") == 0
+    assert _value(metrics, "kiln_kv_blocks_free") > 0
     assert _value(metrics, "kiln_engine_process_resident_memory_bytes") > 0  # the engine process's own
     assert _value(metrics, "kiln_engine_process_cpu_seconds_total") > 0 and _value(metrics, "process_cpu_seconds_total")
 
@@ -127,6 +133,8 @@ def test_a_killed_engine_process_fails_its_waiters_and_the_server_reports_503():
                 llm.result(request_id, timeout=30)
             health = httpx.get(f"{server.url}/health")
             assert health.status_code == 503 and "killed by signal 9" in health.json()["message"]
+            metrics = httpx.get(f"{server.url}/metrics").text  # no stale engine figures: it is down
+            assert _value(metrics, "kiln_engine_up") == 0 and "kiln_running_requests" not in metrics
             with pytest.raises(EngineClosedError):
                 llm.generate(["again"], SamplingParams(max_tokens=2))
     finally:
@@ -199,3 +207,26 @@ def test_the_deferred_warm_up_runs_while_idle_until_done_and_can_be_waited_for(a
         assert llm.stats()["warm_up_calls"] == 3  # and no more once it said it was done
     with pytest.raises(EngineClosedError):
         llm.wait_until_warm(timeout=0)
+
+
+def test_an_engine_process_whose_parent_dies_while_it_loads_dies_too():
+    # the socket stays open (this test holds both ends), so only the death of the parent can stop the child, which
+    # would otherwise wait for its factory (or load the weights) forever
+    ours, theirs = socket.socketpair()
+    spawn = ("import os, subprocess, sys; child = subprocess.Popen([sys.executable, '-m', "
+             "'kiln.runtime.engine_process', sys.argv[1], str(os.getpid())], pass_fds=[int(sys.argv[1])]); "
+             "print(child.pid, flush=True); child.wait()")
+    with ours, theirs:
+        parent = subprocess.Popen([sys.executable, "-c", spawn, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                                  stdout=subprocess.PIPE, text=True, cwd=REPO, env=repo_env())
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait()
+        wait_until(lambda: not _running(child), timeout=30)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -141,3 +143,57 @@ def test_allowed_origins_default_to_any_and_an_empty_one_turns_cors_off(tmp_path
     assert target.settings().allowed_origins == ("*",)
     assert target.settings(allowed_origins=["https://a.example"]).allowed_origins == ("https://a.example",)
     assert target.settings(allowed_origins=[""]).allowed_origins == ()
+
+
+def test_requests_left_when_the_shutdown_timeout_runs_out_end_with_an_error_their_clients_read():
+    from kiln.runtime import LLM
+    from kiln.runtime.server import ServerSettings, ServerThread, create_app
+
+    with LLM.load(tiny_engine()) as llm:
+        step = llm.engine.step
+        llm.engine.step = lambda: (time.sleep(0.05), step())[1]  # 200 tokens: 10 s, far beyond the timeout
+        app = create_app(llm, tiny_engine(), ServerSettings(model_name="tiny"))
+        server = ServerThread(app, shutdown_timeout_s=0.5).start()
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+        with httpx.Client(base_url=server.url, timeout=30) as http, ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(http.post, "/v1/completions", json=body)
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                events = response.iter_lines()
+                next(line for line in events if line.startswith("data: "))
+                wait_until(lambda: app.state.server.model.admission.outstanding == 2)
+                server.stop_accepting()
+                rest = [line[6:] for line in events if line.startswith("data: ")]
+            assert rest[-1] == "[DONE]" and "shutdown timeout" in json.loads(rest[-2])["error"]["message"]
+            assert plain.result().status_code == 503 and plain.result().headers["retry-after"] == "1"
+            assert "shutdown timeout, 0.5 s, ran out" in plain.result().json()["error"]["message"]
+        assert server.wait(10)
+
+
+def test_the_server_stops_with_an_error_when_its_engine_stops_while_serving():
+    from kiln.runtime import LLM
+    from kiln.runtime.server import EngineFailedError, ServerSettings, create_app, run_server
+
+    with LLM.load(tiny_engine()) as llm:
+        app = create_app(llm, tiny_engine(), ServerSettings(model_name="tiny"))
+        started: queue.Queue = queue.Queue()
+        outcome: queue.Queue = queue.Queue()
+
+        def serve() -> None:
+            try:
+                run_server(app, "127.0.0.1", 0, on_started=started.put)
+                outcome.put(None)
+            except KilnError as exc:
+                outcome.put(exc)
+
+        threading.Thread(target=serve, daemon=True).start()
+        url = started.get(timeout=30).url
+
+        def broken_step():
+            raise RuntimeError("simulated device failure")
+
+        llm.engine.step = broken_step
+        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 503 and "simulated device failure" in response.json()["error"]["message"]
+        error = outcome.get(timeout=30)
+        assert isinstance(error, EngineFailedError) and error.exit_code == 1
+        assert "simulated device failure" in str(error)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from kiln.pipeline.bench.http_clients_process import run_http_apart
 from kiln.pipeline.bench.loadtest import loadtest
-from kiln.pipeline.bench.serving_clients import LoadTestError, run_http
+from kiln.pipeline.bench.serving_clients import LoadTestError, RequestResult, run_http, summarize_results
 from kiln.pipeline.bench.serving_workload import ServingWorkload, WorkloadError, make_workload
 from kiln.pipeline.serve_command import serve
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
@@ -74,6 +74,15 @@ def test_http_clients_over_chat_use_the_chat_route_and_refuse_token_id_prompts(s
 def test_http_clients_with_a_wrong_key_fail_clearly(server):
     with pytest.raises(LoadTestError, match="cannot list models"):
         asyncio.run(run_http(server.url, workload(1, 1), concurrency=1, api_key="wrong"))
+
+
+def test_failed_requests_are_counted_by_status_and_their_commonest_errors_named():
+    fine = RequestResult(status=200, ttft_s=0.1, latency_s=0.2, completion_tokens=4, events=4)
+    report = summarize_results([fine, RequestResult(status=200, error="generation failed: engine stopped"),
+                                RequestResult(status=200, error="generation failed: engine stopped"),
+                                RequestResult(status=503, error="at capacity")], duration_s=1.0)
+    assert report["failed"] == 3 and report["statuses"] == {"200": 3, "503": 1}
+    assert report["errors"] == {"generation failed: engine stopped": 2, "at capacity": 1}
 
 
 def test_random_prompts_follow_their_lengths_and_poisson_arrivals_their_rate():

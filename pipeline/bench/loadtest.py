@@ -58,6 +58,8 @@ def print_report(report: dict) -> None:
     if report["failed"]:
         stdout.print(f"[yellow]{report['failed']} failed[/]: {escape(str(report['statuses']))}", markup=True,
                      highlight=False)
+        for message, count in report["errors"].items():
+            stdout.print(f"  {count} x {escape(message)}", markup=True, highlight=False)
     if "offline" in report:
         served = (f"served at {report['efficiency']:.1%} of it" if "efficiency" in report else
                   "no efficiency, as the arrival rate or the disconnecting clients set the served rate")

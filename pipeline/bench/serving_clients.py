@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -228,17 +229,16 @@ def summarize_results(results: list[RequestResult], duration_s: float, **context
         errors = {r.error or f"HTTP {r.status}" for r in results}
         raise LoadTestError(f"none of {len(results)} requests succeeded: {'; '.join(sorted(errors))[:400]}")
     tokens = sum(r.completion_tokens for r in ok)
-    statuses: dict[str, int] = {}
-    for r in results:
-        key = str(r.status) if r.status else "connection error"
-        statuses[key] = statuses.get(key, 0) + 1
+    statuses = Counter(str(r.status) if r.status else "connection error" for r in results)
+    errors = Counter(r.error[:160] for r in results if r.error is not None and not r.disconnected)
     return {
         **context,
         "requests": len(results),
         "succeeded": len(ok),
         "disconnected": disconnected,
         "failed": len(results) - len(ok) - disconnected,
-        "statuses": statuses,
+        "statuses": dict(statuses),
+        "errors": dict(errors.most_common(5)),  # the commonest error messages (a stream's error event under its 200)
         "duration_s": round(duration_s, 3),
         "requests_per_s": round(len(ok) / duration_s, 3),
         "output_tokens": tokens,

@@ -1,7 +1,12 @@
-"""``python -m kiln.runtime.engine_process FD``: the engine process ``ProcessEngine`` starts, serving the socket FD."""
+"""``python -m kiln.runtime.engine_process FD PARENT_PID``: the engine process ``ProcessEngine`` starts, serving the
+socket FD."""
 
 import sys
 
-from kiln.runtime.engine_process.child import main
+from kiln.runtime.engine_process.lifetime import die_with_parent
+
+die_with_parent(int(sys.argv[2]))  # before the imports below, which take seconds (torch)
+
+from kiln.runtime.engine_process.child import main  # noqa: E402
 
 sys.exit(main(int(sys.argv[1])))

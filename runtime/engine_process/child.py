@@ -12,6 +12,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from kiln.runtime.engine import Engine, load_engine
+from kiln.runtime.engine_process.lifetime import outlive_parent_thread
 from kiln.runtime.engine_process.wire import error_to_wire, receive, request_from_wire, result_to_wire, send
 from kiln.runtime.errors import KilnError
 from kiln.runtime.heap import freeze_startup_heap
@@ -41,6 +42,7 @@ def main(fd: int) -> int:
         except Exception as exc:
             send(conn, {"error": error_to_wire(exc)})
             return 1
+        outlive_parent_thread()
         freeze_startup_heap()
         tokenizer = engine.tokenizer.to_dict() if engine.tokenizer is not None else None
         send(conn, {"limits": asdict(engine.limits), "tokenizer": tokenizer, "stats": engine.stats_snapshot()})

@@ -2,6 +2,6 @@
 jinja2). `import runtime` never imports it."""
 
 from kiln.runtime.server.app import ServerSettings, create_app
-from kiln.runtime.server.serve import ServerStartError, ServerThread, run_server
+from kiln.runtime.server.serve import EngineFailedError, ServerStartError, ServerThread, run_server
 
-__all__ = ["ServerSettings", "ServerStartError", "ServerThread", "create_app", "run_server"]
+__all__ = ["EngineFailedError", "ServerSettings", "ServerStartError", "ServerThread", "create_app", "run_server"]

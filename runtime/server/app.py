@@ -75,6 +75,13 @@ class ServerState:
         """Whether generation requests are still in flight."""
         return self.model is not None and self.model.admission.outstanding > 0
 
+    def engine_stats(self) -> dict | None:
+        """The engine's statistics while it serves; None while it loads or once it has failed (none of its figures
+        would be current)."""
+        if self.model is None or self.model.llm.engine_error is not None:
+            return None
+        return self.model.llm.stats()
+
     def require_model(self) -> ServedModel:
         if self.draining:
             raise APIError(503, "the server is shutting down: retry against another replica",
@@ -145,7 +152,7 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     app = FastAPI(title="Kiln", version="1", lifespan=lifespan,
                   description="OpenAI-compatible completions and chat completions over a Kiln engine.")
     app.state.server = state
-    metrics = ServerMetrics(lambda: state.model.llm.stats() if state.model else None, lambda: settings.engine_cache,
+    metrics = ServerMetrics(state.engine_stats, lambda: settings.engine_cache,
                             lambda: state.model.llm.engine_pid if state.model else None, settings.model_name)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

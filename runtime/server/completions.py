@@ -18,9 +18,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from kiln.runtime.errors import KilnError
+from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.errors import APIError, error_body
-from kiln.runtime.server.generation import Job, ServedModel, sampling_params
+from kiln.runtime.server.generation import RETRY_AFTER_S, Job, ServedModel, sampling_params
 from kiln.runtime.server.logprobs import (
     TextOffsets,
     TokenText,
@@ -137,8 +138,16 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
         return None
     try:
         return runner.result()
-    except KilnError as exc:  # the engine stopped under this request
-        raise APIError(500, f"generation failed: {exc}") from None
+    except KilnError as exc:
+        raise _generation_failed(exc) from None
+
+
+def _generation_failed(exc: Exception) -> APIError:
+    """The error of a request the engine did not finish: 503 (retry elsewhere) when the engine stopped or the server
+    is shutting down, 500 for anything else (a bug)."""
+    status = 503 if isinstance(exc, EngineClosedError) else 500
+    return APIError(status, f"generation failed: {exc}", headers={"Retry-After": str(RETRY_AFTER_S)} if status == 503
+                    else None)
 
 
 class _EventStream(Response):
@@ -203,7 +212,8 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
                     yield "".join(events)
     except Exception as exc:  # the engine stopped (closed, or a bug in it): tell the client in the stream
         logger.error("stream failed: %s: %s", type(exc).__name__, exc)
-        yield _event(error_body(500, f"generation failed: {exc}"))
+        failed = _generation_failed(exc)
+        yield _event(error_body(failed.status_code, failed.message))
     else:
         if usage_chunk is not None:
             yield _event(usage_chunk(_usage(prompts, outputs)))

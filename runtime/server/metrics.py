@@ -59,7 +59,9 @@ class _EngineCollector:
         if (remote := info.get("remote")) is not None:
             yield from _remote_cache_metrics(remote)
         stats = self._stats()
-        if stats is None:  # the engine is still loading
+        yield GaugeMetricFamily("kiln_engine_up", "1 while the engine serves; 0 while it loads or after it failed",
+                                value=float(stats is not None))
+        if stats is None:
             return
         yield GaugeMetricFamily("kiln_engine_load_seconds", "Time the runtime took to load the served engine",
                                 value=stats["load_ms"] / 1000)

@@ -4,6 +4,7 @@ SIGTERM/SIGINT, which stop accepting, let in-flight requests finish within a bou
 from __future__ import annotations
 
 import errno
+import logging
 import signal
 import socket
 import threading
@@ -15,13 +16,24 @@ import uvicorn
 from fastapi import FastAPI
 
 from kiln.runtime.errors import KilnError
+from kiln.runtime.llm import EngineClosedError
 
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+logger = logging.getLogger("kiln.server")
+
+DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0  # within Kubernetes' default grace period (30 s), with time to spare
 DRAIN_POLL_S = 0.05
+ABORT_FLUSH_S = 2.0  # how long aborted requests get to write their error once the drain time is up
 
 
 class ServerStartError(KilnError):
     """The server could not start (an address it cannot listen on, the engine failed to load)."""
+
+
+class EngineFailedError(KilnError):
+    """The engine stopped while serving (its process died, a device error); the server drained and stopped, so that
+    what supervises it (systemd, Kubernetes, a restart policy) starts it again, as vLLM's server does."""
+
+    exit_code = 1
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -92,9 +104,19 @@ class ServerThread:
         threading.Thread(target=self._exit_when_idle, name="kiln-drain", daemon=True).start()
 
     def _exit_when_idle(self) -> None:
+        state = self.app.state.server
         deadline = time.monotonic() + self.shutdown_timeout_s
-        while time.monotonic() < deadline and self.app.state.server.busy():
+        while time.monotonic() < deadline and state.busy():
             time.sleep(DRAIN_POLL_S)
+        if state.busy() and state.model is not None:
+            # out of time: end what is left with an error its clients can read (an SSE error event and [DONE], or
+            # a JSON error), rather than let uvicorn cancel the handlers mid-write after a second grace period
+            state.model.llm.abort_all(EngineClosedError(
+                f"the server shut down before this request finished (its shutdown timeout, "
+                f"{self.shutdown_timeout_s:g} s, ran out): retry against another replica"))
+            flushed = time.monotonic() + ABORT_FLUSH_S
+            while time.monotonic() < flushed and state.busy():
+                time.sleep(DRAIN_POLL_S)
         self.server.should_exit = True
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -119,7 +141,8 @@ def run_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float 
     """Serve in the foreground until SIGTERM or SIGINT (a second SIGINT forces), then drain and return. Signals are
     handled when called from the main thread; elsewhere, stop it with the `ServerThread` given to `on_started`.
 
-    Raises ServerStartError when the server cannot start or the engine fails to load."""
+    Raises ServerStartError when the server cannot start or the engine fails to load, and EngineFailedError after
+    a drain when the engine stopped while serving."""
     thread = ServerThread(app, host, port, shutdown_timeout_s=shutdown_timeout_s, log_level="info")
 
     def on_signal(signum: int, _: FrameType | None) -> None:
@@ -129,15 +152,22 @@ def run_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float 
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if in_main_thread else {}
+    state = app.state.server
+    engine_error = None
     try:
         thread.start()
         if on_started is not None:
             on_started(thread)
-        while not thread.wait(0.25):
-            continue  # wake regularly so the main thread can take SIGTERM / SIGINT
+        while not thread.wait(0.25):  # wake regularly so the main thread can take SIGTERM / SIGINT
+            if engine_error is None and state.model is not None and state.model.llm.engine_error is not None:
+                engine_error = state.model.llm.engine_error
+                logger.error("the engine stopped: %s; the server stops too", engine_error)
+                thread.stop_accepting()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    error = app.state.server.load_error
-    if error is not None:
-        raise ServerStartError(f"the engine failed to load: {error}")
+    if state.load_error is not None:
+        raise ServerStartError(f"the engine failed to load: {state.load_error}")
+    if engine_error is not None:
+        raise EngineFailedError(f"the engine stopped while serving ({engine_error}): the server stopped with it; "
+                                f"start it again (a supervisor's restart policy does)")

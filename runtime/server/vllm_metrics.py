@@ -28,7 +28,7 @@ class VllmEngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
-        if stats is None:  # the engine is still loading
+        if stats is None:  # the engine is still loading, or has failed
             return
         labels, value = ["model_name"], [self._model_name]
 
