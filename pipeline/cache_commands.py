@@ -28,7 +28,7 @@ from kiln.engines.cache.units import (
 )
 from kiln.pipeline import cache_remote
 from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, entries_text, print_table, rate
-from kiln.pipeline.config import cache_root, load_config, remote_spec
+from kiln.pipeline.config import cache_root, load_config, remote_spec, remote_turned_off
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout, warn
 
 cache_app = typer.Typer(help="Inspect and maintain the engine cache, and share it through a remote.",
@@ -59,17 +59,19 @@ def _open(cache_dir: Path | None, config: str | None, *, create: bool = False) -
     Without ``create`` (commands that read or remove), a root with no cache is an error that creates nothing there:
     a mistyped path is not reported as an empty, healthy cache."""
     root, remote = _where(cache_dir, config)
-    return EngineCache.open_configured(root, remote=remote, warn=warn, create=create)
+    return EngineCache.open_configured(root, remote=remote, recorded_remote=not remote_turned_off(), warn=warn,
+                                       create=create)
 
 
 def _remote_tier(cache_dir: Path | None, config: str | None) -> RemoteTier:
     """The remote tier for ``--remote`` listings and maintenance: the one named (see ``_where``), else the one the
     local cache's last build recorded. Nothing local is created."""
     root, remote = _where(cache_dir, config)
-    remote = remote or read_remote(root)
+    remote = remote or (None if remote_turned_off() else read_remote(root))
     if remote is None:
         raise CacheUsageError(f"no remote cache is configured (none in $KILN_CACHE_REMOTE or the config, and no "
-                              f"build under {root} recorded one): set cache.remote in the config, or "
+                              f"build under {root} recorded one, or $KILN_CACHE_REMOTE is set empty): set "
+                              f"cache.remote in the config, or "
                               f"$KILN_CACHE_REMOTE (s3://bucket/prefix or file:///shared/folder)")
     return RemoteTier(remote, warn=warn)
 

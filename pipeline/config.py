@@ -280,6 +280,11 @@ def remote_spec(configured: str | None = None, endpoint: str | None = None,
         raise ConfigError(f"{where}: {exc}") from None
 
 
+def remote_turned_off() -> bool:
+    """Whether ``$KILN_CACHE_REMOTE`` is set empty: no remote tier, not even the one a cache recorded."""
+    return os.environ.get("KILN_CACHE_REMOTE") == ""
+
+
 def find_config(name_or_path: str | Path) -> Path | None:
     """A config (``.yaml``) or architecture file (``.json``): the path as given, else a bare name
     (``tiny-llama-fp8.yaml``, ``tiny-llama-fp8``, ``llama3-8b``) under the bundled ``configs/`` or

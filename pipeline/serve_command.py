@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from kiln.pipeline.config import ServeSection, cache_root, remote_spec
+from kiln.pipeline.config import ServeSection, cache_root, remote_spec, remote_turned_off
 from kiln.pipeline.console import friendly_errors, stage_progress, stderr
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.pipeline.targets import Target, TargetError, resolve_target
@@ -140,7 +140,9 @@ def _engine_target(target: Target) -> ServeTarget:
     from kiln.engines.cache import EngineCache
 
     # the remote as the target's resolution found it: $KILN_CACHE_REMOTE first, else the one the cache recorded
-    cache, key = EngineCache.open_configured(target.cache_root, remote=remote_spec()), target.cache_key
+    cache = EngineCache.open_configured(target.cache_root, remote=remote_spec(),
+                                        recorded_remote=not remote_turned_off())
+    key = target.cache_key
     return ServeTarget(engine_dir=target.path, model_name=target.name, engine_cache=engine_cache_info(cache, key, True),
                        record_load=lambda ms: cache.record_load(key, ms))
 

@@ -11,7 +11,7 @@ from kiln.engines.cache import CacheCorruptError, CacheEntryNotFoundError, Engin
 from kiln.engines.cache.layout import LAYOUT_VERSION, entry_of_payload
 from kiln.engines.cache.store import MIN_PREFIX
 from kiln.pipeline.cache_remote import pull_engine
-from kiln.pipeline.config import find_config, remote_spec
+from kiln.pipeline.config import find_config, remote_spec, remote_turned_off
 from kiln.pipeline.console import warn
 from kiln.runtime.engine import is_engine_dir
 from kiln.runtime.errors import KilnError
@@ -67,7 +67,8 @@ def resolve_target(text: str, cache_root: Path, *, no_engines: str | None = None
         if remote is None and not (cache_root / LAYOUT_VERSION).is_dir():
             raise TargetError(f"cache key {text}: there is no engine cache at {cache_root}; set $KILN_CACHE to the "
                               f"cache that holds it, or $KILN_CACHE_REMOTE to the team's remote cache")
-        cache = EngineCache.open_configured(cache_root, remote=remote, warn=warn)
+        cache = EngineCache.open_configured(cache_root, remote=remote, recorded_remote=not remote_turned_off(),
+                                            warn=warn)
         try:
             key = cache.entries.complete_key(text)
         except CacheEntryNotFoundError:

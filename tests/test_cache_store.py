@@ -238,6 +238,18 @@ def test_verify_names_the_flipped_file_and_marks_the_entry_for_rebuild(cache):
     assert cache.entries.verify(key).ok
 
 
+def test_an_entry_that_verifies_intact_again_is_a_hit_not_a_rebuild(cache):
+    m, build = material(), FakeBuild()
+    key = engine_key(m)
+    weights = cache.entries.get_or_build(key, m, build).payload_dir / "weights" / "rank0.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:500] + bytes([good[500] ^ 0x10]) + good[501:])
+    assert not cache.entries.verify(key).ok
+    weights.write_bytes(good)  # put back
+    assert cache.entries.verify(key).ok
+    assert cache.entries.get_or_build(key, m, build).hit
+
+
 def test_quantized_store_uses_its_own_folder_payload_and_lock(cache):
     m = {"key_schema": 1, "kind": "quantized", "checkpoint": "0" * 64}
     key = engine_key(m)

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from kiln.engines.cache import CacheEntryNotFoundError, EngineCache, engine_key
 from kiln.engines.cache.remote import RemoteCorruptError, RemoteSpec, RemoteUnavailableError
 from kiln.engines.cache.remote.layout import blob_name, lease_name, manifest_name
-from kiln.engines.cache.remote.lease import LeaseTiming
+from kiln.engines.cache.remote.lease import LeaseTiming, build_lease
 from kiln.engines.cache.remote.maintenance import prune_remote, remote_entries, verify_remote
 from kiln.pipeline.cache_commands import cache_app
 from kiln.pipeline.config import ConfigError, KilnConfig, remote_spec
@@ -282,6 +282,25 @@ def test_a_machine_waits_for_the_lease_holder_then_pulls_instead_of_building(tmp
     assert result[0].pulled and not calls
 
 
+def test_a_machine_waiting_on_the_repair_of_a_damaged_copy_takes_the_repaired_one(tmp_path, remote):
+    key, outcome = engine_key(material("a")), []
+    objects = machine(tmp_path, "waiter", remote).remote.objects
+    objects.write(manifest_name("entries", key), b"the damaged copy's manifest")
+    objects.write(lease_name("entries", key), b'{"host": "repairer", "pid": 1}')  # another machine rebuilds it
+
+    def wait_for_the_lease() -> None:
+        with build_lease(objects, "entries", key, timing=FAST_LEASE, on_wait=None, failed=print, damaged=True) as got:
+            outcome.append(got)
+
+    waiting = threading.Thread(target=wait_for_the_lease)
+    waiting.start()
+    time.sleep(0.3)  # several polls, well before the lease would go stale
+    assert waiting.is_alive()  # the damaged copy is not "published"
+    objects.write(manifest_name("entries", key), b"the repaired copy's manifest")
+    waiting.join(timeout=30)
+    assert outcome == ["published"]  # pull the repair rather than build again
+
+
 def test_a_stale_lease_of_a_dead_builder_is_taken_over(tmp_path, remote):
     key, calls = engine_key(material("a")), []
     cache = machine(tmp_path, "second", remote)
@@ -376,6 +395,18 @@ def test_remote_commands_without_a_remote_say_how_to_name_one_and_create_nothing
         result = runner.invoke(cache_app, [*command, "--remote", "--cache-dir", str(tmp_path / "typo")])
         assert result.exit_code == 2 and "KILN_CACHE_REMOTE" in result.stderr, command
     assert not (tmp_path / "typo").exists()
+
+
+def test_an_empty_kiln_cache_remote_turns_off_the_remote_a_cache_recorded_too(tmp_path, monkeypatch):
+    (tmp_path / "remote").mkdir()
+    EngineCache.open(tmp_path / "cache", remote=RemoteSpec((tmp_path / "remote").as_uri()))  # a build recorded it
+    listing = ["ls", "--remote", "--cache-dir", str(tmp_path / "cache")]
+    monkeypatch.delenv("KILN_CACHE_REMOTE", raising=False)
+    assert runner.invoke(cache_app, listing).exit_code == 0
+    monkeypatch.setenv("KILN_CACHE_REMOTE", "")
+    result = runner.invoke(cache_app, listing)
+    assert result.exit_code == 2 and "no remote cache is configured" in result.stderr
+    assert runner.invoke(cache_app, ["push", "--all", "--cache-dir", str(tmp_path / "cache")]).exit_code == 2
 
 
 def test_remote_settings_are_checked_where_they_are_written(monkeypatch):

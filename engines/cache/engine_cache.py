@@ -72,15 +72,16 @@ class EngineCache:
         return cache
 
     @classmethod
-    def open_configured(cls, root: Path, *, remote: RemoteSpec | None = None,
+    def open_configured(cls, root: Path, *, remote: RemoteSpec | None = None, recorded_remote: bool = True,
                         warn: Callable[[str], None] | None = None, create: bool = True) -> EngineCache:
-        """Open the cache with the limits its last configured ``open`` recorded, and ``remote`` or else the remote
-        it recorded (for the cache commands). ``create=False`` (commands that only read or remove): a root without
-        a cache is a CacheRootError ("no cache at ROOT"), and nothing is created there."""
+        """Open the cache with the limits its last configured ``open`` recorded, and ``remote`` or else (unless
+        ``recorded_remote`` is False: the user turned the remote off) the remote it recorded, for the cache
+        commands. ``create=False`` (commands that only read or remove): a root without a cache is a CacheRootError
+        ("no cache at ROOT"), and nothing is created there."""
         if not create:
             require_layout(Path(root))
-        return cls(root, verify_on_load="changed", remote=remote or read_remote(Path(root)), warn=warn,
-                   **read_limits(Path(root)))
+        remote = remote or (read_remote(Path(root)) if recorded_remote else None)
+        return cls(root, verify_on_load="changed", remote=remote, warn=warn, **read_limits(Path(root)))
 
     @property
     def hash_memo_path(self) -> Path:

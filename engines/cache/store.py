@@ -262,7 +262,7 @@ class ContentStore:
             if not force and (pulled := self._try_pull(key, material, on_transfer, damaged)) is not None:
                 return dataclasses.replace(pulled, waited=waited)
             lease = nullcontext("none") if self.remote is None or not self.remote.usable \
-                else self.remote.lease(self.name, key, on_wait, replacing=force or bool(damaged))
+                else self.remote.lease(self.name, key, on_wait, replacing=force, damaged=bool(damaged))
             with lease as outcome:
                 if outcome == "published" and (pulled := self._try_pull(key, material, on_transfer, damaged)):
                     return dataclasses.replace(pulled, waited=True)
@@ -568,6 +568,8 @@ class ContentStore:
             checked = len(manifest.get("files", []))
         if problems:
             write_atomic(entry / CORRUPT_MARK, json.dumps({"verified": _utc_now(), "problems": problems}).encode())
+        else:  # intact (a file put back, a false alarm): an earlier verify's mark must not force a rebuild
+            (entry / CORRUPT_MARK).unlink(missing_ok=True)
         self.stats.record_verify(self.name, key, not problems, "; ".join(problems) or None)
         return VerifyResult(self.name, key, entry, checked, problems)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kiln.engines.cache.remote.layout import lease_name, manifest_name
-from kiln.engines.cache.remote.objects import ObjectStore, RemoteUnavailableError
+from kiln.engines.cache.remote.objects import ObjectInfo, ObjectStore, RemoteUnavailableError
 
 LeaseOutcome = Literal["held", "published", "unavailable"]
 
@@ -36,14 +36,15 @@ class LeaseTiming:
 @contextmanager
 def build_lease(objects: ObjectStore, store: str, key: str, *, timing: LeaseTiming,
                 on_wait: Callable[[str], None] | None, failed: Callable[[RemoteUnavailableError], None],
-                replacing: bool = False) -> Iterator[LeaseOutcome]:
+                replacing: bool = False, damaged: bool = False) -> Iterator[LeaseOutcome]:
     """Hold the remote build lease of ``key`` while the body builds: ``held``; ``published`` when another machine
-    published the entry meanwhile (pull it instead; never when ``replacing`` an entry found damaged);
-    ``unavailable`` when the remote could not be asked (``failed`` hears why; build anyway)."""
+    published the entry meanwhile (pull it instead; never when ``replacing`` it, a forced build; when the copy there
+    was found ``damaged``, once another machine has published a new one); ``unavailable`` when the remote could not
+    be asked (``failed`` hears why; build anyway)."""
     name = lease_name(store, key)
     body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}).encode()
     try:
-        outcome = _acquire(objects, store, key, name, body, timing, on_wait, replacing)
+        outcome = _acquire(objects, store, key, name, body, timing, on_wait, replacing, damaged)
     except RemoteUnavailableError as exc:
         failed(exc)
         outcome = "unavailable"
@@ -64,10 +65,12 @@ def build_lease(objects: ObjectStore, store: str, key: str, *, timing: LeaseTimi
 
 
 def _acquire(objects: ObjectStore, store: str, key: str, name: str, body: bytes, timing: LeaseTiming,
-             on_wait: Callable[[str], None] | None, replacing: bool) -> LeaseOutcome:
+             on_wait: Callable[[str], None] | None, replacing: bool, damaged: bool) -> LeaseOutcome:
     started, told = time.monotonic(), None
+    refused = objects.stat(manifest_name(store, key)) if damaged else None  # the copy found damaged
     while True:
-        if not replacing and objects.stat(manifest_name(store, key)) is not None:
+        manifest = objects.stat(manifest_name(store, key))
+        if not replacing and manifest is not None and (refused is None or _replaced(manifest, refused)):
             return "published"
         if objects.write(name, body, if_absent=True):
             return "held"
@@ -82,6 +85,10 @@ def _acquire(objects: ObjectStore, store: str, key: str, name: str, body: bytes,
             on_wait(f"{holder} is building {store} {key[:12]} for the remote cache; waiting for it{waited}")
             told = time.monotonic()
         time.sleep(timing.poll_s)
+
+
+def _replaced(now: ObjectInfo, before: ObjectInfo) -> bool:
+    return (now.etag, now.modified) != (before.etag, before.modified)
 
 
 def _holder(data: bytes | None) -> str:

@@ -180,10 +180,10 @@ class RemoteTier:
             self.objects.write(last_used_name(store, key), b"")
 
     def lease(self, store: str, key: str, on_wait: Callable[[str], None] | None,
-              replacing: bool = False) -> AbstractContextManager[LeaseOutcome]:
+              replacing: bool = False, damaged: bool = False) -> AbstractContextManager[LeaseOutcome]:
         """The remote build lease of ``key`` (``lease.build_lease``)."""
         return build_lease(self.objects, store, key, timing=self.timing, on_wait=on_wait, failed=self.failed,
-                           replacing=replacing)
+                           replacing=replacing, damaged=damaged)
 
     def _each(self, work: Callable[[dict], object], files: list[dict], counter: _Counter) -> Iterator:
         """``work`` on each file, ``file_threads`` at once, largest first (so the big ones overlap). When one fails
