@@ -12,7 +12,8 @@ import kiln
 
 def kiln_module_command(module: str, *args: str) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that run ``python -m module args...`` for a module of the ``kiln`` package."""
-    package_parent = str(Path(kiln.__file__).resolve().parents[1])
+    # absolute, not resolved: a package reached through a symlink is found where this process found it
+    package_parent = str(Path(kiln.__file__).absolute().parents[1])
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent,
                                                                              os.environ.get("PYTHONPATH")]))}
     return [sys.executable, "-m", module, *args], environment

@@ -68,3 +68,14 @@ def test_the_wheel_carries_every_module_of_the_code(wheel):
 
 def test_the_wheel_carries_the_bundled_configs_model_and_calibration_data(wheel):
     assert set(BUNDLED) <= set(wheel.namelist())
+
+
+def test_kiln_processes_find_the_kiln_this_process_found_even_through_a_symlink(tmp_path):
+    (tmp_path / "kiln").symlink_to(REPO, target_is_directory=True)  # a checkout reached as pp/kiln -> repo
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import kiln; "
+            "from kiln.runtime.kiln_python import kiln_module_command; import subprocess; "
+            "argv, env = kiln_module_command('kiln', '--version'); "
+            "print(subprocess.run([argv[0], '-c', 'import kiln; print(kiln.__file__)'], env=env, "
+            "capture_output=True, text=True, cwd='/').stdout.strip())")
+    found = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd="/")
+    assert found.stdout.strip() == str(tmp_path / "kiln" / "__init__.py"), found.stderr[-1000:]

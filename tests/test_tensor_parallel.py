@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -113,6 +114,10 @@ def test_abort_frees_a_request_and_the_engine_keeps_serving(tmp_path):
         llm.abort("long")
         assert llm.result("long", 60).finish_reason == "abort"
         assert len(llm.generate([PROMPTS[1]], GREEDY)[0].token_ids) == 10
+        # the ranks of one host meet on loopback only: their store and gloo take no connection from the network
+        ranks = [os.getpid(), *(p.pid for p in llm.engine.ranks.workers.processes.values())]
+        addresses = {address for pid in ranks for address in listening_addresses(pid)}
+        assert addresses and addresses <= {"0100007F", "00000000000000000000000001000000"}, addresses
 
 
 def test_a_killed_worker_stops_the_engine_with_an_error_naming_it(tmp_path):
@@ -193,8 +198,6 @@ def test_torchrun_starts_kiln_serve_as_rank_zero_and_a_worker(tmp_path):
     import sys
     import urllib.request
 
-    from kiln.runtime.native.parallel.launch import free_port
-
     built = engines(tmp_path, make_hf_checkpoint(tmp_path / "checkpoint", 0))
     port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
@@ -242,3 +245,22 @@ def test_tp2_on_two_gpus_with_nccl_and_cuda_graphs_gives_the_tokens_of_one_gpu(t
         assert [r.token_ids for r in two] == [r.token_ids for r in one]
     else:  # bf16 sums in another order: the first tokens agree, near-ties may part later
         assert [r.token_ids[:4] for r in two] == [r.token_ids[:4] for r in one]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for processes this test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """The local addresses (as /proc/net/tcp writes them) of the TCP sockets process ``pid`` listens on."""
+    links = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # closed since the listing
+            links.append(os.readlink(fd))
+    inodes = {link[8:-1] for link in links if link.startswith("socket:[")}
+    return {fields[1].split(":")[0] for table in ("tcp", "tcp6")
+            for fields in (line.split() for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:])
+            if fields[3] == "0A" and fields[9] in inodes}

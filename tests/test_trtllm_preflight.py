@@ -91,6 +91,14 @@ def test_a_checkpoint_written_for_another_tensor_parallel_size_is_refused():
     assert "tp_size 2" in message and "build.tp_size is 1" in message
 
 
+@pytest.mark.parametrize("quant_format", ["fp8", "int4_awq"])
+def test_a_quantized_engine_over_several_gpus_is_refused_before_calibration(quant_format):
+    options = replace(OPTIONS, tp_size=2)  # and no checkpoint yet: a dry run on a fresh cache
+    message = refusal(options, quant_format)
+    assert f"quantize.format {quant_format}" in message and "one GPU only" in message and "backend native" in message
+    assert preflight(options, "none", "auto", H200) is not None  # an unquantized one converts at tp_size 2
+
+
 def test_unknown_option_values_are_refused_naming_the_choices():
     message = refusal(replace(OPTIONS, kv_cache_type="pagged", gemm_plugin="int4"))
     assert "kv_cache_type 'pagged' is not one of paged, continuous, disabled" in message

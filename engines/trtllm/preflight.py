@@ -42,7 +42,13 @@ def preflight(options: TrtllmBuildOptions, quant_format: str, kv_cache_dtype: st
         errors.append(f"quantize.kv_cache_dtype fp8 with quantize.format {quant_format}: TensorRT-LLM 1.2.x builds "
                       f"paged context FMHA on an FP8 KV cache only for FP8-quantized checkpoints (\"FP8 Paged Context "
                       f"FMHA only works with fp8 quantization workflow\"); use format fp8 or kv_cache_dtype auto")
-    if checkpoint_config is not None:
+    if quant_format != "none" and options.world_size > 1:
+        # calibration.export writes modelopt's TensorRT-LLM checkpoint for tensor parallel 1 only: refuse here, before
+        # calibration runs, rather than at the build stage after it
+        errors.append(f"build.tp_size {options.tp_size} x pp_size {options.pp_size} with quantize.format "
+                      f"{quant_format}: Kiln exports quantized TensorRT-LLM checkpoints for one GPU only; set tp_size "
+                      f"and pp_size to 1, or use backend native (which splits FP8 and INT4-AWQ over tp_size GPUs)")
+    elif checkpoint_config is not None:
         errors += _checkpoint_errors(options, checkpoint_config)
         warnings += _checkpoint_warnings(options, checkpoint_config)
     if errors:

@@ -8,9 +8,10 @@ wait with an error instead of a hang.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -34,6 +35,9 @@ class Rendezvous:
     port: int
     rank: int
     size: int
+    # rank 0 only: a socket already listening on host:port for the store to serve on (torch's TCPStore otherwise
+    # listens on every interface, whatever ``host`` says)
+    listen_fd: int | None = field(default=None, compare=False)
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> Rendezvous:
@@ -57,11 +61,19 @@ class Rendezvous:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def on_loopback(self) -> bool:
+        """Whether the ranks meet on this host's loopback interface (workers started by ``LocalWorkers``)."""
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a host name: no lookup (it may be slow, and torchrun's ranks name the master's host)
+            return self.host == "localhost"
+
     def store(self, timeout: timedelta = COLLECTIVE_TIMEOUT) -> dist.TCPStore:
         """Rank 0 serves the store, the others connect to it (waiting up to ``timeout`` for it)."""
         try:
             return dist.TCPStore(self.host, self.port, self.size, self.rank == 0, timeout=timeout,
-                                 wait_for_workers=False)
+                                 wait_for_workers=False, master_listen_fd=self.listen_fd)
         except (RuntimeError, OSError) as e:
             raise TensorParallelError(f"rank {self.rank}: cannot reach the tensor-parallel rendezvous at "
                                       f"{self.address()} ({e})") from None
@@ -75,7 +87,8 @@ class TensorParallelGroup:
                  timeout: timedelta = COLLECTIVE_TIMEOUT) -> None:
         self.rank, self.size, self.device = rendezvous.rank, rendezvous.size, torch.device(device)
         self.store = store = rendezvous.store(timeout)
-        self.cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), self.rank, self.size, timeout)
+        self.cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), self.rank, self.size,
+                                               _gloo_options(rendezvous, timeout))
         if self.device.type == "cuda":
             # NCCL reads its settings from the environment only: NVLink multicast stays off unless the user turned
             # it on (it can take shared GPU hosts down)
@@ -114,3 +127,13 @@ class TensorParallelGroup:
         """End every collective in progress with an error (a rank died)."""
         for group in {id(g): g for g in (self.device_group, self.cpu_group)}.values():
             group.abort()
+
+
+def _gloo_options(rendezvous: Rendezvous, timeout: timedelta) -> dist.ProcessGroupGloo._Options:
+    """Gloo's options: ranks that meet on loopback connect over it (gloo would otherwise listen on the interface
+    this host's name resolves to, open to the network); others on the interface of this host's name."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=rendezvous.host) if rendezvous.on_loopback
+                        else dist.ProcessGroupGloo.create_default_device()]
+    return options

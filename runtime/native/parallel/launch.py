@@ -31,13 +31,6 @@ JOIN_POLL_S = 0.2
 FAILURE_WAIT_S = 2.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def check_devices(device: torch.device, tp_size: int) -> None:
     """A CUDA engine of ``tp_size`` ranks needs that many GPUs from ``device`` on (a CPU engine runs its ranks as
     processes of this host)."""
@@ -54,7 +47,12 @@ class LocalWorkers:
     """Ranks 1..size-1 as child processes of this one; ``rendezvous`` is rank 0's place among them."""
 
     def __init__(self, engine_dir: Path, options: RuntimeOptions, size: int, first_local_rank: int = 0) -> None:
-        self.rendezvous = Rendezvous("127.0.0.1", free_port(), 0, size)
+        # the store listens on the loopback interface only, on a socket bound before any worker is told its port
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        self.rendezvous = Rendezvous("127.0.0.1", port, 0, size, listener.detach())  # the store owns the socket
         self.failure: str | None = None
         self.failed = threading.Event()
         self._stopping = False
