@@ -8,3 +8,7 @@ class CalibrationError(Exception):
     """
 
     exit_code: int = 4
+
+    def __init__(self, message: str, details: dict | None = None) -> None:
+        super().__init__(message)
+        self.details = details  # for a command's --json error object: the attempts of a failed gate, say

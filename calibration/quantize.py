@@ -119,14 +119,14 @@ class _Stage:
                 attempt.outcome = self._fallback_reason(attempts[:-1]) if index else "requested"
                 del reference, heldout
                 return self._ship_quantized(attempts, data, runner, *shipped)
-        raise CalibrationError(self._gate_failed_message(attempts))
+        raise CalibrationError(self._gate_failed_message(attempts), {"attempts": [a.as_dict() for a in attempts]})
 
     def _attempt(self, fmt: str, index: int, reference: nn.Module, data: CalibrationData, runner: BatchRunner,
                  heldout: HeldoutReference) -> tuple[Attempt, tuple[nn.Module, nn.Module] | None]:
         """Calibrate and gate one format; return the attempt and, if it passed, (model, unfused copy for TRT-LLM)."""
         attempt, model = self._calibrate(fmt, index, reference, data, runner, heldout)
         if not attempt.converged and self.recipe.on_failure == "fail":
-            raise CalibrationError(self._not_converged_message(attempt, data))
+            raise CalibrationError(self._not_converged_message(attempt, data), {"attempts": [attempt.as_dict()]})
         unfused = copy.deepcopy(model)  # TensorRT-LLM's exporter fuses q/k/v itself, from the unfused scales
         fuse_shared_inputs(model)
         metrics = self._timed("gate_s", lambda: runner.with_backoff(lambda: evaluate(model, heldout, f"{fmt} gate")))

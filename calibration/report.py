@@ -90,7 +90,7 @@ def summary_line(shipped: Attempt, attempts: list[Attempt], tolerance: float) ->
         last = shipped.rounds[-1]
         change = "" if last.max_rel_change is None else f", last max change {last.max_rel_change:.2%}"
         parts.append(f"{shipped.verdict} after {len(shipped.rounds)} rounds ({shipped.samples} samples{change}, "
-                     f"tolerance {tolerance:.0%});")
+                     f"tolerance {tolerance * 100:.3g}%);")
         g = shipped.gate
         parts.append(f"gate {'passed' if g.applied else 'not applied'} (ppl {g.metrics.ppl_increase:+.2%}, "
                      f"KL {g.metrics.kl:.2g}, top-1 {g.metrics.top1_agreement:.2%})")

@@ -57,6 +57,9 @@ def resolve_source(spec: str, role: Role, dataset_root: Path | None = None) -> T
         raise CalibrationError(f"{field}: {path} does not exist; point it at a .jsonl, .txt or .parquet file, a "
                                "folder of them, 'hf:<name>' or 'bundled'")
     if path.is_file():
+        if path.suffix not in TEXT_SUFFIXES:  # read as prose, a JSON array or a .gz would calibrate on its syntax
+            raise CalibrationError(f"{field}: {path} is not a .jsonl, .txt or .parquet file; convert it to JSONL (one "
+                                   f"{{\"text\": ...}} object a line), or rename a plain-text file to .txt")
         return TextSource(field, spec, path.parent, (path,))
     files = tuple(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES))
     if not files:
@@ -116,7 +119,7 @@ def read_documents(source: TextSource, text_field: str) -> list[str]:
         elif path.suffix == ".parquet":
             docs.extend(_read_parquet(path, text_field, source.field))
         else:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            text = _utf8_text(path, source.field)
             docs.extend(p.strip() for p in re.split(r"\n\s*\n", text) if p.strip())
     if not docs:
         names = ", ".join(str(p) for p in source.files[:3])
@@ -124,33 +127,45 @@ def read_documents(source: TextSource, text_field: str) -> list[str]:
     return docs
 
 
+def _utf8_text(path: Path, field: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise CalibrationError(f"{field}: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); re-encode it "
+                               "as UTF-8 (and decompress a compressed file)") from None
+
+
 def _read_jsonl(path: Path, text_field: str, field: str) -> list[str]:
     docs = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CalibrationError(f"{field}: {path}:{number} is not valid JSON ({exc.msg}); fix or remove the "
-                                       "line") from exc
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise CalibrationError(f"{field}: {path}:{number} has no string field '{text_field}'; set "
-                                       "quantize.text_field to the field that holds the text")
-            if text.strip():
-                docs.append(text)
+    for number, line in enumerate(_utf8_text(path, field).split("\n"), 1):  # JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CalibrationError(f"{field}: {path}:{number} is not valid JSON ({exc.msg}); fix or remove the "
+                                   "line") from exc
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise CalibrationError(f"{field}: {path}:{number} has no string field '{text_field}'; set "
+                                   "quantize.text_field to the field that holds the text")
+        if text.strip():
+            docs.append(text)
     return docs
 
 
 def _read_parquet(path: Path, text_field: str, field: str) -> list[str]:
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise CalibrationError(f"{field}: {path} is parquet, which needs pyarrow; pip install pyarrow, or convert the "
                                "data to JSONL") from None
-    schema = pq.read_schema(path)
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise CalibrationError(f"{field}: {path} cannot be read as parquet ({str(exc).splitlines()[0]}); check the "
+                               "file, or convert it to JSONL") from None
     if text_field not in schema.names:
         raise CalibrationError(f"{field}: {path} has no column '{text_field}' (columns: {', '.join(schema.names)}); "
                                "set quantize.text_field to the text column")

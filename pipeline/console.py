@@ -91,7 +91,7 @@ def friendly_errors(command: Callable) -> Callable:
         except (KilnError, CalibrationError) as exc:
             stderr.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False, soft_wrap=True)
             if kwargs.get("json_out") and not _printed_json.get():  # a script reading stdout gets the error too
-                print_error_json(type(exc).__name__, str(exc))
+                print_error_json(type(exc).__name__, str(exc), getattr(exc, "details", None))
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None
         except KeyboardInterrupt:
             stderr.print("[yellow]interrupted[/]", markup=True)
@@ -102,9 +102,10 @@ def friendly_errors(command: Callable) -> Callable:
     return wrapper
 
 
-def print_error_json(kind: str, message: str) -> None:
-    """The ``{"error": {"type", "message"}}`` object a command given ``--json`` prints on stdout when it fails."""
-    print_json({"error": {"type": kind, "message": message}})
+def print_error_json(kind: str, message: str, details: dict | None = None) -> None:
+    """The ``{"error": {"type", "message"}}`` object a command given ``--json`` prints on stdout when it fails (with
+    the error's ``details`` where it has them: a failed gate's attempts, their rounds and metrics)."""
+    print_json({"error": {"type": kind, "message": message, **({"details": details} if details else {})}})
 
 
 def warn(message: str) -> None:

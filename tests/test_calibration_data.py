@@ -69,6 +69,19 @@ def test_empty_dataset_is_rejected(tmp_path, tokenizer):
         load_calibration_data(recipe(tmp_path / "empty.jsonl"), tokenizer)
 
 
+@pytest.mark.parametrize(("name", "content", "words"), [
+    ("c.json", b'[{"text": "a"}]', "is not a .jsonl, .txt or .parquet file"),  # read as prose it would calibrate
+    ("c.jsonl.gz", b"\x1f\x8b\x08", "is not a .jsonl, .txt or .parquet file"),
+    ("c.jsonl", b'\xff\xfe{"text": "a"}\n', "is not UTF-8 text"),
+    ("c.txt", b"caf\xe9 au lait", "is not UTF-8 text"),
+    ("c.parquet", b"not parquet", "cannot be read as parquet"),
+])
+def test_a_file_of_another_kind_or_encoding_is_refused_naming_it(tmp_path, name, content, words):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(CalibrationError, match=f"quantize.dataset: .*{re.escape(name)} {words}"):
+        read_documents(resolve_source(str(tmp_path / name), "calibration"), "text")
+
+
 def test_dataset_smaller_than_the_budget_says_how_many_samples_it_gives(tmp_path, tokenizer):
     data = write_jsonl(tmp_path / "small.jsonl", corpus(2))
     with pytest.raises(CalibrationError, match=r"gives \d+ samples of 16 tokens, fewer than quantize.num_samples=500"):

@@ -126,9 +126,11 @@ def test_fallback_ships_fp8_when_only_int4_fails_the_gate(checkpoint, tmp_path):
 
 
 def test_gate_failure_without_fallback_stops_and_writes_nothing(checkpoint, tmp_path):
-    with pytest.raises(CalibrationError, match=r"no format passed the accuracy gate .*fp8 failed the gate: KL"):
+    with pytest.raises(CalibrationError, match=r"no format passed the accuracy gate .*fp8 failed the gate: KL") as info:
         quantize_checkpoint(checkpoint, small_recipe(format="fp8", gate={"max_kl": 0.0}), tmp_path)
     assert list(tmp_path.iterdir()) == []
+    (attempt,) = info.value.details["attempts"]  # what `--json` prints with the error, for automation
+    assert attempt["format"] == "fp8" and attempt["gate"]["passed"] is False and attempt["gate"]["kl"] > 0
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])

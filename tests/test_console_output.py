@@ -54,6 +54,20 @@ def test_an_error_under_json_is_an_error_object_on_stdout_with_the_exit_code_kep
     assert plain.exit_code == 2 and plain.stdout == ""
 
 
+def test_an_error_with_details_carries_them_in_its_json_object(capsys):
+    from kiln.calibration import CalibrationError
+    from kiln.pipeline.console import friendly_errors
+
+    @friendly_errors
+    def command(json_out: bool = True) -> None:
+        raise CalibrationError("no format passed the accuracy gate", {"attempts": [{"format": "fp8"}]})
+
+    with pytest.raises(typer.Exit) as exited:
+        command(json_out=True)
+    assert exited.value.exit_code == 4
+    assert json.loads(capsys.readouterr().out)["error"]["details"] == {"attempts": [{"format": "fp8"}]}
+
+
 def test_version_and_short_help():
     from typer.testing import CliRunner
 
