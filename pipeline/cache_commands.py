@@ -156,7 +156,8 @@ def stats(
     reasons = ", ".join(f"{n} {reason}" for reason, n in report["misses_by_reason"].items() if n)
     load = report["load_ms"]
     table.add_row("lookups", str(report["lookups"]), f"since {report['since']}" if report["since"] else "")
-    table.add_row("hits", str(report["hits"]), f"{hit_rate:.1%} hit rate" if hit_rate is not None else "")
+    pulled_hits = f" ({report['remote_hits']} pulled from the remote)" if report["remote_hits"] else ""
+    table.add_row("hits", str(report["hits"]), f"{hit_rate:.1%} hit rate{pulled_hits}" if hit_rate is not None else "")
     table.add_row("misses", str(report["misses"]), reasons)
     table.add_row("load latency p50", _ms(load["p50"]), f"p95 {_ms(load['p95'])}, p99 {_ms(load['p99'])}, "
                   f"max {_ms(load['max'])}, {load['count']} loads")

@@ -109,7 +109,11 @@ def test_an_entry_built_on_one_machine_is_pulled_verified_by_another(tmp_path, r
     assert pulled.hit and pulled.pulled and not second_calls
     assert payload_bytes(second, key) == payload_bytes(first, key)
     assert second.entries.lookup(key, material("a")).hit  # a whole local entry: manifest, files, sizes
-    remote_figures = second.stats.summary("entries")["remote"]
+    lookups = second.stats.summary("entries")
+    assert (lookups["lookups"], lookups["hits"], lookups["remote_hits"], lookups["hit_rate"]) == (2, 2, 1, 1.0)
+    assert lookups["misses_by_reason"]["new"] == 0  # served by the remote: no miss of the team's cache
+    assert lookups["build_seconds_saved"] == 2 * built.build_seconds  # the pull's and the local hit's
+    remote_figures = lookups["remote"]
     assert remote_figures["hits"] == 1
     assert remote_figures["pulled_bytes"] == sum(map(len, payload_bytes(first, key).values()))
     assert first.stats.summary("entries")["remote"]["pushes"] == 1

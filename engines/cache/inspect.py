@@ -80,6 +80,7 @@ def stats_report(cache: EngineCache, since: float | None = None) -> dict:
         "since": iso_utc(since) if since is not None else None,
         "lookups": engines["lookups"],
         "hits": engines["hits"],
+        "remote_hits": engines["remote_hits"],
         "misses": engines["misses"],
         "hit_rate": engines["hit_rate"],
         "misses_by_reason": engines["misses_by_reason"],

@@ -13,6 +13,7 @@ from pathlib import Path
 from kiln.engines.cache.db import connect, ensure_schema
 
 MISS_REASONS = ("new", "evicted", "corrupt", "incompatible")
+REMOTE_HIT = "remote hit"  # a lookup that missed here and was pulled from the remote tier
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY, ts REAL NOT NULL, event TEXT NOT NULL, "
@@ -48,9 +49,9 @@ class StatsDB:
 
     def record_lookup(self, store: str, key: str, reason: str, build_seconds_saved: float = 0.0,
                       size: int = 0) -> None:
-        """One lookup: ``reason`` is ``hit`` or a miss reason; a hit saves the entry's recorded build time. A hit on
-        an entry never recorded as stored (its builder was killed between the publish and ``record_store``) records
-        that store now, with the entry's ``size`` and build time."""
+        """One lookup: ``reason`` is ``hit``, ``remote hit`` or a miss reason; a hit of either kind saves the entry's
+        recorded build time. A hit on an entry never recorded as stored (its builder was killed between the publish
+        and ``record_store``) records that store now, with the entry's ``size`` and build time."""
         now = time.time()
         with connect(self.path, _SCHEMA) as db:
             if reason == "hit" and db.execute("INSERT OR IGNORE INTO published VALUES (?, ?, ?)",
@@ -58,7 +59,7 @@ class StatsDB:
                 db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes) "
                            "VALUES (?, 'store', ?, ?, 'ok', ?, ?)", (now, store, key, build_seconds_saved, size))
             db.execute("INSERT INTO events (ts, event, store, key, outcome, value) VALUES (?, 'lookup', ?, ?, ?, ?)",
-                       (now, store, key, reason, build_seconds_saved if reason == "hit" else None))
+                       (now, store, key, reason, build_seconds_saved if reason in ("hit", REMOTE_HIT) else None))
 
     def record_load(self, store: str, key: str, ms: float) -> None:
         """One load of an entry by a runtime, with its latency."""
@@ -120,7 +121,7 @@ class StatsDB:
             lookups = dict(db.execute("SELECT outcome, COUNT(*) FROM events WHERE event='lookup' AND store=? "
                                       "AND ts>=? GROUP BY outcome", (store, since)).fetchall())
             saved = db.execute("SELECT COALESCE(SUM(value), 0) FROM events WHERE event='lookup' AND store=? "
-                               "AND outcome='hit' AND ts>=?", (store, since)).fetchone()[0]
+                               "AND outcome IN ('hit', ?) AND ts>=?", (store, REMOTE_HIT, since)).fetchone()[0]
             loads = [row[0] for row in db.execute("SELECT value FROM events WHERE event='load' AND store=? AND ts>=? "
                                                   "ORDER BY value", (store, since))]
             evictions = db.execute("SELECT COUNT(*) FROM events WHERE event='evict' AND store=? AND ts>=?",
@@ -130,12 +131,14 @@ class StatsDB:
             remote = db.execute("SELECT event, outcome, COUNT(*), COALESCE(SUM(value), 0), COALESCE(SUM(bytes), 0) "
                                 "FROM events WHERE event IN ('remote_pull', 'remote_push') AND store=? AND ts>=? "
                                 "GROUP BY event, outcome", (store, since)).fetchall()
-        hits = lookups.get("hit", 0)
+        remote_hits = lookups.get(REMOTE_HIT, 0)
+        hits = lookups.get("hit", 0) + remote_hits
         misses_by_reason = {reason: lookups.get(reason, 0) for reason in MISS_REASONS}
         total = hits + sum(misses_by_reason.values())
         return {
             "lookups": total,
             "hits": hits,
+            "remote_hits": remote_hits,
             "misses": total - hits,
             "hit_rate": hits / total if total else None,
             "misses_by_reason": misses_by_reason,

@@ -53,7 +53,7 @@ from kiln.engines.cache.manifest import (
 )
 from kiln.engines.cache.remote.objects import RemoteCorruptError, RemoteUnavailableError
 from kiln.engines.cache.remote.tier import PushResult, RemoteTier, Transferred
-from kiln.engines.cache.stats import StatsDB
+from kiln.engines.cache.stats import REMOTE_HIT, StatsDB
 from kiln.engines.cache.units import iso_utc
 from kiln.runtime.cache_hold import IN_USE_LOCK
 
@@ -254,24 +254,29 @@ class ContentStore:
             if found.hit and not force:
                 return self._hit(key, found, waited)
             self.sweep(own_key=key)
-            if not force:
-                self._record_lookup(key, found)
             if found.reason == "corrupt":
                 self.quarantine(key, found.detail)
             damaged: list[str] = []  # a remote copy refused on pull: this build replaces it there
             if not force and (pulled := self._try_pull(key, material, on_transfer, damaged)) is not None:
-                return dataclasses.replace(pulled, waited=waited)
+                return self._remote_hit(pulled, waited)
             lease = nullcontext("none") if self.remote is None or not self.remote.usable \
                 else self.remote.lease(self.name, key, on_wait, replacing=force, damaged=bool(damaged))
             with lease as outcome:
                 if outcome == "published" and (pulled := self._try_pull(key, material, on_transfer, damaged)):
-                    return dataclasses.replace(pulled, waited=True)
+                    return self._remote_hit(pulled, waited=True)
+                if not force:
+                    self._record_lookup(key, found)
                 replaced_in_use = force and is_held(self.entry_dir(key))
                 entry_dir, seconds = self._build_and_publish(key, material, build, describe or {})
                 if self.remote is not None and self.remote.usable:
                     self._push_after_build(key, force or bool(damaged), on_transfer)
         return CacheResult(key, entry_dir, entry_dir / self.payload_name, False, "forced" if force else found.reason,
                            seconds, waited, replaced_in_use)
+
+    def _remote_hit(self, pulled: CacheResult, waited: bool) -> CacheResult:
+        """A local miss the remote tier served: one lookup, a ``remote hit`` that saved the entry's build time."""
+        self.stats.record_lookup(self.name, pulled.key, REMOTE_HIT, pulled.build_seconds)
+        return dataclasses.replace(pulled, waited=waited)
 
     def _hit(self, key: str, found: LookupResult, waited: bool) -> CacheResult:
         self._record_lookup(key, found)
@@ -412,7 +417,7 @@ class ContentStore:
             raise
         result = pulled[0]
         self.stats.record_remote(self.name, key, "pull", "hit", result.seconds, result.bytes)
-        return CacheResult(key, entry_dir, entry_dir / self.payload_name, True, "remote hit",
+        return CacheResult(key, entry_dir, entry_dir / self.payload_name, True, REMOTE_HIT,
                            recorded_build_seconds(manifest), False, pulled=True)
 
     def _try_pull(self, key: str, material: dict, on_transfer: Transferred | None,
