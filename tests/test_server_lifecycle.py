@@ -197,3 +197,16 @@ def test_the_server_stops_with_an_error_when_its_engine_stops_while_serving():
         error = outcome.get(timeout=30)
         assert isinstance(error, EngineFailedError) and error.exit_code == 1
         assert "simulated device failure" in str(error)
+
+
+def test_a_forced_exit_is_an_interruption_not_a_clean_stop():
+    from kiln.runtime import LLM
+    from kiln.runtime.server import ServerSettings, create_app, run_server
+
+    def force(thread) -> None:  # what a third Ctrl-C does
+        thread.server.force_exit = True
+        thread.stop_accepting()
+
+    with LLM.load(tiny_engine()) as llm, pytest.raises(KeyboardInterrupt):
+        run_server(create_app(llm, tiny_engine(), ServerSettings(model_name="tiny")), "127.0.0.1", 0,
+                   on_started=force)

@@ -141,8 +141,8 @@ def run_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float 
     """Serve in the foreground until SIGTERM or SIGINT (a second SIGINT forces), then drain and return. Signals are
     handled when called from the main thread; elsewhere, stop it with the `ServerThread` given to `on_started`.
 
-    Raises ServerStartError when the server cannot start or the engine fails to load, and EngineFailedError after
-    a drain when the engine stopped while serving."""
+    Raises ServerStartError when the server cannot start or the engine fails to load, EngineFailedError after a
+    drain when the engine stopped while serving, and KeyboardInterrupt when the exit was forced (a third SIGINT)."""
     thread = ServerThread(app, host, port, shutdown_timeout_s=shutdown_timeout_s, log_level="info")
 
     def on_signal(signum: int, _: FrameType | None) -> None:
@@ -166,6 +166,8 @@ def run_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if thread.server.force_exit:  # in-flight requests were cut off, not drained: exit 130, not 0
+        raise KeyboardInterrupt
     if state.load_error is not None:
         raise ServerStartError(f"the engine failed to load: {state.load_error}")
     if engine_error is not None:
