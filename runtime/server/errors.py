@@ -72,7 +72,7 @@ def _union_member(part: str | int) -> bool:
 
 def served_routes(app: FastAPI) -> str:
     """The routes an app serves, as "GET /v1/models, POST /v1/completions, ..." (its OpenAPI ones)."""
-    return ", ".join(f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute)
+    return ", ".join(f"{method} {route.path_format}" for route in app.routes if isinstance(route, APIRoute)
                      and route.include_in_schema for method in sorted(route.methods))
 
 
