@@ -153,8 +153,8 @@ class IncrementalDetokenizer:
     Each token decodes only a short window (vLLM's prefix/read offsets), so a step costs the same at token 10 and
     token 10,000; a token that ends inside a multi-byte character waits for the next one. While stop strings are
     set, the last `len(longest stop) - 1` characters are held back from streaming until they cannot start one.
-    Stop strings are looked for from the ``min_tokens``-th completion token on (as vLLM looks for them), in the
-    text that token and those after it complete.
+    Stop strings are looked for once there are more than ``min_tokens`` completion tokens (as vLLM looks for them),
+    ending in the text those later tokens add.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
@@ -165,7 +165,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
-        self._stop_from_token = min_tokens  # completion tokens before which no stop string ends the text
+        self._stop_from_token = min_tokens  # completion tokens up to which no stop string ends the text
         self._num_tokens = 0
         self._num_streamed_chars = 0
         self.text = ""
@@ -177,11 +177,12 @@ class IncrementalDetokenizer:
         new_text = self._pending_text()
         if not new_text or new_text.endswith("\ufffd"):
             return None
-        search_from = max(0, len(self.text) - self._hold)
+        old_length = len(self.text)
         self._take_pending(new_text)
-        if self._num_tokens < self._stop_from_token:
+        if self._num_tokens <= self._stop_from_token:
             return None
-        matches = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) != -1]
+        # a match must end in the new text: what came before was searched already, or came before min_tokens
+        matches = [(i, s) for s in self._stop if (i := self.text.find(s, max(0, old_length - len(s) + 1))) != -1]
         if not matches:
             return None
         index, stop = min(matches)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.native.logit_controls import apply_logit_controls
 from kiln.runtime.native.sampler import Sampler, SamplingError, apply_top_k_top_p
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -151,6 +152,23 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily():
     assert Sampler()(logits, seqs) == logits.argmax(-1).tolist()
 
 
+def test_small_penalties_and_biases_on_bf16_logits_are_not_rounded_away():
+    logits = torch.tensor([[20.0, 20.0, 12.0, 3.0]] * 2, dtype=torch.bfloat16)  # a bf16 step near 20 is 0.125
+    biased = Sequence("bias", [1], SamplingParams(temperature=0, logit_bias={1: 0.05}))
+    penalized = Sequence("penalty", [1], SamplingParams(temperature=0, frequency_penalty=0.05))
+    penalized.append_token(0)  # once in the completion
+    controlled = apply_logit_controls(logits, [biased, penalized], stop_token_ids=())
+    assert controlled.dtype == torch.float32
+    assert controlled[0, 1].item() == pytest.approx(20.05) and controlled[1, 0].item() == pytest.approx(19.95)
+    assert Sampler()(logits, [biased, penalized]) == [1, 1]  # a bias can break a tie
+
+
+def test_min_tokens_holds_back_eos_even_when_eos_is_ignored_as_in_vllm():
+    seq = Sequence("r", [1], SamplingParams(temperature=0, min_tokens=4, ignore_eos=True))
+    controlled = apply_logit_controls(torch.zeros(1, 5), [seq], stop_token_ids={2})
+    assert controlled[0, 2] == float("-inf")
+
+
 def test_a_row_that_cannot_be_sampled_gets_a_sampling_error_and_the_others_their_tokens():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     logits[1, 7] = float("nan")
@@ -262,11 +280,13 @@ def test_stop_strings_count_from_min_tokens_on_as_in_vllm(tiny_tokenizer):
     completion = tiny_tokenizer.encode(" Monday, Tuesday, Wednesday, Thursday", add_special_tokens=False)
     first_comma = tiny_tokenizer.encode(" Monday,", add_special_tokens=False)
     texts = []
-    for min_tokens in (0, len(first_comma) + 1):
+    # vLLM looks once there are more than min_tokens tokens, in the text they add: at len(first_comma) the comma
+    # that token wrote is past
+    for min_tokens in (0, len(first_comma) - 1, len(first_comma), len(first_comma) + 1):
         detokenizer = IncrementalDetokenizer(tiny_tokenizer, tiny_tokenizer.encode("Days:"), [","], min_tokens)
         stopped = next((stop for token_id in completion if (stop := detokenizer.add_token(token_id))), None)
         texts.append((stopped, detokenizer.text))
-    assert texts == [(",", " Monday"), (",", " Monday, Tuesday")]
+    assert texts == [(",", " Monday")] * 2 + [(",", " Monday, Tuesday")] * 2
 
 
 def test_streamed_text_never_shows_a_stop_string(tiny_tokenizer):

@@ -5,6 +5,7 @@ are untouched."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import jsonschema_rs
@@ -66,6 +67,15 @@ def test_json_object_regex_choice_and_grammar_formats(llm):
     assert choice.text in ("yes", "no", "maybe (later)")
     assert re.fullmatch(r"[0-9()+*]+", expr.text) and expr.text.count("(") == expr.text.count(")")
     assert all(o.finish_reason == "stop" for o in (obj, code, choice, expr))
+
+
+def test_logprobs_of_a_constrained_request_are_over_the_tokens_its_format_allows(llm):
+    # as vLLM's: the grammar mask comes before the log-softmax, so "yes" and "no" share the whole probability
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=5, structured_output={"choice": ["yes", "no"]})
+    first = llm.generate(["Answer:"], params)[0].logprobs[0]
+    texts = {llm.tokenizer.decode([token]) for token, _ in first.top}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    assert math.isclose(sum(math.exp(logprob) for _, logprob in first.top), 1.0, rel_tol=1e-4)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

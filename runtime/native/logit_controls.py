@@ -1,7 +1,8 @@
 """What a request asks to change in the model's logits before sampling: a minimum length, a logit bias, and the
 presence, frequency and repetition penalties (``SamplingParams``), applied to a step's rows on the device.
 
-Only the rows of requests that ask are touched, on a copy (the logits may be a CUDA graph's output buffer). The order
+Only the rows of requests that ask are touched, on a float32 copy (the logits may be a CUDA graph's output buffer,
+and in bf16, whose step near a logit of 20 is 0.125, a penalty of 0.05 or a bias of 0.3 would round away). The order
 is vLLM's: the minimum length and the bias, then the repetition penalty (transformers' rule, over the prompt and the
 completion), then the frequency and presence penalties (OpenAI's rule, over the completion).
 """
@@ -29,20 +30,19 @@ class UnseenTokens:
 
 def apply_logit_controls(logits: torch.Tensor, seqs: list[Sequence], stop_token_ids: Collection[int],
                          unseen: UnseenTokens | None = None) -> torch.Tensor:
-    """``logits`` [n, vocab] (row i is ``seqs[i]``'s next token) with each request's controls applied; the same
-    tensor when no row asks for any. ``stop_token_ids`` (the engine's EOS) are banned, with each request's own stop
-    tokens, until it has ``min_tokens`` completion tokens; ``unseen`` holds tokens of these sequences still on the
-    device, which count as completion tokens."""
+    """``logits`` [n, vocab] (row i is ``seqs[i]``'s next token) with each request's controls applied, in float32;
+    the same tensor when no row asks for any. ``stop_token_ids`` (the engine's EOS) are banned, with each request's
+    own stop tokens, until it has ``min_tokens`` completion tokens; ``unseen`` holds tokens of these sequences still
+    on the device, which count as completion tokens."""
     rows = [i for i, seq in enumerate(seqs) if seq.params.controls_logits]
     if not rows:
         return logits
-    logits = logits.clone()
+    logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
     unseen_rows = set(unseen.rows) if unseen is not None else set()
     _apply_bias_and_min_tokens(logits, [(i, seqs[i]) for i in rows], stop_token_ids, unseen_rows)
     penalized = [i for i in rows if seqs[i].params.penalizes_repeats]
     if penalized:
-        logits[penalized] = _penalized([seqs[i] for i in penalized], logits[penalized].float(),
-                                       _unseen_of(unseen, penalized)).to(logits.dtype)
+        logits[penalized] = _penalized([seqs[i] for i in penalized], logits[penalized], _unseen_of(unseen, penalized))
     return logits
 
 
@@ -56,7 +56,7 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[tuple[int, Seque
                           device_tensor(list(biases), logits.dtype, logits.device), accumulate=True)
     banned = [(i, token_id) for i, seq in rows
               if seq.num_completion_tokens + (i in unseen_rows) < seq.params.min_tokens
-              for token_id in {*seq.params.stop_token_ids, *(() if seq.params.ignore_eos else stop_token_ids)}]
+              for token_id in {*seq.params.stop_token_ids, *stop_token_ids}]  # EOS too with ignore_eos, as vLLM
     if banned:
         index, token_ids = zip(*banned, strict=True)
         logits[device_tensor(list(index), torch.long, logits.device),

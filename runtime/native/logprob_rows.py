@@ -3,6 +3,8 @@ alike)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kiln.runtime.outputs import TokenLogprob
@@ -11,8 +13,10 @@ from kiln.runtime.outputs import TokenLogprob
 def token_logprobs(token_ids: list[int], chosen: torch.Tensor, top_values: torch.Tensor | None,
                    top_ids: torch.Tensor | None, widths: list[int]) -> list[TokenLogprob]:
     """Row ``i``: token ``token_ids[i]`` with log probability ``chosen[i]`` and the first ``widths[i]`` of its row
-    of ``top_values`` / ``top_ids`` (the most likely tokens, most likely first) as alternatives."""
+    of ``top_values`` / ``top_ids`` (the most likely tokens, most likely first) as alternatives; a token that was
+    impossible (-inf: a structured output's grammar forbade it) is no alternative."""
     chosen_host = chosen.tolist()
     values, ids = (top_values.tolist(), top_ids.tolist()) if top_ids is not None else ([], [])
-    return [TokenLogprob(token, logprob, list(zip(ids[i][:width], values[i][:width], strict=True)) if width else [])
+    return [TokenLogprob(token, logprob, [(t, v) for t, v in zip(ids[i][:width], values[i][:width], strict=True)
+                                          if v > -math.inf] if width else [])
             for i, (token, logprob, width) in enumerate(zip(token_ids, chosen_host, widths, strict=True))]

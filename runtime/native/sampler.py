@@ -15,6 +15,7 @@ import random
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kiln.runtime.errors import KilnError
@@ -62,11 +63,18 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return logits.masked_fill(logits < logits.amax(-1, keepdim=True) + floor.unsqueeze(-1), float("-inf"))
 
 
-def _log_softmax(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
-    """float32 log-probabilities [len(rows), vocab] of the model's logits in ``rows`` (None for no rows)."""
+def _log_softmax(logits: torch.Tensor, rows: list[int], constrained: list[int],
+                 bitmask: np.ndarray | None) -> torch.Tensor | None:
+    """float32 log-probabilities [len(rows), vocab] of the model's logits in ``rows`` (None for no rows), over the
+    tokens a ``constrained`` row's structured output allows (its row of ``bitmask``), as vLLM's raw logprobs."""
     if not rows:
         return None
-    return logits[device_tensor(rows, torch.long, logits.device)].float().log_softmax(-1)
+    x = logits[device_tensor(rows, torch.long, logits.device)].float()
+    position = {row: p for p, row in enumerate(rows)}
+    masked = [(position[row], k) for k, row in enumerate(constrained) if row in position]
+    if masked:
+        apply_token_bitmask(x, [p for p, _ in masked], bitmask[[k for _, k in masked]])
+    return x.log_softmax(-1)
 
 
 def request_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -142,13 +150,13 @@ class Sampler:
     def draw(self, logits: torch.Tensor, seqs: list[Sequence], unseen: UnseenTokens | None = None) -> Draw:
         """The rows' tokens queued on the device (nothing waits for them). ``unseen``: tokens of these sequences
         that a step queued ahead sampled and the host has not read (the penalties and ``min_tokens`` count them)."""
-        logprob_rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        log_probs = _log_softmax(logits, logprob_rows)
-        controlled = apply_logit_controls(logits, seqs, self.stop_token_ids, unseen)
         constrained = [row for row, seq in enumerate(seqs) if seq.matcher is not None and not seq.is_finished]
+        bitmask = self.grammars.bitmask([seqs[row].matcher for row in constrained]) if constrained else None
+        logprob_rows = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        log_probs = _log_softmax(logits, logprob_rows, constrained, bitmask)
+        controlled = apply_logit_controls(logits, seqs, self.stop_token_ids, unseen)
         if constrained:
             controlled = controlled.clone() if controlled is logits else controlled
-            bitmask = self.grammars.bitmask([seqs[row].matcher for row in constrained])
             apply_token_bitmask(controlled, constrained, bitmask)
         logits = controlled
         tokens = self._argmax(logits)
