@@ -74,6 +74,7 @@ class RequestOutput:
     finished: bool = True
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_reason: int | str | None = None  # what stopped it: the stop string, or the stop_token_ids id (EOS: None)
 
 
 @dataclass
@@ -103,7 +104,8 @@ def step_delta(seq: Sequence, detokenizer: IncrementalDetokenizer | None, new_to
     if finished:
         delta.output = RequestOutput(seq.request_id, seq.prompt_token_ids, detokenizer.text if detokenizer else "",
                                      seq.completion_token_ids, seq.finish_reason, RequestMetrics.from_sequence(seq),
-                                     logprobs=seq.logprobs, prompt_logprobs=seq.prompt_logprobs)
+                                     logprobs=seq.logprobs, prompt_logprobs=seq.prompt_logprobs,
+                                     stop_reason=seq.stop_reason)
     return delta
 
 
@@ -120,15 +122,20 @@ class RequestFailure:
     error: KilnError
 
 
-def stop_reason(seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None,
-                eos_token_ids: frozenset[int]) -> str | None:
-    """Why ``seq`` finishes with ``token_id`` just appended: "stop" on a stop token, on EOS (unless ``ignore_eos``),
-    on a stop string the detokenizer completes or once its structured output is complete, "length" at
-    ``max_tokens``; None while it goes on. Both engines apply this one rule."""
+def finish_reason(seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None,
+                  eos_token_ids: frozenset[int]) -> str | None:
+    """Why ``seq`` finishes with ``token_id`` just appended: "stop" on EOS (unless ``ignore_eos``), a stop token, a
+    stop string the detokenizer completes or once its structured output is complete, "length" at ``max_tokens``;
+    None while it goes on. A stop token or string is kept as ``seq.stop_reason`` (vLLM's ``stop_reason``). Both
+    engines apply this one rule."""
     params = seq.params
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+    if not params.ignore_eos and token_id in eos_token_ids:
         return "stop"
-    if detokenizer is not None and detokenizer.add_token(token_id) is not None:
+    if token_id in params.stop_token_ids:
+        seq.stop_reason = token_id
+        return "stop"
+    if detokenizer is not None and (stop := detokenizer.add_token(token_id)) is not None:
+        seq.stop_reason = stop
         return "stop"
     if seq.matcher is not None and seq.matcher.is_stopped():  # the format is complete: nothing more may follow
         return "stop"

@@ -41,6 +41,7 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []

@@ -170,8 +170,10 @@ def test_min_tokens_holds_back_stop_tokens_until_then(llm):
 
 def test_controls_and_logprobs_cross_the_engine_process(built):
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=3, logit_bias={7: 100.0})
+    stopped = SamplingParams(temperature=0, max_tokens=STEPS, logit_bias={7: 100.0}, stop_token_ids=[7])
     with LLM.load(built / "engine") as here, LLM(ProcessEngine.load(built / "engine", RuntimeOptions())) as apart:
         local, remote = here.generate([PROMPTS[0]], params)[0], apart.generate([PROMPTS[0]], params)[0]
+        assert apart.generate([PROMPTS[0]], stopped)[0].stop_reason == 7
     assert remote.token_ids == local.token_ids == [7] * STEPS
     # the same numbers up to the last bits: on a GPU two processes' kernels may sum in a different order
     assert [[t for t, _ in lp.top] for lp in remote.logprobs] == [[t for t, _ in lp.top] for lp in local.logprobs]

@@ -206,7 +206,7 @@ def test_stop_token_id_ends_the_request_and_keeps_the_token_out_of_the_text(llm)
     reference = greedy(llm)
     stop_id = reference[5]
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id]))[0]
-    assert out.finish_reason == "stop"
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)  # vLLM's stop_reason: the id
     assert out.token_ids == reference[:reference.index(stop_id) + 1]
     assert out.text == "".join(f" t{t}" for t in out.token_ids[:-1])
 
@@ -216,14 +216,14 @@ def test_stop_string_across_tokens_cuts_the_text_before_it(llm):
     stop = f"t{reference[3]} t{reference[4]}"
     full_text = "".join(f" t{t}" for t in reference)
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, stop=["never seen", stop]))[0]
-    assert out.finish_reason == "stop"
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
     assert out.text == full_text[:full_text.index(stop)]
     assert out.token_ids == reference[:len(out.token_ids)] and len(out.token_ids) <= 5
 
 
 def test_max_tokens_ends_the_request_with_reason_length(llm):
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
-    assert out.finish_reason == "length" and len(out.token_ids) == 7
+    assert out.finish_reason == "length" and len(out.token_ids) == 7 and out.stop_reason is None
 
 
 @pytest.fixture(scope="module")

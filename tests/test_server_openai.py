@@ -96,9 +96,14 @@ def test_stop_string_ends_the_text_before_it(client):
                                      extra_body={"ignore_eos": True}).choices[0].text
     stop = full[3:6]
     out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
-                                    stop=[stop], extra_body={"ignore_eos": True})
-    assert out.choices[0].finish_reason == "stop"
+                                    stop=["never written", stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason == stop  # vLLM's extension
     assert out.choices[0].text == full[:full.index(stop)]
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True})
+    said = client.chat.completions.create(**chat).choices[0].message.content
+    last = list(client.chat.completions.create(**chat, stream=True, stop=[said[4:7]]))[-1].choices[0]
+    assert last.finish_reason == "stop" and last.stop_reason == said[4:7]
 
 
 def test_chat_completion_uses_the_chat_template(client, llm):

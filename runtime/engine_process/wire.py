@@ -53,7 +53,7 @@ def result_to_wire(result: StreamDelta | RequestFailure) -> list:
     output = result.output
     if output is not None:
         output = [output.prompt_token_ids, output.text, output.token_ids, output.finish_reason, asdict(output.metrics),
-                  _logprobs_to_wire(output.logprobs), _logprobs_to_wire(output.prompt_logprobs)]
+                  _logprobs_to_wire(output.logprobs), _logprobs_to_wire(output.prompt_logprobs), output.stop_reason]
     return ["d", result.request_id, result.text, result.token_ids, result.finished, result.finish_reason, output,
             _logprobs_to_wire(result.logprobs), _logprobs_to_wire(result.prompt_logprobs)]
 
@@ -63,10 +63,10 @@ def result_from_wire(item: list) -> StreamDelta | RequestFailure:
         return RequestFailure(item[1], error_from_wire(item[2], default=RequestFailedError))
     _, request_id, text, token_ids, finished, finish_reason, output, logprobs, prompt_logprobs = item
     if output is not None:
-        prompt_ids, full_text, output_token_ids, output_reason, metrics, output_lps, prompt_lps = output
+        prompt_ids, full_text, output_token_ids, output_reason, metrics, output_lps, prompt_lps, stopped_by = output
         output = RequestOutput(request_id, prompt_ids, full_text, output_token_ids, output_reason,
                                RequestMetrics(**metrics), logprobs=_logprobs_from_wire(output_lps),
-                               prompt_logprobs=_logprobs_from_wire(prompt_lps))
+                               prompt_logprobs=_logprobs_from_wire(prompt_lps), stop_reason=stopped_by)
     return StreamDelta(request_id, text, token_ids, finished, finish_reason, output, _logprobs_from_wire(logprobs),
                        _logprobs_from_wire(prompt_logprobs))
 

@@ -23,8 +23,8 @@ from kiln.runtime.outputs import (
     RequestFailure,
     StreamDelta,
     TokenLogprob,
+    finish_reason,
     step_delta,
-    stop_reason,
 )
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
@@ -197,7 +197,7 @@ class NativeEngine:
         if seq.matcher is not None and not seq.matcher.consume_token(token_id):
             raise RuntimeError(f"the structured output matcher refused token {token_id} that its own mask allowed: "
                                f"{seq.matcher.get_error()}")
-        if (reason := stop_reason(seq, token_id, detokenizer, self.eos_token_ids)) is not None:
+        if (reason := finish_reason(seq, token_id, detokenizer, self.eos_token_ids)) is not None:
             self.scheduler.finish(seq, reason)
         return self._emit(seq, [token_id])
 

@@ -13,7 +13,14 @@ from starlette.requests import Request
 
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.chat_template import ChatTemplateError, ReservedVariableError
-from kiln.runtime.server.completions import check_request, make_jobs, requested_format, respond, stream_chunk
+from kiln.runtime.server.completions import (
+    check_request,
+    make_jobs,
+    requested_format,
+    respond,
+    stop_reason,
+    stream_chunk,
+)
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs, vllm_prompt_logprobs
@@ -195,14 +202,16 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
         logprobs = chat_logprobs(names, delta.logprobs).model_dump() if delta.logprobs else None
         if "tool_calls" in message:  # the finish reason in a chunk of its own, after the calls, as OpenAI sends it
             return [chunk([{"index": index, "delta": message, "logprobs": logprobs, "finish_reason": None}]),
-                    chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])]
-        return [chunk([{"index": index, "delta": message, "logprobs": logprobs, "finish_reason": reason}])]
+                    chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason,
+                            "stop_reason": stop_reason(delta)}])]
+        return [chunk([{"index": index, "delta": message, "logprobs": logprobs, "finish_reason": reason,
+                        "stop_reason": stop_reason(delta)}])]
 
     def choice(index: int, out: RequestOutput) -> ChatChoice:
         content, calls = tools.parse(out.text)
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=tool_calls or None),
-                          finish_reason=tools.finish_reason(calls, out.finish_reason),
+                          finish_reason=tools.finish_reason(calls, out.finish_reason), stop_reason=out.stop_reason,
                           logprobs=chat_logprobs(names, out.logprobs) if out.logprobs is not None else None)
 
     def build(outputs: list[RequestOutput], usage: Usage) -> ChatCompletionResponse:

@@ -343,7 +343,8 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
             return []
         logprobs = legacy(index, delta.prompt_logprobs if req.echo else None, entries)
         return [chunk([{"index": index, "text": echo + text, "logprobs": logprobs and logprobs.model_dump(),
-                        "finish_reason": ("length" if scoring else delta.finish_reason) if delta.finished else None}])]
+                        "finish_reason": ("length" if scoring else delta.finish_reason) if delta.finished else None,
+                        "stop_reason": stop_reason(delta)}])]
 
     def build(outputs: list[RequestOutput], usage: Usage) -> CompletionResponse:
         choices = []
@@ -351,7 +352,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
             prompt_entries = out.prompt_logprobs if req.prompt_logprobs is not None else None
             choices.append(CompletionChoice(
                 index=i, text=echoes[i // req.n] + ("" if scoring else out.text),
-                finish_reason="length" if scoring else out.finish_reason,
+                finish_reason="length" if scoring else out.finish_reason, stop_reason=out.stop_reason,
                 logprobs=legacy(i, out.prompt_logprobs if req.echo else None, None if scoring else out.logprobs),
                 prompt_logprobs=None if prompt_entries is None else vllm_prompt_logprobs(
                     names, top_k(prompt_entries, req.prompt_logprobs))))
@@ -360,3 +361,8 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
 
     return await respond(model, req, jobs, prompts, metrics, request, build=build, render=render,
                          usage_chunk=lambda usage: chunk([], counted(usage)), prelude=[])
+
+
+def stop_reason(delta: StreamDelta) -> int | str | None:
+    """A stream's ``stop_reason`` (vLLM's): on the last delta, the stop string or token id that ended it."""
+    return delta.output.stop_reason if delta.output is not None else None

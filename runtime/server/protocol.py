@@ -357,6 +357,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = Field(None, description="Extension (as in vLLM): the stop string or stop token "
+                                                            "id that ended the choice (null for EOS and length).")
     prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
@@ -401,6 +403,8 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = Field(None, description="Extension (as in vLLM): the stop string or stop token "
+                                                            "id that ended the choice (null for EOS and length).")
 
 
 class ChatCompletionResponse(BaseModel):

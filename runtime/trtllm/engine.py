@@ -16,7 +16,7 @@ from typing import Any
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.options import RuntimeOptions
-from kiln.runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, step_delta, stop_reason
+from kiln.runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, finish_reason, step_delta
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.stats import EngineStats
@@ -173,7 +173,7 @@ class TrtllmEngine:
         for token_id in (result.output_token_ids or [[]])[0]:
             new_tokens.append(token_id)
             seq.append_token(token_id)
-            reason = stop_reason(seq, token_id, state.detokenizer, self.eos_token_ids)
+            reason = finish_reason(seq, token_id, state.detokenizer, self.eos_token_ids)
             if reason is not None:
                 return self._finish(state, reason, new_tokens, executor_done=result.is_final)
         if result.is_final:
