@@ -465,7 +465,7 @@ def trtllm_inputs(ctx: BuildContext) -> dict:
             quantized = QuantizedCheckpoint(payload_path(cfg.cache.root(), "quantized", ctx.quantized_key))
             hf_dir, trtllm_checkpoint = quantized.hf, quantized.trtllm
     return {"options": trtllm_options(cfg), "quant_format": quant_format,
-            "kv_cache_dtype": cfg.quantize.kv_cache_dtype, "model_dtype": cfg.model.dtype, "fingerprint": fingerprint,
+            "kv_cache_dtype": _shipped_kv_cache_dtype(ctx), "model_dtype": cfg.model.dtype, "fingerprint": fingerprint,
             "timing_cache": timing_cache_path(cfg.cache.root(), fingerprint), "hf_dir": hf_dir,
             "trtllm_checkpoint_dir": trtllm_checkpoint}
 
@@ -490,15 +490,22 @@ def trtllm_plan_extra(ctx: BuildContext) -> dict:
 
 
 def _kv_dtype(ctx: BuildContext) -> str:
-    """fp8 when the recipe calibrates an FP8 KV cache; for a checkpoint built as it is (format none), whatever it
-    carries (FP8 when it has KV scales, as modelopt exports them); else the model dtype."""
-    if ctx.config.quantize.kv_cache_dtype == "fp8":
+    """fp8 when the recipe calibrates an FP8 KV cache (and the format shipped is calibrated); for a checkpoint built
+    as it is (format none), whatever it carries (FP8 when it has KV scales, as modelopt exports them); else the
+    model dtype."""
+    if _shipped_kv_cache_dtype(ctx) == "fp8":
         return "fp8"
     return "auto" if ctx.config.quantize.format == "none" else ctx.config.model.dtype
 
 
 def _shipped_format(ctx: BuildContext) -> str:
     return (ctx.calibration or {}).get("format", ctx.config.quantize.format)
+
+
+def _shipped_kv_cache_dtype(ctx: BuildContext) -> str:
+    """The recipe's KV cache dtype, unless the gate fell back to format none, which has no KV scales (as the
+    calibration report records it)."""
+    return "auto" if _shipped_format(ctx) == "none" else ctx.config.quantize.kv_cache_dtype
 
 
 def report_summary(report: dict) -> dict:

@@ -48,3 +48,17 @@ def test_auto_backend_picks_native_here_and_says_why(tmp_path):
     proc = kiln("build", "llama3-8b-fp8.yaml", "--dry-run", "--json", tmp_path=tmp_path)
     plan = json.loads(proc.stdout)
     assert plan["backend"] == "native" and "not installed" in plan["backend_reason"]
+
+
+def test_a_gate_that_falls_back_to_format_none_builds_without_the_fp8_kv_cache_it_cannot_scale():
+    from types import SimpleNamespace
+
+    from kiln.pipeline.config import KilnConfig
+    from kiln.pipeline.stages import _kv_dtype, _shipped_kv_cache_dtype
+
+    config = KilnConfig.model_validate({"model": {"path": "m"}, "quantize": {
+        "format": "fp8", "kv_cache_dtype": "fp8", "fallback": ["none"]}})
+    shipped_fp8 = SimpleNamespace(config=config, calibration={"format": "fp8"})
+    fell_back = SimpleNamespace(config=config, calibration={"format": "none"})
+    assert (_shipped_kv_cache_dtype(shipped_fp8), _kv_dtype(shipped_fp8)) == ("fp8", "fp8")
+    assert (_shipped_kv_cache_dtype(fell_back), _kv_dtype(fell_back)) == ("auto", config.model.dtype)

@@ -212,6 +212,14 @@ def test_max_tokens_ends_with_length_and_sampling_parameters_are_translated(trtl
                                                                                                     0.7, 7)
 
 
+def test_a_drawn_request_without_filters_sends_them_off_not_unset_which_the_executor_reads_as_greedy(trtllm,
+                                                                                                  engine_dir):
+    with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
+        llm.generate([[2, 3, 4]], SamplingParams(max_tokens=3, temperature=0.8))
+    sampling = FakeExecutor.instances[0].requests[100].sampling_config
+    assert (sampling.top_k, sampling.top_p, sampling.temperature) == (0, 1.0, 0.8)
+
+
 def test_penalties_and_min_tokens_go_to_the_executor_and_what_it_lacks_is_refused(trtllm, engine_dir):
     with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
         params = SamplingParams(max_tokens=3, temperature=0, presence_penalty=0.5, frequency_penalty=-0.25,

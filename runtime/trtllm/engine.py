@@ -131,10 +131,12 @@ class TrtllmEngine:
 
     def _sampling_config(self, params: SamplingParams) -> Any:
         """The executor's sampling config: greedy as top-k 1; penalties and min_tokens as TensorRT-LLM's own (its
-        presence and frequency penalties follow OpenAI's rule, its repetition penalty transformers')."""
+        presence and frequency penalties follow OpenAI's rule, its repetition penalty transformers'). A drawn
+        request sends top-k and top-p always (0 and 1.0 when off): the executor reads both unset as 0, which its
+        sampling kernel turns into top-k 1, greedy whatever the temperature."""
         return self.trtllm.SamplingConfig(
-            beam_width=1, top_k=1 if params.greedy else params.top_k if params.top_k > 0 else None,
-            top_p=None if params.greedy or params.top_p >= 1 else params.top_p,
+            beam_width=1, top_k=1 if params.greedy else max(params.top_k, 0),
+            top_p=None if params.greedy else params.top_p,
             min_p=None if params.greedy or not params.min_p else params.min_p,
             temperature=None if params.greedy else params.temperature, seed=params.seed,
             min_tokens=params.min_tokens or None,
