@@ -83,8 +83,12 @@ def test_mistral_without_a_window_and_gemma2_with_attention_biases():
 @pytest.mark.parametrize(("family", "rope", "in_parameters", "top_level", "expected"), [
     ("phi3", "longrope", 32, 64, 64),  # a field of Phi-3's config class, ahead of the rope parameters'
     ("phi3", "longrope", 32, None, 4096),  # its default
-    ("llama", "llama3", 32, 64, 32),  # not a field of Llama's: the rope parameters'
-    ("llama", "llama3", None, 64, 8192),  # else max_position_embeddings
+    # not a field of Llama's, but config.json's top-level one still wins once the model computes its rotary
+    # frequencies (standardize_rope_params in the rope init: hasattr(config, ...))
+    ("llama", "llama3", 32, 64, 64),
+    ("llama", "longrope", None, 64, 64),
+    ("llama", "llama3", None, 64, 64),
+    ("llama", "llama3", None, None, 8192),  # else max_position_embeddings
 ])
 def test_the_original_context_of_rope_scaling_is_read_as_transformers_reads_it(family, rope, in_parameters,
                                                                                top_level, expected):
@@ -96,6 +100,7 @@ def test_the_original_context_of_rope_scaling_is_read_as_transformers_reads_it(f
               **({"original_max_position_embeddings": top_level} if top_level else {})}
     assert parse(family, **fields).rope_scaling["original_max_position_embeddings"] == expected
     config = getattr(transformers, FAMILY_CLASSES[family][0]).from_dict(copy.deepcopy({**MINIMAL, **fields}))
+    config.standardize_rope_params()  # what the model's rotary embedding runs before it reads the parameters
     assert config.rope_parameters["original_max_position_embeddings"] == expected
 
 

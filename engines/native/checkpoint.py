@@ -70,8 +70,9 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
                         f"({num_kv_heads})")
     hidden = _int(cfg, "hidden_size", path)
     head_dim = cfg.get("head_dim") or hidden // num_heads
-    # a top-level original_max_position_embeddings counts where it is a field of the family's config class (Phi-3)
-    rope_theta, rope_scaling = _rope(cfg, "original_max_position_embeddings" in family.config_defaults, path)
+    # a top-level original_max_position_embeddings comes first wherever config.json has one (transformers'
+    # standardize_rope_params: hasattr(config, ...)), and always for Phi-3, whose config class has the field
+    rope_theta, rope_scaling = _rope(cfg, "original_max_position_embeddings" in cfg, path)
     _check_rope(head_dim, rope_theta, rope_scaling, path)
     shared = dict(
         vocab_size=_int(cfg, "vocab_size", path),
