@@ -48,6 +48,14 @@ CASES = {
     "phi3-longrope-short": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0,
                                 rope_scaling=dict(LONGROPE, original_max_position_embeddings=64),
                                 original_max_position_embeddings=64),
+    # YaRN (Qwen2.5 / Qwen3 long context): factor 4 over an original context the prompts outgrow; its defaults
+    # (attention factor from the factor), and mscale / mscale_all_dim with an untruncated range and other betas
+    "qwen2-yarn": dict(family="qwen2", num_heads=4, num_kv_heads=2,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    "qwen3-yarn-mscale": dict(family="qwen3", num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=256,
+                              rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                                            "mscale": 0.9, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
+                                            "truncate": False}),
     "phi3-gqa": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0),
     "phi3-mha-tied": dict(family="phi3", num_heads=2, num_kv_heads=2, tie_word_embeddings=True, pad_token_id=0),
 }

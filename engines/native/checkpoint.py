@@ -192,10 +192,12 @@ def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path) -> tuple[flo
     rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first name for it
     if rope_type not in ROPE_TYPES:
         raise KilnError(f"{path}: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    if rope_type in ("llama3", "longrope"):
+    if rope_type in ("llama3", "longrope", "yarn"):
         params["original_max_position_embeddings"] = _original_context(cfg, params, top_level_context, path)
     if rope_type == "longrope":
         params.update(_longrope_defaults(cfg, params, path))
+    if rope_type == "yarn":
+        params.update(_yarn_defaults(cfg, params, path))
     return theta, None if rope_type == "default" else {"rope_type": rope_type, **params}
 
 
@@ -221,6 +223,24 @@ def _longrope_defaults(cfg: dict[str, Any], params: dict[str, Any], path: Path) 
     if attention is None:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
     return {"factor": factor, "attention_factor": attention}
+
+
+def _yarn_defaults(cfg: dict[str, Any], params: dict[str, Any], path: Path) -> dict[str, Any]:
+    """YaRN's parameters where the config leaves them to transformers' defaults: the factor from
+    max_position_embeddings / original_max_position_embeddings, the attention factor from the factor (and mscale /
+    mscale_all_dim), beta_fast 32, beta_slow 1, a truncated correction range."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or _int(cfg, "max_position_embeddings", path) / original
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 0.1 * weight * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        weight, all_dims = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, weight) / mscale(factor, all_dims) if weight and all_dims else mscale(factor)
+    return {"factor": factor, "attention_factor": float(attention), "beta_fast": params.get("beta_fast") or 32,
+            "beta_slow": params.get("beta_slow") or 1, "truncate": params.get("truncate", True)}
 
 
 def _check_rope(head_dim: int, theta: float, scaling: dict[str, Any] | None, path: Path) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from kiln.runtime.errors import EngineFormatError
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -26,6 +26,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "longrope":
         return longrope_inv_freqs(head_dim, theta, scaling)[0]
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     raise EngineFormatError(f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
 
 
@@ -39,6 +41,26 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: the dimensions that turn fewer than ``beta_slow`` times over the original context interpolated (divided
+    by ``factor``), those that turn more than ``beta_fast`` times kept, a linear ramp between (transformers'
+    ``_compute_yarn_parameters``; its attention factor scales the table)."""
+    factor, context = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dimension(rotations: float) -> float:  # the dimension that turns ``rotations`` times over the context
+        return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling["beta_fast"]), dimension(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((dims - low) / ((high - low) or 0.001)).clamp(0, 1)
+    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    kept = 1 - ramp  # the share of each dimension's frequency extrapolated (kept as it is)
+    return (1.0 / (factor * base)) * (1 - kept) + (1.0 / base) * kept
 
 
 def longrope_inv_freqs(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +94,8 @@ class RotaryEmbedding(nn.Module):
             self.long_offset, self.original_max = max_position, scaling["original_max_position_embeddings"]
         else:
             table = _cos_sin(max_position, rope_inv_freq(head_dim, theta, scaling))
+            if (scaling or {}).get("rope_type") == "yarn":
+                table = table * scaling["attention_factor"]
         self.register_buffer("cos_sin_cache", table.to(torch.get_default_device()), persistent=False)
 
     def is_long(self, seq_len: int) -> bool:
