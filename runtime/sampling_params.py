@@ -76,6 +76,10 @@ class SamplingParams:
         if self.structured_output is not None:
             self.structured_output = StructuredOutput.from_dict(self.structured_output)
             _ = self.structured_output.llguidance_grammar  # a format that cannot compile is refused here
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(self, name):
+                    raise ValueError(f"SamplingParams.{name} cannot be combined with a structured output format: the "
+                                     f"completion ends as soon as the format is complete")
 
     def _validate(self) -> None:
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)

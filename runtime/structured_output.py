@@ -22,6 +22,8 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 _SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "not", "if",
               "then", "else", "additionalItems", "unevaluatedItems")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_DEFINITIONS = ("$defs", "definitions")
+_UNKNOWN_FORMAT = "Unknown format:"
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
@@ -75,28 +77,65 @@ class StructuredOutput:
         return cls(**value)
 
 
-def closed_objects(schema: Any, close: bool = True) -> Any:
+def closed_objects(schema: Any) -> Any:
     """``schema`` with ``"additionalProperties": false`` on every object schema that lists its ``properties`` and
     says nothing of other keys (no ``additionalProperties``, ``patternProperties`` or ``unevaluatedProperties``):
     the keys a schema names are the ones generated, as xgrammar and outlines (vLLM's and SGLang's usual engines)
-    do, instead of a model inventing keys until ``max_tokens``. An ``allOf`` and its branches (``close`` False)
-    stay open, since each names only part of the object's keys; a bare ``{"type": "object"}`` stays any object."""
+    do, instead of a model inventing keys until ``max_tokens``. Where a schema's keys are named in parts, the parts
+    stay open: an ``allOf`` and its branches, an object with a ``$ref`` beside its ``properties`` and the definition
+    it extends. The branches of an ``anyOf`` / ``oneOf`` beside ``properties`` are closed over their keys and the
+    parent's (which they close in its stead). A bare ``{"type": "object"}`` stays any object."""
+    return _closed(schema, True, frozenset(_extended_definitions(schema)))
+
+
+def _closed(schema: Any, close: bool, extended: frozenset[str]) -> Any:
     if not isinstance(schema, dict):
         return schema
     closed = dict(schema)
+    named = closed["properties"] if isinstance(closed.get("properties"), dict) else {}
     for key in _SUBSCHEMA:
         if key in closed:
-            closed[key] = closed_objects(closed[key])
+            closed[key] = _closed(closed[key], True, extended)
+    branched = False  # the parent's keys are closed by its anyOf / oneOf branches
     for key in (*_SUBSCHEMA_LISTS, "allOf"):
         if isinstance(closed.get(key), list):
-            closed[key] = [closed_objects(sub, close=key != "allOf") for sub in closed[key]]
+            subs = closed[key]
+            if key in ("anyOf", "oneOf") and named:
+                subs = [_with_keys(sub, named) for sub in subs]
+                branched = branched or any(isinstance(sub, dict) and "properties" in sub for sub in subs)
+            closed[key] = [_closed(sub, key != "allOf", extended) for sub in subs]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(closed.get(key), dict):
-            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
-    if close and isinstance(closed.get("properties"), dict) and not closed.keys() & {
-            "additionalProperties", "patternProperties", "unevaluatedProperties", "allOf"}:
+            closed[key] = {name: _closed(sub, not (key in _DEFINITIONS and name in extended), extended)
+                           for name, sub in closed[key].items()}
+    if close and named and not branched and not closed.keys() & {
+            "additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref"}:
         closed["additionalProperties"] = False
     return closed
+
+
+def _with_keys(branch: Any, keys: dict) -> Any:
+    """An ``anyOf`` / ``oneOf`` branch that lists ``properties``, with the parent's keys it does not name (as ``{}``:
+    the parent's schema for them still applies), so that closing it keeps them."""
+    if not isinstance(branch, dict) or not isinstance(branch.get("properties"), dict):
+        return branch
+    return {**branch, "properties": {**{name: {} for name in keys}, **branch["properties"]}}
+
+
+def _extended_definitions(schema: Any) -> set[str]:
+    """The names of the local definitions that a ``$ref`` beside ``properties`` points at: extended there, so they
+    stay open."""
+    found: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(ref := node.get("$ref"), str) and "properties" in node:
+                found.update(ref.removeprefix(f"#/{key}/") for key in _DEFINITIONS if ref.startswith(f"#/{key}/"))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
 
 
 def json_rule(schema: dict) -> str:
@@ -116,10 +155,31 @@ def grammar_of(spec: StructuredOutput) -> str:
     elif spec.regex is not None:
         grammar = matcher.grammar_from_regex(spec.regex)
     elif spec.grammar is not None:
-        grammar = matcher.grammar_from_lark(spec.grammar)
+        grammar = matcher.grammar_from_lark(_lark_of(spec.grammar))
     else:
         grammar = matcher.grammar_from_regex("|".join(re.escape(c) for c in spec.choice))
     is_error, messages = matcher.validate_grammar_with_warnings(grammar)
+    if is_error and spec.json is not None and all(m.startswith(_UNKNOWN_FORMAT) for m in messages):
+        # JSON Schema's "format" is an annotation where the validator does not know it (pydantic writes "path",
+        # "password", "binary", ...): such a format is left unenforced, as xgrammar leaves it
+        grammar = matcher.grammar_from_json_schema(closed_objects(spec.json), defaults={**_JSON_OPTIONS,
+                                                                                         "lenient": True})
+        is_error, messages = matcher.validate_grammar_with_warnings(grammar)
+        messages = [m for m in messages if not m.startswith(_UNKNOWN_FORMAT)]
+        is_error = is_error or bool(messages)  # lenient would drop any keyword it cannot enforce: refused still
     if is_error:
         raise StructuredOutputError(f"the structured output format cannot be used: {messages[0]}")
     return grammar
+
+
+def _lark_of(grammar: str) -> str:
+    """``grammar`` as Lark: GBNF (llama.cpp's ``root ::= ...``, which vLLM's grammar backends take) converted by
+    llguidance, as vLLM's guidance backend converts it; Lark as it is."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+    if "::=" not in grammar or is_lark_syntax(grammar):
+        return grammar
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as exc:  # noqa: BLE001 - the converter raises plain exceptions on a malformed grammar
+        raise StructuredOutputError(f"the grammar is neither Lark nor GBNF that converts to it: {exc}") from None

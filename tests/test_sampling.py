@@ -163,6 +163,12 @@ def test_small_penalties_and_biases_on_bf16_logits_are_not_rounded_away():
     assert Sampler()(logits, [biased, penalized]) == [1, 1]  # a bias can break a tie
 
 
+@pytest.mark.parametrize("asked", [dict(ignore_eos=True), dict(min_tokens=2)])
+def test_a_structured_output_refuses_what_it_would_silently_override(asked):
+    with pytest.raises(ValueError, match=f"{next(iter(asked))} cannot be combined with a structured output"):
+        SamplingParams(structured_output={"choice": ["yes", "no"]}, **asked)
+
+
 def test_min_tokens_holds_back_eos_even_when_eos_is_ignored_as_in_vllm():
     seq = Sequence("r", [1], SamplingParams(temperature=0, min_tokens=4, ignore_eos=True))
     controlled = apply_logit_controls(torch.zeros(1, 5), [seq], stop_token_ids={2})

@@ -120,6 +120,35 @@ def test_objects_are_closed_where_the_schema_says_nothing_of_other_keys():
     assert "additionalProperties" not in schema  # the caller's schema is not changed
 
 
+TAGGED_UNION = {"type": "object", "properties": {"kind": {"enum": ["x", "y"]}}, "required": ["kind"],
+                "anyOf": [{"properties": {"kind": {"const": "x"}, "xv": {"type": "integer"}}, "required": ["xv"]},
+                          {"properties": {"kind": {"const": "y"}, "yv": {"type": "boolean"}}, "required": ["yv"]}]}
+
+
+def test_a_tagged_union_and_an_extended_definition_compile_and_hold(llm):
+    extended = {"$defs": {"base": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+                "$ref": "#/$defs/base", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}
+    closed = closed_objects(TAGGED_UNION)
+    assert "additionalProperties" not in closed and all(b["additionalProperties"] is False for b in closed["anyOf"])
+    assert set(closed["anyOf"][0]["properties"]) == {"kind", "xv"}  # the parent's keys kept in each branch
+    assert "additionalProperties" not in closed_objects(extended)["$defs"]["base"]  # extended, so open
+    assert StructuredOutput(json=extended).llguidance_grammar  # compiles (it was refused as unsatisfiable)
+    outputs = llm.generate(["Give me JSON:"] * 3, [constrained({"json": TAGGED_UNION}, seed) for seed in range(3)])
+    for output in outputs:
+        assert output.finish_reason == "stop", output.text
+        assert jsonschema_rs.validator_for(TAGGED_UNION).is_valid(json.loads(output.text)), output.text
+
+
+def test_a_gbnf_grammar_and_an_unknown_string_format_are_taken_as_vllm_takes_them(llm):
+    output = llm.generate(["Answer:"], constrained({"grammar": 'root ::= "yes" | "no"'}, 1))[0]
+    assert output.text in ("yes", "no") and output.finish_reason == "stop"
+    assert StructuredOutput(json={"type": "string", "format": "path"}).llguidance_grammar  # pydantic's Path
+    paths = {"type": "string", "format": "path"}
+    unique = StructuredOutput(json={"type": "array", "uniqueItems": True, "items": paths})
+    with pytest.raises(StructuredOutputError, match="uniqueItems"):  # a keyword it cannot enforce: refused still
+        unique.llguidance_grammar  # noqa: B018 - compiling is what is under test
+
+
 def test_a_format_cut_short_by_max_tokens_ends_with_length(llm):
     output = llm.generate(["x"], constrained({"json": SCHEMAS["nested-array"]}, 7, max_tokens=3))[0]
     assert output.finish_reason == "length" and len(output.token_ids) == 3

@@ -53,12 +53,6 @@ _logged_ignored: set[str] = set()
 def make_jobs(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *, logprobs: int | None,
               prompt_logprobs: int | None, structured_output: StructuredOutput | None) -> list[Job]:
     """`n` jobs per prompt, in OpenAI's choice order (prompt-major)."""
-    if structured_output is not None:  # the request ends once the format is complete: say so rather than ignore
-        for name, value in (("ignore_eos", req.ignore_eos), ("min_tokens", req.min_tokens)):
-            if value:
-                raise APIError(400, f"{name} cannot be combined with a structured output format (response_format, "
-                                    f"structured_outputs or a forced tool call): the completion ends as soon as "
-                                    f"the format is complete", param=name)
     for name in set(req.ignored_fields()) - _logged_ignored:
         _logged_ignored.add(name)
         logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
