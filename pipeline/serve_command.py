@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 from rich.markup import escape
@@ -65,7 +65,8 @@ class ServeTarget:
 
     def settings(self, *, api_key: str | None = None, max_queue: int | None = None, model_name: str | None = None,
                  chat_template: str | None = None, max_body_mb: float | None = None,
-                 allowed_origins: list[str] | None = None) -> ServerSettings:
+                 allowed_origins: list[str] | None = None,
+                 generation_config: Literal["auto", "vllm"] = "auto") -> ServerSettings:
         from kiln.runtime.server import ServerSettings
 
         bound = {"max_body_bytes": int(max_body_mb * (1 << 20))} if max_body_mb is not None else {}
@@ -73,7 +74,7 @@ class ServeTarget:
             bound["allowed_origins"] = tuple(origin for origin in allowed_origins if origin)
         return ServerSettings(model_name=model_name or self.model_name, api_key=api_key or self.api_key,
                               max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache,
-                              chat_template=chat_template, **bound)
+                              chat_template=chat_template, generation_config=generation_config, **bound)
 
 
 class ChatTemplateFileError(KilnError):
@@ -204,6 +205,9 @@ def serve(
     allowed_origins: Annotated[list[str] | None, typer.Option(
         "--allowed-origins", help="An origin browsers may call the API from (CORS), repeatable; default any ('*', "
                                   "as vLLM); '' alone turns CORS off.")] = None,
+    generation_config: Annotated[Literal["auto", "vllm"], typer.Option(
+        help="Sampling defaults of requests that leave them unset: the model's generation_config.json (auto, as "
+             "vLLM) or vLLM's own (vllm).")] = "auto",
     backend: Annotated[str | None, typer.Option(help="Build backend for a config: auto, native or trtllm.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the engine's).")] = None,
     num_kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV pool size in blocks (default: from free "
@@ -234,7 +238,8 @@ def serve(
         options = replace(options, tp_rendezvous=rendezvous.address())
     resolved = serve_target(target, options, backend=backend)
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name, chat_template=template,
-                                 max_body_mb=max_body_mb, allowed_origins=allowed_origins)
+                                 max_body_mb=max_body_mb, allowed_origins=allowed_origins,
+                                 generation_config=generation_config)
     app = create_app(resolved.loader(options), resolved.engine_dir, settings)
     bind_host = host or resolved.host
     bind_port = resolved.port if port is None else port

@@ -134,3 +134,35 @@ def test_serve_refuses_an_unreadable_chat_template_before_building(tmp_path):
     result = CliRunner().invoke(cli, ["serve", str(tiny_engine()), "--chat-template", str(tmp_path / "bad.jinja")])
     assert result.exit_code != 0 and "not a valid Jinja template" in result.output
     assert SamplingParams  # the runtime names stay importable next to the CLI
+
+
+def test_requests_take_the_sampling_defaults_of_the_models_generation_config_as_in_vllm(llm, tmp_path):
+    import json
+    import shutil
+
+    engine = shutil.copytree(tiny_engine(), tmp_path / "engine")
+    (engine / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_k": 1}))
+    greedy = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8))[0].text
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}
+    for mode, unset_is_greedy in (("auto", True), ("vllm", False)):
+        settings = ServerSettings(model_name=MODEL, generation_config=mode)
+        with ServerThread(create_app(llm, engine, settings)) as server, httpx.Client(base_url=server.url) as http:
+            texts = {http.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(4)}
+            assert (texts == {greedy}) == unset_is_greedy  # top_k 1 from the file: always the likeliest token
+            overridden = {http.post("/v1/completions", json={**body, "top_k": 0, "seed": seed}).json()
+                          ["choices"][0]["text"] for seed in range(4)}
+            assert len(overridden) > 1  # a request's own value wins over the model's
+
+
+def test_a_generation_config_with_values_sampling_cannot_take_stops_the_server_naming_it(llm, tmp_path):
+    import json
+    import shutil
+
+    from kiln.runtime.errors import KilnError
+    from kiln.runtime.server.sampling_defaults import sampling_defaults
+
+    engine = shutil.copytree(tiny_engine(), tmp_path / "engine")
+    (engine / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(KilnError, match=r"generation_config.json: .*temperature"):
+        sampling_defaults(engine, "auto")
+    assert sampling_defaults(engine, "vllm") == {}

@@ -38,6 +38,7 @@ from kiln.runtime.server.protocol import (
     VersionResponse,
 )
 from kiln.runtime.server.request_id import REQUEST_ID_HEADER, RequestIdMiddleware
+from kiln.runtime.server.sampling_defaults import GenerationConfigMode
 from kiln.runtime.server.tokenize import detokenize, server_version, tokenize
 
 logger = logging.getLogger("kiln.server")
@@ -59,6 +60,7 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allowed_origins: tuple[str, ...] = ("*",)  # vLLM's default
     engine_cache: dict = field(default_factory=dict)  # {"hit": bool, "hit_rate": float, "key": str}, when known
+    generation_config: GenerationConfigMode = "auto"  # the sampling defaults: the model's (vLLM's default) or vLLM's
 
 
 class ServerState:
@@ -124,7 +126,7 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
 
     def attach(loaded: LLM) -> None:
         state.model = ServedModel(loaded, settings.model_name, Path(engine_dir), settings.max_queue,
-                                  settings.chat_template)
+                                  settings.chat_template, settings.generation_config)
 
     async def load() -> None:
         try:

@@ -171,7 +171,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    jobs = make_jobs(req, [prompt], [limit], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+    jobs = make_jobs(model, req, [prompt], [limit], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                      prompt_logprobs=req.prompt_logprobs, structured_output=forced or requested_format(req))
     model.check(jobs[::req.n], "messages")
     names = TokenText(model.tokenizer)

@@ -50,15 +50,17 @@ IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
 _logged_ignored: set[str] = set()
 
 
-def make_jobs(req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *, logprobs: int | None,
-              prompt_logprobs: int | None, structured_output: StructuredOutput | None) -> list[Job]:
-    """`n` jobs per prompt, in OpenAI's choice order (prompt-major)."""
+def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *,
+              logprobs: int | None, prompt_logprobs: int | None,
+              structured_output: StructuredOutput | None) -> list[Job]:
+    """`n` jobs per prompt, in OpenAI's choice order (prompt-major), with the model's sampling defaults."""
     for name in set(req.ignored_fields()) - _logged_ignored:
         _logged_ignored.add(name)
         logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
     try:
         return [Job(ids, sampling_params(req, max_tokens=limit, index=choice, logprobs=logprobs,
-                                         prompt_logprobs=prompt_logprobs, structured_output=structured_output))
+                                         prompt_logprobs=prompt_logprobs, structured_output=structured_output,
+                                         defaults=model.sampling_defaults))
                 for ids, limit in zip(prompts, max_tokens, strict=True) for choice in range(req.n)]
     except ValueError as exc:  # a combination the fields' own checks cannot see (min_tokens above max_tokens)
         message = str(exc).removeprefix("SamplingParams.")
@@ -304,7 +306,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
 
     echo_logprobs = req.logprobs if req.echo else None
     prompt_logprobs = max((k for k in (req.prompt_logprobs, echo_logprobs) if k is not None), default=None)
-    jobs = make_jobs(req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+    jobs = make_jobs(model, req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                      structured_output=requested_format(req))
     model.check(jobs[::req.n], "prompt")  # one job per prompt: a prompt's n choices differ only in their seed
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())

@@ -15,6 +15,7 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.protocol import ModelCard, SamplingFields
+from kiln.runtime.server.sampling_defaults import GenerationConfigMode, sampling_defaults
 from kiln.runtime.server.tool_calls import tool_call_format
 from kiln.runtime.structured_output import StructuredOutput
 from kiln.runtime.tokenizer import GIL_FREE_ENCODE_CHARS
@@ -67,9 +68,10 @@ class ServedModel:
     replaces the engine's own."""
 
     def __init__(self, llm: LLM, name: str, engine_dir: Path, max_queue: int,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, generation_config: GenerationConfigMode = "auto") -> None:
         self.llm = llm
         self.name = name
+        self.sampling_defaults = sampling_defaults(engine_dir, generation_config)
         self.tokenizer = llm.tokenizer
         self.limits = llm.limits
         try:
@@ -180,17 +182,23 @@ class ServedModel:
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprobs: int | None,
-                    prompt_logprobs: int | None, structured_output: StructuredOutput | None) -> SamplingParams:
+                    prompt_logprobs: int | None, structured_output: StructuredOutput | None,
+                    defaults: dict[str, float]) -> SamplingParams:
     """Runtime sampling parameters of choice `index` of a request (a seeded request gives choice i the seed + i, as
-    an unsigned 64-bit seed: OpenAI's seed is signed, and -1 seeds what 2**64 - 1 does)."""
-    temperature = 1.0 if req.temperature is None else req.temperature
+    an unsigned 64-bit seed: OpenAI's seed is signed, and -1 seeds what 2**64 - 1 does); a field the request leaves
+    unset takes the model's default (``defaults``), else SamplingParams'."""
+    def given(name: str, fallback: float) -> float:
+        value = getattr(req, name)
+        return defaults.get(name, fallback) if value is None else value
+
+    temperature = given("temperature", 1.0)
     if req.top_p == 0:
         temperature = 0.0
     seed = None if req.seed is None else (req.seed + index) % 2**64
-    return SamplingParams(temperature=temperature, top_p=req.top_p or 1.0, top_k=req.top_k or 0,
-                          min_p=req.min_p or 0.0, max_tokens=max_tokens, seed=seed, stop=req.stop or [],
+    return SamplingParams(temperature=temperature, top_p=given("top_p", 1.0) or 1.0, top_k=given("top_k", 0),
+                          min_p=given("min_p", 0.0), max_tokens=max_tokens, seed=seed, stop=req.stop or [],
                           ignore_eos=req.ignore_eos,
                           presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                          repetition_penalty=req.repetition_penalty or 1.0, logit_bias=req.logit_bias or {},
+                          repetition_penalty=given("repetition_penalty", 1.0), logit_bias=req.logit_bias or {},
                           min_tokens=req.min_tokens or 0, stop_token_ids=req.stop_token_ids or [],
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_output=structured_output)
