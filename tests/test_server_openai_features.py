@@ -153,9 +153,13 @@ def test_json_object_and_vllm_structured_outputs_streamed(client):
     stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, stream=True, seed=1,
                                             extra_body={"structured_outputs": {"choice": ["kiln", "oven", "forge"]}})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in ("kiln", "oven", "forge")
+    options = {"disable_any_whitespace": True, "disable_additional_properties": True}  # what this server does
     out = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, seed=2,
-                                    extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+                                    extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}", **options}})
     assert re.fullmatch("[A-Z]{2}-[0-9]{3}", out.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="disable_any_whitespace"):  # what it never does
+        client.completions.create(model=MODEL, prompt="Code:", max_tokens=2, extra_body={
+            "structured_outputs": {"regex": "[A-Z]", "disable_any_whitespace": False}})
 
 
 @pytest.mark.parametrize(("extra", "words"), [

@@ -176,8 +176,15 @@ class StructuredOutputs(StrictModel):
     json_schema: dict[str, Any] | str | None = Field(None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
-    grammar: str | None = Field(None, description="A Lark grammar (llguidance's dialect).")
+    grammar: str | None = Field(None, description="A Lark grammar (llguidance's dialect), or GBNF.")
     choice: list[str] | None = None
+    # vLLM's options, at what this server always does: JSON without optional whitespace, objects closed to the keys
+    # their schema names (False would ask for what it never does)
+    disable_any_whitespace: _only(None, True) = Field(None, description="Extension (as in vLLM): always true here.")
+    disable_additional_properties: _only(None, True) = Field(None, description="Extension (as in vLLM): always true "
+                                                                                "here.")
+    disable_fallback: bool | None = Field(None, description="Extension (as in vLLM): one grammar engine here, no "
+                                                            "fallback.")
 
 
 class StreamOptions(StrictModel):
