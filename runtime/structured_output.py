@@ -108,7 +108,7 @@ def _closed(schema: Any, close: bool, extended: frozenset[str]) -> Any:
         if isinstance(closed.get(key), dict):
             closed[key] = {name: _closed(sub, not (key in _DEFINITIONS and name in extended), extended)
                            for name, sub in closed[key].items()}
-    if close and named and not branched and not closed.keys() & {
+    if close and isinstance(closed.get("properties"), dict) and not branched and not closed.keys() & {
             "additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref"}:
         closed["additionalProperties"] = False
     return closed

@@ -7,9 +7,11 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+from typing import Literal
 
 import jsonschema_rs
 import openai
+import pydantic
 import pytest
 
 from kiln.runtime import LLM
@@ -287,3 +289,50 @@ def test_calls_cut_off_by_max_tokens_finish_with_length_and_a_parsed_answer_pass
     assert whole.choices[0].finish_reason == "tool_calls" and len(whole.choices[0].message.tool_calls) == 2
     assert cut.finish_reason == "length" and [c.function.name for c in cut.message.tool_calls] == ["get_time"]
     assert again.choices[0].finish_reason == "length"
+
+
+def test_a_streamed_turn_of_two_calls_sends_one_a_chunk_and_the_helpers_final_message_is_taken_back(
+        llm, tmp_path_factory):
+    calls = "".join(f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>\n'
+                    for n, a in (("get_time", '{"zone": "utc"}'), ("get_weather", '{"city": "Zürich", "unit": "c"}')))
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK], max_tokens=200,
+                  extra_body={"structured_outputs": {"choice": [calls]}})
+    with client_for(llm, tmp_path_factory, HERMES_TEMPLATE) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        with client.chat.completions.stream(**kwargs) as stream:
+            for _ in stream:
+                pass
+        message = stream.get_final_completion().choices[0].message  # its tool calls keep the stream's "index"
+        again = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            *MESSAGES, message.model_dump(), {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                                              "content": "noon"}])
+    per_chunk = [len(delta.tool_calls) for delta in deltas if delta.tool_calls]
+    assert per_chunk == [1, 1]  # as OpenAI and vLLM send them: accumulators that read a delta's first call see both
+    assert json.loads(message.tool_calls[1].function.arguments)["city"] == "Zürich"
+    assert '"Zürich"' in message.tool_calls[1].function.arguments  # not escaped, as OpenAI writes arguments
+    assert again.choices[0].finish_reason == "length"
+
+
+def test_forced_calls_of_tools_with_nested_models_or_no_parameters_follow_their_schemas(client):
+    nested = openai.pydantic_function_tool(Lookup)
+    assert "$defs" in nested["function"]["parameters"]  # pydantic's nested model: a $ref into them
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[nested], tool_choice="required",
+                                         max_tokens=120, seed=1, parallel_tool_calls=False)
+    assert_valid_call(out.choices[0].message.tool_calls[0], nested)
+    for parameters in ({"type": "object", "properties": {}}, None):  # LangChain's tool of no arguments; none at all
+        bare = {"type": "function", "function": {"name": "get_time", **({"parameters": parameters} if parameters
+                                                                          else {})}}
+        out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[bare], tool_choice="required",
+                                             max_tokens=60, seed=1, parallel_tool_calls=False)
+        assert out.choices[0].finish_reason == "tool_calls", out.choices[0].message
+        assert json.loads(out.choices[0].message.tool_calls[0].function.arguments) == {}
+
+
+class Address(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=12)
+
+
+class Lookup(pydantic.BaseModel):
+    address: Address
+    unit: Literal["c", "f"]

@@ -200,8 +200,13 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
         if not (message or delta.finished or delta.logprobs):
             return []
         logprobs = chat_logprobs(names, delta.logprobs).model_dump() if delta.logprobs else None
-        if "tool_calls" in message:  # the finish reason in a chunk of its own, after the calls, as OpenAI sends it
-            return [chunk([{"index": index, "delta": message, "logprobs": logprobs, "finish_reason": None}]),
+        if "tool_calls" in message:  # one call per chunk (as OpenAI and vLLM send them: LlamaIndex's accumulator
+            # reads only a delta's first call), then the finish reason in a chunk of its own, as OpenAI sends it
+            parts = message.pop("tool_calls")
+            first = {**message, "tool_calls": parts[:1]}
+            return [chunk([{"index": index, "delta": first, "logprobs": logprobs, "finish_reason": None}]),
+                    *(chunk([{"index": index, "delta": {"tool_calls": [part]}, "logprobs": None,
+                              "finish_reason": None}]) for part in parts[1:]),
                     chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason,
                             "stop_reason": stop_reason(delta)}])]
         return [chunk([{"index": index, "delta": message, "logprobs": logprobs, "finish_reason": reason,

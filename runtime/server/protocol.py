@@ -261,6 +261,8 @@ class CalledFunction(FunctionCall):
 
 
 class ToolCallMessagePart(StrictModel):
+    index: Int | None = Field(None, exclude=True, description="The position a streamed call had in its chunks, which "
+                                                               "the openai client's stream helpers keep: ignored.")
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from kiln.runtime.structured_output import json_rule
 
+_NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: a function without parameters takes none
 _SEPARATOR = re.compile(r"\s*;\s*")  # between the calls of a Llama 3 JSON completion
 # a call's JSON cut off after its name: the name, and the arguments as far as they got
 _CUT_OFF_CALL = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
@@ -51,11 +52,13 @@ class ToolCallFormat:
         """A Lark grammar (llguidance's dialect) whose strings are calls of ``tools`` (OpenAI function objects),
         one, or several when ``parallel`` and the format can hold several; their JSON is compact and their arguments
         hold the keys their schema names (``json_rule``)."""
+        definitions: dict = {}  # every tool's $defs / definitions, moved to the root where its "#/..." refs point
         alternatives = [{"type": "object",
                          "properties": {"name": {"const": tool["name"]},
-                                        self.arguments_key: tool.get("parameters") or {"type": "object"}},
+                                        self.arguments_key: _hoisted(tool.get("parameters") or _NO_PARAMETERS,
+                                                                     tool["name"], definitions)},
                          "required": ["name", self.arguments_key], "additionalProperties": False} for tool in tools]
-        call = json_rule({"anyOf": alternatives})
+        call = json_rule({"anyOf": alternatives, **({"$defs": definitions} if definitions else {})})
         if self.open:
             call = f"{json.dumps(self.open)} {call} {json.dumps(self.close)}"
         repeat = '("\\n" call)*' if parallel and self.open else ""
@@ -123,7 +126,42 @@ class ToolCallFormat:
         arguments = next((value[key] for key in (self.arguments_key, "arguments") if key in value), None)
         if not isinstance(arguments, dict | str):
             return None
-        return ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)  # as OpenAI
+        return ToolCall(value["name"], text)
+
+
+def _hoisted(parameters: dict, tool: str, definitions: dict) -> dict:
+    """A tool's ``parameters`` as a subschema of the call's schema: its ``$defs`` / ``definitions`` (and itself, when
+    a ``"#"`` ref recurses to it) added to ``definitions`` under names unique to the tool, and its local refs
+    rewritten to point there (a ref is resolved against the root of the whole schema, not of the parameters)."""
+    names: dict[str, str] = {}  # "#/$defs/X" or "#/definitions/X" or "#" -> the new "#/$defs/..." pointer
+    own = {f"#/{key}/{name}": (f"{tool}__{name}", sub) for key in ("$defs", "definitions")
+           if isinstance(parameters.get(key), dict) for name, sub in parameters[key].items()}
+    body = {key: value for key, value in parameters.items() if key not in ("$defs", "definitions")}
+    for ref, (name, _) in own.items():
+        names[ref] = f"#/$defs/{name}"
+    names["#"] = f"#/$defs/{tool}__root"
+
+    def rewrite(node: object) -> object:
+        if isinstance(node, dict):
+            out = {key: rewrite(value) for key, value in node.items()}
+            ref = out.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                base = next((r for r in sorted(names, key=len, reverse=True)
+                             if ref == r or ref.startswith(r + "/")), None)
+                if base is not None:
+                    out["$ref"] = names[base] + ref[len(base):] if base != "#" else names["#"] + ref[1:]
+            return out
+        if isinstance(node, list):
+            return [rewrite(item) for item in node]
+        return node
+
+    for name, sub in own.values():
+        definitions[name] = rewrite(sub)
+    body = rewrite(body)
+    if names["#"] in json.dumps([body, definitions]):  # the parameters refer to themselves (recursion)
+        definitions[f"{tool}__root"] = body
+    return body
 
 
 def _json_value(text: str) -> object | None:
