@@ -137,6 +137,13 @@ def test_architecture_file_is_benchmarked_with_random_weights_and_cached(tmp_pat
     assert output.text in ("yes", "no") and output.finish_reason == "stop"
 
 
+def test_lengths_an_architecture_cannot_hold_are_refused_before_its_random_weights_are_written(tmp_path, kiln_cache):
+    arch = write_architecture(tmp_path / "tiny-arch.json")  # 256 positions
+    code, _, err = run_bench(str(arch), "--prompts", "2", "--input-len", "250", "--output-len", "100")
+    assert code == 2 and "max_position_embeddings (256)" in err and "writing" not in err
+    assert not (kiln_cache / "v1" / "checkpoints").exists() or not any((kiln_cache / "v1" / "checkpoints").iterdir())
+
+
 def test_fp8_architecture_builds_from_a_modelopt_max_calibrated_checkpoint(tmp_path):
     arch = write_architecture(tmp_path / "tiny-fp8.json", tie_word_embeddings=True)
     report = bench_json(str(arch), *SMALL, "--batch-1", "--format", "fp8", "--bandwidth-gbs", "10")

@@ -146,6 +146,26 @@ def test_loadtest_refuses_a_workload_the_engine_cannot_serve_before_loading_it(t
         assert result.exit_code != 0 and problem in result.output, (options, result.output)
 
 
+@pytest.mark.parametrize(("options", "problem"), [
+    (["http://127.0.0.1:8000/v1"], "without a path (/v1)"),  # the OpenAI base URL, not the server's root
+    (["http://127.0.0.1:port"], "not a server URL"),
+    (["http://127.0.0.1:8000", "--input-len", "16", "--prompt", "hi"], "give one"),
+    (["http://127.0.0.1:8000", "--chat", "--input-len", "16"], "--chat sends messages"),
+])
+def test_loadtest_refuses_a_bad_url_or_conflicting_workloads_in_one_line(options, problem):
+    result = CliRunner().invoke(cli(), ["loadtest", *options])
+    assert result.exit_code == 2 and problem in result.output and "Traceback" not in result.output, result.output
+
+
+def test_every_client_going_away_is_a_soak_not_a_failure_and_one_token_is_no_disconnect():
+    gone = RequestResult(status=200, completion_tokens=3, events=3, disconnected=True)
+    assert summarize_results([gone, gone], duration_s=1.0)["disconnected"] == 2
+    counted = RequestResult(status=200, ttft_s=0.1, latency_s=0.2, completion_tokens=8, events=8, without_usage=True)
+    assert summarize_results([counted], duration_s=1.0)["tokens_counted"].startswith("max_tokens")
+    one_token = make_workload(requests=8, warmup=0, request_rate=math.inf, seed=0, max_tokens=1, disconnect=1.0)
+    assert all(request.disconnect_after is None for request in one_token.requests)
+
+
 def test_loadtest_at_a_finite_rate_gives_no_efficiency_as_the_arrivals_set_the_served_rate():
     result = CliRunner().invoke(cli(), ["loadtest", str(tiny_engine()), "--clients", "2", "--requests", "3",
                                         "--request-rate", "50", "--max-tokens", "2", "--no-engine-process", "--json"])

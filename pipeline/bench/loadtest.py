@@ -12,6 +12,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
+from urllib.parse import urlsplit
 
 import typer
 from rich.markup import escape
@@ -53,6 +54,8 @@ def print_report(report: dict) -> None:
         row = report[key]
         table.add_row(name, *(f"{row[p]:.1f}" if p in row else "-" for p in ("p50", "p95", "p99", "mean", "max")))
     stdout.print(table)
+    if report["tokens_counted"] != "usage":
+        stdout.print(f"[yellow]tokens counted as {escape(report['tokens_counted'])}[/]", markup=True, highlight=False)
     if report["disconnected"]:
         stdout.print(f"{report['disconnected']} clients went away mid-stream, as --disconnect asked", highlight=False)
     if report["failed"]:
@@ -85,11 +88,27 @@ def print_report(report: dict) -> None:
 def _engine_target(target: str, options: RuntimeOptions) -> ServeTarget | None:
     """The engine `target` names (built first when it is a config), or None for a server URL."""
     if target.startswith(("http://", "https://")):
+        _check_url(target)
         return None
     from kiln.pipeline.serve_command import require_serve_extra, serve_target
 
     require_serve_extra()
     return serve_target(target, options)
+
+
+def _check_url(url: str) -> None:
+    """A server URL is a scheme, a host and a port: the server's root, under which /v1/... and /metrics are."""
+    parsed = urlsplit(url)
+    try:
+        parsed.port  # noqa: B018 - a port that is not a number raises here
+    except ValueError as exc:
+        raise typer.BadParameter(f"{url}: not a server URL ({exc}); give http://HOST:PORT") from None
+    if not parsed.hostname:
+        raise typer.BadParameter(f"{url}: not a server URL (no host); give http://HOST:PORT")
+    if parsed.path not in ("", "/") or parsed.query:
+        root = f"{parsed.scheme}://{parsed.netloc}"
+        raise typer.BadParameter(f"{url}: give the server's root, {root}, without a path ({parsed.path}): kiln "
+                                 f"loadtest adds /v1/completions and /metrics itself")
 
 
 @contextmanager
@@ -177,7 +196,8 @@ def loadtest(
         callback=_above_zero, help="Poisson arrivals at this many requests/s (inf: all at once, as many as --clients "
                                    "allows).")] = math.inf,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per request (EOS ignored).")] = 32,
-    prompt: Annotated[str, typer.Option(help="The prompt every request sends.")] = "Once upon a time",
+    prompt: Annotated[str | None, typer.Option(help="The prompt every request sends (default: 'Once upon a "
+                                                    "time').")] = None,
     input_len: Annotated[int | None, typer.Option(min=1, help="Send random token ids of this many tokens instead "
                                                               "of --prompt.")] = None,
     output_len: Annotated[int | None, typer.Option(min=1, help="Tokens to generate per request (overrides "
@@ -198,7 +218,8 @@ def loadtest(
                                                "offline and report the server's efficiency.")] = True,
     in_process: Annotated[bool, typer.Option("--in-process", help="When serving the engine itself, also stream the "
                                                                   "workload from LLM.stream without HTTP.")] = False,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar="KILN_API_KEY")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="KILN_API_KEY", help="The server's API key.")
+                       ] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda, when serving an engine for the test.")] = None,
     engine_process: Annotated[bool, typer.Option(help="Serving an engine for the test, run it in a process of its "
                                                      "own, as kiln serve does, or on a thread of the server.")] = True,
@@ -210,6 +231,12 @@ def loadtest(
                         "prompt": prompt, "max_tokens": output_len or max_tokens, "input_len": input_len,
                         "output_len": output_len, "spread": spread, "prompts_file": prompts_file,
                         "disconnect": disconnect}
+    if sum(given is not None for given in (prompt, input_len, prompts_file)) > 1:
+        raise typer.BadParameter("--prompt, --input-len (random token ids) and --prompts-file each say what the "
+                                 "requests send: give one")
+    if chat and input_len is not None:
+        raise typer.BadParameter("--chat sends messages, which are text: random token prompts (--input-len) go to "
+                                 "/v1/completions; leave out one of them")
     options = runtime_options(os.environ, device=device, engine_process=engine_process)
     resolved = _engine_target(target, options)
     if resolved is not None:  # the workload checked against the engine before it loads (a prompts file read too)

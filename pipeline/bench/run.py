@@ -148,6 +148,8 @@ def bench_config_for(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cac
     if random_quantized and fmt != "fp8":
         raise BenchTargetError(f"--random-quantized makes FP8 weights directly; it needs --format fp8, not {fmt}")
     kv = " with an FP8 KV cache" if kv_cache_dtype == "fp8" else ""
+    bench_config(target.path, plan, arch, fmt=fmt, kv_cache_dtype=kv_cache_dtype, seed=seed,
+                 tp_size=tp_size or 1)  # the plan's checks, before minutes of writing random weights
     hf_dir = random_checkpoint(cache, target.path, arch, seed=seed, device="cuda" if cuda else "cpu",
                                progress=report_progress, fp8=random_quantized, fp8_kv_cache=kv_cache_dtype == "fp8")
     if random_quantized:  # built as it is: the builder reads the FP8 linears and K/V scales of the checkpoint

@@ -99,8 +99,8 @@ def make_workload(*, requests: int, warmup: int, request_rate: float, seed: int,
     times = arrivals(requests, request_rate, rng)
     measured = drawn[warmup:]
     if disconnect:
-        measured = [replace(r, disconnect_after=rng.randint(1, max(1, r.max_tokens - 1)))
-                    if rng.random() < disconnect else r for r in measured]
+        measured = [replace(r, disconnect_after=rng.randint(1, r.max_tokens - 1))
+                    if rng.random() < disconnect and r.max_tokens > 1 else r for r in measured]
     return ServingWorkload(requests=measured, warmup=drawn[:warmup], arrivals_s=times)
 
 
