@@ -77,7 +77,8 @@ def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, 
     if on_loaded is not None:
         on_loaded(llm.load_ms)
     try:
-        progress("kiln: waiting for the idle engine to capture its CUDA graphs")
+        if (llm.stats().get("cuda_graphs") or {}).get("pending"):  # the native engine on a GPU: captured while idle
+            progress("kiln: waiting for the idle engine to capture its CUDA graphs")
         start = time.perf_counter()
         llm.wait_until_warm()
         warm_ms = (time.perf_counter() - start) * 1000
