@@ -136,6 +136,10 @@ def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
     data = loaded.config.model_dump(mode="json")
     data["cache"]["dir"] = str(loaded.config.cache.root())
     build = loaded.config.build
+    if not (model_dir and positions):  # not fitted: a default written out would be kept, and refused, once it is
+        for name in ("max_seq_len", "max_input_len"):
+            if name not in build.model_fields_set:
+                del data["build"][name]
     if choose_backend(build.backend, build.device).backend == "native":  # settings it would not use
         for name in TRTLLM_ONLY:
             del data["build"][name]
@@ -152,8 +156,9 @@ def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
         return
     import yaml
 
-    stdout.print(f"# {loaded.path}", highlight=False)
-    stdout.print(yaml.safe_dump(data, sort_keys=False), highlight=False, end="")
+    # written as it is: rich would wrap long lines at a terminal's width, and the output must stay valid YAML
+    stdout.file.write(f"# {loaded.path}\n" + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=2**16))
+    stdout.file.flush()
 
 
 @cache_app.command("explain")

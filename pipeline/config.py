@@ -352,7 +352,7 @@ def _absolutise_paths(data: dict, base: Path) -> None:
     """Make relative local paths absolute against the config file's folder (hub ids and keywords stay)."""
     model = data.get("model")
     if isinstance(model, dict) and isinstance(model.get("path"), str):
-        candidate = base / model["path"]
+        candidate = base / Path(model["path"]).expanduser()  # "~/models/x": the home folder, not base/"~"
         if model["path"].startswith((".", "/", "~")) or candidate.exists():
             model["path"] = _absolute(candidate)
     quantize = data.get("quantize")
@@ -360,7 +360,7 @@ def _absolutise_paths(data: dict, base: Path) -> None:
         for field in ("dataset", "heldout"):
             value = quantize.get(field)
             if isinstance(value, str) and value not in ("bundled", RANDOM) and not value.startswith("hf:"):
-                quantize[field] = _absolute(base / value)
+                quantize[field] = _absolute(base / Path(value).expanduser())
     cache = data.get("cache")
     if isinstance(cache, dict) and isinstance(cache.get("dir"), str) and not cache["dir"].startswith(("/", "~")):
         cache["dir"] = _absolute(base / cache["dir"])

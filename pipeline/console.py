@@ -30,8 +30,8 @@ from kiln.runtime.errors import KilnError
 # Wrapped at the terminal's width for people; not wrapped at all into a pipe or a file, where a path or a key split
 # over two lines breaks whatever reads it. Text is printed as it is (a path or a message may hold "[...]"): styled
 # lines ask for markup (``markup=True``) and escape what they insert.
-stdout = Console(markup=False)
-stderr = Console(stderr=True, markup=False)
+stdout = Console(markup=False, emoji=False)
+stderr = Console(stderr=True, markup=False, emoji=False)
 for _console in (stdout, stderr):
     _console.soft_wrap = not _console.is_terminal
 

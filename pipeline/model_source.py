@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from kiln.pipeline.config import ModelSection, is_local_path
@@ -15,6 +16,7 @@ class ModelNotFoundError(KilnError):
 
 
 REQUIRED_FILES = ("config.json",)
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # huggingface_hub's validate_repo_id, roughly
 
 
 def hf_hub_cache() -> Path:
@@ -49,10 +51,17 @@ def resolve_model(model: ModelSection) -> Path:
     local = Path(model.path).expanduser()
     if is_local_path(model.path):
         raise ModelNotFoundError(f"model.path {local} {_what_is_missing(local)}")
-    if not model.allow_download:
+    if not _REPO_ID.fullmatch(model.path) or "--" in model.path or ".." in model.path or len(model.path) > 96:
+        hint = " (Kiln expands ~ but not environment variables)" if "$" in model.path else ""
         raise ModelNotFoundError(
-            f"model '{model.path}' is not on disk (not in the Hugging Face cache {hf_hub_cache()}); download it "
-            f"with `hf download {model.path}` where the hub is reachable, or set model.path to a local folder "
+            f"model.path {model.path} is neither a folder (a relative path is taken from the config file's folder) "
+            f"nor a Hugging Face model id such as org/name{hint}; point model.path at the checkpoint folder")
+    if not model.allow_download:
+        what = f"model '{model.path}'" + (f" at revision {model.revision}" if model.revision else "")
+        command = f"hf download {model.path}" + (f" --revision {model.revision}" if model.revision else "")
+        raise ModelNotFoundError(
+            f"{what} is not on disk (not in the Hugging Face cache {hf_hub_cache()}); download it "
+            f"with `{command}` where the hub is reachable, or set model.path to a local folder "
             "(or model.allow_download: true)"
         )
     return _download(model)
@@ -62,7 +71,7 @@ def _download(model: ModelSection) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.tiktoken", "merges.txt", "vocab.txt"]
     try:
         return Path(snapshot_download(model.path, revision=model.revision, allow_patterns=patterns, etag_timeout=10))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
@@ -83,11 +92,31 @@ def _what_is_missing(folder: Path) -> str:
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
         return ("holds pickle weights (*.bin / *.pt) only, which Kiln never loads; re-save the checkpoint with "
                 "save_pretrained(..., safe_serialization=True)")
-    return f"has no *.safetensors weights; {fix}"
+    return _weights_problem(folder) or f"has no *.safetensors weights; {fix}"
+
+
+def _weights_problem(folder: Path) -> str | None:
+    """Why the safetensors of a folder are not a whole checkpoint (None: model.safetensors, or an index whose shards
+    are all there): shards without their index, or an index naming shards not on disk (an interrupted download)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError):
+            return None  # the builder names what is wrong with the index
+        if missing := sorted(str(s) for s in shards if not (folder / str(s)).is_file()):
+            return (f"has {index.name} naming {len(missing)} shard(s) not on disk ({', '.join(missing[:3])}"
+                    f"{' ...' if len(missing) > 3 else ''}): an interrupted download? fetch the missing files")
+        return None
+    if not (folder / "model.safetensors").is_file() and any(folder.glob("*.safetensors")):
+        return ("has *.safetensors shards but no model.safetensors.index.json saying which tensor is where; copy the "
+                "index from the checkpoint's source")
+    return None
 
 
 def _is_checkpoint(path: Path) -> bool:
-    return path.is_dir() and all((path / f).is_file() for f in REQUIRED_FILES) and any(path.glob("*.safetensors"))
+    return (path.is_dir() and all((path / f).is_file() for f in REQUIRED_FILES) and any(path.glob("*.safetensors"))
+            and _weights_problem(path) is None)
 
 
 def model_max_positions(model_dir: Path) -> int | None:

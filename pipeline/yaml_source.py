@@ -4,6 +4,7 @@ few lines into gigabytes)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,24 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+def _construct_int(loader: _ConfigLoader, node: yaml.ScalarNode) -> int:
+    """An integer as YAML 1.2 reads it: ``016`` is refused rather than read as octal 14 (YAML 1.1), ``0x10`` kept."""
+    text = str(node.value).lstrip("+-").replace("_", "")
+    if len(text) > 1 and text.startswith("0") and text[1].isdigit():
+        raise _Refused(problem=f"{node.value}: a number with a leading zero is ambiguous (YAML 1.1 reads 016 as octal "
+                               f"14); write {int(text, 10)}", problem_mark=node.start_mark)
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?0[0-9_]+$"), list("-+0"))
+
+# YAML 1.2 floats without a dot or an exponent sign (1e-2, 5e3), which PyYAML's YAML 1.1 rules read as strings
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                    list("-+0123456789"))
+
+
 def load_yaml_with_lines(path: Path) -> tuple[Any, dict[tuple[str, ...], int]]:
     """Parse ``path``; return the data and a map from key path (``("build", "max_seq_len")``) to 1-based line."""
     try:
@@ -42,8 +61,13 @@ def load_yaml_with_lines(path: Path) -> tuple[Any, dict[tuple[str, ...], int]]:
                           f"config as UTF-8") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
-    loader = _ConfigLoader(text)
     lines: dict[tuple[str, ...], int] = {}
+    try:
+        loader = _ConfigLoader(text)  # refuses a control character (NUL, ESC, ...) here, before the try below
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        raise ConfigError(f"{path}:{line}: control character U+{exc.character:04X} is not allowed in YAML; remove "
+                          "it") from None
     try:
         node = loader.get_single_node()
         if node is None:

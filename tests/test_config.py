@@ -97,6 +97,10 @@ def test_a_model_path_that_is_a_link_loop_loads_and_is_reported_where_it_is_used
     ({}, "has no config.json"),
     ({"config.json": "{}", "pytorch_model.bin": ""}, r"holds pickle weights \(\*.bin / \*.pt\) only"),
     ({"config.json": "{}"}, r"has no \*.safetensors weights"),
+    ({"config.json": "{}", "model-00001-of-00002.safetensors": ""}, "shards but no model.safetensors.index.json"),
+    ({"config.json": "{}", "model-00001-of-00002.safetensors": "", "model.safetensors.index.json":
+      '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}'},
+     r"naming 1 shard\(s\) not on disk \(model-00002-of-00002.safetensors\): an interrupted download"),
 ])
 def test_a_local_model_folder_kiln_cannot_read_is_refused_naming_what_is_missing(tmp_path, files, problem):
     from kiln.pipeline.model_source import ModelNotFoundError, resolve_model
@@ -358,3 +362,33 @@ def test_a_cuda_device_on_a_machine_without_cuda_is_one_line_even_in_a_dry_run(t
         plan(tmp_path, "build:\n  device: cuda\n")
     with pytest.raises(DeviceUnavailableError, match="device 'cuda': this machine has no CUDA device"):
         machine_fingerprint("cuda")
+
+
+def test_yaml_numbers_read_as_yaml_1_2_and_control_characters_are_one_line(tmp_path):
+    config = load_config(write(tmp_path, "model:\n  path: m\nquantize:\n  format: fp8\n  tolerance: 1e-2\n")).config
+    assert config.quantize.tolerance == 0.01  # YAML 1.1 read it as the string "1e-2"
+    with pytest.raises(ConfigError, match=r"kiln.yaml:4: .*016: a number with a leading zero .* write 16"):
+        load_config(write(tmp_path, "model:\n  path: m\nbuild:\n  tokens_per_block: 016\n"))  # octal 14 in 1.1
+    with pytest.raises(ConfigError, match=r"kiln.yaml:3: control character U\+0007"):
+        load_config(write(tmp_path, "model:\n  path: m\n  \x07\n"))
+
+
+def test_a_home_relative_path_is_the_home_folder_and_a_path_that_is_no_model_id_is_named(tmp_path, monkeypatch):
+    from kiln.pipeline.model_source import ModelNotFoundError, resolve_model
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "m1").mkdir(parents=True)
+    config = load_config(write(tmp_path, "model:\n  path: ~/m1\nquantize:\n  format: fp8\n  dataset: ~/d.txt\n"))
+    assert config.config.model.path == str(tmp_path / "home" / "m1")
+    assert config.config.quantize.dataset == str(tmp_path / "home" / "d.txt")
+    for path, words in (("models/llama/8b", "neither a folder"), ("$HOME/m2", "not environment variables")):
+        model = load_config(write(tmp_path, f"model:\n  path: '{path}'\n  allow_download: true\n")).config.model
+        with pytest.raises(ModelNotFoundError, match=words):
+            resolve_model(model)
+
+
+def test_text_that_rich_would_turn_into_emoji_is_printed_as_written(capsys):
+    from kiln.pipeline.console import stdout
+
+    stdout.print("sk-:fire:-x")
+    assert capsys.readouterr().out.strip() == "sk-:fire:-x"
