@@ -48,7 +48,7 @@ def runtime_options(environ: Mapping[str, str], *, device: str | None = None, nu
             values[field] = _choice(environ, name, ("0", "1")) == "1"
     if "KILN_LINEAR_MAX_M" in environ:
         text = environ["KILN_LINEAR_MAX_M"]
-        if not text.isdigit() or int(text) < 1:
+        if not text.isdecimal() or int(text) < 1:
             raise RuntimeOptionsError(f"KILN_LINEAR_MAX_M={text!r} must be a positive integer; unset it for the "
                                       f"crossover each engine measured")
         values["linear_max_m"] = int(text)

@@ -132,9 +132,9 @@ class RuntimeOptions:
 
 def _is_device(text: str) -> bool:
     kind, colon, index = str(text).partition(":")
-    return (kind == "cpu" and not colon) or (kind == "cuda" and (not colon or index.isdigit()))
+    return (kind == "cpu" and not colon) or (kind == "cuda" and (not colon or index.isdecimal()))
 
 
 def _is_host_port(text: str) -> bool:
     host, _, port = text.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+    return bool(host) and port.isdecimal() and 0 < int(port) < 65536

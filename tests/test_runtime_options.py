@@ -50,6 +50,7 @@ def test_the_cli_fills_options_from_kiln_variables_and_its_own_flags():
     ("KILN_CUDA_GRAPHS", "yes", "must be one of 0, 1"),
     ("KILN_KERNELS", "cuda", "must be one of triton, torch"),
     ("KILN_LINEAR_MAX_M", "0", "must be a positive integer"),
+    ("KILN_LINEAR_MAX_M", "²", "must be a positive integer"),  # a digit to str.isdigit, not to int()
     ("KILN_PDL", "on", "must be one of 0, 1"),
     ("KILN_SCHEDULER_POLICY", "fifo", "must be one of max_utilization, guaranteed_no_evict"),
     ("KILN_GPU_MEMORY_UTILIZATION", "lots", r"must be a number in \(0, 1\]"),

@@ -59,7 +59,7 @@ def check_trtllm_fingerprint(engine_fp: dict[str, Any], machine_fp: dict[str, An
 
 def is_supported_trtllm(version: str) -> bool:
     """Whether a TensorRT-LLM version string is a supported release (1.2.x)."""
-    return tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) == SUPPORTED_TRTLLM
+    return tuple(int(p) for p in version.split(".")[:2] if p.isdecimal()) == SUPPORTED_TRTLLM
 
 
 def import_executor_module() -> Any:
