@@ -230,3 +230,12 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_command_larger_than_the_pipe_while_results_pour_in_does_not_deadlock_the_two_processes(llm):
+    # each full pipe once blocked its writer: the parent sending a 2 MB request, the child its results
+    flood = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=20)
+    ids = [llm.submit("Once upon a time", flood) for _ in range(4)]
+    big = llm.submit([5, 6], SamplingParams(max_tokens=2, temperature=0.0, stop_token_ids=[7] * 300_000))
+    assert len(llm.result(big, timeout=60).token_ids) <= 2
+    assert all(llm.result(request_id, timeout=60).finish_reason == "length" for request_id in ids)

@@ -4,7 +4,9 @@ engine's stats every ``STATS_INTERVAL_S``) to the parent; it lives as long as th
 from __future__ import annotations
 
 import importlib
+import queue
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -58,15 +60,43 @@ def main(fd: int) -> int:
     return 0
 
 
+class Inbox:
+    """The parent's messages, read on a thread of their own as they come: the parent never waits to send a command
+    (a large one: a long prompt, a big logit_bias) while this process waits to send it results, each with its pipe
+    full (a deadlock of both)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._read, args=(conn,), name="kiln-engine-inbox", daemon=True).start()
+
+    def _read(self, conn: Connection) -> None:
+        try:
+            while True:
+                self._queue.put(receive(conn))
+        except Exception as exc:  # the parent has gone (EOFError), or a message did not decode: the loop raises it
+            self._queue.put(exc)
+
+    def get(self, timeout: float) -> dict | None:
+        """The next message, waiting up to ``timeout`` seconds (None when none came); raises what ended the reads."""
+        try:
+            message = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(message, Exception):
+            raise message
+        return message
+
+
 def serve(conn: Connection, engine: Engine) -> None:
     """Apply the parent's adds and aborts between steps; after each step (or a command that produced a result), send
     what it gave. While idle, do the engine's deferred warm-up one piece at a time and say when it is done. Returns
     when the parent says close."""
+    inbox = Inbox(conn)
     last_stats = 0.0
     warming = True
     while True:
         results: list[StreamDelta | RequestFailure] = []
-        for message in _messages(conn, not (engine.has_unfinished() or warming), engine):
+        for message in _messages(inbox, not (engine.has_unfinished() or warming), engine):
             if "close" in message:
                 return
             if "add" in message:
@@ -97,14 +127,14 @@ def serve(conn: Connection, engine: Engine) -> None:
         send(conn, reply)
 
 
-def _messages(conn: Connection, block: bool, engine: Engine) -> Iterator[dict]:
+def _messages(inbox: Inbox, block: bool, engine: Engine) -> Iterator[dict]:
     """The parent's waiting messages (waiting for the first when ``block``, and raising ``engine.failure()`` if the
     engine fails meanwhile: a tensor-parallel worker that exits while the engine is idle stops this process, whose
     exit the parent notices)."""
     if block:
-        while not conn.poll(FAILURE_POLL_S):
+        while (message := inbox.get(FAILURE_POLL_S)) is None:
             if (failure := engine.failure()) is not None:
                 raise failure
-        yield receive(conn)
-    while conn.poll():
-        yield receive(conn)
+        yield message
+    while (message := inbox.get(0)) is not None:
+        yield message
