@@ -23,6 +23,7 @@ _SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "propert
               "then", "else", "additionalItems", "unevaluatedItems")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _DEFINITIONS = ("$defs", "definitions")
+MAX_FORMAT_CHARS = 128 * 1024  # of a schema, regex, grammar or the choices together
 _UNKNOWN_FORMAT = "Unknown format:"
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
@@ -53,6 +54,12 @@ class StructuredOutput:
                 object.__setattr__(self, "json", json.loads(self.json))
             except json.JSONDecodeError as exc:
                 raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise StructuredOutputError("the JSON schema is nested too deeply") from None
+        source = self.regex or self.grammar or "".join(self.choice or ()) or json.dumps(self.json or {})
+        if len(source) > MAX_FORMAT_CHARS:  # compiling grows faster than the size: seconds per 100 KB of grammar
+            raise StructuredOutputError(f"the format is {len(source):,} characters; at most {MAX_FORMAT_CHARS:,} "
+                                        f"are taken")
         if self.json is not None and not isinstance(self.json, dict):
             raise StructuredOutputError(f"a JSON schema must be an object, got {type(self.json).__name__}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
@@ -61,7 +68,10 @@ class StructuredOutput:
     @functools.cached_property
     def llguidance_grammar(self) -> str:
         """The format as llguidance's grammar, compiled and checked once."""
-        return grammar_of(self)
+        try:
+            return grammar_of(self)
+        except RecursionError:
+            raise StructuredOutputError("the format is nested too deeply") from None
 
     @classmethod
     def from_dict(cls, value: StructuredOutput | dict[str, Any]) -> StructuredOutput:

@@ -43,6 +43,15 @@ def test_tokenize_and_detokenize_round_trip_a_prompt_and_render_messages(http, l
     assert llm.tokenizer.decode(chat["tokens"]) == "<<user>>hi<<A>>"  # the --chat-template, not the engine's own
 
 
+def test_tokenize_and_detokenize_refuse_more_than_the_context_can_hold(http, llm):
+    context = llm.limits.max_request_tokens
+    huge = "hello " * (context * llm.tokenizer.max_token_bytes)
+    response = http.post("/tokenize", json={"prompt": huge})
+    assert response.status_code == 400 and "more than this model's context" in response.json()["error"]["message"]
+    response = http.post("/detokenize", json={"tokens": [5] * (context + 1)})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tokens"
+
+
 def test_the_developer_role_renders_as_system(http, llm):
     chat = http.post("/tokenize", json={"messages": [{"role": "developer", "content": "Be brief."}]}).json()
     assert llm.tokenizer.decode(chat["tokens"]) == "<<system>>Be brief.<<A>>"

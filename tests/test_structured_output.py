@@ -149,6 +149,13 @@ def test_a_gbnf_grammar_and_an_unknown_string_format_are_taken_as_vllm_takes_the
         unique.llguidance_grammar  # noqa: B018 - compiling is what is under test
 
 
+def test_a_format_too_large_or_too_deep_to_compile_in_time_is_refused_naming_why():
+    with pytest.raises(StructuredOutputError, match="characters; at most 131,072"):
+        StructuredOutput(grammar="start: " + " | ".join(f'"w{i}x"' for i in range(30_000)))
+    with pytest.raises(StructuredOutputError, match="nested too deeply"):
+        StructuredOutput(json="[" * 5000 + "]" * 5000)
+
+
 def test_a_format_cut_short_by_max_tokens_ends_with_length(llm):
     output = llm.generate(["x"], constrained({"json": SCHEMAS["nested-array"]}, 7, max_tokens=3))[0]
     assert output.finish_reason == "length" and len(output.token_ids) == 3

@@ -210,12 +210,12 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
         """Token ids of a prompt, or of chat messages through the chat template (vLLM's endpoint)."""
-        return tokenize(state.require_model(), body)
+        return await asyncio.to_thread(tokenize, state.require_model(), body)  # long texts: off the event loop
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
         """The text of token ids (vLLM's endpoint)."""
-        return detokenize(state.require_model(), body)
+        return await asyncio.to_thread(detokenize, state.require_model(), body)
 
     @app.get("/version", response_model=VersionResponse)
     async def version_route() -> VersionResponse:

@@ -3,6 +3,7 @@ message, or as tool calls parsed in the format the template teaches (``tool_call
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import time
@@ -162,7 +163,8 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     check_request(model, req)
     tools = _Tools(model, req)
     forced = tools.structured_output()
-    if forced is not None and requested_format(req) is not None:
+    requested = await asyncio.to_thread(requested_format, req)  # compiling a format may take a while: off the loop
+    if forced is not None and requested is not None:
         raise APIError(400, "a forced tool call (tool_choice 'required' or a named function) sets the output "
                             "format: send no response_format or structured_outputs with it", param="tool_choice")
     text = render_chat(model, req.messages, tools.rendered, variables=req.chat_template_kwargs)
@@ -172,7 +174,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     jobs = make_jobs(model, req, [prompt], [limit], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                     prompt_logprobs=req.prompt_logprobs, structured_output=forced or requested_format(req))
+                     prompt_logprobs=req.prompt_logprobs, structured_output=forced or requested)
     model.check(jobs[::req.n], "messages")
     names = TokenText(model.tokenizer)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -306,8 +306,9 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
 
     echo_logprobs = req.logprobs if req.echo else None
     prompt_logprobs = max((k for k in (req.prompt_logprobs, echo_logprobs) if k is not None), default=None)
+    structured_output = await asyncio.to_thread(requested_format, req)  # compiling may take a while: off the loop
     jobs = make_jobs(model, req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
-                     structured_output=requested_format(req))
+                     structured_output=structured_output)
     model.check(jobs[::req.n], "prompt")  # one job per prompt: a prompt's n choices differ only in their seed
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "text_completion", created, model.name)

@@ -25,9 +25,11 @@ def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
     if req.messages is not None:
         tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools or []]
         text = render_chat(model, req.messages, tools or None, req.add_generation_prompt, req.chat_template_kwargs)
-        ids = model.encode(text, "messages", add_special_tokens=False)  # the template writes BOS itself
+        # the template writes BOS itself
+        ids = model.encode(_within_context(model, text, "messages"), "messages", add_special_tokens=False)
     else:
-        ids = model.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
+        ids = model.encode(_within_context(model, req.prompt, "prompt"), "prompt",
+                           add_special_tokens=req.add_special_tokens)
     strings = model.tokenizer.vocabulary_entries(ids) if req.return_token_strs else None  # encode needs a tokenizer
     return TokenizeResponse(count=len(ids), max_model_len=model.limits.max_request_tokens, tokens=ids,
                             token_strs=strings)
@@ -38,11 +40,24 @@ def detokenize(model: ServedModel, req: DetokenizeRequest) -> DetokenizeResponse
     check_model(model, req.model)
     if model.tokenizer is None:
         raise APIError(400, "this engine has no tokenizer to decode with", param="tokens")
+    if len(req.tokens) > model.limits.max_request_tokens:
+        raise APIError(400, f"{len(req.tokens)} token ids are more than this model's context of "
+                            f"{model.limits.max_request_tokens} tokens", param="tokens")
     vocab_size = model.limits.vocab_size
     if vocab_size is not None and (outside := [t for t in req.tokens if t >= vocab_size]):
         raise APIError(400, f"token ids {outside[:8]} are outside the vocabulary of {vocab_size} tokens",
                        param="tokens")
     return DetokenizeResponse(prompt=model.tokenizer.decode(req.tokens))
+
+
+def _within_context(model: ServedModel, text: str, param: str) -> str:
+    """``text``, unless it has more characters than the model's context could hold as tokens (a 400: tokenizing
+    megabytes would hold a worker for seconds to count what no request could send)."""
+    bound = model.limits.max_request_tokens
+    if model.tokenizer is not None and len(text) > bound * model.tokenizer.max_token_bytes:
+        raise APIError(400, f"'{param}' has {len(text):,} characters, more than this model's context of {bound} "
+                            f"tokens can hold", param=param)
+    return text
 
 
 def server_version() -> VersionResponse:
