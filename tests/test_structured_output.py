@@ -205,3 +205,12 @@ def test_a_tokenizer_llguidance_cannot_read_fails_the_constrained_request_only(t
         with pytest.raises(StructuredOutputError, match="cannot use this engine's tokenizer.json"):
             llm.generate(["JSON:"], constrained({"json_object": True}, 1))
         assert len(llm.generate(["JSON:"], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+
+
+def test_a_format_that_outgrows_llguidance_while_generating_fails_its_request_naming_why(llm):
+    from kiln.runtime.outputs import RequestFailedError
+
+    with pytest.raises(StructuredOutputError, match="outgrew what llguidance can track") as failed:
+        llm.generate(["x"], SamplingParams(max_tokens=40, structured_output={"regex": "a{1000}{1000}"}))
+    assert not isinstance(failed.value, RequestFailedError) and "\n" not in str(failed.value)  # no state dump
+    assert llm.generate(["x"], SamplingParams(max_tokens=2))[0].finish_reason == "length"  # the engine serves on

@@ -29,6 +29,7 @@ from kiln.runtime.outputs import (
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.stats import EngineStats, StepStats
+from kiln.runtime.structured_output import StructuredOutputError
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt, request_detokenizer
 
 logger = logging.getLogger("kiln.runtime")
@@ -175,6 +176,8 @@ class NativeEngine:
             return self._fail(seq, token_id)
         try:
             return self._append_token(seq, token_id, now, logprob)
+        except StructuredOutputError as e:  # the request's format, not a bug
+            return self._fail(seq, e)
         except Exception as e:  # a bug: fail this request loudly, keep serving the others
             logger.error("request %s failed while postprocessing token %d", seq.request_id, token_id, exc_info=e)
             error = RequestFailedError(f"request {seq.request_id} failed in the engine ({type(e).__name__}: {e}); "
@@ -194,9 +197,11 @@ class NativeEngine:
         """Append the sampled token and finish the sequence on a stop token, a stop string or max_tokens."""
         _, detokenizer = self._requests[seq.request_id]
         seq.append_token(token_id, now, logprob)
-        if seq.matcher is not None and not seq.matcher.consume_token(token_id):
-            raise RuntimeError(f"the structured output matcher refused token {token_id} that its own mask allowed: "
-                               f"{seq.matcher.get_error()}")
+        if seq.matcher is not None and not seq.matcher.consume_token(token_id):  # llguidance hit one of its limits
+            why = (seq.matcher.get_error() or "no reason given").splitlines()[0][:200]
+            raise StructuredOutputError(f"request {seq.request_id}: the structured output format outgrew what "
+                                        f"llguidance can track after {seq.num_completion_tokens - 1} tokens ({why}); "
+                                        f"simplify the format")
         if (reason := finish_reason(seq, token_id, detokenizer, self.eos_token_ids)) is not None:
             self.scheduler.finish(seq, reason)
         return self._emit(seq, [token_id])

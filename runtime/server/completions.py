@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from kiln.runtime.errors import KilnError
+from kiln.runtime.errors import InvalidRequestError, KilnError
 from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.errors import APIError, error_body
@@ -140,8 +140,9 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
 
 def _generation_failed(exc: Exception) -> APIError:
     """The error of a request the engine did not finish: 503 (retry elsewhere) when the engine stopped or the server
-    is shutting down, 500 for anything else (a bug)."""
-    status = 503 if isinstance(exc, EngineClosedError) else 500
+    is shutting down, 400 when the request itself could not go on (its format outgrew llguidance's limits), 500 for
+    anything else (a bug)."""
+    status = 503 if isinstance(exc, EngineClosedError) else 400 if isinstance(exc, InvalidRequestError) else 500
     return APIError(status, f"generation failed: {exc}", headers={"Retry-After": str(RETRY_AFTER_S)} if status == 503
                     else None)
 
