@@ -22,10 +22,10 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 _SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "not", "if",
               "then", "else", "additionalItems", "unevaluatedItems")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_DEFINITIONS = ("$defs", "definitions")
+DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps the subschemas its local $refs name
+_SUBSCHEMA_MAPS = ("properties", *DEFINITION_KEYS, "patternProperties", "dependentSchemas")
 MAX_FORMAT_CHARS = 128 * 1024  # of a schema, regex, grammar or the choices together
 _UNKNOWN_FORMAT = "Unknown format:"
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
 class StructuredOutputError(InvalidRequestError):
@@ -116,7 +116,7 @@ def _closed(schema: Any, close: bool, extended: frozenset[str]) -> Any:
             closed[key] = [_closed(sub, key != "allOf", extended) for sub in subs]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(closed.get(key), dict):
-            closed[key] = {name: _closed(sub, not (key in _DEFINITIONS and name in extended), extended)
+            closed[key] = {name: _closed(sub, not (key in DEFINITION_KEYS and name in extended), extended)
                            for name, sub in closed[key].items()}
     if close and isinstance(closed.get("properties"), dict) and not branched and not closed.keys() & {
             "additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref"}:
@@ -141,7 +141,7 @@ def _extended_definitions(schema: Any) -> set[str]:
         node = stack.pop()
         if isinstance(node, dict):
             if isinstance(ref := node.get("$ref"), str) and "properties" in node:
-                found.update(ref.removeprefix(f"#/{key}/") for key in _DEFINITIONS if ref.startswith(f"#/{key}/"))
+                found.update(ref.removeprefix(f"#/{key}/") for key in DEFINITION_KEYS if ref.startswith(f"#/{key}/"))
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
@@ -159,9 +159,9 @@ def grammar_of(spec: StructuredOutput) -> str:
     import llguidance  # only requests that ask for structure load it
 
     matcher = llguidance.LLMatcher
+    schema = closed_objects(spec.json) if spec.json is not None else {"type": "object"}
     if spec.json is not None or spec.json_object:
-        grammar = matcher.grammar_from_json_schema(
-            closed_objects(spec.json) if spec.json is not None else {"type": "object"}, defaults=_JSON_OPTIONS)
+        grammar = matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     elif spec.regex is not None:
         grammar = matcher.grammar_from_regex(spec.regex)
     elif spec.grammar is not None:
@@ -172,8 +172,7 @@ def grammar_of(spec: StructuredOutput) -> str:
     if is_error and spec.json is not None and all(m.startswith(_UNKNOWN_FORMAT) for m in messages):
         # JSON Schema's "format" is an annotation where the validator does not know it (pydantic writes "path",
         # "password", "binary", ...): such a format is left unenforced, as xgrammar leaves it
-        grammar = matcher.grammar_from_json_schema(closed_objects(spec.json), defaults={**_JSON_OPTIONS,
-                                                                                         "lenient": True})
+        grammar = matcher.grammar_from_json_schema(schema, defaults={**_JSON_OPTIONS, "lenient": True})
         is_error, messages = matcher.validate_grammar_with_warnings(grammar)
         messages = [m for m in messages if not m.startswith(_UNKNOWN_FORMAT)]
         is_error = is_error or bool(messages)  # lenient would drop any keyword it cannot enforce: refused still

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from kiln.runtime.structured_output import json_rule
+from kiln.runtime.structured_output import DEFINITION_KEYS, json_rule
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: a function without parameters takes none
 _SEPARATOR = re.compile(r"\s*;\s*")  # between the calls of a Llama 3 JSON completion
@@ -134,32 +134,31 @@ def _hoisted(parameters: dict, tool: str, definitions: dict) -> dict:
     """A tool's ``parameters`` as a subschema of the call's schema: its ``$defs`` / ``definitions`` (and itself, when
     a ``"#"`` ref recurses to it) added to ``definitions`` under names unique to the tool, and its local refs
     rewritten to point there (a ref is resolved against the root of the whole schema, not of the parameters)."""
-    names: dict[str, str] = {}  # "#/$defs/X" or "#/definitions/X" or "#" -> the new "#/$defs/..." pointer
-    own = {f"#/{key}/{name}": (f"{tool}__{name}", sub) for key in ("$defs", "definitions")
+    own = {f"#/{key}/{name}": (f"{tool}__{name}", sub) for key in DEFINITION_KEYS
            if isinstance(parameters.get(key), dict) for name, sub in parameters[key].items()}
-    body = {key: value for key, value in parameters.items() if key not in ("$defs", "definitions")}
-    for ref, (name, _) in own.items():
-        names[ref] = f"#/$defs/{name}"
-    names["#"] = f"#/$defs/{tool}__root"
+    # each local pointer ("#/$defs/X", "#/definitions/X", "#" itself) -> its new one, the longest matched first
+    names = {**{ref: f"#/$defs/{name}" for ref, (name, _) in own.items()}, "#": f"#/$defs/{tool}__root"}
+    bases = sorted(names, key=len, reverse=True)
+    recursive = False  # a ref to the parameters themselves: they become a definition too
 
     def rewrite(node: object) -> object:
-        if isinstance(node, dict):
-            out = {key: rewrite(value) for key, value in node.items()}
-            ref = out.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#"):
-                base = next((r for r in sorted(names, key=len, reverse=True)
-                             if ref == r or ref.startswith(r + "/")), None)
-                if base is not None:
-                    out["$ref"] = names[base] + ref[len(base):] if base != "#" else names["#"] + ref[1:]
-            return out
+        nonlocal recursive
         if isinstance(node, list):
             return [rewrite(item) for item in node]
-        return node
+        if not isinstance(node, dict):
+            return node
+        out = {key: rewrite(value) for key, value in node.items()}
+        if isinstance(ref := out.get("$ref"), str) and ref.startswith("#"):
+            base = next((b for b in bases if ref == b or ref.startswith(b + "/")), None)
+            if base is not None:
+                out["$ref"] = names[base] + ref[len(base):]
+                recursive = recursive or base == "#"
+        return out
 
     for name, sub in own.values():
         definitions[name] = rewrite(sub)
-    body = rewrite(body)
-    if names["#"] in json.dumps([body, definitions]):  # the parameters refer to themselves (recursion)
+    body = rewrite({key: value for key, value in parameters.items() if key not in DEFINITION_KEYS})
+    if recursive:
         definitions[f"{tool}__root"] = body
     return body
 
