@@ -214,3 +214,9 @@ def test_a_format_that_outgrows_llguidance_while_generating_fails_its_request_na
         llm.generate(["x"], SamplingParams(max_tokens=40, structured_output={"regex": "a{1000}{1000}"}))
     assert not isinstance(failed.value, RequestFailedError) and "\n" not in str(failed.value)  # no state dump
     assert llm.generate(["x"], SamplingParams(max_tokens=2))[0].finish_reason == "length"  # the engine serves on
+
+
+def test_a_format_no_output_satisfies_fails_its_request_instead_of_returning_empty_text(llm):
+    with pytest.raises(StructuredOutputError, match=r"cannot go on after 0 tokens \(NoExtensionBias\)"):
+        llm.generate(["x"], SamplingParams(max_tokens=8, structured_output={"json": {"$ref": "#"}}))
+    assert llm.generate(["x"], SamplingParams(max_tokens=2))[0].finish_reason == "length"  # the engine serves on

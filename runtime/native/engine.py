@@ -11,7 +11,7 @@ from kiln.runtime.limits import EngineLimits
 from kiln.runtime.native.block_manager import BlockManager
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint, resolve_device
-from kiln.runtime.native.grammar import Grammars
+from kiln.runtime.native.grammar import Grammars, advance_matcher
 from kiln.runtime.native.model_runner import LaunchedStep, ModelRunner
 from kiln.runtime.native.parallel.group import TensorParallelError
 from kiln.runtime.native.parallel.launch import TensorParallelRanks
@@ -197,11 +197,8 @@ class NativeEngine:
         """Append the sampled token and finish the sequence on a stop token, a stop string or max_tokens."""
         _, detokenizer = self._requests[seq.request_id]
         seq.append_token(token_id, now, logprob)
-        if seq.matcher is not None and not seq.matcher.consume_token(token_id):  # llguidance hit one of its limits
-            why = (seq.matcher.get_error() or "no reason given").splitlines()[0][:200]
-            raise StructuredOutputError(f"request {seq.request_id}: the structured output format outgrew what "
-                                        f"llguidance can track after {seq.num_completion_tokens - 1} tokens ({why}); "
-                                        f"simplify the format")
+        if seq.matcher is not None:
+            advance_matcher(seq.matcher, token_id, seq.request_id, seq.num_completion_tokens - 1)
         if (reason := finish_reason(seq, token_id, detokenizer, self.eos_token_ids)) is not None:
             self.scheduler.finish(seq, reason)
         return self._emit(seq, [token_id])
@@ -241,3 +238,4 @@ class NativeEngine:
                              "hit_blocks": bm.prefix_cache_hit_blocks,
                              "hit_rate": bm.prefix_cache_hit_tokens / queried if queried else 0.0},
         }
+

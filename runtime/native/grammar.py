@@ -66,6 +66,18 @@ class Grammars:
         return bitmask
 
 
+def advance_matcher(matcher: llguidance.LLMatcher, token_id: int, request_id: str, generated: int) -> None:
+    """Advance a request's matcher by its sampled token (``generated`` tokens came before it); StructuredOutputError
+    when the format cannot go on: it admits no output at all (``{"$ref": "#"}``: llguidance errs computing the first
+    mask and allows only EOS), or it outgrew what llguidance can track (``a{1000}{1000}``)."""
+    if matcher.consume_token(token_id) and not matcher.is_error():
+        return
+    why = (matcher.get_error() or "no reason given").splitlines()[0][:200]
+    raise StructuredOutputError(f"request {request_id}: the structured output format cannot go on after {generated} "
+                                f"tokens ({why}): no output satisfies it, or it outgrew what llguidance can track; "
+                                "check and simplify the format")
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
     """Set to -inf, in place, the logits of ``rows`` whose tokens their row of ``bitmask`` does not allow."""
     device, vocab = logits.device, logits.shape[-1]
