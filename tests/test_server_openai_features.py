@@ -3,11 +3,13 @@ streamed), penalties and logit bias, and the fields a server may accept and igno
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import openai
 import pydantic
 import pytest
+from starlette.responses import JSONResponse
 
 from kiln.runtime import SamplingParams
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
@@ -184,3 +186,22 @@ def test_vllm_extensions_at_their_defaults_are_accepted(client):
                                                                          "continuous_usage_stats": False},
                                             extra_body=defaults)
     assert list(chunks)[-1].usage.completion_tokens == 2
+
+
+def test_a_whole_response_is_built_off_the_event_loop(client, monkeypatch):
+    from kiln.runtime.server import completions
+
+    built_on_loop = []
+
+    def recording(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            built_on_loop.append(True)
+        except RuntimeError:
+            built_on_loop.append(False)
+        return JSONResponse(*args, **kwargs)
+
+    monkeypatch.setattr(completions, "JSONResponse", recording)
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, n=2, logprobs=True,
+                                         top_logprobs=2)
+    assert len(out.choices) == 2 and built_on_loop == [False]

@@ -241,7 +241,10 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
         release()
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(build(outputs, _usage(prompts, outputs)).model_dump(mode="json"), headers=headers)
+    # built and encoded off the event loop: n = 128 choices with 20 logprobs a token take long enough to stall the
+    # other requests' streams
+    return await asyncio.to_thread(
+        lambda: JSONResponse(build(outputs, _usage(prompts, outputs)).model_dump(mode="json"), headers=headers))
 
 
 def _as_prompt_list(prompt: str | list) -> list[str | list[int]]:
