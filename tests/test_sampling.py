@@ -11,7 +11,7 @@ import torch
 
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.native.logit_controls import apply_logit_controls
-from kiln.runtime.native.sampler import Sampler, SamplingError, apply_top_k_top_p
+from kiln.runtime.native.sampler import Sampler, SamplingError, apply_top_k_top_p, request_generator
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.model_factories import build_tiny_engine
@@ -306,3 +306,11 @@ def test_streamed_text_never_shows_a_stop_string(tiny_tokenizer):
         if stopped:
             break
     assert stopped == "°C" and streamed == detokenizer.text == " fires at 1200 "
+
+
+def test_a_cpu_generator_draws_differently_for_seeds_that_differ_only_above_bit_32():
+    def draws(seed: int) -> list[float]:
+        return torch.rand(4, generator=request_generator(seed, torch.device("cpu"))).tolist()
+
+    assert draws(1) != draws(2**32 + 1) and draws(0) != draws(2**40)
+    assert draws(12345) == torch.rand(4, generator=torch.Generator().manual_seed(12345)).tolist()  # below 2**32: as is

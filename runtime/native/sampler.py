@@ -78,9 +78,11 @@ def _log_softmax(logits: torch.Tensor, rows: list[int], constrained: list[int],
 
 
 def request_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A seeded request's own generator: its tokens do not depend on what else shares the batch."""
+    """A seeded request's own generator: its tokens do not depend on what else shares the batch. A CPU generator
+    (mt19937) keeps only the low 32 bits of its seed, so there the high half is folded into them first: seeds that
+    differ only above bit 32 (1 and 2**32 + 1) then draw differently; seeds below 2**32 are used as they are."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(seed if generator.device.type != "cpu" else (seed ^ (seed >> 32)) & 0xFFFFFFFF)
     return generator
 
 
