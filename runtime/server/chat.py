@@ -8,6 +8,7 @@ import functools
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -23,7 +24,7 @@ from kiln.runtime.server.completions import (
     stream_chunk,
 )
 from kiln.runtime.server.errors import APIError
-from kiln.runtime.server.generation import ServedModel
+from kiln.runtime.server.generation import Job, ServedModel
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs, vllm_prompt_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import (
@@ -157,9 +158,19 @@ def _call_parts(calls: list[ToolCall]) -> list[dict]:
             for i, call in enumerate(calls)]
 
 
-async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest, metrics: ServerMetrics,
-                                 request: Request) -> object:
-    """Handle POST /v1/chat/completions."""
+@dataclass
+class ChatPlan:
+    """A chat request made ready to run: its tools, its prompt's token ids and its jobs (one per choice)."""
+
+    tools: _Tools
+    prompt: list[int]
+    jobs: list[Job]
+    names: TokenText
+
+
+async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPlan:
+    """Check a chat request, render its messages and tools through the chat template and make its jobs (400s
+    naming the field at fault)."""
     check_request(model, req)
     tools = _Tools(model, req)
     forced = tools.structured_output()
@@ -176,27 +187,49 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     jobs = make_jobs(model, req, [prompt], [limit], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                      prompt_logprobs=req.prompt_logprobs, structured_output=forced or requested)
     model.check(jobs[::req.n], "messages")
-    names = TokenText(model.tokenizer)
+    return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer))
+
+
+class StreamedText:
+    """One streamed choice's text split into content and tool calls: content goes out as it comes, except what may
+    be the start of a call, which is held back until the completion ends and then parsed."""
+
+    def __init__(self, tools: _Tools) -> None:
+        self.tools = tools
+        self.text = ""
+        self.sent = 0  # characters of the text that went out as content
+
+    def advance(self, delta: StreamDelta) -> tuple[str, list[ToolCall]]:
+        """The content this delta lets go out, and on the last delta the calls."""
+        if self.tools.format is None:
+            return delta.text, []
+        self.text += delta.text
+        calls: list[ToolCall] = []
+        if delta.finished:
+            content, calls = self.tools.parse(self.text)
+            content = (content or "")[self.sent:]
+        else:
+            safe = 0 if self.tools.forced else self.tools.format.content_before_calls(self.text)
+            content = self.text[self.sent:safe] if safe > self.sent else ""
+        self.sent += len(content)
+        return content, calls
+
+
+async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest, metrics: ServerMetrics,
+                                 request: Request) -> object:
+    """Handle POST /v1/chat/completions."""
+    plan = await prepare_chat(model, req)
+    tools, jobs, names = plan.tools, plan.jobs, plan.names
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "chat.completion.chunk", created, model.name)
-    texts, sent = [""] * len(jobs), [0] * len(jobs)  # with tools: each choice's text, and how much went as content
+    streamed = [StreamedText(tools) for _ in jobs]
 
     def render(index: int, delta: StreamDelta) -> list[dict]:
         message, reason = {}, delta.finish_reason if delta.finished else None
-        if tools.format is None:
-            content = delta.text
-        else:  # hold back what may be a call until the completion ends
-            texts[index] += delta.text
-            if delta.finished:
-                content, calls = tools.parse(texts[index])
-                content = (content or "")[sent[index]:]
-                if calls:
-                    message["tool_calls"] = _call_parts(calls)
-                    reason = tools.finish_reason(calls, delta.finish_reason)
-            else:
-                safe = 0 if tools.forced else tools.format.content_before_calls(texts[index])
-                content = texts[index][sent[index]:safe] if safe > sent[index] else ""
-            sent[index] += len(content)
+        content, calls = streamed[index].advance(delta)
+        if calls:
+            message["tool_calls"] = _call_parts(calls)
+            reason = tools.finish_reason(calls, delta.finish_reason)
         if content:
             message = {"content": content, **message}
         if not (message or delta.finished or delta.logprobs):
@@ -229,5 +262,5 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
 
     prelude = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None}]) for i in range(len(jobs))]
-    return await respond(model, req, jobs, [prompt], metrics, request, build=build, render=render,
+    return await respond(model, req, jobs, [plan.prompt], metrics, request, build=build, render=render,
                          usage_chunk=lambda usage: chunk([], usage), prelude=prelude)
