@@ -14,7 +14,8 @@ from tests.test_server_support import engine_idle, tiny_engine, wait_until
 # A short context and a small queue keep each generated request cheap: at most 31 tokens, at most 20 sequences.
 SHORT_CONTEXT = 32
 EXAMPLES_PER_OPERATION = 30
-WITH_BODY = {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"}
+WITH_BODY = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize",
+             "POST /detokenize"}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def operations(schema) -> list:
 def test_schema_covers_every_route(api_schema):
     assert {op.label for op in operations(api_schema)} == {
         "GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}", "POST /v1/completions",
-        "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize", "GET /version"}
+        "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize", "POST /detokenize", "GET /version"}
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])

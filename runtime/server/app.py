@@ -38,6 +38,8 @@ from kiln.runtime.server.protocol import (
     VersionResponse,
 )
 from kiln.runtime.server.request_id import REQUEST_ID_HEADER, RequestIdMiddleware
+from kiln.runtime.server.responses import create_response
+from kiln.runtime.server.responses_protocol import ResponseObject, ResponsesRequest
 from kiln.runtime.server.sampling_defaults import GenerationConfigMode
 from kiln.runtime.server.tokenize import detokenize, server_version, tokenize
 
@@ -206,6 +208,11 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, **_STREAMING})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> object:
         return await create_chat_completion(state.require_model(), body, metrics, request)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses={**_ERRORS, **_STREAMING})
+    async def responses(body: ResponsesRequest, request: Request) -> object:
+        """OpenAI's Responses API, stateless: the whole conversation comes as input."""
+        return await create_response(state.require_model(), body, metrics, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:

@@ -182,7 +182,9 @@ class _EventStream(Response):
 
 
 def _event(data: dict) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+    """One server-sent event; a typed one (the Responses API's) names its type in an ``event:`` line too."""
+    name = f"event: {data['type']}\n" if "type" in data else ""
+    return f"{name}data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
@@ -225,11 +227,12 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
                   metrics: ServerMetrics, request: Request, *,
                   build: Callable[[list[RequestOutput], Usage], BaseModel],
                   render: Callable[[int, StreamDelta], list[dict]], usage_chunk: Callable[[Usage], dict],
-                  prelude: list[dict]) -> Response:
+                  prelude: list[dict], ignored: list[str] | None = None) -> Response:
     """The response to a generation request: an SSE stream, or the JSON body ``build`` makes once every job is
-    done. Either says in the IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored."""
+    done. Either says in the IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored
+    (``ignored``, default ``req.ignored_fields()``)."""
     release = model.admission.reserve(len(jobs))
-    ignored = ", ".join(req.ignored_fields())
+    ignored = ", ".join(req.ignored_fields() if ignored is None else ignored)
     headers = {IGNORED_FIELDS_HEADER: ignored} if ignored else {}
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage

@@ -94,7 +94,7 @@ def _content(value: Any) -> str:
     raise ValueError("must be a string or a list of text parts")
 
 
-def _only(*allowed: Any) -> Any:
+def neutral_only(*allowed: Any) -> Any:
     """A field this server does not implement, accepted only at its neutral values (what clients send unset)."""
 
     def check(value: Any) -> Any:
@@ -106,11 +106,11 @@ def _only(*allowed: Any) -> Any:
     return Annotated[Any, PlainValidator(check), WithJsonSchema({"enum": list(allowed)})]
 
 
-OneBestOf = _only(None, 1)
-NoSuffix = _only(None, "")
-TextModalities = _only(None, ["text"])
-Unsupported = _only(None)
-NoAnnotations = _only(None, [])
+OneBestOf = neutral_only(None, 1)
+NoSuffix = neutral_only(None, "")
+TextModalities = neutral_only(None, ["text"])
+Unsupported = neutral_only(None)
+NoAnnotations = neutral_only(None, [])
 VLLM_DEFAULT = "Extension (as in vLLM): accepted at its default only."
 
 
@@ -180,9 +180,10 @@ class StructuredOutputs(StrictModel):
     choice: list[str] | None = None
     # vLLM's options, at what this server always does: JSON without optional whitespace, objects closed to the keys
     # their schema names (False would ask for what it never does)
-    disable_any_whitespace: _only(None, True) = Field(None, description="Extension (as in vLLM): always true here.")
-    disable_additional_properties: _only(None, True) = Field(None, description="Extension (as in vLLM): always true "
-                                                                                "here.")
+    disable_any_whitespace: neutral_only(None, True) = Field(
+        None, description="Extension (as in vLLM): always true here.")
+    disable_additional_properties: neutral_only(None, True) = Field(
+        None, description="Extension (as in vLLM): always true here.")
     disable_fallback: bool | None = Field(None, description="Extension (as in vLLM): one grammar engine here, no "
                                                             "fallback.")
 
@@ -190,7 +191,7 @@ class StructuredOutputs(StrictModel):
 class StreamOptions(StrictModel):
     include_usage: bool = False
     include_obfuscation: bool | None = Field(None, description="Accepted and ignored: no obfuscation padding.")
-    continuous_usage_stats: _only(None, False) = Field(None, description=VLLM_DEFAULT)
+    continuous_usage_stats: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
 
 
 class SamplingFields(StrictModel):
@@ -221,10 +222,10 @@ class SamplingFields(StrictModel):
                                                          "output to a JSON schema, a regex, a grammar or a choice.")
     response_format: ResponseFormat | None = None
     # vLLM's extensions at their defaults, which is what Kiln does (clients written for vLLM send them)
-    include_stop_str_in_output: _only(None, False) = Field(None, description=VLLM_DEFAULT)
-    skip_special_tokens: _only(None, True) = Field(None, description=VLLM_DEFAULT)
-    spaces_between_special_tokens: _only(None, True) = Field(None, description=VLLM_DEFAULT)
-    priority: _only(None, 0) = Field(None, description=VLLM_DEFAULT)
+    include_stop_str_in_output: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
+    skip_special_tokens: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
+    spaces_between_special_tokens: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
+    priority: neutral_only(None, 0) = Field(None, description=VLLM_DEFAULT)
     # OpenAI fields that do not change what is generated: accepted, and logged once as ignored
     user: str | None = None
     store: bool | None = None
@@ -334,10 +335,10 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: ReasoningEffort | None = None
     verbosity: Verbosity | None = None
     prediction: dict[str, Any] | None = None
-    add_generation_prompt: _only(None, True) = Field(None, description=VLLM_DEFAULT)
-    continue_final_message: _only(None, False) = Field(None, description=VLLM_DEFAULT)
-    add_special_tokens: _only(None, False) = Field(None, description=VLLM_DEFAULT)
-    echo: _only(None, False) = Field(None, description=VLLM_DEFAULT)
+    add_generation_prompt: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
+    continue_final_message: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
+    add_special_tokens: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
+    echo: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
 
 
 class Usage(BaseModel):

@@ -1,0 +1,216 @@
+"""/v1/responses: OpenAI's Responses API over the chat path. The input items become chat messages (function calls
+and their outputs too), the request runs as a chat completion (``chat.prepare_chat``), and its one choice comes
+back as output items: a message with the text, then a ``function_call`` item per call. Streamed, as OpenAI's
+typed events (``response.created`` ... ``response.completed``). Nothing is stored between requests."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Callable
+
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from kiln.runtime.outputs import RequestOutput, StreamDelta
+from kiln.runtime.server.chat import StreamedText, prepare_chat
+from kiln.runtime.server.completions import respond
+from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.generation import ServedModel
+from kiln.runtime.server.metrics import ServerMetrics
+from kiln.runtime.server.protocol import ChatCompletionRequest, Usage
+from kiln.runtime.server.responses_protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    IncompleteDetails,
+    MessageItem,
+    OutputFunctionCall,
+    OutputMessage,
+    OutputText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from kiln.runtime.server.tool_calls import ToolCall
+
+# fields that change nothing here: named in the ignored-fields header
+IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+                            "prompt_cache_retention", "reasoning"})
+
+
+def _messages(req: ResponsesRequest) -> list[dict]:
+    """The chat messages of the instructions and the input items: consecutive function calls join the assistant
+    message before them (one message with its calls, as chat templates take them)."""
+    messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    for item in items:
+        if isinstance(item, MessageItem):
+            messages.append({"role": item.role, "content": item.text})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+    return messages
+
+
+def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion request that answers ``req``."""
+    fields: dict = {"model": req.model, "messages": _messages(req), "max_completion_tokens": req.max_output_tokens,
+                    "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
+                    "parallel_tool_calls": False if req.max_tool_calls == 1 else req.parallel_tool_calls}
+    if req.stream:
+        fields["stream_options"] = {"include_usage": True}  # the last event carries the usage
+    if req.tools:
+        fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+                           for tool in req.tools]
+    if req.tool_choice is not None:
+        fields["tool_choice"] = req.tool_choice if isinstance(req.tool_choice, str) else {
+            "type": "function", "function": {"name": req.tool_choice.name}}
+    text_format = req.text.format if req.text is not None else None
+    if text_format is not None and text_format.type == "json_object":
+        fields["response_format"] = {"type": "json_object"}
+    elif text_format is not None and text_format.type == "json_schema":
+        fields["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": text_format.name or "response", "description": text_format.description,
+            "schema": text_format.json_schema, "strict": text_format.strict}}
+    try:
+        return ChatCompletionRequest.model_validate({key: value for key, value in fields.items() if value is not None})
+    except ValidationError as exc:  # what the request's own model let through and a chat request refuses
+        error = exc.errors()[0]
+        raise APIError(400, f"the input cannot be answered as a chat: {'.'.join(map(str, error['loc']))}: "
+                            f"{error['msg']}", param="input") from None
+
+
+def _ignored_fields(req: ResponsesRequest) -> list[str]:
+    names = req.model_fields_set & IGNORED_FIELDS
+    if req.text is not None and req.text.verbosity is not None:
+        names.add("text.verbosity")
+    return sorted(names)
+
+
+def _tool_choice(req: ResponsesRequest) -> str | dict:
+    """The tool choice as the response echoes it (OpenAI's default: auto)."""
+    if req.tool_choice is None:
+        return "auto"
+    return req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump()
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> OutputFunctionCall:
+    return OutputFunctionCall(id=f"fc_{call.id}", call_id=call.id, name=call.name, status=status,
+                              arguments=call.arguments if arguments is None else arguments)
+
+
+async def create_response(model: ServedModel, req: ResponsesRequest, metrics: ServerMetrics,
+                          request: Request) -> object:
+    """Handle POST /v1/responses."""
+    chat = chat_request(req)
+    plan = await prepare_chat(model, chat)
+    tools = plan.tools
+    response_id, created = _item_id("resp"), int(time.time())
+    message_id = _item_id("msg")
+
+    def response(status: str, output: list, usage: Usage | None = None) -> ResponseObject:
+        text_format = req.text.format if req.text is not None and req.text.format is not None else None
+        return ResponseObject(
+            id=response_id, created_at=created, completed_at=int(time.time()) if usage is not None else None,
+            status=status, incomplete_details=IncompleteDetails(reason="max_output_tokens")
+            if status == "incomplete" else None, model=model.name, output=output, instructions=req.instructions,
+            max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+            tools=[tool.model_dump(exclude_none=True) for tool in req.tools or []],
+            tool_choice=_tool_choice(req),
+            parallel_tool_calls=chat.parallel_tool_calls is not False,
+            text={"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
+                  else {"type": "text"}},
+            metadata=req.metadata or {},
+            usage=ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                                total_tokens=usage.total_tokens) if usage is not None else None)
+
+    def status_of(finish_reason: str | None) -> str:
+        return "incomplete" if finish_reason == "length" else "completed"
+
+    def build(outputs: list[RequestOutput], usage: Usage) -> ResponseObject:
+        [out] = outputs
+        content, calls = tools.parse(out.text)
+        status = status_of(out.finish_reason)
+        output: list = [OutputMessage(id=message_id, status=status, content=[OutputText(text=content or "")])] \
+            if content or not calls else []
+        return response(status, output + [_call_item(call) for call in calls], usage)
+
+    streamed = StreamedText(tools)
+    sequence = itertools.count()
+    state: dict = {"text": "", "open": False, "output": [], "status": "completed"}
+
+    def event(kind: str, **fields: object) -> dict:
+        return {"type": kind, "sequence_number": next(sequence), **fields}
+
+    def message(status: str) -> dict:
+        parts = [OutputText(text=state["text"])] if state["open"] else []
+        return OutputMessage(id=message_id, status=status, content=parts).model_dump()
+
+    def render(index: int, delta: StreamDelta) -> list[dict]:
+        events = []
+        content, calls = streamed.advance(delta)
+        if content and not state["open"]:
+            events.append(event("response.output_item.added", output_index=0, item=message("in_progress")))
+            state["open"] = True
+            events.append(event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                                part=OutputText(text="").model_dump()))
+        if content:
+            state["text"] += content
+            events.append(event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                                delta=content, logprobs=[]))
+        if delta.finished:
+            state["status"] = status_of(delta.finish_reason)
+            events += _finished_events(event, state, message, message_id, calls)
+        return events
+
+    def final(usage: Usage) -> dict:
+        kind = "response.incomplete" if state["status"] == "incomplete" else "response.completed"
+        return event(kind, response=response(state["status"], state["output"], usage).model_dump(mode="json"))
+
+    started = response("in_progress", []).model_dump(mode="json")
+    prelude = [event("response.created", response=started), event("response.in_progress", response=started)]
+    return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, render=render,
+                         usage_chunk=final, prelude=prelude, ignored=_ignored_fields(req))
+
+
+def _finished_events(event: Callable[..., dict], state: dict, message: Callable[[str], dict], message_id: str,
+                     calls: list[ToolCall]) -> list[dict]:
+    """The events that close a streamed answer: its message's (when it had text, or neither text nor calls) and
+    each call's, which comes whole at the end; ``state["output"]`` gets the finished items."""
+    events = []
+    if not state["open"] and not calls:  # an empty answer is still a message
+        events.append(event("response.output_item.added", output_index=0, item=message("in_progress")))
+        state["open"] = True
+        events.append(event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                            part=OutputText(text="").model_dump()))
+    if state["open"]:
+        text = state["text"]
+        events += [event("response.output_text.done", item_id=message_id, output_index=0, content_index=0, text=text,
+                         logprobs=[]),
+                   event("response.content_part.done", item_id=message_id, output_index=0, content_index=0,
+                         part=OutputText(text=text).model_dump()),
+                   event("response.output_item.done", output_index=0, item=message(state["status"]))]
+        state["output"].append(message(state["status"]))
+    for call in calls:
+        index = len(state["output"])
+        item = _call_item(call)
+        events += [event("response.output_item.added", output_index=index,
+                         item=_call_item(call, "in_progress", "").model_dump()),
+                   event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
+                         delta=call.arguments),
+                   event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                         name=call.name, arguments=call.arguments),
+                   event("response.output_item.done", output_index=index, item=item.model_dump())]
+        state["output"].append(item.model_dump())
+    return events

@@ -1,0 +1,239 @@
+"""OpenAI's Responses API bodies (``POST /v1/responses``): the request, strict as the chat request is (a wrong type
+or an unknown field is a 400 naming it), its input items, and the response object with its output items."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, Field
+
+from kiln.runtime.server.protocol import (
+    FunctionDefinition,
+    Int,
+    NoAnnotations,
+    PromptCacheRetention,
+    ReasoningEffort,
+    ServiceTier,
+    StrictModel,
+    Unsupported,
+    Verbosity,
+    neutral_only,
+)
+
+STATELESS = "this server keeps no responses or conversations: send the whole conversation as input"
+
+
+class TextPart(StrictModel):
+    """Text in a message item: ``input_text``, or an earlier answer's ``output_text`` (or ``refusal``) passed back."""
+
+    type: Literal["input_text", "output_text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
+    annotations: NoAnnotations = None
+    logprobs: Any = Field(None, exclude=True, description="An earlier answer's log probabilities: not rendered.")
+
+    @property
+    def value(self) -> str:
+        return (self.refusal if self.type == "refusal" else self.text) or ""
+
+
+class MessageItem(StrictModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The content as one text, its parts joined by newlines (as the chat endpoint joins them)."""
+        return self.content if isinstance(self.content, str) else "\n".join(part.value for part in self.content)
+
+
+class FunctionCallItem(StrictModel):
+    """An earlier call of a function tool, passed back."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(StrictModel):
+    """What a function call returned."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "\n".join(part.value for part in self.output)
+
+
+SUPPORTED_ITEMS = ("message", "function_call", "function_call_output")
+
+
+def _typed_item(value: Any) -> Any:
+    """An input item with its type: a bare ``{"role", "content"}`` is a message (OpenAI's easy input message); a
+    type this server does not take is refused by name."""
+    if isinstance(value, dict):
+        kind = value.get("type", "message")
+        if kind not in SUPPORTED_ITEMS:
+            raise ValueError(f"input items of type {kind!r} are not supported here: send "
+                             f"{', '.join(SUPPORTED_ITEMS)} items")
+        return {**value, "type": kind}
+    return value
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type"),
+                      BeforeValidator(_typed_item)]
+
+
+class FunctionTool(FunctionDefinition):
+    """A function tool as the Responses API declares it: the function's fields beside its type."""
+
+    type: Literal["function"]
+
+
+class NamedFunctionChoice(StrictModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(StrictModel):
+    """``text.format``: plain text, any JSON object, or JSON that follows ``schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="Accepted: the schema is always enforced exactly.")
+
+
+class TextOptions(StrictModel):
+    format: TextFormat | None = None
+    verbosity: Verbosity | None = None
+
+
+class ReasoningOptions(StrictModel):
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesStreamOptions(StrictModel):
+    include_obfuscation: bool | None = Field(None, description="Accepted and ignored: no obfuscation padding.")
+
+
+class ResponsesRequest(StrictModel):
+    """``POST /v1/responses``: one answer to ``input`` (a text, or the conversation as items), through the chat
+    template, without state kept between requests."""
+
+    model: str | None = Field(None, description="The served model's id (see /v1/models); default: that model.")
+    input: str | list[InputItem] = Field(min_length=1)
+    instructions: str | None = Field(None, description="A system message before the input.")
+    max_output_tokens: Int | None = Field(None, ge=1, description="Default: what is left of the context.")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
+    top_p: float | None = Field(None, ge=0, le=1)
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    tools: list[FunctionTool] | None = Field(None, description="Function tools (no hosted tools).")
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = Field(None, description="Accepted and ignored.")
+    truncation: neutral_only(None, "disabled") = Field(None, description="A prompt longer than the context is a 400.")
+    include: neutral_only(None, []) = None
+    top_logprobs: neutral_only(None, 0) = None
+    max_tool_calls: Int | None = Field(None, ge=1, le=1, description="1 (as parallel_tool_calls false) or unset.")
+    background: neutral_only(None, False) = None
+    previous_response_id: Unsupported = Field(None, description=STATELESS)
+    conversation: Unsupported = Field(None, description=STATELESS)
+    prompt: Unsupported = Field(None, description="Stored prompt templates are not supported.")
+    # fields that do not change what is generated: accepted, and named in the ignored-fields header
+    user: str | None = None
+    store: bool | None = Field(None, description="Accepted: nothing is stored.")
+    metadata: dict[str, str] | None = None
+    service_tier: ServiceTier | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = []
+    logprobs: list = []
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = InputTokensDetails()
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    """The response object, as OpenAI's API returns it (the request's settings echoed)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    completed_at: int | None = None
+    status: Literal["in_progress", "completed", "incomplete"]
+    error: None = None
+    incomplete_details: IncompleteDetails | None = None
+    model: str
+    output: list[OutputMessage | OutputFunctionCall]
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    tools: list[dict]
+    tool_choice: str | dict
+    parallel_tool_calls: bool
+    text: dict
+    truncation: Literal["disabled"] = "disabled"
+    metadata: dict[str, str]
+    store: Literal[False] = False
+    background: Literal[False] = False
+    previous_response_id: None = None
+    reasoning: None = None
+    usage: ResponseUsage | None = None

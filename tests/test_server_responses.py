@@ -1,0 +1,104 @@
+"""OpenAI's Responses API (/v1/responses) through the official openai client: text answers equal the chat
+endpoint's, streamed as typed events the client's stream helper assembles, function tools called and their outputs
+passed back, JSON output held to its schema, and what a stateless server cannot do refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema_rs
+import openai
+import pytest
+
+from kiln.runtime import LLM
+from tests.test_server_support import tiny_engine
+from tests.test_server_tools import HERMES_TEMPLATE, WEATHER, client_for
+
+MODEL = "tiny"
+QUESTION = "Tell me about kilns."
+FLAT_WEATHER = {"type": "function", **WEATHER["function"]}  # the Responses API's flat function tool
+
+
+@pytest.fixture(scope="module")
+def client(llm, tmp_path_factory):
+    with client_for(llm, tmp_path_factory, HERMES_TEMPLATE) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM.load(tiny_engine(max_seq_len=1024, max_input_len=896)) as llm:
+        yield llm
+
+
+def test_a_text_answer_is_the_chat_endpoints_with_usage_and_an_incomplete_status_at_the_token_limit(client):
+    out = client.responses.create(model=MODEL, input=QUESTION, instructions="Be brief.", max_output_tokens=6,
+                                  temperature=0)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}])
+    assert out.id.startswith("resp_") and out.object == "response" and out.model == MODEL
+    assert out.output_text == chat.choices[0].message.content
+    assert [item.type for item in out.output] == ["message"] and out.output[0].role == "assistant"
+    assert (out.usage.input_tokens, out.usage.output_tokens) == (chat.usage.prompt_tokens, 6)
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert out.instructions == "Be brief." and out.max_output_tokens == 6
+
+
+def test_a_streamed_answer_is_typed_events_in_order_that_add_up_to_the_whole_answer(client):
+    kwargs = dict(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+                  max_output_tokens=5, temperature=0)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert "".join(event.delta for event in events if event.type == "response.output_text.delta") == \
+        whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == 5
+    with client.responses.stream(**kwargs) as stream:  # the client's helper assembles the same snapshot
+        assert [event.type for event in stream] == kinds
+
+
+def test_function_tools_are_called_and_their_outputs_passed_back_as_items(client):
+    out = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[FLAT_WEATHER],
+                                  tool_choice="required", max_output_tokens=120, temperature=0)
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert calls and out.status == "completed"
+    schema = jsonschema_rs.validator_for(WEATHER["function"]["parameters"])
+    for call in calls:
+        assert call.name == "get_weather" and schema.is_valid(json.loads(call.arguments))
+    follow_up = [{"role": "user", "content": "Weather in Oslo?"},
+                 *[call.model_dump(exclude_none=True) for call in calls],
+                 *[{"type": "function_call_output", "call_id": call.call_id, "output": "12 C, rain"}
+                   for call in calls]]
+    answer = client.responses.create(model=MODEL, input=follow_up, tools=[FLAT_WEATHER], max_output_tokens=4,
+                                     temperature=0)
+    assert answer.usage.input_tokens > out.usage.input_tokens  # the calls and their outputs were rendered
+    streamed = list(client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[FLAT_WEATHER],
+                                            tool_choice="required", max_output_tokens=120, temperature=0,
+                                            stream=True))
+    done = [event.item for event in streamed if event.type == "response.output_item.done"]
+    assert [(item.name, item.arguments) for item in done] == [(call.name, call.arguments) for call in calls]
+
+
+def test_a_json_schema_text_format_holds_the_answer_to_its_schema(client):
+    schema = {"type": "object", "properties": {"kiln": {"type": "string", "maxLength": 8}}, "required": ["kiln"],
+              "additionalProperties": False}
+    out = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=60, temperature=0, text={
+        "format": {"type": "json_schema", "name": "kiln", "schema": schema, "strict": True}})
+    assert jsonschema_rs.validator_for(schema).is_valid(json.loads(out.output_text))
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+])
+def test_what_a_stateless_text_server_cannot_do_is_a_400_naming_the_field(client, extra, field):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**{"model": MODEL, "input": QUESTION, **extra})
+    assert field in refused.value.message
