@@ -63,7 +63,8 @@ class ServeTarget:
 
         return load
 
-    def settings(self, *, api_key: str | None = None, max_queue: int | None = None, model_name: str | None = None,
+    def settings(self, *, api_key: str | None = None, max_queue: int | None = None,
+                 model_names: list[str] | None = None,
                  chat_template: str | None = None, max_body_mb: float | None = None,
                  allowed_origins: list[str] | None = None,
                  generation_config: Literal["auto", "vllm"] = "auto") -> ServerSettings:
@@ -72,7 +73,8 @@ class ServeTarget:
         bound = {"max_body_bytes": int(max_body_mb * (1 << 20))} if max_body_mb is not None else {}
         if allowed_origins is not None:  # none at all: no CORS headers
             bound["allowed_origins"] = tuple(origin for origin in allowed_origins if origin)
-        return ServerSettings(model_name=model_name or self.model_name, api_key=api_key or self.api_key,
+        names = model_names or [self.model_name]
+        return ServerSettings(model_name=names[0], model_aliases=tuple(names[1:]), api_key=api_key or self.api_key,
                               max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache,
                               chat_template=chat_template, generation_config=generation_config, **bound)
 
@@ -196,8 +198,10 @@ def serve(
                                                 help="Require 'Authorization: Bearer KEY' on /v1/ routes.")] = None,
     max_queue: Annotated[int | None, typer.Option(min=1, help="Requests that may wait beyond the engine's batch "
                                                               "before new ones get 503 (default 256).")] = None,
-    model_name: Annotated[str | None, typer.Option("--model-name", "--served-model-name",
-                                                   help="Model id clients send (default: the config's name).")] = None,
+    model_names: Annotated[list[str] | None, typer.Option(
+        "--model-name", "--served-model-name", help="Model id clients send (default: the config's name); "
+                                                    "repeatable: responses name the first, requests may send any.")
+    ] = None,
     chat_template: Annotated[Path | None, typer.Option(help="A Jinja chat template file to use instead of the "
                                                             "engine's (as transformers renders it).")] = None,
     max_body_mb: Annotated[float | None, typer.Option(min=0.001, help="Largest request body in MiB; larger ones get "
@@ -237,7 +241,7 @@ def serve(
             return serve_as_worker(target, options, rendezvous, int(os.environ.get("LOCAL_RANK", "0")))
         options = replace(options, tp_rendezvous=rendezvous.address())
     resolved = serve_target(target, options, backend=backend)
-    settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_name=model_name, chat_template=template,
+    settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_names=model_names, chat_template=template,
                                  max_body_mb=max_body_mb, allowed_origins=allowed_origins,
                                  generation_config=generation_config)
     app = create_app(resolved.loader(options), resolved.engine_dir, settings)

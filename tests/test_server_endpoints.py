@@ -175,3 +175,18 @@ def test_a_generation_config_with_values_sampling_cannot_take_stops_the_server_n
     with pytest.raises(KilnError, match=r"generation_config.json: .*temperature"):
         sampling_defaults(engine, "auto")
     assert sampling_defaults(engine, "vllm") == {}
+
+
+def test_served_model_names_after_the_first_are_aliases_requests_may_send_as_in_vllm(llm):
+    from kiln.pipeline.serve_command import ServeTarget
+
+    settings = ServeTarget(tiny_engine(), "from-config").settings(model_names=["tiny", "gpt-4o-mini"])
+    assert (settings.model_name, settings.model_aliases) == ("tiny", ("gpt-4o-mini",))
+    with ServerThread(create_app(llm, tiny_engine(), settings)) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        assert [card.id for card in client.models.list()] == ["tiny", "gpt-4o-mini"]
+        assert client.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
+        out = client.completions.create(model="gpt-4o-mini", prompt="Once", max_tokens=2)
+        assert out.model == "tiny"  # responses name the first, as vLLM's do
+        with pytest.raises(openai.NotFoundError, match="'tiny', 'gpt-4o-mini'"):
+            client.completions.create(model="other", prompt="Once", max_tokens=2)

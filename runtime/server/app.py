@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kiln.runtime.llm import LLM
 from kiln.runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from kiln.runtime.server.chat import create_chat_completion
-from kiln.runtime.server.completions import IGNORED_FIELDS_HEADER, create_completion
+from kiln.runtime.server.completions import IGNORED_FIELDS_HEADER, check_model, create_completion
 from kiln.runtime.server.errors import APIError, error_response, install_error_handlers
 from kiln.runtime.server.generation import RETRY_AFTER_S, ServedModel
 from kiln.runtime.server.metrics import RequestCountMiddleware, ServerMetrics
@@ -52,10 +52,11 @@ _STREAMING = {200: {"content": {"text/event-stream": {"schema": {"type": "string
 
 @dataclass
 class ServerSettings:
-    """How the server presents the engine: its model id, API key, queue bound, body-size bound, chat template
-    override, the origins browsers may call it from (CORS; none: no CORS headers) and engine-cache facts."""
+    """How the server presents the engine: its model id (and aliases), API key, queue bound, body-size bound, chat
+    template override, the origins browsers may call it from (CORS; none: no CORS headers) and engine-cache facts."""
 
     model_name: str
+    model_aliases: tuple[str, ...] = ()  # other ids requests may send (vLLM's further --served-model-name values)
     api_key: str | None = None
     max_queue: int = 256
     chat_template: str | None = None  # a template's source that replaces the engine's own
@@ -128,7 +129,7 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
 
     def attach(loaded: LLM) -> None:
         state.model = ServedModel(loaded, settings.model_name, Path(engine_dir), settings.max_queue,
-                                  settings.chat_template, settings.generation_config)
+                                  settings.chat_template, settings.generation_config, settings.model_aliases)
 
     async def load() -> None:
         try:
@@ -192,14 +193,12 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models(model: ServedModel = served) -> ModelList:
-        return ModelList(data=[model.card(state.created)])
+        return ModelList(data=[model.card(state.created, name) for name in model.names])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def retrieve_model(model_id: str, model: ServedModel = served) -> ModelCard:
-        if model_id != model.name:
-            raise APIError(404, f"The model '{model_id}' does not exist: this server serves '{model.name}'",
-                           param="model", code="model_not_found")
-        return model.card(state.created)
+        check_model(model, model_id)
+        return model.card(state.created, model_id)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, **_STREAMING})
     async def completions(body: CompletionRequest, request: Request) -> object:

@@ -264,8 +264,10 @@ def _echo_text(model: ServedModel, given: str | list[int], token_ids: list[int])
 
 
 def check_model(model: ServedModel, requested: str | None) -> None:
-    if requested is not None and requested != model.name:
-        raise APIError(404, f"The model '{requested}' does not exist: this server serves '{model.name}' "
+    """A 404 unless ``requested`` is unset or one of the model's names."""
+    if requested is not None and requested not in model.names:
+        raise APIError(404, f"The model '{requested}' does not exist: this server serves "
+                            f"{', '.join(repr(name) for name in model.names)} "
                             f"(see /v1/models)", param="model", code="model_not_found")
 
 

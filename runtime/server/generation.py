@@ -64,13 +64,15 @@ class Admission:
 
 
 class ServedModel:
-    """One loaded engine under one model name, shared by every HTTP request; ``chat_template`` (a template's source)
-    replaces the engine's own."""
+    """One loaded engine under one model name (and the ``aliases`` requests may send instead), shared by every HTTP
+    request; ``chat_template`` (a template's source) replaces the engine's own."""
 
     def __init__(self, llm: LLM, name: str, engine_dir: Path, max_queue: int,
-                 chat_template: str | None = None, generation_config: GenerationConfigMode = "auto") -> None:
+                 chat_template: str | None = None, generation_config: GenerationConfigMode = "auto",
+                 aliases: tuple[str, ...] = ()) -> None:
         self.llm = llm
         self.name = name
+        self.names = tuple(dict.fromkeys((name, *aliases)))  # responses name the first, as vLLM's do
         self.sampling_defaults = sampling_defaults(engine_dir, generation_config)
         self.tokenizer = llm.tokenizer
         self.limits = llm.limits
@@ -82,9 +84,9 @@ class ServedModel:
         self.tool_call_format = tool_call_format(self.chat_template.source) if self.chat_template else None
         self.admission = Admission(self.limits.max_batch_size + max_queue)
 
-    def card(self, created: int) -> ModelCard:
-        """The model as ``/v1/models`` lists it."""
-        return ModelCard(id=self.name, created=created, max_model_len=self.limits.max_request_tokens,
+    def card(self, created: int, name: str | None = None) -> ModelCard:
+        """The model as ``/v1/models`` lists it (under ``name``, one of its names; default its first)."""
+        return ModelCard(id=name or self.name, created=created, max_model_len=self.limits.max_request_tokens,
                          max_input_len=min(self.limits.max_input_len, self.limits.max_request_tokens - 1),
                          vocab_size=self.limits.vocab_size)
 
