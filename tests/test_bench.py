@@ -266,6 +266,19 @@ def test_a_suite_runs_each_row_offline_and_sets_it_against_its_published_figure(
     assert code != 0 and "trtllm-h200" in err
 
 
+def test_a_gpu_suite_runs_only_on_its_gpu_model_and_names_the_suite_for_this_one():
+    from kiln.pipeline.bench.suite import SUITES, check_gpu
+    from kiln.pipeline.bench.target import BenchTargetError
+
+    check_gpu(SUITES["trtllm-h200"], "NVIDIA H200")
+    check_gpu(SUITES["trtllm-h100"], "NVIDIA H100 80GB HBM3")
+    with pytest.raises(BenchTargetError, match="measured on an H200 and this GPU is NVIDIA H100 80GB HBM3.*run "
+                                               "--suite trtllm-h100"):
+        check_gpu(SUITES["trtllm-h200"], "NVIDIA H100 80GB HBM3")
+    with pytest.raises(BenchTargetError, match="--prompts"):  # a GH200 is neither
+        check_gpu(SUITES["trtllm-h200"], "NVIDIA GH200 480GB")
+
+
 def test_max_batch_size_sets_a_generated_plan_and_is_refused_for_a_config(tmp_path):
     from kiln.pipeline.bench.target import MAX_BENCH_BATCH, BenchPlan, bench_config
 

@@ -1,5 +1,6 @@
 #!/bin/bash
-# Issue #34 on one H200: rows of TensorRT-LLM's table (`kiln bench --suite trtllm-h200`) and how fast the cached 8B
+# Issue #34 on one H200 (or H100): rows of TensorRT-LLM's table (`kiln bench --suite trtllm-h200`, trtllm-h100 on an
+# H100) and how fast the cached 8B
 # FP8 engine is ready (tools/load_time.py). The cache lives in /dev/shm (the 8B checkpoints and engines outgrow the
 # disk). Results go to $OUT (default ./gpu-out), one JSON per step and a line each on stdout.
 #   bash tools/gpu_table.sh [direct] [batch=N] [KILN_X=V] rows=128/128[,1000/1000] [batch1] [load] ...
@@ -13,6 +14,8 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 export KILN_CACHE=${KILN_CACHE:-/dev/shm/kiln-table}
 BENCH="python3 -m kiln bench configs/models/llama3-8b.json --format fp8 --kv-cache-dtype fp8"
+# the table of this GPU: TensorRT-LLM's H100 figures on an H100, else its H200 ones
+SUITE=${SUITE:-$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -qw H100 && echo trtllm-h100 || echo trtllm-h200)}
 BATCH=""
 LAST=""
 for step in "$@"; do
@@ -23,7 +26,7 @@ for step in "$@"; do
     rows=*)
       rows=${step#rows=}
       LAST="$OUT/suite_${rows//\//-}${BATCH:+_b$BATCH}${TAG:-}.json"
-      $BENCH --suite trtllm-h200 --rows "$rows" ${BATCH:+--max-batch-size $BATCH} --json > "$LAST" 2> "${LAST%.json}.err"
+      $BENCH --suite "$SUITE" --rows "$rows" ${BATCH:+--max-batch-size $BATCH} --json > "$LAST" 2> "${LAST%.json}.err"
       python3 - "$LAST" <<'PY' || tail -5 "${LAST%.json}.err"
 import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:

@@ -49,8 +49,9 @@ def bench(
                              "the floor, GB/s (default: 4300 on an H200, 3350 on an H100, else measured).")] = None,
     allow_large: Annotated[bool, typer.Option("--allow-large", help="Benchmark a large architecture on a CPU-only "
                                                                      "machine anyway.")] = False,
-    suite: Annotated[str | None, typer.Option(help="Run a table of rows instead: trtllm-h200 (TensorRT-LLM's "
-                                                   "published H200 throughput rows, each against its figure).")] = None,
+    suite: Annotated[str | None, typer.Option(help="Run a table of rows instead: trtllm-h200 or trtllm-h100 "
+                                                   "(TensorRT-LLM's published throughput rows on that GPU, each "
+                                                   "against its figure).")] = None,
     rows: Annotated[str | None, typer.Option(help="With --suite, only these rows, comma-separated IN/OUT "
                                                   "(128/128,1000/1000).")] = None,
     random_quantized: Annotated[bool, typer.Option("--random-quantized", help="With --format fp8 on an architecture "

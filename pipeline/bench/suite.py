@@ -1,10 +1,11 @@
-"""``kiln bench TARGET --suite trtllm-h200``: TensorRT-LLM's published H200 throughput table, row by row, in one
-command: each row builds its own engine (the random and quantized checkpoints are shared through the cache), runs
-the offline workload alone (all requests at once, no TTFT or batch-1 passes) and is printed against the published
-figure."""
+"""``kiln bench TARGET --suite trtllm-h200`` (or ``trtllm-h100``): TensorRT-LLM's published H200 (H100) throughput
+table, row by row, in one command: each row builds its own engine (the random and quantized checkpoints are shared
+through the cache), runs the offline workload alone (all requests at once, no TTFT or batch-1 passes) and is printed
+against the published figure; a suite runs only on the GPU model its figures come from."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -38,7 +39,8 @@ class SuiteRow:
 class Suite:
     """A named table of rows, where its figures come from, why each row sends the requests it does, and the
     runtime settings the published figures ran with (``runtime``: RuntimeOptions fields, applied where the user set
-    none); ``device``: the kind of device its figures were measured on, which a run needs (None: any)."""
+    none); ``device``: the kind of device its figures were measured on, which a run needs (None: any); ``gpu``: the
+    GPU model they were measured on, a word of the device's name (``H200``), which a run needs too."""
 
     name: str
     source: str
@@ -46,6 +48,7 @@ class Suite:
     rows: tuple[SuiteRow, ...]
     runtime: dict[str, object] = field(default_factory=dict)
     device: str | None = None
+    gpu: str | None = None
 
 
 # The counts: at least twice the row's batch cap, so the batch is full for most of the run and the ramp-up and the
@@ -72,8 +75,38 @@ TRTLLM_H200 = Suite(
     ),
     runtime={"scheduler_policy": "guaranteed_no_evict"},
     device="cuda",
+    gpu="H200",
 )
-SUITES = {suite.name: suite for suite in (TRTLLM_H200,)}
+# The same rows against the best published H100 SXM figure of each (TensorRT-LLM perf-overview v0.17-v1.0): the
+# same counts and caps; at 2048/2048 an H100's pool holds about 227 sequences of 4,096 tokens, so 1,000 requests
+# are four full waves and a part.
+TRTLLM_H100 = replace(
+    TRTLLM_H200,
+    name="trtllm-h100",
+    source="TensorRT-LLM perf-overview, best published H100 SXM figure per row (Llama-3.1-8B FP8, trtllm-bench)",
+    why_counts="two or more full batches at the row's batch cap, so steady state dominates the run; 2048/2048 "
+               "1,000, as an H100's pool holds about 227 sequences",
+    rows=(
+        SuiteRow(128, 128, 10000, 2048, 28837, "v0.17"),
+        SuiteRow(128, 2048, 1000, 512, 22714, "v1.0"),
+        SuiteRow(500, 2000, 1000, 512, 17833, "v0.20"),
+        SuiteRow(1000, 1000, 1000, 512, 15271, "v0.20"),
+        SuiteRow(2048, 2048, 1000, 512, 9654, "v0.19"),
+    ),
+    gpu="H100",
+)
+SUITES = {suite.name: suite for suite in (TRTLLM_H200, TRTLLM_H100)}
+
+
+def check_gpu(suite: Suite, gpu_name: str) -> None:
+    """Refuse a suite whose figures come from another GPU model than ``gpu_name`` (naming the suite for this one,
+    if there is one): its ratios would compare different hardware."""
+    if suite.gpu is None or re.search(rf"\b{suite.gpu}\b", gpu_name):
+        return
+    matching = [other.name for other in SUITES.values() if other.gpu and re.search(rf"\b{other.gpu}\b", gpu_name)]
+    hint = f"run --suite {matching[0]}" if matching else "measure with --prompts, --input-len and --output-len"
+    raise BenchTargetError(f"--suite {suite.name}: its figures were measured on an {suite.gpu} and this GPU is "
+                           f"{gpu_name}, so its ratios would compare different hardware: {hint}")
 
 
 def select_rows(suite: Suite, names: list[str] | None) -> tuple[SuiteRow, ...]:
@@ -99,6 +132,8 @@ def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str
         raise BenchTargetError(f"--suite {suite.name}: its figures were measured on {suite.device} and its rows send "
                                f"up to {max(row.prompts for row in rows):,} requests each; this run is on {device}. "
                                "Run it on a GPU, or measure here with --prompts, --input-len and --output-len")
+    if device.startswith("cuda"):
+        check_gpu(suite, torch.cuda.get_device_name(torch.device(device)))
     resolved = resolve_target(target, cache_root(), no_engines=BENCH_TAKES)
     options = replace(options, **{name: value for name, value in suite.runtime.items()
                                   if getattr(options, name) is None})
