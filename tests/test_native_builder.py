@@ -152,7 +152,7 @@ def test_older_rope_scaling_and_generation_config_eos_ids_are_read(tmp_path):
     (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
     arch = build(checkpoint, tmp_path)[0]["architecture"]
     assert arch["rope_theta"] == 500000.0 and arch["rope_scaling"]["rope_type"] == "llama3"
-    assert arch["eos_token_ids"] == [7, 2, 5]
+    assert arch["eos_token_ids"] == [7, 2]  # generation_config.json's replace config.json's, as in transformers
 
 
 def test_kv_cache_allocation_matches_bytes_per_block(checkpoint, tmp_path):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kiln.engines.eos import generation_eos_ids
 from kiln.runtime.errors import EngineFormatError, KilnError
 from kiln.runtime.native.engine_format import Architecture
 from kiln.runtime.native.layers.activation import ACTIVATIONS
@@ -88,7 +89,7 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
         tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
         max_position_embeddings=_int(cfg, "max_position_embeddings", path),
         bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
-        eos_token_ids=_eos_ids(gen.get("eos_token_id"), cfg.get("eos_token_id")),
+        eos_token_ids=generation_eos_ids(cfg, gen),
         hidden_act=activation,
     )
     return Architecture(**{**shared, **family.quirks(cfg, path)}, type=family.name)  # quirks win over the defaults
@@ -250,12 +251,3 @@ def _check_rope(head_dim: int, theta: float, scaling: dict[str, Any] | None, pat
         raise KilnError(f"{path}: rope scaling {scaling.get('rope_type')!r} needs key {e}") from None
     except EngineFormatError as e:
         raise KilnError(f"{path}: {e}") from None
-
-
-def _eos_ids(*sources: int | list[int] | None) -> list[int]:
-    ids: list[int] = []
-    for source in sources:
-        for i in [source] if isinstance(source, int) else source or []:
-            if i not in ids:
-                ids.append(i)
-    return ids
