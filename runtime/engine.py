@@ -8,6 +8,7 @@ calls them from its one engine thread, except ``make_request`` (tokenize and val
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -82,16 +83,22 @@ def load_engine(engine_dir: Path, options: RuntimeOptions) -> Engine:
     """The engine of ``engine_dir`` on its backend: TensorRT-LLM for a directory with ``kiln_trtllm.json``, else the
     native engine (which refuses a directory without its ``engine.json``); in a child process of its own when
     ``options.engine_process`` is set."""
+    return engine_loader(engine_dir, options)(engine_dir, options)
+
+
+def engine_loader(engine_dir: Path, options: RuntimeOptions) -> Callable[[Path, RuntimeOptions], Engine]:
+    """What ``load_engine`` calls for ``engine_dir``, its backend's modules imported (torch, the first time in a
+    process: seconds that a load's timing leaves out)."""
     from kiln.runtime.trtllm.engine_info import is_trtllm_engine
 
     if options.engine_process:
         from kiln.runtime.engine_process import ProcessEngine
 
-        return ProcessEngine.load(engine_dir, options)
+        return ProcessEngine.load
     if is_trtllm_engine(engine_dir):
         from kiln.runtime.trtllm.engine import TrtllmEngine
 
-        return TrtllmEngine(engine_dir, options)
+        return TrtllmEngine
     from kiln.runtime.native.engine import NativeEngine
 
-    return NativeEngine(engine_dir, options)
+    return NativeEngine

@@ -339,3 +339,24 @@ def test_closed_llm_refuses_new_requests(engine_dir):
         llm.generate(PROMPTS[0], GREEDY)
     with pytest.raises(EngineClosedError):
         llm.check(PROMPTS[0], GREEDY)
+
+
+def test_load_ms_leaves_out_importing_the_backends_modules(engine_dir, monkeypatch):
+    from kiln.runtime import llm as llm_module
+
+    clock = [0.0]
+    monkeypatch.setattr(llm_module.time, "perf_counter", lambda: clock[0])
+    real_loader = llm_module.engine_loader
+
+    def importing_loader(path, options):  # the first import of torch: 100 s on the fake clock
+        clock[0] += 100.0
+        load = real_loader(path, options)
+
+        def loading(path, options):  # the load itself: 2 s
+            clock[0] += 2.0
+            return load(path, options)
+        return loading
+
+    monkeypatch.setattr(llm_module, "engine_loader", importing_loader)
+    with LLM.load(engine_dir) as llm:
+        assert llm.load_ms == 2000.0
