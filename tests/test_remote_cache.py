@@ -232,7 +232,11 @@ def test_ctrl_c_during_a_push_stops_the_uploads_in_flight(tmp_path):
                              key], env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "started"
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)  # the upload, not stopped, would run a minute
+    try:
+        out, err = proc.communicate(timeout=30)  # the upload, not stopped, would run a minute
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
     # "interrupted" may come first: a Ctrl-C while the pool still starts its thread leaves that thread unjoined
     # until the interpreter exits (it joins pool threads then); the transfer stops at its next chunk either way
     assert proc.returncode == 130 and sorted(out.split()) == ["TransferStopped", "interrupted", "stopped"], err[-2000:]

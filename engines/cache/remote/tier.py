@@ -7,7 +7,7 @@ import functools
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
@@ -185,13 +185,15 @@ class RemoteTier:
         return build_lease(self.objects, store, key, timing=self.timing, on_wait=on_wait, failed=self.failed,
                            replacing=replacing, damaged=damaged)
 
-    def _each(self, work: Callable[[dict], object], files: list[dict], counter: _Counter) -> Iterator:
-        """``work`` on each file, ``file_threads`` at once, largest first (so the big ones overlap). When one fails
-        or the caller is interrupted, the transfers still running stop at their next chunk (``counter.stop``)."""
+    def _each(self, work: Callable[[dict], object], files: list[dict], counter: _Counter) -> list:
+        """``work``'s result on each file, ``file_threads`` at once, largest first (so the big ones overlap). When
+        one fails or the caller is interrupted, the transfers still running stop at their next chunk
+        (``counter.stop``): all the waiting happens here, so a Ctrl-C lands inside this ``try`` wherever it comes
+        (a generator suspended in its caller's frame stopped them only once it was collected)."""
         ordered = sorted(files, key=lambda item: -item["size"])
         pool = ThreadPoolExecutor(max_workers=self.file_threads, thread_name_prefix="kiln-remote")
         try:
-            yield from pool.map(work, ordered)
+            return list(pool.map(work, ordered))
         except BaseException:
             counter.stop()
             raise
