@@ -81,7 +81,7 @@ def _read_lines(stream, lines: queue.Queue) -> None:
 
 def test_sigterm_finishes_the_in_flight_stream_stops_the_engine_process_and_exits_0():
     code = ("import sys; from kiln.pipeline.serve_command import serve; "
-            "serve(sys.argv[1], port=0, model_name='tiny', shutdown_timeout=30.0, engine_process=True)")
+            "serve(sys.argv[1], port=0, model_names=['tiny'], shutdown_timeout=30.0, engine_process=True)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_engine())], cwd=REPO, stderr=subprocess.PIPE,
                             text=True, env=repo_env())
     lines: queue.Queue = queue.Queue()
