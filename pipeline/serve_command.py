@@ -227,8 +227,8 @@ def serve(
                                                      "HTTP server's then do not share one GIL), or on a thread of "
                                                      "the server's.")] = True,
 ) -> None:
-    """Serve an engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /health,
-    /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
+    """Serve an engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/responses,
+    /health, /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
     require_serve_extra()
     from kiln.runtime.server import create_app, run_server
     from kiln.runtime.server.errors import served_routes
