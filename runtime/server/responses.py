@@ -8,13 +8,12 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Callable
 
 from pydantic import ValidationError
 from starlette.requests import Request
 
 from kiln.runtime.outputs import RequestOutput, StreamDelta
-from kiln.runtime.server.chat import StreamedText, prepare_chat
+from kiln.runtime.server.chat import ChatPlan, StreamedText, prepare_chat
 from kiln.runtime.server.completions import respond
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
@@ -110,107 +109,116 @@ def _call_item(call: ToolCall, status: str = "completed", arguments: str | None 
                               arguments=call.arguments if arguments is None else arguments)
 
 
-async def create_response(model: ServedModel, req: ResponsesRequest, metrics: ServerMetrics,
-                          request: Request) -> object:
-    """Handle POST /v1/responses."""
-    chat = chat_request(req)
-    plan = await prepare_chat(model, chat)
-    tools = plan.tools
-    response_id, created = _item_id("resp"), int(time.time())
-    message_id = _item_id("msg")
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
 
-    def response(status: str, output: list, usage: Usage | None = None) -> ResponseObject:
-        text_format = req.text.format if req.text is not None and req.text.format is not None else None
+
+class _ResponseBuilder:
+    """One request's response object: the request's settings echoed beside its status, output items and usage."""
+
+    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, model_name: str) -> None:
+        self.req, self.chat, self.model_name = req, chat, model_name
+        self.id, self.created = _item_id("resp"), int(time.time())
+
+    def __call__(self, status: str, output: list, usage: Usage | None = None) -> ResponseObject:
+        req = self.req
+        text_format = req.text.format if req.text is not None else None
         return ResponseObject(
-            id=response_id, created_at=created, completed_at=int(time.time()) if usage is not None else None,
+            id=self.id, created_at=self.created, completed_at=int(time.time()) if usage is not None else None,
             status=status, incomplete_details=IncompleteDetails(reason="max_output_tokens")
-            if status == "incomplete" else None, model=model.name, output=output, instructions=req.instructions,
+            if status == "incomplete" else None, model=self.model_name, output=output, instructions=req.instructions,
             max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-            tools=[tool.model_dump(exclude_none=True) for tool in req.tools or []],
-            tool_choice=_tool_choice(req),
-            parallel_tool_calls=chat.parallel_tool_calls is not False,
+            tools=[tool.model_dump(exclude_none=True) for tool in req.tools or []], tool_choice=_tool_choice(req),
+            parallel_tool_calls=self.chat.parallel_tool_calls is not False,
             text={"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
                   else {"type": "text"}},
             metadata=req.metadata or {},
             usage=ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                                 total_tokens=usage.total_tokens) if usage is not None else None)
 
-    def status_of(finish_reason: str | None) -> str:
-        return "incomplete" if finish_reason == "length" else "completed"
+
+class _StreamedResponse:
+    """The typed events of one streamed answer, numbered in order: the response created, its message item opened
+    with its first text (or at the end, empty, when there are no calls either), each call's item whole at the end,
+    then the response completed (or incomplete) with its usage."""
+
+    def __init__(self, plan: ChatPlan, response: _ResponseBuilder, message_id: str) -> None:
+        self.streamed = StreamedText(plan.tools)
+        self.response, self.message_id = response, message_id
+        self.sequence = itertools.count()
+        self.text, self.opened, self.status = "", False, "completed"
+        self.output: list[dict] = []  # the finished items
+
+    def event(self, kind: str, **fields: object) -> dict:
+        return {"type": kind, "sequence_number": next(self.sequence), **fields}
+
+    def prelude(self) -> list[dict]:
+        started = self.response("in_progress", []).model_dump(mode="json")
+        return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
+
+    def render(self, index: int, delta: StreamDelta) -> list[dict]:
+        content, calls = self.streamed.advance(delta)
+        events = self._open() if content or (delta.finished and not calls) else []
+        if content:
+            self.text += content
+            events.append(self.event("response.output_text.delta", item_id=self.message_id, output_index=0,
+                                     content_index=0, delta=content, logprobs=[]))
+        if delta.finished:
+            self.status = _status(delta.finish_reason)
+            events += self._close(calls)
+        return events
+
+    def final(self, usage: Usage) -> dict:
+        kind = "response.incomplete" if self.status == "incomplete" else "response.completed"
+        return self.event(kind, response=self.response(self.status, self.output, usage).model_dump(mode="json"))
+
+    def _message(self, status: str) -> dict:
+        parts = [OutputText(text=self.text)] if self.opened else []
+        return OutputMessage(id=self.message_id, status=status, content=parts).model_dump()
+
+    def _open(self) -> list[dict]:
+        if self.opened:
+            return []
+        events = [self.event("response.output_item.added", output_index=0, item=self._message("in_progress"))]
+        self.opened = True
+        return [*events, self.event("response.content_part.added", item_id=self.message_id, output_index=0,
+                                    content_index=0, part=OutputText(text="").model_dump())]
+
+    def _close(self, calls: list[ToolCall]) -> list[dict]:
+        events = []
+        if self.opened:
+            part = dict(item_id=self.message_id, output_index=0, content_index=0)
+            events += [self.event("response.output_text.done", **part, text=self.text, logprobs=[]),
+                       self.event("response.content_part.done", **part, part=OutputText(text=self.text).model_dump()),
+                       self.event("response.output_item.done", output_index=0, item=self._message(self.status))]
+            self.output.append(self._message(self.status))
+        for call in calls:
+            index, item = len(self.output), _call_item(call)
+            events += [self.event("response.output_item.added", output_index=index,
+                                  item=_call_item(call, "in_progress", "").model_dump()),
+                       self.event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
+                                  delta=call.arguments),
+                       self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                                  name=call.name, arguments=call.arguments),
+                       self.event("response.output_item.done", output_index=index, item=item.model_dump())]
+            self.output.append(item.model_dump())
+        return events
+
+
+async def create_response(model: ServedModel, req: ResponsesRequest, metrics: ServerMetrics,
+                          request: Request) -> object:
+    """Handle POST /v1/responses."""
+    chat = chat_request(req)
+    plan = await prepare_chat(model, chat)
+    response, message_id = _ResponseBuilder(req, chat, model.name), _item_id("msg")
 
     def build(outputs: list[RequestOutput], usage: Usage) -> ResponseObject:
         [out] = outputs
-        content, calls = tools.parse(out.text)
-        status = status_of(out.finish_reason)
-        output: list = [OutputMessage(id=message_id, status=status, content=[OutputText(text=content or "")])] \
-            if content or not calls else []
-        return response(status, output + [_call_item(call) for call in calls], usage)
+        content, calls = plan.tools.parse(out.text)
+        status = _status(out.finish_reason)
+        message = [OutputMessage(id=message_id, status=status, content=[OutputText(text=content or "")])]
+        return response(status, [*(message if content or not calls else []), *map(_call_item, calls)], usage)
 
-    streamed = StreamedText(tools)
-    sequence = itertools.count()
-    state: dict = {"text": "", "open": False, "output": [], "status": "completed"}
-
-    def event(kind: str, **fields: object) -> dict:
-        return {"type": kind, "sequence_number": next(sequence), **fields}
-
-    def message(status: str) -> dict:
-        parts = [OutputText(text=state["text"])] if state["open"] else []
-        return OutputMessage(id=message_id, status=status, content=parts).model_dump()
-
-    def render(index: int, delta: StreamDelta) -> list[dict]:
-        events = []
-        content, calls = streamed.advance(delta)
-        if content and not state["open"]:
-            events.append(event("response.output_item.added", output_index=0, item=message("in_progress")))
-            state["open"] = True
-            events.append(event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                                part=OutputText(text="").model_dump()))
-        if content:
-            state["text"] += content
-            events.append(event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                                delta=content, logprobs=[]))
-        if delta.finished:
-            state["status"] = status_of(delta.finish_reason)
-            events += _finished_events(event, state, message, message_id, calls)
-        return events
-
-    def final(usage: Usage) -> dict:
-        kind = "response.incomplete" if state["status"] == "incomplete" else "response.completed"
-        return event(kind, response=response(state["status"], state["output"], usage).model_dump(mode="json"))
-
-    started = response("in_progress", []).model_dump(mode="json")
-    prelude = [event("response.created", response=started), event("response.in_progress", response=started)]
-    return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, render=render,
-                         usage_chunk=final, prelude=prelude, ignored=_ignored_fields(req))
-
-
-def _finished_events(event: Callable[..., dict], state: dict, message: Callable[[str], dict], message_id: str,
-                     calls: list[ToolCall]) -> list[dict]:
-    """The events that close a streamed answer: its message's (when it had text, or neither text nor calls) and
-    each call's, which comes whole at the end; ``state["output"]`` gets the finished items."""
-    events = []
-    if not state["open"] and not calls:  # an empty answer is still a message
-        events.append(event("response.output_item.added", output_index=0, item=message("in_progress")))
-        state["open"] = True
-        events.append(event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                            part=OutputText(text="").model_dump()))
-    if state["open"]:
-        text = state["text"]
-        events += [event("response.output_text.done", item_id=message_id, output_index=0, content_index=0, text=text,
-                         logprobs=[]),
-                   event("response.content_part.done", item_id=message_id, output_index=0, content_index=0,
-                         part=OutputText(text=text).model_dump()),
-                   event("response.output_item.done", output_index=0, item=message(state["status"]))]
-        state["output"].append(message(state["status"]))
-    for call in calls:
-        index = len(state["output"])
-        item = _call_item(call)
-        events += [event("response.output_item.added", output_index=index,
-                         item=_call_item(call, "in_progress", "").model_dump()),
-                   event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
-                         delta=call.arguments),
-                   event("response.function_call_arguments.done", item_id=item.id, output_index=index,
-                         name=call.name, arguments=call.arguments),
-                   event("response.output_item.done", output_index=index, item=item.model_dump())]
-        state["output"].append(item.model_dump())
-    return events
+    stream = _StreamedResponse(plan, response, message_id)
+    return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, render=stream.render,
+                         usage_chunk=stream.final, prelude=stream.prelude(), ignored=_ignored_fields(req))
