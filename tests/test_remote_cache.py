@@ -556,3 +556,16 @@ def test_bench_refuses_an_engine_key_before_pulling_it(tmp_path, remote, monkeyp
     result = runner.invoke(app, [key[:10]])
     assert result.exit_code == 2 and "kiln loadtest" in result.stderr and "cache key" in result.stderr
     assert not (tmp_path / "bencher").exists()  # nothing pulled
+
+
+def test_a_remote_entry_was_created_when_it_was_built_not_when_it_was_pushed(tmp_path, remote):
+    from kiln.engines.cache.units import parse_iso
+
+    cache = machine(tmp_path, "m", remote)
+    key = engine_key(material("a"))
+    entry = cache.entries.get_or_build(key, material("a"), builder([])).entry_dir
+    built = parse_iso(json.loads((entry / "manifest.json").read_text())["created"])
+    time.sleep(1.1)  # a push a second later (S3 times have one-second steps)
+    cache.remote.objects.upload(manifest_name("entries", key), entry / "manifest.json", lambda n: None)
+    [listed] = remote_entries(cache.remote)
+    assert listed.created == built < listed.last_used

@@ -18,7 +18,7 @@ from kiln.engines.cache.remote.layout import (
 )
 from kiln.engines.cache.remote.objects import ObjectInfo, RemoteCorruptError
 from kiln.engines.cache.remote.tier import RemoteTier, copy_problem
-from kiln.engines.cache.units import iso_utc
+from kiln.engines.cache.units import iso_utc, parse_iso
 
 READ_THREADS = 8
 PRUNE_GRACE_S = 3600.0  # entries used and blobs written this recently are never pruned (a pull or push in flight)
@@ -26,7 +26,8 @@ PRUNE_GRACE_S = 3600.0  # entries used and blobs written this recently are never
 
 @dataclass(frozen=True)
 class RemoteEntry:
-    """An entry of the remote: its manifest (None when unreadable, with ``problem``), and when it was last used."""
+    """An entry of the remote: its manifest (None when unreadable, with ``problem``), when it was built (its
+    manifest's ``created``; its push where that is unreadable) and when it was last pushed or pulled."""
 
     store: str
     key: str
@@ -65,8 +66,9 @@ def remote_entries(tier: RemoteTier) -> list[RemoteEntry]:
         else:
             problem = None if found else "manifest removed meanwhile"
         manifest = found[0] if found else None
-        created = files[MANIFEST].modified
-        last_used = max(created, files[LAST_USED].modified if LAST_USED in files else created)
+        pushed = files[MANIFEST].modified
+        created = parse_iso((manifest or {}).get("created")) or pushed  # when it was built, as `kiln cache ls` says
+        last_used = max(pushed, files[LAST_USED].modified if LAST_USED in files else pushed)
         return RemoteEntry(store, key, manifest, problem, created, last_used)
 
     with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
