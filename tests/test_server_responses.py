@@ -72,7 +72,7 @@ def test_function_tools_are_called_and_their_outputs_passed_back_as_items(client
     for call in calls:
         assert call.name == "get_weather" and schema.is_valid(json.loads(call.arguments))
     follow_up = [{"role": "user", "content": "Weather in Oslo?"},
-                 *[call.model_dump(exclude_none=True) for call in calls],
+                 *[call.model_dump() for call in calls],  # as the client dumps them: its extra fields, nulls
                  *[{"type": "function_call_output", "call_id": call.call_id, "output": "12 C, rain"}
                    for call in calls]]
     answer = client.responses.create(model=MODEL, input=follow_up, tools=[FLAT_WEATHER], max_output_tokens=4,
@@ -95,10 +95,22 @@ def test_a_json_schema_text_format_holds_the_answer_to_its_schema(client):
 
 @pytest.mark.parametrize(("extra", "field"), [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": []}]}, "input[1]"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": "hi", "colour": 1}]}, "input[0].colour"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),  # the chat path's check, in this request's terms
 ])
 def test_what_a_stateless_text_server_cannot_do_is_a_400_naming_the_field(client, extra, field):
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(**{"model": MODEL, "input": QUESTION, **extra})
-    assert field in refused.value.message
+    assert refused.value.param == field and "input.str" not in refused.value.message
+    assert "max_completion_tokens" not in refused.value.message and "messages" not in refused.value.message
+
+
+def test_a_failure_mid_stream_is_an_error_event_and_the_stream_ends_without_done(client):
+    events = list(client.responses.create(model=MODEL, input=QUESTION, stream=True, text={
+        "format": {"type": "json_schema", "name": "none", "schema": {"$ref": "#"}}}))
+    assert [event.type for event in events] == ["response.created", "response.in_progress", "error"]
+    assert "structured output format cannot go on" in events[-1].message
+    assert events[-1].sequence_number == 2

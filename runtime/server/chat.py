@@ -16,6 +16,7 @@ from starlette.requests import Request
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.chat_template import ChatTemplateError, ReservedVariableError
 from kiln.runtime.server.completions import (
+    StreamEvents,
     check_request,
     make_jobs,
     requested_format,
@@ -262,5 +263,5 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
 
     prelude = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None}]) for i in range(len(jobs))]
-    return await respond(model, req, jobs, [plan.prompt], metrics, request, build=build, render=render,
-                         usage_chunk=lambda usage: chunk([], usage), prelude=prelude)
+    return await respond(model, req, jobs, [plan.prompt], metrics, request, build=build,
+                         stream=StreamEvents(render, lambda usage: chunk([], usage), prelude))

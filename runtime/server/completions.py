@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -187,15 +188,32 @@ def _event(data: dict) -> str:
     return f"{name}data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+def _error_chunk(failed: APIError) -> dict:
+    return error_body(failed.status_code, failed.message)
+
+
+@dataclass
+class StreamEvents:
+    """What a streamed response sends: the ``prelude`` chunks first, ``render``'s chunks for each delta, the
+    ``usage`` chunk last (when ``with_usage``: the request asked for it), the ``error`` chunk instead for a
+    failure mid-stream, and then ``done`` (chat and completions end with OpenAI's ``data: [DONE]``)."""
+
+    render: Callable[[int, StreamDelta], list[dict]]
+    usage: Callable[[Usage], dict]
+    prelude: list[dict] = field(default_factory=list)
+    with_usage: bool = False
+    error: Callable[[APIError], dict] = _error_chunk
+    done: str = "data: [DONE]\n\n"
+
+
 async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
-               render: Callable[[int, StreamDelta], list[dict]], usage_chunk: Callable[[Usage], dict] | None,
-               prelude: list[dict]) -> AsyncIterator[str]:
-    """The SSE body: prelude chunks, a chunk per delta, the usage chunk if asked for, then [DONE]. The chunks of
-    deltas that arrived together go out in one write."""
+               stream: StreamEvents) -> AsyncIterator[str]:
+    """The SSE body (``StreamEvents`` says what it holds). The chunks of deltas that arrived together go out in one
+    write."""
     outputs: list[RequestOutput] = []
     generated: dict[int, int] = {}  # tokens so far of each job whose prompt was prefilled and that is still running
-    if prelude:
-        yield "".join(_event(chunk) for chunk in prelude)
+    if stream.prelude:
+        yield "".join(_event(chunk) for chunk in stream.prelude)
     try:
         async with contextlib.aclosing(model.generate(jobs)) as batches:
             async for batch in batches:
@@ -206,37 +224,37 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
                         del generated[index]
                         outputs.append(delta.output)
                         metrics.observe(delta.output)
-                    events += [_event(chunk) for chunk in render(index, delta)]
+                    events += [_event(chunk) for chunk in stream.render(index, delta)]
                 if events:
                     yield "".join(events)
     except Exception as exc:  # the engine stopped (closed, or a bug in it): tell the client in the stream
         logger.error("stream failed: %s: %s", type(exc).__name__, exc)
-        failed = _generation_failed(exc)
-        yield _event(error_body(failed.status_code, failed.message))
+        yield _event(stream.error(_generation_failed(exc)))
     else:
-        if usage_chunk is not None:
-            yield _event(usage_chunk(_usage(prompts, outputs)))
+        if stream.with_usage:
+            yield _event(stream.usage(_usage(prompts, outputs)))
     finally:
         if len(outputs) < len(jobs):  # the client went away (or the engine stopped) first
             metrics.vllm.aborted(len(jobs) - len(outputs), sum(len(jobs[i].prompt_token_ids) for i in generated),
                                  sum(generated.values()))
-    yield "data: [DONE]\n\n"
+    if stream.done:
+        yield stream.done
 
 
 async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prompts: list[list[int]],
                   metrics: ServerMetrics, request: Request, *,
-                  build: Callable[[list[RequestOutput], Usage], BaseModel],
-                  render: Callable[[int, StreamDelta], list[dict]], usage_chunk: Callable[[Usage], dict],
-                  prelude: list[dict], ignored: list[str] | None = None) -> Response:
-    """The response to a generation request: an SSE stream, or the JSON body ``build`` makes once every job is
-    done. Either says in the IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored
-    (``ignored``, default ``req.ignored_fields()``)."""
+                  build: Callable[[list[RequestOutput], Usage], BaseModel], stream: StreamEvents,
+                  ignored: list[str] | None = None) -> Response:
+    """The response to a generation request: an SSE stream of ``stream``'s events (its usage where the request's
+    ``stream_options`` ask), or the JSON body ``build`` makes once every job is done. Either says in the
+    IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored (``ignored``, default
+    ``req.ignored_fields()``)."""
     release = model.admission.reserve(len(jobs))
     ignored = ", ".join(req.ignored_fields() if ignored is None else ignored)
     headers = {IGNORED_FIELDS_HEADER: ignored} if ignored else {}
     if req.stream:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        body = _sse(model, jobs, metrics, prompts, render, usage_chunk if include_usage else None, prelude)
+        with_usage = stream.with_usage or req.stream_options is not None and req.stream_options.include_usage
+        body = _sse(model, jobs, metrics, prompts, replace(stream, with_usage=with_usage))
         return _EventStream(body, release, headers)
     try:
         outputs = await _collect(model, jobs, metrics, request)
@@ -365,8 +383,8 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         return CompletionResponse(id=request_id, created=created, model=model.name, choices=choices,
                                   usage=counted(usage))
 
-    return await respond(model, req, jobs, prompts, metrics, request, build=build, render=render,
-                         usage_chunk=lambda usage: chunk([], counted(usage)), prelude=[])
+    return await respond(model, req, jobs, prompts, metrics, request, build=build,
+                         stream=StreamEvents(render, lambda usage: chunk([], counted(usage))))
 
 
 def stop_reason(delta: StreamDelta) -> int | str | None:

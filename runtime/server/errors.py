@@ -40,8 +40,12 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def describe_validation_error(exc: RequestValidationError) -> APIError:
-    """The first problem of a request body as a 400 that names the field (`messages[0].role`)."""
-    error = exc.errors()[0]
+    """The first problem of a request body as a 400 that names the field (`messages[0].role`); where a field takes
+    a text or a list and got a list, the list's deepest problem, which names the item at fault (`input[1].name`)."""
+    errors = exc.errors()
+    error = errors[0]
+    if error.get("type") == "string_type" and isinstance(error.get("input"), list):
+        error = max(errors, key=lambda found: len(found.get("loc", ())))
     loc = [part for part in error.get("loc", ()) if part != "body" and not _union_member(part)]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
     kind = error.get("type", "")

@@ -6,6 +6,7 @@ typed events (``response.created`` ... ``response.completed``). Nothing is store
 from __future__ import annotations
 
 import itertools
+import re
 import time
 import uuid
 
@@ -14,7 +15,7 @@ from starlette.requests import Request
 
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.chat import ChatPlan, StreamedText, prepare_chat
-from kiln.runtime.server.completions import respond
+from kiln.runtime.server.completions import StreamEvents, respond
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.metrics import ServerMetrics
@@ -43,7 +44,8 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     message before them (one message with its calls, as chat templates take them)."""
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
-    for item in items:
+    called = {item.call_id for item in items if isinstance(item, FunctionCallItem)}
+    for index, item in enumerate(items):
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text})
         elif isinstance(item, FunctionCallItem):
@@ -54,6 +56,9 @@ def _messages(req: ResponsesRequest) -> list[dict]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in called:  # as OpenAI refuses it
+                raise APIError(400, f"No tool call found for function call output with call_id {item.call_id}: "
+                                    "pass the function_call item back before its output", param=f"input[{index}]")
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
     return messages
 
@@ -63,8 +68,6 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     fields: dict = {"model": req.model, "messages": _messages(req), "max_completion_tokens": req.max_output_tokens,
                     "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
                     "parallel_tool_calls": False if req.max_tool_calls == 1 else req.parallel_tool_calls}
-    if req.stream:
-        fields["stream_options"] = {"include_usage": True}  # the last event carries the usage
     if req.tools:
         fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                            for tool in req.tools]
@@ -90,6 +93,8 @@ def _ignored_fields(req: ResponsesRequest) -> list[str]:
     names = req.model_fields_set & IGNORED_FIELDS
     if req.text is not None and req.text.verbosity is not None:
         names.add("text.verbosity")
+    if req.truncation == "auto":  # nothing to truncate in a prompt that fits; one that does not is a 400
+        names.add("truncation")
     return sorted(names)
 
 
@@ -168,6 +173,9 @@ class _StreamedResponse:
             events += self._close(calls)
         return events
 
+    def error(self, failed: APIError) -> dict:
+        return self.event("error", code=failed.code, message=failed.message, param=failed.param)
+
     def final(self, usage: Usage) -> dict:
         kind = "response.incomplete" if self.status == "incomplete" else "response.completed"
         return self.event(kind, response=self.response(self.status, self.output, usage).model_dump(mode="json"))
@@ -209,7 +217,10 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
                           request: Request) -> object:
     """Handle POST /v1/responses."""
     chat = chat_request(req)
-    plan = await prepare_chat(model, chat)
+    try:
+        plan = await prepare_chat(model, chat)
+    except APIError as exc:
+        raise _in_responses_terms(exc) from None
     response, message_id = _ResponseBuilder(req, chat, model.name), _item_id("msg")
 
     def build(outputs: list[RequestOutput], usage: Usage) -> ResponseObject:
@@ -220,5 +231,20 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
         return response(status, [*(message if content or not calls else []), *map(_call_item, calls)], usage)
 
     stream = _StreamedResponse(plan, response, message_id)
-    return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, render=stream.render,
-                         usage_chunk=stream.final, prelude=stream.prelude(), ignored=_ignored_fields(req))
+    events = StreamEvents(stream.render, stream.final, stream.prelude(), with_usage=True, error=stream.error,
+                          done="")  # the last event carries the usage; no [DONE], as OpenAI's streams end
+    return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, stream=events,
+                         ignored=_ignored_fields(req))
+
+
+# the chat request's fields that answer the Responses request's, as its errors name them
+_CHAT_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+
+
+def _in_responses_terms(error: APIError) -> APIError:
+    """A 400 of the chat path as the Responses request's fields name it."""
+    def rename(text: str) -> str:
+        return re.sub(r"\b(" + "|".join(_CHAT_NAMES) + r")\b", lambda found: _CHAT_NAMES[found.group(1)], text)
+
+    return APIError(error.status_code, rename(error.message), param=error.param and rename(error.param),
+                    code=error.code, headers=error.headers)

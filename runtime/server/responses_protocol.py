@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field
+from pydantic import AliasChoices, BaseModel, BeforeValidator, Discriminator, Field, Tag
 
 from kiln.runtime.server.protocol import (
     FunctionDefinition,
@@ -31,6 +31,8 @@ class TextPart(StrictModel):
     refusal: str | None = None
     annotations: NoAnnotations = None
     logprobs: Any = Field(None, exclude=True, description="An earlier answer's log probabilities: not rendered.")
+    parsed: Any = Field(None, exclude=True, description="What the openai client's parse helpers parsed the text "
+                                                       "into: not rendered.")
 
     @property
     def value(self) -> str:
@@ -60,6 +62,11 @@ class FunctionCallItem(StrictModel):
     arguments: str
     id: str | None = None
     status: str | None = None
+    # what the openai client's output items carry besides (``item.model_dump()`` passed back): taken, not rendered
+    namespace: None = None
+    caller: dict[str, Any] | None = Field(None, exclude=True)
+    async_: Literal[False] | None = Field(None, exclude=True, validation_alias=AliasChoices("async", "async_"))
+    parsed_arguments: Any = Field(None, exclude=True)
 
 
 class FunctionCallOutputItem(StrictModel):
@@ -76,7 +83,8 @@ class FunctionCallOutputItem(StrictModel):
         return self.output if isinstance(self.output, str) else "\n".join(part.value for part in self.output)
 
 
-SUPPORTED_ITEMS = ("message", "function_call", "function_call_output")
+# each item type's model, under a capitalised tag (error locations leave such union members out: input[1].name)
+SUPPORTED_ITEMS = {"message": "Message", "function_call": "FunctionCall", "function_call_output": "FunctionCallOutput"}
 
 
 def _typed_item(value: Any) -> Any:
@@ -91,14 +99,28 @@ def _typed_item(value: Any) -> Any:
     return value
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type"),
-                      BeforeValidator(_typed_item)]
+def _item_tag(value: Any) -> str | None:
+    return SUPPORTED_ITEMS.get(value.get("type")) if isinstance(value, dict) else None
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("FunctionCall")]
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
+    Discriminator(_item_tag), BeforeValidator(_typed_item)]
 
 
 class FunctionTool(FunctionDefinition):
     """A function tool as the Responses API declares it: the function's fields beside its type."""
 
     type: Literal["function"]
+
+
+def _function_tool(value: Any) -> Any:
+    """A tool of a type other than ``function`` (web or file search, ...) refused by name."""
+    if isinstance(value, dict) and value.get("type") != "function":
+        raise ValueError(f"tools of type {value.get('type')!r} are not supported here (no hosted tools): send "
+                         "function tools, {'type': 'function', 'name', 'parameters'}")
+    return value
 
 
 class NamedFunctionChoice(StrictModel):
@@ -143,12 +165,14 @@ class ResponsesRequest(StrictModel):
     top_p: float | None = Field(None, ge=0, le=1)
     stream: bool = False
     stream_options: ResponsesStreamOptions | None = None
-    tools: list[FunctionTool] | None = Field(None, description="Function tools (no hosted tools).")
+    tools: list[Annotated[FunctionTool, BeforeValidator(_function_tool)]] | None = Field(
+        None, description="Function tools (no hosted tools).")
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = Field(None, description="Accepted and ignored.")
-    truncation: neutral_only(None, "disabled") = Field(None, description="A prompt longer than the context is a 400.")
+    truncation: neutral_only(None, "disabled", "auto") = Field(None, description="Either way, a prompt longer than "
+                                                                                 "the context is a 400.")
     include: neutral_only(None, []) = None
     top_logprobs: neutral_only(None, 0) = None
     max_tool_calls: Int | None = Field(None, ge=1, le=1, description="1 (as parallel_tool_calls false) or unset.")
