@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import numbers
@@ -10,6 +11,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections import abc
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, wait
@@ -106,6 +108,7 @@ class LLM:
         self._warm = threading.Event()  # the engine's deferred warm-up is done (or the engine thread has stopped)
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
         self._thread.start()
+        _open.add(self)
 
     @classmethod
     def load(cls, engine_dir: str | Path, options: RuntimeOptions | None = None) -> LLM:
@@ -113,6 +116,9 @@ class LLM:
         CUDA graphs, KV pool size...; default ``RuntimeOptions()``: the engine's own device, everything on).
         `load_ms` records how long it took, leaving out the first import of the backend's modules (torch) in the
         process. A cached engine stays in the cache while it is loaded."""
+        if options is not None and not isinstance(options, RuntimeOptions):
+            raise TypeError(f"options must be a RuntimeOptions, got {type(options).__name__}: "
+                            "LLM.load(path, RuntimeOptions(...))")
         engine_dir = Path(engine_dir).expanduser()
         if not engine_dir.is_dir():
             raise EngineFormatError(f"{engine_dir}: not an engine directory; pass the directory `kiln build` printed "
@@ -199,6 +205,10 @@ class LLM:
         """Stream several prompts at once: each item is every ``(prompt index, delta)`` that arrived since the last
         one (at least one), so a consumer that falls behind catches up in one go. Ends when all have finished;
         closing the generator early aborts the requests still running."""
+        if isinstance(prompts, str) or (isinstance(prompts, abc.Sequence) and prompts
+                                        and isinstance(prompts[0], numbers.Integral)):
+            raise InvalidRequestError("stream_many takes a list of prompts (texts or token-id lists), and this is one "
+                                      "prompt: pass [prompt], or call stream()")
         loop = asyncio.get_running_loop()
         arrived: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
         seqs = self._make_requests(prompts, params)
@@ -314,6 +324,11 @@ class LLM:
         return sink.future
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called: every request is then refused."""
+        return self._closed
+
+    @property
     def engine_error(self) -> str | None:
         """Why the engine stopped, or None while it serves (a health check reads this): the engine thread's error, or
         what the engine noticed while idle (``Engine.failure``: a worker or engine process that exited)."""
@@ -402,3 +417,15 @@ def _taken(params: SamplingParams | None) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams (one, or one per prompt), got {type(params).__name__}")
     return replace(params)
+
+
+# every LLM not yet closed, closed at interpreter exit: an engine thread left inside a torch call while the
+# interpreter shuts down aborts the process ("terminate called without an active exception", exit 134)
+_open: weakref.WeakSet[LLM] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_llms() -> None:
+    for llm in list(_open):
+        with contextlib.suppress(Exception):
+            llm.close()

@@ -79,6 +79,11 @@ class RuntimeOptions:
     tp_rendezvous: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("overlap_steps", "pdl", "attention_fp8_pv", "engine_process", "cuda_graphs"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "cuda_graphs" and value is None):
+                raise RuntimeOptionsError(f"{name} {value!r} must be True or False"
+                                          f"{', or None for the default' if name == 'cuda_graphs' else ''}")
         if self.kernels not in KERNELS:
             raise RuntimeOptionsError(f"kernels {self.kernels!r} must be one of {', '.join(KERNELS)}")
         share = self.gpu_memory_utilization

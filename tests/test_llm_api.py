@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,10 +18,11 @@ from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.native.engine import InvalidRequestError
 from kiln.runtime.native.sampler import SamplingError
-from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.options import RuntimeOptions, RuntimeOptionsError
 from kiln.runtime.outputs import RequestFailedError
 from kiln.runtime.tokenizer import IncrementalDetokenizer
 from tests.model_factories import build_tiny_engine, make_hf_model, tiny_plan
+from tests.subprocess_env import repo_env
 from tests.test_server_support import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -360,3 +363,30 @@ def test_load_ms_leaves_out_importing_the_backends_modules(engine_dir, monkeypat
     monkeypatch.setattr(llm_module, "engine_loader", importing_loader)
     with LLM.load(engine_dir) as llm:
         assert llm.load_ms == 2000.0
+
+
+def test_an_embedders_mistakes_are_refused_by_name(engine_dir):
+    with pytest.raises(RuntimeOptionsError, match="overlap_steps 'false' must be True or False"):
+        RuntimeOptions(overlap_steps="false")
+    with pytest.raises(TypeError, match="options must be a RuntimeOptions, got dict"):
+        LLM.load(engine_dir, {"num_kv_blocks": 4})
+    with LLM.load(engine_dir) as llm:
+
+        async def one_text_to_stream_many():
+            async for _ in llm.stream_many("Hi", SamplingParams(max_tokens=2)):
+                pass
+
+        with pytest.raises(InvalidRequestError, match="stream_many takes a list of prompts"):
+            asyncio.run(one_text_to_stream_many())
+        huge = SamplingParams(temperature=1e300, min_tokens=2, max_tokens=4, seed=1)
+        assert len(llm.generate("Once upon a time", huge)[0].token_ids) == 4  # no NaN from -inf / inf
+    assert llm.closed
+
+
+def test_an_llm_left_open_with_requests_in_flight_closes_at_exit(engine_dir):
+    code = ("import sys, time; from kiln import LLM, SamplingParams; llm = LLM.load(sys.argv[1]); "
+            "[llm.submit('Once upon a time', SamplingParams(max_tokens=200, ignore_eos=True)) for _ in range(4)]; "
+            "time.sleep(0.2); sys.exit(0)")
+    done = subprocess.run([sys.executable, "-c", code, str(engine_dir)], env=repo_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

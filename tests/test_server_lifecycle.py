@@ -210,3 +210,15 @@ def test_a_forced_exit_is_an_interruption_not_a_clean_stop():
     with LLM.load(tiny_engine()) as llm, pytest.raises(KeyboardInterrupt):
         run_server(create_app(llm, tiny_engine(), ServerSettings(model_name="tiny")), "127.0.0.1", 0,
                    on_started=force)
+
+
+def test_health_is_503_once_the_embedder_closes_the_llm_it_passed_in():
+    from kiln.runtime import LLM
+    from kiln.runtime.server import ServerSettings, ServerThread, create_app
+
+    llm = LLM.load(tiny_engine())
+    with ServerThread(create_app(llm, tiny_engine(), ServerSettings(model_name="tiny"))) as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        llm.close()
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and "closed" in health.json()["message"]

@@ -189,7 +189,8 @@ class Sampler:
         depends on its own logits and ``q`` alone."""
         device, vocab = logits.device, logits.shape[-1]
         params = [seq.params for seq in seqs]
-        temperature = device_tensor([p.temperature for p in params], logits.dtype, device)
+        most = torch.finfo(logits.dtype).max  # a larger temperature would round to inf, and -inf / inf is NaN
+        temperature = device_tensor([min(p.temperature, most) for p in params], logits.dtype, device)
         x = logits.div_(temperature.unsqueeze(-1))
         if any(p.min_p > 0 for p in params):  # after the temperature and before top-k and top-p, as in vLLM
             x = apply_min_p(x, [p.min_p for p in params])

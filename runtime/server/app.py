@@ -178,6 +178,8 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     async def health() -> JSONResponse:
         """200 once the engine is loaded and the server takes requests; 503 before, while draining, or on error."""
         engine_error = state.model.llm.engine_error if state.model is not None else None
+        if state.model is not None and state.model.llm.closed and engine_error is None and not state.draining:
+            engine_error = "the LLM was closed (by the service that passed it in): load one again"
         if state.model is not None and not state.draining and engine_error is None:
             return JSONResponse({"status": "ok", "model": settings.model_name})
         error = state.load_error or engine_error
