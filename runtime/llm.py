@@ -97,7 +97,6 @@ class LLM:
     def __init__(self, engine: Engine, load_ms: float = 0.0, hold: EntryHold | None = None) -> None:
         self.engine = engine
         self.load_ms = load_ms
-        self._hold = hold
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
         self._results: dict[str, Future] = {}
@@ -106,7 +105,12 @@ class LLM:
         self._closed = False
         self._outbox = _Outbox()  # touched by the engine thread only
         self._warm = threading.Event()  # the engine's deferred warm-up is done (or the engine thread has stopped)
-        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+        # the thread holds the LLM only while it works, so an LLM dropped without close() is collected, and its
+        # finalizer frees the engine (weights, KV pool, an engine process) and the cache hold
+        self._thread = threading.Thread(target=_engine_thread, args=(weakref.ref(self),), name="kiln-engine",
+                                        daemon=True)
+        self._release = weakref.finalize(self, _release_engine, engine, hold)
+        self._release.atexit = False  # at exit, _close_open_llms stops the thread first
         self._thread.start()
         _open.add(self)
 
@@ -298,9 +302,7 @@ class LLM:
         self._commands.put(("close", None))
         self._thread.join()
         self._fail_all(EngineClosedError("the LLM was closed before this request finished"))
-        self.engine.close()
-        if self._hold is not None:
-            self._hold.release()
+        self._release()
 
     def _stop_reason(self) -> BaseException | None:
         """Why the engine stopped: the engine thread's error, else what the engine noticed while idle
@@ -336,33 +338,38 @@ class LLM:
             error = self._stop_reason()
         return None if error is None else f"{type(error).__name__}: {error}"
 
-    def _run(self) -> None:
+    def _turn(self) -> bool:
+        """One turn of the engine thread: the queued commands (waiting up to IDLE_WAKE_S for one when there is
+        nothing to run), then a step or a warm-up step; False once closed, or once the engine failed."""
         try:
-            while self._handle_commands(block=not self.engine.has_unfinished() and self._warm.is_set()):
-                if self.engine.has_unfinished():
-                    for result in self.engine.step():
-                        if isinstance(result, RequestFailure):
-                            self._fail(result.request_id, result.error)
-                        else:
-                            self._deliver(result)
-                elif not self._warm.is_set() and not self.engine.warm_up_step():
-                    self._warm.set()
-                for request_id in self._outbox.flush():
-                    self._commands.put(("abort", request_id))
-            self._outbox.flush()
+            if not self._handle_commands(block=not self.engine.has_unfinished() and self._warm.is_set()):
+                self._outbox.flush()
+                self._warm.set()
+                return False
+            if self.engine.has_unfinished():
+                for result in self.engine.step():
+                    if isinstance(result, RequestFailure):
+                        self._fail(result.request_id, result.error)
+                    else:
+                        self._deliver(result)
+            elif not self._warm.is_set() and not self.engine.warm_up_step():
+                self._warm.set()
+            for request_id in self._outbox.flush():
+                self._commands.put(("abort", request_id))
+            return True
         except BaseException as e:  # a bug in the engine: fail every waiter rather than hang it
             self._outbox.flush()
             with self._lock:
                 self._error = e
             self._fail_all(EngineClosedError(f"engine thread stopped: {type(e).__name__}: {e}"))
-        finally:
             self._warm.set()  # a waiter learns from _check_open that the engine stopped
+            return False
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; False once asked to close."""
         while True:
             try:
-                kind, arg = self._commands.get() if block else self._commands.get_nowait()
+                kind, arg = self._commands.get(timeout=IDLE_WAKE_S) if block else self._commands.get_nowait()
             except queue.Empty:
                 return True
             block = False
@@ -407,6 +414,22 @@ class LLM:
             else:
                 sink.future.set_exception(error)
         outbox.flush()
+
+
+IDLE_WAKE_S = 1.0  # how often an idle engine thread lets go of its LLM, so that a dropped one can be collected
+
+
+def _engine_thread(llm_ref: weakref.ref[LLM]) -> None:
+    """The engine thread: turns while its LLM is there and open, holding it only during a turn."""
+    while (llm := llm_ref()) is not None and llm._turn():
+        del llm
+
+
+def _release_engine(engine: Engine, hold: EntryHold | None) -> None:
+    """Free a closed (or collected) LLM's engine and let its cache entry be evicted again."""
+    engine.close()
+    if hold is not None:
+        hold.release()
 
 
 def _taken(params: SamplingParams | None) -> SamplingParams:

@@ -390,3 +390,21 @@ def test_an_llm_left_open_with_requests_in_flight_closes_at_exit(engine_dir):
     done = subprocess.run([sys.executable, "-c", code, str(engine_dir)], env=repo_env(), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_an_llm_dropped_without_close_is_collected_and_frees_its_engine(engine_dir):
+    import gc
+    import threading
+    import weakref
+
+    llm = LLM.load(engine_dir)
+    llm.generate("Once", SamplingParams(max_tokens=2))
+    engine_closed = []
+    llm.engine.close = lambda: engine_closed.append(True)  # what the finalizer calls, seen
+    dropped = weakref.ref(llm)
+    thread = llm._thread
+    del llm
+    wait_until(lambda: gc.collect() is not None and dropped() is None, timeout=30)  # once its idle wait ends
+    assert engine_closed == [True]
+    thread.join(timeout=30)
+    assert not thread.is_alive() and thread not in threading.enumerate()
