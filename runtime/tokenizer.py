@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-import numbers
+import operator
 import shutil
 from pathlib import Path
 
@@ -253,10 +253,14 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
 
 
 def _as_token_id(value: object) -> object:
-    """An integer of any library (NumPy's, torch's) as a Python int; anything else (a bool too) as it is."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    """An integer of any library (NumPy's, a one-element integer torch tensor's) as a Python int; anything else (a
+    bool too) as it is."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool":
         return value
-    return int(value)
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def copy_tokenizer_files(source_dir: Path, engine_dir: Path) -> None:

@@ -95,6 +95,9 @@ def test_token_ids_of_numpy_are_a_prompt_and_an_empty_one_is_invalid(llm):
     expected = llm.generate([5, 6, 7], GREEDY)[0].token_ids
     assert llm.generate(list(np.arange(5, 8)), GREEDY)[0].token_ids == expected
     assert llm.generate([torch.arange(5, 8).tolist(), list(np.arange(5, 8))], GREEDY)[1].token_ids == expected
+    assert llm.generate([list(torch.arange(5, 8))], GREEDY)[0].token_ids == expected  # torch's 0-d tensors
+    with pytest.raises(InvalidRequestError, match="are not ints"):
+        llm.generate([[5, torch.tensor(True)]], GREEDY)
     with pytest.raises(InvalidRequestError, match="prompt token ids \\[True\\] are not ints"):
         llm.generate([[5, True]], GREEDY)
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
