@@ -273,3 +273,7 @@ def test_every_response_carries_a_request_id_the_client_reads(server, client):
         assert r.headers["x-request-id"].startswith("req_") and r.headers["x-request-id"] != raw.headers["x-request-id"]
     assert httpx.get(f"{server.url}/health", headers={"X-Request-Id": "trace-42"}).headers["x-request-id"] == "trace-42"
     assert httpx.get(f"{server.url}/health", headers={"X-Request-Id": "a b"}).headers["x-request-id"].startswith("req_")
+    traced = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                            extra_headers={"X-Request-Id": "trace-42"})
+    assert traced.id == "chatcmpl-trace-42"  # as vLLM names it, so logs and traces match
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).id.startswith("cmpl-")

@@ -7,7 +7,6 @@ import asyncio
 import functools
 import json
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +37,7 @@ from kiln.runtime.server.protocol import (
     ToolCallOut,
     Usage,
 )
+from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.tool_calls import ToolCall, ToolCallFormat
 from kiln.runtime.structured_output import StructuredOutput
 
@@ -221,7 +221,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     """Handle POST /v1/chat/completions."""
     plan = await prepare_chat(model, req)
     tools, jobs, names = plan.tools, plan.jobs, plan.names
-    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    request_id, created = response_id("chatcmpl-", request), int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "chat.completion.chunk", created, model.name)
     streamed = [StreamedText(tools) for _ in jobs]
 

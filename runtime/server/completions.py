@@ -9,7 +9,6 @@ import functools
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -40,6 +39,7 @@ from kiln.runtime.server.protocol import (
     SamplingFields,
     Usage,
 )
+from kiln.runtime.server.request_id import response_id
 from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
 
 logger = logging.getLogger("kiln.server")
@@ -337,7 +337,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
     jobs = make_jobs(model, req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                      structured_output=structured_output)
     model.check(jobs[::req.n], "prompt")  # one job per prompt: a prompt's n choices differ only in their seed
-    request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    request_id, created = response_id("cmpl-", request), int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "text_completion", created, model.name)
     names = TokenText(model.tokenizer)
     echoes = [_echo_text(model, p, ids) if req.echo else "" for p, ids in zip(given, prompts, strict=True)]

@@ -6,10 +6,18 @@ from __future__ import annotations
 import re
 import uuid
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_HEADER = b"x-request-id"
 _SAFE_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")  # echoed into a header: no separators, no control characters
+
+
+def response_id(prefix: str, request: Request) -> str:
+    """A response's ``id``: ``prefix`` and the client's own ``X-Request-Id`` where it sent one that is safe to echo,
+    as vLLM names its responses (logs and traces then match), else a new one."""
+    given = request.headers.get("x-request-id")
+    return f"{prefix}{given if given is not None and _SAFE_ID.fullmatch(given.encode()) else uuid.uuid4().hex}"
 
 
 class RequestIdMiddleware:

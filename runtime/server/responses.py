@@ -20,6 +20,7 @@ from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import ChatCompletionRequest, Usage
+from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -121,9 +122,9 @@ def _status(finish_reason: str | None) -> str:
 class _ResponseBuilder:
     """One request's response object: the request's settings echoed beside its status, output items and usage."""
 
-    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, model_name: str) -> None:
+    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, model_name: str, response_id: str) -> None:
         self.req, self.chat, self.model_name = req, chat, model_name
-        self.id, self.created = _item_id("resp"), int(time.time())
+        self.id, self.created = response_id, int(time.time())
 
     def __call__(self, status: str, output: list, usage: Usage | None = None) -> ResponseObject:
         req = self.req
@@ -221,7 +222,8 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
         plan = await prepare_chat(model, chat)
     except APIError as exc:
         raise _in_responses_terms(exc) from None
-    response, message_id = _ResponseBuilder(req, chat, model.name), _item_id("msg")
+    response = _ResponseBuilder(req, chat, model.name, response_id("resp_", request))
+    message_id = _item_id("msg")
 
     def build(outputs: list[RequestOutput], usage: Usage) -> ResponseObject:
         [out] = outputs
