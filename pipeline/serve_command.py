@@ -199,8 +199,9 @@ def serve(
     max_queue: Annotated[int | None, typer.Option(min=1, help="Requests that may wait beyond the engine's batch "
                                                               "before new ones get 503 (default 256).")] = None,
     model_names: Annotated[list[str] | None, typer.Option(
-        "--model-name", "--served-model-name", help="Model id clients send (default: the config's name); "
-                                                    "repeatable: responses name the first, requests may send any.")
+        "--model-name", "--served-model-name", help="Model id clients send (--served-model-name, as in vLLM; "
+                                                    "default: the config's name); repeatable: responses name the "
+                                                    "first, requests may send any.")
     ] = None,
     chat_template: Annotated[Path | None, typer.Option(help="A Jinja chat template file to use instead of the "
                                                             "engine's (as transformers renders it).")] = None,
