@@ -46,7 +46,7 @@ def print_result(result: dict) -> None:
     hit = f"[green]hit[/]{why}" if cache["hit"] else f"[yellow]miss[/]{why}"
     saved = ""
     if seconds := result.get("build_seconds_saved"):  # a miss saves what earlier stages found: the calibration
-        saved = f", {seconds:.2f} s of {'build' if cache['hit'] else 'calibration'} saved"
+        saved = f", {seconds:.2f} s of {'quantize and build' if cache['hit'] else 'calibration'} saved"
     stdout.print(f"cache     {hit}{saved}", markup=True)
     stdout.print(f"engine    {result['engine_dir']}", highlight=False)
     stdout.print(f"load      {_fmt(result['load_ms'], '.1f')} ms")

@@ -140,7 +140,7 @@ def test_an_interrupted_command_under_json_is_an_error_object_on_stdout_and_exit
     assert json.loads(capsys.readouterr().out) == {"error": {"type": "KeyboardInterrupt", "message": "interrupted"}}
 
 
-@pytest.mark.parametrize(("hit", "words"), [(True, "hit, 12.50 s of build saved"),
+@pytest.mark.parametrize(("hit", "words"), [(True, "hit, 12.50 s of quantize and build saved"),
                                             (False, "miss (corrupt), 12.50 s of calibration saved")])
 def test_the_summary_says_what_the_cache_saved(monkeypatch, capsys, hit, words):
     from kiln.pipeline import summary
