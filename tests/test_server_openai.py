@@ -276,4 +276,6 @@ def test_every_response_carries_a_request_id_the_client_reads(server, client):
     traced = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
                                             extra_headers={"X-Request-Id": "trace-42"})
     assert traced.id == "chatcmpl-trace-42"  # as vLLM names it, so logs and traces match
+    named = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"request_id": "job-7"})
+    assert named.id == "cmpl-job-7"  # vLLM's request_id field
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).id.startswith("cmpl-")

@@ -221,7 +221,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     """Handle POST /v1/chat/completions."""
     plan = await prepare_chat(model, req)
     tools, jobs, names = plan.tools, plan.jobs, plan.names
-    request_id, created = response_id("chatcmpl-", request), int(time.time())
+    request_id, created = response_id("chatcmpl-", request, req.request_id), int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "chat.completion.chunk", created, model.name)
     streamed = [StreamedText(tools) for _ in jobs]
 

@@ -337,7 +337,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
     jobs = make_jobs(model, req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                      structured_output=structured_output)
     model.check(jobs[::req.n], "prompt")  # one job per prompt: a prompt's n choices differ only in their seed
-    request_id, created = response_id("cmpl-", request), int(time.time())
+    request_id, created = response_id("cmpl-", request, req.request_id), int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "text_completion", created, model.name)
     names = TokenText(model.tokenizer)
     echoes = [_echo_text(model, p, ids) if req.echo else "" for p, ids in zip(given, prompts, strict=True)]

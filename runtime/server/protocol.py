@@ -226,6 +226,8 @@ class SamplingFields(StrictModel):
     skip_special_tokens: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
     spaces_between_special_tokens: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
     priority: neutral_only(None, 0) = Field(None, description=VLLM_DEFAULT)
+    request_id: str | None = Field(None, min_length=1, max_length=256, description="Extension (as in vLLM): the "
+                                   "response's id is named after it (else after the X-Request-Id header).")
     # OpenAI fields that do not change what is generated: accepted, and logged once as ignored
     user: str | None = None
     store: bool | None = None

@@ -13,11 +13,14 @@ REQUEST_ID_HEADER = b"x-request-id"
 _SAFE_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")  # echoed into a header: no separators, no control characters
 
 
-def response_id(prefix: str, request: Request) -> str:
-    """A response's ``id``: ``prefix`` and the client's own ``X-Request-Id`` where it sent one that is safe to echo,
-    as vLLM names its responses (logs and traces then match), else a new one."""
-    given = request.headers.get("x-request-id")
-    return f"{prefix}{given if given is not None and _SAFE_ID.fullmatch(given.encode()) else uuid.uuid4().hex}"
+def response_id(prefix: str, request: Request, given: str | None = None) -> str:
+    """A response's ``id``: ``prefix`` and the request's own id, as vLLM names its responses (logs and traces then
+    match): ``given`` (the body's ``request_id``), else an ``X-Request-Id`` header that is safe to echo, else a new
+    one."""
+    header = request.headers.get("x-request-id")
+    if given is None and header is not None and _SAFE_ID.fullmatch(header.encode()):
+        given = header
+    return f"{prefix}{given or uuid.uuid4().hex}"
 
 
 class RequestIdMiddleware:
