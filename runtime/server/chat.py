@@ -86,7 +86,7 @@ def _arguments(text: str) -> dict | str:
     return value if isinstance(value, dict) else text
 
 
-class _Tools:
+class ChatTools:
     """What a request's ``tools`` and ``tool_choice`` ask of this model: the tools its template renders, the format
     it calls them in, and whether (and which) a call is forced."""
 
@@ -163,7 +163,7 @@ def _call_parts(calls: list[ToolCall]) -> list[dict]:
 class ChatPlan:
     """A chat request made ready to run: its tools, its prompt's token ids and its jobs (one per choice)."""
 
-    tools: _Tools
+    tools: ChatTools
     prompt: list[int]
     jobs: list[Job]
     names: TokenText
@@ -173,7 +173,7 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
     """Check a chat request, render its messages and tools through the chat template and make its jobs (400s
     naming the field at fault)."""
     check_request(model, req)
-    tools = _Tools(model, req)
+    tools = ChatTools(model, req)
     forced = tools.structured_output()
     requested = await asyncio.to_thread(requested_format, req)  # compiling a format may take a while: off the loop
     if forced is not None and requested is not None:
@@ -195,7 +195,7 @@ class StreamedText:
     """One streamed choice's text split into content and tool calls: content goes out as it comes, except what may
     be the start of a call, which is held back until the completion ends and then parsed."""
 
-    def __init__(self, tools: _Tools) -> None:
+    def __init__(self, tools: ChatTools) -> None:
         self.tools = tools
         self.text = ""
         self.sent = 0  # characters of the text that went out as content

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_HEADER = b"x-request-id"
+CLIENT_REQUEST_ID = "kiln.client_request_id"  # set in the ASGI scope: the client's own id, when it is echoed
 _SAFE_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")  # echoed into a header: no separators, no control characters
 
 
@@ -17,10 +18,7 @@ def response_id(prefix: str, request: Request, given: str | None = None) -> str:
     """A response's ``id``: ``prefix`` and the request's own id, as vLLM names its responses (logs and traces then
     match): ``given`` (the body's ``request_id``), else an ``X-Request-Id`` header that is safe to echo, else a new
     one."""
-    header = request.headers.get("x-request-id")
-    if given is None and header is not None and _SAFE_ID.fullmatch(header.encode()):
-        given = header
-    return f"{prefix}{given or uuid.uuid4().hex}"
+    return f"{prefix}{given or request.scope.get(CLIENT_REQUEST_ID) or uuid.uuid4().hex}"
 
 
 class RequestIdMiddleware:
@@ -34,7 +32,11 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(REQUEST_ID_HEADER)
-        request_id = given if given is not None and _SAFE_ID.fullmatch(given) else f"req_{uuid.uuid4().hex}".encode()
+        if given is not None and _SAFE_ID.fullmatch(given):
+            request_id = given
+            scope[CLIENT_REQUEST_ID] = given.decode()
+        else:
+            request_id = f"req_{uuid.uuid4().hex}".encode()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

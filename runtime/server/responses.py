@@ -14,12 +14,12 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from kiln.runtime.outputs import RequestOutput, StreamDelta
-from kiln.runtime.server.chat import ChatPlan, StreamedText, prepare_chat
+from kiln.runtime.server.chat import ChatTools, StreamedText, prepare_chat
 from kiln.runtime.server.completions import StreamEvents, respond
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.metrics import ServerMetrics
-from kiln.runtime.server.protocol import ChatCompletionRequest, Usage
+from kiln.runtime.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, Usage
 from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responses_protocol import (
     FunctionCallItem,
@@ -35,9 +35,8 @@ from kiln.runtime.server.responses_protocol import (
 )
 from kiln.runtime.server.tool_calls import ToolCall
 
-# fields that change nothing here: named in the ignored-fields header
-IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-                            "prompt_cache_retention", "reasoning"})
+# fields that change nothing here, named in the ignored-fields header: the chat request's, and reasoning
+RESPONSES_IGNORED_FIELDS = IGNORED_FIELDS | {"reasoning"}
 
 
 def _messages(req: ResponsesRequest) -> list[dict]:
@@ -91,7 +90,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def _ignored_fields(req: ResponsesRequest) -> list[str]:
-    names = req.model_fields_set & IGNORED_FIELDS
+    names = req.model_fields_set & RESPONSES_IGNORED_FIELDS
     if req.text is not None and req.text.verbosity is not None:
         names.add("text.verbosity")
     if req.truncation == "auto":  # nothing to truncate in a prompt that fits; one that does not is a 400
@@ -148,8 +147,8 @@ class _StreamedResponse:
     with its first text (or at the end, empty, when there are no calls either), each call's item whole at the end,
     then the response completed (or incomplete) with its usage."""
 
-    def __init__(self, plan: ChatPlan, response: _ResponseBuilder, message_id: str) -> None:
-        self.streamed = StreamedText(plan.tools)
+    def __init__(self, tools: ChatTools, response: _ResponseBuilder, message_id: str) -> None:
+        self.streamed = StreamedText(tools)
         self.response, self.message_id = response, message_id
         self.sequence = itertools.count()
         self.text, self.opened, self.status = "", False, "completed"
@@ -197,20 +196,21 @@ class _StreamedResponse:
         events = []
         if self.opened:
             part = dict(item_id=self.message_id, output_index=0, content_index=0)
+            message = self._message(self.status)
             events += [self.event("response.output_text.done", **part, text=self.text, logprobs=[]),
                        self.event("response.content_part.done", **part, part=OutputText(text=self.text).model_dump()),
-                       self.event("response.output_item.done", output_index=0, item=self._message(self.status))]
-            self.output.append(self._message(self.status))
+                       self.event("response.output_item.done", output_index=0, item=message)]
+            self.output.append(message)
         for call in calls:
-            index, item = len(self.output), _call_item(call)
+            index, item_id, done = len(self.output), f"fc_{call.id}", _call_item(call).model_dump()
             events += [self.event("response.output_item.added", output_index=index,
                                   item=_call_item(call, "in_progress", "").model_dump()),
-                       self.event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
+                       self.event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
                                   delta=call.arguments),
-                       self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                       self.event("response.function_call_arguments.done", item_id=item_id, output_index=index,
                                   name=call.name, arguments=call.arguments),
-                       self.event("response.output_item.done", output_index=index, item=item.model_dump())]
-            self.output.append(item.model_dump())
+                       self.event("response.output_item.done", output_index=index, item=done)]
+            self.output.append(done)
         return events
 
 
@@ -232,7 +232,7 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
         message = [OutputMessage(id=message_id, status=status, content=[OutputText(text=content or "")])]
         return response(status, [*(message if content or not calls else []), *map(_call_item, calls)], usage)
 
-    stream = _StreamedResponse(plan, response, message_id)
+    stream = _StreamedResponse(plan.tools, response, message_id)
     events = StreamEvents(stream.render, stream.final, stream.prelude(), with_usage=True, error=stream.error,
                           done="")  # the last event carries the usage; no [DONE], as OpenAI's streams end
     return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, stream=events,

@@ -20,6 +20,12 @@ from kiln.runtime.server.protocol import (
     neutral_only,
 )
 
+
+def _joined(content: str | list[TextPart]) -> str:
+    """Content as one text: its parts joined by newlines (as the chat endpoint joins them)."""
+    return content if isinstance(content, str) else "\n".join(part.value for part in content)
+
+
 STATELESS = "this server keeps no responses or conversations: send the whole conversation as input"
 
 
@@ -49,8 +55,7 @@ class MessageItem(StrictModel):
 
     @property
     def text(self) -> str:
-        """The content as one text, its parts joined by newlines (as the chat endpoint joins them)."""
-        return self.content if isinstance(self.content, str) else "\n".join(part.value for part in self.content)
+        return _joined(self.content)
 
 
 class FunctionCallItem(StrictModel):
@@ -80,7 +85,7 @@ class FunctionCallOutputItem(StrictModel):
 
     @property
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "\n".join(part.value for part in self.output)
+        return _joined(self.output)
 
 
 # each item type's model, under a capitalised tag (error locations leave such union members out: input[1].name)
