@@ -111,8 +111,8 @@ def test_rope_scaling_beside_rope_parameters_wins_as_in_transformers():
     config = transformers.Qwen2Config.from_dict(copy.deepcopy({**MINIMAL, **fields}))
     assert (arch.rope_theta, arch.rope_scaling["rope_type"], arch.rope_scaling["factor"]) == (
         config.rope_parameters["rope_theta"], config.rope_parameters["rope_type"], config.rope_parameters["factor"])
-    with pytest.raises(KilnError, match="'dynamic' is not supported"):  # refused wherever it is written
-        parse("qwen2", rope_parameters={"rope_type": "default"}, rope_scaling={"type": "dynamic", "factor": 4.0})
+    with pytest.raises(KilnError, match="'ntk-by-parts' is not supported"):  # refused wherever it is written
+        parse("qwen2", rope_parameters={"rope_type": "default"}, rope_scaling={"type": "ntk-by-parts", "factor": 4.0})
 
 
 def test_phi3_slides_every_layer_whatever_layer_types_says():

@@ -25,6 +25,9 @@ CASES = {
     "qwen3-mha-attention-bias": dict(family="qwen3", num_heads=2, num_kv_heads=2, attention_bias=True),
     "llama-attention-and-mlp-bias": dict(family="llama", num_heads=4, num_kv_heads=2, attention_bias=True,
                                          mlp_bias=True),
+    # dynamic NTK (transformers rescales only past max_position_embeddings, which no plan may exceed)
+    "llama-dynamic-ntk": dict(family="llama", num_heads=4, num_kv_heads=2,
+                              rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
     "mistral-sliding-window": dict(family="mistral", num_heads=4, num_kv_heads=2, sliding_window=WINDOW),
     "qwen2-sliding-window-from-layer-1": dict(family="qwen2", num_heads=4, num_kv_heads=2, use_sliding_window=True,
                                               sliding_window=WINDOW, max_window_layers=1),

@@ -191,8 +191,11 @@ def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path) -> tuple[flo
         raise KilnError(f"{path}: partial_rotary_factor {partial} is not supported by the native backend (it "
                         "rotates every dimension of a head)")
     rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first name for it
+    if rope_type == "dynamic":  # transformers' dynamic NTK changes no frequency up to max_position_embeddings,
+        return theta, None  # the longest context a plan may hold (engines/native/plan.py)
     if rope_type not in ROPE_TYPES:
-        raise KilnError(f"{path}: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        raise KilnError(f"{path}: rope type {rope_type!r} is not supported (supported: "
+                        f"{', '.join(ROPE_TYPES + ('dynamic',))})")
     if rope_type in ("llama3", "longrope", "yarn"):
         params["original_max_position_embeddings"] = _original_context(cfg, params, top_level_context, path)
     if rope_type == "longrope":
