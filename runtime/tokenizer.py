@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import operator
 import shutil
 from pathlib import Path
@@ -48,16 +47,16 @@ def special_token_text(token: str | dict | None) -> str | None:
 class Tokenizer:
     """Encodes prompts as the checkpoint's own tokenizer does (including BOS) and decodes token ids."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, bos_token_id: int | None = None) -> None:
+    def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
         self._tokenizer = tokenizer
-        self.bos_token_id = bos_token_id
         self._token_bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_dir(cls, directory: Path) -> Tokenizer | None:
-        """Load `tokenizer.json` (and `tokenizer_config.json` for `add_bos_token`) from an engine or checkpoint
-        directory; None when it has no tokenizer (its prompts are then token ids). EngineFormatError names a file
-        that does not load."""
+        """Load `tokenizer.json` from an engine or checkpoint directory; None when it has no tokenizer (its prompts
+        are then token ids). EngineFormatError names a file that does not load. Special tokens such as BOS are
+        added by its post-processor alone, as transformers 5 does: `tokenizer_config.json`'s `add_bos_token` changes
+        nothing."""
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
             return None
@@ -66,40 +65,30 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception
             raise EngineFormatError(f"{path}: not a tokenizer the tokenizers library loads ({e}); save the "
                                     "tokenizer again with save_pretrained") from None
-        config_path = Path(directory) / "tokenizer_config.json"
-        try:
-            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise EngineFormatError(f"{config_path}: unreadable JSON ({e}); save the tokenizer again") from None
-        if not isinstance(config, dict):
-            raise EngineFormatError(f"{config_path}: expected a JSON object; save the tokenizer again")
-        bos = special_token_text(config.get("bos_token"))
-        bos_token_id = tokenizer.token_to_id(bos) if config.get("add_bos_token") and bos else None
-        return cls(tokenizer, bos_token_id)
+        return cls(tokenizer)
 
     def to_dict(self) -> dict:
         """The tokenizer as JSON-serializable data (what `from_dict` takes), to hand it to another process."""
-        return {"tokenizer_json": self._tokenizer.to_str(), "bos_token_id": self.bos_token_id}
+        return {"tokenizer_json": self._tokenizer.to_str()}
 
     @classmethod
     def from_dict(cls, data: dict) -> Tokenizer:
         """The tokenizer `to_dict` described."""
-        return cls(tokenizers.Tokenizer.from_str(data["tokenizer_json"]), data["bos_token_id"])
+        return cls(tokenizers.Tokenizer.from_str(data["tokenizer_json"]))
 
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`, with the tokenizer's special tokens (BOS) unless `add_special_tokens` is False, as
-        for a rendered chat template that writes them itself. Special tokens written in `text` are always parsed."""
+        """Token ids of `text`, with the special tokens its post-processor adds (BOS) unless `add_special_tokens` is
+        False, as for a rendered chat template that writes them itself. Special tokens written in `text` are always
+        parsed."""
         check_unicode(text)
         if len(text) > GIL_FREE_ENCODE_CHARS:  # encode_batch lets other threads run while it works
             ids = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         else:
             ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
-            ids.insert(0, self.bos_token_id)
         return ids
 
     def decode(self, token_ids: list[int]) -> str:

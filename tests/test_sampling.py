@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+import tokenizers
+import tokenizers.processors
 import torch
 
 from kiln.runtime import LLM, SamplingParams
@@ -248,14 +249,23 @@ def test_tokenizer_encodes_and_decodes_like_transformers(tiny_tokenizer):
         assert tiny_tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True)
 
 
-def test_encoding_without_special_tokens_leaves_bos_to_the_text(tmp_path):
-    shutil.copyfile(TINY_LLAMA / "tokenizer.json", tmp_path / "tokenizer.json")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<s>"}))
+@pytest.mark.parametrize("post_processor", [True, False], ids=["adds-bos", "adds-nothing"])
+@pytest.mark.parametrize("add_bos_token", [True, False])
+def test_bos_comes_from_the_post_processor_alone_as_in_transformers(tmp_path, post_processor, add_bos_token):
+    from transformers import AutoTokenizer
+
+    hf = tokenizers.Tokenizer.from_file(str(TINY_LLAMA / "tokenizer.json"))
+    bos = hf.token_to_id("<s>")
+    if post_processor:
+        hf.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    config = json.loads((TINY_LLAMA / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": add_bos_token}))
     tokenizer = Tokenizer.from_dir(tmp_path)
-    bos = tokenizer.bos_token_id
     body = tokenizer.encode("Hello there", add_special_tokens=False)
-    assert bos is not None and bos not in body
-    assert tokenizer.encode("Hello there") == [bos, *body]
+    assert bos not in body
+    assert tokenizer.encode("Hello there") == AutoTokenizer.from_pretrained(tmp_path)("Hello there")["input_ids"] == (
+        [bos, *body] if post_processor else body)
     assert tokenizer.encode("<s>Hello there", add_special_tokens=False) == [bos, *body]  # a chat template's BOS
 
 
