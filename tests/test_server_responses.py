@@ -114,3 +114,27 @@ def test_a_failure_mid_stream_is_an_error_event_and_the_stream_ends_without_done
     assert [event.type for event in events] == ["response.created", "response.in_progress", "error"]
     assert "structured output format cannot go on" in events[-1].message
     assert events[-1].sequence_number == 2
+
+
+def test_output_logprobs_are_included_as_the_chat_endpoint_reports_them_whole_and_streamed(client):
+    kwargs = dict(model=MODEL, input=QUESTION, max_output_tokens=4, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"])
+    whole = client.responses.create(**kwargs)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                          messages=[{"role": "user", "content": QUESTION}])
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    assert [entry.model_dump() for entry in whole.output[0].content[0].logprobs] == expected
+    assert all(len(entry["top_logprobs"]) == 2 for entry in expected)
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [entry for event in events if event.type == "response.output_text.delta" for entry in event.logprobs]
+    done = next(event for event in events if event.type == "response.output_text.done")
+    assert [entry.token for entry in streamed] == [entry["token"] for entry in expected]
+    assert [entry.model_dump() for entry in done.logprobs] == expected
+    plain = client.responses.create(**{**kwargs, "include": None})
+    assert plain.output[0].content[0].logprobs == []
+
+
+def test_an_include_this_server_cannot_fill_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input=QUESTION, include=["file_search_call.results"])
+    assert refused.value.param == "include[0]"

@@ -18,6 +18,7 @@ from kiln.runtime.server.chat import ChatTools, StreamedText, prepare_chat
 from kiln.runtime.server.completions import StreamEvents, respond
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
+from kiln.runtime.server.logprobs import TokenText, chat_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, Usage
 from kiln.runtime.server.request_id import response_id
@@ -37,6 +38,7 @@ from kiln.runtime.server.tool_calls import ToolCall
 
 # fields that change nothing here, named in the ignored-fields header: the chat request's, and reasoning
 RESPONSES_IGNORED_FIELDS = IGNORED_FIELDS | {"reasoning"}
+LOGPROBS = "message.output_text.logprobs"  # the ``include`` entry that asks for the output's log probabilities
 
 
 def _messages(req: ResponsesRequest) -> list[dict]:
@@ -68,6 +70,8 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     fields: dict = {"model": req.model, "messages": _messages(req), "max_completion_tokens": req.max_output_tokens,
                     "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
                     "parallel_tool_calls": False if req.max_tool_calls == 1 else req.parallel_tool_calls}
+    if LOGPROBS in (req.include or []):
+        fields.update(logprobs=True, top_logprobs=req.top_logprobs)
     if req.tools:
         fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                            for tool in req.tools]
@@ -95,6 +99,8 @@ def _ignored_fields(req: ResponsesRequest) -> list[str]:
         names.add("text.verbosity")
     if req.truncation == "auto":  # nothing to truncate in a prompt that fits; one that does not is a 400
         names.add("truncation")
+    if req.top_logprobs and LOGPROBS not in (req.include or []):  # as vLLM: alternatives only with the logprobs
+        names.add("top_logprobs")
     return sorted(names)
 
 
@@ -112,6 +118,11 @@ def _item_id(prefix: str) -> str:
 def _call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> OutputFunctionCall:
     return OutputFunctionCall(id=f"fc_{call.id}", call_id=call.id, name=call.name, status=status,
                               arguments=call.arguments if arguments is None else arguments)
+
+
+def _logprobs(names: TokenText, entries: list) -> list[dict]:
+    """An output text's ``logprobs``: each token's, with its alternatives, as the chat path reports them."""
+    return chat_logprobs(names, entries).model_dump()["content"]
 
 
 def _status(finish_reason: str | None) -> str:
@@ -147,11 +158,13 @@ class _StreamedResponse:
     with its first text (or at the end, empty, when there are no calls either), each call's item whole at the end,
     then the response completed (or incomplete) with its usage."""
 
-    def __init__(self, tools: ChatTools, response: _ResponseBuilder, message_id: str) -> None:
+    def __init__(self, tools: ChatTools, response: _ResponseBuilder, message_id: str, names: TokenText) -> None:
         self.streamed = StreamedText(tools)
-        self.response, self.message_id = response, message_id
+        self.response, self.message_id, self.names = response, message_id, names
         self.sequence = itertools.count()
         self.text, self.opened, self.status = "", False, "completed"
+        self.logprobs: list[dict] = []  # the text's, each delta's sent with the next text delta
+        self.unsent = 0
         self.output: list[dict] = []  # the finished items
 
     def event(self, kind: str, **fields: object) -> dict:
@@ -163,11 +176,14 @@ class _StreamedResponse:
 
     def render(self, index: int, delta: StreamDelta) -> list[dict]:
         content, calls = self.streamed.advance(delta)
+        if delta.logprobs:
+            self.logprobs += _logprobs(self.names, delta.logprobs)
         events = self._open() if content or (delta.finished and not calls) else []
         if content:
             self.text += content
             events.append(self.event("response.output_text.delta", item_id=self.message_id, output_index=0,
-                                     content_index=0, delta=content, logprobs=[]))
+                                     content_index=0, delta=content, logprobs=self.logprobs[self.unsent:]))
+            self.unsent = len(self.logprobs)
         if delta.finished:
             self.status = _status(delta.finish_reason)
             events += self._close(calls)
@@ -181,7 +197,7 @@ class _StreamedResponse:
         return self.event(kind, response=self.response(self.status, self.output, usage).model_dump(mode="json"))
 
     def _message(self, status: str) -> dict:
-        parts = [OutputText(text=self.text)] if self.opened else []
+        parts = [OutputText(text=self.text, logprobs=self.logprobs)] if self.opened else []
         return OutputMessage(id=self.message_id, status=status, content=parts).model_dump()
 
     def _open(self) -> list[dict]:
@@ -197,8 +213,8 @@ class _StreamedResponse:
         if self.opened:
             part = dict(item_id=self.message_id, output_index=0, content_index=0)
             message = self._message(self.status)
-            events += [self.event("response.output_text.done", **part, text=self.text, logprobs=[]),
-                       self.event("response.content_part.done", **part, part=OutputText(text=self.text).model_dump()),
+            events += [self.event("response.output_text.done", **part, text=self.text, logprobs=self.logprobs),
+                       self.event("response.content_part.done", **part, part=message["content"][0]),
                        self.event("response.output_item.done", output_index=0, item=message)]
             self.output.append(message)
         for call in calls:
@@ -229,10 +245,12 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
         [out] = outputs
         content, calls = plan.tools.parse(out.text)
         status = _status(out.finish_reason)
-        message = [OutputMessage(id=message_id, status=status, content=[OutputText(text=content or "")])]
+        logprobs = _logprobs(plan.names, out.logprobs) if out.logprobs is not None else []
+        message = [OutputMessage(id=message_id, status=status,
+                                 content=[OutputText(text=content or "", logprobs=logprobs)])]
         return response(status, [*(message if content or not calls else []), *map(_call_item, calls)], usage)
 
-    stream = _StreamedResponse(plan.tools, response, message_id)
+    stream = _StreamedResponse(plan.tools, response, message_id, plan.names)
     events = StreamEvents(stream.render, stream.final, stream.prelude(), with_usage=True, error=stream.error,
                           done="")  # the last event carries the usage; no [DONE], as OpenAI's streams end
     return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, stream=events,

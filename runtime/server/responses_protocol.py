@@ -178,8 +178,11 @@ class ResponsesRequest(StrictModel):
     reasoning: ReasoningOptions | None = Field(None, description="Accepted and ignored.")
     truncation: neutral_only(None, "disabled", "auto") = Field(None, description="Either way, a prompt longer than "
                                                                                  "the context is a 400.")
-    include: neutral_only(None, []) = None
-    top_logprobs: neutral_only(None, 0) = None
+    include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = Field(
+        None, description="message.output_text.logprobs: each output token's log probability (and top_logprobs "
+                          "alternatives); reasoning.encrypted_content is accepted: no reasoning items are made.")
+    top_logprobs: Int | None = Field(None, ge=0, le=20, description="Alternatives a token, with "
+                                                                    "include message.output_text.logprobs.")
     max_tool_calls: Int | None = Field(None, ge=1, le=1, description="1 (as parallel_tool_calls false) or unset.")
     background: neutral_only(None, False) = None
     previous_response_id: Unsupported = Field(None, description=STATELESS)
