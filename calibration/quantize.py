@@ -9,7 +9,6 @@ curves) and returns the report. On any error nothing it wrote is left in out_dir
 from __future__ import annotations
 
 import copy
-import json
 import re
 import shutil
 import time
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from kiln.calibration.batching import BatchRunner
+from kiln.calibration.checkpoint_checks import check_quantizable
 from kiln.calibration.convergence import ConvergenceMonitor
 from kiln.calibration.datasets import CalibrationData, load_calibration_data
 from kiln.calibration.errors import CalibrationError
@@ -95,7 +95,7 @@ class _Stage:
         self.started = time.perf_counter()
 
     def run(self) -> dict:
-        _check_checkpoint(self.model_dir)
+        check_quantizable(self.model_dir)
         torch.manual_seed(self.recipe.seed)
         if self.recipe.format == "none":
             return self._ship_unquantized([Attempt("none", converged=True, outcome="requested")], None)
@@ -288,18 +288,6 @@ class _Stage:
         plot_curves(attempts, recipe.tolerance, self.output.curves_path)
         self.progress(report["summary"], 1.0)
         return report
-
-
-def _check_checkpoint(model_dir: Path) -> None:
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise CalibrationError(f"{model_dir}: no config.json; point the model at a Hugging Face checkpoint folder")
-    if not any(model_dir.glob("*.safetensors")):
-        raise CalibrationError(f"{model_dir}: no *.safetensors weights (Kiln never unpickles .bin files); re-save "
-                               "the checkpoint with save_pretrained(safe_serialization=True)")
-    if not json.loads(config_path.read_text()).get("architectures"):
-        raise CalibrationError(f"{config_path}: no 'architectures' entry (modelopt's exporters need it); add e.g. "
-                               '"architectures": ["LlamaForCausalLM"]')
 
 
 def _refuse_incomplete(model_dir: Path, loading: dict) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kiln.calibration.checkpoint_checks import check_quantizable
 from kiln.engines.cache import EngineCache, checkpoint_hash
 from kiln.engines.native.builder import preflight_native_plan, refuse_parallelism
 from kiln.pipeline.backend import choose_backend, require, require_device
@@ -81,6 +82,8 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
         require(choice)
         model_dir = resolve_model(loaded.config.model)
     if model_dir is not None:  # the same checks in a dry run as in a build, before the cache is touched
+        if loaded.config.quantize.format != "none":
+            check_quantizable(model_dir)
         if (positions := model_max_positions(model_dir)) is not None:
             loaded.fit_to_model(positions)
         if choice.backend == "native":

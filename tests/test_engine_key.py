@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 
@@ -168,6 +169,16 @@ def test_a_dry_run_refuses_a_plan_the_model_cannot_hold_as_the_build_would(tmp_p
 
     with pytest.raises(KilnError, match=r"max_seq_len \(1024\) exceeds the model's max_position_embeddings \(512\)"):
         engine_key(tmp_path, model_copy, edit=lambda text: text.replace("max_seq_len: 512", "max_seq_len: 1024"))
+
+
+def test_a_dry_run_refuses_a_checkpoint_the_quantize_stage_cannot_export_as_the_build_would(tmp_path, model_copy):
+    from kiln.calibration.errors import CalibrationError
+
+    config = json.loads((model_copy / "config.json").read_text())
+    (model_copy / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "architectures"}))
+    with pytest.raises(CalibrationError, match="no 'architectures' entry"):
+        engine_key(tmp_path, model_copy)
+    assert engine_key(tmp_path, model_copy, edit=lambda text: text.replace("format: fp8", "format: none"))
 
 
 def test_a_dry_run_refuses_a_tp_size_the_model_cannot_split_and_any_pp_size(tmp_path, model_copy):
