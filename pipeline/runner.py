@@ -89,7 +89,8 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
         if choice.backend == "native":
             with _at_its_line(loaded):
                 preflight_native_plan(model_dir, loaded.config.build.plan(), loaded.config.model.dtype,
-                                      loaded.config.build.tp_size, loaded.config.quantize.int4_group_size)
+                                      loaded.config.build.tp_size, loaded.config.quantize.int4_group_size,
+                                      loaded.config.quantize.format)
     cache = open_cache(loaded, create=not dry_run)
     ckpt = _hash_checkpoint(model_dir, cache) if model_dir else None
     ctx = BuildContext(loaded=loaded, choice=choice, options=options, cache=cache, model_dir=model_dir,

@@ -181,6 +181,17 @@ def test_a_dry_run_refuses_a_checkpoint_the_quantize_stage_cannot_export_as_the_
     assert engine_key(tmp_path, model_copy, edit=lambda text: text.replace("format: fp8", "format: none"))
 
 
+def test_a_dry_run_refuses_int4_awq_for_input_features_that_are_not_whole_groups(tmp_path, model_copy):
+    from kiln.runtime.errors import KilnError
+
+    config = json.loads((model_copy / "config.json").read_text())
+    (model_copy / "config.json").write_text(json.dumps({**config, "intermediate_size": 320}))
+    with pytest.raises(KilnError, match=r"int4_awq needs in-features divisible by 128, but intermediate_size "
+                                        r"\(down_proj input\) 320 are not; make fp8 the primary format"):
+        engine_key(tmp_path, model_copy, edit=lambda text: text.replace("format: fp8", "format: int4_awq"))
+    assert engine_key(tmp_path, model_copy)  # fp8 takes any width
+
+
 def test_a_dry_run_refuses_a_tp_size_the_model_cannot_split_and_any_pp_size(tmp_path, model_copy):
     from kiln.runtime.errors import KilnError
 

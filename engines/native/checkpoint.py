@@ -103,6 +103,11 @@ def read_quantization(checkpoint_dir: Path, cfg: dict[str, Any]) -> SourceQuanti
     else:
         source, section = checkpoint_dir / "config.json", cfg.get("quantization_config") or {}
     algo = section.get("quant_algo")
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if algo is None and method not in (None, "modelopt"):  # AutoAWQ, GPTQ, compressed-tensors, bitsandbytes, ...
+        raise KilnError(f"{checkpoint_dir / 'config.json'}: quantization_config quant_method {method!r} is not "
+                        "supported by the native backend (supported: modelopt's FP8 and W4A16_AWQ exports); build "
+                        "from the unquantized checkpoint with quantize.format fp8 or int4_awq")
     if algo not in QUANT_ALGOS:
         raise KilnError(f"{source}: quant_algo {algo!r} is not supported by the native backend "
                         f"(supported: FP8, W4A16_AWQ, or unquantized)")
@@ -110,6 +115,8 @@ def read_quantization(checkpoint_dir: Path, cfg: dict[str, Any]) -> SourceQuanti
     if kv_algo not in (None, "FP8"):
         raise KilnError(f"{source}: kv_cache_quant_algo {kv_algo!r} is not supported (supported: FP8 or none)")
     group_size = section.get("group_size", 128) if algo == "W4A16_AWQ" else None
+    if algo == "W4A16_AWQ" and (not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0):
+        raise KilnError(f"{source}: group_size {group_size!r} must be a positive integer; re-export the checkpoint")
     if algo == "W4A16_AWQ" and section.get("has_zero_point"):
         raise KilnError(f"{source}: W4A16_AWQ with zero points is not supported; export symmetric AWQ")
     return SourceQuantization(QUANT_ALGOS[algo], group_size, kv_algo == "FP8")

@@ -133,7 +133,10 @@ def _fuse_int4(tensors: CheckpointTensors, names: list[str], dst: str, group_siz
     for name in names:
         values = unpack_modelopt_int4(tensors.get(f"{name}.weight"))
         scale = tensors.get(f"{name}.weight_scale").float()
-        if scale.shape != (values.shape[0], values.shape[1] // group_size) or values.shape[1] % group_size:
+        if values.shape[1] % group_size:
+            raise KilnError(f"{name} has {values.shape[1]} input features, not a multiple of the checkpoint's "
+                            f"group_size {group_size}; re-export the checkpoint")
+        if scale.shape != (values.shape[0], values.shape[1] // group_size):
             raise KilnError(f"{name}.weight_scale has shape {list(scale.shape)}, expected "
                             f"[{values.shape[0]}, {values.shape[1] // group_size}] for group_size {group_size}")
         qweights.append(pack_int4(values))
