@@ -91,8 +91,9 @@ class Tokenizer:
             ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``token_ids``, without special tokens unless ``skip_special_tokens`` is False."""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def vocabulary_entries(self, token_ids: list[int]) -> list[str]:
         """Each token as its vocabulary spells it (``Ġthe``, ``▁the``), as transformers' ``convert_ids_to_tokens``."""

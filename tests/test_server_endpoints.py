@@ -36,6 +36,9 @@ def test_tokenize_and_detokenize_round_trip_a_prompt_and_render_messages(http, l
     assert tokens["tokens"] == llm.tokenizer.encode("Once upon a time")
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == llm.limits.max_request_tokens
     assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "Once upon a time"}
+    bos, eos = (llm.tokenizer.encode(text, add_special_tokens=False) for text in ("<s>", "</s>"))
+    assert http.post("/detokenize", json={"tokens": [*bos, *tokens["tokens"], *eos]}).json() == {
+        "prompt": "<s>Once upon a time</s>"}  # special tokens read back, as vLLM decodes them
     spelled = http.post("/tokenize", json={"prompt": "Once upon a time", "return_token_strs": True}).json()
     assert tokens["token_strs"] is None and len(spelled["token_strs"]) == tokens["count"]
     assert "".join(spelled["token_strs"]).replace("\u0120", " ").replace("\u2581", " ").endswith("Once upon a time")

@@ -466,7 +466,9 @@ class TokenizeRequest(StrictModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
-    add_special_tokens: bool = Field(True, description="For a prompt: add the tokenizer's BOS.")
+    add_special_tokens: bool | None = Field(None, description="Add the tokenizer's special tokens (BOS); default: "
+                                                              "true for a prompt, false for messages (the template "
+                                                              "writes its own), as vLLM does.")
     add_generation_prompt: bool = Field(True, description="For messages: end with the assistant's turn header.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="For messages: more variables for the "
                                                                           "chat template, as in chat completions.")

@@ -25,18 +25,20 @@ def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
     if req.messages is not None:
         tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools or []]
         text = render_chat(model, req.messages, tools or None, req.add_generation_prompt, req.chat_template_kwargs)
-        # the template writes BOS itself
-        ids = model.encode(_within_context(model, text, "messages"), "messages", add_special_tokens=False)
+        # the template writes BOS itself, unless asked for on top of it
+        ids = model.encode(_within_context(model, text, "messages"), "messages",
+                           add_special_tokens=bool(req.add_special_tokens))
     else:
         ids = model.encode(_within_context(model, req.prompt, "prompt"), "prompt",
-                           add_special_tokens=req.add_special_tokens)
+                           add_special_tokens=req.add_special_tokens is not False)
     strings = model.tokenizer.vocabulary_entries(ids) if req.return_token_strs else None  # encode needs a tokenizer
     return TokenizeResponse(count=len(ids), max_model_len=model.limits.max_request_tokens, tokens=ids,
                             token_strs=strings)
 
 
 def detokenize(model: ServedModel, req: DetokenizeRequest) -> DetokenizeResponse:
-    """The text of token ids (special tokens skipped, as completions' text is)."""
+    """The text of token ids, special tokens included (as vLLM decodes them: a chat template's rendering reads
+    back whole)."""
     check_model(model, req.model)
     if model.tokenizer is None:
         raise APIError(400, "this engine has no tokenizer to decode with", param="tokens")
@@ -47,7 +49,7 @@ def detokenize(model: ServedModel, req: DetokenizeRequest) -> DetokenizeResponse
     if vocab_size is not None and (outside := [t for t in req.tokens if t >= vocab_size]):
         raise APIError(400, f"token ids {outside[:8]} are outside the vocabulary of {vocab_size} tokens",
                        param="tokens")
-    return DetokenizeResponse(prompt=model.tokenizer.decode(req.tokens))
+    return DetokenizeResponse(prompt=model.tokenizer.decode(req.tokens, skip_special_tokens=False))
 
 
 def _within_context(model: ServedModel, text: str, param: str) -> str:
