@@ -194,8 +194,9 @@ def serve(
                                                   "else 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(min=0, max=65535, help="Port (default: the config's serve.port, else "
                                                                     "8000; 0 picks a free one).")] = None,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar="KILN_API_KEY",
-                                                help="Require 'Authorization: Bearer KEY' on /v1/ routes.")] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar=["KILN_API_KEY", "VLLM_API_KEY"],
+                                                help="Require 'Authorization: Bearer KEY' on /v1/ routes "
+                                                     "(vLLM's VLLM_API_KEY is read too).")] = None,
     max_queue: Annotated[int | None, typer.Option(min=1, help="Requests that may wait beyond the engine's batch "
                                                               "before new ones get 503 (default 256).")] = None,
     model_names: Annotated[list[str] | None, typer.Option(

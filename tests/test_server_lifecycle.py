@@ -222,3 +222,21 @@ def test_health_is_503_once_the_embedder_closes_the_llm_it_passed_in():
         llm.close()
         health = httpx.get(f"{server.url}/health")
         assert health.status_code == 503 and "closed" in health.json()["message"]
+
+
+@pytest.mark.parametrize("env", [{"VLLM_API_KEY": "kiln-key"}, {"KILN_API_KEY": "kiln-key", "VLLM_API_KEY": "other"}])
+def test_the_api_key_comes_from_kiln_api_key_else_vllm_api_key(monkeypatch, env):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline import cli
+    from kiln.runtime import server
+    from kiln.runtime.server import ServerThread
+
+    seen = {}
+    monkeypatch.setattr(server, "run_server", lambda app, *args, **kwargs: seen.update(app=app))
+    result = CliRunner().invoke(cli.app, ["serve", str(tiny_engine()), "--no-engine-process"], env=env)
+    assert result.exit_code == 0, result.output
+    with ServerThread(seen["app"]) as running:
+        assert httpx.get(f"{running.url}/v1/models", timeout=30).status_code == 401
+        assert httpx.get(f"{running.url}/v1/models", headers={"Authorization": "Bearer kiln-key"},
+                         timeout=30).status_code == 200
