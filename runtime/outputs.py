@@ -24,13 +24,34 @@ class RequestMetrics:
     num_generated_tokens: int
     num_preemptions: int
     inter_token_latencies: list[float] = field(default_factory=list)
+    first_scheduled_time: float | None = None  # None where the engine's scheduler does not report it
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> RequestMetrics:
         return cls(arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
                    finished_time=seq.finished_time, num_prompt_tokens=seq.num_prompt_tokens,
                    num_cached_tokens=seq.num_cached_tokens, num_generated_tokens=seq.num_completion_tokens,
-                   num_preemptions=seq.num_preemptions, inter_token_latencies=list(seq.inter_token_latencies))
+                   num_preemptions=seq.num_preemptions, inter_token_latencies=list(seq.inter_token_latencies),
+                   first_scheduled_time=seq.first_scheduled_time)
+
+    @property
+    def queue_time(self) -> float | None:
+        """From arrival to the first admission into the running batch."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """From the first admission to the first token."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """From the first token to the last."""
+        if self.first_token_time is None or self.finished_time is None:
+            return None
+        return self.finished_time - self.first_token_time
 
     @property
     def time_to_first_token(self) -> float | None:

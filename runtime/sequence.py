@@ -54,6 +54,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.matcher: llguidance.LLMatcher | None = None  # of a request with structured output, set by the engine
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None  # when the scheduler first admitted it
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None

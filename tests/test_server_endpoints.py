@@ -132,10 +132,22 @@ def test_vllm_metric_names_with_the_model_name_label(server, http, llm):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total"):
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total",
+                 # what vLLM's own Grafana dashboard reads besides (names from before vLLM 0.11 among them)
+                 "vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds_bucket",
+                 "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+                 "vllm:request_max_num_generation_tokens_bucket", "vllm:request_queue_time_seconds_sum",
+                 "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+                 "vllm:request_inference_time_seconds_sum"):
         assert any(line.startswith(name + "{") and f'model_name="{MODEL}"' in line for line in text.splitlines()), name
     generated = [line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")]
     assert float(generated[0].split()[-1]) >= 3
+    three = f'vllm:request_generation_tokens_bucket{{le="5.0",model_name="{MODEL}"}}'
+    two = f'vllm:request_generation_tokens_bucket{{le="2.0",model_name="{MODEL}"}}'
+    counts = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith((three, two))}
+    assert counts[three] - counts[two] >= 1  # the 3-token request, in the bucket up to 5
+    prefill = [line for line in text.splitlines() if line.startswith("vllm:request_prefill_time_seconds_sum")]
+    assert float(prefill[0].split()[-1]) > 0
 
 
 def test_serve_refuses_an_unreadable_chat_template_before_building(tmp_path):

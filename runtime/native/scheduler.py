@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,6 +110,8 @@ class Scheduler:
             reserved += self._blocks_to_grow(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             bisect.insort(self.running, seq, key=lambda s: s.seq_id)
             out.scheduled[seq] = num_new
             budget -= num_new
