@@ -16,6 +16,7 @@ from kiln.pipeline.config import load_config
 from kiln.pipeline.console import friendly_errors, print_error_json, print_json, stage_progress, stderr, stdout
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.pipeline.serve_command import serve
+from kiln.pipeline.vllm_names import kiln_setting_for
 
 
 class KilnGroup(TyperGroup):
@@ -43,11 +44,14 @@ class KilnGroup(TyperGroup):
 
 def _usage_error(exc: typer.TyperException, json_out: bool, command: str) -> NoReturn:
     """Print a usage error of ``command`` as one line (and under ``--json`` as an error object) and exit 2."""
+    message = exc.format_message()
+    if kiln_name := kiln_setting_for(getattr(exc, "option_name", None) or ""):  # a flag of `vllm serve`
+        message = f"No such option: {exc.option_name} (vLLM's; Kiln takes it as {kiln_name} in the build config)"
     if json_out:
-        print_error_json(type(exc).__name__, exc.format_message())
+        print_error_json(type(exc).__name__, message)
     command = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else command
-    stderr.print(f"[bold red]error:[/] {escape(exc.format_message())} (see `{command} -h`)", markup=True,
-                 highlight=False, soft_wrap=True)
+    stderr.print(f"[bold red]error:[/] {escape(message)} (see `{command} -h`)", markup=True, highlight=False,
+                 soft_wrap=True)
     raise typer.Exit(getattr(exc, "exit_code", 2)) from None
 
 

@@ -16,6 +16,7 @@ from kiln.calibration.sources import RANDOM
 from kiln.engines.cache.remote.spec import RemoteSpec, endpoint_problem, url_problem
 from kiln.engines.cache.store import VerifyOnLoad
 from kiln.engines.trtllm.options import GEMM_PLUGINS, KV_CACHE_TYPES, LOG_LEVELS, PLUGIN_DTYPES
+from kiln.pipeline.vllm_names import kiln_setting_for
 from kiln.pipeline.yaml_source import ConfigError, line_of, load_yaml_with_lines
 from kiln.runtime.plan import BuildPlan, PlanError
 
@@ -412,8 +413,11 @@ def _problem(loc: tuple[str, ...], errors: list[dict], path: Path, lines: dict[t
         section = ".".join(loc[:-1]) or "the top level"
         known = _section_fields(loc[:-1])
         guess = difflib.get_close_matches(loc[-1], known, n=1)
-        text = (f"unknown key '{loc[-1]}' in {section}; "
-                + (f"did you mean '{guess[0]}'?" if guess else f"it takes {', '.join(known)}"))
+        if kiln_name := kiln_setting_for(loc[-1]):
+            hint = f"vLLM's {loc[-1]} is Kiln's {kiln_name}"
+        else:
+            hint = f"did you mean '{guess[0]}'?" if guess else f"it takes {', '.join(known)}"
+        text = f"unknown key '{loc[-1]}' in {section}; {hint}"
     elif kind == "missing":
         text = "is required"
     elif kind == "value_error":

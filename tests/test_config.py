@@ -226,6 +226,20 @@ def test_misspellings_get_a_did_you_mean(tmp_path):
         load_config("tiny-llama-fp9")
 
 
+def test_vllm_names_are_told_kilns_instead_of_a_look_alike(tmp_path):
+    (tmp_path / "kiln.yaml").write_text("model:\n  path: ./m\nbuild:\n  max_num_seqs: 4\n")
+    with pytest.raises(ConfigError, match="unknown key 'max_num_seqs' in build; vLLM's max_num_seqs is Kiln's "
+                                          "build.max_batch_size"):
+        load_config(tmp_path / "kiln.yaml")  # difflib would have said max_num_tokens, vLLM's max_num_batched_tokens
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "x", "--max-model-len", "128"])
+    assert result.exit_code == 2
+    assert "--max-model-len (vLLM's; Kiln takes it as build.max_seq_len in the build config)" in result.stderr
+
+
 @pytest.mark.parametrize("text,where", [
     ("quantize:\n  format: fp8\n  gate:\n    max_kl: .inf\n", ":6: quantize.gate.max_kl: must be a finite number"),
     ("cache:\n  max_size_gb: .nan\n", ":4: cache.max_size_gb: must be a finite number"),
