@@ -112,6 +112,8 @@ def test_tokenize_needs_the_api_key_and_version_does_not(server):
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "a"}).status_code == 401
     version = httpx.get(f"{server.url}/version")
     assert version.status_code == 200 and version.json()["version"]
+    health = httpx.get(f"{server.url}/health").json()
+    assert httpx.get(f"{server.url}/ping").json() == httpx.post(f"{server.url}/ping").json() == health  # vLLM's
 
 
 def test_ignored_fields_are_named_in_a_header_streamed_or_not(server):

@@ -55,6 +55,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "temperature": 3}, "temperature", ["less than or equal to 2"]),
     ({"prompt": "hi", "stream": "yes"}, "stream", ["boolean"]),
     ({"prompt": "hi", "stop": [""]}, "stop", ["non-empty"]),
+    ({"prompt": "hi", "stop": [str(i) for i in range(65)]}, "stop", ["at most 64"]),
     ({"prompt": "hi", "n": 0}, "n", ["greater than or equal to 1"]),
     ({"prompt": "hi", "tools": []}, "tools", ["Unrecognized request argument"]),
     ({"prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output", ["not supported"]),

@@ -96,7 +96,8 @@ def test_stop_string_ends_the_text_before_it(client):
                                      extra_body={"ignore_eos": True}).choices[0].text
     stop = full[3:6]
     out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
-                                    stop=["never written", stop], extra_body={"ignore_eos": True})
+                                    stop=[f"never written {i}" for i in range(8)] + [stop],  # more than OpenAI's 4
+                                    extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason == stop  # vLLM's extension
     assert out.choices[0].text == full[:full.index(stop)]
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0,

@@ -175,6 +175,8 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     served = Depends(require_model)
 
     @app.get("/health", responses={503: {"description": "loading, draining, or the load failed"}})
+    @app.get("/ping", responses={503: {"description": "as /health (vLLM's route for SageMaker)"}})
+    @app.post("/ping", responses={503: {"description": "as /health (vLLM's route for SageMaker)"}})
     async def health() -> JSONResponse:
         """200 once the engine is loaded and the server takes requests; 503 before, while draining, or on error."""
         engine_error = state.model.llm.engine_error if state.model is not None else None

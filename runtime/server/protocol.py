@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
 
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 64  # OpenAI takes 4; vLLM any number, and eval harnesses send more than 4
 MAX_N = 128
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI allows 20 (chat) and 5 (completions); vLLM 20 for both
 # Fields accepted for compatibility that change nothing here; a request that sets one is logged once per field.
