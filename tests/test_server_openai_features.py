@@ -4,6 +4,7 @@ streamed), penalties and logit bias, and the fields a server may accept and igno
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import openai
@@ -162,6 +163,22 @@ def test_json_object_and_vllm_structured_outputs_streamed(client):
     with pytest.raises(openai.BadRequestError, match="disable_any_whitespace"):  # what it never does
         client.completions.create(model=MODEL, prompt="Code:", max_tokens=2, extra_body={
             "structured_outputs": {"regex": "[A-Z]", "disable_any_whitespace": False}})
+
+
+def test_vllm_guided_fields_of_before_0_11_hold_the_output_as_structured_outputs_does(client):
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, seed=1, extra_body={
+        "guided_choice": ["kiln", "oven", "forge"], "guided_decoding_backend": "xgrammar"})
+    assert out.choices[0].message.content in ("kiln", "oven", "forge")
+    text = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, seed=2,
+                                     extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"}).choices[0].text
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", text)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    answer = client.completions.create(model=MODEL, prompt="JSON:", max_tokens=20, seed=3,
+                                       extra_body={"guided_json": schema}).choices[0].text
+    assert isinstance(json.loads(answer)["n"], int)
+    with pytest.raises(openai.BadRequestError, match="not both"):
+        client.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_body={
+            "guided_regex": "a", "structured_outputs": {"regex": "b"}})
 
 
 @pytest.mark.parametrize(("extra", "words"), [

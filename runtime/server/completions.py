@@ -70,8 +70,14 @@ def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]],
 
 
 def requested_format(req: SamplingFields) -> StructuredOutput | None:
-    """The format ``response_format`` (OpenAI) or ``structured_outputs`` (vLLM's extension) asks for, compiled."""
+    """The format ``response_format`` (OpenAI) or ``structured_outputs`` (vLLM's extension, or its guided_* fields)
+    asks for, compiled."""
     requested, extension = req.response_format, req.structured_outputs
+    if (guided := req.guided_outputs()) is not None:
+        if extension is not None:
+            raise APIError(400, "send structured_outputs or the guided_* fields (its names before vLLM 0.11), not "
+                                "both", param="structured_outputs")
+        extension = guided
     if requested is not None and requested.type == "text":
         requested = None
     if requested is not None and extension is not None:

@@ -13,7 +13,8 @@ MAX_N = 128
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI allows 20 (chat) and 5 (completions); vLLM 20 for both
 # Fields accepted for compatibility that change nothing here; a request that sets one is logged once per field.
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-                            "prompt_cache_retention", "reasoning_effort", "verbosity", "prediction"})
+                            "prompt_cache_retention", "reasoning_effort", "verbosity", "prediction",
+                            "guided_decoding_backend"})
 SEED_RANGE = (-(2**63), 2**63 - 1)
 # The values OpenAI's API takes for the accepted-and-ignored enum fields (openai-python 3.60): another is a 400 there
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
@@ -220,6 +221,13 @@ class SamplingFields(StrictModel):
                                         description="Extension (as in vLLM): log probabilities of the prompt tokens.")
     structured_outputs: StructuredOutputs | None = Field(None, description="Extension (as in vLLM): hold the "
                                                          "output to a JSON schema, a regex, a grammar or a choice.")
+    # structured_outputs under vLLM's names before 0.11 (deprecated there; clients of that era send them)
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's structured_outputs.json before 0.11.")
+    guided_regex: str | None = Field(None, description="vLLM's structured_outputs.regex before 0.11.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's structured_outputs.choice before 0.11.")
+    guided_grammar: str | None = Field(None, description="vLLM's structured_outputs.grammar before 0.11.")
+    guided_decoding_backend: str | None = Field(None, description="Accepted and ignored: one grammar engine here.")
+    guided_whitespace_pattern: Unsupported = None
     response_format: ResponseFormat | None = None
     # vLLM's extensions at their defaults, which is what Kiln does (clients written for vLLM send them)
     include_stop_str_in_output: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
@@ -239,6 +247,13 @@ class SamplingFields(StrictModel):
     def ignored_fields(self) -> list[str]:
         """The accepted-and-ignored fields this request set, sorted."""
         return sorted(self.model_fields_set & IGNORED_FIELDS)
+
+    def guided_outputs(self) -> StructuredOutputs | None:
+        """The ``structured_outputs`` that the guided_* fields (vLLM's names before 0.11) ask for, if any."""
+        guided = {key: value for key, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                                                ("choice", self.guided_choice), ("grammar", self.guided_grammar))
+                  if value is not None}
+        return StructuredOutputs.model_validate(guided) if guided else None
 
 
 class CompletionRequest(SamplingFields):
