@@ -177,7 +177,12 @@ def grammar_of(spec: StructuredOutput) -> str:
         messages = [m for m in messages if not m.startswith(_UNKNOWN_FORMAT)]
         is_error = is_error or bool(messages)  # lenient would drop any keyword it cannot enforce: refused still
     if is_error:
-        raise StructuredOutputError(f"the structured output format cannot be used: {messages[0]}")
+        message = messages[0]
+        if "coerce_one_of" in message:  # an option the schema itself can set (what xgrammar always does)
+            message = ("a oneOf whose branches can overlap cannot be enforced exactly; add \"x-guidance\": "
+                       "{\"coerce_one_of\": true} at the schema's top level to enforce it as anyOf, or make its "
+                       "branches exclusive (a const discriminator)")
+        raise StructuredOutputError(f"the structured output format cannot be used: {message}")
     return grammar
 
 

@@ -149,6 +149,13 @@ def test_a_gbnf_grammar_and_an_unknown_string_format_are_taken_as_vllm_takes_the
         unique.llguidance_grammar  # noqa: B018 - compiling is what is under test
 
 
+def test_an_overlapping_one_of_is_refused_naming_the_schema_option_that_enforces_it_as_any_of():
+    overlapping = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
+    with pytest.raises(StructuredOutputError, match=r'add "x-guidance": \{"coerce_one_of": true\} at the schema'):
+        StructuredOutput(json=overlapping).llguidance_grammar  # noqa: B018 - compiling is what is under test
+    assert StructuredOutput(json={**overlapping, "x-guidance": {"coerce_one_of": True}}).llguidance_grammar
+
+
 def test_a_format_too_large_or_too_deep_to_compile_in_time_is_refused_naming_why():
     with pytest.raises(StructuredOutputError, match="characters; at most 131,072"):
         StructuredOutput(grammar="start: " + " | ".join(f'"w{i}x"' for i in range(30_000)))
