@@ -101,6 +101,9 @@ def test_small_kv_pool_preempts_and_every_request_still_matches_its_solo_run(eng
     assert (stats["num_preemptions"] > 0) == (policy == "max_utilization")  # reserving full lengths evicts none
     assert [o.token_ids for o in outputs] == [solo(p) for p in prompts]
     assert sum(o.metrics.num_preemptions for o in outputs) == stats["num_preemptions"]
+    # a preempted request finding its own blocks again is no prefix-cache hit: these prompts share none
+    assert stats["prefix_cache"]["queried_tokens"] == sum(map(len, prompts))
+    assert stats["prefix_cache"]["hit_tokens"] == 0 and all(o.metrics.num_cached_tokens == 0 for o in outputs)
 
 
 def test_shared_prefix_is_served_from_cached_blocks(engine_dir, solo):

@@ -92,10 +92,16 @@ class BlockManager:
                 del self.free_block_ids[block_id]
             block.ref_count += 1
         seq.block_table = list(computed_blocks) + [self._take_free_block() for _ in range(num_fresh)]
-        seq.num_computed_tokens = seq.num_cached_tokens = num_cached_tokens
-        self.prefix_cache_queried_tokens += seq.num_tokens
-        self.prefix_cache_hit_tokens += num_cached_tokens
-        self.prefix_cache_hit_blocks += len(computed_blocks)
+        seq.num_computed_tokens = num_cached_tokens
+        # a prompt's first lookup, as vLLM counts them: a sequence readmitted (preempted, or recomputed for LongRoPE)
+        # finding its own blocks again is no hit on the cache, and one whose prompt log probabilities bypass the
+        # cache looked nothing up
+        first = seq.num_preemptions == 0 and seq.num_completion_tokens == 0
+        if first and (seq.prompt_logprobs is None or len(seq.prompt_logprobs) == seq.num_prompt_tokens):
+            seq.num_cached_tokens = num_cached_tokens
+            self.prefix_cache_queried_tokens += seq.num_tokens
+            self.prefix_cache_hit_tokens += num_cached_tokens
+            self.prefix_cache_hit_blocks += len(computed_blocks)
         return True
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
