@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import operator
 import shutil
 from pathlib import Path
@@ -54,9 +55,9 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, directory: Path) -> Tokenizer | None:
         """Load `tokenizer.json` from an engine or checkpoint directory; None when it has no tokenizer (its prompts
-        are then token ids). EngineFormatError names a file that does not load. Special tokens such as BOS are
-        added by its post-processor alone, as transformers 5 does: `tokenizer_config.json`'s `add_bos_token` changes
-        nothing."""
+        are then token ids). EngineFormatError names a file that does not load (`tokenizer_config.json` too).
+        Special tokens such as BOS are added by the post-processor alone, as transformers 5 does:
+        `tokenizer_config.json`'s `add_bos_token` changes nothing."""
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
             return None
@@ -65,6 +66,13 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception
             raise EngineFormatError(f"{path}: not a tokenizer the tokenizers library loads ({e}); save the "
                                     "tokenizer again with save_pretrained") from None
+        config_path = Path(directory) / "tokenizer_config.json"  # the chat template's special tokens come from it
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise EngineFormatError(f"{config_path}: unreadable JSON ({e}); save the tokenizer again") from None
+        if not isinstance(config, dict):
+            raise EngineFormatError(f"{config_path}: expected a JSON object; save the tokenizer again")
         return cls(tokenizer)
 
     def to_dict(self) -> dict:
