@@ -38,7 +38,8 @@ def operations(schema) -> list:
 def test_schema_covers_every_route(api_schema):
     assert {op.label for op in operations(api_schema)} == {
         "GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}", "POST /v1/completions",
-        "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize", "POST /detokenize", "GET /version"}
+        "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize", "POST /detokenize", "GET /version",
+        "GET /ping", "POST /ping"}
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
