@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import operator
 import shutil
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import tokenizers
 
 from kiln.runtime.errors import EngineFormatError, InvalidRequestError
+from kiln.runtime.json_files import read_json_object
 from kiln.runtime.sampling_params import SamplingParams
 
 # Prompt tokens kept as context when decoding the first completion tokens (spaces and merged bytes depend on it).
@@ -67,12 +67,8 @@ class Tokenizer:
             raise EngineFormatError(f"{path}: not a tokenizer the tokenizers library loads ({e}); save the "
                                     "tokenizer again with save_pretrained") from None
         config_path = Path(directory) / "tokenizer_config.json"  # the chat template's special tokens come from it
-        try:
-            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise EngineFormatError(f"{config_path}: unreadable JSON ({e}); save the tokenizer again") from None
-        if not isinstance(config, dict):
-            raise EngineFormatError(f"{config_path}: expected a JSON object; save the tokenizer again")
+        if config_path.is_file():
+            read_json_object(config_path, EngineFormatError, "save the tokenizer again")
         return cls(tokenizer)
 
     def to_dict(self) -> dict:

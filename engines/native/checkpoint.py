@@ -6,7 +6,6 @@ with quant_algo "FP8" or "W4A16_AWQ") are understood. Weights are read from safe
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from kiln.engines.eos import generation_eos_ids
 from kiln.runtime.errors import EngineFormatError, KilnError
+from kiln.runtime.json_files import read_json_object
 from kiln.runtime.native.engine_format import Architecture
 from kiln.runtime.native.layers.activation import ACTIVATIONS
 from kiln.runtime.native.layers.rotary import ROPE_TYPES, rope_inv_freq
@@ -36,13 +36,7 @@ class SourceQuantization:
 
 def read_json(path: Path) -> dict[str, Any]:
     """Parse a JSON object file, raising KilnError naming the file when it is unreadable."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise KilnError(f"{path}: unreadable JSON ({e}); re-export the checkpoint") from None
-    if not isinstance(data, dict):
-        raise KilnError(f"{path}: expected a JSON object; re-export the checkpoint")
-    return data
+    return read_json_object(path, KilnError, "re-export the checkpoint")
 
 
 def read_architecture(checkpoint_dir: Path) -> tuple[Architecture, dict[str, Any]]:
