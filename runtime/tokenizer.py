@@ -194,6 +194,11 @@ class IncrementalDetokenizer:
         self._num_streamed_chars = end
         return delta
 
+    def pending_characters(self) -> int:
+        """Characters the tokens not taken into ``text`` yet decode to in full: those before a character the last
+        token ends inside (which waits for the next token)."""
+        return len(self._pending_text().rstrip("\ufffd"))
+
     def _pending_text(self) -> str:
         """The text the tokens after the read offset add (empty while they add none)."""
         prefix_text = self._tokenizer.decode(self._tokens[self._prefix_offset:self._read_offset])

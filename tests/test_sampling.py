@@ -324,3 +324,38 @@ def test_a_cpu_generator_draws_differently_for_seeds_that_differ_only_above_bit_
 
     assert draws(1) != draws(2**32 + 1) and draws(0) != draws(2**40)
     assert draws(12345) == torch.rand(4, generator=torch.Generator().manual_seed(12345)).tolist()  # below 2**32: as is
+
+
+def test_text_offsets_start_each_token_after_the_whole_characters_before_it():
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from kiln.runtime.server.logprobs import TextOffsets
+
+    # a byte-level BPE whose tokens join whole characters to a piece of the next (" " + 😀's first byte, "ra" + ß's)
+    vocab = {char: i for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = [("Ġ", "ð"), ("r", "a"), ("ra", "Ã")]
+    vocab.update({left + right: len(vocab) + i for i, (left, right) in enumerate(merges)})
+    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    hf.pre_tokenizer, hf.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tokenizer = Tokenizer(hf)
+    ids = tokenizer.encode("a 😀 traße", add_special_tokens=False)
+    assert {vocab["Ġð"], vocab["raÃ"]} <= set(ids)
+    # a token's offset is what the tokens before it decode to in whole characters
+    expected = [len(tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert TextOffsets(tokenizer, []).take(ids) == expected
+    halves = TextOffsets(tokenizer, [])
+    assert halves.take(ids[:3]) + halves.take(ids[3:]) == expected  # streamed as the engine grows the text
+
+
+def test_a_text_two_tokens_share_keeps_the_likelier_value_in_legacy_top_logprobs():
+    from kiln.runtime.outputs import TokenLogprob
+    from kiln.runtime.server.logprobs import completion_logprobs
+
+    class Names:  # tokens 1 and 2 are pieces of characters: both read U+FFFD
+        def text(self, token_id):
+            return {1: "\ufffd", 2: "\ufffd", 3: "a"}[token_id]
+
+    chosen = TokenLogprob(token_id=2, logprob=-6.9, top=((1, -0.4), (3, -1.2)))
+    lists = completion_logprobs(Names(), [chosen], [0])
+    assert lists.token_logprobs == [-6.9] and lists.top_logprobs == [{"\ufffd": -0.4, "a": -1.2}]
+    assert lists.token_logprobs[0] < max(lists.top_logprobs[0].values())  # not greedy, as a harness must see

@@ -41,8 +41,8 @@ def chat_logprobs(names: TokenText, entries: list[TokenLogprob]) -> ChatLogprobs
 
 class TextOffsets:
     """Where each token of a choice's text starts in it (the legacy ``text_offset``): the length of what the tokens
-    before it decode to, grown as the engine grows a completion's text, so a token that ends inside a character adds
-    nothing and the next one starts at that character too."""
+    before it decode to in whole characters, grown as the engine grows a completion's text, so a token that ends
+    inside a character adds none of it and the next one starts at that character too."""
 
     def __init__(self, tokenizer: Tokenizer | None, context: list[int], start: int = 0) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, context, []) if tokenizer is not None else None
@@ -54,7 +54,7 @@ class TextOffsets:
             return [self._start] * len(token_ids)
         offsets = []
         for token_id in token_ids:
-            offsets.append(self._start + len(self._detokenizer.text))
+            offsets.append(self._start + len(self._detokenizer.text) + self._detokenizer.pending_characters())
             self._detokenizer.add_token(token_id)
         return offsets
 
@@ -67,13 +67,18 @@ def top_k(entries: list[TokenLogprob | None], k: int) -> list[TokenLogprob | Non
 
 def completion_logprobs(names: TokenText, entries: list[TokenLogprob], text_offsets: list[int]) -> CompletionLogprobs:
     """The legacy completions lists over ``entries``, which start at ``text_offsets`` in the choice's text; each
-    position's ``top_logprobs`` hold the chosen token too (up to ``logprobs`` + 1 entries, as OpenAI documents)."""
+    position's ``top_logprobs`` hold the chosen token too (up to ``logprobs`` + 1 entries, as OpenAI documents). Two
+    tokens of one text (pieces of characters both read U+FFFD) share its key with the likelier one's value, as vLLM
+    keeps it, so that a harness comparing the chosen token's value with the largest finds whether it was greedy."""
     result = CompletionLogprobs(text_offset=list(text_offsets))
     for entry in entries:
         token = names.text(entry.token_id)
         result.tokens.append(token)
         result.token_logprobs.append(entry.logprob)
-        result.top_logprobs.append({**{names.text(t): lp for t, lp in entry.top}, token: entry.logprob})
+        top: dict[str, float] = {}
+        for token_id, logprob in sorted([*entry.top, (entry.token_id, entry.logprob)], key=lambda pair: -pair[1]):
+            top.setdefault(names.text(token_id), logprob)
+        result.top_logprobs.append(top)
     return result
 
 
