@@ -4,10 +4,10 @@ torch."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kiln.calibration.errors import CalibrationError
-from kiln.runtime.json_files import read_json_object
 
 
 def check_quantizable(model_dir: Path) -> None:
@@ -29,7 +29,14 @@ def check_quantizable(model_dir: Path) -> None:
 
 
 def _json_object(path: Path) -> dict:
-    return read_json_object(path, CalibrationError, "re-export the checkpoint")
+    """The JSON object in ``path`` (the layer rule keeps calibration off the runtime's reader)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CalibrationError(f"{path}: unreadable JSON ({e}); re-export the checkpoint") from None
+    if isinstance(data, dict):
+        return data
+    raise CalibrationError(f"{path}: expected a JSON object; re-export the checkpoint")
 
 
 def _declared_quantization(model_dir: Path, config: dict) -> str | None:

@@ -112,7 +112,7 @@ def test_preemption_evicts_the_latest_of_three_running():
 
 
 def test_every_decode_fits_a_budget_of_exactly_their_number():
-    scheduler = make_scheduler(max_num_batched_tokens=3)
+    scheduler = make_scheduler(max_num_seqs=3, max_num_batched_tokens=3)
     seqs = [request(1, max_tokens=8, first_token=10 * i) for i in range(3)]
     for seq in seqs:
         scheduler.add(seq)

@@ -97,6 +97,7 @@ def test_preemption_prefix_reuse_and_structured_output_under_tp2_match_one_devic
     outputs = {}
     for tp_size in (1, 2):
         with LLM.load(built[tp_size], RuntimeOptions(num_kv_blocks=32)) as llm:
+            llm.generate(prompts[1:2], params[1:2])  # its prefix stays cached for the batch's first lookups
             outputs[tp_size] = llm.generate(prompts, params)
             preempted = sum(r.metrics.num_preemptions for r in outputs[tp_size])
             cached = sum(r.metrics.num_cached_tokens for r in outputs[tp_size])
