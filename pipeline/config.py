@@ -81,6 +81,10 @@ class BuildSection(_Section):
     @model_validator(mode="after")
     def _check_plan(self) -> BuildSection:
         self.plan()  # the plan's own checks (PlanError is a ValueError: pydantic names the file, line and field)
+        if self.max_num_tokens < self.max_batch_size:  # a new plan only: engines built before still load and run
+            raise ValueError(f"build.max_num_tokens ({self.max_num_tokens}) must be at least build.max_batch_size "
+                             f"({self.max_batch_size}): a step decodes one token for every sequence in flight, so "
+                             "the rest of the batch could never run (vLLM refuses it too)")
         if self.backend == "native" and (unused := self.trtllm_settings()):
             raise ValueError(f"{', '.join(unused)}: for the TensorRT-LLM backend only, and build.backend is native; "
                              f"remove {'it' if len(unused) == 1 else 'them'}, or set build.backend to trtllm or auto")

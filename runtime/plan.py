@@ -39,9 +39,6 @@ class BuildPlan:
         if self.max_input_len > self.max_seq_len:
             raise PlanError(f"build.max_input_len ({self.max_input_len}) must not exceed build.max_seq_len "
                             f"({self.max_seq_len})")
-        if self.max_num_tokens < self.max_batch_size:  # each running sequence decodes a token a step (as vLLM)
-            raise PlanError(f"build.max_num_tokens ({self.max_num_tokens}) must be at least build.max_batch_size "
-                            f"({self.max_batch_size}): a step decodes one token for every sequence in flight")
         if self.tokens_per_block & (self.tokens_per_block - 1):
             raise PlanError(f"build.tokens_per_block ({self.tokens_per_block}) must be a power of two, e.g. 16 or 32")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:

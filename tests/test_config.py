@@ -216,6 +216,16 @@ def test_a_plan_the_model_or_backend_refuses_is_named_at_its_line(tmp_path, monk
     assert result.exit_code == 2 and result.stderr.startswith(f"error: {tmp_path / 'kiln.yaml'}:5: {words}")
 
 
+def test_a_token_budget_below_the_batch_is_refused_for_new_plans_only(tmp_path):
+    from kiln.runtime.plan import BuildPlan
+
+    (tmp_path / "kiln.yaml").write_text("model:\n  path: ./m\nbuild:\n  max_batch_size: 8\n  max_num_tokens: 7\n")
+    with pytest.raises(ConfigError, match=r"build.max_num_tokens \(7\) must be at least build.max_batch_size \(8\)"):
+        load_config(tmp_path / "kiln.yaml")
+    # an engine built before the rule still loads its plan
+    assert BuildPlan(max_batch_size=8, max_input_len=8, max_seq_len=16, max_num_tokens=7, tokens_per_block=4)
+
+
 def test_misspellings_get_a_did_you_mean(tmp_path):
     (tmp_path / "kiln.yaml").write_text("model:\n  path: ./m\nquantize:\n  fromat: fp8\nbuild:\n  zzz: 1\n")
     with pytest.raises(ConfigError) as error:

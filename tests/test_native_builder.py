@@ -129,7 +129,6 @@ def test_an_architecture_of_no_supported_family_is_refused_naming_the_supported_
     (dict(max_seq_len=512, max_input_len=64), r"exceeds the model's max_position_embeddings \(256\)"),
     (dict(tokens_per_block=6), r"build.tokens_per_block \(6\) must be a power of two"),
     (dict(max_batch_size=0), r"build.max_batch_size must be a positive integer"),
-    (dict(max_batch_size=8, max_num_tokens=7), r"build.max_num_tokens \(7\) must be at least build.max_batch_size"),
     (dict(kv_cache_dtype="fp8"), r"needs a checkpoint with FP8 KV cache scales"),
 ])
 def test_impossible_plans_are_refused(checkpoint, tmp_path, overrides, message):

@@ -117,9 +117,9 @@ def bench_config(checkpoint_dir: Path, plan: BenchPlan, cfg: dict, *, fmt: str, 
                                   num_samples=CALIB_SAMPLES, round_samples=CALIB_SAMPLES,
                                   heldout_samples=HELDOUT_SAMPLES, seq_len=CALIB_LEN, seed=seed, on_failure="warn",
                                   gate=None)
-    build = BuildSection(backend="native", max_batch_size=min(plan.prompts, plan.max_batch_size or MAX_BENCH_BATCH),
-                         max_input_len=plan.input_len, max_seq_len=max_seq_len,
-                         max_num_tokens=max(plan.input_len, min(MAX_NUM_TOKENS, plan.prompts * plan.input_len)),
+    batch = min(plan.prompts, plan.max_batch_size or MAX_BENCH_BATCH)
+    build = BuildSection(backend="native", max_batch_size=batch, max_input_len=plan.input_len, max_seq_len=max_seq_len,
+                         max_num_tokens=max(plan.input_len, batch, min(MAX_NUM_TOKENS, plan.prompts * plan.input_len)),
                          tokens_per_block=BLOCK, tp_size=tp_size)
     return KilnConfig(model=ModelSection(path=str(checkpoint_dir), dtype="bfloat16"), quantize=quantize,
                       build=build, cache=CacheSection(dir=str(cache_root())))
