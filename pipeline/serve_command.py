@@ -194,9 +194,10 @@ def serve(
                                                   "else 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(min=0, max=65535, help="Port (default: the config's serve.port, else "
                                                                     "8000; 0 picks a free one).")] = None,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar=["KILN_API_KEY", "VLLM_API_KEY"],
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="KILN_API_KEY",
                                                 help="Require 'Authorization: Bearer KEY' on /v1/ routes "
-                                                     "(vLLM's VLLM_API_KEY is read too).")] = None,
+                                                     "(default: the config's serve.api_key, else vLLM's "
+                                                     "VLLM_API_KEY).")] = None,
     max_queue: Annotated[int | None, typer.Option(min=1, help="Requests that may wait beyond the engine's batch "
                                                               "before new ones get 503 (default 256).")] = None,
     model_names: Annotated[list[str] | None, typer.Option(
@@ -243,6 +244,7 @@ def serve(
             return serve_as_worker(target, options, rendezvous, int(os.environ.get("LOCAL_RANK", "0")))
         options = replace(options, tp_rendezvous=rendezvous.address())
     resolved = serve_target(target, options, backend=backend)
+    api_key = api_key or resolved.api_key or os.environ.get("VLLM_API_KEY")  # a deployment migrated from vLLM
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_names=model_names, chat_template=template,
                                  max_body_mb=max_body_mb, allowed_origins=allowed_origins,
                                  generation_config=generation_config)

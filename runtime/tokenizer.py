@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 import shutil
 from pathlib import Path
@@ -12,6 +13,8 @@ import tokenizers
 from kiln.runtime.errors import EngineFormatError, InvalidRequestError
 from kiln.runtime.json_files import read_json_object
 from kiln.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger("kiln.runtime")
 
 # Prompt tokens kept as context when decoding the first completion tokens (spaces and merged bytes depend on it).
 # What an engine directory keeps of a checkpoint's tokenizer (both backends). chat_template.jinja: transformers 5
@@ -67,8 +70,12 @@ class Tokenizer:
             raise EngineFormatError(f"{path}: not a tokenizer the tokenizers library loads ({e}); save the "
                                     "tokenizer again with save_pretrained") from None
         config_path = Path(directory) / "tokenizer_config.json"  # the chat template's special tokens come from it
-        if config_path.is_file():
-            read_json_object(config_path, EngineFormatError, "save the tokenizer again")
+        config = read_json_object(config_path, EngineFormatError, "save the tokenizer again") \
+            if config_path.is_file() else {}
+        if config.get("add_bos_token") is True and 1 not in tokenizer.encode("a").special_tokens_mask:
+            logger.warning("%s says add_bos_token but tokenizer.json's post-processor adds no BOS: prompts are "
+                           "encoded without one, as transformers 5 encodes them (Kiln before 2026-12-06 added it)",
+                           config_path)
         return cls(tokenizer)
 
     def to_dict(self) -> dict:

@@ -119,6 +119,15 @@ def test_shared_prefix_is_served_from_cached_blocks(engine_dir, solo):
     assert out_first.token_ids == solo(first) and out_second.token_ids == solo(second)
 
 
+def test_a_request_whose_prompt_logprobs_bypass_the_prefix_cache_is_no_lookup(engine_dir):
+    prompt = random_prompts(1, seed=5, min_len=17, max_len=17)[0]
+    with LLM.load(engine_dir) as llm:
+        llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1))
+        assert llm.stats()["prefix_cache"]["queried_tokens"] == 0
+        llm.generate([prompt], PARAMS)
+        assert llm.stats()["prefix_cache"]["queried_tokens"] == len(prompt)
+
+
 def test_prompt_longer_than_the_token_budget_is_prefilled_in_chunks(checkpoint, tmp_path_factory, solo):
     prompt = random_prompts(1, seed=6, min_len=40, max_len=40)[0]
     with LLM.load(build(checkpoint, tmp_path_factory, max_num_tokens=12)) as llm:

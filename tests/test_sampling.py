@@ -251,7 +251,7 @@ def test_tokenizer_encodes_and_decodes_like_transformers(tiny_tokenizer):
 
 @pytest.mark.parametrize("post_processor", [True, False], ids=["adds-bos", "adds-nothing"])
 @pytest.mark.parametrize("add_bos_token", [True, False])
-def test_bos_comes_from_the_post_processor_alone_as_in_transformers(tmp_path, post_processor, add_bos_token):
+def test_bos_comes_from_the_post_processor_alone_as_in_transformers(tmp_path, caplog, post_processor, add_bos_token):
     from transformers import AutoTokenizer
 
     hf = tokenizers.Tokenizer.from_file(str(TINY_LLAMA / "tokenizer.json"))
@@ -262,6 +262,7 @@ def test_bos_comes_from_the_post_processor_alone_as_in_transformers(tmp_path, po
     config = json.loads((TINY_LLAMA / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": add_bos_token}))
     tokenizer = Tokenizer.from_dir(tmp_path)
+    assert ("adds no BOS" in caplog.text) == (add_bos_token and not post_processor)  # what changed is said
     body = tokenizer.encode("Hello there", add_special_tokens=False)
     assert bos not in body
     assert tokenizer.encode("Hello there") == AutoTokenizer.from_pretrained(tmp_path)("Hello there")["input_ids"] == (

@@ -225,7 +225,7 @@ def test_health_is_503_once_the_embedder_closes_the_llm_it_passed_in():
 
 
 @pytest.mark.parametrize("env", [{"VLLM_API_KEY": "kiln-key"}, {"KILN_API_KEY": "kiln-key", "VLLM_API_KEY": "other"}])
-def test_the_api_key_comes_from_kiln_api_key_else_vllm_api_key(monkeypatch, env):
+def test_the_api_key_comes_from_kiln_api_key_else_the_config_else_vllm_api_key(monkeypatch, env):
     from typer.testing import CliRunner
 
     from kiln.pipeline import cli
@@ -240,3 +240,26 @@ def test_the_api_key_comes_from_kiln_api_key_else_vllm_api_key(monkeypatch, env)
         assert httpx.get(f"{running.url}/v1/models", timeout=30).status_code == 401
         assert httpx.get(f"{running.url}/v1/models", headers={"Authorization": "Bearer kiln-key"},
                          timeout=30).status_code == 200
+
+
+def test_a_configs_api_key_comes_before_vllm_api_key(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline import cli
+    from kiln.runtime import server
+    from kiln.runtime.server import ServerThread
+
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    config = tmp_path / "served.yaml"
+    config.write_text(f"model:\n  path: {tiny_engine().parent / 'checkpoint'}\n  dtype: float32\nquantize:\n"
+                      f"  format: none\nbuild:\n  backend: native\n  device: cpu\n  max_batch_size: 4\n"
+                      f"  max_input_len: 32\n  max_seq_len: 64\n  max_num_tokens: 64\n  tokens_per_block: 4\n"
+                      f"serve:\n  api_key: from-config\n")
+    seen = {}
+    monkeypatch.setattr(server, "run_server", lambda app, *args, **kwargs: seen.update(app=app))
+    result = CliRunner().invoke(cli.app, ["serve", str(config), "--no-engine-process"], env={"VLLM_API_KEY": "other"})
+    assert result.exit_code == 0, result.output
+    with ServerThread(seen["app"]) as running:
+        for key, status in (("other", 401), ("from-config", 200)):
+            assert httpx.get(f"{running.url}/v1/models", headers={"Authorization": f"Bearer {key}"},
+                             timeout=30).status_code == status

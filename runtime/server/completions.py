@@ -73,15 +73,16 @@ def requested_format(req: SamplingFields) -> StructuredOutput | None:
     """The format ``response_format`` (OpenAI) or ``structured_outputs`` (vLLM's extension, or its guided_* fields)
     asks for, compiled."""
     requested, extension = req.response_format, req.structured_outputs
+    extension_name = "structured_outputs"
     if (guided := req.guided_outputs()) is not None:
         if extension is not None:
             raise APIError(400, "send structured_outputs or the guided_* fields (its names before vLLM 0.11), not "
                                 "both", param="structured_outputs")
-        extension = guided
+        extension, extension_name = guided, "the guided_* fields"
     if requested is not None and requested.type == "text":
         requested = None
     if requested is not None and extension is not None:
-        raise APIError(400, "send response_format or structured_outputs, not both", param="structured_outputs")
+        raise APIError(400, f"send response_format or {extension_name}, not both", param="structured_outputs")
     param = "response_format" if requested is not None else "structured_outputs"
     try:
         if extension is not None:

@@ -56,8 +56,8 @@ class VllmEngineCollector:
                      stats["num_waiting"])
         usage = kv["used_blocks"] / kv["num_blocks"] if kv["num_blocks"] else 0.0
         yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Share of KV-cache blocks in use (0 to 1)", usage)
-        yield family(GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under its name before "
-                     "vLLM 0.10 (dashboards and autoscalers of that era read it)", usage)
+        yield family(GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under vLLM's earlier "
+                     "name (dashboards and autoscalers of that era read it)", usage)
         yield family(CounterMetricFamily, "vllm:num_preemptions", "Requests preempted", stats["num_preemptions"])
         yield family(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                      stats["prefix_cache"]["queried_tokens"])
