@@ -86,7 +86,8 @@ class ServedModel:
 
     def card(self, created: int, name: str | None = None) -> ModelCard:
         """The model as ``/v1/models`` lists it (under ``name``, one of its names; default its first)."""
-        return ModelCard(id=name or self.name, created=created, max_model_len=self.limits.max_request_tokens,
+        return ModelCard(id=name or self.name, created=created, root=self.name,
+                         max_model_len=self.limits.max_request_tokens,
                          max_input_len=min(self.limits.max_input_len, self.limits.max_request_tokens - 1),
                          vocab_size=self.limits.vocab_size)
 

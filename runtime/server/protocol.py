@@ -447,12 +447,15 @@ class ChatCompletionResponse(BaseModel):
 class ModelCard(BaseModel):
     """OpenAI's model object, with the engine's context (``max_model_len``, as vLLM gives it), the longest prompt
     it takes (``max_input_len``: the engine's plan may hold less than the context less one token) and the
-    vocabulary its token ids come from (``vocab_size``: what a client sending token-id prompts needs)."""
+    vocabulary its token ids come from (``vocab_size``: what a client sending token-id prompts needs). ``root`` and
+    ``parent`` as vLLM's cards give them: the model an alias serves, and no base model (no adapters here)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kiln"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
     max_input_len: int | None = None
     vocab_size: int | None = None
