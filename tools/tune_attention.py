@@ -1,7 +1,9 @@
 """Sweep the launch parameters of the Triton paged-attention kernels on one CUDA GPU.
 
 Llama-3-8B attention (see ``tools/bench_kernels.py``): split-KV decode at batch 256 over contexts of 1k and 2k tokens
-(the offline benchmark's steps) and at batch 2,048 over 129-256 tokens (TensorRT-LLM's 128/128 row), with the output
+(the offline benchmark's steps), at batch 488 over 1-2k and 445 over 2-4k (TensorRT-LLM's 1000/1000 and 2048/2048
+rows) and at batch 2,048 over 129-256 tokens (its 128/128 row), over an FP8 cache with p @ v in FP8 as the engine
+runs it (``fp8_pv``), with the output
 written by the partition kernel or by the reduce (also quantized for an FP8 o_proj), and a 1k-token prefill, with a
 bfloat16 and an FP8 KV cache. Each configuration of a small grid is timed inside a CUDA graph and checked against the
 default's output; the fastest is printed with its KV bandwidth against the H200's ~4.3 TB/s. The winners become the
@@ -19,11 +21,13 @@ import sys
 from bench_kernels import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, make_case
 from sweep import bandwidth_text, grid, has_cuda, measure_or_skip, sweep_parser, tb_per_s, write_results
 
-DECODE_GRID = dict(block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3, 4], partition_size=[None])
+DECODE_GRID = dict(block_n=[32, 64, 128], num_warps=[2, 4, 8], num_stages=[2, 3, 4], partition_size=[None])
 PARTITION_SIZES = [512, 2048, 4096]  # tried with the best decode configuration (None: decode_partition_size's choice)
 VARLEN_GRID = dict(block_m=[64, 128], block_n=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3])
 # (name, query_lens, seq_lens, kernel)
 CASES = [(f"decode b256 ctx{c // 1024}k", [1] * 256, [c] * 256, "decode") for c in (2048, 1024)]
+CASES.append(("decode b488 ctx1-2k", [1] * 488, [1000 + 397 * i % 1001 for i in range(488)], "decode"))  # 1000/1000
+CASES.append(("decode b445 ctx2-4k", [1] * 445, [2048 + 797 * i % 2049 for i in range(445)], "decode"))  # 2048/2048
 CASES.append(("decode b2048 ctx129-256", [1] * 2048, [129 + 37 * i % 128 for i in range(2048)], "decode"))  # 128/128
 CASES.append(("prefill 1k", [1024], [1024], "varlen"))
 
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from triton.testing import do_bench_cudagraph
 
     from kiln.runtime.native.kernels.paged_attention import paged_attention_decode, paged_attention_varlen
+    from kiln.runtime.native.kernels.paged_attention.operands import fp8_pv_applies
 
     results = []
     generator = torch.Generator().manual_seed(0)
@@ -48,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         q, k_cache, v_cache, meta, (k_scale, v_scale) = make_case(query_lens, seq_lens, kv_dtype, generator,
                                                                   args.block_size)
         kernel = paged_attention_decode if kind == "decode" else paged_attention_varlen
-        call = functools.partial(kernel, q, k_cache, v_cache, meta, HEAD_DIM**-0.5, k_scale, v_scale)
+        fp8_pv = {"fp8_pv": fp8_pv_applies(q, k_cache, v_cache)} if kind == "decode" else {}  # as the engine decodes
+        call = functools.partial(kernel, q, k_cache, v_cache, meta, HEAD_DIM**-0.5, k_scale, v_scale, **fp8_pv)
         kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
         expected = call().float()
 
