@@ -52,13 +52,17 @@ def test_a_directory_without_an_engine_and_an_unknown_key_are_refused(tmp_path, 
         serve_target("ab" * 32, RuntimeOptions())
 
 
+def served_config(path: Path, serve: str) -> Path:
+    """A config of the tiny test checkpoint, built natively on the CPU, with ``serve`` (its serve section)."""
+    path.write_text(f"model:\n  path: {tiny_engine().parent / 'checkpoint'}\n  dtype: float32\n"
+                    f"quantize:\n  format: none\nbuild:\n  backend: native\n  device: cpu\n  max_batch_size: 4\n"
+                    f"  max_input_len: 32\n  max_seq_len: 64\n  max_num_tokens: 64\n  tokens_per_block: 4\n{serve}")
+    return path
+
+
 def test_a_config_is_built_through_the_cache_once_then_hits(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
-    config = tmp_path / "tiny-served.yaml"
-    config.write_text(f"model:\n  path: {tiny_engine().parent / 'checkpoint'}\n  dtype: float32\n"
-                      f"quantize:\n  format: none\nbuild:\n  backend: native\n  device: cpu\n  max_batch_size: 4\n"
-                      f"  max_input_len: 32\n  max_seq_len: 64\n  max_num_tokens: 64\n  tokens_per_block: 4\n"
-                      f"serve:\n  port: 8123\n  max_queue: 7\n")
+    config = served_config(tmp_path / "tiny-served.yaml", "serve:\n  port: 8123\n  max_queue: 7\n")
     first = serve_target(str(config), RuntimeOptions(), progress=False)
     second = serve_target(str(config), RuntimeOptions(), progress=False)
     assert first.engine_cache["hit"] is False and second.engine_cache["hit"] is True
@@ -250,11 +254,7 @@ def test_a_configs_api_key_comes_before_vllm_api_key(monkeypatch, tmp_path):
     from kiln.runtime.server import ServerThread
 
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
-    config = tmp_path / "served.yaml"
-    config.write_text(f"model:\n  path: {tiny_engine().parent / 'checkpoint'}\n  dtype: float32\nquantize:\n"
-                      f"  format: none\nbuild:\n  backend: native\n  device: cpu\n  max_batch_size: 4\n"
-                      f"  max_input_len: 32\n  max_seq_len: 64\n  max_num_tokens: 64\n  tokens_per_block: 4\n"
-                      f"serve:\n  api_key: from-config\n")
+    config = served_config(tmp_path / "served.yaml", "serve:\n  api_key: from-config\n")
     seen = {}
     monkeypatch.setattr(server, "run_server", lambda app, *args, **kwargs: seen.update(app=app))
     result = CliRunner().invoke(cli.app, ["serve", str(config), "--no-engine-process"], env={"VLLM_API_KEY": "other"})
