@@ -68,8 +68,8 @@ def top_k(entries: list[TokenLogprob | None], k: int) -> list[TokenLogprob | Non
 def completion_logprobs(names: TokenText, entries: list[TokenLogprob], text_offsets: list[int]) -> CompletionLogprobs:
     """The legacy completions lists over ``entries``, which start at ``text_offsets`` in the choice's text; each
     position's ``top_logprobs`` hold the chosen token too (up to ``logprobs`` + 1 entries, as OpenAI documents). Two
-    tokens of one text (pieces of characters both read U+FFFD) share its key with the likelier one's value, as vLLM
-    keeps it, so that a harness comparing the chosen token's value with the largest finds whether it was greedy."""
+    tokens of one text (pieces of characters both read U+FFFD) share its key with the likelier one's value, so that a
+    harness comparing the chosen token's value with the largest finds whether it was greedy."""
     result = CompletionLogprobs(text_offset=list(text_offsets))
     for entry in entries:
         token = names.text(entry.token_id)
