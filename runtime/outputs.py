@@ -54,6 +54,13 @@ class RequestMetrics:
         return self.finished_time - self.first_token_time
 
     @property
+    def inference_time(self) -> float | None:
+        """From the first admission to the last token."""
+        if self.first_scheduled_time is None or self.finished_time is None:
+            return None
+        return self.finished_time - self.first_scheduled_time
+
+    @property
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 

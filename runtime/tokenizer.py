@@ -169,6 +169,7 @@ class IncrementalDetokenizer:
         self._stop_from_token = min_tokens  # completion tokens up to which no stop string ends the text
         self._num_tokens = 0
         self._num_streamed_chars = 0
+        self._held = ""  # the pending tokens' text while the last of them ends inside a character
         self.text = ""
 
     def add_token(self, token_id: int) -> str | None:
@@ -177,6 +178,7 @@ class IncrementalDetokenizer:
         self._num_tokens += 1
         new_text = self._pending_text()
         if not new_text or new_text.endswith("\ufffd"):
+            self._held = new_text
             return None
         old_length = len(self.text)
         self._take_pending(new_text)
@@ -204,7 +206,7 @@ class IncrementalDetokenizer:
     def pending_characters(self) -> int:
         """Characters the tokens not taken into ``text`` yet decode to in full: those before a character the last
         token ends inside (which waits for the next token)."""
-        return len(self._pending_text().rstrip("\ufffd"))
+        return len(self._held.rstrip("\ufffd"))
 
     def _pending_text(self) -> str:
         """The text the tokens after the read offset add (empty while they add none)."""
@@ -215,6 +217,7 @@ class IncrementalDetokenizer:
     def _take_pending(self, text: str) -> None:
         """Append ``text``, the pending tokens' (``_pending_text``), and move the offsets past them."""
         self.text += text
+        self._held = ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
 
 

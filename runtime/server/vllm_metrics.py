@@ -110,10 +110,8 @@ class VllmRequestMetrics:
             per_output_token.observe(latency)
         if metrics.e2e_latency is not None:
             self.e2e_latency.labels(name).observe(metrics.e2e_latency)
-        prefill, decode = metrics.prefill_time, metrics.decode_time
-        inference = None if prefill is None or decode is None else prefill + decode
-        for phase, seconds in (("queue", metrics.queue_time), ("prefill", prefill), ("decode", decode),
-                               ("inference", inference)):
+        for phase, seconds in (("queue", metrics.queue_time), ("prefill", metrics.prefill_time),
+                               ("decode", metrics.decode_time), ("inference", metrics.inference_time)):
             if seconds is not None:
                 self.phases[phase].labels(name).observe(seconds)
         for counted, tokens in (("prompt_tokens", output.prompt_token_ids), ("generation_tokens", output.token_ids),
