@@ -71,20 +71,22 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A token's log probability under the model, and the ``top`` most likely token ids at its position with theirs
-    (most likely first; as many as the request's ``logprobs`` or ``prompt_logprobs`` asked for)."""
+    """A token's log probability under the model, its ``rank`` among the vocabulary (1 for the most likely; as vLLM
+    counts it, the number of tokens at least as likely), and the ``top`` most likely token ids at its position with
+    theirs (most likely first; as many as the request's ``logprobs`` or ``prompt_logprobs`` asked for)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int
 
     def to_wire(self) -> list:
-        """As JSON: ``[token_id, logprob, [[id, logprob], ...]]``."""
-        return [self.token_id, self.logprob, [list(pair) for pair in self.top]]
+        """As JSON: ``[token_id, logprob, [[id, logprob], ...], rank]``."""
+        return [self.token_id, self.logprob, [list(pair) for pair in self.top], self.rank]
 
     @classmethod
     def from_wire(cls, item: list) -> TokenLogprob:
-        return cls(item[0], item[1], [tuple(pair) for pair in item[2]])
+        return cls(item[0], item[1], [tuple(pair) for pair in item[2]], item[3])
 
 
 @dataclass

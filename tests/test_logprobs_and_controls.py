@@ -81,6 +81,9 @@ def test_logprobs_of_sampled_tokens_are_the_models_whatever_the_temperature(llm,
     assert all(lp.top == [] for lp in output.logprobs)
     got = [lp.logprob for lp in output.logprobs]
     assert got == pytest.approx([row[t].item() for row, t in zip(reference, output.token_ids, strict=True)], abs=ATOL)
+    for lp, row in zip(output.logprobs, reference, strict=True):
+        assert_rank_matches(lp, row)
+    assert max(lp.rank for lp in output.logprobs) > 1  # drawn hot: not always the most likely token
 
 
 def test_streamed_deltas_carry_one_logprob_per_token(llm):
@@ -94,6 +97,12 @@ def test_streamed_deltas_carry_one_logprob_per_token(llm):
     assert deltas[-1].output.logprobs == [lp for d in deltas for lp in d.logprobs]
 
 
+def assert_rank_matches(lp, row: torch.Tensor) -> None:
+    """``lp.rank`` counts the tokens at least as likely as ``lp.token_id`` under ``row`` (near-ties either way)."""
+    value = row[lp.token_id].item()
+    assert int((row > value + ATOL).sum()) + 1 <= lp.rank <= int((row >= value - ATOL).sum())
+
+
 def assert_prompt_logprobs_match(hf, prompt: list[int], entries: list, k: int) -> None:
     reference = hf_log_probs(hf, prompt)
     assert entries[0] is None and len(entries) == len(prompt)
@@ -102,6 +111,7 @@ def assert_prompt_logprobs_match(hf, prompt: list[int], entries: list, k: int) -
         assert lp.token_id == prompt[position]
         assert lp.logprob == pytest.approx(row[prompt[position]].item(), abs=ATOL)
         assert [t for t, _ in lp.top] == row.topk(k).indices.tolist()
+        assert_rank_matches(lp, row)
 
 
 def test_prompt_logprobs_are_transformers_log_softmax_even_over_chunks_and_a_cached_prefix(built, hf, tmp_path):

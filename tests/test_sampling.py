@@ -356,7 +356,7 @@ def test_a_text_two_tokens_share_keeps_the_likelier_value_in_legacy_top_logprobs
         def text(self, token_id):
             return {1: "\ufffd", 2: "\ufffd", 3: "a"}[token_id]
 
-    chosen = TokenLogprob(token_id=2, logprob=-6.9, top=((1, -0.4), (3, -1.2)))
+    chosen = TokenLogprob(token_id=2, logprob=-6.9, top=((1, -0.4), (3, -1.2)), rank=3)
     lists = completion_logprobs(Names(), [chosen], [0])
     assert lists.token_logprobs == [-6.9] and lists.top_logprobs == [{"\ufffd": -0.4, "a": -1.2}]
     assert lists.token_logprobs[0] < max(lists.top_logprobs[0].values())  # not greedy, as a harness must see

@@ -118,6 +118,9 @@ def test_echo_and_prompt_logprobs_each_get_the_alternatives_they_asked_for(clien
     assert max(len(top) for top in lp.top_logprobs[1:]) in (logprobs, logprobs + 1)  # fewer: tokens of one text
     assert all(lp.top_logprobs[i][token] == lp.token_logprobs[i] for i, token in enumerate(lp.tokens) if i)
     assert {len(entry) for entry in choice.prompt_logprobs[1:]} <= {prompt_logprobs, prompt_logprobs + 1}  # + own
+    for entry in choice.prompt_logprobs[1:]:  # vLLM's ranks: the alternatives 1.., the prompt's own token its own
+        ranks = [alternative["rank"] for alternative in entry.values()]
+        assert ranks[1:] == [r for r in range(1, prompt_logprobs + 1) if r != ranks[0]][:len(ranks) - 1]
 
 
 def test_penalties_and_logit_bias_match_the_runtime(client, llm):

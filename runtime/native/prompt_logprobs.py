@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.runtime.native.device_copy import device_tensor
-from kiln.runtime.native.logprob_rows import token_logprobs
+from kiln.runtime.native.logprob_rows import chosen_logprobs, token_logprobs
 from kiln.runtime.sequence import Sequence
 
 # Positions whose logits are materialised at once (each a float32 row of the vocabulary).
@@ -30,6 +30,7 @@ class PromptLogprobs:
     seq: Sequence
     first_token: int
     chosen: torch.Tensor
+    ranks: torch.Tensor
     top_values: torch.Tensor | None
     top_ids: torch.Tensor | None
 
@@ -37,8 +38,8 @@ class PromptLogprobs:
         """Add the entries the sequence does not have yet (all of them, unless this step recomputed its prompt)."""
         entries, first, count = self.seq.prompt_logprobs, self.first_token, len(self.chosen)
         width = self.seq.params.prompt_logprobs
-        new = token_logprobs(self.seq.token_ids[first:first + count], self.chosen, self.top_values, self.top_ids,
-                             [width] * count)
+        new = token_logprobs(self.seq.token_ids[first:first + count], self.chosen, self.ranks, self.top_values,
+                             self.top_ids, [width] * count)
         entries.extend(new[len(entries) - first:] if len(entries) >= first else [])
 
 
@@ -68,6 +69,7 @@ class PromptLogprobsCollector:
         self.seq, self.start, self.count = seq, start, count
         self.k = seq.params.prompt_logprobs
         self.chosen: list[torch.Tensor] = []
+        self.ranks: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.ids: list[torch.Tensor] = []
         self.targets: torch.Tensor | None = None
@@ -80,7 +82,9 @@ class PromptLogprobsCollector:
                                          logits.device)
         log_probs = logits.float().log_softmax(-1)
         targets = self.targets[self.read:self.read + len(logits)]
-        self.chosen.append(log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+        chosen, ranks = chosen_logprobs(log_probs, targets)
+        self.chosen.append(chosen)
+        self.ranks.append(ranks)
         self.read += len(logits)
         if self.k:
             top = log_probs.topk(self.k, dim=-1)
@@ -89,4 +93,5 @@ class PromptLogprobsCollector:
 
     def result(self) -> PromptLogprobs:
         values, ids = (torch.cat(self.values), torch.cat(self.ids)) if self.k else (None, None)
-        return PromptLogprobs(self.seq, self.start + 1, torch.cat(self.chosen), values, ids)
+        return PromptLogprobs(self.seq, self.start + 1, torch.cat(self.chosen), torch.cat(self.ranks), values,
+                              ids)

@@ -23,7 +23,7 @@ from kiln.runtime.native.device_copy import device_tensor
 from kiln.runtime.native.grammar import Grammars, apply_token_bitmask
 from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
 from kiln.runtime.native.logit_controls import UnseenTokens, apply_logit_controls
-from kiln.runtime.native.logprob_rows import token_logprobs
+from kiln.runtime.native.logprob_rows import chosen_logprobs, token_logprobs
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sequence import Sequence
 
@@ -93,12 +93,13 @@ class DrawnLogprobs:
 
     rows: list[int]
     chosen: torch.Tensor
+    ranks: torch.Tensor
     top: torch.return_types.topk | None
 
     def on_host(self, tokens: list[int], seqs: list[Sequence]) -> dict[int, TokenLogprob]:
         """Each row's TokenLogprob (rows whose token failed have none), cut to what its request asked for."""
         top_values, top_ids = (self.top.values, self.top.indices) if self.top is not None else (None, None)
-        entries = token_logprobs([tokens[row] for row in self.rows], self.chosen, top_values, top_ids,
+        entries = token_logprobs([tokens[row] for row in self.rows], self.chosen, self.ranks, top_values, top_ids,
                                  [seqs[row].params.logprobs for row in self.rows])
         return {row: entry for row, entry in zip(self.rows, entries, strict=True) if tokens[row] >= 0}
 
@@ -177,9 +178,9 @@ class Sampler:
             tokens[index] = self._draw(logits[index].float(), [seqs[row] for row in rows])  # a copy of the rows
         drawn = Draw(tokens, seqs, failed)
         if logprob_rows:
-            chosen = tokens[device_tensor(logprob_rows, torch.long, tokens.device)].clamp(min=0).unsqueeze(-1)
+            chosen = tokens[device_tensor(logprob_rows, torch.long, tokens.device)].clamp(min=0)
             most = max(seqs[row].params.logprobs for row in logprob_rows)
-            drawn.logprobs = DrawnLogprobs(logprob_rows, log_probs.gather(-1, chosen).squeeze(-1),
+            drawn.logprobs = DrawnLogprobs(logprob_rows, *chosen_logprobs(log_probs, chosen),
                                            log_probs.topk(most, dim=-1) if most else None)
         return drawn
 

@@ -94,12 +94,13 @@ def echoed_logprobs(names: TokenText, prompt_token_ids: list[int], entries: list
 
 def vllm_prompt_logprobs(names: TokenText, entries: list[TokenLogprob | None]) -> list[dict | None]:
     """vLLM's ``prompt_logprobs``: per prompt token (None for the first), its id and the top ids, each with
-    ``logprob`` and ``decoded_token``."""
+    ``logprob``, ``rank`` (the top ids ranked 1.. in order) and ``decoded_token``."""
     result: list[dict | None] = []
     for entry in entries:
         if entry is None:
             result.append(None)
             continue
-        pairs = [(entry.token_id, entry.logprob), *((t, lp) for t, lp in entry.top if t != entry.token_id)]
-        result.append({str(t): {"logprob": lp, "decoded_token": names.text(t)} for t, lp in pairs})
+        ranked = [(entry.token_id, entry.logprob, entry.rank),
+                  *((t, lp, rank) for rank, (t, lp) in enumerate(entry.top, start=1) if t != entry.token_id)]
+        result.append({str(t): {"logprob": lp, "rank": rank, "decoded_token": names.text(t)} for t, lp, rank in ranked})
     return result
