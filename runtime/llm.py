@@ -378,7 +378,7 @@ class LLM:
             if kind == "add":
                 try:
                     self.engine.add_request(arg)
-                except KilnError as e:
+                except InvalidRequestError as e:  # this request's fault; anything else stops the engine
                     self._fail(arg.request_id, e)
             elif (delta := self.engine.abort_request(arg)) is not None:
                 self._deliver(delta)

@@ -20,8 +20,10 @@ import pytest
 
 from kiln.runtime import LLM, RuntimeOptions, SamplingParams
 from kiln.runtime.engine_process import ProcessEngine
+from kiln.runtime.engine_process.proxy import EngineProcessError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.llm import EngineClosedError
+from kiln.runtime.sequence import Sequence
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from tests.subprocess_env import REPO, repo_env
 from tests.test_server_support import engine_idle, tiny_engine, wait_until
@@ -183,6 +185,25 @@ def test_an_engine_process_that_dies_while_idle_is_an_engine_error_at_once():
         os.kill(llm.engine.pid, signal.SIGKILL)
         wait_until(lambda: llm.engine_error is not None)
         assert re.search(r"EngineProcessError: the engine process \(pid \d+\) was killed by signal 9", llm.engine_error)
+
+
+class _GoneEngine(_IdleEngine):
+    """Its process is gone: adding a request is where the engine thread learns it."""
+
+    def make_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
+        return Sequence(request_id, prompt, params)
+
+    def add_request(self, seq: Sequence) -> None:
+        raise EngineProcessError("the engine process (pid 1) exited with code 1")
+
+
+def test_an_engine_process_found_gone_by_an_add_stops_the_engine_for_every_waiter():
+    with LLM(_GoneEngine()) as llm:
+        with pytest.raises(EngineClosedError, match="exited with code 1"):  # not one bad request: the engine is down
+            llm.generate([[1, 2]], SamplingParams(max_tokens=2))
+        assert "exited with code 1" in llm.engine_error
+        with pytest.raises(EngineClosedError):
+            llm.check([1, 2])
 
 
 class _WarmingEngine(_IdleEngine):
