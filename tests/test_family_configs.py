@@ -120,3 +120,28 @@ def test_phi3_slides_every_layer_whatever_layer_types_says():
     arch = parse("phi3", sliding_window=8, layer_types=types)
     config = transformers.Phi3Config(**MINIMAL, sliding_window=8, layer_types=types)
     assert [arch.layer_window(i) for i in range(3)] == transformers_windows("phi3", config) == [8, 8, 8]
+
+
+@pytest.mark.parametrize("types", [["sliding_attention"] * 2,  # three layers
+                                   ["sliding_window", "full_attention", "full_attention"]])  # a misspelt type
+def test_layer_types_that_transformers_refuses_are_refused_naming_them(types):
+    with pytest.raises(Exception, match="layer_types"):  # noqa: B017 - huggingface_hub's validation error
+        transformers.Qwen2Config(**MINIMAL, use_sliding_window=True, sliding_window=8, layer_types=types)
+    with pytest.raises(KilnError, match=f"layer_types .*{types[0]}.* each of the 3 layers"):
+        parse("qwen2", use_sliding_window=True, sliding_window=8, layer_types=types)
+
+
+def test_an_attention_type_the_engine_does_not_run_is_refused_not_read_as_full_attention():
+    types = ["chunked_attention", "full_attention", "full_attention"]  # transformers' Qwen2 model fails on it
+    with pytest.raises(KilnError, match="chunked_attention"):
+        parse("qwen2", use_sliding_window=True, sliding_window=8, layer_types=types)
+
+
+@pytest.mark.parametrize(("alias", "canonical"), [("swish", "silu"), ("gelu_new", "gelu_pytorch_tanh")])
+def test_transformers_other_names_of_a_supported_activation_are_read_as_it(alias, canonical):
+    import torch
+    from transformers.activations import ACT2FN
+
+    x = torch.linspace(-6, 6, 101)
+    torch.testing.assert_close(ACT2FN[alias](x), ACT2FN[canonical](x))  # the same function in transformers
+    assert parse("llama", hidden_act=alias).hidden_act == canonical

@@ -18,7 +18,7 @@ from kiln.engines.eos import generation_eos_ids
 from kiln.runtime.errors import EngineFormatError, KilnError
 from kiln.runtime.json_files import read_json_object
 from kiln.runtime.native.engine_format import Architecture
-from kiln.runtime.native.layers.activation import ACTIVATIONS
+from kiln.runtime.native.layers.activation import ACTIVATION_ALIASES, ACTIVATIONS
 from kiln.runtime.native.layers.rotary import ROPE_TYPES, rope_inv_freq
 from kiln.runtime.native.model.registry import family_of
 
@@ -54,10 +54,10 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
     fields every family shares, then its family's quirks (``runtime/native/model/registry.py``)."""
     family = family_of(cfg, path)
     cfg = family.with_defaults(cfg)
-    activation = cfg[family.activation_key]
+    activation = ACTIVATION_ALIASES.get(cfg[family.activation_key], cfg[family.activation_key])
     if activation not in ACTIVATIONS:
         raise KilnError(f"{path}: {family.activation_key} {activation!r} is not supported by the native backend "
-                        f"(supported: {', '.join(ACTIVATIONS)})")
+                        f"(supported: {', '.join([*ACTIVATIONS, *ACTIVATION_ALIASES])})")
     num_heads = _int(cfg, "num_attention_heads", path)
     num_kv_heads = cfg.get("num_key_value_heads") or num_heads
     if num_heads % num_kv_heads:

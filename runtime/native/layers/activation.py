@@ -41,6 +41,8 @@ class GeluTanhAndMul(nn.Module):
 
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# transformers' other names for the same functions (its ACT2FN): the engine records the canonical one
+ACTIVATION_ALIASES = {"swish": "silu", "gelu_new": "gelu_pytorch_tanh"}
 
 
 def gated_activation(name: str, kernels: KernelChoice) -> nn.Module:

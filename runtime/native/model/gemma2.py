@@ -22,7 +22,7 @@ def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
         "final_logit_softcapping": config["final_logit_softcapping"],
         "qkv_bias": bias,
         "o_bias": bias,
-        **sliding_layers(config, config["sliding_window"], lambda i: i % 2 == 0),
+        **sliding_layers(config, path, config["sliding_window"], lambda i: i % 2 == 0),
     }
 
 

@@ -11,7 +11,7 @@ from kiln.runtime.native.model.registry import Family, sliding_layers
 
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     """``sliding_window`` (4096 where config.json leaves it out, null for none) applies to every layer."""
-    return sliding_layers(config, config["sliding_window"], lambda i: True)
+    return sliding_layers(config, path, config["sliding_window"], lambda i: True)
 
 
 FAMILY = Family("mistral", ("MistralForCausalLM",), quirks,

@@ -20,7 +20,7 @@ FUSED_PROJECTIONS = {
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     """Phi-3's window (2047 on the 4k models) applies to every layer."""
     # transformers' Phi-3 slides every layer, whatever a layer_types list in config.json says
-    return sliding_layers({**config, "layer_types": None}, config.get("sliding_window"), lambda i: True)
+    return sliding_layers({**config, "layer_types": None}, path, config.get("sliding_window"), lambda i: True)
 
 
 FAMILY = Family("phi3", ("Phi3ForCausalLM",), quirks, FUSED_PROJECTIONS,

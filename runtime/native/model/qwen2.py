@@ -12,14 +12,14 @@ from kiln.runtime.native.model.registry import Family, sliding_layers
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     """Always q/k/v biases; ``sliding_window`` counts only with ``use_sliding_window`` (the released models have it
     off and a window as long as their context)."""
-    return {"qkv_bias": True, **window_layers(config)}
+    return {"qkv_bias": True, **window_layers(config, path)}
 
 
-def window_layers(config: dict[str, Any]) -> dict[str, Any]:
+def window_layers(config: dict[str, Any], path: Path) -> dict[str, Any]:
     """With ``use_sliding_window``, the layers from ``max_window_layers`` on slide (as transformers has it)."""
     window = config["sliding_window"] if config.get("use_sliding_window") else None
     first = config["max_window_layers"]
-    return sliding_layers(config, window, lambda i: i >= first)
+    return sliding_layers(config, path, window, lambda i: i >= first)
 
 
 # transformers' defaults for Qwen2 and Qwen3

@@ -13,7 +13,7 @@ from kiln.runtime.native.model.registry import Family
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     """Per-head q/k norms always; ``attention_bias`` puts biases on q, k, v and o, as in Llama."""
     bias = bool(config.get("attention_bias"))
-    return {"qk_norm": True, "qkv_bias": bias, "o_bias": bias, **window_layers(config)}
+    return {"qk_norm": True, "qkv_bias": bias, "o_bias": bias, **window_layers(config, path)}
 
 
 FAMILY = Family("qwen3", ("Qwen3ForCausalLM",), quirks, config_defaults={**QWEN_DEFAULTS, "head_dim": 128})

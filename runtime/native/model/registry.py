@@ -86,13 +86,23 @@ def family_named(name: str) -> Family:
     return next(family for family in FAMILIES if family.name == name)
 
 
-def sliding_layers(config: dict[str, Any], window: int | None, slides: Callable[[int], bool]) -> dict[str, Any]:
+LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json layer_types the engine runs
+
+
+def sliding_layers(config: dict[str, Any], path: Path, window: int | None,
+                   slides: Callable[[int], bool]) -> dict[str, Any]:
     """The ``sliding_window`` / ``layer_types`` fields: none without a ``window``; else config.json's
-    ``layer_types`` when it has them (transformers 5 writes them), or ``slides(layer index)`` for each layer."""
+    ``layer_types`` when it has them (transformers 5 writes them), or ``slides(layer index)`` for each layer.
+    UnsupportedArchitectureError for ``layer_types`` that do not name full or sliding attention for every layer
+    (transformers refuses those too)."""
     if not window:
         return {"sliding_window": None, "layer_types": None}
-    types = config.get("layer_types") or ["sliding_attention" if slides(i) else "full_attention"
-                                          for i in range(config["num_hidden_layers"])]
+    count = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["sliding_attention" if slides(i) else "full_attention" for i in range(count)]
+    if not isinstance(types, list) or len(types) != count or not set(types) <= set(LAYER_TYPES):
+        raise UnsupportedArchitectureError(
+            f"{path}: layer_types {types!r} must name one of {', '.join(LAYER_TYPES)} for each of the {count} layers "
+            f"(num_hidden_layers); the native backend runs no other attention")
     return {"sliding_window": window, "layer_types": list(types)}
 
 
