@@ -70,3 +70,13 @@ def test_the_sandbox_blocks_attribute_escapes(tmp_path):
     write_config(tmp_path, chat_template="{{ messages.__class__.__mro__ }}")
     with pytest.raises(ChatTemplateError):
         ChatTemplate.from_dir(tmp_path).render([])
+
+
+def test_generation_blocks_of_assistant_only_training_render_their_contents_as_transformers_does():
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    source = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}<a>{{ m.content }}</a>"
+              "{% endgeneration %}{% else %}<u>{{ m.content }}</u>{% endif %}{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rendered, _ = render_jinja_template([messages], chat_template=source)
+    assert ChatTemplate(source, {}).render(messages) == rendered[0] == "<u>hi</u><a>hello</a>"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 from typing import Literal
 
@@ -17,7 +18,7 @@ import pytest
 from kiln.runtime import LLM
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from kiln.runtime.server.chat_template import ChatTemplate
-from kiln.runtime.server.tool_calls import HERMES, LLAMA3_JSON, tool_call_format
+from kiln.runtime.server.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, tool_call_format
 from tests.test_server_support import tiny_engine
 
 MODEL = "tiny"
@@ -78,6 +79,21 @@ value}.
 {%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
 
 {% endif %}"""
+# a trimmed Mistral v0.3 template: the array of calls after [TOOL_CALLS], and its check of their ids
+MISTRAL_TEMPLATE = """{%- if tools %}[AVAILABLE_TOOLS] [{% for tool in tools %}{{ tool | tojson }}\
+{% if not loop.last %}, {% endif %}{% endfor %}][/AVAILABLE_TOOLS]{% endif %}
+{%- for message in messages %}
+{%- if message.role == "user" %}[INST] {{ message.content }}[/INST]
+{%- elif message.tool_calls %}[TOOL_CALLS] [{% for call in message.tool_calls %}
+{%- if call.id | length != 9 %}{{ raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}\
+{% endif %}{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}, "id": \
+"{{ call.id }}"}{% if not loop.last %}, {% endif %}{% endfor %}]</s>
+{%- elif message.role == "tool" %}[TOOL_RESULTS] {"content": {{ message.content | tojson }}, "call_id": \
+"{{ message.tool_call_id }}"}[/TOOL_RESULTS]
+{%- else %}{{ message.content }}</s>
+{%- endif %}
+{%- endfor %}"""
+TEMPLATES = {"hermes": HERMES_TEMPLATE, "llama3_json": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE}
 
 
 @pytest.fixture(scope="module")
@@ -94,16 +110,15 @@ def client_for(llm, tmp_path_factory, template: str | None):
     return ServerThread(create_app(llm, engine, ServerSettings(model_name=MODEL)))
 
 
-@pytest.fixture(scope="module", params=["hermes", "llama3_json"])
+@pytest.fixture(scope="module", params=list(TEMPLATES))
 def client(request, llm, tmp_path_factory):
-    template = HERMES_TEMPLATE if request.param == "hermes" else LLAMA3_TEMPLATE
-    with client_for(llm, tmp_path_factory, template) as server, \
+    with client_for(llm, tmp_path_factory, TEMPLATES[request.param]) as server, \
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
         yield client
 
 
 def assert_valid_call(call, tool: dict) -> None:
-    assert call.type == "function" and call.id.startswith("call_")
+    assert call.type == "function" and re.fullmatch(r"call_[0-9a-f]{24}|[0-9a-f]{9}", call.id)  # OpenAI's; Mistral's
     assert call.function.name == tool["function"]["name"]
     arguments = json.loads(call.function.arguments)
     assert jsonschema_rs.validator_for(tool["function"]["parameters"]).is_valid(arguments), arguments
@@ -112,9 +127,11 @@ def assert_valid_call(call, tool: dict) -> None:
 def test_required_tool_choice_returns_calls_that_follow_their_schema(client):
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK],
                                          tool_choice="required", max_tokens=120, seed=1)
-    choice = out.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
-    for call in choice.message.tool_calls:
+    choice, calls = out.choices[0], out.choices[0].message.tool_calls
+    assert choice.finish_reason in ("tool_calls", "length")  # the random model may go on calling until the limit
+    whole = calls if choice.finish_reason == "tool_calls" else calls[:-1]  # the last one cut off
+    assert whole
+    for call in whole:
         assert_valid_call(call, {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name])
 
 
@@ -167,9 +184,9 @@ def test_streamed_tool_calls_assemble_in_the_openai_client(client):
 def test_auto_lets_the_model_answer_in_text_and_history_with_calls_renders(client):
     history = [*MESSAGES,
                {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": "call_1", "type": "function",
+                   {"id": "call00001", "type": "function",
                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
-               {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees, rain"}]
+               {"role": "tool", "tool_call_id": "call00001", "content": "4 degrees, rain"}]
     out = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=8, seed=4,
                                          extra_body={"ignore_eos": True})
     choice = out.choices[0]
@@ -199,6 +216,7 @@ def test_a_template_without_tools_refuses_them_unless_tool_choice_is_none(llm, t
 
 def test_the_formats_are_read_from_templates_and_parse_what_they_teach():
     assert tool_call_format(HERMES_TEMPLATE) is HERMES and tool_call_format(LLAMA3_TEMPLATE) is LLAMA3_JSON
+    assert tool_call_format(MISTRAL_TEMPLATE) is MISTRAL
     content, calls = HERMES.parse('Let me look.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
                                   '<tool_call>{"name": "b", "arguments": {}}</tool_call>', {"a", "b"})
     assert content == "Let me look." and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}),
@@ -217,7 +235,7 @@ def test_the_formats_are_read_from_templates_and_parse_what_they_teach():
 def test_a_cut_off_call_is_read_as_far_as_it_got_once_its_name_is_whole():
     call = HERMES.cut_off_call('<tool_call>\n{"name":"a","arguments":{"x":', {"a"})
     assert (call.name, call.arguments) == ("a", '{"x":')
-    assert HERMES.cut_off_call('<tool_call>\n{"name":"a","arguments":{}}\n</tool', {"a"}).arguments == "{}"
+    assert HERMES.cut_off_call('<tool_call>\n{"name":"a","arguments":{}}\n</tool', {"a"}) is None  # parse reads it
     assert HERMES.cut_off_call('<tool_call>\n{"name":"a","arguments":{}}\n</tool_call>', {"a"}) is None
     assert HERMES.cut_off_call('<tool_call>\n{"name":"ab', {"ab"}) is None  # the name may go on
     assert LLAMA3_JSON.cut_off_call('{"name": "a", "parameters": {"x": [1', {"a"}).arguments == '{"x": [1'
@@ -279,8 +297,11 @@ def test_calls_cut_off_by_max_tokens_finish_with_length_and_a_parsed_answer_pass
                   extra_body={"structured_outputs": {"choice": [calls]}})
     with client_for(llm, tmp_path_factory, HERMES_TEMPLATE) as server, \
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
-        whole = client.chat.completions.create(max_tokens=200, **kwargs)
-        cut = client.chat.completions.create(max_tokens=whole.usage.completion_tokens - 4, **kwargs).choices[0]
+        whole = client.chat.completions.create(max_tokens=200, logprobs=True, **kwargs)
+        written = list(itertools.accumulate(token.token for token in whole.choices[0].logprobs.content))
+        inside = next(i for i, text in enumerate(written) if '"city": "Os' in text) + 1  # the second call's JSON
+        cut = client.chat.completions.create(max_tokens=inside, **kwargs).choices[0]
+        unclosed = client.chat.completions.create(max_tokens=len(written) - 2, **kwargs).choices[0]  # JSON whole
         message = whole.choices[0].message.model_dump()  # as the SDK's parse helpers return it
         message["parsed"] = None
         message["tool_calls"][0]["function"]["parsed_arguments"] = {"zone": "utc"}
@@ -288,6 +309,7 @@ def test_calls_cut_off_by_max_tokens_finish_with_length_and_a_parsed_answer_pass
             *MESSAGES, message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "noon"}])
     assert whole.choices[0].finish_reason == "tool_calls" and len(whole.choices[0].message.tool_calls) == 2
     assert cut.finish_reason == "length" and [c.function.name for c in cut.message.tool_calls] == ["get_time"]
+    assert [c.function.name for c in unclosed.message.tool_calls] == ["get_time", "get_weather"]  # as vLLM reads it
     assert again.choices[0].finish_reason == "length"
 
 
@@ -336,3 +358,31 @@ class Address(pydantic.BaseModel):
 class Lookup(pydantic.BaseModel):
     address: Address
     unit: Literal["c", "f"]
+
+
+def test_a_hermes_call_whose_closing_tag_never_came_is_still_a_call_as_vllm_reads_it():
+    call = '<tool_call>\n{"name": "a", "arguments": {"x": 1}}'
+    assert [c.arguments for c in HERMES.parse(call, {"a"})[1]] == ['{"x": 1}']  # a stop string at </tool_call>
+    two = HERMES.parse(f"{call}\n</tool_call>\n{call.replace('1', '2')}", {"a"})[1]
+    assert [c.arguments for c in two] == ['{"x": 1}', '{"x": 2}']
+    cut = HERMES.parse(f'{call}\n</tool_call>\n<tool_call>\n{{"name": "a", "argu', {"a"})[1]  # cut: left out
+    assert [c.arguments for c in cut] == ['{"x": 1}']
+
+
+def test_mistral_calls_are_a_json_array_with_ids_its_templates_take_back():
+    content, calls = MISTRAL.parse(' [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',
+                                   {"a", "b"})
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("a", '{"x": 1}'), ("b", "{}")]
+    assert all(re.fullmatch(r"[0-9a-zA-Z]{9}", c.id) for c in calls)
+    assert MISTRAL.parse('[TOOL_CALLS][{"name": "a", "arguments": {}}]', {"a"})[1][0].name == "a"  # marker as text
+    assert MISTRAL.parse('[{"name": "a", "arguments": {}}', {"a"})[1][0].name == "a"  # stopped before "]"
+    for text in ('[{"name": "a", "arguments": {}}] and more', '[1, 2]', "[see the docs](x)", '[{"name": "z"}]'):
+        assert MISTRAL.parse(text, {"a"}) == (text, [])
+    cut = '[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"q": "ab'
+    assert [c.name for c in MISTRAL.parse(cut, {"a", "b"})[1]] == ["a"]
+    assert MISTRAL.cut_off_call(cut, {"a", "b"}).arguments == '{"q": "ab'
+    assert MISTRAL.cut_off_call('[{"name": "a", "arguments": {}}]', {"a"}) is None
+    assert MISTRAL.content_before_calls(" [{") == 0 and MISTRAL.content_before_calls("Hi [") == 4
+    history = [*MESSAGES, {"role": "assistant", "tool_calls": [
+        {"id": calls[0].id, "type": "function", "function": {"name": "a", "arguments": calls[0].arguments}}]}]
+    assert calls[0].id in ChatTemplate(MISTRAL_TEMPLATE, {}).render(history)

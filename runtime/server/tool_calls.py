@@ -6,6 +6,9 @@ finds calls in a completion.
   2.5 / 3 templates).
 - ``llama3_json``: the whole completion is ``{"name": ..., "parameters": {...}}``, or several such objects separated
   by ";" (Llama 3.1 / 3.2 / 3.3 templates, which also let the model open with ``<|python_tag|>``).
+- ``mistral``: the whole completion is ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral v0.3,
+  Nemo and Small templates; ``[TOOL_CALLS]`` is a special token, so the text holds the array alone), with call ids
+  of 9 letters and digits, which those templates require of the calls passed back.
 """
 
 from __future__ import annotations
@@ -13,40 +16,51 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from kiln.runtime.structured_output import DEFINITION_KEYS, json_rule
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: a function without parameters takes none
 _SEPARATOR = re.compile(r"\s*;\s*")  # between the calls of a Llama 3 JSON completion
+_COMMA = re.compile(r"\s*,\s*")  # between the calls of a Mistral array
 # a call's JSON cut off after its name: the name, and the arguments as far as they got
 _CUT_OFF_CALL = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
                            r"(?P<arguments>.*)", re.DOTALL)
 
 
+def openai_call_id() -> str:
+    """A call id as OpenAI writes them."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def mistral_call_id() -> str:
+    """A call id as Mistral's templates require: 9 letters and digits."""
+    return uuid.uuid4().hex[:9]
+
+
 @dataclass(frozen=True)
 class ToolCall:
-    """One call: a function name and its arguments as JSON text (OpenAI's shape)."""
+    """One call: a function name, its arguments as JSON text (OpenAI's shape) and its id."""
 
     name: str
     arguments: str
-    id: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.id:
-            object.__setattr__(self, "id", f"call_{uuid.uuid4().hex[:24]}")
+    id: str
 
 
 @dataclass(frozen=True)
 class ToolCallFormat:
-    """How one template family writes calls: ``open`` / ``close`` around each call's JSON (empty for a bare JSON
-    completion), and the key that holds the arguments."""
+    """How one template family writes calls: ``open`` / ``close`` around each call's JSON, or, for a completion of
+    calls alone (``open`` empty), the ``prefix`` the model may open it with and whether the calls are one JSON array
+    (``listed``) or objects separated by ";"; the key that holds the arguments, and how a call's id is made."""
 
     name: str
     open: str
     close: str
     arguments_key: str
+    prefix: str = ""
+    listed: bool = False
+    new_id: Callable[[], str] = openai_call_id
 
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         """A Lark grammar (llguidance's dialect) whose strings are calls of ``tools`` (OpenAI function objects),
@@ -59,6 +73,9 @@ class ToolCallFormat:
                                                                      tool["name"], definitions)},
                          "required": ["name", self.arguments_key], "additionalProperties": False} for tool in tools]
         call = json_rule({"anyOf": alternatives, **({"$defs": definitions} if definitions else {})})
+        if self.listed:
+            more = '("," call)*' if parallel else ""
+            return f'start: "[" call {more} "]"\ncall: {call}\n'
         if self.open:
             call = f"{json.dumps(self.open)} {call} {json.dumps(self.close)}"
         repeat = '("\\n" call)*' if parallel and self.open else ""
@@ -71,9 +88,10 @@ class ToolCallFormat:
 
     def _call_start(self, text: str) -> int:
         """Where a call may begin in ``text`` so far (its length when none can)."""
-        if not self.open:  # a bare JSON call is the whole completion: hold anything that may open one
+        if not self.open:  # a completion of calls alone: hold anything that may open one
             stripped = text.lstrip()
-            return 0 if not stripped or stripped.startswith(("{", "<|python_tag|>")) else len(text)
+            opening = ("[" if self.listed else "{", *((self.prefix,) if self.prefix else ()))
+            return 0 if not stripped or stripped.startswith(opening) else len(text)
         marker = self.open.strip()
         if (index := text.find(marker)) >= 0:
             return index
@@ -83,40 +101,69 @@ class ToolCallFormat:
         return len(text)
 
     def parse(self, text: str, functions: Collection[str]) -> tuple[str, list[ToolCall]]:
-        """The content before the first call, and the calls; no calls (and the whole text as content) unless every
-        call in the completion parses and names one of ``functions``."""
-        if not self.open:  # one or more JSON objects, separated by ";"
-            body = text.strip().removeprefix("<|python_tag|>").strip()
+        """The content before the first call, and the whole calls (a call cut off after them is left out); no calls
+        (and the whole text as content) unless every whole call parses and names one of ``functions``."""
+        if self.listed:
+            listed = self._listed(text)
+            calls = [self._call(value, functions) for value in listed[0]] if listed else []
+        elif not self.open:  # one or more JSON objects, separated by ";"
+            body = self._body(text)
             values = _json_values(body) if body.startswith("{") else None
             calls = [self._call(value, functions) for value in values or []]
-            return ("", calls) if calls and all(calls) else (text, [])
-        marker = self.open.strip()
-        pattern = re.escape(marker) + r"\s*(.*?)\s*" + re.escape(self.close.strip())
-        calls = [self._call(_json_value(block), functions) for block in re.findall(pattern, text, flags=re.DOTALL)]
+        else:
+            marker = self.open.strip()
+            pattern = re.escape(marker) + r"\s*(.*?)\s*" + re.escape(self.close.strip())
+            calls = [self._call(_json_value(block), functions) for block in re.findall(pattern, text, flags=re.DOTALL)]
+            if (tail := self._unclosed(text)) is not None and (last := self._call(_json_value(tail), functions)):
+                calls.append(last)  # whole, but its closing marker never came (a stop string, or the end)
         if not calls or not all(calls):
             return text, []
-        return text[:text.find(marker)].rstrip(), calls
+        return (text[:text.find(self.open.strip())].rstrip() if self.open else ""), calls
 
     def cut_off_call(self, text: str, functions: Collection[str]) -> ToolCall | None:
         """The call a completion of calls alone (a forced call) ended inside, cut off by its token limit: its
         arguments as far as they got, as OpenAI returns a call cut off by ``length``; None when the completion ends
         with a whole call, or before the call's name is whole."""
-        if self.open:
-            marker, close = self.open.strip(), self.close.strip()
-            start = text.rfind(marker)
-            if start < 0 or close in text[start:]:
-                return None
-            tail = _without_partial_suffix(text[start + len(marker):].strip(), close)
+        if self.listed:
+            tail = listed[1] if (listed := self._listed(text)) else ""
+        elif self.open:
+            tail = self._unclosed(text) or ""
         else:
-            tail = text.strip().removeprefix("<|python_tag|>").strip()
+            tail = self._body(text)
             if _json_values(tail) is not None:
                 return None
-        if (whole := self._call(_json_value(tail), functions)) is not None:
-            return whole
+        if self._call(_json_value(tail), functions) is not None:  # whole: parse has it
+            return None
         match = _CUT_OFF_CALL.match(tail)
         if match is None or match["name"] not in functions:
             return None
-        return ToolCall(match["name"], match["arguments"])
+        return ToolCall(match["name"], match["arguments"], self.new_id())
+
+    def _body(self, text: str) -> str:
+        """A completion of calls alone without the whitespace around it and the prefix it may open with."""
+        body = text.strip()
+        return body.removeprefix(self.prefix).strip() if self.prefix else body
+
+    def _unclosed(self, text: str) -> str | None:
+        """The text after the last ``open`` marker when no ``close`` follows it (a closing marker cut off part way
+        left out); None when every call is closed."""
+        marker, close = self.open.strip(), self.close.strip()
+        start = text.rfind(marker)
+        if start < 0 or close in text[start:]:
+            return None
+        return _without_partial_suffix(text[start + len(marker):].strip(), close)
+
+    def _listed(self, text: str) -> tuple[list[object], str] | None:
+        """A listed completion's whole values and the start of a value cut off after them ("" when there is none);
+        None when the completion is no array of objects, or holds something after it."""
+        body = self._body(text)
+        if not body.startswith("["):
+            return None
+        values, rest = _leading_values(body[1:], _COMMA)
+        rest = rest.removeprefix(",").strip()
+        if rest in ("", "]"):  # closed, or ended (a stop string) before the bracket
+            return values, ""
+        return (values, rest) if rest.startswith("{") else None
 
     def _call(self, value: object, functions: Collection[str]) -> ToolCall | None:
         """``value`` as a call: an object whose "name" is one of ``functions`` and whose arguments (an object, or
@@ -127,7 +174,7 @@ class ToolCallFormat:
         if not isinstance(arguments, dict | str):
             return None
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)  # as OpenAI
-        return ToolCall(value["name"], text)
+        return ToolCall(value["name"], text, self.new_id())
 
 
 def _hoisted(parameters: dict, tool: str, definitions: dict) -> dict:
@@ -178,24 +225,30 @@ def _without_partial_suffix(text: str, close: str) -> str:
     return text
 
 
+def _leading_values(text: str, separator: re.Pattern) -> tuple[list[object], str]:
+    """The JSON values at the start of ``text``, one after another with ``separator`` between them, and the text
+    after the last of them (stripped)."""
+    decoder, values, index, end = json.JSONDecoder(), [], 0, 0
+    while True:
+        try:
+            value, end = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            return values, text[end:].strip()
+        values.append(value)
+        if (between := separator.match(text, end)) is None or between.end() == len(text):
+            return values, text[end:].strip()
+        index = between.end()
+
+
 def _json_values(text: str) -> list[object] | None:
     """The JSON values ``text`` holds one after another, separated by ";"; None when it holds anything else."""
-    decoder, values, index = json.JSONDecoder(), [], 0
-    try:
-        while True:
-            value, index = decoder.raw_decode(text, index)
-            values.append(value)
-            if index == len(text):
-                return values
-            if (separator := _SEPARATOR.match(text, index)) is None:
-                return None
-            index = separator.end()
-    except json.JSONDecodeError:
-        return None
+    values, rest = _leading_values(text, _SEPARATOR)
+    return values if values and not rest else None
 
 
 HERMES = ToolCallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "arguments")
-LLAMA3_JSON = ToolCallFormat("llama3_json", "", "", "parameters")
+LLAMA3_JSON = ToolCallFormat("llama3_json", "", "", "parameters", prefix="<|python_tag|>")
+MISTRAL = ToolCallFormat("mistral", "", "", "arguments", prefix="[TOOL_CALLS]", listed=True, new_id=mistral_call_id)
 
 
 def tool_call_format(template_source: str) -> ToolCallFormat | None:
@@ -204,6 +257,8 @@ def tool_call_format(template_source: str) -> ToolCallFormat | None:
         return None
     if "<tool_call>" in template_source:
         return HERMES
+    if "[TOOL_CALLS]" in template_source:  # before Llama's test: Mistral's templates write "parameters" too
+        return MISTRAL
     if "<|python_tag|>" in template_source or '"parameters"' in template_source:
         return LLAMA3_JSON
     return None
