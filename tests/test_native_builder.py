@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from kiln.engines.native import plan as native_plan
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError, KilnError
+from kiln.runtime.native import kv_cache
 from kiln.runtime.native.engine_format import ENGINE_FORMAT_VERSION, EngineConfig
 from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint
 from kiln.runtime.native.kv_cache import allocate_kv_cache, is_token_major, kv_bytes_per_block
@@ -83,13 +84,13 @@ def test_a_batch_whose_full_length_sequences_do_not_all_fit_builds_and_one_that_
     admits what fits); a KV budget below one sequence is refused, saying which max_seq_len would fit."""
     config = EngineConfig.from_dict(build(checkpoint, tmp_path, name="fits")[0])
     per_seq = kv_bytes_per_block(config) * (64 // 4)
-    monkeypatch.setattr(native_plan, "memory_budget_bytes", lambda device, weight_bytes: 3 * per_seq + 1)
+    monkeypatch.setattr(kv_cache, "CPU_KV_MAX_BYTES", 3 * per_seq + 1)  # the pool a CPU engine allocates at most
     assert native_plan.check_kv_cache_fits(config, "cpu", 0) == 3
     built = tmp_path / "three-of-four"
     built.mkdir()
     build_native_engine(checkpoint, built, tiny_plan(max_batch_size=4), "float32")
     assert (built / "engine.json").is_file()
-    monkeypatch.setattr(native_plan, "memory_budget_bytes", lambda device, weight_bytes: per_seq * 3 // 4)
+    monkeypatch.setattr(kv_cache, "CPU_KV_MAX_BYTES", per_seq * 3 // 4)
     out = tmp_path / "engine"
     out.mkdir()
     with pytest.raises(KilnError, match=r"one sequence of build.max_seq_len 64 needs .* lower build.max_seq_len to "

@@ -73,16 +73,15 @@ def test_gpu_memory_utilization_is_the_share_of_the_device_the_kv_pool_fills(mon
 
     import torch
 
-    from kiln.runtime.native import model_runner
+    from kiln.runtime.native import kv_cache
 
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * gib, 140 * gib))  # 40 GiB already held
-    monkeypatch.setattr(model_runner, "kv_bytes_per_block", lambda config: gib // 4)
+    monkeypatch.setattr(kv_cache, "kv_bytes_per_block", lambda config: gib // 4)
     arch = SimpleNamespace(hidden_size=64, intermediate_size=128, vocab_size=256)
-    plan = SimpleNamespace(max_batch_size=512, max_seq_len=4096, max_num_tokens=64)
-    runner = SimpleNamespace(config=SimpleNamespace(plan=plan, architecture=arch), block_size=32,
-                             device=torch.device("cuda"))
-    blocks = {share: model_runner.ModelRunner._default_num_kv_blocks(runner, share) for share in (0.9, 0.95)}
+    plan = SimpleNamespace(max_batch_size=512, blocks_per_seq=4096 // 32, max_num_tokens=64)
+    config = SimpleNamespace(plan=plan, architecture=arch)
+    blocks = {share: kv_cache.default_kv_blocks(config, torch.device("cuda"), share) for share in (0.9, 0.95)}
     assert blocks == {0.9: 4 * 86 - 1, 0.95: 4 * 93 - 1}  # (100 - 14 or 7 GiB) in quarter-GiB blocks, less activations
 
 

@@ -77,10 +77,7 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
     )
     check_weights_match(config, weights, checkpoint_dir)
     shards = shard_weights(weights, arch, tp_size) if tp_size > 1 else [weights]
-    # the ranks of a CPU engine share this machine's memory; those of a CUDA engine have a GPU each
-    ranks_per_memory = tp_size if torch.device(device).type == "cpu" else 1
-    check_kv_cache_fits(rank_config(config), device, ranks_per_memory * max(_bytes(shard) for shard in shards),
-                        ranks_per_memory)
+    check_kv_cache_fits(rank_config(config), device, max(_bytes(shard) for shard in shards))
     if source_quant.format == "fp8" and fp8_kernels_measurable(device, kernels):  # once the plan is known to fit
         streaming_max_m = measure_fp8_streaming_max_m(rank_architecture(arch, tp_size), DTYPES[dtype], device)
         config = replace(config, quantization=replace(config.quantization, fp8_streaming_max_m=streaming_max_m))

@@ -3,19 +3,21 @@ a KV cache that must fit in memory. (The plan's own limits are checked where it 
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.engine_format import DTYPES, Architecture, EngineConfig
-from kiln.runtime.native.kv_cache import kv_bytes_per_block
+from kiln.runtime.native.kv_cache import (
+    CPU_KV_MAX_BYTES,
+    GPU_MEMORY_UTILIZATION,
+    default_kv_blocks,
+    kv_bytes_per_block,
+)
 from kiln.runtime.plan import BuildPlan, PlanError
 
 FP8_KV_NAMES = ("fp8", "float8_e4m3fn")
-KV_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.5}  # of free GPU memory / of MemAvailable, before subtracting weights
 
 
 def fit_plan(plan: BuildPlan, arch: Architecture, dtype: str, fp8_kv_available: bool) -> BuildPlan:
@@ -40,42 +42,26 @@ def _kv_cache_dtype(requested: str, dtype: str, fp8_kv_available: bool) -> str:
     raise KilnError(f"build.kv_cache_dtype {requested!r} is not one of auto, fp8, {', '.join(DTYPES)}")
 
 
-def memory_budget_bytes(device: str, weight_bytes: int) -> int:
-    """Bytes the KV cache may take on ``device``: a fraction of free memory, minus the weights."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-    else:
-        free = _mem_available()
-    return int(free * KV_MEMORY_FRACTION[dev.type]) - weight_bytes
-
-
-def check_kv_cache_fits(config: EngineConfig, device: str, weight_bytes: int, ranks: int = 1) -> int:
-    """How many sequences of max_seq_len the KV cache can hold at once on ``device``; KilnError, saying what would
-    fit, when not even one can. Fewer than max_batch_size is a valid plan, as in TensorRT-LLM and vLLM: the
-    scheduler admits what fits and preempts when the pool runs out. ``config`` is one rank's; ``ranks`` of them
-    share ``device``'s memory (the weights of all of them are ``weight_bytes``)."""
+def check_kv_cache_fits(config: EngineConfig, device: str, weight_bytes: int) -> int:
+    """How many sequences of max_seq_len the KV pool the engine will allocate on ``device`` by default
+    (``default_kv_blocks``, leaving room for ``weight_bytes`` of weights) holds at once; KilnError, saying what would
+    fit, when not even one: the engine could not load. Fewer than max_batch_size is a valid plan, as in
+    TensorRT-LLM and vLLM: the scheduler admits what fits and preempts when the pool runs out. ``config`` is one
+    rank's."""
     plan = config.plan
-    block_bytes = ranks * kv_bytes_per_block(config)
-    seq_bytes = plan.blocks_per_seq * block_bytes
-    budget = max(memory_budget_bytes(device, weight_bytes), 0)
-    if budget >= seq_bytes:
-        return budget // seq_bytes
-    fit_len = budget // block_bytes * plan.tokens_per_block
+    blocks = default_kv_blocks(config, torch.device(device), weights_to_load=weight_bytes)
+    if blocks >= plan.blocks_per_seq:
+        return blocks // plan.blocks_per_seq
+    block_bytes = kv_bytes_per_block(config)
+    fit_len = blocks * plan.tokens_per_block
     advice = f"lower build.max_seq_len to {fit_len}" if fit_len else "free memory"
     if config.plan.kv_cache_dtype != "float8_e4m3fn":
         advice += ", or use an FP8 KV cache"
-    raise KilnError(f"KV cache for one sequence of build.max_seq_len {plan.max_seq_len} needs {_gib(seq_bytes)} but "
-                    f"{_gib(budget)} is available on {device} after {_gib(weight_bytes)} of weights: {advice}")
-
-
-def _mem_available() -> int:
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    pool = (f"{_gib(CPU_KV_MAX_BYTES)}, the most a CPU engine's pool takes" if torch.device(device).type == "cpu" else
+            f"{_gib(blocks * block_bytes)}, what {device} leaves after {_gib(weight_bytes)} of weights and the "
+            f"activations within gpu_memory_utilization {GPU_MEMORY_UTILIZATION}")
+    raise KilnError(f"KV cache for one sequence of build.max_seq_len {plan.max_seq_len} needs "
+                    f"{_gib(plan.blocks_per_seq * block_bytes)}, but the engine's KV pool holds {pool}: {advice}")
 
 
 def _gib(n: int) -> str:

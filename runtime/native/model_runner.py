@@ -18,7 +18,12 @@ from kiln.runtime.native.device_copy import device_tensor
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.grammar import Grammars
 from kiln.runtime.native.kernel_choice import KernelChoice
-from kiln.runtime.native.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from kiln.runtime.native.kv_cache import (
+    GPU_MEMORY_UTILIZATION,
+    allocate_kv_cache,
+    default_kv_blocks,
+    kv_bytes_per_block,
+)
 from kiln.runtime.native.logit_controls import UnseenTokens
 from kiln.runtime.native.model.decoder import DecoderModel
 from kiln.runtime.native.parallel.channel import StepChannel
@@ -39,15 +44,6 @@ from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.stats import PhaseTimes
-
-# On CUDA the KV pool takes the memory left after the weights and an activation reserve within the share of the GPU
-# the engine may hold (RuntimeOptions.gpu_memory_utilization, by default this one), up to GPU_KV_MAX_PLAN_MULTIPLE
-# times what max_batch_size full-length sequences need (the excess serves the prefix cache; the cap keeps a small
-# model on a large GPU from holding millions of blocks).
-GPU_MEMORY_UTILIZATION = 0.9
-GPU_KV_MAX_PLAN_MULTIPLE = 4
-# On CPU the KV pool holds max_batch_size full-length sequences, at most this many bytes.
-CPU_KV_MAX_BYTES = 2 << 30
 
 
 class InsufficientKVMemoryError(KilnError):
@@ -146,8 +142,8 @@ class ModelRunner:
                 "capture_s": round(sum(s.capture_s for s in sets), 4)}
 
     def _allocate_kv_pool(self, config: EngineConfig, options: RuntimeOptions) -> None:
-        self.num_kv_blocks = options.num_kv_blocks or self._default_num_kv_blocks(
-            options.gpu_memory_utilization or GPU_MEMORY_UTILIZATION)
+        self.num_kv_blocks = options.num_kv_blocks or default_kv_blocks(
+            config, self.device, options.gpu_memory_utilization or GPU_MEMORY_UTILIZATION)
         if self.tp is not None:
             self.num_kv_blocks = self.tp.min_over_ranks(self.num_kv_blocks)
         min_blocks = -(-config.plan.max_seq_len // self.block_size)
@@ -163,18 +159,6 @@ class ModelRunner:
             raise InsufficientKVMemoryError(
                 f"KV pool of {self.num_kv_blocks} blocks ({gib:.1f} GiB) could not be allocated on {self.device} "
                 f"({str(e).splitlines()[0]}): pass a smaller num_kv_blocks or free memory") from None
-
-    def _default_num_kv_blocks(self, gpu_memory_utilization: float) -> int:
-        plan, arch = self.config.plan, self.config.architecture
-        block_bytes = kv_bytes_per_block(self.config)
-        plan_blocks = plan.max_batch_size * -(-plan.max_seq_len // self.block_size)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            hidden_width = 4 * arch.hidden_size + 3 * arch.intermediate_size
-            activations = 4 * plan.max_num_tokens * hidden_width + 8 * plan.max_batch_size * arch.vocab_size
-            usable = free - (1 - gpu_memory_utilization) * total - 2 * activations
-            return max(0, min(int(usable // block_bytes), GPU_KV_MAX_PLAN_MULTIPLE * plan_blocks))
-        return min(plan_blocks, CPU_KV_MAX_BYTES // block_bytes)
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, after: LaunchedStep | None = None) -> LaunchedStep:
