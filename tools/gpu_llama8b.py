@@ -18,13 +18,14 @@ import shutil
 import time
 from pathlib import Path
 
+from tiny_corpus import generate_documents
+
 from kiln.engines.cache import EngineCache, checkpoint_hash
 from kiln.pipeline import runner
 from kiln.pipeline.bench.random_checkpoint import random_checkpoint
 from kiln.pipeline.bench.target import bench_root, read_architecture_file
 from kiln.pipeline.config import cache_root
 from kiln.pipeline.runtime_env import runtime_options
-from tools.tiny_corpus import generate_documents
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = REPO / "configs" / "models" / "llama3-8b.json"

@@ -26,7 +26,7 @@ from kiln.pipeline.bench.serving_workload import make_workload
 from kiln.runtime.engine_process import ProcessEngine
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.llm import LLM
-from kiln.runtime.outputs import RequestFailure, StreamDelta, step_delta, stop_reason
+from kiln.runtime.outputs import RequestFailure, StreamDelta, finish_reason, step_delta
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence, SequenceStatus
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
@@ -66,7 +66,7 @@ class ScriptedEngine:
         for request_id, (seq, detokenizer) in list(self._running.items()):
             token = self._words[(seq.token_ids[-1] + 1) % len(self._words)]
             seq.append_token(token, now)
-            if (reason := stop_reason(seq, token, detokenizer, self.eos_token_ids)) is not None:
+            if (reason := finish_reason(seq, token, detokenizer, self.eos_token_ids)) is not None:
                 seq.finish(reason, now)
                 del self._running[request_id]
             deltas.append(step_delta(seq, detokenizer, [token]))
