@@ -1,5 +1,5 @@
 """The tools in tools/ that docs/performance.md tells users to run still import against the code they measure (a
-renamed function broke one unnoticed): each is imported as ``python tools/NAME.py`` would import it (its main is not run)."""
+renamed function broke one unnoticed): each is imported as ``python tools/NAME.py`` imports it, its main not run."""
 
 from __future__ import annotations
 
