@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kiln.calibration.checkpoint_checks import check_quantizable
 from kiln.engines.cache import EngineCache, checkpoint_hash
+from kiln.engines.cache.layout import layout_root
 from kiln.engines.native.builder import preflight_native_plan, refuse_parallelism
 from kiln.pipeline.backend import choose_backend, require, require_device
 from kiln.pipeline.config import LoadedConfig, is_local_path, load_config
@@ -37,7 +38,7 @@ def open_cache(loaded: LoadedConfig, *, create: bool) -> EngineCache | None:
     """The engine cache the config names; None when it does not exist yet and ``create`` is false."""
     section = loaded.config.cache
     root = section.root()
-    if not create and not (root / "v1").is_dir():
+    if not create and not layout_root(root).is_dir():
         return None
     return EngineCache.open(root, max_size_bytes=int(section.max_size_gb * GB), max_entries=section.max_entries,
                             verify_on_load=section.verify_on_load, remote=section.remote_spec(), warn=warn)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from kiln.engines.cache import CacheCorruptError, CacheEntryNotFoundError, EngineCache
-from kiln.engines.cache.layout import LAYOUT_VERSION, entry_of_payload
+from kiln.engines.cache.layout import entry_of_payload, layout_root
 from kiln.engines.cache.store import MIN_PREFIX
 from kiln.pipeline.cache_remote import pull_engine
 from kiln.pipeline.config import find_config, remote_spec, remote_turned_off
@@ -64,7 +64,7 @@ def resolve_target(text: str, cache_root: Path, *, no_engines: str | None = None
         if no_engines is not None:
             raise TargetError(f"{text}: a cache key (an engine's); {no_engines}")
         remote = remote_spec()
-        if remote is None and not (cache_root / LAYOUT_VERSION).is_dir():
+        if remote is None and not layout_root(cache_root).is_dir():
             raise TargetError(f"cache key {text}: there is no engine cache at {cache_root}; set $KILN_CACHE to the "
                               f"cache that holds it, or $KILN_CACHE_REMOTE to the team's remote cache")
         cache = EngineCache.open_configured(cache_root, remote=remote, recorded_remote=not remote_turned_off(),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kiln.engines.cache.errors import CacheEntryNotFoundError
 from kiln.engines.cache.eviction import EvictionReport, evict
-from kiln.engines.cache.layout import HASH_MEMO, PAYLOADS, ensure_layout, require_layout, write_atomic
+from kiln.engines.cache.layout import HASH_MEMO, PAYLOADS, ensure_layout, layout_root, require_layout, write_atomic
 from kiln.engines.cache.remote.layout import REMOTE_STORES
 from kiln.engines.cache.remote.spec import RemoteSpec
 from kiln.engines.cache.remote.tier import RemoteTier
@@ -135,7 +135,7 @@ class EngineCache:
 def read_remote(root: Path) -> RemoteSpec | None:
     """The remote tier recorded under ``root`` (None when none was configured, or the record is unreadable)."""
     try:
-        return RemoteSpec(**json.loads((Path(root) / "v1" / REMOTE_FILE).read_bytes()))
+        return RemoteSpec(**json.loads((layout_root(Path(root)) / REMOTE_FILE).read_bytes()))
     except (OSError, ValueError, TypeError):
         return None
 
@@ -143,7 +143,7 @@ def read_remote(root: Path) -> RemoteSpec | None:
 def read_limits(root: Path) -> dict:
     """The limits recorded under ``root`` (both None when never configured)."""
     try:
-        data = json.loads((Path(root) / "v1" / LIMITS_FILE).read_bytes())
+        data = json.loads((layout_root(Path(root)) / LIMITS_FILE).read_bytes())
         return {"max_size_bytes": data.get("max_size_bytes"), "max_entries": data.get("max_entries")}
     except (OSError, ValueError, AttributeError):
         return {"max_size_bytes": None, "max_entries": None}

@@ -57,7 +57,7 @@ def entry_of_payload(payload: Path) -> tuple[Path, str, str] | None:
 def ensure_layout(root: Path) -> Path:
     """Create the root, its CACHEDIR.TAG and the v1 folders; return ``<root>/v1``. CacheRootError when the root
     cannot hold a cache (a file, a folder this user cannot write)."""
-    v1 = _v1_of(root)
+    v1 = layout_root(root)
     try:
         for sub in ("tmp", "locks", "quarantine"):
             (v1 / sub).mkdir(parents=True, exist_ok=True)
@@ -85,15 +85,15 @@ def _first_unwritable(v1: Path) -> Path | None:
 
 def require_layout(root: Path) -> Path:
     """``<root>/v1`` of an existing cache, creating nothing; CacheRootError when there is no cache at ``root``."""
-    v1 = _v1_of(root)
+    v1 = layout_root(root)
     if not v1.is_dir():
         raise CacheRootError(f"no cache at {root}: nothing was built or pulled there yet; point $KILN_CACHE (or "
                              f"--cache-dir, cache.dir) at the cache to use")
     return v1
 
 
-def _v1_of(root: Path) -> Path:
-    """``<root>/v1``; CacheRootError when the root is a file."""
+def layout_root(root: Path) -> Path:
+    """``<root>/v1``, the folder of this layout; CacheRootError when the root is a file."""
     if root.exists() and not root.is_dir():
         raise CacheRootError(f"cache root {root} is a file, not a folder; set $KILN_CACHE (or cache.dir, "
                              f"--cache-dir) to a folder")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kiln.engines.cache.layout import layout_root
 from kiln.engines.trtllm.options import TrtllmBuildOptions
 from kiln.engines.trtllm.preflight import FP8_GEMM_PLUGIN_MAX_BATCH
 
@@ -68,7 +69,7 @@ def timing_cache_path(cache_root: Path, fingerprint: dict[str, Any]) -> Path:
     parts = (fingerprint.get("gpu_name") or "nogpu", f"sm{fingerprint.get('compute_capability') or 'na'}",
              f"trt{fingerprint.get('tensorrt') or 'na'}")
     name = "-".join(re.sub(r"[^A-Za-z0-9.]+", "_", str(p)).strip("_") for p in parts)
-    return Path(cache_root) / "v1" / "trtllm" / f"timing-{name}.cache"
+    return layout_root(Path(cache_root)) / "trtllm" / f"timing-{name}.cache"
 
 
 def _switch(on: bool) -> str:
