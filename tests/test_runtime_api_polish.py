@@ -81,3 +81,17 @@ def test_chat_prompts_get_exactly_the_tokens_transformers_apply_chat_template_gi
                                   json={"messages": messages, "max_tokens": 1, "temperature": 0})
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_each_server_warns_once_of_an_ignored_field_whatever_other_servers_in_the_process_did(tmp_path, caplog):
+    from kiln.runtime.server.completions import make_jobs
+    from kiln.runtime.server.protocol import CompletionRequest
+
+    limits = EngineLimits(max_input_len=8, max_seq_len=128, max_batch_size=3, max_num_tokens=64, kv_pool_tokens=100)
+    request = CompletionRequest(model="tiny", prompt="hi", user="u-1")
+    for model in [ServedModel(public_api_only(limits), "tiny", tmp_path, 5) for _ in range(2)]:  # two apps, say
+        caplog.clear()
+        for _ in range(2):
+            make_jobs(model, request, [[5]], [4], logprobs=None, prompt_logprobs=None, structured_output=None)
+        assert [r.getMessage() for r in caplog.records].count(
+            "requests set 'user', which this server accepts and ignores (logged once)") == 1

@@ -48,15 +48,12 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
 
 
-_logged_ignored: set[str] = set()
-
-
 def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *,
               logprobs: int | None, prompt_logprobs: int | None,
               structured_output: StructuredOutput | None) -> list[Job]:
     """`n` jobs per prompt, in OpenAI's choice order (prompt-major), with the model's sampling defaults."""
-    for name in set(req.ignored_fields()) - _logged_ignored:
-        _logged_ignored.add(name)
+    for name in set(req.ignored_fields()) - model.logged_ignored_fields:
+        model.logged_ignored_fields.add(name)
         logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
     try:
         return [Job(ids, sampling_params(req, max_tokens=limit, index=choice, logprobs=logprobs,

@@ -83,6 +83,7 @@ class ServedModel:
             self.chat_template, self.chat_template_problem = None, str(exc)
         self.tool_call_format = tool_call_format(self.chat_template.source) if self.chat_template else None
         self.admission = Admission(self.limits.max_batch_size + max_queue)
+        self.logged_ignored_fields: set[str] = set()  # warned of once per server
 
     def card(self, created: int, name: str | None = None) -> ModelCard:
         """The model as ``/v1/models`` lists it (under ``name``, one of its names; default its first)."""
