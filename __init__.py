@@ -12,13 +12,11 @@ kiln.runtime``, docs/architecture.md). The runtime's public names are re-exporte
 
 from __future__ import annotations
 
-import importlib
-
-__all__ = ["LLM", "KilnError", "RequestOutput", "RuntimeOptions", "SamplingParams", "StreamDelta", "StructuredOutput",
-           "TokenLogprob"]
+from kiln import runtime
+from kiln.runtime import __all__  # the runtime's public names, reached from kiln itself (imported when first used)
 
 
 def __getattr__(name: str) -> object:
     if name in __all__:
-        return getattr(importlib.import_module("kiln.runtime"), name)
+        return getattr(runtime, name)
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")

@@ -150,7 +150,7 @@ def trtllm(monkeypatch) -> types.ModuleType:
     monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings", package.bindings)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings.executor", module)
     versions = {"tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48"}
-    monkeypatch.setattr(toolchain, "_version", versions.get)
+    monkeypatch.setattr(toolchain, "package_version", versions.get)
     monkeypatch.setattr(adapter, "trtllm_machine_fingerprint", lambda: dict(H200))
     FakeExecutor.instances.clear()
     return module
@@ -332,13 +332,13 @@ def test_an_engine_built_for_another_toolchain_or_gpu_is_refused_naming_each_dif
 def test_without_a_gpu_or_without_tensorrt_llm_loading_says_what_to_do(trtllm, engine_dir, monkeypatch):
     with pytest.raises(TrtllmUnavailableError, match="CUDA GPUs only"):
         TrtllmEngine(engine_dir, RuntimeOptions(device="cpu"))
-    monkeypatch.setattr(toolchain, "_version", lambda dist: None)
+    monkeypatch.setattr(toolchain, "package_version", lambda dist: None)
     with pytest.raises(TrtllmUnavailableError, match=r"pip install 'tensorrt-llm>=1.2,<1.3'"):
         TrtllmEngine(engine_dir, RuntimeOptions())
-    monkeypatch.setattr(toolchain, "_version", lambda dist: "1.3.0rc5")
+    monkeypatch.setattr(toolchain, "package_version", lambda dist: "1.3.0rc5")
     with pytest.raises(TrtllmUnavailableError, match="supports 1.2.x only"):
         TrtllmEngine(engine_dir, RuntimeOptions())
-    monkeypatch.setattr(toolchain, "_version", lambda dist: "1.2.1")
+    monkeypatch.setattr(toolchain, "package_version", lambda dist: "1.2.1")
     monkeypatch.setattr(adapter, "trtllm_machine_fingerprint", lambda: {**H200, "device": "cpu"})
     with pytest.raises(TrtllmUnavailableError, match="no CUDA GPU is visible"):
         TrtllmEngine(engine_dir, RuntimeOptions())

@@ -28,8 +28,6 @@ def weights_file(rank: int) -> str:
     return f"rank{rank}.safetensors"
 
 
-WEIGHTS_FILE = weights_file(0)
-
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
 QUANT_FORMATS = ("none", "fp8", "int4_awq")

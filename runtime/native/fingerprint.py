@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Any
 
 import torch
 
 from kiln.runtime.errors import FingerprintMismatchError, KilnError
+from kiln.runtime.version import package_version
 
 
 class DeviceUnavailableError(KilnError):
@@ -35,7 +35,7 @@ def machine_fingerprint(device: str) -> dict[str, Any]:
         "gpu_name": torch.cuda.get_device_name(dev),
         "compute_capability": f"{major}.{minor}",
         "torch": torch_version,
-        "triton": _package_version("triton"),
+        "triton": package_version("triton"),
         "cuda": torch.version.cuda,
     }
 
@@ -68,10 +68,3 @@ def _describe_device(fp: dict[str, Any]) -> str:
     if fp.get("device") != "cuda":
         return str(fp.get("device"))
     return f"{fp.get('gpu_name')} (sm {fp.get('compute_capability')})"
-
-
-def _package_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None

@@ -4,10 +4,10 @@ imported), what an engine is tied to, and the executor module once a 1.2.x engin
 from __future__ import annotations
 
 import importlib
-from importlib import metadata
 from typing import Any
 
 from kiln.runtime.errors import FingerprintMismatchError, KilnError
+from kiln.runtime.version import package_version
 
 SUPPORTED_TRTLLM = (1, 2)
 INSTALL_HINT = ("install TensorRT-LLM 1.2.x on a GPU machine: pip install 'tensorrt-llm>=1.2,<1.3' "
@@ -22,13 +22,13 @@ class TrtllmUnavailableError(KilnError):
 
 def trtllm_version() -> str | None:
     """The installed tensorrt_llm version (package metadata only: nothing is imported)."""
-    return _version("tensorrt_llm")
+    return package_version("tensorrt_llm")
 
 
 def trtllm_versions() -> dict[str, str | None]:
     """Installed tensorrt_llm and tensorrt versions (package metadata only: nothing is imported)."""
     return {"tensorrt_llm": trtllm_version(),
-            "tensorrt": next(filter(None, map(_version, _TENSORRT_DISTRIBUTIONS)), None)}
+            "tensorrt": next(filter(None, map(package_version, _TENSORRT_DISTRIBUTIONS)), None)}
 
 
 def trtllm_machine_fingerprint() -> dict[str, Any]:
@@ -64,7 +64,7 @@ def is_supported_trtllm(version: str) -> bool:
 
 def import_executor_module() -> Any:
     """`tensorrt_llm.bindings.executor`, after checking the installed version is 1.2.x."""
-    version = _version("tensorrt_llm")
+    version = package_version("tensorrt_llm")
     if version is None:
         raise TrtllmUnavailableError(f"this engine needs TensorRT-LLM, which is not installed; {INSTALL_HINT}")
     if not is_supported_trtllm(version):
@@ -75,10 +75,3 @@ def import_executor_module() -> Any:
     except ImportError as e:
         raise TrtllmUnavailableError(f"tensorrt_llm.bindings.executor does not import ({e}); {INSTALL_HINT}") from None
 
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
