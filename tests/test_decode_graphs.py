@@ -255,9 +255,9 @@ def test_cuda_graphs_are_on_by_default_and_never_on_cpu(engine_dir):
 
 
 def test_programmatic_dependent_launch_is_on_for_small_cuda_launches_unless_turned_off(monkeypatch):
-    from kiln.runtime.native.kernels import pdl
+    from kiln.runtime.native.kernels import device_limits, pdl
 
-    monkeypatch.setattr(pdl, "_supports_pdl", lambda device: True)
+    monkeypatch.setattr(device_limits, "supports_pdl", lambda device: True)
     cuda_looking = mock.Mock(is_cuda=True, device=torch.device("cuda", 0), shape=(pdl.PDL_MAX_TOKENS, 64))
     assert pdl.pdl_options(cuda_looking) == {"PDL": True, "launch_pdl": True}
     assert pdl.pdl_options(mock.Mock(is_cuda=True, device=cuda_looking.device, shape=(pdl.PDL_MAX_TOKENS + 1, 64))) \

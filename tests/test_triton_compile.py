@@ -313,7 +313,8 @@ def recording():
             patch.setattr(importlib.import_module(f"kiln.runtime.native.kernels.{sized_by_sms}"), "num_sms",
                           lambda device: H100_SMS)
         # launched as on an H100, with programmatic dependent launch
-        patch.setattr(importlib.import_module("kiln.runtime.native.kernels.pdl"), "_supports_pdl", lambda device: True)
+        patch.setattr(importlib.import_module("kiln.runtime.native.kernels.device_limits"), "supports_pdl",
+                      lambda device: True)
         yield launches
 
 

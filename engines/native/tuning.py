@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from kiln.runtime.native.engine_format import Architecture, QuantizationConfig
+from kiln.runtime.native.kernels.device_limits import has_fp8_tensor_cores
 from kiln.runtime.options import Kernels
 
 logger = logging.getLogger("kiln.build")
@@ -30,7 +31,7 @@ def fp8_kernels_measurable(device: torch.device | str, kernels: Kernels) -> bool
     """Whether a build on ``device`` times both FP8 paths: CUDA with FP8 tensor cores, and the Triton kernels on
     (``RuntimeOptions.kernels``; with "torch" the engine never streams, and Triton may not even work there)."""
     device = torch.device(device)
-    return device.type == "cuda" and kernels == "triton" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and kernels == "triton" and has_fp8_tensor_cores(device)
 
 
 def tuning_material(device: str, kernels: Kernels) -> dict:

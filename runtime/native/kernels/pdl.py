@@ -17,12 +17,12 @@ it made an FP8 decode step at batch 1 4.8 % faster (3.53 -> 3.36 ms; bf16 2 %) b
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kiln.runtime.native.kernels import device_limits
 
 
 @triton.jit
@@ -50,10 +50,5 @@ def pdl_options(x: torch.Tensor, enabled: bool = True) -> dict[str, bool]:
     """The launch keywords of a kernel over the tokens of ``x`` (its first dim): the kernel's ``PDL`` constexpr and
     triton's ``launch_pdl``, both on when ``enabled``, for at most PDL_MAX_TOKENS tokens on a CUDA device that has PDL;
     triton's interpreter runs without."""
-    on = enabled and x.shape[0] <= PDL_MAX_TOKENS and x.is_cuda and _supports_pdl(x.device)
+    on = enabled and x.shape[0] <= PDL_MAX_TOKENS and x.is_cuda and device_limits.supports_pdl(x.device)
     return {"PDL": on, "launch_pdl": on}
-
-
-@functools.cache
-def _supports_pdl(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (9, 0)

@@ -16,7 +16,6 @@ Runtime weight layouts (``rank0.safetensors``, per module prefix):
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
+from kiln.runtime.native.kernels.device_limits import has_fp8_tensor_cores
 
 if TYPE_CHECKING:
     from kiln.runtime.native.kernels.kv_store import PagedCaches
@@ -306,12 +306,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 def use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``fp8_linear_scaled_mm`` can run: a CUDA device with FP8 tensor cores and 16-aligned K and N."""
     return (x.is_cuda and x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0 and x.numel() > 0
-            and _has_fp8_tensor_cores(x.device.index if x.device.index is not None else torch.cuda.current_device()))
-
-
-@functools.cache
-def _has_fp8_tensor_cores(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+            and has_fp8_tensor_cores(x.device))
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
