@@ -67,7 +67,8 @@ class ServeTarget:
                  model_names: list[str] | None = None,
                  chat_template: str | None = None, max_body_mb: float | None = None,
                  allowed_origins: list[str] | None = None,
-                 generation_config: Literal["auto", "vllm"] = "auto") -> ServerSettings:
+                 generation_config: Literal["auto", "vllm"] = "auto",
+                 reasoning_parser: str | None = None) -> ServerSettings:
         from kiln.runtime.server import ServerSettings
 
         bound = {"max_body_bytes": int(max_body_mb * (1 << 20))} if max_body_mb is not None else {}
@@ -76,7 +77,8 @@ class ServeTarget:
         names = model_names or [self.model_name]
         return ServerSettings(model_name=names[0], model_aliases=tuple(names[1:]), api_key=api_key or self.api_key,
                               max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache,
-                              chat_template=chat_template, generation_config=generation_config, **bound)
+                              chat_template=chat_template, generation_config=generation_config,
+                              reasoning_parser=reasoning_parser, **bound)
 
 
 class ChatTemplateFileError(KilnError):
@@ -215,6 +217,9 @@ def serve(
     generation_config: Annotated[Literal["auto", "vllm"], typer.Option(
         help="Sampling defaults of requests that leave them unset: the model's generation_config.json (auto, as "
              "vLLM) or vLLM's own (vllm).")] = "auto",
+    reasoning_parser: Annotated[Literal["deepseek_r1", "qwen3"] | None, typer.Option(
+        help="Chat completions carry the model's <think> text as message.reasoning (and reasoning_content) apart from "
+             "its content, as vLLM's parsers of these names do.")] = None,
     backend: Annotated[str | None, typer.Option(help="Build backend for a config: auto, native or trtllm.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the engine's).")] = None,
     num_kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV pool size in blocks (default: from free "
@@ -247,7 +252,7 @@ def serve(
     api_key = api_key or resolved.api_key or os.environ.get("VLLM_API_KEY")  # a deployment migrated from vLLM
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_names=model_names, chat_template=template,
                                  max_body_mb=max_body_mb, allowed_origins=allowed_origins,
-                                 generation_config=generation_config)
+                                 generation_config=generation_config, reasoning_parser=reasoning_parser)
     app = create_app(resolved.loader(options), resolved.engine_dir, settings)
     bind_host = host or resolved.host
     bind_port = resolved.port if port is None else port

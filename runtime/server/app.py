@@ -37,6 +37,7 @@ from kiln.runtime.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from kiln.runtime.server.reasoning import REASONING_PARSERS
 from kiln.runtime.server.request_id import REQUEST_ID_HEADER, RequestIdMiddleware
 from kiln.runtime.server.responses import create_response
 from kiln.runtime.server.responses_protocol import ResponseObject, ResponsesRequest
@@ -53,7 +54,8 @@ _STREAMING = {200: {"content": {"text/event-stream": {"schema": {"type": "string
 @dataclass
 class ServerSettings:
     """How the server presents the engine: its model id (and aliases), API key, queue bound, body-size bound, chat
-    template override, the origins browsers may call it from (CORS; none: no CORS headers) and engine-cache facts."""
+    template override, the reasoning parser, the origins browsers may call it from (CORS; none: no CORS headers) and
+    engine-cache facts."""
 
     model_name: str
     model_aliases: tuple[str, ...] = ()  # other ids requests may send (vLLM's further --served-model-name values)
@@ -64,6 +66,11 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ("*",)  # vLLM's default
     engine_cache: dict = field(default_factory=dict)  # {"hit": bool, "hit_rate": float, "key": str}, when known
     generation_config: GenerationConfigMode = "auto"  # the sampling defaults: the model's (vLLM's default) or vLLM's
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: qwen3 or deepseek_r1 (runtime/server/reasoning.py)
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
 
 
 class ServerState:
@@ -129,7 +136,8 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
 
     def attach(loaded: LLM) -> None:
         state.model = ServedModel(loaded, settings.model_name, Path(engine_dir), settings.max_queue,
-                                  settings.chat_template, settings.generation_config, settings.model_aliases)
+                                  settings.chat_template, settings.generation_config, settings.model_aliases,
+                                  settings.reasoning_parser)
 
     async def load() -> None:
         try:

@@ -37,6 +37,7 @@ from kiln.runtime.server.protocol import (
     ToolCallOut,
     Usage,
 )
+from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning, thinking_at_start
 from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.tool_calls import ToolCall, ToolCallFormat
 from kiln.runtime.structured_output import StructuredOutput
@@ -161,12 +162,18 @@ def _call_parts(calls: list[ToolCall]) -> list[dict]:
 
 @dataclass
 class ChatPlan:
-    """A chat request made ready to run: its tools, its prompt's token ids and its jobs (one per choice)."""
+    """A chat request made ready to run: its tools, its prompt's token ids and its jobs (one per choice), and with a
+    reasoning parser whether the completions start inside a thought (None without one)."""
 
     tools: ChatTools
     prompt: list[int]
     jobs: list[Job]
     names: TokenText
+    thinking: bool | None = None
+
+    def splitter(self) -> ReasoningSplitter | None:
+        """A fresh reader of one choice's thinking and answer (None without a reasoning parser)."""
+        return None if self.thinking is None else ReasoningSplitter(self.thinking)
 
 
 async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPlan:
@@ -188,23 +195,27 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
     jobs = make_jobs(model, req, [prompt], [limit], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                      prompt_logprobs=req.prompt_logprobs, structured_output=forced or requested)
     model.check(jobs[::req.n], "messages")
-    return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer))
+    return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer),
+                    thinking_at_start(text) if model.separates_reasoning else None)
 
 
 class StreamedText:
-    """One streamed choice's text split into content and tool calls: content goes out as it comes, except what may
-    be the start of a call, which is held back until the completion ends and then parsed."""
+    """One streamed choice's text split into reasoning (with a ``splitter``), content and tool calls: reasoning and
+    content go out as they come, except what may be the start of a call, which is held back until the completion
+    ends and then parsed."""
 
-    def __init__(self, tools: ChatTools) -> None:
+    def __init__(self, tools: ChatTools, splitter: ReasoningSplitter | None) -> None:
         self.tools = tools
-        self.text = ""
-        self.sent = 0  # characters of the text that went out as content
+        self.splitter = splitter
+        self.text = ""  # the answer so far
+        self.sent = 0  # characters of the answer that went out as content
 
-    def advance(self, delta: StreamDelta) -> tuple[str, list[ToolCall]]:
-        """The content this delta lets go out, and on the last delta the calls."""
+    def advance(self, delta: StreamDelta) -> tuple[str, str, list[ToolCall]]:
+        """The reasoning and the content this delta lets go out, and on the last delta the calls."""
+        reasoning, answer = self.splitter.feed(delta.text, delta.finished) if self.splitter else ("", delta.text)
         if self.tools.format is None:
-            return delta.text, []
-        self.text += delta.text
+            return reasoning, answer, []
+        self.text += answer
         calls: list[ToolCall] = []
         if delta.finished:
             content, calls = self.tools.parse(self.text)
@@ -213,7 +224,7 @@ class StreamedText:
             safe = 0 if self.tools.forced else self.tools.format.content_before_calls(self.text)
             content = self.text[self.sent:safe] if safe > self.sent else ""
         self.sent += len(content)
-        return content, calls
+        return reasoning, content, calls
 
 
 async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest, metrics: ServerMetrics,
@@ -223,16 +234,18 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     tools, jobs, names = plan.tools, plan.jobs, plan.names
     request_id, created = response_id("chatcmpl-", request, req.request_id), int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "chat.completion.chunk", created, model.name)
-    streamed = [StreamedText(tools) for _ in jobs]
+    streamed = [StreamedText(tools, plan.splitter()) for _ in jobs]
 
     def render(index: int, delta: StreamDelta) -> list[dict]:
         message, reason = {}, delta.finish_reason if delta.finished else None
-        content, calls = streamed[index].advance(delta)
+        reasoning, content, calls = streamed[index].advance(delta)
         if calls:
             message["tool_calls"] = _call_parts(calls)
             reason = tools.finish_reason(calls, delta.finish_reason)
         if content:
             message = {"content": content, **message}
+        if reasoning:
+            message = {"reasoning": reasoning, "reasoning_content": reasoning, **message}
         if not (message or delta.finished or delta.logprobs):
             return []
         logprobs = chat_logprobs(names, delta.logprobs).model_dump() if delta.logprobs else None
@@ -249,9 +262,12 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                         "stop_reason": stop_reason(delta)}])]
 
     def choice(index: int, out: RequestOutput) -> ChatChoice:
-        content, calls = tools.parse(out.text)
+        reasoning, answer = (None, out.text) if plan.thinking is None else split_reasoning(out.text, plan.thinking)
+        content, calls = tools.parse(answer)
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-        return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=tool_calls or None),
+        message = AssistantMessage(content=content or (None if reasoning else content), tool_calls=tool_calls or None,
+                                   reasoning=reasoning, reasoning_content=reasoning)
+        return ChatChoice(index=index, message=message,
                           finish_reason=tools.finish_reason(calls, out.finish_reason), stop_reason=out.stop_reason,
                           logprobs=chat_logprobs(names, out.logprobs) if out.logprobs is not None else None)
 

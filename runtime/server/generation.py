@@ -65,11 +65,12 @@ class Admission:
 
 class ServedModel:
     """One loaded engine under one model name (and the ``aliases`` requests may send instead), shared by every HTTP
-    request; ``chat_template`` (a template's source) replaces the engine's own."""
+    request; ``chat_template`` (a template's source) replaces the engine's own, and with a ``reasoning_parser`` chat
+    completions carry the model's thinking apart from its answer."""
 
     def __init__(self, llm: LLM, name: str, engine_dir: Path, max_queue: int,
                  chat_template: str | None = None, generation_config: GenerationConfigMode = "auto",
-                 aliases: tuple[str, ...] = ()) -> None:
+                 aliases: tuple[str, ...] = (), reasoning_parser: str | None = None) -> None:
         self.llm = llm
         self.name = name
         self.names = tuple(dict.fromkeys((name, *aliases)))  # responses name the first, as vLLM's do
@@ -84,6 +85,7 @@ class ServedModel:
         self.tool_call_format = tool_call_format(self.chat_template.source) if self.chat_template else None
         self.admission = Admission(self.limits.max_batch_size + max_queue)
         self.logged_ignored_fields: set[str] = set()  # warned of once per server
+        self.separates_reasoning = reasoning_parser is not None  # its name is checked by ServerSettings
 
     def card(self, created: int, name: str | None = None) -> ModelCard:
         """The model as ``/v1/models`` lists it (under ``name``, one of its names; default its first)."""

@@ -408,6 +408,9 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning: str | None = Field(None, description="The model's thinking, with a reasoning parser (vLLM's name).")
+    reasoning_content: str | None = Field(None, description="The same, by its older name (DeepSeek's, vLLM's "
+                                                            "before 0.11).")
 
 
 class TopLogprob(BaseModel):

@@ -1,0 +1,71 @@
+"""A reasoning model's thinking apart from its answer (vLLM's ``--reasoning-parser``): the text between ``<think>``
+and ``</think>`` becomes the message's ``reasoning`` (and ``reasoning_content``, its older name), the rest its
+content. vLLM's ``qwen3`` and ``deepseek_r1`` parsers read the same tags; here one reader serves both, and whether the
+completion starts inside a thought is read from the prompt, so that every template is read right:
+
+- Qwen3 with thinking on: the model opens ``<think>`` itself.
+- Qwen3 with ``enable_thinking: false``: the prompt holds an empty, closed thought; the completion is all answer.
+- DeepSeek-R1, QwQ and Qwen3 "Thinking-2507": the prompt ends inside ``<think>``; the completion thinks until
+  ``</think>``.
+
+A completion that ends before ``</think>`` (cut off by ``max_tokens``) is all reasoning. The answer is sent without
+the whitespace that separates it from the thought.
+"""
+
+from __future__ import annotations
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names of the parsers this reader stands for
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def thinking_at_start(prompt_text: str) -> bool:
+    """Whether a completion of ``prompt_text`` starts inside a thought: the prompt opens one it does not close."""
+    return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
+
+
+class ReasoningSplitter:
+    """One choice's completion, fed as it streams, split into reasoning and answer text: each ``feed`` returns what
+    it lets go out of each (a possible start of a tag is held back until the next delta shows what it is)."""
+
+    def __init__(self, thinking: bool) -> None:
+        self.mode = "reasoning" if thinking else "undecided"  # undecided: the completion may yet open <think>
+        self.held = ""  # text not yet sent: a possible start of a tag
+        self.after_thought = False  # the answer follows a thought: the whitespace before it is dropped
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str]:
+        """The reasoning and the answer text that ``text`` (the next piece of the completion) lets go out; on the
+        last piece (``finished``) everything held."""
+        self.held += text
+        reasoning = ""
+        if self.mode == "undecided":
+            stripped = self.held.lstrip()
+            if stripped.startswith(THINK_START):
+                self.mode, self.held = "reasoning", stripped[len(THINK_START):]
+            elif THINK_START.startswith(stripped) and not finished:
+                return "", ""
+            else:
+                self.mode = "answer"
+        if self.mode == "reasoning":
+            if (end := self.held.find(THINK_END)) >= 0:
+                reasoning, self.held, self.mode = self.held[:end], self.held[end + len(THINK_END):], "answer"
+                self.after_thought = True
+            else:
+                keep = 0 if finished else _partial_suffix(self.held, THINK_END)
+                reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+                return reasoning, ""
+        answer, self.held = self.held, ""
+        if self.after_thought:
+            answer = answer.lstrip()
+            self.after_thought = not answer
+        return reasoning, answer
+
+
+def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
+    """A whole completion's reasoning (None when it has none) and answer."""
+    reasoning, answer = ReasoningSplitter(thinking).feed(text, finished=True)
+    return reasoning or None, answer
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` may begin ``tag``."""
+    return next((keep for keep in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-keep:])), 0)

@@ -1,0 +1,119 @@
+"""A reasoning parser (vLLM's --reasoning-parser qwen3 / deepseek_r1) sends a model's <think> text as
+message.reasoning and reasoning_content, apart from its answer, whole and streamed, whether the model opens the thought
+or the prompt does; tool calls are read from the answer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import openai
+import pytest
+
+from kiln.runtime import LLM
+from kiln.runtime.server import ServerSettings, ServerThread, create_app
+from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning
+from tests.test_server_support import tiny_engine
+
+MODEL = "tiny"
+# a trimmed Qwen3 template: <think> closed empty without thinking; think_in_prompt opens it, as R1's templates do
+TEMPLATE = """{%- if tools %}<|im_start|>system
+<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools> Call as <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% elif think_in_prompt %}<think>
+{% endif %}{% endif %}"""
+MESSAGES = [{"role": "user", "content": "Capital of Norway?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize(("text", "thinking", "reasoning", "answer"), [
+    ("<think>\nNorway... Oslo.\n</think>\n\nOslo.", False, "\nNorway... Oslo.\n", "Oslo."),  # the model opens it
+    ("Norway... Oslo.\n</think>\n\nOslo.", True, "Norway... Oslo.\n", "Oslo."),  # the prompt opened it
+    ("Oslo, not <think>", False, None, "Oslo, not <think>"),  # thinking off: a later tag is text
+    ("  <think>Norway is", False, "Norway is", ""),  # cut off while thinking: all reasoning
+    ("<thin", False, None, "<thin"),  # ended on what only looked like a tag
+])
+def test_a_completion_splits_the_same_whole_and_streamed_a_character_at_a_time(text, thinking, reasoning, answer):
+    assert split_reasoning(text, thinking) == (reasoning, answer)
+    splitter = ReasoningSplitter(thinking)
+    pieces = [splitter.feed(character, i == len(text) - 1) for i, character in enumerate(text)]
+    assert "".join(r for r, _ in pieces) == (reasoning or "") and "".join(a for _, a in pieces) == answer
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    engine = tmp_path_factory.mktemp("engine") / "engine"
+    shutil.copytree(tiny_engine(max_seq_len=512, max_input_len=384), engine)
+    (engine / "chat_template.jinja").write_text(TEMPLATE)
+    settings = ServerSettings(model_name=MODEL, reasoning_parser="qwen3")
+    with LLM.load(engine) as llm, ServerThread(create_app(llm, engine, settings)) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        yield client
+
+
+def ask(client, written: str, stream: bool = False, **kwargs):
+    """A chat completion whose text is ``written`` (the only string its structured output allows)."""
+    return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200, stream=stream,
+                                          extra_body={"structured_outputs": {"choice": [written]},
+                                                      **kwargs.pop("extra_body", {})}, **kwargs)
+
+
+def streamed_fields(chunks) -> tuple[str, str]:
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    return "".join(getattr(d, "reasoning", None) or "" for d in deltas), "".join(d.content or "" for d in deltas)
+
+
+def test_the_thought_comes_apart_from_the_answer_whole_and_streamed(client):
+    written = "<think>\nNorway's capital.\n</think>\n\nOslo."
+    message = ask(client, written).choices[0].message
+    thought = "\nNorway's capital.\n"
+    assert (message.reasoning, message.reasoning_content, message.content) == (thought, thought, "Oslo.")
+    chunks = list(ask(client, written, stream=True))
+    assert streamed_fields(chunks) == ("\nNorway's capital.\n", "Oslo.")
+    deltas = [d for chunk in chunks if chunk.choices and getattr(d := chunk.choices[0].delta, "reasoning", None)]
+    assert all(d.reasoning == d.reasoning_content for d in deltas) and len(deltas) > 1  # sent as it comes
+
+
+def test_a_prompt_that_opens_the_thought_or_closes_it_empty_is_read_as_the_template_meant(client):
+    opened = ask(client, "Norway.\n</think>\n\nOslo.", extra_body={"chat_template_kwargs": {"think_in_prompt": True}})
+    assert (opened.choices[0].message.reasoning, opened.choices[0].message.content) == ("Norway.\n", "Oslo.")
+    closed = ask(client, "Oslo. <think> is a tag.", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert (closed.choices[0].message.reasoning, closed.choices[0].message.content) == (None, "Oslo. <think> is a tag.")
+
+
+def test_tool_calls_are_read_from_the_answer_after_the_thought(client):
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    for stream in (False, True):
+        out = ask(client, f"<think>I need the weather.</think>\n\n{call}", stream=stream, tools=[WEATHER])
+        if stream:
+            chunks = list(out)
+            reasoning, content = streamed_fields(chunks)
+            calls = [c for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or []]
+            reason = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1]
+        else:
+            message, reason = out.choices[0].message, out.choices[0].finish_reason
+            reasoning, content, calls = message.reasoning, message.content, message.tool_calls
+        assert (reasoning, content or None, reason) == ("I need the weather.", None, "tool_calls")
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather",
+                                                                                       {"city": "Oslo"})]
+
+
+def test_without_a_reasoning_parser_the_thought_stays_content():
+    engine = tiny_engine(max_seq_len=512, max_input_len=384)
+    with LLM.load(engine) as llm, ServerThread(create_app(llm, engine, ServerSettings(model_name=MODEL))) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        message = ask(client, "<think>x</think>Oslo.").choices[0].message
+    assert (message.content, message.reasoning) == ("<think>x</think>Oslo.", None)
+    with pytest.raises(ValueError, match="'granite' is not one of deepseek_r1, qwen3"):
+        ServerSettings(model_name=MODEL, reasoning_parser="granite")
