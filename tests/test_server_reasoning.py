@@ -117,3 +117,60 @@ def test_without_a_reasoning_parser_the_thought_stays_content():
     assert (message.content, message.reasoning) == ("<think>x</think>Oslo.", None)
     with pytest.raises(ValueError, match="'granite' is not one of deepseek_r1, qwen3"):
         ServerSettings(model_name=MODEL, reasoning_parser="granite")
+
+
+def test_a_responses_stream_sends_the_thought_as_a_reasoning_item_before_the_message():
+    from types import SimpleNamespace
+
+    from kiln.runtime.outputs import StreamDelta
+    from kiln.runtime.server.responses import _StreamedResponse
+
+    def build(status, output, usage=None):
+        return SimpleNamespace(model_dump=lambda mode=None: {"status": status, "output": output})
+
+    no_tools = SimpleNamespace(format=None)
+    stream = _StreamedResponse(no_tools, ReasoningSplitter(thinking=False), build, "msg_1", None)
+    pieces = ["<think>", "Norway", "'s capital.</th", "ink>\n\nOs", "lo."]
+    events = [e for i, piece in enumerate(pieces)
+              for e in stream.render(0, StreamDelta("r", piece, [], i == len(pieces) - 1, "stop" if i == 4 else None))]
+    kinds = [(e["type"], e.get("output_index")) for e in events]
+    assert kinds[:4] == [("response.output_item.added", 0), ("response.reasoning_text.delta", 0),
+                         ("response.reasoning_text.delta", 0), ("response.reasoning_text.done", 0)]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Norway's capital."
+    assert ("response.output_text.delta", 1) in kinds and kinds[-1] == ("response.output_item.done", 1)
+    assert [item["type"] for item in stream.output] == ["reasoning", "message"]
+    assert stream.output[0]["content"] == [{"type": "reasoning_text", "text": "Norway's capital."}]
+    assert stream.output[1]["content"][0]["text"] == "Oslo."
+
+
+def test_a_responses_answer_cut_off_while_thinking_is_an_incomplete_reasoning_item_whole_and_streamed(tmp_path):
+    engine = tmp_path / "engine"
+    shutil.copytree(tiny_engine(max_seq_len=512, max_input_len=384), engine)
+    (engine / "chat_template.jinja").write_text(TEMPLATE.replace("{% elif think_in_prompt %}", "{% else %}"))
+    settings = ServerSettings(model_name=MODEL, reasoning_parser="deepseek_r1")
+    with LLM.load(engine) as llm, ServerThread(create_app(llm, engine, settings)) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        kwargs = dict(model=MODEL, input="Capital of Norway?", max_output_tokens=12, temperature=0)
+        whole = client.responses.create(**kwargs)
+        events = list(client.responses.create(stream=True, **kwargs))
+    streamed = events[-1].response  # response.incomplete's
+    assert "response.reasoning_text.delta" in {event.type for event in events}
+    for response in (whole, streamed):
+        assert response.status == "incomplete" and [item.type for item in response.output] == ["reasoning"]
+        assert response.output[0].status == "incomplete" and response.output_text == ""
+    assert streamed.output[0].content[0].text == whole.output[0].content[0].text != ""
+
+
+def test_a_reasoning_item_passed_back_is_the_next_assistant_messages_reasoning_content():
+    from kiln.runtime.server.responses import chat_request
+    from kiln.runtime.server.responses_protocol import ResponsesRequest
+
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed",
+               "content": [{"type": "reasoning_text", "text": "Weather first."}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    request = ResponsesRequest.model_validate({"model": MODEL, "input": [
+        {"role": "user", "content": "Oslo?"}, thought, call,
+        {"type": "function_call_output", "call_id": "c1", "output": "rain"}]})
+    [user, assistant, tool] = chat_request(request).messages
+    assert (assistant.role, assistant.reasoning_content, assistant.tool_calls[0].id) == ("assistant",
+                                                                                          "Weather first.", "c1")

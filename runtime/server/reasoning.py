@@ -32,6 +32,11 @@ class ReasoningSplitter:
         self.held = ""  # text not yet sent: a possible start of a tag
         self.after_thought = False  # the answer follows a thought: the whitespace before it is dropped
 
+    @property
+    def thought_over(self) -> bool:
+        """Whether the completion is past its thought (or never had one): no more reasoning will come."""
+        return self.mode == "answer"
+
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
         """The reasoning and the answer text that ``text`` (the next piece of the completion) lets go out; on the
         last piece (``finished``) everything held."""

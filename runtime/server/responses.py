@@ -21,6 +21,7 @@ from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, Usage
+from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning
 from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responses_protocol import (
     FunctionCallItem,
@@ -29,7 +30,10 @@ from kiln.runtime.server.responses_protocol import (
     MessageItem,
     OutputFunctionCall,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -43,20 +47,31 @@ LOGPROBS = "message.output_text.logprobs"  # the ``include`` entry that asks for
 
 def _messages(req: ResponsesRequest) -> list[dict]:
     """The chat messages of the instructions and the input items: consecutive function calls join the assistant
-    message before them (one message with its calls, as chat templates take them)."""
+    message before them (one message with its calls, as chat templates take them), and a reasoning item's text is
+    the next assistant message's ``reasoning_content``."""
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     called = {item.call_id for item in items if isinstance(item, FunctionCallItem)}
+    thought = ""  # a reasoning item's, for the assistant message after it
+
+    def assistant(message: dict) -> dict:
+        nonlocal thought
+        message, thought = ({**message, "reasoning_content": thought} if thought else message), ""
+        return message
+
     for index, item in enumerate(items):
-        if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text})
+        if isinstance(item, ReasoningItem):
+            thought += item.text
+        elif isinstance(item, MessageItem):
+            message = {"role": item.role, "content": item.text}
+            messages.append(assistant(message) if item.role == "assistant" else message)
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
-            if messages and messages[-1]["role"] == "assistant":
+            if messages and messages[-1]["role"] == "assistant" and not thought:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in called:  # as OpenAI refuses it
                 raise APIError(400, f"No tool call found for function call output with call_id {item.call_id}: "
@@ -120,6 +135,10 @@ def _call_item(call: ToolCall, status: str = "completed", arguments: str | None 
                               arguments=call.arguments if arguments is None else arguments)
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> OutputReasoning:
+    return OutputReasoning(id=item_id, content=[ReasoningText(text=text)] if text else [], status=status)
+
+
 def _logprobs(names: TokenText, entries: list) -> list[dict]:
     """An output text's ``logprobs``: each token's, with its alternatives, as the chat path reports them."""
     return chat_logprobs(names, entries).model_dump()["content"]
@@ -158,11 +177,14 @@ class _StreamedResponse:
     with its first text (or at the end, empty, when there are no calls either), each call's item whole at the end,
     then the response completed (or incomplete) with its usage."""
 
-    def __init__(self, tools: ChatTools, response: _ResponseBuilder, message_id: str, names: TokenText) -> None:
-        self.streamed = StreamedText(tools)
+    def __init__(self, tools: ChatTools, splitter: ReasoningSplitter | None, response: _ResponseBuilder,
+                 message_id: str, names: TokenText) -> None:
+        self.streamed = StreamedText(tools, splitter)
         self.response, self.message_id, self.names = response, message_id, names
         self.sequence = itertools.count()
         self.text, self.opened, self.status = "", False, "completed"
+        self.message_index = 0  # the message item's place in the output: after a reasoning item, if any
+        self.reasoning_id, self.reasoning, self.thinking = _item_id("rs"), "", False
         self.logprobs: list[dict] = []  # the text's, each delta's sent with the next text delta
         self.unsent = 0
         self.output: list[dict] = []  # the finished items
@@ -175,18 +197,45 @@ class _StreamedResponse:
         return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
 
     def render(self, index: int, delta: StreamDelta) -> list[dict]:
-        content, calls = self.streamed.advance(delta)
+        reasoning, content, calls = self.streamed.advance(delta)
         if delta.logprobs:
             self.logprobs += _logprobs(self.names, delta.logprobs)
-        events = self._open() if content or (delta.finished and not calls) else []
-        if content:
-            self.text += content
-            events.append(self.event("response.output_text.delta", item_id=self.message_id, output_index=0,
-                                     content_index=0, delta=content, logprobs=self.logprobs[self.unsent:]))
-            self.unsent = len(self.logprobs)
         if delta.finished:
             self.status = _status(delta.finish_reason)
+        events = self._think(reasoning, delta.finished)
+        events += self._open() if content or (delta.finished and not calls and not self.reasoning) else []
+        if content:
+            self.text += content
+            events.append(self.event("response.output_text.delta", item_id=self.message_id,
+                                     output_index=self.message_index, content_index=0, delta=content,
+                                     logprobs=self.logprobs[self.unsent:]))
+            self.unsent = len(self.logprobs)
+        if delta.finished:
             events += self._close(calls)
+        return events
+
+    def _think(self, reasoning: str, finished: bool) -> list[dict]:
+        """The reasoning item's events: opened with its first text, each text delta, and done once the thought is
+        over (or the completion ended in it)."""
+        events = []
+        if reasoning and not self.thinking:
+            self.thinking = True
+            events.append(self.event("response.output_item.added", output_index=0,
+                                     item=_reasoning_item(self.reasoning_id, "", "in_progress").model_dump()))
+        if reasoning:
+            self.reasoning += reasoning
+            events.append(self.event("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=0,
+                                     content_index=0, delta=reasoning))
+        splitter = self.streamed.splitter
+        if self.thinking and (finished or splitter.thought_over):
+            self.thinking = False
+            item = _reasoning_item(self.reasoning_id, self.reasoning, "completed" if splitter.thought_over
+                                   else self.status).model_dump()
+            events += [self.event("response.reasoning_text.done", item_id=self.reasoning_id, output_index=0,
+                                  content_index=0, text=self.reasoning),
+                       self.event("response.output_item.done", output_index=0, item=item)]
+            self.output.append(item)
+            self.message_index = 1
         return events
 
     def error(self, failed: APIError) -> dict:
@@ -203,19 +252,21 @@ class _StreamedResponse:
     def _open(self) -> list[dict]:
         if self.opened:
             return []
-        events = [self.event("response.output_item.added", output_index=0, item=self._message("in_progress"))]
+        events = [self.event("response.output_item.added", output_index=self.message_index,
+                             item=self._message("in_progress"))]
         self.opened = True
-        return [*events, self.event("response.content_part.added", item_id=self.message_id, output_index=0,
-                                    content_index=0, part=OutputText(text="").model_dump())]
+        return [*events, self.event("response.content_part.added", item_id=self.message_id,
+                                    output_index=self.message_index, content_index=0,
+                                    part=OutputText(text="").model_dump())]
 
     def _close(self, calls: list[ToolCall]) -> list[dict]:
         events = []
         if self.opened:
-            part = dict(item_id=self.message_id, output_index=0, content_index=0)
+            part = dict(item_id=self.message_id, output_index=self.message_index, content_index=0)
             message = self._message(self.status)
             events += [self.event("response.output_text.done", **part, text=self.text, logprobs=self.logprobs),
                        self.event("response.content_part.done", **part, part=message["content"][0]),
-                       self.event("response.output_item.done", output_index=0, item=message)]
+                       self.event("response.output_item.done", output_index=self.message_index, item=message)]
             self.output.append(message)
         for call in calls:
             index, item_id, done = len(self.output), f"fc_{call.id}", _call_item(call).model_dump()
@@ -243,14 +294,18 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
 
     def build(outputs: list[RequestOutput], usage: Usage) -> ResponseObject:
         [out] = outputs
-        content, calls = plan.tools.parse(out.text)
+        reasoning, answer = (None, out.text) if plan.thinking is None else split_reasoning(out.text, plan.thinking)
+        content, calls = plan.tools.parse(answer)
         status = _status(out.finish_reason)
         logprobs = _logprobs(plan.names, out.logprobs) if out.logprobs is not None else []
+        thought = [_reasoning_item(_item_id("rs"), reasoning, status if not content and not calls else "completed")
+                   ] if reasoning else []
         message = [OutputMessage(id=message_id, status=status,
                                  content=[OutputText(text=content or "", logprobs=logprobs)])]
-        return response(status, [*(message if content or not calls else []), *map(_call_item, calls)], usage)
+        shown = content or not (calls or reasoning)
+        return response(status, [*thought, *(message if shown else []), *map(_call_item, calls)], usage)
 
-    stream = _StreamedResponse(plan.tools, response, message_id, plan.names)
+    stream = _StreamedResponse(plan.tools, plan.splitter(), response, message_id, plan.names)
     events = StreamEvents(stream.render, stream.final, stream.prelude(), with_usage=True, error=stream.error,
                           done="")  # the last event carries the usage; no [DONE], as OpenAI's streams end
     return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, stream=events,

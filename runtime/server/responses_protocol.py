@@ -88,8 +88,30 @@ class FunctionCallOutputItem(StrictModel):
         return _joined(self.output)
 
 
+class ReasoningTextPart(StrictModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(StrictModel):
+    """An earlier answer's thought (a reasoning item of its output), passed back: its text reaches the template as
+    the next assistant message's reasoning_content."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = []
+    content: list[ReasoningTextPart] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
 # each item type's model, under a capitalised tag (error locations leave such union members out: input[1].name)
-SUPPORTED_ITEMS = {"message": "Message", "function_call": "FunctionCall", "function_call_output": "FunctionCallOutput"}
+SUPPORTED_ITEMS = {"message": "Message", "function_call": "FunctionCall", "function_call_output": "FunctionCallOutput",
+                   "reasoning": "Reasoning"}
 
 
 def _typed_item(value: Any) -> Any:
@@ -110,7 +132,7 @@ def _item_tag(value: Any) -> str | None:
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("FunctionCall")]
-    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")] | Annotated[ReasoningItem, Tag("Reasoning")],
     Discriminator(_item_tag), BeforeValidator(_typed_item)]
 
 
@@ -180,7 +202,8 @@ class ResponsesRequest(StrictModel):
                                                                                  "the context is a 400.")
     include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = Field(
         None, description="message.output_text.logprobs: each output token's log probability (and top_logprobs "
-                          "alternatives); reasoning.encrypted_content is accepted: no reasoning items are made.")
+                          "alternatives); reasoning.encrypted_content is accepted: reasoning items (with a "
+                          "reasoning parser) carry their text, never encrypted.")
     top_logprobs: Int | None = Field(None, ge=0, le=20, description="Alternatives a token, with "
                                                                     "include message.output_text.logprobs.")
     max_tool_calls: Int | None = Field(None, ge=1, le=1, description="1 (as parallel_tool_calls false) or unset.")
@@ -211,6 +234,22 @@ class OutputMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[OutputText]
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A reasoning model's thought (with a reasoning parser), as vLLM's Responses API returns it: its text as
+    content, no summary."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list = []
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
 
 
 class OutputFunctionCall(BaseModel):
@@ -253,7 +292,7 @@ class ResponseObject(BaseModel):
     error: None = None
     incomplete_details: IncompleteDetails | None = None
     model: str
-    output: list[OutputMessage | OutputFunctionCall]
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall]
     instructions: str | None
     max_output_tokens: int | None
     temperature: float | None
