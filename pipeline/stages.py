@@ -1,7 +1,8 @@
 """The stages of ``kiln build``: quantize → build → publish → smoke.
 
 Each stage declares its inputs (key material), its output (a cache entry or a measurement) and a fingerprint (the
-key of that output). The runner, not the stage, decides whether to run it, and always says why.
+key of that output), and decides from the cache whether it must run (``decide``), always saying why; the runner runs
+the stages in order and reports their decisions.
 """
 
 from __future__ import annotations

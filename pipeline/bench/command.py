@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
+from kiln.calibration.recipe import Format
 from kiln.pipeline.bench.report import print_report
 from kiln.pipeline.console import friendly_errors, print_json
 from kiln.pipeline.runtime_env import runtime_options
 
-PEERS = ("transformers",)
 DEFAULT_PROMPTS, DEFAULT_LENGTH = 64, 128  # --prompts, and --input-len and --output-len
 
 
@@ -36,12 +36,15 @@ def bench(
                                                                f"default {DEFAULT_LENGTH}).")] = None,
     batch_1: Annotated[bool, typer.Option("--batch-1", help="Measure only batch-1 decode, TTFT and load time "
                                                             "(skip the offline run).")] = False,
-    peer: Annotated[str | None, typer.Option(help="Also measure the same model in this peer: transformers.")] = None,
-    peer_attn: Annotated[str | None, typer.Option(help="The peer's attention: sdpa (the default) or eager.")] = None,
-    fmt: Annotated[str | None, typer.Option("--format", help="none, fp8 or int4_awq, for an architecture file (a "
-                                                             "config's quantize.format decides otherwise).")] = None,
-    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto or fp8: with a quantized --format, "
-                                                "also calibrate an FP8 KV cache (halves the KV bytes).")] = "auto",
+    peer: Annotated[Literal["transformers"] | None, typer.Option(
+        help="Also measure the same model in this peer.")] = None,
+    peer_attn: Annotated[Literal["sdpa", "eager"] | None, typer.Option(
+        help="The peer's attention (default sdpa).")] = None,
+    fmt: Annotated[Format | None, typer.Option("--format", help="For an architecture file (a config's "
+                                                                "quantize.format decides otherwise).")] = None,
+    kv_cache_dtype: Annotated[Literal["auto", "fp8"], typer.Option(
+        "--kv-cache-dtype", help="fp8: with a quantized --format, also calibrate an FP8 KV cache (halves the KV "
+                                 "bytes).")] = "auto",
     tp_size: Annotated[int | None, typer.Option("--tp-size", min=1, help="Split an architecture file's engine over "
                                                 "this many GPUs (tensor parallelism; a config's build.tp_size "
                                                 "decides otherwise).")] = None,
@@ -68,16 +71,8 @@ def bench(
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")] = False,
 ) -> None:
     """Measure Kiln (and a peer) on one model: throughput, batch-1 decode, TTFT, load time, and the floor."""
-    if peer is not None and peer not in PEERS:
-        raise typer.BadParameter(f"--peer {peer!r} is not supported; use --peer transformers, or leave it out")
-    if peer_attn not in (None, "sdpa", "eager"):
-        raise typer.BadParameter(f"--peer-attn {peer_attn!r} is not sdpa or eager")
     if peer_attn is not None and peer is None:
         raise typer.BadParameter("--peer-attn sets the peer's attention: it needs --peer")
-    if fmt not in (None, "none", "fp8", "int4_awq"):
-        raise typer.BadParameter(f"--format {fmt!r} is not none, fp8 or int4_awq")
-    if kv_cache_dtype not in ("auto", "fp8"):
-        raise typer.BadParameter(f"--kv-cache-dtype {kv_cache_dtype!r} is not auto or fp8")
     if kv_cache_dtype == "fp8" and fmt not in ("fp8", "int4_awq"):
         raise typer.BadParameter("--kv-cache-dtype fp8 needs --format fp8 or int4_awq (an FP8 KV cache is calibrated "
                                  "with the quantized weights)")
