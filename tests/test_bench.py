@@ -146,6 +146,7 @@ def test_lengths_an_architecture_cannot_hold_are_refused_before_its_random_weigh
     assert (set(checkpoints.rglob("*")) if checkpoints.exists() else set()) == before
 
 
+@pytest.mark.slow
 def test_fp8_architecture_builds_from_a_modelopt_max_calibrated_checkpoint(tmp_path):
     arch = write_architecture(tmp_path / "tiny-fp8.json", tie_word_embeddings=True)
     report = bench_json(str(arch), *SMALL, "--batch-1", "--format", "fp8", "--bandwidth-gbs", "10")
@@ -162,6 +163,7 @@ def test_fp8_architecture_builds_from_a_modelopt_max_calibrated_checkpoint(tmp_p
     assert fp8_kv["floor"]["kv_bytes_per_token"] * 2 == report["floor"]["kv_bytes_per_token"]  # 1 byte, not 2
 
 
+@pytest.mark.slow
 def test_int4_architecture_builds_from_a_modelopt_awq_checkpoint(tmp_path):
     arch = write_architecture(tmp_path / "tiny-int4.json")  # 128 and 256 input features: whole INT4 blocks
     report = bench_json(str(arch), *SMALL, "--batch-1", "--format", "int4_awq", "--bandwidth-gbs", "10")

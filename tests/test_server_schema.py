@@ -42,6 +42,7 @@ def test_schema_covers_every_route(api_schema):
         "GET /ping", "POST /ping"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_no_generated_request_makes_the_server_fail(api_schema, llm, mode):
     for operation in operations(api_schema):

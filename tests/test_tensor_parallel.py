@@ -83,6 +83,7 @@ def test_a_hand_written_fp8_checkpoint_with_an_fp8_kv_cache_splits_too(tmp_path)
     assert [r.token_ids for r in generated(built[2])] == [r.token_ids for r in generated(built[1])]
 
 
+@pytest.mark.slow
 def test_preemption_prefix_reuse_and_structured_output_under_tp2_match_one_device(tmp_path):
     """A KV pool too small for the batch (preempted sequences recompute), prompts sharing a prefix (cached blocks
     reused on every rank) and a JSON-constrained request (rank 0's mask): the one-device engine's tokens."""
@@ -192,6 +193,7 @@ def test_torchrun_rendezvous_comes_from_its_environment():
         Rendezvous.from_environment({"MASTER_ADDR": "h", "WORLD_SIZE": "2"})
 
 
+@pytest.mark.slow
 def test_torchrun_starts_kiln_serve_as_rank_zero_and_a_worker(tmp_path):
     """The launch across hosts, on one: torchrun starts `kiln serve ENGINE` twice; rank 0 serves, rank 1 works."""
     import json
