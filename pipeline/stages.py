@@ -22,10 +22,11 @@ from kiln.engines.cache.manifest import read_manifest
 from kiln.engines.cache.remote import RemoteTier, RemoteUnavailableError
 from kiln.engines.cache.units import format_bytes
 from kiln.pipeline.backend import BackendChoice
-from kiln.pipeline.config import KilnConfig, LoadedConfig
+from kiln.pipeline.config import BuildSection, KilnConfig, LoadedConfig
 from kiln.pipeline.console import stderr
 from kiln.pipeline.key_material import engine_material, quantized_material
 from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.plan import BuildPlan
 from kiln.runtime.trtllm.engine_info import ENGINE_FORMAT as TRTLLM_ENGINE_FORMAT
 
 if TYPE_CHECKING:
@@ -473,12 +474,15 @@ def trtllm_inputs(ctx: BuildContext) -> dict:
 
 def trtllm_options(config: KilnConfig) -> TrtllmBuildOptions:
     """The TensorRT-LLM builder's options from the config: its plan, parallel mapping, workers and features."""
+    return trtllm_build_options(config.build, config.build.plan(config.quantize.kv_cache_dtype))
+
+
+def trtllm_build_options(build: BuildSection, plan: BuildPlan) -> TrtllmBuildOptions:
+    """The TensorRT-LLM builder's options of a ``build`` section, for ``plan``."""
     from kiln.engines.trtllm.options import TrtllmBuildOptions
 
-    build = config.build
-    return TrtllmBuildOptions(plan=build.plan(config.quantize.kv_cache_dtype), tp_size=build.tp_size,
-                              pp_size=build.pp_size, workers=build.workers, log_level=build.log_level,
-                              **build.trtllm.model_dump())
+    return TrtllmBuildOptions(plan=plan, tp_size=build.tp_size, pp_size=build.pp_size, workers=build.workers,
+                              log_level=build.log_level, **build.trtllm.model_dump())
 
 
 def trtllm_plan_extra(ctx: BuildContext) -> dict:

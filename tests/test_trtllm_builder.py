@@ -13,9 +13,10 @@ import pytest
 from kiln.engines.cache import EngineCache, engine_key
 from kiln.engines.trtllm.builder import build_trtllm_engine, plan_trtllm_build
 from kiln.engines.trtllm.command import trtllm_build_command
-from kiln.engines.trtllm.options import TrtllmBuildOptions
 from kiln.engines.trtllm.preflight import TrtllmPreflightError
 from kiln.engines.trtllm.process import TrtllmBuildError
+from kiln.pipeline.config import BuildSection
+from kiln.pipeline.stages import trtllm_build_options
 from kiln.runtime.plan import BuildPlan
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, is_trtllm_engine
 from tests.subprocess_env import repo_env
@@ -24,8 +25,8 @@ FAKE = Path(__file__).resolve().parent / "fakes" / "trtllm-build"
 REPO = Path(__file__).resolve().parents[1]
 H200 = {"device": "cuda", "gpu_name": "NVIDIA H200", "compute_capability": "9.0", "cuda": "12.9",
         "tensorrt_llm": "1.2.1", "tensorrt": "10.14.1.48"}
-OPTIONS = TrtllmBuildOptions(BuildPlan(max_batch_size=8, max_input_len=256, max_seq_len=512, max_num_tokens=512,
-                                       tokens_per_block=32))
+OPTIONS = trtllm_build_options(BuildSection(), BuildPlan(max_batch_size=8, max_input_len=256, max_seq_len=512,
+                                                         max_num_tokens=512, tokens_per_block=32))
 
 
 @pytest.fixture

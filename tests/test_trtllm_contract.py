@@ -11,9 +11,8 @@ import pytest
 
 from kiln.engines.trtllm.command import trtllm_build_command
 from kiln.engines.trtllm.contract import load_contract, option_spec
-from kiln.engines.trtllm.options import TrtllmBuildOptions
-from kiln.pipeline.config import load_config
-from kiln.pipeline.stages import trtllm_options
+from kiln.pipeline.config import BuildSection, load_config
+from kiln.pipeline.stages import trtllm_build_options, trtllm_options
 from kiln.runtime.plan import BuildPlan
 from kiln.runtime.trtllm.engine import FINISH_REASONS
 
@@ -43,15 +42,15 @@ def llama3_fp8_command() -> list[str]:
 COMMANDS = {
     "llama3-8b-fp8.yaml": llama3_fp8_command,
     "bf16, fp8 KV off, tp 2": lambda: trtllm_build_command(
-        Path("/c"), Path("/o"), TrtllmBuildOptions(BuildPlan(8, 256, 512, 512, 16), tp_size=2, workers=2,
-                                                log_level="debug"),
+        Path("/c"), Path("/o"), trtllm_build_options(BuildSection(tp_size=2, workers=2, log_level="debug"),
+                                                  BuildPlan(8, 256, 512, 512, 16)),
         quant_format="none", kv_cache_dtype="auto", timing_cache=Path("/t")),
     "int4_awq": lambda: trtllm_build_command(
-        Path("/c"), Path("/o"), TrtllmBuildOptions(BuildPlan(2, 128, 256, 256, 64)), quant_format="int4_awq",
-        kv_cache_dtype="auto", timing_cache=Path("/t")),
+        Path("/c"), Path("/o"), trtllm_build_options(BuildSection(), BuildPlan(2, 128, 256, 256, 64)),
+        quant_format="int4_awq", kv_cache_dtype="auto", timing_cache=Path("/t")),
     "fp8 small batch, fp8 KV": lambda: trtllm_build_command(
-        Path("/c"), Path("/o"), TrtllmBuildOptions(BuildPlan(4, 128, 256, 256, 32)), quant_format="fp8",
-        kv_cache_dtype="fp8", timing_cache=Path("/t")),
+        Path("/c"), Path("/o"), trtllm_build_options(BuildSection(), BuildPlan(4, 128, 256, 256, 32)),
+        quant_format="fp8", kv_cache_dtype="fp8", timing_cache=Path("/t")),
 }
 
 

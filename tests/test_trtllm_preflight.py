@@ -6,14 +6,15 @@ from dataclasses import replace
 
 import pytest
 
-from kiln.engines.trtllm.options import TrtllmBuildOptions
 from kiln.engines.trtllm.preflight import TrtllmPreflightError, preflight
+from kiln.pipeline.config import BuildSection
+from kiln.pipeline.stages import trtllm_build_options
 from kiln.runtime.plan import BuildPlan
 
 H200 = {"gpu_name": "NVIDIA H200", "compute_capability": "9.0"}
 A100 = {"gpu_name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"}
-OPTIONS = TrtllmBuildOptions(BuildPlan(max_batch_size=64, max_input_len=2048, max_seq_len=4096, max_num_tokens=4096,
-                                       tokens_per_block=32))
+OPTIONS = trtllm_build_options(BuildSection(), BuildPlan(max_batch_size=64, max_input_len=2048, max_seq_len=4096,
+                                                         max_num_tokens=4096, tokens_per_block=32))
 
 
 def refusal(options=OPTIONS, quant_format="fp8", kv_cache_dtype="auto", gpu=H200, checkpoint_config=None) -> str:

@@ -16,20 +16,22 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 @dataclass(frozen=True)
 class TrtllmBuildOptions:
-    """The feature fields default to what in-flight batching with KV block reuse needs; a config may turn them off
-    (preflight then refuses the build and says why). `gemm_plugin=None` lets Kiln pick it from the format."""
+    """What ``trtllm-build`` is asked for: the plan, the parallel mapping, and the features the config's
+    ``build.trtllm`` section sets (its defaults, in ``pipeline/config.py``, are what in-flight batching with KV block
+    reuse needs; preflight refuses a config that turns one off, saying why). ``gemm_plugin=None`` lets Kiln pick it
+    from the format."""
 
     plan: BuildPlan
-    tp_size: int = 1
-    pp_size: int = 1
-    workers: int = 1
-    log_level: str = "info"
-    kv_cache_type: str = "paged"
-    remove_input_padding: bool = True
-    gpt_attention_plugin: str = "auto"
-    gemm_plugin: str | None = None
-    context_fmha: bool = True
-    use_paged_context_fmha: bool = True
+    tp_size: int
+    pp_size: int
+    workers: int
+    log_level: str
+    kv_cache_type: str
+    remove_input_padding: bool
+    gpt_attention_plugin: str
+    gemm_plugin: str | None
+    context_fmha: bool
+    use_paged_context_fmha: bool
 
     @property
     def world_size(self) -> int:
