@@ -7,7 +7,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,9 +133,23 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     """The server over `llm`: an `LLM` the caller owns (ready at once), or a loader the app calls in the background
     at startup (/health answers 503 until it returns) and whose `LLM` it closes at shutdown."""
     state = ServerState()
+    app = FastAPI(title="Kiln", version="1", lifespan=_lifespan(state, llm, Path(engine_dir), settings),
+                  description="OpenAI-compatible completions and chat completions over a Kiln engine.")
+    app.state.server = state
+    metrics = ServerMetrics(state.engine_stats, lambda: settings.engine_cache,
+                            lambda: state.model.llm.engine_pid if state.model else None, settings.model_name)
+    install_error_handlers(app)
+    _add_middleware(app, settings, metrics)
+    _add_routes(app, state, settings, metrics)
+    return app
 
+
+def _lifespan(state: ServerState, llm: LLM | Callable[[], LLM], engine_dir: Path,
+              settings: ServerSettings) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the model attached at once (an `LLM`) or loaded in the background (a loader), whose
+    `LLM` it then closes at shutdown."""
     def attach(loaded: LLM) -> None:
-        state.model = ServedModel(loaded, settings.model_name, Path(engine_dir), settings.max_queue,
+        state.model = ServedModel(loaded, settings.model_name, engine_dir, settings.max_queue,
                                   settings.chat_template, settings.generation_config, settings.model_aliases,
                                   settings.reasoning_parser)
 
@@ -162,12 +176,11 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
             if state.model is not None:
                 await asyncio.to_thread(state.model.llm.close)
 
-    app = FastAPI(title="Kiln", version="1", lifespan=lifespan,
-                  description="OpenAI-compatible completions and chat completions over a Kiln engine.")
-    app.state.server = state
-    metrics = ServerMetrics(state.engine_stats, lambda: settings.engine_cache,
-                            lambda: state.model.llm.engine_pid if state.model else None, settings.model_name)
-    install_error_handlers(app)
+    return lifespan
+
+
+def _add_middleware(app: FastAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    """Body limit, API key, request counts, request ids and CORS, innermost first."""
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
@@ -176,6 +189,10 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     if settings.allowed_origins:  # outermost: a preflight needs no key, and a 401 still carries the CORS headers
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER.decode(), IGNORED_FIELDS_HEADER])
+
+
+def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    """Health, metrics, the OpenAI routes and vLLM's tokenizer and version routes."""
 
     async def require_model() -> ServedModel:  # async: a plain function would cost each request a thread hop
         return state.require_model()
@@ -238,5 +255,3 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     @app.get("/version", response_model=VersionResponse)
     async def version_route() -> VersionResponse:
         return server_version()
-
-    return app
