@@ -60,6 +60,11 @@ def test_the_developer_role_renders_as_system(http, llm):
     assert llm.tokenizer.decode(chat["tokens"]) == "<<system>>Be brief.<<A>>"
 
 
+def test_llama31s_ipython_role_reaches_the_template_as_it_is(http, llm):
+    chat = http.post("/tokenize", json={"messages": [{"role": "ipython", "content": "4 degrees"}]}).json()
+    assert llm.tokenizer.decode(chat["tokens"]) == "<<ipython>>4 degrees<<A>>"
+
+
 def test_an_assistant_refusal_passed_back_renders_as_what_it_said(http, llm):
     refusal = "I can't help with that."
     for message in ({"role": "assistant", "content": None, "refusal": refusal},  # an SDK message, model_dump()ed

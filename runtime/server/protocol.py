@@ -287,7 +287,7 @@ class ToolCallMessagePart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "ipython"]  # ipython: Llama 3.1's tool output
     content: Content = None
     name: str | None = None
     tool_calls: list[ToolCallMessagePart] | None = Field(None, description="An assistant's earlier calls.")
