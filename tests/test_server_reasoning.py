@@ -43,6 +43,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     ("Oslo, not <think>", False, None, "Oslo, not <think>"),  # thinking off: a later tag is text
     ("  <think>Norway is", False, "Norway is", ""),  # cut off while thinking: all reasoning
     ("<thin", False, None, "<thin"),  # ended on what only looked like a tag
+    ("<think>\nhmm</think>Oslo.", True, "\nhmm", "Oslo."),  # the prompt opened it, and the model wrote it again
 ])
 def test_a_completion_splits_the_same_whole_and_streamed_a_character_at_a_time(text, thinking, reasoning, answer):
     assert split_reasoning(text, thinking) == (reasoning, answer)
@@ -85,11 +86,22 @@ def test_the_thought_comes_apart_from_the_answer_whole_and_streamed(client):
     assert all(d.reasoning == d.reasoning_content for d in deltas) and len(deltas) > 1  # sent as it comes
 
 
-def test_a_prompt_that_opens_the_thought_or_closes_it_empty_is_read_as_the_template_meant(client):
-    opened = ask(client, "Norway.\n</think>\n\nOslo.", extra_body={"chat_template_kwargs": {"think_in_prompt": True}})
-    assert (opened.choices[0].message.reasoning, opened.choices[0].message.content) == ("Norway.\n", "Oslo.")
+def test_a_prompt_that_closes_the_thought_empty_or_quotes_the_tag_is_read_as_the_template_meant(client):
     closed = ask(client, "Oslo. <think> is a tag.", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert (closed.choices[0].message.reasoning, closed.choices[0].message.content) == (None, "Oslo. <think> is a tag.")
+    quoted = client.chat.completions.create(  # only what the template adds for the answer says where it starts
+        model=MODEL, messages=[{"role": "user", "content": "What does the <think> tag do?"}], max_tokens=8,
+        temperature=0).choices[0].message  # the random model writes no tag
+    assert quoted.reasoning is None and quoted.content
+
+
+def test_a_grammar_under_a_prompt_that_opens_the_thought_writes_the_answer(client):
+    opened = {"chat_template_kwargs": {"think_in_prompt": True}}  # DeepSeek-R1's and QwQ's templates
+    call = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+                                          max_tokens=60, extra_body=opened).choices[0]
+    assert call.message.reasoning is None and call.message.tool_calls[0].function.name == "get_weather"
+    answer = ask(client, "Oslo.", extra_body=opened).choices[0].message
+    assert (answer.reasoning, answer.content) == (None, "Oslo.")
 
 
 def test_tool_calls_are_read_from_the_answer_after_the_thought(client):

@@ -195,8 +195,17 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
     jobs = make_jobs(model, req, [prompt], [limit], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                      prompt_logprobs=req.prompt_logprobs, structured_output=forced or requested)
     model.check(jobs[::req.n], "messages")
-    return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer),
-                    thinking_at_start(text) if model.separates_reasoning else None)
+    thinking = None
+    if model.separates_reasoning:  # a grammar writes the answer from its first token: no thought the prompt opened
+        thinking = (forced or requested) is None and thinking_at_start(generation_prompt(model, req, tools, text))
+    return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer), thinking)
+
+
+def generation_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ChatTools, prompt_text: str) -> str:
+    """What the template adds to the messages for the answer (``prompt_text`` less the messages rendered alone)."""
+    messages = render_chat(model, req.messages, tools.rendered, add_generation_prompt=False,
+                           variables=req.chat_template_kwargs)
+    return prompt_text[len(messages):] if prompt_text.startswith(messages) else prompt_text
 
 
 class StreamedText:

@@ -6,10 +6,12 @@ completion starts inside a thought is read from the prompt, so that every templa
 - Qwen3 with thinking on: the model opens ``<think>`` itself.
 - Qwen3 with ``enable_thinking: false``: the prompt holds an empty, closed thought; the completion is all answer.
 - DeepSeek-R1, QwQ and Qwen3 "Thinking-2507": the prompt ends inside ``<think>``; the completion thinks until
-  ``</think>``.
+  ``</think>`` (a ``<think>`` it writes first all the same is dropped, as vLLM's deepseek_r1 parser drops it).
 
 A completion that ends before ``</think>`` (cut off by ``max_tokens``) is all reasoning. The answer is sent without
-the whitespace that separates it from the thought.
+the whitespace that separates it from the thought. A completion that a grammar writes (a forced tool call,
+``response_format``, ``structured_outputs``) holds no thought the prompt opened: the grammar writes the answer from
+its first token.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names of the parsers this
 THINK_START, THINK_END = "<think>", "</think>"
 
 
-def thinking_at_start(prompt_text: str) -> bool:
-    """Whether a completion of ``prompt_text`` starts inside a thought: the prompt opens one it does not close."""
-    return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
+def thinking_at_start(generation_prompt: str) -> bool:
+    """Whether a completion starts inside a thought: ``generation_prompt`` (what the template adds to the messages
+    for the answer; a ``<think>`` quoted in a message does not count) opens one it does not close."""
+    return generation_prompt.rfind(THINK_START) > generation_prompt.rfind(THINK_END)
 
 
 class ReasoningSplitter:
@@ -28,7 +31,8 @@ class ReasoningSplitter:
     it lets go out of each (a possible start of a tag is held back until the next delta shows what it is)."""
 
     def __init__(self, thinking: bool) -> None:
-        self.mode = "reasoning" if thinking else "undecided"  # undecided: the completion may yet open <think>
+        # undecided: the completion may yet open <think>; opening: it is in a thought, and may write <think> again
+        self.mode = "opening" if thinking else "undecided"
         self.held = ""  # text not yet sent: a possible start of a tag
         self.after_thought = False  # the answer follows a thought: the whitespace before it is dropped
 
@@ -42,14 +46,14 @@ class ReasoningSplitter:
         last piece (``finished``) everything held."""
         self.held += text
         reasoning = ""
-        if self.mode == "undecided":
+        if self.mode in ("undecided", "opening"):
             stripped = self.held.lstrip()
             if stripped.startswith(THINK_START):
                 self.mode, self.held = "reasoning", stripped[len(THINK_START):]
             elif THINK_START.startswith(stripped) and not finished:
                 return "", ""
             else:
-                self.mode = "answer"
+                self.mode = "reasoning" if self.mode == "opening" else "answer"
         if self.mode == "reasoning":
             if (end := self.held.find(THINK_END)) >= 0:
                 reasoning, self.held, self.mode = self.held[:end], self.held[end + len(THINK_END):], "answer"

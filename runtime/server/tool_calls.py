@@ -90,8 +90,11 @@ class ToolCallFormat:
         """Where a call may begin in ``text`` so far (its length when none can)."""
         if not self.open:  # a completion of calls alone: hold anything that may open one
             stripped = text.lstrip()
-            opening = ("[" if self.listed else "{", *((self.prefix,) if self.prefix else ()))
-            return 0 if not stripped or stripped.startswith(opening) else len(text)
+            if not stripped or (self.prefix and (stripped.startswith(self.prefix) or self.prefix.startswith(stripped))):
+                return 0
+            if self.listed:  # an array of objects, not any text in brackets ("[1] says")
+                return 0 if stripped.startswith("[") and stripped[1:].lstrip()[:1] in ("", "{") else len(text)
+            return 0 if stripped.startswith("{") else len(text)
         marker = self.open.strip()
         if (index := text.find(marker)) >= 0:
             return index
@@ -159,7 +162,7 @@ class ToolCallFormat:
         body = self._body(text)
         if not body.startswith("["):
             return None
-        values, rest = _leading_values(body[1:], _COMMA)
+        values, rest = _leading_values(body[1:].lstrip(), _COMMA)
         rest = rest.removeprefix(",").strip()
         if rest in ("", "]"):  # closed, or ended (a stop string) before the bracket
             return values, ""
