@@ -10,6 +10,7 @@ import pytest
 
 from kiln.engines.cache import CacheEntryNotFoundError, EngineCache, InvalidCacheKeyError, engine_key
 from kiln.engines.cache.layout import payload_path
+from kiln.engines.cache.verify import verify_entry
 
 
 def material(n: int = 0) -> dict:
@@ -227,15 +228,15 @@ def test_verify_names_the_flipped_file_and_marks_the_entry_for_rebuild(cache):
     m, build = material(), FakeBuild()
     key = engine_key(m)
     result = cache.entries.get_or_build(key, m, build)
-    assert cache.entries.verify(key).ok
+    assert verify_entry(cache.entries, key).ok
     weights = result.payload_dir / "weights" / "rank0.safetensors"
     data = bytearray(weights.read_bytes())
     data[500] ^= 0x10
     weights.write_bytes(bytes(data))
-    verdict = cache.entries.verify(key)
+    verdict = verify_entry(cache.entries, key)
     assert not verdict.ok and str(weights) in verdict.problems[0]
     assert cache.entries.get_or_build(key, m, build).reason == "corrupt"
-    assert cache.entries.verify(key).ok
+    assert verify_entry(cache.entries, key).ok
 
 
 def test_an_entry_that_verifies_intact_again_is_a_hit_not_a_rebuild(cache):
@@ -244,9 +245,9 @@ def test_an_entry_that_verifies_intact_again_is_a_hit_not_a_rebuild(cache):
     weights = cache.entries.get_or_build(key, m, build).payload_dir / "weights" / "rank0.safetensors"
     good = weights.read_bytes()
     weights.write_bytes(good[:500] + bytes([good[500] ^ 0x10]) + good[501:])
-    assert not cache.entries.verify(key).ok
+    assert not verify_entry(cache.entries, key).ok
     weights.write_bytes(good)  # put back
-    assert cache.entries.verify(key).ok
+    assert verify_entry(cache.entries, key).ok
     assert cache.entries.get_or_build(key, m, build).hit
 
 
@@ -278,7 +279,7 @@ def test_an_entry_without_a_manifest_can_be_verified_and_removed(cache):
     key = engine_key(m)
     cache.entries.get_or_build(key, m, FakeBuild())
     (cache.entries.entry_dir(key) / "manifest.json").unlink()
-    verdict = cache.entries.verify(key)
+    verdict = verify_entry(cache.entries, key)
     assert not verdict.ok and "manifest.json is missing" in verdict.problems[0]
     cache.entries.remove(key)
     assert not cache.entries.entry_dir(key).exists()

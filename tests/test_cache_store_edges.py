@@ -16,6 +16,7 @@ from kiln.engines.cache import CacheEntryNotFoundError, EngineCache, EntryHold, 
 from kiln.engines.cache.errors import CacheUsageError
 from kiln.engines.cache.manifest import entry_size
 from kiln.engines.cache.store import LookupResult, complete_key
+from kiln.engines.cache.verify import nearest_entry, verify_entry
 from tests.test_cache_store import FakeBuild, material
 
 
@@ -222,17 +223,17 @@ def test_nearest_skips_an_unreadable_manifest_and_picks_the_fewest_differences(c
     keys = [keys[2], keys[4], keys[5]]
     nearest = cache.entries.read_manifest(keys[1])["material"]  # after a farther entry, before another
     wanted = {**nearest, "backend": "trtllm"}
-    assert cache.entries.nearest(wanted) == (keys[1], ["backend"])
+    assert nearest_entry(cache.entries, wanted) == (keys[1], ["backend"])
 
 
 def test_verify_records_why_an_entry_failed(cache):
     key, _ = published(cache)
     (cache.entries.payload_dir(key) / "engine.json").write_text("{}")
-    result = cache.entries.verify(key)
+    result = verify_entry(cache.entries, key)
     [(_, outcome, _, detail)] = events(cache, "verify")
     assert outcome == "corrupt" and "engine.json" in detail and result.problems
     (cache.entries.entry_dir(key) / "manifest.json").unlink()
-    broken = cache.entries.verify(key)
+    broken = verify_entry(cache.entries, key)
     assert broken.files_checked == 0 and "manifest.json is missing" in broken.problems[0]
     assert events(cache, "verify")[-1][1] == "corrupt"
 

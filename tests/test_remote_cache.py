@@ -24,6 +24,7 @@ from kiln.engines.cache.remote import RemoteCorruptError, RemoteSpec, RemoteUnav
 from kiln.engines.cache.remote.layout import blob_name, lease_name, manifest_name
 from kiln.engines.cache.remote.lease import LeaseTiming, build_lease
 from kiln.engines.cache.remote.maintenance import prune_remote, remote_entries, verify_remote
+from kiln.engines.cache.verify import verify_entry
 from kiln.pipeline.cache_commands import cache_app
 from kiln.pipeline.config import ConfigError, KilnConfig, remote_spec
 from tests.calibration_factories import quick_fp8_config
@@ -463,7 +464,7 @@ def test_four_machines_building_one_config_together_build_once_and_pull_three_ti
     assert sum(s["remote"]["hits"] for s in checkpoints) == quantize_ran - 1
     key = results[0]["engine_key"]
     assert len({tuple(sorted(payload_bytes(cache, key).items())) for cache in caches}) == 1
-    assert all(cache.entries.verify(key).ok for cache in caches)
+    assert all(verify_entry(cache.entries, key).ok for cache in caches)
     tier = EngineCache.open(tmp_path / "checker", remote=remote.spec).remote
     assert [r["ok"] for r in verify_remote(tier)] == [True, True]
 

@@ -13,6 +13,7 @@ from kiln.engines.cache.layout import dir_size
 from kiln.engines.cache.remote.objects import RemoteUnavailableError
 from kiln.engines.cache.remote.tier import RemoteTier
 from kiln.engines.cache.units import iso_utc
+from kiln.engines.cache.verify import nearest_entry, verify_entry
 
 
 def ls_entries(cache: EngineCache) -> list[dict]:
@@ -119,7 +120,7 @@ def verify_entries(cache: EngineCache, key: str | None = None, *, all_entries: b
         targets = [(store, k) for store in cache.stores.values() for k in store.list_keys()]
     results = []
     for store, k in targets:
-        result = store.verify(k)
+        result = verify_entry(store, k)
         results.append({"key": k, "store": store.name, "ok": result.ok, "files_checked": result.files_checked,
                         "problems": result.problems})
     return results
@@ -163,7 +164,7 @@ def remove_entry(cache: EngineCache, key: str) -> dict:
 def explain(cache: EngineCache, material: dict, store: str = "entries") -> dict:
     """Which fields of ``material`` differ from the nearest entry of ``store`` (none: it would be a hit), and
     whether the remote tier has the entry (``remote``: None without one)."""
-    key, differences = cache.stores[store].nearest(material)
+    key, differences = nearest_entry(cache.stores[store], material)
     nearest = cache.stores[store].read_manifest(key) if key else None
     return {
         "nearest_key": key,

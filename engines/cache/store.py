@@ -31,7 +31,7 @@ from kiln.engines.cache.errors import (
 )
 from kiln.engines.cache.hashing import FileHashes, file_sha256
 from kiln.engines.cache.in_use import delete_unless_held, is_held, take_out
-from kiln.engines.cache.keys import canonical_json, engine_key, is_cache_key, material_diff, validate_key
+from kiln.engines.cache.keys import canonical_json, engine_key, is_cache_key, validate_key
 from kiln.engines.cache.layout import (
     CORRUPT_MARK,
     HASH_MEMO,
@@ -49,7 +49,6 @@ from kiln.engines.cache.manifest import (
     manifest_mismatch,
     read_manifest,
     seal_payload,
-    stray_files,
 )
 from kiln.engines.cache.remote.objects import RemoteCorruptError, RemoteUnavailableError
 from kiln.engines.cache.remote.tier import PushResult, RemoteTier, Transferred
@@ -98,21 +97,6 @@ class CacheResult:
     waited: bool
     replaced_in_use: bool = False  # a forced rebuild replaced an entry some process had loaded (it keeps the old)
     pulled: bool = False  # installed from the remote tier (``hit`` is then true: nothing was built)
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """A full re-hash of one entry: ``problems`` names each bad file (empty when the entry is intact)."""
-
-    store: str
-    key: str
-    entry_dir: Path
-    files_checked: int
-    problems: list[str]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
 
 
 class ContentStore:
@@ -453,7 +437,7 @@ class ContentStore:
             "payload": self.payload_name,
             "files": files,
             "total_bytes": sum(item["size"] for item in files),
-            "created": _utc_now(),
+            "created": utc_now(),
             "build_seconds": seconds,
             "build": record,
             "builder": {"host": socket.gethostname(), "pid": os.getpid()},
@@ -541,45 +525,8 @@ class ContentStore:
         """Record a use of the entry ``key`` (a load), for LRU eviction."""
         return self._touch(self.entry_dir(key))
 
-    def nearest(self, material: dict) -> tuple[str | None, list[str]]:
-        """The entry whose stored key material differs from ``material`` in the fewest fields, and those fields
-        as dotted paths (``(None, [])`` when the store is empty). An exact match has no differing fields."""
-        best: tuple[str | None, list[str]] = (None, [])
-        for key in self.list_keys():
-            try:
-                stored = json.loads((self.entry_dir(key) / MANIFEST).read_bytes())["material"]
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            diff = material_diff(stored, material)
-            if best[0] is None or len(diff) < len(best[1]):
-                best = (key, diff)
-        return best
-
-    # -- verification ------------------------------------------------------------------------------------------
-
-    def verify(self, key: str) -> VerifyResult:
-        """Re-hash every file of an entry against its manifest; a corrupt entry is marked so lookups rebuild it."""
-        entry = self.entry_dir(key)
-        try:
-            manifest = self.read_manifest(key)
-        except CacheCorruptError as exc:
-            self.stats.record_verify(self.name, key, False, str(exc))
-            return VerifyResult(self.name, key, entry, 0, [str(exc)])
-        if (mismatch := manifest_mismatch(manifest, self.name, key)) is not None:  # what a lookup refuses
-            problems, checked = [f"{entry / MANIFEST}: {mismatch[1]}"], 0
-        else:
-            problems = (file_problems(entry, self.payload_name, manifest, digest=file_sha256)
-                        + stray_files(entry, self.payload_name, manifest))
-            checked = len(manifest.get("files", []))
-        if problems:
-            write_atomic(entry / CORRUPT_MARK, json.dumps({"verified": _utc_now(), "problems": problems}).encode())
-        else:  # intact (a file put back, a false alarm): an earlier verify's mark must not force a rebuild
-            (entry / CORRUPT_MARK).unlink(missing_ok=True)
-        self.stats.record_verify(self.name, key, not problems, "; ".join(problems) or None)
-        return VerifyResult(self.name, key, entry, checked, problems)
-
-
-def _utc_now() -> str:
+def utc_now() -> str:
+    """The time now as manifests and corruption marks record it (ISO 8601, UTC)."""
     return iso_utc(time.time())
 
 
