@@ -186,3 +186,6 @@ def test_a_reasoning_item_passed_back_is_the_next_assistant_messages_reasoning_c
     [user, assistant, tool] = chat_request(request).messages
     assert (assistant.role, assistant.reasoning_content, assistant.tool_calls[0].id) == ("assistant",
                                                                                           "Weather first.", "c1")
+    summarised = {**thought, "content": None, "summary": [{"type": "summary_text", "text": "Weather first."}]}
+    request = ResponsesRequest.model_validate({"model": MODEL, "input": [summarised, call]})  # as OpenAI returns one
+    assert chat_request(request).messages[0].reasoning_content == "Weather first."

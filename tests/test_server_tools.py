@@ -198,7 +198,6 @@ def test_auto_lets_the_model_answer_in_text_and_history_with_calls_renders(clien
 @pytest.mark.parametrize(("kwargs", "words"), [
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),
     (dict(tool_choice="required"), "needs tools"),
-    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "forced tool call"),
 ])
 def test_tool_requests_that_cannot_be_served_are_a_400(client, kwargs, words):
     with pytest.raises(openai.BadRequestError, match=words):
@@ -335,6 +334,16 @@ def test_a_streamed_turn_of_two_calls_sends_one_a_chunk_and_the_helpers_final_me
     assert json.loads(message.tool_calls[1].function.arguments)["city"] == "Zürich"
     assert '"Zürich"' in message.tool_calls[1].function.arguments  # not escaped, as OpenAI writes arguments
     assert again.choices[0].finish_reason == "length"
+
+
+def test_a_forced_call_sets_the_output_format_aside_for_its_turn_and_says_so(client):
+    """An agent sends its final answer's schema on every turn: the forced call's grammar wins, as in vLLM."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, tools=[CLOCK], tool_choice="required", max_tokens=60, seed=5,
+        parallel_tool_calls=False, response_format={"type": "json_object"})
+    choice = raw.parse().choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_time"
+    assert raw.headers["kiln-ignored-fields"] == "response_format"
 
 
 def test_forced_calls_of_tools_with_nested_models_or_no_parameters_follow_their_schemas(client):

@@ -7,7 +7,7 @@ import asyncio
 import functools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -162,18 +162,25 @@ def _call_parts(calls: list[ToolCall]) -> list[dict]:
 
 @dataclass
 class ChatPlan:
-    """A chat request made ready to run: its tools, its prompt's token ids and its jobs (one per choice), and with a
-    reasoning parser whether the completions start inside a thought (None without one)."""
+    """A chat request made ready to run: its tools, its prompt's token ids and its jobs (one per choice), with a
+    reasoning parser whether the completions start inside a thought (None without one), and the output-format fields
+    a forced tool call set aside (named in the ignored-fields header)."""
 
     tools: ChatTools
     prompt: list[int]
     jobs: list[Job]
     names: TokenText
     thinking: bool | None = None
+    overridden: list[str] = field(default_factory=list)  # the request's fields a forced tool call set aside
 
     def splitter(self) -> ReasoningSplitter | None:
         """A fresh reader of one choice's thinking and answer (None without a reasoning parser)."""
         return None if self.thinking is None else ReasoningSplitter(self.thinking)
+
+
+# the fields that ask for an output format (vLLM's guided_* are structured_outputs' older names)
+FORMAT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar")
 
 
 async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPlan:
@@ -183,9 +190,10 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
     tools = ChatTools(model, req)
     forced = tools.structured_output()
     requested = await asyncio.to_thread(requested_format, req)  # compiling a format may take a while: off the loop
-    if forced is not None and requested is not None:
-        raise APIError(400, "a forced tool call (tool_choice 'required' or a named function) sets the output "
-                            "format: send no response_format or structured_outputs with it", param="tool_choice")
+    overridden = []  # the output format a forced call sets aside for this turn, as vLLM and OpenAI take it (an
+    if forced is not None and requested is not None:  # agent sends its final answer's schema on every turn)
+        overridden = [name for name in FORMAT_FIELDS if getattr(req, name) is not None]
+        requested = None
     text = render_chat(model, req.messages, tools.rendered, variables=req.chat_template_kwargs)
     [prompt] = await model.tokenize_many([text], "messages", add_special_tokens=False)  # the template writes BOS
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -198,7 +206,7 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
     thinking = None
     if model.separates_reasoning:  # a grammar writes the answer from its first token: no thought the prompt opened
         thinking = (forced or requested) is None and thinking_at_start(generation_prompt(model, req, tools, text))
-    return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer), thinking)
+    return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer), thinking, overridden)
 
 
 def generation_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ChatTools, prompt_text: str) -> str:
@@ -289,4 +297,5 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     prelude = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                        "finish_reason": None}]) for i in range(len(jobs))]
     return await respond(model, req, jobs, [plan.prompt], metrics, request, build=build,
+                         ignored=[*req.ignored_fields(), *plan.overridden],
                          stream=StreamEvents(render, lambda usage: chunk([], usage), prelude))

@@ -309,7 +309,7 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
     events = StreamEvents(stream.render, stream.final, stream.prelude(), with_usage=True, error=stream.error,
                           done="")  # the last event carries the usage; no [DONE], as OpenAI's streams end
     return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, stream=events,
-                         ignored=_ignored_fields(req))
+                         ignored=[*_ignored_fields(req), *(["text.format"] if plan.overridden else [])])
 
 
 # the chat request's fields that answer the Responses request's, as its errors name them

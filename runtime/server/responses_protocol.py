@@ -94,8 +94,8 @@ class ReasoningTextPart(StrictModel):
 
 
 class ReasoningItem(StrictModel):
-    """An earlier answer's thought (a reasoning item of its output), passed back: its text reaches the template as
-    the next assistant message's reasoning_content."""
+    """An earlier answer's thought (a reasoning item of its output), passed back: its text (or its summary) reaches
+    the template as the next assistant message's reasoning_content."""
 
     type: Literal["reasoning"]
     id: str | None = None
@@ -106,7 +106,10 @@ class ReasoningItem(StrictModel):
 
     @property
     def text(self) -> str:
-        return "".join(part.text for part in self.content or [])
+        """Its text, else its summary's (OpenAI's reasoning items carry a summary alone), as vLLM reads it."""
+        if self.content:
+            return "".join(part.text for part in self.content)
+        return "".join(part.get("text") or "" for part in self.summary if part.get("type") == "summary_text")
 
 
 # each item type's model, under a capitalised tag (error locations leave such union members out: input[1].name)
