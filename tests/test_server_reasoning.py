@@ -189,3 +189,15 @@ def test_a_reasoning_item_passed_back_is_the_next_assistant_messages_reasoning_c
     summarised = {**thought, "content": None, "summary": [{"type": "summary_text", "text": "Weather first."}]}
     request = ResponsesRequest.model_validate({"model": MODEL, "input": [summarised, call]})  # as OpenAI returns one
     assert chat_request(request).messages[0].reasoning_content == "Weather first."
+
+
+def test_responses_take_chat_template_kwargs_and_reasoning_effort_none_turns_thinking_off(client):
+    def input_tokens(**kwargs) -> int:
+        return client.responses.create(model=MODEL, input="Capital of Norway?", max_output_tokens=1,
+                                       **kwargs).usage.input_tokens
+
+    thinking = input_tokens()
+    closed = input_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # the empty thought
+    assert closed > thinking and input_tokens(reasoning={"effort": "none"}) == closed
+    assert input_tokens(reasoning={"effort": "none"}, extra_body={"chat_template_kwargs": {"enable_thinking": True}}
+                        ) == thinking  # what the request sets wins

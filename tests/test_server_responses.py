@@ -151,3 +151,12 @@ def test_an_include_this_server_cannot_fill_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL, input=QUESTION, include=["file_search_call.results"])
     assert refused.value.param == "include[0]"
+
+
+def test_vllms_sampling_extensions_reach_the_answer_as_in_chat(client):
+    out = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=20, extra_body={
+        "structured_outputs": {"choice": ["Oslo.", "Bergen."]}, "seed": 3, "top_k": 5, "stop": ["zz"]})
+    assert out.output_text in ("Oslo.", "Bergen.")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input=QUESTION, extra_body={"top_k": -2})
+    assert refused.value.param == "top_k"

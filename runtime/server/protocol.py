@@ -195,20 +195,15 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
 
 
-class SamplingFields(StrictModel):
-    """What completions and chat completions share."""
+class SamplingExtensions(StrictModel):
+    """vLLM's sampling extensions (and OpenAI's seed, stop and penalties), which every generation request takes:
+    completions, chat completions and the Responses API."""
 
-    model: str | None = Field(None, description="The served model's id (see /v1/models); default: that model.")
-    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
-    top_p: float | None = Field(None, ge=0, le=1)
     top_k: Int | None = Field(None, ge=-1, description="Extension (as in vLLM): keep the k most likely tokens.")
     min_p: float | None = Field(None, ge=0, le=1, description="Extension (as in vLLM): drop the tokens less likely "
                                                               "than min_p times the most likely one.")
-    n: Int = Field(1, ge=1, le=MAX_N, description="Completions per prompt.")
     seed: Int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: Stop = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="Extension (as in vLLM): generate max_tokens whatever the EOS.")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -217,10 +212,21 @@ class SamplingFields(StrictModel):
                                              description="Extension (as in vLLM): transformers' rule.")
     min_tokens: Int | None = Field(None, ge=0, description="Extension (as in vLLM): no EOS or stop token before.")
     stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, description="Extension (as in vLLM).")
-    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                        description="Extension (as in vLLM): log probabilities of the prompt tokens.")
     structured_outputs: StructuredOutputs | None = Field(None, description="Extension (as in vLLM): hold the "
                                                          "output to a JSON schema, a regex, a grammar or a choice.")
+
+
+class SamplingFields(SamplingExtensions):
+    """What completions and chat completions share."""
+
+    model: str | None = Field(None, description="The served model's id (see /v1/models); default: that model.")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
+    top_p: float | None = Field(None, ge=0, le=1)
+    n: Int = Field(1, ge=1, le=MAX_N, description="Completions per prompt.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="Extension (as in vLLM): log probabilities of the prompt tokens.")
     # structured_outputs under vLLM's names before 0.11 (deprecated there; clients of that era send them)
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's structured_outputs.json before 0.11.")
     guided_regex: str | None = Field(None, description="vLLM's structured_outputs.regex before 0.11.")

@@ -20,7 +20,7 @@ from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
-from kiln.runtime.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, Usage
+from kiln.runtime.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, SamplingExtensions, Usage
 from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning
 from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responses_protocol import (
@@ -85,6 +85,12 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     fields: dict = {"model": req.model, "messages": _messages(req), "max_completion_tokens": req.max_output_tokens,
                     "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
                     "parallel_tool_calls": False if req.max_tool_calls == 1 else req.parallel_tool_calls}
+    fields.update(req.model_dump(include=set(SamplingExtensions.model_fields), exclude_unset=True))
+    variables = dict(req.chat_template_kwargs or {})
+    if req.reasoning is not None and req.reasoning.effort == "none":  # as vLLM reads it: no thinking
+        variables.setdefault("enable_thinking", False)
+    if variables:
+        fields["chat_template_kwargs"] = variables
     if LOGPROBS in (req.include or []):
         fields.update(logprobs=True, top_logprobs=req.top_logprobs)
     if req.tools:
@@ -116,6 +122,8 @@ def _ignored_fields(req: ResponsesRequest) -> list[str]:
         names.add("truncation")
     if req.top_logprobs and LOGPROBS not in (req.include or []):  # as vLLM: alternatives only with the logprobs
         names.add("top_logprobs")
+    if req.reasoning is not None and req.reasoning.effort == "none":  # it turns thinking off
+        names.discard("reasoning")
     return sorted(names)
 
 
@@ -309,7 +317,7 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
     events = StreamEvents(stream.render, stream.final, stream.prelude(), with_usage=True, error=stream.error,
                           done="")  # the last event carries the usage; no [DONE], as OpenAI's streams end
     return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, stream=events,
-                         ignored=[*_ignored_fields(req), *(["text.format"] if plan.overridden else [])])
+                         ignored=[*_ignored_fields(req), *(_CHAT_NAMES.get(n, n) for n in plan.overridden)])
 
 
 # the chat request's fields that answer the Responses request's, as its errors name them

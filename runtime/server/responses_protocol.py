@@ -13,6 +13,7 @@ from kiln.runtime.server.protocol import (
     NoAnnotations,
     PromptCacheRetention,
     ReasoningEffort,
+    SamplingExtensions,
     ServiceTier,
     StrictModel,
     Unsupported,
@@ -183,9 +184,10 @@ class ResponsesStreamOptions(StrictModel):
     include_obfuscation: bool | None = Field(None, description="Accepted and ignored: no obfuscation padding.")
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(SamplingExtensions):
     """``POST /v1/responses``: one answer to ``input`` (a text, or the conversation as items), through the chat
-    template, without state kept between requests."""
+    template, without state kept between requests; vLLM's sampling extensions and ``chat_template_kwargs`` as in
+    chat."""
 
     model: str | None = Field(None, description="The served model's id (see /v1/models); default: that model.")
     input: str | list[InputItem] = Field(min_length=1)
@@ -200,7 +202,12 @@ class ResponsesRequest(StrictModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
     text: TextOptions | None = None
-    reasoning: ReasoningOptions | None = Field(None, description="Accepted and ignored.")
+    reasoning: ReasoningOptions | None = Field(None, description='effort "none" sets the chat template\'s '
+                                               'enable_thinking false (Qwen3\'s), unless chat_template_kwargs sets '
+                                               'it; otherwise accepted and ignored.')
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='Extension (as in vLLM): more variables for the chat template, e.g. {"enable_thinking": '
+                          'false} for Qwen3.')
     truncation: neutral_only(None, "disabled", "auto") = Field(None, description="Either way, a prompt longer than "
                                                                                  "the context is a 400.")
     include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = Field(
