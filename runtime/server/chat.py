@@ -282,8 +282,8 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
         reasoning, answer = (None, out.text) if plan.thinking is None else split_reasoning(out.text, plan.thinking)
         content, calls = tools.parse(answer)
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-        message = AssistantMessage(content=content or (None if reasoning else content), tool_calls=tool_calls or None,
-                                   reasoning=reasoning, reasoning_content=reasoning)
+        message = AssistantMessage(content=None if reasoning and not content else content,
+                                   tool_calls=tool_calls or None, reasoning=reasoning, reasoning_content=reasoning)
         return ChatChoice(index=index, message=message,
                           finish_reason=tools.finish_reason(calls, out.finish_reason), stop_reason=out.stop_reason,
                           logprobs=chat_logprobs(names, out.logprobs) if out.logprobs is not None else None)

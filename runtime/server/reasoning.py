@@ -16,6 +16,8 @@ its first token.
 
 from __future__ import annotations
 
+from kiln.runtime.server.partial_tags import partial_tag_length
+
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names of the parsers this reader stands for
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -59,7 +61,7 @@ class ReasoningSplitter:
                 reasoning, self.held, self.mode = self.held[:end], self.held[end + len(THINK_END):], "answer"
                 self.after_thought = True
             else:
-                keep = 0 if finished else _partial_suffix(self.held, THINK_END)
+                keep = 0 if finished else partial_tag_length(self.held, THINK_END)
                 reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
                 return reasoning, ""
         answer, self.held = self.held, ""
@@ -73,8 +75,3 @@ def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
     """A whole completion's reasoning (None when it has none) and answer."""
     reasoning, answer = ReasoningSplitter(thinking).feed(text, finished=True)
     return reasoning or None, answer
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` may begin ``tag``."""
-    return next((keep for keep in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-keep:])), 0)

@@ -87,7 +87,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                     "parallel_tool_calls": False if req.max_tool_calls == 1 else req.parallel_tool_calls}
     fields.update(req.model_dump(include=set(SamplingExtensions.model_fields), exclude_unset=True))
     variables = dict(req.chat_template_kwargs or {})
-    if req.reasoning is not None and req.reasoning.effort == "none":  # as vLLM reads it: no thinking
+    if _thinking_off(req):
         variables.setdefault("enable_thinking", False)
     if variables:
         fields["chat_template_kwargs"] = variables
@@ -114,6 +114,11 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                             f"{error['msg']}", param="input") from None
 
 
+def _thinking_off(req: ResponsesRequest) -> bool:
+    """Whether ``reasoning.effort`` is "none", which turns the template's thinking off, as vLLM reads it."""
+    return req.reasoning is not None and req.reasoning.effort == "none"
+
+
 def _ignored_fields(req: ResponsesRequest) -> list[str]:
     names = req.model_fields_set & RESPONSES_IGNORED_FIELDS
     if req.text is not None and req.text.verbosity is not None:
@@ -122,7 +127,7 @@ def _ignored_fields(req: ResponsesRequest) -> list[str]:
         names.add("truncation")
     if req.top_logprobs and LOGPROBS not in (req.include or []):  # as vLLM: alternatives only with the logprobs
         names.add("top_logprobs")
-    if req.reasoning is not None and req.reasoning.effort == "none":  # it turns thinking off
+    if _thinking_off(req):
         names.discard("reasoning")
     return sorted(names)
 

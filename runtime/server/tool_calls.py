@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from kiln.runtime.server.partial_tags import partial_tag_length
 from kiln.runtime.structured_output import DEFINITION_KEYS, json_rule
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: a function without parameters takes none
@@ -98,10 +99,7 @@ class ToolCallFormat:
         marker = self.open.strip()
         if (index := text.find(marker)) >= 0:
             return index
-        for keep in range(min(len(marker) - 1, len(text)), 0, -1):  # a tail that may begin the marker
-            if marker.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        return len(text) - partial_tag_length(text, marker)  # a tail that may begin the marker is held
 
     def parse(self, text: str, functions: Collection[str]) -> tuple[str, list[ToolCall]]:
         """The content before the first call, and the whole calls (a call cut off after them is left out); no calls
@@ -222,10 +220,8 @@ def _json_value(text: str) -> object | None:
 
 def _without_partial_suffix(text: str, close: str) -> str:
     """``text`` without a trailing start of ``close`` (a call cut off inside its closing marker)."""
-    for keep in range(len(close) - 1, 0, -1):
-        if text.endswith(close[:keep]):
-            return text[:-keep].rstrip()
-    return text
+    keep = partial_tag_length(text, close)
+    return text[:len(text) - keep].rstrip() if keep else text
 
 
 def _leading_values(text: str, separator: re.Pattern) -> tuple[list[object], str]:
