@@ -146,7 +146,7 @@ class ModelRunner:
             config, self.device, options.gpu_memory_utilization or GPU_MEMORY_UTILIZATION)
         if self.tp is not None:
             self.num_kv_blocks = self.tp.min_over_ranks(self.num_kv_blocks)
-        min_blocks = -(-config.plan.max_seq_len // self.block_size)
+        min_blocks = config.plan.blocks_per_seq
         if self.num_kv_blocks < min_blocks:
             raise InsufficientKVMemoryError(
                 f"KV pool of {self.num_kv_blocks} blocks cannot hold one sequence of max_seq_len "

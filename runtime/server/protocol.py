@@ -195,6 +195,12 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
 
 
+# vLLM's chat_template_kwargs, which chat completions and the Responses API take
+ChatTemplateKwargs = Annotated[dict[str, Any] | None, Field(
+    description='Extension (as in vLLM): more variables for the chat template, e.g. {"enable_thinking": false} for '
+                'Qwen3.')]
+
+
 class SamplingExtensions(StrictModel):
     """vLLM's sampling extensions (and OpenAI's seed, stop and penalties), which every generation request takes:
     completions, chat completions and the Responses API."""
@@ -352,9 +358,7 @@ class ChatCompletionRequest(SamplingFields):
     audio: Unsupported = Field(None, description="Audio output: not supported.")
     prompt_cache_retention: PromptCacheRetention | None = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description='Extension (as in vLLM): more variables for the chat template, e.g. {"enable_thinking": '
-                          'false} for Qwen3.')
+    chat_template_kwargs: ChatTemplateKwargs = None
     reasoning_effort: ReasoningEffort | None = None
     verbosity: Verbosity | None = None
     prediction: dict[str, Any] | None = None

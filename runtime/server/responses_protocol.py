@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BaseModel, BeforeValidator, Discriminator, Field, Tag
 
 from kiln.runtime.server.protocol import (
+    ChatTemplateKwargs,
     FunctionDefinition,
     Int,
     NoAnnotations,
@@ -205,9 +206,7 @@ class ResponsesRequest(SamplingExtensions):
     reasoning: ReasoningOptions | None = Field(None, description='effort "none" sets the chat template\'s '
                                                'enable_thinking false (Qwen3\'s), unless chat_template_kwargs sets '
                                                'it; otherwise accepted and ignored.')
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description='Extension (as in vLLM): more variables for the chat template, e.g. {"enable_thinking": '
-                          'false} for Qwen3.')
+    chat_template_kwargs: ChatTemplateKwargs = None
     truncation: neutral_only(None, "disabled", "auto") = Field(None, description="Either way, a prompt longer than "
                                                                                  "the context is a 400.")
     include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = Field(
