@@ -85,6 +85,17 @@ def test_function_tools_are_called_and_their_outputs_passed_back_as_items(client
     assert [(item.name, item.arguments) for item in done] == [(call.name, call.arguments) for call in calls]
 
 
+def test_a_call_the_token_limit_cut_off_is_an_incomplete_item_whole_and_streamed(client):
+    request = dict(model=MODEL, input="Weather in Oslo?", tools=[FLAT_WEATHER], tool_choice="required",
+                   max_output_tokens=40, temperature=0)  # the tiny model's call is cut off inside its arguments
+    whole = client.responses.create(**request)
+    streamed = [event.response for event in client.responses.create(**request, stream=True)
+                if event.type == "response.incomplete"]
+    for response in (whole, *streamed):
+        [call] = response.output
+        assert response.status == "incomplete" and call.status == "incomplete" and call.arguments.startswith("{")
+
+
 def test_a_json_schema_text_format_holds_the_answer_to_its_schema(client):
     schema = {"type": "object", "properties": {"kiln": {"type": "string", "maxLength": 8}}, "required": ["kiln"],
               "additionalProperties": False}
@@ -160,3 +171,13 @@ def test_vllms_sampling_extensions_reach_the_answer_as_in_chat(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL, input=QUESTION, extra_body={"top_k": -2})
     assert refused.value.param == "top_k"
+
+
+def test_every_sampling_extension_passes_to_the_chat_request_as_a_client_sent_it():
+    from kiln.runtime.server.responses import chat_request
+    from kiln.runtime.server.responses_protocol import ResponsesRequest
+
+    request = ResponsesRequest.model_validate({"model": MODEL, "input": QUESTION, "logit_bias": {"5": 10},
+                                               "structured_outputs": {"json": {"type": "object"}}})
+    chat = chat_request(request)
+    assert chat.logit_bias == {5: 10.0} and chat.structured_outputs.json_schema == {"type": "object"}

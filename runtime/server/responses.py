@@ -85,7 +85,8 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     fields: dict = {"model": req.model, "messages": _messages(req), "max_completion_tokens": req.max_output_tokens,
                     "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
                     "parallel_tool_calls": False if req.max_tool_calls == 1 else req.parallel_tool_calls}
-    fields.update(req.model_dump(include=set(SamplingExtensions.model_fields), exclude_unset=True))
+    fields.update(req.model_dump(mode="json", by_alias=True, include=set(SamplingExtensions.model_fields),
+                                 exclude_unset=True))  # as a client sends them: token ids as keys, vLLM's names
     variables = dict(req.chat_template_kwargs or {})
     if _thinking_off(req):
         variables.setdefault("enable_thinking", False)
@@ -143,8 +144,11 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> OutputFunctionCall:
-    return OutputFunctionCall(id=f"fc_{call.id}", call_id=call.id, name=call.name, status=status,
+def _call_item(call: ToolCall, status: str | None = None, arguments: str | None = None) -> OutputFunctionCall:
+    """A function_call item: ``incomplete`` when the token limit cut the call off, else ``completed`` (or
+    ``status``)."""
+    return OutputFunctionCall(id=f"fc_{call.id}", call_id=call.id, name=call.name,
+                              status=status or ("incomplete" if call.cut_off else "completed"),
                               arguments=call.arguments if arguments is None else arguments)
 
 

@@ -42,11 +42,13 @@ def mistral_call_id() -> str:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call: a function name, its arguments as JSON text (OpenAI's shape) and its id."""
+    """One call: a function name, its arguments as JSON text (OpenAI's shape) and its id; ``cut_off`` when the
+    token limit ended it part way (its arguments as far as they got)."""
 
     name: str
     arguments: str
     id: str
+    cut_off: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ class ToolCallFormat:
         match = _CUT_OFF_CALL.match(tail)
         if match is None or match["name"] not in functions:
             return None
-        return ToolCall(match["name"], match["arguments"], self.new_id())
+        return ToolCall(match["name"], match["arguments"], self.new_id(), cut_off=True)
 
     def _body(self, text: str) -> str:
         """A completion of calls alone without the whitespace around it and the prefix it may open with."""
