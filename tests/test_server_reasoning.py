@@ -12,7 +12,7 @@ import pytest
 
 from kiln.runtime import LLM
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
-from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning
+from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning, thinking_at_start
 from tests.test_server_support import tiny_engine
 
 MODEL = "tiny"
@@ -46,10 +46,21 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     ("<think>\nhmm</think>Oslo.", True, "\nhmm", "Oslo."),  # the prompt opened it, and the model wrote it again
 ])
 def test_a_completion_splits_the_same_whole_and_streamed_a_character_at_a_time(text, thinking, reasoning, answer):
-    assert split_reasoning(text, thinking) == (reasoning, answer)
+    assert split_reasoning(text, thinking) == (reasoning, answer, "</think>" in text or reasoning is None)
     splitter = ReasoningSplitter(thinking)
     pieces = [splitter.feed(character, i == len(text) - 1) for i, character in enumerate(text)]
     assert "".join(r for r, _ in pieces) == (reasoning or "") and "".join(a for _, a in pieces) == answer
+
+
+@pytest.mark.parametrize(("generation_prompt", "qwen3", "deepseek_r1"), [
+    ("<|im_start|>assistant\n", False, True),  # no thought named: R1 may think without writing <think>
+    ("<|im_start|>assistant\n<think>\n", True, True),
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False, False),  # thinking turned off
+])
+def test_where_the_thought_starts_is_read_from_the_generation_prompt_as_each_parser_reads_it(generation_prompt,
+                                                                                             qwen3, deepseek_r1):
+    assert (thinking_at_start(generation_prompt, "qwen3"),
+            thinking_at_start(generation_prompt, "deepseek_r1")) == (qwen3, deepseek_r1)
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +182,16 @@ def test_a_responses_answer_cut_off_while_thinking_is_an_incomplete_reasoning_it
         assert response.status == "incomplete" and [item.type for item in response.output] == ["reasoning"]
         assert response.output[0].status == "incomplete" and response.output_text == ""
     assert streamed.output[0].content[0].text == whole.output[0].content[0].text != ""
+
+
+def test_a_thought_that_ended_is_a_completed_reasoning_item_though_the_answer_was_cut_off(client):
+    kwargs = dict(model=MODEL, input="Capital of Norway?", max_output_tokens=13,  # cut off after </think>
+                  extra_body={"structured_outputs": {"regex": "<think>ab</think>\n\nhello world"}})
+    whole = client.responses.create(**kwargs)
+    streamed = list(client.responses.create(stream=True, **kwargs))[-1].response
+    for response in (whole, streamed):
+        assert response.status == "incomplete" and response.output[0].content[0].text == "ab"
+        assert response.output[0].status == "completed" and response.output_text == ""
 
 
 def test_a_reasoning_item_passed_back_is_the_next_assistant_messages_reasoning_content():

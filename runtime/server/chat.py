@@ -204,8 +204,9 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
                      prompt_logprobs=req.prompt_logprobs, structured_output=forced or requested)
     model.check(jobs[::req.n], "messages")
     thinking = None
-    if model.separates_reasoning:  # a grammar writes the answer from its first token: no thought the prompt opened
-        thinking = (forced or requested) is None and thinking_at_start(generation_prompt(model, req, tools, text))
+    if model.reasoning_parser:  # a grammar writes the answer from its first token: no thought the prompt opened
+        thinking = (forced or requested) is None and thinking_at_start(generation_prompt(model, req, tools, text),
+                                                                       model.reasoning_parser)
     return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer), thinking, overridden)
 
 
@@ -279,7 +280,8 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                         "stop_reason": stop_reason(delta)}])]
 
     def choice(index: int, out: RequestOutput) -> ChatChoice:
-        reasoning, answer = (None, out.text) if plan.thinking is None else split_reasoning(out.text, plan.thinking)
+        reasoning, answer, _ = (None, out.text, True) if plan.thinking is None else split_reasoning(out.text,
+                                                                                                  plan.thinking)
         content, calls = tools.parse(answer)
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         message = AssistantMessage(content=None if reasoning and not content else content,

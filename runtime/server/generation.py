@@ -85,7 +85,7 @@ class ServedModel:
         self.tool_call_format = tool_call_format(self.chat_template.source) if self.chat_template else None
         self.admission = Admission(self.limits.max_batch_size + max_queue)
         self.logged_ignored_fields: set[str] = set()  # warned of once per server
-        self.separates_reasoning = reasoning_parser is not None  # its name is checked by ServerSettings
+        self.reasoning_parser = reasoning_parser  # qwen3 or deepseek_r1, checked by ServerSettings
 
     def card(self, created: int, name: str | None = None) -> ModelCard:
         """The model as ``/v1/models`` lists it (under ``name``, one of its names; default its first)."""

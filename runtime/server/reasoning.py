@@ -7,6 +7,8 @@ completion starts inside a thought is read from the prompt, so that every templa
 - Qwen3 with ``enable_thinking: false``: the prompt holds an empty, closed thought; the completion is all answer.
 - DeepSeek-R1, QwQ and Qwen3 "Thinking-2507": the prompt ends inside ``<think>``; the completion thinks until
   ``</think>`` (a ``<think>`` it writes first all the same is dropped, as vLLM's deepseek_r1 parser drops it).
+- ``deepseek_r1`` with a prompt that names no thought (R1's first templates, and fine-tunes of them): the
+  completion thinks until ``</think>`` all the same, as vLLM's parser reads it, since R1 may not write ``<think>``.
 
 A completion that ends before ``</think>`` (cut off by ``max_tokens``) is all reasoning. The answer is sent without
 the whitespace that separates it from the thought. A completion that a grammar writes (a forced tool call,
@@ -22,10 +24,12 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names of the parsers this
 THINK_START, THINK_END = "<think>", "</think>"
 
 
-def thinking_at_start(generation_prompt: str) -> bool:
+def thinking_at_start(generation_prompt: str, parser: str) -> bool:
     """Whether a completion starts inside a thought: ``generation_prompt`` (what the template adds to the messages
-    for the answer; a ``<think>`` quoted in a message does not count) opens one it does not close."""
-    return generation_prompt.rfind(THINK_START) > generation_prompt.rfind(THINK_END)
+    for the answer; a ``<think>`` quoted in a message does not count) opens one it does not close, or, for
+    ``deepseek_r1``, names no thought at all."""
+    opened, closed = generation_prompt.rfind(THINK_START), generation_prompt.rfind(THINK_END)
+    return opened > closed or (parser == "deepseek_r1" and opened == closed == -1)
 
 
 class ReasoningSplitter:
@@ -71,7 +75,9 @@ class ReasoningSplitter:
         return reasoning, answer
 
 
-def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
-    """A whole completion's reasoning (None when it has none) and answer."""
-    reasoning, answer = ReasoningSplitter(thinking).feed(text, finished=True)
-    return reasoning or None, answer
+def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str, bool]:
+    """A whole completion's reasoning (None when it has none), answer, and whether its thought ended (or it had
+    none)."""
+    splitter = ReasoningSplitter(thinking)
+    reasoning, answer = splitter.feed(text, finished=True)
+    return reasoning or None, answer, splitter.thought_over

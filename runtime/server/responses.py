@@ -311,11 +311,12 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
 
     def build(outputs: list[RequestOutput], usage: Usage) -> ResponseObject:
         [out] = outputs
-        reasoning, answer = (None, out.text) if plan.thinking is None else split_reasoning(out.text, plan.thinking)
+        reasoning, answer, thought_over = (None, out.text, True) if plan.thinking is None else split_reasoning(
+            out.text, plan.thinking)
         content, calls = plan.tools.parse(answer)
         status = _status(out.finish_reason)
         logprobs = _logprobs(plan.names, out.logprobs) if out.logprobs is not None else []
-        thought = [_reasoning_item(_item_id("rs"), reasoning, status if not content and not calls else "completed")
+        thought = [_reasoning_item(_item_id("rs"), reasoning, "completed" if thought_over else status)
                    ] if reasoning else []
         message = [OutputMessage(id=message_id, status=status,
                                  content=[OutputText(text=content or "", logprobs=logprobs)])]
