@@ -194,6 +194,15 @@ def test_a_thought_that_ended_is_a_completed_reasoning_item_though_the_answer_wa
         assert response.output[0].status == "completed" and response.output_text == ""
 
 
+def test_a_responses_streams_text_logprobs_are_the_answers_tokens_not_the_thoughts(client):
+    events = list(client.responses.create(
+        model=MODEL, input="Capital of Norway?", max_output_tokens=40, stream=True,
+        include=["message.output_text.logprobs"],
+        extra_body={"structured_outputs": {"regex": "<think>ab</think>Oslo"}}))
+    [done] = [event for event in events if event.type == "response.output_text.done"]
+    assert done.text == "Oslo" and "".join(entry.token for entry in done.logprobs) == "Oslo"
+
+
 def test_a_reasoning_item_passed_back_is_the_next_assistant_messages_reasoning_content():
     from kiln.runtime.server.responses import chat_request
     from kiln.runtime.server.responses_protocol import ResponsesRequest

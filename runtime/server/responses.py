@@ -214,8 +214,10 @@ class _StreamedResponse:
         return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
 
     def render(self, index: int, delta: StreamDelta) -> list[dict]:
+        splitter = self.streamed.splitter
+        in_thought = splitter is not None and not splitter.thought_over
         reasoning, content, calls = self.streamed.advance(delta)
-        if delta.logprobs:
+        if delta.logprobs and (content or not in_thought):  # a thought's tokens are not the text's (vLLM's rule)
             self.logprobs += _logprobs(self.names, delta.logprobs)
         if delta.finished:
             self.status = _status(delta.finish_reason)
@@ -228,6 +230,8 @@ class _StreamedResponse:
                                      logprobs=self.logprobs[self.unsent:]))
             self.unsent = len(self.logprobs)
         if delta.finished:
+            if calls:  # the calls' tokens wrote none of the text
+                del self.logprobs[self.unsent:]
             events += self._close(calls)
         return events
 
