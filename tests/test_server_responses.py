@@ -111,11 +111,14 @@ def test_a_json_schema_text_format_holds_the_answer_to_its_schema(client):
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]"),
     ({"input": [{"role": "user", "content": "hi", "colour": 1}]}, "input[0].colour"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),  # the chat path's check, in this request's terms
+    ({"input": {"a": 1}}, "input"),  # neither member of the union: named as the field, not as pydantic's member
+    ({"input": ["hi"]}, "input[0]"),
 ])
 def test_what_a_stateless_text_server_cannot_do_is_a_400_naming_the_field(client, extra, field):
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(**{"model": MODEL, "input": QUESTION, **extra})
     assert refused.value.param == field and "input.str" not in refused.value.message
+    assert "_item_tag" not in refused.value.message
     assert "max_completion_tokens" not in refused.value.message and "messages" not in refused.value.message
 
 

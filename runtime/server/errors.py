@@ -70,8 +70,11 @@ def describe_validation_error(exc: RequestValidationError) -> APIError:
 
 def _union_member(part: str | int) -> bool:
     """Whether a part of pydantic's error location names the member of a union that was tried
-    (``literal['none','auto']``, ``NamedToolChoice``) rather than a field: clients see field paths only."""
-    return isinstance(part, str) and (not part.isidentifier() or part[:1].isupper())
+    (``literal['none','auto']``, ``NamedToolChoice``, ``str``) rather than a field: clients see field paths only."""
+    return isinstance(part, str) and (not part.isidentifier() or part[:1].isupper() or part in _SCALAR_TYPES)
+
+
+_SCALAR_TYPES = {"str", "int", "float", "bool"}  # the names pydantic gives a union's plain members
 
 
 def served_routes(app: FastAPI) -> str:

@@ -128,7 +128,8 @@ def _typed_item(value: Any) -> Any:
             raise ValueError(f"input items of type {kind!r} are not supported here: send "
                              f"{', '.join(SUPPORTED_ITEMS)} items")
         return {**value, "type": kind}
-    return value
+    raise ValueError(f"input items must be objects (a message, or an item with its type), not "
+                     f"{type(value).__name__}")
 
 
 def _item_tag(value: Any) -> str | None:
