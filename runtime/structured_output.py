@@ -25,11 +25,29 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps the subschemas its local $refs name
 _SUBSCHEMA_MAPS = ("properties", *DEFINITION_KEYS, "patternProperties", "dependentSchemas")
 MAX_FORMAT_CHARS = 128 * 1024  # of a schema, regex, grammar or the choices together
+MAX_SCHEMA_DEPTH = 120  # levels of objects and lists in a JSON schema: llguidance parses about 124
 _UNKNOWN_FORMAT = "Unknown format:"
 
 
 class StructuredOutputError(InvalidRequestError):
     """A format that cannot be compiled (a schema llguidance does not support, a bad regex or grammar)."""
+
+
+_TOO_DEEP = f"the JSON schema is nested too deeply: at most {MAX_SCHEMA_DEPTH} levels of objects and lists are taken"
+
+
+def _nesting_exceeds(value: object, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) holds objects and lists more than ``limit`` levels deep, walked without
+    recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 @dataclass(frozen=True)
@@ -55,7 +73,9 @@ class StructuredOutput:
             except json.JSONDecodeError as exc:
                 raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}") from None
             except RecursionError:
-                raise StructuredOutputError("the JSON schema is nested too deeply") from None
+                raise StructuredOutputError(_TOO_DEEP) from None
+        if _nesting_exceeds(self.json, MAX_SCHEMA_DEPTH):
+            raise StructuredOutputError(_TOO_DEEP)
         source = self.regex or self.grammar or "".join(self.choice or ()) or json.dumps(self.json or {})
         if len(source) > MAX_FORMAT_CHARS:  # compiling grows faster than the size: seconds per 100 KB of grammar
             raise StructuredOutputError(f"the format is {len(source):,} characters; at most {MAX_FORMAT_CHARS:,} "

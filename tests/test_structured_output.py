@@ -12,7 +12,7 @@ import jsonschema_rs
 import pytest
 
 from kiln.runtime import LLM, RuntimeOptions, SamplingParams
-from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError, closed_objects
+from kiln.runtime.structured_output import MAX_SCHEMA_DEPTH, StructuredOutput, StructuredOutputError, closed_objects
 from tests.test_server_support import tiny_engine
 
 SCHEMAS = {
@@ -159,8 +159,14 @@ def test_an_overlapping_one_of_is_refused_naming_the_schema_option_that_enforces
 def test_a_format_too_large_or_too_deep_to_compile_in_time_is_refused_naming_why():
     with pytest.raises(StructuredOutputError, match="characters; at most 131,072"):
         StructuredOutput(grammar="start: " + " | ".join(f'"w{i}x"' for i in range(30_000)))
-    with pytest.raises(StructuredOutputError, match="nested too deeply"):
-        StructuredOutput(json="[" * 5000 + "]" * 5000)
+    with pytest.raises(StructuredOutputError, match="nested too deeply"):  # too deep for json.loads on Python 3.11
+        StructuredOutput(json='{"a":' * 5000 + "1" + "}" * 5000)
+    deep = {"type": "object"}
+    for _ in range(MAX_SCHEMA_DEPTH // 2 - 1):  # each level two: the object, its properties
+        deep = {"type": "object", "properties": {"a": deep}}
+    assert StructuredOutput(json=deep).llguidance_grammar  # 119 levels
+    with pytest.raises(StructuredOutputError, match="at most 120 levels"):  # parses on any Python, but deeper
+        StructuredOutput(json={"type": "object", "properties": {"a": deep}})
 
 
 def test_a_format_cut_short_by_max_tokens_ends_with_length(llm):

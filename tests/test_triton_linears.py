@@ -129,6 +129,7 @@ def test_fp8_gemv_pipelines_as_deep_as_the_gpus_shared_memory_holds(monkeypatch)
         assert (fitting_stages(down_proj, cuda)["num_stages"], fitting_stages(one_token, cuda)["num_stages"]) == stages
 
 
+@interpreted
 def test_fp8_gemv_keeps_leading_dims():
     x, weight, weight_scale, input_scale = _fp8_operands(6, 128, 128, seed=3)
     out = fp8_gemv(x.reshape(2, 3, 128), weight, weight_scale, input_scale)

@@ -89,10 +89,10 @@ def fp8_qkv_rotary(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     ``cos_sin_cache`` [max_position, head_dim], float32). Returns q [T, num_heads, head_dim] rotated, in the model
     dtype (``out_dtype``, default x.dtype), having stored the rotated K and the V at the slots of ``caches``.
     ``config``: ``qkv_rotary_config``'s, where the caller has it already."""
-    x_q, weight = fp8_gemv_operands("fp8_qkv_rotary", x, weight, input_scale, out_dtype, pdl)
-    (m, k), n = x_q.shape, weight.shape[0]
-    dtype = out_dtype or x.dtype
+    m, n, dtype = x.numel() // max(x.shape[-1], 1), weight.shape[0], out_dtype or x.dtype
     q = rotated_q("fp8_qkv_rotary", m, n, num_heads, num_kv_heads, positions, cos_sin_cache, dtype, x.device)
+    x_q, weight = fp8_gemv_operands("fp8_qkv_rotary", x, weight, input_scale, out_dtype, pdl)  # after the checks
+    k = x_q.shape[1]
     head_dim = q.shape[-1]
     cfg = config or qkv_rotary_config(m, n, k, head_dim)
     if cfg is None:
