@@ -56,6 +56,10 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release what the engine holds."""
 
+    def interrupt(self) -> bool:
+        """Stop a step that does not return (a hung GPU or collective) where the engine can, at the cost of the
+        engine: True if it did. Only ``close`` follows."""
+
 
 def is_engine_dir(path: Path) -> bool:
     """Whether ``path`` holds an engine of either backend (``engine.json`` or ``kiln_trtllm.json``)."""

@@ -6,6 +6,7 @@ import asyncio
 import atexit
 import contextlib
 import functools
+import logging
 import numbers
 import queue
 import threading
@@ -27,6 +28,8 @@ from kiln.runtime.outputs import RequestFailure, RequestOutput, StreamDelta
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger("kiln.runtime")
 
 Prompt = str | list[int]
 
@@ -294,12 +297,16 @@ class LLM:
         return {"load_ms": self.load_ms, **self.engine.stats_snapshot()}
 
     def close(self) -> None:
-        """Stop the engine thread; requests still in flight fail with EngineClosedError."""
+        """Stop the engine thread; requests still in flight fail with EngineClosedError. A step that has not returned
+        within ``STEP_GRACE_S`` (a hung GPU) is interrupted where the engine can be (an engine process is killed)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._commands.put(("close", None))
+        self._thread.join(STEP_GRACE_S)
+        if self._thread.is_alive() and self.engine.interrupt():
+            logger.warning("the engine did not stop within %s s of close: its process was killed", STEP_GRACE_S)
         self._thread.join()
         self._fail_all(EngineClosedError("the LLM was closed before this request finished"))
         self._release()
@@ -385,7 +392,7 @@ class LLM:
 
     def _deliver(self, delta: StreamDelta) -> None:
         with self._lock:
-            sink = self._sinks.pop(delta.request_id) if delta.finished else self._sinks.get(delta.request_id)
+            sink = self._sinks.pop(delta.request_id, None) if delta.finished else self._sinks.get(delta.request_id)
         if sink is None:
             return
         if sink.loop is not None:
@@ -416,6 +423,7 @@ class LLM:
         outbox.flush()
 
 
+STEP_GRACE_S = 10.0  # how long close waits for the engine's step before it interrupts it
 IDLE_WAKE_S = 1.0  # how often an idle engine thread lets go of its LLM, so that a dropped one can be collected
 
 

@@ -143,6 +143,29 @@ def test_a_killed_engine_process_fails_its_waiters_and_the_server_reports_503():
         llm.close()
 
 
+def test_abort_all_fails_the_requests_in_flight_and_the_engine_serves_on(llm):
+    request_id = llm.submit("Once upon a time", SamplingParams(max_tokens=240, ignore_eos=True))
+    wait_until(lambda: llm.stats()["num_generated_tokens"] > 0)
+    assert llm.abort_all(EngineClosedError("draining")) == 1
+    with pytest.raises(EngineClosedError, match="draining"):
+        llm.result(request_id, timeout=30)
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids  # the engine's abort of it found no waiter: no error
+    assert llm.engine_error is None
+
+
+def test_close_kills_an_engine_process_whose_step_does_not_return(monkeypatch):
+    monkeypatch.setattr("kiln.runtime.llm.STEP_GRACE_S", 0.5)
+    llm = load_apart()
+    request_id = llm.submit("Once upon a time", SamplingParams(max_tokens=240, ignore_eos=True))
+    wait_until(lambda: llm.stats()["num_generated_tokens"] > 0)
+    os.kill(llm.engine_pid, signal.SIGSTOP)  # a hung GPU: the step never answers
+    started = time.monotonic()
+    llm.close()
+    assert time.monotonic() - started < 15 and llm.engine._process.returncode == -signal.SIGKILL
+    with pytest.raises(EngineClosedError):
+        llm.result(request_id, timeout=5)
+
+
 class _IdleEngine:
     """Never has work; its stats say how many objects the garbage collector has frozen in its process."""
 

@@ -105,6 +105,11 @@ class ProcessEngine:
         """The results of the child's next step (or of adds and aborts it applied)."""
         return self._take(self._receive())
 
+    def interrupt(self) -> bool:
+        """Kill the engine process: a step waiting on it then ends with its exit."""
+        self._process.kill()
+        return True
+
     def failure(self) -> EngineProcessError | None:
         """The engine process's exit, noticed without a message (while idle); None while it runs."""
         return None if self._process.poll() is None else self._exited()

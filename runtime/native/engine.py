@@ -113,6 +113,10 @@ class NativeEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
+    def interrupt(self) -> bool:
+        """A step of this process's GPU work cannot be stopped from another thread."""
+        return False
+
     def failure(self) -> KilnError | None:
         """A tensor-parallel worker that exited, which rank 0's watcher notices at once, even while idle."""
         if self.ranks is None or self.ranks.failure is None:

@@ -146,6 +146,10 @@ class TrtllmEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def interrupt(self) -> bool:
+        """The executor's steps cannot be stopped from another thread."""
+        return False
+
     def failure(self) -> None:
         """The executor reports its errors through the responses a step reads."""
         return None
