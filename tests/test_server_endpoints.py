@@ -157,6 +157,21 @@ def test_vllm_metric_names_with_the_model_name_label(server, http, llm):
     assert float(prefill[0].split()[-1]) > 0
 
 
+def test_vllm_request_series_read_zero_before_the_first_request_as_vllms_do():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kiln.runtime.server.vllm_metrics import VllmRequestMetrics
+
+    registry = CollectorRegistry()
+    VllmRequestMetrics(MODEL, registry)
+    lines = generate_latest(registry).decode().splitlines()
+    for series in (f'vllm:prompt_tokens_total{{model_name="{MODEL}"}} 0.0',
+                   f'vllm:request_success_total{{finished_reason="stop",model_name="{MODEL}"}} 0.0',
+                   f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 0.0',
+                   f'vllm:e2e_request_latency_seconds_count{{model_name="{MODEL}"}} 0.0'):
+        assert series in lines
+
+
 def test_serve_refuses_an_unreadable_chat_template_before_building(tmp_path):
     result = CliRunner().invoke(cli, ["serve", str(tiny_engine()), "--served-model-name", "x", "--chat-template",
                                       str(tmp_path / "missing.jinja")])

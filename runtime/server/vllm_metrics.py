@@ -21,6 +21,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))[:-2]
 
 
+FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's finished_reason labels
+
 # a request's phases, timed from the engine's timestamps as vLLM times them
 PHASES = {"queue": "From arrival to the first admission into the running batch",
           "prefill": "From the first admission to the first token",
@@ -89,6 +91,13 @@ class VllmRequestMetrics:
                        for phase, documentation in PHASES.items()}
         self.token_counts = {name: Histogram(f"vllm:request_{name}", documentation, labels, buckets=TOKEN_BUCKETS,
                                              registry=registry) for name, documentation in TOKEN_COUNTS.items()}
+        # every series at zero from the start, as vLLM's: a rate() or an autoscaler's query reads 0, not "no data"
+        for metric in (self.prompt_tokens, self.generation_tokens, self.time_to_first_token, self.inter_token_latency,
+                       self.time_per_output_token, self.e2e_latency, *self.phases.values(),
+                       *self.token_counts.values()):
+            metric.labels(model_name)
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(model_name, reason)
 
     def aborted(self, count: int, prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
         """Count requests that ended without an output (their client went away), as vLLM counts aborts, with the
