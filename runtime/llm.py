@@ -186,10 +186,12 @@ class LLM:
                 self.abort(seq.request_id)
             raise
 
-    async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestOutput:
-        """Complete one prompt without blocking the event loop; cancelling the task aborts the request."""
+    async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                             request_id: str | None = None) -> RequestOutput:
+        """Complete one prompt without blocking the event loop; cancelling the task aborts the request, and
+        ``abort(request_id)`` ends it with what it generated so far (finish_reason "abort")."""
         loop = asyncio.get_running_loop()
-        seq = self.engine.make_request(uuid.uuid4().hex, prompt, _taken(params))
+        seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params))
         result = loop.create_future()
         self._enqueue(seq, _Sink(loop=loop, push=functools.partial(_settle, result), every_delta=False))
         try:

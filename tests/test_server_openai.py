@@ -234,6 +234,9 @@ def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(serve
     monkeypatch.setattr(llm.engine, "step", held_step)
     monkeypatch.setattr(llm, "abort", counted_abort)
     aborted_before = llm.stats()["requests_finished"]["abort"]
+    counted = (f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}',
+               f'vllm:prompt_tokens_total{{model_name="{MODEL}"}}')
+    counts_before = metric_values(server, counted)
     body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 240, "n": 16, "ignore_eos": True}).encode()
     url = httpx.URL(server.url)
     with socket.create_connection((url.host, url.port)) as client:  # a client that sends the request, then goes
@@ -244,6 +247,8 @@ def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(serve
     assert len(aborts) == 16
     assert llm.stats()["requests_finished"]["abort"] == aborted_before + 16
     assert 'status="499"' in httpx.get(f"{server.url}/metrics").text
+    prompt = len(llm.tokenizer.encode("Hi"))  # each choice's prompt, counted as vLLM counts an aborted request's
+    wait_until(lambda: metric_values(server, counted) == [counts_before[0] + 16, counts_before[1] + 16 * prompt])
 
 
 def test_metrics_expose_requests_latencies_queue_and_kv_blocks(server, client):

@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -46,6 +47,7 @@ logger = logging.getLogger("kiln.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
+ABORTED_OUTPUTS_WAIT_S = 5.0  # how long a request whose client went away waits for its jobs' aborted outputs
 
 
 def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *,
@@ -119,21 +121,27 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
                    request: Request) -> list[RequestOutput] | None:
-    """Every job's output, or None when the client disconnected first (its jobs are then aborted)."""
+    """Every job's output, or None when the client disconnected first (its jobs are then aborted, and what they
+    had processed is counted)."""
     landed: list[RequestOutput] = []
 
     def observe(output: RequestOutput) -> None:
         landed.append(output)
         metrics.observe(output)
 
-    runner = asyncio.create_task(model.generate_final(jobs, observe))
+    request_ids = [uuid.uuid4().hex for _ in jobs]
+    runner = asyncio.create_task(model.generate_final(jobs, observe, request_ids))
     watcher = asyncio.create_task(_wait_for_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not runner.done():
-            runner.cancel()  # aborts every job still running
+            for request_id in request_ids:  # each ends with its tokens so far, which observe counts
+                model.llm.abort(request_id)
+            with contextlib.suppress(Exception):  # as the abort's deltas land; else cancelled, which aborts too
+                await asyncio.wait_for(asyncio.shield(runner), ABORTED_OUTPUTS_WAIT_S)
+            runner.cancel()
     if runner not in done:
         metrics.vllm.aborted(len(jobs) - len(landed))
         return None

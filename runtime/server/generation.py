@@ -164,17 +164,18 @@ class ServedModel:
                              f"which at most {self.limits.max_input_len} in the prompt (max_input_len); however, "
                              f"{problem}", param=param, code="context_length_exceeded")
 
-    async def generate_final(self, jobs: list[Job],
-                             on_output: Callable[[RequestOutput], None]) -> list[RequestOutput]:
-        """Run the jobs concurrently to their final outputs only (no per-token hop through the event loop), passing
-        each to ``on_output`` as it lands; a failure or cancellation aborts every job still running."""
+    async def generate_final(self, jobs: list[Job], on_output: Callable[[RequestOutput], None],
+                             request_ids: list[str]) -> list[RequestOutput]:
+        """Run the jobs concurrently, under ``request_ids``, to their final outputs only (no per-token hop through the
+        event loop), passing each to ``on_output`` as it lands; a failure or cancellation aborts every job still
+        running."""
 
-        async def one(job: Job) -> RequestOutput:
-            output = await self.llm.generate_async(job.prompt_token_ids, job.params)
+        async def one(job: Job, request_id: str) -> RequestOutput:
+            output = await self.llm.generate_async(job.prompt_token_ids, job.params, request_id=request_id)
             on_output(output)
             return output
 
-        tasks = [asyncio.create_task(one(job)) for job in jobs]
+        tasks = [asyncio.create_task(one(job, request_id)) for job, request_id in zip(jobs, request_ids, strict=True)]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
