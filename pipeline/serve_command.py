@@ -3,6 +3,7 @@ engine over the OpenAI-compatible HTTP API until SIGTERM."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -109,6 +110,18 @@ def torchrun_rendezvous(environ: Mapping[str, str]) -> Rendezvous | None:
     from kiln.runtime.native.parallel.group import Rendezvous
 
     return Rendezvous.from_environment(environ)
+
+
+def log_to_stderr() -> None:
+    """Kiln's own log lines (the engine loaded, a stream that failed, the engine stopping) on stderr with their time
+    and level, as uvicorn's are."""
+    kiln_logger = logging.getLogger("kiln")
+    if kiln_logger.handlers:  # set up already (serve called again in this process)
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    kiln_logger.addHandler(handler)
+    kiln_logger.setLevel(logging.INFO)
 
 
 def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, local_rank: int) -> None:
@@ -234,10 +247,14 @@ def serve(
     engine_process: Annotated[bool, typer.Option(help="Run the engine in a process of its own (its host work and the "
                                                      "HTTP server's then do not share one GIL), or on a thread of "
                                                      "the server's.")] = True,
+    access_log: Annotated[bool, typer.Option(help="Log a line per HTTP request (uvicorn's access log; off by default, "
+                                                 "as vLLM's --disable-uvicorn-access-log: at hundreds of requests a "
+                                                 "second the lines cost the server's event loop).")] = False,
 ) -> None:
     """Serve an engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/responses,
     /health, /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
     require_serve_extra()
+    log_to_stderr()
     from kiln.runtime.server import create_app, run_server
     from kiln.runtime.server.errors import served_routes
 
@@ -264,4 +281,5 @@ def serve(
         stderr.print(f"serving {settings.model_name} ({resolved.engine_dir}) on {thread.url}: "
                      f"{served_routes(app)}; SIGTERM or Ctrl-C drains and stops", highlight=False, soft_wrap=True)
 
-    run_server(app, bind_host, bind_port, shutdown_timeout_s=shutdown_timeout, on_started=announce)
+    run_server(app, bind_host, bind_port, shutdown_timeout_s=shutdown_timeout, on_started=announce,
+               access_log=access_log)

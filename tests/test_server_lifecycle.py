@@ -85,15 +85,17 @@ def _read_lines(stream, lines: queue.Queue) -> None:
 
 def test_sigterm_finishes_the_in_flight_stream_stops_the_engine_process_and_exits_0():
     code = ("import sys; from kiln.pipeline.serve_command import serve; "
-            "serve(sys.argv[1], port=0, model_names=['tiny'], shutdown_timeout=30.0, engine_process=True)")
+            "serve(sys.argv[1], port=0, model_names=['tiny'], shutdown_timeout=30.0, engine_process=True, "
+            "access_log=True)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_engine())], cwd=REPO, stderr=subprocess.PIPE,
                             text=True, env=repo_env())
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_read_lines, args=(proc.stderr, lines), daemon=True).start()
+    logged = []
     try:
         url = None
         while url is None:
-            line = lines.get(timeout=60)
+            logged.append(line := lines.get(timeout=60))
             if line.startswith("serving tiny"):
                 url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
         wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, timeout=60)
@@ -113,6 +115,10 @@ def test_sigterm_finishes_the_in_flight_stream_stops_the_engine_process_and_exit
         assert rest[-1] == "[DONE]"
         assert json.loads(rest[-2])["usage"]["completion_tokens"] == 200
         assert proc.wait(timeout=30) == 0
+        while not lines.empty():
+            logged.append(lines.get())
+        assert any(re.match(r"\d{4}-\d\d-\d\d [\d:,]+ INFO kiln.server: engine loaded", line) for line in logged)
+        assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in logged)  # the access log
         assert len(engine_processes) == 1
         wait_until(lambda: not Path(f"/proc/{engine_processes[0]}").exists(), timeout=10)
     finally:

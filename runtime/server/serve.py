@@ -57,13 +57,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 class ServerThread:
-    """uvicorn serving `app` on `host:port` (port 0: any free one) in a daemon thread, until `stop()`."""
+    """uvicorn serving `app` on `host:port` (port 0: any free one) in a daemon thread, until `stop()`; with
+    ``access_log`` a line per request."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
-                 shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, log_level: str = "warning") -> None:
+                 shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, log_level: str = "warning",
+                 access_log: bool = False) -> None:
         self.app = app
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=shutdown_timeout_s, access_log=False)
+                                timeout_graceful_shutdown=shutdown_timeout_s, access_log=access_log)
         self.server = uvicorn.Server(config)
         self.shutdown_timeout_s = shutdown_timeout_s
         self._sockets: list[socket.socket] = []
@@ -137,13 +139,14 @@ class ServerThread:
 
 
 def run_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-               on_started: Callable[[ServerThread], None] | None = None) -> None:
+               on_started: Callable[[ServerThread], None] | None = None, access_log: bool = False) -> None:
     """Serve in the foreground until SIGTERM or SIGINT (a second SIGINT forces), then drain and return. Signals are
     handled when called from the main thread; elsewhere, stop it with the `ServerThread` given to `on_started`.
 
     Raises ServerStartError when the server cannot start or the engine fails to load, EngineFailedError after a
     drain when the engine stopped while serving, and KeyboardInterrupt when the exit was forced (a third SIGINT)."""
-    thread = ServerThread(app, host, port, shutdown_timeout_s=shutdown_timeout_s, log_level="info")
+    thread = ServerThread(app, host, port, shutdown_timeout_s=shutdown_timeout_s, log_level="info",
+                          access_log=access_log)
 
     def on_signal(signum: int, _: FrameType | None) -> None:
         if thread.server.should_exit and signum == signal.SIGINT:
