@@ -51,6 +51,10 @@ CASES = {
     "phi3-longrope-short": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0,
                                 rope_scaling=dict(LONGROPE, original_max_position_embeddings=64),
                                 original_max_position_embeddings=64),
+    # transformers' Phi3Config reads "yarn" (as "su") as LongRoPE
+    "phi3-yarn-is-longrope": dict(family="phi3", num_heads=4, num_kv_heads=2, pad_token_id=0,
+                                  rope_scaling=dict(LONGROPE, rope_type="yarn", original_max_position_embeddings=10),
+                                  original_max_position_embeddings=10),
     # YaRN (Qwen2.5 / Qwen3 long context): factor 4 over an original context the prompts outgrow; its defaults
     # (attention factor from the factor), and mscale / mscale_all_dim with an untruncated range and other betas
     "qwen2-yarn": dict(family="qwen2", num_heads=4, num_kv_heads=2,
@@ -157,6 +161,8 @@ def test_a_config_json_that_omits_a_family_setting_gets_transformers_default():
     ("LlamaForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
     ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
     (None, {"model_type": "gpt2"}, "architecture model_type 'gpt2' is not supported"),
+    ("Phi3ForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+     "rope type 'linear' is not one this architecture takes .*default, longrope, su, yarn"),
     ("Qwen2ForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor 0.5 is not supported"),
 ])

@@ -67,7 +67,7 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
     head_dim = cfg.get("head_dim") or hidden // num_heads
     # a top-level original_max_position_embeddings comes first wherever config.json has one (transformers'
     # standardize_rope_params: hasattr(config, ...)), and always for Phi-3, whose config class has the field
-    rope_theta, rope_scaling = _rope(cfg, "original_max_position_embeddings" in cfg, path)
+    rope_theta, rope_scaling = _rope(cfg, "original_max_position_embeddings" in cfg, path, family.rope_types)
     _check_rope(head_dim, rope_theta, rope_scaling, path)
     shared = dict(
         vocab_size=_int(cfg, "vocab_size", path),
@@ -181,9 +181,11 @@ def _int(cfg: dict[str, Any], key: str, path: Path) -> int:
     return value
 
 
-def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path) -> tuple[float, dict[str, Any] | None]:
+def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path,
+          family_types: dict[str, str] | None = None) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from transformers-5 ``rope_parameters`` or older ``rope_scaling``;
-    ``top_level_context``: config.json's own ``original_max_position_embeddings`` comes first."""
+    ``top_level_context``: config.json's own ``original_max_position_embeddings`` comes first; ``family_types``:
+    the family's ``rope_types``, where its config class takes only those."""
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})  # transformers: rope_scaling wins
     theta = float(params.pop("rope_theta", cfg["rope_theta"]))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
@@ -191,6 +193,11 @@ def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path) -> tuple[flo
     if (partial := params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
         raise KilnError(f"{path}: partial_rotary_factor {partial} is not supported by the native backend (it "
                         "rotates every dimension of a head)")
+    if family_types is not None:
+        if rope_type not in family_types:
+            raise KilnError(f"{path}: rope type {rope_type!r} is not one this architecture takes (transformers "
+                            f"takes {', '.join(family_types)})")
+        rope_type = family_types[rope_type]
     rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first name for it
     if rope_type == "dynamic":  # transformers' dynamic NTK changes no frequency up to max_position_embeddings,
         return theta, None  # the longest context a plan may hold (engines/native/plan.py)

@@ -23,6 +23,9 @@ def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     return sliding_layers({**config, "layer_types": None}, path, config.get("sliding_window"), lambda i: True)
 
 
+# transformers' Phi3Config: plain RoPE or LongRoPE, which "su" and "yarn" name too (its first names for it)
+ROPE_TYPES = {"default": "default", "longrope": "longrope", "su": "longrope", "yarn": "longrope"}
+
 FAMILY = Family("phi3", ("Phi3ForCausalLM",), quirks, FUSED_PROJECTIONS,
                 config_defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
-                                 "original_max_position_embeddings": 4096})
+                                 "original_max_position_embeddings": 4096}, rope_types=ROPE_TYPES)

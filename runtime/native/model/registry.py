@@ -37,7 +37,8 @@ class Family:
 
     ``config_defaults`` are the values of transformers' config class for the fields the family reads where they
     differ from ``SHARED_CONFIG_DEFAULTS``, so that a field config.json leaves out means what it means to
-    transformers; ``activation_key`` is the field that names the MLP's activation."""
+    transformers; ``activation_key`` is the field that names the MLP's activation; ``rope_types``, where the config
+    class takes only some RoPE types, maps each name it takes to the type it means (None: every supported one)."""
 
     name: str
     architectures: tuple[str, ...]
@@ -46,6 +47,7 @@ class Family:
     norm_weight_offset: float = 0.0  # added to every RMSNorm weight of the checkpoint (Gemma scales by 1 + weight)
     config_defaults: dict[str, Any] = field(default_factory=dict)
     activation_key: str = "hidden_act"
+    rope_types: dict[str, str] | None = None
 
     def with_defaults(self, config: dict[str, Any]) -> dict[str, Any]:
         """``config`` (a parsed config.json) with the family's transformers defaults where it has no such field;
