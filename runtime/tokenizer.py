@@ -102,6 +102,11 @@ class Tokenizer:
             ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
+    def char_offsets(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Where each token of ``encode(text, add_special_tokens)`` starts in ``text`` (a special token the
+        post-processor adds at 0; the pieces of one character at that character)."""
+        return [start for start, _ in self._tokenizer.encode(text, add_special_tokens=add_special_tokens).offsets]
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of ``token_ids``, without special tokens unless ``skip_special_tokens`` is False."""
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

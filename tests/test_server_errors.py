@@ -71,6 +71,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "ignore_eos": True, "structured_outputs": {"choice": ["a"]}}, "ignore_eos",
      ["structured output"]),
     ({"prompt": "hi", "best_of": 2}, "best_of", ["not supported", "send null or 1"]),  # JSON, not Python, spellings
+    ({"prompt": "hi", "best_of": 1, "n": 2}, "best_of", ["best_of (1) must be greater than or equal to n (2)"]),
 ])
 def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, words):
     error = assert_error(http.post("/v1/completions", json=body), 400, param, *words)

@@ -152,6 +152,7 @@ def test_models_lists_the_served_model_with_the_limits_a_client_budgets_prompts_
     card = client.models.retrieve(MODEL)
     assert card.id == MODEL and card.max_model_len == llm.limits.max_request_tokens
     assert (card.root, card.parent) == (MODEL, None)  # vLLM's fields: the model served, no base model
+    assert card.permission[0]["object"] == "model_permission" and card.permission[0]["allow_logprobs"]
     assert card.max_input_len == llm.limits.max_input_len < card.max_model_len  # longer prompts are refused
     with pytest.raises(openai.BadRequestError, match="max_input_len"):
         client.completions.create(model=MODEL, prompt=[5] * (card.max_input_len + 1), max_tokens=1)

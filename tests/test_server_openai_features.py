@@ -110,6 +110,14 @@ def test_text_offsets_index_the_text_through_multi_byte_characters(client):
         assert text.startswith(token.rstrip("\ufffd"), offset) and (token.isascii() or not text[offset].isascii())
 
 
+def test_echoed_text_offsets_count_the_special_tokens_written_in_the_prompt(client):
+    out = client.completions.create(model=MODEL, prompt="Question</s>Answer:", max_tokens=0, logprobs=0, echo=True)
+    text, lp = out.choices[0].text, out.choices[0].logprobs
+    assert text == "Question</s>Answer:" and "</s>" in lp.tokens
+    for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+        assert text.startswith(token, offset)
+
+
 @pytest.mark.parametrize(("logprobs", "prompt_logprobs"), [(1, 5), (5, 0)])
 def test_echo_and_prompt_logprobs_each_get_the_alternatives_they_asked_for(client, logprobs, prompt_logprobs):
     choice = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=2, temperature=0, echo=True,

@@ -293,6 +293,16 @@ def _echo_text(model: ServedModel, given: str | list[int], token_ids: list[int])
     return model.tokenizer.decode(token_ids) if model.tokenizer is not None else ""
 
 
+def _echo_offsets(model: ServedModel, given: str | list[int], token_ids: list[int]) -> list[int]:
+    """Where each prompt token starts in the echoed prompt: in a text as sent, where the tokenizer found it (special
+    tokens written in the text included); else in the ids' decoded text."""
+    if isinstance(given, str) and model.tokenizer is not None:
+        offsets = model.tokenizer.char_offsets(given)
+        if len(offsets) == len(token_ids):
+            return offsets
+    return TextOffsets(model.tokenizer, []).take(token_ids)
+
+
 def check_model(model: ServedModel, requested: str | None) -> None:
     """A 404 unless ``requested`` is unset or one of the model's names."""
     if requested is not None and requested not in model.names:
@@ -329,6 +339,8 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
                             request: Request) -> object:
     """Handle POST /v1/completions."""
     check_request(model, req)
+    if req.best_of is not None and req.best_of < req.n:  # as OpenAI and vLLM refuse it
+        raise APIError(400, f"best_of ({req.best_of}) must be greater than or equal to n ({req.n})", param="best_of")
     given = _as_prompt_list(req.prompt)
     model.admission.check_fits(len(given) * req.n, "prompt")  # before tokenizing a batch too large to run
     prompts = await model.tokenize_many(given, "prompt")
@@ -365,7 +377,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         if prompt_entries is not None:
             ids = prompts[index // req.n]
             piece = echoed_logprobs(names, ids, top_k(prompt_entries, req.logprobs),
-                                    TextOffsets(model.tokenizer, []).take(ids))
+                                    _echo_offsets(model, given[index // req.n], ids))
         more = completion_logprobs(names, entries, offsets[index].take([entry.token_id for entry in entries]))
         return piece.extend(more)
 

@@ -14,7 +14,7 @@ from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kiln.runtime.server.errors import APIError
-from kiln.runtime.server.protocol import ModelCard, SamplingFields
+from kiln.runtime.server.protocol import ModelCard, ModelPermission, SamplingFields
 from kiln.runtime.server.sampling_defaults import GenerationConfigMode, sampling_defaults
 from kiln.runtime.server.tool_calls import tool_call_format
 from kiln.runtime.structured_output import StructuredOutput
@@ -90,6 +90,7 @@ class ServedModel:
     def card(self, created: int, name: str | None = None) -> ModelCard:
         """The model as ``/v1/models`` lists it (under ``name``, one of its names; default its first)."""
         return ModelCard(id=name or self.name, created=created, root=self.name,
+                         permission=[ModelPermission(id=f"modelperm-{self.name}", created=created)],
                          max_model_len=self.limits.max_request_tokens,
                          max_input_len=min(self.limits.max_input_len, self.limits.max_request_tokens - 1),
                          vocab_size=self.limits.vocab_size)

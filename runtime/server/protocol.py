@@ -457,6 +457,23 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
+class ModelPermission(BaseModel):
+    """vLLM's permission entry of a model card (OpenAI's old shape): sampling and logprobs allowed, nothing else."""
+
+    id: str
+    object: Literal["model_permission"] = "model_permission"
+    created: int
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     """OpenAI's model object, with the engine's context (``max_model_len``, as vLLM gives it), the longest prompt
     it takes (``max_input_len``: the engine's plan may hold less than the context less one token) and the
@@ -472,6 +489,7 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     max_input_len: int | None = None
     vocab_size: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=list, description="As vLLM's cards have it.")
 
 
 class ModelList(BaseModel):
