@@ -269,3 +269,23 @@ def test_a_configs_api_key_comes_before_vllm_api_key(monkeypatch, tmp_path):
         for key, status in (("other", 401), ("from-config", 200)):
             assert httpx.get(f"{running.url}/v1/models", headers={"Authorization": f"Bearer {key}"},
                              timeout=30).status_code == status
+
+
+def test_a_server_stopped_while_its_engine_loads_stops_at_once_and_closes_what_loads_late():
+    from kiln.runtime import LLM
+    from kiln.runtime.server import ServerSettings, ServerThread, create_app
+
+    release, loaded = threading.Event(), []
+
+    def slow_load() -> LLM:  # a load that hangs (a tensor-parallel rendezvous waiting for a rank that never comes)
+        release.wait(30)
+        loaded.append(LLM.load(tiny_engine()))
+        return loaded[0]
+
+    server = ServerThread(create_app(slow_load, tiny_engine(), ServerSettings(model_name="tiny"))).start()
+    assert httpx.get(f"{server.url}/health").json()["status"] == "loading"
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 10  # not the load's 30 s
+    release.set()
+    wait_until(lambda: loaded and loaded[0].closed)  # the LLM nobody will serve is closed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -155,7 +156,7 @@ def _lifespan(state: ServerState, llm: LLM | Callable[[], LLM], engine_dir: Path
 
     async def load() -> None:
         try:
-            attach(await asyncio.to_thread(llm))
+            attach(await _in_daemon_thread(llm))
             logger.info("engine loaded: serving %s", settings.model_name)
         except Exception as exc:
             state.load_error = exc
@@ -171,12 +172,45 @@ def _lifespan(state: ServerState, llm: LLM | Callable[[], LLM], engine_dir: Path
         else:
             loading = asyncio.create_task(load())
         yield
-        if loading is not None:
-            await loading
-            if state.model is not None:
-                await asyncio.to_thread(state.model.llm.close)
+        if loading is None:  # the embedder's LLM: it closes it
+            return
+        if not loading.done():  # stopped while loading: the load is abandoned, not waited for (it may never end)
+            logger.warning("stopped while the engine loads: the load is abandoned")
+            loading.cancel()
+        elif state.model is not None:
+            await asyncio.to_thread(state.model.llm.close)
 
     return lifespan
+
+
+def _in_daemon_thread(load: Callable[[], LLM]) -> asyncio.Future:
+    """``load()`` on a daemon thread, so that a process stopping while it runs does not wait for it (an engine
+    process it started dies with that thread); an LLM it returns once nobody waits is closed."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(outcome: LLM | BaseException) -> None:
+        if future.done():  # abandoned: no one will serve it
+            if isinstance(outcome, LLM):
+                threading.Thread(target=outcome.close, daemon=True).start()
+        elif isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    def run() -> None:
+        try:
+            outcome: LLM | BaseException = load()
+        except BaseException as exc:  # handed to the waiter
+            outcome = exc
+        try:
+            loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:  # the loop has closed: nobody waits
+            if isinstance(outcome, LLM):
+                outcome.close()
+
+    threading.Thread(target=run, name="kiln-load", daemon=True).start()
+    return future
 
 
 def _add_middleware(app: FastAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
