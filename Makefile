@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
 CONFIG ?= tiny-llama-fp8.yaml
 ARGS ?=
 
@@ -11,11 +12,13 @@ STAMP := $(VENV)/.kiln-installed
 
 .PHONY: venv build serve test bench lint mutation clean-venv
 
-# The pinned PyTorch goes in first, so nothing that depends on torch can pull a different (multi-GB) build.
+# The pinned PyTorch goes in first, so nothing that depends on torch can pull a different (multi-GB) build;
+# TORCH_INDEX picks the index it comes from (PyPI's Linux wheel is the CUDA build: the CPU one is at
+# https://download.pytorch.org/whl/cpu).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[serve,dev]'
 	touch $(STAMP)
 

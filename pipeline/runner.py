@@ -35,13 +35,15 @@ GB = 10**9  # the CLI's "50GB" is 10^9 bytes too
 
 
 def open_cache(loaded: LoadedConfig, *, create: bool) -> EngineCache | None:
-    """The engine cache the config names; None when it does not exist yet and ``create`` is false."""
+    """The engine cache the config names, its limits and remote recorded for the cache commands; without
+    ``create`` (a dry run, ``kiln cache explain``) read only: None when it does not exist yet, and nothing recorded."""
     section = loaded.config.cache
     root = section.root()
     if not create and not layout_root(root).is_dir():
         return None
-    return EngineCache.open(root, max_size_bytes=int(section.max_size_gb * GB), max_entries=section.max_entries,
-                            verify_on_load=section.verify_on_load, remote=section.remote_spec(), warn=warn)
+    settings = dict(max_size_bytes=int(section.max_size_gb * GB), max_entries=section.max_entries,
+                    verify_on_load=section.verify_on_load, remote=section.remote_spec(), warn=warn)
+    return EngineCache.open(root, **settings) if create else EngineCache(root, **settings)
 
 
 def _hash_checkpoint(model_dir: Path, cache: EngineCache | None) -> str:

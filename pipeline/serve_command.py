@@ -234,7 +234,7 @@ def serve(
         help="Chat completions carry the model's <think> text as message.reasoning (and reasoning_content) apart from "
              "its content, as vLLM's parsers of these names do.")] = None,
     backend: Annotated[str | None, typer.Option(help="Build backend for a config: auto, native or trtllm.")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the engine's).")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: the engine's).")] = None,
     num_kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV pool size in blocks (default: from free "
                                                                   "memory).")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(min=0.01, max=1.0, help="Share of the GPU's memory "

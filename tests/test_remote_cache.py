@@ -28,7 +28,7 @@ from kiln.engines.cache.verify import verify_entry
 from kiln.pipeline.cache_commands import cache_app
 from kiln.pipeline.config import ConfigError, KilnConfig, remote_spec
 from tests.calibration_factories import quick_fp8_config
-from tests.subprocess_env import repo_env
+from tests.subprocess_env import REPO, repo_env
 
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "kiln-test", "AWS_SECRET_ACCESS_KEY": "kiln-test-secret",
            "AWS_DEFAULT_REGION": "us-east-1"}
@@ -570,3 +570,20 @@ def test_a_remote_entry_was_created_when_it_was_built_not_when_it_was_pushed(tmp
     cache.remote.objects.upload(manifest_name("entries", key), entry / "manifest.json", lambda n: None)
     [listed] = remote_entries(cache.remote)
     assert listed.created == built < listed.last_used
+
+
+def test_a_dry_run_or_explain_reads_the_cache_and_leaves_its_recorded_limits_and_remote(tmp_path, monkeypatch):
+    from kiln.pipeline.config import load_config
+    from kiln.pipeline.runner import open_cache
+
+    (tmp_path / "remote").mkdir()
+    cache = EngineCache.open(tmp_path / "cache", max_size_bytes=10**9, remote=RemoteSpec((tmp_path / "remote")
+                                                                                           .as_uri()))
+    recorded = {name: (cache.v1 / name).read_bytes() for name in ("limits.json", "remote.json")}
+    config = tmp_path / "other.yaml"  # no remote, a smaller limit
+    config.write_text(f"model:\n  path: {REPO / 'models' / 'tiny-llama'}\ncache:\n  dir: {tmp_path / 'cache'}\n"
+                      "  max_size_gb: 0.001\n")
+    monkeypatch.delenv("KILN_CACHE_REMOTE", raising=False)
+    monkeypatch.delenv("KILN_CACHE", raising=False)
+    open_cache(load_config(config), create=False)  # what build --dry-run and cache explain open
+    assert {name: (cache.v1 / name).read_bytes() for name in recorded} == recorded

@@ -54,6 +54,9 @@ def entry_of_payload(payload: Path) -> tuple[Path, str, str] | None:
     return Path(*parts[:-5]), store, key
 
 
+_SET_ROOT = "set $KILN_CACHE (or a config's cache.dir, or --cache-dir of the cache commands) to a folder you can write"
+
+
 def ensure_layout(root: Path) -> Path:
     """Create the root, its CACHEDIR.TAG and the v1 folders; return ``<root>/v1``. CacheRootError when the root
     cannot hold a cache (a file, a folder this user cannot write)."""
@@ -65,12 +68,12 @@ def ensure_layout(root: Path) -> Path:
         if not tag.exists():
             write_atomic(tag, CACHEDIR_TAG)
     except OSError as exc:
-        raise CacheRootError(f"cache root {root}: cannot create {exc.filename or root} ({exc.strerror or exc}); set "
-                             f"$KILN_CACHE (or cache.dir, --cache-dir) to a folder you can write") from None
+        raise CacheRootError(f"cache root {root}: cannot create {exc.filename or root} ({exc.strerror or exc}); "
+                             f"{_SET_ROOT}") from None
     if (unwritable := _first_unwritable(v1)) is not None:  # every command writes: statistics, locks, last use
         raise CacheRootError(f"cache root {root}: cannot write {unwritable} (this user lacks permission, or the "
-                             f"file system is read-only); set $KILN_CACHE (or cache.dir, --cache-dir) to a folder "
-                             f"you can write, or share engines through a remote tier (cache.remote)")
+                             f"file system is read-only); {_SET_ROOT}, or share engines through a remote tier "
+                             f"(cache.remote)")
     return v1
 
 

@@ -220,7 +220,8 @@ def loadtest(
                                                                   "workload from LLM.stream without HTTP.")] = False,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="KILN_API_KEY", help="The server's API key.")
                        ] = None,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda, when serving an engine for the test.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N, when serving an engine for the test.")
+                      ] = None,
     engine_process: Annotated[bool, typer.Option(help="Serving an engine for the test, run it in a process of its "
                                                      "own, as kiln serve does, or on a thread of the server.")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")] = False,
