@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -283,3 +284,7 @@ def serve(
 
     run_server(app, bind_host, bind_port, shutdown_timeout_s=shutdown_timeout, on_started=announce,
                access_log=access_log)
+    if app.state.server.load_abandoned:  # its thread may be inside torch, which an interpreter's teardown aborts
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

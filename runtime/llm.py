@@ -287,9 +287,7 @@ class LLM:
     def abort_all(self, error: BaseException) -> int:
         """Fail every request in flight with ``error`` (their callers get it at once) and abort them in the engine,
         freeing their KV blocks; returns how many there were. The LLM stays open for new requests."""
-        with self._lock:
-            request_ids = list(self._sinks)
-        self._fail_all(error)
+        request_ids = self._fail_all(error)  # exactly those it failed, one added meanwhile included
         for request_id in request_ids:
             self._commands.put(("abort", request_id))
         return len(request_ids)
@@ -412,8 +410,8 @@ class LLM:
         elif sink is not None:
             sink.future.set_exception(error)
 
-    def _fail_all(self, error: BaseException) -> None:
-        """Fail every request still in flight, at once (the engine thread has stopped)."""
+    def _fail_all(self, error: BaseException) -> list[str]:
+        """Fail every request still in flight, at once; their ids."""
         with self._lock:
             sinks, self._sinks = dict(self._sinks), {}
         outbox = _Outbox()
@@ -423,6 +421,7 @@ class LLM:
             else:
                 sink.future.set_exception(error)
         outbox.flush()
+        return list(sinks)
 
 
 STEP_GRACE_S = 10.0  # how long close waits for the engine's step before it interrupts it

@@ -153,12 +153,28 @@ def test_abort_all_fails_the_requests_in_flight_and_the_engine_serves_on(llm):
     assert llm.engine_error is None
 
 
+def test_abort_all_also_aborts_a_request_added_while_it_fails_the_others(llm, monkeypatch):
+    fail_all, late = llm._fail_all, []
+
+    def with_a_request_meanwhile(error):  # another thread submits between abort_all's look and its failing them
+        late.append(llm.submit("Once upon a time", SamplingParams(max_tokens=240, ignore_eos=True)))
+        return fail_all(error)
+
+    monkeypatch.setattr(llm, "_fail_all", with_a_request_meanwhile)
+    assert llm.abort_all(EngineClosedError("draining")) == 1
+    with pytest.raises(EngineClosedError, match="draining"):
+        llm.result(late[0], timeout=30)
+    wait_until(lambda: engine_idle(llm))  # aborted in the engine too: it does not run on to its 240 tokens
+    assert llm.stats()["requests_finished"]["abort"] >= 1
+
+
 def test_close_kills_an_engine_process_whose_step_does_not_return(monkeypatch):
     monkeypatch.setattr("kiln.runtime.llm.STEP_GRACE_S", 0.5)
     llm = load_apart()
+    os.kill(llm.engine_pid, signal.SIGSTOP)  # a hung GPU: the step taking this request never answers
     request_id = llm.submit("Once upon a time", SamplingParams(max_tokens=240, ignore_eos=True))
-    wait_until(lambda: llm.stats()["num_generated_tokens"] > 0)
-    os.kill(llm.engine_pid, signal.SIGSTOP)  # a hung GPU: the step never answers
+    wait_until(llm.engine.has_unfinished)
+    time.sleep(0.2)  # the engine thread is waiting for the step's answer
     started = time.monotonic()
     llm.close()
     assert time.monotonic() - started < 15 and llm.engine._process.returncode == -signal.SIGKILL

@@ -289,3 +289,28 @@ def test_a_server_stopped_while_its_engine_loads_stops_at_once_and_closes_what_l
     assert time.monotonic() - started < 10  # not the load's 30 s
     release.set()
     wait_until(lambda: loaded and loaded[0].closed)  # the LLM nobody will serve is closed
+
+
+def test_sigterm_while_an_in_thread_load_runs_torch_exits_0():
+    code = ("import sys, time, torch; from kiln.runtime import LLM; load = LLM.load.__func__\n"
+            "def slow(cls, *args, **kwargs):  # a weight load or a rendezvous: inside torch when the signal comes\n"
+            "    x, start = torch.randn(600, 600), time.monotonic()\n"
+            "    while time.monotonic() - start < 60: x = (x @ x).tanh()\n"
+            "    return load(cls, *args, **kwargs)\n"
+            "LLM.load = classmethod(slow)\n"
+            "from kiln.pipeline.serve_command import serve\n"
+            "serve(sys.argv[1], port=0, model_names=['tiny'], engine_process=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_engine())], cwd=REPO, stderr=subprocess.PIPE,
+                            text=True, env=repo_env())
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_lines, args=(proc.stderr, lines), daemon=True).start()
+    try:
+        while not (line := lines.get(timeout=60)).startswith("serving tiny"):
+            pass
+        url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
+        assert httpx.get(f"{url}/health").json()["status"] == "loading"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0  # not 134: the interpreter's teardown under the load thread aborted it
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -203,6 +203,15 @@ def test_a_responses_streams_text_logprobs_are_the_answers_tokens_not_the_though
     assert done.text == "Oslo" and "".join(entry.token for entry in done.logprobs) == "Oslo"
 
 
+@pytest.mark.parametrize("written", ["<scarf", "\n\nOslo"])
+def test_a_streamed_answer_without_a_thought_keeps_the_logprobs_of_text_held_as_a_possible_tag(client, written):
+    events = list(client.responses.create(
+        model=MODEL, input="Capital of Norway?", max_output_tokens=40, stream=True,
+        include=["message.output_text.logprobs"], extra_body={"structured_outputs": {"choice": [written]}}))
+    [done] = [event for event in events if event.type == "response.output_text.done"]
+    assert done.text == written and "".join(entry.token for entry in done.logprobs) == written
+
+
 def test_a_reasoning_item_passed_back_is_the_next_assistant_messages_reasoning_content():
     from kiln.runtime.server.responses import chat_request
     from kiln.runtime.server.responses_protocol import ResponsesRequest

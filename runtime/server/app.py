@@ -80,6 +80,7 @@ class ServerState:
     def __init__(self) -> None:
         self.model: ServedModel | None = None
         self.load_error: BaseException | None = None
+        self.load_abandoned = False  # stopped while loading: the load thread may still run (inside torch)
         self.draining = False
         self.on_fatal: Callable[[], None] | None = None  # set by the runner: stop serving (the load failed)
         self.created = int(time.time())
@@ -176,6 +177,7 @@ def _lifespan(state: ServerState, llm: LLM | Callable[[], LLM], engine_dir: Path
             return
         if not loading.done():  # stopped while loading: the load is abandoned, not waited for (it may never end)
             logger.warning("stopped while the engine loads: the load is abandoned")
+            state.load_abandoned = True
             loading.cancel()
         elif state.model is not None:
             await asyncio.to_thread(state.model.llm.close)

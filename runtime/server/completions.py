@@ -127,7 +127,10 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
 
     def observe(output: RequestOutput) -> None:
         landed.append(output)
-        metrics.observe(output)
+        if output.finish_reason == "abort":  # its client went away: counted as a stream's (a prompt once prefilled)
+            metrics.vllm.aborted(1, len(output.prompt_token_ids) if output.token_ids else 0, len(output.token_ids))
+        else:
+            metrics.observe(output)
 
     request_ids = [uuid.uuid4().hex for _ in jobs]
     runner = asyncio.create_task(model.generate_final(jobs, observe, request_ids))

@@ -203,6 +203,7 @@ class _StreamedResponse:
         self.message_index = 0  # the message item's place in the output: after a reasoning item, if any
         self.reasoning_id, self.reasoning, self.thinking = _item_id("rs"), "", False
         self.logprobs: list[dict] = []  # the text's, each delta's sent with the next text delta
+        self.held_logprobs: list[dict] = []  # of text the splitter holds: a thought's, or the answer's start
         self.unsent = 0
         self.output: list[dict] = []  # the finished items
 
@@ -214,11 +215,9 @@ class _StreamedResponse:
         return [self.event("response.created", response=started), self.event("response.in_progress", response=started)]
 
     def render(self, index: int, delta: StreamDelta) -> list[dict]:
-        splitter = self.streamed.splitter
-        in_thought = splitter is not None and not splitter.thought_over
+        before = self._reading()
         reasoning, content, calls = self.streamed.advance(delta)
-        if delta.logprobs and (content or not in_thought):  # a thought's tokens are not the text's (vLLM's rule)
-            self.logprobs += _logprobs(self.names, delta.logprobs)
+        self._keep_logprobs(before, _logprobs(self.names, delta.logprobs) if delta.logprobs else [], content)
         if delta.finished:
             self.status = _status(delta.finish_reason)
         events = self._think(reasoning, delta.finished)
@@ -234,6 +233,23 @@ class _StreamedResponse:
                 del self.logprobs[self.unsent:]
             events += self._close(calls)
         return events
+
+    def _reading(self) -> str:
+        """Where the reasoning splitter stands (``ReasoningSplitter.mode``); "answer" without one."""
+        return self.streamed.splitter.mode if self.streamed.splitter is not None else "answer"
+
+    def _keep_logprobs(self, before: str, entries: list[dict], content: str) -> None:
+        """Keep the text's token logprobs, not the thought's (as vLLM's stream): those of text held while it may
+        yet open or be a thought wait until the splitter knows."""
+        after = self._reading()
+        if after in ("undecided", "opening"):  # held: the start of a thought, or of the answer
+            self.held_logprobs += entries
+            return
+        if after == "answer" and before == "undecided":  # what was held was the answer's start
+            self.logprobs += self.held_logprobs + entries
+        elif after == "answer" and (before == "answer" or content):
+            self.logprobs += entries
+        self.held_logprobs = []  # a thought's
 
     def _think(self, reasoning: str, finished: bool) -> list[dict]:
         """The reasoning item's events: opened with its first text, each text delta, and done once the thought is
