@@ -22,7 +22,8 @@ class GateResult:
         return self.thresholds is not None
 
     def as_dict(self) -> dict:
-        return {"passed": self.passed, "applied": self.applied, **self.metrics.as_dict(),
+        """As the report gives it: ``passed`` null where no gate was applied (nothing was checked)."""
+        return {"passed": self.passed if self.applied else None, "applied": self.applied, **self.metrics.as_dict(),
                 "thresholds": self.thresholds, "failures": list(self.failures)}
 
 

@@ -92,4 +92,5 @@ def test_a_gate_without_thresholds_passes_and_says_it_was_not_applied():
     metrics = HeldoutMetrics(kl=4.0, top1_agreement=0.1, ppl=9.0, reference_ppl=2.0, ppl_increase=3.5, output_mae=1.0)
     result = check_gate(metrics, None)
     assert result.passed and not result.applied and result.as_dict()["applied"] is False
+    assert result.as_dict()["passed"] is None  # a report reader does not take it for a checkpoint that passed
     assert not check_gate(metrics, {"max_ppl_increase": 0.1, "max_kl": 0.1, "min_top1_agreement": 0.9}).passed

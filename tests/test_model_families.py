@@ -209,3 +209,14 @@ def test_a_tied_checkpoint_holding_a_head_of_its_own_uses_that_head_as_transform
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
     assert [output.token_ids for output in outputs] == expected
     assert not EngineConfig.load(engine).architecture.tie_word_embeddings
+
+
+def test_gemma2_in_float16_is_refused_before_any_stage_as_vllm_refuses_it(tmp_path):
+    from kiln.engines.native.builder import preflight_native_plan
+    from kiln.runtime.plan import PlanError
+    from tests.calibration_factories import make_checkpoint
+
+    checkpoint = make_checkpoint(tmp_path / "hf", family="gemma2", hidden=64, intermediate=128)
+    with pytest.raises(PlanError, match="model.dtype float16 cannot run gemma2: its activations overflow float16"):
+        preflight_native_plan(checkpoint, tiny_plan(), "float16")
+    preflight_native_plan(checkpoint, tiny_plan(), "bfloat16")

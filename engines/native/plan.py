@@ -15,6 +15,7 @@ from kiln.runtime.native.kv_cache import (
     default_kv_blocks,
     kv_bytes_per_block,
 )
+from kiln.runtime.native.model.registry import family_named
 from kiln.runtime.plan import BuildPlan, PlanError
 
 FP8_KV_NAMES = ("fp8", "float8_e4m3fn")
@@ -23,6 +24,8 @@ FP8_KV_NAMES = ("fp8", "float8_e4m3fn")
 def fit_plan(plan: BuildPlan, arch: Architecture, dtype: str, fp8_kv_available: bool) -> BuildPlan:
     """The plan for this model: its ``max_seq_len`` within the model's positions, and ``kv_cache_dtype`` ("auto",
     "fp8" or a dtype name) resolved to the dtype the engine's KV cache has."""
+    if (why := family_named(arch.type).unsupported_dtypes.get(dtype)) is not None:
+        raise PlanError(f"model.dtype {dtype} cannot run {arch.type}: {why}; use bfloat16 or float32")
     if plan.max_seq_len > arch.max_position_embeddings:
         raise PlanError(f"build.max_seq_len ({plan.max_seq_len}) exceeds the model's max_position_embeddings "
                         f"({arch.max_position_embeddings}); lower build.max_seq_len")

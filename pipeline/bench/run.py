@@ -189,7 +189,8 @@ def quantization_note(engine, ctx, weights_note: str | None) -> str:
         gate = ctx.calibration.get("gate")
         passed = gate.get("passed") if isinstance(gate, dict) else gate
         converged = ctx.calibration.get("converged")
-        return f"{label}; calibrated by kiln build (converged: {converged}, gate passed: {passed})"
+        verdict = "gate not applied" if passed is None else f"gate passed: {passed}"
+        return f"{label}; calibrated by kiln build (converged: {converged}, {verdict})"
     return label
 
 

@@ -30,4 +30,6 @@ FAMILY = Family("gemma2", ("Gemma2ForCausalLM",), quirks, norm_weight_offset=1.0
                 config_defaults={"hidden_activation": "gelu_pytorch_tanh", "head_dim": 256, "num_key_value_heads": 4,
                                  "max_position_embeddings": 8192, "tie_word_embeddings": True,
                                  "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
-                                 "final_logit_softcapping": 30.0, "sliding_window": 4096})
+                                 "final_logit_softcapping": 30.0, "sliding_window": 4096},
+                unsupported_dtypes={"float16": "its activations overflow float16 (as vLLM refuses it: numerical "
+                                               "instability)"})

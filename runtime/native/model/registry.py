@@ -38,7 +38,8 @@ class Family:
     ``config_defaults`` are the values of transformers' config class for the fields the family reads where they
     differ from ``SHARED_CONFIG_DEFAULTS``, so that a field config.json leaves out means what it means to
     transformers; ``activation_key`` is the field that names the MLP's activation; ``rope_types``, where the config
-    class takes only some RoPE types, maps each name it takes to the type it means (None: every supported one)."""
+    class takes only some RoPE types, maps each name it takes to the type it means (None: every supported one);
+    ``unsupported_dtypes``: model dtypes the family cannot run in, each with why."""
 
     name: str
     architectures: tuple[str, ...]
@@ -48,6 +49,7 @@ class Family:
     config_defaults: dict[str, Any] = field(default_factory=dict)
     activation_key: str = "hidden_act"
     rope_types: dict[str, str] | None = None
+    unsupported_dtypes: dict[str, str] = field(default_factory=dict)
 
     def with_defaults(self, config: dict[str, Any]) -> dict[str, Any]:
         """``config`` (a parsed config.json) with the family's transformers defaults where it has no such field;
