@@ -78,6 +78,24 @@ def test_a_config_is_built_through_the_cache_once_then_hits(tmp_path, monkeypatc
     assert serve_target(key, RuntimeOptions()).engine_cache["remote"] is not None  # /metrics reports it
 
 
+def _serve_in_subprocess(code: str) -> tuple[subprocess.Popen, queue.Queue, list[str]]:
+    """``code`` (Python that serves the engine of argv[1]) in a process of its own, its stderr lines queued as they
+    come, and a list for the lines read."""
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_engine())], cwd=REPO, stderr=subprocess.PIPE,
+                            text=True, env=repo_env())
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_lines, args=(proc.stderr, lines), daemon=True).start()
+    return proc, lines, []
+
+
+def _served_url(lines: queue.Queue, logged: list[str]) -> str:
+    """The URL the server announces, the lines before it read into ``logged``."""
+    while not (line := lines.get(timeout=60)).startswith("serving tiny"):
+        logged.append(line)
+    logged.append(line)
+    return re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
+
+
 def _read_lines(stream, lines: queue.Queue) -> None:
     for line in stream:
         lines.put(line)
@@ -87,17 +105,9 @@ def test_sigterm_finishes_the_in_flight_stream_stops_the_engine_process_and_exit
     code = ("import sys; from kiln.pipeline.serve_command import serve; "
             "serve(sys.argv[1], port=0, model_names=['tiny'], shutdown_timeout=30.0, engine_process=True, "
             "access_log=True)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_engine())], cwd=REPO, stderr=subprocess.PIPE,
-                            text=True, env=repo_env())
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_read_lines, args=(proc.stderr, lines), daemon=True).start()
-    logged = []
+    proc, lines, logged = _serve_in_subprocess(code)
     try:
-        url = None
-        while url is None:
-            logged.append(line := lines.get(timeout=60))
-            if line.startswith("serving tiny"):
-                url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
+        url = _served_url(lines, logged)
         wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, timeout=60)
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
@@ -300,14 +310,9 @@ def test_sigterm_while_an_in_thread_load_runs_torch_exits_0():
             "LLM.load = classmethod(slow)\n"
             "from kiln.pipeline.serve_command import serve\n"
             "serve(sys.argv[1], port=0, model_names=['tiny'], engine_process=False)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_engine())], cwd=REPO, stderr=subprocess.PIPE,
-                            text=True, env=repo_env())
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_read_lines, args=(proc.stderr, lines), daemon=True).start()
+    proc, lines, logged = _serve_in_subprocess(code)
     try:
-        while not (line := lines.get(timeout=60)).startswith("serving tiny"):
-            pass
-        url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
+        url = _served_url(lines, logged)
         assert httpx.get(f"{url}/health").json()["status"] == "loading"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0  # not 134: the interpreter's teardown under the load thread aborted it
