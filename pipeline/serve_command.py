@@ -248,9 +248,9 @@ def serve(
     engine_process: Annotated[bool, typer.Option(help="Run the engine in a process of its own (its host work and the "
                                                      "HTTP server's then do not share one GIL), or on a thread of "
                                                      "the server's.")] = True,
-    access_log: Annotated[bool, typer.Option(help="Log a line per HTTP request (uvicorn's access log; off by default, "
-                                                 "as vLLM's --disable-uvicorn-access-log: at hundreds of requests a "
-                                                 "second the lines cost the server's event loop).")] = False,
+    access_log: Annotated[bool, typer.Option(help="Log a line per HTTP request (uvicorn's access log, which vLLM "
+                                                 "keeps on; off here: at hundreds of requests a second the lines "
+                                                 "cost the server's event loop).")] = False,
 ) -> None:
     """Serve an engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/responses,
     /health, /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
