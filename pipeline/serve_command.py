@@ -140,13 +140,13 @@ def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, 
     run_worker(target.path, options, rendezvous, rank_device(device, local_rank))
 
 
-def serve_target(text: str, options: RuntimeOptions, *, backend: str | None = None,
-                 progress: bool = True) -> ServeTarget:
+def serve_target(text: str, options: RuntimeOptions, *, backend: str | None = None, progress: bool = True,
+                 before_build: Callable[[ServeSection], None] | None = None) -> ServeTarget:
     """What ``kiln serve TARGET`` serves: an engine directory, a cached engine by key or key prefix, or a config
-    (built through the cache first; a hit runs nothing)."""
+    (built through the cache first; a hit runs nothing; ``before_build`` sees its serve section first)."""
     target = resolve_target(text, cache_root())
     if target.kind == "config":
-        return _config_target(target.path, options, backend=backend, progress=progress)
+        return _config_target(target.path, options, backend=backend, progress=progress, before_build=before_build)
     if target.kind == "architecture":
         raise TargetError(f"{text}: an architecture file has no weights to serve; give a config, an engine "
                           f"directory or a cache key (kiln bench runs architecture files with random weights)")
@@ -166,10 +166,13 @@ def _engine_target(target: Target) -> ServeTarget:
                        record_load=lambda ms: cache.record_load(key, ms))
 
 
-def _config_target(config: Path, options: RuntimeOptions, *, backend: str | None, progress: bool) -> ServeTarget:
+def _config_target(config: Path, options: RuntimeOptions, *, backend: str | None, progress: bool,
+                   before_build: Callable[[ServeSection], None] | None = None) -> ServeTarget:
     from kiln.pipeline import runner
 
     ctx = runner.prepare(config, backend=backend, force=False, dry_run=False, options=options)
+    if before_build is not None:
+        before_build(ctx.config.serve)
     decisions = runner.decide(ctx, smoke=False)
     with stage_progress(enabled=progress) as bars:
         runner.run(ctx, decisions, bars)
@@ -258,6 +261,7 @@ def serve(
     log_to_stderr()
     from kiln.runtime.server import create_app, run_server
     from kiln.runtime.server.errors import served_routes
+    from kiln.runtime.server.serve import listening_socket
 
     template = read_chat_template(chat_template) if chat_template is not None else None  # before any build
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks,
@@ -266,7 +270,10 @@ def serve(
         if rendezvous.rank != 0:
             return serve_as_worker(target, options, rendezvous, int(os.environ.get("LOCAL_RANK", "0")))
         options = replace(options, tp_rendezvous=rendezvous.address())
-    resolved = serve_target(target, options, backend=backend)
+    def check_port(section: ServeSection) -> None:  # a port in use is refused before a build of minutes
+        listening_socket(host or section.host, section.port if port is None else port).close()
+
+    resolved = serve_target(target, options, backend=backend, before_build=check_port)
     api_key = api_key or resolved.api_key or os.environ.get("VLLM_API_KEY")  # a deployment migrated from vLLM
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_names=model_names, chat_template=template,
                                  max_body_mb=max_body_mb, allowed_origins=allowed_origins,

@@ -78,6 +78,24 @@ def test_a_config_is_built_through_the_cache_once_then_hits(tmp_path, monkeypatc
     assert serve_target(key, RuntimeOptions()).engine_cache["remote"] is not None  # /metrics reports it
 
 
+def test_a_port_in_use_is_refused_before_a_config_is_built(tmp_path, monkeypatch):
+    import socket
+
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app as cli
+
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = served_config(tmp_path / "tiny-served.yaml", f"serve:\n  port: {port}\n")
+        result = CliRunner().invoke(cli, ["serve", str(config)])
+    assert result.exit_code != 0 and f"cannot listen on 127.0.0.1:{port}" in result.output
+    assert not list((tmp_path / "cache").glob("v1/entries/*/*"))  # nothing was built
+
+
 def _serve_in_subprocess(code: str) -> tuple[subprocess.Popen, queue.Queue, list[str]]:
     """``code`` (Python that serves the engine of argv[1]) in a process of its own, its stderr lines queued as they
     come, and a list for the lines read."""
