@@ -49,6 +49,9 @@ class _Sink:
     every_delta: bool = True  # False: push the final delta only
 
 
+_ABORTING = _Sink()  # the sink of a request abort_all failed, until the engine's final delta for it
+
+
 class _Outbox:
     """What one engine iteration hands to asyncio callers, grouped by event loop: each loop is woken once per step,
     however many of its requests the step advanced."""
@@ -287,7 +290,7 @@ class LLM:
     def abort_all(self, error: BaseException) -> int:
         """Fail every request in flight with ``error`` (their callers get it at once) and abort them in the engine,
         freeing their KV blocks; returns how many there were. The LLM stays open for new requests."""
-        request_ids = self._fail_all(error)  # exactly those it failed, one added meanwhile included
+        request_ids = self._fail_all(error, reserve=True)  # exactly those it failed, one added meanwhile included
         for request_id in request_ids:
             self._commands.put(("abort", request_id))
         return len(request_ids)
@@ -393,7 +396,7 @@ class LLM:
     def _deliver(self, delta: StreamDelta) -> None:
         with self._lock:
             sink = self._sinks.pop(delta.request_id, None) if delta.finished else self._sinks.get(delta.request_id)
-        if sink is None:
+        if sink is None or sink is _ABORTING:
             return
         if sink.loop is not None:
             if delta.finished or sink.every_delta:
@@ -405,15 +408,19 @@ class LLM:
         """Fail one request (delivered with the engine iteration's other results)."""
         with self._lock:
             sink = self._sinks.pop(request_id, None)
+        if sink is _ABORTING:
+            return
         if sink is not None and sink.loop is not None:
             self._outbox.add(request_id, sink, error)
         elif sink is not None:
             sink.future.set_exception(error)
 
-    def _fail_all(self, error: BaseException) -> list[str]:
-        """Fail every request still in flight, at once; their ids."""
+    def _fail_all(self, error: BaseException, reserve: bool = False) -> list[str]:
+        """Fail every request still in flight, at once; their ids. With ``reserve`` (their aborts follow) each id
+        stays taken until the engine's final delta for it, so that a request reusing it never gets that delta."""
         with self._lock:
-            sinks, self._sinks = dict(self._sinks), {}
+            sinks = {request_id: sink for request_id, sink in self._sinks.items() if sink is not _ABORTING}
+            self._sinks = dict.fromkeys(self._sinks, _ABORTING) if reserve else {}
         outbox = _Outbox()
         for request_id, sink in sinks.items():
             if sink.loop is not None:

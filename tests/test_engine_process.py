@@ -156,9 +156,9 @@ def test_abort_all_fails_the_requests_in_flight_and_the_engine_serves_on(llm):
 def test_abort_all_also_aborts_a_request_added_while_it_fails_the_others(llm, monkeypatch):
     fail_all, late = llm._fail_all, []
 
-    def with_a_request_meanwhile(error):  # another thread submits between abort_all's look and its failing them
+    def with_a_request_meanwhile(error, **kwargs):  # another thread submits as abort_all fails the others
         late.append(llm.submit("Once upon a time", SamplingParams(max_tokens=240, ignore_eos=True)))
-        return fail_all(error)
+        return fail_all(error, **kwargs)
 
     monkeypatch.setattr(llm, "_fail_all", with_a_request_meanwhile)
     assert llm.abort_all(EngineClosedError("draining")) == 1
@@ -166,6 +166,26 @@ def test_abort_all_also_aborts_a_request_added_while_it_fails_the_others(llm, mo
         llm.result(late[0], timeout=30)
     wait_until(lambda: engine_idle(llm))  # aborted in the engine too: it does not run on to its 240 tokens
     assert llm.stats()["requests_finished"]["abort"] >= 1
+
+
+def test_an_id_abort_all_failed_is_taken_until_its_abort_lands_and_then_serves_a_new_request(llm):
+    old = SamplingParams(max_tokens=240, ignore_eos=True, temperature=0)
+    llm.submit("Once upon a time", old, request_id="job-1")
+    time.sleep(0.3)  # running
+    llm.abort_all(EngineClosedError("draining"))
+    with pytest.raises(EngineClosedError):
+        llm.result("job-1", timeout=30)
+
+    def reused() -> bool:  # refused as in use until the abort lands
+        try:
+            llm.submit([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), request_id="job-1")
+        except ValueError:
+            return False
+        return True
+
+    wait_until(reused)
+    out = llm.result("job-1", timeout=30)  # its own output, not the aborted request's
+    assert (out.finish_reason, out.prompt_token_ids, len(out.token_ids)) == ("length", [5, 6, 7], 3)
 
 
 def test_close_kills_an_engine_process_whose_step_does_not_return(monkeypatch):
