@@ -176,6 +176,22 @@ def test_vllms_sampling_extensions_reach_the_answer_as_in_chat(client):
     assert refused.value.param == "top_k"
 
 
+def test_the_response_echoes_the_requests_settings_and_its_usage_validates_as_the_client_types_it(client):
+    from openai.types.responses import Response
+
+    settings = dict(max_tool_calls=1, parallel_tool_calls=True, reasoning={"effort": "low"}, top_logprobs=2,
+                    user="u", service_tier="auto", prompt_cache_key="k", truncation="auto")
+    first = client.responses.create(model=MODEL, input=QUESTION * 8, max_output_tokens=2, **settings)
+    again = client.responses.with_raw_response.create(model=MODEL, input=QUESTION * 8, max_output_tokens=2, **settings)
+    out = Response.model_validate(again.http_response.json())  # strict: every field the client requires is there
+    assert (out.max_tool_calls, out.parallel_tool_calls, out.reasoning.effort, out.top_logprobs, out.user,
+            out.service_tier, out.prompt_cache_key, out.truncation) == (1, True, "low", 2, "u", "auto", "k", "auto")
+    assert first.usage.input_tokens_details.cached_tokens == 0 < out.usage.input_tokens_details.cached_tokens
+    with pytest.raises(openai.BadRequestError, match="json_schema format needs schema") as refused:
+        client.responses.create(model=MODEL, input=QUESTION, text={"format": {"type": "json_schema", "name": "x"}})
+    assert refused.value.param == "text.format"
+
+
 def test_every_sampling_extension_passes_to_the_chat_request_as_a_client_sent_it():
     from kiln.runtime.server.responses import chat_request
     from kiln.runtime.server.responses_protocol import ResponsesRequest

@@ -108,7 +108,8 @@ def _usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> Usage:
     prompt_tokens = sum(len(ids) for ids in prompts)
     completion_tokens = sum(len(out.token_ids) for out in outputs)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+                 total_tokens=prompt_tokens + completion_tokens,
+                 cached_tokens=sum(out.metrics.num_cached_tokens for out in outputs))
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

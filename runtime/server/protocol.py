@@ -372,6 +372,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    cached_tokens: int = Field(0, exclude=True)  # of the prompts, held by the prefix cache (the Responses API's)
 
 
 class CompletionLogprobs(BaseModel):

@@ -27,6 +27,7 @@ from kiln.runtime.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     IncompleteDetails,
+    InputTokensDetails,
     MessageItem,
     OutputFunctionCall,
     OutputMessage,
@@ -181,12 +182,19 @@ class _ResponseBuilder:
             if status == "incomplete" else None, model=self.model_name, output=output, instructions=req.instructions,
             max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
             tools=[tool.model_dump(exclude_none=True) for tool in req.tools or []], tool_choice=_tool_choice(req),
-            parallel_tool_calls=self.chat.parallel_tool_calls is not False,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
             text={"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
-                  else {"type": "text"}},
-            metadata=req.metadata or {},
+                  else {"type": "text"}, **({"verbosity": req.text.verbosity} if req.text and req.text.verbosity
+                                            else {})},
+            metadata=req.metadata or {}, truncation=req.truncation or "disabled",
+            reasoning=req.reasoning.model_dump(exclude_none=True) if req.reasoning else None,
+            max_tool_calls=req.max_tool_calls, top_logprobs=req.top_logprobs, user=req.user,
+            service_tier=req.service_tier, safety_identifier=req.safety_identifier,
+            prompt_cache_key=req.prompt_cache_key,
             usage=ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                                total_tokens=usage.total_tokens) if usage is not None else None)
+                                total_tokens=usage.total_tokens,
+                                input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens))
+            if usage is not None else None)
 
 
 class _StreamedResponse:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, Discriminator, Field, Tag
+from pydantic import AliasChoices, BaseModel, BeforeValidator, Discriminator, Field, Tag, model_validator
 
 from kiln.runtime.server.protocol import (
     ChatTemplateKwargs,
@@ -170,6 +170,14 @@ class TextFormat(StrictModel):
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = Field(None, description="Accepted: the schema is always enforced exactly.")
 
+    @model_validator(mode="after")
+    def _json_schema_named_and_given(self) -> TextFormat:
+        """OpenAI's rule: a json_schema format has its name and its schema."""
+        missing = [name for name, value in (("name", self.name), ("schema", self.json_schema)) if value is None]
+        if self.type == "json_schema" and missing:
+            raise ValueError(f"a json_schema format needs {' and '.join(missing)}")
+        return self
+
 
 class TextOptions(StrictModel):
     format: TextFormat | None = None
@@ -272,7 +280,8 @@ class OutputFunctionCall(BaseModel):
 
 
 class InputTokensDetails(BaseModel):
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # the prompt's tokens the prefix cache held
+    cache_write_tokens: int = 0  # nothing is written to a billed cache here
 
 
 class OutputTokensDetails(BaseModel):
@@ -311,10 +320,16 @@ class ResponseObject(BaseModel):
     tool_choice: str | dict
     parallel_tool_calls: bool
     text: dict
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["disabled", "auto"] = "disabled"
     metadata: dict[str, str]
     store: Literal[False] = False
     background: Literal[False] = False
     previous_response_id: None = None
-    reasoning: None = None
+    reasoning: dict | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     usage: ResponseUsage | None = None
