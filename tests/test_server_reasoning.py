@@ -192,6 +192,7 @@ def test_a_thought_that_ended_is_a_completed_reasoning_item_though_the_answer_wa
     for response in (whole, streamed):
         assert response.status == "incomplete" and response.output[0].content[0].text == "ab"
         assert response.output[0].status == "completed" and response.output_text == ""
+        assert response.usage.output_tokens_details.reasoning_tokens > 0  # the thought's "ab"
 
 
 def test_a_responses_streams_text_logprobs_are_the_answers_tokens_not_the_thoughts(client):

@@ -33,6 +33,7 @@ from kiln.runtime.server.responses_protocol import (
     OutputMessage,
     OutputReasoning,
     OutputText,
+    OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
     ResponseObject,
@@ -169,11 +170,14 @@ def _status(finish_reason: str | None) -> str:
 class _ResponseBuilder:
     """One request's response object: the request's settings echoed beside its status, output items and usage."""
 
-    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, model_name: str, response_id: str) -> None:
-        self.req, self.chat, self.model_name = req, chat, model_name
+    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, model: ServedModel,
+                 response_id: str) -> None:
+        self.req, self.chat, self.model_name, self.tokenizer = req, chat, model.name, model.tokenizer
         self.id, self.created = response_id, int(time.time())
 
-    def __call__(self, status: str, output: list, usage: Usage | None = None) -> ResponseObject:
+    def __call__(self, status: str, output: list, usage: Usage | None = None, reasoning: str = "") -> ResponseObject:
+        """The response object; with ``usage`` (once the answer is whole) its reasoning tokens those of the thought's
+        text ``reasoning``, tokenized again."""
         req = self.req
         text_format = req.text.format if req.text is not None else None
         return ResponseObject(
@@ -193,8 +197,12 @@ class _ResponseBuilder:
             prompt_cache_key=req.prompt_cache_key,
             usage=ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                                 total_tokens=usage.total_tokens,
-                                input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens))
+                                input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens),
+                                output_tokens_details=OutputTokensDetails(reasoning_tokens=self._tokens(reasoning)))
             if usage is not None else None)
+
+    def _tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False)) if text and self.tokenizer else 0
 
 
 class _StreamedResponse:
@@ -288,7 +296,8 @@ class _StreamedResponse:
 
     def final(self, usage: Usage) -> dict:
         kind = "response.incomplete" if self.status == "incomplete" else "response.completed"
-        return self.event(kind, response=self.response(self.status, self.output, usage).model_dump(mode="json"))
+        response = self.response(self.status, self.output, usage, self.reasoning)
+        return self.event(kind, response=response.model_dump(mode="json"))
 
     def _message(self, status: str) -> dict:
         parts = [OutputText(text=self.text, logprobs=self.logprobs)] if self.opened else []
@@ -334,7 +343,7 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
         plan = await prepare_chat(model, chat)
     except APIError as exc:
         raise _in_responses_terms(exc) from None
-    response = _ResponseBuilder(req, chat, model.name, response_id("resp_", request))
+    response = _ResponseBuilder(req, chat, model, response_id("resp_", request))
     message_id = _item_id("msg")
 
     def build(outputs: list[RequestOutput], usage: Usage) -> ResponseObject:
@@ -349,7 +358,8 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
         message = [OutputMessage(id=message_id, status=status,
                                  content=[OutputText(text=content or "", logprobs=logprobs)])]
         shown = content or not (calls or reasoning)
-        return response(status, [*thought, *(message if shown else []), *map(_call_item, calls)], usage)
+        return response(status, [*thought, *(message if shown else []), *map(_call_item, calls)], usage,
+                        reasoning or "")
 
     stream = _StreamedResponse(plan.tools, plan.splitter(), response, message_id, plan.names)
     events = StreamEvents(stream.render, stream.final, stream.prelude(), with_usage=True, error=stream.error,
