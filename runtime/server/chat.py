@@ -177,6 +177,11 @@ class ChatPlan:
         """A fresh reader of one choice's thinking and answer (None without a reasoning parser)."""
         return None if self.thinking is None else ReasoningSplitter(self.thinking)
 
+    def split(self, text: str) -> tuple[str | None, str, bool]:
+        """A whole completion's reasoning (None without one or without a parser), answer, and whether its thought
+        ended (or it had none)."""
+        return (None, text, True) if self.thinking is None else split_reasoning(text, self.thinking)
+
 
 # the fields that ask for an output format (vLLM's guided_* are structured_outputs' older names)
 FORMAT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
@@ -280,8 +285,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                         "stop_reason": stop_reason(delta)}])]
 
     def choice(index: int, out: RequestOutput) -> ChatChoice:
-        reasoning, answer, _ = (None, out.text, True) if plan.thinking is None else split_reasoning(out.text,
-                                                                                                  plan.thinking)
+        reasoning, answer, _ = plan.split(out.text)
         content, calls = tools.parse(answer)
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         message = AssistantMessage(content=None if reasoning and not content else content,

@@ -21,7 +21,7 @@ from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, SamplingExtensions, Usage
-from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning
+from kiln.runtime.server.reasoning import ReasoningSplitter
 from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responses_protocol import (
     FunctionCallItem,
@@ -170,9 +170,8 @@ def _status(finish_reason: str | None) -> str:
 class _ResponseBuilder:
     """One request's response object: the request's settings echoed beside its status, output items and usage."""
 
-    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, model: ServedModel,
-                 response_id: str) -> None:
-        self.req, self.chat, self.model_name, self.tokenizer = req, chat, model.name, model.tokenizer
+    def __init__(self, req: ResponsesRequest, model: ServedModel, response_id: str) -> None:
+        self.req, self.model_name, self.tokenizer = req, model.name, model.tokenizer
         self.id, self.created = response_id, int(time.time())
 
     def __call__(self, status: str, output: list, usage: Usage | None = None, reasoning: str = "") -> ResponseObject:
@@ -343,13 +342,12 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
         plan = await prepare_chat(model, chat)
     except APIError as exc:
         raise _in_responses_terms(exc) from None
-    response = _ResponseBuilder(req, chat, model, response_id("resp_", request))
+    response = _ResponseBuilder(req, model, response_id("resp_", request))
     message_id = _item_id("msg")
 
     def build(outputs: list[RequestOutput], usage: Usage) -> ResponseObject:
         [out] = outputs
-        reasoning, answer, thought_over = (None, out.text, True) if plan.thinking is None else split_reasoning(
-            out.text, plan.thinking)
+        reasoning, answer, thought_over = plan.split(out.text)
         content, calls = plan.tools.parse(answer)
         status = _status(out.finish_reason)
         logprobs = _logprobs(plan.names, out.logprobs) if out.logprobs is not None else []
