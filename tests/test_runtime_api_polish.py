@@ -84,7 +84,7 @@ def test_chat_prompts_get_exactly_the_tokens_transformers_apply_chat_template_gi
 
 
 def test_each_server_warns_once_of_an_ignored_field_whatever_other_servers_in_the_process_did(tmp_path, caplog):
-    from kiln.runtime.server.completions import make_jobs
+    from kiln.runtime.server.jobs import make_jobs
     from kiln.runtime.server.protocol import CompletionRequest
 
     limits = EngineLimits(max_input_len=8, max_seq_len=128, max_batch_size=3, max_num_tokens=64, kv_pool_tokens=100)

@@ -45,8 +45,10 @@ def test_streamed_chat_logprobs_equal_the_unstreamed_ones(client):
     whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
     streamed = [entry for chunk in client.chat.completions.create(stream=True, **kwargs)
                 for choice in chunk.choices if choice.logprobs for entry in choice.logprobs.content]
-    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in streamed] == [
-        (e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in whole]
+    # the second request prefills only what the prefix cache lacks: other shapes, so the last bits may differ
+    assert [(e.token, [t.token for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, [t.token for t in e.top_logprobs]) for e in whole]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-5)
 
 
 def test_completion_echo_with_logprobs_scores_the_prompt_too(client, llm):
@@ -217,7 +219,7 @@ def test_vllm_extensions_at_their_defaults_are_accepted(client):
 
 
 def test_a_whole_response_is_built_off_the_event_loop(client, monkeypatch):
-    from kiln.runtime.server import completions
+    from kiln.runtime.server import responding
 
     built_on_loop = []
 
@@ -229,7 +231,7 @@ def test_a_whole_response_is_built_off_the_event_loop(client, monkeypatch):
             built_on_loop.append(False)
         return JSONResponse(*args, **kwargs)
 
-    monkeypatch.setattr(completions, "JSONResponse", recording)
+    monkeypatch.setattr(responding, "JSONResponse", recording)
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, n=2, logprobs=True,
                                          top_logprobs=2)
     assert len(out.choices) == 2 and built_on_loop == [False]

@@ -20,9 +20,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kiln.runtime.llm import LLM
 from kiln.runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from kiln.runtime.server.chat import create_chat_completion
-from kiln.runtime.server.completions import IGNORED_FIELDS_HEADER, check_model, create_completion
+from kiln.runtime.server.completions import create_completion
 from kiln.runtime.server.errors import APIError, error_response, install_error_handlers
 from kiln.runtime.server.generation import RETRY_AFTER_S, ServedModel
+from kiln.runtime.server.jobs import check_model
 from kiln.runtime.server.metrics import RequestCountMiddleware, ServerMetrics
 from kiln.runtime.server.protocol import (
     ChatCompletionRequest,
@@ -40,6 +41,7 @@ from kiln.runtime.server.protocol import (
 )
 from kiln.runtime.server.reasoning import REASONING_PARSERS
 from kiln.runtime.server.request_id import REQUEST_ID_HEADER, RequestIdMiddleware
+from kiln.runtime.server.responding import IGNORED_FIELDS_HEADER
 from kiln.runtime.server.responses import create_response
 from kiln.runtime.server.responses_protocol import ResponseObject, ResponsesRequest
 from kiln.runtime.server.sampling_defaults import GenerationConfigMode

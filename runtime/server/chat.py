@@ -14,17 +14,9 @@ from starlette.requests import Request
 
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.chat_template import ChatTemplateError, ReservedVariableError
-from kiln.runtime.server.completions import (
-    StreamEvents,
-    check_request,
-    make_jobs,
-    requested_format,
-    respond,
-    stop_reason,
-    stream_chunk,
-)
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import Job, ServedModel
+from kiln.runtime.server.jobs import check_request, make_jobs, requested_format
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs, vllm_prompt_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import (
@@ -39,6 +31,7 @@ from kiln.runtime.server.protocol import (
 )
 from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning, thinking_at_start
 from kiln.runtime.server.request_id import response_id
+from kiln.runtime.server.responding import StreamEvents, respond, stop_reason, stream_chunk
 from kiln.runtime.server.tool_calls import ToolCall, ToolCallFormat
 from kiln.runtime.structured_output import StructuredOutput
 

@@ -15,7 +15,6 @@ from starlette.requests import Request
 
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.chat import ChatTools, StreamedText, prepare_chat
-from kiln.runtime.server.completions import StreamEvents, respond
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs
@@ -23,6 +22,7 @@ from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, SamplingExtensions, Usage
 from kiln.runtime.server.reasoning import ReasoningSplitter
 from kiln.runtime.server.request_id import response_id
+from kiln.runtime.server.responding import StreamEvents, respond
 from kiln.runtime.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,

@@ -4,9 +4,9 @@ template's rendering or read token ids back, without generating."""
 from __future__ import annotations
 
 from kiln.runtime.server.chat import render_chat
-from kiln.runtime.server.completions import check_model
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
+from kiln.runtime.server.jobs import check_model
 from kiln.runtime.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,

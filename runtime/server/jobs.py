@@ -1,0 +1,93 @@
+"""What every generation route does to a request before it runs: the checks that need the served model, the format
+it asks for compiled, and its jobs."""
+
+from __future__ import annotations
+
+import logging
+
+from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.generation import Job, ServedModel, sampling_params
+from kiln.runtime.server.protocol import SamplingFields
+from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
+
+logger = logging.getLogger("kiln.server")
+
+
+def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *,
+              logprobs: int | None, prompt_logprobs: int | None,
+              structured_output: StructuredOutput | None) -> list[Job]:
+    """`n` jobs per prompt, in OpenAI's choice order (prompt-major), with the model's sampling defaults."""
+    for name in set(req.ignored_fields()) - model.logged_ignored_fields:
+        model.logged_ignored_fields.add(name)
+        logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
+    try:
+        return [Job(ids, sampling_params(req, max_tokens=limit, index=choice, logprobs=logprobs,
+                                         prompt_logprobs=prompt_logprobs, structured_output=structured_output,
+                                         defaults=model.sampling_defaults))
+                for ids, limit in zip(prompts, max_tokens, strict=True) for choice in range(req.n)]
+    except ValueError as exc:  # a combination the fields' own checks cannot see (min_tokens above max_tokens)
+        message = str(exc).removeprefix("SamplingParams.")
+        field = message.split(" ", 1)[0]
+        raise APIError(400, message, param=field if field in type(req).model_fields else None) from None
+
+
+def requested_format(req: SamplingFields) -> StructuredOutput | None:
+    """The format ``response_format`` (OpenAI) or ``structured_outputs`` (vLLM's extension, or its guided_* fields)
+    asks for, compiled."""
+    requested, extension = req.response_format, req.structured_outputs
+    extension_name = "structured_outputs"
+    if (guided := req.guided_outputs()) is not None:
+        if extension is not None:
+            raise APIError(400, "send structured_outputs or the guided_* fields (its names before vLLM 0.11), not "
+                                "both", param="structured_outputs")
+        extension, extension_name = guided, "the guided_* fields"
+    if requested is not None and requested.type == "text":
+        requested = None
+    if requested is not None and extension is not None:
+        raise APIError(400, f"send response_format or {extension_name}, not both", param="structured_outputs")
+    param = "response_format" if requested is not None else "structured_outputs"
+    try:
+        if extension is not None:
+            spec = StructuredOutput(json=extension.json_schema, json_object=bool(extension.json_object),
+                                    regex=extension.regex, grammar=extension.grammar, choice=extension.choice)
+        elif requested is None:
+            return None
+        elif requested.type == "json_object":
+            spec = StructuredOutput(json_object=True)
+        elif requested.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs its json_schema (name and schema)",
+                           param="response_format.json_schema")
+        elif requested.json_schema.json_schema is None:
+            spec = StructuredOutput(json_object=True)
+        else:
+            spec = StructuredOutput(json=requested.json_schema.json_schema)
+        _ = spec.llguidance_grammar
+    except StructuredOutputError as exc:
+        raise APIError(400, str(exc), param=param) from None
+    return spec
+
+
+def check_model(model: ServedModel, requested: str | None) -> None:
+    """A 404 unless ``requested`` is unset or one of the model's names."""
+    if requested is not None and requested not in model.names:
+        raise APIError(404, f"The model '{requested}' does not exist: this server serves "
+                            f"{', '.join(repr(name) for name in model.names)} "
+                            f"(see /v1/models)", param="model", code="model_not_found")
+
+
+def check_request(model: ServedModel, req: SamplingFields) -> None:
+    """``check_model``, then a 400 for ``stream_options`` without ``stream`` (as OpenAI and vLLM refuse it) or for a
+    token id outside the vocabulary in ``logit_bias`` or ``stop_token_ids``, naming the field."""
+    check_model(model, req.model)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true: drop it or stream the response",
+                       param="stream_options")
+    if req.stream and req.prompt_logprobs:  # no chunk carries them (vLLM refuses this too)
+        raise APIError(400, "prompt_logprobs are not available with stream: true: drop one of them",
+                       param="prompt_logprobs")
+    vocab_size = model.limits.vocab_size
+    for param, token_ids in (("logit_bias", req.logit_bias or {}), ("stop_token_ids", req.stop_token_ids or [])):
+        if vocab_size is not None and (outside := sorted(t for t in token_ids if t >= vocab_size)):
+            raise APIError(400, f"'{param}' names token ids {outside[:8]} outside this model's vocabulary of "
+                                f"{vocab_size} tokens: send ids below {vocab_size}", param=param)
+

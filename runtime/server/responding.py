@@ -1,0 +1,224 @@
+"""How a generation request's jobs become its response: the JSON body once every job is done, or server-sent
+events as the deltas arrive; either way the request's admission is released and a client that goes away has its
+jobs aborted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from kiln.runtime.errors import InvalidRequestError, KilnError
+from kiln.runtime.llm import EngineClosedError
+from kiln.runtime.outputs import RequestOutput, StreamDelta
+from kiln.runtime.server.errors import APIError, error_body
+from kiln.runtime.server.generation import RETRY_AFTER_S, Job, ServedModel
+from kiln.runtime.server.metrics import CLIENT_CLOSED_REQUEST, CLIENT_GONE, ServerMetrics
+from kiln.runtime.server.protocol import SamplingFields, Usage
+
+logger = logging.getLogger("kiln.server")
+
+IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
+ABORTED_OUTPUTS_WAIT_S = 5.0  # how long a request whose client went away waits for its jobs' aborted outputs
+
+
+def usage_of(prompts: list[list[int]], outputs: list[RequestOutput]) -> Usage:
+    """The usage of a response: every prompt once, each output's tokens, and what the prefix cache held."""
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    completion_tokens = sum(len(out.token_ids) for out in outputs)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 cached_tokens=sum(out.metrics.num_cached_tokens for out in outputs))
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    """Return once the client has gone (the body was read already, so nothing else arrives)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
+                   request: Request) -> list[RequestOutput] | None:
+    """Every job's output, or None when the client disconnected first (its jobs are then aborted, and what they
+    had processed is counted)."""
+    landed: list[RequestOutput] = []
+
+    def observe(output: RequestOutput) -> None:
+        landed.append(output)
+        if output.finish_reason == "abort":  # its client went away: counted as a stream's (a prompt once prefilled)
+            metrics.vllm.aborted(1, len(output.prompt_token_ids) if output.token_ids else 0, len(output.token_ids))
+        else:
+            metrics.observe(output)
+
+    request_ids = [uuid.uuid4().hex for _ in jobs]
+    runner = asyncio.create_task(model.generate_final(jobs, observe, request_ids))
+    watcher = asyncio.create_task(_wait_for_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not runner.done():
+            for request_id in request_ids:  # each ends with its tokens so far, which observe counts
+                model.llm.abort(request_id)
+            with contextlib.suppress(Exception):  # as the abort's deltas land; else cancelled, which aborts too
+                await asyncio.wait_for(asyncio.shield(runner), ABORTED_OUTPUTS_WAIT_S)
+            runner.cancel()
+    if runner not in done:
+        metrics.vllm.aborted(len(jobs) - len(landed))
+        return None
+    try:
+        return runner.result()
+    except KilnError as exc:
+        raise _generation_failed(exc) from None
+
+
+def _generation_failed(exc: Exception) -> APIError:
+    """The error of a request the engine did not finish: 503 (retry elsewhere) when the engine stopped or the server
+    is shutting down, 400 when the request itself could not go on (its format outgrew llguidance's limits), 500 for
+    anything else (a bug)."""
+    status = 503 if isinstance(exc, EngineClosedError) else 400 if isinstance(exc, InvalidRequestError) else 500
+    return APIError(status, f"generation failed: {exc}", headers={"Retry-After": str(RETRY_AFTER_S)} if status == 503
+                    else None)
+
+
+class _EventStream(Response):
+    """Server-sent events that always release the request's admission and abort its jobs, however the stream
+    ends (finished, client gone, server shutting down). Leaner than Starlette's StreamingResponse (no anyio task
+    group per response): one task watches for the client going away and cancels the writer."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], headers: dict[str, str]) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", **headers})
+        self._content = content
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        writer = asyncio.current_task()
+        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        watcher.add_done_callback(lambda task: task.cancelled() or writer.cancel())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for text in self._content:
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.cancelled():
+                raise  # cancelled from outside (the server stopping): not the client going away
+            writer.uncancel()
+            scope[CLIENT_GONE] = True
+        finally:
+            watcher.cancel()
+            self._release()
+            await self._content.aclose()
+
+
+def _event(data: dict) -> str:
+    """One server-sent event; a typed one (the Responses API's) names its type in an ``event:`` line too."""
+    name = f"event: {data['type']}\n" if "type" in data else ""
+    return f"{name}data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _error_chunk(failed: APIError) -> dict:
+    return error_body(failed.status_code, failed.message)
+
+
+@dataclass
+class StreamEvents:
+    """What a streamed response sends: the ``prelude`` chunks first, ``render``'s chunks for each delta, the
+    ``usage`` chunk last (when ``with_usage``: the request asked for it), the ``error`` chunk instead for a
+    failure mid-stream, and then ``done`` (chat and completions end with OpenAI's ``data: [DONE]``)."""
+
+    render: Callable[[int, StreamDelta], list[dict]]
+    usage: Callable[[Usage], dict]
+    prelude: list[dict] = field(default_factory=list)
+    with_usage: bool = False
+    error: Callable[[APIError], dict] = _error_chunk
+    done: str = "data: [DONE]\n\n"
+
+
+async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
+               stream: StreamEvents) -> AsyncIterator[str]:
+    """The SSE body (``StreamEvents`` says what it holds). The chunks of deltas that arrived together go out in one
+    write."""
+    outputs: list[RequestOutput] = []
+    generated: dict[int, int] = {}  # tokens so far of each job whose prompt was prefilled and that is still running
+    if stream.prelude:
+        yield "".join(_event(chunk) for chunk in stream.prelude)
+    try:
+        async with contextlib.aclosing(model.generate(jobs)) as batches:
+            async for batch in batches:
+                events = []
+                for index, delta in batch:
+                    generated[index] = generated.get(index, 0) + len(delta.token_ids)
+                    if delta.finished:
+                        del generated[index]
+                        outputs.append(delta.output)
+                        metrics.observe(delta.output)
+                    events += [_event(chunk) for chunk in stream.render(index, delta)]
+                if events:
+                    yield "".join(events)
+    except Exception as exc:  # the engine stopped (closed, or a bug in it): tell the client in the stream
+        logger.error("stream failed: %s: %s", type(exc).__name__, exc)
+        yield _event(stream.error(_generation_failed(exc)))
+    else:
+        if stream.with_usage:
+            yield _event(stream.usage(usage_of(prompts, outputs)))
+    finally:
+        if len(outputs) < len(jobs):  # the client went away (or the engine stopped) first
+            metrics.vllm.aborted(len(jobs) - len(outputs), sum(len(jobs[i].prompt_token_ids) for i in generated),
+                                 sum(generated.values()))
+    if stream.done:
+        yield stream.done
+
+
+async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prompts: list[list[int]],
+                  metrics: ServerMetrics, request: Request, *,
+                  build: Callable[[list[RequestOutput], Usage], BaseModel], stream: StreamEvents,
+                  ignored: list[str] | None = None) -> Response:
+    """The response to a generation request: an SSE stream of ``stream``'s events (its usage where the request's
+    ``stream_options`` ask), or the JSON body ``build`` makes once every job is done. Either says in the
+    IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored (``ignored``, default
+    ``req.ignored_fields()``)."""
+    release = model.admission.reserve(len(jobs))
+    ignored = ", ".join(req.ignored_fields() if ignored is None else ignored)
+    headers = {IGNORED_FIELDS_HEADER: ignored} if ignored else {}
+    if req.stream:
+        with_usage = stream.with_usage or req.stream_options is not None and req.stream_options.include_usage
+        body = _sse(model, jobs, metrics, prompts, replace(stream, with_usage=with_usage))
+        return _EventStream(body, release, headers)
+    try:
+        outputs = await _collect(model, jobs, metrics, request)
+    finally:
+        release()
+    if outputs is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    # built and encoded off the event loop: n = 128 choices with 20 logprobs a token take long enough to stall the
+    # other requests' streams
+    return await asyncio.to_thread(
+        lambda: JSONResponse(build(outputs, usage_of(prompts, outputs)).model_dump(mode="json"), headers=headers))
+
+
+def stream_chunk(request_id: str, object_name: str, created: int, model_name: str, choices: list[dict],
+                 usage: Usage | None = None) -> dict:
+    """One SSE chunk of a streamed response."""
+    return {"id": request_id, "object": object_name, "created": created, "model": model_name, "choices": choices,
+            "usage": usage.model_dump() if usage else None}
+
+
+def stop_reason(delta: StreamDelta) -> int | str | None:
+    """A stream's ``stop_reason`` (vLLM's): on the last delta, the stop string or token id that ended it."""
+    return delta.output.stop_reason if delta.output is not None else None
