@@ -147,6 +147,49 @@ def test_streamed_chat_starts_with_the_role_and_ends_with_usage(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def test_a_streamed_chats_role_chunk_comes_with_its_first_token(server, llm, monkeypatch):
+    """Benchmark clients (vLLM's bench serve) time the first token from the first chunk with choices."""
+    step, steps_done = llm.engine.step, []
+
+    def slow_step():
+        if not steps_done:
+            time.sleep(0.3)
+        outputs = step()
+        steps_done.append(True)
+        return outputs
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/chat/completions",
+                                                                            json=body) as response:
+        first = json.loads(next(line for line in response.iter_lines() if line.startswith("data: "))[6:])
+        assert first["choices"][0]["delta"]["role"] == "assistant" and steps_done
+
+
+def test_every_step_of_a_stream_is_a_chunk_though_its_token_adds_no_text(client):
+    kwargs = dict(model=MODEL, max_tokens=4, stream=True, extra_body={"ignore_eos": True},
+                  logit_bias={"1": 100})  # </s> every step: special, so no text
+    completion = [c for c in client.completions.create(prompt="Hi", **kwargs) if c.choices]
+    assert len(completion) == 4 and "".join(c.choices[0].text for c in completion) == ""
+    chat = [c for c in client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kwargs)
+            if c.choices]
+    assert len(chat) == 1 + 4 and chat[0].choices[0].delta.role == "assistant"  # the role, then a chunk a step
+
+
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+    for index in (0, 1):
+        usage = [c.usage for c in chunks if c.choices and c.choices[0].index == index]
+        assert {u.prompt_tokens for u in usage} == {prompt_tokens}
+        counts = [u.completion_tokens for u in usage]
+        assert counts == sorted(counts) and counts[-1] == 5
+        assert all(u.total_tokens == prompt_tokens + u.completion_tokens for u in usage)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
 def test_models_lists_the_served_model_with_the_limits_a_client_budgets_prompts_by(client, llm):
     assert [m.id for m in client.models.list().data] == [MODEL]
     card = client.models.retrieve(MODEL)

@@ -251,8 +251,19 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     request_id, created = response_id("chatcmpl-", request, req.request_id), int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "chat.completion.chunk", created, model.name)
     streamed = [StreamedText(tools, plan.splitter()) for _ in jobs]
+    greeted: set[int] = set()
 
     def render(index: int, delta: StreamDelta) -> list[dict]:
+        """A choice's chunks for ``delta``: its first delta opens with the role chunk, so that a client timing the
+        first token from the first chunk reads when the tokens began (as vLLM sends it)."""
+        chunks = []
+        if index not in greeted:
+            greeted.add(index)
+            chunks.append(chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}]))
+        return chunks + rendered(index, delta)
+
+    def rendered(index: int, delta: StreamDelta) -> list[dict]:
         message, reason = {}, delta.finish_reason if delta.finished else None
         reasoning, content, calls = streamed[index].advance(delta)
         if calls:
@@ -262,6 +273,8 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
             message = {"content": content, **message}
         if reasoning:
             message = {"reasoning": reasoning, "reasoning_content": reasoning, **message}
+        if not message and delta.token_ids and not delta.text:  # tokens that add no text yet: a chunk a step
+            message = {"content": ""}
         if not (message or delta.finished or delta.logprobs):
             return []
         logprobs = chat_logprobs(names, delta.logprobs).model_dump() if delta.logprobs else None
@@ -293,8 +306,6 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                                       choices=[choice(i, out) for i, out in enumerate(outputs)],
                                       prompt_logprobs=prompt_entries and vllm_prompt_logprobs(names, prompt_entries))
 
-    prelude = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                       "finish_reason": None}]) for i in range(len(jobs))]
     return await respond(model, req, jobs, [plan.prompt], metrics, request, build=build,
                          ignored=[*req.ignored_fields(), *plan.overridden],
-                         stream=StreamEvents(render, lambda usage: chunk([], usage), prelude))
+                         stream=StreamEvents(render, lambda usage: chunk([], usage)))

@@ -108,7 +108,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
             echoed.add(index)
             echo = echoes[index // req.n]
         text, entries = ("", None) if scoring else (delta.text, delta.logprobs)
-        if not (echo or text or delta.finished or entries):
+        if not (echo or text or delta.finished or entries or delta.token_ids and not scoring):  # a chunk a step
             return []
         logprobs = legacy(index, delta.prompt_logprobs if req.echo else None, entries)
         return [chunk([{"index": index, "text": echo + text, "logprobs": logprobs and logprobs.model_dump(),

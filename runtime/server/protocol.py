@@ -192,7 +192,8 @@ class StructuredOutputs(StrictModel):
 class StreamOptions(StrictModel):
     include_usage: bool = False
     include_obfuscation: bool | None = Field(None, description="Accepted and ignored: no obfuscation padding.")
-    continuous_usage_stats: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
+    continuous_usage_stats: bool | None = Field(None, description="Extension (as in vLLM): with include_usage, "
+                                                                  "every chunk carries its choice's usage so far.")
 
 
 # vLLM's chat_template_kwargs, which chat completions and the Responses API take

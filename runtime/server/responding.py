@@ -40,6 +40,12 @@ def usage_of(prompts: list[list[int]], outputs: list[RequestOutput]) -> Usage:
                  cached_tokens=sum(out.metrics.num_cached_tokens for out in outputs))
 
 
+def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict:
+    """A streamed choice's usage so far, as vLLM's continuous_usage_stats gives it in each chunk."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 async def _wait_for_disconnect(receive: Receive) -> None:
     """Return once the client has gone (the body was read already, so nothing else arrives)."""
     while True:
@@ -146,6 +152,7 @@ class StreamEvents:
     usage: Callable[[Usage], dict]
     prelude: list[dict] = field(default_factory=list)
     with_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: each chunk of a choice with its usage so far
     error: Callable[[APIError], dict] = _error_chunk
     done: str = "data: [DONE]\n\n"
 
@@ -155,7 +162,8 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
     """The SSE body (``StreamEvents`` says what it holds). The chunks of deltas that arrived together go out in one
     write."""
     outputs: list[RequestOutput] = []
-    generated: dict[int, int] = {}  # tokens so far of each job whose prompt was prefilled and that is still running
+    generated: dict[int, int] = {}  # tokens so far of each job whose prompt was prefilled
+    finished: set[int] = set()
     if stream.prelude:
         yield "".join(_event(chunk) for chunk in stream.prelude)
     try:
@@ -165,10 +173,14 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
                 for index, delta in batch:
                     generated[index] = generated.get(index, 0) + len(delta.token_ids)
                     if delta.finished:
-                        del generated[index]
+                        finished.add(index)
                         outputs.append(delta.output)
                         metrics.observe(delta.output)
-                    events += [_event(chunk) for chunk in stream.render(index, delta)]
+                    chunks = stream.render(index, delta)
+                    if stream.continuous_usage:
+                        usage = usage_so_far(len(jobs[index].prompt_token_ids), generated[index])
+                        chunks = [{**chunk, "usage": usage} for chunk in chunks]
+                    events += [_event(chunk) for chunk in chunks]
                 if events:
                     yield "".join(events)
     except Exception as exc:  # the engine stopped (closed, or a bug in it): tell the client in the stream
@@ -179,8 +191,9 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
             yield _event(stream.usage(usage_of(prompts, outputs)))
     finally:
         if len(outputs) < len(jobs):  # the client went away (or the engine stopped) first
-            metrics.vllm.aborted(len(jobs) - len(outputs), sum(len(jobs[i].prompt_token_ids) for i in generated),
-                                 sum(generated.values()))
+            running = {i: n for i, n in generated.items() if i not in finished}
+            metrics.vllm.aborted(len(jobs) - len(outputs), sum(len(jobs[i].prompt_token_ids) for i in running),
+                                 sum(running.values()))
     if stream.done:
         yield stream.done
 
@@ -197,8 +210,10 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
     ignored = ", ".join(req.ignored_fields() if ignored is None else ignored)
     headers = {IGNORED_FIELDS_HEADER: ignored} if ignored else {}
     if req.stream:
-        with_usage = stream.with_usage or req.stream_options is not None and req.stream_options.include_usage
-        body = _sse(model, jobs, metrics, prompts, replace(stream, with_usage=with_usage))
+        options = req.stream_options
+        with_usage = stream.with_usage or options is not None and options.include_usage
+        continuous = with_usage and options is not None and bool(options.continuous_usage_stats)
+        body = _sse(model, jobs, metrics, prompts, replace(stream, with_usage=with_usage, continuous_usage=continuous))
         return _EventStream(body, release, headers)
     try:
         outputs = await _collect(model, jobs, metrics, request)
