@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import os
 import shutil
 from pathlib import Path
 
@@ -208,15 +209,21 @@ class IncrementalDetokenizer:
         self._num_streamed_chars = end
         return delta
 
-    def pending_characters(self) -> int:
-        """Characters the tokens not taken into ``text`` yet decode to in full: those before a character the last
-        token ends inside (which waits for the next token)."""
-        return len(self._held.rstrip("\ufffd"))
+    def characters_before(self, next_token_id: int) -> int:
+        """Characters the tokens not taken into ``text`` yet decode to before the one ``next_token_id`` starts or
+        completes: an unfinished character that the next token does not continue is a whole U+FFFD before it, as
+        is every invalid byte."""
+        if not self._held:
+            return 0
+        with_next = self._pending_text([next_token_id])
+        common = len(os.path.commonprefix([self._held, with_next]))
+        return min(common, len(with_next) - 1) if with_next.endswith("\ufffd") else common
 
-    def _pending_text(self) -> str:
-        """The text the tokens after the read offset add (empty while they add none)."""
+    def _pending_text(self, next_token_ids: list[int] | None = None) -> str:
+        """The text the tokens after the read offset add (empty while they add none), ``next_token_ids`` after
+        them."""
         prefix_text = self._tokenizer.decode(self._tokens[self._prefix_offset:self._read_offset])
-        new_text = self._tokenizer.decode(self._tokens[self._prefix_offset:])
+        new_text = self._tokenizer.decode(self._tokens[self._prefix_offset:] + (next_token_ids or []))
         return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
 
     def _take_pending(self, text: str) -> None:

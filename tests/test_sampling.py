@@ -346,6 +346,10 @@ def test_text_offsets_start_each_token_after_the_whole_characters_before_it():
     assert TextOffsets(tokenizer, []).take(ids) == expected
     halves = TextOffsets(tokenizer, [])
     assert halves.take(ids[:3]) + halves.take(ids[3:]) == expected  # streamed as the engine grows the text
+    # a lead byte that the next token does not continue is a whole U+FFFD before it: "\xc3," "\xc3\xc3\xa9" "x"
+    invalid = [vocab[c] for c in ("Ã", ",", "Ã", "Ã", "©", "x")]
+    assert tokenizer.decode(invalid) == "\ufffd,\ufffdéx"
+    assert TextOffsets(tokenizer, []).take(invalid) == [0, 1, 2, 3, 3, 4]
 
 
 def test_a_text_two_tokens_share_keeps_the_likelier_value_in_legacy_top_logprobs():

@@ -54,7 +54,7 @@ class TextOffsets:
             return [self._start] * len(token_ids)
         offsets = []
         for token_id in token_ids:
-            offsets.append(self._start + len(self._detokenizer.text) + self._detokenizer.pending_characters())
+            offsets.append(self._start + len(self._detokenizer.text) + self._detokenizer.characters_before(token_id))
             self._detokenizer.add_token(token_id)
         return offsets
 
