@@ -368,10 +368,13 @@ class LLM:
                 self._commands.put(("abort", request_id))
             return True
         except BaseException as e:  # a bug in the engine: fail every waiter rather than hang it
+            logger.error("the engine thread stopped", exc_info=e)
             self._outbox.flush()
             with self._lock:
                 self._error = e
-            self._fail_all(EngineClosedError(f"engine thread stopped: {type(e).__name__}: {e}"))
+            stopped = EngineClosedError(f"engine thread stopped: {type(e).__name__}: {e}")
+            stopped.__cause__ = e  # where in the engine it failed
+            self._fail_all(stopped)
             self._warm.set()  # a waiter learns from _check_open that the engine stopped
             return False
 

@@ -347,6 +347,19 @@ def test_closed_llm_refuses_new_requests(engine_dir):
         llm.check(PROMPTS[0], GREEDY)
 
 
+def test_a_bug_in_the_engine_fails_its_waiters_with_the_cause_and_logs_where_it_was(engine_dir, caplog):
+    with LLM.load(engine_dir) as llm:
+        def broken_step():
+            raise IndexError("a bug")
+
+        llm.engine.step = broken_step
+        with pytest.raises(EngineClosedError, match="IndexError: a bug") as failed:
+            llm.generate(PROMPTS[0], GREEDY)
+    assert isinstance(failed.value.__cause__, IndexError)
+    logged = [r for r in caplog.records if r.getMessage() == "the engine thread stopped"]
+    assert logged and logged[0].exc_info[0] is IndexError  # the traceback, for whoever reads the log
+
+
 def test_load_ms_leaves_out_importing_the_backends_modules(engine_dir, monkeypatch):
     from kiln.runtime import llm as llm_module
 

@@ -241,6 +241,17 @@ def test_an_engine_that_fails_to_load_stops_the_server_with_its_message():
         run_server(app, "127.0.0.1", 0, shutdown_timeout_s=1)
 
 
+def test_a_bug_while_the_engine_loads_is_logged_with_its_traceback(caplog):
+    def buggy_load() -> LLM:
+        return {}["oops"]
+
+    app = create_app(buggy_load, tiny_engine(), ServerSettings(model_name=MODEL))
+    with pytest.raises(ServerStartError, match="oops") as failed:
+        run_server(app, "127.0.0.1", 0, shutdown_timeout_s=1)
+    assert isinstance(failed.value.__cause__, KeyError)
+    assert any(r.exc_info and r.exc_info[0] is KeyError for r in caplog.records)
+
+
 def test_an_address_the_server_cannot_listen_on_is_refused_naming_why_before_the_engine_loads():
     def never_loaded() -> LLM:
         raise AssertionError("the engine was loaded")

@@ -17,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kiln.runtime.errors import KilnError
 from kiln.runtime.llm import LLM
 from kiln.runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from kiln.runtime.server.chat import create_chat_completion
@@ -163,7 +164,8 @@ def _lifespan(state: ServerState, llm: LLM | Callable[[], LLM], engine_dir: Path
             logger.info("engine loaded: serving %s", settings.model_name)
         except Exception as exc:
             state.load_error = exc
-            logger.error("the engine failed to load: %s", exc)
+            logger.error("the engine failed to load: %s", exc,
+                         exc_info=None if isinstance(exc, KilnError) else exc)  # a traceback where it is a bug
             if state.on_fatal is not None:
                 state.on_fatal()
 

@@ -172,7 +172,7 @@ def run_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float 
     if thread.server.force_exit:  # in-flight requests were cut off, not drained: exit 130, not 0
         raise KeyboardInterrupt
     if state.load_error is not None:
-        raise ServerStartError(f"the engine failed to load: {state.load_error}")
+        raise ServerStartError(f"the engine failed to load: {state.load_error}") from state.load_error
     if engine_error is not None:
         raise EngineFailedError(f"the engine stopped while serving ({engine_error}): the server stopped with it; "
                                 f"start it again (a supervisor's restart policy does)")
