@@ -81,6 +81,11 @@ class BuildContext:
         return self.loaded.config
 
     @functools.cached_property
+    def cache_root(self) -> Path:
+        """The engine cache's root: the open cache's, else (a dry run before it exists) the one the config names."""
+        return self.cache.root if self.cache is not None else self.config.cache.root()
+
+    @functools.cached_property
     def remote(self) -> RemoteTier | None:
         """The remote tier: the cache's, else (a dry run before the local cache exists) the one the config names."""
         if self.cache is not None:
@@ -464,11 +469,12 @@ def trtllm_inputs(ctx: BuildContext) -> dict:
     if quant_format != "none":
         hf_dir = None
         if ctx.quantized_key:  # where the quantize stage puts it (a dry run shows where it will be)
-            quantized = QuantizedCheckpoint(payload_path(cfg.cache.root(), "quantized", ctx.quantized_key))
+            quantized = QuantizedCheckpoint(payload_path(ctx.cache_root, "quantized", ctx.quantized_key))
             hf_dir, trtllm_checkpoint = quantized.hf, quantized.trtllm
-    return {"options": trtllm_options(cfg), "quant_format": quant_format,
-            "kv_cache_dtype": _shipped_kv_cache_dtype(ctx), "model_dtype": cfg.model.dtype, "fingerprint": fingerprint,
-            "timing_cache": timing_cache_path(cfg.cache.root(), fingerprint), "hf_dir": hf_dir,
+    kv_cache_dtype = _shipped_kv_cache_dtype(ctx)  # the plan's too: auto after a fallback to format none
+    return {"options": trtllm_build_options(cfg.build, cfg.build.plan(kv_cache_dtype)), "quant_format": quant_format,
+            "kv_cache_dtype": kv_cache_dtype, "model_dtype": cfg.model.dtype, "fingerprint": fingerprint,
+            "timing_cache": timing_cache_path(ctx.cache_root, fingerprint), "hf_dir": hf_dir,
             "trtllm_checkpoint_dir": trtllm_checkpoint}
 
 
