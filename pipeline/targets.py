@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Literal
 
 from kiln.engines.cache import CacheCorruptError, CacheEntryNotFoundError, EngineCache
+from kiln.engines.cache.keys import is_key_prefix
 from kiln.engines.cache.layout import entry_of_payload, layout_root
-from kiln.engines.cache.store import MIN_PREFIX
 from kiln.pipeline.cache_remote import pull_engine
 from kiln.pipeline.config import find_config, remote_spec, remote_turned_off
 from kiln.pipeline.console import warn
@@ -60,7 +60,7 @@ def resolve_target(text: str, cache_root: Path, *, no_engines: str | None = None
                           f"directory `kiln build` printed, a cache key, or a config")
     if (found := find_config(text)) is not None:
         return Target("architecture" if found.suffix == ".json" else "config", found)
-    if len(text) >= MIN_PREFIX and set(text) <= set("0123456789abcdef"):
+    if is_key_prefix(text):
         if no_engines is not None:
             raise TargetError(f"{text}: a cache key (an engine's); {no_engines}")
         remote = remote_spec()

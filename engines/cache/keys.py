@@ -8,7 +8,9 @@ import re
 
 from kiln.engines.cache.errors import InvalidCacheKeyError
 
+MIN_PREFIX = 4  # hex digits of a key prefix (as git's short hashes)
 _KEY = re.compile(r"[0-9a-f]{64}")
+_KEY_PREFIX = re.compile(rf"[0-9a-f]{{{MIN_PREFIX},64}}")
 
 
 def canonical_json(obj: object) -> bytes:
@@ -24,6 +26,11 @@ def engine_key(material: dict) -> str:
 def is_cache_key(text: str) -> bool:
     """Whether ``text`` is a whole cache key: 64 lowercase hex digits."""
     return _KEY.fullmatch(text) is not None
+
+
+def is_key_prefix(text: str) -> bool:
+    """Whether ``text`` is a cache key or a prefix of one: MIN_PREFIX to 64 lowercase hex digits."""
+    return _KEY_PREFIX.fullmatch(text) is not None
 
 
 def validate_key(key: str) -> str:

@@ -31,7 +31,7 @@ from kiln.engines.cache.errors import (
 )
 from kiln.engines.cache.hashing import FileHashes, file_sha256
 from kiln.engines.cache.in_use import delete_unless_held, is_held, take_out
-from kiln.engines.cache.keys import canonical_json, engine_key, is_cache_key, validate_key
+from kiln.engines.cache.keys import MIN_PREFIX, canonical_json, engine_key, is_cache_key, is_key_prefix, validate_key
 from kiln.engines.cache.layout import (
     CORRUPT_MARK,
     HASH_MEMO,
@@ -57,7 +57,6 @@ from kiln.engines.cache.units import iso_utc
 from kiln.runtime.cache_hold import IN_USE_LOCK
 
 WAIT_NOTE_EVERY_S = 30.0
-MIN_PREFIX = 4  # hex digits of a key prefix (as git's short hashes)
 
 VerifyOnLoad = Literal["size", "changed", "hash"]  # "changed": re-hash the files changed since they were last hashed
 
@@ -542,7 +541,7 @@ def complete_key(prefix: str, stores: list[ContentStore], what: str = "") -> str
 
 def check_key_prefix(prefix: str, listing: str) -> None:
     """InvalidCacheKeyError unless ``prefix`` is a key or a prefix of one (``listing``: the command that shows keys)."""
-    if not (MIN_PREFIX <= len(prefix) <= 64 and set(prefix) <= set("0123456789abcdef")):
+    if not is_key_prefix(prefix):
         raise InvalidCacheKeyError(f"{prefix!r} is not a cache key (64 lowercase hex digits) or a prefix of one (at "
                                    f"least {MIN_PREFIX}): copy it from `{listing}`")
 
