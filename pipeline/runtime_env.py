@@ -7,6 +7,7 @@ CLI takes the object.
 - ``KILN_CUDA_GRAPH_CAPTURE``: ``deferred`` or ``at_load`` (default: deferred on one GPU, at load for tensor parallel)
 - ``KILN_OVERLAP_STEPS``: ``1`` (default) or ``0``
 - ``KILN_PDL``: ``1`` (default) or ``0``
+- ``KILN_ATTENTION_FP8_PV``: ``1`` (default) or ``0`` (decode attention's p @ v in FP8 over an FP8 cache)
 - ``KILN_LINEAR_MAX_M``: a positive integer (default: the crossover each engine's build measured)
 - ``KILN_GPU_MEMORY_UTILIZATION``: a number in (0, 1] (default 0.9)
 - ``KILN_SCHEDULER_POLICY``: ``max_utilization`` or ``guaranteed_no_evict`` (default: the backend's own)

@@ -25,7 +25,7 @@ def test_template_renders_messages_with_special_tokens_and_generation_prompt(tmp
     messages = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "hello"},
                 {"role": "user", "content": "bye"}]
     assert template.render(messages) == "<s>[user] hi\n[assistant] hello\n[user] bye\n[assistant]"
-    assert template.bos_token == "<s>"
+    assert template.special_tokens["bos_token"] == "<s>"
 
 
 def test_chat_template_kwargs_reach_the_template_and_may_not_replace_what_the_server_sets(tmp_path):

@@ -151,10 +151,10 @@ async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *
         report["server"] = server_usage(snapshots["after_warmup"], after, idle, report["output_tokens"], client_cpu_s)
     report["workload"] = _describe(workload, workload_options)
     if llm is not None and in_process:
-        report["in_process"] = await run_in_process(llm, _fresh(workload, workload_options, vocab_size, card, 1),
+        report["in_process"] = await run_in_process(llm, _fresh(workload_options, vocab_size, card, 1),
                                                     concurrency=concurrency)
     if llm is not None and offline:
-        report["offline"] = run_offline(llm, _fresh(workload, workload_options, vocab_size, card, 2),
+        report["offline"] = run_offline(llm, _fresh(workload_options, vocab_size, card, 2),
                                         concurrency=concurrency)
         if math.isinf(workload_options["request_rate"]) and not workload_options["disconnect"]:
             # at a finite rate the arrivals set the served rate; clients that go away take fewer tokens
@@ -162,7 +162,7 @@ async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *
     return report
 
 
-def _fresh(workload: ServingWorkload, options: dict, vocab_size: int | None, card: dict, phase: int) -> ServingWorkload:
+def _fresh(options: dict, vocab_size: int | None, card: dict, phase: int) -> ServingWorkload:
     """The same workload drawn again from another seed, so that no phase finds another's prompts in the prefix
     cache (a shared text prompt stays shared, as in the served run)."""
     return make_workload(**{**options, "seed": options["seed"] + phase}, vocab_size=vocab_size or

@@ -39,4 +39,4 @@ class KernelChoice:
         return self.use_triton(x) and 0 < x.numel() // x.shape[-1] <= (self.linear_max_m or max_m)
 
 
-DEFAULT_KERNELS = KernelChoice()  # what RuntimeOptions() gives: the Triton kernels on CUDA tensors, with PDL
+DEFAULT_KERNELS = KernelChoice.from_options(RuntimeOptions())  # the Triton kernels on CUDA tensors, with PDL

@@ -93,10 +93,6 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(f"{directory}: the chat template does not parse ({exc}): fix {origin}") from None
 
-    @property
-    def bos_token(self) -> str | None:
-        return self.special_tokens.get("bos_token")
-
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, variables: dict[str, Any] | None = None) -> str:
         """The prompt text for `messages` ({"role", "content"} dicts, with "tool_calls" and "tool_call_id" where
