@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from kiln.calibration.recipe import QuantizeRecipe
 from kiln.calibration.sources import RANDOM
+from kiln.engines.cache.engine_cache import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_SIZE_BYTES
 from kiln.engines.cache.remote.spec import RemoteSpec, endpoint_problem, url_problem
 from kiln.engines.cache.store import VerifyOnLoad
 from kiln.engines.trtllm.options import GEMM_PLUGINS, KV_CACHE_TYPES, LOG_LEVELS, PLUGIN_DTYPES
@@ -128,8 +129,8 @@ class CacheSection(_Section):
     """The engine cache; ``$KILN_CACHE`` overrides ``dir`` and ``$KILN_CACHE_REMOTE`` overrides ``remote``."""
 
     dir: str = DEFAULT_CACHE_DIR
-    max_size_gb: float = Field(100.0, gt=0)
-    max_entries: PositiveInt = 64
+    max_size_gb: float = Field(DEFAULT_MAX_SIZE_BYTES / 10**9, gt=0)
+    max_entries: PositiveInt = DEFAULT_MAX_ENTRIES
     verify_on_load: VerifyOnLoad = Field(
         "changed", description="How a cache hit's files are checked against its manifest: size (sizes only), "
         "changed (sha256 of each file changed since it was last hashed, else a stat) or hash (sha256 every time).")

@@ -173,3 +173,11 @@ def test_a_build_holds_the_quantized_checkpoint_it_reads_whatever_its_backend(tm
     build = BuildStage._with_checkpoint(ctx, lambda tmp: seen.append(is_held(entry)) or {}, {}, print)
     build(tmp_path / "tmp")
     assert seen == [True] and not is_held(entry)
+
+
+def test_a_cache_no_build_configured_is_bounded_by_the_default_limits(tmp_path):
+    from kiln.engines.cache.engine_cache import DEFAULT_MAX_ENTRIES
+    from kiln.pipeline.config import CacheSection
+
+    cache = EngineCache.open_configured(tmp_path)  # a machine that only pulls and serves: no limits.json
+    assert (cache.max_entries, cache.max_size_bytes) == (DEFAULT_MAX_ENTRIES, CacheSection().max_size_gb * 10**9)

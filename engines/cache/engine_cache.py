@@ -20,6 +20,10 @@ from kiln.engines.cache.units import format_bytes
 logger = logging.getLogger("kiln.cache")
 
 LIMITS_FILE = "limits.json"
+# the limits of a cache that no build has configured yet (a machine that only pulls and serves): cache.max_size_gb
+# and cache.max_entries default to these
+DEFAULT_MAX_SIZE_BYTES = 100 * 10**9
+DEFAULT_MAX_ENTRIES = 64
 REMOTE_FILE = "remote.json"  # the remote tier last configured: URL, endpoint, required (never credentials)
 
 
@@ -141,9 +145,9 @@ def read_remote(root: Path) -> RemoteSpec | None:
 
 
 def read_limits(root: Path) -> dict:
-    """The limits recorded under ``root`` (both None when never configured)."""
+    """The limits recorded under ``root`` (the defaults when none were: a cache that only pulls is bounded too)."""
     try:
         data = json.loads((layout_root(Path(root)) / LIMITS_FILE).read_bytes())
         return {"max_size_bytes": data.get("max_size_bytes"), "max_entries": data.get("max_entries")}
     except (OSError, ValueError, AttributeError):
-        return {"max_size_bytes": None, "max_entries": None}
+        return {"max_size_bytes": DEFAULT_MAX_SIZE_BYTES, "max_entries": DEFAULT_MAX_ENTRIES}
