@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kiln.engines.cache import CacheCorruptError, CacheEntryNotFoundError, CacheUsageError, EngineCache
+from kiln.engines.cache import CacheCorruptError, CacheUsageError, EngineCache
 from kiln.engines.cache.remote.layout import REMOTE_STORES
 from kiln.engines.cache.remote.maintenance import RemoteEntry, prune_remote, remote_entries, verify_remote
 from kiln.engines.cache.remote.tier import RemoteTier
@@ -86,10 +86,15 @@ def pull_engine(cache: EngineCache, prefix: str) -> str:
     return entry.key
 
 
-def _complete_remote_key(tier: RemoteTier, prefix: str) -> RemoteEntry:
+def _remote_entry(tier: RemoteTier, prefix: str) -> RemoteEntry:
+    """The remote entry of a key, or of the one key that starts with ``prefix``, damaged or not."""
     check_key_prefix(prefix, "kiln cache ls --remote")
     entries = {entry.key: entry for entry in remote_entries(tier)}
-    entry = entries[match_prefix(prefix, set(entries), "", f"on {tier.url}", "see `kiln cache ls --remote`")]
+    return entries[match_prefix(prefix, set(entries), "", f"on {tier.url}", "see `kiln cache ls --remote`")]
+
+
+def _complete_remote_key(tier: RemoteTier, prefix: str) -> RemoteEntry:
+    entry = _remote_entry(tier, prefix)
     if entry.manifest is None:
         raise CacheCorruptError(f"cache key {entry.key} on {tier.url}: {entry.problem}; it is never pulled "
                                 f"(`kiln cache prune --remote` removes it)")
@@ -113,10 +118,7 @@ def verify_results(tier: RemoteTier, key: str | None, *, all_entries: bool) -> t
     ``kiln cache verify`` reports them) and the remote's URL."""
     if (key is None) == (not all_entries):
         raise CacheUsageError("kiln cache verify --remote: give one KEY or --all")
-    results = verify_remote(tier, key)
-    if key is not None and not results:
-        raise CacheEntryNotFoundError(f"cache key {key}: no entry on {tier.url}; see `kiln cache ls --remote`")
-    return results, tier.url
+    return verify_remote(tier, None if key is None else [_remote_entry(tier, key)]), tier.url
 
 
 def prune(tier: RemoteTier, *, max_size_bytes: int | None, older_than_s: float | None, dry_run: bool,

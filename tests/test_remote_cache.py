@@ -113,6 +113,7 @@ def test_an_entry_built_on_one_machine_is_pulled_verified_by_another(tmp_path, r
     lookups = second.stats.summary("entries")
     assert (lookups["lookups"], lookups["hits"], lookups["remote_hits"], lookups["hit_rate"]) == (2, 2, 1, 1.0)
     assert lookups["misses_by_reason"]["new"] == 0  # served by the remote: no miss of the team's cache
+    assert second.stats.hits_by_key() == {("entries", key): 2}  # what `kiln cache ls` shows: the pull's too
     assert lookups["build_seconds_saved"] == 2 * built.build_seconds  # the pull's and the local hit's
     remote_figures = lookups["remote"]
     assert remote_figures["hits"] == 1
@@ -120,6 +121,20 @@ def test_an_entry_built_on_one_machine_is_pulled_verified_by_another(tmp_path, r
     assert first.stats.summary("entries")["remote"]["pushes"] == 1
     assert verify_remote(first.remote) == [{"key": key, "store": "entries", "ok": True, "files_checked": 2,
                                             "problems": []}]
+
+
+def test_a_remote_manifest_edited_to_list_no_engine_json_is_refused_on_pull(tmp_path, remote):
+    key = engine_key(material("a"))
+    first = machine(tmp_path, "first", remote)
+    first.entries.get_or_build(key, material("a"), builder([]))
+    objects = first.remote.objects
+    manifest = json.loads(objects.read(manifest_name("entries", key)))
+    manifest["files"] = [item for item in manifest["files"] if item["path"] != "engine.json"]
+    objects.write(manifest_name("entries", key), json.dumps(manifest).encode())
+    second = machine(tmp_path, "second", remote)
+    with pytest.raises(RemoteCorruptError, match="no engine.json"):
+        second.entries.pull(key)
+    assert not second.entries.entry_dir(key).exists()
 
 
 def test_a_flipped_byte_in_a_remote_file_is_refused_on_pull_then_replaced_by_a_good_build(tmp_path, remote):
@@ -385,6 +400,9 @@ def test_cache_commands_push_ls_verify_and_pull_through_the_remote(tmp_path, rem
     code, rows = kiln_cache("first", "ls", "--remote")
     assert code == 0 and [(r["key"], r["model"]) for r in rows] == [(key, "tiny")]
     assert kiln_cache("first", "verify", "--remote", "--all")[0] == 0
+    code, verified = kiln_cache("first", "verify", "--remote", key[:6])
+    assert code == 0 and [r["key"] for r in verified] == [key]
+    assert kiln_cache("first", "verify", "--remote", key[:3])[0] != 0  # too short to be a key's prefix
     code, pulled = kiln_cache("second", "pull", key[:10])
     assert code == 0 and pulled["pulled"] and Path(pulled["path"], "engine.json").is_file()
     assert kiln_cache("second", "pull", "0000")[0] != 0
@@ -587,3 +605,10 @@ def test_a_dry_run_or_explain_reads_the_cache_and_leaves_its_recorded_limits_and
     monkeypatch.delenv("KILN_CACHE", raising=False)
     open_cache(load_config(config), create=False)  # what build --dry-run and cache explain open
     assert {name: (cache.v1 / name).read_bytes() for name in recorded} == recorded
+
+
+def test_a_file_url_names_its_folder_percent_decoded_as_path_as_uri_writes_it(tmp_path):
+    from kiln.engines.cache.remote.spec import open_objects
+
+    folder = tmp_path / "team cache"
+    assert open_objects(RemoteSpec(folder.as_uri())).root == folder

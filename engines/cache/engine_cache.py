@@ -48,7 +48,8 @@ class EngineCache:
         self.stats = StatsDB(self.v1 / "stats.db")
         self.remote = None if remote is None else RemoteTier(remote, warn=warn)
         self.entries = ContentStore(self.v1, "entries", PAYLOADS["entries"], self.stats, label="engine",
-                                    verify_on_load=verify_on_load, enforce_limits=self._enforce_limits)
+                                    verify_on_load=verify_on_load, enforce_limits=self._enforce_limits,
+                                    payload_problem=_not_an_engine)
         self.quantized = ContentStore(self.v1, "quantized", PAYLOADS["quantized"], self.stats,
                                       label="quantized checkpoint", verify_on_load=verify_on_load,
                                       enforce_limits=self._enforce_limits)
@@ -134,6 +135,13 @@ class EngineCache:
         if self.max_size_bytes is not None and report.remaining_bytes > self.max_size_bytes:
             over.append(f"{format_bytes(report.remaining_bytes)}, limit {format_bytes(self.max_size_bytes)}")
         return "; ".join(over)
+
+
+def _not_an_engine(payload: Path) -> str | None:
+    """Why a pulled engine payload is no engine of either backend (None when it is one)."""
+    from kiln.runtime.engine import is_engine_dir
+
+    return None if is_engine_dir(payload) else "its files hold no engine.json or kiln_trtllm.json"
 
 
 def read_remote(root: Path) -> RemoteSpec | None:

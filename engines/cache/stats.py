@@ -103,10 +103,11 @@ class StatsDB:
             return db.execute("SELECT 1 FROM published WHERE store=? AND key=?", (store, key)).fetchone() is not None
 
     def hits_by_key(self) -> dict[tuple[str, str], int]:
-        """Hit counts per (store, key) since the last ``zero``."""
+        """Hit counts per (store, key) since the last ``zero``, pulls from the remote tier included (as ``summary``
+        counts them)."""
         with connect(self.path, _SCHEMA) as db:
-            rows = db.execute("SELECT store, key, COUNT(*) FROM events WHERE event='lookup' AND outcome='hit' "
-                              "GROUP BY store, key").fetchall()
+            rows = db.execute("SELECT store, key, COUNT(*) FROM events WHERE event='lookup' AND outcome IN ('hit', ?) "
+                              "GROUP BY store, key", (REMOTE_HIT,)).fetchall()
         return {(store, key): count for store, key, count in rows}
 
     def zero(self) -> None:

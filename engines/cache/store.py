@@ -105,8 +105,9 @@ class ContentStore:
     def __init__(self, v1: Path, name: str, payload_name: str, stats: StatsDB, *, label: str | None = None,
                  verify_on_load: VerifyOnLoad = "changed",
                  enforce_limits: Callable[[ContentStore, str], None] | None = None,
-                 remote: RemoteTier | None = None) -> None:
+                 remote: RemoteTier | None = None, payload_problem: Callable[[Path], str | None] | None = None) -> None:
         self.v1 = v1
+        self.payload_problem = payload_problem  # why a pulled payload is not one (its manifest may have been edited)
         self.name = name
         self.label = label or name
         self.payload_name = payload_name
@@ -334,6 +335,7 @@ class ContentStore:
         damaged (nothing is installed)."""
         remote = self.require_remote()
         with self._key_lock(key, None):
+            self.sweep(own_key=key)  # what a pull killed half-way left behind
             found = self._check(key, material)
             if found.hit:
                 return CacheResult(key, found.entry_dir, found.entry_dir / self.payload_name, True, "hit",
@@ -383,6 +385,9 @@ class ContentStore:
             result = remote.pull(self.name, key, material, tmp / self.payload_name, on_transfer)
             if result is None:
                 raise CacheEntryNotFoundError(key)
+            if self.payload_problem is not None and (problem := self.payload_problem(tmp / self.payload_name)):
+                raise RemoteCorruptError(f"{self.label} {key[:12]} on {remote.url}: {problem}; it is not installed "
+                                         f"(`kiln cache prune --remote` removes it)")
             (tmp / IN_USE_LOCK).touch()
             (tmp / LAST_USED).touch()
             write_atomic(tmp / MANIFEST, result.raw_manifest)

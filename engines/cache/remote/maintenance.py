@@ -76,11 +76,11 @@ def remote_entries(tier: RemoteTier) -> list[RemoteEntry]:
     return sorted(entries, key=lambda entry: -entry.last_used)
 
 
-def verify_remote(tier: RemoteTier, key: str | None = None) -> list[dict]:
-    """Read back every file of one entry (a key or a prefix of one) or of all of them and check its size and
-    sha256 against the manifest, without a local copy; each result names its bad files (``problems``)."""
-    entries = [entry for entry in remote_entries(tier) if key is None or entry.key.startswith(key)]
+def verify_remote(tier: RemoteTier, entries: list[RemoteEntry] | None = None) -> list[dict]:
+    """Read back every file of these remote entries (default: all) and check its size and sha256 against the
+    manifest, without a local copy; each result names its bad files (``problems``)."""
     results = []
+    entries = remote_entries(tier) if entries is None else entries
     for entry in entries:
         problems = [] if entry.manifest else [entry.problem]
         files = entry.manifest["files"] if entry.manifest else []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import SplitResult, urlsplit, urlunsplit
+from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 from kiln.engines.cache.remote.objects import ObjectStore
 
@@ -73,7 +73,7 @@ def open_objects(spec: RemoteSpec) -> ObjectStore:
     if parts.scheme == "file":
         from kiln.engines.cache.remote.filesystem import FileObjects
 
-        return FileObjects(Path(parts.path))
+        return FileObjects(Path(unquote(parts.path)))  # file:///my%20cache, as Path.as_uri() writes it
     from kiln.engines.cache.remote.s3 import S3Objects
 
     return S3Objects(parts.netloc, parts.path, endpoint_url=spec.endpoint_url)
