@@ -7,7 +7,7 @@ from kiln.engines.cache import CacheCorruptError, CacheUsageError, EngineCache
 from kiln.engines.cache.remote.layout import REMOTE_STORES
 from kiln.engines.cache.remote.maintenance import RemoteEntry, prune_remote, remote_entries, verify_remote
 from kiln.engines.cache.remote.tier import RemoteTier
-from kiln.engines.cache.store import check_key_prefix, match_prefix
+from kiln.engines.cache.store import CacheResult, check_key_prefix, match_prefix
 from kiln.engines.cache.units import format_bytes, format_seconds
 from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, entries_text, print_table, rate
 from kiln.pipeline.console import print_json, stderr, stdout, transfer_bars
@@ -72,9 +72,10 @@ def pull(cache: EngineCache, key: str, *, json_out: bool) -> None:
                      soft_wrap=True)
 
 
-def pull_engine(cache: EngineCache, prefix: str) -> str:
+def pull_engine(cache: EngineCache, prefix: str) -> CacheResult:
     """Pull the remote engine whose key starts with ``prefix`` into the local cache (checked file by file, with a
-    progress bar) and return its key; what the serve and bench targets do with a key this machine lacks."""
+    progress bar), held from before it is published; what the serve and bench targets do with a key this machine
+    lacks."""
     tier = cache.entries.require_remote()
     entry = _complete_remote_key(tier, prefix)
     if entry.store != "entries":
@@ -82,8 +83,7 @@ def pull_engine(cache: EngineCache, prefix: str) -> str:
                               f"an engine's key (`kiln cache ls --remote`)")
     stderr.print(f"engine {entry.key[:12]} is not in the local cache: pulling it from {tier.url}", highlight=False)
     with transfer_bars() as bars:
-        cache.entries.pull(entry.key, on_transfer=bars(entry.key[:12]))
-    return entry.key
+        return cache.entries.pull(entry.key, on_transfer=bars(entry.key[:12]), hold=True)
 
 
 def _remote_entry(tier: RemoteTier, prefix: str) -> RemoteEntry:

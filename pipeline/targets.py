@@ -3,11 +3,11 @@ or a bundled name), or an architecture file. The one resolver behind ``kiln serv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from kiln.engines.cache import CacheCorruptError, CacheEntryNotFoundError, EngineCache
+from kiln.engines.cache import CacheCorruptError, CacheEntryNotFoundError, EngineCache, EntryHold
 from kiln.engines.cache.keys import is_key_prefix
 from kiln.engines.cache.layout import entry_of_payload, layout_root
 from kiln.pipeline.cache_remote import pull_engine
@@ -32,6 +32,7 @@ class Target:
     path: Path
     cache_key: str | None = None
     cache_root: Path | None = None
+    hold: EntryHold | None = field(default=None, compare=False, repr=False)  # a cached engine's, kept while in use
 
     @property
     def name(self) -> str:
@@ -74,7 +75,8 @@ def resolve_target(text: str, cache_root: Path, *, no_engines: str | None = None
         except CacheEntryNotFoundError:
             if cache.remote is None:
                 raise
-            key = pull_engine(cache, text)  # a team's engine this machine has not got yet
+            pulled = pull_engine(cache, text)  # a team's engine this machine has not got yet
+            return _engine(pulled.payload_dir, pulled.hold)
         return _engine(cache.entries.payload_dir(key))
     if path.is_symlink():
         raise TargetError(f"{text}: a symbolic link that leads to nothing (a link loop or a missing target); point "
@@ -84,13 +86,17 @@ def resolve_target(text: str, cache_root: Path, *, no_engines: str | None = None
                       f"or a name under configs/, e.g. tiny-llama-fp8.yaml)")
 
 
-def _engine(engine_dir: Path) -> Target:
+def _engine(engine_dir: Path, hold: EntryHold | None = None) -> Target:
+    """An engine directory as a target: a cached one checked against its manifest and held (``hold``, or a new one)
+    from now on, so that no other process's eviction removes it before this one loads it."""
     in_cache = entry_of_payload(engine_dir)
     if in_cache is None or in_cache[1] != "entries":
         return Target("engine", engine_dir)
     root, _, key = in_cache
+    hold = hold or EntryHold(engine_dir.parent)
     found = EngineCache.open_configured(root).entries.lookup(key, record=False)  # the files against the manifest
     if not found.hit:
+        hold.release()
         raise CacheCorruptError(f"cache entry {key[:12]}: {found.detail}; rebuild it (`kiln build --force`) or "
                                 f"remove it (`kiln cache rm {key[:12]}`)")
-    return Target("engine", engine_dir, key, root)
+    return Target("engine", engine_dir, key, root, hold)

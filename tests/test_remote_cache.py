@@ -123,6 +123,16 @@ def test_an_entry_built_on_one_machine_is_pulled_verified_by_another(tmp_path, r
                                             "problems": []}]
 
 
+def test_an_entry_pulled_with_a_hold_is_held_from_before_it_is_published(tmp_path, remote):
+    key = engine_key(material("a"))
+    machine(tmp_path, "first", remote).entries.get_or_build(key, material("a"), builder([]))
+    second = machine(tmp_path, "second", remote)
+    pulled = second.entries.pull(key, hold=True)
+    evicting = EngineCache(second.root, max_size_bytes=None, max_entries=0, verify_on_load="changed")
+    assert [e.key for e in evicting.evict().in_use] == [key]  # another process publishing over its limits
+    pulled.hold.release()
+
+
 def test_a_remote_manifest_edited_to_list_no_engine_json_is_refused_on_pull(tmp_path, remote):
     key = engine_key(material("a"))
     first = machine(tmp_path, "first", remote)

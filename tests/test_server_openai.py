@@ -164,6 +164,7 @@ def test_a_streamed_chats_role_chunk_comes_with_its_first_token(server, llm, mon
                                                                             json=body) as response:
         first = json.loads(next(line for line in response.iter_lines() if line.startswith("data: "))[6:])
         assert first["choices"][0]["delta"]["role"] == "assistant" and steps_done
+    wait_until(lambda: engine_idle(llm))
 
 
 def test_every_step_of_a_stream_is_a_chunk_though_its_token_adds_no_text(client):

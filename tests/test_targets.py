@@ -37,6 +37,17 @@ def test_an_engine_directory_a_cache_entry_a_key_and_a_prefix_resolve_to_the_sam
     assert expected.name == key[:12]
 
 
+def test_a_resolved_cached_engine_is_held_so_no_other_process_evicts_it_before_it_loads(tmp_path):
+    cache = EngineCache.open(tmp_path / "cache")
+    key = publish(cache, "a")
+    target = resolve_target(key[:8], tmp_path / "cache")
+    other = EngineCache(tmp_path / "cache", max_size_bytes=None, max_entries=0, verify_on_load="changed")
+    report = other.evict()  # another process publishing over its limits
+    assert [e.key for e in report.in_use] == [key] and target.path.is_dir()
+    target.hold.release()
+    assert [e.key for e in other.evict().removed] == [key]
+
+
 @pytest.mark.parametrize("damage", ["flipped byte", "no manifest", "garbage manifest"])
 def test_a_damaged_cache_entry_is_refused_by_key_and_by_folder(tmp_path, damage):
     cache = EngineCache.open(tmp_path / "cache")

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -30,7 +30,7 @@ from kiln.engines.cache.errors import (
     InvalidCacheKeyError,
 )
 from kiln.engines.cache.hashing import FileHashes, file_sha256
-from kiln.engines.cache.in_use import delete_unless_held, is_held, take_out
+from kiln.engines.cache.in_use import EntryHold, delete_unless_held, is_held, take_out
 from kiln.engines.cache.keys import MIN_PREFIX, canonical_json, engine_key, is_cache_key, is_key_prefix, validate_key
 from kiln.engines.cache.layout import (
     CORRUPT_MARK,
@@ -96,6 +96,7 @@ class CacheResult:
     waited: bool
     replaced_in_use: bool = False  # a forced rebuild replaced an entry some process had loaded (it keeps the old)
     pulled: bool = False  # installed from the remote tier (``hit`` is then true: nothing was built)
+    hold: EntryHold | None = field(default=None, compare=False, repr=False)  # ``pull(..., hold=True)``'s
 
 
 class ContentStore:
@@ -329,20 +330,22 @@ class ContentStore:
 
     # -- the remote tier ---------------------------------------------------------------------------------------
 
-    def pull(self, key: str, material: dict | None = None, on_transfer: Transferred | None = None) -> CacheResult:
+    def pull(self, key: str, material: dict | None = None, on_transfer: Transferred | None = None, *,
+             hold: bool = False) -> CacheResult:
         """Install entry ``key`` from the remote tier (every file checked against its sha256 before the local
         publish); CacheEntryNotFoundError when the remote does not have it, RemoteCorruptError when its copy is
-        damaged (nothing is installed)."""
+        damaged (nothing is installed). With ``hold``, the result holds the entry from before it is published (no
+        other process's eviction takes it before this one loads it)."""
         remote = self.require_remote()
         with self._key_lock(key, None):
             self.sweep(own_key=key)  # what a pull killed half-way left behind
             found = self._check(key, material)
             if found.hit:
                 return CacheResult(key, found.entry_dir, found.entry_dir / self.payload_name, True, "hit",
-                                   found.build_seconds, False)
+                                   found.build_seconds, False, hold=EntryHold(found.entry_dir) if hold else None)
             if found.reason == "corrupt":
                 self.quarantine(key, found.detail)
-            result = self._pull_and_install(key, material, on_transfer)
+            result = self._pull_and_install(key, material, on_transfer, hold)
         if result is None:
             raise CacheEntryNotFoundError(f"cache key {key}: no {self.label} entry on {remote.url}; see "
                                           f"`kiln cache ls --remote`")
@@ -374,12 +377,13 @@ class ContentStore:
                                   "$KILN_CACHE_REMOTE (s3://bucket/prefix or file:///shared/folder)")
         return self.remote
 
-    def _pull_and_install(self, key: str, material: dict | None, on_transfer: Transferred | None) -> CacheResult | None:
-        """Pull entry ``key`` into a temporary folder and publish it locally; None when the remote lacks it.
-        Failures are recorded and raised."""
+    def _pull_and_install(self, key: str, material: dict | None, on_transfer: Transferred | None,
+                          hold: bool = False) -> CacheResult | None:
+        """Pull entry ``key`` into a temporary folder and publish it locally (held from before the publish with
+        ``hold``); None when the remote lacks it. Failures are recorded and raised."""
         remote = self.require_remote()
         started = time.monotonic()
-        pulled = []
+        pulled, holds = [], []
 
         def fill(tmp: Path) -> dict:
             result = remote.pull(self.name, key, material, tmp / self.payload_name, on_transfer)
@@ -389,13 +393,17 @@ class ContentStore:
                 raise RemoteCorruptError(f"{self.label} {key[:12]} on {remote.url}: {problem}; it is not installed "
                                          f"(`kiln cache prune --remote` removes it)")
             (tmp / IN_USE_LOCK).touch()
+            if hold:  # the flock stays on the lock file as the folder is renamed into place
+                holds.append(EntryHold(tmp))
             (tmp / LAST_USED).touch()
             write_atomic(tmp / MANIFEST, result.raw_manifest)
             pulled.append(result)
             return result.manifest
 
+        published = False
         try:
             entry_dir, manifest = self._install(key, fill)
+            published = True
         except CacheEntryNotFoundError:
             self.stats.record_remote(self.name, key, "pull", "miss", time.monotonic() - started)
             return None
@@ -403,10 +411,13 @@ class ContentStore:
             outcome = "corrupt" if isinstance(exc, RemoteCorruptError) else "error"
             self.stats.record_remote(self.name, key, "pull", outcome, time.monotonic() - started, 0, str(exc))
             raise
+        finally:
+            if holds and not published:
+                holds[0].release()
         result = pulled[0]
         self.stats.record_remote(self.name, key, "pull", "hit", result.seconds, result.bytes)
         return CacheResult(key, entry_dir, entry_dir / self.payload_name, True, REMOTE_HIT,
-                           recorded_build_seconds(manifest), False, pulled=True)
+                           recorded_build_seconds(manifest), False, pulled=True, hold=holds[0] if holds else None)
 
     def _try_pull(self, key: str, material: dict, on_transfer: Transferred | None,
                   damaged: list[str]) -> CacheResult | None:
