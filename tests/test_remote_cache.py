@@ -346,6 +346,25 @@ def test_a_stale_lease_of_a_dead_builder_is_taken_over(tmp_path, remote):
     assert cache.remote.objects.stat(lease_name("entries", key)) is None  # released after the build
 
 
+def test_a_lease_stamped_by_a_clock_far_ahead_is_taken_over_once_it_stays_unchanged(tmp_path, remote):
+    key, calls = engine_key(material("a")), []
+    cache = machine(tmp_path, "second", remote)
+
+    def lease_from_ahead() -> None:
+        cache.remote.objects.write(lease_name("entries", key), b'{"host": "gone", "pid": 1}')
+        if remote.spec.url.startswith("file"):  # a share whose server's clock runs ten minutes ahead
+            lease = Path(remote.spec.url.removeprefix("file://"), lease_name("entries", key))
+            os.utime(lease, (time.time() + 600, time.time() + 600))
+
+    if not remote.spec.url.startswith("file"):  # S3 stamps with its own clock: this one runs ten minutes behind it
+        cache.remote.objects.now = lambda now=cache.remote.objects.now: now() - 600
+    lease_from_ahead()
+    result = cache.entries.get_or_build(key, material("a"), builder(calls))  # within seconds, not ten minutes
+    assert not result.hit and len(calls) == 1
+    lease_from_ahead()
+    assert prune_remote(cache.remote, older_than_s=None, max_size_bytes=None)["stale_leases_removed"] == 1
+
+
 def test_an_unreachable_remote_warns_and_builds_locally_unless_required(tmp_path, remote):
     unreachable = {"url": f"file://{tmp_path}/not-mounted"} if remote.spec.url.startswith("file") \
         else {"endpoint_url": "http://127.0.0.1:9"}

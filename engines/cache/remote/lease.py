@@ -1,9 +1,12 @@
 """One builder per key across machines: a lease object the builder creates (only if absent) and refreshes.
 
 Another machine that finds the lease waits for the entry's manifest instead of building too; a lease not refreshed
-for ``stale_s`` (its builder died) is taken over. The lease only saves duplicate work: publishing stays correct
-without it, so a store that cannot write conditionally, or a lost race on a stale lease, costs a second build at
-worst."""
+for ``stale_s`` (its builder died) is taken over: judged by the store's clock against the lease's time, or, whatever
+the clocks say (a file share whose server's clock runs ahead or behind), once the waiter has seen the same lease
+unchanged for ``stale_s`` by its own clock. Either way only after it has seen it unchanged for two refresh periods,
+so that a live builder whose clock runs behind keeps its lease. The lease only saves duplicate work: publishing
+stays correct without it, so a store that cannot write conditionally, or a lost race on a stale lease, costs a
+second build at worst."""
 
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ def build_lease(objects: ObjectStore, store: str, key: str, *, timing: LeaseTimi
 def _acquire(objects: ObjectStore, store: str, key: str, name: str, body: bytes, timing: LeaseTiming,
              on_wait: Callable[[str], None] | None, replacing: bool, damaged: bool) -> LeaseOutcome:
     started, told = time.monotonic(), None
+    first_seen: dict[tuple, float] = {}  # each version of the lease: when this waiter first saw it
     refused = objects.stat(manifest_name(store, key)) if damaged else None  # the copy found damaged
     while True:
         manifest = objects.stat(manifest_name(store, key))
@@ -77,7 +81,9 @@ def _acquire(objects: ObjectStore, store: str, key: str, name: str, body: bytes,
         lease = objects.stat(name)
         if lease is None:
             continue  # released between the two calls
-        if objects.now() - lease.modified > timing.stale_s and objects.write(name, body, if_tag=lease.etag):
+        unchanged_s = time.monotonic() - first_seen.setdefault((lease.etag, lease.modified), time.monotonic())
+        stale = objects.now() - lease.modified > timing.stale_s or unchanged_s > timing.stale_s
+        if stale and unchanged_s >= 2 * timing.refresh_s and objects.write(name, body, if_tag=lease.etag):
             return "held"
         if on_wait is not None and (told is None or time.monotonic() - told >= timing.tell_every_s):
             holder = _holder(objects.read(name))
