@@ -74,10 +74,6 @@ class _Outbox:
         return orphans
 
 
-def _put_indexed(queue: asyncio.Queue, index: int, item: StreamDelta | BaseException) -> None:
-    queue.put_nowait((index, item))
-
-
 def _push_all(items: list[tuple[str, Callable, object]]) -> None:
     for _, push, item in items:
         push(item)
@@ -212,11 +208,13 @@ class LLM:
                     yield delta
 
     async def stream_many(self, prompts: abc.Sequence[Prompt],
-                          params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
+                          params: SamplingParams | abc.Sequence[SamplingParams] | None = None, *,
+                          on_finished: Callable[[], None] | None = None,
                           ) -> AsyncIterator[list[tuple[int, StreamDelta]]]:
         """Stream several prompts at once: each item is every ``(prompt index, delta)`` that arrived since the last
         one (at least one), so a consumer that falls behind catches up in one go. Ends when all have finished;
-        closing the generator early aborts the requests still running."""
+        closing the generator early aborts the requests still running. ``on_finished`` is called (on this loop)
+        once the engine is done with every request, before the consumer has read their last deltas."""
         if isinstance(prompts, str) or (isinstance(prompts, abc.Sequence) and prompts
                                         and isinstance(prompts[0], numbers.Integral)):
             raise InvalidRequestError("stream_many takes a list of prompts (texts or token-id lists), and this is one "
@@ -224,10 +222,18 @@ class LLM:
         loop = asyncio.get_running_loop()
         arrived: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
         seqs = self._make_requests(prompts, params)
-        remaining = set()
+        remaining, running = set(), set(range(len(seqs)))
+
+        def push(index: int, item: StreamDelta | BaseException) -> None:
+            arrived.put_nowait((index, item))
+            if index in running and (isinstance(item, BaseException) or item.finished):
+                running.discard(index)
+                if not running and on_finished is not None:
+                    on_finished()
+
         try:
             for index, seq in enumerate(seqs):
-                self._enqueue(seq, _Sink(loop=loop, push=functools.partial(_put_indexed, arrived, index)))
+                self._enqueue(seq, _Sink(loop=loop, push=functools.partial(push, index)))
                 remaining.add(index)
             while remaining:
                 batch = [await arrived.get()]

@@ -137,8 +137,10 @@ def test_stream_deltas_concatenate_to_the_final_text(llm):
 def test_a_stream_nobody_reads_buffers_its_output_without_stalling_the_others(llm):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
+    finished_while_unread = []
+
     async def read_late():
-        unread = llm.stream_many([PROMPTS[0], PROMPTS[1]], params)
+        unread = llm.stream_many([PROMPTS[0], PROMPTS[1]], params, on_finished=lambda: finished_while_unread.append(1))
         first = await anext(unread)
         others = await llm.generate_async(PROMPTS[2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
         while llm.stats()["num_running"]:  # the unread requests run to their end meanwhile
@@ -146,6 +148,7 @@ def test_a_stream_nobody_reads_buffers_its_output_without_stalling_the_others(ll
         # their last deltas reach this loop with the step that finished them, which may be just after num_running
         # drops: a request sent now is added after that step, so its answer comes after those deltas
         await llm.generate_async(PROMPTS[2], SamplingParams(temperature=0, max_tokens=1))
+        assert finished_while_unread == [1]  # what a server releases the request's admission on
         rest = [batch async for batch in unread]
         return first, rest, others
 

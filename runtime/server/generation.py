@@ -183,10 +183,13 @@ class ServedModel:
             for task in tasks:
                 task.cancel()
 
-    def generate(self, jobs: list[Job]) -> AsyncIterator[list[tuple[int, StreamDelta]]]:
+    def generate(self, jobs: list[Job], on_finished: Callable[[], None] | None = None,
+                 ) -> AsyncIterator[list[tuple[int, StreamDelta]]]:
         """Run the jobs concurrently and yield what arrived since the last yield, as `(job index, delta)` pairs;
-        closing this generator (or cancelling its consumer) aborts every job still running, freeing its KV blocks."""
-        return self.llm.stream_many([job.prompt_token_ids for job in jobs], [job.params for job in jobs])
+        closing this generator (or cancelling its consumer) aborts every job still running, freeing its KV blocks.
+        ``on_finished``: called once the engine is done with every job, however far behind the consumer is."""
+        return self.llm.stream_many([job.prompt_token_ids for job in jobs], [job.params for job in jobs],
+                                    on_finished=on_finished)
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprobs: int | None,

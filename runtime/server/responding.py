@@ -158,16 +158,17 @@ class StreamEvents:
 
 
 async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
-               stream: StreamEvents) -> AsyncIterator[str]:
+               stream: StreamEvents, release: Callable[[], None]) -> AsyncIterator[str]:
     """The SSE body (``StreamEvents`` says what it holds). The chunks of deltas that arrived together go out in one
-    write."""
+    write. The request's admission is released once the engine is done with its jobs, though a client that does not
+    read has not taken their last chunks yet."""
     outputs: list[RequestOutput] = []
     generated: dict[int, int] = {}  # tokens so far of each job whose prompt was prefilled
     finished: set[int] = set()
     if stream.prelude:
         yield "".join(_event(chunk) for chunk in stream.prelude)
     try:
-        async with contextlib.aclosing(model.generate(jobs)) as batches:
+        async with contextlib.aclosing(model.generate(jobs, on_finished=release)) as batches:
             async for batch in batches:
                 events = []
                 for index, delta in batch:
@@ -213,7 +214,8 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
         options = req.stream_options
         with_usage = stream.with_usage or options is not None and options.include_usage
         continuous = with_usage and options is not None and bool(options.continuous_usage_stats)
-        body = _sse(model, jobs, metrics, prompts, replace(stream, with_usage=with_usage, continuous_usage=continuous))
+        body = _sse(model, jobs, metrics, prompts, replace(stream, with_usage=with_usage, continuous_usage=continuous),
+                    release)
         return _EventStream(body, release, headers)
     try:
         outputs = await _collect(model, jobs, metrics, request)
