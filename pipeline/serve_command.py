@@ -87,6 +87,10 @@ class ChatTemplateFileError(KilnError):
     """A --chat-template file that cannot be read or does not parse."""
 
 
+class BlankApiKeyError(KilnError):
+    """An API key that is only whitespace: serving without one would not be what was asked."""
+
+
 def read_chat_template(path: Path) -> str:
     """The source of a --chat-template file, checked to parse as a Jinja template."""
     import jinja2
@@ -275,6 +279,9 @@ def serve(
 
     resolved = serve_target(target, options, backend=backend, before_build=check_port)
     api_key = api_key or resolved.api_key or os.environ.get("VLLM_API_KEY")  # a deployment migrated from vLLM
+    if api_key is not None and not api_key.strip():
+        raise BlankApiKeyError("the API key (--api-key, $KILN_API_KEY, serve.api_key or $VLLM_API_KEY) is blank: "
+                               "give the key clients must send")
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_names=model_names, chat_template=template,
                                  max_body_mb=max_body_mb, allowed_origins=allowed_origins,
                                  generation_config=generation_config, reasoning_parser=reasoning_parser)

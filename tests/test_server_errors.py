@@ -65,6 +65,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", ["[-100, 100]"]),
     ({"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias", ["999999", "outside this model's vocabulary"]),
     ({"prompt": "hi", "stop_token_ids": [2, 999999]}, "stop_token_ids", ["999999", "vocabulary"]),
+    ({"prompt": "hi", "stop_token_ids": [2] * 1025}, "stop_token_ids", ["1024"]),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", ["only allowed with stream"]),
     ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens", ["min_tokens", "max_tokens=4"]),
     ({"prompt": "hi", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs", ["not available with stream"]),
@@ -167,6 +168,11 @@ def test_wrong_or_missing_api_key_gets_a_401_and_probes_stay_open(llm):
             headers = {"Authorization": f"{scheme} sekret"}
             assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 200
         assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Basic sekret"}).status_code == 401
+    with ServerThread(create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL, api_key="sekret\n"))) as server:
+        headers = {"Authorization": "Bearer sekret"}  # the key as a secret file holds it, newline and all
+        assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 200
+    with pytest.raises(ValueError, match="api_key is blank"):
+        ServerSettings(model_name=MODEL, api_key=" \n")
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [

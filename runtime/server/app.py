@@ -73,6 +73,8 @@ class ServerSettings:
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: qwen3 or deepseek_r1 (runtime/server/reasoning.py)
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is blank: give the key clients must send, or none to serve without one")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
 
@@ -119,7 +121,7 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        self.expected = api_key.strip().encode()  # a key read from a file may end in a newline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in _KEYED_PATHS):
@@ -222,7 +224,7 @@ def _in_daemon_thread(load: Callable[[], LLM]) -> asyncio.Future:
 def _add_middleware(app: FastAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
     """Body limit, API key, request counts, request ids and CORS, innermost first."""
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    if settings.api_key:
+    if settings.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestCountMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
 
 MAX_STOP_STRINGS = 64  # OpenAI takes 4; vLLM any number, and eval harnesses send more than 4
+MAX_STOP_TOKEN_IDS = 1024  # vLLM takes any number: a million ids copied into each of n=128 choices stalled the server
 MAX_N = 128
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI allows 20 (chat) and 5 (completions); vLLM 20 for both
 # Fields accepted for compatibility that change nothing here; a request that sets one is logged once per field.
@@ -218,7 +219,8 @@ class SamplingExtensions(StrictModel):
     repetition_penalty: float | None = Field(None, ge=0.01, le=100,
                                              description="Extension (as in vLLM): transformers' rule.")
     min_tokens: Int | None = Field(None, ge=0, description="Extension (as in vLLM): no EOS or stop token before.")
-    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, description="Extension (as in vLLM).")
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description=f"Extension (as in vLLM); at most {MAX_STOP_TOKEN_IDS}.")
     structured_outputs: StructuredOutputs | None = Field(None, description="Extension (as in vLLM): hold the "
                                                          "output to a JSON schema, a regex, a grammar or a choice.")
 
