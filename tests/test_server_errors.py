@@ -341,3 +341,20 @@ def test_a_50_mb_body_and_a_surrogate_prompt_during_streams_leave_the_streams_wh
     assert (declared.status_code, chunked.status_code, surrogate.status_code) == (413, 413, 400)
     assert len(finished) == 4 and all(events[-1] == "[DONE]" for events in finished)
     print(f"largest gap between events of the other streams: {max(gaps) * 1000:.0f} ms")  # docs/serving.md
+
+
+def test_a_huge_request_head_gets_a_431_and_a_trickled_one_is_cut_off_while_others_are_served(llm):
+    pytest.importorskip("httptools")  # the serve extra's parser, which uvicorn leaves unbounded
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL))
+    with ServerThread(app, head_timeout_s=0.5) as server:
+        with socket.create_connection(("127.0.0.1", server.port)) as huge:
+            huge.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n")
+            assert huge.recv(100).startswith(b"HTTP/1.1 431 ")
+        with socket.create_connection(("127.0.0.1", server.port)) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-a: ")  # and nothing more
+            slow.settimeout(10)
+            assert httpx.get(f"{server.url}/health").status_code == 200  # the others are served meanwhile
+            assert slow.recv(100) == b""  # closed once its head was overdue
+        with socket.create_connection(("127.0.0.1", server.port)) as ok:  # a whole head, a keep-alive answer
+            ok.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert ok.recv(100).startswith(b"HTTP/1.1 200 ")

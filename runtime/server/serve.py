@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from kiln.runtime.errors import KilnError
 from kiln.runtime.llm import EngineClosedError
+from kiln.runtime.server.http_protocol import HEAD_TIMEOUT_S, http_protocol_options
 
 logger = logging.getLogger("kiln.server")
 
@@ -58,14 +59,16 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 class ServerThread:
     """uvicorn serving `app` on `host:port` (port 0: any free one) in a daemon thread, until `stop()`; with
-    ``access_log`` a line per request."""
+    ``access_log`` a line per request. A request's line and headers are bounded (``http_protocol``): due within
+    ``head_timeout_s``."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
                  shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, log_level: str = "warning",
-                 access_log: bool = False) -> None:
+                 access_log: bool = False, head_timeout_s: float = HEAD_TIMEOUT_S) -> None:
         self.app = app
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=shutdown_timeout_s, access_log=access_log)
+                                timeout_graceful_shutdown=shutdown_timeout_s, access_log=access_log,
+                                **http_protocol_options(head_timeout_s))
         self.server = uvicorn.Server(config)
         self.shutdown_timeout_s = shutdown_timeout_s
         self._sockets: list[socket.socket] = []

@@ -1,0 +1,86 @@
+"""The HTTP/1.1 protocol uvicorn runs, with the bounds it lacks on what a client sends before its body: the request
+line and headers of a request take at most MAX_HEAD_BYTES (else 431, and the connection closes) and must arrive
+within HEAD_TIMEOUT_S of the connection opening or the request starting (else the connection closes), so that
+neither one huge header nor many connections that trickle theirs (slowloris) hold the server's memory or sockets.
+uvicorn buffers headers without limit and times out only idle keep-alive connections; nginx answers the same way
+(``large_client_header_buffers``, ``client_header_timeout``).
+
+Without httptools (uvicorn's fast parser, in the serve extra) h11 runs, bounded in size only."""
+
+from __future__ import annotations
+
+import asyncio
+
+MAX_HEAD_BYTES = 64 * 1024
+HEAD_TIMEOUT_S = 30.0
+_TOO_LARGE_TEXT = f"the request line and headers take more than {MAX_HEAD_BYTES // 1024} KiB".encode()
+_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+              b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_TOO_LARGE_TEXT), _TOO_LARGE_TEXT))
+
+
+def http_protocol_options(head_timeout_s: float = HEAD_TIMEOUT_S) -> dict:
+    """The ``uvicorn.Config`` keywords that pick the bounded protocol, its heads due within ``head_timeout_s``."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # no httptools: h11, whose parser bounds an incomplete head
+        return {"http": "h11", "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
+    return {"http": _bounded(HttpToolsProtocol, head_timeout_s)}
+
+
+def _bounded(base: type, head_timeout_s: float) -> type:
+    class BoundedHttpToolsProtocol(base):
+        """uvicorn's httptools protocol, its request heads bounded in size and time."""
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            self._head_bytes, self._answered, self._head_deadline = 0, False, None
+            self._start_head()  # a connection that never sends a byte is cut off too
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._end_head()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_bytes = 0
+            self._start_head()
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value))
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._end_head()
+            super().on_headers_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._answered:  # a head too large was answered 431 already
+                super().send_400_response(msg)
+
+        def _count(self, size: int) -> None:
+            self._head_bytes += size
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._answered = True
+                self.transport.write(_TOO_LARGE)
+                self.transport.close()
+                raise ValueError("request head too large")  # stops the parser (uvicorn sees a parser error)
+
+        def _start_head(self) -> None:
+            self._end_head()
+            self._head_deadline = self.loop.call_later(head_timeout_s, self._head_too_slow)
+
+        def _end_head(self) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+
+        def _head_too_slow(self) -> None:
+            self._head_deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return BoundedHttpToolsProtocol
