@@ -32,7 +32,7 @@ from kiln.pipeline.config import cache_root, load_config, remote_spec, remote_tu
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout, warn
 
 cache_app = typer.Typer(help="Inspect and maintain the engine cache, and share it through a remote.",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")]
 KeyArg = Annotated[str, typer.Argument(help="A cache key (64 hex characters, as `kiln cache ls` prints it) or a "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -43,7 +44,11 @@ class KilnGroup(TyperGroup):
 
 
 def _usage_error(exc: typer.TyperException, json_out: bool, command: str) -> NoReturn:
-    """Print a usage error of ``command`` as one line (and under ``--json`` as an error object) and exit 2."""
+    """Print a usage error of ``command`` as one line (and under ``--json`` as an error object) and exit 2; a
+    command given nothing to do prints its help instead (on stderr, as click does)."""
+    if type(exc).__name__ == "NoArgsIsHelpError":  # typer's vendored click's; typer tests its name too
+        print(exc.format_message(), file=sys.stderr)
+        raise typer.Exit(2)
     message = exc.format_message()
     if kiln_name := kiln_setting_for(getattr(exc, "option_name", None) or ""):  # a flag of `vllm serve`
         message = f"No such option: {exc.option_name} (vLLM's; Kiln takes it as {kiln_name} in the build config)"
@@ -56,9 +61,9 @@ def _usage_error(exc: typer.TyperException, json_out: bool, command: str) -> NoR
 
 
 app = typer.Typer(cls=KilnGroup, help="Kiln: a Hugging Face checkpoint to a quantized, cached, served engine.",
-                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+                  rich_markup_mode=None, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
-config_app = typer.Typer(help="Inspect configs.", no_args_is_help=True)
+config_app = typer.Typer(rich_markup_mode=None, help="Inspect configs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(cache_app, name="cache")
 

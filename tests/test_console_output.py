@@ -81,6 +81,15 @@ def test_version_and_short_help():
     assert short.exit_code == 0 and "Usage" in short.stdout and "build" in short.stdout
 
 
+def test_help_names_every_option_whole_at_80_columns_and_no_command_prints_help_not_an_error():
+    env = repo_env(COLUMNS="80")
+    serve = subprocess.run([sys.executable, "-m", "kiln", "serve", "-h"], capture_output=True, text=True, cwd=REPO,
+                           env=env)
+    assert "--model-name, --served-model-name" in serve.stdout and "--gpu-memory-utilization" in serve.stdout
+    bare = subprocess.run([sys.executable, "-m", "kiln", "cache"], capture_output=True, text=True, cwd=REPO, env=env)
+    assert bare.returncode == 2 and bare.stderr.startswith("Usage:") and "error:" not in bare.stderr
+
+
 def test_piped_output_never_wraps_a_long_path():
     long_path = "/cache/v1/entries/46/" + "4" * 64 + "/engine"
     code = f"from kiln.pipeline.console import stdout, stderr; stdout.print('engine    {long_path}'); " \
