@@ -297,7 +297,8 @@ def pull(
     cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOpt = False,
 ) -> None:
     """Install a remote entry in the local cache; every file's sha256 is checked first (exit 3 if damaged)."""
-    cache_remote.pull(_open(cache_dir, config, create=True), key, json_out=json_out)
+    cache_remote.pull(lambda: _open(cache_dir, config, create=True), _remote_tier(cache_dir, config), key,
+                      json_out=json_out)
 
 
 def print_explain(report: dict, json_out: bool) -> None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kiln.engines.cache import CacheCorruptError, CacheUsageError, EngineCache
 from kiln.engines.cache.remote.layout import REMOTE_STORES
 from kiln.engines.cache.remote.maintenance import RemoteEntry, prune_remote, remote_entries, verify_remote
@@ -49,10 +51,11 @@ def push(cache: EngineCache, key: str | None, *, all_entries: bool, force: bool,
         stderr.print(f"{len(rows)} entr{'y' if len(rows) == 1 else 'ies'} on {tier.url}", highlight=False)
 
 
-def pull(cache: EngineCache, key: str, *, json_out: bool) -> None:
-    """Install one remote entry (a key or a unique prefix of one) in the local cache, every file checked."""
-    tier = cache.entries.require_remote()
+def pull(open_cache: Callable[[], EngineCache], tier: RemoteTier, key: str, *, json_out: bool) -> None:
+    """Install one remote entry (a key or a unique prefix of one) of ``tier`` in the local cache ``open_cache``
+    opens (only once the entry is found: a failed pull creates no cache), every file checked."""
     entry = _complete_remote_key(tier, key)
+    cache = open_cache()
     store = cache.stores[entry.store]
     with transfer_bars() as bars:
         result = store.pull(entry.key, on_transfer=bars(entry.key[:12]))

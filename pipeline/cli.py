@@ -133,7 +133,8 @@ def quantize(
 def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
     """Print the config as it will be used, itself a config that means the same: every field that applies, defaults
     filled in, paths made absolute, and the values in force where something else decides them ($KILN_CACHE for
-    cache.dir, the model for build limits left out, each format's gate thresholds)."""
+    cache.dir, $KILN_CACHE_REMOTE for cache.remote, the model for build limits left out, each format's gate
+    thresholds)."""
     from kiln.calibration.recipe import GATE_DEFAULTS
     from kiln.pipeline.backend import choose_backend
     from kiln.pipeline.config import TRTLLM_ONLY
@@ -144,6 +145,8 @@ def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
         loaded.fit_to_model(positions)
     data = loaded.config.model_dump(mode="json")
     data["cache"]["dir"] = str(loaded.config.cache.root())
+    remote = loaded.config.cache.remote_spec()  # $KILN_CACHE_REMOTE's (set empty: none), else cache.remote
+    data["cache"]["remote"] = None if remote is None else remote.url
     build = loaded.config.build
     if not (model_dir and positions):  # not fitted: a default written out would be kept, and refused, once it is
         for name in ("max_seq_len", "max_input_len"):

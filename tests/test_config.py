@@ -137,9 +137,11 @@ def test_config_show_prints_the_values_in_force(tmp_path, monkeypatch):
     (tmp_path / "kiln.yaml").write_text(f"model:\n  path: {tiny}\nquantize:\n  format: int4_awq\n"
                                         f"  fallback: [fp8, none]\n  gate:\n    max_kl: 0.5\n")
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("KILN_CACHE_REMOTE", (tmp_path / "team").as_uri())
     result = CliRunner().invoke(app, ["config", "show", str(tmp_path / "kiln.yaml"), "--json"])
     shown = json.loads(result.stdout)
     assert shown["cache"]["dir"] == str(tmp_path / "elsewhere")
+    assert shown["cache"]["remote"] == (tmp_path / "team").as_uri()
     int4 = {"max_ppl_increase": 0.08, "max_kl": 0.5, "min_top1_agreement": 0.88}  # the default, but the set max_kl
     assert shown["quantize"]["gate"]["int4_awq"] == int4
     assert shown["quantize"]["gate"]["fp8"]["min_top1_agreement"] == 0.94

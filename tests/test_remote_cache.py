@@ -447,8 +447,9 @@ def test_cache_commands_push_ls_verify_and_pull_through_the_remote(tmp_path, rem
 
 def test_remote_commands_without_a_remote_say_how_to_name_one_and_create_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("KILN_CACHE_REMOTE", raising=False)
-    for command in (["ls"], ["verify", "--all"], ["prune", "--older-than", "1d"]):
-        result = runner.invoke(cache_app, [*command, "--remote", "--cache-dir", str(tmp_path / "typo")])
+    for command in (["ls", "--remote"], ["verify", "--all", "--remote"], ["prune", "--older-than", "1d", "--remote"],
+                    ["pull", "abcd"]):
+        result = runner.invoke(cache_app, [*command, "--cache-dir", str(tmp_path / "typo")])
         assert result.exit_code == 2 and "KILN_CACHE_REMOTE" in result.stderr, command
     assert not (tmp_path / "typo").exists()
 

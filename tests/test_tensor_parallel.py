@@ -191,6 +191,11 @@ def test_torchrun_rendezvous_comes_from_its_environment():
     assert Rendezvous.from_environment({**env, "KILN_TP_PORT": "4000"}).port == 4000
     with pytest.raises(TensorParallelError, match="RANK, MASTER_PORT unset"):
         Rendezvous.from_environment({"MASTER_ADDR": "h", "WORLD_SIZE": "2"})
+    for bad, words in (({"KILN_TP_PORT": "abc"}, "KILN_TP_PORT='abc' is not a whole number"),
+                       ({"KILN_TP_PORT": "99999"}, "KILN_TP_PORT='99999': .* TCP port"),
+                       ({"MASTER_PORT": "65535"}, "MASTER_PORT='65535': .* at MASTER_PORT \\+ 1")):
+        with pytest.raises(TensorParallelError, match=words):
+            Rendezvous.from_environment({**env, **bad})
 
 
 @pytest.mark.slow

@@ -49,8 +49,12 @@ class Rendezvous:
         if missing:
             raise TensorParallelError(f"no torchrun rendezvous in the environment: {', '.join(missing)} unset; "
                                       f"start the ranks with torchrun, or load the engine with LLM.load on one host")
-        port = int(env["KILN_TP_PORT"]) if "KILN_TP_PORT" in env else int(env["MASTER_PORT"]) + 1
-        return cls(env["MASTER_ADDR"], port, int(env["RANK"]), int(env["WORLD_SIZE"]))
+        name = "KILN_TP_PORT" if "KILN_TP_PORT" in env else "MASTER_PORT"
+        port = _number(env, name) + (name == "MASTER_PORT")
+        if not 0 < port <= 65535:
+            raise TensorParallelError(f"{name}={env[name]!r}: Kiln's store needs a TCP port (1-65535)"
+                                      + (" at MASTER_PORT + 1" if name == "MASTER_PORT" else ""))
+        return cls(env["MASTER_ADDR"], port, _number(env, "RANK"), _number(env, "WORLD_SIZE"))
 
     @classmethod
     def parse(cls, text: str, rank: int, size: int) -> Rendezvous:
@@ -137,3 +141,10 @@ def _gloo_options(rendezvous: Rendezvous, timeout: timedelta) -> dist.ProcessGro
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=rendezvous.host) if rendezvous.on_loopback
                         else dist.ProcessGroupGloo.create_default_device()]
     return options
+
+
+def _number(env: Mapping[str, str], name: str) -> int:
+    """The whole number a torchrun variable holds, or a TensorParallelError naming it."""
+    if not env[name].strip().isdecimal():
+        raise TensorParallelError(f"{name}={env[name]!r} is not a whole number; torchrun sets it, or set it to one")
+    return int(env[name])
