@@ -28,6 +28,8 @@ CASES = {
     # dynamic NTK (transformers rescales only past max_position_embeddings, which no plan may exceed)
     "llama-dynamic-ntk": dict(family="llama", num_heads=4, num_kv_heads=2,
                               rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
+    # transformers' Llama rotates every dimension whatever partial_rotary_factor says (Phi-3's applies it: refused)
+    "llama-partial-rotary-factor-ignored": dict(family="llama", num_heads=4, num_kv_heads=2, partial_rotary_factor=0.5),
     "mistral-sliding-window": dict(family="mistral", num_heads=4, num_kv_heads=2, sliding_window=WINDOW),
     "qwen2-sliding-window-from-layer-1": dict(family="qwen2", num_heads=4, num_kv_heads=2, use_sliding_window=True,
                                               sliding_window=WINDOW, max_window_layers=1),
@@ -157,8 +159,9 @@ def test_a_config_json_that_omits_a_family_setting_gets_transformers_default():
 
 @pytest.mark.parametrize(("family", "extra", "words"), [
     ("LlamaForCausalLM", {"hidden_act": "relu"}, "hidden_act 'relu' is not supported .*silu, gelu_pytorch_tanh"),
-    # at the top level too: transformers moves it into the rope parameters, where some families apply it
-    ("LlamaForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    # at the top level too: transformers moves it into the rope parameters, where the scaled types apply it
+    ("LlamaForCausalLM", {"partial_rotary_factor": 0.5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+     "partial_rotary_factor 0.5 is not supported"),
     ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
     (None, {"model_type": "gpt2"}, "architecture model_type 'gpt2' is not supported"),
     ("Phi3ForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},

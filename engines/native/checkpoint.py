@@ -67,7 +67,8 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
     head_dim = cfg.get("head_dim") or hidden // num_heads
     # a top-level original_max_position_embeddings comes first wherever config.json has one (transformers'
     # standardize_rope_params: hasattr(config, ...)), and always for Phi-3, whose config class has the field
-    rope_theta, rope_scaling = _rope(cfg, "original_max_position_embeddings" in cfg, path, family.rope_types)
+    rope_theta, rope_scaling = _rope(cfg, "original_max_position_embeddings" in cfg, path, family.rope_types,
+                                     family.partial_rotary)
     _check_rope(head_dim, rope_theta, rope_scaling, path)
     shared = dict(
         vocab_size=_int(cfg, "vocab_size", path),
@@ -181,16 +182,19 @@ def _int(cfg: dict[str, Any], key: str, path: Path) -> int:
     return value
 
 
-def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path,
-          family_types: dict[str, str] | None = None) -> tuple[float, dict[str, Any] | None]:
+def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path, family_types: dict[str, str] | None = None,
+          partial_rotary: bool = False) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from transformers-5 ``rope_parameters`` or older ``rope_scaling``;
     ``top_level_context``: config.json's own ``original_max_position_embeddings`` comes first; ``family_types``:
-    the family's ``rope_types``, where its config class takes only those."""
+    the family's ``rope_types``, where its config class takes only those; ``partial_rotary``: the family's plain
+    RoPE applies ``partial_rotary_factor`` (Phi-3's does; Llama's and the others' rotate every dimension)."""
     params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})  # transformers: rope_scaling wins
     theta = float(params.pop("rope_theta", cfg["rope_theta"]))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
-    # transformers moves a top-level factor into the rope parameters, where some families then apply it
-    if (partial := params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+    # transformers moves a top-level factor into the rope parameters, where the scaled types and some families'
+    # plain RoPE apply it (and a family that rotates every dimension then fails); the others' plain RoPE ignores it
+    partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and (partial_rotary or rope_type != "default"):
         raise KilnError(f"{path}: partial_rotary_factor {partial} is not supported by the native backend (it "
                         "rotates every dimension of a head)")
     if family_types is not None:

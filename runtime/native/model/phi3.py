@@ -28,4 +28,5 @@ ROPE_TYPES = {"default": "default", "longrope": "longrope", "su": "longrope", "y
 
 FAMILY = Family("phi3", ("Phi3ForCausalLM",), quirks, FUSED_PROJECTIONS,
                 config_defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
-                                 "original_max_position_embeddings": 4096}, rope_types=ROPE_TYPES)
+                                 "original_max_position_embeddings": 4096}, rope_types=ROPE_TYPES,
+                partial_rotary=True)

@@ -39,6 +39,7 @@ class Family:
     differ from ``SHARED_CONFIG_DEFAULTS``, so that a field config.json leaves out means what it means to
     transformers; ``activation_key`` is the field that names the MLP's activation; ``rope_types``, where the config
     class takes only some RoPE types, maps each name it takes to the type it means (None: every supported one);
+    ``partial_rotary``: its plain RoPE applies ``partial_rotary_factor`` (else transformers ignores it there);
     ``unsupported_dtypes``: model dtypes the family cannot run in, each with why."""
 
     name: str
@@ -49,6 +50,7 @@ class Family:
     config_defaults: dict[str, Any] = field(default_factory=dict)
     activation_key: str = "hidden_act"
     rope_types: dict[str, str] | None = None
+    partial_rotary: bool = False
     unsupported_dtypes: dict[str, str] = field(default_factory=dict)
 
     def with_defaults(self, config: dict[str, Any]) -> dict[str, Any]:
