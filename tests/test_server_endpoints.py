@@ -46,6 +46,15 @@ def test_tokenize_and_detokenize_round_trip_a_prompt_and_render_messages(http, l
     assert llm.tokenizer.decode(chat["tokens"]) == "<<user>>hi<<A>>"  # the --chat-template, not the engine's own
 
 
+def test_tokenizer_info_gives_what_lm_eval_harness_reads_and_its_chat_messages_are_taken(http, server):
+    info = http.get("/tokenizer_info").json()
+    assert (info["eos_token"], info["bos_token"]) == ("</s>", "<s>") and info["chat_template"] == TEMPLATE
+    assert httpx.get(f"{server.url}/tokenizer_info").status_code == 401  # keyed, as /tokenize is
+    # lm-evaluation-harness's local-chat-completions writes "type": "text" into every message
+    body = {"messages": [{"role": "user", "content": "hi", "type": "text"}], "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
 def test_tokenize_and_detokenize_refuse_more_than_the_context_can_hold(http, llm):
     context = llm.limits.max_request_tokens
     huge = "hello " * (context * llm.tokenizer.max_token_bytes)

@@ -46,7 +46,7 @@ from kiln.runtime.server.responding import IGNORED_FIELDS_HEADER
 from kiln.runtime.server.responses import create_response
 from kiln.runtime.server.responses_protocol import ResponseObject, ResponsesRequest
 from kiln.runtime.server.sampling_defaults import GenerationConfigMode
-from kiln.runtime.server.tokenize import detokenize, server_version, tokenize
+from kiln.runtime.server.tokenize import detokenize, server_version, tokenize, tokenizer_info
 
 logger = logging.getLogger("kiln.server")
 
@@ -112,7 +112,7 @@ class ServerState:
         return self.model
 
 
-_KEYED_PATHS = ("/tokenize", "/detokenize")
+_KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class APIKeyMiddleware:
@@ -293,6 +293,11 @@ def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metr
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
         """The text of token ids (vLLM's endpoint)."""
         return await asyncio.to_thread(detokenize, state.require_model(), body)
+
+    @app.get("/tokenizer_info", responses=_ERRORS)
+    async def tokenizer_info_route() -> dict:
+        """The tokenizer's configuration and chat template (vLLM's endpoint, which lm-evaluation-harness reads)."""
+        return tokenizer_info(state.require_model())
 
     @app.get("/version", response_model=VersionResponse)
     async def version_route() -> VersionResponse:

@@ -73,6 +73,7 @@ class ServedModel:
                  aliases: tuple[str, ...] = (), reasoning_parser: str | None = None) -> None:
         self.llm = llm
         self.name = name
+        self.engine_dir = Path(engine_dir)
         self.names = tuple(dict.fromkeys((name, *aliases)))  # responses name the first, as vLLM's do
         self.sampling_defaults = sampling_defaults(engine_dir, generation_config)
         self.tokenizer = llm.tokenizer

@@ -317,6 +317,9 @@ class ChatMessage(StrictModel):
                                                        "into: taken with the message, not rendered.")
     audio: Unsupported = Field(None, description="An earlier audio answer: not supported.")
     function_call: Unsupported = Field(None, description="Deprecated by OpenAI: send tool_calls.")
+    type: Literal["text", "message"] | None = Field(
+        None, exclude=True, description='Ignored: lm-evaluation-harness\'s chat models send "type": "text" on every '
+                                        'message, and the Responses API\'s items "message".')
 
     @model_validator(mode="after")
     def _tool_call_id_on_tool_messages_only(self) -> ChatMessage:

@@ -1,8 +1,11 @@
-"""/tokenize, /detokenize and /version, as vLLM serves them: what a client needs to count tokens, check a chat
-template's rendering or read token ids back, without generating."""
+"""/tokenize, /detokenize, /tokenizer_info and /version, as vLLM serves them: what a client needs to count tokens,
+check a chat template's rendering or read token ids back, without generating."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from kiln.runtime.json_files import read_json_object
 from kiln.runtime.server.chat import render_chat
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
@@ -50,6 +53,26 @@ def detokenize(model: ServedModel, req: DetokenizeRequest) -> DetokenizeResponse
         raise APIError(400, f"token ids {outside[:8]} are outside the vocabulary of {vocab_size} tokens",
                        param="tokens")
     return DetokenizeResponse(prompt=model.tokenizer.decode(req.tokens, skip_special_tokens=False))
+
+
+def tokenizer_info(model: ServedModel) -> dict[str, Any]:
+    """The tokenizer's configuration (``tokenizer_config.json``, each special token as its text) with its class
+    and the chat template the server renders: what lm-evaluation-harness's remote tokenizer reads, as vLLM's
+    ``/tokenizer_info`` gives it."""
+    path = model.engine_dir / "tokenizer_config.json"
+    config = read_json_object(path, lambda message: APIError(500, message), "the engine's files are damaged") \
+        if path.is_file() else {}
+    info = {name: _as_text(value) for name, value in config.items()}
+    info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    info["chat_template"] = model.chat_template.source if model.chat_template is not None else None
+    return info
+
+
+def _as_text(value: Any) -> Any:
+    """A tokenizer_config.json value with each added token (``{"content": ..., ...}``) as its text."""
+    if isinstance(value, dict):
+        return value["content"] if isinstance(value.get("content"), str) else {k: _as_text(v) for k, v in value.items()}
+    return [_as_text(item) for item in value] if isinstance(value, list) else value
 
 
 def _within_context(model: ServedModel, text: str, param: str) -> str:
