@@ -278,7 +278,9 @@ def serve(
         listening_socket(host or section.host, section.port if port is None else port).close()
 
     resolved = serve_target(target, options, backend=backend, before_build=check_port)
-    api_key = api_key or resolved.api_key or os.environ.get("VLLM_API_KEY")  # a deployment migrated from vLLM
+    # the first key given (vLLM's variable: a deployment migrated from vLLM), even an empty one: refused below
+    api_key = next((key for key in (api_key, resolved.api_key, os.environ.get("VLLM_API_KEY")) if key is not None),
+                   None)
     if api_key is not None and not api_key.strip():
         raise BlankApiKeyError("the API key (--api-key, $KILN_API_KEY, serve.api_key or $VLLM_API_KEY) is blank: "
                                "give the key clients must send")

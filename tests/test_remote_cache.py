@@ -361,8 +361,8 @@ def test_a_lease_stamped_by_a_clock_far_ahead_is_taken_over_once_it_stays_unchan
     lease_from_ahead()
     result = cache.entries.get_or_build(key, material("a"), builder(calls))  # within seconds, not ten minutes
     assert not result.hit and len(calls) == 1
-    lease_from_ahead()
-    assert prune_remote(cache.remote, older_than_s=None, max_size_bytes=None)["stale_leases_removed"] == 1
+    lease_from_ahead()  # a live builder's, as such a share stamps it: prune, which looks once, keeps it
+    assert prune_remote(cache.remote, older_than_s=None, max_size_bytes=None)["stale_leases_removed"] == 0
 
 
 def test_an_unreachable_remote_warns_and_builds_locally_unless_required(tmp_path, remote):

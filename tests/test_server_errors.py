@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -350,6 +351,12 @@ def test_a_huge_request_head_gets_a_431_and_a_trickled_one_is_cut_off_while_othe
         with socket.create_connection(("127.0.0.1", server.port)) as huge:
             huge.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n")
             assert huge.recv(100).startswith(b"HTTP/1.1 431 ")
+        with socket.create_connection(("127.0.0.1", server.port)) as endless:  # one header that never ends
+            endless.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            with contextlib.suppress(OSError):  # the server may close before all of it is sent
+                for _ in range(64):
+                    endless.sendall(b"a" * 4096)
+            assert endless.recv(100).startswith(b"HTTP/1.1 431 ")
         with socket.create_connection(("127.0.0.1", server.port)) as slow:
             slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-a: ")  # and nothing more
             slow.settimeout(10)

@@ -197,6 +197,12 @@ def test_serve_command_help_lists_its_options():
         assert option in result.output
 
 
+def test_serve_refuses_an_empty_or_blank_api_key_rather_than_serving_without_one():
+    for key in ("", "  "):  # --api-key "$(cat an-empty-secret-file)"
+        result = CliRunner().invoke(cli(), ["serve", str(tiny_engine()), "--port", "0", "--api-key", key])
+        assert result.exit_code == 2 and "blank" in result.output, (key, result.output)
+
+
 def test_embedding_example_serves_an_app_and_a_worker_from_one_engine():
     proc = subprocess.run([sys.executable, "examples/embedded_service.py", str(tiny_engine()), "--self-test"],
                           cwd=REPO, capture_output=True, text=True, timeout=120,

@@ -33,7 +33,7 @@ def _bounded(base: type, head_timeout_s: float) -> type:
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
-            self._head_bytes, self._answered, self._head_deadline = 0, False, None
+            self._head_bytes, self._head_raw, self._answered, self._head_deadline = 0, 0, False, None
             self._start_head()  # a connection that never sends a byte is cut off too
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -42,8 +42,18 @@ def _bounded(base: type, head_timeout_s: float) -> type:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._head_bytes = 0
+            self._head_bytes = self._head_raw = 0
             self._start_head()
+
+        def data_received(self, data: bytes) -> None:
+            in_head = self._head_deadline is not None  # a head under way before this chunk
+            super().data_received(data)
+            # httptools joins a header's pieces until it ends, so on_header never sees a huge unfinished one: count
+            # the raw bytes of each later chunk that leaves the head unfinished
+            if in_head and self._head_deadline is not None and not self._answered:
+                self._head_raw += len(data)
+                if self._head_raw > MAX_HEAD_BYTES:
+                    self._refuse()
 
         def on_url(self, url: bytes) -> None:
             self._count(len(url))
@@ -64,10 +74,14 @@ def _bounded(base: type, head_timeout_s: float) -> type:
         def _count(self, size: int) -> None:
             self._head_bytes += size
             if self._head_bytes > MAX_HEAD_BYTES:
-                self._answered = True
-                self.transport.write(_TOO_LARGE)
-                self.transport.close()
+                self._refuse()
                 raise ValueError("request head too large")  # stops the parser (uvicorn sees a parser error)
+
+        def _refuse(self) -> None:
+            self._answered = True
+            self._end_head()
+            self.transport.write(_TOO_LARGE)
+            self.transport.close()
 
         def _start_head(self) -> None:
             self._end_head()

@@ -143,11 +143,12 @@ class ServerThread:
 
 def run_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
                on_started: Callable[[ServerThread], None] | None = None, access_log: bool = False) -> None:
-    """Serve in the foreground until SIGTERM or SIGINT (a second SIGINT forces), then drain and return. Signals are
-    handled when called from the main thread; elsewhere, stop it with the `ServerThread` given to `on_started`.
+    """Serve in the foreground until SIGTERM or SIGINT, then drain and return (a SIGINT once the port has closed
+    forces the exit). Signals are handled when called from the main thread; elsewhere, stop it with the
+    `ServerThread` given to `on_started`.
 
     Raises ServerStartError when the server cannot start or the engine fails to load, EngineFailedError after a
-    drain when the engine stopped while serving, and KeyboardInterrupt when the exit was forced (a third SIGINT)."""
+    drain when the engine stopped while serving, and KeyboardInterrupt when the exit was forced."""
     thread = ServerThread(app, host, port, shutdown_timeout_s=shutdown_timeout_s, log_level="info",
                           access_log=access_log)
 

@@ -128,8 +128,7 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
     listed = {item["sha256"] for entry in kept for item in entry.manifest["files"]}
     orphans = [info for info in tier.objects.list(f"{VERSION}/blobs/")
                if info.name.rsplit("/", 1)[-1] not in listed and now - info.modified >= grace_s]
-    leases = [info for info in tier.objects.list(f"{VERSION}/leases/")  # stale, or stamped by a clock far ahead
-              if abs(now - info.modified) > tier.timing.stale_s]
+    leases = [info for info in tier.objects.list(f"{VERSION}/leases/") if now - info.modified > tier.timing.stale_s]
     unfinished = tier.objects.discard_unfinished(now - grace_s, dry_run=dry_run)
     if not dry_run:
         for entry in removed:  # the manifest first: from then on nobody pulls the entry
