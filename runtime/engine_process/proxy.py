@@ -31,7 +31,7 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import Tokenizer, encode_prompt
 
-CLOSE_TIMEOUT_S = 60
+CLOSE_TIMEOUT_S = 15  # a healthy child frees its engine and exits in seconds; within a Kubernetes grace period
 WARM_POLL_S = 0.01  # how long ``warm_up_step`` waits for the child's word before the caller handles its commands
 
 
