@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kiln.calibration.errors import CalibrationError
 from kiln.calibration.sources import RANDOM, source_sha256
 
 Format = Literal["none", "fp8", "int4_awq"]
@@ -128,13 +129,18 @@ def recipe_material(recipe: QuantizeRecipe, dataset_root: Path | None = None) ->
         return material
     calibrated = [f for f in recipe.chain if f != "none"]
     dataset_sha256 = source_sha256(recipe.dataset, "calibration", dataset_root)
+    heldout_sha256 = dataset_sha256 if recipe.heldout_is_split else source_sha256(recipe.heldout, "heldout",
+                                                                                   dataset_root)
+    if not recipe.heldout_is_split and heldout_sha256 == dataset_sha256:  # a link or a copy of the dataset
+        raise CalibrationError(f"quantize.heldout ({recipe.heldout}) holds the same text as quantize.dataset "
+                               f"({recipe.dataset}), so the gate would measure rows calibration saw; give other "
+                               f"text, or set heldout to the dataset's own value to split its last rows off")
     material.update(
         {
             "kv_cache_dtype": recipe.kv_cache_dtype,
             "algorithm": recipe.algorithm if "int4_awq" in calibrated else None,
             "dataset_sha256": dataset_sha256,
-            "heldout_sha256": dataset_sha256 if recipe.heldout_is_split
-            else source_sha256(recipe.heldout, "heldout", dataset_root),
+            "heldout_sha256": heldout_sha256,
             "heldout_split_from_dataset": recipe.heldout_is_split,
             "text_field": recipe.text_field,
             "num_samples": recipe.num_samples,

@@ -227,6 +227,9 @@ def _quantize_problem(recipe: QuantizeRecipe) -> str | None:
     if "gate" in recipe.model_fields_set and not calibrated:
         return ("quantize.gate: format none is neither calibrated nor gated; remove the gate, or set a quantized "
                 "quantize.format")
+    if recipe.gate is None and recipe.fallback:
+        return (f"quantize.fallback ({', '.join(recipe.fallback)}) is tried when a format fails the accuracy gate, "
+                "and gate: null gates nothing; remove one of them")
     if recipe.gate is not None and (unused := [fmt for fmt in recipe.gate.formats_set() if fmt not in calibrated]):
         return (f"quantize.gate.{unused[0]} sets thresholds for a format the chain never tries "
                 f"({', '.join(recipe.chain)}); remove it, or add {unused[0]} to quantize.format or quantize.fallback")

@@ -84,6 +84,8 @@ def test_planning_lookup_records_nothing(cache):
     m = material()
     cache.entries.lookup(engine_key(m), m, record=False)
     assert cache.stats.summary("entries")["lookups"] == 0
+    assert not cache.entries.is_being_built(engine_key(m))  # what a dry run asks: no lock file left behind
+    assert not cache.entries.lock_path(engine_key(m)).exists()
 
 
 def test_failed_build_leaves_no_entry_and_no_temporary(cache):

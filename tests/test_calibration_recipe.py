@@ -60,6 +60,19 @@ def test_material_holds_content_hashes_not_paths(tmp_path):
     assert changed["dataset_sha256"] != material["dataset_sha256"]
 
 
+def test_heldout_text_that_is_the_datasets_own_under_another_path_is_refused(tmp_path):
+    from kiln.calibration.errors import CalibrationError
+
+    data = write_jsonl(tmp_path / "calib.jsonl", corpus(20))
+    (tmp_path / "link.jsonl").symlink_to(data)
+    shutil.copy(data, tmp_path / "copy.jsonl")
+    for heldout in ("link.jsonl", "copy.jsonl"):  # the gate would measure rows calibration saw
+        with pytest.raises(CalibrationError, match="holds the same text as quantize.dataset"):
+            recipe_material(QuantizeRecipe(format="fp8", dataset=str(data), heldout=str(tmp_path / heldout)))
+    split = recipe_material(QuantizeRecipe(format="fp8", dataset=str(data), heldout=str(data)))
+    assert split["heldout_split_from_dataset"]  # the same value: its last rows are split off
+
+
 def test_material_changes_with_what_changes_the_checkpoint_only(tmp_path):
     base = recipe_material(QuantizeRecipe(format="int4_awq"))
     assert recipe_material(QuantizeRecipe(format="int4_awq", seed=1)) != base

@@ -178,6 +178,10 @@ def test_a_gate_for_one_format_wins_over_the_chains_and_one_the_chain_never_trie
                                         "  gate:\n    int4_awq:\n      max_kl: 0.1\n")
     with pytest.raises(ConfigError, match="quantize.gate.int4_awq sets thresholds for a format the chain never"):
         load_config(tmp_path / "kiln.yaml")
+    (tmp_path / "kiln.yaml").write_text(f"model:\n  path: {tiny}\nquantize:\n  format: fp8\n  gate: null\n"
+                                        "  fallback: [none]\n")
+    with pytest.raises(ConfigError, match="gate: null gates nothing"):
+        load_config(tmp_path / "kiln.yaml")
 
 
 def test_an_unknown_backend_is_one_line_and_exit_2(tmp_path):

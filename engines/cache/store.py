@@ -270,6 +270,8 @@ class ContentStore:
 
     def is_being_built(self, key: str) -> bool:
         """Whether another builder holds ``key``'s build lock now (a build of it would wait, then reuse its result)."""
+        if not self.lock_path(key).exists():  # never built here: nothing to lock (and no lock file to leave)
+            return False
         lock = FileLock(self.lock_path(key))
         try:
             lock.acquire(timeout=0)
