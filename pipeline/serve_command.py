@@ -279,8 +279,9 @@ def serve(
 
     resolved = serve_target(target, options, backend=backend, before_build=check_port)
     # the first key given (vLLM's variable: a deployment migrated from vLLM), even an empty one: refused below
-    api_key = next((key for key in (api_key, resolved.api_key, os.environ.get("VLLM_API_KEY")) if key is not None),
-                   None)
+    # ($KILN_API_KEY set empty reaches here as unset: click reads an empty variable so)
+    given = (api_key, os.environ.get("KILN_API_KEY"), resolved.api_key, os.environ.get("VLLM_API_KEY"))
+    api_key = next((key for key in given if key is not None), None)
     if api_key is not None and not api_key.strip():
         raise BlankApiKeyError("the API key (--api-key, $KILN_API_KEY, serve.api_key or $VLLM_API_KEY) is blank: "
                                "give the key clients must send")

@@ -8,6 +8,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 
 import httpx
 import openai
@@ -365,3 +366,14 @@ def test_a_huge_request_head_gets_a_431_and_a_trickled_one_is_cut_off_while_othe
         with socket.create_connection(("127.0.0.1", server.port)) as ok:  # a whole head, a keep-alive answer
             ok.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             assert ok.recv(100).startswith(b"HTTP/1.1 200 ")
+        with socket.create_connection(("127.0.0.1", server.port)) as pipelined:  # a large body, then the next
+            body = b'{"tokens": [' + b"5, " * 30_000 + b'5]}'  # request's first bytes, in one write
+            pipelined.sendall(b"POST /detokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n%s" % (len(body), body) + b"GET /heal")
+            time.sleep(0.3)
+            pipelined.sendall(b"th HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            pipelined.settimeout(10)
+            answers = b""
+            while chunk := pipelined.recv(65536):
+                answers += chunk
+            assert answers.count(b"HTTP/1.1 ") == 2 and b" 431 " not in answers

@@ -201,6 +201,8 @@ def test_serve_refuses_an_empty_or_blank_api_key_rather_than_serving_without_one
     for key in ("", "  "):  # --api-key "$(cat an-empty-secret-file)"
         result = CliRunner().invoke(cli(), ["serve", str(tiny_engine()), "--port", "0", "--api-key", key])
         assert result.exit_code == 2 and "blank" in result.output, (key, result.output)
+    result = CliRunner().invoke(cli(), ["serve", str(tiny_engine()), "--port", "0"], env={"KILN_API_KEY": ""})
+    assert result.exit_code == 2 and "blank" in result.output, result.output  # a Kubernetes secret left empty
 
 
 def test_embedding_example_serves_an_app_and_a_worker_from_one_engine():

@@ -116,8 +116,8 @@ _KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on /v1/ routes, /tokenize and /detokenize; /health, /metrics and
-    /version stay open for probes."""
+    """Requires `Authorization: Bearer <key>` on /v1/ routes, /tokenize, /detokenize and /tokenizer_info; /health,
+    /metrics and /version stay open for probes."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app

@@ -34,6 +34,7 @@ def _bounded(base: type, head_timeout_s: float) -> type:
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._head_bytes, self._head_raw, self._answered, self._head_deadline = 0, 0, False, None
+            self._began = False
             self._start_head()  # a connection that never sends a byte is cut off too
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -43,14 +44,16 @@ def _bounded(base: type, head_timeout_s: float) -> type:
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._head_bytes = self._head_raw = 0
+            self._began = True  # the chunk being read ended another message: its bytes are not all head bytes
             self._start_head()
 
         def data_received(self, data: bytes) -> None:
             in_head = self._head_deadline is not None  # a head under way before this chunk
+            self._began = False
             super().data_received(data)
             # httptools joins a header's pieces until it ends, so on_header never sees a huge unfinished one: count
             # the raw bytes of each later chunk that leaves the head unfinished
-            if in_head and self._head_deadline is not None and not self._answered:
+            if in_head and not self._began and self._head_deadline is not None and not self._answered:
                 self._head_raw += len(data)
                 if self._head_raw > MAX_HEAD_BYTES:
                     self._refuse()
