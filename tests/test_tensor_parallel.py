@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import time
@@ -221,7 +222,10 @@ def test_torchrun_starts_kiln_serve_as_rank_zero_and_a_worker(tmp_path):
                 models = json.load(urllib.request.urlopen(f"{url}/v1/models", timeout=1))
                 break
             except OSError:
-                assert server.poll() is None, server.stderr.read().decode()[-2000:]
+                if server.poll() is not None:  # the ranks' own error lines, then torchrun's summary
+                    errors = server.stderr.read().decode()
+                    pytest.fail("\n".join([line for line in errors.splitlines() if "error" in line.lower()][:10]
+                                           + [errors[-1500:]]))
                 time.sleep(0.2)
         body = {"model": models["data"][0]["id"], "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0,
                 "logprobs": 0, "ignore_eos": True}
@@ -256,10 +260,15 @@ def test_tp2_on_two_gpus_with_nccl_and_cuda_graphs_gives_the_tokens_of_one_gpu(t
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on right now (for processes this test starts)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nobody listens on right now (for processes this test starts), below the kernel's ephemeral range:
+    a port bind(0) handed out could be handed again to another test's server before the process binds it."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    below = int(ephemeral.read_text().split()[0]) if ephemeral.is_file() else 32768
+    for port in random.Random().sample(range(10_000, below), 200):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 def listening_addresses(pid: int) -> set[str]:
