@@ -222,7 +222,8 @@ def serve(
                                                      "(default: the config's serve.api_key, else vLLM's "
                                                      "VLLM_API_KEY).")] = None,
     max_queue: Annotated[int | None, typer.Option(min=1, help="Requests that may wait beyond the engine's batch "
-                                                              "before new ones get 503 (default 256).")] = None,
+                                                              "before new ones get 503 (default: the config's "
+                                                              "serve.max_queue, else 256).")] = None,
     model_names: Annotated[list[str] | None, typer.Option(
         "--model-name", "--served-model-name", help="Model id clients send (--served-model-name, as in vLLM; "
                                                     "default: the config's name); repeatable: responses name the "
