@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kiln.runtime.errors import InvalidRequestError, KilnError
+from kiln.runtime.json_files import read_json_object
 from kiln.runtime.limits import RequestTooLongError
 from kiln.runtime.llm import LLM, EngineClosedError
 from kiln.runtime.outputs import RequestOutput, StreamDelta
@@ -87,6 +90,13 @@ class ServedModel:
         self.admission = Admission(self.limits.max_batch_size + max_queue)
         self.logged_ignored_fields: set[str] = set()  # warned of once per server
         self.reasoning_parser = reasoning_parser  # qwen3 or deepseek_r1, checked by ServerSettings
+
+    @functools.cached_property
+    def tokenizer_config(self) -> dict[str, Any]:
+        """The engine's ``tokenizer_config.json`` ({} without one), read once."""
+        path = self.engine_dir / "tokenizer_config.json"
+        return read_json_object(path, lambda message: APIError(500, message), "the engine's files are damaged") \
+            if path.is_file() else {}
 
     def card(self, created: int, name: str | None = None) -> ModelCard:
         """The model as ``/v1/models`` lists it (under ``name``, one of its names; default its first)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.runtime.json_files import read_json_object
 from kiln.runtime.server.chat import render_chat
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
@@ -17,6 +16,7 @@ from kiln.runtime.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from kiln.runtime.tokenizer import special_token_text
 from kiln.runtime.version import kiln_version
 
 
@@ -59,10 +59,7 @@ def tokenizer_info(model: ServedModel) -> dict[str, Any]:
     """The tokenizer's configuration (``tokenizer_config.json``, each special token as its text) with its class
     and the chat template the server renders: what lm-evaluation-harness's remote tokenizer reads, as vLLM's
     ``/tokenizer_info`` gives it."""
-    path = model.engine_dir / "tokenizer_config.json"
-    config = read_json_object(path, lambda message: APIError(500, message), "the engine's files are damaged") \
-        if path.is_file() else {}
-    info = {name: _as_text(value) for name, value in config.items()}
+    info = {name: _as_text(value) for name, value in model.tokenizer_config.items()}
     info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     info["chat_template"] = model.chat_template.source if model.chat_template is not None else None
     return info
@@ -70,8 +67,10 @@ def tokenizer_info(model: ServedModel) -> dict[str, Any]:
 
 def _as_text(value: Any) -> Any:
     """A tokenizer_config.json value with each added token (``{"content": ..., ...}``) as its text."""
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return special_token_text(value)
     if isinstance(value, dict):
-        return value["content"] if isinstance(value.get("content"), str) else {k: _as_text(v) for k, v in value.items()}
+        return {k: _as_text(v) for k, v in value.items()}
     return [_as_text(item) for item in value] if isinstance(value, list) else value
 
 
