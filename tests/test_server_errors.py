@@ -377,3 +377,23 @@ def test_a_huge_request_head_gets_a_431_and_a_trickled_one_is_cut_off_while_othe
             while chunk := pipelined.recv(65536):
                 answers += chunk
             assert answers.count(b"HTTP/1.1 ") == 2 and b" 431 " not in answers
+
+
+def test_a_request_body_that_stops_arriving_gets_a_408_while_one_sent_in_pieces_is_read(llm):
+    pytest.importorskip("httptools")  # the serve extra's parser, which uvicorn leaves unbounded
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL))
+    head = b"POST /detokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    body = b'{"tokens": [5, 6, 7]}'
+    with ServerThread(app, body_timeout_s=1.5) as server:
+        with socket.create_connection(("127.0.0.1", server.port)) as stalled:
+            stalled.sendall(head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:5]))  # and no more
+            stalled.settimeout(10)
+            answer = b"".join(iter(lambda: stalled.recv(4096), b""))
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"paused for more than 1.5 s" in answer
+        with socket.create_connection(("127.0.0.1", server.port)) as paced:  # 2 s in all, never 1.5 s idle
+            paced.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body))
+            for start in range(0, len(body), 6):
+                time.sleep(0.5)
+                paced.sendall(body[start:start + 6])
+            paced.settimeout(10)
+            assert b"".join(iter(lambda: paced.recv(4096), b"")).startswith(b"HTTP/1.1 200 ")

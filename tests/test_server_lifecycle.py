@@ -207,6 +207,31 @@ def test_requests_left_when_the_shutdown_timeout_runs_out_end_with_an_error_thei
         assert server.wait(10)
 
 
+def test_a_body_that_never_ends_does_not_hold_the_server_past_its_shutdown_timeout():
+    import socket
+
+    from kiln.runtime import LLM
+    from kiln.runtime.server import ServerSettings, ServerThread, create_app
+    from kiln.runtime.server.serve import ABORT_FLUSH_S, CLOSE_FLUSH_S
+
+    timeout = 4.0
+    with LLM.load(tiny_engine()) as llm:
+        step = llm.engine.step
+        llm.engine.step = lambda: (time.sleep(0.05), step())[1]  # 240 tokens: 12 s, far beyond the timeout
+        app = create_app(llm, tiny_engine(), ServerSettings(model_name="tiny"))
+        server = ServerThread(app, shutdown_timeout_s=timeout).start()
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True}
+        with socket.create_connection(("127.0.0.1", server.port)) as stalled, ThreadPoolExecutor(1) as pool:
+            stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 100\r\n\r\n{")  # and the rest never comes
+            running = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=30)
+            wait_until(lambda: app.state.server.model.admission.outstanding == 1)
+            server.stop_accepting()
+            # the drain, the abort's flush, a moment to send: not a second timeout for the stalled connection
+            assert server.wait(timeout + ABORT_FLUSH_S + CLOSE_FLUSH_S)
+            assert running.result().status_code == 503
+
+
 def test_the_server_stops_with_an_error_when_its_engine_stops_while_serving():
     from kiln.runtime import LLM
     from kiln.runtime.server import EngineFailedError, ServerSettings, create_app, run_server

@@ -8,11 +8,13 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
+from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from kiln.runtime.server.chat_template import ChatTemplate
 from tests.test_server_support import engine_idle, tiny_engine, wait_until
@@ -294,6 +296,21 @@ def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(serve
     assert 'status="499"' in httpx.get(f"{server.url}/metrics").text
     prompt = len(llm.tokenizer.encode("Hi"))  # each choice's prompt, counted as vLLM counts an aborted request's
     wait_until(lambda: metric_values(server, counted) == [counts_before[0] + 16, counts_before[1] + 16 * prompt])
+
+
+def test_a_non_streamed_request_the_engine_ends_with_an_error_is_counted_as_aborted(server, llm, monkeypatch):
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: (time.sleep(0.01), step())[1])  # 240 tokens: over 2 s
+    counted = (f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}',)
+    counts_before = metric_values(server, counted)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 240, "n": 3, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        response = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=30)
+        wait_until(lambda: llm.stats()["num_running"] == 3)
+        llm.abort_all(EngineClosedError("the server shut down before this request finished"))  # as a shutdown does
+        assert response.result().status_code == 503
+    wait_until(lambda: engine_idle(llm))
+    assert metric_values(server, counted) == [counts_before[0] + 3]
 
 
 def test_metrics_expose_requests_latencies_queue_and_kv_blocks(server, client):

@@ -2,8 +2,10 @@
 line and headers of a request take at most MAX_HEAD_BYTES (else 431, and the connection closes) and must arrive
 within HEAD_TIMEOUT_S of the connection opening or the request starting (else the connection closes), so that
 neither one huge header nor many connections that trickle theirs (slowloris) hold the server's memory or sockets.
-uvicorn buffers headers without limit and times out only idle keep-alive connections; nginx answers the same way
-(``large_client_header_buffers``, ``client_header_timeout``).
+A request's body must not pause for more than BODY_TIMEOUT_S between two chunks (else 408, and the connection
+closes), so that a body that never ends does not hold its connection (and a shutdown) either. uvicorn buffers headers
+without limit and times out only idle keep-alive connections; nginx answers the same way
+(``large_client_header_buffers``, ``client_header_timeout``, ``client_body_timeout``).
 
 Without httptools (uvicorn's fast parser, in the serve extra) h11 runs, bounded in size only."""
 
@@ -13,32 +15,46 @@ import asyncio
 
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
-_TOO_LARGE_TEXT = f"the request line and headers take more than {MAX_HEAD_BYTES // 1024} KiB".encode()
-_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
-              b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_TOO_LARGE_TEXT), _TOO_LARGE_TEXT))
+BODY_TIMEOUT_S = 60.0  # nginx's client_body_timeout
 
 
-def http_protocol_options(head_timeout_s: float = HEAD_TIMEOUT_S) -> dict:
-    """The ``uvicorn.Config`` keywords that pick the bounded protocol, its heads due within ``head_timeout_s``."""
+def _plain_response(status: bytes, text: str) -> bytes:
+    """A complete plain-text response that closes the connection."""
+    body = text.encode()
+    return (b"HTTP/1.1 %s\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (status, len(body), body))
+
+
+_TOO_LARGE = _plain_response(b"431 Request Header Fields Too Large",
+                             f"the request line and headers take more than {MAX_HEAD_BYTES // 1024} KiB")
+
+
+def http_protocol_options(head_timeout_s: float = HEAD_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S) -> dict:
+    """The ``uvicorn.Config`` keywords that pick the bounded protocol, its heads due within ``head_timeout_s`` and
+    its bodies' chunks within ``body_timeout_s`` of each other."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # no httptools: h11, whose parser bounds an incomplete head
         return {"http": "h11", "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
-    return {"http": _bounded(HttpToolsProtocol, head_timeout_s)}
+    return {"http": _bounded(HttpToolsProtocol, head_timeout_s, body_timeout_s)}
 
 
-def _bounded(base: type, head_timeout_s: float) -> type:
+def _bounded(base: type, head_timeout_s: float, body_timeout_s: float) -> type:
+    too_slow = _plain_response(b"408 Request Timeout", f"the request body paused for more than {body_timeout_s:g} s: "
+                                                       f"send it without pausing")
+
     class BoundedHttpToolsProtocol(base):
-        """uvicorn's httptools protocol, its request heads bounded in size and time."""
+        """uvicorn's httptools protocol, its request heads bounded in size and time, its bodies in time."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._head_bytes, self._head_raw, self._answered, self._head_deadline = 0, 0, False, None
-            self._began = False
+            self._began, self._body_deadline = False, None
             self._start_head()  # a connection that never sends a byte is cut off too
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._end_head()
+            self._end_body()
             super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
@@ -69,6 +85,16 @@ def _bounded(base: type, head_timeout_s: float) -> type:
         def on_headers_complete(self) -> None:
             self._end_head()
             super().on_headers_complete()
+            if not (self.parser.should_upgrade() and self._should_upgrade()):  # a WebSocket's is not a body
+                self._start_body()  # on_message_complete ends it, at once for a request without a body
+
+        def on_body(self, body: bytes) -> None:
+            super().on_body(body)
+            self._start_body()
+
+        def on_message_complete(self) -> None:
+            self._end_body()
+            super().on_message_complete()
 
         def send_400_response(self, msg: str) -> None:
             if not self._answered:  # a head too large was answered 431 already
@@ -99,5 +125,25 @@ def _bounded(base: type, head_timeout_s: float) -> type:
             self._head_deadline = None
             if not self.transport.is_closing():
                 self.transport.close()
+
+        def _start_body(self) -> None:
+            self._end_body()
+            self._body_deadline = self.loop.call_later(body_timeout_s, self._body_too_slow)
+
+        def _end_body(self) -> None:
+            if self._body_deadline is not None:
+                self._body_deadline.cancel()
+                self._body_deadline = None
+
+        def _body_too_slow(self) -> None:
+            self._body_deadline = None
+            if self.transport.is_closing():
+                return
+            if self.flow.read_paused or self.cycle.waiting_for_100_continue:  # the server, not the client, is behind
+                self._start_body()
+                return
+            if not self.cycle.response_started:
+                self.transport.write(too_slow)
+            self.transport.close()
 
     return BoundedHttpToolsProtocol

@@ -57,7 +57,7 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
                    request: Request) -> list[RequestOutput] | None:
     """Every job's output, or None when the client disconnected first (its jobs are then aborted, and what they
-    had processed is counted)."""
+    had processed is counted); jobs a failure ended are counted as aborted too (their tokens are not known)."""
     landed: list[RequestOutput] = []
 
     def observe(output: RequestOutput) -> None:
@@ -85,7 +85,8 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
         return None
     try:
         return runner.result()
-    except KilnError as exc:
+    except KilnError as exc:  # the engine stopped, or the shutdown timeout ran out: its jobs are aborts, as a stream's
+        metrics.vllm.aborted(len(jobs) - len(landed))
         raise _generation_failed(exc) from None
 
 

@@ -17,13 +17,14 @@ from fastapi import FastAPI
 
 from kiln.runtime.errors import KilnError
 from kiln.runtime.llm import EngineClosedError
-from kiln.runtime.server.http_protocol import HEAD_TIMEOUT_S, http_protocol_options
+from kiln.runtime.server.http_protocol import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, http_protocol_options
 
 logger = logging.getLogger("kiln.server")
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0  # within Kubernetes' default grace period (30 s), with time to spare
 DRAIN_POLL_S = 0.05
 ABORT_FLUSH_S = 2.0  # how long aborted requests get to write their error once the drain time is up
+CLOSE_FLUSH_S = 0.5  # the least uvicorn gets, once the port closes, to send responses the drain just ended
 
 
 class ServerStartError(KilnError):
@@ -60,17 +61,19 @@ def listening_socket(host: str, port: int) -> socket.socket:
 class ServerThread:
     """uvicorn serving `app` on `host:port` (port 0: any free one) in a daemon thread, until `stop()`; with
     ``access_log`` a line per request. A request's line and headers are bounded (``http_protocol``): due within
-    ``head_timeout_s``."""
+    ``head_timeout_s``, and its body's chunks within ``body_timeout_s`` of each other."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
                  shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, log_level: str = "warning",
-                 access_log: bool = False, head_timeout_s: float = HEAD_TIMEOUT_S) -> None:
+                 access_log: bool = False, head_timeout_s: float = HEAD_TIMEOUT_S,
+                 body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.app = app
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=shutdown_timeout_s, access_log=access_log,
-                                **http_protocol_options(head_timeout_s))
+                                **http_protocol_options(head_timeout_s, body_timeout_s))
         self.server = uvicorn.Server(config)
         self.shutdown_timeout_s = shutdown_timeout_s
+        self._deadline = 0.0  # when a graceful shutdown must be over: set by the first stop_accepting
         self._sockets: list[socket.socket] = []
         self._thread = threading.Thread(target=lambda: self.server.run(sockets=self._sockets), name="kiln-http",
                                         daemon=True)
@@ -100,28 +103,36 @@ class ServerThread:
     def stop_accepting(self) -> None:
         """Begin a graceful shutdown: the port stays open while in-flight requests finish (within the shutdown
         timeout), /health answering 503 "draining" and new requests 503, so load balancers see the server leave;
-        then the server closes. A second call closes at once (in-flight requests keep uvicorn's grace period)."""
+        then the server closes. A second call closes at once (in-flight requests keep what is left of the
+        timeout)."""
         state = self.app.state.server
         if state.draining:
-            self.server.should_exit = True
+            self._close()
             return
         state.draining = True
+        self._deadline = time.monotonic() + self.shutdown_timeout_s
         threading.Thread(target=self._exit_when_idle, name="kiln-drain", daemon=True).start()
 
     def _exit_when_idle(self) -> None:
         state = self.app.state.server
-        deadline = time.monotonic() + self.shutdown_timeout_s
-        while time.monotonic() < deadline and state.busy():
+        while time.monotonic() < self._deadline and state.busy():
             time.sleep(DRAIN_POLL_S)
         if state.busy() and state.model is not None:
             # out of time: end what is left with an error its clients can read (an SSE error event and [DONE], or
-            # a JSON error), rather than let uvicorn cancel the handlers mid-write after a second grace period
+            # a JSON error), rather than let uvicorn cancel the handlers mid-write
             state.model.llm.abort_all(EngineClosedError(
                 f"the server shut down before this request finished (its shutdown timeout, "
                 f"{self.shutdown_timeout_s:g} s, ran out): retry against another replica"))
             flushed = time.monotonic() + ABORT_FLUSH_S
             while time.monotonic() < flushed and state.busy():
                 time.sleep(DRAIN_POLL_S)
+        self._close()
+
+    def _close(self) -> None:
+        """Close the port. Connections whose response is not complete (a stream its client stopped reading, a body
+        still arriving) get what is left of the shutdown timeout, at least CLOSE_FLUSH_S, then uvicorn cancels them:
+        its grace period does not start the timeout over."""
+        self.server.config.timeout_graceful_shutdown = max(CLOSE_FLUSH_S, self._deadline - time.monotonic())
         self.server.should_exit = True
 
     def wait(self, timeout: float | None = None) -> bool:
