@@ -76,14 +76,20 @@ class StructuredOutput:
                 raise StructuredOutputError(_TOO_DEEP) from None
         if _nesting_exceeds(self.json, MAX_SCHEMA_DEPTH):
             raise StructuredOutputError(_TOO_DEEP)
+        if self.json is not None and not isinstance(self.json, dict):
+            raise StructuredOutputError(f"a JSON schema must be an object, got {type(self.json).__name__}")
+        if not isinstance(self.json_object, bool):
+            raise StructuredOutputError(f"json_object must be true or false, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            if (value := getattr(self, name)) is not None and not isinstance(value, str):
+                raise StructuredOutputError(f"{name} must be a string, got {type(value).__name__}")
+        if self.choice is not None and (not isinstance(self.choice, list | tuple) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise StructuredOutputError("choice must be a non-empty list of non-empty strings")
         source = self.regex or self.grammar or "".join(self.choice or ()) or json.dumps(self.json or {})
         if len(source) > MAX_FORMAT_CHARS:  # compiling grows faster than the size: seconds per 100 KB of grammar
             raise StructuredOutputError(f"the format is {len(source):,} characters; at most {MAX_FORMAT_CHARS:,} "
                                         f"are taken")
-        if self.json is not None and not isinstance(self.json, dict):
-            raise StructuredOutputError(f"a JSON schema must be an object, got {type(self.json).__name__}")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
-            raise StructuredOutputError("choice must be a non-empty list of non-empty strings")
 
     @functools.cached_property
     def llguidance_grammar(self) -> str:

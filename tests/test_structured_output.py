@@ -169,6 +169,18 @@ def test_a_format_too_large_or_too_deep_to_compile_in_time_is_refused_naming_why
         StructuredOutput(json={"type": "object", "properties": {"a": deep}})
 
 
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"choice": ["a", 1]}, "choice must be a non-empty list"),
+    ({"choice": "ab"}, "choice must be a non-empty list"),
+    ({"regex": 5}, "regex must be a string, got int"),
+    ({"grammar": ["start: x"]}, "grammar must be a string, got list"),
+    ({"json_object": "yes"}, "json_object must be true or false"),
+])
+def test_a_format_field_of_the_wrong_type_is_refused_as_a_structured_output_error(fields, message):
+    with pytest.raises(StructuredOutputError, match=message):
+        StructuredOutput(**fields)
+
+
 def test_a_format_cut_short_by_max_tokens_ends_with_length(llm):
     output = llm.generate(["x"], constrained({"json": SCHEMAS["nested-array"]}, 7, max_tokens=3))[0]
     assert output.finish_reason == "length" and len(output.token_ids) == 3
