@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 
 from kiln.runtime.structured_output import StructuredOutput
@@ -18,6 +20,8 @@ MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 # A repetition penalty outside this range overflows the logits it divides (and no model needs one).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+NUMBER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs")
 
 
 @dataclass
@@ -71,6 +75,10 @@ class SamplingParams:
             if value is not None and not isinstance(value, accepted):
                 raise ValueError(f"SamplingParams.{name} must be a {kind.__name__} or None, got {value!r}")
             setattr(self, name, kind(value or ()))
+        for name in NUMBER_FIELDS:
+            setattr(self, name, plain_number(getattr(self, name)))
+        self.stop_token_ids = [plain_number(t) for t in self.stop_token_ids]
+        self.logit_bias = {plain_number(t): plain_number(bias) for t, bias in self.logit_bias.items()}
         self._validate()
         self._validate_controls()
         if self.structured_output is not None:
@@ -145,6 +153,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (a temperature below GREEDY_TEMPERATURE)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def plain_number(value: object) -> object:
+    """A number of any library (NumPy's, a one-element torch tensor's) as a Python int or float; anything else (a
+    bool of any library too) as it is."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return float(value) if isinstance(value, numbers.Real) and not isinstance(value, float) else value
 
 
 def _is_int(value: object) -> bool:

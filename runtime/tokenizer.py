@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 import os
 import shutil
 from pathlib import Path
@@ -13,7 +12,7 @@ import tokenizers
 
 from kiln.runtime.errors import EngineFormatError, InvalidRequestError
 from kiln.runtime.json_files import read_json_object
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams, plain_number
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -261,7 +260,7 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
             raise error("this engine has no tokenizer.json: pass the prompt as token ids")
         token_ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list | tuple):
-        token_ids = [_as_token_id(t) for t in prompt]  # NumPy's and torch's integers too
+        token_ids = [plain_number(t) for t in prompt]  # NumPy's and torch's integers too
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
         if bad:
             raise error(f"prompt token ids {bad[:5]} are not ints in [0, {vocab_size}): tokenize with this engine's "
@@ -271,17 +270,6 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
     if has_stop_strings and tokenizer is None:
         raise error("stop strings need a tokenizer and this engine has no tokenizer.json: use stop_token_ids")
     return token_ids
-
-
-def _as_token_id(value: object) -> object:
-    """An integer of any library (NumPy's, a one-element integer torch tensor's) as a Python int; anything else (a
-    bool too) as it is."""
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool":
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value
 
 
 def copy_tokenizer_files(source_dir: Path, engine_dir: Path) -> None:

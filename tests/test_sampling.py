@@ -64,6 +64,20 @@ def test_none_for_a_collection_is_the_empty_one():
     assert (params.stop, params.stop_token_ids, params.logit_bias) == ([], [], {})
 
 
+def test_numbers_of_numpy_and_torch_are_taken_as_python_numbers():
+    import numpy as np
+
+    params = SamplingParams(temperature=np.float32(0.5), max_tokens=np.int64(4), seed=torch.tensor(7),
+                            stop_token_ids=[np.int32(5)], logit_bias={np.int64(5): np.float64(10)},
+                            logprobs=np.int8(2))
+    assert (params.temperature, params.max_tokens, params.seed, params.stop_token_ids, params.logit_bias,
+            params.logprobs) == (0.5, 4, 7, [5], {5: 10.0}, 2)
+    assert type(params.max_tokens) is int and type(params.temperature) is float
+    json.dumps(params.logit_bias)  # plain numbers cross to the engine process
+    with pytest.raises(ValueError, match="max_tokens must be an int"):
+        SamplingParams(max_tokens=np.float64(4))
+
+
 def test_stop_strings_need_the_text():
     with pytest.raises(ValueError, match="stop needs detokenize=True"):
         SamplingParams(stop=["end"], detokenize=False)
