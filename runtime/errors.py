@@ -1,5 +1,7 @@
 """Errors a user can cause: the CLI prints ``str(e)`` and exits with ``exit_code``; tracebacks are for bugs."""
 
+from __future__ import annotations
+
 
 class KilnError(Exception):
     """An error caused by input or environment; the CLI prints str(e) and exits non-zero."""
@@ -9,6 +11,15 @@ class KilnError(Exception):
 
 class EngineFormatError(KilnError):
     """An engine directory that is missing, corrupt, foreign or of another format version."""
+
+    @classmethod
+    def of_version(cls, found: object, supported: int) -> EngineFormatError:
+        """The refusal of an engine whose ``format_version`` is ``found`` where this Kiln reads ``supported``: a
+        newer engine asks for a newer Kiln, an older or unreadable one for a rebuild."""
+        if isinstance(found, int) and not isinstance(found, bool) and found > supported:
+            return cls(f"format_version {found} is newer than the {supported} this version of kiln reads: the engine "
+                       f"was built by a newer kiln; upgrade kiln, or rebuild the engine with this one")
+        return cls(f"format_version {found!r} is not {supported}; rebuild the engine with this version of kiln")
 
 
 class FingerprintMismatchError(KilnError):

@@ -172,10 +172,13 @@ def test_an_fp8_v_cache_is_allocated_token_major(checkpoint, tmp_path):
     assert k.is_contiguous() and is_token_major(v) and v.stride() == (4 * 2 * 16, 1, 16 * 4, 4)
 
 
-def test_foreign_or_outdated_engine_json_is_refused(checkpoint, tmp_path):
+def test_foreign_newer_or_older_engine_json_is_refused_with_the_advice_that_fits(checkpoint, tmp_path):
     engine, out = build(checkpoint, tmp_path)
     (out / "engine.json").write_text(json.dumps({**engine, "format_version": ENGINE_FORMAT_VERSION + 1}))
-    with pytest.raises(EngineFormatError, match="rebuild the engine"):
+    with pytest.raises(EngineFormatError, match="built by a newer kiln; upgrade kiln"):
+        EngineConfig.load(out)
+    (out / "engine.json").write_text(json.dumps({**engine, "format_version": ENGINE_FORMAT_VERSION - 1}))
+    with pytest.raises(EngineFormatError, match=f"is not {ENGINE_FORMAT_VERSION}; rebuild the engine with this"):
         EngineConfig.load(out)
     (out / "engine.json").write_text(json.dumps({**engine, "format": "trtllm"}))
     with pytest.raises(EngineFormatError, match="not a kiln native engine"):

@@ -134,10 +134,7 @@ class EngineConfig:
         if not isinstance(data, dict) or data.get("format") != ENGINE_FORMAT:
             raise EngineFormatError(f"format is not {ENGINE_FORMAT!r}; not a kiln native engine")
         if data.get("format_version") != ENGINE_FORMAT_VERSION:
-            raise EngineFormatError(
-                f"format_version {data.get('format_version')!r} is not {ENGINE_FORMAT_VERSION}; rebuild the engine "
-                "with this version of kiln"
-            )
+            raise EngineFormatError.of_version(data.get("format_version"), ENGINE_FORMAT_VERSION)
         config = cls(
             architecture=_section(Architecture, data, "architecture"),
             dtype=_required(data, "dtype"),

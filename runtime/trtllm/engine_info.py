@@ -44,8 +44,8 @@ class TrtllmEngineInfo:
         if not isinstance(data, dict) or data.get("format") != ENGINE_FORMAT:
             raise EngineFormatError(f"{path}: format is not {ENGINE_FORMAT!r}; rebuild the engine")
         if data.get("format_version") != ENGINE_FORMAT_VERSION:
-            raise EngineFormatError(f"{path}: format_version {data.get('format_version')!r} is not "
-                                    f"{ENGINE_FORMAT_VERSION}; rebuild the engine with this version of kiln")
+            refusal = EngineFormatError.of_version(data.get("format_version"), ENGINE_FORMAT_VERSION)
+            raise EngineFormatError(f"{path}: {refusal}")
         try:
             plan = BuildPlan.from_dict(data.get("plan"))
             return cls(**{k: v for k, v in data.items() if k not in ("format", "plan")}, plan=plan)
