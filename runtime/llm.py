@@ -270,7 +270,8 @@ class LLM:
 
     def result(self, request_id: str, timeout: float | None = None) -> RequestOutput:
         """Wait for a submitted request (finish_reason "abort" if it was aborted); each id can be collected once.
-        After a ``TimeoutError`` the request runs on and can be waited for again (or aborted)."""
+        After a ``TimeoutError`` the request runs on and can be waited for again, or aborted and then collected: a
+        submitted request's output is kept until ``result`` takes it, aborted or not."""
         with self._lock:
             future = self._results.get(request_id)
         if future is None:
