@@ -478,11 +478,6 @@ def trtllm_inputs(ctx: BuildContext) -> dict:
             "trtllm_checkpoint_dir": trtllm_checkpoint}
 
 
-def trtllm_options(config: KilnConfig) -> TrtllmBuildOptions:
-    """The TensorRT-LLM builder's options from the config: its plan, parallel mapping, workers and features."""
-    return trtllm_build_options(config.build, config.build.plan(config.quantize.kv_cache_dtype))
-
-
 def trtllm_build_options(build: BuildSection, plan: BuildPlan) -> TrtllmBuildOptions:
     """The TensorRT-LLM builder's options of a ``build`` section, for ``plan``."""
     from kiln.engines.trtllm.options import TrtllmBuildOptions

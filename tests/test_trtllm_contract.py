@@ -12,7 +12,7 @@ import pytest
 from kiln.engines.trtllm.command import trtllm_build_command
 from kiln.engines.trtllm.contract import load_contract, option_spec
 from kiln.pipeline.config import BuildSection, load_config
-from kiln.pipeline.stages import trtllm_build_options, trtllm_options
+from kiln.pipeline.stages import trtllm_build_options
 from kiln.runtime.plan import BuildPlan
 from kiln.runtime.trtllm.engine import FINISH_REASONS
 
@@ -34,7 +34,7 @@ def flags_and_values(argv: list[str]) -> list[tuple[str, str | None]]:
 
 def llama3_fp8_command() -> list[str]:
     config = load_config(REPO / "configs" / "llama3-8b-fp8.yaml").config
-    options = trtllm_options(config)
+    options = trtllm_build_options(config.build, config.build.plan(config.quantize.kv_cache_dtype))
     return trtllm_build_command(Path("/ckpt"), Path("/out"), options, quant_format=config.quantize.format,
                                 kv_cache_dtype=config.quantize.kv_cache_dtype, timing_cache=Path("/cache/t.cache"))
 
