@@ -264,6 +264,8 @@ def serve(
     /health, /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
     require_serve_extra()
     log_to_stderr()
+    if not engine_process:  # before torch loads OpenMP: threads that spin between its CPU ops take the event loop's
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # cores, as the engine process's child is spared them
     from kiln.runtime.server import create_app, run_server
     from kiln.runtime.server.errors import served_routes
     from kiln.runtime.server.serve import listening_socket

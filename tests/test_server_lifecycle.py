@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import signal
@@ -303,6 +304,24 @@ def test_the_api_key_comes_from_kiln_api_key_else_the_config_else_vllm_api_key(m
         assert httpx.get(f"{running.url}/v1/models", timeout=30).status_code == 401
         assert httpx.get(f"{running.url}/v1/models", headers={"Authorization": "Bearer kiln-key"},
                          timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(("given", "policy"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_a_server_without_an_engine_process_keeps_openmp_threads_from_spinning_unless_told(monkeypatch, given,
+                                                                                            policy):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline import cli
+    from kiln.runtime import server
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "unset by the test")
+    monkeypatch.delenv("OMP_WAIT_POLICY")  # restored to what it was when the test ends
+    seen = {}
+    monkeypatch.setattr(server, "run_server", lambda *args, **kwargs: seen.update(policy=os.environ["OMP_WAIT_POLICY"]))
+    env = {} if given is None else {"OMP_WAIT_POLICY": given}
+    result = CliRunner().invoke(cli.app, ["serve", str(tiny_engine()), "--no-engine-process"], env=env)
+    assert result.exit_code == 0, result.output
+    assert seen["policy"] == policy
 
 
 def test_a_configs_api_key_comes_before_vllm_api_key(monkeypatch, tmp_path):
