@@ -99,8 +99,8 @@ def _remote_entry(tier: RemoteTier, prefix: str) -> RemoteEntry:
 def _complete_remote_key(tier: RemoteTier, prefix: str) -> RemoteEntry:
     entry = _remote_entry(tier, prefix)
     if entry.manifest is None:
-        raise CacheCorruptError(f"cache key {entry.key} on {tier.url}: {entry.problem}; it is never pulled "
-                                f"(`kiln cache prune --remote` removes it)")
+        fix = "upgrade Kiln to pull it" if entry.newer else "`kiln cache prune --remote` removes it"
+        raise CacheCorruptError(f"cache key {entry.key} on {tier.url}: {entry.problem}; it is never pulled ({fix})")
     return entry
 
 
@@ -142,6 +142,9 @@ def prune(tier: RemoteTier, *, max_size_bytes: int | None, older_than_s: float |
                      f"{why})", highlight=False, soft_wrap=True)
     stderr.print(f"{'would free' if dry_run else 'freed'} {format_bytes(report['freed_bytes'])} in "
                  f"{report['files_removed']} files on {tier.url}; {report['kept']} entries kept", highlight=False)
+    if report["newer_entries"]:
+        stderr.print(f"{report['newer_entries']} entries of a newer Kiln are on {tier.url}: no file was deleted "
+                     f"(a newer Kiln's `kiln cache prune --remote` can tell which files they list)", highlight=False)
     if report["unfinished_writes_removed"]:
         stderr.print(f"{'would discard' if dry_run else 'discarded'} {report['unfinished_writes_removed']} "
                      f"unfinished uploads (a push killed half way)", highlight=False)

@@ -3,6 +3,8 @@ shared folder (``file://``): pull verified, push atomic and idempotent, one buil
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import logging
 import os
@@ -17,10 +19,12 @@ from pathlib import Path
 
 import pytest
 import typer
+from botocore.exceptions import IncompleteReadError
+from botocore.response import StreamingBody
 from typer.testing import CliRunner
 
 from kiln.engines.cache import CacheEntryNotFoundError, EngineCache, engine_key
-from kiln.engines.cache.remote import RemoteCorruptError, RemoteSpec, RemoteUnavailableError
+from kiln.engines.cache.remote import RemoteCorruptError, RemoteSpec, RemoteUnavailableError, filesystem
 from kiln.engines.cache.remote.layout import blob_name, lease_name, manifest_name
 from kiln.engines.cache.remote.lease import LeaseTiming, build_lease
 from kiln.engines.cache.remote.maintenance import prune_remote, remote_entries, verify_remote
@@ -412,6 +416,63 @@ def test_prune_remote_drops_the_least_recently_used_entry_and_its_files_only(tmp
     assert kept["removed"] == [] and kept["kept"] == 1
 
 
+def test_prune_remote_keeps_a_damaged_entry_for_the_grace_and_a_newer_kilns_entry_and_files_always(tmp_path,
+                                                                                                    remote):
+    cache = machine(tmp_path, "m", remote)
+    newer, damaged = engine_key(material("newer")), engine_key(material("damaged"))
+    for name in ("newer", "damaged"):
+        cache.entries.get_or_build(engine_key(material(name)), material(name), builder([], name.encode()))
+    objects = cache.remote.objects
+    manifest = json.loads(objects.read(manifest_name("entries", newer)))
+    objects.write(manifest_name("entries", newer), json.dumps({**manifest, "manifest_version": 2}).encode())
+    objects.write(manifest_name("entries", damaged), b"torn")
+    assert prune_remote(cache.remote, older_than_s=0, max_size_bytes=0)["removed"] == []  # used within the grace
+    report = prune_remote(cache.remote, older_than_s=0, max_size_bytes=0, grace_s=0)
+    assert [e["key"] for e in report["removed"]] == [damaged] and report["newer_entries"] == 1
+    assert report["files_removed"] == 0 and [e.key for e in remote_entries(cache.remote)] == [newer]
+
+
+def test_prune_remote_of_a_shared_folder_with_an_unreadable_folder_fails_and_deletes_nothing(tmp_path, monkeypatch):
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    cache = machine(tmp_path, "m", Remote(RemoteSpec(folder.as_uri()), {}))
+    key = engine_key(material("a"))
+    cache.entries.get_or_build(key, material("a"), builder([]))
+    files = sorted(folder.rglob("*"))
+    unreadable, scandir = folder / "v1" / "entries" / key[:2], os.scandir
+
+    def scandir_denied_there(path="."):
+        if Path(path) == unreadable:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir_denied_there)
+    with pytest.raises(RemoteUnavailableError, match=f"listing v1/entries/{key[:2]} failed"):
+        prune_remote(cache.remote, older_than_s=None, max_size_bytes=None, grace_s=0)
+    monkeypatch.undo()
+    assert sorted(folder.rglob("*")) == files
+
+
+def test_a_read_error_mid_file_fails_verify_remote_as_an_unreachable_remote(tmp_path, remote, monkeypatch):
+    cache = machine(tmp_path, "m", remote)
+    cache.entries.get_or_build(engine_key(material("a")), material("a"), builder([]))
+
+    class FailsAfterOneByte(io.BytesIO):
+        def read(self, size: int = -1) -> bytes:
+            if self.tell():
+                raise OSError(errno.EIO, "Input/output error")
+            return super().read(1)
+
+    def chunks_then_a_dropped_connection(body, size):
+        yield body.read(1)
+        raise IncompleteReadError(actual_bytes=1, expected_bytes=2)
+
+    monkeypatch.setattr(filesystem, "open", lambda *args: FailsAfterOneByte(b"ab"), raising=False)
+    monkeypatch.setattr(StreamingBody, "iter_chunks", chunks_then_a_dropped_connection)
+    with pytest.raises(RemoteUnavailableError, match="reading v1/blobs/.* failed"):
+        verify_remote(cache.remote)
+
+
 def test_cache_commands_push_ls_verify_and_pull_through_the_remote(tmp_path, remote, monkeypatch):
     for name, value in remote.env.items():
         monkeypatch.setenv(name, value)
@@ -464,6 +525,16 @@ def test_an_empty_kiln_cache_remote_turns_off_the_remote_a_cache_recorded_too(tm
     result = runner.invoke(cache_app, listing)
     assert result.exit_code == 2 and "no remote cache is configured" in result.stderr
     assert runner.invoke(cache_app, ["push", "--all", "--cache-dir", str(tmp_path / "cache")]).exit_code == 2
+
+
+@pytest.mark.parametrize("record", [{"url": 5}, {"url": "file:///shared", "required": "yes"}])
+def test_a_recorded_remote_with_a_field_of_the_wrong_type_is_ignored_as_garbage_is(tmp_path, monkeypatch, record):
+    monkeypatch.delenv("KILN_CACHE_REMOTE", raising=False)
+    cache = EngineCache.open(tmp_path / "cache")
+    (cache.v1 / "remote.json").write_text(json.dumps(record))
+    assert runner.invoke(cache_app, ["ls", "--cache-dir", str(tmp_path / "cache")]).exit_code == 0
+    result = runner.invoke(cache_app, ["ls", "--remote", "--cache-dir", str(tmp_path / "cache")])
+    assert result.exit_code == 2 and "no remote cache is configured" in result.stderr
 
 
 def test_remote_settings_are_checked_where_they_are_written(monkeypatch):

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from kiln.engines.cache.remote.objects import ObjectInfo, Progress, RemoteUnavailableError
 
@@ -118,14 +119,20 @@ class FileObjects:
 
         def read() -> Iterator[bytes]:
             with f:
-                while chunk := f.read(CHUNK_BYTES):
+                while chunk := self._read_chunk(f, name):
                     yield chunk
         return read()
+
+    def _read_chunk(self, f: BinaryIO, name: str) -> bytes:
+        try:
+            return f.read(CHUNK_BYTES)
+        except OSError as exc:
+            raise self._fail("reading", name, exc) from None
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         self._require_root()
         start = self.root / prefix.rpartition("/")[0]
-        for dirpath, _, filenames in os.walk(start):
+        for dirpath, _, filenames in os.walk(start, onerror=self._unlisted):
             for filename in filenames:
                 path = Path(dirpath) / filename
                 name = path.relative_to(self.root).as_posix()
@@ -135,6 +142,13 @@ class FileObjects:
                     yield self._info(name, path.stat())
                 except FileNotFoundError:
                     continue
+
+    def _unlisted(self, exc: OSError) -> None:
+        """A folder ``list`` could not read: an error (a listing that skipped it would make its objects look gone),
+        unless the folder itself is gone."""
+        if not isinstance(exc, FileNotFoundError):
+            name = Path(exc.filename).relative_to(self.root).as_posix() if exc.filename else "(all)"
+            raise self._fail("listing", name, exc)
 
     def delete(self, name: str, *, if_tag: str | None = None) -> None:
         current = self.stat(name)

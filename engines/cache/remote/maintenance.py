@@ -6,6 +6,7 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kiln.engines.cache.manifest import MANIFEST_VERSION
 from kiln.engines.cache.remote.layout import (
     LAST_USED,
     MANIFEST,
@@ -16,8 +17,8 @@ from kiln.engines.cache.remote.layout import (
     manifest_name,
     parse_entry_name,
 )
-from kiln.engines.cache.remote.objects import ObjectInfo, RemoteCorruptError
-from kiln.engines.cache.remote.tier import RemoteTier, copy_problem
+from kiln.engines.cache.remote.objects import ObjectInfo
+from kiln.engines.cache.remote.tier import RemoteTier, copy_problem, manifest_problem, newer_manifest
 from kiln.engines.cache.units import iso_utc, parse_iso
 
 READ_THREADS = 8
@@ -26,8 +27,9 @@ PRUNE_GRACE_S = 3600.0  # entries used and blobs written this recently are never
 
 @dataclass(frozen=True)
 class RemoteEntry:
-    """An entry of the remote: its manifest (None when unreadable, with ``problem``), when it was built (its
-    manifest's ``created``; its push where that is unreadable) and when it was last pushed or pulled."""
+    """An entry of the remote: its manifest (None when unreadable, with ``problem``; ``newer`` when that is a newer
+    Kiln's manifest), when it was built (its manifest's ``created``; its push where that is unreadable) and when it
+    was last pushed or pulled."""
 
     store: str
     key: str
@@ -35,6 +37,7 @@ class RemoteEntry:
     problem: str | None
     created: float
     last_used: float
+    newer: bool = False
 
     @property
     def size_bytes(self) -> int:
@@ -59,21 +62,26 @@ def remote_entries(tier: RemoteTier) -> list[RemoteEntry]:
 
     def read(item: tuple[str, str, dict[str, ObjectInfo]]) -> RemoteEntry:
         store, key, files = item
-        try:
-            found = tier.manifest(store, key)
-        except RemoteCorruptError as exc:
-            found, problem = None, str(exc)
-        else:
-            problem = None if found else "manifest removed meanwhile"
-        manifest = found[0] if found else None
+        found = tier.stored_manifest(store, key)
+        stored = found[0] if found else None
+        problem = _problem(stored, store, key) if found else "manifest removed meanwhile"
+        manifest = None if problem else stored
         pushed = files[MANIFEST].modified
         created = parse_iso((manifest or {}).get("created")) or pushed  # when it was built, as `kiln cache ls` says
         last_used = max(pushed, files[LAST_USED].modified if LAST_USED in files else pushed)
-        return RemoteEntry(store, key, manifest, problem, created, last_used)
+        return RemoteEntry(store, key, manifest, problem, created, last_used, newer_manifest(stored))
 
     with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
         entries = list(pool.map(read, found))
     return sorted(entries, key=lambda entry: -entry.last_used)
+
+
+def _problem(manifest: object, store: str, key: str) -> str | None:
+    """Why a stored manifest is not entry ``key``'s to use here (None when it is)."""
+    if newer_manifest(manifest):
+        return (f"manifest version {manifest['manifest_version']}, this Kiln reads {MANIFEST_VERSION}: a newer "
+                f"Kiln's entry")
+    return manifest_problem(manifest, store, key, None)
 
 
 def verify_remote(tier: RemoteTier, entries: list[RemoteEntry] | None = None) -> list[dict]:
@@ -108,10 +116,12 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
     ``max_size_bytes``; never one used within ``grace_s`` (a machine may be pulling it). Then delete the files no
     remaining manifest lists, once older than ``grace_s`` (younger ones may belong to a push in flight), the writes
     begun before that which never finished (a push killed half way), and stale build leases. Entries whose manifest
-    is damaged are removed too."""
+    is damaged are removed too, once unused for ``grace_s``. A newer Kiln's entries are left alone, and while there
+    are any no file is deleted: which files they list is for that Kiln to say."""
     now = tier.objects.now()
     entries = remote_entries(tier)
-    removed: list[RemoteEntry] = [entry for entry in entries if entry.manifest is None]
+    newer = [entry for entry in entries if entry.newer]
+    removed = [e for e in entries if e.manifest is None and not e.newer and now - e.last_used >= grace_s]
     kept = [entry for entry in entries if entry.manifest is not None]
     if older_than_s is not None:
         removed += [e for e in kept if now - e.last_used >= max(older_than_s, grace_s)]
@@ -126,8 +136,8 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
                 total -= entry.size_bytes
         kept = [e for e in kept if e not in removed]
     listed = {item["sha256"] for entry in kept for item in entry.manifest["files"]}
-    orphans = [info for info in tier.objects.list(f"{VERSION}/blobs/")
-               if info.name.rsplit("/", 1)[-1] not in listed and now - info.modified >= grace_s]
+    orphans = [] if newer else [info for info in tier.objects.list(f"{VERSION}/blobs/")
+                                if info.name.rsplit("/", 1)[-1] not in listed and now - info.modified >= grace_s]
     leases = [info for info in tier.objects.list(f"{VERSION}/leases/") if now - info.modified > tier.timing.stale_s]
     unfinished = tier.objects.discard_unfinished(now - grace_s, dry_run=dry_run)
     if not dry_run:
@@ -141,7 +151,8 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
         "remote": tier.url,
         "removed": [{"key": e.key, "store": e.store, "size_bytes": e.size_bytes, "last_used": iso_utc(e.last_used),
                      "problem": e.problem} for e in removed],
-        "kept": len(kept),
+        "kept": len(entries) - len(removed),
+        "newer_entries": len(newer),
         "files_removed": len(orphans),
         "freed_bytes": sum(info.size for info in orphans),
         "stale_leases_removed": len(leases),

@@ -89,7 +89,12 @@ class S3Objects:
     def chunks(self, name: str) -> Iterator[bytes] | None:
         body = self._call("reading", name, lambda: self._client.get_object(Bucket=self.bucket, Key=self._key(name)),
                           if_missing=None)
-        return None if body is None else body["Body"].iter_chunks(CHUNK_BYTES)
+        return None if body is None else self._read_chunks(name, body["Body"].iter_chunks(CHUNK_BYTES))
+
+    def _read_chunks(self, name: str, chunks: Iterator[bytes]) -> Iterator[bytes]:
+        """``chunks`` of a body being read, a failure mid-way a RemoteUnavailableError as any other request's."""
+        while chunk := self._call("reading", name, lambda: next(chunks, b"")):
+            yield chunk
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         strip = len(self._key(""))

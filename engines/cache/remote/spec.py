@@ -23,6 +23,9 @@ class RemoteSpec:
     required: bool = False
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.url, str) and isinstance(self.endpoint_url, str | None)
+                and isinstance(self.required, bool)):
+            raise TypeError(f"{self!r}: url and endpoint_url are text, required is true or false")
         problem = url_problem(self.url) or endpoint_problem(self.endpoint_url)
         if problem:
             raise ValueError(problem)

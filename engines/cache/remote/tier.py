@@ -92,17 +92,24 @@ class RemoteTier:
     def manifest(self, store: str, key: str, material: dict | None = None) -> tuple[dict, bytes] | None:
         """The entry's manifest (parsed, and as stored), None when the remote has no such entry; a manifest that
         is not this entry's whole, well-formed record raises RemoteCorruptError."""
-        raw = self.objects.read(manifest_name(store, key))
-        if raw is None:
+        found = self.stored_manifest(store, key)
+        if found is None:
             return None
-        try:
-            manifest = json.loads(raw)
-        except ValueError:
-            manifest = None
+        manifest, raw = found
         problem = manifest_problem(manifest, store, key, material)
         if problem:
             raise RemoteCorruptError(f"remote cache {self.url}: {store} {key[:12]}: {problem}; the entry is refused")
         return manifest, raw
+
+    def stored_manifest(self, store: str, key: str) -> tuple[object, bytes] | None:
+        """The entry's manifest as stored, unchecked: parsed (None when not JSON) and raw; None when there is none."""
+        raw = self.objects.read(manifest_name(store, key))
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw), raw
+        except ValueError:
+            return None, raw
 
     def pull(self, store: str, key: str, material: dict | None, payload: Path,
              transferred: Transferred | None = None) -> PullResult | None:
@@ -248,6 +255,12 @@ def manifest_problem(manifest: object, store: str, key: str, material: dict | No
     if len({item["path"] for item in files}) != len(files):
         return "a file listed twice"
     return None
+
+
+def newer_manifest(manifest: object) -> bool:
+    """Whether a manifest is of a later version than this Kiln's: a newer Kiln's record, not this one's to judge."""
+    version = manifest.get("manifest_version") if isinstance(manifest, dict) else None
+    return isinstance(version, int) and version > MANIFEST_VERSION
 
 
 def copy_problem(item: dict, size: int, sha256: str) -> str | None:
