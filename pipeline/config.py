@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from kiln.calibration.recipe import QuantizeRecipe
 from kiln.calibration.sources import RANDOM
 from kiln.engines.cache.engine_cache import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_SIZE_BYTES
+from kiln.engines.cache.errors import CacheRootError
 from kiln.engines.cache.remote.spec import RemoteSpec, endpoint_problem, url_problem
 from kiln.engines.cache.store import VerifyOnLoad
 from kiln.engines.trtllm.options import GEMM_PLUGINS, KV_CACHE_TYPES, LOG_LEVELS, PLUGIN_DTYPES
@@ -271,8 +272,14 @@ class LoadedConfig(BaseModel):
 
 
 def cache_root(configured: str | Path = DEFAULT_CACHE_DIR) -> Path:
-    """The engine cache in force: ``$KILN_CACHE`` when set, else ``configured`` (a config's ``cache.dir``)."""
-    return Path(os.environ.get("KILN_CACHE") or configured).expanduser().resolve()
+    """The engine cache in force: ``$KILN_CACHE`` when set, else ``configured`` (a config's ``cache.dir``); a path
+    whose links loop is a CacheRootError naming it."""
+    path = Path(os.environ.get("KILN_CACHE") or configured).expanduser()
+    try:
+        return path.resolve()
+    except RuntimeError:  # Python 3.11's "Symlink loop from ..."
+        where = "$KILN_CACHE" if os.environ.get("KILN_CACHE") else "cache.dir"
+        raise CacheRootError(f"{where} {path}: its symbolic links loop; point it at a folder") from None
 
 
 def remote_spec(configured: str | None = None, endpoint: str | None = None,

@@ -2,9 +2,10 @@
 
 An engine cache entry (``engines.cache``) is a folder with ``in_use.lock`` and ``manifest.json`` beside its
 ``engine/``; an entry without a readable manifest is not a finished build and is refused. A process that loads the
-engine holds a shared flock on the lock file; removal (eviction, prune, rm) takes it exclusively without
-blocking and renames the entry away while holding it, so an entry a live process holds is never removed, and a
-holder never ends up holding a removed entry (the inode check below catches a removal that raced the open).
+engine holds a shared flock on the lock file (created if the entry lost it); removal (eviction, prune, rm) takes it
+exclusively without blocking and renames the entry away while holding it, so an entry a live process holds is never
+removed, and a holder never ends up holding a removed entry (the inode check below catches a removal that raced the
+open).
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ class EntryHold:
         self.entry_dir = Path(entry)
         lock = self.entry_dir / IN_USE_LOCK
         try:
-            self._fd: int | None = os.open(lock, os.O_RDONLY)
-        except FileNotFoundError:
+            self._fd: int | None = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o644)  # an entry that lost its lock
+        except FileNotFoundError:  # no entry folder: taken out
             raise CacheEntryGoneError(f"cache entry {self.entry_dir}: not there (evicted or removed); "
                                       "build it again") from None
+        except OSError as exc:  # a lost lock in a folder this user cannot write
+            raise CacheCorruptError(f"cache entry {self.entry_dir}: {IN_USE_LOCK} is missing and cannot be made "
+                                    f"({exc.strerror}); rebuild it (`kiln build --force`)") from None
         fcntl.flock(self._fd, fcntl.LOCK_SH)
         try:
             still_there = os.stat(lock).st_ino == os.fstat(self._fd).st_ino
@@ -65,8 +69,8 @@ class EntryHold:
 
 def hold_if_cached(engine_dir: Path) -> EntryHold | None:
     """Hold the cache entry an engine directory belongs to; None for an engine outside the cache."""
-    entry = Path(engine_dir).parent
-    if not (entry / IN_USE_LOCK).is_file():
+    entry = Path(engine_dir).resolve().parent
+    if not ((entry / IN_USE_LOCK).is_file() or (entry / MANIFEST).is_file()):  # a cache entry, its lock lost or not
         return None
     hold = EntryHold(entry)
     try:

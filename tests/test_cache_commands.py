@@ -191,6 +191,14 @@ def test_a_cache_root_that_is_a_file_is_one_clear_error(tmp_path):
     assert "Traceback" not in result.output
 
 
+def test_a_kiln_cache_whose_links_loop_is_one_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "loop"))
+    result = runner.invoke(cache_app, ["ls"])
+    assert result.exit_code == 2 and f"$KILN_CACHE {tmp_path / 'loop'}: its symbolic links loop" in result.stderr
+    assert "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("unwritable", ["v1", "v1/stats.db", "v1/entries"])
 def test_a_cache_this_user_cannot_write_is_one_clear_error(cache, monkeypatch, unwritable):
     add(cache, "a")

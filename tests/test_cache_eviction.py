@@ -10,6 +10,7 @@ import pytest
 
 from kiln.engines.cache import CacheEntryGoneError, CacheEntryInUseError, EngineCache, EntryHold, engine_key, is_held
 from kiln.engines.cache.layout import LAST_USED
+from kiln.runtime.cache_hold import IN_USE_LOCK, hold_if_cached
 from tests.subprocess_env import repo_env
 
 
@@ -110,6 +111,17 @@ def test_holding_an_evicted_entry_fails_clearly(tmp_path):
     cache.entries.remove(a)
     with pytest.raises(CacheEntryGoneError, match="build it again"):
         EntryHold(entry)
+
+
+def test_an_entry_that_lost_its_in_use_lock_is_held_again_and_then_never_evicted(tmp_path):
+    cache = EngineCache.open(tmp_path / "c", max_entries=1)
+    a = add(cache, "a")
+    (cache.entries.entry_dir(a) / IN_USE_LOCK).unlink()
+    hold = hold_if_cached(cache.entries.payload_dir(a))
+    assert hold is not None and is_held(cache.entries.entry_dir(a))
+    add(cache, "b")
+    assert names(cache) == {"a", "b"}
+    hold.release()
 
 
 def test_a_forced_rebuild_of_a_held_entry_keeps_the_old_files_until_released(tmp_path):

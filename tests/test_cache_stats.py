@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from kiln.engines.cache import StatsDB
 from kiln.engines.cache.stats import percentile
@@ -99,3 +102,37 @@ def test_a_corrupt_statistics_or_memo_database_is_moved_aside_and_the_cache_keep
     aside = [p for p in (root / "v1").iterdir() if p.name.startswith(f"{name}.corrupt-")]
     assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not a database")
     assert "not a usable SQLite database" in caplog.text
+
+
+class FullDisk(sqlite3.Connection):
+    """A connection to a database on a full disk: it reads, and every write fails as SQLite's does then."""
+
+    def execute(self, sql: str, *args) -> sqlite3.Cursor:
+        if sql.startswith(("INSERT", "DELETE")):
+            raise sqlite3.OperationalError("database or disk is full")
+        return super().execute(sql, *args)
+
+    def executemany(self, sql: str, *args) -> sqlite3.Cursor:
+        return self.execute(sql) if sql.startswith("INSERT") else super().executemany(sql, *args)
+
+
+def test_a_full_disk_under_the_statistics_warns_once_and_rm_and_builds_go_on(tmp_path, caplog, monkeypatch):
+    from kiln.engines.cache import EngineCache, engine_key
+    from kiln.engines.cache import db as cache_db
+    from kiln.pipeline.cache_commands import cache_app
+
+    cache = EngineCache.open(tmp_path / "cache")
+    materials = [{"key_schema": 1, "kind": "engine", "model": name} for name in ("a", "b")]
+    keys = [engine_key(m) for m in materials]
+
+    def build(out: Path) -> dict:
+        (out / "engine.json").write_text("{}")
+        return {}
+
+    cache.entries.get_or_build(keys[0], materials[0], build)
+    monkeypatch.setattr(sqlite3, "connect", functools.partial(sqlite3.connect, factory=FullDisk))
+    monkeypatch.setattr(cache_db, "_warned", set())
+    assert not cache.entries.get_or_build(keys[1], materials[1], build).hit
+    assert CliRunner().invoke(cache_app, ["rm", keys[0], "--cache-dir", str(cache.root)]).exit_code == 0
+    assert cache.entries.list_keys() == [keys[1]]
+    assert caplog.text.count(f"{cache.stats.path}: cannot be used (database or disk is full)") == 1

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+from safetensors import SafetensorError
 
-from kiln.engines.cache import CacheEntryNotFoundError, EngineCache, InvalidCacheKeyError, engine_key
+from kiln.engines.cache import CacheEntryNotFoundError, CacheRootError, EngineCache, InvalidCacheKeyError, engine_key
 from kiln.engines.cache.layout import payload_path
 from kiln.engines.cache.verify import verify_entry
 
@@ -129,6 +132,35 @@ def test_truncated_file_is_a_corrupt_miss_then_quarantined_and_rebuilt(cache):
     assert len(quarantined) == 1 and "rank0.safetensors" in (quarantined[0] / "quarantine_reason.txt").read_text()
     assert cache.stats.summary("entries")["misses_by_reason"]["corrupt"] == 1
     assert cache.entries.get_or_build(key, m, build).hit
+
+
+@pytest.mark.parametrize("damage", ["a link loop", "a file"])
+def test_a_folder_of_an_entry_that_cannot_be_read_is_corrupt_then_quarantined_and_rebuilt(cache, damage):
+    m, build = material(), FakeBuild()
+    key = engine_key(m)
+    weights = cache.entries.get_or_build(key, m, build).payload_dir / "weights"
+    shutil.rmtree(weights)
+    weights.symlink_to(weights) if damage == "a link loop" else weights.write_text("not a folder")
+    verdict = verify_entry(cache.entries, key)
+    assert not verdict.ok and f"{weights / 'rank0.safetensors'}: unreadable (" in verdict.problems[0]
+    assert cache.entries.lookup(key, m, record=False).reason == "corrupt"
+    assert (cache.entries.get_or_build(key, m, build).reason, build.calls) == ("corrupt", 2)
+    assert cache.entries.get_or_build(key, m, build).hit
+
+
+@pytest.mark.parametrize("full", [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), SafetensorError(
+    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')])
+def test_a_build_that_fills_the_disk_is_one_clear_error_and_leaves_nothing_behind(cache, full):
+    key = engine_key(material())
+
+    def fills_the_disk(out: Path) -> dict:
+        (out / "engine.json").write_text("{}")
+        raise full
+
+    with pytest.raises(CacheRootError, match=rf"engine {key[:12]}: no room to write it under {cache.root} \(No "
+                                             rf"space left on device\); free space with `kiln cache prune --max-size"):
+        cache.entries.get_or_build(key, material(), fills_the_disk)
+    assert list((cache.v1 / "tmp").iterdir()) == [] and not cache.entries.entry_dir(key).exists()
 
 
 def test_missing_manifest_is_corrupt(cache):

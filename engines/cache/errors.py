@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kiln.runtime.cache_hold import CacheCorruptError, CacheEntryGoneError
 from kiln.runtime.errors import KilnError
 
-__all__ = ["CacheCorruptError", "CacheEntryGoneError", "CacheEntryInUseError", "CacheEntryNotFoundError",
-           "CacheRootError", "CacheUsageError", "CheckpointHashError", "InvalidCacheKeyError"]
+__all__ = ["CacheCorruptError", "CacheDatabaseError", "CacheEntryGoneError", "CacheEntryInUseError",
+           "CacheEntryNotFoundError", "CacheRootError", "CacheUsageError", "CheckpointHashError",
+           "InvalidCacheKeyError"]
 
 
 class InvalidCacheKeyError(KilnError):
@@ -22,7 +25,8 @@ class CacheEntryInUseError(KilnError):
 
 
 class CacheRootError(KilnError):
-    """A cache root that is no cache: not a folder, not writable, or (for a command that only reads) not there."""
+    """A cache root that is no cache: not a folder, not writable (or full), or (for a command that only reads) not
+    there."""
 
 
 class CacheUsageError(KilnError):
@@ -31,3 +35,12 @@ class CacheUsageError(KilnError):
 
 class CheckpointHashError(KilnError):
     """A checkpoint directory that cannot be content-hashed (missing, no safetensors weights, pickle only)."""
+
+
+class CacheDatabaseError(KilnError):
+    """The statistics or hash-memo database cannot be opened or written (a full disk, an I/O error, read-only)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: cannot be used ({reason}); free space on its disk (`kiln cache prune --max-size "
+                         f"SIZE`) or make it writable")
+        self.path = path

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.engines.cache.db import connect, ensure_schema
+from kiln.engines.cache.db import connect, ensure_schema, expendable
 from kiln.engines.cache.errors import CheckpointHashError
 
 WEIGHT_SUFFIXES = (".safetensors",)
@@ -155,13 +155,16 @@ def _identity(path: Path) -> Identity:
 
 
 class _SqliteMemo:
-    """Persistent file-hash memo: one row per real path, replaced when the file's identity changes."""
+    """Persistent file-hash memo: one row per real path, replaced when the file's identity changes; files are hashed
+    again, with one warning, while it cannot be used (a full disk)."""
 
+    @expendable(lambda: None)
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         ensure_schema(path, _MEMO_SCHEMA)
 
+    @expendable(dict)
     def get_many(self, idents: list[Identity]) -> dict[Identity, str]:
         """The memoised hashes of those file identities that are still current."""
         found = {}
@@ -173,6 +176,7 @@ class _SqliteMemo:
                     found[ident] = row[0]
         return found
 
+    @expendable(lambda: None)
     def put(self, rows: dict[Identity, str]) -> None:
         with connect(self.path, _MEMO_SCHEMA) as db:
             db.executemany("INSERT OR REPLACE INTO file_sha256 VALUES (?, ?, ?, ?, ?, ?)",

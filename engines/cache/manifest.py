@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
@@ -128,17 +129,26 @@ def entry_size(entry: Path, manifest: dict | None = None) -> int:
 
 
 def _problem_of(path: Path, item: dict, digest: Callable[[Path], str] | None) -> list[str]:
+    """What is wrong with one listed file, as ``["<path>: <problem>"]`` (empty when nothing is); a path that cannot
+    be read (a link loop or a file where a folder was, no permission) is a problem, never an error."""
     try:
-        st = os.lstat(path)
+        problem = _mismatch(path, item, digest)
     except FileNotFoundError:
-        return [f"{path}: missing"]
-    if not os.path.isfile(path) or os.path.islink(path):
-        return [f"{path}: not a regular file"]
+        problem = "missing"
+    except OSError as exc:
+        problem = f"unreadable ({exc.strerror or exc})"
+    return [f"{path}: {problem}"] if problem else []
+
+
+def _mismatch(path: Path, item: dict, digest: Callable[[Path], str] | None) -> str | None:
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
     if st.st_size != item.get("size"):
-        return [f"{path}: {st.st_size} bytes, manifest says {item.get('size')}"]
+        return f"{st.st_size} bytes, manifest says {item.get('size')}"
     if digest is not None and digest(path) != item.get("sha256"):
-        return [f"{path}: sha256 differs from the manifest (content changed)"]
-    return []
+        return "sha256 differs from the manifest (content changed)"
+    return None
 
 
 def safe_relpath(rel: object) -> bool:

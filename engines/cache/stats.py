@@ -10,7 +10,7 @@ import math
 import time
 from pathlib import Path
 
-from kiln.engines.cache.db import connect, ensure_schema
+from kiln.engines.cache.db import connect, ensure_schema, expendable
 
 MISS_REASONS = ("new", "evicted", "corrupt", "incompatible")
 REMOTE_HIT = "remote hit"  # a lookup that missed here and was pulled from the remote tier
@@ -33,13 +33,16 @@ def percentile(sorted_values: list[float], p: float) -> float | None:
 
 
 class StatsDB:
-    """Append-only event log of one cache root, safe for concurrent writers."""
+    """Append-only event log of one cache root, safe for concurrent writers. Recording goes on without the database
+    when it cannot be written (a full disk: one warning); only ``summary`` and ``zero`` then fail."""
 
+    @expendable(lambda: None)
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         ensure_schema(self.path, _SCHEMA)
 
+    @expendable(lambda: None)
     def _append(self, event: str, store: str, key: str | None = None, outcome: str | None = None,
                 value: float | None = None, size: int | None = None, detail: str | None = None) -> None:
         with connect(self.path, _SCHEMA) as db:
@@ -47,6 +50,7 @@ class StatsDB:
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                        (time.time(), event, store, key, outcome, value, size, detail))
 
+    @expendable(lambda: None)
     def record_lookup(self, store: str, key: str, reason: str, build_seconds_saved: float = 0.0,
                       size: int = 0) -> None:
         """One lookup: ``reason`` is ``hit``, ``remote hit`` or a miss reason; a hit of either kind saves the entry's
@@ -65,6 +69,7 @@ class StatsDB:
         """One load of an entry by a runtime, with its latency."""
         self._append("load", store, key, "ok", ms)
 
+    @expendable(lambda: None)
     def record_store(self, store: str, key: str, size: int, build_seconds: float) -> None:
         """A newly published entry (its key is remembered as once published)."""
         now = time.time()
@@ -85,6 +90,7 @@ class StatsDB:
         """A corrupt entry moved aside to v1/quarantine."""
         self._append("quarantine", store, key, "corrupt", detail=detail)
 
+    @expendable(lambda: None)
     def record_remote(self, store: str, key: str, event: str, outcome: str, seconds: float = 0.0, size: int = 0,
                       detail: str | None = None) -> None:
         """A remote transfer: ``pull`` (``hit``, ``miss``, ``corrupt``, ``error``) or ``push`` (``pushed``,
@@ -97,11 +103,13 @@ class StatsDB:
             if event == "pull" and outcome == "hit":
                 db.execute("INSERT OR IGNORE INTO published VALUES (?, ?, ?)", (store, key, now))
 
+    @expendable(lambda: False)
     def was_published(self, store: str, key: str) -> bool:
         """Whether an entry for this key was ever published here (so its absence means it was removed)."""
         with connect(self.path, _SCHEMA) as db:
             return db.execute("SELECT 1 FROM published WHERE store=? AND key=?", (store, key)).fetchone() is not None
 
+    @expendable(dict)
     def hits_by_key(self) -> dict[tuple[str, str], int]:
         """Hit counts per (store, key) since the last ``zero``, pulls from the remote tier included (as ``summary``
         counts them)."""

@@ -7,6 +7,7 @@ work: a reader never sees a half-written entry because nothing but a complete on
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from kiln.engines.cache.errors import (
     CacheCorruptError,
     CacheEntryInUseError,
     CacheEntryNotFoundError,
+    CacheRootError,
     CacheUsageError,
     InvalidCacheKeyError,
 )
@@ -57,6 +59,7 @@ from kiln.engines.cache.units import iso_utc
 from kiln.runtime.cache_hold import IN_USE_LOCK
 
 WAIT_NOTE_EVERY_S = 30.0
+_FULL_WORDS = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))  # "No space left on device", "Disk quota ..."
 
 VerifyOnLoad = Literal["size", "changed", "hash"]  # "changed": re-hash the files changed since they were last hashed
 
@@ -316,12 +319,16 @@ class ContentStore:
         """Publish what ``fill(tmp_entry_dir) -> manifest`` writes (a payload and its manifest, last) as entry
         ``key``; nothing is left behind when it fails."""
         tmp = self.v1 / "tmp" / f"{self.name}.{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        (tmp / self.payload_name).mkdir(parents=True)
         try:
+            (tmp / self.payload_name).mkdir(parents=True)
             manifest = fill(tmp)
             entry_dir = self._publish(tmp, key)
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
+            if reason := disk_full(exc):
+                raise CacheRootError(f"{self.label} {key[:12]}: no room to write it under {self.v1.parent} "
+                                     f"({reason}); free space with `kiln cache prune --max-size SIZE` or point "
+                                     f"$KILN_CACHE at a larger disk") from None
             raise
         # every file was hashed (sealed or checked): "changed" lookups of the entry only stat them until one changes
         payload = entry_dir / self.payload_name
@@ -545,6 +552,18 @@ class ContentStore:
 def utc_now() -> str:
     """The time now as manifests and corruption marks record it (ISO 8601, UTC)."""
     return iso_utc(time.time())
+
+
+def disk_full(exc: BaseException) -> str | None:
+    """Why ``exc``, or an error it was raised from, means the disk or the user's quota is full (None when not):
+    ENOSPC or EDQUOT, or a writer's error that only says so in words (safetensors' "No space left on device")."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return os.strerror(exc.errno)
+        if isinstance(exc, Exception) and (words := next((w for w in _FULL_WORDS if w in str(exc)), None)):
+            return words
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def complete_key(prefix: str, stores: list[ContentStore], what: str = "") -> str:
