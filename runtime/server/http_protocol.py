@@ -12,6 +12,7 @@ Without httptools (uvicorn's fast parser, in the serve extra) h11 runs, bounded 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
@@ -39,6 +40,31 @@ def http_protocol_options(head_timeout_s: float = HEAD_TIMEOUT_S, body_timeout_s
     return {"http": _bounded(HttpToolsProtocol, head_timeout_s, body_timeout_s)}
 
 
+class _Deadline:
+    """A timer on ``loop`` that calls ``on_expiry`` ``seconds`` after its last ``start``, unless stopped first."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float, on_expiry: Callable[[], None]) -> None:
+        self._loop, self._seconds, self._on_expiry = loop, seconds, on_expiry
+        self._handle: asyncio.TimerHandle | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._handle is not None
+
+    def start(self) -> None:
+        self.stop()
+        self._handle = self._loop.call_later(self._seconds, self._expire)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _expire(self) -> None:
+        self._handle = None
+        self._on_expiry()
+
+
 def _bounded(base: type, head_timeout_s: float, body_timeout_s: float) -> type:
     too_slow = _plain_response(b"408 Request Timeout", f"the request body paused for more than {body_timeout_s:g} s: "
                                                        f"send it without pausing")
@@ -48,28 +74,29 @@ def _bounded(base: type, head_timeout_s: float, body_timeout_s: float) -> type:
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
-            self._head_bytes, self._head_raw, self._answered, self._head_deadline = 0, 0, False, None
-            self._began, self._body_deadline = False, None
-            self._start_head()  # a connection that never sends a byte is cut off too
+            self._head_bytes, self._head_raw, self._answered, self._began = 0, 0, False, False
+            self._head = _Deadline(self.loop, head_timeout_s, self._head_too_slow)
+            self._body = _Deadline(self.loop, body_timeout_s, self._body_too_slow)
+            self._head.start()  # a connection that never sends a byte is cut off too
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._end_head()
-            self._end_body()
+            self._head.stop()
+            self._body.stop()
             super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._head_bytes = self._head_raw = 0
             self._began = True  # the chunk being read ended another message: its bytes are not all head bytes
-            self._start_head()
+            self._head.start()
 
         def data_received(self, data: bytes) -> None:
-            in_head = self._head_deadline is not None  # a head under way before this chunk
+            in_head = self._head.running  # a head under way before this chunk
             self._began = False
             super().data_received(data)
             # httptools joins a header's pieces until it ends, so on_header never sees a huge unfinished one: count
             # the raw bytes of each later chunk that leaves the head unfinished
-            if in_head and not self._began and self._head_deadline is not None and not self._answered:
+            if in_head and not self._began and self._head.running and not self._answered:
                 self._head_raw += len(data)
                 if self._head_raw > MAX_HEAD_BYTES:
                     self._refuse()
@@ -83,17 +110,17 @@ def _bounded(base: type, head_timeout_s: float, body_timeout_s: float) -> type:
             super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
-            self._end_head()
+            self._head.stop()
             super().on_headers_complete()
             if not (self.parser.should_upgrade() and self._should_upgrade()):  # a WebSocket's is not a body
-                self._start_body()  # on_message_complete ends it, at once for a request without a body
+                self._body.start()  # on_message_complete ends it, at once for a request without a body
 
         def on_body(self, body: bytes) -> None:
             super().on_body(body)
-            self._start_body()
+            self._body.start()
 
         def on_message_complete(self) -> None:
-            self._end_body()
+            self._body.stop()
             super().on_message_complete()
 
         def send_400_response(self, msg: str) -> None:
@@ -108,39 +135,19 @@ def _bounded(base: type, head_timeout_s: float, body_timeout_s: float) -> type:
 
         def _refuse(self) -> None:
             self._answered = True
-            self._end_head()
+            self._head.stop()
             self.transport.write(_TOO_LARGE)
             self.transport.close()
 
-        def _start_head(self) -> None:
-            self._end_head()
-            self._head_deadline = self.loop.call_later(head_timeout_s, self._head_too_slow)
-
-        def _end_head(self) -> None:
-            if self._head_deadline is not None:
-                self._head_deadline.cancel()
-                self._head_deadline = None
-
         def _head_too_slow(self) -> None:
-            self._head_deadline = None
             if not self.transport.is_closing():
                 self.transport.close()
 
-        def _start_body(self) -> None:
-            self._end_body()
-            self._body_deadline = self.loop.call_later(body_timeout_s, self._body_too_slow)
-
-        def _end_body(self) -> None:
-            if self._body_deadline is not None:
-                self._body_deadline.cancel()
-                self._body_deadline = None
-
         def _body_too_slow(self) -> None:
-            self._body_deadline = None
             if self.transport.is_closing():
                 return
             if self.flow.read_paused or self.cycle.waiting_for_100_continue:  # the server, not the client, is behind
-                self._start_body()
+                self._body.start()
                 return
             if not self.cycle.response_started:
                 self.transport.write(too_slow)
