@@ -5,7 +5,7 @@ CLI takes the object.
 - ``KILN_KERNELS``: ``triton`` (default) or ``torch`` (``RuntimeOptions.kernels``)
 - ``KILN_CUDA_GRAPHS``: ``1`` or ``0`` (default: on where the Triton kernels run)
 - ``KILN_CUDA_GRAPH_CAPTURE``: ``deferred`` or ``at_load`` (default: deferred on one GPU, at load for tensor parallel)
-- ``KILN_OVERLAP_STEPS``: ``1`` (default) or ``0``
+- ``KILN_OVERLAP_STEPS``: ``1`` or ``0`` (default: on a GPU only)
 - ``KILN_PDL``: ``1`` (default) or ``0``
 - ``KILN_ATTENTION_FP8_PV``: ``1`` (default) or ``0`` (decode attention's p @ v in FP8 over an FP8 cache)
 - ``KILN_LINEAR_MAX_M``: a positive integer (default: the crossover each engine's build measured)

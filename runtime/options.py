@@ -39,7 +39,8 @@ class RuntimeOptions:
       every graph during ``LLM.load`` (seconds more), so no step ever pays for a capture. None: deferred on one
       GPU; a tensor-parallel engine captures at load (its ranks capture together) and refuses ``"deferred"``.
     - ``overlap_steps``: queue the next step on the device before reading the current step's tokens, so the host's
-      scheduling overlaps the device's work.
+      scheduling overlaps the device's work. None: on a GPU only; on a CPU the step queued ahead runs before the
+      current step's tokens are returned, which delays every token by a step (True still turns it on there).
     - ``pdl``: launch the Triton kernels of small batches (up to 16 tokens) with programmatic dependent launch on
       compute capability 9.0 and later.
     - ``attention_fp8_pv``: decode attention over an FP8 KV cache multiplies the probabilities by V in FP8 (E4M3
@@ -68,7 +69,7 @@ class RuntimeOptions:
     kernels: Kernels = "triton"
     cuda_graphs: bool | None = None
     cuda_graph_capture: GraphCapture | None = None
-    overlap_steps: bool = True
+    overlap_steps: bool | None = None
     pdl: bool = True
     attention_fp8_pv: bool = True
     linear_max_m: int | None = None
@@ -81,9 +82,10 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         for name in ("overlap_steps", "pdl", "attention_fp8_pv", "engine_process", "cuda_graphs"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (name == "cuda_graphs" and value is None):
+            optional = name in ("cuda_graphs", "overlap_steps")
+            if not isinstance(value, bool) and not (optional and value is None):
                 raise RuntimeOptionsError(f"{name} {value!r} must be True or False"
-                                          f"{', or None for the default' if name == 'cuda_graphs' else ''}")
+                                          f"{', or None for the default' if optional else ''}")
         if self.kernels not in KERNELS:
             raise RuntimeOptionsError(f"kernels {self.kernels!r} must be one of {', '.join(KERNELS)}")
         share = self.gpu_memory_utilization

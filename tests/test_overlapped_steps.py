@@ -103,3 +103,13 @@ def test_aborting_a_request_while_a_step_is_queued_leaves_the_others_unchanged(e
     assert got["1"].finish_reason == "abort" and len(got["1"].token_ids) < 15
     assert summary({rid: got[rid] for rid in ("0", "2")}) == summary({rid: expected[rid] for rid in ("0", "2")})
     assert overlapped.stats.num_steps_queued_ahead > 0 and all_blocks_free(overlapped)
+
+
+@pytest.mark.parametrize(("overlap", "queued_ahead"), [(None, False), (True, True)])
+def test_a_cpu_engine_returns_each_steps_tokens_before_computing_the_next_unless_told(engine_dir, overlap,
+                                                                                      queued_ahead):
+    # on a CPU a step "queued ahead" runs at once, before the current step's tokens are returned: a step of delay
+    engine = NativeEngine(engine_dir, RuntimeOptions(overlap_steps=overlap))
+    engine.add_request(engine.make_request("0", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
+    assert [len(delta.token_ids) for delta in engine.step()] == [1]
+    assert (engine._in_flight is not None) is queued_ahead

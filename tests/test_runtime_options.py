@@ -10,7 +10,7 @@ from kiln.runtime.options import RuntimeOptions, RuntimeOptionsError
 
 def test_defaults_are_what_the_performance_figures_were_measured_with():
     options = RuntimeOptions()
-    assert (options.kernels, options.overlap_steps, options.pdl) == ("triton", True, True)
+    assert (options.kernels, options.overlap_steps, options.pdl) == ("triton", None, True)
     assert options.device is None and options.linear_max_m is None and options.num_kv_blocks is None
     assert options.captures_cuda_graphs and options.changed() == []
     assert RuntimeOptions(kernels="torch", pdl=False).changed() == ["kernels='torch'", "pdl=False"]

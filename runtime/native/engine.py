@@ -74,7 +74,9 @@ class NativeEngine:
         self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
         self.stats = EngineStats()
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
-        self.overlap_steps = options.overlap_steps  # queue the next step before reading this one's tokens
+        # queue the next step before reading this one's tokens: on a GPU, where the host schedules while it computes
+        overlap = options.overlap_steps
+        self.overlap_steps = self.device.type == "cuda" if overlap is None else overlap
         self._in_flight: LaunchedStep | None = None  # a step queued on the device, collected by the next step()
 
     def close(self) -> None:
