@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import importlib
 
-from kiln.runtime.errors import KilnError
+from kiln.runtime.errors import InvalidRequestError, KilnError, SamplingError
 
-__all__ = ["LLM", "KilnError", "RequestOutput", "RuntimeOptions", "SamplingParams", "StreamDelta", "StructuredOutput",
-           "TokenLogprob"]
+__all__ = ["LLM", "EngineClosedError", "InvalidRequestError", "KilnError", "RequestFailedError", "RequestOutput",
+           "RequestTooLongError", "RuntimeOptions", "SamplingError", "SamplingParams", "StreamDelta",
+           "StructuredOutput", "StructuredOutputError", "TokenLogprob"]
 
-_LAZY = {"LLM": "kiln.runtime.llm", "RequestOutput": "kiln.runtime.outputs", "RuntimeOptions": "kiln.runtime.options",
-         "SamplingParams": "kiln.runtime.sampling_params", "StreamDelta": "kiln.runtime.outputs",
-         "StructuredOutput": "kiln.runtime.structured_output", "TokenLogprob": "kiln.runtime.outputs"}
+_LAZY = {"LLM": "kiln.runtime.llm", "EngineClosedError": "kiln.runtime.llm", "RequestOutput": "kiln.runtime.outputs",
+         "RequestFailedError": "kiln.runtime.outputs", "RequestTooLongError": "kiln.runtime.limits",
+         "RuntimeOptions": "kiln.runtime.options", "SamplingParams": "kiln.runtime.sampling_params",
+         "StreamDelta": "kiln.runtime.outputs", "StructuredOutput": "kiln.runtime.structured_output",
+         "StructuredOutputError": "kiln.runtime.structured_output", "TokenLogprob": "kiln.runtime.outputs"}
 
 
 def __getattr__(name: str) -> object:

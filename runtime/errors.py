@@ -28,3 +28,8 @@ class FingerprintMismatchError(KilnError):
 
 class InvalidRequestError(KilnError, ValueError):
     """A request that is malformed for this engine (bad token ids, text without a tokenizer)."""
+
+
+class SamplingError(KilnError):
+    """One request's next token could not be sampled (non-finite probabilities, a seed torch refuses); only that
+    request fails."""

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from kiln.runtime import LLM, KilnError, SamplingParams
-from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError
+from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError, SamplingError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.native.engine import InvalidRequestError
-from kiln.runtime.native.sampler import SamplingError
 from kiln.runtime.options import RuntimeOptions, RuntimeOptionsError
 from kiln.runtime.outputs import RequestFailedError
 from kiln.runtime.tokenizer import IncrementalDetokenizer

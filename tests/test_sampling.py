@@ -11,8 +11,9 @@ import tokenizers.processors
 import torch
 
 from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.errors import SamplingError
 from kiln.runtime.native.logit_controls import apply_logit_controls
-from kiln.runtime.native.sampler import Sampler, SamplingError, apply_top_k_top_p, request_generator
+from kiln.runtime.native.sampler import Sampler, apply_top_k_top_p, request_generator
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.model_factories import build_tiny_engine

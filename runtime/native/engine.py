@@ -6,7 +6,7 @@ import logging
 import time
 from pathlib import Path
 
-from kiln.runtime.errors import InvalidRequestError, KilnError
+from kiln.runtime.errors import InvalidRequestError, KilnError, SamplingError
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.native.block_manager import BlockManager
 from kiln.runtime.native.engine_format import EngineConfig
@@ -15,7 +15,6 @@ from kiln.runtime.native.grammar import Grammars, advance_matcher
 from kiln.runtime.native.model_runner import LaunchedStep, ModelRunner
 from kiln.runtime.native.parallel.group import TensorParallelError
 from kiln.runtime.native.parallel.launch import TensorParallelRanks
-from kiln.runtime.native.sampler import SamplingError
 from kiln.runtime.native.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.options import RuntimeOptions, RuntimeOptionsError
 from kiln.runtime.outputs import (

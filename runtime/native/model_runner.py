@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.runtime.errors import KilnError
+from kiln.runtime.errors import KilnError, SamplingError
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.decode_graphs import maybe_decode_graphs
 from kiln.runtime.native.device_copy import device_tensor
@@ -38,7 +38,7 @@ from kiln.runtime.native.prompt_logprobs import (
     prompt_positions,
     wants_prompt_logprobs,
 )
-from kiln.runtime.native.sampler import Draw, Sampler, SamplingError
+from kiln.runtime.native.sampler import Draw, Sampler
 from kiln.runtime.native.scheduler import SchedulerOutput
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import TokenLogprob

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kiln.runtime.errors import KilnError
+from kiln.runtime.errors import SamplingError
 from kiln.runtime.native.device_copy import device_tensor
 from kiln.runtime.native.grammar import Grammars, apply_token_bitmask
 from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
@@ -26,11 +26,6 @@ from kiln.runtime.native.logit_controls import UnseenTokens, apply_logit_control
 from kiln.runtime.native.logprob_rows import chosen_logprobs, token_logprobs
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sequence import Sequence
-
-
-class SamplingError(KilnError):
-    """One request's next token could not be sampled (non-finite probabilities, a seed torch refuses); only that
-    request fails."""
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
