@@ -31,6 +31,16 @@ def http(server):
         yield http
 
 
+def test_every_route_the_server_serves_is_counted_under_its_own_endpoint_label(server):
+    from fastapi.routing import APIRoute
+
+    from kiln.runtime.server.metrics import endpoint_label
+
+    paths = {route.path_format for route in server.app.routes if isinstance(route, APIRoute)}
+    assert "/tokenizer_info" in paths
+    assert {path: endpoint_label(path) for path in paths if "{" not in path} == {p: p for p in paths if "{" not in p}
+
+
 def test_tokenize_and_detokenize_round_trip_a_prompt_and_render_messages(http, llm):
     tokens = http.post("/tokenize", json={"prompt": "Once upon a time"}).json()
     assert tokens["tokens"] == llm.tokenizer.encode("Once upon a time")
