@@ -15,6 +15,7 @@ from rich.text import Text
 from kiln.engines.cache import CacheCorruptError, CacheUsageError, EngineCache
 from kiln.engines.cache import inspect as cache_inspect
 from kiln.engines.cache.engine_cache import read_remote
+from kiln.engines.cache.remote.maintenance import PRUNE_GRACE_S
 from kiln.engines.cache.remote.spec import RemoteSpec
 from kiln.engines.cache.remote.tier import RemoteTier
 from kiln.engines.cache.units import (
@@ -233,8 +234,9 @@ def prune(
     older_than: Annotated[str | None, typer.Option(help="Remove entries not used for this long (30d).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")] = False,
     remote: RemoteOpt = False,
-    grace: Annotated[str, typer.Option(help="With --remote: keep entries used, and files written, more recently "
-                                            "than this (a pull or push may be in flight).")] = "1h",
+    grace: Annotated[str | None, typer.Option(help="With --remote: keep entries used, and files written, more "
+                                                   "recently than this (a pull or push may be in flight; default "
+                                                   "1h).")] = None,
     cache_dir: CacheDirOpt = None, config: ConfigOpt = None, json_out: JsonOpt = False,
 ) -> None:
     """Remove old or least recently used entries (default: down to the configured limits), never one in use. With
@@ -243,9 +245,11 @@ def prune(
     older_than_s = parse_duration(older_than) if older_than else None
     if remote:
         cache_remote.prune(_remote_tier(cache_dir, config), max_size_bytes=max_size_bytes,
-                           older_than_s=older_than_s, dry_run=dry_run, grace_s=parse_duration(grace),
-                           json_out=json_out)
+                           older_than_s=older_than_s, dry_run=dry_run,
+                           grace_s=parse_duration(grace) if grace is not None else PRUNE_GRACE_S, json_out=json_out)
         return
+    if grace is not None:
+        raise CacheUsageError("--grace applies to --remote only: a local prune never removes an entry in use")
     report = cache_inspect.prune(_open(cache_dir, config), max_size_bytes=max_size_bytes,
                                  older_than_s=older_than_s, dry_run=dry_run)
     if json_out:

@@ -131,6 +131,8 @@ def test_prune_older_than_with_dry_run(cache):
     dry = json.loads(kiln_cache(cache.root, "prune", "--older-than", "30d", "--dry-run", "--json").stdout)
     assert [r["key"] for r in dry["removed"]] == [old] and dry["dry_run"]
     assert cache.entries.list_keys() == sorted([old, recent])
+    grace = kiln_cache(cache.root, "prune", "--older-than", "30d", "--grace", "2h")  # refused, not ignored
+    assert grace.exit_code == 2 and "--grace applies to --remote only" in grace.stderr
     done = kiln_cache(cache.root, "prune", "--older-than", "30d")
     assert done.exit_code == 0 and f"removed {old}" in done.stdout
     assert cache.entries.list_keys() == [recent]
