@@ -215,6 +215,9 @@ def test_nominal_bandwidth_of_known_gpus():
 def test_fp8_kv_cache_without_fp8_weights_is_a_usage_error():
     code, out, err = run_bench("configs/models/llama3-8b.json", "--kv-cache-dtype", "fp8")
     assert code == 2 and out == "" and "--kv-cache-dtype fp8 needs --format fp8 or int4_awq" in err
+    code, out, err = run_bench("tiny-llama-fp8.yaml", "--kv-cache-dtype", "fp8")  # a config sets its own
+    assert code == 2 and "a config's quantize.kv_cache_dtype sets its own, so leave the flag out" in " ".join(
+        err.replace("│", "").split())
 
 
 def test_unknown_peer_is_a_usage_error():

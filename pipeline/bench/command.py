@@ -75,7 +75,8 @@ def bench(
         raise typer.BadParameter("--peer-attn sets the peer's attention: it needs --peer")
     if kv_cache_dtype == "fp8" and fmt not in ("fp8", "int4_awq"):
         raise typer.BadParameter("--kv-cache-dtype fp8 needs --format fp8 or int4_awq (an FP8 KV cache is calibrated "
-                                 "with the quantized weights)")
+                                 "with the quantized weights), and like them applies to architecture files: a "
+                                 "config's quantize.kv_cache_dtype sets its own, so leave the flag out")
     if random_quantized and peer is not None:
         raise typer.BadParameter("--random-quantized writes a checkpoint only Kiln reads (modelopt's FP8 layout); "
                                  "leave out --peer")
