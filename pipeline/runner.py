@@ -67,6 +67,8 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
     loaded = load_config(config)
     choice = choose_backend(backend or loaded.config.build.backend, loaded.config.build.device)
     require_device(choice)
+    # settings the engine would refuse at its load (the smoke stage's), refused before anything is built
+    options.check_applies((options.device or choice.device).partition(":")[0], loaded.config.build.tp_size)
     if choice.backend == "native":
         with _at_its_line(loaded):
             refuse_parallelism(loaded.config.build.pp_size)

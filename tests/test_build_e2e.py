@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln.engines.cache import engine_key
 from tests.calibration_factories import quick_fp8_config
@@ -50,6 +51,14 @@ def test_dry_run_prints_plan_key_and_material_without_running(cache):
     assert material["checkpoint"] and material["build"]["max_seq_len"] == 512
     assert material["hardware"]["device"] in ("cpu", "cuda")
     assert not (cache / "v1" / "entries").exists() or not any((cache / "v1" / "entries").iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tiny config builds for CUDA, whose settings apply")
+def test_a_cuda_setting_on_a_cpu_build_is_refused_by_the_dry_run_before_anything_is_built(tmp_path):
+    proc = kiln("build", "configs/tiny-llama-bf16.yaml", "--dry-run", cache=tmp_path / "cache",
+                env={"KILN_GPU_MEMORY_UTILIZATION": "0.9"})
+    assert proc.returncode == 2 and "gpu_memory_utilization=0.9: CUDA settings" in proc.stderr
+    assert not (tmp_path / "cache" / "v1" / "entries").exists()
 
 
 def test_a_dry_run_refuses_an_architecture_of_no_supported_family_naming_the_supported_ones(tmp_path):
