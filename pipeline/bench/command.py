@@ -66,7 +66,8 @@ def bench(
                                 "of KILN_CACHE's, e.g. in /dev/shm when the disk holds the engine but not both "
                                 "(Llama-3-70B FP8: 72 GB each).")] = None,
     max_batch_size: Annotated[int | None, typer.Option("--max-batch-size", min=1, help="The most requests an "
-                              "architecture file's engine runs at once (default 512, or a --suite row's own).")] = None,
+                              "architecture file's engine runs at once (default: --prompts, at most 512; a --suite "
+                              "row's own).")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the prompts and of random weights.")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")] = False,
 ) -> None:
