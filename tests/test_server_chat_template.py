@@ -80,3 +80,45 @@ def test_generation_blocks_of_assistant_only_training_render_their_contents_as_t
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     rendered, _ = render_jinja_template([messages], chat_template=source)
     assert ChatTemplate(source, {}).render(messages) == rendered[0] == "<u>hi</u><a>hello</a>"
+
+
+@pytest.mark.parametrize(("source", "parts"), [
+    ("{% for m in messages %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endfor %}", True),
+    ("{% set loop_messages = messages[1:] %}{% for m in loop_messages %}"  # a VLM's, after its system message
+     "{% for part in m.content | selectattr('type', 'equalto', 'text') %}{{ part.text }}{% endfor %}{% endfor %}",
+     True),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
+    ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"  # Qwen2-VL's: both
+     "{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endif %}{% endfor %}", False),
+], ids=["parts", "parts-after-the-system-message", "string", "either"])
+def test_a_template_that_loops_over_content_parts_gets_the_text_as_a_part(source, parts):
+    template = ChatTemplate(source, {})
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": ""}]
+    assert template.content_parts is parts
+    assert template.render(messages).endswith("hi")
+
+
+def test_documents_and_reasoning_effort_reach_the_template_under_the_requests_kwargs():
+    from types import SimpleNamespace
+
+    from pydantic import ValidationError
+
+    from kiln.runtime.server.chat import render_chat, template_variables
+    from kiln.runtime.server.protocol import ChatCompletionRequest
+
+    source = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+              "{{ reasoning_effort | default('-') }} {{ enable_thinking | default('-') }}")
+    model = SimpleNamespace(chat_template=ChatTemplate(source, {}))
+
+    def rendered(**fields) -> str:
+        request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+        return render_chat(model, request.messages, None, variables=template_variables(request))
+
+    assert rendered() == "- -"
+    assert rendered(documents=[{"title": "Kilns", "text": "hot"}], reasoning_effort="low") == "[Kilns: hot]low -"
+    assert rendered(reasoning_effort="none") == "none False"
+    assert rendered(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == "none True"
+    assert rendered(chat_template_kwargs={"documents": [{"title": "A", "text": "b"}]}) == "[A: b]- -"
+    with pytest.raises(ValidationError, match="documents"):
+        rendered(documents=[{"title": 1}])

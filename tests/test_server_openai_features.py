@@ -153,6 +153,15 @@ def test_fields_a_server_may_ignore_are_accepted_and_unknown_ones_still_refused(
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"not_a_field": 1})
 
 
+def test_responses_api_text_parts_in_chat_content_are_read_as_text(client):
+    def prompt_tokens(content) -> int:
+        return client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+            {"role": "user", "content": content}]).usage.prompt_tokens
+
+    parts = [{"type": "input_text", "text": "Tell me"}, {"type": "output_text", "text": "about kilns."}]
+    assert prompt_tokens(parts) == prompt_tokens("Tell me\nabout kilns.")
+
+
 def test_response_format_json_schema_parses_into_the_clients_pydantic_model(client):
     class Kiln(pydantic.BaseModel):
         name: str = pydantic.Field(max_length=10)

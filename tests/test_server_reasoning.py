@@ -241,3 +241,33 @@ def test_responses_take_chat_template_kwargs_and_reasoning_effort_none_turns_thi
     assert closed > thinking and input_tokens(reasoning={"effort": "none"}) == closed
     assert input_tokens(reasoning={"effort": "none"}, extra_body={"chat_template_kwargs": {"enable_thinking": True}}
                         ) == thinking  # what the request sets wins
+
+
+def test_chat_reasoning_effort_none_turns_thinking_off_as_the_responses_api_does(client):
+    def prompt_tokens(**kwargs) -> int:
+        response = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                                                     **kwargs)
+        assert "reasoning_effort" not in response.headers.get("Kiln-Ignored-Fields", "")
+        return response.parse().usage.prompt_tokens
+
+    closed = prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # the empty thought
+    assert prompt_tokens(reasoning_effort="none") == closed > prompt_tokens(reasoning_effort="high")
+    assert prompt_tokens(reasoning_effort="none", extra_body={"chat_template_kwargs": {"enable_thinking": True}}
+                         ) < closed  # what the request's kwargs set wins
+
+
+def test_an_earlier_thought_reaches_the_template_by_both_names_and_the_responses_effort_as_chats():
+    from types import SimpleNamespace
+
+    from kiln.runtime.server.chat import render_chat
+    from kiln.runtime.server.chat_template import ChatTemplate
+    from kiln.runtime.server.protocol import ChatMessage
+    from kiln.runtime.server.responses import chat_request
+    from kiln.runtime.server.responses_protocol import ResponsesRequest
+
+    model = SimpleNamespace(chat_template=ChatTemplate(
+        "{% for m in messages %}{{ m.reasoning }}|{{ m.reasoning_content }}{% endfor %}", {}))
+    earlier = ChatMessage(role="assistant", content="Oslo.", reasoning_content="Norway's capital.")
+    assert render_chat(model, [earlier], None) == "Norway's capital.|Norway's capital."
+    request = ResponsesRequest.model_validate({"model": MODEL, "input": "Oslo?", "reasoning": {"effort": "low"}})
+    assert chat_request(request).reasoning_effort == "low"

@@ -49,16 +49,27 @@ def _template_message(message: ChatMessage) -> dict:
         result["tool_calls"] = [{"id": call.id, "type": "function", "function": {
             "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
             for call in message.tool_calls]
-    if reasoning := message.reasoning_content or message.reasoning:  # Qwen3's and DeepSeek's templates read it
-        result["reasoning_content"] = reasoning
+    if reasoning := message.reasoning_content or message.reasoning:  # by both names, as vLLM passes it
+        result["reasoning"] = result["reasoning_content"] = reasoning
     return result
+
+
+def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The further chat template variables of a request, as vLLM passes them: its ``documents`` and
+    ``reasoning_effort`` (an effort of "none" also as ``enable_thinking`` false, Qwen3's switch), under what its
+    ``chat_template_kwargs`` set."""
+    fields = {"documents": req.documents, "reasoning_effort": req.reasoning_effort}
+    variables = {name: value for name, value in fields.items() if value is not None}
+    if req.reasoning_effort == "none":
+        variables["enable_thinking"] = False
+    return {**variables, **(req.chat_template_kwargs or {})}
 
 
 def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dict] | None,
                 add_generation_prompt: bool = True, variables: dict[str, Any] | None = None) -> str:
-    """The prompt text of ``messages`` (and ``tools``, and the request's ``chat_template_kwargs`` as ``variables``)
-    through the model's chat template (it writes BOS itself, as in transformers, so the text is tokenized without
-    special tokens)."""
+    """The prompt text of ``messages`` (and ``tools``, and the request's further template variables as
+    ``variables``: ``template_variables``, or /tokenize's ``chat_template_kwargs``) through the model's chat template
+    (it writes BOS itself, as in transformers, so the text is tokenized without special tokens)."""
     if model.chat_template is None:
         raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template (neither "
                        f"chat_template.jinja nor tokenizer_config.json has one, and kiln serve got no "
@@ -192,7 +203,7 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
     if forced is not None and requested is not None:  # agent sends its final answer's schema on every turn)
         overridden = [name for name in FORMAT_FIELDS if getattr(req, name) is not None]
         requested = None
-    text = render_chat(model, req.messages, tools.rendered, variables=req.chat_template_kwargs)
+    text = render_chat(model, req.messages, tools.rendered, variables=template_variables(req))
     [prompt] = await model.tokenize_many([text], "messages", add_special_tokens=False)  # the template writes BOS
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
@@ -211,7 +222,7 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
 def generation_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ChatTools, prompt_text: str) -> str:
     """What the template adds to the messages for the answer (``prompt_text`` less the messages rendered alone)."""
     messages = render_chat(model, req.messages, tools.rendered, add_generation_prompt=False,
-                           variables=req.chat_template_kwargs)
+                           variables=template_variables(req))
     return prompt_text[len(messages):] if prompt_text.startswith(messages) else prompt_text
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+from jinja2 import nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -60,11 +61,54 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def _reads(node: nodes.Node, name: str, key: str | None = None) -> bool:
+    """Whether ``node`` reads the variable ``name`` (its ``key`` item or attribute, with a key), through filters,
+    tests and slices, as vLLM's content-format detection reads it."""
+    if isinstance(node, (nodes.Filter, nodes.Test)) or (isinstance(node, nodes.Getitem)
+                                                       and isinstance(node.arg, nodes.Slice)):
+        return node.node is not None and _reads(node.node, name, key)
+    if key is not None:
+        keyed = ((isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == key)
+                 or (isinstance(node, nodes.Getattr) and node.attr == key))
+        return keyed and _reads(node.node, name)
+    return isinstance(node, nodes.Name) and node.name == name
+
+
+def _loop_names(ast: nodes.Template, names: set[str], key: str | None = None) -> set[str]:
+    """The loop variables of the ``for`` loops over one of ``names`` (over its ``key``, with a key)."""
+    return {loop.target.name for loop in ast.find_all(nodes.For)
+            if isinstance(loop.target, nodes.Name) and any(_reads(loop.iter, name, key) for name in names)}
+
+
+def _takes_content_parts(ast: nodes.Template) -> bool:
+    """Whether the template loops over a message's content and never tests whether it is a string: a VLM-derived
+    template that takes content as a list of parts only (vLLM's "openai" content format, detected as vLLM does)."""
+    messages = {"messages"}
+    for assign in ast.find_all(nodes.Assign):  # {% set loop_messages = messages[1:] %}: in document order
+        if isinstance(assign.target, nodes.Name) and any(_reads(assign.node, name) for name in messages):
+            messages.add(assign.target.name)
+    message_names = _loop_names(ast, messages)
+    tests_string = any(test.name == "string" and any(_reads(test.node, name, "content") for name in message_names)
+                       for test in ast.find_all(nodes.Test))
+    return bool(_loop_names(ast, message_names, "content")) and not tests_string
+
+
+def _as_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose text content is a list of one text part (none when empty), as parts-only templates take it."""
+    content = message.get("content")
+    if not isinstance(content, str):
+        return message
+    return {**message, "content": [{"type": "text", "text": content}] if content else []}
+
+
 class ChatTemplate:
     """Turns OpenAI chat messages into the prompt text the model was trained on."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
-        self._template = _environment().from_string(source)
+        environment = _environment()
+        ast = environment.parse(source)
+        self._template = environment.from_string(ast)
+        self.content_parts = _takes_content_parts(ast)  # message content as [{"type": "text", "text": ...}]
         self.source = source
         self.special_tokens = special_tokens
 
@@ -96,15 +140,18 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, variables: dict[str, Any] | None = None) -> str:
         """The prompt text for `messages` ({"role", "content"} dicts, with "tool_calls" and "tool_call_id" where
-        they have them) and `tools` (OpenAI tool objects, as transformers' ``apply_chat_template`` takes them), with
-        the template's own further ``variables`` (``enable_thinking``, say); ChatTemplateError when the template
-        refuses them, ReservedVariableError when a variable would replace one of those it is given."""
+        they have them; text content as a list of parts for a template that takes only parts) and `tools` (OpenAI
+        tool objects, as transformers' ``apply_chat_template`` takes them), with the template's own further
+        ``variables`` (``enable_thinking``, ``documents``, say); ChatTemplateError when the template refuses them,
+        ReservedVariableError when a variable would replace one of those it is given."""
+        if self.content_parts:
+            messages = [_as_parts(message) for message in messages]
         given = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools,
-                 "documents": None, **self.special_tokens}
+                 **self.special_tokens}
         if taken := sorted(set(variables or {}) & set(given)):
             raise ReservedVariableError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them")
         try:
-            return self._template.render(**given, **(variables or {}))
+            return self._template.render(**given, **{"documents": None, **(variables or {})})
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, LookupError) as exc:

@@ -14,10 +14,9 @@ MAX_N = 128
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI allows 20 (chat) and 5 (completions); vLLM 20 for both
 # Fields accepted for compatibility that change nothing here; a request that sets one is logged once per field.
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-                            "prompt_cache_retention", "reasoning_effort", "verbosity", "prediction",
-                            "guided_decoding_backend"})
+                            "prompt_cache_retention", "verbosity", "prediction", "guided_decoding_backend"})
 SEED_RANGE = (-(2**63), 2**63 - 1)
-# The values OpenAI's API takes for the accepted-and-ignored enum fields (openai-python 3.60): another is a 400 there
+# The values OpenAI's API takes for its enum fields (openai-python 3.60): another is a 400 there
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 Verbosity = Literal["low", "medium", "high"]
@@ -79,6 +78,11 @@ def _stop(value: Any) -> list[str]:
     return stops
 
 
+# content part types read as text (the Responses API's input_text and output_text too, as vLLM reads them), each
+# to the key that holds its text
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def _content(value: Any) -> str:
     """Message content: a string, or a list of text parts (and an assistant's refusal parts, taken as its text),
     joined by newlines (as vLLM joins them); images and audio are not supported."""
@@ -88,10 +92,11 @@ def _content(value: Any) -> str:
         texts = []
         for part in value:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("text", "refusal") or not isinstance(part.get(kind), str):
-                raise ValueError("parts must be {'type': 'text', 'text': str} (or an assistant's {'type': 'refusal', "
-                                 "'refusal': str}): only text content is supported")
-            texts.append(part[kind])
+            key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+            if key is None or not isinstance(part.get(key), str):
+                raise ValueError("parts must be {'type': 'text', 'text': str} ('input_text' or 'output_text' too, or "
+                                 "an assistant's {'type': 'refusal', 'refusal': str}): only text content is supported")
+            texts.append(part[key])
         return "\n".join(texts)
     raise ValueError("must be a string or a list of text parts")
 
@@ -150,7 +155,8 @@ Stop = Annotated[Any, PlainValidator(_stop), WithJsonSchema({"anyOf": [
 Content = Annotated[Any, PlainValidator(_content), WithJsonSchema({"anyOf": [
     {"type": "string"},
     {"type": "array", "items": {"anyOf": [
-        {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        {"type": "object", "properties": {"type": {"enum": ["text", "input_text", "output_text"]},
+                                          "text": {"type": "string"}},
          "required": ["type", "text"]},
         {"type": "object", "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}},
          "required": ["type", "refusal"]}]}},
@@ -365,7 +371,12 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_retention: PromptCacheRetention | None = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
     chat_template_kwargs: ChatTemplateKwargs = None
-    reasoning_effort: ReasoningEffort | None = None
+    documents: list[dict[str, str]] | None = Field(
+        None, description='Extension (as in vLLM): documents for a RAG chat template, each a dict of strings (say '
+                          '"title" and "text"), passed as its documents variable, as transformers passes them.')
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description='The chat template\'s reasoning_effort variable (as in vLLM); "none" also sets its '
+                          'enable_thinking false (Qwen3\'s), unless chat_template_kwargs sets it.')
     verbosity: Verbosity | None = None
     prediction: dict[str, Any] | None = None
     add_generation_prompt: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)

@@ -86,14 +86,11 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request that answers ``req``."""
     fields: dict = {"model": req.model, "messages": _messages(req), "max_completion_tokens": req.max_output_tokens,
                     "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
-                    "parallel_tool_calls": False if req.max_tool_calls == 1 else req.parallel_tool_calls}
+                    "parallel_tool_calls": False if req.max_tool_calls == 1 else req.parallel_tool_calls,
+                    "chat_template_kwargs": req.chat_template_kwargs,  # chat.template_variables adds the effort
+                    "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None}
     fields.update(req.model_dump(mode="json", by_alias=True, include=set(SamplingExtensions.model_fields),
                                  exclude_unset=True))  # as a client sends them: token ids as keys, vLLM's names
-    variables = dict(req.chat_template_kwargs or {})
-    if _thinking_off(req):
-        variables.setdefault("enable_thinking", False)
-    if variables:
-        fields["chat_template_kwargs"] = variables
     if LOGPROBS in (req.include or []):
         fields.update(logprobs=True, top_logprobs=req.top_logprobs)
     if req.tools:
@@ -117,11 +114,6 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                             f"{error['msg']}", param="input") from None
 
 
-def _thinking_off(req: ResponsesRequest) -> bool:
-    """Whether ``reasoning.effort`` is "none", which turns the template's thinking off, as vLLM reads it."""
-    return req.reasoning is not None and req.reasoning.effort == "none"
-
-
 def _ignored_fields(req: ResponsesRequest) -> list[str]:
     names = req.model_fields_set & RESPONSES_IGNORED_FIELDS
     if req.text is not None and req.text.verbosity is not None:
@@ -130,7 +122,7 @@ def _ignored_fields(req: ResponsesRequest) -> list[str]:
         names.add("truncation")
     if req.top_logprobs and LOGPROBS not in (req.include or []):  # as vLLM: alternatives only with the logprobs
         names.add("top_logprobs")
-    if _thinking_off(req):
+    if req.reasoning is not None and req.reasoning.effort is not None:  # the template's reasoning_effort
         names.discard("reasoning")
     return sorted(names)
 

@@ -212,9 +212,9 @@ class ResponsesRequest(SamplingExtensions):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
     text: TextOptions | None = None
-    reasoning: ReasoningOptions | None = Field(None, description='effort "none" sets the chat template\'s '
-                                               'enable_thinking false (Qwen3\'s), unless chat_template_kwargs sets '
-                                               'it; otherwise accepted and ignored.')
+    reasoning: ReasoningOptions | None = Field(None, description='effort is the chat template\'s reasoning_effort '
+                                               '(chat\'s), and "none" also sets its enable_thinking false (Qwen3\'s) '
+                                               'unless chat_template_kwargs sets it; summary is ignored.')
     chat_template_kwargs: ChatTemplateKwargs = None
     truncation: neutral_only(None, "disabled", "auto") = Field(None, description="Either way, a prompt longer than "
                                                                                  "the context is a 400.")
