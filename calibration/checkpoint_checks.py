@@ -31,7 +31,7 @@ def check_quantizable(model_dir: Path) -> None:
 def _json_object(path: Path) -> dict:
     """The JSON object in ``path`` (the layer rule keeps calibration off the runtime's reader)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CalibrationError(f"{path}: unreadable JSON ({e}); re-export the checkpoint") from None
     if isinstance(data, dict):

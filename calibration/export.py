@@ -27,7 +27,7 @@ TOKENIZER_FILES = (
 
 def checkpoint_dtype(model_dir: Path) -> torch.dtype:
     """The dtype the checkpoint was saved in (config.json `dtype` or `torch_dtype`), float32 when unstated."""
-    config = json.loads((model_dir / "config.json").read_text())
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return getattr(torch, name)
 
@@ -65,11 +65,11 @@ def _store_unquantized_as(out: Path, dtype: torch.dtype) -> None:
         save_file(tensors, path, metadata={"format": "pt"})
     index_path = out / "model.safetensors.index.json"
     if index_path.is_file():
-        index = json.loads(index_path.read_text())
+        index = json.loads(index_path.read_text(encoding="utf-8"))
         index.setdefault("metadata", {})["total_size"] = total
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
+    config = json.loads(config_path.read_text(encoding="utf-8"))
     config["dtype"] = str(dtype).removeprefix("torch.")
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -97,7 +97,7 @@ def export_trtllm(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dty
         raise CalibrationError(f"{model_dir}: modelopt cannot export a TensorRT-LLM checkpoint ({type(exc).__name__}: "
                                f"{exc}); try another quantize.format") from exc
     config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
+    config = json.loads(config_path.read_text(encoding="utf-8"))
     config.update(_rotary_settings(model.config))
     config_path.write_text(json.dumps(config, indent=4) + "\n")
     return None

@@ -32,4 +32,4 @@ class QuantizedCheckpoint:
 
     def report(self) -> dict:
         """The calibration report."""
-        return json.loads(self.report_path.read_text())
+        return json.loads(self.report_path.read_text(encoding="utf-8"))

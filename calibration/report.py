@@ -126,7 +126,7 @@ def build_report(attempts: list[Attempt], requested: str, context: dict, toleran
 
 
 def write_report(report: dict, path: Path) -> None:
-    path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+    path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
 def _finite(value):

@@ -35,7 +35,7 @@ def find_model(model: ModelSection) -> Path | None:
     ref = repo_dir / "refs" / (model.revision or "main")
     snapshots = repo_dir / "snapshots"
     if ref.is_file():
-        snapshot = snapshots / ref.read_text().strip()
+        snapshot = snapshots / ref.read_text(encoding="utf-8").strip()
         if _is_checkpoint(snapshot):
             return snapshot
     if model.revision and _is_checkpoint(snapshots / model.revision):
@@ -101,7 +101,7 @@ def _weights_problem(folder: Path) -> str | None:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+            shards = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
         except (OSError, ValueError, AttributeError):
             return None  # the builder names what is wrong with the index
         if missing := sorted(str(s) for s in shards if not (folder / str(s)).is_file()):
@@ -122,7 +122,7 @@ def _is_checkpoint(path: Path) -> bool:
 def model_max_positions(model_dir: Path) -> int | None:
     """The checkpoint's ``max_position_embeddings`` (None when its config.json does not say)."""
     try:
-        value = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+        value = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -98,7 +98,7 @@ def read_chat_template(path: Path) -> str:
     from kiln.runtime.server.chat_template import ChatTemplate
 
     try:
-        source = path.read_text()
+        source = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ChatTemplateFileError(f"--chat-template {path}: cannot read it ({exc})") from None
     try:

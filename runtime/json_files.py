@@ -11,7 +11,7 @@ def read_json_object(path: Path, error: type[Exception], fix: str) -> dict[str, 
     """The JSON object in ``path``; ``error`` naming the file, the problem and ``fix`` (what to do about it) when the
     file is unreadable or holds something other than an object."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise error(f"{path}: unreadable JSON ({e}); {fix}") from None
     if not isinstance(data, dict):

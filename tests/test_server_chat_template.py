@@ -122,3 +122,19 @@ def test_documents_and_reasoning_effort_reach_the_template_under_the_requests_kw
     assert rendered(chat_template_kwargs={"documents": [{"title": "A", "text": "b"}]}) == "[A: b]- -"
     with pytest.raises(ValidationError, match="documents"):
         rendered(documents=[{"title": 1}])
+
+
+def test_a_template_is_read_as_utf_8_whatever_the_locale(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.subprocess_env import REPO, repo_env
+
+    template = "{% for m in messages %}<｜{{ m.role }}｜>{{ m.content }}{% endfor %}"  # DeepSeek-R1's brackets
+    (tmp_path / "chat_template.jinja").write_text(template, encoding="utf-8")
+    code = ("import sys; from kiln.runtime.server.chat_template import ChatTemplate; "
+            "sys.stdout.buffer.write(ChatTemplate.from_dir(sys.argv[1]).render([{'role': 'user', 'content': 'hi'}], "
+            "add_generation_prompt=False).encode('utf-8'))")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, check=True,
+                            env=repo_env(LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONIOENCODING=""))
+    assert result.stdout.decode("utf-8") == "<｜user｜>hi"

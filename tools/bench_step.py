@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()  # the format's model and KV pool are gone once bench_format returns
     if args.json:
         Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "context": args.context,
-                                               "block_size": args.block_size,
-                                               "prefill_tokens": args.prefill, "results": results}, indent=2))
+                                               "block_size": args.block_size, "prefill_tokens": args.prefill,
+                                               "results": results}, indent=2), encoding="utf-8")
     return 0
 
 

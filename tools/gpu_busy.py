@@ -36,7 +36,7 @@ GAP_US = 20.0
 
 def busy_report(trace_path: Path, window_s: float) -> dict:
     """GPU busy time, gaps and heaviest kernels from a chrome trace of CUDA activity."""
-    events = [e for e in json.loads(trace_path.read_text())["traceEvents"]
+    events = [e for e in json.loads(trace_path.read_text(encoding="utf-8"))["traceEvents"]
               if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     events.sort(key=lambda e: e["ts"])
     busy, gaps, end = 0.0, [], None

@@ -113,7 +113,7 @@ def first_token(engine_dir: Path, cold: bool, profile: Path | None = None, captu
 
 def filesystem_type(path: Path) -> str:
     """The type of the filesystem that holds ``path`` (the longest mount point above it in /proc/mounts)."""
-    mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text(encoding="utf-8").splitlines()]
     resolved = str(path.resolve())
     best = max((m for m in mounts if resolved == m[0] or resolved.startswith(m[0].rstrip("/") + "/")),
                key=lambda m: len(m[0]))

@@ -62,5 +62,5 @@ def write_results(path: str | None, results: list[dict]) -> None:
     if path:
         import torch
 
-        with open(path, "w") as f:
+        with open(path, "w", encoding="utf-8") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=2)

@@ -163,7 +163,7 @@ def _write_engine_info(out_dir: Path, options: TrtllmBuildOptions, hf_dir: Path,
 
 def _read_json(path: Path) -> dict | None:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -119,7 +119,7 @@ def _from_file(path: Path, count: int, max_tokens: int) -> list[ServingRequest]:
     """A ``.jsonl`` file of ``{"prompt": text or token ids, "max_tokens": n}`` objects (``max_tokens`` optional), or a
     text file of one prompt per line; its requests are taken in turn, again from the start if there are too few."""
     try:
-        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:
         raise WorkloadError(f"--prompts-file {path}: unreadable ({exc})") from None
     if not lines:

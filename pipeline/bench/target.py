@@ -57,7 +57,7 @@ class BenchPlan:
 def read_architecture_file(path: Path) -> dict:
     """The architecture file's config.json dict (``_comment`` keys dropped), checked for what the weights need."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BenchTargetError(f"{path}: not a readable JSON architecture file ({e})") from None
     if not isinstance(data, dict) or not data.get("architectures"):

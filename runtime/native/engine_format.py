@@ -120,7 +120,7 @@ class EngineConfig:
         if not path.is_file():
             raise EngineFormatError(f"{engine_dir}: no {ENGINE_JSON}; not a kiln native engine, rebuild it")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise EngineFormatError(f"{path}: unreadable ({e}); rebuild the engine") from None
         try:

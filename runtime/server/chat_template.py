@@ -119,13 +119,13 @@ class ChatTemplate:
         none."""
         directory = Path(directory)
         config_path = directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
         jinja_path = directory / "chat_template.jinja"
         if source is not None:
             origin = "the chat template given to the server"
         else:
             origin = jinja_path.name if jinja_path.is_file() else "chat_template in tokenizer_config.json"
-            source = jinja_path.read_text() if jinja_path.is_file() else config.get("chat_template")
+            source = jinja_path.read_text(encoding="utf-8") if jinja_path.is_file() else config.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")

@@ -26,7 +26,7 @@ def sampling_defaults(engine_dir: Path, mode: GenerationConfigMode) -> dict[str,
     if mode == "vllm" or not path.is_file():
         return {}
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise KilnError(f"{path}: not readable JSON ({exc}); fix it, or serve with --generation-config vllm") from None
     defaults = {key: config[key] for key in SAMPLING_KEYS if isinstance(config, dict) and config.get(key) is not None}

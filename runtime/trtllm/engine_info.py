@@ -35,7 +35,7 @@ class TrtllmEngineInfo:
         """Read and check `engine_dir/kiln_trtllm.json`; raise EngineFormatError when it is missing or malformed."""
         path = Path(engine_dir) / TRTLLM_ENGINE_JSON
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise EngineFormatError(f"{engine_dir}: no {TRTLLM_ENGINE_JSON}; not a Kiln TensorRT-LLM engine, rebuild "
                                     f"it with `kiln build --backend trtllm`") from None

@@ -12,7 +12,7 @@ CONTRACT_PATH = Path(__file__).with_name("trtllm-1.2.1.json")
 @cache
 def load_contract() -> dict:
     """The recorded trtllm-build options, Python names and runtime messages of TensorRT-LLM 1.2.1."""
-    return json.loads(CONTRACT_PATH.read_text())
+    return json.loads(CONTRACT_PATH.read_text(encoding="utf-8"))
 
 
 def option_spec(flag: str) -> dict | None:
