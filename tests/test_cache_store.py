@@ -73,6 +73,17 @@ def test_published_files_get_the_umask_s_mode_whatever_their_writer_gave_them(ca
     assert cache.entries.lookup(result.key, material()).hit
 
 
+def test_the_cache_s_databases_take_the_umask_s_mode_so_a_group_can_share_them(tmp_path):
+    umask = os.umask(0o002)  # a cache shared by a group
+    try:
+        cache = EngineCache.open(tmp_path / "shared")
+        cache.entries.get_or_build(engine_key(material()), material(), FakeBuild())
+    finally:
+        os.umask(umask)
+    databases = [p for p in cache.v1.iterdir() if p.name.endswith((".db", ".sqlite"))]
+    assert databases and {p.name: p.stat().st_mode & 0o777 for p in databases} == {p.name: 0o664 for p in databases}
+
+
 def test_second_get_or_build_hits_without_building(cache):
     m, build = material(), FakeBuild()
     key = engine_key(m)
