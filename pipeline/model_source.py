@@ -20,10 +20,13 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # huggingfac
 
 
 def hf_hub_cache() -> Path:
-    """The local Hugging Face hub cache, honouring ``HF_HUB_CACHE`` and ``HF_HOME``."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    return Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser() / "hub"
+    """The local Hugging Face hub cache where huggingface_hub puts it: ``HF_HUB_CACHE`` (or its older name
+    ``HUGGINGFACE_HUB_CACHE``), else ``hub`` in ``HF_HOME``, else in ``$XDG_CACHE_HOME/huggingface``."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(name):
+            return Path(os.environ[name]).expanduser()
+    home = os.environ.get("HF_HOME") or str(Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface")
+    return Path(home).expanduser() / "hub"
 
 
 def find_model(model: ModelSection) -> Path | None:

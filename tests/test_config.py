@@ -422,3 +422,21 @@ def test_text_that_rich_would_turn_into_emoji_is_printed_as_written(capsys):
 
     stdout.print("sk-:fire:-x")
     assert capsys.readouterr().out.strip() == "sk-:fire:-x"
+
+
+@pytest.mark.parametrize("env", [{"XDG_CACHE_HOME": "/x/xdg"}, {"XDG_CACHE_HOME": "/x/xdg", "HF_HOME": "/x/hf"},
+                                 {"HUGGINGFACE_HUB_CACHE": "/x/old"}, {"HF_HUB_CACHE": "/x/hub", "HF_HOME": "/x/hf"}])
+def test_the_hugging_face_cache_is_where_huggingface_hub_puts_models(env):
+    import subprocess
+    import sys
+
+    from tests.subprocess_env import REPO, repo_env
+
+    code = ("from huggingface_hub import constants; from kiln.pipeline.model_source import hf_hub_cache; "
+            "print(constants.HF_HUB_CACHE); print(hf_hub_cache())")
+    unset = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME")
+    environ = {name: value for name, value in repo_env().items() if name not in unset}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                            env={**environ, **env})
+    theirs, ours = result.stdout.split()
+    assert ours == theirs
