@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 from typing import Annotated, Any, NoReturn
@@ -198,5 +199,9 @@ app.command()(bench)
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. Output a terminal's encoding cannot show (an arrow under LC_ALL=C) is escaped
+    rather than failing the command after its work is done."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     app()

@@ -60,7 +60,8 @@ def stdout_kept_for_results() -> Iterator[None]:
     saved = None
     if fd is not None:
         saved = os.dup(fd)
-        results = os.fdopen(saved, "w", buffering=1, encoding=sys.stdout.encoding, closefd=False)
+        results = os.fdopen(saved, "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors,
+                            closefd=False)
         os.dup2(sys.stderr.fileno(), fd)
     stdout.file = results
     try:

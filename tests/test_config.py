@@ -440,3 +440,20 @@ def test_the_hugging_face_cache_is_where_huggingface_hub_puts_models(env):
                             env={**environ, **env})
     theirs, ours = result.stdout.split()
     assert ours == theirs
+
+
+def test_text_a_terminal_cannot_show_is_escaped_rather_than_failing_the_command(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.subprocess_env import REPO, repo_env
+
+    config = (REPO / "configs" / "tiny-llama-bf16.yaml").read_text(encoding="utf-8")
+    config = config.replace('prompt: "Monday, Tuesday,"', 'prompt: "Lundi → mardi,"')
+    (tmp_path / "c.yaml").write_text(config.replace("../models/tiny-llama", str(REPO / "models" / "tiny-llama")),
+                                     encoding="utf-8")
+    environ = {name: value for name, value in repo_env().items() if name != "PYTHONIOENCODING"}
+    result = subprocess.run([sys.executable, "-m", "kiln", "config", "show", str(tmp_path / "c.yaml")], cwd=REPO,
+                            capture_output=True, env={**environ, "LC_ALL": "C", "PYTHONUTF8": "0"})
+    assert result.returncode == 0, result.stderr
+    assert b"prompt: Lundi \\u2192 mardi," in result.stdout
