@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from kiln.engines.cache.units import format_ago, format_bytes, parse_iso
 from kiln.pipeline.console import stdout
 
-PIPE_WIDTH = 240
 STORE_LABEL = {"entries": "engine", "quantized": "quantized", "checkpoints": "generated"}
 
 
 def print_table(table: Table) -> None:
     """Print a table with full 64-character keys: at the terminal's width, or unsqueezed when piped."""
-    console = stdout if stdout.is_terminal else Console(width=PIPE_WIDTH, file=stdout.file, markup=False)
-    console.print(table, highlight=False)
+    stdout.print(table, highlight=False)
 
 
 def ago(iso: str | None) -> str:

@@ -27,13 +27,15 @@ from rich.progress import (
 from kiln.calibration.errors import CalibrationError
 from kiln.runtime.errors import KilnError
 
-# Wrapped at the terminal's width for people; not wrapped at all into a pipe or a file, where a path or a key split
-# over two lines breaks whatever reads it. Text is printed as it is (a path or a message may hold "[...]"): styled
-# lines ask for markup (``markup=True``) and escape what they insert.
+# Wrapped at the terminal's width for people; not wrapped into a pipe or a file (text not at all, tables at
+# PIPE_WIDTH), where a path or a key split over two lines breaks whatever reads it. Text is printed as it is (a path
+# or a message may hold "[...]"): styled lines ask for markup (``markup=True``) and escape what they insert.
+PIPE_WIDTH = 240
 stdout = Console(markup=False, emoji=False)
 stderr = Console(stderr=True, markup=False, emoji=False)
 for _console in (stdout, stderr):
-    _console.soft_wrap = not _console.is_terminal
+    if not _console.is_terminal:
+        _console.soft_wrap, _console.width = True, PIPE_WIDTH
 
 
 _printed_json: contextvars.ContextVar[bool] = contextvars.ContextVar("printed_json", default=False)

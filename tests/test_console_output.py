@@ -97,6 +97,12 @@ def test_piped_output_never_wraps_a_long_path():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=repo_env())
     assert proc.stdout == f"engine    {long_path}\n"
     assert proc.stderr == f"error: {long_path} is gone\n"
+    table = ("from rich.table import Table; from kiln.pipeline.console import stdout; t = Table(); "
+             f"t.add_column('stage'); t.add_column('reason'); t.add_row('build', 'engine {long_path}'); "
+             "stdout.print(t)")
+    proc = subprocess.run([sys.executable, "-c", table], capture_output=True, text=True, cwd=REPO,
+                          env=repo_env(COLUMNS="30"))  # a table, into a pipe, even from a narrow terminal
+    assert f"engine {long_path}" in proc.stdout
 
 
 def test_without_a_terminal_progress_is_one_line_per_new_message(capsys):
