@@ -175,6 +175,64 @@ def test_a_worker_that_fails_to_load_its_shard_or_a_deferred_capture_is_refused_
         LLM.load(tmp_path / "tp2")
 
 
+def tp2_engine(tmp_path) -> Path:
+    make_hf_checkpoint(tmp_path / "checkpoint", 0)
+    (tmp_path / "tp2").mkdir()
+    build_native_engine(tmp_path / "checkpoint", tmp_path / "tp2", tiny_plan(), "float32", tp_size=2)
+    return tmp_path / "tp2"
+
+
+def test_a_rank_zero_killed_while_its_engine_loads_leaves_no_worker_behind(tmp_path):
+    import subprocess
+    import sys
+
+    engine = tp2_engine(tmp_path)
+    loading = subprocess.Popen([sys.executable, "-c", f"from kiln.runtime import LLM; LLM.load({str(engine)!r})"],
+                               cwd=REPO, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _worker_pids(engine), timeout=60)
+    finally:
+        loading.kill()  # as an out-of-memory kill would, before the worker has joined
+        loading.wait()
+    wait_until(lambda: not _worker_pids(engine), timeout=30)  # gone with it, not minutes later
+
+
+def test_a_load_interrupted_at_the_rendezvous_stops_at_once_and_the_process_exits(tmp_path):
+    import subprocess
+    import sys
+
+    engine = tp2_engine(tmp_path)  # rank 0 waits at a rendezvous no worker comes to
+    code = (f"from kiln.runtime import LLM, RuntimeOptions\ntry:\n    LLM.load({str(engine)!r}, "
+            f"RuntimeOptions(tp_rendezvous='127.0.0.1:{free_port()}'))\nexcept KeyboardInterrupt:\n"
+            "    print('interrupted', flush=True)")
+    loading = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    time.sleep(3)
+    loading.send_signal(signal.SIGINT)
+    out, _ = loading.communicate(timeout=60)  # not gloo's 300 s: neither the wait nor a thread left in it holds it
+    assert out == "interrupted\n"
+
+
+def test_close_ends_a_step_that_waits_on_a_hung_worker(tmp_path):
+    import threading
+
+    llm = LLM.load(tp2_engine(tmp_path))
+    worker = llm.engine.ranks.workers.processes[1]
+    failures = []
+    generating = threading.Thread(target=lambda: failures.append(pytest.raises(EngineClosedError, llm.generate,
+                                                                               PROMPTS, GREEDY)))
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)  # a hung rank: its collectives never answer
+        generating.start()
+        wait_until(lambda: llm.stats()["num_running"] > 0)  # its first step waits on the worker
+        start = time.monotonic()
+        llm.close()
+        generating.join(30)
+        assert time.monotonic() - start < 60 and failures  # not the 300 s collective timeout
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signal.SIGKILL)
+
+
 def test_step_batches_survive_the_wire_and_garbage_is_refused():
     batch = StepBatch([5, 6, 7, 0], [0, 1, 2, 9], [3, 1], [3, 10], [[4], [1, 2, 3]], [0, 1], [1], [(0, 2)])
     assert StepBatch.decode(batch.encode()) == batch

@@ -57,6 +57,8 @@ class NativeEngine:
             self.model_runner = ModelRunner(engine_dir, self.config, self.device, options, self.grammars,
                                             tp=self.ranks.group if self.ranks else None,
                                             channel=self.ranks.channel if self.ranks else None)
+            if self.ranks is not None:
+                self.ranks.wait_for_workers_loaded()
         except BaseException as e:
             if self.ranks is None:
                 raise
@@ -115,8 +117,13 @@ class NativeEngine:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def interrupt(self) -> bool:
-        """A step of this process's GPU work cannot be stopped from another thread."""
-        return False
+        """A step of this process's GPU work cannot be stopped from another thread; a tensor-parallel step waiting
+        on a hung rank can: abort the collectives and kill the local workers."""
+        if self.ranks is None:
+            return False
+        self.ranks.group.abort()
+        self.ranks.stop_workers()
+        return True
 
     def failure(self) -> KilnError | None:
         """A tensor-parallel worker that exited, which rank 0's watcher notices at once, even while idle."""

@@ -7,11 +7,12 @@ rank 0's collectives, so the engine stops with an error that names the rank inst
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict
 from pathlib import Path
@@ -23,7 +24,7 @@ from kiln.runtime.kiln_python import kiln_module_command
 from kiln.runtime.native.parallel.channel import StepChannel
 from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError, TensorParallelGroup
 from kiln.runtime.native.parallel.step_batch import STOP
-from kiln.runtime.native.parallel.worker import rank_device
+from kiln.runtime.native.parallel.worker import loaded_key, rank_device
 from kiln.runtime.options import RuntimeOptions
 
 STOP_TIMEOUT_S = 30
@@ -61,7 +62,7 @@ class LocalWorkers:
             command, env = kiln_module_command(
                 "kiln.runtime.native.parallel.worker", str(engine_dir), "--rendezvous", self.rendezvous.address(),
                 "--rank", str(rank), "--size", str(size), "--local-rank", str(first_local_rank + rank),
-                "--options", json.dumps(asdict(options)))
+                "--options", json.dumps(asdict(options)), "--parent-pid", str(os.getpid()))
             env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no c10d warning per idle poll of the step channel
             self.processes[rank] = subprocess.Popen(command, env=env)
 
@@ -99,13 +100,13 @@ class TensorParallelRanks:
         self.workers: LocalWorkers | None = None
         if options.tp_rendezvous is not None:
             check_devices(device, 1)
-            self.group = TensorParallelGroup(Rendezvous.parse(options.tp_rendezvous, 0, size),
-                                             rank_device(device, local_rank))
+            self.group = self._join(Rendezvous.parse(options.tp_rendezvous, 0, size),
+                                    rank_device(device, local_rank))
         else:
             check_devices(device, size)
             self.workers = LocalWorkers(engine_dir, options, size, local_rank)
             try:
-                self.group = self._join(rank_device(device, local_rank))
+                self.group = self._join(self.workers.rendezvous, rank_device(device, local_rank))
             except BaseException:
                 self.workers.stop(kill=True)
                 raise
@@ -123,22 +124,35 @@ class TensorParallelRanks:
             self.workers.failed.wait(timeout_s)
         return self.failure
 
+    def wait_for_workers_loaded(self) -> None:
+        """Return once every other rank has its shard loaded (``loaded_key``): a local worker dies with the thread
+        that started it until then, which an ``LLM.load`` on a thread of its own may end as soon as rank 0 is done."""
+        self.group.store.wait([loaded_key(rank) for rank in range(1, self.group.size)])
+
     def stop_workers(self) -> None:
         """Kill the local workers at once (rank 0 failed while loading)."""
         if self.workers is not None:
             self.workers.stop(kill=True)
 
-    def _join(self, device: torch.device) -> TensorParallelGroup:
+    def _join(self, rendezvous: Rendezvous, device: torch.device) -> TensorParallelGroup:
         """The group, formed on a thread while this one watches the workers: one that dies first is an error
         naming it, not a wait for the rendezvous timeout."""
-        pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-tp-join")
-        joined = pool.submit(TensorParallelGroup, self.workers.rendezvous, device)
-        pool.shutdown(wait=False)
+        # a daemon thread, not a ThreadPoolExecutor's: if the load fails (a worker died, Ctrl-C), the thread stays
+        # in gloo's rendezvous until its timeout and must not keep the interpreter from exiting
+        joined: Future = Future()
+
+        def join() -> None:
+            try:
+                joined.set_result(TensorParallelGroup(rendezvous, device))
+            except BaseException as e:
+                joined.set_exception(e)
+
+        threading.Thread(target=join, daemon=True, name="kiln-tp-join").start()
         while True:
             try:
                 return joined.result(timeout=JOIN_POLL_S)
             except FutureTimeout:
-                for rank, process in self.workers.processes.items():
+                for rank, process in (self.workers.processes if self.workers else {}).items():
                     if process.poll() is not None:
                         raise TensorParallelError(f"tensor-parallel worker rank {rank} exited with code "
                                                   f"{process.returncode} while the engine was loading (its error is "

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from kiln.runtime.engine_process.lifetime import die_with_parent, outlive_parent_thread
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.fingerprint import resolve_device
 from kiln.runtime.native.model_runner import ModelRunner
@@ -30,7 +32,13 @@ def rank_device(engine_device: torch.device, local_rank: int) -> torch.device:
     return engine_device if engine_device.type == "cpu" else torch.device("cuda", local_rank)
 
 
-def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous, device: torch.device) -> None:
+def loaded_key(rank: int) -> str:
+    """The store key a worker sets once its shard is loaded and it no longer dies with the thread that started it."""
+    return f"loaded/{rank}"
+
+
+def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous, device: torch.device,
+               on_loaded: Callable[[], None] | None = None) -> None:
     """Join the engine's ranks, load this rank's shard on ``device`` and run rank 0's steps until it says stop."""
     config = EngineConfig.load(engine_dir)
     if rendezvous.size != config.tp_size:
@@ -41,6 +49,9 @@ def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous
     tp = TensorParallelGroup(rendezvous, device)
     channel = StepChannel(tp.store)
     runner = ModelRunner(engine_dir, config, device, options, tp=tp)
+    if on_loaded is not None:
+        on_loaded()  # from here rank 0's store tells this rank when rank 0 has gone
+    tp.store.set(loaded_key(rendezvous.rank), "1")  # rank 0's load returns once every rank has said so
     with torch.inference_mode():
         while (message := channel.receive()) != STOP:
             runner.execute(StepBatch.decode(message))
@@ -54,11 +65,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--local-rank", type=int, required=True, help="this rank's GPU on its host")
     parser.add_argument("--options", default="{}", help="RuntimeOptions as a JSON object (rank 0's)")
+    parser.add_argument("--parent-pid", type=int, help="rank 0's pid (a local worker): die with it while loading")
     args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)
     options = RuntimeOptions(**json.loads(args.options))
     device = resolve_device(options.device, EngineConfig.load(args.engine_dir).fingerprint)
     run_worker(args.engine_dir, options, Rendezvous.parse(args.rendezvous, args.rank, args.size),
-               rank_device(device, args.local_rank))
+               rank_device(device, args.local_rank),
+               on_loaded=outlive_parent_thread if args.parent_pid is not None else None)
 
 
 if __name__ == "__main__":
