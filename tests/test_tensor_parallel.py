@@ -242,6 +242,31 @@ def test_step_batches_survive_the_wire_and_garbage_is_refused():
         StepBatch.decode(batch.encode()[:-8])
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net shows them) of sockets listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.add(address)
+    return found
+
+
+def test_a_rendezvous_on_loopback_listens_on_loopback_only():
+    port = free_port()
+    store = Rendezvous.parse(f"127.0.0.1:{port}", 0, 2).store()
+    assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1, not every interface: the store trusts its peers
+    del store
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port := free_port()))
+        taken.listen()
+        with pytest.raises(TensorParallelError, match="rank 0: cannot listen for the tensor-parallel rendezvous"):
+            Rendezvous.parse(f"127.0.0.1:{port}", 0, 2).store()
+
+
 def test_torchrun_rendezvous_comes_from_its_environment():
     env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2"}
     # torchrun's agent may serve its own store at MASTER_PORT: Kiln's is the next port, unless KILN_TP_PORT says

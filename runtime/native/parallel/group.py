@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -74,13 +75,24 @@ class Rendezvous:
             return self.host == "localhost"
 
     def store(self, timeout: timedelta = COLLECTIVE_TIMEOUT) -> dist.TCPStore:
-        """Rank 0 serves the store, the others connect to it (waiting up to ``timeout`` for it)."""
+        """Rank 0 serves the store (on a loopback address, on that address only), the others connect to it (waiting
+        up to ``timeout`` for it)."""
         try:
             return dist.TCPStore(self.host, self.port, self.size, self.rank == 0, timeout=timeout,
-                                 wait_for_workers=False, master_listen_fd=self.listen_fd)
+                                 wait_for_workers=False, master_listen_fd=self._listen_fd())
         except (RuntimeError, OSError) as e:
-            raise TensorParallelError(f"rank {self.rank}: cannot reach the tensor-parallel rendezvous at "
+            verb = "cannot listen for" if self.rank == 0 else "cannot reach"
+            raise TensorParallelError(f"rank {self.rank}: {verb} the tensor-parallel rendezvous at "
                                       f"{self.address()} ({e})") from None
+
+    def _listen_fd(self) -> int | None:
+        """Rank 0's listening socket for the store: the one given, else one bound to a loopback ``host`` (the store
+        owns it); None lets the store listen on every interface, as a rendezvous across hosts needs."""
+        if self.rank != 0 or self.listen_fd is not None or not self.on_loopback:
+            return self.listen_fd
+        listener = socket.create_server((self.host, self.port), family=socket.AF_INET6 if ":" in self.host
+                                        else socket.AF_INET, backlog=128)
+        return listener.detach()
 
 
 class TensorParallelGroup:
