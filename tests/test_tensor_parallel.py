@@ -212,6 +212,25 @@ def test_a_load_interrupted_at_the_rendezvous_stops_at_once_and_the_process_exit
     assert out == "interrupted\n"
 
 
+def test_ranks_that_load_different_builds_are_refused_naming_the_rank(tmp_path):
+    import subprocess
+    import sys
+
+    ours = tp2_engine(tmp_path / "a")
+    theirs = tp2_engine(tmp_path / "b")
+    (theirs / "engine.json").write_text((theirs / "engine.json").read_text().replace('"float32"', '"float32" '))
+    address = f"127.0.0.1:{free_port()}"
+    worker = subprocess.Popen([sys.executable, "-m", "kiln.runtime.native.parallel.worker", str(theirs),
+                               "--rendezvous", address, "--rank", "1", "--size", "2", "--local-rank", "0"], cwd=REPO,
+                              stderr=subprocess.DEVNULL)  # a host given another copy
+    try:
+        with pytest.raises(TensorParallelError, match="rank 1 loads another build of this engine"):
+            LLM.load(ours, RuntimeOptions(tp_rendezvous=address))
+    finally:
+        worker.kill()
+        worker.wait()
+
+
 def test_close_ends_a_step_that_waits_on_a_hung_worker(tmp_path):
     import threading
 

@@ -24,7 +24,7 @@ from kiln.runtime.kiln_python import kiln_module_command
 from kiln.runtime.native.parallel.channel import StepChannel
 from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError, TensorParallelGroup
 from kiln.runtime.native.parallel.step_batch import STOP
-from kiln.runtime.native.parallel.worker import loaded_key, rank_device
+from kiln.runtime.native.parallel.worker import engine_digest, engine_key_of, loaded_key, rank_device
 from kiln.runtime.options import RuntimeOptions
 
 STOP_TIMEOUT_S = 30
@@ -111,7 +111,20 @@ class TensorParallelRanks:
                 self.workers.stop(kill=True)
                 raise
             self.workers.watch(lambda _: self.group.abort())
+        self._check_same_build(engine_dir, size)
         self.channel = StepChannel(self.group.store)
+
+    def _check_same_build(self, engine_dir: Path, size: int) -> None:
+        """Refuse ranks that load another build of the engine (hosts given different copies): their shards would
+        not add up, and the output would be wrong without an error."""
+        ours = engine_digest(engine_dir)
+        for rank in range(1, size):
+            theirs = self.group.store.get(engine_key_of(rank)).decode()
+            if theirs != ours:
+                self.stop_workers()
+                raise TensorParallelError(f"tensor-parallel rank {rank} loads another build of this engine (its "
+                                          f"engine.json sha256 {theirs[:12]}, rank 0's {ours[:12]}): give every rank "
+                                          f"the same engine directory or cache key")
 
     @property
     def failure(self) -> str | None:

@@ -11,6 +11,7 @@ Across hosts, ``torchrun`` starts ``kiln serve ENGINE`` on every rank, which cal
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kiln.runtime.engine_process.lifetime import die_with_parent, outlive_parent_thread
-from kiln.runtime.native.engine_format import EngineConfig
+from kiln.runtime.native.engine_format import ENGINE_JSON, EngineConfig
 from kiln.runtime.native.fingerprint import resolve_device
 from kiln.runtime.native.model_runner import ModelRunner
 from kiln.runtime.native.parallel.channel import StepChannel
@@ -37,6 +38,17 @@ def loaded_key(rank: int) -> str:
     return f"loaded/{rank}"
 
 
+def engine_digest(engine_dir: Path) -> str:
+    """What tells one build of an engine from another: the sha256 of its engine.json, which every rank's must
+    match (a build's weights change its recorded key material, and so this file)."""
+    return hashlib.sha256((Path(engine_dir) / ENGINE_JSON).read_bytes()).hexdigest()
+
+
+def engine_key_of(rank: int) -> str:
+    """The store key under which rank ``rank`` says which build it loads (``engine_digest``)."""
+    return f"engine/{rank}"
+
+
 def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous, device: torch.device,
                on_loaded: Callable[[], None] | None = None) -> None:
     """Join the engine's ranks, load this rank's shard on ``device`` and run rank 0's steps until it says stop."""
@@ -47,6 +59,7 @@ def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches and graph captures go to the current device
     tp = TensorParallelGroup(rendezvous, device)
+    tp.store.set(engine_key_of(rendezvous.rank), engine_digest(engine_dir))  # rank 0 checks that it loads its build
     channel = StepChannel(tp.store)
     runner = ModelRunner(engine_dir, config, device, options, tp=tp)
     if on_loaded is not None:
