@@ -24,7 +24,7 @@ from kiln.runtime.kiln_python import kiln_module_command
 from kiln.runtime.native.parallel.channel import StepChannel
 from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError, TensorParallelGroup
 from kiln.runtime.native.parallel.step_batch import STOP
-from kiln.runtime.native.parallel.worker import engine_digest, engine_key_of, loaded_key, rank_device
+from kiln.runtime.native.parallel.worker import engine_digest, engine_key_of, error_key, loaded_key, rank_device
 from kiln.runtime.options import RuntimeOptions
 
 STOP_TIMEOUT_S = 30
@@ -128,7 +128,14 @@ class TensorParallelRanks:
 
     @property
     def failure(self) -> str | None:
-        return None if self.workers is None else self.workers.failure
+        """Which local worker exited, with the error it left in the store where it left one."""
+        failure = None if self.workers is None else self.workers.failure
+        if failure is None:
+            return None
+        store = self.group.store
+        errors = [store.get(key).decode() for rank in range(1, self.group.size)
+                  if store.check([key := error_key(rank)])]
+        return f"{failure} ({'; '.join(errors)})" if errors else failure
 
     def failure_after_error(self, timeout_s: float = FAILURE_WAIT_S) -> str | None:
         """Why a collective just failed: a local worker's exit, which its watcher may record a moment after the

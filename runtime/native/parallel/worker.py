@@ -11,6 +11,7 @@ Across hosts, ``torchrun`` starts ``kiln serve ENGINE`` on every rank, which cal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -44,6 +45,11 @@ def engine_digest(engine_dir: Path) -> str:
     return hashlib.sha256((Path(engine_dir) / ENGINE_JSON).read_bytes()).hexdigest()
 
 
+def error_key(rank: int) -> str:
+    """The store key under which rank ``rank`` leaves the error it stops with, for rank 0's message."""
+    return f"error/{rank}"
+
+
 def engine_key_of(rank: int) -> str:
     """The store key under which rank ``rank`` says which build it loads (``engine_digest``)."""
     return f"engine/{rank}"
@@ -59,15 +65,20 @@ def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches and graph captures go to the current device
     tp = TensorParallelGroup(rendezvous, device)
-    tp.store.set(engine_key_of(rendezvous.rank), engine_digest(engine_dir))  # rank 0 checks that it loads its build
-    channel = StepChannel(tp.store)
-    runner = ModelRunner(engine_dir, config, device, options, tp=tp)
-    if on_loaded is not None:
-        on_loaded()  # from here rank 0's store tells this rank when rank 0 has gone
-    tp.store.set(loaded_key(rendezvous.rank), "1")  # rank 0's load returns once every rank has said so
-    with torch.inference_mode():
-        while (message := channel.receive()) != STOP:
-            runner.execute(StepBatch.decode(message))
+    try:
+        tp.store.set(engine_key_of(rendezvous.rank), engine_digest(engine_dir))  # rank 0 checks it is its build
+        channel = StepChannel(tp.store)
+        runner = ModelRunner(engine_dir, config, device, options, tp=tp)
+        if on_loaded is not None:
+            on_loaded()  # from here rank 0's store tells this rank when rank 0 has gone
+        tp.store.set(loaded_key(rendezvous.rank), "1")  # rank 0's load returns once every rank has said so
+        with torch.inference_mode():
+            while (message := channel.receive()) != STOP:
+                runner.execute(StepBatch.decode(message))
+    except Exception as e:  # rank 0's error (a server's /health, a load that fails) says why, not only "exited"
+        with contextlib.suppress(Exception):  # the store may be what failed
+            tp.store.set(error_key(rendezvous.rank), f"{type(e).__name__}: {e}")
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:
