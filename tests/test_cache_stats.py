@@ -136,3 +136,18 @@ def test_a_full_disk_under_the_statistics_warns_once_and_rm_and_builds_go_on(tmp
     assert CliRunner().invoke(cache_app, ["rm", keys[0], "--cache-dir", str(cache.root)]).exit_code == 0
     assert cache.entries.list_keys() == [keys[1]]
     assert caplog.text.count(f"{cache.stats.path}: cannot be used (database or disk is full)") == 1
+
+
+def test_a_database_this_user_cannot_create_is_left_to_sqlite_not_a_traceback(tmp_path, monkeypatch):
+    import os
+
+    from kiln.engines.cache import db
+
+    def refused(path, *args, **kwargs):  # a cache folder this user may read but not write
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(db.os, "open", refused)
+    stats = StatsDB(tmp_path / "stats.db")
+    stats.record_lookup("entries", "a" * 64, "new")
+    monkeypatch.setattr(db.os, "open", os.open)
+    assert stats.summary("entries")["lookups"] == 1

@@ -80,8 +80,10 @@ def _open_or_replace(path: Path, schema: Sequence[str]) -> sqlite3.Connection:
 
 
 def _open(path: Path, schema: Sequence[str]) -> sqlite3.Connection:
-    with suppress(FileExistsError):  # SQLite makes its files 0644 whatever the umask; its -wal and -shm copy this
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # mode, which the umask now sets
+    # SQLite makes its files 0644 whatever the umask; its -wal and -shm copy this mode, which the umask now sets (a
+    # file that exists, or a folder this user cannot write, is left to SQLite, which says what is wrong)
+    with suppress(OSError):
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
     db = sqlite3.connect(path, timeout=60)
     try:
         _ensure_wal(db)
