@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -288,6 +289,17 @@ def test_health_is_503_once_the_embedder_closes_the_llm_it_passed_in():
         assert health.status_code == 503 and "closed" in health.json()["message"]
 
 
+@pytest.fixture(autouse=True)
+def openmp_policy_restored() -> Iterator[None]:
+    """`kiln serve --no-engine-process` run in this process sets OMP_WAIT_POLICY: the next test gets it back."""
+    before = os.environ.get("OMP_WAIT_POLICY")
+    yield
+    if before is None:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = before
+
+
 @pytest.mark.parametrize("env", [{"VLLM_API_KEY": "kiln-key"}, {"KILN_API_KEY": "kiln-key", "VLLM_API_KEY": "other"}])
 def test_the_api_key_comes_from_kiln_api_key_else_the_config_else_vllm_api_key(monkeypatch, env):
     from typer.testing import CliRunner
@@ -301,6 +313,7 @@ def test_the_api_key_comes_from_kiln_api_key_else_the_config_else_vllm_api_key(m
     result = CliRunner().invoke(cli.app, ["serve", str(tiny_engine()), "--no-engine-process"], env=env)
     assert result.exit_code == 0, result.output
     with ServerThread(seen["app"]) as running:
+        wait_until(lambda: httpx.get(f"{running.url}/health", timeout=30).status_code == 200)  # the engine loads
         assert httpx.get(f"{running.url}/v1/models", timeout=30).status_code == 401
         assert httpx.get(f"{running.url}/v1/models", headers={"Authorization": "Bearer kiln-key"},
                          timeout=30).status_code == 200
@@ -314,8 +327,7 @@ def test_a_server_without_an_engine_process_keeps_openmp_threads_from_spinning_u
     from kiln.pipeline import cli
     from kiln.runtime import server
 
-    monkeypatch.setenv("OMP_WAIT_POLICY", "unset by the test")
-    monkeypatch.delenv("OMP_WAIT_POLICY")  # restored to what it was when the test ends
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     seen = {}
     monkeypatch.setattr(server, "run_server", lambda *args, **kwargs: seen.update(policy=os.environ["OMP_WAIT_POLICY"]))
     env = {} if given is None else {"OMP_WAIT_POLICY": given}
@@ -338,6 +350,7 @@ def test_a_configs_api_key_comes_before_vllm_api_key(monkeypatch, tmp_path):
     result = CliRunner().invoke(cli.app, ["serve", str(config), "--no-engine-process"], env={"VLLM_API_KEY": "other"})
     assert result.exit_code == 0, result.output
     with ServerThread(seen["app"]) as running:
+        wait_until(lambda: httpx.get(f"{running.url}/health", timeout=30).status_code == 200)  # the engine loads
         for key, status in (("other", 401), ("from-config", 200)):
             assert httpx.get(f"{running.url}/v1/models", headers={"Authorization": f"Bearer {key}"},
                              timeout=30).status_code == status
