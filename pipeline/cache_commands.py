@@ -28,7 +28,7 @@ from kiln.engines.cache.units import (
     parse_size,
 )
 from kiln.pipeline import cache_remote
-from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, entries_text, print_table, rate
+from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, entries_text, rate
 from kiln.pipeline.config import cache_root, load_config, remote_spec, remote_turned_off
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout, warn
 
@@ -91,7 +91,7 @@ def ls(remote: RemoteOpt = False, cache_dir: CacheDirOpt = None, config: ConfigO
         print_json(rows)
         return
     if rows:
-        print_table(entries_table(rows))
+        stdout.print(entries_table(rows), highlight=False)
     total = sum(row["size_bytes"] for row in rows)
     stderr.print(f"{entries_text(len(rows))}, {format_bytes(total)} in {cache.root}", highlight=False)
 
@@ -118,7 +118,7 @@ def show(key: KeyArg, cache_dir: CacheDirOpt = None, config: ConfigOpt = None, j
         ("build time", format_seconds(entry["build_seconds"] or 0)),
     ):
         facts.add_row(label, value)
-    print_table(facts)
+    stdout.print(facts, highlight=False)
     stdout.print("\n[bold]key material[/]", markup=True)
     stdout.print_json(json.dumps(entry["material"]))
     files = Table(box=None, header_style="bold", pad_edge=False)
@@ -127,7 +127,7 @@ def show(key: KeyArg, cache_dir: CacheDirOpt = None, config: ConfigOpt = None, j
     for item in entry["files"]:
         files.add_row(item["path"], format_bytes(item["size"]), item["sha256"])
     stdout.print("\n[bold]files[/]", markup=True)
-    print_table(files)
+    stdout.print(files, highlight=False)
     stdout.print("\n[bold]build record[/]", markup=True)
     stdout.print_json(json.dumps(entry["build"]))
 
@@ -217,7 +217,7 @@ def verify(
         for r in results:
             status = Text("ok", style="green") if r["ok"] else Text("CORRUPT", style="bold red")
             table.add_row(r["key"], STORE_LABEL.get(r["store"], r["store"]), str(r["files_checked"]), status)
-        print_table(table)
+        stdout.print(table, highlight=False)
     bad = [r for r in results if not r["ok"]]
     if bad:
         lines = [f"{r['key']}: {problem}" for r in bad for problem in r["problems"]]
@@ -327,4 +327,4 @@ def print_explain(report: dict, json_out: bool) -> None:
         table.add_column(column)
     for diff in report["differences"]:
         table.add_row(diff["field"], json.dumps(diff["entry"]), json.dumps(diff["config"]))
-    print_table(table)
+    stdout.print(table, highlight=False)

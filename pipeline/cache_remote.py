@@ -11,7 +11,7 @@ from kiln.engines.cache.remote.maintenance import RemoteEntry, prune_remote, rem
 from kiln.engines.cache.remote.tier import RemoteTier
 from kiln.engines.cache.store import CacheResult, check_key_prefix, match_prefix
 from kiln.engines.cache.units import format_bytes, format_seconds
-from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, entries_text, print_table, rate
+from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, entries_text, rate
 from kiln.pipeline.console import print_json, stderr, stdout, transfer_bars
 
 
@@ -111,7 +111,7 @@ def ls(tier: RemoteTier, *, json_out: bool) -> None:
         print_json(rows)
         return
     if rows:
-        print_table(entries_table(rows))
+        stdout.print(entries_table(rows), highlight=False)
     stderr.print(f"{entries_text(len(rows))}, {format_bytes(sum(r['size_bytes'] for r in rows))} on {tier.url}",
                  highlight=False)
 

@@ -6,14 +6,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kiln.engines.cache.units import format_ago, format_bytes, parse_iso
-from kiln.pipeline.console import stdout
 
 STORE_LABEL = {"entries": "engine", "quantized": "quantized", "checkpoints": "generated"}
-
-
-def print_table(table: Table) -> None:
-    """Print a table with full 64-character keys: at the terminal's width, or unsqueezed when piped."""
-    stdout.print(table, highlight=False)
 
 
 def ago(iso: str | None) -> str:
