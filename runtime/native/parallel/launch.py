@@ -24,7 +24,7 @@ from kiln.runtime.kiln_python import kiln_module_command
 from kiln.runtime.native.parallel.channel import StepChannel
 from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError, TensorParallelGroup
 from kiln.runtime.native.parallel.step_batch import STOP
-from kiln.runtime.native.parallel.worker import engine_digest, engine_key_of, error_key, loaded_key, rank_device
+from kiln.runtime.native.parallel.worker import engine_digest, rank_device, rank_key
 from kiln.runtime.options import RuntimeOptions
 
 STOP_TIMEOUT_S = 30
@@ -119,7 +119,7 @@ class TensorParallelRanks:
         not add up, and the output would be wrong without an error."""
         ours = engine_digest(engine_dir)
         for rank in range(1, size):
-            theirs = self.group.store.get(engine_key_of(rank)).decode()
+            theirs = self.group.store.get(rank_key("engine", rank)).decode()
             if theirs != ours:
                 self.stop_workers()
                 raise TensorParallelError(f"tensor-parallel rank {rank} loads another build of this engine (its "
@@ -134,7 +134,7 @@ class TensorParallelRanks:
             return None
         store = self.group.store
         errors = [store.get(key).decode() for rank in range(1, self.group.size)
-                  if store.check([key := error_key(rank)])]
+                  if store.check([key := rank_key("error", rank)])]
         return f"{failure} ({'; '.join(errors)})" if errors else failure
 
     def failure_after_error(self, timeout_s: float = FAILURE_WAIT_S) -> str | None:
@@ -145,9 +145,9 @@ class TensorParallelRanks:
         return self.failure
 
     def wait_for_workers_loaded(self) -> None:
-        """Return once every other rank has its shard loaded (``loaded_key``): a local worker dies with the thread
-        that started it until then, which an ``LLM.load`` on a thread of its own may end as soon as rank 0 is done."""
-        self.group.store.wait([loaded_key(rank) for rank in range(1, self.group.size)])
+        """Return once every other rank has said its shard is loaded: a local worker dies with the thread that
+        started it until then, which an ``LLM.load`` on a thread of its own may end as soon as rank 0 is done."""
+        self.group.store.wait([rank_key("loaded", rank) for rank in range(1, self.group.size)])
 
     def stop_workers(self) -> None:
         """Kill the local workers at once (rank 0 failed while loading)."""

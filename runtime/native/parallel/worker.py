@@ -34,25 +34,17 @@ def rank_device(engine_device: torch.device, local_rank: int) -> torch.device:
     return engine_device if engine_device.type == "cpu" else torch.device("cuda", local_rank)
 
 
-def loaded_key(rank: int) -> str:
-    """The store key a worker sets once its shard is loaded and it no longer dies with the thread that started it."""
-    return f"loaded/{rank}"
-
-
 def engine_digest(engine_dir: Path) -> str:
     """What tells one build of an engine from another: the sha256 of its engine.json, which every rank's must
     match (a build's weights change its recorded key material, and so this file)."""
     return hashlib.sha256((Path(engine_dir) / ENGINE_JSON).read_bytes()).hexdigest()
 
 
-def error_key(rank: int) -> str:
-    """The store key under which rank ``rank`` leaves the error it stops with, for rank 0's message."""
-    return f"error/{rank}"
-
-
-def engine_key_of(rank: int) -> str:
-    """The store key under which rank ``rank`` says which build it loads (``engine_digest``)."""
-    return f"engine/{rank}"
+def rank_key(what: str, rank: int) -> str:
+    """The store key under which rank ``rank`` tells rank 0 ``what``: ``engine``, the build it loads
+    (``engine_digest``); ``loaded``, that its shard is loaded and it no longer dies with the thread that started it;
+    ``error``, the error it stops with."""
+    return f"{what}/{rank}"
 
 
 def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous, device: torch.device,
@@ -66,18 +58,18 @@ def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous
         torch.cuda.set_device(device)  # Triton launches and graph captures go to the current device
     tp = TensorParallelGroup(rendezvous, device)
     try:
-        tp.store.set(engine_key_of(rendezvous.rank), engine_digest(engine_dir))  # rank 0 checks it is its build
+        tp.store.set(rank_key("engine", rendezvous.rank), engine_digest(engine_dir))  # rank 0 checks it is its build
         channel = StepChannel(tp.store)
         runner = ModelRunner(engine_dir, config, device, options, tp=tp)
         if on_loaded is not None:
             on_loaded()  # from here rank 0's store tells this rank when rank 0 has gone
-        tp.store.set(loaded_key(rendezvous.rank), "1")  # rank 0's load returns once every rank has said so
+        tp.store.set(rank_key("loaded", rendezvous.rank), "1")  # rank 0's load returns once every rank has said so
         with torch.inference_mode():
             while (message := channel.receive()) != STOP:
                 runner.execute(StepBatch.decode(message))
     except Exception as e:  # rank 0's error (a server's /health, a load that fails) says why, not only "exited"
         with contextlib.suppress(Exception):  # the store may be what failed
-            tp.store.set(error_key(rendezvous.rank), f"{type(e).__name__}: {e}")
+            tp.store.set(rank_key("error", rendezvous.rank), f"{type(e).__name__}: {e}")
         raise
 
 
