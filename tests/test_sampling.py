@@ -339,6 +339,9 @@ def test_a_cpu_generator_draws_differently_for_seeds_that_differ_only_above_bit_
         return torch.rand(4, generator=request_generator(seed, torch.device("cpu"))).tolist()
 
     assert draws(1) != draws(2**32 + 1) and draws(0) != draws(2**40)
+    # neighbours a fold of the high half into the low one collided: OpenAI's -1 (2**64 - 1) and its choice 1 (0),
+    # 2**63 - 1 and 2**63, 0 and 2**32 + 1
+    assert draws(2**64 - 1) != draws(0) and draws(2**63 - 1) != draws(2**63) and draws(0) != draws(2**32 + 1)
     assert draws(12345) == torch.rand(4, generator=torch.Generator().manual_seed(12345)).tolist()  # below 2**32: as is
 
 

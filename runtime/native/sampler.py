@@ -74,11 +74,22 @@ def _log_softmax(logits: torch.Tensor, rows: list[int], constrained: list[int],
 
 def request_generator(seed: int, device: torch.device) -> torch.Generator:
     """A seeded request's own generator: its tokens do not depend on what else shares the batch. A CPU generator
-    (mt19937) keeps only the low 32 bits of its seed, so there the high half is folded into them first: seeds that
-    differ only above bit 32 (1 and 2**32 + 1) then draw differently; seeds below 2**32 are used as they are."""
+    (mt19937) keeps only the low 32 bits of its seed, so there a seed of 2**32 or more is first mixed down to 32
+    bits (splitmix64's finaliser): seeds that differ anywhere, neighbours such as 2**63 - 1 and 2**63 or 2**64 - 1
+    (OpenAI's -1) and 0 included, then draw differently; seeds below 2**32 are used as they are."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed if generator.device.type != "cpu" else (seed ^ (seed >> 32)) & 0xFFFFFFFF)
+    generator.manual_seed(seed if generator.device.type != "cpu" or seed < 2**32 else _mixed_to_32_bits(seed))
     return generator
+
+
+def _mixed_to_32_bits(seed: int) -> int:
+    """splitmix64's output function of a 64-bit ``seed``, its low 32 bits: a bijection's well-mixed bits, so that
+    structured seeds do not collide the way a fold of the high half into the low one does."""
+    mask = 2**64 - 1
+    z = (seed + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
 @dataclass
