@@ -178,7 +178,7 @@ class LLM:
             prompts = [prompts]
         seqs = self._make_requests(prompts, params)
         try:
-            futures = [self._enqueue(seq, _Sink()) for seq in seqs]
+            futures = self._enqueue(seqs, [_Sink() for _ in seqs])
             return [f.result() for f in futures]
         except BaseException:
             for seq in seqs:
@@ -192,7 +192,7 @@ class LLM:
         loop = asyncio.get_running_loop()
         seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params))
         result = loop.create_future()
-        self._enqueue(seq, _Sink(loop=loop, push=functools.partial(_settle, result), every_delta=False))
+        self._enqueue([seq], [_Sink(loop=loop, push=functools.partial(_settle, result), every_delta=False)])
         try:
             return await result
         except asyncio.CancelledError:
@@ -209,19 +209,22 @@ class LLM:
 
     async def stream_many(self, prompts: abc.Sequence[Prompt],
                           params: SamplingParams | abc.Sequence[SamplingParams] | None = None, *,
-                          on_finished: Callable[[], None] | None = None,
-                          ) -> AsyncIterator[list[tuple[int, StreamDelta]]]:
+                          on_finished: Callable[[], None] | None = None, request_ids: abc.Sequence[str] | None = None,
+                          final_only: bool = False) -> AsyncIterator[list[tuple[int, StreamDelta]]]:
         """Stream several prompts at once: each item is every ``(prompt index, delta)`` that arrived since the last
         one (at least one), so a consumer that falls behind catches up in one go. Ends when all have finished;
-        closing the generator early aborts the requests still running. ``on_finished`` is called (on this loop)
-        once the engine is done with every request, before the consumer has read their last deltas."""
+        closing the generator early aborts the requests still running. The engine takes the requests together, in
+        one step (identical calls on an idle engine batch identically). ``on_finished`` is called (on this loop)
+        once the engine is done with every request, before the consumer has read their last deltas;
+        ``request_ids`` (default: fresh ones) are what ``abort`` takes; ``final_only``: each request's last delta
+        only (its ``output``), none of the steps before."""
         if isinstance(prompts, str) or (isinstance(prompts, abc.Sequence) and prompts
                                         and isinstance(prompts[0], numbers.Integral)):
             raise InvalidRequestError("stream_many takes a list of prompts (texts or token-id lists), and this is one "
                                       "prompt: pass [prompt], or call stream()")
         loop = asyncio.get_running_loop()
         arrived: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
-        seqs = self._make_requests(prompts, params)
+        seqs = self._make_requests(prompts, params, request_ids)
         remaining, running = set(), set(range(len(seqs)))
 
         def push(index: int, item: StreamDelta | BaseException) -> None:
@@ -232,9 +235,9 @@ class LLM:
                     on_finished()
 
         try:
-            for index, seq in enumerate(seqs):
-                self._enqueue(seq, _Sink(loop=loop, push=functools.partial(push, index)))
-                remaining.add(index)
+            self._enqueue(seqs, [_Sink(loop=loop, push=functools.partial(push, index), every_delta=not final_only)
+                                 for index in range(len(seqs))])
+            remaining.update(range(len(seqs)))
             while remaining:
                 batch = [await arrived.get()]
                 while not arrived.empty():
@@ -250,20 +253,25 @@ class LLM:
                 self.abort(seqs[index].request_id)
 
     def _make_requests(self, prompts: abc.Sequence[Prompt],
-                       params: SamplingParams | abc.Sequence[SamplingParams] | None) -> list[Sequence]:
-        """One validated request per prompt, with one SamplingParams for all or one per prompt."""
+                       params: SamplingParams | abc.Sequence[SamplingParams] | None,
+                       request_ids: abc.Sequence[str] | None = None) -> list[Sequence]:
+        """One validated request per prompt, with one SamplingParams for all or one per prompt, under
+        ``request_ids`` (one per prompt; default fresh ones)."""
         if params is None or not isinstance(params, abc.Sequence):
             params = [_taken(params)] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: pass one, or one per "
                              f"prompt")
-        return [self.engine.make_request(uuid.uuid4().hex, p, _taken(sp)) for p, sp in zip(prompts, params,
-                                                                                            strict=True)]
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(request_ids)} request ids: pass one per prompt")
+        ids = request_ids if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
+        return [self.engine.make_request(request_id, p, _taken(sp))
+                for request_id, p, sp in zip(ids, prompts, params, strict=True)]
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> str:
         """Queue a request and return its id at once; collect it with `result(request_id)`."""
         seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params))
-        future = self._enqueue(seq, _Sink())
+        (future,) = self._enqueue([seq], [_Sink()])
         with self._lock:
             self._results[seq.request_id] = future
         return seq.request_id
@@ -333,14 +341,19 @@ class LLM:
         if self._closed or error is not None:
             raise EngineClosedError(f"the LLM is closed{f' (engine error: {error})' if error else ''}: load it again")
 
-    def _enqueue(self, seq: Sequence, sink: _Sink) -> Future:
+    def _enqueue(self, seqs: list[Sequence], sinks: list[_Sink]) -> list[Future]:
+        """Queue requests as one command: the engine takes them all before its next step (a request's choices, or
+        a batch of prompts, then always start together); none is queued when one's id is taken."""
         with self._lock:
             self._check_open()
-            if seq.request_id in self._sinks or seq.request_id in self._results:
-                raise ValueError(f"request id {seq.request_id!r} is already in use: pick a unique id")
-            self._sinks[seq.request_id] = sink
-        self._commands.put(("add", seq))
-        return sink.future
+            ids: dict[str, _Sink] = {}
+            for seq, sink in zip(seqs, sinks, strict=True):
+                if seq.request_id in ids or seq.request_id in self._sinks or seq.request_id in self._results:
+                    raise ValueError(f"request id {seq.request_id!r} is already in use: pick a unique id")
+                ids[seq.request_id] = sink
+            self._sinks.update(ids)
+        self._commands.put(("add", seqs))
+        return [sink.future for sink in sinks]
 
     @property
     def closed(self) -> bool:
@@ -396,10 +409,11 @@ class LLM:
             if kind == "close":
                 return False
             if kind == "add":
-                try:
-                    self.engine.add_request(arg)
-                except InvalidRequestError as e:  # this request's fault; anything else stops the engine
-                    self._fail(arg.request_id, e)
+                for seq in arg:
+                    try:
+                        self.engine.add_request(seq)
+                    except InvalidRequestError as e:  # this request's fault; anything else stops the engine
+                        self._fail(seq.request_id, e)
             elif (delta := self.engine.abort_request(arg)) is not None:
                 self._deliver(delta)
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import queue
 import re
 import signal
 import socket
@@ -22,7 +23,8 @@ from kiln.runtime import LLM, RuntimeOptions, SamplingParams
 from kiln.runtime.engine_process import ProcessEngine
 from kiln.runtime.engine_process.proxy import EngineProcessError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
-from kiln.runtime.llm import EngineClosedError
+from kiln.runtime.llm import IDLE_WAKE_S, EngineClosedError
+from kiln.runtime.outputs import RequestMetrics, RequestOutput, StreamDelta
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from tests.subprocess_env import REPO, repo_env
@@ -263,6 +265,63 @@ def test_an_engine_process_found_gone_by_an_add_stops_the_engine_for_every_waite
         assert "exited with code 1" in llm.engine_error
         with pytest.raises(EngineClosedError):
             llm.check([1, 2])
+
+
+class _BatchRecordingEngine(_IdleEngine):
+    """Finishes every request it has at each step; its stats list the request ids of each step."""
+
+    def __init__(self) -> None:
+        self.waiting: list[Sequence] = []
+        self.batches: list[list[str]] = []
+
+    def make_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
+        return Sequence(request_id, prompt, params)
+
+    def add_request(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting)
+
+    def step(self) -> list[StreamDelta]:
+        finished, self.waiting = self.waiting, []
+        self.batches.append([seq.request_id for seq in finished])
+        return [StreamDelta(seq.request_id, "", [], finished=True, finish_reason="length",
+                            output=RequestOutput(seq.request_id, seq.prompt_token_ids, "", [], "length",
+                                                 RequestMetrics.from_sequence(seq))) for seq in finished]
+
+    def stats_snapshot(self) -> dict:
+        return {"batches": self.batches}
+
+
+class _PausingQueue(queue.SimpleQueue):
+    """A command queue whose every put is followed by a pause, as when the caller's thread is descheduled."""
+
+    def put(self, item, block=True, timeout=None) -> None:
+        super().put(item)
+        time.sleep(0.1)
+
+
+def test_the_requests_of_one_call_start_in_the_same_step_even_if_the_caller_pauses_between_them():
+    with LLM(_BatchRecordingEngine()) as llm:
+        llm._commands = _PausingQueue()  # before: the engine stepped between a call's requests, batching at random
+        time.sleep(IDLE_WAKE_S + 0.2)  # the idle engine thread has left the first queue for this one
+        outputs = llm.generate([[1, 2], [1, 2], [3]], SamplingParams(max_tokens=2))
+        assert llm.engine.batches == [[output.request_id for output in outputs]]
+
+
+def test_the_engine_process_takes_the_requests_added_between_two_steps_in_one_step():
+    engine = ProcessEngine("tests.test_engine_process:_BatchRecordingEngine", {})
+    try:
+        seqs = [engine.make_request(request_id, [1, 2], SamplingParams(max_tokens=2)) for request_id in "ab"]
+        engine.add_request(seqs[0])
+        time.sleep(0.2)  # before: the first add was its own message, and the child stepped on it alone
+        engine.add_request(seqs[1])
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.stats_snapshot()["batches"] == [["a", "b"]]
+    finally:
+        engine.close()
 
 
 class _WarmingEngine(_IdleEngine):

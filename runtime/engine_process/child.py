@@ -99,12 +99,13 @@ def serve(conn: Connection, engine: Engine) -> None:
         for message in _messages(inbox, not (engine.has_unfinished() or warming), engine):
             if "close" in message:
                 return
-            if "add" in message:
-                seq = request_from_wire(message["add"])
-                try:
-                    engine.add_request(seq)
-                except KilnError as exc:
-                    results.append(RequestFailure(seq.request_id, exc))
+            if "add" in message:  # the requests the parent took since its last message, all before the next step
+                for wire in message["add"]:
+                    seq = request_from_wire(wire)
+                    try:
+                        engine.add_request(seq)
+                    except KilnError as exc:
+                        results.append(RequestFailure(seq.request_id, exc))
             elif (delta := engine.abort_request(message["abort"])) is not None:
                 results.append(delta)
         stepped = engine.has_unfinished()

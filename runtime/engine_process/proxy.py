@@ -57,6 +57,7 @@ class ProcessEngine:
         # after that step says it is idle and carries the idle stats
         self._child_busy = False
         self._warm = False  # the child has said that its deferred warm-up is done
+        self._adds: list[dict] = []  # requests added since the last message, sent in the next one
         try:
             send(self._conn, {"factory": factory, "arguments": arguments})
             hello = self._receive()
@@ -91,18 +92,22 @@ class ProcessEngine:
         return Sequence(request_id, token_ids, params)
 
     def add_request(self, seq: Sequence) -> None:
-        self._send({"add": request_to_wire(seq)})
+        """Take a request for the child: the requests added between two steps reach it in one message, so that it
+        takes them all before it steps (requests queued together start together, as in a thread's engine)."""
+        self._adds.append(request_to_wire(seq))
         self._unfinished.add(seq.request_id)
         self._child_busy = True
 
     def abort_request(self, request_id: str) -> StreamDelta | None:
         """Ask the child to abort; its final delta arrives with a later step (None is returned at once)."""
         if request_id in self._unfinished:
+            self._send_adds()
             self._send({"abort": request_id})
         return None
 
     def step(self) -> list[StreamDelta | RequestFailure]:
         """The results of the child's next step (or of adds and aborts it applied)."""
+        self._send_adds()
         return self._take(self._receive())
 
     def interrupt(self) -> bool:
@@ -155,6 +160,11 @@ class ProcessEngine:
             self._process.wait()
         finally:
             self._conn.close()
+
+    def _send_adds(self) -> None:
+        if self._adds:
+            adds, self._adds = self._adds, []
+            self._send({"add": adds})
 
     def _send(self, message: dict) -> None:
         try:

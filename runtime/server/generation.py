@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -178,21 +179,18 @@ class ServedModel:
 
     async def generate_final(self, jobs: list[Job], on_output: Callable[[RequestOutput], None],
                              request_ids: list[str]) -> list[RequestOutput]:
-        """Run the jobs concurrently, under ``request_ids``, to their final outputs only (no per-token hop through the
+        """Run the jobs together, under ``request_ids``, to their final outputs only (no per-token hop through the
         event loop), passing each to ``on_output`` as it lands; a failure or cancellation aborts every job still
         running."""
-
-        async def one(job: Job, request_id: str) -> RequestOutput:
-            output = await self.llm.generate_async(job.prompt_token_ids, job.params, request_id=request_id)
-            on_output(output)
-            return output
-
-        tasks = [asyncio.create_task(one(job, request_id)) for job, request_id in zip(jobs, request_ids, strict=True)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
+        outputs: list[RequestOutput | None] = [None] * len(jobs)
+        finals = self.llm.stream_many([job.prompt_token_ids for job in jobs], [job.params for job in jobs],
+                                      request_ids=request_ids, final_only=True)
+        async with contextlib.aclosing(finals) as batches:
+            async for batch in batches:
+                for index, delta in batch:
+                    outputs[index] = delta.output
+                    on_output(delta.output)
+        return outputs
 
     def generate(self, jobs: list[Job], on_finished: Callable[[], None] | None = None,
                  ) -> AsyncIterator[list[tuple[int, StreamDelta]]]:
