@@ -10,7 +10,9 @@ import random
 import signal
 import socket
 import time
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +21,9 @@ from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, RuntimeOptions, SamplingParams
 from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError
+from kiln.runtime.native.parallel.launch import TensorParallelRanks
 from kiln.runtime.native.parallel.step_batch import StepBatch
+from kiln.runtime.native.parallel.worker import rank_key
 from kiln.runtime.options import RuntimeOptionsError
 from tests.model_factories import make_fp8_checkpoint, make_hf_checkpoint, tiny_plan
 from tests.test_server_support import wait_until
@@ -137,6 +141,19 @@ def test_a_killed_worker_stops_the_engine_with_an_error_naming_it(tmp_path):
             llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
         assert time.monotonic() - start < 60  # aborted, not the collective timeout
         assert "TensorParallelError" in llm.engine_error
+
+
+def test_waiting_for_the_workers_to_load_ends_at_once_when_a_worker_exits_and_names_it():
+    ranks = TensorParallelRanks.__new__(TensorParallelRanks)  # its group's store, and a worker that has exited
+    store = torch.distributed.HashStore()
+    store.set_timeout(timedelta(seconds=5))  # before: the store's own wait, for its whole timeout (300 s in a group)
+    ranks.group = SimpleNamespace(size=2, store=store)
+    ranks.workers = SimpleNamespace(failure="worker rank 1 (pid 7) exited with code 1")
+    with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid 7\) exited with code 1 while the engine"):
+        ranks.wait_for_workers_loaded()
+    ranks.workers.failure = None
+    store.set(rank_key("loaded", 1), "1")
+    ranks.wait_for_workers_loaded()  # every rank has loaded
 
 
 def _worker_pids(engine_dir: Path) -> list[int]:

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -22,7 +23,12 @@ import torch
 from kiln.runtime.errors import FingerprintMismatchError
 from kiln.runtime.kiln_python import kiln_module_command
 from kiln.runtime.native.parallel.channel import StepChannel
-from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError, TensorParallelGroup
+from kiln.runtime.native.parallel.group import (
+    COLLECTIVE_TIMEOUT,
+    Rendezvous,
+    TensorParallelError,
+    TensorParallelGroup,
+)
 from kiln.runtime.native.parallel.step_batch import STOP
 from kiln.runtime.native.parallel.worker import engine_digest, rank_device, rank_key
 from kiln.runtime.options import RuntimeOptions
@@ -118,6 +124,7 @@ class TensorParallelRanks:
         """Refuse ranks that load another build of the engine (hosts given different copies): their shards would
         not add up, and the output would be wrong without an error."""
         ours = engine_digest(engine_dir)
+        self._wait_for_keys([rank_key("engine", rank) for rank in range(1, size)], "say which engine they load")
         for rank in range(1, size):
             theirs = self.group.store.get(rank_key("engine", rank)).decode()
             if theirs != ours:
@@ -147,7 +154,19 @@ class TensorParallelRanks:
     def wait_for_workers_loaded(self) -> None:
         """Return once every other rank has said its shard is loaded: a local worker dies with the thread that
         started it until then, which an ``LLM.load`` on a thread of its own may end as soon as rank 0 is done."""
-        self.group.store.wait([rank_key("loaded", rank) for rank in range(1, self.group.size)])
+        self._wait_for_keys([rank_key("loaded", rank) for rank in range(1, self.group.size)], "load")
+
+    def _wait_for_keys(self, keys: list[str], waiting_for: str) -> None:
+        """Return once the other ranks have set ``keys`` in the store. Polled, not the store's own wait (one C++ call
+        for its whole timeout): a local worker that exits meanwhile is an error at once, and Ctrl-C is handled."""
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        while not self.group.store.check(keys):
+            if (failure := self.failure) is not None:
+                raise TensorParallelError(f"tensor-parallel {failure} while the engine was loading")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"the other tensor-parallel ranks did not {waiting_for} within "
+                                          f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s")
+            time.sleep(JOIN_POLL_S)
 
     def stop_workers(self) -> None:
         """Kill the local workers at once (rank 0 failed while loading)."""
