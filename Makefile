@@ -14,11 +14,14 @@ STAMP := $(VENV)/.kiln-installed
 
 # The pinned PyTorch goes in first, so nothing that depends on torch can pull a different (multi-GB) build;
 # TORCH_INDEX picks the index it comes from (PyPI's Linux wheel is the CUDA build: the CPU one is at
-# https://download.pytorch.org/whl/cpu).
+# https://download.pytorch.org/whl/cpu). A GPU torch brings the triton it pins; where it brought none (a CPU build on
+# Linux), the tests' Triton interpreter is the tested 3.6.0.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	if [ "$$(uname -s)" = Linux ] && ! $(PY) -c "import triton" 2>/dev/null; then \
+		$(PY) -m pip install -q triton==3.6.0; fi
 	$(PY) -m pip install -q -e '.[serve,dev]'
 	touch $(STAMP)
 

@@ -27,6 +27,15 @@ def test_bare_name_resolves_under_the_bundled_configs():
     assert find_config("no-such-config") is None and find_config("configs/no/such.yaml") is None
 
 
+def test_a_configs_path_as_the_docs_write_it_resolves_to_the_bundled_file_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert find_config("configs/models/llama3-8b.json") == CONFIGS_DIR / "models" / "llama3-8b.json"
+    assert find_config("configs/tiny-llama-fp8.yaml") == CONFIGS_DIR / "tiny-llama-fp8.yaml"
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny-llama-fp8.yaml").write_text("model:\n  path: ./mine\n")
+    assert find_config("configs/tiny-llama-fp8.yaml") == tmp_path.resolve() / "configs" / "tiny-llama-fp8.yaml"
+
+
 def test_defaults_fill_every_section_but_the_model(tmp_path):
     config = load_config(write(tmp_path, "model:\n  path: org/some-model\n")).config
     assert config.model.dtype == "bfloat16"

@@ -1,23 +1,27 @@
 """The installed distribution is one package, ``kiln``: every folder of Kiln's code is one of its subpackages, and the
-bundled configs, tiny model and calibration data travel with it."""
+bundled configs, tiny model and calibration data travel with it; the sdist also carries the tests, docs and Makefile."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 import zipfile
+from pathlib import Path
 
 import pytest
 
+from kiln.runtime.kiln_python import kiln_module_command
 from tests.subprocess_env import REPO
 
 LAYERS = ("runtime", "engines", "calibration", "pipeline")
 BUNDLED = ("kiln/configs/tiny-llama-fp8.yaml", "kiln/configs/models/llama3-8b.json",
            "kiln/models/tiny-llama/model.safetensors", "kiln/models/tiny-llama/tokenizer.json",
            "kiln/data/tiny/calibration.jsonl", "kiln/data/tiny/heldout.jsonl",
-           "kiln/engines/trtllm/contract/trtllm-1.2.1.json")
+           "kiln/engines/trtllm/contract/trtllm-1.2.1.json", "kiln/py.typed")
+CHECKOUT_ONLY = ("tests", "docs", "examples", "tools", "Makefile")  # in the sdist, never in the wheel
 
 
 def code_modules() -> set[str]:
@@ -41,12 +45,21 @@ def test_every_code_folder_is_a_listed_subpackage_of_kiln():
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> zipfile.ZipFile:
+def source(tmp_path_factory) -> Path:
+    """A copy of the checkout's sources, so a build leaves nothing in the checkout."""
     pytest.importorskip("setuptools")
-    source = tmp_path_factory.mktemp("source")  # a copy, so the build leaves nothing in the checkout
-    for name in ("pyproject.toml", "README.md", "__init__.py", "__main__.py", *LAYERS, "configs", "models", "data"):
-        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
-        copy(REPO / name, source / name)
+    source = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "MANIFEST.in", "README.md", "__init__.py", "__main__.py", "py.typed", *LAYERS,
+                 "configs", "models", "data", *CHECKOUT_ONLY):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(REPO / name, source / name)
+    return source
+
+
+@pytest.fixture(scope="module")
+def wheel(source, tmp_path_factory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
                     str(source)], check=True, capture_output=True)
@@ -57,6 +70,7 @@ def test_the_wheel_installs_kiln_and_no_other_top_level_name(wheel):
     names = wheel.namelist()
     dist_info = next(n for n in names if ".dist-info/" in n).split("/")[0]
     assert {name.split("/")[0] for name in names} == {"kiln", dist_info}
+    assert not [name for name in names if name.split("/")[1] in CHECKOUT_ONLY]
     assert "kiln/runtime/llm.py" in names and "kiln/__main__.py" in names
     entry_points = wheel.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "kiln = kiln.pipeline.cli:main" in entry_points
@@ -68,6 +82,32 @@ def test_the_wheel_carries_every_module_of_the_code(wheel):
 
 def test_the_wheel_carries_the_bundled_configs_model_and_calibration_data(wheel):
     assert set(BUNDLED) <= set(wheel.namelist())
+
+
+@pytest.fixture(scope="module")
+def sdist(source, tmp_path_factory) -> set[str]:
+    """The sdist's file names, relative to its top folder."""
+    out = tmp_path_factory.mktemp("sdist")
+    build = "import sys; from setuptools import build_meta; build_meta.build_sdist(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", build, str(out)], cwd=source, check=True, capture_output=True)
+    with tarfile.open(next(out.glob("kiln-*.tar.gz"))) as tar:
+        return {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+
+
+def test_the_sdist_carries_the_tests_with_their_helpers_the_docs_and_the_makefile(sdist):
+    assert {"tests/conftest.py", "tests/subprocess_env.py", "tests/model_factories.py",
+            "tests/calibration_factories.py", "tests/fakes/trtllm-build", "docs/embedding.md",
+            "examples/embedded_service.py", "Makefile"} <= sdist
+
+
+@pytest.mark.parametrize("missing", ["fastapi", "uvicorn"])
+def test_importing_the_server_without_the_serve_extra_names_the_extra_to_install(missing):
+    code = (f"import sys; sys.modules[{missing!r}] = None\n"  # as if it were not installed
+            "try:\n    import kiln.runtime.server\nexcept ModuleNotFoundError as exc:\n    print(exc.name, exc)")
+    _, env = kiln_module_command("kiln")
+    found = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd="/")
+    assert found.stdout.strip() == (f"{missing} kiln.runtime.server needs the serve extra ({missing} is missing): "
+                                    "pip install 'kiln[serve]'"), found.stderr[-1000:]
 
 
 def test_kiln_processes_find_the_kiln_this_process_found_even_through_a_symlink(tmp_path):

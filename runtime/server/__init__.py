@@ -1,7 +1,16 @@
 """The OpenAI-compatible HTTP server over `runtime.LLM` (needs the serve extra: fastapi, uvicorn, prometheus-client,
 jinja2). `import runtime` never imports it."""
 
-from kiln.runtime.server.app import ServerSettings, create_app
-from kiln.runtime.server.serve import EngineFailedError, ServerStartError, ServerThread, run_server
+# what the server imports beyond the runtime (pydantic is missing only after `pip install --no-deps kiln`)
+_SERVE_EXTRA_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "prometheus_client", "jinja2", "pydantic"})
+
+try:
+    from kiln.runtime.server.app import ServerSettings, create_app
+    from kiln.runtime.server.serve import EngineFailedError, ServerStartError, ServerThread, run_server
+except ModuleNotFoundError as exc:
+    if (exc.name or "").split(".")[0] not in _SERVE_EXTRA_MODULES:
+        raise
+    raise ModuleNotFoundError(f"kiln.runtime.server needs the serve extra ({exc.name} is missing): pip install "
+                              "'kiln[serve]'", name=exc.name) from None
 
 __all__ = ["EngineFailedError", "ServerSettings", "ServerStartError", "ServerThread", "create_app", "run_server"]
