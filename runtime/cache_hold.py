@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 from pathlib import Path
 
 from kiln.runtime.errors import KilnError
@@ -70,8 +71,8 @@ class EntryHold:
 def hold_if_cached(engine_dir: Path) -> EntryHold | None:
     """Hold the cache entry an engine directory belongs to; None for an engine outside the cache."""
     entry = Path(engine_dir).resolve().parent
-    if not ((entry / IN_USE_LOCK).is_file() or (entry / MANIFEST).is_file()):  # a cache entry, its lock lost or not
-        return None
+    if not ((entry / IN_USE_LOCK).is_file() or (_in_cache_layout(entry) and (entry / MANIFEST).is_file())):
+        return None  # outside the cache (a deployment's own manifest.json beside an engine is not Kiln's)
     hold = EntryHold(entry)
     try:
         manifest = json.loads((entry / MANIFEST).read_bytes())
@@ -83,3 +84,9 @@ def hold_if_cached(engine_dir: Path) -> EntryHold | None:
                                 f"build; rebuild it (`kiln build --force`) or remove it (`kiln cache rm "
                                 f"{entry.name[:12]}`)")
     return hold
+
+
+def _in_cache_layout(entry: Path) -> bool:
+    """Whether ``entry`` is named as a cache entry is (``<key[:2]>/<key>``, the key 64 hex digits): one whose
+    in_use.lock was lost is still held."""
+    return re.fullmatch(r"[0-9a-f]{64}", entry.name) is not None and entry.parent.name == entry.name[:2]

@@ -124,6 +124,14 @@ def test_an_entry_that_lost_its_in_use_lock_is_held_again_and_then_never_evicted
     hold.release()
 
 
+def test_an_engine_outside_the_cache_beside_a_manifest_of_its_own_is_not_held_or_touched(tmp_path):
+    engine = tmp_path / "deploy" / "engine"
+    engine.mkdir(parents=True)
+    (tmp_path / "deploy" / "manifest.json").write_text('{"name": "my-model", "version": 3}')
+    assert hold_if_cached(engine) is None  # before: refused as a corrupt cache entry, an in_use.lock made beside it
+    assert sorted(p.name for p in (tmp_path / "deploy").iterdir()) == ["engine", "manifest.json"]
+
+
 def test_a_forced_rebuild_of_a_held_entry_keeps_the_old_files_until_released(tmp_path):
     cache = EngineCache.open(tmp_path / "c")
     a = add(cache, "a")

@@ -109,7 +109,9 @@ class FullDisk(sqlite3.Connection):
 
     def execute(self, sql: str, *args) -> sqlite3.Cursor:
         if sql.startswith(("INSERT", "DELETE")):
-            raise sqlite3.OperationalError("database or disk is full")
+            full = sqlite3.OperationalError("database or disk is full")
+            full.sqlite_errorcode, full.sqlite_errorname = sqlite3.SQLITE_FULL, "SQLITE_FULL"
+            raise full
         return super().execute(sql, *args)
 
     def executemany(self, sql: str, *args) -> sqlite3.Cursor:
@@ -136,6 +138,15 @@ def test_a_full_disk_under_the_statistics_warns_once_and_rm_and_builds_go_on(tmp
     assert CliRunner().invoke(cache_app, ["rm", keys[0], "--cache-dir", str(cache.root)]).exit_code == 0
     assert cache.entries.list_keys() == [keys[1]]
     assert caplog.text.count(f"{cache.stats.path}: cannot be used (database or disk is full)") == 1
+
+
+def test_an_error_of_the_statements_themselves_is_raised_not_taken_for_a_full_disk(tmp_path, caplog):
+    path = tmp_path / "stats.db"
+    with sqlite3.connect(path) as other:  # a table of the same name with other columns
+        other.execute("CREATE TABLE events (id INTEGER PRIMARY KEY, ts REAL)")
+    with pytest.raises(sqlite3.OperationalError, match="event"):
+        StatsDB(path).record_lookup("entries", "a" * 64, "new")  # before: a warning to free disk space, no error
+    assert "going on without it" not in caplog.text
 
 
 def test_a_database_this_user_cannot_create_is_left_to_sqlite_not_a_traceback(tmp_path, monkeypatch):

@@ -21,6 +21,8 @@ logger = logging.getLogger("kiln.cache")
 T = TypeVar("T")
 
 _CORRUPT = ("file is not a database", "database disk image is malformed")
+# SQLite's errors of a database this machine cannot use (its disk, its file's permissions), by their names' prefix
+_UNUSABLE = ("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM")
 _warned: set[Path] = set()  # the databases this process said it goes on without
 
 
@@ -29,7 +31,8 @@ def connect(path: Path, schema: Sequence[str] = ()) -> Iterator[sqlite3.Connecti
     """A connection in WAL mode, its ``schema`` statements (``CREATE ... IF NOT EXISTS``) applied, that commits on
     success, rolls back on error and is always closed. A database that cannot be opened or written (a full disk,
     an I/O error, a read-only file) raises CacheDatabaseError; one that is busy past the timeout stays an
-    ``OperationalError`` ("database is locked")."""
+    ``OperationalError`` ("database is locked"), as does an error of the statements themselves (a bug, not the
+    machine)."""
     try:
         db = _open_or_replace(path, schema)
         try:
@@ -38,7 +41,7 @@ def connect(path: Path, schema: Sequence[str] = ()) -> Iterator[sqlite3.Connecti
         finally:
             db.close()
     except sqlite3.OperationalError as exc:
-        if "locked" in str(exc):
+        if not (getattr(exc, "sqlite_errorname", None) or "").startswith(_UNUSABLE):  # busy, or a bug in its SQL
             raise
         raise CacheDatabaseError(Path(path), str(exc)) from None
 
