@@ -163,7 +163,12 @@ def plain_number(value: object) -> object:
     try:
         return operator.index(value)
     except TypeError:
-        return float(value) if isinstance(value, numbers.Real) and not isinstance(value, float) else value
+        pass
+    if isinstance(value, numbers.Real):
+        return value if isinstance(value, float) else float(value)
+    if getattr(value, "ndim", None) == 0 and "float" in str(getattr(value, "dtype", "")):
+        return float(value)  # a 0-d floating torch tensor, which is no numbers.Real
+    return value
 
 
 def _is_int(value: object) -> bool:

@@ -77,6 +77,8 @@ def test_numbers_of_numpy_and_torch_are_taken_as_python_numbers():
     json.dumps(params.logit_bias)  # plain numbers cross to the engine process
     with pytest.raises(ValueError, match="max_tokens must be an int"):
         SamplingParams(max_tokens=np.float64(4))
+    floats = SamplingParams(temperature=torch.tensor(0.5), top_p=torch.tensor(0.9, dtype=torch.float64))
+    assert (floats.temperature, floats.top_p) == (0.5, 0.9) and type(floats.top_p) is float
 
 
 def test_stop_strings_need_the_text():
