@@ -8,6 +8,7 @@ import contextlib
 import functools
 import logging
 import numbers
+import os
 import queue
 import threading
 import time
@@ -107,6 +108,7 @@ class LLM:
         self._closed = False
         self._outbox = _Outbox()  # touched by the engine thread only
         self._warm = threading.Event()  # the engine's deferred warm-up is done (or the engine thread has stopped)
+        self._pid = os.getpid()  # it serves the process that loaded it, never a fork of it
         # the thread holds the LLM only while it works, so an LLM dropped without close() is collected, and its
         # finalizer frees the engine (weights, KV pool, an engine process) and the cache hold
         self._thread = threading.Thread(target=_engine_thread, args=(weakref.ref(self),), name="kiln-engine",
@@ -317,6 +319,9 @@ class LLM:
     def close(self) -> None:
         """Stop the engine thread; requests still in flight fail with EngineClosedError. A step that has not returned
         within ``STEP_GRACE_S`` (a hung GPU) is interrupted where the engine can be (an engine process is killed)."""
+        if self._pid != os.getpid():  # a fork's copy (its lock may be held): the engine is the parent's to free
+            self._closed = True
+            return
         with self._lock:
             if self._closed:
                 return
@@ -327,7 +332,8 @@ class LLM:
             logger.warning("the engine did not stop within %s s of close: its process was killed", STEP_GRACE_S)
         self._thread.join()
         self._fail_all(EngineClosedError("the LLM was closed before this request finished"))
-        self._release()
+        if (finalizer := self._release.detach()) is not None:  # a call would do nothing once atexit has run
+            _release_engine(*finalizer[2])
 
     def _stop_reason(self) -> BaseException | None:
         """Why the engine stopped: the engine thread's error, else what the engine noticed while idle
@@ -337,6 +343,7 @@ class LLM:
         return self.engine.failure()
 
     def _check_open(self) -> None:
+        self._check_not_forked()
         error = self._stop_reason()
         if self._closed or error is not None:
             raise EngineClosedError(f"the LLM is closed{f' (engine error: {error})' if error else ''}: load it again")
@@ -344,6 +351,7 @@ class LLM:
     def _enqueue(self, seqs: list[Sequence], sinks: list[_Sink]) -> list[Future]:
         """Queue requests as one command: the engine takes them all before its next step (a request's choices, or
         a batch of prompts, then always start together); none is queued when one's id is taken."""
+        self._check_not_forked()  # before the lock, which the parent's engine thread may have held at the fork
         with self._lock:
             self._check_open()
             ids: dict[str, _Sink] = {}
@@ -355,6 +363,18 @@ class LLM:
         self._commands.put(("add", seqs))
         return [sink.future for sink in sinks]
 
+    def _check_not_forked(self) -> None:
+        """Refuse a fork of the process that loaded this LLM: the fork has no engine thread, and the engine (an
+        engine process, a device) is the parent's."""
+        if self._pid != os.getpid():
+            raise EngineClosedError(
+                f"this LLM was loaded in process {self._pid}, and process {os.getpid()} is a fork of it: an engine "
+                f"does not survive fork(). Load it in each worker after the fork (gunicorn: without --preload, or in "
+                f"post_fork; multiprocessing: the 'spawn' or 'forkserver' start method)")
+
+    def __reduce__(self) -> None:
+        raise TypeError("an LLM cannot be sent to another process: LLM.load the engine there")
+
     @property
     def closed(self) -> bool:
         """Whether ``close`` was called: every request is then refused."""
@@ -364,6 +384,10 @@ class LLM:
     def engine_error(self) -> str | None:
         """Why the engine stopped, or None while it serves (a health check reads this): the engine thread's error, or
         what the engine noticed while idle (``Engine.failure``: a worker or engine process that exited)."""
+        try:
+            self._check_not_forked()
+        except EngineClosedError as e:
+            return f"{type(e).__name__}: {e}"
         with self._lock:
             error = self._stop_reason()
         return None if error is None else f"{type(error).__name__}: {error}"
@@ -423,7 +447,9 @@ class LLM:
         if sink is None or sink is _ABORTING:
             return
         if sink.loop is not None:
-            if delta.finished or sink.every_delta:
+            if sink.loop.is_closed() and not delta.finished:  # nobody can read it any more: free its blocks now
+                self._commands.put(("abort", delta.request_id))
+            elif delta.finished or sink.every_delta:
                 self._outbox.add(delta.request_id, sink, delta)
         elif delta.finished:
             sink.future.set_result(delta.output)
@@ -485,6 +511,17 @@ def _taken(params: SamplingParams | None) -> SamplingParams:
 # every LLM not yet closed, closed at interpreter exit: an engine thread left inside a torch call while the
 # interpreter shuts down aborts the process ("terminate called without an active exception", exit 134)
 _open: weakref.WeakSet[LLM] = weakref.WeakSet()
+
+
+def _forget_open_llms_in_fork() -> None:
+    """A fork inherits every open LLM without its engine thread: neither its exit nor its garbage collector may free
+    the parent's engine or release its cache hold (a lock the two processes share)."""
+    for llm in list(_open):
+        llm._release.detach()
+    _open.clear()
+
+
+os.register_at_fork(after_in_child=_forget_open_llms_in_fork)
 
 
 @atexit.register

@@ -364,6 +364,23 @@ def test_an_engine_process_whose_parent_dies_while_it_loads_dies_too():
         wait_until(lambda: not _running(child), timeout=30)
 
 
+def test_an_engine_process_exits_with_its_parent_even_while_a_fork_of_the_parent_lives():
+    embed = ("import os, time\nfrom kiln.runtime import LLM\nfrom kiln.runtime.engine_process import ProcessEngine\n"
+             "llm = LLM(ProcessEngine('tests.test_engine_process:_IdleEngine', {}))\nfork = os.fork()\n"
+             "if fork == 0:\n    time.sleep(60)\n    os._exit(0)\nprint(llm.engine_pid, fork, flush=True)\n"
+             "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", embed], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                              env=repo_env())
+    engine, fork = (int(pid) for pid in parent.stdout.readline().split())
+    try:
+        parent.kill()  # as an out-of-memory kill would
+        parent.wait()
+        wait_until(lambda: not _running(engine), timeout=20)  # before: alive until the fork exited (its socket copy)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(fork, signal.SIGKILL)
+
+
 def _running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"

@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
+import pickle
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -21,7 +24,7 @@ from kiln.runtime.options import RuntimeOptions, RuntimeOptionsError
 from kiln.runtime.outputs import RequestFailedError
 from kiln.runtime.tokenizer import IncrementalDetokenizer
 from tests.model_factories import build_tiny_engine, make_hf_model, tiny_plan
-from tests.subprocess_env import repo_env
+from tests.subprocess_env import REPO, repo_env
 from tests.test_server_support import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -297,6 +300,49 @@ def test_cancelling_a_generate_async_task_aborts_it_and_the_engine_keeps_serving
     wait_until(lambda: llm.stats()["requests_finished"]["abort"] == aborted_before + 1)
     assert all_blocks_free(llm)
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids
+
+
+def test_a_fork_of_the_process_is_refused_clearly_and_the_parents_engine_keeps_serving(llm):
+    pid = os.fork()
+    if pid == 0:  # the fork has no engine thread: before, a request waited for ever
+        code = 1
+        try:
+            signal.alarm(30)
+            try:
+                llm.generate("Hi", SamplingParams(max_tokens=2))
+            except EngineClosedError as refused:
+                code = 0 if "is a fork of it" in f"{refused} {llm.engine_error}" else 2
+            llm.close()  # the parent's engine is the parent's to free
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert llm.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+
+
+def test_a_generate_async_whose_event_loop_closed_is_aborted_not_run_to_max_tokens(llm):
+    before = llm.stats()["num_generated_tokens"]
+    loop = asyncio.new_event_loop()
+    long = SamplingParams(max_tokens=llm.limits.max_seq_len - 8, ignore_eos=True)
+    loop.create_task(llm.generate_async("Hi", long))
+    loop.run_until_complete(asyncio.sleep(0.05))
+    loop.close()
+    wait_until(lambda: llm.stats()["num_running"] == 0 and llm.stats()["num_waiting"] == 0, timeout=60)
+    assert llm.stats()["num_generated_tokens"] - before < long.max_tokens
+
+
+def test_an_llm_is_not_pickled_into_another_process(llm):
+    with pytest.raises(TypeError, match="LLM.load the engine there"):
+        pickle.dumps(llm)
+
+
+def test_an_llm_still_open_at_exit_frees_its_engine():
+    script = ("from kiln.runtime import LLM\nfrom tests.test_engine_process import _IdleEngine\n"
+              "class Engine(_IdleEngine):\n    def close(self):\n        print('engine closed', flush=True)\n"
+              "llm = LLM(Engine())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=repo_env(),
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout == "engine closed\n"  # before: weakref's own exit hook ran first
 
 
 def test_stats_report_steps_kv_blocks_and_request_latencies(llm):

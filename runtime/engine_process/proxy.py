@@ -11,6 +11,7 @@ import contextlib
 import os
 import socket
 import subprocess
+import weakref
 from dataclasses import asdict, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -52,6 +53,7 @@ class ProcessEngine:
         with theirs:
             self._process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=environment)
         self._conn = Connection(ours.detach())
+        _live.add(self)
         self._unfinished: set[str] = set()
         # the child has work left (a step queued ahead for a request that has already finished here): its reply
         # after that step says it is idle and carries the idle stats
@@ -186,3 +188,18 @@ class ProcessEngine:
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         return EngineProcessError(f"the engine process (pid {self._process.pid}) {how}; its own error, if it had "
                                   f"one, is in the log above")
+
+
+_live: weakref.WeakSet[ProcessEngine] = weakref.WeakSet()
+
+
+def _close_sockets_in_fork() -> None:
+    """A fork of this process holds a copy of each engine process's socket, which would keep that engine process
+    (and its device memory) alive after this process has gone until the fork exits: the fork closes its copies."""
+    for engine in list(_live):
+        with contextlib.suppress(OSError):
+            engine._conn.close()
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_close_sockets_in_fork)
