@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from kiln.runtime import LLM, RuntimeOptions, SamplingParams
-from kiln.runtime.engine_process import ProcessEngine
+from kiln.runtime.engine_process import ProcessEngine, proxy
 from kiln.runtime.engine_process.proxy import EngineProcessError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.llm import IDLE_WAKE_S, EngineClosedError
@@ -246,6 +246,21 @@ def test_an_engine_process_that_dies_while_idle_is_an_engine_error_at_once():
         os.kill(llm.engine.pid, signal.SIGKILL)
         wait_until(lambda: llm.engine_error is not None)
         assert re.search(r"EngineProcessError: the engine process \(pid \d+\) was killed by signal 9", llm.engine_error)
+
+
+class _StuckClosing(_IdleEngine):
+    """Never finishes freeing itself."""
+
+    def close(self) -> None:
+        time.sleep(60)
+
+
+def test_an_engine_process_that_does_not_exit_on_close_is_killed_and_said_so(monkeypatch, caplog):
+    monkeypatch.setattr(proxy, "CLOSE_TIMEOUT_S", 0.5)
+    engine = ProcessEngine("tests.test_engine_process:_StuckClosing", {})
+    engine.close()
+    assert engine._process.returncode == -signal.SIGKILL
+    assert "did not exit within 0.5 s of close: killed" in caplog.text  # before: killed without a word
 
 
 class _GoneEngine(_IdleEngine):

@@ -259,6 +259,7 @@ def test_the_server_stops_with_an_error_when_its_engine_stops_while_serving():
         llm.engine.step = broken_step
         response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         assert response.status_code == 503 and "simulated device failure" in response.json()["error"]["message"]
+        assert response.json()["error"]["type"] == "server_error"  # a stopped engine, not a server at capacity
         error = outcome.get(timeout=30)
         assert isinstance(error, EngineFailedError) and error.exit_code == 1
         assert "simulated device failure" in str(error)

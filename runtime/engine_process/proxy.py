@@ -8,6 +8,7 @@ the engine's host work and whatever else this process runs (an HTTP server's eve
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import subprocess
@@ -32,8 +33,11 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import Tokenizer, encode_prompt
 
-CLOSE_TIMEOUT_S = 15  # a healthy child frees its engine and exits in seconds; within a Kubernetes grace period
+# a healthy child frees its engine and exits in seconds; a hung one is killed after as long as LLM.close gives a
+# step (its STEP_GRACE_S), so that a drain ends that much after --shutdown-timeout, as docs/serving.md says
+CLOSE_TIMEOUT_S = 10
 WARM_POLL_S = 0.01  # how long ``warm_up_step`` waits for the child's word before the caller handles its commands
+logger = logging.getLogger("kiln.runtime")
 
 
 class EngineProcessError(KilnError):
@@ -158,6 +162,8 @@ class ProcessEngine:
         try:
             self._process.wait(timeout=CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            logger.warning("the engine process (pid %s) did not exit within %s s of close: killed", self._process.pid,
+                           CLOSE_TIMEOUT_S)
             self._process.kill()
             self._process.wait()
         finally:

@@ -13,29 +13,32 @@ from starlette.exceptions import HTTPException
 logger = logging.getLogger("kiln.server")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 503: "server_overloaded"}
+          405: "invalid_request_error"}
+OVERLOADED = "server_overloaded"  # the type of a 503 for a server at capacity (others: loading, draining, stopped)
 
 
 class APIError(Exception):
     """A request the server refuses; becomes an OpenAI-style error response."""
 
     def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, kind: str | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers
+        self.kind = kind  # the body's "type", where the status alone does not say it
 
 
-def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    kind = _TYPES.get(status_code, "invalid_request_error" if 400 <= status_code < 500 else "server_error")
+def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None,
+               kind: str | None = None) -> dict:
+    kind = kind or _TYPES.get(status_code, "invalid_request_error" if 400 <= status_code < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error.status_code, error.message, error.param, error.code),
+    return JSONResponse(error_body(error.status_code, error.message, error.param, error.code, error.kind),
                         status_code=error.status_code, headers=error.headers)
 
 

@@ -17,7 +17,7 @@ from kiln.runtime.llm import LLM, EngineClosedError
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
-from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.errors import OVERLOADED, APIError
 from kiln.runtime.server.protocol import ModelCard, ModelPermission, SamplingFields
 from kiln.runtime.server.sampling_defaults import GenerationConfigMode, sampling_defaults
 from kiln.runtime.server.tool_calls import tool_call_format
@@ -54,7 +54,7 @@ class Admission:
         if self.outstanding + num_seqs > self.capacity:
             raise APIError(503, f"the server is at capacity ({self.outstanding} of {self.capacity} sequences "
                                 f"running or queued): retry after {RETRY_AFTER_S} s",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+                           headers={"Retry-After": str(RETRY_AFTER_S)}, kind=OVERLOADED)
         self.outstanding += num_seqs
         released = False
 

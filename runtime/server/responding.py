@@ -140,7 +140,7 @@ def _event(data: dict) -> str:
 
 
 def _error_chunk(failed: APIError) -> dict:
-    return error_body(failed.status_code, failed.message)
+    return error_body(failed.status_code, failed.message, kind=failed.kind)
 
 
 @dataclass
