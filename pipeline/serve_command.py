@@ -178,6 +178,9 @@ def _config_target(config: Path, options: RuntimeOptions, *, backend: str | None
     if before_build is not None:
         before_build(ctx.config.serve)
     decisions = runner.decide(ctx, smoke=False)
+    for stage, decision in decisions:  # why a server expected to start at once quantizes or builds first
+        if decision.action == "run" and stage.name != "publish":
+            stderr.print(f"{stage.name:<9} {escape(decision.reason)}", highlight=False)
     with stage_progress(enabled=progress) as bars:
         runner.run(ctx, decisions, bars)
     section = ctx.config.serve

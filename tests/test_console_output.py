@@ -173,3 +173,15 @@ def test_text_with_square_brackets_is_printed_as_it_is(tmp_path):
 
     result = CliRunner().invoke(app, ["build", str(tmp_path / "run[old]" / "cfg.yaml"), "--dry-run"])
     assert result.exit_code == 2 and f"{tmp_path / 'run[old]' / 'cfg.yaml'}: config file not found" in result.stderr
+
+
+def test_serving_a_config_says_why_it_builds_first_and_nothing_on_a_hit(tmp_path, monkeypatch, capsys):
+    from kiln.pipeline.config import find_config
+    from kiln.pipeline.serve_command import _config_target
+    from kiln.runtime.options import RuntimeOptions
+
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    for expected in ("build     cache miss (new)", None):  # before: a build with no word of why (a corrupt entry)
+        _config_target(find_config("tiny-llama-bf16"), RuntimeOptions(device="cpu"), backend=None, progress=False)
+        err = capsys.readouterr().err
+        assert expected in err if expected else "cache miss" not in err
