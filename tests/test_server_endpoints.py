@@ -56,6 +56,33 @@ def test_tokenize_and_detokenize_round_trip_a_prompt_and_render_messages(http, l
     assert llm.tokenizer.decode(chat["tokens"]) == "<<user>>hi<<A>>"  # the --chat-template, not the engine's own
 
 
+def test_tokenize_continues_a_final_assistant_message_and_refuses_tools_the_template_does_not_render(http, llm):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    continued = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                             "continue_final_message": True}).json()
+    assert llm.tokenizer.decode(continued["tokens"]) == "<<user>>hi<<assistant>>Once upon"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for path, body in (("/tokenize", {"messages": messages[:1], "tools": tools}),
+                       ("/v1/chat/completions", {"messages": messages[:1], "tools": tools, "max_tokens": 1})):
+        response = http.post(path, json=body)  # the same request, the same answer
+        assert response.status_code == 400 and "does not render tools" in response.json()["error"]["message"]
+
+
+def test_invocations_serve_chat_and_completions_as_sagemaker_sends_them(server, http):
+    chat = http.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.json()["object"] == "chat.completion"
+    completion = http.post("/invocations", json={"prompt": "Once upon", "max_tokens": 2})
+    assert completion.json()["object"] == "text_completion"
+    with http.stream("POST", "/invocations", json={"prompt": "Once", "max_tokens": 2, "stream": True}) as streamed:
+        assert [line for line in streamed.iter_lines() if line][-1] == "data: [DONE]"
+    wrong = http.post("/invocations", json={"messages": [{"role": "robot", "content": "hi"}]}).json()["error"]
+    assert wrong["param"] == "messages[0].role" and "'user'" in wrong["message"]
+    neither = http.post("/invocations", json={"max_tokens": 2})
+    assert neither.status_code == 400 and "'messages'" in neither.json()["error"]["message"]
+    assert httpx.post(f"{server.url}/invocations", json={"prompt": "a"}).status_code == 401
+    assert 'kiln_requests_total{endpoint="/invocations",status="200"} 3.0' in http.get("/metrics").text
+
+
 def test_tokenizer_info_gives_what_lm_eval_harness_reads_and_its_chat_messages_are_taken(http, server):
     info = http.get("/tokenizer_info").json()
     assert (info["eos_token"], info["bos_token"]) == ("</s>", "<s>") and info["chat_template"] == TEMPLATE

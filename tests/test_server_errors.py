@@ -74,6 +74,10 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "ignore_eos": True, "structured_outputs": {"choice": ["a"]}}, "ignore_eos",
      ["structured output"]),
     ({"prompt": "hi", "best_of": 2}, "best_of", ["not supported", "send null or 1"]),  # JSON, not Python, spellings
+    ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", ["not supported", "send null or false"]),
+    ({"prompt": "hi", "length_penalty": 0.5}, "length_penalty", ["not supported", "1.0"]),
+    ({"prompt": "hi", "add_special_tokens": False}, "add_special_tokens", ["not supported", "true"]),
+    ({"prompt": "hi", "allowed_token_ids": [5]}, "allowed_token_ids", ["not supported", "send null"]),
     ({"prompt": "hi", "best_of": 1, "n": 2}, "best_of", ["best_of (1) must be greater than or equal to n (2)"]),
 ])
 def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, words):
@@ -91,8 +95,11 @@ def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, w
     ({"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages", ["max_input_len"]),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100_000}, "max_completion_tokens",
      ["leaves room"]),
-    ({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False}, "add_generation_prompt",
-     ["not supported", "true"]),
+    ({"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True},
+     "continue_final_message", ["add_generation_prompt: false"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False,
+      "continue_final_message": True}, "continue_final_message", ["must be the assistant's, not the user's"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "bad_words": ["x"]}, "bad_words", ["not supported", "[]"]),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": 5}, "tool_choice", ["'none', 'auto'"]),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "allowed_tools"}}, "tool_choice",
      ["'none', 'auto'"]),
@@ -135,6 +142,7 @@ def test_malformed_json_and_non_object_bodies_get_a_400(http):
     headers = {"Content-Type": "application/json"}
     assert_error(http.post("/v1/completions", content=b'{"prompt": ', headers=headers), 400, None, "not valid JSON")
     assert_error(http.post("/v1/completions", content=b"[1, 2]", headers=headers), 400, None, "JSON object")
+    assert_error(http.post("/v1/completions", content=b'"x"', headers=headers), 400, None, "JSON object, not str")
     assert_error(http.post("/v1/completions", content=b"prompt=hi"), 400, None, "application/json")
     assert_error(http.post("/v1/completions"), 400, None, "missing")
 

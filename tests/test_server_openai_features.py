@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse
 
 from kiln.runtime import SamplingParams
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
+from kiln.runtime.server.chat_template import ChatTemplate
 from tests.test_server_support import tiny_engine
 
 MODEL = "tiny"
@@ -225,6 +226,33 @@ def test_vllm_extensions_at_their_defaults_are_accepted(client):
                                                                          "continuous_usage_stats": False},
                                             extra_body=defaults)
     assert list(chunks)[-1].usage.completion_tokens == 2
+    shared = {"use_beam_search": False, "length_penalty": 1.0, "return_tokens_as_token_ids": False,
+              "return_token_ids": None, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": []}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body=shared)
+    completion = client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                           extra_body={**shared, "add_special_tokens": True})
+    assert chat.usage.completion_tokens == completion.usage.completion_tokens == 2
+
+
+def test_a_continued_assistant_message_is_the_prompts_end_as_transformers_renders_it(client, llm):
+    history = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a"}]
+    template = ChatTemplate.from_dir(tiny_engine())
+    kwargs = dict(model=MODEL, messages=history, max_tokens=4, temperature=0)
+    whole = template.render(history, add_generation_prompt=False)
+    prefill = whole[:whole.rindex("Once upon a") + len("Once upon a")]  # the assistant's text, not its end of turn
+    expected = llm.generate(prefill, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    out = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True, "add_generation_prompt": False,
+                                                               "continue_final_message": True, "prompt_logprobs": 0})
+    prompt_ids = [int(next(iter(entry))) for entry in out.prompt_logprobs[1:]]  # the first token has no entry
+    assert prompt_ids == llm.tokenizer.encode(prefill, add_special_tokens=False)[1:]
+    assert llm.tokenizer.decode(prompt_ids).endswith("Assistant: Once upon a")
+    assert out.choices[0].message.content == expected.text
+    without = client.chat.completions.create(**kwargs, extra_body={"add_generation_prompt": False})
+    with_prompt = client.chat.completions.create(**kwargs)
+    assert without.usage.prompt_tokens == len(llm.tokenizer.encode(whole, add_special_tokens=False))
+    assert with_prompt.usage.prompt_tokens == len(llm.tokenizer.encode(
+        template.render(history), add_special_tokens=False)) > without.usage.prompt_tokens
 
 
 def test_a_whole_response_is_built_off_the_event_loop(client, monkeypatch):

@@ -14,8 +14,8 @@ from tests.test_server_support import engine_idle, tiny_engine, wait_until
 # A short context and a small queue keep each generated request cheap: at most 31 tokens, at most 20 sequences.
 SHORT_CONTEXT = 32
 EXAMPLES_PER_OPERATION = 30
-WITH_BODY = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize",
-             "POST /detokenize"}
+WITH_BODY = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /invocations",
+             "POST /tokenize", "POST /detokenize"}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_schema_covers_every_route(api_schema):
     assert {op.label for op in operations(api_schema)} == {
         "GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}", "POST /v1/completions",
         "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize", "POST /detokenize", "GET /version",
-        "GET /ping", "POST /ping", "GET /tokenizer_info"}
+        "GET /ping", "POST /ping", "GET /tokenizer_info", "POST /invocations"}
 
 
 @pytest.mark.slow

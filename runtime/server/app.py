@@ -11,10 +11,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Body, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.runtime.errors import KilnError
@@ -112,12 +115,12 @@ class ServerState:
         return self.model
 
 
-_KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
+_KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
 
 
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on /v1/ routes, /tokenize, /detokenize and /tokenizer_info; /health,
-    /metrics and /version stay open for probes."""
+    """Requires `Authorization: Bearer <key>` on /v1/ routes, /invocations, /tokenize, /detokenize and
+    /tokenizer_info; /health, /ping, /metrics and /version stay open for probes."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -233,6 +236,19 @@ def _add_middleware(app: FastAPI, settings: ServerSettings, metrics: ServerMetri
                            allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER.decode(), IGNORED_FIELDS_HEADER])
 
 
+def invocation(body: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
+    """An /invocations body as the request it is: a chat completion (`messages`) or a completion (`prompt`), checked
+    as those routes check it (a 400 naming the field)."""
+    kind = ChatCompletionRequest if "messages" in body else CompletionRequest if "prompt" in body else None
+    if kind is None:
+        raise APIError(400, "an /invocations body needs 'messages' (a chat completion) or 'prompt' (a completion): "
+                            "send one of them")
+    try:
+        return kind.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
 def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metrics: ServerMetrics) -> None:
     """Health, metrics, the OpenAI routes and vLLM's tokenizer and version routes."""
 
@@ -283,6 +299,15 @@ def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metr
     async def responses(body: ResponsesRequest, request: Request) -> object:
         """OpenAI's Responses API, stateless: the whole conversation comes as input."""
         return await create_response(state.require_model(), body, metrics, request)
+
+    @app.post("/invocations", response_model=ChatCompletionResponse | CompletionResponse,
+              responses={**_ERRORS, **_STREAMING})
+    async def invocations(body: Annotated[dict[str, Any], Body()], request: Request) -> object:
+        """SageMaker's route (as vLLM serves it): a body with `messages` is a chat completion, with `prompt` a
+        completion."""
+        req = invocation(body)
+        create = create_chat_completion if isinstance(req, ChatCompletionRequest) else create_completion
+        return await create(state.require_model(), req, metrics, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:

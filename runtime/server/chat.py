@@ -66,21 +66,36 @@ def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
 
 
 def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dict] | None,
-                add_generation_prompt: bool = True, variables: dict[str, Any] | None = None) -> str:
+                add_generation_prompt: bool = True, variables: dict[str, Any] | None = None,
+                continue_final_message: bool = False) -> str:
     """The prompt text of ``messages`` (and ``tools``, and the request's further template variables as
     ``variables``: ``template_variables``, or /tokenize's ``chat_template_kwargs``) through the model's chat template
-    (it writes BOS itself, as in transformers, so the text is tokenized without special tokens)."""
+    (it writes BOS itself, as in transformers, so the text is tokenized without special tokens); with
+    ``continue_final_message``, cut right after the final message's content, which the completion continues."""
     if model.chat_template is None:
         raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template (neither "
                        f"chat_template.jinja nor tokenizer_config.json has one, and kiln serve got no "
                        f"--chat-template): use /v1/completions", param="messages")
+    rendered = [_template_message(m) for m in messages]
     try:
-        return model.chat_template.render([_template_message(m) for m in messages], add_generation_prompt, tools,
-                                          variables)
+        text = model.chat_template.render(rendered, add_generation_prompt, tools, variables)
     except ReservedVariableError as exc:
         raise APIError(400, str(exc), param="chat_template_kwargs") from None
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
+    return _cut_after(text, rendered[-1]["content"]) if continue_final_message else text
+
+
+def _cut_after(text: str, content: str) -> str:
+    """``text`` up to the end of its last ``content``, as transformers' ``continue_final_message`` cuts it (the end
+    of the stripped content where the template stripped its trailing whitespace)."""
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise APIError(400, "the chat template does not render the final message verbatim, so it cannot be "
+                            "continued: send add_generation_prompt false without continue_final_message",
+                       param="continue_final_message")
+    kept = content.lstrip()
+    return text[:at + (len(kept) if text[at:at + len(kept)] == kept else len(content.strip()))]
 
 
 def _arguments(text: str) -> dict | str:
@@ -89,6 +104,14 @@ def _arguments(text: str) -> dict | str:
     except json.JSONDecodeError:
         return text
     return value if isinstance(value, dict) else text
+
+
+def require_tool_format(model: ServedModel) -> ToolCallFormat:
+    """The format the model calls tools in: a 400 when its chat template does not render tools."""
+    if model.tool_call_format is None:
+        raise APIError(400, f"the chat template of model '{model.name}' does not render tools, so the model cannot "
+                            f"call them: send no tools (or, to chat, tool_choice 'none')", param="tools")
+    return model.tool_call_format
 
 
 class ChatTools:
@@ -106,10 +129,7 @@ class ChatTools:
             if not isinstance(choice, str) or choice == "required":
                 raise APIError(400, f"tool_choice {_choice_name(choice)} needs tools", param="tool_choice")
             return
-        self.format = model.tool_call_format
-        if self.format is None:
-            raise APIError(400, f"the chat template of model '{model.name}' does not render tools, so the model "
-                                f"cannot call them: send tool_choice 'none' or no tools", param="tools")
+        self.format = require_tool_format(model)
         if choice == "required":
             self.forced = self.functions
         elif not isinstance(choice, str):
@@ -203,7 +223,8 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
     if forced is not None and requested is not None:  # agent sends its final answer's schema on every turn)
         overridden = [name for name in FORMAT_FIELDS if getattr(req, name) is not None]
         requested = None
-    text = render_chat(model, req.messages, tools.rendered, variables=template_variables(req))
+    text = render_chat(model, req.messages, tools.rendered, req.add_generation_prompt, template_variables(req),
+                       req.continue_final_message)
     [prompt] = await model.tokenize_many([text], "messages", add_special_tokens=False)  # the template writes BOS
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
@@ -220,7 +241,10 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
 
 
 def generation_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ChatTools, prompt_text: str) -> str:
-    """What the template adds to the messages for the answer (``prompt_text`` less the messages rendered alone)."""
+    """What the template adds to the messages for the answer (``prompt_text`` less the messages rendered alone), or
+    the final message that the answer continues."""
+    if req.continue_final_message:
+        return req.messages[-1].content
     messages = render_chat(model, req.messages, tools.rendered, add_generation_prompt=False,
                            variables=template_variables(req))
     return prompt_text[len(messages):] if prompt_text.startswith(messages) else prompt_text
@@ -262,19 +286,14 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     request_id, created = response_id("chatcmpl-", request, req.request_id), int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "chat.completion.chunk", created, model.name)
     streamed = [StreamedText(tools, plan.splitter()) for _ in jobs]
-    greeted: set[int] = set()
+
+    def opening(index: int) -> list[dict]:
+        """A choice's role chunk, sent with its first delta's chunks, so that a client timing the first token from
+        the first chunk reads when the tokens began (as vLLM sends it)."""
+        return [chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}])]
 
     def render(index: int, delta: StreamDelta) -> list[dict]:
-        """A choice's chunks for ``delta``: its first delta opens with the role chunk, so that a client timing the
-        first token from the first chunk reads when the tokens began (as vLLM sends it)."""
-        chunks = []
-        if index not in greeted:
-            greeted.add(index)
-            chunks.append(chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}]))
-        return chunks + rendered(index, delta)
-
-    def rendered(index: int, delta: StreamDelta) -> list[dict]:
         message, reason = {}, delta.finish_reason if delta.finished else None
         reasoning, content, calls = streamed[index].advance(delta)
         if calls:
@@ -319,4 +338,4 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
 
     return await respond(model, req, jobs, [plan.prompt], metrics, request, build=build,
                          ignored=[*req.ignored_fields(), *plan.overridden],
-                         stream=StreamEvents(render, lambda usage: chunk([], usage)))
+                         stream=StreamEvents(render, lambda usage: chunk([], usage), opening=opening))

@@ -60,7 +60,7 @@ def describe_validation_error(exc: RequestValidationError) -> APIError:
         body = error.get("input")
         if kind == "missing":
             return APIError(400, "request body is missing: send a JSON object with the request's fields")
-        if isinstance(body, bytes | str):
+        if isinstance(body, bytes):  # not decoded: sent without the JSON content type
             return APIError(400, "request body must be JSON sent with 'Content-Type: application/json'")
         return APIError(400, f"request body must be a JSON object, not {type(body).__name__}")
     if kind == "extra_forbidden":

@@ -22,8 +22,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before the response
 CLIENT_GONE = "kiln.client_gone"  # set in the ASGI scope when a streamed response's client went away mid-stream
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-             "/tokenizer_info", "/health", "/ping", "/metrics", "/version")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/invocations", "/tokenize",
+             "/detokenize", "/tokenizer_info", "/health", "/ping", "/metrics", "/version")
 
 
 def _remote_cache_metrics(remote: dict) -> Iterator[Metric]:

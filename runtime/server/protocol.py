@@ -6,7 +6,17 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationInfo,
+    WithJsonSchema,
+    model_validator,
+)
 
 MAX_STOP_STRINGS = 64  # OpenAI takes 4; vLLM any number, and eval harnesses send more than 4
 MAX_STOP_TOKEN_IDS = 1024  # vLLM takes any number: a million ids copied into each of n=128 choices stalled the server
@@ -203,6 +213,25 @@ class StreamOptions(StrictModel):
                                                                   "every chunk carries its choice's usage so far.")
 
 
+def _continue_final_message(value: bool, info: ValidationInfo) -> bool:
+    """vLLM's continue_final_message: only without the generation prompt, and only after an assistant message."""
+    if not value:
+        return value
+    if info.data.get("add_generation_prompt", True):
+        raise ValueError("needs add_generation_prompt: false (the completion continues the final message rather "
+                         "than starting a new one)")
+    messages = info.data.get("messages")
+    if messages and messages[-1].role != "assistant":
+        raise ValueError(f"continues the final message, which must be the assistant's, not the {messages[-1].role}'s")
+    return value
+
+
+AddGenerationPrompt = Annotated[bool, Field(description="Extension (as in vLLM): end with the assistant's turn "
+                                                        "header; false: the messages alone.")]
+ContinueFinalMessage = Annotated[bool, AfterValidator(_continue_final_message), Field(
+    description="Extension (as in vLLM): with add_generation_prompt false, the completion continues the final "
+                "(assistant) message, as transformers' apply_chat_template(continue_final_message=True) renders it.")]
+
 # vLLM's chat_template_kwargs, which chat completions and the Responses API take
 ChatTemplateKwargs = Annotated[dict[str, Any] | None, Field(
     description='Extension (as in vLLM): more variables for the chat template, e.g. {"enable_thinking": false} for '
@@ -255,6 +284,13 @@ class SamplingFields(SamplingExtensions):
     skip_special_tokens: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
     spaces_between_special_tokens: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
     priority: neutral_only(None, 0) = Field(None, description=VLLM_DEFAULT)
+    use_beam_search: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
+    length_penalty: neutral_only(None, 1.0) = Field(None, description=VLLM_DEFAULT)
+    return_tokens_as_token_ids: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
+    return_token_ids: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
+    truncate_prompt_tokens: Unsupported = Field(None, description=VLLM_DEFAULT)
+    allowed_token_ids: Unsupported = Field(None, description=VLLM_DEFAULT)
+    bad_words: NoAnnotations = Field(None, description=VLLM_DEFAULT)
     request_id: str | None = Field(None, min_length=1, max_length=256, description="Extension (as in vLLM): the "
                                    "response's id is named after it (else after the X-Request-Id header).")
     # OpenAI fields that do not change what is generated: accepted, and logged once as ignored
@@ -285,6 +321,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The most likely alternatives per token.")
     best_of: OneBestOf = None
     suffix: NoSuffix = None
+    add_special_tokens: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
 
 
 class FunctionCall(StrictModel):
@@ -379,8 +416,8 @@ class ChatCompletionRequest(SamplingFields):
                           'enable_thinking false (Qwen3\'s), unless chat_template_kwargs sets it.')
     verbosity: Verbosity | None = None
     prediction: dict[str, Any] | None = None
-    add_generation_prompt: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
-    continue_final_message: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
+    add_generation_prompt: AddGenerationPrompt = True
+    continue_final_message: ContinueFinalMessage = False
     add_special_tokens: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
     echo: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
 
@@ -536,7 +573,8 @@ class TokenizeRequest(StrictModel):
     add_special_tokens: bool | None = Field(None, description="Add the tokenizer's special tokens (BOS); default: "
                                                               "true for a prompt, false for messages (the template "
                                                               "writes its own), as vLLM does.")
-    add_generation_prompt: bool = Field(True, description="For messages: end with the assistant's turn header.")
+    add_generation_prompt: AddGenerationPrompt = True
+    continue_final_message: ContinueFinalMessage = False
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="For messages: more variables for the "
                                                                           "chat template, as in chat completions.")
     return_token_strs: bool = Field(False, description="Also each token as its vocabulary spells it (token_strs).")

@@ -145,17 +145,30 @@ def _error_chunk(failed: APIError) -> dict:
 
 @dataclass
 class StreamEvents:
-    """What a streamed response sends: the ``prelude`` chunks first, ``render``'s chunks for each delta, the
-    ``usage`` chunk last (when ``with_usage``: the request asked for it), the ``error`` chunk instead for a
-    failure mid-stream, and then ``done`` (chat and completions end with OpenAI's ``data: [DONE]``)."""
+    """What a streamed response sends: the ``prelude`` chunks first, ``render``'s chunks for each delta (a choice's
+    ``opening`` chunks before those of its first delta, in the same write), the ``usage`` chunk last (when
+    ``with_usage``: the request asked for it), the ``error`` chunk instead for a failure mid-stream, and then
+    ``done`` (chat and completions end with OpenAI's ``data: [DONE]``)."""
 
     render: Callable[[int, StreamDelta], list[dict]]
     usage: Callable[[Usage], dict]
     prelude: list[dict] = field(default_factory=list)
+    opening: Callable[[int], list[dict]] | None = None  # a choice's chunks before its tokens (chat's role chunk)
     with_usage: bool = False
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: each chunk of a choice with its usage so far
     error: Callable[[APIError], dict] = _error_chunk
     done: str = "data: [DONE]\n\n"
+
+
+def _with_usage(opening: list[dict], chunks: list[dict], prompt_tokens: int, generated: int,
+                new: int) -> tuple[list[dict], list[dict]]:
+    """A choice's chunks of one delta with their usage so far, as vLLM's continuous_usage_stats counts it: the
+    opening chunks before the delta's ``new`` tokens, the first of the delta's chunks with them, and none on the
+    chunks it was split into after that (a finish after tool calls), so that the count rises from chunk to chunk."""
+    before = usage_so_far(prompt_tokens, generated - new)
+    after = usage_so_far(prompt_tokens, generated)
+    return ([{**chunk, "usage": before} for chunk in opening],
+            [{**chunk, "usage": after} for chunk in chunks[:1]] + chunks[1:])
 
 
 async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
@@ -173,6 +186,7 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
             async for batch in batches:
                 events = []
                 for index, delta in batch:
+                    opening = stream.opening(index) if stream.opening and index not in generated else []
                     generated[index] = generated.get(index, 0) + len(delta.token_ids)
                     if delta.finished:
                         finished.add(index)
@@ -180,9 +194,9 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
                         metrics.observe(delta.output)
                     chunks = stream.render(index, delta)
                     if stream.continuous_usage:
-                        usage = usage_so_far(len(jobs[index].prompt_token_ids), generated[index])
-                        chunks = [{**chunk, "usage": usage} for chunk in chunks]
-                    events += [_event(chunk) for chunk in chunks]
+                        opening, chunks = _with_usage(opening, chunks, len(jobs[index].prompt_token_ids),
+                                                      generated[index], len(delta.token_ids))
+                    events += [_event(chunk) for chunk in opening + chunks]
                 if events:
                     yield "".join(events)
     except Exception as exc:  # the engine stopped (closed, or a bug in it): tell the client in the stream

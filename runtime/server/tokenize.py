@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.runtime.server.chat import render_chat
+from kiln.runtime.server.chat import render_chat, require_tool_format
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.jobs import check_model
@@ -27,7 +27,10 @@ def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
         raise APIError(400, "send exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
         tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools or []]
-        text = render_chat(model, req.messages, tools or None, req.add_generation_prompt, req.chat_template_kwargs)
+        if tools:  # as chat refuses them
+            require_tool_format(model)
+        text = render_chat(model, req.messages, tools or None, req.add_generation_prompt, req.chat_template_kwargs,
+                           req.continue_final_message)
         # the template writes BOS itself, unless asked for on top of it
         ids = model.encode(_within_context(model, text, "messages"), "messages",
                            add_special_tokens=bool(req.add_special_tokens))
