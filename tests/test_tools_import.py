@@ -19,3 +19,19 @@ def test_a_tool_imports_as_its_script_would(path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)  # an ImportError names what the tool asks for that is gone
+
+
+@pytest.mark.parametrize("tool, args, expected", [
+    pytest.param("serve_ceiling", ["--clients", "2", "--requests", "4", "--output-len", "4", "--step-ms", "1"],
+                 "served_engine_process", id="serve_ceiling"),  # its scripted engine once lacked methods LLM calls
+    pytest.param("remote_throughput", ["--gb", "0.001"], "cp (one file, same disk)",
+                 id="remote_throughput"),  # its fake entry once held no engine, which a pull refuses
+])
+def test_a_cpu_tool_the_docs_name_runs_to_its_table(tool, args, expected):
+    import subprocess
+
+    from tests.subprocess_env import REPO, repo_env
+
+    out = subprocess.run([sys.executable, str(TOOLS / f"{tool}.py"), *args], capture_output=True, text=True,
+                         cwd=REPO, env=repo_env(), timeout=300)
+    assert out.returncode == 0 and expected in out.stdout, out.stderr[-2000:]

@@ -61,6 +61,7 @@ def measure(work: Path, spec: RemoteSpec, size: int) -> dict:
     def build(out: Path) -> dict:
         write_random(out / "rank0.safetensors", size * 3 // 4)
         write_random(out / "tokenizer.safetensors", size - size * 3 // 4)
+        (out / "engine.json").write_text("{}")  # an engine's entry: a pull refuses one without
         return {}
 
     source.entries.get_or_build(key, material, build)

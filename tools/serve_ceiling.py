@@ -87,6 +87,18 @@ class ScriptedEngine:
                 "kv_cache": {"num_blocks": 0, "block_size": 0, "used_blocks": 0, "free_blocks": 0},  # no KV pool
                 "prefix_cache": {"queried_tokens": 0, "hit_tokens": 0, "hit_blocks": 0, "hit_rate": 0.0}}
 
+    def warm_up_step(self) -> bool:
+        """Nothing is deferred."""
+        return False
+
+    def failure(self) -> None:
+        """It never fails."""
+        return None
+
+    def interrupt(self) -> bool:
+        """Its steps always return."""
+        return False
+
     def close(self) -> None:
         """Nothing to release."""
 
