@@ -226,13 +226,52 @@ def test_vllm_extensions_at_their_defaults_are_accepted(client):
                                                                          "continuous_usage_stats": False},
                                             extra_body=defaults)
     assert list(chunks)[-1].usage.completion_tokens == 2
-    shared = {"use_beam_search": False, "length_penalty": 1.0, "return_tokens_as_token_ids": False,
-              "return_token_ids": None, "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": []}
+    shared = {"use_beam_search": False, "length_penalty": 1.0, "return_token_ids": None, "allowed_token_ids": None,
+              "bad_words": []}
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                           extra_body=shared)
     completion = client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
                                            extra_body={**shared, "add_special_tokens": True})
     assert chat.usage.completion_tokens == completion.usage.completion_tokens == 2
+
+
+def test_truncate_prompt_tokens_serves_a_too_long_prompt_from_its_last_tokens(client, llm):
+    ids = [(7 * i) % 500 + 10 for i in range(100)]  # more than the tiny engine's 64 prompt tokens
+    kwargs = dict(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    expected = llm.generate(ids[-20:], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    out = client.completions.create(**kwargs, extra_body={"truncate_prompt_tokens": 20, "ignore_eos": True})
+    assert (out.choices[0].text, out.usage.prompt_tokens) == (expected.text, 20)
+    assert client.completions.create(**kwargs, extra_body={"truncate_prompt_tokens": -1}).usage.prompt_tokens == 64
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "kiln " * 200}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 30})
+    assert chat.usage.prompt_tokens == 30
+
+
+def test_return_tokens_as_token_ids_names_every_logprobs_token_by_its_id(client):
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    entries = [e for entry in chat.choices[0].logprobs.content for e in (entry, *entry.top_logprobs)]
+    assert all(re.fullmatch(r"token_id:\d+", e.token) and bytes(e.bytes) == e.token.encode() for e in entries)
+    legacy = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4, temperature=0, logprobs=2,
+                                       echo=True, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    names = [*legacy.tokens, *(key for top in legacy.top_logprobs if top for key in top)]
+    assert all(re.fullmatch(r"token_id:\d+", name) for name in names)
+
+
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    full = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text
+    stop, extra = full[3:6], {"ignore_eos": True, "include_stop_str_in_output": True}
+    expected = full[:full.index(stop) + len(stop)]
+    assert client.completions.create(**kwargs, stop=stop, extra_body=extra).choices[0].text == expected
+    streamed = client.completions.create(**kwargs, stop=stop, stream=True, extra_body=extra)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+    chat = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    said = client.chat.completions.create(**chat, extra_body={"ignore_eos": True}).choices[0].message.content
+    stop = said[4:7]
+    answer = client.chat.completions.create(**chat, stop=stop, extra_body=extra).choices[0].message.content
+    chunks = client.chat.completions.create(**chat, stop=stop, stream=True, extra_body=extra)
+    assert answer == "".join(c.choices[0].delta.content or "" for c in chunks) == said[:said.index(stop) + len(stop)]
 
 
 def test_a_continued_assistant_message_is_the_prompts_end_as_transformers_renders_it(client, llm):

@@ -7,7 +7,7 @@ import asyncio
 import functools
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -31,7 +31,7 @@ from kiln.runtime.server.protocol import (
 )
 from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning, thinking_at_start
 from kiln.runtime.server.request_id import response_id
-from kiln.runtime.server.responding import StreamEvents, respond, stop_reason, stream_chunk
+from kiln.runtime.server.responding import StreamEvents, included_stop, respond, stop_reason, stream_chunk
 from kiln.runtime.server.tool_calls import ToolCall, ToolCallFormat
 from kiln.runtime.structured_output import StructuredOutput
 
@@ -225,7 +225,8 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
         requested = None
     text = render_chat(model, req.messages, tools.rendered, req.add_generation_prompt, template_variables(req),
                        req.continue_final_message)
-    [prompt] = await model.tokenize_many([text], "messages", add_special_tokens=False)  # the template writes BOS
+    [prompt] = await model.tokenize_many([text], "messages", add_special_tokens=False,  # the template writes BOS
+                                         keep_last=model.kept_prompt_tokens(req.truncate_prompt_tokens))
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
     if req.top_logprobs and not req.logprobs:
@@ -237,7 +238,8 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
     if model.reasoning_parser:  # a grammar writes the answer from its first token: no thought the prompt opened
         thinking = (forced or requested) is None and thinking_at_start(generation_prompt(model, req, tools, text),
                                                                        model.reasoning_parser)
-    return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer), thinking, overridden)
+    return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer, req.return_tokens_as_token_ids), thinking,
+                    overridden)
 
 
 def generation_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ChatTools, prompt_text: str) -> str:
@@ -295,6 +297,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
 
     def render(index: int, delta: StreamDelta) -> list[dict]:
         message, reason = {}, delta.finish_reason if delta.finished else None
+        delta = replace(delta, text=delta.text + included_stop(req, delta.output))
         reasoning, content, calls = streamed[index].advance(delta)
         if calls:
             message["tool_calls"] = _call_parts(calls)
@@ -321,7 +324,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                         "stop_reason": stop_reason(delta)}])]
 
     def choice(index: int, out: RequestOutput) -> ChatChoice:
-        reasoning, answer, _ = plan.split(out.text)
+        reasoning, answer, _ = plan.split(out.text + included_stop(req, out))
         content, calls = tools.parse(answer)
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         message = AssistantMessage(content=None if reasoning and not content else content,
@@ -334,7 +337,8 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
         prompt_entries = outputs[0].prompt_logprobs if req.prompt_logprobs is not None else None
         return ChatCompletionResponse(id=request_id, created=created, model=model.name, usage=usage,
                                       choices=[choice(i, out) for i, out in enumerate(outputs)],
-                                      prompt_logprobs=prompt_entries and vllm_prompt_logprobs(names, prompt_entries))
+                                      prompt_logprobs=prompt_entries and vllm_prompt_logprobs(
+                                          TokenText(model.tokenizer), prompt_entries))
 
     return await respond(model, req, jobs, [plan.prompt], metrics, request, build=build,
                          ignored=[*req.ignored_fields(), *plan.overridden],

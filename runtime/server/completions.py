@@ -30,7 +30,14 @@ from kiln.runtime.server.protocol import (
     Usage,
 )
 from kiln.runtime.server.request_id import response_id
-from kiln.runtime.server.responding import StreamEvents, respond, stop_reason, stream_chunk, usage_of
+from kiln.runtime.server.responding import (
+    StreamEvents,
+    included_stop,
+    respond,
+    stop_reason,
+    stream_chunk,
+    usage_of,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 def _as_prompt_list(prompt: str | list) -> list[str | list[int]]:
@@ -64,7 +71,9 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         raise APIError(400, f"best_of ({req.best_of}) must be greater than or equal to n ({req.n})", param="best_of")
     given = _as_prompt_list(req.prompt)
     model.admission.check_fits(len(given) * req.n, "prompt")  # before tokenizing a batch too large to run
-    prompts = await model.tokenize_many(given, "prompt")
+    prompts = await model.tokenize_many(given, "prompt", keep_last=model.kept_prompt_tokens(req.truncate_prompt_tokens))
+    if req.truncate_prompt_tokens is not None:  # echoed as the tokens kept
+        given = prompts
     scoring = req.max_tokens == 0  # OpenAI's echo without generation: the prompt and its log probabilities alone
     if scoring and not req.echo:
         raise APIError(400, "max_tokens 0 generates nothing: with echo: true it returns the prompt alone (and its "
@@ -84,7 +93,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
     model.check(jobs[::req.n], "prompt")  # one job per prompt: a prompt's n choices differ only in their seed
     request_id, created = response_id("cmpl-", request, req.request_id), int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "text_completion", created, model.name)
-    names = TokenText(model.tokenizer)
+    names = TokenText(model.tokenizer, req.return_tokens_as_token_ids)
     echoes = [_echo_text(model, p, ids) if req.echo else "" for p, ids in zip(given, prompts, strict=True)]
     offsets = [TextOffsets(model.tokenizer, prompts[i // req.n], start=len(echoes[i // req.n]))
                for i in range(len(jobs) if req.logprobs is not None else 0)]  # where each choice's next token starts
@@ -107,7 +116,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         if req.echo and index not in echoed:
             echoed.add(index)
             echo = echoes[index // req.n]
-        text, entries = ("", None) if scoring else (delta.text, delta.logprobs)
+        text, entries = ("", None) if scoring else (delta.text + included_stop(req, delta.output), delta.logprobs)
         if not (echo or text or delta.finished or entries or delta.token_ids and not scoring):  # a chunk a step
             return []
         logprobs = legacy(index, delta.prompt_logprobs if req.echo else None, entries)
@@ -120,11 +129,11 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         for i, out in enumerate(outputs):
             prompt_entries = out.prompt_logprobs if req.prompt_logprobs is not None else None
             choices.append(CompletionChoice(
-                index=i, text=echoes[i // req.n] + ("" if scoring else out.text),
+                index=i, text=echoes[i // req.n] + ("" if scoring else out.text + included_stop(req, out)),
                 finish_reason="length" if scoring else out.finish_reason, stop_reason=out.stop_reason,
                 logprobs=legacy(i, out.prompt_logprobs if req.echo else None, None if scoring else out.logprobs),
                 prompt_logprobs=None if prompt_entries is None else vllm_prompt_logprobs(
-                    names, top_k(prompt_entries, req.prompt_logprobs))))
+                    TokenText(model.tokenizer), top_k(prompt_entries, req.prompt_logprobs))))
         return CompletionResponse(id=request_id, created=created, model=model.name, choices=choices,
                                   usage=counted(usage))
 

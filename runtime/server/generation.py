@@ -104,7 +104,7 @@ class ServedModel:
         return ModelCard(id=name or self.name, created=created, root=self.name,
                          permission=[ModelPermission(id=f"modelperm-{self.name}", created=created)],
                          max_model_len=self.limits.max_request_tokens,
-                         max_input_len=min(self.limits.max_input_len, self.limits.max_request_tokens - 1),
+                         max_input_len=self.longest_prompt,
                          vocab_size=self.limits.vocab_size)
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
@@ -117,27 +117,47 @@ class ServedModel:
         except InvalidRequestError as exc:
             raise APIError(400, f"'{param}': {exc}", param=param) from None
 
-    def tokenize(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text prompt (or the ids as given), checked against the engine's input limit (a text too
-        long to fit is refused before it is tokenized)."""
+    @property
+    def longest_prompt(self) -> int:
+        """The most prompt tokens a request may have: the engine's plan's, and one less than its context."""
+        return min(self.limits.max_input_len, self.limits.max_request_tokens - 1)
+
+    def kept_prompt_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many of a prompt's last tokens vLLM's ``truncate_prompt_tokens`` keeps (None: all; -1: the longest
+        prompt the engine takes); more than the model's context is a 400, as in vLLM."""
+        if truncate_prompt_tokens == -1:
+            return self.longest_prompt
+        context = self.limits.max_request_tokens
+        if truncate_prompt_tokens is not None and truncate_prompt_tokens > context:
+            raise APIError(400, f"truncate_prompt_tokens ({truncate_prompt_tokens}) is more than the model's context "
+                                f"of {context} tokens: send at most {self.longest_prompt}, or -1 for that many",
+                           param="truncate_prompt_tokens")
+        return truncate_prompt_tokens
+
+    def tokenize(self, prompt: str | list[int], param: str, add_special_tokens: bool = True,
+                 keep_last: int | None = None) -> list[int]:
+        """Token ids of a text prompt (or the ids as given), only the ``keep_last`` last ones where set, checked
+        against the engine's input limit (an untruncated text too long to fit is refused before it is tokenized)."""
         limit = self.limits.max_input_len
         text = isinstance(prompt, str) and self.tokenizer is not None
-        if text and len(prompt) > limit * self.tokenizer.max_token_bytes:
+        if text and keep_last is None and len(prompt) > limit * self.tokenizer.max_token_bytes:
             raise self._too_long(f"'{param}' has {len(prompt)} characters, more than {limit} tokens can hold: "
                                  f"shorten it", param)
         ids = self.encode(prompt, param, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        if keep_last is not None:
+            ids = ids[-keep_last:]
         if not ids:
             raise APIError(400, f"'{param}' is empty after tokenization: send some text", param=param)
         if len(ids) > self.limits.max_input_len:
             raise self._too_long(f"'{param}' has {len(ids)} tokens: shorten it", param)
         return ids
 
-    async def tokenize_many(self, prompts: list[str | list[int]], param: str,
-                            add_special_tokens: bool = True) -> list[list[int]]:
+    async def tokenize_many(self, prompts: list[str | list[int]], param: str, add_special_tokens: bool = True,
+                            keep_last: int | None = None) -> list[list[int]]:
         """``tokenize`` of each prompt; long texts on a worker thread, so the event loop serves other requests
         meanwhile."""
         def run() -> list[list[int]]:
-            return [self.tokenize(prompt, param, add_special_tokens) for prompt in prompts]
+            return [self.tokenize(prompt, param, add_special_tokens, keep_last) for prompt in prompts]
 
         if sum(len(p) for p in prompts if isinstance(p, str)) > GIL_FREE_ENCODE_CHARS:
             return await asyncio.to_thread(run)

@@ -12,12 +12,16 @@ from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 class TokenText:
     """A token id as OpenAI's logprobs name it: its text (bytes that end inside a character decode with U+FFFD, the
-    exact bytes being in ``bytes``), or ``token_id:N`` for an engine without a tokenizer (as vLLM writes it)."""
+    exact bytes being in ``bytes``), or ``token_id:N`` for an engine without a tokenizer (as vLLM writes it) and
+    with ``as_ids`` (vLLM's ``return_tokens_as_token_ids``: ``bytes`` then spell that name, as vLLM's do)."""
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
 
     def bytes_of(self, token_id: int) -> bytes | None:
+        if self.as_ids:
+            return f"token_id:{token_id}".encode()
         return self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else None
 
     def text(self, token_id: int) -> str:

@@ -188,6 +188,16 @@ class ResponseFormat(StrictModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+def _truncation(value: int) -> int:
+    """vLLM's truncate_prompt_tokens: -1 or a count of tokens (0 would keep none)."""
+    if value == 0:
+        raise ValueError("must be -1 (the longest prompt the model takes) or at least 1 (the prompt tokens to keep)")
+    return value
+
+
+TruncatePromptTokens = Annotated[Int, Field(ge=-1), AfterValidator(_truncation)]
+
+
 class StructuredOutputs(StrictModel):
     """vLLM's structured_outputs extension: exactly one format."""
 
@@ -279,16 +289,20 @@ class SamplingFields(SamplingExtensions):
     guided_decoding_backend: str | None = Field(None, description="Accepted and ignored: one grammar engine here.")
     guided_whitespace_pattern: Unsupported = None
     response_format: ResponseFormat | None = None
+    include_stop_str_in_output: bool = Field(False, description="Extension (as in vLLM): a stop string that ends "
+                                                                "the completion stays at the end of its text.")
+    return_tokens_as_token_ids: bool = Field(False, description='Extension (as in vLLM): logprobs name each token '
+                                                                '"token_id:{id}" rather than by its text.')
+    truncate_prompt_tokens: TruncatePromptTokens | None = Field(
+        None, description="Extension (as in vLLM): keep only the prompt's last k tokens (after the chat template); "
+                          "-1: as many as the model takes.")
     # vLLM's extensions at their defaults, which is what Kiln does (clients written for vLLM send them)
-    include_stop_str_in_output: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
     skip_special_tokens: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
     spaces_between_special_tokens: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
     priority: neutral_only(None, 0) = Field(None, description=VLLM_DEFAULT)
     use_beam_search: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
     length_penalty: neutral_only(None, 1.0) = Field(None, description=VLLM_DEFAULT)
-    return_tokens_as_token_ids: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
     return_token_ids: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
-    truncate_prompt_tokens: Unsupported = Field(None, description=VLLM_DEFAULT)
     allowed_token_ids: Unsupported = Field(None, description=VLLM_DEFAULT)
     bad_words: NoAnnotations = Field(None, description=VLLM_DEFAULT)
     request_id: str | None = Field(None, min_length=1, max_length=256, description="Extension (as in vLLM): the "

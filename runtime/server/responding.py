@@ -254,3 +254,10 @@ def stream_chunk(request_id: str, object_name: str, created: int, model_name: st
 def stop_reason(delta: StreamDelta) -> int | str | None:
     """A stream's ``stop_reason`` (vLLM's): on the last delta, the stop string or token id that ended it."""
     return delta.output.stop_reason if delta.output is not None else None
+
+
+def included_stop(req: SamplingFields, output: RequestOutput | None) -> str:
+    """The stop string that ended ``output``, to put back at the end of its text where the request asks (vLLM's
+    ``include_stop_str_in_output``); else "" (a stop token id or EOS is never text)."""
+    stopped_by = output.stop_reason if output is not None else None
+    return stopped_by if req.include_stop_str_in_output and isinstance(stopped_by, str) else ""
