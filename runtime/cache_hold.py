@@ -87,6 +87,7 @@ def hold_if_cached(engine_dir: Path) -> EntryHold | None:
 
 
 def _in_cache_layout(entry: Path) -> bool:
-    """Whether ``entry`` is named as a cache entry is (``<key[:2]>/<key>``, the key 64 hex digits): one whose
+    """Whether ``entry`` is named as a cache entry is (``<key[:2]>/<key>``, the key 64 hex digits: the layout of
+    ``engines.cache.layout.entry_path`` and ``keys.is_cache_key``, which the runtime may not import): one whose
     in_use.lock was lost is still held."""
     return re.fullmatch(r"[0-9a-f]{64}", entry.name) is not None and entry.parent.name == entry.name[:2]

@@ -282,6 +282,7 @@ class LLM:
         """Wait for a submitted request (finish_reason "abort" if it was aborted); each id can be collected once.
         After a ``TimeoutError`` the request runs on and can be waited for again, or aborted and then collected: a
         submitted request's output is kept until ``result`` takes it, aborted or not."""
+        self._check_not_forked()  # a fork has no engine thread to finish it
         with self._lock:
             future = self._results.get(request_id)
         if future is None:
@@ -296,6 +297,7 @@ class LLM:
         """Wait until the engine has done the warm-up its load deferred (the native engine captures its CUDA graphs
         while idle, or on the first step that needs each: ``RuntimeOptions.cuda_graph_capture``); requests are served
         meanwhile. True once it is warm, False if ``timeout`` seconds passed first."""
+        self._check_not_forked()  # a fork has no engine thread to warm it
         warm = self._warm.wait(timeout)
         self._check_open()
         return warm

@@ -148,12 +148,25 @@ def test_waiting_for_the_workers_to_load_ends_at_once_when_a_worker_exits_and_na
     store = torch.distributed.HashStore()
     store.set_timeout(timedelta(seconds=5))  # before: the store's own wait, for its whole timeout (300 s in a group)
     ranks.group = SimpleNamespace(size=2, store=store)
-    ranks.workers = SimpleNamespace(failure="worker rank 1 (pid 7) exited with code 1")
-    with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid 7\) exited with code 1 while the engine"):
+    ranks.workers = SimpleNamespace(failure="tensor-parallel worker rank 1 (pid 7) exited with code 1")
+    with pytest.raises(TensorParallelError, match=r"^tensor-parallel worker rank 1 \(pid 7\) exited with code 1 "
+                                                  r"while the engine was loading$"):
         ranks.wait_for_workers_loaded()
     ranks.workers.failure = None
     store.set(rank_key("loaded", 1), "1")
     ranks.wait_for_workers_loaded()  # every rank has loaded
+
+
+def test_a_rank_that_exits_before_saying_which_build_it_loads_stops_the_other_local_workers(tmp_path):
+    (tmp_path / "engine.json").write_text("{}")
+    ranks = TensorParallelRanks.__new__(TensorParallelRanks)
+    ranks.group = SimpleNamespace(size=3, store=torch.distributed.HashStore())
+    stopped = []
+    ranks.workers = SimpleNamespace(failure="tensor-parallel worker rank 2 (pid 7) exited with code 1",
+                                    stop=lambda kill: stopped.append(kill))
+    with pytest.raises(TensorParallelError, match="rank 2"):
+        ranks._check_same_build(tmp_path, 3)
+    assert stopped == [True]  # before: rank 1 ran on until its own collective timeout
 
 
 def _worker_pids(engine_dir: Path) -> list[int]:

@@ -122,13 +122,20 @@ class TensorParallelRanks:
 
     def _check_same_build(self, engine_dir: Path, size: int) -> None:
         """Refuse ranks that load another build of the engine (hosts given different copies): their shards would
-        not add up, and the output would be wrong without an error."""
+        not add up, and the output would be wrong without an error. However it fails (another build, a rank that
+        exited, the timeout, Ctrl-C), no local worker outlives it."""
+        try:
+            self._compare_builds(engine_dir, size)
+        except BaseException:
+            self.stop_workers()
+            raise
+
+    def _compare_builds(self, engine_dir: Path, size: int) -> None:
         ours = engine_digest(engine_dir)
         self._wait_for_keys([rank_key("engine", rank) for rank in range(1, size)], "say which engine they load")
         for rank in range(1, size):
             theirs = self.group.store.get(rank_key("engine", rank)).decode()
             if theirs != ours:
-                self.stop_workers()
                 raise TensorParallelError(f"tensor-parallel rank {rank} loads another build of this engine (its "
                                           f"engine.json sha256 {theirs[:12]}, rank 0's {ours[:12]}): give every rank "
                                           f"the same engine directory or cache key")
@@ -162,7 +169,7 @@ class TensorParallelRanks:
         deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
         while not self.group.store.check(keys):
             if (failure := self.failure) is not None:
-                raise TensorParallelError(f"tensor-parallel {failure} while the engine was loading")
+                raise TensorParallelError(f"{failure} while the engine was loading")
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"the other tensor-parallel ranks did not {waiting_for} within "
                                           f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s")
