@@ -11,6 +11,7 @@ CLI takes the object.
 - ``KILN_LINEAR_MAX_M``: a positive integer (default: the crossover each engine's build measured)
 - ``KILN_GPU_MEMORY_UTILIZATION``: a number in (0, 1] (default 0.9)
 - ``KILN_SCHEDULER_POLICY``: ``max_utilization`` or ``guaranteed_no_evict`` (default: the backend's own)
+- ``KILN_PREFIX_CACHING``: ``1`` (default) or ``0`` (reuse the KV of prompt prefixes earlier requests computed)
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ from collections.abc import Mapping
 from kiln.runtime.options import GRAPH_CAPTURES, KERNELS, SCHEDULER_POLICIES, RuntimeOptions, RuntimeOptionsError
 
 SWITCHES = {"cuda_graphs": "KILN_CUDA_GRAPHS", "overlap_steps": "KILN_OVERLAP_STEPS", "pdl": "KILN_PDL",
-            "attention_fp8_pv": "KILN_ATTENTION_FP8_PV"}
+            "attention_fp8_pv": "KILN_ATTENTION_FP8_PV", "prefix_caching": "KILN_PREFIX_CACHING"}
 
 
 def runtime_options(environ: Mapping[str, str], *, device: str | None = None, num_kv_blocks: int | None = None,
-                    gpu_memory_utilization: float | None = None, engine_process: bool = False) -> RuntimeOptions:
+                    gpu_memory_utilization: float | None = None, engine_process: bool = False,
+                    prefix_caching: bool | None = None) -> RuntimeOptions:
     """``RuntimeOptions`` from a command's flags and the ``KILN_*`` variables of ``environ`` (a flag wins); a bad value
     is refused naming its variable."""
     values: dict = {"device": device, "num_kv_blocks": num_kv_blocks, "engine_process": engine_process}
+    if prefix_caching is not None:
+        values["prefix_caching"] = prefix_caching
     if gpu_memory_utilization is None and "KILN_GPU_MEMORY_UTILIZATION" in environ:
         text = environ["KILN_GPU_MEMORY_UTILIZATION"]
         try:
@@ -45,7 +49,7 @@ def runtime_options(environ: Mapping[str, str], *, device: str | None = None, nu
     if "KILN_CUDA_GRAPH_CAPTURE" in environ:
         values["cuda_graph_capture"] = _choice(environ, "KILN_CUDA_GRAPH_CAPTURE", GRAPH_CAPTURES)
     for field, name in SWITCHES.items():
-        if name in environ:
+        if name in environ and field not in values:
             values[field] = _choice(environ, name, ("0", "1")) == "1"
     if "KILN_LINEAR_MAX_M" in environ:
         text = environ["KILN_LINEAR_MAX_M"]

@@ -253,6 +253,10 @@ def serve(
                                       "the native engine may hold; the KV pool takes what the weights and "
                                       "activations leave of it (default: $KILN_GPU_MEMORY_UTILIZATION or 0.9).")
                                       ] = None,
+    enable_prefix_caching: Annotated[bool | None, typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV of prompt prefixes earlier requests "
+        "computed, as vLLM (default: $KILN_PREFIX_CACHING, else on); off, no request's output depends on what ran "
+        "before it.")] = None,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="Seconds in-flight requests get to finish after "
                                                                 "SIGTERM; what is left then gets a 503.")
                                 ] = 25.0,
@@ -275,7 +279,8 @@ def serve(
 
     template = read_chat_template(chat_template) if chat_template is not None else None  # before any build
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks,
-                              gpu_memory_utilization=gpu_memory_utilization, engine_process=engine_process)
+                              gpu_memory_utilization=gpu_memory_utilization, engine_process=engine_process,
+                              prefix_caching=enable_prefix_caching)
     if (rendezvous := torchrun_rendezvous(os.environ)) is not None:  # one rank of an engine split across hosts
         if rendezvous.rank != 0:
             return serve_as_worker(target, options, rendezvous, int(os.environ.get("LOCAL_RANK", "0")))

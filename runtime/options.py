@@ -61,6 +61,10 @@ class RuntimeOptions:
       detokenization, kernel launches) and this process's own Python (an HTTP server's event loop, a service that
       embeds Kiln) do not take turns on one GIL; ``LLM`` behaves the same either way. False runs it on a thread of
       this process.
+    - ``prefix_caching``: reuse the KV blocks of a prompt prefix an earlier request computed (as vLLM's
+      ``enable_prefix_caching``, on by default). False computes every prompt whole, so a request's output never
+      depends on what ran before it (benchmarks, bit-reproducibility between a hit and a miss); the engine then
+      looks nothing up, and its prefix-cache statistics stay at zero queries and zero hits, as vLLM's do.
     - ``tp_rendezvous``: ``"HOST:PORT"`` where this process, rank 0 of a tensor-parallel engine, meets ranks that
       were started elsewhere (``torchrun`` across hosts; docs/runtime.md). None: rank 0 starts them on this host.
     """
@@ -77,10 +81,11 @@ class RuntimeOptions:
     gpu_memory_utilization: float | None = None
     scheduler_policy: SchedulerPolicy | None = None
     engine_process: bool = False
+    prefix_caching: bool = True
     tp_rendezvous: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("overlap_steps", "pdl", "attention_fp8_pv", "engine_process", "cuda_graphs"):
+        for name in ("overlap_steps", "pdl", "attention_fp8_pv", "engine_process", "prefix_caching", "cuda_graphs"):
             value = getattr(self, name)
             optional = name in ("cuda_graphs", "overlap_steps")
             if not isinstance(value, bool) and not (optional and value is None):

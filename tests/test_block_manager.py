@@ -55,6 +55,17 @@ def test_freed_blocks_stay_cached_until_handed_out_again():
     assert again.num_cached_tokens == 8 and bm.num_used_blocks == 3
 
 
+def test_with_prefix_caching_off_a_repeated_prefix_is_no_hit_and_no_lookup():
+    bm = BlockManager(num_blocks=4, block_size=BLOCK, prefix_caching=False)
+    first = seq(list(range(9)))
+    admit(bm, first)
+    bm.free(first)
+    again = seq(list(range(9)))
+    assert admit(bm, again)
+    assert again.num_cached_tokens == 0 and not bm.hash_to_block_id
+    assert (bm.prefix_cache_queried_tokens, bm.prefix_cache_hit_tokens) == (0, 0)
+
+
 def test_prefix_hit_leaves_the_last_token_to_compute():
     bm = BlockManager(num_blocks=8, block_size=BLOCK)
     admit(bm, seq(list(range(8))))

@@ -119,6 +119,17 @@ def test_shared_prefix_is_served_from_cached_blocks(engine_dir, solo):
     assert out_first.token_ids == solo(first) and out_second.token_ids == solo(second)
 
 
+def test_with_prefix_caching_off_a_shared_prefix_is_computed_again_and_looked_up_nowhere(engine_dir, solo):
+    prefix = random_prompts(1, seed=5, min_len=17, max_len=17)[0]
+    first, second = prefix + [10, 11, 12], prefix + [20, 21]
+    with LLM.load(engine_dir, RuntimeOptions(prefix_caching=False)) as llm:
+        outputs = [llm.generate([prompt], PARAMS)[0] for prompt in (first, second)]
+        prefix_cache = llm.stats()["prefix_cache"]
+    assert [out.metrics.num_cached_tokens for out in outputs] == [0, 0]
+    assert prefix_cache["queried_tokens"] == 0 and prefix_cache["hit_tokens"] == 0  # as vLLM reports with it off
+    assert [out.token_ids for out in outputs] == [solo(first), solo(second)]
+
+
 def test_a_request_whose_prompt_logprobs_bypass_the_prefix_cache_is_no_lookup(engine_dir):
     prompt = random_prompts(1, seed=5, min_len=17, max_len=17)[0]
     with LLM.load(engine_dir) as llm:

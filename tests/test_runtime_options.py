@@ -27,6 +27,7 @@ def test_defaults_are_what_the_performance_figures_were_measured_with():
     ({"gpu_memory_utilization": 1.2}, r"gpu_memory_utilization 1.2 must be a number in \(0, 1\]"),
     ({"gpu_memory_utilization": 0}, "gpu_memory_utilization 0 must be"),
     ({"cuda_graph_capture": "lazy"}, "cuda_graph_capture 'lazy' must be one of deferred, at_load"),
+    ({"prefix_caching": "no"}, "prefix_caching 'no' must be True or False"),
 ])
 def test_options_that_cannot_run_are_refused_naming_the_field(values, problem):
     with pytest.raises(RuntimeOptionsError, match=problem):
@@ -36,13 +37,15 @@ def test_options_that_cannot_run_are_refused_naming_the_field(values, problem):
 def test_the_cli_fills_options_from_kiln_variables_and_its_own_flags():
     environ = {"KILN_KERNELS": "torch", "KILN_CUDA_GRAPHS": "0", "KILN_OVERLAP_STEPS": "0", "KILN_PDL": "0",
                "KILN_ATTENTION_FP8_PV": "0", "KILN_LINEAR_MAX_M": "8", "KILN_SCHEDULER_POLICY": "guaranteed_no_evict",
-               "KILN_GPU_MEMORY_UTILIZATION": "0.95", "KILN_CUDA_GRAPH_CAPTURE": "at_load", "UNRELATED": "x"}
+               "KILN_GPU_MEMORY_UTILIZATION": "0.95", "KILN_CUDA_GRAPH_CAPTURE": "at_load", "KILN_PREFIX_CACHING": "0",
+               "UNRELATED": "x"}
     options = runtime_options(environ, device="cuda:1", num_kv_blocks=64)
     assert options == RuntimeOptions(device="cuda:1", kernels="torch", cuda_graphs=False, overlap_steps=False,
                                      pdl=False, attention_fp8_pv=False, linear_max_m=8, num_kv_blocks=64,
                                      scheduler_policy="guaranteed_no_evict", gpu_memory_utilization=0.95,
-                                     cuda_graph_capture="at_load")
+                                     cuda_graph_capture="at_load", prefix_caching=False)
     assert runtime_options(environ, gpu_memory_utilization=0.8).gpu_memory_utilization == 0.8  # the flag wins
+    assert runtime_options(environ, prefix_caching=True).prefix_caching
     assert runtime_options({}) == RuntimeOptions()
 
 
@@ -56,10 +59,34 @@ def test_the_cli_fills_options_from_kiln_variables_and_its_own_flags():
     ("KILN_GPU_MEMORY_UTILIZATION", "lots", r"must be a number in \(0, 1\]"),
     ("KILN_GPU_MEMORY_UTILIZATION", "1.5", r"must be a number in \(0, 1\]"),
     ("KILN_CUDA_GRAPH_CAPTURE", "later", "must be one of deferred, at_load"),
+    ("KILN_PREFIX_CACHING", "off", "must be one of 0, 1"),
 ])
 def test_a_bad_variable_is_refused_naming_it(name, value, problem):
     with pytest.raises(RuntimeOptionsError, match=f"{name}={value!r} {problem}"):
         runtime_options({name: value})
+
+
+@pytest.mark.parametrize(("flags", "environ", "prefix_caching"), [
+    ([], {}, True),
+    (["--no-enable-prefix-caching"], {}, False),
+    ([], {"KILN_PREFIX_CACHING": "0"}, False),
+    (["--enable-prefix-caching"], {"KILN_PREFIX_CACHING": "0"}, True),  # the flag wins
+])
+def test_kiln_serve_takes_prefix_caching_from_its_flag_else_the_variable(monkeypatch, flags, environ, prefix_caching):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline import cli
+    from kiln.pipeline.serve_command import ServeTarget
+    from kiln.runtime import server
+    from tests.test_server_support import tiny_engine
+
+    monkeypatch.delenv("KILN_PREFIX_CACHING", raising=False)
+    seen = {}
+    monkeypatch.setattr(server, "run_server", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ServeTarget, "loader", lambda self, options: seen.update(options=options) or (lambda: None))
+    result = CliRunner().invoke(cli.app, ["serve", str(tiny_engine()), *flags], env=environ)
+    assert result.exit_code == 0, result.output
+    assert seen["options"].prefix_caching is prefix_caching
 
 
 def test_cuda_graphs_asked_for_with_the_torch_kernels_are_refused_naming_both_variables():

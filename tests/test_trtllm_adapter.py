@@ -202,6 +202,11 @@ def test_the_executor_is_configured_for_inflight_batching_with_kv_block_reuse(tr
     assert FakeExecutor.instances[1].config.scheduler_config.capacity_scheduler_policy.name == "MAX_UTILIZATION"
 
 
+def test_prefix_caching_off_turns_the_executors_kv_block_reuse_off(trtllm, engine_dir):
+    TrtllmEngine(engine_dir, RuntimeOptions(prefix_caching=False)).close()
+    assert FakeExecutor.instances[0].config.kv_cache_config.enable_block_reuse is False
+
+
 def test_max_tokens_ends_with_length_and_sampling_parameters_are_translated(trtllm, engine_dir):
     with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
         params = SamplingParams(max_tokens=3, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=7)

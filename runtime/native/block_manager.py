@@ -28,11 +28,14 @@ class BlockManager:
 
     Free blocks sit in LRU order: a freed block that still holds a full, hashed block of tokens keeps its hash until
     it is handed out again, so a later request with the same prefix can take it back (a prefix-cache hit). Blocks
-    are shared by reference count; a block is free when no sequence refers to it.
+    are shared by reference count; a block is free when no sequence refers to it. With ``prefix_caching`` False no
+    block is looked up or published, so there is never a hit and the prefix-cache counters stay at zero (vLLM's
+    ``--no-enable-prefix-caching``).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[bytes, int] = {}
@@ -67,7 +70,8 @@ class BlockManager:
         """Block ids already holding this sequence's leading full blocks. At least one token is always left to
         compute, since the last prompt token must run through the model to give logits. No blocks for a request whose
         prompt log probabilities are still to compute: every prompt position must run through the model."""
-        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+        if not self.prefix_caching or (seq.prompt_logprobs is not None
+                                       and len(seq.prompt_logprobs) < seq.num_prompt_tokens):
             return []
         hits = []
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -95,8 +99,8 @@ class BlockManager:
         seq.num_computed_tokens = num_cached_tokens
         # a prompt's first lookup, as vLLM counts them: a sequence readmitted (preempted, or recomputed for LongRoPE)
         # finding its own blocks again is no hit on the cache, and one whose prompt log probabilities bypass the
-        # cache looked nothing up
-        first = seq.num_preemptions == 0 and seq.num_completion_tokens == 0
+        # cache looked nothing up; nor did any with prefix caching off
+        first = self.prefix_caching and seq.num_preemptions == 0 and seq.num_completion_tokens == 0
         if first and (seq.prompt_logprobs is None or len(seq.prompt_logprobs) == seq.num_prompt_tokens):
             seq.num_cached_tokens = num_cached_tokens
             self.prefix_cache_queried_tokens += seq.num_tokens
@@ -114,7 +118,10 @@ class BlockManager:
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Publish the hashes of blocks that became full of computed tokens, so later requests can reuse them."""
+        """Publish the hashes of blocks that became full of computed tokens, so later requests can reuse them (none
+        with prefix caching off)."""
+        if not self.prefix_caching:
+            return
         for i in reversed(range(seq.num_computed_tokens // self.block_size)):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is not None:

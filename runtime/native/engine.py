@@ -68,7 +68,8 @@ class NativeEngine:
                 raise
             raise TensorParallelError(f"{failure} while the engine was loading (its error is above)") from e
         plan = self.config.plan
-        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block)
+        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, plan.tokens_per_block,
+                                          options.prefix_caching)
         self.limits = EngineLimits.from_plan(plan, vocab_size=self.config.architecture.vocab_size,
                                              kv_pool_tokens=self.block_manager.num_blocks * plan.tokens_per_block)
         self.scheduler = Scheduler(self.limits, self.block_manager, options.scheduler_policy or "max_utilization")

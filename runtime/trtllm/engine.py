@@ -81,13 +81,14 @@ class TrtllmEngine:
         self.executor = self.trtllm.Executor(engine_dir, self.trtllm.ModelType.DECODER_ONLY,
                                              self._executor_config(options.num_kv_blocks,
                                                                    free_gpu_memory_fraction,
-                                                                   options.scheduler_policy or "guaranteed_no_evict"))
+                                                                   options.scheduler_policy or "guaranteed_no_evict",
+                                                                   options.prefix_caching))
 
     def _executor_config(self, num_kv_blocks: int | None, free_gpu_memory_fraction: float,
-                         scheduler_policy: str) -> Any:
+                         scheduler_policy: str, prefix_caching: bool) -> Any:
         trtllm = self.trtllm
         max_tokens = None if num_kv_blocks is None else num_kv_blocks * self.info.plan.tokens_per_block
-        kv_cache = trtllm.KvCacheConfig(enable_block_reuse=True, max_tokens=max_tokens,
+        kv_cache = trtllm.KvCacheConfig(enable_block_reuse=prefix_caching, max_tokens=max_tokens,
                                         free_gpu_memory_fraction=free_gpu_memory_fraction)
         policy = getattr(trtllm.CapacitySchedulerPolicy, scheduler_policy.upper())  # the same two names
         scheduler = trtllm.SchedulerConfig(capacity_scheduler_policy=policy)
