@@ -61,9 +61,10 @@ def test_tokenize_continues_a_final_assistant_message_and_refuses_tools_the_temp
     continued = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False,
                                              "continue_final_message": True}).json()
     assert llm.tokenizer.decode(continued["tokens"]) == "<<user>>hi<<assistant>>Once upon"
-    prompt = http.post("/tokenize", json={"prompt": "hi", "add_generation_prompt": False,
-                                          "continue_final_message": True})
-    assert prompt.status_code == 400 and "messages only" in prompt.json()["error"]["message"]  # not ignored
+    for chat_only in ({"continue_final_message": True}, {"add_generation_prompt": False}, {"tools": []},
+                      {"chat_template_kwargs": {"a": 1}}):
+        prompt = http.post("/tokenize", json={"prompt": "hi", **chat_only})  # refused, not ignored
+        assert prompt.status_code == 400 and prompt.json()["error"]["param"] == next(iter(chat_only))
     tools = [{"type": "function", "function": {"name": "f"}}]
     for path, body in (("/tokenize", {"messages": messages[:1], "tools": tools}),
                        ("/v1/chat/completions", {"messages": messages[:1], "tools": tools, "max_tokens": 1})):

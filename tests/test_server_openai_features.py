@@ -274,6 +274,30 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(client):
     assert answer == "".join(c.choices[0].delta.content or "" for c in chunks) == said[:said.index(stop) + len(stop)]
 
 
+def test_include_stop_str_in_output_keeps_the_text_of_a_stop_token_id_too(client, llm):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    out = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    ids = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # the first time this token comes
+    stop_id, kept = ids[at], llm.tokenizer.decode(ids[:at + 1])
+    assert out.choices[0].text.startswith(kept)
+    cut = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "stop_token_ids": [stop_id],
+                                                          "include_stop_str_in_output": True})
+    assert cut.choices[0].stop_reason == stop_id and cut.choices[0].text == kept  # before: without the token's text
+
+
+def test_a_scored_prompts_streamed_usage_counts_no_completion_token_and_a_no_op_truncation_echoes_as_sent(client):
+    chunks = list(client.completions.create(model=MODEL, prompt=["Monday,", "a b"], max_tokens=0, echo=True,
+                                            logprobs=0, stream=True, stream_options={
+                                                "include_usage": True, "continuous_usage_stats": True}))
+    assert {chunk.usage.completion_tokens for chunk in chunks} == {0}  # before: 1 on each choice's chunk
+    prompt = "Hello  world</s> é"
+    echoed = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, temperature=0,
+                                        extra_body={"truncate_prompt_tokens": keep}).choices[0].text
+              for keep in (None, 100)]
+    assert echoed[0].startswith(prompt) and echoed[1] == echoed[0]  # before: the </s> written in it was dropped
+
+
 def test_a_continued_assistant_message_is_the_prompts_end_as_transformers_renders_it(client, llm):
     history = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a"}]
     template = ChatTemplate.from_dir(tiny_engine())

@@ -132,6 +132,14 @@ def test_tool_calls_are_read_from_the_answer_after_the_thought(client):
                                                                                        {"city": "Oslo"})]
 
 
+def test_continuing_an_assistant_message_without_content_reads_no_thought_from_it(client):
+    called = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}
+    out = client.chat.completions.create(model=MODEL, messages=[*MESSAGES, called], max_tokens=3, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True})  # before: a 500 (None has no rfind)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
 def test_without_a_reasoning_parser_the_thought_stays_content():
     engine = tiny_engine(max_seq_len=512, max_input_len=384)
     with LLM.load(engine) as llm, ServerThread(create_app(llm, engine, ServerSettings(model_name=MODEL))) as server, \

@@ -246,7 +246,7 @@ def generation_prompt(model: ServedModel, req: ChatCompletionRequest, tools: Cha
     """What the template adds to the messages for the answer (``prompt_text`` less the messages rendered alone), or
     the final message that the answer continues."""
     if req.continue_final_message:
-        return req.messages[-1].content
+        return req.messages[-1].content or ""
     messages = render_chat(model, req.messages, tools.rendered, add_generation_prompt=False,
                            variables=template_variables(req))
     return prompt_text[len(messages):] if prompt_text.startswith(messages) else prompt_text
@@ -297,7 +297,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
 
     def render(index: int, delta: StreamDelta) -> list[dict]:
         message, reason = {}, delta.finish_reason if delta.finished else None
-        delta = replace(delta, text=delta.text + included_stop(req, delta.output))
+        delta = replace(delta, text=delta.text + included_stop(req, delta.output, model.tokenizer))
         reasoning, content, calls = streamed[index].advance(delta)
         if calls:
             message["tool_calls"] = _call_parts(calls)
@@ -324,7 +324,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                         "stop_reason": stop_reason(delta)}])]
 
     def choice(index: int, out: RequestOutput) -> ChatChoice:
-        reasoning, answer, _ = plan.split(out.text + included_stop(req, out))
+        reasoning, answer, _ = plan.split(out.text + included_stop(req, out, model.tokenizer))
         content, calls = tools.parse(answer)
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         message = AssistantMessage(content=None if reasoning and not content else content,

@@ -72,8 +72,9 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
     given = _as_prompt_list(req.prompt)
     model.admission.check_fits(len(given) * req.n, "prompt")  # before tokenizing a batch too large to run
     prompts = await model.tokenize_many(given, "prompt", keep_last=model.kept_prompt_tokens(req.truncate_prompt_tokens))
-    if req.truncate_prompt_tokens is not None:  # echoed as the tokens kept
-        given = prompts
+    if req.truncate_prompt_tokens is not None and req.echo:  # a text cut short is echoed as the tokens kept
+        given = [ids if isinstance(text, str) and len(model.tokenizer.char_offsets(text)) != len(ids) else text
+                 for text, ids in zip(given, prompts, strict=True)]
     scoring = req.max_tokens == 0  # OpenAI's echo without generation: the prompt and its log probabilities alone
     if scoring and not req.echo:
         raise APIError(400, "max_tokens 0 generates nothing: with echo: true it returns the prompt alone (and its "
@@ -116,7 +117,8 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         if req.echo and index not in echoed:
             echoed.add(index)
             echo = echoes[index // req.n]
-        text, entries = ("", None) if scoring else (delta.text + included_stop(req, delta.output), delta.logprobs)
+        stop = "" if scoring else included_stop(req, delta.output, model.tokenizer)
+        text, entries = ("", None) if scoring else (delta.text + stop, delta.logprobs)
         if not (echo or text or delta.finished or entries or delta.token_ids and not scoring):  # a chunk a step
             return []
         logprobs = legacy(index, delta.prompt_logprobs if req.echo else None, entries)
@@ -129,7 +131,8 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         for i, out in enumerate(outputs):
             prompt_entries = out.prompt_logprobs if req.prompt_logprobs is not None else None
             choices.append(CompletionChoice(
-                index=i, text=echoes[i // req.n] + ("" if scoring else out.text + included_stop(req, out)),
+                index=i, text=echoes[i // req.n] + ("" if scoring else out.text + included_stop(req, out,
+                                                                                             model.tokenizer)),
                 finish_reason="length" if scoring else out.finish_reason, stop_reason=out.stop_reason,
                 logprobs=legacy(i, out.prompt_logprobs if req.echo else None, None if scoring else out.logprobs),
                 prompt_logprobs=None if prompt_entries is None else vllm_prompt_logprobs(
@@ -138,5 +141,5 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
                                   usage=counted(usage))
 
     return await respond(model, req, jobs, prompts, metrics, request, build=build,
-                         stream=StreamEvents(render, lambda usage: chunk([], counted(usage))))
+                         stream=StreamEvents(render, lambda usage: chunk([], counted(usage)), generates=not scoring))
 

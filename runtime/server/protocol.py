@@ -231,8 +231,6 @@ def _continue_final_message(value: bool, info: ValidationInfo) -> bool:
         raise ValueError("needs add_generation_prompt: false (the completion continues the final message rather "
                          "than starting a new one)")
     messages = info.data.get("messages")
-    if "messages" in info.data and messages is None:  # /tokenize of a prompt
-        raise ValueError("applies to messages only: a prompt has no final message to continue")
     if messages and messages[-1].role != "assistant":
         raise ValueError(f"continues the final message, which must be the assistant's, not the {messages[-1].role}'s")
     return value

@@ -24,6 +24,7 @@ from kiln.runtime.server.errors import APIError, error_body
 from kiln.runtime.server.generation import RETRY_AFTER_S, Job, ServedModel
 from kiln.runtime.server.metrics import CLIENT_CLOSED_REQUEST, CLIENT_GONE, ServerMetrics
 from kiln.runtime.server.protocol import SamplingFields, Usage
+from kiln.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger("kiln.server")
 
@@ -156,6 +157,7 @@ class StreamEvents:
     opening: Callable[[int], list[dict]] | None = None  # a choice's chunks before its tokens (chat's role chunk)
     with_usage: bool = False
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: each chunk of a choice with its usage so far
+    generates: bool = True  # False: a scored prompt's (echo, max_tokens 0), whose one token is no completion token
     error: Callable[[APIError], dict] = _error_chunk
     done: str = "data: [DONE]\n\n"
 
@@ -194,8 +196,9 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
                         metrics.observe(delta.output)
                     chunks = stream.render(index, delta)
                     if stream.continuous_usage:
+                        new = len(delta.token_ids) if stream.generates else 0
                         opening, chunks = _with_usage(opening, chunks, len(jobs[index].prompt_token_ids),
-                                                      generated[index], len(delta.token_ids))
+                                                      generated[index] if stream.generates else 0, new)
                     events += [_event(chunk) for chunk in opening + chunks]
                 if events:
                     yield "".join(events)
@@ -256,8 +259,16 @@ def stop_reason(delta: StreamDelta) -> int | str | None:
     return delta.output.stop_reason if delta.output is not None else None
 
 
-def included_stop(req: SamplingFields, output: RequestOutput | None) -> str:
-    """The stop string that ended ``output``, to put back at the end of its text where the request asks (vLLM's
-    ``include_stop_str_in_output``); else "" (a stop token id or EOS is never text)."""
+def included_stop(req: SamplingFields, output: RequestOutput | None, tokenizer: Tokenizer | None) -> str:
+    """What ended ``output``, to put back at the end of its text where the request asks (vLLM's
+    ``include_stop_str_in_output``): the stop string, or the text a ``stop_token_ids`` token adds in context (a
+    special token adds none, as vLLM skips them); else "" (EOS)."""
     stopped_by = output.stop_reason if output is not None else None
-    return stopped_by if req.include_stop_str_in_output and isinstance(stopped_by, str) else ""
+    if not req.include_stop_str_in_output or stopped_by is None:
+        return ""
+    if isinstance(stopped_by, str):
+        return stopped_by
+    if tokenizer is None:
+        return ""
+    before, whole = tokenizer.decode(output.token_ids[:-1]), tokenizer.decode(output.token_ids)
+    return whole[len(before):] if whole.startswith(before) else ""

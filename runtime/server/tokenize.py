@@ -19,12 +19,17 @@ from kiln.runtime.server.protocol import (
 from kiln.runtime.tokenizer import special_token_text
 from kiln.runtime.version import kiln_version
 
+_MESSAGES_ONLY = frozenset({"tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
+
 
 def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
     """Token ids of a prompt or of chat messages, as a generation request would send them to the engine."""
     check_model(model, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+    if req.prompt is not None and (chat_only := sorted(_MESSAGES_ONLY & req.model_fields_set)):
+        raise APIError(400, f"{chat_only[0]} applies to messages only: send messages, or leave it out",
+                       param=chat_only[0])  # refused, not ignored
     if req.messages is not None:
         tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools or []]
         if tools:  # as chat refuses them
