@@ -33,13 +33,15 @@ class SamplingParams:
     Generation stops at `max_tokens` (finish_reason "length"), at a token in `stop_token_ids` or the engine's EOS
     unless `ignore_eos`, or at a string in `stop`, which is cut from the text (finish_reason "stop").
     `detokenize=False` returns token ids only (the text stays empty, as TensorRT-LLM's executor and transformers'
-    `generate` return them), which saves decoding every token; stop strings need the text.
+    `generate` return them), which saves decoding every token; stop strings need the text. `skip_special_tokens=False`
+    keeps the special tokens the model generates in the text (as vLLM: not the EOS or stop token that ends it).
 
     Logit controls, applied before temperature, top-k and top-p: `presence_penalty` and `frequency_penalty` (OpenAI's
     semantics, in [-2, 2]: subtracted once per token id present in the completion, and once per occurrence),
     `repetition_penalty` (transformers' semantics, in [0.01, 100]: a logit of a token in the prompt or the completion is
     divided by it when positive, multiplied when negative), `logit_bias` (token id -> a bias in [-100, 100] added
-    to its logit) and `min_tokens` (no EOS, stop token or stop string before that many completion tokens).
+    to its logit), `allowed_token_ids` (sample, greedy too, only among these token ids) and `min_tokens` (no EOS,
+    stop token or stop string before that many completion tokens).
     `logprobs=k` returns each completion token's log probability and the `k` most likely alternatives (0 <= k <=
     20); `prompt_logprobs=k` the same for every prompt token after the first. They are the model's own
     distribution (log-softmax of its logits, before the controls and the temperature), as vLLM returns by default.
@@ -57,10 +59,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     detokenize: bool = True
+    skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -79,6 +83,8 @@ class SamplingParams:
             setattr(self, name, plain_number(getattr(self, name)))
         self.stop_token_ids = [plain_number(t) for t in self.stop_token_ids]
         self.logit_bias = {plain_number(t): plain_number(bias) for t, bias in self.logit_bias.items()}
+        if isinstance(self.allowed_token_ids, list | tuple):
+            self.allowed_token_ids = [plain_number(t) for t in self.allowed_token_ids]
         self._validate()
         self._validate_controls()
         if self.structured_output is not None:
@@ -112,7 +118,7 @@ class SamplingParams:
             raise ValueError("SamplingParams.stop needs detokenize=True: stop strings are found in the text")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
-        for name in ("ignore_eos", "detokenize"):
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -130,6 +136,11 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.logit_bias keys must be token ids >= 0, got {token_id!r}")
             if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"SamplingParams.logit_bias[{token_id}] must be a number in [-100, 100], got {bias!r}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, list) or not allowed
+                                    or not all(_is_int(t) and t >= 0 for t in allowed)):
+            raise ValueError(f"SamplingParams.allowed_token_ids must be None or a non-empty list of token ids >= 0, "
+                             f"got {allowed!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"SamplingParams.min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
@@ -146,8 +157,10 @@ class SamplingParams:
 
     @property
     def controls_logits(self) -> bool:
-        """Whether anything changes the model's logits before sampling (penalties, a bias, a minimum length)."""
-        return self.penalizes_repeats or bool(self.logit_bias) or self.min_tokens > 0
+        """Whether anything changes the model's logits before sampling (penalties, a bias, allowed token ids, a minimum
+        length)."""
+        return (self.penalizes_repeats or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:

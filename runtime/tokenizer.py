@@ -160,12 +160,13 @@ class IncrementalDetokenizer:
     token 10,000; a token that ends inside a multi-byte character waits for the next one. While stop strings are
     set, the last `len(longest stop) - 1` characters are held back from streaming until they cannot start one.
     Stop strings are looked for once there are more than ``min_tokens`` completion tokens (as vLLM looks for them),
-    ending in the text those later tokens add.
+    ending in the text those later tokens add. Special tokens add no text unless ``skip_special_tokens`` is False.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
@@ -221,8 +222,9 @@ class IncrementalDetokenizer:
     def _pending_text(self, next_token_ids: list[int] | None = None) -> str:
         """The text the tokens after the read offset add (empty while they add none), ``next_token_ids`` after
         them."""
-        prefix_text = self._tokenizer.decode(self._tokens[self._prefix_offset:self._read_offset])
-        new_text = self._tokenizer.decode(self._tokens[self._prefix_offset:] + (next_token_ids or []))
+        skip = self._skip_special_tokens
+        prefix_text = self._tokenizer.decode(self._tokens[self._prefix_offset:self._read_offset], skip)
+        new_text = self._tokenizer.decode(self._tokens[self._prefix_offset:] + (next_token_ids or []), skip)
         return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
 
     def _take_pending(self, text: str) -> None:
@@ -249,7 +251,8 @@ def request_detokenizer(tokenizer: Tokenizer | None, prompt_token_ids: list[int]
     """The detokenizer of a request's completion text; None without a tokenizer or when it asked for ids only."""
     if tokenizer is None or not params.detokenize:
         return None
-    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop, params.min_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop, params.min_tokens,
+                                  params.skip_special_tokens)
 
 
 def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int, has_stop_strings: bool,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import os
 import queue
 import re
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from kiln.runtime import LLM, RuntimeOptions, SamplingParams
-from kiln.runtime.engine_process import ProcessEngine, proxy
+from kiln.runtime.engine_process import ProcessEngine, proxy, wire
 from kiln.runtime.engine_process.proxy import EngineProcessError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.llm import IDLE_WAKE_S, EngineClosedError
@@ -78,6 +79,12 @@ def test_streams_carry_every_token_and_closing_one_aborts_it_in_the_engine_proce
     request_id = llm.submit("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True))
     llm.abort(request_id)
     assert llm.result(request_id, timeout=30).finish_reason == "abort"
+
+
+def test_sampling_params_cross_the_pipe_unchanged():
+    params = SamplingParams(logit_bias={5: 2.0}, allowed_token_ids=[5, 9], skip_special_tokens=False)
+    crossed = wire.request_from_wire(json.loads(json.dumps(wire.request_to_wire(Sequence("r", [1, 2], params)))))
+    assert crossed.params == params
 
 
 def test_a_request_over_the_limits_is_refused_in_the_caller_as_with_the_thread_engine(llm):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -11,12 +12,13 @@ import tokenizers.processors
 import torch
 
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.errors import SamplingError
+from kiln.runtime.errors import InvalidRequestError, SamplingError
 from kiln.runtime.native.logit_controls import apply_logit_controls
 from kiln.runtime.native.sampler import Sampler, apply_top_k_top_p, request_generator
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.model_factories import build_tiny_engine
+from tests.test_server_support import tiny_engine
 
 PROMPT = [5, 17, 33, 8, 61, 12]
 TINY_LLAMA = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
@@ -54,6 +56,9 @@ def greedy(llm: LLM, max_tokens: int = 16) -> list[int]:
     ("detokenize", 0, "detokenize must be True or False"),
     ("stop", 3, "stop must be a list or None"),
     ("logit_bias", [1, 2], "logit_bias must be a dict or None"),
+    ("skip_special_tokens", 0, "skip_special_tokens must be True or False"),
+    ("allowed_token_ids", [], "allowed_token_ids must be None or a non-empty list of token ids"),
+    ("allowed_token_ids", [3, -1], "allowed_token_ids must be None or a non-empty list of token ids"),
 ])
 def test_sampling_params_reject_bad_values_with_a_clear_message(field, value, words):
     with pytest.raises(ValueError, match=words):
@@ -248,6 +253,40 @@ def test_stop_string_across_tokens_cuts_the_text_before_it(llm):
 def test_max_tokens_ends_the_request_with_reason_length(llm):
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 7 and out.stop_reason is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_allowed_token_ids_are_the_only_tokens_sampled(llm, temperature):
+    allowed = [t for t in range(3, 10) if t not in greedy(llm)][:2]
+    params = SamplingParams(temperature=temperature, seed=1, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed,
+                            logprobs=1)
+    out = llm.generate([PROMPT], params)[0]
+    assert set(out.token_ids) <= set(allowed) and len(out.token_ids) == 16
+    assert out.logprobs[0].top[0][0] == greedy(llm, 1)[0]  # the model's distribution, as for logit_bias
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_refused_naming_the_field(llm):
+    with pytest.raises(InvalidRequestError, match=r"\[100000\] \(in .*allowed_token_ids\) are outside the vocabulary"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[5, 100000]))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama() -> LLM:
+    """The tiny engine with the bundled byte-level BPE, whose special tokens are <s> (0), </s> (1, EOS), <pad>."""
+    with LLM.load(tiny_engine()) as loaded:
+        yield loaded
+
+
+@pytest.mark.parametrize(("skip", "text"), [(True, ""), (False, "<s><s><s>")])
+def test_skip_special_tokens_false_keeps_generated_special_tokens_in_the_text(tiny_llama, skip, text):
+    params = SamplingParams(temperature=0, max_tokens=3, logit_bias={0: 100}, skip_special_tokens=skip)  # <s> thrice
+    out = tiny_llama.generate("Hi", params)[0]
+    assert (out.token_ids, out.text) == ([0, 0, 0], text)
+
+    async def streamed() -> str:
+        return "".join([delta.text async for delta in tiny_llama.stream("Hi", params)])
+
+    assert asyncio.run(streamed()) == text
 
 
 @pytest.fixture(scope="module")

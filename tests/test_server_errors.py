@@ -79,7 +79,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", ["not supported", "send null or false"]),
     ({"prompt": "hi", "length_penalty": 0.5}, "length_penalty", ["not supported", "1.0"]),
     ({"prompt": "hi", "add_special_tokens": False}, "add_special_tokens", ["not supported", "true"]),
-    ({"prompt": "hi", "allowed_token_ids": [5]}, "allowed_token_ids", ["not supported", "send null"]),
+    ({"prompt": "hi", "allowed_token_ids": [5, 999999]}, "allowed_token_ids", ["999999", "outside this model's "
+                                                                                "vocabulary"]),
+    ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", ["at least 1"]),
     ({"prompt": "hi", "best_of": 1, "n": 2}, "best_of", ["best_of (1) must be greater than or equal to n (2)"]),
 ])
 def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, words):

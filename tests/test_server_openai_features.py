@@ -145,6 +145,24 @@ def test_penalties_and_logit_bias_match_the_runtime(client, llm):
     assert out.choices[0].text == llm.generate("The cat", params)[0].text
 
 
+def test_skip_special_tokens_false_keeps_generated_special_tokens_in_the_text(client):
+    kwargs = dict(model=MODEL, max_tokens=3, temperature=0, logit_bias={"0": 100})  # <s> every step
+    for skip, text in ((True, ""), (False, "<s><s><s>")):
+        extra = {"skip_special_tokens": skip}
+        assert client.completions.create(prompt="Hi", extra_body=extra, **kwargs).choices[0].text == text
+        chunks = client.chat.completions.create(messages=MESSAGES, stream=True, extra_body=extra, **kwargs)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
+def test_allowed_token_ids_match_the_runtime(client, llm):
+    allowed = [llm.tokenizer.encode(word)[0] for word in (" clay", " fire")]
+    out = client.completions.create(model=MODEL, prompt="The cat", max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    expected = llm.generate("The cat", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                      allowed_token_ids=allowed))[0]
+    assert set(expected.token_ids) <= set(allowed) and out.choices[0].text == expected.text
+
+
 def test_fields_a_server_may_ignore_are_accepted_and_unknown_ones_still_refused(client):
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, store=True, user="u-1",
                                          metadata={"team": "kiln"}, service_tier="auto", parallel_tool_calls=False,

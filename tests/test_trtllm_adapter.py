@@ -230,7 +230,8 @@ def test_penalties_and_min_tokens_go_to_the_executor_and_what_it_lacks_is_refuse
         params = SamplingParams(max_tokens=3, temperature=0, presence_penalty=0.5, frequency_penalty=-0.25,
                                 repetition_penalty=1.3, min_tokens=2)
         llm.generate([[2, 3, 4]], params)
-        for asked in (dict(logprobs=2), dict(prompt_logprobs=0), dict(logit_bias={3: 5.0})):
+        for asked in (dict(logprobs=2), dict(prompt_logprobs=0), dict(logit_bias={3: 5.0}),
+                      dict(allowed_token_ids=[3, 4])):
             with pytest.raises(TrtllmRequestError, match=f"does not serve {next(iter(asked))}"):
                 llm.generate([[2, 3, 4]], SamplingParams(**asked))
     sampling = FakeExecutor.instances[0].requests[100].sampling_config

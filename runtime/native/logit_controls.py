@@ -1,10 +1,11 @@
-"""What a request asks to change in the model's logits before sampling: a minimum length, a logit bias, and the
-presence, frequency and repetition penalties (``SamplingParams``), applied to a step's rows on the device.
+"""What a request asks to change in the model's logits before sampling: a minimum length, a logit bias, the tokens
+it allows, and the presence, frequency and repetition penalties (``SamplingParams``), applied to a step's rows on the
+device.
 
 Only the rows of requests that ask are touched, on a float32 copy (the logits may be a CUDA graph's output buffer,
 and in bf16, whose step near a logit of 20 is 0.125, a penalty of 0.05 or a bias of 0.3 would round away). The order
-is vLLM's: the minimum length and the bias, then the repetition penalty (transformers' rule, over the prompt and the
-completion), then the frequency and presence penalties (OpenAI's rule, over the completion).
+is vLLM's: the allowed tokens, the minimum length and the bias, then the repetition penalty (transformers' rule, over
+the prompt and the completion), then the frequency and presence penalties (OpenAI's rule, over the completion).
 """
 
 from __future__ import annotations
@@ -32,18 +33,34 @@ def apply_logit_controls(logits: torch.Tensor, seqs: list[Sequence], stop_token_
                          unseen: UnseenTokens | None = None) -> torch.Tensor:
     """``logits`` [n, vocab] (row i is ``seqs[i]``'s next token) with each request's controls applied, in float32;
     the same tensor when no row asks for any. ``stop_token_ids`` (the engine's EOS) are banned, with each request's
-    own stop tokens, until it has ``min_tokens`` completion tokens; ``unseen`` holds tokens of these sequences still
-    on the device, which count as completion tokens."""
+    own stop tokens, until it has ``min_tokens`` completion tokens; a request's ``allowed_token_ids`` leave every
+    other token at -inf. ``unseen`` holds tokens of these sequences still on the device, which count as completion
+    tokens."""
     rows = [i for i, seq in enumerate(seqs) if seq.params.controls_logits]
     if not rows:
         return logits
     logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
     unseen_rows = set(unseen.rows) if unseen is not None else set()
+    _apply_allowed_token_ids(logits, [(i, seqs[i].params.allowed_token_ids) for i in rows
+                                      if seqs[i].params.allowed_token_ids is not None])
     _apply_bias_and_min_tokens(logits, [(i, seqs[i]) for i in rows], stop_token_ids, unseen_rows)
     penalized = [i for i in rows if seqs[i].params.penalizes_repeats]
     if penalized:
         logits[penalized] = _penalized([seqs[i] for i in penalized], logits[penalized], _unseen_of(unseen, penalized))
     return logits
+
+
+def _apply_allowed_token_ids(logits: torch.Tensor, rows: list[tuple[int, list[int]]]) -> None:
+    """-inf in each of ``rows`` (row, its allowed token ids) on every token it does not allow."""
+    if not rows:
+        return
+    device = logits.device
+    allowed = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=device)
+    positions = [p for p, (_, token_ids) in enumerate(rows) for _ in token_ids]
+    allowed[device_tensor(positions, torch.long, device),
+            device_tensor([t for _, token_ids in rows for t in token_ids], torch.long, device)] = True
+    index = device_tensor([i for i, _ in rows], torch.long, device)
+    logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
 
 
 def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[tuple[int, Sequence]], stop_token_ids: Collection[int],

@@ -241,4 +241,5 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprob
                           presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                           repetition_penalty=given("repetition_penalty", 1.0), logit_bias=req.logit_bias or {},
                           min_tokens=req.min_tokens or 0, stop_token_ids=req.stop_token_ids or [],
+                          allowed_token_ids=req.allowed_token_ids, skip_special_tokens=req.skip_special_tokens,
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_output=structured_output)

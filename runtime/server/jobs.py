@@ -77,7 +77,8 @@ def check_model(model: ServedModel, requested: str | None) -> None:
 
 def check_request(model: ServedModel, req: SamplingFields) -> None:
     """``check_model``, then a 400 for ``stream_options`` without ``stream`` (as OpenAI and vLLM refuse it) or for a
-    token id outside the vocabulary in ``logit_bias`` or ``stop_token_ids``, naming the field."""
+    token id outside the vocabulary in ``logit_bias``, ``stop_token_ids`` or ``allowed_token_ids``, naming the
+    field."""
     check_model(model, req.model)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true: drop it or stream the response",
@@ -86,7 +87,8 @@ def check_request(model: ServedModel, req: SamplingFields) -> None:
         raise APIError(400, "prompt_logprobs are not available with stream: true: drop one of them",
                        param="prompt_logprobs")
     vocab_size = model.limits.vocab_size
-    for param, token_ids in (("logit_bias", req.logit_bias or {}), ("stop_token_ids", req.stop_token_ids or [])):
+    for param, token_ids in (("logit_bias", req.logit_bias or {}), ("stop_token_ids", req.stop_token_ids or []),
+                             ("allowed_token_ids", req.allowed_token_ids or [])):
         if vocab_size is not None and (outside := sorted(t for t in token_ids if t >= vocab_size)):
             raise APIError(400, f"'{param}' names token ids {outside[:8]} outside this model's vocabulary of "
                                 f"{vocab_size} tokens: send ids below {vocab_size}", param=param)

@@ -297,13 +297,15 @@ class SamplingFields(SamplingExtensions):
         None, description="Extension (as in vLLM): keep only the prompt's last k tokens (after the chat template); "
                           "-1: as many as the model takes.")
     # vLLM's extensions at their defaults, which is what Kiln does (clients written for vLLM send them)
-    skip_special_tokens: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
+    skip_special_tokens: bool = Field(True, description="Extension (as in vLLM): false keeps the special tokens the "
+                                                        "model generates in the text (not the EOS that ends it).")
     spaces_between_special_tokens: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
     priority: neutral_only(None, 0) = Field(None, description=VLLM_DEFAULT)
     use_beam_search: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
     length_penalty: neutral_only(None, 1.0) = Field(None, description=VLLM_DEFAULT)
     return_token_ids: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
-    allowed_token_ids: Unsupported = Field(None, description=VLLM_DEFAULT)
+    allowed_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="Extension (as in vLLM): sample only among these token ids.")
     bad_words: NoAnnotations = Field(None, description=VLLM_DEFAULT)
     request_id: str | None = Field(None, min_length=1, max_length=256, description="Extension (as in vLLM): the "
                                    "response's id is named after it (else after the X-Request-Id header).")

@@ -261,8 +261,8 @@ def stop_reason(delta: StreamDelta) -> int | str | None:
 
 def included_stop(req: SamplingFields, output: RequestOutput | None, tokenizer: Tokenizer | None) -> str:
     """What ended ``output``, to put back at the end of its text where the request asks (vLLM's
-    ``include_stop_str_in_output``): the stop string, or the text a ``stop_token_ids`` token adds in context (a
-    special token adds none, as vLLM skips them); else "" (EOS)."""
+    ``include_stop_str_in_output``): the stop string, or the text a ``stop_token_ids`` token adds in context (none
+    for a special token unless the request keeps them, ``skip_special_tokens`` false); else "" (EOS)."""
     stopped_by = output.stop_reason if output is not None else None
     if not req.include_stop_str_in_output or stopped_by is None:
         return ""
@@ -270,5 +270,7 @@ def included_stop(req: SamplingFields, output: RequestOutput | None, tokenizer: 
         return stopped_by
     if tokenizer is None:
         return ""
-    before, whole = tokenizer.decode(output.token_ids[:-1]), tokenizer.decode(output.token_ids)
+    skip = req.skip_special_tokens
+    before = tokenizer.decode(output.token_ids[:-1], skip_special_tokens=skip)
+    whole = tokenizer.decode(output.token_ids, skip_special_tokens=skip)
     return whole[len(before):] if whole.startswith(before) else ""

@@ -100,6 +100,7 @@ class TrtllmEngine:
         unsupported = [name for name, asked in (("logprobs", params.logprobs is not None),
                                                 ("prompt_logprobs", params.prompt_logprobs is not None),
                                                 ("logit_bias", bool(params.logit_bias)),
+                                                ("allowed_token_ids", params.allowed_token_ids is not None),
                                                 ("structured_output", params.structured_output is not None)) if asked]
         if unsupported:
             raise TrtllmRequestError(f"the TensorRT-LLM backend does not serve {', '.join(unsupported)} yet: use an "
