@@ -12,6 +12,7 @@ the times mean anything.
     python tools/bench_step.py [--formats fp8,none,int4_awq] [--batch 1,8,64,256] [--context 1024]
                                             [--kv-cache-dtype float8_e4m3fn] [--prefill 1000] [--profile] [--json OUT]
                                             [--graph-batch N (each batch padded to a graph of N, as a bucket pads)]
+                                            [--without norm,silu (those kernels skipped: what fusing them could save)]
 """
 
 from __future__ import annotations
@@ -66,8 +67,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="bandwidth of the floor, GB/s (default: an H200's)")
     parser.add_argument("--profile", action="store_true",
                         help="print the kernels of the smallest and largest decode steps and of the prefill")
+    parser.add_argument("--without", default="",
+                        help="comma-separated: norm, silu. Those layers return a buffer of the right shape without "
+                             "running a kernel: what fusing them away could save at most (the outputs are wrong; "
+                             "timing only)")
     parser.add_argument("--json", help="also write the results to this file")
     return parser.parse_args(argv)
+
+
+def without_kernels(names: set[str]) -> None:
+    """Make the RMSNorm (``norm``) and SwiGLU (``silu``) layers return a zero buffer of their output's shape and
+    dtype, one per shape, without running anything (inside a graph, no kernel at all)."""
+    from kiln.runtime.native.layers import activation, norm
+
+    unknown = names - {"norm", "silu"}
+    if unknown:
+        raise SystemExit(f"bench_step: --without takes norm and silu, not {', '.join(sorted(unknown))}")
+    buffers: dict[tuple, torch.Tensor] = {}
+
+    def buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return buffers.setdefault((shape, dtype, device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def no_norm(self, x, residual=None, quant_scale=None, pre_norm=None):
+        out = buffer(tuple(x.shape), x.dtype if quant_scale is None else torch.float8_e4m3fn, x.device)
+        return out if residual is None else (out, residual)
+
+    def no_silu(self, x, quant_scale=None):
+        shape = (*x.shape[:-1], x.shape[-1] // 2)
+        return buffer(shape, x.dtype if quant_scale is None else torch.float8_e4m3fn, x.device)
+
+    if "norm" in names:
+        norm.RMSNorm.forward = no_norm
+    if "silu" in names:
+        activation.SiluAndMul.forward = no_silu
 
 
 def engine_config(arch_file: Path, fmt: str, max_batch: int, max_seq_len: int, max_num_tokens: int,
@@ -215,6 +247,8 @@ def print_profile(title: str, step) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.without:
+        without_kernels(set(args.without.split(",")))
     if not torch.cuda.is_available():
         print("bench_step: no CUDA GPU; run it on the GPU machine", file=sys.stderr)
         return 2
