@@ -53,6 +53,7 @@ class Sequence:
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         self.matcher: llguidance.LLMatcher | None = None  # of a request with structured output, set by the engine
+        self.allowed_ids: torch.Tensor | None = None  # its allowed_token_ids on the device, made at first use
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None  # when the scheduler first admitted it
         self.first_token_time: float | None = None

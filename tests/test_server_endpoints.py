@@ -61,10 +61,13 @@ def test_tokenize_continues_a_final_assistant_message_and_refuses_tools_the_temp
     continued = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False,
                                              "continue_final_message": True}).json()
     assert llm.tokenizer.decode(continued["tokens"]) == "<<user>>hi<<assistant>>Once upon"
-    for chat_only in ({"continue_final_message": True}, {"add_generation_prompt": False}, {"tools": []},
+    for chat_only in ({"continue_final_message": True}, {"add_generation_prompt": False},
+                      {"tools": [{"type": "function", "function": {"name": "f"}}]},
                       {"chat_template_kwargs": {"a": 1}}):
         prompt = http.post("/tokenize", json={"prompt": "hi", **chat_only})  # refused, not ignored
         assert prompt.status_code == 400 and prompt.json()["error"]["param"] == next(iter(chat_only))
+    defaults = {"add_generation_prompt": True, "continue_final_message": False, "tools": [], "chat_template_kwargs": {}}
+    assert http.post("/tokenize", json={"prompt": "hi", **defaults}).status_code == 200  # as vLLM clients send them
     tools = [{"type": "function", "function": {"name": "f"}}]
     for path, body in (("/tokenize", {"messages": messages[:1], "tools": tools}),
                        ("/v1/chat/completions", {"messages": messages[:1], "tools": tools, "max_tokens": 1})):

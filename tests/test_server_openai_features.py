@@ -145,13 +145,21 @@ def test_penalties_and_logit_bias_match_the_runtime(client, llm):
     assert out.choices[0].text == llm.generate("The cat", params)[0].text
 
 
-def test_skip_special_tokens_false_keeps_generated_special_tokens_in_the_text(client):
+def test_skip_special_tokens_false_keeps_generated_special_tokens_in_the_text(client, llm):
     kwargs = dict(model=MODEL, max_tokens=3, temperature=0, logit_bias={"0": 100})  # <s> every step
     for skip, text in ((True, ""), (False, "<s><s><s>")):
         extra = {"skip_special_tokens": skip}
         assert client.completions.create(prompt="Hi", extra_body=extra, **kwargs).choices[0].text == text
         chunks = client.chat.completions.create(messages=MESSAGES, stream=True, extra_body=extra, **kwargs)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    kept = client.completions.create(prompt="Hi", logprobs=0, extra_body={"skip_special_tokens": False}, **kwargs)
+    assert kept.choices[0].logprobs.text_offset == [0, 3, 6]  # before: [0, 0, 0], the offsets of skipped tokens
+    eos = dict(model=MODEL, max_tokens=3, temperature=0, logit_bias={"2": 100})  # </s> at once
+    ended = [client.completions.create(prompt="Hi", extra_body={"include_stop_str_in_output": True,
+                                                                "skip_special_tokens": skip}, **eos).choices[0]
+             for skip in (True, False)]
+    eos_text = llm.tokenizer.decode([2], skip_special_tokens=False)
+    assert [(c.finish_reason, c.text) for c in ended] == [("stop", ""), ("stop", eos_text)]  # as vLLM keeps EOS
 
 
 def test_allowed_token_ids_match_the_runtime(client, llm):

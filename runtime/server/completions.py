@@ -96,7 +96,8 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
     chunk = functools.partial(stream_chunk, request_id, "text_completion", created, model.name)
     names = TokenText(model.tokenizer, req.return_tokens_as_token_ids)
     echoes = [_echo_text(model, p, ids) if req.echo else "" for p, ids in zip(given, prompts, strict=True)]
-    offsets = [TextOffsets(model.tokenizer, prompts[i // req.n], start=len(echoes[i // req.n]))
+    offsets = [TextOffsets(model.tokenizer, prompts[i // req.n], start=len(echoes[i // req.n]),
+                           skip_special_tokens=req.skip_special_tokens)
                for i in range(len(jobs) if req.logprobs is not None else 0)]  # where each choice's next token starts
     echoed: set[int] = set()
 

@@ -48,8 +48,10 @@ class TextOffsets:
     before it decode to in whole characters, grown as the engine grows a completion's text, so a token that ends
     inside a character adds none of it and the next one starts at that character too."""
 
-    def __init__(self, tokenizer: Tokenizer | None, context: list[int], start: int = 0) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, context, []) if tokenizer is not None else None
+    def __init__(self, tokenizer: Tokenizer | None, context: list[int], start: int = 0,
+                 skip_special_tokens: bool = True) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, context, [], skip_special_tokens=skip_special_tokens) \
+            if tokenizer is not None else None
         self._start = start
 
     def take(self, token_ids: list[int]) -> list[int]:

@@ -261,14 +261,14 @@ def stop_reason(delta: StreamDelta) -> int | str | None:
 
 def included_stop(req: SamplingFields, output: RequestOutput | None, tokenizer: Tokenizer | None) -> str:
     """What ended ``output``, to put back at the end of its text where the request asks (vLLM's
-    ``include_stop_str_in_output``): the stop string, or the text a ``stop_token_ids`` token adds in context (none
-    for a special token unless the request keeps them, ``skip_special_tokens`` false); else "" (EOS)."""
-    stopped_by = output.stop_reason if output is not None else None
-    if not req.include_stop_str_in_output or stopped_by is None:
+    ``include_stop_str_in_output``): the stop string, or the text the stop token (a ``stop_token_ids`` one, or EOS)
+    adds to the completion's (none for a special token unless the request keeps them, ``skip_special_tokens``
+    false; none where it completes a character the text before it left unfinished)."""
+    if not req.include_stop_str_in_output or output is None or output.finish_reason != "stop":
         return ""
-    if isinstance(stopped_by, str):
-        return stopped_by
-    if tokenizer is None:
+    if isinstance(output.stop_reason, str):
+        return output.stop_reason
+    if tokenizer is None:  # a stop token id, or EOS (stop_reason None)
         return ""
     skip = req.skip_special_tokens
     before = tokenizer.decode(output.token_ids[:-1], skip_special_tokens=skip)

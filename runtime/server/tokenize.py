@@ -19,7 +19,9 @@ from kiln.runtime.server.protocol import (
 from kiln.runtime.tokenizer import special_token_text
 from kiln.runtime.version import kiln_version
 
-_MESSAGES_ONLY = frozenset({"tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
+# what only messages take, and its values that change nothing
+_MESSAGES_ONLY = {"tools": (None, []), "add_generation_prompt": (True,), "continue_final_message": (False,),
+                  "chat_template_kwargs": (None, {})}
 
 
 def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
@@ -27,9 +29,10 @@ def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
     check_model(model, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of prompt and messages", param="prompt")
-    if req.prompt is not None and (chat_only := sorted(_MESSAGES_ONLY & req.model_fields_set)):
+    if req.prompt is not None and (chat_only := [name for name, neutral in _MESSAGES_ONLY.items()
+                                                 if getattr(req, name) not in neutral]):
         raise APIError(400, f"{chat_only[0]} applies to messages only: send messages, or leave it out",
-                       param=chat_only[0])  # refused, not ignored
+                       param=chat_only[0])  # refused, not ignored (at its default, as clients send it, taken)
     if req.messages is not None:
         tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools or []]
         if tools:  # as chat refuses them
