@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
@@ -173,10 +174,8 @@ def plain_number(value: object) -> object:
     bool of any library too) as it is."""
     if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
         return value
-    try:
+    with contextlib.suppress(TypeError):  # an integer of any library
         return operator.index(value)
-    except TypeError:
-        pass
     if isinstance(value, numbers.Real):
         return value if isinstance(value, float) else float(value)
     if getattr(value, "ndim", None) == 0 and "float" in str(getattr(value, "dtype", "")):
