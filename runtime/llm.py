@@ -365,14 +365,19 @@ class LLM:
         self._commands.put(("add", seqs))
         return [sink.future for sink in sinks]
 
+    def _forked(self) -> EngineClosedError | None:
+        """The refusal of a fork of the process that loaded this LLM (the fork has no engine thread, and the engine,
+        an engine process or a device, is the parent's); None in that process."""
+        if self._pid == os.getpid():
+            return None
+        return EngineClosedError(
+            f"this LLM was loaded in process {self._pid}, and process {os.getpid()} is a fork of it: an engine does "
+            f"not survive fork(). Load it in each worker after the fork (gunicorn: without --preload, or in "
+            f"post_fork; multiprocessing: the 'spawn' or 'forkserver' start method)")
+
     def _check_not_forked(self) -> None:
-        """Refuse a fork of the process that loaded this LLM: the fork has no engine thread, and the engine (an
-        engine process, a device) is the parent's."""
-        if self._pid != os.getpid():
-            raise EngineClosedError(
-                f"this LLM was loaded in process {self._pid}, and process {os.getpid()} is a fork of it: an engine "
-                f"does not survive fork(). Load it in each worker after the fork (gunicorn: without --preload, or in "
-                f"post_fork; multiprocessing: the 'spawn' or 'forkserver' start method)")
+        if (forked := self._forked()) is not None:
+            raise forked
 
     def __reduce__(self) -> None:
         raise TypeError("an LLM cannot be sent to another process: LLM.load the engine there")
@@ -386,10 +391,8 @@ class LLM:
     def engine_error(self) -> str | None:
         """Why the engine stopped, or None while it serves (a health check reads this): the engine thread's error, or
         what the engine noticed while idle (``Engine.failure``: a worker or engine process that exited)."""
-        try:
-            self._check_not_forked()
-        except EngineClosedError as e:
-            return f"{type(e).__name__}: {e}"
+        if (forked := self._forked()) is not None:  # before the lock, which the parent's thread may have held
+            return f"{type(forked).__name__}: {forked}"
         with self._lock:
             error = self._stop_reason()
         return None if error is None else f"{type(error).__name__}: {error}"

@@ -87,15 +87,14 @@ def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dic
 
 
 def _cut_after(text: str, content: str) -> str:
-    """``text`` up to the end of its last ``content``, as transformers' ``continue_final_message`` cuts it (the end
-    of the stripped content where the template stripped its trailing whitespace)."""
-    at = text.rfind(content.strip())
-    if at < 0:
-        raise APIError(400, "the chat template does not render the final message verbatim, so it cannot be "
-                            "continued: send add_generation_prompt false without continue_final_message",
-                       param="continue_final_message")
-    kept = content.lstrip()
-    return text[:at + (len(kept) if text[at:at + len(kept)] == kept else len(content.strip()))]
+    """``text`` up to the end of its last ``content``, as transformers' ``continue_final_message`` cuts it (of the
+    stripped content where the template stripped it)."""
+    for piece in (content, content.strip()):
+        if (at := text.rfind(piece)) >= 0:
+            return text[:at + len(piece)]
+    raise APIError(400, "the chat template does not render the final message verbatim, so it cannot be continued: "
+                        "send add_generation_prompt false without continue_final_message",
+                   param="continue_final_message")
 
 
 def _arguments(text: str) -> dict | str:

@@ -27,6 +27,7 @@ from kiln.runtime.server.protocol import SamplingFields, Usage
 from kiln.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger("kiln.server")
+STOP_TOKEN_CONTEXT = 5  # tokens decoded before a stop token to find the text it adds (vLLM's detokenizer's offset)
 
 IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
 ABORTED_OUTPUTS_WAIT_S = 5.0  # how long a request whose client went away waits for its jobs' aborted outputs
@@ -270,7 +271,7 @@ def included_stop(req: SamplingFields, output: RequestOutput | None, tokenizer: 
         return output.stop_reason
     if tokenizer is None:  # a stop token id, or EOS (stop_reason None)
         return ""
-    skip = req.skip_special_tokens
-    before = tokenizer.decode(output.token_ids[:-1], skip_special_tokens=skip)
-    whole = tokenizer.decode(output.token_ids, skip_special_tokens=skip)
+    window = output.token_ids[-STOP_TOKEN_CONTEXT - 1:]  # the token with a few before it, not the whole completion
+    before = tokenizer.decode(window[:-1], skip_special_tokens=req.skip_special_tokens)
+    whole = tokenizer.decode(window, skip_special_tokens=req.skip_special_tokens)
     return whole[len(before):] if whole.startswith(before) else ""
