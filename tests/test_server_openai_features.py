@@ -121,6 +121,19 @@ def test_echoed_text_offsets_count_the_special_tokens_written_in_the_prompt(clie
         assert text.startswith(token, offset)
 
 
+def test_an_echoed_token_id_prompt_keeps_its_special_tokens_as_vllm_decodes_it(client):
+    text_prompt = client.completions.create(model=MODEL, prompt="Question</s>Answer:", max_tokens=0, logprobs=0,
+                                            echo=True).choices[0]
+    ids = [int(t.removeprefix("token_id:")) for t in client.completions.create(
+        model=MODEL, prompt="Question</s>Answer:", max_tokens=0, logprobs=0, echo=True,
+        extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs.tokens]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, logprobs=0, echo=True).choices[0]
+    assert "</s>" in out.text and out.text.endswith("Question</s>Answer:")
+    assert out.logprobs.tokens == text_prompt.logprobs.tokens
+    for token, offset in zip(out.logprobs.tokens, out.logprobs.text_offset, strict=True):
+        assert out.text.startswith(token, offset)
+
+
 @pytest.mark.parametrize(("logprobs", "prompt_logprobs"), [(1, 5), (5, 0)])
 def test_echo_and_prompt_logprobs_each_get_the_alternatives_they_asked_for(client, logprobs, prompt_logprobs):
     choice = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=2, temperature=0, echo=True,

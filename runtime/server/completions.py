@@ -40,6 +40,8 @@ from kiln.runtime.server.responding import (
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
 def _as_prompt_list(prompt: str | list) -> list[str | list[int]]:
     if isinstance(prompt, str) or isinstance(prompt[0], int):
         return [prompt]
@@ -47,20 +49,22 @@ def _as_prompt_list(prompt: str | list) -> list[str | list[int]]:
 
 
 def _echo_text(model: ServedModel, given: str | list[int], token_ids: list[int]) -> str:
-    """The prompt as ``echo`` returns it: the text as sent, or the token ids decoded."""
+    """The prompt as ``echo`` returns it: the text as sent, or the token ids decoded with their special tokens (as
+    vLLM echoes them: a BOS the client sent is part of the prompt)."""
     if isinstance(given, str):
         return given
-    return model.tokenizer.decode(token_ids) if model.tokenizer is not None else ""
+    return model.tokenizer.decode(token_ids, skip_special_tokens=False) if model.tokenizer is not None else ""
 
 
 def _echo_offsets(model: ServedModel, given: str | list[int], token_ids: list[int]) -> list[int]:
     """Where each prompt token starts in the echoed prompt: in a text as sent, where the tokenizer found it (special
-    tokens written in the text included); else in the ids' decoded text."""
+    tokens written in the text included); else in the ids' decoded text, special tokens kept as ``_echo_text``
+    keeps them."""
     if isinstance(given, str) and model.tokenizer is not None:
         offsets = model.tokenizer.char_offsets(given)
         if len(offsets) == len(token_ids):
             return offsets
-    return TextOffsets(model.tokenizer, []).take(token_ids)
+    return TextOffsets(model.tokenizer, [], skip_special_tokens=False).take(token_ids)
 
 
 async def create_completion(model: ServedModel, req: CompletionRequest, metrics: ServerMetrics,
