@@ -5,6 +5,7 @@ from __future__ import annotations
 from kiln.engines.native.tuning import tuning_material
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import KilnConfig
+from kiln.pipeline.source_hash import engine_sources_hash, quantized_sources_hash
 from kiln.runtime.native.engine_format import ENGINE_FORMAT_VERSION
 from kiln.runtime.native.fingerprint import machine_fingerprint
 from kiln.runtime.options import RuntimeOptions
@@ -16,18 +17,20 @@ KEY_SCHEMA = 1
 
 
 def quantized_material(checkpoint_hash: str, recipe: dict, device: str, compute_dtype: str) -> dict:
-    """Key material of a quantized checkpoint: the input's content, the effective recipe (``recipe_material``), and
-    where it is calibrated (CPU float32 and GPU bf16 calibration give different bytes); build options never enter
-    it."""
+    """Key material of a quantized checkpoint: the input's content, the effective recipe (``recipe_material``),
+    where it is calibrated (CPU float32 and GPU bf16 calibration give different bytes), and the Kiln that calibrates
+    it (its version and the hash of its calibration code); build options never enter it."""
     return {"key_schema": KEY_SCHEMA, "kind": "quantized", "checkpoint": checkpoint_hash, "recipe": recipe,
-            "calibration": {"device": device, "compute_dtype": compute_dtype}}
+            "calibration": {"device": device, "compute_dtype": compute_dtype},
+            "toolchain": {"kiln": kiln_version(), "kiln_sources": quantized_sources_hash()}}
 
 
 def engine_material(checkpoint_hash: str, quantized_key: str | None, config: KilnConfig, choice: BackendChoice,
                     recipe: dict, options: RuntimeOptions) -> dict:
     """Key material of an engine: checkpoint, recipe (``recipe_material``), semantic build options, the runtime
     options that change what the build writes (native: ``tuning_material``), backend, toolchain (Kiln's own version
-    too: its builders decide how a checkpoint's config.json and tensors become the engine), hardware."""
+    and the hash of its build code too: its builders decide how a checkpoint's config.json and tensors become the
+    engine), hardware."""
     if choice.backend == "trtllm":
         machine = trtllm_machine_fingerprint()
         toolchain = {name: machine.get(name) for name in ("tensorrt_llm", "tensorrt", "cuda")}
@@ -48,7 +51,7 @@ def engine_material(checkpoint_hash: str, quantized_key: str | None, config: Kil
         **backend_options,
         "backend": choice.backend,
         "engine_format_version": format_version,
-        "toolchain": {"kiln": kiln_version(), **toolchain},
+        "toolchain": {"kiln": kiln_version(), "kiln_sources": engine_sources_hash(), **toolchain},
         "hardware": {
             "device": machine["device"],
             "gpu_name": machine.get("gpu_name"),

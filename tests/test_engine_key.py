@@ -12,6 +12,7 @@ import torch
 
 from kiln.engines.native.tuning import tuning_material
 from kiln.pipeline import key_material, runner
+from kiln.pipeline.source_hash import ENGINE_SOURCES, NOT_ENGINE_SOURCES, source_hash
 from kiln.runtime.options import RuntimeOptions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +126,8 @@ REQUIRED_FIELDS = {"key_schema", "kind", "checkpoint", "model_dtype", "backend",
                    "quantization.quantized_key", "quantization.recipe.format", "quantization.recipe.kv_cache_dtype",
                    "quantization.recipe.dataset_sha256", "quantization.recipe.modelopt",
                    "build.max_batch_size", "build.max_input_len", "build.max_seq_len", "build.max_num_tokens",
-                   "build.tokens_per_block", "toolchain.kiln", "toolchain.torch", "toolchain.triton", "toolchain.cuda",
+                   "build.tokens_per_block", "toolchain.kiln", "toolchain.kiln_sources", "toolchain.torch",
+                   "toolchain.triton", "toolchain.cuda",
                    "hardware.device", "hardware.gpu_name", "hardware.compute_capability", "hardware.tp_size",
                    "hardware.pp_size"}
 
@@ -149,6 +151,35 @@ def test_another_kiln_version_misses_the_engines_of_this_one(tmp_path, model_cop
     before = engine_key(tmp_path, model_copy)
     monkeypatch.setattr(key_material, "kiln_version", lambda: "99.0.0")
     assert engine_key(tmp_path, model_copy) != before
+
+
+@pytest.mark.parametrize("sources", ["engine_sources_hash", "quantized_sources_hash"])
+def test_another_revision_of_kilns_build_or_calibration_code_misses_the_engines_of_this_one(tmp_path, model_copy,
+                                                                                            monkeypatch, sources):
+    before = engine_key(tmp_path, model_copy)  # FP8: the quantized checkpoint's key is part of the engine's
+    monkeypatch.setattr(key_material, sources, lambda: "0" * 64)
+    assert engine_key(tmp_path, model_copy) != before
+
+
+def test_the_source_hash_follows_the_code_that_builds_and_not_the_code_that_stores_or_serves(tmp_path):
+    for rel in ("engines/native/builder.py", "engines/cache/store.py", "runtime/server/app.py", "runtime/a.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+
+    def build_hash() -> str:
+        return source_hash(tmp_path, ENGINE_SOURCES, NOT_ENGINE_SOURCES)
+
+    before = build_hash()
+    (tmp_path / "engines/cache/store.py").write_text("x = 2\n")
+    (tmp_path / "runtime/server/app.py").write_text("x = 2\n")
+    (tmp_path / "runtime/notes.txt").write_text("not code")
+    assert build_hash() == before
+    for rel in ("engines/native/builder.py", "runtime/a.py"):
+        (tmp_path / rel).write_text("x = 3\n")
+        assert build_hash() != before
+        before = build_hash()
+    (tmp_path / "runtime/a.py").rename(tmp_path / "runtime/b.py")  # a moved module changes it too
+    assert build_hash() != before
 
 
 def test_a_new_engine_format_version_misses_the_engines_of_the_old_one(tmp_path, model_copy, monkeypatch):
