@@ -215,16 +215,22 @@ def verify(
         for column in ("KEY", "KIND", "FILES", "STATUS"):
             table.add_column(column, no_wrap=column == "KEY")
         for r in results:
-            status = Text("ok", style="green") if r["ok"] else Text("CORRUPT", style="bold red")
+            status = (Text("CORRUPT", style="bold red") if not r["ok"] else Text("incompatible", style="yellow")
+                      if r.get("incompatible") else Text("ok", style="green"))
             table.add_row(r["key"], STORE_LABEL.get(r["store"], r["store"]), str(r["files_checked"]), status)
         stdout.print(table, highlight=False)
+    for r in results:
+        if r.get("incompatible"):
+            stderr.print(f"{r['key']}: {r['incompatible']}", highlight=False, soft_wrap=True)
     bad = [r for r in results if not r["ok"]]
     if bad:
         lines = [f"{r['key']}: {problem}" for r in bad for problem in r["problems"]]
         raise CacheCorruptError(f"{len(bad)} corrupt cache entr{'y' if len(bad) == 1 else 'ies'} in {where}: "
                                 + "; ".join(lines) + f". {fix}")
-    stderr.print(f"{len(results)} entr{'y' if len(results) == 1 else 'ies'} in {where} verified, all intact",
-                 highlight=False)
+    foreign = sum(1 for r in results if r.get("incompatible"))
+    checked = len(results) - foreign
+    stderr.print(f"{checked} entr{'y' if checked == 1 else 'ies'} in {where} verified, all intact"
+                 + (f"; {foreign} of another Kiln or store left unchecked" if foreign else ""), highlight=False)
 
 
 @cache_app.command("prune")

@@ -121,6 +121,7 @@ def test_verify_exits_3_naming_the_flipped_file(cache):
     assert "CORRUPT" in result.stdout
     single = kiln_cache(cache.root, "verify", bad, "--json")
     assert single.exit_code == 3 and json.loads(single.stdout)[0]["ok"] is False
+    assert f"`kiln cache verify {bad[:12]}` checks it again" in cache.entries.lookup(bad, record=False).detail
     assert kiln_cache(cache.root, "verify", good).exit_code == 0
     assert kiln_cache(cache.root, "verify").exit_code == 2
 
@@ -221,6 +222,21 @@ def test_verify_refuses_an_entry_whose_manifest_names_another_key_as_lookups_do(
     assert result.exit_code == 3 and f"manifest names key '{key}'" in result.stderr
     assert cache.entries.lookup(copy).reason == "corrupt"
     assert kiln_cache(cache.root, "verify", key).exit_code == 0
+
+
+@pytest.mark.parametrize(("edit", "whose"), [({"manifest_version": 2}, "a newer Kiln's entry"),
+                                            ({"store": "quantized"}, "another store's entry")])
+def test_verify_reports_another_kilns_entry_without_marking_it_or_failing(cache, edit, whose):
+    key = add(cache, "a")
+    manifest = cache.entries.entry_dir(key) / "manifest.json"
+    original = manifest.read_text()
+    manifest.write_text(json.dumps({**json.loads(original), **edit}))
+    result = kiln_cache(cache.root, "verify", "--all")
+    assert result.exit_code == 0 and "incompatible" in result.stdout and whose in result.stderr
+    assert "0 entries" in result.stderr and "1 of another Kiln or store left unchecked" in result.stderr
+    assert json.loads(kiln_cache(cache.root, "verify", "--all", "--json").stdout)[0]["incompatible"]
+    manifest.write_text(original)  # what a Kiln that reads it sees: an entry nobody marked corrupt
+    assert cache.entries.lookup(key).hit
 
 
 def test_a_dry_run_prune_counts_the_temporaries_a_prune_sweeps(cache):

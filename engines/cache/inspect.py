@@ -122,7 +122,7 @@ def verify_entries(cache: EngineCache, key: str | None = None, *, all_entries: b
     for store, k in targets:
         result = verify_entry(store, k)
         results.append({"key": k, "store": store.name, "ok": result.ok, "files_checked": result.files_checked,
-                        "problems": result.problems})
+                        "problems": result.problems, "incompatible": result.incompatible})
     return results
 
 

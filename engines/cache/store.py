@@ -212,7 +212,8 @@ class ContentStore:
         if material is not None and canonical_json(material) != canonical_json(manifest["material"]):
             return LookupResult(False, "incompatible", entry, f"{entry}: stored key material differs", manifest)
         if (entry / CORRUPT_MARK).exists():
-            return LookupResult(False, "corrupt", entry, f"{entry}: marked corrupt by `kiln cache verify`", manifest)
+            return LookupResult(False, "corrupt", entry, f"{entry}: marked corrupt by `kiln cache verify` (`kiln cache "
+                                f"verify {key[:12]}` checks it again and clears a false alarm)", manifest)
         digest = {"size": None, "changed": self.hashes.sha256, "hash": file_sha256}[self.verify_on_load]
         problems = file_problems(entry, self.payload_name, manifest, digest=digest, first_only=True)
         if problems:
