@@ -52,8 +52,7 @@ def test_hash_covers_every_file_a_build_reads_or_copies_into_the_engine(tmp_path
 
     ckpt = make_checkpoint(tmp_path / "ckpt")
     read = {"model.safetensors.index.json", "hf_quant_config.json", "chat_template.json", "added_tokens.json",
-            "vocab.json", "merges.txt", "additional_chat_templates/tool_use.jinja", *TOKENIZER_FILES}
-    (ckpt / "additional_chat_templates").mkdir()
+            "vocab.json", "merges.txt", "tool_use.jinja", *TOKENIZER_FILES}
     for name in read:
         (ckpt / name).write_text("{}")
     assert read <= set(checkpoint_files(ckpt).hashed)
@@ -169,13 +168,18 @@ def test_what_is_not_a_regular_file_is_refused_by_name_without_being_opened(tmp_
         checkpoint_hash(checkpoint)  # /dev/zero would never end, a FIFO would block on open
 
 
-def test_a_link_back_into_the_checkpoint_is_followed_once(tmp_path):
-    checkpoint = make_checkpoint(tmp_path / "ck")
-    plain = checkpoint_files(checkpoint).hashed
-    (checkpoint / "loop").symlink_to(".")
-    (checkpoint / "shard").mkdir()
-    (checkpoint / "shard" / "up").symlink_to("..")
-    assert checkpoint_files(checkpoint).hashed == plain
+def test_files_in_subfolders_never_change_the_hash_and_top_level_ones_do(tmp_path, reads):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    before = checkpoint_hash(ckpt)
+    (ckpt / "original").mkdir()  # a Llama-3 hub repo's Meta-format copy, which no build reads
+    (ckpt / "original" / "params.json").write_text('{"dim": 4096}')
+    (ckpt / "original" / "tokenizer.model").write_bytes(b"tiktoken")
+    (ckpt / "loop").symlink_to(".")
+    assert checkpoint_hash(ckpt) == before
+    (ckpt / "params.json").write_text('{"dim": 4096}')
+    assert checkpoint_hash(ckpt) != before
+    (ckpt / "extra.safetensors").symlink_to(ckpt / "model.safetensors")  # a link to a file is followed
+    assert "extra.safetensors" in checkpoint_files(ckpt).hashed
 
 
 def test_a_looping_model_path_is_refused_in_one_line(tmp_path):

@@ -45,42 +45,33 @@ class CheckpointFiles:
 
 
 def checkpoint_files(path: Path) -> CheckpointFiles:
-    """Weight (*.safetensors), config (*.json), tokenizer and chat template (*.jinja) files under ``path``, hidden
-    folders skipped: every file a build reads or copies into what it builds.
+    """Weight (*.safetensors), config (*.json), tokenizer and chat template (*.jinja) files at the top of ``path``,
+    hidden files skipped: every file a build reads or copies into what it builds. Subfolders are never read (a hub
+    repo's ``original/params.json``, say), so they are not hashed and adding one keeps the key.
 
     Pickle weights (*.bin, *.pt, ...) are only listed: a checkpoint whose weights are all pickles is refused. Links
-    are followed, each folder once (a ``loop -> .`` link adds nothing), and a file that is not a regular file once
-    its links are resolved (a device such as /dev/zero, a FIFO, a dangling or looping link) is refused by name."""
+    are followed, and a file that is not a regular file once its links are resolved (a device such as /dev/zero, a
+    FIFO, a dangling or looping link) is refused by name."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointHashError(f"checkpoint {root}: not a directory (or a link that does not resolve to one); "
                                   f"point model.path at the checkpoint folder")
     hashed, pickles = [], []
-    seen = {os.path.realpath(root)}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        kept = []
-        for name in sorted(dirnames):
-            real = os.path.realpath(os.path.join(dirpath, name))
-            if not name.startswith(".") and real not in seen:
-                seen.add(real)
-                kept.append(name)
-        dirnames[:] = kept
-        for name in filenames:
-            rel = (Path(dirpath) / name).relative_to(root).as_posix()
-            if name.startswith("."):
-                continue
-            if name.endswith(PICKLE_SUFFIXES):
-                pickles.append(rel)
-            elif name.endswith(WEIGHT_SUFFIXES + CONFIG_SUFFIXES + TOKENIZER_SUFFIXES) or name in TOKENIZER_NAMES:
-                _require_regular_file(root, rel)
-                hashed.append(rel)
-    if not any(rel.endswith(WEIGHT_SUFFIXES) for rel in hashed):
+    for name in sorted(os.listdir(root)):
+        if name.startswith(".") or (root / name).is_dir():
+            continue
+        if name.endswith(PICKLE_SUFFIXES):
+            pickles.append(name)
+        elif name.endswith(WEIGHT_SUFFIXES + CONFIG_SUFFIXES + TOKENIZER_SUFFIXES) or name in TOKENIZER_NAMES:
+            _require_regular_file(root, name)
+            hashed.append(name)
+    if not any(name.endswith(WEIGHT_SUFFIXES) for name in hashed):
         if pickles:
             raise CheckpointHashError(
-                f"checkpoint {root}: only pickle weights ({', '.join(sorted(pickles))}); Kiln never unpickles, "
+                f"checkpoint {root}: only pickle weights ({', '.join(pickles)}); Kiln never unpickles, "
                 "convert the checkpoint to safetensors")
         raise CheckpointHashError(f"checkpoint {root}: no *.safetensors weight files found")
-    return CheckpointFiles(root=root, hashed=sorted(hashed), pickles=sorted(pickles))
+    return CheckpointFiles(root=root, hashed=hashed, pickles=pickles)
 
 
 def _require_regular_file(root: Path, rel: str) -> None:
