@@ -132,6 +132,31 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
                                                             "tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
+def write_sentencepiece_style_tokenizer(path: Path) -> None:
+    """A Llama-2-style tokenizer (BPE with byte fallback, the legacy '▁' normalizer, ``<0xNN>`` byte tokens, BOS by
+    its post-processor, two ChatML special tokens) trained on a few sentences: tokenizer.json and
+    tokenizer_config.json."""
+    from tokenizers import AddedToken, decoders, normalizers, processors, trainers
+    from tokenizers.models import BPE
+
+    tokenizer = Tokenizer(BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{byte:02X}>" for byte in range(256))]
+    corpus = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello there!", "naïve café 中文 😀"] * 20
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                              show_progress=False))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>",
+                                                                                        "<|im_end|>")])
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True}))
+
+
 def copy_tokenizer(src: Path, dst: Path) -> None:
     """Copy the tokenizer files of checkpoint ``src`` into ``dst`` (modelopt's export writes none)."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
