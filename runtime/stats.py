@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import threading
 import time
@@ -49,6 +50,8 @@ class PhaseTimes:
 
 
 STEP_KINDS = ("prefill", "mixed", "decode")
+# upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens buckets); one more count holds the rest
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def step_kind(step: StepStats) -> str:
@@ -85,6 +88,7 @@ class EngineStats:
         # per step kind: steps run, their wall time and the part spent running the model (the rest is host work)
         self.steps_by_kind = {kind: {"steps": 0, "duration_s": 0.0, "execute_s": 0.0} for kind in STEP_KINDS}
         self.num_batched_tokens = 0
+        self.step_tokens_counts = [0] * (len(STEP_TOKEN_BUCKETS) + 1)  # steps by tokens run, per STEP_TOKEN_BUCKETS
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         self.num_finished = {"stop": 0, "length": 0, "abort": 0}
@@ -99,6 +103,7 @@ class EngineStats:
             by_kind["duration_s"] += step.duration_s
             by_kind["execute_s"] += step.execute_s
             self.num_batched_tokens += step.num_batched_tokens
+            self.step_tokens_counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, step.num_batched_tokens)] += 1
             self.num_preemptions += step.num_preempted
             self.num_generated_tokens += num_generated_tokens
 
@@ -118,6 +123,8 @@ class EngineStats:
                         "num_mixed_steps": self.steps_by_kind["mixed"]["steps"],
                         "steps_by_kind": {kind: dict(totals) for kind, totals in self.steps_by_kind.items()},
                         "num_batched_tokens": self.num_batched_tokens,
+                        "step_tokens_histogram": {"buckets": list(STEP_TOKEN_BUCKETS),
+                                                  "counts": list(self.step_tokens_counts)},
                         "num_generated_tokens": self.num_generated_tokens, "num_preemptions": self.num_preemptions,
                         "requests_finished": dict(self.num_finished)}
         return {

@@ -202,12 +202,38 @@ def test_vllm_metric_names_with_the_model_name_label(server, http, llm):
         assert any(line.startswith(name + "{") and f'model_name="{MODEL}"' in line for line in text.splitlines()), name
     generated = [line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")]
     assert float(generated[0].split()[-1]) >= 3
-    three = f'vllm:request_generation_tokens_bucket{{le="5.0",model_name="{MODEL}"}}'
-    two = f'vllm:request_generation_tokens_bucket{{le="2.0",model_name="{MODEL}"}}'
+    three = f'vllm:request_generation_tokens_bucket{{engine="0",le="5.0",model_name="{MODEL}"}}'
+    two = f'vllm:request_generation_tokens_bucket{{engine="0",le="2.0",model_name="{MODEL}"}}'
     counts = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith((three, two))}
     assert counts[three] - counts[two] >= 1  # the 3-token request, in the bucket up to 5
     prefill = [line for line in text.splitlines() if line.startswith("vllm:request_prefill_time_seconds_sum")]
     assert float(prefill[0].split()[-1]) > 0
+
+
+def test_vllm_request_parameters_step_tokens_and_cache_config_as_vllm_reports_them(server, http, llm):
+    def scrape() -> dict[str, float]:
+        lines = httpx.get(f"{server.url}/metrics").text.splitlines()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:")}
+
+    labels = f'engine="0",model_name="{MODEL}"'
+    before = scrape()
+    http.post("/v1/completions", json={"prompt": ["Once", "Twice"], "n": 2, "max_tokens": 7, "ignore_eos": True})
+    after = scrape()
+
+    def delta(series: str) -> float:
+        return after[series] - before.get(series, 0.0)
+
+    assert delta(f"vllm:request_params_n_count{{{labels}}}") == 2  # two prompts, each a request of n = 2
+    assert delta(f"vllm:request_params_n_sum{{{labels}}}") == 4
+    assert delta(f'vllm:request_params_max_tokens_bucket{{engine="0",le="10.0",model_name="{MODEL}"}}') == 2
+    assert delta(f'vllm:request_params_max_tokens_bucket{{engine="0",le="5.0",model_name="{MODEL}"}}') == 0
+    steps = delta(f"vllm:iteration_tokens_total_count{{{labels}}}")
+    assert steps >= 7 and delta(f"vllm:iteration_tokens_total_sum{{{labels}}}") >= 4 * 7  # 4 choices x 7 tokens
+    assert delta(f'vllm:iteration_tokens_total_bucket{{engine="0",le="+Inf",model_name="{MODEL}"}}') == steps
+    assert delta(f"vllm:request_time_per_output_token_seconds_count{{{labels}}}") == 4
+    info = [series for series in after if series.startswith("vllm:cache_config_info")]
+    blocks = llm.stats()["kv_cache"]["num_blocks"]
+    assert len(info) == 1 and f'num_gpu_blocks="{blocks}"' in info[0] and 'enable_prefix_caching="True"' in info[0]
 
 
 def test_vllm_request_series_read_zero_before_the_first_request_as_vllms_do():
@@ -218,10 +244,11 @@ def test_vllm_request_series_read_zero_before_the_first_request_as_vllms_do():
     registry = CollectorRegistry()
     VllmRequestMetrics(MODEL, registry)
     lines = generate_latest(registry).decode().splitlines()
-    for series in (f'vllm:prompt_tokens_total{{model_name="{MODEL}"}} 0.0',
-                   f'vllm:request_success_total{{finished_reason="stop",model_name="{MODEL}"}} 0.0',
-                   f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 0.0',
-                   f'vllm:e2e_request_latency_seconds_count{{model_name="{MODEL}"}} 0.0'):
+    for series in (f'vllm:prompt_tokens_total{{engine="0",model_name="{MODEL}"}} 0.0',
+                   f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL}"}} 0.0',
+                   f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="{MODEL}"}} 0.0',
+                   f'vllm:e2e_request_latency_seconds_count{{engine="0",model_name="{MODEL}"}} 0.0',
+                   f'vllm:request_params_n_count{{engine="0",model_name="{MODEL}"}} 0.0'):
         assert series in lines
 
 

@@ -239,9 +239,9 @@ def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks
     monkeypatch.setattr(llm.engine, "step", slow_step)
     aborted_before = llm.stats()["requests_finished"]["abort"]
     counted = ('kiln_requests_total{endpoint="/v1/completions",status="499"}',
-               f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}')
-    tokens = (f'vllm:prompt_tokens_total{{model_name="{MODEL}"}}',
-              f'vllm:generation_tokens_total{{model_name="{MODEL}"}}')
+               f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="{MODEL}"}}')
+    tokens = (f'vllm:prompt_tokens_total{{engine="0",model_name="{MODEL}"}}',
+              f'vllm:generation_tokens_total{{engine="0",model_name="{MODEL}"}}')
     counts_before, tokens_before = metric_values(server, counted), metric_values(server, tokens)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 180, "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/completions",
@@ -282,8 +282,8 @@ def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(serve
     monkeypatch.setattr(llm.engine, "step", held_step)
     monkeypatch.setattr(llm, "abort", counted_abort)
     aborted_before = llm.stats()["requests_finished"]["abort"]
-    counted = (f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}',
-               f'vllm:prompt_tokens_total{{model_name="{MODEL}"}}')
+    counted = (f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="{MODEL}"}}',
+               f'vllm:prompt_tokens_total{{engine="0",model_name="{MODEL}"}}')
     counts_before = metric_values(server, counted)
     body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 240, "n": 16, "ignore_eos": True}).encode()
     url = httpx.URL(server.url)
@@ -302,7 +302,7 @@ def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(serve
 def test_a_non_streamed_request_the_engine_ends_with_an_error_is_counted_as_aborted(server, llm, monkeypatch):
     step = llm.engine.step
     monkeypatch.setattr(llm.engine, "step", lambda: (time.sleep(0.01), step())[1])  # 240 tokens: over 2 s
-    counted = (f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}',)
+    counted = (f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="{MODEL}"}}',)
     counts_before = metric_values(server, counted)
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 240, "n": 3, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:

@@ -227,6 +227,8 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
     IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored (``ignored``, default
     ``req.ignored_fields()``)."""
     release = model.admission.reserve(len(jobs))
+    for job in jobs[::req.n]:  # each prompt's first choice: vLLM counts a prompt of a batch as a request
+        metrics.vllm.requested(req.n, job.params.max_tokens)
     ignored = ", ".join(req.ignored_fields() if ignored is None else ignored)
     headers = {IGNORED_FIELDS_HEADER: ignored} if ignored else {}
     if req.stream:

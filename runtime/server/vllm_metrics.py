@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from kiln.runtime.outputs import RequestOutput
 
@@ -19,6 +19,9 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                960.0, 1920.0, 7680.0)
 # token counts: vLLM's 1-2-5 series (it stops at the model's context; this one at a million tokens)
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))[:-2]
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)  # vLLM's for the n request parameter
+LABELS = ("model_name", "engine")  # vLLM V1's: the served name, and the engine core's index (one here: "0")
+ENGINE_INDEX = "0"
 
 
 FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's finished_reason labels
@@ -44,10 +47,10 @@ class VllmEngineCollector:
         stats = self._stats()
         if stats is None:  # the engine is still loading, or has failed
             return
-        labels, value = ["model_name"], [self._model_name]
+        value = [self._model_name, ENGINE_INDEX]
 
         def family(kind: type, name: str, documentation: str, number: float) -> Metric:
-            metric = kind(name, documentation, labels=labels)
+            metric = kind(name, documentation, labels=LABELS)
             metric.add_metric(value, number)
             return metric
 
@@ -65,64 +68,105 @@ class VllmEngineCollector:
                      stats["prefix_cache"]["queried_tokens"])
         yield family(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                      stats["prefix_cache"]["hit_tokens"])
+        if (steps := stats.get("step_tokens_histogram")) is not None:
+            yield _iteration_tokens(value, steps, stats["num_batched_tokens"])
+        yield _cache_config_info(kv)
+
+
+def _iteration_tokens(value: list[str], steps: dict, total_tokens: int) -> Metric:
+    """vLLM's histogram of the tokens each engine step ran, from the engine's counts per bucket."""
+    metric = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step", labels=LABELS)
+    cumulative, buckets = 0, []
+    for bound, count in zip([*steps["buckets"], float("inf")], steps["counts"], strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else str(float(bound)), cumulative))
+    metric.add_metric(value, buckets, sum_value=total_tokens)
+    return metric
+
+
+def _cache_config_info(kv: dict) -> Metric:
+    """vLLM's info gauge of the KV cache's configuration (routers and capacity planners read the pool's size from
+    ``num_gpu_blocks`` x ``block_size``)."""
+    config = {"block_size": kv.get("block_size"), "num_gpu_blocks": kv.get("num_blocks"),
+              "cache_dtype": kv.get("dtype"), "enable_prefix_caching": kv.get("prefix_caching")}
+    present = {name: str(setting) for name, setting in config.items() if setting is not None}
+    metric = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache's configuration",
+                               labels=[*present, "engine"])
+    metric.add_metric([*present.values(), ENGINE_INDEX], 1.0)
+    return metric
 
 
 class VllmRequestMetrics:
-    """Finished requests under vLLM's names: token counters, outcomes and latency histograms."""
+    """Requests under vLLM's names: token counters, outcomes, latency histograms and the request parameters."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
-        self._model_name = model_name
-        labels = ["model_name"]
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", labels, registry=registry)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", labels, registry=registry)
+        self._labels = (model_name, ENGINE_INDEX)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", LABELS, registry=registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", LABELS, registry=registry)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason",
-                                       [*labels, "finished_reason"], registry=registry)
-        self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels,
+                                       [*LABELS, "finished_reason"], registry=registry)
+        self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds", "Time to first token", LABELS,
                                              buckets=TTFT_BUCKETS, registry=registry)
-        self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds", "Time between two tokens", labels,
+        self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds", "Time between two tokens", LABELS,
                                              buckets=ITL_BUCKETS, registry=registry)
         self.time_per_output_token = Histogram(  # the same latencies, under the name vLLM gave them before 0.11
-            "vllm:time_per_output_token_seconds", "Time between two tokens", labels, buckets=ITL_BUCKETS,
+            "vllm:time_per_output_token_seconds", "Time between two tokens", LABELS, buckets=ITL_BUCKETS,
             registry=registry)
-        self.e2e_latency = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", labels,
+        self.request_time_per_output_token = Histogram(
+            "vllm:request_time_per_output_token_seconds", "A request's decode time over its tokens after the first",
+            LABELS, buckets=ITL_BUCKETS, registry=registry)
+        self.e2e_latency = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", LABELS,
                                      buckets=E2E_BUCKETS, registry=registry)
-        self.phases = {phase: Histogram(f"vllm:request_{phase}_time_seconds", documentation, labels,
+        self.phases = {phase: Histogram(f"vllm:request_{phase}_time_seconds", documentation, LABELS,
                                         buckets=E2E_BUCKETS, registry=registry)
                        for phase, documentation in PHASES.items()}
-        self.token_counts = {name: Histogram(f"vllm:request_{name}", documentation, labels, buckets=TOKEN_BUCKETS,
+        self.token_counts = {name: Histogram(f"vllm:request_{name}", documentation, LABELS, buckets=TOKEN_BUCKETS,
                                              registry=registry) for name, documentation in TOKEN_COUNTS.items()}
+        self.params_n = Histogram("vllm:request_params_n", "The n request parameter", LABELS, buckets=N_BUCKETS,
+                                  registry=registry)
+        self.params_max_tokens = Histogram("vllm:request_params_max_tokens", "The max_tokens request parameter",
+                                           LABELS, buckets=TOKEN_BUCKETS, registry=registry)
         # every series at zero from the start, as vLLM's: a rate() or an autoscaler's query reads 0, not "no data"
         for metric in (self.prompt_tokens, self.generation_tokens, self.time_to_first_token, self.inter_token_latency,
-                       self.time_per_output_token, self.e2e_latency, *self.phases.values(),
-                       *self.token_counts.values()):
-            metric.labels(model_name)
+                       self.time_per_output_token, self.request_time_per_output_token, self.e2e_latency,
+                       *self.phases.values(), *self.token_counts.values(), self.params_n, self.params_max_tokens):
+            metric.labels(*self._labels)
         for reason in FINISHED_REASONS:
-            self.request_success.labels(model_name, reason)
+            self.request_success.labels(*self._labels, reason)
+
+    def requested(self, n: int, max_tokens: int) -> None:
+        """Count one prompt's request parameters (a batch of prompts is one request per prompt, as in vLLM)."""
+        self.params_n.labels(*self._labels).observe(n)
+        self.params_max_tokens.labels(*self._labels).observe(max_tokens)
 
     def aborted(self, count: int, prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
         """Count requests that ended without an output (their client went away), as vLLM counts aborts, with the
         tokens they had processed: the prompts prefilled and the tokens generated before they stopped."""
-        self.request_success.labels(self._model_name, "abort").inc(count)
-        self.prompt_tokens.labels(self._model_name).inc(prompt_tokens)
-        self.generation_tokens.labels(self._model_name).inc(generation_tokens)
+        self.request_success.labels(*self._labels, "abort").inc(count)
+        self.prompt_tokens.labels(*self._labels).inc(prompt_tokens)
+        self.generation_tokens.labels(*self._labels).inc(generation_tokens)
 
     def observe(self, output: RequestOutput) -> None:
-        metrics, name = output.metrics, self._model_name
-        self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
-        self.generation_tokens.labels(name).inc(len(output.token_ids))
-        self.request_success.labels(name, output.finish_reason or "abort").inc()
+        metrics, labels = output.metrics, self._labels
+        self.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
+        self.generation_tokens.labels(*labels).inc(len(output.token_ids))
+        self.request_success.labels(*labels, output.finish_reason or "abort").inc()
         if metrics.time_to_first_token is not None:
-            self.time_to_first_token.labels(name).observe(metrics.time_to_first_token)
-        inter_token, per_output_token = self.inter_token_latency.labels(name), self.time_per_output_token.labels(name)
+            self.time_to_first_token.labels(*labels).observe(metrics.time_to_first_token)
+        inter_token = self.inter_token_latency.labels(*labels)
+        per_output_token = self.time_per_output_token.labels(*labels)
         for latency in metrics.inter_token_latencies:
             inter_token.observe(latency)
             per_output_token.observe(latency)
+        if metrics.decode_time is not None and len(output.token_ids) > 1:
+            self.request_time_per_output_token.labels(*labels).observe(
+                metrics.decode_time / (len(output.token_ids) - 1))
         if metrics.e2e_latency is not None:
-            self.e2e_latency.labels(name).observe(metrics.e2e_latency)
+            self.e2e_latency.labels(*labels).observe(metrics.e2e_latency)
         for phase, seconds in (("queue", metrics.queue_time), ("prefill", metrics.prefill_time),
                                ("decode", metrics.decode_time), ("inference", metrics.inference_time)):
             if seconds is not None:
-                self.phases[phase].labels(name).observe(seconds)
+                self.phases[phase].labels(*labels).observe(seconds)
         for counted, tokens in (("prompt_tokens", output.prompt_token_ids), ("generation_tokens", output.token_ids),
                                 ("max_num_generation_tokens", output.token_ids)):
-            self.token_counts[counted].labels(name).observe(len(tokens))
+            self.token_counts[counted].labels(*labels).observe(len(tokens))
