@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
 import functools
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -16,11 +16,11 @@ from kiln.runtime.sampling_params import SamplingParams, plain_number
 
 logger = logging.getLogger("kiln.runtime")
 
-# Prompt tokens kept as context when decoding the first completion tokens (spaces and merged bytes depend on it).
 # What an engine directory keeps of a checkpoint's tokenizer (both backends). chat_template.jinja: transformers 5
 # saves a tokenizer's chat template there rather than in tokenizer_config.json; the server reads it first.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
+# Prompt tokens kept as context when decoding the first completion tokens (spaces and merged bytes depend on it).
 _CONTEXT_TOKENS = 6
 # Texts longer than this are encoded through ``encode_batch``, which releases the GIL (``encode`` holds it).
 GIL_FREE_ENCODE_CHARS = 1 << 16
@@ -64,8 +64,10 @@ class Tokenizer:
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
             return None
-        try:
-            tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        try:  # from_str: from_file takes only a path that is valid UTF-8
+            tokenizer = tokenizers.Tokenizer.from_str(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise EngineFormatError(f"{path}: unreadable ({e.strerror}); make it readable") from None
         except Exception as e:  # the tokenizers library raises a bare Exception
             raise EngineFormatError(f"{path}: not a tokenizer the tokenizers library loads ({e}); save the "
                                     "tokenizer again with save_pretrained") from None
@@ -110,6 +112,13 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of ``token_ids``, without special tokens unless ``skip_special_tokens`` is False."""
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def text_bytes(self, token_ids: list[int], skip_special_tokens: bool = True) -> bytes:
+        """The bytes ``decode`` makes its text of: each token's ``token_bytes``, none for a skipped special token or
+        an id outside the vocabulary (the model's may be larger)."""
+        skipped = self._special_ids if skip_special_tokens else frozenset()
+        return b"".join(self.token_bytes(token_id) for token_id in token_ids
+                        if token_id not in skipped and self._tokenizer.id_to_token(token_id) is not None)
 
     def vocabulary_entries(self, token_ids: list[int]) -> list[str]:
         """Each token as its vocabulary spells it (``Ġthe``, ``▁the``), as transformers' ``convert_ids_to_tokens``."""
@@ -157,25 +166,30 @@ class IncrementalDetokenizer:
     """A request's completion text, grown one token at a time, cut before the first stop string.
 
     Each token decodes only a short window (vLLM's prefix/read offsets), so a step costs the same at token 10 and
-    token 10,000; a token that ends inside a multi-byte character waits for the next one. While stop strings are
-    set, the last `len(longest stop) - 1` characters are held back from streaming until they cannot start one.
-    Stop strings are looked for once there are more than ``min_tokens`` completion tokens (as vLLM looks for them),
-    ending in the text those later tokens add. Special tokens add no text unless ``skip_special_tokens`` is False.
+    token 10,000; a token that ends inside a multi-byte character waits for the next one. A prompt that ends inside
+    a character leaves it to the completion: its text starts with that character (U+FFFD where the completion does
+    not finish it), as vLLM's does. While stop strings are set, the last `len(longest stop) - 1` characters are held
+    back from streaming until they cannot start one. Stop strings are looked for once there are more than
+    ``min_tokens`` completion tokens (as vLLM looks for them), ending in the text those later tokens add. Special
+    tokens add no text unless ``skip_special_tokens`` is False. Where a byte-fallback tokenizer's bytes turn
+    invalid after whole characters, those characters stay and the bytes after them read as ``decode`` reads them
+    alone (``decode`` of the whole run writes U+FFFD for every byte of it).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
                  min_tokens: int = 0, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._tokens = self._context(list(prompt_token_ids))
         self._prefix_offset = 0
-        self._read_offset = len(self._tokens)
+        # the tokens of the prompt's unfinished last character are read again, with the whole characters of the
+        # first of them (the prompt's, not the completion's)
+        self._read_offset, self._prompt_chars, _ = self._unfinished_character(self._tokens)
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._stop_from_token = min_tokens  # completion tokens up to which no stop string ends the text
         self._num_tokens = 0
         self._num_streamed_chars = 0
-        self._held = ""  # the pending tokens' text while the last of them ends inside a character
         self.text = ""
 
     def add_token(self, token_id: int) -> str | None:
@@ -184,7 +198,6 @@ class IncrementalDetokenizer:
         self._num_tokens += 1
         new_text = self._pending_text()
         if not new_text or new_text.endswith("\ufffd"):
-            self._held = new_text
             return None
         old_length = len(self.text)
         self._take_pending(new_text)
@@ -211,26 +224,64 @@ class IncrementalDetokenizer:
 
     def characters_before(self, next_token_id: int) -> int:
         """Characters the tokens not taken into ``text`` yet decode to before the one ``next_token_id`` starts or
-        completes: an unfinished character that the next token does not continue is a whole U+FFFD before it, as
-        is every invalid byte."""
-        if not self._held:
+        completes: an unfinished character that the next token does not continue counts as it decodes (U+FFFD), as
+        does every invalid byte."""
+        pending = self._tokens[self._read_offset:]
+        if not pending:
             return 0
-        with_next = self._pending_text([next_token_id])
-        common = len(os.path.commonprefix([self._held, with_next]))
-        return min(common, len(with_next) - 1) if with_next.endswith("\ufffd") else common
+        start, whole, unfinished = self._unfinished_character(pending)
+        next_bytes = self._tokenizer.text_bytes([next_token_id], self._skip_special_tokens)
+        try:  # does the next token continue the unfinished character?
+            codecs.getincrementaldecoder("utf-8")().decode(unfinished + next_bytes[:1])
+            before = len(self._text_after_read(pending[:start])) + whole
+        except UnicodeDecodeError:
+            before = len(self._text_after_read(pending))
+        return max(0, before - self._prompt_chars)
 
-    def _pending_text(self, next_token_ids: list[int] | None = None) -> str:
-        """The text the tokens after the read offset add (empty while they add none), ``next_token_ids`` after
-        them."""
+    def _context(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt's last ``_CONTEXT_TOKENS``, and up to 3 more before them while they begin inside a character
+        (a byte-fallback run decoded from its middle reads U+FFFD throughout)."""
+        start = max(0, len(prompt_token_ids) - _CONTEXT_TOKENS)
+        for _ in range(3):
+            first = self._tokenizer.text_bytes(prompt_token_ids[start:start + 1], self._skip_special_tokens)
+            if start == 0 or not first or not 0x80 <= first[0] < 0xC0:  # not a UTF-8 continuation byte
+                break
+            start -= 1
+        return prompt_token_ids[start:]
+
+    def _unfinished_character(self, token_ids: list[int]) -> tuple[int, int, bytes]:
+        """The character whose first bytes end ``token_ids``: the index of the token it starts in (the length of
+        ``token_ids`` when none is unfinished), the whole characters that token has before it, and its bytes."""
+        token_bytes = [self._tokenizer.text_bytes([token_id], self._skip_special_tokens) for token_id in token_ids]
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(b"".join(token_bytes))
+        unfinished = decoder.getstate()[0]  # at most 3 bytes, so at most 3 tokens
+        start, covered = len(token_ids), 0
+        while covered < len(unfinished):
+            start -= 1
+            covered += len(token_bytes[start])
+        whole = token_bytes[start][:covered - len(unfinished)].decode("utf-8", "replace") if unfinished else ""
+        return start, len(whole), unfinished
+
+    def _pending_text(self) -> str:
+        """The text the tokens after the read offset add (empty while they add none)."""
+        return self._text_after_read(self._tokens[self._read_offset:])[self._prompt_chars:]
+
+    def _text_after_read(self, pending: list[int]) -> str:
+        """The text ``pending`` adds after the read offset, decoded after the window before it; alone where the
+        window's text changes with them (a byte-fallback run of whole characters that their bytes make invalid)."""
         skip = self._skip_special_tokens
-        prefix_text = self._tokenizer.decode(self._tokens[self._prefix_offset:self._read_offset], skip)
-        new_text = self._tokenizer.decode(self._tokens[self._prefix_offset:] + (next_token_ids or []), skip)
-        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        window = self._tokens[self._prefix_offset:self._read_offset]
+        prefix_text = self._tokenizer.decode(window, skip)
+        new_text = self._tokenizer.decode(window + pending, skip)
+        if not new_text.startswith(prefix_text):
+            return self._tokenizer.decode(pending, skip)
+        return new_text[len(prefix_text):]
 
     def _take_pending(self, text: str) -> None:
         """Append ``text``, the pending tokens' (``_pending_text``), and move the offsets past them."""
         self.text += text
-        self._held = ""
+        self._prompt_chars = 0
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -326,6 +328,13 @@ def test_bos_comes_from_the_post_processor_alone_as_in_transformers(tmp_path, ca
     assert tokenizer.encode("<s>Hello there", add_special_tokens=False) == [bos, *body]  # a chat template's BOS
 
 
+def test_a_tokenizer_loads_from_a_directory_whose_name_is_not_utf8(tmp_path, tiny_tokenizer):
+    directory = tmp_path / os.fsdecode(b"lat\xe9in1")
+    directory.mkdir()
+    shutil.copyfile(TINY_LLAMA / "tokenizer.json", directory / "tokenizer.json")
+    assert Tokenizer.from_dir(directory).encode("naïve café") == tiny_tokenizer.encode("naïve café")
+
+
 def test_incremental_detokenization_matches_decoding_everything(tiny_tokenizer):
     prompt = tiny_tokenizer.encode("the kiln")
     completion = tiny_tokenizer.encode(" fires at 1200 °C: naïve 🔥 crème")
@@ -375,6 +384,73 @@ def test_streamed_text_never_shows_a_stop_string(tiny_tokenizer):
     assert stopped == "°C" and streamed == detokenizer.text == " fires at 1200 "
 
 
+@pytest.fixture(scope="module")
+def byte_fallback() -> tuple[Tokenizer, dict[str, int]]:
+    """A Llama-2-style SentencePiece BPE (and its vocabulary): characters it lacks are <0xNN> byte tokens, which its
+    decoder writes U+FFFD for, one per byte, where their run is not valid UTF-8."""
+    from tokenizers import decoders, models, normalizers
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", "H", "e", "l", "o", "x", "語"]
+    merges = [("\u2581", "H"), ("\u2581H", "e"), ("\u2581He", "l"), ("\u2581Hel", "l"), ("\u2581Hell", "o")]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    vocab.update({left + right: len(vocab) + i for i, (left, right) in enumerate(merges)})
+    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens(["<s>", "</s>"])
+    return Tokenizer(hf), vocab
+
+
+def byte_tokens(vocab: dict[str, int], data: bytes) -> list[int]:
+    return [vocab[f"<0x{b:02X}>"] for b in data]
+
+
+def streamed_text(detokenizer: IncrementalDetokenizer, token_ids: list[int]) -> str:
+    """The completion text streamed as ``token_ids`` come, checked to be the final text."""
+    streamed = ""
+    for token_id in token_ids:
+        detokenizer.add_token(token_id)
+        streamed += detokenizer.take_delta(finished=False)
+    streamed += detokenizer.take_delta(finished=True)
+    assert streamed == detokenizer.text
+    return streamed
+
+
+def test_a_prompt_ending_inside_a_character_leaves_it_to_the_completion(byte_fallback, tiny_tokenizer):
+    from kiln.runtime.server.logprobs import TextOffsets
+
+    tokenizer, vocab = byte_fallback
+    prompt = [vocab["<s>"], vocab["\u2581Hello"], *byte_tokens(vocab, "中".encode()[:2])]
+    finish, e, hello = byte_tokens(vocab, "中".encode()[2:]), vocab["e"], vocab["\u2581Hello"]
+    completions = [[*finish, e, e, e], [*finish, hello], [*finish, *byte_tokens(vocab, "文".encode())], [e]]
+    texts = [streamed_text(IncrementalDetokenizer(tokenizer, prompt, []), completion) for completion in completions]
+    assert texts == ["中eee", "中 Hello", "中文", "\ufffd\ufffde"]  # as decoding the prompt with them writes it
+    assert TextOffsets(tokenizer, prompt).take([*finish, e]) == [0, 1]
+    # the byte-level BPE: the character's last byte is a token of its own
+    prompt = tiny_tokenizer.encode("Hello 中", add_special_tokens=False)
+    (finish,), e = prompt[-1:], tiny_tokenizer.encode("e", add_special_tokens=False)
+    assert tiny_tokenizer.token_bytes(finish) == "中".encode()[-1:]
+    assert streamed_text(IncrementalDetokenizer(tiny_tokenizer, prompt[:-1], []), [finish, *e]) == "中e"
+
+
+def test_a_prompt_context_never_starts_inside_a_character(byte_fallback):
+    tokenizer, vocab = byte_fallback
+    prompt = [vocab["<s>"], vocab["\u2581Hello"], *byte_tokens(vocab, "🚀中".encode())]  # its last 6 start in 🚀
+    completion = byte_tokens(vocab, "文".encode())
+    assert streamed_text(IncrementalDetokenizer(tokenizer, prompt, []), completion) == "文"
+
+
+def test_an_invalid_byte_after_whole_characters_keeps_them_and_adds_one_replacement_per_byte(byte_fallback):
+    from kiln.runtime.server.logprobs import TextOffsets
+
+    tokenizer, vocab = byte_fallback
+    completion = [*byte_tokens(vocab, "䭸".encode() + b"\x80"), vocab["e"], *byte_tokens(vocab, b"\xa9")]
+    assert tokenizer.decode(completion) == "\ufffd" * 4 + "e\ufffd"  # decoded whole, 䭸 is lost too
+    assert streamed_text(IncrementalDetokenizer(tokenizer, [vocab["<s>"]], []), completion) == "䭸\ufffde\ufffd"
+    assert TextOffsets(tokenizer, [vocab["<s>"]]).take(completion) == [0, 0, 0, 1, 2, 3]
+
+
 def test_a_cpu_generator_draws_differently_for_seeds_that_differ_only_above_bit_32():
     def draws(seed: int) -> list[float]:
         return torch.rand(4, generator=request_generator(seed, torch.device("cpu"))).tolist()
@@ -409,6 +485,15 @@ def test_text_offsets_start_each_token_after_the_whole_characters_before_it():
     invalid = [vocab[c] for c in ("Ã", ",", "Ã", "Ã", "©", "x")]
     assert tokenizer.decode(invalid) == "\ufffd,\ufffdéx"
     assert TextOffsets(tokenizer, []).take(invalid) == [0, 1, 2, 3, 3, 4]
+
+
+def test_text_offsets_of_byte_fallback_pieces_start_at_their_character(byte_fallback):
+    from kiln.runtime.server.logprobs import TextOffsets
+
+    tokenizer, vocab = byte_fallback
+    ids = [*byte_tokens(vocab, "🚀".encode()), vocab["e"], vocab["語"], vocab["x"]]  # U+FFFD per byte until 🚀
+    assert tokenizer.decode(ids) == "🚀e語x"
+    assert TextOffsets(tokenizer, []).take(ids) == [0, 0, 0, 0, 1, 2, 3]
 
 
 def test_a_text_two_tokens_share_keeps_the_likelier_value_in_legacy_top_logprobs():
