@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import sys
 from typing import Annotated, Any, NoReturn
 
@@ -35,6 +36,7 @@ class KilnGroup(TyperGroup):
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         ctx.meta["json_out"] = "--json" in args
+        ctx.meta["argv"] = args
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: typer.Context) -> Any:
@@ -53,12 +55,29 @@ def _usage_error(exc: typer.TyperException, json_out: bool, command: str) -> NoR
     message = exc.format_message()
     if kiln_name := kiln_setting_for(getattr(exc, "option_name", None) or ""):  # a flag of `vllm serve`
         message = f"No such option: {exc.option_name} (vLLM's; Kiln takes it as {kiln_name} in the build config)"
+    message += _one_value_hint(exc, message)
     if json_out:
         print_error_json(type(exc).__name__, message)
     command = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else command
     stderr.print(f"[bold red]error:[/] {escape(message)} (see `{command} -h`)", markup=True, highlight=False,
                  soft_wrap=True)
     raise typer.Exit(getattr(exc, "exit_code", 2)) from None
+
+
+def _one_value_hint(exc: typer.TyperException, message: str) -> str:
+    """For extra arguments after an option's value (vLLM's ``--served-model-name a b``): how Kiln takes them."""
+    extra = re.fullmatch(r"Got unexpected extra argument\(s\) \((.*)\)", message)
+    ctx = getattr(exc, "ctx", None)
+    if extra is None or ctx is None:
+        return ""
+    argv = ctx.meta.get("argv", [])
+    for flag, value, first in reversed(list(zip(argv, argv[1:], argv[2:], strict=False))):
+        option = next((p for p in ctx.command.params if flag in p.opts), None)
+        if option is not None and not value.startswith("-") and extra[1].startswith(first):
+            if option.multiple:
+                return f"; {flag} takes one value: repeat it for each ({flag} {value} {flag} {first})"
+            return f"; {flag} takes one value"
+    return ""
 
 
 app = typer.Typer(cls=KilnGroup, help="Kiln: a Hugging Face checkpoint to a quantized, cached, served engine.",

@@ -3,8 +3,10 @@ engine over the OpenAI-compatible HTTP API until SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from kiln.runtime.server import ServerSettings, ServerThread
 
 _SERVE_DEFAULTS = ServeSection()  # an engine served without a config gets a config's serve defaults
+_ORIGIN = re.compile(r"\*|[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")  # as a browser's Origin header: no path
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
 class ServeExtraMissingError(KilnError):
@@ -75,12 +79,43 @@ class ServeTarget:
 
         bound = {"max_body_bytes": int(max_body_mb * (1 << 20))} if max_body_mb is not None else {}
         if allowed_origins is not None:  # none at all: no CORS headers
-            bound["allowed_origins"] = tuple(origin for origin in allowed_origins if origin)
+            bound["allowed_origins"] = cors_origins(allowed_origins)
         names = model_names or [self.model_name]
         return ServerSettings(model_name=names[0], model_aliases=tuple(names[1:]), api_key=api_key or self.api_key,
                               max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache,
                               chat_template=chat_template, generation_config=generation_config,
                               reasoning_parser=reasoning_parser, **bound)
+
+
+class AllowedOriginsError(KilnError):
+    """An --allowed-origins value that is not an origin, nor a JSON list of them."""
+
+
+def cors_origins(values: list[str]) -> tuple[str, ...]:
+    """The origins --allowed-origins values name: each an origin ('*' or scheme://host[:port]) or, as vLLM takes
+    the flag, a JSON list of them; '' names none."""
+    origins = []
+    for value in values:
+        listed = [value] if not value.startswith("[") else _json_list(value)
+        for origin in filter(None, listed):
+            if not isinstance(origin, str) or not _ORIGIN.fullmatch(origin):
+                raise AllowedOriginsError(f"--allowed-origins {value}: {origin!r} is not an origin; give '*' or "
+                                          f"scheme://host[:port] with no path or trailing slash "
+                                          f"(https://app.example)")
+            origins.append(origin)
+    return tuple(origins)
+
+
+def _json_list(value: str) -> list:
+    """An --allowed-origins value in vLLM's form, a JSON list."""
+    try:
+        listed = json.loads(value)
+    except json.JSONDecodeError:
+        listed = None
+    if not isinstance(listed, list):
+        raise AllowedOriginsError(f"--allowed-origins {value}: not a JSON list; give one origin, or a list such as "
+                                  f"'[\"https://app.example\"]'")
+    return listed
 
 
 class ChatTemplateFileError(KilnError):
@@ -91,20 +126,23 @@ class BlankApiKeyError(KilnError):
     """An API key that is only whitespace: serving without one would not be what was asked."""
 
 
-def read_chat_template(path: Path) -> str:
-    """The source of a --chat-template file, checked to parse as a Jinja template."""
+def read_chat_template(value: str) -> str:
+    """The source of a --chat-template: the file it names or, as vLLM takes it, the template itself where no file
+    can be read and it reads as one ('{{' or '{%' in it); checked to parse as a Jinja template."""
     import jinja2
 
     from kiln.runtime.server.chat_template import ChatTemplate
 
     try:
-        source = path.read_text(encoding="utf-8")
+        source, named = Path(value).read_text(encoding="utf-8"), value
     except (OSError, UnicodeDecodeError) as exc:
-        raise ChatTemplateFileError(f"--chat-template {path}: cannot read it ({exc})") from None
+        if isinstance(exc, UnicodeDecodeError) or ("{{" not in value and "{%" not in value):
+            raise ChatTemplateFileError(f"--chat-template {value}: cannot read it ({exc})") from None
+        source, named = value, "(the template given inline)"
     try:
         ChatTemplate(source, {})
     except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateFileError(f"--chat-template {path}: not a valid Jinja template ({exc})") from None
+        raise ChatTemplateFileError(f"--chat-template {named}: not a valid Jinja template ({exc})") from None
     return source
 
 
@@ -117,16 +155,15 @@ def torchrun_rendezvous(environ: Mapping[str, str]) -> Rendezvous | None:
     return Rendezvous.from_environment(environ)
 
 
-def log_to_stderr() -> None:
-    """Kiln's own log lines (the engine loaded, a stream that failed, the engine stopping) on stderr with their time
-    and level, as uvicorn's are."""
+def log_to_stderr(level: LogLevel = "info") -> None:
+    """Kiln's own log lines (the engine loaded, a request that failed, the engine stopping) from ``level`` up on
+    stderr, in the format uvicorn's get (time, level, logger, request id)."""
+    from kiln.runtime.server.serve import stderr_log_handler
+
     kiln_logger = logging.getLogger("kiln")
-    if kiln_logger.handlers:  # set up already (serve called again in this process)
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    kiln_logger.addHandler(handler)
-    kiln_logger.setLevel(logging.INFO)
+    if not kiln_logger.handlers:  # else set up already (serve called again in this process)
+        kiln_logger.addHandler(stderr_log_handler())
+    kiln_logger.setLevel(level.upper())
 
 
 def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, local_rank: int) -> None:
@@ -232,13 +269,14 @@ def serve(
                                                     "default: the config's name); repeatable: responses name the "
                                                     "first, requests may send any.")
     ] = None,
-    chat_template: Annotated[Path | None, typer.Option(help="A Jinja chat template file to use instead of the "
-                                                            "engine's (as transformers renders it).")] = None,
+    chat_template: Annotated[str | None, typer.Option(help="A Jinja chat template file to use instead of the "
+                                                           "engine's (as transformers renders it), or the template "
+                                                           "itself, as vLLM takes it.")] = None,
     max_body_mb: Annotated[float | None, typer.Option(min=0.001, help="Largest request body in MiB; larger ones get "
                                                                      "413 before they are read (default 16).")] = None,
     allowed_origins: Annotated[list[str] | None, typer.Option(
-        "--allowed-origins", help="An origin browsers may call the API from (CORS), repeatable; default any ('*', "
-                                  "as vLLM); '' alone turns CORS off.")] = None,
+        "--allowed-origins", help="An origin browsers may call the API from (CORS), repeatable, or a JSON list of "
+                                  "them (vLLM's form); default any ('*', as vLLM); '' alone turns CORS off.")] = None,
     generation_config: Annotated[Literal["auto", "vllm"], typer.Option(
         help="Sampling defaults of requests that leave them unset: the model's generation_config.json (auto, as "
              "vLLM) or vLLM's own (vllm).")] = "auto",
@@ -266,11 +304,17 @@ def serve(
     access_log: Annotated[bool, typer.Option(help="Log a line per HTTP request (uvicorn's access log, which vLLM "
                                                  "keeps on; off here: at hundreds of requests a second the lines "
                                                  "cost the server's event loop).")] = False,
+    log_level: Annotated[LogLevel, typer.Option(
+        "--log-level", "--uvicorn-log-level", envvar="KILN_LOG_LEVEL", case_sensitive=False,
+        help="The least level of the log lines, Kiln's and uvicorn's (--uvicorn-log-level: vLLM's name).")] = "info",
+    vllm_log_flags: Annotated[bool, typer.Option(
+        "--disable-log-requests", "--disable-log-stats", help="vLLM's, accepted and ignored: Kiln logs no line per "
+                                                              "request and no periodic stats.")] = False,
 ) -> None:
     """Serve an engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/responses,
     /health, /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
     require_serve_extra()
-    log_to_stderr()
+    log_to_stderr(log_level)
     if not engine_process:  # before torch loads OpenMP: threads that spin between its CPU ops take the event loop's
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # cores, as the engine process's child is spared them
     from kiln.runtime.server import create_app, run_server
@@ -278,6 +322,7 @@ def serve(
     from kiln.runtime.server.serve import listening_socket
 
     template = read_chat_template(chat_template) if chat_template is not None else None  # before any build
+    cors_origins(allowed_origins or [])  # refused before any build too
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks,
                               gpu_memory_utilization=gpu_memory_utilization, engine_process=engine_process,
                               prefix_caching=enable_prefix_caching)
@@ -311,7 +356,7 @@ def serve(
                      f"{served_routes(app)}; SIGTERM or Ctrl-C drains and stops", highlight=False, soft_wrap=True)
 
     run_server(app, bind_host, bind_port, shutdown_timeout_s=shutdown_timeout, on_started=announce,
-               access_log=access_log)
+               access_log=access_log, log_level=log_level)
     if app.state.server.load_abandoned:  # its thread may be inside torch, which an interpreter's teardown aborts
         sys.stdout.flush()
         sys.stderr.flush()

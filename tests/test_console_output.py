@@ -142,6 +142,21 @@ def test_a_usage_error_is_one_line_on_stderr_naming_the_help_to_read():
         assert result.stderr.startswith(f"error: {message}") and " -h`)" in result.stderr, (args, result.stderr)
 
 
+def test_vllm_serve_flag_forms_are_taken_or_get_a_hint_naming_kilns(tmp_path):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    missing = str(tmp_path / "nothing")
+    for args, words in ((["--served-model-name", "a", "b"], "repeat it for each (--served-model-name a "
+                                                            "--served-model-name b)"),
+                        (["--api-key", "k1", "k2"], "(k2); --api-key takes one value")):
+        result = CliRunner().invoke(app, ["serve", missing, *args])
+        assert result.exit_code == 2 and words in result.stderr, result.stderr
+    result = CliRunner().invoke(app, ["serve", missing, "--disable-log-requests", "--disable-log-stats"])
+    assert result.exit_code == 2 and "No such option" not in result.stderr and "nothing" in result.stderr
+
+
 def test_an_interrupted_command_under_json_is_an_error_object_on_stdout_and_exit_130(capsys):
     from kiln.pipeline.console import friendly_errors
 

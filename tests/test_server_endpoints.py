@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kiln.pipeline.cli import app as cli
-from kiln.runtime import SamplingParams
+from kiln.runtime import KilnError, SamplingParams
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from tests.test_server_support import tiny_engine
 
@@ -307,3 +307,22 @@ def test_served_model_names_after_the_first_are_aliases_requests_may_send_as_in_
         assert out.model == "tiny"  # responses name the first, as vLLM's do
         with pytest.raises(openai.NotFoundError, match="'tiny', 'gpt-4o-mini'"):
             client.completions.create(model="other", prompt="Once", max_tokens=2)
+
+
+def test_a_request_id_of_visible_ascii_is_echoed_as_vllm_does_and_one_replaced_is_logged_once(llm, caplog):
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL))
+    with ServerThread(app) as server:
+        for sent in ("abc/def==", "x" * 200, "trace:42;a=b"):
+            assert httpx.get(f"{server.url}/health", headers={"X-Request-Id": sent}).headers["x-request-id"] == sent
+        for refused in ("has space", "x" * 513, "has space too"):
+            echoed = httpx.get(f"{server.url}/health", headers={"X-Request-Id": refused}).headers["x-request-id"]
+            assert echoed.startswith("req_")
+    assert [record.levelname for record in caplog.records if "X-Request-Id" in record.getMessage()] == ["WARNING"]
+
+
+def test_serve_takes_an_inline_chat_template_as_vllm_does():
+    from kiln.pipeline.serve_command import read_chat_template
+
+    assert read_chat_template(TEMPLATE) == TEMPLATE
+    with pytest.raises(KilnError, match="the template given inline.*not a valid Jinja template"):
+        read_chat_template("{% for m in messages %}")

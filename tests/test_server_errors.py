@@ -409,3 +409,37 @@ def test_a_request_body_that_stops_arriving_gets_a_408_while_one_sent_in_pieces_
                 paced.sendall(body[start:start + 6])
             paced.settimeout(10)
             assert b"".join(iter(lambda: paced.recv(4096), b"")).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_generation_the_engine_fails_is_logged_with_its_request_id_streamed_or_not(llm, monkeypatch):
+    import io
+    import logging
+
+    from kiln.runtime.llm import EngineClosedError
+    from kiln.runtime.server.generation import ServedModel
+    from kiln.runtime.server.serve import stderr_log_handler
+
+    async def failed(*_) -> None:  # as the engine's process killed mid-request ends it
+        raise EngineClosedError("the engine process was killed by signal 9")
+
+    async def failed_stream(*_, **__):
+        await failed()
+        yield
+
+    monkeypatch.setattr(ServedModel, "generate_final", failed)
+    monkeypatch.setattr(ServedModel, "generate", failed_stream)
+    handler = stderr_log_handler()
+    handler.setStream(log := io.StringIO())
+    logging.getLogger("kiln.server").addHandler(handler)
+    try:
+        app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL))
+        with ServerThread(app) as server:
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+            for request_id, stream in (("plain-1", False), ("streamed-1", True)):
+                httpx.post(f"{server.url}/v1/completions", json={**body, "stream": stream},
+                           headers={"X-Request-Id": request_id})
+    finally:
+        logging.getLogger("kiln.server").removeHandler(handler)
+    lines = log.getvalue()
+    assert "ERROR kiln.server [plain-1]: POST /v1/completions: 503 generation failed: the engine process" in lines
+    assert "ERROR kiln.server [streamed-1]: stream failed: EngineClosedError: the engine process" in lines

@@ -147,8 +147,12 @@ def test_sigterm_finishes_the_in_flight_stream_stops_the_engine_process_and_exit
         assert proc.wait(timeout=30) == 0
         while not lines.empty():
             logged.append(lines.get())
-        assert any(re.match(r"\d{4}-\d\d-\d\d [\d:,]+ INFO kiln.server: engine loaded", line) for line in logged)
-        assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in logged)  # the access log
+        stamp = r"\d{4}-\d\d-\d\d [\d:,]+ INFO"  # one format: Kiln's lines and uvicorn's, the access log's too
+        assert any(re.match(rf"{stamp} kiln.server \[-\]: engine loaded", line) for line in logged)
+        assert any(re.match(rf"{stamp} kiln.server \[-\]: draining: 1 sequence in flight, up to 30 s", line)
+                   for line in logged)
+        assert any(re.match(rf'{stamp} uvicorn.access \[req_\w+\]: .*"POST /v1/completions HTTP/1.1" 200', line)
+                   for line in logged)
         assert len(engine_processes) == 1
         wait_until(lambda: not Path(f"/proc/{engine_processes[0]}").exists(), timeout=10)
     finally:
@@ -183,6 +187,52 @@ def test_allowed_origins_default_to_any_and_an_empty_one_turns_cors_off(tmp_path
     assert target.settings().allowed_origins == ("*",)
     assert target.settings(allowed_origins=["https://a.example"]).allowed_origins == ("https://a.example",)
     assert target.settings(allowed_origins=[""]).allowed_origins == ()
+
+
+def test_allowed_origins_take_vllms_json_list_and_refuse_what_is_not_an_origin(tmp_path):
+    from kiln.pipeline.serve_command import AllowedOriginsError, ServeTarget
+
+    target = ServeTarget(engine_dir=tmp_path, model_name="tiny")
+    listed = target.settings(allowed_origins=['["https://app.example", "http://localhost:3000"]'])
+    assert listed.allowed_origins == ("https://app.example", "http://localhost:3000")
+    assert target.settings(allowed_origins=['["*"]']).allowed_origins == ("*",)
+    for value in ("https://app.example/", "app.example", '["https://a.example/path"]', "[https://a.example]"):
+        with pytest.raises(AllowedOriginsError, match=re.escape(value)):
+            target.settings(allowed_origins=[value])
+
+
+def test_the_log_level_applies_to_kilns_and_uvicorns_loggers_in_one_format(llm):
+    import logging
+
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app as cli
+    from kiln.runtime.server import ServerSettings, ServerThread, create_app
+    from kiln.runtime.server.serve import LOG_FORMAT
+
+    kiln_logger = logging.getLogger("kiln")
+    before = kiln_logger.level
+    try:
+        result = CliRunner().invoke(cli, ["serve", "/nonexistent", "--uvicorn-log-level", "WARNING"])
+        assert result.exit_code == 2 and kiln_logger.level == logging.WARNING
+    finally:
+        kiln_logger.setLevel(before)
+    result = CliRunner().invoke(cli, ["serve", "/nonexistent", "--log-level", "loud"])
+    assert result.exit_code == 2 and "'debug', 'info', 'warning', 'error', 'critical'" in result.stderr
+    ServerThread(create_app(llm, tiny_engine(), ServerSettings(model_name="tiny")), log_level="error")
+    assert logging.getLogger("uvicorn.error").getEffectiveLevel() == logging.ERROR
+    assert [handler.formatter._fmt for handler in logging.getLogger("uvicorn").handlers] == [LOG_FORMAT]
+
+
+def test_the_drain_is_logged_with_what_is_in_flight_and_for_how_long(llm, caplog):
+    import logging
+
+    from kiln.runtime.server import ServerSettings, ServerThread, create_app
+
+    server = ServerThread(create_app(llm, tiny_engine(), ServerSettings(model_name="tiny")), shutdown_timeout_s=3)
+    with caplog.at_level(logging.INFO, "kiln.server"), server:
+        pass
+    assert "draining: 0 sequences in flight, up to 3 s to finish" in caplog.messages
 
 
 def test_requests_left_when_the_shutdown_timeout_runs_out_end_with_an_error_their_clients_read():

@@ -90,7 +90,9 @@ def install_error_handlers(app: FastAPI) -> None:
     """Every error response, including FastAPI's own (422, 404, 405) and bugs (500), gets the OpenAI shape."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.status_code >= 500 and exc.__context__ is not None:  # a failure behind it (the engine's), not a refusal
+            logger.error("%s %s: %d %s", request.method, request.url.path, exc.status_code, exc.message)
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from kiln.runtime.errors import KilnError
 from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.server.http_protocol import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, http_protocol_options
+from kiln.runtime.server.request_id import RequestIdFilter
 
 logger = logging.getLogger("kiln.server")
 
@@ -25,6 +26,7 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0  # within Kubernetes' default grace period (30
 DRAIN_POLL_S = 0.05
 ABORT_FLUSH_S = 2.0  # how long aborted requests get to write their error once the drain time is up
 CLOSE_FLUSH_S = 0.5  # the least uvicorn gets, once the port closes, to send responses the drain just ended
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 
 
 class ServerStartError(KilnError):
@@ -58,18 +60,35 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def stderr_log_handler() -> logging.Handler:
+    """Log lines on stderr as Kiln writes them: time, level, logger, the id of the request they concern ("-" for
+    none), message."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.addFilter(RequestIdFilter())
+    return handler
+
+
+def uvicorn_log_config() -> dict:
+    """uvicorn's logging config: its lines (and access log) through ``stderr_log_handler``, so that a server's log
+    has one format; their level is uvicorn's ``log_level``."""
+    return {"version": 1, "disable_existing_loggers": False, "handlers": {"kiln": {"()": stderr_log_handler}},
+            "loggers": {"uvicorn": {"handlers": ["kiln"], "propagate": False}}}
+
+
 class ServerThread:
-    """uvicorn serving `app` on `host:port` (port 0: any free one) in a daemon thread, until `stop()`; with
-    ``access_log`` a line per request. A request's line and headers are bounded (``http_protocol``): due within
-    ``head_timeout_s``, and its body's chunks within ``body_timeout_s`` of each other."""
+    """uvicorn serving `app` on `host:port` (port 0: any free one) in a daemon thread, until `stop()`, logging from
+    ``log_level`` up in Kiln's format; with ``access_log`` a line per request. A request's line and headers are
+    bounded (``http_protocol``): due within ``head_timeout_s``, and its body's chunks within ``body_timeout_s`` of
+    each other."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
                  shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, log_level: str = "warning",
                  access_log: bool = False, head_timeout_s: float = HEAD_TIMEOUT_S,
                  body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.app = app
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=shutdown_timeout_s, access_log=access_log,
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=uvicorn_log_config(),
+                                lifespan="on", timeout_graceful_shutdown=shutdown_timeout_s, access_log=access_log,
                                 **http_protocol_options(head_timeout_s, body_timeout_s))
         self.server = uvicorn.Server(config)
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -111,6 +130,9 @@ class ServerThread:
             return
         state.draining = True
         self._deadline = time.monotonic() + self.shutdown_timeout_s
+        in_flight = state.model.admission.outstanding if state.model is not None else 0
+        logger.info("draining: %d sequence%s in flight, up to %g s to finish", in_flight, "" if in_flight == 1 else "s",
+                    self.shutdown_timeout_s)
         threading.Thread(target=self._exit_when_idle, name="kiln-drain", daemon=True).start()
 
     def _exit_when_idle(self) -> None:
@@ -153,14 +175,15 @@ class ServerThread:
 
 
 def run_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-               on_started: Callable[[ServerThread], None] | None = None, access_log: bool = False) -> None:
+               on_started: Callable[[ServerThread], None] | None = None, access_log: bool = False,
+               log_level: str = "info") -> None:
     """Serve in the foreground until SIGTERM or SIGINT, then drain and return (a SIGINT once the port has closed
     forces the exit). Signals are handled when called from the main thread; elsewhere, stop it with the
-    `ServerThread` given to `on_started`.
+    `ServerThread` given to `on_started`. ``log_level`` is uvicorn's.
 
     Raises ServerStartError when the server cannot start or the engine fails to load, EngineFailedError after a
     drain when the engine stopped while serving, and KeyboardInterrupt when the exit was forced."""
-    thread = ServerThread(app, host, port, shutdown_timeout_s=shutdown_timeout_s, log_level="info",
+    thread = ServerThread(app, host, port, shutdown_timeout_s=shutdown_timeout_s, log_level=log_level,
                           access_log=access_log)
 
     def on_signal(signum: int, _: FrameType | None) -> None:
