@@ -69,7 +69,7 @@ class ServeTarget:
 
         return load
 
-    def settings(self, *, api_key: str | None = None, max_queue: int | None = None,
+    def settings(self, *, api_key: str | tuple[str, ...] | None = None, max_queue: int | None = None,
                  model_names: list[str] | None = None,
                  chat_template: str | None = None, max_body_mb: float | None = None,
                  allowed_origins: list[str] | None = None,
@@ -257,10 +257,10 @@ def serve(
                                                   "else 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(min=0, max=65535, help="Port (default: the config's serve.port, else "
                                                                     "8000; 0 picks a free one).")] = None,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar="KILN_API_KEY",
-                                                help="Require 'Authorization: Bearer KEY' on /v1/ routes "
-                                                     "(default: the config's serve.api_key, else vLLM's "
-                                                     "VLLM_API_KEY).")] = None,
+    api_keys: Annotated[list[str] | None, typer.Option(
+        "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/ routes; repeatable, any one is accepted (vLLM's "
+                          "--api-key k1 k2) (default: $KILN_API_KEY, the config's serve.api_key, else vLLM's "
+                          "$VLLM_API_KEY).")] = None,
     max_queue: Annotated[int | None, typer.Option(min=1, help="Requests that may wait beyond the engine's batch "
                                                               "before new ones get 503 (default: the config's "
                                                               "serve.max_queue, else 256).")] = None,
@@ -334,11 +334,11 @@ def serve(
         listening_socket(host or section.host, section.port if port is None else port).close()
 
     resolved = serve_target(target, options, backend=backend, before_build=check_port)
-    # the first key given (vLLM's variable: a deployment migrated from vLLM), even an empty one: refused below
-    # ($KILN_API_KEY set empty reaches here as unset: click reads an empty variable so)
-    given = (api_key, os.environ.get("KILN_API_KEY"), resolved.api_key, os.environ.get("VLLM_API_KEY"))
-    api_key = next((key for key in given if key is not None), None)
-    if api_key is not None and not api_key.strip():
+    # the first keys given (vLLM's variable: a deployment migrated from vLLM), even an empty one: refused below
+    given = (api_keys, os.environ.get("KILN_API_KEY"), resolved.api_key, os.environ.get("VLLM_API_KEY"))
+    first = next((keys for keys in given if keys is not None), None)
+    api_key = (first,) if isinstance(first, str) else None if first is None else tuple(first)
+    if api_key is not None and not all(key.strip() for key in api_key):
         raise BlankApiKeyError("the API key (--api-key, $KILN_API_KEY, serve.api_key or $VLLM_API_KEY) is blank: "
                                "give the key clients must send")
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_names=model_names, chat_template=template,

@@ -150,7 +150,7 @@ def test_vllm_serve_flag_forms_are_taken_or_get_a_hint_naming_kilns(tmp_path):
     missing = str(tmp_path / "nothing")
     for args, words in ((["--served-model-name", "a", "b"], "repeat it for each (--served-model-name a "
                                                             "--served-model-name b)"),
-                        (["--api-key", "k1", "k2"], "(k2); --api-key takes one value")):
+                        (["--api-key", "k1", "k2"], "repeat it for each (--api-key k1 --api-key k2)")):
         result = CliRunner().invoke(app, ["serve", missing, *args])
         assert result.exit_code == 2 and words in result.stderr, result.stderr
     result = CliRunner().invoke(app, ["serve", missing, "--disable-log-requests", "--disable-log-stats"])

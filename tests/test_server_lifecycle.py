@@ -370,6 +370,24 @@ def test_the_api_key_comes_from_kiln_api_key_else_the_config_else_vllm_api_key(m
                          timeout=30).status_code == 200
 
 
+def test_api_key_repeated_accepts_any_of_the_keys_as_vllms_several_keys(monkeypatch):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline import cli
+    from kiln.runtime import server
+    from kiln.runtime.server import ServerThread
+
+    seen = {}
+    monkeypatch.setattr(server, "run_server", lambda app, *args, **kwargs: seen.update(app=app))
+    args = ["serve", str(tiny_engine()), "--no-engine-process", "--api-key", "k1", "--api-key", "k2"]
+    assert CliRunner().invoke(cli.app, args, env={"KILN_API_KEY": "env-key"}).exit_code == 0
+    with ServerThread(seen["app"]) as running:
+        wait_until(lambda: httpx.get(f"{running.url}/health", timeout=30).status_code == 200)
+        for key, status in (("k1", 200), ("k2", 200), ("env-key", 401), ("k", 401)):
+            headers = {"Authorization": f"Bearer {key}"}
+            assert httpx.get(f"{running.url}/v1/models", headers=headers, timeout=30).status_code == status, key
+
+
 @pytest.mark.parametrize(("given", "policy"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
 def test_a_server_without_an_engine_process_keeps_openmp_threads_from_spinning_unless_told(monkeypatch, given,
                                                                                             policy):

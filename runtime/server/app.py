@@ -66,7 +66,7 @@ class ServerSettings:
 
     model_name: str
     model_aliases: tuple[str, ...] = ()  # other ids requests may send (vLLM's further --served-model-name values)
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # or several (vLLM's --api-key k1 k2): clients send any one
     max_queue: int = 256
     chat_template: str | None = None  # a template's source that replaces the engine's own
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -76,10 +76,15 @@ class ServerSettings:
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: qwen3 or deepseek_r1 (runtime/server/reasoning.py)
 
     def __post_init__(self) -> None:
-        if self.api_key is not None and not self.api_key.strip():
+        if self.api_key is not None and not all(key.strip() for key in self.api_keys):
             raise ValueError("api_key is blank: give the key clients must send, or none to serve without one")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a client may send (none: no key is required)."""
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
 
 
 class ServerState:
@@ -122,15 +127,19 @@ class APIKeyMiddleware:
     """Requires `Authorization: Bearer <key>` on /v1/ routes, /invocations, /tokenize, /detokenize and
     /tokenizer_info; /health, /ping, /metrics and /version stay open for probes."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
         self.app = app
-        self.expected = api_key.strip().encode()  # a key read from a file may end in a newline
+        self.expected = [key.strip().encode() for key in api_keys]  # a key read from a file may end in a newline
+
+    def _accepts(self, key: bytes) -> bool:
+        """Whether ``key`` is one of the expected keys, compared with each in constant time."""
+        return any([hmac.compare_digest(key, expected) for expected in self.expected])  # a list: every one compared
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in _KEYED_PATHS):
             header = dict(scope["headers"]).get(b"authorization")
             scheme, _, key = (header or b"").partition(b" ")
-            if header is None or scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
+            if header is None or scheme.lower() != b"bearer" or not self._accepts(key.strip()):
                 message = ("Missing API key: send it as 'Authorization: Bearer <key>'" if header is None else
                            "Incorrect API key provided: send the key the server was started with")
                 error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -227,8 +236,8 @@ def _in_daemon_thread(load: Callable[[], LLM]) -> asyncio.Future:
 def _add_middleware(app: FastAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
     """Body limit, API key, request counts, request ids and CORS, innermost first."""
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    if settings.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
     app.add_middleware(RequestCountMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
     if settings.allowed_origins:  # outermost: a preflight needs no key, and a 401 still carries the CORS headers
