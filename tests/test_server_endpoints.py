@@ -326,3 +326,16 @@ def test_serve_takes_an_inline_chat_template_as_vllm_does():
     assert read_chat_template(TEMPLATE) == TEMPLATE
     with pytest.raises(KilnError, match="the template given inline.*not a valid Jinja template"):
         read_chat_template("{% for m in messages %}")
+
+
+def test_engine_metrics_leave_out_what_the_engine_does_not_report_rather_than_fail_the_scrape():
+    from kiln.runtime.server.metrics import ServerMetrics
+
+    stats = {"load_ms": 1200.0, "num_running": 2}  # a backend that reports neither its queue nor its KV pool
+    lines = ServerMetrics(lambda: stats, dict, lambda: None, MODEL).exposition()[0].decode().splitlines()
+    assert {"kiln_engine_up 1.0", "kiln_engine_load_seconds 1.2", "kiln_running_requests 2.0",
+            f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 2.0'} <= set(lines)
+    unreported = ("kiln_queue_depth", "kiln_kv_blocks", "kiln_prefix_cache", "kiln_preemptions", "kiln_engine_step",
+                  "vllm:num_requests_waiting", "vllm:kv_cache", "vllm:gpu_cache", "vllm:num_preemptions",
+                  "vllm:prefix_cache", "vllm:cache_config_info")
+    assert [line for line in lines if line.startswith(unreported)] == []

@@ -11,11 +11,13 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 import types
 from datetime import timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -29,6 +31,7 @@ from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailedError, RequestFailure
 from kiln.runtime.plan import BuildPlan
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from kiln.runtime.trtllm.engine import TrtllmEngine, TrtllmRequestError
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, is_trtllm_engine
 from kiln.runtime.trtllm.toolchain import TrtllmUnavailableError
@@ -74,8 +77,28 @@ class _Response:
         return self.error_msg is not None
 
 
+class _KvCacheStats:
+    __slots__ = tuple(RECORDED["KvCacheStats"]["attributes"])
+
+
+class _IterationStats:
+    __slots__ = tuple(RECORDED["IterationStats"]["attributes"])
+
+
+def iteration_stats(active: int, queued: int = 0, used: int = 0, reused: int = 0, missed: int = 0,
+                    num_blocks: int = 10) -> _IterationStats:
+    """An executor iteration's statistics: its requests, and its KV pool of `num_blocks` blocks of 32 tokens."""
+    kv = _KvCacheStats()
+    kv.max_num_blocks, kv.used_num_blocks, kv.free_num_blocks = num_blocks, used, num_blocks - used
+    kv.tokens_per_block, kv.reused_blocks, kv.missed_blocks = 32, reused, missed
+    stats = _IterationStats()
+    stats.num_active_requests, stats.num_queued_requests, stats.kv_cache_stats = active, queued, kv
+    return stats
+
+
 class FakeExecutor:
-    """Streams one scripted token per request per `await_responses`, with only the recorded methods."""
+    """Streams one scripted token per request per `await_responses`, with only the recorded methods. Each iteration
+    with requests posts its statistics (a request holds one KV block), the last one those of the idle executor."""
 
     instances: list[FakeExecutor] = []
     step_s = 0.001  # the time one engine iteration takes
@@ -84,6 +107,8 @@ class FakeExecutor:
         self.model_path, self.model_type, self.config = model_path, model_type, executor_config
         self.requests, self.cancelled, self.active, self.shut_down = {}, [], {}, False
         self.fail_ids: set[int] = set()
+        self.iterations: list[_IterationStats] = []
+        self._iterations_lock = threading.Lock()
         FakeExecutor.instances.append(self)
 
     def enqueue_request(self, request):
@@ -116,7 +141,16 @@ class FakeExecutor:
             if reason:
                 del self.active[request_id]
             responses.append(_Response(request_id, result))
+        if responses:
+            with self._iterations_lock:
+                self.iterations.append(iteration_stats(active=len(self.active), used=len(self.active)))
         return responses
+
+    def get_latest_iteration_stats(self):
+        assert not self.shut_down, "Shutdown called"  # the executor's own check
+        with self._iterations_lock:
+            drained, self.iterations = self.iterations, []
+        return drained
 
     def cancel_request(self, id):  # noqa: A002 - the recorded keyword name
         self.cancelled.append(id)
@@ -373,3 +407,34 @@ def test_importing_runtime_and_the_adapter_does_not_import_tensorrt_llm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.split() == ["False", "False"]
+
+
+
+def test_stats_report_the_executors_queue_and_kv_pool_as_of_its_latest_iteration(trtllm, engine_dir):
+    engine = TrtllmEngine(engine_dir, RuntimeOptions())
+    assert not {"num_waiting", "kv_cache", "prefix_cache"} & set(engine.stats_snapshot())  # before its first iteration
+    executor = FakeExecutor.instances[0]
+    executor.iterations.append(iteration_stats(active=1))
+    executor.iterations.append(iteration_stats(active=2, queued=1, used=6, reused=3, missed=1))
+    stats = engine.stats_snapshot()
+    assert (stats["num_running"], stats["num_waiting"]) == (2, 1)
+    assert stats["kv_cache"] == {"num_blocks": 10, "block_size": 32, "used_blocks": 6, "free_blocks": 4,
+                                 "dtype": "fp8", "prefix_caching": True}
+    assert stats["prefix_cache"] == {"hit_blocks": 3, "missed_blocks": 1, "hit_rate": 0.75}
+    assert engine.stats_snapshot()["kv_cache"]["used_blocks"] == 6  # the executor's queue is drained; the latest kept
+    engine.close()
+    assert engine.stats_snapshot()["num_waiting"] == 1  # a shut-down executor is not asked
+
+
+def test_metrics_of_a_served_engine_answer_with_the_kv_pool_of_the_executors_latest_iteration(trtllm, engine_dir):
+    labels = 'engine="0",model_name="trt"'
+    with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm, \
+            ServerThread(create_app(llm, engine_dir, ServerSettings(model_name="trt"))) as server:
+        before = httpx.get(f"{server.url}/metrics")
+        FakeExecutor.instances[0].iterations.append(iteration_stats(active=2, queued=1, used=6))
+        after = httpx.get(f"{server.url}/metrics").text.splitlines()
+    assert before.status_code == 200 and "kiln_engine_up 1.0" in before.text
+    assert f"vllm:num_requests_running{{{labels}}} 0.0" in before.text
+    assert "kiln_kv_blocks_used" not in before.text and "vllm:kv_cache_usage_perc" not in before.text  # none yet
+    assert {"kiln_kv_blocks_used 6.0", "kiln_kv_blocks_free 4.0", "kiln_queue_depth 1.0",
+            f"vllm:kv_cache_usage_perc{{{labels}}} 0.6", f"vllm:num_requests_waiting{{{labels}}} 1.0"} <= set(after)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -41,8 +42,24 @@ def _remote_cache_metrics(remote: dict) -> Iterator[Metric]:
         yield CounterMetricFamily(f"kiln_engine_cache_remote_{name}", doc, value=value)
 
 
+# the engine's figures read per scrape: (family, name, documentation, where the engine's statistics hold it)
+ENGINE_FIGURES = (
+    (GaugeMetricFamily, "kiln_queue_depth", "Requests waiting for the engine to schedule them", ("num_waiting",)),
+    (GaugeMetricFamily, "kiln_running_requests", "Requests the engine is running", ("num_running",)),
+    (GaugeMetricFamily, "kiln_kv_blocks_used", "KV cache blocks held by requests", ("kv_cache", "used_blocks")),
+    (GaugeMetricFamily, "kiln_kv_blocks_free", "KV cache blocks free", ("kv_cache", "free_blocks")),
+    (GaugeMetricFamily, "kiln_prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache (of KV "
+     "blocks for a TensorRT-LLM engine)", ("prefix_cache", "hit_rate")),
+    (CounterMetricFamily, "kiln_preemptions", "Requests preempted when KV blocks ran out", ("num_preemptions",)),
+    (CounterMetricFamily, "kiln_engine_steps", "Engine steps run", ("num_steps",)),
+    (CounterMetricFamily, "kiln_engine_steps_queued_ahead",
+     "Engine steps queued on the device before the previous step's tokens were read", ("num_steps_queued_ahead",)),
+)
+
+
 class _EngineCollector:
-    """Engine state at scrape time: queue, running requests, KV pool, prefix cache, preemptions, load."""
+    """Engine state at scrape time: queue, running requests, KV pool, prefix cache, preemptions, load. A figure the
+    engine's backend does not report is left out, never read as 0."""
 
     def __init__(self, stats: Callable[[], dict | None], engine_cache: Callable[[], dict]) -> None:
         self._stats = stats
@@ -63,34 +80,37 @@ class _EngineCollector:
                                 value=float(stats is not None))
         if stats is None:
             return
-        yield GaugeMetricFamily("kiln_engine_load_seconds", "Time the runtime took to load the served engine",
-                                value=stats["load_ms"] / 1000)
+        if (load_ms := stats.get("load_ms")) is not None:
+            yield GaugeMetricFamily("kiln_engine_load_seconds", "Time the runtime took to load the served engine",
+                                    value=load_ms / 1000)
         if (graphs := stats.get("cuda_graphs")) is not None:  # the native engine's, captured after the load
             yield GaugeMetricFamily("kiln_cuda_graphs_pending", "CUDA graphs not captured yet (0: the engine is warm)",
                                     value=graphs["pending"])
             yield GaugeMetricFamily("kiln_cuda_graphs_captured", "CUDA graphs captured", value=graphs["captured"])
-        yield GaugeMetricFamily("kiln_queue_depth", "Requests waiting for the engine to schedule them",
-                                value=stats["num_waiting"])
-        yield GaugeMetricFamily("kiln_running_requests", "Requests the engine is running", value=stats["num_running"])
-        yield GaugeMetricFamily("kiln_kv_blocks_used", "KV cache blocks held by requests",
-                                value=stats["kv_cache"]["used_blocks"])
-        yield GaugeMetricFamily("kiln_kv_blocks_free", "KV cache blocks free",
-                                value=stats["kv_cache"]["free_blocks"])
-        yield GaugeMetricFamily("kiln_prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache",
-                                value=stats["prefix_cache"]["hit_rate"])
-        yield CounterMetricFamily("kiln_preemptions", "Requests preempted when KV blocks ran out",
-                                  value=stats["num_preemptions"])
-        yield CounterMetricFamily("kiln_engine_steps", "Engine steps run", value=stats["num_steps"])
-        yield CounterMetricFamily("kiln_engine_steps_queued_ahead",
-                                  "Engine steps queued on the device before the previous step's tokens were read",
-                                  value=stats["num_steps_queued_ahead"])
-        step_seconds = CounterMetricFamily("kiln_engine_step_seconds",
-                                           "Wall time of engine steps by kind (prefill, mixed, decode) and part "
-                                           "(execute: running the model; host: the rest)", labels=["kind", "part"])
-        for kind, totals in stats["steps_by_kind"].items():
-            step_seconds.add_metric([kind, "execute"], totals["execute_s"])
-            step_seconds.add_metric([kind, "host"], totals["duration_s"] - totals["execute_s"])
-        yield step_seconds
+        for family, name, documentation, path in ENGINE_FIGURES:
+            if (value := _reported(stats, path)) is not None:  # a figure the backend does not report has no series
+                yield family(name, documentation, value=value)
+        if (steps_by_kind := stats.get("steps_by_kind")) is not None:
+            yield _step_seconds(steps_by_kind)
+
+
+def _reported(stats: dict, path: tuple[str, ...]) -> Any:
+    """The figure at ``path`` in an engine's statistics (``("kv_cache", "used_blocks")``), or None where its backend
+    does not report it."""
+    for key in path:
+        stats = stats.get(key) if isinstance(stats, dict) else None
+    return stats
+
+
+def _step_seconds(steps_by_kind: dict) -> Metric:
+    """Engine steps' wall time by kind and part, from the totals of each kind."""
+    step_seconds = CounterMetricFamily("kiln_engine_step_seconds",
+                                       "Wall time of engine steps by kind (prefill, mixed, decode) and part "
+                                       "(execute: running the model; host: the rest)", labels=["kind", "part"])
+    for kind, totals in steps_by_kind.items():
+        step_seconds.add_metric([kind, "execute"], totals["execute_s"])
+        step_seconds.add_metric([kind, "host"], totals["duration_s"] - totals["execute_s"])
+    return step_seconds
 
 
 class _EngineProcessCollector(ProcessCollector):

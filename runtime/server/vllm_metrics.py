@@ -49,28 +49,35 @@ class VllmEngineCollector:
             return
         value = [self._model_name, ENGINE_INDEX]
 
-        def family(kind: type, name: str, documentation: str, number: float) -> Metric:
+        def family(kind: type, name: str, documentation: str, number: float | None) -> Iterator[Metric]:
+            if number is None:  # a figure the engine's backend does not report has no series, rather than a 0
+                return
             metric = kind(name, documentation, labels=LABELS)
             metric.add_metric(value, number)
-            return metric
+            yield metric
 
-        kv = stats["kv_cache"]
-        yield family(GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch",
-                     stats["num_running"])
-        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled",
-                     stats["num_waiting"])
-        usage = kv["used_blocks"] / kv["num_blocks"] if kv["num_blocks"] else 0.0
-        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Share of KV-cache blocks in use (0 to 1)", usage)
-        yield family(GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under vLLM's earlier "
-                     "name (dashboards and autoscalers of that era read it)", usage)
-        yield family(CounterMetricFamily, "vllm:num_preemptions", "Requests preempted", stats["num_preemptions"])
-        yield family(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                     stats["prefix_cache"]["queried_tokens"])
-        yield family(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                     stats["prefix_cache"]["hit_tokens"])
+        kv, prefix = stats.get("kv_cache"), stats.get("prefix_cache", {})
+        yield from family(GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch",
+                          stats.get("num_running"))
+        yield from family(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled",
+                          stats.get("num_waiting"))
+        usage = None
+        if kv is not None:
+            usage = kv["used_blocks"] / kv["num_blocks"] if kv["num_blocks"] else 0.0
+        yield from family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Share of KV-cache blocks in use (0 to 1)",
+                          usage)
+        yield from family(GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under vLLM's "
+                          "earlier name (dashboards and autoscalers of that era read it)", usage)
+        yield from family(CounterMetricFamily, "vllm:num_preemptions", "Requests preempted",
+                          stats.get("num_preemptions"))
+        yield from family(CounterMetricFamily, "vllm:prefix_cache_queries",
+                          "Prompt tokens looked up in the prefix cache", prefix.get("queried_tokens"))
+        yield from family(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                          prefix.get("hit_tokens"))
         if (steps := stats.get("step_tokens_histogram")) is not None:
             yield _iteration_tokens(value, steps, stats["num_batched_tokens"])
-        yield _cache_config_info(kv)
+        if kv is not None:
+            yield _cache_config_info(kv)
 
 
 def _iteration_tokens(value: list[str], steps: dict, total_tokens: int) -> Metric:

@@ -9,6 +9,7 @@ An engine directory holds what trtllm-build wrote (`config.json`, `rank<N>.engin
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,10 @@ class TrtllmEngine:
         self._requests: dict[str, _Request] = {}
         self._by_executor_id: dict[int, str] = {}
         self._errors: list[str] = []
+        self._prefix_caching = options.prefix_caching
+        self._iteration: Any = None  # the executor's IterationStats of its latest iteration, None before the first
+        self._iteration_lock = threading.Lock()  # held while draining the executor's statistics, and to shut it down
+        self._shut_down = False
         self.executor = self.trtllm.Executor(engine_dir, self.trtllm.ModelType.DECODER_ONLY,
                                              self._executor_config(options.num_kv_blocks,
                                                                    free_gpu_memory_fraction,
@@ -211,12 +216,42 @@ class TrtllmEngine:
         return step_delta(seq, state.detokenizer, new_tokens)
 
     def stats_snapshot(self) -> dict:
-        """Request counters and latency summaries; the executor's own statistics stay in TensorRT-LLM."""
-        return {**self.stats.snapshot(), "backend": "trtllm", "num_running": len(self._requests),
-                "recent_errors": self._errors[-5:]}
+        """Request counters and latency summaries, plus the executor's queue, KV pool and block reuse as of its latest
+        iteration (those keys are absent until it has run one). Safe from any thread."""
+        snapshot = {**self.stats.snapshot(), "backend": "trtllm", "num_running": len(self._requests),
+                    "recent_errors": self._errors[-5:]}
+        if (iteration := self._latest_iteration()) is not None:
+            snapshot.update(iteration_snapshot(iteration, self.info.plan.kv_cache_dtype, self._prefix_caching))
+        return snapshot
+
+    def _latest_iteration(self) -> Any:
+        """The executor's statistics of its latest iteration. Reading them empties the executor's queue of them
+        (under its own lock, so from any thread), so the latest is kept for the next read. The executor posts one
+        more once its last request has gone, so an idle engine reads idle."""
+        with self._iteration_lock:
+            if not self._shut_down and (iterations := self.executor.get_latest_iteration_stats()):
+                self._iteration = iterations[-1]
+            return self._iteration
 
     def close(self) -> None:
         """Shut the executor down (its worker threads and GPU memory)."""
+        with self._iteration_lock:  # the executor refuses every call once shut down
+            self._shut_down = True
         self.executor.shutdown()
+
+
+def iteration_snapshot(iteration: Any, kv_cache_dtype: str, prefix_caching: bool) -> dict:
+    """An executor ``IterationStats`` under the keys of the native engine's snapshot. Block reuse is counted in
+    blocks (``reused_blocks``, ``missed_blocks``), so the prefix cache's tokens are left out rather than guessed."""
+    snapshot = {"num_running": iteration.num_active_requests, "num_waiting": iteration.num_queued_requests}
+    kv = iteration.kv_cache_stats  # None for an engine without a KV cache manager
+    if kv is not None:
+        snapshot["kv_cache"] = {"num_blocks": kv.max_num_blocks, "block_size": kv.tokens_per_block,
+                                "used_blocks": kv.used_num_blocks, "free_blocks": kv.free_num_blocks,
+                                "dtype": kv_cache_dtype, "prefix_caching": prefix_caching}
+        looked_up = kv.reused_blocks + kv.missed_blocks
+        snapshot["prefix_cache"] = {"hit_blocks": kv.reused_blocks, "missed_blocks": kv.missed_blocks,
+                                    "hit_rate": kv.reused_blocks / looked_up if looked_up else 0.0}
+    return snapshot
 
 
