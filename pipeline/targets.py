@@ -88,15 +88,18 @@ def resolve_target(text: str, cache_root: Path, *, no_engines: str | None = None
 
 def _engine(engine_dir: Path, hold: EntryHold | None = None) -> Target:
     """An engine directory as a target: a cached one checked against its manifest and held (``hold``, or a new one)
-    from now on, so that no other process's eviction removes it before this one loads it."""
+    from now on, so that no other process's eviction removes it before this one loads it (not held in a cache this
+    user cannot write, which says so)."""
     in_cache = entry_of_payload(engine_dir)
     if in_cache is None or in_cache[1] != "entries":
         return Target("engine", engine_dir)
     root, _, key = in_cache
-    hold = hold or EntryHold(engine_dir.parent)
-    found = EngineCache.open_configured(root).entries.lookup(key, record=False)  # the files against the manifest
+    cache = EngineCache.open_configured(root, warn=warn)
+    hold = hold or (EntryHold(engine_dir.parent) if cache.read_only is None else None)
+    found = cache.entries.lookup(key, record=False)  # the files against the manifest
     if not found.hit:
-        hold.release()
+        if hold is not None:
+            hold.release()
         raise CacheCorruptError(f"cache entry {key[:12]}: {found.detail}; rebuild it (`kiln build --force`) or "
                                 f"remove it (`kiln cache rm {key[:12]}`)")
     return Target("engine", engine_dir, key, root, hold)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 from pathlib import Path
 
 from kiln.runtime.errors import KilnError
 
+logger = logging.getLogger("kiln.runtime")
 IN_USE_LOCK = "in_use.lock"
 MANIFEST = "manifest.json"
 
@@ -69,20 +71,25 @@ class EntryHold:
 
 
 def hold_if_cached(engine_dir: Path) -> EntryHold | None:
-    """Hold the cache entry an engine directory belongs to; None for an engine outside the cache."""
+    """Hold the cache entry an engine directory belongs to; None for an engine outside the cache, and, with a
+    warning, for one in a cache this user cannot write (a read-only volume: the engine is served, unprotected)."""
     entry = Path(engine_dir).resolve().parent
     if not ((entry / IN_USE_LOCK).is_file() or (_in_cache_layout(entry) and (entry / MANIFEST).is_file())):
         return None  # outside the cache (a deployment's own manifest.json beside an engine is not Kiln's)
-    hold = EntryHold(entry)
+    hold = EntryHold(entry) if os.access(entry, os.W_OK) else None
     try:
         manifest = json.loads((entry / MANIFEST).read_bytes())
     except (OSError, ValueError):
         manifest = None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
-        hold.release()
+        if hold is not None:
+            hold.release()
         raise CacheCorruptError(f"cache entry {entry}: {MANIFEST} is missing or unreadable, so it is not a finished "
                                 f"build; rebuild it (`kiln build --force`) or remove it (`kiln cache rm "
                                 f"{entry.name[:12]}`)")
+    if hold is None:
+        logger.warning("cache entry %s is read-only for this user: loaded without holding it, so nothing keeps "
+                       "another process's eviction from removing it meanwhile", entry)
     return hold
 
 

@@ -186,3 +186,12 @@ def test_a_looping_model_path_is_refused_in_one_line(tmp_path):
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     with pytest.raises(CheckpointHashError, match="not a directory"):
         checkpoint_files(tmp_path / "loop")
+
+
+def test_a_checkpoint_in_a_folder_whose_name_is_not_utf8_is_hashed_and_memoised(tmp_path, reads, monkeypatch):
+    ckpt = make_checkpoint(tmp_path / os.fsdecode(b"lat\xe9in1"))  # a Latin-1 name: a surrogate escape in Python
+    memo = tmp_path / "cache" / "v1" / "hashmemo.sqlite"
+    first = checkpoint_hash(ckpt, memo_path=memo)
+    monkeypatch.setattr(hashing, "_memo", {})  # as if a new process started
+    reads.clear()
+    assert checkpoint_hash(ckpt, memo_path=memo) == first and reads == []

@@ -344,3 +344,40 @@ def test_a_builder_killed_between_publish_and_its_stats_record_is_counted_at_the
     assert (summary["builds"], summary["hits"]) == (1, 2) and cache.stats.was_published("entries", key)
     cache.entries.remove(key)
     assert cache.entries.lookup(key, m).reason == "evicted"  # not "new": the store was recorded after all
+
+
+def as_read_only_user(monkeypatch) -> None:
+    """From now on this user can write nothing (a cache volume mounted read-only; root writes through any chmod)."""
+    monkeypatch.setattr(os, "access", lambda path, mode, **kwargs: not mode & os.W_OK)
+
+
+def files_under(root: Path) -> dict[Path, tuple[int, int]]:
+    """Every file and folder under ``root`` with its size and mtime: what a read-only user must leave as it was."""
+    return {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in root.rglob("*")}
+
+
+def test_a_read_only_cache_serves_its_entries_and_refuses_builds_pulls_and_removals_writing_nothing(tmp_path,
+                                                                                                    monkeypatch):
+    writable = EngineCache.open(tmp_path / "cache", max_entries=5)
+    m = material()
+    key = engine_key(m)
+    writable.entries.get_or_build(key, m, FakeBuild())
+    before = files_under(tmp_path / "cache")
+    as_read_only_user(monkeypatch)
+    warnings: list[str] = []
+    cache = EngineCache.open(tmp_path / "cache", max_entries=1, warn=warnings.append)
+    assert cache.entries.get_or_build(key, m, FakeBuild()).hit and cache.entries.lookup(key, m).hit
+    cache.record_load(key, 12.0)
+    assert cache.stats.summary("entries")["builds"] == 1  # what was recorded is read
+    build = FakeBuild()
+    with pytest.raises(CacheRootError, match=f"engine {engine_key(material(1))[:12]} cannot be built into the "
+                                             f"cache: cache root .*cannot write"):
+        cache.entries.get_or_build(engine_key(material(1)), material(1), build)
+    with pytest.raises(CacheRootError, match=f"engine {key[:12]} cannot be removed: cache root"):
+        cache.entries.remove(key)
+    assert files_under(tmp_path / "cache") == before and build.calls == 0  # no use, statistics or limits recorded
+    (payload_path(cache.root, "entries", key) / "engine.json").write_text("{}")  # damaged by someone who can write
+    before = files_under(tmp_path / "cache")
+    assert cache.entries.lookup(key, m).reason == "corrupt"  # refused, and left where it is (not quarantined)
+    assert files_under(tmp_path / "cache") == before
+    assert len(warnings) == 1 and "read-only for this user" in warnings[0]

@@ -10,7 +10,9 @@ import pytest
 from kiln.engines.cache import CacheCorruptError, EngineCache, engine_key
 from kiln.pipeline.config import CONFIGS_DIR
 from kiln.pipeline.targets import Target, TargetError, resolve_target
+from kiln.runtime.cache_hold import hold_if_cached
 from kiln.runtime.errors import KilnError
+from tests.test_cache_store import as_read_only_user, files_under
 
 
 def publish(cache: EngineCache, name: str, key_prefix: str = "") -> str:
@@ -46,6 +48,23 @@ def test_a_resolved_cached_engine_is_held_so_no_other_process_evicts_it_before_i
     assert [e.key for e in report.in_use] == [key] and target.path.is_dir()
     target.hold.release()
     assert [e.key for e in other.evict().removed] == [key]
+
+
+def test_an_engine_in_a_read_only_cache_is_served_by_key_prefix_and_folder_unheld_and_unrecorded(tmp_path, monkeypatch,
+                                                                                                  capsys, caplog):
+    cache = EngineCache.open(tmp_path / "cache")
+    key = publish(cache, "a")
+    engine_dir = cache.entries.payload_dir(key)
+    before = files_under(tmp_path / "cache")
+    as_read_only_user(monkeypatch)  # a volume built by a Job, mounted read-only into a serving pod
+    expected = Target("engine", engine_dir, key, tmp_path / "cache")
+    for text, cache_root in ((key, tmp_path / "cache"), (key[:6], tmp_path / "cache"),
+                             (str(engine_dir), tmp_path / "writable")):
+        target = resolve_target(text, cache_root)
+        assert target == expected and target.hold is None
+    assert hold_if_cached(engine_dir) is None and "loaded without holding it" in caplog.text
+    assert capsys.readouterr().err.count("read-only for this user") == 1
+    assert files_under(tmp_path / "cache") == before
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "no manifest", "garbage manifest"])

@@ -9,7 +9,15 @@ from pathlib import Path
 
 from kiln.engines.cache.errors import CacheEntryNotFoundError
 from kiln.engines.cache.eviction import EvictionReport, evict
-from kiln.engines.cache.layout import HASH_MEMO, PAYLOADS, ensure_layout, layout_root, require_layout, write_atomic
+from kiln.engines.cache.layout import (
+    HASH_MEMO,
+    PAYLOADS,
+    ensure_layout,
+    layout_root,
+    open_layout,
+    require_layout,
+    write_atomic,
+)
 from kiln.engines.cache.remote.layout import REMOTE_STORES
 from kiln.engines.cache.remote.spec import RemoteSpec
 from kiln.engines.cache.remote.tier import RemoteTier
@@ -25,6 +33,7 @@ LIMITS_FILE = "limits.json"
 DEFAULT_MAX_SIZE_BYTES = 100 * 10**9
 DEFAULT_MAX_ENTRIES = 64
 REMOTE_FILE = "remote.json"  # the remote tier last configured: URL, endpoint, required (never credentials)
+_warned_read_only: set[Path] = set()  # the read-only roots this process has warned of
 
 
 class EngineCache:
@@ -35,27 +44,34 @@ class EngineCache:
     the entry just published (so nothing a build reads is evicted before it is built); ``open`` records them in
     ``v1/limits.json`` so inspection commands can report them. With a ``remote`` tier, engines and quantized
     checkpoints are pulled from it and pushed to it; ``open`` records it in ``v1/remote.json``. ``warn`` hears when
-    the remote fails and the cache goes on locally, and when entries in use keep the cache over its limits."""
+    the remote fails and the cache goes on locally, and when entries in use keep the cache over its limits.
+
+    An existing cache this user cannot write (a volume mounted read-only where engines are served) opens read only,
+    with one warning (``read_only_ok=False``: refused, a CacheRootError): ``read_only`` is the error that a build,
+    pull or removal there raises; lookups check entries as ever but record no use and no statistics, so nothing
+    protects an entry in use from eviction."""
 
     def __init__(self, root: Path, *, max_size_bytes: int | None, max_entries: int | None,
                  verify_on_load: VerifyOnLoad, remote: RemoteSpec | None = None,
-                 warn: Callable[[str], None] | None = None) -> None:
+                 warn: Callable[[str], None] | None = None, read_only_ok: bool = True) -> None:
         self.root = Path(root)
-        self.v1 = ensure_layout(self.root)
+        self.v1, self.read_only = open_layout(self.root) if read_only_ok else (ensure_layout(self.root), None)
         self.max_size_bytes = max_size_bytes
         self.max_entries = max_entries
         self.warn = warn or logger.warning
-        self.stats = StatsDB(self.v1 / "stats.db")
+        if self.read_only is not None:
+            self._warn_read_only()
+        self.stats = StatsDB(self.v1 / "stats.db", read_only=self.read_only is not None)
         self.remote = None if remote is None else RemoteTier(remote, warn=warn)
         self.entries = ContentStore(self.v1, "entries", PAYLOADS["entries"], self.stats, label="engine",
                                     verify_on_load=verify_on_load, enforce_limits=self._enforce_limits,
-                                    payload_problem=_not_an_engine)
+                                    payload_problem=_not_an_engine, read_only=self.read_only)
         self.quantized = ContentStore(self.v1, "quantized", PAYLOADS["quantized"], self.stats,
                                       label="quantized checkpoint", verify_on_load=verify_on_load,
-                                      enforce_limits=self._enforce_limits)
+                                      enforce_limits=self._enforce_limits, read_only=self.read_only)
         self.checkpoints = ContentStore(self.v1, "checkpoints", PAYLOADS["checkpoints"], self.stats,
                                         label="generated checkpoint", verify_on_load=verify_on_load,
-                                        enforce_limits=self._enforce_limits)
+                                        enforce_limits=self._enforce_limits, read_only=self.read_only)
         for name in REMOTE_STORES:
             self.stores[name].remote = self.remote
 
@@ -63,9 +79,12 @@ class EngineCache:
     def open(cls, root: Path, *, max_size_bytes: int | None = None, max_entries: int | None = None,
              verify_on_load: VerifyOnLoad = "changed", remote: RemoteSpec | None = None,
              warn: Callable[[str], None] | None = None) -> EngineCache:
-        """Open (creating if needed) the cache at ``root`` with these limits and remote, and record them."""
+        """Open (creating if needed) the cache at ``root`` with these limits and remote, and record them (unless it
+        is read only)."""
         cache = cls(root, max_size_bytes=max_size_bytes, max_entries=max_entries, verify_on_load=verify_on_load,
                     remote=remote, warn=warn)
+        if cache.read_only is not None:
+            return cache
         limits = {"max_size_bytes": max_size_bytes, "max_entries": max_entries}
         if read_limits(cache.root) != limits:
             write_atomic(cache.v1 / LIMITS_FILE, json.dumps(limits).encode())
@@ -81,12 +100,14 @@ class EngineCache:
                         warn: Callable[[str], None] | None = None, create: bool = True) -> EngineCache:
         """Open the cache with the limits its last configured ``open`` recorded, and ``remote`` or else (unless
         ``recorded_remote`` is False: the user turned the remote off) the remote it recorded, for the cache
-        commands. ``create=False`` (commands that only read or remove): a root without a cache is a CacheRootError
-        ("no cache at ROOT"), and nothing is created there."""
+        commands. ``create=False`` (the maintenance commands, which read, mark, remove or record): a root without a
+        cache is a CacheRootError ("no cache at ROOT"), and nothing is created there; so is one this user cannot
+        write, which serving (``create``) opens read only."""
         if not create:
             require_layout(Path(root))
         remote = remote or (read_remote(Path(root)) if recorded_remote else None)
-        return cls(root, verify_on_load="changed", remote=remote, warn=warn, **read_limits(Path(root)))
+        return cls(root, verify_on_load="changed", remote=remote, warn=warn, read_only_ok=create,
+                   **read_limits(Path(root)))
 
     @property
     def hash_memo_path(self) -> Path:
@@ -114,6 +135,15 @@ class EngineCache:
     def evict(self, *, protect: frozenset[tuple[str, str]] = frozenset()) -> EvictionReport:
         """Enforce the limits now: least recently used entries first, never one in use or in ``protect``."""
         return evict(self.stores, max_size_bytes=self.max_size_bytes, max_entries=self.max_entries, protect=protect)
+
+    def _warn_read_only(self) -> None:
+        """Say once per process and root that this cache is used read only, and what that turns off."""
+        if self.root in _warned_read_only:
+            return
+        _warned_read_only.add(self.root)
+        self.warn(f"engine cache {self.root} is read-only for this user: its engines are checked and served, but "
+                  f"nothing is built, recorded or held there (no statistics, no protection from eviction while in "
+                  f"use); build into a cache you can write to add engines")
 
     def _enforce_limits(self, store: ContentStore, key: str) -> None:
         """Evict down to the limits after ``key`` was published in ``store``, sparing it; warn when what has to

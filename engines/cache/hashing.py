@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kiln.engines.cache.db import connect, ensure_schema, expendable
 from kiln.engines.cache.errors import CheckpointHashError
+from kiln.engines.cache.layout import read_only_db
 
 WEIGHT_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -20,11 +21,12 @@ CONFIG_SUFFIXES = (".json",)  # config, generation config, quantization config, 
 TOKENIZER_SUFFIXES = (".tiktoken", ".jinja")  # .jinja: chat templates, which the build copies into the engine
 TOKENIZER_NAMES = frozenset({"tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "merges.txt", "vocab.txt"})
 
-# ctime cannot be set back by a user (mtime can, with touch -r): a file written in place always gets a new identity
-_MEMO_SCHEMA = ("CREATE TABLE IF NOT EXISTS file_sha256 (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, "
-                "ctime_ns INTEGER, inode INTEGER, sha256 TEXT)",)
+# ctime cannot be set back by a user (mtime can, with touch -r): a file written in place always gets a new identity.
+# Paths are their bytes (a folder's name need not be UTF-8); the table of text paths before them is left unused.
+_MEMO_SCHEMA = ("CREATE TABLE IF NOT EXISTS file_sha256_by_path_bytes (path BLOB PRIMARY KEY, size INTEGER, "
+                "mtime_ns INTEGER, ctime_ns INTEGER, inode INTEGER, sha256 TEXT)",)
 
-Identity = tuple[str, int, int, int, int]
+Identity = tuple[bytes, int, int, int, int]
 _memo: dict[Identity, str] = {}
 _memo_lock = threading.Lock()
 
@@ -101,8 +103,8 @@ def checkpoint_hash(path: Path, memo_path: Path | None = None) -> str:
 
 class FileHashes:
     """sha256 of files, memoised per identity (real path, size, mtime, ctime, inode) in this process and, when
-    ``memo_path`` is given, in that SQLite file (safe for concurrent processes): a file is read again only once it
-    has changed, been replaced or moved."""
+    ``memo_path`` is given, in that SQLite file (safe for concurrent processes; only read where this user cannot
+    write it): a file is read again only once it has changed, been replaced or moved."""
 
     def __init__(self, memo_path: Path | None = None) -> None:
         self._db = _SqliteMemo(Path(memo_path)) if memo_path is not None else None
@@ -140,35 +142,40 @@ class FileHashes:
 
 
 def _identity(path: Path) -> Identity:
-    """What the memo is keyed by: the real path, size, mtime and ctime in ns, and inode."""
+    """What the memo is keyed by: the real path (its bytes), size, mtime and ctime in ns, and inode."""
     st = path.stat()
-    return os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+    return os.fsencode(os.path.realpath(path)), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 class _SqliteMemo:
     """Persistent file-hash memo: one row per real path, replaced when the file's identity changes; files are hashed
-    again, with one warning, while it cannot be used (a full disk)."""
+    again, with one warning, while it cannot be used (a full disk). One this user cannot write (in a read-only
+    cache) is only read."""
 
     @expendable(lambda: None)
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        ensure_schema(path, _MEMO_SCHEMA)
+        self.read_only = path.exists() and not os.access(path, os.W_OK)
+        if not self.read_only:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            ensure_schema(path, _MEMO_SCHEMA)
 
     @expendable(dict)
     def get_many(self, idents: list[Identity]) -> dict[Identity, str]:
         """The memoised hashes of those file identities that are still current."""
         found = {}
-        with connect(self.path, _MEMO_SCHEMA) as db:
+        with read_only_db(self.path) if self.read_only else connect(self.path, _MEMO_SCHEMA) as db:
             for ident in idents:
-                row = db.execute("SELECT sha256 FROM file_sha256 WHERE path=? AND size=? AND mtime_ns=? AND "
-                                 "ctime_ns=? AND inode=?", ident).fetchone()
+                row = db.execute("SELECT sha256 FROM file_sha256_by_path_bytes WHERE path=? AND size=? AND "
+                                 "mtime_ns=? AND ctime_ns=? AND inode=?", ident).fetchone()
                 if row:
                     found[ident] = row[0]
         return found
 
     @expendable(lambda: None)
     def put(self, rows: dict[Identity, str]) -> None:
+        if self.read_only:
+            return
         with connect(self.path, _MEMO_SCHEMA) as db:
-            db.executemany("INSERT OR REPLACE INTO file_sha256 VALUES (?, ?, ?, ?, ?, ?)",
+            db.executemany("INSERT OR REPLACE INTO file_sha256_by_path_bytes VALUES (?, ?, ?, ?, ?, ?)",
                            [(*ident, digest) for ident, digest in rows.items()])

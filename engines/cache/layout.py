@@ -15,10 +15,13 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from kiln.engines.cache.errors import CacheRootError
+from kiln.engines.cache.errors import CacheDatabaseError, CacheRootError
 from kiln.engines.cache.keys import is_cache_key, validate_key
 from kiln.runtime.cache_hold import MANIFEST as MANIFEST  # re-exported: the runtime refuses an entry without one
 
@@ -75,6 +78,32 @@ def ensure_layout(root: Path) -> Path:
                              f"file system is read-only); {_SET_ROOT}, or share engines through a remote tier "
                              f"(cache.remote)")
     return v1
+
+
+def open_layout(root: Path) -> tuple[Path, CacheRootError | None]:
+    """``ensure_layout``, except that an existing cache this user cannot write opens read only (a volume mounted
+    read-only into serving pods): ``<root>/v1`` and the CacheRootError that whatever would write there raises
+    (None for a writable cache)."""
+    try:
+        return ensure_layout(root), None
+    except CacheRootError as exc:
+        if not (Path(root) / LAYOUT_VERSION).is_dir():  # no cache there to read
+            raise
+        return Path(root) / LAYOUT_VERSION, exc
+
+
+@contextmanager
+def read_only_db(path: Path) -> Iterator[sqlite3.Connection]:
+    """A connection to a database of a read-only cache that never writes (no WAL index, no journal: SQLite takes the
+    file as immutable), closed after use; CacheDatabaseError when it cannot be opened or read."""
+    try:
+        db = sqlite3.connect(f"{Path(path).absolute().as_uri()}?mode=ro&immutable=1", uri=True)
+        try:
+            yield db
+        finally:
+            db.close()
+    except sqlite3.OperationalError as exc:
+        raise CacheDatabaseError(Path(path), str(exc)) from None
 
 
 def _first_unwritable(v1: Path) -> Path | None:

@@ -7,10 +7,13 @@ separate table (not cleared by ``zero``), so a lookup that finds no entry for su
 from __future__ import annotations
 
 import math
+import sqlite3
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from kiln.engines.cache.db import connect, ensure_schema, expendable
+from kiln.engines.cache.layout import read_only_db
 
 MISS_REASONS = ("new", "evicted", "corrupt", "incompatible")
 REMOTE_HIT = "remote hit"  # a lookup that missed here and was pulled from the remote tier
@@ -34,17 +37,26 @@ def percentile(sorted_values: list[float], p: float) -> float | None:
 
 class StatsDB:
     """Append-only event log of one cache root, safe for concurrent writers. Recording goes on without the database
-    when it cannot be written (a full disk: one warning); only ``summary`` and ``zero`` then fail."""
+    when it cannot be written (a full disk: one warning); only ``summary`` and ``zero`` then fail. ``read_only`` (a
+    cache this user cannot write): nothing is recorded, what was recorded is read."""
 
     @expendable(lambda: None)
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, read_only: bool = False) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        ensure_schema(self.path, _SCHEMA)
+        self.read_only = read_only
+        if not read_only:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            ensure_schema(self.path, _SCHEMA)
+
+    def _connect(self) -> AbstractContextManager[sqlite3.Connection]:
+        """A connection to read the log with (one that never writes, in a read-only cache)."""
+        return read_only_db(self.path) if self.read_only else connect(self.path, _SCHEMA)
 
     @expendable(lambda: None)
     def _append(self, event: str, store: str, key: str | None = None, outcome: str | None = None,
                 value: float | None = None, size: int | None = None, detail: str | None = None) -> None:
+        if self.read_only:
+            return
         with connect(self.path, _SCHEMA) as db:
             db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes, detail) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -56,6 +68,8 @@ class StatsDB:
         """One lookup: ``reason`` is ``hit``, ``remote hit`` or a miss reason; a hit of either kind saves the entry's
         recorded build time. A hit on an entry never recorded as stored (its builder was killed between the publish
         and ``record_store``) records that store now, with the entry's ``size`` and build time."""
+        if self.read_only:
+            return
         now = time.time()
         with connect(self.path, _SCHEMA) as db:
             if reason == "hit" and db.execute("INSERT OR IGNORE INTO published VALUES (?, ?, ?)",
@@ -72,6 +86,8 @@ class StatsDB:
     @expendable(lambda: None)
     def record_store(self, store: str, key: str, size: int, build_seconds: float) -> None:
         """A newly published entry (its key is remembered as once published)."""
+        if self.read_only:
+            return
         now = time.time()
         with connect(self.path, _SCHEMA) as db:
             db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -95,6 +111,8 @@ class StatsDB:
                       detail: str | None = None) -> None:
         """A remote transfer: ``pull`` (``hit``, ``miss``, ``corrupt``, ``error``) or ``push`` (``pushed``,
         ``present``, ``error``), with its seconds and bytes moved. A pulled entry counts as published here."""
+        if self.read_only:
+            return
         now = time.time()
         with connect(self.path, _SCHEMA) as db:
             db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes, detail) "
@@ -106,14 +124,14 @@ class StatsDB:
     @expendable(lambda: False)
     def was_published(self, store: str, key: str) -> bool:
         """Whether an entry for this key was ever published here (so its absence means it was removed)."""
-        with connect(self.path, _SCHEMA) as db:
+        with self._connect() as db:
             return db.execute("SELECT 1 FROM published WHERE store=? AND key=?", (store, key)).fetchone() is not None
 
     @expendable(dict)
     def hits_by_key(self) -> dict[tuple[str, str], int]:
         """Hit counts per (store, key) since the last ``zero``, pulls from the remote tier included (as ``summary``
         counts them)."""
-        with connect(self.path, _SCHEMA) as db:
+        with self._connect() as db:
             rows = db.execute("SELECT store, key, COUNT(*) FROM events WHERE event='lookup' AND outcome IN ('hit', ?) "
                               "GROUP BY store, key", (REMOTE_HIT,)).fetchall()
         return {(store, key): count for store, key, count in rows}
@@ -126,7 +144,7 @@ class StatsDB:
     def summary(self, store: str, since: float | None = None) -> dict:
         """Lookups, hits, misses by reason, hit rate, load latency, build time saved and evictions of one store."""
         since = since if since is not None else float("-inf")
-        with connect(self.path, _SCHEMA) as db:
+        with self._connect() as db:
             lookups = dict(db.execute("SELECT outcome, COUNT(*) FROM events WHERE event='lookup' AND store=? "
                                       "AND ts>=? GROUP BY outcome", (store, since)).fetchall())
             saved = db.execute("SELECT COALESCE(SUM(value), 0) FROM events WHERE event='lookup' AND store=? "

@@ -104,12 +104,16 @@ class CacheResult:
 
 class ContentStore:
     """One store of a cache root (``entries`` for engines, ``quantized`` for quantized checkpoints). With a
-    ``remote`` tier, a local miss pulls the entry from it before building, and a new build is pushed to it."""
+    ``remote`` tier, a local miss pulls the entry from it before building, and a new build is pushed to it.
+
+    ``read_only`` (a root this user cannot write: the error saying so): entries are looked up and checked as ever,
+    but uses and the hash memo are not recorded, and what would write (a build, a pull, a removal) raises it."""
 
     def __init__(self, v1: Path, name: str, payload_name: str, stats: StatsDB, *, label: str | None = None,
                  verify_on_load: VerifyOnLoad = "changed",
                  enforce_limits: Callable[[ContentStore, str], None] | None = None,
-                 remote: RemoteTier | None = None, payload_problem: Callable[[Path], str | None] | None = None) -> None:
+                 remote: RemoteTier | None = None, payload_problem: Callable[[Path], str | None] | None = None,
+                 read_only: CacheRootError | None = None) -> None:
         self.v1 = v1
         self.payload_problem = payload_problem  # why a pulled payload is not one (its manifest may have been edited)
         self.name = name
@@ -118,10 +122,12 @@ class ContentStore:
         self.dir = v1 / name
         self.stats = stats
         self.verify_on_load = verify_on_load
+        self.read_only = read_only
         self.hashes = FileHashes(v1 / HASH_MEMO)
         self._enforce_limits = enforce_limits
         self.remote = remote
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if read_only is None:
+            self.dir.mkdir(parents=True, exist_ok=True)
 
     # -- paths -------------------------------------------------------------------------------------------------
 
@@ -238,6 +244,7 @@ class ContentStore:
             found = self._find(key, material)
             if found.hit:
                 return self._hit(key, found, waited=False)
+        self._require_writable(f"{self.label} {key[:12]} cannot be built into the cache")
         with self._key_lock(key, on_wait) as waited:
             found = self._check(key, material) if force else self._find(key, material)
             if found.hit and not force:
@@ -274,7 +281,7 @@ class ContentStore:
 
     def is_being_built(self, key: str) -> bool:
         """Whether another builder holds ``key``'s build lock now (a build of it would wait, then reuse its result)."""
-        if not self.lock_path(key).exists():  # never built here: nothing to lock (and no lock file to leave)
+        if self.read_only is not None or not self.lock_path(key).exists():  # nothing can be built here, or never was
             return False
         lock = FileLock(self.lock_path(key))
         try:
@@ -347,6 +354,7 @@ class ContentStore:
         damaged (nothing is installed). With ``hold``, the result holds the entry from before it is published (no
         other process's eviction takes it before this one loads it)."""
         remote = self.require_remote()
+        self._require_writable(f"{self.label} {key[:12]} cannot be pulled into the cache")
         with self._key_lock(key, None):
             self.sweep(own_key=key)  # what a pull killed half-way left behind
             found = self._check(key, material)
@@ -507,6 +515,7 @@ class ContentStore:
 
     def try_remove(self, key: str, why: str) -> tuple[str, int]:
         """Take an entry out unless a process holds it: (``moved``|``in_use``|``gone``, bytes freed)."""
+        self._require_writable(f"{self.label} {key[:12]} cannot be removed")
         entry = self.entry_dir(key)
         size = entry_size(entry)
         trash = self._trash_path(key)
@@ -521,6 +530,7 @@ class ContentStore:
         with their bytes (``dry_run``: the ones it would delete, deleting nothing).
 
         ``own_key`` is a key whose build lock this process holds: its leftover temporaries are stale too."""
+        self._require_writable("temporary builds cannot be swept")
         removed = {}
         for path in sorted((self.v1 / "tmp").iterdir()):
             parts = path.name.split(".")
@@ -539,7 +549,9 @@ class ContentStore:
         return self.v1 / "tmp" / f"trash.{self.name}.{key}.{uuid.uuid4().hex[:8]}"
 
     def _touch(self, entry_dir: Path) -> bool:
-        """Record a use of the entry (for LRU); False when the entry vanished meanwhile."""
+        """Record a use of the entry (for LRU; not in a read-only cache); False when the entry vanished meanwhile."""
+        if self.read_only is not None:
+            return entry_dir.is_dir()
         try:
             os.utime(entry_dir / LAST_USED)
         except FileNotFoundError:
@@ -549,6 +561,11 @@ class ContentStore:
     def touch(self, key: str) -> bool:
         """Record a use of the entry ``key`` (a load), for LRU eviction."""
         return self._touch(self.entry_dir(key))
+
+    def _require_writable(self, what: str) -> None:
+        """CacheRootError saying ``what`` cannot be done, and why, in a read-only cache."""
+        if self.read_only is not None:
+            raise CacheRootError(f"{what}: {self.read_only}")
 
 def utc_now() -> str:
     """The time now as manifests and corruption marks record it (ISO 8601, UTC)."""
