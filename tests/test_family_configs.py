@@ -5,12 +5,13 @@ only (no weights), against transformers' own config classes."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
 import transformers
 
-from kiln.engines.native.checkpoint import parse_architecture
+from kiln.engines.native.checkpoint import parse_architecture, read_architecture
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.engine_format import Architecture
 from tests.model_factories import FAMILY_CLASSES
@@ -145,3 +146,48 @@ def test_transformers_other_names_of_a_supported_activation_are_read_as_it(alias
     x = torch.linspace(-6, 6, 101)
     torch.testing.assert_close(ACT2FN[alias](x), ACT2FN[canonical](x))  # the same function in transformers
     assert parse("llama", hidden_act=alias).hidden_act == canonical
+
+
+@pytest.mark.parametrize(("scaling", "message"), [
+    ({"type": "linear", "factor": 0.0}, "rope_scaling factor 0.0 must be positive"),
+    ({"type": "linear", "factor": -2.0}, "rope_scaling factor -2.0 must be positive"),
+    ({"type": "linear", "factor": "2.0"}, "rope_scaling factor must be a number, got '2.0'"),
+    ({"rope_type": "yarn", "factor": 4.0, "beta_fast": 1, "beta_slow": 8}, "beta_fast 1 must be at least beta_slow"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0},
+     "high_freq_factor 2.0 must be above low_freq_factor"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [0.0] * 8}, "not finite"),
+])
+def test_rope_scaling_values_that_give_no_finite_frequencies_are_refused_naming_them(scaling, message):
+    with pytest.raises(KilnError, match=message):
+        parse("llama", head_dim=16, rope_scaling=scaling)
+
+
+@pytest.mark.parametrize(("family", "fields", "message"), [
+    ("llama", {"head_dim": "16"}, "head_dim must be a positive integer, got '16'"),
+    ("llama", {"head_dim": 15}, "head_dim 15 is odd"),
+    ("llama", {"num_key_value_heads": "2"}, "num_key_value_heads must be a positive integer, got '2'"),
+    ("llama", {"rope_theta": "x"}, "rope_theta must be a positive number, got 'x'"),
+    ("llama", {"rms_norm_eps": None}, "rms_norm_eps must be a positive number, got None"),
+    ("llama", {"rope_scaling": "linear"}, "rope_scaling must be an object"),
+    ("mistral", {"sliding_window": -5}, "sliding_window must be a positive integer or null"),
+    ("mistral", {"sliding_window": "8"}, "sliding_window must be a positive integer or null"),
+    ("mistral", {"sliding_window": 0}, "sliding_window must be a positive integer or null"),  # transformers fails
+])
+def test_config_fields_of_the_wrong_type_or_value_are_refused_naming_them(family, fields, message):
+    with pytest.raises(KilnError, match=message):
+        parse(family, **fields)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen2"])
+def test_rope_parameters_per_layer_type_are_refused_not_dropped(family):
+    per_type = {kind: {"rope_type": "default", "rope_theta": 1e6} for kind in ("full_attention", "sliding_attention")}
+    with pytest.raises(KilnError, match="rope_parameters per layer type .* not supported"):
+        parse(family, rope_parameters=per_type)
+
+
+def test_a_config_value_no_check_names_is_refused_as_one_line_naming_config_json(tmp_path):
+    scaling = {"rope_type": "longrope", "short_factor": ["a"] * 8, "long_factor": [1.0] * 8}
+    config = {"architectures": [ARCHITECTURES["llama"]], **MINIMAL, "head_dim": 16, "rope_scaling": scaling}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(KilnError, match=r"config.json: a field has the wrong type or value \(.*\); fix config.json"):
+        read_architecture(tmp_path)

@@ -19,10 +19,13 @@ from kiln.runtime.errors import EngineFormatError, KilnError
 from kiln.runtime.json_files import read_json_object
 from kiln.runtime.native.engine_format import Architecture
 from kiln.runtime.native.layers.activation import ACTIVATION_ALIASES, ACTIVATIONS
-from kiln.runtime.native.layers.rotary import ROPE_TYPES, rope_inv_freq
+from kiln.runtime.native.layers.rotary import ROPE_TYPES, longrope_inv_freqs, rope_inv_freq
 from kiln.runtime.native.model.registry import family_of
 
 QUANT_ALGOS = {None: "none", "FP8": "fp8", "W4A16_AWQ": "int4_awq"}
+# the rope scaling parameters that are numbers wherever a scaled type reads them
+ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,11 @@ def read_architecture(checkpoint_dir: Path) -> tuple[Architecture, dict[str, Any
         raise KilnError(f"{checkpoint_dir}: no config.json; point the build at a Hugging Face checkpoint directory")
     cfg = read_json(path)
     gen_path = checkpoint_dir / "generation_config.json"
-    return parse_architecture(cfg, read_json(gen_path) if gen_path.is_file() else {}, path), cfg
+    gen = read_json(gen_path) if gen_path.is_file() else {}
+    try:
+        return parse_architecture(cfg, gen, path), cfg
+    except (TypeError, ValueError, KeyError) as e:  # a bad value that parse_architecture does not name itself
+        raise KilnError(f"{path}: a field has the wrong type or value ({e}); fix config.json") from None
 
 
 def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> Architecture:
@@ -59,12 +66,15 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
         raise KilnError(f"{path}: {family.activation_key} {activation!r} is not supported by the native backend "
                         f"(supported: {', '.join([*ACTIVATIONS, *ACTIVATION_ALIASES])})")
     num_heads = _int(cfg, "num_attention_heads", path)
-    num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+    num_kv_heads = num_heads if cfg.get("num_key_value_heads") is None else _int(cfg, "num_key_value_heads", path)
     if num_heads % num_kv_heads:
         raise KilnError(f"{path}: num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads "
                         f"({num_kv_heads})")
     hidden = _int(cfg, "hidden_size", path)
-    head_dim = cfg.get("head_dim") or hidden // num_heads
+    head_dim = hidden // num_heads if cfg.get("head_dim") is None else _int(cfg, "head_dim", path)
+    if head_dim % 2:
+        raise KilnError(f"{path}: head_dim {head_dim} is odd; rotary embeddings rotate pairs of dimensions, so it must "
+                        "be even")
     # a top-level original_max_position_embeddings comes first wherever config.json has one (transformers'
     # standardize_rope_params: hasattr(config, ...)), and always for Phi-3, whose config class has the field
     rope_theta, rope_scaling = _rope(cfg, "original_max_position_embeddings" in cfg, path, family.rope_types,
@@ -78,7 +88,7 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(cfg["rms_norm_eps"]),
+        rms_norm_eps=_positive_number(cfg["rms_norm_eps"], "rms_norm_eps", path),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
@@ -182,14 +192,35 @@ def _int(cfg: dict[str, Any], key: str, path: Path) -> int:
     return value
 
 
+def _positive_number(value: Any, key: str, path: Path) -> float:
+    """``value`` of config.json's ``key`` as a float; KilnError naming it unless it is a positive number."""
+    if not _is_number(value) or value <= 0:
+        raise KilnError(f"{path}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _is_number(value: Any) -> bool:
+    """Whether ``value`` is a finite int or float of JSON (not a bool, a string or null)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path, family_types: dict[str, str] | None = None,
           partial_rotary: bool = False) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from transformers-5 ``rope_parameters`` or older ``rope_scaling``;
     ``top_level_context``: config.json's own ``original_max_position_embeddings`` comes first; ``family_types``:
     the family's ``rope_types``, where its config class takes only those; ``partial_rotary``: the family's plain
     RoPE applies ``partial_rotary_factor`` (Phi-3's does; Llama's and the others' rotate every dimension)."""
-    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})  # transformers: rope_scaling wins
-    theta = float(params.pop("rope_theta", cfg["rope_theta"]))
+    source = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"  # transformers: rope_scaling wins
+    params = cfg.get(source) or {}
+    if not isinstance(params, dict):
+        raise KilnError(f"{path}: {source} must be an object such as {{\"rope_type\": \"linear\", \"factor\": 2.0}}, "
+                        f"got {params!r}")
+    nested = [key for key, value in params.items() if isinstance(value, dict)]
+    if nested:
+        raise KilnError(f"{path}: {source} per layer type ({', '.join(nested)}) is not supported by the native "
+                        "backend; give one set of rope parameters for every layer")
+    params = dict(params)
+    theta = _positive_number(params.pop("rope_theta", cfg["rope_theta"]), "rope_theta", path)
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     # transformers moves a top-level factor into the rope parameters, where the scaled types and some families'
     # plain RoPE apply it (and a family that rotates every dimension then fails); the others' plain RoPE ignores it
@@ -203,11 +234,13 @@ def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path, family_types
                             f"takes {', '.join(family_types)})")
         rope_type = family_types[rope_type]
     rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first name for it
-    if rope_type == "dynamic":  # transformers' dynamic NTK changes no frequency up to max_position_embeddings,
-        return theta, None  # the longest context a plan may hold (engines/native/plan.py)
-    if rope_type not in ROPE_TYPES:
+    if rope_type not in ROPE_TYPES + ("dynamic",):
         raise KilnError(f"{path}: rope type {rope_type!r} is not supported (supported: "
                         f"{', '.join(ROPE_TYPES + ('dynamic',))})")
+    if rope_type != "default":  # the plain RoPE reads none of them
+        _check_scaling(params, source, path)
+    if rope_type == "dynamic":  # transformers' dynamic NTK changes no frequency up to max_position_embeddings,
+        return theta, None  # the longest context a plan may hold (engines/native/plan.py)
     if rope_type in ("llama3", "longrope", "yarn"):
         params["original_max_position_embeddings"] = _original_context(cfg, params, top_level_context, path)
     if rope_type == "longrope":
@@ -215,6 +248,28 @@ def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path, family_types
     if rope_type == "yarn":
         params.update(_yarn_defaults(cfg, params, path))
     return theta, None if rope_type == "default" else {"rope_type": rope_type, **params}
+
+
+def _check_scaling(params: dict[str, Any], source: str, path: Path) -> None:
+    """Refuses the scaling parameters of ``source`` that transformers' rope validation calls invalid, before they
+    make frequencies that are not finite: a value that is not a number, a factor not above 0, a low_freq_factor not
+    above 0 or not below high_freq_factor, a negative attention_factor or beta_slow, beta_fast below beta_slow. A
+    factor between 0 and 1 is taken, as transformers runs it (with a warning)."""
+    for key in ROPE_NUMBERS:
+        if params.get(key) is not None and not _is_number(params[key]):
+            raise KilnError(f"{path}: {source} {key} must be a number, got {params[key]!r}; fix config.json")
+    value = {key: params.get(key) for key in ROPE_NUMBERS}
+    rules = (("factor", value["factor"] is None or value["factor"] > 0, "positive"),
+             ("low_freq_factor", value["low_freq_factor"] is None or value["low_freq_factor"] > 0, "positive"),
+             ("high_freq_factor", value["high_freq_factor"] is None
+              or value["high_freq_factor"] > (value["low_freq_factor"] or 0), "above low_freq_factor"),
+             ("attention_factor", value["attention_factor"] is None or value["attention_factor"] >= 0,
+              "not negative"),
+             ("beta_slow", value["beta_slow"] is None or value["beta_slow"] >= 0, "not negative"),
+             ("beta_fast", (value["beta_fast"] or 32) >= (value["beta_slow"] or 1), "at least beta_slow"))
+    for key, valid, rule in rules:
+        if not valid:
+            raise KilnError(f"{path}: {source} {key} {value[key]!r} must be {rule}; fix config.json")
 
 
 def _original_context(cfg: dict[str, Any], params: dict[str, Any], top_level_context: bool, path: Path) -> int:
@@ -260,9 +315,16 @@ def _yarn_defaults(cfg: dict[str, Any], params: dict[str, Any], path: Path) -> d
 
 
 def _check_rope(head_dim: int, theta: float, scaling: dict[str, Any] | None, path: Path) -> None:
+    """Refuses rope parameters that lack a key their type needs, or that give frequencies that are not finite."""
     try:
-        rope_inv_freq(head_dim, theta, scaling)
+        if (scaling or {}).get("rope_type") == "longrope":
+            inv_freqs = longrope_inv_freqs(head_dim, theta, scaling)
+        else:
+            inv_freqs = (rope_inv_freq(head_dim, theta, scaling),)
     except KeyError as e:
         raise KilnError(f"{path}: rope scaling {scaling.get('rope_type')!r} needs key {e}") from None
     except EngineFormatError as e:
         raise KilnError(f"{path}: {e}") from None
+    if not all(torch.isfinite(inv_freq).all() for inv_freq in inv_freqs):
+        raise KilnError(f"{path}: rope_theta {theta} with rope scaling {(scaling or {}).get('rope_type', 'none')!r} "
+                        "gives rotary frequencies that are not finite; fix config.json")

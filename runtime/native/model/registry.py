@@ -97,12 +97,15 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json layer_types
 
 def sliding_layers(config: dict[str, Any], path: Path, window: int | None,
                    slides: Callable[[int], bool]) -> dict[str, Any]:
-    """The ``sliding_window`` / ``layer_types`` fields: none without a ``window``; else config.json's
+    """The ``sliding_window`` / ``layer_types`` fields: none without a ``window`` (None); else config.json's
     ``layer_types`` when it has them (transformers 5 writes them), or ``slides(layer index)`` for each layer.
+    KilnError for a window that is not a positive integer (transformers' sliding layers fail on 0);
     UnsupportedArchitectureError for ``layer_types`` that do not name full or sliding attention for every layer
     (transformers refuses those too)."""
-    if not window:
+    if window is None:
         return {"sliding_window": None, "layer_types": None}
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise KilnError(f"{path}: sliding_window must be a positive integer or null (no window), got {window!r}")
     count = config["num_hidden_layers"]
     types = config.get("layer_types") or ["sliding_attention" if slides(i) else "full_attention" for i in range(count)]
     if not isinstance(types, list) or len(types) != count or not set(types) <= set(LAYER_TYPES):
