@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -89,6 +90,12 @@ def test_a_tokenizer_transformers_cannot_load_is_kept_as_the_checkpoint_has_it(c
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
     _, out = build(checkpoint, tmp_path)
     assert (out / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()
+
+
+def test_a_checkpoint_folder_whose_name_is_not_utf8_is_refused_naming_the_fix(checkpoint, tmp_path):
+    source = shutil.copytree(checkpoint, tmp_path / os.fsdecode(b"lat\xe9in1"))
+    with pytest.raises(KilnError, match="not valid UTF-8, which the safetensors library cannot open; rename"):
+        build(source, tmp_path)
 
 
 def test_the_weights_get_the_mode_of_a_new_file_so_other_users_can_load_the_engine(checkpoint, tmp_path):

@@ -7,6 +7,7 @@ with quant_algo "FP8" or "W4A16_AWQ") are understood. Weights are read from safe
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,11 @@ def _shard(checkpoint_dir: Path, index: Path, name: object) -> Path:
 
 
 def _open(path: Path):
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise KilnError(f"{path}: the path is not valid UTF-8, which the safetensors library cannot open; rename the "
+                        "checkpoint's folder (or a folder above it)") from None
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except (OSError, SafetensorError) as e:
