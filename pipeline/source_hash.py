@@ -12,17 +12,20 @@ import kiln
 
 KILN_ROOT = Path(kiln.__file__).resolve().parent
 
-# the code an engine is built (and its plan measured) with: the builders and the engine format and model code they
-# write for; not where an engine is stored or how it is served, which put no byte into it
-ENGINE_SOURCES = ("engines", "runtime")
+# the code an engine is built (and its plan measured) with: the builders, the engine format and model code they
+# write for, and the build stage's rewrite of tokenizer.json; not where an engine is stored or how it is served,
+# which put no byte into it
+ENGINE_SOURCES = ("engines", "runtime", "pipeline/tokenizer_files.py")
 NOT_ENGINE_SOURCES = ("engines/cache", "runtime/server", "runtime/engine_process")
 QUANTIZED_SOURCES = ("calibration",)
 
 
 def source_hash(root: Path, folders: tuple[str, ...], excluded: tuple[str, ...] = ()) -> str:
-    """sha256 over the sorted (path, content) of the ``*.py`` files under ``folders`` of ``root``, those under
-    ``excluded`` left out."""
-    files = sorted(path.relative_to(root).as_posix() for folder in folders for path in (root / folder).rglob("*.py"))
+    """sha256 over the sorted (path, content) of the ``*.py`` files under ``folders`` (or named) of ``root``, those
+    under ``excluded`` left out."""
+    paths = [path for folder in folders for path in ((root / folder).rglob("*.py") if (root / folder).is_dir()
+                                                     else [root / folder])]
+    files = sorted(path.relative_to(root).as_posix() for path in paths)
     digest = hashlib.sha256()
     for rel in files:
         if not any(rel.startswith(f"{skipped}/") for skipped in excluded):

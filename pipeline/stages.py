@@ -25,6 +25,7 @@ from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import BuildSection, KilnConfig, LoadedConfig
 from kiln.pipeline.console import stderr
 from kiln.pipeline.key_material import engine_material, quantized_material
+from kiln.pipeline.tokenizer_files import write_transformers_tokenizer
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.plan import BuildPlan
 from kiln.runtime.trtllm.engine_info import ENGINE_FORMAT as TRTLLM_ENGINE_FORMAT
@@ -352,7 +353,9 @@ class BuildStage:
             describe["format"] = _shipped_format(ctx)
             quantized = ctx.quantized_key and ctx.checkpoint_dir != ctx.model_dir
             with EntryHold(ctx.cache.quantized.entry_dir(ctx.quantized_key)) if quantized else nullcontext():
-                return build(tmp)
+                record = build(tmp)
+                write_transformers_tokenizer(ctx.checkpoint_dir, tmp)
+                return record
 
         return build_from_checkpoint
 

@@ -162,7 +162,8 @@ def test_another_revision_of_kilns_build_or_calibration_code_misses_the_engines_
 
 
 def test_the_source_hash_follows_the_code_that_builds_and_not_the_code_that_stores_or_serves(tmp_path):
-    for rel in ("engines/native/builder.py", "engines/cache/store.py", "runtime/server/app.py", "runtime/a.py"):
+    for rel in ("engines/native/builder.py", "engines/cache/store.py", "runtime/server/app.py", "runtime/a.py",
+                "pipeline/tokenizer_files.py", "pipeline/cli.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("x = 1\n")
 
@@ -172,9 +173,10 @@ def test_the_source_hash_follows_the_code_that_builds_and_not_the_code_that_stor
     before = build_hash()
     (tmp_path / "engines/cache/store.py").write_text("x = 2\n")
     (tmp_path / "runtime/server/app.py").write_text("x = 2\n")
+    (tmp_path / "pipeline/cli.py").write_text("x = 2\n")
     (tmp_path / "runtime/notes.txt").write_text("not code")
     assert build_hash() == before
-    for rel in ("engines/native/builder.py", "runtime/a.py"):
+    for rel in ("engines/native/builder.py", "runtime/a.py", "pipeline/tokenizer_files.py"):
         (tmp_path / rel).write_text("x = 3\n")
         assert build_hash() != before
         before = build_hash()

@@ -19,14 +19,7 @@ from kiln.runtime.native.engine_format import ENGINE_FORMAT_VERSION, EngineConfi
 from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint
 from kiln.runtime.native.kv_cache import allocate_kv_cache, is_token_major, kv_bytes_per_block
 from kiln.runtime.native.model.decoder import DecoderModel
-from kiln.runtime.tokenizer import Tokenizer
-from tests.model_factories import (
-    make_hf_checkpoint,
-    make_hf_model,
-    tiny_plan,
-    write_sentencepiece_style_tokenizer,
-    write_tokenizer,
-)
+from tests.model_factories import make_hf_checkpoint, make_hf_model, tiny_plan, write_tokenizer
 
 ARCHITECTURE_KEYS = {"type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
@@ -66,30 +59,6 @@ def test_a_chat_template_jinja_file_is_copied_into_the_engine(checkpoint, tmp_pa
     (source / "chat_template.jinja").write_text(template)
     _, out = build(source, tmp_path)
     assert (out / "chat_template.jinja").read_text() == template
-
-
-def test_the_engine_tokenizes_a_llama_2_style_tokenizer_as_transformers_does_not_as_its_legacy_file(checkpoint,
-                                                                                                      tmp_path):
-    from transformers import AutoTokenizer
-
-    source = shutil.copytree(checkpoint, tmp_path / "hf")
-    write_sentencepiece_style_tokenizer(source)
-    _, out = build(source, tmp_path)
-    reference, engine = AutoTokenizer.from_pretrained(source), Tokenizer.from_dir(out)
-    for text in ["<|im_start|>user\nhi<|im_end|>", " leading space", "Hello world", "naïve 😀"]:
-        assert engine.encode(text) == reference(text)["input_ids"], text
-    assert engine.encode(" x") != Tokenizer.from_dir(source).encode(" x")  # the file alone gives '▁▁x'
-
-
-def test_a_tokenizer_transformers_cannot_load_is_kept_as_the_checkpoint_has_it(checkpoint, tmp_path, monkeypatch):
-    import transformers
-
-    def refuse(*args, **kwargs):
-        raise ValueError("this tokenizer needs trust_remote_code=True")
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
-    _, out = build(checkpoint, tmp_path)
-    assert (out / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()
 
 
 def test_a_checkpoint_folder_whose_name_is_not_utf8_is_refused_naming_the_fix(checkpoint, tmp_path):

@@ -14,7 +14,6 @@ from kiln.engines.native.checkpoint import CheckpointTensors, read_architecture,
 from kiln.engines.native.plan import check_kv_cache_fits, fit_plan
 from kiln.engines.native.tuning import fp8_kernels_measurable, measure_fp8_streaming_max_m
 from kiln.engines.native.weights import convert_weights
-from kiln.engines.tokenizer_files import write_tokenizer_files
 from kiln.runtime.errors import KilnError
 from kiln.runtime.native.engine_format import (
     DTYPES,
@@ -30,7 +29,7 @@ from kiln.runtime.native.parallel.sharding import rank_architecture, rank_config
 from kiln.runtime.native.weight_loading import weights_mismatch
 from kiln.runtime.options import Kernels
 from kiln.runtime.plan import BuildPlan, PlanError
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.tokenizer import Tokenizer, copy_tokenizer_files
 
 
 def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dtype: str, device: str = "cpu",
@@ -87,7 +86,7 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
         path = out_dir / weights_file(rank)
         save_file({name: t.contiguous() for name, t in shard.items()}, str(path), metadata={"format": ENGINE_FORMAT})
         path.chmod(new_file_mode())  # safetensors writes 0600: others could not load an engine built for them
-    write_tokenizer_files(checkpoint_dir, out_dir)
+    copy_tokenizer_files(checkpoint_dir, out_dir)
     config.save(out_dir)
     return config.to_dict()
 

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from kiln.engines.eos import generation_eos_ids
-from kiln.engines.tokenizer_files import write_tokenizer_files
 from kiln.engines.trtllm.command import BUILD_DIR_PLACEHOLDER, NEW_TIMING_CACHE, convert_command, trtllm_build_command
 from kiln.engines.trtllm.options import TrtllmBuildOptions
 from kiln.engines.trtllm.preflight import preflight
 from kiln.engines.trtllm.process import ProcessRecord, TrtllmBuildError, run_logged
+from kiln.runtime.tokenizer import copy_tokenizer_files
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo
 
 LOG_DIR = "logs"
@@ -146,7 +146,7 @@ def _adopt_timing_cache(new_cache: Path, timing_cache: Path) -> str | None:
 
 def _write_engine_info(out_dir: Path, options: TrtllmBuildOptions, hf_dir: Path, quant_format: str,
                        kv_cache_dtype: str, fingerprint: dict[str, Any], record: dict[str, Any]) -> None:
-    write_tokenizer_files(hf_dir, out_dir)
+    copy_tokenizer_files(hf_dir, out_dir)
     hf_config = _read_json(hf_dir / "config.json") or {}
     generation = _read_json(hf_dir / "generation_config.json") or {}
     TrtllmEngineInfo(

@@ -1,5 +1,7 @@
-"""The tokenizer an engine keeps (both builders): the checkpoint's files, with tokenizer.json as transformers reads
-it, so that the engine tokenizes prompts as transformers (and vLLM, which tokenizes through it) does."""
+"""The tokenizer.json an engine keeps (both backends): as transformers reads the checkpoint's, so that the engine
+tokenizes prompts as transformers (and vLLM, which tokenizes through it) does. The builders copy the checkpoint's
+files (they may not import transformers); the build stage then rewrites tokenizer.json where transformers reads it
+otherwise."""
 
 from __future__ import annotations
 
@@ -7,23 +9,19 @@ import json
 import logging
 from pathlib import Path
 
-from kiln.runtime.tokenizer import copy_tokenizer_files
-
-logger = logging.getLogger("kiln.engines")
+logger = logging.getLogger("kiln.pipeline")
 
 
-def write_tokenizer_files(checkpoint_dir: Path, engine_dir: Path) -> None:
-    """Copy the checkpoint's tokenizer files into ``engine_dir``, then write tokenizer.json as transformers loads the
-    checkpoint's tokenizer where that differs from the file: transformers 5 rebuilds Llama-2-style SentencePiece
-    tokenizers (Llama 2, Mistral, Phi-3) without their legacy normalizer, which put a '▁' after every special token,
-    and converts a tokenizer.model that comes without a tokenizer.json."""
-    copy_tokenizer_files(checkpoint_dir, engine_dir)
+def write_transformers_tokenizer(checkpoint_dir: Path, engine_dir: Path) -> None:
+    """Write the tokenizer.json of ``engine_dir`` (built from ``checkpoint_dir``) as transformers loads the
+    checkpoint's tokenizer, where that differs from what the builder copied: transformers 5 rebuilds Llama-2-style
+    SentencePiece tokenizers (Llama 2, Mistral, Phi-3) without their legacy normalizer, which put a '▁' after every
+    special token, and converts a tokenizer.model that comes without a tokenizer.json."""
     loaded = transformers_tokenizer_json(checkpoint_dir)
     target = Path(engine_dir) / "tokenizer.json"
     if loaded is None or target.is_file() and json.loads(target.read_text(encoding="utf-8")) == json.loads(loaded):
         return
-    logger.debug("tokenizer.json written as transformers loads %s's tokenizer (it differs from the file)",
-                checkpoint_dir)
+    logger.debug("tokenizer.json written as transformers loads %s's tokenizer", checkpoint_dir)
     target.write_text(loaded, encoding="utf-8")
 
 
