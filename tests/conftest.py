@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -84,3 +86,14 @@ def llm():
 
     with LLM.load(tiny_engine()) as loaded:
         yield loaded
+
+
+@pytest.fixture(autouse=True)
+def kiln_logging_restored() -> Iterator[None]:
+    """`kiln serve` run in this process sends Kiln's log lines to the stderr of its run (a CliRunner's, closed once
+    it returns): the next test gets the logger as it was."""
+    kiln_logger = logging.getLogger("kiln")
+    handlers, level = list(kiln_logger.handlers), kiln_logger.level
+    yield
+    kiln_logger.handlers[:] = handlers
+    kiln_logger.setLevel(level)

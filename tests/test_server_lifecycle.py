@@ -416,7 +416,8 @@ def test_a_configs_api_key_comes_before_vllm_api_key(monkeypatch, tmp_path):
     config = served_config(tmp_path / "served.yaml", "serve:\n  api_key: from-config\n")
     seen = {}
     monkeypatch.setattr(server, "run_server", lambda app, *args, **kwargs: seen.update(app=app))
-    result = CliRunner().invoke(cli.app, ["serve", str(config), "--no-engine-process"], env={"VLLM_API_KEY": "other"})
+    result = CliRunner().invoke(cli.app, ["serve", str(config), "--no-engine-process", "--port", "0"],
+                                env={"VLLM_API_KEY": "other"})
     assert result.exit_code == 0, result.output
     with ServerThread(seen["app"]) as running:
         wait_until(lambda: httpx.get(f"{running.url}/health", timeout=30).status_code == 200)  # the engine loads

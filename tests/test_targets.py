@@ -63,7 +63,7 @@ def test_an_engine_in_a_read_only_cache_is_served_by_key_prefix_and_folder_unhel
         target = resolve_target(text, cache_root)
         assert target == expected and target.hold is None
     assert hold_if_cached(engine_dir) is None and "loaded without holding it" in caplog.text
-    assert capsys.readouterr().err.count("read-only for this user") == 1
+    assert capsys.readouterr().err.count("read-only for this user: its engines are checked and served") == 1
     assert files_under(tmp_path / "cache") == before
 
 
