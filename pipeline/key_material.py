@@ -11,7 +11,7 @@ from kiln.runtime.native.fingerprint import machine_fingerprint
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.trtllm.engine_info import ENGINE_FORMAT_VERSION as TRTLLM_ENGINE_FORMAT_VERSION
 from kiln.runtime.trtllm.toolchain import trtllm_machine_fingerprint
-from kiln.runtime.version import kiln_version
+from kiln.runtime.version import kiln_version, package_version
 
 KEY_SCHEMA = 1
 
@@ -19,10 +19,12 @@ KEY_SCHEMA = 1
 def quantized_material(checkpoint_hash: str, recipe: dict, device: str, compute_dtype: str) -> dict:
     """Key material of a quantized checkpoint: the input's content, the effective recipe (``recipe_material``),
     where it is calibrated (CPU float32 and GPU bf16 calibration give different bytes), and the Kiln that calibrates
-    it (its version and the hash of its calibration code); build options never enter it."""
+    it (its version and the hash of its calibration code, and transformers' version, which loads the model); build
+    options never enter it."""
     return {"key_schema": KEY_SCHEMA, "kind": "quantized", "checkpoint": checkpoint_hash, "recipe": recipe,
             "calibration": {"device": device, "compute_dtype": compute_dtype},
-            "toolchain": {"kiln": kiln_version(), "kiln_sources": quantized_sources_hash()}}
+            "toolchain": {"kiln": kiln_version(), "kiln_sources": quantized_sources_hash(),
+                          "transformers": package_version("transformers")}}
 
 
 def engine_material(checkpoint_hash: str, quantized_key: str | None, config: KilnConfig, choice: BackendChoice,
@@ -51,7 +53,9 @@ def engine_material(checkpoint_hash: str, quantized_key: str | None, config: Kil
         **backend_options,
         "backend": choice.backend,
         "engine_format_version": format_version,
-        "toolchain": {"kiln": kiln_version(), "kiln_sources": engine_sources_hash(), **toolchain},
+        # transformers: the build stage writes the engine's tokenizer.json as it reads the checkpoint's
+        "toolchain": {"kiln": kiln_version(), "kiln_sources": engine_sources_hash(choice.backend),
+                      "transformers": package_version("transformers"), **toolchain},
         "hardware": {
             "device": machine["device"],
             "gpu_name": machine.get("gpu_name"),

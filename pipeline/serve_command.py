@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 _SERVE_DEFAULTS = ServeSection()  # an engine served without a config gets a config's serve defaults
 _ORIGIN = re.compile(r"\*|[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")  # as a browser's Origin header: no path
-LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+LogLevel = Literal["trace", "debug", "info", "warning", "error", "critical"]  # uvicorn's; trace is debug for Kiln
 
 
 class ServeExtraMissingError(KilnError):
@@ -163,7 +163,7 @@ def log_to_stderr(level: LogLevel = "info") -> None:
     kiln_logger = logging.getLogger("kiln")
     if not kiln_logger.handlers:  # else set up already (serve called again in this process)
         kiln_logger.addHandler(stderr_log_handler())
-    kiln_logger.setLevel(level.upper())
+    kiln_logger.setLevel("DEBUG" if level == "trace" else level.upper())
 
 
 def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, local_rank: int) -> None:

@@ -12,31 +12,33 @@ import kiln
 
 KILN_ROOT = Path(kiln.__file__).resolve().parent
 
-# the code an engine is built (and its plan measured) with: the builders, the engine format and model code they
-# write for, and the build stage's rewrite of tokenizer.json; not where an engine is stored or how it is served,
-# which put no byte into it
-ENGINE_SOURCES = ("engines", "runtime", "pipeline/tokenizer_files.py")
-NOT_ENGINE_SOURCES = ("engines/cache", "runtime/server", "runtime/engine_process")
+# the code that decides an engine's bytes, per backend: its builder and the engine format and model code it writes
+# for, and the build stage's plan, options and tokenizer rewrite; not where an engine is stored or how it is served
+BUILD_STAGE_SOURCES = ("engines/eos.py", "runtime/plan.py", "runtime/options.py", "runtime/tokenizer.py",
+                       "pipeline/config.py", "pipeline/stages.py", "pipeline/key_material.py",
+                       "pipeline/tokenizer_files.py")
+ENGINE_SOURCES = {"native": ("engines/native", "runtime/native", *BUILD_STAGE_SOURCES),
+                  "trtllm": ("engines/trtllm", "runtime/trtllm/engine_info.py", *BUILD_STAGE_SOURCES)}
 QUANTIZED_SOURCES = ("calibration",)
 
 
-def source_hash(root: Path, folders: tuple[str, ...], excluded: tuple[str, ...] = ()) -> str:
-    """sha256 over the sorted (path, content) of the ``*.py`` files under ``folders`` (or named) of ``root``, those
-    under ``excluded`` left out."""
-    paths = [path for folder in folders for path in ((root / folder).rglob("*.py") if (root / folder).is_dir()
-                                                     else [root / folder])]
-    files = sorted(path.relative_to(root).as_posix() for path in paths)
+def source_hash(root: Path, sources: tuple[str, ...]) -> str:
+    """sha256 over the sorted (path, content) of the ``*.py`` files that ``sources`` name under ``root``: files, or
+    folders (their ``*.py`` files at any depth, hidden folders left out)."""
+    paths = [path for source in sources for path in ((root / source).rglob("*.py") if (root / source).is_dir()
+                                                     else [root / source])]
+    files = sorted({path.relative_to(root).as_posix() for path in paths})
     digest = hashlib.sha256()
     for rel in files:
-        if not any(rel.startswith(f"{skipped}/") for skipped in excluded):
+        if not any(part.startswith(".") for part in rel.split("/")):
             digest.update(f"{rel}\0{hashlib.sha256((root / rel).read_bytes()).hexdigest()}\n".encode())
     return digest.hexdigest()
 
 
 @functools.cache
-def engine_sources_hash() -> str:
-    """The hash of the Kiln code that builds engines (``ENGINE_SOURCES``)."""
-    return source_hash(KILN_ROOT, ENGINE_SOURCES, NOT_ENGINE_SOURCES)
+def engine_sources_hash(backend: str) -> str:
+    """The hash of the Kiln code that builds ``backend``'s engines (``ENGINE_SOURCES``)."""
+    return source_hash(KILN_ROOT, ENGINE_SOURCES[backend])
 
 
 @functools.cache

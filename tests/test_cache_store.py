@@ -381,3 +381,13 @@ def test_a_read_only_cache_serves_its_entries_and_refuses_builds_pulls_and_remov
     assert cache.entries.lookup(key, m).reason == "corrupt"  # refused, and left where it is (not quarantined)
     assert files_under(tmp_path / "cache") == before
     assert len(warnings) == 1 and "read-only for this user" in warnings[0]
+
+
+def test_a_read_only_database_that_is_not_one_is_a_cache_database_error_that_callers_fall_back_from(tmp_path):
+    from kiln.engines.cache.errors import CacheDatabaseError
+    from kiln.engines.cache.layout import read_only_db
+
+    damaged = tmp_path / "stats.sqlite"
+    damaged.write_bytes(b"not a database, or one another process is writing " * 100)
+    with pytest.raises(CacheDatabaseError), read_only_db(damaged) as db:  # sqlite3's DatabaseError, not Operational
+        db.execute("SELECT 1 FROM sqlite_master").fetchall()

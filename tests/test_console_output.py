@@ -200,3 +200,12 @@ def test_serving_a_config_says_why_it_builds_first_and_nothing_on_a_hit(tmp_path
         _config_target(find_config("tiny-llama-bf16"), RuntimeOptions(device="cpu"), backend=None, progress=False)
         err = capsys.readouterr().err
         assert expected in err if expected else "cache miss" not in err
+
+
+def test_uvicorns_trace_level_is_taken_as_debug_for_kilns_own_lines():
+    import logging
+
+    from kiln.pipeline.serve_command import log_to_stderr
+
+    log_to_stderr("trace")  # vLLM's --uvicorn-log-level trace; the logger is restored after the test
+    assert logging.getLogger("kiln").level == logging.DEBUG

@@ -12,7 +12,7 @@ import torch
 
 from kiln.engines.native.tuning import tuning_material
 from kiln.pipeline import key_material, runner
-from kiln.pipeline.source_hash import ENGINE_SOURCES, NOT_ENGINE_SOURCES, source_hash
+from kiln.pipeline.source_hash import ENGINE_SOURCES, KILN_ROOT, engine_sources_hash, source_hash
 from kiln.runtime.options import RuntimeOptions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,8 +126,8 @@ REQUIRED_FIELDS = {"key_schema", "kind", "checkpoint", "model_dtype", "backend",
                    "quantization.quantized_key", "quantization.recipe.format", "quantization.recipe.kv_cache_dtype",
                    "quantization.recipe.dataset_sha256", "quantization.recipe.modelopt",
                    "build.max_batch_size", "build.max_input_len", "build.max_seq_len", "build.max_num_tokens",
-                   "build.tokens_per_block", "toolchain.kiln", "toolchain.kiln_sources", "toolchain.torch",
-                   "toolchain.triton", "toolchain.cuda",
+                   "build.tokens_per_block", "toolchain.kiln", "toolchain.kiln_sources", "toolchain.transformers",
+                   "toolchain.torch", "toolchain.triton", "toolchain.cuda",
                    "hardware.device", "hardware.gpu_name", "hardware.compute_capability", "hardware.tp_size",
                    "hardware.pp_size"}
 
@@ -157,31 +157,46 @@ def test_another_kiln_version_misses_the_engines_of_this_one(tmp_path, model_cop
 def test_another_revision_of_kilns_build_or_calibration_code_misses_the_engines_of_this_one(tmp_path, model_copy,
                                                                                             monkeypatch, sources):
     before = engine_key(tmp_path, model_copy)  # FP8: the quantized checkpoint's key is part of the engine's
-    monkeypatch.setattr(key_material, sources, lambda: "0" * 64)
+    monkeypatch.setattr(key_material, sources, lambda *backend: "0" * 64)
     assert engine_key(tmp_path, model_copy) != before
 
 
-def test_the_source_hash_follows_the_code_that_builds_and_not_the_code_that_stores_or_serves(tmp_path):
-    for rel in ("engines/native/builder.py", "engines/cache/store.py", "runtime/server/app.py", "runtime/a.py",
-                "pipeline/tokenizer_files.py", "pipeline/cli.py"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("x = 1\n")
+@pytest.fixture(scope="module")
+def kiln_sources(tmp_path_factory) -> Path:
+    """A copy of Kiln's own ``*.py`` files, to edit."""
+    copy = tmp_path_factory.mktemp("kiln")
+    for path in KILN_ROOT.rglob("*.py"):
+        rel = path.relative_to(KILN_ROOT)
+        if rel.parts[0] in ("engines", "runtime", "pipeline", "calibration"):
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, copy / rel)
+    return copy
 
-    def build_hash() -> str:
-        return source_hash(tmp_path, ENGINE_SOURCES, NOT_ENGINE_SOURCES)
 
-    before = build_hash()
-    (tmp_path / "engines/cache/store.py").write_text("x = 2\n")
-    (tmp_path / "runtime/server/app.py").write_text("x = 2\n")
-    (tmp_path / "pipeline/cli.py").write_text("x = 2\n")
-    (tmp_path / "runtime/notes.txt").write_text("not code")
-    assert build_hash() == before
-    for rel in ("engines/native/builder.py", "runtime/a.py", "pipeline/tokenizer_files.py"):
-        (tmp_path / rel).write_text("x = 3\n")
-        assert build_hash() != before
-        before = build_hash()
-    (tmp_path / "runtime/a.py").rename(tmp_path / "runtime/b.py")  # a moved module changes it too
-    assert build_hash() != before
+@pytest.mark.parametrize(("backend", "changed", "rekeys"), [
+    ("native", "engines/native/builder.py", True), ("native", "runtime/native/model/llama.py", True),
+    ("native", "pipeline/stages.py", True), ("native", "pipeline/tokenizer_files.py", True),
+    ("native", "engines/cache/store.py", False), ("native", "runtime/server/app.py", False),
+    ("native", "runtime/llm.py", False), ("native", "pipeline/cli.py", False),
+    ("trtllm", "engines/trtllm/builder.py", True), ("trtllm", "pipeline/config.py", True),
+    ("trtllm", "runtime/native/kernels/fp8_gemv.py", False), ("trtllm", "runtime/trtllm/engine.py", False),
+])
+def test_the_source_hash_follows_the_code_that_builds_a_backends_engines_not_what_stores_or_serves_them(
+        kiln_sources, backend, changed, rekeys):
+    before = source_hash(kiln_sources, ENGINE_SOURCES[backend])
+    original = (kiln_sources / changed).read_text()
+    (kiln_sources / changed).write_text(original + "# edited\n")
+    try:
+        assert (source_hash(kiln_sources, ENGINE_SOURCES[backend]) != before) is rekeys
+    finally:
+        (kiln_sources / changed).write_text(original)
+
+
+def test_the_installed_sources_hash_as_the_copy_does_and_hidden_folders_count_for_nothing(kiln_sources):
+    assert source_hash(kiln_sources, ENGINE_SOURCES["native"]) == engine_sources_hash("native")
+    (kiln_sources / "runtime/native/.ipynb_checkpoints").mkdir()
+    (kiln_sources / "runtime/native/.ipynb_checkpoints/engine-checkpoint.py").write_text("x = 1\n")
+    assert source_hash(kiln_sources, ENGINE_SOURCES["native"]) == engine_sources_hash("native")
 
 
 def test_a_new_engine_format_version_misses_the_engines_of_the_old_one(tmp_path, model_copy, monkeypatch):

@@ -102,7 +102,7 @@ def read_only_db(path: Path) -> Iterator[sqlite3.Connection]:
             yield db
         finally:
             db.close()
-    except sqlite3.OperationalError as exc:
+    except sqlite3.DatabaseError as exc:  # "malformed" too: an immutable reader of a file another process writes
         raise CacheDatabaseError(Path(path), str(exc)) from None
 
 

@@ -165,9 +165,9 @@ class VllmRequestMetrics:
         for latency in metrics.inter_token_latencies:
             inter_token.observe(latency)
             per_output_token.observe(latency)
-        if metrics.decode_time is not None and len(output.token_ids) > 1:
-            self.request_time_per_output_token.labels(*labels).observe(
-                metrics.decode_time / (len(output.token_ids) - 1))
+        after_first = len(output.token_ids) - 1  # vLLM observes 0 for a request of one token or none
+        per_token = metrics.decode_time / after_first if metrics.decode_time and after_first > 0 else 0.0
+        self.request_time_per_output_token.labels(*labels).observe(per_token)
         if metrics.e2e_latency is not None:
             self.e2e_latency.labels(*labels).observe(metrics.e2e_latency)
         for phase, seconds in (("queue", metrics.queue_time), ("prefill", metrics.prefill_time),
