@@ -31,6 +31,9 @@ class StepStats:
     duration_s: float
     execute_s: float = 0.0  # of duration_s, running the model (on a GPU mostly waiting for it); the rest is host work
     queued_ahead: bool = False  # queued on the device behind the previous step, before its tokens were read
+    # vLLM's iteration tokens: the prompts whose prefill finished in the step, whole (cached tokens too), and the
+    # tokens the step sampled
+    num_iteration_tokens: int = 0
     timestamp: float = field(default_factory=time.time)
 
 
@@ -50,7 +53,7 @@ class PhaseTimes:
 
 
 STEP_KINDS = ("prefill", "mixed", "decode")
-# upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens buckets); one more count holds the rest
+# upper bounds of the iteration-tokens histogram (vLLM's buckets); one more count holds the rest
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -88,7 +91,8 @@ class EngineStats:
         # per step kind: steps run, their wall time and the part spent running the model (the rest is host work)
         self.steps_by_kind = {kind: {"steps": 0, "duration_s": 0.0, "execute_s": 0.0} for kind in STEP_KINDS}
         self.num_batched_tokens = 0
-        self.step_tokens_counts = [0] * (len(STEP_TOKEN_BUCKETS) + 1)  # steps by tokens run, per STEP_TOKEN_BUCKETS
+        self.step_tokens_counts = [0] * (len(STEP_TOKEN_BUCKETS) + 1)  # steps by iteration tokens, per bucket
+        self.num_iteration_tokens = 0
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         self.num_finished = {"stop": 0, "length": 0, "abort": 0}
@@ -103,7 +107,8 @@ class EngineStats:
             by_kind["duration_s"] += step.duration_s
             by_kind["execute_s"] += step.execute_s
             self.num_batched_tokens += step.num_batched_tokens
-            self.step_tokens_counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, step.num_batched_tokens)] += 1
+            self.step_tokens_counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, step.num_iteration_tokens)] += 1
+            self.num_iteration_tokens += step.num_iteration_tokens
             self.num_preemptions += step.num_preempted
             self.num_generated_tokens += num_generated_tokens
 
@@ -124,7 +129,8 @@ class EngineStats:
                         "steps_by_kind": {kind: dict(totals) for kind, totals in self.steps_by_kind.items()},
                         "num_batched_tokens": self.num_batched_tokens,
                         "step_tokens_histogram": {"buckets": list(STEP_TOKEN_BUCKETS),
-                                                  "counts": list(self.step_tokens_counts)},
+                                                  "counts": list(self.step_tokens_counts),
+                                                  "sum": self.num_iteration_tokens},
                         "num_generated_tokens": self.num_generated_tokens, "num_preemptions": self.num_preemptions,
                         "requests_finished": dict(self.num_finished)}
         return {

@@ -175,11 +175,15 @@ class NativeEngine:
         execute_s = time.perf_counter() - execute_start
         self.scheduler.update_computed(launched.out)
         now = time.monotonic()  # every token of the step reached the host together
-        results = [self._postprocess(seq, token_id, now, logprobs.get(seq))
-                   for seq, token_id in sampled.items() if not seq.is_finished]
+        live = [(seq, token_id) for seq, token_id in sampled.items() if not seq.is_finished]  # none aborted since
+        results = [self._postprocess(seq, token_id, now, logprobs.get(seq)) for seq, token_id in live]
+        # vLLM's iteration tokens: each token sampled, and the whole prompt of a request it is the first token of
+        iteration_tokens = sum(1 + (seq.num_prompt_tokens if seq.num_completion_tokens == 1 else 0)
+                               for seq, token_id in live if not isinstance(token_id, SamplingError))
         if self._in_flight is not None and self._in_flight.sampling_deferred:
             self.model_runner.sample(self._in_flight)  # its structured outputs' matchers now have these tokens
-        self._record_step(launched.out, len(results), time.perf_counter() - start, execute_s, queued_ahead)
+        self._record_step(launched.out, len(results), time.perf_counter() - start, execute_s, queued_ahead,
+                          iteration_tokens)
         return results
 
     def _postprocess(self, seq: Sequence, token_id: int | SamplingError, now: float,
@@ -224,7 +228,7 @@ class NativeEngine:
         return step_delta(seq, detokenizer, new_token_ids)
 
     def _record_step(self, out: SchedulerOutput, num_sampled: int, duration_s: float, execute_s: float,
-                     queued_ahead: bool = False) -> None:
+                     queued_ahead: bool = False, iteration_tokens: int = 0) -> None:
         bm = self.block_manager
         self.stats.record_step(StepStats(
             step=self.stats.num_steps, num_seqs=len(out.scheduled), num_batched_tokens=out.num_batched_tokens,
@@ -232,7 +236,7 @@ class NativeEngine:
             num_preempted=out.num_preempted, num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
             prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens, duration_s=duration_s, execute_s=execute_s,
-            queued_ahead=queued_ahead),
+            queued_ahead=queued_ahead, num_iteration_tokens=iteration_tokens),
             num_sampled)
 
     def stats_snapshot(self) -> dict:

@@ -75,19 +75,20 @@ class VllmEngineCollector:
         yield from family(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                           prefix.get("hit_tokens"))
         if (steps := stats.get("step_tokens_histogram")) is not None:
-            yield _iteration_tokens(value, steps, stats["num_batched_tokens"])
+            yield _iteration_tokens(value, steps)
         if kv is not None:
             yield _cache_config_info(kv)
 
 
-def _iteration_tokens(value: list[str], steps: dict, total_tokens: int) -> Metric:
-    """vLLM's histogram of the tokens each engine step ran, from the engine's counts per bucket."""
+def _iteration_tokens(value: list[str], steps: dict) -> Metric:
+    """vLLM's histogram of each engine step's tokens (the prompts it finished prefilling, whole, and the tokens it
+    sampled), from the engine's counts per bucket."""
     metric = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step", labels=LABELS)
     cumulative, buckets = 0, []
     for bound, count in zip([*steps["buckets"], float("inf")], steps["counts"], strict=True):
         cumulative += count
         buckets.append(("+Inf" if bound == float("inf") else str(float(bound)), cumulative))
-    metric.add_metric(value, buckets, sum_value=total_tokens)
+    metric.add_metric(value, buckets, sum_value=steps["sum"])
     return metric
 
 
