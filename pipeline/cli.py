@@ -18,7 +18,7 @@ from kiln.pipeline.cache_commands import cache_app, print_explain
 from kiln.pipeline.config import load_config
 from kiln.pipeline.console import friendly_errors, print_error_json, print_json, stage_progress, stderr, stdout
 from kiln.pipeline.runtime_env import runtime_options
-from kiln.pipeline.serve_command import serve
+from kiln.pipeline.serve_command import REFUSED_VLLM_FLAGS, serve
 from kiln.pipeline.vllm_names import kiln_setting_for
 
 
@@ -53,8 +53,11 @@ def _usage_error(exc: typer.TyperException, json_out: bool, command: str) -> NoR
         print(exc.format_message(), file=sys.stderr)
         raise typer.Exit(2)
     message = exc.format_message()
-    if kiln_name := kiln_setting_for(getattr(exc, "option_name", None) or ""):  # a flag of `vllm serve`
-        message = f"No such option: {exc.option_name} (vLLM's; Kiln takes it as {kiln_name} in the build config)"
+    option = getattr(exc, "option_name", None) or ""
+    if kiln_name := kiln_setting_for(option):  # a flag of `vllm serve`
+        message = f"No such option: {option} (vLLM's; Kiln takes it as {kiln_name} in the build config)"
+    elif option in REFUSED_VLLM_FLAGS:
+        message = f"No such option: {option} ({REFUSED_VLLM_FLAGS[option]})"
     message += _one_value_hint(exc, message)
     if json_out:
         print_error_json(type(exc).__name__, message)

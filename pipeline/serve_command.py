@@ -31,7 +31,14 @@ if TYPE_CHECKING:
 
 _SERVE_DEFAULTS = ServeSection()  # an engine served without a config gets a config's serve defaults
 _ORIGIN = re.compile(r"\*|[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")  # as a browser's Origin header: no path
+_DEFAULT_PORTS = {"http": ":80", "https": ":443"}  # which browsers leave out of an Origin header
+logger = logging.getLogger("kiln.pipeline")
 LogLevel = Literal["trace", "debug", "info", "warning", "error", "critical"]  # uvicorn's; trace is debug for Kiln
+# `vllm serve` flags asking for what Kiln cannot do, refused (a usage error) with why and what Kiln has instead
+REFUSED_VLLM_FLAGS = {
+    "--enable-log-requests": "vLLM's, which logs each request's prompt and parameters: Kiln logs no request's "
+                             "contents; --access-log logs a line per request",
+}
 
 
 class ServeExtraMissingError(KilnError):
@@ -72,7 +79,7 @@ class ServeTarget:
     def settings(self, *, api_key: str | tuple[str, ...] | None = None, max_queue: int | None = None,
                  model_names: list[str] | None = None,
                  chat_template: str | None = None, max_body_mb: float | None = None,
-                 allowed_origins: list[str] | None = None,
+                 allowed_origins: list[str] | None = None, allow_credentials: bool = False,
                  generation_config: Literal["auto", "vllm"] = "auto",
                  reasoning_parser: str | None = None) -> ServerSettings:
         from kiln.runtime.server import ServerSettings
@@ -83,8 +90,8 @@ class ServeTarget:
         names = model_names or [self.model_name]
         return ServerSettings(model_name=names[0], model_aliases=tuple(names[1:]), api_key=api_key or self.api_key,
                               max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache,
-                              chat_template=chat_template, generation_config=generation_config,
-                              reasoning_parser=reasoning_parser, **bound)
+                              chat_template=chat_template, allow_credentials=allow_credentials,
+                              generation_config=generation_config, reasoning_parser=reasoning_parser, **bound)
 
 
 class AllowedOriginsError(KilnError):
@@ -93,7 +100,8 @@ class AllowedOriginsError(KilnError):
 
 def cors_origins(values: list[str]) -> tuple[str, ...]:
     """The origins --allowed-origins values name: each an origin ('*' or scheme://host[:port]) or, as vLLM takes
-    the flag, a JSON list of them; '' names none."""
+    the flag, a JSON list of them; '' names none. Each as a browser's Origin header spells it (``_as_browsers``),
+    which is what CORS matches exactly."""
     origins = []
     for value in values:
         listed = [value] if not value.startswith("[") else _json_list(value)
@@ -102,8 +110,16 @@ def cors_origins(values: list[str]) -> tuple[str, ...]:
                 raise AllowedOriginsError(f"--allowed-origins {value}: {origin!r} is not an origin; give '*' or "
                                           f"scheme://host[:port] with no path or trailing slash "
                                           f"(https://app.example)")
-            origins.append(origin)
+            origins.append(_as_browsers(origin))
     return tuple(origins)
+
+
+def _as_browsers(origin: str) -> str:
+    """An origin as browsers send it: scheme and host in lowercase, without the scheme's default port."""
+    scheme, separator, host = origin.lower().partition("://")
+    if (default_port := _DEFAULT_PORTS.get(scheme)) is not None:
+        host = host.removesuffix(default_port)
+    return scheme + separator + host
 
 
 def _json_list(value: str) -> list:
@@ -116,6 +132,29 @@ def _json_list(value: str) -> list:
         raise AllowedOriginsError(f"--allowed-origins {value}: not a JSON list; give one origin, or a list such as "
                                   f"'[\"https://app.example\"]'")
     return listed
+
+
+class CorsWildcardError(KilnError):
+    """An --allowed-methods or --allowed-headers value other than vLLM's default, every one: all that Kiln allows."""
+
+
+def check_cors_wildcards(methods: str | None, headers: str | None) -> None:
+    """Take vLLM's --allowed-methods and --allowed-headers only as '["*"]' (their default) or '*': Kiln's CORS allows
+    every method and request header, and would not honour a narrower list."""
+    for flag, value, what in (("--allowed-methods", methods, "method"), ("--allowed-headers", headers, "header")):
+        if value is not None and not _names_every_one(value):
+            raise CorsWildcardError(f"{flag} {value}: Kiln's CORS allows every {what} and cannot narrow them; give "
+                                    f"'[\"*\"]' (vLLM's default) or leave the flag out")
+
+
+def _names_every_one(value: str) -> bool:
+    """Whether a vLLM CORS list names every one: '*', or the JSON list ["*"]."""
+    if value.strip() == "*":
+        return True
+    try:
+        return json.loads(value) == ["*"]
+    except json.JSONDecodeError:
+        return False
 
 
 class ChatTemplateFileError(KilnError):
@@ -157,13 +196,12 @@ def torchrun_rendezvous(environ: Mapping[str, str]) -> Rendezvous | None:
 
 def log_to_stderr(level: LogLevel = "info") -> None:
     """Kiln's own log lines (the engine loaded, a request that failed, the engine stopping) from ``level`` up on
-    stderr, in the format uvicorn's get (time, level, logger, request id)."""
+    stderr, in the format uvicorn's get (time, level, logger, request id); the engine process logs from the same
+    level in the same format."""
+    from kiln.runtime import logs
     from kiln.runtime.server.serve import stderr_log_handler
 
-    kiln_logger = logging.getLogger("kiln")
-    if not kiln_logger.handlers:  # else set up already (serve called again in this process)
-        kiln_logger.addHandler(stderr_log_handler())
-    kiln_logger.setLevel("DEBUG" if level == "trace" else level.upper())
+    logs.log_to_stderr("DEBUG" if level == "trace" else level.upper(), stderr_log_handler())
 
 
 def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, local_rank: int) -> None:
@@ -230,11 +268,17 @@ def _config_target(config: Path, options: RuntimeOptions, *, backend: str | None
 
 def engine_cache_info(cache: EngineCache, key: str, hit: bool) -> dict:
     """What ``/metrics`` reports of the engine cache: whether the served engine was a hit, the hit rate and the
-    remote tier's figures (None without one)."""
+    remote tier's figures (None without one, and both None where the cache's statistics cannot be read: they are
+    expendable, and serving goes on without them)."""
+    from kiln.engines.cache.errors import CacheDatabaseError
     from kiln.engines.cache.inspect import remote_report
 
-    return {"hit": hit, "hit_rate": cache.stats.summary("entries")["hit_rate"], "key": key,
-            "remote": remote_report(cache)}
+    try:
+        hit_rate, remote = cache.stats.summary("entries")["hit_rate"], remote_report(cache)
+    except CacheDatabaseError as exc:
+        logger.warning("%s; /metrics leaves out the engine cache's hit rate and remote figures", exc)
+        hit_rate = remote = None
+    return {"hit": hit, "hit_rate": hit_rate, "key": key, "remote": remote}
 
 
 def require_serve_extra() -> None:
@@ -277,6 +321,13 @@ def serve(
     allowed_origins: Annotated[list[str] | None, typer.Option(
         "--allowed-origins", help="An origin browsers may call the API from (CORS), repeatable, or a JSON list of "
                                   "them (vLLM's form); default any ('*', as vLLM); '' alone turns CORS off.")] = None,
+    allowed_methods: Annotated[str | None, typer.Option(
+        help="vLLM's; Kiln's CORS allows every method, so only its default, '[\"*\"]', is taken.")] = None,
+    allowed_headers: Annotated[str | None, typer.Option(
+        help="vLLM's; Kiln's CORS allows every header, so only its default, '[\"*\"]', is taken.")] = None,
+    allow_credentials: Annotated[bool, typer.Option(
+        help="CORS responses let browsers send cookies and credentials (Access-Control-Allow-Credentials), as "
+             "vLLM's flag does.")] = False,
     generation_config: Annotated[Literal["auto", "vllm"], typer.Option(
         help="Sampling defaults of requests that leave them unset: the model's generation_config.json (auto, as "
              "vLLM) or vLLM's own (vllm).")] = "auto",
@@ -301,15 +352,18 @@ def serve(
     engine_process: Annotated[bool, typer.Option(help="Run the engine in a process of its own (its host work and the "
                                                      "HTTP server's then do not share one GIL), or on a thread of "
                                                      "the server's.")] = True,
-    access_log: Annotated[bool, typer.Option(help="Log a line per HTTP request (uvicorn's access log, which vLLM "
-                                                 "keeps on; off here: at hundreds of requests a second the lines "
-                                                 "cost the server's event loop).")] = False,
+    access_log: Annotated[bool, typer.Option(
+        "--access-log/--no-access-log", " /--disable-uvicorn-access-log",
+        help="Log a line per HTTP request (uvicorn's access log, which vLLM keeps on; off here: at hundreds of "
+             "requests a second the lines cost the server's event loop); --disable-uvicorn-access-log: vLLM's "
+             "name of --no-access-log.")] = False,
     log_level: Annotated[LogLevel, typer.Option(
         "--log-level", "--uvicorn-log-level", envvar="KILN_LOG_LEVEL", case_sensitive=False,
         help="The least level of the log lines, Kiln's and uvicorn's (--uvicorn-log-level: vLLM's name).")] = "info",
-    vllm_log_flags: Annotated[bool, typer.Option(
-        "--disable-log-requests", "--disable-log-stats", help="vLLM's, accepted and ignored: Kiln logs no line per "
-                                                              "request and no periodic stats.")] = False,
+    vllm_no_ops: Annotated[bool, typer.Option(
+        "--disable-log-requests", "--disable-log-stats", "--enable-request-id-headers",
+        help="vLLM's, accepted and ignored: Kiln logs no line per request and no periodic stats, and always echoes "
+             "X-Request-Id.")] = False,
 ) -> None:
     """Serve an engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/responses,
     /health, /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
@@ -323,6 +377,7 @@ def serve(
 
     template = read_chat_template(chat_template) if chat_template is not None else None  # before any build
     cors_origins(allowed_origins or [])  # refused before any build too
+    check_cors_wildcards(allowed_methods, allowed_headers)
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks,
                               gpu_memory_utilization=gpu_memory_utilization, engine_process=engine_process,
                               prefix_caching=enable_prefix_caching)
@@ -343,7 +398,8 @@ def serve(
                                "give the key clients must send")
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_names=model_names, chat_template=template,
                                  max_body_mb=max_body_mb, allowed_origins=allowed_origins,
-                                 generation_config=generation_config, reasoning_parser=reasoning_parser)
+                                 allow_credentials=allow_credentials, generation_config=generation_config,
+                                 reasoning_parser=reasoning_parser)
     app = create_app(resolved.loader(options), resolved.engine_dir, settings)
     bind_host = host or resolved.host
     bind_port = resolved.port if port is None else port

@@ -153,8 +153,33 @@ def test_vllm_serve_flag_forms_are_taken_or_get_a_hint_naming_kilns(tmp_path):
                         (["--api-key", "k1", "k2"], "repeat it for each (--api-key k1 --api-key k2)")):
         result = CliRunner().invoke(app, ["serve", missing, *args])
         assert result.exit_code == 2 and words in result.stderr, result.stderr
-    result = CliRunner().invoke(app, ["serve", missing, "--disable-log-requests", "--disable-log-stats"])
+    taken = ["--disable-log-requests", "--disable-log-stats", "--enable-request-id-headers", "--allow-credentials",
+             "--disable-uvicorn-access-log", "--allowed-methods", '["*"]', "--allowed-headers", "*"]
+    result = CliRunner().invoke(app, ["serve", missing, *taken])
     assert result.exit_code == 2 and "No such option" not in result.stderr and "nothing" in result.stderr
+
+
+def test_vllm_serve_flags_kiln_cannot_honour_are_refused_naming_what_it_does_instead(tmp_path):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    missing = str(tmp_path / "nothing")
+    for args, words in ((["--enable-log-requests"], "Kiln logs no request's contents; --access-log logs a line"),
+                        (["--allowed-methods", '["GET", "POST"]'], "allows every method and cannot narrow them"),
+                        (["--allowed-headers", "authorization"], "allows every header and cannot narrow them")):
+        result = CliRunner().invoke(app, ["serve", missing, *args])
+        assert result.exit_code == 2 and words in result.stderr and "nothing" not in result.stderr, result.stderr
+
+
+def test_vllms_disable_uvicorn_access_log_turns_the_access_log_off():
+    from typer.main import get_command
+
+    from kiln.pipeline.cli import app
+
+    serve = get_command(app).commands["serve"]
+    context = serve.make_context("serve", ["x", "--access-log", "--disable-uvicorn-access-log"])
+    assert context.params["access_log"] is False
 
 
 def test_an_interrupted_command_under_json_is_an_error_object_on_stdout_and_exit_130(capsys):

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import logging
 import os
 import queue
 import re
@@ -247,6 +248,26 @@ def test_the_engine_process_lets_its_idle_openmp_threads_sleep_unless_told_other
         assert llm.stats()["omp_wait_policy"] == "ACTIVE"
 
 
+class _LoggingEngine(_IdleEngine):
+    """Logs a line of Kiln's at info and one at warning as it loads."""
+
+    def __init__(self) -> None:
+        logging.getLogger("kiln.runtime").info("loading apart")
+        logging.getLogger("kiln.runtime").warning("loaded apart")
+
+
+def test_the_engine_process_logs_from_the_parents_level_in_the_servers_format(capfd):
+    logging.getLogger("kiln").setLevel(logging.INFO)  # as kiln serve --log-level info sets it (restored after)
+    ProcessEngine("tests.test_engine_process:_LoggingEngine", {}).close()
+    err = capfd.readouterr().err
+    assert re.search(r"\d INFO kiln.runtime \[-\]: loading apart\n", err), err  # before: not shown at all
+    assert re.search(r"\d WARNING kiln.runtime \[-\]: loaded apart\n", err), err  # before: the bare message
+    logging.getLogger("kiln").setLevel(logging.NOTSET)  # an embedder who set no level: logging left as it is
+    ProcessEngine("tests.test_engine_process:_LoggingEngine", {}).close()
+    err = capfd.readouterr().err
+    assert re.search(r"^loaded apart$", err, re.MULTILINE) and "loading apart" not in err, err  # as Python's default
+
+
 def test_an_engine_process_that_dies_while_idle_is_an_engine_error_at_once():
     with LLM(ProcessEngine("tests.test_engine_process:_IdleEngine", {})) as llm:
         assert llm.engine_error is None
@@ -375,7 +396,7 @@ def test_an_engine_process_whose_parent_dies_while_it_loads_dies_too():
     # would otherwise wait for its factory (or load the weights) forever
     ours, theirs = socket.socketpair()
     spawn = ("import os, subprocess, sys; child = subprocess.Popen([sys.executable, '-m', "
-             "'kiln.runtime.engine_process', sys.argv[1], str(os.getpid())], pass_fds=[int(sys.argv[1])]); "
+             "'kiln.runtime.engine_process', sys.argv[1], str(os.getpid()), '0'], pass_fds=[int(sys.argv[1])]); "
              "print(child.pid, flush=True); child.wait()")
     with ours, theirs:
         parent = subprocess.Popen([sys.executable, "-c", spawn, str(theirs.fileno())], pass_fds=[theirs.fileno()],

@@ -153,6 +153,15 @@ def test_a_browser_preflight_is_answered_without_the_key_and_responses_allow_any
     assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
     exposed = refused.headers["access-control-expose-headers"].lower()  # a browser app may read them
     assert "x-request-id" in exposed and "kiln-ignored-fields" in exposed
+    assert "access-control-allow-credentials" not in refused.headers
+
+
+def test_allow_credentials_lets_a_browser_send_its_cookies_to_the_origin_named(llm):
+    settings = ServerSettings(model_name=MODEL, allowed_origins=("https://app.example",), allow_credentials=True)
+    with ServerThread(create_app(llm, tiny_engine(), settings)) as server:
+        response = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example"})
+    assert response.headers["access-control-allow-credentials"] == "true"
+    assert response.headers["access-control-allow-origin"] == "https://app.example"
 
 
 @pytest.mark.parametrize(("path", "body", "status", "words"), [

@@ -201,14 +201,36 @@ def test_allowed_origins_take_vllms_json_list_and_refuse_what_is_not_an_origin(t
             target.settings(allowed_origins=[value])
 
 
+def test_allowed_origins_are_matched_as_browsers_send_them_lowercase_without_a_default_port():
+    from kiln.pipeline.serve_command import cors_origins
+
+    given = ["HTTPS://A.Example:443", "Http://LocalHost:80", "http://a.example:8080", "https://a.example:80", "*"]
+    assert cors_origins(given) == ("https://a.example", "http://localhost", "http://a.example:8080",
+                                   "https://a.example:80", "*")
+
+
+def test_a_read_only_cache_whose_statistics_cannot_be_read_serves_without_the_hit_rate(tmp_path, monkeypatch, caplog):
+    from tests.test_cache_store import as_read_only_user
+    from tests.test_targets import publish
+
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KILN_CACHE_REMOTE", f"file://{tmp_path / 'team'}")
+    key = publish(EngineCache.open(tmp_path / "cache"), "a")
+    (tmp_path / "cache" / "v1" / "stats.db").write_bytes(b"not a database")  # or gone: unreadable either way
+    as_read_only_user(monkeypatch)
+    target = serve_target(key, RuntimeOptions())
+    assert target.engine_cache == {"hit": True, "hit_rate": None, "key": key, "remote": None}
+    assert "stats.db: cannot be used" in caplog.text and "leaves out the engine cache's hit rate" in caplog.text
+
+
 def test_the_log_level_applies_to_kilns_and_uvicorns_loggers_in_one_format(llm):
     import logging
 
     from typer.testing import CliRunner
 
     from kiln.pipeline.cli import app as cli
+    from kiln.runtime.logs import LOG_FORMAT
     from kiln.runtime.server import ServerSettings, ServerThread, create_app
-    from kiln.runtime.server.serve import LOG_FORMAT
 
     kiln_logger = logging.getLogger("kiln")
     before = kiln_logger.level

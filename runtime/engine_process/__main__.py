@@ -1,5 +1,5 @@
-"""``python -m kiln.runtime.engine_process FD PARENT_PID``: the engine process ``ProcessEngine`` starts, serving the
-socket FD."""
+"""``python -m kiln.runtime.engine_process FD PARENT_PID LOG_LEVEL``: the engine process ``ProcessEngine`` starts,
+serving the socket FD and logging from the parent's level, LOG_LEVEL (0: none set, no handler added)."""
 
 import sys
 
@@ -9,4 +9,4 @@ die_with_parent(int(sys.argv[2]))  # before the imports below, which take second
 
 from kiln.runtime.engine_process.child import main  # noqa: E402
 
-sys.exit(main(int(sys.argv[1])))
+sys.exit(main(int(sys.argv[1]), int(sys.argv[3])))

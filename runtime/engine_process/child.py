@@ -4,6 +4,7 @@ engine's stats every ``STATS_INTERVAL_S``) to the parent; it lives as long as th
 from __future__ import annotations
 
 import importlib
+import logging
 import queue
 import signal
 import threading
@@ -18,6 +19,7 @@ from kiln.runtime.engine_process.lifetime import outlive_parent_thread
 from kiln.runtime.engine_process.wire import error_to_wire, receive, request_from_wire, result_to_wire, send
 from kiln.runtime.errors import KilnError
 from kiln.runtime.heap import freeze_startup_heap
+from kiln.runtime.logs import log_to_stderr
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, StreamDelta
 
@@ -30,8 +32,11 @@ def load(engine_dir: str, options: dict) -> Engine:
     return load_engine(Path(engine_dir), RuntimeOptions(**options))
 
 
-def main(fd: int) -> int:
-    """Serve the parent on the socket ``fd``: read the factory, load, say hello (or why the load failed), run."""
+def main(fd: int, log_level: int = logging.NOTSET) -> int:
+    """Serve the parent on the socket ``fd``: read the factory, load, say hello (or why the load failed), run. Kiln's
+    log lines go to stderr from ``log_level`` up, as the parent's do (NOTSET: it set none, nor is one set here)."""
+    if log_level != logging.NOTSET:
+        log_to_stderr(log_level)
     # Ctrl-C and SIGTERM go to the parent, which drains its requests and then closes this process through the pipe
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

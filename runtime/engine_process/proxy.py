@@ -50,7 +50,8 @@ class ProcessEngine:
 
     def __init__(self, factory: str, arguments: dict) -> None:
         ours, theirs = socket.socketpair()
-        argv, environment = kiln_module_command("kiln.runtime.engine_process", str(theirs.fileno()), str(os.getpid()))
+        argv, environment = kiln_module_command("kiln.runtime.engine_process", str(theirs.fileno()), str(os.getpid()),
+                                                str(logging.getLogger("kiln").level))  # the child logs as this does
         # OpenMP threads that spin between torch's CPU ops took the cores this process needs to pass the results on:
         # on a busy 2-core host a 20-token completion took 3-5 s instead of 0.5 (unless the user chose a policy)
         environment.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -62,7 +62,7 @@ _STREAMING = {200: {"content": {"text/event-stream": {"schema": {"type": "string
 class ServerSettings:
     """How the server presents the engine: its model id (and aliases), API key, queue bound, body-size bound, chat
     template override, the reasoning parser, the origins browsers may call it from (CORS; none: no CORS headers) and
-    engine-cache facts."""
+    whether they may send credentials, and engine-cache facts."""
 
     model_name: str
     model_aliases: tuple[str, ...] = ()  # other ids requests may send (vLLM's further --served-model-name values)
@@ -71,6 +71,7 @@ class ServerSettings:
     chat_template: str | None = None  # a template's source that replaces the engine's own
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allowed_origins: tuple[str, ...] = ("*",)  # vLLM's default
+    allow_credentials: bool = False  # vLLM's --allow-credentials: CORS responses let browsers send credentials
     engine_cache: dict = field(default_factory=dict)  # {"hit": bool, "hit_rate": float, "key": str}, when known
     generation_config: GenerationConfigMode = "auto"  # the sampling defaults: the model's (vLLM's default) or vLLM's
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: qwen3 or deepseek_r1 (runtime/server/reasoning.py)
@@ -242,7 +243,8 @@ def _add_middleware(app: FastAPI, settings: ServerSettings, metrics: ServerMetri
     app.add_middleware(RequestIdMiddleware)
     if settings.allowed_origins:  # outermost: a preflight needs no key, and a 401 still carries the CORS headers
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER.decode(), IGNORED_FIELDS_HEADER])
+                           allow_headers=["*"], allow_credentials=settings.allow_credentials,
+                           expose_headers=[REQUEST_ID_HEADER.decode(), IGNORED_FIELDS_HEADER])
 
 
 def invocation(body: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:

@@ -15,6 +15,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from kiln.runtime import logs
 from kiln.runtime.errors import KilnError
 from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.server.http_protocol import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, http_protocol_options
@@ -26,7 +27,6 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 25.0  # within Kubernetes' default grace period (30
 DRAIN_POLL_S = 0.05
 ABORT_FLUSH_S = 2.0  # how long aborted requests get to write their error once the drain time is up
 CLOSE_FLUSH_S = 0.5  # the least uvicorn gets, once the port closes, to send responses the drain just ended
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 
 
 class ServerStartError(KilnError):
@@ -61,10 +61,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def stderr_log_handler() -> logging.Handler:
-    """Log lines on stderr as Kiln writes them: time, level, logger, the id of the request they concern ("-" for
-    none), message."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    """Log lines on stderr as Kiln writes them (``logs.LOG_FORMAT``), with the id of the request being served."""
+    handler = logs.stderr_log_handler()
     handler.addFilter(RequestIdFilter())
     return handler
 
