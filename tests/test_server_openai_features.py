@@ -263,10 +263,10 @@ def test_vllm_extensions_at_their_defaults_are_accepted(client):
     chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                             stream=True, stream_options={"include_usage": True,
                                                                          "continuous_usage_stats": False},
-                                            extra_body=defaults)
+                                            extra_body={**defaults, "ignore_eos": True})
     assert list(chunks)[-1].usage.completion_tokens == 2
     shared = {"use_beam_search": False, "length_penalty": 1.0, "return_token_ids": None, "allowed_token_ids": None,
-              "bad_words": []}
+              "bad_words": [], "ignore_eos": True}  # sampled: EOS could end one early
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                           extra_body=shared)
     completion = client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
