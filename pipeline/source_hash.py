@@ -4,34 +4,66 @@ torch's and Triton's caches key what they compile by a hash of their own sources
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import kiln
 
 KILN_ROOT = Path(kiln.__file__).resolve().parent
 
-# the code that decides an engine's bytes, per backend: its builder and the engine format and model code it writes
-# for, and the build stage's plan, options and tokenizer rewrite; not where an engine is stored or how it is served
-BUILD_STAGE_SOURCES = ("engines/eos.py", "runtime/plan.py", "runtime/options.py", "runtime/tokenizer.py",
-                       "pipeline/config.py", "pipeline/stages.py", "pipeline/key_material.py",
-                       "pipeline/tokenizer_files.py")
-ENGINE_SOURCES = {"native": ("engines/native", "runtime/native", *BUILD_STAGE_SOURCES),
-                  "trtllm": ("engines/trtllm", "runtime/trtllm/engine_info.py", *BUILD_STAGE_SOURCES)}
-QUANTIZED_SOURCES = ("calibration",)
+
+@dataclass(frozen=True)
+class BuildSources:
+    """The code that decides what a stage writes: the modules of ``roots`` and every Kiln module they import,
+    transitively (read statically, imports inside functions too), but those under ``excluded``; and ``files``,
+    taken as they are (the build stage's own modules, whose imports reach far beyond the build)."""
+
+    roots: tuple[str, ...]
+    files: tuple[str, ...] = ()
+    excluded: tuple[str, ...] = ("engines/cache/",)  # where an engine is stored puts no byte into it
 
 
-def source_hash(root: Path, sources: tuple[str, ...]) -> str:
-    """sha256 over the sorted (path, content) of the ``*.py`` files that ``sources`` name under ``root``: files, or
-    folders (their ``*.py`` files at any depth, hidden folders left out)."""
-    paths = [path for source in sources for path in ((root / source).rglob("*.py") if (root / source).is_dir()
-                                                     else [root / source])]
-    files = sorted({path.relative_to(root).as_posix() for path in paths})
+BUILD_STAGE = ("pipeline/config.py", "pipeline/stages.py", "pipeline/key_material.py", "pipeline/tokenizer_files.py")
+ENGINE_SOURCES = {"native": BuildSources(("kiln.engines.native.builder",), BUILD_STAGE),
+                  "trtllm": BuildSources(("kiln.engines.trtllm.builder",), BUILD_STAGE)}
+QUANTIZED_SOURCES = BuildSources(("kiln.calibration.quantize",))
+
+
+def source_files(root: Path, sources: BuildSources) -> list[str]:
+    """The files ``sources`` names under ``root`` (a package laid out as ``kiln``), relative to it, sorted."""
+    found, modules = set(sources.files), list(sources.roots)
+    seen: set[str] = set()
+    while modules:
+        name = modules.pop()
+        if name in seen or (rel := _module_file(root, name)) is None or rel.startswith(sources.excluded):
+            continue
+        seen.add(name)
+        found.add(rel)
+        for node in ast.walk(ast.parse((root / rel).read_bytes())):
+            if isinstance(node, ast.Import):
+                modules += [alias.name for alias in node.names if alias.name.startswith("kiln.")]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kiln."):
+                modules += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    return sorted(found)
+
+
+def _module_file(root: Path, module: str) -> str | None:
+    """The file of Kiln module ``module`` relative to ``root``; None for a name that is no module (a class)."""
+    parts = module.split(".")[1:]
+    for rel in ("/".join(parts) + ".py", "/".join([*parts, "__init__.py"])):
+        if (root / rel).is_file():
+            return rel
+    return None
+
+
+def source_hash(root: Path, sources: BuildSources) -> str:
+    """sha256 over the (path, content sha256) of ``source_files``."""
     digest = hashlib.sha256()
-    for rel in files:
-        if not any(part.startswith(".") for part in rel.split("/")):
-            digest.update(f"{rel}\0{hashlib.sha256((root / rel).read_bytes()).hexdigest()}\n".encode())
+    for rel in source_files(root, sources):
+        digest.update(f"{rel}\0{hashlib.sha256((root / rel).read_bytes()).hexdigest()}\n".encode())
     return digest.hexdigest()
 
 

@@ -175,9 +175,12 @@ def kiln_sources(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize(("backend", "changed", "rekeys"), [
     ("native", "engines/native/builder.py", True), ("native", "runtime/native/model/llama.py", True),
+    ("native", "runtime/native/engine_format.py", True), ("native", "runtime/native/parallel/sharding.py", True),
     ("native", "pipeline/stages.py", True), ("native", "pipeline/tokenizer_files.py", True),
-    ("native", "engines/cache/store.py", False), ("native", "runtime/server/app.py", False),
-    ("native", "runtime/llm.py", False), ("native", "pipeline/cli.py", False),
+    ("native", "runtime/native/engine.py", False), ("native", "runtime/native/scheduler.py", False),
+    ("native", "runtime/native/parallel/launch.py", False), ("native", "engines/cache/store.py", False),
+    ("native", "runtime/server/app.py", False), ("native", "runtime/llm.py", False),
+    ("native", "pipeline/cli.py", False),
     ("trtllm", "engines/trtllm/builder.py", True), ("trtllm", "pipeline/config.py", True),
     ("trtllm", "runtime/native/kernels/fp8_gemv.py", False), ("trtllm", "runtime/trtllm/engine.py", False),
 ])
@@ -192,11 +195,18 @@ def test_the_source_hash_follows_the_code_that_builds_a_backends_engines_not_wha
         (kiln_sources / changed).write_text(original)
 
 
-def test_the_installed_sources_hash_as_the_copy_does_and_hidden_folders_count_for_nothing(kiln_sources):
-    assert source_hash(kiln_sources, ENGINE_SOURCES["native"]) == engine_sources_hash("native")
-    (kiln_sources / "runtime/native/.ipynb_checkpoints").mkdir()
-    (kiln_sources / "runtime/native/.ipynb_checkpoints/engine-checkpoint.py").write_text("x = 1\n")
-    assert source_hash(kiln_sources, ENGINE_SOURCES["native"]) == engine_sources_hash("native")
+def test_a_module_the_builder_comes_to_import_is_hashed_from_then_on(kiln_sources):
+    assert source_hash(kiln_sources, ENGINE_SOURCES["native"]) == engine_sources_hash("native")  # as installed
+    builder = kiln_sources / "engines/native/builder.py"
+    original = builder.read_text()
+    (kiln_sources / "engines/native/helper.py").write_text("x = 1\n")
+    builder.write_text(original + "from kiln.engines.native.helper import x\n")
+    try:
+        before = source_hash(kiln_sources, ENGINE_SOURCES["native"])
+        (kiln_sources / "engines/native/helper.py").write_text("x = 2\n")
+        assert source_hash(kiln_sources, ENGINE_SOURCES["native"]) != before
+    finally:
+        builder.write_text(original)
 
 
 def test_a_new_engine_format_version_misses_the_engines_of_the_old_one(tmp_path, model_copy, monkeypatch):
