@@ -209,13 +209,14 @@ def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, 
     the same build, so a config is refused) on this host's GPU ``local_rank`` until rank 0's server stops."""
     from kiln.runtime.native.engine_format import EngineConfig
     from kiln.runtime.native.fingerprint import resolve_device
-    from kiln.runtime.native.parallel.worker import rank_device, run_worker
+    from kiln.runtime.native.parallel.worker import ignore_stop_signals, rank_device, run_worker
 
     target = resolve_target(text, cache_root())
     if target.kind != "engine":
         raise TargetError(f"{text}: under torchrun every rank serves one engine that is already built; give its "
                           f"directory or cache key (kiln build the config first)")
     device = resolve_device(options.device, EngineConfig.load(target.path).fingerprint)
+    ignore_stop_signals()
     run_worker(target.path, options, rendezvous, rank_device(device, local_rank))
 
 

@@ -111,7 +111,7 @@ def test_preemption_prefix_reuse_and_structured_output_under_tp2_match_one_devic
     assert [r.token_ids for r in outputs[2]] == [r.token_ids for r in outputs[1]]
 
 
-def test_abort_frees_a_request_and_the_engine_keeps_serving(tmp_path):
+def test_abort_frees_a_request_and_the_engine_keeps_serving_through_the_stop_signals_that_rank_0_drains_on(tmp_path):
     make_hf_checkpoint(tmp_path / "checkpoint", 0)
     (tmp_path / "tp2").mkdir()
     build_native_engine(tmp_path / "checkpoint", tmp_path / "tp2", tiny_plan(), "float32", tp_size=2)
@@ -120,6 +120,9 @@ def test_abort_frees_a_request_and_the_engine_keeps_serving(tmp_path):
         time.sleep(0.2)
         llm.abort("long")
         assert llm.result("long", 60).finish_reason == "abort"
+        for process in llm.engine.ranks.workers.processes.values():  # Ctrl-C to the group, torchrun's SIGTERM
+            os.kill(process.pid, signal.SIGINT)
+            os.kill(process.pid, signal.SIGTERM)
         assert len(llm.generate([PROMPTS[1]], GREEDY)[0].token_ids) == 10
         # the ranks of one host meet on loopback only: their store and gloo take no connection from the network
         ranks = [os.getpid(), *(p.pid for p in llm.engine.ranks.workers.processes.values())]

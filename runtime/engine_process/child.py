@@ -23,6 +23,8 @@ from kiln.runtime.logs import log_to_stderr
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, StreamDelta
 
+logger = logging.getLogger("kiln.runtime")
+
 STATS_INTERVAL_S = 0.2
 FAILURE_POLL_S = 0.25  # how often an idle engine process asks its engine whether it failed
 
@@ -57,7 +59,8 @@ def main(fd: int, log_level: int = logging.NOTSET) -> int:
             serve(conn, engine)
         except Exception as exc:  # a bug in the engine: the parent fails what is in flight and reports it
             send(conn, {"fatal": error_to_wire(exc)})
-            raise
+            logger.critical("the engine stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            return 1
         finally:
             engine.close()
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent has gone: nobody is left to serve

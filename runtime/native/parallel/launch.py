@@ -7,6 +7,7 @@ rank 0's collectives, so the engine stops with an error that names the rank inst
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -68,7 +69,8 @@ class LocalWorkers:
             command, env = kiln_module_command(
                 "kiln.runtime.native.parallel.worker", str(engine_dir), "--rendezvous", self.rendezvous.address(),
                 "--rank", str(rank), "--size", str(size), "--local-rank", str(first_local_rank + rank),
-                "--options", json.dumps(asdict(options)), "--parent-pid", str(os.getpid()))
+                "--options", json.dumps(asdict(options)), "--parent-pid", str(os.getpid()),
+                "--log-level", str(logging.getLogger("kiln").level))  # the worker logs as this process does
             env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no c10d warning per idle poll of the step channel
             self.processes[rank] = subprocess.Popen(command, env=env)
 

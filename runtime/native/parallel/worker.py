@@ -14,12 +14,16 @@ import argparse
 import contextlib
 import hashlib
 import json
+import logging
+import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kiln.runtime.engine_process.lifetime import die_with_parent, outlive_parent_thread
+from kiln.runtime.logs import log_to_stderr
 from kiln.runtime.native.engine_format import ENGINE_JSON, EngineConfig
 from kiln.runtime.native.fingerprint import resolve_device
 from kiln.runtime.native.model_runner import ModelRunner
@@ -27,6 +31,8 @@ from kiln.runtime.native.parallel.channel import StepChannel
 from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError, TensorParallelGroup
 from kiln.runtime.native.parallel.step_batch import STOP, StepBatch
 from kiln.runtime.options import RuntimeOptions
+
+logger = logging.getLogger("kiln.runtime")
 
 
 def rank_device(engine_device: torch.device, local_rank: int) -> torch.device:
@@ -82,14 +88,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--local-rank", type=int, required=True, help="this rank's GPU on its host")
     parser.add_argument("--options", default="{}", help="RuntimeOptions as a JSON object (rank 0's)")
     parser.add_argument("--parent-pid", type=int, help="rank 0's pid (a local worker): die with it while loading")
+    parser.add_argument("--log-level", type=int, default=logging.NOTSET, help="rank 0's (0: none set, none added)")
     args = parser.parse_args(argv)
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
+    ignore_stop_signals()
+    if args.log_level != logging.NOTSET:
+        log_to_stderr(args.log_level)
     options = RuntimeOptions(**json.loads(args.options))
     device = resolve_device(options.device, EngineConfig.load(args.engine_dir).fingerprint)
-    run_worker(args.engine_dir, options, Rendezvous.parse(args.rendezvous, args.rank, args.size),
-               rank_device(device, args.local_rank),
-               on_loaded=outlive_parent_thread if args.parent_pid is not None else None)
+    try:
+        run_worker(args.engine_dir, options, Rendezvous.parse(args.rendezvous, args.rank, args.size),
+                   rank_device(device, args.local_rank),
+                   on_loaded=outlive_parent_thread if args.parent_pid is not None else None)
+    except Exception as exc:  # rank 0 reports it (the store holds it): one line here, the traceback at debug
+        logger.error("tensor-parallel worker rank %d stopped: %s: %s", args.rank, type(exc).__name__, exc)
+        logger.debug("rank %d's traceback", args.rank, exc_info=exc)
+        sys.exit(1)
+
+
+def ignore_stop_signals() -> None:
+    """Leave Ctrl-C and SIGTERM (torchrun forwards it to every rank) to rank 0, which drains its requests and then
+    stops this rank; a rank stopped first would end the streams in flight."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
