@@ -443,3 +443,23 @@ def test_a_generation_the_engine_fails_is_logged_with_its_request_id_streamed_or
     lines = log.getvalue()
     assert "ERROR kiln.server [plain-1]: POST /v1/completions: 503 generation failed: the engine process" in lines
     assert "ERROR kiln.server [streamed-1]: stream failed: EngineClosedError: the engine process" in lines
+
+
+def test_the_engine_knows_a_request_by_the_clients_x_request_id_streamed_or_not(llm, monkeypatch):
+    from kiln.runtime.llm import LLM
+
+    seen, real = [], LLM.stream_many
+
+    def recording(self, prompts, params=None, **kwargs):
+        seen.append(kwargs["request_ids"])
+        return real(self, prompts, params, **kwargs)
+
+    monkeypatch.setattr(LLM, "stream_many", recording)
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL))
+    with ServerThread(app) as server:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2}
+        for stream in (False, True, True):  # the same id twice: the engine's ids stay apart
+            httpx.post(f"{server.url}/v1/completions", json={**body, "stream": stream},
+                       headers={"X-Request-Id": "trace-7"}).raise_for_status()
+    assert [[engine_id.rsplit("-", 1)[0] for engine_id in ids] for ids in seen] == [["trace-7-0", "trace-7-1"]] * 3
+    assert len({engine_id for ids in seen for engine_id in ids}) == 6

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kiln.runtime.server.errors import OVERLOADED, APIError
 from kiln.runtime.server.protocol import ModelCard, ModelPermission, SamplingFields
+from kiln.runtime.server.request_id import REQUEST_ID
 from kiln.runtime.server.sampling_defaults import GenerationConfigMode, sampling_defaults
 from kiln.runtime.server.tool_calls import tool_call_format
 from kiln.runtime.structured_output import StructuredOutput
@@ -218,7 +220,14 @@ class ServedModel:
         closing this generator (or cancelling its consumer) aborts every job still running, freeing its KV blocks.
         ``on_finished``: called once the engine is done with every job, however far behind the consumer is."""
         return self.llm.stream_many([job.prompt_token_ids for job in jobs], [job.params for job in jobs],
-                                    on_finished=on_finished)
+                                    on_finished=on_finished, request_ids=engine_request_ids(len(jobs)))
+
+
+def engine_request_ids(count: int) -> list[str]:
+    """The engine's ids of a request's ``count`` jobs: the request's own id (its X-Request-Id, or the one the server
+    gave it), the job's index and a random suffix (clients may send one id twice), so that the engine's log lines
+    and errors name what the client knows."""
+    return [f"{REQUEST_ID.get()}-{index}-{uuid.uuid4().hex[:8]}" for index in range(count)]
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprobs: int | None,

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -21,7 +20,7 @@ from kiln.runtime.errors import InvalidRequestError, KilnError
 from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.errors import APIError, error_body
-from kiln.runtime.server.generation import RETRY_AFTER_S, Job, ServedModel
+from kiln.runtime.server.generation import RETRY_AFTER_S, Job, ServedModel, engine_request_ids
 from kiln.runtime.server.metrics import CLIENT_CLOSED_REQUEST, CLIENT_GONE, ServerMetrics
 from kiln.runtime.server.protocol import SamplingFields, Usage
 from kiln.runtime.tokenizer import Tokenizer
@@ -69,7 +68,7 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
         else:
             metrics.observe(output)
 
-    request_ids = [uuid.uuid4().hex for _ in jobs]
+    request_ids = engine_request_ids(len(jobs))
     runner = asyncio.create_task(model.generate_final(jobs, observe, request_ids))
     watcher = asyncio.create_task(_wait_for_disconnect(request.receive))
     try:
