@@ -323,8 +323,10 @@ class BuildStage:
         trtllm = ctx.choice.backend == "trtllm"
         build = self._trtllm_build(ctx, progress) if trtllm else self._native_build(ctx, progress)
         # the closures set the format once the checkpoint is there (a deferred quantize stage may run in them)
+        hardware = ctx.material["hardware"]
+        devices = hardware["tp_size"] * hardware["pp_size"]  # the devices one engine runs on: "NVIDIA H200 x2"
         describe = {"model": ctx.model_name, "format": _shipped_format(ctx), "backend": ctx.choice.backend,
-                    "gpu": ctx.material["hardware"]["gpu_name"] or "cpu"}
+                    "gpu": (hardware["gpu_name"] or "cpu") + (f" x{devices}" if devices > 1 else "")}
         build = self._with_checkpoint(ctx, build, describe, progress)
         result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
                                                  describe=describe, on_wait=lambda msg: progress(msg, 0.0),

@@ -416,3 +416,19 @@ def listening_addresses(pid: int) -> set[str]:
     return {fields[1].split(":")[0] for table in ("tcp", "tcp6")
             for fields in (line.split() for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:])
             if fields[3] == "0A" and fields[9] in inodes}
+
+
+def test_kiln_cache_ls_tells_a_tp2_engine_from_a_one_device_one(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    config = tmp_path / "tp2.yaml"
+    config.write_text(f"model:\n  path: {REPO / 'models' / 'tiny-llama'}\n  dtype: float32\nquantize:\n"
+                      f"  format: none\nbuild:\n  max_seq_len: 128\n  max_input_len: 64\n  tp_size: 2\n"
+                      f"cache:\n  dir: {tmp_path / 'c'}\n")
+    assert CliRunner().invoke(app, ["build", str(config), "--json"]).exit_code == 0
+    listed = CliRunner().invoke(app, ["cache", "ls", "--cache-dir", str(tmp_path / "c"), "--json"])
+    assert [row["gpu"] for row in json.loads(listed.stdout) if row["store"] == "entries"] == ["cpu x2"]
