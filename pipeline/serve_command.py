@@ -3,10 +3,8 @@ engine over the OpenAI-compatible HTTP API until SIGTERM."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -19,6 +17,14 @@ from rich.markup import escape
 from kiln.pipeline.config import ServeSection, cache_root, remote_spec, remote_turned_off
 from kiln.pipeline.console import friendly_errors, stage_progress, stderr
 from kiln.pipeline.runtime_env import runtime_options
+from kiln.pipeline.serve_flags import (
+    check_cors_wildcards,
+    check_tool_call_parser,
+    cors_origins,
+    fallback_api_key,
+    given_api_key,
+    read_chat_template,
+)
 from kiln.pipeline.targets import Target, TargetError, resolve_target
 from kiln.runtime.errors import KilnError
 from kiln.runtime.options import RuntimeOptions
@@ -30,8 +36,6 @@ if TYPE_CHECKING:
     from kiln.runtime.server import ServerSettings, ServerThread
 
 _SERVE_DEFAULTS = ServeSection()  # an engine served without a config gets a config's serve defaults
-_ORIGIN = re.compile(r"\*|[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")  # as a browser's Origin header: no path
-_DEFAULT_PORTS = {"http": ":80", "https": ":443"}  # which browsers leave out of an Origin header
 logger = logging.getLogger("kiln.pipeline")
 LogLevel = Literal["trace", "debug", "info", "warning", "error", "critical"]  # uvicorn's; trace is debug for Kiln
 # `vllm serve` flags asking for what Kiln cannot do, refused (a usage error) with why and what Kiln has instead
@@ -81,7 +85,7 @@ class ServeTarget:
                  chat_template: str | None = None, max_body_mb: float | None = None,
                  allowed_origins: list[str] | None = None, allow_credentials: bool = False,
                  generation_config: Literal["auto", "vllm"] = "auto",
-                 reasoning_parser: str | None = None) -> ServerSettings:
+                 reasoning_parser: str | None = None, fastapi_docs: bool = True) -> ServerSettings:
         from kiln.runtime.server import ServerSettings
 
         bound = {"max_body_bytes": int(max_body_mb * (1 << 20))} if max_body_mb is not None else {}
@@ -91,98 +95,8 @@ class ServeTarget:
         return ServerSettings(model_name=names[0], model_aliases=tuple(names[1:]), api_key=api_key or self.api_key,
                               max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache,
                               chat_template=chat_template, allow_credentials=allow_credentials,
-                              generation_config=generation_config, reasoning_parser=reasoning_parser, **bound)
-
-
-class AllowedOriginsError(KilnError):
-    """An --allowed-origins value that is not an origin, nor a JSON list of them."""
-
-
-def cors_origins(values: list[str]) -> tuple[str, ...]:
-    """The origins --allowed-origins values name: each an origin ('*' or scheme://host[:port]) or, as vLLM takes
-    the flag, a JSON list of them; '' names none. Each as a browser's Origin header spells it (``_as_browsers``),
-    which is what CORS matches exactly."""
-    origins = []
-    for value in values:
-        listed = [value] if not value.startswith("[") else _json_list(value)
-        for origin in filter(None, listed):
-            if not isinstance(origin, str) or not _ORIGIN.fullmatch(origin):
-                raise AllowedOriginsError(f"--allowed-origins {value}: {origin!r} is not an origin; give '*' or "
-                                          f"scheme://host[:port] with no path or trailing slash "
-                                          f"(https://app.example)")
-            origins.append(_as_browsers(origin))
-    return tuple(origins)
-
-
-def _as_browsers(origin: str) -> str:
-    """An origin as browsers send it: scheme and host in lowercase, without the scheme's default port."""
-    scheme, separator, host = origin.lower().partition("://")
-    if (default_port := _DEFAULT_PORTS.get(scheme)) is not None:
-        host = host.removesuffix(default_port)
-    return scheme + separator + host
-
-
-def _json_list(value: str) -> list:
-    """An --allowed-origins value in vLLM's form, a JSON list."""
-    try:
-        listed = json.loads(value)
-    except json.JSONDecodeError:
-        listed = None
-    if not isinstance(listed, list):
-        raise AllowedOriginsError(f"--allowed-origins {value}: not a JSON list; give one origin, or a list such as "
-                                  f"'[\"https://app.example\"]'")
-    return listed
-
-
-class CorsWildcardError(KilnError):
-    """An --allowed-methods or --allowed-headers value other than vLLM's default, every one: all that Kiln allows."""
-
-
-def check_cors_wildcards(methods: str | None, headers: str | None) -> None:
-    """Take vLLM's --allowed-methods and --allowed-headers only as '["*"]' (their default) or '*': Kiln's CORS allows
-    every method and request header, and would not honour a narrower list."""
-    for flag, value, what in (("--allowed-methods", methods, "method"), ("--allowed-headers", headers, "header")):
-        if value is not None and not _names_every_one(value):
-            raise CorsWildcardError(f"{flag} {value}: Kiln's CORS allows every {what} and cannot narrow them; give "
-                                    f"'[\"*\"]' (vLLM's default) or leave the flag out")
-
-
-def _names_every_one(value: str) -> bool:
-    """Whether a vLLM CORS list names every one: '*', or the JSON list ["*"]."""
-    if value.strip() == "*":
-        return True
-    try:
-        return json.loads(value) == ["*"]
-    except json.JSONDecodeError:
-        return False
-
-
-class ChatTemplateFileError(KilnError):
-    """A --chat-template file that cannot be read or does not parse."""
-
-
-class BlankApiKeyError(KilnError):
-    """An API key that is only whitespace: serving without one would not be what was asked."""
-
-
-def read_chat_template(value: str) -> str:
-    """The source of a --chat-template: the file it names or, as vLLM takes it, the template itself where no file
-    can be read and it reads as one ('{{' or '{%' in it); checked to parse as a Jinja template."""
-    import jinja2
-
-    from kiln.runtime.server.chat_template import ChatTemplate
-
-    try:
-        source, named = Path(value).read_text(encoding="utf-8"), value
-    except (OSError, UnicodeDecodeError) as exc:
-        if isinstance(exc, UnicodeDecodeError) or ("{{" not in value and "{%" not in value):
-            raise ChatTemplateFileError(f"--chat-template {value}: cannot read it ({exc})") from None
-        source, named = value, "(the template given inline)"
-    try:
-        ChatTemplate(source, {})
-    except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateFileError(f"--chat-template {named}: not a valid Jinja template ({exc})") from None
-    return source
+                              generation_config=generation_config, reasoning_parser=reasoning_parser,
+                              fastapi_docs=fastapi_docs, **bound)
 
 
 def torchrun_rendezvous(environ: Mapping[str, str]) -> Rendezvous | None:
@@ -221,16 +135,35 @@ def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, 
 
 
 def serve_target(text: str, options: RuntimeOptions, *, backend: str | None = None, progress: bool = True,
-                 before_build: Callable[[ServeSection], None] | None = None) -> ServeTarget:
+                 before_build: Callable[[ServeSection, Path | None], None] | None = None) -> ServeTarget:
     """What ``kiln serve TARGET`` serves: an engine directory, a cached engine by key or key prefix, or a config
-    (built through the cache first; a hit runs nothing; ``before_build`` sees its serve section first)."""
+    (built through the cache first; a hit runs nothing; ``before_build`` sees its serve section and checkpoint
+    directory first). ``backend`` is checked in every case: an engine already built must have been built by it."""
+    if backend is not None:
+        from kiln.pipeline.backend import choose_backend
+
+        choose_backend(backend, "cpu")  # the name, refused as a config's build refuses it
     target = resolve_target(text, cache_root())
     if target.kind == "config":
         return _config_target(target.path, options, backend=backend, progress=progress, before_build=before_build)
     if target.kind == "architecture":
         raise TargetError(f"{text}: an architecture file has no weights to serve; give a config, an engine "
                           f"directory or a cache key (kiln bench runs architecture files with random weights)")
+    _check_engine_backend(text, target, backend)
     return _engine_target(target)
+
+
+def _check_engine_backend(text: str, target: Target, backend: str | None) -> None:
+    """Refuse a --backend other than auto and the one that built the engine ``target`` names."""
+    from kiln.runtime.trtllm.engine_info import is_trtllm_engine
+
+    built = "trtllm" if is_trtllm_engine(target.path) else "native"
+    if backend in (None, "auto", built):
+        return
+    if target.hold is not None:
+        target.hold.release()
+    raise TargetError(f"{text}: a {built} engine, already built, so --backend {backend} cannot apply; give "
+                      f"--backend {built} or leave the flag out (it chooses a config's build)")
 
 
 def _engine_target(target: Target) -> ServeTarget:
@@ -247,12 +180,12 @@ def _engine_target(target: Target) -> ServeTarget:
 
 
 def _config_target(config: Path, options: RuntimeOptions, *, backend: str | None, progress: bool,
-                   before_build: Callable[[ServeSection], None] | None = None) -> ServeTarget:
+                   before_build: Callable[[ServeSection, Path | None], None] | None = None) -> ServeTarget:
     from kiln.pipeline import runner
 
     ctx = runner.prepare(config, backend=backend, force=False, dry_run=False, options=options)
     if before_build is not None:
-        before_build(ctx.config.serve)
+        before_build(ctx.config.serve, ctx.model_dir)
     decisions = runner.decide(ctx, smoke=False)
     for stage, decision in decisions:  # why a server expected to start at once quantizes or builds first
         if decision.action == "run" and stage.name != "publish":
@@ -335,7 +268,8 @@ def serve(
     reasoning_parser: Annotated[Literal["deepseek_r1", "qwen3"] | None, typer.Option(
         help="Chat completions carry the model's <think> text as message.reasoning (and reasoning_content) apart from "
              "its content, as vLLM's parsers of these names do.")] = None,
-    backend: Annotated[str | None, typer.Option(help="Build backend for a config: auto, native or trtllm.")] = None,
+    backend: Annotated[str | None, typer.Option(help="Build backend for a config: auto, native or trtllm (an engine "
+                                                     "already built: only its own).")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: the engine's).")] = None,
     num_kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV pool size in blocks (default: from free "
                                                                   "memory).")] = None,
@@ -365,6 +299,16 @@ def serve(
         "--disable-log-requests", "--disable-log-stats", "--enable-request-id-headers",
         help="vLLM's, accepted and ignored: Kiln logs no line per request and no periodic stats, and always echoes "
              "X-Request-Id.")] = False,
+    enable_auto_tool_choice: Annotated[bool, typer.Option(
+        "--enable-auto-tool-choice", help="vLLM's, accepted: Kiln always parses the tool calls the chat template "
+                                          "teaches.")] = False,
+    tool_call_parser: Annotated[str | None, typer.Option(
+        help="vLLM's: taken where it names the format Kiln detects from the chat template (hermes, llama3_json, "
+             "llama4_json or mistral), refused otherwise.")] = None,
+    max_log_len: Annotated[int | None, typer.Option(
+        help="vLLM's, accepted and ignored: Kiln logs no prompt to truncate.")] = None,
+    disable_fastapi_docs: Annotated[bool, typer.Option(
+        "--disable-fastapi-docs", help="Serve no /docs, /redoc nor /openapi.json, as vLLM's flag.")] = False,
 ) -> None:
     """Serve an engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/responses,
     /health, /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
@@ -379,6 +323,8 @@ def serve(
     template = read_chat_template(chat_template) if chat_template is not None else None  # before any build
     cors_origins(allowed_origins or [])  # refused before any build too
     check_cors_wildcards(allowed_methods, allowed_headers)
+    check_tool_call_parser(tool_call_parser, template, None)  # the name; the format too, given a template
+    keys = given_api_key(api_keys, os.environ)  # blank: refused before any build too
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks,
                               gpu_memory_utilization=gpu_memory_utilization, engine_process=engine_process,
                               prefix_caching=enable_prefix_caching)
@@ -386,21 +332,20 @@ def serve(
         if rendezvous.rank != 0:
             return serve_as_worker(target, options, rendezvous, int(os.environ.get("LOCAL_RANK", "0")))
         options = replace(options, tp_rendezvous=rendezvous.address())
-    def check_port(section: ServeSection) -> None:  # a port in use is refused before a build of minutes
-        listening_socket(host or section.host, section.port if port is None else port).close()
+    def check_before_build(section: ServeSection, model_dir: Path | None) -> None:  # not after a build of minutes
+        listening_socket(host or section.host, section.port if port is None else port).close()  # a port in use
+        if keys is None:
+            fallback_api_key(section.api_key, os.environ)  # a blank serve.api_key, which would be used
+        check_tool_call_parser(tool_call_parser, template, model_dir)  # the checkpoint's template, the engine's
 
-    resolved = serve_target(target, options, backend=backend, before_build=check_port)
-    # the first keys given (vLLM's variable: a deployment migrated from vLLM), even an empty one: refused below
-    given = (api_keys, os.environ.get("KILN_API_KEY"), resolved.api_key, os.environ.get("VLLM_API_KEY"))
-    first = next((keys for keys in given if keys is not None), None)
-    api_key = (first,) if isinstance(first, str) else None if first is None else tuple(first)
-    if api_key is not None and not all(key.strip() for key in api_key):
-        raise BlankApiKeyError("the API key (--api-key, $KILN_API_KEY, serve.api_key or $VLLM_API_KEY) is blank: "
-                               "give the key clients must send")
+    resolved = serve_target(target, options, backend=backend, before_build=check_before_build)
+    check_tool_call_parser(tool_call_parser, template, resolved.engine_dir)
+    # vLLM's variable last: a deployment migrated from vLLM keeps its key
+    api_key = keys or fallback_api_key(resolved.api_key, os.environ)
     settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_names=model_names, chat_template=template,
                                  max_body_mb=max_body_mb, allowed_origins=allowed_origins,
                                  allow_credentials=allow_credentials, generation_config=generation_config,
-                                 reasoning_parser=reasoning_parser)
+                                 reasoning_parser=reasoning_parser, fastapi_docs=not disable_fastapi_docs)
     app = create_app(resolved.loader(options), resolved.engine_dir, settings)
     bind_host = host or resolved.host
     bind_port = resolved.port if port is None else port

@@ -100,6 +100,7 @@ def _engine(engine_dir: Path, hold: EntryHold | None = None) -> Target:
     if not found.hit:
         if hold is not None:
             hold.release()
-        raise CacheCorruptError(f"cache entry {key[:12]}: {found.detail}; rebuild it (`kiln build --force`) or "
-                                f"remove it (`kiln cache rm {key[:12]}`)")
+        fix = (f"rebuild it (`kiln build --force`) or remove it (`kiln cache rm {key[:12]}`)" if cache.read_only is None
+               else "rebuild or remove it where the cache is writable (this user cannot write it here)")
+        raise CacheCorruptError(f"cache entry {key[:12]}: {found.detail}; {fix}")
     return Target("engine", engine_dir, key, root, hold)

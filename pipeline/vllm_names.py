@@ -20,3 +20,8 @@ VLLM_SETTINGS = {
 def kiln_setting_for(name: str) -> str | None:
     """Where Kiln takes the setting vLLM names ``name`` (a config key, or a flag such as ``--max-model-len``)."""
     return VLLM_SETTINGS.get(name.lstrip("-").replace("-", "_"))
+
+# vLLM's --tool-call-parser names -> the format of runtime/server/tool_calls.py that reads the same calls (vLLM
+# registers llama4_json as its llama3_json parser); Kiln parses no other
+VLLM_TOOL_CALL_PARSERS = {"hermes": "hermes", "llama3_json": "llama3_json", "llama4_json": "llama3_json",
+                          "mistral": "mistral"}

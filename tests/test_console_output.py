@@ -172,6 +172,23 @@ def test_vllm_serve_flags_kiln_cannot_honour_are_refused_naming_what_it_does_ins
         assert result.exit_code == 2 and words in result.stderr and "nothing" not in result.stderr, result.stderr
 
 
+def test_vllms_tool_calling_flags_are_taken_and_a_parser_of_another_format_refused_before_anything_runs(tmp_path):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    missing = str(tmp_path / "nothing")
+    hermes = ["--chat-template", "{% for t in tools %}{{ t }}{% endfor %} <tool_call>"]
+    taken = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-log-len", "100",
+             "--disable-fastapi-docs", *hermes]
+    result = CliRunner().invoke(app, ["serve", missing, *taken])
+    assert result.exit_code == 2 and "No such option" not in result.stderr and "nothing" in result.stderr
+    for parser, words in (("mistral", "the chat template teaches hermes tool calls"),
+                          ("pythonic", "not a format Kiln parses")):
+        result = CliRunner().invoke(app, ["serve", missing, "--tool-call-parser", parser, *hermes])
+        assert result.exit_code == 2 and words in result.stderr and "nothing" not in result.stderr, result.stderr
+
+
 def test_vllms_disable_uvicorn_access_log_turns_the_access_log_off():
     from typer.main import get_command
 

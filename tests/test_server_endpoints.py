@@ -3,6 +3,8 @@ header naming ignored fields, vLLM's metric names, `kiln serve --chat-template` 
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -162,6 +164,30 @@ def test_allow_credentials_lets_a_browser_send_its_cookies_to_the_origin_named(l
         response = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example"})
     assert response.headers["access-control-allow-credentials"] == "true"
     assert response.headers["access-control-allow-origin"] == "https://app.example"
+
+
+def test_an_embedders_allowed_origins_are_matched_as_browsers_send_them(llm):
+    settings = ServerSettings(model_name=MODEL, allowed_origins=("HTTPS://App.Example:443", "https://bücher.example"))
+    assert settings.allowed_origins == ("https://app.example", "https://xn--bcher-kva.example")
+    with ServerThread(create_app(llm, tiny_engine(), settings)) as server:
+        response = httpx.get(f"{server.url}/health", headers={"Origin": "https://app.example"})
+    assert response.headers["access-control-allow-origin"] == "https://app.example"
+
+
+@pytest.mark.parametrize(("origin", "words"), [("app.example/", "is not an origin"),
+                                               ("https://*.example.com", "a '*' inside a host never matches")])
+def test_an_allowed_origin_no_browser_could_send_is_refused(origin, words):
+    from kiln.runtime.server.cors import AllowedOriginsError
+
+    with pytest.raises(AllowedOriginsError, match=re.escape(words)):
+        ServerSettings(model_name=MODEL, allowed_origins=(origin,))
+
+
+def test_disable_fastapi_docs_serves_no_docs_nor_schema(llm):
+    with ServerThread(create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL, fastapi_docs=False))) as server:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(f"{server.url}{path}").status_code == 404, path
+        assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 @pytest.mark.parametrize(("path", "body", "status", "words"), [
@@ -331,7 +357,7 @@ def test_a_request_id_of_visible_ascii_is_echoed_as_vllm_does_and_one_replaced_i
 
 
 def test_serve_takes_an_inline_chat_template_as_vllm_does():
-    from kiln.pipeline.serve_command import read_chat_template
+    from kiln.pipeline.serve_flags import read_chat_template
 
     assert read_chat_template(TEMPLATE) == TEMPLATE
     with pytest.raises(KilnError, match="the template given inline.*not a valid Jinja template"):

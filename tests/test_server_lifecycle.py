@@ -98,6 +98,72 @@ def test_a_port_in_use_is_refused_before_a_config_is_built(tmp_path, monkeypatch
     assert not list((tmp_path / "cache").glob("v1/entries/*/*"))  # nothing was built
 
 
+@pytest.mark.parametrize(("args", "env", "named"), [(["--api-key", " "], {}, "--api-key"),
+                                                    ([], {"KILN_API_KEY": " "}, "$KILN_API_KEY"),
+                                                    ([], {"VLLM_API_KEY": "k"}, "serve.api_key")])
+def test_a_blank_api_key_is_refused_before_a_config_is_built(tmp_path, monkeypatch, args, env, named):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app as cli
+
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    serve = "serve:\n  api_key: ' '\n" if named == "serve.api_key" else ""
+    config = served_config(tmp_path / "tiny-served.yaml", serve)
+    result = CliRunner().invoke(cli, ["serve", str(config), "--port", "0", *args], env=env)
+    assert result.exit_code == 2 and f"{named}: the API key is blank" in result.output, result.output
+    assert not list((tmp_path / "cache").glob("v1/entries/*/*"))  # nothing was built
+
+
+def test_an_empty_or_blank_vllm_api_key_is_no_key_as_vllm_takes_it():
+    from kiln.pipeline.serve_flags import fallback_api_key, given_api_key
+
+    for empty in ("", "  "):
+        assert fallback_api_key(None, {"VLLM_API_KEY": empty}) is None
+        assert given_api_key(None, {"VLLM_API_KEY": empty}) is None
+    assert fallback_api_key(None, {"VLLM_API_KEY": "k"}) == ("k",)
+    assert fallback_api_key("from-config", {"VLLM_API_KEY": "k"}) == ("from-config",)
+    assert given_api_key(["k1", "k2"], {"KILN_API_KEY": "env"}) == ("k1", "k2")
+
+
+def test_a_backend_is_checked_when_serving_an_engine_and_must_be_the_one_that_built_it():
+    from kiln.pipeline.backend import UnknownBackendError
+    from kiln.pipeline.targets import TargetError
+
+    with pytest.raises(UnknownBackendError, match="--backend must be auto, native or trtllm, not 'banana'"):
+        serve_target(str(tiny_engine()), RuntimeOptions(), backend="banana")
+    with pytest.raises(TargetError, match="a native engine, already built, so --backend trtllm cannot apply"):
+        serve_target(str(tiny_engine()), RuntimeOptions(), backend="trtllm")
+    for backend in ("native", "auto"):
+        assert serve_target(str(tiny_engine()), RuntimeOptions(), backend=backend).engine_dir == tiny_engine()
+
+
+def test_a_tool_call_parser_is_taken_only_where_it_names_the_format_of_the_engines_template(tmp_path):
+    from kiln.pipeline.serve_flags import ToolCallParserError, check_tool_call_parser
+
+    (tmp_path / "chat_template.jinja").write_text("{% for t in tools %}{{ t }}{% endfor %} call as <tool_call>")
+    check_tool_call_parser("hermes", None, tmp_path)
+    check_tool_call_parser(None, None, tiny_engine())  # no flag: nothing to check
+    for parser, directory, words in (("mistral", tmp_path, "teaches hermes tool calls"),
+                                     ("hermes", tiny_engine(), "renders no tools"),
+                                     ("pythonic", None, "not a format Kiln parses")):
+        with pytest.raises(ToolCallParserError, match=words):
+            check_tool_call_parser(parser, None, directory)
+
+
+def test_a_corrupt_entry_in_a_read_only_cache_says_to_rebuild_it_where_the_cache_is_writable(tmp_path, monkeypatch):
+    from tests.test_cache_store import as_read_only_user
+    from tests.test_targets import publish
+
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    cache = EngineCache.open(tmp_path / "cache")
+    key = publish(cache, "a")
+    (cache.entries.payload_dir(key) / "engine.json").write_text("{}")  # not the bytes the manifest records
+    as_read_only_user(monkeypatch)
+    with pytest.raises(KilnError, match="rebuild or remove it where the cache is writable") as refused:
+        serve_target(key, RuntimeOptions())
+    assert "kiln cache rm" not in str(refused.value) and "--force" not in str(refused.value)
+
+
 def _serve_in_subprocess(code: str) -> tuple[subprocess.Popen, queue.Queue, list[str]]:
     """``code`` (Python that serves the engine of argv[1]) in a process of its own, its stderr lines queued as they
     come, and a list for the lines read."""
@@ -190,7 +256,8 @@ def test_allowed_origins_default_to_any_and_an_empty_one_turns_cors_off(tmp_path
 
 
 def test_allowed_origins_take_vllms_json_list_and_refuse_what_is_not_an_origin(tmp_path):
-    from kiln.pipeline.serve_command import AllowedOriginsError, ServeTarget
+    from kiln.pipeline.serve_command import ServeTarget
+    from kiln.runtime.server.cors import AllowedOriginsError
 
     target = ServeTarget(engine_dir=tmp_path, model_name="tiny")
     listed = target.settings(allowed_origins=['["https://app.example", "http://localhost:3000"]'])
@@ -202,7 +269,7 @@ def test_allowed_origins_take_vllms_json_list_and_refuse_what_is_not_an_origin(t
 
 
 def test_allowed_origins_are_matched_as_browsers_send_them_lowercase_without_a_default_port():
-    from kiln.pipeline.serve_command import cors_origins
+    from kiln.pipeline.serve_flags import cors_origins
 
     given = ["HTTPS://A.Example:443", "Http://LocalHost:80", "http://a.example:8080", "https://a.example:80", "*"]
     assert cors_origins(given) == ("https://a.example", "http://localhost", "http://a.example:8080",

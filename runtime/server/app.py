@@ -25,6 +25,7 @@ from kiln.runtime.llm import LLM
 from kiln.runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from kiln.runtime.server.chat import create_chat_completion
 from kiln.runtime.server.completions import create_completion
+from kiln.runtime.server.cors import browser_origins
 from kiln.runtime.server.errors import APIError, error_response, install_error_handlers
 from kiln.runtime.server.generation import RETRY_AFTER_S, ServedModel
 from kiln.runtime.server.jobs import check_model
@@ -62,7 +63,7 @@ _STREAMING = {200: {"content": {"text/event-stream": {"schema": {"type": "string
 class ServerSettings:
     """How the server presents the engine: its model id (and aliases), API key, queue bound, body-size bound, chat
     template override, the reasoning parser, the origins browsers may call it from (CORS; none: no CORS headers) and
-    whether they may send credentials, and engine-cache facts."""
+    whether they may send credentials, whether it serves its API's docs, and engine-cache facts."""
 
     model_name: str
     model_aliases: tuple[str, ...] = ()  # other ids requests may send (vLLM's further --served-model-name values)
@@ -70,17 +71,19 @@ class ServerSettings:
     max_queue: int = 256
     chat_template: str | None = None  # a template's source that replaces the engine's own
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    allowed_origins: tuple[str, ...] = ("*",)  # vLLM's default
+    allowed_origins: tuple[str, ...] = ("*",)  # vLLM's default; each taken as browsers send it (runtime/server/cors.py)
     allow_credentials: bool = False  # vLLM's --allow-credentials: CORS responses let browsers send credentials
     engine_cache: dict = field(default_factory=dict)  # {"hit": bool, "hit_rate": float, "key": str}, when known
     generation_config: GenerationConfigMode = "auto"  # the sampling defaults: the model's (vLLM's default) or vLLM's
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: qwen3 or deepseek_r1 (runtime/server/reasoning.py)
+    fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (off: vLLM's --disable-fastapi-docs)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not all(key.strip() for key in self.api_keys):
             raise ValueError("api_key is blank: give the key clients must send, or none to serve without one")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
+        self.allowed_origins = browser_origins(self.allowed_origins)  # CORS matches a browser's Origin exactly
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -153,8 +156,9 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     """The server over `llm`: an `LLM` the caller owns (ready at once), or a loader the app calls in the background
     at startup (/health answers 503 until it returns) and whose `LLM` it closes at shutdown."""
     state = ServerState()
+    no_docs = {} if settings.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Kiln", version="1", lifespan=_lifespan(state, llm, Path(engine_dir), settings),
-                  description="OpenAI-compatible completions and chat completions over a Kiln engine.")
+                  description="OpenAI-compatible completions and chat completions over a Kiln engine.", **no_docs)
     app.state.server = state
     metrics = ServerMetrics(state.engine_stats, lambda: settings.engine_cache,
                             lambda: state.model.llm.engine_pid if state.model else None, settings.model_name)
