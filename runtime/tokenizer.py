@@ -232,10 +232,10 @@ class IncrementalDetokenizer:
         start, whole, unfinished = self._unfinished_character(pending)
         next_bytes = self._tokenizer.text_bytes([next_token_id], self._skip_special_tokens)
         try:  # does the next token continue the unfinished character?
-            codecs.getincrementaldecoder("utf-8")().decode(unfinished + next_bytes[:1])
-            before = len(self._text_after_read(pending[:start])) + whole
+            codecs.utf_8_decode(unfinished + next_bytes[:1], "strict", False)
+            before = len(self._text_after_read(self._read_offset + start)) + whole
         except UnicodeDecodeError:
-            before = len(self._text_after_read(pending))
+            before = len(self._text_after_read(len(self._tokens)))
         return max(0, before - self._prompt_chars)
 
     def _context(self, prompt_token_ids: list[int]) -> list[int]:
@@ -253,9 +253,8 @@ class IncrementalDetokenizer:
         """The character whose first bytes end ``token_ids``: the index of the token it starts in (the length of
         ``token_ids`` when none is unfinished), the whole characters that token has before it, and its bytes."""
         token_bytes = [self._tokenizer.text_bytes([token_id], self._skip_special_tokens) for token_id in token_ids]
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        decoder.decode(b"".join(token_bytes))
-        unfinished = decoder.getstate()[0]  # at most 3 bytes, so at most 3 tokens
+        joined = b"".join(token_bytes)
+        unfinished = joined[codecs.utf_8_decode(joined, "replace", False)[1]:]  # at most 3 bytes, so 3 tokens
         start, covered = len(token_ids), 0
         while covered < len(unfinished):
             start -= 1
@@ -265,17 +264,16 @@ class IncrementalDetokenizer:
 
     def _pending_text(self) -> str:
         """The text the tokens after the read offset add (empty while they add none)."""
-        return self._text_after_read(self._tokens[self._read_offset:])[self._prompt_chars:]
+        return self._text_after_read(len(self._tokens))[self._prompt_chars:]
 
-    def _text_after_read(self, pending: list[int]) -> str:
-        """The text ``pending`` adds after the read offset, decoded after the window before it; alone where the
-        window's text changes with them (a byte-fallback run of whole characters that their bytes make invalid)."""
-        skip = self._skip_special_tokens
-        window = self._tokens[self._prefix_offset:self._read_offset]
-        prefix_text = self._tokenizer.decode(window, skip)
-        new_text = self._tokenizer.decode(window + pending, skip)
+    def _text_after_read(self, end: int) -> str:
+        """The text the tokens from the read offset to ``end`` add, decoded after the window before them; alone where
+        the window's text changes with them (a byte-fallback run of whole characters that their bytes make invalid)."""
+        skip, tokens = self._skip_special_tokens, self._tokens
+        prefix_text = self._tokenizer.decode(tokens[self._prefix_offset:self._read_offset], skip)
+        new_text = self._tokenizer.decode(tokens[self._prefix_offset:end], skip)
         if not new_text.startswith(prefix_text):
-            return self._tokenizer.decode(pending, skip)
+            return self._tokenizer.decode(tokens[self._read_offset:end], skip)
         return new_text[len(prefix_text):]
 
     def _take_pending(self, text: str) -> None:

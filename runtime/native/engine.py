@@ -175,11 +175,13 @@ class NativeEngine:
         execute_s = time.perf_counter() - execute_start
         self.scheduler.update_computed(launched.out)
         now = time.monotonic()  # every token of the step reached the host together
-        live = [(seq, token_id) for seq, token_id in sampled.items() if not seq.is_finished]  # none aborted since
-        results = [self._postprocess(seq, token_id, now, logprobs.get(seq)) for seq, token_id in live]
-        # vLLM's iteration tokens: each token sampled, and the whole prompt of a request it is the first token of
-        iteration_tokens = sum(1 + (seq.num_prompt_tokens if seq.num_completion_tokens == 1 else 0)
-                               for seq, token_id in live if not isinstance(token_id, SamplingError))
+        results, iteration_tokens = [], 0
+        for seq, token_id in sampled.items():
+            if seq.is_finished:  # aborted since it was launched
+                continue
+            results.append(self._postprocess(seq, token_id, now, logprobs.get(seq)))
+            if not isinstance(token_id, SamplingError):  # vLLM's iteration tokens: each token, and a first's prompt
+                iteration_tokens += 1 + (seq.num_prompt_tokens if seq.num_completion_tokens == 1 else 0)
         if self._in_flight is not None and self._in_flight.sampling_deferred:
             self.model_runner.sample(self._in_flight)  # its structured outputs' matchers now have these tokens
         self._record_step(launched.out, len(results), time.perf_counter() - start, execute_s, queued_ahead,
