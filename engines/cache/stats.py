@@ -6,9 +6,11 @@ separate table (not cleared by ``zero``), so a lookup that finds no entry for su
 
 from __future__ import annotations
 
+import functools
 import math
 import sqlite3
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
@@ -35,6 +37,17 @@ def percentile(sorted_values: list[float], p: float) -> float | None:
     return sorted_values[rank - 1]
 
 
+def _recording(method: Callable[..., None]) -> Callable[..., None]:
+    """A method of ``StatsDB`` that records: it records nothing in a read-only cache, and goes on without the
+    database where it cannot be written (``expendable``)."""
+    @expendable(lambda: None)
+    @functools.wraps(method)
+    def record(self: StatsDB, *args: object, **kwargs: object) -> None:
+        if not self.read_only:
+            method(self, *args, **kwargs)
+    return record
+
+
 class StatsDB:
     """Append-only event log of one cache root, safe for concurrent writers. Recording goes on without the database
     when it cannot be written (a full disk: one warning); only ``summary`` and ``zero`` then fail. ``read_only`` (a
@@ -52,24 +65,20 @@ class StatsDB:
         """A connection to read the log with (one that never writes, in a read-only cache)."""
         return read_only_db(self.path) if self.read_only else connect(self.path, _SCHEMA)
 
-    @expendable(lambda: None)
+    @_recording
     def _append(self, event: str, store: str, key: str | None = None, outcome: str | None = None,
                 value: float | None = None, size: int | None = None, detail: str | None = None) -> None:
-        if self.read_only:
-            return
         with connect(self.path, _SCHEMA) as db:
             db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes, detail) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                        (time.time(), event, store, key, outcome, value, size, detail))
 
-    @expendable(lambda: None)
+    @_recording
     def record_lookup(self, store: str, key: str, reason: str, build_seconds_saved: float = 0.0,
                       size: int = 0) -> None:
         """One lookup: ``reason`` is ``hit``, ``remote hit`` or a miss reason; a hit of either kind saves the entry's
         recorded build time. A hit on an entry never recorded as stored (its builder was killed between the publish
         and ``record_store``) records that store now, with the entry's ``size`` and build time."""
-        if self.read_only:
-            return
         now = time.time()
         with connect(self.path, _SCHEMA) as db:
             if reason == "hit" and db.execute("INSERT OR IGNORE INTO published VALUES (?, ?, ?)",
@@ -83,11 +92,9 @@ class StatsDB:
         """One load of an entry by a runtime, with its latency."""
         self._append("load", store, key, "ok", ms)
 
-    @expendable(lambda: None)
+    @_recording
     def record_store(self, store: str, key: str, size: int, build_seconds: float) -> None:
         """A newly published entry (its key is remembered as once published)."""
-        if self.read_only:
-            return
         now = time.time()
         with connect(self.path, _SCHEMA) as db:
             db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -106,13 +113,11 @@ class StatsDB:
         """A corrupt entry moved aside to v1/quarantine."""
         self._append("quarantine", store, key, "corrupt", detail=detail)
 
-    @expendable(lambda: None)
+    @_recording
     def record_remote(self, store: str, key: str, event: str, outcome: str, seconds: float = 0.0, size: int = 0,
                       detail: str | None = None) -> None:
         """A remote transfer: ``pull`` (``hit``, ``miss``, ``corrupt``, ``error``) or ``push`` (``pushed``,
         ``present``, ``error``), with its seconds and bytes moved. A pulled entry counts as published here."""
-        if self.read_only:
-            return
         now = time.time()
         with connect(self.path, _SCHEMA) as db:
             db.execute("INSERT INTO events (ts, event, store, key, outcome, value, bytes, detail) "
