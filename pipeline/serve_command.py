@@ -121,16 +121,17 @@ def log_to_stderr(level: LogLevel = "info") -> None:
 def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, local_rank: int) -> None:
     """Run rank ``rendezvous.rank`` of the engine ``text`` names (a folder or a cache key: every rank must find
     the same build, so a config is refused) on this host's GPU ``local_rank`` until rank 0's server stops."""
+    from kiln.runtime.engine_process.lifetime import leave_stop_signals_to_parent
     from kiln.runtime.native.engine_format import EngineConfig
     from kiln.runtime.native.fingerprint import resolve_device
-    from kiln.runtime.native.parallel.worker import ignore_stop_signals, rank_device, run_worker
+    from kiln.runtime.native.parallel.worker import rank_device, run_worker
 
     target = resolve_target(text, cache_root())
     if target.kind != "engine":
         raise TargetError(f"{text}: under torchrun every rank serves one engine that is already built; give its "
                           f"directory or cache key (kiln build the config first)")
     device = resolve_device(options.device, EngineConfig.load(target.path).fingerprint)
-    ignore_stop_signals()
+    leave_stop_signals_to_parent()
     run_worker(target.path, options, rendezvous, rank_device(device, local_rank))
 
 

@@ -23,3 +23,15 @@ def log_to_stderr(level: int | str, handler: logging.Handler | None = None) -> N
     if not kiln_logger.handlers:
         kiln_logger.addHandler(handler or stderr_log_handler())
     kiln_logger.setLevel(level)
+
+
+def level_for_child() -> str:
+    """Kiln's log level in this process, passed to a process it starts (``log_as_parent`` there)."""
+    return str(logging.getLogger("kiln").level)
+
+
+def log_as_parent(level: int) -> None:
+    """Log as the process that started this one: from its ``level`` up on stderr, or, where it set none (NOTSET),
+    with no handler added (an embedder's logging stays its own)."""
+    if level != logging.NOTSET:
+        log_to_stderr(level)

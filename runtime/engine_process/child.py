@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import logging
 import queue
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -15,11 +14,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from kiln.runtime.engine import Engine, load_engine
-from kiln.runtime.engine_process.lifetime import outlive_parent_thread
+from kiln.runtime.engine_process.lifetime import leave_stop_signals_to_parent, outlive_parent_thread
 from kiln.runtime.engine_process.wire import error_to_wire, receive, request_from_wire, result_to_wire, send
 from kiln.runtime.errors import KilnError
 from kiln.runtime.heap import freeze_startup_heap
-from kiln.runtime.logs import log_to_stderr
+from kiln.runtime.logs import log_as_parent
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, StreamDelta
 
@@ -37,11 +36,8 @@ def load(engine_dir: str, options: dict) -> Engine:
 def main(fd: int, log_level: int = logging.NOTSET) -> int:
     """Serve the parent on the socket ``fd``: read the factory, load, say hello (or why the load failed), run. Kiln's
     log lines go to stderr from ``log_level`` up, as the parent's do (NOTSET: it set none, nor is one set here)."""
-    if log_level != logging.NOTSET:
-        log_to_stderr(log_level)
-    # Ctrl-C and SIGTERM go to the parent, which drains its requests and then closes this process through the pipe
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    log_as_parent(log_level)
+    leave_stop_signals_to_parent()  # the parent closes this process through the pipe once it has drained
     conn = Connection(fd)
     try:
         spec = receive(conn)

@@ -1,6 +1,7 @@
 """While it loads, the engine process dies with the thread that started it: a parent killed then (``kill -9``, an
 out-of-memory kill) must not leave an orphan that goes on loading weights and holding the device. Once loaded, the
-socket tells it that the parent has gone."""
+socket tells it that the parent has gone. It, and every tensor-parallel worker, leaves Ctrl-C and SIGTERM to the
+process that serves, which drains and then stops them."""
 
 from __future__ import annotations
 
@@ -27,3 +28,10 @@ def outlive_parent_thread() -> None:
     (``LLM.load`` in a thread of its own), and the socket says when the parent itself has gone."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 0)
+
+
+def leave_stop_signals_to_parent() -> None:
+    """Ignore Ctrl-C and SIGTERM (a terminal's group, torchrun forwarding it to every rank): the serving process
+    drains its requests and then stops this one; stopped first, it would end the requests in flight."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

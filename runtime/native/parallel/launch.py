@@ -7,7 +7,6 @@ rank 0's collectives, so the engine stops with an error that names the rank inst
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import torch
 
 from kiln.runtime.errors import FingerprintMismatchError
 from kiln.runtime.kiln_python import kiln_module_command
+from kiln.runtime.logs import level_for_child
 from kiln.runtime.native.parallel.channel import StepChannel
 from kiln.runtime.native.parallel.group import (
     COLLECTIVE_TIMEOUT,
@@ -70,7 +70,7 @@ class LocalWorkers:
                 "kiln.runtime.native.parallel.worker", str(engine_dir), "--rendezvous", self.rendezvous.address(),
                 "--rank", str(rank), "--size", str(size), "--local-rank", str(first_local_rank + rank),
                 "--options", json.dumps(asdict(options)), "--parent-pid", str(os.getpid()),
-                "--log-level", str(logging.getLogger("kiln").level))  # the worker logs as this process does
+                "--log-level", level_for_child())  # the worker logs as this process does
             env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no c10d warning per idle poll of the step channel
             self.processes[rank] = subprocess.Popen(command, env=env)
 

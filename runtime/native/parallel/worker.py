@@ -15,15 +15,14 @@ import contextlib
 import hashlib
 import json
 import logging
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from kiln.runtime.engine_process.lifetime import die_with_parent, outlive_parent_thread
-from kiln.runtime.logs import log_to_stderr
+from kiln.runtime.engine_process.lifetime import die_with_parent, leave_stop_signals_to_parent, outlive_parent_thread
+from kiln.runtime.logs import log_as_parent
 from kiln.runtime.native.engine_format import ENGINE_JSON, EngineConfig
 from kiln.runtime.native.fingerprint import resolve_device
 from kiln.runtime.native.model_runner import ModelRunner
@@ -92,9 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
-    ignore_stop_signals()
-    if args.log_level != logging.NOTSET:
-        log_to_stderr(args.log_level)
+    leave_stop_signals_to_parent()
+    log_as_parent(args.log_level)
     options = RuntimeOptions(**json.loads(args.options))
     device = resolve_device(options.device, EngineConfig.load(args.engine_dir).fingerprint)
     try:
@@ -106,12 +104,6 @@ def main(argv: list[str] | None = None) -> None:
         logger.debug("rank %d's traceback", args.rank, exc_info=exc)
         sys.exit(1)
 
-
-def ignore_stop_signals() -> None:
-    """Leave Ctrl-C and SIGTERM (torchrun forwards it to every rank) to rank 0, which drains its requests and then
-    stops this rank; a rank stopped first would end the streams in flight."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
