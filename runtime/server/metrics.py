@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -17,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.runtime.outputs import RequestOutput
-from kiln.runtime.server.vllm_metrics import VllmEngineCollector, VllmRequestMetrics
+from kiln.runtime.server.vllm_metrics import VllmEngineCollector, VllmRequestMetrics, reported
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -88,18 +87,10 @@ class _EngineCollector:
                                     value=graphs["pending"])
             yield GaugeMetricFamily("kiln_cuda_graphs_captured", "CUDA graphs captured", value=graphs["captured"])
         for family, name, documentation, path in ENGINE_FIGURES:
-            if (value := _reported(stats, path)) is not None:  # a figure the backend does not report has no series
+            if (value := reported(stats, path)) is not None:  # a figure the backend does not report has no series
                 yield family(name, documentation, value=value)
         if (steps_by_kind := stats.get("steps_by_kind")) is not None:
             yield _step_seconds(steps_by_kind)
-
-
-def _reported(stats: dict, path: tuple[str, ...]) -> Any:
-    """The figure at ``path`` in an engine's statistics (``("kv_cache", "used_blocks")``), or None where its backend
-    does not report it."""
-    for key in path:
-        stats = stats.get(key) if isinstance(stats, dict) else None
-    return stats
 
 
 def _step_seconds(steps_by_kind: dict) -> Metric:
