@@ -372,7 +372,7 @@ class BuildStage:
         def build(tmp: Path) -> dict:
             progress("building native engine", 0.0)
             engine = build_native_engine(ctx.checkpoint_dir, tmp, plan, cfg.model.dtype, device=ctx.choice.device,
-                                         kernels=ctx.options.kernels, tp_size=cfg.build.tp_size)
+                                         options=ctx.options, tp_size=cfg.build.tp_size)
             return {"engine": {"format": engine["format"], "quantization": engine["quantization"]},
                     "calibration": report_summary(ctx.calibration) if ctx.calibration else None}
 

@@ -19,6 +19,7 @@ from kiln.runtime.native.engine_format import ENGINE_FORMAT_VERSION, EngineConfi
 from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint
 from kiln.runtime.native.kv_cache import allocate_kv_cache, is_token_major, kv_bytes_per_block
 from kiln.runtime.native.model.decoder import DecoderModel
+from kiln.runtime.options import RuntimeOptions
 from tests.model_factories import make_hf_checkpoint, make_hf_model, tiny_plan, write_tokenizer
 
 ARCHITECTURE_KEYS = {"type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -103,6 +104,11 @@ def test_a_batch_whose_full_length_sequences_do_not_all_fit_builds_and_one_that_
     with pytest.raises(KilnError, match=r"one sequence of build.max_seq_len 64 needs .* lower build.max_seq_len to "
                                         r"48"):
         build_native_engine(checkpoint, out, tiny_plan(max_batch_size=4), "float32")
+    assert list(out.iterdir()) == []
+    assert native_plan.check_kv_cache_fits(config, "cpu", 0, RuntimeOptions(num_kv_blocks=2 * 16)) == 2
+    with pytest.raises(KilnError, match=r"holds 8 blocks .*, the num_kv_blocks given: lower build.max_seq_len to 32"):
+        build_native_engine(checkpoint, out, tiny_plan(max_batch_size=4), "float32",
+                            options=RuntimeOptions(num_kv_blocks=8))
     assert list(out.iterdir()) == []
 
 

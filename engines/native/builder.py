@@ -27,20 +27,21 @@ from kiln.runtime.native.fingerprint import machine_fingerprint
 from kiln.runtime.native.model.decoder import DecoderModel
 from kiln.runtime.native.parallel.sharding import rank_architecture, rank_config, shard_weights, sharding_problems
 from kiln.runtime.native.weight_loading import weights_mismatch
-from kiln.runtime.options import Kernels
+from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.plan import BuildPlan, PlanError
 from kiln.runtime.tokenizer import Tokenizer, copy_tokenizer_files
 
 
 def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dtype: str, device: str = "cpu",
-                        kernels: Kernels = "triton", tp_size: int = 1) -> dict:
+                        options: RuntimeOptions | None = None, tp_size: int = 1) -> dict:
     """Convert an HF checkpoint (plain, or modelopt's unified FP8 / W4A16_AWQ export, detected from
     hf_quant_config.json / config.json quantization_config) into an engine dir at out_dir (which exists, empty),
     split over ``tp_size`` tensor-parallel ranks (one weight file each, ``runtime.native.parallel.sharding``).
-    Validates the plan (KV for max_batch_size x max_seq_len must fit in memory budget, else says how many
-    sequences fit). On CUDA with the Triton ``kernels``, times each FP8 linear's crossover (``tuning``; key material:
+    Validates the plan against the KV pool that ``options`` (``num_kv_blocks``, ``gpu_memory_utilization``) give the
+    engine: at least one sequence of max_seq_len must fit, else it says which max_seq_len would. On CUDA with the
+    Triton ``options.kernels``, times each FP8 linear's crossover (``tuning``; key material:
     ``tuning_material``). Returns the engine.json dict."""
-    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    checkpoint_dir, out_dir, options = Path(checkpoint_dir), Path(out_dir), options or RuntimeOptions()
     if not out_dir.is_dir():
         raise KilnError(f"engine output directory {out_dir} does not exist; create it (empty) first")
     if dtype not in DTYPES:
@@ -77,8 +78,8 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
     )
     check_weights_match(config, weights, checkpoint_dir)
     shards = shard_weights(weights, arch, tp_size) if tp_size > 1 else [weights]
-    check_kv_cache_fits(rank_config(config), device, max(_bytes(shard) for shard in shards))
-    if source_quant.format == "fp8" and fp8_kernels_measurable(device, kernels):  # once the plan is known to fit
+    check_kv_cache_fits(rank_config(config), device, max(_bytes(shard) for shard in shards), options)
+    if source_quant.format == "fp8" and fp8_kernels_measurable(device, options.kernels):  # the plan is known to fit
         streaming_max_m = measure_fp8_streaming_max_m(rank_architecture(arch, tp_size), DTYPES[dtype], device)
         config = replace(config, quantization=replace(config.quantization, fp8_streaming_max_m=streaming_max_m))
 

@@ -16,6 +16,7 @@ from kiln.runtime.native.kv_cache import (
     kv_bytes_per_block,
 )
 from kiln.runtime.native.model.registry import family_named
+from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.plan import BuildPlan, PlanError
 
 FP8_KV_NAMES = ("fp8", "float8_e4m3fn")
@@ -45,24 +46,32 @@ def _kv_cache_dtype(requested: str, dtype: str, fp8_kv_available: bool) -> str:
     raise KilnError(f"build.kv_cache_dtype {requested!r} is not one of auto, fp8, {', '.join(DTYPES)}")
 
 
-def check_kv_cache_fits(config: EngineConfig, device: str, weight_bytes: int) -> int:
-    """How many sequences of max_seq_len the KV pool the engine will allocate on ``device`` by default
-    (``default_kv_blocks``, leaving room for ``weight_bytes`` of weights) holds at once; KilnError, saying what would
-    fit, when not even one: the engine could not load. Fewer than max_batch_size is a valid plan, as in
-    TensorRT-LLM and vLLM: the scheduler admits what fits and preempts when the pool runs out. ``config`` is one
-    rank's."""
-    plan = config.plan
-    blocks = default_kv_blocks(config, torch.device(device), weights_to_load=weight_bytes)
+def check_kv_cache_fits(config: EngineConfig, device: str, weight_bytes: int,
+                        options: RuntimeOptions | None = None) -> int:
+    """How many sequences of max_seq_len the KV pool the engine will allocate on ``device`` holds at once: the
+    ``num_kv_blocks`` of ``options``, else ``default_kv_blocks`` within their ``gpu_memory_utilization``, leaving room
+    for ``weight_bytes`` of weights. KilnError, saying what would fit, when not even one: the engine could not load.
+    Fewer than max_batch_size is a valid plan, as in TensorRT-LLM and vLLM: the scheduler admits what fits and
+    preempts when the pool runs out. ``config`` is one rank's."""
+    plan, options = config.plan, options or RuntimeOptions()
+    share = options.gpu_memory_utilization or GPU_MEMORY_UTILIZATION
+    blocks = options.num_kv_blocks or default_kv_blocks(config, torch.device(device), share, weight_bytes)
     if blocks >= plan.blocks_per_seq:
         return blocks // plan.blocks_per_seq
     block_bytes = kv_bytes_per_block(config)
     fit_len = blocks * plan.tokens_per_block
     advice = f"lower build.max_seq_len to {fit_len}" if fit_len else "free memory"
+    if options.num_kv_blocks:
+        pool = f"{blocks} blocks ({_gib(blocks * block_bytes)}), the num_kv_blocks given"
+        advice += ", or give a larger num_kv_blocks"
+    elif torch.device(device).type == "cpu":
+        pool = f"{_gib(CPU_KV_MAX_BYTES)}, the most a CPU engine's pool takes"
+    else:
+        pool = (f"{_gib(blocks * block_bytes)}, what {device} leaves after {_gib(weight_bytes)} of weights and the "
+                f"activations within gpu_memory_utilization {share}")
+        advice += ", or raise gpu_memory_utilization"
     if config.plan.kv_cache_dtype != "float8_e4m3fn":
         advice += ", or use an FP8 KV cache"
-    pool = (f"{_gib(CPU_KV_MAX_BYTES)}, the most a CPU engine's pool takes" if torch.device(device).type == "cpu" else
-            f"{_gib(blocks * block_bytes)}, what {device} leaves after {_gib(weight_bytes)} of weights and the "
-            f"activations within gpu_memory_utilization {GPU_MEMORY_UTILIZATION}")
     raise KilnError(f"KV cache for one sequence of build.max_seq_len {plan.max_seq_len} needs "
                     f"{_gib(plan.blocks_per_seq * block_bytes)}, but the engine's KV pool holds {pool}: {advice}")
 
