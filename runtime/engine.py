@@ -3,7 +3,7 @@
 A backend is a folder of ``runtime`` (``native/``, ``trtllm/``) whose engine class has the methods below. ``LLM``
 calls them from its one engine thread, except ``make_request`` (tokenize and validate), ``failure`` and
 ``stats_snapshot``, which are safe from any thread; a new backend implements this protocol and a line in
-``load_engine``.
+``engine_loader``.
 """
 
 from __future__ import annotations
