@@ -31,5 +31,5 @@ class InvalidRequestError(KilnError, ValueError):
 
 
 class SamplingError(KilnError):
-    """One request's next token could not be sampled (non-finite probabilities, a seed torch refuses); only that
-    request fails."""
+    """One request's next token could not be sampled (non-finite probabilities, no token allowed, a seed torch
+    refuses); only that request fails."""

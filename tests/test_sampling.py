@@ -201,18 +201,20 @@ def test_min_tokens_holds_back_eos_even_when_eos_is_ignored_as_in_vllm():
 
 
 def test_a_row_that_cannot_be_sampled_gets_a_sampling_error_and_the_others_their_tokens():
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
     logits[1, 7] = float("nan")
     logits[2, 3] = float("inf")
+    logits[4] = float("-inf")  # no token allowed (allowed_token_ids and a grammar with none in common)
 
     def seqs(temperature: float = 1.0) -> list[Sequence]:
-        return [Sequence(str(i), [1], SamplingParams(temperature=temperature, seed=i)) for i in range(4)]
+        return [Sequence(str(i), [1], SamplingParams(temperature=temperature, seed=i)) for i in range(5)]
 
     for temperature in (1.0, 0.0):  # drawn, and greedy (where a NaN would win the argmax)
         sampled = Sampler()(logits, seqs(temperature))
-        for row in (1, 2):
+        for row in (1, 2, 4):
             assert isinstance(sampled[row], SamplingError)
             assert f"request {row}: no token could be sampled" in str(sampled[row])
+        assert "no token is allowed" in str(sampled[4])
         alone = seqs(temperature)
         assert [sampled[0], sampled[3]] == [Sampler()(logits[[i]], [alone[i]])[0] for i in (0, 3)]
 

@@ -112,7 +112,7 @@ class DrawnLogprobs:
 
 @dataclass
 class Draw:
-    """One token per row, still on the device (-1 where a row had a NaN or +inf logit), the rows that
+    """One token per row, still on the device (-1 where a row had a NaN or +inf logit, or none allowed), the rows that
     failed before drawing, and the log probabilities the rows' requests asked for."""
 
     tokens: torch.Tensor
@@ -127,8 +127,12 @@ class Draw:
             if row in self.failed:
                 sampled[row] = self.failed[row]
             elif tokens[row] < 0:
-                sampled[row] = sampling_error(seq, ValueError("non-finite probabilities"))
+                sampled[row] = sampling_error(seq, ValueError(NO_TOKEN))
         return sampled
+
+
+NO_TOKEN = ("no token is allowed (allowed_token_ids, min_tokens' hold on the stop tokens and the structured output "
+            "together exclude every one) or the logits are not finite")
 
 
 def sampling_error(seq: Sequence, e: Exception) -> SamplingError:
@@ -169,8 +173,9 @@ class Sampler:
             apply_token_bitmask(controlled, constrained, bitmask)
         logits = controlled
         tokens = self._argmax(logits)
-        # a NaN wins the argmax (and +inf is no choice either): such a greedy row fails, as a drawn one does
-        tokens = torch.where(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) < float("inf"), tokens, -1)
+        # a NaN wins the argmax, +inf is no choice either, and -inf is a token nothing allows: such a greedy row
+        # fails, as a drawn one does
+        tokens = torch.where(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).isfinite(), tokens, -1)
         failed: dict[int, SamplingError] = {}
         for row, seq in enumerate(seqs):
             if not seq.params.greedy and seq.params.seed is not None and seq.generator is None:
@@ -192,8 +197,8 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row of ``logits`` [m, vocab] (row i is ``seqs[i]``'s; overwritten), -1 for a row with a
-        NaN or +inf logit. The race runs in log space, ``argmax(x - log q)``: no normalisation, so a row's draw
-        depends on its own logits and ``q`` alone."""
+        NaN or +inf logit or no token allowed. The race runs in log space, ``argmax(x - log q)``: no normalisation,
+        so a row's draw depends on its own logits and ``q`` alone."""
         device, vocab = logits.device, logits.shape[-1]
         params = [seq.params for seq in seqs]
         most = torch.finfo(logits.dtype).max  # a larger temperature would round to inf, and -inf / inf is NaN
@@ -210,7 +215,7 @@ class Sampler:
             for i, seq in enumerate(seqs):
                 q[i].exponential_(generator=seq.generator or self._shared_generator(device))
         tokens = self._argmax(q.clamp_(min=torch.finfo(q.dtype).tiny).log_().neg_().add_(x))
-        return torch.where(x.amax(-1) < float("inf"), tokens, -1)  # amax is NaN with a NaN in the row
+        return torch.where(x.amax(-1).isfinite(), tokens, -1)  # amax is NaN with a NaN in the row, -inf with none left
 
     def _argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(-1)`` of ``x`` [n, vocab]."""
