@@ -17,7 +17,7 @@ from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from kiln.runtime.server.errors import APIError
-from kiln.runtime.server.generation import Job, ServedModel
+from kiln.runtime.server.generation import Job, ServedModel, TokenizedPrompt
 from kiln.runtime.tokenizer import Tokenizer
 from tests.test_server_support import TOKENIZER_SOURCE, tiny_engine
 
@@ -37,9 +37,14 @@ def test_the_served_model_needs_only_tokenizer_limits_and_check(tmp_path):
     limits = EngineLimits(max_input_len=8, max_seq_len=128, max_batch_size=3, max_num_tokens=64, kv_pool_tokens=100)
     model = ServedModel(public_api_only(limits), "tiny", tmp_path, max_queue=5)
     assert model.admission.capacity == 3 + 5
-    assert model.tokenize("Hello there", "prompt") == model.tokenizer.encode("Hello there")
+    assert model.tokenize("Hello there", "prompt") == TokenizedPrompt(model.tokenizer.encode("Hello there"))
     with pytest.raises(APIError, match="at most 8 in the prompt \\(max_input_len\\)"):
         model.tokenize("word " * 20, "prompt")
+    assert model.tokenize("word " * 20, "prompt", keep_last=5) == TokenizedPrompt(
+        model.tokenizer.encode("word " * 20)[-5:], cut=True)
+    with pytest.raises(APIError, match=r"truncate_prompt_tokens \(10\) keeps 10 tokens .* at most 8") as error:
+        model.tokenize("word " * 20, "prompt", keep_last=10)  # a cut the engine still cannot take is the cut's fault
+    assert error.value.param == "truncate_prompt_tokens"
     assert model.max_tokens(90, None, None, "max_tokens") == 10  # the KV pool, not max_seq_len, bounds this one
     refused = ServedModel(public_api_only(limits, RequestTooLongError("too long for the pool")), "tiny", tmp_path, 5)
     with pytest.raises(APIError, match="too long for the pool") as error:

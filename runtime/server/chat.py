@@ -224,14 +224,16 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
         requested = None
     text = render_chat(model, req.messages, tools.rendered, req.add_generation_prompt, template_variables(req),
                        req.continue_final_message)
-    [prompt] = await model.tokenize_many([text], "messages", add_special_tokens=False,  # the template writes BOS
-                                         keep_last=model.kept_prompt_tokens(req.truncate_prompt_tokens))
+    [tokenized] = await model.tokenize_many([text], "messages", add_special_tokens=False,  # the template writes BOS
+                                            keep_last=model.kept_prompt_tokens(req.truncate_prompt_tokens))
+    prompt = tokenized.ids
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     jobs = make_jobs(model, req, [prompt], [limit], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                     prompt_logprobs=req.prompt_logprobs, structured_output=forced or requested)
+                     prompt_logprobs=req.prompt_logprobs, structured_output=forced or requested,
+                     max_tokens_param=param)
     model.check(jobs[::req.n], "messages")
     thinking = None
     if model.reasoning_parser:  # a grammar writes the answer from its first token: no thought the prompt opened

@@ -75,10 +75,11 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         raise APIError(400, f"best_of ({req.best_of}) must be greater than or equal to n ({req.n})", param="best_of")
     given = _as_prompt_list(req.prompt)
     model.admission.check_fits(len(given) * req.n, "prompt")  # before tokenizing a batch too large to run
-    prompts = await model.tokenize_many(given, "prompt", keep_last=model.kept_prompt_tokens(req.truncate_prompt_tokens))
-    if req.truncate_prompt_tokens is not None and req.echo:  # a text cut short is echoed as the tokens kept
-        given = [ids if isinstance(text, str) and len(model.tokenizer.char_offsets(text)) != len(ids) else text
-                 for text, ids in zip(given, prompts, strict=True)]
+    tokenized = await model.tokenize_many(given, "prompt",
+                                          keep_last=model.kept_prompt_tokens(req.truncate_prompt_tokens))
+    prompts = [prompt.ids for prompt in tokenized]
+    given = [prompt.ids if prompt.cut else text  # a prompt cut short is echoed as the tokens kept
+             for text, prompt in zip(given, tokenized, strict=True)]
     scoring = req.max_tokens == 0  # OpenAI's echo without generation: the prompt and its log probabilities alone
     if scoring and not req.echo:
         raise APIError(400, "max_tokens 0 generates nothing: with echo: true it returns the prompt alone (and its "

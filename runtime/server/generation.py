@@ -29,6 +29,14 @@ from kiln.runtime.tokenizer import GIL_FREE_ENCODE_CHARS
 RETRY_AFTER_S = 1
 
 
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt's token ids, and whether ``truncate_prompt_tokens`` cut tokens off its front."""
+
+    ids: list[int]
+    cut: bool = False
+
+
 @dataclass
 class Job:
     """One sequence to generate: a prompt's token ids and how to sample it."""
@@ -137,7 +145,7 @@ class ServedModel:
         return truncate_prompt_tokens
 
     def tokenize(self, prompt: str | list[int], param: str, add_special_tokens: bool = True,
-                 keep_last: int | None = None) -> list[int]:
+                 keep_last: int | None = None) -> TokenizedPrompt:
         """Token ids of a text prompt (or the ids as given), only the ``keep_last`` last ones where set, checked
         against the engine's input limit (an untruncated text too long to fit is refused before it is tokenized)."""
         limit = self.limits.max_input_len
@@ -146,19 +154,24 @@ class ServedModel:
             raise self._too_long(f"'{param}' has {len(prompt)} characters, more than {limit} tokens can hold: "
                                  f"shorten it", param)
         ids = self.encode(prompt, param, add_special_tokens) if isinstance(prompt, str) else list(prompt)
-        if keep_last is not None:
+        cut = keep_last is not None and len(ids) > keep_last
+        if cut:
             ids = ids[-keep_last:]
         if not ids:
             raise APIError(400, f"'{param}' is empty after tokenization: send some text", param=param)
-        if len(ids) > self.limits.max_input_len:
+        if len(ids) > limit and keep_last is not None:  # a cut that still leaves too many: the cut is at fault
+            raise APIError(400, f"truncate_prompt_tokens ({keep_last}) keeps {len(ids)} tokens of '{param}', more "
+                                f"than the {limit} this engine takes in a prompt (max_input_len): send at most "
+                                f"{limit}, or -1 for that many", param="truncate_prompt_tokens")
+        if len(ids) > limit:
             raise self._too_long(f"'{param}' has {len(ids)} tokens: shorten it", param)
-        return ids
+        return TokenizedPrompt(ids, cut)
 
     async def tokenize_many(self, prompts: list[str | list[int]], param: str, add_special_tokens: bool = True,
-                            keep_last: int | None = None) -> list[list[int]]:
+                            keep_last: int | None = None) -> list[TokenizedPrompt]:
         """``tokenize`` of each prompt; long texts on a worker thread, so the event loop serves other requests
         meanwhile."""
-        def run() -> list[list[int]]:
+        def run() -> list[TokenizedPrompt]:
             return [self.tokenize(prompt, param, add_special_tokens, keep_last) for prompt in prompts]
 
         if sum(len(p) for p in prompts if isinstance(p, str)) > GIL_FREE_ENCODE_CHARS:
