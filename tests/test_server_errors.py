@@ -112,6 +112,8 @@ def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, w
     ({"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions", ["Unrecognized"]),
     ({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 2, "response_format": {"type": "json_object"}},
      "min_tokens", ["structured output"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 5, "max_completion_tokens": 3}, "min_tokens",
+     ["max_completion_tokens=3"]),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tools": []}},
      "chat_template_kwargs", ["tools"]),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}, "messages[1]",

@@ -122,6 +122,12 @@ def test_what_a_stateless_text_server_cannot_do_is_a_400_naming_the_field(client
     assert "max_completion_tokens" not in refused.value.message and "messages" not in refused.value.message
 
 
+def test_a_length_check_names_max_output_tokens_as_the_client_sent_it(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, extra_body={"min_tokens": 5})
+    assert refused.value.param == "min_tokens" and "max_output_tokens=3" in refused.value.message
+
+
 def test_a_failure_mid_stream_is_an_error_event_and_the_stream_ends_without_done(client):
     events = list(client.responses.create(model=MODEL, input=QUESTION, stream=True, text={
         "format": {"type": "json_schema", "name": "none", "schema": {"$ref": "#"}}}))

@@ -14,9 +14,10 @@ logger = logging.getLogger("kiln.server")
 
 
 def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *,
-              logprobs: int | None, prompt_logprobs: int | None,
-              structured_output: StructuredOutput | None) -> list[Job]:
-    """`n` jobs per prompt, in OpenAI's choice order (prompt-major), with the model's sampling defaults."""
+              logprobs: int | None, prompt_logprobs: int | None, structured_output: StructuredOutput | None,
+              max_tokens_param: str = "max_tokens") -> list[Job]:
+    """`n` jobs per prompt, in OpenAI's choice order (prompt-major), with the model's sampling defaults;
+    ``max_tokens_param``: the field the client set the length with, which errors name."""
     for name in set(req.ignored_fields()) - model.logged_ignored_fields:
         model.logged_ignored_fields.add(name)
         logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
@@ -26,7 +27,7 @@ def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]],
                                          defaults=model.sampling_defaults))
                 for ids, limit in zip(prompts, max_tokens, strict=True) for choice in range(req.n)]
     except ValueError as exc:  # a combination the fields' own checks cannot see (min_tokens above max_tokens)
-        message = str(exc).removeprefix("SamplingParams.")
+        message = str(exc).removeprefix("SamplingParams.").replace("max_tokens=", f"{max_tokens_param}=")
         field = message.split(" ", 1)[0]
         raise APIError(400, message, param=field if field in type(req).model_fields else None) from None
 
