@@ -23,7 +23,7 @@ from pathlib import Path
 from kiln.runtime.cache_hold import EntryHold, hold_if_cached
 from kiln.runtime.engine import Engine, engine_loader
 from kiln.runtime.errors import EngineFormatError, InvalidRequestError, KilnError
-from kiln.runtime.limits import EngineLimits
+from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, RequestOutput, StreamDelta
 from kiln.runtime.sampling_params import SamplingParams
@@ -267,8 +267,15 @@ class LLM:
         if request_ids is not None and len(request_ids) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(request_ids)} request ids: pass one per prompt")
         ids = request_ids if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
-        return [self.engine.make_request(request_id, p, _taken(sp))
-                for request_id, p, sp in zip(ids, prompts, params, strict=True)]
+        seqs = []
+        for index, (request_id, prompt, sp) in enumerate(zip(ids, prompts, params, strict=True)):
+            try:
+                seqs.append(self.engine.make_request(request_id, prompt, _taken(sp)))
+            except (InvalidRequestError, RequestTooLongError) as e:
+                if len(prompts) == 1:
+                    raise
+                raise type(e)(f"prompts[{index}]: {e}") from e  # which of a batch's prompts
+        return seqs
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> str:
         """Queue a request and return its id at once; collect it with `result(request_id)`."""

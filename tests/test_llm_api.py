@@ -202,8 +202,10 @@ def test_concurrent_asyncio_requests_match_generate(llm):
 
 
 def test_too_long_request_is_rejected_with_the_numbers(llm):
-    with pytest.raises(RequestTooLongError, match=r"max_input_len is 48"):
+    with pytest.raises(RequestTooLongError, match=r"^prompt has 57 tokens .* max_input_len is 48"):
         llm.generate([list(range(3, 60))], GREEDY)
+    with pytest.raises(RequestTooLongError, match=r"^prompts\[2\]: prompt has 57 tokens"):  # which of a batch
+        llm.generate([[5, 6], [7], list(range(3, 60))], GREEDY)
     with pytest.raises(KilnError, match=r"\(40 tokens\) \+ max_tokens \(230\) = 270 exceeds .* max_seq_len \(256\)"):
         llm.submit(list(range(3, 43)), SamplingParams(max_tokens=230))
     with pytest.raises(ValueError, match="not ints in"):
