@@ -76,8 +76,11 @@ class _Outbox:
 
 
 def _push_all(items: list[tuple[str, Callable, object]]) -> None:
-    for _, push, item in items:
-        push(item)
+    for request_id, push, item in items:
+        try:
+            push(item)
+        except Exception:  # a caller's callback (stream_many's on_finished): the other requests still get theirs
+            logger.exception("delivering request %s's output raised", request_id)
 
 
 def _settle(future: asyncio.Future, item: StreamDelta | BaseException) -> None:
@@ -106,6 +109,7 @@ class LLM:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._closed = False
+        self._released = threading.Event()  # close() has freed the engine
         self._outbox = _Outbox()  # touched by the engine thread only
         self._warm = threading.Event()  # the engine's deferred warm-up is done (or the engine thread has stopped)
         self._pid = os.getpid()  # it serves the process that loaded it, never a fork of it
@@ -332,17 +336,24 @@ class LLM:
             self._closed = True
             return
         with self._lock:
-            if self._closed:
-                return
+            closing = not self._closed
             self._closed = True
-        self._commands.put(("close", None))
-        self._thread.join(STEP_GRACE_S)
-        if self._thread.is_alive() and self.engine.interrupt():
-            logger.warning("the engine did not stop within %s s of close: its process was killed", STEP_GRACE_S)
-        self._thread.join()
-        self._fail_all(EngineClosedError("the LLM was closed before this request finished"))
-        if (finalizer := self._release.detach()) is not None:  # a call would do nothing once atexit has run
-            _release_engine(*finalizer[2])
+        if not closing:  # another caller is closing it: return once that has freed the engine
+            self._released.wait()
+            return
+        try:
+            self._commands.put(("close", None))
+            self._thread.join(STEP_GRACE_S)
+            if self._thread.is_alive() and self.engine.interrupt():
+                logger.warning("the engine did not stop within %s s of close: its process was killed", STEP_GRACE_S)
+            self._thread.join()
+            self._fail_all(EngineClosedError("the LLM was closed before this request finished"))
+            closed = _ClosedEngine(self.engine)
+            if (finalizer := self._release.detach()) is not None:  # a call would do nothing once atexit has run
+                _release_engine(*finalizer[2])
+            self.engine = closed  # the engine itself (weights, KV pool) goes, even while the caller holds this LLM
+        finally:
+            self._released.set()
 
     def _stop_reason(self) -> BaseException | None:
         """Why the engine stopped: the engine thread's error, else what the engine noticed while idle
@@ -491,6 +502,44 @@ class LLM:
                 sink.future.set_exception(error)
         outbox.flush()
         return list(sinks)
+
+
+class _ClosedEngine:
+    """What a closed LLM keeps of its engine: its tokenizer, limits and last statistics; nothing runs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.tokenizer, self.limits = engine.tokenizer, engine.limits
+        self._stats = engine.stats_snapshot()
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        raise EngineClosedError("the LLM is closed: load it again")
+
+    def add_request(self, seq: Sequence) -> None:
+        raise EngineClosedError("the LLM is closed: load it again")
+
+    def step(self) -> list[StreamDelta | RequestFailure]:
+        return []
+
+    def abort_request(self, request_id: str) -> StreamDelta | None:
+        return None
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def warm_up_step(self) -> bool:
+        return False
+
+    def failure(self) -> KilnError | None:
+        return None
+
+    def stats_snapshot(self) -> dict:
+        return self._stats
+
+    def close(self) -> None:
+        pass
+
+    def interrupt(self) -> bool:
+        return False
 
 
 STEP_GRACE_S = 10.0  # how long close waits for the engine's step before it interrupts it

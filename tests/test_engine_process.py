@@ -205,9 +205,9 @@ def test_close_kills_an_engine_process_whose_step_does_not_return(monkeypatch):
     request_id = llm.submit("Once upon a time", SamplingParams(max_tokens=240, ignore_eos=True))
     wait_until(llm.engine.has_unfinished)
     time.sleep(0.2)  # the engine thread is waiting for the step's answer
-    started = time.monotonic()
+    started, engine = time.monotonic(), llm.engine
     llm.close()
-    assert time.monotonic() - started < 15 and llm.engine._process.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 15 and engine._process.returncode == -signal.SIGKILL
     with pytest.raises(EngineClosedError):
         llm.result(request_id, timeout=5)
 

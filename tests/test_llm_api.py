@@ -11,6 +11,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -392,13 +394,57 @@ def test_engine_built_for_another_toolchain_is_refused(engine_dir, tmp_path):
         LLM.load(copy)
 
 
-def test_closed_llm_refuses_new_requests(engine_dir):
+def _slow_down_close(engine: object) -> threading.Event:
+    """Make ``engine.close`` take a while; the event is set once it has started."""
+    real_close, closing = engine.close, threading.Event()
+
+    def slow_close() -> None:
+        closing.set()
+        time.sleep(0.3)
+        real_close()
+
+    engine.close = slow_close
+    return closing
+
+
+def test_closed_llm_frees_its_engine_while_referenced_and_refuses_new_requests(engine_dir):
+    import gc
+    import weakref
+
     llm = LLM.load(engine_dir)
-    llm.close()
+    llm.generate(PROMPTS[0], GREEDY)
+    engine, finished = weakref.ref(llm.engine), sum(llm.stats()["requests_finished"].values())
+    closing = _slow_down_close(llm.engine)
+    first = threading.Thread(target=llm.close)
+    first.start()
+    closing.wait(timeout=30)
+    llm.close()  # a second close returns only once the first has freed the engine
+    gc.collect()
+    assert engine() is None  # the LLM, still referenced, no longer holds its engine
+    first.join()
+    assert sum(llm.stats()["requests_finished"].values()) == finished and llm.limits.max_seq_len == 256
+    assert llm.tokenizer is not None
     with pytest.raises(EngineClosedError):
         llm.generate(PROMPTS[0], GREEDY)
     with pytest.raises(EngineClosedError):
         llm.check(PROMPTS[0], GREEDY)
+
+
+def test_a_stream_many_callback_that_raises_leaves_the_other_requests_on_its_loop_served(llm, caplog):
+    def broken() -> None:
+        raise RuntimeError("the caller's bug")
+
+    async def run_all() -> list:
+        async def drain() -> None:
+            async for _ in llm.stream_many([PROMPTS[0]], GREEDY, on_finished=broken):
+                pass
+
+        together = [llm.generate_async(p, GREEDY) for p in PROMPTS]
+        return await asyncio.wait_for(asyncio.gather(drain(), *together), timeout=60)
+
+    outputs = asyncio.run(run_all())[1:]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert "the caller's bug" in caplog.text
 
 
 def test_a_bug_in_the_engine_fails_its_waiters_with_the_cause_and_logs_where_it_was(engine_dir, caplog):
@@ -464,7 +510,6 @@ def test_an_llm_left_open_with_requests_in_flight_closes_at_exit(engine_dir):
 
 def test_an_llm_dropped_without_close_is_collected_and_frees_its_engine(engine_dir):
     import gc
-    import threading
     import weakref
 
     llm = LLM.load(engine_dir)
