@@ -375,3 +375,16 @@ def test_engine_metrics_leave_out_what_the_engine_does_not_report_rather_than_fa
                   "vllm:num_requests_waiting", "vllm:kv_cache", "vllm:gpu_cache", "vllm:num_preemptions",
                   "vllm:prefix_cache", "vllm:cache_config_info")
     assert [line for line in lines if line.startswith(unreported)] == []
+
+
+def test_an_app_over_an_llm_mounted_in_the_embedders_own_app_serves_at_once(llm):
+    """Starlette runs no lifespan for a mounted app: one given an LLM must not wait for one to attach it."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    mine = FastAPI()
+    mine.mount("/kiln", create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL)))
+    with TestClient(mine, base_url="http://testserver/kiln") as http:  # runs mine's lifespan, as uvicorn would
+        assert http.get("/health").status_code == 200
+        answer = http.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon", "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2

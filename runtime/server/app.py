@@ -188,13 +188,12 @@ def _lifespan(state: ServerState, llm: LLM | Callable[[], LLM], engine_dir: Path
             if state.on_fatal is not None:
                 state.on_fatal()
 
+    if isinstance(llm, LLM):  # ready at once, lifespan or not: an app mounted in the embedder's app gets none
+        attach(llm)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        loading = None
-        if isinstance(llm, LLM):
-            attach(llm)
-        else:
-            loading = asyncio.create_task(load())
+        loading = None if isinstance(llm, LLM) else asyncio.create_task(load())
         yield
         if loading is None:  # the embedder's LLM: it closes it
             return
