@@ -18,10 +18,10 @@ from concurrent.futures import Future
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from kiln.runtime import LLM, SamplingParams
+from kiln.runtime import LLM, InvalidRequestError, SamplingParams
 
 
 class Worker:
@@ -48,11 +48,30 @@ class Worker:
             batch = [job]
             while len(batch) < 8 and not self.jobs.empty() and (job := self.jobs.get()) is not None:
                 batch.append(job)
-            outputs = self.llm.generate([f"Summary of: {text}\n" for text, _ in batch], params)
-            for (_, future), out in zip(batch, outputs, strict=True):
-                future.set_result(out.text)
+            self._serve([(f"Summary of: {text}\n", future) for text, future in batch], params)
             if job is None:
                 break
+
+    def _serve(self, batch: list[tuple[str, Future]], params: SamplingParams) -> None:
+        """Run one batch. A prompt the engine refuses (too long, say) fails its own job; an engine that stops fails
+        the batch; either way the worker goes on to the next."""
+        runnable = []
+        for prompt, future in batch:
+            try:
+                self.llm.check(prompt, params)
+                runnable.append((prompt, future))
+            except InvalidRequestError as e:
+                future.set_exception(e)
+        if not runnable:
+            return
+        try:
+            outputs = self.llm.generate([prompt for prompt, _ in runnable], params)
+        except Exception as e:  # the engine closed or failed: every job waiting on this batch hears why
+            for _, future in runnable:
+                future.set_exception(e)
+            return
+        for (_, future), out in zip(runnable, outputs, strict=True):
+            future.set_result(out.text)
 
 
 class Ask(BaseModel):
@@ -63,6 +82,10 @@ class Ask(BaseModel):
 def make_app(llm: LLM, worker: Worker) -> FastAPI:
     """Your service's own routes; every one of them reaches the same engine."""
     app = FastAPI(title="an app that embeds Kiln")
+
+    @app.exception_handler(InvalidRequestError)  # a prompt too long for the engine, say: the client's to fix
+    async def invalid_request(_: object, error: InvalidRequestError) -> JSONResponse:
+        return JSONResponse({"error": str(error)}, status_code=400)
 
     @app.post("/ask")
     async def ask(body: Ask) -> dict:
@@ -115,7 +138,9 @@ def self_test(app: FastAPI, worker: Worker) -> None:
     for response in asyncio.run(calls()):
         response.raise_for_status()
         print(response.request.url.path, "->", response.text[:120])
-    for future in direct:
+    too_long = httpx.post(f"{url}/summarize", json={"question": "word " * 100_000}, timeout=120)
+    print("/summarize of a text too long ->", too_long.status_code)  # 400, and the worker goes on serving:
+    for future in [*direct, worker.submit("a job after that one")]:
         print("worker ->", repr(future.result(timeout=120)))
     server.should_exit = True
     thread.join()
