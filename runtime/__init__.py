@@ -8,13 +8,25 @@ from __future__ import annotations
 
 import importlib
 
-from kiln.runtime.errors import InvalidRequestError, KilnError, SamplingError
+from kiln.runtime.errors import (
+    DeviceUnavailableError,
+    EngineFormatError,
+    FingerprintMismatchError,
+    InsufficientKVMemoryError,
+    InvalidRequestError,
+    KilnError,
+    SamplingError,
+)
 
-__all__ = ["LLM", "EngineClosedError", "InvalidRequestError", "KilnError", "RequestFailedError", "RequestOutput",
-           "RequestTooLongError", "RuntimeOptions", "SamplingError", "SamplingParams", "StreamDelta",
-           "StructuredOutput", "StructuredOutputError", "TokenLogprob"]
+__all__ = ["LLM", "CacheCorruptError", "CacheEntryGoneError", "DeviceUnavailableError", "EngineClosedError",
+           "EngineFormatError", "FingerprintMismatchError", "InsufficientKVMemoryError", "InvalidRequestError",
+           "KilnError", "RequestFailedError", "RequestOutput", "RequestTooLongError", "RuntimeOptions",
+           "RuntimeOptionsError", "SamplingError", "SamplingParams", "StreamDelta", "StructuredOutput",
+           "StructuredOutputError", "TokenLogprob"]
 
-_LAZY = {"LLM": "kiln.runtime.llm", "EngineClosedError": "kiln.runtime.llm", "RequestOutput": "kiln.runtime.outputs",
+_LAZY = {"CacheCorruptError": "kiln.runtime.cache_hold", "CacheEntryGoneError": "kiln.runtime.cache_hold",
+         "RuntimeOptionsError": "kiln.runtime.options",
+         "LLM": "kiln.runtime.llm", "EngineClosedError": "kiln.runtime.llm", "RequestOutput": "kiln.runtime.outputs",
          "RequestFailedError": "kiln.runtime.outputs", "RequestTooLongError": "kiln.runtime.limits",
          "RuntimeOptions": "kiln.runtime.options", "SamplingParams": "kiln.runtime.sampling_params",
          "StreamDelta": "kiln.runtime.outputs", "StructuredOutput": "kiln.runtime.structured_output",

@@ -33,3 +33,11 @@ class InvalidRequestError(KilnError, ValueError):
 class SamplingError(KilnError):
     """One request's next token could not be sampled (non-finite probabilities, no token allowed, a seed torch
     refuses); only that request fails."""
+
+
+class DeviceUnavailableError(KilnError):
+    """A CUDA device this machine does not have."""
+
+
+class InsufficientKVMemoryError(KilnError):
+    """The KV pool cannot hold even one sequence of the engine's max_seq_len."""

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.runtime.errors import InvalidRequestError, KilnError
+from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.plan import BuildPlan
 from kiln.runtime.sampling_params import SamplingParams
 
 
-class RequestTooLongError(KilnError, ValueError):
-    """A request that this engine can never serve (too long for its plan or its KV pool)."""
+class RequestTooLongError(InvalidRequestError):
+    """A request that this engine can never serve (too long for its plan or its KV pool): an invalid request, so
+    ``except InvalidRequestError`` catches it too."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 from kiln.runtime.cache_hold import EntryHold, hold_if_cached
 from kiln.runtime.engine import Engine, engine_loader
 from kiln.runtime.errors import EngineFormatError, InvalidRequestError, KilnError
-from kiln.runtime.limits import EngineLimits, RequestTooLongError
+from kiln.runtime.limits import EngineLimits
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, RequestOutput, StreamDelta
 from kiln.runtime.sampling_params import SamplingParams
@@ -275,7 +275,7 @@ class LLM:
         for index, (request_id, prompt, sp) in enumerate(zip(ids, prompts, params, strict=True)):
             try:
                 seqs.append(self.engine.make_request(request_id, prompt, _taken(sp)))
-            except (InvalidRequestError, RequestTooLongError) as e:
+            except InvalidRequestError as e:  # RequestTooLongError included
                 if len(prompts) == 1:
                     raise
                 raise type(e)(f"prompts[{index}]: {e}") from e  # which of a batch's prompts

@@ -394,7 +394,8 @@ def test_tensorrt_llm_settings_on_a_native_build_are_warned_about(tmp_path, caps
 
 def test_a_cuda_device_on_a_machine_without_cuda_is_one_line_even_in_a_dry_run(tmp_path, monkeypatch):
     from kiln.pipeline.backend import BackendUnavailableError
-    from kiln.runtime.native.fingerprint import DeviceUnavailableError, machine_fingerprint
+    from kiln.runtime.errors import DeviceUnavailableError
+    from kiln.runtime.native.fingerprint import machine_fingerprint
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(BackendUnavailableError, match="build.device is cuda, but CUDA is not available"):

@@ -6,12 +6,8 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.errors import FingerprintMismatchError, KilnError
+from kiln.runtime.errors import DeviceUnavailableError, FingerprintMismatchError
 from kiln.runtime.version import package_version
-
-
-class DeviceUnavailableError(KilnError):
-    """A CUDA device this machine does not have."""
 
 
 def machine_fingerprint(device: str) -> dict[str, Any]:

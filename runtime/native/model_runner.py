@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.runtime.errors import KilnError, SamplingError
+from kiln.runtime.errors import InsufficientKVMemoryError, SamplingError
 from kiln.runtime.native.attention_metadata import AttentionMetadata
 from kiln.runtime.native.decode_graphs import maybe_decode_graphs
 from kiln.runtime.native.device_copy import device_tensor
@@ -44,10 +44,6 @@ from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import TokenLogprob
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.stats import PhaseTimes
-
-
-class InsufficientKVMemoryError(KilnError):
-    """The KV pool cannot hold even one sequence of the engine's max_seq_len."""
 
 
 @dataclass
