@@ -10,6 +10,7 @@ import importlib
 
 from kiln.runtime.errors import (
     DeviceUnavailableError,
+    EngineClosedError,
     EngineFormatError,
     FingerprintMismatchError,
     InsufficientKVMemoryError,
@@ -26,7 +27,7 @@ __all__ = ["LLM", "CacheCorruptError", "CacheEntryGoneError", "DeviceUnavailable
 
 _LAZY = {"CacheCorruptError": "kiln.runtime.cache_hold", "CacheEntryGoneError": "kiln.runtime.cache_hold",
          "RuntimeOptionsError": "kiln.runtime.options",
-         "LLM": "kiln.runtime.llm", "EngineClosedError": "kiln.runtime.llm", "RequestOutput": "kiln.runtime.outputs",
+         "LLM": "kiln.runtime.llm", "RequestOutput": "kiln.runtime.outputs",
          "RequestFailedError": "kiln.runtime.outputs", "RequestTooLongError": "kiln.runtime.limits",
          "RuntimeOptions": "kiln.runtime.options", "SamplingParams": "kiln.runtime.sampling_params",
          "StreamDelta": "kiln.runtime.outputs", "StructuredOutput": "kiln.runtime.structured_output",

@@ -30,6 +30,10 @@ class InvalidRequestError(KilnError, ValueError):
     """A request that is malformed for this engine (bad token ids, text without a tokenizer)."""
 
 
+class EngineClosedError(KilnError):
+    """The LLM was closed, or its engine thread stopped on an error, before the request finished."""
+
+
 class SamplingError(KilnError):
     """One request's next token could not be sampled (non-finite probabilities, no token allowed, a seed torch
     refuses); only that request fails."""

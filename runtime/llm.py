@@ -17,12 +17,14 @@ import weakref
 from collections import abc
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from kiln.runtime.cache_hold import EntryHold, hold_if_cached
+from kiln.runtime.closed_engine import ClosedEngine
+from kiln.runtime.delivery import ABORTING, Outbox, Sink, settle
 from kiln.runtime.engine import Engine, engine_loader
-from kiln.runtime.errors import EngineFormatError, InvalidRequestError, KilnError
+from kiln.runtime.errors import EngineClosedError, EngineFormatError, InvalidRequestError
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, RequestOutput, StreamDelta
@@ -33,64 +35,6 @@ from kiln.runtime.tokenizer import Tokenizer
 logger = logging.getLogger("kiln.runtime")
 
 Prompt = str | list[int]
-
-
-class EngineClosedError(KilnError):
-    """The LLM was closed, or its engine thread stopped on an error, before the request finished."""
-
-
-@dataclass
-class _Sink:
-    """Where a request's deltas and final output go: a thread's ``future``, or ``push``, called on ``loop`` with
-    each delta (and with the error that ends the request) for an asyncio caller."""
-
-    future: Future = field(default_factory=Future)
-    loop: asyncio.AbstractEventLoop | None = None
-    push: Callable[[StreamDelta | BaseException], None] | None = None
-    every_delta: bool = True  # False: push the final delta only
-
-
-_ABORTING = _Sink()  # the sink of a request abort_all failed, until the engine's final delta for it
-
-
-class _Outbox:
-    """What one engine iteration hands to asyncio callers, grouped by event loop: each loop is woken once per step,
-    however many of its requests the step advanced."""
-
-    def __init__(self) -> None:
-        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, Callable, object]]] = {}
-
-    def add(self, request_id: str, sink: _Sink, item: StreamDelta | BaseException) -> None:
-        self._by_loop.setdefault(sink.loop, []).append((request_id, sink.push, item))
-
-    def flush(self) -> list[str]:
-        """Send what was added; returns the requests whose event loop is gone (nobody listens to them any more)."""
-        orphans = []
-        for loop, items in self._by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_push_all, items)
-            except RuntimeError:  # the loop was closed
-                orphans += [request_id for request_id, _, _ in items]
-        self._by_loop.clear()
-        return orphans
-
-
-def _push_all(items: list[tuple[str, Callable, object]]) -> None:
-    for request_id, push, item in items:
-        try:
-            push(item)
-        except Exception:  # a caller's callback (stream_many's on_finished): the other requests still get theirs
-            logger.exception("delivering request %s's output raised", request_id)
-
-
-def _settle(future: asyncio.Future, item: StreamDelta | BaseException) -> None:
-    """Complete an asyncio future with a final delta's output or an error, unless its task was cancelled."""
-    if future.done():
-        return
-    if isinstance(item, BaseException):
-        future.set_exception(item)
-    elif item.finished:
-        future.set_result(item.output)
 
 
 class LLM:
@@ -104,13 +48,13 @@ class LLM:
         self.engine = engine
         self.load_ms = load_ms
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, Sink] = {}
         self._results: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._closed = False
         self._released = threading.Event()  # close() has freed the engine
-        self._outbox = _Outbox()  # touched by the engine thread only
+        self._outbox = Outbox()  # touched by the engine thread only
         self._warm = threading.Event()  # the engine's deferred warm-up is done (or the engine thread has stopped)
         self._pid = os.getpid()  # it serves the process that loaded it, never a fork of it
         # the thread holds the LLM only while it works, so an LLM dropped without close() is collected, and its
@@ -184,7 +128,7 @@ class LLM:
             prompts = [prompts]
         seqs = self._make_requests(prompts, params)
         try:
-            futures = self._enqueue(seqs, [_Sink() for _ in seqs])
+            futures = self._enqueue(seqs, [Sink() for _ in seqs])
             return [f.result() for f in futures]
         except BaseException:
             for seq in seqs:
@@ -198,7 +142,7 @@ class LLM:
         loop = asyncio.get_running_loop()
         seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params))
         result = loop.create_future()
-        self._enqueue([seq], [_Sink(loop=loop, push=functools.partial(_settle, result), every_delta=False)])
+        self._enqueue([seq], [Sink(loop=loop, push=functools.partial(settle, result), every_delta=False)])
         try:
             return await result
         except asyncio.CancelledError:
@@ -241,7 +185,7 @@ class LLM:
                     on_finished()
 
         try:
-            self._enqueue(seqs, [_Sink(loop=loop, push=functools.partial(push, index), every_delta=not final_only)
+            self._enqueue(seqs, [Sink(loop=loop, push=functools.partial(push, index), every_delta=not final_only)
                                  for index in range(len(seqs))])
             remaining.update(range(len(seqs)))
             while remaining:
@@ -284,7 +228,7 @@ class LLM:
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> str:
         """Queue a request and return its id at once; collect it with `result(request_id)`."""
         seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params))
-        (future,) = self._enqueue([seq], [_Sink()])
+        (future,) = self._enqueue([seq], [Sink()])
         with self._lock:
             self._results[seq.request_id] = future
         return seq.request_id
@@ -348,7 +292,7 @@ class LLM:
                 logger.warning("the engine did not stop within %s s of close: its process was killed", STEP_GRACE_S)
             self._thread.join()
             self._fail_all(EngineClosedError("the LLM was closed before this request finished"))
-            closed = _ClosedEngine(self.engine)
+            closed = ClosedEngine(self.engine)
             if (finalizer := self._release.detach()) is not None:  # a call would do nothing once atexit has run
                 _release_engine(*finalizer[2])
             self.engine = closed  # the engine itself (weights, KV pool) goes, even while the caller holds this LLM
@@ -368,13 +312,13 @@ class LLM:
         if self._closed or error is not None:
             raise EngineClosedError(f"the LLM is closed{f' (engine error: {error})' if error else ''}: load it again")
 
-    def _enqueue(self, seqs: list[Sequence], sinks: list[_Sink]) -> list[Future]:
+    def _enqueue(self, seqs: list[Sequence], sinks: list[Sink]) -> list[Future]:
         """Queue requests as one command: the engine takes them all before its next step (a request's choices, or
         a batch of prompts, then always start together); none is queued when one's id is taken."""
         self._check_not_forked()  # before the lock, which the parent's engine thread may have held at the fork
         with self._lock:
             self._check_open()
-            ids: dict[str, _Sink] = {}
+            ids: dict[str, Sink] = {}
             for seq, sink in zip(seqs, sinks, strict=True):
                 if seq.request_id in ids or seq.request_id in self._sinks or seq.request_id in self._results:
                     raise ValueError(f"request id {seq.request_id!r} is already in use: pick a unique id")
@@ -467,7 +411,7 @@ class LLM:
     def _deliver(self, delta: StreamDelta) -> None:
         with self._lock:
             sink = self._sinks.pop(delta.request_id, None) if delta.finished else self._sinks.get(delta.request_id)
-        if sink is None or sink is _ABORTING:
+        if sink is None or sink is ABORTING:
             return
         if sink.loop is not None:
             if sink.loop.is_closed() and not delta.finished:  # nobody can read it any more: free its blocks now
@@ -481,7 +425,7 @@ class LLM:
         """Fail one request (delivered with the engine iteration's other results)."""
         with self._lock:
             sink = self._sinks.pop(request_id, None)
-        if sink is _ABORTING:
+        if sink is ABORTING:
             return
         if sink is not None and sink.loop is not None:
             self._outbox.add(request_id, sink, error)
@@ -492,9 +436,9 @@ class LLM:
         """Fail every request still in flight, at once; their ids. With ``reserve`` (their aborts follow) each id
         stays taken until the engine's final delta for it, so that a request reusing it never gets that delta."""
         with self._lock:
-            sinks = {request_id: sink for request_id, sink in self._sinks.items() if sink is not _ABORTING}
-            self._sinks = dict.fromkeys(self._sinks, _ABORTING) if reserve else {}
-        outbox = _Outbox()
+            sinks = {request_id: sink for request_id, sink in self._sinks.items() if sink is not ABORTING}
+            self._sinks = dict.fromkeys(self._sinks, ABORTING) if reserve else {}
+        outbox = Outbox()
         for request_id, sink in sinks.items():
             if sink.loop is not None:
                 outbox.add(request_id, sink, error)
@@ -502,44 +446,6 @@ class LLM:
                 sink.future.set_exception(error)
         outbox.flush()
         return list(sinks)
-
-
-class _ClosedEngine:
-    """What a closed LLM keeps of its engine: its tokenizer, limits and last statistics; nothing runs."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.tokenizer, self.limits = engine.tokenizer, engine.limits
-        self._stats = engine.stats_snapshot()
-
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        raise EngineClosedError("the LLM is closed: load it again")
-
-    def add_request(self, seq: Sequence) -> None:
-        raise EngineClosedError("the LLM is closed: load it again")
-
-    def step(self) -> list[StreamDelta | RequestFailure]:
-        return []
-
-    def abort_request(self, request_id: str) -> StreamDelta | None:
-        return None
-
-    def has_unfinished(self) -> bool:
-        return False
-
-    def warm_up_step(self) -> bool:
-        return False
-
-    def failure(self) -> KilnError | None:
-        return None
-
-    def stats_snapshot(self) -> dict:
-        return self._stats
-
-    def close(self) -> None:
-        pass
-
-    def interrupt(self) -> bool:
-        return False
 
 
 STEP_GRACE_S = 10.0  # how long close waits for the engine's step before it interrupts it

@@ -24,8 +24,9 @@ import pytest
 from kiln.runtime import LLM, RuntimeOptions, SamplingParams
 from kiln.runtime.engine_process import ProcessEngine, proxy, wire
 from kiln.runtime.engine_process.proxy import EngineProcessError
+from kiln.runtime.errors import EngineClosedError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
-from kiln.runtime.llm import IDLE_WAKE_S, EngineClosedError
+from kiln.runtime.llm import IDLE_WAKE_S
 from kiln.runtime.outputs import RequestMetrics, RequestOutput, StreamDelta
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.server import ServerSettings, ServerThread, create_app

@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from kiln.runtime import LLM, KilnError, SamplingParams
-from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError, SamplingError
+from kiln.runtime.errors import EngineClosedError, EngineFormatError, FingerprintMismatchError, SamplingError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
-from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.native.engine import InvalidRequestError
 from kiln.runtime.options import RuntimeOptions, RuntimeOptionsError
 from kiln.runtime.outputs import RequestFailedError

@@ -13,8 +13,8 @@ import tokenizers
 from tokenizers import processors
 
 from kiln.runtime import LLM
+from kiln.runtime.errors import EngineClosedError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
-from kiln.runtime.llm import EngineClosedError
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import Job, ServedModel, TokenizedPrompt

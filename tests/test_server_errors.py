@@ -417,7 +417,7 @@ def test_a_generation_the_engine_fails_is_logged_with_its_request_id_streamed_or
     import io
     import logging
 
-    from kiln.runtime.llm import EngineClosedError
+    from kiln.runtime.errors import EngineClosedError
     from kiln.runtime.server.generation import ServedModel
     from kiln.runtime.server.serve import stderr_log_handler
 

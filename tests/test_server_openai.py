@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from kiln.runtime.llm import EngineClosedError
+from kiln.runtime.errors import EngineClosedError
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from kiln.runtime.server.chat_template import ChatTemplate
 from tests.test_server_support import engine_idle, tiny_engine, wait_until

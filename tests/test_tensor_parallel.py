@@ -19,7 +19,7 @@ import torch
 
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, RuntimeOptions, SamplingParams
-from kiln.runtime.llm import EngineClosedError
+from kiln.runtime.errors import EngineClosedError
 from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError
 from kiln.runtime.native.parallel.launch import TensorParallelRanks
 from kiln.runtime.native.parallel.step_batch import StepBatch

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.errors import InvalidRequestError, KilnError
+from kiln.runtime.errors import EngineClosedError, InvalidRequestError, KilnError
 from kiln.runtime.json_files import read_json_object
 from kiln.runtime.limits import RequestTooLongError
-from kiln.runtime.llm import LLM, EngineClosedError
+from kiln.runtime.llm import LLM
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError

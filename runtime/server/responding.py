@@ -16,8 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from kiln.runtime.errors import InvalidRequestError, KilnError
-from kiln.runtime.llm import EngineClosedError
+from kiln.runtime.errors import EngineClosedError, InvalidRequestError, KilnError
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.errors import APIError, error_body
 from kiln.runtime.server.generation import RETRY_AFTER_S, Job, ServedModel, engine_request_ids

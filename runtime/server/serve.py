@@ -16,8 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kiln.runtime import logs
-from kiln.runtime.errors import KilnError
-from kiln.runtime.llm import EngineClosedError
+from kiln.runtime.errors import EngineClosedError, KilnError
 from kiln.runtime.server.http_protocol import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, http_protocol_options
 from kiln.runtime.server.request_id import RequestIdFilter
 
