@@ -84,9 +84,10 @@ def hold_if_cached(engine_dir: Path) -> EntryHold | None:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
         if hold is not None:
             hold.release()
+        fix = (f"rebuild it (`kiln build --force`) or remove it (`kiln cache rm {entry.name[:12]}`)" if hold else
+               "rebuild or remove it where the cache is writable (this user cannot write it here)")
         raise CacheCorruptError(f"cache entry {entry}: {MANIFEST} is missing or unreadable, so it is not a finished "
-                                f"build; rebuild it (`kiln build --force`) or remove it (`kiln cache rm "
-                                f"{entry.name[:12]}`)")
+                                f"build; {fix}")
     if hold is None:
         logger.warning("cache entry %s is read-only for this user: loaded without holding it, so nothing keeps "
                        "another process's eviction from removing it meanwhile", entry)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +66,10 @@ def test_an_engine_in_a_read_only_cache_is_served_by_key_prefix_and_folder_unhel
     assert hold_if_cached(engine_dir) is None and "loaded without holding it" in caplog.text
     assert capsys.readouterr().err.count("read-only for this user: its engines are checked and served") == 1
     assert files_under(tmp_path / "cache") == before
+    monkeypatch.setattr(Path, "read_bytes", lambda self: b"{not json")  # its manifest unreadable
+    with pytest.raises(KilnError, match="rebuild or remove it where the cache is writable") as refused:
+        hold_if_cached(engine_dir)
+    assert "kiln cache rm" not in str(refused.value) and "--force" not in str(refused.value)
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "no manifest", "garbage manifest"])
