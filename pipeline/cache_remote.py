@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kiln.engines.cache import CacheCorruptError, CacheUsageError, EngineCache
+from kiln.engines.cache import CacheCorruptError, CacheResult, CacheUsageError, EngineCache
+from kiln.engines.cache.keys import check_key_prefix, match_prefix
 from kiln.engines.cache.remote.layout import REMOTE_STORES
 from kiln.engines.cache.remote.maintenance import RemoteEntry, prune_remote, remote_entries, verify_remote
 from kiln.engines.cache.remote.tier import RemoteTier
-from kiln.engines.cache.store import CacheResult, check_key_prefix, match_prefix
 from kiln.engines.cache.units import format_bytes, format_seconds
 from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, entries_text, rate
 from kiln.pipeline.console import print_json, stderr, stdout, transfer_bars

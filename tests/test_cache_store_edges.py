@@ -14,8 +14,9 @@ from filelock import FileLock
 
 from kiln.engines.cache import CacheEntryNotFoundError, EngineCache, EntryHold, InvalidCacheKeyError, engine_key
 from kiln.engines.cache.errors import CacheUsageError
+from kiln.engines.cache.keys import complete_key
 from kiln.engines.cache.manifest import entry_size
-from kiln.engines.cache.store import LookupResult, complete_key
+from kiln.engines.cache.results import LookupResult
 from kiln.engines.cache.verify import nearest_entry, verify_entry
 from tests.test_cache_store import FakeBuild, material
 

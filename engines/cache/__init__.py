@@ -14,8 +14,9 @@ from kiln.engines.cache.errors import (
 from kiln.engines.cache.hashing import checkpoint_files, checkpoint_hash, file_sha256
 from kiln.engines.cache.in_use import EntryHold, is_held
 from kiln.engines.cache.keys import canonical_json, engine_key, is_cache_key, material_diff, validate_key
+from kiln.engines.cache.results import CacheResult, LookupResult
 from kiln.engines.cache.stats import StatsDB
-from kiln.engines.cache.store import CacheResult, ContentStore, LookupResult
+from kiln.engines.cache.store import ContentStore
 from kiln.engines.cache.verify import VerifyResult
 
 __all__ = [

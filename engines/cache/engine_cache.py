@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kiln.engines.cache.errors import CacheEntryNotFoundError
 from kiln.engines.cache.eviction import EvictionReport, evict
+from kiln.engines.cache.keys import complete_key
 from kiln.engines.cache.layout import (
     HASH_MEMO,
     PAYLOADS,
@@ -22,7 +23,7 @@ from kiln.engines.cache.remote.layout import REMOTE_STORES
 from kiln.engines.cache.remote.spec import RemoteSpec
 from kiln.engines.cache.remote.tier import RemoteTier
 from kiln.engines.cache.stats import StatsDB
-from kiln.engines.cache.store import ContentStore, VerifyOnLoad, complete_key
+from kiln.engines.cache.store import ContentStore, VerifyOnLoad
 from kiln.engines.cache.units import format_bytes
 
 logger = logging.getLogger("kiln.cache")

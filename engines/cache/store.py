@@ -16,24 +16,23 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
 from filelock import FileLock, Timeout
 
+from kiln.engines.cache import transfer
 from kiln.engines.cache.errors import (
     CacheCorruptError,
     CacheEntryInUseError,
     CacheEntryNotFoundError,
     CacheRootError,
     CacheUsageError,
-    InvalidCacheKeyError,
 )
 from kiln.engines.cache.hashing import FileHashes, file_sha256
-from kiln.engines.cache.in_use import EntryHold, delete_unless_held, is_held, take_out
-from kiln.engines.cache.keys import MIN_PREFIX, canonical_json, engine_key, is_cache_key, is_key_prefix, validate_key
+from kiln.engines.cache.in_use import delete_unless_held, is_held, take_out
+from kiln.engines.cache.keys import canonical_json, complete_key, engine_key, is_cache_key, validate_key
 from kiln.engines.cache.layout import (
     CORRUPT_MARK,
     HASH_MEMO,
@@ -52,8 +51,8 @@ from kiln.engines.cache.manifest import (
     read_manifest,
     seal_payload,
 )
-from kiln.engines.cache.remote.objects import RemoteCorruptError, RemoteUnavailableError
 from kiln.engines.cache.remote.tier import PushResult, RemoteTier, Transferred
+from kiln.engines.cache.results import CacheResult, LookupResult
 from kiln.engines.cache.stats import REMOTE_HIT, StatsDB
 from kiln.engines.cache.units import iso_utc
 from kiln.runtime.cache_hold import IN_USE_LOCK
@@ -62,44 +61,6 @@ WAIT_NOTE_EVERY_S = 30.0
 _FULL_WORDS = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))  # "No space left on device", "Disk quota ..."
 
 VerifyOnLoad = Literal["size", "changed", "hash"]  # "changed": re-hash the files changed since they were last hashed
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    """What a lookup found: ``reason`` is ``hit``, ``new``, ``evicted``, ``corrupt`` or ``incompatible``."""
-
-    hit: bool
-    reason: str
-    entry_dir: Path
-    detail: str = ""
-    manifest: dict | None = None
-
-    @property
-    def build_seconds(self) -> float:
-        """What building the entry took, as its manifest records it (0 without one)."""
-        return recorded_build_seconds(self.manifest)
-
-
-def recorded_build_seconds(manifest: dict | None) -> float:
-    """The build time a manifest records (0 without one, or without a number there)."""
-    value = (manifest or {}).get("build_seconds", 0.0)
-    return float(value) if isinstance(value, (int, float)) else 0.0
-
-
-@dataclass(frozen=True)
-class CacheResult:
-    """The outcome of ``get_or_build``: where the entry and its payload are, and how it got there."""
-
-    key: str
-    entry_dir: Path
-    payload_dir: Path
-    hit: bool
-    reason: str
-    build_seconds: float
-    waited: bool
-    replaced_in_use: bool = False  # a forced rebuild replaced an entry some process had loaded (it keeps the old)
-    pulled: bool = False  # installed from the remote tier (``hit`` is then true: nothing was built)
-    hold: EntryHold | None = field(default=None, compare=False, repr=False)  # ``pull(..., hold=True)``'s
 
 
 class ContentStore:
@@ -244,8 +205,8 @@ class ContentStore:
             found = self._find(key, material)
             if found.hit:
                 return self._hit(key, found, waited=False)
-        self._require_writable(f"{self.label} {key[:12]} cannot be built into the cache")
-        with self._key_lock(key, on_wait) as waited:
+        self.require_writable(f"{self.label} {key[:12]} cannot be built into the cache")
+        with self.key_lock(key, on_wait) as waited:
             found = self._check(key, material) if force else self._find(key, material)
             if found.hit and not force:
                 return self._hit(key, found, waited)
@@ -253,19 +214,19 @@ class ContentStore:
             if found.reason == "corrupt":
                 self.quarantine(key, found.detail)
             damaged: list[str] = []  # a remote copy refused on pull: this build replaces it there
-            if not force and (pulled := self._try_pull(key, material, on_transfer, damaged)) is not None:
+            if not force and (pulled := transfer.try_pull(self, key, material, on_transfer, damaged)) is not None:
                 return self._remote_hit(pulled, waited)
             lease = nullcontext("none") if self.remote is None or not self.remote.usable \
                 else self.remote.lease(self.name, key, on_wait, replacing=force, damaged=bool(damaged))
             with lease as outcome:
-                if outcome == "published" and (pulled := self._try_pull(key, material, on_transfer, damaged)):
+                if outcome == "published" and (pulled := transfer.try_pull(self, key, material, on_transfer, damaged)):
                     return self._remote_hit(pulled, waited=True)
                 if not force:
                     self._record_lookup(key, found)
                 replaced_in_use = force and is_held(self.entry_dir(key))
                 entry_dir, seconds = self._build_and_publish(key, material, build, describe or {})
                 if self.remote is not None and self.remote.usable:
-                    self._push_after_build(key, force or bool(damaged), on_transfer)
+                    transfer.push_after_build(self, key, force or bool(damaged), on_transfer)
         return CacheResult(key, entry_dir, entry_dir / self.payload_name, False, "forced" if force else found.reason,
                            seconds, waited, replaced_in_use)
 
@@ -292,7 +253,7 @@ class ContentStore:
         return False
 
     @contextmanager
-    def _key_lock(self, key: str, on_wait: Callable[[str], None] | None) -> Iterator[bool]:
+    def key_lock(self, key: str, on_wait: Callable[[str], None] | None) -> Iterator[bool]:
         """Hold the key's build lock; say so through ``on_wait`` while another process holds it."""
         lock = FileLock(self.lock_path(key))
         waited = False
@@ -319,11 +280,11 @@ class ContentStore:
             record = build(tmp / self.payload_name)
             return self._seal(tmp, key, material, record, describe, round(time.monotonic() - started, 3))
 
-        entry_dir, manifest = self._install(key, fill)
+        entry_dir, manifest = self.install(key, fill)
         self.stats.record_store(self.name, key, manifest["total_bytes"], manifest["build_seconds"])
         return entry_dir, manifest["build_seconds"]
 
-    def _install(self, key: str, fill: Callable[[Path], dict]) -> tuple[Path, dict]:
+    def install(self, key: str, fill: Callable[[Path], dict]) -> tuple[Path, dict]:
         """Publish what ``fill(tmp_entry_dir) -> manifest`` writes (a payload and its manifest, last) as entry
         ``key``; nothing is left behind when it fails."""
         tmp = self.v1 / "tmp" / f"{self.name}.{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
@@ -344,119 +305,6 @@ class ContentStore:
         if self._enforce_limits is not None:  # only now: before, it could evict what the build was about to read
             self._enforce_limits(self, key)
         return entry_dir, manifest
-
-    # -- the remote tier ---------------------------------------------------------------------------------------
-
-    def pull(self, key: str, material: dict | None = None, on_transfer: Transferred | None = None, *,
-             hold: bool = False) -> CacheResult:
-        """Install entry ``key`` from the remote tier (every file checked against its sha256 before the local
-        publish); CacheEntryNotFoundError when the remote does not have it, RemoteCorruptError when its copy is
-        damaged (nothing is installed). With ``hold``, the result holds the entry from before it is published (no
-        other process's eviction takes it before this one loads it)."""
-        remote = self.require_remote()
-        self._require_writable(f"{self.label} {key[:12]} cannot be pulled into the cache")
-        with self._key_lock(key, None):
-            self.sweep(own_key=key)  # what a pull killed half-way left behind
-            found = self._check(key, material)
-            if found.hit:
-                return CacheResult(key, found.entry_dir, found.entry_dir / self.payload_name, True, "hit",
-                                   found.build_seconds, False, hold=EntryHold(found.entry_dir) if hold else None)
-            if found.reason == "corrupt":
-                self.quarantine(key, found.detail)
-            result = self._pull_and_install(key, material, on_transfer, hold)
-        if result is None:
-            raise CacheEntryNotFoundError(f"cache key {key}: no {self.label} entry on {remote.url}; see "
-                                          f"`kiln cache ls --remote`")
-        return result
-
-    def push(self, key: str, *, replace: bool = False, on_transfer: Transferred | None = None) -> PushResult:
-        """Upload the local entry ``key`` to the remote tier (files first, the manifest last); an entry whose
-        files no longer match its manifest is refused (CacheCorruptError)."""
-        remote = self.require_remote()
-        manifest = self.read_manifest(key)
-        entry = self.entry_dir(key)
-        if problems := file_problems(entry, self.payload_name, manifest, digest=self.hashes.sha256, first_only=True):
-            raise CacheCorruptError(f"cache key {key}: not pushed, the local entry is damaged ({problems[0]}); run "
-                                    f"`kiln cache verify {key}`")
-        started = time.monotonic()
-        try:
-            result = remote.push(self.name, key, entry, self.payload_name, (entry / MANIFEST).read_bytes(),
-                                 replace=replace, transferred=on_transfer)
-        except RemoteUnavailableError as exc:
-            self.stats.record_remote(self.name, key, "push", "error", time.monotonic() - started, 0, str(exc))
-            raise
-        self.stats.record_remote(self.name, key, "push", result.outcome, result.seconds, result.bytes)
-        return result
-
-    def require_remote(self) -> RemoteTier:
-        """The remote tier; a usage error saying how to configure one when there is none."""
-        if self.remote is None:
-            raise CacheUsageError("no remote cache is configured: set cache.remote in the config, or "
-                                  "$KILN_CACHE_REMOTE (s3://bucket/prefix or file:///shared/folder)")
-        return self.remote
-
-    def _pull_and_install(self, key: str, material: dict | None, on_transfer: Transferred | None,
-                          hold: bool = False) -> CacheResult | None:
-        """Pull entry ``key`` into a temporary folder and publish it locally (held from before the publish with
-        ``hold``); None when the remote lacks it. Failures are recorded and raised."""
-        remote = self.require_remote()
-        started = time.monotonic()
-        pulled, holds = [], []
-
-        def fill(tmp: Path) -> dict:
-            result = remote.pull(self.name, key, material, tmp / self.payload_name, on_transfer)
-            if result is None:
-                raise CacheEntryNotFoundError(key)
-            if self.payload_problem is not None and (problem := self.payload_problem(tmp / self.payload_name)):
-                raise RemoteCorruptError(f"{self.label} {key[:12]} on {remote.url}: {problem}; it is not installed "
-                                         f"(`kiln cache prune --remote` removes it)")
-            (tmp / IN_USE_LOCK).touch()
-            if hold:  # the flock stays on the lock file as the folder is renamed into place
-                holds.append(EntryHold(tmp))
-            (tmp / LAST_USED).touch()
-            write_atomic(tmp / MANIFEST, result.raw_manifest)
-            pulled.append(result)
-            return result.manifest
-
-        published = False
-        try:
-            entry_dir, manifest = self._install(key, fill)
-            published = True
-        except CacheEntryNotFoundError:
-            self.stats.record_remote(self.name, key, "pull", "miss", time.monotonic() - started)
-            return None
-        except (RemoteCorruptError, RemoteUnavailableError) as exc:
-            outcome = "corrupt" if isinstance(exc, RemoteCorruptError) else "error"
-            self.stats.record_remote(self.name, key, "pull", outcome, time.monotonic() - started, 0, str(exc))
-            raise
-        finally:
-            if holds and not published:
-                holds[0].release()
-        result = pulled[0]
-        self.stats.record_remote(self.name, key, "pull", "hit", result.seconds, result.bytes)
-        return CacheResult(key, entry_dir, entry_dir / self.payload_name, True, REMOTE_HIT,
-                           recorded_build_seconds(manifest), False, pulled=True, hold=holds[0] if holds else None)
-
-    def _try_pull(self, key: str, material: dict, on_transfer: Transferred | None,
-                  damaged: list[str]) -> CacheResult | None:
-        """``_pull_and_install`` inside a build: a damaged remote entry is reported (and added to ``damaged``) and
-        built over, an unreachable remote warned about once (an error when the remote is required)."""
-        if self.remote is None or not self.remote.usable:
-            return None
-        try:
-            return self._pull_and_install(key, material, on_transfer)
-        except RemoteCorruptError as exc:
-            damaged.append(str(exc))
-            self.remote.warn(f"{exc}; building it here and pushing a good copy")
-        except RemoteUnavailableError as exc:
-            self.remote.failed(exc)
-        return None
-
-    def _push_after_build(self, key: str, force: bool, on_transfer: Transferred | None) -> None:
-        try:
-            self.push(key, replace=force, on_transfer=on_transfer)
-        except RemoteUnavailableError as exc:
-            self.remote.failed(exc)  # the local entry is kept either way
 
     def _seal(self, tmp: Path, key: str, material: dict, record: dict, describe: dict, seconds: float) -> dict:
         """fsync every payload file, then write the manifest last; returns the manifest."""
@@ -493,6 +341,24 @@ class ContentStore:
         fsync_dir(tmp.parent)
         return final
 
+    # -- the remote tier (transfer.py) -------------------------------------------------------------------------
+
+    def pull(self, key: str, material: dict | None = None, on_transfer: Transferred | None = None, *,
+             hold: bool = False) -> CacheResult:
+        """Install entry ``key`` from the remote tier, every file checked (``transfer.pull``)."""
+        return transfer.pull(self, key, material, on_transfer, hold=hold)
+
+    def push(self, key: str, *, replace: bool = False, on_transfer: Transferred | None = None) -> PushResult:
+        """Upload the local entry ``key`` to the remote tier, files first, the manifest last (``transfer.push``)."""
+        return transfer.push(self, key, replace=replace, on_transfer=on_transfer)
+
+    def require_remote(self) -> RemoteTier:
+        """The remote tier; a usage error saying how to configure one when there is none."""
+        if self.remote is None:
+            raise CacheUsageError("no remote cache is configured: set cache.remote in the config, or "
+                                  "$KILN_CACHE_REMOTE (s3://bucket/prefix or file:///shared/folder)")
+        return self.remote
+
     # -- housekeeping ------------------------------------------------------------------------------------------
 
     def quarantine(self, key: str, detail: str) -> Path | None:
@@ -515,7 +381,7 @@ class ContentStore:
 
     def try_remove(self, key: str, why: str) -> tuple[str, int]:
         """Take an entry out unless a process holds it: (``moved``|``in_use``|``gone``, bytes freed)."""
-        self._require_writable(f"{self.label} {key[:12]} cannot be removed")
+        self.require_writable(f"{self.label} {key[:12]} cannot be removed")
         entry = self.entry_dir(key)
         size = entry_size(entry)
         trash = self._trash_path(key)
@@ -530,7 +396,7 @@ class ContentStore:
         with their bytes (``dry_run``: the ones it would delete, deleting nothing).
 
         ``own_key`` is a key whose build lock this process holds: its leftover temporaries are stale too."""
-        self._require_writable("temporary builds cannot be swept")
+        self.require_writable("temporary builds cannot be swept")
         removed = {}
         for path in sorted((self.v1 / "tmp").iterdir()):
             parts = path.name.split(".")
@@ -562,7 +428,7 @@ class ContentStore:
         """Record a use of the entry ``key`` (a load), for LRU eviction."""
         return self._touch(self.entry_dir(key))
 
-    def _require_writable(self, what: str) -> None:
+    def require_writable(self, what: str) -> None:
         """CacheRootError saying ``what`` cannot be done, and why, in a read-only cache."""
         if self.read_only is not None:
             raise CacheRootError(f"{what}: {self.read_only}")
@@ -582,32 +448,3 @@ def disk_full(exc: BaseException) -> str | None:
             return words
         exc = exc.__cause__ or exc.__context__
     return None
-
-
-def complete_key(prefix: str, stores: list[ContentStore], what: str = "") -> str:
-    """The one published key of ``stores`` that starts with ``prefix`` (at least MIN_PREFIX hex digits, or a whole
-    key), as ``git`` completes a short hash; a missing or ambiguous prefix is an error that says so."""
-    check_key_prefix(prefix, "kiln cache ls")
-    keys = {key for store in stores for key in store.keys_under(prefix[:2])}
-    root = stores[0].v1.parent if stores else "the cache"
-    return match_prefix(prefix, keys, what, f"under {root}",
-                        "see `kiln cache ls`, or set $KILN_CACHE to the cache that holds it")
-
-
-def check_key_prefix(prefix: str, listing: str) -> None:
-    """InvalidCacheKeyError unless ``prefix`` is a key or a prefix of one (``listing``: the command that shows keys)."""
-    if not is_key_prefix(prefix):
-        raise InvalidCacheKeyError(f"{prefix!r} is not a cache key (64 lowercase hex digits) or a prefix of one (at "
-                                   f"least {MIN_PREFIX}): copy it from `{listing}`")
-
-
-def match_prefix(prefix: str, keys: set[str], what: str, where: str, fix: str) -> str:
-    """The one of ``keys`` that starts with ``prefix``: CacheEntryNotFoundError for none (no ``what``entry
-    ``where``; ``fix``: what to do), CacheUsageError naming a few for several."""
-    matches = sorted(key for key in keys if key.startswith(prefix))
-    if not matches:
-        raise CacheEntryNotFoundError(f"cache key {prefix}: no {what}entry {where}; {fix}")
-    if len(matches) > 1:
-        raise CacheUsageError(f"cache key prefix {prefix} matches {len(matches)} {what}entries "
-                              f"({', '.join(m[:16] for m in matches[:4])}...): give more of the key")
-    return matches[0]
