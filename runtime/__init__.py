@@ -16,12 +16,13 @@ from kiln.runtime.errors import (
     InsufficientKVMemoryError,
     InvalidRequestError,
     KilnError,
+    NoTokenAllowedError,
     SamplingError,
 )
 
 __all__ = ["LLM", "CacheCorruptError", "CacheEntryGoneError", "DeviceUnavailableError", "EngineClosedError",
            "EngineFormatError", "FingerprintMismatchError", "InsufficientKVMemoryError", "InvalidRequestError",
-           "KilnError", "RequestFailedError", "RequestOutput", "RequestTooLongError", "RuntimeOptions",
+           "KilnError", "NoTokenAllowedError", "RequestFailedError", "RequestOutput", "RequestTooLongError", "RuntimeOptions",
            "RuntimeOptionsError", "SamplingError", "SamplingParams", "StreamDelta", "StructuredOutput",
            "StructuredOutputError", "TokenLogprob"]
 

@@ -39,6 +39,11 @@ class SamplingError(KilnError):
     refuses); only that request fails."""
 
 
+class NoTokenAllowedError(SamplingError, InvalidRequestError):
+    """A request whose own constraints (allowed_token_ids, min_tokens, its structured output) together exclude every
+    token: the request's fault, so a server answers it with a 400."""
+
+
 class DeviceUnavailableError(KilnError):
     """A CUDA device this machine does not have."""
 

@@ -465,3 +465,9 @@ def test_the_engine_knows_a_request_by_the_clients_x_request_id_streamed_or_not(
                        headers={"X-Request-Id": "trace-7"}).raise_for_status()
     assert [[engine_id.rsplit("-", 1)[0] for engine_id in ids] for ids in seen] == [["trace-7-0", "trace-7-1"]] * 3
     assert len({engine_id for ids in seen for engine_id in ids}) == 6
+
+
+def test_a_request_whose_constraints_allow_no_token_is_a_400_saying_so(http):
+    body = {"prompt": "The cat sat on the", "max_tokens": 4, "temperature": 0, "allowed_token_ids": [5, 6],
+            "structured_outputs": {"choice": ["mat", "roof"]}}  # neither choice starts with token 5 or 6
+    assert_error(http.post("/v1/completions", json=body), 400, None, "no token is allowed")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kiln.runtime.errors import SamplingError
+from kiln.runtime.errors import NoTokenAllowedError, SamplingError
 from kiln.runtime.native.device_copy import device_tensor
 from kiln.runtime.native.grammar import Grammars, apply_token_bitmask
 from kiln.runtime.native.kernel_choice import DEFAULT_KERNELS, KernelChoice
@@ -112,8 +112,9 @@ class DrawnLogprobs:
 
 @dataclass
 class Draw:
-    """One token per row, still on the device (-1 where a row had a NaN or +inf logit, or none allowed), the rows that
-    failed before drawing, and the log probabilities the rows' requests asked for."""
+    """One token per row, still on the device (``NOT_FINITE`` where a row had a NaN or +inf logit, ``NONE_ALLOWED``
+    where its controls masked every token), the rows that failed before drawing, and the log probabilities the rows'
+    requests asked for."""
 
     tokens: torch.Tensor
     seqs: list[Sequence]
@@ -126,13 +127,22 @@ class Draw:
         for row, seq in enumerate(self.seqs):
             if row in self.failed:
                 sampled[row] = self.failed[row]
+            elif tokens[row] == NONE_ALLOWED:  # the request's own constraints: the client's to fix
+                sampled[row] = NoTokenAllowedError(
+                    f"request {seq.request_id}: no token could be sampled: no token is allowed (allowed_token_ids, "
+                    f"min_tokens' hold on the stop tokens and the structured output together exclude every one)")
             elif tokens[row] < 0:
-                sampled[row] = sampling_error(seq, ValueError(NO_TOKEN))
+                sampled[row] = sampling_error(seq, ValueError("non-finite logits"))
         return sampled
 
 
-NO_TOKEN = ("no token is allowed (allowed_token_ids, min_tokens' hold on the stop tokens and the structured output "
-            "together exclude every one) or the logits are not finite")
+NOT_FINITE, NONE_ALLOWED = -1, -2  # a row's token where none could be drawn: a NaN or +inf logit, or none unmasked
+
+
+def _drawable(best: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` where the row's ``best`` logit is finite, else why not (NOT_FINITE, or NONE_ALLOWED for -inf)."""
+    why = torch.where(best == float("-inf"), NONE_ALLOWED, NOT_FINITE)
+    return torch.where(best.isfinite(), tokens, why)
 
 
 def sampling_error(seq: Sequence, e: Exception) -> SamplingError:
@@ -175,7 +185,7 @@ class Sampler:
         tokens = self._argmax(logits)
         # a NaN wins the argmax, +inf is no choice either, and -inf is a token nothing allows: such a greedy row
         # fails, as a drawn one does
-        tokens = torch.where(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).isfinite(), tokens, -1)
+        tokens = _drawable(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), tokens)
         failed: dict[int, SamplingError] = {}
         for row, seq in enumerate(seqs):
             if not seq.params.greedy and seq.params.seed is not None and seq.generator is None:
@@ -196,8 +206,8 @@ class Sampler:
         return drawn
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per row of ``logits`` [m, vocab] (row i is ``seqs[i]``'s; overwritten), -1 for a row with a
-        NaN or +inf logit or no token allowed. The race runs in log space, ``argmax(x - log q)``: no normalisation,
+        """One token per row of ``logits`` [m, vocab] (row i is ``seqs[i]``'s; overwritten), or why there is none
+        (``_drawable``). The race runs in log space, ``argmax(x - log q)``: no normalisation,
         so a row's draw depends on its own logits and ``q`` alone."""
         device, vocab = logits.device, logits.shape[-1]
         params = [seq.params for seq in seqs]
@@ -215,7 +225,7 @@ class Sampler:
             for i, seq in enumerate(seqs):
                 q[i].exponential_(generator=seq.generator or self._shared_generator(device))
         tokens = self._argmax(q.clamp_(min=torch.finfo(q.dtype).tiny).log_().neg_().add_(x))
-        return torch.where(x.amax(-1).isfinite(), tokens, -1)  # amax is NaN with a NaN in the row, -inf with none left
+        return _drawable(x.amax(-1), tokens)  # amax is NaN with a NaN in the row, -inf with none left
 
     def _argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(-1)`` of ``x`` [n, vocab]."""
