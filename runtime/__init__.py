@@ -22,9 +22,9 @@ from kiln.runtime.errors import (
 
 __all__ = ["LLM", "CacheCorruptError", "CacheEntryGoneError", "DeviceUnavailableError", "EngineClosedError",
            "EngineFormatError", "FingerprintMismatchError", "InsufficientKVMemoryError", "InvalidRequestError",
-           "KilnError", "NoTokenAllowedError", "RequestFailedError", "RequestOutput", "RequestTooLongError", "RuntimeOptions",
-           "RuntimeOptionsError", "SamplingError", "SamplingParams", "StreamDelta", "StructuredOutput",
-           "StructuredOutputError", "TokenLogprob"]
+           "KilnError", "NoTokenAllowedError", "RequestFailedError", "RequestOutput", "RequestTooLongError",
+           "RuntimeOptions", "RuntimeOptionsError", "SamplingError", "SamplingParams", "StreamDelta",
+           "StructuredOutput", "StructuredOutputError", "TokenLogprob"]
 
 _LAZY = {"CacheCorruptError": "kiln.runtime.cache_hold", "CacheEntryGoneError": "kiln.runtime.cache_hold",
          "RuntimeOptionsError": "kiln.runtime.options",
