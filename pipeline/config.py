@@ -21,6 +21,7 @@ from kiln.engines.trtllm.options import GEMM_PLUGINS, KV_CACHE_TYPES, LOG_LEVELS
 from kiln.pipeline.vllm_names import kiln_setting_for
 from kiln.pipeline.yaml_source import ConfigError, line_of, load_yaml_with_lines
 from kiln.runtime.plan import BuildPlan, PlanError
+from kiln.runtime.server_defaults import DEFAULT_HOST, DEFAULT_MAX_QUEUE, DEFAULT_PORT
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the kiln package: a checkout's root, or site-packages/kiln
 CONFIGS_DIR = PACKAGE_DIR / "configs"  # bundled configs; architecture files under models/
@@ -170,10 +171,10 @@ class CacheSection(_Section):
 class ServeSection(_Section):
     """The OpenAI-compatible server."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    host: str = DEFAULT_HOST
+    port: int = Field(DEFAULT_PORT, ge=1, le=65535)
     api_key: str | None = None
-    max_queue: PositiveInt = 256
+    max_queue: PositiveInt = DEFAULT_MAX_QUEUE
 
 
 class SmokeSection(_Section):

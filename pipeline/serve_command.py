@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -28,6 +28,7 @@ from kiln.pipeline.serve_flags import (
 from kiln.pipeline.targets import Target, TargetError, resolve_target
 from kiln.runtime.errors import KilnError
 from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.server_defaults import DEFAULT_HOST, DEFAULT_MAX_QUEUE, DEFAULT_PORT
 
 if TYPE_CHECKING:
     from kiln.engines.cache import EngineCache
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
     from kiln.runtime.native.parallel.group import Rendezvous
     from kiln.runtime.server import ServerSettings, ServerThread
 
-_SERVE_DEFAULTS = ServeSection()  # an engine served without a config gets a config's serve defaults
 logger = logging.getLogger("kiln.pipeline")
 LogLevel = Literal["trace", "debug", "info", "warning", "error", "critical"]  # uvicorn's; trace is debug for Kiln
 # `vllm serve` flags asking for what Kiln cannot do, refused (a usage error) with why and what Kiln has instead
@@ -56,10 +56,7 @@ class ServeTarget:
     engine_dir: Path
     model_name: str
     device: str | None = None  # where a config's engine was built for; None: the engine's own
-    host: str = _SERVE_DEFAULTS.host
-    port: int = _SERVE_DEFAULTS.port
-    api_key: str | None = None
-    max_queue: int = _SERVE_DEFAULTS.max_queue
+    serve: ServeSection = field(default_factory=ServeSection)  # the config's; an engine without one: its defaults
     engine_cache: dict = field(default_factory=dict)
     record_load: Callable[[float], None] | None = None
 
@@ -80,23 +77,16 @@ class ServeTarget:
 
         return load
 
-    def settings(self, *, api_key: str | tuple[str, ...] | None = None, max_queue: int | None = None,
-                 model_names: list[str] | None = None,
-                 chat_template: str | None = None, max_body_mb: float | None = None,
-                 allowed_origins: list[str] | None = None, allow_credentials: bool = False,
-                 generation_config: Literal["auto", "vllm"] = "auto",
-                 reasoning_parser: str | None = None, fastapi_docs: bool = True) -> ServerSettings:
+    def settings(self, api_key: str | tuple[str, ...] | None = None, **given: object) -> ServerSettings:
+        """The server's settings for this engine: ``given`` ServerSettings fields (None: not given) over the config's
+        serve fields that ServerSettings has too (max_queue; ``api_key``, when none or empty is given), over this
+        target's model name and engine cache facts, over ServerSettings' defaults."""
         from kiln.runtime.server import ServerSettings
 
-        bound = {"max_body_bytes": int(max_body_mb * (1 << 20))} if max_body_mb is not None else {}
-        if allowed_origins is not None:  # none at all: no CORS headers
-            bound["allowed_origins"] = cors_origins(allowed_origins)
-        names = model_names or [self.model_name]
-        return ServerSettings(model_name=names[0], model_aliases=tuple(names[1:]), api_key=api_key or self.api_key,
-                              max_queue=max_queue or self.max_queue, engine_cache=self.engine_cache,
-                              chat_template=chat_template, allow_credentials=allow_credentials,
-                              generation_config=generation_config, reasoning_parser=reasoning_parser,
-                              fastapi_docs=fastapi_docs, **bound)
+        configured = self.serve.model_dump(include={f.name for f in fields(ServerSettings)})
+        taken = {name: value for name, value in given.items() if value is not None}
+        return ServerSettings(**{"model_name": self.model_name, "engine_cache": self.engine_cache, **configured,
+                                 "api_key": api_key or self.serve.api_key, **taken})
 
 
 def torchrun_rendezvous(environ: Mapping[str, str]) -> Rendezvous | None:
@@ -193,11 +183,9 @@ def _config_target(config: Path, options: RuntimeOptions, *, backend: str | None
             stderr.print(f"{stage.name:<9} {escape(decision.reason)}", highlight=False)
     with stage_progress(enabled=progress) as bars:
         runner.run(ctx, decisions, bars)
-    section = ctx.config.serve
     key = ctx.engine_key
     return ServeTarget(engine_dir=ctx.engine_dir, model_name=ctx.loaded.path.stem, device=ctx.choice.device,
-                       host=section.host, port=section.port, api_key=section.api_key, max_queue=section.max_queue,
-                       engine_cache=engine_cache_info(ctx.cache, key, ctx.cache_hit),
+                       serve=ctx.config.serve, engine_cache=engine_cache_info(ctx.cache, key, ctx.cache_hit),
                        record_load=lambda ms: ctx.cache.record_load(key, ms))
 
 
@@ -233,16 +221,16 @@ def serve(
     target: Annotated[str, typer.Argument(help="A config (built through the cache first), an engine directory, or "
                                                "a cache key.")],
     host: Annotated[str | None, typer.Option(help="Interface to listen on (default: the config's serve.host, "
-                                                  "else 127.0.0.1).")] = None,
+                                                  f"else {DEFAULT_HOST}).")] = None,
     port: Annotated[int | None, typer.Option(min=0, max=65535, help="Port (default: the config's serve.port, else "
-                                                                    "8000; 0 picks a free one).")] = None,
+                                                                    f"{DEFAULT_PORT}; 0 picks a free one).")] = None,
     api_keys: Annotated[list[str] | None, typer.Option(
         "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/ routes; repeatable, any one is accepted (vLLM's "
                           "--api-key k1 k2) (default: $KILN_API_KEY, the config's serve.api_key, else vLLM's "
                           "$VLLM_API_KEY).")] = None,
     max_queue: Annotated[int | None, typer.Option(min=1, help="Requests that may wait beyond the engine's batch "
                                                               "before new ones get 503 (default: the config's "
-                                                              "serve.max_queue, else 256).")] = None,
+                                                              f"serve.max_queue, else {DEFAULT_MAX_QUEUE}).")] = None,
     model_names: Annotated[list[str] | None, typer.Option(
         "--model-name", "--served-model-name", help="Model id clients send (--served-model-name, as in vLLM; "
                                                     "default: the config's name); repeatable: responses name the "
@@ -322,7 +310,7 @@ def serve(
     from kiln.runtime.server.serve import listening_socket
 
     template = read_chat_template(chat_template) if chat_template is not None else None  # before any build
-    cors_origins(allowed_origins or [])  # refused before any build too
+    origins = cors_origins(allowed_origins) if allowed_origins is not None else None  # refused before any build too
     check_cors_wildcards(allowed_methods, allowed_headers)
     check_tool_call_parser(tool_call_parser, template, None)  # the name; the format too, given a template
     keys = given_api_key(api_keys, os.environ)  # blank: refused before any build too
@@ -333,23 +321,28 @@ def serve(
         if rendezvous.rank != 0:
             return serve_as_worker(target, options, rendezvous, int(os.environ.get("LOCAL_RANK", "0")))
         options = replace(options, tp_rendezvous=rendezvous.address())
+
+    def bind_address(section: ServeSection) -> tuple[str, int]:
+        return host or section.host, section.port if port is None else port
+
+    def api_key_for(section: ServeSection) -> tuple[str, ...] | None:  # vLLM's variable last: a deployment
+        return keys or fallback_api_key(section.api_key, os.environ)  # migrated from vLLM keeps its key
+
     def check_before_build(section: ServeSection, model_dir: Path | None) -> None:  # not after a build of minutes
-        listening_socket(host or section.host, section.port if port is None else port).close()  # a port in use
-        if keys is None:
-            fallback_api_key(section.api_key, os.environ)  # a blank serve.api_key, which would be used
+        listening_socket(*bind_address(section)).close()  # a port in use
+        api_key_for(section)  # a blank serve.api_key, which would be used
         check_tool_call_parser(tool_call_parser, template, model_dir)  # the checkpoint's template, the engine's
 
     resolved = serve_target(target, options, backend=backend, before_build=check_before_build)
-    check_tool_call_parser(tool_call_parser, template, resolved.engine_dir)
-    # vLLM's variable last: a deployment migrated from vLLM keeps its key
-    api_key = keys or fallback_api_key(resolved.api_key, os.environ)
-    settings = resolved.settings(api_key=api_key, max_queue=max_queue, model_names=model_names, chat_template=template,
-                                 max_body_mb=max_body_mb, allowed_origins=allowed_origins,
-                                 allow_credentials=allow_credentials, generation_config=generation_config,
-                                 reasoning_parser=reasoning_parser, fastapi_docs=not disable_fastapi_docs)
+    check_tool_call_parser(tool_call_parser, template, resolved.engine_dir)  # the template the engine serves
+    names = model_names or [resolved.model_name]
+    settings = resolved.settings(
+        model_name=names[0], model_aliases=tuple(names[1:]), api_key=api_key_for(resolved.serve), max_queue=max_queue,
+        chat_template=template, max_body_bytes=int(max_body_mb * (1 << 20)) if max_body_mb is not None else None,
+        allowed_origins=origins, allow_credentials=allow_credentials, generation_config=generation_config,
+        reasoning_parser=reasoning_parser, fastapi_docs=not disable_fastapi_docs)
     app = create_app(resolved.loader(options), resolved.engine_dir, settings)
-    bind_host = host or resolved.host
-    bind_port = resolved.port if port is None else port
+    bind_host, bind_port = bind_address(resolved.serve)
     if bind_host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         stderr.print(f"[yellow]warning:[/] listening on {escape(bind_host)} without an API key: anyone who can reach "
                      f"this port can use the engine (pass --api-key)", markup=True, highlight=False)

@@ -333,7 +333,7 @@ def test_a_generation_config_with_values_sampling_cannot_take_stops_the_server_n
 def test_served_model_names_after_the_first_are_aliases_requests_may_send_as_in_vllm(llm):
     from kiln.pipeline.serve_command import ServeTarget
 
-    settings = ServeTarget(tiny_engine(), "from-config").settings(model_names=["tiny", "gpt-4o-mini"])
+    settings = ServeTarget(tiny_engine(), "from-config").settings(model_name="tiny", model_aliases=("gpt-4o-mini",))
     assert (settings.model_name, settings.model_aliases) == ("tiny", ("gpt-4o-mini",))
     with ServerThread(create_app(llm, tiny_engine(), settings)) as server, \
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:

@@ -30,7 +30,7 @@ from tests.test_server_support import tiny_engine, wait_until
 def test_an_engine_directory_is_served_under_its_folder_name():
     target = serve_target(str(tiny_engine()), RuntimeOptions())
     assert target.engine_dir == tiny_engine() and target.model_name == tiny_engine().parent.name
-    assert target.host == "127.0.0.1" and target.port == 8000 and target.api_key is None
+    assert target.serve.host == "127.0.0.1" and target.serve.port == 8000 and target.serve.api_key is None
 
 
 def test_a_tensorrt_llm_engine_directory_is_served_like_a_native_one(tmp_path):
@@ -69,7 +69,7 @@ def test_a_config_is_built_through_the_cache_once_then_hits(tmp_path, monkeypatc
     second = serve_target(str(config), RuntimeOptions(), progress=False)
     assert first.engine_cache["hit"] is False and second.engine_cache["hit"] is True
     assert second.engine_dir == first.engine_dir and (second.engine_dir / "engine.json").is_file()
-    assert second.model_name == "tiny-served" and second.port == 8123 and second.max_queue == 7
+    assert second.model_name == "tiny-served" and second.serve.port == 8123 and second.serve.max_queue == 7
     assert second.engine_cache["hit_rate"] is not None
     key = second.engine_cache["key"]
     by_prefix = serve_target(key[:8], RuntimeOptions())  # a cached engine by its key, as `git` takes a short hash
@@ -248,24 +248,24 @@ def test_health_turns_503_naming_the_error_when_the_engine_thread_dies():
 
 def test_allowed_origins_default_to_any_and_an_empty_one_turns_cors_off(tmp_path):
     from kiln.pipeline.serve_command import ServeTarget
+    from kiln.pipeline.serve_flags import cors_origins
 
     target = ServeTarget(engine_dir=tmp_path, model_name="tiny")
     assert target.settings().allowed_origins == ("*",)
-    assert target.settings(allowed_origins=["https://a.example"]).allowed_origins == ("https://a.example",)
-    assert target.settings(allowed_origins=[""]).allowed_origins == ()
+    assert target.settings(allowed_origins=cors_origins(["https://a.example"])).allowed_origins == ("https://a.example",)
+    assert target.settings(allowed_origins=cors_origins([""])).allowed_origins == ()
 
 
-def test_allowed_origins_take_vllms_json_list_and_refuse_what_is_not_an_origin(tmp_path):
-    from kiln.pipeline.serve_command import ServeTarget
+def test_allowed_origins_take_vllms_json_list_and_refuse_what_is_not_an_origin():
+    from kiln.pipeline.serve_flags import cors_origins
     from kiln.runtime.server.cors import AllowedOriginsError
 
-    target = ServeTarget(engine_dir=tmp_path, model_name="tiny")
-    listed = target.settings(allowed_origins=['["https://app.example", "http://localhost:3000"]'])
-    assert listed.allowed_origins == ("https://app.example", "http://localhost:3000")
-    assert target.settings(allowed_origins=['["*"]']).allowed_origins == ("*",)
+    assert cors_origins(['["https://app.example", "http://localhost:3000"]']) == ("https://app.example",
+                                                                                 "http://localhost:3000")
+    assert cors_origins(['["*"]']) == ("*",)
     for value in ("https://app.example/", "app.example", '["https://a.example/path"]', "[https://a.example]"):
         with pytest.raises(AllowedOriginsError, match=re.escape(value)):
-            target.settings(allowed_origins=[value])
+            cors_origins([value])
 
 
 def test_allowed_origins_are_matched_as_browsers_send_them_lowercase_without_a_default_port():

@@ -51,6 +51,7 @@ from kiln.runtime.server.responses import create_response
 from kiln.runtime.server.responses_protocol import ResponseObject, ResponsesRequest
 from kiln.runtime.server.sampling_defaults import GenerationConfigMode
 from kiln.runtime.server.tokenize import detokenize, server_version, tokenize, tokenizer_info
+from kiln.runtime.server_defaults import DEFAULT_MAX_QUEUE
 
 logger = logging.getLogger("kiln.server")
 
@@ -68,7 +69,7 @@ class ServerSettings:
     model_name: str
     model_aliases: tuple[str, ...] = ()  # other ids requests may send (vLLM's further --served-model-name values)
     api_key: str | tuple[str, ...] | None = None  # or several (vLLM's --api-key k1 k2): clients send any one
-    max_queue: int = 256
+    max_queue: int = DEFAULT_MAX_QUEUE
     chat_template: str | None = None  # a template's source that replaces the engine's own
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allowed_origins: tuple[str, ...] = ("*",)  # vLLM's default; each taken as browsers send it (runtime/server/cors.py)
