@@ -12,19 +12,23 @@ from kiln.runtime.errors import (
     DeviceUnavailableError,
     EngineClosedError,
     EngineFormatError,
+    EngineProcessError,
     FingerprintMismatchError,
     InsufficientKVMemoryError,
     InvalidRequestError,
     KilnError,
     NoTokenAllowedError,
     SamplingError,
+    TensorParallelError,
+    TrtllmUnavailableError,
 )
 
 __all__ = ["LLM", "CacheCorruptError", "CacheEntryGoneError", "DeviceUnavailableError", "EngineClosedError",
-           "EngineFormatError", "FingerprintMismatchError", "InsufficientKVMemoryError", "InvalidRequestError",
-           "KilnError", "NoTokenAllowedError", "RequestFailedError", "RequestOutput", "RequestTooLongError",
-           "RuntimeOptions", "RuntimeOptionsError", "SamplingError", "SamplingParams", "StreamDelta",
-           "StructuredOutput", "StructuredOutputError", "TokenLogprob"]
+           "EngineFormatError", "EngineProcessError", "FingerprintMismatchError", "InsufficientKVMemoryError",
+           "InvalidRequestError", "KilnError", "NoTokenAllowedError", "RequestFailedError", "RequestOutput",
+           "RequestTooLongError", "RuntimeOptions", "RuntimeOptionsError", "SamplingError", "SamplingParams",
+           "StreamDelta", "StructuredOutput", "StructuredOutputError", "TensorParallelError", "TokenLogprob",
+           "TrtllmUnavailableError"]
 
 _LAZY = {"CacheCorruptError": "kiln.runtime.cache_hold", "CacheEntryGoneError": "kiln.runtime.cache_hold",
          "RuntimeOptionsError": "kiln.runtime.options",

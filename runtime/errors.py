@@ -50,3 +50,15 @@ class DeviceUnavailableError(KilnError):
 
 class InsufficientKVMemoryError(KilnError):
     """The KV pool cannot hold even one sequence of the engine's max_seq_len."""
+
+
+class EngineProcessError(KilnError):
+    """The engine process failed to start, or exited while it served."""
+
+
+class TensorParallelError(KilnError):
+    """A tensor-parallel rank could not join, or left: the engine cannot run."""
+
+
+class TrtllmUnavailableError(KilnError):
+    """TensorRT-LLM is not installed, is not 1.2.x, or there is no GPU to run its engine on."""

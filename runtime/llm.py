@@ -274,8 +274,10 @@ class LLM:
         return {"load_ms": self.load_ms, **self.engine.stats_snapshot()}
 
     def close(self) -> None:
-        """Stop the engine thread; requests still in flight fail with EngineClosedError. A step that has not returned
-        within ``STEP_GRACE_S`` (a hung GPU) is interrupted where the engine can be (an engine process is killed)."""
+        """Stop the engine thread and free the engine, even while the caller still holds this LLM (which keeps its
+        tokenizer, limits and last stats); requests still in flight fail with EngineClosedError. A step that has not
+        returned within ``STEP_GRACE_S`` (a hung GPU) is interrupted where the engine can be (an engine process is
+        killed). A second close, from any thread, returns once the first has freed the engine."""
         if self._pid != os.getpid():  # a fork's copy (its lock may be held): the engine is the parent's to free
             self._closed = True
             return
@@ -292,10 +294,10 @@ class LLM:
                 logger.warning("the engine did not stop within %s s of close: its process was killed", STEP_GRACE_S)
             self._thread.join()
             self._fail_all(EngineClosedError("the LLM was closed before this request finished"))
-            closed = ClosedEngine(self.engine)
+            self.engine = ClosedEngine(self.engine)  # first: no other thread reaches the engine once it is freed
             if (finalizer := self._release.detach()) is not None:  # a call would do nothing once atexit has run
-                _release_engine(*finalizer[2])
-            self.engine = closed  # the engine itself (weights, KV pool) goes, even while the caller holds this LLM
+                _release_engine(*finalizer[2])  # the engine itself (weights, KV pool) goes, even while the caller
+                # holds this LLM
         finally:
             self._released.set()
 

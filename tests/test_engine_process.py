@@ -23,8 +23,7 @@ import pytest
 
 from kiln.runtime import LLM, RuntimeOptions, SamplingParams
 from kiln.runtime.engine_process import ProcessEngine, proxy, wire
-from kiln.runtime.engine_process.proxy import EngineProcessError
-from kiln.runtime.errors import EngineClosedError
+from kiln.runtime.errors import EngineClosedError, EngineProcessError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.llm import IDLE_WAKE_S
 from kiln.runtime.outputs import RequestMetrics, RequestOutput, StreamDelta

@@ -413,6 +413,7 @@ def test_closed_llm_frees_its_engine_while_referenced_and_refuses_new_requests(e
     llm = LLM.load(engine_dir)
     llm.generate(PROMPTS[0], GREEDY)
     engine, finished = weakref.ref(llm.engine), sum(llm.stats()["requests_finished"].values())
+    in_flight = llm.submit(PROMPTS[1], SamplingParams(max_tokens=200, ignore_eos=True))
     closing = _slow_down_close(llm.engine)
     first = threading.Thread(target=llm.close)
     first.start()
@@ -422,28 +423,50 @@ def test_closed_llm_frees_its_engine_while_referenced_and_refuses_new_requests(e
     assert engine() is None  # the LLM, still referenced, no longer holds its engine
     first.join()
     assert sum(llm.stats()["requests_finished"].values()) == finished and llm.limits.max_seq_len == 256
-    assert llm.tokenizer is not None
+    assert llm.tokenizer is not None and llm.stats()["num_running"] == llm.stats()["num_waiting"] == 0
+    with pytest.raises(EngineClosedError):
+        llm.result(in_flight, timeout=5)
     with pytest.raises(EngineClosedError):
         llm.generate(PROMPTS[0], GREEDY)
     with pytest.raises(EngineClosedError):
         llm.check(PROMPTS[0], GREEDY)
 
 
-def test_a_stream_many_callback_that_raises_leaves_the_other_requests_on_its_loop_served(llm, caplog):
+def test_an_engine_whose_statistics_fail_is_still_freed_by_close(engine_dir, caplog):
+    import gc
+    import weakref
+
+    llm = LLM.load(engine_dir)
+    engine = weakref.ref(llm.engine)
+    llm.engine.stats_snapshot = lambda: 1 / 0  # an engine in an error state
+    llm.close()
+    gc.collect()
+    assert engine() is None and llm.stats()["load_ms"] == llm.load_ms
+    assert "last statistics could not be read" in caplog.text
+
+
+def test_a_stream_many_callback_that_raises_leaves_the_other_requests_on_its_loop_served(engine_dir, caplog):
     def broken() -> None:
         raise RuntimeError("the caller's bug")
 
-    async def run_all() -> list:
-        async def drain() -> None:
-            async for _ in llm.stream_many([PROMPTS[0]], GREEDY, on_finished=broken):
-                pass
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM.load(engine_dir) as llm:
+        expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        step = llm.engine.step
+        llm.engine.step = lambda: (time.sleep(0.3), step())[1]  # the requests below all join one step
+        llm.submit([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))  # a step running while they are added
 
-        together = [llm.generate_async(p, GREEDY) for p in PROMPTS]
-        return await asyncio.wait_for(asyncio.gather(drain(), *together), timeout=60)
+        async def run_all() -> list:
+            async def drain() -> None:
+                async for _ in llm.stream_many([PROMPTS[0]], params, on_finished=broken):
+                    pass
 
-    outputs = asyncio.run(run_all())[1:]
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    assert "the caller's bug" in caplog.text
+            together = [llm.generate_async(p, params) for p in PROMPTS]  # finished in the same step as the stream
+            return await asyncio.wait_for(asyncio.gather(drain(), *together), timeout=60)
+
+        outputs = asyncio.run(run_all())[1:]
+    assert [o.token_ids for o in outputs] == expected
+    assert "delivering request" in caplog.text and "the caller's bug" in caplog.text
 
 
 def test_a_bug_in_the_engine_fails_its_waiters_with_the_cause_and_logs_where_it_was(engine_dir, caplog):

@@ -19,8 +19,8 @@ import torch
 
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime import LLM, RuntimeOptions, SamplingParams
-from kiln.runtime.errors import EngineClosedError
-from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError
+from kiln.runtime.errors import EngineClosedError, TensorParallelError
+from kiln.runtime.native.parallel.group import Rendezvous
 from kiln.runtime.native.parallel.launch import TensorParallelRanks
 from kiln.runtime.native.parallel.step_batch import StepBatch
 from kiln.runtime.native.parallel.worker import rank_key

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import kiln.runtime.trtllm.engine as adapter
 import kiln.runtime.trtllm.toolchain as toolchain
 from kiln.engines.trtllm.contract import load_contract
-from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError
+from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError, TrtllmUnavailableError
 from kiln.runtime.limits import EngineLimits, RequestTooLongError
 from kiln.runtime.llm import LLM
 from kiln.runtime.options import RuntimeOptions
@@ -34,7 +34,6 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from kiln.runtime.trtllm.engine import TrtllmEngine, TrtllmRequestError
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, is_trtllm_engine
-from kiln.runtime.trtllm.toolchain import TrtllmUnavailableError
 
 RECORDED = load_contract()["python"]["tensorrt_llm.bindings.executor"]
 H200 = {"device": "cuda", "gpu_name": "NVIDIA H200", "compute_capability": "9.0", "cuda": "12.9",

@@ -70,7 +70,7 @@ def check_kv_cache_fits(config: EngineConfig, device: str, weight_bytes: int,
         pool = (f"{_gib(blocks * block_bytes)}, what {device} leaves after {_gib(weight_bytes)} of weights and the "
                 f"activations within gpu_memory_utilization {share}")
         advice += ", or raise gpu_memory_utilization"
-    if config.plan.kv_cache_dtype != "float8_e4m3fn":
+    if config.plan.kv_cache_dtype != "float8_e4m3fn" and not options.num_kv_blocks:  # more blocks in the same bytes
         advice += ", or use an FP8 KV cache"
     raise KilnError(f"KV cache for one sequence of build.max_seq_len {plan.max_seq_len} needs "
                     f"{_gib(plan.blocks_per_seq * block_bytes)}, but the engine's KV pool holds {pool}: {advice}")

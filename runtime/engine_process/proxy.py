@@ -24,7 +24,7 @@ from kiln.runtime.engine_process.wire import (
     result_from_wire,
     send,
 )
-from kiln.runtime.errors import KilnError
+from kiln.runtime.errors import EngineProcessError
 from kiln.runtime.kiln_python import kiln_module_command
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.logs import level_for_child
@@ -39,10 +39,6 @@ from kiln.runtime.tokenizer import Tokenizer, encode_prompt
 CLOSE_TIMEOUT_S = 10
 WARM_POLL_S = 0.01  # how long ``warm_up_step`` waits for the child's word before the caller handles its commands
 logger = logging.getLogger("kiln.runtime")
-
-
-class EngineProcessError(KilnError):
-    """The engine process failed to start, or exited while it served."""
 
 
 class ProcessEngine:

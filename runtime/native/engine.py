@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from pathlib import Path
 
-from kiln.runtime.errors import InvalidRequestError, KilnError, SamplingError
+import torch
+
+from kiln.runtime.errors import InvalidRequestError, KilnError, SamplingError, TensorParallelError
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.native.block_manager import BlockManager
 from kiln.runtime.native.engine_format import EngineConfig
 from kiln.runtime.native.fingerprint import check_fingerprint, machine_fingerprint, resolve_device
 from kiln.runtime.native.grammar import Grammars, advance_matcher
 from kiln.runtime.native.model_runner import LaunchedStep, ModelRunner
-from kiln.runtime.native.parallel.group import TensorParallelError
 from kiln.runtime.native.parallel.launch import TensorParallelRanks
 from kiln.runtime.native.scheduler import Scheduler, SchedulerOutput
 from kiln.runtime.options import RuntimeOptions, RuntimeOptionsError
@@ -82,9 +84,16 @@ class NativeEngine:
         self._in_flight: LaunchedStep | None = None  # a step queued on the device, collected by the next step()
 
     def close(self) -> None:
-        """Stop a tensor-parallel engine's workers; nothing else to release beyond what garbage collection frees."""
+        """Stop a tensor-parallel engine's workers and free the model, its KV pool and its CUDA graphs, their device
+        memory handed back to the GPU (not kept in torch's cache), so that an engine loaded next finds it free. The
+        engine runs nothing after."""
         if self.ranks is not None:
             self.ranks.close()
+        del self.model_runner
+        self._in_flight = None
+        gc.collect()  # what a reference cycle still holds
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching engine state (safe from any thread)."""

@@ -13,6 +13,7 @@ import torch
 
 from kiln.runtime.errors import InsufficientKVMemoryError, SamplingError
 from kiln.runtime.native.attention_metadata import AttentionMetadata
+from kiln.runtime.native.cuda_graphs import GraphSet
 from kiln.runtime.native.decode_graphs import maybe_decode_graphs
 from kiln.runtime.native.device_copy import device_tensor
 from kiln.runtime.native.engine_format import EngineConfig
@@ -78,7 +79,7 @@ class LaunchedStep:
         if not pairs:
             return None
         index = device_tensor(pairs, torch.long, self.drawn.tokens.device)
-        tokens = self.drawn.tokens[index[:, 1]].clamp_(min=0)  # a failed row's -1 (finished by then)
+        tokens = self.drawn.tokens[index[:, 1]].clamp_(min=0)  # a failed row's negative code (finished by then)
         return UnseenTokens([i for i, _ in pairs], index[:, 0], tokens)
 
     def logprobs(self, tokens: dict[Sequence, int | SamplingError]) -> dict[Sequence, TokenLogprob]:
@@ -128,14 +129,18 @@ class ModelRunner:
     def capture_next_graph(self) -> bool:
         """Capture one CUDA graph that is still pending (the decode buckets first, each kind largest first); False
         when none is. Only between steps, with none in flight: the graphs' static buffers are overwritten."""
-        return any(runner is not None and runner.graphs.capture_next()
-                   for runner in (self.decode_graphs, self.prefill_graphs))
+        return any(graphs.capture_next() for graphs in self._graph_sets())
 
     def graph_stats(self) -> dict:
         """How many CUDA graphs are captured and pending, and the host seconds their captures took."""
-        sets = [runner.graphs for runner in (self.decode_graphs, self.prefill_graphs) if runner is not None]
+        sets = self._graph_sets()
         return {"captured": sum(len(s.graphs) for s in sets), "pending": sum(len(s.pending) for s in sets),
                 "capture_s": round(sum(s.capture_s for s in sets), 4)}
+
+    def _graph_sets(self) -> list[GraphSet]:
+        """The graph sets of the runners that capture (a runner made with ``capture=False`` runs eagerly)."""
+        return [runner.graphs for runner in (self.decode_graphs, self.prefill_graphs)
+                if runner is not None and runner.graphs is not None]
 
     def _allocate_kv_pool(self, config: EngineConfig, options: RuntimeOptions) -> None:
         self.num_kv_blocks = options.num_kv_blocks or default_kv_blocks(

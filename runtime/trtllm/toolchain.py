@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kiln.runtime.errors import FingerprintMismatchError, KilnError
+from kiln.runtime.errors import FingerprintMismatchError, TrtllmUnavailableError
 from kiln.runtime.version import package_version
 
 SUPPORTED_TRTLLM = (1, 2)
@@ -14,10 +14,6 @@ INSTALL_HINT = ("install TensorRT-LLM 1.2.x on a GPU machine: pip install 'tenso
                 "--extra-index-url https://pypi.nvidia.com (see docs/tensorrt-llm.md)")
 FINGERPRINT_FIELDS = ("gpu_name", "compute_capability", "tensorrt_llm", "tensorrt")
 _TENSORRT_DISTRIBUTIONS = ("tensorrt", "tensorrt_cu13", "tensorrt_cu12", "tensorrt_cu11")
-
-
-class TrtllmUnavailableError(KilnError):
-    """TensorRT-LLM is not installed, is not 1.2.x, or there is no GPU to run its engine on."""
 
 
 def trtllm_version() -> str | None:

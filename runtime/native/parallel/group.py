@@ -18,14 +18,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kiln.runtime.errors import KilnError
+from kiln.runtime.errors import TensorParallelError
 
 # How long a collective may wait for the other ranks before the engine fails (covers a first step that compiles).
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)
-
-
-class TensorParallelError(KilnError):
-    """A tensor-parallel rank could not join, or left: the engine cannot run."""
 
 
 @dataclass(frozen=True)

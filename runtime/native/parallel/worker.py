@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 
 from kiln.runtime.engine_process.lifetime import die_with_parent, leave_stop_signals_to_parent, outlive_parent_thread
+from kiln.runtime.errors import TensorParallelError
 from kiln.runtime.logs import log_as_parent
 from kiln.runtime.native.engine_format import ENGINE_JSON, EngineConfig
 from kiln.runtime.native.fingerprint import resolve_device
 from kiln.runtime.native.model_runner import ModelRunner
 from kiln.runtime.native.parallel.channel import StepChannel
-from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelError, TensorParallelGroup
+from kiln.runtime.native.parallel.group import Rendezvous, TensorParallelGroup
 from kiln.runtime.native.parallel.step_batch import STOP, StepBatch
 from kiln.runtime.options import RuntimeOptions
 
