@@ -92,10 +92,12 @@ def friendly_errors(command: Callable) -> Callable:
             with stdout_kept_for_results():
                 return command(*args, **kwargs)
         except (KilnError, CalibrationError) as exc:
-            stderr.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False, soft_wrap=True)
-            if kwargs.get("json_out") and not _printed_json.get():  # a script reading stdout gets the error too
-                print_error_json(type(exc).__name__, str(exc), getattr(exc, "details", None))
+            _fail(type(exc).__name__, str(exc), kwargs.get("json_out"), getattr(exc, "details", None))
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None
+        except PermissionError as exc:  # a file or folder this user may not read or write: the machine's, not a bug
+            _fail("PermissionError", f"{exc.filename}: {exc.strerror}; give this user access to it (chmod, chown), "
+                                     f"or point Kiln at a copy it can read", kwargs.get("json_out"))
+            raise typer.Exit(2) from None
         except KeyboardInterrupt:
             stderr.print("[yellow]interrupted[/]", markup=True)
             if kwargs.get("json_out") and not _printed_json.get():
@@ -103,6 +105,13 @@ def friendly_errors(command: Callable) -> Callable:
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def _fail(kind: str, message: str, json_out: bool | None, details: dict | None = None) -> None:
+    """One red error line on stderr, and under ``--json`` (unless the result is out already) the error object."""
+    stderr.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
+    if json_out and not _printed_json.get():  # a script reading stdout gets the error too
+        print_error_json(kind, message, details)
 
 
 def print_error_json(kind: str, message: str, details: dict | None = None) -> None:

@@ -68,6 +68,25 @@ def test_an_error_with_details_carries_them_in_its_json_object(capsys):
     assert json.loads(capsys.readouterr().out)["error"]["details"] == {"attempts": [{"format": "fp8"}]}
 
 
+def test_a_file_this_user_may_not_read_is_one_line_naming_it_not_a_traceback(capsys):
+    from kiln.pipeline.console import friendly_errors
+
+    @friendly_errors
+    def command(json_out: bool = True) -> None:
+        open_denied = PermissionError(13, "Permission denied")
+        open_denied.filename = "/models/m/model.safetensors"
+        raise open_denied
+
+    with pytest.raises(typer.Exit) as exited:
+        command(json_out=True)
+    assert exited.value.exit_code == 2
+    captured = capsys.readouterr()
+    error = json.loads(captured.out)["error"]
+    assert error["type"] == "PermissionError" and error["message"].startswith("/models/m/model.safetensors: Permission "
+                                                                               "denied; give this user access")
+    assert "Traceback" not in captured.err and "give this user access" in captured.err
+
+
 def test_version_and_short_help():
     from typer.testing import CliRunner
 

@@ -62,6 +62,15 @@ def test_header_gives_absolute_byte_ranges(tmp_path):
     assert data[a.begin:a.end] == raw(tensors["a.weight"]).numpy().tobytes()
 
 
+def test_a_weight_file_this_user_may_not_read_is_refused_naming_it(tmp_path, monkeypatch):
+    def denied(path, mode):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(weight_loading, "open", denied, raising=False)  # as root, chmod 000 denies nothing
+    with pytest.raises(EngineFormatError, match=r"w.safetensors: Permission denied; give this user read access"):
+        read_header(tmp_path / "w.safetensors")
+
+
 @pytest.mark.parametrize("params, match", [
     ({"a.weight": torch.zeros(67, 33, dtype=torch.bfloat16)}, "weights do not match.*unexpected"),
     ({**empty_params(stored_tensors()), "extra": torch.zeros(1)}, "weights do not match.*missing .'extra'"),

@@ -55,6 +55,8 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
             header = json.loads(f.read(header_len))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise EngineFormatError(f"{path}: unreadable safetensors header ({e}); rebuild the engine") from None
+    except PermissionError as e:
+        raise EngineFormatError(f"{path}: {e.strerror}; give this user read access to the engine's files") from None
     if not isinstance(header, dict):
         raise EngineFormatError(f"{path}: the safetensors header is not a JSON object; rebuild the engine")
     data_start = 8 + header_len
