@@ -19,6 +19,7 @@ from kiln.pipeline.console import friendly_errors, stage_progress, stderr
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.pipeline.serve_flags import (
     check_cors_wildcards,
+    check_model_names,
     check_tool_call_parser,
     cors_origins,
     fallback_api_key,
@@ -314,6 +315,7 @@ def serve(
     check_cors_wildcards(allowed_methods, allowed_headers)
     check_tool_call_parser(tool_call_parser, template, None)  # the name; the format too, given a template
     keys = given_api_key(api_keys, os.environ)  # blank: refused before any build too
+    check_model_names(model_names)
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks,
                               gpu_memory_utilization=gpu_memory_utilization, engine_process=engine_process,
                               prefix_caching=enable_prefix_caching)

@@ -73,6 +73,17 @@ class BlankApiKeyError(KilnError):
     """An API key that is only whitespace: serving without one would not be what was asked."""
 
 
+class BlankModelNameError(KilnError):
+    """A --served-model-name that is empty or only whitespace: no client could name the model."""
+
+
+def check_model_names(names: list[str] | None) -> None:
+    """Refuse a blank --served-model-name (before any build)."""
+    if names and not all(name.strip() for name in names):
+        raise BlankModelNameError(f"--served-model-name {names!r}: a model id is blank; give the ids clients send, "
+                                  f"or leave it out for the config's name")
+
+
 def given_api_key(keys: list[str] | None, environ: Mapping[str, str]) -> tuple[str, ...] | None:
     """The keys --api-key gives, else $KILN_API_KEY's; None when neither gives one (a blank one is refused)."""
     return _api_key(keys, "--api-key") if keys else _api_key(environ.get("KILN_API_KEY"), "$KILN_API_KEY")

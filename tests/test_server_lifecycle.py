@@ -98,19 +98,20 @@ def test_a_port_in_use_is_refused_before_a_config_is_built(tmp_path, monkeypatch
     assert not list((tmp_path / "cache").glob("v1/entries/*/*"))  # nothing was built
 
 
-@pytest.mark.parametrize(("args", "env", "named"), [(["--api-key", " "], {}, "--api-key"),
-                                                    ([], {"KILN_API_KEY": " "}, "$KILN_API_KEY"),
-                                                    ([], {"VLLM_API_KEY": "k"}, "serve.api_key")])
-def test_a_blank_api_key_is_refused_before_a_config_is_built(tmp_path, monkeypatch, args, env, named):
+@pytest.mark.parametrize(("args", "env", "named"), [(["--api-key", " "], {}, "--api-key: the API key is blank"),
+                                                    ([], {"KILN_API_KEY": " "}, "$KILN_API_KEY: the API key is blank"),
+                                                    ([], {"VLLM_API_KEY": "k"}, "serve.api_key: the API key is blank"),
+                                                    (["--served-model-name", ""], {}, "a model id is blank")])
+def test_a_blank_api_key_or_model_name_is_refused_before_a_config_is_built(tmp_path, monkeypatch, args, env, named):
     from typer.testing import CliRunner
 
     from kiln.pipeline.cli import app as cli
 
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
-    serve = "serve:\n  api_key: ' '\n" if named == "serve.api_key" else ""
+    serve = "serve:\n  api_key: ' '\n" if named.startswith("serve.api_key") else ""
     config = served_config(tmp_path / "tiny-served.yaml", serve)
     result = CliRunner().invoke(cli, ["serve", str(config), "--port", "0", *args], env=env)
-    assert result.exit_code == 2 and f"{named}: the API key is blank" in result.output, result.output
+    assert result.exit_code == 2 and named in result.output, result.output
     assert not list((tmp_path / "cache").glob("v1/entries/*/*"))  # nothing was built
 
 
@@ -244,6 +245,24 @@ def test_health_turns_503_naming_the_error_when_the_engine_thread_dies():
             assert response.status_code == 503
             assert response.json()["status"] == "error"
             assert "simulated device failure" in response.json()["message"]
+
+
+def test_server_settings_take_one_string_as_one_id_and_refuse_what_would_fail_every_request():
+    from kiln.runtime.server import ServerSettings
+
+    settings = ServerSettings(model_name="m", model_aliases="gpt-4o", allowed_origins="https://a.example")
+    assert settings.model_aliases == ("gpt-4o",) and settings.allowed_origins == ("https://a.example",)
+    for bad, words in (({"model_name": " "}, "non-blank"), ({"max_queue": "10"}, "max_queue '10'"),
+                       ({"max_body_bytes": -1}, "max_body_bytes -1"), ({"generation_config": "foo"}, "'foo'"),
+                       ({"chat_template": "{% for %}"}, "not a valid Jinja template")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            ServerSettings(**{"model_name": "m", **bad})
+    from kiln.runtime.server import create_app
+
+    with pytest.raises(TypeError, match="settings must be a ServerSettings, got dict"):
+        create_app(lambda: None, tiny_engine(), {"model_name": "m"})
+    with pytest.raises(TypeError, match="llm must be an LLM or a function that loads one, got str"):
+        create_app(str(tiny_engine()), tiny_engine(), settings)
 
 
 def test_allowed_origins_default_to_any_and_an_empty_one_turns_cors_off(tmp_path):

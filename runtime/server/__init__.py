@@ -5,8 +5,9 @@ jinja2). `import runtime` never imports it."""
 _SERVE_EXTRA_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "prometheus_client", "jinja2", "pydantic"})
 
 try:
-    from kiln.runtime.server.app import ServerSettings, create_app
+    from kiln.runtime.server.app import create_app
     from kiln.runtime.server.serve import EngineFailedError, ServerStartError, ServerThread, run_server
+    from kiln.runtime.server.settings import ServerSettings
 except ModuleNotFoundError as exc:
     if (exc.name or "").split(".")[0] not in _SERVE_EXTRA_MODULES:
         raise

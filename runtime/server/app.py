@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,10 +21,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.runtime.errors import KilnError
 from kiln.runtime.llm import LLM
-from kiln.runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from kiln.runtime.server.body_limit import BodyLimitMiddleware
 from kiln.runtime.server.chat import create_chat_completion
 from kiln.runtime.server.completions import create_completion
-from kiln.runtime.server.cors import browser_origins
 from kiln.runtime.server.errors import APIError, error_response, install_error_handlers
 from kiln.runtime.server.generation import RETRY_AFTER_S, ServedModel
 from kiln.runtime.server.jobs import check_model
@@ -44,52 +42,18 @@ from kiln.runtime.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from kiln.runtime.server.reasoning import REASONING_PARSERS
 from kiln.runtime.server.request_id import REQUEST_ID_HEADER, RequestIdMiddleware
 from kiln.runtime.server.responding import IGNORED_FIELDS_HEADER
 from kiln.runtime.server.responses import create_response
 from kiln.runtime.server.responses_protocol import ResponseObject, ResponsesRequest
-from kiln.runtime.server.sampling_defaults import GenerationConfigMode
+from kiln.runtime.server.settings import ServerSettings
 from kiln.runtime.server.tokenize import detokenize, server_version, tokenize, tokenizer_info
-from kiln.runtime.server_defaults import DEFAULT_MAX_QUEUE
 
 logger = logging.getLogger("kiln.server")
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 503)}
 _STREAMING = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
                     "description": "JSON, or server-sent events ending in `data: [DONE]` when `stream` is true"}}
-
-
-@dataclass
-class ServerSettings:
-    """How the server presents the engine: its model id (and aliases), API key, queue bound, body-size bound, chat
-    template override, the reasoning parser, the origins browsers may call it from (CORS; none: no CORS headers) and
-    whether they may send credentials, whether it serves its API's docs, and engine-cache facts."""
-
-    model_name: str
-    model_aliases: tuple[str, ...] = ()  # other ids requests may send (vLLM's further --served-model-name values)
-    api_key: str | tuple[str, ...] | None = None  # or several (vLLM's --api-key k1 k2): clients send any one
-    max_queue: int = DEFAULT_MAX_QUEUE
-    chat_template: str | None = None  # a template's source that replaces the engine's own
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    allowed_origins: tuple[str, ...] = ("*",)  # vLLM's default; each taken as browsers send it (runtime/server/cors.py)
-    allow_credentials: bool = False  # vLLM's --allow-credentials: CORS responses let browsers send credentials
-    engine_cache: dict = field(default_factory=dict)  # {"hit": bool, "hit_rate": float, "key": str}, when known
-    generation_config: GenerationConfigMode = "auto"  # the sampling defaults: the model's (vLLM's default) or vLLM's
-    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: qwen3 or deepseek_r1 (runtime/server/reasoning.py)
-    fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (off: vLLM's --disable-fastapi-docs)
-
-    def __post_init__(self) -> None:
-        if self.api_key is not None and not all(key.strip() for key in self.api_keys):
-            raise ValueError("api_key is blank: give the key clients must send, or none to serve without one")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
-        self.allowed_origins = browser_origins(self.allowed_origins)  # CORS matches a browser's Origin exactly
-
-    @property
-    def api_keys(self) -> tuple[str, ...]:
-        """The keys a client may send (none: no key is required)."""
-        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
 
 
 class ServerState:
@@ -156,6 +120,12 @@ class APIKeyMiddleware:
 def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerSettings) -> FastAPI:
     """The server over `llm`: an `LLM` the caller owns (ready at once), or a loader the app calls in the background
     at startup (/health answers 503 until it returns) and whose `LLM` it closes at shutdown."""
+    if not isinstance(settings, ServerSettings):
+        raise TypeError(f"settings must be a ServerSettings, got {type(settings).__name__}: "
+                        f"create_app(llm, engine_dir, ServerSettings(model_name=...))")
+    if not isinstance(llm, LLM) and not callable(llm):
+        raise TypeError(f"llm must be an LLM or a function that loads one, got {type(llm).__name__}: "
+                        f"create_app(LLM.load(engine_dir), ...) or create_app(lambda: LLM.load(engine_dir), ...)")
     state = ServerState()
     no_docs = {} if settings.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Kiln", version="1", lifespan=_lifespan(state, llm, Path(engine_dir), settings),

@@ -15,6 +15,7 @@ from kiln.runtime.sampling_params import SamplingParams
 logger = logging.getLogger("kiln.server")
 
 GenerationConfigMode = Literal["auto", "vllm"]
+GENERATION_CONFIG_MODES: tuple[GenerationConfigMode, ...] = ("auto", "vllm")
 # What vLLM takes from a generation config (its max_new_tokens, a cap on every request there, is not taken here)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
