@@ -151,10 +151,27 @@ def test_loadtest_refuses_a_workload_the_engine_cannot_serve_before_loading_it(t
     (["http://127.0.0.1:port"], "not a server URL"),
     (["http://127.0.0.1:8000", "--input-len", "16", "--prompt", "hi"], "give one"),
     (["http://127.0.0.1:8000", "--chat", "--input-len", "16"], "--chat sends messages"),
+    (["http://127.0.0.1:8000", "--in-process", "--device", "cuda"], "--in-process, --device apply when"),
 ])
 def test_loadtest_refuses_a_bad_url_or_conflicting_workloads_in_one_line(options, problem):
     result = CliRunner().invoke(cli(), ["loadtest", *options])
     assert result.exit_code == 2 and problem in result.output and "Traceback" not in result.output, result.output
+
+
+def test_a_running_servers_card_limits_the_workload_before_any_request_and_its_errors_are_read_as_messages():
+    from kiln.pipeline.bench.serving_clients import error_message
+    from kiln.pipeline.bench.serving_workload import card_limits, check_fits
+
+    workload = make_workload(requests=2, warmup=0, request_rate=math.inf, seed=0, max_tokens=4, input_len=300,
+                             vocab_size=100)
+    with pytest.raises(WorkloadError, match="prompt has 300 tokens but the engine's max_input_len is 256"):
+        check_fits(workload, card_limits({"id": "m", "max_model_len": 512, "max_input_len": 256}))
+    with pytest.raises(WorkloadError, match="max_input_len is 199"):  # vLLM's card: the context less one token
+        check_fits(workload, card_limits({"id": "m", "max_model_len": 200}))
+    assert card_limits({"id": "m"}) is None
+    refused = b'{"error": {"message": "This model\'s maximum context length is 512 tokens", "type": "x"}}'
+    assert error_message(refused) == "This model's maximum context length is 512 tokens"
+    assert error_message(b"<html>bad gateway</html>") == "<html>bad gateway</html>"
 
 
 def test_every_client_going_away_is_a_soak_not_a_failure_and_one_token_is_no_disconnect():

@@ -26,7 +26,7 @@ from kiln.pipeline.bench.serving_clients import (
     run_in_process,
     run_offline,
 )
-from kiln.pipeline.bench.serving_workload import ServingWorkload, check_fits, make_workload
+from kiln.pipeline.bench.serving_workload import ServingWorkload, card_limits, check_fits, make_workload
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.runtime.engine import plan_limits
@@ -137,6 +137,8 @@ async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *
     around the run; then through the engine offline and in-process when this process holds it."""
     card = await fetch_model_card(url, api_key)
     workload = make_workload(**workload_options, vocab_size=vocab_size or card.get("vocab_size"))
+    if (limits := card_limits(card)) is not None:  # refused before any request, as for an engine served here
+        check_fits(workload, limits)
     snapshots = {}
 
     async def warmed_up() -> None:
@@ -239,6 +241,12 @@ def loadtest(
         raise typer.BadParameter("--chat sends messages, which are text: random token prompts (--input-len) go to "
                                  "/v1/completions; leave out one of them")
     options = runtime_options(os.environ, device=device, engine_process=engine_process)
+    serving_only = [flag for flag, given in (("--in-process", in_process), ("--device", device is not None),
+                                             ("--no-engine-process", not engine_process)) if given]
+    if serving_only and target.startswith(("http://", "https://")):
+        raise typer.BadParameter(f"{', '.join(serving_only)} apply when loadtest serves the engine itself (a config, "
+                                 f"an engine directory or a cache key), and {target} is a running server: leave "
+                                 f"them out, or give the engine")
     resolved = _engine_target(target, options)
     if resolved is not None:  # the workload checked against the engine before it loads (a prompts file read too)
         limits = plan_limits(resolved.engine_dir)

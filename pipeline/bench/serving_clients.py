@@ -147,13 +147,21 @@ def _payload(model: str, request: ServingRequest, chat: bool) -> dict:
     return {**body, "prompt": request.prompt}
 
 
+def error_message(body: bytes) -> str:
+    """What a failed response says: its OpenAI error's message, else the start of its body."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")[:200]
+
+
 async def _one_http_request(session, path: str, payload: dict, disconnect_after: int | None) -> RequestResult:
     start = time.monotonic()
     result, last = RequestResult(status=0), None
     async with session.post(path, json=payload) as response:
         result.status = response.status
         if response.status != 200:
-            result.error = (await response.read()).decode(errors="replace")[:200]
+            result.error = error_message(await response.read())
             return result
         async for line in response.content:
             if not line.startswith(b"data: {"):

@@ -115,6 +115,17 @@ def check_fits(workload: ServingWorkload, limits: EngineLimits) -> None:
             raise WorkloadError(f"the workload's requests do not fit this engine: {exc}") from None
 
 
+def card_limits(card: dict) -> EngineLimits | None:
+    """What a server's model card says one request may hold: ``max_model_len`` (as vLLM's card gives it) and Kiln's
+    ``max_input_len`` (else one token less); None when it says neither. Its batch bounds are not on the card, and
+    ``check_fits`` does not read them: they stand at one request of the whole context."""
+    context = card.get("max_model_len")
+    if not isinstance(context, int) or context < 2:
+        return None
+    longest_prompt = card.get("max_input_len") if isinstance(card.get("max_input_len"), int) else context - 1
+    return EngineLimits(max_input_len=longest_prompt, max_seq_len=context, max_batch_size=1, max_num_tokens=context)
+
+
 def _from_file(path: Path, count: int, max_tokens: int) -> list[ServingRequest]:
     """A ``.jsonl`` file of ``{"prompt": text or token ids, "max_tokens": n}`` objects (``max_tokens`` optional), or a
     text file of one prompt per line; its requests are taken in turn, again from the start if there are too few."""
