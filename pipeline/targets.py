@@ -57,8 +57,8 @@ def resolve_target(text: str, cache_root: Path, *, no_engines: str | None = None
                 raise TargetError(f"{engine_dir}: an engine directory; {no_engines}")
             return _engine(engine_dir.resolve())
     if path.is_dir():
-        raise TargetError(f"{text}: not an engine directory (no engine.json or kiln_trtllm.json); pass the engine "
-                          f"directory `kiln build` printed, a cache key, or a config")
+        raise TargetError(f"{text}: a folder, and not an engine directory (no engine.json or kiln_trtllm.json); "
+                          f"{_what_to_give(no_engines)}")
     if (found := find_config(text)) is not None:
         return Target("architecture" if found.suffix == ".json" else "config", found)
     if is_key_prefix(text):
@@ -81,9 +81,16 @@ def resolve_target(text: str, cache_root: Path, *, no_engines: str | None = None
     if path.is_symlink():
         raise TargetError(f"{text}: a symbolic link that leads to nothing (a link loop or a missing target); point "
                           f"it at an engine directory or a config")
-    raise TargetError(f"{text}: no such engine directory, config or architecture file, and not a cache key; give "
-                      f"the engine directory `kiln build` printed, a key from `kiln cache ls`, or a config (a path "
-                      f"or a name under configs/, e.g. tiny-llama-fp8.yaml)")
+    raise TargetError(f"{text}: no such {'config or architecture file' if no_engines else 'engine directory or config'}"
+                      f", and not a cache key; {_what_to_give(no_engines)}")
+
+
+def _what_to_give(no_engines: str | None) -> str:
+    """The targets a command takes, as advice: a config or architecture file where it takes no engine."""
+    config = "a config (a path or a name under configs/, e.g. tiny-llama-fp8.yaml)"
+    if no_engines is not None:
+        return f"give {config} or an architecture file (configs/models/llama3-8b.json)"
+    return f"give the engine directory `kiln build` printed, a key from `kiln cache ls`, or {config}"
 
 
 def _engine(engine_dir: Path, hold: EntryHold | None = None) -> Target:
