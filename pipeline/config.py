@@ -342,6 +342,8 @@ def _not_found(given: Path) -> str:
     """Why ``given`` names no config, and what to give instead."""
     if given.is_symlink():
         return f"{_absolute(given)}: a symbolic link that leads to no file (a link loop or a missing target)"
+    if given.is_dir():
+        return f"{_absolute(given)}: a folder, not a config file; give the config's path (a .yaml file)"
     bundled = sorted(p.stem for p in CONFIGS_DIR.iterdir() if p.suffix in (".yaml", ".yml"))
     guess = difflib.get_close_matches(given.stem, bundled, n=1) if given.parent == Path(".") else []
     hint = (f"did you mean {guess[0]}?" if guess

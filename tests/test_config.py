@@ -82,6 +82,8 @@ def test_missing_model_section_is_required(tmp_path):
 def test_missing_file_and_bad_yaml_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="a folder, not a config file"):
+        load_config(tmp_path)
     with pytest.raises(ConfigError, match=r"kiln.yaml:\d+: not valid YAML"):
         load_config(write(tmp_path, "model:\n  path: [unclosed\n"))
 
