@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 
 from kiln.runtime.engine import Engine
-from kiln.runtime.errors import EngineClosedError, KilnError
-from kiln.runtime.outputs import RequestFailure, StreamDelta
+from kiln.runtime.errors import EngineClosedError
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 
@@ -15,7 +14,7 @@ logger = logging.getLogger("kiln.runtime")
 
 class ClosedEngine:
     """What a closed LLM keeps of its engine: its tokenizer, limits and last statistics (nothing running or waiting
-    any more); nothing runs. The rest of ``Engine`` is here so that it is one, for code that holds an ``Engine``."""
+    any more), and a refusal of new requests; nothing runs, so nothing else of ``Engine`` is asked of it."""
 
     def __init__(self, engine: Engine) -> None:
         self.tokenizer, self.limits = engine.tokenizer, engine.limits
@@ -28,31 +27,9 @@ class ClosedEngine:
         self._stats = {**stats, **{gauge: 0 for gauge in ("num_running", "num_waiting") if gauge in stats}}
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Refuse: a closed LLM takes no request."""
         raise EngineClosedError("the LLM is closed: load it again")
-
-    def add_request(self, seq: Sequence) -> None:
-        raise EngineClosedError("the LLM is closed: load it again")
-
-    def step(self) -> list[StreamDelta | RequestFailure]:
-        return []
-
-    def abort_request(self, request_id: str) -> StreamDelta | None:
-        return None
-
-    def has_unfinished(self) -> bool:
-        return False
-
-    def warm_up_step(self) -> bool:
-        return False
-
-    def failure(self) -> KilnError | None:
-        return None
 
     def stats_snapshot(self) -> dict:
+        """The engine's statistics as it closed."""
         return self._stats
-
-    def close(self) -> None:
-        pass
-
-    def interrupt(self) -> bool:
-        return False

@@ -45,7 +45,7 @@ class LLM:
     """
 
     def __init__(self, engine: Engine, load_ms: float = 0.0, hold: EntryHold | None = None) -> None:
-        self.engine = engine
+        self.engine: Engine | ClosedEngine = engine  # a ClosedEngine once closed
         self.load_ms = load_ms
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
