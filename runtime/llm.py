@@ -24,10 +24,11 @@ from kiln.runtime.cache_hold import EntryHold, hold_if_cached
 from kiln.runtime.closed_engine import ClosedEngine
 from kiln.runtime.delivery import ABORTING, Outbox, Sink, settle
 from kiln.runtime.engine import Engine, engine_loader
-from kiln.runtime.errors import EngineClosedError, EngineFormatError, InvalidRequestError
+from kiln.runtime.errors import EngineClosedError, EngineFormatError, InvalidRequestError, KilnError
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, RequestOutput, StreamDelta
+from kiln.runtime.sampling_defaults import sampling_defaults
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import Tokenizer
@@ -44,9 +45,13 @@ class LLM:
     All callers share one engine thread, so requests from many threads and event loops are batched together.
     """
 
-    def __init__(self, engine: Engine, load_ms: float = 0.0, hold: EntryHold | None = None) -> None:
+    def __init__(self, engine: Engine, load_ms: float = 0.0, hold: EntryHold | None = None,
+                 default_params: SamplingParams | None = None) -> None:
+        if isinstance(engine, str | os.PathLike):
+            raise TypeError(f"LLM({str(engine)!r}): load an engine with LLM.load(engine_dir[, RuntimeOptions(...)])")
         self.engine: Engine | ClosedEngine = engine  # a ClosedEngine once closed
         self.load_ms = load_ms
+        self.default_params = default_params or SamplingParams()  # what a request given no SamplingParams takes
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._results: dict[str, Future] = {}
@@ -80,6 +85,15 @@ class LLM:
             raise EngineFormatError(f"{engine_dir}: not an engine directory; pass the directory `kiln build` printed "
                                     f"(`kiln cache show KEY` shows a cached engine's)")
         options = options or RuntimeOptions()
+        try:
+            defaults = sampling_defaults(engine_dir, "auto")
+        except KilnError as exc:  # kiln serve --generation-config vllm serves such an engine: only warned of here
+            logger.warning("%s; requests given no SamplingParams take SamplingParams()'s defaults", exc)
+            defaults = {}
+        if defaults:
+            logger.info("requests given no SamplingParams take the sampling defaults of the model's "
+                        "generation_config.json, as vLLM's LLM.generate does: %s",
+                        ", ".join(f"{key} {value}" for key, value in defaults.items()))
         load = engine_loader(engine_dir, options)
         start = time.perf_counter()
         hold = hold_if_cached(engine_dir)  # a cached engine is not evicted while this LLM has it loaded
@@ -89,7 +103,8 @@ class LLM:
             if hold is not None:
                 hold.release()
             raise
-        return cls(engine, load_ms=(time.perf_counter() - start) * 1000, hold=hold)
+        return cls(engine, load_ms=(time.perf_counter() - start) * 1000, hold=hold,
+                   default_params=SamplingParams(**defaults))
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -110,7 +125,7 @@ class LLM:
         """Raise what `submit` would raise for this request (RequestTooLongError, InvalidRequestError,
         EngineClosedError, ...), without submitting it."""
         self._check_open()
-        self.engine.make_request(uuid.uuid4().hex, prompt, _taken(params))
+        self.engine.make_request(uuid.uuid4().hex, prompt, _taken(params, self.default_params))
 
     def __enter__(self) -> LLM:
         return self
@@ -140,7 +155,7 @@ class LLM:
         """Complete one prompt without blocking the event loop; cancelling the task aborts the request, and
         ``abort(request_id)`` ends it with what it generated so far (finish_reason "abort")."""
         loop = asyncio.get_running_loop()
-        seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params))
+        seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params, self.default_params))
         result = loop.create_future()
         self._enqueue([seq], [Sink(loop=loop, push=functools.partial(settle, result), every_delta=False)])
         try:
@@ -208,7 +223,7 @@ class LLM:
         """One validated request per prompt, with one SamplingParams for all or one per prompt, under
         ``request_ids`` (one per prompt; default fresh ones)."""
         if params is None or not isinstance(params, abc.Sequence):
-            params = [_taken(params)] * len(prompts)
+            params = [_taken(params, self.default_params)] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: pass one, or one per "
                              f"prompt")
@@ -218,7 +233,7 @@ class LLM:
         seqs = []
         for index, (request_id, prompt, sp) in enumerate(zip(ids, prompts, params, strict=True)):
             try:
-                seqs.append(self.engine.make_request(request_id, prompt, _taken(sp)))
+                seqs.append(self.engine.make_request(request_id, prompt, _taken(sp, self.default_params)))
             except InvalidRequestError as e:  # RequestTooLongError included
                 if len(prompts) == 1:
                     raise
@@ -227,7 +242,7 @@ class LLM:
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> str:
         """Queue a request and return its id at once; collect it with `result(request_id)`."""
-        seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params))
+        seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params, self.default_params))
         (future,) = self._enqueue([seq], [Sink()])
         with self._lock:
             self._results[seq.request_id] = future
@@ -467,11 +482,10 @@ def _release_engine(engine: Engine, hold: EntryHold | None) -> None:
         hold.release()
 
 
-def _taken(params: SamplingParams | None) -> SamplingParams:
+def _taken(params: SamplingParams | None, default: SamplingParams) -> SamplingParams:
     """The params a request takes: a checked copy (a field changed since construction is checked as the constructor
-    checks it, and later changes do not reach the request), or the defaults for None."""
-    if params is None:
-        return SamplingParams()
+    checks it, and later changes do not reach the request), or ``default``'s for None."""
+    params = default if params is None else params
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams (one, or one per prompt), got {type(params).__name__}")
     return replace(params)

@@ -406,6 +406,21 @@ def _slow_down_close(engine: object) -> threading.Event:
     return closing
 
 
+def test_a_request_given_no_params_takes_the_models_generation_config_defaults_as_in_vllm(engine_dir, tmp_path,
+                                                                                          caplog):
+    engine = shutil.copytree(engine_dir, tmp_path / "engine")
+    (engine / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_k": 1}))
+    with LLM.load(engine) as llm:
+        greedy = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16))[0].token_ids
+        assert llm.default_params == SamplingParams(temperature=0.7, top_k=1)
+        assert [o.token_ids[:16] for o in llm.generate([PROMPTS[1]] * 3)] == [greedy] * 3  # top_k 1: the likeliest
+    (engine / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with LLM.load(engine) as llm:  # kiln serve --generation-config vllm serves it: a warning, not a refusal
+        assert llm.default_params == SamplingParams() and "generation_config.json" in caplog.text
+    with pytest.raises(TypeError, match=r"LLM\('.*'\): load an engine with LLM.load"):
+        LLM(str(engine))
+
+
 def test_closed_llm_frees_its_engine_while_referenced_and_refuses_new_requests(engine_dir):
     import gc
     import weakref

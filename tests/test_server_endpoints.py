@@ -321,7 +321,7 @@ def test_a_generation_config_with_values_sampling_cannot_take_stops_the_server_n
     import shutil
 
     from kiln.runtime.errors import KilnError
-    from kiln.runtime.server.sampling_defaults import sampling_defaults
+    from kiln.runtime.sampling_defaults import sampling_defaults
 
     engine = shutil.copytree(tiny_engine(), tmp_path / "engine")
     (engine / "generation_config.json").write_text(json.dumps({"temperature": -1}))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -16,16 +17,17 @@ from kiln.runtime.json_files import read_json_object
 from kiln.runtime.limits import RequestTooLongError
 from kiln.runtime.llm import LLM
 from kiln.runtime.outputs import RequestOutput, StreamDelta
+from kiln.runtime.sampling_defaults import GenerationConfigMode, sampling_defaults
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kiln.runtime.server.errors import OVERLOADED, APIError
 from kiln.runtime.server.protocol import ModelCard, ModelPermission, SamplingFields
 from kiln.runtime.server.request_id import REQUEST_ID
-from kiln.runtime.server.sampling_defaults import GenerationConfigMode, sampling_defaults
 from kiln.runtime.server.tool_calls import tool_call_format
 from kiln.runtime.structured_output import StructuredOutput
 from kiln.runtime.tokenizer import GIL_FREE_ENCODE_CHARS
 
+logger = logging.getLogger("kiln.server")
 RETRY_AFTER_S = 1
 
 
@@ -90,6 +92,10 @@ class ServedModel:
         self.engine_dir = Path(engine_dir)
         self.names = tuple(dict.fromkeys((name, *aliases)))  # responses name the first, as vLLM's do
         self.sampling_defaults = sampling_defaults(engine_dir, generation_config)
+        if self.sampling_defaults:
+            logger.warning("requests that leave them unset take the sampling defaults of the model's "
+                           "generation_config.json, as vLLM's server does: %s (--generation-config vllm: vLLM's own)",
+                           ", ".join(f"{key} {value}" for key, value in self.sampling_defaults.items()))
         self.tokenizer = llm.tokenizer
         self.limits = llm.limits
         try:

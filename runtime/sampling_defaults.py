@@ -1,6 +1,7 @@
 """The sampling defaults a model's creator recommends in its ``generation_config.json`` (Llama 3 Instruct:
-temperature 0.6, top_p 0.9; Qwen3: 0.6, 0.95, top_k 20), which a request that leaves a field unset gets, as vLLM's
-server does by default (``--generation-config auto``); ``vllm`` keeps vLLM's own defaults instead."""
+temperature 0.6, top_p 0.9; Qwen3: 0.6, 0.95, top_k 20), as vLLM takes them by default: a served request that
+leaves a field unset gets them (``--generation-config auto``; ``vllm`` keeps vLLM's own defaults instead), and so
+does an offline ``LLM.generate`` given no SamplingParams."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Literal
 from kiln.runtime.errors import KilnError
 from kiln.runtime.sampling_params import SamplingParams
 
-logger = logging.getLogger("kiln.server")
+logger = logging.getLogger("kiln.runtime")
 
 GenerationConfigMode = Literal["auto", "vllm"]
 GENERATION_CONFIG_MODES: tuple[GenerationConfigMode, ...] = ("auto", "vllm")
@@ -29,14 +30,12 @@ def sampling_defaults(engine_dir: Path, mode: GenerationConfigMode) -> dict[str,
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise KilnError(f"{path}: not readable JSON ({exc}); fix it, or serve with --generation-config vllm") from None
+        raise KilnError(f"{path}: not readable JSON ({exc}); fix it, or serve with --generation-config vllm (which "
+                        f"leaves it aside)") from None
     defaults = {key: config[key] for key in SAMPLING_KEYS if isinstance(config, dict) and config.get(key) is not None}
     try:
         SamplingParams(**defaults)
     except (TypeError, ValueError) as exc:
-        raise KilnError(f"{path}: {exc}; fix it, or serve with --generation-config vllm") from None
-    if defaults:
-        logger.warning("requests that leave them unset take the sampling defaults of the model's "
-                       "generation_config.json, as vLLM's server does: %s (--generation-config vllm: vLLM's own)",
-                       ", ".join(f"{key} {value}" for key, value in defaults.items()))
+        raise KilnError(f"{path}: {exc}; fix it, or serve with --generation-config vllm (which leaves it "
+                        f"aside)") from None
     return defaults
