@@ -30,7 +30,8 @@ class SamplingParams:
     """How to pick tokens and when to stop, in vLLM's vocabulary.
 
     `temperature=0` (or anything below 1e-5) is greedy. `top_k=0` (or -1) and `top_p=1` disable those filters.
-    `seed`, an int in [0, 2**64 - 1], makes sampling reproducible for this request whatever else shares its batch.
+    `seed`, an int in [0, 2**64 - 1] (-1: none, as in vLLM), makes the draw this request's own whatever else shares
+    its batch.
     Generation stops at `max_tokens` (finish_reason "length"), at a token in `stop_token_ids` or the engine's EOS
     unless `ignore_eos`, or at a string in `stop`, which is cut from the text (finish_reason "stop").
     `detokenize=False` returns token ids only (the text stays empty, as TensorRT-LLM's executor and transformers'
@@ -74,6 +75,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         for name, kind, accepted in (("stop", list, list | tuple), ("stop_token_ids", list, list | tuple),
                                      ("logit_bias", dict, dict)):
             value = getattr(self, name)  # None is the empty one, as in the OpenAI API

@@ -49,7 +49,7 @@ def greedy(llm: LLM, max_tokens: int = 16) -> list[int]:
     ("max_tokens", 0, "max_tokens must be an int >= 1"),
     ("seed", 1.5, "seed must be an int or None"),
     ("seed", 2**64, r"seed must be in \[0, 2\*\*64 - 1\]"),
-    ("seed", -1, r"seed must be in \[0, 2\*\*64 - 1\]"),
+    ("seed", -2, r"seed must be in \[0, 2\*\*64 - 1\]"),
     ("stop", [""], "stop must be non-empty strings"),
     ("stop_token_ids", [-1], "stop_token_ids must be token ids >= 0"),
     ("top_p", True, r"top_p must be in \(0, 1\]"),
@@ -65,6 +65,16 @@ def greedy(llm: LLM, max_tokens: int = 16) -> list[int]:
 def test_sampling_params_reject_bad_values_with_a_clear_message(field, value, words):
     with pytest.raises(ValueError, match=words):
         SamplingParams(**{field: value})
+
+
+def test_a_seed_of_minus_one_is_no_seed_as_in_vllm():
+    from kiln.runtime.server.generation import sampling_params
+    from kiln.runtime.server.protocol import CompletionRequest
+
+    assert SamplingParams(seed=-1).seed is None
+    request = CompletionRequest(model="m", prompt="hi", seed=-1, n=2)
+    assert [sampling_params(request, max_tokens=4, index=i, logprobs=None, prompt_logprobs=None,
+                            structured_output=None, defaults={}).seed for i in range(2)] == [None, None]
 
 
 def test_none_for_a_collection_is_the_empty_one():

@@ -253,8 +253,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprob
                     prompt_logprobs: int | None, structured_output: StructuredOutput | None,
                     defaults: dict[str, float]) -> SamplingParams:
     """Runtime sampling parameters of choice `index` of a request (a seeded request gives choice i the seed + i, as
-    an unsigned 64-bit seed: OpenAI's seed is signed, and -1 seeds what 2**64 - 1 does); a field the request leaves
-    unset takes the model's default (``defaults``), else SamplingParams'."""
+    an unsigned 64-bit seed: OpenAI's seed is signed; -1 is no seed, as in vLLM); a field the request leaves unset
+    takes the model's default (``defaults``), else SamplingParams'."""
     def given(name: str, fallback: float) -> float:
         value = getattr(req, name)
         return defaults.get(name, fallback) if value is None else value
@@ -262,7 +262,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprob
     temperature = given("temperature", 1.0)
     if req.top_p == 0:
         temperature = 0.0
-    seed = None if req.seed is None else (req.seed + index) % 2**64
+    seed = None if req.seed in (None, -1) else (req.seed + index) % 2**64
     return SamplingParams(temperature=temperature, top_p=given("top_p", 1.0) or 1.0, top_k=given("top_k", 0),
                           min_p=given("min_p", 0.0), max_tokens=max_tokens, seed=seed, stop=req.stop or [],
                           ignore_eos=req.ignore_eos,
