@@ -35,7 +35,7 @@ from kiln.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger("kiln.runtime")
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
 
 
 class LLM:
@@ -136,10 +136,10 @@ class LLM:
     def generate(self, prompts: Prompt | abc.Sequence[Prompt],
                  params: SamplingParams | abc.Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Complete each prompt (text or token ids); blocks until all are done. Outputs follow the prompts' order."""
-        if not isinstance(prompts, str | list | tuple):
+        if not isinstance(prompts, str | list | tuple | dict):
             raise InvalidRequestError(f"prompts must be text, token ids, or a list of those; got "
                                       f"{type(prompts).__name__}")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         seqs = self._make_requests(prompts, params)
         try:

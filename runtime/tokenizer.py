@@ -306,7 +306,13 @@ def request_detokenizer(tokenizer: Tokenizer | None, prompt_token_ids: list[int]
 
 def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int, has_stop_strings: bool,
                   error: type[InvalidRequestError] = InvalidRequestError) -> list[int]:
-    """A prompt's token ids: text through the tokenizer, or ids checked against the vocabulary; raises ``error``."""
+    """A prompt's token ids: text through the tokenizer, or ids checked against the vocabulary (either given bare, or
+    as vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``); raises ``error``."""
+    if isinstance(prompt, dict):
+        if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & prompt.keys():
+            raise error(f"a prompt given as a dict holds one key, 'prompt' (text) or 'prompt_token_ids' (token ids), "
+                        f"as in vLLM; got {sorted(map(str, prompt))}")
+        [prompt] = prompt.values()
     if isinstance(prompt, str):
         if tokenizer is None:
             raise error("this engine has no tokenizer.json: pass the prompt as token ids")
@@ -318,7 +324,8 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
             raise error(f"prompt token ids {bad[:5]} are not ints in [0, {vocab_size}): tokenize with this engine's "
                         "tokenizer")
     else:
-        raise error(f"a prompt is text (a str) or token ids (a list of ints), got {type(prompt).__name__}")
+        raise error(f"a prompt is text (a str) or token ids (a list of ints), bare or in vLLM's dict of either, got "
+                    f"{type(prompt).__name__}")
     if has_stop_strings and tokenizer is None:
         raise error("stop strings need a tokenizer and this engine has no tokenizer.json: use stop_token_ids")
     return token_ids

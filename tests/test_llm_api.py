@@ -85,7 +85,6 @@ def test_a_kv_pool_that_cannot_be_allocated_is_a_kiln_error_naming_its_size(engi
     (None, "prompts must be text, token ids, or a list of those; got NoneType"),
     (b"t5 t6", "prompts must be text, token ids, or a list of those; got bytes"),
     ([b"t5 t6"], "a prompt is text .* or token ids .*, got bytes"),
-    ([{"text": "t5"}], "a prompt is text .* or token ids .*, got dict"),
 ])
 def test_a_prompt_of_another_type_is_refused_naming_it(llm, prompts, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -105,6 +104,15 @@ def test_token_ids_of_numpy_are_a_prompt_and_an_empty_one_is_invalid(llm):
         llm.generate([[5, True]], GREEDY)
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         llm.generate([[]], GREEDY)
+
+
+def test_vllms_dict_prompts_are_taken_as_their_text_or_token_ids(llm):
+    expected = [o.token_ids for o in llm.generate([[5, 6, 7], "t5 t6"], GREEDY)]
+    given = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt": "t5 t6"}], GREEDY)
+    assert [o.token_ids for o in given] == expected
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0].token_ids == expected[0]
+    with pytest.raises(InvalidRequestError, match=r"one key, 'prompt' \(text\) or 'prompt_token_ids'.*\['text'\]"):
+        llm.generate([{"text": "t5"}], GREEDY)
 
 
 def test_text_prompt_round_trips_through_the_engine_tokenizer(llm):
