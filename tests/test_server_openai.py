@@ -76,13 +76,14 @@ def test_seeded_sampling_is_reproducible_and_n_gives_distinct_choices(client):
 
 def test_a_signed_seed_is_taken_modulo_2_64_and_choice_i_samples_with_seed_plus_i(client):
     def texts(seed: int, n: int) -> list[str]:
-        out = client.completions.create(model=MODEL, prompt="The cat", max_tokens=8, temperature=1.0, seed=seed, n=n,
-                                        extra_body={"ignore_eos": True})
+        out = client.completions.create(model=MODEL, prompt="The cat", max_tokens=24, temperature=1.0, seed=seed,
+                                        n=n, extra_body={"ignore_eos": True})
         return [c.text for c in out.choices]
 
-    minus_one = texts(-1, 2)
-    assert minus_one == texts(-1, 2)
-    assert minus_one[1] == texts(0, 1)[0]
+    minus_three = texts(-3, 2)
+    assert minus_three == texts(-3, 2)
+    assert minus_three[1] == texts(-2, 1)[0]  # 2**64 - 2 either way
+    assert texts(-1, 1) != texts(-1, 1)  # -1 is no seed, as in vLLM
 
 
 def test_batched_prompts_and_token_id_prompts_are_accepted(client):
