@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.plan import BuildPlan
@@ -40,6 +40,18 @@ class EngineLimits:
         """The most tokens (prompt plus generated) one request can hold: `max_seq_len`, or less if the KV pool is
         smaller."""
         return self.max_seq_len if self.kv_pool_tokens is None else min(self.max_seq_len, self.kv_pool_tokens)
+
+    def taken(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """The params a request of this size runs with (``max_tokens`` None: what the context leaves after the
+        prompt, as in vLLM), checked by ``check_request``."""
+        if params.max_tokens is None:
+            room = self.max_request_tokens - num_prompt_tokens
+            if num_prompt_tokens and room < 1:
+                raise RequestTooLongError(f"prompt ({num_prompt_tokens} tokens) leaves no room to generate in the "
+                                          f"engine's {self.max_request_tokens} tokens: shorten the prompt")
+            params = replace(params, max_tokens=max(room, 1))
+        self.check_request(num_prompt_tokens, params)
+        return params
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise RequestTooLongError unless a request of this size can be served, InvalidRequestError when its

@@ -32,8 +32,9 @@ class SamplingParams:
     `temperature=0` (or anything below 1e-5) is greedy. `top_k=0` (or -1) and `top_p=1` disable those filters.
     `seed`, an int in [0, 2**64 - 1] (-1: none, as in vLLM), makes the draw this request's own whatever else shares
     its batch.
-    Generation stops at `max_tokens` (finish_reason "length"), at a token in `stop_token_ids` or the engine's EOS
-    unless `ignore_eos`, or at a string in `stop`, which is cut from the text (finish_reason "stop").
+    Generation stops at `max_tokens` (finish_reason "length"; None: at the end of the context), at a token in
+    `stop_token_ids` or the engine's EOS unless `ignore_eos`, or at a string in `stop`, which is cut from the text
+    (finish_reason "stop").
     `detokenize=False` returns token ids only (the text stays empty, as TensorRT-LLM's executor and transformers'
     `generate` return them), which saves decoding every token; stop strings need the text. `skip_special_tokens=False`
     keeps the special tokens the model generates in the text (as vLLM: not the EOS or stop token that ends it).
@@ -55,7 +56,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context (what the engine's limits leave after the prompt)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -110,8 +111,10 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
+            raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, or None for up to the context, got "
+                             f"{self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
@@ -145,7 +148,7 @@ class SamplingParams:
                                     or not all(_is_int(t) and t >= 0 for t in allowed)):
             raise ValueError(f"SamplingParams.allowed_token_ids must be None or a non-empty list of token ids >= 0, "
                              f"got {allowed!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(f"SamplingParams.min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -221,6 +221,14 @@ def test_too_long_request_is_rejected_with_the_numbers(llm):
         llm.generate([[5, 100000]], GREEDY)
 
 
+def test_max_tokens_none_generates_up_to_the_end_of_the_context_as_in_vllm(llm):
+    up_to_the_end = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    short, long = llm.generate([[5, 6, 7], list(range(3, 51))], up_to_the_end)  # max_seq_len 256
+    assert (len(short.token_ids), short.finish_reason) == (253, "length") and len(long.token_ids) == 208
+    with pytest.raises(ValueError, match="min_tokens must be an int in"):
+        SamplingParams(max_tokens=None, min_tokens=-1)
+
+
 def test_tokenizer_limits_and_check_describe_what_the_engine_accepts(llm):
     assert llm.tokenizer.encode("t5 t6 t7") == [5, 6, 7]
     assert llm.limits == EngineLimits(max_input_len=48, max_seq_len=256, max_batch_size=4, max_num_tokens=64,

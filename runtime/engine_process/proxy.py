@@ -92,8 +92,7 @@ class ProcessEngine:
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request here, as the engine in the child would (safe from any thread)."""
         token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop))
-        self.limits.check_request(len(token_ids), params)
-        return Sequence(request_id, token_ids, params)
+        return Sequence(request_id, token_ids, self.limits.taken(len(token_ids), params))
 
     def add_request(self, seq: Sequence) -> None:
         """Take a request for the child: the requests added between two steps reach it in one message, so that it

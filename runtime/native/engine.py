@@ -98,8 +98,7 @@ class NativeEngine:
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching engine state (safe from any thread)."""
         token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop))
-        self.limits.check_request(len(token_ids), params)
-        return Sequence(request_id, token_ids, params)
+        return Sequence(request_id, token_ids, self.limits.taken(len(token_ids), params))
 
     def add_request(self, seq: Sequence) -> None:
         """Take a request made by ``make_request``, here or in another process (``engine_process``)."""

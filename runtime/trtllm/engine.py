@@ -111,8 +111,7 @@ class TrtllmEngine:
             raise TrtllmRequestError(f"the TensorRT-LLM backend does not serve {', '.join(unsupported)} yet: use an "
                                      f"engine of the native backend for these")
         token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop), TrtllmRequestError)
-        self.limits.check_request(len(token_ids), params)
-        return Sequence(request_id, token_ids, params)
+        return Sequence(request_id, token_ids, self.limits.taken(len(token_ids), params))
 
     def add_request(self, seq: Sequence) -> None:
         """Hand a request to the executor."""
