@@ -126,6 +126,7 @@ class _Stage:
         """Calibrate and gate one format; return the attempt and, if it passed, (model, unfused copy for TRT-LLM)."""
         attempt, model = self._calibrate(fmt, index, reference, data, runner, heldout)
         if not attempt.converged and self.recipe.on_failure == "fail":
+            attempt.outcome = "did not converge"
             raise CalibrationError(self._not_converged_message(attempt, data), {"attempts": [attempt.as_dict()]})
         unfused = copy.deepcopy(model)  # TensorRT-LLM's exporter fuses q/k/v itself, from the unfused scales
         fuse_shared_inputs(model)

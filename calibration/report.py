@@ -51,9 +51,13 @@ class Attempt:
             return "not needed"
         return "converged" if self.converged else "not converged"
 
-    def gate_dict(self) -> dict:
+    def gate_dict(self) -> dict | None:
+        """The gate's result; None for a quantized format that was never gated (it did not converge, or the recipe
+        has no gate); for format none, which needs no gate, the reference's own figures."""
         if self.gate is not None:
             return self.gate.as_dict()
+        if self.format != "none":
+            return None
         return {"passed": True, "ppl_increase": 0.0, "kl": 0.0, "top1_agreement": 1.0,
                 "note": "unquantized: identical to the reference"}
 

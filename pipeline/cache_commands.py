@@ -51,7 +51,7 @@ def _where(cache_dir: Path | None, config: str | None) -> tuple[Path, RemoteSpec
     default; and the remote named by ``$KILN_CACHE_REMOTE``, else by the config (None when neither names one)."""
     section = load_config(config).config.cache if config is not None else None
     root = section.root() if section is not None else cache_root()
-    root = cache_dir.expanduser() if cache_dir is not None else root
+    root = cache_dir.expanduser().resolve() if cache_dir is not None else root  # absolute, as $KILN_CACHE's
     return root, section.remote_spec() if section is not None else remote_spec()
 
 

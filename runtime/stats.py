@@ -65,9 +65,9 @@ def step_kind(step: StepStats) -> str:
 
 
 def summarize(values: list[float], scale: float = 1.0) -> dict:
-    """count, mean, p50, p95, p99 and max of `values` times `scale` (empty: count 0 only)."""
+    """count, mean, p50, p95, p99 and max of `values` times `scale` (empty: count 0, the rest None: the same keys)."""
     if not values:
-        return {"count": 0}
+        return {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None, "max": None}
     ordered = sorted(v * scale for v in values)
 
     def pct(p: float) -> float:

@@ -107,6 +107,16 @@ def test_stats_json_has_the_documented_fields(cache):
     assert kiln_cache(cache.root, "stats", "--since", "yesterday").exit_code == 2
 
 
+def test_a_relative_cache_dir_is_reported_as_an_absolute_path(cache, monkeypatch):
+    monkeypatch.chdir(cache.root.parent)
+    key = add(cache, "tiny")
+    shown = json.loads(runner.invoke(cache_app, ["show", key[:8], "--cache-dir", cache.root.name, "--json"]).stdout)
+    assert shown["payload_dir"] == str(cache.entries.payload_dir(key).resolve())
+    stats = json.loads(runner.invoke(cache_app, ["stats", "--cache-dir", cache.root.name, "--json"]).stdout)
+    assert stats["root"] == str(cache.root.resolve())
+    assert stats["load_ms"]["count"] == 0 and stats["load_ms"]["p50"] is None
+
+
 def test_verify_exits_3_naming_the_flipped_file(cache):
     good = add(cache, "good")
     bad = add(cache, "bad")

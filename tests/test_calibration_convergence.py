@@ -124,6 +124,8 @@ def test_budget_too_small_fails_naming_unsettled_quantizers_and_writes_nothing(c
     assert "model.layers." in message and "recent change" in message and "on_failure: warn" in message
     assert "\n" not in message and failure.value.exit_code == 4
     assert list(tmp_path.iterdir()) == []
+    [attempt] = failure.value.details["attempts"]  # what --json reports: never gated, not "passed"
+    assert attempt["gate"] is None and attempt["outcome"] == "did not converge"
 
 
 def test_too_few_rounds_for_the_patience_is_named_even_when_nothing_moves(checkpoint, tmp_path):

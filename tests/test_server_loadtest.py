@@ -176,7 +176,9 @@ def test_a_running_servers_card_limits_the_workload_before_any_request_and_its_e
 
 def test_every_client_going_away_is_a_soak_not_a_failure_and_one_token_is_no_disconnect():
     gone = RequestResult(status=200, completion_tokens=3, events=3, disconnected=True)
-    assert summarize_results([gone, gone], duration_s=1.0)["disconnected"] == 2
+    every_one_gone = summarize_results([gone, gone], duration_s=1.0)
+    assert every_one_gone["disconnected"] == 2
+    assert every_one_gone["ttft_ms"] == {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None, "max": None}
     counted = RequestResult(status=200, ttft_s=0.1, latency_s=0.2, completion_tokens=8, events=8, without_usage=True)
     assert summarize_results([counted], duration_s=1.0)["tokens_counted"].startswith("max_tokens")
     one_token = make_workload(requests=8, warmup=0, request_rate=math.inf, seed=0, max_tokens=1, disconnect=1.0)

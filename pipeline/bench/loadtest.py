@@ -52,7 +52,8 @@ def print_report(report: dict) -> None:
         table.add_column(column, justify="right" if column != "ms" else "left")
     for name, key in LATENCIES:
         row = report[key]
-        table.add_row(name, *(f"{row[p]:.1f}" if p in row else "-" for p in ("p50", "p95", "p99", "mean", "max")))
+        table.add_row(name, *(f"{row[p]:.1f}" if row.get(p) is not None else "-"
+                              for p in ("p50", "p95", "p99", "mean", "max")))
     stdout.print(table)
     if report["tokens_counted"] != "usage":
         stdout.print(f"[yellow]tokens counted as {escape(report['tokens_counted'])}[/]", markup=True, highlight=False)
@@ -81,7 +82,7 @@ def print_report(report: dict) -> None:
     if "in_process" in report:
         inner = report["in_process"]
         stdout.print(f"in-process      {inner['output_tokens_per_s']:,.1f} tokens/s through LLM.stream, TTFT p50 "
-                     f"{inner['ttft_ms'].get('p50', 0):.1f} ms, inter-token p50 {inner['itl_ms'].get('p50', 0):.1f} "
+                     f"{inner['ttft_ms']['p50'] or 0:.1f} ms, inter-token p50 {inner['itl_ms']['p50'] or 0:.1f} "
                      f"ms", highlight=False)
 
 
