@@ -305,6 +305,14 @@ def test_bodies_over_the_bound_get_a_413_before_they_are_read_and_others_are_ser
         assert_error(chunked, 413, None, "larger than this server")
         ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200
+        with socket.create_connection(("127.0.0.1", server.port)) as declared:  # answered before its body: closed,
+            declared.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 100000000\r\n\r\n")  # not read on, nor the next request taken for it
+            declared.settimeout(2)  # at once, not after the body timeout
+            answer = b""
+            while chunk := declared.recv(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 413 ")
 
 
 def test_too_many_prompts_or_too_long_a_text_are_refused_before_tokenizing(http, llm):

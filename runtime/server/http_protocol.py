@@ -123,6 +123,13 @@ def _bounded(base: type, head_timeout_s: float, body_timeout_s: float) -> type:
             self._body.stop()
             super().on_message_complete()
 
+        def on_response_complete(self) -> None:
+            # answered before its body was all read (413, 401, 404, an Expect: 100-continue refused): the rest of
+            # the body would be read and dropped without bound, or the next request taken for it; close instead
+            if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+                self.transport.close()
+            super().on_response_complete()
+
         def send_400_response(self, msg: str) -> None:
             if not self._answered:  # a head too large was answered 431 already
                 super().send_400_response(msg)
