@@ -207,6 +207,9 @@ def test_tokenize_needs_the_api_key_and_version_does_not(server):
     assert version.status_code == 200 and version.json()["version"]
     health = httpx.get(f"{server.url}/health").json()
     assert httpx.get(f"{server.url}/ping").json() == httpx.post(f"{server.url}/ping").json() == health  # vLLM's
+    for path in ("/health", "/ping", "/metrics"):  # a load balancer's HEAD check: the status, no body
+        head = httpx.head(f"{server.url}{path}")
+        assert (head.status_code, head.content) == (200, b""), path
 
 
 def test_ignored_fields_are_named_in_a_header_streamed_or_not(server):

@@ -242,9 +242,11 @@ def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metr
 
     served = Depends(require_model)
 
-    @app.get("/health", responses={503: {"description": "loading, draining, or the load failed"}})
-    @app.get("/ping", responses={503: {"description": "as /health (vLLM's route for SageMaker)"}})
-    @app.post("/ping", responses={503: {"description": "as /health (vLLM's route for SageMaker)"}})
+    # HEAD too, which load balancers' health checks send (HAProxy's httpchk)
+    @app.api_route("/health", methods=["GET", "HEAD"],
+                   responses={503: {"description": "loading, draining, or the load failed"}})
+    @app.api_route("/ping", methods=["GET", "HEAD", "POST"],
+                   responses={503: {"description": "as /health (vLLM's route for SageMaker)"}})
     async def health() -> JSONResponse:
         """200 once the engine is loaded and the server takes requests; 503 before, while draining, or on error."""
         engine_error = state.model.llm.engine_error if state.model is not None else None
@@ -257,7 +259,7 @@ def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metr
         body = {"status": status, **({"message": str(error)} if error else {})}
         return JSONResponse(body, status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus_metrics() -> Response:
         """Prometheus text exposition."""
         payload, content_type = metrics.exposition()
