@@ -305,6 +305,9 @@ def test_bodies_over_the_bound_get_a_413_before_they_are_read_and_others_are_ser
         assert_error(chunked, 413, None, "larger than this server")
         ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200
+        gzipped = httpx.post(f"{server.url}/v1/completions", content=b"\x1f\x8b...",
+                             headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        assert_error(gzipped, 415, None, "Content-Encoding 'gzip' is not supported")
         with socket.create_connection(("127.0.0.1", server.port)) as declared:  # answered before its body: closed,
             declared.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                              b"Content-Length: 100000000\r\n\r\n")  # not read on, nor the next request taken for it

@@ -1,6 +1,7 @@
 """A bound on request bodies, applied before anything parses them: a declared ``Content-Length`` over the bound is
 answered 413 at once, and a body sent without one (chunked) is answered 413 once it passes the bound (the app then
-sees the client gone), so one client cannot make the server read, parse and hold an arbitrarily large body."""
+sees the client gone), so one client cannot make the server read, parse and hold an arbitrarily large body. A body in
+a content coding the server does not decode (``Content-Encoding: gzip``) is answered 415, not parsed as if plain."""
 
 from __future__ import annotations
 
@@ -26,7 +27,14 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        coding = headers.get(b"content-encoding", b"").strip().lower()
+        if coding not in (b"", b"identity"):
+            unsupported = APIError(415, f"Content-Encoding {coding.decode(errors='replace')!r} is not supported: send "
+                                        f"the body uncompressed")
+            await error_response(unsupported)(scope, receive, send)
+            return
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await error_response(self._error())(scope, receive, send)
             return
