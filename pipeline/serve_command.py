@@ -24,12 +24,13 @@ from kiln.pipeline.serve_flags import (
     cors_origins,
     fallback_api_key,
     given_api_key,
+    keep_alive_seconds,
     read_chat_template,
 )
 from kiln.pipeline.targets import Target, TargetError, resolve_target
 from kiln.runtime.errors import KilnError
 from kiln.runtime.options import RuntimeOptions
-from kiln.runtime.server_defaults import DEFAULT_HOST, DEFAULT_MAX_QUEUE, DEFAULT_PORT
+from kiln.runtime.server_defaults import DEFAULT_HOST, DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_QUEUE, DEFAULT_PORT
 
 if TYPE_CHECKING:
     from kiln.engines.cache import EngineCache
@@ -274,6 +275,9 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="Seconds in-flight requests get to finish after "
                                                                 "SIGTERM; what is left then gets a 503.")
                                 ] = 25.0,
+    timeout_keep_alive: Annotated[float | None, typer.Option(
+        min=0.001, help="Seconds an idle connection stays open; above a load balancer's idle timeout (AWS ALB: 60) "
+                        f"(default: vLLM's $VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else {DEFAULT_KEEP_ALIVE_S:g}).")] = None,
     engine_process: Annotated[bool, typer.Option(help="Run the engine in a process of its own (its host work and the "
                                                      "HTTP server's then do not share one GIL), or on a thread of "
                                                      "the server's.")] = True,
@@ -315,6 +319,7 @@ def serve(
     check_cors_wildcards(allowed_methods, allowed_headers)
     check_tool_call_parser(tool_call_parser, template, None)  # the name; the format too, given a template
     keys = given_api_key(api_keys, os.environ)  # blank: refused before any build too
+    keep_alive_s = keep_alive_seconds(timeout_keep_alive, os.environ)
     check_model_names(model_names)
     options = runtime_options(os.environ, device=device, num_kv_blocks=num_kv_blocks,
                               gpu_memory_utilization=gpu_memory_utilization, engine_process=engine_process,
@@ -354,7 +359,7 @@ def serve(
                      f"{served_routes(app)}; SIGTERM or Ctrl-C drains and stops", highlight=False, soft_wrap=True)
 
     run_server(app, bind_host, bind_port, shutdown_timeout_s=shutdown_timeout, on_started=announce,
-               access_log=access_log, log_level=log_level)
+               access_log=access_log, log_level=log_level, keep_alive_s=keep_alive_s)
     if app.state.server.load_abandoned:  # its thread may be inside torch, which an interpreter's teardown aborts
         sys.stdout.flush()
         sys.stderr.flush()

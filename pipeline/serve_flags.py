@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kiln.pipeline.vllm_names import VLLM_TOOL_CALL_PARSERS
 from kiln.runtime.errors import KilnError
+from kiln.runtime.server_defaults import DEFAULT_KEEP_ALIVE_S
 
 
 def cors_origins(values: list[str]) -> tuple[str, ...]:
@@ -71,6 +72,28 @@ class ChatTemplateFileError(KilnError):
 
 class BlankApiKeyError(KilnError):
     """An API key that is only whitespace: serving without one would not be what was asked."""
+
+
+class KeepAliveError(KilnError):
+    """A $VLLM_HTTP_TIMEOUT_KEEP_ALIVE that is not a number of seconds."""
+
+
+def keep_alive_seconds(given: float | None, environ: Mapping[str, str]) -> float:
+    """How long an idle connection stays open: --timeout-keep-alive, else vLLM's $VLLM_HTTP_TIMEOUT_KEEP_ALIVE (a
+    deployment migrated from vLLM keeps its setting), else uvicorn's 5 s."""
+    if given is not None:
+        return given
+    text = environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "").strip()
+    if not text:
+        return DEFAULT_KEEP_ALIVE_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise KeepAliveError(f"$VLLM_HTTP_TIMEOUT_KEEP_ALIVE={text!r}: not a number of seconds above 0; set one "
+                             f"(above your load balancer's idle timeout), or unset it for {DEFAULT_KEEP_ALIVE_S:g}")
+    return seconds
 
 
 class BlankModelNameError(KilnError):

@@ -115,6 +115,20 @@ def test_a_blank_api_key_or_model_name_is_refused_before_a_config_is_built(tmp_p
     assert not list((tmp_path / "cache").glob("v1/entries/*/*"))  # nothing was built
 
 
+def test_the_keep_alive_timeout_comes_from_the_flag_else_vllms_variable_and_reaches_uvicorn(llm):
+    from kiln.pipeline.serve_flags import KeepAliveError, keep_alive_seconds
+    from kiln.runtime.server import ServerSettings, ServerThread, create_app
+
+    assert keep_alive_seconds(None, {}) == 5.0
+    assert keep_alive_seconds(90.0, {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "300"}) == 90.0  # the flag wins
+    assert keep_alive_seconds(None, {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "300"}) == 300.0  # a vLLM deployment's setting
+    for bad in ("soon", "0", "-5", "inf"):
+        with pytest.raises(KeepAliveError, match="VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
+            keep_alive_seconds(None, {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": bad})
+    thread = ServerThread(create_app(llm, tiny_engine(), ServerSettings(model_name="tiny")), keep_alive_s=75.0)
+    assert thread.server.config.timeout_keep_alive == 75.0
+
+
 def test_an_empty_or_blank_vllm_api_key_is_no_key_as_vllm_takes_it():
     from kiln.pipeline.serve_flags import fallback_api_key, given_api_key
 
