@@ -265,7 +265,7 @@ class QuantizeStage:
         from kiln.calibration.quantize import quantize_checkpoint
 
         material = ctx.quantized_material()
-        describe = {"model": ctx.model_name, "format": ctx.config.quantize.format, "backend": "-", "gpu": "-"}
+        describe = {"model": ctx.model_name, "format": ctx.config.quantize.format, "backend": None, "gpu": None}
 
         def build(tmp: Path) -> dict:
             report = quantize_checkpoint(ctx.model_dir, ctx.config.quantize, tmp, device=ctx.choice.device,

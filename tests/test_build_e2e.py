@@ -128,7 +128,7 @@ def test_a_checkpoint_the_chain_fell_back_to_is_listed_and_planned_under_its_own
     assert report["format"] == "none" and report["fallback_from"] == "fp8"
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
     [entry] = json.loads(CliRunner().invoke(app, ["cache", "ls", "--json"]).stdout)
-    assert entry["format"] == "none"
+    assert entry["format"] == "none" and entry["backend"] is entry["gpu"] is None  # not an engine: null, not "-"
     plan = json.loads(CliRunner().invoke(app, ["build", str(config), "--dry-run", "--json"]).stdout)
     assert plan["stages"][0]["reason"].endswith("is in the cache (fell back from fp8)")
 
