@@ -39,7 +39,8 @@ def test_schema_covers_every_route(api_schema):
     assert {op.label for op in operations(api_schema)} == {
         "GET /health", "GET /metrics", "GET /v1/models", "GET /v1/models/{model_id}", "POST /v1/completions",
         "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize", "POST /detokenize", "GET /version",
-        "GET /ping", "POST /ping", "GET /tokenizer_info", "POST /invocations"}
+        "GET /ping", "POST /ping", "GET /tokenizer_info", "POST /invocations",
+        "HEAD /health", "HEAD /ping", "HEAD /metrics"}  # load balancers' checks
 
 
 @pytest.mark.slow
