@@ -28,7 +28,7 @@ from kiln.runtime.errors import EngineClosedError, EngineFormatError, InvalidReq
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, RequestOutput, StreamDelta
-from kiln.runtime.sampling_defaults import sampling_defaults
+from kiln.runtime.sampling_defaults import described, sampling_defaults
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import Tokenizer
@@ -85,15 +85,7 @@ class LLM:
             raise EngineFormatError(f"{engine_dir}: not an engine directory; pass the directory `kiln build` printed "
                                     f"(`kiln cache show KEY` shows a cached engine's)")
         options = options or RuntimeOptions()
-        try:
-            defaults = sampling_defaults(engine_dir, "auto")
-        except KilnError as exc:  # kiln serve --generation-config vllm serves such an engine: only warned of here
-            logger.warning("%s; requests given no SamplingParams take SamplingParams()'s defaults", exc)
-            defaults = {}
-        if defaults:
-            logger.info("requests given no SamplingParams take the sampling defaults of the model's "
-                        "generation_config.json, as vLLM's LLM.generate does: %s",
-                        ", ".join(f"{key} {value}" for key, value in defaults.items()))
+        default_params = _model_default_params(engine_dir)  # a bad generation_config.json: warned of before the load
         load = engine_loader(engine_dir, options)
         start = time.perf_counter()
         hold = hold_if_cached(engine_dir)  # a cached engine is not evicted while this LLM has it loaded
@@ -103,8 +95,7 @@ class LLM:
             if hold is not None:
                 hold.release()
             raise
-        return cls(engine, load_ms=(time.perf_counter() - start) * 1000, hold=hold,
-                   default_params=SamplingParams(**defaults))
+        return cls(engine, load_ms=(time.perf_counter() - start) * 1000, hold=hold, default_params=default_params)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -480,6 +471,20 @@ def _release_engine(engine: Engine, hold: EntryHold | None) -> None:
     engine.close()
     if hold is not None:
         hold.release()
+
+
+def _model_default_params(engine_dir: Path) -> SamplingParams:
+    """What a request given no SamplingParams takes: the sampling defaults of the model's generation_config.json, as
+    vLLM's ``LLM.generate`` does (a file SamplingParams refuses is warned of, and SamplingParams()'s taken)."""
+    try:
+        defaults = sampling_defaults(engine_dir, "auto")
+    except KilnError as exc:  # kiln serve --generation-config vllm serves such an engine: only warned of here
+        logger.warning("%s; requests given no SamplingParams take SamplingParams()'s defaults", exc)
+        return SamplingParams()
+    if defaults:
+        logger.info("requests given no SamplingParams take the sampling defaults of the model's "
+                    "generation_config.json, as vLLM's LLM.generate does: %s", described(defaults))
+    return SamplingParams(**defaults)
 
 
 def _taken(params: SamplingParams | None, default: SamplingParams) -> SamplingParams:

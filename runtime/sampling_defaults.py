@@ -39,3 +39,8 @@ def sampling_defaults(engine_dir: Path, mode: GenerationConfigMode) -> dict[str,
         raise KilnError(f"{path}: {exc}; fix it, or serve with --generation-config vllm (which leaves it "
                         f"aside)") from None
     return defaults
+
+
+def described(defaults: dict[str, float]) -> str:
+    """``temperature 0.6, top_p 0.9``: the defaults as a log line names them."""
+    return ", ".join(f"{key} {value}" for key, value in defaults.items())

@@ -17,7 +17,7 @@ from kiln.runtime.json_files import read_json_object
 from kiln.runtime.limits import RequestTooLongError
 from kiln.runtime.llm import LLM
 from kiln.runtime.outputs import RequestOutput, StreamDelta
-from kiln.runtime.sampling_defaults import GenerationConfigMode, sampling_defaults
+from kiln.runtime.sampling_defaults import GenerationConfigMode, described, sampling_defaults
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kiln.runtime.server.errors import OVERLOADED, APIError
@@ -95,7 +95,7 @@ class ServedModel:
         if self.sampling_defaults:
             logger.warning("requests that leave them unset take the sampling defaults of the model's "
                            "generation_config.json, as vLLM's server does: %s (--generation-config vllm: vLLM's own)",
-                           ", ".join(f"{key} {value}" for key, value in self.sampling_defaults.items()))
+                           described(self.sampling_defaults))
         self.tokenizer = llm.tokenizer
         self.limits = llm.limits
         try:
