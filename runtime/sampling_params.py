@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import numbers
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kiln.runtime.structured_output import StructuredOutput
 
@@ -21,6 +22,12 @@ MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 # A repetition penalty outside this range overflows the logits it divides (and no model needs one).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# Settings of other engines (vLLM's, SGLang's, TensorRT-LLM's) and what to do instead, for the error they get.
+OTHER_NAMES = {"max_new_tokens": "set max_tokens", "min_new_tokens": "set min_tokens", "end_id": "set stop_token_ids",
+               "stop_words": "set stop", "random_seed": "set seed", "sampling_seed": "set seed",
+               "return_log_probs": "set logprobs",
+               "n": "a request makes one completion: pass the prompt n times, with seed + i for sample i (what kiln "
+                    "serve does for n)"}
 NUMBER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs")
 
@@ -100,6 +107,12 @@ class SamplingParams:
                     raise ValueError(f"SamplingParams.{name} cannot be combined with a structured output format: the "
                                      f"completion ends as soon as the format is complete")
 
+    def __setattr__(self, name: str, value: object) -> None:
+        """Set a setting; a name SamplingParams has no setting of is refused (it would be dropped unseen)."""
+        if name not in SETTINGS:
+            raise AttributeError(f"SamplingParams has no setting {name!r}{_instead(name)}")
+        object.__setattr__(self, name, value)
+
     def _validate(self) -> None:
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
                 or not math.isfinite(self.temperature) or self.temperature < 0):
@@ -173,6 +186,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (a temperature below GREEDY_TEMPERATURE)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+SETTINGS = frozenset(setting.name for setting in fields(SamplingParams))
+
+
+def _instead(name: str) -> str:
+    """What to set instead of ``name``: the setting another engine's name stands for, or the closest spelling."""
+    if name in OTHER_NAMES:
+        return f": {OTHER_NAMES[name]}"
+    close = difflib.get_close_matches(name, SETTINGS, n=1)
+    return f": did you mean {close[0]}?" if close else f"; its settings are {', '.join(sorted(SETTINGS))}"
 
 
 def plain_number(value: object) -> object:

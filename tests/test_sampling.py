@@ -77,6 +77,19 @@ def test_a_seed_of_minus_one_is_no_seed_as_in_vllm():
                             structured_output=None, defaults={}).seed for i in range(2)] == [None, None]
 
 
+@pytest.mark.parametrize(("name", "words"), [
+    ("max_new_tokens", "no setting 'max_new_tokens': set max_tokens"),  # SGLang's name
+    ("temprature", "did you mean temperature"),
+    ("n", "pass the prompt n times"),
+])
+def test_a_setting_samplingparams_lacks_is_refused_not_dropped(name, words):
+    params = SamplingParams(temperature=0)
+    with pytest.raises(AttributeError, match=words):
+        setattr(params, name, 3)
+    params.max_tokens = 5  # its own settings are set as before
+    assert params.max_tokens == 5
+
+
 def test_none_for_a_collection_is_the_empty_one():
     params = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None)
     assert (params.stop, params.stop_token_ids, params.logit_bias) == ([], [], {})
