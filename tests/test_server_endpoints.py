@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from kiln.pipeline.cli import app as cli
 from kiln.runtime import KilnError, SamplingParams
+from kiln.runtime.outputs import RequestMetrics, RequestOutput
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from tests.test_server_support import tiny_engine
 
@@ -289,6 +290,56 @@ def test_vllm_request_series_read_zero_before_the_first_request_as_vllms_do():
                    f'vllm:e2e_request_latency_seconds_count{{engine="0",model_name="{MODEL}"}} 0.0',
                    f'vllm:request_params_n_count{{engine="0",model_name="{MODEL}"}} 0.0'):
         assert series in lines
+
+
+def _finished(inter_token_latencies: list[float]) -> RequestOutput:
+    """A finished request of two prompt tokens whose generated tokens came these latencies apart."""
+    tokens = list(range(len(inter_token_latencies) + 1))
+    metrics = RequestMetrics(arrival_time=0.0, first_token_time=0.1, finished_time=0.1 + sum(inter_token_latencies),
+                             num_prompt_tokens=2, num_cached_tokens=0, num_generated_tokens=len(tokens),
+                             num_preemptions=0, inter_token_latencies=inter_token_latencies)
+    return RequestOutput("r", [1, 2], "", tokens, "length", metrics)
+
+
+def test_a_requests_inter_token_latencies_land_in_kilns_and_vllms_buckets_at_once():
+    from kiln.runtime.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(lambda: None, dict, lambda: None, MODEL)
+    metrics.observe(_finished([0.004, 0.01, 0.3]))  # a latency on a bound counts in that bound's bucket
+    metrics.observe(_finished([0.03, 3.0]))
+    series = dict(line.rsplit(" ", 1) for line in metrics.exposition()[0].decode().splitlines() if line[0] != "#")
+    kiln = "kiln_inter_token_latency_seconds"
+    assert [series[f'{kiln}_bucket{{le="{le}"}}'] for le in ("0.0025", "0.005", "0.01", "0.04", "0.25", "0.5",
+                                                              "2.5", "+Inf")] == [
+        "0.0", "1.0", "2.0", "3.0", "3.0", "4.0", "4.0", "5.0"]
+    assert series[f"{kiln}_count"] == "5.0" and float(series[f"{kiln}_sum"]) == pytest.approx(3.344)
+    for vllm in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"):
+        labels = f'engine="0",model_name="{MODEL}"'
+        assert [series[f'{vllm}_bucket{{engine="0",le="{le}",model_name="{MODEL}"}}']
+                for le in ("0.01", "0.025", "0.05", "0.2", "0.3", "2.5", "5.0", "+Inf")] == [
+            "2.0", "2.0", "3.0", "3.0", "4.0", "4.0", "5.0", "5.0"]
+        assert series[f"{vllm}_count{{{labels}}}"] == "5.0"
+        assert float(series[f"{vllm}_sum{{{labels}}}"]) == pytest.approx(3.344)
+
+
+def test_a_binned_histograms_exposition_is_prometheus_clients_histograms():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from kiln.runtime.server.binned_histogram import BinnedHistogram, Observations
+
+    latencies = [0.015625, 0.5, 2.0**-10, 7.0]  # binary fractions: their sum is exact in any order
+    buckets, labels = (0.001, 0.01, 0.5, 1.0), {"model_name": MODEL, "engine": "0"}
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    histogram = Histogram("x_seconds", "Help", list(labels), buckets=buckets, registry=theirs).labels(**labels)
+    for latency in latencies:
+        histogram.observe(latency)
+    BinnedHistogram("x_seconds", "Help", buckets, ours, labels).observe(Observations.of(latencies))
+
+    def exposition(registry: CollectorRegistry) -> list[str]:  # the creation time told apart from its value
+        return [re.sub(r"_created(\{.*\})? .*", r"_created\1", line) for line in generate_latest(registry).decode()
+                .splitlines()]
+
+    assert exposition(ours) == exposition(theirs)
 
 
 def test_serve_refuses_an_unreadable_chat_template_before_building(tmp_path):

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.server.binned_histogram import BinnedHistogram, Observations
 
 # vLLM's own buckets for these histograms
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -121,11 +122,11 @@ class VllmRequestMetrics:
                                        [*LABELS, "finished_reason"], registry=registry)
         self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds", "Time to first token", LABELS,
                                              buckets=TTFT_BUCKETS, registry=registry)
-        self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds", "Time between two tokens", LABELS,
-                                             buckets=ITL_BUCKETS, registry=registry)
-        self.time_per_output_token = Histogram(  # the same latencies, under the name vLLM gave them before 0.11
-            "vllm:time_per_output_token_seconds", "Time between two tokens", LABELS, buckets=ITL_BUCKETS,
-            registry=registry)
+        series = dict(zip(LABELS, self._labels, strict=True))
+        self.inter_token_latency = BinnedHistogram("vllm:inter_token_latency_seconds", "Time between two tokens",
+                                                   ITL_BUCKETS, registry, series)
+        self.time_per_output_token = BinnedHistogram(  # the same latencies, under the name vLLM gave them before 0.11
+            "vllm:time_per_output_token_seconds", "Time between two tokens", ITL_BUCKETS, registry, series)
         self.request_time_per_output_token = Histogram(
             "vllm:request_time_per_output_token_seconds", "A request's decode time over its tokens after the first",
             LABELS, buckets=ITL_BUCKETS, registry=registry)
@@ -141,8 +142,8 @@ class VllmRequestMetrics:
         self.params_max_tokens = Histogram("vllm:request_params_max_tokens", "The max_tokens request parameter",
                                            LABELS, buckets=TOKEN_BUCKETS, registry=registry)
         # every series at zero from the start, as vLLM's: a rate() or an autoscaler's query reads 0, not "no data"
-        for metric in (self.prompt_tokens, self.generation_tokens, self.time_to_first_token, self.inter_token_latency,
-                       self.time_per_output_token, self.request_time_per_output_token, self.e2e_latency,
+        for metric in (self.prompt_tokens, self.generation_tokens, self.time_to_first_token,
+                       self.request_time_per_output_token, self.e2e_latency,
                        *self.phases.values(), *self.token_counts.values(), self.params_n, self.params_max_tokens):
             metric.labels(*self._labels)
         for reason in FINISHED_REASONS:
@@ -160,18 +161,16 @@ class VllmRequestMetrics:
         self.prompt_tokens.labels(*self._labels).inc(prompt_tokens)
         self.generation_tokens.labels(*self._labels).inc(generation_tokens)
 
-    def observe(self, output: RequestOutput) -> None:
+    def observe(self, output: RequestOutput, inter_token: Observations) -> None:
+        """Record a finished request; ``inter_token`` holds its inter-token latencies, sorted."""
         metrics, labels = output.metrics, self._labels
         self.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
         self.generation_tokens.labels(*labels).inc(len(output.token_ids))
         self.request_success.labels(*labels, output.finish_reason or "abort").inc()
         if metrics.time_to_first_token is not None:
             self.time_to_first_token.labels(*labels).observe(metrics.time_to_first_token)
-        inter_token = self.inter_token_latency.labels(*labels)
-        per_output_token = self.time_per_output_token.labels(*labels)
-        for latency in metrics.inter_token_latencies:
-            inter_token.observe(latency)
-            per_output_token.observe(latency)
+        self.inter_token_latency.observe(inter_token)
+        self.time_per_output_token.observe(inter_token)
         after_first = len(output.token_ids) - 1  # vLLM observes 0 for a request of one token or none
         per_token = metrics.decode_time / after_first if metrics.decode_time and after_first > 0 else 0.0
         self.request_time_per_output_token.labels(*labels).observe(per_token)
