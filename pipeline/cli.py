@@ -29,10 +29,11 @@ class KilnGroup(TyperGroup):
 
     def make_context(self, info_name: str | None, args: list[str], parent: typer.Context | None = None,
                      **extra: Any) -> typer.Context:
+        json_out = "--json" in args  # looked for first: parsing consumes ``args``
         try:  # the options of ``kiln`` itself
             return super().make_context(info_name, args, parent, **extra)
         except typer.TyperException as exc:
-            _usage_error(exc, "--json" in args, info_name or "kiln")
+            _usage_error(exc, json_out, info_name or "kiln")
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         ctx.meta["json_out"] = "--json" in args
@@ -58,6 +59,8 @@ def _usage_error(exc: typer.TyperException, json_out: bool, command: str) -> NoR
         message = f"No such option: {option} (vLLM's; Kiln takes it as {kiln_name} in the build config)"
     elif option in REFUSED_VLLM_FLAGS:
         message = f"No such option: {option} ({REFUSED_VLLM_FLAGS[option]})"
+    elif option == "--json" and getattr(exc, "ctx", None) is not None and exc.ctx.parent is None:
+        message = "No such option: --json (commands take it after their name: kiln build CONFIG --json)"
     message += _one_value_hint(exc, message)
     if json_out:
         print_error_json(type(exc).__name__, message)

@@ -148,6 +148,19 @@ def test_a_usage_error_under_json_is_an_error_object_on_stdout():
     assert CliRunner().invoke(app, ["build"]).stdout == ""  # without --json, stdout stays empty
 
 
+def test_a_usage_error_before_the_command_under_json_is_an_error_object_on_stdout_too():
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    for args in (["--json", "nosuchcommand"], ["--json", "build"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2
+        assert json.loads(result.stdout) == {"error": {  # before: nothing on stdout
+            "type": "NoSuchOption",
+            "message": "No such option: --json (commands take it after their name: kiln build CONFIG --json)"}}
+
+
 def test_a_usage_error_is_one_line_on_stderr_naming_the_help_to_read():
     from typer.testing import CliRunner
 

@@ -113,6 +113,16 @@ def test_text_offsets_index_the_text_through_multi_byte_characters(client):
         assert text.startswith(token.rstrip("\ufffd"), offset) and (token.isascii() or not text[offset].isascii())
 
 
+def test_an_echoed_prompt_that_ends_inside_a_character_leaves_it_to_the_completion(client, llm):
+    ids = llm.tokenizer.encode("café €", add_special_tokens=False)  # byte-level: € is three tokens, a byte each
+    prompt, last = ids[:-1], ids[-1]
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logit_bias={str(last): 100})
+    assert llm.tokenizer.decode(prompt + [last]) == "café €"
+    assert client.completions.create(**kwargs).choices[0].text == "café €"  # before: "café \ufffd€"
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices) == \
+        "café €"
+
+
 def test_echoed_text_offsets_count_the_special_tokens_written_in_the_prompt(client):
     out = client.completions.create(model=MODEL, prompt="Question</s>Answer:", max_tokens=0, logprobs=0, echo=True)
     text, lp = out.choices[0].text, out.choices[0].logprobs

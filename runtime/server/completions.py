@@ -38,6 +38,7 @@ from kiln.runtime.server.responding import (
     stream_chunk,
     usage_of,
 )
+from kiln.runtime.tokenizer import IncrementalDetokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
@@ -48,12 +49,20 @@ def _as_prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _echo_text(model: ServedModel, given: str | list[int], token_ids: list[int]) -> str:
+def _echo_text(model: ServedModel, given: str | list[int], token_ids: list[int], generates: bool) -> str:
     """The prompt as ``echo`` returns it: the text as sent, or the token ids decoded with their special tokens (as
-    vLLM echoes them: a BOS the client sent is part of the prompt)."""
+    vLLM echoes them: a BOS the client sent is part of the prompt). Ids that end inside a character leave it to the
+    completion when one ``generates`` (its text starts with that character), so it is not written twice."""
     if isinstance(given, str):
         return given
-    return model.tokenizer.decode(token_ids, skip_special_tokens=False) if model.tokenizer is not None else ""
+    if model.tokenizer is None:
+        return ""
+    text = model.tokenizer.decode(token_ids, skip_special_tokens=False)
+    if not generates:
+        return text
+    # what a completion of no tokens reads: the text of the prompt's unfinished last character (U+FFFD), else ""
+    unfinished = IncrementalDetokenizer(model.tokenizer, token_ids, [], skip_special_tokens=False).take_delta(True)
+    return text.removesuffix(unfinished)
 
 
 def _echo_offsets(model: ServedModel, given: str | list[int], token_ids: list[int]) -> list[int]:
@@ -100,7 +109,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
     request_id, created = response_id("cmpl-", request, req.request_id), int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "text_completion", created, model.name)
     names = TokenText(model.tokenizer, req.return_tokens_as_token_ids)
-    echoes = [_echo_text(model, p, ids) if req.echo else "" for p, ids in zip(given, prompts, strict=True)]
+    echoes = [_echo_text(model, p, ids, not scoring) if req.echo else "" for p, ids in zip(given, prompts, strict=True)]
     offsets = [TextOffsets(model.tokenizer, prompts[i // req.n], start=len(echoes[i // req.n]),
                            skip_special_tokens=req.skip_special_tokens)
                for i in range(len(jobs) if req.logprobs is not None else 0)]  # where each choice's next token starts
