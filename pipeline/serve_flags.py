@@ -149,7 +149,7 @@ def check_tool_call_parser(parser: str | None, template: str | None, directory: 
                                   f"teaches); leave the flag out")
     if template is None and directory is None:
         return
-    from kiln.runtime.server.chat_template import ChatTemplate
+    from kiln.runtime.chat_template import ChatTemplate
     from kiln.runtime.server.tool_calls import tool_call_format
 
     source = template if template is not None else getattr(ChatTemplate.from_dir(directory), "source", None)
@@ -168,7 +168,7 @@ def read_chat_template(value: str) -> str:
     can be read and it reads as one ('{{' or '{%' in it); checked to parse as a Jinja template."""
     import jinja2
 
-    from kiln.runtime.server.chat_template import ChatTemplate
+    from kiln.runtime.chat_template import ChatTemplate
 
     try:
         source, named = Path(value).read_text(encoding="utf-8"), value

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
+from kiln.runtime.chat_template import ChatTemplate, ChatTemplateError
 
 ALTERNATING = ("{{ bos_token }}{% for m in messages %}"
                "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
@@ -132,7 +132,7 @@ def test_a_template_is_read_as_utf_8_whatever_the_locale(tmp_path):
 
     template = "{% for m in messages %}<｜{{ m.role }}｜>{{ m.content }}{% endfor %}"  # DeepSeek-R1's brackets
     (tmp_path / "chat_template.jinja").write_text(template, encoding="utf-8")
-    code = ("import sys; from kiln.runtime.server.chat_template import ChatTemplate; "
+    code = ("import sys; from kiln.runtime.chat_template import ChatTemplate; "
             "sys.stdout.buffer.write(ChatTemplate.from_dir(sys.argv[1]).render([{'role': 'user', 'content': 'hi'}], "
             "add_generation_prompt=False).encode('utf-8'))")
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, check=True,

@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
+from kiln.runtime.chat_template import ChatTemplate
 from kiln.runtime.errors import EngineClosedError
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
-from kiln.runtime.server.chat_template import ChatTemplate
 from tests.test_server_support import engine_idle, tiny_engine, wait_until
 
 MODEL = "tiny"

@@ -13,8 +13,8 @@ import pytest
 from starlette.responses import JSONResponse
 
 from kiln.runtime import SamplingParams
+from kiln.runtime.chat_template import ChatTemplate
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
-from kiln.runtime.server.chat_template import ChatTemplate
 from tests.test_server_support import tiny_engine
 
 MODEL = "tiny"

@@ -267,8 +267,8 @@ def test_chat_reasoning_effort_none_turns_thinking_off_as_the_responses_api_does
 def test_an_earlier_thought_reaches_the_template_by_both_names_and_the_responses_effort_as_chats():
     from types import SimpleNamespace
 
+    from kiln.runtime.chat_template import ChatTemplate
     from kiln.runtime.server.chat import render_chat
-    from kiln.runtime.server.chat_template import ChatTemplate
     from kiln.runtime.server.protocol import ChatMessage
     from kiln.runtime.server.responses import chat_request
     from kiln.runtime.server.responses_protocol import ResponsesRequest

@@ -16,8 +16,8 @@ import pydantic
 import pytest
 
 from kiln.runtime import LLM
+from kiln.runtime.chat_template import ChatTemplate
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
-from kiln.runtime.server.chat_template import ChatTemplate
 from kiln.runtime.server.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, tool_call_format
 from tests.test_server_support import tiny_engine
 

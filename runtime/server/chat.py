@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
 
+from kiln.runtime.chat_template import (
+    ChatTemplateError,
+    ReservedVariableError,
+    UncontinuableMessageError,
+    call_arguments,
+)
 from kiln.runtime.outputs import RequestOutput, StreamDelta
-from kiln.runtime.server.chat_template import ChatTemplateError, ReservedVariableError
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import Job, ServedModel
 from kiln.runtime.server.jobs import check_request, make_jobs, requested_format
@@ -47,7 +51,7 @@ def _template_message(message: ChatMessage) -> dict:
         result["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
         result["tool_calls"] = [{"id": call.id, "type": "function", "function": {
-            "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+            "name": call.function.name, "arguments": call_arguments(call.function.arguments)}}
             for call in message.tool_calls]
     if reasoning := message.reasoning_content or message.reasoning:  # by both names, as vLLM passes it
         result["reasoning"] = result["reasoning_content"] = reasoning
@@ -78,31 +82,13 @@ def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dic
                        f"--chat-template): use /v1/completions", param="messages")
     rendered = [_template_message(m) for m in messages]
     try:
-        text = model.chat_template.render(rendered, add_generation_prompt, tools, variables)
+        return model.chat_template.render(rendered, add_generation_prompt, tools, variables, continue_final_message)
     except ReservedVariableError as exc:
         raise APIError(400, str(exc), param="chat_template_kwargs") from None
+    except UncontinuableMessageError as exc:
+        raise APIError(400, str(exc), param="continue_final_message") from None
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
-    return _cut_after(text, rendered[-1]["content"]) if continue_final_message else text
-
-
-def _cut_after(text: str, content: str) -> str:
-    """``text`` up to the end of its last ``content``, as transformers' ``continue_final_message`` cuts it (of the
-    stripped content where the template stripped it)."""
-    for piece in (content, content.strip()):
-        if (at := text.rfind(piece)) >= 0:
-            return text[:at + len(piece)]
-    raise APIError(400, "the chat template does not render the final message verbatim, so it cannot be continued: "
-                        "send add_generation_prompt false without continue_final_message",
-                   param="continue_final_message")
-
-
-def _arguments(text: str) -> dict | str:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return text
-    return value if isinstance(value, dict) else text
 
 
 def require_tool_format(model: ServedModel) -> ToolCallFormat:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.runtime.chat_template import ChatTemplate, ChatTemplateError
 from kiln.runtime.errors import EngineClosedError, InvalidRequestError, KilnError
 from kiln.runtime.json_files import read_json_object
 from kiln.runtime.limits import RequestTooLongError
@@ -19,7 +20,6 @@ from kiln.runtime.llm import LLM
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.sampling_defaults import GenerationConfigMode, described, sampling_defaults
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.server.chat_template import ChatTemplate, ChatTemplateError
 from kiln.runtime.server.errors import OVERLOADED, APIError
 from kiln.runtime.server.protocol import ModelCard, ModelPermission, SamplingFields
 from kiln.runtime.server.request_id import REQUEST_ID

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import jinja2
 
+from kiln.runtime.chat_template import ChatTemplate
 from kiln.runtime.sampling_defaults import GENERATION_CONFIG_MODES, GenerationConfigMode
 from kiln.runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES
-from kiln.runtime.server.chat_template import ChatTemplate
 from kiln.runtime.server.cors import browser_origins
 from kiln.runtime.server.reasoning import REASONING_PARSERS
 from kiln.runtime.server_defaults import DEFAULT_MAX_QUEUE

@@ -1,4 +1,5 @@
-"""The checkpoint's own chat template, rendered the way Hugging Face tokenizers render it (sandboxed Jinja)."""
+"""The checkpoint's own chat template, rendered the way Hugging Face tokenizers render it (sandboxed Jinja): for
+`LLM.chat` and the server's chat endpoints."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ class ChatTemplateError(KilnError):
 
 class ReservedVariableError(ChatTemplateError):
     """A further template variable that would replace one the server sets (messages, tools, bos_token, ...)."""
+
+
+class UncontinuableMessageError(ChatTemplateError):
+    """``continue_final_message`` with a template that does not write the final message's content verbatim."""
 
 
 def _raise_exception(message: str) -> None:
@@ -138,12 +143,15 @@ class ChatTemplate:
             raise ChatTemplateError(f"{directory}: the chat template does not parse ({exc}): fix {origin}") from None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None, variables: dict[str, Any] | None = None) -> str:
+               tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
+               continue_final_message: bool = False) -> str:
         """The prompt text for `messages` ({"role", "content"} dicts, with "tool_calls" and "tool_call_id" where
         they have them; text content as a list of parts for a template that takes only parts) and `tools` (OpenAI
         tool objects, as transformers' ``apply_chat_template`` takes them), with the template's own further
         ``variables`` (``enable_thinking``, ``documents``, say); ChatTemplateError when the template refuses them,
-        ReservedVariableError when a variable would replace one of those it is given."""
+        ReservedVariableError when a variable would replace one of those it is given. With
+        ``continue_final_message`` the text ends right after the final message's content, which the completion
+        continues (UncontinuableMessageError when the template does not write it verbatim)."""
         if self.content_parts:
             messages = [_as_parts(message) for message in messages]
         given = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools,
@@ -151,8 +159,31 @@ class ChatTemplate:
         if taken := sorted(set(variables or {}) & set(given)):
             raise ReservedVariableError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them")
         try:
-            return self._template.render(**given, **{"documents": None, **(variables or {})})
+            text = self._template.render(**given, **{"documents": None, **(variables or {})})
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, LookupError) as exc:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from None
+        return _cut_after(text, messages[-1]["content"]) if continue_final_message else text
+
+
+def _cut_after(text: str, content: Any) -> str:
+    """``text`` up to the end of its last ``content``, as transformers' ``continue_final_message`` cuts it (of the
+    stripped content where the template stripped it)."""
+    if isinstance(content, list):  # a parts-only template's: the text of its parts
+        content = "".join(part.get("text", "") for part in content)
+    for piece in (content, content.strip()):
+        if (at := text.rfind(piece)) >= 0:
+            return text[:at + len(piece)]
+    raise UncontinuableMessageError("the chat template does not render the final message verbatim, so it cannot be "
+                                    "continued: send add_generation_prompt false without continue_final_message")
+
+
+def call_arguments(text: str) -> dict | str:
+    """A tool call's arguments as chat templates take them (transformers' convention): the JSON object the OpenAI
+    string holds, else the string as it is."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
