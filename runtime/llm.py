@@ -19,19 +19,25 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, wait
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln.runtime.cache_hold import EntryHold, hold_if_cached
 from kiln.runtime.closed_engine import ClosedEngine
+from kiln.runtime.conversations import as_conversations, load_template, render_prompts
 from kiln.runtime.delivery import ABORTING, Outbox, Sink, settle
 from kiln.runtime.engine import Engine, engine_loader
 from kiln.runtime.errors import EngineClosedError, EngineFormatError, InvalidRequestError, KilnError
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, RequestOutput, StreamDelta
+from kiln.runtime.progress import wait_showing_progress
 from kiln.runtime.sampling_defaults import described, sampling_defaults
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # jinja2 is imported only when a chat is rendered
+    from kiln.runtime.chat_template import ChatTemplate
 
 logger = logging.getLogger("kiln.runtime")
 
@@ -39,19 +45,21 @@ Prompt = str | list[int] | dict  # text, token ids, or vLLM's {"prompt": text} /
 
 
 class LLM:
-    """Load an engine and serve it: `generate`, `generate_async`, `stream`, `submit`/`result`, `abort`, `stats`;
+    """Load an engine and serve it: `generate`, `chat`, `generate_async`, `stream`, `submit`/`result`, `abort`, `stats`;
     `tokenizer`, `limits` and `check` describe what it accepts.
 
     All callers share one engine thread, so requests from many threads and event loops are batched together.
     """
 
     def __init__(self, engine: Engine, load_ms: float = 0.0, hold: EntryHold | None = None,
-                 default_params: SamplingParams | None = None) -> None:
+                 default_params: SamplingParams | None = None, engine_dir: Path | None = None) -> None:
         if isinstance(engine, str | os.PathLike):
             raise TypeError(f"LLM({str(engine)!r}): load an engine with LLM.load(engine_dir[, RuntimeOptions(...)])")
         self.engine: Engine | ClosedEngine = engine  # a ClosedEngine once closed
         self.load_ms = load_ms
         self.default_params = default_params or SamplingParams()  # what a request given no SamplingParams takes
+        self.engine_dir = engine_dir  # where the engine was loaded from (its chat template), if it was
+        self._chat_template: ChatTemplate | None = None  # the engine's, read at the first chat()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._results: dict[str, Future] = {}
@@ -95,7 +103,8 @@ class LLM:
             if hold is not None:
                 hold.release()
             raise
-        return cls(engine, load_ms=(time.perf_counter() - start) * 1000, hold=hold, default_params=default_params)
+        return cls(engine, load_ms=(time.perf_counter() - start) * 1000, hold=hold, default_params=default_params,
+                   engine_dir=engine_dir)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -125,21 +134,48 @@ class LLM:
         self.close()
 
     def generate(self, prompts: Prompt | abc.Sequence[Prompt],
-                 params: SamplingParams | abc.Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Complete each prompt (text or token ids); blocks until all are done. Outputs follow the prompts' order."""
+                 params: SamplingParams | abc.Sequence[SamplingParams] | None = None, *,
+                 sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Complete each prompt (text or token ids); blocks until all are done. Outputs follow the prompts' order.
+        ``sampling_params`` is vLLM's name for ``params``; ``use_tqdm`` draws a progress bar on stderr."""
         if not isinstance(prompts, str | list | tuple | dict):
             raise InvalidRequestError(f"prompts must be text, token ids, or a list of those; got "
                                       f"{type(prompts).__name__}")
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
-        seqs = self._make_requests(prompts, params)
+        seqs = self._make_requests(prompts, _one_of(params, sampling_params))
         try:
             futures = self._enqueue(seqs, [Sink() for _ in seqs])
+            if use_tqdm:
+                wait_showing_progress(futures)
             return [f.result() for f in futures]
         except BaseException:
             for seq in seqs:
                 self.abort(seq.request_id)
             raise
+
+    def chat(self, messages: abc.Sequence[dict] | abc.Sequence[abc.Sequence[dict]],
+             params: SamplingParams | abc.Sequence[SamplingParams] | None = None, *,
+             sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Complete one conversation (a list of ``{"role", "content"}`` messages, OpenAI's and vLLM's shape) or a
+        list of them, each rendered through the engine's chat template (``chat_template``: another template's
+        source in its place) with ``tools`` and the template's further variables ``chat_template_kwargs``, as
+        vLLM's ``LLM.chat``; one output per conversation. With ``continue_final_message`` (and
+        ``add_generation_prompt=False``) the completion continues the final message."""
+        template = self._chat_template if chat_template is None else None
+        if template is None:
+            template = load_template(self.engine_dir, chat_template)
+            if chat_template is None:
+                self._chat_template = template
+        prompts = render_prompts(as_conversations(messages), template, self.tokenizer,
+                                 add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message, tools=tools,
+                                 chat_template_kwargs=chat_template_kwargs)
+        return self.generate(prompts, _one_of(params, sampling_params), use_tqdm=use_tqdm)
 
     async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, *,
                              request_id: str | None = None) -> RequestOutput:
@@ -485,6 +521,15 @@ def _model_default_params(engine_dir: Path) -> SamplingParams:
         logger.info("requests given no SamplingParams take the sampling defaults of the model's "
                     "generation_config.json, as vLLM's LLM.generate does: %s", described(defaults))
     return SamplingParams(**defaults)
+
+
+def _one_of(params: SamplingParams | abc.Sequence[SamplingParams] | None,
+            sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None
+            ) -> SamplingParams | abc.Sequence[SamplingParams] | None:
+    """The SamplingParams given as ``params`` or by vLLM's name ``sampling_params`` (not both)."""
+    if params is not None and sampling_params is not None:
+        raise TypeError("pass SamplingParams once: as params or as sampling_params (vLLM's name), not both")
+    return params if sampling_params is None else sampling_params
 
 
 def _taken(params: SamplingParams | None, default: SamplingParams) -> SamplingParams:

@@ -1,0 +1,122 @@
+"""`LLM.chat`'s input: vLLM's chat messages (one conversation, or a list of them) rendered through the engine's chat
+template into prompt token ids, as vLLM's ``LLM.chat`` renders them."""
+
+from __future__ import annotations
+
+from collections import abc
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kiln.runtime.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # jinja2 is imported only when a chat is rendered
+    from kiln.runtime.chat_template import ChatTemplate
+    from kiln.runtime.tokenizer import Tokenizer
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+class ChatInputError(InvalidRequestError):
+    """Messages `LLM.chat` cannot render: a malformed message, no chat template, or one that refuses them."""
+
+
+def as_conversations(messages: abc.Sequence) -> list[list[dict]]:
+    """One conversation (a list of message dicts) or several (a list of such lists), as a list of conversations."""
+    if isinstance(messages, str | dict) or not isinstance(messages, abc.Sequence) or not messages:
+        raise ChatInputError("messages must be a non-empty list of message dicts ({'role': ..., 'content': ...}), or "
+                             f"a list of such lists (one per conversation); got {_kind(messages)}")
+    if all(isinstance(message, dict) for message in messages):
+        return [list(messages)]
+    for index, conversation in enumerate(messages):
+        if isinstance(conversation, str | dict) or not isinstance(conversation, abc.Sequence) or not conversation:
+            raise ChatInputError(f"messages[{index}]: each conversation is a non-empty list of message dicts; got "
+                                 f"{_kind(conversation)}")
+    return [list(conversation) for conversation in messages]
+
+
+def load_template(engine_dir: Path | None, source: str | None) -> ChatTemplate:
+    """The engine's chat template, or ``source`` in its place (with the engine's special tokens)."""
+    from kiln.runtime.chat_template import ChatTemplate, ChatTemplateError
+
+    if engine_dir is None:
+        if source is None:
+            raise ChatInputError("this LLM was not loaded from an engine directory, so it has no chat template: pass "
+                                 "chat_template=")
+        return ChatTemplate(source, {})
+    try:
+        template = ChatTemplate.from_dir(engine_dir, source)
+    except ChatTemplateError as exc:
+        raise ChatInputError(str(exc)) from None
+    if template is None:
+        raise ChatInputError(f"{engine_dir} has no chat template (neither chat_template.jinja nor "
+                             "tokenizer_config.json holds one): pass chat_template=, or render the prompt yourself "
+                             "and call generate")
+    return template
+
+
+def render_prompts(conversations: list[list[dict]], template: ChatTemplate, tokenizer: Tokenizer | None, *,
+                   add_generation_prompt: bool, continue_final_message: bool, tools: list[dict] | None,
+                   chat_template_kwargs: dict[str, Any] | None) -> list[list[int]]:
+    """Each conversation's prompt token ids: rendered by ``template`` (which writes BOS itself) and tokenized without
+    special tokens, as vLLM and transformers tokenize a rendered chat."""
+    from kiln.runtime.chat_template import ChatTemplateError
+
+    if tokenizer is None:
+        raise ChatInputError("this engine has no tokenizer.json, so it cannot tokenize a rendered chat: pass token ids "
+                             "to generate")
+    if add_generation_prompt and continue_final_message:
+        raise ChatInputError("continue_final_message needs add_generation_prompt=False: the completion continues the "
+                             "final message rather than starting a new one")
+    prompts = []
+    for index, conversation in enumerate(conversations):
+        where = f"messages[{index}]: " if len(conversations) > 1 else ""
+        try:
+            rendered = [_template_message(message, position) for position, message in enumerate(conversation)]
+            text = template.render(rendered, add_generation_prompt, tools, chat_template_kwargs,
+                                   continue_final_message)
+        except (ChatInputError, ChatTemplateError) as exc:
+            raise ChatInputError(f"{where}{exc}") from None
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return prompts
+
+
+def _template_message(message: dict, position: int) -> dict:
+    """A message as chat templates take it: text content (text parts joined, as vLLM's "string" content format
+    joins them), OpenAI's ``developer`` role as ``system``, a tool call's arguments as an object."""
+    role = message.get("role")
+    if role not in ROLES:
+        raise ChatInputError(f"message {position}: role must be one of {', '.join(ROLES)}; got {role!r}")
+    result = {**message, "role": "system" if role == "developer" else role,
+              "content": _text(message.get("content"), position)}
+    if calls := message.get("tool_calls"):
+        result["tool_calls"] = [_call(call, position) for call in calls]
+    return result
+
+
+def _text(content: object, position: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        kinds = {part.get("type") for part in content} - set(TEXT_PARTS)
+        if not kinds:
+            return "\n".join(part.get("text", "") for part in content)
+        raise ChatInputError(f"message {position}: content parts of type {', '.join(map(str, sorted(kinds, key=str)))}"
+                             f": this engine takes text only ({', '.join(TEXT_PARTS)} parts)")
+    raise ChatInputError(f"message {position}: content must be text or a list of text parts; got {_kind(content)}")
+
+
+def _call(call: object, position: int) -> dict:
+    from kiln.runtime.chat_template import call_arguments
+
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ChatInputError(f"message {position}: each tool call is {{'type': 'function', 'function': {{'name': ..., "
+                             f"'arguments': ...}}}}; got {call!r}")
+    arguments = function.get("arguments", {})
+    return {**call, "function": {**function,
+                                 "arguments": call_arguments(arguments) if isinstance(arguments, str) else arguments}}
+
+
+def _kind(value: object) -> str:
+    return "an empty list" if isinstance(value, list) and not value else type(value).__name__

@@ -1,0 +1,74 @@
+"""`LLM.chat`, vLLM's offline chat: conversations through the engine's chat template, with transformers'
+``apply_chat_template`` as the oracle; and vLLM's ``sampling_params`` and ``use_tqdm`` arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.runtime import SamplingParams
+from kiln.runtime.conversations import ChatInputError, load_template
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(llm):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(llm.engine_dir)
+
+
+def oracle_ids(hf_tokenizer, messages: list[dict], **kwargs) -> list[int]:
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    return hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_conversation_is_rendered_as_transformers_renders_it_and_completed(llm, hf_tokenizer):
+    [output] = llm.chat(CONVERSATION, GREEDY)
+    assert output.prompt_token_ids == oracle_ids(hf_tokenizer, CONVERSATION, add_generation_prompt=True)
+    assert output.token_ids == llm.generate(output.prompt_token_ids, GREEDY)[0].token_ids
+
+
+def test_several_conversations_get_one_output_each_in_order(llm, hf_tokenizer):
+    other = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    outputs = llm.chat([CONVERSATION, other], sampling_params=GREEDY)  # vLLM's keyword
+    assert [o.prompt_token_ids for o in outputs] == [
+        oracle_ids(hf_tokenizer, CONVERSATION, add_generation_prompt=True),
+        oracle_ids(hf_tokenizer, [{"role": "user", "content": "Hi\nthere"}], add_generation_prompt=True)]
+
+
+def test_continue_final_message_continues_the_assistants_text(llm, hf_tokenizer):
+    messages = [*CONVERSATION, {"role": "assistant", "content": "The colour is"}]
+    [output] = llm.chat(messages, GREEDY, add_generation_prompt=False, continue_final_message=True)
+    assert output.prompt_token_ids == oracle_ids(hf_tokenizer, messages, continue_final_message=True)
+    with pytest.raises(ChatInputError, match="continue_final_message needs add_generation_prompt=False"):
+        llm.chat(messages, GREEDY, continue_final_message=True)
+
+
+@pytest.mark.parametrize(("messages", "words"), [
+    ("hello", "messages must be a non-empty list of message dicts"),
+    ([{"role": "robot", "content": "x"}], "message 0: role must be one of"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "takes text only"),
+    ([CONVERSATION, []], r"messages\[1\]: each conversation is a non-empty list"),
+])
+def test_messages_it_cannot_render_are_refused_naming_the_problem(llm, messages, words):
+    with pytest.raises(ChatInputError, match=words):
+        llm.chat(messages, GREEDY)
+
+
+def test_params_are_given_once_and_a_chat_needs_a_template(llm):
+    with pytest.raises(TypeError, match="not both"):
+        llm.generate("hi", GREEDY, sampling_params=GREEDY)
+    with pytest.raises(ChatInputError, match="pass chat_template="):  # an LLM made without an engine directory
+        load_template(None, None)
+    [output] = llm.chat(CONVERSATION, GREEDY, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert output.prompt_token_ids == llm.tokenizer.encode("Be brief.Name a colour.", add_special_tokens=False)
+
+
+def test_use_tqdm_draws_progress_on_stderr_and_changes_no_output(llm, capsys):
+    plain = llm.generate(["a", "b"], GREEDY)
+    shown = llm.generate(["a", "b"], GREEDY, use_tqdm=True)
+    assert [o.token_ids for o in shown] == [o.token_ids for o in plain]
+    captured = capsys.readouterr()
+    assert "Processed prompts" in captured.err and "2/2" in captured.err and captured.out == ""
