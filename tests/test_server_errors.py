@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -17,7 +18,10 @@ import pytest
 from kiln.runtime import LLM, KilnError
 from kiln.runtime.server import ServerSettings, ServerStartError, ServerThread, create_app, run_server
 from kiln.runtime.server.errors import APIError
+from kiln.runtime.server.foreign_fields import FOREIGN_FIELDS, RESPONSES_FOREIGN_FIELDS
 from kiln.runtime.server.generation import Admission
+from kiln.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from kiln.runtime.server.responses_protocol import ResponsesRequest
 from tests.test_server_support import engine_idle, tiny_engine, wait_until
 
 MODEL = "tiny"
@@ -60,6 +64,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "stop": [str(i) for i in range(65)]}, "stop", ["at most 64"]),
     ({"prompt": "hi", "n": 0}, "n", ["greater than or equal to 1"]),
     ({"prompt": "hi", "tools": []}, "tools", ["Unrecognized request argument"]),
+    ({"prompt": "hi", "max_new_tokens": 4}, "max_new_tokens", ["Unrecognized request argument supplied: "
+                                                               "max_new_tokens; send max_tokens instead"]),
+    ({"prompt": "hi", "no_stop_trim": True}, "no_stop_trim", ["send include_stop_str_in_output: true"]),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ["-1", "at least 1"]),
     ({"prompt": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", ["greater than or equal to -1"]),
     ({"prompt": "hi", "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", ["more than the model's context"]),
@@ -110,6 +117,15 @@ def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, w
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", ["needs logprobs"]),
     ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}, "modalities", ["not supported"]),
     ({"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions", ["Unrecognized"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "regex": "a+"}, "regex",
+     ["Unrecognized request argument supplied: regex", 'structured_outputs: {"regex": ...}']),
+    ({"messages": [{"role": "user", "content": "hi"}], "lora_path": "x"}, "lora_path", ["LoRA adapters are not "
+                                                                                        "supported"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format.json_schema",
+     ['only read with type "json_schema", not "json_object"', 'send type "json_schema"']),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format.json_schema", ['not "text"']),
     ({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 2, "response_format": {"type": "json_object"}},
      "min_tokens", ["structured output"]),
     ({"messages": [{"role": "user", "content": "hi"}], "min_tokens": 5, "max_completion_tokens": 3}, "min_tokens",
@@ -129,6 +145,27 @@ def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, w
 ])
 def test_bad_chat_requests_get_a_400_naming_the_field(http, body, param, words):
     assert_error(http.post("/v1/chat/completions", json=body), 400, param, *words)
+
+
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("/v1/responses", {"input": "hi", "max_new_tokens": 4}, "send max_output_tokens instead"),
+    ("/v1/responses", {"input": "hi", "json_schema": "{}"}, 'send text: {"format": {"type": "json_schema"'),
+    ("/invocations", {"prompt": "hi", "sampling_seed": 1}, "send seed instead"),
+    ("/tokenize", {"prompt": "hi", "max_new_tokens": 4}, None),  # no generation route: no advice
+])
+def test_an_sglang_field_name_gets_a_400_saying_what_to_send_on_that_route(http, path, body, message):
+    field = next(name for name in body if name not in ("input", "prompt"))
+    error = assert_error(http.post(path, json=body), 400, field, f"Unrecognized request argument supplied: {field}")
+    assert (f"{field}; {message}" in error["message"]) if message else error["message"].endswith(field), error
+
+
+@pytest.mark.parametrize(("advice", "fields"), [
+    (FOREIGN_FIELDS, set(CompletionRequest.model_fields) & set(ChatCompletionRequest.model_fields)),
+    (RESPONSES_FOREIGN_FIELDS, set(ResponsesRequest.model_fields)),
+])
+def test_the_advice_for_foreign_field_names_sends_only_fields_the_route_takes(advice, fields):
+    sent = {name for text in advice.values() for name in re.findall(r"\bsend ([a-z_]+)", text)}
+    assert sent and sent <= fields, sent - fields
 
 
 @pytest.mark.parametrize(("path", "body"), [

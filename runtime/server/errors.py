@@ -10,6 +10,8 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from kiln.runtime.server.foreign_fields import foreign_field_advice
+
 logger = logging.getLogger("kiln.server")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -42,9 +44,10 @@ def error_response(error: APIError) -> JSONResponse:
                         status_code=error.status_code, headers=error.headers)
 
 
-def describe_validation_error(exc: RequestValidationError) -> APIError:
+def describe_validation_error(exc: RequestValidationError, route: str | None = None) -> APIError:
     """The first problem of a request body as a 400 that names the field (`messages[0].role`); where a field takes
-    a text or a list and got a list, the list's deepest problem, which names the item at fault (`input[1].name`)."""
+    a text or a list and got a list, the list's deepest problem, which names the item at fault (`input[1].name`).
+    An unknown field that another server (SGLang) takes gets what to send instead on ``route`` (the route's path)."""
     errors = exc.errors()
     error = errors[0]
     if error.get("type") == "string_type" and isinstance(error.get("input"), list):
@@ -64,7 +67,8 @@ def describe_validation_error(exc: RequestValidationError) -> APIError:
             return APIError(400, "request body must be JSON sent with 'Content-Type: application/json'")
         return APIError(400, f"request body must be a JSON object, not {type(body).__name__}")
     if kind == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+        message, advice = f"Unrecognized request argument supplied: {param}", foreign_field_advice(param, route)
+        return APIError(400, f"{message}; {advice}" if advice else message, param=param)
     if kind == "missing":
         return APIError(400, f"'{param}' is a required property", param=param)
     message = error.get("msg", "is invalid").removeprefix("Value error, ")
@@ -96,8 +100,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(describe_validation_error(exc))
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        route = getattr(request.scope.get("route"), "path", None)  # the matched route's, whatever the mount
+        return error_response(describe_validation_error(exc, route))
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:

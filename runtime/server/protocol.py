@@ -181,11 +181,20 @@ class JsonSchemaFormat(StrictModel):
     strict: bool | None = Field(None, description="Accepted: the schema is always enforced exactly.")
 
 
+def _schema_of_json_schema_type(value: JsonSchemaFormat | None, info: ValidationInfo) -> JsonSchemaFormat | None:
+    """A json_schema only with type json_schema: another type would drop it unread."""
+    kind = info.data.get("type")
+    if value is not None and kind in ("text", "json_object"):
+        raise ValueError(f'is only read with type "json_schema", not {json.dumps(kind)}: send type "json_schema" to '
+                         "hold the output to the schema, or drop json_schema")
+    return value
+
+
 class ResponseFormat(StrictModel):
     """OpenAI's response_format: text, any JSON object, or JSON that follows ``json_schema.schema``."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+    json_schema: Annotated[JsonSchemaFormat | None, AfterValidator(_schema_of_json_schema_type)] = None
 
 
 def _truncation(value: int) -> int:
