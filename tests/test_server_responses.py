@@ -196,6 +196,9 @@ def test_the_response_echoes_the_requests_settings_and_its_usage_validates_as_th
     with pytest.raises(openai.BadRequestError, match="json_schema format needs schema") as refused:
         client.responses.create(model=MODEL, input=QUESTION, text={"format": {"type": "json_schema", "name": "x"}})
     assert refused.value.param == "text.format"
+    with pytest.raises(openai.BadRequestError, match='only read with type "json_schema", not "json_object"'):
+        client.responses.create(model=MODEL, input=QUESTION, text={"format": {"type": "json_object",
+                                                                              "schema": {"type": "integer"}}})
 
 
 def test_every_sampling_extension_passes_to_the_chat_request_as_a_client_sent_it():

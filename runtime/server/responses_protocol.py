@@ -172,10 +172,14 @@ class TextFormat(StrictModel):
 
     @model_validator(mode="after")
     def _json_schema_named_and_given(self) -> TextFormat:
-        """OpenAI's rule: a json_schema format has its name and its schema."""
+        """OpenAI's rule: a json_schema format has its name and its schema; and a schema only there (another type
+        would drop it unread)."""
         missing = [name for name, value in (("name", self.name), ("schema", self.json_schema)) if value is None]
         if self.type == "json_schema" and missing:
             raise ValueError(f"a json_schema format needs {' and '.join(missing)}")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f'a schema is only read with type "json_schema", not "{self.type}": send type '
+                             '"json_schema" to hold the output to the schema, or drop the schema')
         return self
 
 
