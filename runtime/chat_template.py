@@ -10,6 +10,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -114,6 +115,7 @@ class ChatTemplate:
         ast = environment.parse(source)
         self._template = environment.from_string(ast)
         self.content_parts = _takes_content_parts(ast)  # message content as [{"type": "text", "text": ...}]
+        self.reads = frozenset(jinja2.meta.find_undeclared_variables(ast))  # the variables it may read
         self.source = source
         self.special_tokens = special_tokens
 

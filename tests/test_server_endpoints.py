@@ -218,6 +218,10 @@ def test_ignored_fields_are_named_in_a_header_streamed_or_not(server):
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, store=True, user="u")
         assert raw.headers["kiln-ignored-fields"] == "store, user"
+        unread = client.chat.completions.with_raw_response.create(  # the tiny model's template reads neither
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, reasoning_effort="low",
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert unread.headers["kiln-ignored-fields"] == "chat_template_kwargs.enable_thinking, reasoning_effort"
         with client.completions.with_streaming_response.create(model=MODEL, prompt="a", max_tokens=2, stream=True,
                                                                extra_body={"metadata": {"a": "b"}}) as stream:
             assert stream.headers["kiln-ignored-fields"] == "metadata"

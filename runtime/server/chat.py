@@ -69,6 +69,17 @@ def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
     return {**variables, **(req.chat_template_kwargs or {})}
 
 
+def unread_template_fields(model: ServedModel, req: ChatCompletionRequest) -> list[str]:
+    """The request's template variables that the chat template never reads, by the names the request gives them: a
+    ``chat_template_kwargs`` key, ``documents``, ``reasoning_effort`` (read as itself or as ``enable_thinking``)."""
+    given = {f"chat_template_kwargs.{name}": {name} for name in req.chat_template_kwargs or {}}
+    if req.documents is not None:
+        given["documents"] = {"documents"}
+    if req.reasoning_effort is not None:
+        given["reasoning_effort"] = {"reasoning_effort", "enable_thinking"}
+    return [name for name, variables in given.items() if not variables & model.chat_template.reads]
+
+
 def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dict] | None,
                 add_generation_prompt: bool = True, variables: dict[str, Any] | None = None,
                 continue_final_message: bool = False) -> str:
@@ -180,7 +191,9 @@ class ChatPlan:
     jobs: list[Job]
     names: TokenText
     thinking: bool | None = None
-    overridden: list[str] = field(default_factory=list)  # the request's fields a forced tool call set aside
+    # the request's fields its answer does not use: an output format a forced tool call set aside, and template
+    # variables the chat template never reads (named in the Kiln-Ignored-Fields header)
+    unused: list[str] = field(default_factory=list)
 
     def splitter(self) -> ReasoningSplitter | None:
         """A fresh reader of one choice's thinking and answer (None without a reasoning parser)."""
@@ -226,7 +239,7 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
         thinking = (forced or requested) is None and thinking_at_start(generation_prompt(model, req, tools, text),
                                                                        model.reasoning_parser)
     return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer, req.return_tokens_as_token_ids), thinking,
-                    overridden)
+                    [*overridden, *unread_template_fields(model, req)])
 
 
 def generation_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ChatTools, prompt_text: str) -> str:
@@ -328,5 +341,5 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                                           TokenText(model.tokenizer), prompt_entries))
 
     return await respond(model, req, jobs, [plan.prompt], metrics, request, build=build,
-                         ignored=[*req.ignored_fields(), *plan.overridden],
+                         ignored=[*req.ignored_fields(), *plan.unused],
                          stream=StreamEvents(render, lambda usage: chunk([], usage), opening=opening))

@@ -355,11 +355,12 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
     events = StreamEvents(stream.render, stream.final, stream.prelude(), with_usage=True, error=stream.error,
                           done="")  # the last event carries the usage; no [DONE], as OpenAI's streams end
     return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, stream=events,
-                         ignored=[*_ignored_fields(req), *(_CHAT_NAMES.get(n, n) for n in plan.overridden)])
+                         ignored=[*_ignored_fields(req), *(_CHAT_NAMES.get(n, n) for n in plan.unused)])
 
 
 # the chat request's fields that answer the Responses request's, as its errors name them
-_CHAT_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+_CHAT_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
+               "reasoning_effort": "reasoning.effort"}
 
 
 def _in_responses_terms(error: APIError) -> APIError:
