@@ -27,6 +27,7 @@ from kiln.runtime.server.completions import create_completion
 from kiln.runtime.server.errors import APIError, error_response, install_error_handlers
 from kiln.runtime.server.generation import RETRY_AFTER_S, ServedModel
 from kiln.runtime.server.jobs import check_model
+from kiln.runtime.server.json_body import JSONBodyRoute
 from kiln.runtime.server.metrics import RequestCountMiddleware, ServerMetrics
 from kiln.runtime.server.protocol import (
     ChatCompletionRequest,
@@ -134,6 +135,7 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
     metrics = ServerMetrics(state.engine_stats, lambda: settings.engine_cache,
                             lambda: state.model.llm.engine_pid if state.model else None, settings.model_name)
     install_error_handlers(app)
+    app.router.route_class = JSONBodyRoute  # bodies parsed within bounds on their shape, large ones off the loop
     _add_middleware(app, settings, metrics)
     _add_routes(app, state, settings, metrics)
     return app

@@ -5,14 +5,19 @@ neither one huge header nor many connections that trickle theirs (slowloris) hol
 A request's body must not pause for more than BODY_TIMEOUT_S between two chunks (else 408, and the connection
 closes), so that a body that never ends does not hold its connection (and a shutdown) either. uvicorn buffers headers
 without limit and times out only idle keep-alive connections; nginx answers the same way
-(``large_client_header_buffers``, ``client_header_timeout``, ``client_body_timeout``).
+(``large_client_header_buffers``, ``client_header_timeout``, ``client_body_timeout``). When the server shuts down, a
+request whose body is still arriving is answered 503 and its connection closed at once: it could only be refused
+(the server drains first), and uvicorn would otherwise wait for the body, then cancel its handler with a traceback.
 
 Without httptools (uvicorn's fast parser, in the serve extra) h11 runs, bounded in size only."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
+
+logger = logging.getLogger("kiln.server")
 
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
@@ -28,6 +33,8 @@ def _plain_response(status: bytes, text: str) -> bytes:
 
 _TOO_LARGE = _plain_response(b"431 Request Header Fields Too Large",
                              f"the request line and headers take more than {MAX_HEAD_BYTES // 1024} KiB")
+_SHUTTING_DOWN = _plain_response(b"503 Service Unavailable",
+                                 "the server is shutting down: retry against another replica")
 
 
 def http_protocol_options(head_timeout_s: float = HEAD_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S) -> dict:
@@ -122,6 +129,16 @@ def _bounded(base: type, head_timeout_s: float, body_timeout_s: float) -> type:
         def on_message_complete(self) -> None:
             self._body.stop()
             super().on_message_complete()
+
+        def shutdown(self) -> None:
+            cycle = self.cycle
+            if cycle is None or not cycle.more_body or cycle.response_started or self.transport.is_closing():
+                super().shutdown()
+                return
+            logger.info("shutting down: a request whose body was still arriving got 503 (%s %s)", cycle.scope["method"],
+                        cycle.scope["path"])
+            self.transport.write(_SHUTTING_DOWN)
+            self.transport.close()  # the handler reads a disconnect and ends: nothing is left to cancel
 
         def on_response_complete(self) -> None:
             # answered before its body was all read (413, 401, 404, an Expect: 100-continue refused): the rest of

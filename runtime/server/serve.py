@@ -150,9 +150,10 @@ class ServerThread:
         self._close()
 
     def _close(self) -> None:
-        """Close the port. Connections whose response is not complete (a stream its client stopped reading, a body
-        still arriving) get what is left of the shutdown timeout, at least CLOSE_FLUSH_S, then uvicorn cancels them:
-        its grace period does not start the timeout over."""
+        """Close the port. A request whose body is still arriving is answered 503 at once (``http_protocol``);
+        connections whose response is not complete (a stream its client stopped reading) get what is left of the
+        shutdown timeout, at least CLOSE_FLUSH_S, then uvicorn cancels them: its grace period does not start the
+        timeout over."""
         self.server.config.timeout_graceful_shutdown = max(CLOSE_FLUSH_S, self._deadline - time.monotonic())
         self.server.should_exit = True
 
