@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,8 +15,9 @@ from typer.testing import CliRunner
 from kiln.engines.cache import EngineCache
 from kiln.engines.cache.inspect import ls_entries
 from kiln.pipeline.bench.command import bench
-from kiln.pipeline.bench.floor import decode_step_bytes, nominal_gbs, tensor_bytes
+from kiln.pipeline.bench.floor import decode_step_bytes, known_bandwidth, tensor_bytes
 from kiln.pipeline.config import load_config
+from kiln.pipeline.targets import Target
 from kiln.runtime import LLM, SamplingParams
 
 FIGURES = ("output_tokens_per_s", "decode_tokens_per_s_batch1", "ttft_ms", "load_ms")
@@ -207,9 +210,13 @@ def test_8b_architecture_is_refused_on_a_cpu_only_machine(monkeypatch, kiln_cach
     assert "llama3-8b" not in {row["model"] for row in ls_entries(EngineCache.open_configured(kiln_cache))}
 
 
-def test_nominal_bandwidth_of_known_gpus():
-    assert nominal_gbs("NVIDIA H200") == 4300 and nominal_gbs("NVIDIA H100 80GB HBM3") == 3350
-    assert nominal_gbs("NVIDIA A10G") is None
+def test_known_bandwidth_is_each_form_factors_own_and_says_whether_it_was_measured():
+    gbs = {name: known_bandwidth(name) for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+                                                    "NVIDIA H100 NVL", "NVIDIA H200 NVL")}
+    assert [b.gbs for b in gbs.values()] == [4300, 3350, 2000, 3900, 4800]
+    assert gbs["NVIDIA H200"].source.startswith("measured device-to-device copy rate of an H200")
+    assert all(b.source.startswith("datasheet peak") for name, b in gbs.items() if name != "NVIDIA H200")
+    assert known_bandwidth("NVIDIA GH200 480GB") is None and known_bandwidth("NVIDIA A10G") is None  # measured
 
 
 def test_fp8_kv_cache_without_fp8_weights_is_a_usage_error():
@@ -282,6 +289,75 @@ def test_a_gpu_suite_runs_only_on_its_gpu_model_and_names_the_suite_for_this_one
         check_gpu(SUITES["trtllm-h200"], "NVIDIA H100 80GB HBM3")
     with pytest.raises(BenchTargetError, match="--prompts"):  # a GH200 is neither
         check_gpu(SUITES["trtllm-h200"], "NVIDIA GH200 480GB")
+    for suite, gpu in (("trtllm-h100", "NVIDIA H100 PCIe"), ("trtllm-h100", "NVIDIA H100 NVL"),
+                       ("trtllm-h200", "NVIDIA H200 NVL")):
+        with pytest.raises(BenchTargetError, match=f"figures are from the H[12]00 SXM card and this GPU is {gpu}"):
+            check_gpu(SUITES[suite], gpu)
+
+
+def suite_target(path: str) -> Target:
+    from kiln.pipeline.config import find_config
+
+    found = find_config(path)
+    return Target("config" if found.suffix == ".yaml" else "architecture", found)
+
+
+def test_a_trtllm_suite_builds_with_the_fp8_weights_and_kv_cache_of_its_figures_where_the_user_set_none():
+    from kiln.pipeline.bench.suite import SUITES, suite_quantization
+
+    llama = suite_target("llama3-8b")
+    for suite in SUITES.values():
+        for fmt, kv in ((None, None), ("fp8", None), (None, "fp8"), ("fp8", "fp8")):
+            assert suite_quantization(suite, llama, fmt, kv) == ("fp8", "fp8")
+
+
+def test_a_trtllm_suite_refuses_other_quantization_naming_what_its_figures_were_measured_with():
+    from kiln.pipeline.bench.suite import SUITES, suite_quantization
+    from kiln.pipeline.bench.target import BenchTargetError
+
+    suite, llama = SUITES["trtllm-h200"], suite_target("llama3-8b")
+    measured = "measured with --format fp8 --kv-cache-dtype fp8 on the shape of configs/models/llama3-8b.json"
+    for fmt, kv, named in (("none", None, "--format none"), ("int4_awq", "fp8", "--format int4_awq"),
+                           (None, "auto", "--kv-cache-dtype auto")):
+        with pytest.raises(BenchTargetError, match=f"llama3-8b.json runs {named}, and its figures were {measured}"):
+            suite_quantization(suite, llama, fmt, kv)
+    with pytest.raises(BenchTargetError, match="runs quantize.kv_cache_dtype auto, and its figures were measured"):
+        suite_quantization(suite, suite_target("tiny-llama-fp8.yaml"), None, None)  # fp8 weights, bf16 KV
+
+
+def test_a_trtllm_suite_refuses_a_model_of_another_shape():
+    from kiln.pipeline.bench.suite import SUITES, check_model, target_model
+    from kiln.pipeline.bench.target import BenchTargetError
+
+    suite = SUITES["trtllm-h100"]
+    check_model(suite, target_model(suite_target("llama3-8b")), "llama3-8b")
+    with pytest.raises(BenchTargetError, match=r"qwen3-8b has model_type qwen3 \(not llama\).*num_hidden_layers 36 "
+                                               r"\(not 32\).*measured with --format fp8"):
+        check_model(suite, target_model(suite_target("qwen3-8b")), "qwen3-8b")
+    with pytest.raises(BenchTargetError, match=r"hidden_size 256 \(not 4096\)"):  # the bundled tiny Llama's
+        check_model(suite, target_model(suite_target("tiny-llama-bf16.yaml")), "tiny")
+
+
+def test_a_trtllm_suite_run_gives_the_rows_its_quantization_and_refuses_another_model(monkeypatch):
+    from kiln.pipeline.bench import suite
+
+    builds = []
+
+    def build_and_measure(resolved, plan, **kwargs):
+        builds.append(kwargs)
+        return SimpleNamespace(kiln=defaultdict(lambda: None, output_tokens_per_s=1.0, kv_pool={"max_batch_size": 1}))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # an H200, as far as the suite can tell
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(suite, "build_and_measure", build_and_measure)
+    bench_json("llama3-8b", "--suite", "trtllm-h200", "--rows", "128/128", "--random-quantized")
+    assert [(b["fmt"], b["kv_cache_dtype"], b["random_quantized"]) for b in builds] == [("fp8", "fp8", True)]
+    code, _, err = run_bench("qwen3-8b", "--suite", "trtllm-h200", "--format", "fp8")
+    assert code == 2 and "model_type qwen3 (not llama)" in " ".join(err.replace("│", " ").split())
+    assert bench_json("llama3-8b", "--suite", "trtllm-h200", "--rows", "128/128")["rows"]  # bf16 before the fix
+    assert builds[-1]["fmt"] == "fp8" and builds[-1]["kv_cache_dtype"] == "fp8"
+    code, _, err = run_bench("llama3-8b", "--suite", "trtllm-h200", "--format", "none")
+    assert code == 2 and "runs --format none" in err and len(builds) == 2
 
 
 def test_max_batch_size_sets_a_generated_plan_and_is_refused_for_a_config(tmp_path):
@@ -344,3 +420,16 @@ def test_the_warm_up_runs_the_offline_runs_first_two_steps_a_prefill_and_a_mixed
     before = llm.stats()["steps_by_kind"]["mixed"]["steps"]
     llm.generate(workload.warmup, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False))
     assert len(workload.warmup) == count and llm.stats()["steps_by_kind"]["mixed"]["steps"] > before
+
+
+def test_last_steps_figures_use_the_whole_step_ring_of_a_run_longer_than_it():
+    from kiln.pipeline.bench.measure import offline_engine_stats
+
+    kinds = {kind: {"steps": 0, "duration_s": 0.0, "execute_s": 0.0} for kind in ("prefill", "mixed", "decode")}
+    ring = [{"num_seqs": 8, "duration_s": 0.0123456, "execute_s": 0.01}] * 200 + [
+        {"num_seqs": 2, "duration_s": 0.002, "execute_s": 0.001}] * 56  # 256 steps held of the run's 300
+    counters = {"num_steps_queued_ahead": 0, "num_preemptions": 0, "steps_by_kind": kinds}
+    stats = offline_engine_stats({**counters, "num_steps": 10},
+                                 {**counters, "num_steps": 310, "recent_steps": {"steps": ring}})
+    assert stats["last_steps_batch_size_p50"] == 8  # the last 44 alone would say 2
+    assert stats["last_steps_ms_p50"] == 12.346 and stats["last_steps_execute_ms_p50"] == 10.0

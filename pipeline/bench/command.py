@@ -42,14 +42,15 @@ def bench(
         help="The peer's attention (default sdpa).")] = None,
     fmt: Annotated[Format | None, typer.Option("--format", help="For an architecture file (a config's "
                                                                 "quantize.format decides otherwise).")] = None,
-    kv_cache_dtype: Annotated[Literal["auto", "fp8"], typer.Option(
+    kv_cache_dtype: Annotated[Literal["auto", "fp8"] | None, typer.Option(
         "--kv-cache-dtype", help="fp8: with a quantized --format, also calibrate an FP8 KV cache (halves the KV "
-                                 "bytes).")] = "auto",
+                                 "bytes; default auto, a --suite's own).")] = None,
     tp_size: Annotated[int | None, typer.Option("--tp-size", min=1, help="Split an architecture file's engine over "
                                                 "this many GPUs (tensor parallelism; a config's build.tp_size "
                                                 "decides otherwise).")] = None,
     bandwidth_gbs: Annotated[float | None, typer.Option("--bandwidth-gbs", min=0.001, help="Memory bandwidth for "
-                             "the floor, GB/s (default: 4300 on an H200, 3350 on an H100, else measured).")] = None,
+                             "the floor, GB/s (default: 4300 on an H200, an H100's datasheet peak, else "
+                             "measured).")] = None,
     allow_large: Annotated[bool, typer.Option("--allow-large", help="Benchmark a large architecture on a CPU-only "
                                                                      "machine anyway.")] = False,
     suite: Annotated[str | None, typer.Option(help="Run a table of rows instead: trtllm-h200 or trtllm-h100 "
@@ -74,7 +75,7 @@ def bench(
     """Measure Kiln (and a peer) on one model: throughput, batch-1 decode, TTFT, load time, and the floor."""
     if peer_attn is not None and peer is None:
         raise typer.BadParameter("--peer-attn sets the peer's attention: it needs --peer")
-    if kv_cache_dtype == "fp8" and fmt not in ("fp8", "int4_awq"):
+    if kv_cache_dtype == "fp8" and fmt not in ("fp8", "int4_awq") and suite is None:  # a suite's --format fills in
         raise typer.BadParameter("--kv-cache-dtype fp8 needs --format fp8 or int4_awq (an FP8 KV cache is calibrated "
                                  "with the quantized weights), and like them applies to architecture files: a "
                                  "config's quantize.kv_cache_dtype sets its own, so leave the flag out")
@@ -96,7 +97,7 @@ def bench(
     plan = BenchPlan(prompts or DEFAULT_PROMPTS, input_len or DEFAULT_LENGTH, output_len or DEFAULT_LENGTH,
                      max_batch_size)
     report = run_bench(target, plan, batch_1_only=batch_1, peer=peer, peer_attn=peer_attn or "sdpa", fmt=fmt,
-                       kv_cache_dtype=kv_cache_dtype, tp_size=tp_size, bandwidth_gbs=bandwidth_gbs,
+                       kv_cache_dtype=kv_cache_dtype or "auto", tp_size=tp_size, bandwidth_gbs=bandwidth_gbs,
                        allow_large=allow_large, seed=seed, options=runtime_options(os.environ),
                        random_quantized=random_quantized, checkpoint_cache=checkpoint_cache)
     print_json(report) if json_out else print_report(report)
@@ -110,7 +111,7 @@ def _refuse_given(why: str, options: dict[str, object]) -> None:
         raise typer.BadParameter(f"{', '.join(given)}: {why}; leave {'it' if len(given) == 1 else 'them'} out")
 
 
-def _run_suite(target: str, name: str, rows: str | None, *, fmt: str | None, kv_cache_dtype: str,
+def _run_suite(target: str, name: str, rows: str | None, *, fmt: str | None, kv_cache_dtype: str | None,
                tp_size: int | None, random_quantized: bool, checkpoint_cache: Path | None,
                max_batch_size: int | None, allow_large: bool, seed: int, peer: str | None, json_out: bool) -> None:
     from kiln.pipeline.bench.report import print_suite

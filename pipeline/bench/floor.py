@@ -22,9 +22,14 @@ from kiln.runtime.native.kv_cache import kv_bytes_per_block
 from kiln.runtime.native.parallel.sharding import rank_config
 
 GB = 10**9
-# Device-to-device copy rates (bytes read + written per second) used when the GPU is recognised; anything else is
-# measured. 4.3 TB/s is what an H200 copies (DESIGN.md, "Performance method"); 3.35 TB/s is the H100 SXM figure.
-NOMINAL_COPY_GBS = {"H200": 4300.0, "H100": 3350.0}
+# The bandwidth of a recognised GPU (by ``gpu_variant``; anything else is measured), GB/s read + written: the
+# device-to-device copy rate where one was measured (an H200 SXM copies 4.3 TB/s: DESIGN.md, "Performance method"),
+# else the datasheet's peak, which a copy does not reach. Each form factor has its own memory: an H100 PCIe's HBM2e
+# reads 2.0 TB/s, an H100 NVL's 3.9 against the SXM card's 3.35; a GH200 (HBM3 or HBM3e) is measured.
+NOMINAL_COPY_GBS = {"H200": 4300.0}
+DATASHEET_GBS = {"H200 NVL": 4800.0, "H100": 3350.0, "H100 PCIe": 2000.0, "H100 NVL": 3900.0}
+HOPPER_MODELS = ("H100", "H200", "GH200")
+FORM_FACTORS = ("PCIe", "NVL")  # a card's name says these; the SXM card's says neither ("NVIDIA H100 80GB HBM3")
 EMBEDDING = "embed_tokens.weight"
 
 
@@ -86,9 +91,28 @@ def floor_tokens_per_s(bytes_per_step: int, bandwidth_gbs: float) -> float:
     return bandwidth_gbs * GB / bytes_per_step
 
 
-def nominal_gbs(gpu_name: str) -> float | None:
-    """The copy rate of a recognised GPU (H200, H100), else None."""
-    return next((gbs for key, gbs in NOMINAL_COPY_GBS.items() if key in gpu_name.upper()), None)
+def gpu_variant(gpu_name: str) -> str | None:
+    """A Hopper GPU's model and form factor from its device name: ``H100`` or ``H200`` for the SXM card
+    (``NVIDIA H100 80GB HBM3``), ``H100 PCIe``, ``H100 NVL``, ``H200 NVL``, ``GH200``; None for any other GPU."""
+    words = gpu_name.upper().split()
+    model = next((model for model in HOPPER_MODELS if model in words), None)
+    if model is None:
+        return None
+    form = next((form for form in FORM_FACTORS if form.upper() in words), None)
+    return f"{model} {form}" if form else model
+
+
+def known_bandwidth(gpu_name: str) -> Bandwidth | None:
+    """The bandwidth of a recognised GPU, its source saying whether it is a measured copy rate or the datasheet's
+    peak; None for a GPU to measure."""
+    variant = gpu_variant(gpu_name)
+    if variant in NOMINAL_COPY_GBS:
+        return Bandwidth(NOMINAL_COPY_GBS[variant], f"measured device-to-device copy rate of an {variant} "
+                                                    f"({gpu_name})")
+    if variant in DATASHEET_GBS:
+        return Bandwidth(DATASHEET_GBS[variant], f"datasheet peak of the {variant} ({gpu_name}; no measured copy "
+                                                 "rate, which would be lower)")
+    return None
 
 
 def resolve_bandwidth(device: str, given_gbs: float | None) -> Bandwidth:
@@ -97,9 +121,8 @@ def resolve_bandwidth(device: str, given_gbs: float | None) -> Bandwidth:
         return Bandwidth(given_gbs, "--bandwidth-gbs")
     if torch.device(device).type == "cuda":
         name = torch.cuda.get_device_name(torch.device(device))
-        nominal = nominal_gbs(name)
-        if nominal is not None:
-            return Bandwidth(nominal, f"nominal device-to-device copy rate of {name}")
+        if (known := known_bandwidth(name)) is not None:
+            return known
         return Bandwidth(measure_copy_gbs(device), f"measured device-to-device copy on {name}")
     return Bandwidth(measure_copy_gbs("cpu"), "measured memcpy on the CPU (torch copy_, 256 MB)")
 

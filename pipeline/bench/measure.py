@@ -148,7 +148,8 @@ def offline_engine_stats(before: dict, after: dict) -> dict:
     batch size, wall time and model time of its last steps (those of the recent-step ring the run took: the end
     of the run, where contexts are longest; none of the phases before it)."""
     steps = after["num_steps"] - before["num_steps"]
-    last = after["recent_steps"]["steps"][len(after["recent_steps"]["steps"]) - steps:] if steps else []  # this run's
+    ring = after["recent_steps"]["steps"]  # the engine's last steps, at most its history (256)
+    last = ring[len(ring) - min(steps, len(ring)):]  # this run's
     by_kind = {}
     for kind, totals in after["steps_by_kind"].items():
         earlier = before["steps_by_kind"][kind]
@@ -160,5 +161,11 @@ def offline_engine_stats(before: dict, after: dict) -> dict:
             "preemptions": after["num_preemptions"] - before["num_preemptions"],
             "by_kind": by_kind,
             "last_steps_batch_size_p50": summarize([step["num_seqs"] for step in last]).get("p50"),
-            "last_steps_ms_p50": summarize([step["duration_s"] for step in last], 1000).get("p50"),
-            "last_steps_execute_ms_p50": summarize([step["execute_s"] for step in last], 1000).get("p50")}
+            "last_steps_ms_p50": _p50_ms([step["duration_s"] for step in last]),
+            "last_steps_execute_ms_p50": _p50_ms([step["execute_s"] for step in last])}
+
+
+def _p50_ms(seconds: list[float]) -> float | None:
+    """The median of ``seconds`` in ms, to the microsecond (None when there are none)."""
+    p50 = summarize(seconds, 1000)["p50"]
+    return None if p50 is None else round(p50, 3)

@@ -1,20 +1,23 @@
 """``kiln bench TARGET --suite trtllm-h200`` (or ``trtllm-h100``): TensorRT-LLM's published H200 (H100) throughput
 table, row by row, in one command: each row builds its own engine (the random and quantized checkpoints are shared
 through the cache), runs the offline workload alone (all requests at once, no TTFT or batch-1 passes) and is printed
-against the published figure; a suite runs only on the GPU model its figures come from."""
+against the published figure; a suite runs only on the GPU model, and with the model shape and quantization, its
+figures come from."""
 
 from __future__ import annotations
 
-import re
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from kiln.pipeline.bench.floor import gpu_variant
 from kiln.pipeline.bench.run import build_and_measure, report_progress
-from kiln.pipeline.bench.target import BENCH_TAKES, BenchPlan, BenchTargetError
-from kiln.pipeline.config import cache_root
-from kiln.pipeline.targets import resolve_target
+from kiln.pipeline.bench.target import BENCH_TAKES, BenchPlan, BenchTargetError, read_architecture_file
+from kiln.pipeline.config import cache_root, find_config, load_config
+from kiln.pipeline.model_source import resolve_model
+from kiln.pipeline.targets import Target, resolve_target
 from kiln.runtime.options import RuntimeOptions
 
 
@@ -40,7 +43,10 @@ class Suite:
     """A named table of rows, where its figures come from, why each row sends the requests it does, and the
     runtime settings the published figures ran with (``runtime``: RuntimeOptions fields, applied where the user set
     none); ``device``: the kind of device its figures were measured on, which a run needs (None: any); ``gpu``: the
-    GPU model they were measured on, a word of the device's name (``H200``), which a run needs too."""
+    GPU they were measured on, as ``gpu_variant`` names it (``H200``: the SXM card), which a run needs too;
+    ``format`` and ``kv_cache_dtype``: the quantization they were measured with, which a run takes where the user
+    set none and needs (None: any); ``model``: an architecture file (a bundled name) with the shape of the model
+    they were measured on, which the target's needs to match (None: any)."""
 
     name: str
     source: str
@@ -49,6 +55,15 @@ class Suite:
     runtime: dict[str, object] = field(default_factory=dict)
     device: str | None = None
     gpu: str | None = None
+    format: str | None = None
+    kv_cache_dtype: str | None = None
+    model: str | None = None
+
+    @property
+    def measured_with(self) -> str:
+        """What its figures were measured with, for a message."""
+        quantization = f"--format {self.format or 'any'} --kv-cache-dtype {self.kv_cache_dtype or 'any'}"
+        return f"{quantization} on the shape of configs/models/{self.model}.json" if self.model else quantization
 
 
 # The counts: at least twice the row's batch cap, so the batch is full for most of the run and the ramp-up and the
@@ -78,6 +93,9 @@ TRTLLM_H200 = Suite(
     runtime={"scheduler_policy": "guaranteed_no_evict", "gpu_memory_utilization": 0.95},
     device="cuda",
     gpu="H200",
+    format="fp8",  # FP8 weights and an FP8 KV cache, Llama-3.1-8B (the shape of Llama-3-8B)
+    kv_cache_dtype="fp8",
+    model="llama3-8b",
 )
 # The same rows against the best published H100 SXM figure of each (TensorRT-LLM perf-overview v0.17-v1.0): the
 # same counts and caps; at 2048/2048 an H100's pool holds about 227 sequences of 4,096 tokens, so 1,000 requests
@@ -98,17 +116,81 @@ TRTLLM_H100 = replace(
     gpu="H100",
 )
 SUITES = {suite.name: suite for suite in (TRTLLM_H200, TRTLLM_H100)}
+# The fields of a config.json that give a model its shape, and so its speed
+MODEL_FIELDS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "intermediate_size",
+                "num_attention_heads", "num_key_value_heads", "vocab_size")
+MEASURE_INSTEAD = "measure with --prompts, --input-len and --output-len"
 
 
 def check_gpu(suite: Suite, gpu_name: str) -> None:
-    """Refuse a suite whose figures come from another GPU model than ``gpu_name`` (naming the suite for this one,
-    if there is one): its ratios would compare different hardware."""
-    if suite.gpu is None or re.search(rf"\b{suite.gpu}\b", gpu_name):
+    """Refuse a suite whose figures come from another GPU than ``gpu_name`` (naming the suite for this one, if there
+    is one), or from another form factor of it (a PCIe or NVL card: other memory and power): its ratios would
+    compare different hardware."""
+    variant = gpu_variant(gpu_name)
+    if suite.gpu is None or variant == suite.gpu:
         return
-    matching = [other.name for other in SUITES.values() if other.gpu and re.search(rf"\b{other.gpu}\b", gpu_name)]
-    hint = f"run --suite {matching[0]}" if matching else "measure with --prompts, --input-len and --output-len"
+    if variant is not None and variant.split()[0] == suite.gpu:
+        raise BenchTargetError(f"--suite {suite.name}: its figures are from the {suite.gpu} SXM card and this GPU is "
+                               f"{gpu_name}, an {variant} (other memory bandwidth and power limit), so its ratios "
+                               f"would compare different hardware: {MEASURE_INSTEAD}")
+    matching = [other.name for other in SUITES.values() if other.gpu is not None and other.gpu == variant]
+    hint = f"run --suite {matching[0]}" if matching else MEASURE_INSTEAD
     raise BenchTargetError(f"--suite {suite.name}: its figures were measured on an {suite.gpu} and this GPU is "
                            f"{gpu_name}, so its ratios would compare different hardware: {hint}")
+
+
+def model_shape(cfg: dict) -> dict[str, object]:
+    """The ``MODEL_FIELDS`` of a config.json (``num_key_value_heads`` left out is ``num_attention_heads``, as in
+    transformers)."""
+    shape = {name: cfg.get(name) for name in MODEL_FIELDS}
+    if shape["num_key_value_heads"] is None:
+        shape["num_key_value_heads"] = shape["num_attention_heads"]
+    return shape
+
+
+def check_model(suite: Suite, cfg: dict, what: str) -> None:
+    """Refuse a model (``cfg``, the config.json of ``what``) whose shape is not that of the suite's figures."""
+    if suite.model is None:
+        return
+    expected = model_shape(read_architecture_file(find_config(suite.model)))
+    differs = [f"{name} {value} (not {expected[name]})" for name, value in model_shape(cfg).items()
+               if value != expected[name]]
+    if differs:
+        raise BenchTargetError(f"--suite {suite.name}: {what} has {', '.join(differs)}, and its figures were measured "
+                               f"with {suite.measured_with}: benchmark that architecture, or {MEASURE_INSTEAD}")
+
+
+def suite_quantization(suite: Suite, target: Target, fmt: str | None, kv_cache_dtype: str | None
+                       ) -> tuple[str | None, str]:
+    """The ``--format`` and ``--kv-cache-dtype`` the rows build ``target`` with: the user's (None: not given),
+    else the suite's. One the suite's figures were not measured with is refused, as is a config whose quantize
+    section builds another (a config sets its own: given ones are refused, and it keeps ``fmt`` None)."""
+    if target.kind == "config":
+        if fmt is not None or kv_cache_dtype is not None:
+            raise BenchTargetError(f"--format and --kv-cache-dtype apply to architecture files; {target.path.name} "
+                                   "sets its own quantize.format and quantize.kv_cache_dtype, so leave them out")
+        quantize = load_config(target.path).config.quantize
+        given = {"quantize.format": quantize.format, "quantize.kv_cache_dtype": quantize.kv_cache_dtype}
+        fix = "use a config that builds those, or the model's architecture file"
+    else:
+        given = {"--format": fmt, "--kv-cache-dtype": kv_cache_dtype}
+        fix = "leave them out to run the suite's"
+    wanted = {"--format": suite.format, "--kv-cache-dtype": suite.kv_cache_dtype}
+    differs = [f"{name} {value}" for (name, value), measured in zip(given.items(), wanted.values(), strict=True)
+               if value is not None and measured is not None and value != measured]
+    if differs:
+        raise BenchTargetError(f"--suite {suite.name}: {target.path.name} runs {', '.join(differs)}, and its figures "
+                               f"were measured with {suite.measured_with}: {fix}")
+    if target.kind == "config":
+        return None, "auto"
+    return fmt or suite.format, kv_cache_dtype or suite.kv_cache_dtype or "auto"
+
+
+def target_model(target: Target) -> dict:
+    """The config.json of the model ``target`` builds: an architecture file's own, a config's checkpoint's."""
+    if target.kind == "architecture":
+        return read_architecture_file(target.path)
+    return json.loads((resolve_model(load_config(target.path).config.model) / "config.json").read_text())
 
 
 def select_rows(suite: Suite, names: list[str] | None) -> tuple[SuiteRow, ...]:
@@ -122,13 +204,14 @@ def select_rows(suite: Suite, names: list[str] | None) -> tuple[SuiteRow, ...]:
     return tuple(by_name[name] for name in names)
 
 
-def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str | None, kv_cache_dtype: str,
+def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str | None, kv_cache_dtype: str | None,
               tp_size: int | None, allow_large: bool, seed: int, options: RuntimeOptions,
               max_batch_size: int | None = None, random_quantized: bool = False,
               checkpoint_cache: Path | None = None) -> dict:
     """Each row's offline output tokens/s against its published figure, with what the engine did to get there
     (``max_batch_size`` overrides every row's own). The suite's runtime settings apply where ``options`` leave them
-    unset."""
+    unset, and its quantization where ``fmt`` and ``kv_cache_dtype`` are None; a target of another model, or
+    another quantization given, is refused before anything runs."""
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if suite.device is not None and not device.startswith(suite.device):
         raise BenchTargetError(f"--suite {suite.name}: its figures were measured on {suite.device} and its rows send "
@@ -137,6 +220,9 @@ def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str
     if device.startswith("cuda"):
         check_gpu(suite, torch.cuda.get_device_name(torch.device(device)))
     resolved = resolve_target(target, cache_root(), no_engines=BENCH_TAKES)
+    fmt, kv_cache_dtype = suite_quantization(suite, resolved, fmt, kv_cache_dtype)
+    if suite.model is not None:
+        check_model(suite, target_model(resolved), str(resolved.path))
     options = replace(options, **{name: value for name, value in suite.runtime.items()
                                   if getattr(options, name) is None})
     results = []
