@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
+import resource
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 import typer
@@ -14,8 +18,14 @@ from typer.testing import CliRunner
 
 from kiln.pipeline.bench.http_clients_process import run_http_apart
 from kiln.pipeline.bench.loadtest import loadtest
-from kiln.pipeline.bench.serving_clients import LoadTestError, RequestResult, run_http, summarize_results
-from kiln.pipeline.bench.serving_workload import ServingWorkload, WorkloadError, make_workload
+from kiln.pipeline.bench.serving_clients import LoadTestError, RequestResult, run_http, run_offline, summarize_results
+from kiln.pipeline.bench.serving_workload import (
+    ServingRequest,
+    ServingWorkload,
+    WorkloadError,
+    make_workload,
+    with_fresh_token_ids,
+)
 from kiln.pipeline.serve_command import serve
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from tests.subprocess_env import REPO, repo_env
@@ -119,16 +129,65 @@ def test_a_prompts_file_is_read_in_turn(tmp_path):
         workload(1, 1, prompts_file=records)
 
 
+def test_spread_varies_a_text_prompts_output_lengths():
+    lengths = {r.max_tokens for r in workload(40, 10, prompt="Hi", spread=0.5).requests}
+    assert lengths <= set(range(5, 16)) and len(lengths) > 5
+
+
+def test_a_fresh_draw_keeps_every_length_and_arrival_but_none_of_the_token_ids():
+    drawn = make_workload(requests=20, warmup=2, request_rate=50.0, seed=0, input_len=16, output_len=8, spread=0.5,
+                          vocab_size=1000, disconnect=0.5)
+    fresh = with_fresh_token_ids(drawn, 1000, seed=7)
+    assert fresh.arrivals_s == drawn.arrivals_s
+    for old, new in zip(drawn.warmup + drawn.requests, fresh.warmup + fresh.requests, strict=True):
+        assert (len(new.prompt), new.max_tokens, new.disconnect_after) == (len(old.prompt), old.max_tokens,
+                                                                           old.disconnect_after)
+        assert new.prompt != old.prompt and all(0 <= t < 1000 for t in new.prompt)
+
+
+def test_the_offline_baseline_refills_each_slot_as_soon_as_its_request_finishes():
+    finished, in_flight = [], [0, 0]  # now, most at once
+
+    class SleepingLLM:  # a request takes a hundredth of a second per token
+        async def generate_async(self, prompt, params):
+            in_flight[0] += 1
+            in_flight[1] = max(in_flight)
+            await asyncio.sleep(params.max_tokens / 100)
+            in_flight[0] -= 1
+            finished.append(params.max_tokens)
+            return SimpleNamespace(token_ids=[1] * params.max_tokens)
+
+    requests = ServingWorkload([ServingRequest("x", 30)] + [ServingRequest("x", 1)] * 8, [], [0.0] * 9)
+    report = asyncio.run(run_offline(SleepingLLM(), requests, concurrency=2))
+    # batches of two would hold the seven short requests after the first until the long one ends
+    assert finished[-1] == 30 and in_flight[1] == 2
+    assert report["requests"] == 9 and report["output_tokens"] == 38
+
+
+def test_a_client_process_counts_its_cpu_from_the_start_of_the_measurement(server, monkeypatch):
+    from kiln.pipeline.bench.http_clients_process import _run
+
+    job = {"url": server.url, "chat": False, "api_key": "k", "model": "tiny", "concurrency": 2,
+           "workload": workload(3, 2, prompt="Hi", warmup=1).to_json()}
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    before = usage.ru_utime + usage.ru_stime  # this process's imports and engine load: seconds
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{time.time()}\n"))  # the start signal
+    out = asyncio.run(_run(job))
+    assert len(out["results"]) == 3 and 0 <= out["cpu_s"] < before
+
+
 def test_loadtest_serves_an_engine_on_loopback_and_reports_its_efficiency_against_the_engine():
     # enough requests that each process's CPU time spans several of the kernel's 10 ms ticks, even on a busy machine
     result = CliRunner().invoke(cli(), ["loadtest", str(tiny_engine()), "--clients", "3", "--requests", "12",
-                                        "--input-len", "8", "--output-len", "8", "--in-process", "--json"])
+                                        "--input-len", "8", "--output-len", "8", "--spread", "0.5", "--in-process",
+                                        "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
-    assert report["succeeded"] == 12 and report["output_tokens"] == 96 and report["url"].startswith("http://127.0.0.1:")
-    assert report["workload"] == {"requests": 12, "warmup": 1, "request_rate": "inf", "input_tokens_mean": 8.0,
-                                  "output_tokens_mean": 8.0, "prompt": None}
-    assert report["offline"]["output_tokens"] == 96 and report["in_process"]["output_tokens"] == 96
+    served = report["output_tokens"]
+    assert report["succeeded"] == 12 and report["url"].startswith("http://127.0.0.1:")
+    assert report["workload"]["output_tokens_mean"] == round(served / 12, 1) and report["workload"]["prompt"] is None
+    # the engine's own runs take the served requests' lengths (the spread drawn once), with fresh token ids
+    assert report["offline"]["output_tokens"] == served and report["in_process"]["output_tokens"] == served
     cpu = report["server"]["cpu_us_per_token"]  # the engine runs in a process of its own, the clients in another
     assert set(cpu) == {"server", "engine_process", "clients"} and min(cpu.values()) > 0
     assert report["efficiency"] == pytest.approx(report["output_tokens_per_s"]
@@ -141,6 +200,7 @@ def test_loadtest_refuses_a_workload_the_engine_cannot_serve_before_loading_it(t
     monkeypatch.setattr(ServeTarget, "loader", lambda *a: pytest.fail("the engine was loaded"))
     for options, problem in ((["--input-len", "100000"], "max_input_len"), (["--max-tokens", "100000"], "max_seq_len"),
                              (["--prompts-file", str(tmp_path / "missing.txt")], "missing.txt"),
+                             (["--prompts-file", str(tmp_path / "p.txt"), "--spread", "0.5"], "leave out --spread"),
                              (["--request-rate", "0"], "above 0")):
         result = CliRunner().invoke(cli(), ["loadtest", str(tiny_engine()), *options])
         assert result.exit_code != 0 and problem in result.output, (options, result.output)

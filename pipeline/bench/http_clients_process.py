@@ -36,8 +36,8 @@ async def run_http_apart(url: str, workload: ServingWorkload, *, concurrency: in
                          api_key: str | None, model: str, processes: int,
                          warmed_up: Callable[[], Awaitable[None]] | None = None) -> dict:
     """``run_http``'s report for the workload, its clients spread over ``processes`` child processes; the report
-    adds their CPU seconds (``client_cpu_s``) and their number. ``warmed_up`` is awaited between the warm-up and the
-    measurement."""
+    adds their number and their CPU seconds over the measurement, warm-up left out (``client_cpu_s``).
+    ``warmed_up`` is awaited between the warm-up and the measurement."""
     shares = [{"url": url, "chat": chat, "api_key": api_key, "model": model,
                "concurrency": concurrency // processes + (i < concurrency % processes),
                "workload": ServingWorkload(workload.requests[i::processes], workload.warmup[i::processes],
@@ -84,18 +84,26 @@ async def _failure(child: asyncio.subprocess.Process) -> LoadTestError:
 
 
 async def _run(job: dict) -> dict:
+    """One client process's share of the run; ``cpu_s``: its CPU seconds from the start signal, after its imports
+    and warm-up (the window the server's CPU is measured over), to its last request's end."""
     loop = asyncio.get_running_loop()
+    cpu_at_start = []
 
     async def ready() -> float:
         print("ready", flush=True)
         start_at = float(await loop.run_in_executor(None, sys.stdin.readline))
+        cpu_at_start.append(_cpu_s())
         return time.monotonic() + (start_at - time.time())
 
     results, duration, _ = await http_results(job["url"], ServingWorkload.from_json(job["workload"]),
                                               concurrency=job["concurrency"], chat=job["chat"],
                                               api_key=job["api_key"], model=job["model"], ready=ready)
+    return {"results": [asdict(r) for r in results], "duration_s": duration, "cpu_s": _cpu_s() - cpu_at_start[0]}
+
+
+def _cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {"results": [asdict(r) for r in results], "duration_s": duration, "cpu_s": usage.ru_utime + usage.ru_stime}
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> int:

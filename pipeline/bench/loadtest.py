@@ -1,8 +1,8 @@
 """``kiln loadtest URL | CONFIG | ENGINE_DIR | KEY``: streaming clients against an OpenAI-compatible server, as
 serving benchmarks measure them (``serving_workload``): throughput, time to first token, inter-token and end-to-end
 latency. Given an engine rather than a URL, it serves that engine on a loopback port for the test and also runs the
-same workload through the engine offline (and with ``--in-process``, through ``LLM.stream`` without HTTP), so one
-command prints the server's efficiency: served tokens/s over the engine's own."""
+same workload through the engine offline at the same concurrency (and with ``--in-process``, through ``LLM.stream``
+without HTTP), so one command prints the server's efficiency: served tokens/s over the engine's own."""
 
 from __future__ import annotations
 
@@ -26,7 +26,13 @@ from kiln.pipeline.bench.serving_clients import (
     run_in_process,
     run_offline,
 )
-from kiln.pipeline.bench.serving_workload import ServingWorkload, card_limits, check_fits, make_workload
+from kiln.pipeline.bench.serving_workload import (
+    ServingWorkload,
+    card_limits,
+    check_fits,
+    make_workload,
+    with_fresh_token_ids,
+)
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.runtime.engine import plan_limits
@@ -137,7 +143,8 @@ async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *
     the server, its clients in processes of their own; with what the server's /metrics said of its processes
     around the run; then through the engine offline and in-process when this process holds it."""
     card = await fetch_model_card(url, api_key)
-    workload = make_workload(**workload_options, vocab_size=vocab_size or card.get("vocab_size"))
+    vocab_size = vocab_size or card.get("vocab_size")
+    workload = make_workload(**workload_options, vocab_size=vocab_size)
     if (limits := card_limits(card)) is not None:  # refused before any request, as for an engine served here
         check_fits(workload, limits)
     snapshots = {}
@@ -154,22 +161,24 @@ async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *
         report["server"] = server_usage(snapshots["after_warmup"], after, idle, report["output_tokens"], client_cpu_s)
     report["workload"] = _describe(workload, workload_options)
     if llm is not None and in_process:
-        report["in_process"] = await run_in_process(llm, _fresh(workload_options, vocab_size, card, 1),
+        report["in_process"] = await run_in_process(llm, _fresh(workload, workload_options, vocab_size, 1),
                                                     concurrency=concurrency)
     if llm is not None and offline:
-        report["offline"] = run_offline(llm, _fresh(workload_options, vocab_size, card, 2),
-                                        concurrency=concurrency)
+        report["offline"] = await run_offline(llm, _fresh(workload, workload_options, vocab_size, 2),
+                                              concurrency=concurrency)
         if math.isinf(workload_options["request_rate"]) and not workload_options["disconnect"]:
             # at a finite rate the arrivals set the served rate; clients that go away take fewer tokens
             report["efficiency"] = round(report["output_tokens_per_s"] / report["offline"]["output_tokens_per_s"], 4)
     return report
 
 
-def _fresh(options: dict, vocab_size: int | None, card: dict, phase: int) -> ServingWorkload:
-    """The same workload drawn again from another seed, so that no phase finds another's prompts in the prefix
-    cache (a shared text prompt stays shared, as in the served run)."""
-    return make_workload(**{**options, "seed": options["seed"] + phase}, vocab_size=vocab_size or
-                         card.get("vocab_size"))
+def _fresh(workload: ServingWorkload, options: dict, vocab_size: int | None, phase: int) -> ServingWorkload:
+    """The served workload again, its random token ids drawn anew from another seed so that no phase finds
+    another's prompts in the prefix cache, its lengths kept so that the phases compare (a shared text prompt stays
+    shared, as in the served run)."""
+    if options["input_len"] is None:
+        return workload
+    return with_fresh_token_ids(workload, vocab_size, options["seed"] + phase)
 
 
 def _describe(workload: ServingWorkload, options: dict) -> dict:
@@ -205,8 +214,8 @@ def loadtest(
                                                               "of --prompt.")] = None,
     output_len: Annotated[int | None, typer.Option(min=1, help="Tokens to generate per request (overrides "
                                                                "--max-tokens).")] = None,
-    spread: Annotated[float, typer.Option(min=0.0, max=1.0, help="Vary --input-len and --output-len uniformly by "
-                                                                  "this fraction.")] = 0.0,
+    spread: Annotated[float, typer.Option(min=0.0, max=1.0, help="Vary --input-len and --output-len (or "
+                                                                  "--max-tokens) uniformly by this fraction.")] = 0.0,
     prompts_file: Annotated[Path | None, typer.Option(help="Prompts to send in turn: a text file (one a line) or "
                                                            "JSONL with 'prompt' and optional 'max_tokens'.")] = None,
     warmup: Annotated[int, typer.Option(min=0, help="Requests sent first and not measured.")] = 1,

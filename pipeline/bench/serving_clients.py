@@ -1,7 +1,8 @@
 """The three ways ``kiln loadtest`` runs a workload, measured alike: streaming HTTP clients against a server,
 asyncio clients streaming from the embedded ``LLM`` in this process (no HTTP), and the engine offline (the requests
-through ``LLM.generate``, as many at once as the clients keep in flight). Comparing them says where serving loses
-time: HTTP and the server, or the stream path between the engine and its callers."""
+through ``LLM.generate_async``, as many in flight as the clients keep, each finished one replaced at once).
+Comparing them says where serving loses time: HTTP and the server, or the stream path between the engine and its
+callers."""
 
 from __future__ import annotations
 
@@ -213,13 +214,18 @@ async def run_in_process(llm, workload: ServingWorkload, *, concurrency: int) ->
     return summarize_results(results, duration, clients=concurrency)
 
 
-def run_offline(llm, workload: ServingWorkload, *, concurrency: int) -> dict:
-    """The measured requests through ``llm.generate``, ``concurrency`` at a time (the batch the clients keep in
-    flight): the engine's own throughput on the workload."""
-    start, outputs = time.perf_counter(), []
-    for first in range(0, len(workload.requests), concurrency):
-        batch = workload.requests[first:first + concurrency]
-        outputs += llm.generate([r.prompt for r in batch], [_params(r) for r in batch])
+async def run_offline(llm, workload: ServingWorkload, *, concurrency: int) -> dict:
+    """The measured requests through ``llm.generate_async`` in a closed loop of ``concurrency`` slots, each taking
+    the next request as soon as its last one finishes, as the clients refill theirs, but with no streaming and no
+    HTTP: the engine's own throughput on the workload at the clients' concurrency."""
+    pending, outputs = iter(workload.requests), []
+
+    async def slot() -> None:
+        for request in pending:  # shared by the slots: each takes the next request not yet taken
+            outputs.append(await llm.generate_async(request.prompt, _params(request)))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(slot() for _ in range(concurrency)))
     duration = time.perf_counter() - start
     tokens = sum(len(out.token_ids) for out in outputs)
     return {"requests": len(outputs), "output_tokens": tokens, "duration_s": round(duration, 3),

@@ -1,9 +1,10 @@
 """What ``kiln loadtest`` sends: the requests (a prompt and how many tokens to generate each) and when each arrives.
 
-Prompts are one text for every request (``--prompt``), seeded random token ids of ``--input-len`` tokens (with an
-optional ``--spread``, as serving benchmarks draw them), or the lines of a prompts file. Arrivals follow a Poisson
-process at ``--request-rate`` requests per second, or all come at once (``inf``); ``--concurrency`` caps how many are
-in flight either way. The first ``--warmup`` requests run before the measurement and are not counted.
+Prompts are one text for every request (``--prompt``), seeded random token ids of ``--input-len`` tokens, or the lines
+of a prompts file; ``--spread`` varies the input and output lengths drawn, as serving benchmarks draw them (a text
+prompt's output lengths only; a prompts file sets its own). Arrivals follow a Poisson process at ``--request-rate``
+requests per second, or all come at once (``inf``); ``--concurrency`` caps how many are in flight either way. The
+first ``--warmup`` requests run before the measurement and are not counted.
 """
 
 from __future__ import annotations
@@ -81,10 +82,14 @@ def make_workload(*, requests: int, warmup: int, request_rate: float, seed: int,
                   spread: float = 0.0, vocab_size: int | None = None, prompts_file: Path | None = None,
                   disconnect: float = 0.0) -> ServingWorkload:
     """The workload of the loadtest options: random token ids when ``input_len`` is given (``vocab_size`` bounds
-    them), else the prompts file's prompts in turn, else ``prompt`` for every request. A ``disconnect`` share of the
-    measured requests, drawn at random, goes away after a random part of its output."""
+    them), else the prompts file's prompts in turn, else ``prompt`` for every request; ``spread`` varies the lengths
+    drawn (a text prompt's ``max_tokens``). A ``disconnect`` share of the measured requests, drawn at random, goes
+    away after a random part of its output."""
     rng = random.Random(seed)
     count = requests + warmup
+    if spread and prompts_file is not None:
+        raise WorkloadError(f"--spread varies --input-len and --output-len, and --prompts-file {prompts_file} sets "
+                            f"the prompts and their max_tokens itself: leave out --spread")
     if input_len is not None:
         if vocab_size is None:
             raise WorkloadError("--input-len draws random token ids, which needs the engine's vocabulary size: pass "
@@ -95,13 +100,28 @@ def make_workload(*, requests: int, warmup: int, request_rate: float, seed: int,
     elif prompts_file is not None:
         drawn = _from_file(prompts_file, count, max_tokens or output_len or 128)
     else:
-        drawn = [ServingRequest(prompt or "Once upon a time", max_tokens or output_len or 128)] * count
+        drawn = [ServingRequest(prompt or "Once upon a time", out)
+                 for out in lengths(max_tokens or output_len or 128, spread, count, rng)]
     times = arrivals(requests, request_rate, rng)
     measured = drawn[warmup:]
     if disconnect:
         measured = [replace(r, disconnect_after=rng.randint(1, r.max_tokens - 1))
                     if rng.random() < disconnect and r.max_tokens > 1 else r for r in measured]
     return ServingWorkload(requests=measured, warmup=drawn[:warmup], arrivals_s=times)
+
+
+def with_fresh_token_ids(workload: ServingWorkload, vocab_size: int, seed: int) -> ServingWorkload:
+    """The same workload (lengths, max_tokens, arrivals, disconnects) with new seeded random token ids below
+    ``vocab_size`` in each token-id prompt, so that running it again finds none of the first run's prompts in the
+    prefix cache; text prompts stay as they are."""
+    rng = random.Random(seed)
+
+    def fresh(request: ServingRequest) -> ServingRequest:
+        if isinstance(request.prompt, str):
+            return request
+        return replace(request, prompt=[rng.randrange(vocab_size) for _ in request.prompt])
+
+    return replace(workload, requests=[fresh(r) for r in workload.requests], warmup=[fresh(r) for r in workload.warmup])
 
 
 def check_fits(workload: ServingWorkload, limits: EngineLimits) -> None:
