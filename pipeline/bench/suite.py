@@ -77,7 +77,8 @@ class Suite:
 # runs give the KV cache, 95 % of what the weights leave free (gpu_memory_utilization 0.95; Kiln's default of 0.9
 # holds about 445 sequences of 4,096 tokens at 2048/2048, 0.95 about 473). At 2048/2048 max_utilization admitted
 # 512, preempted 100 and ended at batch 8 (0.89x); guaranteed_no_evict stops at what the pool holds, as a cap of
-# 440 does (docs/performance.md). Only 2048/2048 needs the larger pool: the other rows' batches fit either.
+# 440 does (docs/performance.md). On an H200 only 2048/2048 gains from the larger pool (the other rows' batches
+# fit either way); on an H100, 128/2048 too.
 TRTLLM_H200 = Suite(
     name="trtllm-h200",
     source="TensorRT-LLM perf-overview, best published H200 figure per row (Llama-3.1-8B FP8, trtllm-bench)",
