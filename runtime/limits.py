@@ -71,7 +71,8 @@ class EngineLimits:
         if self.kv_pool_tokens is not None and total > self.kv_pool_tokens:
             raise RequestTooLongError(f"request of {total} tokens does not fit the KV pool of {self.kv_pool_tokens} "
                                       f"tokens: lower max_tokens or load with more num_kv_blocks")
-        named = [*params.stop_token_ids, *params.logit_bias, *(params.allowed_token_ids or [])]
-        if self.vocab_size is not None and (outside := sorted(t for t in named if t >= self.vocab_size)):
-            raise InvalidRequestError(f"token ids {outside[:8]} (in stop_token_ids, logit_bias or allowed_token_ids) "
-                                      f"are outside the vocabulary of {self.vocab_size} tokens")
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            named = getattr(params, name) or ()
+            if self.vocab_size is not None and (outside := sorted(t for t in named if t >= self.vocab_size)):
+                raise InvalidRequestError(f"token ids {outside[:8]} (in {name}) are outside the vocabulary of "
+                                          f"{self.vocab_size} tokens: send ids below {self.vocab_size}")

@@ -193,5 +193,5 @@ def test_controls_and_logprobs_cross_the_engine_process(built):
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(llm):
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match=r"\(in logit_bias\) are outside the vocabulary"):  # the field named
         llm.generate([PROMPTS[0]], SamplingParams(logit_bias={10**6: 1.0}))
