@@ -125,6 +125,7 @@ def test_architecture_file_is_benchmarked_with_random_weights_and_cached(tmp_pat
     assert Path(first["config"]).is_relative_to(kiln_cache / "bench")
     assert "random bf16 weights (seed 0)" in first["kiln"]["quantization"]
     assert first["kiln"]["output_tokens_per_s"] is None and first["peer"]["output_tokens_per_s"] is None
+    assert {first["kiln"][key] for key in ("output_tokens", "offline_s", "offline_engine")} == {None}  # kept, null
     assert first["speedup_basis"] == "decode_tokens_per_s_batch1"
     assert first["speedup_vs_peer"] == pytest.approx(
         first["kiln"]["decode_tokens_per_s_batch1"] / first["peer"]["decode_tokens_per_s_batch1"], rel=1e-3)

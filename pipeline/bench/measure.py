@@ -96,8 +96,11 @@ def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, 
             for prompt in workload.batch1:
                 metrics = llm.generate([prompt], params(workload.output_len))[0].metrics
                 decode.append(rate(metrics.num_generated_tokens - 1, metrics.finished_time - metrics.first_token_time))
-        result = {
+        result = {  # the offline run's keys are null when it does not run (--batch-1), so every report has them
             "output_tokens_per_s": None,
+            "output_tokens": None,
+            "offline_s": None,
+            "offline_engine": None,
             "decode_tokens_per_s_batch1": statistics.median(decode) if decode else None,
             "ttft_ms": round(1000 * statistics.median(ttft), 3) if ttft else None,
             "load_ms": round(llm.load_ms, 2),
