@@ -107,6 +107,12 @@ class SamplingParams:
                     raise ValueError(f"SamplingParams.{name} cannot be combined with a structured output format: the "
                                      f"completion ends as soon as the format is complete")
 
+    def __new__(cls, *args: object, **kwargs: object) -> SamplingParams:
+        """Refuse a setting SamplingParams lacks by name, saying what to give instead (another engine's name)."""
+        if unknown := [name for name in kwargs if name not in SETTINGS]:
+            raise TypeError(f"SamplingParams has no setting {unknown[0]!r}{_instead(unknown[0])}")
+        return super().__new__(cls)
+
     def __setattr__(self, name: str, value: object) -> None:
         """Set a setting; a name SamplingParams has no setting of is refused (it would be dropped unseen)."""
         if name not in SETTINGS:

@@ -86,6 +86,8 @@ def test_a_setting_samplingparams_lacks_is_refused_not_dropped(name, words):
     params = SamplingParams(temperature=0)
     with pytest.raises(AttributeError, match=words):
         setattr(params, name, 3)
+    with pytest.raises(TypeError, match=words):
+        SamplingParams(**{name: 3})
     params.max_tokens = 5  # its own settings are set as before
     assert params.max_tokens == 5
 
