@@ -18,6 +18,7 @@ from kiln.engines.cache.engine_cache import read_remote
 from kiln.engines.cache.remote.maintenance import PRUNE_GRACE_S
 from kiln.engines.cache.remote.spec import RemoteSpec
 from kiln.engines.cache.remote.tier import RemoteTier
+from kiln.engines.cache.results import LS_ROW_KEYS, VERIFY_ROW_KEYS, uniform_rows
 from kiln.engines.cache.units import (
     format_ago,
     format_bytes,
@@ -86,7 +87,7 @@ def ls(remote: RemoteOpt = False, cache_dir: CacheDirOpt = None, config: ConfigO
         cache_remote.ls(_remote_tier(cache_dir, config), json_out=json_out)
         return
     cache = _open(cache_dir, config)
-    rows = cache_inspect.ls_entries(cache)
+    rows = uniform_rows(cache_inspect.ls_entries(cache), LS_ROW_KEYS)
     if json_out:
         print_json(rows)
         return
@@ -208,6 +209,7 @@ def verify(
         cache = _open(cache_dir, config)
         results, where = cache_inspect.verify_entries(cache, key, all_entries=all_entries), str(cache.root)
         fix = "They are marked corrupt: the next build rebuilds them (or remove them with `kiln cache rm KEY`)"
+    results = uniform_rows(results, VERIFY_ROW_KEYS)
     if json_out:
         print_json(results)
     else:
@@ -216,18 +218,18 @@ def verify(
             table.add_column(column, no_wrap=column == "KEY")
         for r in results:
             status = (Text("CORRUPT", style="bold red") if not r["ok"] else Text("incompatible", style="yellow")
-                      if r.get("incompatible") else Text("ok", style="green"))
+                      if r["incompatible"] else Text("ok", style="green"))
             table.add_row(r["key"], STORE_LABEL.get(r["store"], r["store"]), str(r["files_checked"]), status)
         stdout.print(table, highlight=False)
     for r in results:
-        if r.get("incompatible"):
+        if r["incompatible"]:
             stderr.print(f"{r['key']}: {r['incompatible']}", highlight=False, soft_wrap=True)
     bad = [r for r in results if not r["ok"]]
     if bad:
         lines = [f"{r['key']}: {problem}" for r in bad for problem in r["problems"]]
         raise CacheCorruptError(f"{len(bad)} corrupt cache entr{'y' if len(bad) == 1 else 'ies'} in {where}: "
                                 + "; ".join(lines) + f". {fix}")
-    foreign = sum(1 for r in results if r.get("incompatible"))
+    foreign = sum(1 for r in results if r["incompatible"])
     checked = len(results) - foreign
     stderr.print(f"{checked} entr{'y' if checked == 1 else 'ies'} in {where} verified, all intact"
                  + (f"; {foreign} of another Kiln or store left unchecked" if foreign else ""), highlight=False)

@@ -10,6 +10,7 @@ from kiln.engines.cache.keys import check_key_prefix, match_prefix
 from kiln.engines.cache.remote.layout import REMOTE_STORES
 from kiln.engines.cache.remote.maintenance import RemoteEntry, prune_remote, remote_entries, verify_remote
 from kiln.engines.cache.remote.tier import RemoteTier
+from kiln.engines.cache.results import LS_ROW_KEYS, uniform_rows
 from kiln.engines.cache.units import format_bytes, format_seconds
 from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, entries_text, rate
 from kiln.pipeline.console import print_json, stderr, stdout, transfer_bars
@@ -105,8 +106,8 @@ def _complete_remote_key(tier: RemoteTier, prefix: str) -> RemoteEntry:
 
 
 def ls(tier: RemoteTier, *, json_out: bool) -> None:
-    """One row per remote entry, most recently used first."""
-    rows = [entry.row() for entry in remote_entries(tier)]
+    """One row per remote entry, most recently used first, with the keys of a local row."""
+    rows = uniform_rows([entry.row() for entry in remote_entries(tier)], LS_ROW_KEYS)
     if json_out:
         print_json(rows)
         return

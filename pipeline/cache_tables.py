@@ -16,14 +16,15 @@ def ago(iso: str | None) -> str:
 
 def entries_table(rows: list[dict]) -> Table:
     """One line per entry row (``kiln cache ls``, local or ``--remote``): key, kind, model, format, backend, GPU,
-    size (or "damaged" for a remote entry with a ``problem``), created, last used, and hits where rows count them."""
-    hits = bool(rows) and "hits" in rows[0]
+    size (or "damaged" for a remote entry with a ``problem``), created, last used, and hits where rows count them
+    (a remote's rows have ``hits`` None)."""
+    hits = any(row["hits"] is not None for row in rows)
     table = Table(box=None, header_style="bold", pad_edge=False)
     for column in ("KEY", "KIND", "MODEL", "FORMAT", "BACKEND", "GPU", "SIZE", "CREATED", "LAST USED",
                    *(("HITS",) if hits else ())):
         table.add_column(column, no_wrap=column == "KEY", justify="right" if column in ("SIZE", "HITS") else "left")
     for row in rows:
-        size = Text("damaged", style="red") if row.get("problem") else format_bytes(row["size_bytes"])
+        size = Text("damaged", style="red") if row["problem"] else format_bytes(row["size_bytes"])
         table.add_row(row["key"], STORE_LABEL.get(row["store"], row["store"]), row["model"] or "-",
                       row["format"] or "-", row["backend"] or "-", row["gpu"] or "-", size, ago(row["created"]),
                       ago(row["last_used"]), *((str(row["hits"]),) if hits else ()))

@@ -506,6 +506,25 @@ def test_cache_commands_push_ls_verify_and_pull_through_the_remote(tmp_path, rem
     assert kiln_cache("typo", "ls", "--remote")[0] == 0 and not (tmp_path / "typo").exists()  # the remote's alone
 
 
+def test_ls_and_verify_json_rows_have_the_same_keys_and_values_local_and_remote(tmp_path, monkeypatch):
+    (tmp_path / "shared").mkdir()
+    monkeypatch.setenv("KILN_CACHE_REMOTE", (tmp_path / "shared").as_uri())
+    key = engine_key(material("a"))
+    EngineCache.open(tmp_path / "cache").entries.get_or_build(key, material("a"), builder([]),
+                                                              describe={"model": "tiny", "format": "fp8"})
+
+    def rows(*args: str) -> list[dict]:
+        return json.loads(runner.invoke(cache_app, [*args, "--cache-dir", str(tmp_path / "cache"), "--json"]).stdout)
+
+    rows("push", "--all")
+    [local], [remote] = rows("ls"), rows("ls", "--remote")
+    assert list(local) == list(remote)
+    assert {**local, "hits": None, "last_used": None} == {**remote, "last_used": None}  # a remote counts no hits
+    assert local["hits"] == 0 and local["problem"] is None and remote["model"] == "tiny"
+    assert rows("verify", "--all") == rows("verify", "--all", "--remote") == [
+        {"key": key, "store": "entries", "ok": True, "files_checked": 2, "problems": [], "incompatible": None}]
+
+
 def test_remote_commands_without_a_remote_say_how_to_name_one_and_create_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("KILN_CACHE_REMOTE", raising=False)
     for command in (["ls", "--remote"], ["verify", "--all", "--remote"], ["prune", "--older-than", "1d", "--remote"],

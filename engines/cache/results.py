@@ -1,5 +1,5 @@
 """What a store's lookups and builds return: a ``LookupResult`` (hit, or why not) and a ``CacheResult`` (where the
-entry is, and how it got there)."""
+entry is, and how it got there); and the keys of the rows ``kiln cache ls`` and ``verify`` report, local or remote."""
 
 from __future__ import annotations
 
@@ -45,3 +45,16 @@ class CacheResult:
     replaced_in_use: bool = False  # a forced rebuild replaced an entry some process had loaded (it keeps the old)
     pulled: bool = False  # installed from the remote tier (``hit`` is then true: nothing was built)
     hold: EntryHold | None = field(default=None, compare=False, repr=False)  # ``pull(..., hold=True)``'s
+
+
+# One key set per command, local and remote alike (docs/cache.md describes each key); a key that does not apply to a
+# tier is None there: ``hits`` of a remote entry (a remote counts none), ``problem`` of a local entry (``kiln cache
+# verify`` judges those), ``incompatible`` of a remote result (a newer Kiln's remote entry is a ``problem``).
+LS_ROW_KEYS = ("key", "store", "model", "format", "backend", "gpu", "size_bytes", "created", "last_used", "hits",
+               "problem")
+VERIFY_ROW_KEYS = ("key", "store", "ok", "files_checked", "problems", "incompatible")
+
+
+def uniform_rows(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """``rows`` with every one of ``keys``, in that order (None where a row lacks one), before any key of their own."""
+    return [{**dict.fromkeys(keys), **row} for row in rows]
