@@ -12,11 +12,19 @@ kiln.runtime``, docs/architecture.md). The runtime's public names are re-exporte
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kiln import runtime
 from kiln.runtime import __all__  # the runtime's public names, reached from kiln itself (imported when first used)
 
+if TYPE_CHECKING:  # what type checkers see of them
+    from kiln.runtime import *  # noqa: F403
+else:  # a module __getattr__ that type checkers saw would let them take any name, a misspelt one too
 
-def __getattr__(name: str) -> object:
-    if name in __all__:
-        return getattr(runtime, name)
-    raise AttributeError(f"module 'kiln' has no attribute {name!r}")
+    def __getattr__(name: str) -> object:
+        if name in __all__:
+            return getattr(runtime, name)
+        raise AttributeError(f"module 'kiln' has no attribute {name!r}")
+
+    def __dir__() -> list[str]:  # tab completion and help() list the runtime's names too
+        return sorted({*globals(), *__all__})

@@ -15,11 +15,11 @@ import time
 import uuid
 import weakref
 from collections import abc
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from concurrent.futures import Future, wait
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kiln.runtime.cache_hold import EntryHold, hold_if_cached
 from kiln.runtime.closed_engine import ClosedEngine
@@ -41,7 +41,8 @@ if TYPE_CHECKING:  # jinja2 is imported only when a chat is rendered
 
 logger = logging.getLogger("kiln.runtime")
 
-Prompt = str | list[int] | dict  # text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+# text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+Prompt = str | list[int] | tuple[int, ...] | dict[str, Any]
 
 
 class LLM:
@@ -155,12 +156,12 @@ class LLM:
                 self.abort(seq.request_id)
             raise
 
-    def chat(self, messages: abc.Sequence[dict] | abc.Sequence[abc.Sequence[dict]],
+    def chat(self, messages: abc.Sequence[Mapping[str, Any]] | abc.Sequence[abc.Sequence[Mapping[str, Any]]],
              params: SamplingParams | abc.Sequence[SamplingParams] | None = None, *,
              sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: abc.Sequence[Mapping[str, Any]] | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """Complete one conversation (a list of ``{"role", "content"}`` messages, OpenAI's and vLLM's shape) or a
         list of them, each rendered through the engine's chat template (``chat_template``: another template's
         source in its place) with ``tools`` and the template's further variables ``chat_template_kwargs``, as
@@ -191,7 +192,7 @@ class LLM:
             self.abort(seq.request_id)
             raise
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncGenerator[StreamDelta, None]:
         """Yield what each step adds (text and token ids) until the request finishes; closing the generator
         early aborts the request."""
         async with contextlib.aclosing(self.stream_many([prompt], params)) as batches:
@@ -202,7 +203,7 @@ class LLM:
     async def stream_many(self, prompts: abc.Sequence[Prompt],
                           params: SamplingParams | abc.Sequence[SamplingParams] | None = None, *,
                           on_finished: Callable[[], None] | None = None, request_ids: abc.Sequence[str] | None = None,
-                          final_only: bool = False) -> AsyncIterator[list[tuple[int, StreamDelta]]]:
+                          final_only: bool = False) -> AsyncGenerator[list[tuple[int, StreamDelta]], None]:
         """Stream several prompts at once: each item is every ``(prompt index, delta)`` that arrived since the last
         one (at least one), so a consumer that falls behind catches up in one go. Ends when all have finished;
         closing the generator early aborts the requests still running. The engine takes the requests together, in

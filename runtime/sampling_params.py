@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import math
 import numbers
 import operator
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from kiln.runtime.structured_output import StructuredOutput
 
@@ -25,7 +27,10 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 # Settings of other engines (vLLM's, SGLang's, TensorRT-LLM's) and what to do instead, for the error they get.
 OTHER_NAMES = {"max_new_tokens": "set max_tokens", "min_new_tokens": "set min_tokens", "end_id": "set stop_token_ids",
                "stop_words": "set stop", "random_seed": "set seed", "sampling_seed": "set seed",
-               "return_log_probs": "set logprobs",
+               "return_log_probs": "set logprobs", "guided_decoding": "set structured_output",
+               "bad_words": "set logit_bias to -100 for each of their token ids",
+               "use_beam_search": "Kiln samples or decodes greedily, without beams",
+               "spaces_between_special_tokens": "Kiln decodes special tokens as the tokenizer does (vLLM's default)",
                "n": "a request makes one completion: pass the prompt n times, with seed + i for sample i (what kiln "
                     "serve does for n)"}
 NUMBER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "presence_penalty",
@@ -65,20 +70,20 @@ class SamplingParams:
     min_p: float = 0.0
     max_tokens: int | None = 16  # None: up to the context (what the engine's limits leave after the prompt)
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] | str | None = field(default_factory=list)  # one string is one stop string; None: none
+    stop_token_ids: list[int] | None = field(default_factory=list)
     ignore_eos: bool = False
     detokenize: bool = True
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: dict[int, float] | None = field(default_factory=dict)
     allowed_token_ids: list[int] | None = None
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    structured_output: StructuredOutput | None = None
+    structured_output: StructuredOutput | dict | None = None  # a dict of its fields too
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,17 +112,19 @@ class SamplingParams:
                     raise ValueError(f"SamplingParams.{name} cannot be combined with a structured output format: the "
                                      f"completion ends as soon as the format is complete")
 
-    def __new__(cls, *args: object, **kwargs: object) -> SamplingParams:
-        """Refuse a setting SamplingParams lacks by name, saying what to give instead (another engine's name)."""
-        if unknown := [name for name in kwargs if name not in SETTINGS]:
-            raise TypeError(f"SamplingParams has no setting {unknown[0]!r}{_instead(unknown[0])}")
-        return super().__new__(cls)
+    if not TYPE_CHECKING:  # type checkers keep the dataclass's own signature and catch a misspelt attribute
 
-    def __setattr__(self, name: str, value: object) -> None:
-        """Set a setting; a name SamplingParams has no setting of is refused (it would be dropped unseen)."""
-        if name not in SETTINGS:
-            raise AttributeError(f"SamplingParams has no setting {name!r}{_instead(name)}")
-        object.__setattr__(self, name, value)
+        def __new__(cls, *args: object, **kwargs: object) -> SamplingParams:
+            """Refuse a setting the class lacks by name, saying what to give instead (another engine's name)."""
+            if unknown := [name for name in kwargs if name not in _settings(cls)]:
+                raise TypeError(f"{cls.__name__} has no setting {unknown[0]!r}{_instead(unknown[0], cls)}")
+            return super().__new__(cls)
+
+        def __setattr__(self, name: str, value: object) -> None:
+            """Set a setting; a name the class has no setting of is refused (it would be dropped unseen)."""
+            if name not in _settings(type(self)):
+                raise AttributeError(f"{type(self).__name__} has no setting {name!r}{_instead(name, type(self))}")
+            object.__setattr__(self, name, value)
 
     def _validate(self) -> None:
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
@@ -194,15 +201,19 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
-SETTINGS = frozenset(setting.name for setting in fields(SamplingParams))
+@functools.cache
+def _settings(cls: type[SamplingParams]) -> frozenset[str]:
+    """The setting names of ``cls`` (a subclass's own fields included)."""
+    return frozenset(setting.name for setting in fields(cls))
 
 
-def _instead(name: str) -> str:
+def _instead(name: str, cls: type[SamplingParams]) -> str:
     """What to set instead of ``name``: the setting another engine's name stands for, or the closest spelling."""
     if name in OTHER_NAMES:
         return f": {OTHER_NAMES[name]}"
-    close = difflib.get_close_matches(name, SETTINGS, n=1)
-    return f": did you mean {close[0]}?" if close else f"; its settings are {', '.join(sorted(SETTINGS))}"
+    settings = _settings(cls)
+    close = difflib.get_close_matches(name, settings, n=1)
+    return f": did you mean {close[0]}?" if close else f"; its settings are {', '.join(sorted(settings))}"
 
 
 def plain_number(value: object) -> object:

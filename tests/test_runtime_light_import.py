@@ -32,3 +32,16 @@ def test_import_kiln_runtime_loads_neither_torch_nor_heavy_packages():
 def test_public_api_imports_without_torch_transformers_modelopt_or_the_server():
     loaded = modules_after("from kiln.runtime import *\nfrom kiln import LLM as Same, RuntimeOptions, SamplingError")
     assert loads_any(loaded, ["torch", *HEAVY]) == []  # torch loads with the first engine (each name resolves)
+
+
+def test_the_names_loaded_on_first_use_are_seen_by_type_checkers_and_tab_completion():
+    import ast
+
+    import kiln
+    import kiln.runtime
+
+    tree = ast.parse((REPO / "runtime" / "__init__.py").read_text())
+    checked = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    typed = {alias.name for node in checked.body for alias in node.names}  # what `if TYPE_CHECKING:` imports
+    assert typed == set(kiln.runtime._LAZY)  # every lazy name, so `from kiln import LLM` is LLM, not object
+    assert set(kiln.runtime.__all__) <= set(dir(kiln.runtime)) and set(kiln.runtime.__all__) <= set(dir(kiln))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -90,6 +91,16 @@ def test_a_setting_samplingparams_lacks_is_refused_not_dropped(name, words):
         SamplingParams(**{name: 3})
     params.max_tokens = 5  # its own settings are set as before
     assert params.max_tokens == 5
+
+
+def test_a_subclass_of_samplingparams_takes_its_own_fields():
+    @dataclasses.dataclass
+    class Tagged(SamplingParams):
+        tag: str = ""
+
+    tagged = Tagged(tag="a", temperature=0)
+    tagged.tag = "b"
+    assert (tagged.tag, tagged.temperature) == ("b", 0)
 
 
 def test_none_for_a_collection_is_the_empty_one():
