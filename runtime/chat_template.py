@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ class ChatTemplate:
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
         jinja_path = directory / "chat_template.jinja"
         if source is not None:
-            origin = "the chat template given to the server"
+            origin = "the chat template given in place of the model's"
         else:
             origin = jinja_path.name if jinja_path.is_file() else "chat_template in tokenizer_config.json"
             source = jinja_path.read_text(encoding="utf-8") if jinja_path.is_file() else config.get("chat_template")
@@ -159,7 +160,8 @@ class ChatTemplate:
         given = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools,
                  **self.special_tokens}
         if taken := sorted(set(variables or {}) & set(given)):
-            raise ReservedVariableError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them")
+            raise ReservedVariableError(f"chat_template_kwargs may not set {', '.join(taken)}: they come from the "
+                                        f"request's own fields")
         try:
             text = self._template.render(**given, **{"documents": None, **(variables or {})})
         except ChatTemplateError:
@@ -179,6 +181,53 @@ def _cut_after(text: str, content: Any) -> str:
             return text[:at + len(piece)]
     raise UncontinuableMessageError("the chat template does not render the final message verbatim, so it cannot be "
                                     "continued: send add_generation_prompt false without continue_final_message")
+
+
+# content part types read as text (the Responses API's input_text and output_text too, as vLLM reads them), each
+# to the key that holds its text
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def message_text(content: Any) -> str:
+    """A message's content as text: a string, or a list of text parts (an assistant's refusal parts taken as its
+    text) joined by newlines, as vLLM joins them; ValueError for anything else (images and audio included)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+            if key is None or not isinstance(part.get(key), str):
+                raise ValueError("parts must be {'type': 'text', 'text': str} ('input_text' or 'output_text' too, or "
+                                 "an assistant's {'type': 'refusal', 'refusal': str}): only text content is supported")
+            texts.append(part[key])
+        return "\n".join(texts)
+    raise ValueError("must be a string or a list of text parts")
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """An OpenAI chat message as chat templates take it (transformers' convention): text content (an assistant's
+    refusal as what it said), OpenAI's ``developer`` role as ``system``, which templates know, a tool call's
+    arguments as an object, and earlier reasoning by both its names, as vLLM passes it. Its ``role`` and
+    ``tool_calls`` are taken as checked."""
+    role = message["role"]
+    result = {"role": "system" if role == "developer" else role,
+              "content": message_text(message.get("content")) or message.get("refusal") or ""}
+    for key in ("name", "tool_call_id"):
+        if message.get(key):
+            result[key] = message[key]
+    if calls := message.get("tool_calls"):
+        result["tool_calls"] = [{"id": call.get("id"), "type": "function", "function": {
+            "name": call["function"]["name"], "arguments": _arguments(call["function"].get("arguments", {}))}}
+            for call in calls]
+    if reasoning := message.get("reasoning_content") or message.get("reasoning"):
+        result["reasoning"] = result["reasoning_content"] = reasoning
+    return result
+
+
+def _arguments(arguments: Any) -> Any:
+    return call_arguments(arguments) if isinstance(arguments, str) else arguments
 
 
 def call_arguments(text: str) -> dict | str:

@@ -4,6 +4,7 @@ template into prompt token ids, as vLLM's ``LLM.chat`` renders them."""
 from __future__ import annotations
 
 from collections import abc
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,31 +15,41 @@ if TYPE_CHECKING:  # jinja2 is imported only when a chat is rendered
     from kiln.runtime.tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
-TEXT_PARTS = ("text", "input_text", "output_text")
 
 
 class ChatInputError(InvalidRequestError):
     """Messages `LLM.chat` cannot render: a malformed message, no chat template, or one that refuses them."""
 
 
-def as_conversations(messages: abc.Sequence) -> list[list[dict]]:
+def as_conversations(messages: abc.Sequence) -> list[list[Mapping[str, Any]]]:
     """One conversation (a list of message dicts) or several (a list of such lists), as a list of conversations."""
-    if isinstance(messages, str | dict) or not isinstance(messages, abc.Sequence) or not messages:
+    if isinstance(messages, str | Mapping) or not isinstance(messages, abc.Sequence) or not messages:
         raise ChatInputError("messages must be a non-empty list of message dicts ({'role': ..., 'content': ...}), or "
                              f"a list of such lists (one per conversation); got {_kind(messages)}")
-    if all(isinstance(message, dict) for message in messages):
+    if isinstance(messages[0], Mapping):
+        _check_messages(messages, "")
         return [list(messages)]
     for index, conversation in enumerate(messages):
-        if isinstance(conversation, str | dict) or not isinstance(conversation, abc.Sequence) or not conversation:
+        if isinstance(conversation, str | Mapping) or not isinstance(conversation, abc.Sequence) or not conversation:
             raise ChatInputError(f"messages[{index}]: each conversation is a non-empty list of message dicts; got "
                                  f"{_kind(conversation)}")
+        _check_messages(conversation, f"messages[{index}]: ")
     return [list(conversation) for conversation in messages]
+
+
+def _check_messages(conversation: abc.Sequence, where: str) -> None:
+    for position, message in enumerate(conversation):
+        if not isinstance(message, Mapping):
+            raise ChatInputError(f"{where}message {position} is a {_kind(message)}, not a message dict "
+                                 "({'role': ..., 'content': ...})")
 
 
 def load_template(engine_dir: Path | None, source: str | None) -> ChatTemplate:
     """The engine's chat template, or ``source`` in its place (with the engine's special tokens)."""
     from kiln.runtime.chat_template import ChatTemplate, ChatTemplateError
 
+    if source is not None and not source.strip():
+        raise ChatInputError("chat_template is empty: pass a template's source, or leave it out for the engine's own")
     if engine_dir is None:
         if source is None:
             raise ChatInputError("this LLM was not loaded from an engine directory, so it has no chat template: pass "
@@ -55,9 +66,10 @@ def load_template(engine_dir: Path | None, source: str | None) -> ChatTemplate:
     return template
 
 
-def render_prompts(conversations: list[list[dict]], template: ChatTemplate, tokenizer: Tokenizer | None, *,
-                   add_generation_prompt: bool, continue_final_message: bool, tools: list[dict] | None,
-                   chat_template_kwargs: dict[str, Any] | None) -> list[list[int]]:
+def render_prompts(conversations: list[list[Mapping[str, Any]]], template: ChatTemplate, tokenizer: Tokenizer | None,
+                   *, add_generation_prompt: bool, continue_final_message: bool,
+                   tools: abc.Sequence[Mapping[str, Any]] | None,
+                   chat_template_kwargs: Mapping[str, Any] | None) -> list[list[int]]:
     """Each conversation's prompt token ids: rendered by ``template`` (which writes BOS itself) and tokenized without
     special tokens, as vLLM and transformers tokenize a rendered chat."""
     from kiln.runtime.chat_template import ChatTemplateError
@@ -73,49 +85,30 @@ def render_prompts(conversations: list[list[dict]], template: ChatTemplate, toke
         where = f"messages[{index}]: " if len(conversations) > 1 else ""
         try:
             rendered = [_template_message(message, position) for position, message in enumerate(conversation)]
-            text = template.render(rendered, add_generation_prompt, tools, chat_template_kwargs,
-                                   continue_final_message)
+            text = template.render(rendered, add_generation_prompt, None if tools is None else list(tools),
+                                   dict(chat_template_kwargs or {}), continue_final_message)
         except (ChatInputError, ChatTemplateError) as exc:
             raise ChatInputError(f"{where}{exc}") from None
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
     return prompts
 
 
-def _template_message(message: dict, position: int) -> dict:
-    """A message as chat templates take it: text content (text parts joined, as vLLM's "string" content format
-    joins them), OpenAI's ``developer`` role as ``system``, a tool call's arguments as an object."""
+def _template_message(message: Mapping[str, Any], position: int) -> dict:
+    """A message as chat templates take it (``chat_template.template_message``), its role and content checked."""
+    from kiln.runtime.chat_template import template_message
+
     role = message.get("role")
     if role not in ROLES:
         raise ChatInputError(f"message {position}: role must be one of {', '.join(ROLES)}; got {role!r}")
-    result = {**message, "role": "system" if role == "developer" else role,
-              "content": _text(message.get("content"), position)}
-    if calls := message.get("tool_calls"):
-        result["tool_calls"] = [_call(call, position) for call in calls]
-    return result
-
-
-def _text(content: object, position: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
-        kinds = {part.get("type") for part in content} - set(TEXT_PARTS)
-        if not kinds:
-            return "\n".join(part.get("text", "") for part in content)
-        raise ChatInputError(f"message {position}: content parts of type {', '.join(map(str, sorted(kinds, key=str)))}"
-                             f": this engine takes text only ({', '.join(TEXT_PARTS)} parts)")
-    raise ChatInputError(f"message {position}: content must be text or a list of text parts; got {_kind(content)}")
-
-
-def _call(call: object, position: int) -> dict:
-    from kiln.runtime.chat_template import call_arguments
-
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ChatInputError(f"message {position}: each tool call is {{'type': 'function', 'function': {{'name': ..., "
-                             f"'arguments': ...}}}}; got {call!r}")
-    arguments = function.get("arguments", {})
-    return {**call, "function": {**function,
-                                 "arguments": call_arguments(arguments) if isinstance(arguments, str) else arguments}}
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ChatInputError(f"message {position}: each tool call is {{'type': 'function', 'function': "
+                                 f"{{'name': ..., 'arguments': ...}}}}; got {call!r}")
+    try:
+        return template_message(message)
+    except ValueError as exc:  # its content
+        raise ChatInputError(f"message {position}: content {exc}") from None
 
 
 def _kind(value: object) -> str:

@@ -49,12 +49,27 @@ def test_continue_final_message_continues_the_assistants_text(llm, hf_tokenizer)
 @pytest.mark.parametrize(("messages", "words"), [
     ("hello", "messages must be a non-empty list of message dicts"),
     ([{"role": "robot", "content": "x"}], "message 0: role must be one of"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "takes text only"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text content"),
     ([CONVERSATION, []], r"messages\[1\]: each conversation is a non-empty list"),
+    ([["hello"]], r"messages\[0\]: message 0 is a str, not a message dict"),
+    ([CONVERSATION[0], "oops"], "message 1 is a str, not a message dict"),
 ])
 def test_messages_it_cannot_render_are_refused_naming_the_problem(llm, messages, words):
     with pytest.raises(ChatInputError, match=words):
         llm.chat(messages, GREEDY)
+
+
+def test_messages_reach_the_template_as_the_server_passes_them(llm):
+    from kiln.runtime.chat_template import template_message
+    from kiln.runtime.server.protocol import ChatMessage
+
+    for message in ({"role": "assistant", "content": "Paris", "reasoning_content": "think"},
+                    {"role": "assistant", "content": None, "refusal": "I can't"},
+                    {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}):
+        served = template_message(ChatMessage.model_validate(message).model_dump(exclude_none=True))
+        assert template_message(message) == served
 
 
 def test_params_are_given_once_and_a_chat_needs_a_template(llm):
@@ -62,6 +77,8 @@ def test_params_are_given_once_and_a_chat_needs_a_template(llm):
         llm.generate("hi", GREEDY, sampling_params=GREEDY)
     with pytest.raises(ChatInputError, match="pass chat_template="):  # an LLM made without an engine directory
         load_template(None, None)
+    with pytest.raises(ChatInputError, match="chat_template is empty"):
+        llm.chat(CONVERSATION, GREEDY, chat_template=" ")
     [output] = llm.chat(CONVERSATION, GREEDY, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
     assert output.prompt_token_ids == llm.tokenizer.encode("Be brief.Name a colour.", add_special_tokens=False)
 

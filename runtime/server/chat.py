@@ -15,7 +15,7 @@ from kiln.runtime.chat_template import (
     ChatTemplateError,
     ReservedVariableError,
     UncontinuableMessageError,
-    call_arguments,
+    template_message,
 )
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.errors import APIError
@@ -40,24 +40,6 @@ from kiln.runtime.server.tool_calls import ToolCall, ToolCallFormat
 from kiln.runtime.structured_output import StructuredOutput
 
 
-def _template_message(message: ChatMessage) -> dict:
-    """A message as chat templates take it (transformers' convention: a call's arguments as an object; OpenAI's
-    ``developer`` role as ``system``, which templates know; an assistant's refusal as what it said)."""
-    result = {"role": "system" if message.role == "developer" else message.role,
-              "content": message.content or message.refusal or ""}
-    if message.name:
-        result["name"] = message.name
-    if message.tool_call_id:
-        result["tool_call_id"] = message.tool_call_id
-    if message.tool_calls:
-        result["tool_calls"] = [{"id": call.id, "type": "function", "function": {
-            "name": call.function.name, "arguments": call_arguments(call.function.arguments)}}
-            for call in message.tool_calls]
-    if reasoning := message.reasoning_content or message.reasoning:  # by both names, as vLLM passes it
-        result["reasoning"] = result["reasoning_content"] = reasoning
-    return result
-
-
 def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
     """The further chat template variables of a request, as vLLM passes them: its ``documents`` and
     ``reasoning_effort`` (an effort of "none" also as ``enable_thinking`` false, Qwen3's switch), under what its
@@ -71,12 +53,14 @@ def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
 
 def unread_template_fields(model: ServedModel, req: ChatCompletionRequest) -> list[str]:
     """The request's template variables that the chat template never reads, by the names the request gives them: a
-    ``chat_template_kwargs`` key, ``documents``, ``reasoning_effort`` (read as itself or as ``enable_thinking``)."""
+    ``chat_template_kwargs`` key, ``documents``, ``reasoning_effort`` (read as itself, or as ``enable_thinking`` when
+    it is "none")."""
     given = {f"chat_template_kwargs.{name}": {name} for name in req.chat_template_kwargs or {}}
     if req.documents is not None:
         given["documents"] = {"documents"}
-    if req.reasoning_effort is not None:
-        given["reasoning_effort"] = {"reasoning_effort", "enable_thinking"}
+    if req.reasoning_effort is not None:  # only "none" reaches the template as enable_thinking too
+        given["reasoning_effort"] = {"reasoning_effort", *(("enable_thinking",) if req.reasoning_effort == "none"
+                                                           else ())}
     return [name for name, variables in given.items() if not variables & model.chat_template.reads]
 
 
@@ -91,7 +75,7 @@ def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dic
         raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template (neither "
                        f"chat_template.jinja nor tokenizer_config.json has one, and kiln serve got no "
                        f"--chat-template): use /v1/completions", param="messages")
-    rendered = [_template_message(m) for m in messages]
+    rendered = [template_message(m.model_dump(exclude_none=True)) for m in messages]
     try:
         return model.chat_template.render(rendered, add_generation_prompt, tools, variables, continue_final_message)
     except ReservedVariableError as exc:

@@ -18,6 +18,8 @@ from pydantic import (
     model_validator,
 )
 
+from kiln.runtime.chat_template import message_text
+
 MAX_STOP_STRINGS = 64  # OpenAI takes 4; vLLM any number, and eval harnesses send more than 4
 MAX_STOP_TOKEN_IDS = 1024  # vLLM takes any number: a million ids copied into each of n=128 choices stalled the server
 MAX_N = 128
@@ -88,29 +90,6 @@ def _stop(value: Any) -> list[str]:
     return stops
 
 
-# content part types read as text (the Responses API's input_text and output_text too, as vLLM reads them), each
-# to the key that holds its text
-_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
-
-
-def _content(value: Any) -> str:
-    """Message content: a string, or a list of text parts (and an assistant's refusal parts, taken as its text),
-    joined by newlines (as vLLM joins them); images and audio are not supported."""
-    if value is None or isinstance(value, str):
-        return value or ""
-    if isinstance(value, list):
-        texts = []
-        for part in value:
-            kind = part.get("type") if isinstance(part, dict) else None
-            key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
-            if key is None or not isinstance(part.get(key), str):
-                raise ValueError("parts must be {'type': 'text', 'text': str} ('input_text' or 'output_text' too, or "
-                                 "an assistant's {'type': 'refusal', 'refusal': str}): only text content is supported")
-            texts.append(part[key])
-        return "\n".join(texts)
-    raise ValueError("must be a string or a list of text parts")
-
-
 def neutral_only(*allowed: Any) -> Any:
     """A field this server does not implement, accepted only at its neutral values (what clients send unset)."""
 
@@ -162,7 +141,7 @@ Stop = Annotated[Any, PlainValidator(_stop), WithJsonSchema({"anyOf": [
     {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
     {"type": "null"},
 ]})]
-Content = Annotated[Any, PlainValidator(_content), WithJsonSchema({"anyOf": [
+Content = Annotated[Any, PlainValidator(message_text), WithJsonSchema({"anyOf": [
     {"type": "string"},
     {"type": "array", "items": {"anyOf": [
         {"type": "object", "properties": {"type": {"enum": ["text", "input_text", "output_text"]},
