@@ -23,7 +23,7 @@ class RequestMetrics:
     num_cached_tokens: int
     num_generated_tokens: int
     num_preemptions: int
-    inter_token_latencies: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list, repr=False)  # one a token: too long to show
     first_scheduled_time: float | None = None  # None where the engine's scheduler does not report it
 
     @classmethod

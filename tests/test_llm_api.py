@@ -398,6 +398,10 @@ def test_a_cached_engine_is_held_while_loaded_and_a_missing_directory_is_refused
     assert not is_held(entry)
     with pytest.raises(EngineFormatError, match="missing: not an engine directory"):
         LLM.load(tmp_path / "missing")
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "config.json").write_text("{}")
+    with pytest.raises(EngineFormatError, match="a Hugging Face checkpoint .* build one from it with `kiln build`"):
+        LLM.load(tmp_path / "checkpoint")
 
 
 def test_engine_built_for_another_toolchain_is_refused(engine_dir, tmp_path):

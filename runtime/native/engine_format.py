@@ -118,6 +118,9 @@ class EngineConfig:
         """Read and validate ``engine_dir/engine.json``; raise EngineFormatError when it is not a native engine."""
         path = Path(engine_dir) / ENGINE_JSON
         if not path.is_file():
+            if (Path(engine_dir) / "config.json").is_file():
+                raise EngineFormatError(f"{engine_dir}: a Hugging Face checkpoint (config.json), not an engine: build "
+                                        f"one from it with `kiln build` and load the directory it prints")
             raise EngineFormatError(f"{engine_dir}: no {ENGINE_JSON}; not a kiln native engine, rebuild it")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
