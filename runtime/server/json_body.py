@@ -1,12 +1,12 @@
 """Request bodies parsed as JSON within bounds on their shape, so that no body under the size bound stalls the server.
 
 Parsing holds the GIL: a 15 MiB body of millions of small arrays (``[[1]],[[1]],...``) takes seconds in ``json.loads``
-and stalls every other request, on the event loop or on a worker thread alike. So the shape is checked first, outside
-strings, with the C string methods where that settles it and otherwise in one pass that stops at the first bound
-passed: depth (``MAX_DEPTH``), arrays and objects (``MAX_CONTAINERS``) and values (``MAX_VALUES``); a body past one is
-answered 400 naming it, and one within them is parsed and validated in a fraction of a second (about 0.2 s at most,
-measured on the routes' models). Bodies over ``THREAD_THRESHOLD_BYTES`` are checked and parsed on a worker thread,
-where the pass gives the GIL up as it goes; validation stays on the event loop, bounded by the same limits."""
+and stalls every other request, on the event loop or on a worker thread alike, and validating that many objects
+takes as long. So a body with more than ``MAX_CONTAINERS`` brackets is scanned first, outside its strings, and
+refused (400 naming the bound) when it holds more arrays and objects than that; every body is refused when it nests
+deeper than ``MAX_DEPTH``. A body within the bounds costs what ``json.loads`` costs, plus a walk over its arrays and
+objects when it has more brackets than ``MAX_DEPTH``. Bodies over ``THREAD_THRESHOLD_BYTES`` are parsed on a worker
+thread, where the scan gives the GIL up as it goes; validation stays on the event loop."""
 
 from __future__ import annotations
 
@@ -22,47 +22,40 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 MAX_DEPTH = 128  # serde_json's recursion limit: deeper than any JSON schema a request carries
-MAX_CONTAINERS = 20_000  # arrays and objects: each costs several microseconds to parse and validate (a message, say)
-MAX_VALUES = 500_000  # numbers, strings, keys: a prompt sent as token ids is one value a token
-THREAD_THRESHOLD_BYTES = 64 << 10  # a smaller body is checked and parsed within about 5 ms
+# arrays and objects: each costs several microseconds to parse and validate (a message is up to three: itself, its
+# parts and a part), so this many take about half a second; a conversation of 30,000 messages fits
+MAX_CONTAINERS = 100_000
+THREAD_THRESHOLD_BYTES = 64 << 10  # a smaller body is parsed within a millisecond or two
 
-# a string's opening quote, an opening bracket, a closing one, a separator (before every value but a container's first,
-# which its opening bracket counts)
-_TOKEN = re.compile(r'"|([\[{])|([\]}])|([,:])')
+# a string's opening quote, an opening bracket, a closing one
+_TOKEN = re.compile(r'"|([\[{])|([\]}])')
+TOO_DEEP = (f"the request body nests JSON arrays and objects more than {MAX_DEPTH} levels deep: send a flatter "
+            f"body")
+TOO_MANY = (f"the request body holds more than {MAX_CONTAINERS} JSON arrays and objects: send fewer messages, tools "
+            f"or prompts per request")
 
 
 def shape_error(text: str) -> str | None:
-    """What is wrong with the shape of a JSON text (nested too deep, too many arrays and objects, too many values), as
-    a message for its sender, or None; a text that is not JSON is left to the parser to say where."""
-    containers = text.count("[") + text.count("{")
-    if containers <= MAX_DEPTH and containers + text.count(",") + text.count(":") <= MAX_VALUES:
-        return None  # within every bound even counting the brackets and separators strings hold
-    depth = containers = values = pos = 0
+    """What is wrong with the shape of a JSON text (nested too deep, too many arrays and objects) as a message for its
+    sender, or None; a text that is not JSON is left to the parser to say where. Brackets inside strings do not
+    count."""
+    depth = containers = pos = 0
     while (token := _TOKEN.search(text, pos)) is not None:
         pos = token.end()
-        kind = token.lastindex
-        if kind is None:  # a string: what it holds is text
+        if token.lastindex is None:  # a string: what it holds is text
             try:
                 pos = scanstring(text, pos)[1]
             except ValueError:
                 return None
-            continue
-        if kind == 2:
+        elif token.lastindex == 2:
             depth -= 1
-            continue
-        values += 1
-        if values > MAX_VALUES:
-            return (f"the request body holds more than {MAX_VALUES} JSON values: send fewer or shorter prompts (a "
-                    f"prompt sent as text is one value, as token ids one a token)")
-        if kind == 1:
+        else:
             depth += 1
             containers += 1
             if depth > MAX_DEPTH:
-                return (f"the request body nests JSON arrays and objects more than {MAX_DEPTH} levels deep: send a "
-                        f"flatter body")
+                return TOO_DEEP
             if containers > MAX_CONTAINERS:
-                return (f"the request body holds more than {MAX_CONTAINERS} JSON arrays and objects: send fewer "
-                        f"messages, tools or prompts per request")
+                return TOO_MANY
     return None
 
 
@@ -70,10 +63,28 @@ def parse_json(body: bytes) -> Any:
     """A request body as JSON: json.JSONDecodeError where it is not JSON, HTTPException 400 where its shape passes a
     bound."""
     text = body.decode(json.detect_encoding(body), "surrogatepass")  # as json.loads decodes bytes
-    problem = shape_error(text)
-    if problem is not None:
-        raise HTTPException(400, problem)
-    return json.loads(text)
+    brackets = text.count("[") + text.count("{")  # an upper bound on its arrays and objects, and on its depth
+    if brackets > MAX_CONTAINERS and (problem := shape_error(text)) is not None:
+        raise HTTPException(400, problem)  # before parsing what would take seconds
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise HTTPException(400, TOO_DEEP) from None
+    if brackets > MAX_DEPTH and _deeper_than(value, MAX_DEPTH):
+        raise HTTPException(400, TOO_DEEP)
+    return value
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether parsed JSON nests its arrays and objects more than ``limit`` levels deep."""
+    stack = [(value, 1)] if isinstance(value, list | dict) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)
+                     if isinstance(child, list | dict))
+    return False
 
 
 class JSONBodyRequest(Request):
