@@ -49,8 +49,8 @@ def bench(
                                                 "this many GPUs (tensor parallelism; a config's build.tp_size "
                                                 "decides otherwise).")] = None,
     bandwidth_gbs: Annotated[float | None, typer.Option("--bandwidth-gbs", min=0.001, help="Memory bandwidth for "
-                             "the floor, GB/s (default: 4300 on an H200, an H100's datasheet peak, else "
-                             "measured).")] = None,
+                             "the floor, GB/s (default: 4300 on an H200 SXM, another H100 or H200 card's "
+                             "datasheet peak, else measured).")] = None,
     allow_large: Annotated[bool, typer.Option("--allow-large", help="Benchmark a large architecture on a CPU-only "
                                                                      "machine anyway.")] = False,
     suite: Annotated[str | None, typer.Option(help="Run a table of rows instead: trtllm-h200 or trtllm-h100 "
