@@ -151,6 +151,8 @@ def test_bad_chat_requests_get_a_400_naming_the_field(http, body, param, words):
     ("/v1/responses", {"input": "hi", "max_new_tokens": 4}, "send max_output_tokens instead"),
     ("/v1/responses", {"input": "hi", "json_schema": "{}"}, 'send text: {"format": {"type": "json_schema"'),
     ("/invocations", {"prompt": "hi", "sampling_seed": 1}, "send seed instead"),
+    ("/v1/responses", {"input": "hi", "max_tokens": 4}, "send max_output_tokens instead"),  # another route's name
+    ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 4}, "send max_tokens instead"),
     ("/tokenize", {"prompt": "hi", "max_new_tokens": 4}, None),  # no generation route: no advice
 ])
 def test_an_sglang_field_name_gets_a_400_saying_what_to_send_on_that_route(http, path, body, message):

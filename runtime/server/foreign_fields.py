@@ -1,6 +1,6 @@
-"""What to send instead of the request fields SGLang names differently: the advice that the "Unrecognized request
-argument" 400 of a generation route adds for them, so a client moved from SGLang learns Kiln's name (or that there is
-none) from the error."""
+"""What to send instead of the request fields SGLang names differently, or another OpenAI route names: the advice that
+the "Unrecognized request argument" 400 of a generation route adds for them, so a client moved from SGLang (or a
+request built for another route) learns Kiln's name, or that there is none, from the error."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ RESPONSES_ROUTE = "/v1/responses"
 # completions and chat completions (and SageMaker's /invocations, which takes either body) share these fields
 CHAT_AND_COMPLETIONS_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
 
-# SGLang's top-level name -> what completions and chat completions take instead
+# SGLang's top-level name, or another route's -> what completions and chat completions take instead (only a field
+# the route refuses gets its advice: chat takes max_completion_tokens, completions does not)
 FOREIGN_FIELDS: dict[str, str] = {
+    "max_output_tokens": "send max_tokens instead (the Responses API's name)",
+    "max_completion_tokens": "send max_tokens instead (chat's name)",
     "regex": 'send structured_outputs: {"regex": ...} instead',
     "json_schema": 'send response_format: {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} or '
                    'structured_outputs: {"json": {...}} instead',
@@ -26,13 +29,16 @@ FOREIGN_FIELDS: dict[str, str] = {
 }
 # the same for the Responses API, where some of these have other names or none
 RESPONSES_FOREIGN_FIELDS: dict[str, str] = {
-    **FOREIGN_FIELDS,
+    **{name: advice for name, advice in FOREIGN_FIELDS.items() if name != "max_output_tokens"},  # its own field
     "json_schema": 'send text: {"format": {"type": "json_schema", "name": ..., "schema": {...}}} or '
                    'structured_outputs: {"json": {...}} instead',
     "no_stop_trim": "keeping the stop string is not supported on /v1/responses (chat and completions take "
                     "include_stop_str_in_output: true)",
     "rid": "name the request with an X-Request-Id header instead",
     "max_new_tokens": "send max_output_tokens instead",
+    "max_tokens": "send max_output_tokens instead",
+    "max_completion_tokens": "send max_output_tokens instead",
+    "response_format": 'send text: {"format": {...}} instead',
 }
 
 
