@@ -94,10 +94,11 @@ class EngineStats:
         self.step_tokens_counts = [0] * (len(STEP_TOKEN_BUCKETS) + 1)  # steps by iteration tokens, per bucket
         self.num_iteration_tokens = 0
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # vLLM's: a prompt's tokens, cached ones too, once its prefill completes
         self.num_generated_tokens = 0
         self.num_finished = {"stop": 0, "length": 0, "abort": 0}
 
-    def record_step(self, step: StepStats, num_generated_tokens: int) -> None:
+    def record_step(self, step: StepStats) -> None:
         with self._lock:
             self.recent_steps.append(step)
             self.num_steps += 1
@@ -110,7 +111,13 @@ class EngineStats:
             self.step_tokens_counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, step.num_iteration_tokens)] += 1
             self.num_iteration_tokens += step.num_iteration_tokens
             self.num_preemptions += step.num_preempted
-            self.num_generated_tokens += num_generated_tokens
+
+    def record_tokens(self, prompt_tokens: int, generated_tokens: int) -> None:
+        """Count tokens as they are processed, as vLLM does each engine iteration: the prompts whose prefill
+        completed (whole, cached tokens too) and the tokens generated."""
+        with self._lock:
+            self.num_prompt_tokens += prompt_tokens
+            self.num_generated_tokens += generated_tokens
 
     def record_finished(self, seq: Sequence) -> None:
         with self._lock:
@@ -131,7 +138,8 @@ class EngineStats:
                         "step_tokens_histogram": {"buckets": list(STEP_TOKEN_BUCKETS),
                                                   "counts": list(self.step_tokens_counts),
                                                   "sum": self.num_iteration_tokens},
-                        "num_generated_tokens": self.num_generated_tokens, "num_preemptions": self.num_preemptions,
+                        "num_prompt_tokens": self.num_prompt_tokens, "num_generated_tokens": self.num_generated_tokens,
+                        "num_preemptions": self.num_preemptions,
                         "requests_finished": dict(self.num_finished)}
         return {
             **counters,

@@ -154,8 +154,11 @@ def test_a_killed_engine_process_fails_its_waiters_and_the_server_reports_503():
 
 
 def test_abort_all_fails_the_requests_in_flight_and_the_engine_serves_on(llm):
+    before = llm.stats()
     request_id = llm.submit("Once upon a time", SamplingParams(max_tokens=240, ignore_eos=True))
-    wait_until(lambda: llm.stats()["num_generated_tokens"] > 0)
+    prompt = len(llm.tokenizer.encode("Once upon a time"))  # the child's token counters reach the parent as it runs
+    wait_until(lambda: llm.stats()["num_generated_tokens"] > before["num_generated_tokens"]
+               and llm.stats()["num_prompt_tokens"] == before["num_prompt_tokens"] + prompt)
     assert llm.abort_all(EngineClosedError("draining")) == 1
     with pytest.raises(EngineClosedError, match="draining"):
         llm.result(request_id, timeout=30)
@@ -181,7 +184,7 @@ def test_abort_all_also_aborts_a_request_added_while_it_fails_the_others(llm, mo
 def test_an_id_abort_all_failed_is_taken_until_its_abort_lands_and_then_serves_a_new_request(llm):
     old = SamplingParams(max_tokens=240, ignore_eos=True, temperature=0)
     llm.submit("Once upon a time", old, request_id="job-1")
-    time.sleep(0.3)  # running
+    wait_until(lambda: llm.stats()["num_running"] == 1)  # running, far from its 240 tokens
     llm.abort_all(EngineClosedError("draining"))
     with pytest.raises(EngineClosedError):
         llm.result("job-1", timeout=30)

@@ -72,6 +72,21 @@ def test_request_arriving_during_decode_joins_the_running_batch(engine_dir, solo
     assert outputs["first"].token_ids == solo(first) and outputs["second"].token_ids == solo(second)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["step-by-step", "overlapped"])
+def test_token_counters_grow_each_step_of_a_running_request_not_only_when_it_finishes(engine_dir, overlap):
+    engine = NativeEngine(engine_dir, RuntimeOptions(overlap_steps=overlap))
+    prompt = random_prompts(1, seed=7, min_len=8)[0]
+    engine.add_request(engine.make_request("r", prompt, PARAMS))
+    generated = 0
+    while engine.has_unfinished():
+        generated += sum(len(delta.token_ids) for delta in engine.step())
+        stats = engine.stats_snapshot()  # as vLLM counts: the prompt, whole, with its first token; each token
+        assert (stats["num_prompt_tokens"], stats["num_generated_tokens"]) == (len(prompt) if generated else 0,
+                                                                               generated)
+        assert stats["step_tokens_histogram"]["sum"] == stats["num_prompt_tokens"] + generated
+    assert generated == PARAMS.max_tokens
+
+
 def test_concurrent_thread_requests_give_exactly_their_solo_results(engine_dir, solo):
     prompts = random_prompts(8, seed=3)
     expected = [solo(p) for p in prompts]

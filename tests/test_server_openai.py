@@ -248,7 +248,9 @@ def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks
     with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/completions",
                                                                             json=body) as response:
         assert response.status_code == 200
-        next(line for line in response.iter_lines() if line.startswith("data: "))
+        lines = response.iter_lines()  # held: dropping the iterator closes the connection (a disconnect)
+        next(line for line in lines if line.startswith("data: "))
+        wait_until(lambda: metric_values(server, tokens)[1] > tokens_before[1])  # counted while it runs, as vLLM's
         assert llm.stats()["num_running"] == 1
     wait_until(lambda: engine_idle(llm))
     assert llm.stats()["requests_finished"]["abort"] == aborted_before + 1
@@ -296,7 +298,7 @@ def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(serve
     assert len(aborts) == 16
     assert llm.stats()["requests_finished"]["abort"] == aborted_before + 16
     assert 'status="499"' in httpx.get(f"{server.url}/metrics").text
-    prompt = len(llm.tokenizer.encode("Hi"))  # each choice's prompt, counted as vLLM counts an aborted request's
+    prompt = len(llm.tokenizer.encode("Hi"))  # each choice's prompt, counted by the engine with its first token
     wait_until(lambda: metric_values(server, counted) == [counts_before[0] + 16, counts_before[1] + 16 * prompt])
 
 

@@ -425,6 +425,19 @@ def test_stats_report_the_executors_queue_and_kv_pool_as_of_its_latest_iteration
     assert engine.stats_snapshot()["num_waiting"] == 1  # a shut-down executor is not asked
 
 
+def test_stats_count_tokens_as_they_arrive_and_a_prompt_with_its_first_tokens(trtllm, engine_dir):
+    engine = TrtllmEngine(engine_dir, RuntimeOptions())
+    engine.add_request(engine.make_request("r1", [2, 3], SamplingParams(max_tokens=20, temperature=0)))
+    engine.add_request(engine.make_request("r2", [2, 3, 4], SamplingParams(max_tokens=20, temperature=0)))
+    engine.abort_request("r2")  # before its first token: neither its prompt nor any token is counted
+    counts = []
+    while engine.has_unfinished():
+        engine.step()
+        stats = engine.stats_snapshot()
+        counts.append((stats["num_prompt_tokens"], stats["num_generated_tokens"]))
+    assert counts == [(2, n) for n in range(1, 7)]  # a b c d e and the EOS, each counted as it arrived
+
+
 def test_metrics_of_a_served_engine_answer_with_the_kv_pool_of_the_executors_latest_iteration(trtllm, engine_dir):
     labels = 'engine="0",model_name="trt"'
     with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm, \

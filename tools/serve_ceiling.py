@@ -62,14 +62,16 @@ class ScriptedEngine:
 
     def step(self) -> list[StreamDelta | RequestFailure]:
         time.sleep(self.step_s)
-        now, deltas = time.monotonic(), []
+        now, deltas, prompt_tokens = time.monotonic(), [], 0
         for request_id, (seq, detokenizer) in list(self._running.items()):
             token = self._words[(seq.token_ids[-1] + 1) % len(self._words)]
             seq.append_token(token, now)
+            prompt_tokens += seq.num_prompt_tokens if seq.num_completion_tokens == 1 else 0
             if (reason := finish_reason(seq, token, detokenizer, self.eos_token_ids)) is not None:
                 seq.finish(reason, now)
                 del self._running[request_id]
             deltas.append(step_delta(seq, detokenizer, [token]))
+        self.stats.record_tokens(prompt_tokens, len(deltas))  # vLLM's token counters, as an engine's step counts them
         return deltas
 
     def abort_request(self, request_id: str) -> StreamDelta | None:

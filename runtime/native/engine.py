@@ -172,7 +172,7 @@ class NativeEngine:
         if not queued_ahead:
             out = self.scheduler.schedule()
             if not out.scheduled:
-                self._record_step(out, 0, time.perf_counter() - start, 0.0)
+                self._record_step(out, time.perf_counter() - start, 0.0)
                 return []
         execute_start = time.perf_counter()
         launched = launched or self.model_runner.launch(out)
@@ -183,17 +183,19 @@ class NativeEngine:
         execute_s = time.perf_counter() - execute_start
         self.scheduler.update_computed(launched.out)
         now = time.monotonic()  # every token of the step reached the host together
-        results, iteration_tokens = [], 0
+        results, prompt_tokens, generated_tokens = [], 0, 0
         for seq, token_id in sampled.items():
             if seq.is_finished:  # aborted since it was launched
                 continue
             results.append(self._postprocess(seq, token_id, now, logprobs.get(seq)))
             if not isinstance(token_id, SamplingError):  # vLLM's iteration tokens: each token, and a first's prompt
-                iteration_tokens += 1 + (seq.num_prompt_tokens if seq.num_completion_tokens == 1 else 0)
+                generated_tokens += 1
+                prompt_tokens += seq.num_prompt_tokens if seq.num_completion_tokens == 1 else 0
         if self._in_flight is not None and self._in_flight.sampling_deferred:
             self.model_runner.sample(self._in_flight)  # its structured outputs' matchers now have these tokens
-        self._record_step(launched.out, len(results), time.perf_counter() - start, execute_s, queued_ahead,
-                          iteration_tokens)
+        self.stats.record_tokens(prompt_tokens, generated_tokens)
+        self._record_step(launched.out, time.perf_counter() - start, execute_s, queued_ahead,
+                          prompt_tokens + generated_tokens)
         return results
 
     def _postprocess(self, seq: Sequence, token_id: int | SamplingError, now: float,
@@ -237,8 +239,8 @@ class NativeEngine:
             self.stats.record_finished(seq)
         return step_delta(seq, detokenizer, new_token_ids)
 
-    def _record_step(self, out: SchedulerOutput, num_sampled: int, duration_s: float, execute_s: float,
-                     queued_ahead: bool = False, iteration_tokens: int = 0) -> None:
+    def _record_step(self, out: SchedulerOutput, duration_s: float, execute_s: float, queued_ahead: bool = False,
+                     iteration_tokens: int = 0) -> None:
         bm = self.block_manager
         self.stats.record_step(StepStats(
             step=self.stats.num_steps, num_seqs=len(out.scheduled), num_batched_tokens=out.num_batched_tokens,
@@ -246,8 +248,7 @@ class NativeEngine:
             num_preempted=out.num_preempted, num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
             prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens, duration_s=duration_s, execute_s=execute_s,
-            queued_ahead=queued_ahead, num_iteration_tokens=iteration_tokens),
-            num_sampled)
+            queued_ahead=queued_ahead, num_iteration_tokens=iteration_tokens))
 
     def stats_snapshot(self) -> dict:
         """Engine counters and latency summaries, KV pool and prefix-cache state (safe from any thread)."""

@@ -56,14 +56,14 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
                    request: Request) -> list[RequestOutput] | None:
-    """Every job's output, or None when the client disconnected first (its jobs are then aborted, and what they
-    had processed is counted); jobs a failure ended are counted as aborted too (their tokens are not known)."""
+    """Every job's output, or None when the client disconnected first (its jobs are then aborted, and counted as
+    aborts); jobs a failure ended are counted as aborted too."""
     landed: list[RequestOutput] = []
 
     def observe(output: RequestOutput) -> None:
         landed.append(output)
-        if output.finish_reason == "abort":  # its client went away: counted as a stream's (a prompt once prefilled)
-            metrics.vllm.aborted(1, len(output.prompt_token_ids) if output.token_ids else 0, len(output.token_ids))
+        if output.finish_reason == "abort":  # its client went away: counted as a stream's
+            metrics.vllm.aborted(1)
         else:
             metrics.observe(output)
 
@@ -75,7 +75,7 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
     finally:
         watcher.cancel()
         if not runner.done():
-            for request_id in request_ids:  # each ends with its tokens so far, which observe counts
+            for request_id in request_ids:  # each ends with an output of reason abort, which observe counts
                 model.llm.abort(request_id)
             with contextlib.suppress(Exception):  # as the abort's deltas land; else cancelled, which aborts too
                 await asyncio.wait_for(asyncio.shield(runner), ABORTED_OUTPUTS_WAIT_S)
@@ -179,7 +179,6 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
     read has not taken their last chunks yet."""
     outputs: list[RequestOutput] = []
     generated: dict[int, int] = {}  # tokens so far of each job whose prompt was prefilled
-    finished: set[int] = set()
     if stream.prelude:
         yield "".join(_event(chunk) for chunk in stream.prelude)
     try:
@@ -190,7 +189,6 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
                     opening = stream.opening(index) if stream.opening and index not in generated else []
                     generated[index] = generated.get(index, 0) + len(delta.token_ids)
                     if delta.finished:
-                        finished.add(index)
                         outputs.append(delta.output)
                         metrics.observe(delta.output)
                     chunks = stream.render(index, delta)
@@ -209,9 +207,7 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
             yield _event(stream.usage(usage_of(prompts, outputs)))
     finally:
         if len(outputs) < len(jobs):  # the client went away (or the engine stopped) first
-            running = {i: n for i, n in generated.items() if i not in finished}
-            metrics.vllm.aborted(len(jobs) - len(outputs), sum(len(jobs[i].prompt_token_ids) for i in running),
-                                 sum(running.values()))
+            metrics.vllm.aborted(len(jobs) - len(outputs))
     if stream.done:
         yield stream.done
 

@@ -46,10 +46,20 @@ VLLM_ENGINE_FIGURES = (
     (GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under vLLM's earlier name "
      "(dashboards and autoscalers of that era read it)", ("kv_usage",)),
     (CounterMetricFamily, "vllm:num_preemptions", "Requests preempted", ("num_preemptions",)),
+    # counted each step, as vLLM's: a prompt's tokens (cached ones too) once its prefill completes, each token generated
+    (CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens processed", ("num_prompt_tokens",)),
+    (CounterMetricFamily, "vllm:generation_tokens", "Tokens generated", ("num_generated_tokens",)),
     (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
      ("prefix_cache", "queried_tokens")),
     (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
      ("prefix_cache", "hit_tokens")),
+    # the prefix cache under vLLM's earlier names (vLLM's production-stack router and older dashboards read them)
+    (CounterMetricFamily, "vllm:gpu_prefix_cache_queries", "vllm:prefix_cache_queries under vLLM's earlier name",
+     ("prefix_cache", "queried_tokens")),
+    (CounterMetricFamily, "vllm:gpu_prefix_cache_hits", "vllm:prefix_cache_hits under vLLM's earlier name",
+     ("prefix_cache", "hit_tokens")),
+    (GaugeMetricFamily, "vllm:gpu_prefix_cache_hit_rate", "Share of prefix-cache lookups that hit (0 to 1)",
+     ("prefix_cache", "hit_rate")),
 )
 
 
@@ -112,12 +122,10 @@ def _cache_config_info(kv: dict) -> Metric:
 
 
 class VllmRequestMetrics:
-    """Requests under vLLM's names: token counters, outcomes, latency histograms and the request parameters."""
+    """Requests under vLLM's names: outcomes, latency histograms, token counts and the request parameters."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
         self._labels = (model_name, ENGINE_INDEX)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", LABELS, registry=registry)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", LABELS, registry=registry)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason",
                                        [*LABELS, "finished_reason"], registry=registry)
         self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds", "Time to first token", LABELS,
@@ -142,8 +150,7 @@ class VllmRequestMetrics:
         self.params_max_tokens = Histogram("vllm:request_params_max_tokens", "The max_tokens request parameter",
                                            LABELS, buckets=TOKEN_BUCKETS, registry=registry)
         # every series at zero from the start, as vLLM's: a rate() or an autoscaler's query reads 0, not "no data"
-        for metric in (self.prompt_tokens, self.generation_tokens, self.time_to_first_token,
-                       self.request_time_per_output_token, self.e2e_latency,
+        for metric in (self.time_to_first_token, self.request_time_per_output_token, self.e2e_latency,
                        *self.phases.values(), *self.token_counts.values(), self.params_n, self.params_max_tokens):
             metric.labels(*self._labels)
         for reason in FINISHED_REASONS:
@@ -154,18 +161,14 @@ class VllmRequestMetrics:
         self.params_n.labels(*self._labels).observe(n)
         self.params_max_tokens.labels(*self._labels).observe(max_tokens)
 
-    def aborted(self, count: int, prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
-        """Count requests that ended without an output (their client went away), as vLLM counts aborts, with the
-        tokens they had processed: the prompts prefilled and the tokens generated before they stopped."""
+    def aborted(self, count: int) -> None:
+        """Count requests that ended without an output (their client went away, the engine stopped), as vLLM counts
+        aborts (their tokens were counted by the engine as it processed them)."""
         self.request_success.labels(*self._labels, "abort").inc(count)
-        self.prompt_tokens.labels(*self._labels).inc(prompt_tokens)
-        self.generation_tokens.labels(*self._labels).inc(generation_tokens)
 
     def observe(self, output: RequestOutput, inter_token: Observations) -> None:
         """Record a finished request; ``inter_token`` holds its inter-token latencies, sorted."""
         metrics, labels = output.metrics, self._labels
-        self.prompt_tokens.labels(*labels).inc(len(output.prompt_token_ids))
-        self.generation_tokens.labels(*labels).inc(len(output.token_ids))
         self.request_success.labels(*labels, output.finish_reason or "abort").inc()
         if metrics.time_to_first_token is not None:
             self.time_to_first_token.labels(*labels).observe(metrics.time_to_first_token)

@@ -208,7 +208,11 @@ class TrtllmEngine:
         return self._emit(state, new_tokens)
 
     def _emit(self, state: _Request, new_tokens: list[int]) -> StreamDelta:
+        """The request's delta of ``new_tokens``, counted as vLLM counts an iteration's tokens: each token, and the
+        whole prompt with a request's first tokens."""
         seq = state.seq
+        first = bool(new_tokens) and seq.num_completion_tokens == len(new_tokens)
+        self.stats.record_tokens(seq.num_prompt_tokens if first else 0, len(new_tokens))
         if seq.is_finished:
             del self._requests[seq.request_id]
             self.stats.record_finished(seq)
