@@ -4,6 +4,7 @@ header naming ignored fields, vLLM's metric names, `kiln serve --chat-template` 
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import openai
@@ -14,7 +15,7 @@ from kiln.pipeline.cli import app as cli
 from kiln.runtime import KilnError, SamplingParams
 from kiln.runtime.outputs import RequestMetrics, RequestOutput
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
-from tests.test_server_support import tiny_engine
+from tests.test_server_support import tiny_engine, wait_until
 
 MODEL = "tiny"
 TEMPLATE = ("{% for m in messages %}<<{{ m.role }}>>{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %}"
@@ -238,6 +239,8 @@ def test_vllm_metric_names_with_the_model_name_label(server, http, llm):
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total",
                  # what vLLM's own Grafana dashboard reads besides (names from before vLLM 0.11 among them)
                  "vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds_bucket",
+                 "vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_hits_total",
+                 "vllm:gpu_prefix_cache_hit_rate",
                  "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
                  "vllm:request_max_num_generation_tokens_bucket", "vllm:request_queue_time_seconds_sum",
                  "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
@@ -251,6 +254,62 @@ def test_vllm_metric_names_with_the_model_name_label(server, http, llm):
     assert counts[three] - counts[two] >= 1  # the 3-token request, in the bucket up to 5
     prefill = [line for line in text.splitlines() if line.startswith("vllm:request_prefill_time_seconds_sum")]
     assert float(prefill[0].split()[-1]) > 0
+
+
+def http_series(server) -> dict[str, float]:
+    """The server's ``http_*`` samples, by series as exposed."""
+    lines = httpx.get(f"{server.url}/metrics").text.splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("http_")}
+
+
+def test_http_series_count_requests_by_route_template_and_status_class_as_vllms_instrumentator(server, http):
+    before = http_series(server)
+    body = b'{"prompt": "Once", "max_tokens": 2}'
+    http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert httpx.post(f"{server.url}/v1/completions", content=body).status_code == 401
+    assert http.get("/v1/models/tiny").status_code == 200
+    assert http.get("/scanner/probe-1").status_code == 404 and http.get("/scanner/probe-2").status_code == 404
+    assert http.post("/v1/completions/", content=body).status_code == 307
+    http.get("/health"), http.get("/ping"), http.get("/version")
+    after = http_series(server)
+
+    def delta(series: str) -> float:
+        return after.get(series, 0.0) - before.get(series, 0.0)
+
+    assert delta('http_requests_total{handler="/v1/completions",method="POST",status="2xx"}') == 1
+    assert delta('http_requests_total{handler="/v1/completions",method="POST",status="4xx"}') == 1
+    assert delta('http_requests_total{handler="/v1/models/{model_id:path}",method="GET",status="2xx"}') == 1
+    assert delta('http_requests_total{handler="none",method="GET",status="4xx"}') == 2  # unknown paths share one
+    assert delta('http_requests_total{handler="/v1/completions/",method="POST",status="3xx"}') == 1
+    assert delta('http_request_size_bytes_sum{handler="/v1/completions"}') == 2 * len(body)
+    assert delta('http_request_duration_seconds_count{handler="/v1/completions",method="POST"}') == 2
+    assert delta("http_request_duration_highr_seconds_count") == 6
+    assert not any(name in series for series in after for name in ("/health", "/ping", "/version", "/metrics"))
+    buckets = {series: re.search(r'le="([^"]+)"', series)[1] for series in after if "_bucket" in series}
+    assert {le for series, le in buckets.items() if series.startswith("http_request_duration_seconds")} == {
+        "0.1", "0.5", "1.0", "+Inf"}
+    assert sorted(float(le) for series, le in buckets.items() if series.startswith("http_request_duration_highr")) \
+        == [0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 7.5, 10, 30, 60,
+            float("inf")]
+
+
+def test_a_streamed_responses_http_duration_runs_until_its_last_event(server, http, llm, monkeypatch):
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: (time.sleep(0.01), step())[1])  # 30 tokens: over 0.3 s
+    handler = 'handler="/v1/completions",method="POST"'
+    before = http_series(server)
+    body = {"prompt": "Once", "max_tokens": 30, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200 and "content-length" not in response.headers
+        response.read()
+    wait_until(lambda: http_series(server)[f"http_request_duration_seconds_count{{{handler}}}"]
+               == before.get(f"http_request_duration_seconds_count{{{handler}}}", 0) + 1)
+    after = http_series(server)
+    duration = after[f"http_request_duration_seconds_sum{{{handler}}}"] - before.get(
+        f"http_request_duration_seconds_sum{{{handler}}}", 0)
+    assert duration >= 0.3
+    size = 'http_response_size_bytes_sum{handler="/v1/completions"}'
+    assert after[size] == before.get(size, 0)  # a stream has no Content-Length: 0, as the instrumentator reads it
 
 
 def test_vllm_request_parameters_step_tokens_and_cache_config_as_vllm_reports_them(server, http, llm):
@@ -288,12 +347,29 @@ def test_vllm_request_series_read_zero_before_the_first_request_as_vllms_do():
     registry = CollectorRegistry()
     VllmRequestMetrics(MODEL, registry)
     lines = generate_latest(registry).decode().splitlines()
-    for series in (f'vllm:prompt_tokens_total{{engine="0",model_name="{MODEL}"}} 0.0',
+    for series in (f'vllm:time_to_first_token_seconds_count{{engine="0",model_name="{MODEL}"}} 0.0',
                    f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL}"}} 0.0',
                    f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="{MODEL}"}} 0.0',
                    f'vllm:e2e_request_latency_seconds_count{{engine="0",model_name="{MODEL}"}} 0.0',
                    f'vllm:request_params_n_count{{engine="0",model_name="{MODEL}"}} 0.0'):
         assert series in lines
+
+
+def test_token_counters_and_vllms_earlier_prefix_cache_names_are_read_from_the_engines_stats():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kiln.runtime.server.vllm_metrics import VllmEngineCollector
+
+    registry = CollectorRegistry()
+    stats = {"num_prompt_tokens": 7, "num_generated_tokens": 3,
+             "prefix_cache": {"queried_tokens": 8, "hit_tokens": 2, "hit_rate": 0.25}}
+    registry.register(VllmEngineCollector(MODEL, lambda: stats))
+    lines = set(generate_latest(registry).decode().splitlines())
+    labels = f'engine="0",model_name="{MODEL}"'
+    assert {f"vllm:prompt_tokens_total{{{labels}}} 7.0", f"vllm:generation_tokens_total{{{labels}}} 3.0",
+            f"vllm:prefix_cache_queries_total{{{labels}}} 8.0", f"vllm:gpu_prefix_cache_queries_total{{{labels}}} 8.0",
+            f"vllm:prefix_cache_hits_total{{{labels}}} 2.0", f"vllm:gpu_prefix_cache_hits_total{{{labels}}} 2.0",
+            f"vllm:gpu_prefix_cache_hit_rate{{{labels}}} 0.25"} <= lines
 
 
 def _finished(inter_token_latencies: list[float]) -> RequestOutput:

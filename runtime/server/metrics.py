@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -10,9 +12,11 @@ from prometheus_client import (
     Counter,
     Histogram,
     ProcessCollector,
+    Summary,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.runtime.outputs import RequestOutput
@@ -25,6 +29,12 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away before
 CLIENT_GONE = "kiln.client_gone"  # set in the ASGI scope when a streamed response's client went away mid-stream
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/invocations", "/tokenize",
              "/detokenize", "/tokenizer_info", "/health", "/ping", "/metrics", "/version")
+# prometheus-fastapi-instrumentator's defaults, as vLLM's server instruments itself with them
+HTTP_DURATION_BUCKETS = (0.1, 0.5, 1.0)
+HTTP_DURATION_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5,
+                               5.0, 7.5, 10.0, 30.0, 60.0)
+UNINSTRUMENTED = re.compile("/metrics|/health|/health/decode|/load|/ping|/version|/server_info")  # vLLM's excluded
+HTTP_METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"))
 
 
 def _remote_cache_metrics(remote: dict) -> Iterator[Metric]:
@@ -116,10 +126,40 @@ class _EngineProcessCollector(ProcessCollector):
         return iter(super().collect() if self._engine_pid() is not None else [])
 
 
+class HttpMetrics:
+    """The series prometheus-fastapi-instrumentator adds by default, with its names, labels and buckets, so alerts
+    written for vLLM's server (``http_requests_total{handler="/v1/chat/completions",status="5xx"}``) read Kiln's."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("http_requests", "Requests by method, status class (2xx, 4xx, 5xx) and handler",
+                                ["method", "status", "handler"], registry=registry)
+        self.request_size = Summary("http_request_size_bytes", "Content-Length of requests by handler (0 without one)",
+                                    ["handler"], registry=registry)
+        self.response_size = Summary("http_response_size_bytes",
+                                     "Content-Length of responses by handler (0 without one: a stream)", ["handler"],
+                                     registry=registry)
+        self.duration_highr = Histogram("http_request_duration_highr_seconds",
+                                        "Request latency until the response is complete, with many buckets",
+                                        buckets=HTTP_DURATION_HIGHR_BUCKETS, registry=registry)
+        self.duration = Histogram("http_request_duration_seconds",
+                                  "Request latency until the response is complete, by handler", ["method", "handler"],
+                                  buckets=HTTP_DURATION_BUCKETS, registry=registry)
+
+    def observe(self, scope: Scope, handler: str, status: int, response_bytes: int, seconds: float) -> None:
+        """Record one response to this request, as the instrumentator records it."""
+        method = scope["method"] if scope["method"] in HTTP_METHODS else "other"  # a scanner's made-up methods
+        self.requests.labels(method, f"{str(status)[0]}xx", handler).inc()
+        self.request_size.labels(handler).observe(_content_length(scope["headers"]))
+        self.response_size.labels(handler).observe(response_bytes)
+        self.duration_highr.observe(seconds)
+        self.duration.labels(method, handler).observe(seconds)
+
+
 class ServerMetrics:
     """One registry per app, so several apps (tests, embedders) never collide in prometheus-client's global one.
     ``engine_pid`` gives the engine process's id when the engine runs in one (else None). Kiln's ``kiln_*``
-    metrics, and vLLM's names for the same (``vllm:*``, labelled with ``model_name``)."""
+    metrics, vLLM's names for the same (``vllm:*``, labelled with ``model_name``) and the ``http_*`` series of
+    vLLM's HTTP instrumentation."""
 
     def __init__(self, stats: Callable[[], dict | None], engine_cache: Callable[[], dict],
                  engine_pid: Callable[[], int | None], model_name: str) -> None:
@@ -140,6 +180,7 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(stats, engine_cache))
         self.registry.register(VllmEngineCollector(model_name, stats))
         self.vllm = VllmRequestMetrics(model_name, self.registry)
+        self.http = HttpMetrics(self.registry)
 
     def observe(self, output: RequestOutput) -> None:
         """Record a finished request's latencies and token counts."""
@@ -164,8 +205,44 @@ def endpoint_label(path: str) -> str:
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
+def handler_label(scope: Scope) -> str | None:
+    """prometheus-fastapi-instrumentator's handler label: the template of the app's route the path matches (one
+    serving another method, or the path with its trailing slash added or taken off, too), "none" for a path no route
+    serves, so scanners cannot blow up cardinality; None for the handlers vLLM leaves uninstrumented (/metrics,
+    /health, /ping, /version, ...)."""
+    router, path = scope["app"].router, scope["path"]
+    template = _route_template(router.routes, scope)
+    if template is None and router.redirect_slashes and path != "/":  # the route a redirect would take it to
+        trimmed = path.endswith("/")
+        template = _route_template(router.routes, {**scope, "path": path[:-1] if trimmed else path + "/"})
+        template = None if template is None else template.rstrip("/") + ("/" if trimmed else "")
+    if UNINSTRUMENTED.search(template or path):
+        return None
+    return template or "none"
+
+
+def _route_template(routes: Iterable[BaseRoute], scope: Scope) -> str | None:
+    """The path of the first route that serves this request, else of the first that serves its path."""
+    partial = None
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return route.path
+        if match is Match.PARTIAL and partial is None:
+            partial = route.path
+    return partial
+
+
+def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int:
+    """A message's Content-Length header, 0 without one."""
+    value = next((value for name, value in headers if name.lower() == b"content-length"), b"")
+    return int(value) if value.isdigit() else 0
+
+
 class RequestCountMiddleware:
-    """Counts every HTTP response by endpoint and status code (a response that never started counts as 500)."""
+    """Counts every HTTP response by endpoint and status code (a response that never started counts as 500), and
+    records the ``http_*`` series as vLLM's instrumentation does: by route template, its duration until the
+    response is complete (a stream's last event), a client gone mid-stream counted by the status sent."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
@@ -175,16 +252,20 @@ class RequestCountMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        start = time.perf_counter()
+        handler = handler_label(scope)  # before the app: a 401 answered before routing counts under its route
+        status, response_bytes = 500, 0
 
         async def send_recording(message: Message) -> None:
-            nonlocal status
+            nonlocal status, response_bytes
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, response_bytes = message["status"], _content_length(message.get("headers", ()))
             await send(message)
 
         try:
             await self.app(scope, receive, send_recording)
         finally:
-            status = CLIENT_CLOSED_REQUEST if scope.get(CLIENT_GONE) else status  # a stream's client went away
-            self.metrics.requests.labels(endpoint_label(scope["path"]), str(status)).inc()
+            counted = CLIENT_CLOSED_REQUEST if scope.get(CLIENT_GONE) else status  # a stream's client went away
+            self.metrics.requests.labels(endpoint_label(scope["path"]), str(counted)).inc()
+            if handler is not None:
+                self.metrics.http.observe(scope, handler, status, response_bytes, time.perf_counter() - start)
