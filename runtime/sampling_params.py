@@ -31,9 +31,14 @@ OTHER_NAMES = {"max_new_tokens": "set max_tokens", "min_new_tokens": "set min_to
                "bad_words": "set logit_bias to -100 for each of their token ids",
                "use_beam_search": "Kiln samples or decodes greedily, without beams",
                "spaces_between_special_tokens": "Kiln decodes special tokens as the tokenizer does (vLLM's default)",
-               "n": "a request makes one completion: pass the prompt n times, with seed + i for sample i (what kiln "
-                    "serve does for n)"}
-NUMBER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "presence_penalty",
+               "regex": "set structured_output=StructuredOutput(regex=...)",
+               "json_schema": "set structured_output=StructuredOutput(json=...)",
+               "include_stop_str_in_output": "the text leaves the stop string out; output.stop_reason holds the one "
+                                             "that matched, to append"}
+# what n > 1 asks of vLLM, done with Kiln's one completion a request
+ONE_COMPLETION = ("a request makes one completion: pass the prompt n times, with seed + i for sample i (what kiln "
+                  "serve does for n)")
+NUMBER_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs")
 
 
@@ -84,6 +89,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | dict | None = None  # a dict of its fields too
+    n: int = 1  # vLLM's completions a request: 1 only (ONE_COMPLETION says what to do for more)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -127,6 +133,8 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
     def _validate(self) -> None:
+        if self.n != 1 or isinstance(self.n, bool):
+            raise ValueError(f"SamplingParams.n is 1 here, got {self.n!r}: {ONE_COMPLETION}")
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
                 or not math.isfinite(self.temperature) or self.temperature < 0):
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 is greedy), "

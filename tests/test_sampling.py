@@ -81,7 +81,6 @@ def test_a_seed_of_minus_one_is_no_seed_as_in_vllm():
 @pytest.mark.parametrize(("name", "words"), [
     ("max_new_tokens", "no setting 'max_new_tokens': set max_tokens"),  # SGLang's name
     ("temprature", "did you mean temperature"),
-    ("n", "pass the prompt n times"),
 ])
 def test_a_setting_samplingparams_lacks_is_refused_not_dropped(name, words):
     params = SamplingParams(temperature=0)
@@ -91,6 +90,12 @@ def test_a_setting_samplingparams_lacks_is_refused_not_dropped(name, words):
         SamplingParams(**{name: 3})
     params.max_tokens = 5  # its own settings are set as before
     assert params.max_tokens == 5
+
+
+def test_n_is_one_as_vllms_default_and_more_is_refused_saying_what_to_do():
+    assert SamplingParams(n=1).n == 1  # code ported from vLLM passes it
+    with pytest.raises(ValueError, match="pass the prompt n times"):
+        SamplingParams(n=4)
 
 
 def test_a_subclass_of_samplingparams_takes_its_own_fields():
