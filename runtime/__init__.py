@@ -24,14 +24,15 @@ from kiln.runtime.errors import (
     TrtllmUnavailableError,
 )
 
-__all__ = ["LLM", "CacheCorruptError", "CacheEntryGoneError", "DeviceUnavailableError", "EngineClosedError",
-           "EngineFormatError", "EngineLimits", "EngineProcessError", "FingerprintMismatchError",
+__all__ = ["LLM", "CacheCorruptError", "CacheEntryGoneError", "ChatInputError", "DeviceUnavailableError",
+           "EngineClosedError", "EngineFormatError", "EngineLimits", "EngineProcessError", "FingerprintMismatchError",
            "InsufficientKVMemoryError", "InvalidRequestError", "KilnError", "NoTokenAllowedError", "Prompt",
            "RequestFailedError", "RequestMetrics", "RequestOutput", "RequestTooLongError", "RuntimeOptions",
            "RuntimeOptionsError", "SamplingError", "SamplingParams", "StreamDelta", "StructuredOutput",
            "StructuredOutputError", "TensorParallelError", "TokenLogprob", "Tokenizer", "TrtllmUnavailableError"]
 
 _LAZY = {"CacheCorruptError": "kiln.runtime.cache_hold", "CacheEntryGoneError": "kiln.runtime.cache_hold",
+         "ChatInputError": "kiln.runtime.conversations",
          "EngineLimits": "kiln.runtime.limits", "RuntimeOptionsError": "kiln.runtime.options",
          "LLM": "kiln.runtime.llm", "Prompt": "kiln.runtime.llm", "RequestOutput": "kiln.runtime.outputs",
          "RequestFailedError": "kiln.runtime.outputs", "RequestMetrics": "kiln.runtime.outputs",
@@ -43,6 +44,7 @@ _LAZY = {"CacheCorruptError": "kiln.runtime.cache_hold", "CacheEntryGoneError": 
 
 if TYPE_CHECKING:  # what type checkers see of the names loaded on first use
     from kiln.runtime.cache_hold import CacheCorruptError, CacheEntryGoneError
+    from kiln.runtime.conversations import ChatInputError
     from kiln.runtime.limits import EngineLimits, RequestTooLongError
     from kiln.runtime.llm import LLM, Prompt
     from kiln.runtime.options import RuntimeOptions, RuntimeOptionsError

@@ -3,12 +3,15 @@ template into prompt token ids, as vLLM's ``LLM.chat`` renders them."""
 
 from __future__ import annotations
 
+import logging
 from collections import abc
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.runtime.errors import InvalidRequestError
+
+logger = logging.getLogger("kiln.runtime")
 
 if TYPE_CHECKING:  # jinja2 is imported only when a chat is rendered
     from kiln.runtime.chat_template import ChatTemplate
@@ -77,6 +80,10 @@ def render_prompts(conversations: list[list[Mapping[str, Any]]], template: ChatT
     if tokenizer is None:
         raise ChatInputError("this engine has no tokenizer.json, so it cannot tokenize a rendered chat: pass token ids "
                              "to generate")
+    if tools and "tools" not in template.reads:
+        raise ChatInputError("the chat template does not render tools, so the model cannot call them: pass no tools")
+    if unread := [name for name in chat_template_kwargs or {} if name not in template.reads]:
+        logger.warning("chat_template_kwargs %s: the chat template never reads them", ", ".join(unread))
     if add_generation_prompt and continue_final_message:
         raise ChatInputError("continue_final_message needs add_generation_prompt=False: the completion continues the "
                              "final message rather than starting a new one")
@@ -100,6 +107,9 @@ def _template_message(message: Mapping[str, Any], position: int) -> dict:
     role = message.get("role")
     if role not in ROLES:
         raise ChatInputError(f"message {position}: role must be one of {', '.join(ROLES)}; got {role!r}")
+    if (role == "tool") != bool(message.get("tool_call_id")):  # OpenAI's rule, as the server checks it
+        raise ChatInputError(f"message {position}: a 'tool' message names the tool_call_id of the call it answers, "
+                             f"and no other message names one")
     for call in message.get("tool_calls") or ():
         function = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):

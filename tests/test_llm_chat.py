@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from kiln import ChatInputError
 from kiln.runtime import SamplingParams
-from kiln.runtime.conversations import ChatInputError, load_template
+from kiln.runtime.conversations import load_template
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -52,6 +53,7 @@ def test_continue_final_message_continues_the_assistants_text(llm, hf_tokenizer)
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text content"),
     ([CONVERSATION, []], r"messages\[1\]: each conversation is a non-empty list"),
     ([["hello"]], r"messages\[0\]: message 0 is a str, not a message dict"),
+    ([{"role": "tool", "content": "42"}], "message 0: a 'tool' message names the tool_call_id"),
     ([CONVERSATION[0], "oops"], "message 1 is a str, not a message dict"),
 ])
 def test_messages_it_cannot_render_are_refused_naming_the_problem(llm, messages, words):
@@ -70,6 +72,15 @@ def test_messages_reach_the_template_as_the_server_passes_them(llm):
                         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}):
         served = template_message(ChatMessage.model_validate(message).model_dump(exclude_none=True))
         assert template_message(message) == served
+
+
+def test_tools_the_template_cannot_render_are_refused_and_unread_variables_warned_of(llm, caplog):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(ChatInputError, match="does not render tools"):  # the bundled template renders none
+        llm.chat(CONVERSATION, GREEDY, tools=[tool])
+    with caplog.at_level("WARNING", logger="kiln.runtime"):
+        llm.chat(CONVERSATION, GREEDY, chat_template_kwargs={"enable_thinking": False})
+    assert "chat_template_kwargs enable_thinking: the chat template never reads them" in caplog.text
 
 
 def test_params_are_given_once_and_a_chat_needs_a_template(llm):
