@@ -227,12 +227,14 @@ def serve(
     port: Annotated[int | None, typer.Option(min=0, max=65535, help="Port (default: the config's serve.port, else "
                                                                     f"{DEFAULT_PORT}; 0 picks a free one).")] = None,
     api_keys: Annotated[list[str] | None, typer.Option(
-        "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/ routes; repeatable, any one is accepted (vLLM's "
+        "--api-key", help="Require 'Authorization: Bearer KEY' on the API's routes (/v1/, /invocations, /tokenize, "
+                          "/detokenize, /tokenizer_info); repeatable, any one is accepted (vLLM's "
                           "--api-key k1 k2) (default: $KILN_API_KEY, the config's serve.api_key, else vLLM's "
                           "$VLLM_API_KEY).")] = None,
-    max_queue: Annotated[int | None, typer.Option(min=1, help="Requests that may wait beyond the engine's batch "
-                                                              "before new ones get 503 (default: the config's "
-                                                              f"serve.max_queue, else {DEFAULT_MAX_QUEUE}).")] = None,
+    max_queue: Annotated[int | None, typer.Option(min=1, help="Sequences (prompts x n) that may wait beyond the "
+                                                              "engine's batch before new requests get 503 (default: "
+                                                              f"the config's serve.max_queue, else "
+                                                              f"{DEFAULT_MAX_QUEUE}).")] = None,
     model_names: Annotated[list[str] | None, typer.Option(
         "--model-name", "--served-model-name", help="Model id clients send (--served-model-name, as in vLLM; "
                                                     "default: the config's name); repeatable: responses name the "
