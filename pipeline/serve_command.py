@@ -233,7 +233,7 @@ def serve(
                           "$VLLM_API_KEY).")] = None,
     max_queue: Annotated[int | None, typer.Option(min=1, help="Sequences (prompts x n) that may wait beyond the "
                                                               "engine's batch before new requests get 503 (default: "
-                                                              f"the config's serve.max_queue, else "
+                                                              "the config's serve.max_queue, else "
                                                               f"{DEFAULT_MAX_QUEUE}).")] = None,
     model_names: Annotated[list[str] | None, typer.Option(
         "--model-name", "--served-model-name", help="Model id clients send (--served-model-name, as in vLLM; "
