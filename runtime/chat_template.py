@@ -16,10 +16,8 @@ from jinja2 import nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kiln.runtime.chat_template_files import ChatTemplateFiles
 from kiln.runtime.errors import KilnError
-from kiln.runtime.tokenizer import special_token_text
-
-_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
 class ChatTemplateError(KilnError):
@@ -125,25 +123,23 @@ class ChatTemplate:
         """The template of an engine or checkpoint directory (`chat_template.jinja`, else `tokenizer_config.json`'s
         `chat_template`), or ``source`` in its place (with the directory's special tokens); None when it has
         none."""
-        directory = Path(directory)
-        config_path = directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-        jinja_path = directory / "chat_template.jinja"
-        if source is not None:
-            origin = "the chat template given in place of the model's"
-        else:
-            origin = jinja_path.name if jinja_path.is_file() else "chat_template in tokenizer_config.json"
-            source = jinja_path.read_text(encoding="utf-8") if jinja_path.is_file() else config.get("chat_template")
-        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
-        if not isinstance(source, str) or not source:
+        return cls.from_files(ChatTemplateFiles.read(directory), source)
+
+    @classmethod
+    def from_files(cls, files: ChatTemplateFiles, source: str | None = None) -> ChatTemplate | None:
+        """The template ``files`` hold, or ``source`` in its place (with their special tokens); None when there is
+        none."""
+        if files.problem is not None:
+            raise ChatTemplateError(files.problem)
+        origin = files.origin if source is None else "the chat template given in place of the model's"
+        source = files.source if source is None else source
+        if not source:
             return None
-        special = {name: text for name in _SPECIAL_TOKENS if (text := special_token_text(config.get(name)))}
         try:
-            return cls(source, special)
+            return cls(source, files.special_tokens)
         except jinja2.TemplateSyntaxError as exc:
-            raise ChatTemplateError(f"{directory}: the chat template does not parse ({exc}): fix {origin}") from None
+            raise ChatTemplateError(f"{files.directory}: the chat template does not parse ({exc}): fix "
+                                    f"{origin}") from None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, variables: dict[str, Any] | None = None,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from collections import abc
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.runtime.errors import InvalidRequestError
@@ -15,6 +14,7 @@ logger = logging.getLogger("kiln.runtime")
 
 if TYPE_CHECKING:  # jinja2 is imported only when a chat is rendered
     from kiln.runtime.chat_template import ChatTemplate
+    from kiln.runtime.chat_template_files import ChatTemplateFiles
     from kiln.runtime.tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
@@ -47,23 +47,24 @@ def _check_messages(conversation: abc.Sequence, where: str) -> None:
                                  "({'role': ..., 'content': ...})")
 
 
-def load_template(engine_dir: Path | None, source: str | None) -> ChatTemplate:
-    """The engine's chat template, or ``source`` in its place (with the engine's special tokens)."""
+def load_template(files: ChatTemplateFiles | None, source: str | None) -> ChatTemplate:
+    """The chat template ``files`` hold (an engine's, read at its load), or ``source`` in its place (with their
+    special tokens)."""
     from kiln.runtime.chat_template import ChatTemplate, ChatTemplateError
 
     if source is not None and not source.strip():
         raise ChatInputError("chat_template is empty: pass a template's source, or leave it out for the engine's own")
-    if engine_dir is None:
+    if files is None:
         if source is None:
             raise ChatInputError("this LLM was not loaded from an engine directory, so it has no chat template: pass "
                                  "chat_template=")
         return ChatTemplate(source, {})
     try:
-        template = ChatTemplate.from_dir(engine_dir, source)
+        template = ChatTemplate.from_files(files, source)
     except ChatTemplateError as exc:
         raise ChatInputError(str(exc)) from None
     if template is None:
-        raise ChatInputError(f"{engine_dir} has no chat template (neither chat_template.jinja nor "
+        raise ChatInputError(f"{files.directory} has no chat template (neither chat_template.jinja nor "
                              "tokenizer_config.json holds one): pass chat_template=, or render the prompt yourself "
                              "and call generate")
     return template

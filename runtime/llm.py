@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.runtime.cache_hold import EntryHold, hold_if_cached
+from kiln.runtime.chat_template_files import ChatTemplateFiles
 from kiln.runtime.closed_engine import ClosedEngine
 from kiln.runtime.conversations import as_conversations, load_template, render_prompts
 from kiln.runtime.delivery import ABORTING, Outbox, Sink, settle
@@ -53,14 +54,16 @@ class LLM:
     """
 
     def __init__(self, engine: Engine, load_ms: float = 0.0, hold: EntryHold | None = None,
-                 default_params: SamplingParams | None = None, engine_dir: Path | None = None) -> None:
+                 default_params: SamplingParams | None = None, engine_dir: Path | None = None,
+                 chat_template_files: ChatTemplateFiles | None = None) -> None:
         if isinstance(engine, str | os.PathLike):
             raise TypeError(f"LLM({str(engine)!r}): load an engine with LLM.load(engine_dir[, RuntimeOptions(...)])")
         self.engine: Engine | ClosedEngine = engine  # a ClosedEngine once closed
         self.load_ms = load_ms
         self.default_params = default_params or SamplingParams()  # what a request given no SamplingParams takes
-        self.engine_dir = engine_dir  # where the engine was loaded from (its chat template), if it was
-        self._chat_template: ChatTemplate | None = None  # the engine's, read at the first chat()
+        self.engine_dir = engine_dir  # where the engine was loaded from, if it was
+        self._chat_template_files = chat_template_files  # its chat template as read at the load
+        self._chat_template: ChatTemplate | None = None  # that template, compiled at the first chat()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._results: dict[str, Future] = {}
@@ -95,6 +98,7 @@ class LLM:
                                     f"(`kiln cache show KEY` shows a cached engine's)")
         options = options or RuntimeOptions()
         default_params = _model_default_params(engine_dir)  # a bad generation_config.json: warned of before the load
+        chat_template_files = ChatTemplateFiles.read(engine_dir)  # kept, so that chat() needs the directory no more
         load = engine_loader(engine_dir, options)
         start = time.perf_counter()
         hold = hold_if_cached(engine_dir)  # a cached engine is not evicted while this LLM has it loaded
@@ -105,7 +109,7 @@ class LLM:
                 hold.release()
             raise
         return cls(engine, load_ms=(time.perf_counter() - start) * 1000, hold=hold, default_params=default_params,
-                   engine_dir=engine_dir)
+                   engine_dir=engine_dir, chat_template_files=chat_template_files)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -137,9 +141,10 @@ class LLM:
     def generate(self, prompts: Prompt | abc.Sequence[Prompt],
                  params: SamplingParams | abc.Sequence[SamplingParams] | None = None, *,
                  sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = False) -> list[RequestOutput]:
         """Complete each prompt (text or token ids); blocks until all are done. Outputs follow the prompts' order.
-        ``sampling_params`` is vLLM's name for ``params``; ``use_tqdm`` draws a progress bar on stderr."""
+        ``sampling_params`` is vLLM's name for ``params``; ``use_tqdm`` draws a progress bar on stderr (True: tqdm's;
+        a tqdm-like class, as vLLM takes, draws its own)."""
         if not isinstance(prompts, str | list | tuple | dict):
             raise InvalidRequestError(f"prompts must be text, token ids, or a list of those; got "
                                       f"{type(prompts).__name__}")
@@ -149,7 +154,7 @@ class LLM:
         try:
             futures = self._enqueue(seqs, [Sink() for _ in seqs])
             if use_tqdm:
-                wait_showing_progress(futures)
+                wait_showing_progress(futures, None if use_tqdm is True else use_tqdm)
             return [f.result() for f in futures]
         except BaseException:
             for seq in seqs:
@@ -158,7 +163,8 @@ class LLM:
 
     def chat(self, messages: abc.Sequence[Mapping[str, Any]] | abc.Sequence[abc.Sequence[Mapping[str, Any]]],
              params: SamplingParams | abc.Sequence[SamplingParams] | None = None, *,
-             sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+             sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., Any] = False,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: abc.Sequence[Mapping[str, Any]] | None = None,
              chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
@@ -167,9 +173,10 @@ class LLM:
         source in its place) with ``tools`` and the template's further variables ``chat_template_kwargs``, as
         vLLM's ``LLM.chat``; one output per conversation. With ``continue_final_message`` (and
         ``add_generation_prompt=False``) the completion continues the final message."""
+        self._check_open()
         template = self._chat_template if chat_template is None else None
         if template is None:
-            template = load_template(self.engine_dir, chat_template)
+            template = load_template(self._chat_template_files, chat_template)
             if chat_template is None:
                 self._chat_template = template
         prompts = render_prompts(as_conversations(messages), template, self.tokenizer,

@@ -100,3 +100,44 @@ def test_use_tqdm_draws_progress_on_stderr_and_changes_no_output(llm, capsys):
     assert [o.token_ids for o in shown] == [o.token_ids for o in plain]
     captured = capsys.readouterr()
     assert "Processed prompts" in captured.err and "2/2" in captured.err and captured.out == ""
+
+
+def test_a_tqdm_like_class_draws_the_bar_as_in_vllm(llm):
+    made = []
+
+    class Bar:
+        def __init__(self, **kwargs) -> None:
+            self.done, self.total = 0, kwargs["total"]
+            made.append(self)
+
+        def __enter__(self) -> Bar:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            self.done += n
+
+    llm.generate(["a", "b", "c"], GREEDY, use_tqdm=Bar)
+    assert [(bar.total, bar.done) for bar in made] == [(3, 3)]
+
+
+def test_a_chat_needs_the_engine_directory_no_more_after_the_load(tmp_path, llm):
+    import shutil
+
+    from kiln import LLM, EngineClosedError
+
+    shutil.copytree(llm.engine_dir, tmp_path / "engine")
+    moved = LLM.load(tmp_path / "engine")
+    try:
+        shutil.rmtree(tmp_path / "engine")  # a service that unpacked the engine and cleaned up
+        [output] = moved.chat(CONVERSATION, GREEDY)
+        assert output.prompt_token_ids == llm.chat(CONVERSATION, GREEDY)[0].prompt_token_ids
+    finally:
+        moved.close()
+    with pytest.raises(EngineClosedError):
+        moved.chat(CONVERSATION, GREEDY)
