@@ -162,7 +162,7 @@ class ChatTemplate:
             text = self._template.render(**given, **{"documents": None, **(variables or {})})
         except ChatTemplateError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, LookupError) as exc:
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, RecursionError) as exc:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from None
         return _cut_after(text, messages[-1]["content"]) if continue_final_message else text
 

@@ -84,7 +84,7 @@ def render_prompts(conversations: list[list[Mapping[str, Any]]], template: ChatT
     if tools and "tools" not in template.reads:
         raise ChatInputError("the chat template does not render tools, so the model cannot call them: pass no tools")
     if unread := [name for name in chat_template_kwargs or {} if name not in template.reads]:
-        logger.warning("chat_template_kwargs %s: the chat template never reads them", ", ".join(unread))
+        logger.warning("chat_template_kwargs %s: the chat template never reads them", ", ".join(map(repr, unread)))
     if add_generation_prompt and continue_final_message:
         raise ChatInputError("continue_final_message needs add_generation_prompt=False: the completion continues the "
                              "final message rather than starting a new one")

@@ -80,7 +80,7 @@ def test_tools_the_template_cannot_render_are_refused_and_unread_variables_warne
         llm.chat(CONVERSATION, GREEDY, tools=[tool])
     with caplog.at_level("WARNING", logger="kiln.runtime"):
         llm.chat(CONVERSATION, GREEDY, chat_template_kwargs={"enable_thinking": False})
-    assert "chat_template_kwargs enable_thinking: the chat template never reads them" in caplog.text
+    assert "chat_template_kwargs 'enable_thinking': the chat template never reads them" in caplog.text
 
 
 def test_params_are_given_once_and_a_chat_needs_a_template(llm):

@@ -223,6 +223,12 @@ def test_ignored_fields_are_named_in_a_header_streamed_or_not(server):
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, reasoning_effort="low",
             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert unread.headers["kiln-ignored-fields"] == "chat_template_kwargs.enable_thinking, reasoning_effort"
+        for stream in (False, True):  # keys no header can carry are left out of it, and the request served
+            odd = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=stream,
+                extra_body={"chat_template_kwargs": {"日本": 1, "a\r\nX-Injected: 1": 1, "k": 1}})
+            assert odd.status_code == 200 and odd.headers["kiln-ignored-fields"] == "chat_template_kwargs.k"
+            odd.parse()
         with client.completions.with_streaming_response.create(model=MODEL, prompt="a", max_tokens=2, stream=True,
                                                                extra_body={"metadata": {"a": "b"}}) as stream:
             assert stream.headers["kiln-ignored-fields"] == "metadata"

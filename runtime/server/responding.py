@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -28,6 +29,8 @@ logger = logging.getLogger("kiln.server")
 STOP_TOKEN_CONTEXT = 5  # tokens decoded before a stop token to find the text it adds (vLLM's detokenizer's offset)
 
 IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
+HEADER_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,100}")  # a field's name, or a template variable's
+MAX_IGNORED_NAMES = 32
 ABORTED_OUTPUTS_WAIT_S = 5.0  # how long a request whose client went away waits for its jobs' aborted outputs
 
 
@@ -220,11 +223,11 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
     ``stream_options`` ask), or the JSON body ``build`` makes once every job is done. Either says in the
     IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored (``ignored``, default
     ``req.ignored_fields()``)."""
+    ignored = ignored_header(req.ignored_fields() if ignored is None else ignored)
+    headers = {IGNORED_FIELDS_HEADER: ignored} if ignored else {}
     release = model.admission.reserve(len(jobs))
     for job in jobs[::req.n]:  # each prompt's first choice: vLLM counts a prompt of a batch as a request
         metrics.vllm.requested(req.n, job.params.max_tokens)
-    ignored = ", ".join(req.ignored_fields() if ignored is None else ignored)
-    headers = {IGNORED_FIELDS_HEADER: ignored} if ignored else {}
     if req.stream:
         options = req.stream_options
         with_usage = stream.with_usage or options is not None and options.include_usage
@@ -242,6 +245,14 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
     # other requests' streams
     return await asyncio.to_thread(
         lambda: JSONResponse(build(outputs, usage_of(prompts, outputs)).model_dump(mode="json"), headers=headers))
+
+
+def ignored_header(names: list[str]) -> str:
+    """The IGNORED_FIELDS_HEADER value naming ``names``: only names a header can carry (a client's
+    chat_template_kwargs key may hold anything; no template reads one that is not a name), at most
+    MAX_IGNORED_NAMES of them, "..." standing for the rest."""
+    fit = [name for name in names if HEADER_SAFE_NAME.fullmatch(name)]
+    return ", ".join(fit[:MAX_IGNORED_NAMES] + (["..."] if len(fit) > MAX_IGNORED_NAMES else []))
 
 
 def stream_chunk(request_id: str, object_name: str, created: int, model_name: str, choices: list[dict],
