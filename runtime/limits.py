@@ -73,6 +73,7 @@ class EngineLimits:
                                       f"tokens: lower max_tokens or load with more num_kv_blocks")
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
             named = getattr(params, name) or ()
-            if self.vocab_size is not None and (outside := sorted(t for t in named if t >= self.vocab_size)):
+            if self.vocab_size is not None and named and max(named) >= self.vocab_size:
+                outside = sorted(t for t in named if t >= self.vocab_size)
                 raise InvalidRequestError(f"token ids {outside[:8]} (in {name}) are outside the vocabulary of "
                                           f"{self.vocab_size} tokens: send ids below {self.vocab_size}")

@@ -104,10 +104,10 @@ class SamplingParams:
             setattr(self, name, kind(value or ()))
         for name in NUMBER_FIELDS:
             setattr(self, name, plain_number(getattr(self, name)))
-        self.stop_token_ids = [plain_number(t) for t in self.stop_token_ids]
+        self.stop_token_ids = _plain_ids(self.stop_token_ids)
         self.logit_bias = {plain_number(t): plain_number(bias) for t, bias in self.logit_bias.items()}
         if isinstance(self.allowed_token_ids, list | tuple):
-            self.allowed_token_ids = [plain_number(t) for t in self.allowed_token_ids]
+            self.allowed_token_ids = _plain_ids(self.allowed_token_ids)
         self._validate()
         self._validate_controls()
         if self.structured_output is not None:
@@ -157,7 +157,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
         if self.stop and not self.detokenize:
             raise ValueError("SamplingParams.stop needs detokenize=True: stop strings are found in the text")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        if not _are_token_ids(self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
         for name in ("ignore_eos", "detokenize", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
@@ -178,8 +178,7 @@ class SamplingParams:
             if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"SamplingParams.logit_bias[{token_id}] must be a number in [-100, 100], got {bias!r}")
         allowed = self.allowed_token_ids
-        if allowed is not None and (not isinstance(allowed, list) or not allowed
-                                    or not all(_is_int(t) and t >= 0 for t in allowed)):
+        if allowed is not None and (not isinstance(allowed, list) or not allowed or not _are_token_ids(allowed)):
             raise ValueError(f"SamplingParams.allowed_token_ids must be None or a non-empty list of token ids >= 0, "
                              f"got {allowed!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
@@ -236,6 +235,21 @@ def plain_number(value: object) -> object:
     if getattr(value, "ndim", None) == 0 and "float" in str(getattr(value, "dtype", "")):
         return float(value)  # a 0-d floating torch tensor, which is no numbers.Real
     return value
+
+
+def _plain_ids(values: list | tuple) -> list:
+    """Token ids as a list of Python ints (NumPy's and torch's converted); a list of Python ints, the usual case,
+    is copied without a call per id (a server makes one SamplingParams a prompt, each of up to a vocabulary's ids)."""
+    if all(type(t) is int for t in values):
+        return list(values)
+    return [plain_number(t) for t in values]
+
+
+def _are_token_ids(values: list) -> bool:
+    """Whether every value is an int (not a bool) >= 0."""
+    if all(type(t) is int for t in values):  # the usual case, without a call per id
+        return not values or min(values) >= 0
+    return all(_is_int(t) and t >= 0 for t in values)
 
 
 def _is_int(value: object) -> bool:

@@ -88,6 +88,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "add_special_tokens": False}, "add_special_tokens", ["not supported", "true"]),
     ({"prompt": "hi", "allowed_token_ids": [5, 999999]}, "allowed_token_ids", ["999999", "outside this model's "
                                                                                 "vocabulary"]),
+    ({"prompt": ["hi"] * 4, "allowed_token_ids": [5] * 70_000}, "allowed_token_ids",  # each prompt would copy them
+     ["70000 token ids, more than this model's vocabulary"]),
     ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", ["at least 1"]),
     ({"prompt": "hi", "best_of": 1, "n": 2}, "best_of", ["best_of (1) must be greater than or equal to n (2)"]),
 ])

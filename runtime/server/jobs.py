@@ -90,7 +90,11 @@ def check_request(model: ServedModel, req: SamplingFields) -> None:
     vocab_size = model.limits.vocab_size
     for param, token_ids in (("logit_bias", req.logit_bias or {}), ("stop_token_ids", req.stop_token_ids or []),
                              ("allowed_token_ids", req.allowed_token_ids or [])):
-        if vocab_size is not None and (outside := sorted(t for t in token_ids if t >= vocab_size)):
+        if vocab_size is not None and len(token_ids) > vocab_size:  # each of its prompts' choices would copy them
+            raise APIError(400, f"'{param}' names {len(token_ids)} token ids, more than this model's vocabulary of "
+                                f"{vocab_size} tokens: name each once", param=param)
+        if vocab_size is not None and token_ids and max(token_ids) >= vocab_size:
+            outside = sorted(t for t in token_ids if t >= vocab_size)
             raise APIError(400, f"'{param}' names token ids {outside[:8]} outside this model's vocabulary of "
                                 f"{vocab_size} tokens: send ids below {vocab_size}", param=param)
 
