@@ -523,8 +523,13 @@ def test_an_app_over_an_llm_mounted_in_the_embedders_own_app_serves_at_once(llm)
     from fastapi.testclient import TestClient
 
     mine = FastAPI()
-    mine.mount("/kiln", create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL)))
+    mine.mount("/kiln", create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL, api_key="sekret")))
     with TestClient(mine, base_url="http://testserver/kiln") as http:  # runs mine's lifespan, as uvicorn would
         assert http.get("/health").status_code == 200
-        answer = http.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon", "max_tokens": 2})
+        body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 2}
+        for path in ("/v1/completions", "/tokenize"):  # the key guards the mounted app's routes too
+            assert http.post(path, json=body).status_code == 401, path
+        answer = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+        metrics = http.get("/metrics").text
+        assert 'kiln_requests_total{endpoint="/v1/completions",status="401"} 1.0' in metrics  # the route, not "other"

@@ -47,6 +47,7 @@ from kiln.runtime.server.request_id import REQUEST_ID_HEADER, RequestIdMiddlewar
 from kiln.runtime.server.responding import IGNORED_FIELDS_HEADER
 from kiln.runtime.server.responses import create_response
 from kiln.runtime.server.responses_protocol import ResponseObject, ResponsesRequest
+from kiln.runtime.server.route_path import route_path
 from kiln.runtime.server.settings import ServerSettings
 from kiln.runtime.server.tokenize import detokenize, server_version, tokenize, tokenizer_info
 
@@ -106,7 +107,8 @@ class APIKeyMiddleware:
         return any([hmac.compare_digest(key, expected) for expected in self.expected])  # a list: every one compared
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in _KEYED_PATHS):
+        path = route_path(scope) if scope["type"] == "http" else ""  # mounted in an embedder's app too
+        if path.startswith("/v1/") or path in _KEYED_PATHS:
             header = dict(scope["headers"]).get(b"authorization")
             scheme, _, key = (header or b"").partition(b" ")
             if header is None or scheme.lower() != b"bearer" or not self._accepts(key.strip()):

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.server.binned_histogram import BinnedHistogram, Observations
+from kiln.runtime.server.route_path import route_path
 from kiln.runtime.server.vllm_metrics import VllmEngineCollector, VllmRequestMetrics, reported
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -266,6 +267,6 @@ class RequestCountMiddleware:
             await self.app(scope, receive, send_recording)
         finally:
             counted = CLIENT_CLOSED_REQUEST if scope.get(CLIENT_GONE) else status  # a stream's client went away
-            self.metrics.requests.labels(endpoint_label(scope["path"]), str(counted)).inc()
+            self.metrics.requests.labels(endpoint_label(route_path(scope)), str(counted)).inc()
             if handler is not None:
                 self.metrics.http.observe(scope, handler, status, response_bytes, time.perf_counter() - start)
