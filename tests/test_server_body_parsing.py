@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kiln.runtime.server import ServerSettings, ServerThread, create_app, json_body
-from kiln.runtime.server.json_body import MAX_CONTAINERS, MAX_DEPTH, THREAD_THRESHOLD_BYTES
+from kiln.runtime.server.json_body import MAX_CONTAINERS, MAX_DEPTH, MAX_VALUES, THREAD_THRESHOLD_BYTES
 
 NOT_LOADED = 503  # what a body that passes parsing gets from an app whose engine has not loaded
 
@@ -75,6 +75,10 @@ def test_a_15_mib_body_of_small_arrays_is_refused_at_once_and_the_event_loop_kee
     response, lag = asyncio.run(refuse_while_ticking())
     refused(response, f"more than {MAX_CONTAINERS} JSON arrays and objects")
     assert lag < 0.5, f"the event loop stalled for {lag:.2f} s"
+
+
+def test_a_body_of_too_many_values_is_refused_naming_the_bound():  # validating them would stall the event loop
+    refused(asyncio.run(post(completion(b"[" + b"1," * MAX_VALUES + b"1]"))), f"more than {MAX_VALUES} JSON values")
 
 
 def test_brackets_inside_strings_do_not_count():
