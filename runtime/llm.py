@@ -62,6 +62,8 @@ class LLM:
         self.load_ms = load_ms
         self.default_params = default_params or SamplingParams()  # what a request given no SamplingParams takes
         self.engine_dir = engine_dir  # where the engine was loaded from, if it was
+        if chat_template_files is None and engine_dir is not None:
+            chat_template_files = ChatTemplateFiles.read(engine_dir)
         self._chat_template_files = chat_template_files  # its chat template as read at the load
         self._chat_template: ChatTemplate | None = None  # that template, compiled at the first chat()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -154,7 +156,7 @@ class LLM:
         try:
             futures = self._enqueue(seqs, [Sink() for _ in seqs])
             if use_tqdm:
-                wait_showing_progress(futures, None if use_tqdm is True else use_tqdm)
+                wait_showing_progress(futures, use_tqdm if callable(use_tqdm) else None)  # a class, as vLLM's
             return [f.result() for f in futures]
         except BaseException:
             for seq in seqs:

@@ -361,6 +361,18 @@ def test_vllm_request_series_read_zero_before_the_first_request_as_vllms_do():
         assert series in lines
 
 
+def test_vllm_token_counters_read_zero_while_the_engine_loads():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kiln.runtime.server.vllm_metrics import VllmEngineCollector
+
+    registry = CollectorRegistry()
+    registry.register(VllmEngineCollector(MODEL, lambda: None))  # no engine stats yet
+    lines = generate_latest(registry).decode().splitlines()
+    for name in ("prompt_tokens", "generation_tokens"):
+        assert f'vllm:{name}_total{{engine="0",model_name="{MODEL}"}} 0.0' in lines
+
+
 def test_token_counters_and_vllms_earlier_prefix_cache_names_are_read_from_the_engines_stats():
     from prometheus_client import CollectorRegistry, generate_latest
 

@@ -80,8 +80,8 @@ class VllmEngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
-        if stats is None:  # the engine is still loading, or has failed
-            return
+        if stats is None:  # the engine is still loading, or has failed: only its token counters, at 0 (as vLLM's
+            stats = {"num_prompt_tokens": 0, "num_generated_tokens": 0}  # from the start: a rate() reads 0)
         value = [self._model_name, ENGINE_INDEX]
         kv = stats.get("kv_cache")
         if kv is not None:  # the share of the pool in use, under its name and the one before vLLM 0.11
