@@ -54,17 +54,15 @@ class LLM:
     """
 
     def __init__(self, engine: Engine, load_ms: float = 0.0, hold: EntryHold | None = None,
-                 default_params: SamplingParams | None = None, engine_dir: Path | None = None,
-                 chat_template_files: ChatTemplateFiles | None = None) -> None:
+                 default_params: SamplingParams | None = None, engine_dir: Path | None = None) -> None:
         if isinstance(engine, str | os.PathLike):
             raise TypeError(f"LLM({str(engine)!r}): load an engine with LLM.load(engine_dir[, RuntimeOptions(...)])")
         self.engine: Engine | ClosedEngine = engine  # a ClosedEngine once closed
         self.load_ms = load_ms
         self.default_params = default_params or SamplingParams()  # what a request given no SamplingParams takes
         self.engine_dir = engine_dir  # where the engine was loaded from, if it was
-        if chat_template_files is None and engine_dir is not None:
-            chat_template_files = ChatTemplateFiles.read(engine_dir)
-        self._chat_template_files = chat_template_files  # its chat template as read at the load
+        # its chat template's files, read now, so that chat() needs the directory no more
+        self._chat_template_files = None if engine_dir is None else ChatTemplateFiles.read(engine_dir)
         self._chat_template: ChatTemplate | None = None  # that template, compiled at the first chat()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -100,7 +98,6 @@ class LLM:
                                     f"(`kiln cache show KEY` shows a cached engine's)")
         options = options or RuntimeOptions()
         default_params = _model_default_params(engine_dir)  # a bad generation_config.json: warned of before the load
-        chat_template_files = ChatTemplateFiles.read(engine_dir)  # kept, so that chat() needs the directory no more
         load = engine_loader(engine_dir, options)
         start = time.perf_counter()
         hold = hold_if_cached(engine_dir)  # a cached engine is not evicted while this LLM has it loaded
@@ -111,7 +108,7 @@ class LLM:
                 hold.release()
             raise
         return cls(engine, load_ms=(time.perf_counter() - start) * 1000, hold=hold, default_params=default_params,
-                   engine_dir=engine_dir, chat_template_files=chat_template_files)
+                   engine_dir=engine_dir)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
