@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from kiln.runtime.errors import InvalidRequestError
@@ -72,8 +73,14 @@ class EngineLimits:
             raise RequestTooLongError(f"request of {total} tokens does not fit the KV pool of {self.kv_pool_tokens} "
                                       f"tokens: lower max_tokens or load with more num_kv_blocks")
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
-            named = getattr(params, name) or ()
-            if self.vocab_size is not None and named and max(named) >= self.vocab_size:
-                outside = sorted(t for t in named if t >= self.vocab_size)
+            if outside := outside_vocabulary(getattr(params, name) or (), self.vocab_size):
                 raise InvalidRequestError(f"token ids {outside[:8]} (in {name}) are outside the vocabulary of "
                                           f"{self.vocab_size} tokens: send ids below {self.vocab_size}")
+
+
+def outside_vocabulary(token_ids: Iterable[int], vocab_size: int | None) -> list[int]:
+    """The ids of ``token_ids`` (a list, or a dict's keys) at or above ``vocab_size``, sorted; none when the size is
+    unknown. One max() over them decides first, so ids all within it cost no call per id."""
+    if vocab_size is None or not token_ids or max(token_ids) < vocab_size:
+        return []
+    return sorted(t for t in token_ids if t >= vocab_size)

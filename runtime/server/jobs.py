@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from kiln.runtime.limits import outside_vocabulary
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import Job, ServedModel, sampling_params
 from kiln.runtime.server.protocol import SamplingFields
@@ -93,8 +94,7 @@ def check_request(model: ServedModel, req: SamplingFields) -> None:
         if vocab_size is not None and len(token_ids) > vocab_size:  # each of its prompts' choices would copy them
             raise APIError(400, f"'{param}' names {len(token_ids)} token ids, more than this model's vocabulary of "
                                 f"{vocab_size} tokens: name each once", param=param)
-        if vocab_size is not None and token_ids and max(token_ids) >= vocab_size:
-            outside = sorted(t for t in token_ids if t >= vocab_size)
+        if outside := outside_vocabulary(token_ids, vocab_size):
             raise APIError(400, f"'{param}' names token ids {outside[:8]} outside this model's vocabulary of "
                                 f"{vocab_size} tokens: send ids below {vocab_size}", param=param)
 
