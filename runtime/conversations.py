@@ -73,9 +73,9 @@ def load_template(files: ChatTemplateFiles | None, source: str | None) -> ChatTe
 def render_prompts(conversations: list[list[Mapping[str, Any]]], template: ChatTemplate, tokenizer: Tokenizer | None,
                    *, add_generation_prompt: bool, continue_final_message: bool,
                    tools: abc.Sequence[Mapping[str, Any]] | None,
-                   chat_template_kwargs: Mapping[str, Any] | None) -> list[list[int]]:
-    """Each conversation's prompt token ids: rendered by ``template`` (which writes BOS itself) and tokenized without
-    special tokens, as vLLM and transformers tokenize a rendered chat."""
+                   chat_template_kwargs: Mapping[str, Any] | None) -> list[tuple[str, list[int]]]:
+    """Each conversation's prompt text and token ids: rendered by ``template`` (which writes BOS itself) and
+    tokenized without special tokens, as vLLM and transformers tokenize a rendered chat."""
     from kiln.runtime.chat_template import ChatTemplateError
 
     if tokenizer is None:
@@ -97,7 +97,7 @@ def render_prompts(conversations: list[list[Mapping[str, Any]]], template: ChatT
                                    dict(chat_template_kwargs or {}), continue_final_message)
         except (ChatInputError, ChatTemplateError) as exc:
             raise ChatInputError(f"{where}{exc}") from None
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        prompts.append((text, tokenizer.encode(text, add_special_tokens=False)))
     return prompts
 
 

@@ -23,6 +23,7 @@ class Sink:
     loop: asyncio.AbstractEventLoop | None = None
     push: Callable[[StreamDelta | BaseException], None] | None = None
     every_delta: bool = True  # False: push the final delta only
+    prompt: str | None = None  # the prompt's text, which the final output carries (RequestOutput.prompt)
 
 
 ABORTING = Sink()  # the sink of a request abort_all failed, until the engine's final delta for it

@@ -149,9 +149,14 @@ class LLM:
                                       f"{type(prompts).__name__}")
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
-        seqs = self._make_requests(prompts, _one_of(params, sampling_params))
+        return self._generate(prompts, _one_of(params, sampling_params), use_tqdm, list(map(_prompt_text, prompts)))
+
+    def _generate(self, prompts: abc.Sequence[Prompt], params: SamplingParams | abc.Sequence[SamplingParams] | None,
+                  use_tqdm: bool | Callable[..., Any], texts: list[str | None]) -> list[RequestOutput]:
+        """``generate`` of a list of prompts whose outputs carry ``texts`` as their ``prompt``."""
+        seqs = self._make_requests(prompts, params)
         try:
-            futures = self._enqueue(seqs, [Sink() for _ in seqs])
+            futures = self._enqueue(seqs, [Sink(prompt=text) for text in texts])
             if use_tqdm:
                 wait_showing_progress(futures, use_tqdm if callable(use_tqdm) else None)  # a class, as vLLM's
             return [f.result() for f in futures]
@@ -178,11 +183,12 @@ class LLM:
             template = load_template(self._chat_template_files, chat_template)
             if chat_template is None:
                 self._chat_template = template
-        prompts = render_prompts(as_conversations(messages), template, self.tokenizer,
-                                 add_generation_prompt=add_generation_prompt,
-                                 continue_final_message=continue_final_message, tools=tools,
-                                 chat_template_kwargs=chat_template_kwargs)
-        return self.generate(prompts, _one_of(params, sampling_params), use_tqdm=use_tqdm)
+        rendered = render_prompts(as_conversations(messages), template, self.tokenizer,
+                                  add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message, tools=tools,
+                                  chat_template_kwargs=chat_template_kwargs)
+        return self._generate([ids for _, ids in rendered], _one_of(params, sampling_params), use_tqdm,
+                              [text for text, _ in rendered])
 
     async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, *,
                              request_id: str | None = None) -> RequestOutput:
@@ -191,7 +197,8 @@ class LLM:
         loop = asyncio.get_running_loop()
         seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params, self.default_params))
         result = loop.create_future()
-        self._enqueue([seq], [Sink(loop=loop, push=functools.partial(settle, result), every_delta=False)])
+        self._enqueue([seq], [Sink(loop=loop, push=functools.partial(settle, result), every_delta=False,
+                                   prompt=_prompt_text(prompt))])
         try:
             return await result
         except asyncio.CancelledError:
@@ -234,8 +241,8 @@ class LLM:
                     on_finished()
 
         try:
-            self._enqueue(seqs, [Sink(loop=loop, push=functools.partial(push, index), every_delta=not final_only)
-                                 for index in range(len(seqs))])
+            self._enqueue(seqs, [Sink(loop=loop, push=functools.partial(push, index), every_delta=not final_only,
+                                      prompt=_prompt_text(prompt)) for index, prompt in enumerate(prompts)])
             remaining.update(range(len(seqs)))
             while remaining:
                 batch = [await arrived.get()]
@@ -277,7 +284,7 @@ class LLM:
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> str:
         """Queue a request and return its id at once; collect it with `result(request_id)`."""
         seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params, self.default_params))
-        (future,) = self._enqueue([seq], [Sink()])
+        (future,) = self._enqueue([seq], [Sink(prompt=_prompt_text(prompt))])
         with self._lock:
             self._results[seq.request_id] = future
         return seq.request_id
@@ -464,6 +471,8 @@ class LLM:
             sink = self._sinks.pop(delta.request_id, None) if delta.finished else self._sinks.get(delta.request_id)
         if sink is None or sink is ABORTING:
             return
+        if delta.output is not None:
+            delta.output.prompt = sink.prompt
         if sink.loop is not None:
             if sink.loop.is_closed() and not delta.finished:  # nobody can read it any more: free its blocks now
                 self._commands.put(("abort", delta.request_id))
@@ -528,6 +537,14 @@ def _model_default_params(engine_dir: Path) -> SamplingParams:
         logger.info("requests given no SamplingParams take the sampling defaults of the model's "
                     "generation_config.json, as vLLM's LLM.generate does: %s", described(defaults))
     return SamplingParams(**defaults)
+
+
+def _prompt_text(prompt: Prompt) -> str | None:
+    """A prompt's text (``RequestOutput.prompt``): the text given bare or as vLLM's ``{"prompt": text}``; None for
+    token ids."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def _one_of(params: SamplingParams | abc.Sequence[SamplingParams] | None,

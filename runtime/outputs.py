@@ -89,11 +89,28 @@ class TokenLogprob:
         return cls(item[0], item[1], [tuple(pair) for pair in item[2]], item[3])
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request, as vLLM's ``RequestOutput.outputs[i]`` holds it (``index`` 0: Kiln makes one a
+    request). ``logprobs`` are Kiln's ``TokenLogprob``s (vLLM's are dicts of token id to Logprob);
+    ``cumulative_logprob`` is their sum, None when the request asked for none."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
 @dataclass
 class RequestOutput:
     """A finished request: completion text and token ids (a stop token is in `token_ids`, never in `text`), with each
     completion token's log probabilities when the request asked for ``logprobs`` and each prompt token's (None for
-    the first, which has no context) for ``prompt_logprobs``."""
+    the first, which has no context) for ``prompt_logprobs``. ``prompt`` is the prompt's text where the caller gave
+    text (for ``LLM.chat``, the rendered conversation), None for token ids; ``outputs`` reads the completion as
+    vLLM's ``outputs[0]``."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -105,6 +122,14 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_reason: int | str | None = None  # what stopped it: the stop string, or the stop_token_ids id (EOS: None)
+    prompt: str | None = None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The completion as vLLM's one-element ``outputs`` list."""
+        cumulative = None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+        return [CompletionOutput(0, self.text, self.token_ids, cumulative, self.logprobs, self.finish_reason,
+                                 self.stop_reason)]
 
 
 @dataclass

@@ -28,6 +28,7 @@ def oracle_ids(hf_tokenizer, messages: list[dict], **kwargs) -> list[int]:
 def test_a_conversation_is_rendered_as_transformers_renders_it_and_completed(llm, hf_tokenizer):
     [output] = llm.chat(CONVERSATION, GREEDY)
     assert output.prompt_token_ids == oracle_ids(hf_tokenizer, CONVERSATION, add_generation_prompt=True)
+    assert output.prompt == hf_tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
     assert output.token_ids == llm.generate(output.prompt_token_ids, GREEDY)[0].token_ids
 
 

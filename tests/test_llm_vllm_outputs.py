@@ -1,0 +1,38 @@
+"""An output read as vLLM's quickstart reads it: ``output.prompt`` and ``output.outputs[0].text``."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kiln.runtime import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
+
+
+def test_each_output_carries_its_text_prompt_and_its_completion_as_vllms_outputs(llm):
+    ids = llm.tokenizer.encode("the sun")
+    text, as_dict, as_ids = llm.generate(["the sun", {"prompt": "a dog"}, ids], GREEDY)
+    assert (text.prompt, as_dict.prompt, as_ids.prompt) == ("the sun", "a dog", None)
+    [completion] = text.outputs
+    assert (completion.index, completion.text, completion.token_ids, completion.finish_reason) == (
+        0, text.text, text.token_ids, text.finish_reason)
+    assert completion.cumulative_logprob is None  # no logprobs asked for
+    assert as_ids.outputs[0].token_ids == text.token_ids
+
+
+def test_the_cumulative_logprob_sums_the_tokens_logprobs(llm):
+    [output] = llm.generate("the sun", SamplingParams(temperature=0, max_tokens=3, logprobs=0))
+    assert output.outputs[0].cumulative_logprob == sum(lp.logprob for lp in output.logprobs)
+    assert output.outputs[0].cumulative_logprob < 0
+
+
+def test_submitted_streamed_and_awaited_requests_carry_their_prompt_too(llm):
+    assert llm.result(llm.submit("the sun", GREEDY)).prompt == "the sun"
+
+    async def both():
+        awaited = await llm.generate_async({"prompt": "a dog"}, GREEDY)
+        streamed = [delta async for delta in llm.stream("a cat", GREEDY)]
+        return awaited, streamed[-1].output
+
+    awaited, streamed = asyncio.run(both())
+    assert (awaited.prompt, streamed.prompt) == ("a dog", "a cat")
