@@ -53,10 +53,22 @@ class LLM:
     All callers share one engine thread, so requests from many threads and event loops are batched together.
     """
 
-    def __init__(self, engine: Engine, load_ms: float = 0.0, hold: EntryHold | None = None,
-                 default_params: SamplingParams | None = None, engine_dir: Path | None = None) -> None:
+    def __init__(self, engine: Engine | str | os.PathLike | None = None, load_ms: float = 0.0,
+                 hold: EntryHold | None = None, default_params: SamplingParams | None = None,
+                 engine_dir: Path | None = None, *, model: str | os.PathLike | None = None,
+                 options: RuntimeOptions | None = None) -> None:
+        """Serve ``engine``; or, as vLLM's ``LLM(model=...)``, load the engine `kiln build` made in the directory
+        that ``engine`` or ``model`` names, with ``options`` (what ``LLM.load`` does)."""
+        if model is not None:
+            if engine is not None:
+                raise TypeError("name the engine directory once: LLM(engine_dir) or LLM(model=engine_dir)")
+            engine = model
         if isinstance(engine, str | os.PathLike):
-            raise TypeError(f"LLM({str(engine)!r}): load an engine with LLM.load(engine_dir[, RuntimeOptions(...)])")
+            engine, load_ms, hold, default_params, engine_dir = _load(Path(engine).expanduser(), options)
+        elif engine is None:
+            raise TypeError("LLM() needs an engine: LLM(model=engine_dir) or LLM.load(engine_dir, RuntimeOptions(...))")
+        elif options is not None:
+            raise TypeError("options are for loading an engine: LLM(engine_dir, options=RuntimeOptions(...))")
         self.engine: Engine | ClosedEngine = engine  # a ClosedEngine once closed
         self.load_ms = load_ms
         self.default_params = default_params or SamplingParams()  # what a request given no SamplingParams takes
@@ -89,26 +101,7 @@ class LLM:
         CUDA graphs, KV pool size...; default ``RuntimeOptions()``: the engine's own device, everything on).
         `load_ms` records how long it took, leaving out the first import of the backend's modules (torch) in the
         process. A cached engine stays in the cache while it is loaded."""
-        if options is not None and not isinstance(options, RuntimeOptions):
-            raise TypeError(f"options must be a RuntimeOptions, got {type(options).__name__}: "
-                            "LLM.load(path, RuntimeOptions(...))")
-        engine_dir = Path(engine_dir).expanduser()
-        if not engine_dir.is_dir():
-            raise EngineFormatError(f"{engine_dir}: not an engine directory; pass the directory `kiln build` printed "
-                                    f"(`kiln cache show KEY` shows a cached engine's)")
-        options = options or RuntimeOptions()
-        default_params = _model_default_params(engine_dir)  # a bad generation_config.json: warned of before the load
-        load = engine_loader(engine_dir, options)
-        start = time.perf_counter()
-        hold = hold_if_cached(engine_dir)  # a cached engine is not evicted while this LLM has it loaded
-        try:
-            engine = load(engine_dir, options)
-        except BaseException:
-            if hold is not None:
-                hold.release()
-            raise
-        return cls(engine, load_ms=(time.perf_counter() - start) * 1000, hold=hold, default_params=default_params,
-                   engine_dir=engine_dir)
+        return cls(Path(engine_dir), options=options)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -510,6 +503,30 @@ class LLM:
 
 STEP_GRACE_S = 10.0  # how long close waits for the engine's step before it interrupts it
 IDLE_WAKE_S = 1.0  # how often an idle engine thread lets go of its LLM, so that a dropped one can be collected
+
+
+def _load(engine_dir: Path, options: RuntimeOptions | None
+          ) -> tuple[Engine, float, EntryHold | None, SamplingParams, Path]:
+    """``LLM.load``'s work: the engine in ``engine_dir``, the milliseconds its load took, its cache hold, the
+    model's default SamplingParams, and the directory."""
+    if options is not None and not isinstance(options, RuntimeOptions):
+        raise TypeError(f"options must be a RuntimeOptions, got {type(options).__name__}: "
+                        "LLM.load(path, RuntimeOptions(...))")
+    if not engine_dir.is_dir():
+        raise EngineFormatError(f"{engine_dir}: not an engine directory; pass the directory `kiln build` printed "
+                                f"(`kiln cache show KEY` shows a cached engine's)")
+    options = options or RuntimeOptions()
+    default_params = _model_default_params(engine_dir)  # a bad generation_config.json: warned of before the load
+    load = engine_loader(engine_dir, options)
+    start = time.perf_counter()
+    hold = hold_if_cached(engine_dir)  # a cached engine is not evicted while this LLM has it loaded
+    try:
+        engine = load(engine_dir, options)
+    except BaseException:
+        if hold is not None:
+            hold.release()
+        raise
+    return engine, (time.perf_counter() - start) * 1000, hold, default_params, engine_dir
 
 
 def _engine_thread(llm_ref: weakref.ref[LLM]) -> None:

@@ -437,8 +437,13 @@ def test_a_request_given_no_params_takes_the_models_generation_config_defaults_a
     (engine / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with LLM.load(engine) as llm:  # kiln serve --generation-config vllm serves it: a warning, not a refusal
         assert llm.default_params == SamplingParams() and "generation_config.json" in caplog.text
-    with pytest.raises(TypeError, match=r"LLM\('.*'\): load an engine with LLM.load"):
-        LLM(str(engine))
+    (engine / "generation_config.json").unlink()
+    with LLM(model=str(engine)) as llm:  # vLLM's spelling of LLM.load
+        assert llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16))[0].token_ids == greedy
+    for call, words in ((lambda: LLM(), "needs an engine"), (lambda: LLM(engine, model=engine), "once"),
+                        (lambda: LLM(llm.engine, options=RuntimeOptions()), "for loading")):
+        with pytest.raises(TypeError, match=words):
+            call()
 
 
 def test_closed_llm_frees_its_engine_while_referenced_and_refuses_new_requests(engine_dir):
