@@ -133,7 +133,7 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
     def _validate(self) -> None:
-        if self.n != 1 or isinstance(self.n, bool):
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n != 1:
             raise ValueError(f"SamplingParams.n is 1 here, got {self.n!r}: {ONE_COMPLETION}")
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
                 or not math.isfinite(self.temperature) or self.temperature < 0):

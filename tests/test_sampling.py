@@ -94,8 +94,9 @@ def test_a_setting_samplingparams_lacks_is_refused_not_dropped(name, words):
 
 def test_n_is_one_as_vllms_default_and_more_is_refused_saying_what_to_do():
     assert SamplingParams(n=1).n == 1  # code ported from vLLM passes it
-    with pytest.raises(ValueError, match="pass the prompt n times"):
-        SamplingParams(n=4)
+    for n in (4, 1.0, True):  # a float or a bool is no count, even one equal to 1
+        with pytest.raises(ValueError, match="pass the prompt n times"):
+            SamplingParams(n=n)
 
 
 def test_a_subclass_of_samplingparams_takes_its_own_fields():
