@@ -53,25 +53,27 @@ class LLM:
     All callers share one engine thread, so requests from many threads and event loops are batched together.
     """
 
-    def __init__(self, engine: Engine | str | os.PathLike | None = None, load_ms: float = 0.0,
-                 hold: EntryHold | None = None, default_params: SamplingParams | None = None,
-                 engine_dir: Path | None = None, *, model: str | os.PathLike | None = None,
-                 options: RuntimeOptions | None = None) -> None:
-        """Serve ``engine``; or, as vLLM's ``LLM(model=...)``, load the engine `kiln build` made in the directory
-        that ``engine`` or ``model`` names, with ``options`` (what ``LLM.load`` does)."""
+    def __init__(self, engine: Engine | str | os.PathLike | None = None, options: RuntimeOptions | None = None, *,
+                 model: str | os.PathLike | None = None) -> None:
+        """Load the engine `kiln build` made in the directory ``engine`` (or ``model``, vLLM's name) with
+        ``options``, as ``LLM.load`` does; or serve an ``Engine`` object already loaded."""
         if model is not None:
             if engine is not None:
                 raise TypeError("name the engine directory once: LLM(engine_dir) or LLM(model=engine_dir)")
             engine = model
+        load_ms, hold, default_params, engine_dir = 0.0, None, SamplingParams(), None
         if isinstance(engine, str | os.PathLike):
             engine, load_ms, hold, default_params, engine_dir = _load(Path(engine).expanduser(), options)
         elif engine is None:
             raise TypeError("LLM() needs an engine: LLM(model=engine_dir) or LLM.load(engine_dir, RuntimeOptions(...))")
+        elif not callable(getattr(engine, "has_unfinished", None)):  # an Engine is a Protocol, not a class
+            raise TypeError(f"LLM takes an engine directory (a str or a Path) or a loaded Engine, got "
+                            f"{type(engine).__name__}")
         elif options is not None:
-            raise TypeError("options are for loading an engine: LLM(engine_dir, options=RuntimeOptions(...))")
+            raise TypeError("options are for loading an engine: LLM(engine_dir, RuntimeOptions(...))")
         self.engine: Engine | ClosedEngine = engine  # a ClosedEngine once closed
         self.load_ms = load_ms
-        self.default_params = default_params or SamplingParams()  # what a request given no SamplingParams takes
+        self.default_params = default_params  # what a request given no SamplingParams takes
         self.engine_dir = engine_dir  # where the engine was loaded from, if it was
         # its chat template's files, read now, so that chat() needs the directory no more
         self._chat_template_files = None if engine_dir is None else ChatTemplateFiles.read(engine_dir)
@@ -101,7 +103,7 @@ class LLM:
         CUDA graphs, KV pool size...; default ``RuntimeOptions()``: the engine's own device, everything on).
         `load_ms` records how long it took, leaving out the first import of the backend's modules (torch) in the
         process. A cached engine stays in the cache while it is loaded."""
-        return cls(Path(engine_dir), options=options)
+        return cls(Path(engine_dir), options)
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -440,10 +440,17 @@ def test_a_request_given_no_params_takes_the_models_generation_config_defaults_a
     (engine / "generation_config.json").unlink()
     with LLM(model=str(engine)) as llm:  # vLLM's spelling of LLM.load
         assert llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16))[0].token_ids == greedy
+    with pytest.raises(KilnError, match="KV"):  # options apply, given positionally too
+        LLM(engine, RuntimeOptions(num_kv_blocks=1))
     for call, words in ((lambda: LLM(), "needs an engine"), (lambda: LLM(engine, model=engine), "once"),
-                        (lambda: LLM(llm.engine, options=RuntimeOptions()), "for loading")):
+                        (lambda: LLM(_NeverBusy(), RuntimeOptions()), "for loading"), (lambda: LLM(model=12), "got int")):
         with pytest.raises(TypeError, match=words):
             call()
+
+
+class _NeverBusy:
+    def has_unfinished(self) -> bool:
+        return False
 
 
 def test_closed_llm_frees_its_engine_while_referenced_and_refuses_new_requests(engine_dir):
