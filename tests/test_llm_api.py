@@ -443,7 +443,8 @@ def test_a_request_given_no_params_takes_the_models_generation_config_defaults_a
     with pytest.raises(KilnError, match="KV"):  # options apply, given positionally too
         LLM(engine, RuntimeOptions(num_kv_blocks=1))
     for call, words in ((lambda: LLM(), "needs an engine"), (lambda: LLM(engine, model=engine), "once"),
-                        (lambda: LLM(_NeverBusy(), RuntimeOptions()), "for loading"), (lambda: LLM(model=12), "got int")):
+                        (lambda: LLM(_NeverBusy(), RuntimeOptions()), "for loading"),
+                        (lambda: LLM(model=12), "got int")):
         with pytest.raises(TypeError, match=words):
             call()
 
