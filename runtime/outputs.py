@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -89,7 +90,7 @@ class TokenLogprob:
         return cls(item[0], item[1], [tuple(pair) for pair in item[2]], item[3])
 
 
-@dataclass(frozen=True)
+@dataclass
 class CompletionOutput:
     """One completion of a request, as vLLM's ``RequestOutput.outputs[i]`` holds it (``index`` 0: Kiln makes one a
     request). ``logprobs`` are Kiln's ``TokenLogprob``s (vLLM's are dicts of token id to Logprob);
@@ -103,6 +104,10 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None
 
+    def finished(self) -> bool:
+        """Whether the completion has ended (vLLM's ``finished()``)."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:
@@ -110,7 +115,8 @@ class RequestOutput:
     completion token's log probabilities when the request asked for ``logprobs`` and each prompt token's (None for
     the first, which has no context) for ``prompt_logprobs``. ``prompt`` is the prompt's text where the caller gave
     text (for ``LLM.chat``, the rendered conversation), None for token ids; ``outputs`` reads the completion as
-    vLLM's ``outputs[0]``."""
+    vLLM's ``outputs[0]``: a copy made at the first read, which the caller may change as vLLM's (``text`` and the
+    other fields stay as the engine made them)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -124,11 +130,12 @@ class RequestOutput:
     stop_reason: int | str | None = None  # what stopped it: the stop string, or the stop_token_ids id (EOS: None)
     prompt: str | None = None
 
-    @property
+    @functools.cached_property
     def outputs(self) -> list[CompletionOutput]:
         """The completion as vLLM's one-element ``outputs`` list."""
         cumulative = None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
-        return [CompletionOutput(0, self.text, self.token_ids, cumulative, self.logprobs, self.finish_reason,
+        logprobs = None if self.logprobs is None else list(self.logprobs)
+        return [CompletionOutput(0, self.text, list(self.token_ids), cumulative, logprobs, self.finish_reason,
                                  self.stop_reason)]
 
 
