@@ -44,6 +44,17 @@ logger = logging.getLogger("kiln.runtime")
 
 # text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
 Prompt = str | list[int] | tuple[int, ...] | dict[str, Any]
+# vLLM's LLM attributes that Kiln's has under another name, or not at all, and what to use
+VLLM_ATTRIBUTES = {
+    "get_tokenizer": "use llm.tokenizer (encode / decode; for a chat template, llm.chat renders it)",
+    "get_default_sampling_params": "use llm.default_params",
+    "llm_engine": "llm.engine is the engine; llm.stats() and llm.limits describe it",
+    "reset_prefix_cache": "Kiln frees cached blocks as the pool needs them; LLM.load a fresh engine to start empty",
+    "beam_search": "Kiln samples or decodes greedily, without beams",
+    "encode": "Kiln's engines generate text; they make no embeddings",
+    "embed": "Kiln's engines generate text; they make no embeddings",
+    "start_profile": "profile with torch.profiler around generate, or tools/bench_step.py --profile",
+}
 
 
 class LLM:
@@ -396,6 +407,14 @@ class LLM:
 
     def __reduce__(self) -> None:
         raise TypeError("an LLM cannot be sent to another process: LLM.load the engine there")
+
+    if not TYPE_CHECKING:  # type checkers keep catching a misspelt attribute
+
+        def __getattr__(self, name: str) -> Any:
+            """Only for a name the LLM lacks: vLLM's name of something Kiln has under another, said in the error."""
+            instead = VLLM_ATTRIBUTES.get(name)
+            raise AttributeError(f"'LLM' object has no attribute {name!r}{f': {instead}' if instead else ''}",
+                                 name=name, obj=self)
 
     @property
     def closed(self) -> bool:
