@@ -30,11 +30,19 @@ OTHER_NAMES = {"max_new_tokens": "set max_tokens", "min_new_tokens": "set min_to
                "return_log_probs": "set logprobs", "guided_decoding": "set structured_output",
                "bad_words": "set logit_bias to -100 for each of their token ids",
                "use_beam_search": "Kiln samples or decodes greedily, without beams",
+               "best_of": "a request makes one completion: pass the prompt k times and keep the best",
                "spaces_between_special_tokens": "Kiln decodes special tokens as the tokenizer does (vLLM's default)",
                "regex": "set structured_output=StructuredOutput(regex=...)",
                "json_schema": "set structured_output=StructuredOutput(json=...)",
                "include_stop_str_in_output": "the text leaves the stop string out; output.stop_reason holds the one "
                                              "that matched, to append"}
+# vLLM's settings that Kiln lacks, at the values that change nothing (their defaults): taken and dropped, so that
+# code spelling out vLLM's defaults runs; any other value is refused (OTHER_NAMES)
+VLLM_NO_OP_VALUES: dict[str, tuple] = {
+    "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,), "best_of": (None, 1),
+    "use_beam_search": (False,), "bad_words": (None, []), "guided_decoding": (None,), "structured_outputs": (None,),
+    "logits_processors": (None, []), "truncate_prompt_tokens": (None,), "extra_args": (None, {}),
+    "flat_logprobs": (False,)}
 # what n > 1 asks of vLLM, done with Kiln's one completion a request
 ONE_COMPLETION = ("a request makes one completion: pass the prompt n times, with seed + i for sample i (what kiln "
                   "serve does for n)")
@@ -122,7 +130,8 @@ class SamplingParams:
 
         def __new__(cls, *args: object, **kwargs: object) -> SamplingParams:
             """Refuse a setting the class lacks by name, saying what to give instead (another engine's name)."""
-            if unknown := [name for name in kwargs if name not in _settings(cls)]:
+            if unknown := [name for name, value in kwargs.items()
+                           if name not in _settings(cls) and not _changes_nothing(name, value)]:
                 raise TypeError(f"{cls.__name__} has no setting {unknown[0]!r}{_instead(unknown[0], cls)}")
             return super().__new__(cls)
 
@@ -206,6 +215,23 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (a temperature below GREEDY_TEMPERATURE)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+if not TYPE_CHECKING:  # the dataclass's signature stays what type checkers see
+    _init_of_fields = SamplingParams.__init__
+
+    @functools.wraps(_init_of_fields)
+    def _init_dropping_no_ops(self: SamplingParams, *args: object, **kwargs: object) -> None:
+        _init_of_fields(self, *args, **{name: value for name, value in kwargs.items()
+                                       if not (name in VLLM_NO_OP_VALUES and _changes_nothing(name, value))})
+
+    SamplingParams.__init__ = _init_dropping_no_ops
+
+
+def _changes_nothing(name: str, value: object) -> bool:
+    """Whether ``value`` of vLLM's setting ``name`` is one that Kiln's behaviour already is (VLLM_NO_OP_VALUES)."""
+    return any(value is same or (type(value) is type(same) and value == same)
+               for same in VLLM_NO_OP_VALUES.get(name, ()))
 
 
 @functools.cache

@@ -1,8 +1,11 @@
-"""An output read as vLLM's quickstart reads it: ``output.prompt`` and ``output.outputs[0].text``."""
+"""An output read as vLLM's quickstart reads it: ``output.prompt`` and ``output.outputs[0].text``; vLLM's LLM methods
+that Kiln names otherwise."""
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from kiln.runtime import SamplingParams
 
@@ -16,8 +19,11 @@ def test_each_output_carries_its_text_prompt_and_its_completion_as_vllms_outputs
     [completion] = text.outputs
     assert (completion.index, completion.text, completion.token_ids, completion.finish_reason) == (
         0, text.text, text.token_ids, text.finish_reason)
-    assert completion.cumulative_logprob is None  # no logprobs asked for
+    assert completion.cumulative_logprob is None and completion.finished()  # no logprobs asked for
     assert as_ids.outputs[0].token_ids == text.token_ids
+    completion.text = completion.text.strip() + "!"  # vLLM's are post-processed in place
+    completion.token_ids.append(0)
+    assert text.outputs[0].text == completion.text and text.token_ids == as_ids.token_ids
 
 
 def test_the_cumulative_logprob_sums_the_tokens_logprobs(llm):
@@ -36,3 +42,9 @@ def test_submitted_streamed_and_awaited_requests_carry_their_prompt_too(llm):
 
     awaited, streamed = asyncio.run(both())
     assert (awaited.prompt, streamed.prompt) == ("a dog", "a cat")
+
+
+def test_vllms_llm_methods_kiln_names_otherwise_say_what_to_use(llm):
+    with pytest.raises(AttributeError, match="use llm.tokenizer"):
+        llm.get_tokenizer()
+    assert not hasattr(llm, "get_default_sampling_params") and not hasattr(llm, "generat")

@@ -92,6 +92,16 @@ def test_a_setting_samplingparams_lacks_is_refused_not_dropped(name, words):
     assert params.max_tokens == 5
 
 
+def test_vllms_settings_at_values_that_change_nothing_are_taken_and_others_refused():
+    spelled_out = SamplingParams(temperature=0, include_stop_str_in_output=False, best_of=1, bad_words=[],
+                                 use_beam_search=False, guided_decoding=None, spaces_between_special_tokens=True)
+    assert spelled_out == SamplingParams(temperature=0)
+    for name, value in (("include_stop_str_in_output", True), ("best_of", 2), ("bad_words", ["no"]),
+                        ("use_beam_search", 1)):  # 1 is no False
+        with pytest.raises(TypeError, match=f"no setting '{name}'"):
+            SamplingParams(**{name: value})
+
+
 def test_n_is_one_as_vllms_default_and_more_is_refused_saying_what_to_do():
     assert SamplingParams(n=1).n == 1  # code ported from vLLM passes it
     for n in (4, 1.0, True):  # a float or a bool is no count, even one equal to 1
