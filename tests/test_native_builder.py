@@ -199,6 +199,14 @@ def test_foreign_newer_or_older_engine_json_is_refused_with_the_advice_that_fits
         EngineConfig.load(out)
 
 
+def test_a_folder_without_an_engine_says_what_to_load_instead(tmp_path):
+    with pytest.raises(EngineFormatError, match="pass the directory `kiln build` printed"):
+        EngineConfig.load(tmp_path)
+    (tmp_path / "engine").mkdir()  # a cache entry's folder, which holds its engine in engine/
+    with pytest.raises(EngineFormatError, match=f"load {tmp_path / 'engine'}"):
+        EngineConfig.load(tmp_path)
+
+
 def test_fingerprint_mismatch_names_each_differing_field():
     cpu = machine_fingerprint("cpu")
     with pytest.raises(FingerprintMismatchError) as e:

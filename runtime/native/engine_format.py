@@ -121,7 +121,11 @@ class EngineConfig:
             if (Path(engine_dir) / "config.json").is_file():
                 raise EngineFormatError(f"{engine_dir}: a Hugging Face checkpoint (config.json), not an engine: build "
                                         f"one from it with `kiln build` and load the directory it prints")
-            raise EngineFormatError(f"{engine_dir}: no {ENGINE_JSON}; not a kiln native engine, rebuild it")
+            if (Path(engine_dir) / "engine").is_dir():  # a cache entry, which holds its engine in engine/
+                raise EngineFormatError(f"{engine_dir}: no {ENGINE_JSON}, but an engine/ folder: load "
+                                        f"{Path(engine_dir) / 'engine'}")
+            raise EngineFormatError(f"{engine_dir}: no {ENGINE_JSON}, so not a kiln engine: pass the directory `kiln "
+                                    f"build` printed (`kiln cache show KEY` shows a cached engine's)")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
