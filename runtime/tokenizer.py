@@ -310,8 +310,9 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
     as vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``); raises ``error``."""
     if isinstance(prompt, dict):
         if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & prompt.keys():
-            raise error(f"a prompt given as a dict holds one key, 'prompt' (text) or 'prompt_token_ids' (token ids), "
-                        f"as in vLLM; got {sorted(map(str, prompt))}")
+            raise error(f"a prompt given as a dict holds one key, vLLM's 'prompt' (text) or 'prompt_token_ids' "
+                        f"(token ids): Kiln takes none of vLLM's other prompt keys (cache_salt, multi_modal_data, "
+                        f"...); got {sorted(map(str, prompt))}")
         [prompt] = prompt.values()
     if isinstance(prompt, str):
         if tokenizer is None:

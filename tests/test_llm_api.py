@@ -111,8 +111,10 @@ def test_vllms_dict_prompts_are_taken_as_their_text_or_token_ids(llm):
     given = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt": "t5 t6"}], GREEDY)
     assert [o.token_ids for o in given] == expected
     assert llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0].token_ids == expected[0]
-    with pytest.raises(InvalidRequestError, match=r"one key, 'prompt' \(text\) or 'prompt_token_ids'.*\['text'\]"):
+    with pytest.raises(InvalidRequestError, match=r"vLLM's 'prompt' \(text\) or 'prompt_token_ids'.*\['text'\]"):
         llm.generate([{"text": "t5"}], GREEDY)
+    with pytest.raises(InvalidRequestError, match="none of vLLM's other prompt keys"):
+        llm.generate([{"prompt": "t5", "cache_salt": "a"}], GREEDY)
 
 
 def test_text_prompt_round_trips_through_the_engine_tokenizer(llm):
