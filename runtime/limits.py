@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.plan import BuildPlan
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import ONE_COMPLETION, SamplingParams
 
 
 class RequestTooLongError(InvalidRequestError):
@@ -58,6 +58,8 @@ class EngineLimits:
         """Raise RequestTooLongError unless a request of this size can be served, InvalidRequestError when its
         parameters name a token id outside the vocabulary."""
         max_tokens = params.max_tokens
+        if params.n != 1:
+            raise InvalidRequestError(f"SamplingParams.n is {params.n}: {ONE_COMPLETION}")
         if num_prompt_tokens == 0:
             raise InvalidRequestError("prompt is empty: give at least one token")
         if num_prompt_tokens > self.max_input_len:

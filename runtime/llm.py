@@ -33,7 +33,7 @@ from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, RequestOutput, StreamDelta
 from kiln.runtime.progress import wait_showing_progress
 from kiln.runtime.sampling_defaults import described, sampling_defaults
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams, sample_seed
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import Tokenizer
 
@@ -159,13 +159,23 @@ class LLM:
 
     def _generate(self, prompts: abc.Sequence[Prompt], params: SamplingParams | abc.Sequence[SamplingParams] | None,
                   use_tqdm: bool | Callable[..., Any], texts: list[str | None]) -> list[RequestOutput]:
-        """``generate`` of a list of prompts whose outputs carry ``texts`` as their ``prompt``."""
-        seqs = self._make_requests(prompts, params)
+        """``generate`` of a list of prompts whose outputs carry ``texts`` as their ``prompt``: ``n`` requests of
+        a prompt whose SamplingParams ask ``n`` samples, one output holding them all."""
+        if isinstance(params, abc.Sequence) and len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: pass one, or one per "
+                             f"prompt")
+        per_prompt = [_taken(sp, self.default_params)
+                      for sp in (params if isinstance(params, abc.Sequence) else [params] * len(prompts))]
+        samples = [sp.n for sp in per_prompt]
+        requests = [(index, number) for index, count in enumerate(samples) for number in range(count)]
+        which = [index for index, _ in requests]  # each request's prompt
+        seqs = self._make_requests([prompts[i] for i in which],
+                                   [_sample(per_prompt[i], number) for i, number in requests], prompt_index=which)
         try:
-            futures = self._enqueue(seqs, [Sink(prompt=text) for text in texts])
+            futures = self._enqueue(seqs, [Sink(prompt=texts[i]) for i in which])
             if use_tqdm:
                 wait_showing_progress(futures, use_tqdm if callable(use_tqdm) else None)  # a class, as vLLM's
-            return [f.result() for f in futures]
+            return _grouped([f.result() for f in futures], samples)
         except BaseException:
             for seq in seqs:
                 self.abort(seq.request_id)
@@ -266,9 +276,11 @@ class LLM:
 
     def _make_requests(self, prompts: abc.Sequence[Prompt],
                        params: SamplingParams | abc.Sequence[SamplingParams] | None,
-                       request_ids: abc.Sequence[str] | None = None) -> list[Sequence]:
+                       request_ids: abc.Sequence[str] | None = None,
+                       prompt_index: abc.Sequence[int] | None = None) -> list[Sequence]:
         """One validated request per prompt, with one SamplingParams for all or one per prompt, under
-        ``request_ids`` (one per prompt; default fresh ones)."""
+        ``request_ids`` (one per prompt; default fresh ones); an error names the prompt by its ``prompt_index``
+        (default its position)."""
         if params is None or not isinstance(params, abc.Sequence):
             params = [_taken(params, self.default_params)] * len(prompts)
         if len(params) != len(prompts):
@@ -282,9 +294,9 @@ class LLM:
             try:
                 seqs.append(self.engine.make_request(request_id, prompt, _taken(sp, self.default_params)))
             except InvalidRequestError as e:  # RequestTooLongError included
-                if len(prompts) == 1:
+                if len(set(prompt_index or range(len(prompts)))) == 1:
                     raise
-                raise type(e)(f"prompts[{index}]: {e}") from e  # which of a batch's prompts
+                raise type(e)(f"prompts[{prompt_index[index] if prompt_index else index}]: {e}") from e
         return seqs
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> str:
@@ -583,6 +595,26 @@ def _prompt_text(prompt: Prompt) -> str | None:
     if isinstance(prompt, dict):
         prompt = prompt.get("prompt")
     return prompt if isinstance(prompt, str) else None
+
+
+def _sample(params: SamplingParams, number: int) -> SamplingParams:
+    """The params of sample ``number`` of a prompt: one completion, seeded ``seed + number`` when seeded."""
+    if params.n == 1:
+        return params
+    return replace(params, n=1, seed=sample_seed(params.seed, number))
+
+
+def _grouped(outputs: list[RequestOutput], samples: list[int]) -> list[RequestOutput]:
+    """One output per prompt from its ``samples[i]`` requests' outputs, in order: the first, holding all as its
+    ``outputs``."""
+    grouped, start = [], 0
+    for count in samples:
+        first = outputs[start]
+        if count > 1:
+            first.outputs = [out.completion(i) for i, out in enumerate(outputs[start:start + count])]
+        grouped.append(first)
+        start += count
+    return grouped
 
 
 def _one_of(params: SamplingParams | abc.Sequence[SamplingParams] | None,

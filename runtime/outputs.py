@@ -92,8 +92,8 @@ class TokenLogprob:
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request, as vLLM's ``RequestOutput.outputs[i]`` holds it (``index`` 0: Kiln makes one a
-    request). ``logprobs`` are Kiln's ``TokenLogprob``s (vLLM's are dicts of token id to Logprob);
+    """One completion of a prompt, as vLLM's ``RequestOutput.outputs[i]`` holds it: sample ``index`` of the prompt's
+    ``SamplingParams.n``. ``logprobs`` are Kiln's ``TokenLogprob``s (vLLM's are dicts of token id to Logprob);
     ``cumulative_logprob`` is their sum, None when the request asked for none."""
 
     index: int
@@ -114,9 +114,10 @@ class RequestOutput:
     """A finished request: completion text and token ids (a stop token is in `token_ids`, never in `text`), with each
     completion token's log probabilities when the request asked for ``logprobs`` and each prompt token's (None for
     the first, which has no context) for ``prompt_logprobs``. ``prompt`` is the prompt's text where the caller gave
-    text (for ``LLM.chat``, the rendered conversation), None for token ids; ``outputs`` reads the completion as
-    vLLM's ``outputs[0]``: a copy made at the first read, which the caller may change as vLLM's (``text`` and the
-    other fields stay as the engine made them)."""
+    text (for ``LLM.chat``, the rendered conversation), None for token ids. ``outputs`` holds the completions as
+    vLLM's does: copies, which the caller may change as vLLM's (``text`` and the other fields stay as the engine
+    made them); ``LLM.generate`` and ``LLM.chat`` of ``SamplingParams.n`` > 1 put every sample there, and the fields
+    outside it (``text``, ``token_ids``, ``metrics``...) are sample 0's."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -132,11 +133,15 @@ class RequestOutput:
 
     @functools.cached_property
     def outputs(self) -> list[CompletionOutput]:
-        """The completion as vLLM's one-element ``outputs`` list."""
+        """The completions, as vLLM's ``outputs`` list: this request's one, unless ``LLM.generate`` set them all."""
+        return [self.completion(0)]
+
+    def completion(self, index: int) -> CompletionOutput:
+        """This request's completion as sample ``index`` of its prompt (copies of its lists)."""
         cumulative = None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
         logprobs = None if self.logprobs is None else list(self.logprobs)
-        return [CompletionOutput(0, self.text, list(self.token_ids), cumulative, logprobs, self.finish_reason,
-                                 self.stop_reason)]
+        return CompletionOutput(index, self.text, list(self.token_ids), cumulative, logprobs, self.finish_reason,
+                                self.stop_reason)
 
 
 @dataclass

@@ -43,9 +43,9 @@ VLLM_NO_OP_VALUES: dict[str, tuple] = {
     "use_beam_search": (False,), "bad_words": (None, []), "guided_decoding": (None,), "structured_outputs": (None,),
     "logits_processors": (None, []), "truncate_prompt_tokens": (None,), "extra_args": (None, {}),
     "flat_logprobs": (False,)}
-# what n > 1 asks of vLLM, done with Kiln's one completion a request
-ONE_COMPLETION = ("a request makes one completion: pass the prompt n times, with seed + i for sample i (what kiln "
-                  "serve does for n)")
+# what n > 1 asks of an engine, whose requests make one completion each
+ONE_COMPLETION = ("a request makes one completion: LLM.generate and LLM.chat make n of each prompt (vLLM's n), or "
+                  "pass the prompt n times, with seed + i for sample i")
 NUMBER_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs")
 
@@ -75,6 +75,8 @@ class SamplingParams:
     distribution (log-softmax of its logits, before the controls and the temperature), as vLLM returns by default.
     `structured_output` holds the completion to a format (``StructuredOutput``: a JSON schema, any JSON object, a
     regex, a grammar or a choice); the request finishes with "stop" once the format is complete.
+    `n` samples of each prompt in `LLM.generate` and `LLM.chat`, as in vLLM (`RequestOutput.outputs`): each runs as a
+    request of its own, sample i seeded `seed + i` when `seed` is set; one request of the engine's makes one.
     """
 
     temperature: float = 1.0
@@ -97,7 +99,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | dict | None = None  # a dict of its fields too
-    n: int = 1  # vLLM's completions a request: 1 only (ONE_COMPLETION says what to do for more)
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -142,8 +144,8 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n != 1:
-            raise ValueError(f"SamplingParams.n is 1 here, got {self.n!r}: {ONE_COMPLETION}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
                 or not math.isfinite(self.temperature) or self.temperature < 0):
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 is greedy), "
@@ -232,6 +234,12 @@ def _changes_nothing(name: str, value: object) -> bool:
     """Whether ``value`` of vLLM's setting ``name`` is one that Kiln's behaviour already is (VLLM_NO_OP_VALUES)."""
     return any(value is same or (type(value) is type(same) and value == same)
                for same in VLLM_NO_OP_VALUES.get(name, ()))
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample ``index`` of a request seeded ``seed`` (vLLM's ``n``, an OpenAI request's choices):
+    ``seed + index`` as an unsigned 64-bit seed (a negative OpenAI seed too); None for an unseeded request."""
+    return None if seed is None else (seed + index) % (MAX_SEED + 1)
 
 
 @functools.cache

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kiln.runtime import SamplingParams
+from kiln.runtime import InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
 
@@ -48,3 +48,17 @@ def test_vllms_llm_methods_kiln_names_otherwise_say_what_to_use(llm):
     with pytest.raises(AttributeError, match="use llm.tokenizer"):
         llm.get_tokenizer()
     assert not hasattr(llm, "get_default_sampling_params") and not hasattr(llm, "generat")
+
+
+def test_n_samples_of_each_prompt_come_in_one_output_seeded_seed_plus_i(llm):
+    prompts = ["the sun", "a dog"]
+    sampled = SamplingParams(temperature=1.0, max_tokens=4, seed=7, n=3)
+    first, second = llm.generate(prompts, sampled)
+    assert [c.index for c in first.outputs] == [0, 1, 2] and first.prompt == "the sun"
+    alone = [llm.generate("the sun", SamplingParams(temperature=1.0, max_tokens=4, seed=7 + i))[0] for i in range(3)]
+    assert [c.token_ids for c in first.outputs] == [o.token_ids for o in alone]
+    assert first.token_ids == alone[0].token_ids and len(second.outputs) == 3
+    [one] = llm.generate(["a dog"], [SamplingParams(temperature=0, max_tokens=2, n=2)])
+    assert one.outputs[0].token_ids == one.outputs[1].token_ids  # greedy: the same twice
+    with pytest.raises(InvalidRequestError, match="LLM.generate and LLM.chat make n"):
+        llm.submit("the sun", sampled)  # one request makes one completion

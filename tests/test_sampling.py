@@ -102,10 +102,10 @@ def test_vllms_settings_at_values_that_change_nothing_are_taken_and_others_refus
             SamplingParams(**{name: value})
 
 
-def test_n_is_one_as_vllms_default_and_more_is_refused_saying_what_to_do():
-    assert SamplingParams(n=1).n == 1  # code ported from vLLM passes it
-    for n in (4, 1.0, True):  # a float or a bool is no count, even one equal to 1
-        with pytest.raises(ValueError, match="pass the prompt n times"):
+def test_n_counts_samples_as_an_int_of_at_least_one():
+    assert SamplingParams(n=3).n == 3
+    for n in (0, 1.0, True):  # a float or a bool is no count, even one equal to 1
+        with pytest.raises(ValueError, match="n must be an int >= 1"):
             SamplingParams(n=n)
 
 

@@ -19,7 +19,7 @@ from kiln.runtime.limits import RequestTooLongError
 from kiln.runtime.llm import LLM
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.sampling_defaults import GenerationConfigMode, described, sampling_defaults
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams, sample_seed
 from kiln.runtime.server.errors import OVERLOADED, APIError
 from kiln.runtime.server.protocol import ModelCard, ModelPermission, SamplingFields
 from kiln.runtime.server.request_id import REQUEST_ID
@@ -262,7 +262,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprob
     temperature = given("temperature", 1.0)
     if req.top_p == 0:
         temperature = 0.0
-    seed = None if req.seed in (None, -1) else (req.seed + index) % 2**64
+    seed = sample_seed(None if req.seed == -1 else req.seed, index)
     return SamplingParams(temperature=temperature, top_p=given("top_p", 1.0) or 1.0, top_k=given("top_k", 0),
                           min_p=given("min_p", 0.0), max_tokens=max_tokens, seed=seed, stop=req.stop or [],
                           ignore_eos=req.ignore_eos,
