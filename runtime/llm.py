@@ -611,7 +611,7 @@ def _grouped(outputs: list[RequestOutput], samples: list[int]) -> list[RequestOu
     for count in samples:
         first = outputs[start]
         if count > 1:
-            first.outputs = [out.completion(i) for i, out in enumerate(outputs[start:start + count])]
+            first = replace(first, outputs=[out.completion(i) for i, out in enumerate(outputs[start:start + count])])
         grouped.append(first)
         start += count
     return grouped

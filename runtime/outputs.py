@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -116,8 +115,8 @@ class RequestOutput:
     the first, which has no context) for ``prompt_logprobs``. ``prompt`` is the prompt's text where the caller gave
     text (for ``LLM.chat``, the rendered conversation), None for token ids. ``outputs`` holds the completions as
     vLLM's does: copies, which the caller may change as vLLM's (``text`` and the other fields stay as the engine
-    made them); ``LLM.generate`` and ``LLM.chat`` of ``SamplingParams.n`` > 1 put every sample there, and the fields
-    outside it (``text``, ``token_ids``, ``metrics``...) are sample 0's."""
+    made them); with ``SamplingParams.n`` > 1, ``LLM.generate`` and ``LLM.chat`` give every sample there, and the
+    fields outside it (``text``, ``token_ids``, ``metrics``...) are sample 0's."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -130,11 +129,11 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_reason: int | str | None = None  # what stopped it: the stop string, or the stop_token_ids id (EOS: None)
     prompt: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)  # none given: this request's one completion
 
-    @functools.cached_property
-    def outputs(self) -> list[CompletionOutput]:
-        """The completions, as vLLM's ``outputs`` list: this request's one, unless ``LLM.generate`` set them all."""
-        return [self.completion(0)]
+    def __post_init__(self) -> None:
+        if not self.outputs:  # LLM.generate gives a prompt's n samples
+            self.outputs = [self.completion(0)]
 
     def completion(self, index: int) -> CompletionOutput:
         """This request's completion as sample ``index`` of its prompt (copies of its lists)."""
