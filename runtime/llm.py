@@ -423,9 +423,11 @@ class LLM:
     if not TYPE_CHECKING:  # type checkers keep catching a misspelt attribute
 
         def __getattr__(self, name: str) -> Any:
-            """Only for a name the LLM lacks: vLLM's name of something Kiln has under another, said in the error."""
-            instead = VLLM_ATTRIBUTES.get(name)
-            raise AttributeError(f"'LLM' object has no attribute {name!r}{f': {instead}' if instead else ''}",
+            """Only for a name the LLM lacks (or a property that raised AttributeError): vLLM's name of something
+            Kiln has under another says so in the error."""
+            if name not in VLLM_ATTRIBUTES:
+                return object.__getattribute__(self, name)  # raises Python's error, or the property's own again
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}: {VLLM_ATTRIBUTES[name]}",
                                  name=name, obj=self)
 
     @property

@@ -4,10 +4,11 @@ that Kiln names otherwise."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
-from kiln.runtime import InvalidRequestError, SamplingParams
+from kiln.runtime import LLM, InvalidRequestError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
 
@@ -49,6 +50,18 @@ def test_vllms_llm_methods_kiln_names_otherwise_say_what_to_use(llm):
         llm.get_tokenizer()
     assert not hasattr(llm, "get_default_sampling_params") and not hasattr(llm, "generat")
 
+    class Named(LLM):
+        @property
+        def broken(self) -> None:
+            return self.engine.no_such_thing
+
+    named = object.__new__(Named)  # no engine needed to read attributes
+    named.engine = llm.engine
+    with pytest.raises(AttributeError, match="'Named' object has no attribute 'get_tokenizer'"):
+        named.get_tokenizer()
+    with pytest.raises(AttributeError, match="no_such_thing"):  # a property's own error, not hidden
+        _ = named.broken
+
 
 def test_n_samples_of_each_prompt_come_in_one_output_seeded_seed_plus_i(llm):
     prompts = ["the sun", "a dog"]
@@ -58,6 +71,8 @@ def test_n_samples_of_each_prompt_come_in_one_output_seeded_seed_plus_i(llm):
     alone = [llm.generate("the sun", SamplingParams(temperature=1.0, max_tokens=4, seed=7 + i))[0] for i in range(3)]
     assert [c.token_ids for c in first.outputs] == [o.token_ids for o in alone]
     assert first.token_ids == alone[0].token_ids and len(second.outputs) == 3
+    assert dataclasses.replace(first, text="").outputs == first.outputs  # a field: copies and asdict keep them
+    assert len(dataclasses.asdict(first)["outputs"]) == 3
     [one] = llm.generate(["a dog"], [SamplingParams(temperature=0, max_tokens=2, n=2)])
     assert one.outputs[0].token_ids == one.outputs[1].token_ids  # greedy: the same twice
     with pytest.raises(InvalidRequestError, match="LLM.generate and LLM.chat make n"):
