@@ -132,13 +132,17 @@ class SamplingParams:
 
         def __new__(cls, *args: object, **kwargs: object) -> SamplingParams:
             """Refuse a setting the class lacks by name, saying what to give instead (another engine's name)."""
+            drops_no_ops = getattr(cls.__init__, "drops_vllm_no_ops", False)  # a dataclass subclass's own takes none
             if unknown := [name for name, value in kwargs.items()
-                           if name not in _settings(cls) and not _changes_nothing(name, value)]:
+                           if name not in _settings(cls) and not (drops_no_ops and _changes_nothing(name, value))]:
                 raise TypeError(f"{cls.__name__} has no setting {unknown[0]!r}{_instead(unknown[0], cls)}")
             return super().__new__(cls)
 
         def __setattr__(self, name: str, value: object) -> None:
-            """Set a setting; a name the class has no setting of is refused (it would be dropped unseen)."""
+            """Set a setting; a name the class has no setting of is refused (it would be dropped unseen), unless it is
+            vLLM's at a value that changes nothing (VLLM_NO_OP_VALUES), which is dropped."""
+            if name not in _settings(type(self)) and _changes_nothing(name, value):
+                return
             if name not in _settings(type(self)):
                 raise AttributeError(f"{type(self).__name__} has no setting {name!r}{_instead(name, type(self))}")
             object.__setattr__(self, name, value)
@@ -227,6 +231,7 @@ if not TYPE_CHECKING:  # the dataclass's signature stays what type checkers see
         _init_of_fields(self, *args, **{name: value for name, value in kwargs.items()
                                        if not (name in VLLM_NO_OP_VALUES and _changes_nothing(name, value))})
 
+    _init_dropping_no_ops.drops_vllm_no_ops = True
     SamplingParams.__init__ = _init_dropping_no_ops
 
 

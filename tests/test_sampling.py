@@ -96,6 +96,14 @@ def test_vllms_settings_at_values_that_change_nothing_are_taken_and_others_refus
     spelled_out = SamplingParams(temperature=0, include_stop_str_in_output=False, best_of=1, bad_words=[],
                                  use_beam_search=False, guided_decoding=None, spaces_between_special_tokens=True)
     assert spelled_out == SamplingParams(temperature=0)
+    spelled_out.include_stop_str_in_output = False  # set later too
+
+    @dataclasses.dataclass
+    class Tagged(SamplingParams):  # its own __init__ takes its fields only: refused with the advice
+        tag: str = ""
+
+    with pytest.raises(TypeError, match="no setting 'best_of'"):
+        Tagged(best_of=1)
     for name, value in (("include_stop_str_in_output", True), ("best_of", 2), ("bad_words", ["no"]),
                         ("use_beam_search", 1)):  # 1 is no False
         with pytest.raises(TypeError, match=f"no setting '{name}'"):
