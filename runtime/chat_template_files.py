@@ -37,11 +37,14 @@ class ChatTemplateFiles:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             return cls(directory, None, config_path.name, problem=f"{directory}: its chat template's files cannot be "
                                                                    f"read ({exc})")
+        if not isinstance(config, dict):
+            return cls(directory, None, config_path.name, problem=f"{config_path}: not a JSON object")
         if jinja is not None:
             source, origin = jinja, jinja_path.name
         else:
             source, origin = config.get("chat_template"), "chat_template in tokenizer_config.json"
         if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            source = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}.get("default")
+            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
+                          None)
         special = {name: text for name in SPECIAL_TOKENS if (text := special_token_text(config.get(name)))}
         return cls(directory, source if isinstance(source, str) and source else None, origin, special)

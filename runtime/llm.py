@@ -72,9 +72,10 @@ class LLM:
             if engine is not None:
                 raise TypeError("name the engine directory once: LLM(engine_dir) or LLM(model=engine_dir)")
             engine = model
-        load_ms, hold, default_params, engine_dir = 0.0, None, SamplingParams(), None
+        load_ms, hold, default_params, engine_dir, chat_template_files = 0.0, None, SamplingParams(), None, None
         if isinstance(engine, str | os.PathLike):
-            engine, load_ms, hold, default_params, engine_dir = _load(Path(engine).expanduser(), options)
+            engine, load_ms, hold, default_params, engine_dir, chat_template_files = _load(Path(engine).expanduser(),
+                                                                                          options)
         elif engine is None:
             raise TypeError("LLM() needs an engine: LLM(model=engine_dir) or LLM.load(engine_dir, RuntimeOptions(...))")
         elif not callable(getattr(engine, "has_unfinished", None)):  # an Engine is a Protocol, not a class
@@ -86,8 +87,7 @@ class LLM:
         self.load_ms = load_ms
         self.default_params = default_params  # what a request given no SamplingParams takes
         self.engine_dir = engine_dir  # where the engine was loaded from, if it was
-        # its chat template's files, read now, so that chat() needs the directory no more
-        self._chat_template_files = None if engine_dir is None else ChatTemplateFiles.read(engine_dir)
+        self._chat_template_files = chat_template_files  # read at the load: chat() needs the directory no more
         self._chat_template: ChatTemplate | None = None  # that template, compiled at the first chat()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -541,9 +541,10 @@ IDLE_WAKE_S = 1.0  # how often an idle engine thread lets go of its LLM, so that
 
 
 def _load(engine_dir: Path, options: RuntimeOptions | None
-          ) -> tuple[Engine, float, EntryHold | None, SamplingParams, Path]:
+          ) -> tuple[Engine, float, EntryHold | None, SamplingParams, Path, ChatTemplateFiles]:
     """``LLM.load``'s work: the engine in ``engine_dir``, the milliseconds its load took, its cache hold, the
-    model's default SamplingParams, and the directory."""
+    model's default SamplingParams, the directory, and its chat template's files (read before the engine is
+    loaded and held, so that nothing fails after)."""
     if options is not None and not isinstance(options, RuntimeOptions):
         raise TypeError(f"options must be a RuntimeOptions, got {type(options).__name__}: "
                         "LLM.load(path, RuntimeOptions(...))")
@@ -552,6 +553,7 @@ def _load(engine_dir: Path, options: RuntimeOptions | None
                                 f"(`kiln cache show KEY` shows a cached engine's)")
     options = options or RuntimeOptions()
     default_params = _model_default_params(engine_dir)  # a bad generation_config.json: warned of before the load
+    chat_template_files = ChatTemplateFiles.read(engine_dir)
     load = engine_loader(engine_dir, options)
     start = time.perf_counter()
     hold = hold_if_cached(engine_dir)  # a cached engine is not evicted while this LLM has it loaded
@@ -561,7 +563,7 @@ def _load(engine_dir: Path, options: RuntimeOptions | None
         if hold is not None:
             hold.release()
         raise
-    return engine, (time.perf_counter() - start) * 1000, hold, default_params, engine_dir
+    return engine, (time.perf_counter() - start) * 1000, hold, default_params, engine_dir, chat_template_files
 
 
 def _engine_thread(llm_ref: weakref.ref[LLM]) -> None:

@@ -56,6 +56,11 @@ def test_named_templates_use_the_default_one(tmp_path):
     write_config(tmp_path, chat_template=[{"name": "tool_use", "template": "tools"},
                                           {"name": "default", "template": "plain"}])
     assert ChatTemplate.from_dir(tmp_path).render([]) == "plain"
+    write_config(tmp_path, chat_template=[{"name": ["default"], "template": "x"}])  # a malformed name: no template
+    assert ChatTemplate.from_dir(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(ChatTemplateError, match="not a JSON object"):
+        ChatTemplate.from_dir(tmp_path)
 
 
 def test_no_template_is_none_and_a_broken_one_says_where(tmp_path):
