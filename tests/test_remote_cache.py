@@ -430,6 +430,8 @@ def test_prune_remote_keeps_a_damaged_entry_for_the_grace_and_a_newer_kilns_entr
     report = prune_remote(cache.remote, older_than_s=0, max_size_bytes=0, grace_s=0)
     assert [e["key"] for e in report["removed"]] == [damaged] and report["newer_entries"] == 1
     assert report["files_removed"] == 0 and [e.key for e in remote_entries(cache.remote)] == [newer]
+    [checked] = verify_remote(cache.remote)  # not this Kiln's to judge, as a local one: no problem, no read
+    assert checked["ok"] and checked["files_checked"] == 0 and "a newer Kiln's entry" in checked["incompatible"]
 
 
 def test_prune_remote_of_a_shared_folder_with_an_unreadable_folder_fails_and_deletes_nothing(tmp_path, monkeypatch):

@@ -49,7 +49,7 @@ class CacheResult:
 
 # One key set per command, local and remote alike (docs/cache.md describes each key); a key that does not apply to a
 # tier is None there: ``hits`` of a remote entry (a remote counts none), ``problem`` of a local entry (``kiln cache
-# verify`` judges those), ``incompatible`` of a remote result (a newer Kiln's remote entry is a ``problem``).
+# verify`` judges those).
 LS_ROW_KEYS = ("key", "store", "model", "format", "backend", "gpu", "size_bytes", "created", "last_used", "hits",
                "problem")
 VERIFY_ROW_KEYS = ("key", "store", "ok", "files_checked", "problems", "incompatible")

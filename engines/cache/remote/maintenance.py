@@ -86,10 +86,15 @@ def _problem(manifest: object, store: str, key: str) -> str | None:
 
 def verify_remote(tier: RemoteTier, entries: list[RemoteEntry] | None = None) -> list[dict]:
     """Read back every file of these remote entries (default: all) and check its size and sha256 against the
-    manifest, without a local copy; each result names its bad files (``problems``)."""
+    manifest, without a local copy; each result names its bad files (``problems``). A newer Kiln's entry is not this
+    one's to judge: ``incompatible`` says so, and it is neither read nor counted a problem, as a local one."""
     results = []
     entries = remote_entries(tier) if entries is None else entries
     for entry in entries:
+        if entry.newer:
+            results.append({"key": entry.key, "store": entry.store, "ok": True, "files_checked": 0, "problems": [],
+                            "incompatible": f"{entry.problem}, not this Kiln's to check; left as it is"})
+            continue
         problems = [] if entry.manifest else [entry.problem]
         files = entry.manifest["files"] if entry.manifest else []
         with ThreadPoolExecutor(max_workers=tier.file_threads) as pool:
