@@ -34,6 +34,7 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
 from kiln.runtime.trtllm.engine import TrtllmEngine, TrtllmRequestError
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, is_trtllm_engine
+from kiln.runtime.trtllm.iteration_steps import IterationSteps
 
 RECORDED = load_contract()["python"]["tensorrt_llm.bindings.executor"]
 H200 = {"device": "cuda", "gpu_name": "NVIDIA H200", "compute_capability": "9.0", "cuda": "12.9",
@@ -84,20 +85,32 @@ class _IterationStats:
     __slots__ = tuple(RECORDED["IterationStats"]["attributes"])
 
 
+class _InflightBatchingStats:
+    __slots__ = tuple(RECORDED["InflightBatchingStats"]["attributes"])
+
+
 def iteration_stats(active: int, queued: int = 0, used: int = 0, reused: int = 0, missed: int = 0,
-                    num_blocks: int = 10) -> _IterationStats:
-    """An executor iteration's statistics: its requests, and its KV pool of `num_blocks` blocks of 32 tokens."""
+                    num_blocks: int = 10, *, iter: int = 0, latency_ms: float = 0.0, context: int = 0,  # noqa: A002
+                    gen: int = 0, ctx_tokens: int = 0, paused: int = 0) -> _IterationStats:
+    """An executor iteration's statistics: its number, the latency of the iteration before it, its requests (the
+    batch: `context` and `gen` requests, `ctx_tokens` prompt tokens, `paused` ones), and its KV pool of
+    `num_blocks` blocks of 32 tokens."""
     kv = _KvCacheStats()
     kv.max_num_blocks, kv.used_num_blocks, kv.free_num_blocks = num_blocks, used, num_blocks - used
     kv.tokens_per_block, kv.reused_blocks, kv.missed_blocks = 32, reused, missed
+    batch = _InflightBatchingStats()
+    batch.num_scheduled_requests, batch.num_context_requests, batch.num_gen_requests = context + gen, context, gen
+    batch.num_paused_requests, batch.num_ctx_tokens = paused, ctx_tokens
     stats = _IterationStats()
+    stats.iter, stats.iter_latency_ms, stats.inflight_batching_stats = iter, latency_ms, batch
     stats.num_active_requests, stats.num_queued_requests, stats.kv_cache_stats = active, queued, kv
     return stats
 
 
 class FakeExecutor:
     """Streams one scripted token per request per `await_responses`, with only the recorded methods. Each iteration
-    with requests posts its statistics (a request holds one KV block), the last one those of the idle executor."""
+    with requests posts its statistics (a request holds one KV block; the latency is the iteration's before it, as
+    the executor measures it), then one more, of the idle executor, once its last request has gone."""
 
     instances: list[FakeExecutor] = []
     step_s = 0.001  # the time one engine iteration takes
@@ -107,6 +120,7 @@ class FakeExecutor:
         self.requests, self.cancelled, self.active, self.shut_down = {}, [], {}, False
         self.fail_ids: set[int] = set()
         self.iterations: list[_IterationStats] = []
+        self.iter, self.busy = 0, False  # the next iteration's number; whether the one before it ran a batch
         self._iterations_lock = threading.Lock()
         FakeExecutor.instances.append(self)
 
@@ -119,6 +133,10 @@ class FakeExecutor:
     def await_responses(self, timeout=None):
         assert isinstance(timeout, timedelta)
         time.sleep(self.step_s)
+        context = [r for r, produced in self.active.items() if produced == 0]
+        batch = {"active": len(self.active), "used": len(self.active), "context": len(context),
+                 "gen": len(self.active) - len(context),
+                 "ctx_tokens": sum(len(self.requests[r].input_token_ids) for r in context)}
         responses = []
         for request_id, produced in list(self.active.items()):
             request = self.requests[request_id]
@@ -141,9 +159,18 @@ class FakeExecutor:
                 del self.active[request_id]
             responses.append(_Response(request_id, result))
         if responses:
-            with self._iterations_lock:
-                self.iterations.append(iteration_stats(active=len(self.active), used=len(self.active)))
+            self._post(iteration_stats(**batch))
+            if not self.active:
+                self._post(iteration_stats(active=0))
         return responses
+
+    def _post(self, stats: _IterationStats) -> None:
+        """Post an iteration's statistics; the one of the idle executor reports no latency, as the executor's."""
+        stats.iter = self.iter
+        stats.iter_latency_ms = self.step_s * 1000 if self.busy and stats.num_active_requests else 0.0
+        self.iter, self.busy = self.iter + 1, stats.inflight_batching_stats.num_scheduled_requests > 0
+        with self._iterations_lock:
+            self.iterations.append(stats)
 
     def get_latest_iteration_stats(self):
         assert not self.shut_down, "Shutdown called"  # the executor's own check
@@ -436,6 +463,38 @@ def test_stats_count_tokens_as_they_arrive_and_a_prompt_with_its_first_tokens(tr
         stats = engine.stats_snapshot()
         counts.append((stats["num_prompt_tokens"], stats["num_generated_tokens"]))
     assert counts == [(2, n) for n in range(1, 7)]  # a b c d e and the EOS, each counted as it arrived
+
+
+def test_each_executor_iteration_that_ran_a_batch_is_a_step_counting_vllms_iteration_tokens(trtllm, engine_dir):
+    engine = TrtllmEngine(engine_dir, RuntimeOptions())
+    engine.add_request(engine.make_request("r1", [2, 3], SamplingParams(max_tokens=20, temperature=0)))
+    while engine.has_unfinished():
+        engine.step()
+        stats = engine.stats_snapshot()  # a stats read drains the iterations too: each is recorded once
+    assert sorted(stats) == ["backend", "e2e_ms", "itl_ms", "kv_cache", "num_batched_tokens", "num_generated_tokens",
+                             "num_mixed_steps", "num_preemptions", "num_prompt_tokens", "num_running", "num_steps",
+                             "num_steps_queued_ahead", "num_waiting", "prefix_cache", "recent_errors", "recent_steps",
+                             "requests_finished", "step_tokens_histogram", "steps_by_kind", "ttft_ms"]
+    assert stats["num_steps"] == 6  # the prefill and five decodes; the idle executor's iteration is no step
+    assert [k["steps"] for k in stats["steps_by_kind"].values()] == [1, 0, 5]  # prefill, mixed, decode
+    assert stats["num_batched_tokens"] == 2 + 5
+    histogram = stats["step_tokens_histogram"]
+    assert histogram["counts"][:2] == [5, 1] and histogram["sum"] == 8  # the prompt with its first token, then 1s
+    assert histogram["sum"] == stats["num_prompt_tokens"] + stats["num_generated_tokens"]
+    durations = [step["duration_s"] for step in stats["recent_steps"]["steps"]]
+    assert durations == [FakeExecutor.step_s] * 5 + [0.0]  # the executor reports no latency for the last one
+
+
+def test_an_iteration_becomes_a_step_once_its_latency_arrives_and_is_taken_once():
+    steps = IterationSteps()
+    first = iteration_stats(2, queued=3, used=4, iter=7, context=1, gen=1, ctx_tokens=30, paused=1)
+    assert steps.add(first) is None and steps.add(first) is None
+    step = steps.add(iteration_stats(1, iter=8, latency_ms=12.5, gen=1))
+    assert (step.step, step.duration_s, step.execute_s) == (7, 0.0125, 0.0125)
+    assert (step.num_seqs, step.num_prefill_seqs, step.num_decode_seqs, step.num_batched_tokens) == (2, 1, 1, 31)
+    assert (step.num_preempted, step.num_waiting, step.kv_blocks_used, step.kv_blocks_free) == (1, 3, 4, 6)
+    assert step.num_iteration_tokens == 30 + 1 + 1
+    assert steps.add(iteration_stats(0, iter=10, latency_ms=9.0)).duration_s == 0.0  # 9's latency, not 8's: lost
 
 
 def test_metrics_of_a_served_engine_answer_with_the_kv_pool_of_the_executors_latest_iteration(trtllm, engine_dir):

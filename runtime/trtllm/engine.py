@@ -23,6 +23,7 @@ from kiln.runtime.sequence import Sequence
 from kiln.runtime.stats import EngineStats
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt, request_detokenizer
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo
+from kiln.runtime.trtllm.iteration_steps import IterationSteps
 from kiln.runtime.trtllm.toolchain import (
     TrtllmUnavailableError,
     check_trtllm_fingerprint,
@@ -81,6 +82,7 @@ class TrtllmEngine:
         self._errors: list[str] = []
         self._prefix_caching = options.prefix_caching
         self._iteration: Any = None  # the executor's IterationStats of its latest iteration, None before the first
+        self._steps = IterationSteps()  # its iterations, recorded as steps as they are drained
         self._iteration_lock = threading.Lock()  # held while draining the executor's statistics, and to shut it down
         self._shut_down = False
         self.executor = self.trtllm.Executor(engine_dir, self.trtllm.ModelType.DECODER_ONLY,
@@ -165,12 +167,14 @@ class TrtllmEngine:
         return False
 
     def step(self) -> list[StreamDelta | RequestFailure]:
-        """Collect what the executor produced since the last call (waits up to `poll_ms` for it)."""
+        """Collect what the executor produced since the last call (waits up to `poll_ms` for it), and record the
+        iterations it ran as steps (draining their statistics is a mutex and a move of a short queue)."""
         deltas = []
         for response in self.executor.await_responses(timeout=self._poll):
             request_id = self._by_executor_id.get(response.request_id)
             if request_id is not None:
                 deltas.append(self._on_response(self._requests[request_id], response))
+        self._drain_iterations()
         return deltas
 
     def _on_response(self, state: _Request, response: Any) -> StreamDelta | RequestFailure:
@@ -221,19 +225,24 @@ class TrtllmEngine:
     def stats_snapshot(self) -> dict:
         """Request counters and latency summaries, plus the executor's queue, KV pool and block reuse as of its latest
         iteration (those keys are absent until it has run one). Safe from any thread."""
+        iteration = self._drain_iterations()  # first, so the steps it records are in this snapshot
         snapshot = {**self.stats.snapshot(), "backend": "trtllm", "num_running": len(self._requests),
                     "recent_errors": self._errors[-5:]}
-        if (iteration := self._latest_iteration()) is not None:
+        if iteration is not None:
             snapshot.update(iteration_snapshot(iteration, self.info.plan.kv_cache_dtype, self._prefix_caching))
         return snapshot
 
-    def _latest_iteration(self) -> Any:
-        """The executor's statistics of its latest iteration. Reading them empties the executor's queue of them
-        (under its own lock, so from any thread), so the latest is kept for the next read. The executor posts one
-        more once its last request has gone, so an idle engine reads idle."""
+    def _drain_iterations(self) -> Any:
+        """Record the executor's iterations since the last drain as steps; the statistics of its latest iteration.
+        Reading them empties the executor's queue of them (under its own lock, so from any thread: the engine's
+        step and a stats read), so the latest is kept for the next read. The executor posts one more once its last
+        request has gone, so an idle engine reads idle."""
         with self._iteration_lock:
-            if not self._shut_down and (iterations := self.executor.get_latest_iteration_stats()):
-                self._iteration = iterations[-1]
+            if not self._shut_down:
+                for iteration in self.executor.get_latest_iteration_stats():
+                    if (step := self._steps.add(iteration)) is not None:
+                        self.stats.record_step(step)
+                    self._iteration = iteration
             return self._iteration
 
     def close(self) -> None:
