@@ -140,7 +140,9 @@ def test_text_parts_join_by_newlines_and_earlier_reasoning_reaches_the_template(
 
 def test_chat_template_kwargs_are_taken_by_tokenize_and_chat(http):
     body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}}
-    assert http.post("/tokenize", json=body).status_code == 200
+    taken = http.post("/tokenize", json=body)  # the bundled template never reads it: named, as chat names it
+    assert taken.status_code == 200 and taken.headers["kiln-ignored-fields"] == "chat_template_kwargs.enable_thinking"
+    assert "kiln-ignored-fields" not in http.post("/tokenize", json={"prompt": "hi"}).headers
     refused = http.post("/tokenize", json={**body, "chat_template_kwargs": {"messages": []}})
     assert refused.status_code == 400 and "may not set messages" in refused.json()["error"]["message"]
     chat = http.post("/v1/chat/completions", json={**body, "model": MODEL, "max_tokens": 2})

@@ -44,7 +44,7 @@ from kiln.runtime.server.protocol import (
     VersionResponse,
 )
 from kiln.runtime.server.request_id import REQUEST_ID_HEADER, RequestIdMiddleware
-from kiln.runtime.server.responding import IGNORED_FIELDS_HEADER
+from kiln.runtime.server.responding import IGNORED_FIELDS_HEADER, ignored_header
 from kiln.runtime.server.responses import create_response
 from kiln.runtime.server.responses_protocol import ResponseObject, ResponsesRequest
 from kiln.runtime.server.route_path import route_path
@@ -301,9 +301,12 @@ def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metr
         return await create(state.require_model(), req, metrics, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize_route(body: TokenizeRequest, response: Response) -> TokenizeResponse:
         """Token ids of a prompt, or of chat messages through the chat template (vLLM's endpoint)."""
-        return await asyncio.to_thread(tokenize, state.require_model(), body)  # long texts: off the event loop
+        tokens, unread = await asyncio.to_thread(tokenize, state.require_model(), body)  # long texts: off the loop
+        if unread:
+            response.headers[IGNORED_FIELDS_HEADER] = ignored_header(unread)
+        return tokens
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:

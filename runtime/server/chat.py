@@ -30,6 +30,7 @@ from kiln.runtime.server.protocol import (
     ChatCompletionResponse,
     ChatMessage,
     FunctionCall,
+    TokenizeRequest,
     ToolCallOut,
     Usage,
 )
@@ -51,16 +52,16 @@ def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
     return {**variables, **(req.chat_template_kwargs or {})}
 
 
-def unread_template_fields(model: ServedModel, req: ChatCompletionRequest) -> list[str]:
+def unread_template_fields(model: ServedModel, req: ChatCompletionRequest | TokenizeRequest) -> list[str]:
     """The request's template variables that the chat template never reads, by the names the request gives them: a
     ``chat_template_kwargs`` key, ``documents``, ``reasoning_effort`` (read as itself, or as ``enable_thinking`` when
-    it is "none")."""
+    it is "none"; /tokenize takes only the first)."""
     given = {f"chat_template_kwargs.{name}": {name} for name in req.chat_template_kwargs or {}}
-    if req.documents is not None:
+    if getattr(req, "documents", None) is not None:
         given["documents"] = {"documents"}
-    if req.reasoning_effort is not None:  # only "none" reaches the template as enable_thinking too
-        given["reasoning_effort"] = {"reasoning_effort", *(("enable_thinking",) if req.reasoning_effort == "none"
-                                                           else ())}
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:  # only "none" reaches the template as enable_thinking too
+        given["reasoning_effort"] = {"reasoning_effort", *(("enable_thinking",) if effort == "none" else ())}
     return [name for name, variables in given.items() if not variables & model.chat_template.reads]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.runtime.server.chat import render_chat, require_tool_format
+from kiln.runtime.server.chat import render_chat, require_tool_format, unread_template_fields
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.jobs import check_model
@@ -24,8 +24,10 @@ _MESSAGES_ONLY = {"tools": (None, []), "add_generation_prompt": (True,), "contin
                   "chat_template_kwargs": (None, {})}
 
 
-def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
-    """Token ids of a prompt or of chat messages, as a generation request would send them to the engine."""
+def tokenize(model: ServedModel, req: TokenizeRequest) -> tuple[TokenizeResponse, list[str]]:
+    """Token ids of a prompt or of chat messages, as a generation request would send them to the engine, and the
+    request's chat_template_kwargs the template never reads (named in the Kiln-Ignored-Fields header, as chat
+    completions name them)."""
     check_model(model, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "send exactly one of prompt and messages", param="prompt")
@@ -46,8 +48,9 @@ def tokenize(model: ServedModel, req: TokenizeRequest) -> TokenizeResponse:
         ids = model.encode(_within_context(model, req.prompt, "prompt"), "prompt",
                            add_special_tokens=req.add_special_tokens is not False)
     strings = model.tokenizer.vocabulary_entries(ids) if req.return_token_strs else None  # encode needs a tokenizer
+    unread = unread_template_fields(model, req) if req.messages is not None else []
     return TokenizeResponse(count=len(ids), max_model_len=model.limits.max_request_tokens, tokens=ids,
-                            token_strs=strings)
+                            token_strs=strings), unread
 
 
 def detokenize(model: ServedModel, req: DetokenizeRequest) -> DetokenizeResponse:
