@@ -32,7 +32,7 @@ from kiln.runtime.outputs import RequestFailedError, RequestFailure
 from kiln.runtime.plan import BuildPlan
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
-from kiln.runtime.trtllm.engine import TrtllmEngine, TrtllmRequestError
+from kiln.runtime.trtllm.engine import ITERATION_STATS_KEPT, TrtllmEngine, TrtllmRequestError
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, is_trtllm_engine
 from kiln.runtime.trtllm.iteration_steps import IterationSteps
 
@@ -109,8 +109,9 @@ def iteration_stats(active: int, queued: int = 0, used: int = 0, reused: int = 0
 
 class FakeExecutor:
     """Streams one scripted token per request per `await_responses`, with only the recorded methods. Each iteration
-    with requests posts its statistics (a request holds one KV block; the latency is the iteration's before it, as
-    the executor measures it), then one more, of the idle executor, once its last request has gone."""
+    with requests posts its statistics as the executor does: numbered by the batches completed before it, with the
+    latency of the batch before it (a request holds one KV block); then one more, of the idle executor, once its
+    last request has gone (the next batch's number, no latency: the last batch's comes with the next batch)."""
 
     instances: list[FakeExecutor] = []
     step_s = 0.001  # the time one engine iteration takes
@@ -120,7 +121,7 @@ class FakeExecutor:
         self.requests, self.cancelled, self.active, self.shut_down = {}, [], {}, False
         self.fail_ids: set[int] = set()
         self.iterations: list[_IterationStats] = []
-        self.iter, self.busy = 0, False  # the next iteration's number; whether the one before it ran a batch
+        self.completed, self.latency_ms = 0, 0.0  # batches completed; the last one's latency, not yet posted
         self._iterations_lock = threading.Lock()
         FakeExecutor.instances.append(self)
 
@@ -159,16 +160,13 @@ class FakeExecutor:
                 del self.active[request_id]
             responses.append(_Response(request_id, result))
         if responses:
-            self._post(iteration_stats(**batch))
+            self._post(iteration_stats(**batch, iter=self.completed, latency_ms=self.latency_ms))
+            self.completed, self.latency_ms = self.completed + 1, self.step_s * 1000
             if not self.active:
-                self._post(iteration_stats(active=0))
+                self._post(iteration_stats(active=0, iter=self.completed))
         return responses
 
     def _post(self, stats: _IterationStats) -> None:
-        """Post an iteration's statistics; the one of the idle executor reports no latency, as the executor's."""
-        stats.iter = self.iter
-        stats.iter_latency_ms = self.step_s * 1000 if self.busy and stats.num_active_requests else 0.0
-        self.iter, self.busy = self.iter + 1, stats.inflight_batching_stats.num_scheduled_requests > 0
         with self._iterations_lock:
             self.iterations.append(stats)
 
@@ -467,34 +465,39 @@ def test_stats_count_tokens_as_they_arrive_and_a_prompt_with_its_first_tokens(tr
 
 def test_each_executor_iteration_that_ran_a_batch_is_a_step_counting_vllms_iteration_tokens(trtllm, engine_dir):
     engine = TrtllmEngine(engine_dir, RuntimeOptions())
-    engine.add_request(engine.make_request("r1", [2, 3], SamplingParams(max_tokens=20, temperature=0)))
-    while engine.has_unfinished():
-        engine.step()
-        stats = engine.stats_snapshot()  # a stats read drains the iterations too: each is recorded once
+    assert FakeExecutor.instances[-1].config.iter_stats_max_iterations == ITERATION_STATS_KEPT  # never 0: steps on
+    for request_id in ("r1", "r2"):  # the executor idles between them
+        engine.add_request(engine.make_request(request_id, [2, 3], SamplingParams(max_tokens=20, temperature=0)))
+        while engine.has_unfinished():
+            engine.step()
+            stats = engine.stats_snapshot()  # a stats read drains the iterations too: each is recorded once
+        if request_id == "r1":  # its last batch's latency comes with r2's first batch
+            assert stats["num_steps"] == 5
     assert sorted(stats) == ["backend", "e2e_ms", "itl_ms", "kv_cache", "num_batched_tokens", "num_generated_tokens",
                              "num_mixed_steps", "num_preemptions", "num_prompt_tokens", "num_running", "num_steps",
                              "num_steps_queued_ahead", "num_waiting", "prefix_cache", "recent_errors", "recent_steps",
                              "requests_finished", "step_tokens_histogram", "steps_by_kind", "ttft_ms"]
-    assert stats["num_steps"] == 6  # the prefill and five decodes; the idle executor's iteration is no step
-    assert [k["steps"] for k in stats["steps_by_kind"].values()] == [1, 0, 5]  # prefill, mixed, decode
-    assert stats["num_batched_tokens"] == 2 + 5
+    assert stats["num_steps"] == 11  # r1's prefill and five decodes, r2's but its last; the idle iterations none
+    assert [k["steps"] for k in stats["steps_by_kind"].values()] == [2, 0, 9]  # prefill, mixed, decode
+    assert stats["num_batched_tokens"] == 2 * (2 + 5) - 1
     histogram = stats["step_tokens_histogram"]
-    assert histogram["counts"][:2] == [5, 1] and histogram["sum"] == 8  # the prompt with its first token, then 1s
-    assert histogram["sum"] == stats["num_prompt_tokens"] + stats["num_generated_tokens"]
-    durations = [step["duration_s"] for step in stats["recent_steps"]["steps"]]
-    assert durations == [FakeExecutor.step_s] * 5 + [0.0]  # the executor reports no latency for the last one
+    assert histogram["counts"][:2] == [9, 2] and histogram["sum"] == 2 * 8 - 1  # each prompt with its first token
+    assert histogram["sum"] == stats["num_prompt_tokens"] + stats["num_generated_tokens"] - 1
+    assert {step["duration_s"] for step in stats["recent_steps"]["steps"]} == {FakeExecutor.step_s}  # none is 0 s
 
 
 def test_an_iteration_becomes_a_step_once_its_latency_arrives_and_is_taken_once():
     steps = IterationSteps()
     first = iteration_stats(2, queued=3, used=4, iter=7, context=1, gen=1, ctx_tokens=30, paused=1)
-    assert steps.add(first) is None and steps.add(first) is None
+    assert steps.add(first) is None
     step = steps.add(iteration_stats(1, iter=8, latency_ms=12.5, gen=1))
     assert (step.step, step.duration_s, step.execute_s) == (7, 0.0125, 0.0125)
     assert (step.num_seqs, step.num_prefill_seqs, step.num_decode_seqs, step.num_batched_tokens) == (2, 1, 1, 31)
     assert (step.num_preempted, step.num_waiting, step.kv_blocks_used, step.kv_blocks_free) == (1, 3, 4, 6)
     assert step.num_iteration_tokens == 30 + 1 + 1
-    assert steps.add(iteration_stats(0, iter=10, latency_ms=9.0)).duration_s == 0.0  # 9's latency, not 8's: lost
+    assert steps.add(iteration_stats(1, iter=10, latency_ms=9.0, gen=1)) is None  # 9's latency, not 8's: 9 is lost
+    assert steps.add(iteration_stats(0, iter=11)) is None  # the idle executor's: 10's latency comes with the next
+    assert steps.add(iteration_stats(1, iter=11, latency_ms=4.0, gen=1)).duration_s == 0.004
 
 
 def test_metrics_of_a_served_engine_answer_with_the_kv_pool_of_the_executors_latest_iteration(trtllm, engine_dir):

@@ -35,6 +35,9 @@ from kiln.runtime.trtllm.toolchain import (
 NATIVE_ONLY_OPTIONS = ("kernels", "cuda_graphs", "cuda_graph_capture", "overlap_steps", "pdl", "attention_fp8_pv",
                        "linear_max_m", "gpu_memory_utilization")
 
+# iterations whose statistics the executor keeps until they are drained (its default, passed so that the steps
+# cannot be switched off unseen: 0 keeps none); the engine drains them every step
+ITERATION_STATS_KEPT = 1000
 FINISH_REASONS = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "abort",
                    "TIMED_OUT": "abort"}
 
@@ -100,7 +103,8 @@ class TrtllmEngine:
         policy = getattr(trtllm.CapacitySchedulerPolicy, scheduler_policy.upper())  # the same two names
         scheduler = trtllm.SchedulerConfig(capacity_scheduler_policy=policy)
         return trtllm.ExecutorConfig(max_beam_width=1, scheduler_config=scheduler, kv_cache_config=kv_cache,
-                                     enable_chunked_context=True, batching_type=trtllm.BatchingType.INFLIGHT)
+                                     enable_chunked_context=True, batching_type=trtllm.BatchingType.INFLIGHT,
+                                     iter_stats_max_iterations=ITERATION_STATS_KEPT)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request without touching the executor (safe from any thread)."""
@@ -233,10 +237,10 @@ class TrtllmEngine:
         return snapshot
 
     def _drain_iterations(self) -> Any:
-        """Record the executor's iterations since the last drain as steps; the statistics of its latest iteration.
-        Reading them empties the executor's queue of them (under its own lock, so from any thread: the engine's
-        step and a stats read), so the latest is kept for the next read. The executor posts one more once its last
-        request has gone, so an idle engine reads idle."""
+        """Record the executor's iterations since the last drain as steps (``IterationSteps``); the statistics of its
+        latest iteration. Reading them empties the executor's queue of them (under its own lock, so from any thread:
+        the engine's step and a stats read), so the latest is kept for the next read. The executor posts an idle
+        iteration once its last request has gone, so an idle engine reads idle."""
         with self._iteration_lock:
             if not self._shut_down:
                 for iteration in self.executor.get_latest_iteration_stats():
