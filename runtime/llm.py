@@ -54,6 +54,13 @@ VLLM_ATTRIBUTES = {
     "encode": "Kiln's engines generate text; they make no embeddings",
     "embed": "Kiln's engines generate text; they make no embeddings",
     "start_profile": "profile with torch.profiler around generate, or tools/bench_step.py --profile",
+    "get_metrics": "use llm.stats() (counters, latency summaries, the KV pool)",
+    "set_tokenizer": "an engine holds the tokenizer it was built with: kiln build with another",
+    "sleep": "llm.close() frees the GPU; LLM.load the engine again to wake it",
+    "wake_up": "llm.close() frees the GPU; LLM.load the engine again to wake it",
+    "preprocess_chat": "llm.chat renders messages through the chat template; llm.tokenizer encodes text",
+    "score": "Kiln's engines generate text; they score and classify nothing",
+    "classify": "Kiln's engines generate text; they score and classify nothing",
 }
 
 
@@ -132,10 +139,11 @@ class LLM:
         return self.engine.limits
 
     def check(self, prompt: Prompt, params: SamplingParams | None = None) -> None:
-        """Raise what `submit` would raise for this request (RequestTooLongError, InvalidRequestError,
-        EngineClosedError, ...), without submitting it."""
+        """Raise what `generate` would raise for this prompt (RequestTooLongError, InvalidRequestError,
+        EngineClosedError, ...), without running it: with ``n`` > 1, what each sample's request would (``submit``
+        and the streams take n = 1 only)."""
         self._check_open()
-        self.engine.make_request(uuid.uuid4().hex, prompt, _taken(params, self.default_params))
+        self.engine.make_request(uuid.uuid4().hex, prompt, _sample(_taken(params, self.default_params), 0))
 
     def __enter__(self) -> LLM:
         return self

@@ -135,6 +135,11 @@ class RequestOutput:
         if not self.outputs:  # LLM.generate gives a prompt's n samples
             self.outputs = [self.completion(0)]
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """The prompt tokens the prefix cache served (vLLM's name for ``metrics.num_cached_tokens``)."""
+        return self.metrics.num_cached_tokens
+
     def completion(self, index: int) -> CompletionOutput:
         """This request's completion as sample ``index`` of its prompt (copies of its lists)."""
         cumulative = None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)

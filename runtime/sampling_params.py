@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import functools
 import math
@@ -30,7 +31,8 @@ OTHER_NAMES = {"max_new_tokens": "set max_tokens", "min_new_tokens": "set min_to
                "return_log_probs": "set logprobs", "guided_decoding": "set structured_output",
                "bad_words": "set logit_bias to -100 for each of their token ids",
                "use_beam_search": "Kiln samples or decodes greedily, without beams",
-               "best_of": "a request makes one completion: pass the prompt k times and keep the best",
+               "best_of": "LLM.generate returns all n samples: ask n=k with logprobs and keep the best by "
+                          "cumulative_logprob",
                "spaces_between_special_tokens": "Kiln decodes special tokens as the tokenizer does (vLLM's default)",
                "regex": "set structured_output=StructuredOutput(regex=...)",
                "json_schema": "set structured_output=StructuredOutput(json=...)",
@@ -39,7 +41,7 @@ OTHER_NAMES = {"max_new_tokens": "set max_tokens", "min_new_tokens": "set min_to
 # vLLM's settings that Kiln lacks, at the values that change nothing (their defaults): taken and dropped, so that
 # code spelling out vLLM's defaults runs; any other value is refused (OTHER_NAMES)
 VLLM_NO_OP_VALUES: dict[str, tuple] = {
-    "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,), "best_of": (None, 1),
+    "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,), "best_of": (None,),
     "use_beam_search": (False,), "bad_words": (None, []), "guided_decoding": (None,), "structured_outputs": (None,),
     "logits_processors": (None, []), "truncate_prompt_tokens": (None,), "extra_args": (None, {}),
     "flat_logprobs": (False,)}
@@ -134,14 +136,15 @@ class SamplingParams:
             """Refuse a setting the class lacks by name, saying what to give instead (another engine's name)."""
             drops_no_ops = getattr(cls.__init__, "drops_vllm_no_ops", False)  # a dataclass subclass's own takes none
             if unknown := [name for name, value in kwargs.items()
-                           if name not in _settings(cls) and not (drops_no_ops and _changes_nothing(name, value))]:
+                           if name not in _settings(cls)
+                           and not (drops_no_ops and _changes_nothing(name, value, kwargs.get("n", 1)))]:
                 raise TypeError(f"{cls.__name__} has no setting {unknown[0]!r}{_instead(unknown[0], cls)}")
             return super().__new__(cls)
 
         def __setattr__(self, name: str, value: object) -> None:
             """Set a setting; a name the class has no setting of is refused (it would be dropped unseen), unless it is
             vLLM's at a value that changes nothing (VLLM_NO_OP_VALUES), which is dropped."""
-            if name not in _settings(type(self)) and _changes_nothing(name, value):
+            if name not in _settings(type(self)) and _changes_nothing(name, value, self.n):
                 return
             if name not in _settings(type(self)):
                 raise AttributeError(f"{type(self).__name__} has no setting {name!r}{_instead(name, type(self))}")
@@ -222,6 +225,10 @@ class SamplingParams:
         """True when sampling reduces to argmax (a temperature below GREEDY_TEMPERATURE)."""
         return self.temperature < GREEDY_TEMPERATURE
 
+    def clone(self) -> SamplingParams:
+        """A deep copy, whose changes do not reach this one (vLLM's ``clone``)."""
+        return copy.deepcopy(self)
+
 
 if not TYPE_CHECKING:  # the dataclass's signature stays what type checkers see
     _init_of_fields = SamplingParams.__init__
@@ -229,14 +236,18 @@ if not TYPE_CHECKING:  # the dataclass's signature stays what type checkers see
     @functools.wraps(_init_of_fields)
     def _init_dropping_no_ops(self: SamplingParams, *args: object, **kwargs: object) -> None:
         _init_of_fields(self, *args, **{name: value for name, value in kwargs.items()
-                                       if not (name in VLLM_NO_OP_VALUES and _changes_nothing(name, value))})
+                                       if not (name in VLLM_NO_OP_VALUES
+                                               and _changes_nothing(name, value, kwargs.get("n", 1)))})
 
     _init_dropping_no_ops.drops_vllm_no_ops = True
     SamplingParams.__init__ = _init_dropping_no_ops
 
 
-def _changes_nothing(name: str, value: object) -> bool:
-    """Whether ``value`` of vLLM's setting ``name`` is one that Kiln's behaviour already is (VLLM_NO_OP_VALUES)."""
+def _changes_nothing(name: str, value: object, n: object) -> bool:
+    """Whether ``value`` of vLLM's setting ``name`` is one that Kiln's behaviour already is (VLLM_NO_OP_VALUES, and
+    vLLM's ``best_of`` equal to the request's ``n``: every sample returned)."""
+    if name == "best_of" and type(value) is int and value == n:
+        return True
     return any(value is same or (type(value) is type(same) and value == same)
                for same in VLLM_NO_OP_VALUES.get(name, ()))
 

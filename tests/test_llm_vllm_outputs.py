@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from kiln.runtime import LLM, InvalidRequestError, SamplingParams
+from kiln.runtime import LLM, InvalidRequestError, RequestTooLongError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
 
@@ -48,6 +48,8 @@ def test_submitted_streamed_and_awaited_requests_carry_their_prompt_too(llm):
 def test_vllms_llm_methods_kiln_names_otherwise_say_what_to_use(llm):
     with pytest.raises(AttributeError, match="use llm.tokenizer"):
         llm.get_tokenizer()
+    with pytest.raises(AttributeError, match=r"llm.stats\(\)"):
+        llm.get_metrics()
     assert not hasattr(llm, "get_default_sampling_params") and not hasattr(llm, "generat")
 
     class Named(LLM):
@@ -77,3 +79,7 @@ def test_n_samples_of_each_prompt_come_in_one_output_seeded_seed_plus_i(llm):
     assert one.outputs[0].token_ids == one.outputs[1].token_ids  # greedy: the same twice
     with pytest.raises(InvalidRequestError, match="LLM.generate and LLM.chat make n"):
         llm.submit("the sun", sampled)  # one request makes one completion
+    llm.check("the sun", sampled)  # what generate takes
+    with pytest.raises(RequestTooLongError):
+        llm.check("the sun", SamplingParams(n=2, max_tokens=llm.limits.max_seq_len))
+    assert first.num_cached_tokens == first.metrics.num_cached_tokens

@@ -97,6 +97,12 @@ def test_vllms_settings_at_values_that_change_nothing_are_taken_and_others_refus
                                  use_beam_search=False, guided_decoding=None, spaces_between_special_tokens=True)
     assert spelled_out == SamplingParams(temperature=0)
     spelled_out.include_stop_str_in_output = False  # set later too
+    assert SamplingParams(n=3, best_of=3).n == 3  # vLLM's best_of is n unless set: every sample returned
+    with pytest.raises(TypeError, match="keep the best by cumulative_logprob"):
+        SamplingParams(n=2, best_of=3)
+    copied = spelled_out.clone()
+    copied.stop.append("x")
+    assert copied.stop == ["x"] and spelled_out.stop == []
 
     @dataclasses.dataclass
     class Tagged(SamplingParams):  # its own __init__ takes its fields only: refused with the advice
