@@ -169,11 +169,7 @@ class LLM:
                   use_tqdm: bool | Callable[..., Any], texts: list[str | None]) -> list[RequestOutput]:
         """``generate`` of a list of prompts whose outputs carry ``texts`` as their ``prompt``: ``n`` requests of
         a prompt whose SamplingParams ask ``n`` samples, one output holding them all."""
-        if isinstance(params, abc.Sequence) and len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: pass one, or one per "
-                             f"prompt")
-        per_prompt = [_taken(sp, self.default_params)
-                      for sp in (params if isinstance(params, abc.Sequence) else [params] * len(prompts))]
+        per_prompt = _per_prompt(params, len(prompts), self.default_params)
         samples = [sp.n for sp in per_prompt]
         requests = [(index, number) for index, count in enumerate(samples) for number in range(count)]
         which = [index for index, _ in requests]  # each request's prompt
@@ -289,18 +285,14 @@ class LLM:
         """One validated request per prompt, with one SamplingParams for all or one per prompt, under
         ``request_ids`` (one per prompt; default fresh ones); an error names the prompt by its ``prompt_index``
         (default its position)."""
-        if params is None or not isinstance(params, abc.Sequence):
-            params = [_taken(params, self.default_params)] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams: pass one, or one per "
-                             f"prompt")
+        params = _per_prompt(params, len(prompts), self.default_params)
         if request_ids is not None and len(request_ids) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(request_ids)} request ids: pass one per prompt")
         ids = request_ids if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
         seqs = []
         for index, (request_id, prompt, sp) in enumerate(zip(ids, prompts, params, strict=True)):
             try:
-                seqs.append(self.engine.make_request(request_id, prompt, _taken(sp, self.default_params)))
+                seqs.append(self.engine.make_request(request_id, prompt, sp))
             except InvalidRequestError as e:  # RequestTooLongError included
                 if len(set(prompt_index or range(len(prompts)))) == 1:
                     raise
@@ -607,6 +599,15 @@ def _prompt_text(prompt: Prompt) -> str | None:
     if isinstance(prompt, dict):
         prompt = prompt.get("prompt")
     return prompt if isinstance(prompt, str) else None
+
+
+def _per_prompt(params: SamplingParams | abc.Sequence[SamplingParams] | None, count: int,
+                default: SamplingParams) -> list[SamplingParams]:
+    """The checked copy of the params each of ``count`` prompts takes: one SamplingParams for all, or one each."""
+    given = params if isinstance(params, abc.Sequence) else [params] * count
+    if len(given) != count:
+        raise ValueError(f"got {count} prompts but {len(given)} SamplingParams: pass one, or one per prompt")
+    return [_taken(sp, default) for sp in given]
 
 
 def _sample(params: SamplingParams, number: int) -> SamplingParams:
