@@ -250,7 +250,7 @@ class LLM:
                                       "prompt: pass [prompt], or call stream()")
         loop = asyncio.get_running_loop()
         arrived: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
-        seqs = self._make_requests(prompts, params, request_ids)
+        seqs = self._make_requests(prompts, _per_prompt(params, len(prompts), self.default_params), request_ids)
         remaining, running = set(), set(range(len(seqs)))
 
         def push(index: int, item: StreamDelta | BaseException) -> None:
@@ -278,14 +278,12 @@ class LLM:
             for index in remaining:
                 self.abort(seqs[index].request_id)
 
-    def _make_requests(self, prompts: abc.Sequence[Prompt],
-                       params: SamplingParams | abc.Sequence[SamplingParams] | None,
+    def _make_requests(self, prompts: abc.Sequence[Prompt], params: list[SamplingParams],
                        request_ids: abc.Sequence[str] | None = None,
                        prompt_index: abc.Sequence[int] | None = None) -> list[Sequence]:
-        """One validated request per prompt, with one SamplingParams for all or one per prompt, under
+        """One validated request per prompt, with its params (``_per_prompt``'s checked copies), under
         ``request_ids`` (one per prompt; default fresh ones); an error names the prompt by its ``prompt_index``
         (default its position)."""
-        params = _per_prompt(params, len(prompts), self.default_params)
         if request_ids is not None and len(request_ids) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(request_ids)} request ids: pass one per prompt")
         ids = request_ids if request_ids is not None else [uuid.uuid4().hex for _ in prompts]

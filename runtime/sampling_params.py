@@ -144,9 +144,9 @@ class SamplingParams:
         def __setattr__(self, name: str, value: object) -> None:
             """Set a setting; a name the class has no setting of is refused (it would be dropped unseen), unless it is
             vLLM's at a value that changes nothing (VLLM_NO_OP_VALUES), which is dropped."""
-            if name not in _settings(type(self)) and _changes_nothing(name, value, self.n):
-                return
             if name not in _settings(type(self)):
+                if _changes_nothing(name, value, self.n):
+                    return
                 raise AttributeError(f"{type(self).__name__} has no setting {name!r}{_instead(name, type(self))}")
             object.__setattr__(self, name, value)
 
