@@ -183,11 +183,6 @@ def test_abort_all_also_aborts_a_request_added_while_it_fails_the_others(llm, mo
 
 def test_an_id_abort_all_failed_is_taken_until_its_abort_lands_and_then_serves_a_new_request(llm):
     old = SamplingParams(max_tokens=240, ignore_eos=True, temperature=0)
-    llm.submit("Once upon a time", old, request_id="job-1")
-    wait_until(lambda: llm.stats()["num_running"] == 1)  # running, far from its 240 tokens
-    llm.abort_all(EngineClosedError("draining"))
-    with pytest.raises(EngineClosedError):
-        llm.result("job-1", timeout=30)
 
     def reused() -> bool:  # refused as in use until the abort lands
         try:
@@ -196,6 +191,20 @@ def test_an_id_abort_all_failed_is_taken_until_its_abort_lands_and_then_serves_a
             return False
         return True
 
+    async def abort_all_while_it_runs() -> None:
+        deltas = llm.stream_many(["Once upon a time"], old, request_ids=["job-1"])
+        (_, first), *_ = await anext(deltas)  # a token came back: job-1 runs in the engine
+        os.kill(llm.engine_pid, signal.SIGSTOP)  # and stays there, far from its 240 tokens, until the abort lands
+        try:
+            assert not first.finished
+            llm.abort_all(EngineClosedError("draining"))
+            with pytest.raises(EngineClosedError):
+                await anext(deltas)
+            assert not reused()
+        finally:
+            os.kill(llm.engine_pid, signal.SIGCONT)
+
+    asyncio.run(abort_all_while_it_runs())
     wait_until(reused)
     out = llm.result("job-1", timeout=30)  # its own output, not the aborted request's
     assert (out.finish_reason, out.prompt_token_ids, len(out.token_ids)) == ("length", [5, 6, 7], 3)
