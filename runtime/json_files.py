@@ -1,8 +1,10 @@
-"""Reading the JSON object files of checkpoints and engines, with one-line errors that name the file."""
+"""Reading the JSON object files of checkpoints and engines, with one-line errors that name the file, and telling
+JSON's numbers from its other values."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,3 +19,8 @@ def read_json_object(path: Path, error: type[Exception], fix: str) -> dict[str, 
     if not isinstance(data, dict):
         raise error(f"{path}: expected a JSON object; {fix}")
     return data
+
+
+def is_number(value: object) -> bool:
+    """Whether ``value`` is a finite int or float of JSON (not a bool, a string or null)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

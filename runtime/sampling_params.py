@@ -12,6 +12,7 @@ import operator
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from kiln.runtime.json_files import is_number
 from kiln.runtime.structured_output import StructuredOutput
 
 # Temperatures below this sample greedily (as in vLLM): dividing logits by a tinier one overflows them to inf.
@@ -159,9 +160,9 @@ class SamplingParams:
                              f"got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"SamplingParams.top_k must be an int >= 1, or 0/-1 to disable it, got {self.top_k!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
                                             or self.max_tokens < 1):
@@ -184,16 +185,16 @@ class SamplingParams:
     def _validate_controls(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            if not is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise ValueError(f"SamplingParams.{name} must be a number in [-2, 2] (0 is off), got {value!r}")
         low, high = REPETITION_PENALTY_RANGE
-        if not _is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+        if not is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
             raise ValueError(f"SamplingParams.repetition_penalty must be a number in [{low}, {high}] (1 is off), "
                              f"got {self.repetition_penalty!r}")
         for token_id, bias in self.logit_bias.items():
             if not _is_int(token_id) or token_id < 0:
                 raise ValueError(f"SamplingParams.logit_bias keys must be token ids >= 0, got {token_id!r}")
-            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            if not is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"SamplingParams.logit_bias[{token_id}] must be a number in [-100, 100], got {bias!r}")
         allowed = self.allowed_token_ids
         if allowed is not None and (not isinstance(allowed, list) or not allowed or not _are_token_ids(allowed)):
@@ -304,7 +305,3 @@ def _are_token_ids(values: list) -> bool:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -172,6 +172,10 @@ def test_rope_scaling_values_that_give_no_finite_frequencies_are_refused_naming_
     ("mistral", {"sliding_window": -5}, "sliding_window must be a positive integer or null"),
     ("mistral", {"sliding_window": "8"}, "sliding_window must be a positive integer or null"),
     ("mistral", {"sliding_window": 0}, "sliding_window must be a positive integer or null"),  # transformers fails
+    ("gemma2", {"attn_logit_softcapping": "3.0"}, r"attn_logit_softcapping \(null: no cap\) must be a positive number"),
+    ("gemma2", {"final_logit_softcapping": 0}, r"final_logit_softcapping \(null: no cap\) must be a positive number"),
+    ("gemma2", {"attn_logit_softcapping": True}, "attn_logit_softcapping"),
+    ("gemma2", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive number, got 0"),
 ])
 def test_config_fields_of_the_wrong_type_or_value_are_refused_naming_them(family, fields, message):
     with pytest.raises(KilnError, match=message):

@@ -17,11 +17,11 @@ from safetensors import SafetensorError, safe_open
 
 from kiln.engines.eos import generation_eos_ids
 from kiln.runtime.errors import EngineFormatError, KilnError
-from kiln.runtime.json_files import read_json_object
+from kiln.runtime.json_files import is_number, read_json_object
 from kiln.runtime.native.engine_format import Architecture
 from kiln.runtime.native.layers.activation import ACTIVATION_ALIASES, ACTIVATIONS
 from kiln.runtime.native.layers.rotary import ROPE_TYPES, longrope_inv_freqs, rope_inv_freq
-from kiln.runtime.native.model.registry import family_of
+from kiln.runtime.native.model.registry import family_of, positive_number
 
 QUANT_ALGOS = {None: "none", "FP8": "fp8", "W4A16_AWQ": "int4_awq"}
 # the rope scaling parameters that are numbers wherever a scaled type reads them
@@ -89,7 +89,7 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=_positive_number(cfg["rms_norm_eps"], "rms_norm_eps", path),
+        rms_norm_eps=positive_number(cfg["rms_norm_eps"], "rms_norm_eps", path),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
@@ -198,18 +198,6 @@ def _int(cfg: dict[str, Any], key: str, path: Path) -> int:
     return value
 
 
-def _positive_number(value: Any, key: str, path: Path) -> float:
-    """``value`` of config.json's ``key`` as a float; KilnError naming it unless it is a positive number."""
-    if not _is_number(value) or value <= 0:
-        raise KilnError(f"{path}: {key} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def _is_number(value: Any) -> bool:
-    """Whether ``value`` is a finite int or float of JSON (not a bool, a string or null)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path, family_types: dict[str, str] | None = None,
           partial_rotary: bool = False) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from transformers-5 ``rope_parameters`` or older ``rope_scaling``;
@@ -226,7 +214,7 @@ def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path, family_types
         raise KilnError(f"{path}: {source} per layer type ({', '.join(nested)}) is not supported by the native "
                         "backend; give one set of rope parameters for every layer")
     params = dict(params)
-    theta = _positive_number(params.pop("rope_theta", cfg["rope_theta"]), "rope_theta", path)
+    theta = positive_number(params.pop("rope_theta", cfg["rope_theta"]), "rope_theta", path)
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     # transformers moves a top-level factor into the rope parameters, where the scaled types and some families'
     # plain RoPE apply it (and a family that rotates every dimension then fails); the others' plain RoPE ignores it
@@ -262,7 +250,7 @@ def _check_scaling(params: dict[str, Any], source: str, path: Path) -> None:
     above 0 or not below high_freq_factor, a negative attention_factor or beta_slow, beta_fast below beta_slow. A
     factor between 0 and 1 is taken, as transformers runs it (with a warning)."""
     for key in ROPE_NUMBERS:
-        if params.get(key) is not None and not _is_number(params[key]):
+        if params.get(key) is not None and not is_number(params[key]):
             raise KilnError(f"{path}: {source} {key} must be a number, got {params[key]!r}; fix config.json")
     value = {key: params.get(key) for key in ROPE_NUMBERS}
     rules = (("factor", value["factor"] is None or value["factor"] > 0, "positive"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.native.model.registry import Family, sliding_layers
+from kiln.runtime.native.model.registry import Family, positive_number, sliding_layers
 
 
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -17,13 +17,18 @@ def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     return {
         "sandwich_norms": True,
         "scale_embeddings": True,
-        "query_pre_attn_scalar": float(config["query_pre_attn_scalar"]),
-        "attn_logit_softcapping": config["attn_logit_softcapping"],
-        "final_logit_softcapping": config["final_logit_softcapping"],
+        "query_pre_attn_scalar": positive_number(config["query_pre_attn_scalar"], "query_pre_attn_scalar", path),
+        "attn_logit_softcapping": _softcap(config, "attn_logit_softcapping", path),
+        "final_logit_softcapping": _softcap(config, "final_logit_softcapping", path),
         "qkv_bias": bias,
         "o_bias": bias,
         **sliding_layers(config, path, config["sliding_window"], lambda i: i % 2 == 0),
     }
+
+
+def _softcap(config: dict[str, Any], key: str, path: Path) -> float | None:
+    """A soft cap of config.json: a positive number, or null for none (a cap of 0 divides by zero)."""
+    return None if config[key] is None else positive_number(config[key], f"{key} (null: no cap)", path)
 
 
 FAMILY = Family("gemma2", ("Gemma2ForCausalLM",), quirks, norm_weight_offset=1.0, activation_key="hidden_activation",

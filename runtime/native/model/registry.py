@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.runtime.errors import KilnError
+from kiln.runtime.json_files import is_number
 
 
 class UnsupportedArchitectureError(KilnError):
@@ -113,6 +114,13 @@ def sliding_layers(config: dict[str, Any], path: Path, window: int | None,
             f"{path}: layer_types {types!r} must name one of {', '.join(LAYER_TYPES)} for each of the {count} layers "
             f"(num_hidden_layers); the native backend runs no other attention")
     return {"sliding_window": window, "layer_types": list(types)}
+
+
+def positive_number(value: Any, key: str, path: Path) -> float:
+    """``value`` of config.json's ``key`` as a float; KilnError naming it unless it is a positive number."""
+    if not is_number(value) or value <= 0:
+        raise KilnError(f"{path}: {key} must be a positive number, got {value!r}")
+    return float(value)
 
 
 # last: the family files import what is above
