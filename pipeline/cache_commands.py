@@ -172,8 +172,9 @@ def stats(
     table.add_row("evictions", str(report["evictions"]), "")
     if (remote := report["remote"]) is not None:
         pulls = remote["hits"] + remote["misses"] + remote["corrupt"]
-        table.add_row("remote hits", f"{remote['hits']}/{pulls}", f"{remote['url']}: {remote['corrupt']} refused as "
-                      f"damaged, {remote['errors']} failed")
+        where = remote["url"] or "the remote tier (none configured now)"
+        table.add_row("remote pulls", f"{remote['hits']}/{pulls}", f"{where}: every pull, `kiln cache pull` and "
+                      f"checkpoints included; {remote['corrupt']} refused as damaged, {remote['errors']} failed")
         pulled = remote["pulled_bytes"]
         table.add_row("pulled", format_bytes(pulled),
                       f"in {format_seconds(remote['pull_seconds'])}, {rate(pulled, remote['pull_seconds'])}")

@@ -107,6 +107,15 @@ def test_stats_json_has_the_documented_fields(cache):
     assert kiln_cache(cache.root, "stats", "--since", "yesterday").exit_code == 2
 
 
+def test_stats_keep_the_remote_pulls_recorded_once_no_remote_is_configured(cache):
+    key = add(cache, "tiny")
+    assert json.loads(kiln_cache(cache.root, "stats", "--json").stdout)["remote"] is None  # none, and none recorded
+    cache.stats.record_remote("entries", key, "pull", "hit", seconds=0.5, size=1002)  # a `kiln cache pull`
+    data = json.loads(kiln_cache(cache.root, "stats", "--json").stdout)
+    assert (data["remote_hits"], data["remote"]["hits"], data["remote"]["url"]) == (0, 1, None)
+    assert "remote pulls" in kiln_cache(cache.root, "stats").stdout
+
+
 def test_a_relative_cache_dir_is_reported_as_an_absolute_path(cache, monkeypatch):
     monkeypatch.chdir(cache.root.parent)
     key = add(cache, "tiny")

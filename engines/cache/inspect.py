@@ -92,7 +92,7 @@ def stats_report(cache: EngineCache, since: float | None = None) -> dict:
         "entries": len(entries),
         "max_entries": cache.max_entries,
         "evictions": sum(s["evictions"] for s in stores.values()),
-        "remote": remote_totals(cache.remote.url, stores) if cache.remote is not None else None,
+        "remote": _recorded_remote(cache, stores),
         "stores": stores,
     }
 
@@ -104,7 +104,15 @@ def remote_report(cache: EngineCache) -> dict | None:
     return remote_totals(cache.remote.url, {name: cache.stats.summary(name) for name in cache.stores})
 
 
-def remote_totals(url: str, stores: dict[str, dict]) -> dict:
+def _recorded_remote(cache: EngineCache, stores: dict[str, dict]) -> dict | None:
+    """The remote tier's figures (``remote_totals``) when a remote is configured or its statistics recorded one (a
+    later build or environment that configures none keeps them visible, with ``url`` null); else None."""
+    url = cache.remote.url if cache.remote is not None else None
+    totals = remote_totals(url, stores)
+    return totals if url is not None or any(value for name, value in totals.items() if name != "url") else None
+
+
+def remote_totals(url: str | None, stores: dict[str, dict]) -> dict:
     """The remote tier's figures summed over the stores (engines and quantized checkpoints travel alike)."""
     totals = {name: sum(store["remote"][name] for store in stores.values()) for name in stores["entries"]["remote"]}
     return {"url": url, **totals}
