@@ -8,7 +8,13 @@ from collections.abc import Callable
 from kiln.engines.cache import CacheCorruptError, CacheResult, CacheUsageError, EngineCache
 from kiln.engines.cache.keys import check_key_prefix, match_prefix
 from kiln.engines.cache.remote.layout import REMOTE_STORES
-from kiln.engines.cache.remote.maintenance import RemoteEntry, prune_remote, remote_entries, verify_remote
+from kiln.engines.cache.remote.maintenance import (
+    RemoteEntry,
+    prune_remote,
+    remote_entries,
+    stored_blobs,
+    verify_remote,
+)
 from kiln.engines.cache.remote.tier import RemoteTier
 from kiln.engines.cache.results import LS_ROW_KEYS, uniform_rows
 from kiln.engines.cache.units import format_bytes, format_seconds
@@ -49,7 +55,9 @@ def push(cache: EngineCache, key: str | None, *, all_entries: bool, force: bool,
     if json_out:
         print_json({"remote": tier.url, "pushed": rows})
     else:
-        stderr.print(f"{len(rows)} entr{'y' if len(rows) == 1 else 'ies'} on {tier.url}", highlight=False)
+        present = sum(row["outcome"] == "present" for row in rows)
+        already = f"; {present} {'was' if present == 1 else 'were'} already there" if present else ""
+        stderr.print(f"pushed {entries_text(len(rows) - present)} to {tier.url}{already}", highlight=False)
 
 
 def pull(open_cache: Callable[[], EngineCache], tier: RemoteTier, key: str, *, json_out: bool) -> None:
@@ -113,8 +121,9 @@ def ls(tier: RemoteTier, *, json_out: bool) -> None:
         return
     if rows:
         stdout.print(entries_table(rows), highlight=False)
-    stderr.print(f"{entries_text(len(rows))}, {format_bytes(sum(r['size_bytes'] for r in rows))} on {tier.url}",
-                 highlight=False)
+    stored = sum(info.size for info in stored_blobs(tier).values())  # a file several entries list is stored once
+    stderr.print(f"{entries_text(len(rows))}, {format_bytes(sum(r['size_bytes'] for r in rows))} listed, "
+                 f"{format_bytes(stored)} stored on {tier.url}", highlight=False)
 
 
 def verify_results(tier: RemoteTier, key: str | None, *, all_entries: bool) -> tuple[list[dict], str]:
@@ -142,7 +151,8 @@ def prune(tier: RemoteTier, *, max_size_bytes: int | None, older_than_s: float |
         stdout.print(f"{verb} {entry['key']} ({STORE_LABEL[entry['store']]}, {format_bytes(entry['size_bytes'])}, "
                      f"{why})", highlight=False, soft_wrap=True)
     stderr.print(f"{'would free' if dry_run else 'freed'} {format_bytes(report['freed_bytes'])} in "
-                 f"{report['files_removed']} files on {tier.url}; {report['kept']} entries kept", highlight=False)
+                 f"{report['files_removed']} files on {tier.url}; {entries_text(report['kept'])} kept, "
+                 f"{format_bytes(report['stored_bytes'])} stored", highlight=False)
     if report["newer_entries"]:
         stderr.print(f"{report['newer_entries']} entries of a newer Kiln are on {tier.url}: no file was deleted "
                      f"(a newer Kiln's `kiln cache prune --remote` can tell which files they list)", highlight=False)

@@ -28,6 +28,7 @@ from kiln.engines.cache.remote import RemoteCorruptError, RemoteSpec, RemoteUnav
 from kiln.engines.cache.remote.layout import blob_name, lease_name, manifest_name
 from kiln.engines.cache.remote.lease import LeaseTiming, build_lease
 from kiln.engines.cache.remote.maintenance import prune_remote, remote_entries, verify_remote
+from kiln.engines.cache.units import format_bytes
 from kiln.engines.cache.verify import verify_entry
 from kiln.pipeline.cache_commands import cache_app
 from kiln.pipeline.config import ConfigError, KilnConfig, remote_spec
@@ -434,6 +435,56 @@ def test_prune_remote_keeps_a_damaged_entry_for_the_grace_and_a_newer_kilns_entr
     assert checked["ok"] and checked["files_checked"] == 0 and "a newer Kiln's entry" in checked["incompatible"]
 
 
+def test_prune_remote_caps_the_files_stored_once_not_each_entrys_listed_size(tmp_path, monkeypatch):
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    cache, keys = machine(tmp_path, "m", Remote(RemoteSpec(folder.as_uri()), {})), []
+    for age, batch in ((300, 1), (200, 2), (100, 4)):  # one weights file, an engine.json per max_batch_size
+        keys.append(key := engine_key({**material("w"), "max_batch_size": batch}))
+
+        def build(out: Path, batch=batch) -> dict:
+            (out / "engine.json").write_text(f'{{"max_batch_size": {batch}}}')
+            (out / "rank0.safetensors").write_bytes(b"w" * 10_000)
+            return {}
+
+        cache.entries.get_or_build(key, {**material("w"), "max_batch_size": batch}, build)
+        for name in ("manifest.json", "last_used"):
+            os.utime(folder / "v1" / "entries" / key[:2] / key / name, (time.time() - age,) * 2)
+    stored = sum(path.stat().st_size for path in (folder / "v1" / "blobs").rglob("*") if path.is_file())
+    oldest_config = len('{"max_batch_size": 1}')
+    assert sum(entry.size_bytes for entry in remote_entries(cache.remote)) == 3 * 10_000 + stored - 10_000
+    fits = prune_remote(cache.remote, older_than_s=None, max_size_bytes=stored, dry_run=True, grace_s=0)
+    assert fits["removed"] == [] and fits["freed_bytes"] == 0 and fits["stored_bytes"] == stored
+    over = prune_remote(cache.remote, older_than_s=None, max_size_bytes=stored - 1, grace_s=0)
+    assert [e["key"] for e in over["removed"]] == keys[:1]  # the weights stay: the other two list them
+    assert over["freed_bytes"] == oldest_config and over["stored_bytes"] == stored - oldest_config
+    monkeypatch.setenv("KILN_CACHE_REMOTE", folder.as_uri())
+    listed = runner.invoke(cache_app, ["ls", "--remote", "--cache-dir", str(tmp_path / "m")])
+    assert f"2 entries, {format_bytes(2 * 10_000 + stored - oldest_config - 10_000)} listed, " \
+           f"{format_bytes(stored - oldest_config)} stored on {folder.as_uri()}" in listed.stderr
+
+
+def test_prune_remote_of_a_read_only_shared_folder_fails_in_one_line_at_an_unfinished_upload(tmp_path, monkeypatch):
+    folder = tmp_path / "shared"
+    (folder / "v1" / "blobs" / "ab").mkdir(parents=True)
+    partial = folder / "v1" / "blobs" / "ab" / f"{filesystem.TEMPORARY}ab12.3f4e"
+    partial.write_bytes(b"half")
+    os.utime(partial, (0, 0))  # a push killed long ago
+    unlink = Path.unlink
+
+    def read_only(path: Path, missing_ok: bool = False) -> None:
+        if path.name.startswith(filesystem.TEMPORARY):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    monkeypatch.setenv("KILN_CACHE_REMOTE", folder.as_uri())
+    result = runner.invoke(cache_app, ["prune", "--remote", "--older-than", "30d", "--cache-dir", str(tmp_path / "c"),
+                                       "--json"])
+    assert result.exit_code == 2 and json.loads(result.stdout)["error"]["message"] == (
+        f"remote cache {folder.as_uri()}: deleting v1/blobs/ab/{partial.name} failed (Read-only file system)")
+
+
 def test_prune_remote_of_a_shared_folder_with_an_unreadable_folder_fails_and_deletes_nothing(tmp_path, monkeypatch):
     folder = tmp_path / "shared"
     folder.mkdir()
@@ -506,6 +557,19 @@ def test_cache_commands_push_ls_verify_and_pull_through_the_remote(tmp_path, rem
     assert code == 0 and [e["key"] for e in pruned["removed"]] == [key] and pruned["files_removed"] == 2
     assert kiln_cache("first", "ls", "--remote")[1] == []
     assert kiln_cache("typo", "ls", "--remote")[0] == 0 and not (tmp_path / "typo").exists()  # the remote's alone
+
+
+def test_push_says_how_many_entries_it_pushed_not_how_many_the_remote_holds(tmp_path, monkeypatch):
+    (tmp_path / "shared").mkdir()
+    url = (tmp_path / "shared").as_uri()
+    monkeypatch.setenv("KILN_CACHE_REMOTE", url)
+    EngineCache.open(tmp_path / "cache").entries.get_or_build(engine_key(material("a")), material("a"), builder([]))
+
+    def push() -> str:
+        return runner.invoke(cache_app, ["push", "--all", "--cache-dir", str(tmp_path / "cache")]).stderr
+
+    assert push().endswith(f"pushed 1 entry to {url}\n")
+    assert push().endswith(f"pushed 0 entries to {url}; 1 was already there\n")
 
 
 def test_ls_and_verify_json_rows_have_the_same_keys_and_values_local_and_remote(tmp_path, monkeypatch):

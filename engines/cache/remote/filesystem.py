@@ -166,7 +166,10 @@ class FileObjects:
         stale = [path for path in stale if _modified(path) < started_before]
         if not dry_run:
             for path in stale:
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as exc:
+                    raise self._fail("deleting", path.relative_to(self.root).as_posix(), exc) from None
         return len(stale)
 
     def now(self) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,6 +43,11 @@ class RemoteEntry:
     @property
     def size_bytes(self) -> int:
         return sum(item["size"] for item in self.manifest["files"]) if self.manifest else 0
+
+    @property
+    def digests(self) -> set[str]:
+        """The sha256 of each file it lists: the blobs it keeps (another entry may list some of them too)."""
+        return {item["sha256"] for item in self.manifest["files"]} if self.manifest else set()
 
     def row(self) -> dict:
         describe = (self.manifest or {}).get("describe", {})
@@ -115,16 +121,23 @@ def _file_problem(tier: RemoteTier, item: dict) -> str | None:
     return copy_problem(item, size, digest.hexdigest())
 
 
+def stored_blobs(tier: RemoteTier) -> dict[str, ObjectInfo]:
+    """Every file the remote stores, by its sha256: each once, however many entries list it."""
+    return {info.name.rsplit("/", 1)[-1]: info for info in tier.objects.list(f"{VERSION}/blobs/")}
+
+
 def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes: int | None,
                  dry_run: bool = False, grace_s: float = PRUNE_GRACE_S) -> dict:
-    """Remove entries not used for ``older_than_s``, then least recently used ones until the entries total at most
-    ``max_size_bytes``; never one used within ``grace_s`` (a machine may be pulling it). Then delete the files no
-    remaining manifest lists, once older than ``grace_s`` (younger ones may belong to a push in flight), the writes
-    begun before that which never finished (a push killed half way), and stale build leases. Entries whose manifest
-    is damaged are removed too, once unused for ``grace_s``. A newer Kiln's entries are left alone, and while there
-    are any no file is deleted: which files they list is for that Kiln to say."""
+    """Remove entries not used for ``older_than_s``, then least recently used ones until the files stored fit
+    ``max_size_bytes`` (``_over_size``); never one used within ``grace_s`` (a machine may be pulling it). Then delete
+    the files no remaining manifest lists, once older than ``grace_s`` (younger ones may belong to a push in flight),
+    the writes begun before that which never finished (a push killed half way), and stale build leases. Entries whose
+    manifest is damaged are removed too, once unused for ``grace_s``. A newer Kiln's entries are left alone, and
+    while there are any no file is deleted: which files they list is for that Kiln to say. ``freed_bytes`` counts
+    the files deleted (a dry run: that would be), ``stored_bytes`` the files stored after."""
     now = tier.objects.now()
     entries = remote_entries(tier)
+    blobs = stored_blobs(tier)
     newer = [entry for entry in entries if entry.newer]
     removed = [e for e in entries if e.manifest is None and not e.newer and now - e.last_used >= grace_s]
     kept = [entry for entry in entries if entry.manifest is not None]
@@ -132,17 +145,11 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
         removed += [e for e in kept if now - e.last_used >= max(older_than_s, grace_s)]
         kept = [e for e in kept if e not in removed]
     if max_size_bytes is not None:
-        total = sum(e.size_bytes for e in kept)
-        for entry in sorted(kept, key=lambda e: e.last_used):  # least recently used first
-            if total <= max_size_bytes:
-                break
-            if now - entry.last_used >= grace_s:
-                removed.append(entry)
-                total -= entry.size_bytes
+        removed += _over_size(kept, blobs, max_size_bytes, now - grace_s)
         kept = [e for e in kept if e not in removed]
-    listed = {item["sha256"] for entry in kept for item in entry.manifest["files"]}
-    orphans = [] if newer else [info for info in tier.objects.list(f"{VERSION}/blobs/")
-                                if info.name.rsplit("/", 1)[-1] not in listed and now - info.modified >= grace_s]
+    listed = {digest for entry in kept for digest in entry.digests}
+    orphans = [] if newer else [info for digest, info in blobs.items()
+                                if digest not in listed and now - info.modified >= grace_s]
     leases = [info for info in tier.objects.list(f"{VERSION}/leases/") if now - info.modified > tier.timing.stale_s]
     unfinished = tier.objects.discard_unfinished(now - grace_s, dry_run=dry_run)
     if not dry_run:
@@ -151,6 +158,7 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
             tier.objects.delete(last_used_name(entry.store, entry.key))
         for info in orphans + leases:
             tier.objects.delete(info.name, if_tag=info.etag)
+    freed = sum(info.size for info in orphans)
     return {
         "dry_run": dry_run,
         "remote": tier.url,
@@ -159,7 +167,30 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
         "kept": len(entries) - len(removed),
         "newer_entries": len(newer),
         "files_removed": len(orphans),
-        "freed_bytes": sum(info.size for info in orphans),
+        "freed_bytes": freed,
+        "stored_bytes": sum(info.size for info in blobs.values()) - freed,
         "stale_leases_removed": len(leases),
         "unfinished_writes_removed": unfinished,
     }
+
+
+def _over_size(kept: list[RemoteEntry], blobs: dict[str, ObjectInfo], max_size_bytes: int,
+               unused_since: float) -> list[RemoteEntry]:
+    """The least recently used of ``kept`` (only those unused since ``unused_since``) to remove until the files
+    stored fit ``max_size_bytes``: each file the rest list, once however many list it, plus the unlisted files written
+    since ``unused_since`` (a push in flight's, which a prune leaves). Removing an entry frees only the files no other
+    kept entry lists; older unlisted files are not counted: a prune deletes them (or, while a newer Kiln's entries
+    are there, they may be that Kiln's)."""
+    users = Counter(digest for entry in kept for digest in entry.digests)
+    total = sum(info.size for digest, info in blobs.items() if digest in users or info.modified > unused_since)
+    removed = []
+    for entry in sorted(kept, key=lambda e: e.last_used):  # least recently used first
+        if total <= max_size_bytes:
+            break
+        if entry.last_used > unused_since:
+            continue
+        removed.append(entry)
+        users.subtract(entry.digests)
+        total -= sum(blobs[d].size for d in entry.digests
+                     if users[d] == 0 and d in blobs and blobs[d].modified <= unused_since)
+    return removed
