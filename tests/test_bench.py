@@ -184,6 +184,19 @@ def test_human_output_is_a_table_with_the_peer_ratio_and_the_floor(config_report
     out = capsys.readouterr().out
     assert "kiln advantage" in out and "batch-1 decode tokens/s" in out and "floor:" in out
     assert f"{config_report['floor_fraction_batch1']:.1%}" in out
+    assert config_report["tp_size"] == 1 and f"on CPU, {config_report['cpu_threads']} torch threads:" in out
+
+
+def test_human_output_names_the_tensor_parallel_ranks_and_whose_bytes_the_floor_counts(config_report, capsys):
+    from kiln.pipeline.bench.report import print_report
+
+    tp2 = {**config_report, "tp_size": 2, "floor": {**config_report["floor"], "tp_size": 2, "ranks_counted": 2}}
+    print_report(tp2)
+    print_report({**tp2, "gpu": "NVIDIA H100 80GB HBM3", "floor": {**tp2["floor"], "ranks_counted": 1}})
+    out = capsys.readouterr().out
+    assert f"on CPU, 2 ranks x {config_report['cpu_threads']} torch threads:" in out
+    assert "MB per step of all 2 ranks at" in out
+    assert "on NVIDIA H100 80GB HBM3, tp 2:" in out and "MB per step per rank at" in out
 
 
 @pytest.mark.parametrize("target", ["no-such-config.yaml", "README.md"])

@@ -111,16 +111,22 @@ def test_a_cuda_engine_needs_as_many_gpus_as_ranks(monkeypatch):
     check_devices(torch.device("cpu"), 8)  # CPU ranks are processes of one host
 
 
-def test_the_bench_floor_of_a_tp_engine_counts_what_one_rank_reads(tmp_path):
-    from kiln.pipeline.bench.floor import decode_step_bytes, tensor_bytes
+def test_the_bench_floor_of_a_tp_engine_counts_one_ranks_reads_on_gpus_and_every_ranks_on_one_cpu(tmp_path):
+    from kiln.pipeline.bench.floor import decode_step_bytes, ranks_sharing_memory, tensor_bytes
 
     make_hf_checkpoint(tmp_path / "checkpoint", 0, num_heads=4, num_kv_heads=2)
     for tp_size in (1, 2):
         (tmp_path / f"tp{tp_size}").mkdir()
         build_native_engine(tmp_path / "checkpoint", tmp_path / f"tp{tp_size}", tiny_plan(), "float32",
                             tp_size=tp_size)
-    one, two = (decode_step_bytes(tmp_path / f"tp{n}", 10, 10) for n in (1, 2))
-    rank0 = tensor_bytes(tmp_path / "tp2" / "rank0.safetensors")
-    assert two["weight_bytes"] == sum(rank0.values()) - rank0["embed_tokens.weight"] and two["tp_size"] == 2
-    assert two["kv_bytes_per_token"] * 2 == one["kv_bytes_per_token"]
-    assert one["weight_bytes"] / 2 < two["weight_bytes"] < one["weight_bytes"]  # norms are replicated
+    assert ranks_sharing_memory("cuda", 2) == 1 and ranks_sharing_memory("cpu", 2) == 2  # one memory bus
+    one, rank, both = (decode_step_bytes(tmp_path / f"tp{n}", 10, 10, ranks=ranks) for n, ranks in
+                       ((1, 1), (2, 1), (2, 2)))
+    shards = [tensor_bytes(tmp_path / "tp2" / f"rank{r}.safetensors") for r in (0, 1)]
+    assert rank["weight_bytes"] == sum(shards[0].values()) - shards[0]["embed_tokens.weight"]
+    assert rank["kv_bytes_per_token"] * 2 == one["kv_bytes_per_token"] and rank["tp_size"] == 2
+    assert one["weight_bytes"] / 2 < rank["weight_bytes"] < one["weight_bytes"]  # norms are replicated
+    assert both["weight_bytes"] == sum(sum(s.values()) - s["embed_tokens.weight"] for s in shards)
+    assert both["weight_bytes"] > one["weight_bytes"]  # each rank reads its own copy of the norms
+    assert both["kv_bytes_per_token"] == one["kv_bytes_per_token"] and both["ranks_counted"] == 2
+    assert both["bytes_per_step"] == both["weight_bytes"] + both["kv_bytes"]

@@ -2,7 +2,8 @@
 
 A decode step at batch 1 streams every weight the step multiplies by once (the embedding table is gathered, one row
 per token, so it is left out unless it doubles as the LM head) and the KV of the whole context. The floor is
-``bandwidth / bytes per step`` tokens per second; ``floor_fraction_batch1`` is the measured rate over it.
+``bandwidth / bytes per step`` tokens per second; ``floor_fraction_batch1`` is the measured rate over it. Of a
+tensor-parallel engine, the bytes are those of the ranks that share the memory: rank 0's on GPUs, all on a CPU.
 """
 
 from __future__ import annotations
@@ -67,23 +68,33 @@ def kv_bytes_per_token(config: EngineConfig) -> int:
     return kv_bytes_per_block(config) // config.plan.tokens_per_block
 
 
-def decode_step_bytes(engine_dir: Path, input_len: int, output_len: int) -> dict:
-    """Bytes one batch-1 decode step reads on each GPU: streamed weights plus the KV of the mean decode context (of a
-    tensor-parallel engine, rank 0's shard: the ranks read theirs at once, so the floor scales with them).
+def ranks_sharing_memory(device: str, tp_size: int) -> int:
+    """How many ranks of a ``tp_size`` engine read through the memory whose bandwidth the floor uses: every rank on
+    a CPU (its ranks are processes of one host, on one memory bus), one on GPUs (each rank reads its own memory, all
+    at once)."""
+    return tp_size if torch.device(device).type == "cpu" else 1
+
+
+def decode_step_bytes(engine_dir: Path, input_len: int, output_len: int, ranks: int = 1) -> dict:
+    """Bytes one batch-1 decode step reads through one memory: streamed weights plus the KV of the mean decode
+    context, of ranks ``0 .. ranks - 1`` of a tensor-parallel engine together (``ranks_sharing_memory``).
 
     The decode steps of a request see contexts ``input_len + 1 .. input_len + output_len - 1``; their mean,
     ``input_len + output_len / 2``, is the context length used."""
     engine_dir = Path(engine_dir)
     config = EngineConfig.load(engine_dir)
-    sizes = tensor_bytes(engine_dir / weights_file(0))
-    gathered = EMBEDDING if EMBEDDING in sizes and not config.architecture.tie_word_embeddings else None
-    weight_bytes = sum(size for name, size in sizes.items() if name != gathered)
+    gathered = None if config.architecture.tie_word_embeddings else EMBEDDING
+    weight_bytes = embedding_bytes = 0
+    for rank in range(ranks):  # each rank streams its own shard, replicated norms included
+        sizes = tensor_bytes(engine_dir / weights_file(rank))
+        embedding_bytes += sizes.get(gathered, 0)
+        weight_bytes += sum(size for name, size in sizes.items() if name != gathered)
     context = input_len + output_len / 2
-    kv_token = kv_bytes_per_token(rank_config(config))
+    kv_token = kv_bytes_per_token(rank_config(config)) * ranks
     kv_bytes = int(kv_token * context)
-    return {"weight_bytes": weight_bytes, "embedding_bytes_excluded": sizes.get(gathered, 0) if gathered else 0,
+    return {"weight_bytes": weight_bytes, "embedding_bytes_excluded": embedding_bytes,
             "kv_bytes_per_token": kv_token, "mean_context_len": context, "kv_bytes": kv_bytes,
-            "bytes_per_step": weight_bytes + kv_bytes, "tp_size": config.tp_size}
+            "bytes_per_step": weight_bytes + kv_bytes, "tp_size": config.tp_size, "ranks_counted": ranks}
 
 
 def floor_tokens_per_s(bytes_per_step: int, bandwidth_gbs: float) -> float:

@@ -31,9 +31,9 @@ def speedups(kiln: dict, peer: dict | None) -> dict:
 def print_report(report: dict) -> None:
     """A few aligned rows: Kiln, the peer, Kiln's advantage; then the floor line."""
     kiln, peer = report["kiln"], report["peer"]
-    where = report["gpu"] or f"CPU, {report['cpu_threads']} torch threads"
-    stdout.print(f"[bold]kiln bench[/] {escape(report['target'])} on {escape(where)}: {report['prompts']} prompts of "
-                 f"{report['input_len']} tokens, {report['output_len']} new tokens each", markup=True, highlight=False)
+    stdout.print(f"[bold]kiln bench[/] {escape(report['target'])} on {escape(_machine(report))}: "
+                 f"{report['prompts']} prompts of {report['input_len']} tokens, {report['output_len']} new tokens "
+                 "each", markup=True, highlight=False)
     stdout.print(f"engine: {kiln['quantization']}", highlight=False)
     table = Table(box=None, header_style="bold")
     table.add_column("")
@@ -52,8 +52,8 @@ def print_report(report: dict) -> None:
     floor = report["floor"]
     stdout.print(f"floor: batch-1 decode at {kiln['decode_tokens_per_s_batch1']:,.1f} tokens/s is "
                  f"{report['floor_fraction_batch1']:.1%} of {report['floor_tokens_per_s_batch1']:,.1f} tokens/s "
-                 f"({floor['bytes_per_step'] / 1e6:,.1f} MB per step at {floor['bandwidth_gbs']:,.1f} GB/s, "
-                 f"{floor['bandwidth_source']})", highlight=False)
+                 f"({floor['bytes_per_step'] / 1e6:,.1f} MB per step{_whose(floor)} at "
+                 f"{floor['bandwidth_gbs']:,.1f} GB/s, {floor['bandwidth_source']})", highlight=False)
     if (pool := kiln.get("kv_pool")) is not None:
         memory = f", {format_bytes(pool['bytes'])}" if "bytes" in pool else ""
         if "device_total_bytes" in pool:
@@ -74,6 +74,22 @@ def print_report(report: dict) -> None:
         stdout.print(f"peer: {peer['note']}", highlight=False)
     stdout.print(f"engine {kiln['engine_key'][:12]} ({'cache hit' if kiln['cache_hit'] else 'built'}), "
                  f"config {report['config']}", highlight=False)
+
+
+def _machine(report: dict) -> str:
+    """Where the run ran: the GPU or the CPU's torch threads, and the tensor-parallel ranks when there are several."""
+    tp = report["tp_size"]
+    if report["gpu"]:
+        return f"{report['gpu']}, tp {tp}" if tp > 1 else report["gpu"]
+    ranks = f"{tp} ranks x " if tp > 1 else ""
+    return f"CPU, {ranks}{report['cpu_threads']} torch threads"
+
+
+def _whose(floor: dict) -> str:
+    """Whose reads a tensor-parallel engine's bytes per step are: every rank's on one memory, else one rank's."""
+    if floor["tp_size"] == 1:
+        return ""
+    return f" of all {floor['ranks_counted']} ranks" if floor["ranks_counted"] > 1 else " per rank"
 
 
 def _fmt(value: float | None) -> str:

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from kiln.engines.cache import EngineCache
 from kiln.pipeline.bench.common import free_memory
-from kiln.pipeline.bench.floor import decode_step_bytes, floor_tokens_per_s, resolve_bandwidth
+from kiln.pipeline.bench.floor import decode_step_bytes, floor_tokens_per_s, ranks_sharing_memory, resolve_bandwidth
 from kiln.pipeline.bench.measure import Workload, measure_kiln
 from kiln.pipeline.bench.random_checkpoint import random_checkpoint
 from kiln.pipeline.bench.report import speedups
@@ -60,7 +60,8 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
                                 quantized=engine.quantization.format != "none")
 
     report_progress("floor: sizing the decode step and the memory bandwidth")
-    step = decode_step_bytes(ctx.engine_dir, plan.input_len, plan.output_len)
+    step = decode_step_bytes(ctx.engine_dir, plan.input_len, plan.output_len,
+                             ranks=ranks_sharing_memory(device, engine.tp_size))
     bandwidth = resolve_bandwidth(device, bandwidth_gbs)
     floor = floor_tokens_per_s(step["bytes_per_step"], bandwidth.gbs)
     ratios = speedups(kiln, peer_report)
@@ -76,7 +77,8 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
         "floor": {"bandwidth_gbs": bandwidth.gbs, "bandwidth_source": bandwidth.source, **step},
         "gpu": torch.cuda.get_device_name(torch.device(device)) if device == "cuda" else None,
         "device": device,
-        "cpu_threads": torch.get_num_threads(),
+        "tp_size": engine.tp_size,
+        "cpu_threads": torch.get_num_threads(),  # each rank's: its workers start with this environment
         "cpu_count": os.cpu_count(),
         "target": str(resolved.path),
         "target_kind": resolved.kind,
