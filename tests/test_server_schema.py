@@ -43,6 +43,11 @@ def test_schema_covers_every_route(api_schema):
         "HEAD /health", "HEAD /ping", "HEAD /metrics"}  # load balancers' checks
 
 
+def test_every_operation_has_an_id_of_its_own(api_schema):  # client generators refuse a repeated one
+    ids = [op.definition.raw["operationId"] for op in operations(api_schema)]
+    assert len(ids) == len(set(ids)), sorted(ids)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_no_generated_request_makes_the_server_fail(api_schema, llm, mode):

@@ -246,11 +246,6 @@ def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metr
 
     served = Depends(require_model)
 
-    # HEAD too, which load balancers' health checks send (HAProxy's httpchk)
-    @app.api_route("/health", methods=["GET", "HEAD"],
-                   responses={503: {"description": "loading, draining, or the load failed"}})
-    @app.api_route("/ping", methods=["GET", "HEAD", "POST"],
-                   responses={503: {"description": "as /health (vLLM's route for SageMaker)"}})
     async def health() -> JSONResponse:
         """200 once the engine is loaded and the server takes requests; 503 before, while draining, or on error."""
         engine_error = state.model.llm.engine_error if state.model is not None else None
@@ -263,11 +258,20 @@ def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metr
         body = {"status": status, **({"message": str(error)} if error else {})}
         return JSONResponse(body, status_code=503)
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus_metrics() -> Response:
         """Prometheus text exposition."""
         payload, content_type = metrics.exposition()
         return Response(payload, media_type=content_type)
+
+    # HEAD too, which load balancers' health checks send (HAProxy's httpchk): a route a method, so that each
+    # operation of the OpenAPI schema has an id of its own (client generators refuse repeated ones)
+    for path, endpoint, methods, responses in (
+            ("/health", health, ("GET", "HEAD"), {503: {"description": "loading, draining, or the load failed"}}),
+            ("/ping", health, ("GET", "HEAD", "POST"), {503: {"description": "as /health (vLLM's SageMaker route)"}}),
+            ("/metrics", prometheus_metrics, ("GET", "HEAD"), None)):
+        for method in methods:
+            app.add_api_route(path, endpoint, methods=[method], responses=responses,
+                              operation_id=f"{path.strip('/')}_{method.lower()}")
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models(model: ServedModel = served) -> ModelList:
