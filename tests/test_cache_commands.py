@@ -116,6 +116,13 @@ def test_stats_keep_the_remote_pulls_recorded_once_no_remote_is_configured(cache
     assert "remote pulls" in kiln_cache(cache.root, "stats").stdout
 
 
+def test_a_size_without_a_unit_is_refused_not_read_as_bytes(cache):  # `--max-size 50` would prune everything
+    add(cache, "tiny")
+    result = kiln_cache(cache.root, "prune", "--max-size", "50", "--dry-run")
+    assert result.exit_code == 2 and "write 50GB for gigabytes (or 50B for bytes)" in result.stderr
+    assert json.loads(kiln_cache(cache.root, "prune", "--max-size", "50B", "--dry-run", "--json").stdout)["removed"]
+
+
 def test_a_relative_cache_dir_is_reported_as_an_absolute_path(cache, monkeypatch):
     monkeypatch.chdir(cache.root.parent)
     key = add(cache, "tiny")

@@ -15,11 +15,15 @@ _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 def parse_size(text: str) -> int:
-    """Bytes in ``50GB``, ``1.5T``, ``500MiB`` or ``1024`` (SI units are powers of 1000, ``KiB``... of 1024)."""
+    """Bytes in ``50GB``, ``1.5T``, ``500MiB``, ``1024B`` or ``0`` (SI units are powers of 1000, ``KiB``... of 1024).
+    A number without a unit other than 0 is refused: ``50`` reads as gigabytes to some (``cache.max_size_gb``,
+    ccache's ``-M``) and as bytes to others, and as bytes it would prune everything."""
     match = _SIZE_RE.fullmatch(text)
     if not match or (match.group(3) and not match.group(2)):
         raise CacheUsageError(f"size {text!r} is not understood; write it like 50GB, 500MB or 2TiB")
-    number, prefix, binary, _ = match.groups()
+    number, prefix, binary, byte = match.groups()
+    if not (prefix or byte) and float(number) != 0:
+        raise CacheUsageError(f"size {text!r} has no unit; write {number}GB for gigabytes (or {number}B for bytes)")
     base = 1024 if binary else 1000
     return int(float(number) * base ** _POWERS[prefix.lower()])
 
