@@ -74,7 +74,7 @@ def hold_if_cached(engine_dir: Path) -> EntryHold | None:
     """Hold the cache entry an engine directory belongs to; None for an engine outside the cache, and, with a
     warning, for one in a cache this user cannot write (a read-only volume: the engine is served, unprotected)."""
     entry = Path(engine_dir).resolve().parent
-    if not ((entry / IN_USE_LOCK).is_file() or (_in_cache_layout(entry) and (entry / MANIFEST).is_file())):
+    if not ((entry / IN_USE_LOCK).is_file() or _in_cache_layout(entry)):
         return None  # outside the cache (a deployment's own manifest.json beside an engine is not Kiln's)
     hold = EntryHold(entry) if os.access(entry, os.W_OK) else None
     try:
@@ -95,7 +95,8 @@ def hold_if_cached(engine_dir: Path) -> EntryHold | None:
 
 
 def _in_cache_layout(entry: Path) -> bool:
-    """Whether ``entry`` is named as a cache entry is (``<key[:2]>/<key>``, the key 64 hex digits: the layout of
-    ``engines.cache.layout.entry_path`` and ``keys.is_cache_key``, which the runtime may not import): one whose
-    in_use.lock was lost is still held."""
-    return re.fullmatch(r"[0-9a-f]{64}", entry.name) is not None and entry.parent.name == entry.name[:2]
+    """Whether ``entry`` is where an engine cache entry is (``v1/entries/<key[:2]>/<key>``, the key 64 hex digits:
+    the layout of ``engines.cache.layout.entry_path`` and ``keys.is_cache_key``, which the runtime may not import):
+    one whose in_use.lock was lost is still held, and one without a manifest refused."""
+    return (re.fullmatch(r"[0-9a-f]{64}", entry.name) is not None and entry.parent.name == entry.name[:2]
+            and entry.parent.parent.name == "entries" and entry.parent.parent.parent.name == "v1")

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from kiln.engines.cache import CacheEntryGoneError, CacheEntryInUseError, EngineCache, EntryHold, engine_key, is_held
+from kiln.engines.cache import (
+    CacheCorruptError,
+    CacheEntryGoneError,
+    CacheEntryInUseError,
+    EngineCache,
+    EntryHold,
+    engine_key,
+    is_held,
+)
 from kiln.engines.cache.layout import LAST_USED
 from kiln.runtime.cache_hold import IN_USE_LOCK, hold_if_cached
 from tests.subprocess_env import repo_env
@@ -122,6 +130,15 @@ def test_an_entry_that_lost_its_in_use_lock_is_held_again_and_then_never_evicted
     add(cache, "b")
     assert names(cache) == {"a", "b"}
     hold.release()
+
+
+def test_an_entry_that_lost_both_its_manifest_and_its_in_use_lock_is_refused_not_loaded(tmp_path):
+    cache = EngineCache.open(tmp_path / "c")
+    a = add(cache, "a")
+    for name in (IN_USE_LOCK, "manifest.json"):
+        (cache.entries.entry_dir(a) / name).unlink()
+    with pytest.raises(CacheCorruptError, match="manifest.json is missing or unreadable"):
+        hold_if_cached(cache.entries.payload_dir(a))
 
 
 def test_an_engine_outside_the_cache_beside_a_manifest_of_its_own_is_not_held_or_touched(tmp_path):
