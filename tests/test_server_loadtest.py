@@ -211,7 +211,7 @@ def test_loadtest_refuses_a_workload_the_engine_cannot_serve_before_loading_it(t
     (["http://127.0.0.1:port"], "not a server URL"),
     (["http://127.0.0.1:8000", "--input-len", "16", "--prompt", "hi"], "give one"),
     (["http://127.0.0.1:8000", "--chat", "--input-len", "16"], "--chat sends messages"),
-    (["http://127.0.0.1:8000", "--in-process", "--device", "cuda"], "--in-process, --device apply when"),
+    (["http://127.0.0.1:8000", "--in-process", "--device", "cuda"], "--in-process, --device apply only when"),
 ])
 def test_loadtest_refuses_a_bad_url_or_conflicting_workloads_in_one_line(options, problem):
     result = CliRunner().invoke(cli(), ["loadtest", *options])

@@ -254,9 +254,10 @@ def loadtest(
     serving_only = [flag for flag, given in (("--in-process", in_process), ("--device", device is not None),
                                              ("--no-engine-process", not engine_process)) if given]
     if serving_only and target.startswith(("http://", "https://")):
-        raise typer.BadParameter(f"{', '.join(serving_only)} apply when loadtest serves the engine itself (a config, "
-                                 f"an engine directory or a cache key), and {target} is a running server: leave "
-                                 f"them out, or give the engine")
+        verb = "applies" if len(serving_only) == 1 else "apply"
+        raise typer.BadParameter(f"{', '.join(serving_only)} {verb} only when loadtest serves the engine itself (a "
+                                 f"config, an engine directory or a cache key), and {target} is a running server: "
+                                 f"leave {'it' if verb == 'applies' else 'them'} out, or give the engine")
     resolved = _engine_target(target, options)
     if resolved is not None:  # the workload checked against the engine before it loads (a prompts file read too)
         limits = plan_limits(resolved.engine_dir)
