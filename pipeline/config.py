@@ -176,6 +176,14 @@ class ServeSection(_Section):
     api_key: str | None = None
     max_queue: PositiveInt = DEFAULT_MAX_QUEUE
 
+    @field_validator("api_key")
+    @classmethod
+    def _api_key_not_blank(cls, key: str | None) -> str | None:
+        if key is not None and not key.strip():
+            raise ValueError("the API key is blank; give the key clients must send, or leave it out (null) to serve "
+                             "without one")
+        return key
+
 
 class SmokeSection(_Section):
     """What the smoke stage generates after loading the engine."""

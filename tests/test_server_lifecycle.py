@@ -100,7 +100,8 @@ def test_a_port_in_use_is_refused_before_a_config_is_built(tmp_path, monkeypatch
 
 @pytest.mark.parametrize(("args", "env", "named"), [(["--api-key", " "], {}, "--api-key: the API key is blank"),
                                                     ([], {"KILN_API_KEY": " "}, "$KILN_API_KEY: the API key is blank"),
-                                                    ([], {"VLLM_API_KEY": "k"}, "serve.api_key: the API key is blank"),
+                                                    ([], {"VLLM_API_KEY": "k"},  # the config's file and line
+                                                     "tiny-served.yaml:15: serve.api_key: the API key is blank"),
                                                     (["--served-model-name", ""], {}, "a model id is blank")])
 def test_a_blank_api_key_or_model_name_is_refused_before_a_config_is_built(tmp_path, monkeypatch, args, env, named):
     from typer.testing import CliRunner
@@ -108,7 +109,7 @@ def test_a_blank_api_key_or_model_name_is_refused_before_a_config_is_built(tmp_p
     from kiln.pipeline.cli import app as cli
 
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
-    serve = "serve:\n  api_key: ' '\n" if named.startswith("serve.api_key") else ""
+    serve = "serve:\n  api_key: ' '\n" if "serve.api_key" in named else ""
     config = served_config(tmp_path / "tiny-served.yaml", serve)
     result = CliRunner().invoke(cli, ["serve", str(config), "--port", "0", *args], env=env)
     assert result.exit_code == 2 and named in result.output, result.output
