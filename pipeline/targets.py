@@ -3,12 +3,13 @@ or a bundled name), or an architecture file. The one resolver behind ``kiln serv
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from kiln.engines.cache import CacheCorruptError, CacheEntryNotFoundError, EngineCache, EntryHold
-from kiln.engines.cache.keys import is_key_prefix
+from kiln.engines.cache.keys import MIN_PREFIX, is_key_prefix
 from kiln.engines.cache.layout import entry_of_payload, layout_root
 from kiln.pipeline.cache_remote import pull_engine
 from kiln.pipeline.config import find_config, remote_spec, remote_turned_off
@@ -81,8 +82,10 @@ def resolve_target(text: str, cache_root: Path, *, no_engines: str | None = None
     if path.is_symlink():
         raise TargetError(f"{text}: a symbolic link that leads to nothing (a link loop or a missing target); point "
                           f"it at an engine directory or a config")
+    short_key = not no_engines and re.fullmatch(r"[0-9a-f]+", text) and len(text) < MIN_PREFIX
+    key = f"too short for a cache key's prefix (at least {MIN_PREFIX} hex digits)" if short_key else "not a cache key"
     raise TargetError(f"{text}: no such {'config or architecture file' if no_engines else 'engine directory or config'}"
-                      f", and not a cache key; {_what_to_give(no_engines)}")
+                      f", and {key}; {_what_to_give(no_engines)}")
 
 
 def _what_to_give(no_engines: str | None) -> str:
