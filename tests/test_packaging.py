@@ -110,6 +110,14 @@ def test_importing_the_server_without_the_serve_extra_names_the_extra_to_install
                                     "pip install 'kiln[serve]'"), found.stderr[-1000:]
 
 
+def test_kiln_processes_never_import_a_kiln_folder_of_the_working_directory(tmp_path):
+    (tmp_path / "kiln").mkdir()  # another checkout beside the caller: `git clone .../kiln && pip install ./kiln`
+    (tmp_path / "kiln" / "__init__.py").write_text("raise SystemExit('the kiln of the working directory')")
+    argv, env = kiln_module_command("kiln.runtime.version")
+    found = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert found.returncode == 0, found.stderr[-1000:]
+
+
 def test_kiln_processes_find_the_kiln_this_process_found_even_through_a_symlink(tmp_path):
     (tmp_path / "kiln").symlink_to(REPO, target_is_directory=True)  # a checkout reached as pp/kiln -> repo
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import kiln; "
