@@ -24,7 +24,11 @@ else:  # a module __getattr__ that type checkers saw would let them take any nam
     def __getattr__(name: str) -> object:
         if name in __all__:
             return getattr(runtime, name)
+        if name == "__version__":  # the installed distribution's, as `kiln --version` prints it
+            from kiln.runtime.version import kiln_version
+
+            return kiln_version() or "unknown"  # unknown: a checkout never installed
         raise AttributeError(f"module 'kiln' has no attribute {name!r}")
 
     def __dir__() -> list[str]:  # tab completion and help() list the runtime's names too
-        return sorted({*globals(), *__all__})
+        return sorted({*globals(), *__all__, "__version__"})

@@ -1,5 +1,5 @@
 """``python -m kiln`` runs the kiln CLI."""
 
-from kiln.pipeline.cli import main
+from kiln.pipeline.entry import main
 
 main()

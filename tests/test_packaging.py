@@ -73,7 +73,17 @@ def test_the_wheel_installs_kiln_and_no_other_top_level_name(wheel):
     assert not [name for name in names if name.split("/")[1] in CHECKOUT_ONLY]
     assert "kiln/runtime/llm.py" in names and "kiln/__main__.py" in names
     entry_points = wheel.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "kiln = kiln.pipeline.cli:main" in entry_points
+    assert "kiln = kiln.pipeline.entry:main" in entry_points
+
+
+def test_the_kiln_command_without_its_dependencies_says_in_one_line_what_to_install():  # the runtime alone
+    code = "import sys; sys.modules['typer'] = None; sys.argv = ['kiln', '--version']; import kiln.__main__"
+    _, env = kiln_module_command("kiln")
+    found = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd="/")
+    assert found.returncode == 2 and found.stderr == ("error: the kiln command needs Kiln's dependencies (typer is "
+                                                      "missing): install Kiln with them (its wheel or checkout "
+                                                      "without --no-deps); the runtime installed alone has no "
+                                                      "command line\n")
 
 
 def test_the_wheel_carries_every_module_of_the_code(wheel):
