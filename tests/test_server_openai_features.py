@@ -266,6 +266,26 @@ def test_a_format_that_cannot_be_served_is_a_400(client, extra, words):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)
 
 
+@pytest.mark.parametrize(("route", "field"), [("chat", "response_format"), ("completions", "structured_outputs")])
+def test_a_format_that_cannot_go_on_mid_generation_is_a_400_naming_its_field(client, route, field):
+    endless = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
+    with pytest.raises(openai.BadRequestError, match="cannot go on") as refused:
+        if route == "chat":
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, response_format=endless)
+        else:
+            client.completions.create(model=MODEL, prompt="a", max_tokens=4,
+                                      extra_body={"structured_outputs": {"json": {"$ref": "#"}}})
+    assert refused.value.param == field
+
+
+def test_openais_deprecated_and_web_search_fields_sent_as_null_are_not_given(client):  # a full model_dump()
+    nulls = {"functions": None, "function_call": None, "web_search_options": None}
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body=nulls).choices
+    with pytest.raises(openai.BadRequestError, match="not supported by this server") as refused:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, web_search_options={})
+    assert refused.value.param == "web_search_options"
+
+
 def test_vllm_extensions_at_their_defaults_are_accepted(client):
     defaults = {"skip_special_tokens": True, "include_stop_str_in_output": False, "spaces_between_special_tokens": True,
                 "priority": 0, "add_generation_prompt": True, "continue_final_message": False, "echo": False,

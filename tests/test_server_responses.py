@@ -132,7 +132,7 @@ def test_a_failure_mid_stream_is_an_error_event_and_the_stream_ends_without_done
     events = list(client.responses.create(model=MODEL, input=QUESTION, stream=True, text={
         "format": {"type": "json_schema", "name": "none", "schema": {"$ref": "#"}}}))
     assert [event.type for event in events] == ["response.created", "response.in_progress", "error"]
-    assert "structured output format cannot go on" in events[-1].message
+    assert "structured output format cannot go on" in events[-1].message and events[-1].param == "text.format"
     assert events[-1].sequence_number == 2
 
 

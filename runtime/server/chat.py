@@ -20,7 +20,7 @@ from kiln.runtime.chat_template import (
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import Job, ServedModel
-from kiln.runtime.server.jobs import check_request, make_jobs, requested_format
+from kiln.runtime.server.jobs import check_request, format_field, make_jobs, requested_format
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs, vllm_prompt_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import (
@@ -179,6 +179,7 @@ class ChatPlan:
     # the request's fields its answer does not use: an output format a forced tool call set aside, and template
     # variables the chat template never reads (named in the Kiln-Ignored-Fields header)
     unused: list[str] = field(default_factory=list)
+    format_param: str | None = None  # the field that set the output format (tool_choice for a forced call)
 
     def splitter(self) -> ReasoningSplitter | None:
         """A fresh reader of one choice's thinking and answer (None without a reasoning parser)."""
@@ -223,8 +224,9 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
     if model.reasoning_parser:  # a grammar writes the answer from its first token: no thought the prompt opened
         thinking = (forced or requested) is None and thinking_at_start(generation_prompt(model, req, tools, text),
                                                                        model.reasoning_parser)
+    format_param = "tool_choice" if forced is not None else format_field(req) if requested is not None else None
     return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer, req.return_tokens_as_token_ids), thinking,
-                    [*overridden, *unread_template_fields(model, req)])
+                    [*overridden, *unread_template_fields(model, req)], format_param)
 
 
 def generation_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ChatTools, prompt_text: str) -> str:
@@ -326,5 +328,5 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                                           TokenText(model.tokenizer), prompt_entries))
 
     return await respond(model, req, jobs, [plan.prompt], metrics, request, build=build,
-                         ignored=[*req.ignored_fields(), *plan.unused],
+                         ignored=[*req.ignored_fields(), *plan.unused], format_param=plan.format_param,
                          stream=StreamEvents(render, lambda usage: chunk([], usage), opening=opening))

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
-from kiln.runtime.server.jobs import check_request, make_jobs, requested_format
+from kiln.runtime.server.jobs import check_request, format_field, make_jobs, requested_format
 from kiln.runtime.server.logprobs import (
     TextOffsets,
     TokenText,
@@ -156,5 +156,6 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
                                   usage=counted(usage))
 
     return await respond(model, req, jobs, prompts, metrics, request, build=build,
-                         stream=StreamEvents(render, lambda usage: chunk([], counted(usage)), generates=not scoring))
+                         stream=StreamEvents(render, lambda usage: chunk([], counted(usage)), generates=not scoring),
+                         format_param=format_field(req) if structured_output is not None else None)
 

@@ -33,6 +33,13 @@ def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]],
         raise APIError(400, message, param=field if field in type(req).model_fields else None) from None
 
 
+def format_field(req: SamplingFields) -> str:
+    """The field that asks for the request's output format, as its errors name it: ``response_format`` unless it is
+    absent or plain text, else ``structured_outputs`` (vLLM's extension, or its guided_* fields)."""
+    requested = req.response_format
+    return "response_format" if requested is not None and requested.type != "text" else "structured_outputs"
+
+
 def requested_format(req: SamplingFields) -> StructuredOutput | None:
     """The format ``response_format`` (OpenAI) or ``structured_outputs`` (vLLM's extension, or its guided_* fields)
     asks for, compiled."""
@@ -47,7 +54,7 @@ def requested_format(req: SamplingFields) -> StructuredOutput | None:
         requested = None
     if requested is not None and extension is not None:
         raise APIError(400, f"send response_format or {extension_name}, not both", param="structured_outputs")
-    param = "response_format" if requested is not None else "structured_outputs"
+    param = format_field(req)
     try:
         if extension is not None:
             spec = StructuredOutput(json=extension.json_schema, json_object=bool(extension.json_object),

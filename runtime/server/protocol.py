@@ -409,6 +409,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     modalities: TextModalities = None
     audio: Unsupported = Field(None, description="Audio output: not supported.")
+    functions: Unsupported = Field(None, description="Deprecated by OpenAI: send tools.")
+    function_call: Unsupported = Field(None, description="Deprecated by OpenAI: send tool_choice.")
+    web_search_options: Unsupported = Field(None, description="Web search: not supported.")
     prompt_cache_retention: PromptCacheRetention | None = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
     chat_template_kwargs: ChatTemplateKwargs = None

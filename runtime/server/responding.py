@@ -23,6 +23,7 @@ from kiln.runtime.server.errors import APIError, error_body
 from kiln.runtime.server.generation import RETRY_AFTER_S, Job, ServedModel, engine_request_ids
 from kiln.runtime.server.metrics import CLIENT_CLOSED_REQUEST, CLIENT_GONE, ServerMetrics
 from kiln.runtime.server.protocol import SamplingFields, Usage
+from kiln.runtime.structured_output import StructuredOutputError
 from kiln.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger("kiln.server")
@@ -57,10 +58,10 @@ async def _wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
-                   request: Request) -> list[RequestOutput] | None:
+async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, request: Request,
+                   format_param: str | None) -> list[RequestOutput] | None:
     """Every job's output, or None when the client disconnected first (its jobs are then aborted, and counted as
-    aborts); jobs a failure ended are counted as aborted too."""
+    aborts); jobs a failure ended are counted as aborted too (``format_param``: ``_generation_failed``'s)."""
     landed: list[RequestOutput] = []
 
     def observe(output: RequestOutput) -> None:
@@ -90,16 +91,16 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics,
         return runner.result()
     except KilnError as exc:  # the engine stopped, or the shutdown timeout ran out: its jobs are aborts, as a stream's
         metrics.vllm.aborted(len(jobs) - len(landed))
-        raise _generation_failed(exc) from None
+        raise _generation_failed(exc, format_param) from None
 
 
-def _generation_failed(exc: Exception) -> APIError:
+def _generation_failed(exc: Exception, format_param: str | None) -> APIError:
     """The error of a request the engine did not finish: 503 (retry elsewhere) when the engine stopped or the server
-    is shutting down, 400 when the request itself could not go on (its format outgrew llguidance's limits), 500 for
-    anything else (a bug)."""
+    is shutting down, 400 when the request itself could not go on (its format outgrew llguidance's limits: the 400
+    names ``format_param``, the field that asked for it), 500 for anything else (a bug)."""
     status = 503 if isinstance(exc, EngineClosedError) else 400 if isinstance(exc, InvalidRequestError) else 500
     return APIError(status, f"generation failed: {exc}", headers={"Retry-After": str(RETRY_AFTER_S)} if status == 503
-                    else None)
+                    else None, param=format_param if isinstance(exc, StructuredOutputError) else None)
 
 
 class _EventStream(Response):
@@ -176,7 +177,7 @@ def _with_usage(opening: list[dict], chunks: list[dict], prompt_tokens: int, gen
 
 
 async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
-               stream: StreamEvents, release: Callable[[], None]) -> AsyncIterator[str]:
+               stream: StreamEvents, release: Callable[[], None], format_param: str | None) -> AsyncIterator[str]:
     """The SSE body (``StreamEvents`` says what it holds). The chunks of deltas that arrived together go out in one
     write. The request's admission is released once the engine is done with its jobs, though a client that does not
     read has not taken their last chunks yet."""
@@ -204,7 +205,7 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
                     yield "".join(events)
     except Exception as exc:  # the engine stopped (closed, or a bug in it): tell the client in the stream
         logger.error("stream failed: %s: %s", type(exc).__name__, exc)
-        yield _event(stream.error(_generation_failed(exc)))
+        yield _event(stream.error(_generation_failed(exc, format_param)))
     else:
         if stream.with_usage:
             yield _event(stream.usage(usage_of(prompts, outputs)))
@@ -218,11 +219,12 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
 async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prompts: list[list[int]],
                   metrics: ServerMetrics, request: Request, *,
                   build: Callable[[list[RequestOutput], Usage], BaseModel], stream: StreamEvents,
-                  ignored: list[str] | None = None) -> Response:
+                  ignored: list[str] | None = None, format_param: str | None = None) -> Response:
     """The response to a generation request: an SSE stream of ``stream``'s events (its usage where the request's
     ``stream_options`` ask), or the JSON body ``build`` makes once every job is done. Either says in the
     IGNORED_FIELDS_HEADER which of the request's fields were accepted and ignored (``ignored``, default
-    ``req.ignored_fields()``)."""
+    ``req.ignored_fields()``); an output format that cannot go on is a 400 naming ``format_param`` (the field that
+    asked for it)."""
     ignored = ignored_header(req.ignored_fields() if ignored is None else ignored)
     headers = {IGNORED_FIELDS_HEADER: ignored} if ignored else {}
     release = model.admission.reserve(len(jobs))
@@ -233,10 +235,10 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
         with_usage = stream.with_usage or options is not None and options.include_usage
         continuous = with_usage and options is not None and bool(options.continuous_usage_stats)
         body = _sse(model, jobs, metrics, prompts, replace(stream, with_usage=with_usage, continuous_usage=continuous),
-                    release)
+                    release, format_param)
         return _EventStream(body, release, headers)
     try:
-        outputs = await _collect(model, jobs, metrics, request)
+        outputs = await _collect(model, jobs, metrics, request, format_param)
     finally:
         release()
     if outputs is None:

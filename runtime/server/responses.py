@@ -355,7 +355,8 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
     events = StreamEvents(stream.render, stream.final, stream.prelude(), with_usage=True, error=stream.error,
                           done="")  # the last event carries the usage; no [DONE], as OpenAI's streams end
     return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, stream=events,
-                         ignored=[*_ignored_fields(req), *(_CHAT_NAMES.get(n, n) for n in plan.unused)])
+                         ignored=[*_ignored_fields(req), *(_CHAT_NAMES.get(n, n) for n in plan.unused)],
+                         format_param=plan.format_param and _CHAT_NAMES.get(plan.format_param, plan.format_param))
 
 
 # the chat request's fields that answer the Responses request's, as its errors name them
