@@ -64,8 +64,8 @@ def requested_format(req: SamplingFields) -> StructuredOutput | None:
         elif requested.type == "json_object":
             spec = StructuredOutput(json_object=True)
         elif requested.json_schema is None:
-            raise APIError(400, "response_format of type json_schema needs its json_schema (name and schema)",
-                           param="response_format.json_schema")
+            raise APIError(400, "response_format of type json_schema needs its json_schema: a name, and the schema "
+                                "to hold the output to (without one, any JSON)", param="response_format.json_schema")
         elif requested.json_schema.json_schema is None:
             spec = StructuredOutput(json_object=True)
         else:
