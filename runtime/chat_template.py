@@ -153,6 +153,8 @@ class ChatTemplate:
         continues (UncontinuableMessageError when the template does not write it verbatim)."""
         if self.content_parts:
             messages = [_as_parts(message) for message in messages]
+        if continue_final_message:
+            messages = [*messages[:-1], _tagged(messages[-1])]
         given = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools,
                  **self.special_tokens}
         if taken := sorted(set(variables or {}) & set(given)):
@@ -164,19 +166,35 @@ class ChatTemplate:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, RecursionError) as exc:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from None
-        return _cut_after(text, messages[-1]["content"]) if continue_final_message else text
+        return _cut_at_tag(text) if continue_final_message else text
 
 
-def _cut_after(text: str, content: Any) -> str:
-    """``text`` up to the end of its last ``content``, as transformers' ``continue_final_message`` cuts it (of the
-    stripped content where the template stripped it)."""
-    if isinstance(content, list):  # a parts-only template's: the text of its parts
-        content = "".join(part.get("text", "") for part in content)
-    for piece in (content, content.strip()):
-        if (at := text.rfind(piece)) >= 0:
-            return text[:at + len(piece)]
-    raise UncontinuableMessageError("the chat template does not render the final message verbatim, so it cannot be "
-                                    "continued: send add_generation_prompt false without continue_final_message")
+# what transformers' continue_final_message appends to the final message's text, to cut the rendered text there
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_UNCONTINUABLE = ("the chat template does not render the final message verbatim, so it cannot be continued: send "
+                  "add_generation_prompt false without continue_final_message")
+
+
+def _tagged(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with ``CONTINUE_TAG`` after its text (its last text part's, as transformers tags it)."""
+    content = message.get("content") or ""
+    if isinstance(content, str):
+        return {**message, "content": content + CONTINUE_TAG}
+    parts = list(content)
+    last = next((i for i in reversed(range(len(parts))) if "text" in parts[i]), None)
+    if last is None:  # no text to continue (an empty message of a parts-only template): an empty part, tagged
+        return {**message, "content": [*parts, {"type": "text", "text": CONTINUE_TAG}]}
+    parts[last] = {**parts[last], "text": parts[last]["text"] + CONTINUE_TAG}
+    return {**message, "content": parts}
+
+
+def _cut_at_tag(text: str) -> str:
+    """``text`` up to the tag ``_tagged`` put after the final message's text, as transformers'
+    ``continue_final_message`` cuts it (less the trailing spaces where the template stripped the message)."""
+    at = text.rfind(CONTINUE_TAG.strip())
+    if at < 0:
+        raise UncontinuableMessageError(_UNCONTINUABLE)
+    return text[:at] if text.startswith(CONTINUE_TAG, at) else text[:at].rstrip()
 
 
 # content part types read as text (the Responses API's input_text and output_text too, as vLLM reads them), each

@@ -40,8 +40,9 @@ def test_several_conversations_get_one_output_each_in_order(llm, hf_tokenizer):
         oracle_ids(hf_tokenizer, [{"role": "user", "content": "Hi\nthere"}], add_generation_prompt=True)]
 
 
-def test_continue_final_message_continues_the_assistants_text(llm, hf_tokenizer):
-    messages = [*CONVERSATION, {"role": "assistant", "content": "The colour is"}]
+@pytest.mark.parametrize("prefill", ["The colour is", "", "<", "s", " trailing "])  # "<", "s": of the </s> after it
+def test_continue_final_message_continues_the_assistants_text(llm, hf_tokenizer, prefill):
+    messages = [*CONVERSATION, {"role": "assistant", "content": prefill}]
     [output] = llm.chat(messages, GREEDY, add_generation_prompt=False, continue_final_message=True)
     assert output.prompt_token_ids == oracle_ids(hf_tokenizer, messages, continue_final_message=True)
     with pytest.raises(ChatInputError, match="continue_final_message needs add_generation_prompt=False"):
