@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
@@ -85,25 +85,35 @@ def _loop_names(ast: nodes.Template, names: set[str], key: str | None = None) ->
             if isinstance(loop.target, nodes.Name) and any(_reads(loop.iter, name, key) for name in names)}
 
 
-def _takes_content_parts(ast: nodes.Template) -> bool:
-    """Whether the template loops over a message's content and never tests whether it is a string: a VLM-derived
-    template that takes content as a list of parts only (vLLM's "openai" content format, detected as vLLM does)."""
+ContentFormat = Literal["string", "parts", "either"]
+
+
+def _content_format(ast: nodes.Template) -> ContentFormat:
+    """How the template takes a message's content: ``parts`` when it loops over it and never tests whether it is a
+    string (a VLM-derived template: vLLM's "openai" content format, detected as vLLM does), ``either`` when it loops
+    over it and tests for a string too (Llama 3.1's, Qwen2-VL's: content goes as the caller gave it, as transformers
+    passes it), else ``string``."""
     messages = {"messages"}
     for assign in ast.find_all(nodes.Assign):  # {% set loop_messages = messages[1:] %}: in document order
         if isinstance(assign.target, nodes.Name) and any(_reads(assign.node, name) for name in messages):
             messages.add(assign.target.name)
     message_names = _loop_names(ast, messages)
+    if not _loop_names(ast, message_names, "content"):
+        return "string"
     tests_string = any(test.name == "string" and any(_reads(test.node, name, "content") for name in message_names)
                        for test in ast.find_all(nodes.Test))
-    return bool(_loop_names(ast, message_names, "content")) and not tests_string
+    return "either" if tests_string else "parts"
 
 
-def _as_parts(message: dict[str, Any]) -> dict[str, Any]:
-    """A message whose text content is a list of one text part (none when empty), as parts-only templates take it."""
+def _in_format(message: dict[str, Any], content_format: ContentFormat) -> dict[str, Any]:
+    """``message`` with its content as a template of ``content_format`` takes it: text parts joined by newlines for
+    ``string`` (as vLLM joins them), a text as one part (none when empty) for ``parts``, as given for ``either``."""
     content = message.get("content")
-    if not isinstance(content, str):
-        return message
-    return {**message, "content": [{"type": "text", "text": content}] if content else []}
+    if content_format == "string" and isinstance(content, list):
+        return {**message, "content": message_text(content)}
+    if content_format == "parts" and isinstance(content, str):
+        return {**message, "content": [{"type": "text", "text": content}] if content else []}
+    return message
 
 
 class ChatTemplate:
@@ -113,7 +123,7 @@ class ChatTemplate:
         environment = _environment()
         ast = environment.parse(source)
         self._template = environment.from_string(ast)
-        self.content_parts = _takes_content_parts(ast)  # message content as [{"type": "text", "text": ...}]
+        self.content_format = _content_format(ast)  # message content as a string, text parts, or either
         self.reads = frozenset(jinja2.meta.find_undeclared_variables(ast))  # the variables it may read
         self.source = source
         self.special_tokens = special_tokens
@@ -145,14 +155,13 @@ class ChatTemplate:
                tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
                continue_final_message: bool = False) -> str:
         """The prompt text for `messages` ({"role", "content"} dicts, with "tool_calls" and "tool_call_id" where
-        they have them; text content as a list of parts for a template that takes only parts) and `tools` (OpenAI
-        tool objects, as transformers' ``apply_chat_template`` takes them), with the template's own further
+        they have them; content a string or text parts, put as the template takes it) and `tools` (OpenAI tool
+        objects, as transformers' ``apply_chat_template`` takes them), with the template's own further
         ``variables`` (``enable_thinking``, ``documents``, say); ChatTemplateError when the template refuses them,
         ReservedVariableError when a variable would replace one of those it is given. With
         ``continue_final_message`` the text ends right after the final message's content, which the completion
         continues (UncontinuableMessageError when the template does not write it verbatim)."""
-        if self.content_parts:
-            messages = [_as_parts(message) for message in messages]
+        messages = [_in_format(message, self.content_format) for message in messages]
         if continue_final_message:
             messages = [*messages[:-1], _tagged(messages[-1])]
         given = {"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools,
@@ -202,22 +211,30 @@ def _cut_at_tag(text: str) -> str:
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
-def message_text(content: Any) -> str:
-    """A message's content as text: a string, or a list of text parts (an assistant's refusal parts taken as its
-    text) joined by newlines, as vLLM joins them; ValueError for anything else (images and audio included)."""
+def message_content(content: Any) -> str | list[dict[str, str]]:
+    """A message's content as chat templates take it: a string (None as empty), or a list of text parts, each as
+    ``{"type": "text", "text": ...}`` (an assistant's refusal parts taken as its text); ValueError for anything else
+    (images and audio included)."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        texts = []
+        parts = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
             if key is None or not isinstance(part.get(key), str):
                 raise ValueError("parts must be {'type': 'text', 'text': str} ('input_text' or 'output_text' too, or "
                                  "an assistant's {'type': 'refusal', 'refusal': str}): only text content is supported")
-            texts.append(part[key])
-        return "\n".join(texts)
+            parts.append({"type": "text", "text": part[key]})
+        return parts
     raise ValueError("must be a string or a list of text parts")
+
+
+def message_text(content: Any) -> str:
+    """A message's content as one text: its text parts joined by newlines, as vLLM joins them for a template that
+    takes strings (``message_content``'s errors)."""
+    content = message_content(content)
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
 
 def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -227,7 +244,7 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     ``tool_calls`` are taken as checked."""
     role = message["role"]
     result = {"role": "system" if role == "developer" else role,
-              "content": message_text(message.get("content")) or message.get("refusal") or ""}
+              "content": message_content(message.get("content")) or message.get("refusal") or ""}
     for key in ("name", "tool_call_id"):
         if message.get(key):
             result[key] = message[key]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kiln.runtime.chat_template import ChatTemplate, ChatTemplateError
+from kiln.runtime.chat_template import ChatTemplate, ChatTemplateError, template_message
 
 ALTERNATING = ("{{ bos_token }}{% for m in messages %}"
                "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
@@ -87,21 +87,30 @@ def test_generation_blocks_of_assistant_only_training_render_their_contents_as_t
     assert ChatTemplate(source, {}).render(messages) == rendered[0] == "<u>hi</u><a>hello</a>"
 
 
-@pytest.mark.parametrize(("source", "parts"), [
-    ("{% for m in messages %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endfor %}", True),
+@pytest.mark.parametrize(("source", "content_format"), [
+    ("{% for m in messages %}{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endfor %}", "parts"),
     ("{% set loop_messages = messages[1:] %}{% for m in loop_messages %}"  # a VLM's, after its system message
      "{% for part in m.content | selectattr('type', 'equalto', 'text') %}{{ part.text }}{% endfor %}{% endfor %}",
-     True),
-    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
+     "parts"),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
     ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"  # Qwen2-VL's: both
-     "{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endif %}{% endfor %}", False),
+     "{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endif %}{% endfor %}", "either"),
 ], ids=["parts", "parts-after-the-system-message", "string", "either"])
-def test_a_template_that_loops_over_content_parts_gets_the_text_as_a_part(source, parts):
+def test_a_template_that_loops_over_content_parts_gets_the_text_as_a_part(source, content_format):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
     template = ChatTemplate(source, {})
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": ""}]
-    assert template.content_parts is parts
+    assert template.content_format == content_format
     assert template.render(messages).endswith("hi")
+    parts = [{"role": "system", "content": [{"type": "text", "text": "s"}]},
+             {"role": "user", "content": [{"type": "text", "text": "one."}, {"type": "text", "text": "two."}]}]
+    rendered = template.render([template_message(message) for message in parts])
+    if content_format == "string":  # joined by newlines, as vLLM joins them for a template that takes strings
+        assert rendered.endswith("one.\ntwo.")
+    else:  # as transformers passes them (and vLLM, for a template that loops over them)
+        assert rendered == render_jinja_template([parts], chat_template=source)[0][0] and rendered.endswith("one.two.")
 
 
 def test_documents_and_reasoning_effort_reach_the_template_under_the_requests_kwargs():

@@ -15,6 +15,7 @@ from kiln.runtime.chat_template import (
     ChatTemplateError,
     ReservedVariableError,
     UncontinuableMessageError,
+    message_text,
     template_message,
 )
 from kiln.runtime.outputs import RequestOutput, StreamDelta
@@ -233,7 +234,7 @@ def generation_prompt(model: ServedModel, req: ChatCompletionRequest, tools: Cha
     """What the template adds to the messages for the answer (``prompt_text`` less the messages rendered alone), or
     the final message that the answer continues."""
     if req.continue_final_message:
-        return req.messages[-1].content or ""
+        return message_text(req.messages[-1].content)
     messages = render_chat(model, req.messages, tools.rendered, add_generation_prompt=False,
                            variables=template_variables(req))
     return prompt_text[len(messages):] if prompt_text.startswith(messages) else prompt_text

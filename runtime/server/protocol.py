@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from kiln.runtime.chat_template import message_text
+from kiln.runtime.chat_template import message_content
 
 MAX_STOP_STRINGS = 64  # OpenAI takes 4; vLLM any number, and eval harnesses send more than 4
 MAX_STOP_TOKEN_IDS = 1024  # vLLM takes any number: a million ids copied into each of n=128 choices stalled the server
@@ -141,7 +141,7 @@ Stop = Annotated[Any, PlainValidator(_stop), WithJsonSchema({"anyOf": [
     {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
     {"type": "null"},
 ]})]
-Content = Annotated[Any, PlainValidator(message_text), WithJsonSchema({"anyOf": [
+Content = Annotated[Any, PlainValidator(message_content), WithJsonSchema({"anyOf": [
     {"type": "string"},
     {"type": "array", "items": {"anyOf": [
         {"type": "object", "properties": {"type": {"enum": ["text", "input_text", "output_text"]},
