@@ -520,6 +520,7 @@ def _shipped_kv_cache_dtype(ctx: BuildContext) -> str:
 
 
 def report_summary(report: dict) -> dict:
-    """The part of a calibration report that belongs in build records and summaries."""
-    keys = ("format", "converged", "gate", "fallback_from", "samples_used", "unsettled")
+    """The part of a calibration report that belongs in build records and summaries (``kiln build --json``'s
+    ``quantization``): what shipped, and why (``reason`` and ``summary`` name each format a fallback passed over)."""
+    keys = ("format", "converged", "gate", "fallback_from", "reason", "summary", "samples_used", "unsettled")
     return {k: report.get(k) for k in keys}

@@ -111,6 +111,10 @@ def test_impossible_gate_falls_back_to_the_first_format_that_passes_and_says_why
     assert [a["format"] for a in report["attempts"]] == ["int4_awq", "fp8", "none"]
     assert "int4_awq failed the gate: KL" in report["reason"] and "fp8 failed the gate: KL" in report["reason"]
     assert "> max_kl 0" in report["summary"]
+    from kiln.pipeline.stages import report_summary  # what kiln build --json says of it
+
+    summarized = report_summary(report)
+    assert (summarized["reason"], summarized["summary"]) == (report["reason"], report["summary"])
     assert tree_sha256(tmp_path / "hf")["model.safetensors"] == tree_sha256(checkpoint)["model.safetensors"]
 
 
