@@ -47,6 +47,10 @@ def choose_backend(requested: str, device: str) -> BackendChoice:
                                   f"peers Kiln measures against, not backends it builds for)")
     has_cuda = torch.cuda.is_available()
     resolved_device = ("cuda" if has_cuda else "cpu") if device == "auto" else device
+    if requested == "trtllm" and not (trtllm_available() and has_cuda):
+        missing = "TensorRT-LLM 1.2.x is not installed" if not trtllm_available() else "no CUDA GPU is present"
+        return BackendChoice(requested, resolved_device, f"backend trtllm requested, but {missing}: a build here is "
+                             f"refused, and this plan's key (device {resolved_device}) is not a GPU machine's")
     if requested != "auto":
         return BackendChoice(requested, resolved_device, f"backend {requested} requested")
     has_trtllm = trtllm_available()

@@ -19,7 +19,9 @@ def kiln(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
 def test_dry_run_shows_every_inflight_batching_prerequisite(tmp_path):
     proc = kiln("build", "llama3-8b-fp8.yaml", "--backend", "trtllm", "--dry-run", "--json", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    build = json.loads(proc.stdout)["stages"][1]
+    plan = json.loads(proc.stdout)
+    assert "TensorRT-LLM 1.2.x is not installed: a build here is refused" in plan["backend_reason"]
+    build = plan["stages"][1]
     argv = " ".join(build["command"])
     assert build["command"][0] == "trtllm-build"
     for flag in ("--kv_cache_type paged", "--remove_input_padding enable", "--gpt_attention_plugin auto",
