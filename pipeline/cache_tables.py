@@ -25,9 +25,10 @@ def entries_table(rows: list[dict]) -> Table:
         table.add_column(column, no_wrap=column == "KEY", justify="right" if column in ("SIZE", "HITS") else "left")
     for row in rows:
         size = Text("damaged", style="red") if row["problem"] else format_bytes(row["size_bytes"])
+        kv = f", kv {row['kv_cache_dtype']}" if row["kv_cache_dtype"] not in (None, "auto") else ""
         table.add_row(row["key"], STORE_LABEL.get(row["store"], row["store"]), row["model"] or "-",
-                      row["format"] or "-", row["backend"] or "-", row["gpu"] or "-", size, ago(row["created"]),
-                      ago(row["last_used"]), *((str(row["hits"]),) if hits else ()))
+                      f"{row['format'] or '-'}{kv}", row["backend"] or "-", row["gpu"] or "-", size,
+                      ago(row["created"]), ago(row["last_used"]), *((str(row["hits"]),) if hits else ()))
     return table
 
 

@@ -265,12 +265,14 @@ class QuantizeStage:
         from kiln.calibration.quantize import quantize_checkpoint
 
         material = ctx.quantized_material()
-        describe = {"model": ctx.model_name, "format": ctx.config.quantize.format, "backend": None, "gpu": None}
+        describe = {"model": ctx.model_name, "format": ctx.config.quantize.format,
+                    "kv_cache_dtype": ctx.config.quantize.kv_cache_dtype, "backend": None, "gpu": None}
 
         def build(tmp: Path) -> dict:
             report = quantize_checkpoint(ctx.model_dir, ctx.config.quantize, tmp, device=ctx.choice.device,
                                          dtype=ctx.calibration_dtype, progress=progress)
             describe["format"] = report["format"]  # a fallback's, where the gate sent the chain on
+            describe["kv_cache_dtype"] = report["kv_cache_dtype"]  # auto where it fell back to none
             return {"calibration": report_summary(report)}
 
         result = ctx.cache.quantized.get_or_build(ctx.quantized_key, material, build, force=ctx.force,
@@ -325,7 +327,8 @@ class BuildStage:
         # the closures set the format once the checkpoint is there (a deferred quantize stage may run in them)
         hardware = ctx.material["hardware"]
         devices = hardware["tp_size"] * hardware["pp_size"]  # the devices one engine runs on: "NVIDIA H200 x2"
-        describe = {"model": ctx.model_name, "format": _shipped_format(ctx), "backend": ctx.choice.backend,
+        describe = {"model": ctx.model_name, "format": _shipped_format(ctx),
+                    "kv_cache_dtype": _shipped_kv_cache_dtype(ctx), "backend": ctx.choice.backend,
                     "gpu": (hardware["gpu_name"] or "cpu") + (f" x{devices}" if devices > 1 else "")}
         build = self._with_checkpoint(ctx, build, describe, progress)
         result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
@@ -352,7 +355,7 @@ class BuildStage:
 
         def build_from_checkpoint(tmp: Path) -> dict:
             ctx.ensure_checkpoint(progress)
-            describe["format"] = _shipped_format(ctx)
+            describe["format"], describe["kv_cache_dtype"] = _shipped_format(ctx), _shipped_kv_cache_dtype(ctx)
             quantized = ctx.quantized_key and ctx.checkpoint_dir != ctx.model_dir
             with EntryHold(ctx.cache.quantized.entry_dir(ctx.quantized_key)) if quantized else nullcontext():
                 record = build(tmp)

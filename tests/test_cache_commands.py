@@ -83,6 +83,17 @@ def test_malformed_keys_are_refused_with_a_clear_message(cache, command, bad):
     assert "64 lowercase hex" in result.stderr and "Traceback" not in result.output
 
 
+def test_ls_shows_an_fp8_kv_cache_beside_the_format(cache):
+    key = engine_key(material("kv"))
+    describe = {"model": "kv", "format": "fp8", "kv_cache_dtype": "fp8", "backend": "native", "gpu": "cpu"}
+    cache.entries.get_or_build(key, material("kv"), lambda out: (out / "engine.json").write_text("{}") and {},
+                               describe=describe)
+    plain = add(cache, "plain")  # an entry of an older Kiln: no kv_cache_dtype
+    rows = {row["key"]: row for row in json.loads(kiln_cache(cache.root, "ls", "--json").stdout)}
+    assert (rows[key]["kv_cache_dtype"], rows[plain]["kv_cache_dtype"]) == ("fp8", None)
+    assert "fp8, kv fp8" in kiln_cache(cache.root, "ls").stdout
+
+
 def test_unknown_key_says_so(cache):
     result = kiln_cache(cache.root, "show", "0" * 64)
     assert result.exit_code == 2 and "no entry" in result.stderr

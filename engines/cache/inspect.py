@@ -12,6 +12,7 @@ from kiln.engines.cache.keys import engine_key
 from kiln.engines.cache.layout import dir_size
 from kiln.engines.cache.remote.objects import RemoteUnavailableError
 from kiln.engines.cache.remote.tier import RemoteTier
+from kiln.engines.cache.results import described
 from kiln.engines.cache.units import iso_utc
 from kiln.engines.cache.verify import nearest_entry, verify_entry
 
@@ -27,10 +28,7 @@ def _row(info: EntryInfo, hits: int) -> dict:
     return {
         "key": info.key,
         "store": info.store,
-        "model": info.describe.get("model"),
-        "format": info.describe.get("format"),
-        "backend": info.describe.get("backend"),
-        "gpu": info.describe.get("gpu"),
+        **described(info.describe),
         "size_bytes": info.size_bytes,
         "created": info.created,
         "last_used": iso_utc(info.last_used),

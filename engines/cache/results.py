@@ -50,8 +50,14 @@ class CacheResult:
 # One key set per command, local and remote alike (docs/cache.md describes each key); a key that does not apply to a
 # tier is None there: ``hits`` of a remote entry (a remote counts none), ``problem`` of a local entry (``kiln cache
 # verify`` judges those).
-LS_ROW_KEYS = ("key", "store", "model", "format", "backend", "gpu", "size_bytes", "created", "last_used", "hits",
-               "problem")
+LS_ROW_KEYS = ("key", "store", "model", "format", "kv_cache_dtype", "backend", "gpu", "size_bytes", "created",
+               "last_used", "hits", "problem")
+DESCRIBED = ("model", "format", "kv_cache_dtype", "backend", "gpu")  # a row's keys that its manifest's describe gives
+
+
+def described(describe: dict) -> dict:
+    """The ``DESCRIBED`` keys of a manifest's ``describe`` (None where an entry of an older Kiln lacks one)."""
+    return {name: describe.get(name) for name in DESCRIBED}
 VERIFY_ROW_KEYS = ("key", "store", "ok", "files_checked", "problems", "incompatible")
 
 

@@ -20,6 +20,7 @@ from kiln.engines.cache.remote.layout import (
 )
 from kiln.engines.cache.remote.objects import ObjectInfo
 from kiln.engines.cache.remote.tier import RemoteTier, copy_problem, manifest_problem, newer_manifest
+from kiln.engines.cache.results import described
 from kiln.engines.cache.units import iso_utc, parse_iso
 
 READ_THREADS = 8
@@ -51,8 +52,7 @@ class RemoteEntry:
 
     def row(self) -> dict:
         describe = (self.manifest or {}).get("describe", {})
-        return {"key": self.key, "store": self.store, "model": describe.get("model"), "format": describe.get("format"),
-                "backend": describe.get("backend"), "gpu": describe.get("gpu"), "size_bytes": self.size_bytes,
+        return {"key": self.key, "store": self.store, **described(describe), "size_bytes": self.size_bytes,
                 "created": iso_utc(self.created), "last_used": iso_utc(self.last_used), "problem": self.problem}
 
 
