@@ -19,6 +19,9 @@ with warnings.catch_warnings():
     from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
     from modelopt.torch.export.model_utils import get_model_type
 
+# transformers 5's folder of named chat templates (tool_use.jinja, ...): the runtime's name for it, which this layer
+# may not import
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
@@ -75,9 +78,13 @@ def _store_unquantized_as(out: Path, dtype: torch.dtype) -> None:
 
 
 def copy_tokenizer_files(model_dir: Path, out: Path) -> None:
+    """The TOKENIZER_FILES ``model_dir`` has, and transformers 5's named chat templates (CHAT_TEMPLATES_DIR)."""
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, out / name)
+    for path in sorted((model_dir / CHAT_TEMPLATES_DIR).glob("*.jinja")):
+        (out / CHAT_TEMPLATES_DIR).mkdir(exist_ok=True)
+        shutil.copy2(path, out / CHAT_TEMPLATES_DIR / path.name)
 
 
 def export_trtllm(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtype) -> str | None:

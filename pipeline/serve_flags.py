@@ -152,7 +152,9 @@ def check_tool_call_parser(parser: str | None, template: str | None, directory: 
     from kiln.runtime.chat_template import ChatTemplate
     from kiln.runtime.server.tool_calls import tool_call_format
 
-    source = template if template is not None else getattr(ChatTemplate.from_dir(directory), "source", None)
+    model_template = ChatTemplate.from_dir(directory) if template is None else None
+    # the one a request with tools renders (a named tool_use template, Hermes-2-Pro's)
+    source = template if template is not None else model_template and model_template.for_tools([]).source
     found = tool_call_format(source) if source else None
     if found is None:
         raise ToolCallParserError(f"--tool-call-parser {parser}: the chat template renders no tools, so Kiln "

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -116,40 +116,74 @@ def _in_format(message: dict[str, Any], content_format: ContentFormat) -> dict[s
     return message
 
 
-class ChatTemplate:
-    """Turns OpenAI chat messages into the prompt text the model was trained on."""
+TOOL_USE = "tool_use"  # the named template that renders a request with tools, as transformers picks it
 
-    def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
-        environment = _environment()
-        ast = environment.parse(source)
-        self._template = environment.from_string(ast)
-        self.content_format = _content_format(ast)  # message content as a string, text parts, or either
-        self.reads = frozenset(jinja2.meta.find_undeclared_variables(ast))  # the variables it may read
+
+class ChatTemplate:
+    """Turns OpenAI chat messages into the prompt text the model was trained on: the model's default template, and
+    its ``tool_use`` template (where it has one), which renders a request with tools in its place."""
+
+    def __init__(self, source: str | None, special_tokens: dict[str, str], tool_use: ChatTemplate | None = None
+                 ) -> None:
+        """``source``: the default template (None only beside a ``tool_use`` one: a model whose named templates
+        include no default, which renders only a request with tools)."""
         self.source = source
         self.special_tokens = special_tokens
+        self.tool_use = tool_use
+        self._template: jinja2.Template | None = None
+        self.content_format: ContentFormat = "string"  # message content as a string, text parts, or either
+        self.reads: frozenset[str] = frozenset()  # the variables it may read
+        if source is not None:
+            environment = _environment()
+            ast = environment.parse(source)
+            self._template = environment.from_string(ast)
+            self.content_format = _content_format(ast)
+            self.reads = frozenset(jinja2.meta.find_undeclared_variables(ast))
 
     @classmethod
     def from_dir(cls, directory: Path, source: str | None = None) -> ChatTemplate | None:
-        """The template of an engine or checkpoint directory (`chat_template.jinja`, else `tokenizer_config.json`'s
-        `chat_template`), or ``source`` in its place (with the directory's special tokens); None when it has
-        none."""
+        """The templates of an engine or checkpoint directory (``ChatTemplateFiles.read``), or ``source`` in their
+        place (with the directory's special tokens); None when it has none."""
         return cls.from_files(ChatTemplateFiles.read(directory), source)
 
     @classmethod
     def from_files(cls, files: ChatTemplateFiles, source: str | None = None) -> ChatTemplate | None:
-        """The template ``files`` hold, or ``source`` in its place (with their special tokens); None when there is
-        none."""
+        """The templates ``files`` hold (the default, and ``tool_use`` for a request with tools), or ``source`` in
+        their place with their special tokens: the name of one of them (when they are named) takes that one alone,
+        as transformers takes a name; a template replaces them all, as vLLM's ``--chat-template`` does. None when
+        there is none; a ChatTemplateError when named templates include neither a default nor ``tool_use``."""
         if files.problem is not None:
             raise ChatTemplateError(files.problem)
-        origin = files.origin if source is None else "the chat template given in place of the model's"
-        source = files.source if source is None else source
-        if not source:
+        if source is not None:
+            names = dict(files.named, default=(files.source, files.origin)) if files.named and files.source \
+                else files.named
+            text, origin = names.get(source, (source, "the chat template given in place of the model's"))
+            return cls._parsed(files, text, origin)
+        tool_use = cls._parsed(files, *files.named[TOOL_USE]) if TOOL_USE in files.named else None
+        if files.source is None and tool_use is None:
+            if files.named:
+                raise ChatTemplateError(_no_default(files.named))
             return None
+        return cls._parsed(files, files.source, files.origin, tool_use)
+
+    @classmethod
+    def _parsed(cls, files: ChatTemplateFiles, source: str | None, origin: str,
+                tool_use: ChatTemplate | None = None) -> ChatTemplate:
         try:
-            return cls(source, files.special_tokens)
+            return cls(source, files.special_tokens, tool_use)
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(f"{files.directory}: the chat template does not parse ({exc}): fix "
                                     f"{origin}") from None
+
+    def for_tools(self, tools: Sequence[object] | None) -> ChatTemplate:
+        """The template that renders a request with ``tools`` (None: one without), picked as transformers'
+        ``get_chat_template`` and vLLM pick it: ``tool_use`` where tools are given and the model has it, else the
+        default (a ChatTemplateError where the model has none)."""
+        if tools is not None and self.tool_use is not None:
+            return self.tool_use
+        if self._template is None:
+            raise ChatTemplateError(_no_default())
+        return self
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
@@ -160,7 +194,10 @@ class ChatTemplate:
         ``variables`` (``enable_thinking``, ``documents``, say); ChatTemplateError when the template refuses them,
         ReservedVariableError when a variable would replace one of those it is given. With
         ``continue_final_message`` the text ends right after the final message's content, which the completion
-        continues (UncontinuableMessageError when the template does not write it verbatim)."""
+        continues (UncontinuableMessageError when the template does not write it verbatim). The template is the
+        one ``for_tools`` picks for ``tools``."""
+        if (template := self.for_tools(tools)) is not self:
+            return template.render(messages, add_generation_prompt, tools, variables, continue_final_message)
         messages = [_in_format(message, self.content_format) for message in messages]
         if continue_final_message:
             messages = [*messages[:-1], _tagged(messages[-1])]
@@ -176,6 +213,12 @@ class ChatTemplate:
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, RecursionError) as exc:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from None
         return _cut_at_tag(text) if continue_final_message else text
+
+
+def _no_default(names: Iterable[str] = ()) -> str:
+    named = f" ({', '.join(sorted(names))})" if names else ""
+    return (f"none of the model's named chat templates{named} is named 'default', which renders messages without "
+            f"tools (transformers refuses them too): send tools, or give a chat template in its place")
 
 
 # what transformers' continue_final_message appends to the final message's text, to cut the rendered text there

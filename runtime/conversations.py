@@ -48,8 +48,8 @@ def _check_messages(conversation: abc.Sequence, where: str) -> None:
 
 
 def load_template(files: ChatTemplateFiles | None, source: str | None) -> ChatTemplate:
-    """The chat template ``files`` hold (an engine's, read at its load), or ``source`` in its place (with their
-    special tokens)."""
+    """The chat template ``files`` hold (an engine's, read at its load: its named ones too), or ``source`` in its
+    place (with their special tokens): a template, or the name of one of the engine's named templates."""
     from kiln.runtime.chat_template import ChatTemplate, ChatTemplateError
 
     if source is not None and not source.strip():
@@ -74,13 +74,19 @@ def render_prompts(conversations: list[list[Mapping[str, Any]]], template: ChatT
                    *, add_generation_prompt: bool, continue_final_message: bool,
                    tools: abc.Sequence[Mapping[str, Any]] | None,
                    chat_template_kwargs: Mapping[str, Any] | None) -> list[tuple[str, list[int]]]:
-    """Each conversation's prompt text and token ids: rendered by ``template`` (which writes BOS itself) and
-    tokenized without special tokens, as vLLM and transformers tokenize a rendered chat."""
+    """Each conversation's prompt text and token ids: rendered by ``template`` (its ``tool_use`` one when ``tools``
+    are given and it has one, as transformers and vLLM pick it; it writes BOS itself) and tokenized without special
+    tokens, as vLLM and transformers tokenize a rendered chat."""
     from kiln.runtime.chat_template import ChatTemplateError
 
     if tokenizer is None:
         raise ChatInputError("this engine has no tokenizer.json, so it cannot tokenize a rendered chat: pass token ids "
                              "to generate")
+    tools = None if tools is None else list(tools)
+    try:
+        template = template.for_tools(tools)
+    except ChatTemplateError as exc:  # named templates without a default, and no tools
+        raise ChatInputError(str(exc)) from None
     if tools and "tools" not in template.reads:
         raise ChatInputError("the chat template does not render tools, so the model cannot call them: pass no tools")
     if unread := [name for name in chat_template_kwargs or {} if name not in template.reads]:
@@ -93,8 +99,8 @@ def render_prompts(conversations: list[list[Mapping[str, Any]]], template: ChatT
         where = f"messages[{index}]: " if len(conversations) > 1 else ""
         try:
             rendered = [_template_message(message, position) for position, message in enumerate(conversation)]
-            text = template.render(rendered, add_generation_prompt, None if tools is None else list(tools),
-                                   dict(chat_template_kwargs or {}), continue_final_message)
+            text = template.render(rendered, add_generation_prompt, tools, dict(chat_template_kwargs or {}),
+                                   continue_final_message)
         except (ChatInputError, ChatTemplateError) as exc:
             raise ChatInputError(f"{where}{exc}") from None
         prompts.append((text, tokenizer.encode(text, add_special_tokens=False)))

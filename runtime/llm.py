@@ -193,9 +193,10 @@ class LLM:
              continue_final_message: bool = False, tools: abc.Sequence[Mapping[str, Any]] | None = None,
              chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """Complete one conversation (a list of ``{"role", "content"}`` messages, OpenAI's and vLLM's shape) or a
-        list of them, each rendered through the engine's chat template (``chat_template``: another template's
-        source in its place) with ``tools`` and the template's further variables ``chat_template_kwargs``, as
-        vLLM's ``LLM.chat``; one output per conversation. With ``continue_final_message`` (and
+        list of them, each rendered through the engine's chat template (its ``tool_use`` one with ``tools``, where
+        it has one; ``chat_template``: another template's source in its place, or the name of one of the engine's
+        named templates) with ``tools`` and the template's further variables ``chat_template_kwargs``, as vLLM's
+        ``LLM.chat``; one output per conversation. With ``continue_final_message`` (and
         ``add_generation_prompt=False``) the completion continues the final message."""
         self._check_open()
         template = self._chat_template if chat_template is None else None

@@ -14,6 +14,7 @@ from pathlib import Path
 from kiln.engines.cache.db import connect, ensure_schema, expendable
 from kiln.engines.cache.errors import CheckpointHashError
 from kiln.engines.cache.layout import read_only_db
+from kiln.runtime.tokenizer import CHAT_TEMPLATES_DIR
 
 WEIGHT_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -48,8 +49,9 @@ class CheckpointFiles:
 
 def checkpoint_files(path: Path) -> CheckpointFiles:
     """Weight (*.safetensors), config (*.json), tokenizer and chat template (*.jinja) files at the top of ``path``,
-    hidden files skipped: every file a build reads or copies into what it builds. Subfolders are never read (a hub
-    repo's ``original/params.json``, say), so they are not hashed and adding one keeps the key.
+    and the named chat templates of its ``additional_chat_templates/``, hidden files skipped: every file a build
+    reads or copies into what it builds. Other subfolders are never read (a hub repo's ``original/params.json``,
+    say), so they are not hashed and adding one keeps the key.
 
     Pickle weights (*.bin, *.pt, ...) are only listed: a checkpoint whose weights are all pickles is refused. Links
     are followed, and a file that is not a regular file once its links are resolved (a device such as /dev/zero, a
@@ -67,6 +69,10 @@ def checkpoint_files(path: Path) -> CheckpointFiles:
         elif name.endswith(WEIGHT_SUFFIXES + CONFIG_SUFFIXES + TOKENIZER_SUFFIXES) or name in TOKENIZER_NAMES:
             _require_regular_file(root, name)
             hashed.append(name)
+    templates = root / CHAT_TEMPLATES_DIR  # transformers 5's named chat templates, which the build copies too
+    for path in sorted(templates.glob("*.jinja")) if templates.is_dir() else ():
+        _require_regular_file(root, f"{CHAT_TEMPLATES_DIR}/{path.name}")
+        hashed.append(f"{CHAT_TEMPLATES_DIR}/{path.name}")
     if not any(name.endswith(WEIGHT_SUFFIXES) for name in hashed):
         if pickles:
             raise CheckpointHashError(

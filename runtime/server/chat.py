@@ -54,16 +54,18 @@ def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
 
 
 def unread_template_fields(model: ServedModel, req: ChatCompletionRequest | TokenizeRequest) -> list[str]:
-    """The request's template variables that the chat template never reads, by the names the request gives them: a
-    ``chat_template_kwargs`` key, ``documents``, ``reasoning_effort`` (read as itself, or as ``enable_thinking`` when
-    it is "none"; /tokenize takes only the first)."""
+    """The request's template variables that the chat template that rendered it (``tool_use`` for one with tools,
+    where the model has it) never reads, by the names the request gives them: a ``chat_template_kwargs`` key,
+    ``documents``, ``reasoning_effort`` (read as itself, or as ``enable_thinking`` when it is "none"; /tokenize takes
+    only the first)."""
     given = {f"chat_template_kwargs.{name}": {name} for name in req.chat_template_kwargs or {}}
     if getattr(req, "documents", None) is not None:
         given["documents"] = {"documents"}
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:  # only "none" reaches the template as enable_thinking too
         given["reasoning_effort"] = {"reasoning_effort", *(("enable_thinking",) if effort == "none" else ())}
-    return [name for name, variables in given.items() if not variables & model.chat_template.reads]
+    reads = model.chat_template.for_tools(req.tools or None).reads  # the tools as render_chat got them
+    return [name for name, variables in given.items() if not variables & reads]
 
 
 def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dict] | None,
@@ -71,7 +73,8 @@ def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dic
                 continue_final_message: bool = False) -> str:
     """The prompt text of ``messages`` (and ``tools``, and the request's further template variables as
     ``variables``: ``template_variables``, or /tokenize's ``chat_template_kwargs``) through the model's chat template
-    (it writes BOS itself, as in transformers, so the text is tokenized without special tokens); with
+    (its ``tool_use`` one with tools, where it has one, as transformers and vLLM pick it; it writes BOS itself, as in
+    transformers, so the text is tokenized without special tokens); with
     ``continue_final_message``, cut right after the final message's content, which the completion continues."""
     if model.chat_template is None:
         raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template (neither "
@@ -89,7 +92,8 @@ def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dic
 
 
 def require_tool_format(model: ServedModel) -> ToolCallFormat:
-    """The format the model calls tools in: a 400 when its chat template does not render tools."""
+    """The format the model calls tools in (the one its template for tools teaches): a 400 when that template does
+    not render tools."""
     if model.tool_call_format is None:
         raise APIError(400, f"the chat template of model '{model.name}' does not render tools, so the model cannot "
                             f"call them: send no tools (or, to chat, tool_choice 'none')", param="tools")

@@ -81,8 +81,9 @@ class Admission:
 
 class ServedModel:
     """One loaded engine under one model name (and the ``aliases`` requests may send instead), shared by every HTTP
-    request; ``chat_template`` (a template's source) replaces the engine's own, and with a ``reasoning_parser`` chat
-    completions carry the model's thinking apart from its answer."""
+    request; ``chat_template`` (a template's source) replaces the engine's own (its named ones too: the default and
+    ``tool_use``, as vLLM's ``--chat-template`` replaces them), and with a ``reasoning_parser`` chat completions
+    carry the model's thinking apart from its answer."""
 
     def __init__(self, llm: LLM, name: str, engine_dir: Path, max_queue: int,
                  chat_template: str | None = None, generation_config: GenerationConfigMode = "auto",
@@ -103,7 +104,9 @@ class ServedModel:
             self.chat_template_problem = None
         except ChatTemplateError as exc:  # completions still work; chat requests say why they cannot
             self.chat_template, self.chat_template_problem = None, str(exc)
-        self.tool_call_format = tool_call_format(self.chat_template.source) if self.chat_template else None
+        # the format of the template that renders a request with tools (the model's tool_use one, where it has one)
+        self.tool_call_format = tool_call_format(self.chat_template.for_tools([]).source) \
+            if self.chat_template else None
         self.admission = Admission(self.limits.max_batch_size + max_queue)
         self.logged_ignored_fields: set[str] = set()  # warned of once per server
         self.reasoning_parser = reasoning_parser  # qwen3 or deepseek_r1, checked by ServerSettings

@@ -71,8 +71,9 @@ def detokenize(model: ServedModel, req: DetokenizeRequest) -> DetokenizeResponse
 
 def tokenizer_info(model: ServedModel) -> dict[str, Any]:
     """The tokenizer's configuration (``tokenizer_config.json``, each special token as its text) with its class
-    and the chat template the server renders: what lm-evaluation-harness's remote tokenizer reads, as vLLM's
-    ``/tokenizer_info`` gives it."""
+    and the chat template the server renders (its default one, which renders messages without tools: not a
+    ``tool_use`` one beside it): what lm-evaluation-harness's remote tokenizer reads, as vLLM's ``/tokenizer_info``
+    gives it."""
     info = {name: _as_text(value) for name, value in model.tokenizer_config.items()}
     info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     info["chat_template"] = model.chat_template.source if model.chat_template is not None else None
