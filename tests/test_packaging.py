@@ -128,12 +128,17 @@ def test_kiln_processes_never_import_a_kiln_folder_of_the_working_directory(tmp_
     assert found.returncode == 0, found.stderr[-1000:]
 
 
-def test_kiln_processes_find_the_kiln_this_process_found_even_through_a_symlink(tmp_path):
-    (tmp_path / "kiln").symlink_to(REPO, target_is_directory=True)  # a checkout reached as pp/kiln -> repo
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import kiln; "
+def test_kiln_processes_import_as_this_process_does_a_kiln_reached_through_a_symlink_included(tmp_path):
+    (tmp_path / "pp").mkdir()
+    (tmp_path / "pp" / "kiln").symlink_to(REPO, target_is_directory=True)  # a checkout reached as pp/kiln -> repo
+    (tmp_path / "app").mkdir()  # the caller's script folder: its modules, one named as the standard library's
+    (tmp_path / "app" / "which_kiln.py").write_text("import kiln; print(kiln.__file__)")
+    (tmp_path / "app" / "types.py").write_text("raise SystemExit('the app types.py shadowed the standard library')")
+    code = ("import sys; sys.path[:0] = sys.argv[1:3]; import kiln; "
             "from kiln.runtime.kiln_python import kiln_module_command; import subprocess; "
-            "argv, env = kiln_module_command('kiln', '--version'); "
-            "print(subprocess.run([argv[0], '-c', 'import kiln; print(kiln.__file__)'], env=env, "
-            "capture_output=True, text=True, cwd='/').stdout.strip())")
-    found = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd="/")
-    assert found.stdout.strip() == str(tmp_path / "kiln" / "__init__.py"), found.stderr[-1000:]
+            "argv, env = kiln_module_command('which_kiln'); "
+            "done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd='/'); "
+            "print(done.stdout.strip(), done.stderr[-500:])")
+    found = subprocess.run([sys.executable, "-c", code, str(tmp_path / "pp"), str(tmp_path / "app")],
+                           capture_output=True, text=True, cwd="/")
+    assert found.stdout.strip() == str(tmp_path / "pp" / "kiln" / "__init__.py"), (found.stdout, found.stderr[-1000:])
