@@ -18,8 +18,8 @@ from kiln.pipeline.cache_commands import cache_app, print_explain
 from kiln.pipeline.config import load_config
 from kiln.pipeline.console import friendly_errors, print_error_json, print_json, stage_progress, stderr, stdout
 from kiln.pipeline.runtime_env import runtime_options
-from kiln.pipeline.serve_command import REFUSED_VLLM_FLAGS, serve
-from kiln.pipeline.vllm_names import kiln_setting_for
+from kiln.pipeline.serve_command import serve
+from kiln.pipeline.vllm_names import vllm_flag_advice
 
 
 class KilnGroup(TyperGroup):
@@ -55,10 +55,8 @@ def _usage_error(exc: typer.TyperException, json_out: bool, command: str) -> NoR
         raise typer.Exit(2)
     message = exc.format_message()
     option = getattr(exc, "option_name", None) or ""
-    if kiln_name := kiln_setting_for(option):  # a flag of `vllm serve`
-        message = f"No such option: {option} (vLLM's; Kiln takes it as {kiln_name} in the build config)"
-    elif option in REFUSED_VLLM_FLAGS:
-        message = f"No such option: {option} ({REFUSED_VLLM_FLAGS[option]})"
+    if type(exc).__name__ == "NoSuchOption" and (unknown := _unknown_options(exc, option)) is not None:
+        message = unknown
     elif option == "--json" and getattr(exc, "ctx", None) is not None and exc.ctx.parent is None:
         message = "No such option: --json (commands take it after their name: kiln build CONFIG --json)"
     message += _one_value_hint(exc, message)
@@ -68,6 +66,27 @@ def _usage_error(exc: typer.TyperException, json_out: bool, command: str) -> NoR
     stderr.print(f"[bold red]error:[/] {escape(message)} (see `{command} -h`)", markup=True, highlight=False,
                  soft_wrap=True)
     raise typer.Exit(getattr(exc, "exit_code", 2)) from None
+
+
+def _unknown_options(exc: typer.TyperException, option: str) -> str | None:
+    """Every option of the command line the command does not take, each with what to do instead where Kiln knows
+    (a flag of `vllm serve`, or one of Kiln's written with underscores, as vLLM takes them), so that a command line
+    moved from vLLM is mended in one go; None where none is known (click's own message, with its guesses, stands)."""
+    ctx = getattr(exc, "ctx", None)
+    known = {name for param in ctx.command.params for name in (*param.opts, *param.secondary_opts)} if ctx else set()
+    argv = ctx.meta.get("argv", []) if ctx else []
+    flags = [flag for token in argv if token.startswith("--") and (flag := token.split("=", 1)[0]) not in known]
+    advice = {flag: _advice(flag, known) for flag in dict.fromkeys(flags or [option])}
+    if not any(advice.values()):
+        return None
+    listed = "; ".join(f"{flag} ({words})" if words else flag for flag, words in advice.items())
+    return f"No such option{'s' if len(advice) > 1 else ''}: {listed}"
+
+
+def _advice(flag: str, known: set[str]) -> str | None:
+    """What to write instead of ``flag``: Kiln's own flag where only its underscores differ, else vLLM's advice."""
+    dashed = flag.replace("_", "-")
+    return f"write {dashed}" if dashed != flag and dashed in known else vllm_flag_advice(flag)
 
 
 def _one_value_hint(exc: typer.TyperException, message: str) -> str:

@@ -40,13 +40,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kiln.pipeline")
 LogLevel = Literal["trace", "debug", "info", "warning", "error", "critical"]  # uvicorn's; trace is debug for Kiln
-# `vllm serve` flags asking for what Kiln cannot do, refused (a usage error) with why and what Kiln has instead
-REFUSED_VLLM_FLAGS = {
-    "--enable-log-requests": "vLLM's, which logs each request's prompt and parameters: Kiln logs no request's "
-                             "contents; --access-log logs a line per request",
-}
-
-
 class ServeExtraMissingError(KilnError):
     """The serve extra (fastapi, uvicorn, prometheus-client, jinja2) is not installed."""
 
@@ -289,12 +282,14 @@ def serve(
              "requests a second the lines cost the server's event loop); --disable-uvicorn-access-log: vLLM's "
              "name of --no-access-log.")] = False,
     log_level: Annotated[LogLevel, typer.Option(
-        "--log-level", "--uvicorn-log-level", envvar="KILN_LOG_LEVEL", case_sensitive=False,
-        help="The least level of the log lines, Kiln's and uvicorn's (--uvicorn-log-level: vLLM's name).")] = "info",
+        "--log-level", "--uvicorn-log-level", envvar=["KILN_LOG_LEVEL", "VLLM_LOGGING_LEVEL"], case_sensitive=False,
+        help="The least level of the log lines, Kiln's and uvicorn's (--uvicorn-log-level: vLLM's name; "
+             "$VLLM_LOGGING_LEVEL, vLLM's, after $KILN_LOG_LEVEL).")] = "info",
     vllm_no_ops: Annotated[bool, typer.Option(
-        "--disable-log-requests", "--disable-log-stats", "--enable-request-id-headers",
-        help="vLLM's, accepted and ignored: Kiln logs no line per request and no periodic stats, and always echoes "
-             "X-Request-Id.")] = False,
+        "--disable-log-requests", "--no-enable-log-requests", "--disable-log-stats", "--enable-request-id-headers",
+        "--enable-chunked-prefill",
+        help="vLLM's, accepted as what Kiln does anyway: it logs no line per request and no periodic stats, always "
+             "echoes X-Request-Id, and always chunks a long prompt's prefill.")] = False,
     enable_auto_tool_choice: Annotated[bool, typer.Option(
         "--enable-auto-tool-choice", help="vLLM's, accepted: Kiln always parses the tool calls the chat template "
                                           "teaches.")] = False,
@@ -352,9 +347,13 @@ def serve(
         reasoning_parser=reasoning_parser, fastapi_docs=not disable_fastapi_docs)
     app = create_app(resolved.loader(options), resolved.engine_dir, settings)
     bind_host, bind_port = bind_address(resolved.serve)
-    if bind_host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+    loopback = bind_host in ("127.0.0.1", "localhost", "::1")
+    if not loopback and not settings.api_key:
         stderr.print(f"[yellow]warning:[/] listening on {escape(bind_host)} without an API key: anyone who can reach "
                      f"this port can use the engine (pass --api-key)", markup=True, highlight=False)
+    if loopback:  # vLLM listens on every interface by default: a manifest moved from it probes the pod's address
+        stderr.print(f"listening on {escape(bind_host)} only, so other machines cannot reach it (vLLM listens on every "
+                     f"interface by default): pass --host 0.0.0.0 to serve them", highlight=False)
 
     def announce(thread: ServerThread) -> None:
         stderr.print(f"serving {settings.model_name} ({resolved.engine_dir}) on {thread.url}: "

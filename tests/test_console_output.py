@@ -185,7 +185,8 @@ def test_vllm_serve_flag_forms_are_taken_or_get_a_hint_naming_kilns(tmp_path):
                         (["--api-key", "k1", "k2"], "repeat it for each (--api-key k1 --api-key k2)")):
         result = CliRunner().invoke(app, ["serve", missing, *args])
         assert result.exit_code == 2 and words in result.stderr, result.stderr
-    taken = ["--disable-log-requests", "--disable-log-stats", "--enable-request-id-headers", "--allow-credentials",
+    taken = ["--disable-log-requests", "--no-enable-log-requests", "--enable-chunked-prefill", "--disable-log-stats",
+             "--enable-request-id-headers", "--allow-credentials",
              "--disable-uvicorn-access-log", "--allowed-methods", '["*"]', "--allowed-headers", "*"]
     result = CliRunner().invoke(app, ["serve", missing, *taken])
     assert result.exit_code == 2 and "No such option" not in result.stderr and "nothing" in result.stderr
@@ -198,6 +199,12 @@ def test_vllm_serve_flags_kiln_cannot_honour_are_refused_naming_what_it_does_ins
 
     missing = str(tmp_path / "nothing")
     for args, words in ((["--enable-log-requests"], "Kiln logs no request's contents; --access-log logs a line"),
+                        (["--trust-remote-code", "--max-model-len", "9", "--ssl-keyfile=k.pem", "--frob"],
+                         "No such options: --trust-remote-code (vLLM's; Kiln runs no code a checkpoint ships"),
+                        (["--max-model-len", "9", "--ssl-keyfile=k.pem"],
+                         "--max-model-len (vLLM's; Kiln takes it as build.max_seq_len in the build config); "
+                         "--ssl-keyfile (vLLM's; Kiln serves plain HTTP: terminate TLS at the proxy or ingress)"),
+                        (["--served_model_name", "a"], "--served_model_name (write --served-model-name)"),
                         (["--allowed-methods", '["GET", "POST"]'], "allows every method and cannot narrow them"),
                         (["--allowed-headers", "authorization"], "allows every header and cannot narrow them")):
         result = CliRunner().invoke(app, ["serve", missing, *args])

@@ -230,6 +230,7 @@ def test_sigterm_finishes_the_in_flight_stream_stops_the_engine_process_and_exit
         while not lines.empty():
             logged.append(lines.get())
         stamp = r"\d{4}-\d\d-\d\d [\d:,]+ INFO"  # one format: Kiln's lines and uvicorn's, the access log's too
+        assert any(line.startswith("listening on 127.0.0.1 only") and "--host 0.0.0.0" in line for line in logged)
         assert any(re.match(rf"{stamp} kiln.server \[-\]: engine loaded", line) for line in logged)
         assert any(re.match(rf"{stamp} kiln.server \[-\]: draining: 1 sequence in flight, up to 30 s", line)
                    for line in logged)
