@@ -264,6 +264,22 @@ def test_vllm_metric_names_with_the_model_name_label(server, http, llm):
     assert float(prefill[0].split()[-1]) > 0
 
 
+def test_vllms_newer_metrics_split_the_waiting_requests_and_the_prompt_tokens_as_the_engine_counted_them(server, http):
+    prompt = list(range(5, 45))  # 40 tokens: whole KV blocks of it are found in the prefix cache the second time
+    for _ in range(2):
+        http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "ignore_eos": True})
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in
+              httpx.get(f"{server.url}/metrics").text.splitlines() if line.startswith("vllm:")}
+    labels = f'engine="0",model_name="{MODEL}"'
+    cached = values[f"vllm:prompt_tokens_cached_total{{{labels}}}"]
+    prompts = values[f"vllm:prompt_tokens_total{{{labels}}}"]
+    assert 0 < cached <= values[f"vllm:prefix_cache_hits_total{{{labels}}}"]
+    assert values[f'vllm:prompt_tokens_by_source_total{{{labels},source="local_cache_hit"}}'] == cached
+    assert values[f'vllm:prompt_tokens_by_source_total{{{labels},source="local_compute"}}'] == prompts - cached
+    assert values[f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}}'] == \
+        values[f"vllm:num_requests_waiting{{{labels}}}"]
+
+
 def http_series(server) -> dict[str, float]:
     """The server's ``http_*`` samples, by series as exposed."""
     lines = httpx.get(f"{server.url}/metrics").text.splitlines()

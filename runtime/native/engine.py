@@ -77,6 +77,7 @@ class NativeEngine:
         self.scheduler = Scheduler(self.limits, self.block_manager, options.scheduler_policy or "max_utilization")
         self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
         self.stats = EngineStats()
+        self.num_cached_prompt_tokens = 0  # of the prompts counted in the stats' num_prompt_tokens: the prefix cache's
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
         # queue the next step before reading this one's tokens: on a GPU, where the host schedules while it computes
         overlap = options.overlap_steps
@@ -190,7 +191,9 @@ class NativeEngine:
             results.append(self._postprocess(seq, token_id, now, logprobs.get(seq)))
             if not isinstance(token_id, SamplingError):  # vLLM's iteration tokens: each token, and a first's prompt
                 generated_tokens += 1
-                prompt_tokens += seq.num_prompt_tokens if seq.num_completion_tokens == 1 else 0
+                if seq.num_completion_tokens == 1:
+                    prompt_tokens += seq.num_prompt_tokens
+                    self.num_cached_prompt_tokens += seq.num_cached_tokens
         if self._in_flight is not None and self._in_flight.sampling_deferred:
             self.model_runner.sample(self._in_flight)  # its structured outputs' matchers now have these tokens
         self.stats.record_tokens(prompt_tokens, generated_tokens)
@@ -258,6 +261,7 @@ class NativeEngine:
             **self.stats.snapshot(),
             "load_phases_s": self.model_runner.load_times.seconds,
             "cuda_graphs": self.model_runner.graph_stats(),
+            "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "kv_cache": {"num_blocks": bm.num_blocks, "block_size": bm.block_size, "used_blocks": bm.num_used_blocks,

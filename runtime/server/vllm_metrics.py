@@ -49,6 +49,8 @@ VLLM_ENGINE_FIGURES = (
     # counted each step, as vLLM's: a prompt's tokens (cached ones too) once its prefill completes, each token generated
     (CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens processed", ("num_prompt_tokens",)),
     (CounterMetricFamily, "vllm:generation_tokens", "Tokens generated", ("num_generated_tokens",)),
+    (CounterMetricFamily, "vllm:prompt_tokens_cached", "Prompt tokens found in the prefix cache, counted with their "
+     "prompt's", ("num_cached_prompt_tokens",)),
     (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
      ("prefix_cache", "queried_tokens")),
     (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
@@ -91,10 +93,30 @@ class VllmEngineCollector:
                 metric = kind(name, documentation, labels=LABELS)
                 metric.add_metric(value, number)
                 yield metric
+        yield from _by_label(value, stats)
         if (steps := stats.get("step_tokens_histogram")) is not None:
             yield _iteration_tokens(value, steps)
         if kv is not None:
             yield _cache_config_info(kv)
+
+
+def _by_label(value: list[str], stats: dict) -> Iterator[Metric]:
+    """vLLM's figures split by a label: the waiting requests by why they wait (every one of Kiln's for capacity: a
+    request is compiled, its format included, before it is queued, so none is deferred), and the prompt tokens by
+    where their KV came from (computed here or found in the prefix cache: none is transferred from elsewhere)."""
+    if (waiting := stats.get("num_waiting")) is not None:
+        metric = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Requests waiting, by why they wait",
+                                   labels=[*LABELS, "reason"])
+        for reason, count in (("capacity", waiting), ("deferred", 0)):
+            metric.add_metric([*value, reason], count)
+        yield metric
+    if (cached := stats.get("num_cached_prompt_tokens")) is not None:
+        metric = CounterMetricFamily("vllm:prompt_tokens_by_source", "Prompt tokens, by where their KV came from",
+                                     labels=[*LABELS, "source"])
+        for source, count in (("local_compute", stats["num_prompt_tokens"] - cached), ("local_cache_hit", cached),
+                              ("external_kv_transfer", 0)):
+            metric.add_metric([*value, source], count)
+        yield metric
 
 
 def _iteration_tokens(value: list[str], steps: dict) -> Metric:
