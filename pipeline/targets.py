@@ -84,8 +84,10 @@ def resolve_target(text: str, cache_root: Path, *, no_engines: str | None = None
                           f"it at an engine directory or a config")
     short_key = not no_engines and re.fullmatch(r"[0-9a-f]+", text) and len(text) < MIN_PREFIX
     key = f"too short for a cache key's prefix (at least {MIN_PREFIX} hex digits)" if short_key else "not a cache key"
+    repo = ("; a Hugging Face repo id goes in a config's model.path (Kiln builds from a config: copy a bundled one, "
+            "such as configs/llama3-8b-fp8.yaml)") if re.fullmatch(r"[\w.-]+/[\w.-]+", text) else ""
     raise TargetError(f"{text}: no such {'config or architecture file' if no_engines else 'engine directory or config'}"
-                      f", and {key}; {_what_to_give(no_engines)}")
+                      f", and {key}; {_what_to_give(no_engines)}{repo}")
 
 
 def _what_to_give(no_engines: str | None) -> str:

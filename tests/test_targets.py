@@ -121,6 +121,8 @@ def test_an_ambiguous_or_unknown_prefix_and_anything_else_are_refused_saying_wha
         resolve_target("no-such-thing.yaml", tmp_path / "cache")
     with pytest.raises(TargetError, match=r"83: .*too short for a cache key's prefix \(at least 4 hex digits\)"):
         resolve_target("83", tmp_path / "cache")
+    with pytest.raises(TargetError, match=r"a Hugging Face repo id goes in a config's model.path"):
+        resolve_target("meta-llama/Llama-3.1-8B-Instruct", tmp_path / "cache")  # as `vllm serve` takes it
     with pytest.raises(TargetError, match=r"no such config or architecture file, and not a cache key; give a config "
                                           r".* or an architecture file"):  # kiln bench's advice: what it takes
         resolve_target("no-such-thing.yaml", tmp_path / "cache", no_engines="kiln bench builds what it measures")
