@@ -587,7 +587,7 @@ def _model_default_params(engine_dir: Path) -> SamplingParams:
         logger.warning("%s; requests given no SamplingParams take SamplingParams()'s defaults", exc)
         return SamplingParams()
     if defaults:
-        logger.info("requests given no SamplingParams take the sampling defaults of the model's "
+        logger.info("LLM.generate and LLM.chat given no SamplingParams take the sampling defaults of the model's "
                     "generation_config.json, as vLLM's LLM.generate does: %s", described(defaults))
     return SamplingParams(**defaults)
 
