@@ -280,6 +280,16 @@ def test_vllms_newer_metrics_split_the_waiting_requests_and_the_prompt_tokens_as
         values[f"vllm:num_requests_waiting{{{labels}}}"]
 
 
+def test_metrics_are_gzipped_where_the_scraper_asks_and_keep_vllms_names_when_it_asks_for_openmetrics(server, http):
+    http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2, "ignore_eos": True})
+    asked = httpx.get(f"{server.url}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0",
+                                                         "Accept-Encoding": "gzip"})  # as Prometheus asks
+    assert asked.headers["content-encoding"] == "gzip" and asked.headers["content-type"].startswith("text/plain")
+    assert "vllm:generation_tokens_total{" in asked.text  # not prometheus_client's OpenMetrics vllm_generation_...
+    plain = httpx.get(f"{server.url}/metrics", headers={"Accept-Encoding": "identity"})
+    assert "content-encoding" not in plain.headers and "vllm:generation_tokens_total{" in plain.text
+
+
 def http_series(server) -> dict[str, float]:
     """The server's ``http_*`` samples, by series as exposed."""
     lines = httpx.get(f"{server.url}/metrics").text.splitlines()
@@ -423,7 +433,7 @@ def test_a_requests_inter_token_latencies_land_in_kilns_and_vllms_buckets_at_onc
     metrics = ServerMetrics(lambda: None, dict, lambda: None, MODEL)
     metrics.observe(_finished([0.004, 0.01, 0.3]))  # a latency on a bound counts in that bound's bucket
     metrics.observe(_finished([0.03, 3.0]))
-    series = dict(line.rsplit(" ", 1) for line in metrics.exposition()[0].decode().splitlines() if line[0] != "#")
+    series = dict(line.rsplit(" ", 1) for line in metrics.exposition("")[0].decode().splitlines() if line[0] != "#")
     kiln = "kiln_inter_token_latency_seconds"
     assert [series[f'{kiln}_bucket{{le="{le}"}}'] for le in ("0.0025", "0.005", "0.01", "0.04", "0.25", "0.5",
                                                               "2.5", "+Inf")] == [
@@ -538,7 +548,7 @@ def test_engine_metrics_leave_out_what_the_engine_does_not_report_rather_than_fa
     from kiln.runtime.server.metrics import ServerMetrics
 
     stats = {"load_ms": 1200.0, "num_running": 2}  # a backend that reports neither its queue nor its KV pool
-    lines = ServerMetrics(lambda: stats, dict, lambda: None, MODEL).exposition()[0].decode().splitlines()
+    lines = ServerMetrics(lambda: stats, dict, lambda: None, MODEL).exposition("")[0].decode().splitlines()
     assert {"kiln_engine_up 1.0", "kiln_engine_load_seconds 1.2", "kiln_running_requests 2.0",
             f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 2.0'} <= set(lines)
     unreported = ("kiln_queue_depth", "kiln_kv_blocks", "kiln_prefix_cache", "kiln_preemptions", "kiln_engine_step",

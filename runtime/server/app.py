@@ -258,10 +258,10 @@ def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metr
         body = {"status": status, **({"message": str(error)} if error else {})}
         return JSONResponse(body, status_code=503)
 
-    async def prometheus_metrics() -> Response:
-        """Prometheus text exposition."""
-        payload, content_type = metrics.exposition()
-        return Response(payload, media_type=content_type)
+    async def prometheus_metrics(request: Request) -> Response:
+        """Prometheus text exposition (gzipped where the scraper accepts that)."""
+        payload, headers = metrics.exposition(request.headers.get("accept-encoding", ""))
+        return Response(payload, headers=headers)
 
     # HEAD too, which load balancers' health checks send (HAProxy's httpchk): a route a method, so that each
     # operation of the OpenAPI schema has an id of its own (client generators refuse repeated ones)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -194,9 +195,14 @@ class ServerMetrics:
         self.generation_tokens.inc(len(output.token_ids))
         self.vllm.observe(output, inter_token)
 
-    def exposition(self) -> tuple[bytes, str]:
-        """The text exposition format and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def exposition(self, accept_encoding: str) -> tuple[bytes, dict[str, str]]:
+        """The Prometheus text exposition, gzipped where the scraper accepts that (as prometheus_client's ASGI app
+        does), and its headers. Never OpenMetrics, which Prometheus asks for first: prometheus_client writes its
+        samples' names with vLLM's colons turned to underscores there, so no dashboard would find them."""
+        payload, headers = generate_latest(self.registry), {"Content-Type": CONTENT_TYPE_LATEST}
+        if "gzip" in accept_encoding:
+            payload, headers["Content-Encoding"] = gzip.compress(payload), "gzip"
+        return payload, headers
 
 
 def endpoint_label(path: str) -> str:
