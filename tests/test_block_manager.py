@@ -163,6 +163,8 @@ def test_a_request_for_prompt_log_probabilities_computes_its_whole_prompt():
     assert bm.get_computed_blocks(wants) == []  # every prompt position must run through the model
     wants.prompt_logprobs.extend([None] * 8)  # all of them computed: a preempted request may reuse its blocks
     assert len(bm.get_computed_blocks(wants)) == 2
+    one = Sequence("one", [7], SamplingParams(max_tokens=4, prompt_logprobs=1))  # its prompt's one position
+    assert admit(bm, one) and bm.prefix_cache_queried_tokens == 9  # the first prompt's lookup only, as vLLM counts
 
 
 def test_sharing_blocks_in_use_needs_free_blocks_for_the_fresh_ones_only():

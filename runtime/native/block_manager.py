@@ -101,7 +101,7 @@ class BlockManager:
         # finding its own blocks again is no hit on the cache, and one whose prompt log probabilities bypass the
         # cache looked nothing up; nor did any with prefix caching off
         first = self.prefix_caching and seq.num_preemptions == 0 and seq.num_completion_tokens == 0
-        if first and (seq.prompt_logprobs is None or len(seq.prompt_logprobs) == seq.num_prompt_tokens):
+        if first and seq.prompt_logprobs is None:
             seq.num_cached_tokens = num_cached_tokens
             self.prefix_cache_queried_tokens += seq.num_tokens
             self.prefix_cache_hit_tokens += num_cached_tokens
