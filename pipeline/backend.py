@@ -47,17 +47,18 @@ def choose_backend(requested: str, device: str) -> BackendChoice:
                                   f"peers Kiln measures against, not backends it builds for)")
     has_cuda = torch.cuda.is_available()
     resolved_device = ("cuda" if has_cuda else "cpu") if device == "auto" else device
-    if requested == "trtllm" and not (trtllm_available() and has_cuda):
-        missing = "TensorRT-LLM 1.2.x is not installed" if not trtllm_available() else "no CUDA GPU is present"
-        return BackendChoice(requested, resolved_device, f"backend trtllm requested, but {missing}: a build here is "
-                             f"refused, and this plan's key (device {resolved_device}) is not a GPU machine's")
-    if requested != "auto":
-        return BackendChoice(requested, resolved_device, f"backend {requested} requested")
+    if requested == "native":
+        return BackendChoice("native", resolved_device, "backend native requested")
     has_trtllm = trtllm_available()
-    if has_trtllm and has_cuda:
+    missing = ("TensorRT-LLM 1.2.x is not installed" if not has_trtllm else None if has_cuda
+               else "no CUDA GPU is present")  # what keeps TensorRT-LLM from building here
+    if requested == "trtllm":
+        cannot = (f", but {missing}: a build here is refused, and this plan's key (device {resolved_device}) is not "
+                  "a GPU machine's") if missing else ""
+        return BackendChoice("trtllm", resolved_device, f"backend trtllm requested{cannot}")
+    if missing is None:
         return BackendChoice("trtllm", "cuda", "auto: tensorrt_llm is installed and a GPU is present")
-    why = "TensorRT-LLM 1.2.x is not installed" if not has_trtllm else "no CUDA GPU is present"
-    return BackendChoice("native", resolved_device, f"auto: {why}, so Kiln's native engine")
+    return BackendChoice("native", resolved_device, f"auto: {missing}, so Kiln's native engine")
 
 
 def require_device(choice: BackendChoice) -> None:

@@ -223,8 +223,6 @@ def _no_default(names: Iterable[str] = ()) -> str:
 
 # what transformers' continue_final_message appends to the final message's text, to cut the rendered text there
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-_UNCONTINUABLE = ("the chat template does not render the final message verbatim, so it cannot be continued: send "
-                  "add_generation_prompt false without continue_final_message")
 
 
 def _tagged(message: dict[str, Any]) -> dict[str, Any]:
@@ -245,7 +243,9 @@ def _cut_at_tag(text: str) -> str:
     ``continue_final_message`` cuts it (less the trailing spaces where the template stripped the message)."""
     at = text.rfind(CONTINUE_TAG.strip())
     if at < 0:
-        raise UncontinuableMessageError(_UNCONTINUABLE)
+        raise UncontinuableMessageError("the chat template does not render the final message verbatim, so it cannot "
+                                        "be continued: send add_generation_prompt false without "
+                                        "continue_final_message")
     return text[:at] if text.startswith(CONTINUE_TAG, at) else text[:at].rstrip()
 
 
