@@ -384,8 +384,10 @@ class LLM:
     def _check_open(self) -> None:
         self._check_not_forked()
         error = self._stop_reason()
-        if self._closed or error is not None:
-            raise EngineClosedError(f"the LLM is closed{f' (engine error: {error})' if error else ''}: load it again")
+        if error is not None:
+            raise EngineClosedError(f"the engine stopped ({error}): close this LLM and load the engine again")
+        if self._closed:
+            raise EngineClosedError("the LLM is closed: load it again")
 
     def _enqueue(self, seqs: list[Sequence], sinks: list[Sink]) -> list[Future]:
         """Queue requests as one command: the engine takes them all before its next step (a request's choices, or

@@ -286,6 +286,9 @@ def test_an_engine_process_that_dies_while_idle_is_an_engine_error_at_once():
         os.kill(llm.engine.pid, signal.SIGKILL)
         wait_until(lambda: llm.engine_error is not None)
         assert re.search(r"EngineProcessError: the engine process \(pid \d+\) was killed by signal 9", llm.engine_error)
+        with pytest.raises(EngineClosedError, match=r"^the engine stopped \(.*killed by signal 9.*close this LLM"):
+            llm.generate([1, 2], SamplingParams(max_tokens=2))
+        assert not llm.closed  # the caller has not closed it: the refusal does not say it has
 
 
 class _StuckClosing(_IdleEngine):
