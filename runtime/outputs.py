@@ -110,7 +110,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A finished request: completion text and token ids (a stop token is in `token_ids`, never in `text`), with each
+    """A finished request: completion text and token ids (a stop token is in `token_ids`, and in `text` only with
+    ``include_stop_str_in_output``), with each
     completion token's log probabilities when the request asked for ``logprobs`` and each prompt token's (None for
     the first, which has no context) for ``prompt_logprobs``. ``prompt`` is the prompt's text where the caller gave
     text (for ``LLM.chat``, the rendered conversation), None for token ids. ``outputs`` holds the completions as
@@ -200,10 +201,12 @@ def finish_reason(seq: Sequence, token_id: int, detokenizer: IncrementalDetokeni
     None while it goes on. A stop token or string is kept as ``seq.stop_reason`` (vLLM's ``stop_reason``). Both
     engines apply this one rule."""
     params = seq.params
-    if not params.ignore_eos and token_id in eos_token_ids:
-        return "stop"
-    if token_id in params.stop_token_ids:
-        seq.stop_reason = token_id
+    eos = not params.ignore_eos and token_id in eos_token_ids
+    if eos or token_id in params.stop_token_ids:
+        if not eos:
+            seq.stop_reason = token_id
+        if detokenizer is not None:
+            detokenizer.end_with_stop_token(token_id)
         return "stop"
     if detokenizer is not None and (stop := detokenizer.add_token(token_id)) is not None:
         seq.stop_reason = stop

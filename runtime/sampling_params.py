@@ -36,13 +36,11 @@ OTHER_NAMES = {"max_new_tokens": "set max_tokens", "min_new_tokens": "set min_to
                           "cumulative_logprob",
                "spaces_between_special_tokens": "Kiln decodes special tokens as the tokenizer does (vLLM's default)",
                "regex": "set structured_output=StructuredOutput(regex=...)",
-               "json_schema": "set structured_output=StructuredOutput(json=...)",
-               "include_stop_str_in_output": "the text leaves the stop string out; output.stop_reason holds the one "
-                                             "that matched, to append"}
+               "json_schema": "set structured_output=StructuredOutput(json=...)"}
 # vLLM's settings that Kiln lacks, at the values that change nothing (their defaults): taken and dropped, so that
 # code spelling out vLLM's defaults runs; any other value is refused (OTHER_NAMES)
 VLLM_NO_OP_VALUES: dict[str, tuple] = {
-    "include_stop_str_in_output": (False,), "spaces_between_special_tokens": (True,), "best_of": (None,),
+    "spaces_between_special_tokens": (True,), "best_of": (None,),
     "use_beam_search": (False,), "bad_words": (None, []), "guided_decoding": (None,), "structured_outputs": (None,),
     "logits_processors": (None, []), "truncate_prompt_tokens": (None,), "extra_args": (None, {}),
     "flat_logprobs": (False,)}
@@ -62,7 +60,9 @@ class SamplingParams:
     its batch.
     Generation stops at `max_tokens` (finish_reason "length"; None: at the end of the context), at a token in
     `stop_token_ids` or the engine's EOS unless `ignore_eos`, or at a string in `stop`, which is cut from the text
-    (finish_reason "stop").
+    (finish_reason "stop"). `include_stop_str_in_output=True` keeps the text of what stopped it at the end of the
+    text, as vLLM does: the stop string (and nothing after it), or the stop token's text (none for a special token
+    unless ``skip_special_tokens=False``).
     `detokenize=False` returns token ids only (the text stays empty, as TensorRT-LLM's executor and transformers'
     `generate` return them), which saves decoding every token; stop strings need the text. `skip_special_tokens=False`
     keeps the special tokens the model generates in the text (as vLLM: not the EOS or stop token that ends it).
@@ -93,6 +93,7 @@ class SamplingParams:
     ignore_eos: bool = False
     detokenize: bool = True
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -178,7 +179,7 @@ class SamplingParams:
             raise ValueError("SamplingParams.stop needs detokenize=True: stop strings are found in the text")
         if not _are_token_ids(self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
-        for name in ("ignore_eos", "detokenize", "skip_special_tokens"):
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
 

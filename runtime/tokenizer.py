@@ -173,13 +173,14 @@ class IncrementalDetokenizer:
     not finish it), as vLLM's does. While stop strings are set, the last `len(longest stop) - 1` characters are held
     back from streaming until they cannot start one. Stop strings are looked for once there are more than
     ``min_tokens`` completion tokens (as vLLM looks for them), ending in the text those later tokens add. Special
-    tokens add no text unless ``skip_special_tokens`` is False. Where a byte-fallback tokenizer's bytes turn
-    invalid after whole characters, those characters stay and the bytes after them read as ``decode`` reads them
-    alone (``decode`` of the whole run writes U+FFFD for every byte of it).
+    tokens add no text unless ``skip_special_tokens`` is False. With ``include_stop``, what stopped the completion
+    stays at the end of the text: the stop string (the text after it is cut) or the stop token's text. Where a
+    byte-fallback tokenizer's bytes turn invalid after whole characters, those characters stay and the bytes after
+    them read as ``decode`` reads them alone (``decode`` of the whole run writes U+FFFD for every byte of it).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 min_tokens: int = 0, skip_special_tokens: bool = True) -> None:
+                 min_tokens: int = 0, skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._tokens = self._context(list(prompt_token_ids))
@@ -188,6 +189,7 @@ class IncrementalDetokenizer:
         # first of them (the prompt's, not the completion's)
         self._read_offset, self._prompt_chars, _ = self._unfinished_character(self._tokens)
         self._stop = stop
+        self._include_stop = include_stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._stop_from_token = min_tokens  # completion tokens up to which no stop string ends the text
         self._num_tokens = 0
@@ -210,8 +212,15 @@ class IncrementalDetokenizer:
         if not matches:
             return None
         index, stop = min(matches)
-        self.text = self.text[:index]
+        self.text = self.text[:index + len(stop) if self._include_stop else index]
         return stop
+
+    def end_with_stop_token(self, token_id: int) -> None:
+        """The stop token (EOS or a ``stop_token_ids`` one) that ended the completion: its text joins the text, at the
+        final ``take_delta``, where the request keeps what stopped it (``include_stop``)."""
+        if self._include_stop:
+            self._tokens.append(token_id)
+            self._num_tokens += 1
 
     def take_delta(self, finished: bool) -> str:
         """Text not streamed yet; before the end, minus the tail that could still begin a stop string. At the end,
@@ -303,7 +312,7 @@ def request_detokenizer(tokenizer: Tokenizer | None, prompt_token_ids: list[int]
     if tokenizer is None or not params.detokenize:
         return None
     return IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop, params.min_tokens,
-                                  params.skip_special_tokens)
+                                  params.skip_special_tokens, params.include_stop_str_in_output)
 
 
 def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int, has_stop_strings: bool,

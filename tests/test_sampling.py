@@ -110,8 +110,7 @@ def test_vllms_settings_at_values_that_change_nothing_are_taken_and_others_refus
 
     with pytest.raises(TypeError, match="no setting 'best_of'"):
         Tagged(best_of=1)
-    for name, value in (("include_stop_str_in_output", True), ("best_of", 2), ("bad_words", ["no"]),
-                        ("use_beam_search", 1)):  # 1 is no False
+    for name, value in (("best_of", 2), ("bad_words", ["no"]), ("use_beam_search", 1)):  # 1 is no False
         with pytest.raises(TypeError, match=f"no setting '{name}'"):
             SamplingParams(**{name: value})
 
@@ -308,6 +307,9 @@ def test_stop_token_id_ends_the_request_and_keeps_the_token_out_of_the_text(llm)
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)  # vLLM's stop_reason: the id
     assert out.token_ids == reference[:reference.index(stop_id) + 1]
     assert out.text == "".join(f" t{t}" for t in out.token_ids[:-1])
+    kept = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id],
+                                                 include_stop_str_in_output=True))[0]
+    assert (kept.token_ids, kept.text) == (out.token_ids, out.text + f" t{stop_id}")  # as vLLM keeps it
 
 
 def test_stop_string_across_tokens_cuts_the_text_before_it(llm):
@@ -318,6 +320,9 @@ def test_stop_string_across_tokens_cuts_the_text_before_it(llm):
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
     assert out.text == full_text[:full_text.index(stop)]
     assert out.token_ids == reference[:len(out.token_ids)] and len(out.token_ids) <= 5
+    kept = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, stop=stop[:-1],  # ends in a token
+                                                 include_stop_str_in_output=True))[0]
+    assert kept.text == full_text[:full_text.index(stop) + len(stop) - 1] and kept.stop_reason == stop[:-1]
 
 
 def test_max_tokens_ends_the_request_with_reason_length(llm):

@@ -232,6 +232,10 @@ def test_json_object_and_vllm_structured_outputs_streamed(client):
     out = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, seed=2,
                                     extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}", **options}})
     assert re.fullmatch("[A-Z]{2}-[0-9]{3}", out.choices[0].text)
+    kept = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, seed=2, extra_body={
+        "structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == out.choices[0].text  # a complete format stops on no stop string or token: no
+    # text added (before: the last token's text again)
     with pytest.raises(openai.BadRequestError, match="disable_any_whitespace"):  # what it never does
         client.completions.create(model=MODEL, prompt="Code:", max_tokens=2, extra_body={
             "structured_outputs": {"regex": "[A-Z]", "disable_any_whitespace": False}})

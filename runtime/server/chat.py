@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -37,7 +37,7 @@ from kiln.runtime.server.protocol import (
 )
 from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning, thinking_at_start
 from kiln.runtime.server.request_id import response_id
-from kiln.runtime.server.responding import StreamEvents, included_stop, respond, stop_reason, stream_chunk
+from kiln.runtime.server.responding import StreamEvents, respond, stop_reason, stream_chunk
 from kiln.runtime.server.tool_calls import ToolCall, ToolCallFormat
 from kiln.runtime.structured_output import StructuredOutput
 
@@ -289,7 +289,6 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
 
     def render(index: int, delta: StreamDelta) -> list[dict]:
         message, reason = {}, delta.finish_reason if delta.finished else None
-        delta = replace(delta, text=delta.text + included_stop(req, delta.output, model.tokenizer))
         reasoning, content, calls = streamed[index].advance(delta)
         if calls:
             message["tool_calls"] = _call_parts(calls)
@@ -316,7 +315,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                         "stop_reason": stop_reason(delta)}])]
 
     def choice(index: int, out: RequestOutput) -> ChatChoice:
-        reasoning, answer, _ = plan.split(out.text + included_stop(req, out, model.tokenizer))
+        reasoning, answer, _ = plan.split(out.text)
         content, calls = tools.parse(answer)
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         message = AssistantMessage(content=None if reasoning and not content else content,

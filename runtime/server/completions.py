@@ -32,7 +32,6 @@ from kiln.runtime.server.protocol import (
 from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responding import (
     StreamEvents,
-    included_stop,
     respond,
     stop_reason,
     stream_chunk,
@@ -132,8 +131,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         if req.echo and index not in echoed:
             echoed.add(index)
             echo = echoes[index // req.n]
-        stop = "" if scoring else included_stop(req, delta.output, model.tokenizer)
-        text, entries = ("", None) if scoring else (delta.text + stop, delta.logprobs)
+        text, entries = ("", None) if scoring else (delta.text, delta.logprobs)
         if not (echo or text or delta.finished or entries or delta.token_ids and not scoring):  # a chunk a step
             return []
         logprobs = legacy(index, delta.prompt_logprobs if req.echo else None, entries)
@@ -146,8 +144,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         for i, out in enumerate(outputs):
             prompt_entries = out.prompt_logprobs if req.prompt_logprobs is not None else None
             choices.append(CompletionChoice(
-                index=i, text=echoes[i // req.n] + ("" if scoring else out.text + included_stop(req, out,
-                                                                                             model.tokenizer)),
+                index=i, text=echoes[i // req.n] + ("" if scoring else out.text),
                 finish_reason="length" if scoring else out.finish_reason, stop_reason=out.stop_reason,
                 logprobs=legacy(i, out.prompt_logprobs if req.echo else None, None if scoring else out.logprobs),
                 prompt_logprobs=None if prompt_entries is None else vllm_prompt_logprobs(

@@ -273,4 +273,5 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprob
                           repetition_penalty=given("repetition_penalty", 1.0), logit_bias=req.logit_bias or {},
                           min_tokens=req.min_tokens or 0, stop_token_ids=req.stop_token_ids or [],
                           allowed_token_ids=req.allowed_token_ids, skip_special_tokens=req.skip_special_tokens,
+                          include_stop_str_in_output=req.include_stop_str_in_output,
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_output=structured_output)

@@ -24,10 +24,8 @@ from kiln.runtime.server.generation import RETRY_AFTER_S, Job, ServedModel, engi
 from kiln.runtime.server.metrics import CLIENT_CLOSED_REQUEST, CLIENT_GONE, ServerMetrics
 from kiln.runtime.server.protocol import SamplingFields, Usage
 from kiln.runtime.structured_output import StructuredOutputError
-from kiln.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger("kiln.server")
-STOP_TOKEN_CONTEXT = 5  # tokens decoded before a stop token to find the text it adds (vLLM's detokenizer's offset)
 
 IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
 HEADER_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,100}")  # a field's name, or a template variable's
@@ -267,20 +265,3 @@ def stream_chunk(request_id: str, object_name: str, created: int, model_name: st
 def stop_reason(delta: StreamDelta) -> int | str | None:
     """A stream's ``stop_reason`` (vLLM's): on the last delta, the stop string or token id that ended it."""
     return delta.output.stop_reason if delta.output is not None else None
-
-
-def included_stop(req: SamplingFields, output: RequestOutput | None, tokenizer: Tokenizer | None) -> str:
-    """What ended ``output``, to put back at the end of its text where the request asks (vLLM's
-    ``include_stop_str_in_output``): the stop string, or the text the stop token (a ``stop_token_ids`` one, or EOS)
-    adds to the completion's (none for a special token unless the request keeps them, ``skip_special_tokens``
-    false; none where it completes a character the text before it left unfinished)."""
-    if not req.include_stop_str_in_output or output is None or output.finish_reason != "stop":
-        return ""
-    if isinstance(output.stop_reason, str):
-        return output.stop_reason
-    if tokenizer is None:  # a stop token id, or EOS (stop_reason None)
-        return ""
-    window = output.token_ids[-STOP_TOKEN_CONTEXT - 1:]  # the token with a few before it, not the whole completion
-    before = tokenizer.decode(window[:-1], skip_special_tokens=req.skip_special_tokens)
-    whole = tokenizer.decode(window, skip_special_tokens=req.skip_special_tokens)
-    return whole[len(before):] if whole.startswith(before) else ""
