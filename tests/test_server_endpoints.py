@@ -573,3 +573,16 @@ def test_an_app_over_an_llm_mounted_in_the_embedders_own_app_serves_at_once(llm)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
         metrics = http.get("/metrics").text
         assert 'kiln_requests_total{endpoint="/v1/completions",status="401"} 1.0' in metrics  # the route, not "other"
+
+
+def test_a_server_thread_serves_and_drains_an_app_that_mounts_kiln(llm):
+    from fastapi import FastAPI
+
+    mine, kiln = FastAPI(), create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL))
+    mine.mount("/kiln", kiln)
+    with ServerThread(mine) as server:  # before: AttributeError, the outer app holds no Kiln state
+        assert httpx.get(f"{server.url}/kiln/health").status_code == 200
+        server.stop_accepting()
+        assert server.wait(10) and kiln.state.server.draining  # the mounted app drained, and the server stopped
+    with pytest.raises(TypeError, match="no app create_app made is served or mounted"):
+        ServerThread(FastAPI())

@@ -14,9 +14,11 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.routing import Host, Mount
 
 from kiln.runtime import logs
 from kiln.runtime.errors import EngineClosedError, KilnError
+from kiln.runtime.server.app import ServerState
 from kiln.runtime.server.http_protocol import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, http_protocol_options
 from kiln.runtime.server.request_id import RequestIdFilter
 from kiln.runtime.server_defaults import DEFAULT_KEEP_ALIVE_S
@@ -74,6 +76,22 @@ def uvicorn_log_config() -> dict:
             "loggers": {"uvicorn": {"handlers": ["kiln"], "propagate": False}}}
 
 
+def served_state(app: FastAPI) -> ServerState:
+    """The state of the Kiln app that ``app`` is, or mounts (``your_app.mount("/kiln", create_app(...))``, at any
+    depth): what draining and the engine's health are read from. TypeError for an app with none or several."""
+    found, apps = [], [app]
+    while apps:
+        current = apps.pop()
+        if isinstance(state := getattr(getattr(current, "state", None), "server", None), ServerState):
+            found.append(state)
+        apps.extend(route.app for route in getattr(current, "routes", ()) if isinstance(route, Mount | Host))
+    if len(found) != 1:
+        raise TypeError(f"{'no app create_app made is' if not found else f'{len(found)} apps create_app made are'} "
+                        f"served or mounted in {type(app).__name__} {app!r}: serve one (mounted in yours, or on its "
+                        f"own); a server drains and watches one engine")
+    return found[0]
+
+
 class ServerThread:
     """uvicorn serving `app` on `host:port` (port 0: any free one) in a daemon thread, until `stop()`, logging from
     ``log_level`` up in Kiln's format; with ``access_log`` a line per request. A request's line and headers are
@@ -85,6 +103,7 @@ class ServerThread:
                  access_log: bool = False, head_timeout_s: float = HEAD_TIMEOUT_S,
                  body_timeout_s: float = BODY_TIMEOUT_S, keep_alive_s: float = DEFAULT_KEEP_ALIVE_S) -> None:
         self.app = app
+        self.state = served_state(app)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=uvicorn_log_config(),
                                 lifespan="on", timeout_graceful_shutdown=shutdown_timeout_s, access_log=access_log,
                                 timeout_keep_alive=keep_alive_s,
@@ -95,7 +114,7 @@ class ServerThread:
         self._sockets: list[socket.socket] = []
         self._thread = threading.Thread(target=lambda: self.server.run(sockets=self._sockets), name="kiln-http",
                                         daemon=True)
-        app.state.server.on_fatal = self.stop_accepting
+        self.state.on_fatal = self.stop_accepting
 
     @property
     def port(self) -> int:
@@ -123,7 +142,7 @@ class ServerThread:
         timeout), /health answering 503 "draining" and new requests 503, so load balancers see the server leave;
         then the server closes. A second call closes at once (in-flight requests keep what is left of the
         timeout)."""
-        state = self.app.state.server
+        state = self.state
         if state.draining:
             self._close()
             return
@@ -135,7 +154,7 @@ class ServerThread:
         threading.Thread(target=self._exit_when_idle, name="kiln-drain", daemon=True).start()
 
     def _exit_when_idle(self) -> None:
-        state = self.app.state.server
+        state = self.state
         while time.monotonic() < self._deadline and state.busy():
             time.sleep(DRAIN_POLL_S)
         if state.busy() and state.model is not None:
@@ -194,7 +213,7 @@ def run_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float 
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if in_main_thread else {}
-    state = app.state.server
+    state = thread.state
     engine_error = None
     try:
         thread.start()
