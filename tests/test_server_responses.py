@@ -128,12 +128,16 @@ def test_a_length_check_names_max_output_tokens_as_the_client_sent_it(client):
     assert refused.value.param == "min_tokens" and "max_output_tokens=3" in refused.value.message
 
 
-def test_a_failure_mid_stream_is_an_error_event_and_the_stream_ends_without_done(client):
+def test_a_failure_mid_stream_is_an_error_event_then_the_response_failed(client):
     events = list(client.responses.create(model=MODEL, input=QUESTION, stream=True, text={
         "format": {"type": "json_schema", "name": "none", "schema": {"$ref": "#"}}}))
-    assert [event.type for event in events] == ["response.created", "response.in_progress", "error"]
-    assert "structured output format cannot go on" in events[-1].message and events[-1].param == "text.format"
-    assert events[-1].sequence_number == 2
+    assert [event.type for event in events] == ["response.created", "response.in_progress", "error",
+                                                "response.failed"]  # before: no response.failed, OpenAI's last
+    error, failed = events[2:]
+    assert "structured output format cannot go on" in error.message and error.param == "text.format"
+    assert [error.sequence_number, failed.sequence_number] == [2, 3]
+    assert failed.response.status == "failed" and failed.response.error.code == "invalid_prompt"
+    assert failed.response.id == events[0].response.id
 
 
 def assert_same_logprobs(entries: list, expected: list) -> None:
@@ -165,6 +169,12 @@ def test_output_logprobs_are_included_as_the_chat_endpoint_reports_them_whole_an
     assert_same_logprobs(done.logprobs, expected)
     plain = client.responses.create(**{**kwargs, "include": None})
     assert plain.output[0].content[0].logprobs == []
+    stopped = {**kwargs, "extra_body": {"stop": [whole.output_text[:2]]}}  # the stop string's tokens add no text
+    events = list(client.responses.create(stream=True, **stopped))
+    streamed = [entry for event in events if event.type == "response.output_text.delta" for entry in event.logprobs]
+    done = next(event for event in events if event.type == "response.output_text.done")
+    assert streamed and [entry.token for entry in streamed] == [entry.token for entry in done.logprobs]  # before:
+    # the deltas left them out
 
 
 def test_an_include_this_server_cannot_fill_is_a_400_naming_it(client):

@@ -141,15 +141,15 @@ def _event(data: dict) -> str:
     return f"{name}data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def _error_chunk(failed: APIError) -> dict:
-    return error_body(failed.status_code, failed.message, kind=failed.kind)
+def _error_chunk(failed: APIError) -> list[dict]:
+    return [error_body(failed.status_code, failed.message, failed.param, failed.code, failed.kind)]
 
 
 @dataclass
 class StreamEvents:
     """What a streamed response sends: the ``prelude`` chunks first, ``render``'s chunks for each delta (a choice's
     ``opening`` chunks before those of its first delta, in the same write), the ``usage`` chunk last (when
-    ``with_usage``: the request asked for it), the ``error`` chunk instead for a failure mid-stream, and then
+    ``with_usage``: the request asked for it), the ``error`` chunks instead for a failure mid-stream, and then
     ``done`` (chat and completions end with OpenAI's ``data: [DONE]``)."""
 
     render: Callable[[int, StreamDelta], list[dict]]
@@ -159,7 +159,7 @@ class StreamEvents:
     with_usage: bool = False
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: each chunk of a choice with its usage so far
     generates: bool = True  # False: a scored prompt's (echo, max_tokens 0), whose one token is no completion token
-    error: Callable[[APIError], dict] = _error_chunk
+    error: Callable[[APIError], list[dict]] = _error_chunk
     done: str = "data: [DONE]\n\n"
 
 
@@ -201,9 +201,12 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
                     events += [_event(chunk) for chunk in opening + chunks]
                 if events:
                     yield "".join(events)
-    except Exception as exc:  # the engine stopped (closed, or a bug in it): tell the client in the stream
-        logger.error("stream failed: %s: %s", type(exc).__name__, exc)
-        yield _event(stream.error(_generation_failed(exc, format_param)))
+    except Exception as exc:  # the engine stopped (closed, or a bug in it), or the request could not go on (its
+        # format): tell the client in the stream
+        failed = _generation_failed(exc, format_param)
+        logger.log(logging.ERROR if failed.status_code >= 500 else logging.INFO, "stream failed: %s: %s",
+                   type(exc).__name__, exc)
+        yield "".join(map(_event, stream.error(failed)))
     else:
         if stream.with_usage:
             yield _event(stream.usage(usage_of(prompts, outputs)))

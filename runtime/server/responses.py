@@ -36,6 +36,7 @@ from kiln.runtime.server.responses_protocol import (
     OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
+    ResponseError,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -166,14 +167,15 @@ class _ResponseBuilder:
         self.req, self.model_name, self.tokenizer = req, model.name, model.tokenizer
         self.id, self.created = response_id, int(time.time())
 
-    def __call__(self, status: str, output: list, usage: Usage | None = None, reasoning: str = "") -> ResponseObject:
+    def __call__(self, status: str, output: list, usage: Usage | None = None, reasoning: str = "",
+                 error: ResponseError | None = None) -> ResponseObject:
         """The response object; with ``usage`` (once the answer is whole) its reasoning tokens those of the thought's
-        text ``reasoning``, tokenized again."""
+        text ``reasoning``, tokenized again; ``error`` says why a failed one failed."""
         req = self.req
         text_format = req.text.format if req.text is not None else None
         return ResponseObject(
             id=self.id, created_at=self.created, completed_at=int(time.time()) if usage is not None else None,
-            status=status, incomplete_details=IncompleteDetails(reason="max_output_tokens")
+            status=status, error=error, incomplete_details=IncompleteDetails(reason="max_output_tokens")
             if status == "incomplete" else None, model=self.model_name, output=output, instructions=req.instructions,
             max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
             tools=[tool.model_dump(exclude_none=True) for tool in req.tools or []], tool_choice=_tool_choice(req),
@@ -231,15 +233,21 @@ class _StreamedResponse:
         events += self._open() if content or (delta.finished and not calls and not self.reasoning) else []
         if content:
             self.text += content
-            events.append(self.event("response.output_text.delta", item_id=self.message_id,
-                                     output_index=self.message_index, content_index=0, delta=content,
-                                     logprobs=self.logprobs[self.unsent:]))
-            self.unsent = len(self.logprobs)
+            events.append(self._text_delta(content))
         if delta.finished:
             if calls:  # the calls' tokens wrote none of the text
                 del self.logprobs[self.unsent:]
+            elif self.opened and self.unsent < len(self.logprobs):  # tokens that added no text (EOS, a stop string's)
+                events.append(self._text_delta(""))
             events += self._close(calls)
         return events
+
+    def _text_delta(self, text: str) -> dict:
+        """An ``output_text.delta`` event: ``text`` and the log probabilities not sent yet."""
+        event = self.event("response.output_text.delta", item_id=self.message_id, output_index=self.message_index,
+                           content_index=0, delta=text, logprobs=self.logprobs[self.unsent:])
+        self.unsent = len(self.logprobs)
+        return event
 
     def _reading(self) -> str:
         """Where the reasoning splitter stands (``ReasoningSplitter.mode``); "answer" without one."""
@@ -282,8 +290,14 @@ class _StreamedResponse:
             self.message_index = 1
         return events
 
-    def error(self, failed: APIError) -> dict:
-        return self.event("error", code=failed.code, message=failed.message, param=failed.param)
+    def error(self, failed: APIError) -> list[dict]:
+        """A failure mid-stream: an ``error`` event naming the field at fault, then the response failed (OpenAI's
+        last event of a response that cannot finish), with the items finished so far."""
+        reason = ResponseError(code="server_error" if failed.status_code >= 500 else "invalid_prompt",
+                               message=failed.message)
+        response = self.response("failed", self.output, error=reason).model_dump(mode="json")
+        return [self.event("error", code=failed.code, message=failed.message, param=failed.param),
+                self.event("response.failed", response=response)]
 
     def final(self, usage: Usage) -> dict:
         kind = "response.incomplete" if self.status == "incomplete" else "response.completed"

@@ -304,6 +304,13 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(BaseModel):
+    """Why a response failed (``status`` "failed"), as OpenAI's API says it."""
+
+    code: Literal["server_error", "invalid_prompt"]
+    message: str
+
+
 class ResponseObject(BaseModel):
     """The response object, as OpenAI's API returns it (the request's settings echoed)."""
 
@@ -311,8 +318,8 @@ class ResponseObject(BaseModel):
     object: Literal["response"] = "response"
     created_at: int
     completed_at: int | None = None
-    status: Literal["in_progress", "completed", "incomplete"]
-    error: None = None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     model: str
     output: list[OutputReasoning | OutputMessage | OutputFunctionCall]
