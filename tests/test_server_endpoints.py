@@ -586,3 +586,15 @@ def test_a_server_thread_serves_and_drains_an_app_that_mounts_kiln(llm):
         assert server.wait(10) and kiln.state.server.draining  # the mounted app drained, and the server stopped
     with pytest.raises(TypeError, match="no app create_app made is served or mounted"):
         ServerThread(FastAPI())
+
+
+def test_while_draining_every_response_closes_its_connection(llm):
+    from fastapi.testclient import TestClient
+
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL))
+    with TestClient(app) as http:
+        assert "close" not in http.get("/health").headers.get("connection", "")
+        app.state.server.draining = True  # as stop_accepting sets it
+        for answer in (http.get("/health"), http.post("/v1/completions", json={"model": MODEL, "prompt": "a"})):
+            # a pooled client's next request opens a connection afresh, which can reach another replica
+            assert answer.status_code == 503 and answer.headers["connection"] == "close"

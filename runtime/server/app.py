@@ -24,6 +24,7 @@ from kiln.runtime.llm import LLM
 from kiln.runtime.server.body_limit import BodyLimitMiddleware
 from kiln.runtime.server.chat import create_chat_completion
 from kiln.runtime.server.completions import create_completion
+from kiln.runtime.server.draining import CloseWhileDrainingMiddleware
 from kiln.runtime.server.errors import APIError, error_response, install_error_handlers
 from kiln.runtime.server.generation import RETRY_AFTER_S, ServedModel
 from kiln.runtime.server.jobs import check_model
@@ -138,7 +139,7 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerS
                             lambda: state.model.llm.engine_pid if state.model else None, settings.model_name)
     install_error_handlers(app)
     app.router.route_class = JSONBodyRoute  # bodies parsed within bounds on their shape, large ones off the loop
-    _add_middleware(app, settings, metrics)
+    _add_middleware(app, state, settings, metrics)
     _add_routes(app, state, settings, metrics)
     return app
 
@@ -212,13 +213,15 @@ def _in_daemon_thread(load: Callable[[], LLM]) -> asyncio.Future:
     return future
 
 
-def _add_middleware(app: FastAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
-    """Body limit, API key, request counts, request ids and CORS, innermost first."""
+def _add_middleware(app: FastAPI, state: ServerState, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    """Body limit, API key, request counts, request ids, closing connections while draining and CORS, innermost
+    first."""
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
     app.add_middleware(RequestCountMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(CloseWhileDrainingMiddleware, draining=lambda: state.draining)
     if settings.allowed_origins:  # outermost: a preflight needs no key, and a 401 still carries the CORS headers
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=settings.allow_credentials,
