@@ -93,14 +93,21 @@ def torchrun_rendezvous(environ: Mapping[str, str]) -> Rendezvous | None:
     return Rendezvous.from_environment(environ)
 
 
-def log_to_stderr(level: LogLevel = "info") -> None:
+def log_to_stderr(level: LogLevel = "info", config: Path | None = None) -> None:
     """Kiln's own log lines (the engine loaded, a request that failed, the engine stopping) from ``level`` up on
     stderr, in the format uvicorn's get (time, level, logger, request id); the engine process logs from the same
-    level in the same format."""
+    level in the same format. With a logging configuration file ``config``, every process logs as it says instead
+    (a bad one stops the command in one line, exit 2)."""
     from kiln.runtime import logs
     from kiln.runtime.server.serve import stderr_log_handler
 
-    logs.log_to_stderr("DEBUG" if level == "trace" else level.upper(), stderr_log_handler())
+    if config is None:
+        logs.log_to_stderr("DEBUG" if level == "trace" else level.upper(), stderr_log_handler())
+        return
+    try:
+        logs.apply_log_config(config)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--log-config'") from None
 
 
 def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, local_rank: int) -> None:
@@ -285,6 +292,11 @@ def serve(
         "--log-level", "--uvicorn-log-level", envvar=["KILN_LOG_LEVEL", "VLLM_LOGGING_LEVEL"], case_sensitive=False,
         help="The least level of the log lines, Kiln's and uvicorn's (--uvicorn-log-level: vLLM's name; "
              "$VLLM_LOGGING_LEVEL, vLLM's, after $KILN_LOG_LEVEL).")] = "info",
+    log_config: Annotated[Path | None, typer.Option(
+        "--log-config", "--log-config-file", envvar=["KILN_LOGGING_CONFIG_PATH", "VLLM_LOGGING_CONFIG_PATH"],
+        help="A JSON logging configuration (logging.config.dictConfig's schema: JSON lines, files, levels) that "
+             "every process of the server logs as, uvicorn's lines included, instead of Kiln's lines on stderr and "
+             "--log-level (--log-config-file and $VLLM_LOGGING_CONFIG_PATH: vLLM's names).")] = None,
     vllm_no_ops: Annotated[bool, typer.Option(
         "--disable-log-requests", "--no-enable-log-requests", "--disable-log-stats", "--enable-request-id-headers",
         "--enable-chunked-prefill",
@@ -304,7 +316,7 @@ def serve(
     """Serve an engine over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/responses,
     /health, /metrics); SIGTERM stops accepting, lets in-flight requests finish, and exits 0."""
     require_serve_extra()
-    log_to_stderr(log_level)
+    log_to_stderr(log_level, log_config)
     if not engine_process:  # before torch loads OpenMP: threads that spin between its CPU ops take the event loop's
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # cores, as the engine process's child is spared them
     from kiln.runtime.server import create_app, run_server
@@ -360,7 +372,8 @@ def serve(
                      f"{served_routes(app)}; SIGTERM or Ctrl-C drains and stops", highlight=False, soft_wrap=True)
 
     run_server(app, bind_host, bind_port, shutdown_timeout_s=shutdown_timeout, on_started=announce,
-               access_log=access_log, log_level=log_level, keep_alive_s=keep_alive_s)
+               access_log=access_log, log_level=log_level, keep_alive_s=keep_alive_s,
+               kiln_log_format=log_config is None)
     if app.state.server.load_abandoned:  # its thread may be inside torch, which an interpreter's teardown aborts
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,10 +1,13 @@
 """Kiln's log lines on stderr, in one format for every process of a server (the HTTP server's and the engine's):
-time, level, logger, the id of the request they concern ("-" for none), message. Light to import: the engine process
-imports it, not the server."""
+time, level, logger, the id of the request they concern ("-" for none), message; or as a logging configuration file
+says (``apply_log_config``), in every process too. Light to import: the engine process imports it, not the server."""
 
 from __future__ import annotations
 
+import json
 import logging
+import logging.config
+from pathlib import Path
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 
@@ -25,13 +28,47 @@ def log_to_stderr(level: int | str, handler: logging.Handler | None = None) -> N
     kiln_logger.setLevel(level)
 
 
-def level_for_child() -> str:
-    """Kiln's log level in this process, passed to a process it starts (``log_as_parent`` there)."""
-    return str(logging.getLogger("kiln").level)
+_applied_config: list[Path] = []  # the configuration file this process logs as (apply_log_config), for its children
 
 
-def log_as_parent(level: int) -> None:
-    """Log as the process that started this one: from its ``level`` up on stderr, or, where it set none (NOTSET),
-    with no handler added (an embedder's logging stays its own)."""
-    if level != logging.NOTSET:
+def read_log_config(path: str | Path) -> dict:
+    """A logging configuration file: a JSON object in ``logging.config.dictConfig``'s schema, as vLLM's
+    ``VLLM_LOGGING_CONFIG_PATH`` names one. ValueError naming the file and what is wrong with it."""
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read the logging configuration {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"the logging configuration {path} is not JSON: {exc}") from None
+    if not isinstance(config, dict) or config.get("version") != 1:
+        raise ValueError(f"the logging configuration {path} must be a JSON object of logging.config.dictConfig's "
+                         f'schema, with "version": 1')
+    return config
+
+
+def apply_log_config(path: str | Path) -> None:
+    """Log as the configuration file ``path`` says (``read_log_config``), and so do the processes this one starts
+    (``child_logging``). ValueError naming the file where it cannot be read or applied (a handler class that does not
+    import, a file it cannot open)."""
+    config = read_log_config(path)
+    try:
+        logging.config.dictConfig(config)
+    except (ValueError, TypeError, AttributeError, ImportError) as exc:
+        raise ValueError(f"the logging configuration {path} cannot be applied: {exc}") from None
+    _applied_config[:] = [Path(path).resolve()]
+
+
+def child_logging() -> list[str]:
+    """How this process logs, as arguments for a process it starts (``log_as_parent`` there): Kiln's log level,
+    and the configuration file applied here ("" for none)."""
+    return [str(logging.getLogger("kiln").level), str(_applied_config[0]) if _applied_config else ""]
+
+
+def log_as_parent(level: int, config_path: str = "") -> None:
+    """Log as the process that started this one: as its configuration file ``config_path`` says where it applied
+    one, else from its ``level`` up on stderr, or, where it set none (NOTSET), with no handler added (an embedder's
+    logging stays its own)."""
+    if config_path:
+        apply_log_config(config_path)
+    elif level != logging.NOTSET:
         log_to_stderr(level)

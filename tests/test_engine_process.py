@@ -246,6 +246,32 @@ class _IdleEngine:
         return None
 
 
+class _Greeting(_IdleEngine):
+    """Logs a line as it loads."""
+
+    def __init__(self) -> None:
+        logging.getLogger("kiln.runtime").warning("hello from the engine process")
+
+
+def test_an_engine_process_logs_as_the_parents_logging_configuration_file_says(tmp_path):
+    log, config = tmp_path / "kiln.log", tmp_path / "logging.json"
+    config.write_text(json.dumps({
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"json": {"format": '{"pid": %(process)d, "logger": "%(name)s", "message": "%(message)s"}'}},
+        "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log), "formatter": "json"}},
+        "loggers": {"kiln": {"handlers": ["file"], "level": "INFO"}}}))
+    embed = ("import sys\nfrom kiln.runtime import LLM, logs\nfrom kiln.runtime.engine_process import ProcessEngine\n"
+             "logs.apply_log_config(sys.argv[1])\n"
+             "with LLM(ProcessEngine('tests.test_engine_process:_Greeting', {})) as llm:\n"
+             "    print(llm.engine_pid, flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", embed, str(config)], capture_output=True, text=True, cwd=REPO,
+                          env=repo_env(), timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {"pid": int(done.stdout), "logger": "kiln.runtime", "message": "hello from the engine process"} in lines
+    assert "hello" not in done.stderr  # before: the engine process logged in Kiln's format on stderr, or not at all
+
+
 def test_the_engine_process_exempts_its_startup_heap_from_the_garbage_collector():
     with LLM(ProcessEngine("tests.test_engine_process:_IdleEngine", {})) as llm:
         assert llm.stats()["frozen_objects"] > 1000  # modules and the engine: full collections skip them
@@ -411,7 +437,7 @@ def test_an_engine_process_whose_parent_dies_while_it_loads_dies_too():
     # would otherwise wait for its factory (or load the weights) forever
     ours, theirs = socket.socketpair()
     spawn = ("import os, subprocess, sys; child = subprocess.Popen([sys.executable, '-m', "
-             "'kiln.runtime.engine_process', sys.argv[1], str(os.getpid()), '0'], pass_fds=[int(sys.argv[1])]); "
+             "'kiln.runtime.engine_process', sys.argv[1], str(os.getpid()), '0', ''], pass_fds=[int(sys.argv[1])]); "
              "print(child.pid, flush=True); child.wait()")
     with ours, theirs:
         parent = subprocess.Popen([sys.executable, "-c", spawn, str(theirs.fileno())], pass_fds=[theirs.fileno()],

@@ -325,7 +325,7 @@ def test_a_read_only_cache_whose_statistics_cannot_be_read_serves_without_the_hi
     assert "stats.db: cannot be used" in caplog.text and "leaves out the engine cache's hit rate" in caplog.text
 
 
-def test_the_log_level_applies_to_kilns_and_uvicorns_loggers_in_one_format(llm):
+def test_the_log_level_applies_to_kilns_and_uvicorns_loggers_in_one_format(llm, tmp_path):
     import logging
 
     from typer.testing import CliRunner
@@ -346,6 +346,23 @@ def test_the_log_level_applies_to_kilns_and_uvicorns_loggers_in_one_format(llm):
     ServerThread(create_app(llm, tiny_engine(), ServerSettings(model_name="tiny")), log_level="error")
     assert logging.getLogger("uvicorn.error").getEffectiveLevel() == logging.ERROR
     assert [handler.formatter._fmt for handler in logging.getLogger("uvicorn").handlers] == [LOG_FORMAT]
+    uvicorn_logger = logging.getLogger("uvicorn")
+    kept = uvicorn_logger.handlers[:]
+    uvicorn_logger.handlers.clear()
+    try:  # as a logging configuration file left them
+        ServerThread(create_app(llm, tiny_engine(), ServerSettings(model_name="tiny")), kiln_log_format=False)
+        assert uvicorn_logger.handlers == []
+    finally:
+        uvicorn_logger.handlers[:] = kept
+    (tmp_path / "text.json").write_text("version: 1")
+    (tmp_path / "v2.json").write_text('{"version": 2}')
+    for config, words in (("missing.json", "cannot read the logging configuration"), ("text.json", "is not JSON"),
+                          ("v2.json", '"version": 1')):
+        result = CliRunner().invoke(cli, ["serve", "/nonexistent", "--log-config", str(tmp_path / config)])
+        assert result.exit_code == 2 and words in result.stderr, result.stderr
+    result = CliRunner().invoke(cli, ["serve", "/nonexistent"],
+                                env={"VLLM_LOGGING_CONFIG_PATH": str(tmp_path / "v2.json")})
+    assert result.exit_code == 2 and '"version": 1' in result.stderr  # vLLM's variable is read, never ignored
 
 
 def test_the_drain_is_logged_with_what_is_in_flight_and_for_how_long(llm, caplog):

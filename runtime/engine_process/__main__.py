@@ -1,5 +1,6 @@
-"""``python -m kiln.runtime.engine_process FD PARENT_PID LOG_LEVEL``: the engine process ``ProcessEngine`` starts,
-serving the socket FD and logging from the parent's level, LOG_LEVEL (0: none set, no handler added)."""
+"""``python -m kiln.runtime.engine_process FD PARENT_PID LOG_LEVEL LOG_CONFIG``: the engine process
+``ProcessEngine`` starts, serving the socket FD and logging as the parent does: as its configuration file
+LOG_CONFIG says, or ("" for none) from its level, LOG_LEVEL (0: none set, no handler added)."""
 
 import sys
 
@@ -9,4 +10,4 @@ die_with_parent(int(sys.argv[2]))  # before the imports below, which take second
 
 from kiln.runtime.engine_process.child import main  # noqa: E402
 
-sys.exit(main(int(sys.argv[1]), int(sys.argv[3])))
+sys.exit(main(int(sys.argv[1]), int(sys.argv[3]), sys.argv[4]))

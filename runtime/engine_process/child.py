@@ -33,10 +33,11 @@ def load(engine_dir: str, options: dict) -> Engine:
     return load_engine(Path(engine_dir), RuntimeOptions(**options))
 
 
-def main(fd: int, log_level: int = logging.NOTSET) -> int:
-    """Serve the parent on the socket ``fd``: read the factory, load, say hello (or why the load failed), run. Kiln's
-    log lines go to stderr from ``log_level`` up, as the parent's do (NOTSET: it set none, nor is one set here)."""
-    log_as_parent(log_level)
+def main(fd: int, log_level: int = logging.NOTSET, log_config: str = "") -> int:
+    """Serve the parent on the socket ``fd``: read the factory, load, say hello (or why the load failed), run. Logs
+    as the parent does: as its configuration file ``log_config`` says, else Kiln's lines on stderr from ``log_level``
+    up (NOTSET: it set none, nor is one set here)."""
+    log_as_parent(log_level, log_config)
     leave_stop_signals_to_parent()  # the parent closes this process through the pipe once it has drained
     conn = Connection(fd)
     try:

@@ -27,7 +27,7 @@ from kiln.runtime.engine_process.wire import (
 from kiln.runtime.errors import EngineProcessError
 from kiln.runtime.kiln_python import kiln_module_command
 from kiln.runtime.limits import EngineLimits
-from kiln.runtime.logs import level_for_child
+from kiln.runtime.logs import child_logging
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.outputs import RequestFailure, StreamDelta
 from kiln.runtime.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ class ProcessEngine:
     def __init__(self, factory: str, arguments: dict) -> None:
         ours, theirs = socket.socketpair()
         argv, environment = kiln_module_command("kiln.runtime.engine_process", str(theirs.fileno()), str(os.getpid()),
-                                                level_for_child())  # the child logs as this does
+                                                *child_logging())  # the child logs as this does
         # OpenMP threads that spin between torch's CPU ops took the cores this process needs to pass the results on:
         # on a busy 2-core host a 20-token completion took 3-5 s instead of 0.5 (unless the user chose a policy)
         environment.setdefault("OMP_WAIT_POLICY", "PASSIVE")

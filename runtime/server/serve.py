@@ -94,17 +94,20 @@ def served_state(app: FastAPI) -> ServerState:
 
 class ServerThread:
     """uvicorn serving `app` on `host:port` (port 0: any free one) in a daemon thread, until `stop()`, logging from
-    ``log_level`` up in Kiln's format; with ``access_log`` a line per request. A request's line and headers are
+    ``log_level`` up in Kiln's format (``kiln_log_format`` False: uvicorn's loggers left as the process configured
+    them); with ``access_log`` a line per request. A request's line and headers are
     bounded (``http_protocol``): due within ``head_timeout_s``, and its body's chunks within ``body_timeout_s`` of
     each other; an idle connection is closed after ``keep_alive_s``."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
                  shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, log_level: str = "warning",
                  access_log: bool = False, head_timeout_s: float = HEAD_TIMEOUT_S,
-                 body_timeout_s: float = BODY_TIMEOUT_S, keep_alive_s: float = DEFAULT_KEEP_ALIVE_S) -> None:
+                 body_timeout_s: float = BODY_TIMEOUT_S, keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+                 kiln_log_format: bool = True) -> None:
         self.app = app
         self.state = served_state(app)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=uvicorn_log_config(),
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level if kiln_log_format else None,
+                                log_config=uvicorn_log_config() if kiln_log_format else None,
                                 lifespan="on", timeout_graceful_shutdown=shutdown_timeout_s, access_log=access_log,
                                 timeout_keep_alive=keep_alive_s,
                                 **http_protocol_options(head_timeout_s, body_timeout_s))
@@ -195,16 +198,18 @@ class ServerThread:
 
 def run_server(app: FastAPI, host: str, port: int, *, shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
                on_started: Callable[[ServerThread], None] | None = None, access_log: bool = False,
-               log_level: str = "info", keep_alive_s: float = DEFAULT_KEEP_ALIVE_S) -> None:
+               log_level: str = "info", keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+               kiln_log_format: bool = True) -> None:
     """Serve in the foreground until SIGTERM or SIGINT, then drain and return (a SIGINT once the port has closed
     forces the exit). Signals are handled when called from the main thread; elsewhere, stop it with the
     `ServerThread` given to `on_started`. ``log_level`` is uvicorn's; ``keep_alive_s``: how long an idle connection
-    is kept open (above a load balancer's idle timeout, so that it never reuses one the server is closing).
+    is kept open (above a load balancer's idle timeout, so that it never reuses one the server is closing);
+    ``kiln_log_format`` False leaves uvicorn's loggers as the process configured them (a logging configuration file).
 
     Raises ServerStartError when the server cannot start or the engine fails to load, EngineFailedError after a
     drain when the engine stopped while serving, and KeyboardInterrupt when the exit was forced."""
     thread = ServerThread(app, host, port, shutdown_timeout_s=shutdown_timeout_s, log_level=log_level,
-                          access_log=access_log, keep_alive_s=keep_alive_s)
+                          access_log=access_log, keep_alive_s=keep_alive_s, kiln_log_format=kiln_log_format)
 
     def on_signal(signum: int, _: FrameType | None) -> None:
         if thread.server.should_exit and signum == signal.SIGINT:

@@ -22,7 +22,7 @@ import torch
 
 from kiln.runtime.errors import FingerprintMismatchError
 from kiln.runtime.kiln_python import kiln_module_command
-from kiln.runtime.logs import level_for_child
+from kiln.runtime.logs import child_logging
 from kiln.runtime.native.parallel.channel import StepChannel
 from kiln.runtime.native.parallel.group import (
     COLLECTIVE_TIMEOUT,
@@ -65,12 +65,13 @@ class LocalWorkers:
         self.failed = threading.Event()
         self._stopping = False
         self.processes = {}
+        log_level, log_config = child_logging()  # each worker logs as this process does
         for rank in range(1, size):
             command, env = kiln_module_command(
                 "kiln.runtime.native.parallel.worker", str(engine_dir), "--rendezvous", self.rendezvous.address(),
                 "--rank", str(rank), "--size", str(size), "--local-rank", str(first_local_rank + rank),
                 "--options", json.dumps(asdict(options)), "--parent-pid", str(os.getpid()),
-                "--log-level", level_for_child())  # the worker logs as this process does
+                "--log-level", log_level, "--log-config", log_config)
             env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no c10d warning per idle poll of the step channel
             self.processes[rank] = subprocess.Popen(command, env=env)
 

@@ -89,11 +89,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--options", default="{}", help="RuntimeOptions as a JSON object (rank 0's)")
     parser.add_argument("--parent-pid", type=int, help="rank 0's pid (a local worker): die with it while loading")
     parser.add_argument("--log-level", type=int, default=logging.NOTSET, help="rank 0's (0: none set, none added)")
+    parser.add_argument("--log-config", default="", help="the logging configuration file rank 0 applied, if any")
     args = parser.parse_args(argv)
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
     leave_stop_signals_to_parent()
-    log_as_parent(args.log_level)
+    log_as_parent(args.log_level, args.log_config)
     options = RuntimeOptions(**json.loads(args.options))
     device = resolve_device(options.device, EngineConfig.load(args.engine_dir).fingerprint)
     try:
