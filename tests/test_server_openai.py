@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -230,7 +231,8 @@ def test_200_concurrent_streams_all_complete_and_free_every_block(server, llm):
     wait_until(lambda: engine_idle(llm))
 
 
-def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks(server, llm, monkeypatch):
+def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks(server, llm, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="kiln.server")
     step = llm.engine.step
 
     def slow_step():  # 180 tokens take over a second, so the request is surely still running at the disconnect
@@ -258,6 +260,7 @@ def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks
     prompt_tokens, generation_tokens = (n - before for n, before in zip(metric_values(server, tokens), tokens_before,
                                                                         strict=True))
     assert prompt_tokens == len(llm.tokenizer.encode("Once upon a time")) and 1 <= generation_tokens < 180
+    assert "aborted: the client went away mid-stream" in caplog.text  # a request id's log tells what happened
 
 
 def metric_values(server, names: tuple[str, ...]) -> list[float]:
@@ -267,7 +270,8 @@ def metric_values(server, names: tuple[str, ...]) -> list[float]:
             for name in names]
 
 
-def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(server, llm, monkeypatch):
+def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(server, llm, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="kiln.server")
     step, abort = llm.engine.step, llm.abort
     started, aborts = threading.Event(), []
 
@@ -298,6 +302,7 @@ def test_client_giving_up_on_a_non_streamed_request_aborts_all_its_choices(serve
     assert len(aborts) == 16
     assert llm.stats()["requests_finished"]["abort"] == aborted_before + 16
     assert 'status="499"' in httpx.get(f"{server.url}/metrics").text
+    wait_until(lambda: "aborted: the client went away before the answer was done" in caplog.text)
     prompt = len(llm.tokenizer.encode("Hi"))  # each choice's prompt, counted by the engine with its first token
     wait_until(lambda: metric_values(server, counted) == [counts_before[0] + 16, counts_before[1] + 16 * prompt])
 

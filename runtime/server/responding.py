@@ -84,6 +84,7 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, 
             runner.cancel()
     if runner not in done:
         metrics.vllm.aborted(len(jobs) - len(landed))
+        logger.info("aborted: the client went away before the answer was done")
         return None
     try:
         return runner.result()
@@ -129,6 +130,7 @@ class _EventStream(Response):
                 raise  # cancelled from outside (the server stopping): not the client going away
             writer.uncancel()
             scope[CLIENT_GONE] = True
+            logger.info("aborted: the client went away mid-stream")
         finally:
             watcher.cancel()
             self._release()
