@@ -269,11 +269,15 @@ def test_a_full_queue_answers_503_with_retry_after_and_never_backs_up(llm):
 
     with ServerThread(app) as server:
         responses = asyncio.run(main())
+        metrics = httpx.get(f"{server.url}/metrics").text
     statuses = [r.status_code for r in responses]
     assert set(statuses) == {200, 503} and statuses.count(200) >= 18
     refused = next(r for r in responses if r.status_code == 503)
     assert refused.headers["Retry-After"] == "1"
     assert refused.json()["error"]["type"] == "server_overloaded"
+    # backpressure told apart from failures, which are 503s too
+    assert f'kiln_requests_refused_total{{reason="capacity"}} {statuses.count(503)}.0' in metrics
+    assert 'kiln_requests_refused_total{reason="engine_stopped"} 0.0' in metrics
     wait_until(lambda: engine_idle(llm))
 
 
@@ -291,6 +295,7 @@ def test_health_is_503_while_the_engine_loads_then_200():
         refused = httpx.get(f"{server.url}/v1/models")
         assert_error(refused, 503, None, "still loading")
         assert refused.headers["Retry-After"] == "1"
+        assert 'kiln_requests_refused_total{reason="loading"} 1.0' in httpx.get(f"{server.url}/metrics").text
         release.set()
         wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200)
 

@@ -84,11 +84,12 @@ class ServerState:
     def require_model(self) -> ServedModel:
         if self.draining:
             raise APIError(503, "the server is shutting down: retry against another replica",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+                           headers={"Retry-After": str(RETRY_AFTER_S)}, refusal="draining")
         if self.model is None:
             message = (f"the engine failed to load: {self.load_error}" if self.load_error
                        else f"the engine is still loading: retry after {RETRY_AFTER_S} s")
-            raise APIError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise APIError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)},
+                           refusal="load_failed" if self.load_error else "loading")
         return self.model
 
 

@@ -17,13 +17,16 @@ logger = logging.getLogger("kiln.server")
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error"}
 OVERLOADED = "server_overloaded"  # the type of a 503 for a server at capacity (others: loading, draining, stopped)
+# why a 503 turned a request away before any work (kiln_requests_refused_total's reasons); set in the ASGI scope
+REFUSAL_REASONS = ("capacity", "draining", "loading", "load_failed", "engine_stopped")
+REFUSAL = "kiln.refusal"
 
 
 class APIError(Exception):
     """A request the server refuses; becomes an OpenAI-style error response."""
 
     def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, kind: str | None = None) -> None:
+                 headers: dict[str, str] | None = None, kind: str | None = None, refusal: str | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -31,6 +34,7 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
         self.kind = kind  # the body's "type", where the status alone does not say it
+        self.refusal = refusal  # one of REFUSAL_REASONS: a request turned away for the server's state, not its own
 
 
 def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None,
@@ -95,6 +99,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.refusal is not None:  # counted by the request counter
+            request.scope[REFUSAL] = exc.refusal
         if exc.status_code >= 500 and exc.__context__ is not None:  # a failure behind it (the engine's), not a refusal
             logger.error("%s %s: %d %s", request.method, request.url.path, exc.status_code, exc.message)
         return error_response(exc)

@@ -66,7 +66,7 @@ class Admission:
         if self.outstanding + num_seqs > self.capacity:
             raise APIError(503, f"the server is at capacity ({self.outstanding} of {self.capacity} sequences "
                                 f"running or queued): retry after {RETRY_AFTER_S} s",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}, kind=OVERLOADED)
+                           headers={"Retry-After": str(RETRY_AFTER_S)}, kind=OVERLOADED, refusal="capacity")
         self.outstanding += num_seqs
         released = False
 
@@ -208,7 +208,7 @@ class ServedModel:
                 self.llm.check(job.prompt_token_ids, job.params)
             except EngineClosedError as exc:  # not the request's fault: send it elsewhere
                 raise APIError(503, f"the engine is not serving ({exc}): retry against another replica",
-                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                               headers={"Retry-After": str(RETRY_AFTER_S)}, refusal="engine_stopped") from None
             except RequestTooLongError as exc:
                 raise self._too_long(str(exc), param) from None
             except KilnError as exc:

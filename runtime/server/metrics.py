@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.server.binned_histogram import BinnedHistogram, Observations
+from kiln.runtime.server.errors import REFUSAL, REFUSAL_REASONS
 from kiln.runtime.server.route_path import route_path
 from kiln.runtime.server.vllm_metrics import VllmEngineCollector, VllmRequestMetrics, reported
 
@@ -170,6 +171,11 @@ class ServerMetrics:
         _EngineProcessCollector(engine_pid, self.registry)
         self.requests = Counter("kiln_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=self.registry)
+        self.refused = Counter("kiln_requests_refused", "Requests turned away with a 503 before any work, by why: "
+                               "capacity (the queue is full: backpressure, not a failure), draining, loading, "
+                               "load_failed, engine_stopped", ["reason"], registry=self.registry)
+        for reason in REFUSAL_REASONS:  # every series there from the start, for rate() and alerts
+            self.refused.labels(reason)
         self.time_to_first_token = Histogram("kiln_time_to_first_token_seconds",
                                              "From arrival at the engine to the first generated token",
                                              buckets=TTFT_BUCKETS, registry=self.registry)
@@ -274,5 +280,7 @@ class RequestCountMiddleware:
         finally:
             counted = CLIENT_CLOSED_REQUEST if scope.get(CLIENT_GONE) else status  # a stream's client went away
             self.metrics.requests.labels(endpoint_label(route_path(scope)), str(counted)).inc()
+            if (refusal := scope.get(REFUSAL)) is not None:
+                self.metrics.refused.labels(refusal).inc()
             if handler is not None:
                 self.metrics.http.observe(scope, handler, status, response_bytes, time.perf_counter() - start)
