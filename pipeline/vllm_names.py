@@ -30,6 +30,7 @@ REFUSED_VLLM_FLAGS = {
     "--tokenizer-mode": "the engine keeps its checkpoint's tokenizer, as transformers loads it",
     "--seed": "send a seed with each request (its `seed` field); Kiln has no server-wide one",
     "--root-path": "Kiln serves at /: strip the prefix at the proxy",
+    "--uds": "Kiln listens on TCP (--host, --port): put a proxy on the socket if clients must use one",
     "--ssl-keyfile": "Kiln serves plain HTTP: terminate TLS at the proxy or ingress",
     "--ssl-certfile": "Kiln serves plain HTTP: terminate TLS at the proxy or ingress",
     "--ssl-ca-certs": "Kiln serves plain HTTP: terminate TLS at the proxy or ingress",

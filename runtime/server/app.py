@@ -157,7 +157,7 @@ def _lifespan(state: ServerState, llm: LLM | Callable[[], LLM], engine_dir: Path
     async def load() -> None:
         try:
             attach(await _in_daemon_thread(llm))
-            logger.info("engine loaded: serving %s", settings.model_name)
+            logger.info("engine loaded in %.1f s: serving %s", state.model.llm.load_ms / 1000, settings.model_name)
         except Exception as exc:
             state.load_error = exc
             logger.error("the engine failed to load: %s", exc,
