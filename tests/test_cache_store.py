@@ -174,6 +174,21 @@ def test_a_build_that_fills_the_disk_is_one_clear_error_and_leaves_nothing_behin
     assert list((cache.v1 / "tmp").iterdir()) == [] and not cache.entries.entry_dir(key).exists()
 
 
+@pytest.mark.parametrize("too_large", [OSError(errno.EFBIG, os.strerror(errno.EFBIG)), SafetensorError(
+    "Error while serializing: I/O error: File too large (os error 27)")])
+def test_a_build_past_the_file_size_limit_is_one_clear_error_and_leaves_nothing_behind(cache, too_large):
+    key = engine_key(material())
+
+    def outgrows_ulimit(out: Path) -> dict:  # ulimit -f: before, a traceback (or modelopt blamed for it)
+        (out / "engine.json").write_text("{}")
+        raise too_large
+
+    with pytest.raises(CacheRootError, match=rf"engine {key[:12]}: cannot write it under {cache.root} \(File too "
+                                             rf"large\): a file outgrew the size this process may write \(ulimit -f\)"):
+        cache.entries.get_or_build(key, material(), outgrows_ulimit)
+    assert list((cache.v1 / "tmp").iterdir()) == [] and not cache.entries.entry_dir(key).exists()
+
+
 def test_missing_manifest_is_corrupt(cache):
     m = material()
     key = engine_key(m)

@@ -58,7 +58,9 @@ from kiln.engines.cache.units import iso_utc
 from kiln.runtime.cache_hold import IN_USE_LOCK
 
 WAIT_NOTE_EVERY_S = 30.0
-_FULL_WORDS = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))  # "No space left on device", "Disk quota ..."
+# "No space left on device", "Disk quota exceeded", "File too large" (a file-size limit: ulimit -f, the file system's)
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_FULL_WORDS = tuple(map(os.strerror, _FULL_ERRNOS))
 
 VerifyOnLoad = Literal["size", "changed", "hash"]  # "changed": re-hash the files changed since they were last hashed
 
@@ -294,7 +296,11 @@ class ContentStore:
             entry_dir = self._publish(tmp, key)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            if reason := disk_full(exc):
+            if (reason := disk_full(exc)) == os.strerror(errno.EFBIG):
+                raise CacheRootError(f"{self.label} {key[:12]}: cannot write it under {self.v1.parent} ({reason}): "
+                                     f"a file outgrew the size this process may write (ulimit -f) or the file system "
+                                     f"holds; raise that limit or point $KILN_CACHE at another file system") from None
+            if reason:
                 raise CacheRootError(f"{self.label} {key[:12]}: no room to write it under {self.v1.parent} "
                                      f"({reason}); free space with `kiln cache prune --max-size SIZE` or point "
                                      f"$KILN_CACHE at a larger disk") from None
@@ -439,10 +445,11 @@ def utc_now() -> str:
 
 
 def disk_full(exc: BaseException) -> str | None:
-    """Why ``exc``, or an error it was raised from, means the disk or the user's quota is full (None when not):
-    ENOSPC or EDQUOT, or a writer's error that only says so in words (safetensors' "No space left on device")."""
+    """Why ``exc``, or an error it was raised from, means the disk or the user's quota is full, or a file outgrew the
+    size a process or file system allows (None when not): ENOSPC, EDQUOT or EFBIG, or a writer's error that only says
+    so in words (safetensors' "No space left on device", "File too large")."""
     while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
             return os.strerror(exc.errno)
         if isinstance(exc, Exception) and (words := next((w for w in _FULL_WORDS if w in str(exc)), None)):
             return words
