@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -16,7 +17,16 @@ from kiln.pipeline.bench.command import bench
 from kiln.pipeline.bench.loadtest import loadtest
 from kiln.pipeline.cache_commands import cache_app, print_explain
 from kiln.pipeline.config import load_config
-from kiln.pipeline.console import friendly_errors, print_error_json, print_json, stage_progress, stderr, stdout
+from kiln.pipeline.console import (
+    friendly_errors,
+    print_error_json,
+    print_json,
+    stage_progress,
+    stderr,
+    stdout,
+    stop_on_sigterm_as_on_ctrl_c,
+    write_failure,
+)
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.pipeline.serve_command import serve
 from kiln.pipeline.vllm_names import vllm_flag_advice
@@ -248,4 +258,12 @@ def main() -> None:
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
-    app()
+    stop_on_sigterm_as_on_ctrl_c()
+    try:
+        app()
+    except OSError as exc:  # outside a command (--version, --help) or in the flush after it
+        if (message := write_failure(exc)) is None:
+            raise
+        with contextlib.suppress(OSError):
+            stderr.print(f"error: {message}", highlight=False)
+        sys.exit(2)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import errno
 import functools
 import io
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
@@ -36,6 +39,21 @@ stderr = Console(stderr=True, markup=False, emoji=False)
 for _console in (stdout, stderr):
     if not _console.is_terminal:
         _console.soft_wrap, _console.width = True, PIPE_WIDTH
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (CI cancelling a job, Kubernetes stopping a pod), taken as Ctrl-C is, so that what a command was
+    writing is removed as an interrupted one's is; the command then exits 143, as one the signal ended."""
+
+
+def _raise_terminated(_signum: int, _frame: object) -> None:
+    raise Terminated
+
+
+def stop_on_sigterm_as_on_ctrl_c() -> None:
+    """From now on, SIGTERM in this process raises ``Terminated`` in its main thread (``friendly_errors`` says so
+    and exits 143)."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 _printed_json: contextvars.ContextVar[bool] = contextvars.ContextVar("printed_json", default=False)
@@ -95,16 +113,33 @@ def friendly_errors(command: Callable) -> Callable:
             _fail(type(exc).__name__, str(exc), kwargs.get("json_out"), getattr(exc, "details", None))
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None
         except PermissionError as exc:  # a file or folder this user may not read or write: the machine's, not a bug
-            _fail("PermissionError", f"{exc.filename}: {exc.strerror}; give this user access to it (chmod, chown), "
-                                     f"or point Kiln at a copy it can read", kwargs.get("json_out"))
+            where = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else exc.filename  # a rename's both ends
+            _fail("PermissionError", f"{where}: {exc.strerror}; give this user access to it (chmod, chown), "
+                                     f"or point Kiln at a copy it can read and write", kwargs.get("json_out"))
             raise typer.Exit(2) from None
-        except KeyboardInterrupt:
-            stderr.print("[yellow]interrupted[/]", markup=True)
+        except OSError as exc:
+            if (message := write_failure(exc)) is None:
+                raise
+            with contextlib.suppress(OSError):  # stderr may be the full disk too
+                _fail("OSError", message, kwargs.get("json_out") and exc.filename is not None)  # stdout failed: no JSON
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt as exc:
+            terminated = isinstance(exc, Terminated)
+            message = "terminated (SIGTERM)" if terminated else "interrupted"
+            stderr.print(f"[yellow]{message}[/]", markup=True)
             if kwargs.get("json_out") and not _printed_json.get():
-                print_error_json("KeyboardInterrupt", "interrupted")
-            raise typer.Exit(130) from None
+                print_error_json(type(exc).__name__, message)
+            raise typer.Exit(143 if terminated else 130) from None
 
     return wrapper
+
+
+def write_failure(exc: OSError) -> str | None:
+    """The one line for a write the machine refused (a full disk, a quota, a file-size limit, an I/O error): output
+    redirected to a full disk (``> /dev/full``) among them; None for any other error."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
+        return None
+    return f"cannot write {exc.filename or 'the output'}: {exc.strerror}"
 
 
 def _fail(kind: str, message: str, json_out: bool | None, details: dict | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -85,6 +86,14 @@ def test_a_file_this_user_may_not_read_is_one_line_naming_it_not_a_traceback(cap
     assert error["type"] == "PermissionError" and error["message"].startswith("/models/m/model.safetensors: Permission "
                                                                                "denied; give this user access")
     assert "Traceback" not in captured.err and "give this user access" in captured.err
+
+    @friendly_errors
+    def publish(json_out: bool = False) -> None:  # a rename into a folder this user may not write
+        raise PermissionError(13, "Permission denied", "/cache/v1/tmp/entries.abc", None, "/cache/v1/entries/ab/abc")
+
+    with pytest.raises(typer.Exit):
+        publish()
+    assert "/cache/v1/tmp/entries.abc -> /cache/v1/entries/ab/abc: Permission denied" in capsys.readouterr().err
 
 
 def test_version_and_short_help():
@@ -249,6 +258,41 @@ def test_an_interrupted_command_under_json_is_an_error_object_on_stdout_and_exit
         command(json_out=True)
     assert exit_.value.exit_code == 130
     assert json.loads(capsys.readouterr().out) == {"error": {"type": "KeyboardInterrupt", "message": "interrupted"}}
+
+
+def test_sigterm_stops_a_command_as_ctrl_c_does_with_exit_143(capsys):
+    import signal
+
+    from kiln.pipeline.console import friendly_errors, stop_on_sigterm_as_on_ctrl_c
+
+    cleaned = []
+
+    @friendly_errors
+    def command(json_out: bool = False) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # CI cancelling the job; before: killed, its temporary files left
+        finally:
+            cleaned.append(True)  # as a build removes what it was writing
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        stop_on_sigterm_as_on_ctrl_c()
+        with pytest.raises(typer.Exit) as exit_:
+            command(json_out=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exit_.value.exit_code == 143 and cleaned == [True]
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"error": {"type": "Terminated", "message": "terminated (SIGTERM)"}}
+    assert "terminated (SIGTERM)" in captured.err
+
+
+def test_output_to_a_full_disk_is_one_line_not_a_traceback():
+    for args in (["--version"], ["config", "show", "tiny-llama-fp8.yaml", "--json"]):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([sys.executable, "-m", "kiln", *args], stdout=full, stderr=subprocess.PIPE,
+                                  text=True, cwd=REPO, env=repo_env(), timeout=60)
+        assert (done.returncode, done.stderr) == (2, "error: cannot write the output: No space left on device\n")
 
 
 @pytest.mark.parametrize(("hit", "words"), [(True, "hit, 12.50 s of quantize and build saved"),
