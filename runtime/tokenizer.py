@@ -119,8 +119,7 @@ class Tokenizer:
         """The bytes ``decode`` makes its text of: each token's ``token_bytes``, none for a skipped special token or
         an id outside the vocabulary (the model's may be larger)."""
         skipped = self._special_ids if skip_special_tokens else frozenset()
-        return b"".join(self.token_bytes(token_id) for token_id in token_ids
-                        if token_id not in skipped and self._tokenizer.id_to_token(token_id) is not None)
+        return b"".join(self.token_bytes(token_id) for token_id in token_ids if token_id not in skipped)
 
     def vocabulary_entries(self, token_ids: list[int]) -> list[str]:
         """Each token as its vocabulary spells it (``Ġthe``, ``▁the``), as transformers' ``convert_ids_to_tokens``."""
@@ -128,17 +127,21 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a piece of a multi-byte character is a valid answer), as OpenAI's
-        ``logprobs`` report them: a special token's own text; a byte-level BPE token through the byte alphabet; a
-        SentencePiece token with its ``▁`` as a space and ``<0xNN>`` as that byte; else the token decoded alone."""
+        ``logprobs`` report them: a special token's own text; a byte-level BPE token through the byte alphabet (one
+        with a character outside it, an added token such as ``‹｜User｜>``, as its own text, as the decoder reads it);
+        a SentencePiece token with its ``▁`` as a space and ``<0xNN>`` as that byte; else the token decoded alone.
+        No bytes for an id past the tokenizer's vocabulary (a model's rows of padding), which decodes to no
+        text."""
         if (cached := self._token_bytes.get(token_id)) is not None:
             return cached
         piece = self._tokenizer.id_to_token(token_id)
         if piece is None:
-            raise ValueError(f"token id {token_id} is not in the vocabulary")
+            return b""
         if token_id in self._special_ids:
             value = piece.encode()
         elif self._byte_level:
-            value = bytes(_BYTE_OF_CHAR.get(char, 0) for char in piece)
+            value = (bytes(_BYTE_OF_CHAR[char] for char in piece) if all(char in _BYTE_OF_CHAR for char in piece)
+                     else piece.encode())
         elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             value = bytes([int(piece[3:5], 16)])
         elif "\u2581" in piece:

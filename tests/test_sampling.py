@@ -581,3 +581,23 @@ def test_a_text_two_tokens_share_keeps_the_likelier_value_in_legacy_top_logprobs
     lists = completion_logprobs(Names(), [chosen], [0])
     assert lists.token_logprobs == [-6.9] and lists.top_logprobs == [{"\ufffd": -0.4, "a": -1.2}]
     assert lists.token_logprobs[0] < max(lists.top_logprobs[0].values())  # not greedy, as a harness must see
+
+
+def test_token_bytes_spell_added_tokens_and_padding_rows_as_decode_does():
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+    from kiln.runtime.outputs import TokenLogprob
+    from kiln.runtime.server.logprobs import TokenText, chat_logprobs
+
+    byte_level = tokenizers.Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "Ġ": 2}, merges=[]))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = decoders.ByteLevel()
+    byte_level.add_tokens([AddedToken("‹｜User｜>", special=False), AddedToken(" two words", special=False)])
+    tokenizer = Tokenizer(byte_level)  # DeepSeek-R1-Distill's ‹｜User｜> is an added token that is not special
+    for token_id in (0, 2, 3, 4):  # before: the characters outside the byte alphabet as 0 bytes
+        assert tokenizer.token_bytes(token_id) == byte_level.decode([token_id]).encode()
+    padding = 7  # a row of the model's past the tokenizer's vocabulary (Qwen2.5: 152,064 rows, 151,665 tokens)
+    assert tokenizer.token_bytes(padding) == b"" and tokenizer.text_bytes([0, padding, 1]) == b"ab"
+    entries = chat_logprobs(TokenText(tokenizer), [TokenLogprob(padding, -0.1, [(padding, -0.1), (3, -2.0)], 1)])
+    assert [(e.token, e.bytes) for e in [entries.content[0], *entries.content[0].top_logprobs]] == [
+        ("", []), ("", []), ("‹｜User｜>", list("‹｜User｜>".encode()))]  # before: a ValueError, a 500
