@@ -85,7 +85,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "best_of": 2}, "best_of", ["not supported", "send null or 1"]),  # JSON, not Python, spellings
     ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", ["not supported", "send null or false"]),
     ({"prompt": "hi", "length_penalty": 0.5}, "length_penalty", ["not supported", "1.0"]),
-    ({"prompt": "hi", "add_special_tokens": False}, "add_special_tokens", ["not supported", "true"]),
+    ({"prompt": "hi", "add_special_tokens": "no"}, "add_special_tokens", ["valid boolean"]),
     ({"prompt": "hi", "allowed_token_ids": [5, 999999]}, "allowed_token_ids", ["999999", "outside this model's "
                                                                                 "vocabulary"]),
     ({"prompt": ["hi"] * 4, "allowed_token_ids": [5] * 70_000}, "allowed_token_ids",  # each prompt would copy them

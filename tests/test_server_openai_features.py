@@ -311,6 +311,23 @@ def test_vllm_extensions_at_their_defaults_are_accepted(client):
     assert chat.usage.completion_tokens == completion.usage.completion_tokens == 2
 
 
+def test_a_prompt_that_writes_its_own_bos_is_sent_with_add_special_tokens_false(client, llm, monkeypatch):
+    encode, asked = llm.tokenizer.encode, []
+
+    def recorded(text: str, add_special_tokens: bool = True) -> list[int]:
+        asked.append(add_special_tokens)
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", recorded)  # the tiny tokenizer adds no BOS: whether it was asked to
+    prompt = "<s>Once upon a time"  # the tokenizer's BOS, written in the text (a rendered template's)
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=0)
+    client.completions.create(**kwargs)
+    once = client.completions.create(**kwargs, extra_body={"add_special_tokens": False})  # before: a 400
+    assert asked == [True, False]
+    assert once.usage.prompt_tokens == len(encode(prompt, add_special_tokens=False))
+    assert once.choices[0].text.startswith(prompt) and once.choices[0].logprobs.text_offset[:2] == [0, 3]
+
+
 def test_truncate_prompt_tokens_serves_a_too_long_prompt_from_its_last_tokens(client, llm):
     ids = [(7 * i) % 500 + 10 for i in range(100)]  # more than the tiny engine's 64 prompt tokens
     kwargs = dict(model=MODEL, prompt=ids, max_tokens=4, temperature=0)

@@ -64,12 +64,13 @@ def _echo_text(model: ServedModel, given: str | list[int], token_ids: list[int],
     return text.removesuffix(unfinished)
 
 
-def _echo_offsets(model: ServedModel, given: str | list[int], token_ids: list[int]) -> list[int]:
+def _echo_offsets(model: ServedModel, given: str | list[int], token_ids: list[int],
+                  add_special_tokens: bool) -> list[int]:
     """Where each prompt token starts in the echoed prompt: in a text as sent, where the tokenizer found it (special
     tokens written in the text included); else in the ids' decoded text, special tokens kept as ``_echo_text``
     keeps them."""
     if isinstance(given, str) and model.tokenizer is not None:
-        offsets = model.tokenizer.char_offsets(given)
+        offsets = model.tokenizer.char_offsets(given, add_special_tokens)
         if len(offsets) == len(token_ids):
             return offsets
     return TextOffsets(model.tokenizer, [], skip_special_tokens=False).take(token_ids)
@@ -83,7 +84,8 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         raise APIError(400, f"best_of ({req.best_of}) must be greater than or equal to n ({req.n})", param="best_of")
     given = _as_prompt_list(req.prompt)
     model.admission.check_fits(len(given) * req.n, "prompt")  # before tokenizing a batch too large to run
-    tokenized = await model.tokenize_many(given, "prompt",
+    add_special_tokens = req.add_special_tokens is not False
+    tokenized = await model.tokenize_many(given, "prompt", add_special_tokens,
                                           keep_last=model.kept_prompt_tokens(req.truncate_prompt_tokens))
     prompts = [prompt.ids for prompt in tokenized]
     given = [prompt.ids if prompt.cut else text  # a prompt cut short is echoed as the tokens kept
@@ -122,7 +124,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         if prompt_entries is not None:
             ids = prompts[index // req.n]
             piece = echoed_logprobs(names, ids, top_k(prompt_entries, req.logprobs),
-                                    _echo_offsets(model, given[index // req.n], ids))
+                                    _echo_offsets(model, given[index // req.n], ids, add_special_tokens))
         more = completion_logprobs(names, entries, offsets[index].take([entry.token_id for entry in entries]))
         return piece.extend(more)
 

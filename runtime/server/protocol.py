@@ -325,7 +325,9 @@ class CompletionRequest(SamplingFields):
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The most likely alternatives per token.")
     best_of: OneBestOf = None
     suffix: NoSuffix = None
-    add_special_tokens: neutral_only(None, True) = Field(None, description=VLLM_DEFAULT)
+    add_special_tokens: bool | None = Field(None, description="Extension (as in vLLM): add the tokenizer's special "
+                                                              "tokens (BOS) to a text prompt; default true. False "
+                                                              "for a prompt that writes them itself.")
 
 
 class FunctionCall(StrictModel):
