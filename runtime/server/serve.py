@@ -87,7 +87,7 @@ def served_state(app: FastAPI) -> ServerState:
         apps.extend(route.app for route in getattr(current, "routes", ()) if isinstance(route, Mount | Host))
     if len(found) != 1:
         raise TypeError(f"{'no app create_app made is' if not found else f'{len(found)} apps create_app made are'} "
-                        f"served or mounted in {type(app).__name__} {app!r}: serve one (mounted in yours, or on its "
+                        f"served or mounted in this {type(app).__name__} app: serve one (mounted in yours, or on its "
                         f"own); a server drains and watches one engine")
     return found[0]
 
