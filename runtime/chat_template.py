@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -18,6 +19,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kiln.runtime.chat_template_files import ChatTemplateFiles
 from kiln.runtime.errors import KilnError
+
+logger = logging.getLogger("kiln.runtime")
 
 
 class ChatTemplateError(KilnError):
@@ -300,15 +303,17 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _arguments(arguments: Any) -> Any:
-    return call_arguments(arguments) if isinstance(arguments, str) else arguments
-
-
-def call_arguments(text: str) -> dict | str:
+def _arguments(arguments: Any) -> dict:
     """A tool call's arguments as chat templates take them (transformers' convention): the JSON object the OpenAI
-    string holds, else the string as it is."""
+    string holds; {} for one that holds none (empty, cut off by a length limit, an array), as vLLM passes it, so that
+    a template that iterates the arguments still renders the history (a warning names what was replaced)."""
     try:
-        value = json.loads(text)
+        value = json.loads(arguments) if isinstance(arguments, str) else arguments
     except json.JSONDecodeError:
-        return text
-    return value if isinstance(value, dict) else text
+        value = None
+    if isinstance(value, dict):
+        return value
+    if arguments not in ("", None):
+        logger.warning("a tool call's arguments in the messages are no JSON object (%.80r): the chat template gets "
+                       "{} in their place, as vLLM passes them", arguments)
+    return {}

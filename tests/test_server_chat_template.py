@@ -152,3 +152,18 @@ def test_a_template_is_read_as_utf_8_whatever_the_locale(tmp_path):
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, capture_output=True, check=True,
                             env=repo_env(LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONIOENCODING=""))
     assert result.stdout.decode("utf-8") == "<｜user｜>hi"
+
+
+def test_history_tool_calls_whose_arguments_hold_no_object_reach_the_template_as_an_empty_one(caplog):
+    template = ChatTemplate("{% for m in messages %}{% for call in m.tool_calls or [] %}{{ call.function.name }}("
+                            "{% for k, v in call.function.arguments | items %}{{ k }}={{ v }}{% endfor %})"
+                            "{% endfor %}{% endfor %}", {})  # Qwen3-Coder's and GLM's templates iterate them
+
+    def called(arguments: str) -> str:
+        return template.render([template_message({"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]})])
+
+    assert called('{"city": "Oslo"}') == "f(city=Oslo)"
+    for cut in ("", '{"city": "Os', "[1]", "null"):  # a call cut off by max_tokens, as Kiln returns one
+        assert called(cut) == "f()"  # before: the template failed, and every later turn of the agent with it
+    assert "no JSON object ('{\"city\": \"Os')" in caplog.text
