@@ -117,6 +117,8 @@ def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, w
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "allowed_tools"}}, "tool_choice",
      ["'none', 'auto'"]),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", ["needs logprobs"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {  # as OpenAI's
+        "name": "f", "parameters": {"type": "array"}}}]}, "tools[0].function.parameters", ['"type": "object"']),
     ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}, "modalities", ["not supported"]),
     ({"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions", ["not supported by this server"]),
     ({"messages": [{"role": "user", "content": "hi"}], "regex": "a+"}, "regex",

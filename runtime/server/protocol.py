@@ -15,6 +15,7 @@ from pydantic import (
     PlainValidator,
     ValidationInfo,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 
@@ -385,6 +386,16 @@ class FunctionDefinition(StrictModel):
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments.")
     strict: bool | None = Field(None, description="Accepted: forced calls always follow the schema exactly.")
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        """OpenAI's rule: a function takes an object of named arguments (templates write, and call parsers read,
+        arguments as one)."""
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise ValueError(f'must be a JSON schema of "type": "object" (a function takes named arguments), got '
+                             f'"type": {json.dumps(parameters["type"])}')
+        return parameters
 
 
 class Tool(StrictModel):
