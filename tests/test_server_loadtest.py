@@ -127,6 +127,16 @@ def test_a_prompts_file_is_read_in_turn(tmp_path):
     records.write_text('{"text": "a"}\n')
     with pytest.raises(WorkloadError, match="p.jsonl:1"):
         workload(1, 1, prompts_file=records)
+    share_gpt = tmp_path / "sharegpt.json"  # vLLM's --dataset-name sharegpt file, pretty-printed
+    share_gpt.write_text(json.dumps([{"id": "0", "conversations": [{"from": "human", "value": "Hi there"},
+                                                                    {"from": "gpt", "value": "Hello"}]},
+                                     {"id": "1", "conversations": [{"from": "gpt", "value": "no human turn"}]},
+                                     {"id": "2", "conversations": [{"from": "human", "value": "Bye"}]}], indent=2))
+    assert [r.prompt for r in workload(3, 4, prompts_file=share_gpt).requests] == ["Hi there", "Bye", "Hi there"]
+    # before: sent line by line, "[" and "  {" among the prompts
+    share_gpt.write_text(json.dumps([{"prompt": "a"}, {"text": "b"}]))
+    with pytest.raises(WorkloadError, match=r"sharegpt.json:\[1\]"):
+        workload(1, 1, prompts_file=share_gpt)
 
 
 def test_spread_varies_a_text_prompts_output_lengths():
@@ -240,7 +250,7 @@ def test_every_client_going_away_is_a_soak_not_a_failure_and_one_token_is_no_dis
     assert every_one_gone["disconnected"] == 2
     assert every_one_gone["ttft_ms"] == {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None, "max": None}
     counted = RequestResult(status=200, ttft_s=0.1, latency_s=0.2, completion_tokens=8, events=8, without_usage=True)
-    assert summarize_results([counted], duration_s=1.0)["tokens_counted"].startswith("max_tokens")
+    assert summarize_results([counted], duration_s=1.0)["tokens_counted"].startswith("estimated")
     one_token = make_workload(requests=8, warmup=0, request_rate=math.inf, seed=0, max_tokens=1, disconnect=1.0)
     assert all(request.disconnect_after is None for request in one_token.requests)
 
@@ -292,3 +302,44 @@ def test_embedding_example_serves_an_app_and_a_worker_from_one_engine():
     for route in ("/ask ->", "/ask/stream ->", "/summarize ->", "/engine ->"):
         assert route in proc.stdout
     assert "/summarize of a text too long -> 400" in proc.stdout and proc.stdout.count("worker ->") == 4
+
+
+class _ReplayedStream:
+    """A server's streamed answer, as aiohttp's session gives it: these SSE lines, one chunk each."""
+
+    def __init__(self, chunks: list[dict]) -> None:
+        self.status = 200
+        self.content = self._lines([f"data: {json.dumps(chunk)}\n".encode() for chunk in chunks] + [b"data: [DONE]\n"])
+
+    @staticmethod
+    async def _lines(lines: list[bytes]):
+        for line in lines:
+            yield line
+
+    def post(self, path: str, json: dict) -> _ReplayedStream:
+        return self
+
+    async def __aenter__(self) -> _ReplayedStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None
+
+
+def test_streamed_usage_on_every_chunk_or_none_at_all_is_read_as_the_tokens_that_came():
+    from kiln.pipeline.bench.serving_clients import _one_http_request
+
+    def text(piece: str, finish: str | None = None, usage: int | None = None) -> dict:
+        return {"choices": [{"index": 0, "text": piece, "finish_reason": finish}],
+                **({"usage": {"completion_tokens": usage}} if usage is not None else {})}
+
+    continuous = [text(f"t{i}", "length" if i == 3 else None, usage=i + 1) for i in range(4)]  # vLLM's continuous
+    result = asyncio.run(_one_http_request(_ReplayedStream(continuous), "/v1/completions", {"max_tokens": 4}, None))
+    assert (result.events, len(result.gaps_s), result.completion_tokens) == (4, 3, 4)  # before: no token counted
+    # as output, so no inter-token gap and a time to first token of the whole answer
+    stopped = [text(f"t{i}", "stop" if i == 4 else None) for i in range(5)]  # no usage, and EOS honoured anyway
+    result = asyncio.run(_one_http_request(_ReplayedStream(stopped), "/v1/completions", {"max_tokens": 16}, None))
+    assert (result.completion_tokens, result.without_usage) == (5, True)  # before: 16, max_tokens
+    long = [text(f"t{i}", "length" if i == 3 else None) for i in range(4)]  # chunks of several tokens
+    assert asyncio.run(_one_http_request(_ReplayedStream(long), "/v1/completions", {"max_tokens": 16},
+                                         None)).completion_tokens == 16

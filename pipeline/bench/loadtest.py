@@ -216,8 +216,9 @@ def loadtest(
                                                                "--max-tokens).")] = None,
     spread: Annotated[float, typer.Option(min=0.0, max=1.0, help="Vary --input-len and --output-len (or "
                                                                   "--max-tokens) uniformly by this fraction.")] = 0.0,
-    prompts_file: Annotated[Path | None, typer.Option(help="Prompts to send in turn: a text file (one a line) or "
-                                                           "JSONL with 'prompt' and optional 'max_tokens'.")] = None,
+    prompts_file: Annotated[Path | None, typer.Option(help="Prompts to send in turn: a text file (one a line), "
+                                                           "JSONL with 'prompt' and optional 'max_tokens', or a .json "
+                                                           "array of those or of ShareGPT conversations.")] = None,
     warmup: Annotated[int, typer.Option(min=0, help="Requests sent first and not measured.")] = 1,
     disconnect: Annotated[float, typer.Option(min=0.0, max=1.0, help="This share of the measured requests, drawn at "
                                                                       "random, disconnects after a random part of "

@@ -37,7 +37,8 @@ class RequestResult:
     gaps_s: list[float] = field(default_factory=list)
     error: str | None = None
     disconnected: bool = False
-    without_usage: bool = False  # the server sent no usage: its tokens are taken as max_tokens (EOS is ignored)
+    without_usage: bool = False  # the server sent no usage: its tokens are estimated (``estimate_tokens``)
+    finish_reason: str | None = None
 
     def arrived(self, start: float, last: float | None) -> float:
         """Note one piece of output arriving now; returns the time of it."""
@@ -170,23 +171,31 @@ async def _one_http_request(session, path: str, payload: dict, disconnect_after:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 result.error = chunk["error"].get("message")
-            elif chunk.get("usage"):
+                continue
+            if chunk.get("usage"):  # on the last chunk, or on every one (vLLM's continuous_usage_stats)
                 result.completion_tokens = chunk["usage"]["completion_tokens"]
-            elif _carries_output(chunk):
+            choice = (chunk.get("choices") or [{}])[0]
+            result.finish_reason = choice.get("finish_reason") or result.finish_reason
+            if _carries_output(choice):
                 last = result.arrived(start, last)
                 if result.events == disconnect_after:
                     result.disconnected = True
                     response.close()  # drops the connection: the server sees the client go
                     break
     if not (result.completion_tokens or result.disconnected or result.error) and result.events:
-        result.completion_tokens, result.without_usage = payload["max_tokens"], True
+        result.completion_tokens, result.without_usage = estimate_tokens(result, payload["max_tokens"]), True
     result.latency_s = time.monotonic() - start
     return result
 
 
-def _carries_output(chunk: dict) -> bool:
-    """Whether an SSE chunk brings generated output (a chat stream's first chunk only names the role)."""
-    choice = (chunk.get("choices") or [{}])[0]
+def estimate_tokens(result: RequestResult, max_tokens: int) -> int:
+    """The tokens of a stream whose server sent no usage: ``max_tokens`` where it ended by length (every request
+    ignores EOS), else one token a chunk (a server that stopped early anyway: counting max_tokens overstated it)."""
+    return max_tokens if result.finish_reason == "length" else result.events
+
+
+def _carries_output(choice: dict) -> bool:
+    """Whether a stream chunk's choice brings generated output (a chat stream's first chunk only names the role)."""
     return bool(choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("finish_reason"))
 
 
@@ -255,7 +264,8 @@ def summarize_results(results: list[RequestResult], duration_s: float, **context
         "disconnected": disconnected,
         "failed": len(results) - len(ok) - disconnected,
         "statuses": dict(statuses),
-        "tokens_counted": "max_tokens: the server sent no usage" if any(r.without_usage for r in ok) else "usage",
+        "tokens_counted": ("estimated: the server sent no usage (max_tokens where a request ended by length, else one "
+                           "a chunk)") if any(r.without_usage for r in ok) else "usage",
         "errors": dict(errors.most_common(5)),  # the commonest error messages (a stream's error event under its 200)
         "duration_s": round(duration_s, 3),
         "requests_per_s": round(len(ok) / duration_s, 3),

@@ -147,22 +147,51 @@ def card_limits(card: dict) -> EngineLimits | None:
 
 
 def _from_file(path: Path, count: int, max_tokens: int) -> list[ServingRequest]:
-    """A ``.jsonl`` file of ``{"prompt": text or token ids, "max_tokens": n}`` objects (``max_tokens`` optional), or a
-    text file of one prompt per line; its requests are taken in turn, again from the start if there are too few."""
+    """A ``.jsonl`` file of ``{"prompt": text or token ids, "max_tokens": n}`` objects (``max_tokens`` optional), a
+    ``.json`` array of such objects or of ShareGPT conversations (vLLM's ``--dataset-name sharegpt`` file: each
+    conversation's first human turn), or a text file of one prompt per line; its requests are taken in turn, again
+    from the start if there are too few."""
     try:
-        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise WorkloadError(f"--prompts-file {path}: unreadable ({exc})") from None
+    lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise WorkloadError(f"--prompts-file {path}: no prompts in it; write one per line")
-    if Path(path).suffix != ".jsonl":
-        found = [ServingRequest(line, max_tokens) for line in lines]
-    else:
+    if Path(path).suffix == ".json":
+        found = _json_requests(path, text, max_tokens)
+    elif Path(path).suffix == ".jsonl":
         found = [_jsonl_request(path, number, line, max_tokens) for number, line in enumerate(lines, 1)]
+    else:
+        found = [ServingRequest(line, max_tokens) for line in lines]
     return [found[i % len(found)] for i in range(count)]
 
 
-def _jsonl_request(path: Path, number: int, line: str, max_tokens: int) -> ServingRequest:
+def _json_requests(path: Path, text: str, max_tokens: int) -> list[ServingRequest]:
+    """The requests of a ``.json`` prompts file (``_from_file``)."""
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"--prompts-file {path}: not JSON ({exc}); a .json file is an array of "
+                            f"{{\"prompt\": ...}} objects or of ShareGPT conversations") from None
+    if not isinstance(records, list) or not records:
+        raise WorkloadError(f"--prompts-file {path}: a .json file is a non-empty array of {{\"prompt\": ...}} objects "
+                            f"or of ShareGPT conversations")
+    found = []
+    for number, record in enumerate(records):
+        if isinstance(record, dict) and isinstance(record.get("conversations"), list):
+            human = next((turn.get("value") for turn in record["conversations"]
+                          if isinstance(turn, dict) and turn.get("from") in ("human", "user")), None)
+            if isinstance(human, str) and human:  # as vLLM's sample: a conversation without one is left out
+                found.append(ServingRequest(human, max_tokens))
+        else:
+            found.append(_jsonl_request(path, f"[{number}]", json.dumps(record), max_tokens))
+    if not found:
+        raise WorkloadError(f"--prompts-file {path}: no conversation in it has a human turn to send")
+    return found
+
+
+def _jsonl_request(path: Path, number: int | str, line: str, max_tokens: int) -> ServingRequest:
     try:
         record = json.loads(line)
         prompt = record["prompt"]
@@ -170,5 +199,5 @@ def _jsonl_request(path: Path, number: int, line: str, max_tokens: int) -> Servi
             raise TypeError("prompt is neither text nor a list of token ids")
         return ServingRequest(prompt, int(record.get("max_tokens", max_tokens)))
     except (ValueError, KeyError, TypeError) as exc:
-        raise WorkloadError(f"--prompts-file {path}:{number}: {exc}; each line is an object with a 'prompt' (text or "
-                            f"token ids) and optionally 'max_tokens'") from None
+        raise WorkloadError(f"--prompts-file {path}:{number}: {exc}; each entry is an object with a 'prompt' (text "
+                            f"or token ids) and optionally 'max_tokens'") from None
