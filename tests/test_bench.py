@@ -72,6 +72,9 @@ def test_json_reports_positive_kiln_and_peer_figures(config_report):
         for key in FIGURES:
             assert config_report[side][key] > 0, (side, key)
     assert config_report["kiln"]["output_tokens"] == config_report["peer"]["output_tokens"] == 4 * 6
+    run = config_report["run"]  # what produced the figures, to read them next to
+    assert run["torch"] and run["transformers"] and run["python"] and run["started_at"] and run["host"]
+    assert run["command"].startswith("kiln") and "checkout" in run and "kiln" in run
     engine = config_report["kiln"]["offline_engine"]  # 4 prompts of 6 tokens: a prefill, then 5 decode steps at least
     assert engine["steps"] >= 6 and engine["preemptions"] == 0
     # each step's execute time is part of its wall time, so the medians are ordered too (no timing race)

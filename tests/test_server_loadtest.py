@@ -196,6 +196,9 @@ def test_loadtest_serves_an_engine_on_loopback_and_reports_its_efficiency_agains
     served = report["output_tokens"]
     assert report["succeeded"] == 12 and report["url"].startswith("http://127.0.0.1:")
     assert report["workload"]["output_tokens_mean"] == round(served / 12, 1) and report["workload"]["prompt"] is None
+    assert {key: report["workload"][key] for key in ("seed", "input_len", "spread")} == {
+        "seed": 0, "input_len": 8, "spread": 0.5}  # what makes the run again
+    assert report["run"]["started_at"] and report["run"]["python"]
     # the engine's own runs take the served requests' lengths (the spread drawn once), with fresh token ids
     assert report["offline"]["output_tokens"] == served and report["in_process"]["output_tokens"] == served
     cpu = report["server"]["cpu_us_per_token"]  # the engine runs in a process of its own, the clients in another

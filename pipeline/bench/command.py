@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 import typer
 
 from kiln.calibration.recipe import Format
+from kiln.pipeline.bench.provenance import run_record
 from kiln.pipeline.bench.report import print_report
 from kiln.pipeline.console import friendly_errors, print_json
 from kiln.pipeline.runtime_env import runtime_options
@@ -96,11 +97,12 @@ def bench(
 
     plan = BenchPlan(prompts or DEFAULT_PROMPTS, input_len or DEFAULT_LENGTH, output_len or DEFAULT_LENGTH,
                      max_batch_size)
+    run = run_record()
     report = run_bench(target, plan, batch_1_only=batch_1, peer=peer, peer_attn=peer_attn or "sdpa", fmt=fmt,
                        kv_cache_dtype=kv_cache_dtype or "auto", tp_size=tp_size, bandwidth_gbs=bandwidth_gbs,
                        allow_large=allow_large, seed=seed, options=runtime_options(os.environ),
                        random_quantized=random_quantized, checkpoint_cache=checkpoint_cache)
-    print_json(report) if json_out else print_report(report)
+    print_json({**report, "run": run}) if json_out else print_report(report)
 
 
 def _refuse_given(why: str, options: dict[str, object]) -> None:
@@ -122,8 +124,9 @@ def _run_suite(target: str, name: str, rows: str | None, *, fmt: str | None, kv_
     if peer is not None:
         raise typer.BadParameter("--suite compares with published figures; leave out --peer")
     selected = select_rows(SUITES[name], rows.split(",") if rows else None)
+    run = run_record()
     report = run_suite(target, SUITES[name], selected, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
                        random_quantized=random_quantized, checkpoint_cache=checkpoint_cache,
                        max_batch_size=max_batch_size, allow_large=allow_large, seed=seed,
                        options=runtime_options(os.environ))
-    print_json(report) if json_out else print_suite(report)
+    print_json({**report, "run": run}) if json_out else print_suite(report)

@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kiln.pipeline.bench.http_clients_process import client_processes, run_http_apart
+from kiln.pipeline.bench.provenance import run_record
 from kiln.pipeline.bench.server_metrics import scrape, scrape_when_idle, server_usage
 from kiln.pipeline.bench.serving_clients import (
     LoadTestError,
@@ -187,7 +188,9 @@ def _describe(workload: ServingWorkload, options: dict) -> dict:
             "request_rate": options["request_rate"] if math.isfinite(options["request_rate"]) else "inf",
             "input_tokens_mean": round(sum(prompts) / len(prompts), 1) if None not in prompts else None,
             "output_tokens_mean": round(sum(r.max_tokens for r in workload.requests) / len(workload.requests), 1),
-            "prompt": None if workload.uses_token_ids else workload.requests[0].prompt}
+            "prompt": None if workload.uses_token_ids else workload.requests[0].prompt,
+            **{name: options[name] for name in ("seed", "input_len", "output_len", "spread", "disconnect")},
+            "prompts_file": str(options["prompts_file"]) if options["prompts_file"] is not None else None}
 
 
 def _above_zero(value: float) -> float:
@@ -263,7 +266,8 @@ def loadtest(
     if resolved is not None:  # the workload checked against the engine before it loads (a prompts file read too)
         limits = plan_limits(resolved.engine_dir)
         check_fits(make_workload(**workload_options, vocab_size=vocab_size or limits.vocab_size), limits)
+    run = run_record()
     with _server_for(target, resolved, api_key, options) as (url, key, llm):
         report = asyncio.run(_measure(url, key, llm, workload_options, concurrency=clients, chat=chat,
                                       vocab_size=vocab_size, offline=offline, in_process=in_process))
-    print_json(report) if json_out else print_report(report)
+    print_json({**report, "run": run}) if json_out else print_report(report)

@@ -1,0 +1,49 @@
+"""What produced a benchmark's figures (its ``run`` object): Kiln's version and the checkout's commit, the libraries
+that set them, the machine, when, and the command line, so that a figure can be read next to its run."""
+
+from __future__ import annotations
+
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from kiln.runtime.version import kiln_version, package_version
+
+PACKAGE_DIR = Path(__file__).resolve().parents[2]
+
+
+def run_record() -> dict:
+    """The ``run`` object of a bench or loadtest report; call it when the command starts."""
+    return {"kiln": kiln_version(), "checkout": checkout_commit(PACKAGE_DIR), "python": platform.python_version(),
+            **{name: package_version(name) for name in ("torch", "transformers", "triton")},
+            "host": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_model(),
+            "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "command": shlex.join(["kiln", *sys.argv[1:]])}
+
+
+def checkout_commit(directory: Path) -> str | None:
+    """The commit of the git checkout Kiln runs from (``+changes`` where its files differ from it); None outside
+    one (an installed wheel), or without git."""
+    try:
+        commit = subprocess.run(["git", "-C", str(directory), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                text=True, timeout=5, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(directory), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{commit}{'+changes' if changed else ''}"
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux's /proc/cpuinfo; the platform's processor elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
