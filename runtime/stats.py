@@ -64,17 +64,23 @@ def step_kind(step: StepStats) -> str:
     return "prefill" if step.num_prefill_seqs else "decode"
 
 
-def summarize(values: list[float], scale: float = 1.0) -> dict:
-    """count, mean, p50, p95, p99 and max of `values` times `scale` (empty: count 0, the rest None: the same keys)."""
+def summarize(values: list[float], scale: float = 1.0, digits: int | None = None) -> dict:
+    """count, mean, p50, p95, p99 and max of `values` times `scale` (empty: count 0, the rest None: the same keys),
+    rounded to ``digits`` where given; percentiles interpolated between the two nearest values, as numpy's (and
+    vLLM's benchmarks) compute them."""
     if not values:
         return {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None, "max": None}
     ordered = sorted(v * scale for v in values)
 
     def pct(p: float) -> float:
-        return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+        position = p / 100 * (len(ordered) - 1)
+        below = int(position)
+        above = min(below + 1, len(ordered) - 1)
+        return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
-    return {"count": len(ordered), "mean": statistics.fmean(ordered), "p50": pct(50), "p95": pct(95),
-            "p99": pct(99), "max": ordered[-1]}
+    figures = {"mean": statistics.fmean(ordered), "p50": pct(50), "p95": pct(95), "p99": pct(99), "max": ordered[-1]}
+    return {"count": len(ordered), **{name: value if digits is None else round(value, digits)
+                                      for name, value in figures.items()}}
 
 
 class EngineStats:

@@ -7,7 +7,6 @@ separate table (not cleared by ``zero``), so a lookup that finds no entry for su
 from __future__ import annotations
 
 import functools
-import math
 import sqlite3
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from kiln.engines.cache.db import connect, ensure_schema, expendable
 from kiln.engines.cache.layout import read_only_db
+from kiln.runtime.stats import summarize
 
 MISS_REASONS = ("new", "evicted", "corrupt", "incompatible")
 REMOTE_HIT = "remote hit"  # a lookup that missed here and was pulled from the remote tier
@@ -27,14 +27,6 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS published (store TEXT NOT NULL, key TEXT NOT NULL, ts REAL NOT NULL, "
     "PRIMARY KEY (store, key))",
 )
-
-
-def percentile(sorted_values: list[float], p: float) -> float | None:
-    """Nearest-rank percentile of an ascending list (None when empty)."""
-    if not sorted_values:
-        return None
-    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
 
 
 def _recording(method: Callable[..., None]) -> Callable[..., None]:
@@ -174,8 +166,7 @@ class StatsDB:
             "misses": total - hits,
             "hit_rate": hits / total if total else None,
             "misses_by_reason": misses_by_reason,
-            "load_ms": {"count": len(loads), "p50": percentile(loads, 50), "p95": percentile(loads, 95),
-                        "p99": percentile(loads, 99), "max": loads[-1] if loads else None},
+            "load_ms": summarize(loads, digits=2),
             "build_seconds_saved": round(float(saved), 3),
             "builds": builds[0],
             "build_seconds": round(float(builds[1]), 3),

@@ -272,11 +272,7 @@ def summarize_results(results: list[RequestResult], duration_s: float, **context
         "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / duration_s, 2),
         "tokens_per_event": round(tokens / max(1, sum(r.events for r in ok)), 3),
-        "ttft_ms": _rounded(summarize([r.ttft_s for r in ok if r.ttft_s is not None], 1000)),
-        "itl_ms": _rounded(summarize([gap for r in ok for gap in r.gaps_s], 1000)),
-        "latency_ms": _rounded(summarize([r.latency_s for r in ok], 1000)),
+        "ttft_ms": summarize([r.ttft_s for r in ok if r.ttft_s is not None], 1000, digits=2),
+        "itl_ms": summarize([gap for r in ok for gap in r.gaps_s], 1000, digits=2),
+        "latency_ms": summarize([r.latency_s for r in ok], 1000, digits=2),
     }
-
-
-def _rounded(summary: dict) -> dict:
-    return {k: round(v, 2) if isinstance(v, float) else v for k, v in summary.items()}
