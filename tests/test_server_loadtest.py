@@ -346,3 +346,14 @@ def test_streamed_usage_on_every_chunk_or_none_at_all_is_read_as_the_tokens_that
     long = [text(f"t{i}", "length" if i == 3 else None) for i in range(4)]  # chunks of several tokens
     assert asyncio.run(_one_http_request(_ReplayedStream(long), "/v1/completions", {"max_tokens": 16},
                                          None)).completion_tokens == 16
+
+
+def test_more_failures_than_max_failure_rate_allows_exit_3_after_the_report(llm):
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name="tiny", max_queue=1))
+    with ServerThread(app) as full:  # 32 sent at once where the engine takes 16 and one more: 503s
+        runs = [CliRunner().invoke(cli(), ["loadtest", full.url, "--clients", "32", "--requests", "32", "--warmup",
+                                           "0", "--max-tokens", "48", "--json", *rate])
+                for rate in ([], ["--max-failure-rate", "0"])]
+    reported, gated = (json.loads(run.stdout[run.stdout.index("{"):run.stdout.rindex("}") + 1]) for run in runs)
+    assert runs[0].exit_code == 0 and reported["failed"] > 0  # by default failures are reported, as vLLM's
+    assert runs[1].exit_code == 3 and gated["failed"] > 0 and "more than --max-failure-rate 0" in runs[1].stderr

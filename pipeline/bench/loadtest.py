@@ -37,6 +37,7 @@ from kiln.pipeline.bench.serving_workload import (
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.runtime.engine import plan_limits
+from kiln.runtime.errors import KilnError
 from kiln.runtime.options import RuntimeOptions
 
 if TYPE_CHECKING:
@@ -193,6 +194,12 @@ def _describe(workload: ServingWorkload, options: dict) -> dict:
             "prompts_file": str(options["prompts_file"]) if options["prompts_file"] is not None else None}
 
 
+class TooManyFailuresError(KilnError):
+    """More of the measured requests failed than ``--max-failure-rate`` allows."""
+
+    exit_code = 3
+
+
 def _above_zero(value: float) -> float:
     """``--request-rate``: a rate above zero (NaN and 0 would give no arrivals at all)."""
     if not value > 0:
@@ -227,6 +234,10 @@ def loadtest(
                                                                       "random, disconnects after a random part of "
                                                                       "its output (a soak test).")] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed of random prompts and arrivals.")] = 0,
+    max_failure_rate: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="Exit 3, after the report, when more than this share of the measured requests failed "
+                               "(0 for a CI gate that takes no failure; default 1: report failures, exit 0 as vLLM's "
+                               "benchmark does). Requests that --disconnect drops do not count.")] = 1.0,
     vocab_size: Annotated[int | None, typer.Option(min=1, help="Token ids of --input-len prompts stay below this "
                                                                "(default: the server's model card).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Use /v1/chat/completions (default /v1/completions).")] = False,
@@ -271,3 +282,6 @@ def loadtest(
         report = asyncio.run(_measure(url, key, llm, workload_options, concurrency=clients, chat=chat,
                                       vocab_size=vocab_size, offline=offline, in_process=in_process))
     print_json({**report, "run": run}) if json_out else print_report(report)
+    if report["failed"] > max_failure_rate * report["requests"]:
+        raise TooManyFailuresError(f"{report['failed']} of {report['requests']} requests failed, more than "
+                                   f"--max-failure-rate {max_failure_rate:g} allows")
