@@ -58,6 +58,8 @@ def test_http_clients_count_every_token_and_report_latency_percentiles(server, l
     ttft = report["ttft_ms"]
     assert ttft["count"] == 10 and 0 < ttft["p50"] <= ttft["p95"] <= ttft["p99"]
     assert report["itl_ms"]["count"] > 0 and report["model"] == "tiny" and report["tokens_per_event"] >= 1
+    assert report["tpot_ms"]["count"] == 10  # vLLM's TPOT: (latency - TTFT) / (tokens - 1), each request's
+    assert report["tpot_ms"]["max"] <= report["latency_ms"]["max"] / 4
     wait_until(lambda: engine_idle(llm))
 
 
@@ -245,6 +247,13 @@ def test_a_running_servers_card_limits_the_workload_before_any_request_and_its_e
     refused = b'{"error": {"message": "This model\'s maximum context length is 512 tokens", "type": "x"}}'
     assert error_message(refused) == "This model's maximum context length is 512 tokens"
     assert error_message(b"<html>bad gateway</html>") == "<html>bad gateway</html>"
+
+
+def test_time_per_output_token_is_vllms_after_the_first_token():
+    from kiln.pipeline.bench.serving_clients import time_per_output_token
+
+    assert time_per_output_token(RequestResult(status=200, ttft_s=0.1, latency_s=0.5, completion_tokens=5)) == 0.1
+    assert time_per_output_token(RequestResult(status=200, ttft_s=0.1, latency_s=0.1, completion_tokens=1)) is None
 
 
 def test_every_client_going_away_is_a_soak_not_a_failure_and_one_token_is_no_disconnect():

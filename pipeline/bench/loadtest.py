@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LoadTestError", "loadtest"]
 
-LATENCIES = (("TTFT", "ttft_ms"), ("inter-token", "itl_ms"), ("latency", "latency_ms"))
+LATENCIES = (("TTFT", "ttft_ms"), ("inter-token", "itl_ms"), ("per output token", "tpot_ms"), ("latency", "latency_ms"))
 
 
 def print_report(report: dict) -> None:

@@ -188,6 +188,14 @@ async def _one_http_request(session, path: str, payload: dict, disconnect_after:
     return result
 
 
+def time_per_output_token(result: RequestResult) -> float | None:
+    """vLLM's TPOT: the seconds after the first token over the tokens after it (None for a request of one token),
+    which a chunk of several tokens or a separate finish chunk does not skew as it does the inter-token gaps."""
+    if result.ttft_s is None or result.latency_s is None or result.completion_tokens < 2:
+        return None
+    return (result.latency_s - result.ttft_s) / (result.completion_tokens - 1)
+
+
 def estimate_tokens(result: RequestResult, max_tokens: int) -> int:
     """The tokens of a stream whose server sent no usage: ``max_tokens`` where it ended by length (every request
     ignores EOS), else one token a chunk (a server that stopped early anyway: counting max_tokens overstated it)."""
@@ -274,5 +282,6 @@ def summarize_results(results: list[RequestResult], duration_s: float, **context
         "tokens_per_event": round(tokens / max(1, sum(r.events for r in ok)), 3),
         "ttft_ms": summarize([r.ttft_s for r in ok if r.ttft_s is not None], 1000, digits=2),
         "itl_ms": summarize([gap for r in ok for gap in r.gaps_s], 1000, digits=2),
+        "tpot_ms": summarize([tpot for r in ok if (tpot := time_per_output_token(r)) is not None], 1000, digits=2),
         "latency_ms": summarize([r.latency_s for r in ok], 1000, digits=2),
     }
