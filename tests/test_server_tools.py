@@ -204,6 +204,16 @@ def test_tool_requests_that_cannot_be_served_are_a_400(client, kwargs, words):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **kwargs)
 
 
+def test_a_forced_call_of_a_tool_whose_schema_cannot_be_enforced_names_that_tool(client):
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {"properties": {"a": {"type": "nonsense"}}}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=[WEATHER, odd],
+                                       tool_choice="required")
+    assert refused.value.param == "tools[1].function.parameters"  # before: null, and the calls' grammar quoted
+    assert "'odd'" in refused.value.message and "nonsense" in refused.value.message
+    assert "start:" not in refused.value.message
+
+
 def test_a_template_without_tools_refuses_them_unless_tool_choice_is_none(llm, tmp_path_factory):
     with client_for(llm, tmp_path_factory, None) as server, \
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:

@@ -39,7 +39,7 @@ from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning, th
 from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responding import StreamEvents, respond, stop_reason, stream_chunk
 from kiln.runtime.server.tool_calls import ToolCall, ToolCallFormat
-from kiln.runtime.structured_output import StructuredOutput
+from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
 
 
 def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -107,7 +107,7 @@ class ChatTools:
     def __init__(self, model: ServedModel, req: ChatCompletionRequest) -> None:
         self.functions = [tool.function.model_dump(exclude_none=True) for tool in req.tools or []]
         self.names = {f["name"] for f in self.functions}
-        choice = req.tool_choice or ("auto" if self.functions else "none")
+        choice = self.choice = req.tool_choice or ("auto" if self.functions else "none")
         self.format: ToolCallFormat | None = None
         self.forced: list[dict] = []
         self.named = False  # tool_choice names the function to call
@@ -132,10 +132,24 @@ class ChatTools:
         return [{"type": "function", "function": f} for f in self.functions] or None
 
     def structured_output(self) -> StructuredOutput | None:
-        """The grammar of a forced call (None when the model may answer in text)."""
+        """The grammar of a forced call (None when the model may answer in text); a 400 naming the tool whose
+        parameters cannot be enforced."""
         if not self.forced:
             return None
-        return StructuredOutput(grammar=self.format.grammar(self.forced, self.parallel))
+        calls = StructuredOutput(grammar=self.format.grammar(self.forced, self.parallel))
+        try:
+            _ = calls.llguidance_grammar
+        except StructuredOutputError as exc:
+            for function in self.forced:  # the tool at fault, in words about its schema rather than the grammar's
+                try:
+                    _ = StructuredOutput(json=function.get("parameters", {})).llguidance_grammar
+                except StructuredOutputError as own:
+                    raise APIError(400, f"tool_choice {_choice_name(self.choice)} cannot hold the call of "
+                                        f"'{function['name']}' to its parameters: {own}",
+                                   param=f"tools[{self.functions.index(function)}].function.parameters") from None
+            raise APIError(400, f"tool_choice {_choice_name(self.choice)} cannot hold the calls to the tools' "
+                                f"parameters: {exc}", param="tools") from None
+        return calls
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The content and the calls in a finished completion: calls of the request's tools only, and only the
