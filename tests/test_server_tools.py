@@ -145,6 +145,10 @@ def test_a_named_tool_choice_calls_that_function_once(client, llm):
     assert len(calls) == 1 and out.choices[0].finish_reason == "stop"  # as OpenAI and vLLM say for a named call
     assert_valid_call(calls[0], CLOCK)
     assert set(json.loads(calls[0].function.arguments)) == {"zone"}
+    untyped = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, CLOCK], max_tokens=120,
+                                             tool_choice={"function": {"name": "get_time"}}, seed=2,  # vLLM takes it
+                                             logit_bias={str(newline): 30})
+    assert [call.function.name for call in untyped.choices[0].message.tool_calls] == ["get_time"]
 
 
 def test_a_forced_call_cut_off_by_max_tokens_comes_back_as_far_as_it_got(client):

@@ -50,11 +50,13 @@ def error_response(error: APIError) -> JSONResponse:
 
 def describe_validation_error(exc: RequestValidationError, route: str | None = None) -> APIError:
     """The first problem of a request body as a 400 that names the field (`messages[0].role`); where a field takes
-    a text or a list and got a list, the list's deepest problem, which names the item at fault (`input[1].name`).
+    a text or a list and got a list, the list's deepest problem, which names the item at fault (`input[1].name`), and
+    where it takes a name or an object and got an object, the object's (`tool_choice.function.name`).
     An unknown field that another server (SGLang) takes gets what to send instead on ``route`` (the route's path)."""
     errors = exc.errors()
     error = errors[0]
-    if error.get("type") == "string_type" and isinstance(error.get("input"), list):
+    if (error.get("type") == "string_type" and isinstance(error.get("input"), list)
+            or error.get("type") == "literal_error" and isinstance(error.get("input"), dict)):
         error = max(errors, key=lambda found: len(found.get("loc", ())))
     loc = [part for part in error.get("loc", ()) if part != "body" and not _union_member(part)]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None

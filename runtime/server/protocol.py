@@ -408,7 +408,7 @@ class NamedFunction(StrictModel):
 
 
 class NamedToolChoice(StrictModel):
-    type: Literal["function"]
+    type: Literal["function"] = "function"  # vLLM's default: {"function": {"name": ...}} names one too
     function: NamedFunction
 
 
