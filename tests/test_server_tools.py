@@ -413,3 +413,16 @@ def test_mistral_calls_are_a_json_array_with_ids_its_templates_take_back():
     history = [*MESSAGES, {"role": "assistant", "tool_calls": [
         {"id": calls[0].id, "type": "function", "function": {"name": "a", "arguments": calls[0].arguments}}]}]
     assert calls[0].id in ChatTemplate(MISTRAL_TEMPLATE, {}).render(history)
+
+
+def test_tools_named_as_mcp_servers_name_them_are_called(client):
+    dotted = {"type": "function", "function": {"name": "weather.get-current:v2", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    named = {"type": "function", "function": {"name": "weather.get-current:v2"}}
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[dotted], max_tokens=60,
+                                         tool_choice=named)
+    assert [call.function.name for call in out.choices[0].message.tool_calls or []] == ["weather.get-current:v2"]
+    with pytest.raises(openai.BadRequestError) as refused:  # before: dots refused, as OpenAI's pattern refuses them
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=[
+            {"type": "function", "function": {"name": "two words"}}])
+    assert refused.value.param == "tools[0].function.name"

@@ -382,7 +382,9 @@ class ChatMessage(StrictModel):
 
 
 class FunctionDefinition(StrictModel):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    # OpenAI's names ([a-zA-Z0-9_-]{1,64}) and what vLLM also takes, as MCP servers name tools (server.tool, longer
+    # prefixed names): no whitespace, at most 256 characters
+    name: str = Field(pattern=r"^\S{1,256}$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments.")
     strict: bool | None = Field(None, description="Accepted: forced calls always follow the schema exactly.")
