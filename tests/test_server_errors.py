@@ -52,8 +52,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ["max_tokens 0 generates nothing: with echo: true"]),
     ({"prompt": "hi", "max_tokens": -3}, "max_tokens", ["greater than or equal to 0"]),
     ({"prompt": "hi", "max_tokens": 100_000}, "max_tokens", ["maximum context length", "leaves room for at most"]),
-    ({"prompt": ""}, "prompt", ["empty"]),
+    ({"prompt": ""}, "prompt", ["empty after tokenization"]),  # the tiny tokenizer adds no BOS
     ({"prompt": []}, "prompt", ["non-empty"]),
+    ({"prompt": [3, -1]}, "prompt", ["token ids are >= 0, got -1"]),
     ({"prompt": LONG_TEXT}, "prompt", ["max_input_len"]),
     ({"prompt": [5, 999_999]}, "prompt", ["999999"]),
     ({"max_tokens": 5}, "prompt", ["required"]),
@@ -532,3 +533,11 @@ def test_a_request_whose_constraints_allow_no_token_is_a_400_saying_so(http):
     body = {"prompt": "The cat sat on the", "max_tokens": 4, "temperature": 0, "allowed_token_ids": [5, 6],
             "structured_outputs": {"choice": ["mat", "roof"]}}  # neither choice starts with token 5 or 6
     assert_error(http.post("/v1/completions", json=body), 400, None, "no token is allowed")
+
+
+def test_an_empty_text_prompt_is_taken_for_the_tokenizer_to_give_its_bos():
+    from kiln.runtime.server.protocol import CompletionRequest
+
+    # OpenAI and vLLM serve "" from the BOS alone; a tokenizer that adds none leaves no token (the 400 above)
+    assert CompletionRequest.model_validate({"prompt": ""}).prompt == ""
+    assert CompletionRequest.model_validate({"prompt": ["", "a"]}).prompt == ["", "a"]

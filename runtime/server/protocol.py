@@ -60,20 +60,21 @@ Int = Annotated[int, BeforeValidator(_integral)]
 
 
 def _prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
-    """A prompt is text, a token-id list, or a batch of either; nothing in it may be empty."""
+    """A prompt is text, a token-id list, or a batch of either; no list in it may be empty (an empty text is the
+    tokenizer's BOS alone, as OpenAI and vLLM take it, and refused where the tokenizer adds none)."""
     if isinstance(value, str):
-        if not value:
-            raise ValueError("must not be empty")
         return value
     if not isinstance(value, list) or not value:
-        raise ValueError("must be a non-empty string, list of strings, list of token ids or list of token-id lists")
+        raise ValueError("must be a string, a non-empty list of strings, of token ids or of token-id lists")
     if _is_token_ids(value):
         return value
-    if all(isinstance(p, str) and p for p in value) or all(isinstance(p, list) and p and _is_token_ids(p)
-                                                          for p in value):
+    if all(isinstance(p, str) for p in value) or all(isinstance(p, list) and p and _is_token_ids(p) for p in value):
         return value
-    raise ValueError("must be a non-empty string, list of strings, list of token ids or list of token-id lists "
-                     "(with no empty entries)")
+    ids = [t for p in value for t in (p if isinstance(p, list) else [p])]
+    if negative := [t for t in ids if isinstance(t, int) and not isinstance(t, bool) and t < 0]:
+        raise ValueError(f"token ids are >= 0, got {negative[0]}")
+    raise ValueError("must be a string, a non-empty list of strings, of token ids or of token-id lists (with no "
+                     "empty entries)")
 
 
 def _is_token_ids(value: list) -> bool:
