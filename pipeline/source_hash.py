@@ -27,8 +27,12 @@ class BuildSources:
 
 
 BUILD_STAGE = ("pipeline/config.py", "pipeline/stages.py", "pipeline/key_material.py", "pipeline/tokenizer_files.py")
-ENGINE_SOURCES = {"native": BuildSources(("kiln.engines.native.builder",), BUILD_STAGE),
-                  "trtllm": BuildSources(("kiln.engines.trtllm.builder",), BUILD_STAGE)}
+# Where an engine is stored, and the request-time tokenizer, which a builder loads only to refuse a tokenizer.json
+# that does not load (what a build copies is runtime/tokenizer_files.py): a change to its detokenizer or the sampling
+# settings it reads rebuilds no engine
+NOT_IN_ENGINES = ("engines/cache/", "runtime/tokenizer.py")
+ENGINE_SOURCES = {"native": BuildSources(("kiln.engines.native.builder",), BUILD_STAGE, NOT_IN_ENGINES),
+                  "trtllm": BuildSources(("kiln.engines.trtllm.builder",), BUILD_STAGE, NOT_IN_ENGINES)}
 QUANTIZED_SOURCES = BuildSources(("kiln.calibration.quantize",))
 
 

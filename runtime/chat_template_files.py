@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.tokenizer import CHAT_TEMPLATES_DIR, special_token_text
+from kiln.runtime.tokenizer_files import CHAT_TEMPLATES_DIR, special_token_text
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers 5's default template (its others: CHAT_TEMPLATES_DIR)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import codecs
 import functools
 import logging
-import shutil
 from pathlib import Path
 
 import tokenizers
@@ -16,12 +15,6 @@ from kiln.runtime.sampling_params import SamplingParams, plain_number
 
 logger = logging.getLogger("kiln.runtime")
 
-# What an engine directory keeps of a checkpoint's tokenizer (both backends). chat_template.jinja: transformers 5
-# saves a tokenizer's chat template there rather than in tokenizer_config.json; the server reads it first.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                   "chat_template.jinja")
-# And the folder where transformers 5 saves a tokenizer's further named chat templates (tool_use.jinja, ...).
-CHAT_TEMPLATES_DIR = "additional_chat_templates"
 # Prompt tokens kept as context when decoding the first completion tokens (spaces and merged bytes depend on it).
 _CONTEXT_TOKENS = 6
 # Texts longer than this are encoded through ``encode_batch``, which releases the GIL (``encode`` holds it).
@@ -43,11 +36,6 @@ def _byte_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_alphabet()
-
-
-def special_token_text(token: str | dict | None) -> str | None:
-    """A special token's text as tokenizer_config.json writes it: a string, or an AddedToken dict's ``content``."""
-    return token.get("content") if isinstance(token, dict) else token
 
 
 class Tokenizer:
@@ -344,15 +332,3 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
     if has_stop_strings and tokenizer is None:
         raise error("stop strings need a tokenizer and this engine has no tokenizer.json: use stop_token_ids")
     return token_ids
-
-
-def copy_tokenizer_files(source_dir: Path, engine_dir: Path) -> None:
-    """Copy the TOKENIZER_FILES that ``source_dir`` (a Hugging Face checkpoint) has into an engine directory, and
-    the ``.jinja`` files of its CHAT_TEMPLATES_DIR."""
-    for name in TOKENIZER_FILES:
-        if (Path(source_dir) / name).is_file():
-            shutil.copyfile(Path(source_dir) / name, Path(engine_dir) / name)
-    for path in sorted((Path(source_dir) / CHAT_TEMPLATES_DIR).glob("*.jinja")):
-        if path.is_file():
-            (Path(engine_dir) / CHAT_TEMPLATES_DIR).mkdir(exist_ok=True)
-            shutil.copyfile(path, Path(engine_dir) / CHAT_TEMPLATES_DIR / path.name)

@@ -48,7 +48,7 @@ def test_hash_covers_weights_configs_and_tokenizer_only(tmp_path):
 
 
 def test_hash_covers_every_file_a_build_reads_or_copies_into_the_engine(tmp_path):
-    from kiln.runtime.tokenizer import TOKENIZER_FILES
+    from kiln.runtime.tokenizer_files import TOKENIZER_FILES
 
     ckpt = make_checkpoint(tmp_path / "ckpt")
     read = {"model.safetensors.index.json", "hf_quant_config.json", "chat_template.json", "added_tokens.json",

@@ -180,7 +180,10 @@ def kiln_sources(tmp_path_factory) -> Path:
     ("native", "runtime/native/engine.py", False), ("native", "runtime/native/scheduler.py", False),
     ("native", "runtime/native/parallel/launch.py", False), ("native", "engines/cache/store.py", False),
     ("native", "runtime/server/app.py", False), ("native", "runtime/llm.py", False),
-    ("native", "pipeline/cli.py", False),
+    ("native", "pipeline/cli.py", False), ("native", "runtime/tokenizer_files.py", True),
+    ("native", "runtime/tokenizer.py", False), ("native", "runtime/sampling_params.py", False),  # request-time: a
+    ("native", "runtime/structured_output.py", False),  # detokenizer fix rebuilt every engine
+    ("trtllm", "runtime/tokenizer_files.py", True), ("trtllm", "runtime/tokenizer.py", False),
     ("trtllm", "engines/trtllm/builder.py", True), ("trtllm", "pipeline/config.py", True),
     ("trtllm", "runtime/native/kernels/fp8_gemv.py", False), ("trtllm", "runtime/trtllm/engine.py", False),
 ])

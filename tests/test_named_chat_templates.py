@@ -16,7 +16,7 @@ from kiln import ChatInputError
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.chat_template import ChatTemplate, ChatTemplateError
 from kiln.runtime.server import ServerSettings, ServerThread, create_app
-from kiln.runtime.tokenizer import copy_tokenizer_files
+from kiln.runtime.tokenizer_files import copy_tokenizer_files
 from tests.test_server_support import TOKENIZER_SOURCE, tiny_engine
 
 MODEL = "tiny"

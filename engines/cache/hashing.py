@@ -14,7 +14,7 @@ from pathlib import Path
 from kiln.engines.cache.db import connect, ensure_schema, expendable
 from kiln.engines.cache.errors import CheckpointHashError
 from kiln.engines.cache.layout import read_only_db
-from kiln.runtime.tokenizer import CHAT_TEMPLATES_DIR
+from kiln.runtime.tokenizer_files import CHAT_TEMPLATES_DIR
 
 WEIGHT_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -29,7 +29,8 @@ from kiln.runtime.native.parallel.sharding import rank_architecture, rank_config
 from kiln.runtime.native.weight_loading import weights_mismatch
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.plan import BuildPlan, PlanError
-from kiln.runtime.tokenizer import Tokenizer, copy_tokenizer_files
+from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.tokenizer_files import copy_tokenizer_files
 
 
 def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dtype: str, device: str = "cpu",

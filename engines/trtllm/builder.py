@@ -22,7 +22,7 @@ from kiln.engines.trtllm.command import BUILD_DIR_PLACEHOLDER, NEW_TIMING_CACHE,
 from kiln.engines.trtllm.options import TrtllmBuildOptions
 from kiln.engines.trtllm.preflight import preflight
 from kiln.engines.trtllm.process import ProcessRecord, TrtllmBuildError, run_logged
-from kiln.runtime.tokenizer import copy_tokenizer_files
+from kiln.runtime.tokenizer_files import copy_tokenizer_files
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo
 
 LOG_DIR = "logs"

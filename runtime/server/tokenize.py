@@ -16,7 +16,7 @@ from kiln.runtime.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from kiln.runtime.tokenizer import special_token_text
+from kiln.runtime.tokenizer_files import special_token_text
 from kiln.runtime.version import kiln_version
 
 # what only messages take, and its values that change nothing
