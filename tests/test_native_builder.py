@@ -191,9 +191,19 @@ def test_foreign_newer_or_older_engine_json_is_refused_with_the_advice_that_fits
     (out / "engine.json").write_text(json.dumps({**engine, "format_version": ENGINE_FORMAT_VERSION + 1}))
     with pytest.raises(EngineFormatError, match="built by a newer kiln; upgrade kiln"):
         EngineConfig.load(out)
-    (out / "engine.json").write_text(json.dumps({**engine, "format_version": ENGINE_FORMAT_VERSION - 1}))
+    (out / "engine.json").write_text(json.dumps({**engine, "format_version": 0}))
     with pytest.raises(EngineFormatError, match=f"is not {ENGINE_FORMAT_VERSION}; rebuild the engine with this"):
         EngineConfig.load(out)
+    (out / "engine.json").write_text(json.dumps({**engine, "format_version": 1}))  # before the refusal of unknowns
+    assert EngineConfig.load(out).architecture == EngineConfig.from_dict(engine).architecture
+    for where, extra in (("architecture", {"attention_sinks": True}), ("quantization", {"rotation": "hadamard"}),
+                         ("plan", {"speculative_tokens": 4}), ("parallel", {"pp_size": 2}), (None, {"draft": {}})):
+        future = {**engine, **({where: {**engine.get(where, {}), **extra}} if where else extra)}
+        (out / "engine.json").write_text(json.dumps(future))
+        field_name = f"{where}.{next(iter(extra))}" if where else next(iter(extra))
+        with pytest.raises(EngineFormatError, match=rf"{field_name} is not a field this version of kiln reads: the "
+                                                    rf"engine was built by a newer kiln"):  # before: dropped, and the
+            EngineConfig.load(out)  # engine computed as if the field were not there
     (out / "engine.json").write_text(json.dumps({**engine, "format": "trtllm"}))
     with pytest.raises(EngineFormatError, match="not a kiln native engine"):
         EngineConfig.load(out)

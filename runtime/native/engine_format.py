@@ -19,7 +19,11 @@ from kiln.runtime.native.model.registry import FAMILY_NAMES
 from kiln.runtime.plan import BuildPlan, PlanError
 
 ENGINE_FORMAT = "kiln-native"
-ENGINE_FORMAT_VERSION = 1
+# 2: a reader refuses a field it does not know. Readers of 1 dropped one, so an engine whose newer field changes what
+# it computes (an activation, a soft cap) ran wrong in an older Kiln; they refuse 2. This Kiln reads 1 too, as 2 with
+# every later field at its default.
+ENGINE_FORMAT_VERSION = 2
+READ_FORMAT_VERSIONS = (1, 2)
 ENGINE_JSON = "engine.json"
 
 
@@ -140,8 +144,11 @@ class EngineConfig:
         """Build from the engine.json dict, checking the format marker, version and every section."""
         if not isinstance(data, dict) or data.get("format") != ENGINE_FORMAT:
             raise EngineFormatError(f"format is not {ENGINE_FORMAT!r}; not a kiln native engine")
-        if data.get("format_version") != ENGINE_FORMAT_VERSION:
+        if data.get("format_version") not in READ_FORMAT_VERSIONS:
             raise EngineFormatError.of_version(data.get("format_version"), ENGINE_FORMAT_VERSION)
+        _refuse_unknown("", data, {*TOP_LEVEL_KEYS})
+        _refuse_unknown("parallel.", _section_or_default(data, "parallel"), {"tp_size"})
+        _refuse_unknown("plan.", _required(data, "plan"), {f.name for f in fields(BuildPlan)})
         config = cls(
             architecture=_section(Architecture, data, "architecture"),
             dtype=_required(data, "dtype"),
@@ -197,6 +204,19 @@ class EngineConfig:
         (Path(engine_dir) / ENGINE_JSON).write_text(self.to_json())
 
 
+TOP_LEVEL_KEYS = ("format", "format_version", "architecture", "dtype", "quantization", "plan", "fingerprint",
+                  "parallel")
+
+
+def _refuse_unknown(prefix: str, section: Any, known: set[str]) -> None:
+    """EngineFormatError naming the first key of ``section`` this Kiln does not read: a newer Kiln's field, which
+    could change what the engine computes, is never dropped."""
+    if isinstance(section, dict) and (unknown := sorted(set(section) - known)):
+        raise EngineFormatError(f"{prefix}{unknown[0]} is not a field this version of kiln reads: the engine was built "
+                                f"by a newer kiln, and the field may change what it computes; load it with that kiln, "
+                                f"or rebuild it with this one")
+
+
 def _required(data: dict[str, Any], key: str) -> Any:
     if key not in data:
         raise EngineFormatError(f"missing key {key!r}")
@@ -219,12 +239,12 @@ def _plan(data: Any) -> BuildPlan:
 
 
 def _section(cls: type, data: dict[str, Any], key: str) -> Any:
-    """Construct dataclass ``cls`` from ``data[key]``, ignoring keys it does not know (added by later writers)."""
+    """Construct dataclass ``cls`` from ``data[key]``; a key it does not know (a later writer's) is refused."""
     section = _required(data, key)
     if not isinstance(section, dict):
         raise EngineFormatError(f"{key} is not an object")
-    known = {f.name for f in fields(cls)}
+    _refuse_unknown(f"{key}.", section, {f.name for f in fields(cls)})
     try:
-        return cls(**{k: v for k, v in section.items() if k in known})
+        return cls(**section)
     except TypeError as e:
         raise EngineFormatError(f"{key}: {e}") from None
