@@ -112,7 +112,11 @@ def _engine(engine_dir: Path, hold: EntryHold | None = None) -> Target:
     if not found.hit:
         if hold is not None:
             hold.release()
-        fix = (f"rebuild it (`kiln build --force`) or remove it (`kiln cache rm {key[:12]}`)" if cache.read_only is None
-               else "rebuild or remove it where the cache is writable (this user cannot write it here)")
+        if found.reason == "incompatible":  # a newer Kiln's, which that Kiln serves (its key is not this Kiln's)
+            fix = "serve it with the Kiln that built it, or build its config with this one (another key)"
+        elif cache.read_only is None:
+            fix = f"rebuild it (`kiln build --force`) or remove it (`kiln cache rm {key[:12]}`)"
+        else:
+            fix = "rebuild or remove it where the cache is writable (this user cannot write it here)"
         raise CacheCorruptError(f"cache entry {key[:12]}: {found.detail}; {fix}")
     return Target("engine", engine_dir, key, root, hold)

@@ -90,6 +90,16 @@ def test_a_damaged_cache_entry_is_refused_by_key_and_by_folder(tmp_path, damage)
             resolve_target(text, tmp_path / "cache")
 
 
+def test_a_newer_kilns_cache_entry_is_refused_saying_to_serve_it_with_that_kiln_not_to_remove_it(tmp_path):
+    cache = EngineCache.open(tmp_path / "cache")
+    key = publish(cache, "a")
+    manifest_path = cache.entries.payload_dir(key).parent / "manifest.json"
+    manifest_path.write_text(json.dumps({**json.loads(manifest_path.read_text()), "manifest_version": 99}))
+    with pytest.raises(CacheCorruptError, match="manifest version 99.*serve it with the Kiln that built it") as refused:
+        resolve_target(key[:12], tmp_path / "cache")
+    assert "cache rm" not in str(refused.value)  # before: told to remove what the newer Kiln serves
+
+
 def test_an_engine_outside_the_cache_is_named_by_its_folder(tmp_path):
     (tmp_path / "my-model" / "engine").mkdir(parents=True)
     (tmp_path / "my-model" / "engine" / "engine.json").write_text("{}")
