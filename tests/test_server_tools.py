@@ -415,14 +415,16 @@ def test_mistral_calls_are_a_json_array_with_ids_its_templates_take_back():
     assert calls[0].id in ChatTemplate(MISTRAL_TEMPLATE, {}).render(history)
 
 
-def test_tools_named_as_mcp_servers_name_them_are_called(client):
-    dotted = {"type": "function", "function": {"name": "weather.get-current:v2", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    named = {"type": "function", "function": {"name": "weather.get-current:v2"}}
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[dotted], max_tokens=60,
-                                         tool_choice=named)
-    assert [call.function.name for call in out.choices[0].message.tool_calls or []] == ["weather.get-current:v2"]
-    with pytest.raises(openai.BadRequestError) as refused:  # before: dots refused, as OpenAI's pattern refuses them
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=[
-            {"type": "function", "function": {"name": "two words"}}])
-    assert refused.value.param == "tools[0].function.name"
+@pytest.mark.parametrize("name", ["weather.get-current:v2", "srv/tool#1"])
+def test_tools_named_as_mcp_servers_name_them_are_called(client, name):
+    mcp = {"type": "function", "function": {"name": name, "parameters": {  # a $ref: the name is in no JSON pointer
+        "type": "object", "$defs": {"c": {"type": "string", "maxLength": 4}}, "properties": {"city": {
+            "$ref": "#/$defs/c"}}, "required": ["city"]}}}
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[mcp], max_tokens=60,
+                                         tool_choice={"type": "function", "function": {"name": name}})
+    assert [call.function.name for call in out.choices[0].message.tool_calls or []] == [name]
+    for bad in ("two words", 'we"ird', "<tool_call>"):  # a call's JSON would escape them, or a template's tags hold
+        with pytest.raises(openai.BadRequestError) as refused:  # them; before: dots refused, as OpenAI refuses them
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=[
+                {"type": "function", "function": {"name": bad}}])
+        assert refused.value.param == "tools[0].function.name"

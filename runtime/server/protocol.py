@@ -384,8 +384,9 @@ class ChatMessage(StrictModel):
 
 class FunctionDefinition(StrictModel):
     # OpenAI's names ([a-zA-Z0-9_-]{1,64}) and what vLLM also takes, as MCP servers name tools (server.tool, longer
-    # prefixed names): no whitespace, at most 256 characters
-    name: str = Field(pattern=r"^\S{1,256}$")
+    # prefixed names): at most 256 characters, none of them whitespace, a quote, a backslash or an angle bracket (a
+    # call's JSON would escape them, and a template's tags hold them)
+    name: str = Field(pattern=r'^[^\s"\\<>]{1,256}$')
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments.")
     strict: bool | None = Field(None, description="Accepted: forced calls always follow the schema exactly.")

@@ -73,8 +73,9 @@ class ToolCallFormat:
         alternatives = [{"type": "object",
                          "properties": {"name": {"const": tool["name"]},
                                         self.arguments_key: _hoisted(tool.get("parameters") or _NO_PARAMETERS,
-                                                                     tool["name"], definitions)},
-                         "required": ["name", self.arguments_key], "additionalProperties": False} for tool in tools]
+                                                                     f"tool{index}", definitions)},
+                         "required": ["name", self.arguments_key], "additionalProperties": False}
+                        for index, tool in enumerate(tools)]  # by place: a name may hold what a JSON pointer cannot
         call = json_rule({"anyOf": alternatives, **({"$defs": definitions} if definitions else {})})
         if self.listed:
             more = '("," call)*' if parallel else ""
@@ -182,7 +183,8 @@ class ToolCallFormat:
 
 def _hoisted(parameters: dict, tool: str, definitions: dict) -> dict:
     """A tool's ``parameters`` as a subschema of the call's schema: its ``$defs`` / ``definitions`` (and itself, when
-    a ``"#"`` ref recurses to it) added to ``definitions`` under names unique to the tool, and its local refs
+    a ``"#"`` ref recurses to it) added to ``definitions`` under names unique to the tool (``tool``, a JSON pointer's
+    segment), and its local refs
     rewritten to point there (a ref is resolved against the root of the whole schema, not of the parameters)."""
     own = {f"#/{key}/{name}": (f"{tool}__{name}", sub) for key in DEFINITION_KEYS
            if isinstance(parameters.get(key), dict) for name, sub in parameters[key].items()}
