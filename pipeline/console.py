@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
 from typing import Any
@@ -46,7 +47,12 @@ class Terminated(KeyboardInterrupt):
     writing is removed as an interrupted one's is; the command then exits 143, as one the signal ended."""
 
 
+_terminated = threading.Event()  # SIGTERM came: an exception raised where Python drops it (a weakref callback, a
+# __del__) must not let the command finish as if it had not
+
+
 def _raise_terminated(_signum: int, _frame: object) -> None:
+    _terminated.set()
     raise Terminated
 
 
@@ -106,9 +112,13 @@ def friendly_errors(command: Callable) -> Callable:
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         _printed_json.set(False)
+        _terminated.clear()
         try:
             with stdout_kept_for_results():
-                return command(*args, **kwargs)
+                result = command(*args, **kwargs)
+            if _terminated.is_set():  # the Terminated raised was dropped where it landed
+                raise Terminated
+            return result
         except (KilnError, CalibrationError) as exc:
             _fail(type(exc).__name__, str(exc), kwargs.get("json_out"), getattr(exc, "details", None))
             raise typer.Exit(getattr(exc, "exit_code", 2)) from None

@@ -286,6 +286,25 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_with_exit_143(capsys):
     assert json.loads(captured.out) == {"error": {"type": "Terminated", "message": "terminated (SIGTERM)"}}
     assert "terminated (SIGTERM)" in captured.err
 
+    import weakref
+
+    class Held:
+        pass
+
+    @friendly_errors
+    def finishing(json_out: bool = False) -> None:  # the signal lands where Python drops what it raises
+        held = Held()
+        weakref.finalize(held, os.kill, os.getpid(), signal.SIGTERM)
+        del held
+
+    try:
+        stop_on_sigterm_as_on_ctrl_c()
+        with pytest.raises(typer.Exit) as exit_:
+            finishing()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exit_.value.exit_code == 143  # before: the command finished as if no signal had come, exit 0
+
 
 def test_output_to_a_full_disk_is_one_line_not_a_traceback():
     for args in (["--version"], ["config", "show", "tiny-llama-fp8.yaml", "--json"]):

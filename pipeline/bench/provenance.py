@@ -22,13 +22,30 @@ def run_record() -> dict:
             **{name: package_version(name) for name in ("torch", "transformers", "triton")},
             "host": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_model(),
             "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "command": shlex.join(["kiln", *sys.argv[1:]])}
+            "command": shlex.join(["kiln", *redacted(sys.argv[1:])])}
+
+
+SECRET_OPTIONS = ("--api-key",)  # what a report, meant to be shared, never shows
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """``argv`` with the values of SECRET_OPTIONS (``--api-key K`` or ``--api-key=K``) written as ``***``."""
+    out, hide = [], False
+    for arg in argv:
+        option, equals, _ = arg.partition("=")
+        out.append("***" if hide else f"{option}=***" if equals and option in SECRET_OPTIONS else arg)
+        hide = not hide and arg in SECRET_OPTIONS
+    return out
 
 
 def checkout_commit(directory: Path) -> str | None:
     """The commit of the git checkout Kiln runs from (``+changes`` where its files differ from it); None outside
-    one (an installed wheel), or without git."""
+    one (an installed wheel, even in another project's checkout), or without git."""
     try:
+        top = subprocess.run(["git", "-C", str(directory), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=5, check=True).stdout.strip()
+        if Path(top).resolve() != directory.resolve():  # a checkout around Kiln's folder: not Kiln's own
+            return None
         commit = subprocess.run(["git", "-C", str(directory), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                                 text=True, timeout=5, check=True).stdout.strip()
         changed = subprocess.run(["git", "-C", str(directory), "status", "--porcelain", "--untracked-files=no"],
