@@ -132,10 +132,14 @@ def test_a_prompts_file_is_read_in_turn(tmp_path):
     share_gpt = tmp_path / "sharegpt.json"  # vLLM's --dataset-name sharegpt file, pretty-printed
     share_gpt.write_text(json.dumps([{"id": "0", "conversations": [{"from": "human", "value": "Hi there"},
                                                                     {"from": "gpt", "value": "Hello"}]},
-                                     {"id": "1", "conversations": [{"from": "gpt", "value": "no human turn"}]},
-                                     {"id": "2", "conversations": [{"from": "human", "value": "Bye"}]}], indent=2))
+                                     {"id": "1", "conversations": [{"from": "human", "value": "no reply"}]},
+                                     {"id": "2", "conversations": [{"from": "human", "value": "Bye"},
+                                                                   {"from": "gpt", "value": "Bye!"}]}], indent=2))
     assert [r.prompt for r in workload(3, 4, prompts_file=share_gpt).requests] == ["Hi there", "Bye", "Hi there"]
     # before: sent line by line, "[" and "  {" among the prompts
+    texts = tmp_path / "texts.JSON"
+    texts.write_text('["one", "two"]')
+    assert [r.prompt for r in workload(2, 4, prompts_file=texts).requests] == ["one", "two"]
     share_gpt.write_text(json.dumps([{"prompt": "a"}, {"text": "b"}]))
     with pytest.raises(WorkloadError, match=r"sharegpt.json:\[1\]"):
         workload(1, 1, prompts_file=share_gpt)

@@ -148,9 +148,9 @@ def card_limits(card: dict) -> EngineLimits | None:
 
 def _from_file(path: Path, count: int, max_tokens: int) -> list[ServingRequest]:
     """A ``.jsonl`` file of ``{"prompt": text or token ids, "max_tokens": n}`` objects (``max_tokens`` optional), a
-    ``.json`` array of such objects or of ShareGPT conversations (vLLM's ``--dataset-name sharegpt`` file: each
-    conversation's first human turn), or a text file of one prompt per line; its requests are taken in turn, again
-    from the start if there are too few."""
+    ``.json`` array of such objects, of texts, or of ShareGPT conversations (vLLM's ``--dataset-name sharegpt``
+    file: each conversation's first turn, as vLLM samples it, where it has a reply), or a text file of one prompt per
+    line; its requests are taken in turn, again from the start if there are too few."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -158,9 +158,9 @@ def _from_file(path: Path, count: int, max_tokens: int) -> list[ServingRequest]:
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise WorkloadError(f"--prompts-file {path}: no prompts in it; write one per line")
-    if Path(path).suffix == ".json":
+    if Path(path).suffix.lower() == ".json":
         found = _json_requests(path, text, max_tokens)
-    elif Path(path).suffix == ".jsonl":
+    elif Path(path).suffix.lower() == ".jsonl":
         found = [_jsonl_request(path, number, line, max_tokens) for number, line in enumerate(lines, 1)]
     else:
         found = [ServingRequest(line, max_tokens) for line in lines]
@@ -179,15 +179,16 @@ def _json_requests(path: Path, text: str, max_tokens: int) -> list[ServingReques
                             f"or of ShareGPT conversations")
     found = []
     for number, record in enumerate(records):
-        if isinstance(record, dict) and isinstance(record.get("conversations"), list):
-            human = next((turn.get("value") for turn in record["conversations"]
-                          if isinstance(turn, dict) and turn.get("from") in ("human", "user")), None)
-            if isinstance(human, str) and human:  # as vLLM's sample: a conversation without one is left out
-                found.append(ServingRequest(human, max_tokens))
+        if isinstance(record, str):
+            found.append(ServingRequest(record, max_tokens))
+        elif isinstance(record, dict) and isinstance(turns := record.get("conversations"), list):
+            first = turns[0].get("value") if turns and isinstance(turns[0], dict) else None
+            if len(turns) >= 2 and isinstance(first, str) and first:  # as vLLM samples them: a prompt and its reply
+                found.append(ServingRequest(first, max_tokens))
         else:
             found.append(_jsonl_request(path, f"[{number}]", json.dumps(record), max_tokens))
     if not found:
-        raise WorkloadError(f"--prompts-file {path}: no conversation in it has a human turn to send")
+        raise WorkloadError(f"--prompts-file {path}: no conversation in it has a first turn and a reply")
     return found
 
 
