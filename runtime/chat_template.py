@@ -313,7 +313,7 @@ def _arguments(arguments: Any) -> dict:
         value = None
     if isinstance(value, dict):
         return value
-    if arguments not in ("", None):
-        logger.warning("a tool call's arguments in the messages are no JSON object (%.80r): the chat template gets "
-                       "{} in their place, as vLLM passes them", arguments)
+    if arguments not in ("", None):  # the arguments themselves are the user's: not logged
+        logger.warning("a tool call's arguments in the messages are no JSON object (%d characters): the chat "
+                       "template gets {} in their place, as vLLM passes them", len(str(arguments)))
     return {}

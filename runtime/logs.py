@@ -48,9 +48,11 @@ def read_log_config(path: str | Path) -> dict:
 
 def apply_log_config(path: str | Path) -> None:
     """Log as the configuration file ``path`` says (``read_log_config``), and so do the processes this one starts
-    (``child_logging``). ValueError naming the file where it cannot be read or applied (a handler class that does not
-    import, a file it cannot open)."""
-    config = read_log_config(path)
+    (``child_logging``). Loggers made before it stay enabled unless it says ``"disable_existing_loggers": true``
+    (vLLM's default configuration keeps them too), so that a configuration of the root logger alone still gets
+    Kiln's and uvicorn's lines. ValueError naming the file where it cannot be read or applied (a handler class that
+    does not import, a file it cannot open)."""
+    config = {"disable_existing_loggers": False, **read_log_config(path)}
     try:
         logging.config.dictConfig(config)
     except (ValueError, TypeError, AttributeError, ImportError) as exc:

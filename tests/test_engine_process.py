@@ -255,11 +255,11 @@ class _Greeting(_IdleEngine):
 
 def test_an_engine_process_logs_as_the_parents_logging_configuration_file_says(tmp_path):
     log, config = tmp_path / "kiln.log", tmp_path / "logging.json"
-    config.write_text(json.dumps({
-        "version": 1, "disable_existing_loggers": False,
+    config.write_text(json.dumps({  # the root logger's alone: Kiln's loggers, made before it applies, stay enabled
+        "version": 1,
         "formatters": {"json": {"format": '{"pid": %(process)d, "logger": "%(name)s", "message": "%(message)s"}'}},
         "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log), "formatter": "json"}},
-        "loggers": {"kiln": {"handlers": ["file"], "level": "INFO"}}}))
+        "root": {"handlers": ["file"], "level": "INFO"}}))
     embed = ("import sys\nfrom kiln.runtime import LLM, logs\nfrom kiln.runtime.engine_process import ProcessEngine\n"
              "logs.apply_log_config(sys.argv[1])\n"
              "with LLM(ProcessEngine('tests.test_engine_process:_Greeting', {})) as llm:\n"

@@ -156,14 +156,16 @@ def _lifespan(state: ServerState, llm: LLM | Callable[[], LLM], engine_dir: Path
 
     async def load() -> None:
         try:
-            attach(await _in_daemon_thread(llm))
-            logger.info("engine loaded in %.1f s: serving %s", state.model.llm.load_ms / 1000, settings.model_name)
+            loaded = await _in_daemon_thread(llm)
+            attach(loaded)
         except Exception as exc:
             state.load_error = exc
             logger.error("the engine failed to load: %s", exc,
                          exc_info=None if isinstance(exc, KilnError) else exc)  # a traceback where it is a bug
             if state.on_fatal is not None:
                 state.on_fatal()
+            return
+        logger.info("engine loaded in %.1f s: serving %s", loaded.load_ms / 1000, settings.model_name)
 
     if isinstance(llm, LLM):  # ready at once, lifespan or not: an app mounted in the embedder's app gets none
         attach(llm)
