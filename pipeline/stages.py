@@ -21,6 +21,7 @@ from kiln.engines.cache.layout import entry_of_payload, entry_path, payload_path
 from kiln.engines.cache.manifest import read_manifest
 from kiln.engines.cache.remote import RemoteTier, RemoteUnavailableError
 from kiln.engines.cache.units import format_bytes
+from kiln.engines.cache.verify import nearest_entry
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import BuildSection, KilnConfig, LoadedConfig
 from kiln.pipeline.console import stderr
@@ -217,8 +218,20 @@ def _lookup(ctx: BuildContext, store: str, key: str, material: dict | None = Non
     return None if ctx.cache is None else ctx.cache.stores[store].lookup(key, material, record=False)
 
 
-def _miss(lookup: LookupResult | None) -> str:
-    return lookup.reason if lookup is not None else "new: the cache is empty"
+MISS_FIELDS_NAMED = 3  # a new key that differs from its nearest entry in more fields is just "new"
+
+
+def _miss(lookup: LookupResult | None, ctx: BuildContext, store: str, material: dict | None) -> str:
+    """Why a lookup missed; for a new key, the nearest entry and the fields of the key material that differ from its
+    (``toolchain.kiln_sources`` after an upgrade of Kiln), as ``kiln cache explain`` says them."""
+    if lookup is None:
+        return "new: the cache is empty"
+    if lookup.reason != "new" or material is None:
+        return lookup.reason
+    key, fields = nearest_entry(ctx.cache.stores[store], material)
+    if key is None or not fields or len(fields) > MISS_FIELDS_NAMED:
+        return "new"
+    return f"new: entry {key[:12]} differs in {', '.join(fields)}"
 
 
 def _no_model(ctx: BuildContext) -> str | None:
@@ -257,7 +270,8 @@ class QuantizeStage:
         if self.defer_to_engine and (where := _engine_available(ctx)):
             return Decision(self.name, "skip", f"no {fmt} checkpoint here, but the engine it feeds is {where}: it is "
                             f"fetched only if the engine has to be built", extra={"deferred": True})
-        return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe ({_miss(lookup)})"
+        return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe "
+                        f"({_miss(lookup, ctx, 'quantized', ctx.quantized_material())})"
                         f"{_on_remote(ctx, 'quantized', ctx.quantized_key)}"
                         f"{_being_built(ctx, 'quantized', ctx.quantized_key)}")
 
@@ -318,7 +332,8 @@ class BuildStage:
         lookup = _lookup(ctx, "entries", ctx.engine_key, ctx.material)
         if lookup is not None and lookup.hit:
             return Decision(self.name, "skip", f"engine {ctx.engine_key[:12]} is in the cache", lookup)
-        return Decision(self.name, "run", f"cache miss ({_miss(lookup)}){_on_remote(ctx, 'entries', ctx.engine_key)}"
+        return Decision(self.name, "run", f"cache miss ({_miss(lookup, ctx, 'entries', ctx.material)})"
+                        f"{_on_remote(ctx, 'entries', ctx.engine_key)}"
                         f"{_being_built(ctx, 'entries', ctx.engine_key)}")
 
     def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:

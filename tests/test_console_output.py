@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from tests.subprocess_env import REPO, repo_env
 # compiles its CUDA extension (a Python print) and what C code writes to file descriptor 1, then its results.
 NOISY_COMMAND = """
 import os
+import re
 from kiln.pipeline.console import friendly_errors, print_json, stdout
 
 @friendly_errors
@@ -344,6 +346,17 @@ def test_serving_a_config_says_why_it_builds_first_and_nothing_on_a_hit(tmp_path
         _config_target(find_config("tiny-llama-bf16"), RuntimeOptions(device="cpu"), backend=None, progress=False)
         err = capsys.readouterr().err
         assert expected in err if expected else "cache miss" not in err
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    bundled = find_config("tiny-llama-bf16")
+    longer = tmp_path / "longer.yaml"  # another build of the same model: the miss names what differs from it
+    longer.write_text(bundled.read_text().replace("../models", str(bundled.parent.parent / "models"))
+                      .replace("max_num_tokens: 512", "max_num_tokens: 256"))
+    planned = CliRunner().invoke(app, ["build", str(longer), "--dry-run"])
+    assert re.search(r"cache miss \(new: entry [0-9a-f]{12} differs in build\.max_num_tokens\)", planned.stdout), \
+        planned.stdout  # before: "new", which an upgrade of Kiln said too (toolchain.kiln_sources)
 
 
 def test_uvicorns_trace_level_is_taken_as_debug_for_kilns_own_lines():
