@@ -58,9 +58,9 @@ def checkout_commit(directory: Path) -> str | None:
 def cpu_model() -> str | None:
     """The CPU's model name (Linux's /proc/cpuinfo; the platform's processor elsewhere)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
+        cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        pass
-    return platform.processor() or None
+        cpuinfo = ""
+    model = next((line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 None)
+    return model or platform.processor() or None
