@@ -26,6 +26,11 @@ DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps the subschema
 _SUBSCHEMA_MAPS = ("properties", *DEFINITION_KEYS, "patternProperties", "dependentSchemas")
 MAX_FORMAT_CHARS = 128 * 1024  # of a schema, regex, grammar or the choices together
 MAX_SCHEMA_DEPTH = 120  # levels of objects and lists in a JSON schema: llguidance parses about 124
+# local $refs followed one inside another, and rules in a Lark grammar: llguidance 1.9 compiles them recursively and
+# overflows an 8 MiB stack, killing the process, from about 700 chained refs and 3,000 chained rules
+MAX_REF_CHAIN = 128
+MAX_GRAMMAR_RULES = 1000
+_GRAMMAR_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w]*(?:\.-?\d+)?\s*:", re.MULTILINE)
 _UNKNOWN_FORMAT = "Unknown format:"
 
 
@@ -48,6 +53,48 @@ def _nesting_exceeds(value: object, limit: int) -> bool:
                 return True
             stack.extend((child, depth + 1) for child in children)
     return False
+
+
+def _longest_ref_chain(schema: dict) -> int:
+    """The most local ``$ref``s followed one inside another from ``schema`` (a ref back to one being followed, a
+    recursion, ends its chain), walked without recursion."""
+    def within(node: object) -> list[str]:
+        found, stack = [], [node]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, dict):
+                if isinstance(ref := item.get("$ref"), str) and ref.startswith("#"):
+                    found.append(ref)
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+        return list(dict.fromkeys(found))
+
+    def target(ref: str) -> object:
+        node: object = schema
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    depth: dict[str, int] = {}
+    path, stack = {"#"}, [("#", iter(within(schema)), 0)]
+    while stack:
+        ref, rest, best = stack[-1]
+        child = next(rest, None)
+        if child is None:
+            stack.pop()
+            path.discard(ref)
+            depth[ref] = best + 1
+            if stack:
+                parent, siblings, parent_best = stack[-1]
+                stack[-1] = (parent, siblings, max(parent_best, depth[ref]))
+        elif child in depth:
+            stack[-1] = (ref, rest, max(best, depth[child]))
+        elif child not in path:
+            path.add(child)
+            stack.append((child, iter(within(target(child))), 0))
+    return depth["#"] - 1
 
 
 @dataclass(frozen=True)
@@ -78,6 +125,9 @@ class StructuredOutput:
             raise StructuredOutputError(_TOO_DEEP)
         if self.json is not None and not isinstance(self.json, dict):
             raise StructuredOutputError(f"a JSON schema must be an object, got {type(self.json).__name__}")
+        if self.json is not None and (chain := _longest_ref_chain(self.json)) > MAX_REF_CHAIN:
+            raise StructuredOutputError(f"the JSON schema follows {chain} $refs one inside another; at most "
+                                        f"{MAX_REF_CHAIN} are taken")
         if not isinstance(self.json_object, bool):
             raise StructuredOutputError(f"json_object must be true or false, got {self.json_object!r}")
         for name in ("regex", "grammar"):
@@ -86,6 +136,8 @@ class StructuredOutput:
         if self.choice is not None and (not isinstance(self.choice, list | tuple) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise StructuredOutputError("choice must be a non-empty list of non-empty strings")
+        if self.grammar is not None and (rules := len(_GRAMMAR_RULE.findall(self.grammar))) > MAX_GRAMMAR_RULES:
+            raise StructuredOutputError(f"the grammar has {rules:,} rules; at most {MAX_GRAMMAR_RULES:,} are taken")
         source = self.regex or self.grammar or "".join(self.choice or ()) or json.dumps(self.json or {})
         if len(source) > MAX_FORMAT_CHARS:  # compiling grows faster than the size: seconds per 100 KB of grammar
             raise StructuredOutputError(f"the format is {len(source):,} characters; at most {MAX_FORMAT_CHARS:,} "

@@ -428,3 +428,18 @@ def test_tools_named_as_mcp_servers_name_them_are_called(client, name):
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=[
                 {"type": "function", "function": {"name": bad}}])
         assert refused.value.param == "tools[0].function.name"
+
+
+def test_forced_calls_whose_grammar_would_be_too_large_or_deep_are_a_400_naming_the_tools(client):
+    from tests.test_structured_output import chained
+
+    deep = {"type": "function", "function": {"name": "deep", "parameters": chained(1000)}}
+    with pytest.raises(openai.BadRequestError) as refused:  # before: the server process crashed
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=[WEATHER, deep],
+                                       tool_choice="required")
+    assert refused.value.param == "tools[1].function.parameters" and "$refs one inside another" in refused.value.message
+    many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(3000)]
+    with pytest.raises(openai.BadRequestError) as refused:  # before: a 500
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=many,
+                                       tool_choice="required")
+    assert refused.value.param == "tools" and "characters; at most" in refused.value.message

@@ -169,6 +169,29 @@ def test_a_format_too_large_or_too_deep_to_compile_in_time_is_refused_naming_why
         StructuredOutput(json={"type": "object", "properties": {"a": deep}})
 
 
+def chained(links: int) -> dict:
+    """A schema of ``links`` definitions, each an object whose one property is the next: shallow as JSON."""
+    definitions = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
+                   for i in range(links)}
+    return {"$ref": "#/$defs/d0", "$defs": {**definitions, f"d{links}": {"type": "string"}}}
+
+
+def test_refs_or_rules_chained_past_what_llguidance_compiles_without_crashing_are_refused():
+    # llguidance compiles them recursively: 1,000 chained refs (75 KB) or 3,000 chained rules overflowed the stack
+    # and killed the server, every other request with it
+    with pytest.raises(StructuredOutputError, match="follows 1,?001 \\$refs one inside another; at most 128"):
+        StructuredOutput(json=chained(1000))
+    assert StructuredOutput(json=chained(120)).llguidance_grammar
+    tree = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}}  # recursion is no chain
+    diamond = {"$ref": "#/$defs/d0", "$defs": {**{f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}] * 2}
+                                                  for i in range(40)}, "d40": {"type": "string"}}}
+    assert StructuredOutput(json=tree).llguidance_grammar and StructuredOutput(json=diamond).llguidance_grammar
+    rules = "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1} | "c"' for i in range(3000)) + '\nr3000: "b"\n'
+    with pytest.raises(StructuredOutputError, match="the grammar has 3,002 rules; at most 1,000"):
+        StructuredOutput(grammar=rules)
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({"choice": ["a", 1]}, "choice must be a non-empty list"),
     ({"choice": "ab"}, "choice must be a non-empty list"),

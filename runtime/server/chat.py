@@ -136,20 +136,29 @@ class ChatTools:
         parameters cannot be enforced."""
         if not self.forced:
             return None
-        calls = StructuredOutput(grammar=self.format.grammar(self.forced, self.parallel))
+        for function in self.forced:  # each schema within bounds, before the grammar that embeds them all
+            self._held(function, compile_it=False)
         try:
+            calls = StructuredOutput(grammar=self.format.grammar(self.forced, self.parallel))
             _ = calls.llguidance_grammar
         except StructuredOutputError as exc:
             for function in self.forced:  # the tool at fault, in words about its schema rather than the grammar's
-                try:
-                    _ = StructuredOutput(json=function.get("parameters", {})).llguidance_grammar
-                except StructuredOutputError as own:
-                    raise APIError(400, f"tool_choice {_choice_name(self.choice)} cannot hold the call of "
-                                        f"'{function['name']}' to its parameters: {own}",
-                                   param=f"tools[{self.functions.index(function)}].function.parameters") from None
+                self._held(function, compile_it=True)
             raise APIError(400, f"tool_choice {_choice_name(self.choice)} cannot hold the calls to the tools' "
                                 f"parameters: {exc}", param="tools") from None
         return calls
+
+    def _held(self, function: dict, compile_it: bool) -> None:
+        """A 400 naming ``function``'s parameters where they cannot hold its call (beyond the bounds of a format,
+        or, ``compile_it``, not compiled)."""
+        try:
+            own = StructuredOutput(json=function.get("parameters", {}))
+            if compile_it:
+                _ = own.llguidance_grammar
+        except StructuredOutputError as exc:
+            raise APIError(400, f"tool_choice {_choice_name(self.choice)} cannot hold the call of '{function['name']}' "
+                                f"to its parameters: {exc}",
+                           param=f"tools[{self.functions.index(function)}].function.parameters") from None
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The content and the calls in a finished completion: calls of the request's tools only, and only the
