@@ -541,3 +541,19 @@ def test_an_empty_text_prompt_is_taken_for_the_tokenizer_to_give_its_bos():
     # OpenAI and vLLM serve "" from the BOS alone; a tokenizer that adds none leaves no token (the 400 above)
     assert CompletionRequest.model_validate({"prompt": ""}).prompt == ""
     assert CompletionRequest.model_validate({"prompt": ["", "a"]}).prompt == ["", "a"]
+
+
+def test_a_request_without_an_output_format_takes_no_worker_thread(monkeypatch):
+    from kiln.runtime.server import jobs
+    from kiln.runtime.server.protocol import ChatCompletionRequest
+
+    def no_thread(*args, **kwargs):  # a pool held by other requests' long tokenizations would hold this one up
+        raise AssertionError("took a worker thread")
+
+    monkeypatch.setattr(jobs.asyncio, "to_thread", no_thread)
+    plain = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                  "response_format": {"type": "text"}})
+    assert asyncio.run(jobs.compiled_format(plain)) is None
+    with pytest.raises(AssertionError, match="worker thread"):
+        asyncio.run(jobs.compiled_format(plain.model_copy(update={"response_format": None,
+                                                                  "structured_outputs": {"regex": "a"}})))

@@ -3,7 +3,6 @@ message, or as tool calls parsed in the format the template teaches (``tool_call
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from kiln.runtime.chat_template import (
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import Job, ServedModel
-from kiln.runtime.server.jobs import check_request, format_field, make_jobs, requested_format
+from kiln.runtime.server.jobs import check_request, compiled_format, format_field, make_jobs
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs, vllm_prompt_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import (
@@ -230,7 +229,7 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
     check_request(model, req)
     tools = ChatTools(model, req)
     forced = tools.structured_output()
-    requested = await asyncio.to_thread(requested_format, req)  # compiling a format may take a while: off the loop
+    requested = await compiled_format(req)
     overridden = []  # the output format a forced call sets aside for this turn, as vLLM and OpenAI take it (an
     if forced is not None and requested is not None:  # agent sends its final answer's schema on every turn)
         overridden = [name for name in FORMAT_FIELDS if getattr(req, name) is not None]

@@ -3,7 +3,6 @@ scoring (``max_tokens`` 0)."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 
@@ -12,7 +11,7 @@ from starlette.requests import Request
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
-from kiln.runtime.server.jobs import check_request, format_field, make_jobs, requested_format
+from kiln.runtime.server.jobs import check_request, compiled_format, format_field, make_jobs
 from kiln.runtime.server.logprobs import (
     TextOffsets,
     TokenText,
@@ -103,7 +102,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
 
     echo_logprobs = req.logprobs if req.echo else None
     prompt_logprobs = max((k for k in (req.prompt_logprobs, echo_logprobs) if k is not None), default=None)
-    structured_output = await asyncio.to_thread(requested_format, req)  # compiling may take a while: off the loop
+    structured_output = await compiled_format(req)
     jobs = make_jobs(model, req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                      structured_output=structured_output)
     model.check(jobs[::req.n], "prompt")  # one job per prompt: a prompt's n choices differ only in their seed

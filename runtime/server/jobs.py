@@ -3,6 +3,7 @@ it asks for compiled, and its jobs."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from kiln.runtime.limits import outside_vocabulary
@@ -38,6 +39,14 @@ def format_field(req: SamplingFields) -> str:
     absent or plain text, else ``structured_outputs`` (vLLM's extension, or its guided_* fields)."""
     requested = req.response_format
     return "response_format" if requested is not None and requested.type != "text" else "structured_outputs"
+
+
+async def compiled_format(req: SamplingFields) -> StructuredOutput | None:
+    """``requested_format``, compiled off the event loop (it may take a while) where the request asks for a format:
+    one that asks for none takes no worker thread, which other requests' long tokenizations may all hold."""
+    asks = ((req.response_format is not None and req.response_format.type != "text")
+            or req.structured_outputs is not None or req.guided_outputs() is not None)
+    return await asyncio.to_thread(requested_format, req) if asks else None
 
 
 def requested_format(req: SamplingFields) -> StructuredOutput | None:
