@@ -128,6 +128,19 @@ def test_a_payload_symlink_is_refused(cache, tmp_path):
     assert not cache.entries.entry_dir(engine_key(m)).exists()
 
 
+def test_a_published_payload_folder_replaced_by_a_link_elsewhere_is_corrupt_not_followed(cache, tmp_path):
+    m = material()
+    key = engine_key(m)
+    payload = cache.entries.get_or_build(key, m, FakeBuild()).payload_dir
+    outside = tmp_path / "outside"
+    shutil.move(payload, outside)  # the same files, so every size and digest still matches
+    payload.symlink_to(outside, target_is_directory=True)
+    verdict = verify_entry(cache.entries, key)
+    assert not verdict.ok and verdict.problems[0] == f"{payload}: a link, not a folder of the entry"  # before: intact
+    assert cache.entries.lookup(key, m, record=False).reason == "corrupt"  # not loaded from outside the cache
+    assert (outside / "engine.json").is_file()  # what the link pointed at is not the cache's to touch
+
+
 def test_truncated_file_is_a_corrupt_miss_then_quarantined_and_rebuilt(cache):
     m, build = material(), FakeBuild()
     key = engine_key(m)

@@ -71,7 +71,8 @@ def file_problems(entry: Path, payload_name: str, manifest: dict, *, digest: Cal
     """Listed files that are missing, of the wrong size or (given ``digest``, a file's sha256 hex) of the wrong
     sha256, each named by path.
 
-    A path that is absolute or climbs out of the payload is a problem and is never touched."""
+    A path that is absolute or climbs out of the payload is a problem and is never touched, and so is one through a
+    folder that is a link (the payload's files would be read from wherever it points)."""
     files = manifest.get("files")
     if not isinstance(files, list):
         return [f"{entry / MANIFEST}: no file list"]
@@ -80,6 +81,9 @@ def file_problems(entry: Path, payload_name: str, manifest: dict, *, digest: Cal
         rel = item.get("path") if isinstance(item, dict) else None
         if not safe_relpath(rel):
             problems.append(f"{entry / MANIFEST}: unsafe file path {rel!r}")
+        elif (link := _linked_folder(entry, f"{payload_name}/{rel}")) is not None:
+            if f"{link}: a link, not a folder of the entry" not in problems:
+                problems.append(f"{link}: a link, not a folder of the entry")
         else:
             problems.extend(_problem_of(entry / payload_name / rel, item, digest))
         if problems and first_only:
@@ -126,6 +130,16 @@ def entry_size(entry: Path, manifest: dict | None = None) -> int:
         return int(manifest["total_bytes"])
     except (KeyError, TypeError, ValueError):
         return dir_size(entry)
+
+
+def _linked_folder(entry: Path, rel: str) -> Path | None:
+    """The first folder on the way from ``entry`` to its file ``rel`` that is a symbolic link; None when none is."""
+    folder = entry
+    for part in rel.split("/")[:-1]:
+        folder = folder / part
+        if folder.is_symlink():
+            return folder
+    return None
 
 
 def _problem_of(path: Path, item: dict, digest: Callable[[Path], str] | None) -> list[str]:
