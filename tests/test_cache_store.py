@@ -166,7 +166,9 @@ def test_a_folder_of_an_entry_that_cannot_be_read_is_corrupt_then_quarantined_an
     shutil.rmtree(weights)
     weights.symlink_to(weights) if damage == "a link loop" else weights.write_text("not a folder")
     verdict = verify_entry(cache.entries, key)
-    assert not verdict.ok and f"{weights / 'rank0.safetensors'}: unreadable (" in verdict.problems[0]
+    named = f"{weights}: a link, not a folder of the entry" if damage == "a link loop" else \
+        f"{weights / 'rank0.safetensors'}: unreadable ("
+    assert not verdict.ok and named in verdict.problems[0]
     assert cache.entries.lookup(key, m, record=False).reason == "corrupt"
     assert (cache.entries.get_or_build(key, m, build).reason, build.calls) == ("corrupt", 2)
     assert cache.entries.get_or_build(key, m, build).hit
