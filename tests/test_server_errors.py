@@ -65,6 +65,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "stop": [str(i) for i in range(65)]}, "stop", ["at most 64"]),
     ({"prompt": "hi", "n": 0}, "n", ["greater than or equal to 1"]),
     ({"prompt": "hi", "tools": []}, "tools", ["Unrecognized request argument"]),
+    ({"prompt": "hi", "evil[X": 1}, "evil[X", ["Unrecognized request argument supplied: evil[X"]),  # before: "must
+    # be a JSON object, not int"
     ({"prompt": "hi", "max_new_tokens": 4}, "max_new_tokens", ["Unrecognized request argument supplied: "
                                                                "max_new_tokens; send max_tokens instead"]),
     ({"prompt": "hi", "no_stop_trim": True}, "no_stop_trim", ["send include_stop_str_in_output: true"]),

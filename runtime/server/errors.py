@@ -58,9 +58,12 @@ def describe_validation_error(exc: RequestValidationError, route: str | None = N
     if (error.get("type") == "string_type" and isinstance(error.get("input"), list)
             or error.get("type") == "literal_error" and isinstance(error.get("input"), dict)):
         error = max(errors, key=lambda found: len(found.get("loc", ())))
-    loc = [part for part in error.get("loc", ()) if part != "body" and not _union_member(part)]
-    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
     kind = error.get("type", "")
+    raw = [part for part in error.get("loc", ()) if part != "body"]
+    loc = [part for part in raw if not _union_member(part)]
+    if kind == "extra_forbidden" and raw and raw[-1] not in loc:  # the unknown field, whatever its name ("a[b")
+        loc.append(raw[-1])
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
     if kind == "json_invalid":
         detail = error.get("ctx", {}).get("error", "JSON decode error")
         where = f" at character {loc[-1]}" if loc else ""
