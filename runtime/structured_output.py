@@ -30,7 +30,7 @@ MAX_SCHEMA_DEPTH = 120  # levels of objects and lists in a JSON schema: llguidan
 # overflows an 8 MiB stack, killing the process, from about 700 chained refs and 3,000 chained rules
 MAX_REF_CHAIN = 128
 MAX_GRAMMAR_RULES = 1000
-_GRAMMAR_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w]*(?:\.-?\d+)?\s*:", re.MULTILINE)
+_GRAMMAR_RULE = re.compile(r"^\s*[?!]?[A-Za-z_]\w*(?:\.-?\d+)?\s*:", re.MULTILINE)
 _UNKNOWN_FORMAT = "Unknown format:"
 
 

@@ -82,8 +82,9 @@ def file_problems(entry: Path, payload_name: str, manifest: dict, *, digest: Cal
         if not safe_relpath(rel):
             problems.append(f"{entry / MANIFEST}: unsafe file path {rel!r}")
         elif (link := _linked_folder(entry, f"{payload_name}/{rel}")) is not None:
-            if f"{link}: a link, not a folder of the entry" not in problems:
-                problems.append(f"{link}: a link, not a folder of the entry")
+            problem = f"{link}: a link, not a folder of the entry"
+            if problem not in problems:  # once for all the files under it
+                problems.append(problem)
         else:
             problems.extend(_problem_of(entry / payload_name / rel, item, digest))
         if problems and first_only:

@@ -61,6 +61,10 @@ WAIT_NOTE_EVERY_S = 30.0
 # "No space left on device", "Disk quota exceeded", "File too large" (a file-size limit: ulimit -f, the file system's)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _FULL_WORDS = tuple(map(os.strerror, _FULL_ERRNOS))
+# what to do about each
+_FULL = "; free space with `kiln cache prune --max-size SIZE` or point $KILN_CACHE at a larger disk"
+_TOO_LARGE = (": a file outgrew the size this process may write (ulimit -f) or the file system holds; raise that "
+              "limit or point $KILN_CACHE at another file system")
 
 VerifyOnLoad = Literal["size", "changed", "hash"]  # "changed": re-hash the files changed since they were last hashed
 
@@ -296,14 +300,11 @@ class ContentStore:
             entry_dir = self._publish(tmp, key)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            if (reason := disk_full(exc)) == os.strerror(errno.EFBIG):
-                raise CacheRootError(f"{self.label} {key[:12]}: cannot write it under {self.v1.parent} ({reason}): "
-                                     f"a file outgrew the size this process may write (ulimit -f) or the file system "
-                                     f"holds; raise that limit or point $KILN_CACHE at another file system") from None
-            if reason:
-                raise CacheRootError(f"{self.label} {key[:12]}: no room to write it under {self.v1.parent} "
-                                     f"({reason}); free space with `kiln cache prune --max-size SIZE` or point "
-                                     f"$KILN_CACHE at a larger disk") from None
+            if reason := disk_full(exc):
+                too_large = reason == os.strerror(errno.EFBIG)
+                raise CacheRootError(f"{self.label} {key[:12]}: {'cannot write' if too_large else 'no room to write'} "
+                                     f"it under {self.v1.parent} ({reason}){_TOO_LARGE if too_large else _FULL}") \
+                    from None
             raise
         # every file was hashed (sealed or checked): "changed" lookups of the entry only stat them until one changes
         payload = entry_dir / self.payload_name
