@@ -165,6 +165,8 @@ def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
                        [False, False, False, False], [True, False, True, False]]
     assert torch.isinf(apply_top_k_top_p(logits[:2], [2, 1], [1.0, 1.0])).tolist() == [  # top-k alone: torch.topk
         [True, False, True, False], [True, False, True, True]]
+    tiny = apply_top_k_top_p(logits[:1], [0], [1e-300])  # a float32 limit of 0: the most likely token still stays
+    assert torch.isinf(tiny).tolist() == [[True, False, True, True]]
 
 
 def test_min_p_keeps_the_tokens_at_least_that_share_of_the_most_likely_one():

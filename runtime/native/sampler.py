@@ -31,7 +31,8 @@ from kiln.runtime.sequence import Sequence
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Set to -inf, in each row i of ``logits`` [n, vocab], the logits outside its ``top_k[i]`` most likely tokens
     (ties kept) and then outside the smallest set whose probability reaches ``top_p[i]``. A ``top_k`` <= 0 or >=
-    vocab and a ``top_p`` of 1 disable each filter for that row. Top-k alone takes ``torch.topk``; top-p sorts."""
+    vocab and a ``top_p`` of 1 disable each filter for that row; the most likely token always stays. Top-k alone
+    takes ``torch.topk``; top-p sorts."""
     vocab, device = logits.shape[-1], logits.device
     k = [kk if 0 < kk < vocab else 0 for kk in top_k]
     kept = device_tensor(k, torch.long, device).unsqueeze(-1)  # 0: no top-k for the row
@@ -47,6 +48,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     probs = sorted_logits.masked_fill(sorted_logits < kth, float("-inf")).softmax(-1)
     limit = device_tensor(top_p, probs.dtype, device).unsqueeze(-1)
     drop = (probs.cumsum(-1) - probs >= limit) & (limit < 1.0)
+    drop[:, 0] = False  # the most likely token stays, however small top_p (a float32 limit of 1e-46 is 0)
     return logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
 
 
