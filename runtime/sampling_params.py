@@ -70,9 +70,9 @@ class SamplingParams:
     Logit controls, applied before temperature, top-k and top-p: `presence_penalty` and `frequency_penalty` (OpenAI's
     semantics, in [-2, 2]: subtracted once per token id present in the completion, and once per occurrence),
     `repetition_penalty` (transformers' semantics, in [0.01, 100]: a logit of a token in the prompt or the completion is
-    divided by it when positive, multiplied when negative), `logit_bias` (token id -> a bias in [-100, 100] added
-    to its logit), `allowed_token_ids` (sample, greedy too, only among these token ids) and `min_tokens` (no EOS,
-    stop token or stop string before that many completion tokens).
+    divided by it when positive, multiplied when negative), `logit_bias` (token id, or its decimal string as in a
+    JSON object, -> a bias in [-100, 100] added to its logit), `allowed_token_ids` (sample, greedy too, only among
+    these token ids) and `min_tokens` (no EOS, stop token or stop string before that many completion tokens).
     `logprobs=k` returns each completion token's log probability and the `k` most likely alternatives (0 <= k <=
     20); `prompt_logprobs=k` the same for every prompt token after the first. They are the model's own
     distribution (log-softmax of its logits, before the controls and the temperature), as vLLM returns by default.
@@ -119,7 +119,7 @@ class SamplingParams:
         for name in NUMBER_FIELDS:
             setattr(self, name, plain_number(getattr(self, name)))
         self.stop_token_ids = _plain_ids(self.stop_token_ids)
-        self.logit_bias = {plain_number(t): plain_number(bias) for t, bias in self.logit_bias.items()}
+        self.logit_bias = {_token_key(t): plain_number(bias) for t, bias in self.logit_bias.items()}
         if isinstance(self.allowed_token_ids, list | tuple):
             self.allowed_token_ids = _plain_ids(self.allowed_token_ids)
         self._validate()
@@ -140,7 +140,11 @@ class SamplingParams:
             if unknown := [name for name, value in kwargs.items()
                            if name not in _settings(cls)
                            and not (drops_no_ops and _changes_nothing(name, value, kwargs.get("n", 1)))]:
-                raise TypeError(f"{cls.__name__} has no setting {unknown[0]!r}{_instead(unknown[0], cls)}")
+                name = unknown[0]
+                if drops_no_ops and name in VLLM_NO_OP_VALUES:
+                    raise ValueError(f"{cls.__name__} takes vLLM's {name} only at a value that changes nothing "
+                                     f"({_no_op_values(name)}), got {kwargs[name]!r}{_instead(name, cls)}")
+                raise TypeError(f"{cls.__name__} has no setting {name!r}{_instead(name, cls)}")
             return super().__new__(cls)
 
         def __setattr__(self, name: str, value: object) -> None:
@@ -252,6 +256,20 @@ def _changes_nothing(name: str, value: object, n: object) -> bool:
         return True
     return any(value is same or (type(value) is type(same) and value == same)
                for same in VLLM_NO_OP_VALUES.get(name, ()))
+
+
+def _token_key(key: object) -> object:
+    """A logit_bias key as a token id: a string of decimal digits (a JSON object's key, as OpenAI's API and vLLM take
+    it) as its int, a number of any library as a Python int; anything else as it is, for the check to name."""
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    return plain_number(key)
+
+
+def _no_op_values(name: str) -> str:
+    """The values of vLLM's setting ``name`` that Kiln takes, as words."""
+    values = " or ".join(repr(value) for value in VLLM_NO_OP_VALUES[name])
+    return f"{values} or n" if name == "best_of" else values
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

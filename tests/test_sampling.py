@@ -98,8 +98,10 @@ def test_vllms_settings_at_values_that_change_nothing_are_taken_and_others_refus
     assert spelled_out == SamplingParams(temperature=0)
     spelled_out.include_stop_str_in_output = False  # set later too
     assert SamplingParams(n=3, best_of=3).n == 3  # vLLM's best_of is n unless set: every sample returned
-    with pytest.raises(TypeError, match="keep the best by cumulative_logprob"):
+    with pytest.raises(ValueError, match="best_of only at a value that changes nothing .None or n., got 3: LLM.gen"):
         SamplingParams(n=2, best_of=3)
+    with pytest.raises(ValueError, match="spaces_between_special_tokens only at .* .True., got False"):
+        SamplingParams(spaces_between_special_tokens=False)
     copied = spelled_out.clone()
     copied.stop.append("x")
     assert copied.stop == ["x"] and spelled_out.stop == []
@@ -111,7 +113,7 @@ def test_vllms_settings_at_values_that_change_nothing_are_taken_and_others_refus
     with pytest.raises(TypeError, match="no setting 'best_of'"):
         Tagged(best_of=1)
     for name, value in (("best_of", 2), ("bad_words", ["no"]), ("use_beam_search", 1)):  # 1 is no False
-        with pytest.raises(TypeError, match=f"no setting '{name}'"):
+        with pytest.raises(ValueError, match=f"vLLM's {name} only at"):
             SamplingParams(**{name: value})
 
 
@@ -135,6 +137,13 @@ def test_a_subclass_of_samplingparams_takes_its_own_fields():
 def test_none_for_a_collection_is_the_empty_one():
     params = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None)
     assert (params.stop, params.stop_token_ids, params.logit_bias) == ([], [], {})
+
+
+def test_logit_bias_takes_token_ids_as_a_json_object_spells_them():
+    assert SamplingParams(logit_bias={"5": -100, 7: 2.5}).logit_bias == {5: -100, 7: 2.5}  # as OpenAI's and vLLM's
+    for key in ("-5", "5a", "٥"):  # no token id: named as given (an Arabic-Indic digit is no ASCII one)
+        with pytest.raises(ValueError, match=f"keys must be token ids >= 0, got '{key}'"):
+            SamplingParams(logit_bias={key: 1})
 
 
 def test_numbers_of_numpy_and_torch_are_taken_as_python_numbers():
