@@ -97,6 +97,11 @@ def test_the_thought_comes_apart_from_the_answer_whole_and_streamed(client):
     assert all(d.reasoning == d.reasoning_content for d in deltas) and len(deltas) > 1  # sent as it comes
 
 
+def test_a_completion_that_only_opens_a_thought_has_no_answer(client):
+    message = ask(client, "<think>").choices[0].message
+    assert (message.reasoning, message.content) == (None, None)  # null, as for any completion without an answer
+
+
 def test_a_prompt_that_closes_the_thought_empty_or_quotes_the_tag_is_read_as_the_template_meant(client):
     closed = ask(client, "Oslo. <think> is a tag.", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert (closed.choices[0].message.reasoning, closed.choices[0].message.content) == (None, "Oslo. <think> is a tag.")

@@ -4,7 +4,8 @@ content. vLLM's ``qwen3`` and ``deepseek_r1`` parsers read the same tags; here o
 completion starts inside a thought is read from the prompt, so that every template is read right:
 
 - Qwen3 with thinking on: the model opens ``<think>`` itself.
-- Qwen3 with ``enable_thinking: false``: the prompt holds an empty, closed thought; the completion is all answer.
+- Qwen3 with ``enable_thinking: false``: the prompt holds an empty, closed thought; the completion is answer
+  unless it opens a thought itself (as vLLM's qwen3 parser reads it).
 - DeepSeek-R1, QwQ and Qwen3 "Thinking-2507": the prompt ends inside ``<think>``; the completion thinks until
   ``</think>`` (a ``<think>`` it writes first all the same is dropped, as vLLM's deepseek_r1 parser drops it).
 - ``deepseek_r1`` with a prompt that names no thought (R1's first templates, and fine-tunes of them): the
