@@ -87,22 +87,20 @@ def copy_tokenizer_files(model_dir: Path, out: Path) -> None:
         shutil.copy2(path, out / CHAT_TEMPLATES_DIR / path.name)
 
 
-def export_trtllm(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtype) -> str | None:
+def export_trtllm(model: nn.Module, out: Path, dtype: torch.dtype) -> str | None:
     """modelopt's TensorRT-LLM checkpoint (tensor parallel 1), with the rotary settings of the HF config filled in
     (modelopt 0.47 misses them under transformers 5, where rope_theta moved into rope_parameters). Returns None once
-    written, or why modelopt has no TensorRT-LLM export for this family (Phi-3, for one): the native backend builds
-    from the Hugging Face form alone."""
+    written, or why modelopt has none for this model (no export for the family, Phi-3 for one, or a failed one):
+    the native backend builds from the Hugging Face form alone."""
     decoder = get_model_type(model)
     if decoder is None:
         return f"no TensorRT-LLM checkpoint: modelopt has no TensorRT-LLM decoder type for {type(model).__name__}"
     try:
         export_tensorrt_llm_checkpoint(model, decoder, dtype=dtype, export_dir=out, inference_tensor_parallel=1)
-    except NotImplementedError as exc:
-        shutil.rmtree(out, ignore_errors=True)
-        return f"no TensorRT-LLM checkpoint: {exc}"
-    except Exception as exc:
-        raise CalibrationError(f"{model_dir}: modelopt cannot export a TensorRT-LLM checkpoint ({type(exc).__name__}: "
-                               f"{exc}); try another quantize.format") from exc
+    except Exception as exc:  # no export for the family, or a failure on a shape modelopt did not foresee (a tied
+        shutil.rmtree(out, ignore_errors=True)  # lm_head it pads): a TensorRT-LLM build names what is missing
+        why = exc if isinstance(exc, NotImplementedError) else f"modelopt's export failed ({type(exc).__name__}: {exc})"
+        return f"no TensorRT-LLM checkpoint: {why}"
     config_path = out / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config.update(_rotary_settings(model.config))

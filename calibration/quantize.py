@@ -236,7 +236,7 @@ class _Stage:
 
         def export() -> None:
             with quiet([]):  # the exporters' warnings are benign: no tensorrt_llm here, a lm_head notice
-                self._note(export_trtllm(exported_form, self.model_dir, self.output.trtllm, dtype))
+                self._note(export_trtllm(exported_form, self.output.trtllm, dtype))
                 export_hf(model, self.model_dir, self.output.hf, dtype)
 
         self._timed("export_s", export)
@@ -252,7 +252,7 @@ class _Stage:
             copy_checkpoint(self.model_dir, self.output.hf)
             model = reference.to(dtype) if reference is not None else self._load_model(dtype)
             with quiet([]):
-                self._note(export_trtllm(model, self.model_dir, self.output.trtllm, dtype))
+                self._note(export_trtllm(model, self.output.trtllm, dtype))
 
         self._timed("export_s", export)
         return self._finish(attempts, data, runner)

@@ -157,6 +157,19 @@ def test_format_none_copies_the_checkpoint_and_needs_no_calibration(checkpoint, 
     assert json.loads((tmp_path / "trtllm" / "config.json").read_text())["quantization"]["quant_algo"] is None
 
 
+def test_a_failed_tensorrt_llm_export_leaves_the_hugging_face_form_and_a_note(checkpoint, tmp_path, monkeypatch):
+    def fail(model, decoder, export_dir, **kwargs):  # as modelopt 0.47 pads a tied Gemma 2's lm_head it lacks
+        export_dir.mkdir(parents=True, exist_ok=True)
+        (export_dir / "rank0.safetensors").write_bytes(b"half")
+        raise AttributeError("'NoneType' object has no attribute 'weight'")
+
+    monkeypatch.setattr("kiln.calibration.export.export_tensorrt_llm_checkpoint", fail)
+    report = quantize_checkpoint(checkpoint, small_recipe(format="none", dataset="/does/not/matter"), tmp_path)
+    assert report["notes"] == ["no TensorRT-LLM checkpoint: modelopt's export failed (AttributeError: 'NoneType' "
+                               "object has no attribute 'weight')"]
+    assert (tmp_path / "hf" / "config.json").is_file() and not (tmp_path / "trtllm").exists()  # nothing half-written
+
+
 def test_fp8_kv_cache_exports_kv_scales(checkpoint, tmp_path):
     quantize_checkpoint(checkpoint, small_recipe(format="fp8", kv_cache_dtype="fp8"), tmp_path)
     assert "model.layers.0.self_attn.k_proj.k_scale" in dtypes(tmp_path / "hf" / "model.safetensors")

@@ -83,8 +83,8 @@ def build_trtllm_engine(out_dir: Path, options: TrtllmBuildOptions, *, hf_dir: P
                                f"checkpoint, and none was given; run the quantize stage first")
     if trtllm_checkpoint_dir is not None and not (trtllm_checkpoint_dir / "config.json").is_file():
         raise TrtllmBuildError(f"{trtllm_checkpoint_dir}: the quantized checkpoint has no TensorRT-LLM form "
-                               f"(modelopt cannot export this model family for TensorRT-LLM: its calibration report "
-                               f"says why); build it with --backend native")
+                               f"(modelopt did not export this model for TensorRT-LLM: its calibration report's notes "
+                               f"say why); build it with --backend native")
     plan = plan_trtllm_build(options, quant_format=quant_format, kv_cache_dtype=kv_cache_dtype,
                              model_dtype=model_dtype, fingerprint=fingerprint, timing_cache=timing_cache,
                              hf_dir=hf_dir, trtllm_checkpoint_dir=trtllm_checkpoint_dir, out_dir=out_dir,
