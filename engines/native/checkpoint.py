@@ -21,7 +21,7 @@ from kiln.runtime.json_files import is_number, read_json_object
 from kiln.runtime.native.engine_format import Architecture
 from kiln.runtime.native.layers.activation import ACTIVATION_ALIASES, ACTIVATIONS
 from kiln.runtime.native.layers.rotary import ROPE_TYPES, longrope_inv_freqs, rope_inv_freq
-from kiln.runtime.native.model.registry import family_of, positive_number
+from kiln.runtime.native.model.registry import family_of, flag, positive_number
 
 QUANT_ALGOS = {None: "none", "FP8": "fp8", "W4A16_AWQ": "int4_awq"}
 # the rope scaling parameters that are numbers wherever a scaled type reads them
@@ -92,7 +92,7 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
         rms_norm_eps=positive_number(cfg["rms_norm_eps"], "rms_norm_eps", path),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+        tie_word_embeddings=flag(cfg, "tie_word_embeddings", path),
         max_position_embeddings=_int(cfg, "max_position_embeddings", path),
         bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
         eos_token_ids=generation_eos_ids(cfg, gen),
@@ -232,6 +232,8 @@ def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path, family_types
         raise KilnError(f"{path}: rope type {rope_type!r} is not supported (supported: "
                         f"{', '.join(ROPE_TYPES + ('dynamic',))})")
     if rope_type != "default":  # the plain RoPE reads none of them
+        if rope_type != "longrope" and params.get("factor") is None:  # as transformers' rope validation refuses it
+            raise KilnError(f"{path}: {source} of rope type {rope_type!r} needs key 'factor'; fix config.json")
         _check_scaling(params, source, path)
     if rope_type == "dynamic":  # transformers' dynamic NTK changes no frequency up to max_position_embeddings,
         return theta, None  # the longest context a plan may hold (engines/native/plan.py)

@@ -7,13 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.native.model.registry import Family, positive_number, sliding_layers
+from kiln.runtime.native.model.registry import Family, flag, positive_number, sliding_layers
 
 
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
     """Every Gemma 2 quirk from its config.json (transformers' defaults where it omits one); ``attention_bias`` puts
     biases on q, k, v and o."""
-    bias = bool(config.get("attention_bias"))
+    bias = flag(config, "attention_bias", path)
     return {
         "sandwich_norms": True,
         "scale_embeddings": True,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.native.model.registry import Family, sliding_layers
+from kiln.runtime.native.model.registry import Family, flag, sliding_layers
 
 
 def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -17,7 +17,7 @@ def quirks(config: dict[str, Any], path: Path) -> dict[str, Any]:
 
 def window_layers(config: dict[str, Any], path: Path) -> dict[str, Any]:
     """With ``use_sliding_window``, the layers from ``max_window_layers`` on slide (as transformers has it)."""
-    window = config["sliding_window"] if config.get("use_sliding_window") else None
+    window = config["sliding_window"] if flag(config, "use_sliding_window", path) else None
     first = config["max_window_layers"]
     return sliding_layers(config, path, window, lambda i: i >= first)
 

@@ -123,6 +123,15 @@ def positive_number(value: Any, key: str, path: Path) -> float:
     return float(value)
 
 
+def flag(config: dict[str, Any], key: str, path: Path) -> bool:
+    """config.json's ``key`` as a bool (absent or null: False); KilnError naming it unless it is true or false (a
+    string "false" would read as true)."""
+    value = config.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise KilnError(f"{path}: {key} must be true or false, got {value!r}")
+    return bool(value)
+
+
 # last: the family files import what is above
 FAMILIES = _families()
 FAMILY_NAMES = tuple(family.name for family in FAMILIES)
