@@ -296,6 +296,10 @@ def remote_spec(configured: str | None = None, endpoint: str | None = None,
     """The remote tier in force: ``$KILN_CACHE_REMOTE`` when set (an empty value turns the remote off), else
     ``configured``; a bad URL in the environment is a ConfigError naming the variable."""
     url = os.environ.get("KILN_CACHE_REMOTE", configured)
+    if url is None and (endpoint is not None or required):  # (an empty $KILN_CACHE_REMOTE turned it off on purpose)
+        setting = "remote_required" if required else "remote_endpoint"
+        raise ConfigError(f"cache.{setting} is set, but no remote cache is: give cache.remote (or "
+                          f"$KILN_CACHE_REMOTE), or leave cache.{setting} out")
     if not url:
         return None
     try:

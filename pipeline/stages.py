@@ -184,6 +184,8 @@ def _on_remote(ctx: BuildContext, store: str, key: str) -> str:
     try:
         found = ctx.remote.has(store, key)
     except RemoteUnavailableError as exc:
+        if ctx.remote.required:
+            ctx.remote.failed(exc)  # raises: the build would fail the same way
         return f"; the remote cache could not be asked ({exc})"
     return f"; {ctx.remote.url} has it: it will be pulled" if found else f"; not on {ctx.remote.url} either"
 
@@ -207,7 +209,9 @@ def _engine_available(ctx: BuildContext) -> str | None:
         return None
     try:
         found = ctx.remote.has("entries", ctx.engine_key)
-    except RemoteUnavailableError:
+    except RemoteUnavailableError as exc:
+        if ctx.remote.required:
+            ctx.remote.failed(exc)  # raises: the build would fail the same way
         return None
     return f"on {ctx.remote.url}" if found else None
 

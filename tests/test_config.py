@@ -372,6 +372,15 @@ def plan(tmp_path: Path, text: str, backend: str | None = None):
     return runner.decide(runner.prepare(path, backend=backend, force=False, dry_run=True, options=RuntimeOptions()))
 
 
+def test_a_dry_run_fails_as_the_build_would_on_a_required_remote_it_cannot_reach(tmp_path, monkeypatch):
+    from kiln.engines.cache.remote import RemoteUnavailableError
+
+    monkeypatch.delenv("KILN_CACHE_REMOTE", raising=False)
+    remote = f"file://{tmp_path}/not-mounted"
+    with pytest.raises(RemoteUnavailableError, match=r"no such folder .* \(cache.remote_required is set\)"):
+        plan(tmp_path, f"  remote: {remote}\n  remote_required: true\n")  # more of the plan's cache section
+
+
 def test_the_smoke_prompt_is_counted_with_the_models_tokenizer_at_plan_time(tmp_path):
     with pytest.raises(ConfigError, match=r":6: smoke.max_tokens \(16\) \+ the smoke.prompt's 4 tokens = 20 "
                                           r"exceeds build.max_seq_len \(19\)"):

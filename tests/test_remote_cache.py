@@ -636,11 +636,19 @@ def test_remote_settings_are_checked_where_they_are_written(monkeypatch):
         with pytest.raises(ValueError, match="not shown") as refused:
             KilnConfig.model_validate({"model": {"path": "m"}, "cache": cache})
         assert "s3cr3t" not in refused.value.errors()[0]["msg"]  # what Kiln prints of it (not pydantic's input)
+    monkeypatch.delenv("KILN_CACHE_REMOTE", raising=False)
+    for endpoint, required, setting in ((None, True, "remote_required"),
+                                        ("http://minio:9000", False, "remote_endpoint")):
+        with pytest.raises(ConfigError, match=f"cache.{setting} is set, but no remote cache is"):
+            remote_spec(None, endpoint, required)
+    with pytest.raises(ConfigError, match="cache.remote_endpoint names an S3-compatible service, which the file"):
+        remote_spec("file:///shared/kiln", "http://minio:9000")
     monkeypatch.setenv("KILN_CACHE_REMOTE", "ftp://nowhere")
     with pytest.raises(ConfigError, match=r"\$KILN_CACHE_REMOTE"):
         remote_spec("s3://bucket/x")
     monkeypatch.setenv("KILN_CACHE_REMOTE", "")
     assert remote_spec("s3://bucket/x") is None  # an empty value turns the configured remote off
+    assert remote_spec("s3://bucket/x", "http://minio:9000", True) is None  # and what goes with it
 
 
 @pytest.mark.slow
