@@ -74,7 +74,8 @@ class BuildContext:
     cache_hit: bool = False
     cache_reason: str = ""
     build_seconds: float = 0.0
-    seconds_saved: float = 0.0  # the build time of what the cache had: the engine, the quantized checkpoint
+    quantize_seconds: float = 0.0  # the calibration that made the quantized checkpoint (its entry's build time)
+    seconds_saved: float = 0.0  # the build time of what the cache had: the engine, else the quantized checkpoint
     load_ms: float | None = None
     sample: dict | None = None
 
@@ -124,9 +125,17 @@ class BuildContext:
         """The runtime options to load the built engine with: on the device it was built for, unless they say."""
         return replace(self.options, device=self.options.device or self.choice.device)
 
-    def use_quantized(self, checkpoint: QuantizedCheckpoint) -> None:
-        """Build from a quantized checkpoint of the cache (the quantize stage's output), with its report."""
+    def use_quantized(self, checkpoint: QuantizedCheckpoint, build_seconds: float) -> None:
+        """Build from a quantized checkpoint of the cache (the quantize stage's output), with its report and its
+        entry's build time (the engine's build time includes it)."""
         self.checkpoint_dir, self.calibration = checkpoint.hf, checkpoint.report()
+        self.quantize_seconds = build_seconds
+
+    def count_engine_hit(self, build_seconds: float) -> None:
+        """Count a hit of the engine as time saved: its recorded build time, which includes its checkpoint's
+        calibration, less what this build already counted of that (a checkpoint it took before the engine turned
+        up, built by another process meanwhile)."""
+        self.seconds_saved += max(0.0, build_seconds - self.quantize_seconds)
 
     def ensure_checkpoint(self, progress: Progress) -> None:
         """Run the quantize stage now when it was deferred to the engine (which has to be built after all)."""
@@ -245,8 +254,9 @@ def _no_model(ctx: BuildContext) -> str | None:
 class QuantizeStage:
     """Calibrate, gate and export the checkpoint (content-addressed in the cache's ``quantized/`` part).
 
-    ``defer_to_engine``: when the checkpoint is missing but the engine it feeds is in the cache or on the remote,
-    skip for now; the build stage fetches the checkpoint only if it has to build the engine after all."""
+    ``defer_to_engine``: when the engine the checkpoint feeds is in the cache or on the remote, skip for now, not
+    looking the checkpoint up (the engine's hit saves its calibration); the build stage fetches the checkpoint only
+    if it has to build the engine after all."""
 
     name = "quantize"
     inputs = ("checkpoint content hash", "quantize recipe (incl. calibration data hashes)", "calibration device")
@@ -269,8 +279,12 @@ class QuantizeStage:
         lookup = _lookup(ctx, "quantized", ctx.quantized_key)
         if lookup is not None and lookup.hit:
             shipped = ((lookup.manifest or {}).get("describe") or {}).get("format", fmt)  # a fallback's, maybe
-            return Decision(self.name, "skip", f"{shipped} checkpoint {ctx.quantized_key[:12]} is in the cache"
-                            f"{f' (fell back from {fmt})' if shipped != fmt else ''}", lookup)
+            held = (f"{shipped} checkpoint {ctx.quantized_key[:12]} is in the cache"
+                    f"{f' (fell back from {fmt})' if shipped != fmt else ''}")
+            if self.defer_to_engine and (where := _engine_available(ctx)):
+                return Decision(self.name, "skip", f"{held}, not needed: the engine it feeds is {where}; it is used "
+                                f"only if the engine has to be built", extra={"deferred": True})
+            return Decision(self.name, "skip", held, lookup)
         if self.defer_to_engine and (where := _engine_available(ctx)):
             return Decision(self.name, "skip", f"no {fmt} checkpoint here, but the engine it feeds is {where}: it is "
                             f"fetched only if the engine has to be built", extra={"deferred": True})
@@ -297,7 +311,7 @@ class QuantizeStage:
                                                    describe=describe, on_wait=lambda msg: progress(msg, 0.0),
                                                    on_transfer=_transfer_progress(ctx.cache.quantized, progress))
         ctx.seconds_saved += result.build_seconds if result.hit else 0.0
-        ctx.use_quantized(QuantizedCheckpoint(result.payload_dir))
+        ctx.use_quantized(QuantizedCheckpoint(result.payload_dir), result.build_seconds)
 
     def adopt(self, ctx: BuildContext, decision: Decision) -> None:
         if ctx.config.quantize.format == "none":
@@ -309,7 +323,7 @@ class QuantizeStage:
         store = ctx.cache.quantized
         lookup = store.record_hit(decision.hit, ctx.quantized_key)
         ctx.seconds_saved += lookup.build_seconds if lookup.hit else 0.0
-        ctx.use_quantized(QuantizedCheckpoint(store.payload_dir(ctx.quantized_key)))
+        ctx.use_quantized(QuantizedCheckpoint(store.payload_dir(ctx.quantized_key)), lookup.build_seconds)
 
 
 class BuildStage:
@@ -343,23 +357,25 @@ class BuildStage:
     def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:
         trtllm = ctx.choice.backend == "trtllm"
         build = self._trtllm_build(ctx, progress) if trtllm else self._native_build(ctx, progress)
-        # the closures set the format once the checkpoint is there (a deferred quantize stage may run in them)
+        # ``prepare`` sets the format once the checkpoint is there (a deferred quantize stage may run in it)
         hardware = ctx.material["hardware"]
         devices = hardware["tp_size"] * hardware["pp_size"]  # the devices one engine runs on: "NVIDIA H200 x2"
         describe = {"model": ctx.model_name, "format": _shipped_format(ctx),
                     "kv_cache_dtype": _shipped_kv_cache_dtype(ctx), "backend": ctx.choice.backend,
                     "gpu": (hardware["gpu_name"] or "cpu") + (f" x{devices}" if devices > 1 else "")}
-        build = self._with_checkpoint(ctx, build, describe, progress)
-        result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, build, force=ctx.force,
-                                                 describe=describe, on_wait=lambda msg: progress(msg, 0.0),
-                                                 on_transfer=_transfer_progress(ctx.cache.entries, progress))
+        result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, self._holding_checkpoint(ctx, build),
+                                                 force=ctx.force, describe=describe,
+                                                 on_wait=lambda msg: progress(msg, 0.0),
+                                                 on_transfer=_transfer_progress(ctx.cache.entries, progress),
+                                                 prepare=self._checkpoint_ready(ctx, describe, progress))
         ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = result.payload_dir, result.hit, result.reason
         if result.pulled:
             ctx.cache_reason = f"pulled from the remote cache {ctx.cache.entries.remote.url}"
         elif result.hit and result.waited:
             ctx.cache_reason = "built by another process while this one waited"
         ctx.build_seconds = result.build_seconds
-        ctx.seconds_saved += result.build_seconds if result.hit else 0.0
+        if result.hit:
+            ctx.count_engine_hit(result.build_seconds)
         ctx.take_calibration_from(ctx.cache.entries.read_manifest(ctx.engine_key) if result.hit else None)
         if result.replaced_in_use:
             stderr.print(f"[yellow]warning:[/] engine {ctx.engine_key[:12]} was in use by a running process (a kiln "
@@ -367,14 +383,24 @@ class BuildStage:
                          f"restarted", markup=True, highlight=False)
 
     @staticmethod
-    def _with_checkpoint(ctx: BuildContext, build: Callable[[Path], dict], describe: dict,
-                         progress: Progress) -> Callable[[Path], dict]:
-        """``build`` after the checkpoint it reads is there (a deferred quantize stage runs first), holding it while
-        it is read: a quantized checkpoint of the cache is kept from being evicted (by any process) meanwhile."""
+    def _checkpoint_ready(ctx: BuildContext, describe: dict, progress: Progress) -> Callable[[], float]:
+        """What the store runs once the engine has to be built: fetch the checkpoint (a deferred quantize stage runs
+        now), describe what it ships, and return its calibration's seconds, which the engine's build time includes
+        (so a hit of the engine saves them, wherever the checkpoint came from)."""
 
-        def build_from_checkpoint(tmp: Path) -> dict:
+        def ready() -> float:
             ctx.ensure_checkpoint(progress)
             describe["format"], describe["kv_cache_dtype"] = _shipped_format(ctx), _shipped_kv_cache_dtype(ctx)
+            return ctx.quantize_seconds
+
+        return ready
+
+    @staticmethod
+    def _holding_checkpoint(ctx: BuildContext, build: Callable[[Path], dict]) -> Callable[[Path], dict]:
+        """``build``, holding the checkpoint while it is read (a quantized checkpoint of the cache is kept from being
+        evicted by any process meanwhile), then the engine's tokenizer written from it."""
+
+        def build_from_checkpoint(tmp: Path) -> dict:
             quantized = ctx.quantized_key and ctx.checkpoint_dir != ctx.model_dir
             with EntryHold(ctx.cache.quantized.entry_dir(ctx.quantized_key)) if quantized else nullcontext():
                 record = build(tmp)
@@ -422,7 +448,7 @@ class BuildStage:
             return
         ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = store.payload_dir(ctx.engine_key), True, "hit"
         ctx.build_seconds = lookup.build_seconds
-        ctx.seconds_saved += lookup.build_seconds
+        ctx.count_engine_hit(lookup.build_seconds)
         ctx.take_calibration_from(lookup.manifest)
 
 

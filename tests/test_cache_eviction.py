@@ -203,11 +203,9 @@ def test_a_build_holds_the_quantized_checkpoint_it_reads_whatever_its_backend(tm
     entry.mkdir(parents=True)
     (entry / "in_use.lock").touch()  # an entry that is there, as far as a hold is concerned
     ctx = SimpleNamespace(cache=cache, quantized_key=key, checkpoint_dir=tmp_path / "quantized",
-                          model_dir=tmp_path / "model", calibration=None,
-                          config=SimpleNamespace(quantize=SimpleNamespace(format="fp8", kv_cache_dtype="auto")),
-                          ensure_checkpoint=lambda progress: None)
+                          model_dir=tmp_path / "model")
     seen = []
-    build = BuildStage._with_checkpoint(ctx, lambda tmp: seen.append(is_held(entry)) or {}, {}, print)
+    build = BuildStage._holding_checkpoint(ctx, lambda tmp: seen.append(is_held(entry)) or {})
     build(tmp_path / "tmp")
     assert seen == [True] and not is_held(entry)
 

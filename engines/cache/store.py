@@ -197,14 +197,18 @@ class ContentStore:
 
     def get_or_build(self, key: str, material: dict, build: Callable[[Path], dict], *, force: bool = False,
                      describe: dict | None = None, on_wait: Callable[[str], None] | None = None,
-                     on_transfer: Transferred | None = None) -> CacheResult:
+                     on_transfer: Transferred | None = None,
+                     prepare: Callable[[], float] | None = None) -> CacheResult:
         """Return the entry for ``key``, building it with ``build(tmp_payload_dir) -> build record`` on a miss.
 
         Concurrent callers for one key build once: the others wait on the key's lock (``on_wait`` is told) and then
         hit. With a remote tier, a local miss is pulled from the remote when it has the entry (``on_transfer``
         hears the bytes), machines share one build through the remote's lease, and a build is pushed. ``force``
         rebuilds and atomically replaces an existing entry (and the remote's). One lookup is recorded per call.
-        A hit's ``build_seconds`` is the build time it saved."""
+
+        ``prepare`` runs only when a build is due, before it is timed: it makes the build's inputs ready (a
+        checkpoint fetched only now) and returns the build seconds that went into them (its calibration's), which
+        the entry's recorded build time includes. A hit's ``build_seconds`` is that recorded time: what it saved."""
         if validate_key(key) != engine_key(material):
             raise ValueError(f"cache key {key} is not the key of the material given with it (engine_key(material))")
         if not force:
@@ -230,7 +234,7 @@ class ContentStore:
                 if not force:
                     self._record_lookup(key, found)
                 replaced_in_use = force and is_held(self.entry_dir(key))
-                entry_dir, seconds = self._build_and_publish(key, material, build, describe or {})
+                entry_dir, seconds = self._build_and_publish(key, material, build, describe or {}, prepare)
                 if self.remote is not None and self.remote.usable:
                     transfer.push_after_build(self, key, force or bool(damaged), on_transfer)
         return CacheResult(key, entry_dir, entry_dir / self.payload_name, False, "forced" if force else found.reason,
@@ -278,13 +282,15 @@ class ContentStore:
         finally:
             lock.release()
 
-    def _build_and_publish(self, key: str, material: dict, build: Callable[[Path], dict],
-                           describe: dict) -> tuple[Path, float]:
+    def _build_and_publish(self, key: str, material: dict, build: Callable[[Path], dict], describe: dict,
+                           prepare: Callable[[], float] | None) -> tuple[Path, float]:
+        """Build and publish the entry; its recorded build time is its inputs' (``prepare``'s) plus the build's."""
+        upstream = prepare() if prepare is not None else 0.0
         started = time.monotonic()
 
         def fill(tmp: Path) -> dict:
             record = build(tmp / self.payload_name)
-            return self._seal(tmp, key, material, record, describe, round(time.monotonic() - started, 3))
+            return self._seal(tmp, key, material, record, describe, round(upstream + time.monotonic() - started, 3))
 
         entry_dir, manifest = self.install(key, fill)
         self.stats.record_store(self.name, key, manifest["total_bytes"], manifest["build_seconds"])
