@@ -160,6 +160,8 @@ class ChatTemplate:
         if source is not None:
             names = dict(files.named, default=(files.source, files.origin)) if files.named and files.source \
                 else files.named
+            if source not in names:
+                check_template_source(source, names)
             text, origin = names.get(source, (source, "the chat template given in place of the model's"))
             return cls._parsed(files, text, origin)
         tool_use = cls._parsed(files, *files.named[TOOL_USE]) if TOOL_USE in files.named else None
@@ -216,6 +218,17 @@ class ChatTemplate:
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, RecursionError) as exc:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from None
         return _cut_at_tag(text) if continue_final_message else text
+
+
+def check_template_source(source: str, names: Mapping[str, object] | None = None) -> None:
+    """Refuse a ``source`` given as a template that holds no Jinja block (no ``{{ }}`` or ``{% %}``): a misspelt
+    name of one of the engine's templates (``names``) or a file's path, which would render as itself and drop every
+    message."""
+    if "{{" not in source and "{%" not in source:
+        known = f"this engine's named templates are {', '.join(names)}" if names else "this engine names none"
+        raise ChatTemplateError(f"chat_template {source!r} is no template (it holds no {{{{ ... }}}} or {{% ... %}}) "
+                                f"and no template's name ({known}); pass the template's text (a file's: "
+                                f"Path(FILE).read_text())")
 
 
 def _no_default(names: Iterable[str] = ()) -> str:

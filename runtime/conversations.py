@@ -50,7 +50,7 @@ def _check_messages(conversation: abc.Sequence, where: str) -> None:
 def load_template(files: ChatTemplateFiles | None, source: str | None) -> ChatTemplate:
     """The chat template ``files`` hold (an engine's, read at its load: its named ones too), or ``source`` in its
     place (with their special tokens): a template, or the name of one of the engine's named templates."""
-    from kiln.runtime.chat_template import ChatTemplate, ChatTemplateError
+    from kiln.runtime.chat_template import ChatTemplate, ChatTemplateError, check_template_source
 
     if source is not None and not source.strip():
         raise ChatInputError("chat_template is empty: pass a template's source, or leave it out for the engine's own")
@@ -58,6 +58,10 @@ def load_template(files: ChatTemplateFiles | None, source: str | None) -> ChatTe
         if source is None:
             raise ChatInputError("this LLM was not loaded from an engine directory, so it has no chat template: pass "
                                  "chat_template=")
+        try:
+            check_template_source(source)
+        except ChatTemplateError as exc:
+            raise ChatInputError(str(exc)) from None
         return ChatTemplate(source, {})
     try:
         template = ChatTemplate.from_files(files, source)

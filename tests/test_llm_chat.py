@@ -8,6 +8,7 @@ import pytest
 from kiln import ChatInputError
 from kiln.runtime import SamplingParams
 from kiln.runtime.conversations import load_template
+from kiln.runtime.server.settings import ServerSettings
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -92,6 +93,13 @@ def test_params_are_given_once_and_a_chat_needs_a_template(llm):
         load_template(None, None)
     with pytest.raises(ChatInputError, match="chat_template is empty"):
         llm.chat(CONVERSATION, GREEDY, chat_template=" ")
+    for source in ("defualt", "/srv/templates/chatml.jinja"):  # a misspelt name, a path: it would render as itself
+        with pytest.raises(ChatInputError, match=f"chat_template '{source}' is no template .* and no template's name"):
+            llm.chat(CONVERSATION, GREEDY, chat_template=source)
+    with pytest.raises(ChatInputError, match="is no template"):
+        load_template(None, "chatml")
+    with pytest.raises(ValueError, match="is no template"):
+        ServerSettings(model_name="m", chat_template="chatml.jinja")
     [output] = llm.chat(CONVERSATION, GREEDY, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
     assert output.prompt_token_ids == llm.tokenizer.encode("Be brief.Name a colour.", add_special_tokens=False)
 
