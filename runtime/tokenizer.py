@@ -309,13 +309,14 @@ def request_detokenizer(tokenizer: Tokenizer | None, prompt_token_ids: list[int]
 def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int, has_stop_strings: bool,
                   error: type[InvalidRequestError] = InvalidRequestError) -> list[int]:
     """A prompt's token ids: text through the tokenizer, or ids checked against the vocabulary (either given bare, or
-    as vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``); raises ``error``."""
+    as vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``, the ids winning where a vLLM TokensPrompt also
+    carries its text); raises ``error``."""
     if isinstance(prompt, dict):
-        if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & prompt.keys():
-            raise error(f"a prompt given as a dict holds one key, vLLM's 'prompt' (text) or 'prompt_token_ids' "
-                        f"(token ids): Kiln takes none of vLLM's other prompt keys (cache_salt, multi_modal_data, "
-                        f"...); got {sorted(map(str, prompt))}")
-        [prompt] = prompt.values()
+        if not prompt or not prompt.keys() <= {"prompt", "prompt_token_ids"}:
+            raise error(f"a prompt given as a dict holds vLLM's 'prompt' (text) or 'prompt_token_ids' (token ids, "
+                        f"with their 'prompt' text or without): Kiln takes none of vLLM's other prompt keys "
+                        f"(cache_salt, multi_modal_data, ...); got {sorted(map(str, prompt))}")
+        prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
     if isinstance(prompt, str):
         if tokenizer is None:
             raise error("this engine has no tokenizer.json: pass the prompt as token ids")

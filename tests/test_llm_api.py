@@ -115,6 +115,8 @@ def test_vllms_dict_prompts_are_taken_as_their_text_or_token_ids(llm):
         llm.generate([{"text": "t5"}], GREEDY)
     with pytest.raises(InvalidRequestError, match="none of vLLM's other prompt keys"):
         llm.generate([{"prompt": "t5", "cache_salt": "a"}], GREEDY)
+    [carried] = llm.generate({"prompt_token_ids": [5, 6, 7], "prompt": "t5 t6 t7"}, GREEDY)  # vLLM's TokensPrompt
+    assert (carried.token_ids, carried.prompt, carried.prompt_token_ids) == (expected[0], "t5 t6 t7", [5, 6, 7])
 
 
 def test_text_prompt_round_trips_through_the_engine_tokenizer(llm):
