@@ -36,6 +36,7 @@ from kiln.runtime.sampling_defaults import described, sampling_defaults
 from kiln.runtime.sampling_params import SamplingParams, sample_seed
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.vllm_call_options import CHAT_OPTIONS, GENERATE_OPTIONS, check_vllm_call_options
 
 if TYPE_CHECKING:  # jinja2 is imported only when a chat is rendered
     from kiln.runtime.chat_template import ChatTemplate
@@ -154,10 +155,12 @@ class LLM:
     def generate(self, prompts: Prompt | abc.Sequence[Prompt],
                  params: SamplingParams | abc.Sequence[SamplingParams] | None = None, *,
                  sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable[..., Any] = False) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = False, **vllm_options: object) -> list[RequestOutput]:
         """Complete each prompt (text or token ids); blocks until all are done. Outputs follow the prompts' order.
         ``sampling_params`` is vLLM's name for ``params``; ``use_tqdm`` draws a progress bar on stderr (True: tqdm's;
-        a tqdm-like class, as vLLM takes, draws its own)."""
+        a tqdm-like class, as vLLM takes, draws its own). vLLM's ``lora_request``, ``priority`` and
+        ``tokenization_kwargs`` are taken at their defaults (None, 0)."""
+        check_vllm_call_options("generate", vllm_options, GENERATE_OPTIONS)
         if not isinstance(prompts, str | list | tuple | dict):
             raise InvalidRequestError(f"prompts must be text, token ids, or a list of those; got "
                                       f"{type(prompts).__name__}")
@@ -191,13 +194,16 @@ class LLM:
              use_tqdm: bool | Callable[..., Any] = False,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: abc.Sequence[Mapping[str, Any]] | None = None,
-             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: Mapping[str, Any] | None = None, **vllm_options: object) -> list[RequestOutput]:
         """Complete one conversation (a list of ``{"role", "content"}`` messages, OpenAI's and vLLM's shape) or a
         list of them, each rendered through the engine's chat template (its ``tool_use`` one with ``tools``, where
         it has one; ``chat_template``: another template's source in its place, or the name of one of the engine's
         named templates) with ``tools`` and the template's further variables ``chat_template_kwargs``, as vLLM's
         ``LLM.chat``; one output per conversation. With ``continue_final_message`` (and
-        ``add_generation_prompt=False``) the completion continues the final message."""
+        ``add_generation_prompt=False``) the completion continues the final message. vLLM's ``lora_request``,
+        ``chat_template_content_format``, ``mm_processor_kwargs`` and ``tokenization_kwargs`` are taken at their
+        defaults (None, "auto")."""
+        check_vllm_call_options("chat", vllm_options, CHAT_OPTIONS)
         self._check_open()
         template = self._chat_template if chat_template is None else None
         if template is None:

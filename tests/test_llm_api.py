@@ -597,3 +597,15 @@ def test_an_llm_dropped_without_close_is_collected_and_frees_its_engine(engine_d
     assert engine_closed == [True]
     thread.join(timeout=30)
     assert not thread.is_alive() and thread not in threading.enumerate()
+
+
+def test_vllms_call_keywords_are_taken_at_their_defaults_and_refused_otherwise(llm):
+    expected = llm.generate("t5 t6", GREEDY)[0].token_ids
+    taken = llm.generate(["t5 t6"], GREEDY, lora_request=None, priority=[0], tokenization_kwargs={})
+    assert taken[0].token_ids == expected
+    with pytest.raises(ValueError, match=r"vLLM's priority=\[1\] is not supported \(Kiln schedules requests first"):
+        llm.generate(["t5 t6"], GREEDY, priority=[1])
+    with pytest.raises(ValueError, match="LLM.chat: vLLM's chat_template_content_format='openai' is not supported"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template_content_format="openai")
+    with pytest.raises(TypeError, match="LLM.generate\\(\\) got an unexpected keyword argument 'chat_template'"):
+        llm.generate(["t5"], GREEDY, chat_template="x")

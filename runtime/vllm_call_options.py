@@ -1,0 +1,42 @@
+"""vLLM's keywords of ``LLM.generate`` and ``LLM.chat`` that Kiln lacks: taken at the values that change nothing
+(vLLM's defaults), so that code forwarding them runs; any other value is refused saying why."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+
+def _none_or_empty(value: object) -> bool:
+    return value is None or value == {}
+
+
+def _no_priority(value: object) -> bool:
+    """vLLM's priority: None, 0, or a 0 for each prompt (first come, first served)."""
+    values = value if isinstance(value, list | tuple) else [value]
+    return all(v is None or (type(v) is int and v == 0) for v in values)
+
+
+# name -> (whether a value changes nothing, why another one cannot be honoured)
+VLLM_CALL_OPTIONS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "lora_request": (lambda value: value is None, "Kiln serves one model and no LoRA adapter: build an engine of "
+                     "the merged weights"),
+    "priority": (_no_priority, "Kiln schedules requests first come, first served"),
+    "tokenization_kwargs": (_none_or_empty, "text is encoded as the engine's tokenizer encodes it; "
+                            "SamplingParams.truncate_prompt_tokens is refused too"),
+    "mm_processor_kwargs": (_none_or_empty, "Kiln's engines take text only"),
+    "chat_template_content_format": (lambda value: value in ("auto", "string"), "Kiln joins a message's text "
+                                     "parts into one string for the template, vLLM's 'string' format"),
+}
+GENERATE_OPTIONS = ("lora_request", "priority", "tokenization_kwargs")
+CHAT_OPTIONS = ("lora_request", "chat_template_content_format", "mm_processor_kwargs", "tokenization_kwargs")
+
+
+def check_vllm_call_options(method: str, options: Mapping[str, object], names: tuple[str, ...]) -> None:
+    """Refuse a keyword of ``options`` that is none of vLLM's ``names`` (TypeError, as Python's), or one of them at a
+    value that would change something (ValueError naming it and why)."""
+    for name, value in options.items():
+        if name not in names:
+            raise TypeError(f"LLM.{method}() got an unexpected keyword argument {name!r}")
+        changes_nothing, why = VLLM_CALL_OPTIONS[name]
+        if not changes_nothing(value):
+            raise ValueError(f"LLM.{method}: vLLM's {name}={value!r} is not supported ({why}); leave it out")
