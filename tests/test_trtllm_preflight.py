@@ -77,13 +77,14 @@ def test_without_a_gpu_the_fp8_check_is_a_warning_not_a_refusal():
 
 def test_fp8_kv_cache_on_an_int4_checkpoint_is_refused_with_the_1_2_reason():
     message = refusal(quant_format="int4_awq", kv_cache_dtype="fp8")
-    assert "FP8 Paged Context FMHA only works with fp8 quantization workflow" in message
+    assert "FP8 Paged Context FMHA is disabled because FP8 context FMHA is disabled" in message
+    assert "Chunked context requires context FMHA" in message  # what the executor then says at load
 
 
 def test_int8_kv_cache_in_the_checkpoint_is_refused_with_paged_context_fmha():
     config = {"mapping": {"tp_size": 1, "pp_size": 1}, "quantization": {"kv_cache_quant_algo": "INT8"}}
     message = refusal(quant_format="none", checkpoint_config=config)
-    assert "Paged Context FMHA doesn't work with int8 kv cache" in message
+    assert "Paged Context FMHA is disabled because it doesn't work with int8 kv cache" in message
 
 
 def test_a_checkpoint_written_for_another_tensor_parallel_size_is_refused():

@@ -2,8 +2,10 @@
 
 In-flight batching needs the GPT attention plugin, packed input (remove_input_padding) and a paged KV cache, or the
 executor stops at load with "TrtGptModelInflightBatching requires GPT attention/Mamba Conv 1d plugin with packed
-input and paged KV cache." KV block reuse and chunked context need paged context FMHA. The 1.2.x builder refuses
-paged context FMHA with an INT8 KV cache, or with an FP8 KV cache on a checkpoint that is not FP8-quantized.
+input and paged KV cache." KV block reuse and chunked context need paged context FMHA. The 1.2.x builder switches
+paged context FMHA off, with a warning, for an INT8 KV cache, and for an FP8 KV cache on a checkpoint that is not
+FP8-quantized; the executor, which Kiln starts with chunked context, then refuses the engine at load ("Chunked
+context requires context FMHA, paged kv_cache and paged context FMHA all enabled at the same time.").
 FP8 kernels need compute capability 8.9 (Ada) or newer.
 """
 
@@ -16,6 +18,9 @@ from kiln.runtime.errors import KilnError
 
 INFLIGHT_BATCHING_LOAD_ERROR = ("TrtGptModelInflightBatching requires GPT attention/Mamba Conv 1d plugin with packed "
                                 "input and paged KV cache.")
+# what the 1.2.x executor says, at load, of an engine without paged context FMHA when chunked context is on
+CHUNKED_CONTEXT_LOAD_ERROR = ("Chunked context requires context FMHA, paged kv_cache and paged context FMHA all "
+                              "enabled at the same time.")
 FEATURES = "build.trtllm"
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 FP8_GEMM_PLUGIN_MAX_BATCH = 4
@@ -41,7 +46,8 @@ def preflight(options: TrtllmBuildOptions, quant_format: str, kv_cache_dtype: st
     if kv_cache_dtype == "fp8" and quant_format != "fp8" and options.use_paged_context_fmha:
         errors.append(f"quantize.kv_cache_dtype fp8 with quantize.format {quant_format}: TensorRT-LLM 1.2.x builds "
                       f"paged context FMHA on an FP8 KV cache only for FP8-quantized checkpoints (\"FP8 Paged Context "
-                      f"FMHA only works with fp8 quantization workflow\"); use format fp8 or kv_cache_dtype auto")
+                      f"FMHA is disabled because FP8 context FMHA is disabled\"), and its executor then refuses the "
+                      f"engine at load ({CHUNKED_CONTEXT_LOAD_ERROR!r}); use format fp8 or kv_cache_dtype auto")
     if quant_format != "none" and options.world_size > 1:
         # calibration.export writes modelopt's TensorRT-LLM checkpoint for tensor parallel 1 only: refuse here, before
         # calibration runs, rather than at the build stage after it
@@ -115,9 +121,10 @@ def _checkpoint_errors(o: TrtllmBuildOptions, config: dict[str, Any]) -> list[st
                       f"from the checkpoint); re-export the checkpoint or change build.tp_size/pp_size")
     kv_algo = str((config.get("quantization") or {}).get("kv_cache_quant_algo") or "").upper()
     if kv_algo == "INT8" and o.use_paged_context_fmha:
-        errors.append("the checkpoint has an INT8 KV cache, and TensorRT-LLM 1.2.x refuses paged context FMHA with it "
-                      "(\"Paged Context FMHA doesn't work with int8 kv cache currently\"), which in-flight batching "
-                      "with KV reuse needs; re-export the checkpoint with an FP8 or unquantized KV cache")
+        errors.append(f"the checkpoint has an INT8 KV cache, and TensorRT-LLM 1.2.x builds it without paged context "
+                      f"FMHA (\"Paged Context FMHA is disabled because it doesn't work with int8 kv cache "
+                      f"currently.\"), which its executor's chunked context needs: it refuses the engine at load "
+                      f"({CHUNKED_CONTEXT_LOAD_ERROR!r}); re-export the checkpoint with an FP8 or unquantized KV cache")
     return errors
 
 
