@@ -202,6 +202,25 @@ class LLaMAForCausalLM:
 '''
 
 
+def test_the_conversion_takes_the_rotary_settings_from_config_json_as_transformers_5_writes_them(tmp_path,
+                                                                                                   monkeypatch):
+    from kiln.engines.trtllm.convert import convert
+
+    monkeypatch.syspath_prepend(str(_fake_tensorrt_llm_package(tmp_path / "fakepkg")))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    rope = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
+    (hf / "config.json").write_text(json.dumps({"rope_parameters": rope}))  # no top-level rope_theta
+    try:
+        convert(hf, tmp_path / "out", "bfloat16", tp_size=1, pp_size=1)
+    finally:  # the stand-in package leaves this process as it came
+        for name in [name for name in sys.modules if name.partition(".")[0] == "tensorrt_llm"]:
+            del sys.modules[name]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rotary_base"] == 500000.0 and config["mapping"]["tp_size"] == 1  # TensorRT-LLM's own would be 1e4
+    assert config["rotary_scaling"] == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
+
+
 def _fake_tensorrt_llm_package(root: Path) -> Path:
     """A `tensorrt_llm` with only the recorded conversion API (Mapping, LLaMAForCausalLM), for the subprocess."""
     pkg = root / "tensorrt_llm"
