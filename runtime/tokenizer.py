@@ -181,7 +181,8 @@ class IncrementalDetokenizer:
         self._read_offset, self._prompt_chars, _ = self._unfinished_character(self._tokens)
         self._stop = stop
         self._include_stop = include_stop
-        self._hold = max((len(s) for s in stop), default=1) - 1
+        # the tail that could begin a stop string is held back, unless a stop string is kept (nothing sent is cut)
+        self._hold = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
         self._stop_from_token = min_tokens  # completion tokens up to which no stop string ends the text
         self._num_tokens = 0
         self._num_streamed_chars = 0

@@ -468,6 +468,15 @@ def test_streamed_text_never_shows_a_stop_string(tiny_tokenizer):
     assert stopped == "°C" and streamed == detokenizer.text == " fires at 1200 "
 
 
+def test_with_the_stop_string_kept_the_text_streams_without_holding_a_tail_back(tiny_tokenizer):
+    detokenizer = IncrementalDetokenizer(tiny_tokenizer, tiny_tokenizer.encode("the kiln"), stop=["zzzzzz"],
+                                         include_stop=True)  # nothing sent can be taken back: vLLM holds none
+    for token_id in tiny_tokenizer.encode(" fires hot"):
+        detokenizer.add_token(token_id)
+        assert detokenizer.take_delta(finished=False) != ""
+    assert detokenizer.text == " fires hot"
+
+
 @pytest.fixture(scope="module")
 def byte_fallback() -> tuple[Tokenizer, dict[str, int]]:
     """A Llama-2-style SentencePiece BPE (and its vocabulary): characters it lacks are <0xNN> byte tokens, which its
