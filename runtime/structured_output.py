@@ -31,6 +31,7 @@ MAX_SCHEMA_DEPTH = 120  # levels of objects and lists in a JSON schema: llguidan
 MAX_REF_CHAIN = 128
 MAX_GRAMMAR_RULES = 1000
 _GRAMMAR_RULE = re.compile(r"^\s*[?!]?[A-Za-z_]\w*(?:\.-?\d+)?\s*:", re.MULTILINE)
+_JSON_DIRECTIVE = re.compile(r"%json\s*")
 _UNKNOWN_FORMAT = "Unknown format:"
 
 
@@ -97,6 +98,30 @@ def _longest_ref_chain(schema: dict) -> int:
     return depth["#"] - 1
 
 
+def _check_schema(schema: object, what: str) -> None:
+    """Refuse a JSON schema (``what`` names it) nested deeper, or following more $refs one inside another, than
+    llguidance compiles without overflowing its stack."""
+    if _nesting_exceeds(schema, MAX_SCHEMA_DEPTH):
+        raise StructuredOutputError(_TOO_DEEP)
+    if isinstance(schema, dict) and (chain := _longest_ref_chain(schema)) > MAX_REF_CHAIN:
+        raise StructuredOutputError(f"{what} follows {chain} $refs one inside another; at most {MAX_REF_CHAIN} are "
+                                    f"taken")
+
+
+def _embedded_schemas(grammar: str) -> list[object]:
+    """The JSON schemas a Lark grammar embeds with llguidance's ``%json { ... }`` (text after a ``%json`` that is no
+    JSON is left for llguidance to name)."""
+    decoder, schemas = json.JSONDecoder(), []
+    for directive in _JSON_DIRECTIVE.finditer(grammar):
+        try:
+            schemas.append(decoder.raw_decode(grammar, directive.end())[0])
+        except json.JSONDecodeError:
+            continue
+        except RecursionError:
+            raise StructuredOutputError(_TOO_DEEP) from None
+    return schemas
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Exactly one of: ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any JSON object),
@@ -121,13 +146,9 @@ class StructuredOutput:
                 raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}") from None
             except RecursionError:
                 raise StructuredOutputError(_TOO_DEEP) from None
-        if _nesting_exceeds(self.json, MAX_SCHEMA_DEPTH):
-            raise StructuredOutputError(_TOO_DEEP)
         if self.json is not None and not isinstance(self.json, dict):
             raise StructuredOutputError(f"a JSON schema must be an object, got {type(self.json).__name__}")
-        if self.json is not None and (chain := _longest_ref_chain(self.json)) > MAX_REF_CHAIN:
-            raise StructuredOutputError(f"the JSON schema follows {chain} $refs one inside another; at most "
-                                        f"{MAX_REF_CHAIN} are taken")
+        _check_schema(self.json, "the JSON schema")
         if not isinstance(self.json_object, bool):
             raise StructuredOutputError(f"json_object must be true or false, got {self.json_object!r}")
         for name in ("regex", "grammar"):
@@ -138,6 +159,8 @@ class StructuredOutput:
             raise StructuredOutputError("choice must be a non-empty list of non-empty strings")
         if self.grammar is not None and (rules := len(_GRAMMAR_RULE.findall(self.grammar))) > MAX_GRAMMAR_RULES:
             raise StructuredOutputError(f"the grammar has {rules:,} rules; at most {MAX_GRAMMAR_RULES:,} are taken")
+        for schema in _embedded_schemas(self.grammar or ""):
+            _check_schema(schema, "a %json schema of the grammar")
         source = self.regex or self.grammar or "".join(self.choice or ()) or json.dumps(self.json or {})
         if len(source) > MAX_FORMAT_CHARS:  # compiling grows faster than the size: seconds per 100 KB of grammar
             raise StructuredOutputError(f"the format is {len(source):,} characters; at most {MAX_FORMAT_CHARS:,} "

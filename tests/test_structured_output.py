@@ -190,6 +190,10 @@ def test_refs_or_rules_chained_past_what_llguidance_compiles_without_crashing_ar
     rules = "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1} | "c"' for i in range(3000)) + '\nr3000: "b"\n'
     with pytest.raises(StructuredOutputError, match="the grammar has 3,002 rules; at most 1,000"):
         StructuredOutput(grammar=rules)
+    embedded = f'start: "x" obj\nobj: %json {json.dumps(chained(1000))}\n'  # a schema inside a grammar too
+    with pytest.raises(StructuredOutputError, match="a %json schema of the grammar follows 1,?001 \\$refs"):
+        StructuredOutput(grammar=embedded)
+    assert StructuredOutput(grammar=f'start: "x" obj\nobj: %json {json.dumps(chained(20))}\n').llguidance_grammar
 
 
 @pytest.mark.parametrize(("fields", "message"), [
