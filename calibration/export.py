@@ -87,6 +87,12 @@ def copy_tokenizer_files(model_dir: Path, out: Path) -> None:
         shutil.copy2(path, out / CHAT_TEMPLATES_DIR / path.name)
 
 
+# what modelopt raises where it cannot export a model (it has no export for the family, or code that does not fit
+# its shape): the same on every run, so the checkpoint is cached without the form. Anything else (out of memory, a
+# full disk) fails the stage, and nothing is cached.
+STRUCTURAL_EXPORT_ERRORS = (NotImplementedError, AttributeError, KeyError, IndexError, TypeError, ValueError)
+
+
 def export_trtllm(model: nn.Module, out: Path, dtype: torch.dtype) -> str | None:
     """modelopt's TensorRT-LLM checkpoint (tensor parallel 1), with the rotary settings of the HF config filled in
     (modelopt 0.47 misses them under transformers 5, where rope_theta moved into rope_parameters). Returns None once
@@ -97,8 +103,8 @@ def export_trtllm(model: nn.Module, out: Path, dtype: torch.dtype) -> str | None
         return f"no TensorRT-LLM checkpoint: modelopt has no TensorRT-LLM decoder type for {type(model).__name__}"
     try:
         export_tensorrt_llm_checkpoint(model, decoder, dtype=dtype, export_dir=out, inference_tensor_parallel=1)
-    except Exception as exc:  # no export for the family, or a failure on a shape modelopt did not foresee (a tied
-        shutil.rmtree(out, ignore_errors=True)  # lm_head it pads): a TensorRT-LLM build names what is missing
+    except STRUCTURAL_EXPORT_ERRORS as exc:  # no export for the family, or a shape modelopt did not foresee (a
+        shutil.rmtree(out, ignore_errors=True)  # tied lm_head it pads): a TensorRT-LLM build names what is missing
         why = exc if isinstance(exc, NotImplementedError) else f"modelopt's export failed ({type(exc).__name__}: {exc})"
         return f"no TensorRT-LLM checkpoint: {why}"
     config_path = out / "config.json"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from kiln.calibration import CalibrationError
@@ -168,6 +169,16 @@ def test_a_failed_tensorrt_llm_export_leaves_the_hugging_face_form_and_a_note(ch
     assert report["notes"] == ["no TensorRT-LLM checkpoint: modelopt's export failed (AttributeError: 'NoneType' "
                                "object has no attribute 'weight')"]
     assert (tmp_path / "hf" / "config.json").is_file() and not (tmp_path / "trtllm").exists()  # nothing half-written
+
+
+def test_a_tensorrt_llm_export_that_runs_out_of_memory_fails_the_stage(checkpoint, tmp_path, monkeypatch):
+    def out_of_memory(model, decoder, export_dir, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")  # another run may succeed: nothing may be cached
+
+    monkeypatch.setattr("kiln.calibration.export.export_tensorrt_llm_checkpoint", out_of_memory)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        quantize_checkpoint(checkpoint, small_recipe(format="none", dataset="/does/not/matter"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_fp8_kv_cache_exports_kv_scales(checkpoint, tmp_path):
