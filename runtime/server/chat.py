@@ -337,11 +337,11 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                         "stop_reason": stop_reason(delta)}])]
 
     def choice(index: int, out: RequestOutput) -> ChatChoice:
-        reasoning, answer, thought_over = plan.split(out.text)
+        reasoning, answer, _ = plan.split(out.text)
         content, calls = tools.parse(answer)
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-        thought = reasoning or not thought_over  # a completion cut off right after <think> thought too
-        message = AssistantMessage(content=None if thought and not content else content,
+        parsed = plan.thinking is not None  # a reasoning parser's answer is null when empty, as vLLM's parsers give it
+        message = AssistantMessage(content=None if parsed and not content else content,
                                    tool_calls=tool_calls or None, reasoning=reasoning, reasoning_content=reasoning)
         return ChatChoice(index=index, message=message,
                           finish_reason=tools.finish_reason(calls, out.finish_reason), stop_reason=out.stop_reason,
