@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from kiln.runtime.sampling_params import plain_number
+
 
 def _none_or_empty(value: object) -> bool:
     return value is None or value == {}
 
 
 def _no_priority(value: object) -> bool:
-    """vLLM's priority: None, 0, or a 0 for each prompt (first come, first served)."""
+    """vLLM's priority: None, 0 (of any library), or a 0 for each prompt (first come, first served)."""
     values = value if isinstance(value, list | tuple) else [value]
-    return all(v is None or (type(v) is int and v == 0) for v in values)
+    return all(v is None or (type(plain_number(v)) is int and plain_number(v) == 0) for v in values)
 
 
 # name -> (whether a value changes nothing, why another one cannot be honoured)
@@ -24,8 +26,8 @@ VLLM_CALL_OPTIONS: dict[str, tuple[Callable[[object], bool], str]] = {
     "tokenization_kwargs": (_none_or_empty, "text is encoded as the engine's tokenizer encodes it; "
                             "SamplingParams.truncate_prompt_tokens is refused too"),
     "mm_processor_kwargs": (_none_or_empty, "Kiln's engines take text only"),
-    "chat_template_content_format": (lambda value: value in ("auto", "string"), "Kiln joins a message's text "
-                                     "parts into one string for the template, vLLM's 'string' format"),
+    "chat_template_content_format": (lambda value: value == "auto", "Kiln passes a message's text parts as the "
+                                     "template reads them, as vLLM's 'auto' does"),
 }
 GENERATE_OPTIONS = ("lora_request", "priority", "tokenization_kwargs")
 CHAT_OPTIONS = ("lora_request", "chat_template_content_format", "mm_processor_kwargs", "tokenization_kwargs")

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -601,11 +602,12 @@ def test_an_llm_dropped_without_close_is_collected_and_frees_its_engine(engine_d
 
 def test_vllms_call_keywords_are_taken_at_their_defaults_and_refused_otherwise(llm):
     expected = llm.generate("t5 t6", GREEDY)[0].token_ids
-    taken = llm.generate(["t5 t6"], GREEDY, lora_request=None, priority=[0], tokenization_kwargs={})
+    taken = llm.generate(["t5 t6"], GREEDY, lora_request=None, priority=[np.int64(0)], tokenization_kwargs={})
     assert taken[0].token_ids == expected
     with pytest.raises(ValueError, match=r"vLLM's priority=\[1\] is not supported \(Kiln schedules requests first"):
         llm.generate(["t5 t6"], GREEDY, priority=[1])
-    with pytest.raises(ValueError, match="LLM.chat: vLLM's chat_template_content_format='openai' is not supported"):
-        llm.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template_content_format="openai")
+    for content_format in ("openai", "string"):  # Kiln reads the template's use of the parts, as vLLM's "auto"
+        with pytest.raises(ValueError, match=f"chat_template_content_format='{content_format}' is not supported"):
+            llm.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template_content_format=content_format)
     with pytest.raises(TypeError, match="LLM.generate\\(\\) got an unexpected keyword argument 'chat_template'"):
         llm.generate(["t5"], GREEDY, chat_template="x")
