@@ -142,8 +142,9 @@ class SamplingParams:
                            and not (drops_no_ops and _changes_nothing(name, value, kwargs.get("n", 1)))]:
                 name = unknown[0]
                 if drops_no_ops and name in VLLM_NO_OP_VALUES:
+                    instead = f": {OTHER_NAMES[name]}" if name in OTHER_NAMES else ""  # no other setting's name
                     raise ValueError(f"{cls.__name__} takes vLLM's {name} only at a value that changes nothing "
-                                     f"({_no_op_values(name)}), got {kwargs[name]!r}{_instead(name, cls)}")
+                                     f"({_no_op_values(name)}), got {kwargs[name]!r}{instead}")
                 raise TypeError(f"{cls.__name__} has no setting {name!r}{_instead(name, cls)}")
             return super().__new__(cls)
 

@@ -102,6 +102,8 @@ def test_vllms_settings_at_values_that_change_nothing_are_taken_and_others_refus
         SamplingParams(n=2, best_of=3)
     with pytest.raises(ValueError, match="spaces_between_special_tokens only at .* .True., got False"):
         SamplingParams(spaces_between_special_tokens=False)
+    with pytest.raises(ValueError, match=r"flat_logprobs only at a value that changes nothing \(False\), got True$"):
+        SamplingParams(flat_logprobs=True)  # no "did you mean logprobs?": that is no substitute
     copied = spelled_out.clone()
     copied.stop.append("x")
     assert copied.stop == ["x"] and spelled_out.stop == []
