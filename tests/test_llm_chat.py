@@ -8,7 +8,6 @@ import pytest
 from kiln import ChatInputError
 from kiln.runtime import SamplingParams
 from kiln.runtime.conversations import load_template
-from kiln.runtime.server.settings import ServerSettings
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -98,8 +97,6 @@ def test_params_are_given_once_and_a_chat_needs_a_template(llm):
             llm.chat(CONVERSATION, GREEDY, chat_template=source)
     with pytest.raises(ChatInputError, match="is no template"):
         load_template(None, "chatml")
-    with pytest.raises(ValueError, match="is no template"):
-        ServerSettings(model_name="m", chat_template="chatml.jinja")
     [output] = llm.chat(CONVERSATION, GREEDY, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
     assert output.prompt_token_ids == llm.tokenizer.encode("Be brief.Name a colour.", add_special_tokens=False)
 
