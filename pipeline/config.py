@@ -159,6 +159,13 @@ class CacheSection(_Section):
             raise ValueError(problem)
         return endpoint
 
+    @model_validator(mode="after")
+    def _endpoint_of_an_s3_remote(self) -> CacheSection:
+        if self.remote_endpoint is not None and self.remote is not None and not self.remote.startswith("s3://"):
+            raise ValueError(f"cache.remote_endpoint names an S3-compatible service, which the file remote "
+                             f"{self.remote!r} does not use; leave it out, or give an s3://bucket/prefix remote")
+        return self
+
     def root(self) -> Path:
         """The cache root in force: ``$KILN_CACHE`` when set, else ``dir``."""
         return cache_root(self.dir)

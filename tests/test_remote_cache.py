@@ -641,8 +641,11 @@ def test_remote_settings_are_checked_where_they_are_written(monkeypatch):
                                         ("http://minio:9000", False, "remote_endpoint")):
         with pytest.raises(ConfigError, match=f"cache.{setting} is set, but no remote cache is"):
             remote_spec(None, endpoint, required)
-    with pytest.raises(ConfigError, match="cache.remote_endpoint names an S3-compatible service, which the file"):
-        remote_spec("file:///shared/kiln", "http://minio:9000")
+    with pytest.raises(ValueError, match="cache.remote_endpoint names an S3-compatible service, which the file"):
+        KilnConfig.model_validate({"model": {"path": "m"}, "cache": {"remote": "file:///shared/kiln",
+                                                                     "remote_endpoint": "http://minio:9000"}})
+    monkeypatch.setenv("KILN_CACHE_REMOTE", "file:///shared/kiln")  # an s3 config's endpoint is left aside
+    assert remote_spec("s3://bucket/x", "http://minio:9000").url == "file:///shared/kiln"
     monkeypatch.setenv("KILN_CACHE_REMOTE", "ftp://nowhere")
     with pytest.raises(ConfigError, match=r"\$KILN_CACHE_REMOTE"):
         remote_spec("s3://bucket/x")

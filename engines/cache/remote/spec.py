@@ -27,9 +27,6 @@ class RemoteSpec:
                 and isinstance(self.required, bool)):
             raise TypeError(f"{self!r}: url and endpoint_url are text, required is true or false")
         problem = url_problem(self.url) or endpoint_problem(self.endpoint_url)
-        if not problem and self.endpoint_url is not None and urlsplit(self.url).scheme != "s3":
-            problem = (f"cache.remote_endpoint names an S3-compatible service, which the file remote {self.url!r} "
-                       f"does not use; leave it out, or give an s3://bucket/prefix remote")
         if problem:
             raise ValueError(problem)
 
