@@ -179,8 +179,8 @@ def test_rope_scaling_values_that_give_no_finite_frequencies_are_refused_naming_
     ("llama", {"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
     ("llama", {"attention_bias": "false"}, "attention_bias must be true or false"),  # not truthy: transformers too
     ("qwen2", {"use_sliding_window": "false", "sliding_window": 4}, "use_sliding_window must be true or false"),
-    ("llama", {"rope_scaling": {"type": "yarn"}}, "rope_scaling of rope type 'yarn' needs key 'factor'"),
-    ("qwen2", {"rope_scaling": {"type": "dynamic"}}, "rope_scaling of rope type 'dynamic' needs key 'factor'"),
+    ("llama", {"rope_scaling": {"type": "yarn"}}, "rope scaling 'yarn' needs key 'factor'"),
+    ("qwen2", {"rope_scaling": {"type": "dynamic"}}, "rope scaling 'dynamic' needs key 'factor'"),
 ])
 def test_config_fields_of_the_wrong_type_or_value_are_refused_naming_them(family, fields, message):
     with pytest.raises(KilnError, match=message):

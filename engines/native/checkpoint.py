@@ -233,7 +233,7 @@ def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path, family_types
                         f"{', '.join(ROPE_TYPES + ('dynamic',))})")
     if rope_type != "default":  # the plain RoPE reads none of them
         if rope_type != "longrope" and params.get("factor") is None:  # as transformers' rope validation refuses it
-            raise KilnError(f"{path}: {source} of rope type {rope_type!r} needs key 'factor'; fix config.json")
+            raise KilnError(f"{path}: rope scaling {rope_type!r} needs key 'factor'")
         _check_scaling(params, source, path)
     if rope_type == "dynamic":  # transformers' dynamic NTK changes no frequency up to max_position_embeddings,
         return theta, None  # the longest context a plan may hold (engines/native/plan.py)
@@ -242,7 +242,7 @@ def _rope(cfg: dict[str, Any], top_level_context: bool, path: Path, family_types
     if rope_type == "longrope":
         params.update(_longrope_defaults(cfg, params, path))
     if rope_type == "yarn":
-        params.update(_yarn_defaults(cfg, params, path))
+        params.update(_yarn_defaults(params))
     return theta, None if rope_type == "default" else {"rope_type": rope_type, **params}
 
 
@@ -292,12 +292,10 @@ def _longrope_defaults(cfg: dict[str, Any], params: dict[str, Any], path: Path) 
     return {"factor": factor, "attention_factor": attention}
 
 
-def _yarn_defaults(cfg: dict[str, Any], params: dict[str, Any], path: Path) -> dict[str, Any]:
-    """YaRN's parameters where the config leaves them to transformers' defaults: the factor from
-    max_position_embeddings / original_max_position_embeddings, the attention factor from the factor (and mscale /
-    mscale_all_dim), beta_fast 32, beta_slow 1, a truncated correction range."""
-    original = params["original_max_position_embeddings"]
-    factor = params.get("factor") or _int(cfg, "max_position_embeddings", path) / original
+def _yarn_defaults(params: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's parameters where the config leaves them to transformers' defaults: the attention factor from the
+    factor (and mscale / mscale_all_dim), beta_fast 32, beta_slow 1, a truncated correction range."""
+    factor = params["factor"]  # required, as transformers requires it
 
     def mscale(scale: float, weight: float = 1.0) -> float:
         return 0.1 * weight * math.log(scale) + 1.0 if scale > 1 else 1.0
