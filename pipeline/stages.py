@@ -134,8 +134,11 @@ class BuildContext:
     def count_engine_hit(self, build_seconds: float) -> None:
         """Count a hit of the engine as time saved: its recorded build time, which includes its checkpoint's
         calibration, less what this build already counted of that (a checkpoint it took before the engine turned
-        up, built by another process meanwhile)."""
+        up, built by another process meanwhile). The checkpoint, not looked up, is marked used all the same: LRU
+        eviction keeps what an engine in use would be rebuilt from (after an upgrade of the build code, say)."""
         self.seconds_saved += max(0.0, build_seconds - self.quantize_seconds)
+        if self.quantized_key and self.cache is not None:
+            self.cache.quantized.touch(self.quantized_key)
 
     def ensure_checkpoint(self, progress: Progress) -> None:
         """Run the quantize stage now when it was deferred to the engine (which has to be built after all)."""

@@ -3,10 +3,12 @@ of the engine saves the same seconds whether the checkpoint is here or the engin
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from kiln.engines.cache import EngineCache, engine_key
 from kiln.engines.cache.inspect import stats_report
+from kiln.engines.cache.layout import LAST_USED
 from kiln.pipeline import runner
 from kiln.runtime.options import RuntimeOptions
 from tests.calibration_factories import quick_fp8_config
@@ -35,7 +37,10 @@ def test_an_engine_hit_saves_its_calibration_too_whether_its_checkpoint_is_here_
     engine = a.entries.read_manifest(first["engine_key"])["build_seconds"]
     assert engine > calibration > 0 and first["build_seconds"] == engine and not first["build_seconds_saved"]
 
+    last_used = a.quantized.entry_dir(first["quantized_key"]) / LAST_USED
+    os.utime(last_used, (1, 1))
     here = build(config)  # cache A: the checkpoint is here, but the engine's hit does not need it
+    assert last_used.stat().st_mtime > 1  # still kept as used, for LRU eviction
     assert here["cache"]["hit"] and here["build_seconds_saved"] == engine
     assert here["stages"][0]["action"] == "skip" and "not needed" in here["stages"][0]["reason"]
     assert (a.stats.summary("quantized")["lookups"], a.stats.summary("quantized")["hits"]) == (1, 0)  # the miss
