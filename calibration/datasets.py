@@ -1,21 +1,31 @@
 """Calibration and held-out samples: documents shuffled from a seed, tokenized, packed into rows of seq_len tokens.
 
 Each document is encoded with the model's tokenizer (its own special tokens) and followed by the end-of-sequence
-token; the stream is cut into rows of exactly seq_len tokens, so no padding or attention mask is needed.
+token; the stream is cut into rows of exactly seq_len tokens, so no padding or attention mask is needed. The gate
+measures only text calibration does not use: held-out documents that the calibration data also holds (whitespace
+aside) are left out, and a held-out set made mostly of them (a copy of the dataset) is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kiln.calibration.errors import CalibrationError
 from kiln.calibration.recipe import QuantizeRecipe
-from kiln.calibration.sources import RANDOM, RANDOM_SHA256, read_documents, resolve_source, source_digest
+from kiln.calibration.sources import (
+    RANDOM,
+    RANDOM_SHA256,
+    TextSource,
+    read_documents,
+    resolve_source,
+    source_digest,
+)
 
 ENCODE_BATCH = 64
 
@@ -28,6 +38,7 @@ class CalibrationData:
     heldout: torch.Tensor
     calibration_sha256: str
     heldout_sha256: str
+    notes: list[str] = field(default_factory=list)  # documents left out, for the report
 
     def rounds(self, round_samples: int) -> list[torch.Tensor]:
         """The calibration rows split into rounds of round_samples (the last round may be shorter)."""
@@ -50,19 +61,18 @@ def load_calibration_data(recipe: QuantizeRecipe, tokenizer, dataset_root: Path 
                                heldout=rows(recipe.heldout_samples, recipe.seed + 1),
                                calibration_sha256=RANDOM_SHA256, heldout_sha256=RANDOM_SHA256)
     source = resolve_source(recipe.dataset, "calibration", dataset_root)
+    label = f"{source.field} '{source.spec}'"
     docs = _shuffled(read_documents(source, recipe.text_field), recipe.seed)
-    heldout_tokens = recipe.heldout_samples * recipe.seq_len
+    notes: list[str] = []
     if recipe.heldout_is_split:
-        used = _docs_covering(list(reversed(docs)), tokenizer, heldout_tokens)
-        heldout_docs, docs = docs[len(docs) - used:], docs[: len(docs) - used]
-        heldout_label = f"{source.field} '{source.spec}' (held-out split)"
         heldout_source = source
+        docs, heldout_docs = _split_heldout(docs, tokenizer, recipe, label, notes)
+        calibration_label, heldout_label = f"{label} less its held-out split", f"{label} (held-out split)"
     else:
         heldout_source = resolve_source(recipe.heldout, "heldout", dataset_root)
-        heldout_docs = _shuffled(read_documents(heldout_source, recipe.text_field), recipe.seed)
-        heldout_label = f"{heldout_source.field} '{heldout_source.spec}'"
-    calibration = _pack(docs, tokenizer, recipe.seq_len, recipe.num_samples, f"{source.field} '{source.spec}'",
-                        "num_samples")
+        heldout_docs, heldout_label = _heldout_unseen(heldout_source, docs, label, recipe, notes)
+        calibration_label = label
+    calibration = _pack(docs, tokenizer, recipe.seq_len, recipe.num_samples, calibration_label, "num_samples")
     heldout = _pack(heldout_docs, tokenizer, recipe.seq_len, recipe.heldout_samples, heldout_label,
                     "heldout_samples")
     calibration_sha256 = source_digest(source)
@@ -71,7 +81,57 @@ def load_calibration_data(recipe: QuantizeRecipe, tokenizer, dataset_root: Path 
         heldout=heldout,
         calibration_sha256=calibration_sha256,
         heldout_sha256=calibration_sha256 if heldout_source is source else source_digest(heldout_source),
+        notes=notes,
     )
+
+
+def _split_heldout(docs: list[str], tokenizer, recipe: QuantizeRecipe, label: str,
+                   notes: list[str]) -> tuple[list[str], list[str]]:
+    """(calibration, held-out): documents taken from the end of the shuffled list until they hold the held-out rows,
+    and the rest less the repeats of those (a document repeated in the dataset is on one side only)."""
+    used = _docs_covering(list(reversed(docs)), tokenizer, recipe.heldout_samples * recipe.seq_len)
+    if used == len(docs):
+        raise CalibrationError(
+            f"{label}: its held-out split takes all {used} of its documents to fill quantize.heldout_samples="
+            f"{recipe.heldout_samples} rows of {recipe.seq_len} tokens, leaving none to calibrate on; split the text "
+            "into more documents (JSONL lines, blank-line paragraphs of .txt), give quantize.heldout text of its own, "
+            "or lower quantize.heldout_samples")
+    heldout = docs[len(docs) - used:]
+    calibration, repeated = _without(docs[: len(docs) - used], heldout)
+    if repeated:
+        notes.append(f"{label}: {repeated} documents repeat held-out ones and were left out of calibration")
+    return calibration, heldout
+
+
+def _heldout_unseen(heldout_source: TextSource, calibration_docs: list[str], label: str, recipe: QuantizeRecipe,
+                    notes: list[str]) -> tuple[list[str], str]:
+    """The held-out source's shuffled documents less those the calibration data also holds, and their label; a
+    held-out set that is mostly calibration text (a copy, a link) is refused."""
+    heldout_label = f"{heldout_source.field} '{heldout_source.spec}'"
+    docs = _shuffled(read_documents(heldout_source, recipe.text_field), recipe.seed)
+    unseen, shared = _without(docs, calibration_docs)
+    if 2 * shared > len(docs):
+        raise CalibrationError(
+            f"{heldout_label} shares {shared} of {len(docs)} documents with {label}: the gate would measure text "
+            "calibration saw; give quantize.heldout text of its own, or set it to quantize.dataset's value to split "
+            "held-out documents off the dataset")
+    if shared:
+        notes.append(f"{heldout_label}: {shared} of {len(docs)} documents are also in {label} and were left out "
+                     "of the held-out checks")
+        heldout_label += f" less the {shared} documents it shares with {label}"
+    return unseen, heldout_label
+
+
+def _without(docs: list[str], others: list[str]) -> tuple[list[str], int]:
+    """`docs`, in order, less those whose text (whitespace aside) is among `others`; and how many were left out."""
+    seen = {_text_key(doc) for doc in others}
+    kept = [doc for doc in docs if _text_key(doc) not in seen]
+    return kept, len(docs) - len(kept)
+
+
+def _text_key(doc: str) -> bytes:
+    """A document's identity for overlap checks: a digest of its words, so runs of whitespace do not count."""
+    return hashlib.blake2b(" ".join(doc.split()).encode(), digest_size=16).digest()
 
 
 def _shuffled(docs: list[str], seed: int) -> list[str]:

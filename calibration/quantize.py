@@ -104,6 +104,7 @@ class _Stage:
         tokenizer = _load_tokenizer(self.model_dir)
         data = self._timed("data_s", lambda: load_calibration_data(
             self.recipe, tokenizer, self.dataset_root, embedding_rows=reference.get_input_embeddings().num_embeddings))
+        self.notes.extend(data.notes)
         runner = BatchRunner(self.recipe.batch_size, self.device, self.recipe.round_samples)
         heldout = self._timed("reference_s", lambda: runner.with_backoff(
             lambda: HeldoutReference(reference, data.heldout, runner)))

@@ -8,7 +8,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kiln.calibration.errors import CalibrationError
 from kiln.calibration.sources import RANDOM, source_sha256
 
 Format = Literal["none", "fp8", "int4_awq"]
@@ -21,7 +20,7 @@ GATE_DEFAULTS: dict[str, dict[str, float]] = {
 }
 
 # Bump when a change in calibration/ changes the bytes of a quantized checkpoint for the same inputs.
-MATERIAL_VERSION = 1
+MATERIAL_VERSION = 2  # 2: held-out documents the calibration data holds are left out
 INT4_BLOCK_SIZE = 128  # the input features int4_awq quantizes together (one scale a group)
 
 
@@ -131,10 +130,6 @@ def recipe_material(recipe: QuantizeRecipe, dataset_root: Path | None = None) ->
     dataset_sha256 = source_sha256(recipe.dataset, "calibration", dataset_root)
     heldout_sha256 = dataset_sha256 if recipe.heldout_is_split else source_sha256(recipe.heldout, "heldout",
                                                                                    dataset_root)
-    if not recipe.heldout_is_split and heldout_sha256 == dataset_sha256:  # a link or a copy of the dataset
-        raise CalibrationError(f"quantize.heldout ({recipe.heldout}) holds the same text as quantize.dataset "
-                               f"({recipe.dataset}), so the gate would measure rows calibration saw; give other "
-                               f"text, or set heldout to the dataset's own value to split its last rows off")
     material.update(
         {
             "kv_cache_dtype": recipe.kv_cache_dtype,

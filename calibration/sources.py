@@ -129,7 +129,7 @@ def read_documents(source: TextSource, text_field: str) -> list[str]:
 
 def _utf8_text(path: Path, field: str) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is not text
     except UnicodeDecodeError as exc:
         raise CalibrationError(f"{field}: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); re-encode it "
                                "as UTF-8 (and decompress a compressed file)") from None
@@ -169,5 +169,17 @@ def _read_parquet(path: Path, text_field: str, field: str) -> list[str]:
     if text_field not in schema.names:
         raise CalibrationError(f"{field}: {path} has no column '{text_field}' (columns: {', '.join(schema.names)}); "
                                "set quantize.text_field to the text column")
-    texts = pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
-    return [t for t in texts if isinstance(t, str) and t.strip()]
+    column_type = schema.field(text_field).type
+    value_type = column_type.value_type if pa.types.is_dictionary(column_type) else column_type
+    if not (pa.types.is_string(value_type) or pa.types.is_large_string(value_type)
+            or pa.types.is_string_view(value_type)):
+        raise CalibrationError(f"{field}: {path} column '{text_field}' holds {column_type}, not strings; set "
+                               "quantize.text_field to the text column, or convert it to strings")
+    docs = []
+    for row, text in enumerate(pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()):
+        if text is None:  # as a JSONL line without the string is refused
+            raise CalibrationError(f"{field}: {path} row {row} (from 0) has no string in column '{text_field}' "
+                                   "(null); drop the row or fill it")
+        if text.strip():
+            docs.append(text)
+    return docs

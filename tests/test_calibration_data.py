@@ -39,15 +39,73 @@ def test_same_seed_gives_the_same_samples_and_another_seed_others(tmp_path, toke
 
 
 def test_heldout_split_from_the_dataset_never_shares_a_document(tmp_path, tokenizer):
-    docs = [f"document number {i} says " + " ".join(["hello world"] * 12) for i in range(40)]
-    data = write_jsonl(tmp_path / "c.jsonl", docs)
+    data = write_jsonl(tmp_path / "c.jsonl", numbered(40))
     split = load_calibration_data(recipe(data, heldout_samples=4), tokenizer)
+    assert numbers(tokenizer, split.heldout) and numbers(tokenizer, split.calibration)
+    assert not numbers(tokenizer, split.heldout) & numbers(tokenizer, split.calibration)
 
-    def numbers(rows):
-        return {int(n) for row in rows for n in re.findall(r"number (\d+)", tokenizer.decode(row))}
 
-    assert numbers(split.heldout) and numbers(split.calibration)
-    assert not numbers(split.heldout) & numbers(split.calibration)
+def numbered(count: int, start: int = 0) -> list[str]:
+    return [f"document number {i} says " + " ".join(["hello world"] * 12) for i in range(start, start + count)]
+
+
+def numbers(tokenizer, rows) -> set[int]:
+    return {int(n) for row in rows for n in re.findall(r"number (\d+)", tokenizer.decode(row))}
+
+
+def test_a_document_repeated_in_the_dataset_lands_on_one_side_of_the_split(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "c.jsonl", numbered(30) * 2)
+    split = load_calibration_data(recipe(data, heldout_samples=4), tokenizer)
+    assert numbers(tokenizer, split.heldout) and numbers(tokenizer, split.calibration)
+    assert not numbers(tokenizer, split.heldout) & numbers(tokenizer, split.calibration)
+    assert any("repeat held-out ones and were left out of calibration" in note for note in split.notes)
+
+
+def test_a_split_that_takes_the_only_document_says_so(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "c.jsonl", [" ".join(["hello world"] * 400)])
+    with pytest.raises(CalibrationError, match=r"held-out split takes all 1 of its documents .* leaving none to "
+                                               r"calibrate on; split the text into more documents"):
+        load_calibration_data(recipe(data), tokenizer)
+
+
+@pytest.mark.parametrize("tail", ["", "\n", '{"text": "one more document of its own"}\n', "link"])
+def test_heldout_that_is_mostly_the_datasets_text_is_refused(tmp_path, tokenizer, tail):
+    """A link, a copy, a copy with a blank line or one more document: the gate would measure calibration rows."""
+    data = write_jsonl(tmp_path / "calib.jsonl", numbered(40))
+    heldout = tmp_path / "heldout.jsonl"
+    if tail == "link":
+        heldout.symlink_to(data)
+    else:
+        heldout.write_text(data.read_text() + tail)
+    total = 41 if "one more" in tail else 40
+    with pytest.raises(CalibrationError, match=rf"quantize.heldout '.*heldout.jsonl' shares 40 of {total} documents "
+                                               r"with quantize.dataset '.*calib.jsonl': the gate would measure"):
+        load_calibration_data(recipe(data, heldout), tokenizer)
+
+
+def test_heldout_documents_calibration_also_holds_are_left_out_and_noted(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "calib.jsonl", numbered(40))
+    shared = [numbered(1, 3)[0] + "  \n", numbered(1, 7)[0]]  # whitespace aside, the same text
+    heldout = write_jsonl(tmp_path / "heldout.jsonl", numbered(20, 100) + shared)
+    tokens = sum(len(ids) + 1 for ids in tokenizer(numbered(20, 100))["input_ids"])
+    loaded = load_calibration_data(recipe(data, heldout, heldout_samples=tokens // 16), tokenizer)
+    assert numbers(tokenizer, loaded.heldout) <= set(range(100, 120))
+    assert loaded.notes == [f"quantize.heldout '{heldout}': 2 of 22 documents are also in quantize.dataset "
+                            f"'{data}' and were left out of the held-out checks"]
+    again = load_calibration_data(recipe(data, heldout, heldout_samples=tokens // 16), tokenizer)
+    assert torch.equal(loaded.heldout, again.heldout) and torch.equal(loaded.calibration, again.calibration)
+
+
+def test_the_library_refuses_a_heldout_copy_as_the_cli_does(tmp_path):
+    from kiln.calibration.quantize import quantize_checkpoint
+    from tests.calibration_factories import make_checkpoint, small_recipe
+
+    data = write_jsonl(tmp_path / "calib.jsonl", corpus(40))
+    (tmp_path / "copy.jsonl").write_text(data.read_text() + "\n")
+    with pytest.raises(CalibrationError, match="shares 40 of 40 documents"):
+        quantize_checkpoint(make_checkpoint(tmp_path / "model"), small_recipe(
+            format="fp8", dataset=str(data), heldout=str(tmp_path / "copy.jsonl")), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_folders_and_text_files_are_read_in_sorted_order_by_paragraph(tmp_path):
@@ -56,6 +114,35 @@ def test_folders_and_text_files_are_read_in_sorted_order_by_paragraph(tmp_path):
     (tmp_path / "ignored.csv").write_text("x,y\n")
     docs = read_documents(resolve_source(str(tmp_path), "calibration"), "text")
     assert docs == ["from jsonl", "second file first paragraph", "second paragraph"]
+
+
+@pytest.mark.parametrize("name", ["c.jsonl", "c.txt"])
+def test_a_utf8_byte_order_mark_is_not_part_of_the_text(tmp_path, name):
+    body = '{"text": "first"}\n' if name == "c.jsonl" else "first\n"
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + body.encode())
+    assert read_documents(resolve_source(str(tmp_path / name), "calibration"), "text") == ["first"]
+
+
+@pytest.mark.parametrize(("values", "kind"), [
+    ([1, 2], "int64"), ([["a"], ["b"]], "list<"), ([b"a", b"b"], "binary")])
+def test_a_parquet_text_column_of_another_type_is_refused_naming_it(tmp_path, values, kind):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"text": values}), tmp_path / "c.parquet")
+    with pytest.raises(CalibrationError, match=rf"c.parquet column 'text' holds {re.escape(kind)}.*, not strings"):
+        read_documents(resolve_source(str(tmp_path / "c.parquet"), "calibration"), "text")
+
+
+def test_a_null_in_a_parquet_text_column_is_refused_naming_the_row_as_jsonl_names_the_line(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"text": ["first", "", None]}), tmp_path / "c.parquet")
+    with pytest.raises(CalibrationError, match=r"c.parquet row 2 \(from 0\) has no string in column 'text'"):
+        read_documents(resolve_source(str(tmp_path / "c.parquet"), "calibration"), "text")
+    pq.write_table(pa.table({"text": pa.array(["first", "", "third"]).dictionary_encode()}), tmp_path / "c.parquet")
+    assert read_documents(resolve_source(str(tmp_path / "c.parquet"), "calibration"), "text") == ["first", "third"]
 
 
 def test_missing_dataset_is_named_with_a_fix(tmp_path, tokenizer):

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from kiln.calibration import QuantizeRecipe, recipe_material
-from kiln.calibration.recipe import GATE_DEFAULTS
+from kiln.calibration.recipe import GATE_DEFAULTS, MATERIAL_VERSION
 from tests.calibration_factories import corpus, write_jsonl
 
 
@@ -60,17 +60,10 @@ def test_material_holds_content_hashes_not_paths(tmp_path):
     assert changed["dataset_sha256"] != material["dataset_sha256"]
 
 
-def test_heldout_text_that_is_the_datasets_own_under_another_path_is_refused(tmp_path):
-    from kiln.calibration.errors import CalibrationError
-
+def test_heldout_equal_to_the_dataset_is_recorded_as_a_split(tmp_path):
     data = write_jsonl(tmp_path / "calib.jsonl", corpus(20))
-    (tmp_path / "link.jsonl").symlink_to(data)
-    shutil.copy(data, tmp_path / "copy.jsonl")
-    for heldout in ("link.jsonl", "copy.jsonl"):  # the gate would measure rows calibration saw
-        with pytest.raises(CalibrationError, match="holds the same text as quantize.dataset"):
-            recipe_material(QuantizeRecipe(format="fp8", dataset=str(data), heldout=str(tmp_path / heldout)))
     split = recipe_material(QuantizeRecipe(format="fp8", dataset=str(data), heldout=str(data)))
-    assert split["heldout_split_from_dataset"]  # the same value: its last rows are split off
+    assert split["heldout_split_from_dataset"] and split["heldout_sha256"] == split["dataset_sha256"]
 
 
 def test_material_changes_with_what_changes_the_checkpoint_only(tmp_path):
@@ -79,8 +72,8 @@ def test_material_changes_with_what_changes_the_checkpoint_only(tmp_path):
     assert recipe_material(QuantizeRecipe(format="int4_awq", algorithm="awq_clip")) != base
     assert recipe_material(QuantizeRecipe(format="fp8", algorithm="awq_clip")) == recipe_material(
         QuantizeRecipe(format="fp8"))
-    assert recipe_material(QuantizeRecipe(format="none", dataset="/nowhere")) == {"material_version": 1,
-                                                                                 "format": "none"}
+    assert recipe_material(QuantizeRecipe(format="none", dataset="/nowhere")) == {
+        "material_version": MATERIAL_VERSION, "format": "none"}
 
 
 def test_relative_dataset_paths_resolve_against_the_dataset_root(tmp_path):
