@@ -14,8 +14,8 @@ def _none_or_empty(value: object) -> bool:
 
 def _no_priority(value: object) -> bool:
     """vLLM's priority: None, 0 (of any library), or a 0 for each prompt (first come, first served)."""
-    values = value if isinstance(value, list | tuple) else [value]
-    return all(v is None or (type(plain_number(v)) is int and plain_number(v) == 0) for v in values)
+    values = [plain_number(v) for v in (value if isinstance(value, list | tuple) else [value])]
+    return all(v is None or (type(v) is int and v == 0) for v in values)
 
 
 # name -> (whether a value changes nothing, why another one cannot be honoured)
