@@ -6,6 +6,7 @@ import codecs
 import functools
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
 
@@ -38,8 +39,28 @@ def _byte_alphabet() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_alphabet()
 
 
+# transformers' tokenizer methods vLLM scripts call on get_tokenizer(), and what Kiln's Tokenizer has instead
+TRANSFORMERS_METHODS = {
+    "apply_chat_template": "llm.chat renders and generates; to render alone, "
+                           "kiln.runtime.chat_template.ChatTemplate.from_dir(ENGINE_DIR).render(messages)",
+    "batch_decode": "decode each: [tokenizer.decode(ids) for ids in batch]",
+    "batch_encode_plus": "encode each: [tokenizer.encode(text) for text in texts]",
+    "convert_ids_to_tokens": "use tokenizer.vocabulary_entries(ids)",
+    "get_vocab": "use tokenizer.vocab_size and tokenizer.vocabulary_entries(ids)",
+}
+
+
 class Tokenizer:
     """Encodes prompts as the checkpoint's own tokenizer does (including BOS) and decodes token ids."""
+
+    if not TYPE_CHECKING:  # type checkers keep catching a misspelt attribute
+
+        def __getattr__(self, name: str) -> Any:
+            """Only for a name the Tokenizer lacks: transformers' name of something it has under another says so."""
+            if name not in TRANSFORMERS_METHODS:
+                return object.__getattribute__(self, name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r} (it is no transformers "
+                                 f"tokenizer): {TRANSFORMERS_METHODS[name]}", name=name, obj=self)
 
     def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
         self._tokenizer = tokenizer

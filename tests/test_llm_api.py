@@ -611,3 +611,12 @@ def test_vllms_call_keywords_are_taken_at_their_defaults_and_refused_otherwise(l
             llm.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template_content_format=content_format)
     with pytest.raises(TypeError, match="LLM.generate\\(\\) got an unexpected keyword argument 'chat_template'"):
         llm.generate(["t5"], GREEDY, chat_template="x")
+
+
+def test_transformers_tokenizer_methods_say_what_kilns_tokenizer_has_instead(llm):
+    with pytest.raises(AttributeError, match="no transformers tokenizer.*ChatTemplate.from_dir"):
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    with pytest.raises(AttributeError, match="use tokenizer.vocabulary_entries"):
+        llm.tokenizer.convert_ids_to_tokens([5])
+    with pytest.raises(AttributeError, match="'Tokenizer' object has no attribute 'encodee'$"):
+        llm.tokenizer.encodee("x")  # any other name: Python's own error
