@@ -193,13 +193,21 @@ def _on_remote(ctx: BuildContext, store: str, key: str) -> str:
     """What a plan adds to a local miss about the remote tier: whether the entry will be pulled from it."""
     if ctx.remote is None:
         return ""
-    try:
-        found = ctx.remote.has(store, key)
-    except RemoteUnavailableError as exc:
-        if ctx.remote.required:
-            ctx.remote.failed(exc)  # raises: the build would fail the same way
-        return f"; the remote cache could not be asked ({exc})"
+    found, unasked = _remote_has(ctx.remote, store, key)
+    if unasked is not None:
+        return f"; the remote cache could not be asked ({unasked})"
     return f"; {ctx.remote.url} has it: it will be pulled" if found else f"; not on {ctx.remote.url} either"
+
+
+def _remote_has(remote: RemoteTier, store: str, key: str) -> tuple[bool, str | None]:
+    """Whether ``remote`` has the entry, and why it could not be asked (None when it was); a required remote that
+    cannot be asked raises, as the build would."""
+    try:
+        return remote.has(store, key), None
+    except RemoteUnavailableError as exc:
+        if remote.required:
+            remote.failed(exc)  # raises
+        return False, str(exc)
 
 
 def _transfer_progress(store: ContentStore, progress: Progress) -> Callable[[str, int, int], None]:
@@ -217,15 +225,9 @@ def _engine_available(ctx: BuildContext) -> str | None:
     """Where the engine of this build already is without building: ``in the cache``, ``on <remote>``; else None."""
     if ctx.cache is not None and ctx.cache.entries.lookup(ctx.engine_key, ctx.material, record=False).hit:
         return "in the cache"
-    if ctx.remote is None:
+    if ctx.remote is None or not _remote_has(ctx.remote, "entries", ctx.engine_key)[0]:
         return None
-    try:
-        found = ctx.remote.has("entries", ctx.engine_key)
-    except RemoteUnavailableError as exc:
-        if ctx.remote.required:
-            ctx.remote.failed(exc)  # raises: the build would fail the same way
-        return None
-    return f"on {ctx.remote.url}" if found else None
+    return f"on {ctx.remote.url}"
 
 
 def _lookup(ctx: BuildContext, store: str, key: str, material: dict | None = None) -> LookupResult | None:
@@ -280,17 +282,18 @@ class QuantizeStage:
         if ctx.force:
             return Decision(self.name, "run", "--force")
         lookup = _lookup(ctx, "quantized", ctx.quantized_key)
+        held = None
         if lookup is not None and lookup.hit:
             shipped = ((lookup.manifest or {}).get("describe") or {}).get("format", fmt)  # a fallback's, maybe
             held = (f"{shipped} checkpoint {ctx.quantized_key[:12]} is in the cache"
                     f"{f' (fell back from {fmt})' if shipped != fmt else ''}")
-            if self.defer_to_engine and (where := _engine_available(ctx)):
-                return Decision(self.name, "skip", f"{held}, not needed: the engine it feeds is {where}; it is used "
-                                f"only if the engine has to be built", extra={"deferred": True})
-            return Decision(self.name, "skip", held, lookup)
         if self.defer_to_engine and (where := _engine_available(ctx)):
-            return Decision(self.name, "skip", f"no {fmt} checkpoint here, but the engine it feeds is {where}: it is "
-                            f"fetched only if the engine has to be built", extra={"deferred": True})
+            reason = (f"{held}, not needed: the engine it feeds is {where}; it is used only if the engine has to be "
+                      f"built" if held else f"no {fmt} checkpoint here, but the engine it feeds is {where}: it is "
+                      f"fetched only if the engine has to be built")
+            return Decision(self.name, "skip", reason, extra={"deferred": True})
+        if held:
+            return Decision(self.name, "skip", held, lookup)
         return Decision(self.name, "run", f"no {fmt} checkpoint for this model and recipe "
                         f"({_miss(lookup, ctx, 'quantized', ctx.quantized_material())})"
                         f"{_on_remote(ctx, 'quantized', ctx.quantized_key)}"
