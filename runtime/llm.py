@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kiln.runtime.attribute_hints import hinted_attribute
 from kiln.runtime.cache_hold import EntryHold, hold_if_cached
 from kiln.runtime.chat_template_files import ChatTemplateFiles
 from kiln.runtime.closed_engine import ClosedEngine
@@ -432,10 +433,7 @@ class LLM:
         def __getattr__(self, name: str) -> Any:
             """Only for a name the LLM lacks (or a property that raised AttributeError): vLLM's name of something
             Kiln has under another says so in the error."""
-            if name not in VLLM_ATTRIBUTES:
-                return object.__getattribute__(self, name)  # raises Python's error, or the property's own again
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}: {VLLM_ATTRIBUTES[name]}",
-                                 name=name, obj=self)
+            return hinted_attribute(self, name, VLLM_ATTRIBUTES)
 
     @property
     def closed(self) -> bool:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import tokenizers
 
+from kiln.runtime.attribute_hints import hinted_attribute
 from kiln.runtime.errors import EngineFormatError, InvalidRequestError
 from kiln.runtime.json_files import read_json_object
 from kiln.runtime.sampling_params import SamplingParams, plain_number
@@ -57,10 +58,7 @@ class Tokenizer:
 
         def __getattr__(self, name: str) -> Any:
             """Only for a name the Tokenizer lacks: transformers' name of something it has under another says so."""
-            if name not in TRANSFORMERS_METHODS:
-                return object.__getattribute__(self, name)
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r} (it is no transformers "
-                                 f"tokenizer): {TRANSFORMERS_METHODS[name]}", name=name, obj=self)
+            return hinted_attribute(self, name, TRANSFORMERS_METHODS, " (it is no transformers tokenizer)")
 
     def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
         self._tokenizer = tokenizer
