@@ -174,33 +174,27 @@ def test_a_folder_of_an_entry_that_cannot_be_read_is_corrupt_then_quarantined_an
     assert cache.entries.get_or_build(key, m, build).hit
 
 
-@pytest.mark.parametrize("full", [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), SafetensorError(
-    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')])
-def test_a_build_that_fills_the_disk_is_one_clear_error_and_leaves_nothing_behind(cache, full):
+NO_ROOM = r"no room to write it under {root} \(No space left on device\); free space with `kiln cache prune --max-size"
+TOO_LARGE = (r"cannot write it under {root} \(File too large\): a file outgrew the size this process may write "
+             r"\(ulimit -f\)")
+
+
+@pytest.mark.parametrize(("error", "message"), [
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), NO_ROOM),
+    (SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on '
+                     'device" })'), NO_ROOM),
+    (OSError(errno.EFBIG, os.strerror(errno.EFBIG)), TOO_LARGE),  # ulimit -f: before, a traceback (or modelopt
+    (SafetensorError("Error while serializing: I/O error: File too large (os error 27)"), TOO_LARGE),  # blamed)
+], ids=["no-space", "no-space-safetensors", "file-too-large", "file-too-large-safetensors"])
+def test_a_build_the_disk_cannot_hold_is_one_clear_error_and_leaves_nothing_behind(cache, error, message):
     key = engine_key(material())
 
-    def fills_the_disk(out: Path) -> dict:
+    def fails_to_write(out: Path) -> dict:
         (out / "engine.json").write_text("{}")
-        raise full
+        raise error
 
-    with pytest.raises(CacheRootError, match=rf"engine {key[:12]}: no room to write it under {cache.root} \(No "
-                                             rf"space left on device\); free space with `kiln cache prune --max-size"):
-        cache.entries.get_or_build(key, material(), fills_the_disk)
-    assert list((cache.v1 / "tmp").iterdir()) == [] and not cache.entries.entry_dir(key).exists()
-
-
-@pytest.mark.parametrize("too_large", [OSError(errno.EFBIG, os.strerror(errno.EFBIG)), SafetensorError(
-    "Error while serializing: I/O error: File too large (os error 27)")])
-def test_a_build_past_the_file_size_limit_is_one_clear_error_and_leaves_nothing_behind(cache, too_large):
-    key = engine_key(material())
-
-    def outgrows_ulimit(out: Path) -> dict:  # ulimit -f: before, a traceback (or modelopt blamed for it)
-        (out / "engine.json").write_text("{}")
-        raise too_large
-
-    with pytest.raises(CacheRootError, match=rf"engine {key[:12]}: cannot write it under {cache.root} \(File too "
-                                             rf"large\): a file outgrew the size this process may write \(ulimit -f\)"):
-        cache.entries.get_or_build(key, material(), outgrows_ulimit)
+    with pytest.raises(CacheRootError, match=rf"engine {key[:12]}: " + message.format(root=cache.root)):
+        cache.entries.get_or_build(key, material(), fails_to_write)
     assert list((cache.v1 / "tmp").iterdir()) == [] and not cache.entries.entry_dir(key).exists()
 
 
