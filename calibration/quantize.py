@@ -135,7 +135,8 @@ class _Stage:
         attempt.gate = check_gate(metrics, self.recipe.gate.for_format(fmt) if self.recipe.gate else None)
         if attempt.gate.passed:
             return attempt, (model, unfused)
-        attempt.outcome = "failed the gate: " + "; ".join(attempt.gate.failures)
+        unconverged = "" if attempt.converged else "did not converge and "
+        attempt.outcome = unconverged + "failed the gate: " + "; ".join(attempt.gate.failures)
         return attempt, None
 
     def _timed(self, key: str, step: Callable):

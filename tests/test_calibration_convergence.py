@@ -147,6 +147,15 @@ def test_on_failure_warn_ships_and_says_not_converged(checkpoint, tmp_path):
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
+def test_fallback_reason_says_the_failed_format_also_did_not_converge(checkpoint, tmp_path):
+    recipe = small_recipe(format="fp8", num_samples=8, round_samples=4, tolerance=1e-6, patience=2,
+                          on_failure="warn", fallback=["none"], gate={"max_kl": 0.0})
+    report = quantize_checkpoint(checkpoint, recipe, tmp_path)
+    assert report["format"] == "none"
+    assert report["reason"].startswith("fallback after fp8 did not converge and failed the gate: KL")
+    assert "fp8 did not converge and failed the gate" in report["summary"]
+
+
 def test_fp8_rounds_accumulate_to_the_same_amax_as_one_pass(checkpoint):
     from transformers import AutoModelForCausalLM
 
