@@ -17,11 +17,12 @@ import threading
 from concurrent.futures import Future
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from kiln.runtime import LLM, InvalidRequestError, SamplingParams
+from kiln.runtime.server import with_cancellation
 
 
 class Worker:
@@ -88,7 +89,8 @@ def make_app(llm: LLM, worker: Worker) -> FastAPI:
         return JSONResponse({"error": str(error)}, status_code=400)
 
     @app.post("/ask")
-    async def ask(body: Ask) -> dict:
+    @with_cancellation  # Starlette would run the handler to its end after the client left: this cancels it
+    async def ask(body: Ask, request: Request) -> dict:
         # Awaiting does not block the event loop; a cancelled handler aborts its request.
         out = await llm.generate_async(body.question, SamplingParams(temperature=0, max_tokens=body.max_tokens))
         return {"answer": out.text, "tokens": len(out.token_ids), "ttft_s": out.metrics.time_to_first_token}

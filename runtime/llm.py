@@ -100,6 +100,9 @@ class LLM:
         self._chat_template: ChatTemplate | None = None  # that template, compiled at the first chat()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        # ids freed by a caller that went away, before the engine's final delta for them (``_abandon``): how many such
+        # final deltas are still to come, each dropped
+        self._freed_ids: dict[str, int] = {}
         self._results: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -148,6 +151,7 @@ class LLM:
         self.engine.make_request(uuid.uuid4().hex, prompt, _sample(_taken(params, self.default_params), 0))
 
     def __enter__(self) -> LLM:
+        self._check_open()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -225,12 +229,12 @@ class LLM:
         loop = asyncio.get_running_loop()
         seq = self.engine.make_request(request_id or uuid.uuid4().hex, prompt, _taken(params, self.default_params))
         result = loop.create_future()
-        self._enqueue([seq], [Sink(loop=loop, push=functools.partial(settle, result), every_delta=False,
-                                   prompt=_prompt_text(prompt))])
+        sink = Sink(loop=loop, push=functools.partial(settle, result), every_delta=False, prompt=_prompt_text(prompt))
+        self._enqueue([seq], [sink])
         try:
             return await result
         except asyncio.CancelledError:
-            self.abort(seq.request_id)
+            self._abandon(seq.request_id, sink)
             raise
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> AsyncGenerator[StreamDelta, None]:
@@ -247,9 +251,10 @@ class LLM:
                           final_only: bool = False) -> AsyncGenerator[list[tuple[int, StreamDelta]], None]:
         """Stream several prompts at once: each item is every ``(prompt index, delta)`` that arrived since the last
         one (at least one), so a consumer that falls behind catches up in one go. Ends when all have finished;
-        closing the generator early aborts the requests still running. The engine takes the requests together, in
-        one step (identical calls on an idle engine batch identically). ``on_finished`` is called (on this loop)
-        once the engine is done with every request, before the consumer has read their last deltas;
+        closing the generator early aborts the requests still running and frees their ids at once. The engine takes
+        the requests together, in one step (identical calls on an idle engine batch identically). ``on_finished`` is
+        called (on this loop) once the engine is done with every request, before the consumer has read their last
+        deltas (not once the generator was closed early);
         ``request_ids`` (default: fresh ones) are what ``abort`` takes; ``final_only``: each request's last delta
         only (its ``output``), none of the steps before."""
         if isinstance(prompts, str) or (isinstance(prompts, abc.Sequence) and prompts
@@ -268,9 +273,10 @@ class LLM:
                 if not running and on_finished is not None:
                     on_finished()
 
+        sinks = [Sink(loop=loop, push=functools.partial(push, index), every_delta=not final_only,
+                      prompt=_prompt_text(prompt)) for index, prompt in enumerate(prompts)]
         try:
-            self._enqueue(seqs, [Sink(loop=loop, push=functools.partial(push, index), every_delta=not final_only,
-                                      prompt=_prompt_text(prompt)) for index, prompt in enumerate(prompts)])
+            self._enqueue(seqs, sinks)
             remaining.update(range(len(seqs)))
             while remaining:
                 batch = [await arrived.get()]
@@ -284,7 +290,7 @@ class LLM:
                 yield batch
         finally:
             for index in remaining:
-                self.abort(seqs[index].request_id)
+                self._abandon(seqs[index].request_id, sinks[index])
 
     def _make_requests(self, prompts: abc.Sequence[Prompt], params: list[SamplingParams],
                        request_ids: abc.Sequence[str] | None = None,
@@ -405,11 +411,33 @@ class LLM:
             ids: dict[str, Sink] = {}
             for seq, sink in zip(seqs, sinks, strict=True):
                 if seq.request_id in ids or seq.request_id in self._sinks or seq.request_id in self._results:
-                    raise ValueError(f"request id {seq.request_id!r} is already in use: pick a unique id")
+                    raise InvalidRequestError(f"request id {seq.request_id!r} is already in use: pick a unique id")
                 ids[seq.request_id] = sink
             self._sinks.update(ids)
         self._commands.put(("add", seqs))
         return [sink.future for sink in sinks]
+
+    def _abandon(self, request_id: str, sink: Sink) -> None:
+        """Abort a request whose caller has gone (a cancelled task, a closed stream) and free its id at once, as
+        vLLM's AsyncLLM does: the engine's results for it until its final delta are dropped, so a request that reuses
+        the id gets none of them."""
+        with self._lock:
+            if self._sinks.get(request_id) is not sink:  # it finished or failed already (or abort_all reserved it)
+                return
+            del self._sinks[request_id]
+            self._freed_ids[request_id] = self._freed_ids.get(request_id, 0) + 1
+            # under the lock: the engine takes this abort before the add of any request that reuses the id
+            self._commands.put(("abort", request_id))
+
+    def _dropped(self, request_id: str, final: bool) -> bool:
+        """Whether a result for ``request_id`` is an abandoned request's (``_abandon``), which nobody reads; its
+        ``final`` one ends it. Called under the lock."""
+        if (count := self._freed_ids.get(request_id, 0)) and final:
+            if count == 1:
+                del self._freed_ids[request_id]
+            else:
+                self._freed_ids[request_id] = count - 1
+        return count > 0
 
     def _forked(self) -> EngineClosedError | None:
         """The refusal of a fork of the process that loaded this LLM (the fork has no engine thread, and the engine,
@@ -501,6 +529,8 @@ class LLM:
 
     def _deliver(self, delta: StreamDelta) -> None:
         with self._lock:
+            if self._dropped(delta.request_id, delta.finished):
+                return
             sink = self._sinks.pop(delta.request_id, None) if delta.finished else self._sinks.get(delta.request_id)
         if sink is None or sink is ABORTING:
             return
@@ -517,6 +547,8 @@ class LLM:
     def _fail(self, request_id: str, error: BaseException) -> None:
         """Fail one request (delivered with the engine iteration's other results)."""
         with self._lock:
+            if self._dropped(request_id, final=True):
+                return
             sink = self._sinks.pop(request_id, None)
         if sink is ABORTING:
             return

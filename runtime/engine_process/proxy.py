@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import weakref
+from collections import Counter
 from dataclasses import asdict, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -56,7 +57,9 @@ class ProcessEngine:
             self._process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=environment)
         self._conn = Connection(ours.detach())
         _live.add(self)
-        self._unfinished: set[str] = set()
+        # the ids of the requests in the child, each counted: LLM frees a cancelled request's id at once, so one may be
+        # reused before the child's final delta for the first
+        self._unfinished: Counter[str] = Counter()
         # the child has work left (a step queued ahead for a request that has already finished here): its reply
         # after that step says it is idle and carries the idle stats
         self._child_busy = False
@@ -98,7 +101,7 @@ class ProcessEngine:
         """Take a request for the child: the requests added between two steps reach it in one message, so that it
         takes them all before it steps (requests queued together start together, as in a thread's engine)."""
         self._adds.append(request_to_wire(seq))
-        self._unfinished.add(seq.request_id)
+        self._unfinished[seq.request_id] += 1
         self._child_busy = True
 
     def abort_request(self, request_id: str) -> StreamDelta | None:
@@ -139,8 +142,10 @@ class ProcessEngine:
         self._warm = self._warm or message.get("warm", False)
         results = [result_from_wire(item) for item in message["results"]]
         for result in results:
-            if isinstance(result, RequestFailure) or result.finished:
-                self._unfinished.discard(result.request_id)
+            if (isinstance(result, RequestFailure) or result.finished) and result.request_id in self._unfinished:
+                self._unfinished[result.request_id] -= 1
+                if not self._unfinished[result.request_id]:
+                    del self._unfinished[result.request_id]
         return results
 
     def has_unfinished(self) -> bool:

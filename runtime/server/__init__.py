@@ -6,6 +6,7 @@ _SERVE_EXTRA_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "prometheus
 
 try:
     from kiln.runtime.server.app import create_app
+    from kiln.runtime.server.disconnect import with_cancellation
     from kiln.runtime.server.serve import EngineFailedError, ServerStartError, ServerThread, run_server
     from kiln.runtime.server.settings import ServerSettings
 except ModuleNotFoundError as exc:
@@ -14,4 +15,5 @@ except ModuleNotFoundError as exc:
     raise ModuleNotFoundError(f"kiln.runtime.server needs the serve extra ({exc.name} is missing): pip install "
                               "'kiln[serve]'", name=exc.name) from None
 
-__all__ = ["EngineFailedError", "ServerSettings", "ServerStartError", "ServerThread", "create_app", "run_server"]
+__all__ = ["EngineFailedError", "ServerSettings", "ServerStartError", "ServerThread", "create_app", "run_server",
+           "with_cancellation"]

@@ -67,6 +67,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.load_abandoned = False  # stopped while loading: the load thread may still run (inside torch)
         self.draining = False
+        self.lifespan_started = False  # a mounted app's lifespan runs only where its parent's runs it
         self.on_fatal: Callable[[], None] | None = None  # set by the runner: stop serving (the load failed)
         self.created = int(time.time())
 
@@ -81,10 +82,21 @@ class ServerState:
             return None
         return self.model.llm.stats()
 
+    def never_loaded(self) -> str | None:
+        """Why the engine will never load: the app was given a loader, which its lifespan calls, and that lifespan did
+        not run (Starlette runs none for a mounted app); None otherwise."""
+        if self.model is not None or self.lifespan_started:
+            return None
+        return ("the engine is never loaded: the lifespan of the app create_app made, which calls its loader, did not "
+                "run (Starlette runs none for a mounted app); run it in your app's, "
+                "FastAPI(lifespan=kiln_app.router.lifespan_context), or pass create_app an LLM you loaded")
+
     def require_model(self) -> ServedModel:
         if self.draining:
             raise APIError(503, "the server is shutting down: retry against another replica",
                            headers={"Retry-After": str(RETRY_AFTER_S)}, refusal="draining")
+        if (never_loaded := self.never_loaded()) is not None:
+            raise APIError(503, never_loaded, refusal="load_failed")
         if self.model is None:
             message = (f"the engine failed to load: {self.load_error}" if self.load_error
                        else f"the engine is still loading: retry after {RETRY_AFTER_S} s")
@@ -172,6 +184,7 @@ def _lifespan(state: ServerState, llm: LLM | Callable[[], LLM], engine_dir: Path
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.lifespan_started = True
         loading = None if isinstance(llm, LLM) else asyncio.create_task(load())
         yield
         if loading is None:  # the embedder's LLM: it closes it
@@ -259,7 +272,7 @@ def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metr
             engine_error = "the LLM was closed (by the service that passed it in): load one again"
         if state.model is not None and not state.draining and engine_error is None:
             return JSONResponse({"status": "ok", "model": settings.model_name})
-        error = state.load_error or engine_error
+        error = state.load_error or engine_error or state.never_loaded()
         status = "error" if error else "draining" if state.draining else "loading"
         body = {"status": status, **({"message": str(error)} if error else {})}
         return JSONResponse(body, status_code=503)

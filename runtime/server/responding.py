@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from kiln.runtime.errors import EngineClosedError, InvalidRequestError, KilnError
 from kiln.runtime.outputs import RequestOutput, StreamDelta
+from kiln.runtime.server.disconnect import wait_for_disconnect
 from kiln.runtime.server.errors import APIError, error_body
 from kiln.runtime.server.generation import RETRY_AFTER_S, Job, ServedModel, engine_request_ids
 from kiln.runtime.server.metrics import CLIENT_CLOSED_REQUEST, CLIENT_GONE, ServerMetrics
@@ -48,14 +49,6 @@ def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
-    """Return once the client has gone (the body was read already, so nothing else arrives)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, request: Request,
                    format_param: str | None) -> list[RequestOutput] | None:
     """Every job's output, or None when the client disconnected first (its jobs are then aborted, and counted as
@@ -71,7 +64,7 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, 
 
     request_ids = engine_request_ids(len(jobs))
     runner = asyncio.create_task(model.generate_final(jobs, observe, request_ids))
-    watcher = asyncio.create_task(_wait_for_disconnect(request.receive))
+    watcher = asyncio.create_task(wait_for_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -118,7 +111,7 @@ class _EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         writer = asyncio.current_task()
-        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        watcher = asyncio.create_task(wait_for_disconnect(receive))
         watcher.add_done_callback(lambda task: task.cancelled() or writer.cancel())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})

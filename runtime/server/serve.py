@@ -69,11 +69,14 @@ def stderr_log_handler() -> logging.Handler:
     return handler
 
 
-def uvicorn_log_config() -> dict:
-    """uvicorn's logging config: its lines (and access log) through ``stderr_log_handler``, so that a server's log
-    has one format; their level is uvicorn's ``log_level``."""
-    return {"version": 1, "disable_existing_loggers": False, "handlers": {"kiln": {"()": stderr_log_handler}},
-            "loggers": {"uvicorn": {"handlers": ["kiln"], "propagate": False}}}
+def log_uvicorn_in_kiln_format() -> None:
+    """Send uvicorn's lines (its access log too) through ``stderr_log_handler``, so that a server's log has one
+    format; their level is uvicorn's ``log_level``. Only uvicorn's loggers are set: a dictConfig would close every
+    handler of the process (an embedder's log file among them)."""
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        uvicorn_logger = logging.getLogger(name)
+        uvicorn_logger.handlers = [stderr_log_handler()] if name == "uvicorn" else []
+        uvicorn_logger.propagate = name != "uvicorn"  # up to "uvicorn"'s handler, and no further
 
 
 def served_state(app: FastAPI) -> ServerState:
@@ -106,10 +109,11 @@ class ServerThread:
                  kiln_log_format: bool = True) -> None:
         self.app = app
         self.state = served_state(app)
+        if kiln_log_format:
+            log_uvicorn_in_kiln_format()
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level if kiln_log_format else None,
-                                log_config=uvicorn_log_config() if kiln_log_format else None,
-                                lifespan="on", timeout_graceful_shutdown=shutdown_timeout_s, access_log=access_log,
-                                timeout_keep_alive=keep_alive_s,
+                                log_config=None, lifespan="on", timeout_graceful_shutdown=shutdown_timeout_s,
+                                access_log=access_log, timeout_keep_alive=keep_alive_s,
                                 **http_protocol_options(head_timeout_s, body_timeout_s))
         self.server = uvicorn.Server(config)
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -130,7 +134,8 @@ class ServerThread:
 
     def start(self) -> ServerThread:
         """Start serving and return once the socket listens (the engine may still be loading); ServerStartError
-        when it cannot listen on its host and port."""
+        when it cannot listen on its host and port, or when the Kiln app's lifespan did not run (mounted in an app
+        whose own lifespan does not run it), so that its engine would never load."""
         self._sockets.append(listening_socket(self.server.config.host, self.server.config.port))
         self._thread.start()
         while not self.server.started:
@@ -138,6 +143,10 @@ class ServerThread:
                 raise ServerStartError(f"the server did not start on {self.server.config.host}:"
                                        f"{self.server.config.port} (see the log above)")
             self._thread.join(0.02)
+        if (never_loaded := self.state.never_loaded()) is not None:
+            self._close()
+            self.wait()
+            raise ServerStartError(never_loaded)
         return self
 
     def stop_accepting(self) -> None:
