@@ -262,13 +262,17 @@ def test_a_tokenizer_llguidance_cannot_read_fails_the_constrained_request_only(t
 def test_a_format_that_outgrows_llguidance_while_generating_fails_its_request_naming_why(llm):
     from kiln.runtime.outputs import RequestFailedError
 
+    generated = llm.stats()["num_generated_tokens"]
     with pytest.raises(StructuredOutputError, match="outgrew what llguidance can track") as failed:
         llm.generate(["x"], SamplingParams(max_tokens=40, structured_output={"regex": "a{1000}{1000}"}))
+    assert llm.stats()["num_generated_tokens"] == generated  # the refused token is no output (vLLM's metric)
     assert not isinstance(failed.value, RequestFailedError) and "\n" not in str(failed.value)  # no state dump
     assert llm.generate(["x"], SamplingParams(max_tokens=2))[0].finish_reason == "length"  # the engine serves on
 
 
 def test_a_format_no_output_satisfies_fails_its_request_instead_of_returning_empty_text(llm):
+    generated = llm.stats()["num_generated_tokens"]
     with pytest.raises(StructuredOutputError, match=r"cannot go on after 0 tokens \(NoExtensionBias\)"):
         llm.generate(["x"], SamplingParams(max_tokens=8, structured_output={"json": {"$ref": "#"}}))
+    assert llm.stats()["num_generated_tokens"] == generated
     assert llm.generate(["x"], SamplingParams(max_tokens=2))[0].finish_reason == "length"  # the engine serves on

@@ -20,9 +20,10 @@ from rich.table import Table
 
 from kiln.pipeline.bench.http_clients_process import client_processes, run_http_apart
 from kiln.pipeline.bench.provenance import run_record
-from kiln.pipeline.bench.server_metrics import scrape, scrape_when_idle, server_usage
+from kiln.pipeline.bench.server_metrics import MetricsUnavailableError, scrape, usage_after_run
 from kiln.pipeline.bench.serving_clients import (
     LoadTestError,
+    count_prompt_tokens,
     fetch_model_card,
     run_in_process,
     run_offline,
@@ -32,6 +33,7 @@ from kiln.pipeline.bench.serving_workload import (
     card_limits,
     check_fits,
     make_workload,
+    text_prompts,
     with_fresh_token_ids,
 )
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
@@ -68,8 +70,8 @@ def print_report(report: dict) -> None:
     if report["disconnected"]:
         stdout.print(f"{report['disconnected']} clients went away mid-stream, as --disconnect asked", highlight=False)
     if report["failed"]:
-        stdout.print(f"[yellow]{report['failed']} failed[/]: {escape(str(report['statuses']))}", markup=True,
-                     highlight=False)
+        stdout.print(f"[yellow]{report['failed']} failed[/], by HTTP status: {escape(str(report['failed_statuses']))}",
+                     markup=True, highlight=False)
         for message, count in report["errors"].items():
             stdout.print(f"  {count} x {escape(message)}", markup=True, highlight=False)
     if "offline" in report:
@@ -78,20 +80,26 @@ def print_report(report: dict) -> None:
         stdout.print(f"engine offline  {report['offline']['output_tokens_per_s']:,.1f} tokens/s on the same "
                      f"workload: {served}", highlight=False)
     if "server" in report:
-        server = report["server"]
-        stdout.print("CPU per token   " + ", ".join(f"{role.replace('_', ' ')} {us:,.0f} µs" for role, us in
-                                                   server["cpu_us_per_token"].items()), highlight=False)
-        memory = ", ".join(f"{role.replace('_', ' ')} {m['after_warmup_mb']:,.0f} → {m['after_mb']:,.0f} MB "
-                           f"({m['growth']:+.1%})" for role, m in server["resident_memory"].items())
-        idle = server["idle_after"]
-        stdout.print(f"after the run   {idle.get('running', '?')} running, {idle.get('waiting', '?')} waiting, "
-                     f"{idle.get('kv_blocks_used', '?')} KV blocks held; resident memory since the warm-up: "
-                     f"{memory or 'not reported'}", highlight=False)
+        _print_server(report["server"])
     if "in_process" in report:
         inner = report["in_process"]
         stdout.print(f"in-process      {inner['output_tokens_per_s']:,.1f} tokens/s through LLM.stream, TTFT p50 "
                      f"{inner['ttft_ms']['p50'] or 0:.1f} ms, inter-token p50 {inner['itl_ms']['p50'] or 0:.1f} "
                      f"ms", highlight=False)
+
+
+def _print_server(server: dict) -> None:
+    """What the server's /metrics said of its processes, or why it could not be read after the run."""
+    stdout.print("CPU per token   " + ", ".join(f"{role.replace('_', ' ')} " + ("?" if us is None else f"{us:,.0f} µs")
+                                               for role, us in server["cpu_us_per_token"].items()), highlight=False)
+    if (unavailable := server.get("server_metrics_unavailable")) is not None:
+        stdout.print(f"[yellow]after the run   not known: {escape(unavailable)}[/]", markup=True, highlight=False)
+        return
+    memory = ", ".join(f"{role.replace('_', ' ')} {m['after_warmup_mb']:,.0f} → {m['after_mb']:,.0f} MB "
+                       f"({m['growth']:+.1%})" for role, m in server["resident_memory"].items())
+    idle = {name: "?" if count is None else count for name, count in server["idle_after"].items()}
+    stdout.print(f"after the run   {idle['running']} running, {idle['waiting']} waiting, {idle['kv_blocks_used']} KV "
+                 f"blocks held; resident memory since the warm-up: {memory or 'not reported'}", highlight=False)
 
 
 def _engine_target(target: str, options: RuntimeOptions) -> ServeTarget | None:
@@ -147,20 +155,22 @@ async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *
     card = await fetch_model_card(url, api_key)
     vocab_size = vocab_size or card.get("vocab_size")
     workload = make_workload(**workload_options, vocab_size=vocab_size)
-    if (limits := card_limits(card)) is not None:  # refused before any request, as for an engine served here
-        check_fits(workload, limits)
+    await _check_fits_server(url, api_key, card, workload, chat)
     snapshots = {}
 
     async def warmed_up() -> None:
-        snapshots["after_warmup"] = await scrape(url)
+        try:
+            snapshots["after_warmup"] = await scrape(url)
+        except MetricsUnavailableError:  # a server without /metrics: no server figures
+            snapshots["after_warmup"] = {}
 
     report = await run_http_apart(url, workload, concurrency=concurrency, chat=chat, api_key=api_key,
                                   model=card["id"], processes=client_processes(concurrency, len(workload.requests)),
                                   warmed_up=warmed_up)
     client_cpu_s = report.pop("client_cpu_s")
     if snapshots["after_warmup"]:
-        after, idle = await scrape(url), await scrape_when_idle(url)
-        report["server"] = server_usage(snapshots["after_warmup"], after, idle, report["output_tokens"], client_cpu_s)
+        report["server"] = await usage_after_run(url, snapshots["after_warmup"], report["output_tokens"],
+                                                 client_cpu_s)
     report["workload"] = _describe(workload, workload_options)
     if llm is not None and in_process:
         report["in_process"] = await run_in_process(llm, _fresh(workload, workload_options, vocab_size, 1),
@@ -172,6 +182,20 @@ async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *
             # at a finite rate the arrivals set the served rate; clients that go away take fewer tokens
             report["efficiency"] = round(report["output_tokens_per_s"] / report["offline"]["output_tokens_per_s"], 4)
     return report
+
+
+async def _check_fits_server(url: str, api_key: str | None, card: dict, workload: ServingWorkload,
+                             chat: bool) -> None:
+    """Refuse, before any request, a workload with a request the server's model card says it cannot hold (as for
+    an engine served here), its text prompts counted by the server's ``/tokenize``."""
+    if (limits := card_limits(card)) is None:
+        return
+    texts = text_prompts(workload)
+    counted = await count_prompt_tokens(url, api_key, card["id"], texts, chat) if texts else {}
+    if len(counted) < len(texts):
+        stderr.print(f"{len(texts) - len(counted)} of {len(texts)} text prompts not counted: the server's /tokenize "
+                     f"did not answer, so only their max_tokens is checked against its context", highlight=False)
+    check_fits(workload, limits, counted)
 
 
 def _fresh(workload: ServingWorkload, options: dict, vocab_size: int | None, phase: int) -> ServingWorkload:

@@ -10,20 +10,26 @@ WATCHED = {"process_cpu_seconds_total": "server_cpu_s", "kiln_engine_process_cpu
            "process_resident_memory_bytes": "server_rss", "kiln_engine_process_resident_memory_bytes": "engine_rss",
            "kiln_kv_blocks_used": "kv_blocks_used", "kiln_running_requests": "running", "kiln_queue_depth": "waiting"}
 ROLES = (("server", "server"), ("engine_process", "engine"))
+IDLE = ("running", "waiting", "kv_blocks_used")
+
+
+class MetricsUnavailableError(Exception):
+    """``GET /metrics`` failed: the server did not answer it, or answered with an error."""
 
 
 async def scrape(url: str) -> dict[str, float]:
-    """The watched samples of the server's ``/metrics``; empty when it has none (a server other than Kiln's)."""
+    """The watched samples of the server's ``/metrics`` (empty for a server that has none of them);
+    MetricsUnavailableError when it cannot be read."""
     import aiohttp
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         async with aiohttp.ClientSession() as session, session.get(f"{url.rstrip('/')}/metrics") as response:
             if response.status != 200:
-                return {}
+                raise MetricsUnavailableError(f"GET /metrics failed: HTTP {response.status}")
             text = await response.text()
-    except aiohttp.ClientError:
-        return {}
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise MetricsUnavailableError(f"GET /metrics failed: {type(exc).__name__}: {exc}") from None
     return {WATCHED[sample.name]: sample.value for family in text_string_to_metric_families(text)
             for sample in family.samples if sample.name in WATCHED and not sample.labels}
 
@@ -33,22 +39,38 @@ async def scrape_when_idle(url: str, timeout_s: float = 30.0) -> dict[str, float
     deadline = time.monotonic() + timeout_s
     while True:
         found = await scrape(url)
-        idle = not any(found.get(name) for name in ("running", "waiting", "kv_blocks_used"))
+        idle = not any(found.get(name) for name in IDLE)
         if idle or time.monotonic() > deadline:
             return found
         await asyncio.sleep(0.2)
 
 
+async def usage_after_run(url: str, after_warmup: dict[str, float], tokens: int, client_cpu_s: float) -> dict:
+    """``server_usage`` from the server's ``/metrics`` now and once idle; where it cannot be read, its figures are
+    null and ``server_metrics_unavailable`` says why (an empty ``idle_after`` would read as nothing leaked)."""
+    try:
+        after, idle = await scrape(url), await scrape_when_idle(url)
+    except MetricsUnavailableError as exc:
+        cpu = {role: None for role, key in ROLES if f"{key}_cpu_s" in after_warmup}
+        return {"cpu_us_per_token": {**cpu, "clients": _per_token(client_cpu_s, tokens)}, "resident_memory": None,
+                "idle_after": None, "server_metrics_unavailable": str(exc)}
+    return server_usage(after_warmup, after, idle, tokens, client_cpu_s)
+
+
 def server_usage(after_warmup: dict[str, float], after: dict[str, float], idle: dict[str, float], tokens: int,
                  client_cpu_s: float) -> dict:
     """CPU microseconds per served token by process, resident memory after the warm-up and after the run (and its
-    growth), and the engine's state once idle."""
-    cpu = {role: round((after[f"{key}_cpu_s"] - after_warmup[f"{key}_cpu_s"]) * 1e6 / max(1, tokens), 1)
+    growth), and the engine's state once idle (null where the server does not report it)."""
+    cpu = {role: _per_token(after[f"{key}_cpu_s"] - after_warmup[f"{key}_cpu_s"], tokens)
            for role, key in ROLES if f"{key}_cpu_s" in after and f"{key}_cpu_s" in after_warmup}
     memory = {role: {"after_warmup_mb": round(after_warmup[f"{key}_rss"] / 2**20, 1),
                      "after_mb": round(idle[f"{key}_rss"] / 2**20, 1),
                      "growth": round(idle[f"{key}_rss"] / after_warmup[f"{key}_rss"] - 1, 4)}
               for role, key in ROLES if f"{key}_rss" in after_warmup and f"{key}_rss" in idle}
-    return {"cpu_us_per_token": {**cpu, "clients": round(client_cpu_s * 1e6 / max(1, tokens), 1)},
+    return {"cpu_us_per_token": {**cpu, "clients": _per_token(client_cpu_s, tokens)},
             "resident_memory": memory,
-            "idle_after": {name: int(idle[name]) for name in ("running", "waiting", "kv_blocks_used") if name in idle}}
+            "idle_after": {name: int(idle[name]) if name in idle else None for name in IDLE}}
+
+
+def _per_token(cpu_s: float, tokens: int) -> float:
+    return round(cpu_s * 1e6 / max(1, tokens), 1)

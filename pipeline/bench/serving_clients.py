@@ -18,6 +18,10 @@ from kiln.pipeline.bench.serving_workload import ServingRequest, ServingWorkload
 from kiln.runtime.errors import KilnError
 from kiln.runtime.stats import summarize
 
+# what a streamed chat delta carries that is output: its answer, its reasoning (vLLM's ``reasoning``, and
+# ``reasoning_content`` before it), or its tool calls, as vLLM's serving benchmark counts reasoning as output
+DELTA_OUTPUT = ("content", "reasoning", "reasoning_content", "tool_calls")
+
 
 class LoadTestError(KilnError):
     """The server could not be reached, or answered none of the requests."""
@@ -114,6 +118,26 @@ async def fetch_model_card(url: str, api_key: str | None) -> dict:
         return await _model_card(session, url)
 
 
+async def count_prompt_tokens(url: str, api_key: str | None, model: str, prompts: set[str],
+                              chat: bool) -> dict[str, int]:
+    """The tokens of each text prompt as the server counts them: one ``POST /tokenize`` per prompt (vLLM's and
+    Kiln's route; as a user message where ``chat``, its chat template included). A prompt the server did not count
+    (no such route, an error) is left out."""
+    aiohttp = _aiohttp()
+
+    async def count(session, prompt: str) -> int | None:
+        body = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+        try:
+            async with session.post("/tokenize", json={"model": model, **body}) as response:
+                return int((await response.json())["count"]) if response.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, KeyError, TypeError, ValueError):
+            return None
+
+    async with _session(url, api_key, 8, 60.0) as session:
+        counts = await asyncio.gather(*(count(session, prompt) for prompt in prompts))
+    return {prompt: n for prompt, n in zip(prompts, counts, strict=True) if n is not None}
+
+
 def _aiohttp():
     try:
         import aiohttp
@@ -159,13 +183,14 @@ def error_message(body: bytes) -> str:
 
 async def _one_http_request(session, path: str, payload: dict, disconnect_after: int | None) -> RequestResult:
     start = time.monotonic()
-    result, last = RequestResult(status=0), None
+    result, last, done = RequestResult(status=0), None, False
     async with session.post(path, json=payload) as response:
         result.status = response.status
         if response.status != 200:
             result.error = error_message(await response.read())
             return result
         async for line in response.content:
+            done = done or line.startswith(b"data: [DONE]")
             if not line.startswith(b"data: {"):
                 continue
             chunk = json.loads(line[6:])
@@ -182,6 +207,8 @@ async def _one_http_request(session, path: str, payload: dict, disconnect_after:
                     result.disconnected = True
                     response.close()  # drops the connection: the server sees the client go
                     break
+    if not (result.disconnected or result.error):  # every request ignores EOS: it ends by length, then [DONE]
+        result.error = _unfinished(result.finish_reason, done)
     if not (result.completion_tokens or result.disconnected or result.error) and result.events:
         result.completion_tokens, result.without_usage = estimate_tokens(result, payload["max_tokens"]), True
     result.latency_s = time.monotonic() - start
@@ -202,9 +229,19 @@ def estimate_tokens(result: RequestResult, max_tokens: int) -> int:
     return max_tokens if result.finish_reason == "length" else result.events
 
 
+def _unfinished(finish_reason: str | None, done: bool) -> str | None:
+    """Why a stream that closed without an error did not finish: it ended before a finish_reason, or before
+    OpenAI's closing ``data: [DONE]``; None for a stream that finished."""
+    if finish_reason is None:
+        return "the stream ended before a finish_reason"
+    return None if done else "the stream ended without data: [DONE]"
+
+
 def _carries_output(choice: dict) -> bool:
-    """Whether a stream chunk's choice brings generated output (a chat stream's first chunk only names the role)."""
-    return bool(choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("finish_reason"))
+    """Whether a stream chunk's choice brings generated output: text, a chat delta's answer, reasoning or tool
+    calls (``DELTA_OUTPUT``), or the finish (a chat stream's first chunk only names the role)."""
+    delta = choice.get("delta") or {}
+    return bool(choice.get("text") or any(delta.get(name) for name in DELTA_OUTPUT) or choice.get("finish_reason"))
 
 
 async def run_in_process(llm, workload: ServingWorkload, *, concurrency: int) -> dict:
@@ -255,26 +292,39 @@ def _params(request: ServingRequest):
     return SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
 
 
+def _by_status(results: list[RequestResult]) -> dict[str, int]:
+    """How many of ``results`` had each HTTP status ("connection error": none came)."""
+    return dict(Counter(str(r.status) if r.status else "connection error" for r in results))
+
+
+def _tokens_counted(ok: list[RequestResult]) -> str:
+    """How the succeeded requests' tokens were counted: ``usage``, or estimated (for how many, where not all)."""
+    if not (estimated := sum(r.without_usage for r in ok)):
+        return "usage"
+    share = "" if estimated == len(ok) else f" for {estimated} of {len(ok)} requests"
+    return f"estimated{share}: the server sent no usage (max_tokens where a request ended by length, else one a chunk)"
+
+
 def summarize_results(results: list[RequestResult], duration_s: float, **context: object) -> dict:
     """Throughput, latency percentiles and how many tokens each piece of output carried."""
     ok = [r for r in results if r.status == 200 and r.error is None and not r.disconnected]
+    failed = [r for r in results if (r.status != 200 or r.error is not None) and not r.disconnected]
     disconnected = sum(r.disconnected for r in results)
     if not ok and not disconnected:  # every client going away, as --disconnect 1 asks, is a soak test, not a failure
         errors = {r.error or f"HTTP {r.status}" for r in results}
         raise LoadTestError(f"none of {len(results)} requests succeeded: {'; '.join(sorted(errors))[:400]}")
     tokens = sum(r.completion_tokens for r in ok)
-    statuses = Counter(str(r.status) if r.status else "connection error" for r in results)
-    errors = Counter(r.error[:160] for r in results if r.error is not None and not r.disconnected)
+    errors = Counter(r.error[:160] for r in failed if r.error is not None)
     return {
         **context,
         "requests": len(results),
         "succeeded": len(ok),
         "disconnected": disconnected,
-        "failed": len(results) - len(ok) - disconnected,
-        "statuses": dict(statuses),
-        "tokens_counted": ("estimated: the server sent no usage (max_tokens where a request ended by length, else one "
-                           "a chunk)") if any(r.without_usage for r in ok) else "usage",
-        "errors": dict(errors.most_common(5)),  # the commonest error messages (a stream's error event under its 200)
+        "failed": len(failed),
+        "statuses": _by_status(results),  # every response, succeeded or not
+        "failed_statuses": _by_status(failed),  # a failed 200: its stream ended with an error event or unfinished
+        "tokens_counted": _tokens_counted(ok),
+        "errors": dict(errors.most_common(5)),  # the commonest error messages of the failed requests
         "duration_s": round(duration_s, 3),
         "requests_per_s": round(len(ok) / duration_s, 3),
         "output_tokens": tokens,

@@ -124,11 +124,25 @@ def with_fresh_token_ids(workload: ServingWorkload, vocab_size: int, seed: int) 
     return replace(workload, requests=[fresh(r) for r in workload.requests], warmup=[fresh(r) for r in workload.warmup])
 
 
-def check_fits(workload: ServingWorkload, limits: EngineLimits) -> None:
-    """Refuse, before any server starts, a workload with a request the engine can never serve: a token-id prompt
-    or a max_tokens over its plan (a text prompt counts as one token here; the server counts it exactly)."""
+def text_prompts(workload: ServingWorkload) -> set[str]:
+    """The distinct text prompts of the workload, warm-up included."""
+    return {r.prompt for r in (*workload.warmup, *workload.requests) if isinstance(r.prompt, str)}
+
+
+def check_fits(workload: ServingWorkload, limits: EngineLimits, text_tokens: dict[str, int] | None = None) -> None:
+    """Refuse, before anything is sent, a workload with a request the engine can never serve: a prompt over its
+    max_input_len, or a prompt and its max_tokens over its context. A text prompt is counted as ``text_tokens``
+    gives it (the server's ``/tokenize``); one not counted there only has its max_tokens checked."""
+    text_tokens = text_tokens or {}
     for request in (*workload.warmup, *workload.requests):
-        prompt_tokens = 1 if isinstance(request.prompt, str) else len(request.prompt)
+        if isinstance(request.prompt, str) and request.prompt not in text_tokens:
+            if request.max_tokens >= limits.max_request_tokens:
+                raise WorkloadError(f"the workload's requests do not fit this engine: max_tokens "
+                                    f"({request.max_tokens}) leaves no room for a prompt in its context of "
+                                    f"{limits.max_request_tokens} tokens (max_seq_len, or its KV pool where smaller): "
+                                    f"lower max_tokens")
+            continue
+        prompt_tokens = text_tokens[request.prompt] if isinstance(request.prompt, str) else len(request.prompt)
         try:
             limits.check_request(prompt_tokens, SamplingParams(max_tokens=request.max_tokens))
         except (RequestTooLongError, InvalidRequestError) as exc:  # too long, or an empty prompt

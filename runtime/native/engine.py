@@ -188,9 +188,10 @@ class NativeEngine:
         for seq, token_id in sampled.items():
             if seq.is_finished:  # aborted since it was launched
                 continue
-            results.append(self._postprocess(seq, token_id, now, logprobs.get(seq)))
+            results.append(result := self._postprocess(seq, token_id, now, logprobs.get(seq)))
             if not isinstance(token_id, SamplingError):  # vLLM's iteration tokens: each token, and a first's prompt
-                generated_tokens += 1
+                # a token its format refused (the request failed on it) is no output
+                generated_tokens += not isinstance(result, RequestFailure)
                 if seq.num_completion_tokens == 1:
                     prompt_tokens += seq.num_prompt_tokens
                     self.num_cached_prompt_tokens += seq.num_cached_tokens

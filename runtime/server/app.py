@@ -278,8 +278,9 @@ def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metr
         return JSONResponse(body, status_code=503)
 
     async def prometheus_metrics(request: Request) -> Response:
-        """Prometheus text exposition (gzipped where the scraper accepts that)."""
-        payload, headers = metrics.exposition(request.headers.get("accept-encoding", ""))
+        """Prometheus text exposition (gzipped where the scraper accepts that; only the samples ?name[]= names)."""
+        payload, headers = metrics.exposition(request.headers.get("accept-encoding", ""),
+                                              request.query_params.getlist("name[]"))
         return Response(payload, headers=headers)
 
     # HEAD too, which load balancers' health checks send (HAProxy's httpchk): a route a method, so that each

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -201,14 +201,32 @@ class ServerMetrics:
         self.generation_tokens.inc(len(output.token_ids))
         self.vllm.observe(output, inter_token)
 
-    def exposition(self, accept_encoding: str) -> tuple[bytes, dict[str, str]]:
-        """The Prometheus text exposition, gzipped where the scraper accepts that (as prometheus_client's ASGI app
-        does), and its headers. Never OpenMetrics, which Prometheus asks for first: prometheus_client writes its
-        samples' names with vLLM's colons turned to underscores there, so no dashboard would find them."""
-        payload, headers = generate_latest(self.registry), {"Content-Type": CONTENT_TYPE_LATEST}
+    def exposition(self, accept_encoding: str, names: Collection[str] = ()) -> tuple[bytes, dict[str, str]]:
+        """The Prometheus text exposition, only the samples ``names`` names where given (``?name[]=``), gzipped where
+        the scraper accepts that (as prometheus_client's ASGI app does both), and its headers. Never OpenMetrics,
+        which Prometheus asks for first: prometheus_client writes its samples' names with vLLM's colons turned to
+        underscores there, so no dashboard would find them."""
+        registry = _Restricted(self.registry, names) if names else self.registry
+        payload, headers = generate_latest(registry), {"Content-Type": CONTENT_TYPE_LATEST}
         if "gzip" in accept_encoding:
             payload, headers["Content-Encoding"] = gzip.compress(payload), "gzip"
         return payload, headers
+
+
+class _Restricted:
+    """The samples of a registry with these names only, as prometheus_client's ``restricted_registry`` gives them to
+    its ``?name[]=`` (which finds only the collectors that describe themselves: the engine's collectors do not)."""
+
+    def __init__(self, registry: CollectorRegistry, names: Collection[str]) -> None:
+        self._registry = registry
+        self._names = set(names)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            if samples := [sample for sample in metric.samples if sample.name in self._names]:
+                restricted = Metric(metric.name, metric.documentation, metric.type)
+                restricted.samples = samples
+                yield restricted
 
 
 def endpoint_label(path: str) -> str:

@@ -81,9 +81,19 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, 
         return None
     try:
         return runner.result()
-    except KilnError as exc:  # the engine stopped, or the shutdown timeout ran out: its jobs are aborts, as a stream's
-        metrics.vllm.aborted(len(jobs) - len(landed))
+    except KilnError as exc:  # the engine stopped, the shutdown timeout ran out, or the request failed
+        _count_unfinished(metrics, len(jobs) - len(landed), exc)
         raise _generation_failed(exc, format_param) from None
+
+
+def _count_unfinished(metrics: ServerMetrics, count: int, failure: Exception | None) -> None:
+    """Count jobs that ended without an output: as aborts where their client went away (no ``failure``) or the
+    engine stopped (a stopped engine, the shutdown timeout: EngineClosedError), else as errors, vLLM V1's finish
+    reason for a request that failed (its format could not go on, an error in the engine)."""
+    if failure is None or isinstance(failure, EngineClosedError):
+        metrics.vllm.aborted(count)
+    else:
+        metrics.vllm.failed(count)
 
 
 def _generation_failed(exc: Exception, format_param: str | None) -> APIError:
@@ -176,6 +186,7 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
     read has not taken their last chunks yet."""
     outputs: list[RequestOutput] = []
     generated: dict[int, int] = {}  # tokens so far of each job whose prompt was prefilled
+    failure: Exception | None = None
     if stream.prelude:
         yield "".join(_event(chunk) for chunk in stream.prelude)
     try:
@@ -198,7 +209,7 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
                     yield "".join(events)
     except Exception as exc:  # the engine stopped (closed, or a bug in it), or the request could not go on (its
         # format): tell the client in the stream
-        failed = _generation_failed(exc, format_param)
+        failure, failed = exc, _generation_failed(exc, format_param)
         logger.log(logging.ERROR if failed.status_code >= 500 else logging.INFO, "stream failed: %s: %s",
                    type(exc).__name__, exc)
         yield "".join(map(_event, stream.error(failed)))
@@ -206,8 +217,8 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
         if stream.with_usage:
             yield _event(stream.usage(usage_of(prompts, outputs)))
     finally:
-        if len(outputs) < len(jobs):  # the client went away (or the engine stopped) first
-            metrics.vllm.aborted(len(jobs) - len(outputs))
+        if len(outputs) < len(jobs):  # the client went away, the engine stopped or the request failed first
+            _count_unfinished(metrics, len(jobs) - len(outputs), failure)
     if stream.done:
         yield stream.done
 

@@ -26,7 +26,8 @@ LABELS = ("model_name", "engine")  # vLLM V1's: the served name, and the engine 
 ENGINE_INDEX = "0"
 
 
-FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's finished_reason labels
+# vLLM's finished_reason labels: "error" (vLLM V1's FinishReason.ERROR) for a request a failure ended
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 # a request's phases, timed from the engine's timestamps as vLLM times them
 PHASES = {"queue": "From arrival to the first admission into the running batch",
@@ -187,6 +188,11 @@ class VllmRequestMetrics:
         """Count requests that ended without an output (their client went away, the engine stopped), as vLLM counts
         aborts (their tokens were counted by the engine as it processed them)."""
         self.request_success.labels(*self._labels, "abort").inc(count)
+
+    def failed(self, count: int) -> None:
+        """Count requests that a failure of their own ended (their output format could not go on, an error in the
+        engine), as vLLM V1 counts them: under the finish reason "error"."""
+        self.request_success.labels(*self._labels, "error").inc(count)
 
     def observe(self, output: RequestOutput, inter_token: Observations) -> None:
         """Record a finished request; ``inter_token`` holds its inter-token latencies, sorted."""
