@@ -255,6 +255,15 @@ def json_rule(schema: dict) -> str:
     return f"%json {json.dumps({'x-guidance': _JSON_OPTIONS, **closed_objects(schema)})}"
 
 
+def json_format_rule(spec: StructuredOutput) -> str:
+    """A ``json`` or ``json_object`` format as a Lark ``%json`` rule that generates what the format does: its schema
+    as compiled (objects closed, no optional whitespace, a ``format`` llguidance does not know left unenforced)."""
+    [compiled] = json.loads(spec.llguidance_grammar)["grammars"]
+    if compiled.get("json_schema") is None:
+        raise ValueError(f"{spec} is no JSON format")
+    return f"%json {json.dumps(compiled['json_schema'])}"
+
+
 def grammar_of(spec: StructuredOutput) -> str:
     """llguidance's grammar for ``spec``, validated; StructuredOutputError says what is wrong with it."""
     import llguidance  # only requests that ask for structure load it

@@ -406,7 +406,7 @@ def test_mistral_calls_are_a_json_array_with_ids_its_templates_take_back():
     assert [c.name for c in MISTRAL.parse(cut, {"a", "b"})[1]] == ["a"]
     assert MISTRAL.cut_off_call(cut, {"a", "b"}).arguments == '{"q": "ab'
     assert MISTRAL.cut_off_call('[{"name": "a", "arguments": {}}]', {"a"}) is None
-    assert MISTRAL.content_before_calls(" [{") == 0 and MISTRAL.content_before_calls("Hi [") == 4
+    assert MISTRAL.content_before_calls(" [{") == 0 and MISTRAL.content_before_calls("Hi [") == 2  # calls may follow
     assert MISTRAL.content_before_calls("[1] says") == 8 and MISTRAL.content_before_calls("[TOOL_C") == 0
     pretty = '[\n  {"name": "a", "arguments": {"x": 1}}\n]'
     assert [c.arguments for c in MISTRAL.parse(pretty, {"a"})[1]] == ['{"x": 1}']

@@ -3,6 +3,7 @@ message, or as tool calls parsed in the format the template teaches (``tool_call
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning, th
 from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responding import StreamEvents, respond, stop_reason, stream_chunk
 from kiln.runtime.server.tool_calls import ToolCall, ToolCallFormat
-from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
+from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError, json_format_rule
 
 
 def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -63,7 +64,7 @@ def unread_template_fields(model: ServedModel, req: ChatCompletionRequest | Toke
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:  # only "none" reaches the template as enable_thinking too
         given["reasoning_effort"] = {"reasoning_effort", *(("enable_thinking",) if effort == "none" else ())}
-    reads = model.chat_template.for_tools(req.tools or None).reads  # the tools as render_chat got them
+    reads = model.chat_template.for_tools(req.tools).reads  # the tools as render_chat got them
     return [name for name, variables in given.items() if not variables & reads]
 
 
@@ -105,6 +106,8 @@ class ChatTools:
 
     def __init__(self, model: ServedModel, req: ChatCompletionRequest) -> None:
         self.functions = [tool.function.model_dump(exclude_none=True) for tool in req.tools or []]
+        # the tools as the template takes them (OpenAI tool objects): an empty list too, as transformers passes it
+        self.rendered = None if req.tools is None else [{"type": "function", "function": f} for f in self.functions]
         self.names = {f["name"] for f in self.functions}
         choice = self.choice = req.tool_choice or ("auto" if self.functions else "none")
         self.format: ToolCallFormat | None = None
@@ -125,39 +128,33 @@ class ChatTools:
                                param="tool_choice")
         self.parallel = req.parallel_tool_calls is not False and not self.named  # a named choice: one call
 
-    @property
-    def rendered(self) -> list[dict] | None:
-        """The tools as the template takes them (OpenAI tool objects)."""
-        return [{"type": "function", "function": f} for f in self.functions] or None
-
     def structured_output(self) -> StructuredOutput | None:
-        """The grammar of a forced call (None when the model may answer in text); a 400 naming the tool whose
-        parameters cannot be enforced."""
-        if not self.forced:
-            return None
-        for function in self.forced:  # each schema within bounds, before the grammar that embeds them all
-            self._held(function, compile_it=False)
+        """The grammar of a forced call (None when the model may answer in text), once every tool's parameters
+        compile, whatever ``tool_choice`` is (a 400 naming the first whose parameters do not: no call could be held
+        to them)."""
+        for index, function in enumerate(self.functions):
+            try:
+                _ = StructuredOutput(json=function.get("parameters", {})).llguidance_grammar
+            except StructuredOutputError as exc:
+                raise APIError(400, f"the parameters of tool '{function['name']}' are no schema its calls can follow: "
+                                    f"{exc}", param=f"tools[{index}].function.parameters") from None
+        return self._grammar(self.forced) if self.forced else None
+
+    def answer_or_calls(self, answer: StructuredOutput) -> StructuredOutput:
+        """The grammar of ``tool_choice`` auto beside a JSON ``answer`` format (``response_format``, which an agent
+        sends on every turn): calls of the tools, as ``required`` forces them, or an answer in that format."""
+        return self._grammar(self.functions, json_format_rule(answer))
+
+    def _grammar(self, functions: list[dict], answer: str | None = None) -> StructuredOutput:
+        """The grammar of calls of ``functions`` (or ``answer``, a Lark rule), compiled; a 400 where it cannot be."""
         try:
-            calls = StructuredOutput(grammar=self.format.grammar(self.forced, self.parallel))
+            calls = StructuredOutput(grammar=self.format.grammar(functions, self.parallel, answer))
             _ = calls.llguidance_grammar
         except StructuredOutputError as exc:
-            for function in self.forced:  # the tool at fault, in words about its schema rather than the grammar's
-                self._held(function, compile_it=True)
-            raise APIError(400, f"tool_choice {_choice_name(self.choice)} cannot hold the calls to the tools' "
-                                f"parameters: {exc}", param="tools") from None
+            with_answer = " beside response_format" if answer else ""
+            raise APIError(400, f"tool_choice {_choice_name(self.choice)}{with_answer} cannot hold the calls to the "
+                                f"tools' parameters: {exc}", param="tools") from None
         return calls
-
-    def _held(self, function: dict, compile_it: bool) -> None:
-        """A 400 naming ``function``'s parameters where they cannot hold its call (beyond the bounds of a format,
-        or, ``compile_it``, not compiled)."""
-        try:
-            own = StructuredOutput(json=function.get("parameters", {}))
-            if compile_it:
-                _ = own.llguidance_grammar
-        except StructuredOutputError as exc:
-            raise APIError(400, f"tool_choice {_choice_name(self.choice)} cannot hold the call of '{function['name']}' "
-                                f"to its parameters: {exc}",
-                           param=f"tools[{self.functions.index(function)}].function.parameters") from None
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The content and the calls in a finished completion: calls of the request's tools only, and only the
@@ -228,12 +225,14 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPl
     naming the field at fault)."""
     check_request(model, req)
     tools = ChatTools(model, req)
-    forced = tools.structured_output()
+    forced = await asyncio.to_thread(tools.structured_output) if tools.functions else None  # compiles the schemas
     requested = await compiled_format(req)
     overridden = []  # the output format a forced call sets aside for this turn, as vLLM and OpenAI take it (an
     if forced is not None and requested is not None:  # agent sends its final answer's schema on every turn)
         overridden = [name for name in FORMAT_FIELDS if getattr(req, name) is not None]
         requested = None
+    elif requested is not None and tools.format is not None and format_field(req) == "response_format":
+        requested = await asyncio.to_thread(tools.answer_or_calls, requested)  # auto: a call, or the answer
     text = render_chat(model, req.messages, tools.rendered, req.add_generation_prompt, template_variables(req),
                        req.continue_final_message)
     [tokenized] = await model.tokenize_many([text], "messages", add_special_tokens=False,  # the template writes BOS
@@ -293,6 +292,11 @@ class StreamedText:
         self.sent += len(content)
         return reasoning, content, calls
 
+    @property
+    def holding(self) -> bool:
+        """Whether text is held back (what may start a call, or a tag)."""
+        return len(self.text) > self.sent or bool(self.splitter and self.splitter.held)
+
 
 async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest, metrics: ServerMetrics,
                                  request: Request) -> object:
@@ -319,8 +323,9 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
             message = {"content": content, **message}
         if reasoning:
             message = {"reasoning": reasoning, "reasoning_content": reasoning, **message}
-        if not message and delta.token_ids and not delta.text:  # tokens that add no text yet: a chunk a step
-            message = {"content": ""}
+        if not message and delta.token_ids and not delta.text and not streamed[index].holding:
+            message = {"content": ""}  # tokens that add no text yet: a chunk a step (none while text is held back,
+            # as vLLM's tool parsers send none while they read a call)
         if not (message or delta.finished or delta.logprobs):
             return []
         logprobs = chat_logprobs(names, delta.logprobs).model_dump() if delta.logprobs else None

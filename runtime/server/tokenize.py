@@ -36,10 +36,11 @@ def tokenize(model: ServedModel, req: TokenizeRequest) -> tuple[TokenizeResponse
         raise APIError(400, f"{chat_only[0]} applies to messages only: send messages, or leave it out",
                        param=chat_only[0])  # refused, not ignored (at its default, as clients send it, taken)
     if req.messages is not None:
-        tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools or []]
+        tools = None if req.tools is None else [{"type": "function", "function": t.function.model_dump(
+            exclude_none=True)} for t in req.tools]  # an empty list too, as transformers and chat pass it
         if tools:  # as chat refuses them
             require_tool_format(model)
-        text = render_chat(model, req.messages, tools or None, req.add_generation_prompt, req.chat_template_kwargs,
+        text = render_chat(model, req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs,
                            req.continue_final_message)
         # the template writes BOS itself, unless asked for on top of it
         ids = model.encode(_within_context(model, text, "messages"), "messages",

@@ -6,9 +6,9 @@ finds calls in a completion.
   2.5 / 3 templates).
 - ``llama3_json``: the whole completion is ``{"name": ..., "parameters": {...}}``, or several such objects separated
   by ";" (Llama 3.1 / 3.2 / 3.3 templates, which also let the model open with ``<|python_tag|>``).
-- ``mistral``: the whole completion is ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral v0.3,
-  Nemo and Small templates; ``[TOOL_CALLS]`` is a special token, so the text holds the array alone), with call ids
-  of 9 letters and digits, which those templates require of the calls passed back.
+- ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` ends the completion, after any content
+  (Mistral v0.3, Nemo and Small templates; ``[TOOL_CALLS]`` is a special token, so the text usually holds the array
+  alone), with call ids of 9 letters and digits, which those templates require of the calls passed back.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from kiln.runtime.structured_output import DEFINITION_KEYS, json_rule
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: a function without parameters takes none
 _SEPARATOR = re.compile(r"\s*;\s*")  # between the calls of a Llama 3 JSON completion
 _COMMA = re.compile(r"\s*,\s*")  # between the calls of a Mistral array
+_ARRAY_OF_OBJECTS = re.compile(r"\[\s*(?:\{|$)")  # what may open a Mistral array of calls
 # a call's JSON cut off after its name: the name, and the arguments as far as they got
 _CUT_OFF_CALL = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
                            r"(?P<arguments>.*)", re.DOTALL)
@@ -65,10 +66,11 @@ class ToolCallFormat:
     listed: bool = False
     new_id: Callable[[], str] = openai_call_id
 
-    def grammar(self, tools: list[dict], parallel: bool) -> str:
+    def grammar(self, tools: list[dict], parallel: bool, answer: str | None = None) -> str:
         """A Lark grammar (llguidance's dialect) whose strings are calls of ``tools`` (OpenAI function objects),
         one, or several when ``parallel`` and the format can hold several; their JSON is compact and their arguments
-        hold the keys their schema names (``json_rule``)."""
+        hold the keys their schema names (``json_rule``). With ``answer`` (a Lark rule's body: ``response_format``'s
+        JSON under ``tool_choice`` auto), its strings are those calls or that answer."""
         definitions: dict = {}  # every tool's $defs / definitions, moved to the root where its "#/..." refs point
         alternatives = [{"type": "object",
                          "properties": {"name": {"const": tool["name"]},
@@ -77,13 +79,14 @@ class ToolCallFormat:
                          "required": ["name", self.arguments_key], "additionalProperties": False}
                         for index, tool in enumerate(tools)]  # by place: a name may hold what a JSON pointer cannot
         call = json_rule({"anyOf": alternatives, **({"$defs": definitions} if definitions else {})})
-        if self.listed:
-            more = '("," call)*' if parallel else ""
-            return f'start: "[" call {more} "]"\ncall: {call}\n'
         if self.open:
             call = f"{json.dumps(self.open)} {call} {json.dumps(self.close)}"
-        repeat = '("\\n" call)*' if parallel and self.open else ""
-        return f"start: call {repeat}\ncall: {call}\n"
+        if self.listed:
+            calls = '"[" call ("," call)* "]"' if parallel else '"[" call "]"'
+        else:
+            calls = 'call ("\\n" call)*' if parallel and self.open else "call"
+        start = f"start: {calls}\n" if answer is None else f"start: answer | {calls}\nanswer: {answer}\n"
+        return f"{start}call: {call}\n"
 
     def content_before_calls(self, text: str) -> int:
         """How much of a completion's ``text`` so far is surely content: not the start of a call, nor the whitespace
@@ -92,12 +95,15 @@ class ToolCallFormat:
 
     def _call_start(self, text: str) -> int:
         """Where a call may begin in ``text`` so far (its length when none can)."""
+        if self.listed:  # the prefix marker, else an array of objects (not any text in brackets: "[1] says")
+            if (index := text.find(self.prefix)) >= 0:
+                return index
+            opened = _ARRAY_OF_OBJECTS.search(text)
+            return opened.start() if opened else len(text) - partial_tag_length(text, self.prefix)
         if not self.open:  # a completion of calls alone: hold anything that may open one
             stripped = text.lstrip()
             if not stripped or (self.prefix and (stripped.startswith(self.prefix) or self.prefix.startswith(stripped))):
                 return 0
-            if self.listed:  # an array of objects, not any text in brackets ("[1] says")
-                return 0 if stripped.startswith("[") and stripped[1:].lstrip()[:1] in ("", "{") else len(text)
             return 0 if stripped.startswith("{") else len(text)
         marker = self.open.strip()
         if (index := text.find(marker)) >= 0:
@@ -107,29 +113,31 @@ class ToolCallFormat:
     def parse(self, text: str, functions: Collection[str]) -> tuple[str, list[ToolCall]]:
         """The content before the first call, and the whole calls (a call cut off after them is left out); no calls
         (and the whole text as content) unless every whole call parses and names one of ``functions``."""
+        start = 0  # where the calls begin: the content is the text before them
         if self.listed:
-            listed = self._listed(text)
-            calls = [self._call(value, functions) for value in listed[0]] if listed else []
+            start, values, _ = self._listed(text) or (0, [], "")
+            calls = [self._call(value, functions) for value in values]
         elif not self.open:  # one or more JSON objects, separated by ";"
             body = self._body(text)
             values = _json_values(body) if body.startswith("{") else None
             calls = [self._call(value, functions) for value in values or []]
         else:
             marker = self.open.strip()
+            start = text.find(marker)
             pattern = re.escape(marker) + r"\s*(.*?)\s*" + re.escape(self.close.strip())
             calls = [self._call(_json_value(block), functions) for block in re.findall(pattern, text, flags=re.DOTALL)]
             if (tail := self._unclosed(text)) is not None and (last := self._call(_json_value(tail), functions)):
                 calls.append(last)  # whole, but its closing marker never came (a stop string, or the end)
         if not calls or not all(calls):
             return text, []
-        return (text[:text.find(self.open.strip())].rstrip() if self.open else ""), calls
+        return text[:start].rstrip(), calls
 
     def cut_off_call(self, text: str, functions: Collection[str]) -> ToolCall | None:
         """The call a completion of calls alone (a forced call) ended inside, cut off by its token limit: its
         arguments as far as they got, as OpenAI returns a call cut off by ``length``; None when the completion ends
         with a whole call, or before the call's name is whole."""
         if self.listed:
-            tail = listed[1] if (listed := self._listed(text)) else ""
+            tail = listed[2] if (listed := self._listed(text)) else ""
         elif self.open:
             tail = self._unclosed(text) or ""
         else:
@@ -157,17 +165,23 @@ class ToolCallFormat:
             return None
         return _without_partial_suffix(text[start + len(marker):].strip(), close)
 
-    def _listed(self, text: str) -> tuple[list[object], str] | None:
-        """A listed completion's whole values and the start of a value cut off after them ("" when there is none);
-        None when the completion is no array of objects, or holds something after it."""
-        body = self._body(text)
-        if not body.startswith("["):
-            return None
-        values, rest = _leading_values(body[1:].lstrip(), _COMMA)
-        rest = rest.removeprefix(",").strip()
-        if rest in ("", "]"):  # closed, or ended (a stop string) before the bracket
-            return values, ""
-        return (values, rest) if rest.startswith("{") else None
+    def _listed(self, text: str) -> tuple[int, list[object], str] | None:
+        """Where a listed completion's calls begin (at its prefix marker where the text holds it, as vLLM splits
+        there; else at the first array of objects that runs to the end, the marker being a special token left out of
+        the text), their whole values and the start of a value cut off after them ("" when there is none); None when
+        no array of objects runs to the end."""
+        marker = text.find(self.prefix)
+        for start in [marker] if marker >= 0 else [match.start() for match in _ARRAY_OF_OBJECTS.finditer(text)]:
+            body = self._body(text[start:])
+            if not body.startswith("["):
+                continue
+            values, rest = _leading_values(body[1:].lstrip(), _COMMA)
+            rest = rest.removeprefix(",").strip()
+            if rest in ("", "]"):  # closed, or ended (a stop string) before the bracket
+                return start, values, ""
+            if rest.startswith("{"):
+                return start, values, rest
+        return None
 
     def _call(self, value: object, functions: Collection[str]) -> ToolCall | None:
         """``value`` as a call: an object whose "name" is one of ``functions`` and whose arguments (an object, or
