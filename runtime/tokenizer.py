@@ -182,28 +182,34 @@ class IncrementalDetokenizer:
     a character leaves it to the completion: its text starts with that character (U+FFFD where the completion does
     not finish it), as vLLM's does. While stop strings are set, the last `len(longest stop) - 1` characters are held
     back from streaming until they cannot start one. Stop strings are looked for once there are more than
-    ``min_tokens`` completion tokens (as vLLM looks for them), ending in the text those later tokens add. Special
-    tokens add no text unless ``skip_special_tokens`` is False. With ``include_stop``, what stopped the completion
-    stays at the end of the text: the stop string (the text after it is cut) or the stop token's text. Where a
-    byte-fallback tokenizer's bytes turn invalid after whole characters, those characters stay and the bytes after
-    them read as ``decode`` reads them alone (``decode`` of the whole run writes U+FFFD for every byte of it).
+    ``min_tokens`` completion tokens (as vLLM looks for them), ending in the whole characters those later tokens
+    complete: one is found at the token that completes its last character, though that token starts another, and
+    the ``max_tokens``-th token searches the text as the completion ends (U+FFFD for a character it leaves
+    unfinished). Special tokens add no text unless ``skip_special_tokens`` is False. With ``include_stop``, what
+    stopped the completion stays at the end of the text: the stop string (the text after it is cut) or the stop
+    token's text. Where a byte-fallback tokenizer's bytes turn invalid after whole characters, those characters stay
+    and the bytes after them read as ``decode`` reads them alone (``decode`` of the whole run writes U+FFFD for every
+    byte of it).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 min_tokens: int = 0, skip_special_tokens: bool = True, include_stop: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str], min_tokens: int = 0,
+                 skip_special_tokens: bool = True, include_stop: bool = False, max_tokens: int | None = None) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._tokens = self._context(list(prompt_token_ids))
         self._prefix_offset = 0
         # the tokens of the prompt's unfinished last character are read again, with the whole characters of the
         # first of them (the prompt's, not the completion's)
-        self._read_offset, self._prompt_chars, _ = self._unfinished_character(self._tokens)
+        self._read_offset, lead, _ = self._unfinished_character(self._tokens)
+        self._prompt_chars = len(self._text_before(self._read_offset, lead)) if lead else 0
         self._stop = stop
         self._include_stop = include_stop
         # the tail that could begin a stop string is held back, unless a stop string is kept (nothing sent is cut)
         self._hold = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
         self._stop_from_token = min_tokens  # completion tokens up to which no stop string ends the text
+        self._max_tokens = max_tokens  # at the last token, an unfinished character's U+FFFD is text to search too
         self._num_tokens = 0
+        self._num_searched_chars = 0  # characters of text and whole pending text no new stop string may end in
         self._num_streamed_chars = 0
         self.text = ""
 
@@ -211,19 +217,25 @@ class IncrementalDetokenizer:
         """Append a token's text; return the stop string it completed (the text then ends before it), else None."""
         self._tokens.append(token_id)
         self._num_tokens += 1
-        new_text = self._pending_text()
-        if not new_text or new_text.endswith("\ufffd"):
-            return None
-        old_length = len(self.text)
-        self._take_pending(new_text)
+        if self._num_tokens == self._max_tokens:  # the last token: its text is what the final take_delta writes
+            pending, final = self._pending_text(), True
+        else:  # in whole characters; a byte-fallback run's U+FFFD may still change
+            pending, final = self._whole_pending_text()
+            final = final and not pending.endswith("\ufffd")
+        if pending and final:
+            self._take_pending(pending)
+            pending = ""
+        searched, text = self._num_searched_chars, self.text + pending
+        self._num_searched_chars = len(text)
         if self._num_tokens <= self._stop_from_token:
             return None
         # a match must end in the new text: what came before was searched already, or came before min_tokens
-        matches = [(i, s) for s in self._stop if (i := self.text.find(s, max(0, old_length - len(s) + 1))) != -1]
+        matches = [(i, s) for s in self._stop if (i := text.find(s, max(0, searched - len(s) + 1))) != -1]
         if not matches:
             return None
+        self._take_pending(pending)  # the characters after the stop string are dropped, an unfinished one too
         index, stop = min(matches)
-        self.text = self.text[:index + len(stop) if self._include_stop else index]
+        self.text = text[:index + len(stop) if self._include_stop else index]
         return stop
 
     def end_with_stop_token(self, token_id: int) -> None:
@@ -251,12 +263,11 @@ class IncrementalDetokenizer:
         pending = self._tokens[self._read_offset:]
         if not pending:
             return 0
-        start, whole, unfinished = self._unfinished_character(pending)
-        next_bytes = self._tokenizer.text_bytes([next_token_id], self._skip_special_tokens)
-        try:  # does the next token continue the unfinished character?
-            codecs.utf_8_decode(unfinished + next_bytes[:1], "strict", False)
-            before = len(self._text_after_read(self._read_offset + start)) + whole
-        except UnicodeDecodeError:
+        start, lead, unfinished = self._unfinished_character(pending)
+        next_byte = self._tokenizer.text_bytes([next_token_id], self._skip_special_tokens)[:1]
+        if _continues(unfinished, next_byte):
+            before = len(self._text_before(self._read_offset + start, lead))
+        else:
             before = len(self._text_after_read(len(self._tokens)))
         return max(0, before - self._prompt_chars)
 
@@ -271,18 +282,34 @@ class IncrementalDetokenizer:
             start -= 1
         return prompt_token_ids[start:]
 
-    def _unfinished_character(self, token_ids: list[int]) -> tuple[int, int, bytes]:
+    def _unfinished_character(self, token_ids: list[int]) -> tuple[int, bool, bytes]:
         """The character whose first bytes end ``token_ids``: the index of the token it starts in (the length of
-        ``token_ids`` when none is unfinished), the whole characters that token has before it, and its bytes."""
+        ``token_ids`` when none is unfinished), whether that token has bytes before it, and its bytes."""
         token_bytes = [self._tokenizer.text_bytes([token_id], self._skip_special_tokens) for token_id in token_ids]
         joined = b"".join(token_bytes)
-        unfinished = joined[codecs.utf_8_decode(joined, "replace", False)[1]:]  # at most 3 bytes, so 3 tokens
+        unfinished = _unfinished_bytes(joined)  # at most 3 bytes, so 3 tokens
         start, covered = len(token_ids), 0
         while covered < len(unfinished):
             start -= 1
             covered += len(token_bytes[start])
-        whole = token_bytes[start][:covered - len(unfinished)].decode("utf-8", "replace") if unfinished else ""
-        return start, len(whole), unfinished
+        return start, covered > len(unfinished), unfinished
+
+    def _text_before(self, start: int, lead: bool) -> str:
+        """The text the tokens from the read offset add before the unfinished character that starts in token
+        ``start`` (all of it at ``len(tokens)``). Where that token has bytes before it (``lead``: a byte-level BPE's),
+        the text through the last token less the one U+FFFD the character reads as, so those bytes count as they
+        decode after the tokens before them (the end of a character those began, a byte joining their U+FFFD); else
+        the text of the tokens before ``start`` (a byte-fallback run ending in a character's first bytes decodes to
+        U+FFFD throughout)."""
+        if lead:
+            return self._text_after_read(len(self._tokens))[:-1]
+        return self._text_after_read(start)
+
+    def _whole_pending_text(self) -> tuple[str, bool]:
+        """The text the tokens after the read offset add in whole characters, and whether that is all of it (no
+        character is left unfinished, for the next token to complete)."""
+        start, lead, unfinished = self._unfinished_character(self._tokens[self._read_offset:])
+        return self._text_before(self._read_offset + start, lead)[self._prompt_chars:], not unfinished
 
     def _pending_text(self) -> str:
         """The text the tokens after the read offset add (empty while they add none)."""
@@ -305,6 +332,23 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
 
 
+def _unfinished_bytes(data: bytes) -> bytes:
+    """The first bytes of a character that end ``data``, which more bytes may complete (none where none do)."""
+    rest = data[codecs.utf_8_decode(data, "replace", False)[1]:]
+    # the incremental decoder also holds back ED A0..BF, a UTF-16 surrogate's first bytes, which no byte completes
+    return b"" if rest[:1] == b"\xed" and rest[1:2] >= b"\xa0" else rest
+
+
+def _continues(unfinished: bytes, next_byte: bytes) -> bool:
+    """Whether ``next_byte`` (none: it may yet) continues the character whose first bytes are ``unfinished``."""
+    joined = unfinished + next_byte
+    try:
+        joined.decode("utf-8")  # completes it
+    except UnicodeDecodeError:
+        return _unfinished_bytes(joined) == joined
+    return True
+
+
 def check_unicode(text: str) -> None:
     """Raise InvalidRequestError when ``text`` is not valid Unicode (a lone UTF-16 surrogate, which a JSON escape
     such as ``\\ud800`` can carry): no tokenizer can encode it."""
@@ -323,7 +367,7 @@ def request_detokenizer(tokenizer: Tokenizer | None, prompt_token_ids: list[int]
     if tokenizer is None or not params.detokenize:
         return None
     return IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop, params.min_tokens,
-                                  params.skip_special_tokens, params.include_stop_str_in_output)
+                                  params.skip_special_tokens, params.include_stop_str_in_output, params.max_tokens)
 
 
 def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int, has_stop_strings: bool,
