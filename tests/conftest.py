@@ -9,6 +9,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+# The suite sets Kiln's options itself: a user's exported KILN_CACHE, KILN_CACHE_REMOTE or runtime option would
+# otherwise outrank what a test configures (a cache directory, a policy) and fail it.
+for _name in [name for name in os.environ if name.startswith("KILN_")]:
+    del os.environ[_name]
+
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through triton's interpreter. This must be set before anything imports triton
     # (modelopt does, at import), since triton decides at decoration time whether a kernel is interpreted.
