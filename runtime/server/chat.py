@@ -25,12 +25,14 @@ from kiln.runtime.server.jobs import check_request, compiled_format, format_fiel
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs, vllm_prompt_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import (
+    AllowedToolChoice,
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
     FunctionCall,
+    NamedToolChoice,
     TokenizeRequest,
     ToolCallOut,
     Usage,
@@ -102,13 +104,14 @@ def require_tool_format(model: ServedModel) -> ToolCallFormat:
 
 class ChatTools:
     """What a request's ``tools`` and ``tool_choice`` ask of this model: the tools its template renders, the format
-    it calls them in, and whether (and which) a call is forced."""
+    it calls them in, which of them may be called (``allowed_tools``: a subset), whether (and which) a call is
+    forced, and how many calls it keeps (``max_calls``: the Responses API's ``max_tool_calls``)."""
 
-    def __init__(self, model: ServedModel, req: ChatCompletionRequest) -> None:
+    def __init__(self, model: ServedModel, req: ChatCompletionRequest, max_calls: int | None = None) -> None:
         self.functions = [tool.function.model_dump(exclude_none=True) for tool in req.tools or []]
         # the tools as the template takes them (OpenAI tool objects): an empty list too, as transformers passes it
         self.rendered = None if req.tools is None else [{"type": "function", "function": f} for f in self.functions]
-        self.names = {f["name"] for f in self.functions}
+        self.callable = self.functions  # the tools a call may name
         choice = self.choice = req.tool_choice or ("auto" if self.functions else "none")
         self.format: ToolCallFormat | None = None
         self.forced: list[dict] = []
@@ -118,7 +121,10 @@ class ChatTools:
                 raise APIError(400, f"tool_choice {_choice_name(choice)} needs tools", param="tool_choice")
             return
         self.format = require_tool_format(model)
-        if choice == "required":
+        if isinstance(choice, AllowedToolChoice):
+            self.callable = self._allowed(choice.allowed_tools.tools)
+            self.forced = self.callable if choice.allowed_tools.mode == "required" else []
+        elif choice == "required":
             self.forced = self.functions
         elif not isinstance(choice, str):
             self.named = True
@@ -127,6 +133,22 @@ class ChatTools:
                 raise APIError(400, f"tool_choice names '{choice.function.name}', which is not among the tools",
                                param="tool_choice")
         self.parallel = req.parallel_tool_calls is not False and not self.named  # a named choice: one call
+        self.max_calls = max_calls if self.parallel else 1
+
+    @property
+    def names(self) -> set[str]:
+        """The names a call may have: a call of another tool stays text."""
+        return {f["name"] for f in self.callable}
+
+    def _allowed(self, listed: list[NamedToolChoice]) -> list[dict]:
+        """The tools ``allowed_tools`` lists, in the request's order; a 400 for a name that is not among them."""
+        known = {f["name"] for f in self.functions}
+        for index, tool in enumerate(listed):
+            if tool.function.name not in known:
+                raise APIError(400, f"tool_choice allows '{tool.function.name}', which is not among the tools",
+                               param=f"tool_choice.allowed_tools.tools[{index}]")
+        allowed = {tool.function.name for tool in listed}
+        return [f for f in self.functions if f["name"] in allowed]
 
     def structured_output(self) -> StructuredOutput | None:
         """The grammar of a forced call (None when the model may answer in text), once every tool's parameters
@@ -143,7 +165,7 @@ class ChatTools:
     def answer_or_calls(self, answer: StructuredOutput) -> StructuredOutput:
         """The grammar of ``tool_choice`` auto beside a JSON ``answer`` format (``response_format``, which an agent
         sends on every turn): calls of the tools, as ``required`` forces them, or an answer in that format."""
-        return self._grammar(self.functions, json_format_rule(answer))
+        return self._grammar(self.callable, json_format_rule(answer))
 
     def _grammar(self, functions: list[dict], answer: str | None = None) -> StructuredOutput:
         """The grammar of calls of ``functions`` (or ``answer``, a Lark rule), compiled; a 400 where it cannot be."""
@@ -157,17 +179,18 @@ class ChatTools:
         return calls
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The content and the calls in a finished completion: calls of the request's tools only, and only the
-        first with ``parallel_tool_calls`` false. A forced call's completion has no content, and a call it was cut
-        off in comes back with its arguments as far as they got."""
+        """The content and the calls in a finished completion: calls of the tools that may be called only, and
+        only the first ``max_calls`` (one with ``parallel_tool_calls`` false). A forced call's completion has no
+        content, and a call it was cut off in comes back with its arguments as far as they got."""
         if self.format is None:
             return text, []
-        content, calls = self.format.parse(text, self.names)
+        names = self.names
+        content, calls = self.format.parse(text, names)
         if self.forced:  # the grammar wrote calls alone: one it did not finish was cut off by the token limit
-            cut = self.format.cut_off_call(text, self.names)
+            cut = self.format.cut_off_call(text, names)
             calls = [*calls, cut] if cut else calls
-            return None, calls if self.parallel else calls[:1]
-        return (content or None) if calls else text, calls if self.parallel else calls[:1]
+            return None, calls[:self.max_calls]
+        return (content or None) if calls else text, calls[:self.max_calls]
 
     def finish_reason(self, calls: list[ToolCall], engine_reason: str) -> str:
         """OpenAI's finish reason for a choice: the engine's when there are no calls or the output was cut off (a
@@ -179,6 +202,8 @@ class ChatTools:
 
 
 def _choice_name(choice: object) -> str:
+    if isinstance(choice, AllowedToolChoice):
+        return f"allowed_tools ({choice.allowed_tools.mode!r})"
     return repr(choice) if isinstance(choice, str) else f"naming '{choice.function.name}'"
 
 
@@ -220,11 +245,11 @@ FORMAT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided
                  "guided_grammar")
 
 
-async def prepare_chat(model: ServedModel, req: ChatCompletionRequest) -> ChatPlan:
+async def prepare_chat(model: ServedModel, req: ChatCompletionRequest, max_tool_calls: int | None = None) -> ChatPlan:
     """Check a chat request, render its messages and tools through the chat template and make its jobs (400s
-    naming the field at fault)."""
+    naming the field at fault); ``max_tool_calls``: how many of a choice's calls to keep (default: all)."""
     check_request(model, req)
-    tools = ChatTools(model, req)
+    tools = ChatTools(model, req, max_tool_calls)
     forced = await asyncio.to_thread(tools.structured_output) if tools.functions else None  # compiles the schemas
     requested = await compiled_format(req)
     overridden = []  # the output format a forced call sets aside for this turn, as vLLM and OpenAI take it (an

@@ -11,8 +11,10 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     PlainValidator,
+    Tag,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
@@ -213,6 +215,16 @@ class StreamOptions(StrictModel):
                                                                   "every chunk carries its choice's usage so far.")
 
 
+def _stream_options_ignored(options: StreamOptions | None) -> list[str]:
+    """The ``stream_options`` that change nothing, by their paths: ``include_obfuscation`` true (no obfuscation
+    padding is sent) and ``continuous_usage_stats`` true without ``include_usage`` (no usage to send)."""
+    if options is None:
+        return []
+    return [f"stream_options.{name}" for name, unheard in (
+        ("include_obfuscation", options.include_obfuscation),
+        ("continuous_usage_stats", options.continuous_usage_stats and not options.include_usage)) if unheard]
+
+
 def _continue_final_message(value: bool, info: ValidationInfo) -> bool:
     """vLLM's continue_final_message: only without the generation prompt, and only after an assistant message."""
     if not value:
@@ -308,8 +320,12 @@ class SamplingFields(SamplingExtensions):
     prompt_cache_key: str | None = None
 
     def ignored_fields(self) -> list[str]:
-        """The accepted-and-ignored fields this request set, sorted."""
-        return sorted(self.model_fields_set & IGNORED_FIELDS)
+        """The accepted-and-ignored fields this request set, sorted: ``store`` only when true (nothing is stored
+        either way), and the ``stream_options`` that ask for what no stream here sends."""
+        names = self.model_fields_set & IGNORED_FIELDS
+        if self.store is False:
+            names.discard("store")
+        return sorted(names | set(_stream_options_ignored(self.stream_options)))
 
     def guided_outputs(self) -> StructuredOutputs | None:
         """The ``structured_outputs`` that the guided_* fields (vLLM's names before 0.11) ask for, if any."""
@@ -416,6 +432,33 @@ class NamedToolChoice(StrictModel):
     function: NamedFunction
 
 
+class AllowedTools(StrictModel):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1, description="The tools that may be called, by name.")
+
+
+class AllowedToolChoice(StrictModel):
+    """OpenAI's allowed_tools choice: only the listed tools may be called (``required``: one of them must be); the
+    request's tools are all rendered still."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+def _tool_choice_tag(value: Any) -> str:
+    """The shape of a tool choice: an object of type allowed_tools, another object (a named function), else a mode."""
+    if isinstance(value, dict):
+        return "AllowedTools" if value.get("type") == "allowed_tools" else "Named"
+    return "Mode"
+
+
+def tool_choice_of(named: type, allowed: type) -> Any:
+    """A ``tool_choice``: a mode, a named function (``named``) or allowed tools (``allowed``), told apart by shape
+    so that an error names the field of the shape sent (``tool_choice.allowed_tools.mode``)."""
+    return Annotated[Annotated[Literal["none", "auto", "required"], Tag("Mode")] | Annotated[named, Tag("Named")]
+                     | Annotated[allowed, Tag("AllowedTools")], Discriminator(_tool_choice_tag)]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(None, ge=1, description="Default: what is left of the context.")
@@ -423,7 +466,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Needs logprobs: true.")
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: tool_choice_of(NamedToolChoice, AllowedToolChoice) | None = None
     modalities: TextModalities = None
     audio: Unsupported = Field(None, description="Audio output: not supported.")
     functions: Unsupported = Field(None, description="Deprecated by OpenAI: send tools.")

@@ -24,6 +24,7 @@ from kiln.runtime.server.reasoning import ReasoningSplitter
 from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responding import StreamEvents, respond
 from kiln.runtime.server.responses_protocol import (
+    AllowedToolsChoice,
     FunctionCallItem,
     FunctionCallOutputItem,
     IncompleteDetails,
@@ -43,9 +44,8 @@ from kiln.runtime.server.responses_protocol import (
 )
 from kiln.runtime.server.tool_calls import ToolCall
 
-# fields that change nothing here, named in the ignored-fields header: the chat request's, and reasoning
-RESPONSES_IGNORED_FIELDS = IGNORED_FIELDS | {"reasoning"}
 LOGPROBS = "message.output_text.logprobs"  # the ``include`` entry that asks for the output's log probabilities
+ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the ``include`` entry taken and ignored: nothing is encrypted
 
 
 def _messages(req: ResponsesRequest) -> list[dict]:
@@ -88,6 +88,8 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     fields: dict = {"model": req.model, "messages": _messages(req), "max_completion_tokens": req.max_output_tokens,
                     "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
                     "parallel_tool_calls": False if req.max_tool_calls == 1 else req.parallel_tool_calls,
+                    # checked as chat checks it (only with stream: true); its one option changes nothing
+                    "stream_options": req.stream_options and req.stream_options.model_dump(exclude_none=True),
                     "chat_template_kwargs": req.chat_template_kwargs,  # chat.template_variables adds the effort
                     "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None}
     fields.update(req.model_dump(mode="json", by_alias=True, include=set(SamplingExtensions.model_fields),
@@ -97,7 +99,10 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.tools:
         fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                            for tool in req.tools]
-    if req.tool_choice is not None:
+    if isinstance(req.tool_choice, AllowedToolsChoice):
+        fields["tool_choice"] = {"type": "allowed_tools", "allowed_tools": {"mode": req.tool_choice.mode, "tools": [
+            {"type": "function", "function": {"name": tool.name}} for tool in req.tool_choice.tools]}}
+    elif req.tool_choice is not None:
         fields["tool_choice"] = req.tool_choice if isinstance(req.tool_choice, str) else {
             "type": "function", "function": {"name": req.tool_choice.name}}
     text_format = req.text.format if req.text is not None else None
@@ -116,15 +121,23 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def _ignored_fields(req: ResponsesRequest) -> list[str]:
-    names = req.model_fields_set & RESPONSES_IGNORED_FIELDS
+    """The request's fields that change nothing, as the ignored-fields header names them (``store`` only when true:
+    nothing is stored either way; of ``reasoning``, what is not its effort, which the template reads)."""
+    names = req.model_fields_set & IGNORED_FIELDS
+    if req.store is False:
+        names.discard("store")
     if req.text is not None and req.text.verbosity is not None:
         names.add("text.verbosity")
     if req.truncation == "auto":  # nothing to truncate in a prompt that fits; one that does not is a 400
         names.add("truncation")
     if req.top_logprobs and LOGPROBS not in (req.include or []):  # as vLLM: alternatives only with the logprobs
         names.add("top_logprobs")
-    if req.reasoning is not None and req.reasoning.effort is not None:  # the template's reasoning_effort
-        names.discard("reasoning")
+    if req.reasoning is not None:
+        names.update(f"reasoning.{name}" for name in req.reasoning.model_fields_set - {"effort"})
+    if ENCRYPTED_REASONING in (req.include or []):
+        names.add(f"include.{ENCRYPTED_REASONING}")
+    if req.stream_options is not None and req.stream_options.include_obfuscation:  # no obfuscation padding
+        names.add("stream_options.include_obfuscation")
     return sorted(names)
 
 
@@ -345,7 +358,7 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
     """Handle POST /v1/responses."""
     chat = chat_request(req)
     try:
-        plan = await prepare_chat(model, chat)
+        plan = await prepare_chat(model, chat, req.max_tool_calls)
     except APIError as exc:
         raise _in_responses_terms(exc) from None
     response = _ResponseBuilder(req, model, response_id("resp_", request))
@@ -378,9 +391,16 @@ _CHAT_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input"
                "reasoning_effort": "reasoning.effort"}
 
 
+# the chat request's paths into its tools and tool choice -> the Responses API's (its tools are flat)
+_CHAT_PATHS = ((re.compile(r"\b(tools\[\d+\])\.function\b"), r"\1"),
+               (re.compile(r"\btool_choice\.allowed_tools\b"), "tool_choice"))
+
+
 def _in_responses_terms(error: APIError) -> APIError:
     """A 400 of the chat path as the Responses request's fields name it."""
     def rename(text: str) -> str:
+        for path, responses_path in _CHAT_PATHS:
+            text = path.sub(responses_path, text)
         return re.sub(r"\b(" + "|".join(_CHAT_NAMES) + r")\b", lambda found: _CHAT_NAMES[found.group(1)], text)
 
     return APIError(error.status_code, rename(error.message), param=error.param and rename(error.param),

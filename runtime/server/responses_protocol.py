@@ -20,6 +20,7 @@ from kiln.runtime.server.protocol import (
     Unsupported,
     Verbosity,
     neutral_only,
+    tool_choice_of,
 )
 
 
@@ -161,6 +162,15 @@ class NamedFunctionChoice(StrictModel):
     name: str
 
 
+class AllowedToolsChoice(StrictModel):
+    """The allowed_tools choice, as the Responses API shapes it: only the listed tools may be called (``required``:
+    one of them must be); the request's tools are all rendered still."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[NamedFunctionChoice] = Field(min_length=1)
+
+
 class TextFormat(StrictModel):
     """``text.format``: plain text, any JSON object, or JSON that follows ``schema``."""
 
@@ -213,29 +223,31 @@ class ResponsesRequest(SamplingExtensions):
     stream_options: ResponsesStreamOptions | None = None
     tools: list[Annotated[FunctionTool, BeforeValidator(_function_tool)]] | None = Field(
         None, description="Function tools (no hosted tools).")
-    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    tool_choice: tool_choice_of(NamedFunctionChoice, AllowedToolsChoice) | None = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = Field(None, description='effort is the chat template\'s reasoning_effort '
                                                '(chat\'s), and "none" also sets its enable_thinking false (Qwen3\'s) '
-                                               'unless chat_template_kwargs sets it; summary is ignored.')
+                                               'unless chat_template_kwargs sets it; summary is ignored (named in '
+                                               'Kiln-Ignored-Fields).')
     chat_template_kwargs: ChatTemplateKwargs = None
     truncation: neutral_only(None, "disabled", "auto") = Field(None, description="Either way, a prompt longer than "
                                                                                  "the context is a 400.")
     include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content"]] | None = Field(
         None, description="message.output_text.logprobs: each output token's log probability (and top_logprobs "
-                          "alternatives); reasoning.encrypted_content is accepted: reasoning items (with a "
-                          "reasoning parser) carry their text, never encrypted.")
+                          "alternatives); reasoning.encrypted_content is accepted and ignored: reasoning "
+                          "items (with a reasoning parser) carry their text, never encrypted.")
     top_logprobs: Int | None = Field(None, ge=0, le=20, description="Alternatives a token, with "
                                                                     "include message.output_text.logprobs.")
-    max_tool_calls: Int | None = Field(None, ge=1, le=1, description="1 (as parallel_tool_calls false) or unset.")
+    max_tool_calls: Int | None = Field(None, ge=1, description="At most this many function calls: the first the "
+                                                               "model writes (1: as parallel_tool_calls false).")
     background: neutral_only(None, False) = None
     previous_response_id: Unsupported = Field(None, description=STATELESS)
     conversation: Unsupported = Field(None, description=STATELESS)
     prompt: Unsupported = Field(None, description="Stored prompt templates are not supported.")
     # fields that do not change what is generated: accepted, and named in the ignored-fields header
     user: str | None = None
-    store: bool | None = Field(None, description="Accepted: nothing is stored.")
+    store: bool | None = Field(None, description="Accepted: nothing is stored (true is named as ignored).")
     metadata: dict[str, str] | None = None
     service_tier: ServiceTier | None = None
     safety_identifier: str | None = None

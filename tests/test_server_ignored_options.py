@@ -1,0 +1,68 @@
+"""Kiln-Ignored-Fields names every option a request sets that changes nothing, down to the sub-field (reasoning's
+summary, an include entry, stream options no stream here honours), and leaves out what Kiln does anyway (store
+false); /v1/responses refuses stream_options without stream as the other routes do."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from kiln.runtime import LLM
+from tests.test_server_support import tiny_engine
+from tests.test_server_tools import HERMES_TEMPLATE, MESSAGES, client_for
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    with LLM.load(tiny_engine(max_seq_len=1024, max_input_len=896)) as llm, \
+            client_for(llm, tmp_path_factory, HERMES_TEMPLATE) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        yield client
+
+
+def named(response) -> set[str]:
+    return set(filter(None, response.headers.get("kiln-ignored-fields", "").split(", ")))
+
+
+def test_responses_name_reasoning_sub_fields_and_an_include_they_do_not_honour(client):
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input="hi", max_output_tokens=2, reasoning={"effort": "low", "summary": "detailed"},
+        include=["reasoning.encrypted_content"], store=False)
+    assert {"reasoning.summary", "include.reasoning.encrypted_content"} <= named(raw)  # before: neither
+    assert "store" not in named(raw) and raw.parse().store is False  # nothing stored: what false asks
+    stored = client.responses.with_raw_response.create(model=MODEL, input="hi", max_output_tokens=2, store=True)
+    assert named(stored) == {"store"}
+
+
+def test_responses_stream_options_need_a_stream_and_obfuscation_is_named(client):
+    with pytest.raises(openai.BadRequestError, match="only allowed with stream: true") as refused:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=2,
+                                stream_options={"include_obfuscation": False})
+    assert refused.value.param == "stream_options"
+    with client.responses.with_streaming_response.create(model=MODEL, input="hi", max_output_tokens=2, stream=True,
+                                                         stream_options={"include_obfuscation": True}) as stream:
+        assert named(stream) == {"stream_options.include_obfuscation"}
+
+
+@pytest.mark.parametrize(("options", "ignored"), [
+    ({"continuous_usage_stats": True}, {"stream_options.continuous_usage_stats"}),  # no usage to send
+    ({"include_usage": True, "continuous_usage_stats": True}, set()),
+    ({"include_obfuscation": True}, {"stream_options.include_obfuscation"}),
+    ({"include_obfuscation": False}, set()),
+])
+def test_stream_options_that_change_nothing_are_named_on_completions_and_chat(client, options, ignored):
+    with client.completions.with_streaming_response.create(model=MODEL, prompt="a", max_tokens=2, stream=True,
+                                                           stream_options=options) as stream:
+        assert named(stream) == ignored
+    with client.chat.completions.with_streaming_response.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                                                stream=True, stream_options=options) as stream:
+        assert named(stream) == ignored
+
+
+def test_chat_names_store_only_when_true(client):
+    for store, ignored in ((False, set()), (True, {"store"})):
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                                               store=store)
+        assert named(raw) == ignored
