@@ -349,6 +349,7 @@ def load_config(name_or_path: str | Path) -> LoadedConfig:
     if found := _non_finite(data):
         loc, value = found
         raise ConfigError(f"{path}:{line_of(lines, loc)}: {'.'.join(loc)}: must be a finite number (got {value})")
+    _empty_sections_as_defaults(data, KilnConfig)
     _absolutise_paths(data, path.parent)
     try:
         config = KilnConfig.model_validate(data, strict=True)
@@ -376,6 +377,20 @@ def _non_finite(data: Any, loc: tuple[str, ...] = ()) -> tuple[tuple[str, ...], 
         return loc, data
     items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
     return next((found for key, value in items if (found := _non_finite(value, (*loc, str(key))))), None)
+
+
+def _empty_sections_as_defaults(data: dict, model: type[BaseModel]) -> None:
+    """Take a section left empty (``build:`` with nothing under it, which YAML reads as null) as ``build: {}``: its
+    defaults. A field where null means something (``quantize.gate: null``) is no section and keeps it."""
+    for name, value in data.items():
+        field = model.model_fields.get(name) if isinstance(name, str) else None
+        section = field.annotation if field is not None else None
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            continue
+        if value is None:
+            data[name] = {}
+        elif isinstance(value, dict):
+            _empty_sections_as_defaults(value, section)
 
 
 def is_local_path(path: str) -> bool:
@@ -419,6 +434,7 @@ def _section_fields(loc: tuple[str, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+_NOT_A_SECTION = ("model_type", "model_attributes_type", "dataclass_type")  # "... instance of BuildSection"
 _UNQUOTED = {"int_type": "a whole number", "float_type": "a number", "bool_type": "true or false"}
 
 
@@ -447,7 +463,7 @@ def _problem(loc: tuple[str, ...], errors: list[dict], path: Path, lines: dict[t
     error, kind = errors[0], errors[0]["type"]
     line = (kind == "value_error" and _mentioned_line(lines, error["msg"])) or line_of(lines, loc)
     where = f"{path}:{line}" if line else str(path)
-    text = " or ".join([error["msg"], *(e["msg"].removeprefix("Input should be ") for e in errors[1:])])
+    text = " or ".join([_message(error), *(_message(e).removeprefix("Input should be ") for e in errors[1:])])
     if kind == "extra_forbidden":
         section = ".".join(loc[:-1]) or "the top level"
         known = _section_fields(loc[:-1])
@@ -468,6 +484,13 @@ def _problem(loc: tuple[str, ...], errors: list[dict], path: Path, lines: dict[t
         if isinstance(error["input"], str) and kind in _UNQUOTED:
             text += f"; write {_UNQUOTED[kind]} without quotes"
     return f"{where}: {'.'.join(loc) or '(top level)'}: {text}"
+
+
+def _message(error: dict) -> str:
+    """pydantic's message for ``error``, without the names of Kiln's classes (a section given a value)."""
+    if error["type"] in _NOT_A_SECTION:
+        return "Input should be a mapping of settings"
+    return error["msg"]
 
 
 def _named_field(message: str) -> tuple[str, ...]:

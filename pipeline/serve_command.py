@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import typer
 from rich.markup import escape
 
-from kiln.pipeline.config import ServeSection, cache_root, remote_spec, remote_turned_off
+from kiln.pipeline.config import LoadedConfig, ServeSection, cache_root, remote_spec, remote_turned_off
 from kiln.pipeline.console import friendly_errors, stage_progress, stderr
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.pipeline.serve_flags import (
@@ -33,6 +33,8 @@ from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.server_defaults import DEFAULT_HOST, DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_QUEUE, DEFAULT_PORT
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from kiln.engines.cache import EngineCache
     from kiln.runtime.llm import LLM
     from kiln.runtime.native.parallel.group import Rendezvous
@@ -55,9 +57,10 @@ class ServeTarget:
     engine_cache: dict = field(default_factory=dict)
     record_load: Callable[[float], None] | None = None
 
-    def loader(self, options: RuntimeOptions) -> Callable[[], LLM]:
+    def loader(self, options: RuntimeOptions, settings: ServerSettings | None = None) -> Callable[[], LLM]:
         """Loads the engine with ``options`` (on this target's device unless they name one), recording the load with
-        the cache when it came from one, then freezes the heap of this process, which serves from then on."""
+        the cache when it came from one and, given the server's ``settings``, logging what is served
+        (``log_serving``), then freezes the heap of this process, which serves from then on."""
         options = replace(options, device=options.device or self.device)
 
         def load() -> LLM:
@@ -67,6 +70,8 @@ class ServeTarget:
             llm = LLM.load(self.engine_dir, options)
             if self.record_load is not None:
                 self.record_load(llm.load_ms)
+            if settings is not None:
+                log_serving(llm, self, options, settings)
             freeze_startup_heap()
             return llm
 
@@ -82,6 +87,31 @@ class ServeTarget:
         taken = {name: value for name, value in given.items() if value is not None}
         return ServerSettings(**{"model_name": self.model_name, "engine_cache": self.engine_cache, **configured,
                                  "api_key": api_key or self.serve.api_key, **taken})
+
+
+def log_serving(llm: LLM, target: ServeTarget, options: RuntimeOptions, settings: ServerSettings) -> None:
+    """Log what tells an operator which build and limits are live (never the API key), and warn of an engine without a
+    tokenizer, which serves prompts of token ids only."""
+    from kiln.runtime.engine import engine_facts
+    from kiln.runtime.version import kiln_version
+
+    facts, limits = engine_facts(target.engine_dir, options), llm.limits
+    key = target.engine_cache.get("key")
+    gpu = f" ({facts['gpu_name']})" if facts["gpu_name"] else ""
+    logger.info("engine %s, Kiln %s: %s on %s%s, quantization %s, KV cache %s, tp_size %d",
+                f"{key[:12]} (cache key)" if key else target.engine_dir, kiln_version() or "unknown",
+                facts["backend"], facts["device"], gpu, facts["quantization"], facts["kv_cache_dtype"],
+                facts["tp_size"])
+    blocks = (llm.stats().get("kv_cache") or {}).get("num_blocks")
+    pool = f"{blocks} blocks ({limits.kv_pool_tokens} tokens)" if limits.kv_pool_tokens is not None \
+        else "sized by the backend"
+    logger.info("limits: max_seq_len %d, max_input_len %d, max_batch_size %d, max_num_tokens %d, KV pool %s, "
+                "max_queue %d; %s", limits.max_seq_len, limits.max_input_len, limits.max_batch_size,
+                limits.max_num_tokens, pool, settings.max_queue,
+                "API key required" if settings.api_keys else "no API key required")
+    if llm.tokenizer is None:
+        logger.warning("%s has no tokenizer (tokenizer.json): only prompts of token ids can be served, and text "
+                       "prompts, chats and stop strings get 400", target.engine_dir)
 
 
 def torchrun_rendezvous(environ: Mapping[str, str]) -> Rendezvous | None:
@@ -128,9 +158,9 @@ def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, 
 
 
 def serve_target(text: str, options: RuntimeOptions, *, backend: str | None = None, progress: bool = True,
-                 before_build: Callable[[ServeSection, Path | None], None] | None = None) -> ServeTarget:
+                 before_build: Callable[[LoadedConfig, Path | None], None] | None = None) -> ServeTarget:
     """What ``kiln serve TARGET`` serves: an engine directory, a cached engine by key or key prefix, or a config
-    (built through the cache first; a hit runs nothing; ``before_build`` sees its serve section and checkpoint
+    (built through the cache first; a hit runs nothing; ``before_build`` sees the config and its checkpoint
     directory first). ``backend`` is checked in every case: an engine already built must have been built by it."""
     if backend is not None:
         from kiln.pipeline.backend import choose_backend
@@ -173,12 +203,12 @@ def _engine_target(target: Target) -> ServeTarget:
 
 
 def _config_target(config: Path, options: RuntimeOptions, *, backend: str | None, progress: bool,
-                   before_build: Callable[[ServeSection, Path | None], None] | None = None) -> ServeTarget:
+                   before_build: Callable[[LoadedConfig, Path | None], None] | None = None) -> ServeTarget:
     from kiln.pipeline import runner
 
     ctx = runner.prepare(config, backend=backend, force=False, dry_run=False, options=options)
     if before_build is not None:
-        before_build(ctx.config.serve, ctx.model_dir)
+        before_build(ctx.loaded, ctx.model_dir)
     decisions = runner.decide(ctx, smoke=False)
     for stage, decision in decisions:  # why a server expected to start at once quantizes or builds first
         if decision.action == "run" and stage.name != "publish":
@@ -204,6 +234,14 @@ def engine_cache_info(cache: EngineCache, key: str, hit: bool) -> dict:
         logger.warning("%s; /metrics leaves out the engine cache's hit rate and remote figures", exc)
         hit_rate = remote = None
     return {"hit": hit, "hit_rate": hit_rate, "key": key, "remote": remote}
+
+
+def served_paths(app: FastAPI) -> str:
+    """The paths an app serves, once each, as "/health, /v1/completions, ..." (its OpenAPI ones)."""
+    from fastapi.routing import APIRoute
+
+    return ", ".join(dict.fromkeys(route.path_format for route in app.routes
+                                   if isinstance(route, APIRoute) and route.include_in_schema))
 
 
 def require_serve_extra() -> None:
@@ -320,8 +358,7 @@ def serve(
     if not engine_process:  # before torch loads OpenMP: threads that spin between its CPU ops take the event loop's
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # cores, as the engine process's child is spared them
     from kiln.runtime.server import create_app, run_server
-    from kiln.runtime.server.errors import served_routes
-    from kiln.runtime.server.serve import listening_socket
+    from kiln.runtime.server.serve import UnknownHostError, listening_socket
 
     template = read_chat_template(chat_template) if chat_template is not None else None  # before any build
     origins = cors_origins(allowed_origins) if allowed_origins is not None else None  # refused before any build too
@@ -344,8 +381,14 @@ def serve(
     def api_key_for(section: ServeSection) -> tuple[str, ...] | None:  # vLLM's variable last: a deployment
         return keys or fallback_api_key(section.api_key, os.environ)  # migrated from vLLM keeps its key
 
-    def check_before_build(section: ServeSection, model_dir: Path | None) -> None:  # not after a build of minutes
-        listening_socket(*bind_address(section)).close()  # a port in use
+    def check_before_build(loaded: LoadedConfig, model_dir: Path | None) -> None:  # not after a build of minutes
+        section = loaded.config.serve
+        try:
+            listening_socket(*bind_address(section)).close()  # a port in use
+        except UnknownHostError as exc:
+            if host is not None:  # --host's
+                raise
+            raise loaded.refusal(f"serve.host: {exc}") from None
         api_key_for(section)  # a blank serve.api_key, which would be used
         check_tool_call_parser(tool_call_parser, template, model_dir)  # the checkpoint's template, the engine's
 
@@ -357,7 +400,7 @@ def serve(
         chat_template=template, max_body_bytes=int(max_body_mb * (1 << 20)) if max_body_mb is not None else None,
         allowed_origins=origins, allow_credentials=allow_credentials, generation_config=generation_config,
         reasoning_parser=reasoning_parser, fastapi_docs=not disable_fastapi_docs)
-    app = create_app(resolved.loader(options), resolved.engine_dir, settings)
+    app = create_app(resolved.loader(options, settings), resolved.engine_dir, settings)
     bind_host, bind_port = bind_address(resolved.serve)
     loopback = bind_host in ("127.0.0.1", "localhost", "::1")
     if not loopback and not settings.api_key:
@@ -369,7 +412,7 @@ def serve(
 
     def announce(thread: ServerThread) -> None:
         stderr.print(f"serving {settings.model_name} ({resolved.engine_dir}) on {thread.url}: "
-                     f"{served_routes(app)}; SIGTERM or Ctrl-C drains and stops", highlight=False, soft_wrap=True)
+                     f"{served_paths(app)}; SIGTERM or Ctrl-C drains and stops", highlight=False, soft_wrap=True)
 
     run_server(app, bind_host, bind_port, shutdown_timeout_s=shutdown_timeout, on_started=announce,
                access_log=access_log, log_level=log_level, keep_alive_s=keep_alive_s,

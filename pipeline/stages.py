@@ -8,6 +8,7 @@ the stages in order and reports their decisions.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -16,8 +17,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from kiln.calibration.layout import QuantizedCheckpoint
 from kiln.calibration.recipe import recipe_material
-from kiln.engines.cache import ContentStore, EngineCache, EntryHold, LookupResult, engine_key
-from kiln.engines.cache.layout import entry_of_payload, entry_path, payload_path
+from kiln.engines.cache import CacheRootError, ContentStore, EngineCache, EntryHold, LookupResult, engine_key
+from kiln.engines.cache.layout import entry_of_payload, entry_path, layout_root, payload_path
 from kiln.engines.cache.manifest import read_manifest
 from kiln.engines.cache.remote import RemoteTier, RemoteUnavailableError
 from kiln.engines.cache.units import format_bytes
@@ -27,8 +28,10 @@ from kiln.pipeline.config import BuildSection, KilnConfig, LoadedConfig
 from kiln.pipeline.console import stderr
 from kiln.pipeline.key_material import engine_material, quantized_material
 from kiln.pipeline.tokenizer_files import write_transformers_tokenizer
+from kiln.runtime.errors import KilnError
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.plan import BuildPlan
+from kiln.runtime.tokenizer_files import partial_tokenizer_files
 from kiln.runtime.trtllm.engine_info import ENGINE_FORMAT as TRTLLM_ENGINE_FORMAT
 
 if TYPE_CHECKING:
@@ -210,6 +213,20 @@ def _remote_has(remote: RemoteTier, store: str, key: str) -> tuple[bool, str | N
         return False, str(exc)
 
 
+def _refuse_read_only(ctx: BuildContext, store: str, key: str) -> None:
+    """Refuse, when it is planned (a dry run too), to build ``key`` of ``store`` into a cache this user cannot write,
+    in the words the build would be refused in (``ContentStore.get_or_build``)."""
+    if ctx.cache is not None:
+        content = ctx.cache.stores[store]
+        content.require_writable(f"{content.label} {key[:12]} cannot be built into the cache")
+        return
+    existing = next(path for path in (ctx.cache_root, *ctx.cache_root.parents) if path.exists())  # no cache yet
+    if not os.access(existing, os.W_OK):
+        raise CacheRootError(f"cache root {ctx.cache_root}: cannot create {layout_root(ctx.cache_root)} (this user "
+                             f"cannot write {existing}); set $KILN_CACHE (or a config's cache.dir) to a folder you "
+                             f"can write")
+
+
 def _transfer_progress(store: ContentStore, progress: Progress) -> Callable[[str, int, int], None]:
     """The stage's progress told of a remote transfer: one message per direction, the bar at the bytes moved."""
     url = store.remote.url if store.remote is not None else ""
@@ -274,6 +291,12 @@ class QuantizeStage:
         return ctx.quantized_key
 
     def decide(self, ctx: BuildContext, earlier: Mapping[str, Decision]) -> Decision:
+        decision = self._decide(ctx)
+        if decision.action == "run" and ctx.quantized_key is not None:
+            _refuse_read_only(ctx, "quantized", ctx.quantized_key)
+        return decision
+
+    def _decide(self, ctx: BuildContext) -> Decision:
         fmt = ctx.config.quantize.format
         if fmt == "none":
             return Decision(self.name, "skip", "format none: the checkpoint is used as it is")
@@ -344,6 +367,8 @@ class BuildStage:
 
     def decide(self, ctx: BuildContext, earlier: Mapping[str, Decision]) -> Decision:
         decision = self._decide(ctx)
+        if decision.action == "run" and ctx.engine_key is not None:
+            _refuse_read_only(ctx, "entries", ctx.engine_key)
         if ctx.choice.backend == "trtllm":
             decision.extra.update(trtllm_plan_extra(ctx))  # the exact argv; raises when preflight refuses
         return decision
@@ -411,6 +436,10 @@ class BuildStage:
             with EntryHold(ctx.cache.quantized.entry_dir(ctx.quantized_key)) if quantized else nullcontext():
                 record = build(tmp)
                 write_transformers_tokenizer(ctx.checkpoint_dir, tmp)
+                if partial := partial_tokenizer_files(tmp):  # LLM.load refuses an engine with part of a tokenizer
+                    raise KilnError(f"{ctx.checkpoint_dir}: {', '.join(partial)} but no tokenizer.json, and "
+                                    f"transformers makes none from them; save the tokenizer with save_pretrained (a "
+                                    f"fast one writes tokenizer.json)")
                 return record
 
         return build_from_checkpoint

@@ -86,11 +86,18 @@ def load_yaml_with_lines(path: Path) -> tuple[Any, dict[tuple[str, ...], int]]:
         loader.dispose()
 
 
+_STR = "tag:yaml.org,2002:str"
+_KINDS = {"bool": "a boolean", "null": "null", "int": "a number", "float": "a number", "timestamp": "a date"}
+
+
 def _collect_lines(node: yaml.Node, prefix: tuple[str, ...], lines: dict[tuple[str, ...], int]) -> None:
-    """Record the line of every key under ``node``; a key given twice in one mapping is refused."""
+    """Record the line of every key under ``node``; a key given twice in one mapping, or one that YAML reads as no
+    string (``null:``, ``true:``, ``8:``), is refused."""
     lines[prefix] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
+            if key_node.tag != _STR:  # refused here, at its own line: pydantic's error would point at the section
+                raise _Refused(problem=_not_a_name(key_node, prefix), problem_mark=key_node.start_mark)
             key = (*prefix, str(key_node.value))
             if key in lines:
                 raise _Refused(problem=f"{'.'.join(key)} is given twice (first on line {lines[key]}); keep one",
@@ -100,6 +107,17 @@ def _collect_lines(node: yaml.Node, prefix: tuple[str, ...], lines: dict[tuple[s
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             _collect_lines(item, (*prefix, str(index)), lines)
+
+
+def _not_a_name(key_node: yaml.Node, prefix: tuple[str, ...]) -> str:
+    """Why a key that YAML reads as no string (``null:``, ``true:``, ``8:``, a list) is refused."""
+    where = ".".join(prefix) or "the top level"
+    if not isinstance(key_node, yaml.ScalarNode):
+        return f"{where}: a key is a {'list' if isinstance(key_node, yaml.SequenceNode) else 'mapping'}, and a " \
+               f"config's keys are names"
+    kind = _KINDS.get(key_node.tag.rsplit(":", 1)[-1], "no string")
+    return (f"{where}: key {key_node.value or '(empty)'} is read as {kind}, and a config's keys are names; quote it "
+            f"(\"{key_node.value}\") if it is one")
 
 
 def line_of(lines: dict[tuple[str, ...], int], loc: tuple[str, ...]) -> int | None:

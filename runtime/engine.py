@@ -83,6 +83,27 @@ def plan_limits(engine_dir: Path) -> EngineLimits:
     return EngineLimits.from_plan(config.plan, vocab_size=config.architecture.vocab_size)
 
 
+def engine_facts(engine_dir: Path, options: RuntimeOptions) -> dict:
+    """What tells one build of an engine from another, read from its directory: its backend, the device it runs on
+    with ``options``, the quantization of its weights, its KV cache dtype and tp_size."""
+    from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, is_trtllm_engine
+
+    if is_trtllm_engine(engine_dir):
+        info = TrtllmEngineInfo.load(engine_dir)
+        return {"backend": "trtllm", "device": options.device or "cuda", "gpu_name": info.fingerprint.get("gpu_name"),
+                "quantization": info.quantization.get("format"), "kv_cache_dtype": info.plan.kv_cache_dtype,
+                "tp_size": info.tp_size}
+    from kiln.runtime.native.engine_format import EngineConfig
+    from kiln.runtime.native.fingerprint import resolve_device
+
+    config = EngineConfig.load(engine_dir)
+    device = resolve_device(options.device, config.fingerprint)
+    return {"backend": "native", "device": str(device),
+            "gpu_name": config.fingerprint.get("gpu_name") if device.type == "cuda" else None,
+            "quantization": config.quantization.format, "kv_cache_dtype": config.plan.kv_cache_dtype,
+            "tp_size": config.tp_size}
+
+
 def load_engine(engine_dir: Path, options: RuntimeOptions) -> Engine:
     """The engine of ``engine_dir`` on its backend: TensorRT-LLM for a directory with ``kiln_trtllm.json``, else the
     native engine (which refuses a directory without its ``engine.json``); in a child process of its own when

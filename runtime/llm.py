@@ -37,6 +37,7 @@ from kiln.runtime.sampling_defaults import described, sampling_defaults
 from kiln.runtime.sampling_params import SamplingParams, sample_seed
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.tokenizer_files import TOKENIZER_JSON, partial_tokenizer_files
 from kiln.runtime.vllm_call_options import CHAT_OPTIONS, GENERATE_OPTIONS, check_vllm_call_options
 
 if TYPE_CHECKING:  # jinja2 is imported only when a chat is rendered
@@ -588,6 +589,10 @@ def _load(engine_dir: Path, options: RuntimeOptions | None
     if not engine_dir.is_dir():
         raise EngineFormatError(f"{engine_dir}: not an engine directory; pass the directory `kiln build` printed "
                                 f"(`kiln cache show KEY` shows a cached engine's)")
+    if partial := partial_tokenizer_files(engine_dir):
+        raise EngineFormatError(f"{engine_dir / TOKENIZER_JSON}: missing, though the engine has the rest of its "
+                                f"tokenizer ({', '.join(partial)}): the directory is an incomplete copy; copy the "
+                                f"engine again from where it was built")
     options = options or RuntimeOptions()
     default_params = _model_default_params(engine_dir)  # a bad generation_config.json: warned of before the load
     chat_template_files = ChatTemplateFiles.read(engine_dir)

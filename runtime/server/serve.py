@@ -35,6 +35,10 @@ class ServerStartError(KilnError):
     """The server could not start (an address it cannot listen on, the engine failed to load)."""
 
 
+class UnknownHostError(ServerStartError):
+    """A host to listen on that does not resolve to an address."""
+
+
 class EngineFailedError(KilnError):
     """The engine stopped while serving (its process died, a device error); the server drained and stopped, so that
     what supervises it (systemd, Kubernetes, a restart policy) starts it again, as vLLM's server does."""
@@ -44,12 +48,12 @@ class EngineFailedError(KilnError):
 
 def listening_socket(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` (IPv6 for a host with a colon, as uvicorn binds); ServerStartError naming
-    why not: a host that does not resolve, a port in use, a privileged port."""
+    why not: a host that does not resolve (UnknownHostError), a port in use, a privileged port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         address = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][4]
     except socket.gaierror as exc:
-        raise ServerStartError(f"cannot serve on host {host!r}: {exc.strerror}; give an address of this machine "
+        raise UnknownHostError(f"cannot serve on host {host!r}: {exc.strerror}; give an address of this machine "
                                f"(127.0.0.1, 0.0.0.0, ::) or a name that resolves to one") from None
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
