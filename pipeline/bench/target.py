@@ -22,8 +22,10 @@ import yaml
 from kiln.calibration.recipe import QuantizeRecipe
 from kiln.calibration.sources import RANDOM
 from kiln.engines.cache.layout import write_atomic
+from kiln.engines.native.checkpoint import parse_architecture
 from kiln.pipeline.config import BuildSection, CacheSection, KilnConfig, ModelSection, cache_root, load_config
 from kiln.runtime.errors import KilnError
+from kiln.runtime.native.parallel.sharding import sharding_problems
 
 ARCH_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                  "max_position_embeddings")
@@ -105,7 +107,9 @@ def bench_root() -> Path:
 def bench_config(checkpoint_dir: Path, plan: BenchPlan, cfg: dict, *, fmt: str, kv_cache_dtype: str,
                  seed: int, tp_size: int = 1) -> KilnConfig:
     """The config that builds ``checkpoint_dir`` for the run: a build plan that holds it (over ``tp_size`` ranks)
-    and, for a quantized ``fmt``, calibration on random token ids in one round without the accuracy gate."""
+    and, for a quantized ``fmt``, calibration on random token ids in one round without the accuracy gate. Called
+    first with the architecture file as ``checkpoint_dir``, so that what the plan cannot hold is refused, naming the
+    file and the option, before its random weights are written."""
     max_seq_len = -(-(plan.input_len + plan.output_len) // BLOCK) * BLOCK
     if max_seq_len > cfg["max_position_embeddings"]:
         raise BenchTargetError(f"--input-len {plan.input_len} + --output-len {plan.output_len} exceeds the "
@@ -117,6 +121,10 @@ def bench_config(checkpoint_dir: Path, plan: BenchPlan, cfg: dict, *, fmt: str, 
                                   num_samples=CALIB_SAMPLES, round_samples=CALIB_SAMPLES,
                                   heldout_samples=HELDOUT_SAMPLES, seq_len=CALIB_LEN, seed=seed, on_failure="warn",
                                   gate=None)
+    if tp_size > 1 and (problems := sharding_problems(parse_architecture(cfg, {}, checkpoint_dir), tp_size,
+                                                      quantize.int4_group_size)):
+        raise BenchTargetError(f"{checkpoint_dir}: --tp-size {tp_size} cannot split this architecture: "
+                               f"{'; '.join(problems)}; choose a --tp-size that divides them")
     batch = min(plan.prompts, plan.max_batch_size or MAX_BENCH_BATCH)
     build = BuildSection(backend="native", max_batch_size=batch, max_input_len=plan.input_len, max_seq_len=max_seq_len,
                          max_num_tokens=max(plan.input_len, batch, min(MAX_NUM_TOKENS, plan.prompts * plan.input_len)),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 import weakref
@@ -53,8 +54,9 @@ class ProcessEngine:
         # OpenMP threads that spin between torch's CPU ops took the cores this process needs to pass the results on:
         # on a busy 2-core host a 20-token completion took 3-5 s instead of 0.5 (unless the user chose a policy)
         environment.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        with theirs:
-            self._process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=environment)
+        with theirs:  # in a session of its own: ``_kill`` kills its tensor-parallel workers with it
+            self._process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=environment,
+                                             start_new_session=True)
         self._conn = Connection(ours.detach())
         _live.add(self)
         # the ids of the requests in the child, each counted: LLM frees a cancelled request's id at once, so one may be
@@ -69,7 +71,7 @@ class ProcessEngine:
             send(self._conn, {"factory": factory, "arguments": arguments})
             hello = self._receive()
         except BaseException:  # the child died, or this process was interrupted while it loaded
-            self._process.kill()
+            self._kill()
             self._process.wait()
             self._conn.close()
             raise
@@ -118,7 +120,7 @@ class ProcessEngine:
 
     def interrupt(self) -> bool:
         """Kill the engine process: a step waiting on it then ends with its exit."""
-        self._process.kill()
+        self._kill()
         return True
 
     def failure(self) -> EngineProcessError | None:
@@ -166,10 +168,17 @@ class ProcessEngine:
         except subprocess.TimeoutExpired:
             logger.warning("the engine process (pid %s) did not exit within %s s of close: killed", self._process.pid,
                            CLOSE_TIMEOUT_S)
-            self._process.kill()
+            self._kill()
             self._process.wait()
         finally:
             self._conn.close()
+
+    def _kill(self) -> None:
+        """SIGKILL the engine process and every process of its group: its tensor-parallel workers, which would
+        otherwise live on (a hung one holding its GPU) once it is gone."""
+        if self._process.poll() is None:  # not reaped: its id is still its group's
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
 
     def _send_adds(self) -> None:
         if self._adds:

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import boto3
-from boto3.exceptions import S3UploadFailedError
+from boto3.exceptions import RetriesExceededError, S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as EndpointUnreachable
 
 from kiln.engines.cache.remote.objects import ObjectInfo, Progress, RemoteUnavailableError
 
@@ -23,19 +24,29 @@ PART_BYTES = 64 * 2**20  # multipart part size; an 8 GB engine file moves as 128
 CHUNK_BYTES = 8 * 2**20
 MISSING = {"404", "NoSuchKey", "NotFound"}
 CONDITION_FAILED = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+# no connection, no answer in time, a connection cut (RetriesExceededError: a download's, after its retries)
+UNANSWERED = (EndpointUnreachable, HTTPClientError, RetriesExceededError)
 T = TypeVar("T")
 _RAISE = object()  # a missing object or failed condition is an error
 
 
 class S3Objects:
-    """The objects under ``s3://bucket/prefix``; ``transfer_threads`` parts of one file move at once."""
+    """The objects under ``s3://bucket/prefix``; ``transfer_threads`` parts of one file move at once.
+
+    A request waits ``connect_timeout_s`` for a connection and ``read_timeout_s`` for each socket read of the
+    answer, three attempts in all. The read timeout bounds a silence, not a transfer (bytes that flow reset it);
+    10 s is ample for a healthy service, whose answers start within a second (a slow multipart completion sends
+    keep-alive whitespace meanwhile). A remote that stops answering so costs one request's attempts, at most 33 s
+    (three reads of 10 s, up to 3 s of backoff): every later request fails at once, without being sent."""
 
     def __init__(self, bucket: str, prefix: str, *, endpoint_url: str | None = None, transfer_threads: int = 8,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, read_timeout_s: float = 10.0) -> None:
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        config = Config(connect_timeout=connect_timeout_s, read_timeout=60, max_pool_connections=4 * transfer_threads,
-                        retries={"max_attempts": 3, "mode": "standard"})
+        self.unanswered: str | None = None  # why a request found the remote unreachable: no other is sent
+        config = Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
+                        max_pool_connections=4 * transfer_threads,
+                        retries={"total_max_attempts": 3, "mode": "standard"})
         self._client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
         self._transfer = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES,
                                         max_concurrency=transfer_threads, use_threads=True)
@@ -46,7 +57,11 @@ class S3Objects:
     def _call(self, what: str, name: str, call: Callable[[], T], *, if_missing: object = _RAISE,
               if_condition_failed: object = _RAISE) -> T:
         """``call()``, with a missing object or a failed condition answered as given (else an error) and every
-        other failure a RemoteUnavailableError naming the remote, the object and the service's reason."""
+        other failure a RemoteUnavailableError naming the remote, the object and the service's reason. Once a request
+        found the remote unreachable or silent, no other is sent: each fails at once, naming that first failure."""
+        if self.unanswered is not None:
+            raise RemoteUnavailableError(f"remote cache {self.url}: {what} {name} not tried (an earlier request "
+                                         f"failed: {self.unanswered})")
         try:
             return call()
         except ClientError as exc:
@@ -57,6 +72,8 @@ class S3Objects:
             if code in CONDITION_FAILED and if_condition_failed is not _RAISE:
                 return if_condition_failed
             reason = f"{code or '?'}: {error.get('Message') or 'no message'}"
+        except UNANSWERED as exc:
+            reason = self.unanswered = f"{type(exc).__name__}: {exc}"
         except (BotoCoreError, S3UploadFailedError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         raise RemoteUnavailableError(f"remote cache {self.url}: {what} {name} failed ({reason})")
