@@ -208,6 +208,26 @@ def test_a_worker_that_fails_to_load_its_shard_or_a_deferred_capture_is_refused_
         LLM.load(tmp_path / "tp2")  # the worker's own error in rank 0's, for whatever reads only that
 
 
+def test_a_worker_that_stored_its_error_is_waited_for_past_the_usual_wait():
+    import threading
+
+    stored = {rank_key("error", 1): b"EngineFormatError: rank1.safetensors: not a safetensors file"}
+    store = SimpleNamespace(check=lambda keys: all(key in stored for key in keys), get=stored.__getitem__)
+    workers = SimpleNamespace(failed=threading.Event(), failure=None)
+    ranks = object.__new__(TensorParallelRanks)  # rank 0's side, as the engine's load sees it after a gloo error
+    ranks.workers, ranks.group = workers, SimpleNamespace(size=2, store=store)
+
+    def exit_late() -> None:  # a loaded host reaps the worker after the usual wait
+        time.sleep(0.5)
+        workers.failure = "tensor-parallel worker rank 1 (pid 7) exited with code 1"
+        workers.failed.set()
+
+    threading.Thread(target=exit_late).start()
+    assert ranks.failure_after_error(timeout_s=0.1) == ("tensor-parallel worker rank 1 (pid 7) exited with code 1 "
+                                                        "(EngineFormatError: rank1.safetensors: not a safetensors "
+                                                        "file)")
+
+
 def tp2_engine(tmp_path) -> Path:
     make_hf_checkpoint(tmp_path / "checkpoint", 0)
     (tmp_path / "tp2").mkdir()

@@ -37,6 +37,7 @@ from kiln.runtime.options import RuntimeOptions
 STOP_TIMEOUT_S = 30
 JOIN_POLL_S = 0.2
 FAILURE_WAIT_S = 2.0
+WORKER_EXIT_WAIT_S = 30.0
 
 
 def check_devices(device: torch.device, tp_size: int) -> None:
@@ -156,10 +157,21 @@ class TensorParallelRanks:
 
     def failure_after_error(self, timeout_s: float = FAILURE_WAIT_S) -> str | None:
         """Why a collective just failed: a local worker's exit, which its watcher may record a moment after the
-        broken connection shows (None when no worker exited)."""
+        broken connection shows (None when no worker exited). A worker that left its error in the store is
+        exiting: its exit is waited for longer (a loaded host may take seconds to reap it)."""
         if self.workers is not None:
-            self.workers.failed.wait(timeout_s)
+            deadline = time.monotonic() + timeout_s
+            while not self.workers.failed.wait(JOIN_POLL_S):
+                if self._worker_left_an_error():
+                    self.workers.failed.wait(WORKER_EXIT_WAIT_S)
+                    break
+                if time.monotonic() > deadline:
+                    break
         return self.failure
+
+    def _worker_left_an_error(self) -> bool:
+        """Whether another rank stored why it fails (it then exits)."""
+        return any(self.group.store.check([rank_key("error", rank)]) for rank in range(1, self.group.size))
 
     def wait_for_workers_loaded(self) -> None:
         """Return once every other rank has said its shard is loaded: a local worker dies with the thread that
