@@ -591,8 +591,9 @@ def _load(engine_dir: Path, options: RuntimeOptions | None
                                 f"(`kiln cache show KEY` shows a cached engine's)")
     if partial := partial_tokenizer_files(engine_dir):
         raise EngineFormatError(f"{engine_dir / TOKENIZER_JSON}: missing, though the engine has the rest of its "
-                                f"tokenizer ({', '.join(partial)}): the directory is an incomplete copy; copy the "
-                                f"engine again from where it was built")
+                                f"tokenizer ({', '.join(partial)}): an incomplete copy (copy the engine again from "
+                                f"where it was built), or an engine built from a checkpoint without a tokenizer.json "
+                                f"(rebuild it from one that has it; only token-id prompts could reach it)")
     options = options or RuntimeOptions()
     default_params = _model_default_params(engine_dir)  # a bad generation_config.json: warned of before the load
     chat_template_files = ChatTemplateFiles.read(engine_dir)

@@ -217,6 +217,10 @@ class IncrementalDetokenizer:
         """Append a token's text; return the stop string it completed (the text then ends before it), else None."""
         self._tokens.append(token_id)
         self._num_tokens += 1
+        if not self._stop:  # nothing to search: the text grows once its characters are whole (a third cheaper)
+            if (pending := self._pending_text()) and not pending.endswith("\ufffd"):
+                self._take_pending(pending)
+            return None
         if self._num_tokens == self._max_tokens:  # the last token: its text is what the final take_delta writes
             pending, final = self._pending_text(), True
         else:  # in whole characters; a byte-fallback run's U+FFFD may still change
