@@ -9,12 +9,10 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from kiln.runtime import LLM
 from kiln.runtime.server.chat import ChatTools
 from kiln.runtime.server.protocol import ChatCompletionRequest
 from kiln.runtime.server.tool_calls import tool_call_format
-from tests.test_server_support import tiny_engine
-from tests.test_server_tools import CLOCK, HERMES_TEMPLATE, MESSAGES, WEATHER, client_for
+from tests.test_server_tools import CLOCK, HERMES_TEMPLATE, MESSAGES, WEATHER, hermes_openai_client
 
 MODEL = "tiny"
 FLAT = {tool["function"]["name"]: {"type": "function", **tool["function"]} for tool in (WEATHER, CLOCK)}
@@ -24,9 +22,7 @@ ALLOW_CLOCK = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "t
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    with LLM.load(tiny_engine(max_seq_len=1024, max_input_len=896)) as llm, \
-            client_for(llm, tmp_path_factory, HERMES_TEMPLATE) as server, \
-            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+    with hermes_openai_client(tmp_path_factory) as client:
         yield client
 
 

@@ -7,18 +7,14 @@ from __future__ import annotations
 import openai
 import pytest
 
-from kiln.runtime import LLM
-from tests.test_server_support import tiny_engine
-from tests.test_server_tools import HERMES_TEMPLATE, MESSAGES, client_for
+from tests.test_server_tools import MESSAGES, hermes_openai_client
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    with LLM.load(tiny_engine(max_seq_len=1024, max_input_len=896)) as llm, \
-            client_for(llm, tmp_path_factory, HERMES_TEMPLATE) as server, \
-            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+    with hermes_openai_client(tmp_path_factory) as client:
         yield client
 
 

@@ -4,10 +4,12 @@ styles), parsed into message.tool_calls, streamed as tool-call deltas, and refus
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
 import shutil
+from collections.abc import Iterator
 from typing import Literal
 
 import jsonschema_rs
@@ -108,6 +110,15 @@ def client_for(llm, tmp_path_factory, template: str | None):
     if template is not None:
         (engine / "chat_template.jinja").write_text(template)
     return ServerThread(create_app(llm, engine, ServerSettings(model_name=MODEL)))
+
+
+@contextlib.contextmanager
+def hermes_openai_client(tmp_path_factory) -> Iterator[openai.OpenAI]:
+    """An openai client of a server of its own tiny engine whose template teaches Hermes tool calls."""
+    with LLM.load(tiny_engine(max_seq_len=1024, max_input_len=896)) as llm, \
+            client_for(llm, tmp_path_factory, HERMES_TEMPLATE) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        yield client
 
 
 @pytest.fixture(scope="module", params=list(TEMPLATES))
