@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kiln.calibration.errors import CalibrationError
+from kiln.calibration.modelopt_quantize import gated_fp8_weights
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -46,26 +47,43 @@ def copy_checkpoint(model_dir: Path, out: Path) -> None:
 
 def export_hf(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtype) -> None:
     """modelopt's unified Hugging Face checkpoint plus the tokenizer files of the input checkpoint; the layers that
-    stay unquantized (embeddings, norms, lm_head) are stored in the checkpoint's own dtype, scales in float32."""
+    stay unquantized (embeddings, norms, lm_head) are stored in the checkpoint's own dtype, scales in float32.
+    `model` is the model as gated (after ``fuse_shared_inputs``): its FP8 weights are written as the E4M3 codes its
+    fake quantization used (``gated_fp8_weights``), where modelopt's exporter rounds ties the other way."""
+    gated = gated_fp8_weights(model)  # before the exporter replaces the weights by its own codes
     try:
         export_hf_checkpoint(model, export_dir=out)
     except Exception as exc:
         raise CalibrationError(f"{model_dir}: modelopt cannot export the quantized model as a Hugging Face checkpoint "
                                f"({type(exc).__name__}: {exc}); try another quantize.format") from exc
-    _store_unquantized_as(out, dtype)
+    for name, (_, scale) in gated.items():
+        written = model.get_submodule(name.removesuffix(".weight")).weight_scale
+        if not torch.equal(written.cpu(), scale):
+            raise RuntimeError(f"{name}: modelopt exported weight_scale {written.item():g}, but the gate measured "
+                               f"the model with {scale.item():g} (amax / 448); export the model as gated")
+    _rewrite_tensors(out, dtype, {name: codes for name, (codes, _) in gated.items()})
     copy_tokenizer_files(model_dir, out)
 
 
-def _store_unquantized_as(out: Path, dtype: torch.dtype) -> None:
-    """Rewrite float32 tensors that are not scales in `dtype`, and say so in config.json (and the shard index)."""
-    total = 0
+def _rewrite_tensors(out: Path, dtype: torch.dtype, fp8_codes: dict[str, torch.Tensor]) -> None:
+    """Put `fp8_codes` in place of the FP8 weights of those names, rewrite float32 tensors that are not scales in
+    `dtype`, and say so in config.json (and the shard index)."""
+    total, missing = 0, set(fp8_codes)
     for path in sorted(out.glob("*.safetensors")):
         tensors = load_file(path)
         for name, tensor in tensors.items():
-            if tensor.dtype == torch.float32 and not name.endswith("scale"):
+            if name in fp8_codes:
+                if tensor.dtype != torch.float8_e4m3fn or tensor.shape != fp8_codes[name].shape:
+                    raise RuntimeError(f"{name}: modelopt exported a {tensor.dtype} {tuple(tensor.shape)} tensor "
+                                       "where Kiln expected the FP8 weight it gated")
+                tensors[name] = fp8_codes[name]
+                missing.discard(name)
+            elif tensor.dtype == torch.float32 and not name.endswith("scale"):
                 tensors[name] = tensor.to(dtype)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, path, metadata={"format": "pt"})
+    if missing:
+        raise RuntimeError(f"modelopt's export has no tensor {sorted(missing)[0]} for the FP8 weight the gate measured")
     index_path = out / "model.safetensors.index.json"
     if index_path.is_file():
         index = json.loads(index_path.read_text(encoding="utf-8"))

@@ -32,7 +32,7 @@ with warnings.catch_warnings():  # modelopt warns at import about untested trans
 
 Forward = Callable[[nn.Module, torch.Tensor], None]
 Snapshot = dict[str, torch.Tensor]
-
+E4M3_MAX = 448.0
 
 
 def quant_config(fmt: str, algorithm: str, kv_cache_dtype: str) -> dict:
@@ -144,6 +144,50 @@ def fuse_shared_inputs(model: nn.Module) -> None:
     preceding norm) now, so the accuracy gate measures exactly the model that is exported."""
     with torch.no_grad():
         requantize_resmooth_fused_llm_layers(model)
+
+
+def gated_fp8_weights(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(E4M3 codes on the CPU, weight_scale) of every per-tensor FP8 weight, by tensor name: the codes the model's
+    fake quantization rounds the weight to, which are what the accuracy gate measured, and the scale amax / 448 that
+    modelopt's export writes beside them.
+
+    modelopt's fake quantization multiplies by 448 / amax; its export divides by amax / 448, which rounds exact ties
+    the other way: bf16 and fp16 weights often sit exactly between two E4M3 values (1 % of one tensor of the bundled
+    tiny model), and the exporter's own codes are one E4M3 step off there. The fake-quantized weight in float32 is
+    its code times the reciprocal of 448 / amax, a few float32 ulps from amax / 448, so dividing it by the scale and
+    rounding to E4M3 gives the code back (checked)."""
+    gated = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            quantizer = getattr(module, "weight_quantizer", None)
+            if not _per_tensor_fp8(quantizer):
+                continue
+            amax = quantizer.amax.item()
+            scale = torch.tensor(amax / E4M3_MAX, dtype=torch.float32)
+            fake_quantized = quantizer(module.weight.float())  # float32: no fp16 underflow of small values
+            codes = (fake_quantized / scale).to(torch.float8_e4m3fn)
+            if not torch.allclose(codes.float() * scale, fake_quantized, rtol=2**-16, atol=0):
+                raise RuntimeError(f"{name}: its fake-quantized weight is not E4M3 codes times amax / 448 (amax "
+                                   f"{amax:g}), so Kiln cannot export the weights the gate measured")
+            gated[f"{name}.weight"] = (codes.cpu(), scale)
+    return gated
+
+
+def use_gated_fp8_weights(target: nn.Module, gated: nn.Module) -> None:
+    """Replace every per-tensor FP8 weight of `target` (an unfused copy of `gated`) by `gated`'s fake quantization
+    of it, module by module: an exporter that divides by amax / 448 (TensorRT-LLM's) then writes the E4M3 codes the
+    gate measured (see gated_fp8_weights), not its own rounding of the ties."""
+    sources = dict(gated.named_modules())
+    with torch.no_grad():
+        for name, module in target.named_modules():
+            source = sources.get(name)
+            if source is not None and _per_tensor_fp8(getattr(source, "weight_quantizer", None)):
+                module.weight.copy_(source.weight_quantizer(source.weight))
+
+
+def _per_tensor_fp8(quantizer: nn.Module | None) -> bool:
+    return (isinstance(quantizer, TensorQuantizer) and quantizer.is_enabled and quantizer.num_bits == (4, 3)
+            and not quantizer.block_sizes and quantizer.amax is not None and quantizer.amax.numel() == 1)
 
 
 def int4_incompatible_linears(model: nn.Module) -> list[str]:

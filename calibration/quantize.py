@@ -40,6 +40,7 @@ from kiln.calibration.modelopt_quantize import (
     quant_config,
     quiet,
     rounds_calibrator,
+    use_gated_fp8_weights,
 )
 from kiln.calibration.plot import plot_curves
 from kiln.calibration.recipe import QuantizeRecipe, recipe_material
@@ -237,6 +238,7 @@ class _Stage:
         dtype = checkpoint_dtype(self.model_dir)
 
         def export() -> None:
+            use_gated_fp8_weights(exported_form, model)  # the FP8 codes the gate measured, ties rounded as it did
             with quiet([]):  # the exporters' warnings are benign: no tensorrt_llm here, a lm_head notice
                 self._note(export_trtllm(exported_form, self.output.trtllm, dtype))
                 export_hf(model, self.model_dir, self.output.hf, dtype)

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kiln.engines.native.builder import build_native_engine
 from kiln.engines.native.weights import unpack_modelopt_int4
@@ -114,6 +115,48 @@ def test_engine_logits_match_modelopt_fake_quant(tmp_path, recipe):
     assert config.plan.kv_cache_dtype == ("float8_e4m3fn" if recipe == "fp8-kv-cache" else "float32")
     rel = (logits - fake_quant_logits).abs().max() / fake_quant_logits.abs().max()
     assert rel <= FAKE_QUANT_REL_TOL, f"{recipe}: engine vs fake-quant relative difference {rel:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_engine_of_a_half_precision_checkpoint_matches_the_gated_fake_quant_model(tmp_path, dtype):
+    # bf16/fp16 weights often sit exactly between two E4M3 values (w * 448 / amax = 336, between 320 and 352); the
+    # gate's fake quant multiplies by 448 / amax and modelopt's export divides by amax / 448, which round such ties
+    # apart. An amax of 0.3984375 (as in the bundled tiny model's layers.0.mlp.down_proj) makes ~1 % of them ties.
+    import modelopt.torch.quantization as mtq
+    from transformers import LlamaForCausalLM
+
+    from kiln.calibration.export import export_hf
+    from kiln.calibration.modelopt_quantize import fuse_shared_inputs
+
+    checkpoint = make_hf_checkpoint(tmp_path / "hf", **QUANT_SHAPE)
+    tie_prone = clamped_linears(load_file(checkpoint / "model.safetensors"), amax=0.3984375)
+    save_file({name: t.to(dtype) for name, t in tie_prone.items()}, checkpoint / "model.safetensors",
+              metadata={"format": "pt"})
+    generator = torch.Generator().manual_seed(1)
+    calibration = torch.randint(0, 96, (4, 24), generator=generator)
+    batch = torch.randint(0, 96, (3, 12), generator=generator)
+    model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()  # as calibration on a CPU
+    model = mtq.quantize(model, modelopt_config("fp8"), lambda m: m(calibration))
+    fuse_shared_inputs(model)  # what the quantize stage gates
+    with torch.no_grad():
+        fake_quant_logits = model(batch).logits
+    export_hf(model, checkpoint, tmp_path / "export", dtype)
+
+    (tmp_path / "engine").mkdir()
+    build_native_engine(tmp_path / "export", tmp_path / "engine", tiny_plan(), "float32")
+    config = EngineConfig.load(tmp_path / "engine")
+    engine = DecoderModel.from_engine(tmp_path / "engine", config, "cpu", torch.float32)
+    logits = torch.stack(PagedRunner(engine, config, len(batch)).all_logits(batch.tolist()))
+    rel = (logits - fake_quant_logits).abs().max() / fake_quant_logits.abs().max()
+    assert rel <= 1e-5, f"{dtype}: engine vs fake-quant relative difference {rel:.2e}"  # 3e-7; 0.1 with ties off
+
+
+def clamped_linears(tensors: dict[str, torch.Tensor], amax: float) -> dict[str, torch.Tensor]:
+    """`tensors` with every *_proj weight clamped to ±amax and its first element set to amax (its calibrated amax)."""
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        tensors[name] = tensors[name].clamp(-amax, amax)
+        tensors[name].view(-1)[0] = amax
+    return tensors
 
 
 def test_cpu_fp8_linear_uses_the_dequantize_reference():
