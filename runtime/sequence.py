@@ -119,7 +119,7 @@ class Sequence:
             self.logprobs.append(logprob)
 
     def finish(self, reason: str, now: float | None = None) -> None:
-        """Mark the sequence finished ("stop", "length" or "abort")."""
+        """Mark the sequence finished ("stop", "length", "abort", or "error": it failed)."""
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.finished_time = time.monotonic() if now is None else now

@@ -102,7 +102,7 @@ class EngineStats:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # vLLM's: a prompt's tokens, cached ones too, once its prefill completes
         self.num_generated_tokens = 0
-        self.num_finished = {"stop": 0, "length": 0, "abort": 0}
+        self.num_finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
 
     def record_step(self, step: StepStats) -> None:
         with self._lock:

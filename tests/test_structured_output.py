@@ -271,8 +271,9 @@ def test_a_format_that_outgrows_llguidance_while_generating_fails_its_request_na
 
 
 def test_a_format_no_output_satisfies_fails_its_request_instead_of_returning_empty_text(llm):
-    generated = llm.stats()["num_generated_tokens"]
+    generated, errors = llm.stats()["num_generated_tokens"], llm.stats()["requests_finished"]["error"]
     with pytest.raises(StructuredOutputError, match=r"cannot go on after 0 tokens \(NoExtensionBias\)"):
         llm.generate(["x"], SamplingParams(max_tokens=8, structured_output={"json": {"$ref": "#"}}))
     assert llm.stats()["num_generated_tokens"] == generated
+    assert llm.stats()["requests_finished"]["error"] == errors + 1  # vLLM V1's reason, as /metrics counts it
     assert llm.generate(["x"], SamplingParams(max_tokens=2))[0].finish_reason == "length"  # the engine serves on

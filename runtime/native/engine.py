@@ -219,9 +219,9 @@ class NativeEngine:
             return self._fail(seq, error)
 
     def _fail(self, seq: Sequence, error: KilnError) -> RequestFailure:
-        """Finish a failed request with reason "abort" and free its blocks."""
+        """Finish a failed request with reason "error" (vLLM V1's) and free its blocks."""
         if not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
+            self.scheduler.finish(seq, "error")
         if self._requests.pop(seq.request_id, None) is not None:
             self.stats.record_finished(seq)
         return RequestFailure(seq.request_id, error)

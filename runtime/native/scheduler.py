@@ -183,7 +183,7 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Finish a waiting or running sequence ("stop", "length", "abort") and free its blocks."""
+        """Finish a waiting or running sequence ("stop", "length", "abort", "error") and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

@@ -185,7 +185,7 @@ class TrtllmEngine:
         seq = state.seq
         if response.has_error():
             self._errors.append(f"{seq.request_id}: {response.error_msg}")
-            self._finish(state, "abort", [], executor_done=True)
+            self._finish(state, "error", [], executor_done=True)
             return RequestFailure(seq.request_id, RequestFailedError(
                 f"request {seq.request_id} failed in the TensorRT-LLM executor: {response.error_msg}"))
         result = response.result
