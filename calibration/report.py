@@ -93,7 +93,8 @@ def summary_line(shipped: Attempt, attempts: list[Attempt], tolerance: float) ->
     if shipped.format != "none":
         last = shipped.rounds[-1]
         change = "" if last.max_rel_change is None else f", last max change {last.max_rel_change:.2%}"
-        parts.append(f"{shipped.verdict} after {len(shipped.rounds)} rounds ({shipped.samples} samples{change}, "
+        rounds = f"{len(shipped.rounds)} round{'' if len(shipped.rounds) == 1 else 's'}"
+        parts.append(f"{shipped.verdict} after {rounds} ({shipped.samples} samples{change}, "
                      f"tolerance {tolerance * 100:.3g}%);")
         g = shipped.gate
         parts.append(f"gate {'passed' if g.applied else 'not applied'} (ppl {g.metrics.ppl_increase:+.2%}, "
