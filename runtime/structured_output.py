@@ -250,9 +250,15 @@ def _extended_definitions(schema: Any) -> set[str]:
 
 
 def json_rule(schema: dict) -> str:
-    """``schema`` as a Lark ``%json`` rule (llguidance's dialect) that generates what the ``json`` format does: its
-    objects closed (``closed_objects``), and no optional whitespace."""
-    return f"%json {json.dumps({'x-guidance': _JSON_OPTIONS, **closed_objects(schema)})}"
+    """``schema`` as a Lark ``%json`` rule (llguidance's dialect) that generates what the ``json`` format does
+    (``json_format_rule``); StructuredOutputError where that format cannot hold it. The last 128 are kept: a forced
+    call's schema, made of every tool's, comes again on an agent's every turn."""
+    return _json_rule(json.dumps(schema))
+
+
+@functools.lru_cache(maxsize=128)
+def _json_rule(schema: str) -> str:
+    return json_format_rule(StructuredOutput(json=schema))
 
 
 def json_format_rule(spec: StructuredOutput) -> str:

@@ -1,19 +1,25 @@
 """Tool calling under tool_choice auto: beside a response_format (an agent's output type, sent on every turn) the
 model may still call a tool; every tool's parameters are checked; tools given as an empty list reach the template;
-streams send no empty deltas while they hold a call back; Mistral's content before its calls."""
+streams send no empty deltas while they hold a call back; Mistral's content before its calls, and JSON in its content
+streamed as it comes; a JSON Schema format llguidance does not know left unenforced in calls; parameters compiled
+once."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import httpx
 import jsonschema_rs
 import openai
 import pytest
 
-from kiln.runtime import LLM, SamplingParams
+from kiln.runtime import LLM, SamplingParams, structured_output
 from kiln.runtime.native.grammar import Grammars
-from kiln.runtime.server.tool_calls import HERMES, LLAMA3_JSON, MISTRAL
+from kiln.runtime.server import chat
+from kiln.runtime.server.protocol import ChatCompletionRequest
+from kiln.runtime.server.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, tool_call_format
 from kiln.runtime.structured_output import StructuredOutput, json_format_rule
 from tests.test_server_support import tiny_engine
 from tests.test_server_tools import (
@@ -30,6 +36,9 @@ from tests.test_server_tools import (
 ANSWER = {"type": "object", "properties": {"reply": {"enum": ["yes", "no"]}}, "required": ["reply"]}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
 FIRST_OF_A_CALL = {"hermes": "<", "mistral": "["}  # the call's first character, where the answer's is "{"
+LOGIN = {"type": "function", "function": {"name": "login", "parameters": {  # pydantic's SecretStr: "password"
+    "type": "object", "properties": {"pw": {"type": "string", "format": "password", "maxLength": 8}},
+    "required": ["pw"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +159,82 @@ def test_mistral_content_before_the_calls_is_content_and_the_calls_are_calls(llm
     assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
     assert "".join(c.delta.content or "" for c in chunks) == "Let me check."
     assert [c.function.name for chunk in chunks for c in chunk.delta.tool_calls or []] == ["get_time"]
+
+
+def test_mistral_streams_json_in_its_content_and_holds_back_only_an_array_of_calls(llm, tmp_path_factory):
+    array = '[{"name": "get_time", "arguments": {"zone": "utc"}}]'
+    assert MISTRAL.content_before_calls('Use [{"a": 1}] and') == len('Use [{"a": 1}] and')
+    for held in ("[", "[{", '[{ "na', f"{array[:12]}"):  # what may still open an array of calls
+        assert MISTRAL.content_before_calls(f"Sure. {held}") == len("Sure.")
+    answer = 'Use this JSON: [{"a": 1}] and then I will explain the rest of the answer in some more detail here.'
+    called = f"Let me check. {array}"
+
+    def kwargs(text: str) -> dict:
+        return dict(model=MODEL, messages=MESSAGES, tools=[CLOCK], max_tokens=120,
+                    extra_body={"structured_outputs": {"choice": [text]}})
+    with client_for(llm, tmp_path_factory, MISTRAL_TEMPLATE) as server, openai_client(server) as client:
+        streamed = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs(answer)) if c.choices]
+        choice = client.chat.completions.create(**kwargs(called)).choices[0]
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs(called)) if c.choices]
+    contents = [c.delta.content for c in streamed if c.delta.content]
+    assert "".join(contents) == answer and not any(c.delta.tool_calls for c in streamed)
+    assert '[{"a": 1}] and then' in "".join(contents[:-1])  # before: all of it from "[{" on in the last chunk
+    assert choice.message.content == "Let me check." and choice.finish_reason == "tool_calls"
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
+    assert "".join(c.delta.content or "" for c in chunks) == "Let me check."
+    assert [c.function.name for chunk in chunks for c in chunk.delta.tool_calls or []] == ["get_time"]
+
+
+@pytest.mark.parametrize("name", list(FIRST_OF_A_CALL))
+def test_a_format_llguidance_does_not_know_is_left_unenforced_in_calls_as_in_response_format(llm, tmp_path_factory,
+                                                                                             name):
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=[LOGIN], max_tokens=60, parallel_tool_calls=False, seed=1)
+    with client_for(llm, tmp_path_factory, TEMPLATES[name]) as server, openai_client(server) as client:
+        called = client.chat.completions.create(response_format=RESPONSE_FORMAT,  # before: a 400 dumping the grammar
+                                                logit_bias=bias_to(llm, FIRST_OF_A_CALL[name]), **kwargs).choices[0]
+        answered = client.chat.completions.create(response_format=RESPONSE_FORMAT, logit_bias=bias_to(llm, "{"),
+                                                  **kwargs).choices[0]
+        required = client.chat.completions.create(tool_choice="required", **kwargs).choices[0]
+    for choice in (called, required):
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        assert_valid_call(choice.message.tool_calls[0], LOGIN)
+    assert jsonschema_rs.validator_for(ANSWER).is_valid(json.loads(answered.message.content))
+
+
+def test_a_tool_whose_calls_no_grammar_can_hold_is_a_400_naming_it_in_words(llm, tmp_path_factory):
+    # its parameters compile alone, but an "$id" makes their "#/$defs" refs miss once they sit inside the call's schema
+    scoped = {"type": "function", "function": {"name": "scoped", "parameters": {
+        "$id": "https://example.com/scoped.json", "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}},
+        "$defs": {"A": {"type": "string"}}}}}
+    with client_for(llm, tmp_path_factory, HERMES_TEMPLATE) as server, openai_client(server) as client:
+        for extra in ({"tool_choice": "required"}, {"response_format": RESPONSE_FORMAT}):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=[CLOCK, scoped],
+                                               **extra)
+            assert refused.value.param == "tools[1].function.parameters"  # before: "tools", and the grammar
+            assert "'scoped'" in refused.value.message and "%json" not in refused.value.message
+
+
+def test_parameters_that_compiled_are_not_compiled_again_nor_sent_to_a_worker_thread(monkeypatch):
+    compiled, grammar_of = [], structured_output.grammar_of
+    monkeypatch.setattr(structured_output, "grammar_of", lambda spec: compiled.append(spec) or grammar_of(spec))
+    monkeypatch.setattr(chat, "_COMPILED_PARAMETERS", {})
+    model = SimpleNamespace(name=MODEL, tool_call_format=tool_call_format(HERMES_TEMPLATE))
+
+    def check(tools: list[dict]) -> None:
+        request = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": tools})
+        asyncio.run(chat.check_tool_parameters(chat.ChatTools(model, request)))
+
+    check([CLOCK, LOGIN])
+    assert len(compiled) == 2
+
+    def no_thread(*args, **kwargs):
+        raise AssertionError("took a worker thread")
+
+    monkeypatch.setattr(chat.asyncio, "to_thread", no_thread)
+    check([LOGIN, CLOCK])  # an agent's next turn: before, each compiled again in a worker thread
+    assert len(compiled) == 2
+    monkeypatch.setattr(chat, "_MAX_COMPILED_PARAMETERS", 1)
+    check([CLOCK])  # the one kept: the most recently sent
+    with pytest.raises(AssertionError, match="worker thread"):  # one forgotten is compiled again, off the event loop
+        check([LOGIN])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,7 @@ from kiln.runtime.server.protocol import (
     FunctionCall,
     NamedToolChoice,
     TokenizeRequest,
+    Tool,
     ToolCallOut,
     Usage,
 )
@@ -42,6 +45,11 @@ from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responding import StreamEvents, respond, stop_reason, stream_chunk
 from kiln.runtime.server.tool_calls import ToolCall, ToolCallFormat
 from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError, json_format_rule
+
+# tools' parameters (their JSON, keys sorted) that compiled, the least recently sent first
+_COMPILED_PARAMETERS: dict[str, None] = {}
+_MAX_COMPILED_PARAMETERS = 1024
+_GRAMMAR_PLACE = re.compile(r"\bat \d+\(\d+\): ")  # where llguidance's error is in a grammar: "at 3(7): "
 
 
 def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -93,6 +101,14 @@ def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dic
         raise APIError(400, str(exc), param="messages") from None
 
 
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """A request's ``tools`` as the chat template takes them (OpenAI tool objects): an empty list too, as
+    transformers passes it (Llama 3.1's template writes its tool preamble for ``[]``)."""
+    if tools is None:
+        return None
+    return [{"type": "function", "function": tool.function.model_dump(exclude_none=True)} for tool in tools]
+
+
 def require_tool_format(model: ServedModel) -> ToolCallFormat:
     """The format the model calls tools in (the one its template for tools teaches): a 400 when that template does
     not render tools."""
@@ -108,9 +124,8 @@ class ChatTools:
     forced, and how many calls it keeps (``max_calls``: the Responses API's ``max_tool_calls``)."""
 
     def __init__(self, model: ServedModel, req: ChatCompletionRequest, max_calls: int | None = None) -> None:
-        self.functions = [tool.function.model_dump(exclude_none=True) for tool in req.tools or []]
-        # the tools as the template takes them (OpenAI tool objects): an empty list too, as transformers passes it
-        self.rendered = None if req.tools is None else [{"type": "function", "function": f} for f in self.functions]
+        self.rendered = template_tools(req.tools)
+        self.functions = [tool["function"] for tool in self.rendered or []]
         self.callable = self.functions  # the tools a call may name
         choice = self.choice = req.tool_choice or ("auto" if self.functions else "none")
         self.format: ToolCallFormat | None = None
@@ -150,16 +165,17 @@ class ChatTools:
         allowed = {tool.function.name for tool in listed}
         return [f for f in self.functions if f["name"] in allowed]
 
-    def structured_output(self) -> StructuredOutput | None:
-        """The grammar of a forced call (None when the model may answer in text), once every tool's parameters
-        compile, whatever ``tool_choice`` is (a 400 naming the first whose parameters do not: no call could be held
-        to them)."""
-        for index, function in enumerate(self.functions):
+    def check_parameters(self, indexes: list[int]) -> None:
+        """Compile the parameters of the tools at ``indexes``: a 400 naming the first whose parameters do not compile
+        (no call could be held to them)."""
+        for index in indexes:
             try:
-                _ = StructuredOutput(json=function.get("parameters", {})).llguidance_grammar
+                _ = StructuredOutput(json=self.functions[index].get("parameters", {})).llguidance_grammar
             except StructuredOutputError as exc:
-                raise APIError(400, f"the parameters of tool '{function['name']}' are no schema its calls can follow: "
-                                    f"{exc}", param=f"tools[{index}].function.parameters") from None
+                raise self._refused(index, exc) from None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar of a forced call (None when the model may answer in text)."""
         return self._grammar(self.forced) if self.forced else None
 
     def answer_or_calls(self, answer: StructuredOutput) -> StructuredOutput:
@@ -168,15 +184,30 @@ class ChatTools:
         return self._grammar(self.callable, json_format_rule(answer))
 
     def _grammar(self, functions: list[dict], answer: str | None = None) -> StructuredOutput:
-        """The grammar of calls of ``functions`` (or ``answer``, a Lark rule), compiled; a 400 where it cannot be."""
+        """The grammar of calls of ``functions`` (or ``answer``, a Lark rule), compiled; a 400 where it cannot be,
+        naming the tool whose call alone cannot be held (in words about its schema, not the grammar's)."""
         try:
-            calls = StructuredOutput(grammar=self.format.grammar(functions, self.parallel, answer))
-            _ = calls.llguidance_grammar
+            return self._compiled(functions, answer)
         except StructuredOutputError as exc:
+            for function in functions:
+                try:
+                    self._compiled([function])
+                except StructuredOutputError as alone:
+                    raise self._refused(self.functions.index(function), alone) from None
             with_answer = " beside response_format" if answer else ""
             raise APIError(400, f"tool_choice {_choice_name(self.choice)}{with_answer} cannot hold the calls to the "
-                                f"tools' parameters: {exc}", param="tools") from None
+                                f"tools' parameters together: {_first_line(exc)}", param="tools") from None
+
+    def _compiled(self, functions: list[dict], answer: str | None = None) -> StructuredOutput:
+        """The grammar of calls of ``functions`` (or ``answer``), compiled; StructuredOutputError where it is not."""
+        calls = StructuredOutput(grammar=self.format.grammar(functions, self.parallel, answer))
+        _ = calls.llguidance_grammar
         return calls
+
+    def _refused(self, index: int, exc: StructuredOutputError) -> APIError:
+        """The 400 for the tool at ``index`` whose parameters its calls cannot follow."""
+        return APIError(400, f"the parameters of tool '{self.functions[index]['name']}' are no schema its calls can "
+                             f"follow: {_first_line(exc)}", param=f"tools[{index}].function.parameters")
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The content and the calls in a finished completion: calls of the tools that may be called only, and
@@ -199,6 +230,11 @@ class ChatTools:
         if not calls or engine_reason != "stop":
             return engine_reason
         return "stop" if self.named else "tool_calls"
+
+
+def _first_line(exc: StructuredOutputError) -> str:
+    """An error's first line, without llguidance's place in a grammar the request never wrote (nor the grammar)."""
+    return _GRAMMAR_PLACE.sub("", str(exc).splitlines()[0])
 
 
 def _choice_name(choice: object) -> str:
@@ -250,7 +286,8 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest, max_tool_
     naming the field at fault); ``max_tool_calls``: how many of a choice's calls to keep (default: all)."""
     check_request(model, req)
     tools = ChatTools(model, req, max_tool_calls)
-    forced = await asyncio.to_thread(tools.structured_output) if tools.functions else None  # compiles the schemas
+    await check_tool_parameters(tools)
+    forced = await asyncio.to_thread(tools.structured_output) if tools.forced else None
     requested = await compiled_format(req)
     overridden = []  # the output format a forced call sets aside for this turn, as vLLM and OpenAI take it (an
     if forced is not None and requested is not None:  # agent sends its final answer's schema on every turn)
@@ -278,6 +315,20 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest, max_tool_
     format_param = "tool_choice" if forced is not None else format_field(req) if requested is not None else None
     return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer, req.return_tokens_as_token_ids), thinking,
                     [*overridden, *unread_template_fields(model, req)], format_param)
+
+
+async def check_tool_parameters(tools: ChatTools) -> None:
+    """Every tool's parameters compiled, whatever ``tool_choice`` is (``ChatTools.check_parameters``), off the event
+    loop; parameters that compiled before are not compiled again, and a request whose tools all did takes no worker
+    thread (an agent sends the same tools on every turn)."""
+    keys = [json.dumps(function.get("parameters", {}), sort_keys=True) for function in tools.functions]
+    if new := [index for index, key in enumerate(keys) if key not in _COMPILED_PARAMETERS]:
+        await asyncio.to_thread(tools.check_parameters, new)
+    for key in keys:  # the most recently sent last (written on the event loop only: no lock)
+        _COMPILED_PARAMETERS.pop(key, None)
+        _COMPILED_PARAMETERS[key] = None
+    while len(_COMPILED_PARAMETERS) > _MAX_COMPILED_PARAMETERS:
+        del _COMPILED_PARAMETERS[next(iter(_COMPILED_PARAMETERS))]
 
 
 def generation_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ChatTools, prompt_text: str) -> str:

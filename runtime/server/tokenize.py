@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.runtime.server.chat import render_chat, require_tool_format, unread_template_fields
+from kiln.runtime.server.chat import render_chat, require_tool_format, template_tools, unread_template_fields
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.jobs import check_model
@@ -36,8 +36,7 @@ def tokenize(model: ServedModel, req: TokenizeRequest) -> tuple[TokenizeResponse
         raise APIError(400, f"{chat_only[0]} applies to messages only: send messages, or leave it out",
                        param=chat_only[0])  # refused, not ignored (at its default, as clients send it, taken)
     if req.messages is not None:
-        tools = None if req.tools is None else [{"type": "function", "function": t.function.model_dump(
-            exclude_none=True)} for t in req.tools]  # an empty list too, as transformers and chat pass it
+        tools = template_tools(req.tools)
         if tools:  # as chat refuses them
             require_tool_format(model)
         text = render_chat(model, req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs,

@@ -25,7 +25,10 @@ from kiln.runtime.structured_output import DEFINITION_KEYS, json_rule
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: a function without parameters takes none
 _SEPARATOR = re.compile(r"\s*;\s*")  # between the calls of a Llama 3 JSON completion
 _COMMA = re.compile(r"\s*,\s*")  # between the calls of a Mistral array
-_ARRAY_OF_OBJECTS = re.compile(r"\[\s*(?:\{|$)")  # what may open a Mistral array of calls
+# what opens a Mistral array of calls: its first object's "name" key (not any JSON array: '[{"a": 1}] says'), and
+# what may open one at the very end of a text so far ("[", '[{"na', ...)
+_CALLS_ARRAY = re.compile(r'\[\s*\{\s*"name"')
+_CALLS_ARRAY_BEGUN = re.compile(r'\[\s*(?:\{\s*(?:"(?:n(?:a(?:m(?:e)?)?)?)?)?)?\Z')
 # a call's JSON cut off after its name: the name, and the arguments as far as they got
 _CUT_OFF_CALL = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
                            r"(?P<arguments>.*)", re.DOTALL)
@@ -95,11 +98,11 @@ class ToolCallFormat:
 
     def _call_start(self, text: str) -> int:
         """Where a call may begin in ``text`` so far (its length when none can)."""
-        if self.listed:  # the prefix marker, else an array of objects (not any text in brackets: "[1] says")
+        if self.listed:  # the prefix marker, else an array of calls, or what may begin either at the end
             if (index := text.find(self.prefix)) >= 0:
                 return index
-            opened = _ARRAY_OF_OBJECTS.search(text)
-            return opened.start() if opened else len(text) - partial_tag_length(text, self.prefix)
+            opened = _CALLS_ARRAY.search(text) or _CALLS_ARRAY_BEGUN.search(text)
+            return min(opened.start() if opened else len(text), len(text) - partial_tag_length(text, self.prefix))
         if not self.open:  # a completion of calls alone: hold anything that may open one
             stripped = text.lstrip()
             if not stripped or (self.prefix and (stripped.startswith(self.prefix) or self.prefix.startswith(stripped))):
@@ -167,11 +170,11 @@ class ToolCallFormat:
 
     def _listed(self, text: str) -> tuple[int, list[object], str] | None:
         """Where a listed completion's calls begin (at its prefix marker where the text holds it, as vLLM splits
-        there; else at the first array of objects that runs to the end, the marker being a special token left out of
-        the text), their whole values and the start of a value cut off after them ("" when there is none); None when
-        no array of objects runs to the end."""
+        there; else at the first array of calls, opened by its first object's "name", that runs to the end, the marker
+        being a special token left out of the text), their whole values and the start of a value cut off after them
+        ("" when there is none); None when no such array runs to the end."""
         marker = text.find(self.prefix)
-        for start in [marker] if marker >= 0 else [match.start() for match in _ARRAY_OF_OBJECTS.finditer(text)]:
+        for start in [marker] if marker >= 0 else [match.start() for match in _CALLS_ARRAY.finditer(text)]:
             body = self._body(text[start:])
             if not body.startswith("["):
                 continue
