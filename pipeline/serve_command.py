@@ -33,8 +33,6 @@ from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.server_defaults import DEFAULT_HOST, DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_QUEUE, DEFAULT_PORT
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
-
     from kiln.engines.cache import EngineCache
     from kiln.runtime.llm import LLM
     from kiln.runtime.native.parallel.group import Rendezvous
@@ -236,14 +234,6 @@ def engine_cache_info(cache: EngineCache, key: str, hit: bool) -> dict:
     return {"hit": hit, "hit_rate": hit_rate, "key": key, "remote": remote}
 
 
-def served_paths(app: FastAPI) -> str:
-    """The paths an app serves, once each, as "/health, /v1/completions, ..." (its OpenAPI ones)."""
-    from fastapi.routing import APIRoute
-
-    return ", ".join(dict.fromkeys(route.path_format for route in app.routes
-                                   if isinstance(route, APIRoute) and route.include_in_schema))
-
-
 def require_serve_extra() -> None:
     """Raise a clear error when the server's dependencies are missing."""
     try:
@@ -358,6 +348,7 @@ def serve(
     if not engine_process:  # before torch loads OpenMP: threads that spin between its CPU ops take the event loop's
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # cores, as the engine process's child is spared them
     from kiln.runtime.server import create_app, run_server
+    from kiln.runtime.server.errors import served_paths
     from kiln.runtime.server.serve import UnknownHostError, listening_socket
 
     template = read_chat_template(chat_template) if chat_template is not None else None  # before any build

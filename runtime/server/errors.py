@@ -95,8 +95,17 @@ _SCALAR_TYPES = {"str", "int", "float", "bool"}  # the names pydantic gives a un
 
 def served_routes(app: FastAPI) -> str:
     """The routes an app serves, as "GET /v1/models, POST /v1/completions, ..." (its OpenAPI ones)."""
-    return ", ".join(f"{method} {route.path_format}" for route in app.routes if isinstance(route, APIRoute)
-                     and route.include_in_schema for method in sorted(route.methods))
+    return ", ".join(f"{method} {route.path_format}" for route in _schema_routes(app)
+                     for method in sorted(route.methods))
+
+
+def served_paths(app: FastAPI) -> str:
+    """The paths an app serves, once each, as "/health, /v1/completions, ..." (its OpenAPI ones)."""
+    return ", ".join(dict.fromkeys(route.path_format for route in _schema_routes(app)))
+
+
+def _schema_routes(app: FastAPI) -> list[APIRoute]:
+    return [route for route in app.routes if isinstance(route, APIRoute) and route.include_in_schema]
 
 
 def install_error_handlers(app: FastAPI) -> None:
