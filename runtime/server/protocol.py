@@ -215,14 +215,21 @@ class StreamOptions(StrictModel):
                                                                   "every chunk carries its choice's usage so far.")
 
 
-def _stream_options_ignored(options: StreamOptions | None) -> list[str]:
-    """The ``stream_options`` that change nothing, by their paths: ``include_obfuscation`` true (no obfuscation
-    padding is sent) and ``continuous_usage_stats`` true without ``include_usage`` (no usage to send)."""
-    if options is None:
-        return []
-    return [f"stream_options.{name}" for name, unheard in (
-        ("include_obfuscation", options.include_obfuscation),
-        ("continuous_usage_stats", options.continuous_usage_stats and not options.include_usage)) if unheard]
+def shared_ignored_fields(request: BaseModel, store: bool | None, stream_options: BaseModel | None) -> set[str]:
+    """What the APIs share of the fields a request set that change nothing, as the ignored-fields header names them:
+    those of IGNORED_FIELDS (``store`` only when true: nothing is stored either way), ``include_obfuscation`` true
+    (no obfuscation padding is sent) and ``continuous_usage_stats`` true without ``include_usage`` (no usage to
+    send)."""
+    names = request.model_fields_set & IGNORED_FIELDS
+    if store is False:
+        names.discard("store")
+    if stream_options is not None:
+        usage = getattr(stream_options, "include_usage", None)
+        names.update(f"stream_options.{name}" for name, unheard in (
+            ("include_obfuscation", stream_options.include_obfuscation),
+            ("continuous_usage_stats", getattr(stream_options, "continuous_usage_stats", None) and not usage))
+            if unheard)
+    return names
 
 
 def _continue_final_message(value: bool, info: ValidationInfo) -> bool:
@@ -322,10 +329,7 @@ class SamplingFields(SamplingExtensions):
     def ignored_fields(self) -> list[str]:
         """The accepted-and-ignored fields this request set, sorted: ``store`` only when true (nothing is stored
         either way), and the ``stream_options`` that ask for what no stream here sends."""
-        names = self.model_fields_set & IGNORED_FIELDS
-        if self.store is False:
-            names.discard("store")
-        return sorted(names | set(_stream_options_ignored(self.stream_options)))
+        return sorted(shared_ignored_fields(self, self.store, self.stream_options))
 
     def guided_outputs(self) -> StructuredOutputs | None:
         """The ``structured_outputs`` that the guided_* fields (vLLM's names before 0.11) ask for, if any."""

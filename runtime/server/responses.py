@@ -19,7 +19,7 @@ from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
-from kiln.runtime.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, SamplingExtensions, Usage
+from kiln.runtime.server.protocol import ChatCompletionRequest, SamplingExtensions, Usage, shared_ignored_fields
 from kiln.runtime.server.reasoning import ReasoningSplitter
 from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responding import StreamEvents, respond
@@ -123,9 +123,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 def _ignored_fields(req: ResponsesRequest) -> list[str]:
     """The request's fields that change nothing, as the ignored-fields header names them (``store`` only when true:
     nothing is stored either way; of ``reasoning``, what is not its effort, which the template reads)."""
-    names = req.model_fields_set & IGNORED_FIELDS
-    if req.store is False:
-        names.discard("store")
+    names = shared_ignored_fields(req, req.store, req.stream_options)
     if req.text is not None and req.text.verbosity is not None:
         names.add("text.verbosity")
     if req.truncation == "auto":  # nothing to truncate in a prompt that fits; one that does not is a 400
@@ -136,8 +134,6 @@ def _ignored_fields(req: ResponsesRequest) -> list[str]:
         names.update(f"reasoning.{name}" for name in req.reasoning.model_fields_set - {"effort"})
     if ENCRYPTED_REASONING in (req.include or []):
         names.add(f"include.{ENCRYPTED_REASONING}")
-    if req.stream_options is not None and req.stream_options.include_obfuscation:  # no obfuscation padding
-        names.add("stream_options.include_obfuscation")
     return sorted(names)
 
 
