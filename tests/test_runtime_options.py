@@ -83,7 +83,8 @@ def test_kiln_serve_takes_prefix_caching_from_its_flag_else_the_variable(monkeyp
     monkeypatch.delenv("KILN_PREFIX_CACHING", raising=False)
     seen = {}
     monkeypatch.setattr(server, "run_server", lambda *args, **kwargs: None)
-    monkeypatch.setattr(ServeTarget, "loader", lambda self, options: seen.update(options=options) or (lambda: None))
+    monkeypatch.setattr(ServeTarget, "loader",
+                        lambda self, options, settings=None: seen.update(options=options) or (lambda: None))
     result = CliRunner().invoke(cli.app, ["serve", str(tiny_engine()), *flags], env=environ)
     assert result.exit_code == 0, result.output
     assert seen["options"].prefix_caching is prefix_caching
