@@ -388,10 +388,11 @@ def test_max_batch_size_sets_a_generated_plan_and_is_refused_for_a_config(tmp_pa
     assert code == 2 and "--random-quantized and --checkpoint-cache apply to architecture files" in err
 
 
-def test_random_quantized_fp8_weights_build_without_modelopt(tmp_path, kiln_cache):
+def test_random_quantized_fp8_weights_build_without_modelopt(tmp_path, kiln_cache, monkeypatch):
     arch = write_architecture(tmp_path / "tiny-direct.json")
+    monkeypatch.chdir(tmp_path)  # a relative --checkpoint-cache is the working directory's, as KILN_CACHE is
     report = bench_json(str(arch), *SMALL, "--batch-1", "--format", "fp8", "--kv-cache-dtype", "fp8",
-                        "--random-quantized", "--bandwidth-gbs", "10", "--checkpoint-cache", str(tmp_path / "ckpts"))
+                        "--random-quantized", "--bandwidth-gbs", "10", "--checkpoint-cache", "ckpts")
     # the checkpoint in the cache --checkpoint-cache names, the engine in KILN_CACHE's
     assert [row["store"] for row in ls_entries(EngineCache.open_configured(tmp_path / "ckpts"))] == ["checkpoints"]
     assert Path(report["kiln"]["engine_dir"]).is_relative_to(kiln_cache)

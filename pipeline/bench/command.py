@@ -83,6 +83,8 @@ def bench(
     if random_quantized and peer is not None:
         raise typer.BadParameter("--random-quantized writes a checkpoint only Kiln reads (modelopt's FP8 layout); "
                                  "leave out --peer")
+    # from the working directory, as KILN_CACHE is: the generated config that names it lives elsewhere
+    checkpoint_cache = None if checkpoint_cache is None else checkpoint_cache.absolute()
     if suite is not None:
         _refuse_given("a --suite row sets its own requests and lengths, and runs offline only",
                       {"--prompts": prompts, "--input-len": input_len, "--output-len": output_len,
