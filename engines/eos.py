@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from kiln.runtime.chat_template_files import ChatTemplateFiles
+from kiln.runtime.tokenizer import Tokenizer
 
 
 def generation_eos_ids(config: dict[str, Any], generation: dict[str, Any]) -> list[int]:
@@ -12,3 +16,14 @@ def generation_eos_ids(config: dict[str, Any], generation: dict[str, Any]) -> li
     value = generation.get("eos_token_id")
     value = config.get("eos_token_id") if value is None else value
     return list(dict.fromkeys(int(i) for i in ([value] if isinstance(value, int) else value or [])))
+
+
+def stopping_eos_ids(checkpoint_dir: Path, config: dict[str, Any], generation: dict[str, Any]) -> list[int]:
+    """``generation_eos_ids``, then the id of the tokenizer's ``eos_token`` where it is another, as vLLM stops on
+    both: a ChatML fine-tune may name ``<|im_end|>`` in tokenizer_config.json and only ``<|endoftext|>`` in its
+    configs, and every chat reply would otherwise run to its token limit."""
+    ids = generation_eos_ids(config, generation)
+    text = ChatTemplateFiles.read(checkpoint_dir).special_tokens.get("eos_token")
+    tokenizer = Tokenizer.from_dir(checkpoint_dir) if text is not None else None
+    token_id = None if tokenizer is None else tokenizer.token_id(text)
+    return ids if token_id is None or token_id in ids else [*ids, token_id]

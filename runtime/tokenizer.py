@@ -89,6 +89,10 @@ class Tokenizer:
                            config_path)
         return cls(tokenizer)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token ``text`` is (a special token's, say), or None."""
+        return self._tokenizer.token_to_id(text)
+
     def to_dict(self) -> dict:
         """The tokenizer as JSON-serializable data (what `from_dict` takes), to hand it to another process."""
         return {"tokenizer_json": self._tokenizer.to_str()}

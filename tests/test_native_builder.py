@@ -168,6 +168,10 @@ def test_older_rope_scaling_and_generation_config_eos_ids_are_read(tmp_path):
     arch = build(checkpoint, tmp_path)[0]["architecture"]
     assert arch["rope_theta"] == 500000.0 and arch["rope_scaling"]["rope_type"] == "llama3"
     assert arch["eos_token_ids"] == [7, 2]  # generation_config.json's replace config.json's, as in transformers
+    tokenizer_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "t9"}))
+    # the tokenizer's EOS too, where it is another (a ChatML fine-tune's <|im_end|>), as vLLM stops on it
+    assert build(checkpoint, tmp_path, name="chatml")[0]["architecture"]["eos_token_ids"] == [7, 2, 9]
 
 
 def test_kv_cache_allocation_matches_bytes_per_block(checkpoint, tmp_path):

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kiln.engines.eos import generation_eos_ids
+from kiln.engines.eos import generation_eos_ids, stopping_eos_ids
 from kiln.runtime.errors import EngineFormatError, KilnError
 from kiln.runtime.json_files import is_number, read_json_object
 from kiln.runtime.native.engine_format import Architecture
@@ -52,9 +52,10 @@ def read_architecture(checkpoint_dir: Path) -> tuple[Architecture, dict[str, Any
     gen_path = checkpoint_dir / "generation_config.json"
     gen = read_json(gen_path) if gen_path.is_file() else {}
     try:
-        return parse_architecture(cfg, gen, path), cfg
+        architecture = parse_architecture(cfg, gen, path)
     except (TypeError, ValueError, KeyError) as e:  # a bad value that parse_architecture does not name itself
         raise KilnError(f"{path}: a field has the wrong type or value ({e}); fix config.json") from None
+    return replace(architecture, eos_token_ids=stopping_eos_ids(checkpoint_dir, cfg, gen)), cfg
 
 
 def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> Architecture:

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kiln.engines.eos import generation_eos_ids
+from kiln.engines.eos import stopping_eos_ids
 from kiln.engines.trtllm.command import BUILD_DIR_PLACEHOLDER, NEW_TIMING_CACHE, convert_command, trtllm_build_command
 from kiln.engines.trtllm.options import TrtllmBuildOptions
 from kiln.engines.trtllm.preflight import preflight
@@ -154,7 +154,7 @@ def _write_engine_info(out_dir: Path, options: TrtllmBuildOptions, hf_dir: Path,
         quantization={"format": quant_format, "kv_cache_dtype": kv_cache_dtype},
         fingerprint={k: fingerprint.get(k) for k in ("device", "gpu_name", "compute_capability", "cuda",
                                                      "tensorrt_llm", "tensorrt")},
-        eos_token_ids=generation_eos_ids(hf_config, generation),
+        eos_token_ids=stopping_eos_ids(hf_dir, hf_config, generation),
         vocab_size=int(hf_config.get("vocab_size", 0)),
         tp_size=options.tp_size, pp_size=options.pp_size,
         build={"argv": record["build"]["argv"], "convert_argv": (record["convert"] or {}).get("argv")},
