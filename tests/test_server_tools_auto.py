@@ -238,3 +238,14 @@ def test_parameters_that_compiled_are_not_compiled_again_nor_sent_to_a_worker_th
     check([CLOCK])  # the one kept: the most recently sent
     with pytest.raises(AssertionError, match="worker thread"):  # one forgotten is compiled again, off the event loop
         check([LOGIN])
+
+
+def test_a_call_cut_off_under_auto_beside_a_response_format_comes_back_as_a_call_not_markup():
+    from kiln.runtime.structured_output import StructuredOutput
+    from tests.test_server_allowed_tools import hermes_tools
+
+    tools = hermes_tools()
+    tools.answer_or_calls(StructuredOutput(json={"type": "object"}))
+    content, calls = tools.parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Os')]
+    assert tools.parse('{"answer": 1}') == ('{"answer": 1}', [])  # the answer the format allows is content

@@ -130,6 +130,7 @@ class ChatTools:
         choice = self.choice = req.tool_choice or ("auto" if self.functions else "none")
         self.format: ToolCallFormat | None = None
         self.forced: list[dict] = []
+        self.calls_or_answer = False  # auto beside a JSON response_format: its grammar holds the output (see below)
         self.named = False  # tool_choice names the function to call
         if choice == "none" or not self.functions:
             if not isinstance(choice, str) or choice == "required":
@@ -181,6 +182,7 @@ class ChatTools:
     def answer_or_calls(self, answer: StructuredOutput) -> StructuredOutput:
         """The grammar of ``tool_choice`` auto beside a JSON ``answer`` format (``response_format``, which an agent
         sends on every turn): calls of the tools, as ``required`` forces them, or an answer in that format."""
+        self.calls_or_answer = True
         return self._grammar(self.callable, json_format_rule(answer))
 
     def _grammar(self, functions: list[dict], answer: str | None = None) -> StructuredOutput:
@@ -211,16 +213,18 @@ class ChatTools:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The content and the calls in a finished completion: calls of the tools that may be called only, and
-        only the first ``max_calls`` (one with ``parallel_tool_calls`` false). A forced call's completion has no
-        content, and a call it was cut off in comes back with its arguments as far as they got."""
+        only the first ``max_calls`` (one with ``parallel_tool_calls`` false). A forced call's completion (or calls
+        that ``answer_or_calls``'s grammar wrote) has no content, and a call it was cut off in comes back with its
+        arguments as far as they got."""
         if self.format is None:
             return text, []
         names = self.names
         content, calls = self.format.parse(text, names)
-        if self.forced:  # the grammar wrote calls alone: one it did not finish was cut off by the token limit
-            cut = self.format.cut_off_call(text, names)
+        if self.forced or self.calls_or_answer:  # a grammar that wrote calls alone, or the answer instead: a call it
+            cut = self.format.cut_off_call(text, names)  # did not finish was cut off by the token limit
             calls = [*calls, cut] if cut else calls
-            return None, calls[:self.max_calls]
+            if self.forced or calls:
+                return None, calls[:self.max_calls]
         return (content or None) if calls else text, calls[:self.max_calls]
 
     def finish_reason(self, calls: list[ToolCall], engine_reason: str) -> str:
