@@ -291,6 +291,9 @@ def test_a_suite_runs_each_row_offline_and_sets_it_against_its_published_figure(
     assert "runtime: scheduler_policy max_utilization" in out  # the user's setting wins
     code, _, err = run_bench("tiny-llama-bf16.yaml", "--suite", "tiny", "--rows", "1/1")
     assert code != 0 and "suite tiny has rows 16/6, 8/4" in err
+    for rows, named in (("", "(an empty row)"), ("8/4,", "(an empty row)"), ("8/4,8/4", "8/4 twice")):
+        code, _, err = run_bench("tiny-llama-bf16.yaml", "--suite", "tiny", "--rows", rows)
+        assert code == 2 and named in err, (rows, err)  # none runs the whole table or a row twice
     code, _, err = run_bench("tiny-llama-bf16.yaml", "--suite", "nope")
     assert code != 0 and "trtllm-h200" in err
 

@@ -125,7 +125,7 @@ def _run_suite(target: str, name: str, rows: str | None, *, fmt: str | None, kv_
         raise typer.BadParameter(f"--suite {name!r} is not one of {', '.join(SUITES)}")
     if peer is not None:
         raise typer.BadParameter("--suite compares with published figures; leave out --peer")
-    selected = select_rows(SUITES[name], rows.split(",") if rows else None)
+    selected = select_rows(SUITES[name], None if rows is None else [row.strip() for row in rows.split(",")])
     run = run_record()
     report = run_suite(target, SUITES[name], selected, fmt=fmt, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size,
                        random_quantized=random_quantized, checkpoint_cache=checkpoint_cache,

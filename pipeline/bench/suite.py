@@ -195,11 +195,14 @@ def target_model(target: Target) -> dict:
 
 
 def select_rows(suite: Suite, names: list[str] | None) -> tuple[SuiteRow, ...]:
-    """The suite's rows named ``IN/OUT`` (all of them when ``names`` is None); an unknown name is an error."""
-    if not names:
+    """The suite's rows named ``IN/OUT`` (all of them when ``names`` is None); an unknown, empty or repeated name is
+    an error."""
+    if names is None:
         return suite.rows
     by_name = {row.name: row for row in suite.rows}
-    unknown = [name for name in names if name not in by_name]
+    if repeated := sorted({name for name in names if names.count(name) > 1}):
+        raise BenchTargetError(f"--rows names {', '.join(repeated)} twice: name each row once")
+    unknown = [name or "(an empty row)" for name in names if name not in by_name]
     if unknown:
         raise BenchTargetError(f"--rows {', '.join(unknown)}: suite {suite.name} has rows {', '.join(by_name)}")
     return tuple(by_name[name] for name in names)
