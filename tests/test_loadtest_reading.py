@@ -23,12 +23,19 @@ CARD = {"id": "fake", "max_model_len": 700, "max_input_len": 100}
 
 @asynccontextmanager
 async def fake_server(chunks: Callable[[int], list[dict | str]], tokenize: int | None = None,
-                      seen: list[dict] | None = None) -> AsyncIterator[str]:
+                      seen: list[dict] | None = None, loading: int = 0) -> AsyncIterator[str]:
     """A server whose n-th streamed answer is ``chunks(n)`` (a dict is an SSE chunk, a str a raw line) and whose
-    /tokenize counts ``tokenize`` tokens (no such route where None); the bodies it was sent go to ``seen``."""
+    /tokenize counts ``tokenize`` tokens (no such route where None); the bodies it was sent go to ``seen``; its
+    first ``loading`` model lists answer 503, still loading, as Kiln's server does."""
     answered = 0
+    listed = 0
 
     async def models(_: web.Request) -> web.Response:
+        nonlocal listed
+        listed += 1
+        if listed <= loading:
+            return web.json_response({"error": {"message": "the engine is still loading: retry after 1 s"}},
+                                     status=503, headers={"Retry-After": "0"})
         return web.json_response({"data": [CARD]})
 
     async def stream(request: web.Request) -> web.StreamResponse:
@@ -151,3 +158,15 @@ def test_text_prompts_are_counted_by_the_servers_tokenize_before_anything_is_sen
     with pytest.raises(WorkloadError, match=r"max_tokens \(700\) leaves no room for a prompt") as refused:
         asyncio.run(check(None, 700))
     assert "1 tokens" not in str(refused.value)  # before: "prompt (1 tokens) + max_tokens (700) = 701"
+
+
+def test_a_server_still_loading_its_engine_is_waited_for_and_one_that_stays_so_named():
+    from kiln.pipeline.bench.serving_clients import LoadTestError, _model_card, _session
+
+    async def card(loading: int, ready_wait_s: float) -> dict:
+        async with fake_server(lambda n: [], loading=loading) as url, _session(url, None, 1, 10) as session:
+            return await _model_card(session, url, ready_wait_s)
+
+    assert asyncio.run(card(loading=3, ready_wait_s=30)) == CARD  # as vLLM's bench waits for the server
+    with pytest.raises(LoadTestError, match="503"):
+        asyncio.run(card(loading=10**6, ready_wait_s=0.2))

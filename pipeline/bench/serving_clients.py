@@ -21,6 +21,8 @@ from kiln.runtime.stats import summarize
 # what a streamed chat delta carries that is output: its answer, its reasoning (vLLM's ``reasoning``, and
 # ``reasoning_content`` before it), or its tool calls, as vLLM's serving benchmark counts reasoning as output
 DELTA_OUTPUT = ("content", "reasoning", "reasoning_content", "tool_calls")
+# how long a run waits for a server still loading its engine (503 "loading"), as vLLM's bench serve waits for one
+READY_WAIT_S = 600.0
 
 
 class LoadTestError(KilnError):
@@ -154,12 +156,18 @@ def _session(url: str, api_key: str | None, concurrency: int, timeout_s: float):
                                  timeout=aiohttp.ClientTimeout(total=timeout_s), read_bufsize=2**20)
 
 
-async def _model_card(session, url: str) -> dict:
+async def _model_card(session, url: str, ready_wait_s: float = READY_WAIT_S) -> dict:
+    """The served model's card; a server still loading its engine is waited for (up to ``ready_wait_s``)."""
     aiohttp = _aiohttp()
+    deadline = time.monotonic() + ready_wait_s
     try:
-        async with session.get("/v1/models") as response:
-            response.raise_for_status()
-            return (await response.json())["data"][0]
+        while True:
+            async with session.get("/v1/models") as response:
+                if response.status == 503 and "loading" in await response.text() and time.monotonic() < deadline:
+                    await asyncio.sleep(float(response.headers.get("Retry-After", 1)))
+                    continue
+                response.raise_for_status()
+                return (await response.json())["data"][0]
     except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, ValueError) as exc:
         raise LoadTestError(f"{url}: cannot list models ({type(exc).__name__}: {exc}): is the server up and the key "
                             f"right?") from None
