@@ -8,7 +8,6 @@ the stages in order and reports their decisions.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -17,8 +16,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from kiln.calibration.layout import QuantizedCheckpoint
 from kiln.calibration.recipe import recipe_material
-from kiln.engines.cache import CacheRootError, ContentStore, EngineCache, EntryHold, LookupResult, engine_key
-from kiln.engines.cache.layout import entry_of_payload, entry_path, layout_root, payload_path
+from kiln.engines.cache import ContentStore, EngineCache, EntryHold, LookupResult, engine_key
+from kiln.engines.cache.layout import entry_of_payload, entry_path, payload_path, require_creatable
 from kiln.engines.cache.manifest import read_manifest
 from kiln.engines.cache.remote import RemoteTier, RemoteUnavailableError
 from kiln.engines.cache.units import format_bytes
@@ -220,11 +219,7 @@ def _refuse_read_only(ctx: BuildContext, store: str, key: str) -> None:
         content = ctx.cache.stores[store]
         content.require_writable(f"{content.label} {key[:12]} cannot be built into the cache")
         return
-    existing = next(path for path in (ctx.cache_root, *ctx.cache_root.parents) if path.exists())  # no cache yet
-    if not os.access(existing, os.W_OK):
-        raise CacheRootError(f"cache root {ctx.cache_root}: cannot create {layout_root(ctx.cache_root)} (this user "
-                             f"cannot write {existing}); set $KILN_CACHE (or a config's cache.dir) to a folder you "
-                             f"can write")
+    require_creatable(ctx.cache_root)  # no cache yet
 
 
 def _transfer_progress(store: ContentStore, progress: Progress) -> Callable[[str, int, int], None]:

@@ -60,6 +60,15 @@ def entry_of_payload(payload: Path) -> tuple[Path, str, str] | None:
 _SET_ROOT = "set $KILN_CACHE (or a config's cache.dir, or --cache-dir of the cache commands) to a folder you can write"
 
 
+def require_creatable(root: Path) -> None:
+    """CacheRootError when ``ensure_layout`` could not create a cache at ``root``, which does not exist yet: the
+    nearest folder above it that exists is one this user cannot write."""
+    existing = next(path for path in (root, *root.parents) if path.exists())
+    if not os.access(existing, os.W_OK):
+        raise CacheRootError(f"cache root {root}: cannot create {layout_root(root)} (this user cannot write "
+                             f"{existing}); {_SET_ROOT}")
+
+
 def ensure_layout(root: Path) -> Path:
     """Create the root, its CACHEDIR.TAG and the v1 folders; return ``<root>/v1``. CacheRootError when the root
     cannot hold a cache (a file, a folder this user cannot write)."""
