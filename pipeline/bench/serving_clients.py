@@ -163,11 +163,12 @@ async def _model_card(session, url: str, ready_wait_s: float = READY_WAIT_S) -> 
     try:
         while True:
             async with session.get("/v1/models") as response:
-                if response.status == 503 and "loading" in await response.text() and time.monotonic() < deadline:
-                    await asyncio.sleep(float(response.headers.get("Retry-After", 1)))
-                    continue
-                response.raise_for_status()
-                return (await response.json())["data"][0]
+                loading = response.status == 503 and "loading" in await response.text()
+                if not loading or time.monotonic() >= deadline:
+                    response.raise_for_status()
+                    return (await response.json())["data"][0]
+                retry_after = float(response.headers.get("Retry-After", 1))
+            await asyncio.sleep(retry_after)  # with the connection given back
     except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, ValueError) as exc:
         raise LoadTestError(f"{url}: cannot list models ({type(exc).__name__}: {exc}): is the server up and the key "
                             f"right?") from None
