@@ -27,6 +27,17 @@ async def wait_for_disconnect(receive: Receive) -> None:
             return
 
 
+async def done_before_disconnect(work: asyncio.Future, receive: Receive) -> bool:
+    """Wait for ``work`` or the client's going away, whichever comes first; whether ``work`` is done. The caller ends
+    work that is not (its own way: an abort, a cancel), in a ``finally`` that a cancelled wait runs too."""
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    return work.done()
+
+
 def with_cancellation(handler: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T | Response]]:
     """Decorate an async route handler that takes a ``Request`` (``request: fastapi.Request``), as vLLM's
     ``with_cancellation``: once its client disconnects the handler is cancelled, so that the ``generate_async`` it
@@ -40,11 +51,9 @@ def with_cancellation(handler: Callable[P, Awaitable[T]]) -> Callable[P, Awaitab
                             f"going away: give it a parameter `request: fastapi.Request`")
         await request.body()  # kept by the request for the handler: the watcher below reads only the disconnect
         work = asyncio.ensure_future(handler(*args, **kwargs))
-        watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
         try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await done_before_disconnect(work, request.receive)
         finally:
-            watcher.cancel()
             if not work.done():  # the client went away (or the server is stopping): the handler ends first
                 work.cancel()
                 await asyncio.wait({work})

@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from kiln.runtime.errors import EngineClosedError, InvalidRequestError, KilnError
 from kiln.runtime.outputs import RequestOutput, StreamDelta
-from kiln.runtime.server.disconnect import wait_for_disconnect
+from kiln.runtime.server.disconnect import done_before_disconnect, wait_for_disconnect
 from kiln.runtime.server.errors import APIError, error_body
 from kiln.runtime.server.generation import RETRY_AFTER_S, Job, ServedModel, engine_request_ids
 from kiln.runtime.server.metrics import CLIENT_CLOSED_REQUEST, CLIENT_GONE, ServerMetrics
@@ -64,18 +64,16 @@ async def _collect(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, 
 
     request_ids = engine_request_ids(len(jobs))
     runner = asyncio.create_task(model.generate_final(jobs, observe, request_ids))
-    watcher = asyncio.create_task(wait_for_disconnect(request.receive))
     try:
-        done, _ = await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finished = await done_before_disconnect(runner, request.receive)
     finally:
-        watcher.cancel()
         if not runner.done():
             for request_id in request_ids:  # each ends with an output of reason abort, which observe counts
                 model.llm.abort(request_id)
             with contextlib.suppress(Exception):  # as the abort's deltas land; else cancelled, which aborts too
                 await asyncio.wait_for(asyncio.shield(runner), ABORTED_OUTPUTS_WAIT_S)
             runner.cancel()
-    if runner not in done:
+    if not finished:
         metrics.vllm.aborted(len(jobs) - len(landed))
         logger.info("aborted: the client went away before the answer was done")
         return None
