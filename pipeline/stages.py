@@ -386,8 +386,9 @@ class BuildStage:
         # ``prepare`` sets the format once the checkpoint is there (a deferred quantize stage may run in it)
         hardware = ctx.material["hardware"]
         devices = hardware["tp_size"] * hardware["pp_size"]  # the devices one engine runs on: "NVIDIA H200 x2"
-        describe = {"model": ctx.model_name, "format": _shipped_format(ctx),
-                    "kv_cache_dtype": _shipped_kv_cache_dtype(ctx), "backend": ctx.choice.backend,
+        described_format, described_kv = _described_quantization(ctx)
+        describe = {"model": ctx.model_name, "format": described_format,
+                    "kv_cache_dtype": described_kv, "backend": ctx.choice.backend,
                     "gpu": (hardware["gpu_name"] or "cpu") + (f" x{devices}" if devices > 1 else "")}
         result = ctx.cache.entries.get_or_build(ctx.engine_key, ctx.material, self._holding_checkpoint(ctx, build),
                                                  force=ctx.force, describe=describe,
@@ -416,7 +417,7 @@ class BuildStage:
 
         def ready() -> float:
             ctx.ensure_checkpoint(progress)
-            describe["format"], describe["kv_cache_dtype"] = _shipped_format(ctx), _shipped_kv_cache_dtype(ctx)
+            describe["format"], describe["kv_cache_dtype"] = _described_quantization(ctx)
             return ctx.quantize_seconds
 
         return ready
@@ -589,6 +590,21 @@ def _kv_dtype(ctx: BuildContext) -> str:
 
 def _shipped_format(ctx: BuildContext) -> str:
     return (ctx.calibration or {}).get("format", ctx.config.quantize.format)
+
+
+def _described_quantization(ctx: BuildContext) -> tuple[str, str]:
+    """The format and KV cache dtype an engine entry is described by (``kiln cache ls``): what the recipe shipped,
+    or for a checkpoint built as it is (format none), what it declares: a modelopt FP8 export is an FP8 engine."""
+    shipped = _shipped_format(ctx), _shipped_kv_cache_dtype(ctx)
+    if ctx.config.quantize.format != "none" or ctx.checkpoint_dir is None:
+        return shipped
+    from kiln.engines.native.checkpoint import read_json, read_quantization
+
+    try:
+        declared = read_quantization(ctx.checkpoint_dir, read_json(ctx.checkpoint_dir / "config.json"))
+    except KilnError:  # a quantization the native builder refuses: the build names it, not the description
+        return shipped
+    return declared.format, "fp8" if declared.fp8_kv_cache else "auto"
 
 
 def _shipped_kv_cache_dtype(ctx: BuildContext) -> str:

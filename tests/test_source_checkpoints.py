@@ -53,3 +53,27 @@ def test_the_quantize_stage_refuses_a_checkpoint_that_is_already_quantized(tmp_p
         (tmp_path / "hf_quant_config.json").write_text(json.dumps(declared["hf_quant_config.json"]))
     with pytest.raises(CalibrationError, match="the checkpoint is already quantized .*quantize.format: none"):
         check_quantizable(tmp_path)
+
+
+@pytest.mark.parametrize(("files", "described"), [
+    ({"hf_quant_config.json": {"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}}, ("fp8", "fp8")),
+    ({"hf_quant_config.json": {"quantization": {"quant_algo": "W4A16_AWQ"}}}, ("int4_awq", "auto")),
+    ({}, ("none", "auto")),
+    ({"config.json": {"quantization_config": {"quant_method": "gptq"}}}, ("none", "auto")),  # the build refuses it
+])
+def test_an_engine_built_as_its_checkpoint_is_described_by_the_quantization_the_checkpoint_declares(
+        tmp_path, files, described):
+    from types import SimpleNamespace
+
+    from kiln.pipeline.config import KilnConfig
+    from kiln.pipeline.stages import _described_quantization
+
+    (tmp_path / "config.json").write_text(json.dumps(files.get("config.json", {"architectures": ["Llama"]})))
+    if "hf_quant_config.json" in files:
+        (tmp_path / "hf_quant_config.json").write_text(json.dumps(files["hf_quant_config.json"]))
+    config = KilnConfig.model_validate({"model": {"path": str(tmp_path)}})  # format none: built as it is
+    assert _described_quantization(SimpleNamespace(config=config, calibration=None, checkpoint_dir=tmp_path)) \
+        == described
+    quantized = KilnConfig.model_validate({"model": {"path": "m"}, "quantize": {"format": "fp8"}})
+    assert _described_quantization(SimpleNamespace(config=quantized, calibration={"format": "fp8"},
+                                                   checkpoint_dir=tmp_path)) == ("fp8", "auto")
