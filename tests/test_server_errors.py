@@ -86,6 +86,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "ignore_eos": True, "structured_outputs": {"choice": ["a"]}}, "ignore_eos",
      ["structured output"]),
     ({"prompt": "hi", "best_of": 2}, "best_of", ["not supported", "send null or 1"]),  # JSON, not Python, spellings
+    ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of", ["3 is not supported", "send null or 2 (n)"]),
     ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", ["not supported", "send null or false"]),
     ({"prompt": "hi", "length_penalty": 0.5}, "length_penalty", ["not supported", "1.0"]),
     ({"prompt": "hi", "add_special_tokens": "no"}, "add_special_tokens", ["valid boolean"]),
@@ -151,6 +152,8 @@ def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, w
      ["not supported", "send null"]),
     ({"messages": [{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]},
      "messages[0].function_call", ["not supported"]),
+    ({"messages": [{"role": "assistant", "refusal": 5, "provider_specific_fields": {}}]}, "messages[0].refusal",
+     ["valid string"]),  # a message's unknown key is ignored, its known fields as strict as ever
 ])
 def test_bad_chat_requests_get_a_400_naming_the_field(http, body, param, words):
     assert_error(http.post("/v1/chat/completions", json=body), 400, param, *words)
@@ -190,6 +193,12 @@ def test_null_is_the_default_of_every_nullable_field(http, path, body):
     response = http.post(path, json={**body, "max_tokens": 1})
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 1 and "kiln-ignored-fields" not in response.headers
+
+
+def test_best_of_equal_to_n_changes_nothing_and_is_taken(http):
+    response = http.post("/v1/completions", json={"prompt": "hi", "n": 2, "best_of": 2, "max_tokens": 1})
+    assert response.status_code == 200, response.text  # before: a 400, though SamplingParams(n=2, best_of=2) is taken
+    assert len(response.json()["choices"]) == 2
 
 
 def test_malformed_json_and_non_object_bodies_get_a_400(http):

@@ -62,3 +62,34 @@ def test_chat_names_store_only_when_true(client):
         raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2,
                                                                store=store)
         assert named(raw) == ignored
+
+
+def test_a_litellm_second_turn_is_answered_and_the_message_keys_it_adds_are_named_not_rendered(client, caplog):
+    def turn(answer: dict) -> list[dict]:
+        return [*MESSAGES, answer, {"role": "user", "content": "And tomorrow?"}]
+
+    plain = {"role": "assistant", "content": "Rain."}
+    litellm = {**plain, "tool_calls": None, "function_call": None,  # LiteLLM's answer as it appends it to messages
+               "provider_specific_fields": {"reasoning": None}, "thinking_blocks": None}
+    caplog.set_level("WARNING", logger="kiln.server")
+    for _ in range(2):
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=turn(litellm), max_tokens=2)
+        assert named(raw) == {"messages[].provider_specific_fields", "messages[].thinking_blocks"}  # before: a 400
+    alone = client.chat.completions.create(model=MODEL, messages=turn(plain), max_tokens=2)
+    assert raw.parse().usage.prompt_tokens == alone.usage.prompt_tokens  # the template never saw them
+    assert [r.getMessage() for r in caplog.records].count(
+        "requests set 'messages[].thinking_blocks', which this server accepts and ignores (logged once)") == 1
+
+
+def test_ignored_names_are_logged_once_each_up_to_a_bound_as_clients_choose_message_keys(caplog):
+    from types import SimpleNamespace
+
+    from kiln.runtime.server.jobs import MAX_LOGGED_IGNORED_FIELDS, make_jobs
+
+    model = SimpleNamespace(logged_ignored_fields=set(), sampling_defaults=None)
+    req = SimpleNamespace(ignored_fields=lambda: [f"messages[].key{i}" for i in range(MAX_LOGGED_IGNORED_FIELDS + 9)],
+                          n=1)
+    caplog.set_level("WARNING", logger="kiln.server")
+    for _ in range(2):
+        make_jobs(model, req, [], [], logprobs=None, prompt_logprobs=None, structured_output=None)
+    assert len(model.logged_ignored_fields) == MAX_LOGGED_IGNORED_FIELDS == len(caplog.records)

@@ -85,6 +85,17 @@ def test_function_tools_are_called_and_their_outputs_passed_back_as_items(client
     assert [(item.name, item.arguments) for item in done] == [(call.name, call.arguments) for call in calls]
 
 
+def test_an_answer_passed_back_as_the_clients_dump_of_its_output_items_is_taken(client):
+    first = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=3, temperature=0, top_logprobs=1,
+                                    include=["message.output_text.logprobs"])
+    [answer] = [item.model_dump() for item in first.output]  # every key the client's output types carry
+    assert {"id", "status", "phase"} <= answer.keys() and {"annotations", "logprobs"} <= answer["content"][0].keys()
+    again = [{"role": "user", "content": QUESTION}, answer, {"role": "user", "content": "More."}]
+    as_text = [*again[:1], {"role": "assistant", "content": first.output_text}, *again[2:]]
+    usage = [client.responses.create(model=MODEL, input=items, max_output_tokens=1).usage for items in (again, as_text)]
+    assert usage[0].input_tokens == usage[1].input_tokens
+
+
 def test_a_call_the_token_limit_cut_off_is_an_incomplete_item_whole_and_streamed(client):
     request = dict(model=MODEL, input="Weather in Oslo?", tools=[FLAT_WEATHER], tool_choice="required",
                    max_output_tokens=40, temperature=0)  # the tiny model's call is cut off inside its arguments

@@ -13,6 +13,8 @@ from kiln.runtime.server.protocol import SamplingFields
 from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
 
 logger = logging.getLogger("kiln.server")
+# ignored field names warned of once per server, up to this many: messages' unknown keys are the client's to choose
+MAX_LOGGED_IGNORED_FIELDS = 256
 
 
 def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *,
@@ -20,7 +22,9 @@ def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]],
               max_tokens_param: str = "max_tokens") -> list[Job]:
     """`n` jobs per prompt, in OpenAI's choice order (prompt-major), with the model's sampling defaults;
     ``max_tokens_param``: the field the client set the length with, which errors name."""
-    for name in set(req.ignored_fields()) - model.logged_ignored_fields:
+    for name in sorted(set(req.ignored_fields()) - model.logged_ignored_fields):
+        if len(model.logged_ignored_fields) >= MAX_LOGGED_IGNORED_FIELDS:
+            break
         model.logged_ignored_fields.add(name)
         logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
     try:

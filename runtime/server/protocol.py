@@ -13,7 +13,9 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    ModelWrapValidatorHandler,
     PlainValidator,
+    PrivateAttr,
     Tag,
     ValidationInfo,
     WithJsonSchema,
@@ -106,7 +108,6 @@ def neutral_only(*allowed: Any) -> Any:
     return Annotated[Any, PlainValidator(check), WithJsonSchema({"enum": list(allowed)})]
 
 
-OneBestOf = neutral_only(None, 1)
 NoSuffix = neutral_only(None, "")
 TextModalities = neutral_only(None, ["text"])
 Unsupported = neutral_only(None)
@@ -188,6 +189,19 @@ def _truncation(value: int) -> int:
 
 
 TruncatePromptTokens = Annotated[Int, Field(ge=-1), AfterValidator(_truncation)]
+
+
+def _best_of_at_most_n(value: int, info: ValidationInfo) -> int:
+    """vLLM's best_of, taken where it changes nothing: every sample is returned, so best_of n (as the runtime's
+    SamplingParams takes it); more would pick the best of more samples than are returned."""
+    n = info.data.get("n", 1)
+    if value > n:
+        raise ValueError(f"{value} is not supported by this server, which returns every sample: omit it or send "
+                         f"null or {n} (n)")
+    return value
+
+
+BestOf = Annotated[Int, Field(ge=1), AfterValidator(_best_of_at_most_n)]
 
 
 class StructuredOutputs(StrictModel):
@@ -345,7 +359,7 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = Field(None, description="Return the prompt before the completion (with its log "
                                                  "probabilities when logprobs is set).")
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The most likely alternatives per token.")
-    best_of: OneBestOf = None
+    best_of: BestOf | None = Field(None, description="null or n: every sample is returned.")
     suffix: NoSuffix = None
     add_special_tokens: bool | None = Field(None, description="Extension (as in vLLM): add the tokenizer's special "
                                                               "tokens (BOS) to a text prompt; default true. False "
@@ -373,6 +387,13 @@ class ToolCallMessagePart(StrictModel):
 
 
 class ChatMessage(StrictModel):
+    """A message of the conversation: its known fields as strict as the request's, a key this server does not know
+    ignored (as vLLM takes messages; LiteLLM passes its answers back with ``provider_specific_fields``) and kept
+    from the template, its name in ``unknown_keys`` for the request to name."""
+
+    model_config = ConfigDict(extra="ignore")
+    _unknown_keys: frozenset[str] = PrivateAttr(frozenset())
+
     role: Literal["system", "developer", "user", "assistant", "tool", "ipython"]  # ipython: Llama 3.1's tool output
     content: Content = None
     name: str | None = None
@@ -391,6 +412,19 @@ class ChatMessage(StrictModel):
     type: Literal["text", "message"] | None = Field(
         None, exclude=True, description='Ignored: lm-evaluation-harness\'s chat models send "type": "text" on every '
                                         'message, and the Responses API\'s items "message".')
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_unknown_keys(cls, data: Any, handler: ModelWrapValidatorHandler[ChatMessage]) -> ChatMessage:
+        message = handler(data)
+        if isinstance(data, dict):
+            message._unknown_keys = frozenset(data.keys() - cls.model_fields.keys())
+        return message
+
+    @property
+    def unknown_keys(self) -> frozenset[str]:
+        """The keys the message was sent with that this server does not know (ignored)."""
+        return self._unknown_keys
 
     @model_validator(mode="after")
     def _tool_call_id_on_tool_messages_only(self) -> ChatMessage:
@@ -491,6 +525,12 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: ContinueFinalMessage = False
     add_special_tokens: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
     echo: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
+
+    def ignored_fields(self) -> list[str]:
+        """As SamplingFields', and the keys of messages this server does not know, once each whichever messages
+        carry them (``messages[].provider_specific_fields``)."""
+        keys = {f"messages[].{key}" for message in self.messages for key in message.unknown_keys}
+        return sorted(keys.union(super().ignored_fields()))
 
 
 class Usage(BaseModel):

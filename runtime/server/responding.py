@@ -29,7 +29,7 @@ from kiln.runtime.structured_output import StructuredOutputError
 logger = logging.getLogger("kiln.server")
 
 IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
-HEADER_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,100}")  # a field's name, or a template variable's
+HEADER_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]{1,100}")  # a field's name (messages[].id), or a template variable's
 MAX_IGNORED_NAMES = 32
 ABORTED_OUTPUTS_WAIT_S = 5.0  # how long a request whose client went away waits for its jobs' aborted outputs
 
