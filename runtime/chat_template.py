@@ -318,11 +318,12 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
 
 def _arguments(arguments: Any) -> dict:
     """A tool call's arguments as chat templates take them (transformers' convention): the JSON object the OpenAI
-    string holds; {} for one that holds none (empty, cut off by a length limit, an array), as vLLM passes it, so that
-    a template that iterates the arguments still renders the history (a warning names what was replaced)."""
+    string holds; {} for one that holds none (empty, cut off by a length limit, an array, nested deeper or with
+    longer numbers than Python reads), as vLLM passes it, so that a template that iterates the arguments still renders
+    the history (a warning names what was replaced)."""
     try:
         value = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an integer past Python's 4,300 digits, or nested too deeply
         value = None
     if isinstance(value, dict):
         return value

@@ -606,6 +606,11 @@ def _load(engine_dir: Path, options: RuntimeOptions | None
         if hold is not None:
             hold.release()
         raise
+    tokenizer, vocab_size = engine.tokenizer, engine.limits.vocab_size
+    if tokenizer is not None and vocab_size is not None and tokenizer.max_token_id >= vocab_size:
+        logger.warning("%s makes token ids up to %d, outside the model's vocabulary of %d: prompts holding those "
+                       "tokens are refused; rebuild the engine with the model's own tokenizer",
+                       engine_dir / TOKENIZER_JSON, tokenizer.max_token_id, vocab_size)
     return engine, (time.perf_counter() - start) * 1000, hold, default_params, engine_dir, chat_template_files
 
 

@@ -30,6 +30,9 @@ MAX_SCHEMA_DEPTH = 120  # levels of objects and lists in a JSON schema: llguidan
 # overflows an 8 MiB stack, killing the process, from about 700 chained refs and 3,000 chained rules
 MAX_REF_CHAIN = 128
 MAX_GRAMMAR_RULES = 1000
+# llguidance takes a schema's integers as i64 or u64 (any other raised a bare ValueError) and crashes the process on
+# an integer const or bound that rounds to -2**63 as a float (1.9: a segfault)
+INTEGER_RANGE = range(-2**63 + 513, 2**64)
 _GRAMMAR_RULE = re.compile(r"^\s*[?!]?[A-Za-z_]\w*(?:\.-?\d+)?\s*:", re.MULTILINE)
 _JSON_DIRECTIVE = re.compile(r"%json\s*")
 _UNKNOWN_FORMAT = "Unknown format:"
@@ -39,6 +42,7 @@ class StructuredOutputError(InvalidRequestError):
     """A format that cannot be compiled (a schema llguidance does not support, a bad regex or grammar)."""
 
 
+_OUT_OF_RANGE = "{} holds {}, outside the 64-bit range the grammar engine takes"
 _TOO_DEEP = f"the JSON schema is nested too deeply: at most {MAX_SCHEMA_DEPTH} levels of objects and lists are taken"
 
 
@@ -100,12 +104,27 @@ def _longest_ref_chain(schema: dict) -> int:
 
 def _check_schema(schema: object, what: str) -> None:
     """Refuse a JSON schema (``what`` names it) nested deeper, or following more $refs one inside another, than
-    llguidance compiles without overflowing its stack."""
+    llguidance compiles without overflowing its stack, or holding an integer it does not take."""
     if _nesting_exceeds(schema, MAX_SCHEMA_DEPTH):
         raise StructuredOutputError(_TOO_DEEP)
+    if (number := _integer_out_of_range(schema)) is not None:
+        shown = f"the number {number}" if number.bit_length() <= 256 else "an integer of more than 77 digits"
+        raise StructuredOutputError(_OUT_OF_RANGE.format(what, shown))
     if isinstance(schema, dict) and (chain := _longest_ref_chain(schema)) > MAX_REF_CHAIN:
         raise StructuredOutputError(f"{what} follows {chain} $refs one inside another; at most {MAX_REF_CHAIN} are "
                                     f"taken")
+
+
+def _integer_out_of_range(schema: object) -> int | None:
+    """The first integer in ``schema`` (parsed JSON) outside ``INTEGER_RANGE``, walked without recursion."""
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict | list):
+            stack.extend(item.values() if isinstance(item, dict) else item)
+        elif isinstance(item, int) and item not in INTEGER_RANGE:
+            return item
+    return None
 
 
 def _embedded_schemas(grammar: str) -> list[object]:
@@ -115,7 +134,7 @@ def _embedded_schemas(grammar: str) -> list[object]:
     for directive in _JSON_DIRECTIVE.finditer(grammar):
         try:
             schemas.append(decoder.raw_decode(grammar, directive.end())[0])
-        except json.JSONDecodeError:
+        except ValueError:  # no JSON, or an integer of more digits than Python reads: llguidance names it
             continue
         except RecursionError:
             raise StructuredOutputError(_TOO_DEEP) from None
@@ -144,6 +163,9 @@ class StructuredOutput:
                 object.__setattr__(self, "json", json.loads(self.json))
             except json.JSONDecodeError as exc:
                 raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}") from None
+            except ValueError:  # an integer of more digits than Python reads
+                raise StructuredOutputError(_OUT_OF_RANGE.format("the JSON schema", "an integer of thousands of "
+                                                                 "digits")) from None
             except RecursionError:
                 raise StructuredOutputError(_TOO_DEEP) from None
         if self.json is not None and not isinstance(self.json, dict):

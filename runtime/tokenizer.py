@@ -169,6 +169,13 @@ class Tokenizer:
         return max(len(self.token_bytes(token_id)) for token_id in range(self.vocab_size))
 
     @functools.cached_property
+    def max_token_id(self) -> int:
+        """The largest id the tokenizer makes: its vocabulary's last or an added token's (a model whose vocabulary
+        is smaller cannot take it)."""
+        added = self._tokenizer.get_added_tokens_decoder()
+        return max(self._tokenizer.get_vocab_size(with_added_tokens=False) - 1, *added, -1)
+
+    @functools.cached_property
     def _byte_level(self) -> bool:
         return isinstance(self._tokenizer.decoder, tokenizers.decoders.ByteLevel)
 
@@ -393,9 +400,14 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
         if tokenizer is None:
             raise error("this engine has no tokenizer.json: pass the prompt as token ids")
         token_ids = tokenizer.encode(prompt)
+        if token_ids and (largest := max(token_ids)) >= vocab_size:  # an embedding failure stops the engine
+            raise error(_unmatched_tokenizer(largest, vocab_size))
     elif isinstance(prompt, list | tuple):
         token_ids = [plain_number(t) for t in prompt]  # NumPy's and torch's integers too
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+        if bad and tokenizer is not None and all(isinstance(t, int) and vocab_size <= t <= tokenizer.max_token_id
+                                                 for t in bad):  # what the tokenizer made (a chat's rendered text)
+            raise error(_unmatched_tokenizer(bad[0], vocab_size))
         if bad:
             raise error(f"prompt token ids {bad[:5]} are not ints in [0, {vocab_size}): tokenize with this engine's "
                         "tokenizer")
@@ -405,3 +417,9 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
     if has_stop_strings and tokenizer is None:
         raise error("stop strings need a tokenizer and this engine has no tokenizer.json: use stop_token_ids")
     return token_ids
+
+
+def _unmatched_tokenizer(token_id: int, vocab_size: int) -> str:
+    """Why a prompt holding ``token_id``, which the engine's tokenizer makes, is refused."""
+    return (f"this engine's tokenizer makes token id {token_id}, outside the model's vocabulary [0, {vocab_size}): "
+            f"the tokenizer does not match the model; rebuild the engine with the model's own tokenizer")

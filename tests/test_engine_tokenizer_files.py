@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -11,7 +13,7 @@ import pytest
 from kiln.pipeline.serve_command import ServeTarget
 from kiln.pipeline.stages import BuildStage
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.errors import EngineFormatError, KilnError
+from kiln.runtime.errors import EngineFormatError, InvalidRequestError, KilnError
 from kiln.runtime.options import RuntimeOptions
 from tests.test_server_support import tiny_engine
 
@@ -54,3 +56,28 @@ def test_an_engine_without_any_tokenizer_loads_and_serve_warns_it_takes_token_id
         llm.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(str(engine) in w and "only prompts of token ids can be served" in w for w in warnings)
+
+
+def test_a_tokenizer_making_ids_past_the_models_vocabulary_refuses_those_prompts_and_the_engine_serves_on(
+        tmp_path, caplog):
+    from fastapi.testclient import TestClient
+
+    from kiln.runtime.server import ServerSettings, create_app
+
+    engine = shutil.copytree(tiny_engine(), tmp_path / "engine")  # the tiny model's vocabulary: 1,024 tokens
+    tokenizer = json.loads((engine / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": 1024, "content": "<x>", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True})
+    (engine / "tokenizer.json").write_text(json.dumps(tokenizer))
+    refused = r"tokenizer makes token id 1024, outside the model's vocabulary \[0, 1024\): the tokenizer does not"
+    with caplog.at_level(logging.WARNING, logger="kiln"), LLM.load(engine) as llm:
+        assert "makes token ids up to 1024, outside the model's vocabulary of 1024" in caplog.text
+        for prompt in ("hello <x> world", [5, 1024]):  # before: an IndexError in the embedding stopped the engine
+            with pytest.raises(InvalidRequestError, match=refused):
+                llm.generate(prompt, SamplingParams(max_tokens=2))
+        with pytest.raises(InvalidRequestError, match=refused):
+            llm.chat([{"role": "user", "content": "hi <x>"}], SamplingParams(max_tokens=2))
+        with TestClient(create_app(llm, engine, ServerSettings(model_name="tiny"))) as http:
+            answer = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi <x>", "max_tokens": 2})
+        assert answer.status_code == 400 and re.search(refused, answer.json()["error"]["message"])
+        assert llm.generate("hello world", SamplingParams(max_tokens=2))[0].token_ids

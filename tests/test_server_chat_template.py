@@ -166,4 +166,6 @@ def test_history_tool_calls_whose_arguments_hold_no_object_reach_the_template_as
     assert called('{"city": "Oslo"}') == "f(city=Oslo)"
     for cut in ("", '{"city": "Os', "[1]", "null"):  # a call cut off by max_tokens, as Kiln returns one
         assert called(cut) == "f()"  # before: the template failed, and every later turn of the agent with it
+    for unreadable in ('{"a":' * 5000 + "1" + "}" * 5000, '{"a": ' + "1" * 5000 + "}"):  # before: a 500
+        assert called(unreadable) == "f()"  # json.loads raised RecursionError, or ValueError past 4,300 digits
     assert "no JSON object (12 characters)" in caplog.text and "Os" not in caplog.text  # not the user's text

@@ -12,7 +12,13 @@ import jsonschema_rs
 import pytest
 
 from kiln.runtime import LLM, RuntimeOptions, SamplingParams
-from kiln.runtime.structured_output import MAX_SCHEMA_DEPTH, StructuredOutput, StructuredOutputError, closed_objects
+from kiln.runtime.structured_output import (
+    INTEGER_RANGE,
+    MAX_SCHEMA_DEPTH,
+    StructuredOutput,
+    StructuredOutputError,
+    closed_objects,
+)
 from tests.test_server_support import tiny_engine
 
 SCHEMAS = {
@@ -167,6 +173,26 @@ def test_a_format_too_large_or_too_deep_to_compile_in_time_is_refused_naming_why
     assert StructuredOutput(json=deep).llguidance_grammar  # 119 levels
     with pytest.raises(StructuredOutputError, match="at most 120 levels"):  # parses on any Python, but deeper
         StructuredOutput(json={"type": "object", "properties": {"a": deep}})
+
+
+@pytest.mark.parametrize("schema", [{"type": "integer", "maximum": 2**64}, {"const": 10**20},
+                                    {"type": "string", "maxLength": 10**20}, {"minimum": -10**30},
+                                    {"const": -2**63 + 1}])  # llguidance segfaulted on this one
+def test_an_integer_the_grammar_engine_does_not_take_is_refused_naming_it(schema):
+    # llguidance raised a bare ValueError ("Value is not JSON serializable"): a 500 where a request's format is wrong
+    number = re.escape(str(next(v for v in schema.values() if isinstance(v, int))))
+    with pytest.raises(StructuredOutputError, match=f"schema holds the number {number}, outside the 64-bit range"):
+        SamplingParams(structured_output=StructuredOutput(json=schema))
+    with pytest.raises(StructuredOutputError, match=f"a %json schema of the grammar holds the number {number}"):
+        StructuredOutput(grammar=f"start: %json {json.dumps(schema)}")
+
+
+def test_integers_at_the_edges_of_the_range_or_past_the_digits_python_reads():
+    assert StructuredOutput(json={"enum": [INTEGER_RANGE[0], INTEGER_RANGE[-1]]}).llguidance_grammar
+    with pytest.raises(StructuredOutputError, match="holds an integer of thousands of digits, outside the 64-bit"):
+        StructuredOutput(json='{"const": ' + "1" * 5000 + "}")
+    with pytest.raises(StructuredOutputError, match="number out of range"):  # llguidance names it in a grammar
+        StructuredOutput(grammar='start: %json {"const": ' + "1" * 5000 + "}").llguidance_grammar  # noqa: B018
 
 
 def chained(links: int) -> dict:
