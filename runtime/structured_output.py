@@ -42,6 +42,10 @@ class StructuredOutputError(InvalidRequestError):
     """A format that cannot be compiled (a schema llguidance does not support, a bad regex or grammar)."""
 
 
+class FormatTooLargeError(StructuredOutputError):
+    """A format longer than ``MAX_FORMAT_CHARS``, refused before it is compiled."""
+
+
 _OUT_OF_RANGE = "{} holds {}, outside the 64-bit range the grammar engine takes"
 _TOO_DEEP = f"the JSON schema is nested too deeply: at most {MAX_SCHEMA_DEPTH} levels of objects and lists are taken"
 
@@ -185,7 +189,7 @@ class StructuredOutput:
             _check_schema(schema, "a %json schema of the grammar")
         source = self.regex or self.grammar or "".join(self.choice or ()) or json.dumps(self.json or {})
         if len(source) > MAX_FORMAT_CHARS:  # compiling grows faster than the size: seconds per 100 KB of grammar
-            raise StructuredOutputError(f"the format is {len(source):,} characters; at most {MAX_FORMAT_CHARS:,} "
+            raise FormatTooLargeError(f"the format is {len(source):,} characters; at most {MAX_FORMAT_CHARS:,} "
                                         f"are taken")
 
     @functools.cached_property

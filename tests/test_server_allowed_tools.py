@@ -100,3 +100,26 @@ def test_a_responses_tool_whose_parameters_are_no_schema_is_named_by_its_flat_pa
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL, input="hi", tools=[FLAT["get_time"], odd])
     assert refused.value.param == "tools[1].parameters"  # before: the chat request's tools[1].function.parameters
+
+
+def test_forcing_a_call_of_more_tools_than_a_grammar_holds_is_refused_at_once_naming_allowed_tools(
+        monkeypatch):
+    from kiln.runtime.server.errors import APIError
+
+    model = SimpleNamespace(name=MODEL, tool_call_format=tool_call_format(HERMES_TEMPLATE))
+    tools = [{"type": "function", "function": {"name": f"tool{i}", "parameters": {"type": "object", "properties": {
+        f"argument{j}": {"type": "string"} for j in range(20)}}}} for i in range(300)]  # ~180 KB of calls
+    request = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": tools, "tool_choice": "required"})
+    forced = ChatTools(model, request)
+    compiled = []
+    real = forced._compiled
+    monkeypatch.setattr(forced, "_compiled", lambda *args: compiled.append(1) or real(*args))
+    with pytest.raises(APIError, match="calls of 300 tools are too large a grammar .*allowed_tools") as refused:
+        forced.structured_output()
+    assert refused.value.param == "tools" and len(compiled) == 1  # before: each tool's grammar compiled, seconds
+
+
+def test_a_call_nested_deeper_or_with_longer_numbers_than_python_reads_stays_text():
+    for unreadable in ('{"a":' * 5000 + "1" + "}" * 5000, '{"a": ' + "1" * 5000 + "}"):
+        text = call("get_weather", unreadable)
+        assert hermes_tools().parse(text) == (text, [])  # before: RecursionError / ValueError, a 500

@@ -44,7 +44,12 @@ from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning, th
 from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responding import StreamEvents, respond, stop_reason, stream_chunk
 from kiln.runtime.server.tool_calls import ToolCall, ToolCallFormat
-from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError, json_format_rule
+from kiln.runtime.structured_output import (
+    FormatTooLargeError,
+    StructuredOutput,
+    StructuredOutputError,
+    json_format_rule,
+)
 
 # tools' parameters (their JSON, keys sorted) that compiled, the least recently sent first
 _COMPILED_PARAMETERS: dict[str, None] = {}
@@ -188,15 +193,19 @@ class ChatTools:
     def _grammar(self, functions: list[dict], answer: str | None = None) -> StructuredOutput:
         """The grammar of calls of ``functions`` (or ``answer``, a Lark rule), compiled; a 400 where it cannot be,
         naming the tool whose call alone cannot be held (in words about its schema, not the grammar's)."""
+        with_answer = " beside response_format" if answer else ""
         try:
             return self._compiled(functions, answer)
+        except FormatTooLargeError as exc:  # no tool is to blame, and compiling each alone would take seconds
+            raise APIError(400, f"tool_choice {_choice_name(self.choice)}{with_answer}: the calls of {len(functions)} "
+                                f"tools are too large a grammar ({_first_line(exc)}): send fewer tools, or name "
+                                f"those that may be called in allowed_tools", param="tools") from None
         except StructuredOutputError as exc:
             for function in functions:
                 try:
                     self._compiled([function])
                 except StructuredOutputError as alone:
                     raise self._refused(self.functions.index(function), alone) from None
-            with_answer = " beside response_format" if answer else ""
             raise APIError(400, f"tool_choice {_choice_name(self.choice)}{with_answer} cannot hold the calls to the "
                                 f"tools' parameters together: {_first_line(exc)}", param="tools") from None
 

@@ -235,7 +235,7 @@ def _hoisted(parameters: dict, tool: str, definitions: dict) -> dict:
 def _json_value(text: str) -> object | None:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # no JSON, an integer past Python's 4,300 digits, or nested too deeply
         return None
 
 
