@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,36 @@ def test_a_config_value_no_check_names_is_refused_as_one_line_naming_config_json
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(KilnError, match=r"config.json: a field has the wrong type or value \(.*\); fix config.json"):
         read_architecture(tmp_path)
+
+
+@pytest.mark.parametrize(("fields", "problem"), [
+    ({"hidden_size": 2**40, "intermediate_size": 2**42},
+     "vocab_size 96, hidden_size 1099511627776 make embed_tokens a tensor of 1.06e+14 elements"),
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers 1000000000 is more than 10,000: no model has that many"),
+])
+def test_sizes_no_model_has_are_refused_naming_config_json_and_the_field(fields, problem):
+    with pytest.raises(KilnError, match=f"^config.json: {re.escape(problem)}.*; fix config.json$"):
+        parse("llama", **fields)
+
+
+@pytest.mark.parametrize(("key", "value"), [("torch_dtype", "banana"), ("torch_dtype", 5), ("dtype", "banana"),
+                                            ("dtype", "auto")])
+def test_a_dtype_that_names_no_torch_dtype_is_refused_naming_the_field(key, value):
+    with pytest.raises(KilnError, match=f"^config.json: {key} {re.escape(repr(value))} is not the name of a torch"):
+        parse("llama", **{key: value})
+
+
+def test_the_dtype_names_transformers_writes_are_taken():
+    for name in ("float32", "float16", "bfloat16", None):
+        assert parse("llama", dtype=name, torch_dtype=name).vocab_size == MINIMAL["vocab_size"]
+
+
+@pytest.mark.parametrize(("config", "generation", "source"), [
+    ({}, {"eos_token_id": [99999, -3]}, "generation_config.json"),
+    ({"eos_token_id": -3}, {}, "config.json"),
+    ({"eos_token_id": 2}, {"eos_token_id": [2, "2"]}, "generation_config.json"),
+])
+def test_an_eos_token_id_outside_the_vocabulary_is_refused_naming_its_file(config, generation, source):
+    with pytest.raises(KilnError, match=rf"^{source}: eos_token_id .* not a token id of the vocabulary \(0 to 95\); "
+                                        rf"fix {source}$"):
+        parse_architecture({"architectures": [ARCHITECTURES["llama"]], **MINIMAL, **config}, generation, PATH)

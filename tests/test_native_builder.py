@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -127,6 +128,29 @@ def test_tensors_that_disagree_with_config_json_are_refused_before_anything_is_w
     with pytest.raises(KilnError, match=f"tensors do not match its config.json .*{problem}"):
         build_native_engine(source, out, tiny_plan(), "float32")
     assert list(out.iterdir()) == []
+
+
+def test_sizes_that_overflow_torch_are_refused_naming_config_json_before_anything_is_written(checkpoint, tmp_path):
+    source = shutil.copytree(checkpoint, tmp_path / "hf")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "hidden_size": 2**40, "intermediate_size": 2**42,
+                                                    "head_dim": 16}))  # before: RuntimeError, storage size overflowed
+    with pytest.raises(KilnError, match=r"config.json: vocab_size \d+, hidden_size 1099511627776 make embed_tokens"):
+        build(source, tmp_path)
+    assert list((tmp_path / "engine").iterdir()) == []
+
+
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("num_layers", 1e9, "num_layers must be a positive integer, got 1000000000.0"),
+    ("num_layers", 10**9, "num_layers 1000000000 is more than 10,000"),
+    ("vocab_size", 2**40, "vocab_size 1099511627776, hidden_size 64 make embed_tokens a tensor of 7.04e+13"),
+])
+def test_an_engine_json_of_sizes_no_model_has_is_refused_before_anything_is_allocated(checkpoint, tmp_path, field,
+                                                                                     value, problem):
+    engine, out = build(checkpoint, tmp_path)
+    (out / "engine.json").write_text(json.dumps({**engine, "architecture": {**engine["architecture"], field: value}}))
+    with pytest.raises(EngineFormatError, match=f"engine.json: architecture: {re.escape(problem)}"):
+        EngineConfig.load(out)  # before: LLM.load grew memory for a billion layers, or failed in the allocator
 
 
 def test_an_architecture_of_no_supported_family_is_refused_naming_the_supported_ones(tmp_path):

@@ -572,6 +572,24 @@ def test_push_says_how_many_entries_it_pushed_not_how_many_the_remote_holds(tmp_
     assert push().endswith(f"pushed 0 entries to {url}; 1 was already there\n")
 
 
+@pytest.mark.parametrize(("damage", "problem"), [
+    ({"key": "f" * 64}, f"manifest names key '{'f' * 64}'"),
+    ({"material": {**material("a"), "max_batch_size": 9}}, "stored key material does not hash to the key"),
+])
+def test_push_refuses_an_entry_whose_manifest_verify_calls_corrupt(tmp_path, monkeypatch, damage, problem):
+    key = engine_key(material("a"))
+    entry = EngineCache.open(tmp_path / "cache").entries.get_or_build(key, material("a"), builder([])).entry_dir
+    manifest = json.loads((entry / "manifest.json").read_text())
+    (entry / "manifest.json").write_text(json.dumps({**manifest, **damage}))
+    (tmp_path / "shared").mkdir()
+    monkeypatch.setenv("KILN_CACHE_REMOTE", (tmp_path / "shared").as_uri())
+    for force in ([], ["--force"]):
+        result = runner.invoke(cache_app, ["push", key[:4], *force, "--cache-dir", str(tmp_path / "cache")])
+        assert result.exit_code != 0 and "not pushed, the local entry is damaged" in result.stderr
+        assert problem in result.stderr.replace("\n", "")
+    assert not [p for p in (tmp_path / "shared").rglob("*") if p.is_file()]  # nothing reached the team's remote
+
+
 def test_ls_and_verify_json_rows_have_the_same_keys_and_values_local_and_remote(tmp_path, monkeypatch):
     (tmp_path / "shared").mkdir()
     monkeypatch.setenv("KILN_CACHE_REMOTE", (tmp_path / "shared").as_uri())

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from kiln.engines.cache.errors import CacheCorruptError, CacheEntryNotFoundError
 from kiln.engines.cache.in_use import EntryHold
 from kiln.engines.cache.layout import LAST_USED, MANIFEST, write_atomic
-from kiln.engines.cache.manifest import file_problems
+from kiln.engines.cache.manifest import file_problems, manifest_mismatch
 from kiln.engines.cache.remote.objects import RemoteCorruptError, RemoteUnavailableError
 from kiln.engines.cache.remote.tier import PushResult, Transferred
 from kiln.engines.cache.results import CacheResult, recorded_build_seconds
@@ -47,12 +47,17 @@ def pull(store: ContentStore, key: str, material: dict | None = None, on_transfe
 
 def push(store: ContentStore, key: str, *, replace: bool = False,
          on_transfer: Transferred | None = None) -> PushResult:
-    """Upload the local entry ``key`` to the remote tier (files first, the manifest last); an entry whose
-    files no longer match its manifest is refused (CacheCorruptError)."""
+    """Upload the local entry ``key`` to the remote tier (files first, the manifest last); an entry that ``kiln
+    cache verify`` calls damaged (a manifest of another key, key material that does not hash to the key, files that
+    no longer match the manifest) is refused (CacheCorruptError)."""
     remote = store.require_remote()
     manifest = store.read_manifest(key)
     entry = store.entry_dir(key)
-    if problems := file_problems(entry, store.payload_name, manifest, digest=store.hashes.sha256, first_only=True):
+    if (mismatch := manifest_mismatch(manifest, store.name, key)) is not None:  # what verify and a lookup refuse
+        problems = [f"{entry / MANIFEST}: {mismatch[1]}"]
+    else:
+        problems = file_problems(entry, store.payload_name, manifest, digest=store.hashes.sha256, first_only=True)
+    if problems:
         raise CacheCorruptError(f"cache key {key}: not pushed, the local entry is damaged ({problems[0]}); run "
                                 f"`kiln cache verify {key}`")
     started = time.monotonic()

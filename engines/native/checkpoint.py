@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from kiln.engines.eos import generation_eos_ids, stopping_eos_ids
 from kiln.runtime.errors import EngineFormatError, KilnError
 from kiln.runtime.json_files import is_number, read_json_object
-from kiln.runtime.native.engine_format import Architecture
+from kiln.runtime.native.engine_format import Architecture, architecture_size_problem
 from kiln.runtime.native.layers.activation import ACTIVATION_ALIASES, ACTIVATIONS
 from kiln.runtime.native.layers.rotary import ROPE_TYPES, longrope_inv_freqs, rope_inv_freq
 from kiln.runtime.native.model.registry import family_of, flag, positive_number
@@ -27,6 +27,9 @@ QUANT_ALGOS = {None: "none", "FP8": "fp8", "W4A16_AWQ": "int4_awq"}
 # the rope scaling parameters that are numbers wherever a scaled type reads them
 ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow", "mscale",
                 "mscale_all_dim")
+# config.json's names of the Architecture fields it names otherwise
+CONFIG_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                "num_kv_heads": "num_key_value_heads"}
 
 
 @dataclass(frozen=True)
@@ -77,19 +80,21 @@ def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> 
     if head_dim % 2:
         raise KilnError(f"{path}: head_dim {head_dim} is odd; rotary embeddings rotate pairs of dimensions, so it must "
                         "be even")
+    sizes = dict(vocab_size=_int(cfg, "vocab_size", path), hidden_size=hidden,
+                 intermediate_size=_int(cfg, "intermediate_size", path),
+                 num_layers=_int(cfg, "num_hidden_layers", path), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim)
+    if (problem := architecture_size_problem(sizes, CONFIG_NAMES)) is not None:  # before anything is allocated
+        raise KilnError(f"{path}: {problem}; fix config.json")
+    _check_eos_ids(cfg, gen, sizes["vocab_size"], path)
+    _check_dtype(cfg, path)
     # a top-level original_max_position_embeddings comes first wherever config.json has one (transformers'
     # standardize_rope_params: hasattr(config, ...)), and always for Phi-3, whose config class has the field
     rope_theta, rope_scaling = _rope(cfg, "original_max_position_embeddings" in cfg, path, family.rope_types,
                                      family.partial_rotary)
     _check_rope(head_dim, rope_theta, rope_scaling, path)
     shared = dict(
-        vocab_size=_int(cfg, "vocab_size", path),
-        hidden_size=hidden,
-        intermediate_size=_int(cfg, "intermediate_size", path),
-        num_layers=_int(cfg, "num_hidden_layers", path),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+        **sizes,
         rms_norm_eps=positive_number(cfg["rms_norm_eps"], "rms_norm_eps", path),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -190,6 +195,28 @@ def _open(path: Path):
         return safe_open(str(path), framework="pt", device="cpu")
     except (OSError, SafetensorError) as e:
         raise KilnError(f"{path}: unreadable safetensors ({e}); re-export the checkpoint") from None
+
+
+def _check_dtype(cfg: dict[str, Any], path: Path) -> None:
+    """Refuses a ``dtype`` (transformers 5) or ``torch_dtype`` that is neither null nor the name of a torch dtype
+    ("bfloat16", "float16", "float32", ...), which is how transformers and the quantize stage read it."""
+    for key in ("dtype", "torch_dtype"):
+        value = cfg.get(key)
+        if value is not None and not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
+            raise KilnError(f"{path}: {key} {value!r} is not the name of a torch dtype (such as \"bfloat16\", "
+                            f"\"float16\" or \"float32\"); fix config.json")
+
+
+def _check_eos_ids(cfg: dict[str, Any], gen: dict[str, Any], vocab_size: int, path: Path) -> None:
+    """Refuses an ``eos_token_id`` that is not a token id of the vocabulary, in the file ``generation_eos_ids``
+    takes it from (generation_config.json's where it names one, else config.json's)."""
+    source, value = path.with_name("generation_config.json"), gen.get("eos_token_id")
+    if value is None:
+        source, value = path, cfg.get("eos_token_id")
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if bad := [i for i in ids if type(i) is not int or not 0 <= i < vocab_size]:
+        raise KilnError(f"{source}: eos_token_id {value!r} holds {bad[0]!r}, not a token id of the vocabulary (0 to "
+                        f"{vocab_size - 1}); fix {source.name}")
 
 
 def _int(cfg: dict[str, Any], key: str, path: Path) -> int:

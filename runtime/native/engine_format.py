@@ -76,6 +76,39 @@ class Architecture:
         return self.sliding_window if sliding else None
 
 
+# no model comes near these (Llama-3-405B: 126 layers; a 262k vocabulary x 16k hidden is 2**32 elements); a size past
+# them is a typo or a hostile file, which would otherwise overflow torch's size arithmetic or allocate until it dies
+MAX_LAYERS = 10_000
+MAX_TENSOR_ELEMENTS = 2**40
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+def architecture_size_problem(sizes: dict[str, Any], names: dict[str, str] | None = None) -> str | None:
+    """Why an architecture whose SIZE_FIELDS are ``sizes`` (other keys are ignored) is no model that can be
+    allocated: a size that is not a positive integer, more than MAX_LAYERS layers, or a weight of more than
+    MAX_TENSOR_ELEMENTS elements; None when it is none of these. ``names``: what the file being read calls a field,
+    where it is not the Architecture's name (config.json's ``num_hidden_layers``)."""
+    def called(name: str) -> str:
+        return (names or {}).get(name, name)
+
+    for name in SIZE_FIELDS:
+        if type(sizes[name]) is not int or sizes[name] <= 0:
+            return f"{called(name)} must be a positive integer, got {sizes[name]!r}"
+    if sizes["num_layers"] > MAX_LAYERS:
+        return f"{called('num_layers')} {sizes['num_layers']} is more than {MAX_LAYERS:,}: no model has that many"
+    hidden, heads = sizes["hidden_size"], sizes["num_heads"] + 2 * sizes["num_kv_heads"]
+    weights = {
+        "embed_tokens": (("vocab_size", "hidden_size"), sizes["vocab_size"] * hidden),
+        "qkv_proj": (("num_heads", "num_kv_heads", "head_dim", "hidden_size"), heads * sizes["head_dim"] * hidden),
+        "gate_up_proj": (("intermediate_size", "hidden_size"), 2 * sizes["intermediate_size"] * hidden),
+    }
+    for weight, (used, elements) in weights.items():
+        if elements > MAX_TENSOR_ELEMENTS:
+            given = ", ".join(f"{called(name)} {sizes[name]}" for name in used)
+            return f"{given} make {weight} a tensor of {elements:.3g} elements, above the 2**40 no model's weight has"
+    return None
+
+
 @dataclass(frozen=True)
 class QuantizationConfig:
     """Weight format of the linears; ``exclude_modules`` lists runtime module names kept in the engine dtype;
@@ -164,6 +197,8 @@ class EngineConfig:
     def validate(self) -> None:
         """Raise EngineFormatError when a value is outside what the runtime supports."""
         arch, plan = self.architecture, self.plan
+        if (problem := architecture_size_problem(vars(arch))) is not None:  # before any arithmetic on the sizes
+            raise EngineFormatError(f"architecture: {problem}")
         checks = [
             (arch.type in FAMILY_NAMES, f"architecture.type {arch.type!r} is not one of {', '.join(FAMILY_NAMES)}"),
             (self.dtype in DTYPES, f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}"),
