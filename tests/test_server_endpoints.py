@@ -533,6 +533,8 @@ def test_a_request_id_of_visible_ascii_is_echoed_as_vllm_does_and_one_replaced_i
         for refused in ("has space", "x" * 513, "has space too"):
             echoed = httpx.get(f"{server.url}/health", headers={"X-Request-Id": refused}).headers["x-request-id"]
             assert echoed.startswith("req_")
+        twice = httpx.get(f"{server.url}/health", headers=[("X-Request-Id", "first"), ("X-Request-Id", "second")])
+        assert twice.headers["x-request-id"] == "first"  # as Starlette reads a repeated header; before: the last
     assert [record.levelname for record in caplog.records if "X-Request-Id" in record.getMessage()] == ["WARNING"]
 
 

@@ -47,7 +47,8 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(REQUEST_ID_HEADER)
+        # the first, as Starlette's request.headers.get (vLLM's) reads a repeated header
+        given = next((value for name, value in scope["headers"] if name == REQUEST_ID_HEADER), None)
         echoed = given if given is not None and _SAFE_ID.fullmatch(given) else None
         request_id = echoed or f"req_{uuid.uuid4().hex}".encode()
         # not reset: the request's task ends with it, and the handler of unhandled errors (outside) logs with it
