@@ -499,7 +499,10 @@ class LLM:
                 self._commands.put(("abort", request_id))
             return True
         except BaseException as e:  # a bug in the engine: fail every waiter rather than hang it
-            logger.error("the engine thread stopped", exc_info=e)
+            if self._closed:  # close interrupted a step that did not return (its warning said so): no bug of ours
+                logger.info("the engine thread stopped as it was closed: %s: %s", type(e).__name__, e)
+            else:
+                logger.error("the engine thread stopped", exc_info=e)
             self._outbox.flush()
             with self._lock:
                 self._error = e

@@ -210,8 +210,9 @@ def test_an_id_abort_all_failed_is_taken_until_its_abort_lands_and_then_serves_a
     assert (out.finish_reason, out.prompt_token_ids, len(out.token_ids)) == ("length", [5, 6, 7], 3)
 
 
-def test_close_kills_an_engine_process_whose_step_does_not_return(monkeypatch):
+def test_close_kills_an_engine_process_whose_step_does_not_return(monkeypatch, caplog):
     monkeypatch.setattr("kiln.runtime.llm.STEP_GRACE_S", 0.5)
+    caplog.set_level("INFO", logger="kiln.runtime")
     llm = load_apart()
     os.kill(llm.engine_pid, signal.SIGSTOP)  # a hung GPU: the step taking this request never answers
     request_id = llm.submit("Once upon a time", SamplingParams(max_tokens=240, ignore_eos=True))
@@ -222,6 +223,8 @@ def test_close_kills_an_engine_process_whose_step_does_not_return(monkeypatch):
     assert time.monotonic() - started < 15 and engine._process.returncode == -signal.SIGKILL
     with pytest.raises(EngineClosedError):
         llm.result(request_id, timeout=5)
+    stopped = [r for r in caplog.records if r.getMessage().startswith("the engine thread stopped")]
+    assert [r.levelname for r in stopped] == ["INFO"]  # the kill close made, not an error with a traceback
 
 
 class _IdleEngine:
