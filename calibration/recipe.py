@@ -22,6 +22,8 @@ GATE_DEFAULTS: dict[str, dict[str, float]] = {
 # Bump when a change in calibration/ changes the bytes of a quantized checkpoint for the same inputs.
 MATERIAL_VERSION = 2  # 2: held-out documents the calibration data holds are left out
 INT4_BLOCK_SIZE = 128  # the input features int4_awq quantizes together (one scale a group)
+# torch.manual_seed takes up to 2**64 - 1, and random held-out rows are drawn from seed + 1
+MAX_SEED = 2**64 - 2
 
 
 class GateValues(BaseModel):
@@ -71,7 +73,7 @@ class QuantizeRecipe(BaseModel):
     heldout_samples: int = Field(32, ge=1)
     seq_len: int = Field(128, ge=2)
     batch_size: int | Literal["auto"] = "auto"
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     tolerance: float = Field(0.1, gt=0)
     patience: int = Field(2, ge=1)
     on_failure: Literal["fail", "warn"] = "fail"
@@ -98,9 +100,20 @@ class QuantizeRecipe(BaseModel):
         if (self.dataset == RANDOM) != (self.heldout == RANDOM):
             raise ValueError("quantize.dataset and quantize.heldout: random token ids calibrate and check a checkpoint "
                              "with no text to keep (random weights); set both to random, or neither")
+        if "text_field" in self.model_fields_set and not self.reads_text_field:
+            raise ValueError(f"quantize.text_field ({self.text_field}) names the JSONL field or parquet column that "
+                             f"holds the text, and quantize.dataset ({self.dataset}) and quantize.heldout "
+                             f"({self.heldout}) read no such file (the bundled set keeps its text in 'text', random "
+                             "has none); remove text_field, or point dataset or heldout at your own data")
         if self.format == "none" and self.kv_cache_dtype == "fp8":
             raise ValueError("quantize.kv_cache_dtype 'fp8' needs quantize.format fp8 or int4_awq, not 'none'")
         return self
+
+    @property
+    def reads_text_field(self) -> bool:
+        """Whether a source may read ``text_field``: one of them is text files or a Hugging Face dataset, not the
+        bundled set (always "text") or random token ids."""
+        return not {self.dataset, self.heldout} <= {"bundled", RANDOM}
 
     @property
     def heldout_is_split(self) -> bool:

@@ -25,9 +25,10 @@ from kiln.pipeline.console import (
     stderr,
     stdout,
     stop_on_sigterm_as_on_ctrl_c,
+    warn,
     write_failure,
 )
-from kiln.pipeline.runtime_env import runtime_options
+from kiln.pipeline.runtime_env import runtime_options, unknown_variables
 from kiln.pipeline.serve_command import serve
 from kiln.pipeline.vllm_names import vllm_flag_advice
 
@@ -136,6 +137,8 @@ def kiln(
                                           help="Print Kiln's version and exit.")] = False,
 ) -> None:
     """Kiln: a Hugging Face checkpoint to a quantized, cached, served engine."""
+    for warning in unknown_variables(os.environ):  # before every command: a misspelt KILN_* would do nothing
+        warn(warning)
 
 
 ConfigArg = Annotated[str, typer.Argument(help="A config file, or a name under configs/ (tiny-llama-fp8.yaml).")]
@@ -192,7 +195,7 @@ def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
     thresholds)."""
     from kiln.calibration.recipe import GATE_DEFAULTS
     from kiln.pipeline.backend import choose_backend
-    from kiln.pipeline.config import TRTLLM_ONLY
+    from kiln.pipeline.config import TRTLLM_ONLY, UNCALIBRATED_FIELDS
     from kiln.pipeline.model_source import find_model, model_max_positions
 
     loaded = load_config(config)
@@ -214,8 +217,10 @@ def config_show(config: ConfigArg, json_out: JsonOpt = False) -> None:
     calibrated = [fmt for fmt in recipe.chain if fmt in GATE_DEFAULTS]
     if "int4_awq" not in calibrated:  # it would not apply, and setting it is refused
         del data["quantize"]["algorithm"]
-    if not calibrated:
-        del data["quantize"]["gate"]  # format none is never gated
+    if not recipe.reads_text_field:  # (the same)
+        del data["quantize"]["text_field"]
+    if not calibrated:  # format none is never calibrated nor gated, and a setting of either is refused
+        data["quantize"] = {name: data["quantize"][name] for name in UNCALIBRATED_FIELDS}
     elif recipe.gate is not None:
         data["quantize"]["gate"] = {fmt: recipe.gate.for_format(fmt) for fmt in calibrated}
     if json_out:

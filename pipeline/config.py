@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
 import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
@@ -26,6 +28,8 @@ from kiln.runtime.server_defaults import DEFAULT_HOST, DEFAULT_MAX_QUEUE, DEFAUL
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the kiln package: a checkout's root, or site-packages/kiln
 CONFIGS_DIR = PACKAGE_DIR / "configs"  # bundled configs; architecture files under models/
 DEFAULT_CACHE_DIR = "~/.cache/kiln"
+UNCALIBRATED_FIELDS = ("format", "kv_cache_dtype", "fallback")  # the quantize fields a format none build reads
+_HOST_LABEL = re.compile(r"(?!-)[a-z\d-]{1,63}(?<!-)", re.IGNORECASE)  # botocore's rule for an endpoint's host
 
 
 class _Section(BaseModel):
@@ -88,6 +92,8 @@ class BuildSection(_Section):
             raise ValueError(f"build.max_num_tokens ({self.max_num_tokens}) must be at least build.max_batch_size "
                              f"({self.max_batch_size}): a step decodes one token for every sequence in flight, so "
                              "the rest of the batch could never run (vLLM refuses it too)")
+        if "tokens_per_block" in self.model_fields_set and self.tokens_per_block > self.max_seq_len:
+            raise ValueError(_block_problem(self.tokens_per_block, f"build.max_seq_len ({self.max_seq_len})"))
         if self.backend == "native" and (unused := self.trtllm_settings()):
             raise ValueError(f"{', '.join(unused)}: for the TensorRT-LLM backend only, and build.backend is native; "
                              f"remove {'it' if len(unused) == 1 else 'them'}, or set build.backend to trtllm or auto")
@@ -110,9 +116,12 @@ class BuildSection(_Section):
     def fitted_to_model(self, max_position_embeddings: int) -> BuildSection:
         """These limits, with those the config leaves to their defaults fitted to the model: ``max_seq_len`` at most
         its ``max_position_embeddings``, and ``max_input_len`` at most half of a ``max_seq_len`` so lowered. PlanError
-        when a ``max_input_len`` the config sets does not fit the lowered ``max_seq_len``."""
+        when a ``max_input_len`` the config sets, or ``tokens_per_block``, does not fit the lowered ``max_seq_len``."""
         if "max_seq_len" in self.model_fields_set or self.max_seq_len <= max_position_embeddings:
             return self
+        if "tokens_per_block" in self.model_fields_set and self.tokens_per_block > max_position_embeddings:
+            fitted_len = f"build.max_seq_len, fitted to the model's max_position_embeddings ({max_position_embeddings})"
+            raise PlanError(_block_problem(self.tokens_per_block, fitted_len))
         fitted = {"max_seq_len": max_position_embeddings}
         if "max_input_len" not in self.model_fields_set:
             fitted["max_input_len"] = min(self.max_input_len, max(1, max_position_embeddings // 2))
@@ -125,6 +134,13 @@ class BuildSection(_Section):
         """The fields that change what the engine computes or how it is laid out (the cache key's part)."""
         excluded = {"backend", "device", "workers", "timeout_s", "log_level"}
         return self.model_dump(exclude=excluded if backend == "trtllm" else excluded | {"trtllm"})
+
+
+def _block_problem(tokens_per_block: int, max_seq_len: str) -> str:
+    """Why a KV block of ``tokens_per_block`` tokens is larger than the longest sequence, ``max_seq_len``."""
+    return (f"build.tokens_per_block ({tokens_per_block}) must not exceed {max_seq_len}: no sequence fills a block, so "
+            "most of the KV cache would go unused and prefix caching, which shares full blocks, could never hit; "
+            "lower tokens_per_block")
 
 
 class CacheSection(_Section):
@@ -145,6 +161,13 @@ class CacheSection(_Section):
     remote_required: bool = Field(
         False, description="An unreachable remote fails the build; by default it warns and builds locally.")
 
+    @field_validator("dir")
+    @classmethod
+    def _dir_not_empty(cls, folder: str) -> str:
+        if not folder.strip():
+            raise ValueError(f"cache.dir is empty; give the cache's folder, or leave it out for {DEFAULT_CACHE_DIR}")
+        return folder
+
     @field_validator("remote")
     @classmethod
     def _remote_url(cls, url: str | None) -> str | None:
@@ -155,7 +178,7 @@ class CacheSection(_Section):
     @field_validator("remote_endpoint")
     @classmethod
     def _remote_endpoint(cls, endpoint: str | None) -> str | None:
-        if problem := endpoint_problem(endpoint):
+        if problem := endpoint_problem(endpoint) or _address_problem(endpoint):
             raise ValueError(problem)
         return endpoint
 
@@ -173,6 +196,29 @@ class CacheSection(_Section):
     def remote_spec(self) -> RemoteSpec | None:
         """The remote tier in force: ``$KILN_CACHE_REMOTE`` when set, else ``remote`` (None: local only)."""
         return remote_spec(self.remote, self.remote_endpoint, self.remote_required)
+
+
+def _address_problem(endpoint: str | None) -> str | None:
+    """Why the host or port of an http(s) ``endpoint`` (one ``endpoint_problem`` passed: no credentials) cannot be
+    connected to, which botocore would say only when the remote is used; None when they can."""
+    if endpoint is None:
+        return None
+    parts = urlsplit(endpoint)
+    try:
+        port = parts.port
+    except ValueError:  # out of range, or not a number
+        port = 0
+    if port is not None and not 1 <= port <= 65535:
+        return f"cache.remote_endpoint {endpoint!r}: the port must be a number from 1 to 65535"
+    host = parts.hostname or ""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        labels = host.removesuffix(".").split(".")
+        if any(char.isspace() for char in endpoint) or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+            return (f"cache.remote_endpoint {endpoint!r}: {host!r} is not a host name (dot-separated letters, digits "
+                    "and hyphens) or an IP address")
+    return None
 
 
 class ServeSection(_Section):
@@ -236,14 +282,17 @@ class KilnConfig(_Section):
 
 def _quantize_problem(recipe: QuantizeRecipe) -> str | None:
     """What a config's quantize section asks beyond what the recipe checks itself and calibration cannot do: an
-    INT4-AWQ algorithm or gate thresholds for a chain that never uses them, a sample budget that cannot converge."""
+    INT4-AWQ algorithm or gate thresholds for a chain that never uses them, calibration settings for format none, a
+    sample budget that cannot converge."""
     calibrated = [fmt for fmt in recipe.chain if fmt != "none"]
     if "algorithm" in recipe.model_fields_set and "int4_awq" not in calibrated:
         return (f"quantize.algorithm ({recipe.algorithm}) sets how INT4-AWQ is calibrated, and the formats tried "
                 f"({', '.join(recipe.chain)}) have no int4_awq; remove algorithm, or use format int4_awq")
-    if "gate" in recipe.model_fields_set and not calibrated:
-        return ("quantize.gate: format none is neither calibrated nor gated; remove the gate, or set a quantized "
-                "quantize.format")
+    unused = [f"quantize.{name}" for name in QuantizeRecipe.model_fields
+              if name in recipe.model_fields_set and name not in UNCALIBRATED_FIELDS]
+    if unused and not calibrated:
+        return (f"{', '.join(unused)}: format none is neither calibrated nor gated; remove "
+                f"{'it' if len(unused) == 1 else 'them'}, or set a quantized quantize.format")
     if recipe.gate is None and recipe.fallback:
         return (f"quantize.fallback ({', '.join(recipe.fallback)}) is tried when a format fails the accuracy gate, "
                 "and gate: null gates nothing; remove one of them")
@@ -417,7 +466,8 @@ def _absolutise_paths(data: dict, base: Path) -> None:
             if isinstance(value, str) and value not in ("bundled", RANDOM) and not value.startswith("hf:"):
                 quantize[field] = _absolute(base / Path(value).expanduser())
     cache = data.get("cache")
-    if isinstance(cache, dict) and isinstance(cache.get("dir"), str) and not cache["dir"].startswith(("/", "~")):
+    if isinstance(cache, dict) and isinstance(cache.get("dir"), str) and cache["dir"].strip() \
+            and not cache["dir"].startswith(("/", "~")):
         cache["dir"] = _absolute(base / cache["dir"])
 
 

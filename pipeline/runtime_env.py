@@ -12,16 +12,47 @@ CLI takes the object.
 - ``KILN_GPU_MEMORY_UTILIZATION``: a number in (0, 1] (default 0.9)
 - ``KILN_SCHEDULER_POLICY``: ``max_utilization`` or ``guaranteed_no_evict`` (default: the backend's own)
 - ``KILN_PREFIX_CACHING``: ``1`` (default) or ``0`` (reuse the KV of prompt prefixes earlier requests computed)
+
+``KNOWN_VARIABLES`` names every ``KILN_*`` variable Kiln reads, these and those read elsewhere; every command warns of
+any other (``unknown_variables``), a misspelt one being otherwise silently ignored.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 
-from kiln.runtime.options import GRAPH_CAPTURES, KERNELS, SCHEDULER_POLICIES, RuntimeOptions, RuntimeOptionsError
+from kiln.runtime.options import (
+    GRAPH_CAPTURES,
+    KERNELS,
+    SCHEDULER_POLICIES,
+    RuntimeOptions,
+    RuntimeOptionsError,
+    is_ascii_number,
+)
 
 SWITCHES = {"cuda_graphs": "KILN_CUDA_GRAPHS", "overlap_steps": "KILN_OVERLAP_STEPS", "pdl": "KILN_PDL",
             "attention_fp8_pv": "KILN_ATTENTION_FP8_PV", "prefix_caching": "KILN_PREFIX_CACHING"}
+# Every KILN_* variable Kiln reads (tests/test_kiln_variables.py checks this against the source): the runtime's
+# options, read here; the engine cache and its remote (pipeline/config.py); kiln serve's key and log settings
+# (pipeline/serve_flags.py, serve_command.py); the tensor-parallel store's port (runtime/native/parallel/group.py);
+# the path a Python process of Kiln's own starts with (runtime/kiln_python.py).
+KNOWN_VARIABLES = frozenset({*SWITCHES.values(), "KILN_KERNELS", "KILN_CUDA_GRAPH_CAPTURE", "KILN_LINEAR_MAX_M",
+                             "KILN_GPU_MEMORY_UTILIZATION", "KILN_SCHEDULER_POLICY", "KILN_CACHE", "KILN_CACHE_REMOTE",
+                             "KILN_API_KEY", "KILN_LOG_LEVEL", "KILN_LOGGING_CONFIG_PATH", "KILN_TP_PORT",
+                             "KILN_SYS_PATH"})
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``KILN_*`` variable of ``environ`` that Kiln does not read (a misspelling: the setting it
+    meant is left at its default), naming the known one it is closest to where one is close."""
+    known = {name.removeprefix("KILN_"): name for name in KNOWN_VARIABLES}  # the prefix they share is no likeness
+    warnings = []
+    for name in sorted(n for n in environ if n.startswith("KILN_") and n not in KNOWN_VARIABLES):
+        close = difflib.get_close_matches(name.removeprefix("KILN_"), known, n=1)
+        fix = f"did you mean {known[close[0]]}?" if close else "unset it (docs/runtime.md lists Kiln's variables)"
+        warnings.append(f"{name} is not a variable Kiln reads, so it changes nothing; {fix}")
+    return warnings
 
 
 def runtime_options(environ: Mapping[str, str], *, device: str | None = None, num_kv_blocks: int | None = None,
@@ -53,7 +84,7 @@ def runtime_options(environ: Mapping[str, str], *, device: str | None = None, nu
             values[field] = _choice(environ, name, ("0", "1")) == "1"
     if "KILN_LINEAR_MAX_M" in environ:
         text = environ["KILN_LINEAR_MAX_M"]
-        if not text.isdecimal() or int(text) < 1:
+        if not is_ascii_number(text) or int(text) < 1:
             raise RuntimeOptionsError(f"KILN_LINEAR_MAX_M={text!r} must be a positive integer; unset it for the "
                                       f"crossover each engine measured")
         values["linear_max_m"] = int(text)

@@ -23,13 +23,14 @@ from kiln.pipeline.serve_flags import (
     check_tool_call_parser,
     cors_origins,
     fallback_api_key,
+    finite,
     given_api_key,
     keep_alive_seconds,
     read_chat_template,
 )
 from kiln.pipeline.targets import Target, TargetError, resolve_target
-from kiln.runtime.errors import KilnError
-from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.errors import KilnError, TensorParallelError
+from kiln.runtime.options import DEFAULT_SCHEDULER_POLICY, RuntimeOptions, is_ascii_number
 from kiln.runtime.server_defaults import DEFAULT_HOST, DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_QUEUE, DEFAULT_PORT
 
 if TYPE_CHECKING:
@@ -88,8 +89,8 @@ class ServeTarget:
 
 
 def log_serving(llm: LLM, target: ServeTarget, options: RuntimeOptions, settings: ServerSettings) -> None:
-    """Log what tells an operator which build and limits are live (never the API key), and warn of an engine without a
-    tokenizer, which serves prompts of token ids only."""
+    """Log what tells an operator which build, limits and scheduler policy are live (never the API key), and warn of an
+    engine without a tokenizer, which serves prompts of token ids only."""
     from kiln.runtime.engine import engine_facts
     from kiln.runtime.version import kiln_version
 
@@ -103,9 +104,11 @@ def log_serving(llm: LLM, target: ServeTarget, options: RuntimeOptions, settings
     blocks = (llm.stats().get("kv_cache") or {}).get("num_blocks")
     pool = f"{blocks} blocks ({limits.kv_pool_tokens} tokens)" if limits.kv_pool_tokens is not None \
         else "sized by the backend"
+    default = DEFAULT_SCHEDULER_POLICY[facts["backend"]]
+    policy = options.scheduler_policy or f"{default} (the {facts['backend']} backend's default)"
     logger.info("limits: max_seq_len %d, max_input_len %d, max_batch_size %d, max_num_tokens %d, KV pool %s, "
-                "max_queue %d; %s", limits.max_seq_len, limits.max_input_len, limits.max_batch_size,
-                limits.max_num_tokens, pool, settings.max_queue,
+                "max_queue %d, scheduler_policy %s; %s", limits.max_seq_len, limits.max_input_len,
+                limits.max_batch_size, limits.max_num_tokens, pool, settings.max_queue, policy,
                 "API key required" if settings.api_keys else "no API key required")
     if llm.tokenizer is None:
         logger.warning("%s has no tokenizer (tokenizer.json): only prompts of token ids can be served, and text "
@@ -114,7 +117,11 @@ def log_serving(llm: LLM, target: ServeTarget, options: RuntimeOptions, settings
 
 def torchrun_rendezvous(environ: Mapping[str, str]) -> Rendezvous | None:
     """The rendezvous of a ``kiln serve`` that torchrun started as one of several ranks, else None."""
-    if int(environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in environ:
+    world_size = environ.get("WORLD_SIZE", "1")
+    if not is_ascii_number(world_size.strip()):
+        raise TensorParallelError(f"WORLD_SIZE={world_size!r} is not a whole number; torchrun sets it: start the "
+                                  f"ranks with torchrun, or unset it to serve from this process alone")
+    if int(world_size) <= 1 or "RANK" not in environ:
         return None
     from kiln.runtime.native.parallel.group import Rendezvous
 
@@ -271,8 +278,9 @@ def serve(
     chat_template: Annotated[str | None, typer.Option(help="A Jinja chat template file to use instead of the "
                                                            "engine's (as transformers renders it), or the template "
                                                            "itself, as vLLM takes it.")] = None,
-    max_body_mb: Annotated[float | None, typer.Option(min=0.001, help="Largest request body in MiB; larger ones get "
-                                                                     "413 before they are read (default 16).")] = None,
+    max_body_mb: Annotated[float | None, typer.Option(
+        min=0.001, callback=finite, help="Largest request body in MiB; larger ones get 413 before they are read "
+                                         "(default 16).")] = None,
     allowed_origins: Annotated[list[str] | None, typer.Option(
         "--allowed-origins", help="An origin browsers may call the API from (CORS), repeatable, or a JSON list of "
                                   "them (vLLM's form); default any ('*', as vLLM); '' alone turns CORS off.")] = None,
@@ -294,20 +302,21 @@ def serve(
     device: Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: the engine's).")] = None,
     num_kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV pool size in blocks (default: from free "
                                                                   "memory).")] = None,
-    gpu_memory_utilization: Annotated[float | None, typer.Option(min=0.01, max=1.0, help="Share of the GPU's memory "
-                                      "the native engine may hold; the KV pool takes what the weights and "
-                                      "activations leave of it (default: $KILN_GPU_MEMORY_UTILIZATION or 0.9).")
-                                      ] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(
+        min=0.01, max=1.0, callback=finite, help="Share of the GPU's memory the native engine may hold; the KV pool "
+                                                 "takes what the weights and activations leave of it (default: "
+                                                 "$KILN_GPU_MEMORY_UTILIZATION or 0.9).")] = None,
     enable_prefix_caching: Annotated[bool | None, typer.Option(
         "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV of prompt prefixes earlier requests "
         "computed, as vLLM (default: $KILN_PREFIX_CACHING, else on); off, no request's output depends on what ran "
         "before it.")] = None,
-    shutdown_timeout: Annotated[float, typer.Option(min=0, help="Seconds in-flight requests get to finish after "
-                                                                "SIGTERM; what is left then gets a 503.")
-                                ] = 25.0,
+    shutdown_timeout: Annotated[float, typer.Option(
+        min=0, callback=finite, help="Seconds in-flight requests get to finish after SIGTERM; what is left then gets "
+                                     "a 503.")] = 25.0,
     timeout_keep_alive: Annotated[float | None, typer.Option(
-        min=0.001, help="Seconds an idle connection stays open; above a load balancer's idle timeout (AWS ALB: 60) "
-                        f"(default: vLLM's $VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else {DEFAULT_KEEP_ALIVE_S:g}).")] = None,
+        min=0.001, callback=finite, help="Seconds an idle connection stays open; above a load balancer's idle "
+                                         "timeout (AWS ALB: 60) (default: vLLM's $VLLM_HTTP_TIMEOUT_KEEP_ALIVE, "
+                                         f"else {DEFAULT_KEEP_ALIVE_S:g}).")] = None,
     engine_process: Annotated[bool, typer.Option(help="Run the engine in a process of its own (its host work and the "
                                                      "HTTP server's then do not share one GIL), or on a thread of "
                                                      "the server's.")] = True,

@@ -1,11 +1,14 @@
 """What ``kiln serve`` takes as vLLM takes it, checked before anything is built or loaded: the origins browsers may
-call from, CORS wildcards, the API keys, the chat template and the tool-call parser."""
+call from, CORS wildcards, the API keys, the chat template, the tool-call parser and its numbers."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
+
+import typer
 
 from kiln.pipeline.vllm_names import VLLM_TOOL_CALL_PARSERS
 from kiln.runtime.errors import KilnError
@@ -72,6 +75,14 @@ class ChatTemplateFileError(KilnError):
 
 class BlankApiKeyError(KilnError):
     """An API key that is only whitespace: serving without one would not be what was asked."""
+
+
+def finite(value: float | None) -> float | None:
+    """A float flag's callback: its value, refused as the flag's usage error where it is inf or nan (which its min and
+    max let through, to crash or mean nothing once the engine is built)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 class KeepAliveError(KilnError):

@@ -15,6 +15,11 @@ SchedulerPolicy = Literal["max_utilization", "guaranteed_no_evict"]
 SCHEDULER_POLICIES: tuple[SchedulerPolicy, ...] = ("max_utilization", "guaranteed_no_evict")
 GraphCapture = Literal["deferred", "at_load"]
 GRAPH_CAPTURES: tuple[GraphCapture, ...] = ("deferred", "at_load")
+# the scheduler policy each backend runs when ``RuntimeOptions.scheduler_policy`` is None
+DEFAULT_SCHEDULER_POLICY: dict[str, SchedulerPolicy] = {"native": "max_utilization", "trtllm": "guaranteed_no_evict"}
+# the settings only a CUDA device uses, each with the value that asks nothing of it (a CPU engine refuses any other)
+CUDA_ONLY: dict[str, object] = {"cuda_graphs": False, "cuda_graph_capture": None, "gpu_memory_utilization": None,
+                                "pdl": True, "attention_fp8_pv": True, "linear_max_m": None}
 
 
 class RuntimeOptionsError(KilnError):
@@ -119,10 +124,11 @@ class RuntimeOptions:
 
     def check_applies(self, device_type: str, tp_size: int) -> None:
         """Refuse options that an engine of ``tp_size`` ranks on a ``device_type`` device would not use: the CUDA
-        ones on the CPU, a rendezvous for a one-device engine."""
-        cuda_only = ("cuda_graphs", "cuda_graph_capture", "gpu_memory_utilization")
+        ones (``CUDA_ONLY``: graphs, the GPU's memory, the Triton kernels' PDL, FP8 p @ v and streaming crossover) on
+        the CPU, a rendezvous for a one-device engine. ``kernels="torch"`` is taken there: it is what the CPU runs."""
         unused = [] if device_type == "cuda" else [
-            f"{name}={getattr(self, name)!r}" for name in cuda_only if getattr(self, name) not in (None, False)]
+            f"{name}={getattr(self, name)!r}" for name, inert in CUDA_ONLY.items()
+            if getattr(self, name) not in (None, inert)]
         if unused:
             raise RuntimeOptionsError(f"{', '.join(unused)}: CUDA settings, and this engine runs on the "
                                       f"{device_type}; leave them unset")
@@ -142,11 +148,17 @@ class RuntimeOptions:
                 if (not names or f.name in names) and getattr(self, f.name) != getattr(defaults, f.name)]
 
 
+def is_ascii_number(text: str) -> bool:
+    """Whether ``text`` is a whole number in ASCII digits (``str.isdecimal`` also takes ``١٢``, which ``int`` reads
+    as 12)."""
+    return text.isascii() and text.isdecimal()
+
+
 def _is_device(text: str) -> bool:
     kind, colon, index = str(text).partition(":")
-    return (kind == "cpu" and not colon) or (kind == "cuda" and (not colon or index.isdecimal()))
+    return (kind == "cpu" and not colon) or (kind == "cuda" and (not colon or is_ascii_number(index)))
 
 
 def _is_host_port(text: str) -> bool:
     host, _, port = text.rpartition(":")
-    return bool(host) and port.isdecimal() and 0 < int(port) < 65536
+    return bool(host) and is_ascii_number(port) and 0 < int(port) < 65536

@@ -209,6 +209,14 @@ def test_bad_target_gives_one_line_and_exit_2(target):
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
 
 
+def test_a_seed_torch_cannot_take_is_refused_before_any_work(monkeypatch):
+    import kiln.pipeline.bench.run
+
+    monkeypatch.setattr(kiln.pipeline.bench.run, "run_bench", lambda *a, **k: pytest.fail("the bench ran"))
+    code, _, err = run_bench("configs/models/llama3-8b.json", "--seed", str(2**64))
+    assert code == 2 and "--seed" in err and "18446744073709551614" in err, err
+
+
 def test_file_without_architectures_is_refused(tmp_path):
     (tmp_path / "x.json").write_text('{"hidden_size": 8}')
     code, _, err = run_bench(str(tmp_path / "x.json"))

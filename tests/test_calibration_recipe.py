@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from kiln.calibration import QuantizeRecipe, recipe_material
-from kiln.calibration.recipe import GATE_DEFAULTS, MATERIAL_VERSION
+from kiln.calibration.recipe import GATE_DEFAULTS, MATERIAL_VERSION, MAX_SEED
 from tests.calibration_factories import corpus, write_jsonl
 
 
@@ -31,6 +31,8 @@ def test_recipe_needs_no_fields_and_defaults_to_no_quantization():
     ({"gate": {"min_top1_agreement": 1.5}}, "min_top1_agreement"),
     ({"gate": {"max_kl": -0.1}}, "max_kl"),
     ({"rounds": 3}, "rounds"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -1}, "seed"),
 ])
 def test_impossible_values_are_rejected_naming_the_field(fields, named):
     with pytest.raises(ValidationError, match=named):
@@ -100,3 +102,23 @@ def test_a_gate_without_thresholds_passes_and_says_it_was_not_applied():
     assert result.passed and not result.applied and result.as_dict()["applied"] is False
     assert result.as_dict()["passed"] is None  # a report reader does not take it for a checkpoint that passed
     assert not check_gate(metrics, {"max_ppl_increase": 0.1, "max_kl": 0.1, "min_top1_agreement": 0.9}).passed
+
+
+def test_the_largest_seed_draws_random_rows_and_calibration_seeds_torch_with_it():
+    import torch
+
+    from kiln.calibration.datasets import load_calibration_data
+
+    recipe = QuantizeRecipe(format="fp8", dataset="random", heldout="random", num_samples=2, round_samples=2,
+                            heldout_samples=2, seq_len=4, seed=MAX_SEED)
+    torch.manual_seed(recipe.seed)  # as the quantize stage does first
+    data = load_calibration_data(recipe, tokenizer=range(50))  # held-out rows come from seed + 1
+    assert data.calibration.shape == data.heldout.shape == (2, 4)
+
+
+@pytest.mark.parametrize("sources", [{}, {"dataset": "random", "heldout": "random"}])
+def test_a_text_field_no_source_reads_is_refused_naming_it(sources):
+    with pytest.raises(ValidationError, match=r"quantize.text_field \(body\) names the JSONL field"):
+        QuantizeRecipe(format="fp8", text_field="body", **sources)
+    assert QuantizeRecipe(format="fp8", dataset="calib.jsonl", text_field="body").text_field == "body"
+    assert QuantizeRecipe(format="fp8", heldout="hf:org/data", text_field="body").text_field == "body"

@@ -127,6 +127,7 @@ def test_a_local_model_folder_kiln_cannot_read_is_refused_naming_what_is_missing
 
 def test_limits_left_to_their_defaults_are_fitted_to_the_model_and_explicit_ones_are_kept(tmp_path):
     from kiln.pipeline.config import BuildSection
+    from kiln.runtime.plan import PlanError
 
     fitted = BuildSection().fitted_to_model(512)
     assert (fitted.max_seq_len, fitted.max_input_len) == (512, 256)
@@ -135,6 +136,8 @@ def test_limits_left_to_their_defaults_are_fitted_to_the_model_and_explicit_ones
     assert explicit.fitted_to_model(512) is explicit  # the build's own check then names the conflict
     only_input = BuildSection(max_input_len=100).fitted_to_model(512)
     assert (only_input.max_seq_len, only_input.max_input_len) == (512, 100)
+    with pytest.raises(PlanError, match=r"build.tokens_per_block \(1024\) must not exceed build.max_seq_len, fitted"):
+        BuildSection(tokens_per_block=1024).fitted_to_model(512)
 
 
 def test_config_show_prints_the_values_in_force(tmp_path, monkeypatch):
@@ -326,6 +329,23 @@ def test_an_integer_is_taken_where_a_number_is_expected(tmp_path):
      r":5: quantize.algorithm \(awq_full\) sets how INT4-AWQ is calibrated, and the formats tried \(fp8\)"),
     ("model:\n  path: org/m\nquantize:\n  algorithm: awq_clip\n", r"formats tried \(none\) have no int4_awq"),
     ("model:\n  path: org/m\nquantize:\n  gate:\n    max_kl: 0.5\n", r":4: quantize.gate: format none is neither"),
+    ("model:\n  path: org/m\nquantize:\n  format: none\n  seed: 3\n  num_samples: 16\n  on_failure: warn\n",
+     r":6: quantize.num_samples, quantize.seed, quantize.on_failure: format none is neither calibrated nor gated; "
+     r"remove them"),
+    ("model:\n  path: org/m\nquantize:\n  dataset: ./calib.jsonl\n", r":4: quantize.dataset: format none is neither"),
+    ("model:\n  path: org/m\nquantize:\n  format: fp8\n  text_field: zzz\n",
+     r":5: quantize.text_field \(zzz\) names the JSONL field or parquet column that holds the text, and "
+     r"quantize.dataset \(bundled\) and quantize.heldout \(bundled\) read no such file"),
+    ("model:\n  path: org/m\nquantize:\n  format: fp8\n  seed: 18446744073709551616\n",
+     r":5: quantize.seed: Input should be less than or equal to 18446744073709551614"),
+    ("model:\n  path: org/m\nbuild:\n  max_seq_len: 512\n  max_input_len: 256\n  tokens_per_block: 4096\n",
+     r":6: build.tokens_per_block \(4096\) must not exceed build.max_seq_len \(512\)"),
+    ("model:\n  path: org/m\ncache:\n  dir: ''\n", r":4: cache.dir is empty"),
+    ("model:\n  path: org/m\ncache:\n  remote: s3://kiln/p\n  remote_endpoint: http://h:99999\n",
+     r":5: cache.remote_endpoint 'http://h:99999': the port must be a number from 1 to 65535"),
+    ("model:\n  path: org/m\ncache:\n  remote: s3://kiln/p\n  remote_endpoint: http://h:0\n", "the port must be"),
+    ("model:\n  path: org/m\ncache:\n  remote: s3://kiln/p\n  remote_endpoint: http://minio_1:9000\n",
+     r"'minio_1' is not a host name"),
     ("model:\n  path: org/m\nbuild:\n  backend: native\n  trtllm:\n    context_fmha: false\n",
      r":6: build.trtllm.context_fmha: for the TensorRT-LLM backend only, and build.backend is native; remove it"),
 ])
@@ -339,6 +359,14 @@ def test_the_same_settings_load_where_they_apply(tmp_path):
     load_config(write(tmp_path, "model:\n  path: org/m\nquantize:\n  format: fp8\n  fallback: [int4_awq]\n"
                                 "  algorithm: awq_full\n"))
     load_config(write(tmp_path, "model:\n  path: org/m\nbuild:\n  backend: trtllm\n  workers: 4\n"))
+    load_config(write(tmp_path, "model:\n  path: org/m\nquantize:\n  format: fp8\n  dataset: ./calib.jsonl\n"
+                                "  text_field: body\n  seed: 18446744073709551614\n"))
+    load_config(write(tmp_path, "model:\n  path: org/m\nquantize:\n  format: none\n  kv_cache_dtype: auto\n"))
+    load_config(write(tmp_path, "model:\n  path: org/m\nbuild:\n  max_seq_len: 64\n  max_input_len: 32\n"
+                                "  tokens_per_block: 64\n"))
+    for endpoint in ("http://minio.local:9000", "https://[::1]:9000", "http://10.0.0.1", "http://s3.example.com."):
+        load_config(write(tmp_path, f"model:\n  path: org/m\ncache:\n  remote: s3://kiln/p\n"
+                                    f"  remote_endpoint: '{endpoint}'\n"))
 
 
 def test_a_sample_budget_that_can_never_converge_is_refused_with_the_arithmetic(tmp_path):

@@ -23,6 +23,8 @@ def test_defaults_are_what_the_performance_figures_were_measured_with():
     ({"num_kv_blocks": -3}, "num_kv_blocks -3 must be a positive integer"),
     ({"device": "gpu"}, "device 'gpu' must be 'cpu', 'cuda' or 'cuda:N'"),
     ({"device": "cuda:x"}, "device 'cuda:x' must be"),
+    ({"device": "cuda:١"}, "device 'cuda:١' must be"),  # a decimal to str.isdecimal, not an ASCII digit
+    ({"tp_rendezvous": "h:٢٩٥٠٠"}, "tp_rendezvous 'h:٢٩٥٠٠' must be 'HOST:PORT'"),
     ({"scheduler_policy": "fcfs"}, "scheduler_policy 'fcfs' must be one of max_utilization, guaranteed_no_evict"),
     ({"gpu_memory_utilization": 1.2}, r"gpu_memory_utilization 1.2 must be a number in \(0, 1\]"),
     ({"gpu_memory_utilization": 0}, "gpu_memory_utilization 0 must be"),
@@ -54,6 +56,7 @@ def test_the_cli_fills_options_from_kiln_variables_and_its_own_flags():
     ("KILN_KERNELS", "cuda", "must be one of triton, torch"),
     ("KILN_LINEAR_MAX_M", "0", "must be a positive integer"),
     ("KILN_LINEAR_MAX_M", "²", "must be a positive integer"),  # a digit to str.isdigit, not to int()
+    ("KILN_LINEAR_MAX_M", "١٢", "must be a positive integer"),  # 12 to int(), but not in ASCII digits
     ("KILN_PDL", "on", "must be one of 0, 1"),
     ("KILN_SCHEDULER_POLICY", "fifo", "must be one of max_utilization, guaranteed_no_evict"),
     ("KILN_GPU_MEMORY_UTILIZATION", "lots", r"must be a number in \(0, 1\]"),
@@ -118,9 +121,12 @@ def test_gpu_memory_utilization_is_the_share_of_the_device_the_kv_pool_fills(mon
     (dict(gpu_memory_utilization=0.5, cuda_graph_capture="at_load"), "cpu", 2,
      r"cuda_graph_capture='at_load', gpu_memory_utilization=0.5: CUDA settings"),
     (dict(tp_rendezvous="10.0.0.1:29500"), "cuda", 1, r"tp_rendezvous='10.0.0.1:29500': this engine runs on one"),
+    (dict(pdl=False, attention_fp8_pv=False, linear_max_m=1), "cpu", 1,  # the Triton kernels' settings
+     r"pdl=False, attention_fp8_pv=False, linear_max_m=1: CUDA settings, and this engine runs on the cpu"),
 ])
 def test_options_the_engine_would_not_use_are_refused(values, device, tp_size, problem):
     with pytest.raises(RuntimeOptionsError, match=problem):
         RuntimeOptions(**values).check_applies(device, tp_size)
     RuntimeOptions(cuda_graphs=False, tp_rendezvous="10.0.0.1:29500").check_applies("cpu", 2)  # off, or used
+    RuntimeOptions(kernels="torch").check_applies("cpu", 1)  # what the CPU runs anyway
     RuntimeOptions(**values).check_applies("cuda", 2)

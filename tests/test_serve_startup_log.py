@@ -25,7 +25,7 @@ def test_the_startup_lines_name_the_build_its_limits_and_whether_a_key_is_needed
                  "quantization none", "KV cache float32", "tp_size 1", f"max_seq_len {limits.max_seq_len}",
                  f"max_input_len {limits.max_input_len}", f"max_batch_size {limits.max_batch_size}",
                  f"max_num_tokens {limits.max_num_tokens}", f"({limits.kv_pool_tokens} tokens)", "max_queue 7",
-                 "API key required"):
+                 "scheduler_policy max_utilization (the native backend's default)", "API key required"):
         assert fact in text, fact
     assert "s3cret" not in text
 

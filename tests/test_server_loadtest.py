@@ -231,6 +231,10 @@ def test_loadtest_refuses_a_workload_the_engine_cannot_serve_before_loading_it(t
     (["http://127.0.0.1:8000", "--input-len", "16", "--prompt", "hi"], "give one"),
     (["http://127.0.0.1:8000", "--chat", "--input-len", "16"], "--chat sends messages"),
     (["http://127.0.0.1:8000", "--in-process", "--device", "cuda"], "--in-process, --device apply only when"),
+    (["http://127.0.0.1:8000", "--offline"], "--offline applies only when loadtest serves the engine itself"),
+    (["http://127.0.0.1:8000", "--no-offline"], "--no-offline applies only when"),
+    (["http://127.0.0.1:8000", "--vocab-size", "100"], "--vocab-size bounds the random token ids of --input-len"),
+    (["http://127.0.0.1:8000", "--prompt", "hi", "--vocab-size", "100"], "give --input-len, or leave --vocab-size"),
 ])
 def test_loadtest_refuses_a_bad_url_or_conflicting_workloads_in_one_line(options, problem):
     result = CliRunner().invoke(cli(), ["loadtest", *options])

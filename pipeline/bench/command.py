@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from kiln.calibration.recipe import Format
+from kiln.calibration.recipe import MAX_SEED, Format
 from kiln.pipeline.bench.provenance import run_record
 from kiln.pipeline.bench.report import print_report
 from kiln.pipeline.console import friendly_errors, print_json
@@ -70,7 +70,7 @@ def bench(
     max_batch_size: Annotated[int | None, typer.Option("--max-batch-size", min=1, help="The most requests an "
                               "architecture file's engine runs at once (default: --prompts, at most 512; a --suite "
                               "row's own).")] = None,
-    seed: Annotated[int, typer.Option(min=0, help="Seed of the prompts and of random weights.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of the prompts and of random weights.")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print a machine-readable object on stdout.")] = False,
 ) -> None:
     """Measure Kiln (and a peer) on one model: throughput, batch-1 decode, TTFT, load time, and the floor."""

@@ -266,8 +266,9 @@ def loadtest(
     vocab_size: Annotated[int | None, typer.Option(min=1, help="Token ids of --input-len prompts stay below this "
                                                                "(default: the server's model card).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Use /v1/chat/completions (default /v1/completions).")] = False,
-    offline: Annotated[bool, typer.Option(help="When serving the engine itself, also run the workload through it "
-                                               "offline and report the server's efficiency.")] = True,
+    offline: Annotated[bool | None, typer.Option("--offline/--no-offline", help="When serving the engine itself, "
+                                                 "also run the workload through it offline and report the server's "
+                                                 "efficiency (default: on).")] = None,
     in_process: Annotated[bool, typer.Option("--in-process", help="When serving the engine itself, also stream the "
                                                                   "workload from LLM.stream without HTTP.")] = False,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="KILN_API_KEY", help="The server's API key.")
@@ -287,12 +288,17 @@ def loadtest(
     if sum(given is not None for given in (prompt, input_len, prompts_file)) > 1:
         raise typer.BadParameter("--prompt, --input-len (random token ids) and --prompts-file each say what the "
                                  "requests send: give one")
+    if vocab_size is not None and input_len is None:
+        raise typer.BadParameter("--vocab-size bounds the random token ids of --input-len prompts, and the requests "
+                                 "send text: give --input-len, or leave --vocab-size out")
     if chat and input_len is not None:
         raise typer.BadParameter("--chat sends messages, which are text: random token prompts (--input-len) go to "
                                  "/v1/completions; leave out one of them")
     options = runtime_options(os.environ, device=device, engine_process=engine_process)
     serving_only = [flag for flag, given in (("--in-process", in_process), ("--device", device is not None),
-                                             ("--no-engine-process", not engine_process)) if given]
+                                             ("--no-engine-process", not engine_process),
+                                             ("--offline" if offline else "--no-offline", offline is not None))
+                    if given]
     if serving_only and target.startswith(("http://", "https://")):
         verb = "applies" if len(serving_only) == 1 else "apply"
         raise typer.BadParameter(f"{', '.join(serving_only)} {verb} only when loadtest serves the engine itself (a "
@@ -305,7 +311,7 @@ def loadtest(
     run = run_record()
     with _server_for(target, resolved, api_key, options) as (url, key, llm):
         report = asyncio.run(_measure(url, key, llm, workload_options, concurrency=clients, chat=chat,
-                                      vocab_size=vocab_size, offline=offline, in_process=in_process))
+                                      vocab_size=vocab_size, offline=offline is not False, in_process=in_process))
     print_json({**report, "run": run}) if json_out else print_report(report)
     counted = report["requests"] - report["disconnected"]  # the soak's own disconnections are no failures
     if counted and report["failed"] / counted > max_failure_rate:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.runtime.errors import TensorParallelError
+from kiln.runtime.options import is_ascii_number
 
 # How long a collective may wait for the other ranks before the engine fails (covers a first step that compiles).
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)
@@ -152,7 +153,10 @@ def _gloo_options(rendezvous: Rendezvous, timeout: timedelta) -> dist.ProcessGro
 
 
 def _number(env: Mapping[str, str], name: str) -> int:
-    """The whole number a torchrun variable holds, or a TensorParallelError naming it."""
-    if not env[name].strip().isdecimal():
-        raise TensorParallelError(f"{name}={env[name]!r} is not a whole number; torchrun sets it, or set it to one")
+    """The whole number a rendezvous variable holds (ASCII digits), or a TensorParallelError naming it and who sets
+    it: torchrun, or for KILN_TP_PORT the user."""
+    if not is_ascii_number(env[name].strip()):
+        fix = ("set it to a free TCP port on rank 0's host, or unset it for MASTER_PORT + 1" if name == "KILN_TP_PORT"
+               else "torchrun sets it: start the ranks with torchrun, or set it to one")
+        raise TensorParallelError(f"{name}={env[name]!r} is not a whole number; {fix}")
     return int(env[name])
