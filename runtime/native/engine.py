@@ -18,7 +18,7 @@ from kiln.runtime.native.grammar import Grammars, advance_matcher
 from kiln.runtime.native.model_runner import LaunchedStep, ModelRunner
 from kiln.runtime.native.parallel.launch import TensorParallelRanks
 from kiln.runtime.native.scheduler import Scheduler, SchedulerOutput
-from kiln.runtime.options import RuntimeOptions, RuntimeOptionsError
+from kiln.runtime.options import DEFAULT_SCHEDULER_POLICY, RuntimeOptions, RuntimeOptionsError
 from kiln.runtime.outputs import (
     RequestFailedError,
     RequestFailure,
@@ -74,7 +74,8 @@ class NativeEngine:
                                           options.prefix_caching)
         self.limits = EngineLimits.from_plan(plan, vocab_size=self.config.architecture.vocab_size,
                                              kv_pool_tokens=self.block_manager.num_blocks * plan.tokens_per_block)
-        self.scheduler = Scheduler(self.limits, self.block_manager, options.scheduler_policy or "max_utilization")
+        self.scheduler = Scheduler(self.limits, self.block_manager,
+                                   options.scheduler_policy or DEFAULT_SCHEDULER_POLICY["native"])
         self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
         self.stats = EngineStats()
         self.num_cached_prompt_tokens = 0  # of the prompts counted in the stats' num_prompt_tokens: the prefix cache's

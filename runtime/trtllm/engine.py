@@ -16,7 +16,7 @@ from typing import Any
 
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.limits import EngineLimits
-from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.options import DEFAULT_SCHEDULER_POLICY, RuntimeOptions
 from kiln.runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, finish_reason, step_delta
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
@@ -88,11 +88,10 @@ class TrtllmEngine:
         self._steps = IterationSteps()  # its iterations, recorded as steps as they are drained
         self._iteration_lock = threading.Lock()  # held while draining the executor's statistics, and to shut it down
         self._shut_down = False
+        policy = options.scheduler_policy or DEFAULT_SCHEDULER_POLICY["trtllm"]
         self.executor = self.trtllm.Executor(engine_dir, self.trtllm.ModelType.DECODER_ONLY,
-                                             self._executor_config(options.num_kv_blocks,
-                                                                   free_gpu_memory_fraction,
-                                                                   options.scheduler_policy or "guaranteed_no_evict",
-                                                                   options.prefix_caching))
+                                             self._executor_config(options.num_kv_blocks, free_gpu_memory_fraction,
+                                                                   policy, options.prefix_caching))
 
     def _executor_config(self, num_kv_blocks: int | None, free_gpu_memory_fraction: float,
                          scheduler_policy: str, prefix_caching: bool) -> Any:
