@@ -478,7 +478,8 @@ def test_serve_refuses_an_unreadable_chat_template_before_building(tmp_path):
     assert SamplingParams  # the runtime names stay importable next to the CLI
 
 
-def test_requests_take_the_sampling_defaults_of_the_models_generation_config_as_in_vllm(llm, tmp_path):
+def test_requests_take_the_sampling_defaults_of_the_models_generation_config_as_in_vllm_and_responses_echo_them(
+        llm, tmp_path):
     import json
     import shutil
 
@@ -494,6 +495,9 @@ def test_requests_take_the_sampling_defaults_of_the_models_generation_config_as_
             overridden = {http.post("/v1/completions", json={**body, "top_k": 0, "seed": seed}).json()
                           ["choices"][0]["text"] for seed in range(4)}
             assert len(overridden) > 1  # a request's own value wins over the model's
+            response = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 1}).json()
+            assert (response["temperature"], response["top_p"]) == ((0.7, 1.0) if unset_is_greedy else (1.0, 1.0))
+            # what it ran with, as OpenAI echoes it (before: null)
 
 
 def test_a_generation_config_with_values_sampling_cannot_take_stops_the_server_naming_it(llm, tmp_path):

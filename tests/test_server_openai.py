@@ -181,6 +181,28 @@ def test_every_step_of_a_stream_is_a_chunk_though_its_token_adds_no_text(client)
     assert len(chat) == 1 + 4 and chat[0].choices[0].delta.role == "assistant"  # the role, then a chunk a step
 
 
+def raw_chunks(server, path: str, body: dict) -> tuple[bytes, list[dict]]:
+    """A stream's raw bytes and its chunks (``[DONE]`` left out)."""
+    raw = httpx.post(f"{server.url}{path}", json={"model": MODEL, "stream": True, **body}, timeout=30).content
+    return raw, [json.loads(line[6:]) for line in raw.decode().splitlines()
+                 if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_streamed_chunks_are_raw_utf8_and_carry_usage_only_when_asked(server):
+    text = "本 🙂"
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20,
+            "structured_outputs": {"choice": [text]}}
+    raw, chunks = raw_chunks(server, "/v1/chat/completions", chat)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
+    assert b"\\u" not in raw and all("usage" not in c for c in chunks)  # before: "\\u672c", and "usage":null
+    raw, chunks = raw_chunks(server, "/v1/completions", {"prompt": text, "echo": True, "max_tokens": 2})
+    assert text.encode() in raw and all("usage" not in c for c in chunks)
+    _, chunks = raw_chunks(server, "/v1/completions", {"prompt": text, "max_tokens": 2,
+                                                       "stream_options": {"include_usage": True}})
+    assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)  # as OpenAI sends them
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
 def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(client):
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, n=2, stream=True,

@@ -10,7 +10,6 @@ import re
 import openai
 import pydantic
 import pytest
-from starlette.responses import JSONResponse
 
 from kiln.runtime import SamplingParams
 from kiln.runtime.chat_template import ChatTemplate
@@ -414,7 +413,7 @@ def test_a_continued_assistant_message_is_the_prompts_end_as_transformers_render
 def test_a_whole_response_is_built_off_the_event_loop(client, monkeypatch):
     from kiln.runtime.server import responding
 
-    built_on_loop = []
+    built_on_loop, build = [], responding._JSONBody
 
     def recording(*args, **kwargs):
         try:
@@ -422,9 +421,9 @@ def test_a_whole_response_is_built_off_the_event_loop(client, monkeypatch):
             built_on_loop.append(True)
         except RuntimeError:
             built_on_loop.append(False)
-        return JSONResponse(*args, **kwargs)
+        return build(*args, **kwargs)
 
-    monkeypatch.setattr(responding, "JSONResponse", recording)
+    monkeypatch.setattr(responding, "_JSONBody", recording)
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, n=2, logprobs=True,
                                          top_logprobs=2)
     assert len(out.choices) == 2 and built_on_loop == [False]

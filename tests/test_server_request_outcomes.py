@@ -64,12 +64,12 @@ def test_a_failed_request_counts_as_an_error_and_one_a_stopped_engine_ended_as_a
     streamed, answered = metrics_of(), metrics_of()
     assert finished(streamed) == {"stop": 0, "length": 0, "abort": 0, "error": 0}  # every series from the start
 
-    async def stream() -> str:
+    async def stream() -> bytes:
         events = StreamEvents(render=lambda index, delta: [], usage=lambda usage: {})
-        return "".join([piece async for piece in _sse(_FailingModel(error), jobs, streamed, [], events,
+        return b"".join([piece async for piece in _sse(_FailingModel(error), jobs, streamed, [], events,
                                                       lambda: None, None)])
 
-    assert '"error"' in asyncio.run(stream())
+    assert b'"error"' in asyncio.run(stream())
     with pytest.raises(APIError):
         asyncio.run(_collect(_FailingModel(error), jobs, answered, _StayingClient(), None))
     for metrics in (streamed, answered):  # before: both reasons counted as aborts

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema_rs
 import openai
 import pytest
@@ -151,11 +152,12 @@ def test_a_failure_mid_stream_is_an_error_event_then_the_response_failed(client)
     assert failed.response.id == events[0].response.id
 
 
-def assert_same_logprobs(entries: list, expected: list) -> None:
-    """The same tokens and alternatives, their log probabilities within 1e-4 (a prefix-cache hit computes them
-    apart)."""
+def assert_same_logprobs(entries: list, expected: list, with_bytes: bool = True) -> None:
+    """The same tokens (and ``bytes``, ``with_bytes``) and alternatives, their log probabilities within 1e-4 (a
+    prefix-cache hit computes them apart)."""
     def tokens(items: list) -> list[tuple]:
-        return [(entry.token, entry.bytes, [top.token for top in entry.top_logprobs]) for entry in items]
+        return [(entry.token, entry.bytes if with_bytes else None, [top.token for top in entry.top_logprobs])
+                for entry in items]
 
     def values(items: list) -> list[float]:
         return [v for entry in items for v in (entry.logprob, *(top.logprob for top in entry.top_logprobs))]
@@ -177,7 +179,11 @@ def test_output_logprobs_are_included_as_the_chat_endpoint_reports_them_whole_an
     streamed = [entry for event in events if event.type == "response.output_text.delta" for entry in event.logprobs]
     done = next(event for event in events if event.type == "response.output_text.done")
     assert [entry.token for entry in streamed] == [entry.token for entry in expected]
-    assert_same_logprobs(done.logprobs, expected)
+    assert_same_logprobs(done.logprobs, expected, with_bytes=False)  # the event's type has no bytes
+    part = next(event for event in events if event.type == "response.content_part.done").part
+    assert_same_logprobs(part.logprobs, expected)  # the text part's, bytes and all (ResponseOutputText's)
+    assert not any(entry.model_extra or any(top.model_extra for top in entry.top_logprobs)
+                   for entry in [*streamed, *done.logprobs])  # before: bytes, which the events' types lack
     plain = client.responses.create(**{**kwargs, "include": None})
     assert plain.output[0].content[0].logprobs == []
     stopped = {**kwargs, "extra_body": {"stop": [whole.output_text[:2]]}}  # the stop string's tokens add no text
@@ -220,6 +226,18 @@ def test_the_response_echoes_the_requests_settings_and_its_usage_validates_as_th
     with pytest.raises(openai.BadRequestError, match='only read with type "json_schema", not "json_object"'):
         client.responses.create(model=MODEL, input=QUESTION, text={"format": {"type": "json_object",
                                                                               "schema": {"type": "integer"}}})
+
+
+def test_streamed_events_are_raw_utf8_as_the_whole_response_and_a_lone_surrogate_stays_an_escape(client):
+    body = b'{"model": "tiny", "input": "hi", "instructions": "\xe6\x9c\xac", "max_output_tokens": 2, ' \
+           b'"metadata": {"k": "\\ud800"}'  # a lone surrogate: JSON can carry it as an escape, UTF-8 cannot
+    for end in (b"}", b', "stream": true}'):
+        answer = httpx.post(f"{client.base_url}responses", content=body + end,
+                            headers={"Content-Type": "application/json"}, timeout=30)
+        assert answer.status_code == 200  # before: a 500 whole, as no UTF-8 can carry the surrogate
+        assert '"instructions":"本"'.encode() in answer.content  # before: "\\u672c" in the stream
+        echoed = json.loads(answer.content.decode().split("data: ", 1)[-1].split("\n", 1)[0])
+        assert echoed.get("response", echoed)["metadata"] == {"k": "\ud800"}
 
 
 def test_every_sampling_extension_passes_to_the_chat_request_as_a_client_sent_it():

@@ -42,7 +42,7 @@ from kiln.runtime.server.protocol import (
 )
 from kiln.runtime.server.reasoning import ReasoningSplitter, split_reasoning, thinking_at_start
 from kiln.runtime.server.request_id import response_id
-from kiln.runtime.server.responding import StreamEvents, respond, stop_reason, stream_chunk
+from kiln.runtime.server.responding import StreamEvents, includes_usage, respond, stop_reason, stream_chunk
 from kiln.runtime.server.tool_calls import ToolCall, ToolCallFormat
 from kiln.runtime.structured_output import (
     FormatTooLargeError,
@@ -393,7 +393,8 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     plan = await prepare_chat(model, req)
     tools, jobs, names = plan.tools, plan.jobs, plan.names
     request_id, created = response_id("chatcmpl-", request, req.request_id), int(time.time())
-    chunk = functools.partial(stream_chunk, request_id, "chat.completion.chunk", created, model.name)
+    chunk = functools.partial(stream_chunk, request_id, "chat.completion.chunk", created, model.name,
+                              with_usage=includes_usage(req))
     streamed = [StreamedText(tools, plan.splitter()) for _ in jobs]
 
     def opening(index: int) -> list[dict]:

@@ -31,6 +31,7 @@ from kiln.runtime.server.protocol import (
 from kiln.runtime.server.request_id import response_id
 from kiln.runtime.server.responding import (
     StreamEvents,
+    includes_usage,
     respond,
     stop_reason,
     stream_chunk,
@@ -107,7 +108,8 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
                      structured_output=structured_output)
     model.check(jobs[::req.n], "prompt")  # one job per prompt: a prompt's n choices differ only in their seed
     request_id, created = response_id("cmpl-", request, req.request_id), int(time.time())
-    chunk = functools.partial(stream_chunk, request_id, "text_completion", created, model.name)
+    chunk = functools.partial(stream_chunk, request_id, "text_completion", created, model.name,
+                              with_usage=includes_usage(req))
     names = TokenText(model.tokenizer, req.return_tokens_as_token_ids)
     echoes = [_echo_text(model, p, ids, not scoring) if req.echo else "" for p, ids in zip(given, prompts, strict=True)]
     offsets = [TextOffsets(model.tokenizer, prompts[i // req.n], start=len(echoes[i // req.n]),

@@ -31,6 +31,7 @@ logger = logging.getLogger("kiln.server")
 IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
 HEADER_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]{1,100}")  # a field's name (messages[].id), or a template variable's
 MAX_IGNORED_NAMES = 32
+SURROGATE = re.compile("[\ud800-\udfff]")  # a UTF-16 surrogate: JSON can escape one alone, UTF-8 cannot carry it
 ABORTED_OUTPUTS_WAIT_S = 5.0  # how long a request whose client went away waits for its jobs' aborted outputs
 
 
@@ -110,7 +111,7 @@ class _EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], headers: dict[str, str]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None], headers: dict[str, str]) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", **headers})
@@ -123,8 +124,8 @@ class _EventStream(Response):
         watcher.add_done_callback(lambda task: task.cancelled() or writer.cancel())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for text in self._content:
-                await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            async for body in self._content:
+                await send({"type": "http.response.body", "body": body, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not watcher.done() or watcher.cancelled():
@@ -138,10 +139,29 @@ class _EventStream(Response):
             await self._content.aclose()
 
 
-def _event(data: dict) -> str:
-    """One server-sent event; a typed one (the Responses API's) names its type in an ``event:`` line too."""
-    name = f"event: {data['type']}\n" if "type" in data else ""
-    return f"{name}data: {json.dumps(data, separators=(',', ':'))}\n\n"
+def utf8_json(content: object, *, allow_nan: bool = True) -> bytes:
+    """``content`` as compact JSON in UTF-8, its text raw (not ``\\u`` escapes), as vLLM and OpenAI write it; a
+    lone UTF-16 surrogate, which no UTF-8 can carry (only a request's JSON escape brings one, echoed back), stays
+    an escape."""
+    text = json.dumps(content, ensure_ascii=False, allow_nan=allow_nan, separators=(",", ":"))
+    try:
+        return text.encode()
+    except UnicodeEncodeError:  # outside strings, JSON text is ASCII: every surrogate is inside one
+        return SURROGATE.sub(lambda found: f"\\u{ord(found.group()):04x}", text).encode()
+
+
+class _JSONBody(JSONResponse):
+    """A JSON response written by ``utf8_json``: a lone surrogate echoed back is an escape, not a 500."""
+
+    def render(self, content: object) -> bytes:
+        return utf8_json(content, allow_nan=False)
+
+
+def _event(data: dict) -> bytes:
+    """One server-sent event, its JSON as a whole response's (``utf8_json``); a typed one (the Responses API's)
+    names its type in an ``event:`` line too."""
+    name = f"event: {data['type']}\n".encode() if "type" in data else b""
+    return b"%sdata: %s\n\n" % (name, utf8_json(data))
 
 
 def _error_chunk(failed: APIError) -> list[dict]:
@@ -163,7 +183,7 @@ class StreamEvents:
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: each chunk of a choice with its usage so far
     generates: bool = True  # False: a scored prompt's (echo, max_tokens 0), whose one token is no completion token
     error: Callable[[APIError], list[dict]] = _error_chunk
-    done: str = "data: [DONE]\n\n"
+    done: bytes = b"data: [DONE]\n\n"
 
 
 def _with_usage(opening: list[dict], chunks: list[dict], prompt_tokens: int, generated: int,
@@ -178,7 +198,7 @@ def _with_usage(opening: list[dict], chunks: list[dict], prompt_tokens: int, gen
 
 
 async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
-               stream: StreamEvents, release: Callable[[], None], format_param: str | None) -> AsyncIterator[str]:
+               stream: StreamEvents, release: Callable[[], None], format_param: str | None) -> AsyncIterator[bytes]:
     """The SSE body (``StreamEvents`` says what it holds). The chunks of deltas that arrived together go out in one
     write. The request's admission is released once the engine is done with its jobs, though a client that does not
     read has not taken their last chunks yet."""
@@ -186,7 +206,7 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
     generated: dict[int, int] = {}  # tokens so far of each job whose prompt was prefilled
     failure: Exception | None = None
     if stream.prelude:
-        yield "".join(_event(chunk) for chunk in stream.prelude)
+        yield b"".join(_event(chunk) for chunk in stream.prelude)
     try:
         async with contextlib.aclosing(model.generate(jobs, on_finished=release)) as batches:
             async for batch in batches:
@@ -204,13 +224,13 @@ async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prom
                                                       generated[index] if stream.generates else 0, new)
                     events += [_event(chunk) for chunk in opening + chunks]
                 if events:
-                    yield "".join(events)
+                    yield b"".join(events)
     except Exception as exc:  # the engine stopped (closed, or a bug in it), or the request could not go on (its
         # format): tell the client in the stream
         failure, failed = exc, _generation_failed(exc, format_param)
         logger.log(logging.ERROR if failed.status_code >= 500 else logging.INFO, "stream failed: %s: %s",
                    type(exc).__name__, exc)
-        yield "".join(map(_event, stream.error(failed)))
+        yield b"".join(map(_event, stream.error(failed)))
     else:
         if stream.with_usage:
             yield _event(stream.usage(usage_of(prompts, outputs)))
@@ -237,7 +257,7 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
         metrics.vllm.requested(req.n, job.params.max_tokens)
     if req.stream:
         options = req.stream_options
-        with_usage = stream.with_usage or options is not None and options.include_usage
+        with_usage = stream.with_usage or includes_usage(req)
         continuous = with_usage and options is not None and bool(options.continuous_usage_stats)
         body = _sse(model, jobs, metrics, prompts, replace(stream, with_usage=with_usage, continuous_usage=continuous),
                     release, format_param)
@@ -251,7 +271,7 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
     # built and encoded off the event loop: n = 128 choices with 20 logprobs a token take long enough to stall the
     # other requests' streams
     return await asyncio.to_thread(
-        lambda: JSONResponse(build(outputs, usage_of(prompts, outputs)).model_dump(mode="json"), headers=headers))
+        lambda: _JSONBody(build(outputs, usage_of(prompts, outputs)).model_dump(mode="json"), headers=headers))
 
 
 def ignored_header(names: list[str]) -> str:
@@ -262,11 +282,17 @@ def ignored_header(names: list[str]) -> str:
     return ", ".join(fit[:MAX_IGNORED_NAMES] + (["..."] if len(fit) > MAX_IGNORED_NAMES else []))
 
 
+def includes_usage(req: SamplingFields) -> bool:
+    """Whether a streamed request asked for its usage (``stream_options.include_usage``)."""
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
 def stream_chunk(request_id: str, object_name: str, created: int, model_name: str, choices: list[dict],
-                 usage: Usage | None = None) -> dict:
-    """One SSE chunk of a streamed response."""
-    return {"id": request_id, "object": object_name, "created": created, "model": model_name, "choices": choices,
-            "usage": usage.model_dump() if usage else None}
+                 usage: Usage | None = None, *, with_usage: bool = False) -> dict:
+    """One SSE chunk of a streamed response: its ``usage`` null until the last chunk where the request asked for
+    it (``with_usage``, ``includes_usage``), else no ``usage`` key, as OpenAI and vLLM send chunks."""
+    chunk = {"id": request_id, "object": object_name, "created": created, "model": model_name, "choices": choices}
+    return {**chunk, "usage": usage.model_dump() if usage else None} if with_usage or usage else chunk
 
 
 def stop_reason(delta: StreamDelta) -> int | str | None:

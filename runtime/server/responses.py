@@ -165,6 +165,21 @@ def _logprobs(names: TokenText, entries: list) -> list[dict]:
     return chat_logprobs(names, entries).model_dump()["content"]
 
 
+def _event_logprobs(entries: list[dict]) -> list[dict]:
+    """``_logprobs`` as the text events carry them (``response.output_text.delta`` and ``.done``): each token's and
+    its alternatives' ``token`` and ``logprob``, without the ``bytes`` of the output text part's."""
+    return [{"token": entry["token"], "logprob": entry["logprob"],
+             "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in entry["top_logprobs"]]}
+            for entry in entries]
+
+
+def _ran_with(req: ResponsesRequest, name: str, defaults: dict[str, float]) -> float:
+    """The request's ``temperature`` or ``top_p`` as it ran, which the response echoes (as OpenAI's does): its own,
+    else the model's default (``--generation-config``), else 1.0, as ``generation.sampling_params`` resolves it."""
+    value = getattr(req, name)
+    return defaults.get(name, 1.0) if value is None else value
+
+
 def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
@@ -175,6 +190,8 @@ class _ResponseBuilder:
     def __init__(self, req: ResponsesRequest, model: ServedModel, response_id: str) -> None:
         self.req, self.model_name, self.tokenizer = req, model.name, model.tokenizer
         self.id, self.created = response_id, int(time.time())
+        self.temperature = _ran_with(req, "temperature", model.sampling_defaults)
+        self.top_p = _ran_with(req, "top_p", model.sampling_defaults)
 
     def __call__(self, status: str, output: list, usage: Usage | None = None, reasoning: str = "",
                  error: ResponseError | None = None) -> ResponseObject:
@@ -186,7 +203,7 @@ class _ResponseBuilder:
             id=self.id, created_at=self.created, completed_at=int(time.time()) if usage is not None else None,
             status=status, error=error, incomplete_details=IncompleteDetails(reason="max_output_tokens")
             if status == "incomplete" else None, model=self.model_name, output=output, instructions=req.instructions,
-            max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+            max_output_tokens=req.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
             tools=[tool.model_dump(exclude_none=True) for tool in req.tools or []], tool_choice=_tool_choice(req),
             parallel_tool_calls=req.parallel_tool_calls is not False,
             text={"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
@@ -254,7 +271,7 @@ class _StreamedResponse:
     def _text_delta(self, text: str) -> dict:
         """An ``output_text.delta`` event: ``text`` and the log probabilities not sent yet."""
         event = self.event("response.output_text.delta", item_id=self.message_id, output_index=self.message_index,
-                           content_index=0, delta=text, logprobs=self.logprobs[self.unsent:])
+                           content_index=0, delta=text, logprobs=_event_logprobs(self.logprobs[self.unsent:]))
         self.unsent = len(self.logprobs)
         return event
 
@@ -332,7 +349,8 @@ class _StreamedResponse:
         if self.opened:
             part = dict(item_id=self.message_id, output_index=self.message_index, content_index=0)
             message = self._message(self.status)
-            events += [self.event("response.output_text.done", **part, text=self.text, logprobs=self.logprobs),
+            events += [self.event("response.output_text.done", **part, text=self.text,
+                                  logprobs=_event_logprobs(self.logprobs)),
                        self.event("response.content_part.done", **part, part=message["content"][0]),
                        self.event("response.output_item.done", output_index=self.message_index, item=message)]
             self.output.append(message)
@@ -376,7 +394,7 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
 
     stream = _StreamedResponse(plan.tools, plan.splitter(), response, message_id, plan.names)
     events = StreamEvents(stream.render, stream.final, stream.prelude(), with_usage=True, error=stream.error,
-                          done="")  # the last event carries the usage; no [DONE], as OpenAI's streams end
+                          done=b"")  # the last event carries the usage; no [DONE], as OpenAI's streams end
     return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, stream=events,
                          ignored=[*_ignored_fields(req), *(_CHAT_NAMES.get(n, n) for n in plan.unused)],
                          format_param=plan.format_param and _CHAT_NAMES.get(plan.format_param, plan.format_param))

@@ -337,8 +337,8 @@ class ResponseObject(BaseModel):
     output: list[OutputReasoning | OutputMessage | OutputFunctionCall]
     instructions: str | None
     max_output_tokens: int | None
-    temperature: float | None
-    top_p: float | None
+    temperature: float
+    top_p: float
     tools: list[dict]
     tool_choice: str | dict
     parallel_tool_calls: bool
