@@ -568,3 +568,10 @@ def test_a_request_without_an_output_format_takes_no_worker_thread(monkeypatch):
     with pytest.raises(AssertionError, match="worker thread"):
         asyncio.run(jobs.compiled_format(plain.model_copy(update={"response_format": None,
                                                                   "structured_outputs": {"regex": "a"}})))
+
+
+def test_an_error_quoting_a_lone_surrogate_the_request_escaped_keeps_it_an_escape():
+    from kiln.runtime.server.errors import APIError, error_response
+
+    body = error_response(APIError(404, "The model 'x\ud800' does not exist")).body  # the model a request named
+    assert b"'x\\ud800'" in body  # before: a 500, as UTF-8 cannot carry a lone surrogate

@@ -413,7 +413,7 @@ def test_a_continued_assistant_message_is_the_prompts_end_as_transformers_render
 def test_a_whole_response_is_built_off_the_event_loop(client, monkeypatch):
     from kiln.runtime.server import responding
 
-    built_on_loop, build = [], responding._JSONBody
+    built_on_loop, build = [], responding.Utf8JSONResponse
 
     def recording(*args, **kwargs):
         try:
@@ -423,7 +423,7 @@ def test_a_whole_response_is_built_off_the_event_loop(client, monkeypatch):
             built_on_loop.append(False)
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(responding, "_JSONBody", recording)
+    monkeypatch.setattr(responding, "Utf8JSONResponse", recording)
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, n=2, logprobs=True,
                                          top_logprobs=2)
     assert len(out.choices) == 2 and built_on_loop == [False]

@@ -11,6 +11,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from kiln.runtime.server.foreign_fields import foreign_field_advice
+from kiln.runtime.server.utf8_json import Utf8JSONResponse
 
 logger = logging.getLogger("kiln.server")
 
@@ -44,8 +45,8 @@ def error_body(status_code: int, message: str, param: str | None = None, code: s
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error.status_code, error.message, error.param, error.code, error.kind),
-                        status_code=error.status_code, headers=error.headers)
+    return Utf8JSONResponse(error_body(error.status_code, error.message, error.param, error.code, error.kind),
+                            status_code=error.status_code, headers=error.headers)
 
 
 def describe_validation_error(exc: RequestValidationError, route: str | None = None) -> APIError:
@@ -130,10 +131,10 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and exc.detail == "Not Found":  # no such route (an unknown model has its own 404)
             message = (f"{request.method} {request.url.path} is not served here; the routes are "
                        f"{served_routes(request.app)}")
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return Utf8JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+                                headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error while serving a request")
-        return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}"), status_code=500)
+        return Utf8JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}"), status_code=500)

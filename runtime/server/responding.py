@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
@@ -14,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kiln.runtime.errors import EngineClosedError, InvalidRequestError, KilnError
@@ -24,6 +23,7 @@ from kiln.runtime.server.errors import APIError, error_body
 from kiln.runtime.server.generation import RETRY_AFTER_S, Job, ServedModel, engine_request_ids
 from kiln.runtime.server.metrics import CLIENT_CLOSED_REQUEST, CLIENT_GONE, ServerMetrics
 from kiln.runtime.server.protocol import SamplingFields, Usage
+from kiln.runtime.server.utf8_json import Utf8JSONResponse, utf8_json
 from kiln.runtime.structured_output import StructuredOutputError
 
 logger = logging.getLogger("kiln.server")
@@ -31,7 +31,6 @@ logger = logging.getLogger("kiln.server")
 IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
 HEADER_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-\[\]]{1,100}")  # a field's name (messages[].id), or a template variable's
 MAX_IGNORED_NAMES = 32
-SURROGATE = re.compile("[\ud800-\udfff]")  # a UTF-16 surrogate: JSON can escape one alone, UTF-8 cannot carry it
 ABORTED_OUTPUTS_WAIT_S = 5.0  # how long a request whose client went away waits for its jobs' aborted outputs
 
 
@@ -137,24 +136,6 @@ class _EventStream(Response):
             watcher.cancel()
             self._release()
             await self._content.aclose()
-
-
-def utf8_json(content: object, *, allow_nan: bool = True) -> bytes:
-    """``content`` as compact JSON in UTF-8, its text raw (not ``\\u`` escapes), as vLLM and OpenAI write it; a
-    lone UTF-16 surrogate, which no UTF-8 can carry (only a request's JSON escape brings one, echoed back), stays
-    an escape."""
-    text = json.dumps(content, ensure_ascii=False, allow_nan=allow_nan, separators=(",", ":"))
-    try:
-        return text.encode()
-    except UnicodeEncodeError:  # outside strings, JSON text is ASCII: every surrogate is inside one
-        return SURROGATE.sub(lambda found: f"\\u{ord(found.group()):04x}", text).encode()
-
-
-class _JSONBody(JSONResponse):
-    """A JSON response written by ``utf8_json``: a lone surrogate echoed back is an escape, not a 500."""
-
-    def render(self, content: object) -> bytes:
-        return utf8_json(content, allow_nan=False)
 
 
 def _event(data: dict) -> bytes:
@@ -271,7 +252,7 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
     # built and encoded off the event loop: n = 128 choices with 20 logprobs a token take long enough to stall the
     # other requests' streams
     return await asyncio.to_thread(
-        lambda: _JSONBody(build(outputs, usage_of(prompts, outputs)).model_dump(mode="json"), headers=headers))
+        lambda: Utf8JSONResponse(build(outputs, usage_of(prompts, outputs)).model_dump(mode="json"), headers=headers))
 
 
 def ignored_header(names: list[str]) -> str:
