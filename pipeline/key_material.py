@@ -1,7 +1,13 @@
-"""What the quantized-checkpoint key and the engine key are made of (canonical JSON, hashed by engines.cache)."""
+"""What the quantized-checkpoint key and the engine key are made of (canonical JSON, hashed by engines.cache), and
+the model folder as they took it (``CheckpointState``)."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.engines.cache import checkpoint_files, checkpoint_hash
 from kiln.engines.native.tuning import tuning_material
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import KilnConfig
@@ -14,6 +20,47 @@ from kiln.runtime.trtllm.toolchain import trtllm_machine_fingerprint
 from kiln.runtime.version import kiln_version, package_version
 
 KEY_SCHEMA = 1
+
+FileIdentity = tuple[bytes, int, int, int, int]  # real path, size, mtime and ctime in ns, inode
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """A model folder as the keys took it: its content hash (``checkpoint_hash``), and the identity of each file that
+    hash covers, stat'ed before the hash read it."""
+
+    path: Path
+    hash: str
+    identities: dict[str, FileIdentity | None]
+
+    def changed_files(self) -> list[str]:
+        """The files rewritten (back to the same bytes too: the ctime or inode moves), added or removed since the
+        folder was hashed. None changed is the folder still hashing as its keys say: ``checkpoint_hash`` would give
+        the same digests from its memo, keyed by these identities, without reading a byte; like it, this only stats."""
+        now = _identities(self.path)
+        return sorted(rel for rel in now.keys() | self.identities.keys() if now.get(rel) != self.identities.get(rel))
+
+
+def checkpoint_state(path: Path, memo_path: Path | None = None) -> CheckpointState:
+    """``path``'s content hash (through the hash memo at ``memo_path``) and its files' identities, taken first: a file
+    written while it is read is a changed file."""
+    identities = _identities(path)
+    return CheckpointState(path, checkpoint_hash(path, memo_path), identities)
+
+
+def _identities(path: Path) -> dict[str, FileIdentity | None]:
+    """The identity of each file ``checkpoint_hash`` covers under ``path``; None for one gone since it was listed."""
+    files = checkpoint_files(path)
+    identities: dict[str, FileIdentity | None] = {}
+    for rel in files.hashed:
+        try:
+            st = (files.root / rel).stat()
+        except FileNotFoundError:
+            identities[rel] = None
+            continue
+        real = os.fsencode(os.path.realpath(files.root / rel))
+        identities[rel] = real, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+    return identities
 
 
 def quantized_material(checkpoint_hash: str, recipe: dict, device: str, compute_dtype: str) -> dict:

@@ -34,16 +34,17 @@ def find_model(model: ModelSection) -> Path | None:
     local = Path(model.path).expanduser()
     if is_local_path(model.path):
         return local if _is_checkpoint(local) else None
+    return next((snapshot for snapshot in _snapshots(model) if _is_checkpoint(snapshot)), None)
+
+
+def _snapshots(model: ModelSection) -> list[Path]:
+    """The snapshot folders of the HF cache that hold ``model`` at its revision: its ref's, then the one the revision
+    names itself (a commit)."""
     repo_dir = hf_hub_cache() / f"models--{model.path.replace('/', '--')}"
     ref = repo_dir / "refs" / (model.revision or "main")
-    snapshots = repo_dir / "snapshots"
-    if ref.is_file():
-        snapshot = snapshots / ref.read_text(encoding="utf-8").strip()
-        if _is_checkpoint(snapshot):
-            return snapshot
-    if model.revision and _is_checkpoint(snapshots / model.revision):
-        return snapshots / model.revision
-    return None
+    commits = [ref.read_text(encoding="utf-8").strip()] if ref.is_file() else []
+    return [repo_dir / "snapshots" / commit for commit in [*commits, model.revision] if commit
+            and (repo_dir / "snapshots" / commit).is_dir()]
 
 
 def resolve_model(model: ModelSection) -> Path:
@@ -59,15 +60,21 @@ def resolve_model(model: ModelSection) -> Path:
         raise ModelNotFoundError(
             f"model.path {model.path} is neither a folder (a relative path is taken from the config file's folder) "
             f"nor a Hugging Face model id such as org/name{hint}; point model.path at the checkpoint folder")
+    what = f"model '{model.path}'" + (f" at revision {model.revision}" if model.revision else "")
+    command = f"hf download {model.path}" + (f" --revision {model.revision}" if model.revision else "")
     if not model.allow_download:
-        what = f"model '{model.path}'" + (f" at revision {model.revision}" if model.revision else "")
-        command = f"hf download {model.path}" + (f" --revision {model.revision}" if model.revision else "")
+        for snapshot in _snapshots(model):  # in the cache, but not whole
+            if problem := _weights_problem(snapshot, fetch=f"fetch them with `{command}`"):
+                raise ModelNotFoundError(f"{what} in the Hugging Face cache ({snapshot}) {problem}")
         raise ModelNotFoundError(
             f"{what} is not on disk (not in the Hugging Face cache {hf_hub_cache()}); download it "
             f"with `{command}` where the hub is reachable, or set model.path to a local folder "
             "(or model.allow_download: true)"
         )
-    return _download(model)
+    downloaded = _download(model)
+    if problem := _weights_problem(downloaded):
+        raise ModelNotFoundError(f"{what}, downloaded to {downloaded}, {problem}")
+    return downloaded
 
 
 def _download(model: ModelSection) -> Path:
@@ -98,10 +105,15 @@ def _what_is_missing(folder: Path) -> str:
     return _weights_problem(folder) or f"has no *.safetensors weights; {fix}"
 
 
-def _weights_problem(folder: Path) -> str | None:
-    """Why the safetensors of a folder are not a whole checkpoint (None: model.safetensors, or an index whose shards
-    are all there): shards without their index, or an index naming shards not on disk (an interrupted download)."""
+def _weights_problem(folder: Path, fetch: str = "fetch the missing files") -> str | None:
+    """Why the safetensors of a folder are not one whole checkpoint (None: model.safetensors, or an index whose
+    shards are all there): both model.safetensors and an index (which tools read differently), shards without their
+    index, or an index naming shards not on disk (an interrupted download; ``fetch`` says how to get them)."""
     index = folder / "model.safetensors.index.json"
+    if index.is_file() and (folder / "model.safetensors").is_file():
+        return (f"has both model.safetensors and {index.name}, which tools read differently (transformers, and so "
+                "calibration, loads model.safetensors; the native builder and vLLM the shards of the index): a "
+                "sharded save_pretrained leaves an earlier single-file save in place; remove the stale one")
     if index.is_file():
         try:
             shards = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
@@ -109,7 +121,7 @@ def _weights_problem(folder: Path) -> str | None:
             return None  # the builder names what is wrong with the index
         if missing := sorted(str(s) for s in shards if not (folder / str(s)).is_file()):
             return (f"has {index.name} naming {len(missing)} shard(s) not on disk ({', '.join(missing[:3])}"
-                    f"{' ...' if len(missing) > 3 else ''}): an interrupted download? fetch the missing files")
+                    f"{' ...' if len(missing) > 3 else ''}): an interrupted download? {fetch}")
         return None
     if not (folder / "model.safetensors").is_file() and any(folder.glob("*.safetensors")):
         return ("has *.safetensors shards but no model.safetensors.index.json saying which tensor is where; copy the "

@@ -14,6 +14,7 @@ from kiln.engines.native.builder import preflight_native_plan, refuse_parallelis
 from kiln.pipeline.backend import choose_backend, require, require_device
 from kiln.pipeline.config import LoadedConfig, is_local_path, load_config
 from kiln.pipeline.console import warn
+from kiln.pipeline.key_material import checkpoint_state
 from kiln.pipeline.model_source import ModelNotFoundError, find_model, model_max_positions, resolve_model
 from kiln.pipeline.stages import (
     BUILD_STAGES,
@@ -24,9 +25,9 @@ from kiln.pipeline.stages import (
     Stage,
     report_summary,
 )
+from kiln.pipeline.tokenizer_files import checkpoint_tokenizer
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.plan import PlanError
-from kiln.runtime.tokenizer import Tokenizer
 
 ProgressFactory = Callable[[str], Callable[[str, float], None]]
 Plan = list[tuple[Stage, Decision]]
@@ -97,9 +98,9 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
                                       loaded.config.build.tp_size, loaded.config.quantize.int4_group_size,
                                       loaded.config.quantize.format)
     cache = open_cache(loaded, create=not dry_run)
-    ckpt = _hash_checkpoint(model_dir, cache) if model_dir else None
+    state = checkpoint_state(model_dir, memo_path=cache.hash_memo_path if cache else None) if model_dir else None
     ctx = BuildContext(loaded=loaded, choice=choice, options=options, cache=cache, model_dir=model_dir,
-                       checkpoint_hash=ckpt, force=force)
+                       checkpoint_state=state, force=force)
     ctx.compute_keys()
     return ctx
 
@@ -120,14 +121,10 @@ def decide(ctx: BuildContext, *, smoke: bool = True) -> Plan:
 
 def check_smoke(ctx: BuildContext) -> None:
     """Refuse a smoke request the build plan cannot serve before anything is built: its prompt counted with the
-    model's tokenizer when the model is on disk, else taken as one token."""
+    model's tokenizer when the model is on disk (a model without one is refused), else taken as one token."""
     prompt_tokens = None
     if ctx.model_dir is not None:
-        tokenizer = Tokenizer.from_dir(ctx.model_dir)
-        if tokenizer is None:
-            raise ctx.loaded.refusal(f"smoke.prompt: the model {ctx.model_dir} has no tokenizer.json to encode it "
-                                     "with; add the checkpoint's tokenizer files")
-        prompt_tokens = len(tokenizer.encode(ctx.config.smoke.prompt))
+        prompt_tokens = len(checkpoint_tokenizer(ctx.model_dir).encode(ctx.config.smoke.prompt))
     if problem := ctx.config.smoke_problem(prompt_tokens):
         raise ctx.loaded.refusal(problem)
 

@@ -25,7 +25,7 @@ from kiln.engines.cache.verify import nearest_entry
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import BuildSection, KilnConfig, LoadedConfig
 from kiln.pipeline.console import stderr
-from kiln.pipeline.key_material import engine_material, quantized_material
+from kiln.pipeline.key_material import CheckpointState, engine_material, quantized_material
 from kiln.pipeline.tokenizer_files import write_transformers_tokenizer
 from kiln.runtime.errors import KilnError
 from kiln.runtime.options import RuntimeOptions
@@ -64,7 +64,7 @@ class BuildContext:
     options: RuntimeOptions
     cache: EngineCache | None
     model_dir: Path | None
-    checkpoint_hash: str | None
+    checkpoint_state: CheckpointState | None  # the model folder as the keys took it
     force: bool = False
     quantized_key: str | None = None
     engine_key: str | None = None
@@ -97,6 +97,10 @@ class BuildContext:
             return self.cache.remote
         spec = self.config.cache.remote_spec()
         return RemoteTier(spec) if spec is not None else None
+
+    @property
+    def checkpoint_hash(self) -> str | None:
+        return self.checkpoint_state.hash if self.checkpoint_state is not None else None
 
     @property
     def calibration_dtype(self) -> str:
@@ -264,6 +268,15 @@ def _miss(lookup: LookupResult | None, ctx: BuildContext, store: str, material: 
     return f"new: entry {key[:12]} differs in {', '.join(fields)}"
 
 
+def _require_model_unchanged(ctx: BuildContext, built: str) -> None:
+    """Refuse what was just built from the model folder when a file of it changed since the keys were taken: its key
+    would name other files than it holds (a chat template edited during calibration, then served for the original
+    folder's key, to a remote cache's peers too). Run inside the store's fill, so nothing of it is left."""
+    if changed := ctx.checkpoint_state.changed_files():
+        raise KilnError(f"the model folder {ctx.model_dir} changed while {built} was built ({', '.join(changed)}): "
+                        f"nothing was cached; build again")
+
+
 def _no_model(ctx: BuildContext) -> str | None:
     return None if ctx.model_dir else f"model files not found for model.path {ctx.config.model.path}"
 
@@ -329,6 +342,7 @@ class QuantizeStage:
                                          dtype=ctx.calibration_dtype, progress=progress)
             describe["format"] = report["format"]  # a fallback's, where the gate sent the chain on
             describe["kv_cache_dtype"] = report["kv_cache_dtype"]  # auto where it fell back to none
+            _require_model_unchanged(ctx, "the quantized checkpoint")
             return {"calibration": report_summary(report)}
 
         result = ctx.cache.quantized.get_or_build(ctx.quantized_key, material, build, force=ctx.force,
@@ -425,7 +439,8 @@ class BuildStage:
     @staticmethod
     def _holding_checkpoint(ctx: BuildContext, build: Callable[[Path], dict]) -> Callable[[Path], dict]:
         """``build``, holding the checkpoint while it is read (a quantized checkpoint of the cache is kept from being
-        evicted by any process meanwhile), then the engine's tokenizer written from it."""
+        evicted by any process meanwhile), then the engine's tokenizer written from it; an engine built from the
+        model folder itself is refused if the folder changed meanwhile."""
 
         def build_from_checkpoint(tmp: Path) -> dict:
             quantized = ctx.quantized_key and ctx.checkpoint_dir != ctx.model_dir
@@ -436,6 +451,8 @@ class BuildStage:
                     raise KilnError(f"{ctx.checkpoint_dir}: {', '.join(partial)} but no tokenizer.json, and "
                                     f"transformers makes none from them; save the tokenizer with save_pretrained (a "
                                     f"fast one writes tokenizer.json)")
+                if ctx.checkpoint_dir == ctx.model_dir:  # a quantized checkpoint was checked as it was built
+                    _require_model_unchanged(ctx, "the engine")
                 return record
 
         return build_from_checkpoint

@@ -157,6 +157,21 @@ def write_sentencepiece_style_tokenizer(path: Path) -> None:
         "add_bos_token": True}))
 
 
+def write_gpt2_style_tokenizer(path: Path) -> None:
+    """A GPT-2-style tokenizer as older checkpoints ship it: byte-level BPE in vocab.json + merges.txt (about 300
+    tokens, trained on a few sentences) and a tokenizer_config.json naming GPT2Tokenizer, no tokenizer.json."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train_from_iterator(["The quick brown fox jumps over the lazy dog.", "Hello world!"] * 20,
+                                  vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_model(str(path))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer",
+                                                            "bos_token": "<|endoftext|>",
+                                                            "eos_token": "<|endoftext|>"}))
+
+
 def copy_tokenizer(src: Path, dst: Path) -> None:
     """Copy the tokenizer files of checkpoint ``src`` into ``dst`` (modelopt's export writes none)."""
     for name in ("tokenizer.json", "tokenizer_config.json"):

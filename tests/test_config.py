@@ -112,6 +112,9 @@ def test_a_model_path_that_is_a_link_loop_loads_and_is_reported_where_it_is_used
     ({"config.json": "{}", "model-00001-of-00002.safetensors": "", "model.safetensors.index.json":
       '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}'},
      r"naming 1 shard\(s\) not on disk \(model-00002-of-00002.safetensors\): an interrupted download"),
+    ({"config.json": "{}", "model.safetensors": "", "model.safetensors.index.json": '{"weight_map": {}}'},
+     r"has both model.safetensors and model.safetensors.index.json, which tools read differently .*; remove the "
+     r"stale one$"),
 ])
 def test_a_local_model_folder_kiln_cannot_read_is_refused_naming_what_is_missing(tmp_path, files, problem):
     from kiln.pipeline.model_source import ModelNotFoundError, resolve_model
@@ -123,6 +126,50 @@ def test_a_local_model_folder_kiln_cannot_read_is_refused_naming_what_is_missing
     (tmp_path / "kiln.yaml").write_text("model:\n  path: ./model\n")
     with pytest.raises(ModelNotFoundError, match=problem):
         resolve_model(load_config(tmp_path / "kiln.yaml").config.model)
+
+
+def test_a_build_refuses_a_folder_with_both_a_single_file_save_and_a_shard_index_in_one_line(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_text("")
+    (model / "model-00001-of-00001.safetensors").write_text("")
+    (model / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-00001-of-00001.safetensors"}}')
+    (tmp_path / "kiln.yaml").write_text(f"model:\n  path: ./model\ncache:\n  dir: {tmp_path / 'cache'}\n")
+    result = CliRunner().invoke(app, ["build", str(tmp_path / "kiln.yaml"), "--json"])
+    assert result.exit_code == 2
+    error = json.loads(result.stdout)["error"]["message"]
+    assert error.startswith(f"model.path {model} has both model.safetensors and model.safetensors.index.json")
+
+
+def test_a_hugging_face_cache_snapshot_with_a_shard_still_downloading_is_named_as_such(tmp_path, monkeypatch):
+    from kiln.pipeline.config import ModelSection
+    from kiln.pipeline.model_source import ModelNotFoundError, resolve_model
+
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "f00d.incomplete").write_text("")  # huggingface_hub links it into the snapshot once whole
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "model-00001-of-00002.safetensors").write_text("")
+    (snapshot / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model(ModelSection(path="acme/tiny"))
+    assert str(err.value) == (
+        f"model 'acme/tiny' in the Hugging Face cache ({snapshot}) has model.safetensors.index.json naming 1 shard(s) "
+        "not on disk (model-00002-of-00002.safetensors): an interrupted download? fetch them with "
+        "`hf download acme/tiny`")
 
 
 def test_limits_left_to_their_defaults_are_fitted_to_the_model_and_explicit_ones_are_kept(tmp_path):

@@ -284,6 +284,19 @@ def test_a_tokenizer_that_does_not_load_is_refused_before_anything_is_written(ch
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.parametrize("kept", [(), ("vocab.json",)])
+def test_a_checkpoint_with_no_tokenizer_json_nor_files_to_make_one_from_is_refused(checkpoint, tmp_path, kept):
+    source = shutil.copytree(checkpoint, tmp_path / "hf")
+    (source / "tokenizer.json").unlink()
+    for name in kept:  # merges.txt missing: no GPT-2-style tokenizer either
+        (source / name).write_text("{}")
+    out = tmp_path / "engine"
+    out.mkdir()
+    with pytest.raises(KilnError, match=r"no tokenizer.json \(nor vocab.json \+ merges.txt or tokenizer.model"):
+        build_native_engine(source, out, tiny_plan(), "float32")
+    assert list(out.iterdir()) == []
+
+
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors"])
 def test_an_index_naming_a_shard_outside_the_checkpoint_directory_is_refused(checkpoint, tmp_path, shard):
     source = shutil.copytree(checkpoint, tmp_path / "hf")
@@ -293,6 +306,35 @@ def test_an_index_naming_a_shard_outside_the_checkpoint_directory_is_refused(che
     out = tmp_path / "engine"
     out.mkdir()
     with pytest.raises(KilnError, match="not a file in the checkpoint directory"):
+        build_native_engine(source, out, tiny_plan(), "float32")
+    assert list(out.iterdir()) == []
+
+
+def sharded_with_index(checkpoint, tmp_path, weight_map):
+    """``checkpoint`` split in two shards (lm_head.weight alone in the second), with an index of ``weight_map(names,
+    first, second)``."""
+    source = shutil.copytree(checkpoint, tmp_path / "hf")
+    tensors = load_file(source / "model.safetensors")
+    (source / "model.safetensors").unlink()
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    save_file({name: t for name, t in tensors.items() if name != "lm_head.weight"}, source / first)
+    save_file({"lm_head.weight": tensors["lm_head.weight"]}, source / second)
+    index = {"weight_map": weight_map(sorted(tensors), first, second)}
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    return source
+
+
+@pytest.mark.parametrize(("weight_map", "problem"), [
+    (lambda names, first, second: dict.fromkeys(names, first),
+     r"weight_map puts tensor 'lm_head.weight' in model-00001-of-00002.safetensors, which does not hold it"),
+    (lambda names, first, second: [first, second], "weight_map is a list, not an object mapping each tensor name"),
+])
+def test_an_index_that_does_not_say_where_each_tensor_is_is_refused_naming_it(checkpoint, tmp_path, weight_map,
+                                                                             problem):
+    source = sharded_with_index(checkpoint, tmp_path, weight_map)
+    out = tmp_path / "engine"
+    out.mkdir()
+    with pytest.raises(KilnError, match=f"^{re.escape(str(source / 'model.safetensors.index.json'))}: {problem}"):
         build_native_engine(source, out, tiny_plan(), "float32")
     assert list(out.iterdir()) == []
 

@@ -11,7 +11,12 @@ from typer.testing import CliRunner
 from kiln.engines.native.builder import build_native_engine
 from kiln.pipeline.tokenizer_files import write_transformers_tokenizer
 from kiln.runtime.tokenizer import Tokenizer
-from tests.model_factories import make_hf_checkpoint, tiny_plan, write_sentencepiece_style_tokenizer
+from tests.model_factories import (
+    make_hf_checkpoint,
+    tiny_plan,
+    write_gpt2_style_tokenizer,
+    write_sentencepiece_style_tokenizer,
+)
 
 TEXTS = ["<|im_start|>user\nhi<|im_end|>", " leading space", "Hello world", "naïve 😀"]
 
@@ -69,3 +74,50 @@ def test_kiln_build_serves_the_transformers_tokenizer(llama_2_style, tmp_path, m
     assert result.exit_code == 0, result.output
     engine = Tokenizer.from_dir(json.loads(result.stdout[result.stdout.index("{"):])["engine_dir"])
     assert engine.encode(TEXTS[0]) == AutoTokenizer.from_pretrained(model)(TEXTS[0])["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def gpt2_style(tmp_path_factory):
+    """A tiny checkpoint whose tokenizer is vocab.json + merges.txt (GPT2Tokenizer), with no tokenizer.json."""
+    checkpoint = make_hf_checkpoint(tmp_path_factory.mktemp("gpt2"), vocab_size=320, hidden_size=32, num_heads=2,
+                                    num_kv_heads=1, num_layers=1)
+    (checkpoint / "tokenizer.json").unlink()
+    write_gpt2_style_tokenizer(checkpoint)
+    return checkpoint
+
+
+def build_config(model, tmp_path):
+    config = tmp_path / "kiln.yaml"
+    config.write_text(f"model:\n  path: {model}\n  dtype: float32\nquantize:\n  format: none\nbuild:\n"
+                      f"  max_seq_len: 128\n  max_input_len: 64\ncache:\n  dir: {tmp_path / 'cache'}\n")
+    return config
+
+
+def test_kiln_build_makes_the_tokenizer_json_of_a_checkpoint_with_vocab_json_and_merges_txt(gpt2_style, tmp_path):
+    from transformers import AutoTokenizer
+
+    from kiln.pipeline.cli import app
+
+    result = CliRunner().invoke(app, ["build", str(build_config(gpt2_style, tmp_path)), "--json"])
+    assert result.exit_code == 0, result.output
+    engine = Tokenizer.from_dir(json.loads(result.stdout[result.stdout.index("{"):])["engine_dir"])
+    text = "Hello world, the lazy fox"
+    assert engine.encode(text) == AutoTokenizer.from_pretrained(gpt2_style)(text)["input_ids"]
+
+
+def test_vocab_json_and_merges_txt_transformers_makes_no_tokenizer_json_from_are_named_not_smoke_prompt(
+        gpt2_style, tmp_path, monkeypatch):
+    import transformers
+
+    from kiln.pipeline.cli import app
+
+    def refuse(*args, **kwargs):
+        raise ValueError("this tokenizer needs trust_remote_code=True")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    result = CliRunner().invoke(app, ["build", str(build_config(gpt2_style, tmp_path)), "--dry-run", "--json"])
+    assert result.exit_code == 2
+    message = json.loads(result.stdout)["error"]["message"]
+    assert message.startswith(f"{gpt2_style} has vocab.json and merges.txt but no tokenizer.json, and transformers "
+                              "makes none from them (ValueError: this tokenizer needs trust_remote_code=True)")
+    assert "smoke.prompt" not in message

@@ -32,6 +32,10 @@ from kiln.runtime.plan import BuildPlan, PlanError
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.runtime.tokenizer_files import copy_tokenizer_files
 
+# The files transformers makes a tokenizer.json from, where a checkpoint has none: the builder copies none of them,
+# and its caller writes the engine's tokenizer.json (the build stage: ``pipeline.tokenizer_files``)
+CONVERTIBLE_TOKENIZERS = (("vocab.json", "merges.txt"), ("tokenizer.model",))
+
 
 def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dtype: str, device: str = "cpu",
                         options: RuntimeOptions | None = None, tp_size: int = 1) -> dict:
@@ -41,7 +45,8 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
     Validates the plan against the KV pool that ``options`` (``num_kv_blocks``, ``gpu_memory_utilization``) give the
     engine: at least one sequence of max_seq_len must fit, else it says which max_seq_len would. On CUDA with the
     Triton ``options.kernels``, times each FP8 linear's crossover (``tuning``; key material:
-    ``tuning_material``). Returns the engine.json dict."""
+    ``tuning_material``). A checkpoint whose tokenizer is CONVERTIBLE_TOKENIZERS' files, not tokenizer.json, is
+    built without one: the caller writes it. Returns the engine.json dict."""
     checkpoint_dir, out_dir, options = Path(checkpoint_dir), Path(out_dir), options or RuntimeOptions()
     if not out_dir.is_dir():
         raise KilnError(f"engine output directory {out_dir} does not exist; create it (empty) first")
@@ -55,9 +60,11 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
     source_quant = read_quantization(checkpoint_dir, hf_config)
     refuse_unshardable(arch, tp_size, source_quant.group_size)
     build_plan = fit_plan(plan, arch, dtype, source_quant.fp8_kv_cache)
-    if Tokenizer.from_dir(checkpoint_dir) is None:  # loaded once here, so that a broken one is never published
-        raise KilnError(f"{checkpoint_dir}: no tokenizer.json; the native runtime needs a fast tokenizer file "
-                        "(save the tokenizer with save_pretrained)")
+    # the tokenizer is loaded once here, so that a broken one is never published
+    if Tokenizer.from_dir(checkpoint_dir) is None and not _convertible_tokenizer(checkpoint_dir):
+        raise KilnError(f"{checkpoint_dir}: no tokenizer.json (nor vocab.json + merges.txt or tokenizer.model to make "
+                        "one from); the native runtime needs a fast tokenizer file (save the tokenizer with "
+                        "save_pretrained)")
 
     fp8_kv_cache = build_plan.kv_cache_dtype == "float8_e4m3fn"
     weights, dense_modules = convert_weights(CheckpointTensors(checkpoint_dir), arch, source_quant.format,
@@ -91,6 +98,10 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
     copy_tokenizer_files(checkpoint_dir, out_dir)
     config.save(out_dir)
     return config.to_dict()
+
+
+def _convertible_tokenizer(checkpoint_dir: Path) -> bool:
+    return any(all((checkpoint_dir / name).is_file() for name in names) for names in CONVERTIBLE_TOKENIZERS)
 
 
 def check_weights_match(config: EngineConfig, weights: dict[str, torch.Tensor], checkpoint_dir: Path) -> None:

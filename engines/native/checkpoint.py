@@ -142,7 +142,11 @@ class CheckpointTensors:
         single = checkpoint_dir / "model.safetensors"
         if index.is_file():
             weight_map = read_json(index).get("weight_map", {})
+            if not isinstance(weight_map, dict):
+                raise KilnError(f"{index}: weight_map is a {type(weight_map).__name__}, not an object mapping each "
+                                "tensor name to its shard file; re-export the checkpoint")
             self._files = {name: _shard(checkpoint_dir, index, fname) for name, fname in weight_map.items()}
+            _check_shards_hold(index, self._files)
         elif single.is_file():
             with _open(single) as f:
                 self._files = dict.fromkeys(f.keys(), single)
@@ -183,6 +187,18 @@ def _shard(checkpoint_dir: Path, index: Path, name: object) -> Path:
         raise KilnError(f"{index}: weight_map names {name!r}, not a file in the checkpoint directory; re-export the "
                         "checkpoint")
     return checkpoint_dir / name
+
+
+def _check_shards_hold(index: Path, files: dict[str, Path]) -> None:
+    """Refuse an index that puts a tensor in a shard that does not hold it (the shards' headers are read, not their
+    tensors), before anything is converted."""
+    for shard in sorted(set(files.values())):
+        with _open(shard) as f:
+            held = set(f.keys())
+        if missing := sorted(name for name, path in files.items() if path == shard and name not in held):
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise KilnError(f"{index}: weight_map puts tensor {missing[0]!r}{more} in {shard.name}, which does not "
+                            "hold it; re-export the checkpoint, or fix the index")
 
 
 def _open(path: Path):
