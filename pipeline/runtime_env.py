@@ -50,7 +50,7 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     warnings = []
     for name in sorted(n for n in environ if n.startswith("KILN_") and n not in KNOWN_VARIABLES):
         close = difflib.get_close_matches(name.removeprefix("KILN_"), known, n=1)
-        fix = f"did you mean {known[close[0]]}?" if close else "unset it (docs/runtime.md lists Kiln's variables)"
+        fix = f"did you mean {known[close[0]]}?" if close else "unset it"
         warnings.append(f"{name} is not a variable Kiln reads, so it changes nothing; {fix}")
     return warnings
 

@@ -17,9 +17,10 @@ GraphCapture = Literal["deferred", "at_load"]
 GRAPH_CAPTURES: tuple[GraphCapture, ...] = ("deferred", "at_load")
 # the scheduler policy each backend runs when ``RuntimeOptions.scheduler_policy`` is None
 DEFAULT_SCHEDULER_POLICY: dict[str, SchedulerPolicy] = {"native": "max_utilization", "trtllm": "guaranteed_no_evict"}
-# the settings only a CUDA device uses, each with the value that asks nothing of it (a CPU engine refuses any other)
+# the settings only a CUDA device uses that ask something of it at any value but this one (a CPU engine refuses
+# another); pdl and attention_fp8_pv, on or off, ask a CPU nothing: one environment serves CPUs and GPUs
 CUDA_ONLY: dict[str, object] = {"cuda_graphs": False, "cuda_graph_capture": None, "gpu_memory_utilization": None,
-                                "pdl": True, "attention_fp8_pv": True, "linear_max_m": None}
+                                "linear_max_m": None}
 
 
 class RuntimeOptionsError(KilnError):
@@ -124,8 +125,8 @@ class RuntimeOptions:
 
     def check_applies(self, device_type: str, tp_size: int) -> None:
         """Refuse options that an engine of ``tp_size`` ranks on a ``device_type`` device would not use: the CUDA
-        ones (``CUDA_ONLY``: graphs, the GPU's memory, the Triton kernels' PDL, FP8 p @ v and streaming crossover) on
-        the CPU, a rendezvous for a one-device engine. ``kernels="torch"`` is taken there: it is what the CPU runs."""
+        ones (``CUDA_ONLY``: graphs, the GPU's memory, the streaming crossover) on the CPU, a rendezvous for a
+        one-device engine. ``kernels="torch"`` is taken there: it is what the CPU runs."""
         unused = [] if device_type == "cuda" else [
             f"{name}={getattr(self, name)!r}" for name, inert in CUDA_ONLY.items()
             if getattr(self, name) not in (None, inert)]

@@ -35,8 +35,7 @@ def test_a_misspelt_variable_is_named_with_the_one_it_is_closest_to():
     warnings = unknown_variables({"KILN_PREFIX_CACHNG": "0", "KILN_SCHEDULR_POLICY": "fcfs", "KILN_HOME": "/x",
                                   "KILN_CACHE": "/c", "HOME": "/h"})
     assert warnings == [
-        "KILN_HOME is not a variable Kiln reads, so it changes nothing; unset it (docs/runtime.md lists Kiln's "
-        "variables)",
+        "KILN_HOME is not a variable Kiln reads, so it changes nothing; unset it",
         "KILN_PREFIX_CACHNG is not a variable Kiln reads, so it changes nothing; did you mean KILN_PREFIX_CACHING?",
         "KILN_SCHEDULR_POLICY is not a variable Kiln reads, so it changes nothing; did you mean "
         "KILN_SCHEDULER_POLICY?"]

@@ -121,12 +121,13 @@ def test_gpu_memory_utilization_is_the_share_of_the_device_the_kv_pool_fills(mon
     (dict(gpu_memory_utilization=0.5, cuda_graph_capture="at_load"), "cpu", 2,
      r"cuda_graph_capture='at_load', gpu_memory_utilization=0.5: CUDA settings"),
     (dict(tp_rendezvous="10.0.0.1:29500"), "cuda", 1, r"tp_rendezvous='10.0.0.1:29500': this engine runs on one"),
-    (dict(pdl=False, attention_fp8_pv=False, linear_max_m=1), "cpu", 1,  # the Triton kernels' settings
-     r"pdl=False, attention_fp8_pv=False, linear_max_m=1: CUDA settings, and this engine runs on the cpu"),
+    (dict(pdl=False, attention_fp8_pv=False, linear_max_m=1), "cpu", 1,  # the streaming crossover asks for kernels
+     r"^linear_max_m=1: CUDA settings, and this engine runs on the cpu"),
 ])
 def test_options_the_engine_would_not_use_are_refused(values, device, tp_size, problem):
     with pytest.raises(RuntimeOptionsError, match=problem):
         RuntimeOptions(**values).check_applies(device, tp_size)
     RuntimeOptions(cuda_graphs=False, tp_rendezvous="10.0.0.1:29500").check_applies("cpu", 2)  # off, or used
     RuntimeOptions(kernels="torch").check_applies("cpu", 1)  # what the CPU runs anyway
+    RuntimeOptions(pdl=False, attention_fp8_pv=False).check_applies("cpu", 1)  # on or off, nothing asked of a CPU
     RuntimeOptions(**values).check_applies("cuda", 2)
