@@ -454,3 +454,11 @@ def test_forced_calls_whose_grammar_would_be_too_large_or_deep_are_a_400_naming_
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=many,
                                        tool_choice="required")
     assert refused.value.param == "tools" and "characters; at most" in refused.value.message
+
+
+@pytest.mark.parametrize("format_", [HERMES, LLAMA3_JSON, tool_call_format(MISTRAL_TEMPLATE)])
+def test_a_call_nested_deeper_or_with_longer_numbers_than_python_reads_stays_text_in_every_format(format_):
+    for unreadable in ("[" * 100_000 + "]" * 100_000, "1" * 5000):
+        text = f'{format_.prefix or ""}{{"name": "sql", "{format_.arguments_key}": {unreadable}'
+        assert format_.parse(text, {"sql"})[1] == []  # before: RecursionError / ValueError, a 500
+        format_.cut_off_call(text, {"sql"})  # reads as far as it can, raising nothing

@@ -252,7 +252,7 @@ def _leading_values(text: str, separator: re.Pattern) -> tuple[list[object], str
     while True:
         try:
             value, end = decoder.raw_decode(text, index)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # no JSON, an integer past Python's 4,300 digits, or nested too deeply
             return values, text[end:].strip()
         values.append(value)
         if (between := separator.match(text, end)) is None or between.end() == len(text):
