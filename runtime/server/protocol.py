@@ -13,9 +13,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
-    ModelWrapValidatorHandler,
     PlainValidator,
-    PrivateAttr,
     Tag,
     ValidationInfo,
     WithJsonSchema,
@@ -388,11 +386,10 @@ class ToolCallMessagePart(StrictModel):
 
 class ChatMessage(StrictModel):
     """A message of the conversation: its known fields as strict as the request's, a key this server does not know
-    ignored (as vLLM takes messages; LiteLLM passes its answers back with ``provider_specific_fields``) and kept
-    from the template, its name in ``unknown_keys`` for the request to name."""
+    ignored (as vLLM takes messages; LiteLLM passes its answers back with ``provider_specific_fields``): kept aside
+    (``model_extra``), never given to the template, its name in ``unknown_keys`` for the request to name."""
 
-    model_config = ConfigDict(extra="ignore")
-    _unknown_keys: frozenset[str] = PrivateAttr(frozenset())
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "ipython"]  # ipython: Llama 3.1's tool output
     content: Content = None
@@ -413,18 +410,10 @@ class ChatMessage(StrictModel):
         None, exclude=True, description='Ignored: lm-evaluation-harness\'s chat models send "type": "text" on every '
                                         'message, and the Responses API\'s items "message".')
 
-    @model_validator(mode="wrap")
-    @classmethod
-    def _note_unknown_keys(cls, data: Any, handler: ModelWrapValidatorHandler[ChatMessage]) -> ChatMessage:
-        message = handler(data)
-        if isinstance(data, dict):
-            message._unknown_keys = frozenset(data.keys() - cls.model_fields.keys())
-        return message
-
     @property
-    def unknown_keys(self) -> frozenset[str]:
+    def unknown_keys(self) -> list[str]:
         """The keys the message was sent with that this server does not know (ignored)."""
-        return self._unknown_keys
+        return list(self.model_extra or ())
 
     @model_validator(mode="after")
     def _tool_call_id_on_tool_messages_only(self) -> ChatMessage:
