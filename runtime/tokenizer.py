@@ -400,7 +400,8 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
         if tokenizer is None:
             raise error("this engine has no tokenizer.json: pass the prompt as token ids")
         token_ids = tokenizer.encode(prompt)
-        if token_ids and (largest := max(token_ids)) >= vocab_size:  # an embedding failure stops the engine
+        if tokenizer.max_token_id >= vocab_size and token_ids and (largest := max(token_ids)) >= vocab_size:
+            # an embedding failure would stop the engine; a tokenizer that matches its model makes no such id
             raise error(_unmatched_tokenizer(largest, vocab_size))
     elif isinstance(prompt, list | tuple):
         token_ids = [plain_number(t) for t in prompt]  # NumPy's and torch's integers too
