@@ -81,15 +81,15 @@ def test_a_litellm_second_turn_is_answered_and_the_message_keys_it_adds_are_name
         "requests set 'messages[].thinking_blocks', which this server accepts and ignores (logged once)") == 1
 
 
-def test_ignored_names_are_logged_once_each_up_to_a_bound_as_clients_choose_message_keys(caplog):
+def test_message_keys_are_logged_once_each_up_to_a_bound_as_clients_choose_them_and_fields_always(caplog):
     from types import SimpleNamespace
 
-    from kiln.runtime.server.jobs import MAX_LOGGED_IGNORED_FIELDS, make_jobs
+    from kiln.runtime.server.jobs import MAX_LOGGED_MESSAGE_KEYS, make_jobs
 
     model = SimpleNamespace(logged_ignored_fields=set(), sampling_defaults=None)
-    req = SimpleNamespace(ignored_fields=lambda: [f"messages[].key{i}" for i in range(MAX_LOGGED_IGNORED_FIELDS + 9)],
-                          n=1)
+    keys = [f"messages[].key{i}" for i in range(MAX_LOGGED_MESSAGE_KEYS + 9)]
     caplog.set_level("WARNING", logger="kiln.server")
-    for _ in range(2):
-        make_jobs(model, req, [], [], logprobs=None, prompt_logprobs=None, structured_output=None)
-    assert len(model.logged_ignored_fields) == MAX_LOGGED_IGNORED_FIELDS == len(caplog.records)
+    for names in (keys, keys, [*keys, "user"]):
+        make_jobs(model, SimpleNamespace(ignored_fields=lambda names=names: names, n=1), [], [], logprobs=None,
+                  prompt_logprobs=None, structured_output=None)
+    assert len(caplog.records) == MAX_LOGGED_MESSAGE_KEYS + 1 and "'user'" in caplog.records[-1].getMessage()

@@ -13,8 +13,10 @@ from kiln.runtime.server.protocol import SamplingFields
 from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
 
 logger = logging.getLogger("kiln.server")
-# ignored field names warned of once per server, up to this many: messages' unknown keys are the client's to choose
-MAX_LOGGED_IGNORED_FIELDS = 256
+# messages' unknown keys warned of once per server, up to this many: their names are the client's to choose (the
+# request fields a server ignores are a fixed few, each always warned of once)
+MAX_LOGGED_MESSAGE_KEYS = 256
+MESSAGE_KEY_PREFIX = "messages[]."
 
 
 def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *,
@@ -23,8 +25,9 @@ def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]],
     """`n` jobs per prompt, in OpenAI's choice order (prompt-major), with the model's sampling defaults;
     ``max_tokens_param``: the field the client set the length with, which errors name."""
     for name in sorted(set(req.ignored_fields()) - model.logged_ignored_fields):
-        if len(model.logged_ignored_fields) >= MAX_LOGGED_IGNORED_FIELDS:
-            break
+        keys = sum(logged.startswith(MESSAGE_KEY_PREFIX) for logged in model.logged_ignored_fields)
+        if name.startswith(MESSAGE_KEY_PREFIX) and keys >= MAX_LOGGED_MESSAGE_KEYS:
+            continue
         model.logged_ignored_fields.add(name)
         logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
     try:
