@@ -80,8 +80,6 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
                             request: Request) -> object:
     """Handle POST /v1/completions."""
     check_request(model, req)
-    if req.best_of is not None and req.best_of < req.n:  # as OpenAI and vLLM refuse it
-        raise APIError(400, f"best_of ({req.best_of}) must be greater than or equal to n ({req.n})", param="best_of")
     given = _as_prompt_list(req.prompt)
     model.admission.check_fits(len(given) * req.n, "prompt")  # before tokenizing a batch too large to run
     add_special_tokens = req.add_special_tokens is not False

@@ -189,17 +189,20 @@ def _truncation(value: int) -> int:
 TruncatePromptTokens = Annotated[Int, Field(ge=-1), AfterValidator(_truncation)]
 
 
-def _best_of_at_most_n(value: int, info: ValidationInfo) -> int:
+def _best_of_n(value: int, info: ValidationInfo) -> int:
     """vLLM's best_of, taken where it changes nothing: every sample is returned, so best_of n (as the runtime's
-    SamplingParams takes it); more would pick the best of more samples than are returned."""
+    SamplingParams takes it); fewer is refused, as OpenAI and vLLM refuse it, and more would pick the best of more
+    samples than are returned."""
     n = info.data.get("n", 1)
+    if value < n:
+        raise ValueError(f"best_of ({value}) must be greater than or equal to n ({n})")
     if value > n:
         raise ValueError(f"{value} is not supported by this server, which returns every sample: omit it or send "
                          f"null or {n} (n)")
     return value
 
 
-BestOf = Annotated[Int, Field(ge=1), AfterValidator(_best_of_at_most_n)]
+BestOf = Annotated[Int, Field(ge=1), AfterValidator(_best_of_n)]
 
 
 class StructuredOutputs(StrictModel):
