@@ -9,12 +9,17 @@ from kiln.runtime.chat_template_files import ChatTemplateFiles
 from kiln.runtime.tokenizer import Tokenizer
 
 
+def declared_eos(config: dict[str, Any], generation: dict[str, Any]) -> tuple[str, Any]:
+    """Which file of a checkpoint names its end-of-sequence ids, and its ``eos_token_id`` as written, as
+    transformers' ``generate`` takes them: generation_config.json's where it names some, else config.json's."""
+    value = generation.get("eos_token_id")
+    return ("config.json", config.get("eos_token_id")) if value is None else ("generation_config.json", value)
+
+
 def generation_eos_ids(config: dict[str, Any], generation: dict[str, Any]) -> list[int]:
     """The end-of-sequence ids of a checkpoint's ``config.json`` and ``generation_config.json`` (``{}`` when it has
-    none), as transformers' ``generate`` takes them: generation_config.json's where it names some, else
-    config.json's; one id or a list, without repeats."""
-    value = generation.get("eos_token_id")
-    value = config.get("eos_token_id") if value is None else value
+    none), from the file ``declared_eos`` names: one id or a list, without repeats."""
+    value = declared_eos(config, generation)[1]
     return list(dict.fromkeys(int(i) for i in ([value] if isinstance(value, int) else value or [])))
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kiln.engines.eos import generation_eos_ids, stopping_eos_ids
+from kiln.engines.eos import declared_eos, generation_eos_ids, stopping_eos_ids
 from kiln.runtime.errors import EngineFormatError, KilnError
 from kiln.runtime.json_files import is_number, read_json_object
 from kiln.runtime.native.engine_format import Architecture, architecture_size_problem
@@ -224,11 +224,10 @@ def _check_dtype(cfg: dict[str, Any], path: Path) -> None:
 
 
 def _check_eos_ids(cfg: dict[str, Any], gen: dict[str, Any], vocab_size: int, path: Path) -> None:
-    """Refuses an ``eos_token_id`` that is not a token id of the vocabulary, in the file ``generation_eos_ids``
-    takes it from (generation_config.json's where it names one, else config.json's)."""
-    source, value = path.with_name("generation_config.json"), gen.get("eos_token_id")
-    if value is None:
-        source, value = path, cfg.get("eos_token_id")
+    """Refuses an ``eos_token_id`` that is not a token id of the vocabulary, in the file the ids are taken from
+    (``declared_eos``)."""
+    name, value = declared_eos(cfg, gen)
+    source = path.with_name(name)
     ids = value if isinstance(value, list) else [] if value is None else [value]
     if bad := [i for i in ids if type(i) is not int or not 0 <= i < vocab_size]:
         raise KilnError(f"{source}: eos_token_id {value!r} holds {bad[0]!r}, not a token id of the vocabulary (0 to "
