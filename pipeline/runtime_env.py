@@ -48,8 +48,9 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     meant is left at its default), naming the known one it is closest to where one is close."""
     known = {name.removeprefix("KILN_"): name for name in KNOWN_VARIABLES}  # the prefix they share is no likeness
     warnings = []
-    for name in sorted(n for n in environ if n.startswith("KILN_") and n not in KNOWN_VARIABLES):
-        close = difflib.get_close_matches(name.removeprefix("KILN_"), known, n=1)
+    for name in sorted(n for n in environ if n.upper().startswith("KILN_") and n not in KNOWN_VARIABLES):
+        # a typo, not another name that extends a known one (KILN_CACHE_REMOTE_ENDPOINT is no KILN_CACHE_REMOTE)
+        close = difflib.get_close_matches(name[5:].upper(), known, n=1, cutoff=0.8)
         fix = f"did you mean {known[close[0]]}?" if close else "unset it"
         warnings.append(f"{name} is not a variable Kiln reads, so it changes nothing; {fix}")
     return warnings

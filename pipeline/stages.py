@@ -278,7 +278,8 @@ def _require_model_unchanged(ctx: BuildContext, built: str) -> None:
 
 
 def _no_model(ctx: BuildContext) -> str | None:
-    return None if ctx.model_dir else f"model files not found for model.path {ctx.config.model.path}"
+    path = ctx.config.model.path
+    return None if ctx.model_dir else f"model files not found, or refused (above), for model.path {path}"
 
 
 class QuantizeStage:

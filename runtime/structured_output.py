@@ -46,7 +46,7 @@ class FormatTooLargeError(StructuredOutputError):
     """A format longer than ``MAX_FORMAT_CHARS``, refused before it is compiled."""
 
 
-_OUT_OF_RANGE = "{} holds {}, outside the 64-bit range the grammar engine takes"
+_OUT_OF_RANGE = "{} holds {}, outside the integers the grammar engine takes (-2**63 + 513 to 2**64 - 1)"
 _TOO_DEEP = f"the JSON schema is nested too deeply: at most {MAX_SCHEMA_DEPTH} levels of objects and lists are taken"
 
 

@@ -33,12 +33,15 @@ def test_the_known_variables_are_those_the_source_reads_no_more_no_fewer():
 
 def test_a_misspelt_variable_is_named_with_the_one_it_is_closest_to():
     warnings = unknown_variables({"KILN_PREFIX_CACHNG": "0", "KILN_SCHEDULR_POLICY": "fcfs", "KILN_HOME": "/x",
-                                  "KILN_CACHE": "/c", "HOME": "/h"})
+                                  "KILN_CACHE": "/c", "HOME": "/h", "KILN_CACHE_REMOTE_ENDPOINT": "http://s3",
+                                  "kiln_kernels": "torch"})
     assert warnings == [
+        "KILN_CACHE_REMOTE_ENDPOINT is not a variable Kiln reads, so it changes nothing; unset it",  # no typo
         "KILN_HOME is not a variable Kiln reads, so it changes nothing; unset it",
         "KILN_PREFIX_CACHNG is not a variable Kiln reads, so it changes nothing; did you mean KILN_PREFIX_CACHING?",
         "KILN_SCHEDULR_POLICY is not a variable Kiln reads, so it changes nothing; did you mean "
-        "KILN_SCHEDULER_POLICY?"]
+        "KILN_SCHEDULER_POLICY?",
+        "kiln_kernels is not a variable Kiln reads, so it changes nothing; did you mean KILN_KERNELS?"]
 
 
 def test_every_command_warns_once_of_a_variable_kiln_does_not_read(tmp_path):

@@ -230,7 +230,8 @@ def _check_eos_ids(cfg: dict[str, Any], gen: dict[str, Any], vocab_size: int, pa
     source = path.with_name(name)
     ids = value if isinstance(value, list) else [] if value is None else [value]
     if bad := [i for i in ids if type(i) is not int or not 0 <= i < vocab_size]:
-        raise KilnError(f"{source}: eos_token_id {value!r} holds {bad[0]!r}, not a token id of the vocabulary (0 to "
+        holds = f" holds {bad[0]!r}," if isinstance(value, list) else " is"
+        raise KilnError(f"{source}: eos_token_id {value!r}{holds} not a token id of the vocabulary (0 to "
                         f"{vocab_size - 1}); fix {source.name}")
 
 
