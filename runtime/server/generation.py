@@ -252,6 +252,13 @@ def engine_request_ids(count: int) -> list[str]:
     return [f"{REQUEST_ID.get()}-{index}-{uuid.uuid4().hex[:8]}" for index in range(count)]
 
 
+def value_or_default(req: object, name: str, defaults: dict[str, float], fallback: float) -> float:
+    """A sampling field as a request (of any API) runs with it: its own value, else the model's default
+    (``defaults``, from ``--generation-config``), else ``fallback``."""
+    value = getattr(req, name)
+    return defaults.get(name, fallback) if value is None else value
+
+
 def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprobs: int | None,
                     prompt_logprobs: int | None, structured_output: StructuredOutput | None,
                     defaults: dict[str, float]) -> SamplingParams:
@@ -259,8 +266,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, index: int, logprob
     an unsigned 64-bit seed: OpenAI's seed is signed; -1 is no seed, as in vLLM); a field the request leaves unset
     takes the model's default (``defaults``), else SamplingParams'."""
     def given(name: str, fallback: float) -> float:
-        value = getattr(req, name)
-        return defaults.get(name, fallback) if value is None else value
+        return value_or_default(req, name, defaults, fallback)
 
     temperature = given("temperature", 1.0)
     if req.top_p == 0:

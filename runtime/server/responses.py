@@ -16,7 +16,7 @@ from starlette.requests import Request
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.chat import ChatTools, StreamedText, prepare_chat
 from kiln.runtime.server.errors import APIError
-from kiln.runtime.server.generation import ServedModel
+from kiln.runtime.server.generation import ServedModel, value_or_default
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import ChatCompletionRequest, SamplingExtensions, Usage, shared_ignored_fields
@@ -173,13 +173,6 @@ def _event_logprobs(entries: list[dict]) -> list[dict]:
             for entry in entries]
 
 
-def _ran_with(req: ResponsesRequest, name: str, defaults: dict[str, float]) -> float:
-    """The request's ``temperature`` or ``top_p`` as it ran, which the response echoes (as OpenAI's does): its own,
-    else the model's default (``--generation-config``), else 1.0, as ``generation.sampling_params`` resolves it."""
-    value = getattr(req, name)
-    return defaults.get(name, 1.0) if value is None else value
-
-
 def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
@@ -190,8 +183,9 @@ class _ResponseBuilder:
     def __init__(self, req: ResponsesRequest, model: ServedModel, response_id: str) -> None:
         self.req, self.model_name, self.tokenizer = req, model.name, model.tokenizer
         self.id, self.created = response_id, int(time.time())
-        self.temperature = _ran_with(req, "temperature", model.sampling_defaults)
-        self.top_p = _ran_with(req, "top_p", model.sampling_defaults)
+        # echoed as the request ran, as OpenAI's responses do
+        self.temperature = value_or_default(req, "temperature", model.sampling_defaults, 1.0)
+        self.top_p = value_or_default(req, "top_p", model.sampling_defaults, 1.0)
 
     def __call__(self, status: str, output: list, usage: Usage | None = None, reasoning: str = "",
                  error: ResponseError | None = None) -> ResponseObject:
