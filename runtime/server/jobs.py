@@ -24,10 +24,13 @@ def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]],
               max_tokens_param: str = "max_tokens") -> list[Job]:
     """`n` jobs per prompt, in OpenAI's choice order (prompt-major), with the model's sampling defaults;
     ``max_tokens_param``: the field the client set the length with, which errors name."""
-    for name in sorted(set(req.ignored_fields()) - model.logged_ignored_fields):
-        keys = sum(logged.startswith(MESSAGE_KEY_PREFIX) for logged in model.logged_ignored_fields)
-        if name.startswith(MESSAGE_KEY_PREFIX) and keys >= MAX_LOGGED_MESSAGE_KEYS:
-            continue
+    new = sorted(set(req.ignored_fields()) - model.logged_ignored_fields)
+    keys = sum(logged.startswith(MESSAGE_KEY_PREFIX) for logged in model.logged_ignored_fields) if new else 0
+    for name in new:
+        if name.startswith(MESSAGE_KEY_PREFIX):
+            if keys >= MAX_LOGGED_MESSAGE_KEYS:
+                continue
+            keys += 1
         model.logged_ignored_fields.add(name)
         logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
     try:
