@@ -121,7 +121,7 @@ def test_a_json_schema_text_format_holds_the_answer_to_its_schema(client):
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "item_reference", "id": "msg_1"}]}, "input[1]"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]"),
-    ({"input": [{"role": "user", "content": "hi", "colour": 1}]}, "input[0].colour"),
+    ({"input": [{"role": "user", "content": "hi", "phase": 1}]}, "input[0].phase"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),  # the chat path's check, in this request's terms
     ({"input": {"a": 1}}, "input"),  # neither member of the union: named as the field, not as pydantic's member
     ({"input": ["hi"]}, "input[0]"),

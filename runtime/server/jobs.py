@@ -13,26 +13,34 @@ from kiln.runtime.server.protocol import SamplingFields
 from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
 
 logger = logging.getLogger("kiln.server")
-# messages' unknown keys warned of once per server, up to this many: their names are the client's to choose (the
-# request fields a server ignores are a fixed few, each always warned of once)
+# the unknown keys of chat messages (their tool calls' and content parts' too: messages[].content[].cache_control)
+# and of Responses input items (input[].status, input[].content[].cache_control) warned of once per server, up to
+# this many in all: their names are the client's to choose (the request fields a server ignores are a fixed few,
+# each always warned of once)
 MAX_LOGGED_MESSAGE_KEYS = 256
-MESSAGE_KEY_PREFIX = "messages[]."
+MESSAGE_KEY_PREFIXES = ("messages[].", "input[].")
 
 
-def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *,
-              logprobs: int | None, prompt_logprobs: int | None, structured_output: StructuredOutput | None,
-              max_tokens_param: str = "max_tokens") -> list[Job]:
-    """`n` jobs per prompt, in OpenAI's choice order (prompt-major), with the model's sampling defaults;
-    ``max_tokens_param``: the field the client set the length with, which errors name."""
-    new = sorted(set(req.ignored_fields()) - model.logged_ignored_fields)
-    keys = sum(logged.startswith(MESSAGE_KEY_PREFIX) for logged in model.logged_ignored_fields) if new else 0
+def log_ignored_fields(model: ServedModel, names: list[str]) -> None:
+    """Warn of each of ``names`` (what a request set that changes nothing) the first time a request sets it: every
+    request field, and messages' and input items' keys (MESSAGE_KEY_PREFIXES) up to MAX_LOGGED_MESSAGE_KEYS."""
+    new = sorted(set(names) - model.logged_ignored_fields)
+    keys = sum(logged.startswith(MESSAGE_KEY_PREFIXES) for logged in model.logged_ignored_fields) if new else 0
     for name in new:
-        if name.startswith(MESSAGE_KEY_PREFIX):
+        if name.startswith(MESSAGE_KEY_PREFIXES):
             if keys >= MAX_LOGGED_MESSAGE_KEYS:
                 continue
             keys += 1
         model.logged_ignored_fields.add(name)
         logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
+
+
+def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *,
+              logprobs: int | None, prompt_logprobs: int | None, structured_output: StructuredOutput | None,
+              max_tokens_param: str = "max_tokens") -> list[Job]:
+    """`n` jobs per prompt, in OpenAI's choice order (prompt-major), with the model's sampling defaults (the request's
+    ignored fields logged); ``max_tokens_param``: the field the client set the length with, which errors name."""
+    log_ignored_fields(model, req.ignored_fields())
     try:
         return [Job(ids, sampling_params(req, max_tokens=limit, index=choice, logprobs=logprobs,
                                          prompt_logprobs=prompt_logprobs, structured_output=structured_output,

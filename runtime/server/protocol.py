@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from kiln.runtime.chat_template import message_content
+from kiln.runtime.chat_template import TEXT_PARTS, message_content
 
 MAX_STOP_STRINGS = 64  # OpenAI takes 4; vLLM any number, and eval harnesses send more than 4
 MAX_STOP_TOKEN_IDS = 1024  # vLLM takes any number: a million ids copied into each of n=128 choices stalled the server
@@ -144,7 +144,15 @@ Stop = Annotated[Any, PlainValidator(_stop), WithJsonSchema({"anyOf": [
     {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
     {"type": "null"},
 ]})]
-Content = Annotated[Any, PlainValidator(message_content), WithJsonSchema({"anyOf": [
+def _checked_content(content: Any) -> Any:
+    """A message's content checked as chat templates take it (``message_content``'s errors) and kept as sent: its
+    parts' other keys reach no template (``template_message`` takes their text) and are named
+    (``ChatMessage.unknown_keys``)."""
+    message_content(content)
+    return content
+
+
+Content = Annotated[Any, PlainValidator(_checked_content), WithJsonSchema({"anyOf": [
     {"type": "string"},
     {"type": "array", "items": {"anyOf": [
         {"type": "object", "properties": {"type": {"enum": ["text", "input_text", "output_text"]},
@@ -374,23 +382,37 @@ class FunctionCall(StrictModel):
 
 class CalledFunction(FunctionCall):
     """An earlier call's function as the openai client returns it: its ``parse``/``stream`` helpers add the
-    arguments parsed (``parsed_arguments``), which a message passed back keeps and the template does not need."""
+    arguments parsed (``parsed_arguments``), which a message passed back keeps and the template does not need; a key
+    this server does not know ignored, as on a message."""
+
+    model_config = ConfigDict(extra="allow")
 
     parsed_arguments: Any = Field(None, exclude=True)
 
 
 class ToolCallMessagePart(StrictModel):
+    """An assistant's earlier call: a key this server does not know, on it or its function, ignored as on a message
+    (vLLM takes calls as OpenAI's TypedDicts, which ignore them; LiteLLM adds ``provider_specific_fields``)."""
+
+    model_config = ConfigDict(extra="allow")
+
     index: Int | None = Field(None, exclude=True, description="The position a streamed call had in its chunks, which "
                                                                "the openai client's stream helpers keep: ignored.")
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
+    @property
+    def unknown_keys(self) -> list[str]:
+        """The keys the call and its function were sent with that this server does not know (``function.KEY``)."""
+        return [*(self.model_extra or ()), *(f"function.{key}" for key in self.function.model_extra or ())]
+
 
 class ChatMessage(StrictModel):
     """A message of the conversation: its known fields as strict as the request's, a key this server does not know
-    ignored (as vLLM takes messages; LiteLLM passes its answers back with ``provider_specific_fields``): kept aside
-    (``model_extra``), never given to the template, its name in ``unknown_keys`` for the request to name."""
+    ignored (as vLLM takes messages; LiteLLM passes its answers back with ``provider_specific_fields``), on it, its
+    tool calls or its content parts: never given to the template, its name in ``unknown_keys`` for the request to
+    name."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -415,8 +437,14 @@ class ChatMessage(StrictModel):
 
     @property
     def unknown_keys(self) -> list[str]:
-        """The keys the message was sent with that this server does not know (ignored)."""
-        return list(self.model_extra or ())
+        """The keys the message was sent with that this server does not know (ignored): its own, its tool calls'
+        (``tool_calls[].KEY``, ``tool_calls[].function.KEY``) and its content parts' (``content[].KEY``, dropped
+        as vLLM drops them: Anthropic-style clients send ``cache_control``)."""
+        calls = (f"tool_calls[].{key}" for call in self.tool_calls or () for key in call.unknown_keys)
+        parts = self.content if isinstance(self.content, list) else ()
+        dropped = (f"content[].{key}" for part in parts for key in part
+                   if key not in ("type", TEXT_PARTS[part["type"]]))
+        return [*(self.model_extra or ()), *dict.fromkeys(calls), *dict.fromkeys(dropped)]
 
     @model_validator(mode="after")
     def _tool_call_id_on_tool_messages_only(self) -> ChatMessage:
@@ -519,8 +547,9 @@ class ChatCompletionRequest(SamplingFields):
     echo: neutral_only(None, False) = Field(None, description=VLLM_DEFAULT)
 
     def ignored_fields(self) -> list[str]:
-        """As SamplingFields', and the keys of messages this server does not know, once each whichever messages
-        carry them (``messages[].provider_specific_fields``)."""
+        """As SamplingFields', and the keys of messages (of their tool calls and content parts too) this server does
+        not know, once each whichever messages carry them (``messages[].provider_specific_fields``,
+        ``messages[].tool_calls[].function.KEY``, ``messages[].content[].cache_control``)."""
         keys = {f"messages[].{key}" for message in self.messages for key in message.unknown_keys}
         return sorted(keys.union(super().ignored_fields()))
 

@@ -17,6 +17,7 @@ from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.chat import ChatTools, StreamedText, prepare_chat
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel, value_or_default
+from kiln.runtime.server.jobs import log_ignored_fields
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import ChatCompletionRequest, SamplingExtensions, Usage, shared_ignored_fields
@@ -122,8 +123,12 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 
 def _ignored_fields(req: ResponsesRequest) -> list[str]:
     """The request's fields that change nothing, as the ignored-fields header names them (``store`` only when true:
-    nothing is stored either way; of ``reasoning``, what is not its effort, which the template reads)."""
+    nothing is stored either way; of ``reasoning``, what is not its effort, which the template reads), and the keys
+    of input items this server does not know, once each whichever items carry them (``input[].status``,
+    ``input[].content[].cache_control``)."""
     names = shared_ignored_fields(req, req.store, req.stream_options)
+    if isinstance(req.input, list):
+        names.update(f"input[].{key}" for item in req.input for key in item.unknown_keys)
     if req.text is not None and req.text.verbosity is not None:
         names.add("text.verbosity")
     if req.truncation == "auto":  # nothing to truncate in a prompt that fits; one that does not is a 400
@@ -369,6 +374,8 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
         plan = await prepare_chat(model, chat, req.max_tool_calls)
     except APIError as exc:
         raise _in_responses_terms(exc) from None
+    ignored = _ignored_fields(req)
+    log_ignored_fields(model, ignored)
     response = _ResponseBuilder(req, model, response_id("resp_", request))
     message_id = _item_id("msg")
 
@@ -390,7 +397,7 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
     events = StreamEvents(stream.render, stream.final, stream.prelude(), with_usage=True, error=stream.error,
                           done=b"")  # the last event carries the usage; no [DONE], as OpenAI's streams end
     return await respond(model, chat, plan.jobs, [plan.prompt], metrics, request, build=build, stream=events,
-                         ignored=[*_ignored_fields(req), *(_CHAT_NAMES.get(n, n) for n in plan.unused)],
+                         ignored=[*ignored, *(_CHAT_NAMES.get(n, n) for n in plan.unused)],
                          format_param=plan.format_param and _CHAT_NAMES.get(plan.format_param, plan.format_param))
 
 

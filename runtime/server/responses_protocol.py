@@ -1,11 +1,12 @@
 """OpenAI's Responses API bodies (``POST /v1/responses``): the request, strict as the chat request is (a wrong type
-or an unknown field is a 400 naming it), its input items, and the response object with its output items."""
+or an unknown field is a 400 naming it), its input items (an unknown key on one or its parts ignored, as on a chat
+message), and the response object with its output items."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, Discriminator, Field, Tag, model_validator
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from kiln.runtime.server.protocol import (
     ChatTemplateKwargs,
@@ -32,7 +33,27 @@ def _joined(content: str | list[TextPart]) -> str:
 STATELESS = "this server keeps no responses or conversations: send the whole conversation as input"
 
 
-class TextPart(StrictModel):
+class InputModel(StrictModel):
+    """An input item or one of its parts: its known fields as strict as the request's, a key this server does not
+    know ignored, as vLLM takes items (openai-python's types, which allow any; the Agents SDK and LiteLLM pass output
+    items back with keys no server sent, ``provider_specific_fields``, and parts with ``cache_control``): kept aside
+    (``model_extra``), never rendered, its name in ``unknown_keys`` for the request to name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def unknown_keys(self) -> list[str]:
+        """The keys it was sent with that this server does not know."""
+        return list(self.model_extra or ())
+
+
+def _part_keys(field: str, parts: Any) -> list[str]:
+    """The unknown keys of ``parts`` (a list of parts; a text has none) as ``FIELD[].KEY``, once each."""
+    keys = (f"{field}[].{key}" for part in parts for key in part.unknown_keys) if isinstance(parts, list) else ()
+    return list(dict.fromkeys(keys))
+
+
+class TextPart(InputModel):
     """Text in a message item: ``input_text``, or an earlier answer's ``output_text`` (or ``refusal``) passed back."""
 
     type: Literal["input_text", "output_text", "refusal"]
@@ -48,7 +69,7 @@ class TextPart(StrictModel):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
-class MessageItem(StrictModel):
+class MessageItem(InputModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[TextPart]
@@ -57,11 +78,16 @@ class MessageItem(StrictModel):
     phase: str | None = None
 
     @property
+    def unknown_keys(self) -> list[str]:
+        """Its own unknown keys and its parts' (``content[].cache_control``)."""
+        return [*super().unknown_keys, *_part_keys("content", self.content)]
+
+    @property
     def text(self) -> str:
         return _joined(self.content)
 
 
-class FunctionCallItem(StrictModel):
+class FunctionCallItem(InputModel):
     """An earlier call of a function tool, passed back."""
 
     type: Literal["function_call"]
@@ -77,7 +103,7 @@ class FunctionCallItem(StrictModel):
     parsed_arguments: Any = Field(None, exclude=True)
 
 
-class FunctionCallOutputItem(StrictModel):
+class FunctionCallOutputItem(InputModel):
     """What a function call returned."""
 
     type: Literal["function_call_output"]
@@ -87,16 +113,21 @@ class FunctionCallOutputItem(StrictModel):
     status: str | None = None
 
     @property
+    def unknown_keys(self) -> list[str]:
+        """Its own unknown keys and its parts' (``output[].KEY``)."""
+        return [*super().unknown_keys, *_part_keys("output", self.output)]
+
+    @property
     def text(self) -> str:
         return _joined(self.output)
 
 
-class ReasoningTextPart(StrictModel):
+class ReasoningTextPart(InputModel):
     type: Literal["reasoning_text"]
     text: str
 
 
-class ReasoningItem(StrictModel):
+class ReasoningItem(InputModel):
     """An earlier answer's thought (a reasoning item of its output), passed back: its text (or its summary) reaches
     the template as the next assistant message's reasoning_content."""
 
@@ -113,6 +144,11 @@ class ReasoningItem(StrictModel):
         if self.content:
             return "".join(part.text for part in self.content)
         return "".join(part.get("text") or "" for part in self.summary if part.get("type") == "summary_text")
+
+    @property
+    def unknown_keys(self) -> list[str]:
+        """Its own unknown keys and its text parts' (``content[].KEY``)."""
+        return [*super().unknown_keys, *_part_keys("content", self.content)]
 
 
 # each item type's model, under a capitalised tag (error locations leave such union members out: input[1].name)
