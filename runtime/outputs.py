@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kiln.runtime.chat_template_files import ChatTemplateFiles
 from kiln.runtime.errors import KilnError
 
 if TYPE_CHECKING:
     from kiln.runtime.sequence import Sequence
-    from kiln.runtime.tokenizer import IncrementalDetokenizer
+    from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
@@ -128,7 +130,7 @@ class RequestOutput:
     finished: bool = True
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    stop_reason: int | str | None = None  # what stopped it: the stop string, or the stop_token_ids id (EOS: None)
+    stop_reason: int | str | None = None  # what stopped it: the stop string or stop token id (tokenizer's EOS: None)
     prompt: str | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)  # none given: this request's one completion
 
@@ -194,16 +196,24 @@ class RequestFailure:
     error: KilnError
 
 
+def tokenizer_eos_id(engine_dir: Path, tokenizer: Tokenizer | None) -> int | None:
+    """The id of the tokenizer's own ``eos_token`` (tokenizer_config.json's), None without one: vLLM's
+    ``tokenizer.eos_token_id``, the one EOS id that ends a completion with ``stop_reason`` None."""
+    text = ChatTemplateFiles.read(engine_dir).special_tokens.get("eos_token")
+    return None if tokenizer is None or text is None else tokenizer.token_id(text)
+
+
 def finish_reason(seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None,
-                  eos_token_ids: frozenset[int]) -> str | None:
+                  eos_token_ids: frozenset[int], eos_token_id: int | None) -> str | None:
     """Why ``seq`` finishes with ``token_id`` just appended: "stop" on EOS (unless ``ignore_eos``), a stop token, a
     stop string the detokenizer completes or once its structured output is complete, "length" at ``max_tokens``;
-    None while it goes on. A stop token or string is kept as ``seq.stop_reason`` (vLLM's ``stop_reason``). Both
-    engines apply this one rule."""
+    None while it goes on. A stop token or string is kept as ``seq.stop_reason`` (vLLM's ``stop_reason``), and so is
+    an EOS id other than the tokenizer's ``eos_token_id`` (generation_config.json's others, which vLLM adds to
+    ``stop_token_ids``). Both engines apply this one rule."""
     params = seq.params
     eos = not params.ignore_eos and token_id in eos_token_ids
     if eos or token_id in params.stop_token_ids:
-        if not eos:
+        if not (eos and token_id == eos_token_id):
             seq.stop_reason = token_id
         if detokenizer is not None:
             detokenizer.end_with_stop_token(token_id)

@@ -26,6 +26,7 @@ from kiln.runtime.outputs import (
     TokenLogprob,
     finish_reason,
     step_delta,
+    tokenizer_eos_id,
 )
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
@@ -77,6 +78,7 @@ class NativeEngine:
         self.scheduler = Scheduler(self.limits, self.block_manager,
                                    options.scheduler_policy or DEFAULT_SCHEDULER_POLICY["native"])
         self.eos_token_ids = frozenset(self.config.architecture.eos_token_ids)
+        self.eos_token_id = tokenizer_eos_id(engine_dir, self.tokenizer)  # its EOS: stop_reason None
         self.stats = EngineStats()
         self.num_cached_prompt_tokens = 0  # of the prompts counted in the stats' num_prompt_tokens: the prefix cache's
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
@@ -233,7 +235,7 @@ class NativeEngine:
         seq.append_token(token_id, now, logprob)
         if seq.matcher is not None:
             advance_matcher(seq.matcher, token_id, seq.request_id, seq.num_completion_tokens - 1)
-        if (reason := finish_reason(seq, token_id, detokenizer, self.eos_token_ids)) is not None:
+        if (reason := finish_reason(seq, token_id, detokenizer, self.eos_token_ids, self.eos_token_id)) is not None:
             self.scheduler.finish(seq, reason)
         return self._emit(seq, [token_id])
 

@@ -17,7 +17,14 @@ from typing import Any
 from kiln.runtime.errors import InvalidRequestError
 from kiln.runtime.limits import EngineLimits
 from kiln.runtime.options import DEFAULT_SCHEDULER_POLICY, RuntimeOptions
-from kiln.runtime.outputs import RequestFailedError, RequestFailure, StreamDelta, finish_reason, step_delta
+from kiln.runtime.outputs import (
+    RequestFailedError,
+    RequestFailure,
+    StreamDelta,
+    finish_reason,
+    step_delta,
+    tokenizer_eos_id,
+)
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.stats import EngineStats
@@ -78,6 +85,7 @@ class TrtllmEngine:
         self.limits = EngineLimits.from_plan(self.info.plan, vocab_size=self.info.vocab_size)  # no pool: the
         # executor sizes its KV pool itself
         self.eos_token_ids = frozenset(self.info.eos_token_ids)
+        self.eos_token_id = tokenizer_eos_id(engine_dir, self.tokenizer)  # its EOS: stop_reason None
         self.stats = EngineStats()
         self._poll = timedelta(milliseconds=poll_ms)
         self._requests: dict[str, _Request] = {}
@@ -134,7 +142,9 @@ class TrtllmEngine:
     def _executor_request(self, seq: Sequence) -> Any:
         trtllm, params = self.trtllm, seq.params
         stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
-        end_id = None if params.ignore_eos or not self.info.eos_token_ids else self.info.eos_token_ids[0]
+        eos = self.info.eos_token_ids  # the end id: the tokenizer's EOS, so that the others end as stop words,
+        # which keep their token in the output, for their stop_reason
+        end_id = None if params.ignore_eos or not eos else self.eos_token_id if self.eos_token_id in eos else eos[0]
         return trtllm.Request(input_token_ids=seq.prompt_token_ids, max_tokens=params.max_tokens, streaming=True,
                               sampling_config=self._sampling_config(params),
                               output_config=trtllm.OutputConfig(exclude_input_from_output=True),
@@ -192,7 +202,7 @@ class TrtllmEngine:
         for token_id in (result.output_token_ids or [[]])[0]:
             new_tokens.append(token_id)
             seq.append_token(token_id)
-            reason = finish_reason(seq, token_id, state.detokenizer, self.eos_token_ids)
+            reason = finish_reason(seq, token_id, state.detokenizer, self.eos_token_ids, self.eos_token_id)
             if reason is not None:
                 return self._finish(state, reason, new_tokens, executor_done=result.is_final)
         if result.is_final:
