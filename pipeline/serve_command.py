@@ -23,7 +23,7 @@ from kiln.pipeline.serve_flags import (
     check_tool_call_parser,
     cors_origins,
     fallback_api_key,
-    finite,
+    finite_float,
     given_api_key,
     keep_alive_seconds,
     read_chat_template,
@@ -279,8 +279,8 @@ def serve(
                                                            "engine's (as transformers renders it), or the template "
                                                            "itself, as vLLM takes it.")] = None,
     max_body_mb: Annotated[float | None, typer.Option(
-        min=0.001, callback=finite, help="Largest request body in MiB; larger ones get 413 before they are read "
-                                         "(default 16).")] = None,
+        **finite_float(0.001), help="Largest request body in MiB; larger ones get 413 before they are read "
+                                    "(default 16).")] = None,
     allowed_origins: Annotated[list[str] | None, typer.Option(
         "--allowed-origins", help="An origin browsers may call the API from (CORS), repeatable, or a JSON list of "
                                   "them (vLLM's form); default any ('*', as vLLM); '' alone turns CORS off.")] = None,
@@ -303,20 +303,20 @@ def serve(
     num_kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV pool size in blocks (default: from free "
                                                                   "memory).")] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(
-        min=0.01, max=1.0, callback=finite, help="Share of the GPU's memory the native engine may hold; the KV pool "
-                                                 "takes what the weights and activations leave of it (default: "
-                                                 "$KILN_GPU_MEMORY_UTILIZATION or 0.9).")] = None,
+        **finite_float(0.01, 1.0), help="Share of the GPU's memory the native engine may hold; the KV pool takes "
+                                        "what the weights and activations leave of it (default: "
+                                        "$KILN_GPU_MEMORY_UTILIZATION or 0.9).")] = None,
     enable_prefix_caching: Annotated[bool | None, typer.Option(
         "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV of prompt prefixes earlier requests "
         "computed, as vLLM (default: $KILN_PREFIX_CACHING, else on); off, no request's output depends on what ran "
         "before it.")] = None,
     shutdown_timeout: Annotated[float, typer.Option(
-        min=0, callback=finite, help="Seconds in-flight requests get to finish after SIGTERM; what is left then gets "
-                                     "a 503.")] = 25.0,
+        **finite_float(0), help="Seconds in-flight requests get to finish after SIGTERM; what is left then gets a "
+                                "503.")] = 25.0,
     timeout_keep_alive: Annotated[float | None, typer.Option(
-        min=0.001, callback=finite, help="Seconds an idle connection stays open; above a load balancer's idle "
-                                         "timeout (AWS ALB: 60) (default: vLLM's $VLLM_HTTP_TIMEOUT_KEEP_ALIVE, "
-                                         f"else {DEFAULT_KEEP_ALIVE_S:g}).")] = None,
+        **finite_float(0.001), help="Seconds an idle connection stays open; above a load balancer's idle timeout "
+                                    "(AWS ALB: 60) (default: vLLM's $VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else "
+                                    f"{DEFAULT_KEEP_ALIVE_S:g}).")] = None,
     engine_process: Annotated[bool, typer.Option(help="Run the engine in a process of its own (its host work and the "
                                                      "HTTP server's then do not share one GIL), or on a thread of "
                                                      "the server's.")] = True,

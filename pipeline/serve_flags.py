@@ -7,6 +7,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -77,12 +78,25 @@ class BlankApiKeyError(KilnError):
     """An API key that is only whitespace: serving without one would not be what was asked."""
 
 
-def finite(value: float | None) -> float | None:
-    """A float flag's callback: its value, refused as the flag's usage error where it is inf or nan (which its min and
-    max let through, to crash or mean nothing once the engine is built)."""
-    if value is not None and not math.isfinite(value):
-        raise typer.BadParameter(f"{value} is not a finite number")
-    return value
+def finite_float(low: float | None = None, high: float | None = None) -> dict[str, Any]:
+    """A float flag's ``typer.Option`` settings: its bounds (``min``, ``max``, which its help shows) and a parser that
+    refuses inf and nan as "not a finite number" before it checks them (typer's own check of the bounds would call
+    nan out of range and let inf past an open side, to crash or mean nothing once the engine is built)."""
+
+    def parse(text: str | float) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise typer.BadParameter(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise typer.BadParameter(f"{text} is not a finite number")
+        if low is not None and value < low:
+            raise typer.BadParameter(f"Input should be greater than or equal to {low:g}")
+        if high is not None and value > high:
+            raise typer.BadParameter(f"Input should be less than or equal to {high:g}")
+        return value
+
+    return {"min": low, "max": high, "parser": parse}
 
 
 class KeepAliveError(KilnError):
