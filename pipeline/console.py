@@ -8,6 +8,7 @@ import errno
 import functools
 import io
 import json
+import logging
 import os
 import signal
 import sys
@@ -30,6 +31,7 @@ from rich.progress import (
 
 from kiln.calibration.errors import CalibrationError
 from kiln.runtime.errors import KilnError
+from kiln.runtime.logs import applied_log_config
 
 # Wrapped at the terminal's width for people; not wrapped into a pipe or a file (text not at all, tables at
 # PIPE_WIDTH), where a path or a key split over two lines breaks whatever reads it. Text is printed as it is (a path
@@ -63,6 +65,7 @@ def stop_on_sigterm_as_on_ctrl_c() -> None:
 
 
 _printed_json: contextvars.ContextVar[bool] = contextvars.ContextVar("printed_json", default=False)
+_stdout_undo: list[Callable[[], None]] = []  # while a command runs: what gives its stdout back (give_stdout_back)
 
 
 def print_json(data: Any) -> None:
@@ -77,7 +80,7 @@ def stdout_kept_for_results() -> Iterator[None]:
     """While a command runs, results (``print_json``, the ``stdout`` console) keep stdout and anything else written
     there goes to stderr: modelopt's "Loading extension ..." when it compiles its CUDA kernels, or output from C, would
     otherwise break ``--json``. Where stdout has no file descriptor (typer's test runner) only Python's writes move."""
-    results = sys.stdout
+    results = original = sys.stdout
     results.flush()
     try:
         fd = results.fileno()
@@ -90,10 +93,19 @@ def stdout_kept_for_results() -> Iterator[None]:
                             closefd=False)
         os.dup2(sys.stderr.fileno(), fd)
     stdout.file = results
+
+    def undo() -> None:
+        sys.stdout.flush()
+        if saved is not None:
+            os.dup2(saved, fd)
+        sys.stdout = original
+
+    _stdout_undo.append(undo)
     try:
         with redirect_stdout(sys.stderr):
             yield
     finally:
+        _stdout_undo.remove(undo)
         stdout.file = None
         if saved is None:
             results.flush()
@@ -102,6 +114,22 @@ def stdout_kept_for_results() -> Iterator[None]:
             sys.stdout.flush()
             os.dup2(saved, fd)
             os.close(saved)
+
+
+def give_stdout_back() -> None:
+    """Undo ``stdout_kept_for_results`` for the rest of the command: stdout is stdout again, in this process and in
+    those it starts (a server whose logging configuration file writes its lines there). Outside a command, nothing."""
+    if _stdout_undo:
+        _stdout_undo[-1]()
+
+
+def logged_instead(level: int, message: str) -> bool:
+    """Where a logging configuration file applies in this process (``kiln serve --log-config``), log ``message`` at
+    ``level`` as it says (logger ``kiln.pipeline``) and return True; else False: the caller prints it on stderr."""
+    if applied_log_config() is None:
+        return False
+    logging.getLogger("kiln.pipeline").log(level, message)
+    return True
 
 
 def friendly_errors(command: Callable) -> Callable:
@@ -136,7 +164,8 @@ def friendly_errors(command: Callable) -> Callable:
         except KeyboardInterrupt as exc:
             terminated = isinstance(exc, Terminated)
             message = "terminated (SIGTERM)" if terminated else "interrupted"
-            stderr.print(f"[yellow]{message}[/]", markup=True)
+            if not logged_instead(logging.WARNING, message):
+                stderr.print(f"[yellow]{message}[/]", markup=True)
             if kwargs.get("json_out") and not _printed_json.get():
                 print_error_json(type(exc).__name__, message)
             raise typer.Exit(143 if terminated else 130) from None
@@ -153,8 +182,10 @@ def write_failure(exc: OSError) -> str | None:
 
 
 def _fail(kind: str, message: str, json_out: bool | None, details: dict | None = None) -> None:
-    """One red error line on stderr, and under ``--json`` (unless the result is out already) the error object."""
-    stderr.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
+    """One red error line on stderr (a log line where a logging configuration file applies), and under ``--json``
+    (unless the result is out already) the error object."""
+    if not logged_instead(logging.ERROR, message):
+        stderr.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
     if json_out and not _printed_json.get():  # a script reading stdout gets the error too
         print_error_json(kind, message, details)
 
@@ -166,8 +197,10 @@ def print_error_json(kind: str, message: str, details: dict | None = None) -> No
 
 
 def warn(message: str) -> None:
-    """One yellow warning line on stderr (a remote cache that failed while the build goes on locally, say)."""
-    stderr.print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
+    """One yellow warning line on stderr (a remote cache that failed while the build goes on locally, say); a log
+    line where a logging configuration file applies."""
+    if not logged_instead(logging.WARNING, message):
+        stderr.print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
 
 
 def _progress_lines(name: str) -> Callable[[str, float], None]:
@@ -177,7 +210,8 @@ def _progress_lines(name: str) -> Callable[[str, float], None]:
         nonlocal last
         if message and message != last:
             last = message
-            stderr.print(f"{name:<9} {message}", highlight=False, markup=False)
+            if not logged_instead(logging.INFO, f"{name}: {message}"):
+                stderr.print(f"{name:<9} {message}", highlight=False, markup=False)
 
     return report
 
@@ -185,9 +219,9 @@ def _progress_lines(name: str) -> Callable[[str, float], None]:
 @contextmanager
 def stage_progress(enabled: bool) -> Iterator[Callable[[str], Callable[[str, float], None]]]:
     """Yield a factory of per-stage progress callbacks ``(message, fraction)``: bars on a terminal's stderr; else
-    (stderr a log or a pipe, or bars not wanted) each new message as one line there, so a log still says what
-    happened and why a build waited."""
-    if not enabled or not stderr.is_terminal:
+    (stderr a log or a pipe, bars not wanted, or a logging configuration file that applies) each new message as one
+    line there (or a log line), so a log still says what happened and why a build waited."""
+    if not enabled or not stderr.is_terminal or applied_log_config() is not None:
         yield _progress_lines
         return
     columns = (TextColumn("{task.fields[stage]:<9}"), BarColumn(), TextColumn("{task.description}", markup=False),
@@ -208,8 +242,9 @@ def stage_progress(enabled: bool) -> Iterator[Callable[[str], Callable[[str, flo
 @contextmanager
 def transfer_bars() -> Iterator[Callable[[str], Callable[[str, int, int], None] | None]]:
     """Yield a factory of byte-progress callbacks ``(verb, done, total)``, one bar per label, with the transfer
-    rate: on a terminal's stderr only (a log gets the command's summary lines instead)."""
-    if not stderr.is_terminal:
+    rate: on a terminal's stderr only, where no logging configuration file applies (a log gets the command's summary
+    lines instead)."""
+    if not stderr.is_terminal or applied_log_config() is not None:
         yield lambda _label: None
         return
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),

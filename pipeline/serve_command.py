@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from kiln.pipeline.config import LoadedConfig, ServeSection, cache_root, remote_spec, remote_turned_off
-from kiln.pipeline.console import friendly_errors, stage_progress, stderr
+from kiln.pipeline.console import friendly_errors, give_stdout_back, logged_instead, stage_progress, stderr
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.pipeline.serve_flags import (
     check_cors_wildcards,
@@ -132,13 +132,15 @@ def log_to_stderr(level: LogLevel = "info", config: Path | None = None) -> None:
     """Kiln's own log lines (the engine loaded, a request that failed, the engine stopping) from ``level`` up on
     stderr, in the format uvicorn's get (time, level, logger, request id); the engine process logs from the same
     level in the same format. With a logging configuration file ``config``, every process logs as it says instead
-    (a bad one stops the command in one line, exit 2)."""
+    (a bad one stops the command in one line, exit 2), and stdout is stdout again (``ext://sys.stdout`` there), as
+    it is under vLLM: the lines this command prints are log lines then (``logged_instead``)."""
     from kiln.runtime import logs
     from kiln.runtime.server.serve import stderr_log_handler
 
     if config is None:
         logs.log_to_stderr("DEBUG" if level == "trace" else level.upper(), stderr_log_handler())
         return
+    give_stdout_back()
     try:
         logs.apply_log_config(config)
     except ValueError as exc:
@@ -216,7 +218,8 @@ def _config_target(config: Path, options: RuntimeOptions, *, backend: str | None
         before_build(ctx.loaded, ctx.model_dir)
     decisions = runner.decide(ctx, smoke=False)
     for stage, decision in decisions:  # why a server expected to start at once quantizes or builds first
-        if decision.action == "run" and stage.name != "publish":
+        if decision.action == "run" and stage.name != "publish" and \
+                not logged_instead(logging.INFO, f"{stage.name}: {decision.reason}"):
             stderr.print(f"{stage.name:<9} {escape(decision.reason)}", highlight=False)
     with stage_progress(enabled=progress) as bars:
         runner.run(ctx, decisions, bars)
@@ -404,15 +407,21 @@ def serve(
     bind_host, bind_port = bind_address(resolved.serve)
     loopback = bind_host in ("127.0.0.1", "localhost", "::1")
     if not loopback and not settings.api_key:
-        stderr.print(f"[yellow]warning:[/] listening on {escape(bind_host)} without an API key: anyone who can reach "
-                     f"this port can use the engine (pass --api-key)", markup=True, highlight=False)
+        unguarded = (f"listening on {bind_host} without an API key: anyone who can reach this port can use the "
+                     f"engine (pass --api-key)")
+        if not logged_instead(logging.WARNING, unguarded):
+            stderr.print(f"[yellow]warning:[/] {escape(unguarded)}", markup=True, highlight=False)
     if loopback:  # vLLM listens on every interface by default: a manifest moved from it probes the pod's address
-        stderr.print(f"listening on {escape(bind_host)} only, so other machines cannot reach it (vLLM listens on every "
-                     f"interface by default): pass --host 0.0.0.0 to serve them", highlight=False)
+        local = (f"listening on {bind_host} only, so other machines cannot reach it (vLLM listens on every interface "
+                 f"by default): pass --host 0.0.0.0 to serve them")
+        if not logged_instead(logging.INFO, local):
+            stderr.print(escape(local), highlight=False)
 
     def announce(thread: ServerThread) -> None:
-        stderr.print(f"serving {settings.model_name} ({resolved.engine_dir}) on {thread.url}: "
-                     f"{served_paths(app)}; SIGTERM or Ctrl-C drains and stops", highlight=False, soft_wrap=True)
+        serving = (f"serving {settings.model_name} ({resolved.engine_dir}) on {thread.url}: {served_paths(app)}; "
+                   f"SIGTERM or Ctrl-C drains and stops")
+        if not logged_instead(logging.INFO, serving):
+            stderr.print(serving, highlight=False, soft_wrap=True)
 
     run_server(app, bind_host, bind_port, shutdown_timeout_s=shutdown_timeout, on_started=announce,
                access_log=access_log, log_level=log_level, keep_alive_s=keep_alive_s,

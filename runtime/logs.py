@@ -60,10 +60,16 @@ def apply_log_config(path: str | Path) -> None:
     _applied_config[:] = [Path(path).resolve()]
 
 
+def applied_log_config() -> Path | None:
+    """The logging configuration file this process logs as (``apply_log_config``), else None: where one applies,
+    every line for whoever runs the process is a log line, as it says."""
+    return _applied_config[0] if _applied_config else None
+
+
 def child_logging() -> list[str]:
     """How this process logs, as arguments for a process it starts (``log_as_parent`` there): Kiln's log level,
     and the configuration file applied here ("" for none)."""
-    return [str(logging.getLogger("kiln").level), str(_applied_config[0]) if _applied_config else ""]
+    return [str(logging.getLogger("kiln").level), str(applied_log_config() or "")]
 
 
 def log_as_parent(level: int, config_path: str = "") -> None:
