@@ -3,11 +3,15 @@ the model folder as they took it (``CheckpointState``)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.engines.cache import checkpoint_files, checkpoint_hash
+from kiln.engines.cache import checkpoint_files
+from kiln.engines.cache.hashing import checkpoint_digests, merkle_hash
+from kiln.engines.cache.keys import canonical_json
 from kiln.engines.native.tuning import tuning_material
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import KilnConfig
@@ -20,17 +24,29 @@ from kiln.runtime.trtllm.toolchain import trtllm_machine_fingerprint
 from kiln.runtime.version import kiln_version, package_version
 
 KEY_SCHEMA = 1
+# 2: a quantized checkpoint's ``checkpoint`` is the hash of its calibration inputs only (``calibration_inputs_hash``);
+# under 1 it was the whole folder's, so the checkpoints keyed so are never looked up again
+QUANTIZED_KEY_SCHEMA = 2
+# What calibration never reads of a model folder: chat templates (``*.jinja``: chat_template.jinja and
+# additional_chat_templates/; chat_template.json; tokenizer_config.json's ``chat_template``) and the generation
+# config. The engine build takes them from the model folder, so an edit of them builds a new engine from the cached
+# quantized checkpoint and never recalibrates.
+NOT_CALIBRATED_FILES = ("generation_config.json", "chat_template.json")
+NOT_CALIBRATED_SUFFIXES = (".jinja",)
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 FileIdentity = tuple[bytes, int, int, int, int]  # real path, size, mtime and ctime in ns, inode
 
 
 @dataclass(frozen=True)
 class CheckpointState:
-    """A model folder as the keys took it: its content hash (``checkpoint_hash``), and the identity of each file that
-    hash covers, stat'ed before the hash read it."""
+    """A model folder as the keys took it: its content hash (``checkpoint_hash``: the engine's), the hash of what
+    calibration reads of it (``calibration_inputs_hash``: the quantized checkpoint's), and the identity of each file
+    the content hash covers, stat'ed before the hash read it."""
 
     path: Path
     hash: str
+    calibration_hash: str
     identities: dict[str, FileIdentity | None]
 
     def changed_files(self) -> list[str]:
@@ -42,10 +58,34 @@ class CheckpointState:
 
 
 def checkpoint_state(path: Path, memo_path: Path | None = None) -> CheckpointState:
-    """``path``'s content hash (through the hash memo at ``memo_path``) and its files' identities, taken first: a file
-    written while it is read is a changed file."""
+    """``path``'s content hash and calibration inputs' hash (its files read once, through the hash memo at
+    ``memo_path``), and its files' identities, taken first: a file written while it is read is a changed file."""
     identities = _identities(path)
-    return CheckpointState(path, checkpoint_hash(path, memo_path), identities)
+    digests = checkpoint_digests(path, memo_path)
+    return CheckpointState(path, merkle_hash(digests), calibration_inputs_hash(path, digests), identities)
+
+
+def calibration_inputs_hash(path: Path, digests: dict[str, str]) -> str:
+    """The Merkle hash of what calibration reads of the model folder at ``path`` (``digests``: its files' sha256,
+    ``checkpoint_digests``): weights, config.json and the tokenizer, but not the files it never reads
+    (NOT_CALIBRATED_FILES, NOT_CALIBRATED_SUFFIXES), and tokenizer_config.json as JSON without its chat_template."""
+    calibrated = {rel: digest for rel, digest in digests.items()
+                  if rel not in NOT_CALIBRATED_FILES and not rel.endswith(NOT_CALIBRATED_SUFFIXES)}
+    if TOKENIZER_CONFIG in calibrated:
+        calibrated[TOKENIZER_CONFIG] = _without_chat_template(path / TOKENIZER_CONFIG, calibrated[TOKENIZER_CONFIG])
+    return merkle_hash(calibrated)
+
+
+def _without_chat_template(path: Path, digest: str) -> str:
+    """sha256 of the canonical JSON of tokenizer_config.json without its ``chat_template``; ``digest`` (its bytes')
+    for one that is not a JSON object, which calibration refuses anyway."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(config, dict):
+            return hashlib.sha256(canonical_json({k: v for k, v in config.items() if k != "chat_template"})).hexdigest()
+    except (OSError, UnicodeDecodeError, ValueError):  # ValueError: not JSON, or NaN, which canonical JSON refuses
+        pass
+    return digest
 
 
 def _identities(path: Path) -> dict[str, FileIdentity | None]:
@@ -63,12 +103,13 @@ def _identities(path: Path) -> dict[str, FileIdentity | None]:
     return identities
 
 
-def quantized_material(checkpoint_hash: str, recipe: dict, device: str, compute_dtype: str) -> dict:
-    """Key material of a quantized checkpoint: the input's content, the effective recipe (``recipe_material``),
+def quantized_material(calibration_hash: str, recipe: dict, device: str, compute_dtype: str) -> dict:
+    """Key material of a quantized checkpoint: what calibration reads of the input (``calibration_inputs_hash``:
+    not its chat templates nor generation config), the effective recipe (``recipe_material``),
     where it is calibrated (CPU float32 and GPU bf16 calibration give different bytes), and the Kiln that calibrates
     it (its version and the hash of its calibration code, and transformers' version, which loads the model); build
     options never enter it."""
-    return {"key_schema": KEY_SCHEMA, "kind": "quantized", "checkpoint": checkpoint_hash, "recipe": recipe,
+    return {"key_schema": QUANTIZED_KEY_SCHEMA, "kind": "quantized", "checkpoint": calibration_hash, "recipe": recipe,
             "calibration": {"device": device, "compute_dtype": compute_dtype},
             "toolchain": {"kiln": kiln_version(), "kiln_sources": quantized_sources_hash(),
                           "transformers": package_version("transformers")}}

@@ -113,7 +113,7 @@ class BuildContext:
         return recipe_material(self.config.quantize)
 
     def quantized_material(self) -> dict:
-        return quantized_material(self.checkpoint_hash, self.recipe_material, self.choice.device,
+        return quantized_material(self.checkpoint_state.calibration_hash, self.recipe_material, self.choice.device,
                                   self.calibration_dtype)
 
     @property
@@ -440,20 +440,20 @@ class BuildStage:
     @staticmethod
     def _holding_checkpoint(ctx: BuildContext, build: Callable[[Path], dict]) -> Callable[[Path], dict]:
         """``build``, holding the checkpoint while it is read (a quantized checkpoint of the cache is kept from being
-        evicted by any process meanwhile), then the engine's tokenizer written from it; an engine built from the
-        model folder itself is refused if the folder changed meanwhile."""
+        evicted by any process meanwhile), then the engine's tokenizer written from the model folder, which the
+        builders take the tokenizer, chat templates and generation config from (a quantized checkpoint's key does
+        not cover the templates and generation config); refused if the model folder changed meanwhile."""
 
         def build_from_checkpoint(tmp: Path) -> dict:
             quantized = ctx.quantized_key and ctx.checkpoint_dir != ctx.model_dir
             with EntryHold(ctx.cache.quantized.entry_dir(ctx.quantized_key)) if quantized else nullcontext():
                 record = build(tmp)
-                write_transformers_tokenizer(ctx.checkpoint_dir, tmp)
+                write_transformers_tokenizer(ctx.model_dir, tmp)
                 if partial := partial_tokenizer_files(tmp):  # LLM.load refuses an engine with part of a tokenizer
-                    raise KilnError(f"{ctx.checkpoint_dir}: {', '.join(partial)} but no tokenizer.json, and "
+                    raise KilnError(f"{ctx.model_dir}: {', '.join(partial)} but no tokenizer.json, and "
                                     f"transformers makes none from them; save the tokenizer with save_pretrained (a "
                                     f"fast one writes tokenizer.json)")
-                if ctx.checkpoint_dir == ctx.model_dir:  # a quantized checkpoint was checked as it was built
-                    _require_model_unchanged(ctx, "the engine")
+                _require_model_unchanged(ctx, "the engine")
                 return record
 
         return build_from_checkpoint
@@ -469,7 +469,7 @@ class BuildStage:
         def build(tmp: Path) -> dict:
             progress("building native engine", 0.0)
             engine = build_native_engine(ctx.checkpoint_dir, tmp, plan, cfg.model.dtype, device=ctx.choice.device,
-                                         options=ctx.options, tp_size=cfg.build.tp_size)
+                                         options=ctx.options, tp_size=cfg.build.tp_size, tokenizer_dir=ctx.model_dir)
             return {"engine": {"format": engine["format"], "quantization": engine["quantization"]},
                     "calibration": report_summary(ctx.calibration) if ctx.calibration else None}
 
@@ -483,7 +483,8 @@ class BuildStage:
         def build(tmp: Path) -> dict:
             inputs = trtllm_inputs(ctx)  # after the checkpoint is there (its shipped format)
             progress("running trtllm-build", 0.0)
-            record = build_trtllm_engine(tmp, timeout_s=ctx.config.build.timeout_s, **inputs)
+            record = build_trtllm_engine(tmp, timeout_s=ctx.config.build.timeout_s, tokenizer_dir=ctx.model_dir,
+                                         **inputs)
             return {"engine": {"format": TRTLLM_ENGINE_FORMAT, "quantization": {"format": inputs["quant_format"]}},
                     "trtllm": record, "calibration": report_summary(ctx.calibration) if ctx.calibration else None}
 

@@ -7,7 +7,7 @@ import hashlib
 import os
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,12 +97,22 @@ def _require_regular_file(root: Path, rel: str) -> None:
 
 
 def checkpoint_hash(path: Path, memo_path: Path | None = None) -> str:
-    """Merkle hash of a checkpoint: sha256 over the sorted (relative path, file sha256) pairs of its files, each
-    file's sha256 through ``FileHashes(memo_path)`` (an unchanged checkpoint is only stat'ed)."""
+    """Merkle hash of a checkpoint: ``merkle_hash`` of its ``checkpoint_digests``."""
+    return merkle_hash(checkpoint_digests(path, memo_path))
+
+
+def checkpoint_digests(path: Path, memo_path: Path | None = None) -> dict[str, str]:
+    """The sha256 of each file ``checkpoint_files`` covers, by its path relative to ``path``, through
+    ``FileHashes(memo_path)`` (an unchanged checkpoint is only stat'ed)."""
     files = checkpoint_files(path)
     digests = FileHashes(memo_path).sha256_many([files.root / rel for rel in files.hashed])
+    return dict(zip(files.hashed, digests, strict=True))
+
+
+def merkle_hash(digests: Mapping[str, str]) -> str:
+    """sha256 over the (relative path, file sha256) pairs of ``digests``, in their order (``checkpoint_files``')."""
     merkle = hashlib.sha256()
-    for rel, digest in zip(files.hashed, digests, strict=True):
+    for rel, digest in digests.items():
         merkle.update(f"{rel}\0{digest}\n".encode())
     return merkle.hexdigest()
 

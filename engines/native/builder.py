@@ -38,7 +38,8 @@ CONVERTIBLE_TOKENIZERS = (("vocab.json", "merges.txt"), ("tokenizer.model",))
 
 
 def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dtype: str, device: str = "cpu",
-                        options: RuntimeOptions | None = None, tp_size: int = 1) -> dict:
+                        options: RuntimeOptions | None = None, tp_size: int = 1,
+                        tokenizer_dir: Path | None = None) -> dict:
     """Convert an HF checkpoint (plain, or modelopt's unified FP8 / W4A16_AWQ export, detected from
     hf_quant_config.json / config.json quantization_config) into an engine dir at out_dir (which exists, empty),
     split over ``tp_size`` tensor-parallel ranks (one weight file each, ``runtime.native.parallel.sharding``).
@@ -46,8 +47,11 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
     engine: at least one sequence of max_seq_len must fit, else it says which max_seq_len would. On CUDA with the
     Triton ``options.kernels``, times each FP8 linear's crossover (``tuning``; key material:
     ``tuning_material``). A checkpoint whose tokenizer is CONVERTIBLE_TOKENIZERS' files, not tokenizer.json, is
-    built without one: the caller writes it. Returns the engine.json dict."""
+    built without one: the caller writes it. The tokenizer, chat templates and generation config (its EOS ids too)
+    come from ``tokenizer_dir`` (the model folder a quantized checkpoint was calibrated from), else from
+    ``checkpoint_dir``. Returns the engine.json dict."""
     checkpoint_dir, out_dir, options = Path(checkpoint_dir), Path(out_dir), options or RuntimeOptions()
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else checkpoint_dir
     if not out_dir.is_dir():
         raise KilnError(f"engine output directory {out_dir} does not exist; create it (empty) first")
     if dtype not in DTYPES:
@@ -56,13 +60,13 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
         raise KilnError(f"build device {device!r} is not supported by the native backend; use cpu or cuda")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise KilnError(f"build device {device!r} requested but CUDA is not available on this machine")
-    arch, hf_config = read_architecture(checkpoint_dir)
+    arch, hf_config = read_architecture(checkpoint_dir, tokenizer_dir)
     source_quant = read_quantization(checkpoint_dir, hf_config)
     refuse_unshardable(arch, tp_size, source_quant.group_size)
     build_plan = fit_plan(plan, arch, dtype, source_quant.fp8_kv_cache)
     # the tokenizer is loaded once here, so that a broken one is never published
-    if Tokenizer.from_dir(checkpoint_dir) is None and not _convertible_tokenizer(checkpoint_dir):
-        raise KilnError(f"{checkpoint_dir}: no tokenizer.json (nor vocab.json + merges.txt or tokenizer.model to make "
+    if Tokenizer.from_dir(tokenizer_dir) is None and not _convertible_tokenizer(tokenizer_dir):
+        raise KilnError(f"{tokenizer_dir}: no tokenizer.json (nor vocab.json + merges.txt or tokenizer.model to make "
                         "one from); the native runtime needs a fast tokenizer file (save the tokenizer with "
                         "save_pretrained)")
 
@@ -95,7 +99,7 @@ def build_native_engine(checkpoint_dir: Path, out_dir: Path, plan: BuildPlan, dt
         path = out_dir / weights_file(rank)
         save_file({name: t.contiguous() for name, t in shard.items()}, str(path), metadata={"format": ENGINE_FORMAT})
         path.chmod(new_file_mode())  # safetensors writes 0600: others could not load an engine built for them
-    copy_tokenizer_files(checkpoint_dir, out_dir)
+    copy_tokenizer_files(tokenizer_dir, out_dir)
     config.save(out_dir)
     return config.to_dict()
 

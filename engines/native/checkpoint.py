@@ -46,19 +46,21 @@ def read_json(path: Path) -> dict[str, Any]:
     return read_json_object(path, KilnError, "re-export the checkpoint")
 
 
-def read_architecture(checkpoint_dir: Path) -> tuple[Architecture, dict[str, Any]]:
-    """The architecture of ``config.json`` (+ generation_config.json ids), and the raw config dict."""
+def read_architecture(checkpoint_dir: Path, tokenizer_dir: Path | None = None) -> tuple[Architecture, dict[str, Any]]:
+    """The architecture of ``config.json`` (+ the ids of the generation_config.json and tokenizer of
+    ``tokenizer_dir``, else of ``checkpoint_dir``), and the raw config dict."""
     path = checkpoint_dir / "config.json"
     if not path.is_file():
         raise KilnError(f"{checkpoint_dir}: no config.json; point the build at a Hugging Face checkpoint directory")
     cfg = read_json(path)
-    gen_path = checkpoint_dir / "generation_config.json"
+    tokenizer_dir = checkpoint_dir if tokenizer_dir is None else tokenizer_dir
+    gen_path = tokenizer_dir / "generation_config.json"
     gen = read_json(gen_path) if gen_path.is_file() else {}
     try:
         architecture = parse_architecture(cfg, gen, path)
     except (TypeError, ValueError, KeyError) as e:  # a bad value that parse_architecture does not name itself
         raise KilnError(f"{path}: a field has the wrong type or value ({e}); fix config.json") from None
-    return replace(architecture, eos_token_ids=stopping_eos_ids(checkpoint_dir, cfg, gen)), cfg
+    return replace(architecture, eos_token_ids=stopping_eos_ids(tokenizer_dir, cfg, gen)), cfg
 
 
 def parse_architecture(cfg: dict[str, Any], gen: dict[str, Any], path: Path) -> Architecture:

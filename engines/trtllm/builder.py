@@ -70,12 +70,13 @@ def _check_convertible(hf_dir: Path | None) -> None:
 def build_trtllm_engine(out_dir: Path, options: TrtllmBuildOptions, *, hf_dir: Path, quant_format: str,
                         kv_cache_dtype: str, model_dtype: str, timing_cache: Path, fingerprint: dict[str, Any],
                         timeout_s: float, trtllm_checkpoint_dir: Path | None = None,
-                        executable: str = "trtllm-build", python: str = sys.executable,
-                        env: dict[str, str] | None = None) -> dict[str, Any]:
+                        tokenizer_dir: Path | None = None, executable: str = "trtllm-build",
+                        python: str = sys.executable, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Build into `out_dir` (exists, empty) and return the build record.
 
     `trtllm_checkpoint_dir` is the quantize stage's TensorRT-LLM export; for format none it is None and `hf_dir` is
-    converted first. `hf_dir` also supplies the tokenizer and EOS ids. `fingerprint` is the build machine's
+    converted first. `tokenizer_dir` (the model folder a quantized checkpoint was calibrated from), else `hf_dir`,
+    supplies the tokenizer, chat templates, generation config and EOS ids. `fingerprint` is the build machine's
     `trtllm_machine_fingerprint()`; `timeout_s` bounds conversion and build together."""
     deadline = time.monotonic() + timeout_s
     if trtllm_checkpoint_dir is None and quant_format != "none":
@@ -98,7 +99,8 @@ def build_trtllm_engine(out_dir: Path, options: TrtllmBuildOptions, *, hf_dir: P
     _check_engine_files(out_dir, options, record["build"])
     record["timing_cache"] = _adopt_timing_cache(out_dir / NEW_TIMING_CACHE, timing_cache)
     shutil.rmtree(out_dir / SCRATCH_DIR, ignore_errors=True)
-    _write_engine_info(out_dir, options, hf_dir, quant_format, kv_cache_dtype, fingerprint, record)
+    _write_engine_info(out_dir, options, hf_dir, tokenizer_dir or hf_dir, quant_format, kv_cache_dtype, fingerprint,
+                       record)
     return record
 
 
@@ -144,17 +146,18 @@ def _adopt_timing_cache(new_cache: Path, timing_cache: Path) -> str | None:
     return str(timing_cache)
 
 
-def _write_engine_info(out_dir: Path, options: TrtllmBuildOptions, hf_dir: Path, quant_format: str,
-                       kv_cache_dtype: str, fingerprint: dict[str, Any], record: dict[str, Any]) -> None:
-    copy_tokenizer_files(hf_dir, out_dir)
+def _write_engine_info(out_dir: Path, options: TrtllmBuildOptions, hf_dir: Path, tokenizer_dir: Path,
+                       quant_format: str, kv_cache_dtype: str, fingerprint: dict[str, Any],
+                       record: dict[str, Any]) -> None:
+    copy_tokenizer_files(tokenizer_dir, out_dir)
     hf_config = _read_json(hf_dir / "config.json") or {}
-    generation = _read_json(hf_dir / "generation_config.json") or {}
+    generation = _read_json(tokenizer_dir / "generation_config.json") or {}
     TrtllmEngineInfo(
         plan=replace(options.plan, kv_cache_dtype=kv_cache_dtype),
         quantization={"format": quant_format, "kv_cache_dtype": kv_cache_dtype},
         fingerprint={k: fingerprint.get(k) for k in ("device", "gpu_name", "compute_capability", "cuda",
                                                      "tensorrt_llm", "tensorrt")},
-        eos_token_ids=stopping_eos_ids(hf_dir, hf_config, generation),
+        eos_token_ids=stopping_eos_ids(tokenizer_dir, hf_config, generation),
         vocab_size=int(hf_config.get("vocab_size", 0)),
         tp_size=options.tp_size, pp_size=options.pp_size,
         build={"argv": record["build"]["argv"], "convert_argv": (record["convert"] or {}).get("argv")},
