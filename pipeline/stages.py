@@ -24,7 +24,7 @@ from kiln.engines.cache.units import format_bytes
 from kiln.engines.cache.verify import nearest_entry
 from kiln.pipeline.backend import BackendChoice
 from kiln.pipeline.config import BuildSection, KilnConfig, LoadedConfig
-from kiln.pipeline.console import stderr
+from kiln.pipeline.console import warn
 from kiln.pipeline.key_material import CheckpointState, engine_material, quantized_material
 from kiln.pipeline.tokenizer_files import write_transformers_tokenizer
 from kiln.runtime.errors import KilnError
@@ -420,9 +420,8 @@ class BuildStage:
             ctx.count_engine_hit(result.build_seconds)
         ctx.take_calibration_from(ctx.cache.entries.read_manifest(ctx.engine_key) if result.hit else None)
         if result.replaced_in_use:
-            stderr.print(f"[yellow]warning:[/] engine {ctx.engine_key[:12]} was in use by a running process (a kiln "
-                         f"serve?) when --force replaced it: that process keeps serving the old build until it is "
-                         f"restarted", markup=True, highlight=False)
+            warn(f"engine {ctx.engine_key[:12]} was in use by a running process (a kiln serve?) when --force "
+                 f"replaced it: that process keeps serving the old build until it is restarted")
 
     @staticmethod
     def _checkpoint_ready(ctx: BuildContext, describe: dict, progress: Progress) -> Callable[[], float]:
