@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kiln.pipeline.bench.http_clients_process import client_processes, run_http_apart
-from kiln.pipeline.bench.provenance import run_record
+from kiln.pipeline.bench.provenance import run_record, runtime_record
 from kiln.pipeline.bench.server_metrics import MetricsUnavailableError, scrape, usage_after_run
 from kiln.pipeline.bench.serving_clients import (
     LoadTestError,
@@ -89,14 +89,18 @@ def print_report(report: dict) -> None:
 
 
 def _print_server(server: dict) -> None:
-    """What the server's /metrics said of its processes, or why it could not be read after the run."""
+    """What the server's /metrics said of its processes, and why what is not known could not be read."""
     stdout.print("CPU per token   " + ", ".join(f"{role.replace('_', ' ')} " + ("?" if us is None else f"{us:,.0f} µs")
                                                for role, us in server["cpu_us_per_token"].items()), highlight=False)
-    if (unavailable := server.get("server_metrics_unavailable")) is not None:
+    unavailable = server.get("server_metrics_unavailable")
+    if server["idle_after"] is None:
         stdout.print(f"[yellow]after the run   not known: {escape(unavailable)}[/]", markup=True, highlight=False)
         return
-    memory = ", ".join(f"{role.replace('_', ' ')} {m['after_warmup_mb']:,.0f} → {m['after_mb']:,.0f} MB "
-                       f"({m['growth']:+.1%})" for role, m in server["resident_memory"].items())
+    if unavailable is not None:
+        stdout.print(f"[yellow]/metrics        not read: {escape(unavailable)}[/]", markup=True, highlight=False)
+    memory = "not known" if server["resident_memory"] is None else ", ".join(
+        f"{role.replace('_', ' ')} {m['after_warmup_mb']:,.0f} → {m['after_mb']:,.0f} MB ({m['growth']:+.1%})"
+        for role, m in server["resident_memory"].items())
     idle = {name: "?" if count is None else count for name, count in server["idle_after"].items()}
     stdout.print(f"after the run   {idle['running']} running, {idle['waiting']} waiting, {idle['kv_blocks_used']} KV "
                  f"blocks held; resident memory since the warm-up: {memory or 'not reported'}", highlight=False)
@@ -156,21 +160,19 @@ async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *
     vocab_size = vocab_size or card.get("vocab_size")
     workload = make_workload(**workload_options, vocab_size=vocab_size)
     await _check_fits_server(url, api_key, card, workload, chat)
-    snapshots = {}
+    snapshots: dict[str, dict[str, float] | MetricsUnavailableError] = {}
 
     async def warmed_up() -> None:
         try:
             snapshots["after_warmup"] = await scrape(url)
-        except MetricsUnavailableError:  # a server without /metrics: no server figures
-            snapshots["after_warmup"] = {}
+        except MetricsUnavailableError as exc:  # kept: the server block says so, with what is read after the run
+            snapshots["after_warmup"] = exc
 
     report = await run_http_apart(url, workload, concurrency=concurrency, chat=chat, api_key=api_key,
                                   model=card["id"], processes=client_processes(concurrency, len(workload.requests)),
                                   warmed_up=warmed_up)
     client_cpu_s = report.pop("client_cpu_s")
-    if snapshots["after_warmup"]:
-        report["server"] = await usage_after_run(url, snapshots["after_warmup"], report["output_tokens"],
-                                                 client_cpu_s)
+    report["server"] = await usage_after_run(url, snapshots["after_warmup"], report["output_tokens"], client_cpu_s)
     report["workload"] = _describe(workload, workload_options)
     if llm is not None and in_process:
         report["in_process"] = await run_in_process(llm, _fresh(workload, workload_options, vocab_size, 1),
@@ -312,7 +314,8 @@ def loadtest(
     with _server_for(target, resolved, api_key, options) as (url, key, llm):
         report = asyncio.run(_measure(url, key, llm, workload_options, concurrency=clients, chat=chat,
                                       vocab_size=vocab_size, offline=offline is not False, in_process=in_process))
-    print_json({**report, "run": run}) if json_out else print_report(report)
+    runtime = None if resolved is None else runtime_record(options)  # a running server's settings are its own
+    print_json({**report, "runtime": runtime, "run": run}) if json_out else print_report(report)
     counted = report["requests"] - report["disconnected"]  # the soak's own disconnections are no failures
     if counted and report["failed"] / counted > max_failure_rate:
         raise TooManyFailuresError(f"{report['failed']} of {counted} requests failed, more than "

@@ -127,7 +127,9 @@ def measure_kiln(engine_dir: Path, workload: Workload, options: RuntimeOptions, 
 
 def kv_pool_report(llm) -> dict:
     """The KV pool the engine allocated at its default settings: blocks, tokens, how many sequences of max_seq_len
-    it holds at once against max_batch_size, and (native engine) its bytes against the device's memory."""
+    it holds at once against max_batch_size, and (native engine) its bytes, of all tensor-parallel ranks and of one
+    (``bytes_per_rank``, what each device holds, as vLLM reports its KV cache per GPU), against the device's
+    memory."""
     import torch
 
     pool, limits = llm.stats()["kv_cache"], llm.limits
@@ -136,11 +138,13 @@ def kv_pool_report(llm) -> dict:
               "full_length_sequences": pool["num_blocks"] // blocks_per_seq, "max_batch_size": limits.max_batch_size}
     runner = getattr(llm.engine, "model_runner", None)
     if runner is not None:
-        report["bytes"] = sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer)
+        # every rank holds the same blocks (the fewest any rank fits) of its share of the KV heads: rank 0's bytes
+        per_rank = sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer)
+        ranks = runner.tp.size if runner.tp is not None else 1
+        report.update(bytes=per_rank * ranks, bytes_per_rank=per_rank, ranks=ranks)
         if runner.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(runner.device)
-            report.update(device_total_bytes=total, device_free_bytes=free,
-                          share_of_device=round(report["bytes"] / total, 4))
+            report.update(device_total_bytes=total, device_free_bytes=free, share_of_device=round(per_rank / total, 4))
     return report
 
 

@@ -1,5 +1,6 @@
-"""What produced a benchmark's figures (its ``run`` object): Kiln's version and the checkout's commit, the libraries
-that set them, the machine, when, and the command line, so that a figure can be read next to its run."""
+"""What produced a benchmark's figures: its ``run`` object (Kiln's version and the checkout's commit, the libraries
+that set them, the machine, when, and the command line) and its ``runtime`` object (the runtime options it ran with),
+so that a figure can be read next to its run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+from kiln.pipeline.runtime_env import SWITCHES
+from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.version import kiln_version, package_version
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]
@@ -23,6 +26,18 @@ def run_record() -> dict:
             "host": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_model(),
             "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "command": shlex.join(["kiln", *redacted(sys.argv[1:])])}
+
+
+# the RuntimeOptions fields that KILN_* variables set (pipeline/runtime_env.py), in the order a report lists them
+ENV_OPTIONS = ("scheduler_policy", "gpu_memory_utilization", "kernels", "linear_max_m", "cuda_graph_capture",
+               *SWITCHES)
+
+
+def runtime_record(options: RuntimeOptions) -> dict:
+    """The ``runtime`` object of a bench, suite or loadtest report: the ``ENV_OPTIONS`` of ``options`` that are not
+    at their defaults (set by a ``KILN_*`` variable, or by a suite), by ``RuntimeOptions`` name; {} at the defaults."""
+    defaults = RuntimeOptions()
+    return {name: getattr(options, name) for name in ENV_OPTIONS if getattr(options, name) != getattr(defaults, name)}
 
 
 SECRET_OPTIONS = ("--api-key",)  # what a report, meant to be shared, never shows

@@ -35,6 +35,7 @@ def print_report(report: dict) -> None:
                  f"{report['prompts']} prompts of {report['input_len']} tokens, {report['output_len']} new tokens "
                  "each", markup=True, highlight=False)
     stdout.print(f"engine: {kiln['quantization']}", highlight=False)
+    print_runtime(report.get("runtime"))
     table = Table(box=None, header_style="bold")
     table.add_column("")
     table.add_column("kiln", justify="right")
@@ -56,9 +57,12 @@ def print_report(report: dict) -> None:
                  f"{floor['bandwidth_gbs']:,.1f} GB/s, {floor['bandwidth_source']})", highlight=False)
     if (pool := kiln.get("kv_pool")) is not None:
         memory = f", {format_bytes(pool['bytes'])}" if "bytes" in pool else ""
+        if pool.get("ranks", 1) > 1:
+            memory += f" over {pool['ranks']} ranks, {format_bytes(pool['bytes_per_rank'])} each"
         if "device_total_bytes" in pool:
-            memory += (f" of the device's {format_bytes(pool['device_total_bytes'])} "
-                       f"({format_bytes(pool['device_free_bytes'])} left free)")
+            memory += (f" of {'rank 0' if pool.get('ranks', 1) > 1 else 'the'} device's "
+                       f"{format_bytes(pool['device_total_bytes'])} ({format_bytes(pool['device_free_bytes'])} "
+                       f"left free)")
         stdout.print(f"KV pool: {pool['tokens']:,} tokens{memory}; {pool['full_length_sequences']:,} sequences of "
                      f"max_seq_len at once for max_batch_size {pool['max_batch_size']:,}", highlight=False)
     if phases := kiln.get("load_phases_s"):
@@ -74,6 +78,13 @@ def print_report(report: dict) -> None:
         stdout.print(f"peer: {peer['note']}", highlight=False)
     stdout.print(f"engine {kiln['engine_key'][:12]} ({'cache hit' if kiln['cache_hit'] else 'built'}), "
                  f"config {report['config']}", highlight=False)
+
+
+def print_runtime(runtime: dict | None) -> None:
+    """The runtime options set away from their defaults (``provenance.runtime_record``), on one line; nothing at the
+    defaults."""
+    if runtime:
+        stdout.print("runtime: " + ", ".join(f"{name} {value}" for name, value in runtime.items()), highlight=False)
 
 
 def _machine(report: dict) -> str:
@@ -102,9 +113,7 @@ def print_suite(report: dict) -> None:
     stdout.print(f"[bold]kiln bench --suite {report['suite']}[/] {escape(report['target'])} on {escape(where)}",
                  markup=True, highlight=False)
     stdout.print(f"against: {report['source']}; requests per row: {report['counts']}", highlight=False)
-    if report["runtime"]:
-        settings = ", ".join(f"{name} {value}" for name, value in report["runtime"].items())
-        stdout.print(f"runtime: {settings}", highlight=False)
+    print_runtime(report["runtime"])
     table = Table(box=None, header_style="bold")
     for column in ("in/out", "requests", "kiln tok/s", "published tok/s", "kiln / published", "preemptions",
                    "KV pool seqs", "last batch p50"):

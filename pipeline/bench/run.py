@@ -14,6 +14,7 @@ from kiln.engines.cache import EngineCache
 from kiln.pipeline.bench.common import free_memory
 from kiln.pipeline.bench.floor import decode_step_bytes, floor_tokens_per_s, ranks_sharing_memory, resolve_bandwidth
 from kiln.pipeline.bench.measure import Workload, measure_kiln
+from kiln.pipeline.bench.provenance import runtime_record
 from kiln.pipeline.bench.random_checkpoint import random_checkpoint
 from kiln.pipeline.bench.report import speedups
 from kiln.pipeline.bench.target import (
@@ -78,6 +79,7 @@ def run_bench(target: str, plan: BenchPlan, *, batch_1_only: bool, peer: str | N
         "gpu": torch.cuda.get_device_name(torch.device(device)) if device == "cuda" else None,
         "device": device,
         "tp_size": engine.tp_size,
+        "runtime": runtime_record(options),
         "cpu_threads": torch.get_num_threads(),  # each rank's: its workers start with this environment
         "cpu_count": os.cpu_count(),
         "target": str(resolved.path),

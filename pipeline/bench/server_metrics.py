@@ -45,16 +45,25 @@ async def scrape_when_idle(url: str, timeout_s: float = 30.0) -> dict[str, float
         await asyncio.sleep(0.2)
 
 
-async def usage_after_run(url: str, after_warmup: dict[str, float], tokens: int, client_cpu_s: float) -> dict:
-    """``server_usage`` from the server's ``/metrics`` now and once idle; where it cannot be read, its figures are
-    null and ``server_metrics_unavailable`` says why (an empty ``idle_after`` would read as nothing leaked)."""
+async def usage_after_run(url: str, after_warmup: dict[str, float] | MetricsUnavailableError, tokens: int,
+                          client_cpu_s: float) -> dict:
+    """``server_usage`` from ``after_warmup`` (the scrape after the warm-up, or how it failed) and the server's
+    ``/metrics`` now and once idle. Where a scrape failed, the figures that need it are null (an empty
+    ``idle_after`` would read as nothing leaked), what was read is kept, and ``server_metrics_unavailable`` says
+    why: a report never loses its server block."""
+    why = []
+    if isinstance(after_warmup, MetricsUnavailableError):
+        why, after_warmup = [f"{after_warmup} after the warm-up"], {}
     try:
         after, idle = await scrape(url), await scrape_when_idle(url)
     except MetricsUnavailableError as exc:
-        cpu = {role: None for role, key in ROLES if f"{key}_cpu_s" in after_warmup}
-        return {"cpu_us_per_token": {**cpu, "clients": _per_token(client_cpu_s, tokens)}, "resident_memory": None,
-                "idle_after": None, "server_metrics_unavailable": str(exc)}
-    return server_usage(after_warmup, after, idle, tokens, client_cpu_s)
+        why.append(f"{exc} after the run" if why else str(exc))
+        after, idle = {}, None
+    if not why:
+        return server_usage(after_warmup, after, idle, tokens, client_cpu_s)
+    cpu = {role: None for role, key in ROLES if f"{key}_cpu_s" in (after or after_warmup)}  # reported, not known
+    return {"cpu_us_per_token": {**cpu, "clients": _per_token(client_cpu_s, tokens)}, "resident_memory": None,
+            "idle_after": None if idle is None else _idle_state(idle), "server_metrics_unavailable": "; ".join(why)}
 
 
 def server_usage(after_warmup: dict[str, float], after: dict[str, float], idle: dict[str, float], tokens: int,
@@ -69,7 +78,11 @@ def server_usage(after_warmup: dict[str, float], after: dict[str, float], idle: 
               for role, key in ROLES if f"{key}_rss" in after_warmup and f"{key}_rss" in idle}
     return {"cpu_us_per_token": {**cpu, "clients": _per_token(client_cpu_s, tokens)},
             "resident_memory": memory,
-            "idle_after": {name: int(idle[name]) if name in idle else None for name in IDLE}}
+            "idle_after": _idle_state(idle)}
+
+
+def _idle_state(idle: dict[str, float]) -> dict[str, int | None]:
+    return {name: int(idle[name]) if name in idle else None for name in IDLE}
 
 
 def _per_token(cpu_s: float, tokens: int) -> float:

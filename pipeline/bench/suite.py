@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from kiln.pipeline.bench.floor import gpu_variant
+from kiln.pipeline.bench.provenance import runtime_record
 from kiln.pipeline.bench.run import build_and_measure, report_progress
 from kiln.pipeline.bench.target import BENCH_TAKES, BenchPlan, BenchTargetError, read_architecture_file
 from kiln.pipeline.config import cache_root, find_config, load_config
@@ -249,6 +250,6 @@ def run_suite(target: str, suite: Suite, rows: tuple[SuiteRow, ...], *, fmt: str
                                              "cache_hit", "build_s")},
         })
     return {"suite": suite.name, "source": suite.source, "counts": suite.why_counts, "target": str(resolved.path),
-            "runtime": {name: getattr(options, name) for name in suite.runtime},
+            "runtime": runtime_record(options),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "device": device,
             "seed": seed, "rows": results}

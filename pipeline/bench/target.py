@@ -110,11 +110,11 @@ def bench_config(checkpoint_dir: Path, plan: BenchPlan, cfg: dict, *, fmt: str, 
     and, for a quantized ``fmt``, calibration on random token ids in one round without the accuracy gate. Called
     first with the architecture file as ``checkpoint_dir``, so that what the plan cannot hold is refused, naming the
     file and the option, before its random weights are written."""
-    max_seq_len = -(-(plan.input_len + plan.output_len) // BLOCK) * BLOCK
-    if max_seq_len > cfg["max_position_embeddings"]:
+    seq_len, positions = plan.input_len + plan.output_len, cfg["max_position_embeddings"]
+    if seq_len > positions:  # the request's own length: only the KV pool is counted in whole blocks
         raise BenchTargetError(f"--input-len {plan.input_len} + --output-len {plan.output_len} exceeds the "
-                               f"architecture's max_position_embeddings ({cfg['max_position_embeddings']}); "
-                               "shorten them")
+                               f"architecture's max_position_embeddings ({positions}); shorten them")
+    max_seq_len = min(-(-seq_len // BLOCK) * BLOCK, positions)  # whole blocks, within the model's positions
     quantize = QuantizeRecipe(format=fmt)
     if fmt != "none":
         quantize = QuantizeRecipe(format=fmt, kv_cache_dtype=kv_cache_dtype, dataset=RANDOM, heldout=RANDOM,
