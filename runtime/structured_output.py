@@ -13,6 +13,7 @@ import json
 import re
 from dataclasses import dataclass, fields
 from typing import Any
+from urllib.parse import quote, urldefrag, urljoin
 
 from kiln.runtime.errors import InvalidRequestError
 
@@ -114,9 +115,68 @@ def _check_schema(schema: object, what: str) -> None:
     if (number := _integer_out_of_range(schema)) is not None:
         shown = f"the number {number}" if number.bit_length() <= 256 else "an integer of more than 77 digits"
         raise StructuredOutputError(_OUT_OF_RANGE.format(what, shown))
-    if isinstance(schema, dict) and (chain := _longest_ref_chain(schema)) > MAX_REF_CHAIN:
+    if isinstance(schema, dict) and (chain := _longest_ref_chain(pointer_refs(schema))) > MAX_REF_CHAIN:
         raise StructuredOutputError(f"{what} follows {chain} $refs one inside another; at most {MAX_REF_CHAIN} are "
                                     f"taken")
+
+
+def pointer_refs(schema: dict) -> dict:
+    """``schema`` with each ``$ref`` to a place inside it written as a JSON pointer from its root (``#/$defs/x``),
+    however it names that place: through a ``$id`` (the root's, ``https://example.com/args.json#/$defs/x``, or a
+    subschema's, resolved against the base URI where the ref stands) or an ``$anchor``; its ``$id``s and
+    ``$anchor``s dropped, and a ref to anything else made absolute, so that the schema means the same under another
+    (a tool's parameters in a call's schema). ``schema`` itself when it has no ``$id`` or ``$anchor``."""
+    resources: dict[str, str] = {}  # a resource's URI -> the pointer to it
+    anchors: dict[tuple[str, str], str] = {}  # (a resource's URI, an anchor's name) -> the pointer to it
+
+    def collect(node: object, base: str, pointer: str) -> None:
+        if isinstance(node, list):
+            for index, item in enumerate(node):
+                collect(item, base, f"{pointer}/{index}")
+        elif isinstance(node, dict):
+            if isinstance(node.get("$id"), str):
+                base, fragment = urldefrag(_resolved(base, node["$id"]))
+                resources.setdefault(base, pointer)
+                if fragment:  # a draft-06 "$id": "#name" is an anchor
+                    anchors.setdefault((base, fragment), pointer)
+            if isinstance(node.get("$anchor"), str):
+                anchors.setdefault((base, node["$anchor"]), pointer)
+            for key, value in node.items():
+                collect(value, base, f"{pointer}/{_pointer_token(key)}")
+
+    def rewrite(node: object, base: str) -> object:
+        if isinstance(node, list):
+            return [rewrite(item, base) for item in node]
+        if not isinstance(node, dict):
+            return node
+        if isinstance(node.get("$id"), str):
+            base = urldefrag(_resolved(base, node["$id"])).url
+        out = {key: rewrite(value, base) for key, value in node.items()
+               if not (key in ("$id", "$anchor") and isinstance(value, str))}
+        if isinstance(ref := out.get("$ref"), str):
+            uri, fragment = urldefrag(_resolved(base, ref))
+            if uri not in resources:
+                out["$ref"] = _resolved(base, ref)
+            elif not fragment or fragment.startswith("/"):
+                out["$ref"] = f"#{resources[uri]}{fragment}"
+            else:  # an anchor, or a name no anchor has (the grammar engine names it)
+                out["$ref"] = f"#{anchors.get((uri, fragment), fragment)}"
+        return out
+
+    root = urldefrag(_resolved("", schema["$id"])).url if isinstance(schema.get("$id"), str) else ""
+    resources[root] = ""
+    collect(schema, root, "")
+    return schema if len(resources) == 1 and not anchors and "$id" not in schema else rewrite(schema, root)
+
+
+def _resolved(base: str, ref: str) -> str:
+    """``ref`` resolved against ``base`` (a fragment alone against any base, ``urn:`` ones too)."""
+    return urldefrag(base).url + ref if ref.startswith("#") else urljoin(base, ref)
+
+
+def _pointer_token(key: str) -> str:
+    """``key`` as one token of a JSON pointer in a URI fragment."""
+    return quote(key.replace("~", "~0").replace("/", "~1"), safe="!$&'()*+,;=:@~")
 
 
 def _integer_out_of_range(schema: object) -> int | None:

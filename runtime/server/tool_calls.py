@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from kiln.runtime.server.partial_tags import partial_tag_length
-from kiln.runtime.structured_output import DEFINITION_KEYS, json_rule
+from kiln.runtime.structured_output import DEFINITION_KEYS, json_rule, pointer_refs
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: a function without parameters takes none
 _SEPARATOR = re.compile(r"\s*;\s*")  # between the calls of a Llama 3 JSON completion
@@ -202,7 +202,9 @@ def _hoisted(parameters: dict, tool: str, definitions: dict) -> dict:
     """A tool's ``parameters`` as a subschema of the call's schema: its ``$defs`` / ``definitions`` (and itself, when
     a ``"#"`` ref recurses to it) added to ``definitions`` under names unique to the tool (``tool``, a JSON pointer's
     segment), and its local refs
-    rewritten to point there (a ref is resolved against the root of the whole schema, not of the parameters)."""
+    rewritten to point there (a ref is resolved against the root of the whole schema, not of the parameters; one
+    through a ``$id`` or ``$anchor`` is made a local one first, ``pointer_refs``)."""
+    parameters = pointer_refs(parameters)
     own = {f"#/{key}/{name}": (f"{tool}__{name}", sub) for key in DEFINITION_KEYS
            if isinstance(parameters.get(key), dict) for name, sub in parameters[key].items()}
     # each local pointer ("#/$defs/X", "#/definitions/X", "#" itself) -> its new one, the longest matched first

@@ -1,0 +1,74 @@
+"""Tool parameters that carry a root ``$id`` (as pydantic, zod and MCP servers may write them) hold a forced call to
+what their refs mean, whether a ref names a place locally, through that ``$id``, a subschema's ``$id`` or an
+``$anchor``; a ref to a schema elsewhere is still refused, and refs chained through a ``$id`` are counted."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from kiln.runtime.native.grammar import Grammars
+from kiln.runtime.server.tool_calls import HERMES
+from kiln.runtime.structured_output import MAX_REF_CHAIN, StructuredOutput, StructuredOutputError
+from kiln.runtime.tokenizer import Tokenizer
+from tests.test_server_support import TOKENIZER_SOURCE
+
+ID = "https://example.com/tools/args.json"
+
+
+def with_id(x: dict, defs: dict) -> dict:
+    """Parameters with a root ``$id`` and ``$schema``, an integer ``x`` reached through ``x``'s schema."""
+    return {"$id": ID, "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+            "properties": {"x": x}, "required": ["x"], "$defs": defs}
+
+
+INTEGER = {"item": {"type": "integer"}}
+
+
+@functools.cache
+def grammars() -> Grammars:
+    tokenizer = Tokenizer.from_dir(TOKENIZER_SOURCE)
+    [eos] = tokenizer.encode("</s>", add_special_tokens=False)
+    return Grammars(tokenizer, tokenizer.vocab_size, [eos])
+
+
+def accepts(tools: list[dict], text: str) -> bool:
+    """Whether the grammar of one forced call of ``tools`` (Hermes' format) takes ``text``."""
+    matcher = grammars().matcher(StructuredOutput(grammar=HERMES.grammar(tools, False)))
+    ids = grammars().tokenizer.encode(f"<tool_call>\n{text}\n</tool_call>", add_special_tokens=False)
+    return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("parameters", [
+    with_id({"$ref": "#/$defs/item"}, INTEGER),
+    with_id({"$ref": f"{ID}#/$defs/item"}, INTEGER),
+    with_id({"$ref": "args.json#/$defs/item"}, INTEGER),
+    with_id({"$ref": "item.json"}, {"item": {"$id": "item.json", "type": "integer"}}),
+    with_id({"$ref": "#item"}, {"item": {"$anchor": "item", "type": "integer"}}),
+], ids=["local", "through-the-id", "relative-to-the-id", "a-subschema-id", "an-anchor"])
+def test_a_forced_call_follows_parameters_with_a_root_id_as_their_refs_mean(parameters):
+    tools = [{"name": "f", "parameters": parameters}]
+    assert accepts(tools, '{"name":"f","arguments":{"x":1}}')  # before: the grammar did not compile (a 400)
+    assert not accepts(tools, '{"name":"f","arguments":{"x":"a"}}')
+
+
+def test_two_tools_sharing_an_id_each_keep_their_own_definitions():
+    tools = [{"name": "f", "parameters": with_id({"$ref": f"{ID}#/$defs/item"}, INTEGER)},
+             {"name": "g", "parameters": with_id({"$ref": f"{ID}#/$defs/item"}, {"item": {"type": "string"}})}]
+    assert accepts(tools, '{"name":"f","arguments":{"x":1}}') and accepts(tools, '{"name":"g","arguments":{"x":"a"}}')
+    assert not accepts(tools, '{"name":"f","arguments":{"x":"a"}}')
+    assert not accepts(tools, '{"name":"g","arguments":{"x":1}}')
+
+
+def test_a_ref_to_a_schema_elsewhere_is_still_refused_naming_it():
+    tools = [{"name": "f", "parameters": with_id({"$ref": "https://example.org/other.json"}, {})}]
+    with pytest.raises(StructuredOutputError, match="https://example.org/other.json"):
+        _ = StructuredOutput(grammar=HERMES.grammar(tools, False)).llguidance_grammar
+
+
+def test_refs_chained_through_the_root_id_count_against_the_limit():
+    defs = {f"d{i}": {"$ref": f"args.json#/$defs/d{i + 1}"} for i in range(MAX_REF_CHAIN + 1)}
+    defs[f"d{MAX_REF_CHAIN + 1}"] = {"type": "integer"}
+    with pytest.raises(StructuredOutputError, match="refs one inside another"):  # before: uncounted (thousands of
+        StructuredOutput(json=with_id({"$ref": "args.json#/$defs/d0"}, defs))  # them crashed llguidance)
