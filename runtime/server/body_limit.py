@@ -1,15 +1,24 @@
 """A bound on request bodies, applied before anything parses them: a declared ``Content-Length`` over the bound is
 answered 413 at once, and a body sent without one (chunked) is answered 413 once it passes the bound (the app then
 sees the client gone), so one client cannot make the server read, parse and hold an arbitrarily large body. A body in
-a content coding the server does not decode (``Content-Encoding: gzip``) is answered 415, not parsed as if plain."""
+a content coding the server does not decode (``Content-Encoding: gzip``) is answered 415, not parsed as if plain.
+
+After a 413 the rest of the body is read and dropped (up to DRAIN_BYTES, within DRAIN_S) before the connection
+closes, as nginx's lingering close does: a server that closes while the client is still sending resets the
+connection, and the client's TCP stack then drops the 413 it had not read yet."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.runtime.server.errors import APIError, error_response
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20  # 16 MiB: a 128k-token prompt is under 1 MB as text or as token ids
+DRAIN_BYTES = 64 << 20  # of a refused body, read and dropped past the bound; a longer one is cut off
+DRAIN_S = 5.0
 
 
 class BodyLimitMiddleware:
@@ -34,9 +43,11 @@ class BodyLimitMiddleware:
                                         f"the body uncompressed")
             await error_response(unsupported)(scope, receive, send)
             return
+        # a client that waits for "100 Continue" sends no body after the 413: nothing to drain
+        drain = headers.get(b"expect", b"").strip().lower() != b"100-continue"
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await error_response(self._error())(scope, receive, send)
+            await self._refuse(receive, send, drain and int(declared) - self.max_bytes <= DRAIN_BYTES)
             return
         received = 0
         refused = False  # the 413 went out: whatever the app answers after it is dropped
@@ -48,7 +59,7 @@ class BodyLimitMiddleware:
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     refused = True
-                    await error_response(self._error())(scope, receive, send)
+                    await self._refuse(receive, send, drain and message.get("more_body", False))
                     return {"type": "http.disconnect"}  # the app stops reading, as if the client had gone
             return message
 
@@ -57,3 +68,26 @@ class BodyLimitMiddleware:
                 await send(message)
 
         await self.app(scope, bounded_receive, guarded_send)
+
+    async def _refuse(self, receive: Receive, send: Send, drain: bool) -> None:
+        """Send the 413, which closes the connection, whole; with ``drain``, read and drop the rest of the body
+        before the connection closes (at most DRAIN_BYTES, within DRAIN_S), so that the client reads the 413
+        instead of a reset."""
+        response = error_response(self._error())
+        await send({"type": "http.response.start", "status": response.status_code,
+                    "headers": [*response.raw_headers, (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": response.body, "more_body": True})
+        if drain:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_drained(receive), DRAIN_S)
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def _drained(receive: Receive) -> None:
+    """Read and drop the rest of a request's body, until it ends, the client goes or DRAIN_BYTES have come."""
+    dropped = 0
+    while dropped <= DRAIN_BYTES:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        dropped += len(message.get("body", b""))
