@@ -220,27 +220,33 @@ class ChatTools:
         return APIError(400, f"the parameters of tool '{self.functions[index]['name']}' are no schema its calls can "
                              f"follow: {_first_line(exc)}", param=f"tools[{index}].function.parameters")
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The content and the calls in a finished completion: calls of the tools that may be called only, and
-        only the first ``max_calls`` (one with ``parallel_tool_calls`` false). A forced call's completion (or calls
-        that ``answer_or_calls``'s grammar wrote) has no content, and a call it was cut off in comes back with its
-        arguments as far as they got."""
+    def parse(self, text: str, stopped: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """The content and the calls in a finished completion (``stopped``: ended by a stop string, a
+        ``stop_token_ids`` id or its grammar, not by the token limit): calls of the tools that may be called only,
+        and only the first ``max_calls`` (one with ``parallel_tool_calls`` false). A forced call's completion (or
+        calls that ``answer_or_calls``'s grammar wrote) has no content; a call the token limit cut off comes back
+        with its arguments as far as they got, and the text of one a stop ended inside is the content, as that of a
+        call that does not parse."""
         if self.format is None:
             return text, []
         names = self.names
         content, calls = self.format.parse(text, names)
-        if self.forced or self.calls_or_answer:  # a grammar that wrote calls alone, or the answer instead: a call it
-            cut = self.format.cut_off_call(text, names)  # did not finish was cut off by the token limit
-            calls = [*calls, cut] if cut else calls
+        if self.forced or self.calls_or_answer:  # a grammar that wrote calls alone, or the answer instead
+            if stopped:  # the grammar finished, or a stop ended it inside a call: that call stays text
+                content = self.format.unfinished_call(text, names)
+            else:  # a call it did not finish was cut off by the token limit
+                cut = self.format.cut_off_call(text, names)
+                calls, content = [*calls, cut] if cut else calls, None
             if self.forced or calls:
-                return None, calls[:self.max_calls]
+                return content or None, calls[:self.max_calls]
         return (content or None) if calls else text, calls[:self.max_calls]
 
-    def finish_reason(self, calls: list[ToolCall], engine_reason: str) -> str:
-        """OpenAI's finish reason for a choice: the engine's when there are no calls or the output was cut off (a
-        call may be missing or incomplete: ``length``); ``stop`` for the call of a named ``tool_choice`` and
+    def finish_reason(self, calls: list[ToolCall], engine_reason: str, content: str | None) -> str:
+        """OpenAI's finish reason for a choice of ``calls`` and ``content`` (``parse``'s): the engine's when there
+        are no calls, the output was cut off (a call may be missing or incomplete: ``length``), or a stop ended it
+        inside a call a grammar wrote (its text the content); ``stop`` for the call of a named ``tool_choice`` and
         ``tool_calls`` for calls the model chose or ``required`` made, as OpenAI and vLLM say."""
-        if not calls or engine_reason != "stop":
+        if not calls or engine_reason != "stop" or (content and (self.forced or self.calls_or_answer)):
             return engine_reason
         return "stop" if self.named else "tool_calls"
 
@@ -364,16 +370,21 @@ class StreamedText:
         self.splitter = splitter
         self.text = ""  # the answer so far
         self.sent = 0  # characters of the answer that went out as content
+        self.finish_reason: str | None = None  # OpenAI's, once the last delta came
 
     def advance(self, delta: StreamDelta) -> tuple[str, str, list[ToolCall]]:
-        """The reasoning and the content this delta lets go out, and on the last delta the calls."""
+        """The reasoning and the content this delta lets go out, and on the last delta the calls (and
+        ``finish_reason``)."""
         reasoning, answer = self.splitter.feed(delta.text, delta.finished) if self.splitter else ("", delta.text)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
         if self.tools.format is None:
             return reasoning, answer, []
         self.text += answer
         calls: list[ToolCall] = []
         if delta.finished:
-            content, calls = self.tools.parse(self.text)
+            content, calls = self.tools.parse(self.text, stopped=delta.finish_reason != "length")
+            self.finish_reason = self.tools.finish_reason(calls, delta.finish_reason, content)
             content = (content or "")[self.sent:]
         else:
             safe = 0 if self.tools.forced else self.tools.format.content_before_calls(self.text)
@@ -404,11 +415,11 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
                         "finish_reason": None}])]
 
     def render(index: int, delta: StreamDelta) -> list[dict]:
-        message, reason = {}, delta.finish_reason if delta.finished else None
+        message = {}
         reasoning, content, calls = streamed[index].advance(delta)
+        reason = streamed[index].finish_reason if delta.finished else None
         if calls:
             message["tool_calls"] = _call_parts(calls)
-            reason = tools.finish_reason(calls, delta.finish_reason)
         if content:
             message = {"content": content, **message}
         if reasoning:
@@ -433,13 +444,13 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
 
     def choice(index: int, out: RequestOutput) -> ChatChoice:
         reasoning, answer, _ = plan.split(out.text)
-        content, calls = tools.parse(answer)
+        content, calls = tools.parse(answer, stopped=out.finish_reason != "length")
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         parsed = plan.thinking is not None  # a reasoning parser's answer is null when empty, as vLLM's parsers give it
         message = AssistantMessage(content=None if parsed and not content else content,
                                    tool_calls=tool_calls or None, reasoning=reasoning, reasoning_content=reasoning)
-        return ChatChoice(index=index, message=message,
-                          finish_reason=tools.finish_reason(calls, out.finish_reason), stop_reason=out.stop_reason,
+        reason = tools.finish_reason(calls, out.finish_reason, content)
+        return ChatChoice(index=index, message=message, finish_reason=reason, stop_reason=out.stop_reason,
                           logprobs=chat_logprobs(names, out.logprobs) if out.logprobs is not None else None)
 
     def build(outputs: list[RequestOutput], usage: Usage) -> ChatCompletionResponse:

@@ -382,7 +382,7 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
     def build(outputs: list[RequestOutput], usage: Usage) -> ResponseObject:
         [out] = outputs
         reasoning, answer, thought_over = plan.split(out.text)
-        content, calls = plan.tools.parse(answer)
+        content, calls = plan.tools.parse(answer, stopped=out.finish_reason != "length")
         status = _status(out.finish_reason)
         logprobs = _logprobs(plan.names, out.logprobs) if out.logprobs is not None else []
         thought = [_reasoning_item(_item_id("rs"), reasoning, "completed" if thought_over else status)

@@ -154,6 +154,19 @@ class ToolCallFormat:
             return None
         return ToolCall(match["name"], match["arguments"], self.new_id(), cut_off=True)
 
+    def unfinished_call(self, text: str, functions: Collection[str]) -> str:
+        """The text of the call a completion of calls alone (a forced call) ended inside, from where that call opens:
+        all of ``text`` when it holds no whole call, "" when it ends with whole calls (or a marker cut off part
+        way after them)."""
+        if not self.parse(text, functions)[1]:
+            return text
+        if self.listed:
+            return self._listed(text)[2]
+        tail = self._unclosed(text) if self.open else None
+        if tail is not None and self._call(_json_value(tail), functions) is None:
+            return text[text.rfind(self.open.strip()):]
+        return ""
+
     def _body(self, text: str) -> str:
         """A completion of calls alone without the whitespace around it and the prefix it may open with."""
         body = text.strip()
