@@ -75,6 +75,8 @@ def load_calibration_data(recipe: QuantizeRecipe, tokenizer, dataset_root: Path 
     calibration = _pack(docs, tokenizer, recipe.seq_len, recipe.num_samples, calibration_label, "num_samples")
     heldout = _pack(heldout_docs, tokenizer, recipe.seq_len, recipe.heldout_samples, heldout_label,
                     "heldout_samples")
+    for rows, what in ((calibration, calibration_label), (heldout, heldout_label)):
+        _within_embeddings(rows, embedding_rows, what)
     calibration_sha256 = source_digest(source)
     return CalibrationData(
         calibration=calibration,
@@ -83,6 +85,15 @@ def load_calibration_data(recipe: QuantizeRecipe, tokenizer, dataset_root: Path 
         heldout_sha256=calibration_sha256 if heldout_source is source else source_digest(heldout_source),
         notes=notes,
     )
+
+
+def _within_embeddings(rows: torch.Tensor, embedding_rows: int | None, label: str) -> None:
+    """CalibrationError where the tokenizer gave ``label``'s text a token id the model has no embedding for (a token
+    added to tokenizer.json past config.json's vocab_size), which the model's forward would fail on."""
+    if embedding_rows is not None and rows.numel() and (largest := int(rows.max())) >= embedding_rows:
+        raise CalibrationError(f"the tokenizer encodes {label} with token id {largest}, outside the model's "
+                               f"{embedding_rows} embeddings (vocab_size in config.json): the tokenizer files do not "
+                               f"match the weights; fix tokenizer.json's added_tokens, or resize the embeddings")
 
 
 def _split_heldout(docs: list[str], tokenizer, recipe: QuantizeRecipe, label: str,

@@ -175,6 +175,14 @@ def test_dataset_smaller_than_the_budget_says_how_many_samples_it_gives(tmp_path
         load_calibration_data(recipe(data, "bundled", num_samples=500), tokenizer)
 
 
+def test_a_token_id_past_the_models_embeddings_is_refused_naming_the_mismatch(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "c.jsonl", corpus(60))
+    largest = int(load_calibration_data(recipe(data, "bundled"), tokenizer).calibration.max())
+    assert load_calibration_data(recipe(data, "bundled"), tokenizer, embedding_rows=largest + 1).calibration.numel()
+    with pytest.raises(CalibrationError, match=rf"token id {largest}, outside the model's {largest} embeddings"):
+        load_calibration_data(recipe(data, "bundled"), tokenizer, embedding_rows=largest)
+
+
 def test_jsonl_without_the_text_field_points_at_text_field(tmp_path, tokenizer):
     data = write_jsonl(tmp_path / "c.jsonl", corpus(5), field="article")
     with pytest.raises(CalibrationError, match=r"c.jsonl:1 has no string field 'text'; set quantize.text_field"):
