@@ -290,7 +290,8 @@ class QuantizeStage:
     if it has to build the engine after all."""
 
     name = "quantize"
-    inputs = ("checkpoint content hash", "quantize recipe (incl. calibration data hashes)", "calibration device")
+    inputs = ("hash of what calibration reads of the checkpoint (not its chat templates nor generation config)",
+              "quantize recipe (incl. calibration data hashes)", "calibration device")
     outputs = "v1/quantized/<key>/checkpoint (hf/, trtllm/, calibration report)"
 
     def __init__(self, defer_to_engine: bool = False) -> None:
