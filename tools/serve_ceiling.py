@@ -46,7 +46,7 @@ class ScriptedEngine:
         vocab = self.tokenizer.vocab_size
         self.limits = EngineLimits(max_input_len=4096, max_seq_len=8192, max_batch_size=max_batch_size,
                                    max_num_tokens=8192, vocab_size=vocab)
-        self.eos_token_ids: frozenset[int] = frozenset()
+        self.eos_token_ids: frozenset[int] = frozenset()  # it writes words only: no EOS
         self._words = [i for i in range(vocab) if self.tokenizer.decode([i]).strip().isalpha()]
         self.stats = EngineStats()
         self._running: dict[str, tuple[Sequence, object]] = {}
@@ -67,7 +67,7 @@ class ScriptedEngine:
             token = self._words[(seq.token_ids[-1] + 1) % len(self._words)]
             seq.append_token(token, now)
             prompt_tokens += seq.num_prompt_tokens if seq.num_completion_tokens == 1 else 0
-            if (reason := finish_reason(seq, token, detokenizer, self.eos_token_ids)) is not None:
+            if (reason := finish_reason(seq, token, detokenizer, self.eos_token_ids, None)) is not None:
                 seq.finish(reason, now)
                 del self._running[request_id]
             deltas.append(step_delta(seq, detokenizer, [token]))
