@@ -235,11 +235,11 @@ from kiln.engines.cache.remote import RemoteSpec
 root, url, key = sys.argv[1:4]
 cache = EngineCache.open(Path(root), remote=RemoteSpec(url))
 real_upload = cache.remote.objects.upload
-def upload(name, path, progress):  # the large file moves slowly: a minute unless stopped
+def upload(name, path, progress):  # the large file moves slowly: ten minutes unless stopped
     if path.name == "rank0.safetensors":
         print("started", flush=True)
         try:
-            for _ in range(12000):
+            for _ in range(120000):
                 progress(1)
                 time.sleep(0.005)
         except Exception as exc:
@@ -264,7 +264,7 @@ def test_ctrl_c_during_a_push_stops_the_uploads_in_flight(tmp_path):
     assert proc.stdout.readline().strip() == "started"
     proc.send_signal(signal.SIGINT)
     try:
-        out, err = proc.communicate(timeout=30)  # the upload, not stopped, would run a minute
+        out, err = proc.communicate(timeout=120)  # a hang guard: the upload, not stopped, would run ten minutes
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
