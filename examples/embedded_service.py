@@ -5,7 +5,8 @@
 
 One `LLM` is loaded per process. Its engine thread batches every caller's requests together (in-flight
 batching), whether they come from asyncio handlers (`generate_async`, `stream`) or from plain threads
-(`generate`, `submit`/`result`). Needs the serve extra for FastAPI and uvicorn; the runtime itself does not.
+(`generate`, `submit`/`result`). Needs the serve extra for FastAPI and uvicorn, and httpx for --self-test's calls;
+the runtime itself needs neither.
 """
 
 from __future__ import annotations
