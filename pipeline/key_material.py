@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.calibration.unread_files import TOKENIZER_CONFIG, UNREAD_TOKENIZER_CONFIG_KEYS, calibration_reads
 from kiln.engines.cache import checkpoint_files
 from kiln.engines.cache.hashing import checkpoint_digests, merkle_hash
 from kiln.engines.cache.keys import canonical_json
@@ -27,13 +28,6 @@ KEY_SCHEMA = 1
 # 2: a quantized checkpoint's ``checkpoint`` is the hash of its calibration inputs only (``calibration_inputs_hash``);
 # under 1 it was the whole folder's, so the checkpoints keyed so are never looked up again
 QUANTIZED_KEY_SCHEMA = 2
-# What calibration never reads of a model folder: chat templates (``*.jinja``: chat_template.jinja and
-# additional_chat_templates/; chat_template.json; tokenizer_config.json's ``chat_template``) and the generation
-# config. The engine build takes them from the model folder, so an edit of them builds a new engine from the cached
-# quantized checkpoint and never recalibrates.
-NOT_CALIBRATED_FILES = ("generation_config.json", "chat_template.json")
-NOT_CALIBRATED_SUFFIXES = (".jinja",)
-TOKENIZER_CONFIG = "tokenizer_config.json"
 
 FileIdentity = tuple[bytes, int, int, int, int]  # real path, size, mtime and ctime in ns, inode
 
@@ -67,22 +61,24 @@ def checkpoint_state(path: Path, memo_path: Path | None = None) -> CheckpointSta
 
 def calibration_inputs_hash(path: Path, digests: dict[str, str]) -> str:
     """The Merkle hash of what calibration reads of the model folder at ``path`` (``digests``: its files' sha256,
-    ``checkpoint_digests``): weights, config.json and the tokenizer, but not the files it never reads
-    (NOT_CALIBRATED_FILES, NOT_CALIBRATED_SUFFIXES), and tokenizer_config.json as JSON without its chat_template."""
-    calibrated = {rel: digest for rel, digest in digests.items()
-                  if rel not in NOT_CALIBRATED_FILES and not rel.endswith(NOT_CALIBRATED_SUFFIXES)}
+    ``checkpoint_digests``): weights, config.json and the tokenizer, not the files it never reads
+    (``calibration_reads``: the chat templates and the generation config, so that an edit of them builds a new engine
+    from the cached quantized checkpoint and never recalibrates), and tokenizer_config.json as JSON without its
+    chat_template."""
+    calibrated = {rel: digest for rel, digest in digests.items() if calibration_reads(rel)}
     if TOKENIZER_CONFIG in calibrated:
-        calibrated[TOKENIZER_CONFIG] = _without_chat_template(path / TOKENIZER_CONFIG, calibrated[TOKENIZER_CONFIG])
+        calibrated[TOKENIZER_CONFIG] = _as_calibration_reads(path / TOKENIZER_CONFIG, calibrated[TOKENIZER_CONFIG])
     return merkle_hash(calibrated)
 
 
-def _without_chat_template(path: Path, digest: str) -> str:
-    """sha256 of the canonical JSON of tokenizer_config.json without its ``chat_template``; ``digest`` (its bytes')
-    for one that is not a JSON object, which calibration refuses anyway."""
+def _as_calibration_reads(path: Path, digest: str) -> str:
+    """sha256 of the canonical JSON of tokenizer_config.json without the keys calibration never reads (its
+    ``chat_template``); ``digest`` (its bytes') for one that is not a JSON object, which calibration refuses anyway."""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(config, dict):
-            return hashlib.sha256(canonical_json({k: v for k, v in config.items() if k != "chat_template"})).hexdigest()
+            read = {k: v for k, v in config.items() if k not in UNREAD_TOKENIZER_CONFIG_KEYS}
+            return hashlib.sha256(canonical_json(read)).hexdigest()
     except (OSError, UnicodeDecodeError, ValueError):  # ValueError: not JSON, or NaN, which canonical JSON refuses
         pass
     return digest
