@@ -3,9 +3,10 @@ answered 413 at once, and a body sent without one (chunked) is answered 413 once
 sees the client gone), so one client cannot make the server read, parse and hold an arbitrarily large body. A body in
 a content coding the server does not decode (``Content-Encoding: gzip``) is answered 415, not parsed as if plain.
 
-After a 413 the rest of the body is read and dropped (up to DRAIN_BYTES, within DRAIN_S) before the connection
-closes, as nginx's lingering close does: a server that closes while the client is still sending resets the
-connection, and the client's TCP stack then drops the 413 it had not read yet."""
+After a 413 the rest of the body is read and dropped (a declared one whole if at most DRAIN_BYTES over the bound, a
+chunked one up to DRAIN_BYTES more; within DRAIN_S) before the connection closes, as nginx's lingering close does:
+a server that closes while the client is still sending resets the connection, and the client's TCP stack then drops
+the 413 it had not read yet."""
 
 from __future__ import annotations
 
@@ -43,11 +44,13 @@ class BodyLimitMiddleware:
                                         f"the body uncompressed")
             await error_response(unsupported)(scope, receive, send)
             return
-        # a client that waits for "100 Continue" sends no body after the 413: nothing to drain
-        drain = headers.get(b"expect", b"").strip().lower() != b"100-continue"
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(receive, send, drain and int(declared) - self.max_bytes <= DRAIN_BYTES)
+            # refused before the app asked for the body: a client that waits for "100 Continue" never got it and
+            # sends no body, so there is nothing to drain; otherwise the whole declared body is, if not too long
+            waits = headers.get(b"expect", b"").strip().lower() == b"100-continue"
+            short = int(declared) - self.max_bytes <= DRAIN_BYTES
+            await self._refuse(receive, send, int(declared) if short and not waits else 0)
             return
         received = 0
         refused = False  # the 413 went out: whatever the app answers after it is dropped
@@ -59,7 +62,8 @@ class BodyLimitMiddleware:
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     refused = True
-                    await self._refuse(receive, send, drain and message.get("more_body", False))
+                    # the app asked for the body, so any "100 Continue" went out and the client is sending it
+                    await self._refuse(receive, send, DRAIN_BYTES if message.get("more_body", False) else 0)
                     return {"type": "http.disconnect"}  # the app stops reading, as if the client had gone
             return message
 
@@ -69,24 +73,23 @@ class BodyLimitMiddleware:
 
         await self.app(scope, bounded_receive, guarded_send)
 
-    async def _refuse(self, receive: Receive, send: Send, drain: bool) -> None:
-        """Send the 413, which closes the connection, whole; with ``drain``, read and drop the rest of the body
-        before the connection closes (at most DRAIN_BYTES, within DRAIN_S), so that the client reads the 413
-        instead of a reset."""
+    async def _refuse(self, receive: Receive, send: Send, drain_bytes: int) -> None:
+        """Send the 413, which closes the connection, whole; then read and drop up to ``drain_bytes`` more of the
+        body (within DRAIN_S) before the connection closes, so that the client reads the 413 instead of a reset."""
         response = error_response(self._error())
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": [*response.raw_headers, (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": response.body, "more_body": True})
-        if drain:
+        if drain_bytes:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(_drained(receive), DRAIN_S)
+                await asyncio.wait_for(_drained(receive, drain_bytes), DRAIN_S)
         await send({"type": "http.response.body", "body": b""})
 
 
-async def _drained(receive: Receive) -> None:
-    """Read and drop the rest of a request's body, until it ends, the client goes or DRAIN_BYTES have come."""
+async def _drained(receive: Receive, budget: int) -> None:
+    """Read and drop the rest of a request's body, until it ends, the client goes or ``budget`` bytes have come."""
     dropped = 0
-    while dropped <= DRAIN_BYTES:
+    while dropped <= budget:
         message = await receive()
         if message["type"] != "http.request" or not message.get("more_body", False):
             return
