@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.chat_template_files import ChatTemplateFiles
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.tokenizer_files import eos_token_text
 
 
 def declared_eos(config: dict[str, Any], generation: dict[str, Any]) -> tuple[str, Any]:
@@ -25,10 +25,11 @@ def generation_eos_ids(config: dict[str, Any], generation: dict[str, Any]) -> li
 
 def stopping_eos_ids(checkpoint_dir: Path, config: dict[str, Any], generation: dict[str, Any]) -> list[int]:
     """``generation_eos_ids``, then the id of the tokenizer's ``eos_token`` where it is another, as vLLM stops on
-    both: a ChatML fine-tune may name ``<|im_end|>`` in tokenizer_config.json and only ``<|endoftext|>`` in its
-    configs, and every chat reply would otherwise run to its token limit."""
+    both (``eos_token_text``: as transformers reads it): a ChatML fine-tune may name ``<|im_end|>`` in
+    tokenizer_config.json and only ``<|endoftext|>`` in its configs, and every chat reply would otherwise run to
+    its token limit."""
     ids = generation_eos_ids(config, generation)
-    text = ChatTemplateFiles.read(checkpoint_dir).special_tokens.get("eos_token")
+    text = eos_token_text(checkpoint_dir)
     tokenizer = Tokenizer.from_dir(checkpoint_dir) if text is not None else None
     token_id = None if tokenizer is None else tokenizer.token_id(text)
     return ids if token_id is None or token_id in ids else [*ids, token_id]

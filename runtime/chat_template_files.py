@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.runtime.tokenizer_files import CHAT_TEMPLATES_DIR, special_token_text
+from kiln.runtime.tokenizer_files import CHAT_TEMPLATES_DIR, special_token_texts
 
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers 5's default template (its others: CHAT_TEMPLATES_DIR)
 CONFIG_ORIGIN = "chat_template in tokenizer_config.json"
 
@@ -50,8 +49,7 @@ class ChatTemplateFiles:
         templates = jinja or _config_templates(config.get("chat_template"))
         templates = {name: (text, origin) for name, (text, origin) in templates.items() if text}
         source, origin = templates.pop("default", (None, CHAT_TEMPLATE_FILE if jinja else CONFIG_ORIGIN))
-        special = {name: text for name in SPECIAL_TOKENS if (text := special_token_text(config.get(name)))}
-        return cls(directory, source, origin, special, named=templates)
+        return cls(directory, source, origin, special_token_texts(directory), named=templates)
 
 
 def _jinja_files(directory: Path) -> dict[str, Path]:

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kiln.runtime.chat_template_files import ChatTemplateFiles
 from kiln.runtime.errors import KilnError
 
 if TYPE_CHECKING:
     from kiln.runtime.sequence import Sequence
-    from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+    from kiln.runtime.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -194,13 +192,6 @@ class RequestFailure:
 
     request_id: str
     error: KilnError
-
-
-def tokenizer_eos_id(engine_dir: Path, tokenizer: Tokenizer | None) -> int | None:
-    """The id of the tokenizer's own ``eos_token`` (tokenizer_config.json's), None without one: vLLM's
-    ``tokenizer.eos_token_id``, the one EOS id that ends a completion with ``stop_reason`` None."""
-    text = ChatTemplateFiles.read(engine_dir).special_tokens.get("eos_token")
-    return None if tokenizer is None or text is None else tokenizer.token_id(text)
 
 
 def finish_reason(seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer | None,

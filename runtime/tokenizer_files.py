@@ -4,8 +4,13 @@ a change there does not change the engines' cache keys (``pipeline.source_hash``
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kiln.runtime.tokenizer import Tokenizer
 
 # What an engine directory keeps of a checkpoint's tokenizer (both backends). chat_template.jinja: transformers 5
 # saves a tokenizer's chat template there rather than in tokenizer_config.json; the server reads it first.
@@ -17,11 +22,49 @@ CHAT_TEMPLATES_DIR = "additional_chat_templates"
 # prompts keeps too
 TOKENIZER_JSON = "tokenizer.json"
 MODEL_FILES = ("generation_config.json",)
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
 def special_token_text(token: str | dict | None) -> str | None:
     """A special token's text as tokenizer_config.json writes it: a string, or an AddedToken dict's ``content``."""
     return token.get("content") if isinstance(token, dict) else token
+
+
+def special_token_texts(directory: Path) -> dict[str, str]:
+    """The texts of the special tokens (SPECIAL_TOKENS: ``bos_token``, ``eos_token``, ...) of the tokenizer in
+    ``directory`` as transformers resolves them (what chat templates are given, and vLLM's
+    ``tokenizer.eos_token_id``): tokenizer_config.json's, which special_tokens_map.json's override where the config
+    has no ``added_tokens_decoder`` (one saved before transformers 4.34, or none). A file that does not read as a
+    JSON object counts as absent."""
+    config = _json_object(Path(directory) / "tokenizer_config.json")
+    tokens = {name: config.get(name) for name in SPECIAL_TOKENS}
+    if "added_tokens_decoder" not in config:
+        mapped = _json_object(Path(directory) / SPECIAL_TOKENS_MAP)
+        tokens |= {name: mapped[name] for name in SPECIAL_TOKENS if name in mapped}
+    return {name: text for name, token in tokens.items()
+            if isinstance(text := special_token_text(token), str) and text}
+
+
+def eos_token_text(directory: Path) -> str | None:
+    """The text of the tokenizer's ``eos_token`` (``special_token_texts``); None without one."""
+    return special_token_texts(directory).get("eos_token")
+
+
+def tokenizer_eos_id(directory: Path, tokenizer: Tokenizer | None) -> int | None:
+    """The id of ``eos_token_text`` in ``tokenizer`` (``directory``'s), None without one: vLLM's
+    ``tokenizer.eos_token_id``, the one EOS id that ends a completion with ``stop_reason`` None."""
+    text = eos_token_text(directory)
+    return None if tokenizer is None or text is None else tokenizer.token_id(text)
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; {} where there is none, or it does not read as one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def partial_tokenizer_files(directory: Path) -> list[str]:

@@ -10,7 +10,9 @@ import pytest
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.outputs import finish_reason
 from kiln.runtime.sequence import Sequence
-from tests.model_factories import make_hf_checkpoint, tiny_plan
+from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.tokenizer_files import tokenizer_eos_id
+from tests.model_factories import make_hf_checkpoint, tiny_plan, write_tokenizer
 
 PROMPT = [5, 17, 33, 8, 61, 12]
 TOKENIZER_EOS = 2  # the tiny tokenizer's eos_token, t2
@@ -58,3 +60,17 @@ def test_generation_config_eos_id_is_the_stop_reason_and_stays_out_of_the_text(e
     kept = every_token_ends.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8,
                                                               include_stop_str_in_output=True))[0]
     assert (kept.stop_reason, kept.text) == (token, f" t{token}")
+
+
+@pytest.mark.parametrize(("config", "special_tokens_map", "expected"), [
+    ({}, {"eos_token": {"content": "t2", "special": True}}, 2),  # eos_token only in special_tokens_map.json
+    ({"eos_token": "t3"}, {"eos_token": "t2"}, 2),  # a config without added_tokens_decoder: the map's overrides
+    ({"eos_token": "t3", "added_tokens_decoder": {}}, {"eos_token": "t2"}, 3),  # one with it: the map is not read
+])
+def test_tokenizer_eos_as_transformers_resolves_it(tmp_path, config, special_tokens_map, expected):
+    write_tokenizer(tmp_path, 8)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(special_tokens_map))
+    eos_token_id = tokenizer_eos_id(tmp_path, Tokenizer.from_dir(tmp_path))
+    assert eos_token_id == expected
+    assert ended_on(TOKENIZER_EOS, eos_token_id) == ("stop", None if expected == TOKENIZER_EOS else TOKENIZER_EOS)

@@ -26,13 +26,13 @@ from kiln.runtime.outputs import (
     TokenLogprob,
     finish_reason,
     step_delta,
-    tokenizer_eos_id,
 )
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.stats import EngineStats, StepStats
 from kiln.runtime.structured_output import StructuredOutputError
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt, request_detokenizer
+from kiln.runtime.tokenizer_files import tokenizer_eos_id
 
 logger = logging.getLogger("kiln.runtime")
 

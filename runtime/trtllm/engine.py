@@ -23,12 +23,12 @@ from kiln.runtime.outputs import (
     StreamDelta,
     finish_reason,
     step_delta,
-    tokenizer_eos_id,
 )
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.stats import EngineStats
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt, request_detokenizer
+from kiln.runtime.tokenizer_files import tokenizer_eos_id
 from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo
 from kiln.runtime.trtllm.iteration_steps import IterationSteps
 from kiln.runtime.trtllm.toolchain import (
