@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import quote, urldefrag, urljoin
@@ -25,6 +26,9 @@ _SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "propert
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps the subschemas its local $refs name
 _SUBSCHEMA_MAPS = ("properties", *DEFINITION_KEYS, "patternProperties", "dependentSchemas")
+# Keywords whose value is data (an instance, or a list of them), never a schema: a "$ref", "$id" or "$anchor" key in
+# it is a key of that data, which a walk over the schema's subschemas leaves alone
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
 MAX_FORMAT_CHARS = 128 * 1024  # of a schema, regex, grammar or the choices together
 MAX_SCHEMA_DEPTH = 120  # levels of objects and lists in a JSON schema: llguidance parses about 124
 # local $refs followed one inside another, and rules in a Lark grammar: llguidance 1.9 compiles them recursively and
@@ -75,8 +79,8 @@ def _longest_ref_chain(schema: dict) -> int:
             if isinstance(item, dict):
                 if isinstance(ref := item.get("$ref"), str) and ref.startswith("#"):
                     found.append(ref)
-                stack.extend(item.values())
-            elif isinstance(item, list):
+                stack.extend(sub for _, sub in subschemas(item))
+            elif isinstance(item, list):  # a ref to a list of subschemas (#/anyOf)
                 stack.extend(item)
         return list(dict.fromkeys(found))
 
@@ -107,6 +111,42 @@ def _longest_ref_chain(schema: dict) -> int:
     return depth["#"] - 1
 
 
+def subschemas(schema: dict) -> Iterator[tuple[str, object]]:
+    """Each value directly under ``schema``'s keywords that may be a subschema, with its JSON pointer from
+    ``schema`` (``/properties/a``, ``/anyOf/0``): a mapping of names to subschemas (``properties``, ``$defs``, ...)
+    gives its values, whose keys are names, not keywords; a list its items; ``DATA_KEYWORDS`` nothing."""
+    def within(value: object, pointer: str) -> Iterator[tuple[str, object]]:
+        if isinstance(value, list):
+            for index, item in enumerate(value):
+                yield from within(item, f"{pointer}/{index}")
+        else:
+            yield pointer, value
+
+    for key, value in schema.items():
+        if key in DATA_KEYWORDS:
+            continue
+        pointer = f"/{_pointer_token(key)}"
+        if _maps_names(key, value):
+            yield from ((f"{pointer}/{_pointer_token(name)}", sub) for name, sub in value.items())
+        else:
+            yield from within(value, pointer)
+
+
+def with_subschemas(schema: dict, change: Callable[[object], object]) -> dict:
+    """``schema`` with each value ``subschemas`` gives replaced by ``change(value)``, the rest (names, data) kept."""
+    def within(value: object) -> object:
+        return [within(item) for item in value] if isinstance(value, list) else change(value)
+
+    return {key: value if key in DATA_KEYWORDS
+            else {name: change(sub) for name, sub in value.items()} if _maps_names(key, value) else within(value)
+            for key, value in schema.items()}
+
+
+def _maps_names(key: str, value: object) -> bool:
+    """Whether ``value``, under a schema's ``key``, maps names to subschemas (its keys are names, not keywords)."""
+    return key in _SUBSCHEMA_MAPS and isinstance(value, dict)
+
+
 def _check_schema(schema: object, what: str) -> None:
     """Refuse a JSON schema (``what`` names it) nested deeper, or following more $refs one inside another, than
     llguidance compiles without overflowing its stack, or holding an integer it does not take."""
@@ -130,10 +170,7 @@ def pointer_refs(schema: dict) -> dict:
     anchors: dict[tuple[str, str], str] = {}  # (a resource's URI, an anchor's name) -> the pointer to it
 
     def collect(node: object, base: str, pointer: str) -> None:
-        if isinstance(node, list):
-            for index, item in enumerate(node):
-                collect(item, base, f"{pointer}/{index}")
-        elif isinstance(node, dict):
+        if isinstance(node, dict):
             if isinstance(node.get("$id"), str):
                 base, fragment = urldefrag(_resolved(base, node["$id"]))
                 resources.setdefault(base, pointer)
@@ -141,17 +178,15 @@ def pointer_refs(schema: dict) -> dict:
                     anchors.setdefault((base, fragment), pointer)
             if isinstance(node.get("$anchor"), str):
                 anchors.setdefault((base, node["$anchor"]), pointer)
-            for key, value in node.items():
-                collect(value, base, f"{pointer}/{_pointer_token(key)}")
+            for suffix, sub in subschemas(node):
+                collect(sub, base, pointer + suffix)
 
     def rewrite(node: object, base: str) -> object:
-        if isinstance(node, list):
-            return [rewrite(item, base) for item in node]
         if not isinstance(node, dict):
             return node
         if isinstance(node.get("$id"), str):
             base = urldefrag(_resolved(base, node["$id"])).url
-        out = {key: rewrite(value, base) for key, value in node.items()
+        out = {key: value for key, value in with_subschemas(node, lambda sub: rewrite(sub, base)).items()
                if not (key in ("$id", "$anchor") and isinstance(value, str))}
         if isinstance(ref := out.get("$ref"), str):
             uri, fragment = urldefrag(_resolved(base, ref))
@@ -329,9 +364,7 @@ def _extended_definitions(schema: Any) -> set[str]:
         if isinstance(node, dict):
             if isinstance(ref := node.get("$ref"), str) and "properties" in node:
                 found.update(ref.removeprefix(f"#/{key}/") for key in DEFINITION_KEYS if ref.startswith(f"#/{key}/"))
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
+            stack.extend(sub for _, sub in subschemas(node))
     return found
 
 

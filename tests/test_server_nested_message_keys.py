@@ -12,6 +12,7 @@ import pytest
 
 from kiln.runtime.chat_template import ChatTemplate
 from kiln.runtime.server.chat import render_chat
+from kiln.runtime.server.jobs import log_ignored_fields
 from kiln.runtime.server.protocol import ChatCompletionRequest
 from tests.test_server_ignored_options import named
 from tests.test_server_tools import hermes_openai_client
@@ -62,3 +63,15 @@ def test_the_template_never_gets_the_unknown_keys_of_a_tool_call():
     rendered = json.loads(render_chat(model, req.messages, None, add_generation_prompt=False))
     assert rendered[1]["tool_calls"] == [{**CALL, "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
     assert "cache_control" not in json.dumps(rendered)
+
+
+def test_unknown_keys_too_long_or_odd_to_log_are_counted_once_not_named(caplog):
+    model = SimpleNamespace(logged_ignored_fields=set())
+    caplog.set_level("WARNING", logger="kiln.server")
+    odd = ["messages[]." + "K" * 9000, "messages[].bad\nkey\x1b[31m"]
+    for _ in range(2):
+        log_ignored_fields(model, [*odd, "messages[].cache_control"])
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "'messages[].cache_control'" in messages[0]  # before: 9,163 characters, "\x1b"
+    assert messages[1].startswith("requests set 2 other unknown keys whose names are not shown")
+    assert "K" * 101 not in str(model.logged_ignored_fields) and len(model.logged_ignored_fields) == 3

@@ -72,3 +72,26 @@ def test_refs_chained_through_the_root_id_count_against_the_limit():
     defs[f"d{MAX_REF_CHAIN + 1}"] = {"type": "integer"}
     with pytest.raises(StructuredOutputError, match="refs one inside another"):  # before: uncounted (thousands of
         StructuredOutput(json=with_id({"$ref": "args.json#/$defs/d0"}, defs))  # them crashed llguidance)
+
+
+def test_data_under_const_and_enum_is_enforced_as_written_not_read_as_schema():
+    thing = {"$id": "https://schema.org/Thing", "name": "x"}  # a "$id" in data: before, dropped from the const
+    ref = {"$ref": "#/$defs/item"}  # a "$ref" in data: before, rewritten to the hoisted definition's name
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": {"c": {"const": thing}, "e": {"enum": [ref]}},
+                                          "required": ["c", "e"], "$defs": INTEGER}}]
+    assert accepts(tools, '{"name":"f","arguments":{"c":{"$id":"https://schema.org/Thing","name":"x"},'
+                          '"e":{"$ref":"#/$defs/item"}}}')
+    assert not accepts(tools, '{"name":"f","arguments":{"c":{"name":"x"},"e":{"$ref":"#/$defs/item"}}}')
+
+
+def test_properties_named_like_keywords_are_names_and_their_schemas_are_followed():
+    properties = {"$id": {"type": "string"}, "$ref": {"type": "string"}, "const": {"$ref": f"{ID}#/$defs/item"}}
+    tools = [{"name": "f", "parameters": {"$id": ID, "type": "object", "properties": properties,
+                                          "required": list(properties), "$defs": INTEGER}}]
+    assert accepts(tools, '{"name":"f","arguments":{"$id":"a","$ref":"b","const":1}}')
+    assert not accepts(tools, '{"name":"f","arguments":{"$id":"a","$ref":"b","const":"c"}}')
+
+
+def test_refs_inside_const_data_do_not_count_as_a_chain():
+    links = {f"k{i}": {"$ref": f"#/properties/c/const/k{i + 1}"} for i in range(MAX_REF_CHAIN + 1)}
+    StructuredOutput(json={"type": "object", "properties": {"c": {"const": links}}})  # before: refused, 129 refs

@@ -10,6 +10,7 @@ from kiln.runtime.limits import outside_vocabulary
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import Job, ServedModel, sampling_params
 from kiln.runtime.server.protocol import SamplingFields
+from kiln.runtime.server.responding import HEADER_SAFE_NAME
 from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
 
 logger = logging.getLogger("kiln.server")
@@ -19,20 +20,33 @@ logger = logging.getLogger("kiln.server")
 # each always warned of once)
 MAX_LOGGED_MESSAGE_KEYS = 256
 MESSAGE_KEY_PREFIXES = ("messages[].", "input[].")
+# what stands in logged_ignored_fields for a name too long or of characters too odd to log (not HEADER_SAFE_NAME):
+# its hash, so that the name is neither kept nor written
+_UNSHOWN = "(unshown) "
 
 
 def log_ignored_fields(model: ServedModel, names: list[str]) -> None:
     """Warn of each of ``names`` (what a request set that changes nothing) the first time a request sets it: every
-    request field, and messages' and input items' keys (MESSAGE_KEY_PREFIXES) up to MAX_LOGGED_MESSAGE_KEYS."""
-    new = sorted(set(names) - model.logged_ignored_fields)
-    keys = sum(logged.startswith(MESSAGE_KEY_PREFIXES) for logged in model.logged_ignored_fields) if new else 0
+    request field, and messages' and input items' keys (MESSAGE_KEY_PREFIXES) up to MAX_LOGGED_MESSAGE_KEYS, those
+    that are no HEADER_SAFE_NAME counted in one warning, not named."""
+    stand_ins = {name if HEADER_SAFE_NAME.fullmatch(name) else f"{_UNSHOWN}{hash(name):x}" for name in names}
+    new = sorted(stand_ins - model.logged_ignored_fields)
+    client_chosen = (*MESSAGE_KEY_PREFIXES, _UNSHOWN)
+    keys = sum(logged.startswith(client_chosen) for logged in model.logged_ignored_fields) if new else 0
+    unshown = 0
     for name in new:
-        if name.startswith(MESSAGE_KEY_PREFIXES):
+        if name.startswith(client_chosen):
             if keys >= MAX_LOGGED_MESSAGE_KEYS:
                 continue
             keys += 1
         model.logged_ignored_fields.add(name)
-        logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
+        if name.startswith(_UNSHOWN):
+            unshown += 1
+        else:
+            logger.warning("requests set %r, which this server accepts and ignores (logged once)", name)
+    if unshown:
+        logger.warning("requests set %d other unknown keys whose names are not shown (too long or odd characters), "
+                       "which this server accepts and ignores (logged once)", unshown)
 
 
 def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]], max_tokens: list[int], *,

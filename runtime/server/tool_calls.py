@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from kiln.runtime.server.partial_tags import partial_tag_length
-from kiln.runtime.structured_output import DEFINITION_KEYS, json_rule, pointer_refs
+from kiln.runtime.structured_output import DEFINITION_KEYS, json_rule, pointer_refs, with_subschemas
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: a function without parameters takes none
 _SEPARATOR = re.compile(r"\s*;\s*")  # between the calls of a Llama 3 JSON completion
@@ -227,11 +227,9 @@ def _hoisted(parameters: dict, tool: str, definitions: dict) -> dict:
 
     def rewrite(node: object) -> object:
         nonlocal recursive
-        if isinstance(node, list):
-            return [rewrite(item) for item in node]
         if not isinstance(node, dict):
             return node
-        out = {key: rewrite(value) for key, value in node.items()}
+        out = with_subschemas(node, rewrite)  # names and data (a const's "$ref" key) kept
         if isinstance(ref := out.get("$ref"), str) and ref.startswith("#"):
             base = next((b for b in bases if ref == b or ref.startswith(b + "/")), None)
             if base is not None:
