@@ -261,7 +261,8 @@ def test_a_load_interrupted_at_the_rendezvous_stops_at_once_and_the_process_exit
     loading = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     time.sleep(3)
     loading.send_signal(signal.SIGINT)
-    out, _ = loading.communicate(timeout=180)  # a hang guard, under gloo's 300 s: neither the wait nor a thread left in it holds it
+    # a hang guard, under gloo's 300 s: neither the wait nor a thread left in it holds it
+    out, _ = loading.communicate(timeout=180)
     assert out == "interrupted\n"
 
 
