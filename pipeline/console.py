@@ -31,7 +31,6 @@ from rich.progress import (
 
 from kiln.calibration.errors import CalibrationError
 from kiln.runtime.errors import KilnError
-from kiln.runtime.logs import applied_log_config
 
 # Wrapped at the terminal's width for people; not wrapped into a pipe or a file (text not at all, tables at
 # PIPE_WIDTH), where a path or a key split over two lines breaks whatever reads it. Text is printed as it is (a path
@@ -66,6 +65,7 @@ def stop_on_sigterm_as_on_ctrl_c() -> None:
 
 _printed_json: contextvars.ContextVar[bool] = contextvars.ContextVar("printed_json", default=False)
 _stdout_undo: list[Callable[[], None]] = []  # while a command runs: what gives its stdout back (give_stdout_back)
+_lines_logged: list[bool] = []  # while a command runs (friendly_errors): whether its lines are log lines now
 
 
 def print_json(data: Any) -> None:
@@ -123,10 +123,22 @@ def give_stdout_back() -> None:
         _stdout_undo[-1]()
 
 
+def log_lines_instead() -> None:
+    """For the rest of the command running (``friendly_errors``), the lines it prints for a person are log lines
+    (``logged_instead``): ``kiln serve --log-config``'s, where a logging configuration file says where every line
+    goes. Commands run after it in this process print theirs again. Outside a command, nothing."""
+    if _lines_logged:
+        _lines_logged[-1] = True
+
+
+def _lines_are_logged() -> bool:
+    return bool(_lines_logged) and _lines_logged[-1]
+
+
 def logged_instead(level: int, message: str) -> bool:
-    """Where a logging configuration file applies in this process (``kiln serve --log-config``), log ``message`` at
-    ``level`` as it says (logger ``kiln.pipeline``) and return True; else False: the caller prints it on stderr."""
-    if applied_log_config() is None:
+    """Where the command's lines are log lines (``log_lines_instead``), log ``message`` at ``level`` (logger
+    ``kiln.pipeline``) and return True; else False: the caller prints it on stderr."""
+    if not _lines_are_logged():
         return False
     logging.getLogger("kiln.pipeline").log(level, message)
     return True
@@ -141,6 +153,7 @@ def friendly_errors(command: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         _printed_json.set(False)
         _terminated.clear()
+        _lines_logged.append(False)
         try:
             with stdout_kept_for_results():
                 result = command(*args, **kwargs)
@@ -169,6 +182,8 @@ def friendly_errors(command: Callable) -> Callable:
             if kwargs.get("json_out") and not _printed_json.get():
                 print_error_json(type(exc).__name__, message)
             raise typer.Exit(143 if terminated else 130) from None
+        finally:
+            _lines_logged.pop()
 
     return wrapper
 
@@ -219,9 +234,9 @@ def _progress_lines(name: str) -> Callable[[str, float], None]:
 @contextmanager
 def stage_progress(enabled: bool) -> Iterator[Callable[[str], Callable[[str, float], None]]]:
     """Yield a factory of per-stage progress callbacks ``(message, fraction)``: bars on a terminal's stderr; else
-    (stderr a log or a pipe, bars not wanted, or a logging configuration file that applies) each new message as one
-    line there (or a log line), so a log still says what happened and why a build waited."""
-    if not enabled or not stderr.is_terminal or applied_log_config() is not None:
+    (stderr a log or a pipe, bars not wanted, or the command's lines log lines: ``log_lines_instead``) each new
+    message as one line there (or a log line), so a log still says what happened and why a build waited."""
+    if not enabled or not stderr.is_terminal or _lines_are_logged():
         yield _progress_lines
         return
     columns = (TextColumn("{task.fields[stage]:<9}"), BarColumn(), TextColumn("{task.description}", markup=False),
@@ -242,9 +257,9 @@ def stage_progress(enabled: bool) -> Iterator[Callable[[str], Callable[[str, flo
 @contextmanager
 def transfer_bars() -> Iterator[Callable[[str], Callable[[str, int, int], None] | None]]:
     """Yield a factory of byte-progress callbacks ``(verb, done, total)``, one bar per label, with the transfer
-    rate: on a terminal's stderr only, where no logging configuration file applies (a log gets the command's summary
-    lines instead)."""
-    if not stderr.is_terminal or applied_log_config() is not None:
+    rate: on a terminal's stderr only, where the command's lines are not log lines (``log_lines_instead``: a log gets
+    the command's summary lines instead)."""
+    if not stderr.is_terminal or _lines_are_logged():
         yield lambda _label: None
         return
     columns = (TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),

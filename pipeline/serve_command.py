@@ -15,7 +15,15 @@ import typer
 from rich.markup import escape
 
 from kiln.pipeline.config import LoadedConfig, ServeSection, cache_root, remote_spec, remote_turned_off
-from kiln.pipeline.console import friendly_errors, give_stdout_back, logged_instead, stage_progress, stderr
+from kiln.pipeline.console import (
+    friendly_errors,
+    give_stdout_back,
+    log_lines_instead,
+    logged_instead,
+    stage_progress,
+    stderr,
+)
+from kiln.pipeline.float_flags import finite_float
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.pipeline.serve_flags import (
     check_cors_wildcards,
@@ -23,7 +31,6 @@ from kiln.pipeline.serve_flags import (
     check_tool_call_parser,
     cors_origins,
     fallback_api_key,
-    finite_float,
     given_api_key,
     keep_alive_seconds,
     read_chat_template,
@@ -133,7 +140,7 @@ def log_to_stderr(level: LogLevel = "info", config: Path | None = None) -> None:
     stderr, in the format uvicorn's get (time, level, logger, request id); the engine process logs from the same
     level in the same format. With a logging configuration file ``config``, every process logs as it says instead
     (a bad one stops the command in one line, exit 2), and stdout is stdout again (``ext://sys.stdout`` there), as
-    it is under vLLM: the lines this command prints are log lines then (``logged_instead``)."""
+    it is under vLLM: the lines this command prints are log lines then (``log_lines_instead``)."""
     from kiln.runtime import logs
     from kiln.runtime.server.serve import stderr_log_handler
 
@@ -145,6 +152,7 @@ def log_to_stderr(level: LogLevel = "info", config: Path | None = None) -> None:
         logs.apply_log_config(config)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="'--log-config'") from None
+    log_lines_instead()
 
 
 def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, local_rank: int) -> None:

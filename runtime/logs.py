@@ -61,8 +61,8 @@ def apply_log_config(path: str | Path) -> None:
 
 
 def applied_log_config() -> Path | None:
-    """The logging configuration file this process logs as (``apply_log_config``), else None: where one applies,
-    every line for whoever runs the process is a log line, as it says."""
+    """The logging configuration file this process logs as (``apply_log_config``), else None: the one the processes
+    it starts apply too (``child_logging``)."""
     return _applied_config[0] if _applied_config else None
 
 

@@ -74,3 +74,28 @@ def test_without_a_log_config_the_lines_stay_on_stderr_as_kiln_prints_them():
     assert "build     building native engine\n" in done.stderr
     assert " INFO kiln.runtime [-]: from the engine process\n" in done.stderr
     assert done.stderr.endswith("error: the engine failed to load\n"), done.stderr
+
+
+# Two commands in one process, as typer's test runner or an embedder runs them: serve with a logging configuration
+# file (its lines go there), then a command given none.
+SERVE_THEN_ANOTHER = """
+import json, sys
+from typer.testing import CliRunner
+from kiln.pipeline.cli import app
+served = CliRunner().invoke(app, ["serve", "/nonexistent", "--log-config", sys.argv[1]])
+shown = CliRunner().invoke(app, ["cache", "show", "00"])
+print(json.dumps([served.exit_code, served.stderr, shown.exit_code, shown.stderr]))
+"""
+
+
+def test_a_later_command_in_the_same_process_prints_its_error_again_on_stderr(tmp_path):
+    log = tmp_path / "kiln.log"
+    config = tmp_path / "logging.json"
+    config.write_text(json.dumps({"version": 1, "root": {"handlers": ["file"], "level": "INFO"},
+                                  "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log)}}}))
+    done = subprocess.run([sys.executable, "-c", SERVE_THEN_ANOTHER, str(config)], capture_output=True, text=True,
+                          cwd=REPO, env=repo_env(), timeout=60)
+    served_code, served_err, shown_code, shown_err = json.loads(done.stdout.splitlines()[-1])
+    assert (served_code, served_err) == (2, "") and "/nonexistent" in log.read_text()
+    assert shown_code == 2 and shown_err.startswith("error: '00' is not a cache key"), shown_err  # before: ""
+    assert "'00'" not in log.read_text()
