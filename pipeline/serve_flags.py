@@ -4,12 +4,8 @@ call from, CORS wildcards, the API keys, the chat template, the tool-call parser
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import typer
 
 from kiln.pipeline.vllm_names import VLLM_TOOL_CALL_PARSERS
 from kiln.runtime.errors import KilnError
@@ -76,27 +72,6 @@ class ChatTemplateFileError(KilnError):
 
 class BlankApiKeyError(KilnError):
     """An API key that is only whitespace: serving without one would not be what was asked."""
-
-
-def finite_float(low: float | None = None, high: float | None = None) -> dict[str, Any]:
-    """A float flag's ``typer.Option`` settings: its bounds (``min``, ``max``, which its help shows) and a parser that
-    refuses inf and nan as "not a finite number" before it checks them (typer's own check of the bounds would call
-    nan out of range and let inf past an open side, to crash or mean nothing once the engine is built)."""
-
-    def parse(text: str | float) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise typer.BadParameter(f"{text!r} is not a number") from None
-        if not math.isfinite(value):
-            raise typer.BadParameter(f"{text} is not a finite number")
-        if low is not None and value < low:
-            raise typer.BadParameter(f"Input should be greater than or equal to {low:g}")
-        if high is not None and value > high:
-            raise typer.BadParameter(f"Input should be less than or equal to {high:g}")
-        return value
-
-    return {"min": low, "max": high, "parser": parse}
 
 
 class KeepAliveError(KilnError):

@@ -19,6 +19,7 @@ from kiln.calibration.recipe import MAX_SEED, Format
 from kiln.pipeline.bench.provenance import run_record
 from kiln.pipeline.bench.report import print_report
 from kiln.pipeline.console import friendly_errors, print_json
+from kiln.pipeline.float_flags import finite_float
 from kiln.pipeline.runtime_env import runtime_options
 
 DEFAULT_PROMPTS, DEFAULT_LENGTH = 64, 128  # --prompts, and --input-len and --output-len
@@ -49,9 +50,10 @@ def bench(
     tp_size: Annotated[int | None, typer.Option("--tp-size", min=1, help="Split an architecture file's engine over "
                                                 "this many GPUs (tensor parallelism; a config's build.tp_size "
                                                 "decides otherwise).")] = None,
-    bandwidth_gbs: Annotated[float | None, typer.Option("--bandwidth-gbs", min=0.001, help="Memory bandwidth for "
-                             "the floor, GB/s (default: 4300 on an H200 SXM, another H100 or H200 card's "
-                             "datasheet peak, else measured).")] = None,
+    bandwidth_gbs: Annotated[float | None, typer.Option(
+        "--bandwidth-gbs", **finite_float(0.001), help="Memory bandwidth for the floor, GB/s (default: 4300 on an H200 "
+                                                       "SXM, another H100 or H200 card's datasheet peak, else "
+                                                       "measured).")] = None,
     allow_large: Annotated[bool, typer.Option("--allow-large", help="Benchmark a large architecture on a CPU-only "
                                                                      "machine anyway.")] = False,
     suite: Annotated[str | None, typer.Option(help="Run a table of rows instead: trtllm-h200 or trtllm-h100 "

@@ -37,6 +37,7 @@ from kiln.pipeline.bench.serving_workload import (
     with_fresh_token_ids,
 )
 from kiln.pipeline.console import friendly_errors, print_json, stderr, stdout
+from kiln.pipeline.float_flags import finite_float
 from kiln.pipeline.runtime_env import runtime_options
 from kiln.runtime.engine import plan_limits
 from kiln.runtime.errors import KilnError
@@ -250,21 +251,23 @@ def loadtest(
                                                               "of --prompt.")] = None,
     output_len: Annotated[int | None, typer.Option(min=1, help="Tokens to generate per request (overrides "
                                                                "--max-tokens).")] = None,
-    spread: Annotated[float, typer.Option(min=0.0, max=1.0, help="Vary --input-len and --output-len (or "
-                                                                  "--max-tokens) uniformly by this fraction.")] = 0.0,
+    spread: Annotated[float, typer.Option(**finite_float(0.0, 1.0), help="Vary --input-len and --output-len (or "
+                                                                         "--max-tokens) uniformly by this "
+                                                                         "fraction.")] = 0.0,
     prompts_file: Annotated[Path | None, typer.Option(help="Prompts to send in turn: a text file (one a line), "
                                                            "JSONL with 'prompt' and optional 'max_tokens', or a .json "
                                                            "array of those, of texts or of ShareGPT conversations."
                                                       )] = None,
     warmup: Annotated[int, typer.Option(min=0, help="Requests sent first and not measured.")] = 1,
-    disconnect: Annotated[float, typer.Option(min=0.0, max=1.0, help="This share of the measured requests, drawn at "
-                                                                      "random, disconnects after a random part of "
-                                                                      "its output (a soak test).")] = 0.0,
+    disconnect: Annotated[float, typer.Option(
+        **finite_float(0.0, 1.0), help="This share of the measured requests, drawn at random, disconnects after a "
+                                       "random part of its output (a soak test).")] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed of random prompts and arrivals.")] = 0,
     max_failure_rate: Annotated[float, typer.Option(
-        min=0.0, max=1.0, help="Exit 3, after the report, when more than this share of the measured requests failed "
-                               "(0 for a CI gate that takes no failure; default 1: report failures, exit 0 as vLLM's "
-                               "benchmark does). Requests that --disconnect drops do not count.")] = 1.0,
+        **finite_float(0.0, 1.0), help="Exit 3, after the report, when more than this share of the measured requests "
+                                       "failed (0 for a CI gate that takes no failure; default 1: report failures, "
+                                       "exit 0 as vLLM's benchmark does). Requests that --disconnect drops do not "
+                                       "count.")] = 1.0,
     vocab_size: Annotated[int | None, typer.Option(min=1, help="Token ids of --input-len prompts stay below this "
                                                                "(default: the server's model card).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Use /v1/chat/completions (default /v1/completions).")] = False,
