@@ -33,14 +33,17 @@ from kiln.runtime.options import (
 
 SWITCHES = {"cuda_graphs": "KILN_CUDA_GRAPHS", "overlap_steps": "KILN_OVERLAP_STEPS", "pdl": "KILN_PDL",
             "attention_fp8_pv": "KILN_ATTENTION_FP8_PV", "prefix_caching": "KILN_PREFIX_CACHING"}
+# Every RuntimeOptions field a KILN_* variable sets (runtime_options), and its variable, in the order a bench report
+# lists them (pipeline/bench/provenance.py)
+OPTION_VARIABLES = {"scheduler_policy": "KILN_SCHEDULER_POLICY",
+                    "gpu_memory_utilization": "KILN_GPU_MEMORY_UTILIZATION", "kernels": "KILN_KERNELS",
+                    "linear_max_m": "KILN_LINEAR_MAX_M", "cuda_graph_capture": "KILN_CUDA_GRAPH_CAPTURE", **SWITCHES}
 # Every KILN_* variable Kiln reads (tests/test_kiln_variables.py checks this against the source): the runtime's
 # options, read here; the engine cache and its remote (pipeline/config.py); kiln serve's key and log settings
 # (pipeline/serve_flags.py, serve_command.py); the tensor-parallel store's port (runtime/native/parallel/group.py);
 # the path a Python process of Kiln's own starts with (runtime/kiln_python.py).
-KNOWN_VARIABLES = frozenset({*SWITCHES.values(), "KILN_KERNELS", "KILN_CUDA_GRAPH_CAPTURE", "KILN_LINEAR_MAX_M",
-                             "KILN_GPU_MEMORY_UTILIZATION", "KILN_SCHEDULER_POLICY", "KILN_CACHE", "KILN_CACHE_REMOTE",
-                             "KILN_API_KEY", "KILN_LOG_LEVEL", "KILN_LOGGING_CONFIG_PATH", "KILN_TP_PORT",
-                             "KILN_SYS_PATH"})
+KNOWN_VARIABLES = frozenset({*OPTION_VARIABLES.values(), "KILN_CACHE", "KILN_CACHE_REMOTE", "KILN_API_KEY",
+                             "KILN_LOG_LEVEL", "KILN_LOGGING_CONFIG_PATH", "KILN_TP_PORT", "KILN_SYS_PATH"})
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:

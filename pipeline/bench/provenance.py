@@ -12,7 +12,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from kiln.pipeline.runtime_env import SWITCHES
+from kiln.pipeline.runtime_env import OPTION_VARIABLES
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.version import kiln_version, package_version
 
@@ -28,16 +28,13 @@ def run_record() -> dict:
             "command": shlex.join(["kiln", *redacted(sys.argv[1:])])}
 
 
-# the RuntimeOptions fields that KILN_* variables set (pipeline/runtime_env.py), in the order a report lists them
-ENV_OPTIONS = ("scheduler_policy", "gpu_memory_utilization", "kernels", "linear_max_m", "cuda_graph_capture",
-               *SWITCHES)
-
-
 def runtime_record(options: RuntimeOptions) -> dict:
-    """The ``runtime`` object of a bench, suite or loadtest report: the ``ENV_OPTIONS`` of ``options`` that are not
-    at their defaults (set by a ``KILN_*`` variable, or by a suite), by ``RuntimeOptions`` name; {} at the defaults."""
+    """The ``runtime`` object of a bench, suite or loadtest report: the options of ``options`` that ``KILN_*``
+    variables set (``OPTION_VARIABLES``) and that are not at their defaults (set by one, or by a suite), by
+    ``RuntimeOptions`` name; {} at the defaults."""
     defaults = RuntimeOptions()
-    return {name: getattr(options, name) for name in ENV_OPTIONS if getattr(options, name) != getattr(defaults, name)}
+    return {name: getattr(options, name) for name in OPTION_VARIABLES
+            if getattr(options, name) != getattr(defaults, name)}
 
 
 SECRET_OPTIONS = ("--api-key",)  # what a report, meant to be shared, never shows
