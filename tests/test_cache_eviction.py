@@ -203,7 +203,7 @@ def test_a_build_holds_the_quantized_checkpoint_it_reads_whatever_its_backend(tm
     entry.mkdir(parents=True)
     (entry / "in_use.lock").touch()  # an entry that is there, as far as a hold is concerned
     ctx = SimpleNamespace(cache=cache, quantized_key=key, checkpoint_dir=tmp_path / "quantized",
-                          model_dir=tmp_path / "model")
+                          model_dir=tmp_path / "model", checkpoint_state=SimpleNamespace(changed_files=list))
     seen = []
     build = BuildStage._holding_checkpoint(ctx, lambda tmp: seen.append(is_held(entry)) or {})
     build(tmp_path / "tmp")
