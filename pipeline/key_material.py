@@ -76,12 +76,10 @@ def _as_calibration_reads(path: Path, digest: str) -> str:
     ``chat_template``); ``digest`` (its bytes') for one that is not a JSON object, which calibration refuses anyway."""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(config, dict):
-            read = {k: v for k, v in config.items() if k not in UNREAD_TOKENIZER_CONFIG_KEYS}
-            return hashlib.sha256(canonical_json(read)).hexdigest()
-    except (OSError, UnicodeDecodeError, ValueError):  # ValueError: not JSON, or NaN, which canonical JSON refuses
-        pass
-    return digest
+        read = {k: v for k, v in config.items() if k not in UNREAD_TOKENIZER_CONFIG_KEYS}
+        return hashlib.sha256(canonical_json(read)).hexdigest()
+    except (OSError, UnicodeDecodeError, AttributeError, ValueError):  # not a JSON object, or NaN in it, which
+        return digest  # canonical JSON refuses
 
 
 def _identities(path: Path) -> dict[str, FileIdentity | None]:
