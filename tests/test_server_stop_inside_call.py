@@ -12,8 +12,10 @@ import openai
 import pydantic
 import pytest
 
+from kiln.runtime.outputs import StreamDelta
 from kiln.runtime.server.chat import ChatTools
 from kiln.runtime.server.protocol import ChatCompletionRequest
+from kiln.runtime.server.responses import _StreamedResponse
 from kiln.runtime.server.tool_calls import HERMES, LLAMA3_JSON, MISTRAL
 from tests.test_server_tools import CLOCK, HERMES_TEMPLATE, MESSAGES, MODEL, WEATHER, client_for, llm  # noqa: F401
 
@@ -105,3 +107,14 @@ def test_the_text_of_the_cut_call_is_found_in_every_format():
     two = '[{"name":"a","arguments":{}},{"name":"a","arguments":{"x'
     assert MISTRAL.unfinished_call(two, {"a"}) == '{"name":"a","arguments":{"x'
     assert MISTRAL.unfinished_call('[{"name":"a","arguments":{}}', {"a"}) == ""  # a stop string at "]"
+
+
+def test_the_responses_stream_lists_the_calls_before_the_text_of_the_call_a_stop_cut_after_them():
+    whole = '<tool_call>\n{"name":"get_time","arguments":{"zone":"utc"}}\n</tool_call>'
+    stream = _StreamedResponse(hermes_tools("required"), None, None, "msg_1", None)
+    delta = StreamDelta("r", f'{whole}\n{CUT}"zone":"c', [], finished=True, finish_reason="stop")
+    events = stream.render(0, delta)
+    assert [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.done"] \
+        == [(0, "function_call"), (1, "message")]  # in the order the model wrote them, as OpenAI lists them
+    assert {e["output_index"] for e in events if e["type"].startswith("response.output_text")} == {1}
+    assert [item["type"] for item in stream.output] == ["function_call", "message"]

@@ -462,3 +462,13 @@ def test_a_call_nested_deeper_or_with_longer_numbers_than_python_reads_stays_tex
         text = f'{format_.prefix or ""}{{"name": "sql", "{format_.arguments_key}": {unreadable}'
         assert format_.parse(text, {"sql"})[1] == []  # before: RecursionError / ValueError, a 500
         format_.cut_off_call(text, {"sql"})  # reads as far as it can, raising nothing
+
+
+def test_text_after_a_mistral_array_of_calls_is_dropped_as_after_hermes_calls():
+    mistral = 'Sure.[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "utc"}}]\nDone.'
+    hermes = 'Sure.<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>\nDone.'
+    for fmt, text in ((MISTRAL, mistral), (HERMES, hermes)):
+        content, calls = fmt.parse(text, {"get_time"})
+        assert (content, [(c.name, c.arguments) for c in calls]) == ("Sure.", [("get_time", '{"zone": "utc"}')])
+    bare = '[{"name": "get_time", "arguments": {}}] says'  # no marker: an array of calls must end the text
+    assert MISTRAL.parse(bare, {"get_time"}) == (bare, [])

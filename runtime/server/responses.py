@@ -1,7 +1,8 @@
 """/v1/responses: OpenAI's Responses API over the chat path. The input items become chat messages (function calls
 and their outputs too), the request runs as a chat completion (``chat.prepare_chat``), and its one choice comes
-back as output items: a message with the text, then a ``function_call`` item per call. Streamed, as OpenAI's
-typed events (``response.created`` ... ``response.completed``). Nothing is stored between requests."""
+back as output items: a message with the text, then a ``function_call`` item per call (the calls first where the
+text is that of a forced call a stop ended after them, as generated). Streamed, as OpenAI's typed events
+(``response.created`` ... ``response.completed``). Nothing is stored between requests."""
 
 from __future__ import annotations
 
@@ -161,6 +162,12 @@ def _call_item(call: ToolCall, status: str | None = None, arguments: str | None 
                               arguments=call.arguments if arguments is None else arguments)
 
 
+def _text_after_calls(tools: ChatTools) -> bool:
+    """Whether text beside calls was written after them: a grammar wrote the calls (a forced call, or calls or the
+    answer), and the text is that of a call a stop ended inside (``ChatTools.parse``)."""
+    return bool(tools.forced or tools.calls_or_answer)
+
+
 def _reasoning_item(item_id: str, text: str, status: str) -> OutputReasoning:
     return OutputReasoning(id=item_id, content=[ReasoningText(text=text)] if text else [], status=status)
 
@@ -255,6 +262,9 @@ class _StreamedResponse:
         if delta.finished:
             self.status = _status(delta.finish_reason)
         events = self._think(reasoning, delta.finished)
+        first = calls if delta.finished and not self.opened and _text_after_calls(self.streamed.tools) else []
+        events += self._add_calls(first)
+        self.message_index = len(self.output) if first else self.message_index
         events += self._open() if content or (delta.finished and not calls and not self.reasoning) else []
         if content:
             self.text += content
@@ -264,7 +274,7 @@ class _StreamedResponse:
                 del self.logprobs[self.unsent:]
             elif self.opened and self.unsent < len(self.logprobs):  # tokens that added no text (EOS, a stop string's)
                 events.append(self._text_delta(""))
-            events += self._close(calls)
+            events += self._close() + self._add_calls(calls[len(first):])
         return events
 
     def _text_delta(self, text: str) -> dict:
@@ -343,7 +353,7 @@ class _StreamedResponse:
                                     output_index=self.message_index, content_index=0,
                                     part=OutputText(text="").model_dump())]
 
-    def _close(self, calls: list[ToolCall]) -> list[dict]:
+    def _close(self) -> list[dict]:
         events = []
         if self.opened:
             part = dict(item_id=self.message_id, output_index=self.message_index, content_index=0)
@@ -353,6 +363,10 @@ class _StreamedResponse:
                        self.event("response.content_part.done", **part, part=message["content"][0]),
                        self.event("response.output_item.done", output_index=self.message_index, item=message)]
             self.output.append(message)
+        return events
+
+    def _add_calls(self, calls: list[ToolCall]) -> list[dict]:
+        events = []
         for call in calls:
             index, item_id, done = len(self.output), f"fc_{call.id}", _call_item(call).model_dump()
             events += [self.event("response.output_item.added", output_index=index,
@@ -389,9 +403,10 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
                    ] if reasoning else []
         message = [OutputMessage(id=message_id, status=status,
                                  content=[OutputText(text=content or "", logprobs=logprobs)])]
-        shown = content or not (calls or reasoning)
-        return response(status, [*thought, *(message if shown else []), *map(_call_item, calls)], usage,
-                        reasoning or "")
+        shown = message if content or not (calls or reasoning) else []
+        made = [_call_item(call) for call in calls]
+        items = [*made, *shown] if _text_after_calls(plan.tools) else [*shown, *made]
+        return response(status, [*thought, *items], usage, reasoning or "")
 
     stream = _StreamedResponse(plan.tools, plan.splitter(), response, message_id, plan.names)
     events = StreamEvents(stream.render, stream.final, stream.prelude(), with_usage=True, error=stream.error,

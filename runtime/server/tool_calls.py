@@ -183,9 +183,10 @@ class ToolCallFormat:
 
     def _listed(self, text: str) -> tuple[int, list[object], str] | None:
         """Where a listed completion's calls begin (at its prefix marker where the text holds it, as vLLM splits
-        there; else at the first array of calls, opened by its first object's "name", that runs to the end, the marker
-        being a special token left out of the text), their whole values and the start of a value cut off after them
-        ("" when there is none); None when no such array runs to the end."""
+        there, text after the closed array left out, as after the last of ``open`` / ``close``'s calls; else at the
+        first array of calls, opened by its first object's "name", that runs to the end, the marker being a special
+        token left out of the text), their whole values and the start of a value cut off after them ("" when there is
+        none); None when no such array runs to the end (or, after the marker, is closed)."""
         marker = text.find(self.prefix)
         for start in [marker] if marker >= 0 else [match.start() for match in _CALLS_ARRAY.finditer(text)]:
             body = self._body(text[start:])
@@ -193,7 +194,8 @@ class ToolCallFormat:
                 continue
             values, rest = _leading_values(body[1:].lstrip(), _COMMA)
             rest = rest.removeprefix(",").strip()
-            if rest in ("", "]"):  # closed, or ended (a stop string) before the bracket
+            # closed (behind the marker, any text after it dropped), or ended (a stop string) before the bracket
+            if rest in ("", "]") or (marker >= 0 and rest.startswith("]")):
                 return start, values, ""
             if rest.startswith("{"):
                 return start, values, rest
