@@ -211,7 +211,9 @@ def test_sigterm_finishes_the_in_flight_stream_stops_the_engine_process_and_exit
     try:
         url = _served_url(lines, logged)
         wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, timeout=60)
-        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+        # eight samples of as many tokens as the context holds: the drain must outlast the probes below on a busy
+        # machine too (one stream of 200 tokens had ended between two probes in a CI run)
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 240, "n": 8, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions",
                                                                           json=body) as response:
@@ -221,18 +223,20 @@ def test_sigterm_finishes_the_in_flight_stream_stops_the_engine_process_and_exit
                                 for child in (task / "children").read_text().split()]
             proc.send_signal(signal.SIGTERM)
             # the port stays open while the stream finishes: probes see the server leave, not a refused connection
-            wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, timeout=10)
-            assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "draining"
+            probes = []
+            wait_until(lambda: probes.append(httpx.get(f"{url}/health", timeout=5)) or probes[-1].status_code == 503,
+                       timeout=10)
+            assert probes[-1].json()["status"] == "draining"
             rest = [line[6:] for line in events if line.startswith("data: ")]
         assert rest[-1] == "[DONE]"
-        assert json.loads(rest[-2])["usage"]["completion_tokens"] == 200
+        assert json.loads(rest[-2])["usage"]["completion_tokens"] == 8 * 240
         assert proc.wait(timeout=30) == 0
         while not lines.empty():
             logged.append(lines.get())
         stamp = r"\d{4}-\d\d-\d\d [\d:,]+ INFO"  # one format: Kiln's lines and uvicorn's, the access log's too
         assert any(line.startswith("listening on 127.0.0.1 only") and "--host 0.0.0.0" in line for line in logged)
         assert any(re.match(rf"{stamp} kiln.server \[-\]: engine loaded", line) for line in logged)
-        assert any(re.match(rf"{stamp} kiln.server \[-\]: draining: 1 sequence in flight, up to 30 s", line)
+        assert any(re.match(rf"{stamp} kiln.server \[-\]: draining: 8 sequences in flight, up to 30 s", line)
                    for line in logged)
         assert any(re.match(rf'{stamp} uvicorn.access \[req_\w+\]: .*"POST /v1/completions HTTP/1.1" 200', line)
                    for line in logged)
