@@ -220,6 +220,12 @@ class ChatTools:
         return APIError(400, f"the parameters of tool '{self.functions[index]['name']}' are no schema its calls can "
                              f"follow: {_first_line(exc)}", param=f"tools[{index}].function.parameters")
 
+    @property
+    def grammar_writes_calls(self) -> bool:
+        """Whether a grammar writes the calls (a forced call, or calls or the answer beside a JSON format): then text
+        beside calls is that of a call a stop ended inside, written after them (``parse``)."""
+        return bool(self.forced or self.calls_or_answer)
+
     def parse(self, text: str, stopped: bool = False) -> tuple[str | None, list[ToolCall]]:
         """The content and the calls in a finished completion (``stopped``: ended by a stop string, a
         ``stop_token_ids`` id or its grammar, not by the token limit): calls of the tools that may be called only,
@@ -231,7 +237,7 @@ class ChatTools:
             return text, []
         names = self.names
         content, calls = self.format.parse(text, names)
-        if self.forced or self.calls_or_answer:  # a grammar that wrote calls alone, or the answer instead
+        if self.grammar_writes_calls:  # calls alone, or the answer instead
             if stopped:  # the grammar finished, or a stop ended it inside a call: that call stays text
                 content = self.format.unfinished_call(text, names)
             else:  # a call it did not finish was cut off by the token limit
@@ -246,7 +252,7 @@ class ChatTools:
         are no calls, the output was cut off (a call may be missing or incomplete: ``length``), or a stop ended it
         inside a call a grammar wrote (its text the content); ``stop`` for the call of a named ``tool_choice`` and
         ``tool_calls`` for calls the model chose or ``required`` made, as OpenAI and vLLM say."""
-        if not calls or engine_reason != "stop" or (content and (self.forced or self.calls_or_answer)):
+        if not calls or engine_reason != "stop" or (content and self.grammar_writes_calls):
             return engine_reason
         return "stop" if self.named else "tool_calls"
 

@@ -162,12 +162,6 @@ def _call_item(call: ToolCall, status: str | None = None, arguments: str | None 
                               arguments=call.arguments if arguments is None else arguments)
 
 
-def _text_after_calls(tools: ChatTools) -> bool:
-    """Whether text beside calls was written after them: a grammar wrote the calls (a forced call, or calls or the
-    answer), and the text is that of a call a stop ended inside (``ChatTools.parse``)."""
-    return bool(tools.forced or tools.calls_or_answer)
-
-
 def _reasoning_item(item_id: str, text: str, status: str) -> OutputReasoning:
     return OutputReasoning(id=item_id, content=[ReasoningText(text=text)] if text else [], status=status)
 
@@ -262,7 +256,7 @@ class _StreamedResponse:
         if delta.finished:
             self.status = _status(delta.finish_reason)
         events = self._think(reasoning, delta.finished)
-        first = calls if delta.finished and not self.opened and _text_after_calls(self.streamed.tools) else []
+        first = calls if delta.finished and not self.opened and self.streamed.tools.grammar_writes_calls else []
         events += self._add_calls(first)
         self.message_index = len(self.output) if first else self.message_index
         events += self._open() if content or (delta.finished and not calls and not self.reasoning) else []
@@ -405,7 +399,7 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
                                  content=[OutputText(text=content or "", logprobs=logprobs)])]
         shown = message if content or not (calls or reasoning) else []
         made = [_call_item(call) for call in calls]
-        items = [*made, *shown] if _text_after_calls(plan.tools) else [*shown, *made]
+        items = [*made, *shown] if plan.tools.grammar_writes_calls else [*shown, *made]
         return response(status, [*thought, *items], usage, reasoning or "")
 
     stream = _StreamedResponse(plan.tools, plan.splitter(), response, message_id, plan.names)
