@@ -4,10 +4,11 @@ a change there does not change the engines' cache keys (``pipeline.source_hash``
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kiln.runtime.json_files import read_json_object
 
 if TYPE_CHECKING:
     from kiln.runtime.tokenizer import Tokenizer
@@ -61,10 +62,9 @@ def tokenizer_eos_id(directory: Path, tokenizer: Tokenizer | None) -> int | None
 def _json_object(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``; {} where there is none, or it does not read as one."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return read_json_object(path, ValueError, "") if path.is_file() else {}
+    except ValueError:
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def partial_tokenizer_files(directory: Path) -> list[str]:
