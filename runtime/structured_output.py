@@ -125,9 +125,9 @@ def subschemas(schema: dict) -> Iterator[tuple[str, object]]:
     for key, value in schema.items():
         if key in DATA_KEYWORDS:
             continue
-        pointer = f"/{_pointer_token(key)}"
+        pointer = f"/{pointer_token(key)}"
         if _maps_names(key, value):
-            yield from ((f"{pointer}/{_pointer_token(name)}", sub) for name, sub in value.items())
+            yield from ((f"{pointer}/{pointer_token(name)}", sub) for name, sub in value.items())
         else:
             yield from within(value, pointer)
 
@@ -209,9 +209,19 @@ def _resolved(base: str, ref: str) -> str:
     return urldefrag(base).url + ref if ref.startswith("#") else urljoin(base, ref)
 
 
-def _pointer_token(key: str) -> str:
+def pointer_token(key: str) -> str:
     """``key`` as one token of a JSON pointer in a URI fragment."""
-    return quote(key.replace("~", "~0").replace("/", "~1"), safe="!$&'()*+,;=:@~")
+    return in_fragment(escaped_token(key))
+
+
+def escaped_token(key: str) -> str:
+    """``key`` as one token of a JSON pointer (RFC 6901: "~" and "/" escaped), not yet percent-encoded."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def in_fragment(pointer: str) -> str:
+    """A JSON pointer percent-encoded as a URI fragment writes it (``/$defs/A B`` -> ``/$defs/A%20B``)."""
+    return quote(pointer, safe="/!$&'()*+,;=:@~")
 
 
 def _integer_out_of_range(schema: object) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import astuple, dataclass
 from types import SimpleNamespace
 
 import httpx
@@ -18,8 +19,9 @@ import pytest
 from kiln.runtime import LLM, SamplingParams, structured_output
 from kiln.runtime.native.grammar import Grammars
 from kiln.runtime.server import chat
+from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.protocol import ChatCompletionRequest
-from kiln.runtime.server.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, tool_call_format
+from kiln.runtime.server.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, ToolCallFormat, tool_call_format
 from kiln.runtime.structured_output import StructuredOutput, json_format_rule
 from tests.test_server_support import tiny_engine
 from tests.test_server_tools import (
@@ -201,18 +203,25 @@ def test_a_format_llguidance_does_not_know_is_left_unenforced_in_calls_as_in_res
     assert jsonschema_rs.validator_for(ANSWER).is_valid(json.loads(answered.message.content))
 
 
-def test_a_tool_whose_calls_no_grammar_can_hold_is_a_400_naming_it_in_words(llm, tmp_path_factory):
-    # its parameters compile alone, but a percent-encoded "#/$defs" ref misses once they sit inside the call's schema
-    # (a known limit: pydantic and zod never name definitions so)
-    scoped = {"type": "function", "function": {"name": "scoped", "parameters": {
-        "type": "object", "properties": {"a": {"$ref": "#/$defs/A%20B"}}, "$defs": {"A B": {"type": "string"}}}}}
-    with client_for(llm, tmp_path_factory, HERMES_TEMPLATE) as server, openai_client(server) as client:
-        for extra in ({"tool_choice": "required"}, {"response_format": RESPONSE_FORMAT}):
-            with pytest.raises(openai.BadRequestError) as refused:
-                client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=[CLOCK, scoped],
-                                               **extra)
-            assert refused.value.param == "tools[1].function.parameters"  # before: "tools", and the grammar
-            assert "'scoped'" in refused.value.message and "%json" not in refused.value.message
+@dataclass(frozen=True)
+class _NoCallsOfBad(ToolCallFormat):
+    """Hermes' format, except that calls of a tool named "bad" make no grammar (whatever its parameters)."""
+
+    def grammar(self, tools: list[dict], parallel: bool, answer: str | None = None) -> str:
+        return "start: (" if any(t["name"] == "bad" for t in tools) else super().grammar(tools, parallel, answer)
+
+
+@pytest.mark.parametrize("extra", [{"tool_choice": "required"}, {"response_format": RESPONSE_FORMAT}])
+def test_a_tool_whose_calls_no_grammar_can_hold_is_a_400_naming_it_in_words(extra):
+    bad = {"type": "function", "function": {"name": "bad", "parameters": {"type": "object"}}}
+    model = SimpleNamespace(name=MODEL, tool_call_format=_NoCallsOfBad(*astuple(HERMES)))
+    request = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": [CLOCK, bad], **extra})
+    tools = chat.ChatTools(model, request)
+    with pytest.raises(APIError) as refused:
+        tools.answer_or_calls(StructuredOutput(json=ANSWER)) if "response_format" in extra \
+            else tools.structured_output()
+    assert refused.value.param == "tools[1].function.parameters"  # its parameters compile alone; its calls do not
+    assert "'bad'" in refused.value.message and "start:" not in refused.value.message
 
 
 def test_parameters_that_compiled_are_not_compiled_again_nor_sent_to_a_worker_thread(monkeypatch):

@@ -1,6 +1,7 @@
 """Tool parameters that carry a root ``$id`` (as pydantic, zod and MCP servers may write them) hold a forced call to
 what their refs mean, whether a ref names a place locally, through that ``$id``, a subschema's ``$id`` or an
-``$anchor``; a ref to a schema elsewhere is still refused, and refs chained through a ``$id`` are counted."""
+``$anchor``, percent-encoded or not; a ref to a schema elsewhere is still refused, and refs chained through a ``$id``
+are counted."""
 
 from __future__ import annotations
 
@@ -50,6 +51,18 @@ def accepts(tools: list[dict], text: str) -> bool:
 def test_a_forced_call_follows_parameters_with_a_root_id_as_their_refs_mean(parameters):
     tools = [{"name": "f", "parameters": parameters}]
     assert accepts(tools, '{"name":"f","arguments":{"x":1}}')  # before: the grammar did not compile (a 400)
+    assert not accepts(tools, '{"name":"f","arguments":{"x":"a"}}')
+
+
+@pytest.mark.parametrize(("name", "ref"), [
+    ("A B", "#/$defs/A%20B"), ("a/b", "#/$defs/a~1b"), ("x~y", "#/$defs/x~0y"), ("é", "#/$defs/%C3%A9"),
+    ("A B", f"{ID}#/$defs/A%20B"),
+], ids=["a-space", "a-slash", "a-tilde", "unicode", "a-space-through-the-id"])
+def test_refs_to_definitions_whose_names_a_uri_must_encode_hold_a_forced_call(name, ref):
+    parameters = {"type": "object", "properties": {"x": {"$ref": ref}}, "required": ["x"],
+                  "$defs": {name: {"type": "integer"}}, **({"$id": ID} if ref.startswith(ID) else {})}
+    tools = [{"name": "f", "parameters": parameters}]
+    assert accepts(tools, '{"name":"f","arguments":{"x":1}}')  # before: "#/$defs/A%20B" was left unhoisted (a 400)
     assert not accepts(tools, '{"name":"f","arguments":{"x":"a"}}')
 
 

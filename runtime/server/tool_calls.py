@@ -18,9 +18,18 @@ import re
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from kiln.runtime.server.partial_tags import partial_tag_length
-from kiln.runtime.structured_output import DEFINITION_KEYS, json_rule, pointer_refs, with_subschemas
+from kiln.runtime.structured_output import (
+    DEFINITION_KEYS,
+    escaped_token,
+    in_fragment,
+    json_rule,
+    pointer_refs,
+    pointer_token,
+    with_subschemas,
+)
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: a function without parameters takes none
 _SEPARATOR = re.compile(r"\s*;\s*")  # between the calls of a Llama 3 JSON completion
@@ -220,10 +229,12 @@ def _hoisted(parameters: dict, tool: str, definitions: dict) -> dict:
     rewritten to point there (a ref is resolved against the root of the whole schema, not of the parameters; one
     through a ``$id`` or ``$anchor`` is made a local one first, ``pointer_refs``)."""
     parameters = pointer_refs(parameters)
-    own = {f"#/{key}/{name}": (f"{tool}__{name}", sub) for key in DEFINITION_KEYS
+    own = {f"#/{key}/{escaped_token(name)}": (f"{tool}__{name}", sub) for key in DEFINITION_KEYS
            if isinstance(parameters.get(key), dict) for name, sub in parameters[key].items()}
-    # each local pointer ("#/$defs/X", "#/definitions/X", "#" itself) -> its new one, the longest matched first
-    names = {**{ref: f"#/$defs/{name}" for ref, (name, _) in own.items()}, "#": f"#/$defs/{tool}__root"}
+    # each local pointer, percent-decoded ("#/$defs/X", "#/definitions/X", "#" itself) -> its new one, the longest
+    # matched first
+    names = {**{ref: f"#/$defs/{pointer_token(name)}" for ref, (name, _) in own.items()},
+             "#": f"#/$defs/{tool}__root"}
     bases = sorted(names, key=len, reverse=True)
     recursive = False  # a ref to the parameters themselves: they become a definition too
 
@@ -233,9 +244,10 @@ def _hoisted(parameters: dict, tool: str, definitions: dict) -> dict:
             return node
         out = with_subschemas(node, rewrite)  # names and data (a const's "$ref" key) kept
         if isinstance(ref := out.get("$ref"), str) and ref.startswith("#"):
-            base = next((b for b in bases if ref == b or ref.startswith(b + "/")), None)
+            decoded = unquote(ref)  # "#/$defs/A%20B" names "A B"
+            base = next((b for b in bases if decoded == b or decoded.startswith(b + "/")), None)
             if base is not None:
-                out["$ref"] = names[base] + ref[len(base):]
+                out["$ref"] = names[base] + in_fragment(decoded[len(base):])
                 recursive = recursive or base == "#"
         return out
 
