@@ -93,6 +93,10 @@ class Tokenizer:
         """The id of the token ``text`` is (a special token's, say), or None."""
         return self._tokenizer.token_to_id(text)
 
+    def is_special(self, text: str) -> bool:
+        """Whether ``text`` is one special token (one that ``skip_special_tokens`` leaves out of decoded text)."""
+        return self.token_id(text) in self._special_ids
+
     def to_dict(self) -> dict:
         """The tokenizer as JSON-serializable data (what `from_dict` takes), to hand it to another process."""
         return {"tokenizer_json": self._tokenizer.to_str()}

@@ -50,6 +50,7 @@ from kiln.runtime.structured_output import (
     StructuredOutputError,
     json_format_rule,
 )
+from kiln.runtime.tokenizer import Tokenizer
 
 # tools' parameters (their JSON, keys sorted) that compiled, the least recently sent first
 _COMPILED_PARAMETERS: dict[str, None] = {}
@@ -155,6 +156,11 @@ class ChatTools:
                                param="tool_choice")
         self.parallel = req.parallel_tool_calls is not False and not self.named  # a named choice: one call
         self.max_calls = max_calls if self.parallel else 1
+
+    def keeps_special_tokens(self, tokenizer: Tokenizer) -> bool:
+        """Whether the completion's text keeps its special tokens (``skip_special_tokens`` off, as vLLM's mistral
+        parser turns it off) so that calls may be read where the format's prefix, a special token, marks them."""
+        return self.format is not None and self.format.prefix_kept and tokenizer.is_special(self.format.prefix)
 
     @property
     def names(self) -> set[str]:
@@ -329,6 +335,8 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest, max_tool_
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if req.skip_special_tokens and tools.keeps_special_tokens(model.tokenizer):
+        req = req.model_copy(update={"skip_special_tokens": False})
     jobs = make_jobs(model, req, [prompt], [limit], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                      prompt_logprobs=req.prompt_logprobs, structured_output=forced or requested,
                      max_tokens_param=param)

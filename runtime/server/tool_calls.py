@@ -76,6 +76,7 @@ class ToolCallFormat:
     arguments_key: str
     prefix: str = ""
     listed: bool = False
+    prefix_kept: bool = False  # a prefix that is a special token stays in the text, for calls after content
     new_id: Callable[[], str] = openai_call_id
 
     def grammar(self, tools: list[dict], parallel: bool, answer: str | None = None) -> str:
@@ -295,7 +296,8 @@ def _json_values(text: str) -> list[object] | None:
 
 HERMES = ToolCallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "arguments")
 LLAMA3_JSON = ToolCallFormat("llama3_json", "", "", "parameters", prefix="<|python_tag|>")
-MISTRAL = ToolCallFormat("mistral", "", "", "arguments", prefix="[TOOL_CALLS]", listed=True, new_id=mistral_call_id)
+MISTRAL = ToolCallFormat("mistral", "", "", "arguments", prefix="[TOOL_CALLS]", listed=True, prefix_kept=True,
+                         new_id=mistral_call_id)  # vLLM's mistral parser keeps [TOOL_CALLS] too
 
 
 def tool_call_format(template_source: str) -> ToolCallFormat | None:
