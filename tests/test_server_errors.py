@@ -123,6 +123,7 @@ def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, w
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "function": {}}},
      "tool_choice.function.name", ["required"]),  # before: "input should be 'none', 'auto' or 'required'"
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", ["needs logprobs"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 0}, "top_logprobs", ["needs logprobs"]),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {  # as OpenAI's
         "name": "f", "parameters": {"type": "array"}}}]}, "tools[0].function.parameters", ['"type": "object"']),
     ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}, "modalities", ["not supported"]),
@@ -164,7 +165,8 @@ def test_bad_chat_requests_get_a_400_naming_the_field(http, body, param, words):
     ("/v1/responses", {"input": "hi", "json_schema": "{}"}, 'send text: {"format": {"type": "json_schema"'),
     ("/invocations", {"prompt": "hi", "sampling_seed": 1}, "send seed instead"),
     ("/v1/responses", {"input": "hi", "max_tokens": 4}, "send max_output_tokens instead"),  # another route's name
-    ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 4}, "send max_tokens instead"),
+    ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 4},
+     "send max_tokens instead (max_completion_tokens is chat's name for it)"),
     ("/tokenize", {"prompt": "hi", "max_new_tokens": 4}, None),  # no generation route: no advice
 ])
 def test_an_sglang_field_name_gets_a_400_saying_what_to_send_on_that_route(http, path, body, message):

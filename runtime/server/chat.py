@@ -333,7 +333,7 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest, max_tool_
     prompt = tokenized.ids
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = model.max_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, None, param)
-    if req.top_logprobs and not req.logprobs:
+    if req.top_logprobs is not None and not req.logprobs:  # 0 too, as vLLM and OpenAI refuse it
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.skip_special_tokens and tools.keeps_special_tokens(model.tokenizer):
         req = req.model_copy(update={"skip_special_tokens": False})

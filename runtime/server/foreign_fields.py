@@ -12,7 +12,7 @@ CHAT_AND_COMPLETIONS_ROUTES = frozenset({"/v1/completions", "/v1/chat/completion
 # the route refuses gets its advice: chat takes max_completion_tokens, completions does not)
 FOREIGN_FIELDS: dict[str, str] = {
     "max_output_tokens": "send max_tokens instead (the Responses API's name)",
-    "max_completion_tokens": "send max_tokens instead (chat's name)",
+    "max_completion_tokens": "send max_tokens instead (max_completion_tokens is chat's name for it)",
     "regex": 'send structured_outputs: {"regex": ...} instead',
     "json_schema": 'send response_format: {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} or '
                    'structured_outputs: {"json": {...}} instead',
