@@ -1,7 +1,8 @@
 """Holding a cached engine while it is loaded: the only cache knowledge the runtime has.
 
 An engine cache entry (``engines.cache``) is a folder with ``in_use.lock`` and ``manifest.json`` beside its
-``engine/``; an entry without a readable manifest is not a finished build and is refused. A process that loads the
+``engine/``; an entry without a readable manifest is not a finished build and is refused, and so is one that ``kiln
+cache verify`` marked corrupt. A process that loads the
 engine holds a shared flock on the lock file (created if the entry lost it); removal (eviction, prune, rm) takes it
 exclusively without blocking and renames the entry away while holding it, so an entry a live process holds is never
 removed, and a holder never ends up holding a removed entry (the inode check below catches a removal that raced the
@@ -22,6 +23,7 @@ from kiln.runtime.errors import KilnError
 logger = logging.getLogger("kiln.runtime")
 IN_USE_LOCK = "in_use.lock"
 MANIFEST = "manifest.json"
+CORRUPT_MARK = "corrupt.json"  # what `kiln cache verify` leaves in an entry whose files do not match its manifest
 
 
 class CacheCorruptError(KilnError):
@@ -88,6 +90,12 @@ def hold_if_cached(engine_dir: Path) -> EntryHold | None:
                "rebuild or remove it where the cache is writable (this user cannot write it here)")
         raise CacheCorruptError(f"cache entry {entry}: {MANIFEST} is missing or unreadable, so it is not a finished "
                                 f"build; {fix}")
+    if (entry / CORRUPT_MARK).exists():
+        if hold is not None:
+            hold.release()
+        raise CacheCorruptError(f"cache entry {entry}: marked corrupt by `kiln cache verify` (its {CORRUPT_MARK} "
+                                f"names the files); rebuild it (`kiln build --force`), or run `kiln cache verify "
+                                f"{entry.name[:12]}` again to clear a false alarm")
     if hold is None:
         logger.warning("cache entry %s is read-only for this user: loaded without holding it, so nothing keeps "
                        "another process's eviction from removing it meanwhile", entry)

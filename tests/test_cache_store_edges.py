@@ -18,6 +18,7 @@ from kiln.engines.cache.keys import complete_key
 from kiln.engines.cache.manifest import entry_size
 from kiln.engines.cache.results import LookupResult
 from kiln.engines.cache.verify import nearest_entry, verify_entry
+from kiln.runtime.cache_hold import CacheCorruptError, hold_if_cached
 from tests.test_cache_store import FakeBuild, material
 
 
@@ -237,6 +238,36 @@ def test_verify_records_why_an_entry_failed(cache):
     broken = verify_entry(cache.entries, key)
     assert broken.files_checked == 0 and "manifest.json is missing" in broken.problems[0]
     assert events(cache, "verify")[-1][1] == "corrupt"
+
+
+def test_a_file_the_manifest_does_not_list_makes_a_hit_a_corrupt_miss(cache):
+    key, m = published(cache)
+    stray = cache.entries.payload_dir(key) / "chat_template.jinja"  # a loader reads any template it finds
+    stray.write_text("INJECTED {{ messages[0]['content'] }}")
+    found = cache.entries.lookup(key, m)
+    assert (found.hit, found.reason) == (False, "corrupt") and f"{stray}: not in the manifest" in found.detail
+    assert verify_entry(cache.entries, key).problems == [f"{stray}: not in the manifest"]  # as verify said before
+
+
+def test_a_total_bytes_that_is_not_the_files_sum_is_corrupt_to_a_lookup_and_verify(cache):
+    key, m = published(cache)
+    rewrite_manifest(cache, key, {"total_bytes": 10 ** 15})  # what eviction would count: every other entry out
+    found = cache.entries.lookup(key, m)
+    assert (found.hit, found.reason) == (False, "corrupt") and "total_bytes 1000000000000000" in found.detail
+    assert "is not the sum of its files' sizes" in verify_entry(cache.entries, key).problems[0]
+
+
+def test_loading_an_entry_that_verify_marked_corrupt_is_refused_until_verify_clears_it(cache):
+    key, _ = published(cache)
+    payload = cache.entries.payload_dir(key)
+    original = (payload / "engine.json").read_bytes()
+    (payload / "engine.json").write_bytes(original.upper())  # the same size: what only a hash finds
+    assert verify_entry(cache.entries, key).problems
+    with pytest.raises(CacheCorruptError, match="marked corrupt by `kiln cache verify`"):
+        hold_if_cached(payload)  # before: LLM.load served the damaged files without a word
+    (payload / "engine.json").write_bytes(original)  # put right: verify clears the mark
+    assert not verify_entry(cache.entries, key).problems
+    hold_if_cached(payload).release()
 
 
 def test_complete_key_refuses_a_prefix_longer_than_a_key_and_lists_four_of_many_matches(cache):

@@ -145,11 +145,25 @@ def test_a_remote_manifest_edited_to_list_no_engine_json_is_refused_on_pull(tmp_
     objects = first.remote.objects
     manifest = json.loads(objects.read(manifest_name("entries", key)))
     manifest["files"] = [item for item in manifest["files"] if item["path"] != "engine.json"]
+    manifest["total_bytes"] = sum(item["size"] for item in manifest["files"])
     objects.write(manifest_name("entries", key), json.dumps(manifest).encode())
     second = machine(tmp_path, "second", remote)
     with pytest.raises(RemoteCorruptError, match="no engine.json"):
         second.entries.pull(key)
     assert not second.entries.entry_dir(key).exists()
+
+
+def test_a_remote_manifest_whose_total_bytes_is_not_its_files_sum_is_refused_and_evicts_nothing(tmp_path, remote):
+    kept, key = engine_key(material("kept")), engine_key(material("a"))
+    first, second = machine(tmp_path, "first", remote), machine(tmp_path, "second", remote)
+    first.entries.get_or_build(key, material("a"), builder([]))
+    second.entries.get_or_build(kept, material("kept"), builder([]))
+    objects = first.remote.objects
+    manifest = json.loads(objects.read(manifest_name("entries", key)))
+    objects.write(manifest_name("entries", key), json.dumps({**manifest, "total_bytes": 10 ** 15}).encode())
+    with pytest.raises(RemoteCorruptError, match="is not the sum of its files' sizes"):
+        second.entries.pull(key)  # before: installed as 1000 TB, evicting every other local entry
+    assert not second.entries.entry_dir(key).exists() and second.entries.lookup(kept, material("kept")).hit
 
 
 def test_a_flipped_byte_in_a_remote_file_is_refused_on_pull_then_replaced_by_a_good_build(tmp_path, remote):

@@ -23,12 +23,12 @@ from pathlib import Path
 
 from kiln.engines.cache.errors import CacheDatabaseError, CacheRootError
 from kiln.engines.cache.keys import is_cache_key, validate_key
+from kiln.runtime.cache_hold import CORRUPT_MARK as CORRUPT_MARK  # re-exported: the runtime refuses a marked entry
 from kiln.runtime.cache_hold import MANIFEST as MANIFEST  # re-exported: the runtime refuses an entry without one
 
 LAYOUT_VERSION = "v1"
 PAYLOADS = {"entries": "engine", "quantized": "checkpoint", "checkpoints": "hf"}  # each store's payload folder
 LAST_USED = "last_used"
-CORRUPT_MARK = "corrupt.json"
 HASH_MEMO = "hashmemo.sqlite"  # in v1/: file sha256 digests per file identity (hashing.FileHashes)
 CACHEDIR_TAG = (b"Signature: 8a477f597d28d172789f06886806bc55\n"
                 b"# This file is a cache directory tag created by Kiln (engine cache).\n"

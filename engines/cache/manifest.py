@@ -69,7 +69,7 @@ def manifest_mismatch(manifest: object, store: str, key: str) -> tuple[str, str]
 def file_problems(entry: Path, payload_name: str, manifest: dict, *, digest: Callable[[Path], str] | None,
                   first_only: bool = False) -> list[str]:
     """Listed files that are missing, of the wrong size or (given ``digest``, a file's sha256 hex) of the wrong
-    sha256, each named by path.
+    sha256, each named by path, then a ``total_bytes`` that is not their sizes' sum.
 
     A path that is absolute or climbs out of the payload is a problem and is never touched, and so is one through a
     folder that is a link (the payload's files would be read from wherever it points)."""
@@ -88,8 +88,20 @@ def file_problems(entry: Path, payload_name: str, manifest: dict, *, digest: Cal
         else:
             problems.extend(_problem_of(entry / payload_name / rel, item, digest))
         if problems and first_only:
-            break
+            return problems
+    if (wrong_total := total_problem(manifest)) is not None:
+        problems.append(f"{entry / MANIFEST}: {wrong_total}")
     return problems
+
+
+def total_problem(manifest: dict) -> str | None:
+    """Why the manifest's ``total_bytes`` (what eviction, ``ls`` and the stats count) is not the sum of its files'
+    sizes; None when it is."""
+    sizes = [item.get("size") for item in manifest.get("files", []) if isinstance(item, dict)]
+    total = manifest.get("total_bytes")
+    if not all(isinstance(size, int) for size in sizes) or total == sum(sizes):
+        return None  # a file record without a size is named where that file is checked
+    return f"total_bytes {total!r} is not the sum of its files' sizes ({sum(sizes)})"
 
 
 def stray_files(entry: Path, payload_name: str, manifest: dict) -> list[str]:

@@ -50,6 +50,7 @@ from kiln.engines.cache.manifest import (
     manifest_mismatch,
     read_manifest,
     seal_payload,
+    stray_files,
 )
 from kiln.engines.cache.remote.tier import PushResult, RemoteTier, Transferred
 from kiln.engines.cache.results import CacheResult, LookupResult
@@ -188,7 +189,8 @@ class ContentStore:
             return LookupResult(False, "corrupt", entry, f"{entry}: marked corrupt by `kiln cache verify` (`kiln cache "
                                 f"verify {key[:12]}` checks it again and clears a false alarm)", manifest)
         digest = {"size": None, "changed": self.hashes.sha256, "hash": file_sha256}[self.verify_on_load]
-        problems = file_problems(entry, self.payload_name, manifest, digest=digest, first_only=True)
+        problems = (file_problems(entry, self.payload_name, manifest, digest=digest, first_only=True)
+                    or stray_files(entry, self.payload_name, manifest))  # a loader may read any file it finds
         if problems:
             return LookupResult(False, "corrupt", entry, problems[0], manifest)
         return LookupResult(True, "hit", entry, "", manifest)

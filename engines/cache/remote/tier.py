@@ -15,7 +15,11 @@ from pathlib import Path
 
 from kiln.engines.cache.hashing import file_sha256
 from kiln.engines.cache.keys import canonical_json, engine_key
-from kiln.engines.cache.manifest import MANIFEST_VERSION, safe_relpath  # the remote stores local manifests as they are
+from kiln.engines.cache.manifest import (  # the remote stores local manifests as they are
+    MANIFEST_VERSION,
+    safe_relpath,
+    total_problem,
+)
 from kiln.engines.cache.remote.layout import blob_name, last_used_name, manifest_name
 from kiln.engines.cache.remote.lease import LeaseOutcome, LeaseTiming, build_lease
 from kiln.engines.cache.remote.objects import ObjectStore, RemoteCorruptError, RemoteUnavailableError
@@ -254,7 +258,7 @@ def manifest_problem(manifest: object, store: str, key: str, material: dict | No
             return f"a malformed file record {item!r}"
     if len({item["path"] for item in files}) != len(files):
         return "a file listed twice"
-    return None
+    return total_problem(manifest)
 
 
 def newer_manifest(manifest: object) -> bool:
