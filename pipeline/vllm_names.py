@@ -3,19 +3,7 @@ Kiln's instead of a look-alike."""
 
 from __future__ import annotations
 
-# vLLM's engine argument (as a config key; its flag is the dashed form) -> where Kiln takes it
-VLLM_SETTINGS = {
-    "max_num_seqs": "build.max_batch_size",
-    "max_num_batched_tokens": "build.max_num_tokens",
-    "max_model_len": "build.max_seq_len",
-    "tensor_parallel_size": "build.tp_size",
-    "pipeline_parallel_size": "build.pp_size",
-    "block_size": "build.tokens_per_block",
-    "dtype": "model.dtype",
-    "quantization": "quantize.format",
-    "kv_cache_dtype": "quantize.kv_cache_dtype",
-}
-
+from kiln.runtime.vllm_call_options import VLLM_BUILD_SETTINGS
 
 # `vllm serve` flags asking for what Kiln cannot do or does another way, refused (a usage error) with why and what
 # Kiln has instead
@@ -77,7 +65,7 @@ def vllm_flag_advice(flag: str) -> str | None:
 
 def kiln_setting_for(name: str) -> str | None:
     """Where Kiln takes the setting vLLM names ``name`` (a config key, or a flag such as ``--max-model-len``)."""
-    return VLLM_SETTINGS.get(name.lstrip("-").replace("-", "_"))
+    return VLLM_BUILD_SETTINGS.get(name.lstrip("-").replace("-", "_"))
 
 # vLLM's --tool-call-parser names -> the format of runtime/server/tool_calls.py that reads the same calls (vLLM
 # registers llama4_json as its llama3_json parser); Kiln parses no other

@@ -215,8 +215,9 @@ class ChatTemplate:
             text = self._template.render(**given, **{"documents": None, **(variables or {})})
         except ChatTemplateError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, LookupError, RecursionError) as exc:
-            raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from None
+        except Exception as exc:  # a template is code: whatever it raises ({{ 1 / 0 }}, range(10**9)) is its fault
+            detail = exc if isinstance(exc, jinja2.TemplateError) else f"{type(exc).__name__}: {exc}"
+            raise ChatTemplateError(f"the model's chat template failed on these messages: {detail}") from None
         return _cut_at_tag(text) if continue_final_message else text
 
 

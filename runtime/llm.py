@@ -38,7 +38,12 @@ from kiln.runtime.sampling_params import SamplingParams, sample_seed
 from kiln.runtime.sequence import Sequence
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.runtime.tokenizer_files import TOKENIZER_JSON, partial_tokenizer_files
-from kiln.runtime.vllm_call_options import CHAT_OPTIONS, GENERATE_OPTIONS, check_vllm_call_options
+from kiln.runtime.vllm_call_options import (
+    CHAT_OPTIONS,
+    GENERATE_OPTIONS,
+    check_vllm_call_options,
+    engine_argument_error,
+)
 
 if TYPE_CHECKING:  # jinja2 is imported only when a chat is rendered
     from kiln.runtime.chat_template import ChatTemplate
@@ -75,15 +80,21 @@ class LLM:
     """
 
     def __init__(self, engine: Engine | str | os.PathLike | None = None, options: RuntimeOptions | None = None, *,
-                 model: str | os.PathLike | None = None) -> None:
+                 model: str | os.PathLike | None = None, **vllm_engine_arguments: object) -> None:
         """Load the engine `kiln build` made in the directory ``engine`` (or ``model``, vLLM's name) with
-        ``options``, as ``LLM.load`` does; or serve an ``Engine`` object already loaded."""
+        ``options``, as ``LLM.load`` does; or serve an ``Engine`` object already loaded. vLLM's engine arguments
+        (``gpu_memory_utilization=``, ...) are refused saying where Kiln takes each."""
+        if vllm_engine_arguments:
+            raise engine_argument_error(vllm_engine_arguments)
         if model is not None:
             if engine is not None:
                 raise TypeError("name the engine directory once: LLM(engine_dir) or LLM(model=engine_dir)")
             engine = model
         load_ms, hold, default_params, engine_dir, chat_template_files = 0.0, None, SamplingParams(), None, None
         if isinstance(engine, str | os.PathLike):
+            if not os.fspath(engine).strip():  # Path("") is the current folder
+                raise EngineFormatError("the engine directory is an empty path: pass the directory `kiln build` "
+                                        "printed")
             engine, load_ms, hold, default_params, engine_dir, chat_template_files = _load(Path(engine).expanduser(),
                                                                                           options)
         elif engine is None:
@@ -127,7 +138,7 @@ class LLM:
         CUDA graphs, KV pool size...; default ``RuntimeOptions()``: the engine's own device, everything on).
         `load_ms` records how long it took, leaving out the first import of the backend's modules (torch) in the
         process. A cached engine stays in the cache while it is loaded."""
-        return cls(Path(engine_dir), options)
+        return cls(engine_dir, options)
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -252,7 +263,8 @@ class LLM:
                           final_only: bool = False) -> AsyncGenerator[list[tuple[int, StreamDelta]], None]:
         """Stream several prompts at once: each item is every ``(prompt index, delta)`` that arrived since the last
         one (at least one), so a consumer that falls behind catches up in one go. Ends when all have finished;
-        closing the generator early aborts the requests still running and frees their ids at once. The engine takes
+        closing the generator early (``aclose()``; a ``break`` leaves that to Python, a loop turn or two later) aborts
+        the requests still running and frees their ids at once. The engine takes
         the requests together, in one step (identical calls on an idle engine batch identically). ``on_finished`` is
         called (on this loop) once the engine is done with every request, before the consumer has read their last
         deltas (not once the generator was closed early);

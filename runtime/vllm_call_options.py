@@ -1,5 +1,6 @@
 """vLLM's keywords of ``LLM.generate`` and ``LLM.chat`` that Kiln lacks: taken at the values that change nothing
-(vLLM's defaults), so that code forwarding them runs; any other value is refused saying why."""
+(vLLM's defaults), so that code forwarding them runs; any other value is refused saying why. vLLM's engine
+arguments to ``LLM(...)`` are refused saying where Kiln takes each."""
 
 from __future__ import annotations
 
@@ -42,3 +43,35 @@ def check_vllm_call_options(method: str, options: Mapping[str, object], names: t
         changes_nothing, why = VLLM_CALL_OPTIONS[name]
         if not changes_nothing(value):
             raise ValueError(f"LLM.{method}: vLLM's {name}={value!r} is not supported ({why}); leave it out")
+
+
+# vLLM's engine argument (as a config key; its flag is the dashed form) -> the build-config key that takes it
+VLLM_BUILD_SETTINGS = {
+    "max_num_seqs": "build.max_batch_size",
+    "max_num_batched_tokens": "build.max_num_tokens",
+    "max_model_len": "build.max_seq_len",
+    "tensor_parallel_size": "build.tp_size",
+    "pipeline_parallel_size": "build.pp_size",
+    "block_size": "build.tokens_per_block",
+    "dtype": "model.dtype",
+    "quantization": "quantize.format",
+    "kv_cache_dtype": "quantize.kv_cache_dtype",
+}
+# vLLM's engine arguments to LLM(...) that a loaded engine's options or a request take instead
+VLLM_LOAD_ARGUMENTS: dict[str, str] = {
+    "gpu_memory_utilization": "pass options=RuntimeOptions(gpu_memory_utilization=...)",
+    "enable_prefix_caching": "pass options=RuntimeOptions(prefix_caching=...)",
+    "enforce_eager": "pass options=RuntimeOptions(cuda_graphs=False)",
+    "device": "pass options=RuntimeOptions(device=...)",
+    "tokenizer": "the engine carries the tokenizer it was built with",
+    "trust_remote_code": "Kiln runs no code from a checkpoint",
+    "seed": "pass SamplingParams(seed=...) with each request",
+}
+
+
+def engine_argument_error(arguments: Mapping[str, object]) -> TypeError:
+    """The TypeError for keyword arguments ``LLM(...)`` does not take, saying where Kiln takes vLLM's."""
+    name = next(iter(arguments))
+    where = VLLM_LOAD_ARGUMENTS.get(name) or (f"the engine is built with it: set {VLLM_BUILD_SETTINGS[name]} in the "
+                                              f"config and `kiln build`" if name in VLLM_BUILD_SETTINGS else None)
+    return TypeError(f"LLM() got an unexpected keyword argument {name!r}" + (f": {where}" if where else ""))

@@ -613,6 +613,22 @@ def test_vllms_call_keywords_are_taken_at_their_defaults_and_refused_otherwise(l
         llm.generate(["t5"], GREEDY, chat_template="x")
 
 
+@pytest.mark.parametrize(("argument", "words"), [
+    ({"gpu_memory_utilization": 0.9}, r"RuntimeOptions\(gpu_memory_utilization=...\)"),
+    ({"tensor_parallel_size": 2}, "set build.tp_size in the config"),
+    ({"swap_space": 4}, "'swap_space'$"),  # one Kiln has no place for: Python's own words
+])
+def test_vllms_engine_arguments_say_where_kiln_takes_them(tmp_path, argument, words):
+    with pytest.raises(TypeError, match=words):  # before: a bare "unexpected keyword argument"
+        LLM(model=tmp_path, **argument)
+
+
+def test_an_empty_engine_path_is_refused_not_read_as_the_current_folder():
+    for empty in ("", " "):
+        with pytest.raises(EngineFormatError, match="empty path"):  # before: ".: no engine.json"
+            LLM.load(empty)
+
+
 def test_transformers_tokenizer_methods_say_what_kilns_tokenizer_has_instead(llm):
     with pytest.raises(AttributeError, match="no transformers tokenizer.*ChatTemplate.from_dir"):
         llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)

@@ -46,6 +46,16 @@ def test_template_refusal_becomes_a_chat_template_error(tmp_path):
         ChatTemplate.from_dir(tmp_path).render([{"role": "assistant", "content": "first"}])
 
 
+@pytest.mark.parametrize(("source", "words"), [
+    ("{{ 10 // (n | default(1)) }}", "ZeroDivisionError"),  # a chat_template_kwargs value the template divides by
+    ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError"),  # the sandbox's limit on range
+])
+def test_whatever_a_template_raises_is_a_chat_template_error_naming_it(tmp_path, source, words):
+    write_config(tmp_path, chat_template=source)
+    with pytest.raises(ChatTemplateError, match=words):  # before: the bare exception, a 500 from the server
+        ChatTemplate.from_dir(tmp_path).render([{"role": "user", "content": "hi"}], variables={"n": 0})
+
+
 def test_chat_template_jinja_file_wins_over_the_config(tmp_path):
     write_config(tmp_path, chat_template="from config")
     (tmp_path / "chat_template.jinja").write_text("from file")
