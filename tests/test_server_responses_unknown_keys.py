@@ -47,6 +47,8 @@ def test_unknown_keys_of_input_items_and_parts_are_named_once_each_logged_once_a
     ([{**CALL, "call_id": 5}], "input[0].call_id"),
     ([{"role": "user", "content": [{"type": "input_text", "text": 1, "cache_control": {}}]}],
      "input[0].content[0].text"),
+    ([{"role": "user", "content": [{"type": "input_text", "content": "What?"}]}], "input[0].content[0]"),  # no text:
+    ([{"role": "user", "content": [{"type": "refusal", "text": "No."}]}], "input[0].content[0]"),  # before, a 200
 ])
 def test_known_fields_of_an_input_item_keep_their_types(client, items, field):
     with pytest.raises(openai.BadRequestError) as refused:

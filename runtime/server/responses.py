@@ -52,11 +52,13 @@ ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the ``include`` entry tak
 
 def _messages(req: ResponsesRequest) -> list[dict]:
     """The chat messages of the instructions and the input items: consecutive function calls join the assistant
-    message before them (one message with its calls, as chat templates take them), and a reasoning item's text is
-    the next assistant message's ``reasoning_content``."""
+    message before them (one message with its calls, as chat templates take them), a reasoning item's text is the
+    next assistant message's ``reasoning_content`` (an assistant message of its own when another role's message, a
+    call's output or the end of the input comes first: a response cut off while it thought), and a call's output
+    comes after its call."""
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
-    called = {item.call_id for item in items if isinstance(item, FunctionCallItem)}
+    called: set[str] = set()  # the calls passed back so far
     thought = ""  # a reasoning item's, for the assistant message after it
 
     def assistant(message: dict) -> dict:
@@ -64,13 +66,20 @@ def _messages(req: ResponsesRequest) -> list[dict]:
         message, thought = ({**message, "reasoning_content": thought} if thought else message), ""
         return message
 
+    def thought_alone() -> None:
+        if thought:
+            messages.append(assistant({"role": "assistant", "content": ""}))
+
     for index, item in enumerate(items):
         if isinstance(item, ReasoningItem):
             thought += item.text
         elif isinstance(item, MessageItem):
+            if item.role != "assistant":
+                thought_alone()
             message = {"role": item.role, "content": item.text}
             messages.append(assistant(message) if item.role == "assistant" else message)
         elif isinstance(item, FunctionCallItem):
+            called.add(item.call_id)
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             if messages and messages[-1]["role"] == "assistant" and not thought:
@@ -81,7 +90,9 @@ def _messages(req: ResponsesRequest) -> list[dict]:
             if item.call_id not in called:  # as OpenAI refuses it
                 raise APIError(400, f"No tool call found for function call output with call_id {item.call_id}: "
                                     "pass the function_call item back before its output", param=f"input[{index}]")
+            thought_alone()
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+    thought_alone()
     return messages
 
 

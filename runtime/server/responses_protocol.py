@@ -64,6 +64,15 @@ class TextPart(InputModel):
     parsed: Any = Field(None, exclude=True, description="What the openai client's parse helpers parsed the text "
                                                        "into: not rendered.")
 
+    @model_validator(mode="after")
+    def _has_its_text(self) -> TextPart:
+        """A part holds its text (``refusal`` for a refusal, ``text`` otherwise), as OpenAI requires it: a part
+        without it would ask an empty question."""
+        field = "refusal" if self.type == "refusal" else "text"
+        if getattr(self, field) is None:
+            raise ValueError(f"a {self.type} part needs its {field} (a string), as OpenAI requires")
+        return self
+
     @property
     def value(self) -> str:
         return (self.refusal if self.type == "refusal" else self.text) or ""
