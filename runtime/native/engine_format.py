@@ -8,14 +8,21 @@ fingerprint of the machine the engine was built for. Weights in ``rank0.safetens
 from __future__ import annotations
 
 import json
+import reprlib
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field, fields
+from fnmatch import fnmatch
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kiln.runtime.errors import EngineFormatError
-from kiln.runtime.native.model.registry import FAMILY_NAMES
+from kiln.runtime.json_files import is_number
+from kiln.runtime.native.layers.activation import ACTIVATIONS
+from kiln.runtime.native.layers.rotary import longrope_inv_freqs, rope_inv_freq
+from kiln.runtime.native.model.registry import FAMILY_NAMES, LAYER_TYPES
 from kiln.runtime.plan import BuildPlan, PlanError
 
 ENGINE_FORMAT = "kiln-native"
@@ -195,27 +202,20 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
-        """Raise EngineFormatError when a value is outside what the runtime supports."""
-        arch, plan = self.architecture, self.plan
-        if (problem := architecture_size_problem(vars(arch))) is not None:  # before any arithmetic on the sizes
+        """Raise EngineFormatError naming the first value outside what the runtime supports (``FIELD_RULES``, then
+        ``_relations`` and the rotary embedding's ``_rope_problem``), before anything is allocated."""
+        if (problem := architecture_size_problem(vars(self.architecture))) is not None:  # before any arithmetic
             raise EngineFormatError(f"architecture: {problem}")
-        checks = [
-            (arch.type in FAMILY_NAMES, f"architecture.type {arch.type!r} is not one of {', '.join(FAMILY_NAMES)}"),
-            (self.dtype in DTYPES, f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}"),
-            (self.quantization.format in QUANT_FORMATS, f"quantization.format {self.quantization.format!r} unknown"),
-            (plan.kv_cache_dtype in KV_CACHE_DTYPES, f"plan.kv_cache_dtype {plan.kv_cache_dtype!r} unknown"),
-            (arch.num_kv_heads > 0 and arch.num_heads % arch.num_kv_heads == 0,
-             "architecture.num_heads is not a multiple of num_kv_heads"),
-            (isinstance(self.fingerprint, dict), "fingerprint is not an object"),
-            (type(self.tp_size) is int and self.tp_size >= 1, f"parallel.tp_size {self.tp_size!r} is not a positive "
-                                                                f"integer"),
-            (isinstance(self.quantization.fp8_streaming_max_m, dict) and all(
-                isinstance(m, int) and m >= 0 for m in self.quantization.fp8_streaming_max_m.values()),
-             "quantization.fp8_streaming_max_m is not an object of non-negative integers"),
-        ]
-        for ok, problem in checks:
+        values = {"dtype": self.dtype, "fingerprint": self.fingerprint, "parallel.tp_size": self.tp_size,
+                  "plan.kv_cache_dtype": self.plan.kv_cache_dtype,
+                  **{f"architecture.{name}": value for name, value in vars(self.architecture).items()},
+                  **{f"quantization.{name}": value for name, value in vars(self.quantization).items()}}
+        rules = ((path, check(values[path]), requirement) for path, (check, requirement) in FIELD_RULES.items())
+        for path, ok, requirement in chain(rules, _relations(self)):  # a relation runs once every field passed
             if not ok:
-                raise EngineFormatError(problem)
+                raise EngineFormatError(f"{path} must be {requirement}, got {reprlib.repr(values[path])}; {FIX}")
+        if (problem := _rope_problem(self.architecture)) is not None:
+            raise EngineFormatError(f"{problem}; {FIX}")
 
     def to_dict(self) -> dict[str, Any]:
         """The engine.json dict."""
@@ -237,6 +237,157 @@ class EngineConfig:
     def save(self, engine_dir: Path) -> None:
         """Write ``engine_dir/engine.json``."""
         (Path(engine_dir) / ENGINE_JSON).write_text(self.to_json())
+
+
+FIX = "fix engine.json or rebuild the engine"
+Rule = tuple[Callable[[Any], bool], str]  # a check of one value, and what the value must be (for the message)
+
+
+def _positive_int(value: Any) -> bool:
+    return type(value) is int and value > 0  # type(): True is an int to isinstance
+
+
+def _non_negative_int(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _positive_number(value: Any) -> bool:
+    return is_number(value) and value > 0
+
+
+def _non_negative_number(value: Any) -> bool:
+    return is_number(value) and value >= 0
+
+
+def _one_of(names: Collection[str]) -> Rule:
+    return (lambda value: type(value) is str and value in names), f"one of {', '.join(names)}"
+
+
+def _optional(rule: Rule) -> Rule:
+    check, requirement = rule
+    return (lambda value: value is None or check(value)), f"null or {requirement}"
+
+
+def _list_of(rule: Rule) -> Rule:
+    check, requirement = rule
+    return (lambda value: type(value) is list and all(check(item) for item in value)), f"a list, each {requirement}"
+
+
+FLAG: Rule = (lambda value: type(value) is bool, "true or false")
+STRING: Rule = (lambda value: type(value) is str, "a string")
+POSITIVE_INT: Rule = (_positive_int, "a positive integer")
+POSITIVE_NUMBER: Rule = (_positive_number, "a finite number above 0")
+NON_NEGATIVE_NUMBER: Rule = (_non_negative_number, "a finite number not below 0")
+TOKEN_ID: Rule = (_non_negative_int, "an integer not below 0")
+OBJECT: Rule = (lambda value: type(value) is dict, "an object")
+
+# every value of engine.json a runtime reads, by its place in the file, but the architecture's SIZE_FIELDS
+# (architecture_size_problem, first) and the relations between values (_relations, after these)
+FIELD_RULES: dict[str, Rule] = {
+    "dtype": _one_of(DTYPES),
+    "fingerprint": OBJECT,
+    "parallel.tp_size": POSITIVE_INT,
+    "plan.kv_cache_dtype": _one_of(KV_CACHE_DTYPES),
+    "architecture.type": _one_of(FAMILY_NAMES),
+    "architecture.rms_norm_eps": POSITIVE_NUMBER,
+    "architecture.rope_theta": POSITIVE_NUMBER,
+    "architecture.rope_scaling": _optional(OBJECT),  # its keys: ROPE_SCALING_RULES
+    "architecture.tie_word_embeddings": FLAG,
+    "architecture.max_position_embeddings": POSITIVE_INT,
+    "architecture.bos_token_id": _optional(TOKEN_ID),
+    "architecture.eos_token_ids": _list_of(TOKEN_ID),
+    "architecture.qkv_bias": FLAG,
+    "architecture.o_bias": FLAG,
+    "architecture.mlp_bias": FLAG,
+    "architecture.qk_norm": FLAG,
+    "architecture.sliding_window": _optional(POSITIVE_INT),
+    "architecture.layer_types": _optional(_list_of(_one_of(LAYER_TYPES))),
+    "architecture.hidden_act": _one_of(ACTIVATIONS),  # gated_activation runs GeLU for any name but "silu"
+    "architecture.sandwich_norms": FLAG,
+    "architecture.scale_embeddings": FLAG,
+    "architecture.query_pre_attn_scalar": _optional(POSITIVE_NUMBER),  # ** -0.5: 0 divides by zero
+    "architecture.attn_logit_softcapping": _optional(POSITIVE_NUMBER),  # cap * tanh(x / cap)
+    "architecture.final_logit_softcapping": _optional(POSITIVE_NUMBER),
+    "quantization.format": _one_of(QUANT_FORMATS),
+    "quantization.group_size": _optional(POSITIVE_INT),
+    "quantization.kv_cache_dtype": STRING,  # a record of the build's choice: the runtime reads plan.kv_cache_dtype
+    "quantization.exclude_modules": _list_of(STRING),
+    "quantization.fp8_streaming_max_m": (lambda value: type(value) is dict and all(
+        _non_negative_int(m) for m in value.values()), "an object of integers not below 0"),
+}
+
+
+def _relations(config: EngineConfig) -> Iterator[tuple[str, bool, str]]:
+    """(place in engine.json, whether its value agrees with the others, what it must be) for the values that depend
+    on others, in order: each may do arithmetic on those before it, and on every FIELD_RULES value."""
+    arch, quant = config.architecture, config.quantization
+    yield "architecture.head_dim", arch.head_dim % 2 == 0, "even (rotary embeddings rotate pairs of dimensions)"
+    yield ("architecture.num_heads", arch.num_heads % arch.num_kv_heads == 0,
+           f"a multiple of num_kv_heads ({arch.num_kv_heads})")
+    yield ("architecture.bos_token_id", arch.bos_token_id is None or arch.bos_token_id < arch.vocab_size,
+           f"null or below vocab_size ({arch.vocab_size})")
+    yield ("architecture.layer_types", arch.layer_types is None or len(arch.layer_types) == arch.num_layers,
+           f"null or a list of num_layers ({arch.num_layers}) layer types")
+    yield ("architecture.sliding_window", arch.sliding_window is not None
+           or "sliding_attention" not in (arch.layer_types or []), "a positive integer where layer_types has "
+                                                                      "sliding_attention layers")
+    if quant.format == "int4_awq":
+        yield "quantization.group_size", quant.group_size is not None, "a positive integer for format int4_awq"
+        split = _split_int4_groups(arch, quant)
+        yield ("quantization.group_size", not split,
+               f"a divisor of the input features of every INT4 linear ({', '.join(split)})")
+
+
+def _split_int4_groups(arch: Architecture, quant: QuantizationConfig) -> list[str]:
+    """The input features of the INT4 linears that ``quant.group_size`` does not divide (Int4AwqLinear refuses
+    them), as "name features"; a linear that ``exclude_modules`` keeps dense in every layer needs no groups."""
+    inputs = {"self_attn.qkv_proj": arch.hidden_size, "self_attn.o_proj": arch.num_heads * arch.head_dim,
+              "mlp.gate_up_proj": arch.hidden_size, "mlp.down_proj": arch.intermediate_size}
+    return [f"{name} {features}" for name, features in inputs.items() if features % quant.group_size and not all(
+        any(fnmatch(f"layers.{i}.{name}", pattern) for pattern in quant.exclude_modules)
+        for i in range(arch.num_layers))]
+
+
+# the keys that layers/rotary.py reads of each of its ROPE_TYPES' ``rope_scaling`` (others are kept, unread)
+FACTORS: Rule = _list_of((is_number, "a finite number"))
+ROPE_SCALING_RULES: dict[str, dict[str, Rule]] = {
+    "default": {},
+    "linear": {"factor": POSITIVE_NUMBER},
+    "llama3": {"factor": POSITIVE_NUMBER, "low_freq_factor": POSITIVE_NUMBER, "high_freq_factor": POSITIVE_NUMBER,
+               "original_max_position_embeddings": POSITIVE_INT},
+    "longrope": {"short_factor": FACTORS, "long_factor": FACTORS, "attention_factor": NON_NEGATIVE_NUMBER,
+                 "original_max_position_embeddings": POSITIVE_INT},
+    "yarn": {"factor": POSITIVE_NUMBER, "beta_fast": POSITIVE_NUMBER, "beta_slow": POSITIVE_NUMBER, "truncate": FLAG,
+             "attention_factor": NON_NEGATIVE_NUMBER, "original_max_position_embeddings": POSITIVE_INT},
+}
+
+
+def _rope_problem(arch: Architecture) -> str | None:
+    """Why ``rope_scaling`` (an object or null) and ``rope_theta`` (a positive number) make no rotary table: a rope
+    type without ROPE_SCALING_RULES (the builder writes ``rope_type``; RotaryEmbedding reads no other key for
+    LongRoPE and YaRN), a key of its type that is missing or out of range, or frequencies that are not finite."""
+    scaling = arch.rope_scaling or {}
+    rope_type = scaling.get("rope_type") if scaling else "default"
+    if type(rope_type) is not str or rope_type not in ROPE_SCALING_RULES:
+        return (f"architecture.rope_scaling.rope_type must be one of {', '.join(ROPE_SCALING_RULES)}, got "
+                f"{reprlib.repr(rope_type)}")
+    for key, (check, requirement) in ROPE_SCALING_RULES[rope_type].items():
+        if not check(scaling.get(key)):
+            return (f"architecture.rope_scaling.{key} must be {requirement} for rope type {rope_type!r}, got "
+                    f"{reprlib.repr(scaling.get(key))}")
+    try:
+        if rope_type == "longrope":
+            inv_freqs = longrope_inv_freqs(arch.head_dim, arch.rope_theta, scaling)
+        else:
+            inv_freqs = (rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling),)
+    except EngineFormatError as e:
+        return f"architecture.rope_scaling: {e}"
+    except (ArithmeticError, ValueError):  # YaRN's logarithms of a rope_theta of 1, say
+        inv_freqs = (torch.tensor(float("nan")),)
+    if not all(torch.isfinite(inv_freq).all() for inv_freq in inv_freqs):
+        return (f"architecture.rope_theta {arch.rope_theta!r} with rope type {rope_type!r} gives rotary frequencies "
+                f"that are not finite")
+    return None
 
 
 TOP_LEVEL_KEYS = ("format", "format_version", "architecture", "dtype", "quantization", "plan", "fingerprint",
