@@ -27,9 +27,11 @@ def stopping_eos_ids(checkpoint_dir: Path, config: dict[str, Any], generation: d
     """``generation_eos_ids``, then the id of the tokenizer's ``eos_token`` where it is another, as vLLM stops on
     both (``eos_token_text``: as transformers reads it): a ChatML fine-tune may name ``<|im_end|>`` in
     tokenizer_config.json and only ``<|endoftext|>`` in its configs, and every chat reply would otherwise run to
-    its token limit."""
+    its token limit. A tokenizer's id past the model's ``vocab_size`` is left out: the model never emits it."""
     ids = generation_eos_ids(config, generation)
     text = eos_token_text(checkpoint_dir)
     tokenizer = Tokenizer.from_dir(checkpoint_dir) if text is not None else None
     token_id = None if tokenizer is None else tokenizer.token_id(text)
-    return ids if token_id is None or token_id in ids else [*ids, token_id]
+    vocab_size = config.get("vocab_size")
+    outside = token_id is not None and isinstance(vocab_size, int) and token_id >= vocab_size
+    return ids if token_id is None or token_id in ids or outside else [*ids, token_id]

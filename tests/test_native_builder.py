@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from kiln.engines.eos import stopping_eos_ids
 from kiln.engines.native import plan as native_plan
 from kiln.engines.native.builder import build_native_engine
 from kiln.runtime.errors import EngineFormatError, FingerprintMismatchError, KilnError
@@ -196,6 +197,14 @@ def test_older_rope_scaling_and_generation_config_eos_ids_are_read(tmp_path):
     (checkpoint / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "t9"}))
     # the tokenizer's EOS too, where it is another (a ChatML fine-tune's <|im_end|>), as vLLM stops on it
     assert build(checkpoint, tmp_path, name="chatml")[0]["architecture"]["eos_token_ids"] == [7, 2, 9]
+
+
+def test_a_tokenizer_eos_past_the_models_vocabulary_is_no_stop_id(checkpoint):
+    tokenizer_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "t9"}))
+    assert stopping_eos_ids(checkpoint, {"vocab_size": 10, "eos_token_id": 2}, {}) == [2, 9]
+    # an added token the embeddings lack: banning it (min_tokens) would index past the logits
+    assert stopping_eos_ids(checkpoint, {"vocab_size": 9, "eos_token_id": 2}, {}) == [2]
 
 
 def test_kv_cache_allocation_matches_bytes_per_block(checkpoint, tmp_path):
