@@ -10,7 +10,7 @@ from pathlib import Path
 from kiln.calibration.checkpoint_checks import check_quantizable
 from kiln.engines.cache import EngineCache, checkpoint_hash
 from kiln.engines.cache.layout import layout_root
-from kiln.engines.native.builder import preflight_native_plan, refuse_parallelism
+from kiln.engines.native.builder import preflight_native_plan, preflight_tensor_parallel, refuse_parallelism
 from kiln.pipeline.backend import choose_backend, require, require_device
 from kiln.pipeline.config import LoadedConfig, is_local_path, load_config
 from kiln.pipeline.console import warn
@@ -92,11 +92,13 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
             check_quantizable(model_dir)
         if (positions := model_max_positions(model_dir)) is not None:
             loaded.fit_to_model(positions)
-        if choice.backend == "native":
-            with _at_its_line(loaded):
+        with _at_its_line(loaded):
+            if choice.backend == "native":
                 preflight_native_plan(model_dir, loaded.config.build.plan(), loaded.config.model.dtype,
                                       loaded.config.build.tp_size, loaded.config.quantize.int4_group_size,
                                       loaded.config.quantize.format)
+            else:
+                preflight_tensor_parallel(model_dir, loaded.config.build.tp_size)
     cache = open_cache(loaded, create=not dry_run)
     state = checkpoint_state(model_dir, memo_path=cache.hash_memo_path if cache else None) if model_dir else None
     ctx = BuildContext(loaded=loaded, choice=choice, options=options, cache=cache, model_dir=model_dir,

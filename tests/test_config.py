@@ -268,17 +268,19 @@ def test_a_dry_run_warns_of_a_model_the_build_would_not_find(tmp_path, monkeypat
     assert "the build would stop here" in result.stderr
 
 
-@pytest.mark.parametrize(("setting", "words"), [("tp_size: 3", "build.tp_size 3 cannot split this model"),
-                                                ("pp_size: 2", "build.pp_size 2: the native backend has no pipeline"),
-                                                ("max_seq_len: 9999", "build.max_seq_len (9999) exceeds the model's")])
-def test_a_plan_the_model_or_backend_refuses_is_named_at_its_line(tmp_path, monkeypatch, setting, words):
+@pytest.mark.parametrize(("backend", "setting", "words"), [
+    ("native", "tp_size: 3", "build.tp_size 3 cannot split this model"),
+    ("trtllm", "tp_size: 3", "build.tp_size 3 cannot split this model"),  # before: a plan, at TensorRT-LLM's mercy
+    ("native", "pp_size: 2", "build.pp_size 2: the native backend has no pipeline"),
+    ("native", "max_seq_len: 9999", "build.max_seq_len (9999) exceeds the model's")])
+def test_a_plan_the_model_or_backend_refuses_is_named_at_its_line(tmp_path, monkeypatch, backend, setting, words):
     from typer.testing import CliRunner
 
     from kiln.pipeline.cli import app
 
     tiny = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
-    (tmp_path / "kiln.yaml").write_text(f"model:\n  path: {tiny}\nbuild:\n  backend: native\n  {setting}\n")
+    (tmp_path / "kiln.yaml").write_text(f"model:\n  path: {tiny}\nbuild:\n  backend: {backend}\n  {setting}\n")
     result = CliRunner().invoke(app, ["build", str(tmp_path / "kiln.yaml"), "--dry-run"])
     assert result.exit_code == 2 and result.stderr.startswith(f"error: {tmp_path / 'kiln.yaml'}:5: {words}")
 

@@ -138,6 +138,13 @@ def refuse_unshardable(arch: Architecture, tp_size: int, group_size: int | None)
                         f"that divides them")
 
 
+def preflight_tensor_parallel(checkpoint_dir: Path, tp_size: int) -> None:
+    """Refuse a ``tp_size`` that cannot split the checkpoint's heads, KV heads or MLP evenly, whichever backend
+    builds it (TensorRT-LLM's conversion splits them as the native sharding does); reads config.json only."""
+    if tp_size > 1:
+        refuse_unshardable(read_architecture(Path(checkpoint_dir))[0], tp_size, None)
+
+
 def preflight_native_plan(checkpoint_dir: Path, plan: BuildPlan, dtype: str, tp_size: int = 1,
                           quantized_group_size: int | None = None, quantize_format: str = "none") -> None:
     """Check a build plan against the checkpoint's architecture before any stage runs (reads config.json only), so
