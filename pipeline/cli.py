@@ -30,7 +30,7 @@ from kiln.pipeline.console import (
 )
 from kiln.pipeline.runtime_env import runtime_options, unknown_variables
 from kiln.pipeline.serve_command import serve
-from kiln.pipeline.vllm_names import vllm_flag_advice
+from kiln.pipeline.vllm_names import VLLM_SHORT_FLAGS, vllm_flag_advice
 
 
 class KilnGroup(TyperGroup):
@@ -86,7 +86,8 @@ def _unknown_options(exc: typer.TyperException, option: str) -> str | None:
     ctx = getattr(exc, "ctx", None)
     known = {name for param in ctx.command.params for name in (*param.opts, *param.secondary_opts)} if ctx else set()
     argv = ctx.meta.get("argv", []) if ctx else []
-    flags = [flag for token in argv if token.startswith("--") and (flag := token.split("=", 1)[0]) not in known]
+    flags = [flag for token in argv if (token.startswith("--") or token.split("=", 1)[0] in VLLM_SHORT_FLAGS)
+             and (flag := token.split("=", 1)[0]) not in known]
     advice = {flag: _advice(flag, known) for flag in dict.fromkeys(flags or [option])}
     if not any(advice.values()):
         return None

@@ -404,6 +404,10 @@ def serve(
         check_tool_call_parser(tool_call_parser, template, model_dir)  # the checkpoint's template, the engine's
 
     resolved = serve_target(target, options, backend=backend, before_build=check_before_build)
+    if rendezvous is not None and (resolved.engine_dir / "engine.json").is_file():  # a native engine: rank 0
+        from kiln.runtime.native.parallel.worker import require_ranks  # says what the others say, in torchrun's terms
+
+        require_ranks(resolved.engine_dir, rendezvous)
     check_tool_call_parser(tool_call_parser, template, resolved.engine_dir)  # the template the engine serves
     names = model_names or [resolved.model_name]
     settings = resolved.settings(

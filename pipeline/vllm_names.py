@@ -52,10 +52,16 @@ REFUSED_VLLM_FLAGS = {
 }
 
 
+# `vllm serve`'s short aliases of its flags
+VLLM_SHORT_FLAGS = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
+                    "-dp": "--data-parallel-size", "-q": "--quantization"}
+
+
 def vllm_flag_advice(flag: str) -> str | None:
-    """What Kiln does instead of ``vllm serve``'s ``flag`` (also written with underscores): where it takes the
-    setting, or why it refuses it; None for a flag vLLM does not have, as far as Kiln knows."""
+    """What Kiln does instead of ``vllm serve``'s ``flag`` (also written with underscores, or as its short alias):
+    where it takes the setting, or why it refuses it; None for a flag vLLM does not have, as far as Kiln knows."""
     dashed = flag.split("=", 1)[0].replace("_", "-")
+    dashed = VLLM_SHORT_FLAGS.get(dashed, dashed)
     if kiln_name := kiln_setting_for(dashed):
         return f"vLLM's; Kiln takes it as {kiln_name} in the build config"
     if dashed in REFUSED_VLLM_FLAGS:

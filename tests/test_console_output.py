@@ -216,6 +216,7 @@ def test_vllm_serve_flags_kiln_cannot_honour_are_refused_naming_what_it_does_ins
                          "--max-model-len (vLLM's; Kiln takes it as build.max_seq_len in the build config); "
                          "--ssl-keyfile (vLLM's; Kiln serves plain HTTP: terminate TLS at the proxy or ingress)"),
                         (["--served_model_name", "a"], "--served_model_name (write --served-model-name)"),
+                        (["-tp", "2"], "-tp (vLLM's; Kiln takes it as build.tp_size"),  # before: "No such option: -t"
                         (["--allowed-methods", '["GET", "POST"]'], "allows every method and cannot narrow them"),
                         (["--allowed-headers", "authorization"], "allows every header and cannot narrow them")):
         result = CliRunner().invoke(app, ["serve", missing, *args])

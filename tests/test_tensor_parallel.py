@@ -453,3 +453,16 @@ def test_kiln_cache_ls_tells_a_tp2_engine_from_a_one_device_one(tmp_path):
     assert CliRunner().invoke(app, ["build", str(config), "--json"]).exit_code == 0
     listed = CliRunner().invoke(app, ["cache", "ls", "--cache-dir", str(tmp_path / "c"), "--json"])
     assert [row["gpu"] for row in json.loads(listed.stdout) if row["store"] == "entries"] == ["cpu x2"]
+
+
+def test_rank_zero_under_torchrun_names_the_ranks_an_engine_of_one_device_cannot_run_on(tmp_path):
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+    from tests.test_server_support import tiny_engine
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+           "KILN_CACHE": str(tmp_path / "cache")}
+    result = CliRunner().invoke(app, ["serve", str(tiny_engine()), "--port", "0"], env=env)
+    assert result.exit_code != 0 and "an engine of tp_size 1 cannot run on 2 ranks" in result.stderr, result.stderr
+    assert "tp_rendezvous" not in result.stderr  # before: an option the user never set, to leave unset

@@ -53,13 +53,21 @@ def rank_key(what: str, rank: int) -> str:
     return f"{what}/{rank}"
 
 
-def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous, device: torch.device,
-               on_loaded: Callable[[], None] | None = None) -> None:
-    """Join the engine's ranks, load this rank's shard on ``device`` and run rank 0's steps until it says stop."""
+def require_ranks(engine_dir: Path, rendezvous: Rendezvous) -> EngineConfig:
+    """The engine's config; TensorParallelError when its tp_size is not the rendezvous' number of ranks (torchrun's
+    WORLD_SIZE)."""
     config = EngineConfig.load(engine_dir)
     if rendezvous.size != config.tp_size:
         raise TensorParallelError(f"{engine_dir}: an engine of tp_size {config.tp_size} cannot run on "
-                                  f"{rendezvous.size} ranks")
+                                  f"{rendezvous.size} ranks; start as many ranks as its tp_size (torchrun "
+                                  f"--nproc-per-node and --nnodes)")
+    return config
+
+
+def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous, device: torch.device,
+               on_loaded: Callable[[], None] | None = None) -> None:
+    """Join the engine's ranks, load this rank's shard on ``device`` and run rank 0's steps until it says stop."""
+    config = require_ranks(engine_dir, rendezvous)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches and graph captures go to the current device
     tp = TensorParallelGroup(rendezvous, device)
