@@ -96,7 +96,7 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
             if choice.backend == "native":
                 preflight_native_plan(model_dir, loaded.config.build.plan(), loaded.config.model.dtype,
                                       loaded.config.build.tp_size, loaded.config.quantize.int4_group_size,
-                                      loaded.config.quantize.format)
+                                      loaded.config.quantize.chain)
             else:
                 preflight_tensor_parallel(model_dir, loaded.config.build.tp_size)
     cache = open_cache(loaded, create=not dry_run)

@@ -251,6 +251,9 @@ def test_a_dry_run_refuses_int4_awq_for_input_features_that_are_not_whole_groups
     with pytest.raises(KilnError, match=r"int4_awq needs in-features divisible by 128, but intermediate_size "
                                         r"\(down_proj input\) 320 are not; make fp8 the primary format"):
         engine_key(tmp_path, model_copy, edit=lambda text: text.replace("format: fp8", "format: int4_awq"))
+    fallback = "format: fp8\n  fallback: [int4_awq, none]"
+    with pytest.raises(KilnError, match="320 are not; remove int4_awq from quantize.fallback"):  # before: after fp8
+        engine_key(tmp_path, model_copy, edit=lambda text: text.replace("format: fp8", fallback))  # calibrated
     assert engine_key(tmp_path, model_copy)  # fp8 takes any width
 
 

@@ -3,6 +3,7 @@ INT4-AWQ)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -146,24 +147,27 @@ def preflight_tensor_parallel(checkpoint_dir: Path, tp_size: int) -> None:
 
 
 def preflight_native_plan(checkpoint_dir: Path, plan: BuildPlan, dtype: str, tp_size: int = 1,
-                          quantized_group_size: int | None = None, quantize_format: str = "none") -> None:
+                          quantized_group_size: int | None = None, formats: Sequence[str] = ("none",)) -> None:
     """Check a build plan against the checkpoint's architecture before any stage runs (reads config.json only), so
     a plan the model cannot hold fails in seconds rather than after calibration; ``quantized_group_size``: the INT4
     group size of the checkpoint the quantize stage may make of it, whose groups the ranks must not split, and
-    which every linear's input features must hold whole when ``quantize_format`` is int4_awq."""
+    which every linear's input features must hold whole when ``formats`` (the primary format, then the fallback
+    chain) has int4_awq."""
     arch, hf_config = read_architecture(Path(checkpoint_dir))
     fit_plan(replace(plan, kv_cache_dtype="auto"), arch, dtype, fp8_kv_available=False)
     source_group_size = read_quantization(Path(checkpoint_dir), hf_config).group_size
     refuse_unshardable(arch, tp_size, source_group_size or quantized_group_size)
-    if quantize_format == "int4_awq" and quantized_group_size:
-        refuse_partial_groups(arch, quantized_group_size)
+    if "int4_awq" in formats and quantized_group_size:
+        refuse_partial_groups(arch, quantized_group_size, primary=formats[0] == "int4_awq")
 
 
-def refuse_partial_groups(arch: Architecture, group_size: int) -> None:
-    """An int4_awq plan whose linears' input features are not whole INT4 groups is refused, naming them."""
+def refuse_partial_groups(arch: Architecture, group_size: int, primary: bool = True) -> None:
+    """An int4_awq plan whose linears' input features are not whole INT4 groups is refused, naming them; one where
+    int4_awq is a fallback too, before the primary format's calibration is spent (``primary``: it is the first)."""
     inputs = {"hidden_size (q/k/v, gate/up input)": arch.hidden_size,
               "num_attention_heads x head_dim (o_proj input)": arch.num_heads * arch.head_dim,
               "intermediate_size (down_proj input)": arch.intermediate_size}
     if bad := [f"{name} {features}" for name, features in inputs.items() if features % group_size]:
-        raise PlanError(f"int4_awq needs in-features divisible by {group_size}, but {'; '.join(bad)} are not; make "
-                        "fp8 the primary format (quantize.format: fp8: the fallback chain applies to the gate)")
+        fix = ("make fp8 the primary format (quantize.format: fp8: the fallback chain applies to the gate)" if primary
+               else "remove int4_awq from quantize.fallback")
+        raise PlanError(f"int4_awq needs in-features divisible by {group_size}, but {'; '.join(bad)} are not; {fix}")
