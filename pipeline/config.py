@@ -87,6 +87,8 @@ class BuildSection(_Section):
 
     @model_validator(mode="after")
     def _check_plan(self) -> BuildSection:
+        if "max_input_len" not in self.model_fields_set and self.max_input_len > self.max_seq_len:
+            self.max_input_len = max(1, self.max_seq_len // 2)  # a max_seq_len below the default's: half of it
         self.plan()  # the plan's own checks (PlanError is a ValueError: pydantic names the file, line and field)
         if self.max_num_tokens < self.max_batch_size:  # a new plan only: engines built before still load and run
             raise ValueError(f"build.max_num_tokens ({self.max_num_tokens}) must be at least build.max_batch_size "

@@ -185,6 +185,11 @@ def test_limits_left_to_their_defaults_are_fitted_to_the_model_and_explicit_ones
     assert (only_input.max_seq_len, only_input.max_input_len) == (512, 100)
     with pytest.raises(PlanError, match=r"build.tokens_per_block \(1024\) must not exceed build.max_seq_len, fitted"):
         BuildSection(tokens_per_block=1024).fitted_to_model(512)
+    alone = BuildSection(max_seq_len=512)  # before: refused for the default max_input_len of 1024 it never wrote
+    assert (alone.max_seq_len, alone.max_input_len) == (512, 256)
+    assert BuildSection(max_seq_len=1536).max_input_len == 1024  # a max_seq_len that holds the default keeps it
+    with pytest.raises(ValueError, match=r"build.max_input_len \(600\) must not exceed build.max_seq_len \(512\)"):
+        BuildSection(max_seq_len=512, max_input_len=600)
 
 
 def test_config_show_prints_the_values_in_force(tmp_path, monkeypatch):
