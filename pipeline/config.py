@@ -520,8 +520,12 @@ def _problem(loc: tuple[str, ...], errors: list[dict], path: Path, lines: dict[t
         section = ".".join(loc[:-1]) or "the top level"
         known = _section_fields(loc[:-1])
         guess = difflib.get_close_matches(loc[-1], known, n=1)
+        elsewhere = [name for name in _section_fields(()) if name != ".".join(loc[:-1])
+                     and loc[-1] in _section_fields((name,))]
         if kiln_name := kiln_setting_for(loc[-1]):
             hint = f"vLLM's {loc[-1]} is Kiln's {kiln_name}"
+        elif elsewhere:  # a key of another section (build's max_seq_len under quantize, which has seq_len)
+            hint = f"{loc[-1]} belongs under {' or '.join(elsewhere)}"
         else:
             hint = f"did you mean '{guess[0]}'?" if guess else f"it takes {', '.join(known)}"
         text = f"unknown key '{loc[-1]}' in {section}; {hint}"

@@ -310,6 +310,14 @@ def test_misspellings_get_a_did_you_mean(tmp_path):
         load_config("tiny-llama-fp9")
 
 
+def test_a_key_of_another_section_is_told_where_it_belongs_not_a_look_alike_here(tmp_path):
+    (tmp_path / "kiln.yaml").write_text("model:\n  path: ./m\nquantize:\n  max_seq_len: 256\nbuild:\n  format: fp8\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "kiln.yaml")
+    assert "unknown key 'max_seq_len' in quantize; max_seq_len belongs under build" in str(error.value)  # before:
+    assert "unknown key 'format' in build; format belongs under quantize" in str(error.value)  # "did you mean seq_len"
+
+
 def test_vllm_names_are_told_kilns_instead_of_a_look_alike(tmp_path):
     (tmp_path / "kiln.yaml").write_text("model:\n  path: ./m\nbuild:\n  max_num_seqs: 4\n")
     with pytest.raises(ConfigError, match="unknown key 'max_num_seqs' in build; vLLM's max_num_seqs is Kiln's "
