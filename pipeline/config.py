@@ -487,7 +487,10 @@ def _section_fields(loc: tuple[str, ...]) -> list[str]:
 
 
 _NOT_A_SECTION = ("model_type", "model_attributes_type", "dataclass_type")  # "... instance of BuildSection"
-_UNQUOTED = {"int_type": "a whole number", "float_type": "a number", "bool_type": "true or false"}
+# what a field of each type takes, and the text of one such value that quotes made a string ("8", "true")
+_UNQUOTED = {"int_type": ("a whole number", re.compile(r"[-+]?[0-9]+")),
+             "float_type": ("a number", re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")),
+             "bool_type": ("true or false", re.compile(r"true|false", re.IGNORECASE))}
 
 
 def _describe(exc: ValidationError, path: Path, lines: dict[tuple[str, ...], int]) -> str:
@@ -538,7 +541,8 @@ def _problem(loc: tuple[str, ...], errors: list[dict], path: Path, lines: dict[t
     elif "input" in error and kind != "assertion_error":
         text += f" (got {error['input']!r})"
         if isinstance(error["input"], str) and kind in _UNQUOTED:
-            text += f"; write {_UNQUOTED[kind]} without quotes"
+            wanted, quoted = _UNQUOTED[kind]
+            text += f"; write {wanted}" + (" without quotes" if quoted.fullmatch(error["input"].strip()) else "")
     return f"{where}: {'.'.join(loc) or '(top level)'}: {text}"
 
 

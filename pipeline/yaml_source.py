@@ -33,21 +33,29 @@ class _ConfigLoader(yaml.SafeLoader):
 
 
 def _construct_int(loader: _ConfigLoader, node: yaml.ScalarNode) -> int:
-    """An integer as YAML 1.2 reads it: ``016`` is refused rather than read as octal 14 (YAML 1.1), ``0x10`` kept."""
-    text = str(node.value).lstrip("+-").replace("_", "")
-    if len(text) > 1 and text.startswith("0") and text[1].isdigit():
+    """An integer as YAML 1.2 reads it: decimal, ``0o17`` octal or ``0x1f`` hexadecimal; ``016`` is refused rather
+    than read as octal 14 (YAML 1.1)."""
+    text = str(node.value)
+    digits = text.lstrip("+-")
+    if len(digits) > 1 and digits.startswith("0") and digits[1].isdigit():
         raise _Refused(problem=f"{node.value}: a number with a leading zero is ambiguous (YAML 1.1 reads 016 as octal "
-                               f"14); write {int(text, 10)}", problem_mark=node.start_mark)
-    return yaml.SafeLoader.construct_yaml_int(loader, node)
+                               f"14); write {int(digits, 10)}", problem_mark=node.start_mark)
+    return int(text, 0)
 
 
+# numbers as YAML 1.2's core schema reads them, in place of PyYAML's YAML 1.1 rules: no sexagesimal 1:30 (90 in YAML
+# 1.1) and no 1_000 (both strings, which a number field refuses), 0o17 octal, and floats without a dot (1e-2)
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _NUMBER_TAGS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _ConfigLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
-_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?0[0-9_]+$"), list("-+0"))
-
-# YAML 1.2 floats without a dot or an exponent sign (1e-2, 5e3), which PyYAML's YAML 1.1 rules read as strings
-_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
                                     list("-+0123456789"))
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"))
 
 
 def load_yaml_with_lines(path: Path) -> tuple[Any, dict[tuple[str, ...], int]]:

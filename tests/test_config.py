@@ -510,6 +510,12 @@ def test_yaml_numbers_read_as_yaml_1_2_and_control_characters_are_one_line(tmp_p
     assert config.quantize.tolerance == 0.01  # YAML 1.1 read it as the string "1e-2"
     with pytest.raises(ConfigError, match=r"kiln.yaml:4: .*016: a number with a leading zero .* write 16"):
         load_config(write(tmp_path, "model:\n  path: m\nbuild:\n  tokens_per_block: 016\n"))  # octal 14 in 1.1
+    assert load_config(write(tmp_path, "model:\n  path: m\nbuild:\n  tokens_per_block: 0o20\n")).config.build \
+        .tokens_per_block == 16  # YAML 1.2's octal (refused as a string before)
+    for sexagesimal_or_underscored in ("1:30", "1_0"):  # YAML 1.1's 90 and 10, before: taken silently
+        with pytest.raises(ConfigError, match=f"build.timeout_s: .*got '{sexagesimal_or_underscored}'\\); write a whole "
+                                              f"number$"):  # no "without quotes": it had none
+            load_config(write(tmp_path, f"model:\n  path: m\nbuild:\n  timeout_s: {sexagesimal_or_underscored}\n"))
     with pytest.raises(ConfigError, match=r"kiln.yaml:3: control character U\+0007"):
         load_config(write(tmp_path, "model:\n  path: m\n  \x07\n"))
 
