@@ -31,11 +31,11 @@ def print_result(result: dict) -> None:
     print_plan(result)
     quant = result.get("quantization")
     if quant:
-        verdict = "converged" if quant.get("converged") else "not converged"
         shipped = quant.get("format")
         fallback = f" (fell back from {quant['fallback_from']})" if quant.get("fallback_from") else ""
-        stdout.print(f"quantize  {shipped}{fallback}: {verdict}; gate {_gate_text(quant.get('gate') or {})}",
-                     highlight=False)
+        verdict = UNQUANTIZED if shipped == "none" else \
+            f"{_verdict(quant.get('converged'))}; gate {_gate_text(quant.get('gate') or {})}"
+        stdout.print(f"quantize  {shipped}{fallback}: {verdict}", highlight=False)
         unsettled = quant.get("unsettled") or []
         if not quant.get("converged") and unsettled:
             named = ", ".join(f"{u['statistic']} ({_fmt(_pct(u['recent_change']), '.1f')}%)" for u in unsettled[:3])
@@ -69,7 +69,7 @@ def print_quantize(result: dict) -> None:
                       _fmt(row["kl"], ".5f"), f"{_fmt(_pct(row['top1_agreement']), '.1f')}%")
     if result["rounds"]:
         stdout.print(table)
-    verdict = "converged" if result["converged"] else "not converged"
+    verdict = UNQUANTIZED if result["format"] == "none" else _verdict(result["converged"])
     fallback = f" (fell back from {result['fallback_from']})" if result.get("fallback_from") else ""
     action = "ran" if result["action"] == "run" else "skipped"
     stdout.print(f"stage     {action}: {result['reason']}", highlight=False)
@@ -77,10 +77,17 @@ def print_quantize(result: dict) -> None:
     if result.get("summary"):
         stdout.print(f"          {result['summary']}", highlight=False)
     gate = result.get("gate")
-    if gate:
+    if gate and result["format"] != "none":
         stdout.print(f"gate      {_gate_text(gate)}", highlight=False)
     stdout.print(f"checkpoint {result['checkpoint_dir']} (content hash {result['checkpoint_hash'][:16]}…)",
                  highlight=False)
+
+
+UNQUANTIZED = "unquantized (nothing to calibrate or gate)"
+
+
+def _verdict(converged: bool | None) -> str:
+    return "converged" if converged else "not converged"
 
 
 def _gate_text(gate: dict) -> str:

@@ -328,6 +328,18 @@ def test_the_summary_says_what_the_cache_saved(monkeypatch, capsys, hit, words):
     assert f"cache     {words}" in capsys.readouterr().out
 
 
+def test_a_build_that_fell_back_to_none_says_it_is_unquantized_not_that_it_converged(monkeypatch, capsys):
+    from kiln.pipeline import summary
+
+    monkeypatch.setattr(summary, "print_plan", lambda result: None)
+    quantization = {"format": "none", "fallback_from": "int4_awq, fp8", "converged": True,
+                    "gate": {"passed": True, "ppl_increase": 0.0, "kl": 0.0, "top1_agreement": 1.0}}
+    summary.print_result({"quantization": quantization, "cache": {"hit": False, "reason": "new"},
+                          "engine_dir": "/e", "load_ms": 1.0})
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("quantize"))
+    assert line == "quantize  none (fell back from int4_awq, fp8): unquantized (nothing to calibrate or gate)"
+
+
 def test_text_with_square_brackets_is_printed_as_it_is(tmp_path):
     from typer.testing import CliRunner
 
