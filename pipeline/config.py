@@ -374,15 +374,18 @@ def remote_turned_off() -> bool:
 
 def find_config(name_or_path: str | Path) -> Path | None:
     """A config (``.yaml``) or architecture file (``.json``): the path as given, else a bare name
-    (``tiny-llama-fp8.yaml``, ``tiny-llama-fp8``, ``llama3-8b``) under the bundled ``configs/`` or
-    ``configs/models/``, else a ``configs/...`` path as the docs write it, in the bundled ``configs/``; None when
-    there is no such file."""
+    (``tiny-llama-fp8.yaml``, ``tiny-llama-fp8``, ``llama3-8b``) with its suffix in the current folder (a bundled
+    config copied here to edit), then under the bundled ``configs/`` or ``configs/models/``, else a ``configs/...``
+    path as the docs write it, in the bundled ``configs/``; None when there is no such file."""
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path.resolve()
     if path.parent != Path("."):
         bundled = PACKAGE_DIR / path
         return bundled if path.parts[0] == "configs" and bundled.is_file() else None
+    if local := next((here for suffix in (".yaml", ".yml", ".json") if (here := Path(path.name + suffix)).is_file()),
+                     None):
+        return local.resolve()
     return next((candidate for folder in (CONFIGS_DIR, CONFIGS_DIR / "models")
                  for suffix in ("", ".yaml", ".yml", ".json")
                  if (candidate := folder / f"{path.name}{suffix}").is_file()), None)

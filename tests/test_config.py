@@ -27,6 +27,13 @@ def test_bare_name_resolves_under_the_bundled_configs():
     assert find_config("no-such-config") is None and find_config("configs/no/such.yaml") is None
 
 
+def test_a_bare_name_finds_a_copy_in_the_current_folder_before_the_bundled_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-llama-fp8.yaml").write_text("model:\n  path: ./edited\n")  # copied here to edit
+    assert find_config("tiny-llama-fp8") == tmp_path / "tiny-llama-fp8.yaml"  # before: the bundled one, unedited
+    assert find_config("tiny-llama-int4-awq") == CONFIGS_DIR / "tiny-llama-int4-awq.yaml"
+
+
 def test_a_configs_path_as_the_docs_write_it_resolves_to_the_bundled_file_from_any_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert find_config("configs/models/llama3-8b.json") == CONFIGS_DIR / "models" / "llama3-8b.json"
