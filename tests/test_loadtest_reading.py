@@ -111,6 +111,21 @@ def test_a_stream_that_ends_before_its_finish_or_its_done_fails_and_adds_no_toke
     assert report["tokens_counted"] == "usage"  # before: "estimated", from the cut stream without usage
 
 
+def test_an_odd_chunk_from_another_server_fails_its_request_not_the_load_test():
+    text = [{"choices": [{"index": 0, "text": "t", "finish_reason": None}]}] * 2
+    odd = [{"error": "plain string error"},  # TGI's error event
+           "data: {not json}\n\n", {"choices": None, "usage": {"completion_tokens": "x"}}, {"choices": ["t"]}]
+    answers = [text + finish(5), *([*text, chunk, *finish(5)] for chunk in odd)]
+
+    async def run() -> dict:
+        async with fake_server(lambda n: answers[n]) as url:
+            return await run_http(url, workload(len(answers), 5), concurrency=1)
+
+    report = asyncio.run(run())  # before: the client process died on the first of these, and the run with it
+    assert (report["succeeded"], report["failed"]) == (2, 3) and report["output_tokens"] == 10
+    assert "plain string error" in report["errors"] and any("no JSON object" in e for e in report["errors"])
+
+
 def test_estimated_tokens_say_how_many_of_the_succeeded_requests_they_are():
     counted = RequestResult(status=200, ttft_s=0.1, latency_s=0.2, completion_tokens=4, events=4)
     estimated = RequestResult(status=200, ttft_s=0.1, latency_s=0.2, completion_tokens=4, events=4,

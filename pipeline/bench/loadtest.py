@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -112,6 +113,8 @@ def _engine_target(target: str, options: RuntimeOptions) -> ServeTarget | None:
     if target.startswith(("http://", "https://")):
         _check_url(target)
         return None
+    if re.fullmatch(r"[\w.-]+:[0-9]+/?", target) and not Path(target).exists():  # HOST:PORT, no scheme
+        raise typer.BadParameter(f"{target}: a server's URL starts with its scheme: give http://{target}")
     from kiln.pipeline.serve_command import require_serve_extra, serve_target
 
     require_serve_extra()

@@ -170,8 +170,8 @@ async def _model_card(session, url: str, ready_wait_s: float = READY_WAIT_S) -> 
                 retry_after = float(response.headers.get("Retry-After", 1))
             await asyncio.sleep(retry_after)  # with the connection given back
     except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, ValueError) as exc:
-        raise LoadTestError(f"{url}: cannot list models ({type(exc).__name__}: {exc}): is the server up and the key "
-                            f"right?") from None
+        why = "no answer in time" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+        raise LoadTestError(f"{url}: cannot list models ({why}): is the server up and the key right?") from None
 
 
 def _payload(model: str, request: ServingRequest, chat: bool) -> dict:
@@ -202,13 +202,8 @@ async def _one_http_request(session, path: str, payload: dict, disconnect_after:
             done = done or line.startswith(b"data: [DONE]")
             if not line.startswith(b"data: {"):
                 continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                result.error = chunk["error"].get("message")
+            if (choice := _read_chunk(line[6:], result)) is None:
                 continue
-            if chunk.get("usage"):  # on the last chunk, or on every one (vLLM's continuous_usage_stats)
-                result.completion_tokens = chunk["usage"]["completion_tokens"]
-            choice = (chunk.get("choices") or [{}])[0]
             result.finish_reason = choice.get("finish_reason") or result.finish_reason
             if _carries_output(choice):
                 last = result.arrived(start, last)
@@ -246,10 +241,36 @@ def _unfinished(finish_reason: str | None, done: bool) -> str | None:
     return None if done else "the stream ended without data: [DONE]"
 
 
+def _read_chunk(data: bytes, result: RequestResult) -> dict | None:
+    """A stream chunk's first choice (``{}`` when it has none), its usage counted in ``result``; None for an error
+    event (OpenAI's ``{"error": {"message"}}``, or TGI's ``{"error": "..."}``) or a chunk that is no OpenAI chunk,
+    which fails the request, not the load test."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        chunk = None
+    if not isinstance(chunk, dict):
+        result.error = f"a stream chunk that is no JSON object: {data[:80].decode(errors='replace')!r}"
+        return None
+    if "error" in chunk:
+        error = chunk["error"]
+        result.error = str(error.get("message") if isinstance(error, dict) else error)
+        return None
+    usage = chunk.get("usage")  # on the last chunk, or on every one (vLLM's continuous_usage_stats)
+    if isinstance(usage, dict) and type(tokens := usage.get("completion_tokens")) is int:
+        result.completion_tokens = tokens
+    choices = chunk.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    if not isinstance(choice, dict):
+        result.error = f"a stream chunk whose choice is no object: {data[:80].decode(errors='replace')!r}"
+        return None
+    return choice
+
+
 def _carries_output(choice: dict) -> bool:
     """Whether a stream chunk's choice brings generated output: text, a chat delta's answer, reasoning or tool
     calls (``DELTA_OUTPUT``), or the finish (a chat stream's first chunk only names the role)."""
-    delta = choice.get("delta") or {}
+    delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
     return bool(choice.get("text") or any(delta.get(name) for name in DELTA_OUTPUT) or choice.get("finish_reason"))
 
 
