@@ -228,7 +228,7 @@ def test_loadtest_refuses_a_workload_the_engine_cannot_serve_before_loading_it(t
 @pytest.mark.parametrize(("options", "problem"), [
     (["http://127.0.0.1:8000/v1"], "without a path (/v1)"),  # the OpenAI base URL, not the server's root
     (["http://127.0.0.1:port"], "not a server URL"),
-    (["localhost:8000"], "give http://localhost:8000"),  # before: "no such engine directory or config"
+    (["localhost:8000"], "starts with its scheme"),  # before: "no such engine directory or config"
     (["http://127.0.0.1:8000", "--input-len", "16", "--prompt", "hi"], "give one"),
     (["http://127.0.0.1:8000", "--chat", "--input-len", "16"], "--chat sends messages"),
     (["http://127.0.0.1:8000", "--in-process", "--device", "cuda"], "--in-process, --device apply only when"),
