@@ -66,10 +66,14 @@ def resolve_model(model: ModelSection) -> Path:
         for snapshot in _snapshots(model):  # in the cache, but not whole
             if problem := _weights_problem(snapshot, fetch=f"fetch them with `{command}`"):
                 raise ModelNotFoundError(f"{what} in the Hugging Face cache ({snapshot}) {problem}")
+        here = Path(model.path)
+        folder = (f"; {here.resolve()} is a folder, but a relative model.path is read from the config file's folder: "
+                  f"write it relative to that, or absolute") if "/" in model.path and here.is_dir() else \
+            " (a relative folder is read from the config file's folder)" if "/" in model.path else ""
         raise ModelNotFoundError(
             f"{what} is not on disk (not in the Hugging Face cache {hf_hub_cache()}); download it "
             f"with `{command}` where the hub is reachable, or set model.path to a local folder "
-            "(or model.allow_download: true)"
+            f"(or model.allow_download: true){folder}"
         )
     downloaded = _download(model)
     if problem := _weights_problem(downloaded):

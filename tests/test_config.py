@@ -541,6 +541,19 @@ def test_a_home_relative_path_is_the_home_folder_and_a_path_that_is_no_model_id_
             resolve_model(model)
 
 
+def test_a_relative_path_found_only_from_the_current_folder_is_named_in_the_miss(tmp_path, monkeypatch):
+    from kiln.pipeline.model_source import ModelNotFoundError, resolve_model
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "sub" / "tiny").mkdir(parents=True)
+    (tmp_path / "configs").mkdir()
+    monkeypatch.chdir(tmp_path)  # the config in configs/, the model beside it in the current folder
+    model = load_config(write(tmp_path / "configs", "model:\n  path: sub/tiny\n")).config.model
+    with pytest.raises(ModelNotFoundError, match="sub/tiny is a folder, but a relative model.path is read from the "
+                                                 "config file's folder"):  # before: only "hf download sub/tiny"
+        resolve_model(model)
+
+
 def test_text_that_rich_would_turn_into_emoji_is_printed_as_written(capsys):
     from kiln.pipeline.console import stdout
 
