@@ -95,6 +95,9 @@ class QuantizeRecipe(BaseModel):
         repeated = sorted({f for f in self.fallback if self.fallback.count(f) > 1})
         if repeated:
             raise ValueError(f"quantize.fallback repeats {', '.join(repeated)}; list each format once")
+        if self.format == "none" and self.fallback:
+            raise ValueError("quantize.fallback: format none is never calibrated or gated, so nothing falls back from "
+                             "it; make a quantized format the primary one, or remove the fallback")
         if "none" in self.chain[:-1]:
             raise ValueError("quantize.fallback: 'none' always passes the gate, so it can only come last")
         if (self.dataset == RANDOM) != (self.heldout == RANDOM):

@@ -45,7 +45,9 @@ class ModelSection(_Section):
     allow_download: bool = Field(False, description="Fetch from the hub when the model is not on disk.")
 
     @model_validator(mode="after")
-    def _revision_of_a_model_id(self) -> ModelSection:
+    def _path_and_its_revision(self) -> ModelSection:
+        if not self.path.strip():
+            raise ValueError("model.path is empty: give the checkpoint's folder or a Hugging Face model id")
         if self.revision is not None and is_local_path(self.path):
             raise ValueError(f"model.revision ({self.revision}) picks a revision on the Hugging Face hub, and "
                              f"model.path is the local folder {self.path}; remove revision, or give a model id")
@@ -460,7 +462,7 @@ def _absolute(path: Path) -> str:
 def _absolutise_paths(data: dict, base: Path) -> None:
     """Make relative local paths absolute against the config file's folder (hub ids and keywords stay)."""
     model = data.get("model")
-    if isinstance(model, dict) and isinstance(model.get("path"), str):
+    if isinstance(model, dict) and isinstance(model.get("path"), str) and model["path"].strip():
         candidate = base / Path(model["path"]).expanduser()  # "~/models/x": the home folder, not base/"~"
         if model["path"].startswith((".", "/", "~")) or candidate.exists():
             model["path"] = _absolute(candidate)
@@ -543,6 +545,8 @@ def _problem(loc: tuple[str, ...], errors: list[dict], path: Path, lines: dict[t
             return f"{where}: {text}"
     elif "input" in error and kind != "assertion_error":
         text += f" (got {error['input']!r})"
+        if kind == "string_type" and error["input"] is None:  # `path: ~` or `path:` with nothing after it
+            text += "; YAML reads ~ and an empty value as null: quote the value ('~/models/x' for the home folder)"
         if isinstance(error["input"], str) and kind in _UNQUOTED:
             wanted, quoted = _UNQUOTED[kind]
             text += f"; write {wanted}" + (" without quotes" if quoted.fullmatch(error["input"].strip()) else "")

@@ -42,3 +42,14 @@ def test_a_section_given_a_value_says_so_without_naming_a_class(tmp_path):
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert str(caught.value) == f"{path}:3: build: Input should be a mapping of settings (got 3)"
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("model:\n  path: ''\n", "model.path is empty"),  # before: the config's own folder
+    ("model:\n  path: ~\n", "YAML reads ~ and an empty value as null: quote the value"),
+    ("model:\n  path: m\nquantize:\n  format: none\n  fallback: [fp8]\n", "nothing falls back from it"),
+])
+def test_an_empty_or_null_path_and_a_fallback_from_none_are_refused_saying_why(tmp_path, text, words):
+    (tmp_path / "kiln.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=words):
+        load_config(tmp_path / "kiln.yaml")
