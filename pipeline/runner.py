@@ -68,13 +68,19 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
     loaded = load_config(config)
     choice = choose_backend(backend or loaded.config.build.backend, loaded.config.build.device)
     require_device(choice)
+    warnings: list[str] = []  # said on stderr, and kept for the plan's JSON
+
+    def note(message: str) -> None:
+        warn(message)
+        warnings.append(message)
+
     # settings the engine would refuse at its load (the smoke stage's), refused before anything is built
     options.check_applies((options.device or choice.device).partition(":")[0], loaded.config.build.tp_size)
     if choice.backend == "native":
         with _at_its_line(loaded):
             refuse_parallelism(loaded.config.build.pp_size)
         if unused := loaded.config.build.trtllm_settings():  # with backend native in the config, refused at load
-            warn(f"{', '.join(unused)}: for the TensorRT-LLM backend only, unused by this build's native backend "
+            note(f"{', '.join(unused)}: for the TensorRT-LLM backend only, unused by this build's native backend "
                  f"({choice.reason})")
     model = loaded.config.model
     if dry_run:
@@ -83,7 +89,7 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
             try:  # the plan is shown, keyed as far as it can be; the build would stop here, not download
                 resolve_model(model)
             except ModelNotFoundError as exc:
-                warn(f"{exc} (the build would stop here)")
+                note(f"{exc} (the build would stop here)")
     else:
         require(choice)
         model_dir = resolve_model(loaded.config.model)
@@ -102,7 +108,7 @@ def prepare(config: str | Path, *, backend: str | None, force: bool, dry_run: bo
     cache = open_cache(loaded, create=not dry_run)
     state = checkpoint_state(model_dir, memo_path=cache.hash_memo_path if cache else None) if model_dir else None
     ctx = BuildContext(loaded=loaded, choice=choice, options=options, cache=cache, model_dir=model_dir,
-                       checkpoint_state=state, force=force)
+                       checkpoint_state=state, force=force, warnings=warnings)
     ctx.compute_keys()
     return ctx
 
@@ -142,6 +148,7 @@ def plan_json(ctx: BuildContext, decisions: Plan) -> dict:
         "engine_key": ctx.engine_key,
         "quantized_key": ctx.quantized_key,
         "key_material": ctx.material,
+        "warnings": ctx.warnings,
     }
 
 

@@ -66,6 +66,7 @@ class BuildContext:
     model_dir: Path | None
     checkpoint_state: CheckpointState | None  # the model folder as the keys took it
     force: bool = False
+    warnings: list[str] = field(default_factory=list)  # what planning warned of (a model not on disk, say)
     quantized_key: str | None = None
     engine_key: str | None = None
     material: dict | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,9 @@ def test_a_dry_run_warns_of_a_model_the_build_would_not_find(tmp_path, monkeypat
     assert result.exit_code == 0 and "unknown until the model is on disk" in result.stdout  # the plan
     assert f"warning: model.path {tmp_path / 'typo'} is not a directory" in result.stderr
     assert "the build would stop here" in result.stderr
+    shown = CliRunner().invoke(app, ["build", str(tmp_path / "kiln.yaml"), "--dry-run", "--json"])
+    plan = json.loads(shown.stdout)  # the reason the key is unknown, for a reader of the JSON alone (before: none)
+    assert plan["engine_key"] is None and "the build would stop here" in plan["warnings"][0]
 
 
 @pytest.mark.parametrize(("backend", "setting", "words"), [
