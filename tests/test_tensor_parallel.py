@@ -116,6 +116,8 @@ def test_abort_frees_a_request_and_the_engine_keeps_serving_through_the_stop_sig
     (tmp_path / "tp2").mkdir()
     build_native_engine(tmp_path / "checkpoint", tmp_path / "tp2", tiny_plan(), "float32", tp_size=2)
     with LLM.load(tmp_path / "tp2") as llm:
+        phases = llm.stats()["load_phases_s"]  # before: weights and kv_pool alone, 10 % of a tp2 load
+        assert list(phases)[:2] == ["ranks_joined", "other_ranks_loaded"] and sum(phases.values()) <= llm.load_ms / 1e3
         llm.submit(PROMPTS[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), request_id="long")
         time.sleep(0.2)
         llm.abort("long")
