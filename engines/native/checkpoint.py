@@ -229,7 +229,7 @@ def _check_eos_ids(cfg: dict[str, Any], gen: dict[str, Any], vocab_size: int, pa
     """Refuses an ``eos_token_id`` that is not a token id of the vocabulary, in the file the ids are taken from
     (``declared_eos``)."""
     name, value = declared_eos(cfg, gen)
-    source = path.with_name(name)
+    source = path if name == "config.json" else path.with_name(name)  # the config read: a bench's architecture file
     ids = value if isinstance(value, list) else [] if value is None else [value]
     if bad := [i for i in ids if type(i) is not int or not 0 <= i < vocab_size]:
         holds = f" holds {bad[0]!r}," if isinstance(value, list) else " is"

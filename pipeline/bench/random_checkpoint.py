@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kiln.engines.cache import EngineCache, engine_key
-from kiln.pipeline.bench.target import param_count, weight_shapes
+from kiln.pipeline.bench.target import is_decoder_linear, param_count, weight_shapes
 from kiln.pipeline.key_material import KEY_SCHEMA
 
 SHARD_BYTES = 2 * 10**9
@@ -60,11 +60,6 @@ def random_checkpoint(cache: EngineCache, arch_path: Path, cfg: dict, *, seed: i
 
 def human_params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.2f}M"
-
-
-def is_decoder_linear(name: str, shape: tuple[int, ...]) -> bool:
-    """A decoder layer's linear weight: what modelopt quantizes (not norms, biases, embeddings or the LM head)."""
-    return name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2
 
 
 Planned = tuple[str, tuple[int, ...], torch.dtype, float | None]  # name, shape, dtype, a constant fill or random

@@ -31,9 +31,10 @@ def speedups(kiln: dict, peer: dict | None) -> dict:
 def print_report(report: dict) -> None:
     """A few aligned rows: Kiln, the peer, Kiln's advantage; then the floor line."""
     kiln, peer = report["kiln"], report["peer"]
-    stdout.print(f"[bold]kiln bench[/] {escape(report['target'])} on {escape(_machine(report))}: "
-                 f"{report['prompts']} prompts of {report['input_len']} tokens, {report['output_len']} new tokens "
-                 "each", markup=True, highlight=False)
+    requests = ("batch-1 only (no offline run): one request at a time," if report["batch_1_only"]
+                else str(report["prompts"]))
+    stdout.print(f"[bold]kiln bench[/] {escape(report['target'])} on {escape(_machine(report))}: {requests} prompts of "
+                 f"{report['input_len']} tokens, {report['output_len']} new tokens each", markup=True, highlight=False)
     stdout.print(f"engine: {kiln['quantization']}", highlight=False)
     print_runtime(report.get("runtime"))
     table = Table(box=None, header_style="bold")

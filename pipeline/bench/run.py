@@ -144,13 +144,13 @@ def bench_config_for(target: Target, plan: BenchPlan, *, fmt: str | None, kv_cac
                                    f"build.tp_size and build.max_batch_size, and names its checkpoint")
         check_config_holds(target.path, plan)
         return target.path, None, None
-    arch = read_architecture_file(target.path)
-    cuda = torch.cuda.is_available()
-    check_fits_machine(target.path, arch, cuda=cuda, allow_large=allow_large)
-    cache = EngineCache.open_configured(checkpoint_cache or cache_root())
     fmt = fmt or "none"
     if random_quantized and fmt != "fp8":
         raise BenchTargetError(f"--random-quantized makes FP8 weights directly; it needs --format fp8, not {fmt}")
+    arch = read_architecture_file(target.path)
+    cuda = torch.cuda.is_available()
+    check_fits_machine(target.path, arch, cuda=cuda, allow_large=allow_large, fp8=random_quantized)
+    cache = EngineCache.open_configured(checkpoint_cache or cache_root())
     kv = " with an FP8 KV cache" if kv_cache_dtype == "fp8" else ""
     bench_config(target.path, plan, arch, fmt=fmt, kv_cache_dtype=kv_cache_dtype, seed=seed,
                  tp_size=tp_size or 1)  # the plan's checks, before minutes of writing random weights

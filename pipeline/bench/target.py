@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
@@ -25,7 +27,11 @@ from kiln.engines.cache.layout import write_atomic
 from kiln.engines.native.checkpoint import parse_architecture
 from kiln.pipeline.config import BuildSection, CacheSection, KilnConfig, ModelSection, cache_root, load_config
 from kiln.runtime.errors import KilnError
+from kiln.runtime.native.model.registry import family_of
 from kiln.runtime.native.parallel.sharding import sharding_problems
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ARCH_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                  "max_position_embeddings")
@@ -57,7 +63,8 @@ class BenchPlan:
 
 
 def read_architecture_file(path: Path) -> dict:
-    """The architecture file's config.json dict (``_comment`` keys dropped), checked for what the weights need."""
+    """The architecture file's config.json dict (``_comment`` keys dropped), checked for what the weights need and
+    for what the native engine runs, so that either is refused naming the file before random weights are written."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -68,20 +75,61 @@ def read_architecture_file(path: Path) -> dict:
     missing = [key for key in ARCH_REQUIRED if not isinstance(data.get(key), int) or data[key] <= 0]
     if missing:
         raise BenchTargetError(f"{path}: {', '.join(missing)} must be positive integers; copy the model's config.json")
-    return {k: v for k, v in data.items() if not k.startswith("_")}
+    cfg = {k: v for k, v in data.items() if not k.startswith("_")}
+    _check_architecture(path, cfg)
+    return cfg
+
+
+def _check_architecture(path: Path, cfg: dict) -> None:
+    """Refuse, naming ``path``, an architecture the native engine does not run (its family, or a field the build
+    would refuse), a ``model_type`` that is not its family's, or one transformers cannot make the weights of."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers.utils import logging as hf_logging
+
+    family = family_of(cfg, path)
+    if cfg.get("model_type") != family.name:
+        given = repr(cfg["model_type"]) if "model_type" in cfg else "no model_type entry"
+        raise BenchTargetError(f"{path}: model_type must be {family.name!r} for {cfg['architectures'][0]}, got "
+                               f"{given}; copy the model's config.json")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its warnings (an eos_token_id outside the vocabulary) repeat what is refused
+    try:
+        _transformers_config(cfg)
+    except (TypeError, ValueError, KeyError, StrictDataclassError) as e:
+        # a validation error's last line is its reason, after the name of the error it wraps
+        reason = re.sub(r"^\w+Error: ", "", str(e).strip().splitlines()[-1].strip()).rstrip(".")
+        raise BenchTargetError(f"{path}: transformers cannot make weights of this architecture: {reason}; fix the "
+                               f"file") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    try:
+        parse_architecture(cfg, {}, path)
+    except (TypeError, ValueError, KeyError) as e:  # a bad value that parse_architecture does not name itself
+        raise BenchTargetError(f"{path}: a field has the wrong type or value ({e}); fix the file") from None
 
 
 def weight_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor of a Hugging Face checkpoint of this architecture, with its shape: the parameters of
     transformers' model for it, instantiated on the meta device (no memory), so every family's own tensors (biases,
     per-head norms) are there."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_transformers_config(cfg))
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+
+def _transformers_config(cfg: dict) -> PretrainedConfig:
+    """transformers' config of the architecture (its class validates the fields)."""
+    from transformers import AutoConfig
 
     fields = {key: value for key, value in cfg.items() if key != "model_type" and not key.startswith("_")}
-    config = AutoConfig.for_model(cfg["model_type"], **fields)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+    return AutoConfig.for_model(cfg["model_type"], **fields)
+
+
+def is_decoder_linear(name: str, shape: tuple[int, ...]) -> bool:
+    """A decoder layer's linear weight: what modelopt quantizes (not norms, biases, embeddings or the LM head)."""
+    return name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2
 
 
 def param_count(cfg: dict) -> int:
@@ -89,14 +137,18 @@ def param_count(cfg: dict) -> int:
     return sum(math.prod(shape) for shape in weight_shapes(cfg).values())
 
 
-def check_fits_machine(path: Path, cfg: dict, *, cuda: bool, allow_large: bool) -> None:
-    """Refuse a large architecture on a CPU-only machine unless ``--allow-large``."""
-    params = param_count(cfg)
+def check_fits_machine(path: Path, cfg: dict, *, cuda: bool, allow_large: bool, fp8: bool = False) -> None:
+    """Refuse a large architecture on a CPU-only machine unless ``--allow-large``; ``fp8``: its random checkpoint
+    holds the decoder linears in FP8 (``--random-quantized``), the rest in bf16."""
+    shapes = weight_shapes(cfg)
+    params = sum(math.prod(shape) for shape in shapes.values())
     if cuda or allow_large or params <= CPU_MAX_PARAMS:
         return
+    nbytes = sum(math.prod(shape) * (1 if fp8 and is_decoder_linear(name, shape) else 2)
+                 for name, shape in shapes.items())
     raise BenchTargetError(f"{path}: {params / 1e9:.1f}B parameters is too big to benchmark on this CPU-only machine "
-                           f"({2 * params / 1e9:.0f} GB of random bf16 weights, minutes per decoded token); run it on "
-                           f"a GPU, or pass --allow-large to try anyway")
+                           f"({nbytes / 1e9:.0f} GB of random {'FP8' if fp8 else 'bf16'} weights, minutes per decoded "
+                           f"token); run it on a GPU, or pass --allow-large to try anyway")
 
 
 def bench_root() -> Path:
