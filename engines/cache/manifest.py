@@ -104,13 +104,19 @@ def total_problem(manifest: dict) -> str | None:
     return f"total_bytes {total!r} is not the sum of its files' sizes ({sum(sizes)})"
 
 
-def stray_files(entry: Path, payload_name: str, manifest: dict) -> list[str]:
-    """Files in the payload that the manifest does not list, and anything that is not a regular file."""
+def stray_files(entry: Path, payload_name: str, manifest: dict, *, hidden: bool = True) -> list[str]:
+    """Files in the payload that the manifest does not list, and anything that is not a regular file; ``hidden``
+    False leaves out dotfiles (an editor's swap file, .DS_Store), which no loader reads."""
     payload = entry / payload_name
     listed = {item.get("path") for item in manifest.get("files", []) if isinstance(item, dict)}
     regular, odd = payload_files(payload)
-    return ([f"{path}: not in the manifest" for path in regular if path.relative_to(payload).as_posix() not in listed]
-            + [f"{path}: not a regular file" for path in odd])
+
+    def shown(path: Path) -> bool:
+        return hidden or not path.name.startswith(".")
+
+    return ([f"{path}: not in the manifest" for path in regular
+             if shown(path) and path.relative_to(payload).as_posix() not in listed]
+            + [f"{path}: not a regular file" for path in odd if shown(path)])
 
 
 def payload_files(root: Path) -> tuple[list[Path], list[Path]]:

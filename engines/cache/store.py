@@ -190,7 +190,7 @@ class ContentStore:
                                 f"verify {key[:12]}` checks it again and clears a false alarm)", manifest)
         digest = {"size": None, "changed": self.hashes.sha256, "hash": file_sha256}[self.verify_on_load]
         problems = (file_problems(entry, self.payload_name, manifest, digest=digest, first_only=True)
-                    or stray_files(entry, self.payload_name, manifest))  # a loader may read any file it finds
+                    or stray_files(entry, self.payload_name, manifest, hidden=False))  # a loader reads what it finds
         if problems:
             return LookupResult(False, "corrupt", entry, problems[0], manifest)
         return LookupResult(True, "hit", entry, "", manifest)
