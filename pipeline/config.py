@@ -376,17 +376,17 @@ def remote_turned_off() -> bool:
 
 def find_config(name_or_path: str | Path) -> Path | None:
     """A config (``.yaml``) or architecture file (``.json``): the path as given, else a bare name
-    (``tiny-llama-fp8.yaml``, ``tiny-llama-fp8``, ``llama3-8b``) with its suffix in the current folder (a bundled
-    config copied here to edit), then under the bundled ``configs/`` or ``configs/models/``, else a ``configs/...``
-    path as the docs write it, in the bundled ``configs/``; None when there is no such file."""
+    (``tiny-llama-fp8.yaml``, ``tiny-llama-fp8``, ``llama3-8b``) as a ``.yaml`` in the current folder (a bundled
+    config copied here to edit; not a ``.json``, which may be a saved report), then under the bundled ``configs/``
+    or ``configs/models/``, else a ``configs/...`` path as the docs write it, in the bundled ``configs/``; None
+    when there is no such file."""
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path.resolve()
     if path.parent != Path("."):
         bundled = PACKAGE_DIR / path
         return bundled if path.parts[0] == "configs" and bundled.is_file() else None
-    if local := next((here for suffix in (".yaml", ".yml", ".json") if (here := Path(path.name + suffix)).is_file()),
-                     None):
+    if local := next((here for suffix in (".yaml", ".yml") if (here := Path(path.name + suffix)).is_file()), None):
         return local.resolve()
     return next((candidate for folder in (CONFIGS_DIR, CONFIGS_DIR / "models")
                  for suffix in ("", ".yaml", ".yml", ".json")
@@ -528,14 +528,16 @@ def _problem(loc: tuple[str, ...], errors: list[dict], path: Path, lines: dict[t
         section = ".".join(loc[:-1]) or "the top level"
         known = _section_fields(loc[:-1])
         guess = difflib.get_close_matches(loc[-1], known, n=1)
-        elsewhere = [name for name in _section_fields(()) if name != ".".join(loc[:-1])
-                     and loc[-1] in _section_fields((name,))]
+        elsewhere = " or ".join(name for name in _section_fields(()) if name != ".".join(loc[:-1])
+                                and loc[-1] in _section_fields((name,)))
         if kiln_name := kiln_setting_for(loc[-1]):
             hint = f"vLLM's {loc[-1]} is Kiln's {kiln_name}"
-        elif elsewhere:  # a key of another section (build's max_seq_len under quantize, which has seq_len)
-            hint = f"{loc[-1]} belongs under {' or '.join(elsewhere)}"
+        elif guess:  # a look-alike here, and where the key itself is a setting of another section, that too
+            hint = f"did you mean '{guess[0]}'?" + (f" ({loc[-1]} is a setting of {elsewhere})" if elsewhere else "")
+        elif elsewhere:  # build's max_batch_size under quantize
+            hint = f"{loc[-1]} belongs under {elsewhere}"
         else:
-            hint = f"did you mean '{guess[0]}'?" if guess else f"it takes {', '.join(known)}"
+            hint = f"it takes {', '.join(known)}"
         text = f"unknown key '{loc[-1]}' in {section}; {hint}"
     elif kind == "missing":
         text = "is required"

@@ -33,6 +33,8 @@ def test_a_bare_name_finds_a_copy_in_the_current_folder_before_the_bundled_confi
     (tmp_path / "tiny-llama-fp8.yaml").write_text("model:\n  path: ./edited\n")  # copied here to edit
     assert find_config("tiny-llama-fp8") == tmp_path / "tiny-llama-fp8.yaml"  # before: the bundled one, unedited
     assert find_config("tiny-llama-int4-awq") == CONFIGS_DIR / "tiny-llama-int4-awq.yaml"
+    (tmp_path / "tiny-llama-int4-awq.json").write_text("{}")  # a saved --json report is no config
+    assert find_config("tiny-llama-int4-awq") == CONFIGS_DIR / "tiny-llama-int4-awq.yaml"
 
 
 def test_a_configs_path_as_the_docs_write_it_resolves_to_the_bundled_file_from_any_directory(tmp_path, monkeypatch):
@@ -321,12 +323,13 @@ def test_misspellings_get_a_did_you_mean(tmp_path):
         load_config("tiny-llama-fp9")
 
 
-def test_a_key_of_another_section_is_told_where_it_belongs_not_a_look_alike_here(tmp_path):
+def test_a_key_of_another_section_is_told_where_it_belongs_beside_any_look_alike_here(tmp_path):
     (tmp_path / "kiln.yaml").write_text("model:\n  path: ./m\nquantize:\n  max_seq_len: 256\nbuild:\n  format: fp8\n")
     with pytest.raises(ConfigError) as error:
         load_config(tmp_path / "kiln.yaml")
-    assert "unknown key 'max_seq_len' in quantize; max_seq_len belongs under build" in str(error.value)  # before:
-    assert "unknown key 'format' in build; format belongs under quantize" in str(error.value)  # "did you mean seq_len"
+    assert "unknown key 'max_seq_len' in quantize; did you mean 'seq_len'? (max_seq_len is a setting of build)" \
+        in str(error.value)  # before: the look-alike alone, another setting
+    assert "unknown key 'format' in build; format belongs under quantize" in str(error.value)
 
 
 def test_vllm_names_are_told_kilns_instead_of_a_look_alike(tmp_path):

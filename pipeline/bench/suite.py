@@ -16,7 +16,7 @@ from kiln.pipeline.bench.floor import gpu_variant
 from kiln.pipeline.bench.provenance import runtime_record
 from kiln.pipeline.bench.run import build_and_measure, report_progress
 from kiln.pipeline.bench.target import BENCH_TAKES, BenchPlan, BenchTargetError, read_architecture_file
-from kiln.pipeline.config import cache_root, find_config, load_config
+from kiln.pipeline.config import CONFIGS_DIR, cache_root, load_config
 from kiln.pipeline.model_source import resolve_model
 from kiln.pipeline.targets import Target, resolve_target
 from kiln.runtime.options import RuntimeOptions
@@ -154,7 +154,7 @@ def check_model(suite: Suite, cfg: dict, what: str) -> None:
     """Refuse a model (``cfg``, the config.json of ``what``) whose shape is not that of the suite's figures."""
     if suite.model is None:
         return
-    expected = model_shape(read_architecture_file(find_config(suite.model)))
+    expected = model_shape(read_architecture_file(CONFIGS_DIR / "models" / f"{suite.model}.json"))  # bundled
     differs = [f"{name} {value} (not {expected[name]})" for name, value in model_shape(cfg).items()
                if value != expected[name]]
     if differs:
