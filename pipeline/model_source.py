@@ -68,8 +68,7 @@ def resolve_model(model: ModelSection) -> Path:
                 raise ModelNotFoundError(f"{what} in the Hugging Face cache ({snapshot}) {problem}")
         here = Path(model.path)
         folder = (f"; {here.resolve()} is a folder, but a relative model.path is read from the config file's folder: "
-                  f"write it relative to that, or absolute") if "/" in model.path and here.is_dir() else \
-            " (a relative folder is read from the config file's folder)" if "/" in model.path else ""
+                  f"write it relative to that, or absolute") if here.is_dir() else ""
         raise ModelNotFoundError(
             f"{what} is not on disk (not in the Hugging Face cache {hf_hub_cache()}); download it "
             f"with `{command}` where the hub is reachable, or set model.path to a local folder "
