@@ -276,6 +276,8 @@ def test_min_tokens_holds_back_eos_even_when_eos_is_ignored_as_in_vllm():
     seq = Sequence("r", [1], SamplingParams(temperature=0, min_tokens=4, ignore_eos=True))
     controlled = apply_logit_controls(torch.zeros(1, 5), [seq], stop_token_ids={2})
     assert controlled[0, 2] == float("-inf")
+    past = apply_logit_controls(torch.zeros(1, 5), [seq], stop_token_ids={2, 7})  # an older engine's EOS past the
+    assert past[0, 2] == float("-inf") and past[0, 3] == 0  # vocabulary: before, an IndexError that stopped the engine
 
 
 def test_a_row_that_cannot_be_sampled_gets_a_sampling_error_and_the_others_their_tokens():

@@ -81,7 +81,8 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[tuple[int, Seque
                           device_tensor(list(biases), logits.dtype, logits.device), accumulate=True)
     banned = [(i, token_id) for i, seq in rows
               if seq.num_completion_tokens + (i in unseen_rows) < seq.params.min_tokens
-              for token_id in {*seq.params.stop_token_ids, *stop_token_ids}]  # EOS too with ignore_eos, as vLLM
+              for token_id in {*seq.params.stop_token_ids, *stop_token_ids}  # EOS too with ignore_eos, as vLLM
+              if token_id < logits.shape[-1]]  # an EOS past the model's vocabulary (an older engine's) is never drawn
     if banned:
         index, token_ids = zip(*banned, strict=True)
         logits[device_tensor(list(index), torch.long, logits.device),
