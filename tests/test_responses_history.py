@@ -24,7 +24,8 @@ def test_a_thought_no_answer_followed_keeps_its_own_turn_and_never_joins_a_later
     assert [(m["role"], m.get("content"), m.get("reasoning_content")) for m in history] == [
         ("user", "Q1", None), ("assistant", "", "Hmm."), ("user", "Q2", None), ("assistant", "A2", None),
         ("user", "Q3", None)]  # before: "Hmm." was A2's reasoning
-    assert messages([{"role": "user", "content": "Q1"}, THOUGHT])[-1]["reasoning_content"] == "Hmm."  # kept at the end
+    assert messages([{"role": "user", "content": "Q1"}, THOUGHT]) == [{"role": "user", "content": "Q1"}]  # at the
+    # end, no assistant turn before the answer's own
     answered = messages([{"role": "user", "content": "Q1"}, THOUGHT, {"role": "assistant", "content": "A1"}])
     assert answered[-1]["reasoning_content"] == "Hmm." and answered[-1]["content"] == "A1"
 

@@ -53,9 +53,9 @@ ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the ``include`` entry tak
 def _messages(req: ResponsesRequest) -> list[dict]:
     """The chat messages of the instructions and the input items: consecutive function calls join the assistant
     message before them (one message with its calls, as chat templates take them), a reasoning item's text is the
-    next assistant message's ``reasoning_content`` (an assistant message of its own when another role's message, a
-    call's output or the end of the input comes first: a response cut off while it thought), and a call's output
-    comes after its call."""
+    next assistant message's ``reasoning_content`` (an assistant message of its own when another role's message or
+    a call's output comes first: a response cut off while it thought; left out at the end of the input), and a
+    call's output comes after its call."""
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     called: set[str] = set()  # the calls passed back so far
@@ -92,8 +92,7 @@ def _messages(req: ResponsesRequest) -> list[dict]:
                                     "pass the function_call item back before its output", param=f"input[{index}]")
             thought_alone()
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
-    thought_alone()
-    return messages
+    return messages  # a thought at the very end is left out: an assistant turn there would precede the answer's
 
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
