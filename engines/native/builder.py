@@ -141,9 +141,15 @@ def refuse_unshardable(arch: Architecture, tp_size: int, group_size: int | None)
 
 def preflight_tensor_parallel(checkpoint_dir: Path, tp_size: int) -> None:
     """Refuse a ``tp_size`` that cannot split the checkpoint's heads, KV heads or MLP evenly, whichever backend
-    builds it (TensorRT-LLM's conversion splits them as the native sharding does); reads config.json only."""
-    if tp_size > 1:
-        refuse_unshardable(read_architecture(Path(checkpoint_dir))[0], tp_size, None)
+    builds it (TensorRT-LLM's conversion splits them as the native sharding does); reads config.json only. A
+    checkpoint the native reader does not take is left to the backend that builds it."""
+    if tp_size == 1:
+        return
+    try:
+        arch = read_architecture(Path(checkpoint_dir))[0]
+    except KilnError:  # a family or a field the native engine refuses, which TensorRT-LLM may take
+        return
+    refuse_unshardable(arch, tp_size, None)
 
 
 def preflight_native_plan(checkpoint_dir: Path, plan: BuildPlan, dtype: str, tp_size: int = 1,
