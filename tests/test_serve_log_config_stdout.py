@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+from kiln.engines.cache import EngineCache
 from tests.subprocess_env import REPO, repo_env
 
 # What kiln serve does with its logging, in a process of its own as the CLI runs it: set it up, log a line of the
@@ -93,8 +94,9 @@ def test_a_later_command_in_the_same_process_prints_its_error_again_on_stderr(tm
     config = tmp_path / "logging.json"
     config.write_text(json.dumps({"version": 1, "root": {"handlers": ["file"], "level": "INFO"},
                                   "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log)}}}))
+    EngineCache.open(tmp_path / "cache")  # a cache there: the later command's error is about its key, wherever run
     done = subprocess.run([sys.executable, "-c", SERVE_THEN_ANOTHER, str(config)], capture_output=True, text=True,
-                          cwd=REPO, env=repo_env(), timeout=60)
+                          cwd=REPO, env=repo_env(KILN_CACHE=str(tmp_path / "cache")), timeout=60)
     served_code, served_err, shown_code, shown_err = json.loads(done.stdout.splitlines()[-1])
     assert (served_code, served_err) == (2, "") and "/nonexistent" in log.read_text()
     assert shown_code == 2 and shown_err.startswith("error: '00' is not a cache key"), shown_err  # before: ""
