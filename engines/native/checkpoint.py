@@ -16,11 +16,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kiln.engines.eos import declared_eos, generation_eos_ids, stopping_eos_ids
-from kiln.runtime.errors import EngineFormatError, KilnError
+from kiln.runtime.errors import KilnError
 from kiln.runtime.json_files import is_number, read_json_object
 from kiln.runtime.native.engine_format import Architecture, architecture_size_problem
 from kiln.runtime.native.layers.activation import ACTIVATION_ALIASES, ACTIVATIONS
-from kiln.runtime.native.layers.rotary import ROPE_TYPES, longrope_inv_freqs, rope_inv_freq
+from kiln.runtime.native.layers.rotary import ROPE_TYPES, frequency_problem
 from kiln.runtime.native.model.registry import family_of, flag, positive_number
 
 QUANT_ALGOS = {None: "none", "FP8": "fp8", "W4A16_AWQ": "int4_awq"}
@@ -357,14 +357,8 @@ def _yarn_defaults(params: dict[str, Any]) -> dict[str, Any]:
 def _check_rope(head_dim: int, theta: float, scaling: dict[str, Any] | None, path: Path) -> None:
     """Refuses rope parameters that lack a key their type needs, or that give frequencies that are not finite."""
     try:
-        if (scaling or {}).get("rope_type") == "longrope":
-            inv_freqs = longrope_inv_freqs(head_dim, theta, scaling)
-        else:
-            inv_freqs = (rope_inv_freq(head_dim, theta, scaling),)
+        problem = frequency_problem(head_dim, theta, scaling)
     except KeyError as e:
         raise KilnError(f"{path}: rope scaling {scaling.get('rope_type')!r} needs key {e}") from None
-    except EngineFormatError as e:
-        raise KilnError(f"{path}: {e}") from None
-    if not all(torch.isfinite(inv_freq).all() for inv_freq in inv_freqs):
-        raise KilnError(f"{path}: rope_theta {theta} with rope scaling {(scaling or {}).get('rope_type', 'none')!r} "
-                        "gives rotary frequencies that are not finite; fix config.json")
+    if problem is not None:
+        raise KilnError(f"{path}: {problem}; fix config.json")

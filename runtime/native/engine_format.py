@@ -21,7 +21,7 @@ import torch
 from kiln.runtime.errors import EngineFormatError
 from kiln.runtime.json_files import is_number
 from kiln.runtime.native.layers.activation import ACTIVATIONS
-from kiln.runtime.native.layers.rotary import longrope_inv_freqs, rope_inv_freq
+from kiln.runtime.native.layers.rotary import frequency_problem
 from kiln.runtime.native.model.registry import FAMILY_NAMES, LAYER_TYPES
 from kiln.runtime.plan import BuildPlan, PlanError
 
@@ -376,18 +376,10 @@ def _rope_problem(arch: Architecture) -> str | None:
             return (f"architecture.rope_scaling.{key} must be {requirement} for rope type {rope_type!r}, got "
                     f"{reprlib.repr(scaling.get(key))}")
     try:
-        if rope_type == "longrope":
-            inv_freqs = longrope_inv_freqs(arch.head_dim, arch.rope_theta, scaling)
-        else:
-            inv_freqs = (rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling),)
-    except EngineFormatError as e:
-        return f"architecture.rope_scaling: {e}"
-    except (ArithmeticError, ValueError):  # YaRN's logarithms of a rope_theta of 1, say
-        inv_freqs = (torch.tensor(float("nan")),)
-    if not all(torch.isfinite(inv_freq).all() for inv_freq in inv_freqs):
-        return (f"architecture.rope_theta {arch.rope_theta!r} with rope type {rope_type!r} gives rotary frequencies "
-                f"that are not finite")
-    return None
+        problem = frequency_problem(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+    except ValueError as e:  # a math domain error the rules above let through
+        problem = f"rope_scaling: {e}"
+    return None if problem is None else f"architecture.{problem}"
 
 
 TOP_LEVEL_KEYS = ("format", "format_version", "architecture", "dtype", "quantization", "plan", "fingerprint",

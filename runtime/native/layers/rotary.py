@@ -125,6 +125,25 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos.to(q.dtype), sin.to(q.dtype)), _rotate(k, cos.to(k.dtype), sin.to(k.dtype))
 
 
+def frequency_problem(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> str | None:
+    """Why ``theta`` and ``scaling`` (whose type's keys are there) make no rotary table: a value the scaling
+    refuses, or frequencies that are not finite (a tiny theta; YaRN's logarithms of a theta of 1); None when they
+    make one. A value of the wrong type raises, as the parsing around it names it."""
+    try:
+        if (scaling or {}).get("rope_type") == "longrope":
+            inv_freqs = longrope_inv_freqs(head_dim, theta, scaling)
+        else:
+            inv_freqs = (rope_inv_freq(head_dim, theta, scaling),)
+    except EngineFormatError as e:
+        return f"rope_scaling: {e}"
+    except ArithmeticError:  # YaRN's logarithm of a theta of 1 divides by zero
+        inv_freqs = (torch.tensor(float("nan")),)
+    if not all(torch.isfinite(inv_freq).all() for inv_freq in inv_freqs):
+        return (f"rope_theta {theta!r} with rope type {(scaling or {}).get('rope_type', 'default')!r} gives rotary "
+                f"frequencies that are not finite")
+    return None
+
+
 def _cos_sin(max_position: int, inv_freq: torch.Tensor) -> torch.Tensor:
     """[max_position, head_dim]: cos then sin of each position times each inverse frequency, in float32."""
     freqs = torch.arange(max_position, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
