@@ -29,7 +29,7 @@ from kiln.runtime.outputs import (
 )
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
-from kiln.runtime.stats import EngineStats, StepStats
+from kiln.runtime.stats import EngineStats, PhaseTimes, StepStats
 from kiln.runtime.structured_output import StructuredOutputError
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt, request_detokenizer
 from kiln.runtime.tokenizer_files import tokenizer_eos_id
@@ -54,20 +54,18 @@ class NativeEngine:
                                       "capture their CUDA graphs together, at load; leave it unset or pass 'at_load'")
         options.check_applies(self.device.type, self.config.tp_size)
         # a tensor-parallel engine: this process is rank 0, the other ranks are worker processes it starts
-        started = time.perf_counter()
-        self.ranks = TensorParallelRanks(engine_dir, options, self.config.tp_size, self.device) \
-            if self.config.tp_size > 1 else None
-        self.rank_load_s: dict[str, float] = {}  # a tensor-parallel load's phases outside this rank's model runner
+        self.rank_load_times = PhaseTimes()  # a tensor-parallel load's phases outside this rank's model runner
+        self.ranks: TensorParallelRanks | None = None
+        if self.config.tp_size > 1:
+            with self.rank_load_times.phase("ranks_joined"):  # the workers started and met
+                self.ranks = TensorParallelRanks(engine_dir, options, self.config.tp_size, self.device)
         try:
-            if self.ranks is not None:
-                self.rank_load_s["ranks_joined"] = time.perf_counter() - started  # the workers started and met
             self.model_runner = ModelRunner(engine_dir, self.config, self.device, options, self.grammars,
                                             tp=self.ranks.group if self.ranks else None,
                                             channel=self.ranks.channel if self.ranks else None)
             if self.ranks is not None:
-                loaded = time.perf_counter()
-                self.ranks.wait_for_workers_loaded()
-                self.rank_load_s["other_ranks_loaded"] = time.perf_counter() - loaded  # after this rank's load
+                with self.rank_load_times.phase("other_ranks_loaded"):  # after this rank's own load
+                    self.ranks.wait_for_workers_loaded()
         except BaseException as e:
             if self.ranks is None:
                 raise
@@ -269,7 +267,7 @@ class NativeEngine:
         queried = bm.prefix_cache_queried_tokens
         return {
             **self.stats.snapshot(),
-            "load_phases_s": {**self.rank_load_s, **self.model_runner.load_times.seconds},
+            "load_phases_s": {**self.rank_load_times.seconds, **self.model_runner.load_times.seconds},
             "cuda_graphs": self.model_runner.graph_stats(),
             "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
             "num_waiting": len(self.scheduler.waiting),
