@@ -86,8 +86,8 @@ def _unknown_options(exc: typer.TyperException, option: str) -> str | None:
     ctx = getattr(exc, "ctx", None)
     known = {name for param in ctx.command.params for name in (*param.opts, *param.secondary_opts)} if ctx else set()
     argv = ctx.meta.get("argv", []) if ctx else []
-    flags = [flag for token in argv if (token.startswith("--") or token.split("=", 1)[0] in VLLM_SHORT_FLAGS)
-             and (flag := token.split("=", 1)[0]) not in known]
+    flags = [flag for token in argv if ((flag := token.split("=", 1)[0]).startswith("--") or flag in VLLM_SHORT_FLAGS)
+             and flag not in known]
     advice = {flag: _advice(flag, known) for flag in dict.fromkeys(flags or [option])}
     if not any(advice.values()):
         return None
