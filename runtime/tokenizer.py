@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,7 +182,14 @@ class Tokenizer:
 
     @functools.cached_property
     def _byte_level(self) -> bool:
-        return isinstance(self._tokenizer.decoder, tokenizers.decoders.ByteLevel)
+        """Whether tokens are byte-level BPE pieces: a ByteLevel decoder, alone or as all of a Sequence (LFM2's)."""
+        decoder = self._tokenizer.decoder
+        if isinstance(decoder, tokenizers.decoders.ByteLevel):
+            return True
+        if not isinstance(decoder, tokenizers.decoders.Sequence):
+            return False
+        members = json.loads(decoder.__getstate__()).get("decoders") or []
+        return bool(members) and all(member.get("type") == "ByteLevel" for member in members)
 
     @functools.cached_property
     def _special_ids(self) -> frozenset[int]:

@@ -88,6 +88,17 @@ def test_a_stop_string_is_found_once_its_characters_are_whole(tokenizer):
     assert generate(tokenizer, a, [hello], ["\ufffd"]) == ("世", "\ufffd", "世")
 
 
+def test_a_byte_level_decoder_inside_a_sequence_reads_each_token_as_its_bytes(tokenizer):
+    hf = HFTokenizer.from_str(tokenizer.to_dict()["tokenizer_json"])
+    hf.decoder = decoders.Sequence([decoders.ByteLevel()])  # LFM2's tokenizer.json writes it so
+    wrapped = Tokenizer(hf)
+    hello = token_of(tokenizer, "世".encode() + "界".encode()[:2])
+    peace = token_of(tokenizer, "界".encode()[2:] + "和".encode() + "平".encode()[:1])
+    assert wrapped.token_bytes(hello) == "世".encode() + "界".encode()[:2]
+    assert generate(wrapped, tokenizer.encode("a", add_special_tokens=False), [hello, peace], ["界"]) == \
+        ("世", "界", "世")
+
+
 def test_a_prompt_whose_last_token_joins_an_invalid_byte_before_it_leaves_the_completion_its_characters(tokenizer):
     prompt = [*tokenizer.encode("A", add_special_tokens=False), token_of(tokenizer, b"\xf3"),
               token_of(tokenizer, b"\x89\xf0\x9f\x91")]  # f3 89 read as one U+FFFD, then 👍's first bytes
