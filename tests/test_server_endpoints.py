@@ -523,6 +523,8 @@ def test_served_model_names_after_the_first_are_aliases_requests_may_send_as_in_
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
         assert [card.id for card in client.models.list()] == ["tiny", "gpt-4o-mini"]
         assert client.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
+        listed = httpx.get(f"{server.url}/v1/models/", follow_redirects=True)  # a trailing slash, as vLLM takes it
+        assert [card["id"] for card in listed.json()["data"]] == ["tiny", "gpt-4o-mini"]
         out = client.completions.create(model="gpt-4o-mini", prompt="Once", max_tokens=2)
         assert out.model == "tiny"  # responses name the first, as vLLM's do
         with pytest.raises(openai.NotFoundError, match="'tiny', 'gpt-4o-mini'"):

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from fastapi import Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -298,7 +298,9 @@ def _add_routes(app: FastAPI, state: ServerState, settings: ServerSettings, metr
         return ModelList(data=[model.card(state.created, name) for name in model.names])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
-    async def retrieve_model(model_id: str, model: ServedModel = served) -> ModelCard:
+    async def retrieve_model(model_id: str, request: Request, model: ServedModel = served) -> ModelCard | Response:
+        if not model_id:  # "/v1/models/": to the list, as any other route's trailing slash is redirected
+            return RedirectResponse(request.url.replace(path=request.url.path.rstrip("/")), status_code=307)
         check_model(model, model_id)
         return model.card(state.created, model_id)
 
