@@ -55,6 +55,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": ""}, "prompt", ["empty after tokenization"]),  # the tiny tokenizer adds no BOS
     ({"prompt": []}, "prompt", ["non-empty"]),
     ({"prompt": [3, -1]}, "prompt", ["token ids are >= 0, got -1"]),
+    ({"prompt": [[3], []]}, "prompt", ["entry 1 is an empty token-id list"]),
+    ({"prompt": [[3], "a"]}, "prompt", ["mixes strings, token ids and token-id lists"]),
+    ({"prompt": [3, 1.5]}, "prompt", ["token ids are integers, got 1.5"]),
     ({"prompt": LONG_TEXT}, "prompt", ["max_input_len"]),
     ({"prompt": [5, 999_999]}, "prompt", ["999999"]),
     ({"max_tokens": 5}, "prompt", ["required"]),
@@ -577,3 +580,10 @@ def test_an_error_quoting_a_lone_surrogate_the_request_escaped_keeps_it_an_escap
 
     body = error_response(APIError(404, "The model 'x\ud800' does not exist")).body  # the model a request named
     assert b"'x\\ud800'" in body  # before: a 500, as UTF-8 cannot carry a lone surrogate
+
+
+def test_token_ids_may_be_integral_floats_as_every_integer_field_takes_them():
+    from kiln.runtime.server.protocol import CompletionRequest
+
+    assert CompletionRequest(prompt=[3.0, 4]).prompt == [3, 4]
+    assert CompletionRequest(prompt=[[3.0], [4]]).prompt == [[3], [4]]

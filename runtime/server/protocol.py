@@ -63,11 +63,13 @@ Int = Annotated[int, BeforeValidator(_integral)]
 
 def _prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
     """A prompt is text, a token-id list, or a batch of either; no list in it may be empty (an empty text is the
-    tokenizer's BOS alone, as OpenAI and vLLM take it, and refused where the tokenizer adds none)."""
+    tokenizer's BOS alone, as OpenAI and vLLM take it, and refused where the tokenizer adds none). Token ids may be
+    integral floats (2.0), as every integer field takes them."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list) or not value:
         raise ValueError("must be a string, a non-empty list of strings, of token ids or of token-id lists")
+    value = [[_integral(t) for t in p] if isinstance(p, list) else _integral(p) for p in value]
     if _is_token_ids(value):
         return value
     if all(isinstance(p, str) for p in value) or all(isinstance(p, list) and p and _is_token_ids(p) for p in value):
@@ -75,8 +77,12 @@ def _prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
     ids = [t for p in value for t in (p if isinstance(p, list) else [p])]
     if negative := [t for t in ids if isinstance(t, int) and not isinstance(t, bool) and t < 0]:
         raise ValueError(f"token ids are >= 0, got {negative[0]}")
-    raise ValueError("must be a string, a non-empty list of strings, of token ids or of token-id lists (with no "
-                     "empty entries)")
+    if [] in value:
+        raise ValueError(f"entry {value.index([])} is an empty token-id list")
+    if odd := [t for t in ids if not isinstance(t, (str, int)) or isinstance(t, bool)]:
+        raise ValueError(f"token ids are integers, got {odd[0]!r}")
+    raise ValueError("mixes strings, token ids and token-id lists: send a string, a list of strings, a list of token "
+                     "ids or a list of token-id lists")
 
 
 def _is_token_ids(value: list) -> bool:
