@@ -9,12 +9,13 @@ compiled and checked when the parameters are made, so a bad schema or regex is r
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
-from urllib.parse import quote, urldefrag, urljoin
+from urllib.parse import quote, unquote, urldefrag, urljoin
 
 from kiln.runtime.errors import InvalidRequestError
 
@@ -41,6 +42,8 @@ INTEGER_RANGE = range(-2**63 + 513, 2**64)
 _GRAMMAR_RULE = re.compile(r"^\s*[?!]?[A-Za-z_]\w*(?:\.-?\d+)?\s*:", re.MULTILINE)
 _JSON_DIRECTIVE = re.compile(r"%json\s*")
 _UNKNOWN_FORMAT = "Unknown format:"
+# a GBNF \uXXXX or \UXXXXXXXX escape, or an escaped backslash (so that "\\u00e9" stays a backslash and "u00e9")
+_GBNF_ESCAPE = re.compile(r"\\(?:\\|u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8}))")
 
 
 class StructuredOutputError(InvalidRequestError):
@@ -84,13 +87,6 @@ def _longest_ref_chain(schema: dict) -> int:
                 stack.extend(item)
         return list(dict.fromkeys(found))
 
-    def target(ref: str) -> object:
-        node: object = schema
-        for part in filter(None, ref[1:].split("/")):
-            part = part.replace("~1", "/").replace("~0", "~")
-            node = node.get(part) if isinstance(node, dict) else None
-        return node
-
     depth: dict[str, int] = {}
     path, stack = {"#"}, [("#", iter(within(schema)), 0)]
     while stack:
@@ -107,8 +103,26 @@ def _longest_ref_chain(schema: dict) -> int:
             stack[-1] = (ref, rest, max(best, depth[child]))
         elif child not in path:
             path.add(child)
-            stack.append((child, iter(within(target(child))), 0))
+            stack.append((child, iter(within(_pointed(schema, child))), 0))
     return depth["#"] - 1
+
+
+def _pointed(schema: dict, ref: str) -> Any:
+    """What a local ``ref`` (a JSON pointer from ``schema``'s root, percent-encoded or not) points at in ``schema``;
+    None where it points at nothing, or is no such pointer."""
+    pointer = unquote(ref[1:]) if ref.startswith("#") else None
+    if pointer is None or (pointer and not pointer.startswith("/")):
+        return None
+    node: Any = schema
+    for token in pointer.split("/")[1:]:
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(token)
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return None
+    return node
 
 
 def subschemas(schema: dict) -> Iterator[tuple[str, object]]:
@@ -323,59 +337,105 @@ def closed_objects(schema: Any) -> Any:
     """``schema`` with ``"additionalProperties": false`` on every object schema that lists its ``properties`` and
     says nothing of other keys (no ``additionalProperties``, ``patternProperties`` or ``unevaluatedProperties``):
     the keys a schema names are the ones generated, as xgrammar and outlines (vLLM's and SGLang's usual engines)
-    do, instead of a model inventing keys until ``max_tokens``. Where a schema's keys are named in parts, the parts
-    stay open: an ``allOf`` and its branches, an object with a ``$ref`` beside its ``properties`` and the definition
-    it extends. The branches of an ``anyOf`` / ``oneOf`` beside ``properties`` are closed over their keys and the
-    parent's (which they close in its stead). A bare ``{"type": "object"}`` stays any object."""
-    return _closed(schema, True, frozenset(_extended_definitions(schema)))
-
-
-def _closed(schema: Any, close: bool, extended: frozenset[str]) -> Any:
+    do, instead of a model inventing keys until ``max_tokens``. A key that ``required`` names and ``properties``
+    does not stays allowed (as ``{}``). Where a schema's keys are named in parts, the parts stay open: an ``allOf``
+    and its members, an object with a ``$ref`` beside its ``properties`` and the definition it extends. The
+    branches of an ``anyOf`` / ``oneOf`` beside ``properties`` are closed over their keys and the parent's (which
+    they close in its stead). A local ``$ref`` in such a place means what its target written there would: the
+    target is copied under a new ``$defs`` name and treated as it would be there, its other uses unchanged. A bare
+    ``{"type": "object"}`` stays any object."""
     if not isinstance(schema, dict):
         return schema
-    closed = dict(schema)
-    named = closed["properties"] if isinstance(closed.get("properties"), dict) else {}
-    for key in _SUBSCHEMA:
-        if key in closed:
-            closed[key] = _closed(closed[key], True, extended)
-    branched = False  # the parent's keys are closed by its anyOf / oneOf branches
-    for key in (*_SUBSCHEMA_LISTS, "allOf"):
-        if isinstance(closed.get(key), list):
-            subs = closed[key]
-            if key in ("anyOf", "oneOf") and named:
-                subs = [_with_keys(sub, named) for sub in subs]
-                branched = branched or any(isinstance(sub, dict) and "properties" in sub for sub in subs)
-            closed[key] = [_closed(sub, key != "allOf", extended) for sub in subs]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(closed.get(key), dict):
-            closed[key] = {name: _closed(sub, not (key in DEFINITION_KEYS and name in extended), extended)
-                           for name, sub in closed[key].items()}
-    if close and isinstance(closed.get("properties"), dict) and not branched and not closed.keys() & {
-            "additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref"}:
-        closed["additionalProperties"] = False
-    return closed
+    return _Closer(pointer_refs(schema)).closed_root()
 
 
-def _with_keys(branch: Any, keys: dict) -> Any:
-    """An ``anyOf`` / ``oneOf`` branch that lists ``properties``, with the parent's keys it does not name (as ``{}``:
-    the parent's schema for them still applies), so that closing it keeps them."""
-    if not isinstance(branch, dict) or not isinstance(branch.get("properties"), dict):
-        return branch
+_Mode = tuple[bool, tuple[str, ...]]  # (close the object itself, the parent's keys an anyOf / oneOf branch keeps)
+_CLOSED: _Mode = (True, ())
+_OPEN: _Mode = (False, ())
+
+
+class _Closer:
+    """``closed_objects`` over one schema: the copies its refs need, each made once per place it is treated as."""
+
+    def __init__(self, root: dict) -> None:
+        self.root = root
+        self.defs = root["$defs"] if isinstance(root.get("$defs"), dict) else {}
+        self.copies: dict[str, Any] = {}  # a new $defs name -> its closed copy
+        self.names: dict[tuple[str, _Mode], str] = {}  # (a ref, how its target is treated) -> its copy's name
+        self.pending: list[tuple[str, Any, _Mode]] = []  # copies still to close: walked in turn, not recursively
+
+    def closed_root(self) -> dict:
+        closed = self.closed(self.root, _CLOSED)
+        while self.pending:
+            name, target, mode = self.pending.pop()
+            self.copies[name] = self.closed(target, mode)
+        if self.copies:
+            closed["$defs"] = {**(closed["$defs"] if self.defs else {}), **self.copies}
+        return closed
+
+    def closed(self, schema: Any, mode: _Mode) -> Any:
+        """``schema`` closed as ``mode`` says, the copies its refs need queued."""
+        if not isinstance(schema, dict):
+            return schema
+        close, parent_keys = mode
+        closed = _with_keys(schema, parent_keys) if parent_keys else dict(schema)
+        listed = isinstance(closed.get("properties"), dict)
+        named = closed["properties"] if listed else {}
+        required = closed.get("required") if listed and isinstance(closed.get("required"), list) else []
+        unnamed = {key: {} for key in required if isinstance(key, str) and key not in named}  # any value
+        for key in _SUBSCHEMA:
+            if key in closed:
+                closed[key] = self.closed(closed[key], _CLOSED)
+        branched = False  # the parent's keys are closed by its anyOf / oneOf branches
+        for key in (*_SUBSCHEMA_LISTS, "allOf"):
+            if isinstance(closed.get(key), list):
+                sub_mode = _OPEN if key == "allOf" else _CLOSED
+                if key in ("anyOf", "oneOf") and (named or unnamed):
+                    sub_mode = (True, (*named, *unnamed))
+                    branched = branched or any(self._lists_properties(sub) for sub in closed[key])
+                closed[key] = [self.closed(sub, sub_mode) for sub in closed[key]]
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(closed.get(key), dict):
+                closed[key] = {name: self.closed(sub, _CLOSED) for name, sub in closed[key].items()}
+        if isinstance(ref := closed.get("$ref"), str):
+            closed["$ref"] = self._ref(ref, _OPEN if listed else mode)  # beside properties: extended, so open
+        if close and listed and not branched and not closed.keys() & {
+                "additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref"}:
+            closed["properties"] = {**closed["properties"], **unnamed}
+            closed["additionalProperties"] = False
+        return closed
+
+    def _ref(self, ref: str, mode: _Mode) -> str:
+        """``ref``, or one to a copy of its target treated as ``mode`` says, where that differs from the target's
+        treatment in its place (``$defs``, ``properties``, ... close it)."""
+        target = _pointed(self.root, ref)
+        if mode == _CLOSED or not isinstance(target, dict) or not target.keys() & {"properties", "$ref"}:
+            return ref  # treated alike anywhere
+        if (ref, mode) not in self.names:
+            base = unquote(ref[1:]).rsplit("/", 1)[-1].replace("~1", "/").replace("~0", "~") or "root"
+            kind = "open" if mode == _OPEN else "branch"
+            taken = {*self.names.values(), *self.defs}
+            name = next(n for i in itertools.count() if (n := f"{base}.{kind}{i or ''}") not in taken)
+            self.names[ref, mode] = name
+            self.pending.append((name, target, mode))
+        return f"#/$defs/{pointer_token(self.names[ref, mode])}"
+
+    def _lists_properties(self, branch: Any) -> bool:
+        """Whether ``branch`` lists ``properties``, itself or through the refs it is made of."""
+        seen: set[str] = set()
+        while isinstance(branch, dict) and not isinstance(branch.get("properties"), dict) and isinstance(
+                ref := branch.get("$ref"), str) and ref not in seen:
+            seen.add(ref)
+            branch = _pointed(self.root, ref)
+        return isinstance(branch, dict) and isinstance(branch.get("properties"), dict)
+
+
+def _with_keys(branch: dict, keys: tuple[str, ...]) -> dict:
+    """An ``anyOf`` / ``oneOf`` branch, with the parent's keys it does not name when it lists ``properties`` (as
+    ``{}``: the parent's schema for them still applies), so that closing it keeps them."""
+    if not isinstance(branch.get("properties"), dict):
+        return dict(branch)
     return {**branch, "properties": {**{name: {} for name in keys}, **branch["properties"]}}
-
-
-def _extended_definitions(schema: Any) -> set[str]:
-    """The names of the local definitions that a ``$ref`` beside ``properties`` points at: extended there, so they
-    stay open."""
-    found: set[str] = set()
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if isinstance(ref := node.get("$ref"), str) and "properties" in node:
-                found.update(ref.removeprefix(f"#/{key}/") for key in DEFINITION_KEYS if ref.startswith(f"#/{key}/"))
-            stack.extend(sub for _, sub in subschemas(node))
-    return found
 
 
 def json_rule(schema: dict) -> str:
@@ -405,6 +465,11 @@ def grammar_of(spec: StructuredOutput) -> str:
 
     matcher = llguidance.LLMatcher
     schema = closed_objects(spec.json) if spec.json is not None else {"type": "object"}
+    if (where := _repeatable_min_properties(schema)) is not None:
+        raise StructuredOutputError(f"the structured output format cannot be used: minProperties at {where} needs "
+                                    f"2 or more keys that properties does not list, and llguidance lets such a key "
+                                    f"repeat (counting each repeat), so fewer distinct keys could pass; list those "
+                                    f"keys in properties, or ask for at most 1 of them")
     if spec.json is not None or spec.json_object:
         grammar = matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     elif spec.regex is not None:
@@ -431,6 +496,23 @@ def grammar_of(spec: StructuredOutput) -> str:
     return grammar
 
 
+def _repeatable_min_properties(schema: dict) -> str | None:
+    """The JSON pointer of the first object schema in ``schema`` whose ``minProperties`` needs 2 or more keys its
+    ``properties`` does not list (``patternProperties`` or ``additionalProperties`` keys: llguidance lets one
+    repeat, ``{"b":1,"b":1}``, and counts it twice), walked without recursion; None where there is none."""
+    stack: list[tuple[str, object]] = [("", schema)]
+    while stack:
+        pointer, node = stack.pop()
+        if isinstance(node, dict):
+            listed = node["properties"] if isinstance(node.get("properties"), dict) else {}
+            low = node.get("minProperties")
+            if isinstance(low, int) and low > len(listed) + 1 and (
+                    node.get("patternProperties") or node.get("additionalProperties", True) is not False):
+                return pointer or "/"
+            stack.extend((pointer + suffix, sub) for suffix, sub in subschemas(node))
+    return None
+
+
 def _lark_of(grammar: str) -> str:
     """``grammar`` as Lark: GBNF (llama.cpp's ``root ::= ...``, which vLLM's grammar backends take) converted by
     llguidance, as vLLM's guidance backend converts it; Lark as it is."""
@@ -439,6 +521,18 @@ def _lark_of(grammar: str) -> str:
     if "::=" not in grammar or is_lark_syntax(grammar):
         return grammar
     try:
-        return gbnf_to_lark(grammar)
+        return gbnf_to_lark(_GBNF_ESCAPE.sub(_surviving_escape, grammar))
     except Exception as exc:  # noqa: BLE001 - the converter raises plain exceptions on a malformed grammar
         raise StructuredOutputError(f"the grammar is neither Lark nor GBNF that converts to it: {exc}") from None
+
+
+def _surviving_escape(escape: re.Match[str]) -> str:
+    """A GBNF ``\\uXXXX`` / ``\\UXXXXXXXX`` escape in a form llguidance's converter keeps (1.9 drops its leading
+    zeros: ``\\u00e9`` became ``\\ue9``, which Lark does not read): ``\\xNN`` below U+0100, which holds every
+    character that needs escaping in a literal, a class or a regex, and the character itself above; anything else
+    (an escaped backslash, a surrogate, past U+10FFFF) as it is."""
+    digits = escape[1] or escape[2]
+    code = int(digits, 16) if digits else None
+    if code is None or code > 0x10FFFF or 0xD800 <= code < 0xE000:
+        return escape[0]
+    return f"\\x{code:02x}" if code < 0x100 else chr(code)

@@ -137,7 +137,9 @@ def test_a_tagged_union_and_an_extended_definition_compile_and_hold(llm):
     closed = closed_objects(TAGGED_UNION)
     assert "additionalProperties" not in closed and all(b["additionalProperties"] is False for b in closed["anyOf"])
     assert set(closed["anyOf"][0]["properties"]) == {"kind", "xv"}  # the parent's keys kept in each branch
-    assert "additionalProperties" not in closed_objects(extended)["$defs"]["base"]  # extended, so open
+    closed = closed_objects(extended)
+    assert closed["$ref"] == "#/$defs/base.open" and "additionalProperties" not in closed["$defs"]["base.open"]
+    assert closed["$defs"]["base"]["additionalProperties"] is False  # extended through an open copy: others closed
     assert StructuredOutput(json=extended).llguidance_grammar  # compiles (it was refused as unsatisfiable)
     outputs = llm.generate(["Give me JSON:"] * 3, [constrained({"json": TAGGED_UNION}, seed) for seed in range(3)])
     for output in outputs:
