@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from kiln.pipeline.config import ModelSection, is_local_path
+from kiln.pipeline.config import PACKAGE_DIR, ModelSection, is_local_path
 from kiln.runtime.errors import KilnError
 
 
@@ -98,6 +98,12 @@ def _what_is_missing(folder: Path) -> str:
     """Why a local folder is not a checkpoint Kiln reads, and what to do."""
     fix = "point model.path at a Hugging Face checkpoint folder"
     if not folder.is_dir():
+        bundled = PACKAGE_DIR / "models" / folder.name
+        if folder.parent.name == "models" and bundled.is_dir():  # a bundled config copied elsewhere
+            return (f"is not a directory (a relative model.path is read from the config file's folder, and a "
+                    f"bundled config copied elsewhere keeps its ../models/{folder.name}); Kiln's bundled model is "
+                    f"{bundled}: point model.path there, or write the copy with `kiln config show CONFIG > "
+                    f"my-config.yaml`, which writes absolute paths")
         return f"is not a directory; {fix}"
     missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
     if missing:

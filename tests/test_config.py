@@ -114,6 +114,16 @@ def test_a_model_path_that_is_a_link_loop_loads_and_is_reported_where_it_is_used
         resolve_model(loaded.config.model)
 
 
+def test_a_bundled_config_copied_elsewhere_is_told_where_the_bundled_model_is(tmp_path):
+    from kiln.pipeline.model_source import ModelNotFoundError, resolve_model
+
+    copy = tmp_path / "tiny-llama-fp8.yaml"
+    copy.write_text((CONFIGS_DIR / "tiny-llama-fp8.yaml").read_text())  # its model.path: ../models/tiny-llama
+    bundled = CONFIGS_DIR.parent / "models" / "tiny-llama"
+    with pytest.raises(ModelNotFoundError, match=f"Kiln's bundled model is {bundled}: point model.path there"):
+        resolve_model(load_config(copy).config.model)
+
+
 @pytest.mark.parametrize(("files", "problem"), [
     ({}, "has no config.json"),
     ({"config.json": "{}", "pytorch_model.bin": ""}, r"holds pickle weights \(\*.bin / \*.pt\) only"),
