@@ -126,9 +126,9 @@ app.add_typer(cache_app, name="cache")
 
 def _print_version(asked: bool) -> None:
     if asked:
-        from kiln.runtime.version import kiln_version
+        from kiln.runtime.version import version_line
 
-        stdout.print(f"kiln {kiln_version() or '(not installed: run from a checkout)'}", highlight=False)
+        stdout.print(version_line(), highlight=False)
         raise typer.Exit()
 
 

@@ -260,8 +260,10 @@ def require_serve_extra() -> None:
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise ServeExtraMissingError(f"serving needs the serve extra ({exc.name} is missing): pip install "
-                                     f"'kiln[serve]'") from None
+        from kiln.runtime.version import SERVE_EXTRA_INSTALL
+
+        raise ServeExtraMissingError(f"serving needs the serve extra ({exc.name} is missing): "
+                                     f"{SERVE_EXTRA_INSTALL}") from None
 
 
 @friendly_errors

@@ -144,8 +144,10 @@ def _aiohttp():
     try:
         import aiohttp
     except ImportError:
-        raise LoadTestError("kiln loadtest's HTTP clients need aiohttp, of the serve extra: pip install "
-                            "'kiln[serve]'") from None
+        from kiln.runtime.version import SERVE_EXTRA_INSTALL
+
+        raise LoadTestError(f"kiln loadtest's HTTP clients need aiohttp, of the serve extra: "
+                            f"{SERVE_EXTRA_INSTALL}") from None
     return aiohttp
 
 

@@ -12,8 +12,10 @@ try:
 except ModuleNotFoundError as exc:
     if (exc.name or "").split(".")[0] not in _SERVE_EXTRA_MODULES:
         raise
-    raise ModuleNotFoundError(f"kiln.runtime.server needs the serve extra ({exc.name} is missing): pip install "
-                              "'kiln[serve]'", name=exc.name) from None
+    from kiln.runtime.version import SERVE_EXTRA_INSTALL
+
+    raise ModuleNotFoundError(f"kiln.runtime.server needs the serve extra ({exc.name} is missing): "
+                              f"{SERVE_EXTRA_INSTALL}", name=exc.name) from None
 
 __all__ = ["EngineFailedError", "ServerSettings", "ServerStartError", "ServerThread", "create_app", "run_server",
            "with_cancellation"]
