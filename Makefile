@@ -17,6 +17,8 @@ STAMP := $(VENV)/.kiln-installed
 # https://download.pytorch.org/whl/cpu). A GPU torch brings the triton it pins; where it brought none (a CPU build on
 # Linux), the tests' Triton interpreter is the tested 3.6.0.
 $(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "error: Kiln needs Python 3.11 or \
+	newer and $(PYTHON) is $$($(PYTHON) --version 2>&1): pass PYTHON=python3.11 (or newer)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
