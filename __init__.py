@@ -31,4 +31,4 @@ else:  # a module __getattr__ that type checkers saw would let them take any nam
         raise AttributeError(f"module 'kiln' has no attribute {name!r}")
 
     def __dir__() -> list[str]:  # tab completion and help() list the runtime's names too
-        return sorted({*globals(), *__all__, "__version__"})
+        return sorted({*__all__, "__version__", "runtime", *(name for name in globals() if name.startswith("__"))})

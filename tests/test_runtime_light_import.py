@@ -45,6 +45,7 @@ def test_the_names_loaded_on_first_use_are_seen_by_type_checkers_and_tab_complet
     typed = {alias.name for node in checked.body for alias in node.names}  # what `if TYPE_CHECKING:` imports
     assert typed == set(kiln.runtime._LAZY)  # every lazy name, so `from kiln import LLM` is LLM, not object
     assert set(kiln.runtime.__all__) <= set(dir(kiln.runtime)) and set(kiln.runtime.__all__) <= set(dir(kiln))
+    assert not {"TYPE_CHECKING", "annotations"} & set(dir(kiln))  # the module's own imports are no API
 
 
 def test_kiln_has_the_installed_version_as_vllm_and_sglang_do():

@@ -134,7 +134,7 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(llm: LLM | Callable[[], LLM], engine_dir: Path, settings: ServerSettings) -> FastAPI:
+def create_app(llm: LLM | Callable[[], LLM], engine_dir: str | Path, settings: ServerSettings) -> FastAPI:
     """The server over `llm`: an `LLM` the caller owns (ready at once), or a loader the app calls in the background
     at startup (/health answers 503 until it returns) and whose `LLM` it closes at shutdown."""
     if not isinstance(settings, ServerSettings):
