@@ -56,6 +56,8 @@ from kiln.runtime.tokenizer import Tokenizer
 _COMPILED_PARAMETERS: dict[str, None] = {}
 _MAX_COMPILED_PARAMETERS = 1024
 _GRAMMAR_PLACE = re.compile(r"\bat \d+\(\d+\): ")  # where llguidance's error is in a grammar: "at 3(7): "
+# a conversation this long renders within a millisecond or two (a few microseconds a message): on the event loop
+RENDER_THREAD_MESSAGES = 256
 
 
 def template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -105,6 +107,17 @@ def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dic
         raise APIError(400, str(exc), param="continue_final_message") from None
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
+
+
+async def render_chat_off_loop(model: ServedModel, messages: list[ChatMessage], tools: list[dict] | None,
+                               add_generation_prompt: bool = True, variables: dict[str, Any] | None = None,
+                               continue_final_message: bool = False) -> str:
+    """``render_chat``, on a worker thread for more than RENDER_THREAD_MESSAGES messages: the template runs as
+    Python code, which gives the GIL up every switch interval, so the event loop serves other requests meanwhile (99,000
+    short messages had held every stream and /health for over half a second)."""
+    render = functools.partial(render_chat, model, messages, tools, add_generation_prompt, variables,
+                               continue_final_message)
+    return await asyncio.to_thread(render) if len(messages) > RENDER_THREAD_MESSAGES else render()
 
 
 def template_tools(tools: list[Tool] | None) -> list[dict] | None:
@@ -326,8 +339,8 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest, max_tool_
         requested = None
     elif requested is not None and tools.format is not None and format_field(req) == "response_format":
         requested = await asyncio.to_thread(tools.answer_or_calls, requested)  # auto: a call, or the answer
-    text = render_chat(model, req.messages, tools.rendered, req.add_generation_prompt, template_variables(req),
-                       req.continue_final_message)
+    text = await render_chat_off_loop(model, req.messages, tools.rendered, req.add_generation_prompt,
+                                      template_variables(req), req.continue_final_message)
     [tokenized] = await model.tokenize_many([text], "messages", add_special_tokens=False,  # the template writes BOS
                                             keep_last=model.kept_prompt_tokens(req.truncate_prompt_tokens))
     prompt = tokenized.ids
@@ -343,8 +356,8 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest, max_tool_
     model.check(jobs[::req.n], "messages")
     thinking = None
     if model.reasoning_parser:  # a grammar writes the answer from its first token: no thought the prompt opened
-        thinking = (forced or requested) is None and thinking_at_start(generation_prompt(model, req, tools, text),
-                                                                       model.reasoning_parser)
+        thinking = (forced or requested) is None and thinking_at_start(
+            await generation_prompt(model, req, tools, text), model.reasoning_parser)
     format_param = "tool_choice" if forced is not None else format_field(req) if requested is not None else None
     return ChatPlan(tools, prompt, jobs, TokenText(model.tokenizer, req.return_tokens_as_token_ids), thinking,
                     [*overridden, *unread_template_fields(model, req)], format_param)
@@ -364,13 +377,14 @@ async def check_tool_parameters(tools: ChatTools) -> None:
         del _COMPILED_PARAMETERS[next(iter(_COMPILED_PARAMETERS))]
 
 
-def generation_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ChatTools, prompt_text: str) -> str:
+async def generation_prompt(model: ServedModel, req: ChatCompletionRequest, tools: ChatTools, prompt_text: str
+                            ) -> str:
     """What the template adds to the messages for the answer (``prompt_text`` less the messages rendered alone), or
     the final message that the answer continues."""
     if req.continue_final_message:
         return message_text(req.messages[-1].content)
-    messages = render_chat(model, req.messages, tools.rendered, add_generation_prompt=False,
-                           variables=template_variables(req))
+    messages = await render_chat_off_loop(model, req.messages, tools.rendered, add_generation_prompt=False,
+                                          variables=template_variables(req))
     return prompt_text[len(messages):] if prompt_text.startswith(messages) else prompt_text
 
 

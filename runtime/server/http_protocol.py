@@ -3,13 +3,22 @@ line and headers of a request take at most MAX_HEAD_BYTES (else 431, and the con
 within HEAD_TIMEOUT_S of the connection opening or the request starting (else the connection closes), so that
 neither one huge header nor many connections that trickle theirs (slowloris) hold the server's memory or sockets.
 A request's body must not pause for more than BODY_TIMEOUT_S between two chunks (else 408, and the connection
-closes), so that a body that never ends does not hold its connection (and a shutdown) either. uvicorn buffers headers
-without limit and times out only idle keep-alive connections; nginx answers the same way
-(``large_client_header_buffers``, ``client_header_timeout``, ``client_body_timeout``). When the server shuts down, a
-request whose body is still arriving is answered 503 and its connection closed at once: it could only be refused
-(the server drains first), and uvicorn would otherwise wait for the body, then cancel its handler with a traceback.
+closes): a client that stops sending does not hold its connection (or a shutdown), though one that sends a byte
+more often than that still can, as under nginx. uvicorn buffers headers without limit and times out only idle
+keep-alive connections; nginx answers the same way (``large_client_header_buffers``, ``client_header_timeout``,
+``client_body_timeout``). When the server shuts down, a request whose body is still arriving is answered 503 and its
+connection closed at once: it could only be refused (the server drains first), and uvicorn would otherwise wait for
+the body, then cancel its handler with a traceback.
 
-Without httptools (uvicorn's fast parser, in the serve extra) h11 runs, bounded in size only."""
+An answer that starts before its request's body has ended (413, 401, 404, 415) says ``connection: close``, and the
+rest of the body is read and dropped, never parsed as a next request, before the connection closes, as nginx's
+lingering close does: a server that closes while the client is still sending resets the connection, and the client's
+TCP stack drops the answer it had not read yet. The drain ends at the body's end, after DRAIN_S, or once the body
+passes the bound on bodies plus DRAIN_BYTES; there is none for a declared body longer than that, nor for one whose
+client waits for "100 Continue" and has sent none of it.
+
+Without httptools (uvicorn's fast parser, in the serve extra) h11 runs, bounded in size only, with no lingering
+close."""
 
 from __future__ import annotations
 
@@ -17,11 +26,15 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from kiln.runtime.server.body_limit import DEFAULT_MAX_BODY_BYTES
+
 logger = logging.getLogger("kiln.server")
 
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
 BODY_TIMEOUT_S = 60.0  # nginx's client_body_timeout
+DRAIN_BYTES = 64 << 20  # of a body answered early, read and dropped past the bound on bodies; a longer one is cut off
+DRAIN_S = 5.0
 
 
 def _plain_response(status: bytes, text: str) -> bytes:
@@ -37,14 +50,16 @@ _SHUTTING_DOWN = _plain_response(b"503 Service Unavailable",
                                  "the server is shutting down: retry against another replica")
 
 
-def http_protocol_options(head_timeout_s: float = HEAD_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S) -> dict:
-    """The ``uvicorn.Config`` keywords that pick the bounded protocol, its heads due within ``head_timeout_s`` and
-    its bodies' chunks within ``body_timeout_s`` of each other."""
+def http_protocol_options(head_timeout_s: float = HEAD_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> dict:
+    """The ``uvicorn.Config`` keywords that pick the bounded protocol, its heads due within ``head_timeout_s``, its
+    bodies' chunks within ``body_timeout_s`` of each other, and a body answered early drained up to DRAIN_BYTES past
+    ``max_body_bytes``."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # no httptools: h11, whose parser bounds an incomplete head
         return {"http": "h11", "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
-    return {"http": _bounded(HttpToolsProtocol, head_timeout_s, body_timeout_s)}
+    return {"http": _bounded(HttpToolsProtocol, head_timeout_s, body_timeout_s, max_body_bytes + DRAIN_BYTES)}
 
 
 class _Deadline:
@@ -72,28 +87,48 @@ class _Deadline:
         self._on_expiry()
 
 
-def _bounded(base: type, head_timeout_s: float, body_timeout_s: float) -> type:
+class _CycleTransport:
+    """``transport`` as a request's cycle writes to it, closed by ``close``: the protocol's, which drains a body
+    answered early first."""
+
+    def __init__(self, transport: asyncio.Transport, close: Callable[[], None]) -> None:
+        self._transport, self.close = transport, close
+
+    def write(self, data: bytes) -> None:
+        self._transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+
+def _bounded(base: type, head_timeout_s: float, body_timeout_s: float, drain_cap: int) -> type:
     too_slow = _plain_response(b"408 Request Timeout", f"the request body paused for more than {body_timeout_s:g} s: "
                                                        f"send it without pausing")
 
     class BoundedHttpToolsProtocol(base):
-        """uvicorn's httptools protocol, its request heads bounded in size and time, its bodies in time."""
+        """uvicorn's httptools protocol, its request heads bounded in size and time, its bodies in time, a body
+        answered early drained (up to ``drain_cap`` bytes in all) before the connection closes."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._head_bytes, self._head_raw, self._answered, self._began = 0, 0, False, False
-            self._head = _Deadline(self.loop, head_timeout_s, self._head_too_slow)
+            self._body_bytes, self._lingering, self._keep_alive = 0, False, None
+            self._head = _Deadline(self.loop, head_timeout_s, self._close)
             self._body = _Deadline(self.loop, body_timeout_s, self._body_too_slow)
+            self._linger = _Deadline(self.loop, DRAIN_S, self._close)
+            self._cycle_transport = _CycleTransport(transport, self._close_after_answer)
             self._head.start()  # a connection that never sends a byte is cut off too
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._head.stop()
             self._body.stop()
+            self._linger.stop()
             super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._head_bytes = self._head_raw = 0
+            self._head_bytes = self._head_raw = self._body_bytes = 0
+            self._keep_alive = None  # whether the request asked to keep the connection: set with its cycle
             self._began = True  # the chunk being read ended another message: its bytes are not all head bytes
             self._head.start()
 
@@ -118,19 +153,35 @@ def _bounded(base: type, head_timeout_s: float, body_timeout_s: float) -> type:
 
         def on_headers_complete(self) -> None:
             self._head.stop()
+            if self._lingering:  # a request after the drained body: not served, the connection closes
+                return
             super().on_headers_complete()
-            if not (self.parser.should_upgrade() and self._should_upgrade()):  # a WebSocket's is not a body
-                self._body.start()  # on_message_complete ends it, at once for a request without a body
+            if self.parser.should_upgrade() and self._should_upgrade():  # a WebSocket's: no cycle, no body
+                return
+            self.cycle.transport = self._cycle_transport
+            # an answer that starts before the body has ended closes the connection, after a drain, and says so
+            self._keep_alive, self.cycle.keep_alive = self.cycle.keep_alive, False
+            self._body.start()  # on_message_complete ends it, at once for a request without a body
 
         def on_body(self, body: bytes) -> None:
             super().on_body(body)
-            self._body.start()
+            self._body_bytes += len(body)
+            if not self._lingering:
+                self._body.start()
+            elif self._body_bytes > drain_cap:
+                self._close()
 
         def on_message_complete(self) -> None:
             self._body.stop()
             super().on_message_complete()
+            if self._lingering:  # the rest of the body was dropped
+                self._close()
+            elif self._keep_alive is not None and not self.cycle.response_started:
+                self.cycle.keep_alive = self._keep_alive
 
         def shutdown(self) -> None:
+            if self._lingering:  # it closes within DRAIN_S
+                return
             cycle = self.cycle
             if cycle is None or not cycle.more_body or cycle.response_started or self.transport.is_closing():
                 super().shutdown()
@@ -141,15 +192,37 @@ def _bounded(base: type, head_timeout_s: float, body_timeout_s: float) -> type:
             self.transport.close()  # the handler reads a disconnect and ends: nothing is left to cancel
 
         def on_response_complete(self) -> None:
-            # answered before its body was all read (413, 401, 404, an Expect: 100-continue refused): the rest of
-            # the body would be read and dropped without bound, or the next request taken for it; close instead
-            if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
-                self.transport.close()
             super().on_response_complete()
+            if self._lingering:
+                self._unset_keepalive_if_required()  # DRAIN_S bounds the drain
+
+        def _close_after_answer(self) -> None:
+            """Close the connection as a request's cycle asks: after a drain if it answered before the body ended."""
+            cycle = self.cycle  # the latest request: an earlier one's answer does not end its body
+            if cycle.response_complete and cycle.more_body and not self.transport.is_closing():
+                self._drain()
+            else:
+                self._close()
 
         def send_400_response(self, msg: str) -> None:
-            if not self._answered:  # a head too large was answered 431 already
+            if self._answered or self._lingering:  # answered already (431, or before the body ended)
+                self._close()
+            else:
                 super().send_400_response(msg)
+
+        def _drain(self) -> None:
+            """Read and drop the rest of the body, within DRAIN_S and up to ``drain_cap`` bytes of body in all, then
+            close; at once where nothing is to come: a declared body longer than that, or one whose client waits
+            for "100 Continue" (the answer refused it) and has sent none of it."""
+            declared = dict(self.cycle.scope["headers"]).get(b"content-length", b"")
+            if (self.expect_100_continue and not self._body_bytes) or (declared.isdigit()
+                                                                        and int(declared) > drain_cap):
+                self._close()
+                return
+            self._lingering = True
+            self._body.stop()
+            self._linger.start()
+            self.flow.resume_reading()
 
         def _count(self, size: int) -> None:
             self._head_bytes += size
@@ -163,7 +236,7 @@ def _bounded(base: type, head_timeout_s: float, body_timeout_s: float) -> type:
             self.transport.write(_TOO_LARGE)
             self.transport.close()
 
-        def _head_too_slow(self) -> None:
+        def _close(self) -> None:
             if not self.transport.is_closing():
                 self.transport.close()
 
