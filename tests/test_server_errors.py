@@ -86,6 +86,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", ["only allowed with stream"]),
     ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens", ["min_tokens", "max_tokens=4"]),
     ({"prompt": "hi", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs", ["not available with stream"]),
+    ({"prompt": "hi", "stream": True, "prompt_logprobs": 0}, "prompt_logprobs", ["not available with stream"]),
     ({"prompt": "hi", "ignore_eos": True, "structured_outputs": {"choice": ["a"]}}, "ignore_eos",
      ["structured output"]),
     ({"prompt": "hi", "best_of": 2}, "best_of", ["not supported", "send null or 1"]),  # JSON, not Python, spellings
@@ -391,6 +392,15 @@ def test_too_many_prompts_or_too_long_a_text_are_refused_before_tokenizing(http,
     bound = llm.limits.max_input_len * llm.tokenizer.max_token_bytes
     long_text = {"prompt": "z" * (bound + 1), "max_tokens": 2}
     assert_error(http.post("/v1/completions", json=long_text), 400, "prompt", "characters, more than")
+
+
+def test_n_over_the_sequences_the_server_holds_is_refused_naming_n(llm):
+    app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL, max_queue=1))  # holds 16 + 1
+    with ServerThread(app) as server:
+        for path, body in (("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            answer = httpx.post(f"{server.url}{path}", json={**body, "n": 18, "max_tokens": 1})
+            assert_error(answer, 400, "n", "needs 18 sequences but the server holds at most 17")  # before: "prompt"
 
 
 def test_a_50_mb_body_and_a_surrogate_prompt_during_streams_leave_the_streams_whole(llm):

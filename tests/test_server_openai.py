@@ -285,6 +285,29 @@ def test_client_disconnecting_mid_stream_aborts_its_request_and_frees_its_blocks
     assert "aborted: the client went away mid-stream" in caplog.text  # a request id's log tells what happened
 
 
+def test_a_client_gone_before_its_first_token_is_logged_as_gone_before_it_not_mid_stream(server, llm, monkeypatch,
+                                                                                         caplog):
+    caplog.set_level(logging.INFO, logger="kiln.server")
+    step, resume = llm.engine.step, threading.Event()
+
+    def held_step():  # no token until the client has gone
+        resume.wait(30)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", held_step)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "stream": True}
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/completions",
+                                                                                json=body) as response:
+            assert response.status_code == 200  # the stream's head goes out at once; its first token never came
+        wait_until(lambda: "aborted: the client went away" in caplog.text)
+    finally:
+        resume.set()
+    # before: "mid-stream", though no token had come
+    assert "aborted: the client went away before the first token (queued, or in prefill)" in caplog.text
+    wait_until(lambda: engine_idle(llm))
+
+
 def metric_values(server, names: tuple[str, ...]) -> list[float]:
     """The values of these samples (label sets as exposed) in the server's /metrics, 0 for one not there yet."""
     lines = httpx.get(f"{server.url}/metrics").text.splitlines()

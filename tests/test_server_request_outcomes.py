@@ -67,7 +67,7 @@ def test_a_failed_request_counts_as_an_error_and_one_a_stopped_engine_ended_as_a
     async def stream() -> bytes:
         events = StreamEvents(render=lambda index, delta: [], usage=lambda usage: {})
         return b"".join([piece async for piece in _sse(_FailingModel(error), jobs, streamed, [], events,
-                                                      lambda: None, None)])
+                                                      lambda: None, None, {})])
 
     assert b'"error"' in asyncio.run(stream())
     with pytest.raises(APIError):

@@ -126,14 +126,16 @@ def check_model(model: ServedModel, requested: str | None) -> None:
 
 
 def check_request(model: ServedModel, req: SamplingFields) -> None:
-    """``check_model``, then a 400 for ``stream_options`` without ``stream`` (as OpenAI and vLLM refuse it) or for a
-    token id outside the vocabulary in ``logit_bias``, ``stop_token_ids`` or ``allowed_token_ids``, naming the
-    field."""
+    """``check_model``, then a 400 naming the field for ``n`` over the sequences the server holds at once, for
+    ``stream_options`` without ``stream`` (as OpenAI and vLLM refuse it) or for a token id outside the vocabulary in
+    ``logit_bias``, ``stop_token_ids`` or ``allowed_token_ids``."""
     check_model(model, req.model)
+    model.admission.check_fits(req.n, "n")  # n alone: completions counts its prompts too, naming "prompt"
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true: drop it or stream the response",
                        param="stream_options")
-    if req.stream and req.prompt_logprobs:  # no chunk carries them (vLLM refuses this too)
+    if req.stream and req.prompt_logprobs is not None:  # no chunk carries them (vLLM refuses 1 and up); 0 would
+        # still compute them, and skip the prefix cache, for nothing
         raise APIError(400, "prompt_logprobs are not available with stream: true: drop one of them",
                        param="prompt_logprobs")
     vocab_size = model.limits.vocab_size

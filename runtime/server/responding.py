@@ -106,16 +106,19 @@ def _generation_failed(exc: Exception, format_param: str | None) -> APIError:
 class _EventStream(Response):
     """Server-sent events that always release the request's admission and abort its jobs, however the stream
     ends (finished, client gone, server shutting down). Leaner than Starlette's StreamingResponse (no anyio task
-    group per response): one task watches for the client going away and cancels the writer."""
+    group per response): one task watches for the client going away and cancels the writer. ``generated``: how many
+    tokens the jobs have generated so far, for the log line of a client gone."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None], headers: dict[str, str]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None], headers: dict[str, str],
+                 generated: Callable[[], int]) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", **headers})
         self._content = content
         self._release = release
+        self._generated = generated
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         writer = asyncio.current_task()
@@ -131,7 +134,10 @@ class _EventStream(Response):
                 raise  # cancelled from outside (the server stopping): not the client going away
             writer.uncancel()
             scope[CLIENT_GONE] = True
-            logger.info("aborted: the client went away mid-stream")
+            if tokens := self._generated():
+                logger.info("aborted: the client went away mid-stream, after %d generated tokens", tokens)
+            else:
+                logger.info("aborted: the client went away before the first token (queued, or in prefill)")
         finally:
             watcher.cancel()
             self._release()
@@ -179,12 +185,13 @@ def _with_usage(opening: list[dict], chunks: list[dict], prompt_tokens: int, gen
 
 
 async def _sse(model: ServedModel, jobs: list[Job], metrics: ServerMetrics, prompts: list[list[int]],
-               stream: StreamEvents, release: Callable[[], None], format_param: str | None) -> AsyncIterator[bytes]:
+               stream: StreamEvents, release: Callable[[], None], format_param: str | None,
+               generated: dict[int, int]) -> AsyncIterator[bytes]:
     """The SSE body (``StreamEvents`` says what it holds). The chunks of deltas that arrived together go out in one
     write. The request's admission is released once the engine is done with its jobs, though a client that does not
-    read has not taken their last chunks yet."""
+    read has not taken their last chunks yet. ``generated``: filled with the tokens so far of each job whose prompt
+    was prefilled."""
     outputs: list[RequestOutput] = []
-    generated: dict[int, int] = {}  # tokens so far of each job whose prompt was prefilled
     failure: Exception | None = None
     if stream.prelude:
         yield b"".join(_event(chunk) for chunk in stream.prelude)
@@ -240,9 +247,10 @@ async def respond(model: ServedModel, req: SamplingFields, jobs: list[Job], prom
         options = req.stream_options
         with_usage = stream.with_usage or includes_usage(req)
         continuous = with_usage and options is not None and bool(options.continuous_usage_stats)
+        generated: dict[int, int] = {}
         body = _sse(model, jobs, metrics, prompts, replace(stream, with_usage=with_usage, continuous_usage=continuous),
-                    release, format_param)
-        return _EventStream(body, release, headers)
+                    release, format_param, generated)
+        return _EventStream(body, release, headers, lambda: sum(generated.values()))
     try:
         outputs = await _collect(model, jobs, metrics, request, format_param)
     finally:
