@@ -2,8 +2,9 @@
 
 Each document is encoded with the model's tokenizer (its own special tokens) and followed by the end-of-sequence
 token; the stream is cut into rows of exactly seq_len tokens, so no padding or attention mask is needed. The gate
-measures only text calibration does not use: held-out documents that the calibration data also holds (whitespace
-aside) are left out, and a held-out set made mostly of them (a copy of the dataset) is refused.
+measures only text calibration does not use: held-out documents made only of paragraphs that the calibration data
+also holds (whitespace aside; paragraphs as the .txt reader splits documents, so that the same text read from a .jsonl
+and from a .txt matches) are left out, and a held-out set made mostly of them (a copy of the dataset) is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kiln.calibration.sources import (
     RANDOM,
     RANDOM_SHA256,
     TextSource,
+    paragraphs,
     read_documents,
     resolve_source,
     source_digest,
@@ -134,15 +136,21 @@ def _heldout_unseen(heldout_source: TextSource, calibration_docs: list[str], lab
 
 
 def _without(docs: list[str], others: list[str]) -> tuple[list[str], int]:
-    """`docs`, in order, less those whose text (whitespace aside) is among `others`; and how many were left out."""
-    seen = {_text_key(doc) for doc in others}
-    kept = [doc for doc in docs if _text_key(doc) not in seen]
+    """`docs`, in order, less those whose text, or every paragraph of it (``sources.paragraphs``), is a document or a
+    paragraph of `others`, whitespace aside; and how many were left out.
+
+    Paragraphs are the granularity every reader shares: a .txt file reads each as a document, a JSONL line may hold
+    several. A document that shares only some paragraphs (a heading, a signature, a quotation) stays: a short repeated
+    paragraph does not make the rest of it text calibration saw."""
+    seen = {_text_key(text) for doc in others for text in (doc, *paragraphs(doc))}
+    kept = [doc for doc in docs
+            if _text_key(doc) not in seen and not all(_text_key(p) in seen for p in paragraphs(doc))]
     return kept, len(docs) - len(kept)
 
 
-def _text_key(doc: str) -> bytes:
-    """A document's identity for overlap checks: a digest of its words, so runs of whitespace do not count."""
-    return hashlib.blake2b(" ".join(doc.split()).encode(), digest_size=16).digest()
+def _text_key(text: str) -> bytes:
+    """A text's identity for overlap checks: a digest of its words, so runs of whitespace do not count."""
+    return hashlib.blake2b(" ".join(text.split()).encode(), digest_size=16).digest()
 
 
 def _shuffled(docs: list[str], seed: int) -> list[str]:

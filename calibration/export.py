@@ -105,6 +105,11 @@ def copy_tokenizer_files(model_dir: Path, out: Path) -> None:
         shutil.copy2(path, out / CHAT_TEMPLATES_DIR / path.name)
 
 
+# modelopt clamps each FP8 K/V cache scale of its TensorRT-LLM export to at least 1.0 (its recommended default, which
+# TensorRT-LLM's own converters write), and TensorRT-LLM keeps one scale for K and V, the larger
+KV_SCALE_NOTE = ("trtllm/: the FP8 K/V cache scale of each layer is max(k_scale, v_scale, 1.0), as modelopt's "
+                 "TensorRT-LLM export writes it; the accuracy gate measured the calibrated k_scale and v_scale of hf/")
+
 # what modelopt raises where it cannot export a model (it has no export for the family, or code that does not fit
 # its shape): the same on every run, so the checkpoint is cached without the form. Anything else (out of memory, a
 # full disk) fails the stage, and nothing is cached.
@@ -113,9 +118,10 @@ STRUCTURAL_EXPORT_ERRORS = (NotImplementedError, AttributeError, KeyError, Index
 
 def export_trtllm(model: nn.Module, out: Path, dtype: torch.dtype) -> str | None:
     """modelopt's TensorRT-LLM checkpoint (tensor parallel 1), with the rotary settings of the HF config filled in
-    (modelopt 0.47 misses them under transformers 5, where rope_theta moved into rope_parameters). Returns None once
-    written, or why modelopt has none for this model (no export for the family, Phi-3 for one, or a failed one):
-    the native backend builds from the Hugging Face form alone."""
+    (modelopt 0.47 misses them under transformers 5, where rope_theta moved into rope_parameters). Returns a note for
+    the report or None: why modelopt has no checkpoint for this model (no export for the family, Phi-3 for one, or a
+    failed one; the native backend builds from the Hugging Face form alone), or that its FP8 K/V cache scale is not
+    the one the gate measured (KV_SCALE_NOTE)."""
     decoder = get_model_type(model)
     if decoder is None:
         return f"no TensorRT-LLM checkpoint: modelopt has no TensorRT-LLM decoder type for {type(model).__name__}"
@@ -129,7 +135,7 @@ def export_trtllm(model: nn.Module, out: Path, dtype: torch.dtype) -> str | None
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config.update(_rotary_settings(model.config))
     config_path.write_text(json.dumps(config, indent=4) + "\n")
-    return None
+    return KV_SCALE_NOTE if config["quantization"].get("kv_cache_quant_algo") == "FP8" else None
 
 
 def _rotary_settings(hf_config) -> dict:

@@ -26,7 +26,11 @@ from kiln.calibration.recipe import INT4_BLOCK_SIZE
 with warnings.catch_warnings():  # modelopt warns at import about untested transformers versions
     warnings.simplefilter("ignore")
     import modelopt.torch.quantization as mtq
-    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
+    from modelopt.torch.export.quant_utils import preprocess_linear_fusion
+    from modelopt.torch.export.unified_export_hf import (
+        collect_shared_input_modules,
+        requantize_resmooth_fused_llm_layers,
+    )
     from modelopt.torch.quantization.model_calib import enable_stats_collection, finish_stats_collection
     from modelopt.torch.quantization.nn import TensorQuantizer
 
@@ -139,9 +143,25 @@ def rounds_calibrator(fmt: str, reference: nn.Module, config: dict) -> MaxRounds
     return MaxRounds(reference, config) if fmt == "fp8" else AwqRounds(reference, config)
 
 
+def tie_shared_input_scales(model: nn.Module) -> None:
+    """Give the per-tensor FP8 linears that read one input (q/k/v, gate/up) one weight amax and one input amax, the
+    largest of theirs, as modelopt's TensorRT-LLM export does when it fuses them into one GEMM (and vLLM when it loads
+    them fused). Done before the gate, the gate, ``hf/`` and ``trtllm/`` hold the same E4M3 codes; modelopt's Hugging
+    Face export leaves FP8 groups as they are, and a linear stored fused (Phi-3's qkv_proj) has one scale already."""
+
+    def dummy_forward() -> None:
+        model(torch.ones(1, 2, dtype=torch.long, device=model.device))
+
+    groups, _ = collect_shared_input_modules(model, dummy_forward)
+    with torch.no_grad():
+        for linears in groups.values():
+            if len(linears) > 1 and all(_per_tensor_fp8(m.weight_quantizer) for m in linears):
+                preprocess_linear_fusion(linears)
+
+
 def fuse_shared_inputs(model: nn.Module) -> None:
-    """Apply the export-time fusions (shared input scales of q/k/v and gate/up, AWQ scales folded into the
-    preceding norm) now, so the accuracy gate measures exactly the model that is exported."""
+    """Apply the export-time fusions of the Hugging Face export (AWQ: one pre-quant scale for the linears that share
+    an input, folded into the preceding norm) now, so the accuracy gate measures the model that is exported."""
     with torch.no_grad():
         requantize_resmooth_fused_llm_layers(model)
 

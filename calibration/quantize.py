@@ -14,7 +14,6 @@ import shutil
 import time
 from collections.abc import Callable
 from functools import partial
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -40,10 +39,11 @@ from kiln.calibration.modelopt_quantize import (
     quant_config,
     quiet,
     rounds_calibrator,
+    tie_shared_input_scales,
     use_gated_fp8_weights,
 )
 from kiln.calibration.plot import plot_curves
-from kiln.calibration.recipe import QuantizeRecipe, recipe_material
+from kiln.calibration.recipe import QuantizeRecipe, modelopt_version, recipe_material
 from kiln.calibration.report import Attempt, RoundRecord, build_report, outcomes_text, unsettled_text, write_report
 
 Progress = Callable[[str, float], None]
@@ -130,7 +130,8 @@ class _Stage:
         if not attempt.converged and self.recipe.on_failure == "fail":
             attempt.outcome = "did not converge"
             raise CalibrationError(self._not_converged_message(attempt, data), {"attempts": [attempt.as_dict()]})
-        unfused = copy.deepcopy(model)  # TensorRT-LLM's exporter fuses q/k/v itself, from the unfused scales
+        tie_shared_input_scales(model)  # FP8 q/k/v and gate/up: the scales of the one GEMM they are exported as
+        unfused = copy.deepcopy(model)  # TensorRT-LLM takes AWQ pre-quant scales per linear, not folded in the norm
         fuse_shared_inputs(model)
         metrics = self._timed("gate_s", lambda: runner.with_backoff(lambda: evaluate(model, heldout, f"{fmt} gate")))
         attempt.gate = check_gate(metrics, self.recipe.gate.for_format(fmt) if self.recipe.gate else None)
@@ -284,7 +285,7 @@ class _Stage:
             "heldout_sha256": data.heldout_sha256 if data else None,
             "device": self.device,
             "compute_dtype": str(self.dtype).removeprefix("torch."),
-            "modelopt_version": version("nvidia-modelopt"),
+            "modelopt_version": modelopt_version(recipe.format),
             "notes": self.notes,
             "times": {k: round(v, 3) for k, v in self.times.items()},
         }

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kiln.calibration.errors import CalibrationError
 from kiln.calibration.sources import RANDOM, source_sha256
 
 Format = Literal["none", "fp8", "int4_awq"]
@@ -20,7 +21,10 @@ GATE_DEFAULTS: dict[str, dict[str, float]] = {
 }
 
 # Bump when a change in calibration/ changes the bytes of a quantized checkpoint for the same inputs.
-MATERIAL_VERSION = 2  # 2: held-out documents the calibration data holds are left out
+# 2: held-out documents the calibration data holds are left out; 3: FP8 linears that read one input share their scales,
+# and held-out documents made only of calibration paragraphs are left out
+MATERIAL_VERSION = 3
+MODELOPT_REQUIREMENT = "nvidia-modelopt==0.47.0"  # as pyproject.toml pins it
 INT4_BLOCK_SIZE = 128  # the input features int4_awq quantizes together (one scale a group)
 # torch.manual_seed takes up to 2**64 - 1, and random held-out rows are drawn from seed + 1
 MAX_SEED = 2**64 - 2
@@ -165,7 +169,17 @@ def recipe_material(recipe: QuantizeRecipe, dataset_root: Path | None = None) ->
             "on_failure": recipe.on_failure,
             "gate": {f: recipe.gate.for_format(f) for f in calibrated} if recipe.gate else None,
             "fallback": list(recipe.fallback),
-            "modelopt": version("nvidia-modelopt"),
+            "modelopt": modelopt_version(recipe.format),
         }
     )
     return material
+
+
+def modelopt_version(fmt: str) -> str:
+    """The installed nvidia-modelopt's version; a CalibrationError that says how to install it where it is not (a
+    ``pip install --no-deps``), which quantizing to `fmt` needs."""
+    try:
+        return version("nvidia-modelopt")
+    except PackageNotFoundError:
+        raise CalibrationError(f"quantize.format {fmt} needs NVIDIA modelopt, which is not installed; pip install "
+                               f"'{MODELOPT_REQUIREMENT}', or set quantize.format: none") from None

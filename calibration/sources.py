@@ -119,12 +119,16 @@ def read_documents(source: TextSource, text_field: str) -> list[str]:
         elif path.suffix == ".parquet":
             docs.extend(_read_parquet(path, text_field, source.field))
         else:
-            text = _utf8_text(path, source.field)
-            docs.extend(p.strip() for p in re.split(r"\n\s*\n", text) if p.strip())
+            docs.extend(paragraphs(_utf8_text(path, source.field)))
     if not docs:
         names = ", ".join(str(p) for p in source.files[:3])
         raise CalibrationError(f"{source.field}: {names} holds no text documents; add text or choose another source")
     return docs
+
+
+def paragraphs(text: str) -> list[str]:
+    """The non-empty blank-line-separated paragraphs of `text`, stripped: the documents of a .txt file."""
+    return [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
 
 
 def _utf8_text(path: Path, field: str) -> str:

@@ -83,6 +83,26 @@ def test_heldout_that_is_mostly_the_datasets_text_is_refused(tmp_path, tokenizer
         load_calibration_data(recipe(data, heldout), tokenizer)
 
 
+@pytest.mark.parametrize(("dataset", "heldout", "shared"), [("calib.jsonl", "calib.txt", "40 of 40"),
+                                                          ("calib.txt", "calib.jsonl", "20 of 20")])
+def test_the_same_text_read_by_another_reader_is_refused_as_heldout(tmp_path, tokenizer, dataset, heldout, shared):
+    docs = [f"{first}\n\n{second}" for first, second in zip(numbered(20), numbered(20, 100), strict=True)]
+    write_jsonl(tmp_path / "calib.jsonl", docs)  # a document a line: 20 of two paragraphs
+    (tmp_path / "calib.txt").write_text("\n\n".join(docs) + "\n")  # a document a paragraph: 40
+    with pytest.raises(CalibrationError, match=rf"'.*{heldout}' shares {shared} documents with .*'.*{dataset}'"):
+        load_calibration_data(recipe(tmp_path / dataset, tmp_path / heldout), tokenizer)
+
+
+def test_a_heldout_paragraph_of_a_calibration_document_is_left_out_and_a_shared_short_one_is_not(tmp_path, tokenizer):
+    signed = [f"{doc}\n\nThanks for reading." for doc in numbered(40)]
+    data = write_jsonl(tmp_path / "calib.jsonl", signed[:20])
+    heldout = write_jsonl(tmp_path / "heldout.jsonl", [*signed[20:], numbered(1)[0]])  # calib.jsonl's first paragraph
+    loaded = load_calibration_data(recipe(data, heldout), tokenizer)
+    assert loaded.notes == [f"quantize.heldout '{heldout}': 1 of 21 documents are also in quantize.dataset '{data}' "
+                            "and were left out of the held-out checks"]
+    assert numbers(tokenizer, loaded.heldout) <= set(range(20, 40))
+
+
 def test_heldout_documents_calibration_also_holds_are_left_out_and_noted(tmp_path, tokenizer):
     data = write_jsonl(tmp_path / "calib.jsonl", numbered(40))
     shared = [numbered(1, 3)[0] + "  \n", numbered(1, 7)[0]]  # whitespace aside, the same text

@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from kiln.calibration import CalibrationError
+from kiln.calibration.export import KV_SCALE_NOTE
 from kiln.calibration.quantize import quantize_checkpoint
 from tests.calibration_factories import (
     corpus,
@@ -181,10 +183,15 @@ def test_a_tensorrt_llm_export_that_runs_out_of_memory_fails_the_stage(checkpoin
     assert not (tmp_path / "out").exists()
 
 
-def test_fp8_kv_cache_exports_kv_scales(checkpoint, tmp_path):
-    quantize_checkpoint(checkpoint, small_recipe(format="fp8", kv_cache_dtype="fp8"), tmp_path)
-    assert "model.layers.0.self_attn.k_proj.k_scale" in dtypes(tmp_path / "hf" / "model.safetensors")
+def test_fp8_kv_cache_exports_kv_scales_and_says_which_the_gate_measured(checkpoint, tmp_path):
+    report = quantize_checkpoint(checkpoint, small_recipe(format="fp8", kv_cache_dtype="fp8"), tmp_path)
+    hf, trtllm = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "trtllm" / "rank0.safetensors")
     assert json.loads((tmp_path / "trtllm" / "config.json").read_text())["quantization"]["kv_cache_quant_algo"] == "FP8"
+    for layer in range(2):
+        k_scale, v_scale = (hf[f"model.layers.{layer}.self_attn.{p}_proj.{p}_scale"] for p in "kv")
+        assert 0 < k_scale < 1 and 0 < v_scale < 1  # calibrated: what the gate measured
+        assert trtllm[f"transformer.layers.{layer}.attention.kv_cache_scaling_factor"] == 1.0  # modelopt's clamp
+    assert KV_SCALE_NOTE in report["notes"]
 
 
 def test_non_finite_activations_are_named_and_nothing_is_written(tmp_path):

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from kiln.calibration import QuantizeRecipe, recipe_material
 from kiln.calibration.recipe import GATE_DEFAULTS, MATERIAL_VERSION, MAX_SEED
-from tests.calibration_factories import corpus, write_jsonl
+from tests.calibration_factories import REPO, corpus, write_jsonl
 
 
 def test_recipe_needs_no_fields_and_defaults_to_no_quantization():
@@ -122,3 +122,33 @@ def test_a_text_field_no_source_reads_is_refused_naming_it(sources):
         QuantizeRecipe(format="fp8", text_field="body", **sources)
     assert QuantizeRecipe(format="fp8", dataset="calib.jsonl", text_field="body").text_field == "body"
     assert QuantizeRecipe(format="fp8", heldout="hf:org/data", text_field="body").text_field == "body"
+
+
+def test_a_quantized_format_without_modelopt_installed_is_one_line_saying_how_to_install_it(tmp_path, monkeypatch):
+    import json
+    from importlib.metadata import PackageNotFoundError
+
+    from typer.testing import CliRunner
+
+    from kiln.calibration import recipe
+    from kiln.pipeline.cli import app
+
+    def not_installed(name: str) -> str:
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(recipe, "version", not_installed)  # as after `pip install --no-deps`
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    result = CliRunner().invoke(app, ["build", str(REPO / "configs" / "tiny-llama-fp8.yaml"), "--dry-run", "--json"])
+    assert result.exit_code == 4, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["message"] == ("quantize.format fp8 needs NVIDIA modelopt, which is not installed; pip install "
+                                "'nvidia-modelopt==0.47.0', or set quantize.format: none")
+
+
+def test_the_modelopt_install_hint_names_the_version_pyproject_pins():
+    import tomllib
+
+    from kiln.calibration.recipe import MODELOPT_REQUIREMENT
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert MODELOPT_REQUIREMENT in pyproject["project"]["dependencies"]
