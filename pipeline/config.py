@@ -308,7 +308,8 @@ def _quantize_problem(recipe: QuantizeRecipe) -> str | None:
         return (f"quantize.num_samples ({recipe.num_samples}) is {rounds} round{'s' if rounds > 1 else ''} of "
                 f"quantize.round_samples ({recipe.round_samples}), and quantize.patience ({recipe.patience}) needs "
                 f"at least {recipe.patience + 1} to converge (a change is measured from the second round on); "
-                f"raise num_samples to at least {recipe.round_samples * recipe.patience + 1}, lower patience, or set "
+                f"raise num_samples to {recipe.round_samples * (recipe.patience + 1)} (whole rounds: a short last "
+                f"round adds little evidence), lower patience, or set "
                 "on_failure: warn")
     return None
 
