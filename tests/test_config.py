@@ -458,7 +458,8 @@ def test_the_same_settings_load_where_they_apply(tmp_path):
 def test_a_sample_budget_that_can_never_converge_is_refused_with_the_arithmetic(tmp_path):
     text = "model:\n  path: org/m\nquantize:\n  format: fp8\n  num_samples: 16\n  round_samples: 8\n"
     with pytest.raises(ConfigError, match=r":5: quantize.num_samples \(16\) is 2 rounds of quantize.round_samples "
-                                          r"\(8\), and quantize.patience \(2\) needs at least 3 .* raise num_samples to 24 "):
+                                          r"\(8\), and quantize.patience \(2\) needs at least 3 .* "
+                                          r"raise num_samples to 24 "):
         load_config(write(tmp_path, text))
     load_config(write(tmp_path, text + "  on_failure: warn\n"))  # one round on purpose: warned, not refused
     load_config(write(tmp_path, text.replace("16", "17")))
