@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import types
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -283,18 +284,45 @@ def test_a_drawn_request_without_filters_sends_them_off_not_unset_which_the_exec
     assert (sampling.top_k, sampling.top_p, sampling.temperature) == (0, 1.0, 0.8)
 
 
-def test_penalties_and_min_tokens_go_to_the_executor_and_what_it_lacks_is_refused(trtllm, engine_dir):
+def test_the_repetition_penalty_and_min_tokens_go_to_the_executor_and_what_it_lacks_is_refused(trtllm, engine_dir):
     with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
-        params = SamplingParams(max_tokens=3, temperature=0, presence_penalty=0.5, frequency_penalty=-0.25,
-                                repetition_penalty=1.3, min_tokens=2)
-        llm.generate([[2, 3, 4]], params)
+        llm.generate([[2, 3, 4]], SamplingParams(max_tokens=3, temperature=0, repetition_penalty=1.3, min_tokens=2))
         for asked in (dict(logprobs=2), dict(prompt_logprobs=0), dict(logit_bias={3: 5.0}),
                       dict(allowed_token_ids=[3, 4])):
             with pytest.raises(TrtllmRequestError, match=f"does not serve {next(iter(asked))}"):
                 llm.generate([[2, 3, 4]], SamplingParams(**asked))
     sampling = FakeExecutor.instances[0].requests[100].sampling_config
-    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
-            sampling.min_tokens, sampling.top_k) == (0.5, -0.25, 1.3, 2, 1)
+    assert (sampling.repetition_penalty, sampling.min_tokens, sampling.top_k) == (1.3, 2, 1)
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_presence_and_frequency_penalties_are_refused_as_the_executor_counts_the_prompt(trtllm, engine_dir, penalty):
+    engine = TrtllmEngine(engine_dir, RuntimeOptions())
+    with pytest.raises(TrtllmRequestError, match=f"{penalty}: .*counts the prompt's tokens.*use repetition_penalty"):
+        engine.make_request("r", [2, 3], SamplingParams(**{penalty: 0.5}))
+
+
+def test_min_tokens_is_refused_with_stop_ids_the_executor_would_not_hold_back(trtllm, engine_dir):
+    info = TrtllmEngineInfo.load(engine_dir)
+    replace(info, eos_token_ids=[EOS, 15]).save(engine_dir)  # a second EOS id, as Llama 3's generation config has
+    engine = TrtllmEngine(engine_dir, RuntimeOptions())
+    for params, early, held in ((SamplingParams(min_tokens=2), [15], "only the end id (1)"),
+                                (SamplingParams(min_tokens=2, stop_token_ids=[4], ignore_eos=True), [4], "no token")):
+        with pytest.raises(TrtllmRequestError) as info:
+            engine.make_request("r", [2, 3], params)
+        message = str(info.value)
+        assert f"min_tokens 2 with stop token ids {early}" in message and f"holds back {held}" in message
+    engine.make_request("r", [2, 3], SamplingParams(min_tokens=2, ignore_eos=True))  # nothing to hold back
+
+
+def test_each_unseeded_drawn_sample_gets_a_seed_of_its_own_and_seeded_ones_keep_theirs(trtllm, engine_dir):
+    with LLM(TrtllmEngine(engine_dir, RuntimeOptions())) as llm:
+        llm.generate([[2, 3]], SamplingParams(max_tokens=1, n=4))
+        llm.generate([[2, 3]], SamplingParams(max_tokens=1, n=2, seed=7))
+        llm.generate([[2, 3]], SamplingParams(max_tokens=1, temperature=0))
+    seeds = [r.sampling_config.seed for r in FakeExecutor.instances[0].requests.values()]
+    assert len(set(seeds[:4])) == 4 and all(isinstance(s, int) and 0 <= s < 2**63 for s in seeds[:4])
+    assert seeds[4:] == [7, 8, None]
 
 
 def test_a_stop_string_finishes_the_request_and_cancels_it_in_the_executor(trtllm, engine_dir):

@@ -9,6 +9,7 @@ An engine directory holds what trtllm-build wrote (`config.json`, `rank<N>.engin
 
 from __future__ import annotations
 
+import secrets
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -47,6 +48,15 @@ NATIVE_ONLY_OPTIONS = ("kernels", "cuda_graphs", "cuda_graph_capture", "overlap_
 ITERATION_STATS_KEPT = 1000
 FINISH_REASONS = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "abort",
                    "TIMED_OUT": "abort"}
+# the bits of the random seed an unseeded drawn request gets: the executor seeds every request without one 0, so all
+# would draw the same tokens
+SEED_BITS = 63
+# why presence and frequency penalties are refused: TensorRT-LLM 1.2's penalty kernel (batchApplyPenalty) counts the
+# prompt's tokens too and subtracts after dividing by the temperature
+PENALTY_REFUSAL = ("the TensorRT-LLM 1.2 executor counts the prompt's tokens into these penalties and applies them "
+                   "after the temperature, where Kiln follows OpenAI (completion tokens only, before the temperature); "
+                   "use repetition_penalty (it counts the prompt on every backend, as in vLLM, and scales a logit, "
+                   "which comes out the same before or after the temperature) or an engine of the native backend")
 
 
 class TrtllmRequestError(InvalidRequestError):
@@ -123,6 +133,16 @@ class TrtllmEngine:
         if unsupported:
             raise TrtllmRequestError(f"the TensorRT-LLM backend does not serve {', '.join(unsupported)} yet: use an "
                                      f"engine of the native backend for these")
+        if penalties := [name for name in ("presence_penalty", "frequency_penalty") if getattr(params, name)]:
+            raise TrtllmRequestError(f"{' and '.join(penalties)}: {PENALTY_REFUSAL}")
+        end_id = self._end_id(params)
+        if params.min_tokens and (early := [t for t in self._stop_ids(params) if t != end_id]):
+            held = "no token (ignore_eos sends no end id)" if end_id is None else f"only the end id ({end_id})"
+            raise TrtllmRequestError(
+                f"min_tokens {params.min_tokens} with stop token ids {early} (stop_token_ids and the engine's other "
+                f"EOS ids): the TensorRT-LLM 1.2 executor holds back {held} until min_tokens, so these could still "
+                f"end the request early; leave min_tokens at 0, or use an engine of the native backend, which holds "
+                f"them all back")
         token_ids = encode_prompt(prompt, self.tokenizer, self.limits.vocab_size, bool(params.stop), TrtllmRequestError)
         return Sequence(request_id, token_ids, self.limits.taken(len(token_ids), params))
 
@@ -141,28 +161,35 @@ class TrtllmEngine:
 
     def _executor_request(self, seq: Sequence) -> Any:
         trtllm, params = self.trtllm, seq.params
-        stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
-        eos = self.info.eos_token_ids  # the end id: the tokenizer's EOS, so that the others end as stop words,
-        # which keep their token in the output, for their stop_reason
-        end_id = None if params.ignore_eos or not eos else self.eos_token_id if self.eos_token_id in eos else eos[0]
         return trtllm.Request(input_token_ids=seq.prompt_token_ids, max_tokens=params.max_tokens, streaming=True,
                               sampling_config=self._sampling_config(params),
                               output_config=trtllm.OutputConfig(exclude_input_from_output=True),
-                              end_id=end_id, stop_words=[[t] for t in stops] or None)
+                              end_id=self._end_id(params), stop_words=[[t] for t in self._stop_ids(params)] or None)
+
+    def _end_id(self, params: SamplingParams) -> int | None:
+        """The executor's end id: the tokenizer's EOS, so that the engine's other EOS ids end as stop words, which
+        keep their token in the output, for their stop_reason; None with ``ignore_eos``."""
+        eos = self.info.eos_token_ids
+        return None if params.ignore_eos or not eos else self.eos_token_id if self.eos_token_id in eos else eos[0]
+
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        """The token ids sent as stop words: ``stop_token_ids`` and, unless ``ignore_eos``, every EOS id."""
+        return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
 
     def _sampling_config(self, params: SamplingParams) -> Any:
-        """The executor's sampling config: greedy as top-k 1; penalties and min_tokens as TensorRT-LLM's own (its
-        presence and frequency penalties follow OpenAI's rule, its repetition penalty transformers'). A drawn
-        request sends top-k and top-p always (0 and 1.0 when off): the executor reads both unset as 0, which its
-        sampling kernel turns into top-k 1, greedy whatever the temperature."""
+        """The executor's sampling config: greedy as top-k 1; the repetition penalty and min_tokens as TensorRT-LLM's
+        own (``make_request`` refuses the presence and frequency penalties, and a min_tokens it would not honour). A
+        drawn request sends top-k and top-p always (0 and 1.0 when off): the executor reads both unset as 0, which
+        its sampling kernel turns into top-k 1, greedy whatever the temperature. An unseeded drawn request gets a
+        random seed of its own: the executor seeds each request without one 0, so all would draw alike."""
+        seed = params.seed if params.seed is not None or params.greedy else secrets.randbits(SEED_BITS)
         return self.trtllm.SamplingConfig(
             beam_width=1, top_k=1 if params.greedy else max(params.top_k, 0),
             top_p=None if params.greedy else params.top_p,
             min_p=None if params.greedy or not params.min_p else params.min_p,
-            temperature=None if params.greedy else params.temperature, seed=params.seed,
+            temperature=None if params.greedy else params.temperature, seed=seed,
             min_tokens=params.min_tokens or None,
-            repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1 else None,
-            presence_penalty=params.presence_penalty or None, frequency_penalty=params.frequency_penalty or None)
+            repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1 else None)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
