@@ -69,10 +69,26 @@ def test_fp8_on_ada_is_allowed_and_int4_on_ampere_too():
     assert preflight(OPTIONS, "int4_awq", "auto", A100) == []
 
 
-def test_without_a_gpu_the_fp8_check_is_a_warning_not_a_refusal():
+def test_without_a_gpu_the_gpu_checks_are_a_warning_not_a_refusal():
     for gpu in (None, {"gpu_name": None, "compute_capability": None}):
         warnings = preflight(OPTIONS, "fp8", "auto", gpu)
-        assert len(warnings) == 1 and "no GPU is visible" in warnings[0]
+        assert len(warnings) == 1 and "no GPU is visible" in warnings[0] and "FP8 8.9 or newer" in warnings[0]
+    assert "compute capability 8.0 or newer" in preflight(OPTIONS, "none", "auto", None)[0]
+
+
+@pytest.mark.parametrize("quant_format", ["none", "int4_awq", "fp8"])
+def test_every_format_below_compute_capability_8_0_is_refused_in_one_line(quant_format):
+    message = refusal(quant_format=quant_format, gpu={"gpu_name": "Tesla T4", "compute_capability": "7.5"})
+    assert message.splitlines() == [message]
+    assert "needs compute capability 8.0 or newer" in message and "Tesla T4 is 7.5" in message
+
+
+@pytest.mark.parametrize("capability", ["10.0", "10.3", "11.0"])
+def test_int4_awq_on_compute_capability_10_and_11_is_refused_before_calibration(capability):
+    message = refusal(quant_format="int4_awq", gpu={"gpu_name": "NVIDIA B200", "compute_capability": capability})
+    assert "INT8/INT4 quantization is not supported on SM>=100." in message and "use format fp8" in message
+    for allowed in ("9.0", "12.0"):
+        assert preflight(OPTIONS, "int4_awq", "auto", {"gpu_name": "GPU", "compute_capability": allowed}) == []
 
 
 def test_fp8_kv_cache_on_an_int4_checkpoint_is_refused_with_the_1_2_reason():

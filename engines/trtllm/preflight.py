@@ -6,7 +6,9 @@ input and paged KV cache." KV block reuse and chunked context need paged context
 paged context FMHA off, with a warning, for an INT8 KV cache, and for an FP8 KV cache on a checkpoint that is not
 FP8-quantized; the executor, which Kiln starts with chunked context, then refuses the engine at load ("Chunked
 context requires context FMHA, paged kv_cache and paged context FMHA all enabled at the same time.").
-FP8 kernels need compute capability 8.9 (Ada) or newer.
+TensorRT-LLM 1.2.x supports compute capability 8.0 (Ampere) and newer; FP8 kernels need 8.9 (Ada) or newer; its
+builder refuses INT4 weight-only engines (INT4-AWQ) on 10.x and 11.x ("INT8/INT4 quantization is not supported on
+SM>=100."). In `kiln build`, preflight runs when the plan is made, before the quantize stage calibrates.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ INFLIGHT_BATCHING_LOAD_ERROR = ("TrtGptModelInflightBatching requires GPT attent
 # what the 1.2.x executor says, at load, of an engine without paged context FMHA when chunked context is on
 CHUNKED_CONTEXT_LOAD_ERROR = ("Chunked context requires context FMHA, paged kv_cache and paged context FMHA all "
                               "enabled at the same time.")
+# what the 1.2.x builder raises for INT4 and INT8 weight-only engines on 10.0 <= compute capability < 12.0
+INT4_BUILD_ERROR = "INT8/INT4 quantization is not supported on SM>=100."
 FEATURES = "build.trtllm"
+MIN_COMPUTE_CAPABILITY = (8, 0)
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+INT4_REFUSED_COMPUTE_CAPABILITIES = ((10, 0), (12, 0))  # from, up to (not included)
 FP8_GEMM_PLUGIN_MAX_BATCH = 4
 
 
@@ -37,12 +43,10 @@ def preflight(options: TrtllmBuildOptions, quant_format: str, kv_cache_dtype: st
     is visible (a dry run); `checkpoint_config` is the TensorRT-LLM checkpoint's config.json when it exists."""
     errors = _value_errors(options) + _inflight_batching_errors(options)
     warnings = []
-    uses_fp8 = quant_format == "fp8" or kv_cache_dtype == "fp8"
-    if uses_fp8 and not (gpu or {}).get("compute_capability"):
-        warnings.append(f"no GPU is visible, so FP8 support is not checked here: FP8 needs compute capability "
-                        f"{'.'.join(map(str, FP8_MIN_COMPUTE_CAPABILITY))} or newer")
-    elif uses_fp8 and (problem := _fp8_gpu_problem(gpu)):
-        errors.append(problem)
+    if gpu and gpu.get("compute_capability"):
+        errors += _gpu_errors(quant_format, kv_cache_dtype, gpu)
+    else:
+        warnings.append(_no_gpu_warning(quant_format, kv_cache_dtype))
     if kv_cache_dtype == "fp8" and quant_format != "fp8" and options.use_paged_context_fmha:
         errors.append(f"quantize.kv_cache_dtype fp8 with quantize.format {quant_format}: TensorRT-LLM 1.2.x builds "
                       f"paged context FMHA on an FP8 KV cache only for FP8-quantized checkpoints (\"FP8 Paged Context "
@@ -101,14 +105,37 @@ def _inflight_batching_errors(o: TrtllmBuildOptions) -> list[str]:
     return errors
 
 
-def _fp8_gpu_problem(gpu: dict[str, Any]) -> str | None:
-    need = ".".join(map(str, FP8_MIN_COMPUTE_CAPABILITY))
-    major, minor = (int(part) for part in str(gpu["compute_capability"]).split(".")[:2])
-    if (major, minor) >= FP8_MIN_COMPUTE_CAPABILITY:
-        return None
-    return (f"FP8 (quantize.format fp8 or kv_cache_dtype fp8) needs compute capability {need} or newer (Ada, Hopper, "
-            f"Blackwell); {gpu.get('gpu_name') or 'this GPU'} is {major}.{minor}; use format int4_awq or none with "
-            f"kv_cache_dtype auto")
+def _gpu_errors(quant_format: str, kv_cache_dtype: str, gpu: dict[str, Any]) -> list[str]:
+    """What this GPU cannot build or run: below 8.0 anything, below 8.9 FP8, on 10.x and 11.x INT4-AWQ."""
+    cc = tuple(int(part) for part in str(gpu["compute_capability"]).split(".")[:2])
+    this = f"{gpu.get('gpu_name') or 'this GPU'} is {'.'.join(map(str, cc))}"
+    if cc < MIN_COMPUTE_CAPABILITY:
+        return [f"the TensorRT-LLM backend needs compute capability {_dotted(MIN_COMPUTE_CAPABILITY)} or newer (Ampere "
+                f"and later, the GPUs TensorRT-LLM 1.2.x supports; BF16 needs 8.0); {this}; use backend native"]
+    if (quant_format == "fp8" or kv_cache_dtype == "fp8") and cc < FP8_MIN_COMPUTE_CAPABILITY:
+        return [f"FP8 (quantize.format fp8 or kv_cache_dtype fp8) needs compute capability "
+                f"{_dotted(FP8_MIN_COMPUTE_CAPABILITY)} or newer (Ada, Hopper, Blackwell); {this}; use format int4_awq "
+                f"or none with kv_cache_dtype auto"]
+    low, high = INT4_REFUSED_COMPUTE_CAPABILITIES
+    if quant_format == "int4_awq" and low <= cc < high:
+        return [f"quantize.format int4_awq: TensorRT-LLM 1.2.x's builder refuses INT4 weight-only engines from "
+                f"compute capability {_dotted(low)} up to {_dotted(high)} ({INT4_BUILD_ERROR!r}), which it would say "
+                f"only after calibration; {this}; use format fp8 or none, or backend native"]
+    return []
+
+
+def _no_gpu_warning(quant_format: str, kv_cache_dtype: str) -> str:
+    needs = [f"compute capability {_dotted(MIN_COMPUTE_CAPABILITY)} or newer"]
+    if quant_format == "fp8" or kv_cache_dtype == "fp8":
+        needs.append(f"FP8 {_dotted(FP8_MIN_COMPUTE_CAPABILITY)} or newer")
+    if quant_format == "int4_awq":
+        needs.append(f"INT4-AWQ a compute capability below {_dotted(INT4_REFUSED_COMPUTE_CAPABILITIES[0])} or from "
+                     f"{_dotted(INT4_REFUSED_COMPUTE_CAPABILITIES[1])}")
+    return f"no GPU is visible, so the GPU is not checked here: TensorRT-LLM 1.2.x needs {'; '.join(needs)}"
+
+
+def _dotted(capability: tuple[int, int]) -> str:
+    return ".".join(map(str, capability))
 
 
 def _checkpoint_errors(o: TrtllmBuildOptions, config: dict[str, Any]) -> list[str]:
