@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -175,17 +175,27 @@ def friendly_errors(command: Callable) -> Callable:
                 _fail("OSError", message, kwargs.get("json_out") and exc.filename is not None)  # stdout failed: no JSON
             raise typer.Exit(2) from None
         except KeyboardInterrupt as exc:
-            terminated = isinstance(exc, Terminated)
-            message = "terminated (SIGTERM)" if terminated else "interrupted"
-            if not logged_instead(logging.WARNING, message):
-                stderr.print(f"[yellow]{message}[/]", markup=True)
-            if kwargs.get("json_out") and not _printed_json.get():
-                print_error_json(type(exc).__name__, message)
-            raise typer.Exit(143 if terminated else 130) from None
+            _stop_interrupted(exc, kwargs.get("json_out"))
+        except Exception:
+            if not _terminated.is_set():  # a bug: its traceback
+                raise
+            # SIGTERM landed where Python wraps what it raised (an import's __set_name__: a RuntimeError)
+            _stop_interrupted(Terminated(), kwargs.get("json_out"))
         finally:
             _lines_logged.pop()
 
     return wrapper
+
+
+def _stop_interrupted(exc: KeyboardInterrupt, json_out: bool | None) -> NoReturn:
+    """Say that Ctrl-C or SIGTERM (``Terminated``) stopped the command, and exit 130 or 143."""
+    terminated = isinstance(exc, Terminated)
+    message = "terminated (SIGTERM)" if terminated else "interrupted"
+    if not logged_instead(logging.WARNING, message):
+        stderr.print(f"[yellow]{message}[/]", markup=True)
+    if json_out and not _printed_json.get():
+        print_error_json(type(exc).__name__, message)
+    raise typer.Exit(143 if terminated else 130) from None
 
 
 def write_failure(exc: OSError) -> str | None:
