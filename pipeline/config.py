@@ -403,6 +403,10 @@ def load_config(name_or_path: str | Path) -> LoadedConfig:
     data, lines = load_yaml_with_lines(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with a 'model' section at the top level")
+    if "model" not in data and data.keys() & {"architectures", "model_type"}:
+        raise ConfigError(f"{path} is a model's config.json (an architecture file), not a Kiln config: `kiln bench` "
+                          f"takes it (random weights); a build takes a YAML config whose model.path is the "
+                          f"checkpoint folder that holds it")
     if found := _non_finite(data):
         loc, value = found
         raise ConfigError(f"{path}:{line_of(lines, loc)}: {'.'.join(loc)}: must be a finite number (got {value})")

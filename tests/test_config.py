@@ -611,3 +611,11 @@ def test_text_a_terminal_cannot_show_is_escaped_rather_than_failing_the_command(
                             capture_output=True, env={**environ, "LC_ALL": "C", "PYTHONUTF8": "0"})
     assert result.returncode == 0, result.stderr
     assert b"prompt: Lundi \\u2192 mardi," in result.stdout
+
+
+def test_an_architecture_file_given_as_a_config_points_at_kiln_bench_in_one_line():
+    architecture = CONFIGS_DIR / "models" / "llama3-8b.json"
+    with pytest.raises(ConfigError, match=r"is a model's config.json \(an architecture file\), not a Kiln config: "
+                                          r"`kiln bench` takes it") as error:
+        load_config(architecture)
+    assert "\n" not in str(error.value)  # before: a line for each of its 24 fields
