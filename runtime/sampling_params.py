@@ -36,14 +36,27 @@ OTHER_NAMES = {"max_new_tokens": "set max_tokens", "min_new_tokens": "set min_to
                           "cumulative_logprob",
                "spaces_between_special_tokens": "Kiln decodes special tokens as the tokenizer does (vLLM's default)",
                "regex": "set structured_output=StructuredOutput(regex=...)",
-               "json_schema": "set structured_output=StructuredOutput(json=...)"}
+               "json_schema": "set structured_output=StructuredOutput(json=...)",
+               "structured_outputs": "set structured_output, Kiln's name (a StructuredOutput, or a dict of its "
+                                     "fields json, json_object, regex, grammar, choice)",
+               "truncate_prompt_tokens": "cut the prompt's token ids yourself and pass them as the prompt: "
+                                         "{'prompt_token_ids': llm.tokenizer.encode(text)[-k:]}",
+               "logits_processors": "Kiln runs no Python logits processors; it changes logits with logit_bias, "
+                                    "allowed_token_ids, min_tokens, the penalties and structured_output",
+               "extra_args": "Kiln reads no extra_args; it changes logits with logit_bias, allowed_token_ids, "
+                             "min_tokens, the penalties and structured_output",
+               "output_kind": "LLM.generate returns each request's final output (vLLM's LLM.generate sets "
+                              "FINAL_ONLY whatever it is given); for what each step adds, iterate LLM.stream (its "
+                              "deltas are DELTA's; join them for CUMULATIVE's)"}
 # vLLM's settings that Kiln lacks, at the values that change nothing (their defaults): taken and dropped, so that
 # code spelling out vLLM's defaults runs; any other value is refused (OTHER_NAMES)
 VLLM_NO_OP_VALUES: dict[str, tuple] = {
     "spaces_between_special_tokens": (True,), "best_of": (None,),
     "use_beam_search": (False,), "bad_words": (None, []), "guided_decoding": (None,), "structured_outputs": (None,),
     "logits_processors": (None, []), "truncate_prompt_tokens": (None,), "extra_args": (None, {}),
-    "flat_logprobs": (False,)}
+    "flat_logprobs": (False,), "output_kind": ()}
+# vLLM's settings also taken at a value that VLLM_NO_OP_VALUES cannot hold, in words (``_changes_nothing`` decides)
+NO_OP_WORDS = {"best_of": "n", "output_kind": "RequestOutputKind.FINAL_ONLY"}
 # what n > 1 asks of an engine, whose requests make one completion each
 ONE_COMPLETION = ("a request makes one completion: LLM.generate and LLM.chat make n of each prompt (vLLM's n), or "
                   "pass the prompt n times, with seed + i for sample i")
@@ -51,7 +64,7 @@ NUMBER_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "max_tokens", "s
                  "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs")
 
 
-@dataclass
+@dataclass(kw_only=True)  # by name only: vLLM's first positional setting is n, Kiln's order differs
 class SamplingParams:
     """How to pick tokens and when to stop, in vLLM's vocabulary.
 
@@ -137,6 +150,10 @@ class SamplingParams:
         def __new__(cls, *args: object, **kwargs: object) -> SamplingParams:
             """Refuse a setting the class lacks by name, saying what to give instead (another engine's name)."""
             drops_no_ops = getattr(cls.__init__, "drops_vllm_no_ops", False)  # a dataclass subclass's own takes none
+            if args and drops_no_ops:
+                raise TypeError(f"{cls.__name__}() takes its settings by name only, got {', '.join(map(repr, args))} "
+                                f"by position: name each (vLLM's first positional setting is n: "
+                                f"{cls.__name__}(n={args[0]!r}))")
             if unknown := [name for name, value in kwargs.items()
                            if name not in _settings(cls)
                            and not (drops_no_ops and _changes_nothing(name, value, kwargs.get("n", 1)))]:
@@ -251,10 +268,12 @@ if not TYPE_CHECKING:  # the dataclass's signature stays what type checkers see
 
 
 def _changes_nothing(name: str, value: object, n: object) -> bool:
-    """Whether ``value`` of vLLM's setting ``name`` is one that Kiln's behaviour already is (VLLM_NO_OP_VALUES, and
-    vLLM's ``best_of`` equal to the request's ``n``: every sample returned)."""
+    """Whether ``value`` of vLLM's setting ``name`` is one that Kiln's behaviour already is (VLLM_NO_OP_VALUES,
+    vLLM's ``best_of`` equal to the request's ``n``: every sample returned, and its ``output_kind`` FINAL_ONLY)."""
     if name == "best_of" and type(value) is int and value == n:
         return True
+    if name == "output_kind":  # vLLM's enum, not imported: what LLM.generate returns (vLLM's sets it there too)
+        return type(value).__name__ == "RequestOutputKind" and getattr(value, "name", None) == "FINAL_ONLY"
     return any(value is same or (type(value) is type(same) and value == same)
                for same in VLLM_NO_OP_VALUES.get(name, ()))
 
@@ -269,8 +288,10 @@ def _token_key(key: object) -> object:
 
 def _no_op_values(name: str) -> str:
     """The values of vLLM's setting ``name`` that Kiln takes, as words."""
-    values = " or ".join(repr(value) for value in VLLM_NO_OP_VALUES[name])
-    return f"{values} or n" if name == "best_of" else values
+    words = [repr(value) for value in VLLM_NO_OP_VALUES[name]]
+    if name in NO_OP_WORDS:
+        words.append(NO_OP_WORDS[name])
+    return " or ".join(words)
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

@@ -277,6 +277,8 @@ class StructuredOutput:
     choice: list[str] | None = None
 
     def __post_init__(self) -> None:
+        if self.json_object is None:  # vLLM's StructuredOutputsParams default, as its asdict() gives it
+            object.__setattr__(self, "json_object", False)
         given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
             raise StructuredOutputError(f"structured output takes exactly one of json, json_object, regex, grammar "

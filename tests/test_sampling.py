@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import json
 import os
 import shutil
@@ -117,6 +118,35 @@ def test_vllms_settings_at_values_that_change_nothing_are_taken_and_others_refus
     for name, value in (("best_of", 2), ("bad_words", ["no"]), ("use_beam_search", 1)):  # 1 is no False
         with pytest.raises(ValueError, match=f"vLLM's {name} only at"):
             SamplingParams(**{name: value})
+
+
+class RequestOutputKind(enum.Enum):  # vLLM's, which Kiln does not import
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+@pytest.mark.parametrize(("name", "value", "words"), [
+    ("structured_outputs", {"regex": "a+"}, "set structured_output, Kiln's name"),
+    ("truncate_prompt_tokens", 8, r"\{'prompt_token_ids': llm.tokenizer.encode\(text\)\[-k:\]\}"),
+    ("logits_processors", [print], "no Python logits processors; it changes logits with logit_bias"),
+    ("extra_args", {"x": 1}, "changes logits with logit_bias, allowed_token_ids"),
+    ("output_kind", RequestOutputKind.DELTA, r"\(RequestOutputKind.FINAL_ONLY\), got .*iterate LLM.stream"),
+])
+def test_vllms_settings_kiln_lacks_say_what_to_do_instead(name, value, words):
+    with pytest.raises(ValueError, match=words):  # before: no advice, or a TypeError
+        SamplingParams(**{name: value})
+
+
+def test_what_vllms_llm_generate_returns_and_its_structured_outputs_dict_are_taken():
+    assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY) == SamplingParams()
+    as_dict = {"json": None, "regex": "a+", "choice": None, "grammar": None, "json_object": None}  # asdict(vLLM's)
+    assert SamplingParams(structured_output=as_dict).structured_output.regex == "a+"
+
+
+def test_settings_are_given_by_name_only_as_vllms_first_positional_one_is_n():
+    with pytest.raises(TypeError, match=r"by name only, got 4 by position.*SamplingParams\(n=4\)"):
+        SamplingParams(4)  # before: temperature=4
 
 
 def test_n_counts_samples_as_an_int_of_at_least_one():
