@@ -24,15 +24,16 @@ from kiln.runtime.errors import (
     TrtllmUnavailableError,
 )
 
-__all__ = ["LLM", "CacheCorruptError", "CacheEntryGoneError", "ChatInputError", "DeviceUnavailableError",
-           "EngineClosedError", "EngineFormatError", "EngineLimits", "EngineProcessError", "FingerprintMismatchError",
-           "InsufficientKVMemoryError", "InvalidRequestError", "KilnError", "NoTokenAllowedError", "Prompt",
-           "RequestFailedError", "RequestMetrics", "RequestOutput", "RequestTooLongError", "RuntimeOptions",
-           "RuntimeOptionsError", "SamplingError", "SamplingParams", "StreamDelta", "StructuredOutput",
-           "StructuredOutputError", "TensorParallelError", "TokenLogprob", "Tokenizer", "TrtllmUnavailableError"]
+__all__ = ["LLM", "CacheCorruptError", "CacheEntryGoneError", "ChatInputError", "CompletionOutput",
+           "DeviceUnavailableError", "EngineClosedError", "EngineFormatError", "EngineLimits", "EngineProcessError",
+           "FingerprintMismatchError", "InsufficientKVMemoryError", "InvalidRequestError", "KilnError",
+           "NoTokenAllowedError", "Prompt", "RequestFailedError", "RequestMetrics", "RequestOutput",
+           "RequestTooLongError", "RuntimeOptions", "RuntimeOptionsError", "SamplingError", "SamplingParams",
+           "StreamDelta", "StructuredOutput", "StructuredOutputError", "TensorParallelError", "TokenLogprob",
+           "Tokenizer", "TrtllmUnavailableError"]
 
 _LAZY = {"CacheCorruptError": "kiln.runtime.cache_hold", "CacheEntryGoneError": "kiln.runtime.cache_hold",
-         "ChatInputError": "kiln.runtime.conversations",
+         "ChatInputError": "kiln.runtime.conversations", "CompletionOutput": "kiln.runtime.outputs",
          "EngineLimits": "kiln.runtime.limits", "RuntimeOptionsError": "kiln.runtime.options",
          "LLM": "kiln.runtime.llm", "Prompt": "kiln.runtime.llm", "RequestOutput": "kiln.runtime.outputs",
          "RequestFailedError": "kiln.runtime.outputs", "RequestMetrics": "kiln.runtime.outputs",
@@ -48,7 +49,14 @@ if TYPE_CHECKING:  # what type checkers see of the names loaded on first use
     from kiln.runtime.limits import EngineLimits, RequestTooLongError
     from kiln.runtime.llm import LLM, Prompt
     from kiln.runtime.options import RuntimeOptions, RuntimeOptionsError
-    from kiln.runtime.outputs import RequestFailedError, RequestMetrics, RequestOutput, StreamDelta, TokenLogprob
+    from kiln.runtime.outputs import (
+        CompletionOutput,
+        RequestFailedError,
+        RequestMetrics,
+        RequestOutput,
+        StreamDelta,
+        TokenLogprob,
+    )
     from kiln.runtime.sampling_params import SamplingParams
     from kiln.runtime.structured_output import StructuredOutput, StructuredOutputError
     from kiln.runtime.tokenizer import Tokenizer

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from kiln.runtime.attribute_hints import hinted_attribute
 from kiln.runtime.errors import KilnError
 
 if TYPE_CHECKING:
@@ -69,6 +70,15 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+# what vLLM's code reads of a position's logprobs (a dict of token id to Logprob), and what TokenLogprob has instead
+TOKEN_LOGPROB_FIELDS = ("this position's token is .token_id, with .logprob and .rank; the alternatives are .top, "
+                        "[(token_id, logprob), ...] most likely first (dict(lp.top) maps id to logprob); a token's "
+                        "text is llm.tokenizer.decode([token_id])")
+VLLM_LOGPROB_NAMES = {**dict.fromkeys(("items", "keys", "values", "get"), TOKEN_LOGPROB_FIELDS),
+                      "decoded_token": "decode the token: llm.tokenizer.decode([lp.token_id])"}
+NOT_VLLM_LOGPROBS = " (it is no vLLM dict of token id to Logprob)"
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A token's log probability under the model, its ``rank`` among the vocabulary (1 for the most likely; as vLLM
@@ -79,6 +89,16 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]]
     rank: int
+
+    if not TYPE_CHECKING:  # type checkers keep catching a misspelt attribute and a subscript
+
+        def __getattr__(self, name: str) -> Any:
+            """Only for a name it lacks: vLLM's name of what it holds otherwise says what to read."""
+            return hinted_attribute(self, name, VLLM_LOGPROB_NAMES, NOT_VLLM_LOGPROBS)
+
+        def __getitem__(self, key: object) -> NoReturn:
+            """vLLM's ``logprobs[i][token_id]``: refused, saying what to read (``in`` and iterating too)."""
+            raise TypeError(f"'TokenLogprob' object is not subscriptable{NOT_VLLM_LOGPROBS}: {TOKEN_LOGPROB_FIELDS}")
 
     def to_wire(self) -> list:
         """As JSON: ``[token_id, logprob, [[id, logprob], ...], rank]``."""

@@ -41,15 +41,30 @@ def _byte_alphabet() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_alphabet()
 
 
-# transformers' tokenizer methods vLLM scripts call on get_tokenizer(), and what Kiln's Tokenizer has instead
+# the texts of an engine's special tokens by role (bos_token, eos_token, ...), for the hints below
+SPECIAL_TOKEN_TEXTS = "kiln.runtime.tokenizer_files.special_token_texts(llm.engine_dir)"
+# transformers' tokenizer methods and attributes vLLM scripts use on get_tokenizer(), and what Kiln's Tokenizer has
+# instead
 TRANSFORMERS_METHODS = {
     "apply_chat_template": "llm.chat renders and generates; to render alone, "
                            "kiln.runtime.chat_template.ChatTemplate.from_dir(ENGINE_DIR).render(messages)",
     "batch_decode": "decode each: [tokenizer.decode(ids) for ids in batch]",
     "batch_encode_plus": "encode each: [tokenizer.encode(text) for text in texts]",
     "convert_ids_to_tokens": "use tokenizer.vocabulary_entries(ids)",
+    "convert_tokens_to_ids": "use tokenizer.token_id(token), one token at a time",
     "get_vocab": "use tokenizer.vocab_size and tokenizer.vocabulary_entries(ids)",
+    **{f"{role}_token": f"Kiln's Tokenizer holds no special-token roles: {SPECIAL_TOKEN_TEXTS}['{role}_token'] is "
+                        f"its text" for role in ("bos", "eos", "pad")},
+    **{f"{role}_token_id": f"Kiln's Tokenizer holds no special-token roles (nor does LLM): "
+                           f"tokenizer.token_id({SPECIAL_TOKEN_TEXTS}['{role}_token']) is its id{why}"
+       for role, why in (("bos", "; encode(text) adds BOS where the checkpoint's tokenizer does"),
+                         ("eos", "; generation stops at the engine's EOS ids by itself (unless "
+                                 "SamplingParams.ignore_eos)"),
+                         ("pad", "; Kiln pads nothing, each prompt runs at its own length"))},
 }
+NOT_TRANSFORMERS = " (it is no transformers tokenizer)"
+# what calling a transformers tokenizer (``tokenizer(text)``) is in Kiln's
+ENCODE_INSTEAD = "use tokenizer.encode(text) for the token ids (transformers' tokenizer(text)['input_ids'])"
 
 
 class Tokenizer:
@@ -59,7 +74,11 @@ class Tokenizer:
 
         def __getattr__(self, name: str) -> Any:
             """Only for a name the Tokenizer lacks: transformers' name of something it has under another says so."""
-            return hinted_attribute(self, name, TRANSFORMERS_METHODS, " (it is no transformers tokenizer)")
+            return hinted_attribute(self, name, TRANSFORMERS_METHODS, NOT_TRANSFORMERS)
+
+        def __call__(self, *args: object, **kwargs: object) -> Any:
+            """transformers' ``tokenizer(text)``: refused, saying what to call."""
+            raise TypeError(f"'Tokenizer' object is not callable{NOT_TRANSFORMERS}: {ENCODE_INSTEAD}")
 
     def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
         self._tokenizer = tokenizer

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+import kiln
 from kiln.runtime import LLM, InvalidRequestError, RequestTooLongError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
@@ -31,6 +32,29 @@ def test_the_cumulative_logprob_sums_the_tokens_logprobs(llm):
     [output] = llm.generate("the sun", SamplingParams(temperature=0, max_tokens=3, logprobs=0))
     assert output.outputs[0].cumulative_logprob == sum(lp.logprob for lp in output.logprobs)
     assert output.outputs[0].cumulative_logprob < 0
+
+
+def test_vllms_reads_of_a_positions_logprobs_dict_say_what_token_logprob_holds(llm):
+    [output] = llm.generate("the sun", SamplingParams(temperature=0, max_tokens=2, logprobs=1, prompt_logprobs=1))
+    assert isinstance(output.outputs[0], kiln.CompletionOutput)
+    lp = output.logprobs[0]
+    for read in (lambda: lp[lp.token_id], lambda: output.prompt_logprobs[1][5]):
+        with pytest.raises(TypeError, match=r"not subscriptable \(it is no vLLM dict .*\.token_id, with \.logprob"):
+            read()  # before: a bare "not subscriptable"
+    with pytest.raises(AttributeError, match=r"\.top, \[\(token_id, logprob\), \.\.\.\]"):
+        lp.items()
+    with pytest.raises(AttributeError, match=r"llm.tokenizer.decode\(\[lp.token_id\]\)"):
+        _ = lp.decoded_token
+
+
+def test_older_vllm_calls_say_how_kiln_takes_them(llm):
+    ids = llm.tokenizer.encode("the sun")
+    with pytest.raises(TypeError, match=r"llm.generate\(\[\{'prompt_token_ids': ids\}"):
+        llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)  # before: "missing argument 'prompts'"
+    conversation = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="got 2 conversations but 3 SamplingParams: pass one, or one per "
+                                         "conversation$"):
+        llm.chat([conversation] * 2, [GREEDY] * 3)
 
 
 def test_submitted_streamed_and_awaited_requests_carry_their_prompt_too(llm):
