@@ -41,8 +41,8 @@ from kiln.runtime.tokenizer_files import TOKENIZER_JSON, partial_tokenizer_files
 from kiln.runtime.vllm_call_options import (
     CHAT_OPTIONS,
     GENERATE_OPTIONS,
+    check_engine_arguments,
     check_vllm_call_options,
-    engine_argument_error,
 )
 
 if TYPE_CHECKING:  # jinja2 is imported only when a chat is rendered
@@ -83,13 +83,15 @@ class LLM:
                  model: str | os.PathLike | None = None, **vllm_engine_arguments: object) -> None:
         """Load the engine `kiln build` made in the directory ``engine`` (or ``model``, vLLM's name) with
         ``options``, as ``LLM.load`` does; or serve an ``Engine`` object already loaded. vLLM's engine arguments
-        (``gpu_memory_utilization=``, ...) are refused saying where Kiln takes each."""
-        if vllm_engine_arguments:
-            raise engine_argument_error(vllm_engine_arguments)
+        are taken at values that change nothing (``dtype="auto"``, ``tensor_parallel_size`` equal to the engine's,
+        ...); others (``gpu_memory_utilization=``, ...) are refused, all at once, saying where Kiln takes each."""
         if model is not None:
             if engine is not None:
                 raise TypeError("name the engine directory once: LLM(engine_dir) or LLM(model=engine_dir)")
             engine = model
+        if vllm_engine_arguments:
+            check_engine_arguments(vllm_engine_arguments,
+                                   Path(engine).expanduser() if isinstance(engine, str | os.PathLike) else None)
         load_ms, hold, default_params, engine_dir, chat_template_files = 0.0, None, SamplingParams(), None, None
         if isinstance(engine, str | os.PathLike):
             if not os.fspath(engine).strip():  # Path("") is the current folder
@@ -169,14 +171,19 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def generate(self, prompts: Prompt | abc.Sequence[Prompt],
+    def generate(self, prompts: Prompt | abc.Sequence[Prompt] | None = None,
                  params: SamplingParams | abc.Sequence[SamplingParams] | None = None, *,
                  sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] = False, **vllm_options: object) -> list[RequestOutput]:
         """Complete each prompt (text or token ids); blocks until all are done. Outputs follow the prompts' order.
         ``sampling_params`` is vLLM's name for ``params``; ``use_tqdm`` draws a progress bar on stderr (True: tqdm's;
         a tqdm-like class, as vLLM takes, draws its own). vLLM's ``lora_request``, ``priority`` and
-        ``tokenization_kwargs`` are taken at their defaults (None, 0)."""
+        ``tokenization_kwargs`` are taken at their defaults (None, 0); its former ``prompt_token_ids`` is refused
+        saying how to pass them."""
+        if vllm_options.pop("prompt_token_ids", None) is not None:
+            raise TypeError("LLM.generate() takes token ids as its prompts, not as vLLM's former prompt_token_ids=: "
+                            "llm.generate([{'prompt_token_ids': ids}, ...], sampling_params), or the lists of ids "
+                            "themselves")
         check_vllm_call_options("generate", vllm_options, GENERATE_OPTIONS)
         if not isinstance(prompts, str | list | tuple | dict):
             raise InvalidRequestError(f"prompts must be text, token ids, or a list of those; got "
@@ -186,10 +193,11 @@ class LLM:
         return self._generate(prompts, _one_of(params, sampling_params), use_tqdm, list(map(_prompt_text, prompts)))
 
     def _generate(self, prompts: abc.Sequence[Prompt], params: SamplingParams | abc.Sequence[SamplingParams] | None,
-                  use_tqdm: bool | Callable[..., Any], texts: list[str | None]) -> list[RequestOutput]:
-        """``generate`` of a list of prompts whose outputs carry ``texts`` as their ``prompt``: ``n`` requests of
-        a prompt whose SamplingParams ask ``n`` samples, one output holding them all."""
-        per_prompt = _per_prompt(params, len(prompts), self.default_params)
+                  use_tqdm: bool | Callable[..., Any], texts: list[str | None],
+                  what: str = "prompts") -> list[RequestOutput]:
+        """``generate`` of a list of prompts (``what`` they are, for an error) whose outputs carry ``texts`` as their
+        ``prompt``: ``n`` requests of a prompt whose SamplingParams ask ``n`` samples, one output holding them all."""
+        per_prompt = _per_prompt(params, len(prompts), self.default_params, what)
         samples = [sp.n for sp in per_prompt]
         requests = [(index, number) for index, count in enumerate(samples) for number in range(count)]
         which = [index for index, _ in requests]  # each request's prompt
@@ -232,7 +240,7 @@ class LLM:
                                   continue_final_message=continue_final_message, tools=tools,
                                   chat_template_kwargs=chat_template_kwargs)
         return self._generate([ids for _, ids in rendered], _one_of(params, sampling_params), use_tqdm,
-                              [text for text, _ in rendered])
+                              [text for text, _ in rendered], "conversations")
 
     async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None, *,
                              request_id: str | None = None) -> RequestOutput:
@@ -665,11 +673,13 @@ def _prompt_text(prompt: Prompt) -> str | None:
 
 
 def _per_prompt(params: SamplingParams | abc.Sequence[SamplingParams] | None, count: int,
-                default: SamplingParams) -> list[SamplingParams]:
-    """The checked copy of the params each of ``count`` prompts takes: one SamplingParams for all, or one each."""
+                default: SamplingParams, what: str = "prompts") -> list[SamplingParams]:
+    """The checked copy of the params each of ``count`` prompts (``what`` they are) takes: one SamplingParams for
+    all, or one each."""
     given = params if isinstance(params, abc.Sequence) else [params] * count
     if len(given) != count:
-        raise ValueError(f"got {count} prompts but {len(given)} SamplingParams: pass one, or one per prompt")
+        raise ValueError(f"got {count} {what} but {len(given)} SamplingParams: pass one, or one per "
+                         f"{what.removesuffix('s')}")
     return [_taken(sp, default) for sp in given]
 
 

@@ -616,11 +616,21 @@ def test_vllms_call_keywords_are_taken_at_their_defaults_and_refused_otherwise(l
 @pytest.mark.parametrize(("argument", "words"), [
     ({"gpu_memory_utilization": 0.9}, r"RuntimeOptions\(gpu_memory_utilization=...\)"),
     ({"tensor_parallel_size": 2}, "set build.tp_size in the config"),
-    ({"swap_space": 4}, "'swap_space'$"),  # one Kiln has no place for: Python's own words
+    ({"swap_space": 4}, "swaps no KV to the host"),
+    ({"enable_lora": True}, r"no LoRA adapter: build an engine of the merged weights \(taken at False"),
+    ({"no_such_argument": 1}, "'no_such_argument'$"),  # none of vLLM's: Python's own words
 ])
 def test_vllms_engine_arguments_say_where_kiln_takes_them(tmp_path, argument, words):
     with pytest.raises(TypeError, match=words):  # before: a bare "unexpected keyword argument"
         LLM(model=tmp_path, **argument)
+
+
+def test_vllms_engine_arguments_are_refused_all_at_once_and_taken_where_they_change_nothing(engine_dir):
+    changes_nothing = dict(tensor_parallel_size=1, max_model_len=256, dtype="auto", enable_lora=False, revision=None)
+    with pytest.raises(TypeError, match=r"arguments 'gpu_memory_utilization': .*; 'max_num_seqs': .*\(taken at 4, "
+                                        r"which changes nothing\); 'load_format': .*; 'swap_space': [^;]*$"):
+        LLM(model=engine_dir, gpu_memory_utilization=0.9, max_num_seqs=2, load_format="dummy", swap_space=4,
+            **changes_nothing)
 
 
 def test_an_empty_engine_path_is_refused_not_read_as_the_current_folder():
@@ -634,5 +644,12 @@ def test_transformers_tokenizer_methods_say_what_kilns_tokenizer_has_instead(llm
         llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     with pytest.raises(AttributeError, match="use tokenizer.vocabulary_entries"):
         llm.tokenizer.convert_ids_to_tokens([5])
+    with pytest.raises(AttributeError, match=r"use tokenizer.token_id\(token\)"):
+        llm.tokenizer.convert_tokens_to_ids(["t5"])
+    with pytest.raises(AttributeError, match=r"token_id\(kiln.runtime.tokenizer_files.special_token_texts\(llm."
+                                             r"engine_dir\)\['eos_token'\]\).*stops at the engine's EOS ids"):
+        _ = llm.tokenizer.eos_token_id
+    with pytest.raises(TypeError, match=r"not callable \(it is no transformers tokenizer\): use tokenizer.encode"):
+        llm.tokenizer("t5")
     with pytest.raises(AttributeError, match="'Tokenizer' object has no attribute 'encodee'$"):
         llm.tokenizer.encodee("x")  # any other name: Python's own error
