@@ -467,11 +467,6 @@ def grammar_of(spec: StructuredOutput) -> str:
 
     matcher = llguidance.LLMatcher
     schema = closed_objects(spec.json) if spec.json is not None else {"type": "object"}
-    if (where := _repeatable_min_properties(schema)) is not None:
-        raise StructuredOutputError(f"the structured output format cannot be used: minProperties at {where} needs "
-                                    f"2 or more keys that properties does not list, and llguidance lets such a key "
-                                    f"repeat (counting each repeat), so fewer distinct keys could pass; list those "
-                                    f"keys in properties, or ask for at most 1 of them")
     if spec.json is not None or spec.json_object:
         grammar = matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     elif spec.regex is not None:
@@ -496,23 +491,6 @@ def grammar_of(spec: StructuredOutput) -> str:
                        "branches exclusive (a const discriminator)")
         raise StructuredOutputError(f"the structured output format cannot be used: {message}")
     return grammar
-
-
-def _repeatable_min_properties(schema: dict) -> str | None:
-    """The JSON pointer of the first object schema in ``schema`` whose ``minProperties`` needs 2 or more keys its
-    ``properties`` does not list (``patternProperties`` or ``additionalProperties`` keys: llguidance lets one
-    repeat, ``{"b":1,"b":1}``, and counts it twice), walked without recursion; None where there is none."""
-    stack: list[tuple[str, object]] = [("", schema)]
-    while stack:
-        pointer, node = stack.pop()
-        if isinstance(node, dict):
-            listed = node["properties"] if isinstance(node.get("properties"), dict) else {}
-            low = node.get("minProperties")
-            if isinstance(low, int) and low > len(listed) + 1 and (
-                    node.get("patternProperties") or node.get("additionalProperties", True) is not False):
-                return pointer or "/"
-            stack.extend((pointer + suffix, sub) for suffix, sub in subschemas(node))
-    return None
 
 
 def _lark_of(grammar: str) -> str:
