@@ -360,7 +360,9 @@ def test_bodies_over_the_bound_get_a_413_before_they_are_read_and_others_are_ser
     app = create_app(llm, tiny_engine(), ServerSettings(model_name=MODEL, max_body_bytes=4000))
     with ServerThread(app) as server:
         big = {"prompt": "x" * 5000, "max_tokens": 2}
-        assert_error(httpx.post(f"{server.url}/v1/completions", json=big), 413, None, "larger than this server")
+        refused = httpx.post(f"{server.url}/v1/completions", json=big)
+        assert_error(refused, 413, None, "larger than this server")
+        assert refused.headers["connection"] == "close"  # never reused (h11 would read a refused body on, unbounded)
 
         def chunks():  # no Content-Length: the bound applies as the body arrives
             yield b'{"prompt": "'
@@ -371,6 +373,7 @@ def test_bodies_over_the_bound_get_a_413_before_they_are_read_and_others_are_ser
         chunked = httpx.post(f"{server.url}/v1/completions", content=chunks(),
                              headers={"Content-Type": "application/json"})
         assert_error(chunked, 413, None, "larger than this server")
+        assert chunked.headers["connection"] == "close"
         ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200
         gzipped = httpx.post(f"{server.url}/v1/completions", content=b"\x1f\x8b...",

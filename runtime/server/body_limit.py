@@ -23,7 +23,8 @@ class BodyLimitMiddleware:
 
     def _error(self) -> APIError:
         return APIError(413, f"the request body is larger than this server accepts ({self.max_bytes} bytes): send "
-                             f"fewer or shorter prompts (kiln serve --max-body-mb raises the bound)")
+                             f"fewer or shorter prompts (kiln serve --max-body-mb raises the bound)",
+                        headers={"connection": "close"})  # never reused: h11 (no httptools) would read it all
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
