@@ -62,8 +62,8 @@ _STREAMING = {200: {"content": {"text/event-stream": {"schema": {"type": "string
 class ServerState:
     """What the routes share: the served model once loaded, a load error, and whether the server is draining."""
 
-    def __init__(self, max_body_bytes: int) -> None:
-        self.max_body_bytes = max_body_bytes  # the bound on request bodies, which the HTTP protocol drains past too
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings  # the HTTP protocol's too: it drains an answered body up to a bound past theirs
         self.model: ServedModel | None = None
         self.load_error: BaseException | None = None
         self.load_abandoned = False  # stopped while loading: the load thread may still run (inside torch)
@@ -144,7 +144,7 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: str | Path, settings: S
     if not isinstance(llm, LLM) and not callable(llm):
         raise TypeError(f"llm must be an LLM or a function that loads one, got {type(llm).__name__}: "
                         f"create_app(LLM.load(engine_dir), ...) or create_app(lambda: LLM.load(engine_dir), ...)")
-    state = ServerState(settings.max_body_bytes)
+    state = ServerState(settings)
     no_docs = {} if settings.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Kiln", version="1", lifespan=_lifespan(state, llm, Path(engine_dir), settings),
                   description="OpenAI-compatible completions and chat completions over a Kiln engine.", **no_docs)

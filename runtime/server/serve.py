@@ -118,7 +118,8 @@ class ServerThread:
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level if kiln_log_format else None,
                                 log_config=None, lifespan="on", timeout_graceful_shutdown=shutdown_timeout_s,
                                 access_log=access_log, timeout_keep_alive=keep_alive_s,
-                                **http_protocol_options(head_timeout_s, body_timeout_s, self.state.max_body_bytes))
+                                **http_protocol_options(head_timeout_s, body_timeout_s,
+                                                        self.state.settings.max_body_bytes))
         self.server = uvicorn.Server(config)
         self.shutdown_timeout_s = shutdown_timeout_s
         self._deadline = 0.0  # when a graceful shutdown must be over: set by the first stop_accepting
