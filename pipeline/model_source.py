@@ -102,8 +102,7 @@ def _what_is_missing(folder: Path) -> str:
         if folder.parent.name == "models" and bundled.is_dir():  # a bundled config copied elsewhere
             return (f"is not a directory (a relative model.path is read from the config file's folder, and a "
                     f"bundled config copied elsewhere keeps its ../models/{folder.name}); Kiln's bundled model is "
-                    f"{bundled}: point model.path there, or write the copy with `kiln config show CONFIG > "
-                    f"my-config.yaml`, which writes absolute paths")
+                    f"{bundled}: point model.path there")
         return f"is not a directory; {fix}"
     missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
     if missing:
