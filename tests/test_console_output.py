@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import typer
@@ -300,13 +301,16 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_with_exit_143(capsys):
         weakref.finalize(held, os.kill, os.getpid(), signal.SIGTERM)
         del held
 
-    try:
-        stop_on_sigterm_as_on_ctrl_c()
-        with pytest.raises(typer.Exit) as exit_:
-            finishing()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert exit_.value.exit_code == 143  # before: the command finished as if no signal had come, exit 0
+    def exit_code(command: Callable[[], None]) -> int:
+        try:
+            stop_on_sigterm_as_on_ctrl_c()
+            with pytest.raises(typer.Exit) as exit_:
+                command()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        return exit_.value.exit_code
+
+    assert exit_code(finishing) == 143  # before: the command finished as if no signal had come, exit 0
 
     class Named:
         def __set_name__(self, owner: type, name: str) -> None:
@@ -316,13 +320,7 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_with_exit_143(capsys):
     def importing(json_out: bool = False) -> None:  # Python wraps what __set_name__ raises in a RuntimeError
         type("Importing", (), {"attribute": Named()})
 
-    try:
-        stop_on_sigterm_as_on_ctrl_c()
-        with pytest.raises(typer.Exit) as exit_:
-            importing()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert exit_.value.exit_code == 143  # before: a RuntimeError's traceback, exit 1
+    assert exit_code(importing) == 143  # before: a RuntimeError's traceback, exit 1
 
 
 def test_output_to_a_full_disk_is_one_line_not_a_traceback():
