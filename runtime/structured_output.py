@@ -42,7 +42,8 @@ INTEGER_RANGE = range(-2**63 + 513, 2**64)
 _GRAMMAR_RULE = re.compile(r"^\s*[?!]?[A-Za-z_]\w*(?:\.-?\d+)?\s*:", re.MULTILINE)
 _JSON_DIRECTIVE = re.compile(r"%json\s*")
 _UNKNOWN_FORMAT = "Unknown format:"
-# a GBNF \uXXXX or \UXXXXXXXX escape, or an escaped backslash (so that "\\u00e9" stays a backslash and "u00e9")
+# a GBNF \u escape (4 hex digits) or \U escape (8), or an escaped backslash (so that "\\u00e9" stays a backslash
+# and "u00e9")
 _GBNF_ESCAPE = re.compile(r"\\(?:\\|u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8}))")
 
 
@@ -507,7 +508,7 @@ def _lark_of(grammar: str) -> str:
 
 
 def _surviving_escape(escape: re.Match[str]) -> str:
-    """A GBNF ``\\uXXXX`` / ``\\UXXXXXXXX`` escape in a form llguidance's converter keeps (1.9 drops its leading
+    """A GBNF ``\\u`` (4 hex digits) / ``\\U`` (8) escape in a form llguidance's converter keeps (1.9 drops its leading
     zeros: ``\\u00e9`` became ``\\ue9``, which Lark does not read): ``\\xNN`` below U+0100, which holds every
     character that needs escaping in a literal, a class or a regex, and the character itself above; anything else
     (an escaped backslash, a surrogate, past U+10FFFF) as it is."""
