@@ -221,6 +221,13 @@ def test_ignored_fields_are_named_in_a_header_streamed_or_not(server):
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, store=True, user="u")
         assert raw.headers["kiln-ignored-fields"] == "store, user"
+        cached = client.chat.completions.with_raw_response.create(  # fields of the current SDK's request type
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            extra_body={"prompt_cache_options": {"mode": "implicit"}, "moderation": None})
+        assert cached.headers["kiln-ignored-fields"] == "prompt_cache_options"
+        with pytest.raises(openai.BadRequestError, match="moderation"):  # asked for: no moderation runs here
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_body={"moderation": {"model": "omni-moderation-latest"}})
         unread = client.chat.completions.with_raw_response.create(  # the tiny model's template reads neither
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, reasoning_effort="low",
             extra_body={"chat_template_kwargs": {"enable_thinking": False}})

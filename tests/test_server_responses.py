@@ -76,8 +76,11 @@ def test_function_tools_are_called_and_their_outputs_passed_back_as_items(client
                  *[call.model_dump() for call in calls],  # as the client dumps them: its extra fields, nulls
                  *[{"type": "function_call_output", "call_id": call.call_id, "output": "12 C, rain"}
                    for call in calls]]
-    answer = client.responses.create(model=MODEL, input=follow_up, tools=[FLAT_WEATHER], max_output_tokens=4,
-                                     temperature=0)
+    searched = {**FLAT_WEATHER, "defer_loading": False, "allowed_callers": ["direct"], "output_schema": None}
+    answer = client.responses.with_raw_response.create(  # the current SDK's tool fields, which change nothing here
+        model=MODEL, input=follow_up, tools=[searched], max_output_tokens=4, temperature=0)
+    assert answer.headers["kiln-ignored-fields"] == "tools[].allowed_callers"
+    answer = answer.parse()
     assert answer.usage.input_tokens > out.usage.input_tokens  # the calls and their outputs were rendered
     streamed = list(client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[FLAT_WEATHER],
                                             tool_choice="required", max_output_tokens=120, temperature=0,

@@ -29,7 +29,8 @@ MAX_N = 128
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI allows 20 (chat) and 5 (completions); vLLM 20 for both
 # Fields accepted for compatibility that change nothing here; a request that sets one is logged once per field.
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-                            "prompt_cache_retention", "verbosity", "prediction", "guided_decoding_backend"})
+                            "prompt_cache_retention", "prompt_cache_options", "verbosity", "prediction",
+                            "guided_decoding_backend"})
 SEED_RANGE = (-(2**63), 2**63 - 1)
 # The values OpenAI's API takes for its enum fields (openai-python 3.60): another is a 400 there
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
@@ -537,6 +538,9 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Unsupported = Field(None, description="Deprecated by OpenAI: send tool_choice.")
     web_search_options: Unsupported = Field(None, description="Web search: not supported.")
     prompt_cache_retention: PromptCacheRetention | None = None
+    prompt_cache_options: dict[str, Any] | None = Field(None, description="OpenAI's prompt caching: this server's "
+                                                        "prefix cache needs no options.")
+    moderation: Unsupported = Field(None, description="OpenAI's hosted moderation: not run here.")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
     chat_template_kwargs: ChatTemplateKwargs = None
     documents: list[dict[str, str]] | None = Field(

@@ -109,7 +109,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if LOGPROBS in (req.include or []):
         fields.update(logprobs=True, top_logprobs=req.top_logprobs)
     if req.tools:
-        fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+        fields["tools"] = [{"type": "function", "function": tool.function()}
                            for tool in req.tools]
     if isinstance(req.tool_choice, AllowedToolsChoice):
         fields["tool_choice"] = {"type": "allowed_tools", "allowed_tools": {"mode": req.tool_choice.mode, "tools": [
@@ -140,6 +140,8 @@ def _ignored_fields(req: ResponsesRequest) -> list[str]:
     names = shared_ignored_fields(req, req.store, req.stream_options)
     if isinstance(req.input, list):
         names.update(f"input[].{key}" for item in req.input for key in item.unknown_keys)
+    names.update(f"tools[].{key}" for tool in req.tools or [] for key in ("allowed_callers", "output_schema")
+                 if getattr(tool, key, None) is not None)
     if req.text is not None and req.text.verbosity is not None:
         names.add("text.verbosity")
     if req.truncation == "auto":  # nothing to truncate in a prompt that fits; one that does not is a 400

@@ -189,9 +189,17 @@ InputItem = Annotated[
 
 
 class FunctionTool(FunctionDefinition):
-    """A function tool as the Responses API declares it: the function's fields beside its type."""
+    """A function tool as the Responses API declares it: the function's fields beside its type (and what OpenAI's
+    tool search and code callers read, which change nothing here: every tool is loaded, and the model calls it)."""
 
     type: Literal["function"]
+    defer_loading: neutral_only(None, False) = Field(None, description="Tool search: not supported.")
+    allowed_callers: list[str] | None = None
+    output_schema: dict[str, Any] | None = None
+
+    def function(self) -> dict[str, Any]:
+        """The function as a chat request's tool declares it (``tools[].function``)."""
+        return self.model_dump(include=set(FunctionDefinition.model_fields), exclude_none=True)
 
 
 def _function_tool(value: Any) -> Any:
