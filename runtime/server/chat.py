@@ -14,6 +14,7 @@ from typing import Any
 from starlette.requests import Request
 
 from kiln.runtime.chat_template import (
+    ChatTemplate,
     ChatTemplateError,
     ReservedVariableError,
     UncontinuableMessageError,
@@ -93,20 +94,64 @@ def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dic
     ``variables``: ``template_variables``, or /tokenize's ``chat_template_kwargs``) through the model's chat template
     (its ``tool_use`` one with tools, where it has one, as transformers and vLLM pick it; it writes BOS itself, as in
     transformers, so the text is tokenized without special tokens); with
-    ``continue_final_message``, cut right after the final message's content, which the completion continues."""
+    ``continue_final_message``, cut right after the final message's content, which the completion continues. A 400
+    for tool results that answer no call right before them (``check_tool_results``), and for a history with tool
+    calls that the template would leave out of the prompt."""
     if model.chat_template is None:
         raise APIError(400, model.chat_template_problem or f"model '{model.name}' has no chat template (neither "
                        f"chat_template.jinja nor tokenizer_config.json has one, and kiln serve got no "
                        f"--chat-template): use /v1/completions", param="messages")
+    check_tool_results(messages)
     rendered = [template_message(m.model_dump(exclude_none=True)) for m in messages]
     try:
-        return model.chat_template.render(rendered, add_generation_prompt, tools, variables, continue_final_message)
+        text = model.chat_template.render(rendered, add_generation_prompt, tools, variables, continue_final_message)
     except ReservedVariableError as exc:
         raise APIError(400, str(exc), param="chat_template_kwargs") from None
     except UncontinuableMessageError as exc:
         raise APIError(400, str(exc), param="continue_final_message") from None
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
+    # the calls of a continued final message are cut off with what follows its content, rendered or not
+    called = [i for i, m in enumerate(rendered[:-1] if continue_final_message else rendered) if "tool_calls" in m]
+    if called and _drops_tool_calls(model.chat_template, rendered, text, add_generation_prompt, tools, variables,
+                                    continue_final_message):
+        raise APIError(400, f"the chat template of model '{model.name}' does not render tool calls, so those of "
+                            f"messages[{called[0]}] would be left out of the prompt: send the history without them, "
+                            f"or serve the model with a --chat-template that renders them",
+                       param=f"messages[{called[0]}].tool_calls")
+    return text
+
+
+def check_tool_results(messages: list[ChatMessage]) -> None:
+    """OpenAI's rule for tool results: a 'tool' message follows an assistant message with ``tool_calls`` (right
+    after it, or after other tool messages) and answers one of its calls; a 400 naming the first that does not.
+    Calls left without a result are taken, as vLLM takes them."""
+    calls: set[str] | None = None  # the ids a tool message here may answer (None: it may not be here)
+    for index, message in enumerate(messages):
+        if message.role == "assistant" and message.tool_calls:
+            calls = {call.id for call in message.tool_calls}
+        elif message.role != "tool":
+            calls = None
+        elif calls is None:
+            raise APIError(400, f"messages[{index}]: a message with role 'tool' must answer a preceding assistant "
+                                f"message with tool_calls (right after it, or after its other tool messages): pass "
+                                f"that assistant message back before it", param=f"messages[{index}]")
+        elif message.tool_call_id not in calls:
+            raise APIError(400, f"No tool call found for tool message with tool_call_id {message.tool_call_id!r}: "
+                                f"the assistant message before it called {', '.join(map(repr, sorted(calls)))}",
+                           param=f"messages[{index}].tool_call_id")
+
+
+def _drops_tool_calls(template: ChatTemplate, rendered: list[dict], text: str, add_generation_prompt: bool,
+                      tools: list[dict] | None, variables: dict[str, Any] | None, continue_final_message: bool
+                      ) -> bool:
+    """Whether ``template`` renders ``rendered`` (as ``text``) the same without its tool calls: it leaves them out
+    (a template that refuses the messages without them renders them)."""
+    without = [{key: value for key, value in m.items() if key != "tool_calls"} for m in rendered]
+    try:
+        return template.render(without, add_generation_prompt, tools, variables, continue_final_message) == text
+    except ChatTemplateError:
+        return False
 
 
 async def render_chat_off_loop(model: ServedModel, messages: list[ChatMessage], tools: list[dict] | None,
