@@ -220,6 +220,23 @@ class ChatTemplate:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {detail}") from None
         return _cut_at_tag(text) if continue_final_message else text
 
+    def dropped_tool_calls(self, messages: list[dict[str, Any]], text: str, add_generation_prompt: bool = True,
+                           tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
+                           continue_final_message: bool = False) -> int | None:
+        """The index of the first of ``messages`` (rendered as ``text`` by ``render`` with these arguments) whose
+        ``tool_calls`` the template leaves out of the prompt: it renders them the same without their calls (a
+        template that refuses the messages without them renders them); None where none is left out. The calls of a
+        continued final message are cut off with what follows its content, rendered or not."""
+        called = [i for i, m in enumerate(messages[:-1] if continue_final_message else messages) if "tool_calls" in m]
+        if not called:
+            return None
+        without = [{key: value for key, value in m.items() if key != "tool_calls"} for m in messages]
+        try:
+            same = self.render(without, add_generation_prompt, tools, variables, continue_final_message) == text
+        except ChatTemplateError:
+            return None
+        return called[0] if same else None
+
 
 def check_template_source(source: str, names: Mapping[str, object] | None = None) -> None:
     """Refuse a ``source`` given as a template that holds no Jinja block (no ``{{ }}`` or ``{% %}``): a misspelt

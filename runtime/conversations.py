@@ -103,10 +103,15 @@ def render_prompts(conversations: list[list[Mapping[str, Any]]], template: ChatT
         where = f"messages[{index}]: " if len(conversations) > 1 else ""
         try:
             rendered = [_template_message(message, position) for position, message in enumerate(conversation)]
-            text = template.render(rendered, add_generation_prompt, tools, dict(chat_template_kwargs or {}),
-                                   continue_final_message)
+            variables = dict(chat_template_kwargs or {})
+            text = template.render(rendered, add_generation_prompt, tools, variables, continue_final_message)
         except (ChatInputError, ChatTemplateError) as exc:
             raise ChatInputError(f"{where}{exc}") from None
+        if (dropped := template.dropped_tool_calls(rendered, text, add_generation_prompt, tools, variables,
+                                                   continue_final_message)) is not None:
+            raise ChatInputError(f"{where}the chat template does not render tool calls, so those of message {dropped} "
+                                 f"would be left out of the prompt: pass the conversation without them, or a "
+                                 f"chat_template that renders them")
         prompts.append((text, tokenizer.encode(text, add_special_tokens=False)))
     return prompts
 

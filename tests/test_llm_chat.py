@@ -57,6 +57,9 @@ def test_continue_final_message_continues_the_assistants_text(llm, hf_tokenizer,
     ([["hello"]], r"messages\[0\]: message 0 is a str, not a message dict"),
     ([{"role": "tool", "content": "42"}], "message 0: a 'tool' message names the tool_call_id"),
     ([CONVERSATION[0], "oops"], "message 1 is a str, not a message dict"),
+    ([CONVERSATION[0], {"role": "assistant", "content": None, "tool_calls": [  # the bundled template renders none
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+     "does not render tool calls, so those of message 1 would be left out of the prompt"),
 ])
 def test_messages_it_cannot_render_are_refused_naming_the_problem(llm, messages, words):
     with pytest.raises(ChatInputError, match=words):

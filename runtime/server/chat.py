@@ -14,7 +14,6 @@ from typing import Any
 from starlette.requests import Request
 
 from kiln.runtime.chat_template import (
-    ChatTemplate,
     ChatTemplateError,
     ReservedVariableError,
     UncontinuableMessageError,
@@ -111,14 +110,12 @@ def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dic
         raise APIError(400, str(exc), param="continue_final_message") from None
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
-    # the calls of a continued final message are cut off with what follows its content, rendered or not
-    called = [i for i, m in enumerate(rendered[:-1] if continue_final_message else rendered) if "tool_calls" in m]
-    if called and _drops_tool_calls(model.chat_template, rendered, text, add_generation_prompt, tools, variables,
-                                    continue_final_message):
+    if (dropped := model.chat_template.dropped_tool_calls(rendered, text, add_generation_prompt, tools, variables,
+                                                          continue_final_message)) is not None:
         raise APIError(400, f"the chat template of model '{model.name}' does not render tool calls, so those of "
-                            f"messages[{called[0]}] would be left out of the prompt: send the history without them, "
+                            f"messages[{dropped}] would be left out of the prompt: send the history without them, "
                             f"or serve the model with a --chat-template that renders them",
-                       param=f"messages[{called[0]}].tool_calls")
+                       param=f"messages[{dropped}].tool_calls")
     return text
 
 
@@ -140,18 +137,6 @@ def check_tool_results(messages: list[ChatMessage]) -> None:
             raise APIError(400, f"No tool call found for tool message with tool_call_id {message.tool_call_id!r}: "
                                 f"the assistant message before it called {', '.join(map(repr, sorted(calls)))}",
                            param=f"messages[{index}].tool_call_id")
-
-
-def _drops_tool_calls(template: ChatTemplate, rendered: list[dict], text: str, add_generation_prompt: bool,
-                      tools: list[dict] | None, variables: dict[str, Any] | None, continue_final_message: bool
-                      ) -> bool:
-    """Whether ``template`` renders ``rendered`` (as ``text``) the same without its tool calls: it leaves them out
-    (a template that refuses the messages without them renders them)."""
-    without = [{key: value for key, value in m.items() if key != "tool_calls"} for m in rendered]
-    try:
-        return template.render(without, add_generation_prompt, tools, variables, continue_final_message) == text
-    except ChatTemplateError:
-        return False
 
 
 async def render_chat_off_loop(model: ServedModel, messages: list[ChatMessage], tools: list[dict] | None,
