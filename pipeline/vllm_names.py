@@ -3,7 +3,7 @@ Kiln's instead of a look-alike."""
 
 from __future__ import annotations
 
-from kiln.runtime.vllm_call_options import VLLM_BUILD_SETTINGS
+from kiln.runtime.vllm_call_options import VLLM_BUILD_SETTINGS, VLLM_LOAD_ARGUMENTS
 
 # `vllm serve` flags asking for what Kiln cannot do or does another way, refused (a usage error) with why and what
 # Kiln has instead
@@ -24,7 +24,7 @@ REFUSED_VLLM_FLAGS = {
     "--ssl-ca-certs": "Kiln serves plain HTTP: terminate TLS at the proxy or ingress",
     "--ssl-cert-reqs": "Kiln serves plain HTTP: terminate TLS at the proxy or ingress",
     "--enforce-eager": "set KILN_CUDA_GRAPHS=0 to run every step eagerly",
-    "--swap-space": "Kiln swaps no KV to the host: a preempted request is computed again",
+    "--swap-space": VLLM_LOAD_ARGUMENTS["swap_space"][1],
     "--config": "Kiln's config is its own YAML (docs/config.md), given as the target",
     "--lora-modules": "Kiln serves no LoRA adapters",
     "--guided-decoding-backend": "Kiln's structured output always runs on llguidance",
@@ -37,7 +37,7 @@ REFUSED_VLLM_FLAGS = {
     "--kv-transfer-config": "Kiln transfers no KV between servers",
     "--enable-sleep-mode": "Kiln has no sleep mode: close the LLM to free the GPU",
     "--scheduling-policy": "set KILN_SCHEDULER_POLICY (max_utilization or guaranteed_no_evict)",
-    "--max-logprobs": "Kiln returns at most 20 log probabilities a token, as OpenAI does",
+    "--max-logprobs": VLLM_LOAD_ARGUMENTS["max_logprobs"][1],
     "--response-role": "Kiln's chat answers are always the assistant's",
     "--chat-template-content-format": "Kiln finds the content format in the chat template, as vLLM's auto does",
     "--load-format": "Kiln loads safetensors only",

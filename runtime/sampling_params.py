@@ -26,6 +26,8 @@ MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 # A repetition penalty outside this range overflows the logits it divides (and no model needs one).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# what changes the logits instead of vLLM's logits processors and extra_args
+LOGIT_CONTROLS = "it changes logits with logit_bias, allowed_token_ids, min_tokens, the penalties and structured_output"
 # Settings of other engines (vLLM's, SGLang's, TensorRT-LLM's) and what to do instead, for the error they get.
 OTHER_NAMES = {"max_new_tokens": "set max_tokens", "min_new_tokens": "set min_tokens", "end_id": "set stop_token_ids",
                "stop_words": "set stop", "random_seed": "set seed", "sampling_seed": "set seed",
@@ -41,10 +43,8 @@ OTHER_NAMES = {"max_new_tokens": "set max_tokens", "min_new_tokens": "set min_to
                                      "fields json, json_object, regex, grammar, choice)",
                "truncate_prompt_tokens": "cut the prompt's token ids yourself and pass them as the prompt: "
                                          "{'prompt_token_ids': llm.tokenizer.encode(text)[-k:]}",
-               "logits_processors": "Kiln runs no Python logits processors; it changes logits with logit_bias, "
-                                    "allowed_token_ids, min_tokens, the penalties and structured_output",
-               "extra_args": "Kiln reads no extra_args; it changes logits with logit_bias, allowed_token_ids, "
-                             "min_tokens, the penalties and structured_output",
+               "logits_processors": f"Kiln runs no Python logits processors; {LOGIT_CONTROLS}",
+               "extra_args": f"Kiln reads no extra_args; {LOGIT_CONTROLS}",
                "output_kind": "LLM.generate returns each request's final output (vLLM's LLM.generate sets "
                               "FINAL_ONLY whatever it is given); for what each step adds, iterate LLM.stream (its "
                               "deltas are DELTA's; join them for CUMULATIVE's)"}
@@ -274,8 +274,13 @@ def _changes_nothing(name: str, value: object, n: object) -> bool:
         return True
     if name == "output_kind":  # vLLM's enum, not imported: what LLM.generate returns (vLLM's sets it there too)
         return type(value).__name__ == "RequestOutputKind" and getattr(value, "name", None) == "FINAL_ONLY"
-    return any(value is same or (type(value) is type(same) and value == same)
-               for same in VLLM_NO_OP_VALUES.get(name, ()))
+    return any(same_value(value, same) for same in VLLM_NO_OP_VALUES.get(name, ()))
+
+
+def same_value(value: object, same: object) -> bool:
+    """Whether a setting's ``value`` is ``same`` (True is no 1, a float no int: a value of another type is another
+    setting)."""
+    return value is same or (type(value) is type(same) and value == same)
 
 
 def _token_key(key: object) -> object:

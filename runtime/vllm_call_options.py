@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from kiln.runtime.sampling_params import plain_number
+from kiln.runtime.sampling_params import plain_number, same_value
 
 
 def _none_or_empty(value: object) -> bool:
@@ -109,7 +109,7 @@ def check_engine_arguments(arguments: Mapping[str, object], engine_dir: Path | N
             instead = f"the engine is built with it: set {VLLM_BUILD_SETTINGS[name]} in the config and `kiln build`"
         else:
             taken, instead = VLLM_LOAD_ARGUMENTS.get(name, ((), ""))
-        if any(_same(value, same) for same in taken):
+        if any(same_value(value, same) for same in taken):
             continue
         refused.append(f"{name!r}" + (f": {instead}" if instead else "")
                        + (f" (taken at {' or '.join(map(repr, taken))}, which changes nothing)" if taken else ""))
@@ -134,8 +134,3 @@ def _engine_build_values(engine_dir: Path) -> dict[str, object]:
         plan, tp_size = config.plan, config.tp_size
     return {"tensor_parallel_size": tp_size, "max_model_len": plan.max_seq_len, "max_num_seqs": plan.max_batch_size,
             "max_num_batched_tokens": plan.max_num_tokens, "block_size": plan.tokens_per_block}
-
-
-def _same(value: object, same: object) -> bool:
-    """Whether ``value`` is ``same`` (True is no 1, a float no int: a value of another type is another setting)."""
-    return value is same or (type(value) is type(same) and value == same)
