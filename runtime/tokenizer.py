@@ -211,6 +211,13 @@ class Tokenizer:
         return bool(members) and all(member.get("type") == "ByteLevel" for member in members)
 
     @functools.cached_property
+    def added_text_ids(self) -> frozenset[int]:
+        """The added tokens tokenizer.json marks ``special: false`` (Qwen's ``<tool_call>`` and ``<think>``): one
+        token each, but text that decoding keeps."""
+        return frozenset(token_id for token_id, token in self._tokenizer.get_added_tokens_decoder().items()
+                         if not token.special)
+
+    @functools.cached_property
     def _special_ids(self) -> frozenset[int]:
         return frozenset(token_id for token_id, token in self._tokenizer.get_added_tokens_decoder().items()
                          if token.special)

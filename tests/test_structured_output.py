@@ -306,3 +306,31 @@ def test_a_format_no_output_satisfies_fails_its_request_instead_of_returning_emp
     assert llm.stats()["num_generated_tokens"] == generated
     assert llm.stats()["requests_finished"]["error"] == errors + 1  # vLLM V1's reason, as /metrics counts it
     assert llm.generate(["x"], SamplingParams(max_tokens=2))[0].finish_reason == "length"  # the engine serves on
+
+
+def test_a_format_spells_out_added_tokens_that_tokenizer_json_marks_as_text(tmp_path):
+    """Qwen's ``<tool_call>`` and ``<think>``: one added token each, ``special: false``. The format forcing that text
+    allows the token and takes it (llguidance's own reading took them as special: the forced token failed)."""
+    import shutil
+
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from kiln.runtime.native.grammar import Grammars
+    from kiln.runtime.tokenizer import Tokenizer
+
+    hf = HfTokenizer.from_file(str(tiny_engine() / "tokenizer.json"))
+    hf.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in ("<tool_call>", "</tool_call>")])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    shutil.copy(tiny_engine() / "tokenizer_config.json", tmp_path)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    text = '<tool_call>\n{"a": 1}\n</tool_call>'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert {tokenizer.token_id("<tool_call>"), tokenizer.token_id("</tool_call>")} <= set(ids)
+    grammars = Grammars(tokenizer, tokenizer.vocab_size, [tokenizer.vocab_size - 1])
+    matcher = grammars.matcher(StructuredOutput.from_dict({"regex": re.escape(text)}))
+    for token_id in ids:
+        mask = grammars.bitmask([matcher])[0]
+        assert mask[token_id // 32] >> (token_id % 32) & 1, tokenizer.decode([token_id])
+        assert matcher.consume_token(token_id), matcher.get_error()
+    assert matcher.is_accepting()

@@ -45,6 +45,11 @@ class Grammars:
                                                eos_token=self.eos_token_ids)
         except ValueError as exc:  # e.g. a tokenizer.json without a decoder: its tokens' bytes are unknown
             raise StructuredOutputError(f"structured output cannot use this engine's tokenizer.json: {exc}") from None
+        misread = [token_id for token_id in self.tokenizer.added_text_ids
+                   if token_id < self.vocab_size and tokenizer.is_special_token(token_id)]
+        if misread:
+            tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TextTokens(tokenizer, misread)),
+                                               n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
         return tokenizer, llguidance.LLExecutor()
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
@@ -64,6 +69,24 @@ class Grammars:
         bitmask = allocate_token_bitmask(len(matchers), self.vocab_size)
         fill_next_token_bitmask_par(self._llg[1], [(m, i) for i, m in enumerate(matchers)], bitmask)
         return bitmask
+
+
+class _TextTokens:
+    """llguidance's reading of a tokenizer.json (``read``: each token's bytes, its tokenization), with the added
+    tokens it takes as special though tokenizer.json marks them ``special: false`` (``text_ids``) as text. It takes
+    every added token spelt ``<...>`` as special (guidance-ai/llguidance#363), so a format could not spell out
+    Qwen's ``<tool_call>`` or ``<think>``: the one token that text tokenizes to then failed the format."""
+
+    def __init__(self, read: llguidance.LLTokenizer, text_ids: list[int]) -> None:
+        self._read = read
+        self.tokens = [read.decode_bytes([token_id]) for token_id in range(read.vocab_size)]
+        self.special_token_ids = sorted(set(filter(read.is_special_token, range(read.vocab_size))) - set(text_ids))
+        self.eos_token_id = read.eos_token
+        self.bos_token_id = None
+
+    def __call__(self, text: str) -> list[int]:
+        """The token ids of ``text``, as llguidance's reading of tokenizer.json tokenizes it."""
+        return self._read.tokenize_str(text)
 
 
 def advance_matcher(matcher: llguidance.LLMatcher, token_id: int, request_id: str, generated: int) -> None:
