@@ -47,6 +47,13 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     return error
 
 
+def test_a_streamed_prompt_logprobs_of_0_is_taken_as_vllm_takes_it(http):
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        response = http.post(path, json={**body, "max_tokens": 2, "stream": True, "prompt_logprobs": 0})
+        assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]"), response.text
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"prompt": "hi", "max_tokens": "5"}, "max_tokens", ["integer"]),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ["max_tokens 0 generates nothing: with echo: true"]),
@@ -86,7 +93,6 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", ["only allowed with stream"]),
     ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens", ["min_tokens", "max_tokens=4"]),
     ({"prompt": "hi", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs", ["not available with stream"]),
-    ({"prompt": "hi", "stream": True, "prompt_logprobs": 0}, "prompt_logprobs", ["not available with stream"]),
     ({"prompt": "hi", "ignore_eos": True, "structured_outputs": {"choice": ["a"]}}, "ignore_eos",
      ["structured output"]),
     ({"prompt": "hi", "best_of": 2}, "best_of", ["not supported", "send null or 1"]),  # JSON, not Python, spellings

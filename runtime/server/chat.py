@@ -23,7 +23,13 @@ from kiln.runtime.chat_template import (
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import Job, ServedModel
-from kiln.runtime.server.jobs import check_request, compiled_format, format_field, make_jobs
+from kiln.runtime.server.jobs import (
+    check_request,
+    compiled_format,
+    computed_prompt_logprobs,
+    format_field,
+    make_jobs,
+)
 from kiln.runtime.server.logprobs import TokenText, chat_logprobs, vllm_prompt_logprobs
 from kiln.runtime.server.metrics import ServerMetrics
 from kiln.runtime.server.protocol import (
@@ -381,7 +387,7 @@ async def prepare_chat(model: ServedModel, req: ChatCompletionRequest, max_tool_
     if req.skip_special_tokens and tools.keeps_special_tokens(model.tokenizer):
         req = req.model_copy(update={"skip_special_tokens": False})
     jobs = make_jobs(model, req, [prompt], [limit], logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                     prompt_logprobs=req.prompt_logprobs, structured_output=forced or requested,
+                     prompt_logprobs=computed_prompt_logprobs(req), structured_output=forced or requested,
                      max_tokens_param=param)
     model.check(jobs[::req.n], "messages")
     thinking = None

@@ -11,7 +11,13 @@ from starlette.requests import Request
 from kiln.runtime.outputs import RequestOutput, StreamDelta
 from kiln.runtime.server.errors import APIError
 from kiln.runtime.server.generation import ServedModel
-from kiln.runtime.server.jobs import check_request, compiled_format, format_field, make_jobs
+from kiln.runtime.server.jobs import (
+    check_request,
+    compiled_format,
+    computed_prompt_logprobs,
+    format_field,
+    make_jobs,
+)
 from kiln.runtime.server.logprobs import (
     TextOffsets,
     TokenText,
@@ -100,7 +106,7 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
         return usage_of(prompts, []) if scoring else usage
 
     echo_logprobs = req.logprobs if req.echo else None
-    prompt_logprobs = max((k for k in (req.prompt_logprobs, echo_logprobs) if k is not None), default=None)
+    prompt_logprobs = max((k for k in (computed_prompt_logprobs(req), echo_logprobs) if k is not None), default=None)
     structured_output = await compiled_format(req)
     jobs = make_jobs(model, req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                      structured_output=structured_output)

@@ -66,6 +66,12 @@ def make_jobs(model: ServedModel, req: SamplingFields, prompts: list[list[int]],
         raise APIError(400, message, param=field if field in type(req).model_fields else None) from None
 
 
+def computed_prompt_logprobs(req: SamplingFields) -> int | None:
+    """The request's ``prompt_logprobs``, none when it streams: no chunk carries them, so a streamed 0 (which vLLM
+    takes) computes nothing and keeps the prefix cache."""
+    return None if req.stream else req.prompt_logprobs
+
+
 def format_field(req: SamplingFields) -> str:
     """The field that asks for the request's output format, as its errors name it: ``response_format`` unless it is
     absent or plain text, else ``structured_outputs`` (vLLM's extension, or its guided_* fields)."""
@@ -134,8 +140,7 @@ def check_request(model: ServedModel, req: SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true: drop it or stream the response",
                        param="stream_options")
-    if req.stream and req.prompt_logprobs is not None:  # no chunk carries them (vLLM refuses 1 and up); 0 would
-        # still compute them, and skip the prefix cache, for nothing
+    if req.stream and req.prompt_logprobs:  # no chunk carries them: vLLM refuses 1 and up (0: computed_prompt_logprobs)
         raise APIError(400, "prompt_logprobs are not available with stream: true: drop one of them",
                        param="prompt_logprobs")
     vocab_size = model.limits.vocab_size
