@@ -180,15 +180,24 @@ class ChatTemplate:
             raise ChatTemplateError(f"{files.directory}: the chat template does not parse ({exc}): fix "
                                     f"{origin}") from None
 
-    def for_tools(self, tools: Sequence[object] | None) -> ChatTemplate:
-        """The template that renders a request with ``tools`` (None: one without), picked as transformers'
-        ``get_chat_template`` and vLLM pick it: ``tool_use`` where tools are given and the model has it, else the
-        default (a ChatTemplateError where the model has none)."""
-        if tools is not None and self.tool_use is not None:
+    def for_tools(self, tools: Sequence[object] | None, messages: Iterable[Mapping[str, Any]] = ()) -> ChatTemplate:
+        """The template that renders a request with ``tools`` (None: one without) and ``messages``: ``tool_use``
+        where tools are given, as transformers' ``get_chat_template`` and vLLM pick it, or where the messages hold
+        tool calls or tool results (a history sent without tools: the default template of such a model, Hermes',
+        leaves the calls out), and the model has it; else the default (a ChatTemplateError where the model has
+        none)."""
+        if self.tool_use is not None and (tools is not None or holds_tool_history(messages)):
             return self.tool_use
         if self._template is None:
             raise ChatTemplateError(_no_default())
         return self
+
+    def _chosen(self, tools: list[dict] | None, messages: list[dict[str, Any]]
+                ) -> tuple[ChatTemplate, list[dict] | None]:
+        """``for_tools``'s template, and the tools it renders: none as [] for ``tool_use`` picked for a tool
+        history (Hermes' iterates them unguarded)."""
+        template = self.for_tools(tools, messages)
+        return template, [] if template is not self and tools is None else tools
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
@@ -201,7 +210,8 @@ class ChatTemplate:
         ``continue_final_message`` the text ends right after the final message's content, which the completion
         continues (UncontinuableMessageError when the template does not write it verbatim). The template is the
         one ``for_tools`` picks for ``tools``."""
-        if (template := self.for_tools(tools)) is not self:
+        template, tools = self._chosen(tools, messages)
+        if template is not self:
             return template.render(messages, add_generation_prompt, tools, variables, continue_final_message)
         messages = [_in_format(message, self.content_format) for message in messages]
         if continue_final_message:
@@ -231,11 +241,17 @@ class ChatTemplate:
         if not called:
             return None
         without = [{key: value for key, value in m.items() if key != "tool_calls"} for m in messages]
+        template, tools = self._chosen(tools, messages)  # the one that rendered text
         try:
-            same = self.render(without, add_generation_prompt, tools, variables, continue_final_message) == text
+            same = template.render(without, add_generation_prompt, tools, variables, continue_final_message) == text
         except ChatTemplateError:
             return None
         return called[0] if same else None
+
+
+def holds_tool_history(messages: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether ``messages`` (role and tool_calls as OpenAI's) hold a tool call or a tool result."""
+    return any(message.get("tool_calls") or message.get("role") == "tool" for message in messages)
 
 
 def check_template_source(source: str, names: Mapping[str, object] | None = None) -> None:

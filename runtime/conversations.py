@@ -88,12 +88,12 @@ def render_prompts(conversations: list[list[Mapping[str, Any]]], template: ChatT
                              "to generate")
     tools = None if tools is None else list(tools)
     try:
-        template = template.for_tools(tools)
-    except ChatTemplateError as exc:  # named templates without a default, and no tools
-        raise ChatInputError(str(exc)) from None
-    if tools and "tools" not in template.reads:
+        reads = template.for_tools(tools).reads
+    except ChatTemplateError:  # named templates without a default, and no tools: rendering each conversation says so
+        reads = frozenset()  # (or takes its tool history to the tool_use one)
+    if tools and "tools" not in reads:
         raise ChatInputError("the chat template does not render tools, so the model cannot call them: pass no tools")
-    if unread := [name for name in chat_template_kwargs or {} if name not in template.reads]:
+    if reads and (unread := [name for name in chat_template_kwargs or {} if name not in reads]):
         logger.warning("chat_template_kwargs %s: the chat template never reads them", ", ".join(map(repr, unread)))
     if add_generation_prompt and continue_final_message:
         raise ChatInputError("continue_final_message needs add_generation_prompt=False: the completion continues the "

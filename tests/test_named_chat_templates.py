@@ -91,6 +91,30 @@ def test_named_templates_without_a_default_render_only_with_tools_as_transformer
         ChatTemplate.from_dir(other)
 
 
+RENDERS_CALLS = TOOL_USE.replace("{{ m.content }}", "{{ m.content }}{% for c in m.tool_calls or [] %}"
+                                                   "<tool_call>{{ c.function.name }}</tool_call>{% endfor %}")
+
+
+def test_a_tool_history_sent_without_tools_renders_the_tool_use_template(tmp_path):
+    """The default template of such a model (Hermes') leaves tool calls out: a history that holds them, sent
+    without tools (a last turn with tools off), renders through tool_use (it had been refused as dropping them)."""
+    from kiln.runtime.conversations import render_prompts
+    from kiln.runtime.tokenizer import Tokenizer
+
+    shutil.copyfile(TOKENIZER_SOURCE / "tokenizer.json", tmp_path / "tokenizer.json")
+    write_named(tmp_path, "config", {"default": default_template(), "tool_use": RENDERS_CALLS})
+    template = ChatTemplate.from_dir(tmp_path)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    history = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "user", "content": "Sum up"}]
+    text = template.render(history)
+    assert "<tool_call>get_weather</tool_call>" in text and template.dropped_tool_calls(history, text) is None
+    assert template.render(MESSAGES) == "User: Weather in Oslo?\nAssistant:"  # no tool history: the default
+    [(rendered, _)] = render_prompts([history], template, Tokenizer.from_dir(tmp_path), add_generation_prompt=True,
+                                     continue_final_message=False, tools=None, chat_template_kwargs=None)
+    assert rendered == text  # LLM.chat's path
+
+
 def test_an_engine_build_keeps_the_named_template_files(tmp_path):
     checkpoint = write_named(tmp_path, "jinja", {"default": default_template(), "tool_use": TOOL_USE})
     (tmp_path / "engine").mkdir()

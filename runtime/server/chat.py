@@ -88,7 +88,8 @@ def unread_template_fields(model: ServedModel, req: ChatCompletionRequest | Toke
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:  # only "none" reaches the template as enable_thinking too
         given["reasoning_effort"] = {"reasoning_effort", *(("enable_thinking",) if effort == "none" else ())}
-    reads = model.chat_template.for_tools(req.tools).reads  # the tools as render_chat got them
+    history = (message.model_dump(include={"role", "tool_calls"}) for message in req.messages or ())
+    reads = model.chat_template.for_tools(req.tools, history).reads  # the template render_chat rendered with
     return [name for name, variables in given.items() if not variables & reads]
 
 
