@@ -61,12 +61,16 @@ VLLM_BUILD_SETTINGS = {
     "kv_cache_dtype": "quantize.kv_cache_dtype",
 }
 # vLLM's build settings at the value that means the checkpoint's own, which the engine was built from
-AUTO_BUILD_VALUES: dict[str, tuple] = {"dtype": ("auto",)}
+# (vLLM's defaults, which argparse-driven scripts pass through)
+AUTO_BUILD_VALUES: dict[str, tuple] = {"dtype": ("auto",), "max_model_len": (None,), "quantization": (None,),
+                                       "kv_cache_dtype": ("auto",), "max_num_seqs": (None,),
+                                       "max_num_batched_tokens": (None,), "block_size": (None,),
+                                       "pipeline_parallel_size": (1,)}
 # vLLM's engine arguments to LLM(...) that Kiln takes elsewhere or not at all -> (the values that change nothing,
 # taken; what to do instead of another value)
 VLLM_LOAD_ARGUMENTS: dict[str, tuple[tuple, str]] = {
     "gpu_memory_utilization": ((), "pass options=RuntimeOptions(gpu_memory_utilization=...)"),
-    "enable_prefix_caching": ((), "pass options=RuntimeOptions(prefix_caching=...)"),
+    "enable_prefix_caching": ((None, True), "pass options=RuntimeOptions(prefix_caching=...)"),
     "enforce_eager": ((), "pass options=RuntimeOptions(cuda_graphs=False)"),
     "device": ((), "pass options=RuntimeOptions(device=...)"),
     "tokenizer": ((None,), "the engine carries the tokenizer it was built with"),

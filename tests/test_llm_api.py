@@ -626,8 +626,10 @@ def test_vllms_engine_arguments_say_where_kiln_takes_them(tmp_path, argument, wo
 
 
 def test_vllms_engine_arguments_are_refused_all_at_once_and_taken_where_they_change_nothing(engine_dir):
-    changes_nothing = dict(tensor_parallel_size=1, max_model_len=256, dtype="auto", enable_lora=False, revision=None)
-    with pytest.raises(TypeError, match=r"arguments 'gpu_memory_utilization': .*; 'max_num_seqs': .*\(taken at 4, "
+    changes_nothing = dict(tensor_parallel_size=1, max_model_len=256, dtype="auto", enable_lora=False, revision=None,
+                           quantization=None, kv_cache_dtype="auto", enable_prefix_caching=None)  # vLLM's defaults
+    with pytest.raises(TypeError, match=r"arguments 'gpu_memory_utilization': .*; 'max_num_seqs': .*\(taken at None or "
+                                        r"4, "
                                         r"which changes nothing\); 'load_format': .*; 'swap_space': [^;]*$"):
         LLM(model=engine_dir, gpu_memory_utilization=0.9, max_num_seqs=2, load_format="dummy", swap_space=4,
             **changes_nothing)
