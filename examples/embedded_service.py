@@ -50,7 +50,10 @@ class Worker:
             batch = [job]
             while len(batch) < 8 and not self.jobs.empty() and (job := self.jobs.get()) is not None:
                 batch.append(job)
-            self._serve([(f"Summary of: {text}\n", future) for text, future in batch], params)
+            # A job whose caller gave up (asyncio.wait_for's timeout, a cancelled handler) is skipped; one taken here
+            # can no longer be cancelled, so setting its result below cannot fail.
+            self._serve([(f"Summary of: {text}\n", future) for text, future in batch
+                         if future.set_running_or_notify_cancel()], params)
             if job is None:
                 break
 

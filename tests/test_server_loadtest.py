@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import io
 import json
 import math
@@ -323,6 +324,18 @@ def test_embedding_example_serves_an_app_and_a_worker_from_one_engine():
     for route in ("/ask ->", "/ask/stream ->", "/summarize ->", "/engine ->"):
         assert route in proc.stdout
     assert "/summarize of a text too long -> 400" in proc.stdout and proc.stdout.count("worker ->") == 4
+
+
+def test_embedding_example_worker_skips_a_job_its_caller_cancelled_and_answers_the_next(llm):
+    spec = importlib.util.spec_from_file_location("embedded_service", REPO / "examples" / "embedded_service.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    worker = example.Worker(llm)
+    try:
+        worker.submit("a caller that gives up").cancel()  # as asyncio.wait_for's timeout or a cancelled handler does
+        assert isinstance(worker.submit("the next caller").result(timeout=10), str)  # before: its thread had died
+    finally:
+        worker.close()
 
 
 class _ReplayedStream:
