@@ -159,6 +159,8 @@ def test_bad_completion_requests_get_a_400_naming_the_field(http, body, param, w
     ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "banana"}, "reasoning_effort",
      ["'minimal'"]),
     ({"messages": [{"role": "user", "content": "hi"}], "service_tier": "gold"}, "service_tier", ["'flex'"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt_cache_options": {"ttl": "banana"}},
+     "prompt_cache_options.ttl", ["'30m'"]),  # before: any object, taken unread
     ({"messages": [{"role": "assistant", "content": "hi", "audio": {"id": "a"}}]}, "messages[0].audio",
      ["not supported", "send null"]),
     ({"messages": [{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}]},

@@ -231,6 +231,19 @@ def test_the_response_echoes_the_requests_settings_and_its_usage_validates_as_th
                                                                               "schema": {"type": "integer"}}})
 
 
+def test_the_sdks_prompt_cache_options_are_taken_and_named_as_ignored_and_moderation_only_at_null(client):
+    raw = client.responses.with_raw_response.create(  # fields of the current SDK's request type, as chat takes them
+        model=MODEL, input=QUESTION, max_output_tokens=1, moderation=None, prompt_cache_retention="24h",
+        prompt_cache_options={"mode": "explicit", "ttl": "12h", "prewarm": False, "comparison_response_id": "r"})
+    assert raw.headers["kiln-ignored-fields"] == "prompt_cache_options, prompt_cache_retention"
+    for sent, field in (({"prompt_cache_options": {"ttl": "banana"}}, "prompt_cache_options.ttl"),
+                        ({"prompt_cache_options": {"prewarm": True}}, "prompt_cache_options.prewarm"),
+                        ({"moderation": {"model": "omni-moderation-latest"}}, "moderation")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=1, **sent)
+        assert refused.value.param == field
+
+
 def test_streamed_events_are_raw_utf8_as_the_whole_response_and_a_lone_surrogate_stays_an_escape(client):
     body = b'{"model": "tiny", "input": "hi", "instructions": "\xe6\x9c\xac", "max_output_tokens": 2, ' \
            b'"metadata": {"k": "\\ud800"}'  # a lone surrogate: JSON can carry it as an escape, UTF-8 cannot

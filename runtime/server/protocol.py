@@ -117,6 +117,8 @@ NoSuffix = neutral_only(None, "")
 TextModalities = neutral_only(None, ["text"])
 Unsupported = neutral_only(None)
 NoAnnotations = neutral_only(None, [])
+# OpenAI's hosted moderation, which chat completions and the Responses API take: null only
+Moderation = Annotated[Unsupported, Field(description="OpenAI's hosted moderation: not run here.")]
 VLLM_DEFAULT = "Extension (as in vLLM): accepted at its default only."
 
 
@@ -243,6 +245,14 @@ class StreamOptions(StrictModel):
     include_obfuscation: bool | None = Field(None, description="Accepted and ignored: no obfuscation padding.")
     continuous_usage_stats: bool | None = Field(None, description="Extension (as in vLLM): with include_usage, "
                                                                   "every chunk carries its choice's usage so far.")
+
+
+class PromptCacheOptions(StrictModel):
+    """Chat's ``prompt_cache_options``, in the shape OpenAI's API takes (openai-python 3.63): accepted and ignored,
+    as this server's prefix cache needs no options."""
+
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
 
 
 def shared_ignored_fields(request: BaseModel, store: bool | None, stream_options: BaseModel | None) -> set[str]:
@@ -538,9 +548,8 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Unsupported = Field(None, description="Deprecated by OpenAI: send tool_choice.")
     web_search_options: Unsupported = Field(None, description="Web search: not supported.")
     prompt_cache_retention: PromptCacheRetention | None = None
-    prompt_cache_options: dict[str, Any] | None = Field(None, description="OpenAI's prompt caching: this server's "
-                                                        "prefix cache needs no options.")
-    moderation: Unsupported = Field(None, description="OpenAI's hosted moderation: not run here.")
+    prompt_cache_options: PromptCacheOptions | None = None
+    moderation: Moderation = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call.")
     chat_template_kwargs: ChatTemplateKwargs = None
     documents: list[dict[str, str]] | None = Field(

@@ -12,7 +12,9 @@ from kiln.runtime.server.protocol import (
     ChatTemplateKwargs,
     FunctionDefinition,
     Int,
+    Moderation,
     NoAnnotations,
+    PromptCacheOptions,
     PromptCacheRetention,
     ReasoningEffort,
     SamplingExtensions,
@@ -261,6 +263,16 @@ class ResponsesStreamOptions(StrictModel):
     include_obfuscation: bool | None = Field(None, description="Accepted and ignored: no obfuscation padding.")
 
 
+class ResponsesPromptCacheOptions(PromptCacheOptions):
+    """The Responses API's ``prompt_cache_options``: chat's, with its longer ``ttl`` and its diagnostics; ``prewarm``
+    (a cache filled and no answer) only false, as every request here is answered."""
+
+    ttl: Literal["30m", "12h"] | None = None
+    comparison_response_id: str | None = None
+    prewarm: neutral_only(None, False) = Field(None, description="Prewarming alone, without an answer: not "
+                                                                 "supported.")
+
+
 class ResponsesRequest(SamplingExtensions):
     """``POST /v1/responses``: one answer to ``input`` (a text, or the conversation as items), through the chat
     template, without state kept between requests; vLLM's sampling extensions and ``chat_template_kwargs`` as in
@@ -298,6 +310,7 @@ class ResponsesRequest(SamplingExtensions):
     previous_response_id: Unsupported = Field(None, description=STATELESS)
     conversation: Unsupported = Field(None, description=STATELESS)
     prompt: Unsupported = Field(None, description="Stored prompt templates are not supported.")
+    moderation: Moderation = None
     # fields that do not change what is generated: accepted, and named in the ignored-fields header
     user: str | None = None
     store: bool | None = Field(None, description="Accepted: nothing is stored (true is named as ignored).")
@@ -306,6 +319,7 @@ class ResponsesRequest(SamplingExtensions):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: PromptCacheRetention | None = None
+    prompt_cache_options: ResponsesPromptCacheOptions | None = None
 
 
 class OutputText(BaseModel):
