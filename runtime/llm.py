@@ -122,6 +122,7 @@ class LLM:
         self._error: BaseException | None = None
         self._closed = False
         self._released = threading.Event()  # close() has freed the engine
+        self._closing = threading.Lock()  # held by the one close() at work; the next takes over if it is interrupted
         self._outbox = Outbox()  # touched by the engine thread only
         self._warm = threading.Event()  # the engine's deferred warm-up is done (or the engine thread has stopped)
         self._pid = os.getpid()  # it serves the process that loaded it, never a fork of it
@@ -384,29 +385,34 @@ class LLM:
         """Stop the engine thread and free the engine, even while the caller still holds this LLM (which keeps its
         tokenizer, limits and last stats); requests still in flight fail with EngineClosedError. A step that has not
         returned within ``STEP_GRACE_S`` (a hung GPU) is interrupted where the engine can be (an engine process is
-        killed). A second close, from any thread, returns once the first has freed the engine."""
+        killed). A second close, from any thread, returns once the first has freed the engine. A close interrupted
+        while it waits for the step (Ctrl-C) fails the requests in flight at once, and the next close (or the one at
+        exit) frees the engine."""
         if self._pid != os.getpid():  # a fork's copy (its lock may be held): the engine is the parent's to free
             self._closed = True
             return
         with self._lock:
-            closing = not self._closed
             self._closed = True
-        if not closing:  # another caller is closing it: return once that has freed the engine
-            self._released.wait()
-            return
-        try:
-            self._commands.put(("close", None))
-            self._thread.join(STEP_GRACE_S)
-            if self._thread.is_alive() and self.engine.interrupt():
-                logger.warning("the engine did not stop within %s s of close: its process was killed", STEP_GRACE_S)
-            self._thread.join()
-            self._fail_all(EngineClosedError("the LLM was closed before this request finished"))
+        with self._closing:  # another caller closing it: once that has freed the engine, or taking over from it
+            if self._released.is_set():
+                return
+            closed = EngineClosedError("the LLM was closed before this request finished")
+            try:
+                self._commands.put(("close", None))
+                self._thread.join(STEP_GRACE_S)
+                if self._thread.is_alive() and self.engine.interrupt():
+                    logger.warning("the engine did not stop within %s s of close: its process was killed",
+                                   STEP_GRACE_S)
+                self._thread.join()
+            finally:
+                self._fail_all(closed)  # none waits on an interrupted close
             self.engine = ClosedEngine(self.engine)  # first: no other thread reaches the engine once it is freed
-            if (finalizer := self._release.detach()) is not None:  # a call would do nothing once atexit has run
-                _release_engine(*finalizer[2])  # the engine itself (weights, KV pool) goes, even while the caller
-                # holds this LLM
-        finally:
-            self._released.set()
+            try:
+                if (finalizer := self._release.detach()) is not None:  # a call would do nothing once atexit has run
+                    _release_engine(*finalizer[2])  # the engine itself (weights, KV pool) goes, even while the
+                    # caller holds this LLM
+            finally:
+                self._released.set()
 
     def _stop_reason(self) -> BaseException | None:
         """Why the engine stopped: the engine thread's error, else what the engine noticed while idle

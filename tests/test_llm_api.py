@@ -485,6 +485,28 @@ def test_closed_llm_frees_its_engine_while_referenced_and_refuses_new_requests(e
         llm.check(PROMPTS[0], GREEDY)
 
 
+def test_a_close_interrupted_while_the_step_runs_fails_the_requests_and_the_next_close_frees_the_engine(engine_dir):
+    import gc
+    import weakref
+
+    llm = LLM.load(engine_dir)
+    engine = weakref.ref(llm.engine)
+    in_flight = llm.submit(PROMPTS[1], SamplingParams(max_tokens=200, ignore_eos=True))
+    join = llm._thread.join
+
+    def interrupted(timeout=None):  # Ctrl-C while close waits for the engine thread
+        llm._thread.join = join
+        raise KeyboardInterrupt
+    llm._thread.join = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.close()
+    with pytest.raises(EngineClosedError):  # none waits on the interrupted close (it had waited forever)
+        llm.result(in_flight, timeout=5)
+    llm.close()  # frees the engine (it had returned at once, the engine kept)
+    gc.collect()
+    assert engine() is None and llm.closed
+
+
 def test_an_engine_whose_statistics_fail_is_still_freed_by_close(engine_dir, caplog):
     import gc
     import weakref
