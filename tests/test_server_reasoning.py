@@ -97,6 +97,14 @@ def test_the_thought_comes_apart_from_the_answer_whole_and_streamed(client):
     assert all(d.reasoning == d.reasoning_content for d in deltas) and len(deltas) > 1  # sent as it comes
 
 
+def test_include_reasoning_false_leaves_the_thought_out_as_vllm_does(client):
+    written = "<think>\nNorway's capital.\n</think>\n\nOslo."
+    left_out = {"extra_body": {"include_reasoning": False}}
+    message = ask(client, written, **left_out).choices[0].message
+    assert (getattr(message, "reasoning", None), message.content) == (None, "Oslo.")
+    assert streamed_fields(ask(client, written, stream=True, **left_out)) == ("", "Oslo.")
+
+
 @pytest.mark.parametrize("written", ["<think>", "<think></think>"])
 def test_a_completion_with_no_answer_after_its_thought_has_null_content(client, written):
     message = ask(client, written).choices[0].message

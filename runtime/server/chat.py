@@ -482,6 +482,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
     def render(index: int, delta: StreamDelta) -> list[dict]:
         message = {}
         reasoning, content, calls = streamed[index].advance(delta)
+        reasoning = reasoning if req.include_reasoning else ""
         reason = streamed[index].finish_reason if delta.finished else None
         if calls:
             message["tool_calls"] = _call_parts(calls)
@@ -509,6 +510,7 @@ async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest,
 
     def choice(index: int, out: RequestOutput) -> ChatChoice:
         reasoning, answer, _ = plan.split(out.text)
+        reasoning = reasoning if req.include_reasoning else None
         content, calls = tools.parse(answer, stopped=out.finish_reason != "length")
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         parsed = plan.thinking is not None  # a reasoning parser's answer is null when empty, as vLLM's parsers give it

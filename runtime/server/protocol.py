@@ -558,6 +558,8 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: ReasoningEffort | None = Field(
         None, description='The chat template\'s reasoning_effort variable (as in vLLM); "none" also sets its '
                           'enable_thinking false (Qwen3\'s), unless chat_template_kwargs sets it.')
+    include_reasoning: bool = Field(True, description="Extension (as in vLLM): false leaves the reasoning that "
+                                    "kiln serve --reasoning-parser separates out of the response.")
     verbosity: Verbosity | None = None
     prediction: dict[str, Any] | None = None
     add_generation_prompt: AddGenerationPrompt = True
