@@ -153,8 +153,12 @@ def plan_json(ctx: BuildContext, decisions: Plan) -> dict:
 
 
 def run(ctx: BuildContext, decisions: Plan, progress: ProgressFactory | None = None) -> dict:
-    """Run the stages in order and return the plan plus the run's results."""
-    timings = {stage.name: _execute(stage, decision, ctx, progress) for stage, decision in decisions}
+    """Run the stages in order and return the plan plus the run's results; the engine's cache entry is held from
+    its publish or hit until they are done (``BuildContext.engine_hold``)."""
+    try:
+        timings = {stage.name: _execute(stage, decision, ctx, progress) for stage, decision in decisions}
+    finally:
+        ctx.release_engine()
     result = plan_json(ctx, decisions)
     result.update({
         "engine_dir": str(ctx.engine_dir.resolve()),

@@ -81,6 +81,7 @@ class BuildContext:
     seconds_saved: float = 0.0  # the build time of what the cache had: the engine, else the quantized checkpoint
     load_ms: float | None = None
     sample: dict | None = None
+    engine_hold: EntryHold | None = None  # the engine's cache entry, held from its publish or hit to the build's end
 
     @property
     def config(self) -> KilnConfig:
@@ -137,6 +138,12 @@ class BuildContext:
         entry's build time (the engine's build time includes it)."""
         self.checkpoint_dir, self.calibration = checkpoint.hf, checkpoint.report()
         self.quantize_seconds = build_seconds
+
+    def release_engine(self) -> None:
+        """Let the engine's cache entry be evicted again: the build is over (``runner.run``)."""
+        if self.engine_hold is not None:
+            self.engine_hold.release()
+            self.engine_hold = None
 
     def count_engine_hit(self, build_seconds: float) -> None:
         """Count a hit of the engine as time saved: its recorded build time, which includes its checkpoint's
@@ -411,7 +418,8 @@ class BuildStage:
                                                  force=ctx.force, describe=describe,
                                                  on_wait=lambda msg: progress(msg, 0.0),
                                                  on_transfer=_transfer_progress(ctx.cache.entries, progress),
-                                                 prepare=self._checkpoint_ready(ctx, describe, progress))
+                                                 prepare=self._checkpoint_ready(ctx, describe, progress), hold=True)
+        ctx.engine_hold = result.hold  # from before its publish: no process's eviction takes it before the smoke load
         ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = result.payload_dir, result.hit, result.reason
         if result.pulled:
             ctx.cache_reason = f"pulled from the remote cache {ctx.cache.entries.remote.url}"
@@ -493,10 +501,15 @@ class BuildStage:
 
     def adopt(self, ctx: BuildContext, decision: Decision) -> None:
         store = ctx.cache.entries
-        lookup = store.record_hit(decision.hit, ctx.engine_key, ctx.material)
-        if not lookup.hit:  # vanished since the plan was made: build after all
+        held = store.hold(ctx.engine_key)  # before its use is recorded: no eviction takes it before the smoke load
+        lookup = store.record_hit(decision.hit, ctx.engine_key, ctx.material) \
+            if held is not None or store.read_only is not None else None
+        if lookup is None or not lookup.hit:  # vanished since the plan was made: build after all
+            if held is not None:
+                held.release()
             self.run(ctx, decision, lambda *_: None)
             return
+        ctx.engine_hold = held
         ctx.engine_dir, ctx.cache_hit, ctx.cache_reason = store.payload_dir(ctx.engine_key), True, "hit"
         ctx.build_seconds = lookup.build_seconds
         ctx.count_engine_hit(lookup.build_seconds)

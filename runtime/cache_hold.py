@@ -78,7 +78,8 @@ def hold_if_cached(engine_dir: Path) -> EntryHold | None:
     entry = Path(engine_dir).resolve().parent
     if not ((entry / IN_USE_LOCK).is_file() or _in_cache_layout(entry)):
         return None  # outside the cache (a deployment's own manifest.json beside an engine is not Kiln's)
-    hold = EntryHold(entry) if os.access(entry, os.W_OK) else None
+    # an entry no longer there is said to be gone (EntryHold), not unreadable
+    hold = EntryHold(entry) if os.access(entry, os.W_OK) or not entry.exists() else None
     try:
         manifest = json.loads((entry / MANIFEST).read_bytes())
     except (OSError, ValueError):

@@ -25,13 +25,14 @@ from filelock import FileLock, Timeout
 from kiln.engines.cache import transfer
 from kiln.engines.cache.errors import (
     CacheCorruptError,
+    CacheEntryGoneError,
     CacheEntryInUseError,
     CacheEntryNotFoundError,
     CacheRootError,
     CacheUsageError,
 )
 from kiln.engines.cache.hashing import FileHashes, file_sha256
-from kiln.engines.cache.in_use import delete_unless_held, is_held, take_out
+from kiln.engines.cache.in_use import EntryHold, delete_unless_held, is_held, take_out
 from kiln.engines.cache.keys import canonical_json, complete_key, engine_key, is_cache_key, validate_key
 from kiln.engines.cache.layout import (
     CORRUPT_MARK,
@@ -170,6 +171,26 @@ class ContentStore:
             return self._check(key, material)
         return found
 
+    def _find_held(self, key: str, material: dict | None, hold: bool) -> tuple[LookupResult, EntryHold | None]:
+        """``_find``, with ``hold`` holding the entry before it is checked, so that no process's eviction takes a hit
+        before the caller is done with it (the hold is released on a miss)."""
+        held = self.hold(key) if hold else None
+        found = self._find(key, material)
+        if not found.hit and held is not None:
+            held.release()
+            held = None
+        return found, held
+
+    def hold(self, key: str) -> EntryHold | None:
+        """Hold entry ``key`` against every process's eviction (``EntryHold``); None when it is not there, or in a
+        read-only cache (where nothing is held)."""
+        if self.read_only is not None:
+            return None
+        try:
+            return EntryHold(self.entry_dir(key))
+        except CacheEntryGoneError:
+            return None
+
     def _check(self, key: str, material: dict | None) -> LookupResult:
         """Is the entry there, compatible and complete (every file at its recorded size, or hash)? No side effects."""
         entry = self.entry_dir(key)
@@ -199,8 +220,8 @@ class ContentStore:
 
     def get_or_build(self, key: str, material: dict, build: Callable[[Path], dict], *, force: bool = False,
                      describe: dict | None = None, on_wait: Callable[[str], None] | None = None,
-                     on_transfer: Transferred | None = None,
-                     prepare: Callable[[], float] | None = None) -> CacheResult:
+                     on_transfer: Transferred | None = None, prepare: Callable[[], float] | None = None,
+                     hold: bool = False) -> CacheResult:
         """Return the entry for ``key``, building it with ``build(tmp_payload_dir) -> build record`` on a miss.
 
         Concurrent callers for one key build once: the others wait on the key's lock (``on_wait`` is told) and then
@@ -210,47 +231,57 @@ class ContentStore:
 
         ``prepare`` runs only when a build is due, before it is timed: it makes the build's inputs ready (a
         checkpoint fetched only now) and returns the build seconds that went into them (its calibration's), which
-        the entry's recorded build time includes. A hit's ``build_seconds`` is that recorded time: what it saved."""
+        the entry's recorded build time includes. A hit's ``build_seconds`` is that recorded time: what it saved.
+
+        With ``hold``, the result holds the entry (``CacheResult.hold``, for the caller to release): a hit from
+        before it is checked, a build or a pull from before it is published, so that no process's eviction takes it
+        while the caller still uses it."""
         if validate_key(key) != engine_key(material):
             raise ValueError(f"cache key {key} is not the key of the material given with it (engine_key(material))")
         if not force:
-            found = self._find(key, material)
+            found, held = self._find_held(key, material, hold)
             if found.hit:
-                return self._hit(key, found, waited=False)
+                return self._hit(key, found, False, held)
         self.require_writable(f"{self.label} {key[:12]} cannot be built into the cache")
         with self.key_lock(key, on_wait) as waited:
-            found = self._check(key, material) if force else self._find(key, material)
+            found, held = (self._check(key, material), None) if force else self._find_held(key, material, hold)
             if found.hit and not force:
-                return self._hit(key, found, waited)
+                return self._hit(key, found, waited, held)
             self.sweep(own_key=key)
             if found.reason == "corrupt":
                 self.quarantine(key, found.detail)
             damaged: list[str] = []  # a remote copy refused on pull: this build replaces it there
-            if not force and (pulled := transfer.try_pull(self, key, material, on_transfer, damaged)) is not None:
+            if not force and (pulled := transfer.try_pull(self, key, material, on_transfer, damaged, hold)):
                 return self._remote_hit(pulled, waited)
             lease = nullcontext("none") if self.remote is None or not self.remote.usable \
                 else self.remote.lease(self.name, key, on_wait, replacing=force, damaged=bool(damaged))
             with lease as outcome:
-                if outcome == "published" and (pulled := transfer.try_pull(self, key, material, on_transfer, damaged)):
+                if outcome == "published" and (pulled := transfer.try_pull(self, key, material, on_transfer, damaged,
+                                                                           hold)):
                     return self._remote_hit(pulled, waited=True)
                 if not force:
                     self._record_lookup(key, found)
                 replaced_in_use = force and is_held(self.entry_dir(key))
-                entry_dir, seconds = self._build_and_publish(key, material, build, describe or {}, prepare)
-                if self.remote is not None and self.remote.usable:
-                    transfer.push_after_build(self, key, force or bool(damaged), on_transfer)
+                entry_dir, seconds, held = self._build_and_publish(key, material, build, describe or {}, prepare, hold)
+                try:
+                    if self.remote is not None and self.remote.usable:
+                        transfer.push_after_build(self, key, force or bool(damaged), on_transfer)
+                except BaseException:
+                    if held is not None:
+                        held.release()
+                    raise
         return CacheResult(key, entry_dir, entry_dir / self.payload_name, False, "forced" if force else found.reason,
-                           seconds, waited, replaced_in_use)
+                           seconds, waited, replaced_in_use, hold=held)
 
     def _remote_hit(self, pulled: CacheResult, waited: bool) -> CacheResult:
         """A local miss the remote tier served: one lookup, a ``remote hit`` that saved the entry's build time."""
         self.stats.record_lookup(self.name, pulled.key, REMOTE_HIT, pulled.build_seconds)
         return dataclasses.replace(pulled, waited=waited)
 
-    def _hit(self, key: str, found: LookupResult, waited: bool) -> CacheResult:
+    def _hit(self, key: str, found: LookupResult, waited: bool, held: EntryHold | None) -> CacheResult:
         self._record_lookup(key, found)
         return CacheResult(key, found.entry_dir, found.entry_dir / self.payload_name, True, "hit", found.build_seconds,
-                           waited)
+                           waited, hold=held)
 
     def is_being_built(self, key: str) -> bool:
         """Whether another builder holds ``key``'s build lock now (a build of it would wait, then reuse its result)."""
@@ -285,8 +316,9 @@ class ContentStore:
             lock.release()
 
     def _build_and_publish(self, key: str, material: dict, build: Callable[[Path], dict], describe: dict,
-                           prepare: Callable[[], float] | None) -> tuple[Path, float]:
-        """Build and publish the entry; its recorded build time is its inputs' (``prepare``'s) plus the build's."""
+                           prepare: Callable[[], float] | None, hold: bool) -> tuple[Path, float, EntryHold | None]:
+        """Build and publish the entry (held from before its publish with ``hold``); its recorded build time is its
+        inputs' (``prepare``'s) plus the build's."""
         upstream = prepare() if prepare is not None else 0.0
         started = time.monotonic()
 
@@ -294,19 +326,26 @@ class ContentStore:
             record = build(tmp / self.payload_name)
             return self._seal(tmp, key, material, record, describe, round(upstream + time.monotonic() - started, 3))
 
-        entry_dir, manifest = self.install(key, fill)
+        entry_dir, manifest, held = self.install(key, fill, hold=hold)
         self.stats.record_store(self.name, key, manifest["total_bytes"], manifest["build_seconds"])
-        return entry_dir, manifest["build_seconds"]
+        return entry_dir, manifest["build_seconds"], held
 
-    def install(self, key: str, fill: Callable[[Path], dict]) -> tuple[Path, dict]:
+    def install(self, key: str, fill: Callable[[Path], dict], *,
+                hold: bool = False) -> tuple[Path, dict, EntryHold | None]:
         """Publish what ``fill(tmp_entry_dir) -> manifest`` writes (a payload and its manifest, last) as entry
-        ``key``; nothing is left behind when it fails."""
+        ``key``; nothing is left behind when it fails. With ``hold``, the entry is held from before the rename that
+        publishes it (the flock stays on its lock file), so that no eviction, which runs after every publish, can
+        take it before the caller uses it: the hold is returned, for the caller to release."""
         tmp = self.v1 / "tmp" / f"{self.name}.{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        held = None
         try:
             (tmp / self.payload_name).mkdir(parents=True)
             manifest = fill(tmp)
+            held = EntryHold(tmp) if hold else None
             entry_dir = self._publish(tmp, key)
         except BaseException as exc:
+            if held is not None:
+                held.release()
             shutil.rmtree(tmp, ignore_errors=True)
             if reason := disk_full(exc):
                 too_large = reason == os.strerror(errno.EFBIG)
@@ -319,7 +358,7 @@ class ContentStore:
         self.hashes.remember({payload / item["path"]: item["sha256"] for item in manifest["files"]})
         if self._enforce_limits is not None:  # only now: before, it could evict what the build was about to read
             self._enforce_limits(self, key)
-        return entry_dir, manifest
+        return entry_dir, manifest, held
 
     def _seal(self, tmp: Path, key: str, material: dict, record: dict, describe: dict, seconds: float) -> dict:
         """fsync every payload file, then write the manifest last; returns the manifest."""

@@ -72,13 +72,13 @@ def push(store: ContentStore, key: str, *, replace: bool = False,
 
 
 def try_pull(store: ContentStore, key: str, material: dict, on_transfer: Transferred | None,
-             damaged: list[str]) -> CacheResult | None:
+             damaged: list[str], hold: bool = False) -> CacheResult | None:
     """``_pull_and_install`` inside a build: a damaged remote entry is reported (and added to ``damaged``) and
     built over, an unreachable remote warned about once (an error when the remote is required)."""
     if store.remote is None or not store.remote.usable:
         return None
     try:
-        return _pull_and_install(store, key, material, on_transfer)
+        return _pull_and_install(store, key, material, on_transfer, hold)
     except RemoteCorruptError as exc:
         damaged.append(str(exc))
         store.remote.warn(f"{exc}; building it here and pushing a good copy")
@@ -101,7 +101,7 @@ def _pull_and_install(store: ContentStore, key: str, material: dict | None, on_t
     ``hold``); None when the remote lacks it. Failures are recorded and raised."""
     remote = store.require_remote()
     started = time.monotonic()
-    pulled, holds = [], []
+    pulled = []
 
     def fill(tmp: Path) -> dict:
         result = remote.pull(store.name, key, material, tmp / store.payload_name, on_transfer)
@@ -111,17 +111,13 @@ def _pull_and_install(store: ContentStore, key: str, material: dict | None, on_t
             raise RemoteCorruptError(f"{store.label} {key[:12]} on {remote.url}: {problem}; it is not installed "
                                      f"(`kiln cache prune --remote` removes it)")
         (tmp / IN_USE_LOCK).touch()
-        if hold:  # the flock stays on the lock file as the folder is renamed into place
-            holds.append(EntryHold(tmp))
         (tmp / LAST_USED).touch()
         write_atomic(tmp / MANIFEST, result.raw_manifest)
         pulled.append(result)
         return result.manifest
 
-    published = False
     try:
-        entry_dir, manifest = store.install(key, fill)
-        published = True
+        entry_dir, manifest, held = store.install(key, fill, hold=hold)
     except CacheEntryNotFoundError:
         store.stats.record_remote(store.name, key, "pull", "miss", time.monotonic() - started)
         return None
@@ -129,10 +125,7 @@ def _pull_and_install(store: ContentStore, key: str, material: dict | None, on_t
         outcome = "corrupt" if isinstance(exc, RemoteCorruptError) else "error"
         store.stats.record_remote(store.name, key, "pull", outcome, time.monotonic() - started, 0, str(exc))
         raise
-    finally:
-        if holds and not published:
-            holds[0].release()
     result = pulled[0]
     store.stats.record_remote(store.name, key, "pull", "hit", result.seconds, result.bytes)
     return CacheResult(key, entry_dir, entry_dir / store.payload_name, True, REMOTE_HIT,
-                       recorded_build_seconds(manifest), False, pulled=True, hold=holds[0] if holds else None)
+                       recorded_build_seconds(manifest), False, pulled=True, hold=held)
