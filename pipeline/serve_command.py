@@ -158,7 +158,7 @@ def log_to_stderr(level: LogLevel = "info", config: Path | None = None) -> None:
 def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, local_rank: int) -> None:
     """Run rank ``rendezvous.rank`` of the engine ``text`` names (a folder or a cache key: every rank must find
     the same build, so a config is refused) on this host's GPU ``local_rank`` until rank 0's server stops."""
-    from kiln.runtime.engine_process.lifetime import leave_stop_signals_to_parent
+    from kiln.runtime.engine_process.lifetime import leave_stop_signals_to_parent, stop_at_once_on_stop_signals
     from kiln.runtime.native.engine_format import EngineConfig
     from kiln.runtime.native.fingerprint import resolve_device
     from kiln.runtime.native.parallel.worker import rank_device, run_worker
@@ -168,8 +168,11 @@ def serve_as_worker(text: str, options: RuntimeOptions, rendezvous: Rendezvous, 
         raise TargetError(f"{text}: under torchrun every rank serves one engine that is already built; give its "
                           f"directory or cache key (kiln build the config first)")
     device = resolve_device(options.device, EngineConfig.load(target.path).fingerprint)
-    leave_stop_signals_to_parent()
-    run_worker(target.path, options, rendezvous, rank_device(device, local_rank))
+    logger.info("rank %d of %d: joining rank 0 at %s", rendezvous.rank, rendezvous.size, rendezvous.address())
+    # stop signals end this rank until it has joined: rank 0 (failed, or never started) has nothing to drain yet
+    stop_at_once_on_stop_signals()
+    run_worker(target.path, options, rendezvous, rank_device(device, local_rank),
+               on_joined=leave_stop_signals_to_parent)
 
 
 def serve_target(text: str, options: RuntimeOptions, *, backend: str | None = None, progress: bool = True,

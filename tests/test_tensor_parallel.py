@@ -468,3 +468,31 @@ def test_rank_zero_under_torchrun_names_the_ranks_an_engine_of_one_device_cannot
     result = CliRunner().invoke(app, ["serve", str(tiny_engine()), "--port", "0"], env=env)
     assert result.exit_code != 0 and "an engine of tp_size 1 cannot run on 2 ranks" in result.stderr, result.stderr
     assert "tp_rendezvous" not in result.stderr  # before: an option the user never set, to leave unset
+
+
+def test_a_torchrun_worker_stops_at_once_on_a_stop_signal_until_it_has_joined_rank_zero(monkeypatch, tmp_path):
+    """Waiting for a rank 0 that failed (its port taken) or never started, SIGTERM stops the rank (it had been ignored
+    until the rendezvous timed out); once joined, rank 0 stops it after draining."""
+    import signal
+
+    import kiln.runtime.native.parallel.worker as worker
+    from kiln.pipeline.serve_command import serve_as_worker
+    from kiln.runtime import RuntimeOptions
+    from kiln.runtime.engine_process.lifetime import leave_stop_signals_to_parent
+    from tests.test_server_support import tiny_engine
+
+    seen = {}
+
+    def run_worker(engine_dir, options, rendezvous, device, on_joined=None):
+        seen["waiting"] = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+        seen["on_joined"] = on_joined
+    monkeypatch.setattr(worker, "run_worker", run_worker)
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path))
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        serve_as_worker(str(tiny_engine()), RuntimeOptions(), Rendezvous("127.0.0.1", free_port(), 1, 2), 0)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    # the default: a Python handler would not run while joining blocks in C++ (it retries through the signal)
+    assert seen == {"waiting": (signal.SIG_DFL, signal.SIG_DFL), "on_joined": leave_stop_signals_to_parent}

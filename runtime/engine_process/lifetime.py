@@ -52,6 +52,13 @@ def outlive_parent_thread() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 0)
 
 
+def stop_at_once_on_stop_signals() -> None:
+    """Let Ctrl-C and SIGTERM end this process at once, as by default: while it waits in a C++ call (joining a
+    rendezvous, which retries through the signal) no Python handler would run."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def leave_stop_signals_to_parent() -> None:
     """Ignore Ctrl-C and SIGTERM (a terminal's group, torchrun forwarding it to every rank): the serving process
     drains its requests and then stops this one; stopped first, it would end the requests in flight."""

@@ -65,12 +65,15 @@ def require_ranks(engine_dir: Path, rendezvous: Rendezvous) -> EngineConfig:
 
 
 def run_worker(engine_dir: Path, options: RuntimeOptions, rendezvous: Rendezvous, device: torch.device,
-               on_loaded: Callable[[], None] | None = None) -> None:
-    """Join the engine's ranks, load this rank's shard on ``device`` and run rank 0's steps until it says stop."""
+               on_loaded: Callable[[], None] | None = None, on_joined: Callable[[], None] | None = None) -> None:
+    """Join the engine's ranks, load this rank's shard on ``device`` and run rank 0's steps until it says stop;
+    ``on_joined`` runs once rank 0's store has taken this rank."""
     config = require_ranks(engine_dir, rendezvous)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches and graph captures go to the current device
     tp = TensorParallelGroup(rendezvous, device)
+    if on_joined is not None:
+        on_joined()
     try:
         tp.store.set(rank_key("engine", rendezvous.rank), engine_digest(engine_dir))  # rank 0 checks it is its build
         channel = StepChannel(tp.store)
