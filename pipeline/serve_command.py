@@ -223,8 +223,11 @@ def _engine_target(target: Target) -> ServeTarget:
 def _config_target(config: Path, options: RuntimeOptions, *, backend: str | None, progress: bool,
                    before_build: Callable[[LoadedConfig, Path | None], None] | None = None) -> ServeTarget:
     from kiln.pipeline import runner
+    from kiln.pipeline.stages import not_loaded_here
 
     ctx = runner.prepare(config, backend=backend, force=False, dry_run=False, options=options)
+    if (why := not_loaded_here(ctx)) is not None:  # before a build of minutes
+        raise TargetError(f"{config}: {why}")
     if before_build is not None:
         before_build(ctx.loaded, ctx.model_dir)
     decisions = runner.decide(ctx, smoke=False)

@@ -538,6 +538,16 @@ class PublishStage:
         return None
 
 
+def not_loaded_here(ctx: BuildContext) -> str | None:
+    """Why Kiln's runtime does not load the engine this build makes (a TensorRT-LLM engine of several ranks, which
+    it builds for trtllm-serve), or None."""
+    build = ctx.config.build
+    if ctx.choice.backend == "trtllm" and build.tp_size * build.pp_size != 1:
+        return (f"a TensorRT-LLM engine of tp_size {build.tp_size} x pp_size {build.pp_size} is built here, not "
+                f"loaded: serve it with trtllm-serve")
+    return None
+
+
 class SmokeStage:
     """Load the engine through ``runtime`` (timing the load) and generate a few tokens."""
 
@@ -549,6 +559,8 @@ class SmokeStage:
         return None
 
     def decide(self, ctx: BuildContext, earlier: Mapping[str, Decision]) -> Decision:
+        if (why := not_loaded_here(ctx)) is not None:
+            return Decision(self.name, "skip", why)
         return Decision(self.name, "run", "always: loads the engine and generates a few tokens")
 
     def run(self, ctx: BuildContext, decision: Decision, progress: Progress) -> None:

@@ -64,3 +64,16 @@ def test_a_gate_that_falls_back_to_format_none_builds_without_the_fp8_kv_cache_i
     fell_back = SimpleNamespace(config=config, calibration={"format": "none"})
     assert (_shipped_kv_cache_dtype(shipped_fp8), _kv_dtype(shipped_fp8)) == ("fp8", "fp8")
     assert (_shipped_kv_cache_dtype(fell_back), _kv_dtype(fell_back)) == ("auto", config.model.dtype)
+
+
+def test_a_tensorrt_llm_engine_of_several_ranks_is_built_and_not_loaded(tmp_path):
+    """Kiln's runtime loads TensorRT-LLM engines of one rank: a tp 2 one is built for trtllm-serve, its smoke load
+    skipped in the plan (it had failed after the build; `kiln serve CONFIG` refuses it before building)."""
+    config = tmp_path / "tp2.yaml"
+    original = (REPO / "configs" / "tiny-llama-bf16.yaml").read_text()
+    config.write_text(original.replace("../models/tiny-llama", str(REPO / "models" / "tiny-llama"))
+                      .replace("build:\n", "build:\n  tp_size: 2\n"))
+    proc = kiln("build", str(config), "--backend", "trtllm", "--dry-run", "--json", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    smoke = json.loads(proc.stdout)["stages"][-1]
+    assert smoke["name"] == "smoke" and smoke["action"] == "skip" and "trtllm-serve" in smoke["reason"]
