@@ -399,6 +399,11 @@ def test_every_response_carries_a_request_id_the_client_reads(server, client):
     traced = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
                                             extra_headers={"X-Request-Id": "trace-42"})
     assert traced.id == "chatcmpl-trace-42"  # as vLLM names it, so logs and traces match
-    named = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"request_id": "job-7"})
-    assert named.id == "cmpl-job-7"  # vLLM's request_id field
+    named = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=1,
+                                                         extra_body={"request_id": "job-7"})
+    assert named.parse().id == "cmpl-job-7"  # vLLM's request_id field
+    assert named.headers["x-request-id"] == "job-7"  # and the id its log lines and engine ids carry (they had not)
+    both = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"request_id": "job-8"},
+                                     extra_headers={"X-Request-Id": "trace-8"})
+    assert both.id == "cmpl-trace-8"  # the header first, as vLLM's _base_request_id reads them
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).id.startswith("cmpl-")

@@ -31,9 +31,14 @@ class RequestIdFilter(logging.Filter):
 
 def response_id(prefix: str, request: Request, given: str | None = None) -> str:
     """A response's ``id``: ``prefix`` and the request's own id, as vLLM names its responses (logs and traces then
-    match): ``given`` (the body's ``request_id``), else an ``X-Request-Id`` header that is safe to echo, else a new
-    one."""
-    return f"{prefix}{given or request.scope.get(CLIENT_REQUEST_ID) or uuid.uuid4().hex}"
+    match): an ``X-Request-Id`` header that is safe to echo, else ``given`` (the body's ``request_id``), else a new
+    one. A body's id safe to echo becomes the request's id (``REQUEST_ID``: its log lines, its engine ids and its
+    ``x-request-id`` header), as a header's is."""
+    if (header := request.scope.get(CLIENT_REQUEST_ID)) is not None:
+        return f"{prefix}{header}"
+    if given and _SAFE_ID.fullmatch(given.encode()):
+        REQUEST_ID.set(given)
+    return f"{prefix}{given or uuid.uuid4().hex}"
 
 
 class RequestIdMiddleware:
@@ -61,8 +66,8 @@ class RequestIdMiddleware:
                            "a new req_ id instead (logged once)", given[:80])
 
         async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, request_id)]
+            if message["type"] == "http.response.start":  # the id response_id took from the body, where it did
+                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, REQUEST_ID.get().encode())]
             await send(message)
 
         await self.app(scope, receive, send_with_id)
