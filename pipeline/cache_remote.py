@@ -20,6 +20,7 @@ from kiln.engines.cache.results import LS_ROW_KEYS, uniform_rows
 from kiln.engines.cache.units import format_bytes, format_seconds
 from kiln.pipeline.cache_tables import STORE_LABEL, ago, entries_table, entries_text, rate
 from kiln.pipeline.console import print_json, stderr, stdout, transfer_bars
+from kiln.runtime.errors import KilnError
 
 
 def _seconds(seconds: float) -> str:
@@ -27,7 +28,8 @@ def _seconds(seconds: float) -> str:
 
 
 def push(cache: EngineCache, key: str | None, *, all_entries: bool, force: bool, json_out: bool) -> None:
-    """Upload one local entry (engine or quantized checkpoint) or all of them."""
+    """Upload one local entry (engine or quantized checkpoint) or all of them. With ``--json``, an entry that fails
+    ends the object with ``error``, after the rows of those pushed before it."""
     tier = cache.entries.require_remote()
     if (key is None) == (not all_entries):
         raise CacheUsageError("kiln cache push: give one KEY or --all")
@@ -41,7 +43,13 @@ def push(cache: EngineCache, key: str | None, *, all_entries: bool, force: bool,
     rows = []
     with transfer_bars() as bars:
         for store, k in targets:
-            result = store.push(k, replace=force, on_transfer=bars(k[:12]))
+            try:
+                result = store.push(k, replace=force, on_transfer=bars(k[:12]))
+            except KilnError as exc:
+                if json_out:  # printed: the error line follows on stderr, without another JSON object
+                    print_json({"remote": tier.url, "pushed": rows,
+                                "error": {"type": type(exc).__name__, "message": str(exc)}})
+                raise
             rows.append({"key": k, "store": store.name, "outcome": result.outcome, "bytes": result.bytes,
                          "seconds": result.seconds, "files_uploaded": result.files_uploaded})
             if not json_out:

@@ -841,3 +841,100 @@ def test_a_file_url_names_its_folder_percent_decoded_as_path_as_uri_writes_it(tm
 
     folder = tmp_path / "team cache"
     assert open_objects(RemoteSpec(folder.as_uri())).root == folder
+
+
+MONTH = 30 * 86400
+
+
+def shared_folder_machine(tmp_path: Path, name: str) -> EngineCache:
+    folder = tmp_path / "shared"
+    folder.mkdir(exist_ok=True)
+    return machine(tmp_path, name, Remote(RemoteSpec(folder.as_uri()), {}))
+
+
+def unused_for_40_days(tmp_path: Path) -> None:
+    for path in (tmp_path / "shared").rglob("*"):
+        os.utime(path, (time.time() - 40 * 86400,) * 2)
+
+
+def test_prune_remote_keeps_a_month_old_entry_while_a_pull_of_it_is_in_flight(tmp_path, monkeypatch):
+    key = engine_key(material("a"))
+    builder_machine, puller = shared_folder_machine(tmp_path, "a"), shared_folder_machine(tmp_path, "b")
+    builder_machine.entries.get_or_build(key, material("a"), builder([]))
+    unused_for_40_days(tmp_path)
+    reports, download = [], puller.remote.objects.download
+
+    def prune_then_download(name, path, progress):  # a prune that starts while the pull reads the files
+        if not reports:
+            reports.append(prune_remote(builder_machine.remote, older_than_s=MONTH, max_size_bytes=None))
+        return download(name, path, progress)
+
+    monkeypatch.setattr(puller.remote.objects, "download", prune_then_download)
+    assert puller.entries.pull(key).pulled and reports[0]["removed"] == []
+    unused_for_40_days(tmp_path)
+    listed = remote_entries(builder_machine.remote)
+
+    def listed_then_a_pull_starts(tier):  # what a pull does first: its entry is used from now on
+        puller.remote.mark_used("entries", key)
+        return listed
+
+    monkeypatch.setattr("kiln.engines.cache.remote.maintenance.remote_entries", listed_then_a_pull_starts)
+    assert prune_remote(builder_machine.remote, older_than_s=MONTH, max_size_bytes=None)["removed"] == []
+    assert verify_remote(builder_machine.remote)[0]["ok"]
+
+
+def test_a_pull_whose_entry_a_prune_removes_meanwhile_is_a_miss_not_damage(tmp_path, monkeypatch):
+    key = engine_key(material("a"))
+    builder_machine, puller = shared_folder_machine(tmp_path, "a"), shared_folder_machine(tmp_path, "b")
+    builder_machine.entries.get_or_build(key, material("a"), builder([]))
+    objects = builder_machine.remote.objects
+    files = [blob_name(item["sha256"]) for item in json.loads(objects.read(manifest_name("entries", key)))["files"]]
+    download = puller.remote.objects.download
+
+    def removed_then_download(name, path, progress):
+        for gone in [manifest_name("entries", key), *files]:
+            objects.delete(gone)
+        return download(name, path, progress)
+
+    monkeypatch.setattr(puller.remote.objects, "download", removed_then_download)
+    with pytest.raises(CacheEntryNotFoundError, match="no engine entry on"):
+        puller.entries.pull(key)
+    remote_stats = puller.stats.summary("entries")["remote"]
+    assert remote_stats["corrupt"] == 0 and remote_stats["misses"] == 1
+
+
+def test_a_push_reusing_old_files_keeps_them_from_a_prune_that_listed_the_manifests_before_it(tmp_path, monkeypatch):
+    old, new = engine_key(material("w")), engine_key({**material("w"), "max_batch_size": 2})
+    pusher = shared_folder_machine(tmp_path, "a")
+    pusher.entries.get_or_build(old, material("w"), builder([]))  # pushed; the new one shares both files
+    unused_for_40_days(tmp_path)
+    EngineCache.open(tmp_path / "a").entries.get_or_build(new, {**material("w"), "max_batch_size": 2}, builder([]))
+    listed = remote_entries(pusher.remote)
+
+    def listed_then_a_push(tier):  # the push lands after the prune read the manifests
+        assert pusher.entries.push(new).files_uploaded == 0
+        return listed
+
+    monkeypatch.setattr("kiln.engines.cache.remote.maintenance.remote_entries", listed_then_a_push)
+    report = prune_remote(shared_folder_machine(tmp_path, "b").remote, older_than_s=MONTH, max_size_bytes=None)
+    monkeypatch.undo()
+    assert [e["key"] for e in report["removed"]] == [old] and report["files_removed"] == 0
+    assert [(r["key"], r["ok"]) for r in verify_remote(pusher.remote)] == [(new, True)]
+    assert prune_remote(pusher.remote, older_than_s=None, max_size_bytes=None, grace_s=0)["files_removed"] == 0
+    assert not [path for path in (tmp_path / "shared" / "v1" / "reused").rglob("*") if path.is_file()]
+    assert verify_remote(pusher.remote)[0]["ok"]  # the marks go once older than the grace; the files are listed
+
+
+def test_push_all_json_names_the_entries_pushed_before_one_failed(tmp_path, monkeypatch):
+    cache = EngineCache.open(tmp_path / "a")
+    keys = {engine_key(material(name)): material(name) for name in ("a", "b")}
+    for key, key_material in keys.items():
+        cache.entries.get_or_build(key, key_material, builder([]))
+    first, second = sorted(keys)  # the order push --all takes them in
+    (tmp_path / "shared").mkdir()
+    (cache.entries.payload_dir(second) / "engine.json").write_text('{"format": "altered"}')
+    monkeypatch.setenv("KILN_CACHE_REMOTE", (tmp_path / "shared").as_uri())
+    result = runner.invoke(cache_app, ["push", "--all", "--json", "--cache-dir", str(tmp_path / "a")])
+    report = json.loads(result.stdout)
+    assert result.exit_code == 3 and [row["key"] for row in report["pushed"]] == [first]
+    assert report["error"]["type"] == "CacheCorruptError" and second in report["error"]["message"]

@@ -1,13 +1,14 @@
 """Where things live under a remote's prefix. Files are stored once by content, entries are their manifests:
 
     v1/<store>/<key[:2]>/<key>/manifest.json   an entry: the local manifest, uploaded after every file it lists
-    v1/<store>/<key[:2]>/<key>/last_used       rewritten by each pull and push (for prune --remote)
+    v1/<store>/<key[:2]>/<key>/last_used       rewritten by each pull (as it starts and once done) and push
     v1/blobs/<sha256[:2]>/<sha256>             a payload file, named by its content
+    v1/reused/<sha256[:2]>/<sha256>            rewritten by each push that lists that file without uploading it
     v1/leases/<store>-<key>.json               a machine building the entry now (refreshed while it builds)
 
 A reader looks for the manifest only, so an entry whose push stopped half-way (blobs, no manifest) does not exist
 for it; two machines pushing one key upload their own files under their own digests and each manifest names only
-files that are there."""
+files that are there. The last use and the reuse marks tell ``prune --remote`` what a pull or push in flight needs."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def last_used_name(store: str, key: str) -> str:
 
 def blob_name(sha256: str) -> str:
     return f"{VERSION}/blobs/{sha256[:2]}/{sha256}"
+
+
+def reused_name(sha256: str) -> str:
+    return f"{VERSION}/reused/{sha256[:2]}/{sha256}"
 
 
 def lease_name(store: str, key: str) -> str:

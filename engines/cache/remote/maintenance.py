@@ -17,6 +17,7 @@ from kiln.engines.cache.remote.layout import (
     last_used_name,
     manifest_name,
     parse_entry_name,
+    reused_name,
 )
 from kiln.engines.cache.remote.objects import ObjectInfo
 from kiln.engines.cache.remote.tier import RemoteTier, copy_problem, manifest_problem, newer_manifest
@@ -129,12 +130,14 @@ def stored_blobs(tier: RemoteTier) -> dict[str, ObjectInfo]:
 def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes: int | None,
                  dry_run: bool = False, grace_s: float = PRUNE_GRACE_S) -> dict:
     """Remove entries not used for ``older_than_s``, then least recently used ones until the files stored fit
-    ``max_size_bytes`` (``_over_size``); never one used within ``grace_s`` (a machine may be pulling it). Then delete
-    the files no remaining manifest lists, once older than ``grace_s`` (younger ones may belong to a push in flight),
-    the writes begun before that which never finished (a push killed half way), and stale build leases. Entries whose
-    manifest is damaged are removed too, once unused for ``grace_s``. A newer Kiln's entries are left alone, and
-    while there are any no file is deleted: which files they list is for that Kiln to say. ``freed_bytes`` counts
-    the files deleted (a dry run: that would be), ``stored_bytes`` the files stored after."""
+    ``max_size_bytes`` (``_over_size``); never one used within ``grace_s`` (a machine may be pulling it: a pull marks
+    the entry used as it starts), nor one used since it was listed (``_remove``). Then delete the files no remaining
+    manifest lists, once older than ``grace_s`` and not reused within it (younger ones may belong to a push in
+    flight, and so may those a push marked reused: ``_reused``), the writes begun before that which never finished
+    (a push killed half way), stale build leases and reuse marks. Entries whose manifest is damaged are removed too,
+    once unused for ``grace_s``. A newer Kiln's entries are left alone, and while there are any no file is deleted:
+    which files they list is for that Kiln to say. ``freed_bytes`` counts the files deleted (a dry run: that would
+    be), ``stored_bytes`` the files stored after."""
     now = tier.objects.now()
     entries = remote_entries(tier)
     blobs = stored_blobs(tier)
@@ -147,16 +150,21 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
     if max_size_bytes is not None:
         removed += _over_size(kept, blobs, max_size_bytes, now - grace_s)
         kept = [e for e in kept if e not in removed]
-    listed = {digest for entry in kept for digest in entry.digests}
-    orphans = [] if newer else [info for digest, info in blobs.items()
-                                if digest not in listed and now - info.modified >= grace_s]
+    if not dry_run:
+        removed = [entry for entry in removed if _remove(tier, entry)]
+    listed = {digest for entry in entries if entry not in removed for digest in entry.digests}
+    orphans = []
+    for digest, info in [] if newer else blobs.items():
+        if digest in listed or now - info.modified < grace_s or _reused(tier, digest, now - grace_s):
+            continue
+        if not dry_run:  # right after its reuse mark was read: a push that marks it later finds it gone
+            tier.objects.delete(info.name, if_tag=info.etag)
+        orphans.append(info)
     leases = [info for info in tier.objects.list(f"{VERSION}/leases/") if now - info.modified > tier.timing.stale_s]
+    marks = [info for info in tier.objects.list(f"{VERSION}/reused/") if info.modified < now - grace_s]
     unfinished = tier.objects.discard_unfinished(now - grace_s, dry_run=dry_run)
     if not dry_run:
-        for entry in removed:  # the manifest first: from then on nobody pulls the entry
-            tier.objects.delete(manifest_name(entry.store, entry.key))
-            tier.objects.delete(last_used_name(entry.store, entry.key))
-        for info in orphans + leases:
+        for info in leases + marks:
             tier.objects.delete(info.name, if_tag=info.etag)
     freed = sum(info.size for info in orphans)
     return {
@@ -172,6 +180,24 @@ def prune_remote(tier: RemoteTier, *, older_than_s: float | None, max_size_bytes
         "stale_leases_removed": len(leases),
         "unfinished_writes_removed": unfinished,
     }
+
+
+def _remove(tier: RemoteTier, entry: RemoteEntry) -> bool:
+    """Delete the entry's manifest (from then on nobody pulls it), then its last use; unless a pull or push used it
+    since ``remote_entries`` listed it (a pull marks it used before it reads a file): False then, and it is kept."""
+    names = (manifest_name(entry.store, entry.key), last_used_name(entry.store, entry.key))
+    if any(info is not None and info.modified > entry.last_used for info in map(tier.objects.stat, names)):
+        return False
+    for name in names:
+        tier.objects.delete(name)
+    return True
+
+
+def _reused(tier: RemoteTier, digest: str, since: float) -> bool:
+    """Whether a push marked stored file ``digest`` reused since ``since`` (the store's clock): the manifest that
+    lists it may be written after this prune read the manifests."""
+    mark = tier.objects.stat(reused_name(digest))
+    return mark is not None and mark.modified >= since
 
 
 def _over_size(kept: list[RemoteEntry], blobs: dict[str, ObjectInfo], max_size_bytes: int,

@@ -20,7 +20,7 @@ from kiln.engines.cache.manifest import (  # the remote stores local manifests a
     safe_relpath,
     total_problem,
 )
-from kiln.engines.cache.remote.layout import blob_name, last_used_name, manifest_name
+from kiln.engines.cache.remote.layout import blob_name, last_used_name, manifest_name, reused_name
 from kiln.engines.cache.remote.lease import LeaseOutcome, LeaseTiming, build_lease
 from kiln.engines.cache.remote.objects import ObjectStore, RemoteCorruptError, RemoteUnavailableError
 from kiln.engines.cache.remote.spec import RemoteSpec, open_objects
@@ -118,12 +118,15 @@ class RemoteTier:
     def pull(self, store: str, key: str, material: dict | None, payload: Path,
              transferred: Transferred | None = None) -> PullResult | None:
         """Download the entry's files into ``payload`` and check each one's size and sha256 against the manifest;
-        None when the remote has no such entry. A missing or altered file raises RemoteCorruptError naming it
-        (``payload`` then holds partial files: the caller discards it)."""
+        None when the remote has no such entry, or no longer has it once they are read (a ``prune --remote``
+        removed it meanwhile). A missing or altered file raises RemoteCorruptError naming it (``payload`` then holds
+        partial files: the caller discards it). The entry is marked used before its files are read, so that a
+        prune's grace covers the pull in progress, and again once they are."""
         found = self.manifest(store, key, material)
         if found is None:
             return None
         manifest, raw = found
+        self.mark_used(store, key)
         started = time.monotonic()
         files = manifest["files"]
         counter = _Counter("pull", sum(item["size"] for item in files), transferred)
@@ -138,6 +141,8 @@ class RemoteTier:
 
         problems = [p for p in self._each(fetch, files, counter) if p]
         if problems:
+            if not self.has(store, key):  # a prune removed it meanwhile: a miss, not damage
+                return None
             raise RemoteCorruptError(f"remote cache {self.url}: {store} {key[:12]} refused: " + "; ".join(problems))
         self.mark_used(store, key)
         return PullResult(manifest, raw, counter.done, round(time.monotonic() - started, 3))
@@ -147,9 +152,10 @@ class RemoteTier:
     def push(self, store: str, key: str, entry_dir: Path, payload_name: str, manifest_bytes: bytes, *,
              replace: bool = False, transferred: Transferred | None = None) -> PushResult:
         """Upload a local entry: each file not already stored under its digest, then the manifest, then any file
-        that went missing meanwhile (a ``prune --remote`` may delete files no manifest listed yet). An entry the
-        remote already has (a valid manifest whose files are all there) is left as it is unless ``replace`` (a
-        forced rebuild, or a remote copy found damaged), which uploads every file again."""
+        that went missing meanwhile (a ``prune --remote`` may delete files no manifest listed yet). A file already
+        stored is given a reuse mark instead, which keeps it from a prune that read the manifests before this one's.
+        An entry the remote already has (a valid manifest whose files are all there) is left as it is unless
+        ``replace`` (a forced rebuild, or a remote copy found damaged), which uploads every file again."""
         started = time.monotonic()
         manifest = json.loads(manifest_bytes)
         files = manifest["files"]
@@ -162,11 +168,13 @@ class RemoteTier:
                 self.mark_used(store, key)
                 return PushResult("present", 0, round(time.monotonic() - started, 3), 0)
         counter = _Counter("push", sum(item["size"] for item in files), transferred)
+        mark = f"{store} {key} {time.time()}".encode()  # unique: a prune deletes a stale mark only if unchanged
 
         def upload(item: dict) -> bool:
             name = blob_name(item["sha256"])
             stored = None if replace else self.objects.stat(name)
             if stored is not None and stored.size == item["size"]:
+                self.objects.write(reused_name(item["sha256"]), mark)
                 counter.add(item["size"])
                 return False
             self.objects.upload(name, entry_dir / payload_name / item["path"], counter.add)
