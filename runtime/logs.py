@@ -7,9 +7,27 @@ from __future__ import annotations
 import json
 import logging
 import logging.config
+from datetime import UTC, datetime
 from pathlib import Path
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
+
+
+class JsonLinesFormatter(logging.Formatter):
+    """One JSON object a line, for ``--log-config`` (``{"()": "kiln.runtime.logs.JsonLinesFormatter"}``): ``time``
+    (ISO 8601, UTC), ``level``, ``logger``, ``message``, ``process``, the request's ``request_id`` where a
+    ``RequestIdFilter`` gave the record one, and a traceback as ``exception``, each escaped into the one line (a
+    ``%``-template of JSON breaks on a quote in a message, as uvicorn's access lines hold)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+                "level": record.levelname, "logger": record.name, "message": record.getMessage(),
+                "process": record.process}
+        if (request_id := getattr(record, "request_id", None)) is not None:
+            line["request_id"] = request_id
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False)
 
 
 def stderr_log_handler() -> logging.Handler:
