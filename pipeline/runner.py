@@ -152,12 +152,17 @@ def plan_json(ctx: BuildContext, decisions: Plan) -> dict:
     }
 
 
-def run(ctx: BuildContext, decisions: Plan, progress: ProgressFactory | None = None) -> dict:
+def run(ctx: BuildContext, decisions: Plan, progress: ProgressFactory | None = None, *,
+        keep_engine_hold: bool = False) -> dict:
     """Run the stages in order and return the plan plus the run's results; the engine's cache entry is held from
-    its publish or hit until they are done (``BuildContext.engine_hold``)."""
+    its publish or hit until they are done (``BuildContext.engine_hold``), or, with ``keep_engine_hold``, until the
+    caller that loads it next calls ``ctx.release_engine()`` (a failed run releases it)."""
     try:
         timings = {stage.name: _execute(stage, decision, ctx, progress) for stage, decision in decisions}
-    finally:
+    except BaseException:
+        ctx.release_engine()
+        raise
+    if not keep_engine_hold:
         ctx.release_engine()
     result = plan_json(ctx, decisions)
     result.update({

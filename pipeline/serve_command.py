@@ -62,6 +62,7 @@ class ServeTarget:
     serve: ServeSection = field(default_factory=ServeSection)  # the config's; an engine without one: its defaults
     engine_cache: dict = field(default_factory=dict)
     record_load: Callable[[float], None] | None = None
+    release_build: Callable[[], None] | None = None  # the build's hold on the engine, let go once it is loaded
 
     def loader(self, options: RuntimeOptions, settings: ServerSettings | None = None) -> Callable[[], LLM]:
         """Loads the engine with ``options`` (on this target's device unless they name one), recording the load with
@@ -74,6 +75,8 @@ class ServeTarget:
             from kiln.runtime.llm import LLM
 
             llm = LLM.load(self.engine_dir, options)
+            if self.release_build is not None:  # the LLM holds the entry now
+                self.release_build()
             if self.record_load is not None:
                 self.record_load(llm.load_ms)
             if settings is not None:
@@ -236,11 +239,11 @@ def _config_target(config: Path, options: RuntimeOptions, *, backend: str | None
                 not logged_instead(logging.INFO, f"{stage.name}: {decision.reason}"):
             stderr.print(f"{stage.name:<9} {escape(decision.reason)}", highlight=False)
     with stage_progress(enabled=progress) as bars:
-        runner.run(ctx, decisions, bars)
+        runner.run(ctx, decisions, bars, keep_engine_hold=True)  # until LLM.load holds it (ServeTarget.loader)
     key = ctx.engine_key
     return ServeTarget(engine_dir=ctx.engine_dir, model_name=ctx.loaded.path.stem, device=ctx.choice.device,
                        serve=ctx.config.serve, engine_cache=engine_cache_info(ctx.cache, key, ctx.cache_hit),
-                       record_load=lambda ms: ctx.cache.record_load(key, ms))
+                       record_load=lambda ms: ctx.cache.record_load(key, ms), release_build=ctx.release_engine)
 
 
 def engine_cache_info(cache: EngineCache, key: str, hit: bool) -> dict:

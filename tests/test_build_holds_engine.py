@@ -59,3 +59,19 @@ def test_another_process_eviction_never_takes_the_engine_before_the_build_ends(t
     entry = Path(result["engine_dir"]).parent
     assert entry.is_dir() and not is_held(entry)  # held until the build ended, and no longer
     assert [e.entry_dir for e in other.evict().removed] == [entry]
+
+
+def test_kiln_serve_of_a_config_keeps_the_hold_until_it_has_loaded_the_engine(tmp_path, monkeypatch):
+    """``runner.run(keep_engine_hold=True)`` (kiln serve CONFIG, kiln bench): no eviction between the build and the
+    load that follows it; ``release_engine`` lets it go."""
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KILN_CACHE_REMOTE", "")
+    monkeypatch.setattr(BuildStage, "_native_build", staticmethod(fake_native_build))
+    config = tmp_path / "tiny.yaml"
+    config.write_text((REPO / "configs" / "tiny-llama-bf16.yaml").read_text()
+                      .replace("../models/tiny-llama", str(TINY_MODEL)))
+    ctx = runner.prepare(config, backend="native", force=False, dry_run=False, options=RuntimeOptions())
+    runner.run(ctx, runner.decide(ctx, smoke=False), keep_engine_hold=True)
+    assert is_held(ctx.engine_dir.parent)
+    ctx.release_engine()
+    assert not is_held(ctx.engine_dir.parent)

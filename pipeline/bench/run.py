@@ -119,12 +119,15 @@ def build_and_measure(resolved: Target, plan: BenchPlan, *, fmt: str | None, kv_
                                                                   random_quantized=random_quantized,
                                                                   checkpoint_cache=checkpoint_cache)
     ctx, build = build_engine(config_path, options)
-    engine = EngineConfig.load(ctx.engine_dir)
-    workload = Workload.for_engine(engine, prompts=plan.prompts, input_len=plan.input_len,
-                                   output_len=plan.output_len, seed=seed)
-    kiln = measure_kiln(ctx.engine_dir, workload, ctx.load_options, batch_1_only=batch_1_only,
-                        offline_only=offline_only, on_loaded=lambda ms: ctx.cache.record_load(ctx.engine_key, ms),
-                        progress=report_progress)
+    try:
+        engine = EngineConfig.load(ctx.engine_dir)
+        workload = Workload.for_engine(engine, prompts=plan.prompts, input_len=plan.input_len,
+                                       output_len=plan.output_len, seed=seed)
+        kiln = measure_kiln(ctx.engine_dir, workload, ctx.load_options, batch_1_only=batch_1_only,
+                            offline_only=offline_only, on_loaded=lambda ms: ctx.cache.record_load(ctx.engine_key, ms),
+                            progress=report_progress)
+    finally:
+        ctx.release_engine()
     free_memory(ctx.load_options.device)  # the closed engine's KV pool and weights
     kiln.update(backend="native", quantization=quantization_note(engine, ctx, weights_note), **build)
     return MeasuredEngine(ctx, engine, workload, kiln, config_path, peer_checkpoint)
@@ -179,7 +182,8 @@ def build_engine(config_path: Path, options: RuntimeOptions):
 
     report_progress(f"building {config_path.name} through the engine cache (a hit is instant)")
     ctx = runner.prepare(str(config_path), backend="native", force=False, dry_run=False, options=options)
-    result = runner.run(ctx, runner.decide(ctx, smoke=False), None)  # bench loads the engine itself
+    # bench loads the engine itself: held until it is done with it (measure_engine)
+    result = runner.run(ctx, runner.decide(ctx, smoke=False), None, keep_engine_hold=True)
     return ctx, {"engine_dir": result["engine_dir"], "engine_key": ctx.engine_key,
                  "cache_hit": result["cache"]["hit"], "build_s": result["build_seconds"]}
 
