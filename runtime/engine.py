@@ -3,7 +3,8 @@
 A backend is a folder of ``runtime`` (``native/``, ``trtllm/``) whose engine class has the methods below. ``LLM``
 calls them from its one engine thread, except ``make_request`` (tokenize and validate), ``failure`` and
 ``stats_snapshot``, which are safe from any thread; a new backend implements this protocol and a line in
-``engine_loader``.
+``engine_loader``. Where an engine has them, ``LLM`` also reads its ``pid`` (the process it runs in, when that is not
+this one) and ``worker_pids`` (its tensor-parallel workers on this host, by rank), for a server's process metrics.
 """
 
 from __future__ import annotations

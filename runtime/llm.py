@@ -154,6 +154,12 @@ class LLM:
         return getattr(self.engine, "pid", None)
 
     @property
+    def worker_pids(self) -> dict[int, int]:
+        """The process ids, by rank, of the tensor-parallel workers (ranks 1 and up) that run on this host, started by
+        the engine; empty for one device, ranks that torchrun started, and a closed engine."""
+        return getattr(self.engine, "worker_pids", {})
+
+    @property
     def limits(self) -> EngineLimits:
         """What one request may ask: max_input_len, max_seq_len, max_batch_size, max_num_tokens, kv_pool_tokens."""
         return self.engine.limits

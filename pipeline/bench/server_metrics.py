@@ -1,5 +1,6 @@
-"""What a Kiln server's ``/metrics`` says about a load test: CPU seconds and resident memory of the server's process
-and of its engine process, and whether the engine went idle with every KV block free afterwards."""
+"""What a Kiln server's ``/metrics`` says about a load test: CPU seconds and resident memory of the server's process,
+of its engine process and of its tensor-parallel workers on the server's host (summed over their ranks), and whether
+the engine went idle with every KV block free afterwards."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import time
 WATCHED = {"process_cpu_seconds_total": "server_cpu_s", "kiln_engine_process_cpu_seconds_total": "engine_cpu_s",
            "process_resident_memory_bytes": "server_rss", "kiln_engine_process_resident_memory_bytes": "engine_rss",
            "kiln_kv_blocks_used": "kv_blocks_used", "kiln_running_requests": "running", "kiln_queue_depth": "waiting"}
-ROLES = (("server", "server"), ("engine_process", "engine"))
+# one series per rank, summed
+BY_RANK = {"kiln_engine_worker_process_cpu_seconds_total": "workers_cpu_s",
+           "kiln_engine_worker_process_resident_memory_bytes": "workers_rss"}
+ROLES = (("server", "server"), ("engine_process", "engine"), ("tp_workers", "workers"))
 IDLE = ("running", "waiting", "kv_blocks_used")
 
 
@@ -30,8 +34,14 @@ async def scrape(url: str) -> dict[str, float]:
             text = await response.text()
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise MetricsUnavailableError(f"GET /metrics failed: {type(exc).__name__}: {exc}") from None
-    return {WATCHED[sample.name]: sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples if sample.name in WATCHED and not sample.labels}
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in WATCHED and not sample.labels:
+                found[WATCHED[sample.name]] = sample.value
+            elif sample.name in BY_RANK and set(sample.labels) == {"rank"}:
+                found[BY_RANK[sample.name]] = found.get(BY_RANK[sample.name], 0.0) + sample.value
+    return found
 
 
 async def scrape_when_idle(url: str, timeout_s: float = 30.0) -> dict[str, float]:

@@ -51,7 +51,8 @@ def main(fd: int, log_level: int = logging.NOTSET, log_config: str = "") -> int:
         outlive_parent_thread()
         freeze_startup_heap()
         tokenizer = engine.tokenizer.to_dict() if engine.tokenizer is not None else None
-        send(conn, {"limits": asdict(engine.limits), "tokenizer": tokenizer, "stats": engine.stats_snapshot()})
+        send(conn, {"limits": asdict(engine.limits), "tokenizer": tokenizer, "stats": engine.stats_snapshot(),
+                    "worker_pids": list(getattr(engine, "worker_pids", {}).items())})  # JSON keys would be strings
         try:
             serve(conn, engine)
         except Exception as exc:  # a bug in the engine: the parent fails what is in flight and reports it

@@ -82,6 +82,7 @@ class ProcessEngine:
         self.limits = EngineLimits(**hello["limits"])
         self.tokenizer = Tokenizer.from_dict(hello["tokenizer"]) if hello["tokenizer"] is not None else None
         self._stats: dict = hello["stats"]
+        self._worker_pids = dict(hello["worker_pids"])
 
     @classmethod
     def load(cls, engine_dir: Path, options: RuntimeOptions) -> ProcessEngine:
@@ -93,6 +94,12 @@ class ProcessEngine:
     def pid(self) -> int:
         """The engine process's id."""
         return self._process.pid
+
+    @property
+    def worker_pids(self) -> dict[int, int]:
+        """The process ids, by rank, of the tensor-parallel workers that the engine process started (its children,
+        gone with it: none once it has exited)."""
+        return self._worker_pids if self._process.poll() is None else {}
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate a request here, as the engine in the child would (safe from any thread)."""

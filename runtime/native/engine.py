@@ -142,6 +142,12 @@ class NativeEngine:
         self.ranks.stop_workers()
         return True
 
+    @property
+    def worker_pids(self) -> dict[int, int]:
+        """The process ids, by rank, of the tensor-parallel workers this process started that still run (none for one
+        device, nor for ranks that torchrun started)."""
+        return {} if self.ranks is None or self.ranks.workers is None else self.ranks.workers.pids()
+
     def failure(self) -> KilnError | None:
         """A tensor-parallel worker that exited, which rank 0's watcher notices at once, even while idle."""
         if self.ranks is None or self.ranks.failure is None:

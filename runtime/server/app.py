@@ -150,7 +150,8 @@ def create_app(llm: LLM | Callable[[], LLM], engine_dir: str | Path, settings: S
                   description="OpenAI-compatible completions and chat completions over a Kiln engine.", **no_docs)
     app.state.server = state
     metrics = ServerMetrics(state.engine_stats, lambda: settings.engine_cache,
-                            lambda: state.model.llm.engine_pid if state.model else None, settings.model_name)
+                            lambda: state.model.llm.engine_pid if state.model else None, settings.model_name,
+                            worker_pids=lambda: state.model.llm.worker_pids if state.model else {})
     install_error_handlers(app)
     app.router.route_class = JSONBodyRoute  # bodies parsed within bounds on their shape, large ones off the loop
     _add_middleware(app, state, settings, metrics)

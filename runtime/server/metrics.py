@@ -129,6 +129,22 @@ class _EngineProcessCollector(ProcessCollector):
         return iter(super().collect() if self._engine_pid() is not None else [])
 
 
+class _WorkerProcessCollector:
+    """CPU seconds and memory of each tensor-parallel worker process on this host, by ``rank``
+    (``kiln_engine_worker_process_*``: the series ProcessCollector gives one process)."""
+
+    def __init__(self, pids: Callable[[], dict[int, int]]) -> None:
+        self._pids = pids
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for rank, pid in sorted(self._pids().items()):
+            for metric in ProcessCollector("kiln_engine_worker", lambda pid=pid: pid, registry=None).collect():
+                family = families.setdefault(metric.name, Metric(metric.name, metric.documentation, metric.type))
+                family.samples += [sample._replace(labels={"rank": str(rank)}) for sample in metric.samples]
+        return iter(families.values())
+
+
 class HttpMetrics:
     """The series prometheus-fastapi-instrumentator adds by default, with its names, labels and buckets, so alerts
     written for vLLM's server (``http_requests_total{handler="/v1/chat/completions",status="5xx"}``) read Kiln's."""
@@ -160,15 +176,17 @@ class HttpMetrics:
 
 class ServerMetrics:
     """One registry per app, so several apps (tests, embedders) never collide in prometheus-client's global one.
-    ``engine_pid`` gives the engine process's id when the engine runs in one (else None). Kiln's ``kiln_*``
-    metrics, vLLM's names for the same (``vllm:*``, labelled with ``model_name``) and the ``http_*`` series of
-    vLLM's HTTP instrumentation."""
+    ``engine_pid`` gives the engine process's id when the engine runs in one (else None), ``worker_pids`` those of
+    its tensor-parallel workers on this host by rank. Kiln's ``kiln_*`` metrics, vLLM's names for the same
+    (``vllm:*``, labelled with ``model_name``) and the ``http_*`` series of vLLM's HTTP instrumentation."""
 
     def __init__(self, stats: Callable[[], dict | None], engine_cache: Callable[[], dict],
-                 engine_pid: Callable[[], int | None], model_name: str) -> None:
+                 engine_pid: Callable[[], int | None], model_name: str, *,
+                 worker_pids: Callable[[], dict[int, int]] = dict) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         _EngineProcessCollector(engine_pid, self.registry)
+        self.registry.register(_WorkerProcessCollector(worker_pids))
         self.requests = Counter("kiln_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=self.registry)
         self.refused = Counter("kiln_requests_refused", "Requests turned away with a 503 before any work, by why: "

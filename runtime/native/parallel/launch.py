@@ -76,6 +76,10 @@ class LocalWorkers:
             env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no c10d warning per idle poll of the step channel
             self.processes[rank] = subprocess.Popen(command, env=env)
 
+    def pids(self) -> dict[int, int]:
+        """The process id of each worker that has not exited, by rank."""
+        return {rank: process.pid for rank, process in self.processes.items() if process.returncode is None}
+
     def watch(self, on_failure: Callable[[str], None]) -> None:
         """Call ``on_failure`` with what happened when a worker exits before ``stop``."""
         def wait(rank: int, process: subprocess.Popen) -> None:
