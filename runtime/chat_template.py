@@ -180,24 +180,15 @@ class ChatTemplate:
             raise ChatTemplateError(f"{files.directory}: the chat template does not parse ({exc}): fix "
                                     f"{origin}") from None
 
-    def for_tools(self, tools: Sequence[object] | None, messages: Iterable[Mapping[str, Any]] = ()) -> ChatTemplate:
-        """The template that renders a request with ``tools`` (None: one without) and ``messages``: ``tool_use``
-        where tools are given, as transformers' ``get_chat_template`` and vLLM pick it, or where the messages hold
-        tool calls or tool results (a history sent without tools: the default template of such a model, Hermes',
-        leaves the calls out), and the model has it; else the default (a ChatTemplateError where the model has
-        none)."""
-        if self.tool_use is not None and (tools is not None or holds_tool_history(messages)):
+    def for_tools(self, tools: Sequence[object] | None) -> ChatTemplate:
+        """The template that renders a request with ``tools`` (None: one without), picked as transformers'
+        ``get_chat_template`` and vLLM pick it: ``tool_use`` where tools are given and the model has it, else the
+        default (a ChatTemplateError where the model has none)."""
+        if tools is not None and self.tool_use is not None:
             return self.tool_use
         if self._template is None:
             raise ChatTemplateError(_no_default())
         return self
-
-    def _chosen(self, tools: list[dict] | None, messages: list[dict[str, Any]]
-                ) -> tuple[ChatTemplate, list[dict] | None]:
-        """``for_tools``'s template, and the tools it renders: none as [] for ``tool_use`` picked for a tool
-        history (Hermes' iterates them unguarded)."""
-        template = self.for_tools(tools, messages)
-        return template, [] if template is not self and tools is None else tools
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
@@ -210,8 +201,7 @@ class ChatTemplate:
         ``continue_final_message`` the text ends right after the final message's content, which the completion
         continues (UncontinuableMessageError when the template does not write it verbatim). The template is the
         one ``for_tools`` picks for ``tools``."""
-        template, tools = self._chosen(tools, messages)
-        if template is not self:
+        if (template := self.for_tools(tools)) is not self:
             return template.render(messages, add_generation_prompt, tools, variables, continue_final_message)
         messages = [_in_format(message, self.content_format) for message in messages]
         if continue_final_message:
@@ -230,6 +220,25 @@ class ChatTemplate:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {detail}") from None
         return _cut_at_tag(text) if continue_final_message else text
 
+    def render_with_calls(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
+                          continue_final_message: bool = False) -> tuple[str, int | None]:
+        """``render``'s text, and the first message whose tool calls it leaves out (``dropped_tool_calls``). A
+        history sent without tools (a last turn with tools off) whose calls the default template leaves out
+        (Hermes') renders through the model's ``tool_use`` template instead, with no tools, where it has one
+        (transformers and vLLM render it through the default, dropping the calls silently)."""
+        text = self.render(messages, add_generation_prompt, tools, variables, continue_final_message)
+        dropped = self.dropped_tool_calls(messages, text, add_generation_prompt, tools, variables,
+                                          continue_final_message)
+        if dropped is None or tools is not None or self.tool_use is None:
+            return text, dropped
+        try:
+            with_calls = self.tool_use.render(messages, add_generation_prompt, [], variables, continue_final_message)
+        except ChatTemplateError:  # it takes no such history either: the calls the default leaves out are named
+            return text, dropped
+        return with_calls, self.tool_use.dropped_tool_calls(messages, with_calls, add_generation_prompt, [],
+                                                            variables, continue_final_message)
+
     def dropped_tool_calls(self, messages: list[dict[str, Any]], text: str, add_generation_prompt: bool = True,
                            tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
                            continue_final_message: bool = False) -> int | None:
@@ -241,17 +250,11 @@ class ChatTemplate:
         if not called:
             return None
         without = [{key: value for key, value in m.items() if key != "tool_calls"} for m in messages]
-        template, tools = self._chosen(tools, messages)  # the one that rendered text
         try:
-            same = template.render(without, add_generation_prompt, tools, variables, continue_final_message) == text
+            same = self.render(without, add_generation_prompt, tools, variables, continue_final_message) == text
         except ChatTemplateError:
             return None
         return called[0] if same else None
-
-
-def holds_tool_history(messages: Iterable[Mapping[str, Any]]) -> bool:
-    """Whether ``messages`` (role and tool_calls as OpenAI's) hold a tool call or a tool result."""
-    return any(message.get("tool_calls") or message.get("role") == "tool" for message in messages)
 
 
 def check_template_source(source: str, names: Mapping[str, object] | None = None) -> None:

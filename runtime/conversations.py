@@ -88,12 +88,12 @@ def render_prompts(conversations: list[list[Mapping[str, Any]]], template: ChatT
                              "to generate")
     tools = None if tools is None else list(tools)
     try:
-        reads = template.for_tools(tools).reads
-    except ChatTemplateError:  # named templates without a default, and no tools: rendering each conversation says so
-        reads = frozenset()  # (or takes its tool history to the tool_use one)
-    if tools and "tools" not in reads:
+        template = template.for_tools(tools)
+    except ChatTemplateError as exc:  # named templates without a default, and no tools
+        raise ChatInputError(str(exc)) from None
+    if tools and "tools" not in template.reads:
         raise ChatInputError("the chat template does not render tools, so the model cannot call them: pass no tools")
-    if reads and (unread := [name for name in chat_template_kwargs or {} if name not in reads]):
+    if unread := [name for name in chat_template_kwargs or {} if name not in template.reads]:
         logger.warning("chat_template_kwargs %s: the chat template never reads them", ", ".join(map(repr, unread)))
     if add_generation_prompt and continue_final_message:
         raise ChatInputError("continue_final_message needs add_generation_prompt=False: the completion continues the "
@@ -104,11 +104,11 @@ def render_prompts(conversations: list[list[Mapping[str, Any]]], template: ChatT
         try:
             rendered = [_template_message(message, position) for position, message in enumerate(conversation)]
             variables = dict(chat_template_kwargs or {})
-            text = template.render(rendered, add_generation_prompt, tools, variables, continue_final_message)
+            text, dropped = template.render_with_calls(rendered, add_generation_prompt, tools, variables,
+                                                       continue_final_message)
         except (ChatInputError, ChatTemplateError) as exc:
             raise ChatInputError(f"{where}{exc}") from None
-        if (dropped := template.dropped_tool_calls(rendered, text, add_generation_prompt, tools, variables,
-                                                   continue_final_message)) is not None:
+        if dropped is not None:
             raise ChatInputError(f"{where}the chat template does not render tool calls, so those of message {dropped} "
                                  f"would be left out of the prompt: pass the conversation without them, or a "
                                  f"chat_template that renders them")

@@ -107,12 +107,16 @@ def test_a_tool_history_sent_without_tools_renders_the_tool_use_template(tmp_pat
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
     history = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [call]},
                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "user", "content": "Sum up"}]
-    text = template.render(history)
-    assert "<tool_call>get_weather</tool_call>" in text and template.dropped_tool_calls(history, text) is None
-    assert template.render(MESSAGES) == "User: Weather in Oslo?\nAssistant:"  # no tool history: the default
+    text, dropped = template.render_with_calls(history)
+    assert "<tool_call>get_weather</tool_call>" in text and dropped is None
+    assert template.render_with_calls(MESSAGES) == ("User: Weather in Oslo?\nAssistant:", None)  # the default
     [(rendered, _)] = render_prompts([history], template, Tokenizer.from_dir(tmp_path), add_generation_prompt=True,
                                      continue_final_message=False, tools=None, chat_template_kwargs=None)
     assert rendered == text  # LLM.chat's path
+    calls = "{% for m in messages %}{{ m.content }}{% for c in m.tool_calls or [] %}[{{ c.function.name }}]{% endfor %}"
+    write_named(tmp_path, "config", {"default": calls + "{% endfor %}", "tool_use": TOOL_USE})
+    renders_them = ChatTemplate.from_dir(tmp_path)  # a default that renders the calls stays the one, as transformers
+    assert renders_them.render_with_calls(history) == ("Weather in Oslo?[get_weather]sunnySum up", None)
 
 
 def test_an_engine_build_keeps_the_named_template_files(tmp_path):

@@ -88,8 +88,7 @@ def unread_template_fields(model: ServedModel, req: ChatCompletionRequest | Toke
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:  # only "none" reaches the template as enable_thinking too
         given["reasoning_effort"] = {"reasoning_effort", *(("enable_thinking",) if effort == "none" else ())}
-    history = (message.model_dump(include={"role", "tool_calls"}) for message in req.messages or ())
-    reads = model.chat_template.for_tools(req.tools, history).reads  # the template render_chat rendered with
+    reads = model.chat_template.for_tools(req.tools).reads  # the tools as render_chat got them
     return [name for name, variables in given.items() if not variables & reads]
 
 
@@ -110,15 +109,15 @@ def render_chat(model: ServedModel, messages: list[ChatMessage], tools: list[dic
     check_tool_results(messages)
     rendered = [template_message(m.model_dump(exclude_none=True)) for m in messages]
     try:
-        text = model.chat_template.render(rendered, add_generation_prompt, tools, variables, continue_final_message)
+        text, dropped = model.chat_template.render_with_calls(rendered, add_generation_prompt, tools, variables,
+                                                              continue_final_message)
     except ReservedVariableError as exc:
         raise APIError(400, str(exc), param="chat_template_kwargs") from None
     except UncontinuableMessageError as exc:
         raise APIError(400, str(exc), param="continue_final_message") from None
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
-    if (dropped := model.chat_template.dropped_tool_calls(rendered, text, add_generation_prompt, tools, variables,
-                                                          continue_final_message)) is not None:
+    if dropped is not None:
         raise APIError(400, f"the chat template of model '{model.name}' does not render tool calls, so those of "
                             f"messages[{dropped}] would be left out of the prompt: send the history without them, "
                             f"or serve the model with a --chat-template that renders them",
