@@ -403,6 +403,9 @@ def test_every_response_carries_a_request_id_the_client_reads(server, client):
                                                          extra_body={"request_id": "job-7"})
     assert named.parse().id == "cmpl-job-7"  # vLLM's request_id field
     assert named.headers["x-request-id"] == "job-7"  # and the id its log lines and engine ids carry (they had not)
+    refused = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**6, "request_id": "job-9"})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "job-9"  # its errors too
     both = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"request_id": "job-8"},
                                      extra_headers={"X-Request-Id": "trace-8"})
     assert both.id == "cmpl-trace-8"  # the header first, as vLLM's _base_request_id reads them

@@ -465,9 +465,10 @@ class StreamedText:
 async def create_chat_completion(model: ServedModel, req: ChatCompletionRequest, metrics: ServerMetrics,
                                  request: Request) -> object:
     """Handle POST /v1/chat/completions."""
+    request_id, created = response_id("chatcmpl-", request, req.request_id), int(time.time())  # first: its errors
+    # and log lines carry a body's request_id too
     plan = await prepare_chat(model, req)
     tools, jobs, names = plan.tools, plan.jobs, plan.names
-    request_id, created = response_id("chatcmpl-", request, req.request_id), int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "chat.completion.chunk", created, model.name,
                               with_usage=includes_usage(req))
     streamed = [StreamedText(tools, plan.splitter()) for _ in jobs]

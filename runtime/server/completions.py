@@ -85,6 +85,8 @@ def _echo_offsets(model: ServedModel, given: str | list[int], token_ids: list[in
 async def create_completion(model: ServedModel, req: CompletionRequest, metrics: ServerMetrics,
                             request: Request) -> object:
     """Handle POST /v1/completions."""
+    request_id, created = response_id("cmpl-", request, req.request_id), int(time.time())  # first: its errors and
+    # log lines carry a body's request_id too
     check_request(model, req)
     given = _as_prompt_list(req.prompt)
     model.admission.check_fits(len(given) * req.n, "prompt")  # before tokenizing a batch too large to run
@@ -111,7 +113,6 @@ async def create_completion(model: ServedModel, req: CompletionRequest, metrics:
     jobs = make_jobs(model, req, prompts, limits, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                      structured_output=structured_output)
     model.check(jobs[::req.n], "prompt")  # one job per prompt: a prompt's n choices differ only in their seed
-    request_id, created = response_id("cmpl-", request, req.request_id), int(time.time())
     chunk = functools.partial(stream_chunk, request_id, "text_completion", created, model.name,
                               with_usage=includes_usage(req))
     names = TokenText(model.tokenizer, req.return_tokens_as_token_ids)
