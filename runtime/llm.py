@@ -91,7 +91,8 @@ class LLM:
             engine = model
         if vllm_engine_arguments:
             check_engine_arguments(vllm_engine_arguments,
-                                   Path(engine).expanduser() if isinstance(engine, str | os.PathLike) else None)
+                                   Path(engine).expanduser() if isinstance(engine, str | os.PathLike) else None,
+                                   options)
         load_ms, hold, default_params, engine_dir, chat_template_files = 0.0, None, SamplingParams(), None, None
         if isinstance(engine, str | os.PathLike):
             if not os.fspath(engine).strip():  # Path("") is the current folder

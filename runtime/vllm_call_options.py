@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kiln.runtime.sampling_params import plain_number, same_value
+
+if TYPE_CHECKING:
+    from kiln.runtime.options import RuntimeOptions
 
 
 def _none_or_empty(value: object) -> bool:
@@ -70,7 +74,7 @@ AUTO_BUILD_VALUES: dict[str, tuple] = {"dtype": ("auto",), "max_model_len": (Non
 # taken; what to do instead of another value)
 VLLM_LOAD_ARGUMENTS: dict[str, tuple[tuple, str]] = {
     "gpu_memory_utilization": ((), "pass options=RuntimeOptions(gpu_memory_utilization=...)"),
-    "enable_prefix_caching": ((None, True), "pass options=RuntimeOptions(prefix_caching=...)"),
+    "enable_prefix_caching": ((None,), "pass options=RuntimeOptions(prefix_caching=...)"),
     "enforce_eager": ((), "pass options=RuntimeOptions(cuda_graphs=False)"),
     "device": ((), "pass options=RuntimeOptions(device=...)"),
     "tokenizer": ((None,), "the engine carries the tokenizer it was built with"),
@@ -98,11 +102,18 @@ VLLM_LOAD_ARGUMENTS: dict[str, tuple[tuple, str]] = {
 }
 
 
-def check_engine_arguments(arguments: Mapping[str, object], engine_dir: Path | None) -> None:
+# vLLM's engine arguments that name a RuntimeOptions field -> that field
+VLLM_RUNTIME_OPTIONS = {"enable_prefix_caching": "prefix_caching"}
+
+
+def check_engine_arguments(arguments: Mapping[str, object], engine_dir: Path | None,
+                           options: RuntimeOptions | None = None) -> None:
     """Raise one TypeError naming every keyword argument that ``LLM(...)`` does not take, with where Kiln takes each
-    of vLLM's; vLLM's at a value that changes nothing are taken: one of VLLM_LOAD_ARGUMENTS's, or a build setting
+    of vLLM's; vLLM's at a value that changes nothing are taken: one of VLLM_LOAD_ARGUMENTS's, one equal to the
+    RuntimeOptions field it names in ``options`` (VLLM_RUNTIME_OPTIONS; None: the defaults), or a build setting
     (VLLM_BUILD_SETTINGS) equal to the engine's in ``engine_dir`` (None: an Engine object, whose are not known)."""
     from kiln.runtime.engine import is_engine_dir
+    from kiln.runtime.options import RuntimeOptions
 
     built = (_engine_build_values(engine_dir) if engine_dir is not None and is_engine_dir(engine_dir)
              and arguments.keys() & VLLM_BUILD_SETTINGS.keys() else {})
@@ -113,6 +124,8 @@ def check_engine_arguments(arguments: Mapping[str, object], engine_dir: Path | N
             instead = f"the engine is built with it: set {VLLM_BUILD_SETTINGS[name]} in the config and `kiln build`"
         else:
             taken, instead = VLLM_LOAD_ARGUMENTS.get(name, ((), ""))
+            if name in VLLM_RUNTIME_OPTIONS:  # the value options hold (vLLM's True with prefix_caching on)
+                taken = (*taken, getattr(options or RuntimeOptions(), VLLM_RUNTIME_OPTIONS[name]))
         if any(same_value(value, same) for same in taken):
             continue
         refused.append(f"{name!r}" + (f": {instead}" if instead else "")

@@ -657,6 +657,14 @@ def test_vllms_engine_arguments_are_refused_all_at_once_and_taken_where_they_cha
             **changes_nothing)
 
 
+def test_vllms_enable_prefix_caching_is_taken_where_it_agrees_with_the_options(engine_dir):
+    from kiln.runtime import RuntimeOptions
+
+    LLM(model=engine_dir, enable_prefix_caching=True).close()  # prefix caching is on by default
+    with pytest.raises(TypeError, match=r"'enable_prefix_caching': pass options=RuntimeOptions\(prefix_caching"):
+        LLM(model=engine_dir, enable_prefix_caching=True, options=RuntimeOptions(prefix_caching=False))
+
+
 def test_an_empty_engine_path_is_refused_not_read_as_the_current_folder():
     for empty in ("", " "):
         with pytest.raises(EngineFormatError, match="empty path"):  # before: ".: no engine.json"
