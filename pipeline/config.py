@@ -504,17 +504,38 @@ _UNQUOTED = {"int_type": ("a whole number", re.compile(r"[-+]?[0-9]+")),
 
 
 def _describe(exc: ValidationError, path: Path, lines: dict[tuple[str, ...], int]) -> str:
-    """One line per field with a problem: ``file:line: field: message``."""
+    """One line per field with a problem: ``file:line: field: message``; a required field that is missing beside an
+    unknown key that looks like it (``modl:`` for ``model:``) is told once, at the unknown key's line."""
+    errors = exc.errors()
+    missing = {_loc(error) for error in errors if error["type"] == "missing"}
+    misspelt: dict[tuple[str, ...], tuple[str, ...]] = {}  # an unknown key -> the missing field it looks like
+    for error in errors:
+        loc = _loc(error)
+        if error["type"] == "extra_forbidden" and not kiln_setting_for(loc[-1]) and (guess := _look_alike(loc)):
+            meant = (*loc[:-1], guess)
+            if meant in missing and meant not in misspelt.values():
+                misspelt[loc] = meant
     by_field: dict[tuple[str, ...], list[dict]] = {}
-    for error in exc.errors():
-        by_field.setdefault(_field_of(error, lines), []).append(error)
-    return "\n".join(_problem(loc, errors, path, lines) for loc, errors in by_field.items())
+    for error in errors:
+        if not (error["type"] == "missing" and _loc(error) in misspelt.values()):
+            by_field.setdefault(_field_of(error, lines), []).append(error)
+    return "\n".join(_problem(loc, errors, path, lines, misspelt.get(loc)) for loc, errors in by_field.items())
+
+
+def _loc(error: dict) -> tuple[str, ...]:
+    """Where pydantic puts ``error``, as the config's key path."""
+    return tuple(str(part) for part in error["loc"])
+
+
+def _look_alike(loc: tuple[str, ...]) -> str | None:
+    """The key of its section that the unknown key at ``loc`` looks like (a misspelling), None when none does."""
+    return next(iter(difflib.get_close_matches(loc[-1], _section_fields(loc[:-1]), n=1)), None)
 
 
 def _field_of(error: dict, lines: dict[tuple[str, ...], int]) -> tuple[str, ...]:
     """The field an error is about: the one a check names first, else the error's location less the names pydantic
     gives the members of a union (``quantize.batch_size.int``)."""
-    loc = tuple(str(part) for part in error["loc"])
+    loc = _loc(error)
     if error["type"] == "value_error":
         named = _named_field(error["msg"].removeprefix("Value error, "))
         return named if named[0] in KilnConfig.model_fields else loc
@@ -523,8 +544,10 @@ def _field_of(error: dict, lines: dict[tuple[str, ...], int]) -> tuple[str, ...]
     return loc
 
 
-def _problem(loc: tuple[str, ...], errors: list[dict], path: Path, lines: dict[tuple[str, ...], int]) -> str:
-    """``file:line: field: message`` for the errors of one field (those of a union's members joined by "or")."""
+def _problem(loc: tuple[str, ...], errors: list[dict], path: Path, lines: dict[tuple[str, ...], int],
+             required: tuple[str, ...] | None = None) -> str:
+    """``file:line: field: message`` for the errors of one field (those of a union's members joined by "or"); an
+    unknown key that looks like the missing field ``required`` says that field is required too."""
     error, kind = errors[0], errors[0]["type"]
     line = (kind == "value_error" and _mentioned_line(lines, error["msg"])) or line_of(lines, loc)
     where = f"{path}:{line}" if line else str(path)
@@ -532,13 +555,16 @@ def _problem(loc: tuple[str, ...], errors: list[dict], path: Path, lines: dict[t
     if kind == "extra_forbidden":
         section = ".".join(loc[:-1]) or "the top level"
         known = _section_fields(loc[:-1])
-        guess = difflib.get_close_matches(loc[-1], known, n=1)
+        guess = _look_alike(loc)
         elsewhere = " or ".join(name for name in _section_fields(()) if name != ".".join(loc[:-1])
                                 and loc[-1] in _section_fields((name,)))
         if kiln_name := kiln_setting_for(loc[-1]):
             hint = f"vLLM's {loc[-1]} is Kiln's {kiln_name}"
         elif guess:  # a look-alike here, and where the key itself is a setting of another section, that too
-            hint = f"did you mean '{guess[0]}'?" + (f" ({loc[-1]} is a setting of {elsewhere})" if elsewhere else "")
+            notes = [f"{loc[-1]} is a setting of {elsewhere}"] if elsewhere else []
+            if required:
+                notes.append(f"{'.'.join(required)}: is required")
+            hint = f"did you mean '{guess}'?" + (f" ({'; '.join(notes)})" if notes else "")
         elif elsewhere:  # build's max_batch_size under quantize
             hint = f"{loc[-1]} belongs under {elsewhere}"
         else:

@@ -333,6 +333,19 @@ def test_misspellings_get_a_did_you_mean(tmp_path):
         load_config("tiny-llama-fp9")
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    ("build:\n  max_batch_size: 4\nmodl:\n  path: ./m\n",
+     "3: modl: unknown key 'modl' in the top level; did you mean 'model'? (model: is required)"),
+    ("model:\n  pth: ./m\n",
+     "2: model.pth: unknown key 'pth' in model; did you mean 'path'? (model.path: is required)"),
+])
+def test_a_misspelt_required_key_is_told_once_at_its_own_line(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert str(error.value) == f"{path}:{expected}"  # before: "model: is required" first, at the section's line
+
+
 def test_a_key_of_another_section_is_told_where_it_belongs_beside_any_look_alike_here(tmp_path):
     (tmp_path / "kiln.yaml").write_text("model:\n  path: ./m\nquantize:\n  max_seq_len: 256\nbuild:\n  format: fp8\n")
     with pytest.raises(ConfigError) as error:
