@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+from kiln.engines.cache.hashing import COPIED_SNAPSHOT_FIX, INDEX_FILE, dangling_link, index_shards
 from kiln.pipeline.config import PACKAGE_DIR, ModelSection, is_local_path
 from kiln.runtime.errors import KilnError
 
@@ -84,9 +85,13 @@ def _download(model: ModelSection) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.tiktoken", "merges.txt", "vocab.txt"]
+    patterns = ["*.json", "tokenizer*", "*.model", "*.jinja", "*.tiktoken", "merges.txt", "vocab.txt"]
     try:
-        return Path(snapshot_download(model.path, revision=model.revision, allow_patterns=patterns, etag_timeout=10))
+        folder = Path(snapshot_download(model.path, revision=model.revision, allow_patterns=patterns, etag_timeout=10))
+        # then the weights: with an index, only the shards it names (not a Mistral repo's consolidated.safetensors),
+        # at the commit just fetched
+        weights = sorted(shards) if (shards := index_shards(folder)) else ["*.safetensors"]
+        return Path(snapshot_download(model.path, revision=folder.name, allow_patterns=weights, etag_timeout=10))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
         raise ModelNotFoundError(
             f"model '{model.path}' could not be downloaded from the Hugging Face hub ({type(exc).__name__}); "
@@ -104,6 +109,8 @@ def _what_is_missing(folder: Path) -> str:
                     f"bundled config copied elsewhere keeps its ../models/{folder.name}); Kiln's bundled model is "
                     f"{bundled}: point model.path there")
         return f"is not a directory; {fix}"
+    if link := _dangling_link(folder, COPIED_SNAPSHOT_FIX):
+        return link
     missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
     if missing:
         return f"has no {', '.join(missing)}; {fix}"
@@ -113,27 +120,38 @@ def _what_is_missing(folder: Path) -> str:
     return _weights_problem(folder) or f"has no *.safetensors weights; {fix}"
 
 
-def _weights_problem(folder: Path, fetch: str = "fetch the missing files") -> str | None:
+def _weights_problem(folder: Path, fetch: str | None = None) -> str | None:
     """Why the safetensors of a folder are not one whole checkpoint (None: model.safetensors, or an index whose
-    shards are all there): both model.safetensors and an index (which tools read differently), shards without their
-    index, or an index naming shards not on disk (an interrupted download; ``fetch`` says how to get them)."""
-    index = folder / "model.safetensors.index.json"
+    shards are all there): a dangling link among them or config.json, both model.safetensors and an index (which
+    tools read differently), shards without their index, or an index naming shards not on disk (an interrupted
+    download). ``fetch`` says how to get missing files (None: a local folder, whose links are fixed by copying)."""
+    if link := _dangling_link(folder, fetch or COPIED_SNAPSHOT_FIX):
+        return link
+    index = folder / INDEX_FILE
     if index.is_file() and (folder / "model.safetensors").is_file():
         return (f"has both model.safetensors and {index.name}, which tools read differently (transformers, and so "
                 "calibration, loads model.safetensors; the native builder and vLLM the shards of the index): a "
                 "sharded save_pretrained leaves an earlier single-file save in place; remove the stale one")
     if index.is_file():
-        try:
-            shards = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
-        except (OSError, ValueError, AttributeError):
-            return None  # the builder names what is wrong with the index
-        if missing := sorted(str(s) for s in shards if not (folder / str(s)).is_file()):
+        shards = index_shards(folder) or set()  # an index that is not one: the builder names what is wrong with it
+        if missing := sorted(s for s in shards if not (folder / s).is_file()):
             return (f"has {index.name} naming {len(missing)} shard(s) not on disk ({', '.join(missing[:3])}"
-                    f"{' ...' if len(missing) > 3 else ''}): an interrupted download? {fetch}")
+                    f"{' ...' if len(missing) > 3 else ''}): an interrupted download? "
+                    f"{fetch or 'fetch the missing files'}")
         return None
     if not (folder / "model.safetensors").is_file() and any(folder.glob("*.safetensors")):
         return ("has *.safetensors shards but no model.safetensors.index.json saying which tensor is where; copy the "
                 "index from the checkpoint's source")
+    return None
+
+
+def _dangling_link(folder: Path, fix: str) -> str | None:
+    """A dangling link among the files of ``folder`` that say whether it is a checkpoint (config.json, the index,
+    the weights), named with ``fix``."""
+    named = [*(folder / name for name in REQUIRED_FILES), folder / INDEX_FILE, *sorted(folder.glob("*.safetensors"))]
+    for path in named:
+        if problem := dangling_link(path):
+            return f"has a dangling link: {problem}: {fix}"
     return None
 
 

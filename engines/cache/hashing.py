@@ -4,6 +4,7 @@ hash of a checkpoint."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
 import threading
@@ -21,6 +22,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 CONFIG_SUFFIXES = (".json",)  # config, generation config, quantization config, index, tokenizer JSON files
 TOKENIZER_SUFFIXES = (".tiktoken", ".jinja")  # .jinja: chat templates, which the build copies into the engine
 TOKENIZER_NAMES = frozenset({"tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "merges.txt", "vocab.txt"})
+INDEX_FILE = "model.safetensors.index.json"
+# the fix for a dangling link of a model folder (``dangling_link``)
+COPIED_SNAPSHOT_FIX = "copy the snapshot with `cp -rL` (following links) or point model.path at the hub cache"
 
 # ctime cannot be set back by a user (mtime can, with touch -r): a file written in place always gets a new identity.
 # Paths are their bytes (a folder's name need not be UTF-8); the table of text paths before them is left unused.
@@ -61,9 +65,12 @@ def checkpoint_files(path: Path) -> CheckpointFiles:
         raise CheckpointHashError(f"checkpoint {root}: not a directory (or a link that does not resolve to one); "
                                   f"point model.path at the checkpoint folder")
     hashed, pickles = [], []
+    shards = index_shards(root)
     for name in sorted(os.listdir(root)):
         if name.startswith(".") or (root / name).is_dir():
             continue
+        if shards is not None and name.endswith(WEIGHT_SUFFIXES) and name not in shards:
+            continue  # beside an index, a file it does not name is never read (a Mistral repo's consolidated one)
         if name.endswith(PICKLE_SUFFIXES):
             pickles.append(name)
         elif name.endswith(WEIGHT_SUFFIXES + CONFIG_SUFFIXES + TOKENIZER_SUFFIXES) or name in TOKENIZER_NAMES:
@@ -80,6 +87,24 @@ def checkpoint_files(path: Path) -> CheckpointFiles:
                 "convert the checkpoint to safetensors")
         raise CheckpointHashError(f"checkpoint {root}: no *.safetensors weight files found")
     return CheckpointFiles(root=root, hashed=hashed, pickles=pickles)
+
+
+def index_shards(folder: Path) -> set[str] | None:
+    """The shard files that ``folder``'s model.safetensors.index.json names in its weight_map; None without an index
+    or with one that has no weight_map object."""
+    try:
+        weight_map = json.loads((folder / INDEX_FILE).read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return {str(shard) for shard in weight_map.values()} if isinstance(weight_map, dict) else None
+
+
+def dangling_link(path: Path) -> str | None:
+    """"NAME is a link to TARGET that does not exist" where ``path`` is a link that resolves to no file (a Hugging
+    Face snapshot copied with ``cp -r``, whose links into ../../blobs then dangle); None otherwise."""
+    if path.is_symlink() and not path.exists():
+        return f"{path.name} is a link to {os.readlink(path)} that does not exist"
+    return None
 
 
 def _require_regular_file(root: Path, rel: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kiln.engines.cache.hashing import COPIED_SNAPSHOT_FIX, dangling_link
 from kiln.engines.eos import declared_eos, generation_eos_ids, stopping_eos_ids
 from kiln.runtime.errors import KilnError
 from kiln.runtime.json_files import is_number, read_json_object
@@ -50,6 +51,7 @@ def read_architecture(checkpoint_dir: Path, tokenizer_dir: Path | None = None) -
     """The architecture of ``config.json`` (+ the ids of the generation_config.json and tokenizer of
     ``tokenizer_dir``, else of ``checkpoint_dir``), and the raw config dict."""
     path = checkpoint_dir / "config.json"
+    _refuse_dangling_link(path)
     if not path.is_file():
         raise KilnError(f"{checkpoint_dir}: no config.json; point the build at a Hugging Face checkpoint directory")
     cfg = read_json(path)
@@ -137,28 +139,37 @@ def read_quantization(checkpoint_dir: Path, cfg: dict[str, Any]) -> SourceQuanti
 
 
 class CheckpointTensors:
-    """Lazy access to the safetensors of a checkpoint (single file or sharded with an index), tracking use."""
+    """Lazy access to the safetensors of a checkpoint (a single file, or the shards its index lists), tracking use.
+
+    A tensor that a listed shard holds but the index's weight_map omits is found there, as transformers loads every
+    tensor of the shards an index lists; it is not reported as unused, as the index never declared it."""
 
     def __init__(self, checkpoint_dir: Path) -> None:
+        self._dir = checkpoint_dir
         index = checkpoint_dir / "model.safetensors.index.json"
         single = checkpoint_dir / "model.safetensors"
+        for path in (index, single):
+            _refuse_dangling_link(path)
+        self._unindexed: dict[str, Path] = {}
         if index.is_file():
             weight_map = read_json(index).get("weight_map", {})
             if not isinstance(weight_map, dict):
                 raise KilnError(f"{index}: weight_map is a {type(weight_map).__name__}, not an object mapping each "
                                 "tensor name to its shard file; re-export the checkpoint")
             self._files = {name: _shard(checkpoint_dir, index, fname) for name, fname in weight_map.items()}
-            _check_shards_hold(index, self._files)
+            self._unindexed = _unindexed_tensors(index, self._files)
+            self._source = f"the shards {index.name} lists"
         elif single.is_file():
             with _open(single) as f:
                 self._files = dict.fromkeys(f.keys(), single)
+            self._source = single.name
         else:
             raise KilnError(f"{checkpoint_dir}: no model.safetensors or model.safetensors.index.json; the native "
                             "builder reads safetensors only (re-save the checkpoint with safe_serialization=True)")
         self.used: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
-        return name in self._files
+        return name in self._files or name in self._unindexed
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor ``name``; KilnError when the checkpoint lacks it."""
@@ -173,14 +184,20 @@ class CheckpointTensors:
             return f.get_slice(name).get_dtype()
 
     def _file(self, name: str) -> Path:
-        if name not in self._files:
-            raise KilnError(f"checkpoint has no tensor {name!r}; the checkpoint is incomplete or not in its family's "
-                            "layout")
-        return self._files[name]
+        path = self._files.get(name) or self._unindexed.get(name)
+        if path is None:
+            raise KilnError(f"{self._dir}: no tensor {name!r} in {self._source}; the checkpoint is "
+                            "incomplete or not in its family's layout")
+        return path
 
     def unused(self) -> list[str]:
         """Names never read, other than rotary caches some checkpoints carry."""
         return sorted(n for n in self._files if n not in self.used and not n.endswith("rotary_emb.inv_freq"))
+
+
+def _refuse_dangling_link(path: Path) -> None:
+    if problem := dangling_link(path):
+        raise KilnError(f"{path.parent}: {problem}: {COPIED_SNAPSHOT_FIX}")
 
 
 def _shard(checkpoint_dir: Path, index: Path, name: object) -> Path:
@@ -191,9 +208,11 @@ def _shard(checkpoint_dir: Path, index: Path, name: object) -> Path:
     return checkpoint_dir / name
 
 
-def _check_shards_hold(index: Path, files: dict[str, Path]) -> None:
-    """Refuse an index that puts a tensor in a shard that does not hold it (the shards' headers are read, not their
-    tensors), before anything is converted."""
+def _unindexed_tensors(index: Path, files: dict[str, Path]) -> dict[str, Path]:
+    """The tensors the shards of ``files`` hold that the index does not map, each in the first shard (by name) that
+    holds it; an index that puts a tensor in a shard that does not hold it is refused. Only the shards' headers are
+    read, before anything is converted."""
+    unindexed: dict[str, Path] = {}
     for shard in sorted(set(files.values())):
         with _open(shard) as f:
             held = set(f.keys())
@@ -201,6 +220,9 @@ def _check_shards_hold(index: Path, files: dict[str, Path]) -> None:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise KilnError(f"{index}: weight_map puts tensor {missing[0]!r}{more} in {shard.name}, which does not "
                             "hold it; re-export the checkpoint, or fix the index")
+        for name in held - files.keys():
+            unindexed.setdefault(name, shard)
+    return unindexed
 
 
 def _open(path: Path):
@@ -212,6 +234,7 @@ def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except (OSError, SafetensorError) as e:
+        _refuse_dangling_link(path)  # a shard of a copied hub snapshot, named as such
         raise KilnError(f"{path}: unreadable safetensors ({e}); re-export the checkpoint") from None
 
 
