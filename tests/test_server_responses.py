@@ -244,6 +244,12 @@ def test_the_sdks_prompt_cache_options_are_taken_and_named_as_ignored_and_modera
         assert refused.value.param == field
 
 
+def test_vllms_request_id_names_the_response_and_the_request(client):
+    raw = client.responses.with_raw_response.create(model=MODEL, input=QUESTION, max_output_tokens=1,
+                                                    extra_body={"request_id": "job-3"})
+    assert raw.parse().id == "resp_job-3" and raw.headers["x-request-id"] == "job-3"  # it had been a 400
+
+
 def test_streamed_events_are_raw_utf8_as_the_whole_response_and_a_lone_surrogate_stays_an_escape(client):
     body = b'{"model": "tiny", "input": "hi", "instructions": "\xe6\x9c\xac", "max_output_tokens": 2, ' \
            b'"metadata": {"k": "\\ud800"}'  # a lone surrogate: JSON can carry it as an escape, UTF-8 cannot

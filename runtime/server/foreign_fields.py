@@ -34,7 +34,6 @@ RESPONSES_FOREIGN_FIELDS: dict[str, str] = {
                    'structured_outputs: {"json": {...}} instead',
     "no_stop_trim": "keeping the stop string is not supported on /v1/responses (chat and completions take "
                     "include_stop_str_in_output: true)",
-    "rid": "name the request with an X-Request-Id header instead",
     "max_new_tokens": "send max_output_tokens instead",
     "max_tokens": "send max_output_tokens instead",
     "max_completion_tokens": "send max_output_tokens instead",

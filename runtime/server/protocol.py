@@ -317,6 +317,8 @@ class SamplingExtensions(StrictModel):
         None, max_length=MAX_STOP_TOKEN_IDS, description=f"Extension (as in vLLM); at most {MAX_STOP_TOKEN_IDS}.")
     structured_outputs: StructuredOutputs | None = Field(None, description="Extension (as in vLLM): hold the "
                                                          "output to a JSON schema, a regex, a grammar or a choice.")
+    request_id: str | None = Field(None, min_length=1, max_length=256, description="Extension (as in vLLM): the "
+                                   "request's id, which names its response, where no X-Request-Id header does.")
 
 
 class SamplingFields(SamplingExtensions):
@@ -356,8 +358,6 @@ class SamplingFields(SamplingExtensions):
     allowed_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(
         None, min_length=1, description="Extension (as in vLLM): sample only among these token ids.")
     bad_words: NoAnnotations = Field(None, description=VLLM_DEFAULT)
-    request_id: str | None = Field(None, min_length=1, max_length=256, description="Extension (as in vLLM): the "
-                                   "response's id is named after it (else after the X-Request-Id header).")
     # OpenAI fields that do not change what is generated: accepted, and logged once as ignored
     user: str | None = None
     store: bool | None = None

@@ -389,6 +389,7 @@ class _StreamedResponse:
 async def create_response(model: ServedModel, req: ResponsesRequest, metrics: ServerMetrics,
                           request: Request) -> object:
     """Handle POST /v1/responses."""
+    resp_id = response_id("resp_", request, req.request_id)  # first: its errors and log lines carry a body's id too
     chat = chat_request(req)
     try:
         plan = await prepare_chat(model, chat, req.max_tool_calls)
@@ -396,7 +397,7 @@ async def create_response(model: ServedModel, req: ResponsesRequest, metrics: Se
         raise _in_responses_terms(exc) from None
     ignored = _ignored_fields(req)
     log_ignored_fields(model, ignored)
-    response = _ResponseBuilder(req, model, response_id("resp_", request))
+    response = _ResponseBuilder(req, model, resp_id)
     message_id = _item_id("msg")
 
     def build(outputs: list[RequestOutput], usage: Usage) -> ResponseObject:
