@@ -111,3 +111,19 @@ def test_a_download_fetches_only_the_shards_the_index_names(tmp_path, monkeypatc
     assert resolve_model(ModelSection(path="acme/tiny", allow_download=True)) == snapshot
     assert "*.safetensors" not in calls[0][1]
     assert calls[1] == ("c0ffee", list(SHARDS))  # at the commit the first call fetched
+
+
+def test_a_value_beyond_float16s_range_is_refused_naming_the_tensor_and_the_dtype_to_build_with(tmp_path):
+    """It had been published, and every request then failed with "non-finite logits"."""
+    from safetensors.torch import load_file
+
+    from kiln.engines.native.builder import build_native_engine
+    from tests.model_factories import make_hf_checkpoint, tiny_plan
+
+    checkpoint = make_hf_checkpoint(tmp_path / "checkpoint")
+    weights = load_file(checkpoint / "model.safetensors")
+    weights["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e6
+    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "engine").mkdir()
+    with pytest.raises(KilnError, match=r"layers\.0\.mlp\.down_proj\.weight is not finite in float16: .* bfloat16"):
+        build_native_engine(checkpoint, tmp_path / "engine", tiny_plan(), "float16")

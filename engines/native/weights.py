@@ -83,7 +83,18 @@ def convert_weights(tensors: CheckpointTensors, arch: Architecture, fmt: str, gr
     if unused:
         raise KilnError(f"checkpoint tensors not understood by the native builder: {', '.join(unused[:5])}"
                         f"{' ...' if len(unused) > 5 else ''}; the checkpoint is not in its family's layout")
+    if dtype == torch.float16:  # a bf16 or float32 checkpoint's values can lie beyond float16's range
+        _require_finite(out)
     return out, dense_modules
+
+
+def _require_finite(weights: dict[str, torch.Tensor]) -> None:
+    """Refuse float16 weights that are not finite: a value of the checkpoint beyond float16's largest (65504) cast
+    to inf, which an engine turns into non-finite logits at its first step (or an inf or NaN already there)."""
+    for name, weight in weights.items():
+        if weight.dtype == torch.float16 and not bool(torch.isfinite(weight).all()):
+            raise KilnError(f"{name} is not finite in float16: the checkpoint holds a value beyond float16's range "
+                            f"(65504) there, or an inf or NaN; build with a model dtype of bfloat16 or float32")
 
 
 def _group_format(tensors: CheckpointTensors, names: list[str]) -> str:
