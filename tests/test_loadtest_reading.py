@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -185,3 +186,39 @@ def test_a_server_still_loading_its_engine_is_waited_for_and_one_that_stays_so_n
     assert asyncio.run(card(loading=3, ready_wait_s=30)) == CARD  # as vLLM's bench waits for the server
     with pytest.raises(LoadTestError, match="503"):
         asyncio.run(card(loading=10**6, ready_wait_s=0.2))
+
+
+def test_a_server_not_listening_yet_is_waited_for_saying_so_once():
+    """`kiln serve ... & kiln loadtest URL`: the port opens once the engine is built and loading (it had ended the
+    run at once with a refused connection)."""
+    import socket
+
+    from kiln.pipeline.bench.serving_clients import LoadTestError, _model_card, _session
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"  # nothing listens once it is closed
+    told: list[str] = []
+
+    async def card() -> dict:
+        async with _session(url, None, 1, 10) as session:
+            return await _model_card(session, url, 1.5, on_wait=told.append)
+
+    started = time.monotonic()
+    with pytest.raises(LoadTestError, match="cannot list models"):
+        asyncio.run(card())
+    assert time.monotonic() - started >= 1.4 and told == [f"waiting for {url} (nothing answers there yet), up to "
+                                                          f"0.025 minutes"]
+
+
+def test_server_cpu_per_token_counts_the_tokens_it_generated_for_clients_gone_mid_stream():
+    """A soak run (`--disconnect`): the server's CPU went into every token generated, the delivered ones fewer (it had
+    divided by those alone, 1.5x too high); a run that delivered none has no figure (it had shown CPU seconds)."""
+    from kiln.pipeline.bench.server_metrics import server_usage
+
+    before = {"server_cpu_s": 1.0, "engine_cpu_s": 2.0, "generated": 100.0, "server_rss": 1.0, "engine_rss": 1.0}
+    after = {"server_cpu_s": 2.0, "engine_cpu_s": 5.0, "generated": 300.0}
+    usage = server_usage(before, after, {**after, "server_rss": 1.0, "engine_rss": 1.0}, tokens=150, client_cpu_s=0.3)
+    assert usage["cpu_us_per_token"] == {"server": 5000.0, "engine_process": 15000.0, "clients": 2000.0}
+    nothing = server_usage(before, {**before}, before, tokens=0, client_cpu_s=0.3)["cpu_us_per_token"]
+    assert nothing == {"server": None, "engine_process": None, "clients": None}

@@ -160,7 +160,7 @@ async def _measure(url: str, api_key: str | None, llm, workload_options: dict, *
     """Make the workload (the server's model card supplies the vocabulary for random token ids) and run it against
     the server, its clients in processes of their own; with what the server's /metrics said of its processes
     around the run; then through the engine offline and in-process when this process holds it."""
-    card = await fetch_model_card(url, api_key)
+    card = await fetch_model_card(url, api_key, on_wait=lambda message: stderr.print(message, highlight=False))
     vocab_size = vocab_size or card.get("vocab_size")
     workload = make_workload(**workload_options, vocab_size=vocab_size)
     await _check_fits_server(url, api_key, card, workload, chat)

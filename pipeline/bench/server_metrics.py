@@ -13,6 +13,8 @@ WATCHED = {"process_cpu_seconds_total": "server_cpu_s", "kiln_engine_process_cpu
 # one series per rank, summed
 BY_RANK = {"kiln_engine_worker_process_cpu_seconds_total": "workers_cpu_s",
            "kiln_engine_worker_process_resident_memory_bytes": "workers_rss"}
+# the tokens the engine generated, a client's gone away mid-stream too (vLLM's counter, labelled with model_name)
+GENERATED = "vllm:generation_tokens_total"
 ROLES = (("server", "server"), ("engine_process", "engine"), ("tp_workers", "workers"))
 IDLE = ("running", "waiting", "kv_blocks_used")
 
@@ -41,6 +43,8 @@ async def scrape(url: str) -> dict[str, float]:
                 found[WATCHED[sample.name]] = sample.value
             elif sample.name in BY_RANK and set(sample.labels) == {"rank"}:
                 found[BY_RANK[sample.name]] = found.get(BY_RANK[sample.name], 0.0) + sample.value
+            elif sample.name == GENERATED:
+                found["generated"] = found.get("generated", 0.0) + sample.value
     return found
 
 
@@ -78,9 +82,13 @@ async def usage_after_run(url: str, after_warmup: dict[str, float] | MetricsUnav
 
 def server_usage(after_warmup: dict[str, float], after: dict[str, float], idle: dict[str, float], tokens: int,
                  client_cpu_s: float) -> dict:
-    """CPU microseconds per served token by process, resident memory after the warm-up and after the run (and its
-    growth), and the engine's state once idle (null where the server does not report it)."""
-    cpu = {role: _per_token(after[f"{key}_cpu_s"] - after_warmup[f"{key}_cpu_s"], tokens)
+    """CPU microseconds per token by process (the server's processes per token they generated, those of clients
+    that went away mid-stream too, where the server counts them; the clients' per token they received), resident
+    memory after the warm-up and after the run (and its growth), and the engine's state once idle (null where the
+    server does not report it)."""
+    generated = (round(after["generated"] - after_warmup["generated"])
+                 if "generated" in after and "generated" in after_warmup else tokens)
+    cpu = {role: _per_token(after[f"{key}_cpu_s"] - after_warmup[f"{key}_cpu_s"], generated)
            for role, key in ROLES if f"{key}_cpu_s" in after and f"{key}_cpu_s" in after_warmup}
     memory = {role: {"after_warmup_mb": round(after_warmup[f"{key}_rss"] / 2**20, 1),
                      "after_mb": round(idle[f"{key}_rss"] / 2**20, 1),
@@ -95,5 +103,6 @@ def _idle_state(idle: dict[str, float]) -> dict[str, int | None]:
     return {name: int(idle[name]) if name in idle else None for name in IDLE}
 
 
-def _per_token(cpu_s: float, tokens: int) -> float:
-    return round(cpu_s * 1e6 / max(1, tokens), 1)
+def _per_token(cpu_s: float, tokens: int) -> float | None:
+    """Microseconds of ``cpu_s`` per token; None for no token (a run whose every client went away first)."""
+    return round(cpu_s * 1e6 / tokens, 1) if tokens > 0 else None

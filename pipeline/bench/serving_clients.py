@@ -113,11 +113,11 @@ async def http_results(url: str, workload: ServingWorkload, *, concurrency: int,
     return results, duration, model
 
 
-async def fetch_model_card(url: str, api_key: str | None) -> dict:
+async def fetch_model_card(url: str, api_key: str | None, on_wait: Callable[[str], None] | None = None) -> dict:
     """The first model the server at ``url`` lists (Kiln's card also has the engine's ``vocab_size`` and
-    ``max_model_len``)."""
+    ``max_model_len``); ``on_wait`` is told once when the server is waited for."""
     async with _session(url, api_key, 1, 60.0) as session:
-        return await _model_card(session, url)
+        return await _model_card(session, url, on_wait=on_wait)
 
 
 async def count_prompt_tokens(url: str, api_key: str | None, model: str, prompts: set[str],
@@ -158,18 +158,29 @@ def _session(url: str, api_key: str | None, concurrency: int, timeout_s: float):
                                  timeout=aiohttp.ClientTimeout(total=timeout_s), read_bufsize=2**20)
 
 
-async def _model_card(session, url: str, ready_wait_s: float = READY_WAIT_S) -> dict:
-    """The served model's card; a server still loading its engine is waited for (up to ``ready_wait_s``)."""
+async def _model_card(session, url: str, ready_wait_s: float = READY_WAIT_S,
+                      on_wait: Callable[[str], None] | None = None) -> dict:
+    """The served model's card; a server still loading its engine, or not listening yet (`kiln serve &` building
+    it first), is waited for (up to ``ready_wait_s``, as vLLM's bench serve waits), ``on_wait`` told once."""
     aiohttp = _aiohttp()
     deadline = time.monotonic() + ready_wait_s
+    told = False
     try:
         while True:
-            async with session.get("/v1/models") as response:
-                loading = response.status == 503 and "loading" in await response.text()
-                if not loading or time.monotonic() >= deadline:
-                    response.raise_for_status()
-                    return (await response.json())["data"][0]
-                retry_after = float(response.headers.get("Retry-After", 1))
+            try:
+                async with session.get("/v1/models") as response:
+                    loading = response.status == 503 and "loading" in await response.text()
+                    if not loading or time.monotonic() >= deadline:
+                        response.raise_for_status()
+                        return (await response.json())["data"][0]
+                    retry_after, why = float(response.headers.get("Retry-After", 1)), "its engine is loading"
+            except aiohttp.ClientConnectorError:  # refused: nothing listens there yet
+                if time.monotonic() >= deadline:
+                    raise
+                retry_after, why = 1.0, "nothing answers there yet"
+            if on_wait is not None and not told:
+                told = True
+                on_wait(f"waiting for {url} ({why}), up to {ready_wait_s / 60:g} minutes")
             await asyncio.sleep(retry_after)  # with the connection given back
     except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, ValueError) as exc:
         why = "no answer in time" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
