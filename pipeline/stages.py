@@ -32,6 +32,7 @@ from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.plan import BuildPlan
 from kiln.runtime.tokenizer_files import partial_tokenizer_files
 from kiln.runtime.trtllm.engine_info import ENGINE_FORMAT as TRTLLM_ENGINE_FORMAT
+from kiln.runtime.trtllm.engine_info import ranks_not_loaded
 
 if TYPE_CHECKING:
     from kiln.engines.trtllm.options import TrtllmBuildOptions
@@ -541,11 +542,8 @@ class PublishStage:
 def not_loaded_here(ctx: BuildContext) -> str | None:
     """Why Kiln's runtime does not load the engine this build makes (a TensorRT-LLM engine of several ranks, which
     it builds for trtllm-serve), or None."""
-    build = ctx.config.build
-    if ctx.choice.backend == "trtllm" and build.tp_size * build.pp_size != 1:
-        return (f"a TensorRT-LLM engine of tp_size {build.tp_size} x pp_size {build.pp_size} is built here, not "
-                f"loaded: serve it with trtllm-serve")
-    return None
+    why = ranks_not_loaded(ctx.config.build.tp_size, ctx.config.build.pp_size)
+    return f"built here, not loaded: {why}" if ctx.choice.backend == "trtllm" and why else None
 
 
 class SmokeStage:

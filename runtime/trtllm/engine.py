@@ -30,7 +30,7 @@ from kiln.runtime.sequence import Sequence
 from kiln.runtime.stats import EngineStats
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, encode_prompt, request_detokenizer
 from kiln.runtime.tokenizer_files import tokenizer_eos_id
-from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo
+from kiln.runtime.trtllm.engine_info import TrtllmEngineInfo, ranks_not_loaded
 from kiln.runtime.trtllm.iteration_steps import IterationSteps
 from kiln.runtime.trtllm.toolchain import (
     TrtllmUnavailableError,
@@ -87,10 +87,8 @@ class TrtllmEngine:
         self.info = TrtllmEngineInfo.load(engine_dir)
         self.trtllm = import_executor_module()
         check_trtllm_fingerprint(self.info.fingerprint, trtllm_machine_fingerprint())
-        if self.info.tp_size * self.info.pp_size != 1:
-            raise TrtllmUnavailableError(f"{engine_dir}: a tp_size {self.info.tp_size} x pp_size {self.info.pp_size} "
-                                         f"engine needs one MPI process per GPU, which Kiln's adapter does not start; "
-                                         f"serve it with trtllm-serve, or build with tp_size 1 and pp_size 1")
+        if why := ranks_not_loaded(self.info.tp_size, self.info.pp_size):
+            raise TrtllmUnavailableError(f"{engine_dir}: {why}, or build with tp_size 1 and pp_size 1")
         self.tokenizer = Tokenizer.from_dir(engine_dir)
         self.limits = EngineLimits.from_plan(self.info.plan, vocab_size=self.info.vocab_size)  # no pool: the
         # executor sizes its KV pool itself

@@ -61,3 +61,12 @@ class TrtllmEngineInfo:
 def is_trtllm_engine(engine_dir: Path) -> bool:
     """Whether `engine_dir` is a Kiln TensorRT-LLM engine (has `kiln_trtllm.json`)."""
     return (Path(engine_dir) / TRTLLM_ENGINE_JSON).is_file()
+
+
+def ranks_not_loaded(tp_size: int, pp_size: int) -> str | None:
+    """Why Kiln's adapter does not load a TensorRT-LLM engine of ``tp_size`` x ``pp_size`` ranks (one MPI process
+    per GPU, which it does not start), or None for one rank."""
+    if tp_size * pp_size == 1:
+        return None
+    return (f"a tp_size {tp_size} x pp_size {pp_size} TensorRT-LLM engine needs one MPI process per GPU, which Kiln's "
+            f"adapter does not start: serve it with trtllm-serve")
